@@ -1,0 +1,236 @@
+"""``torchrun --nproc_per_node=N -m dist_eval [flags]``: flags -> config -> evaluate -> report.
+
+Every phase that can fail on one rank ends in an agreement (all ranks learn of the
+failure and exit non-zero together); rank 0 alone prints and writes the report.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import platform
+import sys
+import time
+from typing import Callable, List, Optional
+
+from dist_eval import distributed as D
+from dist_eval.config import EvalConfig, config_fields
+from dist_eval.errors import UsageError
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchrun --nproc_per_node=N -m dist_eval",
+        description=(
+            "Evaluate a classifier served by a Petals swarm (or locally), sharded over torchrun ranks, "
+            "exactly: every row counted once. With no --model/--data-files it runs the built-in demo "
+            "(a local swarm, a small prompt-tuned model, a synthetic 4-class task)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in config_fields():
+        flag = "--" + f.name.replace("_", "-")
+        kwargs = {"help": f.metadata["help"], "default": f.default}
+        if f.type in ("bool", bool):
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = {"int": int, "float": float, "Optional[int]": int}.get(str(f.type), str)
+            for key in ("nargs", "choices"):
+                if key in f.metadata:
+                    kwargs[key] = f.metadata[key]
+        parser.add_argument(flag, dest=f.name, **kwargs)
+    return parser
+
+
+def _env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _print_error(message: str) -> None:
+    # One line, on rank 0 only when the failure is shared by every rank.
+    print(f"dist_eval: error: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from dist_eval.compat import quiet_third_party_output
+
+    quiet_third_party_output()
+    args = build_parser().parse_args(argv)
+    try:
+        config = EvalConfig(**vars(args))
+    except UsageError as e:
+        # Every rank parsed the same flags and fails alike, before any collective.
+        if _env_rank() == 0:
+            _print_error(str(e))
+        return EXIT_USAGE
+    owns_group = False
+    try:
+        owns_group = D.init_process_group_from_env(config.dist_timeout)
+        return _run(config)
+    except D.RankFailure as e:
+        if D.get_rank() == 0 or not e.usage:
+            _print_error(str(e))
+        return EXIT_USAGE if e.usage else EXIT_FAILURE
+    except UsageError as e:
+        _print_error(str(e))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _print_error("interrupted")
+        return 130
+    finally:
+        if owns_group:
+            D.destroy_process_group()
+
+
+def _attempt(fn: Callable):
+    """(result, None) or (None, the exception): failures are shared, not raised alone."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
+        return None, e
+
+
+def _on_main_then_broadcast(phase: str, fn: Callable):
+    """Run ``fn`` on rank 0; every rank gets its result, or every rank raises."""
+    result, error = _attempt(fn) if D.is_main_process() else (None, None)
+    D.agree_on_failure(phase, error)
+    return D.broadcast_object(result)
+
+
+def _on_every_rank(phase: str, fn: Callable, main_first: bool = False):
+    """Run ``fn`` on every rank; with ``main_first``, rank 0 runs it before the others
+    (e.g. to fill the datasets cache they then read)."""
+    if not main_first:
+        result, error = _attempt(fn)
+        D.agree_on_failure(phase, error)
+        return result
+    result, error = _attempt(fn) if D.is_main_process() else (None, None)
+    D.agree_on_failure(phase, error)
+    if not D.is_main_process():
+        result, error = _attempt(fn)
+    D.agree_on_failure(phase, error)
+    return result
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for package in ("dist_eval", "torch", "transformers", "datasets", "petals", "hivemind"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def _run(config: EvalConfig) -> int:
+    started = time.perf_counter()
+    started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    world_size = D.get_world_size()
+    say = print if D.is_main_process() and not config.quiet else (lambda *a, **k: None)
+
+    def prepare():
+        from dist_eval.report import check_output_dir
+
+        check_output_dir(config.output_dir)
+        if not config.is_demo:
+            return None
+        from dist_eval.demo import demo_assets
+
+        return demo_assets(log=lambda line: say(line, flush=True))
+
+    demo = _on_main_then_broadcast("preparing the run", prepare)
+    model_dir, data_files = config.model, config.data_files
+    split, text_column, label_column, checkpoint = config.split, config.text_column, config.label_column, config.checkpoint
+    if demo is not None:
+        model_dir, data_files, split = demo.model_dir, [demo.data_dir], demo.split
+        text_column, label_column, checkpoint = demo.text_column, demo.label_column, demo.checkpoint
+
+    with contextlib.ExitStack() as cleanup:
+        initial_peers, dht_prefix = config.initial_peers, config.dht_prefix
+        if config.backend == "petals" and not initial_peers:
+
+            def start_swarm():
+                from dist_eval.swarm import LocalSwarm
+
+                say(f"dist_eval: starting a local swarm of {config.local_servers} server(s) for {model_dir} ...", flush=True)
+                swarm = LocalSwarm(model_dir, num_servers=config.local_servers, dht_prefix=dht_prefix)
+                cleanup.enter_context(swarm)  # stopped when the run ends, whatever happens
+                return swarm.initial_peers, swarm.dht_prefix
+
+            initial_peers, dht_prefix = _on_main_then_broadcast("starting the local swarm", start_swarm)
+
+        def load_data():
+            from dist_eval.data import load_split
+
+            return load_split(data_files, split)
+
+        # rank 0 first: it fills the datasets cache that the others then read
+        dataset = _on_every_rank("loading the data", load_data, main_first=True)
+
+        def load():
+            from transformers import AutoTokenizer
+
+            from dist_eval.backends import load_model
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            except Exception as e:
+                raise UsageError(
+                    f"--model {model_dir}: no usable tokenizer in the folder ({type(e).__name__}). "
+                    "Save the tokenizer there too (tokenizer.save_pretrained(folder))."
+                ) from e
+            loaded = load_model(
+                config.backend, model_dir, checkpoint=checkpoint, tuning_mode=config.tuning_mode,
+                pre_seq_len=config.pre_seq_len, num_labels=config.num_labels, initial_peers=initial_peers,
+                dht_prefix=dht_prefix, swarm_timeout=config.swarm_timeout,
+            )
+            return tokenizer, loaded
+
+        tokenizer, model = _on_every_rank("loading the model", load)
+        cleanup.callback(D.barrier)  # no rank's client is still talking when rank 0 stops the swarm
+        cleanup.callback(model.close)
+
+        from dist_eval.run import evaluate
+
+        say(f"dist_eval: evaluating {len(dataset)} rows on {world_size} rank(s) with the {config.backend} backend ...", flush=True)
+        result = evaluate(
+            model, dataset, tokenizer=tokenizer, text_column=text_column, text_pair_column=config.text_pair_column,
+            label_column=label_column, batch_size=config.batch_size, max_length=config.max_length,
+            return_logits=config.save_logits,
+        )
+        metrics = result.metrics
+        metrics["run"].update(
+            backend=config.backend,
+            model=os.path.abspath(model_dir),
+            data_files=[os.path.abspath(p) if os.path.exists(p) else p for p in data_files],
+            split=split,
+            checkpoint=os.path.abspath(checkpoint) if checkpoint else None,
+            demo=demo is not None,
+            batch_size=config.batch_size,
+            max_length=config.max_length,
+            initial_peers=list(initial_peers or []),
+            dht_prefix=dht_prefix,
+            started_at=started_at,
+            wall_seconds=time.perf_counter() - started,
+            versions=_versions(),
+        )
+
+        def write_report():
+            from dist_eval.report import format_summary, write_metrics, write_predictions
+
+            write_predictions(config.output_dir, result.predictions, metrics.get("label_names"), config.save_logits)
+            path = write_metrics(config.output_dir, metrics)
+            if config.quiet:
+                print(f"dist_eval: accuracy {metrics['accuracy']:.4f} on {metrics['num_samples']} samples -> {path}")
+            else:
+                print(format_summary(metrics))
+                print(f"  report: {path}, {os.path.join(config.output_dir, 'predictions.jsonl')}", flush=True)
+
+        _on_main_then_broadcast("writing the report", write_report)
+    return 0

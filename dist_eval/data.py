@@ -1,0 +1,220 @@
+"""Load a dataset split, check it, cut it into batches and shard the batches.
+
+Data flow: load (datasets) -> check columns and labels -> plan global batches ->
+DistributedSampler over batch ids -> tokenize this rank's rows -> right-pad.
+
+Why batches are sharded, not rows: a batch's composition (and so its padded length)
+is then the same whatever the world size, and every sample's logits are bitwise
+identical for N = 1, 2, 3, ... (row sharding would change which rows are padded
+together, and could change the last bits of the logits and loss with N).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DistributedSampler
+
+from dist_eval.errors import UsageError
+
+_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+def load_split(data: Sequence[str] | str, split: Optional[str] = None):
+    """A ``datasets.Dataset`` from local files, a ``save_to_disk`` folder or a hub name.
+
+    - files (csv/tsv/json/jsonl/parquet/arrow): the split is ``split`` or "train"
+      (``datasets`` names a split of loose files "train");
+    - a folder written by ``save_to_disk``: a Dataset, or a DatasetDict + ``split``;
+    - anything else is taken as a hub dataset name (needs network access).
+    """
+    import datasets
+
+    paths = [data] if isinstance(data, str) else list(data)
+    if not paths:
+        raise UsageError("--data-files: no file given. Pass a csv/json/jsonl/parquet file or a save_to_disk folder.")
+    first = paths[0]
+    if len(paths) == 1 and os.path.isdir(first):
+        return _load_from_disk(first, split)
+    existing = [p for p in paths if os.path.exists(p)]
+    looks_local = any(os.path.splitext(p)[1].lower() in _BUILDERS for p in paths) or existing
+    if looks_local:
+        missing = [p for p in paths if not os.path.isfile(p)]
+        if missing:
+            raise UsageError(f"--data-files: no such file {missing[0]!r}. Pass existing csv/json/jsonl/parquet files.")
+        exts = {os.path.splitext(p)[1].lower() for p in paths}
+        unknown = exts - set(_BUILDERS)
+        if unknown or len({_BUILDERS[e] for e in exts}) != 1:
+            raise UsageError(
+                f"--data-files: expected files of one format among {sorted(_BUILDERS)}, got extensions {sorted(exts)}."
+            )
+        builder = _BUILDERS[exts.pop()]
+        kwargs = {"delimiter": "\t"} if all(p.lower().endswith(".tsv") for p in paths) else {}
+        try:
+            return datasets.load_dataset(builder, data_files=paths, split=split or "train", **kwargs)
+        except ValueError as e:
+            if "split" in str(e).lower() or "Unknown split" in str(e):
+                raise UsageError(f"--split {split}: loose files form a single split named 'train'. Drop --split.") from e
+            raise UsageError(f"--data-files {first}: cannot be read as {builder} ({_short(e)}). Fix or replace the file.") from e
+        except Exception as e:  # pyarrow / json decode errors on a corrupt file
+            raise UsageError(f"--data-files {first}: cannot be read as {builder} ({_short(e)}). Fix or replace the file.") from e
+    try:
+        return datasets.load_dataset(first, split=split or "test")
+    except Exception as e:
+        raise UsageError(
+            f"--data-files {first}: not a local file or folder, and loading it as a hub dataset failed "
+            f"({_short(e)}). Pass a local file, or run where the hub is reachable."
+        ) from e
+
+
+def _short(error: Exception, limit: int = 200) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def _load_from_disk(path: str, split: Optional[str]):
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(path)
+    except Exception as e:
+        raise UsageError(
+            f"--data-files {path}: a folder, but not one written by Dataset.save_to_disk ({_short(e)})."
+        ) from e
+    if isinstance(loaded, datasets.DatasetDict):
+        if split is None:
+            raise UsageError(f"--split: {path} holds splits {sorted(loaded)}; pass --split NAME with one of them.")
+        if split not in loaded:
+            raise UsageError(f"--split {split}: not in {path}; it has {sorted(loaded)}.")
+        return loaded[split]
+    return loaded
+
+
+@dataclass
+class TaskColumns:
+    text: str
+    label: str
+    text_pair: Optional[str] = None
+
+
+def check_columns(dataset, columns: TaskColumns) -> None:
+    for flag, name in (("--text-column", columns.text), ("--label-column", columns.label), ("--text-pair-column", columns.text_pair)):
+        if name is not None and name not in dataset.column_names:
+            raise UsageError(f"{flag} {name}: no such column; the dataset has {dataset.column_names}. Pass one of those.")
+
+
+def label_names_of(dataset, label_column: str) -> Optional[List[str]]:
+    """Class names when the label column is a ``datasets.ClassLabel``."""
+    import datasets
+
+    feature = dataset.features.get(label_column)
+    return list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+
+
+def read_labels(dataset, label_column: str, num_labels: int) -> np.ndarray:
+    """All labels as int64, checked to lie in [0, num_labels)."""
+    # pyarrow -> numpy in one go (``dataset[col]`` is a lazy Column in datasets >= 4)
+    values = np.asarray(dataset.select_columns([label_column]).with_format("numpy")[label_column][:])
+    if values.size == 0:
+        raise UsageError("the evaluated split is empty: nothing to evaluate. Check --data-files and --split.")
+    if values.dtype.kind not in "iu":
+        if values.dtype.kind == "f" and np.all(np.isfinite(values)) and np.all(values == np.round(values)):
+            values = values.astype(np.int64)
+        else:
+            example = values[0]
+            raise UsageError(
+                f"--label-column {label_column}: expected integer class ids in [0, {num_labels}), got "
+                f"{values.dtype} values such as {example!r}. Map them to ids first (e.g. "
+                "dataset.class_encode_column), or use a ClassLabel column."
+            )
+    values = values.astype(np.int64)
+    bad = np.flatnonzero((values < 0) | (values >= num_labels))
+    if bad.size:
+        row = int(bad[0])
+        raise UsageError(
+            f"--label-column {label_column}: row {row} has label {values[row]}, outside [0, {num_labels}) "
+            f"({bad.size} such rows). Fix the data, or pass the checkpoint/--num-labels that match it."
+        )
+    return values
+
+
+def plan_batches(num_rows: int, batch_size: int) -> List[np.ndarray]:
+    """Global batches of consecutive row indices (the last one may be short)."""
+    return [np.arange(start, min(start + batch_size, num_rows), dtype=np.int64) for start in range(0, num_rows, batch_size)]
+
+
+class _Length:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def shard_batch_ids(num_batches: int, rank: int, world_size: int) -> List[int]:
+    """This rank's batch ids: a ``DistributedSampler`` shard without its padding.
+
+    DistributedSampler (drop_last=False) pads the id list to a multiple of the world
+    size by repeating ids from its start; the padding lands at the end of each rank's
+    shard. Those repeats are dropped here, before anything runs or is counted. A rank
+    may get no batch at all (fewer batches than ranks); it still joins every collective.
+    """
+    if num_batches == 0:
+        return []
+    sampler = DistributedSampler(_Length(num_batches), num_replicas=world_size, rank=rank, shuffle=False, drop_last=False)
+    padded_shard = list(sampler)
+    # Position of shard element k in the padded list is rank + k * world_size.
+    num_real = len(range(rank, num_batches, world_size))
+    return padded_shard[:num_real]
+
+
+def tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, max_length: int, pad_token_id: int):
+    """Token ids of ``rows`` (lists, unpadded), and how many were truncated to max_length."""
+    subset = dataset.select(rows.tolist()) if len(rows) else None
+    if subset is None:
+        return [], 0
+    texts = list(subset[columns.text])
+    pairs = list(subset[columns.text_pair]) if columns.text_pair else None
+    for flag, name, values in (("--text-column", columns.text, texts), ("--text-pair-column", columns.text_pair, pairs)):
+        if values is None:
+            continue
+        for offset, value in enumerate(values):
+            if not isinstance(value, str):
+                raise UsageError(
+                    f"{flag} {name}: row {int(rows[offset])} holds {type(value).__name__} {value!r}, expected text. "
+                    "Fix the data or pick the text column."
+                )
+    encoded = tokenizer(texts, pairs, truncation=False, add_special_tokens=True)["input_ids"]
+    num_truncated = 0
+    out = []
+    for offset, ids in enumerate(encoded):
+        if len(ids) > max_length:
+            ids = ids[:max_length]
+            num_truncated += 1
+        if not ids:
+            raise UsageError(
+                f"--text-column {columns.text}: row {int(rows[offset])} is empty after tokenization; the model "
+                "has no token to classify. Drop empty rows from the data."
+            )
+        if pad_token_id in ids:
+            raise UsageError(
+                f"--model: row {int(rows[offset])} contains the pad token id {pad_token_id} inside its text; with "
+                "right padding and no attention mask the model would classify the wrong position. Use a tokenizer "
+                "whose pad token never occurs in text (set pad_token_id in config.json)."
+            )
+        out.append(ids)
+    return out, num_truncated
+
+
+def right_pad(sequences: List[List[int]], pad_token_id: int) -> torch.Tensor:
+    """[batch, longest] int64, padded on the right. No attention mask is built: the
+    petals client refuses any mask that is not all ones, and causal attention means
+    pads after a sequence do not change its earlier positions."""
+    longest = max(len(s) for s in sequences)
+    batch = torch.full((len(sequences), longest), pad_token_id, dtype=torch.long)
+    for i, ids in enumerate(sequences):
+        batch[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return batch

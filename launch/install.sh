@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv/ at the repository root with a working Petals stack.
+#
+#   ./launch/install.sh            # idempotent: returns at once when .venv is complete
+#   DIST_EVAL_PYTHON=python3.11 ./launch/install.sh
+#   DIST_EVAL_TORCH="torch==2.13.0" ./launch/install.sh   # torch spec for a fresh venv
+#
+# Why not `pip install petals`: petals 2.2.0.post1 pins hivemind==1.1.10.post2, whose
+# sdist downloads the p2pd binary at build time (fails offline / air-gapped) and
+# pydantic<2. hivemind 1.1.12 ships p2pd in its wheel and works; dist_eval/compat.py
+# bridges the API differences. So petals goes in with --no-deps, after its real needs.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${DIST_EVAL_VENV:-$ROOT/.venv}"
+PYTHON="${DIST_EVAL_PYTHON:-python3}"
+TORCH_SPEC="${DIST_EVAL_TORCH:-torch==2.13.0}"
+STAMP="$VENV/.dist_eval_installed"
+# The stamp holds a hash of what was installed; a change of this script or of
+# pyproject.toml re-runs the install.
+WANT="$(cat "$ROOT/launch/install.sh" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && "$VENV/bin/python" -c "import dist_eval" 2>/dev/null; then
+  exit 0
+fi
+
+echo "[install] setting up $VENV (a few minutes on first run)" >&2
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+
+# 1. torch first, on its own, so nothing later pulls a multi-GB CUDA build.
+#    A torch already in the venv (e.g. a CUDA build on a GPU cluster) is kept.
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  "${PIP[@]}" "$TORCH_SPEC"
+fi
+
+# 2. petals' real run-time needs (its own metadata pins are stale) + ours.
+"${PIP[@]}" \
+  "hivemind==1.1.12" "pydantic>=2" \
+  "transformers>=4.32,<4.35" "huggingface-hub>=0.23,<1.0" "tokenizers<0.14" \
+  accelerate "peft==0.5.0" "tensor_parallel==1.0.23" "speedtest-cli==2.1.3" \
+  humanfriendly async-timeout sentencepiece safetensors Dijkstar cpufeature \
+  datasets numpy scikit-learn pytest
+
+# 3. petals itself and bitsandbytes (imported by the server; CPU works unquantized).
+"${PIP[@]}" --no-deps "petals==2.2.0.post1" "bitsandbytes==0.41.1"
+
+# 4. this project, editable, without re-resolving anything.
+"${PIP[@]}" --no-deps -e "$ROOT"
+
+echo "$WANT" > "$STAMP"
+echo "[install] done: $VENV" >&2

@@ -1,0 +1,92 @@
+"""Shared fixtures: a tiny Llama classifier (model folder + tokenizer + checkpoint) and
+small datasets, generated deterministically in a temp folder (nothing downloaded)."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = [f"w{i}" for i in range(60)]
+
+
+def build_tiny_model(folder: str, seed: int = 0, num_layers: int = 4) -> str:
+    """A random tiny LlamaForCausalLM + word-level tokenizer, saved like a real model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>").save_pretrained(folder)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+        num_attention_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_checkpoint(path: str, hidden: int = 32, num_labels: int = 3, tuning_mode="ptune", pre_seq_len=3, num_layers=4, seed=1) -> str:
+    from dist_eval.checkpoint import save_checkpoint
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"score.weight": torch.randn(num_labels, hidden, generator=g)}
+    if tuning_mode:
+        tensors["prompt_embeddings.weight"] = torch.randn(pre_seq_len, hidden, generator=g)
+    if tuning_mode == "deep_ptune":
+        tensors["intermediate_prompt_embeddings.weight"] = 0.1 * torch.randn(pre_seq_len, num_layers * hidden, generator=g)
+    save_checkpoint(path, tuning_mode, tensors)
+    return path
+
+
+def write_csv(path: str, num_rows: int, num_labels: int = 3, seed: int = 0, max_words: int = 20) -> str:
+    """Rows of 1..max_words random words and integer labels (label 2 rare, for class imbalance)."""
+    r = random.Random(seed)
+    with open(path, "w") as f:
+        f.write("text,label\n")
+        for _ in range(num_rows):
+            text = " ".join(r.choice(WORDS) for _ in range(r.randint(1, max_words)))
+            f.write(f"{text},{r.choice([0, 0, 1, 1, 2][: max(2, num_labels + 2)]) % num_labels}\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    return build_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "ptune.pt"))
+
+
+def run_cli(args, nproc: int = 1, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=nproc -m dist_eval args`` (or plain python for nproc=0)."""
+    if nproc == 0:
+        cmd = [sys.executable, "-m", "dist_eval", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), "-m", "dist_eval", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_jsonl(path: str):
+    import json
+
+    with open(path) as f:
+        return [json.loads(line) for line in f]

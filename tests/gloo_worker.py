@@ -1,0 +1,71 @@
+"""Worker for test_multiprocess.py, run under torchrun (or plain python for one process).
+
+It plays a training loop that owns its process group: it initialises gloo itself, then
+calls dist_eval.evaluate() repeatedly (several dataset sizes and batch sizes), through
+both the Dataset path and the DataLoader + DistributedSampler path. Rank 0 saves what
+it got; every rank checks it received the same metrics."""
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def main(model_dir, checkpoint, csv_path, out_dir):
+    import datasets
+    from transformers import AutoTokenizer
+
+    from dist_eval import evaluate, load_model
+    from dist_eval.data import right_pad
+
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")  # the caller's group, not dist_eval's
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    model = load_model("local", model_dir, checkpoint=checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    full = datasets.load_dataset("csv", data_files=csv_path, split="train")
+    user_metrics = {"num_predicted_0": lambda labels, preds, logits: int((preds == 0).sum()),
+                    "mean_max_logit": lambda labels, preds, logits: float(logits.max(axis=1).mean())}
+    sample_metrics = {"correct_margin": lambda logits, labels: logits[np.arange(len(labels)), labels] - logits.max(axis=1)}
+    for size in (1, 2, 3, 5, 7, 100):
+        for batch_size in (1, 4, 16):
+            data = full.select(range(size))
+            result = evaluate(model, data, tokenizer=tokenizer, batch_size=batch_size, return_logits=True,
+                              metrics=user_metrics, sample_metrics=sample_metrics)
+            _save(out_dir, f"dataset_{size}_{batch_size}", result, rank)
+        # DataLoader path: a DistributedSampler that pads its last round with repeats
+        encoded = tokenizer(list(full.select(range(size))["text"]))["input_ids"]
+        labels = np.asarray(full.select(range(size))["label"])
+        items = [{"index": i, "ids": encoded[i], "label": int(labels[i])} for i in range(size)]
+        sampler = torch.utils.data.DistributedSampler(items, shuffle=False) if dist.is_initialized() else None
+        loader = torch.utils.data.DataLoader(items, batch_size=3, sampler=sampler, collate_fn=lambda b: {
+            "index": torch.tensor([x["index"] for x in b]),
+            "input_ids": right_pad([x["ids"] for x in b], 0),
+            "labels": torch.tensor([x["label"] for x in b])})
+        result = evaluate(model, loader, return_logits=True)
+        _save(out_dir, f"loader_{size}", result, rank)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _save(out_dir, name, result, rank):
+    metrics = {k: v for k, v in result.metrics.items() if k != "run"}
+    everyone = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, metrics)
+    else:
+        everyone = [metrics]
+    if rank == 0:
+        p = result.predictions
+        np.savez(os.path.join(out_dir, name + ".npz"), indices=p.indices, labels=p.labels, preds=p.preds, logits=p.logits)
+        with open(os.path.join(out_dir, name + ".json"), "w") as f:
+            json.dump({"metrics": metrics, "same_on_all_ranks": all(m == metrics for m in everyone),
+                       "run": result.metrics["run"]}, f)
+    else:
+        assert result.predictions is None, "per-sample arrays must live on rank 0 only"
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])

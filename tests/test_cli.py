@@ -1,0 +1,155 @@
+"""The CLI under real torchrun with the local backend: outputs, exactness across N,
+and the error cases (one clear line, non-zero exit on every rank, no hang)."""
+import json
+import os
+import re
+import time
+
+import pytest
+
+from conftest import build_checkpoint, read_jsonl, run_cli, write_csv
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def data_csv(tmp_path_factory):
+    return write_csv(str(tmp_path_factory.mktemp("cli") / "data.csv"), 23, seed=5)
+
+
+def local_args(model, checkpoint, data, out, *extra):
+    return ["--model", model, "--data-files", data, "--backend", "local", "--checkpoint", checkpoint,
+            "--output-dir", str(out), "--batch-size", "4", *extra]
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tiny_model, tiny_checkpoint, data_csv, tmp_path_factory):
+    out = {}
+    for nproc in (1, 2, 3):
+        folder = tmp_path_factory.mktemp(f"cli_n{nproc}")
+        proc = run_cli(local_args(tiny_model, tiny_checkpoint, data_csv, folder, "--save-logits"), nproc=nproc)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[nproc] = (folder, proc)
+    return out
+
+
+def test_outputs_are_complete(cli_runs):
+    folder, proc = cli_runs[2]
+    metrics = json.load(open(folder / "metrics.json"))
+    for key in ("num_samples", "accuracy", "precision_macro", "recall_macro", "f1_macro", "f1_micro",
+                "f1_weighted", "loss", "confusion_matrix", "per_class", "num_truncated"):
+        assert key in metrics, key
+    assert metrics["num_samples"] == 23
+    assert len(metrics["confusion_matrix"]) == 3 and all(len(r) == 3 for r in metrics["confusion_matrix"])
+    assert sum(map(sum, metrics["confusion_matrix"])) == 23
+    assert set(metrics["per_class"]["0"]) >= {"precision", "recall", "f1", "support"}
+    run = metrics["run"]
+    assert run["world_size"] == 2 and sum(run["per_rank_samples"]) == 23
+    for key in ("model", "data_files", "wall_seconds", "samples_per_second", "versions", "backend"):
+        assert key in run, key
+    assert run["versions"]["torch"] and run["versions"]["transformers"]
+    rows = read_jsonl(folder / "predictions.jsonl")
+    assert [r["index"] for r in rows] == list(range(23))
+    assert all(len(r["logits"]) == 3 and r["pred"] == max(range(3), key=lambda k: r["logits"][k]) for r in rows)
+    # the labels are the file's labels, row by row
+    with open(run["data_files"][0]) as f:
+        file_labels = [int(line.rsplit(",", 1)[1]) for line in f.read().splitlines()[1:]]
+    assert [r["label"] for r in rows] == file_labels
+    assert "accuracy" in proc.stdout and "confusion matrix" in proc.stdout  # rank 0's summary
+    assert proc.stdout.count("accuracy ") == 1  # printed once, by rank 0 only
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_predictions_identical_for_any_nproc(cli_runs, nproc):
+    single = read_jsonl(cli_runs[1][0] / "predictions.jsonl")
+    multi = read_jsonl(cli_runs[nproc][0] / "predictions.jsonl")
+    assert multi == single  # labels, preds and logits
+    m1 = json.load(open(cli_runs[1][0] / "metrics.json"))
+    mn = json.load(open(cli_runs[nproc][0] / "metrics.json"))
+    assert {k: v for k, v in mn.items() if k != "run"} == {k: v for k, v in m1.items() if k != "run"}
+
+
+def assert_clean_failure(proc, pattern, nproc=2, max_seconds=None, started=None):
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("dist_eval: error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert re.search(pattern, errors[0]), errors[0]
+    assert "Traceback" not in proc.stderr.split("dist_eval: error:")[0]  # none of ours before it
+    if nproc > 1:
+        # every rank exited non-zero: with the usage code, or torchrun's SIGTERM (-15) when
+        # another rank's exit reached torchrun first (it then stops the rest of the group)
+        codes = re.findall(r"exitcode\s*: (-?\d+) ", proc.stderr)
+        assert len(codes) == nproc and set(codes) <= {"2", "-15"} and "2" in codes, proc.stderr[-3000:]
+    if max_seconds is not None:
+        assert time.monotonic() - started < max_seconds
+
+
+def test_missing_column(tiny_model, tiny_checkpoint, data_csv, tmp_path):
+    proc = run_cli(local_args(tiny_model, tiny_checkpoint, data_csv, tmp_path, "--text-column", "sentence"), nproc=2)
+    assert_clean_failure(proc, r"--text-column sentence: no such column; the dataset has \['text', 'label'\]")
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_label_out_of_range(tiny_model, tiny_checkpoint, tmp_path):
+    data = tmp_path / "bad.csv"
+    data.write_text("text,label\nw1 w2,0\nw3,1\nw4 w5,7\n")
+    proc = run_cli(local_args(tiny_model, tiny_checkpoint, str(data), tmp_path / "out"), nproc=2)
+    assert_clean_failure(proc, r"--label-column label: row 2 has label 7, outside \[0, 3\)")
+
+
+def test_missing_data_file(tiny_model, tiny_checkpoint, tmp_path):
+    proc = run_cli(local_args(tiny_model, tiny_checkpoint, str(tmp_path / "nope.csv"), tmp_path / "out"), nproc=2)
+    assert_clean_failure(proc, r"--data-files: no such file .*nope\.csv")
+
+
+def test_corrupt_data_file(tiny_model, tiny_checkpoint, tmp_path):
+    data = tmp_path / "broken.parquet"
+    data.write_bytes(b"PAR1 this is not parquet at all" * 10)
+    proc = run_cli(local_args(tiny_model, tiny_checkpoint, str(data), tmp_path / "out"), nproc=2)
+    assert_clean_failure(proc, r"--data-files .*broken\.parquet: cannot be read as parquet")
+
+
+def test_unanswered_initial_peers_fail_fast(tiny_model, tiny_checkpoint, data_csv, tmp_path):
+    started = time.monotonic()
+    proc = run_cli(["--model", tiny_model, "--data-files", data_csv, "--checkpoint", tiny_checkpoint,
+                    "--output-dir", str(tmp_path), "--initial-peers",
+                    "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDA7N9X7VLQrcdrk2ozrFjzVngzs7LggiY8c5nUnNMpeR",
+                    "--dht-prefix", "nobody"], nproc=2, timeout=120)
+    assert_clean_failure(proc, r"--initial-peers .*: no swarm answered", max_seconds=60, started=started)
+
+
+def test_refuses_a_random_head(tiny_model, data_csv, tmp_path):
+    proc = run_cli(["--model", tiny_model, "--data-files", data_csv, "--backend", "local", "--output-dir", str(tmp_path)], nproc=2)
+    assert_clean_failure(proc, r"no classifier head .* initialised at random")
+
+
+def test_refuses_a_checkpoint_for_another_model(tiny_model, data_csv, tmp_path):
+    other = build_checkpoint(str(tmp_path / "big.pt"), hidden=48)
+    proc = run_cli(local_args(tiny_model, other, data_csv, tmp_path / "out"), nproc=2)
+    assert_clean_failure(proc, r"shape \[3, 48\], expected \[3, 32\]")
+
+
+@pytest.mark.parametrize("flags,pattern", [
+    (["--pre-seq-len", "4"], r"--pre-seq-len 4: needs --tuning-mode"),
+    (["--batch-size", "0"], r"--batch-size 0: expected a positive integer"),
+    (["--max-length", "-3"], r"--max-length -3: expected a positive integer"),
+])
+def test_bad_flags(tiny_model, tiny_checkpoint, data_csv, tmp_path, flags, pattern):
+    proc = run_cli(local_args(tiny_model, tiny_checkpoint, data_csv, tmp_path, *flags), nproc=2)
+    assert_clean_failure(proc, pattern)
+
+
+def test_unwritable_output_dir(tiny_model, tiny_checkpoint, data_csv, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = run_cli(local_args(tiny_model, tiny_checkpoint, data_csv, blocker / "out"), nproc=2)
+    assert_clean_failure(proc, r"--output-dir .*: not writable")
+
+
+def test_truncation_is_counted(tiny_model, tiny_checkpoint, data_csv, tmp_path):
+    proc = run_cli(local_args(tiny_model, tiny_checkpoint, data_csv, tmp_path, "--max-length", "5"), nproc=1)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(data_csv) as f:
+        expected = sum(len(line.rsplit(",", 1)[0].split()) > 5 for line in f.read().splitlines()[1:])
+    assert expected > 0
+    assert json.load(open(tmp_path / "metrics.json"))["num_truncated"] == expected

@@ -1,0 +1,71 @@
+"""Sharding and merging, no processes: every row lands on exactly one rank, and the
+merge de-duplicates and checks coverage, for N = 1..4 and awkward sizes."""
+import numpy as np
+import pytest
+from torch.utils.data import DistributedSampler
+
+from dist_eval.data import plan_batches, shard_batch_ids
+from dist_eval.results import CoverageError, merge_gathered
+
+SIZES = [1, 2, 3, 5, 7, 100]
+
+
+def payload(rows, labels=None):
+    rows = np.asarray(rows, dtype=np.int64)
+    labels = rows % 3 if labels is None else np.asarray(labels)
+    return {"indices": rows, "labels": labels, "preds": (rows * 7) % 3, "losses": rows * 0.5, "logits": None, "sample_values": {}}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_rows", SIZES)
+@pytest.mark.parametrize("batch_size", [1, 2, 16])
+def test_shards_cover_every_row_once(world, num_rows, batch_size):
+    batches = plan_batches(num_rows, batch_size)
+    shards = [shard_batch_ids(len(batches), r, world) for r in range(world)]
+    rows = np.concatenate([batches[b] for shard in shards for b in shard])
+    assert sorted(rows.tolist()) == list(range(num_rows))
+    # shards are DistributedSampler's (no padding): sizes differ by at most one batch
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    for r, shard in enumerate(shards):
+        padded = list(DistributedSampler(range(len(batches)), num_replicas=world, rank=r, shuffle=False))
+        assert padded[: len(shard)] == shard
+    merged = merge_gathered([payload(np.concatenate([batches[b] for b in s]) if s else []) for s in shards], num_rows)
+    assert merged.indices.tolist() == list(range(num_rows))
+    assert merged.num_duplicates_dropped == 0
+
+
+def test_more_ranks_than_batches_leaves_ranks_empty():
+    assert [shard_batch_ids(1, r, 4) for r in range(4)] == [[0], [], [], []]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("num_rows", SIZES)
+def test_merge_drops_distributed_sampler_padding(world, num_rows):
+    # What a user DataLoader with DistributedSampler(drop_last=False) yields: padded repeats
+    per_rank = [list(DistributedSampler(range(num_rows), num_replicas=world, rank=r, shuffle=False)) for r in range(world)]
+    total = sum(map(len, per_rank))
+    merged = merge_gathered([payload(rows) for rows in per_rank], num_rows)
+    assert merged.indices.tolist() == list(range(num_rows))
+    assert merged.num_duplicates_dropped == total - num_rows
+    assert merged.losses.tolist() == [i * 0.5 for i in range(num_rows)]  # each row's own values, once
+
+
+def test_merge_orders_by_index():
+    merged = merge_gathered([payload([4, 0, 2]), payload([1, 3])], 5)
+    assert merged.indices.tolist() == [0, 1, 2, 3, 4]
+    assert merged.preds.tolist() == [(i * 7) % 3 for i in range(5)]
+
+
+def test_merge_reports_missing_rows():
+    with pytest.raises(CoverageError, match=r"4 distinct rows, expected 6: 2 missing \(first \[1, 5\]\)"):
+        merge_gathered([payload([0, 2]), payload([3, 4])], 6)
+
+
+def test_merge_reports_rows_outside_the_split():
+    with pytest.raises(CoverageError, match="1 outside the split"):
+        merge_gathered([payload([0, 1, 2, 9])], 3)
+
+
+def test_merge_refuses_duplicates_that_disagree():
+    with pytest.raises(CoverageError, match="different labels"):
+        merge_gathered([payload([0, 1], labels=[0, 1]), payload([1], labels=[2])], 2)
