@@ -90,3 +90,49 @@ def read_jsonl(path: str):
 
     with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+def processes_in_group_of(pids):
+    """pids (from /proc) whose process group is one of ``pids``'s groups."""
+    groups = set()
+    for pid in pids:
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            pass
+    return [p for p in all_pids() if _pgid(p) in groups]
+
+
+def all_pids():
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+
+
+def _pgid(pid):
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def swarm_server_pids():
+    """Live processes running dist_eval's swarm server entry point."""
+    out = []
+    for pid in all_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"dist_eval._server" in cmd:
+            out.append(pid)
+    return out
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory) -> str:
+    """The built-in demo assets, built once per test session in a temp cache."""
+    from dist_eval.demo import demo_assets
+
+    cache = str(tmp_path_factory.mktemp("demo_cache"))
+    demo_assets(cache, log=lambda line: None)
+    return cache

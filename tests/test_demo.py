@@ -1,0 +1,230 @@
+"""The built-in demo assets (dist_eval.demo): built for real, once, by two concurrent processes.
+
+Nothing is mocked: the fixture starts two Python processes that call ``demo_assets`` on the
+same empty cache at the same time (as two torchrun ranks do); one must build, the other
+must wait and then read the finished folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dist_eval import demo
+from dist_eval.demo import DEMO_VERSION, DemoAssets, demo_assets, default_cache_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_WORKER = """
+import json, sys
+from dataclasses import asdict
+from dist_eval.demo import demo_assets
+assets = demo_assets(sys.argv[1], log=lambda line: print("LOG", line, flush=True))
+print("ASSETS", json.dumps(asdict(assets)), flush=True)
+"""
+_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("demo_cache"))
+    env = {**os.environ, **_OFFLINE, "PYTHONWARNINGS": "ignore"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WORKER, cache], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"demo_assets failed:\n{out}\n{err[-3000:]}"
+        outputs.append(out)
+    returned = []
+    for out in outputs:
+        line = [line for line in out.splitlines() if line.startswith("ASSETS ")][-1]
+        fields = json.loads(line[len("ASSETS "):])
+        fields["label_names"] = tuple(fields["label_names"])
+        returned.append(DemoAssets(**fields))
+    return cache, outputs, returned
+
+
+@pytest.fixture(scope="module")
+def assets(built) -> DemoAssets:
+    return built[2][0]
+
+
+@pytest.fixture(scope="module")
+def manifest(assets):
+    with open(os.path.join(os.path.dirname(assets.model_dir), "manifest.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def dataset(assets):
+    import datasets
+
+    return datasets.load_from_disk(assets.data_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(assets):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(assets.model_dir, local_files_only=True)
+
+
+def test_concurrent_callers_build_once_and_agree(built):
+    cache, outputs, returned = built
+    builders = [out for out in outputs if "LOG building built-in demo assets" in out]
+    assert len(builders) == 1, outputs
+    assert returned[0] == returned[1]
+    final = os.path.join(cache, f"demo-v{DEMO_VERSION}")
+    assert returned[0].model_dir == os.path.join(final, "model")
+    # Only the finished folder and the lock file are left: no temporary build folder.
+    assert sorted(os.listdir(cache)) == sorted([f"demo-v{DEMO_VERSION}", f"demo-v{DEMO_VERSION}.lock"])
+    # The builder logged a few short lines, without progress bars, ending with accuracy and time.
+    log_lines = [line for line in builders[0].splitlines() if line.startswith("LOG ")]
+    assert 2 <= len(log_lines) <= 8 and all(len(line) < 160 for line in log_lines)
+    assert any("test accuracy" in line and "built in" in line for line in log_lines)
+    assert "\r" not in builders[0]
+
+
+def test_manifest(assets, manifest):
+    assert manifest["demo_version"] == DEMO_VERSION
+    assert manifest["num_labels"] == assets.num_labels == len(assets.label_names)
+    assert tuple(manifest["label_names"]) == assets.label_names
+    assert manifest["tuning_mode"] == assets.tuning_mode == "ptune"
+    assert manifest["pre_seq_len"] == assets.pre_seq_len > 0
+    assert manifest["accuracy"]["test"] > 0.90
+    assert 0 < manifest["build_seconds"] < 120  # the hard limit on a 2-core CPU
+
+
+def test_dataset(assets, dataset):
+    import datasets
+
+    assert isinstance(dataset, datasets.DatasetDict)
+    assert {"train", "test"} <= set(dataset)
+    assert assets.split == "test"
+    for split in ("train", "test"):
+        part = dataset[split]
+        assert part.column_names == [assets.text_column, assets.label_column]
+        feature = part.features[assets.label_column]
+        assert isinstance(feature, datasets.ClassLabel)
+        assert tuple(feature.names) == assets.label_names and len(feature.names) >= 3
+        labels = list(part[assets.label_column])
+        assert set(labels) == set(range(assets.num_labels))
+        assert min(labels.count(k) for k in range(assets.num_labels)) > len(labels) / (2 * assets.num_labels)
+        lengths = [len(text.split()) for text in list(part[assets.text_column])]
+        assert min(lengths) <= 8 and max(lengths) >= 30
+        assert len(set(lengths)) > 20
+    assert 2000 <= dataset["train"].num_rows <= 4000 and 500 <= dataset["test"].num_rows <= 1000
+    # Held out: generated separately, not copies of train rows (short ones may coincide by chance).
+    train_texts = set(list(dataset["train"][assets.text_column]))
+    overlap = sum(text in train_texts for text in dataset["test"][assets.text_column])
+    assert overlap < 0.01 * dataset["test"].num_rows
+
+
+def test_generation_is_deterministic(dataset):
+    texts, labels = demo.make_examples(dataset["train"].num_rows, demo.SEED)
+    assert (texts, labels) == demo.make_examples(dataset["train"].num_rows, demo.SEED)
+    # The saved split is exactly what the seed generates.
+    assert texts == list(dataset["train"]["text"]) and labels == list(dataset["train"]["label"])
+    assert demo.make_examples(dataset["train"].num_rows, demo.SEED + 7)[0] != texts
+
+
+def test_tokenizer_never_emits_pad_for_text(assets, dataset, tokenizer):
+    assert tokenizer.pad_token == "<pad>" and tokenizer.pad_token_id == 0
+    assert tokenizer.unk_token_id not in (None, 0)
+    texts = list(dataset["train"]["text"]) + list(dataset["test"]["text"])
+    encoded = tokenizer(texts)["input_ids"]
+    for text, ids in zip(texts, encoded):
+        assert 0 not in ids
+        assert len(ids) == len(text.split())  # one id per word, nothing added around the text
+        assert tokenizer.unk_token_id not in ids
+    # Unknown words and punctuation map to <unk>, never to the pad id.
+    odd = tokenizer("Zebras, quietly juggling 42 teacups!")["input_ids"]
+    assert odd and 0 not in odd and set(odd) == {tokenizer.unk_token_id}
+    assert tokenizer.decode(encoded[0]) == texts[0]
+
+
+def test_model_folder_is_a_causal_lm_without_head(assets, tokenizer):
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from dist_eval.checkpoint import load_checkpoint, model_dir_trainable_state
+
+    config = AutoConfig.from_pretrained(assets.model_dir)
+    assert config.model_type == "llama" and config.architectures == ["LlamaForCausalLM"]
+    assert config.pad_token_id == 0 and config.vocab_size == len(tokenizer)
+    assert config.hidden_size == 64 and config.num_hidden_layers == 4 and config.max_position_embeddings >= 128
+    with safe_open(os.path.join(assets.model_dir, "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    assert "model.layers.3.self_attn.q_proj.weight" in keys and "lm_head.weight" in keys
+    assert not any(key.endswith("score.weight") for key in keys)
+    assert model_dir_trainable_state(assets.model_dir) is None
+    state = load_checkpoint(assets.checkpoint)
+    assert state.tuning_mode == "ptune" and state.pre_seq_len == assets.pre_seq_len
+    assert state.num_labels == assets.num_labels
+    assert tuple(state.tensors["score.weight"].shape) == (assets.num_labels, config.hidden_size)
+    assert tuple(state.tensors["prompt_embeddings.weight"].shape) == (assets.pre_seq_len, config.hidden_size)
+
+
+def _right_pad(rows):
+    batch = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+    for i, ids in enumerate(rows):
+        batch[i, : len(ids)] = torch.tensor(ids)
+    return batch
+
+
+def test_local_model_accuracy_on_test_split(assets, dataset, tokenizer, manifest):
+    from dist_eval.backends import load_model
+
+    loaded = load_model("local", assets.model_dir, checkpoint=assets.checkpoint)
+    assert loaded.num_labels == assets.num_labels and loaded.pad_token_id == 0
+    test = dataset[assets.split]
+    ids = tokenizer(list(test[assets.text_column]))["input_ids"]
+    labels = torch.tensor(list(test[assets.label_column]))
+    predictions = []
+    with torch.no_grad():
+        for start in range(0, len(ids), 32):  # dataset order: batches mix short and long rows
+            predictions.append(loaded.module(_right_pad(ids[start : start + 32])).argmax(-1))
+        predictions = torch.cat(predictions)
+        accuracy = float((predictions == labels).float().mean())
+        assert accuracy > 0.90
+        assert abs(accuracy - manifest["accuracy"]["test"]) < 0.01
+        # Every class is predicted well, not just the majority.
+        for k in range(assets.num_labels):
+            assert float((predictions[labels == k] == k).float().mean()) > 0.8
+        # Right padding without attention mask: a row's logits do not depend on its batch-mates.
+        batch = loaded.module(_right_pad(ids[:8]))
+        for i in range(8):
+            alone = loaded.module(_right_pad([ids[i]]))[0]
+            torch.testing.assert_close(batch[i], alone, rtol=1e-4, atol=1e-5)
+
+
+def test_second_call_returns_cached_assets_fast(built, assets):
+    cache = built[0]
+    lines = []
+    started = time.perf_counter()
+    again = demo_assets(cache, log=lines.append)
+    elapsed = time.perf_counter() - started
+    assert again == assets
+    assert lines == []  # nothing rebuilt, nothing waited for
+    assert elapsed < 2.0
+
+
+def test_incomplete_folder_is_not_taken_for_assets(tmp_path):
+    partial = tmp_path / f"demo-v{DEMO_VERSION}"
+    (partial / "model").mkdir(parents=True)
+    (partial / "data").mkdir()
+    assert demo._read_assets(str(partial)) is None  # no manifest: a build that did not finish
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("DIST_EVAL_CACHE", str(tmp_path / "c"))
+    assert default_cache_dir() == str(tmp_path / "c")
+    monkeypatch.delenv("DIST_EVAL_CACHE")
+    assert default_cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "dist_eval")

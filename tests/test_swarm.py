@@ -1,0 +1,377 @@
+"""dist_eval.swarm: a real local Petals swarm (real processes, no mocks).
+
+Tests that start servers are marked ``swarm``; they share one tiny Llama (4 blocks,
+hidden 64) and, where they can, one module-scoped swarm of 2 servers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_eval.swarm import LocalSwarm, SwarmError, plan_blocks
+
+ROOT = Path(__file__).resolve().parents[1]
+MADDR = re.compile(r"^/ip4/127\.0\.0\.1/tcp/(\d+)/p2p/12D3KooW[1-9A-HJ-NP-Za-km-z]+$")
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _procs_in_groups(pgids) -> dict:
+    """{pid: state} of every process (zombies included) whose process group is in pgids."""
+    pgids, found = set(pgids), {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                rest = Path(f"/proc/{entry}/stat").read_bytes().decode("utf-8", "replace").rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(rest[2]) in pgids:
+                found[int(entry)] = rest[0]
+    return found
+
+
+def _children(pid: int) -> dict:
+    """{child pid: cmdline} of the direct children of pid."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                rest = Path(f"/proc/{entry}/stat").read_bytes().decode("utf-8", "replace").rpartition(")")[2].split()
+                if int(rest[1]) == pid:
+                    out[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+    return out
+
+
+def _assert_groups_gone(pgids, grace: float = 3.0) -> None:
+    """No live process may be left at once; zombies get ``grace`` seconds to be reaped by init."""
+    live = {p: st for p, st in _procs_in_groups(pgids).items() if st != "Z"}
+    assert not live, f"processes of groups {sorted(pgids)} still alive: {live}"
+    end = time.monotonic() + grace
+    while _procs_in_groups(pgids) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not _procs_in_groups(pgids), f"unreaped processes of groups {sorted(pgids)}: {_procs_in_groups(pgids)}"
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen(1)
+            return True
+        except OSError:
+            return False
+
+
+def _kill_groups(pgids) -> None:
+    for g in pgids:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """One stdout line of proc, or '' if it exits or times out first."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    buf = b""
+    end = time.monotonic() + timeout
+    try:
+        while b"\n" not in buf and time.monotonic() < end:
+            if not sel.select(timeout=0.5):
+                if proc.poll() is not None:
+                    break
+                continue
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            buf += chunk
+    finally:
+        sel.close()
+    return buf.decode()
+
+
+def _make_model(path: Path) -> Path:
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, pad_token_id=0
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return _make_model(tmp_path_factory.mktemp("models") / "tiny.llama")
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model):
+    s = LocalSwarm(str(tiny_model), num_servers=2)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+        _kill_groups(s.pgids)  # belt and braces if stop itself failed
+
+
+# --------------------------------------------------------------------------- no servers
+
+
+def test_plan_blocks_default_puts_every_block_on_two_servers():
+    assert plan_blocks(4, 1) == [(0, 4)]
+    assert plan_blocks(4, 2) == [(0, 4), (0, 4)]
+    assert plan_blocks(4, 3) == [(0, 2), (2, 4), (0, 4)]
+    assert plan_blocks(4, 4) == [(0, 2), (2, 4), (0, 2), (2, 4)]
+    for blocks in (1, 2, 3, 5, 7, 32, 80):
+        for servers in range(2, 10):
+            plan = plan_blocks(blocks, servers)
+            assert len(plan) == servers
+            coverage = [sum(a <= b < e for a, e in plan) for b in range(blocks)]
+            assert min(coverage) >= 2, (blocks, servers, plan)
+            assert all(0 <= a < e <= blocks for a, e in plan)
+            assert max(e - a for a, e in plan) <= -(-blocks // ((servers) // 2))  # about 2L/K
+
+
+def test_plan_blocks_with_blocks_per_server():
+    assert plan_blocks(4, 2, blocks_per_server=2) == [(0, 2), (2, 4)]
+    assert plan_blocks(4, 2, blocks_per_server=3) == [(0, 3), (1, 4)]
+    assert plan_blocks(4, 3, blocks_per_server=9) == [(0, 4)] * 3
+    assert plan_blocks(10, 3, blocks_per_server=4) == [(0, 4), (3, 7), (6, 10)]
+    with pytest.raises(SwarmError, match="cannot cover"):
+        plan_blocks(10, 2, blocks_per_server=4)
+
+
+def test_bad_library_arguments(tmp_path, tiny_model):
+    with pytest.raises(SwarmError, match="no such folder"):
+        LocalSwarm(str(tmp_path / "missing"))
+    with pytest.raises(SwarmError, match="no config.json"):
+        LocalSwarm(str(tmp_path))
+    with pytest.raises(SwarmError, match="num_servers"):
+        LocalSwarm(str(tiny_model), num_servers=0)
+    with pytest.raises(SwarmError, match="dht_prefix"):
+        LocalSwarm(str(tiny_model), dht_prefix="a.b")
+    s = LocalSwarm(str(tiny_model), num_servers=3)
+    assert s.dht_prefix == "dist_eval-tiny_llama"  # sanitised folder name
+    assert s.num_blocks == 4 and s.initial_peers == []
+    s.stop()  # never started: a no-op, and idempotent
+    s.stop()
+
+
+def test_port_in_use_is_a_clear_error_and_starts_nothing(tiny_model):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        s = LocalSwarm(str(tiny_model), num_servers=1, port=port)
+        with pytest.raises(SwarmError, match=f"port {port} .*in use"):
+            s.start()
+        assert s.pgids == [] and not os.path.exists(s._workdir)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["/no/such/model"], "no such folder"),
+        (["{empty}"], "no config.json"),
+        (["{model}", "--servers", "0"], "num_servers"),
+        (["{model}", "--servers", "two"], "invalid int value"),
+        ([], "required"),
+    ],
+)
+def test_cli_bad_arguments_exit_2_with_one_line(tmp_path, args, message):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    argv = [a.format(empty=empty, model=model) for a in args]
+    r = subprocess.run(
+        [sys.executable, "-m", "dist_eval.swarm", *argv], capture_output=True, text=True, timeout=60, env=ENV, cwd=ROOT
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert message in lines[0] and "Traceback" not in r.stderr
+
+
+# --------------------------------------------------------------------------- real servers
+
+
+@pytest.mark.swarm
+def test_initial_peers_are_two_well_formed_addresses(swarm):
+    assert len(swarm.initial_peers) == 2
+    ports = [int(MADDR.match(a).group(1)) for a in swarm.initial_peers]
+    assert ports == swarm.ports and len(set(ports)) == 2
+    assert len({a.rsplit("/", 1)[1] for a in swarm.initial_peers}) == 2  # two peer ids
+    assert swarm.dht_prefix == "dist_eval-tiny_llama"
+    assert swarm.num_blocks == 4 and swarm.placement == [(0, 4), (0, 4)]
+    assert swarm.start_seconds < swarm.start_timeout
+    for pgid in swarm.pgids:  # a petals server is a dozen processes, all in its own group
+        assert len(_procs_in_groups([pgid])) > 5
+    swarm.check()  # every server alive
+    print(f"swarm of 2 started in {swarm.start_seconds:.1f} s")
+
+
+@pytest.mark.swarm
+def test_petals_client_forward_matches_local_model(swarm, tiny_model):
+    import torch
+    from transformers import LlamaForSequenceClassification
+
+    from dist_eval.compat import import_petals, shutdown_petals_model
+
+    import_petals()
+    from petals import DistributedLlamaForSequenceClassification
+
+    model = DistributedLlamaForSequenceClassification.from_pretrained(
+        str(tiny_model), initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix, num_labels=3,
+        request_timeout=30.0, max_retries=3, daemon_startup_timeout=30,
+    )  # fmt: skip
+    try:
+        torch.manual_seed(0)
+        input_ids = torch.randint(1, 100, (2, 8))
+        with torch.no_grad():
+            logits = model(input_ids=input_ids).logits
+        assert logits.shape == (2, 3) and torch.isfinite(logits).all()
+        local = LlamaForSequenceClassification.from_pretrained(str(tiny_model), num_labels=3)
+        local.score.weight.data.copy_(model.score.weight.data)
+        with torch.no_grad():
+            expected = local(input_ids=input_ids).logits
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+    finally:
+        shutdown_petals_model(model)
+
+
+@pytest.mark.swarm
+def test_stop_leaves_no_process_no_port_no_files(swarm):
+    pgids, ports, workdir = list(swarm.pgids), list(swarm.ports), swarm._workdir
+    sockets = set(swarm._sockets)
+    assert len(pgids) == 2 and os.path.isdir(workdir)
+    began = time.monotonic()
+    swarm.stop(timeout=15.0)
+    took = time.monotonic() - began
+    print(f"swarm of 2 stopped in {took:.1f} s")
+    assert took < 15.0
+    _assert_groups_gone(pgids)
+    assert all(_port_free(p) for p in ports), ports
+    assert not os.path.exists(workdir)  # private TMPDIR (pymp-*, torch shm) and logs
+    assert sockets and not any(os.path.exists(p) for p in sockets)  # /tmp/hivemind-*.sock
+    swarm.stop()  # idempotent
+
+
+@pytest.mark.swarm
+def test_server_that_exits_early_is_a_swarm_error_with_its_log(tiny_model, tmp_path):
+    s = LocalSwarm(str(tiny_model), num_servers=1, log_dir=str(tmp_path), extra_server_args=["--no_such_flag"])
+    try:
+        with pytest.raises(SwarmError) as info:
+            s.start()
+        message = str(info.value)
+        assert "\n" not in message
+        assert "server 0" in message and "exited with code" in message
+        assert "unrecognized arguments: --no_such_flag" in message  # the log's tail
+        assert (tmp_path / "server-0.log").is_file()
+        _assert_groups_gone(s.pgids)
+    finally:
+        s.stop()
+        _kill_groups(s.pgids)
+
+
+@pytest.mark.swarm
+def test_start_timeout_stops_everything(tiny_model, tmp_path):
+    s = LocalSwarm(str(tiny_model), num_servers=2, start_timeout=1.0, log_dir=str(tmp_path))
+    try:
+        with pytest.raises(SwarmError, match="not ready after 1 s"):
+            s.start()
+        assert s.pgids
+        _assert_groups_gone(s.pgids)
+        assert all(_port_free(p) for p in s.ports)
+    finally:
+        s.stop()
+        _kill_groups(s.pgids)
+
+
+@pytest.mark.swarm
+def test_cli_prints_initial_peers_and_stops_on_sigterm(tiny_model):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dist_eval.swarm", str(tiny_model), "--servers", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, cwd=ROOT,
+    )  # fmt: skip
+    groups = []
+    try:
+        line = _read_line(proc, timeout=150)
+        assert line.startswith("INITIAL_PEERS="), (line, proc.poll())
+        peers = line.strip().split("=", 1)[1].split(" ")
+        assert len(peers) == 2 and all(MADDR.match(p) for p in peers), peers
+        children = _children(proc.pid)
+        groups = [pid for pid, cmd in children.items() if "dist_eval._server" in cmd]
+        groups += [pid for pid in children if pid not in groups]  # the watchdog
+        assert len([pid for pid, cmd in children.items() if "dist_eval._server" in cmd]) == 2, children
+        assert all(os.getpgid(g) == g for g in groups)  # each its own group
+
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=15)
+        took = time.monotonic() - began
+        print(f"CLI stopped in {took:.1f} s")
+        assert proc.returncode == 0, err.decode()
+        assert out == b""  # INITIAL_PEERS was the only stdout line
+        err = err.decode()
+        assert "--dht-prefix dist_eval-tiny_llama" in err and "torchrun" in err and "Traceback" not in err
+        _assert_groups_gone(groups)
+        assert all(_port_free(int(MADDR.match(p).group(1))) for p in peers)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _kill_groups(groups)
+
+
+@pytest.mark.swarm
+def test_watchdog_stops_servers_when_owner_is_killed(tiny_model):
+    code = (
+        "import json, sys, time\n"
+        "from dist_eval.swarm import LocalSwarm\n"
+        "s = LocalSwarm(sys.argv[1], num_servers=1).start()\n"
+        "print(json.dumps({'pgids': s.pgids, 'ports': s.ports, 'workdir': s._workdir}), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code, str(tiny_model)], stdout=subprocess.PIPE, env=ENV, cwd=ROOT)
+    info = {}
+    try:
+        line = _read_line(owner, timeout=150)
+        info = json.loads(line)
+        assert _procs_in_groups(info["pgids"])
+        owner.kill()  # no atexit, no __exit__: only the watchdog can clean up
+        owner.wait()
+        end = time.monotonic() + 15
+        while any(st != "Z" for st in _procs_in_groups(info["pgids"]).values()) and time.monotonic() < end:
+            time.sleep(0.2)
+        _assert_groups_gone(info["pgids"])
+        assert all(_port_free(p) for p in info["ports"])
+        end = time.monotonic() + 5
+        while os.path.exists(info["workdir"]) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not os.path.exists(info["workdir"])
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        _kill_groups(info.get("pgids", []))
