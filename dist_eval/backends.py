@@ -13,6 +13,7 @@ random is refused: each rank would draw a different one and disagree silently.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -66,13 +67,14 @@ class PromptTunedLlamaClassifier(nn.Module):
         if tuning_mode == "deep_ptune":
             for layer_index, layer in enumerate(hf_model.model.layers):
                 self._hooks.append(layer.register_forward_pre_hook(self._make_deep_prompt_hook(layer_index), with_kwargs=True))
-        self._intermediate = None
+        # per thread: several batches may be in flight at once (--in-flight)
+        self._intermediate = threading.local()
 
     def _make_deep_prompt_hook(self, layer_index: int):
         def hook(module, args, kwargs):
             hidden_states = args[0] if args else kwargs["hidden_states"]
             hidden_states = hidden_states.clone()
-            prompt = self._intermediate[layer_index]
+            prompt = self._intermediate.value[layer_index]
             hidden_states[:, : prompt.shape[1]] += prompt
             if args:
                 return (hidden_states, *args[1:]), kwargs
@@ -91,11 +93,11 @@ class PromptTunedLlamaClassifier(nn.Module):
         if self.tuning_mode == "deep_ptune":
             inter = self.intermediate_prompt_embeddings.weight.unsqueeze(0).expand(batch_size, -1, -1)
             inter = inter.reshape(batch_size, self.pre_seq_len, config.num_hidden_layers, config.hidden_size)
-            self._intermediate = inter.permute([2, 0, 1, 3]).to(inputs_embeds.dtype)
+            self._intermediate.value = inter.permute([2, 0, 1, 3]).to(inputs_embeds.dtype)
         try:
             hidden = self.hf_model.model(inputs_embeds=inputs_embeds).last_hidden_state
         finally:
-            self._intermediate = None
+            self._intermediate.value = None
         hidden = hidden[:, self.pre_seq_len :]
         logits = self.hf_model.score(hidden)
         # Same pooling as transformers' LlamaForSequenceClassification: the token before
@@ -105,15 +107,46 @@ class PromptTunedLlamaClassifier(nn.Module):
 
 
 class PetalsClassifier(nn.Module):
-    """Adapter: ``DistributedLlamaForSequenceClassification`` -> logits."""
+    """Adapter: ``DistributedLlamaForSequenceClassification`` -> logits.
 
-    def __init__(self, inner):
+    The remote part of each forward (the blocks on the swarm) is retried for at most
+    ``swarm_timeout`` seconds from the start of its first failing attempt; then a
+    UsageError names the blocks whose every server kept failing (see
+    :func:`unserved_blocks`). petals alone would retry without a time bound (it
+    counts attempts, and re-adds a dead server's DHT record, which lives ~2 minutes).
+    """
+
+    def __init__(self, inner, swarm_timeout: float = 60.0):
         super().__init__()
         self.inner = inner
+        self.swarm_timeout = swarm_timeout
+        layers = inner.model.layers
+        remote_forward = layers.forward
+        # Instance attribute: nn.Module.__call__ then runs the bounded version.
+        layers.forward = lambda *args, **kwargs: self._bounded_remote(remote_forward, *args, **kwargs)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # No attention mask: the petals client rejects any mask that is not all ones.
         return self.inner(input_ids=input_ids).logits
+
+    def _bounded_remote(self, remote_forward, *args, **kwargs):
+        import time as _time
+
+        manager = self.inner.model.layers.sequence_manager
+        first_failure = None
+        while True:
+            attempt_started = _time.monotonic()
+            try:
+                return remote_forward(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - any swarm failure: retried until the deadline
+                if first_failure is None:
+                    first_failure = attempt_started  # petals' own retries inside count too
+                waited = _time.monotonic() - first_failure
+                if waited >= self.swarm_timeout:
+                    raise _swarm_failure(manager, self.swarm_timeout, waited, e) from e
+                # petals gave up after max_retries quick attempts; let its routing refresh
+                # (on_request_failure triggered one) before trying again
+                _time.sleep(min(1.0, self.swarm_timeout - waited))
 
 
 def _resolve_trainable(model_dir: str, checkpoint: Optional[str], tuning_mode, pre_seq_len, num_labels) -> TrainableState:
@@ -198,8 +231,11 @@ def load_model(
             "each sequence's last token. Set pad_token_id in config.json."
         )
     id2label = getattr(config, "id2label", None)
-    if id2label and len(id2label) != state.num_labels:
-        id2label = None  # transformers' default 2-label map, not this task's
+    if id2label and (
+        len(id2label) != state.num_labels
+        or all(str(id2label.get(i, id2label.get(str(i)))) == f"LABEL_{i}" for i in range(state.num_labels))
+    ):
+        id2label = None  # transformers' placeholder map (LABEL_0, ...), not this task's class names
     if backend == "local":
         module = _load_local(model_dir, state)
     elif backend == "petals":
@@ -226,16 +262,71 @@ def _load_local(model_dir: str, state: TrainableState) -> nn.Module:
     return model
 
 
-# Client settings: a failing server is routed around within seconds instead of the
-# defaults' minutes, and a request never waits without bound.
+# petals ClientConfig overrides (petals 2.2.0 defaults in brackets). Why each:
+# - update_period 10 s [60]: routing refresh; how soon new servers, and servers back from
+#   a ban, are used. A failed server leaves routing at once anyway (compat's patch).
+# - max_retries 3 [unbounded], min/max_backoff 0.5/2 s [1/60]: petals' attempts per
+#   remote call; a failed attempt reroutes around the failed server, so a few quick
+#   ones suffice. Longer outages are retried by PetalsClassifier until --swarm-timeout,
+#   which bounds a batch's wait in time (petals counts attempts, not seconds).
+# - ban_timeout 60 s [15]: a server that failed is not routed to again for 60 s
+#   (doubling on each new failure). A SIGKILLed server's DHT record outlives it by up to
+#   2 x its update period (120 s by default); with 15 s bans the client would go back to
+#   it every 15 s and pay a failed attempt each time. A block whose servers are all
+#   banned still uses them (petals ignores bans then), so a false ban never stops a run.
+# - request_timeout 60 s [180]: a server that accepts a request and never answers (hung)
+#   is given up after this; a forward of one batch takes far less on a working server.
+# - daemon_startup_timeout 30 s [60]: --initial-peers that nobody answers fail in 30 s.
 DEFAULT_CLIENT_OPTIONS = dict(
     show_route=False,
     daemon_startup_timeout=30,
     request_timeout=60.0,
     update_period=10.0,
-    max_backoff=5.0,
-    max_retries=10,
+    max_retries=3,
+    min_backoff=0.5,
+    max_backoff=2.0,
+    ban_timeout=60.0,
 )
+
+
+def unserved_blocks(manager) -> list:
+    """Blocks with no working server: none is listed for them in the last routing
+    refresh, or every server listed for them failed its latest request (the outcomes
+    that dist_eval.compat.patch_petals_client_failover records)."""
+    outcomes = dict(getattr(manager.state, "dist_eval_outcomes", None) or {})
+    failing = {peer for peer, (_, ok) in outcomes.items() if not ok}
+    info = manager.state.sequence_info
+    missing = []
+    for block in range(len(manager)):
+        # block_infos keeps every listed server; spans drop the ones a failure removed
+        servers = set(info.block_infos[block].servers) | {s.peer_id for s in info.spans_containing_block[block]}
+        if not servers or servers <= failing:
+            missing.append(block)
+    return missing
+
+
+def _swarm_failure(manager, swarm_timeout: float, waited: float, error: Exception) -> UsageError:
+    import re as _re
+
+    missing = unserved_blocks(manager)
+    if not missing:  # petals names them itself when no server is listed at all
+        match = _re.search(r"No servers holding blocks \[?([0-9, ]+)\]? are online", str(error))
+        if match:
+            missing = [int(b) for b in match.group(1).replace(",", " ").split()]
+    detail = " ".join(str(error).split())
+    if len(detail) > 200:
+        detail = detail[:200] + "..."
+    what = (
+        f"no working server for block(s) {missing} of {len(manager)}: every server holding them failed"
+        if missing
+        else "the swarm failed every attempt"
+    )
+    return UsageError(
+        f"--swarm-timeout {swarm_timeout:g}: {what} for {waited:.0f} s, so a batch could not be computed "
+        f"(last error: {type(error).__name__}: {detail}). Restart servers for those blocks (python -m "
+        "dist_eval.swarm, or petals' run_server), serve every block on 2+ servers to survive a failure, "
+        "or raise --swarm-timeout to wait longer."
+    )
 
 
 def wait_for_blocks(inner, timeout: float, dht_prefix: Optional[str]) -> None:
@@ -245,8 +336,14 @@ def wait_for_blocks(inner, timeout: float, dht_prefix: Optional[str]) -> None:
 
     manager = inner.model.layers.sequence_manager
     deadline = _time.monotonic() + timeout
+    # petals starts its routing thread lazily, on the first forward; update(wait=True)
+    # before that waits forever. Start it the way petals does, and never wait unbounded.
+    with manager._thread_start_lock:
+        if not manager.is_alive():
+            manager._thread.start()
     while True:
-        manager.update(wait=True)
+        manager.update(wait=False)
+        manager.ready.wait(timeout=max(0.1, min(10.0, deadline - _time.monotonic())))
         spans = manager.state.sequence_info.spans_containing_block
         missing = [i for i in range(len(manager)) if not spans[i]]
         if not missing:
@@ -266,10 +363,11 @@ def wait_for_blocks(inner, timeout: float, dht_prefix: Optional[str]) -> None:
 
 
 def _load_petals(model_dir, state, initial_peers, dht_prefix, client_options, swarm_timeout) -> nn.Module:
-    from dist_eval.compat import import_petals, quiet_hivemind_logs
+    from dist_eval.compat import import_petals, patch_petals_client_failover, quiet_hivemind_logs
 
     import_petals()
     quiet_hivemind_logs()
+    patch_petals_client_failover()
     from petals import DistributedLlamaForSequenceClassification
 
     if not initial_peers:
@@ -308,4 +406,4 @@ def _load_petals(model_dir, state, initial_peers, dht_prefix, client_options, sw
             inner.model.intermediate_prompt_embeddings.weight.copy_(
                 state.tensors["intermediate_prompt_embeddings.weight"]
             )
-    return PetalsClassifier(inner)
+    return PetalsClassifier(inner, swarm_timeout)

@@ -10,7 +10,9 @@ import contextlib
 import datetime
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 from typing import Callable, List, Optional
 
@@ -36,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         kwargs = {"help": f.metadata["help"], "default": f.default}
         if f.type in ("bool", bool):
-            kwargs["action"] = "store_true"
+            # a switch that is on by default also gets its --no-... form
+            kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
         else:
             kwargs["type"] = {"int": int, "float": float, "Optional[int]": int}.get(str(f.type), str)
             for key in ("nargs", "choices"):
@@ -68,6 +71,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             _print_error(str(e))
         return EXIT_USAGE
     owns_group = False
+    # torchrun stops the surviving ranks with SIGTERM when one fails; by default that kills
+    # Python on the spot, orphaning the petals client's DHT and p2pd children and (on rank
+    # 0) the local swarm. Turned into an exception, every cleanup below runs.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         owns_group = D.init_process_group_from_env(config.dist_timeout)
         return _run(config)
@@ -78,12 +86,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UsageError as e:
         _print_error(str(e))
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        _print_error("interrupted")
+    except KeyboardInterrupt as e:
+        _print_error(f"interrupted ({e or 'SIGINT'}); stopped cleanly, nothing reported")
         return 130
     finally:
         if owns_group:
             D.destroy_process_group()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM received (torchrun stopping this rank, or a job scheduler)."""
+
+
+def _raise_interrupt(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: do not interrupt the cleanup itself
+    raise Terminated(signal.Signals(signum).name)
 
 
 def _attempt(fn: Callable):
@@ -114,6 +131,34 @@ def _on_every_rank(phase: str, fn: Callable, main_first: bool = False):
         result, error = _attempt(fn)
     D.agree_on_failure(phase, error)
     return result
+
+
+def _resume_folder(config, model_dir, checkpoint, dataset, split, text_column, label_column, model, say) -> Optional[str]:
+    """Rank 0: the folder for this run's partial results, keyed by what decides them.
+
+    Partial results of another model, checkpoint, data or settings are never mixed in:
+    they are removed, and the run says so. With --no-resume everything stored is removed.
+    """
+    from dist_eval import partial
+
+    key = partial.run_key(model_dir, checkpoint, partial.data_fingerprint(dataset), {
+        "backend": config.backend, "split": split, "text": text_column, "text_pair": config.text_pair_column,
+        "label": label_column, "num_labels": model.num_labels, "tuning_mode": config.tuning_mode,
+        "pre_seq_len": config.pre_seq_len, "batch_size": config.batch_size, "max_length": config.max_length,
+        "length_buckets": config.length_buckets, "max_batch_tokens": config.max_batch_tokens,
+    })
+    folder = os.path.join(config.output_dir, partial.SUBDIR, key)
+    stale = partial.stale_runs(config.output_dir, key) + ([folder] if not config.resume and os.path.isdir(folder) else [])
+    if stale:
+        why = "--no-resume" if not config.resume else "made by another model, checkpoint, data or settings"
+        # a warning, shown in --quiet mode too: stored work is being thrown away
+        print(f"dist_eval: warning: removing stored partial results ({why}): {', '.join(stale)}; starting clean",
+              file=sys.stderr, flush=True)
+        partial.remove(stale)
+    elif os.path.isdir(folder):
+        say(f"dist_eval: resuming: reusing the stored results in {folder}", flush=True)
+    os.makedirs(folder, exist_ok=True)
+    return folder
 
 
 def _versions() -> dict:
@@ -158,6 +203,13 @@ def _run(config: EvalConfig) -> int:
             def start_swarm():
                 from dist_eval.swarm import LocalSwarm
 
+                if D.launched_on_several_nodes():  # its servers listen on 127.0.0.1 of rank 0's node only
+                    raise UsageError(
+                        "--initial-peers: omitted on a run over several nodes, but the local swarm started then "
+                        "is reachable from rank 0's node only. Start servers every node can reach "
+                        "(launch/start_server.sh on a host, HOST=<its IP>) and pass the INITIAL_PEERS=... they "
+                        "print with --initial-peers, and their --dht-prefix."
+                    )
                 say(f"dist_eval: starting a local swarm of {config.local_servers} server(s) for {model_dir} ...", flush=True)
                 swarm = LocalSwarm(model_dir, num_servers=config.local_servers, dht_prefix=dht_prefix)
                 cleanup.enter_context(swarm)  # stopped when the run ends, whatever happens
@@ -196,14 +248,28 @@ def _run(config: EvalConfig) -> int:
         cleanup.callback(D.barrier)  # no rank's client is still talking when rank 0 stops the swarm
         cleanup.callback(model.close)
 
+        def prepare_resume():
+            return _resume_folder(config, model_dir, checkpoint, dataset, split, text_column, label_column, model, say)
+
+        resume_folder = _on_main_then_broadcast("reading the stored partial results", prepare_resume)
+
+        from dist_eval.progress import GlobalProgress
         from dist_eval.run import evaluate
 
         say(f"dist_eval: evaluating {len(dataset)} rows on {world_size} rank(s) with the {config.backend} backend ...", flush=True)
+        # every rank creates it here (one broadcast); rank 0 shows all ranks' rows on stderr
+        progress = GlobalProgress(len(dataset), config.progress, quiet=config.quiet)
+        cleanup.callback(progress.close, completed=False)  # ends a bar's line if the evaluation fails
+        progress.start()
         result = evaluate(
             model, dataset, tokenizer=tokenizer, text_column=text_column, text_pair_column=config.text_pair_column,
             label_column=label_column, batch_size=config.batch_size, max_length=config.max_length,
-            return_logits=config.save_logits,
+            return_logits=config.save_logits, length_buckets=config.length_buckets,
+            max_batch_tokens=config.max_batch_tokens, in_flight=config.in_flight,
+            on_batch_done=progress.update, bootstrap_resamples=config.bootstrap_resamples, bootstrap_seed=config.bootstrap_seed,
+            resume_folder=resume_folder, save_interval=config.save_interval,
         )
+        progress.close()
         metrics = result.metrics
         metrics["run"].update(
             backend=config.backend,
@@ -214,6 +280,9 @@ def _run(config: EvalConfig) -> int:
             demo=demo is not None,
             batch_size=config.batch_size,
             max_length=config.max_length,
+            max_batch_tokens=config.max_batch_tokens,
+            length_buckets=config.length_buckets,
+            in_flight=config.in_flight,
             initial_peers=list(initial_peers or []),
             dht_prefix=dht_prefix,
             started_at=started_at,
@@ -222,15 +291,28 @@ def _run(config: EvalConfig) -> int:
         )
 
         def write_report():
-            from dist_eval.report import format_summary, write_metrics, write_predictions
+            from dist_eval.report import format_summary, write_metrics, write_predictions, write_report_files
+            from dist_eval.tracking import log_to_tracker
 
             write_predictions(config.output_dir, result.predictions, metrics.get("label_names"), config.save_logits)
             path = write_metrics(config.output_dir, metrics)
+            files = write_report_files(config.output_dir, metrics)
             if config.quiet:
                 print(f"dist_eval: accuracy {metrics['accuracy']:.4f} on {metrics['num_samples']} samples -> {path}")
             else:
                 print(format_summary(metrics))
-                print(f"  report: {path}, {os.path.join(config.output_dir, 'predictions.jsonl')}", flush=True)
+                names = ", ".join(os.path.basename(f) for f in [path, os.path.join(config.output_dir, "predictions.jsonl"), *files])
+                print(f"  report: {os.path.join(config.output_dir, 'report.html')} ({names} in {config.output_dir})", flush=True)
+            png = os.path.join(config.output_dir, "confusion_matrix.png")
+            where = log_to_tracker(config.report_to, metrics, config.output_dir, png if png in files else None)
+            if where:
+                say(f"  logged to {config.report_to}: {where}", flush=True)
 
         _on_main_then_broadcast("writing the report", write_report)
+        if D.is_main_process():  # the report is complete: the partial results have served
+            from dist_eval import partial
+
+            partial.remove([resume_folder])
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(resume_folder))
     return 0

@@ -15,6 +15,7 @@ import asyncio
 import importlib
 import logging
 import os
+import sys
 import warnings
 
 # name -> submodule of hivemind 1.1.12 that still defines it
@@ -173,3 +174,73 @@ def shutdown_petals_model(model) -> None:
             dht.shutdown()
         except Exception:
             pass
+
+
+def patch_petals_client_failover() -> None:
+    """Make petals 2.2.0's client route around a failed server at once. Idempotent.
+
+    Why: on a failed request, ``RemoteSequenceManager.on_request_failure`` bans the peer
+    and drops it from ``block_infos``, but routing (``make_sequence``) reads the
+    ``spans_containing_block`` computed at the last routing refresh, which still holds
+    the dead peer. Every retry until the next refresh (``update_period``, 60 s by
+    default) could pick it again, with backoff growing to ``max_backoff``: one batch
+    stalled 63 s when a server was killed (measured). Here the spans are recomputed
+    from ``block_infos`` right after the failure, so the next attempt goes elsewhere.
+    A block left with no server is handled as petals does (``on_request_failure``
+    triggers a refresh that re-adds banned servers rather than none).
+
+    Also records each peer's last request outcome (``state.dist_eval_outcomes``: peer
+    -> (monotonic time, ok)) so that, when a batch keeps failing, the blocks whose every
+    server is failing can be named (see ``backends.unserved_blocks``).
+    """
+    import time
+
+    from petals.client.routing.sequence_manager import RemoteSequenceManager
+
+    if getattr(RemoteSequenceManager, "_dist_eval_failover", False):
+        return
+    original_failure = RemoteSequenceManager.on_request_failure
+    original_success = RemoteSequenceManager.on_request_success
+
+    def _record(manager, peer_id, ok: bool) -> None:
+        if peer_id is None:
+            return
+        outcomes = getattr(manager.state, "dist_eval_outcomes", None)
+        if outcomes is None:
+            outcomes = manager.state.dist_eval_outcomes = {}
+        outcomes[peer_id] = (time.monotonic(), ok)
+
+    def on_request_failure(self, peer_id):
+        outcomes = getattr(self.state, "dist_eval_outcomes", None) or {}
+        if peer_id is not None and outcomes.get(peer_id, (0, True))[1]:
+            _warn_server_failed(peer_id, sys.exc_info()[1])  # once per failing streak, not per retry
+        _record(self, peer_id, False)
+        original_failure(self, peer_id)
+        if peer_id is None:
+            return
+        with self.lock_changes:
+            info = self.state.sequence_info
+            info.spans_by_priority, info.spans_containing_block = info._sort_spans(info.block_infos)
+
+    def on_request_success(self, peer_id):
+        _record(self, peer_id, True)
+        original_success(self, peer_id)
+
+    RemoteSequenceManager.on_request_failure = on_request_failure
+    RemoteSequenceManager.on_request_success = on_request_success
+    RemoteSequenceManager._dist_eval_failover = True
+    # petals logs every retry as a multi-line WARNING (the whole ServerInfo); the one
+    # line above per failing server says the same, and the outcome is reported anyway.
+    for name in ("petals.client.sequential_autograd", "petals.client.routing.sequence_manager"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _warn_server_failed(peer_id, error) -> None:
+    reason = " ".join(f"{type(error).__name__}: {error}".split()) if error is not None else "no answer"
+    if len(reason) > 160:
+        reason = reason[:160] + "..."
+    print(
+        f"dist_eval: warning: swarm server ...{str(peer_id)[-8:]} failed a request ({reason}); "
+        "routing around it (a block no other server holds is retried for up to --swarm-timeout).",
+        file=sys.stderr, flush=True,
+    )

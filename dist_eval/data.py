@@ -11,6 +11,7 @@ together, and could change the last bits of the logits and loss with N).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -53,6 +54,12 @@ def load_split(data: Sequence[str] | str, split: Optional[str] = None):
             )
         builder = _BUILDERS[exts.pop()]
         kwargs = {"delimiter": "\t"} if all(p.lower().endswith(".tsv") for p in paths) else {}
+        empty = [p for p in paths if _has_no_rows(p, builder)]
+        if len(empty) == len(paths):
+            raise UsageError(
+                f"--data-files {first}: no rows (an empty file{', or a header only' if builder == 'csv' else ''}): "
+                "nothing to evaluate. Pass the file that holds the split's rows."
+            )
         try:
             return datasets.load_dataset(builder, data_files=paths, split=split or "train", **kwargs)
         except ValueError as e:
@@ -68,6 +75,16 @@ def load_split(data: Sequence[str] | str, split: Optional[str] = None):
             f"--data-files {first}: not a local file or folder, and loading it as a hub dataset failed "
             f"({_short(e)}). Pass a local file, or run where the hub is reachable."
         ) from e
+
+
+def _has_no_rows(path: str, builder: str) -> bool:
+    """An empty file, or a csv/tsv with at most its header line: ``datasets`` fails on
+    those with messages that do not say so ("Instruction 'train' corresponds to no data")."""
+    if builder not in ("csv", "json"):
+        return os.path.getsize(path) == 0
+    with open(path, "rb") as f:
+        lines = [line for line in (f.readline() for _ in range(3)) if line.strip()]
+    return len(lines) <= (1 if builder == "csv" else 0)
 
 
 def _short(error: Exception, limit: int = 200) -> str:
@@ -107,28 +124,60 @@ def check_columns(dataset, columns: TaskColumns) -> None:
 
 
 def label_names_of(dataset, label_column: str) -> Optional[List[str]]:
-    """Class names when the label column is a ``datasets.ClassLabel``."""
+    """Class names: a ``datasets.ClassLabel``'s names, or for a column of text labels
+    the sorted distinct texts (the ids :func:`read_labels` gives them when the model
+    has no class names of its own)."""
     import datasets
 
     feature = dataset.features.get(label_column)
-    return list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+    if isinstance(feature, datasets.ClassLabel):
+        return list(feature.names)
+    if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
+        distinct = [v for v in dataset.unique(label_column) if isinstance(v, str)]
+        if distinct and not all(_INT_TEXT.match(v) for v in distinct):
+            return sorted(distinct)
+    return None
 
 
-def read_labels(dataset, label_column: str, num_labels: int) -> np.ndarray:
-    """All labels as int64, checked to lie in [0, num_labels)."""
+_INT_TEXT = re.compile(r"^\s*[+-]?\d+\s*$")
+
+
+def _is_generic_names(names: Sequence[str]) -> bool:
+    """transformers' placeholder names (LABEL_0, LABEL_1, ...): no real class names."""
+    return all(str(name) == f"LABEL_{i}" for i, name in enumerate(names))
+
+
+def read_labels(dataset, label_column: str, num_labels: int, label_names: Optional[Sequence[str]] = None) -> np.ndarray:
+    """All labels as int64 class ids, checked to lie in [0, num_labels).
+
+    Integer labels are used as they are (floats only when whole numbers). Text labels:
+    - texts that are all integers ("0", "2") are those integers;
+    - else, with ``label_names`` (the model's class names in id order, config.json
+      ``id2label``), each text is mapped to the id of the class of that name; every
+      text must be one of the names;
+    - else (no names, or transformers' placeholder LABEL_k names), when there are
+      exactly ``num_labels`` distinct texts they get ids in sorted order (as
+      ``Dataset.class_encode_column`` does; :func:`label_names_of` reports the names);
+    - anything else is refused, naming the labels found and what was expected.
+    """
     # pyarrow -> numpy in one go (``dataset[col]`` is a lazy Column in datasets >= 4)
     values = np.asarray(dataset.select_columns([label_column]).with_format("numpy")[label_column][:])
     if values.size == 0:
-        raise UsageError("the evaluated split is empty: nothing to evaluate. Check --data-files and --split.")
+        raise UsageError("--data-files: the evaluated split is empty: nothing to evaluate. Check --data-files and --split.")
+    if values.dtype.kind in "OUS":  # text labels (object: text, maybe with missing values)
+        values = _text_labels_to_ids(values, label_column, num_labels, label_names)
     if values.dtype.kind not in "iu":
-        if values.dtype.kind == "f" and np.all(np.isfinite(values)) and np.all(values == np.round(values)):
+        whole = np.isfinite(values) & (values == np.round(values)) if values.dtype.kind == "f" else np.zeros(values.shape, bool)
+        if values.dtype.kind == "f" and whole.all():
             values = values.astype(np.int64)
         else:
-            example = values[0]
+            row = int(np.flatnonzero(~whole)[0])
+            value = values[row].item() if hasattr(values[row], "item") else values[row]
+            shown = "no label (an empty value)" if isinstance(value, float) and np.isnan(value) else repr(value)
             raise UsageError(
-                f"--label-column {label_column}: expected integer class ids in [0, {num_labels}), got "
-                f"{values.dtype} values such as {example!r}. Map them to ids first (e.g. "
-                "dataset.class_encode_column), or use a ClassLabel column."
+                f"--label-column {label_column}: expected integer class ids in [0, {num_labels}), but row {row} "
+                f"has {shown} ({(~whole).sum()} such rows). Fill in or drop rows without a label, or map "
+                "the labels to ids first (e.g. dataset.class_encode_column)."
             )
     values = values.astype(np.int64)
     bad = np.flatnonzero((values < 0) | (values >= num_labels))
@@ -141,9 +190,79 @@ def read_labels(dataset, label_column: str, num_labels: int) -> np.ndarray:
     return values
 
 
-def plan_batches(num_rows: int, batch_size: int) -> List[np.ndarray]:
-    """Global batches of consecutive row indices (the last one may be short)."""
-    return [np.arange(start, min(start + batch_size, num_rows), dtype=np.int64) for start in range(0, num_rows, batch_size)]
+def _text_labels_to_ids(values: np.ndarray, label_column: str, num_labels: int, label_names) -> np.ndarray:
+    not_text = [i for i, v in enumerate(values.tolist()) if not isinstance(v, str)]
+    if not_text:
+        row = not_text[0]
+        raise UsageError(
+            f"--label-column {label_column}: row {row} has no text label ({values[row]!r}) among text labels "
+            f"({len(not_text)} such rows). Fill in or drop rows without a label."
+        )
+    texts = values.astype(str)
+    distinct = sorted(set(texts.tolist()))
+    if all(_INT_TEXT.match(t) for t in distinct):
+        return np.array([int(t) for t in texts.tolist()], dtype=np.int64)
+    shown = distinct[:8] + (["..."] if len(distinct) > 8 else [])
+    names = [str(n) for n in label_names] if label_names and not _is_generic_names(label_names) else None
+    if names is not None:
+        unknown = [t for t in distinct if t not in names]
+        if unknown:
+            raise UsageError(
+                f"--label-column {label_column}: text labels {unknown[:8]} are not among the model's class "
+                f"names {names} (config.json id2label), which map text labels to ids. Fix the labels or "
+                "id2label, or map the labels to ids first."
+            )
+        mapping = {name: i for i, name in enumerate(names)}
+    elif len(distinct) == num_labels:
+        mapping = {name: i for i, name in enumerate(distinct)}  # sorted: documented in README
+    else:
+        raise UsageError(
+            f"--label-column {label_column}: {len(distinct)} distinct text labels {shown}, but the classifier "
+            f"head has {num_labels} classes, so they cannot be given ids in sorted order (that needs exactly "
+            f"{num_labels}). Map them to ids first (e.g. dataset.class_encode_column), or give the model's "
+            "config.json an id2label with these names."
+        )
+    lookup = np.vectorize(mapping.__getitem__, otypes=[np.int64])
+    return lookup(texts)
+
+
+def plan_batches(
+    num_rows: int,
+    batch_size: int,
+    lengths: Optional[np.ndarray] = None,
+    max_batch_tokens: Optional[int] = None,
+) -> List[np.ndarray]:
+    """Global batches of row indices, the same on every rank whatever the world size.
+
+    - ``lengths`` None: consecutive rows in dataset order, ``batch_size`` per batch.
+    - ``lengths`` given (token count of every row): rows sorted longest first (ties in
+      row order), so each batch holds rows of similar length and pads little.
+    - ``max_batch_tokens``: instead of a fixed row count, a batch takes rows while
+      rows x longest row stays within the budget (a row longer than the budget goes
+      alone); needs ``lengths``. ``batch_size`` is then not used.
+
+    The plan depends only on the data and these settings, never on the rank or world
+    size: that is what keeps every row's logits bitwise identical for any N.
+    """
+    if lengths is None:
+        if max_batch_tokens is not None:
+            raise ValueError("max_batch_tokens needs the token lengths of the rows")
+        return [np.arange(start, min(start + batch_size, num_rows), dtype=np.int64) for start in range(0, num_rows, batch_size)]
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.shape != (num_rows,):
+        raise ValueError(f"lengths has shape {lengths.shape}, expected ({num_rows},)")
+    rows = np.arange(num_rows, dtype=np.int64)
+    order = np.lexsort((rows, -lengths))  # longest first; equal lengths keep row order
+    if max_batch_tokens is None:
+        return [order[start : start + batch_size] for start in range(0, num_rows, batch_size)]
+    batches, start = [], 0
+    sorted_lengths = lengths[order]
+    while start < num_rows:
+        # sorted longest first: the batch's padded length is that of its first row
+        fit = max(1, max_batch_tokens // max(1, int(sorted_lengths[start])))
+        batches.append(order[start : start + fit])
+        start += fit
+    return batches
 
 
 class _Length:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -35,6 +35,13 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def launched_on_several_nodes() -> bool:
+    """True when torchrun placed the ranks on more than one node (its LOCAL_WORLD_SIZE,
+    the ranks of this node, is then below WORLD_SIZE)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return launched_by_torchrun() and int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world
+
+
 def init_process_group_from_env(timeout_s: float) -> bool:
     """Join the process group that torchrun/SLURM described in the environment.
 
@@ -46,7 +53,18 @@ def init_process_group_from_env(timeout_s: float) -> bool:
         return False
     timeout = datetime.timedelta(seconds=timeout_s)
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank, visible = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local_rank >= visible:
+            from dist_eval.errors import UsageError
+
+            raise UsageError(
+                f"LOCAL_RANK {local_rank}: this node has {visible} visible CUDA device(s), and NCCL needs one "
+                f"GPU per rank: start at most {visible} rank(s) per node (--nproc-per-node / NPROC_PER_NODE), "
+                "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on the CPU with gloo."
+            )
+        # Before the first collective: NCCL's object collectives use the current device,
+        # and with the default (cuda:0) every rank of a node would share one GPU.
+        torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", timeout=timeout)
     else:
         dist.init_process_group("gloo", timeout=timeout)
@@ -81,16 +99,35 @@ def all_gather_object(obj: Any) -> List[Any]:
     return out
 
 
-def gather_object_to_main(obj: Any) -> Optional[List[Any]]:
-    """One object from each rank, in rank order, on rank 0 only (None elsewhere).
+def gather_arrays_to_main(arrays: Dict[str, np.ndarray]) -> Optional[Dict[str, np.ndarray]]:
+    """Each array concatenated over ranks in rank order, on rank 0 only (None elsewhere).
 
-    Only rank 0 holds the gathered per-sample arrays: one copy, not world_size copies.
+    Every rank passes the same keys with the same dtypes and trailing shapes; lengths may
+    differ (an empty shard is fine). Arrays travel as tensors, one key at a time, straight
+    into the concatenated result: rank 0 never holds a pickled copy beside the unpickled
+    one, so its peak memory stays near one copy of the gathered arrays (about one
+    field's worth of receive buffers above it).
     """
     if get_world_size() == 1:
-        return [obj]
-    out: Optional[List[Any]] = [None] * get_world_size() if get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
+        return dict(arrays)
+    counts = [n for n in all_gather_object(len(next(iter(arrays.values()))) if arrays else 0)]
+    longest = max(counts)
+    is_main = get_rank() == 0
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    out: Dict[str, np.ndarray] = {}
+    for key in sorted(arrays):  # the same order on every rank
+        local = np.ascontiguousarray(arrays[key])
+        padded = np.zeros((longest, *local.shape[1:]), dtype=local.dtype)
+        padded[: len(local)] = local
+        send = torch.from_numpy(padded).to(device)
+        del padded
+        receive = [torch.empty_like(send) for _ in counts] if is_main else None
+        dist.gather(send, receive, dst=0)
+        del send
+        if is_main:
+            out[key] = np.concatenate([r[:n].cpu().numpy() for r, n in zip(receive, counts)])
+        del receive
+    return out if is_main else None
 
 
 def all_reduce_sum(values: np.ndarray) -> np.ndarray:
@@ -104,6 +141,36 @@ def all_reduce_sum(values: np.ndarray) -> np.ndarray:
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor.cpu().numpy()
 
+
+
+# Counters in one process (no store); keyed like the store's, so callers need not care.
+_local_counters: Dict[str, int] = {}
+
+
+def new_shared_counter(name: str) -> str:
+    """The key of a fresh counter that every rank can add to (see :func:`shared_counter_add`).
+
+    Every rank must call it, at the same point: rank 0 draws a run-unique key and
+    broadcasts it (one collective), so a later run in the same group never sees old counts.
+    """
+    import uuid
+
+    return broadcast_object(f"dist_eval/{name}/{uuid.uuid4().hex}")
+
+
+def shared_counter_add(key: str, amount: int) -> int:
+    """Add ``amount`` to the counter ``key`` shared by every rank and return its new total.
+
+    Not a collective: one request to the process group's c10d key-value store (the one
+    torchrun's rendezvous set up), so any rank may call it alone, at any time, from any
+    thread; ``amount=0`` reads the total. In one process: a plain local counter.
+    """
+    if get_world_size() == 1:
+        _local_counters[key] = _local_counters.get(key, 0) + int(amount)
+        return _local_counters[key]
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return int(_get_default_store().add(key, int(amount)))
 
 class RankFailure(RuntimeError):
     """Raised on every rank when one or more ranks failed a phase.

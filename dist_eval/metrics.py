@@ -90,4 +90,5 @@ def per_sample_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> np.ndarr
 def mean_of(values: np.ndarray) -> float:
     """Exactly rounded mean (math.fsum): independent of summation order, so of N."""
     values = np.asarray(values, dtype=np.float64)
-    return math.fsum(values.tolist()) / len(values) if len(values) else float("nan")
+    # map(float, ...) rather than tolist(): no list of a million Python floats on rank 0
+    return math.fsum(map(float, values)) / len(values) if len(values) else float("nan")

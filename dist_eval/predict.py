@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Deque, Dict, Iterable, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
 
 from dist_eval.metrics import per_sample_cross_entropy
 
-# One batch: (global row indices [B], input_ids [B, T], labels [B])
-Batch = Tuple[np.ndarray, torch.Tensor, np.ndarray]
+# One batch: (batch id in the global plan, global row indices [B], input_ids [B, T] or
+# None when its logits are already stored (a resumed run), labels [B])
+Batch = Tuple[int, np.ndarray, Optional[torch.Tensor], np.ndarray]
 
 
 @dataclass
@@ -25,25 +28,88 @@ class ShardResults:
     logits: Optional[np.ndarray] = None  # float32 [n, K], when kept
     sample_values: Dict[str, np.ndarray] = field(default_factory=dict)  # user per-sample metrics
     forward_seconds: float = 0.0
+    max_batch_seconds: float = 0.0  # the slowest single forward
+    num_resumed: int = 0  # samples whose logits came from stored partial results
 
     @property
     def num_samples(self) -> int:
         return int(self.indices.shape[0])
 
     def as_payload(self) -> dict:
-        """What crosses the network to rank 0: plain numpy arrays."""
-        return {
-            "indices": self.indices,
-            "labels": self.labels,
-            "preds": self.preds,
-            "losses": self.losses,
-            "logits": self.logits,
-            "sample_values": self.sample_values,
-        }
+        """What crosses the network to rank 0: flat numpy arrays by name (the same
+        names on every rank: see :func:`payload_fields`)."""
+        payload = {"indices": self.indices, "labels": self.labels, "preds": self.preds, "losses": self.losses}
+        if self.logits is not None:
+            payload["logits"] = self.logits
+        for name, values in self.sample_values.items():
+            payload[SAMPLE_VALUE_PREFIX + name] = values
+        return payload
+
+
+SAMPLE_VALUE_PREFIX = "sample_values/"
 
 
 def _logits_of(output) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output
+
+
+# Batches in flight per rank. Measured (benchmarks/RESULTS.md): with a Petals swarm two
+# batches in flight overlap one batch's RPC wait with the next one's client work.
+DEFAULT_IN_FLIGHT = 2
+
+
+def _timed_forward(model: Callable, input_ids: torch.Tensor) -> Tuple[torch.Tensor, float]:
+    # no_grad is thread-local: it must be entered in the thread that runs the forward
+    with torch.no_grad():
+        start = time.perf_counter()
+        logits = _logits_of(model(input_ids)).float().cpu()
+        return logits, time.perf_counter() - start
+
+
+class _Ready:
+    """A finished 'future' for a batch whose logits were stored by an earlier run."""
+
+    def __init__(self, logits: np.ndarray):
+        self.value = (torch.from_numpy(logits), None)
+
+    def result(self):
+        return self.value
+
+
+def _forwards_in_order(
+    model: Callable, batches: Iterable[Batch], in_flight: int, stored: Dict[int, np.ndarray]
+) -> Iterator[Tuple[Batch, torch.Tensor, Optional[float]]]:
+    """(batch, logits, seconds) for every batch, in the order the batches came; seconds
+    is None for a batch whose logits were stored (no forward ran).
+
+    With ``in_flight`` > 1 up to that many forwards run at once in worker threads (the
+    petals client spends most of a forward waiting on the network); results are still
+    yielded in batch order, so what follows is identical to a sequential run.
+    """
+    if in_flight <= 1:
+        for batch in batches:
+            if batch[0] in stored:
+                yield (batch, *_Ready(stored[batch[0]]).result())
+            else:
+                yield (batch, *_timed_forward(model, batch[2]))
+        return
+    pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="dist_eval-forward")
+    pending: Deque = deque()
+    try:
+        for batch in batches:
+            if batch[0] in stored:
+                pending.append((batch, _Ready(stored[batch[0]])))
+            else:
+                pending.append((batch, pool.submit(_timed_forward, model, batch[2])))
+            if len(pending) >= in_flight:
+                batch_done, future = pending.popleft()
+                yield (batch_done, *future.result())
+        while pending:
+            batch_done, future = pending.popleft()
+            yield (batch_done, *future.result())
+    finally:
+        # on an error, do not start queued forwards; running ones end within the client's timeouts
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def predict_shard(
@@ -52,34 +118,49 @@ def predict_shard(
     num_labels: int,
     keep_logits: bool,
     sample_metrics: Optional[Dict[str, Callable]] = None,
+    on_batch_done: Optional[Callable[[int], None]] = None,
+    in_flight: int = 1,
+    stored: Optional[Dict[int, np.ndarray]] = None,
+    on_batch_logits: Optional[Callable[[int, np.ndarray, np.ndarray], None]] = None,
 ) -> ShardResults:
-    """Run every batch under ``torch.no_grad()`` and keep per-sample results."""
+    """Run every batch under ``torch.no_grad()`` and keep per-sample results.
+
+    ``in_flight``: batches run at once (results identical for any value).
+    ``stored``: {batch id: logits} from an interrupted run; those batches are not run.
+    ``on_batch_logits(batch_id, rows, logits)`` is called for each newly computed batch
+    (to store partial results); ``on_batch_done(num_rows)`` after every batch (progress)."""
+    stored = stored or {}
     indices, labels, preds, losses, logits_kept = [], [], [], [], []
     sample_values: Dict[str, list] = {name: [] for name in (sample_metrics or {})}
-    forward_seconds = 0.0
-    with torch.no_grad():
-        for rows, input_ids, batch_labels in batches:
-            start = time.perf_counter()
-            logits = _logits_of(model(input_ids)).float().cpu()
-            forward_seconds += time.perf_counter() - start
-            if logits.shape != (len(rows), num_labels):
-                raise RuntimeError(
-                    f"the model returned logits of shape {list(logits.shape)} for a batch of {len(rows)}; "
-                    f"expected [{len(rows)}, {num_labels}]"
-                )
-            batch_logits = logits.numpy()
-            indices.append(np.asarray(rows, dtype=np.int64))
-            labels.append(np.asarray(batch_labels, dtype=np.int64))
-            # argmax picks the first maximum on ties, the same on every rank
-            preds.append(batch_logits.argmax(axis=1).astype(np.int64))
-            losses.append(per_sample_cross_entropy(batch_logits, batch_labels))
-            if keep_logits:
-                logits_kept.append(batch_logits)
-            for name, fn in (sample_metrics or {}).items():
-                value = np.asarray(fn(batch_logits, np.asarray(batch_labels)), dtype=np.float64)
-                if value.shape != (len(rows),):
-                    raise ValueError(f"sample metric {name!r} returned shape {value.shape}, expected ({len(rows)},)")
-                sample_values[name].append(value)
+    forward_seconds, max_batch_seconds, num_resumed = 0.0, 0.0, 0
+    for (batch_id, rows, _, batch_labels), logits, seconds in _forwards_in_order(model, batches, in_flight, stored):
+        if seconds is None:
+            num_resumed += len(rows)
+        else:
+            forward_seconds += seconds
+            max_batch_seconds = max(max_batch_seconds, seconds)
+        if logits.shape != (len(rows), num_labels):
+            raise RuntimeError(
+                f"the model returned logits of shape {list(logits.shape)} for a batch of {len(rows)}; "
+                f"expected [{len(rows)}, {num_labels}]"
+            )
+        batch_logits = logits.numpy()
+        if seconds is not None and on_batch_logits is not None:
+            on_batch_logits(batch_id, np.asarray(rows, dtype=np.int64), batch_logits)
+        indices.append(np.asarray(rows, dtype=np.int64))
+        labels.append(np.asarray(batch_labels, dtype=np.int64))
+        # argmax picks the first maximum on ties, the same on every rank
+        preds.append(batch_logits.argmax(axis=1).astype(np.int64))
+        losses.append(per_sample_cross_entropy(batch_logits, batch_labels))
+        if keep_logits:
+            logits_kept.append(batch_logits)
+        for name, fn in (sample_metrics or {}).items():
+            value = np.asarray(fn(batch_logits, np.asarray(batch_labels)), dtype=np.float64)
+            if value.shape != (len(rows),):
+                raise ValueError(f"sample metric {name!r} returned shape {value.shape}, expected ({len(rows)},)")
+            sample_values[name].append(value)
+        if on_batch_done is not None:
+            on_batch_done(len(rows))
 
     def cat(parts, dtype, shape=(0,)):
         return np.concatenate(parts) if parts else np.zeros(shape, dtype=dtype)
@@ -92,4 +173,6 @@ def predict_shard(
         logits=cat(logits_kept, np.float32, (0, num_labels)) if keep_logits else None,
         sample_values={name: cat(parts, np.float64) for name, parts in sample_values.items()},
         forward_seconds=forward_seconds,
+        max_batch_seconds=max_batch_seconds,
+        num_resumed=num_resumed,
     )

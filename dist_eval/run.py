@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -17,8 +17,11 @@ import torch
 from dist_eval import distributed as D
 from dist_eval.data import TaskColumns, check_columns, label_names_of, plan_batches, read_labels, right_pad, shard_batch_ids, tokenize_rows
 from dist_eval.errors import UsageError
+from dist_eval.intervals import bootstrap_intervals
 from dist_eval.metrics import confusion_matrix, mean_of, metrics_from_confusion
-from dist_eval.predict import Batch, ShardResults, predict_shard
+from dist_eval.partial import PartialWriter
+from dist_eval.partial import load as load_partial
+from dist_eval.predict import DEFAULT_IN_FLIGHT, Batch, ShardResults, predict_shard
 from dist_eval.results import MergedResults, merge_gathered
 
 # A user metric over the merged set: fn(labels, preds, logits_or_None) -> float or dict
@@ -40,23 +43,66 @@ class EvalResult:
     predictions: Optional[MergedResults]
 
 
-def _dataset_batches(
-    dataset, tokenizer, columns: TaskColumns, labels: np.ndarray, batch_ids: List[int], batches: List[np.ndarray],
-    max_length: int, pad_token_id: int,
+def _row_block(num_rows: int, rank: int, world_size: int) -> np.ndarray:
+    """Rows [rank*n/N, (rank+1)*n/N): each rank measures one contiguous block of lengths."""
+    return np.arange(rank * num_rows // world_size, (rank + 1) * num_rows // world_size, dtype=np.int64)
+
+
+def _dataset_shard(
+    dataset, tokenizer, columns: TaskColumns, labels: np.ndarray, *, batch_size: int, max_length: int,
+    pad_token_id: int, length_buckets: bool, max_batch_tokens: Optional[int],
 ) -> tuple:
-    """Tokenize this rank's rows once, up front, then yield right-padded batches."""
-    if not batch_ids:
-        return iter(()), 0
-    rows = np.concatenate([batches[b] for b in batch_ids])
-    ids, num_truncated = tokenize_rows(tokenizer, dataset, rows, columns, max_length, pad_token_id)
-    by_row = dict(zip(rows.tolist(), ids))
+    """This rank's batches of a Dataset: (iterator of right-padded batches, rows truncated here).
+
+    Every rank calls it (it holds collectives). Tokenisation happens once, up front, so
+    it never stalls the forwards. With length buckets or a token budget the global batch
+    plan needs every row's token count: each rank tokenizes one contiguous block of rows,
+    the lengths are all-gathered (4-8 bytes a row), and each rank then tokenizes only the
+    rows of its own batches that its block did not cover.
+    """
+    world_size, rank = D.get_world_size(), D.get_rank()
+    num_rows = len(labels)
+    known_ids: Dict[int, List[int]] = {}
+    lengths = None
+    num_truncated = 0
+    if length_buckets or max_batch_tokens is not None:
+        block = _row_block(num_rows, rank, world_size)
+        ids, num_truncated, error = [], 0, None
+        try:
+            ids, num_truncated = tokenize_rows(tokenizer, dataset, block, columns, max_length, pad_token_id)
+        except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+            error = e
+        D.agree_on_failure("tokenizing the data", error)
+        known_ids = dict(zip(block.tolist(), ids))
+        local_lengths = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
+        lengths = np.concatenate(D.all_gather_object(local_lengths))  # blocks are in rank order
+    planned = plan_batches(num_rows, batch_size, lengths, max_batch_tokens)
+    batch_ids = shard_batch_ids(len(planned), rank, world_size)
+    rows = np.concatenate([planned[b] for b in batch_ids]) if batch_ids else np.zeros(0, np.int64)
+    todo = np.array([r for r in rows.tolist() if r not in known_ids], dtype=np.int64)
+    ids, truncated_here = tokenize_rows(tokenizer, dataset, todo, columns, max_length, pad_token_id)
+    if lengths is None:  # else each row's truncation was counted once, in its block
+        num_truncated = truncated_here
+    by_row = {r: known_ids.get(r) for r in rows.tolist()}
+    by_row.update(zip(todo.tolist(), ids))
+    known_ids.clear()
 
     def generate() -> Iterator[Batch]:
         for b in batch_ids:
-            batch_rows = batches[b]
-            yield batch_rows, right_pad([by_row[r] for r in batch_rows.tolist()], pad_token_id), labels[batch_rows]
+            batch_rows = planned[b]
+            yield b, batch_rows, right_pad([by_row[r] for r in batch_rows.tolist()], pad_token_id), labels[batch_rows]
 
-    return generate(), num_truncated
+    return generate(), num_truncated, {b: planned[b] for b in batch_ids}
+
+
+def _stored_logits(folder: str, own_batches: Dict[int, np.ndarray], num_labels: int) -> Dict[int, np.ndarray]:
+    """{batch id: logits} of this rank's batches that an interrupted run stored. A stored
+    batch whose rows or shape do not match the plan is ignored (run again), never used."""
+    stored = {}
+    for batch_id, (rows, logits) in load_partial(folder, own_batches).items():
+        if np.array_equal(rows, own_batches[batch_id]) and logits.shape == (len(rows), num_labels):
+            stored[batch_id] = logits
+    return stored
 
 
 def _loader_batches(loader) -> Iterator[Batch]:
@@ -73,7 +119,7 @@ def _loader_batches(loader) -> Iterator[Batch]:
         n, world, rank = len(sampler.dataset), sampler.num_replicas, sampler.rank
         padding_from = len(range(rank, n, world))  # shard positions >= this are padding
     position = 0
-    for batch in loader:
+    for batch_number, batch in enumerate(loader):
         missing = [k for k in ("index", "input_ids", "labels") if k not in batch]
         if missing:
             raise UsageError(
@@ -88,7 +134,7 @@ def _loader_batches(loader) -> Iterator[Batch]:
         if not keep.any():
             continue
         input_ids = batch["input_ids"][torch.from_numpy(keep)]
-        yield rows[keep], input_ids, np.asarray(batch["labels"], dtype=np.int64)[keep]
+        yield batch_number, rows[keep], input_ids, np.asarray(batch["labels"], dtype=np.int64)[keep]
 
 
 def evaluate(
@@ -107,6 +153,14 @@ def evaluate(
     return_logits: bool = False,
     metrics: Optional[Dict[str, MergedMetric]] = None,
     sample_metrics: Optional[Dict[str, SampleMetric]] = None,
+    on_batch_done: Optional[Callable[[int], None]] = None,
+    length_buckets: bool = True,
+    max_batch_tokens: Optional[int] = None,
+    in_flight: int = DEFAULT_IN_FLIGHT,
+    bootstrap_resamples: int = 1000,
+    bootstrap_seed: int = 0,
+    resume_folder: Optional[str] = None,
+    save_interval: float = 10.0,
 ) -> EvalResult:
     """Evaluate a classifier on a dataset (or DataLoader), sharded over the current
     process group, exactly: every row counted once, whatever the world size.
@@ -124,6 +178,22 @@ def evaluate(
     merged, de-duplicated set (logits are passed when ``return_logits`` is set, else
     None). ``sample_metrics``: name -> fn(logits, labels) -> one value per sample,
     reported as its sample-weighted mean. Both appear in ``metrics`` beside the built-ins.
+    ``on_batch_done(num_rows)`` is called on each rank after each of its batches.
+
+    Throughput (none of these changes any result): ``length_buckets`` batches rows of
+    similar token length together (less padding); ``max_batch_tokens`` sizes batches by
+    padded tokens instead of ``batch_size`` rows; ``in_flight`` keeps that many batches
+    in flight at once on each rank (their results are put back in order).
+
+    ``resume_folder`` (Dataset input only): each rank stores the logits of finished
+    batches there, atomically, at most every ``save_interval`` seconds; batches already
+    stored there are not run again. The folder must belong to this exact model, data and
+    settings (the CLI keys it by a hash of them; see :mod:`dist_eval.partial`).
+
+    ``bootstrap_resamples`` (0 disables) and ``bootstrap_seed``: 95% percentile bootstrap
+    intervals for accuracy, macro-F1 and loss, computed on rank 0 from the merged set
+    (:func:`dist_eval.intervals.bootstrap_intervals`, about 1 s per 1000 resamples),
+    in ``metrics["confidence_intervals"]``; the same for any world size.
     """
     from dist_eval.backends import LoadedModel
 
@@ -138,11 +208,15 @@ def evaluate(
         pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
     if num_labels is None:
         num_labels = getattr(getattr(model, "config", None), "num_labels", None)
-    if batch_size < 1 or max_length < 1:
-        raise UsageError(f"batch_size and max_length must be >= 1; got batch_size={batch_size}, max_length={max_length}.")
+    for name, value in (("batch_size", batch_size), ("max_length", max_length), ("in_flight", in_flight),
+                        ("max_batch_tokens", 1 if max_batch_tokens is None else max_batch_tokens)):
+        if not isinstance(value, int) or value < 1:
+            raise UsageError(f"{name}={value!r}: expected a positive integer.")
+    if not isinstance(bootstrap_resamples, int) or bootstrap_resamples < 0:
+        raise UsageError(f"bootstrap_resamples={bootstrap_resamples!r}: expected an integer >= 0 (0 disables the intervals).")
 
     # 1. this rank's batches (errors are agreed on, so no rank is left waiting)
-    error, batches, num_rows, num_truncated = None, iter(()), 0, 0
+    error, batches, num_rows, num_truncated, own_batches = None, iter(()), 0, 0, None
     try:
         if num_labels is None:
             raise UsageError("num_labels: cannot tell the number of classes from the model; pass num_labels=K.")
@@ -159,26 +233,69 @@ def evaluate(
             labels = read_labels(data, label_column, num_labels)
             label_names = label_names or label_names_of(data, label_column)
             num_rows = len(data)
-            planned = plan_batches(num_rows, batch_size)
-            batch_ids = shard_batch_ids(len(planned), rank, world_size)
-            batches, num_truncated = _dataset_batches(
-                data, tokenizer, columns, labels, batch_ids, planned, max_length, pad_token_id
-            )
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
         error = e
     D.agree_on_failure("preparing the data", error)
+    if not isinstance(data, torch.utils.data.DataLoader):
+        error = None
+        try:
+            batches, num_truncated, own_batches = _dataset_shard(
+                data, tokenizer, columns, labels, batch_size=batch_size, max_length=max_length,
+                pad_token_id=pad_token_id, length_buckets=length_buckets, max_batch_tokens=max_batch_tokens,
+            )
+        except Exception as e:  # noqa: BLE001
+            error = e
+        D.agree_on_failure("tokenizing the data", error)
 
-    # 2. the no-grad forwards over this shard
+    # 2. what an interrupted run already stored, then the no-grad forwards over the rest
+    error, stored, writer = None, {}, None
+    if resume_folder is not None and own_batches is not None:
+        try:
+            stored = _stored_logits(resume_folder, own_batches, num_labels)
+            writer = PartialWriter(resume_folder, rank, save_interval)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    D.agree_on_failure("reading the stored partial results", error)
     error, local = None, None
     try:
-        local = predict_shard(forward, batches, num_labels, keep_logits=return_logits, sample_metrics=sample_metrics)
+        local = predict_shard(
+            forward, batches, num_labels, keep_logits=return_logits, sample_metrics=sample_metrics,
+            on_batch_done=on_batch_done, in_flight=in_flight, stored=stored,
+            on_batch_logits=writer.add if writer is not None else None,
+        )
     except Exception as e:  # noqa: BLE001
         error = e
+    finally:
+        if writer is not None:
+            writer.flush()  # also on failure: finished batches are not lost
     D.agree_on_failure("the forward passes", error)
     loop_seconds = time.perf_counter() - start
 
-    # 3. sample-weighted totals on every rank: reduce numerators and denominators, divide once
-    sample_names = sorted(sample_metrics or {})
+    report, merged = merge_on_main(
+        local, num_rows, num_labels, label_names=label_names, user_metrics=metrics,
+        num_truncated=num_truncated, loop_seconds=loop_seconds, bootstrap=(bootstrap_resamples, bootstrap_seed),
+    )
+    return EvalResult(metrics=report, predictions=merged)
+
+
+def merge_on_main(
+    local: ShardResults,
+    num_rows: int,
+    num_labels: int,
+    *,
+    label_names: Optional[Sequence[str]] = None,
+    user_metrics: Optional[Dict[str, MergedMetric]] = None,
+    num_truncated: int = 0,
+    loop_seconds: float = 0.0,
+    bootstrap: Optional[Tuple[int, int]] = None,
+) -> tuple:
+    """Combine every rank's results: (the report on every rank, the merged per-sample
+    arrays on rank 0 and None elsewhere). Every rank must call it.
+
+    ``bootstrap`` = (resamples, seed) adds ``confidence_intervals`` to the report."""
+    world_size, rank = D.get_world_size(), D.get_rank()
+    # sample-weighted totals on every rank: reduce numerators and denominators, divide once
+    sample_names = sorted(local.sample_values)
     local_totals = np.array(
         [local.num_samples, int((local.preds == local.labels).sum()), float(local.losses.sum()), num_truncated, local.forward_seconds]
         + [float(local.sample_values[n].sum()) for n in sample_names],
@@ -187,17 +304,21 @@ def evaluate(
     global_totals = D.all_reduce_sum(local_totals)
     global_num_samples = int(global_totals[0])
 
-    # 4. per-sample arrays to rank 0 only; rank 0 merges and computes the metrics
-    gathered = D.gather_object_to_main(local.as_payload())
-    rank_facts = D.all_gather_object((local.num_samples, loop_seconds))
-    per_rank_samples = [n for n, _ in rank_facts]
-    loop_seconds_max = max(s for _, s in rank_facts)
+    # per-sample arrays to rank 0 only; rank 0 merges and computes the metrics
+    gathered = D.gather_arrays_to_main(local.as_payload())
+    rank_facts = D.all_gather_object((local.num_samples, loop_seconds, local.max_batch_seconds, local.num_resumed))
+    per_rank_samples = [facts[0] for facts in rank_facts]
+    loop_seconds_max = max(facts[1] for facts in rank_facts)
     report, merged, error = None, None, None
     if rank == 0:
         try:
-            merged = merge_gathered(gathered, num_rows)
-            del gathered  # hold one copy of the per-sample arrays, not two
-            report = _metrics_on_main(merged, num_labels, label_names, metrics, sample_names, global_totals)
+            merged = merge_gathered([gathered], num_rows)  # consumes the arrays: one copy at a time
+            del gathered
+            report = _metrics_on_main(merged, num_labels, label_names, user_metrics, sample_names, global_totals)
+            if bootstrap and bootstrap[0]:  # from the index-ordered merged set: the same for any N
+                report["confidence_intervals"] = bootstrap_intervals(
+                    merged.labels, merged.preds, merged.losses, num_labels, resamples=bootstrap[0], seed=bootstrap[1]
+                )
             report["num_truncated"] = int(global_totals[3])
             report["run"] = {
                 "world_size": world_size,
@@ -206,6 +327,8 @@ def evaluate(
                 "forward_seconds_sum": float(global_totals[4]),
                 "samples_per_second": merged.num_samples / loop_seconds_max if loop_seconds_max > 0 else None,
                 "duplicates_dropped": merged.num_duplicates_dropped,
+                "max_batch_seconds": max(facts[2] for facts in rank_facts),
+                "resumed_samples": sum(facts[3] for facts in rank_facts),
             }
             if merged.num_samples != global_num_samples:
                 raise RuntimeError(
@@ -215,7 +338,7 @@ def evaluate(
             error = e
     D.agree_on_failure("merging the results", error)
     report = D.broadcast_object(report)
-    return EvalResult(metrics=report, predictions=merged if rank == 0 else None)
+    return report, merged
 
 
 def _metrics_on_main(merged: MergedResults, num_labels, label_names, user_metrics, sample_names, global_totals) -> dict:

@@ -1,4 +1,5 @@
-"""A private Petals swarm on this machine, for one saved model folder.
+"""Petals servers on this machine for one saved model folder: a private swarm, or this
+host's share of a swarm that spans several hosts.
 
 Library::
 
@@ -8,9 +9,12 @@ Library::
 Command line (stays in the foreground; Ctrl-C or SIGTERM stops every process it started)::
 
     python -m dist_eval.swarm MODEL_DIR [--servers K] [--port P] [--dht-prefix NAME] [--start-timeout S]
+        [--host IP] [--initial-peers MADDR ...] [--block-indices A:B] [--device DEV]
 
-It prints one line ``INITIAL_PEERS=<multiaddr> [<multiaddr> ...]`` on stdout once every
-block is served.
+It prints one line ``INITIAL_PEERS=<multiaddr> [<multiaddr> ...]`` on stdout once its
+servers serve their blocks. Several hosts make one swarm: the first starts a new swarm
+(``--host`` = its IP), the others join it with ``--initial-peers`` (the first's line),
+each serving a ``--block-indices`` range, all under the same ``--dht-prefix``.
 
 Each server is ``python -m dist_eval._server <petals run_server flags>`` (so it imports
 petals through :mod:`dist_eval.compat`), started in its own session/process group: a
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import errno
+import ipaddress
 import json
 import os
 import re
@@ -48,6 +54,8 @@ class SwarmError(Exception):
 _RUNNING_RE = re.compile(r"Running a server on \[([^\]]*)\]")
 _MADDR_RE = re.compile(r"/ip4/[0-9.]+/tcp/(\d+)/p2p/[1-9A-HJ-NP-Za-km-z]+")
 _STARTED_RE = re.compile(r"\[INFO\] Started\s*$", re.MULTILINE)
+# a peer to join: what the INITIAL_PEERS= line of a running swarm (or petals) prints
+_PEER_RE = re.compile(r"^/(ip4|ip6|dns|dns4|dns6)/[^/\s]+/tcp/\d{1,5}/p2p/[1-9A-HJ-NP-Za-km-z]+$")
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SIGINT_BIT = 1 << (signal.SIGINT - 1)
 # SIGINT -> SIGKILL delay. Measured on 2 CPU cores: a lone server exits ~1 s after SIGINT,
@@ -185,29 +193,82 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _port_is_free(port: int) -> bool:
+def _port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as p2pd does: TIME_WAIT is no obstacle
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
             s.listen(1)
         except OSError:
             return False
     return True
 
 
-def _free_ports(count: int) -> List[int]:
-    """``count`` distinct ports that are free now (the OS picks them)."""
+def _free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
+    """``count`` distinct ports that are free now on ``host`` (the OS picks them)."""
     sockets = []
     try:
         for _ in range(count):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sockets.append(s)
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
             s.close()
+
+
+def _check_host(host: str) -> str:
+    """``host`` if it is an IPv4 address servers can listen on *and* announce, else SwarmError."""
+    try:
+        address = ipaddress.IPv4Address(host)
+    except ValueError:
+        raise SwarmError(
+            f"host={host!r}: expected an IPv4 address of this machine that the clients can reach "
+            "(e.g. 10.0.0.5; `hostname -I` lists them), or 127.0.0.1 for a swarm on this machine only."
+        ) from None
+    if address.is_unspecified:
+        # petals announces the address it listens on: 0.0.0.0 would be announced as-is
+        raise SwarmError(
+            f"host={host!r}: servers announce the address they listen on, and {host} is nobody's address; "
+            "pass this machine's IP that the clients can reach (e.g. 10.0.0.5; `hostname -I` lists them)."
+        )
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, 0))
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise SwarmError(
+                    f"host={host!r}: not an address of this machine; pass one of its own IPs "
+                    "(`hostname -I` lists them), the one the clients can reach."
+                ) from None
+            raise
+    return host
+
+
+def _check_peers(peers: Sequence[str]) -> List[str]:
+    peers = [str(p) for p in peers]
+    for p in peers:
+        if not _PEER_RE.match(p):
+            raise SwarmError(
+                f"initial peer {p!r}: expected a multiaddr like /ip4/10.0.0.5/tcp/31337/p2p/12D3KooW... "
+                "(a running swarm prints them on its INITIAL_PEERS=... line)."
+            )
+    return peers
+
+
+def _check_block_range(block_range, num_blocks: int) -> Tuple[int, int]:
+    try:
+        start, end = (int(x) for x in block_range)
+    except (TypeError, ValueError):
+        start, end = -1, -1
+    if not 0 <= start < end <= num_blocks:
+        shown = ":".join(map(str, block_range)) if isinstance(block_range, (tuple, list)) else repr(block_range)
+        raise SwarmError(
+            f"block range {shown}: expected A:B (end exclusive) with 0 <= A < B <= {num_blocks}, "
+            f"the model's number of blocks; e.g. 0:{num_blocks} for all of them."
+        )
+    return start, end
 
 
 def _read_num_blocks(model_dir: str) -> int:
@@ -353,7 +414,8 @@ atexit.register(_stop_all_at_exit)
 
 
 class LocalSwarm:
-    """A private Petals swarm of K server processes on 127.0.0.1 for one saved model folder.
+    """K Petals server processes on this machine for one saved model folder: a private
+    swarm on 127.0.0.1 (the default), or this host's part of a multi-host swarm.
 
     ``start()`` (or ``with LocalSwarm(...) as swarm``) returns once every server printed
     ``Started``, i.e. every block is served; then ``initial_peers`` holds one multiaddr
@@ -367,11 +429,21 @@ class LocalSwarm:
     the L blocks (K=2: both serve all). ``blocks_per_server=B`` overrides: B blocks per
     server, ranges evenly spread (must cover every block). ``placement`` lists the ranges.
 
+    ``block_range=(A, B)`` places the servers on blocks A..B-1 only (the rest of the
+    model served by other hosts); ``placement`` is then within that range.
+
+    Several hosts: ``host`` is the IPv4 address the servers listen on and announce
+    (default 127.0.0.1: this machine only; on a cluster, this host's IP that the clients
+    reach). ``join_peers`` (multiaddrs of a running swarm): every server joins that swarm
+    instead of starting a new one, so ``start()`` returns once *this host's* blocks are
+    served, and ``initial_peers`` lists this host's servers (any server of a swarm is a
+    valid entry point). Use the same ``dht_prefix`` on every host.
+
     Ports: ``port=None`` takes free ports from the OS; ``port=P`` uses P, P+1, ....
-    The first server starts a new swarm, the others join it through its address (they
-    start in parallel once it has printed it). Servers run ``--device cpu --torch_dtype
-    float32 --quant_type none --throughput 1.0`` (no network speed test); later flags in
-    ``extra_server_args`` override them (e.g. ``["--device", "cuda"]``).
+    Without ``join_peers`` the first server starts a new swarm, the others join it
+    through its address (they start in parallel once it has printed it). Servers run
+    ``--device cpu --torch_dtype float32 --quant_type none --throughput 1.0`` (no network
+    speed test); later flags in ``extra_server_args`` override them (e.g. ``["--device", "cuda"]``).
 
     Processes: every server is its own session/process group, with ``HF_HUB_OFFLINE=1``
     and a private ``TMPDIR``; its output goes to ``<log_dir>/server-<i>.log`` (a temp
@@ -393,6 +465,9 @@ class LocalSwarm:
         start_timeout: float = 120.0,
         log_dir: Optional[str] = None,
         extra_server_args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        join_peers: Sequence[str] = (),
+        block_range: Optional[Tuple[int, int]] = None,
     ):
         if not os.path.isdir(model_dir):
             raise SwarmError(f"{model_dir}: no such folder. Pass a model folder saved with save_pretrained().")
@@ -407,7 +482,13 @@ class LocalSwarm:
         self.model_dir = os.path.abspath(model_dir)
         self.num_blocks: int = _read_num_blocks(self.model_dir)
         self.num_servers = num_servers
-        self.placement: List[Tuple[int, int]] = plan_blocks(self.num_blocks, num_servers, blocks_per_server)
+        self.host = _check_host(host)
+        self.join_peers: List[str] = _check_peers(join_peers)
+        self.block_range = _check_block_range(block_range or (0, self.num_blocks), self.num_blocks)
+        first, last = self.block_range
+        self.placement: List[Tuple[int, int]] = [
+            (first + a, first + b) for a, b in plan_blocks(last - first, num_servers, blocks_per_server)
+        ]
         self.dht_prefix: str = dht_prefix or _default_prefix(self.model_dir)
         self.port = port
         self.start_timeout = float(start_timeout)
@@ -518,13 +599,13 @@ class LocalSwarm:
         os.makedirs(tmpdir)
         os.makedirs(logs, exist_ok=True)
         if self.port is None:
-            ports = _free_ports(self.num_servers)
+            ports = _free_ports(self.num_servers, self.host)
         else:
             ports = [self.port + i for i in range(self.num_servers)]
             for p in ports:
-                if not _port_is_free(p):
+                if not _port_is_free(p, self.host):
                     raise SwarmError(
-                        f"port {p} on 127.0.0.1 is already in use: pass another port (servers use "
+                        f"port {p} on {self.host} is already in use: pass another port (servers use "
                         f"{ports[0]}..{ports[-1]}), or none to pick free ports."
                     )
         self._servers = [
@@ -537,11 +618,15 @@ class LocalSwarm:
         if os.path.basename(_PROJECT_ROOT) not in ("site-packages", "dist-packages"):  # a source checkout
             env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
 
-        first = self._servers[0]
-        self._spawn(first, ["--new_swarm"], env)
-        self._wait(deadline, [first], need_started=False)
-        for s in self._servers[1:]:
-            self._spawn(s, ["--initial_peers", first.address], env)
+        if self.join_peers:  # another host started the swarm: all servers join it at once
+            peers, joining = self.join_peers, self._servers
+        else:
+            first = self._servers[0]
+            self._spawn(first, ["--new_swarm"], env)
+            self._wait(deadline, [first], need_started=False)
+            peers, joining = [first.address], self._servers[1:]
+        for s in joining:
+            self._spawn(s, ["--initial_peers", *peers], env)
         self._wait(deadline, self._servers, need_started=True)
 
     def _spawn(self, s: _Server, peer_args: List[str], env: Dict[str, str]) -> None:
@@ -552,7 +637,7 @@ class LocalSwarm:
             "--dht_prefix", self.dht_prefix,
             "--device", "cpu", "--torch_dtype", "float32", "--quant_type", "none",
             "--throughput", "1.0", "--skip_reachability_check",
-            "--host_maddrs", f"/ip4/127.0.0.1/tcp/{s.port}",
+            "--host_maddrs", f"/ip4/{self.host}/tcp/{s.port}",  # listened on and announced
             "--block_indices", f"{s.blocks[0]}:{s.blocks[1]}",
             *self.extra_server_args,
         ]  # fmt: skip
@@ -575,13 +660,17 @@ class LocalSwarm:
                     match = _RUNNING_RE.search(text)
                     if match:
                         addrs = [m.group(0) for m in _MADDR_RE.finditer(match.group(1))]
-                        mine = [a for a in addrs if f"/tcp/{s.port}/" in a]
+                        mine = [a for a in addrs if a.startswith(f"/ip4/{self.host}/tcp/{s.port}/")]
                         s.address = (mine or addrs or [None])[0]
                 if s.address is not None and _STARTED_RE.search(text):
                     s.started = True
                 if s.proc.poll() is not None:
+                    hint = ""
+                    if self.join_peers and "failed to connect to bootstrap peers" in s.read_log():
+                        hint = (f" No swarm answered at {' '.join(self.join_peers)}: check the addresses (a running "
+                                "swarm prints them) and that its servers' TCP ports are reachable from here.")
                     raise SwarmError(
-                        f"local swarm {s.label} exited with code {s.proc.returncode} before serving its blocks; "
+                        f"local swarm {s.label} exited with code {s.proc.returncode} before serving its blocks;{hint} "
                         f"read its log ({s.log_path}). Log tail: {s.tail()}"
                     )
                 if s.address is None or (need_started and not s.started):
@@ -723,8 +812,9 @@ class _Parser(argparse.ArgumentParser):
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m dist_eval.swarm",
-        description="Serve a saved model folder on a private Petals swarm on 127.0.0.1 until Ctrl-C / SIGTERM. "
-        "Prints INITIAL_PEERS=<multiaddrs> on stdout once every block is served.",
+        description="Serve a saved model folder on a private Petals swarm on 127.0.0.1 (or, with --host and "
+        "--initial-peers, as this host's part of a multi-host swarm) until Ctrl-C / SIGTERM. "
+        "Prints INITIAL_PEERS=<multiaddrs> on stdout once its servers serve their blocks.",
     )
     p.add_argument("model_dir", help="Folder saved with save_pretrained (config.json + weights).")
     p.add_argument("--servers", type=int, default=2, help="Number of server processes (default 2; with 2+ every block is on 2 servers).")
@@ -733,7 +823,21 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=120.0, help="Seconds to wait for every block to be served (default 120).")
     p.add_argument("--blocks-per-server", type=int, default=None, help="Blocks per server (default: every block on 2 servers).")
     p.add_argument("--log-dir", default=None, help="Keep the servers' logs here (default: a temp folder removed at exit).")
+    p.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on and announce: this host's IP that "
+                   "the clients reach (default 127.0.0.1: this machine only).")
+    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="Join the swarm at these "
+                   "multiaddrs (another host's INITIAL_PEERS=...) instead of starting a new one.")
+    p.add_argument("--block-indices", type=_block_range_arg, default=None, metavar="A:B", help="Serve only blocks "
+                   "A..B-1 (end exclusive; other hosts serve the rest). Default: every block.")
+    p.add_argument("--device", default=None, help="Torch device of the servers (default cpu; e.g. cuda, cuda:1).")
     return p
+
+
+def _block_range_arg(text: str) -> Tuple[int, int]:
+    start, sep, end = text.partition(":")
+    if not sep or not start.strip().isdigit() or not end.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected A:B, e.g. 0:16 for blocks 0..15")
+    return int(start), int(end)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -749,6 +853,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         swarm = LocalSwarm(
             args.model_dir, num_servers=args.servers, dht_prefix=args.dht_prefix, port=args.port,
             blocks_per_server=args.blocks_per_server, start_timeout=args.start_timeout, log_dir=args.log_dir,
+            host=args.host, join_peers=args.initial_peers, block_range=args.block_indices,
+            extra_server_args=["--device", args.device] if args.device else (),
         )  # fmt: skip
     except SwarmError as e:
         print(f"dist_eval.swarm: error: {e}", file=sys.stderr, flush=True)
@@ -764,8 +870,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         peers = " ".join(swarm.initial_peers)
         print(f"INITIAL_PEERS={peers}", flush=True)
         placement = ", ".join(f"{a}:{b}" for a, b in swarm.placement)
+        first, last = swarm.block_range
+        blocks = f"the {swarm.num_blocks} blocks" if (first, last) == (0, swarm.num_blocks) else f"blocks {first}:{last} (of {swarm.num_blocks})"
+        joined = f", joined to the swarm at {' '.join(swarm.join_peers)}" if swarm.join_peers else ""
         print(
-            f"dist_eval.swarm: {swarm.num_servers} server(s) serve the {swarm.num_blocks} blocks of {swarm.model_dir} "
+            f"dist_eval.swarm: {swarm.num_servers} server(s) serve {blocks} of {swarm.model_dir}{joined} "
             f"(block ranges {placement}; ready in {swarm.start_seconds:.1f} s) under dht prefix {swarm.dht_prefix}. "
             f"Evaluate with: torchrun --nproc-per-node N -m dist_eval --backend petals --model {swarm.model_dir} "
             f"--data-files ... --initial-peers {peers} --dht-prefix {swarm.dht_prefix} . Ctrl-C or SIGTERM stops the swarm.",

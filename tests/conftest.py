@@ -74,7 +74,54 @@ def run_cli(args, nproc: int = 1, timeout: float = 300, env=None) -> subprocess.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_port", str(free_port()), "-m", "dist_eval", *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return run_in_own_group(cmd, timeout=timeout, env=full_env)
+
+
+def run_in_own_group(cmd, timeout: float, env=None) -> subprocess.CompletedProcess:
+    """subprocess.run in a new process group; on timeout the whole group (torchrun, its
+    workers, their DHT and p2pd children) is stopped, not only the top process."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_group(proc.pid)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    finally:
+        stop_group(proc.pid, grace=5.0)  # nothing of the run may outlive it
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def stop_group(pgid: int, grace: float = 5.0) -> None:
+    """SIGTERM the process group, SIGKILL whatever is left after ``grace`` seconds."""
+    import signal
+    import time
+
+    def alive():
+        return [p for p in all_pids() if _pgid(p) == pgid and _state(p) != "Z"]
+
+    if not alive():
+        return
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except OSError:
+        return
+    end = time.monotonic() + grace
+    while alive() and time.monotonic() < end:
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().decode("utf-8", "replace").rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def free_port() -> int:

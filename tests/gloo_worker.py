@@ -35,6 +35,13 @@ def main(model_dir, checkpoint, csv_path, out_dir):
             result = evaluate(model, data, tokenizer=tokenizer, batch_size=batch_size, return_logits=True,
                               metrics=user_metrics, sample_metrics=sample_metrics)
             _save(out_dir, f"dataset_{size}_{batch_size}", result, rank)
+        # the throughput options must not change any result: the plain path (dataset order,
+        # one batch at a time), and a token budget with several batches in flight
+        data = full.select(range(size))
+        for name, options in (("plain", dict(batch_size=4, length_buckets=False, in_flight=1)),
+                              ("budget", dict(max_batch_tokens=40, in_flight=3))):
+            result = evaluate(model, data, tokenizer=tokenizer, return_logits=True, **options)
+            _save(out_dir, f"{name}_{size}", result, rank)
         # DataLoader path: a DistributedSampler that pads its last round with repeats
         encoded = tokenizer(list(full.select(range(size))["text"]))["input_ids"]
         labels = np.asarray(full.select(range(size))["label"])

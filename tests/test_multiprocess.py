@@ -96,3 +96,33 @@ def test_dataloader_with_padding_sampler_counts_each_row_once(runs, world, size)
     assert multi_info["metrics"]["num_samples"] == size
     assert multi_info["metrics"]["confusion_matrix"] == single_info["metrics"]["confusion_matrix"]
     assert sum(multi_info["run"]["per_rank_samples"]) == size  # padded repeats masked before counting
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("variant", ["plain", "budget"])
+def test_throughput_options_change_no_result(runs, world, size, variant):
+    """Length buckets, a token budget and batches in flight give the same predictions and
+    metrics as the plain loop (dataset order, one batch at a time), for any N."""
+    reference, reference_info = load(runs[1], f"plain_{size}")
+    other, other_info = load(runs[world], f"{variant}_{size}")
+    default, default_info = load(runs[world], f"dataset_{size}_4")
+    for arrays, info in ((other, other_info), (default, default_info)):
+        assert arrays["indices"].tolist() == list(range(size))
+        assert np.array_equal(arrays["preds"], reference["preds"])
+        # batches of other rows and other padded lengths: logits equal to float32 rounding
+        np.testing.assert_allclose(arrays["logits"], reference["logits"], rtol=1e-5, atol=1e-6)
+        # everything computed from (labels, preds) is exactly equal; what uses the logits
+        # (loss, its interval, user metrics of logits) to float32 rounding
+        from_logits = ("loss", "mean_max_logit", "correct_margin", "confidence_intervals")
+        common = (set(info["metrics"]) & set(reference_info["metrics"])) - set(from_logits)  # user metrics: only some runs
+        assert len(common) > 15
+        assert {k: info["metrics"][k] for k in common} == {k: reference_info["metrics"][k] for k in common}
+        assert info["metrics"]["loss"] == pytest.approx(reference_info["metrics"]["loss"], rel=1e-6)
+        got, want = info["metrics"]["confidence_intervals"], reference_info["metrics"]["confidence_intervals"]
+        assert {k: v for k, v in got.items() if k != "loss"} == {k: v for k, v in want.items() if k != "loss"}
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    # and each option is still exact across N: bitwise equal to its own single-process run
+    single, _ = load(runs[1], f"{variant}_{size}")
+    assert np.array_equal(single["logits"], other["logits"])

@@ -13,7 +13,7 @@ SIZES = [1, 2, 3, 5, 7, 100]
 def payload(rows, labels=None):
     rows = np.asarray(rows, dtype=np.int64)
     labels = rows % 3 if labels is None else np.asarray(labels)
-    return {"indices": rows, "labels": labels, "preds": (rows * 7) % 3, "losses": rows * 0.5, "logits": None, "sample_values": {}}
+    return {"indices": rows, "labels": labels, "preds": (rows * 7) % 3, "losses": rows * 0.5}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -69,3 +69,50 @@ def test_merge_reports_rows_outside_the_split():
 def test_merge_refuses_duplicates_that_disagree():
     with pytest.raises(CoverageError, match="different labels"):
         merge_gathered([payload([0, 1], labels=[0, 1]), payload([1], labels=[2])], 2)
+
+
+# --------------------------------------------------------------------------- length-aware plans
+
+
+def _lengths(num_rows, seed=0):
+    return np.random.default_rng(seed).integers(1, 65, size=num_rows)
+
+
+@pytest.mark.parametrize("num_rows", SIZES)
+@pytest.mark.parametrize("batch_size", [1, 4, 16])
+def test_length_buckets_cover_every_row_once_longest_first(num_rows, batch_size):
+    lengths = _lengths(num_rows)
+    batches = plan_batches(num_rows, batch_size, lengths)
+    rows = np.concatenate(batches)
+    assert sorted(rows.tolist()) == list(range(num_rows))
+    assert all(len(b) == batch_size for b in batches[:-1]) and 1 <= len(batches[-1]) <= batch_size
+    # sorted longest first, ties in row order: the plan is a pure function of the data
+    keys = [(-int(lengths[r]), int(r)) for r in rows]
+    assert keys == sorted(keys)
+
+
+def test_length_buckets_reduce_padding():
+    lengths = _lengths(1000)
+    def padded_tokens(batches):
+        return sum(len(b) * int(lengths[b].max()) for b in batches)
+    ordered, bucketed = plan_batches(1000, 16), plan_batches(1000, 16, lengths)
+    assert padded_tokens(bucketed) < 0.7 * padded_tokens(ordered)
+    assert padded_tokens(bucketed) >= int(lengths.sum())
+
+
+@pytest.mark.parametrize("budget", [1, 10, 64, 100, 1000])
+def test_token_budget_batches(budget):
+    lengths = _lengths(300, seed=1)
+    batches = plan_batches(300, 16, lengths, max_batch_tokens=budget)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(300))
+    for b in batches:
+        padded = len(b) * int(lengths[b].max())
+        assert padded <= budget or len(b) == 1  # a row longer than the budget goes alone
+    # greedy: the next row would not have fitted
+    for b, nxt in zip(batches, batches[1:]):
+        assert (len(b) + 1) * int(lengths[b].max()) > budget
+
+
+def test_token_budget_needs_lengths():
+    with pytest.raises(ValueError, match="lengths"):
+        plan_batches(10, 4, None, max_batch_tokens=100)

@@ -1,0 +1,171 @@
+"""Compare two runs over the same data: ``python -m dist_eval.compare OUT_A OUT_B``.
+
+Prints the main metrics of both runs with B - A (and their confidence intervals when
+the runs have them), then the rows whose prediction changed (index, label, pred A,
+pred B), up to ``--max-rows``. Exit 0; exit 2 with one error line when a folder is not
+a finished run or the runs are over different data.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from dist_eval.errors import UsageError
+
+MAIN_METRICS = ("accuracy", "f1_macro", "f1_weighted", "precision_macro", "recall_macro", "loss")
+EXIT_USAGE = 2
+
+
+@dataclass
+class RunOutputs:
+    """What compare needs from one output folder."""
+
+    folder: str
+    metrics: dict
+    indices: np.ndarray
+    labels: np.ndarray
+    preds: np.ndarray
+
+
+def load_run(folder: str) -> RunOutputs:
+    """metrics.json and predictions.jsonl of a finished run, checked for consistency."""
+    if not os.path.isdir(folder):
+        raise UsageError(f"{folder}: no such folder. Pass the --output-dir of a finished dist_eval run.")
+    paths = {name: os.path.join(folder, name) for name in ("metrics.json", "predictions.jsonl")}
+    missing = [name for name, path in paths.items() if not os.path.isfile(path)]
+    if missing:
+        raise UsageError(
+            f"{folder}: missing {' and '.join(missing)} (not a finished dist_eval run). Pass the --output-dir of a finished run."
+        )
+    try:
+        with open(paths["metrics.json"]) as f:
+            metrics = json.load(f)
+        with open(paths["predictions.jsonl"]) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        indices = np.array([r["index"] for r in rows], dtype=np.int64)
+        labels = np.array([r["label"] for r in rows], dtype=np.int64)
+        preds = np.array([r["pred"] for r in rows], dtype=np.int64)
+        num_samples = int(metrics["num_samples"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{folder}: metrics.json or predictions.jsonl is not a dist_eval output ({type(e).__name__}: {e}).") from e
+    if len(rows) != num_samples or not np.array_equal(indices, np.arange(num_samples)):
+        raise UsageError(
+            f"{folder}: predictions.jsonl has {len(rows)} rows but metrics.json counts {num_samples} samples "
+            "(a partial or edited output). Re-run the evaluation."
+        )
+    return RunOutputs(folder, metrics, indices, labels, preds)
+
+
+@dataclass
+class Comparison:
+    a: RunOutputs
+    b: RunOutputs
+    changed: np.ndarray  # row indices whose prediction differs
+    fixed: int  # wrong in A, right in B
+    broken: int  # right in A, wrong in B
+
+
+def compare_runs(a: RunOutputs, b: RunOutputs) -> Comparison:
+    """The differences of two runs; refuses runs over different data."""
+    n_a, n_b = a.metrics["num_samples"], b.metrics["num_samples"]
+    if n_a != n_b:
+        raise UsageError(
+            f"{a.folder} has {n_a} samples and {b.folder} has {n_b}: the runs are over different datasets. "
+            "Compare two runs of the same split."
+        )
+    if a.metrics.get("num_labels") != b.metrics.get("num_labels"):
+        raise UsageError(
+            f"{a.folder} has {a.metrics.get('num_labels')} classes and {b.folder} has {b.metrics.get('num_labels')}: "
+            "the runs are over different tasks. Compare two runs of the same split."
+        )
+    differ = np.flatnonzero(a.labels != b.labels)
+    if differ.size:
+        raise UsageError(
+            f"{a.folder} and {b.folder}: the labels differ on {differ.size} of {n_a} rows (first at index "
+            f"{differ[:5].tolist()}): the runs are over different datasets. Compare two runs of the same split."
+        )
+    changed = np.flatnonzero(a.preds != b.preds)
+    right_a, right_b = a.preds == a.labels, b.preds == b.labels
+    return Comparison(a, b, changed, int((~right_a & right_b).sum()), int((right_a & ~right_b).sum()))
+
+
+def _names(metrics: dict) -> Optional[List[str]]:
+    names = metrics.get("label_names")
+    return [str(n) for n in names] if names else None
+
+
+def format_comparison(c: Comparison, max_rows: int = 20) -> str:
+    """The report compare prints."""
+    ma, mb = c.a.metrics, c.b.metrics
+    ci_a, ci_b = ma.get("confidence_intervals") or {}, mb.get("confidence_intervals") or {}
+    with_ci = bool(ci_a or ci_b)
+    n = ma["num_samples"]
+    lines = [f"dist_eval.compare: A = {c.a.folder}, B = {c.b.folder} ({n} samples, {ma.get('num_labels')} classes)", ""]
+    header = f"  {'metric':<16} {'A':>8} {'B':>8} {'B-A':>9}"
+    if with_ci:
+        level = ci_a.get("level") or ci_b.get("level")
+        header += f"   {f'A {100 * level:g}% CI':>18}   {f'B {100 * level:g}% CI':>18}"
+    lines.append(header)
+
+    def ci_text(intervals: dict, name: str) -> str:
+        return f"[{intervals[name][0]:.4f}, {intervals[name][1]:.4f}]" if name in intervals else ""
+
+    for name in MAIN_METRICS:
+        if name not in ma or name not in mb:
+            continue
+        line = f"  {name:<16} {ma[name]:8.4f} {mb[name]:8.4f} {mb[name] - ma[name]:+9.4f}"
+        if with_ci:
+            line += f"   {ci_text(ci_a, name):>18}   {ci_text(ci_b, name):>18}"
+        lines.append(line.rstrip())
+    lines.append("")
+    other = len(c.changed) - c.fixed - c.broken
+    lines.append(
+        f"predictions changed on {len(c.changed)} of {n} rows: {c.fixed} now right, {c.broken} now wrong, "
+        f"{other} wrong in both"
+    )
+    shown = c.changed[: max(0, max_rows)]
+    if len(shown):
+        names = _names(ma) or _names(mb)
+
+        def show(k: int) -> str:
+            return f"{k} {names[k]}" if names and 0 <= k < len(names) else str(k)
+
+        cells = [(str(i), show(c.a.labels[i]), show(c.a.preds[i]), show(c.b.preds[i])) for i in shown.tolist()]
+        widths = [max(len(h), *(len(row[j]) for row in cells)) for j, h in enumerate(("index", "label", "pred A", "pred B"))]
+        lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(("index", "label", "pred A", "pred B"), widths)).rstrip())
+        lines.extend("  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells)
+        if len(c.changed) > len(shown):
+            lines.append(f"  ... {len(c.changed) - len(shown)} more (the first {len(shown)} shown; --max-rows N shows more)")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dist_eval.compare",
+        description="Compare two dist_eval runs over the same data: metric differences and changed predictions.",
+    )
+    parser.add_argument("run_a", metavar="OUT_A", help="output folder of run A (metrics.json, predictions.jsonl)")
+    parser.add_argument("run_b", metavar="OUT_B", help="output folder of run B")
+    parser.add_argument("--max-rows", type=int, default=20, help="changed rows to list (default 20; 0: none)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        comparison = compare_runs(load_run(args.run_a), load_run(args.run_b))
+    except UsageError as e:
+        print(f"dist_eval.compare: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    print(format_comparison(comparison, args.max_rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

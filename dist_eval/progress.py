@@ -1,0 +1,219 @@
+"""Global progress of an evaluation, shown by rank 0, without a collective per batch.
+
+Each rank adds the rows it finished to a counter in the process group's c10d store (one
+small request per batch, never a collective); a background thread on rank 0 reads the
+total at most every ``refresh_s`` and renders it on stderr (stdout keeps the summary):
+
+    bar   a live bar on one line:  dist_eval [#########.....] 450/800  56%  123.4 samples/s  ETA 0:03
+    log   plain lines for job logs: a line every ``log_every_s`` and at each 10%, and a final one
+    none  nothing
+    auto  bar when stderr is a terminal, log otherwise, none with ``quiet``
+
+In one process the count is local. Progress can never fail an evaluation: a store error
+stops the display with one warning line.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Optional, TextIO
+
+from dist_eval import distributed as D
+
+MODES = ("auto", "bar", "log", "none")
+_BAR_WIDTH = 30
+
+
+def resolve_mode(mode: str, quiet: bool, stream: TextIO) -> str:
+    """The mode actually used: ``auto`` becomes bar / log / none."""
+    if mode not in MODES:
+        raise ValueError(f"progress mode {mode!r}: expected one of {', '.join(MODES)}")
+    if mode != "auto":
+        return mode
+    if quiet:
+        return "none"
+    isatty = getattr(stream, "isatty", None)
+    return "bar" if isatty is not None and isatty() else "log"
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """``1:02:03`` / ``2:03``; ``?`` when unknown."""
+    if seconds is None or seconds != seconds or seconds == float("inf"):
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class GlobalProgress:
+    """Samples done / total over every rank, rendered on rank 0.
+
+    Every rank creates it at the same point (with more than one rank, creating it is one
+    broadcast), uses it as a context manager around :func:`dist_eval.evaluate`, and
+    passes :meth:`update` as ``on_batch_done``::
+
+        with GlobalProgress(len(dataset), "auto") as progress:
+            result = evaluate(model, dataset, ..., on_batch_done=progress.update)
+
+    Whether progress is on is decided by ``mode`` and ``quiet`` alone (the same on every
+    rank); whether rank 0 draws a bar or writes lines also depends on its terminal.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        mode: str = "auto",
+        *,
+        quiet: bool = False,
+        stream: Optional[TextIO] = None,
+        refresh_s: float = 0.5,
+        log_every_s: float = 10.0,
+        label: str = "dist_eval",
+    ):
+        self.total = int(total)
+        self.stream = stream if stream is not None else sys.stderr
+        self.refresh_s = refresh_s
+        self.log_every_s = log_every_s
+        self.label = label
+        self.is_main = D.is_main_process()
+        resolved = resolve_mode(mode, quiet, self.stream)  # may differ by rank only between bar and log
+        self.enabled = resolved != "none"
+        self.mode = resolved if self.is_main else "none"
+        self.shared = self.enabled and D.get_world_size() > 1
+        self._key = D.new_shared_counter("progress") if self.shared else None
+        self._local_done = 0  # rank 0: its own rows (other ranks push theirs to the store)
+        self._pushed = 0  # rank 0: how many of its own rows the store has
+        self._global_done = 0
+        self._started = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._last_log_time = None
+        self._last_log_decile = -1
+        self._last_logged_done = -1
+        self._line_width = 0
+        self._closed = False
+
+    # -- every rank ---------------------------------------------------------------------
+
+    def update(self, num_rows: int) -> None:
+        """Called after each batch with its number of rows (``on_batch_done``)."""
+        if not self.enabled:
+            return
+        if self.is_main or not self.shared:
+            self._local_done += num_rows  # rank 0's thread pushes it: no store request here
+            return
+        try:
+            D.shared_counter_add(self._key, num_rows)
+        except Exception as e:  # noqa: BLE001 - progress must never fail the evaluation
+            self._give_up(e)
+
+    def __enter__(self) -> "GlobalProgress":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(completed=exc_type is None)
+
+    def start(self) -> None:
+        self._started = time.monotonic()
+        self._last_log_time = self._started
+        if self.mode in ("bar", "log"):
+            self._thread = threading.Thread(target=self._refresh_loop, name="dist_eval-progress", daemon=True)
+            self._thread.start()
+
+    def close(self, completed: bool = True) -> None:
+        """Stop the display; on rank 0 render the final state (the total, when every rank
+        finished: their last additions reached the store before they left the forwards).
+        Safe to call twice: the second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        if self.mode in ("bar", "log"):
+            self._render(final=True, completed=completed)
+
+    # -- rank 0 -------------------------------------------------------------------------
+
+    def done(self) -> int:
+        """Rows finished over every rank, as far as rank 0 knows now."""
+        if not self.shared:
+            return self._local_done
+        delta = self._local_done - self._pushed
+        self._global_done = D.shared_counter_add(self._key, delta)
+        self._pushed += delta
+        return self._global_done
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            self._render(final=False)
+
+    def _render(self, final: bool, completed: bool = True) -> None:
+        if self.mode == "none":
+            return
+        try:
+            done = self.done()
+        except Exception as e:  # noqa: BLE001
+            self._give_up(e)
+            return
+        now = time.monotonic()
+        elapsed = max(now - (self._started or now), 1e-9)
+        rate = done / elapsed if done else 0.0
+        eta = (self.total - done) / rate if rate > 0 else None
+        if self.mode == "bar":
+            self._draw_bar(done, rate, eta, elapsed, final)
+        elif final:
+            self._write_log_line(done, rate, elapsed, "done" if completed and done >= self.total else "stopped")
+        elif self._log_due(done, now):
+            self._write_log_line(done, rate, elapsed, f"ETA {format_duration(eta)}")
+
+    def _draw_bar(self, done: int, rate: float, eta, elapsed: float, final: bool) -> None:
+        fraction = min(1.0, done / self.total) if self.total else 1.0
+        filled = int(round(fraction * _BAR_WIDTH))
+        tail = f"{format_duration(elapsed)} elapsed" if final else f"ETA {format_duration(eta)}"
+        line = (
+            f"{self.label} [{'#' * filled}{'.' * (_BAR_WIDTH - filled)}] {done}/{self.total} "
+            f"{100 * fraction:3.0f}%  {rate:.1f} samples/s  {tail}"
+        )
+        pad = " " * max(0, self._line_width - len(line))  # wipe a longer previous line
+        self._line_width = len(line)
+        self._write("\r" + line + pad + ("\n" if final else ""))
+
+    def _log_due(self, done: int, now: float) -> bool:
+        decile = int(10 * done / self.total) if self.total else 10
+        # the line for the total is the final one, written by close()
+        return done != self._last_logged_done and done < self.total and (
+            (done > 0 and decile > self._last_log_decile) or now - self._last_log_time >= self.log_every_s
+        )
+
+    def _write_log_line(self, done: int, rate: float, elapsed: float, tail: str) -> None:
+        percent = 100 * done / self.total if self.total else 100.0
+        self._write(
+            f"{self.label}: progress {done}/{self.total} samples ({percent:.0f}%), {rate:.1f} samples/s, "
+            f"elapsed {format_duration(elapsed)}, {tail}\n"
+        )
+        self._last_logged_done = done
+        self._last_log_time = time.monotonic()
+        self._last_log_decile = int(10 * done / self.total) if self.total else 10
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: stop drawing, keep evaluating
+            self.mode = "none"
+
+    def _give_up(self, error: BaseException) -> None:
+        if not self.enabled:
+            return
+        self.enabled = False
+        self.mode = "none"
+        try:
+            print(f"{self.label}: warning: progress display stopped ({type(error).__name__}: {error})",
+                  file=self.stream, flush=True)
+        except (OSError, ValueError):
+            pass

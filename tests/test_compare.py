@@ -1,0 +1,99 @@
+"""``python -m dist_eval.compare OUT_A OUT_B`` on real output folders: two checkpoints
+evaluated on the same data (local backend), and the refusals (exit 2, one line)."""
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, build_checkpoint, read_jsonl, write_csv
+from dist_eval.compare import main as compare_main
+from inprocess_cli import run_cli_in_process
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    """Output folders: a and b (two checkpoints, the same 40 rows), small (other data)."""
+    base = tmp_path_factory.mktemp("compare")
+    data = write_csv(str(base / "data.csv"), 40, seed=31)
+    other_data = write_csv(str(base / "other.csv"), 25, seed=32)
+    out = {}
+    for name, checkpoint_seed, rows in (("a", 1, data), ("b", 2, data), ("small", 1, other_data)):
+        checkpoint = build_checkpoint(str(base / f"ck{checkpoint_seed}.pt"), seed=checkpoint_seed)
+        out[name] = base / name
+        code = run_cli_in_process(["--model", tiny_model, "--data-files", rows, "--backend", "local", "--checkpoint",
+                                   checkpoint, "--output-dir", str(out[name]), "--batch-size", "8", "--progress", "none",
+                                   "--bootstrap-resamples", "200", "--quiet"])
+        assert code == 0, name
+    return out
+
+
+def test_compare_prints_metric_differences_and_changed_rows(runs, capsys):
+    assert compare_main([str(runs["a"]), str(runs["b"]), "--max-rows", "5"]) == 0
+    out = capsys.readouterr().out
+    ma, mb = (json.load(open(runs[k] / "metrics.json")) for k in ("a", "b"))
+    for name in ("accuracy", "f1_macro", "f1_weighted", "loss"):
+        line = re.search(rf"^  {name} +(\S+) +(\S+) +(\S+)", out, re.M)
+        assert line, (name, out)
+        a, b, diff = (float(x) for x in line.groups())
+        assert (a, b) == (round(ma[name], 4), round(mb[name], 4))
+        assert diff == pytest.approx(mb[name] - ma[name], abs=1e-4)
+    ci = ma["confidence_intervals"]["accuracy"]
+    assert f"[{ci[0]:.4f}, {ci[1]:.4f}]" in out  # A's interval beside the numbers
+    # the changed rows: count, breakdown and the first ones listed, from the predictions themselves
+    pa, pb = read_jsonl(runs["a"] / "predictions.jsonl"), read_jsonl(runs["b"] / "predictions.jsonl")
+    changed = [(x["index"], x["label"], x["pred"], y["pred"]) for x, y in zip(pa, pb) if x["pred"] != y["pred"]]
+    assert len(changed) > 5  # the two checkpoints disagree: the list is capped
+    fixed = sum(1 for _, label, p, q in changed if p != label and q == label)
+    broken = sum(1 for _, label, p, q in changed if p == label and q != label)
+    assert f"predictions changed on {len(changed)} of 40 rows: {fixed} now right, {broken} now wrong" in out
+    listed = [tuple(int(v) for v in m.groups()) for m in re.finditer(r"^  (\d+) +(\d+) +(\d+) +(\d+)$", out, re.M)]
+    assert listed == changed[:5]
+    assert f"... {len(changed) - 5} more" in out
+
+
+def test_a_run_against_itself_changes_nothing(runs, capsys):
+    assert compare_main([str(runs["a"]), str(runs["a"])]) == 0
+    out = capsys.readouterr().out
+    assert "predictions changed on 0 of 40 rows" in out
+    assert re.search(r"^  accuracy +(\S+) +\1 +\+0\.0000", out, re.M)
+
+
+def test_module_entry_point(runs):
+    proc = subprocess.run([sys.executable, "-m", "dist_eval.compare", str(runs["a"]), str(runs["b"])],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("dist_eval.compare: A = ") and "predictions changed on" in proc.stdout
+
+
+def assert_refused(args, pattern, capsys):
+    assert compare_main([str(a) for a in args]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dist_eval.compare: error: "), captured.err
+    assert re.search(pattern, lines[0]), lines[0]
+    assert captured.out == ""
+
+
+def test_refuses_runs_over_different_data(runs, capsys):
+    assert_refused([runs["a"], runs["small"]], r"has 40 samples and .* has 25: the runs are over different datasets", capsys)
+
+
+def test_refuses_same_size_but_different_labels(runs, tmp_path, capsys):
+    edited = tmp_path / "edited"
+    shutil.copytree(runs["a"], edited)
+    rows = read_jsonl(edited / "predictions.jsonl")
+    rows[3]["label"] = (rows[3]["label"] + 1) % 3
+    (edited / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert_refused([runs["a"], edited], r"the labels differ on 1 of 40 rows \(first at index \[3\]\)", capsys)
+
+
+def test_refuses_a_folder_that_is_not_a_run(runs, tmp_path, capsys):
+    assert_refused([runs["a"], tmp_path], r"missing metrics\.json and predictions\.jsonl \(not a finished dist_eval run\)", capsys)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    shutil.copy(runs["b"] / "metrics.json", partial / "metrics.json")
+    assert_refused([partial, runs["b"]], r"partial.*: missing predictions\.jsonl", capsys)
+    assert_refused([runs["a"], tmp_path / "nope"], r"nope: no such folder", capsys)

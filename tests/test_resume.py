@@ -1,0 +1,106 @@
+"""A rank killed mid-run, then the same command again: only the rows without a stored
+result are evaluated again, and the final report equals an uninterrupted run's. Real
+torchrun jobs (gloo, the local backend), a real SIGKILL."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, all_pids, free_port, read_jsonl, run_cli, stop_group, write_csv
+
+pytestmark = pytest.mark.multiproc
+NUM_ROWS = 1000
+
+
+@pytest.fixture(scope="module")
+def job(tiny_model, tiny_checkpoint, tmp_path_factory):
+    base = tmp_path_factory.mktemp("resume")
+    data = write_csv(str(base / "data.csv"), NUM_ROWS, seed=21)
+    args = ["--model", tiny_model, "--data-files", data, "--checkpoint", tiny_checkpoint, "--backend", "local",
+            "--batch-size", "1", "--in-flight", "1", "--save-logits", "--quiet", "--save-interval", "0",
+            "--bootstrap-resamples", "50"]
+    reference = base / "reference"
+    proc = run_cli([*args, "--output-dir", str(reference)], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return base, args, reference
+
+
+def _rank_pid(torchrun_pid: int, rank: int):
+    """pid of the worker with RANK=rank among torchrun's children."""
+    for pid in all_pids():
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                ppid = int(f.read().decode().rpartition(")")[2].split()[1])
+            if ppid != torchrun_pid:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return pid
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _interrupted_run(args, out, kill_after_files: int = 20):
+    """Start a 2-rank job, SIGKILL rank 1 once it stored some batches; return the job's exit code."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "dist_eval", *args, "--output-dir", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if len(glob.glob(str(out / "partial" / "*" / "rank1-*.npz"))) >= kill_after_files:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the job ended before it could be interrupted; make it longer"
+        victim = _rank_pid(proc.pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+        return proc.returncode, err
+    finally:
+        stop_group(proc.pid)
+
+
+def test_killed_rank_then_resume_equals_uninterrupted_run(job):
+    base, args, reference = job
+    out = base / "interrupted"
+    code, err = _interrupted_run(args, out)
+    assert code != 0
+    assert not (out / "metrics.json").exists() and not (out / "predictions.jsonl").exists()
+    stored = glob.glob(str(out / "partial" / "*" / "*.npz"))
+    assert stored and not glob.glob(str(out / "partial" / "*" / "*.tmp"))
+
+    # the same command again, on 3 ranks this time: the batch plan does not depend on N
+    proc = run_cli([*args, "--output-dir", str(out)], nproc=3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.load(open(out / "metrics.json"))
+    resumed = metrics["run"]["resumed_samples"]
+    assert 0 < resumed < NUM_ROWS  # only the rows without a stored result ran again
+    assert read_jsonl(out / "predictions.jsonl") == read_jsonl(reference / "predictions.jsonl")  # logits included
+    ref = json.load(open(reference / "metrics.json"))
+    assert {k: v for k, v in metrics.items() if k != "run"} == {k: v for k, v in ref.items() if k != "run"}
+    assert not (out / "partial").exists()  # served its purpose, removed
+
+
+def test_other_settings_never_mix_in_stored_results(job):
+    base, args, reference = job
+    out = base / "changed"
+    code, _ = _interrupted_run(args, out)
+    assert code != 0 and glob.glob(str(out / "partial" / "*" / "*.npz"))
+    changed = [a if a != "--batch-size" else a for a in args]
+    changed[changed.index("--batch-size") + 1] = "3"  # another batch plan: stored batches do not apply
+    proc = run_cli([*changed, "--output-dir", str(out)], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "removing stored partial results (made by another model, checkpoint, data or settings)" in proc.stdout + proc.stderr
+    metrics = json.load(open(out / "metrics.json"))
+    assert metrics["run"]["resumed_samples"] == 0
+    ref_preds = [r["pred"] for r in read_jsonl(reference / "predictions.jsonl")]
+    assert [r["pred"] for r in read_jsonl(out / "predictions.jsonl")] == ref_preds
