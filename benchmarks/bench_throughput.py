@@ -83,7 +83,7 @@ def padding_ratios(model_dir: str, data_dir: str, batch_size: int = 16, max_batc
 
     from dist_eval.data import plan_batches
 
-    lengths = np.array([len(ids) for ids in AutoTokenizer.from_pretrained(model_dir)(datasets.load_from_disk(data_dir)["text"])["input_ids"]])
+    lengths = np.array([len(ids) for ids in AutoTokenizer.from_pretrained(model_dir)(list(datasets.load_from_disk(data_dir)["text"]))["input_ids"]])
     n, real = len(lengths), int(lengths.sum())
 
     def ratio(batches):

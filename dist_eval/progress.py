@@ -132,17 +132,24 @@ class GlobalProgress:
         self._closed = True
         if self._thread is not None:
             self._stop.set()
-            self._thread.join()
+            # bounded: a store request stuck on a dead peer must not hold up the exit
+            self._thread.join(timeout=max(5.0, 4 * self.refresh_s))
+            if self._thread.is_alive():
+                self.mode = "none"
             self._thread = None
         if self.mode in ("bar", "log"):
-            self._render(final=True, completed=completed)
+            # after a failure the store may be gone: show the last count rank 0 read
+            self._render(final=True, completed=completed, ask_store=completed)
 
     # -- rank 0 -------------------------------------------------------------------------
 
-    def done(self) -> int:
-        """Rows finished over every rank, as far as rank 0 knows now."""
+    def done(self, ask_store: bool = True) -> int:
+        """Rows finished over every rank, as far as rank 0 knows now (``ask_store=False``:
+        the last total read from the store, without a request)."""
         if not self.shared:
             return self._local_done
+        if not ask_store:
+            return self._global_done + self._local_done - self._pushed
         delta = self._local_done - self._pushed
         self._global_done = D.shared_counter_add(self._key, delta)
         self._pushed += delta
@@ -152,11 +159,11 @@ class GlobalProgress:
         while not self._stop.wait(self.refresh_s):
             self._render(final=False)
 
-    def _render(self, final: bool, completed: bool = True) -> None:
+    def _render(self, final: bool, completed: bool = True, ask_store: bool = True) -> None:
         if self.mode == "none":
             return
         try:
-            done = self.done()
+            done = self.done(ask_store)
         except Exception as e:  # noqa: BLE001
             self._give_up(e)
             return

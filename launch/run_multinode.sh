@@ -31,7 +31,7 @@ NODE_RANK="${NODE_RANK:-0}"
 IS_HOST=0
 [[ "$NODE_RANK" == 0 ]] && IS_HOST=1
 exec "$PYTHON" -m torch.distributed.run \
-  --nnodes 1 --node-rank "$NODE_RANK" --nproc-per-node "${NPROC_PER_NODE:-1}" \
+  --nnodes "${NNODES:-2}" --node-rank "$NODE_RANK" --nproc-per-node "${NPROC_PER_NODE:-1}" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-dist_eval}" \
   --rdzv-conf "is_host=$IS_HOST,join_timeout=${RDZV_TIMEOUT:-600}" \
   ${LOCAL_ADDR:+--local-addr "$LOCAL_ADDR"} \

@@ -82,6 +82,12 @@ def assert_clean_failure(proc, pattern, nproc=2, max_seconds=None, started=None)
         assert len(codes) == nproc and set(codes) <= {"2", "-15"} and "2" in codes, proc.stderr[-3000:]
     if max_seconds is not None:
         assert time.monotonic() - started < max_seconds
+    # nothing written as if the run had succeeded
+    args = list(proc.args)
+    if "--output-dir" in args:
+        out = args[args.index("--output-dir") + 1]
+        for name in ("metrics.json", "predictions.jsonl"):
+            assert not os.path.exists(os.path.join(out, name)), f"{name} written by a failed run"
 
 
 def test_missing_column(tiny_model, tiny_checkpoint, data_csv, tmp_path):
@@ -153,3 +159,4 @@ def test_truncation_is_counted(tiny_model, tiny_checkpoint, data_csv, tmp_path):
         expected = sum(len(line.rsplit(",", 1)[0].split()) > 5 for line in f.read().splitlines()[1:])
     assert expected > 0
     assert json.load(open(tmp_path / "metrics.json"))["num_truncated"] == expected
+    assert "truncated" in proc.stdout  # the summary says so too

@@ -313,6 +313,7 @@ def test_two_hosts_swarm_and_two_nodes_equal_one_node(tiny_model, inputs, local_
             servers += children_running_server(host.pid)
             took[f"host {name} up"] = time.monotonic() - began
         assert peers["A"] != peers["B"] and len(servers) == 2, (peers, servers)
+        assert "blocks 0:2 (of 4)" in (tmp_path / "hostA.log").read_text()  # so every forward crosses both
         assert "blocks 2:4 (of 4)" in (tmp_path / "hostB.log").read_text()
         assert f"joined to the swarm at {peers['A']}" in (tmp_path / "hostB.log").read_text()
 
