@@ -36,17 +36,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 # (name, ranks, extra flags). ranks None: the plain tutorial loop.
+OFF = ["--batch-size", "16", "--no-length-buckets", "--max-batch-tokens", "0", "--in-flight", "1"]
 CONFIGS = [
     ("plain loop (tutorial), 1 process", None, []),
     ("dist_eval N=1, defaults", 1, []),
     ("dist_eval N=2, defaults", 2, []),
     ("dist_eval N=4, defaults", 4, []),
-    ("N=2, all optimisations off", 2, ["--no-length-buckets", "--in-flight", "1"]),
+    ("N=1, all optimisations off", 1, OFF),
+    ("N=2, all optimisations off", 2, OFF),
     ("N=2, length buckets off", 2, ["--no-length-buckets"]),
+    ("N=2, token cap off", 2, ["--max-batch-tokens", "0"]),
     ("N=2, in-flight 1", 2, ["--in-flight", "1"]),
     ("N=2, in-flight 4", 2, ["--in-flight", "4"]),
-    ("N=2, token budget 1024", 2, ["--max-batch-tokens", "1024"]),
-    ("N=1, all optimisations off", 1, ["--no-length-buckets", "--in-flight", "1"]),
+    ("N=2, batch size 16", 2, ["--batch-size", "16"]),
+    ("N=2, batch size 128", 2, ["--batch-size", "128"]),
     ("local backend N=1 (no RPC ceiling)", 1, ["--backend", "local"]),
     ("local backend N=2", 2, ["--backend", "local"]),
 ]
@@ -75,24 +78,25 @@ def make_benchmark_data(folder: str, num_rows: int, seed: int = 7) -> str:
     return folder
 
 
-def padding_ratios(model_dir: str, data_dir: str, batch_size: int = 16, max_batch_tokens: int = 1024) -> dict:
+def padding_ratios(model_dir: str, data_dir: str, prefix_tokens: int) -> dict:
     """Padded tokens / real tokens of the batch plans (what the servers compute per real token)."""
     import datasets
     import numpy as np
     from transformers import AutoTokenizer
 
-    from dist_eval.data import plan_batches
+    from dist_eval.data import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS, plan_batches
 
-    lengths = np.array([len(ids) for ids in AutoTokenizer.from_pretrained(model_dir)(list(datasets.load_from_disk(data_dir)["text"]))["input_ids"]])
+    texts = list(datasets.load_from_disk(data_dir)["text"])
+    lengths = np.array([len(ids) for ids in AutoTokenizer.from_pretrained(model_dir)(texts)["input_ids"]])
     n, real = len(lengths), int(lengths.sum())
 
     def ratio(batches):
         return sum(len(b) * int(lengths[b].max()) for b in batches) / real
 
     return {
-        "dataset order": ratio(plan_batches(n, batch_size)),
-        "length buckets": ratio(plan_batches(n, batch_size, lengths)),
-        f"token budget {max_batch_tokens}": ratio(plan_batches(n, batch_size, lengths, max_batch_tokens)),
+        "dataset order, batch 16 (the plain loop)": ratio(plan_batches(n, 16)),
+        "length buckets, batch 16": ratio(plan_batches(n, 16, lengths)),
+        "dist_eval defaults": ratio(plan_batches(n, DEFAULT_BATCH_SIZE, lengths, DEFAULT_MAX_BATCH_TOKENS, prefix_tokens=prefix_tokens)),
         "token lengths (min, median, max)": [int(lengths.min()), float(np.median(lengths)), int(lengths.max())],
     }
 
@@ -135,7 +139,7 @@ def run_config(name, ranks, extra, assets, data_dir, swarm, workdir, env):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                "--master_port", str(_free_port()), "-m", "dist_eval", "--model", assets.model_dir,
                "--data-files", data_dir, "--checkpoint", assets.checkpoint, "--output-dir", out_dir,
-               "--batch-size", "16", "--quiet", *extra]
+               "--quiet", "--bootstrap-resamples", "0", *extra]
         if "--backend" not in extra:
             cmd += ["--initial-peers", *swarm.initial_peers, "--dht-prefix", swarm.dht_prefix]
     client_cpu, server_cpu = _children_cpu_seconds(), _group_cpu_seconds(set(swarm.pgids))
@@ -181,7 +185,7 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="dist_eval-bench-") as workdir:
         data_dir = make_benchmark_data(os.path.join(workdir, "data"), args.rows)
-        padding = padding_ratios(assets.model_dir, data_dir)
+        padding = padding_ratios(assets.model_dir, data_dir, assets.pre_seq_len)
         print(f"padded / real tokens: {json.dumps(padding)}", flush=True)
         print(f"starting a local swarm of {args.servers} servers ...", file=sys.stderr, flush=True)
         with LocalSwarm(assets.model_dir, num_servers=args.servers) as swarm:

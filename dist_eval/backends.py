@@ -33,6 +33,7 @@ class LoadedModel:
     pad_token_id: int
     backend: str
     id2label: Optional[dict] = None
+    prompt_tokens: int = 0  # prompt vectors prepended to every row (servers compute them too)
 
     def close(self) -> None:
         if self.backend == "petals":
@@ -243,7 +244,7 @@ def load_model(
     else:
         raise UsageError(f"--backend {backend}: expected 'petals' or 'local'.")
     module.eval()
-    return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend, id2label)
+    return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend, id2label, state.pre_seq_len)
 
 
 def _load_local(model_dir: str, state: TrainableState) -> nn.Module:

@@ -265,7 +265,7 @@ def _run(config: EvalConfig) -> int:
             model, dataset, tokenizer=tokenizer, text_column=text_column, text_pair_column=config.text_pair_column,
             label_column=label_column, batch_size=config.batch_size, max_length=config.max_length,
             return_logits=config.save_logits, length_buckets=config.length_buckets,
-            max_batch_tokens=config.max_batch_tokens, in_flight=config.in_flight,
+            max_batch_tokens=config.max_batch_tokens or None, in_flight=config.in_flight,
             on_batch_done=progress.update, bootstrap_resamples=config.bootstrap_resamples, bootstrap_seed=config.bootstrap_seed,
             resume_folder=resume_folder, save_interval=config.save_interval,
         )

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import List, Optional
 
 from dist_eval.errors import UsageError
+from dist_eval.data import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS
 from dist_eval.predict import DEFAULT_IN_FLIGHT
 
 
@@ -32,9 +33,9 @@ class EvalConfig:
     checkpoint: Optional[str] = _opt("Trained prompt embeddings + classifier head (dist_eval or Petals state dict).", default=None)
     tuning_mode: Optional[str] = _opt("Prompt tuning mode of the checkpoint (read from it by default).", default=None, meta={"choices": ["ptune", "deep_ptune"]})
     pre_seq_len: int = _opt("Number of prompt vectors (needs --tuning-mode; read from the checkpoint by default).", default=0)
-    batch_size: int = _opt("Rows per forward pass.", default=16)
+    batch_size: int = _opt("At most this many rows per forward pass.", default=DEFAULT_BATCH_SIZE)
     max_length: int = _opt("Longer texts are truncated to this many tokens (counted in the report).", default=512)
-    max_batch_tokens: Optional[int] = _opt("Size batches by padded tokens (rows x longest row) instead of --batch-size rows.", default=None)
+    max_batch_tokens: int = _opt("And at most this many padded tokens per forward: rows x (longest row + prompt vectors); 0: no cap. Keep it under the servers' --max_batch_size (2048 by default).", default=DEFAULT_MAX_BATCH_TOKENS)
     length_buckets: bool = _opt("Batch rows of similar token length together (less padding; results unchanged).", default=True)
     resume: bool = _opt("Reuse the partial results an interrupted run of the same model, data and settings stored in --output-dir.", default=True)
     save_interval: float = _opt("Seconds between each rank's atomic saves of finished batches (partial results; 0: every batch).", default=10.0)
@@ -63,8 +64,8 @@ class EvalConfig:
                 raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected a positive number of seconds.")
         if self.save_interval < 0:
             raise UsageError(f"--save-interval {self.save_interval}: expected a number of seconds >= 0.")
-        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
-            raise UsageError(f"--max-batch-tokens {self.max_batch_tokens}: expected a positive number of tokens.")
+        if self.max_batch_tokens < 0:
+            raise UsageError(f"--max-batch-tokens {self.max_batch_tokens}: expected a number of tokens >= 0 (0: no cap).")
         if self.num_labels is not None and self.num_labels < 2:
             raise UsageError(f"--num-labels {self.num_labels}: expected at least 2 classes.")
         if self.pre_seq_len < 0:

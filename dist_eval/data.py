@@ -226,20 +226,31 @@ def _text_labels_to_ids(values: np.ndarray, label_column: str, num_labels: int, 
     return lookup(texts)
 
 
+# Defaults chosen from benchmarks/RESULTS.md: on a swarm, fewer and bigger forwards win
+# (each one pays a round trip and per-request work on every server), and a token cap
+# keeps a batch of long rows under a Petals server's --max_batch_size (2048 tokens by
+# default, prompt vectors included) while rows of similar length fill it.
+DEFAULT_BATCH_SIZE = 64
+DEFAULT_MAX_BATCH_TOKENS = 1536
+
+
 def plan_batches(
     num_rows: int,
     batch_size: int,
     lengths: Optional[np.ndarray] = None,
     max_batch_tokens: Optional[int] = None,
+    *,
+    length_buckets: bool = True,
+    prefix_tokens: int = 0,
 ) -> List[np.ndarray]:
     """Global batches of row indices, the same on every rank whatever the world size.
 
-    - ``lengths`` None: consecutive rows in dataset order, ``batch_size`` per batch.
-    - ``lengths`` given (token count of every row): rows sorted longest first (ties in
-      row order), so each batch holds rows of similar length and pads little.
-    - ``max_batch_tokens``: instead of a fixed row count, a batch takes rows while
-      rows x longest row stays within the budget (a row longer than the budget goes
-      alone); needs ``lengths``. ``batch_size`` is then not used.
+    - at most ``batch_size`` rows per batch;
+    - ``max_batch_tokens``: and at most that many padded tokens, i.e. rows x (longest
+      row + ``prefix_tokens``, the prompt vectors the servers also compute); a row longer
+      than the budget goes alone. Needs ``lengths`` (the token count of every row);
+    - ``length_buckets`` (with ``lengths``): rows sorted longest first, ties in row
+      order, so a batch holds rows of similar length and pads little; else dataset order.
 
     The plan depends only on the data and these settings, never on the rank or world
     size: that is what keeps every row's logits bitwise identical for any N.
@@ -252,16 +263,19 @@ def plan_batches(
     if lengths.shape != (num_rows,):
         raise ValueError(f"lengths has shape {lengths.shape}, expected ({num_rows},)")
     rows = np.arange(num_rows, dtype=np.int64)
-    order = np.lexsort((rows, -lengths))  # longest first; equal lengths keep row order
+    order = np.lexsort((rows, -lengths)) if length_buckets else rows  # longest first; ties keep row order
     if max_batch_tokens is None:
         return [order[start : start + batch_size] for start in range(0, num_rows, batch_size)]
-    batches, start = [], 0
-    sorted_lengths = lengths[order]
-    while start < num_rows:
-        # sorted longest first: the batch's padded length is that of its first row
-        fit = max(1, max_batch_tokens // max(1, int(sorted_lengths[start])))
-        batches.append(order[start : start + fit])
-        start += fit
+    batches, current, longest = [], [], 0
+    for row, length in zip(order.tolist(), lengths[order].tolist()):
+        grown = max(longest, length)
+        if current and (len(current) >= batch_size or (len(current) + 1) * (grown + prefix_tokens) > max_batch_tokens):
+            batches.append(np.array(current, dtype=np.int64))
+            current, grown = [], length
+        current.append(row)
+        longest = grown
+    if current:
+        batches.append(np.array(current, dtype=np.int64))
     return batches
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dist_eval import distributed as D
-from dist_eval.data import TaskColumns, check_columns, label_names_of, plan_batches, read_labels, right_pad, shard_batch_ids, tokenize_rows
+from dist_eval.data import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS, TaskColumns, check_columns, label_names_of, plan_batches, read_labels, right_pad, shard_batch_ids, tokenize_rows
 from dist_eval.errors import UsageError
 from dist_eval.intervals import bootstrap_intervals
 from dist_eval.metrics import confusion_matrix, mean_of, metrics_from_confusion
@@ -50,7 +50,7 @@ def _row_block(num_rows: int, rank: int, world_size: int) -> np.ndarray:
 
 def _dataset_shard(
     dataset, tokenizer, columns: TaskColumns, labels: np.ndarray, *, batch_size: int, max_length: int,
-    pad_token_id: int, length_buckets: bool, max_batch_tokens: Optional[int],
+    pad_token_id: int, length_buckets: bool, max_batch_tokens: Optional[int], prefix_tokens: int = 0,
 ) -> tuple:
     """This rank's batches of a Dataset: (iterator of right-padded batches, rows truncated here).
 
@@ -76,7 +76,9 @@ def _dataset_shard(
         known_ids = dict(zip(block.tolist(), ids))
         local_lengths = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
         lengths = np.concatenate(D.all_gather_object(local_lengths))  # blocks are in rank order
-    planned = plan_batches(num_rows, batch_size, lengths, max_batch_tokens)
+    planned = plan_batches(
+        num_rows, batch_size, lengths, max_batch_tokens, length_buckets=length_buckets, prefix_tokens=prefix_tokens
+    )
     batch_ids = shard_batch_ids(len(planned), rank, world_size)
     rows = np.concatenate([planned[b] for b in batch_ids]) if batch_ids else np.zeros(0, np.int64)
     todo = np.array([r for r in rows.tolist() if r not in known_ids], dtype=np.int64)
@@ -147,7 +149,7 @@ def evaluate(
     label_column: str = "label",
     num_labels: Optional[int] = None,
     label_names: Optional[Sequence[str]] = None,
-    batch_size: int = 16,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     max_length: int = 512,
     pad_token_id: Optional[int] = None,
     return_logits: bool = False,
@@ -155,7 +157,7 @@ def evaluate(
     sample_metrics: Optional[Dict[str, SampleMetric]] = None,
     on_batch_done: Optional[Callable[[int], None]] = None,
     length_buckets: bool = True,
-    max_batch_tokens: Optional[int] = None,
+    max_batch_tokens: Optional[int] = DEFAULT_MAX_BATCH_TOKENS,
     in_flight: int = DEFAULT_IN_FLIGHT,
     bootstrap_resamples: int = 1000,
     bootstrap_seed: int = 0,
@@ -181,8 +183,9 @@ def evaluate(
     ``on_batch_done(num_rows)`` is called on each rank after each of its batches.
 
     Throughput (none of these changes any result): ``length_buckets`` batches rows of
-    similar token length together (less padding); ``max_batch_tokens`` sizes batches by
-    padded tokens instead of ``batch_size`` rows; ``in_flight`` keeps that many batches
+    similar token length together (less padding); ``max_batch_tokens`` caps a batch's
+    padded tokens (rows x (longest row + prompt vectors); None: no cap) besides its
+    ``batch_size`` rows; ``in_flight`` keeps that many batches
     in flight at once on each rank (their results are put back in order).
 
     ``resume_folder`` (Dataset input only): each rank stores the logits of finished
@@ -242,6 +245,7 @@ def evaluate(
             batches, num_truncated, own_batches = _dataset_shard(
                 data, tokenizer, columns, labels, batch_size=batch_size, max_length=max_length,
                 pad_token_id=pad_token_id, length_buckets=length_buckets, max_batch_tokens=max_batch_tokens,
+                prefix_tokens=model.prompt_tokens if isinstance(model, LoadedModel) else 0,
             )
         except Exception as e:  # noqa: BLE001
             error = e

@@ -40,6 +40,13 @@ def rows_csv(tmp_path_factory):
     return write_csv(str(tmp_path_factory.mktemp("failover") / "rows.csv"), NUM_ROWS, seed=7)
 
 
+@pytest.fixture(scope="module")
+def many_rows_csv(tmp_path_factory):
+    # the failing run ends at the kill, so its length costs nothing: long enough that even a
+    # fast machine is still in its evaluation loop a second after it starts
+    return write_csv(str(tmp_path_factory.mktemp("failover") / "many_rows.csv"), 4000, seed=8)
+
+
 def petals_args(swarm, model, checkpoint, data, out, *extra):
     return ["--model", model, "--data-files", data, "--checkpoint", checkpoint, "--output-dir", str(out),
             "--initial-peers", *swarm.initial_peers, "--dht-prefix", swarm.dht_prefix,
@@ -134,13 +141,13 @@ def test_server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoi
         assert metrics["run"]["max_batch_seconds"] < 10, metrics["run"]
 
 
-def test_blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tiny_checkpoint, rows_csv, tmp_path):
+def test_blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, tmp_path):
     out = tmp_path / "out"
-    run = BackgroundCli(petals_args(swarm3, tiny_model, tiny_checkpoint, rows_csv, out, "--swarm-timeout", "10"), nproc=2)
+    run = BackgroundCli(petals_args(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, out, "--swarm-timeout", "10"), nproc=2)
     try:
         assert run.evaluating.wait(timeout=240), "the run never reached its evaluation loop: " + "".join(run.err)[-3000:]
         time.sleep(1.0)
-        assert run.proc.poll() is None, "the run ended before the kill; make it longer (NUM_ROWS)"
+        assert run.proc.poll() is None, "the run ended before the kill; make many_rows_csv longer"
         # blocks 2 and 3 are on servers 1 (2:4) and 2 (0:4); server 0 (0:2) keeps serving 0 and 1
         for index in (1, 2):
             kill_server(swarm3, index)
@@ -158,4 +165,5 @@ def test_blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tin
     assert "exitcode  : 2" in stderr  # the ranks' usage-error code, in torchrun's summary
     # --swarm-timeout 10 plus the last attempt and the shutdown: well under a minute
     assert after_kill < 45, (after_kill, stderr[-3000:])
+    print(f"killed at {killed_at - run.started:.1f} s after the start, every rank out {after_kill:.1f} s later")
     assert not (out / "metrics.json").exists() and not (out / "predictions.jsonl").exists()

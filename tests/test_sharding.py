@@ -101,16 +101,22 @@ def test_length_buckets_reduce_padding():
 
 
 @pytest.mark.parametrize("budget", [1, 10, 64, 100, 1000])
-def test_token_budget_batches(budget):
+@pytest.mark.parametrize("length_buckets", [True, False])
+@pytest.mark.parametrize("prefix", [0, 8])
+def test_token_budget_batches(budget, length_buckets, prefix):
     lengths = _lengths(300, seed=1)
-    batches = plan_batches(300, 16, lengths, max_batch_tokens=budget)
-    assert sorted(np.concatenate(batches).tolist()) == list(range(300))
+    batches = plan_batches(300, 16, lengths, max_batch_tokens=budget, length_buckets=length_buckets, prefix_tokens=prefix)
+    rows = np.concatenate(batches)
+    assert sorted(rows.tolist()) == list(range(300))
+    if not length_buckets:
+        assert rows.tolist() == list(range(300))  # dataset order kept
     for b in batches:
-        padded = len(b) * int(lengths[b].max())
-        assert padded <= budget or len(b) == 1  # a row longer than the budget goes alone
-    # greedy: the next row would not have fitted
+        padded = len(b) * (int(lengths[b].max()) + prefix)
+        assert len(b) <= 16 and (padded <= budget or len(b) == 1)  # a row longer than the budget goes alone
+    # greedy: the next row would have broken a cap
     for b, nxt in zip(batches, batches[1:]):
-        assert (len(b) + 1) * int(lengths[b].max()) > budget
+        grown = max(int(lengths[b].max()), int(lengths[nxt[0]]))
+        assert len(b) == 16 or (len(b) + 1) * (grown + prefix) > budget
 
 
 def test_token_budget_needs_lengths():
