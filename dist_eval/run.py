@@ -233,7 +233,7 @@ def evaluate(
                 raise UsageError("pad_token_id: unknown (the model config has none); pass pad_token_id=...")
             columns = TaskColumns(text_column, label_column, text_pair_column)
             check_columns(data, columns)
-            labels = read_labels(data, label_column, num_labels)
+            labels = read_labels(data, label_column, num_labels, label_names=label_names)
             label_names = label_names or label_names_of(data, label_column)
             num_rows = len(data)
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks

@@ -2,7 +2,9 @@
 under torchrun gives the same predictions for N=1 and N=2, and the same logits as the
 local backend, bitwise (fp32). Marked `swarm`: run alone with `pytest -m swarm`."""
 import json
+import os
 import time
+from unittest import mock
 
 import pytest
 
@@ -15,8 +17,16 @@ pytestmark = pytest.mark.swarm
 def swarm(tiny_model):
     from dist_eval.swarm import LocalSwarm
 
-    with LocalSwarm(tiny_model, num_servers=2, dht_prefix="dist-eval-test") as s:
-        yield s
+    # The local reference runs with one thread (run_cli sets OMP_NUM_THREADS=1); the
+    # servers must too: a CPU matmul's summation order, so its last bits, depends on the
+    # thread count, and this test compares logits bit for bit.
+    swarm = LocalSwarm(tiny_model, num_servers=2, dht_prefix="dist-eval-test")
+    try:
+        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
+            swarm.start()
+        yield swarm
+    finally:
+        swarm.stop()
 
 
 @pytest.fixture(scope="module")
