@@ -42,6 +42,7 @@ CONFIGS = [
     ("dist_eval N=1, defaults", 1, []),
     ("dist_eval N=2, defaults", 2, []),
     ("dist_eval N=4, defaults", 4, []),
+    ("N=2, defaults + progress log", 2, ["--progress", "log"]),
     ("N=1, all optimisations off", 1, OFF),
     ("N=2, all optimisations off", 2, OFF),
     ("N=2, length buckets off", 2, ["--no-length-buckets"]),

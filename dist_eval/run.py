@@ -201,7 +201,7 @@ def evaluate(
     from dist_eval.backends import LoadedModel
 
     start = time.perf_counter()
-    world_size, rank = D.get_world_size(), D.get_rank()
+    rank = D.get_rank()
     forward = model.module if isinstance(model, LoadedModel) else model
     if isinstance(model, LoadedModel):
         num_labels = num_labels or model.num_labels

@@ -10,10 +10,5 @@
 # PYTHON  interpreter (default: the repository's .venv, else python3)
 # The rendezvous is torchrun's --standalone one (a free local port), so runs never clash.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [[ -z "${PYTHON:-}" ]]; then
-  PYTHON=python3
-  [[ -x "$ROOT/.venv/bin/python" ]] && PYTHON="$ROOT/.venv/bin/python"
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # a source checkout works without installing
+source "$(dirname "${BASH_SOURCE[0]}")/_python.sh"  # ROOT, PYTHON, PYTHONPATH
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-2}" -m dist_eval "$@"

@@ -20,12 +20,7 @@
 # LOCAL_ADDR           this node's address as the others reach it (default: its host name)
 # PYTHON               interpreter (default: the repository's .venv, else python3)
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [[ -z "${PYTHON:-}" ]]; then
-  PYTHON=python3
-  [[ -x "$ROOT/.venv/bin/python" ]] && PYTHON="$ROOT/.venv/bin/python"
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # a source checkout works without installing
+source "$(dirname "${BASH_SOURCE[0]}")/_python.sh"  # ROOT, PYTHON, PYTHONPATH
 : "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0 (the same on every node), e.g. MASTER_ADDR=10.0.0.1}"
 NODE_RANK="${NODE_RANK:-0}"
 IS_HOST=0

@@ -20,12 +20,7 @@
 # SERVERS (1), DEVICE (cpu), PYTHON (the repository's .venv, else python3)
 # Further arguments go to `python -m dist_eval.swarm` (its --help lists them).
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [[ -z "${PYTHON:-}" ]]; then
-  PYTHON=python3
-  [[ -x "$ROOT/.venv/bin/python" ]] && PYTHON="$ROOT/.venv/bin/python"
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # a source checkout works without installing
+source "$(dirname "${BASH_SOURCE[0]}")/_python.sh"  # ROOT, PYTHON, PYTHONPATH
 : "${MODEL_DIR:?set MODEL_DIR to the model folder to serve, e.g. MODEL_DIR=/shared/my-llama}"
 if [[ -z "${HOST:-}" ]]; then
   HOST="$(hostname -I 2>/dev/null | awk '{print $1}')"

@@ -2,6 +2,7 @@
 small datasets, generated deterministically in a temp folder (nothing downloaded)."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -175,11 +176,46 @@ def swarm_server_pids():
     return out
 
 
+_DEMO_WORKER = """
+import json, sys
+from dataclasses import asdict
+from dist_eval.demo import demo_assets
+assets = demo_assets(sys.argv[1], log=lambda line: print("LOG", line, flush=True))
+print("ASSETS", json.dumps(asdict(assets)), flush=True)
+"""
+
+
 @pytest.fixture(scope="session")
-def demo_cache(tmp_path_factory) -> str:
-    """The built-in demo assets, built once per test session in a temp cache."""
-    from dist_eval.demo import demo_assets
+def demo_build(tmp_path_factory):
+    """The built-in demo assets, built for real once per test session, by two processes
+    calling ``demo_assets`` on the same empty cache at once (as two torchrun ranks do):
+    (cache, each process's stdout, the DemoAssets each returned)."""
+    from dist_eval.demo import DemoAssets
 
     cache = str(tmp_path_factory.mktemp("demo_cache"))
-    demo_assets(cache, log=lambda line: None)
-    return cache
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, "-c", _DEMO_WORKER, cache], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for _ in range(2)]
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, f"demo_assets failed:\n{out}\n{err[-3000:]}"
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            stop_group(proc.pid)
+    returned = []
+    for out in outputs:
+        line = [line for line in out.splitlines() if line.startswith("ASSETS ")][-1]
+        fields = json.loads(line[len("ASSETS "):])
+        fields["label_names"] = tuple(fields["label_names"])
+        returned.append(DemoAssets(**fields))
+    return cache, outputs, returned
+
+
+@pytest.fixture(scope="session")
+def demo_cache(demo_build) -> str:
+    """The cache folder holding the built-in demo assets (built once per session)."""
+    return demo_build[0]

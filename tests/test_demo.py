@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,37 +16,10 @@ import torch
 from dist_eval import demo
 from dist_eval.demo import DEMO_VERSION, DemoAssets, demo_assets, default_cache_dir
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_WORKER = """
-import json, sys
-from dataclasses import asdict
-from dist_eval.demo import demo_assets
-assets = demo_assets(sys.argv[1], log=lambda line: print("LOG", line, flush=True))
-print("ASSETS", json.dumps(asdict(assets)), flush=True)
-"""
-_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("demo_cache"))
-    env = {**os.environ, **_OFFLINE, "PYTHONWARNINGS": "ignore"}
-    procs = [
-        subprocess.Popen([sys.executable, "-c", _WORKER, cache], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
-    outputs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"demo_assets failed:\n{out}\n{err[-3000:]}"
-        outputs.append(out)
-    returned = []
-    for out in outputs:
-        line = [line for line in out.splitlines() if line.startswith("ASSETS ")][-1]
-        fields = json.loads(line[len("ASSETS "):])
-        fields["label_names"] = tuple(fields["label_names"])
-        returned.append(DemoAssets(**fields))
-    return cache, outputs, returned
+def built(demo_build):
+    """(cache, each process's output, the DemoAssets each returned): see conftest.demo_build."""
+    return demo_build
 
 
 @pytest.fixture(scope="module")

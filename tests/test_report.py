@@ -196,7 +196,12 @@ def test_report_files_are_complete_and_valid(two_rank_run):
 def test_report_without_matplotlib(one_process_result, tmp_path, monkeypatch, capsys):
     from dist_eval.report import write_report_files
 
-    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
+    import sys
+
+    # as if not installed: the package and every submodule an earlier test imported
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
     written = write_report_files(str(tmp_path), one_process_result.metrics)
     err = capsys.readouterr().err
     assert [line for line in err.splitlines() if line] == [
