@@ -10,10 +10,11 @@ is part of the end-to-end figure; the eval-loop figure is rows / the slowest ran
 time (tokenisation included, model loading not). Each configuration must give the plain
 loop's predictions, or the benchmark fails.
 
-Where the time goes: for each configuration the CPU seconds of the client processes
-(torchrun and its ranks) and of the server processes are measured from the kernel's
-accounting. On a 2-core machine, (client + server CPU) / wall close to 2 means the box
-is saturated: more overlap cannot help there, only less work per sample.
+Where the time goes: for each configuration, the client ranks' CPU seconds inside the
+evaluation loop (``time.process_time`` of each rank, summed) and the server processes'
+CPU seconds (from the kernel's accounting), and the cores they keep busy during the
+loop. On a 2-core machine a value near 2 means the box is saturated: more overlap
+cannot help there, only less work per sample; well below 2 means time spent waiting.
 
 Prints a table with ratios to the plain loop and writes JSON (``--out``).
 """
@@ -154,17 +155,20 @@ def run_config(name, ranks, extra, assets, data_dir, swarm, workdir, env):
         with open(out_json) as f:
             facts = json.load(f)
         n, loop_seconds, preds = facts["num_samples"], facts["eval_loop_seconds"], facts["preds"]
+        loop_cpu = facts["loop_cpu_seconds"]
     else:
         with open(os.path.join(out_dir, "metrics.json")) as f:
             metrics = json.load(f)
         n, loop_seconds = metrics["num_samples"], metrics["run"]["eval_loop_seconds"]
+        loop_cpu = metrics["run"]["loop_cpu_seconds_sum"]
         with open(os.path.join(out_dir, "predictions.jsonl")) as f:
             preds = [json.loads(line)["pred"] for line in f]
     return {
         "name": name, "ranks": ranks, "flags": extra, "num_samples": n,
         "eval_samples_per_second": n / loop_seconds, "end_to_end_samples_per_second": n / wall,
         "eval_loop_seconds": loop_seconds, "wall_seconds": wall,
-        "client_cpu_seconds": client_cpu, "server_cpu_seconds": server_cpu, "preds": preds,
+        "client_cpu_seconds": client_cpu, "server_cpu_seconds": server_cpu, "loop_client_cpu_seconds": loop_cpu,
+        "preds": preds,
     }
 
 
@@ -223,14 +227,19 @@ def main() -> int:
 
 
 def format_table(results) -> str:
-    head = (f"{'configuration':<38} {'eval/s':>8} {'x plain':>8} {'e2e/s':>7} {'x plain':>8} "
-            f"{'wall s':>7} {'client cpu':>10} {'server cpu':>10}")
+    """eval/s and e2e/s with ratios to the plain loop, then where the loop's time goes:
+    the loop's wall seconds, the client ranks' CPU seconds in it (their own processes),
+    the servers' CPU seconds (whole run: they are idle outside the loops), and the cores
+    those keep busy on average during the loop (this machine has os.cpu_count())."""
+    head = (f"{'configuration':<36} {'eval/s':>7} {'x plain':>7} {'e2e/s':>6} {'x plain':>7} "
+            f"{'loop s':>6} {'client cpu':>10} {'server cpu':>10} {'cores busy':>10}")
     lines = [head, "-" * len(head)]
     for r in results:
+        busy = (r["loop_client_cpu_seconds"] + r["server_cpu_seconds"]) / r["eval_loop_seconds"]
         lines.append(
-            f"{r['name']:<38} {r['eval_samples_per_second']:8.1f} {r['ratio_to_plain_eval']:8.2f} "
-            f"{r['end_to_end_samples_per_second']:7.1f} {r['ratio_to_plain_end_to_end']:8.2f} {r['wall_seconds']:7.1f} "
-            f"{r['client_cpu_seconds']:10.1f} {r['server_cpu_seconds']:10.1f}"
+            f"{r['name']:<36} {r['eval_samples_per_second']:7.1f} {r['ratio_to_plain_eval']:7.2f} "
+            f"{r['end_to_end_samples_per_second']:6.1f} {r['ratio_to_plain_end_to_end']:7.2f} {r['eval_loop_seconds']:6.1f} "
+            f"{r['loop_client_cpu_seconds']:10.1f} {r['server_cpu_seconds']:10.1f} {busy:10.2f}"
         )
     return "\n".join(lines)
 

@@ -30,6 +30,7 @@ class ShardResults:
     forward_seconds: float = 0.0
     max_batch_seconds: float = 0.0  # the slowest single forward
     num_resumed: int = 0  # samples whose logits came from stored partial results
+    loop_cpu_seconds: float = 0.0  # CPU time of this rank's process during the evaluation loop
 
     @property
     def num_samples(self) -> int:

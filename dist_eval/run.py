@@ -200,7 +200,7 @@ def evaluate(
     """
     from dist_eval.backends import LoadedModel
 
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     rank = D.get_rank()
     forward = model.module if isinstance(model, LoadedModel) else model
     if isinstance(model, LoadedModel):
@@ -274,6 +274,7 @@ def evaluate(
             writer.flush()  # also on failure: finished batches are not lost
     D.agree_on_failure("the forward passes", error)
     loop_seconds = time.perf_counter() - start
+    local.loop_cpu_seconds = time.process_time() - start_cpu  # this rank's CPU (all its threads) in the loop
 
     report, merged = merge_on_main(
         local, num_rows, num_labels, label_names=label_names, user_metrics=metrics,
@@ -301,7 +302,8 @@ def merge_on_main(
     # sample-weighted totals on every rank: reduce numerators and denominators, divide once
     sample_names = sorted(local.sample_values)
     local_totals = np.array(
-        [local.num_samples, int((local.preds == local.labels).sum()), float(local.losses.sum()), num_truncated, local.forward_seconds]
+        [local.num_samples, int((local.preds == local.labels).sum()), float(local.losses.sum()), num_truncated, local.forward_seconds,
+         local.loop_cpu_seconds]
         + [float(local.sample_values[n].sum()) for n in sample_names],
         dtype=np.float64,
     )
@@ -329,6 +331,9 @@ def merge_on_main(
                 "per_rank_samples": per_rank_samples,
                 "eval_loop_seconds": loop_seconds_max,
                 "forward_seconds_sum": float(global_totals[4]),
+                # where the loop's time goes: client CPU of all ranks (their own processes;
+                # not the p2pd daemons), next to ranks x loop seconds of wall time
+                "loop_cpu_seconds_sum": float(global_totals[5]),
                 "samples_per_second": merged.num_samples / loop_seconds_max if loop_seconds_max > 0 else None,
                 "duplicates_dropped": merged.num_duplicates_dropped,
                 "max_batch_seconds": max(facts[2] for facts in rank_facts),
