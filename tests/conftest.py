@@ -219,3 +219,27 @@ def demo_build(tmp_path_factory):
 def demo_cache(demo_build) -> str:
     """The cache folder holding the built-in demo assets (built once per session)."""
     return demo_build[0]
+
+
+def read_stdout_line(proc: subprocess.Popen, timeout: float) -> str:
+    """One stdout line of ``proc`` (a Popen with stdout=PIPE), or what came before it
+    exits or ``timeout`` seconds pass."""
+    import selectors
+    import time
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    buf, end = b"", time.monotonic() + timeout
+    try:
+        while b"\n" not in buf and time.monotonic() < end:
+            if not sel.select(timeout=0.5):
+                if proc.poll() is not None:
+                    break
+                continue
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            buf += chunk
+    finally:
+        sel.close()
+    return buf.decode()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import selectors
 import signal
 import socket
 import subprocess
@@ -22,7 +21,7 @@ import uuid
 
 import pytest
 
-from conftest import REPO, build_checkpoint, free_port, run_in_own_group, stop_group, swarm_server_pids, write_csv
+from conftest import REPO, build_checkpoint, free_port, read_stdout_line, run_in_own_group, stop_group, swarm_server_pids, write_csv
 
 LAUNCH = os.path.join(REPO, "launch")
 SCRIPTS = ["run_local.sh", "run_multinode.sh", "start_server.sh", "slurm.sbatch"]
@@ -80,23 +79,6 @@ def run_nodes(args, tmp_path, nnodes=2, nproc_per_node=1, timeout=240):
         out.append((node.returncode, log.read()))
         log.close()
     return out
-
-
-def read_line(proc, timeout):
-    """One stdout line of proc, or '' if it exits or times out first."""
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    buf, end = b"", time.monotonic() + timeout
-    try:
-        while b"\n" not in buf and time.monotonic() < end and proc.poll() is None:
-            if sel.select(timeout=0.5):
-                chunk = os.read(proc.stdout.fileno(), 4096)
-                if not chunk:
-                    break
-                buf += chunk
-    finally:
-        sel.close()
-    return buf.decode()
 
 
 def children_running_server(pid):
@@ -306,7 +288,7 @@ def test_two_hosts_swarm_and_two_nodes_equal_one_node(tiny_model, inputs, local_
             logs.append(open(tmp_path / f"host{name}.log", "w"))
             host = start_in_own_group(["bash", os.path.join(LAUNCH, "start_server.sh")], env, stderr=logs[-1])
             hosts.append(host)
-            line = read_line(host, timeout=150)
+            line = read_stdout_line(host, timeout=150)
             assert line.startswith("INITIAL_PEERS="), (line, host.poll(), (tmp_path / f"host{name}.log").read_text()[-3000:])
             peers[name] = line.strip().split("=", 1)[1]
             assert MADDR.match(peers[name]), peers[name]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import selectors
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import read_stdout_line
 from dist_eval.swarm import LocalSwarm, SwarmError, plan_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,27 +83,6 @@ def _kill_groups(pgids) -> None:
             os.killpg(g, signal.SIGKILL)
         except OSError:
             pass
-
-
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-    """One stdout line of proc, or '' if it exits or times out first."""
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    buf = b""
-    end = time.monotonic() + timeout
-    try:
-        while b"\n" not in buf and time.monotonic() < end:
-            if not sel.select(timeout=0.5):
-                if proc.poll() is not None:
-                    break
-                continue
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                break
-            buf += chunk
-    finally:
-        sel.close()
-    return buf.decode()
 
 
 def _make_model(path: Path) -> Path:
@@ -316,7 +295,7 @@ def test_cli_prints_initial_peers_and_stops_on_sigterm(tiny_model):
     )  # fmt: skip
     groups = []
     try:
-        line = _read_line(proc, timeout=150)
+        line = read_stdout_line(proc, timeout=150)
         assert line.startswith("INITIAL_PEERS="), (line, proc.poll())
         peers = line.strip().split("=", 1)[1].split(" ")
         assert len(peers) == 2 and all(MADDR.match(p) for p in peers), peers
@@ -356,7 +335,7 @@ def test_watchdog_stops_servers_when_owner_is_killed(tiny_model):
     owner = subprocess.Popen([sys.executable, "-c", code, str(tiny_model)], stdout=subprocess.PIPE, env=ENV, cwd=ROOT)
     info = {}
     try:
-        line = _read_line(owner, timeout=150)
+        line = read_stdout_line(owner, timeout=150)
         info = json.loads(line)
         assert _procs_in_groups(info["pgids"])
         owner.kill()  # no atexit, no __exit__: only the watchdog can clean up
