@@ -49,10 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
 def _print_error(message: str) -> None:
     # One line, on rank 0 only when the failure is shared by every rank.
     print(f"dist_eval: error: {message}", file=sys.stderr, flush=True)
@@ -63,13 +59,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     quiet_third_party_output()
     args = build_parser().parse_args(argv)
+    config, config_error = None, None
     try:
         config = EvalConfig(**vars(args))
     except UsageError as e:
-        # Every rank parsed the same flags and fails alike, before any collective.
-        if _env_rank() == 0:
-            _print_error(str(e))
-        return EXIT_USAGE
+        config_error = e  # every rank finds the same one: agreed on below, printed by rank 0
     owns_group = False
     # torchrun stops the surviving ranks with SIGTERM when one fails; by default that kills
     # Python on the spot, orphaning the petals client's DHT and p2pd children and (on rank
@@ -77,11 +71,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        owns_group = D.init_process_group_from_env(config.dist_timeout)
+        timeout = config.dist_timeout if config else EvalConfig.__dataclass_fields__["dist_timeout"].default
+        owns_group = D.init_process_group_from_env(timeout)
+        # Even a flag error goes through an agreement: a rank that exited at once would
+        # make torchrun stop rank 0 before it had printed the error.
+        D.agree_on_failure("checking the flags", config_error)
         return _run(config)
     except D.RankFailure as e:
         if D.get_rank() == 0 or not e.usage:
             _print_error(str(e))
+        D.barrier_if_alive()  # no rank exits (and gets rank 0 stopped) before rank 0 has printed
         return EXIT_USAGE if e.usage else EXIT_FAILURE
     except UsageError as e:
         _print_error(str(e))

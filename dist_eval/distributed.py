@@ -76,6 +76,15 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def barrier_if_alive() -> None:
+    """A barrier on a failure path: every rank is known to be alive and here, but an
+    error in the barrier itself must not hide the failure being reported."""
+    try:
+        barrier()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def barrier() -> None:
     if get_world_size() > 1:
         dist.barrier()
