@@ -105,8 +105,12 @@ def quiet_third_party_output() -> None:
     - transformers 4.33 + torch 2.13: a FutureWarning about ``_register_pytree_node``;
     - petals' server loading blocks onto meta tensors: one UserWarning per weight;
     - "Some weights ... newly initialized: ['score.weight']": we load the trained head
-      right after from the checkpoint, and refuse to run when there is none.
+      right after from the checkpoint, and refuse to run when there is none;
+    - huggingface/tokenizers' "the current process just got forked" (hivemind forks its
+      DHT process after a tokenizer was used): it turns the tokenizer's own threads off,
+      which it then does anyway; saying so up front keeps the log clean.
     """
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", message=r".*_register_pytree_node.*")
     warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter.*")
     try:
