@@ -206,6 +206,10 @@ def agree_on_failure(phase: str, local_error: Optional[BaseException]) -> None:
     """
     from dist_eval.errors import UsageError
 
+    if isinstance(local_error, RankFailure):
+        # agreed on already, by every rank, in a nested phase: pass it on as it is (wrapping
+        # it would turn a usage error into an internal one, and print it twice)
+        raise local_error
     if local_error is None:
         report = None
     elif isinstance(local_error, UsageError):

@@ -52,7 +52,8 @@ def _dataset_shard(
     dataset, tokenizer, columns: TaskColumns, labels: np.ndarray, *, batch_size: int, max_length: int,
     pad_token_id: int, length_buckets: bool, max_batch_tokens: Optional[int], prefix_tokens: int = 0,
 ) -> tuple:
-    """This rank's batches of a Dataset: (iterator of right-padded batches, rows truncated here).
+    """This rank's batches of a Dataset: (iterator of right-padded batches, rows truncated
+    here, {batch id: row indices} of this rank's batches).
 
     Every rank calls it (it holds collectives). Tokenisation happens once, up front, so
     it never stalls the forwards. With length buckets or a token budget the global batch

@@ -46,6 +46,9 @@ CASES = {
     "row_without_label": ("text,label\nw1 w2,0\nw3,\nw4,1\n", [], r"--label-column label: .*row 1 has no label"),
     "negative_label": ("text,label\nw1 w2,0\nw3,-1\n", [], r"--label-column label: row 1 has label -1, outside \[0, 3\)"),
     "num_labels_disagrees_with_head": (None, ["--num-labels", "4"], r"--num-labels 4: the classifier head has 3 outputs"),
+    # found while tokenizing the lengths for the batch plan (a phase inside a phase):
+    # still one line, a usage error
+    "row_without_text": ("text,label\nw1 w2,0\n,1\nw4 w5,2\n", [], r"--text-column text: row 1 holds NoneType None, expected text"),
     "empty_split_csv": ("text,label\n", [], r"--data-files .*data\.csv: no rows"),
     "empty_data_file": ("", [], r"--data-files .*data\.csv: no rows"),
     "model_without_tokenizer": (None, ["MODEL_WITHOUT_TOKENIZER"], r"--model .*: no usable tokenizer in the folder"),
