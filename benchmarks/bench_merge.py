@@ -1,6 +1,7 @@
 """The gather + merge + metrics path alone (no model): time and peak memory on rank 0.
 
-    .venv/bin/python -m torch.distributed.run --nproc_per_node 4 benchmarks/bench_merge.py [--sizes 10000 100000 1000000]
+    .venv/bin/python -m torch.distributed.run --nproc_per_node 4 benchmarks/bench_merge.py \
+        [--sizes 10000 100000 1000000]
 
 Each rank makes synthetic per-sample results for its share of the rows (a padded
 DistributedSampler-like split, so duplicates are dropped too), then runs exactly what
@@ -9,6 +10,7 @@ the per-sample arrays to rank 0, the merge (de-duplicate, order, coverage check)
 metrics. Rank 0 prints the seconds and its peak resident memory above the level before
 the step, next to the size of one copy of the gathered arrays.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,16 +61,16 @@ def main() -> int:
 
     import torch.distributed as dist
 
-    from dist_eval import distributed as D
-    from dist_eval.run import merge_on_main
+    from dist_eval import ranks
+    from dist_eval.merge import merge_on_main
 
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
-    rank, world = D.get_rank(), D.get_world_size()
+    rank, world = ranks.get_rank(), ranks.get_world_size()
     rows_out = []
     for n in args.sizes:
         local = local_results(n, args.num_labels, rank, world)
-        D.barrier()
+        ranks.barrier()
         _reset_peak_rss()
         rss_before = _rss_bytes("VmRSS")
         start = time.perf_counter()
@@ -78,10 +80,20 @@ def main() -> int:
         if rank == 0:
             one_copy = n * (8 + 8 + 8 + 8)  # indices, labels, preds, losses of the de-duplicated set
             assert merged.num_samples == n and report["num_samples"] == n
-            rows_out.append({"samples": n, "world_size": world, "seconds": seconds,
-                             "peak_extra_rss_mb": peak_extra / 2**20, "one_copy_mb": one_copy / 2**20})
-            print(f"{n:>9} samples, N={world}: {seconds:6.3f} s, peak extra RSS {peak_extra / 2**20:7.1f} MB "
-                  f"(one copy of the gathered arrays: {one_copy / 2**20:6.1f} MB)", flush=True)
+            rows_out.append(
+                {
+                    "samples": n,
+                    "world_size": world,
+                    "seconds": seconds,
+                    "peak_extra_rss_mb": peak_extra / 2**20,
+                    "one_copy_mb": one_copy / 2**20,
+                }
+            )
+            print(
+                f"{n:>9} samples, N={world}: {seconds:6.3f} s, peak extra RSS {peak_extra / 2**20:7.1f} MB "
+                f"(one copy of the gathered arrays: {one_copy / 2**20:6.1f} MB)",
+                flush=True,
+            )
         del local, merged, report
     if rank == 0 and args.out:
         with open(args.out, "w") as f:

@@ -22,24 +22,24 @@ def main() -> int:
     args = p.parse_args()
     import torch.distributed as dist
 
-    from dist_eval import distributed as D
+    from dist_eval import ranks
 
     dist.init_process_group("gloo")
-    key = D.new_shared_counter("bench")
+    key = ranks.new_shared_counter("bench")
     seconds = None
-    if D.get_rank() == 1:
+    if ranks.get_rank() == 1:
         start = time.perf_counter()
         for _ in range(args.calls):
-            D.shared_counter_add(key, 64)
+            ranks.shared_counter_add(key, 64)
         seconds = time.perf_counter() - start
-    seconds = D.broadcast_object(seconds, src=1)
-    if D.get_rank() == 0:
+    seconds = ranks.broadcast_object(seconds, src=1)
+    if ranks.get_rank() == 0:
         per_call = seconds / args.calls
-        total = D.shared_counter_add(key, 0)
+        total = ranks.shared_counter_add(key, 0)
         assert total == 64 * args.calls, total
         print(f"store add: {per_call * 1e6:.0f} us per batch; at 10 batches/s per rank that is "
               f"{per_call * 10:.3%} of the rank's time, at 100 batches/s {per_call * 100:.2%}")
-    D.barrier()
+    ranks.barrier()
     dist.destroy_process_group()
     return 0
 

@@ -75,7 +75,9 @@ def make_benchmark_data(folder: str, num_rows: int, seed: int = 7) -> str:
             j += num_rows
         out_texts.append(" ".join(words[:target]))
         out_labels.append(labels[i])
-    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=list(LABEL_NAMES))})
+    features = datasets.Features(
+        {"text": datasets.Value("string"), "label": datasets.ClassLabel(names=list(LABEL_NAMES))}
+    )
     datasets.Dataset.from_dict({"text": out_texts, "label": out_labels}, features=features).save_to_disk(folder)
     return folder
 
@@ -86,7 +88,8 @@ def padding_ratios(model_dir: str, data_dir: str, prefix_tokens: int) -> dict:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from dist_eval.data import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS, plan_batches
+    from dist_eval.config import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS
+    from dist_eval.data import plan_batches
 
     texts = list(datasets.load_from_disk(data_dir)["text"])
     lengths = np.array([len(ids) for ids in AutoTokenizer.from_pretrained(model_dir)(texts)["input_ids"]])
@@ -98,7 +101,9 @@ def padding_ratios(model_dir: str, data_dir: str, prefix_tokens: int) -> dict:
     return {
         "dataset order, batch 16 (the plain loop)": ratio(plan_batches(n, 16)),
         "length buckets, batch 16": ratio(plan_batches(n, 16, lengths)),
-        "dist_eval defaults": ratio(plan_batches(n, DEFAULT_BATCH_SIZE, lengths, DEFAULT_MAX_BATCH_TOKENS, prefix_tokens=prefix_tokens)),
+        "dist_eval defaults": ratio(
+            plan_batches(n, DEFAULT_BATCH_SIZE, lengths, DEFAULT_MAX_BATCH_TOKENS, prefix_tokens=prefix_tokens)
+        ),
         "token lengths (min, median, max)": [int(lengths.min()), float(np.median(lengths)), int(lengths.max())],
     }
 
@@ -135,13 +140,42 @@ def run_config(name, ranks, extra, assets, data_dir, swarm, workdir, env):
     out_dir = os.path.join(workdir, f"out-{abs(hash(name))}")
     if ranks is None:
         out_json = os.path.join(workdir, "plain.json")
-        cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "plain_loop.py"), assets.model_dir, data_dir,
-               assets.checkpoint, out_json, "--initial-peers", *swarm.initial_peers, "--dht-prefix", swarm.dht_prefix]
+        cmd = [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "plain_loop.py"),
+            assets.model_dir,
+            data_dir,
+            assets.checkpoint,
+            out_json,
+            "--initial-peers",
+            *swarm.initial_peers,
+            "--dht-prefix",
+            swarm.dht_prefix,
+        ]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master_port", str(_free_port()), "-m", "dist_eval", "--model", assets.model_dir,
-               "--data-files", data_dir, "--checkpoint", assets.checkpoint, "--output-dir", out_dir,
-               "--quiet", "--bootstrap-resamples", "0", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(ranks),
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "dist_eval",
+            "--model",
+            assets.model_dir,
+            "--data-files",
+            data_dir,
+            "--checkpoint",
+            assets.checkpoint,
+            "--output-dir",
+            out_dir,
+            "--quiet",
+            "--bootstrap-resamples",
+            "0",
+            *extra,
+        ]
         if "--backend" not in extra:
             cmd += ["--initial-peers", *swarm.initial_peers, "--dht-prefix", swarm.dht_prefix]
     client_cpu, server_cpu = _children_cpu_seconds(), _group_cpu_seconds(set(swarm.pgids))
@@ -164,10 +198,17 @@ def run_config(name, ranks, extra, assets, data_dir, swarm, workdir, env):
         with open(os.path.join(out_dir, "predictions.jsonl")) as f:
             preds = [json.loads(line)["pred"] for line in f]
     return {
-        "name": name, "ranks": ranks, "flags": extra, "num_samples": n,
-        "eval_samples_per_second": n / loop_seconds, "end_to_end_samples_per_second": n / wall,
-        "eval_loop_seconds": loop_seconds, "wall_seconds": wall,
-        "client_cpu_seconds": client_cpu, "server_cpu_seconds": server_cpu, "loop_client_cpu_seconds": loop_cpu,
+        "name": name,
+        "ranks": ranks,
+        "flags": extra,
+        "num_samples": n,
+        "eval_samples_per_second": n / loop_seconds,
+        "end_to_end_samples_per_second": n / wall,
+        "eval_loop_seconds": loop_seconds,
+        "wall_seconds": wall,
+        "client_cpu_seconds": client_cpu,
+        "server_cpu_seconds": server_cpu,
+        "loop_client_cpu_seconds": loop_cpu,
         "preds": preds,
     }
 
@@ -177,7 +218,9 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=1000)
     p.add_argument("--servers", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration; the median is reported")
-    p.add_argument("--only", nargs="*", default=None, help="substrings of configuration names to run (plain loop always runs)")
+    p.add_argument(
+        "--only", nargs="*", default=None, help="substrings of configuration names to run (plain loop always runs)"
+    )
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "throughput.json"))
     args = p.parse_args()
 
@@ -212,16 +255,31 @@ def main() -> int:
     local = next((r for r in results if r["name"].startswith("local backend N=1")), None)
     default2 = next((r for r in results if r["name"] == "dist_eval N=2, defaults"), None)
     if local and default2:
-        print(f"\ndist_eval N=2 defaults: {default2['ratio_to_plain_eval']:.2f}x the plain loop, "
-              f"{default2['eval_samples_per_second'] / local['eval_samples_per_second']:.0%} of the local ceiling")
+        print(
+            f"\ndist_eval N=2 defaults: {default2['ratio_to_plain_eval']:.2f}x the plain loop, "
+            f"{default2['eval_samples_per_second'] / local['eval_samples_per_second']:.0%} of the local ceiling"
+        )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     import torch
 
     with open(args.out, "w") as f:
-        json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                               "torch": torch.__version__},
-                   "rows": args.rows, "servers": args.servers, "repeats": args.repeats, "padding": padding,
-                   "results": [{k: v for k, v in r.items() if k != "preds"} for r in results]}, f, indent=2)
+        json.dump(
+            {
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "platform": platform.platform(),
+                    "python": platform.python_version(),
+                    "torch": torch.__version__,
+                },
+                "rows": args.rows,
+                "servers": args.servers,
+                "repeats": args.repeats,
+                "padding": padding,
+                "results": [{k: v for k, v in r.items() if k != "preds"} for r in results],
+            },
+            f,
+            indent=2,
+        )
     print(f"wrote {args.out}")
     return 0
 
@@ -231,14 +289,17 @@ def format_table(results) -> str:
     the loop's wall seconds, the client ranks' CPU seconds in it (their own processes),
     the servers' CPU seconds (whole run: they are idle outside the loops), and the cores
     those keep busy on average during the loop (this machine has os.cpu_count())."""
-    head = (f"{'configuration':<36} {'eval/s':>7} {'x plain':>7} {'e2e/s':>6} {'x plain':>7} "
-            f"{'loop s':>6} {'client cpu':>10} {'server cpu':>10} {'cores busy':>10}")
+    head = (
+        f"{'configuration':<36} {'eval/s':>7} {'x plain':>7} {'e2e/s':>6} {'x plain':>7} "
+        f"{'loop s':>6} {'client cpu':>10} {'server cpu':>10} {'cores busy':>10}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         busy = (r["loop_client_cpu_seconds"] + r["server_cpu_seconds"]) / r["eval_loop_seconds"]
         lines.append(
             f"{r['name']:<36} {r['eval_samples_per_second']:7.1f} {r['ratio_to_plain_eval']:7.2f} "
-            f"{r['end_to_end_samples_per_second']:6.1f} {r['ratio_to_plain_end_to_end']:7.2f} {r['eval_loop_seconds']:6.1f} "
+            f"{r['end_to_end_samples_per_second']:6.1f} {r['ratio_to_plain_end_to_end']:7.2f} "
+            f"{r['eval_loop_seconds']:6.1f} "
             f"{r['loop_client_cpu_seconds']:10.1f} {r['server_cpu_seconds']:10.1f} {busy:10.2f}"
         )
     return "\n".join(lines)

@@ -17,8 +17,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from dist_eval.errors import UsageError
+from dist_eval.metrics import HEADLINE_METRICS
 
-MAIN_METRICS = ("accuracy", "f1_macro", "f1_weighted", "precision_macro", "recall_macro", "loss")
 EXIT_USAGE = 2
 
 
@@ -41,7 +41,8 @@ def load_run(folder: str) -> RunOutputs:
     missing = [name for name, path in paths.items() if not os.path.isfile(path)]
     if missing:
         raise UsageError(
-            f"{folder}: missing {' and '.join(missing)} (not a finished dist_eval run). Pass the --output-dir of a finished run."
+            f"{folder}: missing {' and '.join(missing)} (not a finished dist_eval run). "
+            "Pass the --output-dir of a finished run."
         )
     try:
         with open(paths["metrics.json"]) as f:
@@ -53,7 +54,9 @@ def load_run(folder: str) -> RunOutputs:
         preds = np.array([r["pred"] for r in rows], dtype=np.int64)
         num_samples = int(metrics["num_samples"])
     except (ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"{folder}: metrics.json or predictions.jsonl is not a dist_eval output ({type(e).__name__}: {e}).") from e
+        raise UsageError(
+            f"{folder}: metrics.json or predictions.jsonl is not a dist_eval output ({type(e).__name__}: {e})."
+        ) from e
     if len(rows) != num_samples or not np.array_equal(indices, np.arange(num_samples)):
         raise UsageError(
             f"{folder}: predictions.jsonl has {len(rows)} rows but metrics.json counts {num_samples} samples "
@@ -116,7 +119,7 @@ def format_comparison(c: Comparison, max_rows: int = 20) -> str:
     def ci_text(intervals: dict, name: str) -> str:
         return f"[{intervals[name][0]:.4f}, {intervals[name][1]:.4f}]" if name in intervals else ""
 
-    for name in MAIN_METRICS:
+    for name in HEADLINE_METRICS:
         if name not in ma or name not in mb:
             continue
         line = f"  {name:<16} {ma[name]:8.4f} {mb[name]:8.4f} {mb[name] - ma[name]:+9.4f}"
@@ -137,11 +140,17 @@ def format_comparison(c: Comparison, max_rows: int = 20) -> str:
             return f"{k} {names[k]}" if names and 0 <= k < len(names) else str(k)
 
         cells = [(str(i), show(c.a.labels[i]), show(c.a.preds[i]), show(c.b.preds[i])) for i in shown.tolist()]
-        widths = [max(len(h), *(len(row[j]) for row in cells)) for j, h in enumerate(("index", "label", "pred A", "pred B"))]
-        lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(("index", "label", "pred A", "pred B"), widths)).rstrip())
+        widths = [
+            max(len(h), *(len(row[j]) for row in cells)) for j, h in enumerate(("index", "label", "pred A", "pred B"))
+        ]
+        lines.append(
+            "  " + "  ".join(h.ljust(w) for h, w in zip(("index", "label", "pred A", "pred B"), widths)).rstrip()
+        )
         lines.extend("  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells)
         if len(c.changed) > len(shown):
-            lines.append(f"  ... {len(c.changed) - len(shown)} more (the first {len(shown)} shown; --max-rows N shows more)")
+            lines.append(
+                f"  ... {len(c.changed) - len(shown)} more (the first {len(shown)} shown; --max-rows N shows more)"
+            )
     return "\n".join(lines)
 
 

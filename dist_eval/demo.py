@@ -1,4 +1,4 @@
-"""The built-in demo: a tiny prompt-tuned Llama and a synthetic topic task, built locally.
+"""The built-in demo: a tiny prompt-tuned causal LM and a synthetic topic task, built locally.
 
 ``torchrun -m dist_eval`` with no ``--model``/``--data-files`` evaluates these assets. They
 are generated here, deterministically and without any download, on the first run
@@ -9,11 +9,11 @@ are generated here, deterministically and without any download, on the first run
   topic shows in the topic words it contains, mixed with shared filler words and a few
   words of another topic; train and test are drawn independently.
 - ``model/``: a word-level tokenizer (``<pad>`` = 0, never produced for real text, no
-  special tokens added) and a 4-layer ``LlamaForCausalLM`` (hidden size 64) pre-trained
+  special tokens added) and a 4-layer causal LM of family :data:`DEMO_MODEL_TYPE` (hidden size 64) pre-trained
   on the train texts with the causal-LM loss. No classifier head in it: this is what
   the Petals servers serve.
 - ``checkpoint.pt``: prompt embeddings + ``score`` head, prompt-tuned (``ptune``) with the
-  base model frozen, through :class:`dist_eval.backends.PromptTunedLlamaClassifier`,
+  base model frozen, through :class:`dist_eval.backends.local.PromptTunedClassifier`,
   i.e. exactly the computation a Petals client + swarm performs. Right-padded batches
   with pad id 0 and no attention mask, as the evaluator feeds them.
 - ``manifest.json``: what was built, the test accuracy of the saved assets (re-loaded
@@ -45,6 +45,8 @@ SEED = 20240517
 LABEL_NAMES: Tuple[str, ...] = ("sports", "science", "business", "food")
 NUM_LABELS = len(LABEL_NAMES)
 PRE_SEQ_LEN = 8
+PAD_ID = 0  # the tokenizer's <pad>, never produced for real text
+DEMO_MODEL_TYPE = "llama"  # a family of dist_eval.backends.families
 NUM_TRAIN = 3000
 NUM_TEST = 800
 MIN_WORDS, MAX_WORDS = 4, 48
@@ -62,9 +64,9 @@ _MANIFEST = "manifest.json"
 
 @dataclass(frozen=True)
 class DemoAssets:
-    model_dir: str  # save_pretrained folder: LlamaForCausalLM (safetensors) + config + tokenizer
+    model_dir: str  # save_pretrained folder: the causal LM (safetensors) + config + tokenizer
     data_dir: str  # DatasetDict.save_to_disk folder with splits "train" and "test"
-    checkpoint: str  # prompts + head (dist_eval.checkpoint format)
+    checkpoint: str  # prompts + head (dist_eval.backends.checkpoint format)
     split: str = "test"
     text_column: str = "text"
     label_column: str = "label"
@@ -209,7 +211,8 @@ def _topic_words() -> Dict[str, List[str]]:
 def _sentence(rng: random.Random, label: int, topic_words: Sequence[Sequence[str]]) -> str:
     """One sentence of ``label``: some of its topic words, a few distractors from other topics
     (never more than its own topic words; a tie with one other topic makes a short sentence
-    ambiguous: the task's noise), the rest shared filler, in random order."""
+    ambiguous: the task's noise), the rest shared filler, in random order.
+    """
     n = rng.randint(MIN_WORDS, MAX_WORDS)
     n_topic = max(2, round(n * rng.uniform(*TOPIC_SHARE)))
     n_other = sum(rng.random() < OTHER_TOPIC_RATE for _ in range(n))
@@ -277,16 +280,6 @@ def _make_tokenizer():
 # ---------------------------------------------------------------------------- training
 
 
-def _right_pad(sequences: Sequence[Sequence[int]], pad_id: int = 0):
-    import torch
-
-    longest = max(len(s) for s in sequences)
-    batch = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
-    for i, ids in enumerate(sequences):
-        batch[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return batch
-
-
 def _length_batches(lengths: Sequence[int], batch_size: int, rng: random.Random) -> List[List[int]]:
     """Batches of rows of similar length (little padding), in a seeded random order."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
@@ -299,6 +292,8 @@ def _pretrain_lm(model, train_ids: List[List[int]], rng: random.Random, log, epo
     """Causal-LM pre-training of the whole base model on the train texts."""
     import torch
 
+    from dist_eval.data.tokenize import right_pad
+
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
     lengths = [len(ids) for ids in train_ids]
@@ -308,10 +303,10 @@ def _pretrain_lm(model, train_ids: List[List[int]], rng: random.Random, log, epo
         optimizer, lambda step: min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
     )
     model.train()
-    for epoch in range(epochs):
+    for _ in range(epochs):
         total_loss, count = 0.0, 0
         for batch_rows in _length_batches(lengths, 32, rng):
-            input_ids = _right_pad([train_ids[i] for i in batch_rows])
+            input_ids = right_pad([train_ids[i] for i in batch_rows], PAD_ID)
             labels = input_ids.masked_fill(input_ids == 0, -100)
             loss = model(input_ids=input_ids, labels=labels).loss
             optimizer.zero_grad(set_to_none=True)
@@ -329,6 +324,8 @@ def _prompt_tune(clf, train_ids, train_labels, rng: random.Random, log, epochs: 
     """Train only the prompt embeddings and the score head; the base model is frozen."""
     import torch
 
+    from dist_eval.data.tokenize import right_pad
+
     for param in clf.parameters():
         param.requires_grad_(False)
     trainable = [clf.prompt_embeddings.weight, clf.hf_model.score.weight]
@@ -337,13 +334,15 @@ def _prompt_tune(clf, train_ids, train_labels, rng: random.Random, log, epochs: 
     optimizer = torch.optim.Adam(trainable, lr=1e-2)
     lengths = [len(ids) for ids in train_ids]
     total = epochs * math.ceil(len(train_ids) / 32)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+    )
     labels_t = torch.tensor(train_labels, dtype=torch.long)
     clf.train()
-    for epoch in range(epochs):
+    for _ in range(epochs):
         correct, total_loss, count = 0, 0.0, 0
         for batch_rows in _length_batches(lengths, 32, rng):
-            input_ids = _right_pad([train_ids[i] for i in batch_rows])
+            input_ids = right_pad([train_ids[i] for i in batch_rows], PAD_ID)
             target = labels_t[batch_rows]
             logits = clf(input_ids)
             loss = torch.nn.functional.cross_entropy(logits, target)
@@ -355,18 +354,23 @@ def _prompt_tune(clf, train_ids, train_labels, rng: random.Random, log, epochs: 
             correct += int((logits.argmax(-1) == target).sum())
             count += len(batch_rows)
     clf.eval()
-    log(f"  prompts + head tuned ({epochs} epochs): train loss {total_loss / count:.3f}, train accuracy {correct / count:.3f}")
+    log(
+        f"  prompts + head tuned ({epochs} epochs): train loss {total_loss / count:.3f}, "
+        f"train accuracy {correct / count:.3f}"
+    )
 
 
 def _accuracy(module, ids: List[List[int]], labels: List[int], batch_size: int = 64) -> float:
     import torch
+
+    from dist_eval.data.tokenize import right_pad
 
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     correct = 0
     with torch.no_grad():
         for start in range(0, len(order), batch_size):
             rows = order[start : start + batch_size]
-            logits = module(_right_pad([ids[i] for i in rows]))
+            logits = module(right_pad([ids[i] for i in rows], PAD_ID))
             correct += int((logits.argmax(-1) == torch.tensor([labels[i] for i in rows])).sum())
     return correct / len(ids)
 
@@ -402,66 +406,18 @@ def _build_environment():
 def _build(root: str, log) -> None:
     import torch
     import transformers
-    from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
-    from dist_eval.backends import PromptTunedLlamaClassifier, load_model
-    from dist_eval.checkpoint import save_checkpoint
+    from dist_eval.backends import load_model
 
     log(f"building built-in demo assets (first run only) in {os.path.dirname(root)} ...")
     started = time.perf_counter()
     paths = _paths(root)
     with _build_environment():
-        dataset = _make_dataset()
-        dataset.save_to_disk(paths["data_dir"])
-        tokenizer = _make_tokenizer()
-        tokenizer.save_pretrained(paths["model_dir"])
-        encode = lambda texts: tokenizer(list(texts), add_special_tokens=True)["input_ids"]  # noqa: E731
-        train_ids, test_ids = encode(dataset["train"]["text"]), encode(dataset["test"]["text"])
-        for ids in train_ids + test_ids:
-            if not ids or 0 in ids or tokenizer.unk_token_id in ids:
-                raise RuntimeError("demo tokenizer produced an empty, pad or unknown token for demo text")
-        train_labels, test_labels = list(dataset["train"]["label"]), list(dataset["test"]["label"])
-        log(f"  data: {len(train_ids)} train / {len(test_ids)} test sentences, {NUM_LABELS} topics, vocabulary {len(tokenizer)}")
-
+        tokenizer, (train_ids, train_labels), (test_ids, test_labels) = _build_data(paths, log)
         torch.manual_seed(SEED)
         rng = random.Random(SEED)
-        config = LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=64,
-            intermediate_size=172,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=128,
-            pad_token_id=0,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            tie_word_embeddings=False,
-            id2label={i: name for i, name in enumerate(LABEL_NAMES)},
-            label2id={name: i for i, name in enumerate(LABEL_NAMES)},
-            torch_dtype="float32",
-        )
-        base = LlamaForCausalLM(config)
-        _pretrain_lm(base, train_ids, rng, log)
-        base.save_pretrained(paths["model_dir"], safe_serialization=True)
-        del base
-
-        torch.manual_seed(SEED + 1)
-        hf = AutoModelForSequenceClassification.from_pretrained(
-            paths["model_dir"], num_labels=NUM_LABELS, torch_dtype=torch.float32
-        )
-        clf = PromptTunedLlamaClassifier(hf, "ptune", PRE_SEQ_LEN)
-        with torch.no_grad():  # start the prompts from embeddings of random vocabulary words
-            picks = torch.randint(4, config.vocab_size, (PRE_SEQ_LEN,))
-            clf.prompt_embeddings.weight.copy_(hf.model.embed_tokens.weight[picks])
-        _prompt_tune(clf, train_ids, train_labels, rng, log)
-        save_checkpoint(
-            paths["checkpoint"],
-            "ptune",
-            {"prompt_embeddings.weight": clf.prompt_embeddings.weight, "score.weight": clf.hf_model.score.weight},
-        )
-        del clf, hf
-
+        config, architecture = _build_base_model(paths, tokenizer, train_ids, rng, log)
+        _build_checkpoint(paths, config, train_ids, train_labels, rng, log)
         # Accuracy of what was saved, loaded back the way the evaluator loads it.
         loaded = load_model("local", paths["model_dir"], checkpoint=paths["checkpoint"])
         test_accuracy = _accuracy(loaded.module, test_ids, test_labels)
@@ -476,7 +432,7 @@ def _build(root: str, log) -> None:
         "pre_seq_len": PRE_SEQ_LEN,
         "splits": {"train": len(train_ids), "test": len(test_ids)},
         "model": {
-            "architecture": "LlamaForCausalLM",
+            "architecture": architecture,
             "hidden_size": config.hidden_size,
             "num_hidden_layers": config.num_hidden_layers,
             "num_attention_heads": config.num_attention_heads,
@@ -492,3 +448,78 @@ def _build(root: str, log) -> None:
     log(f"  built-in demo ready: test accuracy {test_accuracy:.4f} (local model), built in {seconds:.1f} s")
     if test_accuracy <= 0.9:
         log(f"  warning: the demo model reached only {test_accuracy:.4f} test accuracy (expected > 0.90)")
+
+
+def _build_data(paths: Dict[str, str], log):
+    """The dataset (saved) and the tokenizer (saved): (tokenizer, (train ids, labels), (test ids, labels))."""
+    dataset = _make_dataset()
+    dataset.save_to_disk(paths["data_dir"])
+    tokenizer = _make_tokenizer()
+    tokenizer.save_pretrained(paths["model_dir"])
+
+    def encode(texts):
+        return tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+
+    train_ids, test_ids = encode(dataset["train"]["text"]), encode(dataset["test"]["text"])
+    for ids in train_ids + test_ids:
+        if not ids or PAD_ID in ids or tokenizer.unk_token_id in ids:
+            raise RuntimeError("demo tokenizer produced an empty, pad or unknown token for demo text")
+    train_labels, test_labels = list(dataset["train"]["label"]), list(dataset["test"]["label"])
+    log(
+        f"  data: {len(train_ids)} train / {len(test_ids)} test sentences, {NUM_LABELS} topics, "
+        f"vocabulary {len(tokenizer)}"
+    )
+    return tokenizer, (train_ids, train_labels), (test_ids, test_labels)
+
+
+def _build_base_model(paths: Dict[str, str], tokenizer, train_ids, rng: random.Random, log):
+    """The causal LM, pre-trained on the train texts and saved: (its config, its class name)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        DEMO_MODEL_TYPE,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        pad_token_id=PAD_ID,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        id2label={i: name for i, name in enumerate(LABEL_NAMES)},
+        label2id={name: i for i, name in enumerate(LABEL_NAMES)},
+        torch_dtype="float32",
+    )
+    base = AutoModelForCausalLM.from_config(config)
+    _pretrain_lm(base, train_ids, rng, log)
+    base.save_pretrained(paths["model_dir"], safe_serialization=True)
+    return config, type(base).__name__
+
+
+def _build_checkpoint(paths: Dict[str, str], config, train_ids, train_labels, rng: random.Random, log) -> None:
+    """Prompts + head, prompt-tuned on the frozen base model, saved as the checkpoint."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from dist_eval.backends.checkpoint import save_checkpoint
+    from dist_eval.backends.families import FAMILIES
+    from dist_eval.backends.local import PromptTunedClassifier
+
+    family = FAMILIES[DEMO_MODEL_TYPE]
+    torch.manual_seed(SEED + 1)
+    hf = AutoModelForSequenceClassification.from_pretrained(
+        paths["model_dir"], num_labels=NUM_LABELS, torch_dtype=torch.float32
+    )
+    clf = PromptTunedClassifier(hf, "ptune", PRE_SEQ_LEN, family)
+    with torch.no_grad():  # start the prompts from embeddings of random vocabulary words
+        picks = torch.randint(4, config.vocab_size, (PRE_SEQ_LEN,))
+        clf.prompt_embeddings.weight.copy_(family.get(hf, family.embeddings).weight[picks])
+    _prompt_tune(clf, train_ids, train_labels, rng, log)
+    save_checkpoint(
+        paths["checkpoint"],
+        "ptune",
+        {"prompt_embeddings.weight": clf.prompt_embeddings.weight, "score.weight": family.get(hf, family.head).weight},
+    )

@@ -96,20 +96,22 @@ def _resample_confusion_metrics(rng, labels, preds, num_labels: int, resamples: 
     f1_macro = np.empty(resamples)
     for start, r in _chunks(resamples, len(cells)):
         counts = rng.multinomial(n, probabilities, size=r).astype(np.float64)  # [r, cells]
-        offsets = (np.arange(r) * num_labels)[:, None]
-
-        def per_class(class_of_cell, weights):
-            flat = (offsets + class_of_cell[None, :]).ravel()
-            return np.bincount(flat, weights=weights.ravel(), minlength=r * num_labels).reshape(r, num_labels)
-
-        support = per_class(true_of, counts)
-        predicted = per_class(pred_of, counts)
-        tp = per_class(true_of, counts * on_diagonal[None, :])
+        support = _per_class(true_of, counts, num_labels)
+        predicted = _per_class(pred_of, counts, num_labels)
+        tp = _per_class(true_of, counts * on_diagonal[None, :], num_labels)
         denominator = support + predicted  # 2tp + fp + fn
         f1 = np.divide(2 * tp, denominator, out=np.zeros_like(tp), where=denominator != 0)
         accuracy[start:start + r] = tp.sum(axis=1) / n
         f1_macro[start:start + r] = f1.mean(axis=1)
     return accuracy, f1_macro
+
+
+def _per_class(class_of_cell: np.ndarray, weights: np.ndarray, num_labels: int) -> np.ndarray:
+    """[r, K] sums of ``weights`` [r, cells] by the class of each cell, one row per resample."""
+    r = weights.shape[0]
+    offsets = (np.arange(r) * num_labels)[:, None]
+    flat = (offsets + class_of_cell[None, :]).ravel()
+    return np.bincount(flat, weights=weights.ravel(), minlength=r * num_labels).reshape(r, num_labels)
 
 
 def _resample_mean_loss(rng, losses: np.ndarray, resamples: int) -> np.ndarray:

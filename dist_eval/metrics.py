@@ -13,6 +13,12 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
+# The headline metrics, in the order every output shows them: the terminal summary,
+# report.html's cards, the trackers' scalars and compare's table.
+HEADLINE_METRICS = ("accuracy", "f1_macro", "f1_weighted", "precision_macro", "recall_macro", "loss")
+# Those with a bootstrap confidence interval (dist_eval.intervals), in the same order.
+INTERVAL_METRICS = ("accuracy", "f1_macro", "loss")
+
 
 def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_labels: int) -> np.ndarray:
     """K x K int64 counts; rows = true label, columns = predicted label."""

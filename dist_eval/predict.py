@@ -38,7 +38,8 @@ class ShardResults:
 
     def as_payload(self) -> dict:
         """What crosses the network to rank 0: flat numpy arrays by name (the same
-        names on every rank: see :func:`payload_fields`)."""
+        names on every rank: see :func:`payload_fields`).
+        """
         payload = {"indices": self.indices, "labels": self.labels, "preds": self.preds, "losses": self.losses}
         if self.logits is not None:
             payload["logits"] = self.logits
@@ -129,7 +130,8 @@ def predict_shard(
     ``in_flight``: batches run at once (results identical for any value).
     ``stored``: {batch id: logits} from an interrupted run; those batches are not run.
     ``on_batch_logits(batch_id, rows, logits)`` is called for each newly computed batch
-    (to store partial results); ``on_batch_done(num_rows)`` after every batch (progress)."""
+    (to store partial results); ``on_batch_done(num_rows)`` after every batch (progress).
+    """
     stored = stored or {}
     indices, labels, preds, losses, logits_kept = [], [], [], [], []
     sample_values: Dict[str, list] = {name: [] for name in (sample_metrics or {})}

@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Optional, TextIO
 
-from dist_eval import distributed as D
+from dist_eval import ranks
+from dist_eval.errors import warn
 
 MODES = ("auto", "bar", "log", "none")
 _BAR_WIDTH = 30
@@ -77,12 +78,12 @@ class GlobalProgress:
         self.refresh_s = refresh_s
         self.log_every_s = log_every_s
         self.label = label
-        self.is_main = D.is_main_process()
+        self.is_main = ranks.is_main_process()
         resolved = resolve_mode(mode, quiet, self.stream)  # may differ by rank only between bar and log
         self.enabled = resolved != "none"
         self.mode = resolved if self.is_main else "none"
-        self.shared = self.enabled and D.get_world_size() > 1
-        self._key = D.new_shared_counter("progress") if self.shared else None
+        self.shared = self.enabled and ranks.get_world_size() > 1
+        self._key = ranks.new_shared_counter("progress") if self.shared else None
         self._local_done = 0  # rank 0: its own rows (other ranks push theirs to the store)
         self._pushed = 0  # rank 0: how many of its own rows the store has
         self._global_done = 0
@@ -105,11 +106,11 @@ class GlobalProgress:
             self._local_done += num_rows  # rank 0's thread pushes it: no store request here
             return
         try:
-            D.shared_counter_add(self._key, num_rows)
-        except Exception as e:  # noqa: BLE001 - progress must never fail the evaluation
+            ranks.shared_counter_add(self._key, num_rows)
+        except Exception as e:  # progress must never fail the evaluation
             self._give_up(e)
 
-    def __enter__(self) -> "GlobalProgress":
+    def __enter__(self) -> GlobalProgress:
         self.start()
         return self
 
@@ -126,7 +127,8 @@ class GlobalProgress:
     def close(self, completed: bool = True) -> None:
         """Stop the display; on rank 0 render the final state (the total, when every rank
         finished: their last additions reached the store before they left the forwards).
-        Safe to call twice: the second call does nothing."""
+        Safe to call twice: the second call does nothing.
+        """
         if self._closed:
             return
         self._closed = True
@@ -145,13 +147,14 @@ class GlobalProgress:
 
     def done(self, ask_store: bool = True) -> int:
         """Rows finished over every rank, as far as rank 0 knows now (``ask_store=False``:
-        the last total read from the store, without a request)."""
+        the last total read from the store, without a request).
+        """
         if not self.shared:
             return self._local_done
         if not ask_store:
             return self._global_done + self._local_done - self._pushed
         delta = self._local_done - self._pushed
-        self._global_done = D.shared_counter_add(self._key, delta)
+        self._global_done = ranks.shared_counter_add(self._key, delta)
         self._pushed += delta
         return self._global_done
 
@@ -164,7 +167,7 @@ class GlobalProgress:
             return
         try:
             done = self.done(ask_store)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._give_up(e)
             return
         now = time.monotonic()
@@ -220,7 +223,6 @@ class GlobalProgress:
         self.enabled = False
         self.mode = "none"
         try:
-            print(f"{self.label}: warning: progress display stopped ({type(error).__name__}: {error})",
-                  file=self.stream, flush=True)
+            warn(f"progress display stopped ({type(error).__name__}: {error})", label=self.label, stream=self.stream)
         except (OSError, ValueError):
             pass

@@ -7,7 +7,7 @@
 #
 # Why not `pip install petals`: petals 2.2.0.post1 pins hivemind==1.1.10.post2, whose
 # sdist downloads the p2pd binary at build time (fails offline / air-gapped) and
-# pydantic<2. hivemind 1.1.12 ships p2pd in its wheel and works; dist_eval/compat.py
+# pydantic<2. hivemind 1.1.12 ships p2pd in its wheel and works; dist_eval/backends/compat.py
 # bridges the API differences. So petals goes in with --no-deps, after its real needs.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,7 +39,7 @@ fi
   "transformers>=4.32,<4.35" "huggingface-hub>=0.23,<1.0" "tokenizers<0.14" \
   accelerate "peft==0.5.0" "tensor_parallel==1.0.23" "speedtest-cli==2.1.3" \
   humanfriendly async-timeout sentencepiece safetensors Dijkstar cpufeature \
-  datasets numpy scikit-learn matplotlib pytest
+  datasets numpy scikit-learn matplotlib pytest ruff
 
 # 3. petals itself and bitsandbytes (imported by the server; CPU works unquantized).
 "${PIP[@]}" --no-deps "petals==2.2.0.post1" "bitsandbytes==0.41.1"

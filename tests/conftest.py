@@ -33,15 +33,19 @@ def build_tiny_model(folder: str, seed: int = 0, num_layers: int = 4) -> str:
     return folder
 
 
-def build_checkpoint(path: str, hidden: int = 32, num_labels: int = 3, tuning_mode="ptune", pre_seq_len=3, num_layers=4, seed=1) -> str:
-    from dist_eval.checkpoint import save_checkpoint
+def build_checkpoint(
+    path: str, hidden: int = 32, num_labels: int = 3, tuning_mode="ptune", pre_seq_len=3, num_layers=4, seed=1
+) -> str:
+    from dist_eval.backends.checkpoint import save_checkpoint
 
     g = torch.Generator().manual_seed(seed)
     tensors = {"score.weight": torch.randn(num_labels, hidden, generator=g)}
     if tuning_mode:
         tensors["prompt_embeddings.weight"] = torch.randn(pre_seq_len, hidden, generator=g)
     if tuning_mode == "deep_ptune":
-        tensors["intermediate_prompt_embeddings.weight"] = 0.1 * torch.randn(pre_seq_len, num_layers * hidden, generator=g)
+        tensors["intermediate_prompt_embeddings.weight"] = 0.1 * torch.randn(
+            pre_seq_len, num_layers * hidden, generator=g
+        )
     save_checkpoint(path, tuning_mode, tensors)
     return path
 
@@ -72,8 +76,18 @@ def run_cli(args, nproc: int = 1, timeout: float = 300, env=None) -> subprocess.
     if nproc == 0:
         cmd = [sys.executable, "-m", "dist_eval", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), "-m", "dist_eval", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "dist_eval",
+            *args,
+        ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     return run_in_own_group(cmd, timeout=timeout, env=full_env)
 
@@ -81,8 +95,16 @@ def run_cli(args, nproc: int = 1, timeout: float = 300, env=None) -> subprocess.
 def run_in_own_group(cmd, timeout: float, env=None) -> subprocess.CompletedProcess:
     """subprocess.run in a new process group; on timeout the whole group (torchrun, its
     workers, their DHT and p2pd children) is stopped, not only the top process."""
-    proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -171,7 +193,7 @@ def swarm_server_pids():
                 cmd = f.read().split(b"\0")
         except OSError:
             continue
-        if b"dist_eval._server" in cmd:
+        if b"dist_eval.swarm.server" in cmd:
             out.append(pid)
     return out
 
@@ -193,10 +215,25 @@ def demo_build(tmp_path_factory):
     from dist_eval.demo import DemoAssets
 
     cache = str(tmp_path_factory.mktemp("demo_cache"))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen([sys.executable, "-c", _DEMO_WORKER, cache], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True) for _ in range(2)]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _DEMO_WORKER, cache],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for _ in range(2)
+    ]
     outputs = []
     try:
         for proc in procs:
@@ -209,7 +246,7 @@ def demo_build(tmp_path_factory):
     returned = []
     for out in outputs:
         line = [line for line in out.splitlines() if line.startswith("ASSETS ")][-1]
-        fields = json.loads(line[len("ASSETS "):])
+        fields = json.loads(line[len("ASSETS ") :])
         fields["label_names"] = tuple(fields["label_names"])
         returned.append(DemoAssets(**fields))
     return cache, outputs, returned

@@ -1,4 +1,4 @@
-"""Worker for test_multiprocess.py, run under torchrun (or plain python for one process).
+"""Worker for test_evaluation.py, run under torchrun (or plain python for one process).
 
 It plays a training loop that owns its process group: it initialises gloo itself, then
 calls dist_eval.evaluate() repeatedly (several dataset sizes and batch sizes), through
@@ -28,18 +28,29 @@ def main(model_dir, checkpoint, csv_path, out_dir):
     full = datasets.load_dataset("csv", data_files=csv_path, split="train")
     user_metrics = {"num_predicted_0": lambda labels, preds, logits: int((preds == 0).sum()),
                     "mean_max_logit": lambda labels, preds, logits: float(logits.max(axis=1).mean())}
-    sample_metrics = {"correct_margin": lambda logits, labels: logits[np.arange(len(labels)), labels] - logits.max(axis=1)}
+    sample_metrics = {
+        "correct_margin": lambda logits, labels: logits[np.arange(len(labels)), labels] - logits.max(axis=1)
+    }
     for size in (1, 2, 3, 5, 7, 100):
         for batch_size in (1, 4, 16):
             data = full.select(range(size))
-            result = evaluate(model, data, tokenizer=tokenizer, batch_size=batch_size, return_logits=True,
-                              metrics=user_metrics, sample_metrics=sample_metrics)
+            result = evaluate(
+                model,
+                data,
+                tokenizer=tokenizer,
+                batch_size=batch_size,
+                return_logits=True,
+                metrics=user_metrics,
+                sample_metrics=sample_metrics,
+            )
             _save(out_dir, f"dataset_{size}_{batch_size}", result, rank)
         # the throughput options must not change any result: the plain path (dataset order,
         # one batch at a time), and a token budget with several batches in flight
         data = full.select(range(size))
-        for name, options in (("plain", dict(batch_size=4, length_buckets=False, in_flight=1)),
-                              ("budget", dict(max_batch_tokens=40, in_flight=3))):
+        for name, options in (
+            ("plain", dict(batch_size=4, length_buckets=False, in_flight=1)),
+            ("budget", dict(max_batch_tokens=40, in_flight=3)),
+        ):
             result = evaluate(model, data, tokenizer=tokenizer, return_logits=True, **options)
             _save(out_dir, f"{name}_{size}", result, rank)
         # DataLoader path: a DistributedSampler that pads its last round with repeats
@@ -47,10 +58,16 @@ def main(model_dir, checkpoint, csv_path, out_dir):
         labels = np.asarray(full.select(range(size))["label"])
         items = [{"index": i, "ids": encoded[i], "label": int(labels[i])} for i in range(size)]
         sampler = torch.utils.data.DistributedSampler(items, shuffle=False) if dist.is_initialized() else None
-        loader = torch.utils.data.DataLoader(items, batch_size=3, sampler=sampler, collate_fn=lambda b: {
-            "index": torch.tensor([x["index"] for x in b]),
-            "input_ids": right_pad([x["ids"] for x in b], 0),
-            "labels": torch.tensor([x["label"] for x in b])})
+        loader = torch.utils.data.DataLoader(
+            items,
+            batch_size=3,
+            sampler=sampler,
+            collate_fn=lambda b: {
+                "index": torch.tensor([x["index"] for x in b]),
+                "input_ids": right_pad([x["ids"] for x in b], 0),
+                "labels": torch.tensor([x["label"] for x in b]),
+            },
+        )
         result = evaluate(model, loader, return_logits=True)
         _save(out_dir, f"loader_{size}", result, rank)
     if dist.is_initialized():
@@ -66,10 +83,18 @@ def _save(out_dir, name, result, rank):
         everyone = [metrics]
     if rank == 0:
         p = result.predictions
-        np.savez(os.path.join(out_dir, name + ".npz"), indices=p.indices, labels=p.labels, preds=p.preds, logits=p.logits)
+        np.savez(
+            os.path.join(out_dir, name + ".npz"), indices=p.indices, labels=p.labels, preds=p.preds, logits=p.logits
+        )
         with open(os.path.join(out_dir, name + ".json"), "w") as f:
-            json.dump({"metrics": metrics, "same_on_all_ranks": all(m == metrics for m in everyone),
-                       "run": result.metrics["run"]}, f)
+            json.dump(
+                {
+                    "metrics": metrics,
+                    "same_on_all_ranks": all(m == metrics for m in everyone),
+                    "run": result.metrics["run"],
+                },
+                f,
+            )
     else:
         assert result.predictions is None, "per-sample arrays must live on rank 0 only"
 

@@ -6,7 +6,6 @@ import re
 import time
 
 import pytest
-
 from conftest import build_checkpoint, read_jsonl, run_cli, write_csv
 
 pytestmark = pytest.mark.multiproc
@@ -125,7 +124,9 @@ def test_unanswered_initial_peers_fail_fast(tiny_model, tiny_checkpoint, data_cs
 
 
 def test_refuses_a_random_head(tiny_model, data_csv, tmp_path):
-    proc = run_cli(["--model", tiny_model, "--data-files", data_csv, "--backend", "local", "--output-dir", str(tmp_path)], nproc=2)
+    proc = run_cli(
+        ["--model", tiny_model, "--data-files", data_csv, "--backend", "local", "--output-dir", str(tmp_path)], nproc=2
+    )
     assert_clean_failure(proc, r"no classifier head .* initialised at random")
 
 
@@ -135,11 +136,14 @@ def test_refuses_a_checkpoint_for_another_model(tiny_model, data_csv, tmp_path):
     assert_clean_failure(proc, r"shape \[3, 48\], expected \[3, 32\]")
 
 
-@pytest.mark.parametrize("flags,pattern", [
-    (["--pre-seq-len", "4"], r"--pre-seq-len 4: needs --tuning-mode"),
-    (["--batch-size", "0"], r"--batch-size 0: expected a positive integer"),
-    (["--max-length", "-3"], r"--max-length -3: expected a positive integer"),
-])
+@pytest.mark.parametrize(
+    "flags,pattern",
+    [
+        (["--pre-seq-len", "4"], r"--pre-seq-len 4: needs --tuning-mode"),
+        (["--batch-size", "0"], r"--batch-size 0: expected a positive integer"),
+        (["--max-length", "-3"], r"--max-length -3: expected a positive integer"),
+    ],
+)
 def test_bad_flags(tiny_model, tiny_checkpoint, data_csv, tmp_path, flags, pattern):
     proc = run_cli(local_args(tiny_model, tiny_checkpoint, data_csv, tmp_path, *flags), nproc=2)
     assert_clean_failure(proc, pattern)

@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, build_checkpoint, read_jsonl, write_csv
-from dist_eval.compare import main as compare_main
 from inprocess_cli import run_cli_in_process
+
+from dist_eval.compare import main as compare_main
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +23,27 @@ def runs(tiny_model, tmp_path_factory):
     for name, checkpoint_seed, rows in (("a", 1, data), ("b", 2, data), ("small", 1, other_data)):
         checkpoint = build_checkpoint(str(base / f"ck{checkpoint_seed}.pt"), seed=checkpoint_seed)
         out[name] = base / name
-        code = run_cli_in_process(["--model", tiny_model, "--data-files", rows, "--backend", "local", "--checkpoint",
-                                   checkpoint, "--output-dir", str(out[name]), "--batch-size", "8", "--progress", "none",
-                                   "--bootstrap-resamples", "200", "--quiet"])
+        code = run_cli_in_process(
+            [
+                "--model",
+                tiny_model,
+                "--data-files",
+                rows,
+                "--backend",
+                "local",
+                "--checkpoint",
+                checkpoint,
+                "--output-dir",
+                str(out[name]),
+                "--batch-size",
+                "8",
+                "--progress",
+                "none",
+                "--bootstrap-resamples",
+                "200",
+                "--quiet",
+            ]
+        )
         assert code == 0, name
     return out
 
@@ -62,8 +80,13 @@ def test_a_run_against_itself_changes_nothing(runs, capsys):
 
 
 def test_module_entry_point(runs):
-    proc = subprocess.run([sys.executable, "-m", "dist_eval.compare", str(runs["a"]), str(runs["b"])],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dist_eval.compare", str(runs["a"]), str(runs["b"])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("dist_eval.compare: A = ") and "predictions changed on" in proc.stdout
 
@@ -78,7 +101,9 @@ def assert_refused(args, pattern, capsys):
 
 
 def test_refuses_runs_over_different_data(runs, capsys):
-    assert_refused([runs["a"], runs["small"]], r"has 40 samples and .* has 25: the runs are over different datasets", capsys)
+    assert_refused(
+        [runs["a"], runs["small"]], r"has 40 samples and .* has 25: the runs are over different datasets", capsys
+    )
 
 
 def test_refuses_same_size_but_different_labels(runs, tmp_path, capsys):
@@ -91,7 +116,9 @@ def test_refuses_same_size_but_different_labels(runs, tmp_path, capsys):
 
 
 def test_refuses_a_folder_that_is_not_a_run(runs, tmp_path, capsys):
-    assert_refused([runs["a"], tmp_path], r"missing metrics\.json and predictions\.jsonl \(not a finished dist_eval run\)", capsys)
+    assert_refused(
+        [runs["a"], tmp_path], r"missing metrics\.json and predictions\.jsonl \(not a finished dist_eval run\)", capsys
+    )
     partial = tmp_path / "partial"
     partial.mkdir()
     shutil.copy(runs["b"] / "metrics.json", partial / "metrics.json")

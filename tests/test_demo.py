@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dist_eval import demo
-from dist_eval.demo import DEMO_VERSION, DemoAssets, demo_assets, default_cache_dir
+from dist_eval.demo import DEMO_VERSION, DemoAssets, default_cache_dir, demo_assets
+
 
 @pytest.fixture(scope="module")
 def built(demo_build):
@@ -127,7 +128,7 @@ def test_model_folder_is_a_causal_lm_without_head(assets, tokenizer):
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from dist_eval.checkpoint import load_checkpoint, model_dir_trainable_state
+    from dist_eval.backends.checkpoint import load_checkpoint, model_dir_trainable_state
 
     config = AutoConfig.from_pretrained(assets.model_dir)
     assert config.model_type == "llama" and config.architectures == ["LlamaForCausalLM"]

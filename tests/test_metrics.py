@@ -79,12 +79,16 @@ def test_cross_entropy_matches_torch():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(50, 4)).astype(np.float32) * 10
     labels = rng.integers(0, 4, 50)
-    ref = torch.nn.functional.cross_entropy(torch.from_numpy(logits).double(), torch.from_numpy(labels), reduction="none")
+    ref = torch.nn.functional.cross_entropy(
+        torch.from_numpy(logits).double(), torch.from_numpy(labels), reduction="none"
+    )
     assert np.allclose(per_sample_cross_entropy(logits, labels), ref.numpy(), rtol=1e-12, atol=1e-12)
     # sklearn clips probabilities at machine epsilon, so compare it on moderate logits
     moderate = logits / 10
     probs = torch.softmax(torch.from_numpy(moderate).double(), 1).numpy()
-    assert skm.log_loss(labels, probs, labels=range(4)) == pytest.approx(mean_of(per_sample_cross_entropy(moderate, labels)), rel=1e-9)
+    assert skm.log_loss(labels, probs, labels=range(4)) == pytest.approx(
+        mean_of(per_sample_cross_entropy(moderate, labels)), rel=1e-9
+    )
 
 
 def test_mean_is_order_independent():

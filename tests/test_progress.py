@@ -5,12 +5,15 @@ import re
 import time
 
 import pytest
-
 from conftest import write_csv
-from dist_eval.progress import GlobalProgress, format_duration, resolve_mode
 from inprocess_cli import run_cli_in_process
 
-LINE = re.compile(r"^dist_eval: progress (\d+)/(\d+) samples \((\d+)%\), [\d.]+ samples/s, elapsed [\d:]+, (ETA [\d:?]+|done|stopped)$")
+from dist_eval.progress import GlobalProgress, format_duration, resolve_mode
+
+LINE = re.compile(
+    r"^dist_eval: progress (\d+)/(\d+) samples \((\d+)%\), [\d.]+ samples/s, elapsed [\d:]+, "
+    r"(ETA [\d:?]+|done|stopped)$"
+)
 
 
 class FakeTerminal(io.StringIO):
@@ -59,10 +62,17 @@ def test_a_failed_run_says_stopped():
     assert [m.group(1, 4) for m in matches] == [("20", "stopped")]
 
 
-@pytest.mark.parametrize("mode,quiet,tty,expected", [
-    ("auto", False, True, "bar"), ("auto", False, False, "log"), ("auto", True, True, "none"),
-    ("log", True, False, "log"), ("none", False, True, "none"), ("bar", False, False, "bar"),
-])
+@pytest.mark.parametrize(
+    "mode,quiet,tty,expected",
+    [
+        ("auto", False, True, "bar"),
+        ("auto", False, False, "log"),
+        ("auto", True, True, "none"),
+        ("log", True, False, "log"),
+        ("none", False, True, "none"),
+        ("bar", False, False, "bar"),
+    ],
+)
 def test_mode_resolution(mode, quiet, tty, expected):
     assert resolve_mode(mode, quiet, FakeTerminal() if tty else io.StringIO()) == expected
 
@@ -82,9 +92,26 @@ def test_durations():
 
 def test_cli_log_mode_prints_progress_to_stderr(tiny_model, tiny_checkpoint, tmp_path, capfd):
     data = write_csv(str(tmp_path / "data.csv"), 37, seed=11)
-    code = run_cli_in_process(["--model", tiny_model, "--data-files", data, "--backend", "local",
-                               "--checkpoint", tiny_checkpoint, "--output-dir", str(tmp_path / "out"),
-                               "--batch-size", "4", "--progress", "log", "--bootstrap-resamples", "200"])
+    code = run_cli_in_process(
+        [
+            "--model",
+            tiny_model,
+            "--data-files",
+            data,
+            "--backend",
+            "local",
+            "--checkpoint",
+            tiny_checkpoint,
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--batch-size",
+            "4",
+            "--progress",
+            "log",
+            "--bootstrap-resamples",
+            "200",
+        ]
+    )
     out, err = capfd.readouterr()
     assert code == 0, err[-3000:]
     matches = progress_lines(err)
@@ -97,8 +124,21 @@ def test_cli_log_mode_prints_progress_to_stderr(tiny_model, tiny_checkpoint, tmp
 
 def test_cli_quiet_shows_no_progress(tiny_model, tiny_checkpoint, tmp_path, capfd):
     data = write_csv(str(tmp_path / "data.csv"), 9, seed=12)
-    code = run_cli_in_process(["--model", tiny_model, "--data-files", data, "--backend", "local",
-                               "--checkpoint", tiny_checkpoint, "--output-dir", str(tmp_path / "out"), "--quiet"])
+    code = run_cli_in_process(
+        [
+            "--model",
+            tiny_model,
+            "--data-files",
+            data,
+            "--backend",
+            "local",
+            "--checkpoint",
+            tiny_checkpoint,
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--quiet",
+        ]
+    )
     out, err = capfd.readouterr()
     assert code == 0, err[-3000:]
     assert "progress" not in err and "progress" not in out

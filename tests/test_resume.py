@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO, all_pids, free_port, read_jsonl, run_cli, stop_group, write_csv
 
 pytestmark = pytest.mark.multiproc
@@ -99,7 +98,10 @@ def test_other_settings_never_mix_in_stored_results(job):
     changed[changed.index("--batch-size") + 1] = "3"  # another batch plan: stored batches do not apply
     proc = run_cli([*changed, "--output-dir", str(out)], nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "removing stored partial results (made by another model, checkpoint, data or settings)" in proc.stdout + proc.stderr
+    assert (
+        "removing stored partial results (made by another model, checkpoint, data or settings)"
+        in proc.stdout + proc.stderr
+    )
     metrics = json.load(open(out / "metrics.json"))
     assert metrics["run"]["resumed_samples"] == 0
     ref_preds = [r["pred"] for r in read_jsonl(reference / "predictions.jsonl")]

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import read_stdout_line
+
 from dist_eval.swarm import LocalSwarm, SwarmError, plan_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,12 @@ def _make_model(path: Path) -> Path:
     import transformers
 
     cfg = transformers.LlamaConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, pad_token_id=0
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        pad_token_id=0,
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
     return path
@@ -215,7 +220,8 @@ def test_petals_client_forward_matches_local_model(swarm, tiny_model):
     import torch
     from transformers import LlamaForSequenceClassification
 
-    from dist_eval.compat import import_petals, shutdown_petals_model
+    from dist_eval.backends.compat import import_petals, shutdown_petals_client
+    from dist_eval.backends.families import FAMILIES
 
     import_petals()
     from petals import DistributedLlamaForSequenceClassification
@@ -236,7 +242,8 @@ def test_petals_client_forward_matches_local_model(swarm, tiny_model):
             expected = local(input_ids=input_ids).logits
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
     finally:
-        shutdown_petals_model(model)
+        llama = FAMILIES["llama"]
+        shutdown_petals_client(llama.get(model, llama.blocks).sequence_manager)
 
 
 @pytest.mark.swarm
@@ -300,9 +307,9 @@ def test_cli_prints_initial_peers_and_stops_on_sigterm(tiny_model):
         peers = line.strip().split("=", 1)[1].split(" ")
         assert len(peers) == 2 and all(MADDR.match(p) for p in peers), peers
         children = _children(proc.pid)
-        groups = [pid for pid, cmd in children.items() if "dist_eval._server" in cmd]
+        groups = [pid for pid, cmd in children.items() if "dist_eval.swarm.server" in cmd]
         groups += [pid for pid in children if pid not in groups]  # the watchdog
-        assert len([pid for pid, cmd in children.items() if "dist_eval._server" in cmd]) == 2, children
+        assert len([pid for pid, cmd in children.items() if "dist_eval.swarm.server" in cmd]) == 2, children
         assert all(os.getpgid(g) == g for g in groups)  # each its own group
 
         began = time.monotonic()

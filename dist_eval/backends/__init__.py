@@ -1,0 +1,13 @@
+"""Model backends: one small interface, ``model(input_ids) -> logits [batch, num_labels]``.
+
+- :mod:`~dist_eval.backends.classifier`: :class:`LoadedModel` and :func:`load_model`
+- :mod:`~dist_eval.backends.families`: what differs between model families, in one table
+- :mod:`~dist_eval.backends.checkpoint`: the trained prompts + head file format
+- :mod:`~dist_eval.backends.local`: the same model computed in-process (the reference)
+- :mod:`~dist_eval.backends.petals`: blocks on a swarm (petals imported lazily)
+- :mod:`~dist_eval.backends.failover`: routing around failed servers; naming unserved blocks
+- :mod:`~dist_eval.backends.compat`: the one place petals 2.2 meets hivemind 1.1.12
+"""
+from dist_eval.backends.classifier import LoadedModel, load_model
+
+__all__ = ["LoadedModel", "load_model"]

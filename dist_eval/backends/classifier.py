@@ -1,0 +1,179 @@
+"""The classifier interface: :class:`LoadedModel` (``module(input_ids) -> logits``) and :func:`load_model`.
+
+``load_model`` reads the model folder's config (its ``model_type`` picks the family,
+:mod:`dist_eval.backends.families`), the trained prompts and head (a checkpoint, or the
+head saved in the folder), checks them against each other, and hands them to a backend
+of :data:`BACKENDS`. A head that would be initialised at random is refused: each rank
+would draw a different one and disagree silently.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+from torch import nn
+
+from dist_eval.backends.checkpoint import TrainableState, load_checkpoint, model_dir_trainable_state
+from dist_eval.backends.families import Family, family_of
+from dist_eval.config import DEFAULT_SWARM_TIMEOUT
+from dist_eval.errors import UsageError, param_name
+
+
+@dataclass
+class LoadedModel:
+    """A ready-to-run classifier and the facts the report needs about it."""
+
+    module: nn.Module  # called as module(input_ids) -> logits
+    num_labels: int
+    pad_token_id: int
+    backend: str
+    id2label: Optional[dict] = None
+    prompt_tokens: int = 0  # prompt vectors prepended to every row (servers compute them too)
+
+    def close(self) -> None:
+        """Release what the backend holds (the petals client's DHT and routing thread)."""
+        close = getattr(self.module, "close", None)
+        if close is not None:
+            close()
+
+
+def _load_local(model_dir: str, state: TrainableState, family: Family, **_) -> nn.Module:
+    from dist_eval.backends.local import load_local
+
+    return load_local(model_dir, state, family)
+
+
+def _load_petals(model_dir: str, state: TrainableState, family: Family, **swarm) -> nn.Module:
+    from dist_eval.backends.petals import load_petals
+
+    return load_petals(model_dir, state, family, **swarm)
+
+
+# backend name -> fn(model_dir, state, family, initial_peers=, dht_prefix=, client_options=, swarm_timeout=)
+BACKENDS: Dict[str, Callable[..., nn.Module]] = {"petals": _load_petals, "local": _load_local}
+
+
+def load_model(
+    backend: str,
+    model_dir: str,
+    *,
+    checkpoint: Optional[str] = None,
+    tuning_mode: Optional[str] = None,
+    pre_seq_len: int = 0,
+    num_labels: Optional[int] = None,
+    initial_peers: Optional[list] = None,
+    dht_prefix: Optional[str] = None,
+    petals_client_options: Optional[dict] = None,
+    swarm_timeout: float = DEFAULT_SWARM_TIMEOUT,
+) -> LoadedModel:
+    """Load the classifier for ``backend`` ('petals' or 'local') with the trained prompts/head."""
+    if backend not in BACKENDS:
+        raise UsageError(f"expected one of {', '.join(repr(b) for b in BACKENDS)}.", param="backend", value=backend)
+    config = _read_config(model_dir)
+    family = family_of(config, model_dir)
+    state = _resolve_trainable(model_dir, checkpoint, tuning_mode, pre_seq_len, num_labels, family)
+    _check_shapes(state, config, checkpoint, model_dir)
+    if config.pad_token_id is None:
+        raise UsageError(
+            "config.json has no pad_token_id; right-padded batches need one to find "
+            "each sequence's last token. Set pad_token_id in config.json.",
+            param="model_dir", value=model_dir,
+        )
+    module = BACKENDS[backend](
+        model_dir, state, family, initial_peers=initial_peers, dht_prefix=dht_prefix,
+        client_options=petals_client_options or {}, swarm_timeout=swarm_timeout,
+    )
+    module.eval()
+    return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend, _class_names(config, state),
+                       state.pre_seq_len)
+
+
+def _read_config(model_dir: str):
+    from transformers import AutoConfig
+
+    if not os.path.isdir(model_dir):
+        raise UsageError(
+            "not a folder. Pass a folder saved with save_pretrained().", param="model_dir", value=model_dir
+        )
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except Exception as e:  # a folder without a readable config.json
+        raise UsageError(
+            f"cannot read its config.json ({e}). Pass a folder saved with save_pretrained().",
+            param="model_dir",
+            value=model_dir,
+        ) from e
+
+
+def _class_names(config, state: TrainableState) -> Optional[dict]:
+    """config.json's id2label, unless it is transformers' placeholder map (LABEL_0, ...)."""
+    id2label = getattr(config, "id2label", None)
+    if id2label and (
+        len(id2label) != state.num_labels
+        or all(str(id2label.get(i, id2label.get(str(i)))) == f"LABEL_{i}" for i in range(state.num_labels))
+    ):
+        return None
+    return id2label
+
+
+def _resolve_trainable(model_dir: str, checkpoint, tuning_mode, pre_seq_len, num_labels, family) -> TrainableState:
+    """The prompts + head every rank will use; refuses anything that would be random."""
+    if checkpoint:
+        state = load_checkpoint(checkpoint, family)
+    else:
+        state = model_dir_trainable_state(model_dir, family)
+        if state is None:
+            raise UsageError(
+                f"the model folder has no classifier head ('{family.head}.weight') and no "
+                "--checkpoint was given; its head would be initialised at random, differently on each "
+                "rank. Pass --checkpoint FILE with the trained prompts and head.",
+                param="model_dir",
+                value=model_dir,
+            )
+    if tuning_mode is None:
+        tuning_mode = state.tuning_mode
+        pre_seq_len = pre_seq_len or state.pre_seq_len
+    if tuning_mode != state.tuning_mode:
+        raise UsageError(
+            f"the checkpoint was trained with tuning mode {state.tuning_mode!r}. "
+            f"Pass {param_name('tuning_mode', state.tuning_mode or 'none')} or another checkpoint.",
+            param="tuning_mode",
+            value=tuning_mode,
+        )
+    if tuning_mode and pre_seq_len != state.pre_seq_len:
+        raise UsageError(
+            f"the checkpoint holds {state.pre_seq_len} prompt vectors. "
+            f"Pass {param_name('pre_seq_len', state.pre_seq_len)}.",
+            param="pre_seq_len",
+            value=pre_seq_len,
+        )
+    if num_labels is not None and num_labels != state.num_labels:
+        raise UsageError(
+            f"the classifier head has {state.num_labels} outputs. "
+            f"Pass {param_name('num_labels', state.num_labels)} or the checkpoint trained for {num_labels} labels.",
+            param="num_labels",
+            value=num_labels,
+        )
+    return state
+
+
+def _check_shapes(state: TrainableState, config, checkpoint: Optional[str], model_dir: str) -> None:
+    expected = {"score.weight": (state.num_labels, config.hidden_size)}
+    if state.tuning_mode:
+        expected["prompt_embeddings.weight"] = (state.pre_seq_len, config.hidden_size)
+    if state.tuning_mode == "deep_ptune":
+        expected["intermediate_prompt_embeddings.weight"] = (
+            state.pre_seq_len,
+            config.num_hidden_layers * config.hidden_size,
+        )
+    for key, shape in expected.items():
+        got = tuple(state.tensors[key].shape)
+        if got != shape:
+            raise UsageError(
+                f"{key} has shape {list(got)}, expected {list(shape)} for this model "
+                f"(hidden size {config.hidden_size}, {config.num_hidden_layers} layers). The checkpoint was "
+                "trained for another model; pass the matching --model or --checkpoint.",
+                param="checkpoint",
+                value=checkpoint or model_dir,
+            )

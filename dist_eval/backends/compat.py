@@ -1,0 +1,179 @@
+"""The one place where petals 2.2.0 is made to work with hivemind 1.1.12.
+
+Every process that imports petals (evaluator ranks and swarm servers alike) must go
+through :func:`import_petals` instead of ``import petals``.
+
+Why this exists: petals 2.2.0.post1 pins hivemind 1.1.10.post2, which has no wheel and
+downloads its p2pd binary at build time (impossible offline or on an air-gapped
+cluster). hivemind 1.1.12 ships p2pd in its wheel but no longer re-exports, from its
+top-level package, names that petals imports as ``from hivemind import X``. They still
+exist in submodules; we put them back on the ``hivemind`` module before petals loads.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import warnings
+
+# name -> submodule of hivemind 1.1.12 that still defines it
+_HIVEMIND_REEXPORTS = {
+    "BatchTensorDescriptor": "hivemind.utils.tensor_descr",
+    "TensorDescriptor": "hivemind.utils.tensor_descr",
+    "MAX_DHT_TIME_DISCREPANCY_SECONDS": "hivemind.utils",
+    "MSGPackSerializer": "hivemind.utils",
+    "TimedStorage": "hivemind.utils",
+    "get_dht_time": "hivemind.utils",
+    "get_logger": "hivemind.utils",
+    "nested_compare": "hivemind.utils.nested",
+    "nested_flatten": "hivemind.utils.nested",
+    "nested_pack": "hivemind.utils.nested",
+    "anext": "hivemind.utils.asyncio",
+    "P2P": "hivemind.p2p",
+    "P2PContext": "hivemind.p2p",
+    "PeerID": "hivemind.p2p",
+    "serialize_torch_tensor": "hivemind.compression",
+    "deserialize_torch_tensor": "hivemind.compression",
+    "deserialize_tensor_stream": "hivemind.compression",
+    "Runtime": "hivemind.moe.server.runtime",
+}
+
+_patched = False
+
+
+class PetalsNotInstalledError(ImportError):
+    pass
+
+
+def _patch_hivemind() -> None:
+    import hivemind
+
+    for name, module_name in _HIVEMIND_REEXPORTS.items():
+        if not hasattr(hivemind, name):
+            setattr(hivemind, name, getattr(importlib.import_module(module_name), name))
+
+
+def _silence_version_check() -> None:
+    # petals' server asks PyPI for a newer version at start; offline it logs a full
+    # traceback that looks like a failure. The check is informational only.
+    import petals.utils.version as version
+
+    def _no_version_check() -> None:
+        pass
+
+    version.validate_version = _no_version_check
+    try:
+        import petals.cli.run_server as run_server
+
+        run_server.validate_version = _no_version_check
+    except ImportError:  # server extras missing: the client still works
+        pass
+
+
+def import_petals():
+    """Import and return the ``petals`` module with the hivemind compatibility applied."""
+    global _patched
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import hivemind  # noqa: F401
+    except ImportError as e:
+        raise PetalsNotInstalledError(
+            "--backend petals needs hivemind and petals, which are not importable in this "
+            f"Python ({e}). Install them with ./launch/install.sh (plain `pip install petals` "
+            "cannot work offline: see README 'Install')."
+        ) from e
+    if not _patched:
+        quiet_third_party_output()
+        _patch_hivemind()
+    try:
+        import petals
+    except ImportError as e:
+        raise PetalsNotInstalledError(
+            f"petals is not importable ({e}). Install it with ./launch/install.sh."
+        ) from e
+    if not _patched:
+        _silence_version_check()
+        _patched = True
+    return petals
+
+
+def quiet_third_party_output() -> None:
+    """Silence warnings that are noise for this tool's users, in every process we own.
+
+    - transformers 4.33 + torch 2.13: a FutureWarning about ``_register_pytree_node``;
+    - petals' server loading blocks onto meta tensors: one UserWarning per weight;
+    - "Some weights ... newly initialized: ['score.weight']": we load the trained head
+      right after from the checkpoint, and refuse to run when there is none;
+    - huggingface/tokenizers' "the current process just got forked" (hivemind forks its
+      DHT process after a tokenizer was used): it turns the tokenizer's own threads off,
+      which it then does anyway; saying so up front keeps the log clean.
+    """
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", message=r".*_register_pytree_node.*")
+    warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter.*")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+    try:  # "Generating train split: ..." bars belong to interactive notebooks, not to a job log
+        import datasets
+
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def quiet_hivemind_logs(level: int = logging.WARNING) -> None:
+    """Keep hivemind/petals INFO chatter (routes, DHT) out of the evaluator's output."""
+    for name in ("hivemind", "petals"):
+        logging.getLogger(name).setLevel(level)
+
+
+def ensure_main_thread_event_loop() -> None:
+    """Leave a current event loop set in the main thread.
+
+    The petals client keeps a replica of its P2P handle in this process; at interpreter
+    exit its ``__del__`` calls ``asyncio.get_event_loop()``, which under hivemind's
+    uvloop policy raises when no loop is set, printing three tracebacks per process.
+    """
+    try:
+        asyncio.get_event_loop()
+    except RuntimeError:
+        asyncio.set_event_loop(asyncio.new_event_loop())
+
+
+def shutdown_petals_client(sequence_manager) -> None:
+    """Stop a petals client's DHT and routing thread explicitly, given its sequence manager
+    (``<the model's block stack>.sequence_manager``; None: nothing to stop).
+
+    Without this, hivemind's ``__del__`` hooks run at interpreter exit after the event
+    loop is gone and print "no current event loop" errors (the exit code stays 0).
+    """
+    ensure_main_thread_event_loop()
+    if sequence_manager is None:
+        return
+    try:
+        sequence_manager.shutdown()
+    except Exception:  # best effort: shutting down must never mask a real error
+        pass
+    # The P2P replica's tasks live on hivemind's worker event loop; close them there now.
+    # Left to ``__del__`` at interpreter exit, asyncio is already torn down and each
+    # process prints "Exception ignored in: P2P.__del__" tracebacks.
+    p2p = getattr(getattr(sequence_manager, "state", None), "p2p", None)
+    if p2p is not None:
+        try:
+            from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+
+            RemoteExpertWorker.run_coroutine(p2p.shutdown())
+        except Exception:
+            pass
+    dht = getattr(sequence_manager, "dht", None)
+    if dht is not None:
+        try:
+            dht.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,114 @@
+"""Swarm failures: route around a failed server at once, and name the blocks left unserved."""
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+
+from dist_eval.errors import UsageError, one_line, short_error, warn
+
+
+def patch_petals_client_failover() -> None:
+    """Make petals 2.2.0's client route around a failed server at once. Idempotent.
+
+    Why: on a failed request, ``RemoteSequenceManager.on_request_failure`` bans the peer
+    and drops it from ``block_infos``, but routing (``make_sequence``) reads the
+    ``spans_containing_block`` computed at the last routing refresh, which still holds
+    the dead peer. Every retry until the next refresh (``update_period``, 60 s by
+    default) could pick it again, with backoff growing to ``max_backoff``: one batch
+    stalled 63 s when a server was killed (measured). Here the spans are recomputed
+    from ``block_infos`` right after the failure, so the next attempt goes elsewhere.
+    A block left with no server is handled as petals does (``on_request_failure``
+    triggers a refresh that re-adds banned servers rather than none).
+
+    Also records each peer's last request outcome (``state.dist_eval_outcomes``: peer
+    -> (monotonic time, ok)) so that, when a batch keeps failing, the blocks whose every
+    server is failing can be named (see :func:`unserved_blocks`).
+    """
+    from petals.client.routing.sequence_manager import RemoteSequenceManager
+
+    if getattr(RemoteSequenceManager, "_dist_eval_failover", False):
+        return
+    original_failure = RemoteSequenceManager.on_request_failure
+    original_success = RemoteSequenceManager.on_request_success
+
+    def _record(manager, peer_id, ok: bool) -> None:
+        if peer_id is None:
+            return
+        outcomes = getattr(manager.state, "dist_eval_outcomes", None)
+        if outcomes is None:
+            outcomes = manager.state.dist_eval_outcomes = {}
+        outcomes[peer_id] = (time.monotonic(), ok)
+
+    def on_request_failure(self, peer_id):
+        outcomes = getattr(self.state, "dist_eval_outcomes", None) or {}
+        if peer_id is not None and outcomes.get(peer_id, (0, True))[1]:
+            _warn_server_failed(peer_id, sys.exc_info()[1])  # once per failing streak, not per retry
+        _record(self, peer_id, False)
+        original_failure(self, peer_id)
+        if peer_id is None:
+            return
+        with self.lock_changes:
+            info = self.state.sequence_info
+            info.spans_by_priority, info.spans_containing_block = info._sort_spans(info.block_infos)
+
+    def on_request_success(self, peer_id):
+        _record(self, peer_id, True)
+        original_success(self, peer_id)
+
+    RemoteSequenceManager.on_request_failure = on_request_failure
+    RemoteSequenceManager.on_request_success = on_request_success
+    RemoteSequenceManager._dist_eval_failover = True
+    # petals logs every retry as a multi-line WARNING (the whole ServerInfo); the one
+    # line above per failing server says the same, and the outcome is reported anyway.
+    for name in ("petals.client.sequential_autograd", "petals.client.routing.sequence_manager"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _warn_server_failed(peer_id, error) -> None:
+    reason = one_line(f"{type(error).__name__}: {error}", 160) if error is not None else "no answer"
+    warn(
+        f"swarm server ...{str(peer_id)[-8:]} failed a request ({reason}); "
+        "routing around it (a block no other server holds is retried for up to --swarm-timeout)."
+    )
+
+
+def unserved_blocks(manager) -> list:
+    """Blocks with no working server: none is listed for them in the last routing
+    refresh, or every server listed for them failed its latest request (the outcomes
+    that :func:`patch_petals_client_failover` records).
+    """
+    outcomes = dict(getattr(manager.state, "dist_eval_outcomes", None) or {})
+    failing = {peer for peer, (_, ok) in outcomes.items() if not ok}
+    info = manager.state.sequence_info
+    missing = []
+    for block in range(len(manager)):
+        # block_infos keeps every listed server; spans drop the ones a failure removed
+        servers = set(info.block_infos[block].servers) | {s.peer_id for s in info.spans_containing_block[block]}
+        if not servers or servers <= failing:
+            missing.append(block)
+    return missing
+
+
+def swarm_failure(manager, swarm_timeout: float, waited: float, error: Exception) -> UsageError:
+    """The error that ends a batch the swarm failed for ``swarm_timeout`` seconds: one line
+    naming the blocks left without a working server (when known), the last error and the fixes.
+    """
+    missing = unserved_blocks(manager)
+    if not missing:  # petals names them itself when no server is listed at all
+        match = re.search(r"No servers holding blocks \[?([0-9, ]+)\]? are online", str(error))
+        if match:
+            missing = [int(b) for b in match.group(1).replace(",", " ").split()]
+    what = (
+        f"no working server for block(s) {missing} of {len(manager)}: every server holding them failed"
+        if missing
+        else "the swarm failed every attempt"
+    )
+    return UsageError(
+        f"{what} for {waited:.0f} s, so a batch could not be computed "
+        f"(last error: {short_error(error)}). Restart servers for those blocks (python -m "
+        "dist_eval.swarm, or petals' run_server), serve every block on 2+ servers to survive a failure, "
+        "or raise --swarm-timeout to wait longer.",
+        param="swarm_timeout", value=swarm_timeout,
+    )

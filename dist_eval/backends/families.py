@@ -1,0 +1,105 @@
+"""What differs between model families, in one table: the only place that names one.
+
+A family is chosen by config.json's ``model_type`` (:func:`family_of`). Everything else
+in dist_eval reaches a model's parts through a :class:`Family`: its classes by name, its
+parts by attribute path from the sequence classifier (``get(classifier, family.blocks)``).
+
+Paths are from the ``*ForSequenceClassification`` object, the same in transformers'
+class (the local backend) and in petals' ``Distributed*`` class (the petals backend):
+
+================  ============================  ================================
+field             llama                         bloom / falcon (to fill)
+================  ============================  ================================
+petals_class      DistributedLlamaFor...        DistributedBloomFor... / DistributedFalconFor...
+local_class       LlamaForSequenceClassification BloomFor... / FalconForSequenceClassification
+backbone          model                         transformer
+embeddings        model.embed_tokens            transformer.word_embeddings
+blocks            model.layers                  transformer.h
+prompts           model.prompt_embeddings       transformer.prompt_embeddings
+deep_prompts      model.intermediate_prompt_... transformer.intermediate_prompt_embeddings
+checkpoint_prefix "model."                      "transformer."
+last_token        first_pad                     non_pad_count
+================  ============================  ================================
+
+BLOOM also normalises the embeddings (``transformer.word_embeddings_layernorm``) inside
+its backbone, after the prompts are prepended, in petals and in transformers alike; so
+the local backend, which calls the backbone with ``inputs_embeds``, needs no field for it.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Dict
+
+import torch
+
+from dist_eval.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: class names and attribute paths (dotted, from the sequence classifier)."""
+
+    model_type: str  # config.json "model_type"
+    petals_class: str  # class in the ``petals`` package: blocks on the swarm, the rest here
+    local_class: str  # class in ``transformers``: the whole model in-process
+    backbone: str  # the base model; called with ``inputs_embeds`` it returns the final (normed) hidden states
+    embeddings: str  # the token embeddings (nn.Embedding)
+    blocks: str  # the stack of transformer blocks (petals: the RemoteSequential over the swarm)
+    prompts: str  # petals' prompt embeddings [pre_seq_len, hidden] (ptune, deep_ptune)
+    deep_prompts: str  # petals' per-block prompts [pre_seq_len, layers * hidden] (deep_ptune)
+    checkpoint_prefix: str  # prefix of the backbone's keys in petals' trainable state dict
+    last_token: str  # which position the head reads: "first_pad" or "non_pad_count" (see last_token_index)
+    head: str = "score"  # the classifier head (nn.Linear, no bias)
+
+    def get(self, module, path: str):
+        """The attribute at the dotted ``path`` of ``module`` (a field of this family)."""
+        return operator.attrgetter(path)(module)
+
+    def final_hidden(self, classifier, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """The hidden states after the last block and the final norm, for ``inputs_embeds``."""
+        return self.get(classifier, self.backbone)(inputs_embeds=inputs_embeds).last_hidden_state
+
+    def last_token_index(self, input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+        """Per row, the position the head reads, as transformers computes it for this family.
+
+        ``first_pad`` (Llama): the token before the first pad, or the last one when there
+        is no pad; ``non_pad_count`` (BLOOM, Falcon): the number of non-pad tokens - 1.
+        They agree on right-padded rows without a pad inside the text (dist_eval refuses those).
+        """
+        if self.last_token == "first_pad":
+            return (torch.eq(input_ids, pad_token_id).long().argmax(-1) - 1) % input_ids.shape[1]
+        return torch.ne(input_ids, pad_token_id).sum(-1) - 1
+
+
+FAMILIES: Dict[str, Family] = {
+    "llama": Family(
+        model_type="llama",
+        petals_class="DistributedLlamaForSequenceClassification",
+        local_class="LlamaForSequenceClassification",
+        backbone="model",
+        embeddings="model.embed_tokens",
+        blocks="model.layers",
+        prompts="model.prompt_embeddings",
+        deep_prompts="model.intermediate_prompt_embeddings",
+        checkpoint_prefix="model.",
+        last_token="first_pad",
+    ),
+}
+
+
+def family_of(config, model_dir: str = "") -> Family:
+    """The family of a transformers config (its ``model_type``); refuses an unsupported one."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise UsageError(
+            f"config.json has model_type {model_type!r}, not a supported model family; "
+            f"supported: {', '.join(sorted(FAMILIES))}.",
+            param="model_dir", value=model_dir,
+        )
+    return FAMILIES[model_type]
+
+
+def checkpoint_prefixes() -> tuple:
+    """Every family's checkpoint key prefix (a bare state dict does not say its family)."""
+    return tuple(sorted({family.checkpoint_prefix for family in FAMILIES.values()}))

@@ -1,0 +1,100 @@
+"""The local backend: the same model computed in-process with transformers (the reference).
+
+Prompts are applied exactly as the Petals client and servers apply them, so both
+backends give bitwise-equal fp32 logits.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dist_eval.backends.checkpoint import TrainableState
+from dist_eval.backends.families import Family, family_of
+
+
+class PromptTunedClassifier(nn.Module):
+    """A local transformers sequence classifier with Petals-style (deep) p-tuning.
+
+    Mirrors petals 2.2.0 exactly: ``ptune`` prepends ``pre_seq_len`` prompt vectors to
+    the input embeddings; ``deep_ptune`` additionally adds
+    ``intermediate_prompts[i]`` to the prefix positions before block ``i`` (as
+    ``petals.server.block_functions.run_rpc_forward`` does); the prefix is removed
+    before the head, and the head picks the last non-pad token. ``family`` (read from the
+    model's config by default) says where the embeddings, blocks and head are.
+    """
+
+    def __init__(self, hf_model, tuning_mode: Optional[str], pre_seq_len: int, family: Optional[Family] = None):
+        super().__init__()
+        self.hf_model = hf_model
+        self.family = family or family_of(hf_model.config)
+        config = hf_model.config
+        self.tuning_mode = tuning_mode
+        self.pre_seq_len = pre_seq_len if tuning_mode else 0
+        if tuning_mode:
+            self.prompt_embeddings = nn.Embedding(pre_seq_len, config.hidden_size)
+        if tuning_mode == "deep_ptune":
+            self.intermediate_prompt_embeddings = nn.Embedding(
+                pre_seq_len, config.num_hidden_layers * config.hidden_size
+            )
+        self._hooks = []
+        if tuning_mode == "deep_ptune":
+            for layer_index, layer in enumerate(self.family.get(hf_model, self.family.blocks)):
+                self._hooks.append(
+                    layer.register_forward_pre_hook(self._make_deep_prompt_hook(layer_index), with_kwargs=True)
+                )
+        # per thread: several batches may be in flight at once (--in-flight)
+        self._intermediate = threading.local()
+
+    def _make_deep_prompt_hook(self, layer_index: int):
+        def hook(module, args, kwargs):
+            hidden_states = args[0] if args else kwargs["hidden_states"]
+            hidden_states = hidden_states.clone()
+            prompt = self._intermediate.value[layer_index]
+            hidden_states[:, : prompt.shape[1]] += prompt
+            if args:
+                return (hidden_states, *args[1:]), kwargs
+            kwargs["hidden_states"] = hidden_states
+            return args, kwargs
+
+        return hook
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        config = self.hf_model.config
+        batch_size = input_ids.shape[0]
+        inputs_embeds = self.family.get(self.hf_model, self.family.embeddings)(input_ids)
+        if self.tuning_mode:
+            prompts = self.prompt_embeddings.weight.unsqueeze(0).expand(batch_size, -1, -1).to(inputs_embeds.dtype)
+            inputs_embeds = torch.cat([prompts, inputs_embeds], dim=1)
+        if self.tuning_mode == "deep_ptune":
+            inter = self.intermediate_prompt_embeddings.weight.unsqueeze(0).expand(batch_size, -1, -1)
+            inter = inter.reshape(batch_size, self.pre_seq_len, config.num_hidden_layers, config.hidden_size)
+            self._intermediate.value = inter.permute([2, 0, 1, 3]).to(inputs_embeds.dtype)
+        try:
+            hidden = self.family.final_hidden(self.hf_model, inputs_embeds)
+        finally:
+            self._intermediate.value = None
+        hidden = hidden[:, self.pre_seq_len :]
+        logits = self.family.get(self.hf_model, self.family.head)(hidden)
+        # the same pooling as transformers' classifier of this family (right padding, no mask)
+        last = self.family.last_token_index(input_ids, config.pad_token_id)
+        return logits[torch.arange(batch_size), last]
+
+
+def load_local(model_dir: str, state: TrainableState, family: Family) -> nn.Module:
+    """The model of ``model_dir`` with the trained prompts and head, in this process."""
+    import transformers
+
+    hf_model = getattr(transformers, family.local_class).from_pretrained(
+        model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False
+    )
+    model = PromptTunedClassifier(hf_model, state.tuning_mode, state.pre_seq_len, family)
+    with torch.no_grad():
+        family.get(hf_model, family.head).weight.copy_(state.tensors["score.weight"])
+        if state.tuning_mode:
+            model.prompt_embeddings.weight.copy_(state.tensors["prompt_embeddings.weight"])
+        if state.tuning_mode == "deep_ptune":
+            model.intermediate_prompt_embeddings.weight.copy_(state.tensors["intermediate_prompt_embeddings.weight"])
+    return model

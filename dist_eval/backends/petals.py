@@ -1,0 +1,177 @@
+"""The petals backend: transformer blocks run on a swarm; embeddings, prompts and head run here."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dist_eval.backends.checkpoint import TrainableState
+from dist_eval.backends.compat import import_petals, quiet_hivemind_logs, shutdown_petals_client
+from dist_eval.backends.failover import patch_petals_client_failover, swarm_failure
+from dist_eval.backends.families import Family
+from dist_eval.config import DEFAULT_SWARM_TIMEOUT
+from dist_eval.errors import UsageError, one_line
+
+
+class PetalsClassifier(nn.Module):
+    """Adapter: petals' ``Distributed*ForSequenceClassification`` of a family -> logits.
+
+    The remote part of each forward (the blocks on the swarm) is retried for at most
+    ``swarm_timeout`` seconds from the start of its first failing attempt; then a
+    UsageError names the blocks whose every server kept failing (see
+    :func:`dist_eval.backends.failover.unserved_blocks`). petals alone would retry without
+    a time bound (it counts attempts, and re-adds a dead server's DHT record, which lives
+    ~2 minutes).
+    """
+
+    def __init__(self, inner, family: Family, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT):
+        super().__init__()
+        self.inner = inner
+        self.family = family
+        self.swarm_timeout = swarm_timeout
+        blocks = family.get(inner, family.blocks)
+        self.sequence_manager = blocks.sequence_manager
+        remote_forward = blocks.forward
+        # Instance attribute: nn.Module.__call__ then runs the bounded version.
+        blocks.forward = lambda *args, **kwargs: self._bounded_remote(remote_forward, *args, **kwargs)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # No attention mask: the petals client rejects any mask that is not all ones.
+        return self.inner(input_ids=input_ids).logits
+
+    def close(self) -> None:
+        """Stop the client's DHT and routing thread (see :func:`dist_eval.backends.compat.shutdown_petals_client`)."""
+        shutdown_petals_client(self.sequence_manager)
+
+    def _bounded_remote(self, remote_forward, *args, **kwargs):
+        first_failure = None
+        while True:
+            attempt_started = time.monotonic()
+            try:
+                return remote_forward(*args, **kwargs)
+            except Exception as e:  # any swarm failure: retried until the deadline
+                if first_failure is None:
+                    first_failure = attempt_started  # petals' own retries inside count too
+                waited = time.monotonic() - first_failure
+                if waited >= self.swarm_timeout:
+                    raise swarm_failure(self.sequence_manager, self.swarm_timeout, waited, e) from e
+                # petals gave up after max_retries quick attempts; let its routing refresh
+                # (on_request_failure triggered one) before trying again
+                time.sleep(min(1.0, self.swarm_timeout - waited))
+
+
+# petals ClientConfig overrides (petals 2.2.0 defaults in brackets). Why each:
+# - update_period 10 s [60]: routing refresh; how soon new servers, and servers back from
+#   a ban, are used. A failed server leaves routing at once anyway (failover's patch).
+# - max_retries 3 [unbounded], min/max_backoff 0.5/2 s [1/60]: petals' attempts per
+#   remote call; a failed attempt reroutes around the failed server, so a few quick
+#   ones suffice. Longer outages are retried by PetalsClassifier until --swarm-timeout,
+#   which bounds a batch's wait in time (petals counts attempts, not seconds).
+# - ban_timeout 60 s [15]: a server that failed is not routed to again for 60 s
+#   (doubling on each new failure). A SIGKILLed server's DHT record outlives it by up to
+#   2 x its update period (120 s by default); with 15 s bans the client would go back to
+#   it every 15 s and pay a failed attempt each time. A block whose servers are all
+#   banned still uses them (petals ignores bans then), so a false ban never stops a run.
+# - request_timeout 60 s [180]: a server that accepts a request and never answers (hung)
+#   is given up after this; a forward of one batch takes far less on a working server.
+# - daemon_startup_timeout 30 s [60]: --initial-peers that nobody answers fail in 30 s.
+DEFAULT_CLIENT_OPTIONS = dict(
+    show_route=False,
+    daemon_startup_timeout=30,
+    request_timeout=60.0,
+    update_period=10.0,
+    max_retries=3,
+    min_backoff=0.5,
+    max_backoff=2.0,
+    ban_timeout=60.0,
+)
+
+
+def wait_for_blocks(manager, timeout: float, dht_prefix: Optional[str]) -> None:
+    """Return once every block of the client's sequence ``manager`` has a server in the DHT;
+    else a UsageError naming the missing blocks after ``timeout`` seconds (petals itself
+    would retry forever).
+    """
+    deadline = time.monotonic() + timeout
+    # petals starts its routing thread lazily, on the first forward; update(wait=True)
+    # before that waits forever. Start it the way petals does, and never wait unbounded.
+    with manager._thread_start_lock:
+        if not manager.is_alive():
+            manager._thread.start()
+    while True:
+        manager.update(wait=False)
+        manager.ready.wait(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
+        spans = manager.state.sequence_info.spans_containing_block
+        missing = [i for i in range(len(manager)) if not spans[i]]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            hint = (
+                " No block is served at all: check that --dht-prefix matches the servers' prefix"
+                f" (used: {dht_prefix!r}) and that --initial-peers is this model's swarm."
+                if len(missing) == len(manager)
+                else " Start a server for them (python -m dist_eval.swarm, or petals' run_server)."
+            )
+            raise UsageError(
+                f"after {timeout:.0f} s no server in the swarm holds block(s) {missing} "
+                f"of {len(manager)}.{hint} (--swarm-timeout sets the wait.)",
+                param="initial_peers",
+            )
+        time.sleep(1.0)
+
+
+def load_petals(
+    model_dir: str, state: TrainableState, family: Family, initial_peers, dht_prefix, client_options: dict,
+    swarm_timeout: float,
+) -> nn.Module:
+    """The model of ``model_dir`` as a client of the swarm at ``initial_peers``, once every
+    block is served, with the trained prompts and head.
+    """
+    import_petals()
+    quiet_hivemind_logs()
+    patch_petals_client_failover()
+    import petals
+
+    if not initial_peers:
+        raise UsageError(
+            "the petals backend needs the swarm's address (or none, to start a local swarm).", param="initial_peers"
+        )
+    kwargs = dict(
+        initial_peers=list(initial_peers),
+        num_labels=state.num_labels,
+        torch_dtype=torch.float32,
+        **{**DEFAULT_CLIENT_OPTIONS, **client_options},
+    )
+    if dht_prefix:
+        kwargs["dht_prefix"] = dht_prefix
+    if state.tuning_mode:
+        kwargs.update(tuning_mode=state.tuning_mode, pre_seq_len=state.pre_seq_len)
+    try:
+        inner = getattr(petals, family.petals_class).from_pretrained(model_dir, **kwargs)
+    except Exception as e:
+        if type(e).__name__ == "P2PDaemonError":  # nobody answered at the initial peers
+            raise UsageError(
+                f"no swarm answered ({one_line(e, 160)}). "
+                "Check the addresses (the servers print them) and that the servers are running.",
+                param="initial_peers", value=list(initial_peers),
+            ) from e
+        raise
+    manager = family.get(inner, family.blocks).sequence_manager
+    try:
+        wait_for_blocks(manager, swarm_timeout, dht_prefix)
+    except BaseException:
+        shutdown_petals_client(manager)
+        raise
+    _load_trainable(inner, state, family)
+    return PetalsClassifier(inner, family, swarm_timeout)
+
+
+def _load_trainable(inner, state: TrainableState, family: Family) -> None:
+    with torch.no_grad():
+        family.get(inner, family.head).weight.copy_(state.tensors["score.weight"])
+        if state.tuning_mode:
+            family.get(inner, family.prompts).weight.copy_(state.tensors["prompt_embeddings.weight"])
+        if state.tuning_mode == "deep_ptune":
+            family.get(inner, family.deep_prompts).weight.copy_(state.tensors["intermediate_prompt_embeddings.weight"])

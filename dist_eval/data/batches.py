@@ -1,0 +1,88 @@
+"""The global batch plan and its shards.
+
+Why batches are sharded, not rows: a batch's composition (and so its padded length)
+is then the same whatever the world size, and every sample's logits are bitwise
+identical for N = 1, 2, 3, ... (row sharding would change which rows are padded
+together, and could change the last bits of the logits and loss with N).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+from torch.utils.data import DistributedSampler
+
+
+def plan_batches(
+    num_rows: int,
+    batch_size: int,
+    lengths: Optional[np.ndarray] = None,
+    max_batch_tokens: Optional[int] = None,
+    *,
+    length_buckets: bool = True,
+    prefix_tokens: int = 0,
+) -> List[np.ndarray]:
+    """Global batches of row indices, the same on every rank whatever the world size.
+
+    - at most ``batch_size`` rows per batch;
+    - ``max_batch_tokens``: and at most that many padded tokens, i.e. rows x (longest
+      row + ``prefix_tokens``, the prompt vectors the servers also compute); a row longer
+      than the budget goes alone. Needs ``lengths`` (the token count of every row);
+    - ``length_buckets`` (with ``lengths``): rows sorted longest first, ties in row
+      order, so a batch holds rows of similar length and pads little; else dataset order.
+
+    The plan depends only on the data and these settings, never on the rank or world
+    size: that is what keeps every row's logits bitwise identical for any N.
+    """
+    if lengths is None:
+        if max_batch_tokens is not None:
+            raise ValueError("max_batch_tokens needs the token lengths of the rows")
+        return [
+            np.arange(start, min(start + batch_size, num_rows), dtype=np.int64)
+            for start in range(0, num_rows, batch_size)
+        ]
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.shape != (num_rows,):
+        raise ValueError(f"lengths has shape {lengths.shape}, expected ({num_rows},)")
+    rows = np.arange(num_rows, dtype=np.int64)
+    order = np.lexsort((rows, -lengths)) if length_buckets else rows  # longest first; ties keep row order
+    if max_batch_tokens is None:
+        return [order[start : start + batch_size] for start in range(0, num_rows, batch_size)]
+    batches, current, longest = [], [], 0
+    for row, length in zip(order.tolist(), lengths[order].tolist()):
+        grown = max(longest, length)
+        if current and (len(current) >= batch_size or (len(current) + 1) * (grown + prefix_tokens) > max_batch_tokens):
+            batches.append(np.array(current, dtype=np.int64))
+            current, grown = [], length
+        current.append(row)
+        longest = grown
+    if current:
+        batches.append(np.array(current, dtype=np.int64))
+    return batches
+
+
+class _Length:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def shard_batch_ids(num_batches: int, rank: int, world_size: int) -> List[int]:
+    """This rank's batch ids: a ``DistributedSampler`` shard without its padding.
+
+    DistributedSampler (drop_last=False) pads the id list to a multiple of the world
+    size by repeating ids from its start; the padding lands at the end of each rank's
+    shard. Those repeats are dropped here, before anything runs or is counted. A rank
+    may get no batch at all (fewer batches than ranks); it still joins every collective.
+    """
+    if num_batches == 0:
+        return []
+    sampler = DistributedSampler(
+        _Length(num_batches), num_replicas=world_size, rank=rank, shuffle=False, drop_last=False
+    )
+    padded_shard = list(sampler)
+    # Position of shard element k in the padded list is rank + k * world_size.
+    num_real = len(range(rank, num_batches, world_size))
+    return padded_shard[:num_real]

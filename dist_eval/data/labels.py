@@ -1,0 +1,157 @@
+"""The task's columns and labels: checked, and read as class ids in [0, num_labels)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from dist_eval.errors import UsageError
+
+
+@dataclass
+class TaskColumns:
+    """The columns the task reads (their parameters: text_column, label_column, text_pair_column)."""
+
+    text: str
+    label: str
+    text_pair: Optional[str] = None
+
+    @classmethod
+    def of(cls, settings) -> TaskColumns:
+        """The columns of a :class:`dist_eval.config.Settings`."""
+        return cls(settings.text_column, settings.label_column, settings.text_pair_column)
+
+    def named(self):
+        """(parameter, column name) of each column given."""
+        pairs = (("text_column", self.text), ("label_column", self.label), ("text_pair_column", self.text_pair))
+        return [(param, name) for param, name in pairs if name is not None]
+
+
+def check_columns(dataset, columns: TaskColumns) -> None:
+    for param, name in columns.named():
+        if name not in dataset.column_names:
+            raise UsageError(
+                f"no such column; the dataset has {dataset.column_names}. Pass one of those.", param=param, value=name
+            )
+
+
+def label_names_of(dataset, label_column: str) -> Optional[List[str]]:
+    """Class names: a ``datasets.ClassLabel``'s names, or for a column of text labels
+    the sorted distinct texts (the ids :func:`read_labels` gives them when the model
+    has no class names of its own).
+    """
+    import datasets
+
+    feature = dataset.features.get(label_column)
+    if isinstance(feature, datasets.ClassLabel):
+        return list(feature.names)
+    if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
+        distinct = [v for v in dataset.unique(label_column) if isinstance(v, str)]
+        if distinct and not all(_INT_TEXT.match(v) for v in distinct):
+            return sorted(distinct)
+    return None
+
+
+_INT_TEXT = re.compile(r"^\s*[+-]?\d+\s*$")
+
+
+def _is_generic_names(names: Sequence[str]) -> bool:
+    """Transformers' placeholder names (LABEL_0, LABEL_1, ...): no real class names."""
+    return all(str(name) == f"LABEL_{i}" for i, name in enumerate(names))
+
+
+def read_labels(dataset, label_column: str, num_labels: int, label_names: Optional[Sequence[str]] = None) -> np.ndarray:
+    """All labels as int64 class ids, checked to lie in [0, num_labels).
+
+    Integer labels are used as they are (floats only when whole numbers). Text labels:
+    - texts that are all integers ("0", "2") are those integers;
+    - else, with ``label_names`` (the model's class names in id order, config.json
+      ``id2label``), each text is mapped to the id of the class of that name; every
+      text must be one of the names;
+    - else (no names, or transformers' placeholder LABEL_k names), when there are
+      exactly ``num_labels`` distinct texts they get ids in sorted order (as
+      ``Dataset.class_encode_column`` does; :func:`label_names_of` reports the names);
+    - anything else is refused, naming the labels found and what was expected.
+    """
+    # pyarrow -> numpy in one go (``dataset[col]`` is a lazy Column in datasets >= 4)
+    values = np.asarray(dataset.select_columns([label_column]).with_format("numpy")[label_column][:])
+    if values.size == 0:
+        raise UsageError(
+            "the evaluated split is empty: nothing to evaluate. Check --data-files and --split.", param="data"
+        )
+    if values.dtype.kind in "OUS":  # text labels (object: text, maybe with missing values)
+        values = _text_labels_to_ids(values, label_column, num_labels, label_names)
+    if values.dtype.kind not in "iu":
+        whole = (
+            np.isfinite(values) & (values == np.round(values))
+            if values.dtype.kind == "f"
+            else np.zeros(values.shape, bool)
+        )
+        if values.dtype.kind == "f" and whole.all():
+            values = values.astype(np.int64)
+        else:
+            row = int(np.flatnonzero(~whole)[0])
+            value = values[row].item() if hasattr(values[row], "item") else values[row]
+            shown = "no label (an empty value)" if isinstance(value, float) and np.isnan(value) else repr(value)
+            raise UsageError(
+                f"expected integer class ids in [0, {num_labels}), but row {row} "
+                f"has {shown} ({(~whole).sum()} such rows). Fill in or drop rows without a label, or map "
+                "the labels to ids first (e.g. dataset.class_encode_column).",
+                param="label_column",
+                value=label_column,
+            )
+    values = values.astype(np.int64)
+    bad = np.flatnonzero((values < 0) | (values >= num_labels))
+    if bad.size:
+        row = int(bad[0])
+        raise UsageError(
+            f"row {row} has label {values[row]}, outside [0, {num_labels}) "
+            f"({bad.size} such rows). Fix the data, or pass the checkpoint/--num-labels that match it.",
+            param="label_column",
+            value=label_column,
+        )
+    return values
+
+
+def _text_labels_to_ids(values: np.ndarray, label_column: str, num_labels: int, label_names) -> np.ndarray:
+    not_text = [i for i, v in enumerate(values.tolist()) if not isinstance(v, str)]
+    if not_text:
+        row = not_text[0]
+        raise UsageError(
+            f"row {row} has no text label ({values[row]!r}) among text labels "
+            f"({len(not_text)} such rows). Fill in or drop rows without a label.",
+            param="label_column",
+            value=label_column,
+        )
+    texts = values.astype(str)
+    distinct = sorted(set(texts.tolist()))
+    if all(_INT_TEXT.match(t) for t in distinct):
+        return np.array([int(t) for t in texts.tolist()], dtype=np.int64)
+    shown = distinct[:8] + (["..."] if len(distinct) > 8 else [])
+    names = [str(n) for n in label_names] if label_names and not _is_generic_names(label_names) else None
+    if names is not None:
+        unknown = [t for t in distinct if t not in names]
+        if unknown:
+            raise UsageError(
+                f"text labels {unknown[:8]} are not among the model's class "
+                f"names {names} (config.json id2label), which map text labels to ids. Fix the labels or "
+                "id2label, or map the labels to ids first.",
+                param="label_column",
+                value=label_column,
+            )
+        mapping = {name: i for i, name in enumerate(names)}
+    elif len(distinct) == num_labels:
+        mapping = {name: i for i, name in enumerate(distinct)}  # sorted: documented in README
+    else:
+        raise UsageError(
+            f"{len(distinct)} distinct text labels {shown}, but the classifier "
+            f"head has {num_labels} classes, so they cannot be given ids in sorted order (that needs exactly "
+            f"{num_labels}). Map them to ids first (e.g. dataset.class_encode_column), or give the model's "
+            "config.json an id2label with these names.",
+            param="label_column",
+            value=label_column,
+        )
+    lookup = np.vectorize(mapping.__getitem__, otypes=[np.int64])
+    return lookup(texts)

@@ -1,0 +1,212 @@
+"""``evaluate()``: the Python API, in data-flow order.
+
+    this rank's batches (dist_eval.data.shard) -> no-grad forwards (dist_eval.predict)
+      -> merge (dist_eval.merge): all_reduce of totals, gather to rank 0, de-dup,
+         coverage, metrics on rank 0 -> broadcast: every rank gets the same metrics
+
+Each step is a phase (:func:`dist_eval.ranks.phase`): a failure on one rank is a failure
+on every rank, so no rank is left waiting in the next collective.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dist_eval import ranks
+from dist_eval.config import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_BOOTSTRAP_RESAMPLES,
+    DEFAULT_IN_FLIGHT,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_LENGTH,
+    DEFAULT_SAVE_INTERVAL,
+    Options,
+    Settings,
+)
+from dist_eval.data.labels import TaskColumns, check_columns, label_names_of, read_labels
+from dist_eval.data.shard import dataset_batches, loader_batches
+from dist_eval.errors import UsageError
+from dist_eval.merge import MergedResults, merge_on_main
+from dist_eval.predict import predict_shard
+from dist_eval.resume import open_partial
+
+# A user metric over the merged set: fn(labels, preds, logits_or_None) -> float or dict
+MergedMetric = Callable[[np.ndarray, np.ndarray, Optional[np.ndarray]], object]
+# A user per-sample value: fn(logits [B, K], labels [B]) -> [B]; reported as its sample-weighted mean
+SampleMetric = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass
+class EvalResult:
+    """What :func:`evaluate` returns.
+
+    ``metrics`` is the same dict on every rank. ``predictions`` (per-sample arrays,
+    ordered by row index, logits included when asked) is held by rank 0 only and is
+    None on the other ranks, so that per-sample data exists once, not world_size times.
+    """
+
+    metrics: dict
+    predictions: Optional[MergedResults]
+
+
+@dataclass
+class _Task:
+    """What the model tells about the task, completed by the arguments."""
+
+    forward: Callable
+    num_labels: Optional[int]
+    pad_token_id: Optional[int]
+    label_names: Optional[Sequence[str]]
+    prompt_tokens: int
+
+
+def evaluate(
+    model,
+    data,
+    *,
+    tokenizer=None,
+    text_column: str = Settings.text_column,
+    text_pair_column: Optional[str] = None,
+    label_column: str = Settings.label_column,
+    num_labels: Optional[int] = None,
+    label_names: Optional[Sequence[str]] = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    pad_token_id: Optional[int] = None,
+    return_logits: bool = False,
+    metrics: Optional[Dict[str, MergedMetric]] = None,
+    sample_metrics: Optional[Dict[str, SampleMetric]] = None,
+    on_batch_done: Optional[Callable[[int], None]] = None,
+    length_buckets: bool = True,
+    max_batch_tokens: Optional[int] = DEFAULT_MAX_BATCH_TOKENS,
+    in_flight: int = DEFAULT_IN_FLIGHT,
+    bootstrap_resamples: int = DEFAULT_BOOTSTRAP_RESAMPLES,
+    bootstrap_seed: int = 0,
+    resume_folder: Optional[str] = None,
+    save_interval: float = DEFAULT_SAVE_INTERVAL,
+) -> EvalResult:
+    """Evaluate a classifier on a dataset (or DataLoader), sharded over the current
+    process group, exactly: every row counted once, whatever the world size.
+
+    Works with no process group (one process) and inside one that a training loop
+    already initialised; every rank of the group must call it. ``model`` is a
+    :class:`dist_eval.backends.LoadedModel` or any callable ``input_ids -> logits``
+    (a transformers model works: its output's ``.logits`` is used).
+
+    ``data`` is a ``datasets.Dataset`` (then ``tokenizer``, the column names and
+    ``batch_size``/``max_length`` apply) or a ``DataLoader`` yielding dicts with
+    ``index``, ``input_ids`` (right-padded, no mask) and ``labels``.
+
+    ``metrics``: name -> fn(labels, preds, logits) computed once on rank 0 over the
+    merged, de-duplicated set (logits are passed when ``return_logits`` is set, else
+    None). ``sample_metrics``: name -> fn(logits, labels) -> one value per sample,
+    reported as its sample-weighted mean. Both appear in ``metrics`` beside the built-ins.
+    ``on_batch_done(num_rows)`` is called on each rank after each of its batches.
+
+    Throughput (none of these changes any result): ``length_buckets`` batches rows of
+    similar token length together (less padding); ``max_batch_tokens`` caps a batch's
+    padded tokens (rows x (longest row + prompt vectors); None: no cap) besides its
+    ``batch_size`` rows; ``in_flight`` keeps that many batches
+    in flight at once on each rank (their results are put back in order).
+
+    ``resume_folder`` (Dataset input only): each rank stores the logits of finished
+    batches there, atomically, at most every ``save_interval`` seconds; batches already
+    stored there are not run again. The folder must belong to this exact model, data and
+    settings (the CLI keys it by a hash of them; see :mod:`dist_eval.resume`).
+
+    ``bootstrap_resamples`` (0 disables) and ``bootstrap_seed``: 95% percentile bootstrap
+    intervals for accuracy, macro-F1 and loss, computed on rank 0 from the merged set
+    (:func:`dist_eval.intervals.bootstrap_intervals`, about 1 s per 1000 resamples),
+    in ``metrics["confidence_intervals"]``; the same for any world size.
+    """
+    settings = Settings(
+        text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
+        batch_size=batch_size, max_length=max_length, length_buckets=length_buckets, max_batch_tokens=max_batch_tokens,
+    )
+    options = Options(
+        in_flight=in_flight, save_interval=save_interval,
+        bootstrap_resamples=bootstrap_resamples, bootstrap_seed=bootstrap_seed,
+    )
+    task = _task_of(model, num_labels, pad_token_id, label_names)
+    start, start_cpu = time.perf_counter(), time.process_time()
+
+    num_rows, batches, num_truncated, own_batches = _this_rank_batches(data, tokenizer, settings, task)
+    with ranks.phase("reading the stored partial results"):
+        stored, writer = open_partial(resume_folder, own_batches, task.num_labels, options.save_interval)
+    with ranks.phase("the forward passes"):
+        try:
+            local = predict_shard(
+                task.forward, batches, task.num_labels, keep_logits=return_logits, sample_metrics=sample_metrics,
+                on_batch_done=on_batch_done, in_flight=options.in_flight, stored=stored,
+                on_batch_logits=writer.add if writer is not None else None,
+            )
+        finally:
+            if writer is not None:
+                writer.flush()  # also on failure: finished batches are not lost
+    loop_seconds = time.perf_counter() - start
+    local.loop_cpu_seconds = time.process_time() - start_cpu  # this rank's CPU (all its threads) in the loop
+
+    report, merged = merge_on_main(
+        local, num_rows, task.num_labels, label_names=task.label_names, user_metrics=metrics,
+        num_truncated=num_truncated, loop_seconds=loop_seconds,
+        bootstrap=(options.bootstrap_resamples, options.bootstrap_seed),
+    )
+    return EvalResult(metrics=report, predictions=merged)
+
+
+def _task_of(model, num_labels, pad_token_id, label_names) -> _Task:
+    """The forward callable and the task's facts: from a LoadedModel, else from ``model.config``."""
+    from dist_eval.backends.classifier import LoadedModel
+
+    if isinstance(model, LoadedModel):
+        return _Task(
+            forward=model.module,
+            num_labels=num_labels or model.num_labels,
+            pad_token_id=model.pad_token_id if pad_token_id is None else pad_token_id,
+            label_names=label_names or (list(model.id2label.values()) if model.id2label else None),
+            prompt_tokens=model.prompt_tokens,
+        )
+    config = getattr(model, "config", None)
+    return _Task(
+        forward=model,
+        num_labels=num_labels if num_labels is not None else getattr(config, "num_labels", None),
+        pad_token_id=pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None),
+        label_names=label_names,
+        prompt_tokens=0,
+    )
+
+
+def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task):
+    """(rows in the data, this rank's batches, rows truncated here, {batch id: rows} of this
+    rank's batches or None for a DataLoader). Two phases: every rank must call it.
+    """
+    with ranks.phase("preparing the data"):
+        num_rows, labels, task.label_names = _check_data(data, tokenizer, settings, task)
+    own_batches = None
+    with ranks.phase("tokenizing the data"):
+        if labels is None:  # a DataLoader: its batches are the user's
+            batches, num_truncated = loader_batches(data), 0
+        else:
+            batches, num_truncated, own_batches = dataset_batches(
+                data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens
+            )
+    return num_rows, batches, num_truncated, own_batches
+
+
+def _check_data(data, tokenizer, settings: Settings, task: _Task):
+    """(number of rows, the labels of a Dataset or None for a DataLoader, class names)."""
+    if task.num_labels is None:
+        raise UsageError("cannot tell the number of classes from the model; pass num_labels=K.", param="num_labels")
+    if isinstance(data, torch.utils.data.DataLoader):
+        return len(data.dataset), None, task.label_names
+    if tokenizer is None:
+        raise UsageError("evaluate(data=Dataset) needs tokenizer=...; or pass a DataLoader of token ids.")
+    if task.pad_token_id is None:
+        raise UsageError("unknown (the model config has none); pass pad_token_id=...", param="pad_token_id")
+    check_columns(data, TaskColumns.of(settings))
+    labels = read_labels(data, settings.label_column, task.num_labels, label_names=task.label_names)
+    return len(data), labels, task.label_names or label_names_of(data, settings.label_column)

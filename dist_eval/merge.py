@@ -1,0 +1,224 @@
+"""Merge every rank's results: totals reduced over ranks, per-sample arrays gathered to
+rank 0, ordered by index, de-duplicated, checked to cover every row of the split exactly
+once, then the metrics (computed on rank 0, broadcast to every rank).
+
+Values are ``local_`` (one rank's) or ``global_`` (over every rank) as in the names.
+"""
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from dist_eval import ranks
+from dist_eval.intervals import bootstrap_intervals
+from dist_eval.metrics import confusion_matrix, mean_of, metrics_from_confusion
+from dist_eval.predict import SAMPLE_VALUE_PREFIX, ShardResults
+
+
+class CoverageError(RuntimeError):
+    """Some rows were never evaluated, or an index lies outside the split."""
+
+
+@dataclass
+class MergedResults:
+    """The global, de-duplicated per-sample results, ordered by row index (``global_`` side)."""
+
+    indices: np.ndarray
+    labels: np.ndarray
+    preds: np.ndarray
+    losses: np.ndarray
+    logits: Optional[np.ndarray] = None
+    sample_values: Dict[str, np.ndarray] = field(default_factory=dict)
+    num_duplicates_dropped: int = 0
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.indices.shape[0])
+
+
+def _concat(payloads: List[dict], key: str) -> Optional[np.ndarray]:
+    """One field of every payload, concatenated; the payloads let go of it (memory)."""
+    parts = [p.pop(key, None) for p in payloads]
+    if any(part is None for part in parts) or not parts:
+        return None
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def merge_gathered(payloads: List[dict], num_rows: int) -> MergedResults:
+    """Concatenate the ranks' payloads (:meth:`ShardResults.as_payload`; already
+    concatenated by the gather, in which case there is one), keep the first result of each row index, and
+    require exactly the rows 0..num_rows-1.
+
+    The payloads are consumed field by field (each field is released once it has been
+    merged), so rank 0 holds about one copy of the gathered per-sample arrays, not two.
+
+    Duplicates arise when a user DataLoader's DistributedSampler pads its last round;
+    a duplicate must agree with the kept copy on the label (same row), or the data is
+    inconsistent and we refuse to count it.
+    """
+    names = [k for k in payloads[0] if k.startswith(SAMPLE_VALUE_PREFIX)] if payloads else []
+    indices = _concat(payloads, "indices") if payloads else np.zeros(0, np.int64)
+    order = np.argsort(indices, kind="stable")
+    sorted_indices = indices[order]
+    del indices
+    keep = np.ones(len(sorted_indices), dtype=bool)
+    keep[1:] = sorted_indices[1:] != sorted_indices[:-1]
+    num_duplicates = int((~keep).sum())
+    unique_indices = sorted_indices[keep]
+    del sorted_indices
+    if len(unique_indices) != num_rows or (num_rows and (unique_indices[0] != 0 or unique_indices[-1] != num_rows - 1)):
+        present = np.zeros(num_rows, dtype=bool)
+        inside = unique_indices[(unique_indices >= 0) & (unique_indices < num_rows)]
+        present[inside] = True
+        missing = np.flatnonzero(~present)
+        outside = unique_indices[(unique_indices < 0) | (unique_indices >= num_rows)]
+        raise CoverageError(
+            f"evaluated {len(unique_indices)} distinct rows, expected {num_rows}: "
+            f"{len(missing)} missing (first {missing[:5].tolist()}), {len(outside)} outside the split "
+            f"(first {outside[:5].tolist()}). A DataLoader with drop_last=True, or a sampler that skips rows, "
+            "causes this."
+        )
+    labels_sorted = _concat(payloads, "labels")[order] if payloads else np.zeros(0, np.int64)
+    if num_duplicates:
+        first_of_run = np.maximum.accumulate(np.where(keep, np.arange(len(keep)), 0))
+        if np.any(labels_sorted != labels_sorted[first_of_run]):
+            raise CoverageError("the same row index arrived twice with different labels; the batches are inconsistent")
+    labels = labels_sorted[keep] if num_duplicates else labels_sorted
+    del labels_sorted
+    selection = order[keep] if num_duplicates else order
+    del order
+
+    def pick(key: str) -> Optional[np.ndarray]:
+        merged = _concat(payloads, key) if payloads else np.zeros(0, np.float64)
+        return None if merged is None else merged[selection]
+
+    preds = pick("preds")
+    losses = pick("losses")
+    logits = pick("logits")
+    sample_values = {key[len(SAMPLE_VALUE_PREFIX) :]: pick(key) for key in names}
+    return MergedResults(
+        indices=unique_indices,
+        labels=labels,
+        preds=preds if preds is not None else np.zeros(0, np.int64),
+        losses=losses if losses is not None else np.zeros(0, np.float64),
+        logits=logits,
+        sample_values=sample_values,
+        num_duplicates_dropped=num_duplicates,
+    )
+
+
+@dataclass
+class Totals:
+    """Sums over the ranks, reduced by one all_reduce: numerators and denominators are
+    summed, and divided once (averaging per-rank means is wrong for uneven shards).
+    """
+
+    num_samples: float = 0.0
+    loss_sum: float = 0.0
+    num_truncated: float = 0.0
+    forward_seconds: float = 0.0
+    loop_cpu_seconds: float = 0.0  # client CPU of the rank's own process (not the p2pd daemons)
+
+    @classmethod
+    def of_shard(cls, local: ShardResults, num_truncated: int) -> Totals:
+        return cls(
+            local.num_samples, float(local.losses.sum()), num_truncated, local.forward_seconds, local.loop_cpu_seconds
+        )
+
+    def all_reduced(self) -> Totals:
+        """The sums over every rank, on every rank (a collective)."""
+        return Totals(*ranks.all_reduce_sum(np.array(astuple(self), dtype=np.float64)).tolist())
+
+
+@dataclass
+class RankFacts:
+    """One rank's facts for the report, all-gathered (not summed)."""
+
+    num_samples: int
+    loop_seconds: float
+    max_batch_seconds: float
+    num_resumed: int
+
+
+def merge_on_main(
+    local: ShardResults,
+    num_rows: int,
+    num_labels: int,
+    *,
+    label_names: Optional[Sequence[str]] = None,
+    user_metrics: Optional[Dict[str, Callable]] = None,
+    num_truncated: int = 0,
+    loop_seconds: float = 0.0,
+    bootstrap: Optional[Tuple[int, int]] = None,
+) -> tuple:
+    """Combine every rank's results: (the report on every rank, the merged per-sample
+    arrays on rank 0 and None elsewhere). Every rank must call it.
+
+    ``bootstrap`` = (resamples, seed) adds ``confidence_intervals`` to the report.
+    """
+    global_totals = Totals.of_shard(local, num_truncated).all_reduced()
+    # per-sample arrays to rank 0 only; rank 0 merges and computes the metrics
+    gathered = ranks.gather_arrays_to_main(local.as_payload())
+    rank_facts = ranks.all_gather_object(
+        RankFacts(local.num_samples, loop_seconds, local.max_batch_seconds, local.num_resumed)
+    )
+    report, merged = None, None
+    with ranks.phase("merging the results"):
+        if ranks.is_main_process():
+            merged = merge_gathered([gathered], num_rows)  # consumes the arrays: one copy at a time
+            del gathered
+            report = _report(merged, num_labels, label_names, user_metrics, global_totals, rank_facts, bootstrap)
+    return ranks.broadcast_object(report), merged
+
+
+def _report(
+    merged: MergedResults, num_labels, label_names, user_metrics, totals: Totals, rank_facts, bootstrap
+) -> dict:
+    """Rank 0: the metrics of the merged set, checked against the reduced totals, and the run's facts."""
+    if merged.num_samples != int(totals.num_samples):
+        raise RuntimeError(
+            f"internal: all_reduce counted {int(totals.num_samples)} samples but the merge holds {merged.num_samples}"
+        )
+    report = _metrics(merged, num_labels, label_names, user_metrics, totals)
+    if bootstrap and bootstrap[0]:  # from the index-ordered merged set: the same for any N
+        report["confidence_intervals"] = bootstrap_intervals(
+            merged.labels, merged.preds, merged.losses, num_labels, resamples=bootstrap[0], seed=bootstrap[1]
+        )
+    report["num_truncated"] = int(totals.num_truncated)
+    loop_seconds_max = max(facts.loop_seconds for facts in rank_facts)
+    report["run"] = {
+        "world_size": len(rank_facts),
+        "per_rank_samples": [facts.num_samples for facts in rank_facts],
+        "eval_loop_seconds": loop_seconds_max,
+        "forward_seconds_sum": totals.forward_seconds,
+        # where the loop's time goes: client CPU of all ranks (their own processes;
+        # not the p2pd daemons), next to ranks x loop seconds of wall time
+        "loop_cpu_seconds_sum": totals.loop_cpu_seconds,
+        "samples_per_second": merged.num_samples / loop_seconds_max if loop_seconds_max > 0 else None,
+        "duplicates_dropped": merged.num_duplicates_dropped,
+        "max_batch_seconds": max(facts.max_batch_seconds for facts in rank_facts),
+        "resumed_samples": sum(facts.num_resumed for facts in rank_facts),
+    }
+    return report
+
+
+def _metrics(merged: MergedResults, num_labels, label_names, user_metrics, totals: Totals) -> dict:
+    if label_names is not None and len(label_names) != num_labels:
+        label_names = None
+    cm = confusion_matrix(merged.labels, merged.preds, num_labels)
+    report = {"num_samples": merged.num_samples, "num_labels": num_labels}
+    report.update(metrics_from_confusion(cm, label_names))
+    # exactly rounded, in row order: the same bits for any world size
+    report["loss"] = mean_of(merged.losses)
+    reduced_loss = totals.loss_sum / merged.num_samples
+    if abs(reduced_loss - report["loss"]) > 1e-9 * max(1.0, abs(report["loss"])):
+        raise RuntimeError(f"internal: all_reduced mean loss {reduced_loss} != merged mean loss {report['loss']}")
+    for name in sorted(merged.sample_values):
+        report[name] = mean_of(merged.sample_values[name])
+    for name, fn in (user_metrics or {}).items():
+        value = fn(merged.labels, merged.preds, merged.logits)
+        report[name] = value.item() if hasattr(value, "item") else value
+    report["label_names"] = list(label_names) if label_names else None
+    return report

@@ -1,0 +1,102 @@
+"""The run's files, written by rank 0 only: metrics.json, predictions.jsonl and the readable
+report (per_class.csv / .md, confusion_matrix.png, report.html).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+
+from dist_eval.atomic import atomic_write
+from dist_eval.errors import UsageError, warn
+from dist_eval.merge import MergedResults
+
+
+def check_output_dir(path: str) -> None:
+    """Fail before any work when the report could not be written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".dist_eval_write_test_{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"--output-dir {path}: not writable ({e.strerror}). Pass a folder you can write to.") from e
+
+
+def write_metrics(output_dir: str, metrics: dict) -> str:
+    path = os.path.join(output_dir, "metrics.json")
+    return atomic_write(path, lambda f: json.dump(metrics, f, indent=2, sort_keys=False, default=_jsonable))
+
+
+def _jsonable(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def write_predictions(
+    output_dir: str, merged: MergedResults, label_names: Optional[Sequence[str]] = None, save_logits: bool = False
+) -> str:
+    """One JSON object per row of the split, in row order."""
+    path = os.path.join(output_dir, "predictions.jsonl")
+    indices, labels, preds = merged.indices.tolist(), merged.labels.tolist(), merged.preds.tolist()
+    logits = merged.logits.tolist() if (save_logits and merged.logits is not None) else None
+
+    def write(f):
+        for i in range(len(indices)):
+            row = {"index": indices[i], "label": labels[i], "pred": preds[i]}
+            if label_names:
+                row["label_name"] = label_names[labels[i]]
+                row["pred_name"] = label_names[preds[i]]
+            if logits is not None:
+                row["logits"] = logits[i]
+            f.write(json.dumps(row))
+            f.write("\n")
+
+    return atomic_write(path, write)
+
+
+def write_report_files(output_dir: str, metrics: dict, warn: Callable[[str], None] = warn) -> List[str]:
+    """per_class.csv, per_class.md, confusion_matrix.png and report.html; returns their paths.
+
+    Without matplotlib the figure is skipped with one ``warn`` line and report.html
+    shows the matrix as a table instead.
+    """
+    from dist_eval.output.figures import confusion_matrix_png
+    from dist_eval.output.html import render_html
+    from dist_eval.output.per_class import class_names, per_class_csv, per_class_markdown
+
+    written = []
+
+    def text_file(name: str, text: str) -> None:
+        path = os.path.join(output_dir, name)
+        atomic_write(path, text)
+        written.append(path)
+
+    text_file("per_class.csv", per_class_csv(metrics))
+    text_file("per_class.md", per_class_markdown(metrics))
+    title = f"{metrics['num_samples']} samples, accuracy {metrics['accuracy']:.4f}, macro F1 {metrics['f1_macro']:.4f}"
+    try:
+        png = confusion_matrix_png(metrics["confusion_matrix"], class_names(metrics), title=title)
+        if png is None:
+            warn(
+                "matplotlib is not installed, so confusion_matrix.png was not written "
+                "(pip install matplotlib); report.html shows the matrix as a table"
+            )
+    except Exception as e:  # a figure must not cost the user the rest of the report
+        png = None
+        warn(
+            f"confusion_matrix.png could not be drawn ({type(e).__name__}: {e}); "
+            "report.html shows the matrix as a table"
+        )
+    if png is not None:
+        path = os.path.join(output_dir, "confusion_matrix.png")
+        atomic_write(path, png)
+        written.append(path)
+    text_file("report.html", render_html(metrics, png))
+    return written

@@ -1,0 +1,202 @@
+"""report.html: one self-contained page (inline CSS, the figure as a base64 data URI)
+that opens from the file system: headline metrics with their confidence intervals, the
+per-class table, the confusion matrix and the facts of the run.
+"""
+from __future__ import annotations
+
+import base64
+import html
+from typing import Iterable, Optional
+
+from dist_eval.metrics import HEADLINE_METRICS
+from dist_eval.output.per_class import class_names, per_class_rows
+
+_CSS = """
+body { font-family: -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif; color: #1f2328;
+       margin: 0; background: #f6f8fa; }
+main { max-width: 1100px; margin: 0 auto; padding: 24px 28px 48px; }
+h1 { font-size: 24px; margin: 0 0 4px; }
+h2 { font-size: 18px; margin: 32px 0 10px; padding-bottom: 4px; border-bottom: 1px solid #d0d7de; }
+.sub { color: #57606a; font-size: 13px; margin: 0 0 18px; word-break: break-all; }
+.cards { display: flex; flex-wrap: wrap; gap: 12px; }
+.card { background: #fff; border: 1px solid #d0d7de; border-radius: 8px; padding: 12px 16px; min-width: 170px; }
+.card .name { color: #57606a; font-size: 12px; text-transform: uppercase; letter-spacing: .04em; }
+.card .value { font-size: 26px; font-weight: 600; margin: 2px 0; font-variant-numeric: tabular-nums; }
+.card .ci { color: #57606a; font-size: 12px; font-variant-numeric: tabular-nums; }
+table { border-collapse: collapse; background: #fff; font-size: 13px; font-variant-numeric: tabular-nums; }
+th, td { border: 1px solid #d0d7de; padding: 5px 10px; }
+th { background: #f0f3f6; text-align: left; }
+td.num { text-align: right; }
+td.key { color: #57606a; white-space: nowrap; }
+td.val { word-break: break-all; }
+.bar { display: inline-block; height: 8px; background: #4c8ed9; border-radius: 2px; vertical-align: middle;
+       margin-left: 6px; }
+.note { color: #57606a; font-size: 12px; margin-top: 6px; }
+.warn { background: #fff8c5; border: 1px solid #d4a72c; border-radius: 6px; padding: 8px 12px; font-size: 13px; }
+img.cm { max-width: 100%; background: #fff; border: 1px solid #d0d7de; border-radius: 6px; }
+details { margin-top: 10px; }
+footer { color: #8c959f; font-size: 12px; margin-top: 36px; }
+"""
+
+_CARD_TITLES = {
+    "accuracy": "Accuracy", "f1_macro": "Macro F1", "f1_weighted": "Weighted F1", "precision_macro": "Macro precision",
+    "recall_macro": "Macro recall", "loss": "Loss (cross-entropy)",
+}
+_ALL_METRICS = (
+    ("accuracy", "accuracy (= micro P/R/F1)"),
+    ("precision_macro", "precision, macro"),
+    ("recall_macro", "recall, macro"),
+    ("f1_macro", "F1, macro"),
+    ("precision_weighted", "precision, weighted"),
+    ("recall_weighted", "recall, weighted"),
+    ("f1_weighted", "F1, weighted"),
+    ("loss", "loss (mean cross-entropy)"),
+)
+
+
+def _e(value) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _interval(metrics: dict, name: str) -> Optional[list]:
+    return (metrics.get("confidence_intervals") or {}).get(name)
+
+
+def _table(header: Iterable[str], rows: Iterable[str]) -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _cards(metrics: dict) -> str:
+    out = []
+    for key in HEADLINE_METRICS:
+        title = _CARD_TITLES[key]
+        ci = _interval(metrics, key)
+        ci_text = f"95% CI [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "&nbsp;"
+        out.append(
+            f'<div class="card"><div class="name">{_e(title)}</div>'
+            f'<div class="value">{metrics[key]:.4f}</div><div class="ci">{ci_text}</div></div>'
+        )
+    return f'<div class="cards">{"".join(out)}</div>'
+
+
+def _metrics_table(metrics: dict) -> str:
+    rows = []
+    for key, title in _ALL_METRICS:
+        ci = _interval(metrics, key)
+        ci_cell = f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else ""
+        rows.append(
+            f'<tr><td>{_e(title)}</td><td class="num">{metrics[key]:.4f}</td><td class="num">{ci_cell}</td></tr>'
+        )
+    table = _table(("metric", "value", "95% CI"), rows)
+    intervals = metrics.get("confidence_intervals")
+    note = (
+        f"Intervals: {_e(intervals['method'])}, {intervals['resamples']} resamples, seed {intervals['seed']}, "
+        f"level {intervals['level']:g}; macro averages count every class, absent ones as 0."
+        if intervals
+        else "No confidence intervals (bootstrap disabled)."
+    )
+    return table + f'<div class="note">{note}</div>'
+
+
+def _per_class_table(metrics: dict) -> str:
+    rows = []
+    for r in per_class_rows(metrics):
+        bar = f'<span class="bar" style="width:{60 * r["f1"]:.0f}px"></span>'
+        rows.append(
+            f'<tr><td>{_e(r["class"])}</td><td class="num">{r["label"]}</td><td class="num">{r["precision"]:.4f}</td>'
+            f'<td class="num">{r["recall"]:.4f}</td><td class="num">{r["f1"]:.4f}{bar}</td>'
+            f'<td class="num">{r["support"]}</td><td class="num">{r["predicted"]}</td></tr>'
+        )
+    return _table(("class", "label", "precision", "recall", "F1", "support", "predicted"), rows)
+
+
+def _confusion_table(metrics: dict) -> str:
+    names = class_names(metrics)
+    header = ["true \\ predicted", *names]
+    rows = [
+        f"<tr><th>{_e(name)}</th>" + "".join(f'<td class="num">{v}</td>' for v in row) + "</tr>"
+        for name, row in zip(names, metrics["confusion_matrix"])
+    ]
+    return _table(header, rows)
+
+
+def _run_facts(metrics: dict) -> str:
+    run = metrics.get("run", {})
+    facts = [
+        ("samples", metrics["num_samples"]),
+        ("classes", metrics["num_labels"]),
+        ("data", ", ".join(run.get("data_files") or []) or None),
+        ("split", run.get("split")),
+        ("model", run.get("model")),
+        ("checkpoint", run.get("checkpoint")),
+        ("backend", run.get("backend")),
+        ("world size (ranks)", run.get("world_size")),
+        ("samples per rank", run.get("per_rank_samples")),
+        ("batch size", run.get("batch_size")),
+        ("max length", run.get("max_length")),
+        ("texts truncated", metrics.get("num_truncated")),
+        ("swarm peers", ", ".join(run.get("initial_peers") or []) or None),
+        ("DHT prefix", run.get("dht_prefix")),
+        ("started at", run.get("started_at")),
+        ("wall time", f"{run['wall_seconds']:.1f} s" if run.get("wall_seconds") is not None else None),
+        ("eval loop", f"{run['eval_loop_seconds']:.1f} s" if run.get("eval_loop_seconds") is not None else None),
+        ("samples/s (eval loop)", f"{run['samples_per_second']:.1f}" if run.get("samples_per_second") else None),
+        ("versions", ", ".join(f"{k} {v}" for k, v in (run.get("versions") or {}).items() if v)),
+    ]
+    rows = [
+        f'<tr><td class="key">{_e(k)}</td><td class="val">{_e(v)}</td></tr>' for k, v in facts if v not in (None, "")
+    ]
+    return _table(("", ""), rows).replace("<thead><tr><th></th><th></th></tr></thead>", "")
+
+
+def render_html(metrics: dict, confusion_png: Optional[bytes] = None, title: str = "dist_eval report") -> str:
+    """The whole page as a string; ``confusion_png`` is embedded when given, else the
+    matrix appears as a table only.
+    """
+    run = metrics.get("run", {})
+    subtitle = " &middot; ".join(
+        _e(x)
+        for x in (
+            f"{metrics['num_samples']} samples, {metrics['num_labels']} classes",
+            ", ".join(run.get("data_files") or []),
+            run.get("started_at"),
+        )
+        if x
+    )
+    warnings = ""
+    if metrics.get("num_truncated"):
+        warnings = (
+            f'<p class="warn">{metrics["num_truncated"]} text(s) were truncated to the maximum length '
+            f"({_e(run.get('max_length', '?'))} tokens).</p>"
+        )
+    if confusion_png:
+        data = base64.b64encode(confusion_png).decode("ascii")
+        figure = (
+            f'<img class="cm" alt="Confusion matrix: counts and row-normalised" src="data:image/png;base64,{data}">'
+            f"<details><summary>The counts as a table</summary>{_confusion_table(metrics)}</details>"
+        )
+    else:
+        figure = _confusion_table(metrics) + '<div class="note">No figure: matplotlib is not installed.</div>'
+    beside = "metrics.json, predictions.jsonl, per_class.csv, per_class.md" + (
+        ", confusion_matrix.png" if confusion_png else ""
+    )
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{_e(title)}</title><style>{_CSS}</style></head>
+<body><main>
+<h1>{_e(title)}</h1><p class="sub">{subtitle}</p>
+{warnings}
+{_cards(metrics)}
+<h2>Metrics</h2>
+{_metrics_table(metrics)}
+<h2>Per class</h2>
+{_per_class_table(metrics)}
+<h2>Confusion matrix</h2>
+<div class="note">Rows: true class; columns: predicted class.</div>
+{figure}
+<h2>Run</h2>
+{_run_facts(metrics)}
+<footer>Written by dist_eval. Files beside this one: {beside}.</footer>
+</main></body></html>
+"""

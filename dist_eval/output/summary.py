@@ -1,0 +1,51 @@
+"""The summary printed on the terminal at the end of a run."""
+from __future__ import annotations
+
+from typing import Optional
+
+from dist_eval.metrics import HEADLINE_METRICS, INTERVAL_METRICS
+
+# "acc", not "accuracy", in the intervals line: the line above is the one that says "accuracy X.XXXX"
+_SHORT = {"accuracy": "acc"}
+
+
+def format_intervals(metrics: dict) -> Optional[str]:
+    """``95% CI (bootstrap, 1000 resamples, seed 0): acc [lo, hi] ...``, or None."""
+    intervals = metrics.get("confidence_intervals")
+    if not intervals:
+        return None
+    parts = "   ".join(
+        f"{_SHORT.get(name, name)} [{intervals[name][0]:.4f}, {intervals[name][1]:.4f}]" for name in INTERVAL_METRICS
+    )
+    return (f"{100 * intervals['level']:g}% CI (bootstrap, {intervals['resamples']} resamples, "
+            f"seed {intervals['seed']}): {parts}")
+
+
+def format_summary(metrics: dict) -> str:
+    """A short, readable summary for the terminal."""
+    run = metrics.get("run", {})
+    lines = [
+        f"dist_eval: {metrics['num_samples']} samples, {run.get('world_size', 1)} rank(s), "
+        f"backend {run.get('backend', '?')}, {run.get('wall_seconds', 0):.1f} s wall, "
+        f"{run.get('samples_per_second') or 0:.1f} samples/s (eval loop)",
+        "  " + "   ".join(f"{name} {metrics[name]:.4f}" for name in HEADLINE_METRICS),
+    ]
+    intervals = format_intervals(metrics)
+    if intervals:
+        lines.append(f"  {intervals}")
+    if metrics.get("num_truncated"):
+        lines.append(f"  {metrics['num_truncated']} text(s) truncated to --max-length")
+    per_class = metrics["per_class"]
+    width = max(8, max(len(name) for name in per_class))
+    lines.append(f"  {'class':<{width}}  precision  recall      f1  support")
+    for name, values in per_class.items():
+        lines.append(
+            f"  {name:<{width}}  {values['precision']:9.4f}  {values['recall']:6.4f}  {values['f1']:6.4f}  "
+            f"{values['support']:7d}"
+        )
+    cm = metrics["confusion_matrix"]
+    cell = max(5, max(len(str(v)) for row in cm for v in row) + 1)
+    lines.append("  confusion matrix (rows = true, columns = predicted):")
+    for name, row in zip(per_class, cm):
+        lines.append(f"  {name:<{width}}" + "".join(f"{v:>{cell}d}" for v in row))
+    return "\n".join(lines)

@@ -1,0 +1,212 @@
+"""The CLI run, phase by phase: ``python -m dist_eval`` -> :func:`dist_eval.cli.main` -> :func:`run`.
+
+    preparing the run -> starting the local swarm -> loading the data -> loading the model
+      -> finding the stored partial results -> evaluate() -> writing the report
+
+Every phase is a :func:`dist_eval.ranks.phase`: a failure on one rank fails every rank
+together. Rank 0 alone prints, starts the local swarm and writes the report.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import platform
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+from dist_eval import ranks
+from dist_eval.config import EvalConfig, Settings
+from dist_eval.errors import UsageError
+
+
+@dataclass
+class Job:
+    """What this run evaluates: the flags', or the built-in demo's model, data and columns."""
+
+    model_dir: str
+    data_files: List[str]
+    split: Optional[str]
+    checkpoint: Optional[str]
+    settings: Settings
+    demo: bool
+
+
+def run(config: EvalConfig) -> int:
+    """The CLI run on this rank; returns the exit code (a failure raises :class:`RankFailure`)."""
+    started = time.perf_counter()
+    started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    main = ranks.is_main_process()
+    say = print if main and not config.quiet else (lambda *a, **k: None)
+
+    with ranks.phase("preparing the run"):
+        job = _prepare(config, say) if main else None
+    job = ranks.broadcast_object(job)
+    with contextlib.ExitStack() as cleanup:
+        initial_peers, dht_prefix = config.initial_peers, config.dht_prefix
+        if config.backend == "petals" and not initial_peers:
+            with ranks.phase("starting the local swarm"):
+                swarm = _start_swarm(config, job, cleanup, say) if main else None
+            initial_peers, dht_prefix = ranks.broadcast_object(swarm)
+        with ranks.phase("loading the data", main_first=True):  # rank 0 fills the datasets cache first
+            from dist_eval.data.load import load_split
+
+            dataset = load_split(job.data_files, job.split)
+        with ranks.phase("loading the model"):
+            tokenizer, model = _load_model(config, job, initial_peers, dht_prefix)
+        cleanup.callback(ranks.barrier)  # no rank's client is still talking when rank 0 stops the swarm
+        cleanup.callback(model.close)
+        with ranks.phase("finding the stored partial results"):
+            folder = _resume_folder(config, job, dataset, model, say) if main else None
+        folder = ranks.broadcast_object(folder)
+
+        result = _evaluate(config, job, model, tokenizer, dataset, folder, cleanup, say)
+        result.metrics["run"].update(_run_facts(config, job, initial_peers, dht_prefix, started, started_at))
+        with ranks.phase("writing the report"):
+            if main:
+                _write_report(config, result, say)
+        if main:  # the report is complete: the partial results have served
+            from dist_eval import resume
+
+            resume.finished(folder)
+    return 0
+
+
+def _prepare(config: EvalConfig, say) -> Job:
+    """Rank 0: check the output folder; with no --model, build (or find) the demo's assets."""
+    from dist_eval.output.files import check_output_dir
+
+    check_output_dir(config.output_dir)
+    if not config.is_demo:
+        return Job(config.model, config.data_files, config.split, config.checkpoint, config.settings, demo=False)
+    from dist_eval.demo import demo_assets
+
+    demo = demo_assets(log=lambda line: say(line, flush=True))
+    settings = dataclasses.replace(config.settings, text_column=demo.text_column, label_column=demo.label_column)
+    return Job(demo.model_dir, [demo.data_dir], demo.split, demo.checkpoint, settings, demo=True)
+
+
+def _start_swarm(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, say) -> tuple:
+    """Rank 0: a local swarm serving the model, stopped when the run ends; (its peers, its prefix)."""
+    from dist_eval.swarm import LocalSwarm
+
+    if ranks.launched_on_several_nodes():  # its servers listen on 127.0.0.1 of rank 0's node only
+        raise UsageError(
+            "--initial-peers: omitted on a run over several nodes, but the local swarm started then "
+            "is reachable from rank 0's node only. Start servers every node can reach "
+            "(launch/start_server.sh on a host, HOST=<its IP>) and pass the INITIAL_PEERS=... they "
+            "print with --initial-peers, and their --dht-prefix."
+        )
+    say(f"dist_eval: starting a local swarm of {config.local_servers} server(s) for {job.model_dir} ...", flush=True)
+    swarm = LocalSwarm(job.model_dir, num_servers=config.local_servers, dht_prefix=config.dht_prefix)
+    cleanup.enter_context(swarm)  # stopped when the run ends, whatever happens
+    return swarm.initial_peers, swarm.dht_prefix
+
+
+def _load_model(config: EvalConfig, job: Job, initial_peers, dht_prefix) -> tuple:
+    """(tokenizer, :class:`dist_eval.backends.LoadedModel`) of the job's model folder."""
+    from transformers import AutoTokenizer
+
+    from dist_eval.backends import load_model
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
+    except Exception as e:
+        raise UsageError(
+            f"--model {job.model_dir}: no usable tokenizer in the folder ({type(e).__name__}). "
+            "Save the tokenizer there too (tokenizer.save_pretrained(folder))."
+        ) from e
+    model = load_model(
+        config.backend, job.model_dir, checkpoint=job.checkpoint, tuning_mode=config.tuning_mode,
+        pre_seq_len=config.pre_seq_len, num_labels=config.num_labels, initial_peers=initial_peers,
+        dht_prefix=dht_prefix, swarm_timeout=config.swarm_timeout,
+    )
+    return tokenizer, model
+
+
+def _resume_folder(config: EvalConfig, job: Job, dataset, model, say) -> str:
+    """Rank 0: this run's folder of partial results, keyed by everything that decides them."""
+    from dist_eval import resume
+
+    key = resume.run_key(job.model_dir, job.checkpoint, dataset, job.split, model, job.settings)
+    return resume.resume_folder(config.output_dir, key, config.resume, say)
+
+
+def _evaluate(config: EvalConfig, job: Job, model, tokenizer, dataset, folder: str, cleanup, say):
+    """evaluate() over the dataset, with the global progress shown by rank 0."""
+    from dist_eval.evaluation import evaluate
+    from dist_eval.progress import GlobalProgress
+
+    say(
+        f"dist_eval: evaluating {len(dataset)} rows on {ranks.get_world_size()} rank(s) with the {config.backend} "
+        "backend ...",
+        flush=True,
+    )
+    # every rank creates it here (one broadcast); rank 0 shows all ranks' rows on stderr
+    progress = GlobalProgress(len(dataset), config.progress, quiet=config.quiet)
+    cleanup.callback(progress.close, completed=False)  # ends a bar's line if the evaluation fails
+    progress.start()
+    result = evaluate(
+        model, dataset, tokenizer=tokenizer, **job.settings.as_dict(), **config.options.as_dict(),
+        return_logits=config.save_logits, on_batch_done=progress.update, resume_folder=folder,
+    )
+    progress.close()
+    return result
+
+
+def _run_facts(config: EvalConfig, job: Job, initial_peers, dht_prefix, started: float, started_at: str) -> dict:
+    """What metrics.json records about the run, besides what the merge measured."""
+    return dict(
+        backend=config.backend,
+        model=os.path.abspath(job.model_dir),
+        data_files=[os.path.abspath(p) if os.path.exists(p) else p for p in job.data_files],
+        split=job.split,
+        checkpoint=os.path.abspath(job.checkpoint) if job.checkpoint else None,
+        demo=job.demo,
+        batch_size=config.batch_size,
+        max_length=config.max_length,
+        max_batch_tokens=config.max_batch_tokens,
+        length_buckets=config.length_buckets,
+        in_flight=config.in_flight,
+        initial_peers=list(initial_peers or []),
+        dht_prefix=dht_prefix,
+        started_at=started_at,
+        wall_seconds=time.perf_counter() - started,
+        versions=_versions(),
+    )
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for package in ("dist_eval", "torch", "transformers", "datasets", "petals", "hivemind"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def _write_report(config: EvalConfig, result, say) -> None:
+    """Rank 0: predictions.jsonl, metrics.json and the report files; the summary; the tracker."""
+    from dist_eval.output.files import write_metrics, write_predictions, write_report_files
+    from dist_eval.output.summary import format_summary
+    from dist_eval.output.tracking import log_to_tracker
+
+    metrics, out = result.metrics, config.output_dir
+    write_predictions(out, result.predictions, metrics.get("label_names"), config.save_logits)
+    path = write_metrics(out, metrics)
+    files = write_report_files(out, metrics)
+    if config.quiet:
+        print(f"dist_eval: accuracy {metrics['accuracy']:.4f} on {metrics['num_samples']} samples -> {path}")
+    else:
+        print(format_summary(metrics))
+        names = ", ".join(os.path.basename(f) for f in [path, os.path.join(out, "predictions.jsonl"), *files])
+        print(f"  report: {os.path.join(out, 'report.html')} ({names} in {out})", flush=True)
+    png = os.path.join(out, "confusion_matrix.png")
+    where = log_to_tracker(config.report_to, metrics, out, png if png in files else None)
+    if where:
+        say(f"  logged to {config.report_to}: {where}", flush=True)

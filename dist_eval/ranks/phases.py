@@ -1,0 +1,80 @@
+"""Phases: one rank's failure is agreed on by every rank, so none is left waiting."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, List, Optional
+
+from dist_eval.errors import UsageError
+from dist_eval.ranks.collectives import all_gather_object
+from dist_eval.ranks.group import get_rank, get_world_size
+
+
+class RankFailure(RuntimeError):
+    """Raised on every rank when one or more ranks failed a phase.
+
+    ``usage`` is True when every failure was a :class:`dist_eval.errors.UsageError`
+    (the user can fix it), so the CLI prints one line instead of a traceback.
+    """
+
+    def __init__(self, phase: str, failures: List[tuple], world_size: int):
+        self.phase = phase
+        self.failures = failures  # [(rank, kind, message)]
+        self.usage = all(kind == "usage" for _, kind, _ in failures)
+        rank, _, message = failures[0]
+        where = f"rank {rank}: " if world_size > 1 and len(failures) < world_size else ""
+        others = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 and where else ""
+        super().__init__(f"{where}{message}{others}")
+
+
+def agree_on_failure(phase: str, local_error: Optional[BaseException]) -> None:
+    """Every rank calls this after a phase; if any rank failed, every rank raises.
+
+    This is what keeps one rank's failure (a missing column, a swarm error) from
+    leaving the others waiting in the next collective until the timeout.
+    """
+    if isinstance(local_error, RankFailure):
+        # agreed on already, by every rank, in a nested phase: pass it on as it is (wrapping
+        # it would turn a usage error into an internal one, and print it twice)
+        raise local_error
+    if local_error is None:
+        report = None
+    elif isinstance(local_error, UsageError):
+        report = ("usage", str(local_error))
+    else:
+        report = ("internal", f"{phase} failed: {type(local_error).__name__}: {local_error}")
+    reports = all_gather_object(report)
+    failures = [(rank, r[0], r[1]) for rank, r in enumerate(reports) if r is not None]
+    if failures:
+        failure = RankFailure(phase, failures, get_world_size())
+        if local_error is not None:
+            raise failure from local_error
+        raise failure
+
+
+@contextlib.contextmanager
+def phase(name: str, *, main_first: bool = False) -> Iterator[None]:
+    """A step that every rank runs; if it fails on any rank, it fails on every rank.
+
+    ::
+
+        with phase("loading the model"):
+            model = load_model(...)      # bound after the block, as in any ``with``
+
+    An exception in the body is not raised alone: every rank learns of it when the body
+    ends (:func:`agree_on_failure`), and every rank raises :class:`RankFailure`, so no rank
+    is left waiting in the next collective. ``main_first``: rank 0 runs the body before
+    the others (e.g. to fill a cache they then read); if it fails there, the others do
+    not run it. Phase names are unique: an internal error is reported as "<name> failed".
+    """
+    main = get_rank() == 0
+    if main_first and not main:
+        agree_on_failure(name, None)  # rank 0's outcome: raises here if it failed
+    error = None
+    try:
+        yield
+    except Exception as e:  # every failure must reach the other ranks
+        error = e
+    if main_first and main:
+        agree_on_failure(name, error)  # the others wait for this one before they start
+        error = None
+    agree_on_failure(name, error)

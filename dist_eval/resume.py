@@ -1,0 +1,180 @@
+"""Resuming an interrupted run: partial results on disk, the run key, and what is reused.
+
+Each rank appends the logits of the batches it finished to ``<dir>/<run key>/``, one
+small ``.npz`` file per flush, written to a temporary name and renamed into place: a
+reader sees a whole file or none. A batch is identified by its id in the global batch
+plan, which depends only on the data and the settings, never on the world size; so a
+run restarted with another number of ranks still finds every stored batch.
+
+The run key is a hash of everything that decides a batch's logits: the model folder
+(its config and the names, sizes and modification times of its weight files), the
+checkpoint's bytes, the data's fingerprint, the loaded model's facts and every field of
+:class:`dist_eval.config.Settings`. Stored results under another key are never mixed
+in: the run says so and removes them.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import json
+import os
+import shutil
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from dist_eval import ranks
+from dist_eval.atomic import atomic_write
+from dist_eval.errors import warn
+
+SUBDIR = "partial"
+
+
+def _file_facts(folder: str) -> List[Tuple[str, int, int]]:
+    facts = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            stat = os.stat(path)
+            facts.append((name, stat.st_size, int(stat.st_mtime)))
+    return facts
+
+
+def _sha256_of_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def run_key(model_dir: str, checkpoint: Optional[str], dataset, split: Optional[str], model, settings) -> str:
+    """A short hash of what decides the results: the model folder's files, the checkpoint,
+    the data, the loaded model (a :class:`dist_eval.backends.LoadedModel`) and every field of
+    ``settings`` (a :class:`dist_eval.config.Settings`). Weights are identified by name, size
+    and mtime, not hashed: hashing a 100 GB model at every start would cost minutes.
+    """
+    facts = {
+        "model_files": _file_facts(model_dir),
+        "checkpoint_sha256": _sha256_of_file(checkpoint) if checkpoint else None,
+        "data": data_fingerprint(dataset),
+        "split": split,
+        "model": {"backend": model.backend, "num_labels": model.num_labels, "prompt_tokens": model.prompt_tokens},
+        "settings": settings.as_dict(),
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def resume_folder(output_dir: str, key: str, resume: bool, say: Callable[..., None]) -> str:
+    """Rank 0: the folder for this run's partial results (``<output_dir>/partial/<key>``).
+
+    Partial results of another model, checkpoint, data or settings are never mixed in:
+    they are removed, and the run says so. With ``resume=False`` everything stored is removed.
+    """
+    folder = os.path.join(output_dir, SUBDIR, key)
+    stale = stale_runs(output_dir, key) + ([folder] if not resume and os.path.isdir(folder) else [])
+    if stale:
+        why = "--no-resume" if not resume else "made by another model, checkpoint, data or settings"
+        # a warning, shown in --quiet mode too: stored work is being thrown away
+        warn(f"removing stored partial results ({why}): {', '.join(stale)}; starting clean")
+        remove(stale)
+    elif os.path.isdir(folder):
+        say(f"dist_eval: resuming: reusing the stored results in {folder}", flush=True)
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def finished(folder: str) -> None:
+    """The report is complete: the partial results have served; remove them."""
+    remove([folder])
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(folder))
+
+
+def data_fingerprint(dataset) -> str:
+    """The ``datasets`` fingerprint (derived from the source files' content) and size."""
+    return f"{getattr(dataset, '_fingerprint', None)}:{len(dataset)}:{dataset.column_names}"
+
+
+def stale_runs(root: str, key: str) -> List[str]:
+    """Folders of partial results made by another model, checkpoint, data or settings."""
+    return [p for p in glob.glob(os.path.join(root, SUBDIR, "*")) if os.path.basename(p) != key and os.path.isdir(p)]
+
+
+def remove(paths: Iterable[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def load(folder: str, wanted_batches: Iterable[int]) -> Dict[int, Tuple[np.ndarray, np.ndarray]]:
+    """{batch id: (row indices, logits)} of the stored batches among ``wanted_batches``."""
+    wanted = set(int(b) for b in wanted_batches)
+    found: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.npz"))):
+        with np.load(path) as f:
+            batch_ids, offsets, rows, logits = f["batch_ids"], f["offsets"], f["rows"], f["logits"]
+        for i, b in enumerate(batch_ids.tolist()):
+            if b in wanted:
+                found[b] = (rows[offsets[i] : offsets[i + 1]], logits[offsets[i] : offsets[i + 1]])
+    return found
+
+
+class PartialWriter:
+    """Collects finished batches of one rank and writes them atomically, at most every
+    ``interval`` seconds (0: after every batch) and at :meth:`flush`.
+    """
+
+    def __init__(self, folder: str, rank: int, interval: float):
+        self.folder, self.rank, self.interval = folder, rank, interval
+        os.makedirs(folder, exist_ok=True)
+        self._pending: List[Tuple[int, np.ndarray, np.ndarray]] = []
+        self._last_flush = time.monotonic()
+        self._sequence = len(glob.glob(os.path.join(folder, f"rank{rank}-*.npz")))
+
+    def add(self, batch_id: int, rows: np.ndarray, logits: np.ndarray) -> None:
+        self._pending.append((batch_id, rows, logits))
+        if time.monotonic() - self._last_flush >= self.interval:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        lengths = [len(rows) for _, rows, _ in self._pending]
+        payload = {
+            "batch_ids": np.array([b for b, _, _ in self._pending], dtype=np.int64),
+            "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            "rows": np.concatenate([rows for _, rows, _ in self._pending]).astype(np.int64),
+            "logits": np.concatenate([logits for _, _, logits in self._pending]).astype(np.float32),
+        }
+        # a new name per flush (never overwritten; the pid in it: a restarted rank never
+        # collides with a dead one's leftovers)
+        final = os.path.join(self.folder, f"rank{self.rank}-{os.getpid()}-{self._sequence:06d}.npz")
+        # a machine crash may lose the last flushes, which are then simply re-run
+        atomic_write(final, lambda f: np.savez(f, **payload), binary=True)
+        self._sequence += 1
+        self._pending.clear()
+        self._last_flush = time.monotonic()
+
+
+def stored_logits(folder: str, own_batches: Dict[int, np.ndarray], num_labels: int) -> Dict[int, np.ndarray]:
+    """{batch id: logits} of this rank's batches that an interrupted run stored. A stored
+    batch whose rows or shape do not match the plan is ignored (run again), never used.
+    """
+    stored = {}
+    for batch_id, (rows, logits) in load(folder, own_batches).items():
+        if np.array_equal(rows, own_batches[batch_id]) and logits.shape == (len(rows), num_labels):
+            stored[batch_id] = logits
+    return stored
+
+
+def open_partial(
+    folder: Optional[str], own_batches: Optional[Dict[int, np.ndarray]], num_labels: int, save_interval: float
+) -> Tuple[Dict[int, np.ndarray], Optional[PartialWriter]]:
+    """(the stored logits of this rank's batches, a writer for the new ones); ({}, None)
+    without a folder, or for a DataLoader (whose batches have no global plan).
+    """
+    if folder is None or own_batches is None:
+        return {}, None
+    return stored_logits(folder, own_batches, num_labels), PartialWriter(folder, ranks.get_rank(), save_interval)

@@ -1,0 +1,36 @@
+"""Petals servers on this machine for one saved model folder: a private swarm, or this
+host's share of a swarm that spans several hosts.
+
+Library::
+
+    with LocalSwarm("path/to/model", num_servers=2) as swarm:   # returns once every block is served
+        ... from_pretrained(model_dir, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix)
+
+Command line (stays in the foreground; Ctrl-C or SIGTERM stops every process it started)::
+
+    python -m dist_eval.swarm MODEL_DIR [--servers K] [--port P] [--dht-prefix NAME] [--start-timeout S]
+        [--host IP] [--initial-peers MADDR ...] [--block-indices A:B] [--device DEV]
+
+It prints one line ``INITIAL_PEERS=<multiaddr> [<multiaddr> ...]`` on stdout once its
+servers serve their blocks. Several hosts make one swarm: the first starts a new swarm
+(``--host`` = its IP), the others join it with ``--initial-peers`` (the first's line),
+each serving a ``--block-indices`` range, all under the same ``--dht-prefix``.
+
+Each server is ``python -m dist_eval.swarm.server <petals run_server flags>`` (so it imports
+petals through :mod:`dist_eval.backends.compat`), started in its own session/process group: a
+petals server spawns about eleven processes (among them the p2pd daemon that holds the
+port), and only signalling the whole group stops them all. This package imports nothing
+but the standard library, so the CLI starts at once and never prints petals' noise.
+
+- :mod:`~dist_eval.swarm.placement`: which blocks each server serves; checks of the arguments
+- :mod:`~dist_eval.swarm.procs`: process groups, sockets and ports, read from /proc
+- :mod:`~dist_eval.swarm.watchdog`: stops the servers if their owner dies
+- :mod:`~dist_eval.swarm.local`: :class:`LocalSwarm`
+- :mod:`~dist_eval.swarm.cli`: ``python -m dist_eval.swarm``
+- :mod:`~dist_eval.swarm.server`: one server process
+"""
+from dist_eval.swarm.cli import main
+from dist_eval.swarm.local import LocalSwarm
+from dist_eval.swarm.placement import SwarmError, plan_blocks
+
+__all__ = ["SwarmError", "LocalSwarm", "plan_blocks", "main"]

@@ -1,0 +1,154 @@
+"""``python -m dist_eval.swarm MODEL_DIR ...``: serve a model folder until Ctrl-C / SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from typing import Optional, Sequence, Tuple
+
+from dist_eval.swarm.local import LocalSwarm
+from dist_eval.swarm.placement import SwarmError
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage block
+        print(f"dist_eval.swarm: error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m dist_eval.swarm",
+        description="Serve a saved model folder on a private Petals swarm on 127.0.0.1 (or, with --host and "
+        "--initial-peers, as this host's part of a multi-host swarm) until Ctrl-C / SIGTERM. "
+        "Prints INITIAL_PEERS=<multiaddrs> on stdout once its servers serve their blocks.",
+    )
+    p.add_argument("model_dir", help="Folder saved with save_pretrained (config.json + weights).")
+    p.add_argument(
+        "--servers",
+        type=int,
+        default=2,
+        help="Number of server processes (default 2; with 2+ every block is on 2 servers).",
+    )
+    p.add_argument(
+        "--port", type=int, default=None, help="First TCP port (servers use PORT, PORT+1, ...; default: free ports)."
+    )
+    p.add_argument(
+        "--dht-prefix", default=None, help="DHT prefix to announce the blocks under (default: dist_eval-<folder name>)."
+    )
+    p.add_argument(
+        "--start-timeout", type=float, default=120.0, help="Seconds to wait for every block to be served (default 120)."
+    )
+    p.add_argument(
+        "--blocks-per-server", type=int, default=None, help="Blocks per server (default: every block on 2 servers)."
+    )
+    p.add_argument(
+        "--log-dir", default=None, help="Keep the servers' logs here (default: a temp folder removed at exit)."
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="IPv4 address to listen on and announce: this host's IP that "
+        "the clients reach (default 127.0.0.1: this machine only).",
+    )
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help="Join the swarm at these multiaddrs (another host's INITIAL_PEERS=...) instead of starting a new one.",
+    )
+    p.add_argument(
+        "--block-indices",
+        type=_block_range_arg,
+        default=None,
+        metavar="A:B",
+        help="Serve only blocks A..B-1 (end exclusive; other hosts serve the rest). Default: every block.",
+    )
+    p.add_argument("--device", default=None, help="Torch device of the servers (default cpu; e.g. cuda, cuda:1).")
+    return p
+
+
+def _block_range_arg(text: str) -> Tuple[int, int]:
+    start, sep, end = text.partition(":")
+    if not sep or not start.strip().isdigit() or not end.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected A:B, e.g. 0:16 for blocks 0..15")
+    return int(start), int(end)
+
+
+def _say_ready(swarm: LocalSwarm) -> None:
+    """The INITIAL_PEERS= line on stdout; what is served and how to evaluate against it on stderr."""
+    peers = " ".join(swarm.initial_peers)
+    print(f"INITIAL_PEERS={peers}", flush=True)
+    placement = ", ".join(f"{a}:{b}" for a, b in swarm.placement)
+    first, last = swarm.block_range
+    blocks = (
+        f"the {swarm.num_blocks} blocks"
+        if (first, last) == (0, swarm.num_blocks)
+        else f"blocks {first}:{last} (of {swarm.num_blocks})"
+    )
+    joined = f", joined to the swarm at {' '.join(swarm.join_peers)}" if swarm.join_peers else ""
+    print(
+        f"dist_eval.swarm: {swarm.num_servers} server(s) serve {blocks} of {swarm.model_dir}{joined} "
+        f"(block ranges {placement}; ready in {swarm.start_seconds:.1f} s) under dht prefix {swarm.dht_prefix}. "
+        f"Evaluate with: torchrun --nproc-per-node N -m dist_eval --backend petals --model {swarm.model_dir} "
+        f"--data-files ... --initial-peers {peers} --dht-prefix {swarm.dht_prefix} . "
+        "Ctrl-C or SIGTERM stops the swarm.",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _build_parser().parse_args(argv)
+
+    def on_signal(signum, frame):
+        # stop once; a second Ctrl-C must not interrupt the stopping itself
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        raise _Interrupted(signal.Signals(signum).name)
+
+    try:
+        swarm = LocalSwarm(
+            args.model_dir, num_servers=args.servers, dht_prefix=args.dht_prefix, port=args.port,
+            blocks_per_server=args.blocks_per_server, start_timeout=args.start_timeout, log_dir=args.log_dir,
+            host=args.host, join_peers=args.initial_peers, block_range=args.block_indices,
+            extra_server_args=["--device", args.device] if args.device else (),
+        )  # fmt: skip
+    except SwarmError as e:
+        print(f"dist_eval.swarm: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    # Installed before the servers start: they then begin with default signal handling
+    # (even if this process was started with SIGINT ignored) and stop gracefully on SIGINT.
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)  # terminal closed
+    code = 0
+    try:
+        swarm.start()
+        _say_ready(swarm)
+        while True:
+            time.sleep(0.5)
+            swarm.check()
+    except _Interrupted:
+        code = 0
+    except SwarmError as e:
+        print(f"dist_eval.swarm: error: {e}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            swarm.stop()
+        except SwarmError as e:
+            print(f"dist_eval.swarm: error: {e}", file=sys.stderr, flush=True)
+            code = 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

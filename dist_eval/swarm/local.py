@@ -1,0 +1,492 @@
+"""LocalSwarm: K petals server processes on this machine for one saved model folder.
+
+Standard library only.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+from dist_eval.errors import one_line
+from dist_eval.swarm.placement import (
+    SwarmError,
+    _check_block_range,
+    _check_host,
+    _check_peers,
+    _default_prefix,
+    _read_num_blocks,
+    plan_blocks,
+)
+from dist_eval.swarm.procs import (
+    _free_ports,
+    _ignores_sigint,
+    _live_groups,
+    _port_is_free,
+    _signal_group,
+    _unix_socket_paths,
+)
+from dist_eval.swarm.watchdog import _WATCHDOG
+
+# "Nov 22 09:06:39.750 [INFO] Running a server on ['/ip4/127.0.0.1/tcp/39111/p2p/12D3Koo...']"
+_RUNNING_RE = re.compile(r"Running a server on \[([^\]]*)\]")
+_MADDR_RE = re.compile(r"/ip4/[0-9.]+/tcp/(\d+)/p2p/[1-9A-HJ-NP-Za-km-z]+")
+_STARTED_RE = re.compile(r"\[INFO\] Started\s*$", re.MULTILINE)
+
+
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# SIGINT -> SIGKILL delay. Measured on 2 CPU cores: a lone server exits ~1 s after SIGINT,
+# but the last servers of a swarm announce "offline" to peers that already left and wait
+# for hivemind's DHT timeouts (~10 s). Nothing is lost by cutting that short: the whole
+# private swarm is going away, and the files hivemind would leave are removed here.
+_GRACE_SECONDS = 3.0
+
+
+@dataclass
+class _Server:
+    index: int
+    port: int
+    blocks: Tuple[int, int]
+    log_path: str
+    proc: Optional[subprocess.Popen] = None
+    address: Optional[str] = None
+    started: bool = False
+    log_offset: int = 0
+    log_text: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"server {self.index} (blocks {self.blocks[0]}:{self.blocks[1]}, port {self.port})"
+
+    def read_log(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                chunk = f.read()
+        except OSError:
+            return self.log_text
+        self.log_offset += len(chunk)
+        self.log_text += chunk.decode("utf-8", "replace")
+        return self.log_text
+
+    def tail(self, lines: int = 6) -> str:
+        kept = [one_line(line, 197) for line in self.read_log().splitlines() if line.strip()][-lines:]
+        return " | ".join(kept) if kept else "(empty log)"
+
+
+_LIVE_SWARMS: Set[LocalSwarm] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def _stop_all_at_exit() -> None:
+    with _LIVE_LOCK:
+        swarms = list(_LIVE_SWARMS)
+    for swarm in swarms:
+        try:
+            swarm.stop()
+        except Exception:  # best effort at interpreter exit
+            pass
+
+
+atexit.register(_stop_all_at_exit)
+
+
+class LocalSwarm:
+    """K Petals server processes on this machine for one saved model folder: a private
+    swarm on 127.0.0.1 (the default), or this host's part of a multi-host swarm.
+
+    ``start()`` (or ``with LocalSwarm(...) as swarm``) returns once every server printed
+    ``Started``, i.e. every block is served; then ``initial_peers`` holds one multiaddr
+    per server (``/ip4/127.0.0.1/tcp/PORT/p2p/ID``) and ``dht_prefix`` the prefix the
+    blocks are announced under: pass both to petals' ``from_pretrained``.
+
+    Placement (see :func:`plan_blocks`): each server serves one contiguous range
+    (``--block_indices A:B``). With one server it serves every block; with K >= 2
+    every block is on two servers (two layers of servers, each splitting the blocks),
+    so a failed server leaves no block missing; each server then holds about 2L/K of
+    the L blocks (K=2: both serve all). ``blocks_per_server=B`` overrides: B blocks per
+    server, ranges evenly spread (must cover every block). ``placement`` lists the ranges.
+
+    ``block_range=(A, B)`` places the servers on blocks A..B-1 only (the rest of the
+    model served by other hosts); ``placement`` is then within that range.
+
+    Several hosts: ``host`` is the IPv4 address the servers listen on and announce
+    (default 127.0.0.1: this machine only; on a cluster, this host's IP that the clients
+    reach). ``join_peers`` (multiaddrs of a running swarm): every server joins that swarm
+    instead of starting a new one, so ``start()`` returns once *this host's* blocks are
+    served, and ``initial_peers`` lists this host's servers (any server of a swarm is a
+    valid entry point). Use the same ``dht_prefix`` on every host.
+
+    Ports: ``port=None`` takes free ports from the OS; ``port=P`` uses P, P+1, ....
+    Without ``join_peers`` the first server starts a new swarm, the others join it
+    through its address (they start in parallel once it has printed it). Servers run
+    ``--device cpu --torch_dtype float32 --quant_type none --throughput 1.0`` (no network
+    speed test); later flags in ``extra_server_args`` override them (e.g. ``["--device", "cuda"]``).
+
+    Processes: every server is its own session/process group, with ``HF_HUB_OFFLINE=1``
+    and a private ``TMPDIR``; its output goes to ``<log_dir>/server-<i>.log`` (a temp
+    folder when log_dir is None, deleted on stop unless the start failed). ``stop()``
+    sends SIGINT to each group (petals' graceful shutdown, ~1 s for a lone server), SIGKILL
+    to what is left after 3 s, waits until no process of the groups remains, then deletes
+    the private TMPDIR and the ``/tmp/hivemind-*.sock`` files the servers held (hivemind
+    leaks them). ``stop()`` also runs from ``__exit__`` (on exceptions too), at
+    interpreter exit, and from a small watchdog process if this process dies without it.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        num_servers: int = 2,
+        dht_prefix: Optional[str] = None,
+        port: Optional[int] = None,
+        blocks_per_server: Optional[int] = None,
+        start_timeout: float = 120.0,
+        log_dir: Optional[str] = None,
+        extra_server_args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        join_peers: Sequence[str] = (),
+        block_range: Optional[Tuple[int, int]] = None,
+    ):
+        if not os.path.isdir(model_dir):
+            raise SwarmError(f"{model_dir}: no such folder. Pass a model folder saved with save_pretrained().")
+        if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
+            raise SwarmError(f"num_servers={num_servers!r}: expected a positive number of servers.")
+        if port is not None and (not isinstance(port, int) or not 1 <= port <= 65535 - num_servers + 1):
+            raise SwarmError(f"port={port!r}: expected a TCP port such that port..port+{num_servers - 1} are valid.")
+        if not start_timeout or start_timeout <= 0:
+            raise SwarmError(f"start_timeout={start_timeout!r}: expected a positive number of seconds.")
+        if dht_prefix is not None and (not dht_prefix or re.search(r"[.\s]", dht_prefix)):
+            raise SwarmError(
+                f"dht_prefix={dht_prefix!r}: must be non-empty, without '.' or spaces (petals uses them as delimiters)."
+            )
+        self.model_dir = os.path.abspath(model_dir)
+        self.num_blocks: int = _read_num_blocks(self.model_dir)
+        self.num_servers = num_servers
+        self.host = _check_host(host)
+        self.join_peers: List[str] = _check_peers(join_peers)
+        self.block_range = _check_block_range(block_range or (0, self.num_blocks), self.num_blocks)
+        first, last = self.block_range
+        self.placement: List[Tuple[int, int]] = [
+            (first + a, first + b) for a, b in plan_blocks(last - first, num_servers, blocks_per_server)
+        ]
+        self.dht_prefix: str = dht_prefix or _default_prefix(self.model_dir)
+        self.port = port
+        self.start_timeout = float(start_timeout)
+        self.log_dir = os.path.abspath(log_dir) if log_dir else None
+        self.extra_server_args = [str(a) for a in extra_server_args]
+        self.initial_peers: List[str] = []
+        self.start_seconds: Optional[float] = None  # measured by start()
+        self.stop_seconds: Optional[float] = None  # measured by stop()
+        self._servers: List[_Server] = []
+        self._sockets: Set[str] = set()  # /tmp/hivemind-*.sock held by our servers
+        self._workdir: Optional[str] = None
+        self._keep_logs = False
+        self._watchdog: Optional[subprocess.Popen] = None
+        self._state = "new"  # new -> starting -> running -> stopped
+        self._lock = threading.RLock()
+        self._owner_pid = os.getpid()  # a fork()ed child must not stop its parent's swarm
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def pgids(self) -> List[int]:
+        """Process group ids of the servers started (each server's main pid)."""
+        return [s.proc.pid for s in self._servers if s.proc is not None]
+
+    @property
+    def ports(self) -> List[int]:
+        return [s.port for s in self._servers]
+
+    @property
+    def log_paths(self) -> List[str]:
+        return [s.log_path for s in self._servers]
+
+    def start(self) -> LocalSwarm:
+        """Start every server; return once every block is served. On failure or timeout
+        everything started is stopped and SwarmError is raised.
+        """
+        with self._lock:
+            if self._state == "running":
+                return self
+            if self._state != "new":
+                raise SwarmError(f"this LocalSwarm is {self._state}; create a new one to start another swarm.")
+            self._state = "starting"
+        began = time.monotonic()
+        with _LIVE_LOCK:
+            _LIVE_SWARMS.add(self)
+        try:
+            self._launch_all(deadline=began + self.start_timeout)
+        except BaseException:
+            self._keep_logs = any(s.proc is not None for s in self._servers)  # the error cites them
+            try:
+                self.stop()
+            except Exception:  # the start failure is the error to report
+                pass
+            raise
+        self._note_sockets()
+        self.initial_peers = [s.address for s in self._servers]
+        self.start_seconds = time.monotonic() - began
+        with self._lock:
+            self._state = "running"
+        return self
+
+    def check(self) -> None:
+        """Raise SwarmError if a server has exited since the start."""
+        for s in self._servers:
+            if s.proc is not None and s.proc.poll() is not None and self._state == "running":
+                raise SwarmError(
+                    f"local swarm {s.label} exited with code {s.proc.returncode}; blocks "
+                    f"{s.blocks[0]}:{s.blocks[1]} may be unserved. Log tail: {s.tail()} (log: {s.log_path})"
+                )
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop every server process and wait until none is left (idempotent).
+
+        SIGINT to each process group (SIGTERM if the servers inherited an ignored SIGINT),
+        SIGKILL to what is left after min(3 s, 60% of ``timeout``), then wait until no
+        process of the groups is left, at most until ``timeout``. Typical: 1-4 s.
+        SwarmError if a process survives (never seen).
+        """
+        with self._lock:
+            if self._state == "stopped" or os.getpid() != self._owner_pid:
+                return
+            self._state = "stopped"
+        began = time.monotonic()
+        deadline = began + timeout
+        try:
+            self._terminate(deadline, began + min(_GRACE_SECONDS, 0.6 * timeout))
+        finally:
+            self._cleanup_files()
+            self._release_watchdog()
+            with _LIVE_LOCK:
+                _LIVE_SWARMS.discard(self)
+            self.stop_seconds = time.monotonic() - began
+
+    def __enter__(self) -> LocalSwarm:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return (
+            f"LocalSwarm({self.model_dir!r}, servers={self.num_servers}, dht_prefix={self.dht_prefix!r}, "
+            f"placement={self.placement}, state={self._state})"
+        )
+
+    # ------------------------------------------------------------------ start
+
+    def _launch_all(self, deadline: float) -> None:
+        self._workdir = tempfile.mkdtemp(prefix="dist_eval-swarm-")
+        tmpdir = os.path.join(self._workdir, "tmp")
+        logs = self.log_dir or os.path.join(self._workdir, "logs")
+        os.makedirs(tmpdir)
+        os.makedirs(logs, exist_ok=True)
+        if self.port is None:
+            ports = _free_ports(self.num_servers, self.host)
+        else:
+            ports = [self.port + i for i in range(self.num_servers)]
+            for p in ports:
+                if not _port_is_free(p, self.host):
+                    raise SwarmError(
+                        f"port {p} on {self.host} is already in use: pass another port (servers use "
+                        f"{ports[0]}..{ports[-1]}), or none to pick free ports."
+                    )
+        self._servers = [
+            _Server(i, ports[i], self.placement[i], os.path.join(logs, f"server-{i}.log"))
+            for i in range(self.num_servers)
+        ]
+        self._start_watchdog(tmpdir)
+        env = dict(os.environ)
+        env.update(HF_HUB_OFFLINE="1", TMPDIR=tmpdir, PYTHONUNBUFFERED="1")
+        if os.path.basename(_PROJECT_ROOT) not in ("site-packages", "dist-packages"):  # a source checkout
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
+
+        if self.join_peers:  # another host started the swarm: all servers join it at once
+            peers, joining = self.join_peers, self._servers
+        else:
+            first = self._servers[0]
+            self._spawn(first, ["--new_swarm"], env)
+            self._wait(deadline, [first], need_started=False)
+            peers, joining = [first.address], self._servers[1:]
+        for s in joining:
+            self._spawn(s, ["--initial_peers", *peers], env)
+        self._wait(deadline, self._servers, need_started=True)
+
+    def _spawn(self, s: _Server, peer_args: List[str], env: Dict[str, str]) -> None:
+        if self._state != "starting":  # stop() was called from another thread meanwhile
+            raise SwarmError("local swarm: stopped while starting.")
+        cmd = [
+            sys.executable, "-m", "dist_eval.swarm.server", self.model_dir, *peer_args,
+            "--dht_prefix", self.dht_prefix,
+            "--device", "cpu", "--torch_dtype", "float32", "--quant_type", "none",
+            "--throughput", "1.0", "--skip_reachability_check",
+            "--host_maddrs", f"/ip4/{self.host}/tcp/{s.port}",  # listened on and announced
+            "--block_indices", f"{s.blocks[0]}:{s.blocks[1]}",
+            *self.extra_server_args,
+        ]  # fmt: skip
+        with open(s.log_path, "wb") as log:
+            log.write(("$ " + " ".join(cmd) + "\n").encode())
+            log.flush()
+            s.log_offset = 0
+            s.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, cwd=self._workdir, start_new_session=True,
+            )  # fmt: skip
+        self._tell_watchdog(f"pg {s.proc.pid}")
+
+    def _wait(self, deadline: float, servers: List[_Server], need_started: bool) -> None:
+        while True:
+            pending = []
+            for s in servers:
+                text = s.read_log()
+                if s.address is None:
+                    match = _RUNNING_RE.search(text)
+                    if match:
+                        addrs = [m.group(0) for m in _MADDR_RE.finditer(match.group(1))]
+                        mine = [a for a in addrs if a.startswith(f"/ip4/{self.host}/tcp/{s.port}/")]
+                        s.address = (mine or addrs or [None])[0]
+                if s.address is not None and _STARTED_RE.search(text):
+                    s.started = True
+                if s.proc.poll() is not None:
+                    hint = ""
+                    if self.join_peers and "failed to connect to bootstrap peers" in s.read_log():
+                        hint = (
+                            f" No swarm answered at {' '.join(self.join_peers)}: check the addresses (a running "
+                            "swarm prints them) and that its servers' TCP ports are reachable from here."
+                        )
+                    raise SwarmError(
+                        f"local swarm {s.label} exited with code {s.proc.returncode} before serving its blocks;{hint} "
+                        f"read its log ({s.log_path}). Log tail: {s.tail()}"
+                    )
+                if s.address is None or (need_started and not s.started):
+                    pending.append(s)
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                s = pending[0]
+                what = "printed its address" if s.address is None else "served its blocks ('Started')"
+                raise SwarmError(
+                    f"local swarm: {', '.join(p.label for p in pending)} not ready after {self.start_timeout:.0f} s "
+                    f"({s.label} never {what}); raise the start timeout on a slow or busy machine, or read "
+                    f"{s.log_path}. Log tail: {s.tail()}"
+                )
+            time.sleep(0.1)
+
+    # ------------------------------------------------------------------ stop
+
+    def _terminate(self, deadline: float, kill_at: float) -> None:
+        started = [s for s in self._servers if s.proc is not None]
+        if not started:
+            return
+        pgids = {s.proc.pid for s in started}
+        live = self._note_sockets()
+        for s in started:
+            if s.proc.poll() is None:
+                sig = signal.SIGTERM if _ignores_sigint(s.proc.pid) else signal.SIGINT
+                _signal_group(s.proc.pid, sig)
+            elif s.proc.pid in live:  # main is gone, its children are not
+                _signal_group(s.proc.pid, signal.SIGKILL)
+        killed = False
+        while True:
+            for s in started:
+                s.proc.poll()  # reap the main processes: a zombie leader keeps its group listed
+            live = _live_groups(pgids)
+            if not live:
+                break
+            now = time.monotonic()
+            if now >= kill_at and not killed:
+                for pgid in live:
+                    _signal_group(pgid, signal.SIGKILL)
+                killed = True
+            if now >= deadline:
+                break
+            time.sleep(0.05)
+        for s in started:
+            if s.proc.poll() is None:
+                try:
+                    s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        left = _live_groups(pgids)
+        if left:
+            raise SwarmError(
+                f"local swarm: processes {sorted(p for procs in left.values() for p in procs)} survived SIGKILL "
+                f"of their groups {sorted(left)}; kill them by hand (kill -9 -- -PGID)."
+            )
+
+    def _note_sockets(self) -> Dict[int, List[int]]:
+        """Remember the hivemind sockets our servers hold: hivemind creates them in /tmp
+        whatever TMPDIR says, and leaves some behind even on a clean exit.
+        """
+        live = _live_groups(set(self.pgids))
+        paths = _unix_socket_paths([p for procs in live.values() for p in procs])
+        self._sockets |= {p for p in paths if os.path.basename(p).startswith("hivemind-")}
+        return live
+
+    def _cleanup_files(self) -> None:
+        for path in self._sockets:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        if self._workdir is None:
+            return
+        shutil.rmtree(os.path.join(self._workdir, "tmp"), ignore_errors=True)
+        if self.log_dir is None and self._keep_logs:
+            return  # the failure message points at these logs
+        if self.log_dir is None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+        else:
+            try:
+                os.rmdir(self._workdir)
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ watchdog
+
+    def _start_watchdog(self, tmpdir: str) -> None:
+        try:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-S", "-c", _WATCHDOG], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True, text=True,
+            )  # fmt: skip
+        except OSError:
+            self._watchdog = None
+            return
+        self._tell_watchdog(f"path {tmpdir}")
+        if self.log_dir is None:
+            self._tell_watchdog(f"path {self._workdir}")
+
+    def _tell_watchdog(self, line: str) -> None:
+        if self._watchdog is None:
+            return
+        try:
+            self._watchdog.stdin.write(line + "\n")
+            self._watchdog.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+    def _release_watchdog(self) -> None:
+        if self._watchdog is None:
+            return
+        self._tell_watchdog("done")
+        try:
+            self._watchdog.stdin.close()
+        except (OSError, ValueError):
+            pass
+        try:
+            self._watchdog.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self._watchdog.kill()
+            self._watchdog.wait()
+        self._watchdog = None

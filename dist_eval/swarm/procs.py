@@ -1,0 +1,118 @@
+"""Processes, process groups, sockets and ports of a swarm's servers, read from /proc.
+
+Standard library only.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from typing import Dict, List, Sequence, Set, Tuple
+
+_SIGINT_BIT = 1 << (signal.SIGINT - 1)
+
+
+def _process_groups(pgids: Set[int]) -> Dict[int, List[Tuple[int, str]]]:
+    """{pgid: [(pid, state), ...]} for every live process whose group is in ``pgids``."""
+    found: Dict[int, List[Tuple[int, str]]] = {}
+    if not pgids:
+        return found
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+        rest = stat.rpartition(")")[2].split()
+        if len(rest) < 3:
+            continue
+        pgid = int(rest[2])
+        if pgid in pgids:
+            found.setdefault(pgid, []).append((int(entry), rest[0]))
+    return found
+
+
+def _live_groups(pgids: Set[int]) -> Dict[int, List[int]]:
+    """Like :func:`_process_groups`, without zombies (they hold no port and no memory)."""
+    return {
+        g: [p for p, st in procs if st != "Z"]
+        for g, procs in _process_groups(pgids).items()
+        if any(st != "Z" for _, st in procs)
+    }
+
+
+def _unix_socket_paths(pids: Sequence[int]) -> Set[str]:
+    """Paths of the unix sockets that these processes hold (hivemind never deletes some)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    paths = set()
+    try:
+        with open("/proc/net/unix") as f:
+            next(f, None)
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/"):
+                    paths.add(parts[7])
+    except OSError:
+        pass
+    return paths
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """True when the process ignores SIGINT: it inherited SIG_IGN (e.g. its parent was a
+    background job of a non-interactive shell), so Python never installed its handler.
+    """
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) & _SIGINT_BIT)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as p2pd does: TIME_WAIT is no obstacle
+        try:
+            s.bind((host, port))
+            s.listen(1)
+        except OSError:
+            return False
+    return True
+
+
+def _free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
+    """``count`` distinct ports that are free now on ``host`` (the OS picks them)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(s)
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

@@ -1,0 +1,116 @@
+"""Bad input (issue 4): each case ends every rank with a usage error, one clear
+`dist_eval: error:` line naming the flag, no traceback of ours, and no report written
+as if the run had succeeded. The cases already in test_cli.py (missing text column,
+label out of range, missing/corrupt data file, random head, checkpoint of another model
+size, --pre-seq-len without --tuning-mode, non-positive --batch-size/--max-length,
+unwritable --output-dir, unanswered --initial-peers) are not repeated here.
+
+Also the label mapping for text labels (README "Labels"), and read_labels directly."""
+import json
+import os
+import shutil
+
+import pytest
+from conftest import read_jsonl, run_cli
+from test_cli import assert_clean_failure, local_args
+
+pytestmark = pytest.mark.multiproc
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def assert_no_report(out):
+    for name in ("metrics.json", "predictions.jsonl"):
+        assert not (out / name).exists(), f"{name} written by a failed run"
+
+
+@pytest.fixture(scope="module")
+def model_without_tokenizer(tiny_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("no_tokenizer")
+    for name in os.listdir(tiny_model):
+        if "token" not in name:  # tokenizer.json, tokenizer_config.json, special_tokens_map.json
+            shutil.copy(os.path.join(tiny_model, name), folder / name)
+    return str(folder)
+
+
+CASES = {
+    # id: (data file text or None for the default, extra flags, pattern of the error line)
+    "missing_label_column": (
+        None,
+        ["--label-column", "y"],
+        r"--label-column y: no such column; the dataset has \['text', 'label'\]",
+    ),
+    "text_labels_not_num_labels": (
+        "text,label\nw1 w2,cat\nw3,dog\nw4,dog\n",
+        [],
+        r"--label-column label: 2 distinct text labels \['cat', 'dog'\], but the classifier head has 3 classes",
+    ),
+    "row_without_label": ("text,label\nw1 w2,0\nw3,\nw4,1\n", [], r"--label-column label: .*row 1 has no label"),
+    "negative_label": (
+        "text,label\nw1 w2,0\nw3,-1\n",
+        [],
+        r"--label-column label: row 1 has label -1, outside \[0, 3\)",
+    ),
+    "num_labels_disagrees_with_head": (
+        None,
+        ["--num-labels", "4"],
+        r"--num-labels 4: the classifier head has 3 outputs",
+    ),
+    # found while tokenizing the lengths for the batch plan (a phase inside a phase):
+    # still one line, a usage error
+    "row_without_text": (
+        "text,label\nw1 w2,0\n,1\nw4 w5,2\n",
+        [],
+        r"--text-column text: row 1 holds NoneType None, expected text",
+    ),
+    "empty_split_csv": ("text,label\n", [], r"--data-files .*data\.csv: no rows"),
+    "empty_data_file": ("", [], r"--data-files .*data\.csv: no rows"),
+    "model_without_tokenizer": (None, ["MODEL_WITHOUT_TOKENIZER"], r"--model .*: no usable tokenizer in the folder"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_fails_cleanly(case, tiny_model, tiny_checkpoint, model_without_tokenizer, tmp_path):
+    text, extra, pattern = CASES[case]
+    data = _write(tmp_path / "data.csv", text if text is not None else "text,label\nw1 w2,0\nw3,1\nw4 w5,2\n")
+    model = tiny_model
+    if extra == ["MODEL_WITHOUT_TOKENIZER"]:
+        model, extra = model_without_tokenizer, []
+    out = tmp_path / "out"
+    proc = run_cli(local_args(model, tiny_checkpoint, data, out, *extra), nproc=2, timeout=240)
+    assert_clean_failure(proc, pattern)  # exit code 2 on every rank, one line, no traceback of ours
+    assert_no_report(out)
+
+
+def test_text_labels_get_sorted_ids(tiny_model, tiny_checkpoint, tmp_path):
+    """Exactly num_labels distinct text labels (and a model without class names): ids in
+    sorted order, the texts reported as the class names."""
+    data = _write(tmp_path / "data.csv", "text,label\nw1 w2,emu\nw3,cat\nw4 w5,dog\nw6,cat\nw7 w8 w9,emu\n")
+    proc = run_cli(local_args(tiny_model, tiny_checkpoint, data, tmp_path / "out"), nproc=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "out" / "predictions.jsonl")
+    assert [r["label"] for r in rows] == [2, 0, 1, 0, 2]  # cat 0, dog 1, emu 2
+    metrics = json.load(open(tmp_path / "out" / "metrics.json"))
+    assert metrics["label_names"] == ["cat", "dog", "emu"]
+    assert [r["label_name"] for r in rows] == ["emu", "cat", "dog", "cat", "emu"]
+
+
+def test_integer_text_labels_are_integers(tiny_model, tiny_checkpoint, tmp_path):
+    data = _write(
+        tmp_path / "data.jsonl",
+        "".join(
+            json.dumps({"text": t, "label": label}) + "\n"
+            for t, label in [("w1 w2", "2"), ("w3", "0"), ("w4", "1"), ("w5", "2")]
+        ),
+    )
+    proc = run_cli(local_args(tiny_model, tiny_checkpoint, data, tmp_path / "out"), nproc=1, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["label"] for r in read_jsonl(tmp_path / "out" / "predictions.jsonl")] == [2, 0, 1, 2]
+
+
+# ---- read_labels directly: the model's class names (config.json id2label) win
+
+

@@ -1,0 +1,49 @@
+"""The embedded default: `torchrun --nproc_per_node=2 -m dist_eval` with no model or
+data arguments starts a local swarm, evaluates the built-in prompt-tuned model through
+Petals, reports accuracy > 0.90, and stops every server it started."""
+import json
+
+import pytest
+from conftest import read_jsonl, run_cli, swarm_server_pids
+
+pytestmark = pytest.mark.swarm
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory, demo_cache):
+    before = set(swarm_server_pids())
+    out = tmp_path_factory.mktemp("default") / "out"
+    proc = run_cli(["--output-dir", str(out)], nproc=2, timeout=600, env={"DIST_EVAL_CACHE": demo_cache})
+    return out, proc, before
+
+
+def test_default_run(default_run):
+    out, proc, before = default_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # a normal run prints no traceback (offline version check, exit-time event-loop noise)
+    for noise in ("Traceback", "Exception ignored", "Error", "huggingface/tokenizers"):
+        assert noise not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
+    metrics = json.load(open(out / "metrics.json"))
+    assert metrics["accuracy"] > 0.90
+    assert metrics["run"]["backend"] == "petals" and metrics["run"]["world_size"] == 2
+    assert metrics["run"]["demo"] is True and len(metrics["run"]["initial_peers"]) >= 2
+    assert len(metrics["confusion_matrix"]) >= 3
+    rows = read_jsonl(out / "predictions.jsonl")
+    assert [r["index"] for r in rows] == list(range(metrics["num_samples"]))
+    assert {"label_name", "pred_name"} <= set(rows[0])
+    assert f"accuracy {metrics['accuracy']:.4f}" in proc.stdout
+    assert set(swarm_server_pids()) <= before  # every server it started is gone
+
+
+def test_local_backend_gives_the_same_predictions(default_run, tmp_path, demo_cache):
+    out, proc, _ = default_run
+    assert proc.returncode == 0
+    local = tmp_path / "local"
+    proc = run_cli(["--output-dir", str(local), "--backend", "local"], nproc=1, env={"DIST_EVAL_CACHE": demo_cache})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_jsonl(local / "predictions.jsonl") == read_jsonl(out / "predictions.jsonl")
+    swarm_metrics = json.load(open(out / "metrics.json"))
+    local_metrics = json.load(open(local / "metrics.json"))
+    assert {k: v for k, v in local_metrics.items() if k != "run"} == {
+        k: v for k, v in swarm_metrics.items() if k != "run"
+    }

@@ -1,0 +1,146 @@
+"""Real gloo process groups (torchrun): distributed == single process, exactly.
+
+evaluate() is called inside a process group that the caller (a "training loop") made,
+for dataset sizes 1, 2, 3, 5, 7, 100 and batch sizes 1, 4, 16, so that some ranks get
+no batch at all and shards differ in size."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO, free_port, write_csv
+from sklearn import metrics as skm
+
+SIZES = (1, 2, 3, 5, 7, 100)
+WORKER = os.path.join(REPO, "tests", "gloo_worker.py")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tiny_checkpoint, tmp_path_factory):
+    base = tmp_path_factory.mktemp("gloo")
+    csv = write_csv(str(base / "data.csv"), 100, seed=3)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    out = {}
+    for world in (1, 2, 3, 4):
+        out_dir = base / f"n{world}"
+        out_dir.mkdir()
+        launcher = (
+            [sys.executable]
+            if world == 1
+            else [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(world),
+                "--master_port",
+                str(free_port()),
+            ]
+        )
+        proc = subprocess.run(
+            [*launcher, WORKER, tiny_model, tiny_checkpoint, csv, str(out_dir)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=REPO,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[world] = out_dir
+    return out
+
+
+def load(out_dir, name):
+    arrays = dict(np.load(os.path.join(out_dir, name + ".npz")))
+    with open(os.path.join(out_dir, name + ".json")) as f:
+        return arrays, json.load(f)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("batch_size", [1, 4, 16])
+def test_distributed_equals_single_process(runs, world, size, batch_size):
+    name = f"dataset_{size}_{batch_size}"
+    single, single_info = load(runs[1], name)
+    multi, multi_info = load(runs[world], name)
+    assert multi["indices"].tolist() == list(range(size))  # every row exactly once, in order
+    assert np.array_equal(single["preds"], multi["preds"])
+    assert np.array_equal(single["logits"], multi["logits"])  # bitwise: same batches whatever N
+    assert multi_info["metrics"] == single_info["metrics"]  # every metric, loss included, exactly
+    assert multi_info["same_on_all_ranks"]
+    run = multi_info["run"]
+    assert run["world_size"] == world and sum(run["per_rank_samples"]) == size
+    num_batches = -(-size // batch_size)
+    assert run["per_rank_samples"].count(0) == max(0, world - num_batches)  # empty ranks joined in
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("size", SIZES)
+def test_metrics_equal_sklearn_on_the_merged_set(runs, world, size):
+    arrays, info = load(runs[world], f"dataset_{size}_4")
+    m = info["metrics"]
+    labels, preds, logits = arrays["labels"], arrays["preds"], arrays["logits"]
+    kw = dict(labels=[0, 1, 2], zero_division=0)
+    assert m["num_samples"] == size
+    assert m["accuracy"] == pytest.approx(skm.accuracy_score(labels, preds), abs=1e-12)
+    assert m["f1_macro"] == pytest.approx(skm.f1_score(labels, preds, average="macro", **kw), abs=1e-12)
+    assert m["f1_weighted"] == pytest.approx(skm.f1_score(labels, preds, average="weighted", **kw), abs=1e-12)
+    assert m["confusion_matrix"] == skm.confusion_matrix(labels, preds, labels=[0, 1, 2]).tolist()
+    # user metrics: merged-set function and sample-weighted per-sample value
+    assert m["num_predicted_0"] == int((preds == 0).sum())
+    assert m["mean_max_logit"] == pytest.approx(float(logits.max(axis=1).mean()), rel=1e-6)
+    margin = (logits[np.arange(size), labels] - logits.max(axis=1)).astype(np.float64)  # as the fn computes it
+    assert m["correct_margin"] == pytest.approx(margin.mean(), rel=1e-9, abs=1e-12)
+    import torch
+
+    loss = torch.nn.functional.cross_entropy(torch.from_numpy(logits).double(), torch.from_numpy(labels)).item()
+    assert m["loss"] == pytest.approx(loss, rel=1e-12)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("size", SIZES)
+def test_dataloader_with_padding_sampler_counts_each_row_once(runs, world, size):
+    single, single_info = load(runs[1], f"loader_{size}")
+    multi, multi_info = load(runs[world], f"loader_{size}")
+    assert multi["indices"].tolist() == list(range(size))
+    assert np.array_equal(single["preds"], multi["preds"])
+    assert multi_info["metrics"]["num_samples"] == size
+    assert multi_info["metrics"]["confusion_matrix"] == single_info["metrics"]["confusion_matrix"]
+    assert sum(multi_info["run"]["per_rank_samples"]) == size  # padded repeats masked before counting
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("variant", ["plain", "budget"])
+def test_throughput_options_change_no_result(runs, world, size, variant):
+    """Length buckets, a token budget and batches in flight give the same predictions and
+    metrics as the plain loop (dataset order, one batch at a time), for any N."""
+    reference, reference_info = load(runs[1], f"plain_{size}")
+    other, other_info = load(runs[world], f"{variant}_{size}")
+    default, default_info = load(runs[world], f"dataset_{size}_4")
+    for arrays, info in ((other, other_info), (default, default_info)):
+        assert arrays["indices"].tolist() == list(range(size))
+        assert np.array_equal(arrays["preds"], reference["preds"])
+        # batches of other rows and other padded lengths: logits equal to float32 rounding
+        np.testing.assert_allclose(arrays["logits"], reference["logits"], rtol=1e-5, atol=1e-6)
+        # everything computed from (labels, preds) is exactly equal; what uses the logits
+        # (loss, its interval, user metrics of logits) to float32 rounding
+        from_logits = ("loss", "mean_max_logit", "correct_margin", "confidence_intervals")
+        common = (set(info["metrics"]) & set(reference_info["metrics"])) - set(
+            from_logits
+        )  # user metrics: only some runs
+        assert len(common) > 15
+        assert {k: info["metrics"][k] for k in common} == {k: reference_info["metrics"][k] for k in common}
+        assert info["metrics"]["loss"] == pytest.approx(reference_info["metrics"]["loss"], rel=1e-6)
+        got, want = info["metrics"]["confidence_intervals"], reference_info["metrics"]["confidence_intervals"]
+        assert {k: v for k, v in got.items() if k != "loss"} == {k: v for k, v in want.items() if k != "loss"}
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    # and each option is still exact across N: bitwise equal to its own single-process run
+    single, _ = load(runs[1], f"{variant}_{size}")
+    assert np.array_equal(single["logits"], other["logits"])

@@ -1,0 +1,362 @@
+"""Beyond one machine, shown on one: the launch/ scripts, multi-node torchrun (c10d
+rendezvous) and a swarm whose servers run as separate "hosts".
+
+Every "node" is its own torchrun process (launch/run_multinode.sh) and every "host" its
+own ``python -m dist_eval.swarm`` process (launch/start_server.sh), exactly as they would
+run on separate machines, only all on 127.0.0.1. Each is started in its own process
+group and stopped in ``finally``. The swarm test is marked ``swarm``; the others start
+no server.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from conftest import (
+    REPO,
+    build_checkpoint,
+    free_port,
+    read_stdout_line,
+    run_in_own_group,
+    stop_group,
+    swarm_server_pids,
+    write_csv,
+)
+
+LAUNCH = os.path.join(REPO, "launch")
+SCRIPTS = ["run_local.sh", "run_multinode.sh", "start_server.sh", "slurm.sbatch"]
+ENV = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+MADDR = re.compile(r"^/ip4/127\.0\.0\.1/tcp/(\d+)/p2p/12D3KooW[1-9A-HJ-NP-Za-km-z]+$")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("multinode")
+    return build_checkpoint(str(folder / "ck.pt")), write_csv(str(folder / "data.csv"), 41, seed=11)
+
+
+def eval_args(model, inputs, out, *extra):
+    checkpoint, data = inputs
+    return ["--model", model, "--checkpoint", checkpoint, "--data-files", data, "--batch-size", "8",
+            "--save-logits", "--output-dir", str(out), *extra]
+
+
+def run_script(script, args, env=None, timeout=240):
+    return run_in_own_group(["bash", os.path.join(LAUNCH, script), *args], timeout=timeout, env={**ENV, **(env or {})})
+
+
+def start_in_own_group(cmd, env, stdout=subprocess.PIPE, stderr=None):
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                            start_new_session=True)
+
+
+def run_nodes(args, tmp_path, nnodes=2, nproc_per_node=1, timeout=240):
+    """``nnodes`` separate torchrun processes (launch/run_multinode.sh, NODE_RANK 0..n-1)
+    meeting at a c10d rendezvous on 127.0.0.1; returns [(returncode, log text)] per node."""
+    port = free_port()
+    env = {**ENV, "NNODES": str(nnodes), "NPROC_PER_NODE": str(nproc_per_node), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "RDZV_ID": f"test-{port}", "RDZV_TIMEOUT": "120", "LOCAL_ADDR": "127.0.0.1"}
+    nodes, logs = [], []
+    try:
+        for rank in reversed(range(nnodes)):  # the rendezvous host last: the others must wait for it
+            log = open(tmp_path / f"node{rank}.log", "w+")
+            logs.insert(0, log)
+            nodes.insert(0, start_in_own_group(["bash", os.path.join(LAUNCH, "run_multinode.sh"), *args],
+                                               {**env, "NODE_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT))
+        end = time.monotonic() + timeout
+        for node in nodes:
+            node.wait(timeout=max(1.0, end - time.monotonic()))
+    finally:
+        for node in nodes:
+            stop_group(node.pid)  # a node that failed or timed out must not leave its ranks behind
+            node.wait()
+    out = []
+    for node, log in zip(nodes, logs):
+        log.seek(0)
+        out.append((node.returncode, log.read()))
+        log.close()
+    return out
+
+
+def children_running_server(pid):
+    """pids of the swarm server processes that ``pid`` started (each leads its own group)."""
+    found = []
+    for server in swarm_server_pids():
+        try:
+            with open(f"/proc/{server}/stat", "rb") as f:
+                ppid = int(f.read().decode("utf-8", "replace").rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            found.append(server)
+    return found
+
+
+def live_in_groups(pgids):
+    pgids, live = set(pgids), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    rest = f.read().decode("utf-8", "replace").rpartition(")")[2].split()
+            except OSError:
+                continue
+            if rest[0] != "Z" and int(rest[2]) in pgids:
+                live.append(int(entry))
+    return live
+
+
+def port_is_free(port):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def outputs(folder):
+    """(predictions.jsonl text, metrics.json without its ``run`` section, ``run``)."""
+    with open(os.path.join(folder, "predictions.jsonl")) as f:
+        predictions = f.read()
+    with open(os.path.join(folder, "metrics.json")) as f:
+        metrics = json.load(f)
+    return predictions, {k: v for k, v in metrics.items() if k != "run"}, metrics["run"]
+
+
+def assert_ok(returncode, log):
+    # torchrun's failure summary ends the log: show the lines that say what failed too
+    said = "\n".join(line for line in log.splitlines() if "error" in line.lower() or "Traceback" in line)
+    assert returncode == 0, f"{said[-3000:]}\n---\n{log[-2000:]}"
+    assert "Traceback" not in log, log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def local_reference(tiny_model, inputs, tmp_path_factory):
+    """The single-node run of the local backend: torchrun with one rank (launch/run_local.sh)."""
+    out = tmp_path_factory.mktemp("reference")
+    proc = run_script("run_local.sh", eval_args(tiny_model, inputs, out, "--backend", "local"), env={"NPROC": "1"})
+    assert_ok(proc.returncode, proc.stderr)
+    return outputs(out)
+
+
+# --------------------------------------------------------------------------- no servers
+
+
+def test_launch_scripts_are_executable_and_say_how_to_call_them():
+    for name in SCRIPTS:
+        path = os.path.join(LAUNCH, name)
+        assert os.access(path, os.X_OK), f"{name} is not executable"
+        with open(path) as f:
+            head = f.read(1500)
+        assert head.startswith("#!/usr/bin/env bash"), name
+        assert f"launch/{name}" in head, f"{name}: its top should show how to call it"
+        subprocess.run(["bash", "-n", path], check=True)
+
+
+@pytest.mark.parametrize("script, variable", [("run_multinode.sh", "MASTER_ADDR"), ("start_server.sh", "MODEL_DIR")])
+def test_scripts_name_a_missing_required_variable(script, variable):
+    env = {k: v for k, v in ENV.items() if k != variable}
+    proc = subprocess.run(["bash", os.path.join(LAUNCH, script)], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0
+    assert f"{variable}: set {variable}" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host", "0.0.0.0"], "nobody's address"),
+    (["--host", "192.0.2.123"], "not an address of this machine"),
+    (["--initial-peers", "127.0.0.1:31337"], "expected a multiaddr"),
+    (["--block-indices", "2:2"], "block range 2:2: expected A:B"),
+    (["--block-indices", "0:5"], "0 <= A < B <= 4"),
+    (["--block-indices", "two"], "expected A:B"),
+])
+def test_swarm_cli_refuses_bad_multi_host_arguments(tiny_model, args, message, capsys):
+    from dist_eval.swarm import main
+
+    try:
+        code = main([tiny_model, *args])
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+
+
+def test_local_rank_beyond_the_gpus_is_a_usage_error(monkeypatch):
+    import torch
+
+    from dist_eval import ranks
+    from dist_eval.errors import UsageError
+
+    env = dict(RANK="1", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert ranks.launched_on_several_nodes()  # 4 ranks, 2 on this node
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device before the check"))
+    with pytest.raises(UsageError, match=r"LOCAL_RANK 1: this node has 1 visible CUDA device.*at most 1 rank"):
+        ranks.init_process_group_from_env(10)
+
+
+@pytest.mark.multiproc
+def test_two_nodes_equal_one_node_local_backend(tiny_model, inputs, local_reference, tmp_path):
+    """2 torchrun nodes x 1 rank (c10d rendezvous) == torchrun with 1 rank, row for row."""
+    nodes = run_nodes(eval_args(tiny_model, inputs, tmp_path / "out", "--backend", "local"), tmp_path)
+    for returncode, log in nodes:
+        assert_ok(returncode, log)
+    predictions, metrics, run = outputs(tmp_path / "out")
+    assert run["world_size"] == 2  # both nodes joined the one process group
+    assert predictions.count("\n") == 41
+    assert (predictions, metrics) == local_reference[:2]
+
+
+FAKE_SCONTROL = """#!/usr/bin/env bash
+# fake `scontrol show hostnames LIST`: one host per line
+[[ "$1 $2" == "show hostnames" ]] || { echo "fake scontrol: unexpected: $*" >&2; exit 2; }
+tr ',' '\\n' <<< "$3"
+"""
+FAKE_SRUN = """#!/usr/bin/env bash
+# fake srun: the command once per node of the job, here, with that node's SLURM_NODEID
+echo "$*" >> "$FAKE_SLURM_LOG"
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do SLURM_NODEID=$i SLURM_PROCID=$i "$@" & pids+=($!); done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit $rc
+"""
+
+
+@pytest.mark.multiproc
+def test_slurm_batch_script_on_one_host(tiny_model, inputs, local_reference, tmp_path):
+    """launch/slurm.sbatch under a stand-in srun/scontrol: the head node comes from the
+    node list, one torchrun per node, and the result equals the single-node run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_SLURM_LOG": str(tmp_path / "srun.log"),
+        "SLURM_JOB_NODELIST": "127.0.0.1,localhost",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_SUBMIT_DIR": REPO,
+        "MASTER_PORT": str(free_port()),
+        "LOCAL_ADDR": "127.0.0.1",
+        "RDZV_TIMEOUT": "120",
+    }
+    proc = run_script("slurm.sbatch", eval_args(tiny_model, inputs, tmp_path / "out", "--backend", "local"), env=env)
+    assert_ok(proc.returncode, proc.stdout + proc.stderr)
+    srun_args = (tmp_path / "srun.log").read_text()
+    assert srun_args.startswith("--nodes=2 --ntasks-per-node=1 "), srun_args
+    assert "run_multinode.sh" in srun_args and "--backend local" in srun_args
+    predictions, metrics, run = outputs(tmp_path / "out")
+    assert run["world_size"] == 2
+    assert (predictions, metrics) == local_reference[:2]
+
+
+@pytest.mark.multiproc
+def test_multi_node_run_without_initial_peers_is_refused(tiny_model, inputs, tmp_path):
+    """A local swarm listens on 127.0.0.1 of rank 0's node: no use to other nodes."""
+    before = set(swarm_server_pids())
+    nodes = run_nodes(eval_args(tiny_model, inputs, tmp_path / "out", "--backend", "petals"), tmp_path, timeout=120)
+    for returncode, _ in nodes:
+        assert returncode != 0
+    log = "".join(text for _, text in nodes)
+    errors = [line for line in log.splitlines() if line.startswith("dist_eval: error:")]
+    assert len(errors) == 1, log[-3000:]  # said once, by rank 0
+    assert "--initial-peers" in errors[0] and "launch/start_server.sh" in errors[0]
+    assert set(swarm_server_pids()) <= before  # no server was started
+    assert not (tmp_path / "out" / "metrics.json").exists()
+
+
+# --------------------------------------------------------------------------- a two-host swarm
+
+
+@pytest.mark.swarm
+def test_two_hosts_swarm_and_two_nodes_equal_one_node(tiny_model, inputs, local_reference, tmp_path):
+    """Host A starts a swarm serving blocks 0:2, host B joins it by multiaddr and serves
+    2:4 (so every forward crosses both); then 2 torchrun nodes evaluate against it and
+    match one node exactly, and the local backend too (bitwise logits)."""
+    prefix = f"multinode-{uuid.uuid4().hex[:8]}"
+    hosts, servers, peers, logs = [], [], {}, []
+    began, took = time.monotonic(), {}
+    try:
+        for name, blocks, join in (("A", "0:2", None), ("B", "2:4", "A")):
+            env = {**ENV, "MODEL_DIR": tiny_model, "DHT_PREFIX": prefix, "BLOCKS": blocks, "HOST": "127.0.0.1"}
+            if join:
+                env["INITIAL_PEERS"] = peers[join]
+            logs.append(open(tmp_path / f"host{name}.log", "w"))
+            host = start_in_own_group(["bash", os.path.join(LAUNCH, "start_server.sh")], env, stderr=logs[-1])
+            hosts.append(host)
+            line = read_stdout_line(host, timeout=150)
+            assert line.startswith("INITIAL_PEERS="), (
+                line,
+                host.poll(),
+                (tmp_path / f"host{name}.log").read_text()[-3000:],
+            )
+            peers[name] = line.strip().split("=", 1)[1]
+            assert MADDR.match(peers[name]), peers[name]
+            servers += children_running_server(host.pid)
+            took[f"host {name} up"] = time.monotonic() - began
+        assert peers["A"] != peers["B"] and len(servers) == 2, (peers, servers)
+        assert "blocks 0:2 (of 4)" in (tmp_path / "hostA.log").read_text()  # so every forward crosses both
+        assert "blocks 2:4 (of 4)" in (tmp_path / "hostB.log").read_text()
+        assert f"joined to the swarm at {peers['A']}" in (tmp_path / "hostB.log").read_text()
+
+        swarm = ["--backend", "petals", "--dht-prefix", prefix, "--swarm-timeout", "30"]
+        # the single-node run enters the swarm at host A, the two nodes at host B: any server will do
+        proc = run_script(
+            "run_local.sh",
+            eval_args(tiny_model, inputs, tmp_path / "one", *swarm, "--initial-peers", peers["A"]),
+            env={"NPROC": "1"},
+        )
+        assert_ok(proc.returncode, proc.stderr)
+        took["1 node run"] = time.monotonic() - began
+        nodes = run_nodes(
+            eval_args(tiny_model, inputs, tmp_path / "two", *swarm, "--initial-peers", peers["B"]), tmp_path
+        )
+        for returncode, log in nodes:
+            assert_ok(returncode, log)
+        took["2 nodes run"] = time.monotonic() - began
+
+        one, two = outputs(tmp_path / "one"), outputs(tmp_path / "two")
+        assert one[2]["world_size"] == 1 and two[2]["world_size"] == 2 and two[2]["backend"] == "petals"
+        assert two[0].count("\n") == 41
+        assert two[:2] == one[:2]  # predictions (with logits) and every metric
+        assert two[0] == local_reference[0]  # the swarm computes what the model computes in-process
+    finally:
+        for host in reversed(hosts):  # B, then A: as hosts leave a swarm
+            if host.poll() is None:
+                os.killpg(host.pid, signal.SIGTERM)
+            try:
+                host.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+            stop_group(host.pid)
+            host.wait()
+        for log in logs:
+            log.close()
+        took["hosts stopped"] = time.monotonic() - began
+        print("elapsed: " + ", ".join(f"{k} {v:.1f} s" for k, v in took.items()))
+    assert [h.returncode for h in hosts] == [0] * len(hosts)  # stopped cleanly on SIGTERM
+    assert not live_in_groups(servers), "server processes left behind"
+    assert not set(servers) & set(swarm_server_pids())
+    ports = [int(MADDR.match(p).group(1)) for p in peers.values()]
+    assert all(port_is_free(p) for p in ports), ports

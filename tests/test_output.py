@@ -1,0 +1,230 @@
+"""The report a user reads: bootstrap intervals (seeded, order- and N-independent, right
+against a plain bootstrap), the files (CSV, Markdown, PNG, self-contained HTML) with
+class names, the report without matplotlib, and --report-to."""
+import base64
+import csv
+import io
+import json
+import re
+import time
+
+import numpy as np
+import pytest
+from conftest import run_cli, write_csv
+from inprocess_cli import run_cli_in_process
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CLASS_NAMES = ["negative", "neutral", "positive"]
+
+
+# --- the intervals, as a pure function ---------------------------------------------------
+
+
+# --- a real 2-rank run over a dataset whose label column is a ClassLabel ------------------
+
+
+@pytest.fixture(scope="module")
+def named_data(tmp_path_factory):
+    import datasets
+
+    base = tmp_path_factory.mktemp("named")
+    csv_path = write_csv(str(base / "data.csv"), 41, seed=21)
+    ds = datasets.load_dataset("csv", data_files=csv_path, split="train")
+    ds = ds.cast_column("label", datasets.ClassLabel(names=CLASS_NAMES))
+    ds.save_to_disk(str(base / "ds"))
+    return str(base / "ds")
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tiny_model, tiny_checkpoint, named_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report") / "out"
+    proc = run_cli(
+        [
+            "--model",
+            tiny_model,
+            "--data-files",
+            named_data,
+            "--backend",
+            "local",
+            "--checkpoint",
+            tiny_checkpoint,
+            "--output-dir",
+            str(out),
+            "--batch-size",
+            "4",
+            "--progress",
+            "log",
+            "--bootstrap-seed",
+            "3",
+        ],
+        nproc=2,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+@pytest.fixture(scope="module")
+def one_process_result(tiny_model, tiny_checkpoint, named_data):
+    """The same evaluation through the Python API, in this (single) process."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from dist_eval import evaluate, load_model
+
+    model = load_model("local", tiny_model, checkpoint=tiny_checkpoint)
+    try:
+        return evaluate(
+            model,
+            datasets.load_from_disk(named_data),
+            tokenizer=AutoTokenizer.from_pretrained(tiny_model),
+            batch_size=4,
+            bootstrap_seed=3,
+        )
+    finally:
+        model.close()
+
+
+@pytest.mark.multiproc
+def test_intervals_identical_for_one_and_two_ranks(two_rank_run, one_process_result):
+    metrics = json.load(open(two_rank_run[0] / "metrics.json"))
+    assert metrics["run"]["world_size"] == 2
+    ci = metrics["confidence_intervals"]
+    assert ci == one_process_result.metrics["confidence_intervals"]
+    assert (ci["resamples"], ci["seed"], ci["level"], ci["method"]) == (1000, 3, 0.95, "bootstrap-percentile")
+    for name in ("accuracy", "f1_macro", "loss"):
+        assert ci[name][0] <= metrics[name] <= ci[name][1], name
+    stdout = two_rank_run[1].stdout
+    assert (
+        f"95% CI (bootstrap, 1000 resamples, seed 3): acc [{ci['accuracy'][0]:.4f}, {ci['accuracy'][1]:.4f}]" in stdout
+    )
+    assert stdout.count("accuracy ") == 1  # the summary's one "accuracy X.XXXX" line, as before
+
+
+@pytest.mark.multiproc
+def test_progress_counts_the_rows_of_every_rank(two_rank_run):
+    out, proc = two_rank_run
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("dist_eval: progress")]
+    assert lines, proc.stderr[-3000:]
+    assert re.match(r"dist_eval: progress 41/41 samples \(100%\), .*, done$", lines[-1]), lines[-1]
+    assert re.search(r"^  accuracy \d\.\d{4}", proc.stdout, re.M) and "progress" not in proc.stdout
+
+
+@pytest.mark.multiproc
+def test_report_files_are_complete_and_valid(two_rank_run):
+    out, proc = two_rank_run
+    metrics = json.load(open(out / "metrics.json"))
+    assert metrics["label_names"] == CLASS_NAMES
+    # confusion_matrix.png: a real PNG of a sensible size
+    png = (out / "confusion_matrix.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+    # per_class.csv: parses, class names, the numbers of metrics.json
+    rows = list(csv.DictReader(io.StringIO((out / "per_class.csv").read_text())))
+    assert [r["class"] for r in rows] == CLASS_NAMES
+    for r in rows:
+        expected = metrics["per_class"][r["class"]]
+        assert float(r["f1"]) == pytest.approx(expected["f1"], abs=1e-12)
+        assert int(r["support"]) == expected["support"]
+    cm = np.array(metrics["confusion_matrix"])
+    assert [int(r["predicted"]) for r in rows] == cm.sum(axis=0).tolist()
+    markdown = (out / "per_class.md").read_text()
+    assert all(f"| {name} |" in markdown for name in CLASS_NAMES) and "**macro avg**" in markdown
+    # report.html: self-contained, the metrics with their intervals, names, the embedded figure
+    page = (out / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert not re.search(r"""(src|href)=["']?(https?:|//|file:)""", page)  # nothing fetched from elsewhere
+    embedded = re.search(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert embedded and base64.b64decode(embedded.group(1)) == png
+    ci = metrics["confidence_intervals"]
+    assert f"{metrics['accuracy']:.4f}" in page and f"[{ci['accuracy'][0]:.4f}, {ci['accuracy'][1]:.4f}]" in page
+    assert f"{metrics['f1_macro']:.4f}" in page and f"[{ci['loss'][0]:.4f}, {ci['loss'][1]:.4f}]" in page
+    assert all(f"<td>{name}</td>" in page for name in CLASS_NAMES)
+    assert "1000 resamples, seed 3" in page
+    assert "report.html" in proc.stdout
+
+
+def test_report_without_matplotlib(one_process_result, tmp_path, monkeypatch, capsys):
+    import sys
+
+    from dist_eval.output.files import write_report_files
+
+    # as if not installed: the package and every submodule an earlier test imported
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    written = write_report_files(str(tmp_path), one_process_result.metrics)
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line] == [
+        "dist_eval: warning: matplotlib is not installed, so confusion_matrix.png was not written "
+        "(pip install matplotlib); report.html shows the matrix as a table"
+    ]
+    assert not (tmp_path / "confusion_matrix.png").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["per_class.csv", "per_class.md", "report.html"]
+    assert len(written) == 3
+    page = (tmp_path / "report.html").read_text()
+    assert "data:image/png" not in page and "matplotlib is not installed" in page
+    for row in one_process_result.metrics["confusion_matrix"]:  # the matrix as a table instead
+        assert "".join(f'<td class="num">{v}</td>' for v in row) in page
+
+
+def test_bootstrap_off_leaves_no_intervals(tiny_model, tiny_checkpoint, tmp_path, capfd):
+    data = write_csv(str(tmp_path / "d.csv"), 11, seed=3)
+    code = run_cli_in_process(
+        [
+            "--model",
+            tiny_model,
+            "--data-files",
+            data,
+            "--backend",
+            "local",
+            "--checkpoint",
+            tiny_checkpoint,
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--bootstrap-resamples",
+            "0",
+            "--progress",
+            "none",
+            "--report-to",
+            "none",
+        ],
+        hide_modules=("wandb", "tensorboard"),
+    )
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]  # --report-to none needs neither wandb nor tensorboard
+    metrics = json.load(open(tmp_path / "out" / "metrics.json"))
+    assert "confidence_intervals" not in metrics and "CI" not in out
+    assert "No confidence intervals" in (tmp_path / "out" / "report.html").read_text()
+
+
+@pytest.mark.parametrize("tracker,package", [("wandb", "wandb"), ("tensorboard", "tensorboard")])
+def test_report_to_a_missing_package_fails_before_any_work(tracker, package, tmp_path, capfd):
+    out_dir = tmp_path / "never"
+    started = time.monotonic()
+    # no --model: it would be the demo, which builds a model first; the check must come before
+    code = run_cli_in_process(["--report-to", tracker, "--output-dir", str(out_dir)], hide_modules=(package,))
+    out, err = capfd.readouterr()
+    assert code == 2
+    assert err.splitlines() == [
+        f"dist_eval: error: --report-to {tracker}: the {package} package is not installed in this environment "
+        f"({__import__('sys').executable}). Install it (pip install {package}) or pass --report-to none."
+    ]
+    assert not out_dir.exists() and time.monotonic() - started < 10
+
+
+def test_a_figure_that_fails_costs_only_the_figure(one_process_result, tmp_path, monkeypatch):
+    import dist_eval.output.figures
+    from dist_eval.output.files import write_report_files
+
+    def broken(*args, **kwargs):  # failure injection: e.g. a broken font cache
+        raise RuntimeError("no fonts")
+
+    monkeypatch.setattr(dist_eval.output.figures, "confusion_matrix_png", broken)
+    warnings = []
+    written = write_report_files(str(tmp_path), one_process_result.metrics, warn=warnings.append)
+    assert warnings == [
+        "confusion_matrix.png could not be drawn (RuntimeError: no fonts); report.html shows the matrix as a table"
+    ]
+    assert (
+        sorted(p.name for p in tmp_path.iterdir()) == ["per_class.csv", "per_class.md", "report.html"]
+        and len(written) == 3
+    )

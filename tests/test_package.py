@@ -1,0 +1,118 @@
+"""The package's layout rules: no module over its bounds, families named in one table only,
+``python -m dist_eval.swarm`` without torch, errors naming API arguments or CLI flags."""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+PACKAGE = os.path.join(REPO, "dist_eval")
+FAMILY_TABLE = os.path.join(PACKAGE, "backends", "families.py")
+MAX_FUNCTION_LINES = 60
+
+
+def package_files():
+    for folder, _, names in os.walk(PACKAGE):
+        for name in sorted(names):
+            if name.endswith(".py"):
+                yield os.path.join(folder, name)
+
+
+def function_lengths(path):
+    """(name, line, length without its docstring) of every function in ``path``."""
+    tree = ast.parse(open(path).read())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
+                    and isinstance(first.value.value, str):
+                length -= first.end_lineno - first.lineno + 1
+            yield node.name, node.lineno, length
+
+
+def test_no_function_over_60_lines():
+    long = [f"{os.path.relpath(path, REPO)}:{line} {name} ({n} lines)"
+            for path in package_files() for name, line, n in function_lengths(path) if n > MAX_FUNCTION_LINES]
+    assert not long, "functions over 60 lines (docstrings not counted): " + "; ".join(long)
+
+
+def test_only_the_family_table_names_a_family():
+    # class names, attribute paths and checkpoint prefixes of a family live in backends/families.py
+    pattern = re.compile(r"Llama|Bloom|Falcon|\.model\.layers|\.embed_tokens|\.word_embeddings|\btransformer\.h\b|"
+                         r"[\"']model\.[\"']")
+    found = []
+    for path in package_files():
+        if path == FAMILY_TABLE:
+            continue
+        for number, line in enumerate(open(path), 1):
+            if pattern.search(line):
+                found.append(f"{os.path.relpath(path, REPO)}:{number}: {line.strip()}")
+    assert not found, "a family named outside backends/families.py:\n" + "\n".join(found)
+
+
+def test_swarm_cli_imports_no_torch():
+    code = "import sys, runpy; sys.argv = ['x', '--help']\n" \
+           "try:\n    runpy.run_module('dist_eval.swarm', run_name='__main__')\nexcept SystemExit:\n    pass\n" \
+           "print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_the_api_names_arguments_and_the_cli_names_flags():
+    from dist_eval.config import Settings
+    from dist_eval.errors import UsageError, flag_names
+
+    with pytest.raises(UsageError) as caught:
+        Settings(batch_size=0)
+    assert str(caught.value) == "batch_size=0: expected a positive integer."
+    with flag_names():
+        assert str(caught.value) == "--batch-size 0: expected a positive integer."
+    error = UsageError("no such folder.", param="model_dir", value="/x")
+    assert str(error) == "model_dir='/x': no such folder."
+    with flag_names():
+        assert str(error) == "--model /x: no such folder."
+    assert str(UsageError("plain message")) == "plain message"
+
+
+def test_settings_are_validated_once_for_api_and_cli():
+    from dist_eval.config import EvalConfig, Options, Settings
+    from dist_eval.errors import UsageError
+
+    for bad in ({"max_length": 0}, {"max_batch_tokens": 0}, {"batch_size": -1}):
+        with pytest.raises(UsageError):
+            Settings(**bad)
+    assert Settings(max_batch_tokens=None).max_batch_tokens is None
+    for bad in ({"in_flight": 0}, {"save_interval": -1.0}, {"bootstrap_resamples": -1}, {"bootstrap_seed": -1}):
+        with pytest.raises(UsageError):
+            Options(**bad)
+    config = EvalConfig(max_batch_tokens=0)  # the flag's 0 (no cap) is the API's None, converted once
+    assert config.settings.max_batch_tokens is None and config.settings.batch_size == config.batch_size
+
+
+def test_every_setting_is_in_the_resume_key(tmp_path):
+    """A field added to Settings changes the key: none can be forgotten in it."""
+    import dataclasses
+    import types
+
+    from dist_eval.config import Settings
+    from dist_eval.resume import run_key
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    dataset = type("D", (), {"_fingerprint": "f", "column_names": ["text", "label"], "__len__": lambda self: 3})()
+    model = types.SimpleNamespace(backend="local", num_labels=3, prompt_tokens=0)
+    base = Settings()
+    key = run_key(str(model_dir), None, dataset, None, model, base)
+    changed = {"text_column": "t", "text_pair_column": "p", "label_column": "y", "batch_size": 3, "max_length": 7,
+               "length_buckets": False, "max_batch_tokens": None}
+    assert set(changed) == {f.name for f in dataclasses.fields(Settings)}
+    for name, value in changed.items():
+        assert run_key(str(model_dir), None, dataset, None, model, dataclasses.replace(base, **{name: value})) != key
