@@ -82,9 +82,10 @@ def _block_range_arg(text: str) -> Tuple[int, int]:
 
 
 def _say_ready(swarm: LocalSwarm) -> None:
-    """The INITIAL_PEERS= line on stdout; what is served and how to evaluate against it on stderr."""
+    """What is served and how to evaluate against it on stderr, then the INITIAL_PEERS= line on
+    stdout: whoever has read that line finds the summary already written.
+    """
     peers = " ".join(swarm.initial_peers)
-    print(f"INITIAL_PEERS={peers}", flush=True)
     placement = ", ".join(f"{a}:{b}" for a, b in swarm.placement)
     first, last = swarm.block_range
     blocks = (
@@ -101,6 +102,7 @@ def _say_ready(swarm: LocalSwarm) -> None:
         "Ctrl-C or SIGTERM stops the swarm.",
         file=sys.stderr, flush=True,
     )  # fmt: skip
+    print(f"INITIAL_PEERS={peers}", flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
