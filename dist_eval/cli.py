@@ -7,9 +7,12 @@ and printed once, as one line naming the flag; the exit code says what kind it w
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
 import threading
+import time
 from typing import List, Optional
 
 from dist_eval import ranks
@@ -71,6 +74,10 @@ def _main(args: argparse.Namespace) -> int:
     # 0) the local swarm. Turned into an exception, every cleanup below runs.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_interrupt)
+        _reset_signals_in_forked_children()
+        _exit_within_grace_after_a_signal()
+    global _cli_running
+    _cli_running = True
     try:
         timeout = config.dist_timeout if config else EvalConfig.__dataclass_fields__["dist_timeout"].default
         owns_group = ranks.init_process_group_from_env(timeout)
@@ -91,15 +98,81 @@ def _main(args: argparse.Namespace) -> int:
         _print_error(str(e))
         return EXIT_USAGE
     except KeyboardInterrupt as e:
-        _print_error(f"interrupted ({e or 'SIGINT'}); stopped cleanly, nothing reported")
+        why = " (torchrun stops every rank when one of them fails; a job scheduler on cancel)" if isinstance(
+            e, Terminated) else ""
+        if ranks.get_rank() == 0:  # every rank was signalled; rank 0 says so for all
+            _print_error(f"interrupted by {e or 'SIGINT'}{why}; stopped cleanly, nothing reported; finished batches "
+                         "are kept for a resume")
         return 130
     finally:
         if owns_group:
             ranks.destroy_process_group()
+        _cli_running = False
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM received (torchrun stopping this rank, or a job scheduler)."""
+
+
+# After SIGINT/SIGTERM, a rank has this long to clean up (stop its client, flush its
+# partial results, stop the local swarm: 2-5 s measured) before it exits regardless.
+STOP_GRACE_SECONDS = 10.0
+_cli_running = False
+_grace_watch_started = False
+_fork_hook_registered = False
+_wakeup_sockets = None
+
+
+def _exit_within_grace_after_a_signal() -> None:
+    """Make SIGINT/SIGTERM end this process within ``STOP_GRACE_SECONDS``, stuck or not.
+
+    The Python handler that turns SIGTERM into an exception runs only when the main
+    thread runs Python code; a rank blocked in a collective, or in a C call waiting on a
+    frozen peer, would not stop until torchrun's SIGKILL 30 s later. Python writes each
+    signal's number to the wakeup fd at once, from C; a thread reading it gives the
+    cleanup its grace, then exits the process. The watchdogs of the client's helpers and
+    of the local swarm then stop what the process started.
+    """
+    global _grace_watch_started, _wakeup_sockets
+    if _grace_watch_started:
+        return
+    import socket
+
+    reader, writer = _wakeup_sockets = socket.socketpair()  # kept: closing them would free the fd
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            received = reader.recv(1)
+            if received and received[0] in (signal.SIGINT, signal.SIGTERM):
+                break
+        time.sleep(STOP_GRACE_SECONDS)
+        if _cli_running:
+            if ranks.get_rank() == 0:
+                _print_error(f"stopped by {signal.Signals(received[0]).name}: the cleanup was still waiting "
+                             f"{STOP_GRACE_SECONDS:.0f} s later (on another rank or the swarm); exited at once")
+            os._exit(128 + received[0])
+
+    threading.Thread(target=watch, name="dist_eval-signal-grace", daemon=True).start()
+    _grace_watch_started = True
+
+
+def _reset_signals_in_forked_children() -> None:
+    """Processes forked from a rank (hivemind's DHT process) get SIGTERM's default back and
+    drop the rank's wakeup fd: the rank's handler printed a traceback ending in
+    ``Terminated: SIGTERM`` in a helper instead of letting it stop.
+    """
+    global _fork_hook_registered
+    if not _fork_hook_registered:
+        os.register_at_fork(after_in_child=_reset_signal_handling_in_child)
+        _fork_hook_registered = True
+
+
+def _reset_signal_handling_in_child() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(ValueError):  # only the main thread may; a fork from a thread has none
+        signal.set_wakeup_fd(-1)
 
 
 def _raise_interrupt(signum, frame):

@@ -137,16 +137,8 @@ def evaluate(
     num_rows, batches, num_truncated, own_batches = _this_rank_batches(data, tokenizer, settings, task)
     with ranks.phase("reading the stored partial results"):
         stored, writer = open_partial(resume_folder, own_batches, task.num_labels, options.save_interval)
-    with ranks.phase("the forward passes"):
-        try:
-            local = predict_shard(
-                task.forward, batches, task.num_labels, keep_logits=return_logits, sample_metrics=sample_metrics,
-                on_batch_done=on_batch_done, in_flight=options.in_flight, stored=stored,
-                on_batch_logits=writer.add if writer is not None else None,
-            )
-        finally:
-            if writer is not None:
-                writer.flush()  # also on failure: finished batches are not lost
+    local = _forward_passes(task, batches, stored, writer, options.in_flight, return_logits, sample_metrics,
+                            on_batch_done)
     loop_seconds = time.perf_counter() - start
     local.loop_cpu_seconds = time.process_time() - start_cpu  # this rank's CPU (all its threads) in the loop
 
@@ -156,6 +148,29 @@ def evaluate(
         bootstrap=(options.bootstrap_resamples, options.bootstrap_seed),
     )
     return EvalResult(metrics=report, predictions=merged)
+
+
+def _forward_passes(task: _Task, batches, stored, writer, in_flight, return_logits, sample_metrics, on_batch_done):
+    """This rank's forwards (a phase): finished batches are stored as they come, and kept
+    when the phase fails; one rank's failure stops the others at their next batch.
+    """
+    with ranks.phase("the forward passes", stop_early=True) as failed:
+
+        def after_batch(num_rows: int) -> None:
+            if on_batch_done is not None:
+                on_batch_done(num_rows)
+            failed.check()
+
+        try:
+            local = predict_shard(
+                task.forward, batches, task.num_labels, keep_logits=return_logits, sample_metrics=sample_metrics,
+                on_batch_done=after_batch, in_flight=in_flight, stored=stored,
+                on_batch_logits=writer.add if writer is not None else None,
+            )
+        finally:
+            if writer is not None:
+                writer.flush()  # also on failure: finished batches are not lost
+    return local
 
 
 def _task_of(model, num_labels, pad_token_id, label_names) -> _Task:

@@ -56,7 +56,7 @@ def run(config: EvalConfig) -> int:
             dataset = load_split(job.data_files, job.split)
         with ranks.phase("loading the model"):
             tokenizer, model = _load_model(config, job, initial_peers, dht_prefix)
-        cleanup.callback(ranks.barrier)  # no rank's client is still talking when rank 0 stops the swarm
+        cleanup.push(_barrier_unless_interrupted)  # no rank's client is still talking when rank 0 stops the swarm
         cleanup.callback(model.close)
         with ranks.phase("finding the stored partial results"):
             folder = _resume_folder(config, job, dataset, model, say) if main else None
@@ -72,6 +72,14 @@ def run(config: EvalConfig) -> int:
 
             resume.finished(folder)
     return 0
+
+
+def _barrier_unless_interrupted(exc_type, exc, tb) -> None:
+    """An exit callback: wait for the other ranks, except after SIGINT/SIGTERM, when they
+    may be gone (torchrun stops them all when one dies) and a collective would fail.
+    """
+    if exc_type is None or not issubclass(exc_type, KeyboardInterrupt):
+        ranks.barrier_if_alive()
 
 
 def _prepare(config: EvalConfig, say) -> Job:

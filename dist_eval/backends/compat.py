@@ -12,6 +12,7 @@ exist in submodules; we put them back on the ``hivemind`` module before petals l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
@@ -54,6 +55,37 @@ def _patch_hivemind() -> None:
             setattr(hivemind, name, getattr(importlib.import_module(module_name), name))
 
 
+def make_servicer_stubs_thread_safe() -> None:
+    """Make hivemind's lazy stub-class creation safe when several threads make it at once.
+
+    Why: ``ServicerBase.get_stub`` calls ``_collect_rpc_handlers``, which marks the class
+    as collected (``_rpc_handlers = []``) *before* it builds ``_stub_type``. A second
+    thread that asks for a stub in that window skips the collection and calls
+    ``_stub_type`` while it is still None: ``TypeError: 'NoneType' object is not
+    callable``. A rank's first forwards (``--in-flight`` threads, each fetching the
+    servers' rpc_info) hit exactly that window, so a fresh client's first requests
+    failed now and then and were routed around as if a server had failed. One lock
+    around the collection closes the window; later calls find it done at once.
+    Idempotent.
+    """
+    import threading
+
+    from hivemind.p2p.servicer import ServicerBase
+
+    if getattr(ServicerBase, "_dist_eval_thread_safe", False):
+        return
+    collect = ServicerBase._collect_rpc_handlers.__func__
+    lock = threading.RLock()
+
+    def _collect_rpc_handlers(cls) -> None:
+        with lock:
+            collect(cls)
+
+    _collect_rpc_handlers.__wrapped__ = collect  # hivemind's own, for tests
+    ServicerBase._collect_rpc_handlers = classmethod(_collect_rpc_handlers)
+    ServicerBase._dist_eval_thread_safe = True
+
+
 def _silence_version_check() -> None:
     # petals' server asks PyPI for a newer version at start; offline it logs a full
     # traceback that looks like a failure. The check is informational only.
@@ -86,6 +118,7 @@ def import_petals():
     if not _patched:
         quiet_third_party_output()
         _patch_hivemind()
+        make_servicer_stubs_thread_safe()
     try:
         import petals
     except ImportError as e:
@@ -146,6 +179,44 @@ def ensure_main_thread_event_loop() -> None:
         asyncio.set_event_loop(asyncio.new_event_loop())
 
 
+_SHUTDOWN_WAIT = 2.0  # seconds each step of a client's shutdown may take (~0.1 s when healthy)
+
+
+def release_waits_on_dead_helpers(manager, error: BaseException) -> None:
+    """Make every wait of this process on a dead DHT process or p2pd daemon end with ``error``.
+
+    - calls into the DHT process (``MPFuture``): a routing refresh waits on one with no
+      time limit, and would wait forever on a dead process;
+    - the routing ``ready`` event that forwards wait for after a failure: set, so they go
+      on to their next attempt, which raises ``error`` (see the failover patch);
+    - requests waiting for an answer from a dead p2pd (its connection is gone, the
+      answer never comes): failed on hivemind's event loop.
+
+    Safe to call repeatedly (a refresh may start a new wait after the last release).
+    """
+    from hivemind.utils.mpfuture import MPFuture
+
+    if MPFuture._active_pid == os.getpid():
+        for ref in list((MPFuture._active_futures or {}).values()):
+            future = ref()
+            if future is not None and not future.done():
+                with contextlib.suppress(Exception):
+                    future.set_exception(error)
+    manager.ready.set()
+    control = getattr(getattr(getattr(manager.state, "p2p", None), "_client", None), "control", None)
+    if control is None:
+        return
+    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+
+    def fail_pending_calls() -> None:
+        for future in list(control._pending_calls.values()):
+            if not future.done():
+                future.set_exception(error)
+
+    with contextlib.suppress(Exception):
+        RemoteExpertWorker._event_loop_fut.result(timeout=0).call_soon_threadsafe(fail_pending_calls)
+
+
 def shutdown_petals_client(sequence_manager) -> None:
     """Stop a petals client's DHT and routing thread explicitly, given its sequence manager
     (``<the model's block stack>.sequence_manager``; None: nothing to stop).
@@ -156,8 +227,8 @@ def shutdown_petals_client(sequence_manager) -> None:
     ensure_main_thread_event_loop()
     if sequence_manager is None:
         return
-    try:
-        sequence_manager.shutdown()
+    try:  # bounded: a routing refresh stuck on a dead DHT process never ends
+        sequence_manager._thread.shutdown(timeout=_SHUTDOWN_WAIT)
     except Exception:  # best effort: shutting down must never mask a real error
         pass
     # The P2P replica's tasks live on hivemind's worker event loop; close them there now.
@@ -168,7 +239,7 @@ def shutdown_petals_client(sequence_manager) -> None:
         try:
             from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 
-            RemoteExpertWorker.run_coroutine(p2p.shutdown())
+            RemoteExpertWorker.run_coroutine(p2p.shutdown(), return_future=True).result(timeout=_SHUTDOWN_WAIT)
         except Exception:
             pass
     dht = getattr(sequence_manager, "dht", None)

@@ -42,6 +42,9 @@ def patch_petals_client_failover() -> None:
         outcomes[peer_id] = (time.monotonic(), ok)
 
     def on_request_failure(self, peer_id):
+        helper_died = getattr(self, "dist_eval_helper_died", None)
+        if helper_died is not None:  # no retry can work: stop this forward now (backends.helpers)
+            raise helper_died
         outcomes = getattr(self.state, "dist_eval_outcomes", None) or {}
         if peer_id is not None and outcomes.get(peer_id, (0, True))[1]:
             _warn_server_failed(peer_id, sys.exc_info()[1])  # once per failing streak, not per retry

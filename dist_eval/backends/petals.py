@@ -11,6 +11,7 @@ from dist_eval.backends.checkpoint import TrainableState
 from dist_eval.backends.compat import import_petals, quiet_hivemind_logs, shutdown_petals_client
 from dist_eval.backends.failover import patch_petals_client_failover, swarm_failure
 from dist_eval.backends.families import Family
+from dist_eval.backends.helpers import HelperWatch
 from dist_eval.config import DEFAULT_SWARM_TIMEOUT
 from dist_eval.errors import UsageError, one_line
 
@@ -36,22 +37,29 @@ class PetalsClassifier(nn.Module):
         remote_forward = blocks.forward
         # Instance attribute: nn.Module.__call__ then runs the bounded version.
         blocks.forward = lambda *args, **kwargs: self._bounded_remote(remote_forward, *args, **kwargs)
+        self.helper_watch = HelperWatch(self.sequence_manager).start()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # No attention mask: the petals client rejects any mask that is not all ones.
         return self.inner(input_ids=input_ids).logits
 
     def close(self) -> None:
-        """Stop the client's DHT and routing thread (see :func:`dist_eval.backends.compat.shutdown_petals_client`)."""
+        """Stop the client (its DHT process, p2pd and routing thread), in bounded time."""
+        self.helper_watch.stop()  # first: a normal shutdown stops the helpers
         shutdown_petals_client(self.sequence_manager)
+        self.helper_watch.close()
 
     def _bounded_remote(self, remote_forward, *args, **kwargs):
         first_failure = None
         while True:
             attempt_started = time.monotonic()
+            if self.helper_watch.check() is not None:
+                raise self.helper_watch.died
             try:
                 return remote_forward(*args, **kwargs)
             except Exception as e:  # any swarm failure: retried until the deadline
+                if self.helper_watch.check() is not None:
+                    raise self.helper_watch.died from e
                 if first_failure is None:
                     first_failure = attempt_started  # petals' own retries inside count too
                 waited = time.monotonic() - first_failure

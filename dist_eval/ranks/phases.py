@@ -6,7 +6,33 @@ from typing import Iterator, List, Optional
 
 from dist_eval.errors import UsageError
 from dist_eval.ranks.collectives import all_gather_object
+from dist_eval.ranks.counters import new_shared_counter, shared_counter_add
 from dist_eval.ranks.group import get_rank, get_world_size
+
+
+class StoppedForAnotherRank(RuntimeError):
+    """This rank stopped a phase early because another rank had already failed it."""
+
+
+class FailureFlag:
+    """Lets the ranks of a long phase stop as soon as one of them fails it, instead of
+    finishing their own work before the agreement at its end (see :func:`phase`).
+
+    A rank that fails raises the flag before it enters the agreement; the others see it
+    in :meth:`check`, one request to the c10d store per call (see
+    :func:`~dist_eval.ranks.counters.shared_counter_add`), and stop.
+    """
+
+    def __init__(self, name: str):
+        self._key = new_shared_counter(name)  # a collective: every rank at the same point
+
+    def raise_(self) -> None:
+        shared_counter_add(self._key, 1)
+
+    def check(self) -> None:
+        """Raise :class:`StoppedForAnotherRank` when another rank has failed the phase."""
+        if get_world_size() > 1 and shared_counter_add(self._key, 0):
+            raise StoppedForAnotherRank("stopped: another rank failed")
 
 
 class RankFailure(RuntimeError):
@@ -18,6 +44,8 @@ class RankFailure(RuntimeError):
 
     def __init__(self, phase: str, failures: List[tuple], world_size: int):
         self.phase = phase
+        # ranks that only stopped because another failed are not failures of their own
+        failures = [f for f in failures if f[1] != "stopped"] or failures
         self.failures = failures  # [(rank, kind, message)]
         self.usage = all(kind == "usage" for _, kind, _ in failures)
         rank, _, message = failures[0]
@@ -38,6 +66,8 @@ def agree_on_failure(phase: str, local_error: Optional[BaseException]) -> None:
         raise local_error
     if local_error is None:
         report = None
+    elif isinstance(local_error, StoppedForAnotherRank):
+        report = ("stopped", str(local_error))
     elif isinstance(local_error, UsageError):
         report = ("usage", str(local_error))
     else:
@@ -52,7 +82,7 @@ def agree_on_failure(phase: str, local_error: Optional[BaseException]) -> None:
 
 
 @contextlib.contextmanager
-def phase(name: str, *, main_first: bool = False) -> Iterator[None]:
+def phase(name: str, *, main_first: bool = False, stop_early: bool = False) -> Iterator[Optional[FailureFlag]]:
     """A step that every rank runs; if it fails on any rank, it fails on every rank.
 
     ::
@@ -65,15 +95,22 @@ def phase(name: str, *, main_first: bool = False) -> Iterator[None]:
     is left waiting in the next collective. ``main_first``: rank 0 runs the body before
     the others (e.g. to fill a cache they then read); if it fails there, the others do
     not run it. Phase names are unique: an internal error is reported as "<name> failed".
+
+    ``stop_early``: the ``with`` gives a :class:`FailureFlag`; the body calls its
+    ``check()`` now and then (e.g. after each batch) and stops as soon as another rank
+    has failed, instead of finishing its own work first. None otherwise.
     """
     main = get_rank() == 0
     if main_first and not main:
         agree_on_failure(name, None)  # rank 0's outcome: raises here if it failed
+    flag = FailureFlag(name) if stop_early else None
     error = None
     try:
-        yield
+        yield flag
     except Exception as e:  # every failure must reach the other ranks
         error = e
+        if flag is not None and not isinstance(e, StoppedForAnotherRank):
+            flag.raise_()
     if main_first and main:
         agree_on_failure(name, error)  # the others wait for this one before they start
         error = None

@@ -35,7 +35,7 @@ from dist_eval.swarm.procs import (
     _signal_group,
     _unix_socket_paths,
 )
-from dist_eval.swarm.watchdog import _WATCHDOG
+from dist_eval.swarm.watchdog import Watchdog
 
 # "Nov 22 09:06:39.750 [INFO] Running a server on ['/ip4/127.0.0.1/tcp/39111/p2p/12D3Koo...']"
 _RUNNING_RE = re.compile(r"Running a server on \[([^\]]*)\]")
@@ -190,7 +190,7 @@ class LocalSwarm:
         self._sockets: Set[str] = set()  # /tmp/hivemind-*.sock held by our servers
         self._workdir: Optional[str] = None
         self._keep_logs = False
-        self._watchdog: Optional[subprocess.Popen] = None
+        self._watchdog: Optional[Watchdog] = None
         self._state = "new"  # new -> starting -> running -> stopped
         self._lock = threading.RLock()
         self._owner_pid = os.getpid()  # a fork()ed child must not stop its parent's swarm
@@ -266,7 +266,9 @@ class LocalSwarm:
             self._terminate(deadline, began + min(_GRACE_SECONDS, 0.6 * timeout))
         finally:
             self._cleanup_files()
-            self._release_watchdog()
+            if self._watchdog is not None:
+                self._watchdog.release()
+                self._watchdog = None
             with _LIVE_LOCK:
                 _LIVE_SWARMS.discard(self)
             self.stop_seconds = time.monotonic() - began
@@ -305,7 +307,10 @@ class LocalSwarm:
             _Server(i, ports[i], self.placement[i], os.path.join(logs, f"server-{i}.log"))
             for i in range(self.num_servers)
         ]
-        self._start_watchdog(tmpdir)
+        self._watchdog = Watchdog()
+        self._watchdog.watch_path(tmpdir)
+        if self.log_dir is None:
+            self._watchdog.watch_path(self._workdir)
         env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", TMPDIR=tmpdir, PYTHONUNBUFFERED="1")
         if os.path.basename(_PROJECT_ROOT) not in ("site-packages", "dist-packages"):  # a source checkout
@@ -342,7 +347,7 @@ class LocalSwarm:
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=env, cwd=self._workdir, start_new_session=True,
             )  # fmt: skip
-        self._tell_watchdog(f"pg {s.proc.pid}")
+        self._watchdog.watch_group(s.proc.pid)
 
     def _wait(self, deadline: float, servers: List[_Server], need_started: bool) -> None:
         while True:
@@ -451,42 +456,3 @@ class LocalSwarm:
                 os.rmdir(self._workdir)
             except OSError:
                 pass
-
-    # ------------------------------------------------------------------ watchdog
-
-    def _start_watchdog(self, tmpdir: str) -> None:
-        try:
-            self._watchdog = subprocess.Popen(
-                [sys.executable, "-S", "-c", _WATCHDOG], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True, text=True,
-            )  # fmt: skip
-        except OSError:
-            self._watchdog = None
-            return
-        self._tell_watchdog(f"path {tmpdir}")
-        if self.log_dir is None:
-            self._tell_watchdog(f"path {self._workdir}")
-
-    def _tell_watchdog(self, line: str) -> None:
-        if self._watchdog is None:
-            return
-        try:
-            self._watchdog.stdin.write(line + "\n")
-            self._watchdog.stdin.flush()
-        except (OSError, ValueError):
-            pass
-
-    def _release_watchdog(self) -> None:
-        if self._watchdog is None:
-            return
-        self._tell_watchdog("done")
-        try:
-            self._watchdog.stdin.close()
-        except (OSError, ValueError):
-            pass
-        try:
-            self._watchdog.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self._watchdog.kill()
-            self._watchdog.wait()
-        self._watchdog = None

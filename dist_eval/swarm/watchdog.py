@@ -1,41 +1,53 @@
-"""The watchdog: a tiny process that stops the servers when their owner dies without stopping them."""
+"""The watchdog: a tiny process that stops what its owner started if the owner dies first.
+
+Used for the local swarm's servers (process groups) and for the helpers of a rank's
+petals client (single processes: its DHT process and p2pd). Its owner is killed outright
+(SIGKILL, the OOM killer, torchrun's SIGKILL after SIGTERM) without running any cleanup;
+without the watchdog what it started would live on as orphans, holding ports and memory.
+"""
 from __future__ import annotations
 
-# A tiny process (its own session) that stops the servers if the Python process that
-# started them dies without stopping them (SIGKILL, or SIGTERM from torchrun, which
-# skips atexit). It reads commands on stdin; EOF without "done" means the owner died.
+import subprocess
+import sys
+from typing import Optional
+
+# It reads commands on stdin; EOF without "done" means the owner died. "pg N": a process
+# group to stop (SIGINT, SIGKILL 3 s later); "pid N START": one process, SIGKILLed at once
+# (START: its start time, so that a pid reused by then is left alone); "path P": a file
+# or folder to remove.
 _WATCHDOG = r"""
 import os, shutil, signal, sys, time
-groups, paths = set(), set()
+groups, pids, paths = set(), {}, set()
 for line in sys.stdin:
     cmd, _, arg = line.strip().partition(" ")
     if cmd == "pg":
         groups.add(int(arg))
+    elif cmd == "pid":
+        pid, _, start = arg.partition(" ")
+        pids[int(pid)] = start
     elif cmd == "path":
         paths.add(arg)
     elif cmd == "done":
         sys.exit(0)
-def alive():
-    left = set()
-    for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                rest = open("/proc/%s/stat" % e, "rb").read().decode("utf-8", "replace").rpartition(")")[2].split()
-            except OSError:
-                continue
-            if len(rest) > 2 and rest[0] != "Z" and int(rest[2]) in groups:
-                left.add(int(rest[2]))
-    return left
-inodes = set()
-for e in os.listdir("/proc"):
+def stat(e):
     try:
-        stat = open("/proc/%s/stat" % e, "rb").read().decode("utf-8", "replace") if e.isdigit() else ""
-        if stat and int(stat.rpartition(")")[2].split()[2]) in groups:
-            for fd in os.listdir("/proc/%s/fd" % e):
-                t = os.readlink("/proc/%s/fd/%s" % (e, fd))
-                if t.startswith("socket:["):
-                    inodes.add(t[8:-1])
-    except (OSError, IndexError, ValueError):
+        return open("/proc/%s/stat" % e, "rb").read().decode("utf-8", "replace").rpartition(")")[2].split()
+    except OSError:
+        return []
+def ours(e, rest):
+    if len(rest) < 20 or rest[0] == "Z":
+        return False
+    return int(rest[2]) in groups or pids.get(int(e)) == rest[19]
+def alive():
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and ours(e, stat(e))]
+inodes = set()
+for e in alive():
+    try:
+        for fd in os.listdir("/proc/%s/fd" % e):
+            t = os.readlink("/proc/%s/fd/%s" % (e, fd))
+            if t.startswith("socket:["):
+                inodes.add(t[8:-1])
+    except OSError:
         continue
 try:
     for line in open("/proc/net/unix").read().splitlines()[1:]:
@@ -44,8 +56,14 @@ try:
             paths.add(f[7])
 except OSError:
     pass
+for p in alive():
+    if p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
 for sig, wait in ((signal.SIGINT, 3.0), (signal.SIGKILL, 5.0)):
-    for g in alive():
+    for g in groups:
         try:
             os.killpg(g, sig)
         except OSError:
@@ -62,3 +80,57 @@ for p in paths:
         except OSError:
             pass
 """
+
+
+class Watchdog:
+    """A handle on one watchdog process: what it is told to stop (process groups, single
+    processes) and remove (paths) if this process dies first. :meth:`release` ends it
+    without stopping anything. Never raises: if it could not start, only this process's
+    own cleanup remains.
+    """
+
+    def __init__(self) -> None:
+        try:
+            self._proc: Optional[subprocess.Popen] = subprocess.Popen(
+                [sys.executable, "-S", "-c", _WATCHDOG], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True, text=True,
+            )  # fmt: skip
+        except OSError:
+            self._proc = None
+
+    def watch_group(self, pgid: int) -> None:
+        """Stop this process group (SIGINT, then SIGKILL) if the owner dies."""
+        self._tell(f"pg {pgid}")
+
+    def watch_pid(self, pid: int, start_time: str) -> None:
+        """SIGKILL this process (if it is still the one started at ``start_time``) if the owner dies."""
+        self._tell(f"pid {pid} {start_time}")
+
+    def watch_path(self, path: str) -> None:
+        """Remove this file or folder if the owner dies."""
+        self._tell(f"path {path}")
+
+    def _tell(self, line: str) -> None:
+        if self._proc is None:
+            return
+        try:
+            self._proc.stdin.write(line + "\n")
+            self._proc.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+    def release(self) -> None:
+        """End the watchdog without stopping anything (the owner has cleaned up itself)."""
+        if self._proc is None:
+            return
+        self._tell("done")
+        try:
+            self._proc.stdin.close()
+        except (OSError, ValueError):
+            pass
+        try:
+            self._proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
