@@ -1,0 +1,106 @@
+"""dist_eval.backends.helpers on real processes: a DHT-process stand-in with a child named
+p2pd (the real client is killed mid-run in tests/test_swarm_failover.py)."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from dist_eval.backends.helpers import HelperDied, HelperWatch, client_helper_pids, is_running
+from dist_eval.swarm.watchdog import Watchdog
+
+# a process that starts a child named p2pd (a copy of sleep), as hivemind's DHT process does
+_DHT_STAND_IN = """
+import subprocess, sys, time
+subprocess.Popen([sys.argv[1], "600"])
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def helpers(tmp_path):
+    p2pd = str(tmp_path / "p2pd")
+    shutil.copy(shutil.which("sleep"), p2pd)
+    dht = subprocess.Popen([sys.executable, "-c", _DHT_STAND_IN, p2pd])
+    try:
+        deadline = time.monotonic() + 30
+        while len(client_helper_pids(dht)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = client_helper_pids(dht)
+        assert sorted(pids.values()) == ["DHT process", "p2pd daemon"], pids
+        yield dht, {name: pid for pid, name in pids.items()}
+    finally:
+        for pid in client_helper_pids(dht):
+            os.kill(pid, signal.SIGKILL)
+        dht.kill()
+        dht.wait()
+
+
+def _manager(dht):
+    return SimpleNamespace(dht=dht, ready=threading.Event(), state=SimpleNamespace(p2p=None))
+
+
+def _wait_gone(pid, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while is_running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not is_running(pid)
+
+
+def test_is_running_tells_a_reused_pid_apart():
+    from dist_eval.backends.helpers import _start_time
+
+    assert is_running(os.getpid()) and is_running(os.getpid(), _start_time(os.getpid()))
+    assert not is_running(os.getpid(), "0")
+    child = subprocess.Popen(["true"])
+    child.wait()
+    assert not is_running(child.pid)
+
+
+@pytest.mark.parametrize("victim", ["DHT process", "p2pd daemon"])
+def test_a_dead_helper_is_named_and_the_survivor_killed(helpers, victim):
+    dht, pids = helpers
+    manager = _manager(dht)
+    watch = HelperWatch(manager, poll_seconds=0.05).start()
+    try:
+        assert watch.check() is None
+        os.kill(pids[victim], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while watch.died is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert isinstance(watch.died, HelperDied)
+        assert f"the petals client's {victim} (pid {pids[victim]}) died" in str(watch.died)
+        assert manager.dist_eval_helper_died is watch.died  # the failover patch raises it on the next failure
+    finally:
+        watch.close()
+    survivor = pids["p2pd daemon" if victim == "DHT process" else "DHT process"]
+    assert _wait_gone(survivor), "close() left the other helper running"
+
+
+def test_the_watchdog_kills_the_helpers_when_their_owner_dies(helpers):
+    _, pids = helpers
+    from dist_eval.backends.helpers import _start_time
+
+    watchdog = Watchdog()
+    for pid in pids.values():
+        watchdog.watch_pid(pid, _start_time(pid))
+    watchdog._proc.stdin.close()  # the owner is gone: EOF without "done"
+    assert all(_wait_gone(pid) for pid in pids.values())
+    watchdog._proc.wait(timeout=10)
+
+
+def test_a_released_watchdog_leaves_them_alone(helpers):
+    _, pids = helpers
+    from dist_eval.backends.helpers import _start_time
+
+    watchdog = Watchdog()
+    for pid in pids.values():
+        watchdog.watch_pid(pid, _start_time(pid))
+    watchdog.release()
+    time.sleep(0.5)
+    assert all(is_running(pid) for pid in pids.values())
