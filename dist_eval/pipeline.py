@@ -37,6 +37,7 @@ class Job:
 def run(config: EvalConfig) -> int:
     """The CLI run on this rank; returns the exit code (a failure raises :class:`RankFailure`)."""
     started = time.perf_counter()
+    ranks.phase_seconds.clear()
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     main = ranks.is_main_process()
     say = print if main and not config.quiet else (lambda *a, **k: None)
@@ -164,6 +165,21 @@ def _evaluate(config: EvalConfig, job: Job, model, tokenizer, dataset, folder: s
     return result
 
 
+def _startup_seconds(started: float) -> Optional[float]:
+    """Seconds from this process's start (by the kernel's clock) to ``started`` (a
+    perf_counter time): the launch and the imports, before the first phase.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            start_ticks = int(f.read().decode().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    alive = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    return round(max(0.0, alive - (time.perf_counter() - started)), 3)
+
+
 def _run_facts(config: EvalConfig, job: Job, initial_peers, dht_prefix, started: float, started_at: str) -> dict:
     """What metrics.json records about the run, besides what the merge measured."""
     return dict(
@@ -182,6 +198,8 @@ def _run_facts(config: EvalConfig, job: Job, initial_peers, dht_prefix, started:
         dht_prefix=dht_prefix,
         started_at=started_at,
         wall_seconds=time.perf_counter() - started,
+        startup_seconds=_startup_seconds(started),
+        phase_seconds={name: round(seconds, 3) for name, seconds in ranks.phase_seconds.items()},
         versions=_versions(),
     )
 

@@ -47,6 +47,12 @@ def test_outputs_are_complete(cli_runs):
     for key in ("model", "data_files", "wall_seconds", "samples_per_second", "versions", "backend"):
         assert key in run, key
     assert run["versions"]["torch"] and run["versions"]["transformers"]
+    # where the wall time went: the start-up (launch + imports) and each phase, in order
+    assert run["startup_seconds"] > 0
+    assert list(run["phase_seconds"])[:3] == ["preparing the run", "loading the data", "loading the model"]
+    assert {"loading the model", "the forward passes", "merging the results"} <= set(run["phase_seconds"])
+    assert sum(run["phase_seconds"].values()) <= run["wall_seconds"] + 1.0
+    assert "  time: start-up " in proc.stdout
     rows = read_jsonl(folder / "predictions.jsonl")
     assert [r["index"] for r in rows] == list(range(23))
     assert all(len(r["logits"]) == 3 and r["pred"] == max(range(3), key=lambda k: r["logits"][k]) for r in rows)

@@ -30,3 +30,15 @@ def test_a_failure_agreed_on_in_a_nested_phase_passes_through():
     with pytest.raises(ranks.RankFailure) as caught, ranks.phase("outer"), ranks.phase("inner"):
         raise UsageError("bad row")
     assert caught.value.phase == "inner" and caught.value.usage and str(caught.value) == "bad row"
+
+
+def test_each_phase_records_its_wall_seconds():
+    import time
+
+    ranks.phase_seconds.clear()
+    with ranks.phase("sleeping"):
+        time.sleep(0.05)
+    with pytest.raises(ranks.RankFailure), ranks.phase("failing"):
+        raise ValueError("boom")
+    assert list(ranks.phase_seconds) == ["sleeping", "failing"]
+    assert 0.05 <= ranks.phase_seconds["sleeping"] < 5

@@ -33,6 +33,10 @@ def format_summary(metrics: dict) -> str:
     intervals = format_intervals(metrics)
     if intervals:
         lines.append(f"  {intervals}")
+    phases = run.get("phase_seconds")
+    if phases:
+        startup = f"start-up {run['startup_seconds']:.1f} s, " if run.get("startup_seconds") is not None else ""
+        lines.append("  time: " + startup + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()))
     if metrics.get("num_truncated"):
         lines.append(f"  {metrics['num_truncated']} text(s) truncated to --max-length")
     per_class = metrics["per_class"]

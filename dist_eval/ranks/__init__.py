@@ -28,11 +28,11 @@ from dist_eval.ranks.group import (
     launched_by_torchrun,
     launched_on_several_nodes,
 )
-from dist_eval.ranks.phases import RankFailure, agree_on_failure, phase
+from dist_eval.ranks.phases import RankFailure, agree_on_failure, phase, phase_seconds
 
 __all__ = [
     "all_gather_object", "all_reduce_sum", "barrier", "barrier_if_alive", "broadcast_object", "gather_arrays_to_main",
     "new_shared_counter", "shared_counter_add", "destroy_process_group", "get_rank", "get_world_size",
     "init_process_group_from_env", "is_initialized", "is_main_process", "launched_by_torchrun",
-    "launched_on_several_nodes", "RankFailure", "agree_on_failure", "phase",
+    "launched_on_several_nodes", "RankFailure", "agree_on_failure", "phase", "phase_seconds",
 ]

@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional
+import time
+from typing import Dict, Iterator, List, Optional
 
 from dist_eval.errors import UsageError
 from dist_eval.ranks.collectives import all_gather_object
 from dist_eval.ranks.counters import new_shared_counter, shared_counter_add
 from dist_eval.ranks.group import get_rank, get_world_size
+
+# Wall seconds of each phase this process ran, by name, in the order they first ran (since
+# the last clear()): the CLI reports them in metrics.json (run.phase_seconds) and the summary.
+phase_seconds: Dict[str, float] = {}
 
 
 class StoppedForAnotherRank(RuntimeError):
@@ -100,6 +105,14 @@ def phase(name: str, *, main_first: bool = False, stop_early: bool = False) -> I
     ``check()`` now and then (e.g. after each batch) and stops as soon as another rank
     has failed, instead of finishing its own work first. None otherwise.
     """
+    began = time.perf_counter()
+    try:
+        yield from _agreed(name, main_first, stop_early)
+    finally:
+        phase_seconds[name] = phase_seconds.get(name, 0.0) + time.perf_counter() - began
+
+
+def _agreed(name: str, main_first: bool, stop_early: bool) -> Iterator[Optional[FailureFlag]]:
     main = get_rank() == 0
     if main_first and not main:
         agree_on_failure(name, None)  # rank 0's outcome: raises here if it failed
