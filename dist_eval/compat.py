@@ -55,6 +55,37 @@ def _patch_hivemind() -> None:
             setattr(hivemind, name, getattr(importlib.import_module(module_name), name))
 
 
+def make_servicer_stubs_thread_safe() -> None:
+    """Make hivemind's lazy stub-class creation safe when several threads make it at once.
+
+    Why: ``ServicerBase.get_stub`` calls ``_collect_rpc_handlers``, which marks the class
+    as collected (``_rpc_handlers = []``) *before* it builds ``_stub_type``. A second
+    thread that asks for a stub in that window skips the collection and calls
+    ``_stub_type`` while it is still None: ``TypeError: 'NoneType' object is not
+    callable``. A rank's first forwards (``--in-flight`` threads, each fetching the
+    servers' rpc_info) hit exactly that window, so a fresh client's first requests
+    failed now and then and were routed around as if a server had failed. One lock
+    around the collection closes the window; later calls find it done at once.
+    Idempotent.
+    """
+    import threading
+
+    from hivemind.p2p.servicer import ServicerBase
+
+    if getattr(ServicerBase, "_dist_eval_thread_safe", False):
+        return
+    collect = ServicerBase._collect_rpc_handlers.__func__
+    lock = threading.RLock()
+
+    def _collect_rpc_handlers(cls) -> None:
+        with lock:
+            collect(cls)
+
+    _collect_rpc_handlers.__wrapped__ = collect  # hivemind's own, for tests
+    ServicerBase._collect_rpc_handlers = classmethod(_collect_rpc_handlers)
+    ServicerBase._dist_eval_thread_safe = True
+
+
 def _silence_version_check() -> None:
     # petals' server asks PyPI for a newer version at start; offline it logs a full
     # traceback that looks like a failure. The check is informational only.
@@ -87,6 +118,7 @@ def import_petals():
     if not _patched:
         quiet_third_party_output()
         _patch_hivemind()
+        make_servicer_stubs_thread_safe()
     try:
         import petals
     except ImportError as e:

@@ -1,0 +1,135 @@
+"""dist_eval.compat: what it changes in hivemind/petals, checked on the real classes."""
+import threading
+from typing import AsyncIterator
+
+import pytest
+
+
+def _fresh_servicer_class():
+    """A new hivemind servicer class, its stub type not built yet (as in a fresh client
+    process), whose handler collection is slow enough for threads to meet inside it."""
+    import time
+
+    from hivemind.p2p.servicer import ServicerBase
+    from hivemind.proto import runtime_pb2
+
+    class SlowServicer(ServicerBase):
+        async def rpc_info(self, request: runtime_pb2.ExpertUID, context) -> runtime_pb2.ExpertInfo:
+            raise NotImplementedError
+
+        async def rpc_forward_stream(
+            self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context
+        ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+            raise NotImplementedError
+
+        @classmethod
+        def _strip_iterator_hint(cls, hint):
+            time.sleep(0.02)  # widen the window in which the class is marked collected but has no stub type
+            return super()._strip_iterator_hint(hint)
+
+    return SlowServicer
+
+
+def _stubs_from_threads(servicer_class, num_threads: int = 8):
+    """get_stub from ``num_threads`` threads at once: (stubs, errors)."""
+    barrier = threading.Barrier(num_threads)
+    stubs, errors = [], []
+
+    def first_request():
+        barrier.wait()
+        try:
+            stubs.append(servicer_class.get_stub(None, None))
+        except Exception as e:  # noqa: BLE001 - what the test reports
+            errors.append(e)
+
+    threads = [threading.Thread(target=first_request) for _ in range(num_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return stubs, errors
+
+
+def test_concurrent_first_stubs_all_succeed():
+    """The cause of "failed a request (TypeError: 'NoneType' object is not callable)" on a
+    rank's first forwards: threads creating the first stub at once."""
+    from dist_eval.compat import import_petals
+
+    import_petals()  # applies make_servicer_stubs_thread_safe, as every rank does
+    stubs, errors = _stubs_from_threads(_fresh_servicer_class())
+    assert errors == [] and len(stubs) == 8
+    assert all(hasattr(stub, "rpc_info") and hasattr(stub, "rpc_forward_stream") for stub in stubs)
+
+
+def test_unpatched_hivemind_fails_the_same_way(monkeypatch):
+    """The race is real without the patch (so the test above can fail)."""
+    from hivemind.p2p.servicer import ServicerBase
+
+    from dist_eval.compat import import_petals
+
+    import_petals()
+    original = ServicerBase._collect_rpc_handlers.__func__.__wrapped__
+    monkeypatch.setattr(ServicerBase, "_collect_rpc_handlers", classmethod(original))
+    _, errors = _stubs_from_threads(_fresh_servicer_class())
+    assert errors and all(isinstance(e, TypeError) and "not callable" in str(e) for e in errors)
+
+
+@pytest.mark.swarm
+def test_fresh_swarms_first_requests_at_once_never_fail(tiny_model, tiny_checkpoint, capfd):
+    """Fresh swarms, started one after the other; each time a fresh client sends its first
+    forwards at once from several threads (as --in-flight does): no request fails."""
+    import torch
+
+    from conftest import all_pids
+    from dist_eval.backends import load_model
+    from dist_eval.compat import import_petals
+    from dist_eval.swarm import LocalSwarm
+
+    import_petals()
+    from petals.server.handler import TransformerConnectionHandler
+
+    groups = set()
+    input_ids = torch.tensor([[2, 3, 4, 5, 0], [6, 7, 8, 0, 0]])
+    for attempt in range(3):
+        with LocalSwarm(tiny_model, num_servers=2, dht_prefix=f"fresh-{attempt}") as swarm:
+            groups |= set(swarm.pgids)
+            # as in a new client process: no stub class built yet
+            TransformerConnectionHandler._rpc_handlers = TransformerConnectionHandler._stub_type = None
+            model = load_model("petals", tiny_model, checkpoint=tiny_checkpoint, initial_peers=swarm.initial_peers,
+                               dht_prefix=swarm.dht_prefix)
+            try:
+                logits = _first_forwards_at_once(model.module, input_ids, num_threads=4)
+            finally:
+                model.close()
+        assert all(torch.equal(x, logits[0]) for x in logits)
+    err = capfd.readouterr().err
+    assert "failed a request" not in err, err[-3000:]
+    assert len(groups) == 6 and not [pid for pid in all_pids() if _group_of(pid) in groups]  # every server is gone
+
+
+def _first_forwards_at_once(forward, input_ids, num_threads: int) -> list:
+    import torch
+
+    barrier = threading.Barrier(num_threads)
+    results = [None] * num_threads
+
+    def first_forward(i):
+        barrier.wait()
+        with torch.no_grad():
+            results[i] = forward(input_ids)
+
+    threads = [threading.Thread(target=first_forward, args=(i,)) for i in range(num_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+def _group_of(pid):
+    import os
+
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
