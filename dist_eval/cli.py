@@ -70,6 +70,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # 0) the local swarm. Turned into an exception, every cleanup below runs.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_interrupt)
+        _default_sigterm_in_forked_children()
     try:
         timeout = config.dist_timeout if config else EvalConfig.__dataclass_fields__["dist_timeout"].default
         owns_group = D.init_process_group_from_env(timeout)
@@ -95,6 +96,19 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM received (torchrun stopping this rank, or a job scheduler)."""
+
+
+_fork_hook_registered = False
+
+
+def _default_sigterm_in_forked_children() -> None:
+    """Processes forked from a rank (hivemind's DHT process) get SIGTERM's default back:
+    the handler above belongs to the rank, and in a helper it printed a traceback ending
+    in ``Terminated: SIGTERM`` instead of letting the helper stop."""
+    global _fork_hook_registered
+    if not _fork_hook_registered:
+        os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+        _fork_hook_registered = True
 
 
 def _raise_interrupt(signum, frame):

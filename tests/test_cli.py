@@ -160,3 +160,23 @@ def test_truncation_is_counted(tiny_model, tiny_checkpoint, data_csv, tmp_path):
     assert expected > 0
     assert json.load(open(tmp_path / "metrics.json"))["num_truncated"] == expected
     assert "truncated" in proc.stdout  # the summary says so too
+
+
+def test_forked_helpers_get_the_default_sigterm_back():
+    """The rank's SIGTERM handler must not run in processes it forks (hivemind's DHT)."""
+    import signal
+
+    from dist_eval import cli
+
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, cli._raise_interrupt)
+    try:
+        cli._default_sigterm_in_forked_children()
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only with the default handler
+            os._exit(0 if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert signal.getsignal(signal.SIGTERM) == cli._raise_interrupt  # the parent keeps its handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,53 @@
+"""dist-eval: torchrun's launcher in-process, ending on the run's own error line."""
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import REPO, build_checkpoint, run_in_own_group, write_csv
+from dist_eval.launcher import main, split_argv
+
+
+def launch(args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return run_in_own_group([sys.executable, "-m", "dist_eval.launcher", *args], timeout=timeout, env=env)
+
+
+def test_split_at_the_first_double_dash():
+    assert split_argv(["--nproc-per-node", "2", "--", "--model", "m", "--", "x"]) == (
+        ["--nproc-per-node", "2"], ["--model", "m", "--", "x"])
+    assert split_argv(["--nproc-per-node", "2"]) == (["--nproc-per-node", "2"], [])
+    assert split_argv(["--", "--batch-size", "4"]) == ([], ["--batch-size", "4"])
+
+
+def test_flags_before_the_double_dash_are_refused_in_one_line(capsys):
+    assert main(["model_dir"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dist-eval: error: 'model_dir': expected torchrun options before '--'")
+
+
+def test_console_script_is_declared():
+    with open(os.path.join(REPO, "pyproject.toml")) as f:
+        assert 'dist-eval = "dist_eval.launcher:main"' in f.read()
+
+
+@pytest.mark.multiproc
+def test_a_failed_run_ends_on_its_one_error_line():
+    proc = launch(["--nproc-per-node", "2", "--", "--batch-size", "0"])
+    assert proc.returncode == 2
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert lines == ["dist_eval: error: --batch-size 0: expected a positive integer."], proc.stderr[-3000:]
+
+
+@pytest.mark.multiproc
+def test_a_run_on_two_ranks(tiny_model, tmp_path):
+    data = write_csv(str(tmp_path / "data.csv"), 23, seed=3)
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
+    out = tmp_path / "out"
+    proc = launch(["--nproc-per-node", "2", "--", "--model", tiny_model, "--data-files", data, "--checkpoint",
+                   checkpoint, "--backend", "local", "--output-dir", str(out), "--quiet"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.load(open(out / "metrics.json"))
+    assert metrics["num_samples"] == 23 and metrics["run"]["world_size"] == 2
+    assert proc.stdout.strip().startswith("dist_eval: accuracy ")
