@@ -37,9 +37,7 @@ class LoadedModel:
 
     def close(self) -> None:
         if self.backend == "petals":
-            from dist_eval.compat import shutdown_petals_model
-
-            shutdown_petals_model(self.module.inner)
+            self.module.close()
 
 
 class PromptTunedLlamaClassifier(nn.Module):
@@ -119,12 +117,23 @@ class PetalsClassifier(nn.Module):
 
     def __init__(self, inner, swarm_timeout: float = 60.0):
         super().__init__()
+        from dist_eval.petals_helpers import HelperWatch
+
         self.inner = inner
         self.swarm_timeout = swarm_timeout
         layers = inner.model.layers
         remote_forward = layers.forward
         # Instance attribute: nn.Module.__call__ then runs the bounded version.
         layers.forward = lambda *args, **kwargs: self._bounded_remote(remote_forward, *args, **kwargs)
+        self.helper_watch = HelperWatch(layers.sequence_manager).start()
+
+    def close(self) -> None:
+        """Stop the client (its DHT process, p2pd and routing thread), in bounded time."""
+        from dist_eval.compat import shutdown_petals_model
+
+        self.helper_watch.stop()  # first: a normal shutdown stops the helpers
+        shutdown_petals_model(self.inner)
+        self.helper_watch.close()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # No attention mask: the petals client rejects any mask that is not all ones.
@@ -137,9 +146,13 @@ class PetalsClassifier(nn.Module):
         first_failure = None
         while True:
             attempt_started = _time.monotonic()
+            if self.helper_watch.check() is not None:
+                raise self.helper_watch.died
             try:
                 return remote_forward(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - any swarm failure: retried until the deadline
+                if self.helper_watch.check() is not None:
+                    raise self.helper_watch.died from e
                 if first_failure is None:
                     first_failure = attempt_started  # petals' own retries inside count too
                 waited = _time.monotonic() - first_failure

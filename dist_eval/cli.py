@@ -87,7 +87,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         _print_error(str(e))
         return EXIT_USAGE
     except KeyboardInterrupt as e:
-        _print_error(f"interrupted ({e or 'SIGINT'}); stopped cleanly, nothing reported")
+        why = " (torchrun stops every rank when one of them fails; a job scheduler on cancel)" if isinstance(
+            e, Terminated) else ""
+        _print_error(f"interrupted by {e or 'SIGINT'}{why}; stopped cleanly, nothing reported; finished batches "
+                     "are kept for a resume")
         return 130
     finally:
         if owns_group:
@@ -109,6 +112,13 @@ def _default_sigterm_in_forked_children() -> None:
     if not _fork_hook_registered:
         os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
         _fork_hook_registered = True
+
+
+def _barrier_unless_interrupted(exc_type, exc, tb) -> None:
+    """An exit callback: wait for the other ranks, except after SIGINT/SIGTERM, when they
+    may be gone (torchrun stops them all when one dies) and a collective would fail."""
+    if exc_type is None or not issubclass(exc_type, KeyboardInterrupt):
+        D.barrier_if_alive()
 
 
 def _raise_interrupt(signum, frame):
@@ -258,7 +268,7 @@ def _run(config: EvalConfig) -> int:
             return tokenizer, loaded
 
         tokenizer, model = _on_every_rank("loading the model", load)
-        cleanup.callback(D.barrier)  # no rank's client is still talking when rank 0 stops the swarm
+        cleanup.push(_barrier_unless_interrupted)  # no rank's client is still talking when rank 0 stops the swarm
         cleanup.callback(model.close)
 
         def prepare_resume():

@@ -12,6 +12,7 @@ exist in submodules; we put them back on the ``hivemind`` module before petals l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
@@ -179,6 +180,43 @@ def ensure_main_thread_event_loop() -> None:
         asyncio.set_event_loop(asyncio.new_event_loop())
 
 
+_SHUTDOWN_WAIT = 5.0  # seconds each step of a client's shutdown may take
+
+
+def release_waits_on_dead_helpers(manager, error: BaseException) -> None:
+    """Make every wait of this process on a dead DHT process or p2pd daemon end with ``error``.
+
+    - calls into the DHT process (``MPFuture``): a routing refresh waits on one with no
+      time limit, and would wait forever on a dead process;
+    - the routing ``ready`` event that forwards wait for after a failure: set, so they go
+      on to their next attempt, which raises ``error`` (see the failover patch);
+    - requests waiting for an answer from a dead p2pd (its connection is gone, the
+      answer never comes): failed on hivemind's event loop.
+    Safe to call repeatedly (a refresh may start a new wait after the last release).
+    """
+    from hivemind.utils.mpfuture import MPFuture
+
+    if MPFuture._active_pid == os.getpid():
+        for ref in list((MPFuture._active_futures or {}).values()):
+            future = ref()
+            if future is not None and not future.done():
+                with contextlib.suppress(Exception):
+                    future.set_exception(error)
+    manager.ready.set()
+    control = getattr(getattr(getattr(manager.state, "p2p", None), "_client", None), "control", None)
+    if control is None:
+        return
+    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+
+    def fail_pending_calls() -> None:
+        for future in list(control._pending_calls.values()):
+            if not future.done():
+                future.set_exception(error)
+
+    with contextlib.suppress(Exception):
+        RemoteExpertWorker._event_loop_fut.result(timeout=0).call_soon_threadsafe(fail_pending_calls)
+
+
 def shutdown_petals_model(model) -> None:
     """Stop the client's DHT and routing thread explicitly.
 
@@ -189,8 +227,8 @@ def shutdown_petals_model(model) -> None:
     sequence_manager = getattr(getattr(getattr(model, "model", None), "layers", None), "sequence_manager", None)
     if sequence_manager is None:
         return
-    try:
-        sequence_manager.shutdown()
+    try:  # bounded: a routing refresh stuck on a dead DHT process never ends
+        sequence_manager._thread.shutdown(timeout=_SHUTDOWN_WAIT)
     except Exception:  # best effort: shutting down must never mask a real error
         pass
     # The P2P replica's tasks live on hivemind's worker event loop; close them there now.
@@ -201,7 +239,7 @@ def shutdown_petals_model(model) -> None:
         try:
             from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 
-            RemoteExpertWorker.run_coroutine(p2p.shutdown())
+            RemoteExpertWorker.run_coroutine(p2p.shutdown(), return_future=True).result(timeout=_SHUTDOWN_WAIT)
         except Exception:
             pass
     dht = getattr(sequence_manager, "dht", None)
@@ -247,6 +285,9 @@ def patch_petals_client_failover() -> None:
         outcomes[peer_id] = (time.monotonic(), ok)
 
     def on_request_failure(self, peer_id):
+        helper_died = getattr(self, "dist_eval_helper_died", None)
+        if helper_died is not None:  # no retry can work: stop this forward now (petals_helpers)
+            raise helper_died
         outcomes = getattr(self.state, "dist_eval_outcomes", None) or {}
         if peer_id is not None and outcomes.get(peer_id, (0, True))[1]:
             _warn_server_failed(peer_id, sys.exc_info()[1])  # once per failing streak, not per retry

@@ -181,6 +181,31 @@ def shared_counter_add(key: str, amount: int) -> int:
 
     return int(_get_default_store().add(key, int(amount)))
 
+class StoppedForAnotherRank(RuntimeError):
+    """This rank stopped its phase early because another rank had already failed it."""
+
+
+class FailureFlag:
+    """Lets the ranks of a long phase stop as soon as one of them fails it, instead of
+    finishing their own work before the agreement at its end.
+
+    Every rank creates it at the same point (one collective). A rank that fails calls
+    :meth:`raise_` before it enters the agreement; the others see it in :meth:`check`,
+    one request to the c10d store per call (see :func:`shared_counter_add`), and stop.
+    """
+
+    def __init__(self, name: str):
+        self._key = new_shared_counter(name)
+
+    def raise_(self) -> None:
+        shared_counter_add(self._key, 1)
+
+    def check(self) -> None:
+        """Raise :class:`StoppedForAnotherRank` when another rank has failed."""
+        if get_world_size() > 1 and shared_counter_add(self._key, 0):
+            raise StoppedForAnotherRank("stopped: another rank failed")
+
+
 class RankFailure(RuntimeError):
     """Raised on every rank when one or more ranks failed a phase.
 
@@ -190,6 +215,8 @@ class RankFailure(RuntimeError):
 
     def __init__(self, phase: str, failures: List[tuple], world_size: int):
         self.phase = phase
+        # ranks that only stopped because another failed are not failures of their own
+        failures = [f for f in failures if f[1] != "stopped"] or failures
         self.failures = failures  # [(rank, kind, message)]
         self.usage = all(kind == "usage" for _, kind, _ in failures)
         rank, _, message = failures[0]
@@ -212,6 +239,8 @@ def agree_on_failure(phase: str, local_error: Optional[BaseException]) -> None:
         raise local_error
     if local_error is None:
         report = None
+    elif isinstance(local_error, StoppedForAnotherRank):
+        report = ("stopped", str(local_error))
     elif isinstance(local_error, UsageError):
         report = ("usage", str(local_error))
     else:

@@ -262,14 +262,23 @@ def evaluate(
             error = e
     D.agree_on_failure("reading the stored partial results", error)
     error, local = None, None
+    failed = D.FailureFlag("forward-failed")  # one rank's failure stops the others at their next batch
+
+    def after_batch(num_rows: int) -> None:
+        if on_batch_done is not None:
+            on_batch_done(num_rows)
+        failed.check()
+
     try:
         local = predict_shard(
             forward, batches, num_labels, keep_logits=return_logits, sample_metrics=sample_metrics,
-            on_batch_done=on_batch_done, in_flight=in_flight, stored=stored,
+            on_batch_done=after_batch, in_flight=in_flight, stored=stored,
             on_batch_logits=writer.add if writer is not None else None,
         )
     except Exception as e:  # noqa: BLE001
         error = e
+        if not isinstance(e, D.StoppedForAnotherRank):
+            failed.raise_()
     finally:
         if writer is not None:
             writer.flush()  # also on failure: finished batches are not lost

@@ -299,40 +299,44 @@ def _one_line(text: str, limit: int = 200) -> str:
 
 # --------------------------------------------------------------------------- watchdog
 
-# A tiny process (its own session) that stops the servers if the Python process that
+# A tiny process (its own session) that stops processes if the Python process that
 # started them dies without stopping them (SIGKILL, or SIGTERM from torchrun, which
 # skips atexit). It reads commands on stdin; EOF without "done" means the owner died.
+# "pg N": a process group to stop; "pid N START": one process (START: its start time,
+# so that a pid reused by then is left alone); "path P": a file or folder to remove.
 _WATCHDOG = r"""
 import os, shutil, signal, sys, time
-groups, paths = set(), set()
+groups, pids, paths = set(), {}, set()
 for line in sys.stdin:
     cmd, _, arg = line.strip().partition(" ")
     if cmd == "pg":
         groups.add(int(arg))
+    elif cmd == "pid":
+        pid, _, start = arg.partition(" ")
+        pids[int(pid)] = start
     elif cmd == "path":
         paths.add(arg)
     elif cmd == "done":
         sys.exit(0)
-def alive():
-    left = set()
-    for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                rest = open("/proc/%s/stat" % e, "rb").read().decode("utf-8", "replace").rpartition(")")[2].split()
-            except OSError:
-                continue
-            if len(rest) > 2 and rest[0] != "Z" and int(rest[2]) in groups:
-                left.add(int(rest[2]))
-    return left
-inodes = set()
-for e in os.listdir("/proc"):
+def stat(e):
     try:
-        if e.isdigit() and int(open("/proc/%s/stat" % e, "rb").read().decode("utf-8", "replace").rpartition(")")[2].split()[2]) in groups:
-            for fd in os.listdir("/proc/%s/fd" % e):
-                t = os.readlink("/proc/%s/fd/%s" % (e, fd))
-                if t.startswith("socket:["):
-                    inodes.add(t[8:-1])
-    except (OSError, IndexError, ValueError):
+        return open("/proc/%s/stat" % e, "rb").read().decode("utf-8", "replace").rpartition(")")[2].split()
+    except OSError:
+        return []
+def ours(e, rest):
+    if len(rest) < 20 or rest[0] == "Z":
+        return False
+    return int(rest[2]) in groups or pids.get(int(e)) == rest[19]
+def alive():
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and ours(e, stat(e))]
+inodes = set()
+for e in alive():
+    try:
+        for fd in os.listdir("/proc/%s/fd" % e):
+            t = os.readlink("/proc/%s/fd/%s" % (e, fd))
+            if t.startswith("socket:["):
+                inodes.add(t[8:-1])
+    except OSError:
         continue
 try:
     for line in open("/proc/net/unix").read().splitlines()[1:]:
@@ -342,11 +346,17 @@ try:
 except OSError:
     pass
 for sig, wait in ((signal.SIGINT, 3.0), (signal.SIGKILL, 5.0)):
-    for g in alive():
+    for g in groups:
         try:
             os.killpg(g, sig)
         except OSError:
             pass
+    for p in alive():
+        if p in pids:
+            try:
+                os.kill(p, sig)
+            except OSError:
+                pass
     end = time.monotonic() + wait
     while alive() and time.monotonic() < end:
         time.sleep(0.1)
@@ -359,6 +369,55 @@ for p in paths:
         except OSError:
             pass
 """
+
+
+class Watchdog:
+    """A handle on one watchdog process (see ``_WATCHDOG``): what it is told to stop
+    (process groups, single processes) and remove (paths) if this process dies first.
+    :meth:`release` ends it without stopping anything. Never raises: without a watchdog
+    (it could not start) only this process's own cleanup remains."""
+
+    def __init__(self) -> None:
+        try:
+            self._proc: Optional[subprocess.Popen] = subprocess.Popen(
+                [sys.executable, "-S", "-c", _WATCHDOG], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True, text=True,
+            )  # fmt: skip
+        except OSError:
+            self._proc = None
+
+    def watch_group(self, pgid: int) -> None:
+        self._tell(f"pg {pgid}")
+
+    def watch_pid(self, pid: int, start_time: str) -> None:
+        self._tell(f"pid {pid} {start_time}")
+
+    def watch_path(self, path: str) -> None:
+        self._tell(f"path {path}")
+
+    def _tell(self, line: str) -> None:
+        if self._proc is None:
+            return
+        try:
+            self._proc.stdin.write(line + "\n")
+            self._proc.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+    def release(self) -> None:
+        if self._proc is None:
+            return
+        self._tell("done")
+        try:
+            self._proc.stdin.close()
+        except (OSError, ValueError):
+            pass
+        try:
+            self._proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
 
 
 # --------------------------------------------------------------------------- the swarm
@@ -501,7 +560,7 @@ class LocalSwarm:
         self._sockets: Set[str] = set()  # /tmp/hivemind-*.sock held by our servers
         self._workdir: Optional[str] = None
         self._keep_logs = False
-        self._watchdog: Optional[subprocess.Popen] = None
+        self._watchdog: Optional[Watchdog] = None
         self._state = "new"  # new -> starting -> running -> stopped
         self._lock = threading.RLock()
         self._owner_pid = os.getpid()  # a fork()ed child must not stop its parent's swarm
@@ -575,7 +634,9 @@ class LocalSwarm:
             self._terminate(deadline, began + min(_GRACE_SECONDS, 0.6 * timeout))
         finally:
             self._cleanup_files()
-            self._release_watchdog()
+            if self._watchdog is not None:
+                self._watchdog.release()
+                self._watchdog = None
             with _LIVE_LOCK:
                 _LIVE_SWARMS.discard(self)
             self.stop_seconds = time.monotonic() - began
@@ -612,7 +673,10 @@ class LocalSwarm:
             _Server(i, ports[i], self.placement[i], os.path.join(logs, f"server-{i}.log"))
             for i in range(self.num_servers)
         ]
-        self._start_watchdog(tmpdir)
+        self._watchdog = Watchdog()
+        self._watchdog.watch_path(tmpdir)
+        if self.log_dir is None:
+            self._watchdog.watch_path(self._workdir)
         env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", TMPDIR=tmpdir, PYTHONUNBUFFERED="1")
         if os.path.basename(_PROJECT_ROOT) not in ("site-packages", "dist-packages"):  # a source checkout
@@ -649,7 +713,7 @@ class LocalSwarm:
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=env, cwd=self._workdir, start_new_session=True,
             )  # fmt: skip
-        self._tell_watchdog(f"pg {s.proc.pid}")
+        self._watchdog.watch_group(s.proc.pid)
 
     def _wait(self, deadline: float, servers: List[_Server], need_started: bool) -> None:
         while True:
@@ -757,43 +821,6 @@ class LocalSwarm:
                 pass
 
     # ------------------------------------------------------------------ watchdog
-
-    def _start_watchdog(self, tmpdir: str) -> None:
-        try:
-            self._watchdog = subprocess.Popen(
-                [sys.executable, "-S", "-c", _WATCHDOG], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True, text=True,
-            )  # fmt: skip
-        except OSError:
-            self._watchdog = None
-            return
-        self._tell_watchdog(f"path {tmpdir}")
-        if self.log_dir is None:
-            self._tell_watchdog(f"path {self._workdir}")
-
-    def _tell_watchdog(self, line: str) -> None:
-        if self._watchdog is None:
-            return
-        try:
-            self._watchdog.stdin.write(line + "\n")
-            self._watchdog.stdin.flush()
-        except (OSError, ValueError):
-            pass
-
-    def _release_watchdog(self) -> None:
-        if self._watchdog is None:
-            return
-        self._tell_watchdog("done")
-        try:
-            self._watchdog.stdin.close()
-        except (OSError, ValueError):
-            pass
-        try:
-            self._watchdog.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self._watchdog.kill()
-            self._watchdog.wait()
-        self._watchdog = None
 
 
 # --------------------------------------------------------------------------- CLI

@@ -1,0 +1,153 @@
+"""The petals client's helper processes in a rank, and a watch over them.
+
+A rank's petals client forks hivemind's DHT process, which starts a ``p2pd`` daemon;
+every request and every routing refresh goes through them. When one of them dies (the
+OOM killer, an operator), petals waits forever: a routing refresh waits on the dead DHT
+process with no time limit, and so does the model's shutdown (measured: a rank made no
+progress for 417 s, until an outside timeout stopped it).
+
+:class:`HelperWatch` polls both every ``poll_seconds``. Once one is gone it
+
+- marks the client dead: the next attempt of a forward raises :class:`HelperDied`
+  (one line naming the process) instead of retrying;
+- releases what waits on the dead processes (see
+  :func:`dist_eval.compat.release_waits_on_dead_helpers`), at every poll, so that every
+  thread of the rank returns within a poll (a request already sent through a dead p2pd
+  fails at once, one sent just before fails within the client's request timeout);
+- on :meth:`HelperWatch.close`, kills the helper that outlived the other (a p2pd whose
+  DHT process died is left running by hivemind, holding its port);
+- holds a watchdog process that stops both helpers if the rank itself is killed
+  outright (SIGKILL), when no code of the rank runs to stop them.
+
+So a rank whose helper dies ends its forwards within about a second (at most the
+client's ``request_timeout``, 60 s, for a request in flight), saves its finished batches
+and fails the run with one error line; the other ranks stop at their next batch.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from dist_eval.errors import UsageError
+from dist_eval.swarm import Watchdog
+
+
+class HelperDied(UsageError):
+    """A helper process of this rank's petals client died; the rank cannot reach the swarm."""
+
+
+def _proc_stat(pid: int) -> list | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().decode("utf-8", "replace").rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    """When the process started (clock ticks since boot): tells a pid reused later apart."""
+    fields = _proc_stat(pid)
+    return fields[19] if fields and len(fields) > 19 else None
+
+
+def is_running(pid: int, start_time: str | None = None) -> bool:
+    """True while ``pid`` exists and is not a zombie (a dead child not reaped yet), and,
+    with ``start_time``, is still the process that started then."""
+    fields = _proc_stat(pid)
+    if not fields or fields[0] == "Z":
+        return False
+    return start_time is None or (len(fields) > 19 and fields[19] == start_time)
+
+
+def child_pids(pid: int) -> list:
+    """The live children of ``pid``, from /proc."""
+    children = []
+    for entry in os.listdir("/proc"):
+        fields = _proc_stat(int(entry)) if entry.isdigit() else None
+        if fields and len(fields) > 1 and int(fields[1]) == pid and fields[0] != "Z":
+            children.append(int(entry))
+    return children
+
+
+def client_helper_pids(dht) -> dict[int, str]:
+    """{pid: what it is} of the helpers behind a petals client's ``dht`` (a hivemind DHT,
+    which runs as a child process of this one): the DHT process and its p2pd daemon."""
+    helpers = {}
+    if getattr(dht, "pid", None) and is_running(dht.pid):
+        helpers[dht.pid] = "DHT process"
+        for child in child_pids(dht.pid):
+            try:
+                with open(f"/proc/{child}/comm") as f:
+                    if f.read().strip() == "p2pd":
+                        helpers[child] = "p2pd daemon"
+            except OSError:
+                continue
+    return helpers
+
+
+class HelperWatch:
+    """Polls a petals client's helper processes; see the module docstring.
+
+    ``manager`` is the client's ``RemoteSequenceManager``. ``died`` is None, or the
+    :class:`HelperDied` that every later forward of this client raises.
+    """
+
+    def __init__(self, manager, poll_seconds: float = 0.5):
+        self.manager = manager
+        self.poll_seconds = poll_seconds
+        self.helpers = client_helper_pids(manager.dht)
+        self._start_times = {pid: _start_time(pid) for pid in self.helpers}
+        # if this rank is killed outright (SIGKILL, or torchrun's SIGKILL after SIGTERM), no
+        # code of it runs: a watchdog process then stops the helpers, which would be orphans
+        self._watchdog = Watchdog()
+        for pid, start_time in self._start_times.items():
+            self._watchdog.watch_pid(pid, start_time)
+        self.died: HelperDied | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dist_eval-helper-watch", daemon=True)
+
+    def start(self) -> HelperWatch:
+        self._thread.start()
+        return self
+
+    def check(self) -> HelperDied | None:
+        """Look once; returns (and records) the failure when a helper is gone."""
+        if self.died is None:
+            gone = [(pid, name) for pid, name in self.helpers.items() if not is_running(pid, self._start_times[pid])]
+            if gone:
+                pid, name = gone[0]
+                self.died = HelperDied(
+                    f"the petals client's {name} (pid {pid}) died, so this rank cannot reach the swarm any more "
+                    "(killed by the OOM killer or an operator?). Its finished batches are saved: run the same "
+                    "command again to resume from them."
+                )
+                self.manager.dist_eval_helper_died = self.died
+        return self.died
+
+    def _run(self) -> None:
+        from dist_eval.compat import release_waits_on_dead_helpers
+
+        while not self._stopping.wait(self.poll_seconds):
+            if self.check() is not None:
+                release_waits_on_dead_helpers(self.manager, self.died)
+
+    def stop(self) -> None:
+        """Stop watching (before a normal shutdown stops the helpers)."""
+        self._stopping.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def close(self) -> None:
+        """After the client's shutdown: SIGKILL the helpers still running when one had died
+        (nothing else stops them), and end the watchdog process."""
+        self.stop()
+        if self.died is not None:
+            for pid in self.helpers:
+                if is_running(pid, self._start_times[pid]):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+        self._watchdog.release()
