@@ -71,6 +71,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_interrupt)
         _default_sigterm_in_forked_children()
+        _exit_within_grace_after_a_signal()
+    global _cli_running
+    _cli_running = True
     try:
         timeout = config.dist_timeout if config else EvalConfig.__dataclass_fields__["dist_timeout"].default
         owns_group = D.init_process_group_from_env(timeout)
@@ -89,12 +92,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt as e:
         why = " (torchrun stops every rank when one of them fails; a job scheduler on cancel)" if isinstance(
             e, Terminated) else ""
-        _print_error(f"interrupted by {e or 'SIGINT'}{why}; stopped cleanly, nothing reported; finished batches "
-                     "are kept for a resume")
+        if D.get_rank() == 0:  # every rank was signalled; rank 0 says so for all
+            _print_error(f"interrupted by {e or 'SIGINT'}{why}; stopped cleanly, nothing reported; finished batches "
+                         "are kept for a resume")
         return 130
     finally:
         if owns_group:
             D.destroy_process_group()
+        _cli_running = False
 
 
 class Terminated(KeyboardInterrupt):
@@ -112,6 +117,49 @@ def _default_sigterm_in_forked_children() -> None:
     if not _fork_hook_registered:
         os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
         _fork_hook_registered = True
+
+
+# After SIGINT/SIGTERM, a rank has this long to clean up (stop its client, flush its
+# partial results, stop the local swarm: 2-5 s measured) before it exits regardless.
+STOP_GRACE_SECONDS = 10.0
+_cli_running = False
+_grace_watch_started = False
+
+
+def _exit_within_grace_after_a_signal() -> None:
+    """Make SIGINT/SIGTERM end this process within ``STOP_GRACE_SECONDS``, stuck or not.
+
+    The Python handler that turns SIGTERM into an exception runs only when the main
+    thread runs Python code; a rank blocked in a collective, or in a C call waiting on
+    a dead peer, would not stop until torchrun's SIGKILL 30 s later (orphaning its
+    helpers when no watchdog is there). Python writes each signal's number to the
+    wakeup fd at once, from C; a thread reading it gives the cleanup its grace, then
+    exits the process. The helpers' and the local swarm's watchdogs then stop what the
+    process started.
+    """
+    global _grace_watch_started
+    if _grace_watch_started:
+        return
+    import socket
+
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            received = reader.recv(1)
+            if received and received[0] in (signal.SIGINT, signal.SIGTERM):
+                break
+        time.sleep(STOP_GRACE_SECONDS)
+        if _cli_running:
+            if D.get_rank() == 0:
+                _print_error(f"stopped by {signal.Signals(received[0]).name}: the cleanup was still waiting "
+                             f"{STOP_GRACE_SECONDS:.0f} s later (on another rank or the swarm); exited at once")
+            os._exit(128 + received[0])
+
+    threading.Thread(target=watch, name="dist_eval-signal-grace", daemon=True).start()
+    _grace_watch_started = True
 
 
 def _barrier_unless_interrupted(exc_type, exc, tb) -> None:

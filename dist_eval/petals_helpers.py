@@ -28,9 +28,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 from dist_eval.errors import UsageError
 from dist_eval.swarm import Watchdog
+
+
+_EXIT_WAIT = 2.0  # seconds the helpers get to exit after a normal client shutdown
 
 
 class HelperDied(UsageError):
@@ -140,14 +144,19 @@ class HelperWatch:
             self._thread.join(timeout=5)
 
     def close(self) -> None:
-        """After the client's shutdown: SIGKILL the helpers still running when one had died
-        (nothing else stops them), and end the watchdog process."""
+        """After the client's shutdown: make sure no helper is left (SIGKILL the ones still
+        running a moment later: a p2pd whose DHT process died, or a frozen one, is never
+        stopped by hivemind), then end the watchdog process."""
         self.stop()
-        if self.died is not None:
-            for pid in self.helpers:
-                if is_running(pid, self._start_times[pid]):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
+        deadline = time.monotonic() + (0.0 if self.died is not None else _EXIT_WAIT)
+        while self._running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in self._running():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
         self._watchdog.release()
+
+    def _running(self) -> list:
+        return [pid for pid in self.helpers if is_running(pid, self._start_times[pid])]

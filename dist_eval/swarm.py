@@ -345,18 +345,18 @@ try:
             paths.add(f[7])
 except OSError:
     pass
-for sig, wait in ((signal.SIGINT, 3.0), (signal.SIGKILL, 5.0)):
+for p in alive():  # single processes (helpers) have nothing to save: at once
+    if p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+for sig, wait in ((signal.SIGINT, 3.0), (signal.SIGKILL, 5.0)):  # groups (servers) get a graceful try
     for g in groups:
         try:
             os.killpg(g, sig)
         except OSError:
             pass
-    for p in alive():
-        if p in pids:
-            try:
-                os.kill(p, sig)
-            except OSError:
-                pass
     end = time.monotonic() + wait
     while alive() and time.monotonic() < end:
         time.sleep(0.1)

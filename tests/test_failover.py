@@ -167,3 +167,128 @@ def test_blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tin
     assert after_kill < 45, (after_kill, stderr[-3000:])
     print(f"killed at {killed_at - run.started:.1f} s after the start, every rank out {after_kill:.1f} s later")
     assert not (out / "metrics.json").exists() and not (out / "predictions.jsonl").exists()
+
+
+def _children(pid):
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                rest = f.read().decode("utf-8", "replace").rpartition(")")[2].split()
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit() and len(rest) > 1 and int(rest[1]) == pid and rest[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def _comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().decode("utf-8", "replace").rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def rank_processes(torchrun_pid):
+    """{rank: {"rank": pid, "DHT process": pid, "p2pd daemon": pid}} of a running torchrun job."""
+    ranks = {}
+    for pid in _children(torchrun_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if b"RANK" not in env:
+            continue
+        procs = {"rank": pid}
+        for child in _children(pid):
+            grandchildren = [g for g in _children(child) if _comm(g) == "p2pd"]
+            if grandchildren:
+                procs["DHT process"], procs["p2pd daemon"] = child, grandchildren[0]
+        ranks[int(env[b"RANK"])] = procs
+    return ranks
+
+
+@pytest.mark.parametrize("victim", ["DHT process", "p2pd daemon", "rank"])
+def test_a_dead_rank_or_helper_ends_every_rank_in_bounded_time(swarm3, tiny_model, tiny_checkpoint, many_rows_csv,
+                                                               tmp_path, victim):
+    """SIGKILL of rank 1's DHT process, its p2pd daemon, or rank 1 itself, mid-run, on a
+    healthy swarm: every rank ends within 30 s, with one error line, non-zero; the finished
+    batches are kept for a resume; no process of the run is left (helpers of a killed rank
+    included)."""
+    out = tmp_path / "out"
+    run = BackgroundCli(petals_args(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2)
+    try:
+        assert run.evaluating.wait(timeout=240), "the run never reached its evaluation loop: " + "".join(run.err)[-3000:]
+        time.sleep(1.0)
+        procs = rank_processes(run.proc.pid)
+        assert sorted(procs) == [0, 1] and all(len(p) == 3 for p in procs.values()), procs
+        assert run.proc.poll() is None, "the run ended before the kill; make many_rows_csv longer"
+        os.kill(procs[1][victim], signal.SIGKILL)
+        killed_at = time.monotonic()
+        code, _, stderr = run.wait(timeout=120)
+        after_kill = time.monotonic() - killed_at
+        every_pid = [pid for p in procs.values() for pid in p.values()]
+        while any(_alive(pid) for pid in every_pid) and time.monotonic() - killed_at < 30:
+            time.sleep(0.2)
+        left = [pid for pid in every_pid if _alive(pid)]
+    finally:
+        run.stop()
+    assert code != 0
+    assert after_kill < 30, (after_kill, stderr[-3000:])
+    errors = [line for line in stderr.splitlines() if line.startswith("dist_eval: error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert "Traceback" not in stderr.split("dist_eval: error:")[0], stderr[-3000:]
+    if victim == "rank":  # torchrun stops the other rank with SIGTERM
+        assert "interrupted by SIGTERM" in errors[0], errors[0]
+    else:
+        assert f"rank 1: the petals client's {victim} (pid {procs[1][victim]}) died" in errors[0], errors[0]
+    assert not left, f"processes of the run still alive 30 s after the kill: {left}"
+    partial = list((out / "partial").glob("*/rank*.npz"))
+    assert partial, "no finished batch was kept for a resume"
+    print(f"{victim} killed: every rank out {after_kill:.1f} s later")
+
+
+@pytest.mark.parametrize("state", ["healthy", "stuck"])
+def test_sigterm_to_torchrun_stops_every_process_within_15_s(swarm3, tiny_model, tiny_checkpoint, many_rows_csv,
+                                                             tmp_path, state):
+    """SIGTERM to torchrun (a scheduler's cancel) mid-run: torchrun, the ranks and their DHT
+    and p2pd helpers are all gone within 15 s, no traceback, one error line, the finished
+    batches kept. "stuck": rank 1's p2pd is frozen (SIGSTOP) first, so its requests hang."""
+    out = tmp_path / "out"
+    run = BackgroundCli(petals_args(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2)
+    try:
+        assert run.evaluating.wait(timeout=240), "the run never reached its evaluation loop: " + "".join(run.err)[-3000:]
+        time.sleep(1.0)
+        procs = rank_processes(run.proc.pid)
+        assert sorted(procs) == [0, 1] and all(len(p) == 3 for p in procs.values()), procs
+        if state == "stuck":
+            os.kill(procs[1]["p2pd daemon"], signal.SIGSTOP)
+            time.sleep(2.0)
+        assert run.proc.poll() is None, "the run ended before the signal; make many_rows_csv longer"
+        run.proc.send_signal(signal.SIGTERM)
+        signalled_at = time.monotonic()
+        code, _, stderr = run.wait(timeout=60)
+        every_pid = [run.proc.pid] + [pid for p in procs.values() for pid in p.values()]
+        while any(_alive(pid) for pid in every_pid) and time.monotonic() - signalled_at < 15:
+            time.sleep(0.1)
+        took = time.monotonic() - signalled_at
+        left = [pid for pid in every_pid if _alive(pid)]
+    finally:
+        run.stop()
+    assert not left, f"still alive 15 s after SIGTERM: {left}\n{stderr[-3000:]}"
+    assert code != 0
+    assert "Traceback" not in stderr.split("dist_eval: error:")[0], stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("dist_eval: error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert list((out / "partial").glob("*/rank*.npz")), "no finished batch was kept for a resume"
+    print(f"{state}: every process gone {took:.1f} s after SIGTERM")
