@@ -115,8 +115,14 @@ def _default_sigterm_in_forked_children() -> None:
     in ``Terminated: SIGTERM`` instead of letting the helper stop."""
     global _fork_hook_registered
     if not _fork_hook_registered:
-        os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+        os.register_at_fork(after_in_child=_reset_signal_handling_in_child)
         _fork_hook_registered = True
+
+
+def _reset_signal_handling_in_child() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(ValueError):  # the wakeup fd is the rank's (a fork from a thread keeps it)
+        signal.set_wakeup_fd(-1)
 
 
 # After SIGINT/SIGTERM, a rank has this long to clean up (stop its client, flush its
@@ -124,6 +130,7 @@ def _default_sigterm_in_forked_children() -> None:
 STOP_GRACE_SECONDS = 10.0
 _cli_running = False
 _grace_watch_started = False
+_wakeup_sockets = None
 
 
 def _exit_within_grace_after_a_signal() -> None:
@@ -142,7 +149,8 @@ def _exit_within_grace_after_a_signal() -> None:
         return
     import socket
 
-    reader, writer = socket.socketpair()
+    global _wakeup_sockets
+    reader, writer = _wakeup_sockets = socket.socketpair()  # kept: closing them would free the fd
     writer.setblocking(False)
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
 
