@@ -121,7 +121,7 @@ def _load_model(config: EvalConfig, job: Job, initial_peers, dht_prefix) -> tupl
     model = load_model(
         config.backend, job.model_dir, checkpoint=job.checkpoint, tuning_mode=config.tuning_mode,
         pre_seq_len=config.pre_seq_len, num_labels=config.num_labels, initial_peers=initial_peers,
-        dht_prefix=dht_prefix, swarm_timeout=config.swarm_timeout,
+        dht_prefix=dht_prefix, swarm_timeout=config.swarm_timeout, device=config.device,
     )
     return tokenizer, model
 
