@@ -64,6 +64,9 @@ def run(config: EvalConfig) -> int:
 
         result = _evaluate(config, job, model, tokenizer, dataset, folder, cleanup, say)
         result.metrics["run"].update(_run_facts(config, job, initial_peers, dht_prefix, started, started_at))
+        provenance = getattr(model.module, "provenance", None)
+        if main and provenance is not None:  # a petals run: the servers as announced in the DHT
+            result.metrics["run"]["swarm"] = provenance()
         with ranks.phase("writing the report"):
             if main:
                 _write_report(config, result, say)

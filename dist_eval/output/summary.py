@@ -33,6 +33,10 @@ def format_summary(metrics: dict) -> str:
     intervals = format_intervals(metrics)
     if intervals:
         lines.append(f"  {intervals}")
+    from dist_eval.backends.provenance import replicas_warning
+
+    if replicas_warning(run):
+        lines.append(replicas_warning(run))
     if metrics.get("num_truncated"):
         lines.append(f"  {metrics['num_truncated']} text(s) truncated to --max-length")
     per_class = metrics["per_class"]
