@@ -80,7 +80,11 @@ def _main(args: argparse.Namespace) -> int:
     _cli_running = True
     try:
         timeout = config.dist_timeout if config else EvalConfig.__dataclass_fields__["dist_timeout"].default
-        owns_group = ranks.init_process_group_from_env(timeout)
+        try:
+            owns_group = ranks.init_process_group_from_env(timeout, config.dist_backend if config else "gloo")
+        except UsageError as e:  # no NCCL here: the ranks agree on it over gloo, and rank 0 prints it once
+            owns_group = ranks.init_process_group_from_env(timeout, "gloo")
+            config_error = config_error or e
         # Even a flag error goes through an agreement: a rank that exited at once would
         # make torchrun stop rank 0 before it had printed the error.
         with ranks.phase("checking the flags"):

@@ -177,6 +177,14 @@ class EvalConfig:
     local_servers: int = _opt("Servers of the local swarm started when --initial-peers is omitted.", default=2)
     swarm_timeout: float = _opt(_SWARM_TIMEOUT, default=DEFAULT_SWARM_TIMEOUT)
     dist_timeout: float = _opt("Seconds a collective may wait for the other ranks before failing.", default=900.0)
+    dist_backend: str = _opt(
+        "Process group backend: gloo (any N, wherever the ranks run) or nccl (one GPU per rank).",
+        default="gloo", meta={"choices": ["gloo", "nccl"]},
+    )
+    device: str = _opt(
+        "Where --backend local computes: cpu, cuda (each rank on cuda:LOCAL_RANK %% device_count) or cuda:K.",
+        default="cpu",
+    )
     # what is shown
     quiet: bool = _opt("Print only errors and the final one-line result.", default=False)
     progress: str = _opt(_PROGRESS, default="auto", meta={"choices": ["auto", "bar", "log", "none"]})
@@ -196,6 +204,9 @@ class EvalConfig:
             given, missing = ("--model", "--data-files") if self.model else ("--data-files", "--model")
             raise UsageError(f"{missing}: needed with {given} (or omit both to run the built-in demo).")
         check_int("max_batch_tokens", self.max_batch_tokens, 0, "a number of tokens >= 0 (0: no cap)")
+        if self.device != "cpu" and self.backend != "local":
+            raise UsageError("only --backend local computes here; a Petals client's tensors stay on the CPU.",
+                             param="device", value=self.device)
         # a flag's 0 is the API's None (no cap): converted here, once
         self.settings = Settings(
             text_column=self.text_column,

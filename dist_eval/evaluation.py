@@ -28,7 +28,8 @@ from dist_eval.config import (
     Settings,
 )
 from dist_eval.data.labels import TaskColumns, check_columns, label_names_of, read_labels
-from dist_eval.data.shard import dataset_batches, loader_batches
+from dist_eval.data.loader import loader_batches
+from dist_eval.data.shard import dataset_batches
 from dist_eval.errors import UsageError
 from dist_eval.merge import MergedResults, merge_on_main
 from dist_eval.predict import predict_shard
@@ -99,7 +100,13 @@ def evaluate(
 
     ``data`` is a ``datasets.Dataset`` (then ``tokenizer``, the column names and
     ``batch_size``/``max_length`` apply) or a ``DataLoader`` yielding dicts with
-    ``index``, ``input_ids`` (right-padded, no mask) and ``labels``.
+    ``input_ids`` (right-padded), ``labels`` and optionally ``attention_mask`` (right
+    padding; checked, never sent to the model; each batch is cut to its longest real row).
+    Row indices come from its sampler: a ``DistributedSampler`` (drop_last=False; its
+    padded repeats are dropped), or any sampler of a loader that every rank iterates
+    whole (dist_eval then gives each rank its share of the batches). A loader whose
+    indices cannot be known (IterableDataset, custom batch_sampler) needs ``index`` in
+    each batch. See :mod:`dist_eval.data.loader`.
 
     ``metrics``: name -> fn(labels, preds, logits) computed once on rank 0 over the
     merged, de-duplicated set (logits are passed when ``return_logits`` is set, else
@@ -217,6 +224,8 @@ def _check_data(data, tokenizer, settings: Settings, task: _Task):
     if task.num_labels is None:
         raise UsageError("cannot tell the number of classes from the model; pass num_labels=K.", param="num_labels")
     if isinstance(data, torch.utils.data.DataLoader):
+        if not hasattr(data.dataset, "__len__"):
+            raise UsageError("a DataLoader over a dataset without len(): its rows cannot be counted.", param="data")
         return len(data.dataset), None, task.label_names
     if tokenizer is None:
         raise UsageError("evaluate(data=Dataset) needs tokenizer=...; or pass a DataLoader of token ids.")

@@ -65,6 +65,9 @@ def run(config: EvalConfig) -> int:
 
         result = _evaluate(config, job, model, tokenizer, dataset, folder, cleanup, say)
         result.metrics["run"].update(_run_facts(config, job, initial_peers, dht_prefix, started, started_at))
+        provenance = getattr(model.module, "provenance", None)
+        if main and provenance is not None:  # a petals run: the servers as announced in the DHT
+            result.metrics["run"]["swarm"] = provenance()
         with ranks.phase("writing the report"):
             if main:
                 _write_report(config, result, say)
@@ -130,7 +133,7 @@ def _load_model(config: EvalConfig, job: Job, initial_peers, dht_prefix) -> tupl
     model = load_model(
         config.backend, job.model_dir, checkpoint=job.checkpoint, tuning_mode=config.tuning_mode,
         pre_seq_len=config.pre_seq_len, num_labels=config.num_labels, initial_peers=initial_peers,
-        dht_prefix=dht_prefix, swarm_timeout=config.swarm_timeout,
+        dht_prefix=dht_prefix, swarm_timeout=config.swarm_timeout, device=config.device,
     )
     return tokenizer, model
 

@@ -61,10 +61,18 @@ def run_key(model_dir: str, checkpoint: Optional[str], dataset, split: Optional[
         "checkpoint_sha256": _sha256_of_file(checkpoint) if checkpoint else None,
         "data": data_fingerprint(dataset),
         "split": split,
-        "model": {"backend": model.backend, "num_labels": model.num_labels, "prompt_tokens": model.prompt_tokens},
+        "model": {"backend": model.backend, "num_labels": model.num_labels, "prompt_tokens": model.prompt_tokens,
+                  "device": _device_kind(model)},
         "settings": settings.as_dict(),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _device_kind(model) -> str:
+    """'cpu' or 'cuda': where the model's weights are (GPU kernels round floats otherwise)."""
+    parameters = getattr(getattr(model, "module", None), "parameters", None)
+    first = next(iter(parameters()), None) if parameters is not None else None
+    return first.device.type if first is not None else "cpu"
 
 
 def resume_folder(output_dir: str, key: str, resume: bool, say: Callable[..., None]) -> str:

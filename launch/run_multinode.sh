@@ -12,7 +12,7 @@
 # NODE_RANK (0)        node 0 hosts the rendezvous store on MASTER_ADDR:MASTER_PORT, so run it on
 #                      MASTER_ADDR. c10d numbers the ranks itself (nodes sorted by address), so
 #                      torchrun's "node_rank ... will be ignored" warning on other nodes is expected.
-# NPROC_PER_NODE (1)   ranks per node (on GPU nodes: at most one per GPU; NCCL is then used)
+# NPROC_PER_NODE (1)   ranks per node (gloo: any number, GPUs or not; --dist-backend nccl: at most one per GPU)
 # MASTER_ADDR          required: the address of node 0, reachable from every node
 # MASTER_PORT (29500)  rendezvous TCP port on node 0
 # RDZV_ID (dist_eval)  a name for this run; two runs at once need different ones (and ports)

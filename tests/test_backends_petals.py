@@ -62,6 +62,13 @@ def test_petals_equals_local_and_is_exact_across_ranks(swarm, tiny_model, data_c
     metrics = json.load(open(tmp_path / "petals2" / "metrics.json"))
     assert metrics["run"]["backend"] == "petals" and metrics["run"]["world_size"] == 2
     assert metrics["num_samples"] == 41
+    # provenance: the servers as announced in the DHT, identical replicas (one local swarm)
+    swarm_facts = metrics["run"]["swarm"]
+    assert swarm_facts["identical_replicas"] and swarm_facts["mixed_blocks"] == []
+    servers = swarm_facts["servers"]
+    assert servers and all(s["peer_id"] and s["petals_version"] and s["torch_dtype"] for s in servers)
+    assert min(s["blocks"][0] for s in servers) == 0
+    assert "swarm" not in json.load(open(tmp_path / "local1" / "metrics.json"))["run"]
 
 
 def test_wrong_dht_prefix_names_missing_blocks_in_bounded_time(swarm, tiny_model, tiny_checkpoint, data_csv, tmp_path):

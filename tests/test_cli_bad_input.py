@@ -38,6 +38,8 @@ def model_without_tokenizer(tiny_model, tmp_path_factory):
 
 CASES = {
     # id: (data file text or None for the default, extra flags, pattern of the error line)
+    "device_without_gpu": (None, ["--device", "cuda:1"], r"--device cuda:1: no CUDA device is visible"),
+    "nccl_without_gpu": (None, ["--dist-backend", "nccl"], r"--dist-backend nccl: NCCL needs one CUDA device per rank"),
     "missing_label_column": (
         None,
         ["--label-column", "y"],

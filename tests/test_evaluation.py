@@ -21,7 +21,8 @@ WORKER = os.path.join(REPO, "tests", "gloo_worker.py")
 def runs(tiny_model, tiny_checkpoint, tmp_path_factory):
     base = tmp_path_factory.mktemp("gloo")
     csv = write_csv(str(base / "data.csv"), 100, seed=3)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",  # this checkout's dist_eval, not the venv's
+           "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
     out = {}
     for world in (1, 2, 3, 4):
         out_dir = base / f"n{world}"

@@ -106,3 +106,25 @@ def test_other_settings_never_mix_in_stored_results(job):
     assert metrics["run"]["resumed_samples"] == 0
     ref_preds = [r["pred"] for r in read_jsonl(reference / "predictions.jsonl")]
     assert [r["pred"] for r in read_jsonl(out / "predictions.jsonl")] == ref_preds
+
+
+def test_the_device_kind_is_in_the_run_key(tmp_path):
+    """Partial results computed on a GPU never mix with CPU ones (other float roundings)."""
+    import types
+
+    import torch
+
+    from dist_eval.config import Settings
+    from dist_eval.resume import run_key
+
+    (tmp_path / "config.json").write_text("{}")
+    dataset = type("D", (), {"_fingerprint": "f", "column_names": ["text", "label"], "__len__": lambda self: 3})()
+
+    def model(device):
+        module = torch.nn.Linear(2, 2, device="meta" if device == "meta" else "cpu")
+        return types.SimpleNamespace(backend="local", num_labels=3, prompt_tokens=0, module=module)
+
+    key = run_key(str(tmp_path), None, dataset, None, model("cpu"), Settings())
+    assert key == run_key(str(tmp_path), None, dataset, None, types.SimpleNamespace(
+        backend="local", num_labels=3, prompt_tokens=0), Settings())  # no weights: the CPU
+    assert key != run_key(str(tmp_path), None, dataset, None, model("meta"), Settings())

@@ -38,19 +38,19 @@ class LoadedModel:
             close()
 
 
-def _load_local(model_dir: str, state: TrainableState, family: Family, **_) -> nn.Module:
+def _load_local(model_dir: str, state: TrainableState, family: Family, device: str = "cpu", **_) -> nn.Module:
     from dist_eval.backends.local import load_local
 
-    return load_local(model_dir, state, family)
+    return load_local(model_dir, state, family, device)
 
 
-def _load_petals(model_dir: str, state: TrainableState, family: Family, **swarm) -> nn.Module:
+def _load_petals(model_dir: str, state: TrainableState, family: Family, device: str = "cpu", **swarm) -> nn.Module:
     from dist_eval.backends.petals import load_petals
 
     return load_petals(model_dir, state, family, **swarm)
 
 
-# backend name -> fn(model_dir, state, family, initial_peers=, dht_prefix=, client_options=, swarm_timeout=)
+# backend name -> fn(model_dir, state, family, initial_peers=, dht_prefix=, client_options=, swarm_timeout=, device=)
 BACKENDS: Dict[str, Callable[..., nn.Module]] = {"petals": _load_petals, "local": _load_local}
 
 
@@ -66,10 +66,21 @@ def load_model(
     dht_prefix: Optional[str] = None,
     petals_client_options: Optional[dict] = None,
     swarm_timeout: float = DEFAULT_SWARM_TIMEOUT,
+    device: str = "cpu",
 ) -> LoadedModel:
-    """Load the classifier for ``backend`` ('petals' or 'local') with the trained prompts/head."""
+    """Load the classifier for ``backend`` ('petals' or 'local') with the trained prompts/head.
+
+    ``device`` (local backend): cpu, cuda (this rank on cuda:LOCAL_RANK % device_count) or cuda:K.
+    """
     if backend not in BACKENDS:
         raise UsageError(f"expected one of {', '.join(repr(b) for b in BACKENDS)}.", param="backend", value=backend)
+    if device != "cpu":
+        from dist_eval.ranks.devices import this_rank_device
+
+        if backend != "local":
+            raise UsageError("only the local backend computes here; a Petals client stays on the CPU.",
+                             param="device", value=device)
+        device = this_rank_device(device, int(os.environ.get("LOCAL_RANK", "0")))
     config = _read_config(model_dir)
     family = family_of(config, model_dir)
     state = _resolve_trainable(model_dir, checkpoint, tuning_mode, pre_seq_len, num_labels, family)
@@ -82,7 +93,7 @@ def load_model(
         )
     module = BACKENDS[backend](
         model_dir, state, family, initial_peers=initial_peers, dht_prefix=dht_prefix,
-        client_options=petals_client_options or {}, swarm_timeout=swarm_timeout,
+        client_options=petals_client_options or {}, swarm_timeout=swarm_timeout, device=device,
     )
     module.eval()
     return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend, _class_names(config, state),

@@ -48,6 +48,10 @@ class PromptTunedClassifier(nn.Module):
         # per thread: several batches may be in flight at once (--in-flight)
         self._intermediate = threading.local()
 
+    def prompt_device(self) -> torch.device:
+        """Where the model's weights are (the input ids are moved there)."""
+        return next(self.hf_model.parameters()).device
+
     def _make_deep_prompt_hook(self, layer_index: int):
         def hook(module, args, kwargs):
             hidden_states = args[0] if args else kwargs["hidden_states"]
@@ -63,6 +67,7 @@ class PromptTunedClassifier(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         config = self.hf_model.config
+        input_ids = input_ids.to(self.prompt_device())
         batch_size = input_ids.shape[0]
         inputs_embeds = self.family.get(self.hf_model, self.family.embeddings)(input_ids)
         if self.tuning_mode:
@@ -83,8 +88,8 @@ class PromptTunedClassifier(nn.Module):
         return logits[torch.arange(batch_size), last]
 
 
-def load_local(model_dir: str, state: TrainableState, family: Family) -> nn.Module:
-    """The model of ``model_dir`` with the trained prompts and head, in this process."""
+def load_local(model_dir: str, state: TrainableState, family: Family, device: str = "cpu") -> nn.Module:
+    """The model of ``model_dir`` with the trained prompts and head, in this process, on ``device``."""
     import transformers
 
     hf_model = getattr(transformers, family.local_class).from_pretrained(
@@ -97,4 +102,4 @@ def load_local(model_dir: str, state: TrainableState, family: Family) -> nn.Modu
             model.prompt_embeddings.weight.copy_(state.tensors["prompt_embeddings.weight"])
         if state.tuning_mode == "deep_ptune":
             model.intermediate_prompt_embeddings.weight.copy_(state.tensors["intermediate_prompt_embeddings.weight"])
-    return model
+    return model.to(device)

@@ -43,6 +43,14 @@ class PetalsClassifier(nn.Module):
         # No attention mask: the petals client rejects any mask that is not all ones.
         return self.inner(input_ids=input_ids).logits
 
+    def provenance(self) -> dict:
+        """The servers this client's routing table holds for the model's blocks (see
+        :mod:`dist_eval.backends.provenance`).
+        """
+        from dist_eval.backends.provenance import swarm_provenance
+
+        return swarm_provenance(self.sequence_manager.state.sequence_info.block_infos)
+
     def close(self) -> None:
         """Stop the client (its DHT process, p2pd and routing thread), in bounded time."""
         self.helper_watch.stop()  # first: a normal shutdown stops the helpers

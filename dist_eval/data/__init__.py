@@ -5,7 +5,8 @@
 - :mod:`~dist_eval.data.labels`: the task's columns; labels as class ids
 - :mod:`~dist_eval.data.batches`: the global batch plan and each rank's batch ids
 - :mod:`~dist_eval.data.tokenize`: token ids of rows; right-padded batches
-- :mod:`~dist_eval.data.shard`: this rank's batches, of a Dataset or of a user DataLoader
+- :mod:`~dist_eval.data.shard`: this rank's batches of a Dataset
+- :mod:`~dist_eval.data.loader`: this rank's batches of a user DataLoader (indices from its sampler)
 """
 from dist_eval.data.batches import plan_batches, shard_batch_ids
 from dist_eval.data.labels import TaskColumns, check_columns, label_names_of, read_labels

@@ -1,16 +1,14 @@
-"""This rank's batches: of a Dataset (planned globally, tokenized once) or of a user DataLoader."""
+"""This rank's batches of a Dataset (planned globally, tokenized once); a user DataLoader's: loader.py."""
 from __future__ import annotations
 
 from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
-import torch
 
 from dist_eval import ranks
 from dist_eval.data.batches import plan_batches, shard_batch_ids
 from dist_eval.data.labels import TaskColumns
 from dist_eval.data.tokenize import right_pad, tokenize_rows
-from dist_eval.errors import UsageError
 from dist_eval.predict import Batch
 
 
@@ -72,35 +70,3 @@ def dataset_batches(
             yield b, batch_rows, right_pad([by_row[r] for r in batch_rows.tolist()], pad_token_id), labels[batch_rows]
 
     return generate(), num_truncated, {b: planned[b] for b in batch_ids}
-
-
-def loader_batches(loader) -> Iterator[Batch]:
-    """Batches of a user DataLoader: dicts with 'index', 'input_ids' and 'labels'.
-
-    A DistributedSampler pads its last round with repeated rows; those are masked here
-    by position (rank + k * num_replicas >= len(dataset)) before anything is counted.
-    """
-    from torch.utils.data import DistributedSampler
-
-    sampler = getattr(loader, "sampler", None)
-    padding_from = None
-    if isinstance(sampler, DistributedSampler):
-        n, world, rank = len(sampler.dataset), sampler.num_replicas, sampler.rank
-        padding_from = len(range(rank, n, world))  # shard positions >= this are padding
-    position = 0
-    for batch_number, batch in enumerate(loader):
-        missing = [k for k in ("index", "input_ids", "labels") if k not in batch]
-        if missing:
-            raise UsageError(
-                f"evaluate(data=DataLoader): each batch must be a dict with 'index' (global row index), "
-                f"'input_ids' (right-padded) and 'labels'; missing {missing}."
-            )
-        rows = np.asarray(batch["index"], dtype=np.int64)
-        keep = np.ones(len(rows), dtype=bool)
-        if padding_from is not None:
-            keep = (position + np.arange(len(rows))) < padding_from
-        position += len(rows)
-        if not keep.any():
-            continue
-        input_ids = batch["input_ids"][torch.from_numpy(keep)]
-        yield batch_number, rows[keep], input_ids, np.asarray(batch["labels"], dtype=np.int64)[keep]

@@ -37,6 +37,11 @@ def format_summary(metrics: dict) -> str:
     if phases:
         startup = f"start-up {run['startup_seconds']:.1f} s, " if run.get("startup_seconds") is not None else ""
         lines.append("  time: " + startup + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()))
+    from dist_eval.backends.provenance import replicas_warning
+
+    warning = replicas_warning(run)
+    if warning:
+        lines.append(warning)
     if metrics.get("num_truncated"):
         lines.append(f"  {metrics['num_truncated']} text(s) truncated to --max-length")
     per_class = metrics["per_class"]

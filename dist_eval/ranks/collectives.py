@@ -1,8 +1,9 @@
 """Every collective of dist_eval; each is a no-op in one process.
 
-Object collectives move pickled numpy arrays. With NCCL they go through the GPU, so
-the CUDA device of each local rank is set before the first collective
-(:func:`dist_eval.ranks.group.init_process_group_from_env` does it).
+Object collectives move pickled numpy arrays. Tensors are put on the group backend's
+device (:func:`group_device`): the CPU for gloo, the current CUDA device for NCCL (a
+caller's NCCL group, or ``--dist-backend nccl``, whose CUDA device of each local rank is
+set before the first collective by :func:`dist_eval.ranks.group.init_process_group_from_env`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ import torch
 import torch.distributed as dist
 
 from dist_eval.ranks.group import get_rank, get_world_size
+
+
+def group_device() -> torch.device:
+    """Where the process group's backend takes tensors: CUDA for NCCL, else the CPU."""
+    if get_world_size() > 1 and "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def barrier_if_alive() -> None:
@@ -62,7 +70,7 @@ def gather_arrays_to_main(arrays: Dict[str, np.ndarray]) -> Optional[Dict[str, n
     counts = [n for n in all_gather_object(len(next(iter(arrays.values()))) if arrays else 0)]
     longest = max(counts)
     is_main = get_rank() == 0
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = group_device()
     out: Dict[str, np.ndarray] = {}
     for key in sorted(arrays):  # the same order on every rank
         local = np.ascontiguousarray(arrays[key])
@@ -84,8 +92,6 @@ def all_reduce_sum(values: np.ndarray) -> np.ndarray:
     local = np.asarray(values, dtype=np.float64)
     if get_world_size() == 1:
         return local.copy()
-    tensor = torch.from_numpy(local.copy())
-    if dist.get_backend() == "nccl":
-        tensor = tensor.cuda()
+    tensor = torch.from_numpy(local.copy()).to(group_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor.cpu().numpy()

@@ -36,32 +36,29 @@ def launched_on_several_nodes() -> bool:
     return launched_by_torchrun() and int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world
 
 
-def init_process_group_from_env(timeout_s: float) -> bool:
+def init_process_group_from_env(timeout_s: float, dist_backend: str = "gloo") -> bool:
     """Join the process group that torchrun/SLURM described in the environment.
 
     Returns True when this call created the group (and so must destroy it). Does
     nothing when a group already exists (a training loop made it) or when the process
-    was not launched by torchrun. The backend is NCCL when CUDA is available, else gloo.
+    was not launched by torchrun. The backend is ``dist_backend`` (gloo by default,
+    wherever the ranks run: see :mod:`dist_eval.ranks.devices`).
     """
     if is_initialized() or not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         return False
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if torch.cuda.is_available():
-        local_rank, visible = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
-        if local_rank >= visible:
-            from dist_eval.errors import UsageError
+    from dist_eval.ranks.devices import dist_backend_for
 
-            raise UsageError(
-                f"LOCAL_RANK {local_rank}: this node has {visible} visible CUDA device(s), and NCCL needs one "
-                f"GPU per rank: start at most {visible} rank(s) per node (--nproc-per-node / NPROC_PER_NODE), "
-                "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on the CPU with gloo."
-            )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    available = torch.cuda.is_available()
+    backend = dist_backend_for(
+        dist_backend, cuda_available=available, device_count=torch.cuda.device_count() if available else 0,
+        local_rank=local_rank,
+    )
+    if backend == "nccl":
         # Before the first collective: NCCL's object collectives use the current device,
         # and with the default (cuda:0) every rank of a node would share one GPU.
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", timeout=timeout)
-    else:
-        dist.init_process_group("gloo", timeout=timeout)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return True
 
 

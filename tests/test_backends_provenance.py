@@ -1,0 +1,44 @@
+"""dist_eval.backends.provenance: the servers of a run from petals' routing table (its real
+ServerInfo and RemoteModuleInfo), identical replicas or not, and the summary's warning."""
+import importlib
+
+from dist_eval.backends.compat import import_petals
+from dist_eval.backends.provenance import replicas_warning, swarm_provenance
+
+import_petals()  # petals 2.2 meets hivemind 1.1.12
+ds = importlib.import_module("petals.data_structures")
+
+
+def server(start, end, dtype="float32", quant="none", version="2.2.0.post1", state="ONLINE"):
+    return ds.ServerInfo(state=getattr(ds.ServerState, state), throughput=1.0, start_block=start, end_block=end,
+                         version=version, torch_dtype=dtype, quant_type=quant)
+
+
+def table(assignments):
+    """assignments: {peer: ServerInfo}; each server on its [start, end) blocks of 4."""
+    return [ds.RemoteModuleInfo(f"m.{b}", {p: i for p, i in assignments.items() if i.start_block <= b < i.end_block})
+            for b in range(4)]
+
+
+def test_identical_replicas_are_recorded_with_their_facts():
+    got = swarm_provenance(table({"peerA": server(0, 4), "peerB": server(0, 2), "peerC": server(2, 4)}))
+    assert got["identical_replicas"] and got["mixed_blocks"] == []
+    by_peer = {s["peer_id"]: s for s in got["servers"]}
+    assert set(by_peer) == {"peerA", "peerB", "peerC"}
+    assert by_peer["peerC"]["blocks"] == [2, 4] and by_peer["peerA"]["blocks"] == [0, 4]
+    assert by_peer["peerB"]["petals_version"] == "2.2.0.post1" and by_peer["peerB"]["torch_dtype"] == "float32"
+    assert by_peer["peerB"]["quantization"] == "none" and by_peer["peerB"]["state"] == "online"
+    assert replicas_warning({"swarm": got}) == ""
+
+
+def test_differing_replicas_are_named_and_warned_about_in_one_line():
+    got = swarm_provenance(table({"a": server(0, 4), "b": server(2, 4, dtype="bfloat16", quant="nf4")}))
+    assert not got["identical_replicas"] and got["mixed_blocks"] == [2, 3]
+    line = replicas_warning({"swarm": got})
+    assert "\n" not in line and "[2, 3]" in line and "route" in line
+    assert replicas_warning({}) == ""  # the local backend: nothing to say
+
+
+def test_offline_servers_do_not_count():
+    got = swarm_provenance(table({"a": server(0, 4), "b": server(0, 4, quant="nf4", state="OFFLINE")}))
+    assert got["identical_replicas"] and [s["peer_id"] for s in got["servers"]] == ["a"]
