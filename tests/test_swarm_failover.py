@@ -223,15 +223,24 @@ def rank_processes(torchrun_pid):
     return ranks
 
 
+@pytest.fixture(scope="module")
+def swarm2(tiny_model):
+    """A swarm of its own for the tests that kill a rank or its helpers (the tests above kill servers)."""
+    from dist_eval.swarm import LocalSwarm
+
+    with LocalSwarm(tiny_model, num_servers=2, dht_prefix="dist-eval-kills", start_timeout=240) as s:
+        yield s
+
+
 @pytest.mark.parametrize("victim", ["DHT process", "p2pd daemon", "rank"])
-def test_a_dead_rank_or_helper_ends_every_rank_in_bounded_time(swarm3, tiny_model, tiny_checkpoint, many_rows_csv,
+def test_a_dead_rank_or_helper_ends_every_rank_in_bounded_time(swarm2, tiny_model, tiny_checkpoint, many_rows_csv,
                                                                tmp_path, victim):
     """SIGKILL of rank 1's DHT process, its p2pd daemon, or rank 1 itself, mid-run, on a
     healthy swarm: every rank ends within 30 s, with one error line, non-zero; the finished
     batches are kept for a resume; no process of the run is left (helpers of a killed rank
     included)."""
     out = tmp_path / "out"
-    run = BackgroundCli(petals_args(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2)
+    run = BackgroundCli(petals_args(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2)
     try:
         assert run.evaluating.wait(timeout=240), "never reached the evaluation loop: " + "".join(run.err)[-3000:]
         time.sleep(1.0)
@@ -248,8 +257,9 @@ def test_a_dead_rank_or_helper_ends_every_rank_in_bounded_time(swarm3, tiny_mode
         left = [pid for pid in every_pid if _alive(pid)]
     finally:
         run.stop()
+    (tmp_path / "stderr.txt").write_text(stderr)  # the whole log, for a failure's reader
     assert code != 0
-    assert after_kill < 30, (after_kill, stderr[-3000:])
+    assert after_kill < 30, (after_kill, str(tmp_path / "stderr.txt"), stderr[-3000:])
     errors = [line for line in stderr.splitlines() if line.startswith("dist_eval: error:")]
     assert len(errors) == 1, stderr[-3000:]
     assert "Traceback" not in stderr.split("dist_eval: error:")[0], stderr[-3000:]
@@ -264,13 +274,13 @@ def test_a_dead_rank_or_helper_ends_every_rank_in_bounded_time(swarm3, tiny_mode
 
 
 @pytest.mark.parametrize("state", ["healthy", "stuck"])
-def test_sigterm_to_torchrun_stops_every_process_within_15_s(swarm3, tiny_model, tiny_checkpoint, many_rows_csv,
+def test_sigterm_to_torchrun_stops_every_process_within_15_s(swarm2, tiny_model, tiny_checkpoint, many_rows_csv,
                                                              tmp_path, state):
     """SIGTERM to torchrun (a scheduler's cancel) mid-run: torchrun, the ranks and their DHT
     and p2pd helpers are all gone within 15 s, no traceback, one error line, the finished
     batches kept. "stuck": rank 1's p2pd is frozen (SIGSTOP) first, so its requests hang."""
     out = tmp_path / "out"
-    run = BackgroundCli(petals_args(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2)
+    run = BackgroundCli(petals_args(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2)
     try:
         assert run.evaluating.wait(timeout=240), "never reached the evaluation loop: " + "".join(run.err)[-3000:]
         time.sleep(1.0)

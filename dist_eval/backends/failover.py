@@ -67,6 +67,17 @@ def patch_petals_client_failover() -> None:
     # line above per failing server says the same, and the outcome is reported anyway.
     for name in ("petals.client.sequential_autograd", "petals.client.routing.sequence_manager"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("petals.client.routing.sequence_manager").addFilter(_drop_helper_died)
+
+
+def _drop_helper_died(record: logging.LogRecord) -> bool:
+    """A logging filter. petals' routing thread logs, with a traceback, the error that ends
+    its wait on a dead DHT process (:func:`~dist_eval.backends.compat.release_waits_on_dead_helpers`);
+    the run reports that failure itself, in one line.
+    """
+    from dist_eval.backends.helpers import HelperDied
+
+    return not (record.exc_info and isinstance(record.exc_info[1], HelperDied))
 
 
 def _warn_server_failed(peer_id, error) -> None:
