@@ -77,9 +77,12 @@ class Options:
     save_interval: float = DEFAULT_SAVE_INTERVAL
     bootstrap_resamples: int = DEFAULT_BOOTSTRAP_RESAMPLES
     bootstrap_seed: int = 0
+    top_k: Optional[int] = None  # the k of top{k}_accuracy; None: 2 with more than 2 classes, else none
 
     def __post_init__(self) -> None:
         check_int("in_flight", self.in_flight, 1)
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, 1, "a positive integer (the k of top-k accuracy)")
         check_seconds("save_interval", self.save_interval, allow_zero=True)
         check_int("bootstrap_resamples", self.bootstrap_resamples, 0, "an integer >= 0 (0 disables the intervals)")
         check_int("bootstrap_seed", self.bootstrap_seed, 0, "an integer >= 0")
@@ -172,6 +175,7 @@ class EvalConfig:
     )
     # outputs
     save_logits: bool = _opt("Also write each row's logits to predictions.jsonl.", default=False)
+    save_text: bool = _opt("Also write each row's text (and text pair) to predictions.jsonl.", default=False)
     output_dir: str = _opt("Where metrics.json and predictions.jsonl go.", default="dist_eval_output")
     # the swarm and the process group
     local_servers: int = _opt("Servers of the local swarm started when --initial-peers is omitted.", default=2)
@@ -185,6 +189,11 @@ class EvalConfig:
         default=DEFAULT_BOOTSTRAP_RESAMPLES,
     )
     bootstrap_seed: int = _opt("Seed of the bootstrap: the same seed gives the same intervals.", default=0)
+    top_k: Optional[int] = _opt(
+        "The k of the top-k accuracy (top{K}_accuracy in metrics.json); default: 2 with more than 2 classes, "
+        "none with 2.",
+        default=None,
+    )
     report_to: str = _opt(
         "Also log the final metrics and confusion matrix to wandb or tensorboard (its package must be installed).",
         default="none",
@@ -211,6 +220,7 @@ class EvalConfig:
             save_interval=self.save_interval,
             bootstrap_resamples=self.bootstrap_resamples,
             bootstrap_seed=self.bootstrap_seed,
+            top_k=self.top_k,
         )
         check_int("local_servers", self.local_servers, 1)
         check_seconds("swarm_timeout", self.swarm_timeout)

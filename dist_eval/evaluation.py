@@ -86,6 +86,7 @@ def evaluate(
     in_flight: int = DEFAULT_IN_FLIGHT,
     bootstrap_resamples: int = DEFAULT_BOOTSTRAP_RESAMPLES,
     bootstrap_seed: int = 0,
+    top_k: Optional[int] = None,
     resume_folder: Optional[str] = None,
     save_interval: float = DEFAULT_SAVE_INTERVAL,
 ) -> EvalResult:
@@ -102,9 +103,9 @@ def evaluate(
     ``index``, ``input_ids`` (right-padded, no mask) and ``labels``.
 
     ``metrics``: name -> fn(labels, preds, logits) computed once on rank 0 over the
-    merged, de-duplicated set (logits are passed when ``return_logits`` is set, else
-    None). ``sample_metrics``: name -> fn(logits, labels) -> one value per sample,
-    reported as its sample-weighted mean. Both appear in ``metrics`` beside the built-ins.
+    merged, de-duplicated set (the logits are always passed). ``sample_metrics``:
+    name -> fn(logits, labels) -> one value per sample, reported as its sample-weighted
+    mean. Both appear in ``metrics`` beside the built-ins.
     ``on_batch_done(num_rows)`` is called on each rank after each of its batches.
 
     Throughput (none of these changes any result): ``length_buckets`` batches rows of
@@ -122,6 +123,12 @@ def evaluate(
     intervals for accuracy, macro-F1 and loss, computed on rank 0 from the merged set
     (:func:`dist_eval.intervals.bootstrap_intervals`, about 1 s per 1000 resamples),
     in ``metrics["confidence_intervals"]``; the same for any world size.
+
+    Probability scores, from the softmax of every row's logits (gathered to rank 0 with the
+    other per-sample arrays: rows x classes x 4 bytes there): ``ece`` (15 equal-width
+    bins), ``brier``, ``top{k}_accuracy`` (``top_k``; None: 2 with more than 2 classes,
+    none with 2) and ``auroc_macro`` (one-vs-rest, macro over the classes present), with
+    ``reliability`` (the per-bin table) and their intervals beside the others.
     """
     settings = Settings(
         text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
@@ -129,7 +136,7 @@ def evaluate(
     )
     options = Options(
         in_flight=in_flight, save_interval=save_interval,
-        bootstrap_resamples=bootstrap_resamples, bootstrap_seed=bootstrap_seed,
+        bootstrap_resamples=bootstrap_resamples, bootstrap_seed=bootstrap_seed, top_k=top_k,
     )
     task = _task_of(model, num_labels, pad_token_id, label_names)
     start, start_cpu = time.perf_counter(), time.process_time()
@@ -140,7 +147,7 @@ def evaluate(
     with ranks.phase("the forward passes"):
         try:
             local = predict_shard(
-                task.forward, batches, task.num_labels, keep_logits=return_logits, sample_metrics=sample_metrics,
+                task.forward, batches, task.num_labels, keep_logits=True, sample_metrics=sample_metrics,
                 on_batch_done=on_batch_done, in_flight=options.in_flight, stored=stored,
                 on_batch_logits=writer.add if writer is not None else None,
             )
@@ -153,9 +160,16 @@ def evaluate(
     report, merged = merge_on_main(
         local, num_rows, task.num_labels, label_names=task.label_names, user_metrics=metrics,
         num_truncated=num_truncated, loop_seconds=loop_seconds,
-        bootstrap=(options.bootstrap_resamples, options.bootstrap_seed),
+        bootstrap=(options.bootstrap_resamples, options.bootstrap_seed), top_k=options.top_k,
     )
-    return EvalResult(metrics=report, predictions=merged)
+    return EvalResult(metrics=report, predictions=merged if return_logits else _without_logits(merged))
+
+
+def _without_logits(merged: Optional[MergedResults]) -> Optional[MergedResults]:
+    """The logits were kept for the probability scores; returned only when asked."""
+    if merged is not None:
+        merged.logits = None
+    return merged
 
 
 def _task_of(model, num_labels, pad_token_id, label_names) -> _Task:

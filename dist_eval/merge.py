@@ -12,8 +12,17 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dist_eval import ranks
-from dist_eval.intervals import bootstrap_intervals
-from dist_eval.metrics import confusion_matrix, mean_of, metrics_from_confusion
+from dist_eval.intervals import bootstrap_intervals, bootstrap_score_intervals
+from dist_eval.metrics import (
+    CALIBRATION_BINS,
+    confusion_matrix,
+    default_top_k,
+    mean_of,
+    metrics_from_confusion,
+    reliability_table,
+    score_metrics,
+    softmax,
+)
 from dist_eval.predict import SAMPLE_VALUE_PREFIX, ShardResults
 
 
@@ -152,11 +161,15 @@ def merge_on_main(
     num_truncated: int = 0,
     loop_seconds: float = 0.0,
     bootstrap: Optional[Tuple[int, int]] = None,
+    top_k: Optional[int] = None,
 ) -> tuple:
     """Combine every rank's results: (the report on every rank, the merged per-sample
     arrays on rank 0 and None elsewhere). Every rank must call it.
 
     ``bootstrap`` = (resamples, seed) adds ``confidence_intervals`` to the report.
+    ``top_k``: the k of ``top{k}_accuracy`` (None: :func:`dist_eval.metrics.default_top_k`).
+    ``local.logits`` must be kept: the probability scores (ECE, Brier, top-k, AUROC) are
+    computed on rank 0 from the softmax of every row's logits.
     """
     global_totals = Totals.of_shard(local, num_truncated).all_reduced()
     # per-sample arrays to rank 0 only; rank 0 merges and computes the metrics
@@ -170,6 +183,10 @@ def merge_on_main(
             merged = merge_gathered([gathered], num_rows)  # consumes the arrays: one copy at a time
             del gathered
             report = _report(merged, num_labels, label_names, user_metrics, global_totals, rank_facts, bootstrap)
+            intervals = report.get("confidence_intervals")
+            report.update(probability_scores(merged.logits, merged.labels, top_k, bootstrap))
+            if intervals:  # one dict of intervals: the same resamples count, seed and level
+                intervals.update(report.pop("score_intervals"))
     return ranks.broadcast_object(report), merged
 
 
@@ -202,6 +219,31 @@ def _report(
         "resumed_samples": sum(facts.num_resumed for facts in rank_facts),
     }
     return report
+
+
+def probability_scores(logits, labels, top_k: Optional[int], bootstrap: Optional[Tuple[int, int]]) -> dict:
+    """Rank 0: ``ece``, ``brier``, ``top{k}_accuracy``, ``auroc_macro``, ``top_k`` and the
+    ``reliability`` table of the softmax of the merged logits (row order: the same for any
+    N), and their intervals (``bootstrap_score_intervals``) under ``score_intervals``.
+    """
+    if logits is None:
+        raise RuntimeError("internal: the probability scores need every row's logits on rank 0")
+    probs = softmax(logits)
+    k = default_top_k(probs.shape[1]) if top_k is None else top_k
+    out = score_metrics(probs, labels, k, CALIBRATION_BINS)
+    out["top_k"] = k
+    table = reliability_table(probs, labels, CALIBRATION_BINS)
+    out["reliability"] = {name: values.tolist() for name, values in table.items()}
+    if bootstrap and bootstrap[0]:
+        intervals = bootstrap_score_intervals(
+            probs, labels, resamples=bootstrap[0], seed=bootstrap[1], top_k=k, bins=CALIBRATION_BINS
+        )
+        out["score_intervals"] = {
+            name: None if np.isnan(value).any() else value for name, value in (intervals or {}).items() if name in out
+        }
+    # undefined (AUROC with one class present) is null in metrics.json, not NaN: JSON has
+    # no NaN, and NaN != NaN would make equal reports compare unequal
+    return {name: None if isinstance(value, float) and np.isnan(value) else value for name, value in out.items()}
 
 
 def _metrics(merged: MergedResults, num_labels, label_names, user_metrics, totals: Totals) -> dict:

@@ -14,10 +14,32 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 # The headline metrics, in the order every output shows them: the terminal summary,
-# report.html's cards, the trackers' scalars and compare's table.
-HEADLINE_METRICS = ("accuracy", "f1_macro", "f1_weighted", "precision_macro", "recall_macro", "loss")
+# report.html's cards, the trackers' scalars and compare's table. "top{k}_accuracy" is
+# named by the run's k (metrics["top_k"]): see headline_names().
+HEADLINE_METRICS = (
+    "accuracy", "f1_macro", "f1_weighted", "precision_macro", "recall_macro", "loss",
+    "ece", "brier", "top{k}_accuracy", "auroc_macro",
+)
 # Those with a bootstrap confidence interval (dist_eval.intervals), in the same order.
-INTERVAL_METRICS = ("accuracy", "f1_macro", "loss")
+INTERVAL_METRICS = ("accuracy", "f1_macro", "loss", "ece", "brier", "top{k}_accuracy", "auroc_macro")
+# Equal-width bins of the top-class probability for the ECE and the reliability diagram.
+CALIBRATION_BINS = 15
+
+
+def top_k_name(k: int) -> str:
+    """The metrics.json key of the top-k accuracy: ``top2_accuracy``."""
+    return f"top{k}_accuracy"
+
+
+def headline_names(metrics: dict, names: Sequence[str] = HEADLINE_METRICS, within: Optional[dict] = None) -> list:
+    """``names`` (HEADLINE_METRICS by default) as keys of this run's ``metrics``: the
+    top-k name with the run's k, and only those ``within`` (default: ``metrics``) has: an
+    older run, or a run with no top-k accuracy (2 classes), has fewer.
+    """
+    k = metrics.get("top_k")
+    out = [top_k_name(k) if name == "top{k}_accuracy" and k else name for name in names]
+    within = metrics if within is None else within
+    return [name for name in out if name in within and within[name] is not None]
 
 
 def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_labels: int) -> np.ndarray:
@@ -285,6 +307,6 @@ def score_metrics(probs: np.ndarray, labels: np.ndarray, top_k: int | None = Non
     out = {"ece": expected_calibration_error(probs, labels, bins), "brier": brier_score(probs, labels)}
     k = default_top_k(probs.shape[1]) if top_k is None else top_k
     if k is not None:
-        out[f"top{k}_accuracy"] = top_k_accuracy(probs, labels, k)
+        out[top_k_name(k)] = top_k_accuracy(probs, labels, k)
     out["auroc_macro"] = auroc_macro(probs, labels)
     return out

@@ -66,7 +66,7 @@ def run(config: EvalConfig) -> int:
         result.metrics["run"].update(_run_facts(config, job, initial_peers, dht_prefix, started, started_at))
         with ranks.phase("writing the report"):
             if main:
-                _write_report(config, result, say)
+                _write_report(config, result, say, _texts(config, job, dataset))
         if main:  # the report is complete: the partial results have served
             from dist_eval import resume
 
@@ -150,7 +150,7 @@ def _evaluate(config: EvalConfig, job: Job, model, tokenizer, dataset, folder: s
     progress.start()
     result = evaluate(
         model, dataset, tokenizer=tokenizer, **job.settings.as_dict(), **config.options.as_dict(),
-        return_logits=config.save_logits, on_batch_done=progress.update, resume_folder=folder,
+        return_logits=True, on_batch_done=progress.update, resume_folder=folder,
     )
     progress.close()
     return result
@@ -190,14 +190,22 @@ def _versions() -> dict:
     return out
 
 
-def _write_report(config: EvalConfig, result, say) -> None:
+def _texts(config: EvalConfig, job: Job, dataset) -> Optional[dict]:
+    """Rank 0, with --save-text: {"text": ..., "text_pair": ...} of every row, in row order."""
+    if not config.save_text:
+        return None
+    columns = {"text": job.settings.text_column, "text_pair": job.settings.text_pair_column}
+    return {key: dataset[column] for key, column in columns.items() if column}
+
+
+def _write_report(config: EvalConfig, result, say, texts: Optional[dict] = None) -> None:
     """Rank 0: predictions.jsonl, metrics.json and the report files; the summary; the tracker."""
     from dist_eval.output.files import write_metrics, write_predictions, write_report_files
     from dist_eval.output.summary import format_summary
     from dist_eval.output.tracking import log_to_tracker
 
     metrics, out = result.metrics, config.output_dir
-    write_predictions(out, result.predictions, metrics.get("label_names"), config.save_logits)
+    write_predictions(out, result.predictions, metrics.get("label_names"), config.save_logits, texts)
     path = write_metrics(out, metrics)
     files = write_report_files(out, metrics)
     if config.quiet:
