@@ -49,7 +49,9 @@ def check_seconds(param: str, value, *, allow_zero: bool = False) -> None:
 
 @dataclass(frozen=True)
 class Settings:
-    """What decides each row's logits. Every field is part of the resume key."""
+    """What decides which rows are evaluated and each row's logits. Every field is part of
+    the resume key.
+    """
 
     text_column: str = "text"
     text_pair_column: Optional[str] = None
@@ -58,9 +60,13 @@ class Settings:
     max_length: int = DEFAULT_MAX_LENGTH
     length_buckets: bool = True
     max_batch_tokens: Optional[int] = DEFAULT_MAX_BATCH_TOKENS  # None: no cap
+    limit: int = 0  # a seeded random sample of this many rows (dist_eval.data.sample); 0: every row
+    limit_seed: int = 0
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1)
+        check_int("limit", self.limit, 0, "an integer >= 0 (0: every row)")
+        check_int("limit_seed", self.limit_seed, 0, "an integer >= 0")
         check_int("max_length", self.max_length, 1)
         if self.max_batch_tokens is not None:
             check_int("max_batch_tokens", self.max_batch_tokens, 1, "a positive number of tokens (None: no cap)")
@@ -160,6 +166,12 @@ class EvalConfig:
     length_buckets: bool = _opt(
         "Batch rows of similar token length together (less padding; results unchanged).", default=True
     )
+    limit: int = _opt(
+        "Evaluate a seeded random sample of this many rows (without replacement; chosen by a hash of each row's "
+        "content: the same rows for any number of ranks and any order of the files); 0: every row.",
+        default=0,
+    )
+    limit_seed: int = _opt("Seed of the --limit sample.", default=0)
     # an interrupted run
     resume: bool = _opt(
         "Reuse the partial results an interrupted run of the same model, data and settings stored in --output-dir.",
@@ -214,6 +226,8 @@ class EvalConfig:
             max_length=self.max_length,
             length_buckets=self.length_buckets,
             max_batch_tokens=self.max_batch_tokens or None,
+            limit=self.limit,
+            limit_seed=self.limit_seed,
         )
         self.options = Options(
             in_flight=self.in_flight,

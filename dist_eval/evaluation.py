@@ -28,6 +28,7 @@ from dist_eval.config import (
     Settings,
 )
 from dist_eval.data.labels import TaskColumns, check_columns, label_names_of, read_labels
+from dist_eval.data.sample import sample_rows
 from dist_eval.data.shard import dataset_batches, loader_batches
 from dist_eval.errors import UsageError
 from dist_eval.merge import MergedResults, merge_on_main
@@ -87,6 +88,7 @@ def evaluate(
     bootstrap_resamples: int = DEFAULT_BOOTSTRAP_RESAMPLES,
     bootstrap_seed: int = 0,
     top_k: Optional[int] = None,
+    limit: int = 0, limit_seed: int = 0,
     resume_folder: Optional[str] = None,
     save_interval: float = DEFAULT_SAVE_INTERVAL,
 ) -> EvalResult:
@@ -119,6 +121,10 @@ def evaluate(
     stored there are not run again. The folder must belong to this exact model, data and
     settings (the CLI keys it by a hash of them; see :mod:`dist_eval.resume`).
 
+    ``limit`` (Dataset input only; 0: every row): a seeded (``limit_seed``) random sample of
+    that many rows, without replacement, chosen by a hash of each row's content: the same
+    rows for any world size and any order of the rows (:mod:`dist_eval.data.sample`).
+
     ``bootstrap_resamples`` (0 disables) and ``bootstrap_seed``: 95% percentile bootstrap
     intervals for accuracy, macro-F1 and loss, computed on rank 0 from the merged set
     (:func:`dist_eval.intervals.bootstrap_intervals`, about 1 s per 1000 resamples),
@@ -131,13 +137,12 @@ def evaluate(
     ``reliability`` (the per-bin table) and their intervals beside the others.
     """
     settings = Settings(
-        text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
-        batch_size=batch_size, max_length=max_length, length_buckets=length_buckets, max_batch_tokens=max_batch_tokens,
+        text_column=text_column, text_pair_column=text_pair_column, label_column=label_column, limit=limit,
+        limit_seed=limit_seed, batch_size=batch_size, max_length=max_length, length_buckets=length_buckets,
+        max_batch_tokens=max_batch_tokens,
     )
-    options = Options(
-        in_flight=in_flight, save_interval=save_interval,
-        bootstrap_resamples=bootstrap_resamples, bootstrap_seed=bootstrap_seed, top_k=top_k,
-    )
+    options = Options(in_flight=in_flight, save_interval=save_interval, bootstrap_resamples=bootstrap_resamples,
+                      bootstrap_seed=bootstrap_seed, top_k=top_k)
     task = _task_of(model, num_labels, pad_token_id, label_names)
     start, start_cpu = time.perf_counter(), time.process_time()
 
@@ -199,7 +204,8 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task):
     rank's batches or None for a DataLoader). Two phases: every rank must call it.
     """
     with ranks.phase("preparing the data"):
-        num_rows, labels, task.label_names = _check_data(data, tokenizer, settings, task)
+        data, labels, task.label_names = _check_data(data, tokenizer, settings, task)
+        num_rows = len(data.dataset) if labels is None else len(data)
     own_batches = None
     with ranks.phase("tokenizing the data"):
         if labels is None:  # a DataLoader: its batches are the user's
@@ -212,15 +218,21 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task):
 
 
 def _check_data(data, tokenizer, settings: Settings, task: _Task):
-    """(number of rows, the labels of a Dataset or None for a DataLoader, class names)."""
+    """(the data: a Dataset's ``limit`` sample, the labels of a Dataset or None for a
+    DataLoader, class names).
+    """
     if task.num_labels is None:
         raise UsageError("cannot tell the number of classes from the model; pass num_labels=K.", param="num_labels")
     if isinstance(data, torch.utils.data.DataLoader):
-        return len(data.dataset), None, task.label_names
+        if settings.limit:
+            raise UsageError("only with a Dataset (a DataLoader's rows are the user's to choose).", param="limit")
+        return data, None, task.label_names
     if tokenizer is None:
         raise UsageError("evaluate(data=Dataset) needs tokenizer=...; or pass a DataLoader of token ids.")
     if task.pad_token_id is None:
         raise UsageError("unknown (the model config has none); pass pad_token_id=...", param="pad_token_id")
-    check_columns(data, TaskColumns.of(settings))
+    columns = TaskColumns.of(settings)
+    check_columns(data, columns)
+    data = sample_rows(data, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
     labels = read_labels(data, settings.label_column, task.num_labels, label_names=task.label_names)
-    return len(data), labels, task.label_names or label_names_of(data, settings.label_column)
+    return data, labels, task.label_names or label_names_of(data, settings.label_column)

@@ -54,6 +54,8 @@ def run(config: EvalConfig) -> int:
             from dist_eval.data.load import load_split
 
             dataset = load_split(job.data_files, job.split)
+            sample = _sample(job.settings, dataset)
+            dataset = sample.pop("dataset")
         with ranks.phase("loading the model"):
             tokenizer, model = _load_model(config, job, initial_peers, dht_prefix)
         cleanup.callback(ranks.barrier)  # no rank's client is still talking when rank 0 stops the swarm
@@ -64,6 +66,7 @@ def run(config: EvalConfig) -> int:
 
         result = _evaluate(config, job, model, tokenizer, dataset, folder, cleanup, say)
         result.metrics["run"].update(_run_facts(config, job, initial_peers, dht_prefix, started, started_at))
+        result.metrics["run"]["sample"] = sample
         with ranks.phase("writing the report"):
             if main:
                 _write_report(config, result, say, _texts(config, job, dataset))
@@ -86,6 +89,22 @@ def _prepare(config: EvalConfig, say) -> Job:
     demo = demo_assets(log=lambda line: say(line, flush=True))
     settings = dataclasses.replace(config.settings, text_column=demo.text_column, label_column=demo.label_column)
     return Job(demo.model_dir, [demo.data_dir], demo.split, demo.checkpoint, settings, demo=True)
+
+
+def _sample(settings: Settings, dataset) -> dict:
+    """The --limit sample of the split (every rank draws the same rows: no collective), and
+    what the report records of it: ``{"dataset", "limit", "limit_seed", "rows_in_data", "rows"}``.
+    """
+    from dist_eval.data.labels import TaskColumns
+    from dist_eval.data.sample import sample_rows
+
+    columns = TaskColumns.of(settings)
+    rows_in_data = len(dataset)
+    if settings.limit and all(name in dataset.column_names for _, name in columns.named()):
+        dataset = sample_rows(dataset, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
+    # (a missing column is reported by evaluate(), naming the flag)
+    return {"dataset": dataset, "limit": settings.limit, "limit_seed": settings.limit_seed,
+            "rows_in_data": rows_in_data, "rows": len(dataset)}
 
 
 def _start_swarm(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, say) -> tuple:

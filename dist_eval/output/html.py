@@ -134,6 +134,13 @@ def _confusion_table(metrics: dict) -> str:
     return _table(header, rows)
 
 
+def _sample_text(sample: Optional[dict]) -> Optional[str]:
+    if not sample or not sample.get("limit"):
+        return None
+    return (f"{sample['rows']} of {sample['rows_in_data']} rows, a random sample (--limit {sample['limit']} "
+            f"--limit-seed {sample['limit_seed']}), chosen by a hash of each row's content")
+
+
 def _run_facts(metrics: dict) -> str:
     run = metrics.get("run", {})
     facts = [
@@ -141,6 +148,7 @@ def _run_facts(metrics: dict) -> str:
         ("classes", metrics["num_labels"]),
         ("data", ", ".join(run.get("data_files") or []) or None),
         ("split", run.get("split")),
+        ("sample (--limit)", _sample_text(run.get("sample"))),
         ("model", run.get("model")),
         ("checkpoint", run.get("checkpoint")),
         ("backend", run.get("backend")),

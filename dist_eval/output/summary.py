@@ -29,6 +29,10 @@ def format_summary(metrics: dict) -> str:
         f"{run.get('samples_per_second') or 0:.1f} samples/s (eval loop)",
         "  " + "   ".join(f"{name} {metrics[name]:.4f}" for name in headline_names(metrics)),
     ]
+    sample = run.get("sample") or {}
+    if sample.get("limit"):
+        lines.append(f"  a random sample of {sample['rows']} of {sample['rows_in_data']} rows "
+                     f"(--limit {sample['limit']} --limit-seed {sample['limit_seed']})")
     intervals = format_intervals(metrics)
     if intervals:
         lines.append(f"  {intervals}")
