@@ -1,8 +1,10 @@
 """Compare two runs over the same data: ``python -m dist_eval.compare OUT_A OUT_B``.
 
 Prints the main metrics of both runs with B - A (and their confidence intervals when
-the runs have them), then the rows whose prediction changed (index, label, pred A,
-pred B), up to ``--max-rows``. Exit 0; exit 2 with one error line when a folder is not
+the runs have them), a paired test on the shared rows (McNemar's exact test of the
+accuracies; paired bootstrap intervals of B - A in accuracy, macro-F1 and loss; also
+written to ``--json PATH``), then the rows whose prediction changed (index, label,
+pred A, pred B), up to ``--max-rows``. Exit 0; exit 2 with one error line when a folder is not
 a finished run or the runs are over different data.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from dist_eval.errors import UsageError
-from dist_eval.metrics import HEADLINE_METRICS
+from dist_eval.metrics import headline_names
 
 EXIT_USAGE = 2
 
@@ -31,6 +33,7 @@ class RunOutputs:
     indices: np.ndarray
     labels: np.ndarray
     preds: np.ndarray
+    losses: Optional[np.ndarray] = None  # each row's loss (runs before issue 14 have none)
 
 
 def load_run(folder: str) -> RunOutputs:
@@ -52,6 +55,7 @@ def load_run(folder: str) -> RunOutputs:
         indices = np.array([r["index"] for r in rows], dtype=np.int64)
         labels = np.array([r["label"] for r in rows], dtype=np.int64)
         preds = np.array([r["pred"] for r in rows], dtype=np.int64)
+        losses = np.array([r["loss"] for r in rows], dtype=np.float64) if all("loss" in r for r in rows) else None
         num_samples = int(metrics["num_samples"])
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(
@@ -62,7 +66,7 @@ def load_run(folder: str) -> RunOutputs:
             f"{folder}: predictions.jsonl has {len(rows)} rows but metrics.json counts {num_samples} samples "
             "(a partial or edited output). Re-run the evaluation."
         )
-    return RunOutputs(folder, metrics, indices, labels, preds)
+    return RunOutputs(folder, metrics, indices, labels, preds, losses)
 
 
 @dataclass
@@ -72,9 +76,32 @@ class Comparison:
     changed: np.ndarray  # row indices whose prediction differs
     fixed: int  # wrong in A, right in B
     broken: int  # right in A, wrong in B
+    paired: Optional[dict] = None  # paired_test()
 
 
-def compare_runs(a: RunOutputs, b: RunOutputs) -> Comparison:
+def paired_test(a: RunOutputs, b: RunOutputs, resamples: int = 1000, seed: int = 0) -> dict:
+    """McNemar's exact test of the accuracies and the paired bootstrap intervals of B - A
+    (accuracy, macro-F1, loss) on the shared rows (row i of A is row i of B: checked by
+    :func:`compare_runs`). Without per-row losses (older runs) the loss is left out.
+    """
+    from dist_eval.paired import mcnemar_exact, paired_bootstrap
+
+    num_labels = int(a.metrics["num_labels"])
+    out = {"a": a.folder, "b": b.folder, "shared_rows": int(a.labels.shape[0])}
+    out["mcnemar"] = mcnemar_exact(a.preds == a.labels, b.preds == b.labels)
+    with_loss = a.losses is not None and b.losses is not None
+    zeros = np.zeros(a.labels.shape[0])
+    boot = paired_bootstrap(
+        a.labels, a.preds, b.preds, a.losses if with_loss else zeros, b.losses if with_loss else zeros,
+        num_labels, resamples=resamples, seed=seed,
+    )
+    if boot is not None and not with_loss:
+        del boot["loss"]
+    out["bootstrap"] = boot
+    return out
+
+
+def compare_runs(a: RunOutputs, b: RunOutputs, resamples: int = 1000, seed: int = 0) -> Comparison:
     """The differences of two runs; refuses runs over different data."""
     n_a, n_b = a.metrics["num_samples"], b.metrics["num_samples"]
     if n_a != n_b:
@@ -95,7 +122,33 @@ def compare_runs(a: RunOutputs, b: RunOutputs) -> Comparison:
         )
     changed = np.flatnonzero(a.preds != b.preds)
     right_a, right_b = a.preds == a.labels, b.preds == b.labels
-    return Comparison(a, b, changed, int((~right_a & right_b).sum()), int((right_a & ~right_b).sum()))
+    paired = paired_test(a, b, resamples, seed)
+    return Comparison(a, b, changed, int((~right_a & right_b).sum()), int((right_a & ~right_b).sum()), paired)
+
+
+def format_paired(paired: Optional[dict]) -> List[str]:
+    """The paired test's lines: McNemar's p-value, and B - A with its bootstrap interval."""
+    if not paired:
+        return []
+    m = paired["mcnemar"]
+    lines = [
+        f"paired test on the {paired['shared_rows']} shared rows:",
+        f"  McNemar exact test of accuracy: p = {m['pvalue']:.4g} ({m['a_only']} rows right in A only, "
+        f"{m['b_only']} in B only)",
+    ]
+    boot = paired.get("bootstrap")
+    if boot:
+        level = f"{100 * boot['level']:g}%"
+        for name in ("accuracy", "f1_macro", "loss"):
+            if name not in boot:
+                continue
+            d, ci = boot[name]["difference"], boot[name]["interval"]
+            ci_text = f"   {level} CI [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else ""
+            lines.append(f"  B-A {name:<12} {d:+.4f}{ci_text}")
+        if boot["resamples"]:
+            lines.append(f"  (paired bootstrap: {boot['resamples']} resamples, seed {boot['seed']}, "
+                         "the same rows for A and B)")
+    return lines
 
 
 def _names(metrics: dict) -> Optional[List[str]]:
@@ -119,14 +172,16 @@ def format_comparison(c: Comparison, max_rows: int = 20) -> str:
     def ci_text(intervals: dict, name: str) -> str:
         return f"[{intervals[name][0]:.4f}, {intervals[name][1]:.4f}]" if name in intervals else ""
 
-    for name in HEADLINE_METRICS:
-        if name not in ma or name not in mb:
+    for name in headline_names(ma):
+        if mb.get(name) is None:
             continue
         line = f"  {name:<16} {ma[name]:8.4f} {mb[name]:8.4f} {mb[name] - ma[name]:+9.4f}"
         if with_ci:
             line += f"   {ci_text(ci_a, name):>18}   {ci_text(ci_b, name):>18}"
         lines.append(line.rstrip())
     lines.append("")
+    paired = format_paired(c.paired)
+    lines.extend([*paired, ""] if paired else [])
     other = len(c.changed) - c.fixed - c.broken
     lines.append(
         f"predictions changed on {len(c.changed)} of {n} rows: {c.fixed} now right, {c.broken} now wrong, "
@@ -162,17 +217,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("run_a", metavar="OUT_A", help="output folder of run A (metrics.json, predictions.jsonl)")
     parser.add_argument("run_b", metavar="OUT_B", help="output folder of run B")
     parser.add_argument("--max-rows", type=int, default=20, help="changed rows to list (default 20; 0: none)")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the paired test (McNemar p-value, bootstrap intervals of B - A) to PATH")
+    parser.add_argument("--bootstrap-resamples", type=int, default=1000,
+                        help="resamples of the paired bootstrap (default 1000; 0: no intervals)")
+    parser.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the paired bootstrap (default 0)")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        comparison = compare_runs(load_run(args.run_a), load_run(args.run_b))
+        if args.bootstrap_resamples < 0 or args.bootstrap_seed < 0:
+            raise UsageError("--bootstrap-resamples and --bootstrap-seed: expected integers >= 0.")
+        a, b = load_run(args.run_a), load_run(args.run_b)
+        comparison = compare_runs(a, b, args.bootstrap_resamples, args.bootstrap_seed)
     except UsageError as e:
         print(f"dist_eval.compare: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     print(format_comparison(comparison, args.max_rows), flush=True)
+    if args.json:
+        from dist_eval.atomic import atomic_write
+
+        atomic_write(args.json, lambda f: json.dump(comparison.paired, f, indent=2))
+        print(f"paired test written to {args.json}", flush=True)
     return 0
 
 

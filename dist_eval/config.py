@@ -49,7 +49,9 @@ def check_seconds(param: str, value, *, allow_zero: bool = False) -> None:
 
 @dataclass(frozen=True)
 class Settings:
-    """What decides each row's logits. Every field is part of the resume key."""
+    """What decides which rows are evaluated and each row's logits. Every field is part of
+    the resume key.
+    """
 
     text_column: str = "text"
     text_pair_column: Optional[str] = None
@@ -58,9 +60,13 @@ class Settings:
     max_length: int = DEFAULT_MAX_LENGTH
     length_buckets: bool = True
     max_batch_tokens: Optional[int] = DEFAULT_MAX_BATCH_TOKENS  # None: no cap
+    limit: int = 0  # a seeded random sample of this many rows (dist_eval.data.sample); 0: every row
+    limit_seed: int = 0
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1)
+        check_int("limit", self.limit, 0, "an integer >= 0 (0: every row)")
+        check_int("limit_seed", self.limit_seed, 0, "an integer >= 0")
         check_int("max_length", self.max_length, 1)
         if self.max_batch_tokens is not None:
             check_int("max_batch_tokens", self.max_batch_tokens, 1, "a positive number of tokens (None: no cap)")
@@ -77,9 +83,12 @@ class Options:
     save_interval: float = DEFAULT_SAVE_INTERVAL
     bootstrap_resamples: int = DEFAULT_BOOTSTRAP_RESAMPLES
     bootstrap_seed: int = 0
+    top_k: Optional[int] = None  # the k of top{k}_accuracy; None: 2 with more than 2 classes, else none
 
     def __post_init__(self) -> None:
         check_int("in_flight", self.in_flight, 1)
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, 1, "a positive integer (the k of top-k accuracy)")
         check_seconds("save_interval", self.save_interval, allow_zero=True)
         check_int("bootstrap_resamples", self.bootstrap_resamples, 0, "an integer >= 0 (0 disables the intervals)")
         check_int("bootstrap_seed", self.bootstrap_seed, 0, "an integer >= 0")
@@ -157,6 +166,12 @@ class EvalConfig:
     length_buckets: bool = _opt(
         "Batch rows of similar token length together (less padding; results unchanged).", default=True
     )
+    limit: int = _opt(
+        "Evaluate a seeded random sample of this many rows (without replacement; chosen by a hash of each row's "
+        "content: the same rows for any number of ranks and any order of the files); 0: every row.",
+        default=0,
+    )
+    limit_seed: int = _opt("Seed of the --limit sample.", default=0)
     # an interrupted run
     resume: bool = _opt(
         "Reuse the partial results an interrupted run of the same model, data and settings stored in --output-dir.",
@@ -172,6 +187,7 @@ class EvalConfig:
     )
     # outputs
     save_logits: bool = _opt("Also write each row's logits to predictions.jsonl.", default=False)
+    save_text: bool = _opt("Also write each row's text (and text pair) to predictions.jsonl.", default=False)
     output_dir: str = _opt("Where metrics.json and predictions.jsonl go.", default="dist_eval_output")
     # the swarm and the process group
     local_servers: int = _opt("Servers of the local swarm started when --initial-peers is omitted.", default=2)
@@ -193,6 +209,11 @@ class EvalConfig:
         default=DEFAULT_BOOTSTRAP_RESAMPLES,
     )
     bootstrap_seed: int = _opt("Seed of the bootstrap: the same seed gives the same intervals.", default=0)
+    top_k: Optional[int] = _opt(
+        "The k of the top-k accuracy (top{K}_accuracy in metrics.json); default: 2 with more than 2 classes, "
+        "none with 2.",
+        default=None,
+    )
     report_to: str = _opt(
         "Also log the final metrics and confusion matrix to wandb or tensorboard (its package must be installed).",
         default="none",
@@ -216,12 +237,15 @@ class EvalConfig:
             max_length=self.max_length,
             length_buckets=self.length_buckets,
             max_batch_tokens=self.max_batch_tokens or None,
+            limit=self.limit,
+            limit_seed=self.limit_seed,
         )
         self.options = Options(
             in_flight=self.in_flight,
             save_interval=self.save_interval,
             bootstrap_resamples=self.bootstrap_resamples,
             bootstrap_seed=self.bootstrap_seed,
+            top_k=self.top_k,
         )
         check_int("local_servers", self.local_servers, 1)
         check_seconds("swarm_timeout", self.swarm_timeout)

@@ -29,6 +29,7 @@ from dist_eval.config import (
 )
 from dist_eval.data.labels import TaskColumns, check_columns, label_names_of, read_labels
 from dist_eval.data.loader import loader_batches
+from dist_eval.data.sample import sample_rows
 from dist_eval.data.shard import dataset_batches
 from dist_eval.errors import UsageError
 from dist_eval.merge import MergedResults, merge_on_main
@@ -87,6 +88,8 @@ def evaluate(
     in_flight: int = DEFAULT_IN_FLIGHT,
     bootstrap_resamples: int = DEFAULT_BOOTSTRAP_RESAMPLES,
     bootstrap_seed: int = 0,
+    top_k: Optional[int] = None,
+    limit: int = 0, limit_seed: int = 0,
     resume_folder: Optional[str] = None,
     save_interval: float = DEFAULT_SAVE_INTERVAL,
 ) -> EvalResult:
@@ -109,9 +112,9 @@ def evaluate(
     each batch. See :mod:`dist_eval.data.loader`.
 
     ``metrics``: name -> fn(labels, preds, logits) computed once on rank 0 over the
-    merged, de-duplicated set (logits are passed when ``return_logits`` is set, else
-    None). ``sample_metrics``: name -> fn(logits, labels) -> one value per sample,
-    reported as its sample-weighted mean. Both appear in ``metrics`` beside the built-ins.
+    merged, de-duplicated set (the logits are always passed). ``sample_metrics``:
+    name -> fn(logits, labels) -> one value per sample, reported as its sample-weighted
+    mean. Both appear in ``metrics`` beside the built-ins.
     ``on_batch_done(num_rows)`` is called on each rank after each of its batches.
 
     Throughput (none of these changes any result): ``length_buckets`` batches rows of
@@ -125,39 +128,54 @@ def evaluate(
     stored there are not run again. The folder must belong to this exact model, data and
     settings (the CLI keys it by a hash of them; see :mod:`dist_eval.resume`).
 
+    ``limit`` (Dataset input only; 0: every row): a seeded (``limit_seed``) random sample of
+    that many rows, without replacement, chosen by a hash of each row's content: the same
+    rows for any world size and any order of the rows (:mod:`dist_eval.data.sample`).
+
     ``bootstrap_resamples`` (0 disables) and ``bootstrap_seed``: 95% percentile bootstrap
     intervals for accuracy, macro-F1 and loss, computed on rank 0 from the merged set
     (:func:`dist_eval.intervals.bootstrap_intervals`, about 1 s per 1000 resamples),
     in ``metrics["confidence_intervals"]``; the same for any world size.
+
+    Probability scores, from the softmax of every row's logits (gathered to rank 0 with the
+    other per-sample arrays: rows x classes x 4 bytes there): ``ece`` (15 equal-width
+    bins), ``brier``, ``top{k}_accuracy`` (``top_k``; None: 2 with more than 2 classes,
+    none with 2) and ``auroc_macro`` (one-vs-rest, macro over the classes present), with
+    ``reliability`` (the per-bin table) and their intervals beside the others.
     """
     settings = Settings(
-        text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
-        batch_size=batch_size, max_length=max_length, length_buckets=length_buckets, max_batch_tokens=max_batch_tokens,
+        text_column=text_column, text_pair_column=text_pair_column, label_column=label_column, limit=limit,
+        limit_seed=limit_seed, batch_size=batch_size, max_length=max_length, length_buckets=length_buckets,
+        max_batch_tokens=max_batch_tokens,
     )
-    options = Options(
-        in_flight=in_flight, save_interval=save_interval,
-        bootstrap_resamples=bootstrap_resamples, bootstrap_seed=bootstrap_seed,
-    )
+    options = Options(in_flight=in_flight, save_interval=save_interval, bootstrap_resamples=bootstrap_resamples,
+                      bootstrap_seed=bootstrap_seed, top_k=top_k)
     task = _task_of(model, num_labels, pad_token_id, label_names)
     start, start_cpu = time.perf_counter(), time.process_time()
 
     num_rows, batches, num_truncated, own_batches = _this_rank_batches(data, tokenizer, settings, task)
     with ranks.phase("reading the stored partial results"):
         stored, writer = open_partial(resume_folder, own_batches, task.num_labels, options.save_interval)
-    local = _forward_passes(task, batches, stored, writer, options.in_flight, return_logits, sample_metrics,
-                            on_batch_done)
+    local = _forward_passes(task, batches, stored, writer, options.in_flight, sample_metrics, on_batch_done)
     loop_seconds = time.perf_counter() - start
     local.loop_cpu_seconds = time.process_time() - start_cpu  # this rank's CPU (all its threads) in the loop
 
     report, merged = merge_on_main(
         local, num_rows, task.num_labels, label_names=task.label_names, user_metrics=metrics,
         num_truncated=num_truncated, loop_seconds=loop_seconds,
-        bootstrap=(options.bootstrap_resamples, options.bootstrap_seed),
+        bootstrap=(options.bootstrap_resamples, options.bootstrap_seed), top_k=options.top_k,
     )
-    return EvalResult(metrics=report, predictions=merged)
+    return EvalResult(metrics=report, predictions=merged if return_logits else _without_logits(merged))
 
 
-def _forward_passes(task: _Task, batches, stored, writer, in_flight, return_logits, sample_metrics, on_batch_done):
+def _without_logits(merged: Optional[MergedResults]) -> Optional[MergedResults]:
+    """The logits were kept for the probability scores; returned only when asked."""
+    if merged is not None:
+        merged.logits = None
+    return merged
+
+
+def _forward_passes(task: _Task, batches, stored, writer, in_flight, sample_metrics, on_batch_done):
     """This rank's forwards (a phase): finished batches are stored as they come, and kept
     when the phase fails; one rank's failure stops the others at their next batch.
     """
@@ -170,7 +188,7 @@ def _forward_passes(task: _Task, batches, stored, writer, in_flight, return_logi
 
         try:
             local = predict_shard(
-                task.forward, batches, task.num_labels, keep_logits=return_logits, sample_metrics=sample_metrics,
+                task.forward, batches, task.num_labels, keep_logits=True, sample_metrics=sample_metrics,
                 on_batch_done=after_batch, in_flight=in_flight, stored=stored,
                 on_batch_logits=writer.add if writer is not None else None,
             )
@@ -207,7 +225,8 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task):
     rank's batches or None for a DataLoader). Two phases: every rank must call it.
     """
     with ranks.phase("preparing the data"):
-        num_rows, labels, task.label_names = _check_data(data, tokenizer, settings, task)
+        data, labels, task.label_names = _check_data(data, tokenizer, settings, task)
+        num_rows = len(data.dataset) if labels is None else len(data)
     own_batches = None
     with ranks.phase("tokenizing the data"):
         if labels is None:  # a DataLoader: its batches are the user's
@@ -220,17 +239,23 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task):
 
 
 def _check_data(data, tokenizer, settings: Settings, task: _Task):
-    """(number of rows, the labels of a Dataset or None for a DataLoader, class names)."""
+    """(the data: a Dataset's ``limit`` sample, the labels of a Dataset or None for a
+    DataLoader, class names).
+    """
     if task.num_labels is None:
         raise UsageError("cannot tell the number of classes from the model; pass num_labels=K.", param="num_labels")
     if isinstance(data, torch.utils.data.DataLoader):
         if not hasattr(data.dataset, "__len__"):
             raise UsageError("a DataLoader over a dataset without len(): its rows cannot be counted.", param="data")
-        return len(data.dataset), None, task.label_names
+        if settings.limit:
+            raise UsageError("only with a Dataset (a DataLoader's rows are the user's to choose).", param="limit")
+        return data, None, task.label_names
     if tokenizer is None:
         raise UsageError("evaluate(data=Dataset) needs tokenizer=...; or pass a DataLoader of token ids.")
     if task.pad_token_id is None:
         raise UsageError("unknown (the model config has none); pass pad_token_id=...", param="pad_token_id")
-    check_columns(data, TaskColumns.of(settings))
+    columns = TaskColumns.of(settings)
+    check_columns(data, columns)
+    data = sample_rows(data, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
     labels = read_labels(data, settings.label_column, task.num_labels, label_names=task.label_names)
-    return len(data), labels, task.label_names or label_names_of(data, settings.label_column)
+    return data, labels, task.label_names or label_names_of(data, settings.label_column)

@@ -132,3 +132,138 @@ def _resample_mean_loss(rng, losses: np.ndarray, resamples: int) -> np.ndarray:
             totals += (np.sqrt(draws * variances[None, :]) * rng.standard_normal((r, num_groups))).sum(axis=1)
         out[start:start + r] = totals / n
     return out
+
+
+# --- intervals of the probability scores (ECE, Brier, top-k accuracy, AUROC) -------------
+# Kept apart from bootstrap_intervals so its numbers stay bit for bit what they were: these
+# draw from their own stream of the same seed (SeedSequence(seed, spawn_key=(1,))).
+
+SCORES_STREAM = 1
+
+
+def bootstrap_score_intervals(
+    probs: np.ndarray,
+    labels: np.ndarray,
+    resamples: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    top_k: int | None = None,
+    bins: int = 15,
+) -> dict | None:
+    """Percentile bootstrap intervals of :func:`dist_eval.metrics.score_metrics`:
+    ``{"method", "resamples", "seed", "level", "ece": [lo, hi], "brier": [lo, hi],
+    "top{k}_accuracy": [lo, hi], "auroc_macro": [lo, hi]}`` (the same keys as
+    :func:`bootstrap_intervals`, so the two dicts can be merged).
+
+    Every metric is recomputed on the same resamples, drawn as row indices over a
+    canonical order of the rows (sorted by label and probabilities), so the result depends
+    only on the multiset of rows: the same for any world size and row order, and the same
+    seed gives the same intervals on any machine. An exact bootstrap (no grouping): cost
+    about resamples x rows x (classes + bins) operations, about 1-2 s per 100 resamples
+    at 20 000 rows and 10 classes on one core (0.2 s with 2 classes). ``auroc_macro`` of a resample is
+    over the classes present in it; resamples where it is undefined (one class) are left
+    out of its percentiles (NaN interval when all are). Returns None when ``resamples`` is
+    0 or there are no rows.
+    """
+    from dist_eval.metrics import _scores_and_labels
+
+    probs, labels = _scores_and_labels(probs, labels)
+    if not isinstance(resamples, (int, np.integer)) or resamples < 0:
+        raise ValueError(f"resamples must be an integer >= 0 (0 disables the intervals); got {resamples!r}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must lie in (0, 1); got {level}")
+    if resamples == 0 or labels.shape[0] == 0:
+        return None
+    values = _score_metric_resamples(probs, labels, resamples, seed, top_k, bins)
+    tail = 100.0 * (1.0 - level) / 2.0
+    out = {"method": METHOD, "resamples": int(resamples), "seed": int(seed), "level": float(level)}
+    for name, draws in values.items():
+        finite = draws[~np.isnan(draws)]
+        if finite.size == 0:
+            out[name] = [float("nan"), float("nan")]
+        else:
+            lo, hi = np.percentile(finite, [tail, 100.0 - tail])
+            out[name] = [float(lo), float(hi)]
+    return out
+
+
+def canonical_row_order(*columns: np.ndarray) -> np.ndarray:
+    """A permutation that sorts rows by the given columns (1-D or 2-D, first column most
+    significant): rows equal in every column are interchangeable, so anything computed on
+    the reordered rows depends only on their multiset, not on how they arrived.
+    """
+    keys = []
+    for column in columns:
+        column = np.asarray(column)
+        keys.extend([column] if column.ndim == 1 else [column[:, j] for j in range(column.shape[1])])
+    return np.lexsort(keys[::-1])
+
+
+def resample_counts(rng, n: int, resamples: int):
+    """Yield ``(start, counts)`` chunks: ``counts[i, j]`` is how often row j is drawn in
+    resample ``start + i`` (n row indices drawn uniformly with replacement per resample).
+    """
+    for start, r in _chunks(resamples, n):
+        indices = rng.integers(0, n, size=(r, n))
+        flat = (np.arange(r)[:, None] * n + indices).ravel()
+        yield start, np.bincount(flat, minlength=r * n).reshape(r, n).astype(np.float64)
+
+
+def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bins: int) -> dict[str, np.ndarray]:
+    """Each score metric of every resample: ``{name: float64[resamples]}``."""
+    from dist_eval import metrics as M
+
+    order = canonical_row_order(labels, probs)
+    probs, labels = probs[order], labels[order]
+    n, num_labels = probs.shape
+    k = M.default_top_k(num_labels) if top_k is None else top_k
+    confidence = probs.max(axis=1)
+    gap = confidence - (probs.argmax(axis=1) == labels)
+    gap_by_bin = np.zeros((n, bins))
+    gap_by_bin[np.arange(n), M.calibration_bins(confidence, bins)] = gap
+    brier = M.per_sample_brier(probs, labels)
+    hits = M.top_k_hits(probs, labels, k).astype(np.float64) if k is not None else None
+    auroc_classes = [1] if num_labels == 2 else range(num_labels)
+    rankings = [_ranking(probs[:, c], labels == c) for c in auroc_classes]
+    out = {name: np.empty(resamples) for name in ("ece", "brier")}
+    if k is not None:
+        out[f"top{k}_accuracy"] = np.empty(resamples)
+    out["auroc_macro"] = np.empty(resamples)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(SCORES_STREAM,))))
+    for start, counts in resample_counts(rng, n, resamples):
+        stop = start + counts.shape[0]
+        out["ece"][start:stop] = np.abs(counts @ gap_by_bin).sum(axis=1) / n
+        out["brier"][start:stop] = counts @ brier / n
+        if k is not None:
+            out[f"top{k}_accuracy"][start:stop] = counts @ hits / n
+        per_class = np.stack([_weighted_auroc(counts, *ranking) for ranking in rankings], axis=1)
+        with np.errstate(invalid="ignore"):
+            # classes present in the resample; NaN when fewer than two are (every AUROC undefined)
+            defined = ~np.isnan(per_class)
+            sums = np.where(defined, per_class, 0.0).sum(axis=1)
+            out["auroc_macro"][start:stop] = np.where(defined.any(axis=1), sums / defined.sum(axis=1), np.nan)
+    return out
+
+
+def _ranking(scores: np.ndarray, positive: np.ndarray):
+    """Rows in score order, where each run of tied scores starts, and which rows are positive."""
+    order = np.argsort(scores, kind="mergesort")
+    ordered = scores[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    return order, starts, positive[order]
+
+
+def _weighted_auroc(counts: np.ndarray, order, starts, positive) -> np.ndarray:
+    """AUROC of each resample (row weights ``counts``): Mann-Whitney with ties as 1/2; NaN
+    where the resample has no positive or no negative row.
+    """
+    weights = counts[:, order]
+    pos = weights * positive[None, :]
+    if starts.size < order.size:  # tied scores: one group per run of ties
+        pos = np.add.reduceat(pos, starts, axis=1)
+        weights = np.add.reduceat(weights, starts, axis=1)
+    neg = weights - pos  # counts are integers: exact in float64
+    below = np.cumsum(neg, axis=1) - neg  # negative weight strictly below each group
+    wins = (pos * (below + 0.5 * neg)).sum(axis=1)
+    pairs = pos.sum(axis=1) * neg.sum(axis=1)
+    return np.divide(wins, pairs, out=np.full(wins.shape, np.nan), where=pairs > 0)

@@ -12,8 +12,17 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dist_eval import ranks
-from dist_eval.intervals import bootstrap_intervals
-from dist_eval.metrics import confusion_matrix, mean_of, metrics_from_confusion
+from dist_eval.intervals import bootstrap_intervals, bootstrap_score_intervals
+from dist_eval.metrics import (
+    CALIBRATION_BINS,
+    confusion_matrix,
+    default_top_k,
+    mean_of,
+    metrics_from_confusion,
+    reliability_table,
+    score_metrics,
+    softmax,
+)
 from dist_eval.predict import SAMPLE_VALUE_PREFIX, ShardResults
 
 
@@ -152,11 +161,15 @@ def merge_on_main(
     num_truncated: int = 0,
     loop_seconds: float = 0.0,
     bootstrap: Optional[Tuple[int, int]] = None,
+    top_k: Optional[int] = None,
 ) -> tuple:
     """Combine every rank's results: (the report on every rank, the merged per-sample
     arrays on rank 0 and None elsewhere). Every rank must call it.
 
     ``bootstrap`` = (resamples, seed) adds ``confidence_intervals`` to the report.
+    ``top_k``: the k of ``top{k}_accuracy`` (None: :func:`dist_eval.metrics.default_top_k`).
+    ``local.logits`` must be kept: the probability scores (ECE, Brier, top-k, AUROC) are
+    computed on rank 0 from the softmax of every row's logits.
     """
     global_totals = Totals.of_shard(local, num_truncated).all_reduced()
     # per-sample arrays to rank 0 only; rank 0 merges and computes the metrics
@@ -169,23 +182,23 @@ def merge_on_main(
         if ranks.is_main_process():
             merged = merge_gathered([gathered], num_rows)  # consumes the arrays: one copy at a time
             del gathered
-            report = _report(merged, num_labels, label_names, user_metrics, global_totals, rank_facts, bootstrap)
+            report = _report(
+                merged, num_labels, label_names, user_metrics, global_totals, rank_facts, (bootstrap, top_k)
+            )
     return ranks.broadcast_object(report), merged
 
 
 def _report(
-    merged: MergedResults, num_labels, label_names, user_metrics, totals: Totals, rank_facts, bootstrap
+    merged: MergedResults, num_labels, label_names, user_metrics, totals: Totals, rank_facts, scoring
 ) -> dict:
-    """Rank 0: the metrics of the merged set, checked against the reduced totals, and the run's facts."""
+    """Rank 0: the metrics of the merged set, checked against the reduced totals, and the run's
+    facts. ``scoring``: (bootstrap (resamples, seed) or None, top_k).
+    """
     if merged.num_samples != int(totals.num_samples):
         raise RuntimeError(
             f"internal: all_reduce counted {int(totals.num_samples)} samples but the merge holds {merged.num_samples}"
         )
-    report = _metrics(merged, num_labels, label_names, user_metrics, totals)
-    if bootstrap and bootstrap[0]:  # from the index-ordered merged set: the same for any N
-        report["confidence_intervals"] = bootstrap_intervals(
-            merged.labels, merged.preds, merged.losses, num_labels, resamples=bootstrap[0], seed=bootstrap[1]
-        )
+    report = _metrics(merged, num_labels, label_names, user_metrics, totals, scoring)
     report["num_truncated"] = int(totals.num_truncated)
     loop_seconds_max = max(facts.loop_seconds for facts in rank_facts)
     report["run"] = {
@@ -204,14 +217,62 @@ def _report(
     return report
 
 
-def _metrics(merged: MergedResults, num_labels, label_names, user_metrics, totals: Totals) -> dict:
-    if label_names is not None and len(label_names) != num_labels:
-        label_names = None
-    cm = confusion_matrix(merged.labels, merged.preds, num_labels)
-    report = {"num_samples": merged.num_samples, "num_labels": num_labels}
+def probability_scores(logits, labels, top_k: Optional[int], bootstrap: Optional[Tuple[int, int]]) -> dict:
+    """Rank 0: ``ece``, ``brier``, ``top{k}_accuracy``, ``auroc_macro``, ``top_k`` and the
+    ``reliability`` table of the softmax of the merged logits (row order: the same for any
+    N), and their intervals (``bootstrap_score_intervals``) under ``score_intervals``.
+    """
+    if logits is None:
+        raise RuntimeError("internal: the probability scores need every row's logits on rank 0")
+    probs = softmax(logits)
+    k = default_top_k(probs.shape[1]) if top_k is None else top_k
+    out = score_metrics(probs, labels, k, CALIBRATION_BINS)
+    out["top_k"] = k
+    table = reliability_table(probs, labels, CALIBRATION_BINS)
+    out["reliability"] = {name: values.tolist() for name, values in table.items()}
+    if bootstrap and bootstrap[0]:
+        intervals = bootstrap_score_intervals(
+            probs, labels, resamples=bootstrap[0], seed=bootstrap[1], top_k=k, bins=CALIBRATION_BINS
+        )
+        out["score_intervals"] = {
+            name: None if np.isnan(value).any() else value for name, value in (intervals or {}).items() if name in out
+        }
+    # undefined (AUROC with one class present) is null in metrics.json, not NaN: JSON has
+    # no NaN, and NaN != NaN would make equal reports compare unequal
+    return {name: None if isinstance(value, float) and np.isnan(value) else value for name, value in out.items()}
+
+
+def row_metrics(
+    labels, preds, losses, logits, num_labels: int, label_names=None,
+    bootstrap: Optional[Tuple[int, int]] = None, top_k: Optional[int] = None,
+) -> dict:
+    """Every built-in metric of the rows (ordered by row index), and their intervals: the
+    run's merge and ``python -m dist_eval.rescore`` both call this. Without ``logits`` the
+    probability scores are left out.
+    """
+    cm = confusion_matrix(labels, preds, num_labels)
+    report = {"num_samples": int(len(labels)), "num_labels": num_labels}
     report.update(metrics_from_confusion(cm, label_names))
     # exactly rounded, in row order: the same bits for any world size
-    report["loss"] = mean_of(merged.losses)
+    report["loss"] = mean_of(losses)
+    if bootstrap and bootstrap[0]:  # from the index-ordered merged set: the same for any N
+        report["confidence_intervals"] = bootstrap_intervals(
+            labels, preds, losses, num_labels, resamples=bootstrap[0], seed=bootstrap[1]
+        )
+    if logits is not None:
+        intervals = report.get("confidence_intervals")
+        report.update(probability_scores(logits, labels, top_k, bootstrap))
+        if intervals:  # one dict of intervals: the same resamples count, seed and level
+            intervals.update(report.pop("score_intervals"))
+    return report
+
+
+def _metrics(merged: MergedResults, num_labels, label_names, user_metrics, totals: Totals, scoring) -> dict:
+    if label_names is not None and len(label_names) != num_labels:
+        label_names = None
+    report = row_metrics(
+        merged.labels, merged.preds, merged.losses, merged.logits, num_labels, label_names, scoring[0], scoring[1]
+    )
     reduced_loss = totals.loss_sum / merged.num_samples
     if abs(reduced_loss - report["loss"]) > 1e-9 * max(1.0, abs(report["loss"])):
         raise RuntimeError(f"internal: all_reduced mean loss {reduced_loss} != merged mean loss {report['loss']}")

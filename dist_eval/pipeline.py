@@ -55,6 +55,8 @@ def run(config: EvalConfig) -> int:
             from dist_eval.data.load import load_split
 
             dataset = load_split(job.data_files, job.split)
+            sample = _sample(job.settings, dataset)
+            dataset = sample.pop("dataset")
         with ranks.phase("loading the model"):
             tokenizer, model = _load_model(config, job, initial_peers, dht_prefix)
         cleanup.push(_barrier_unless_interrupted)  # no rank's client is still talking when rank 0 stops the swarm
@@ -68,9 +70,10 @@ def run(config: EvalConfig) -> int:
         provenance = getattr(model.module, "provenance", None)
         if main and provenance is not None:  # a petals run: the servers as announced in the DHT
             result.metrics["run"]["swarm"] = provenance()
+        result.metrics["run"]["sample"] = sample
         with ranks.phase("writing the report"):
             if main:
-                _write_report(config, result, say)
+                _write_report(config, result, say, _texts(config, job, dataset))
         if main:  # the report is complete: the partial results have served
             from dist_eval import resume
 
@@ -98,6 +101,22 @@ def _prepare(config: EvalConfig, say) -> Job:
     demo = demo_assets(log=lambda line: say(line, flush=True))
     settings = dataclasses.replace(config.settings, text_column=demo.text_column, label_column=demo.label_column)
     return Job(demo.model_dir, [demo.data_dir], demo.split, demo.checkpoint, settings, demo=True)
+
+
+def _sample(settings: Settings, dataset) -> dict:
+    """The --limit sample of the split (every rank draws the same rows: no collective), and
+    what the report records of it: ``{"dataset", "limit", "limit_seed", "rows_in_data", "rows"}``.
+    """
+    from dist_eval.data.labels import TaskColumns
+    from dist_eval.data.sample import sample_rows
+
+    columns = TaskColumns.of(settings)
+    rows_in_data = len(dataset)
+    if settings.limit and all(name in dataset.column_names for _, name in columns.named()):
+        dataset = sample_rows(dataset, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
+    # (a missing column is reported by evaluate(), naming the flag)
+    return {"dataset": dataset, "limit": settings.limit, "limit_seed": settings.limit_seed,
+            "rows_in_data": rows_in_data, "rows": len(dataset)}
 
 
 def _start_swarm(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, say) -> tuple:
@@ -162,7 +181,7 @@ def _evaluate(config: EvalConfig, job: Job, model, tokenizer, dataset, folder: s
     progress.start()
     result = evaluate(
         model, dataset, tokenizer=tokenizer, **job.settings.as_dict(), **config.options.as_dict(),
-        return_logits=config.save_logits, on_batch_done=progress.update, resume_folder=folder,
+        return_logits=True, on_batch_done=progress.update, resume_folder=folder,
     )
     progress.close()
     return result
@@ -219,14 +238,22 @@ def _versions() -> dict:
     return out
 
 
-def _write_report(config: EvalConfig, result, say) -> None:
+def _texts(config: EvalConfig, job: Job, dataset) -> Optional[dict]:
+    """Rank 0, with --save-text: {"text": ..., "text_pair": ...} of every row, in row order."""
+    if not config.save_text:
+        return None
+    columns = {"text": job.settings.text_column, "text_pair": job.settings.text_pair_column}
+    return {key: dataset[column] for key, column in columns.items() if column}
+
+
+def _write_report(config: EvalConfig, result, say, texts: Optional[dict] = None) -> None:
     """Rank 0: predictions.jsonl, metrics.json and the report files; the summary; the tracker."""
     from dist_eval.output.files import write_metrics, write_predictions, write_report_files
     from dist_eval.output.summary import format_summary
     from dist_eval.output.tracking import log_to_tracker
 
     metrics, out = result.metrics, config.output_dir
-    write_predictions(out, result.predictions, metrics.get("label_names"), config.save_logits)
+    write_predictions(out, result.predictions, metrics.get("label_names"), config.save_logits, texts)
     path = write_metrics(out, metrics)
     files = write_report_files(out, metrics)
     if config.quiet:

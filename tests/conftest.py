@@ -88,7 +88,9 @@ def run_cli(args, nproc: int = 1, timeout: float = 300, env=None) -> subprocess.
             "dist_eval",
             *args,
         ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    # the checkout under test, not an installed copy of the package
+    pythonpath = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath, **(env or {})}
     return run_in_own_group(cmd, timeout=timeout, env=full_env)
 
 

@@ -26,7 +26,8 @@ def cli_runs(tiny_model, tiny_checkpoint, data_csv, tmp_path_factory):
     out = {}
     for nproc in (1, 2, 3):
         folder = tmp_path_factory.mktemp(f"cli_n{nproc}")
-        proc = run_cli(local_args(tiny_model, tiny_checkpoint, data_csv, folder, "--save-logits"), nproc=nproc)
+        args = local_args(tiny_model, tiny_checkpoint, data_csv, folder, "--save-logits", "--save-text")
+        proc = run_cli(args, nproc=nproc)
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[nproc] = (folder, proc)
     return out
@@ -60,8 +61,25 @@ def test_outputs_are_complete(cli_runs):
     with open(run["data_files"][0]) as f:
         file_labels = [int(line.rsplit(",", 1)[1]) for line in f.read().splitlines()[1:]]
     assert [r["label"] for r in rows] == file_labels
+    # each row's probability of its prediction, loss and text (issue 14)
+    import numpy as np
+    from scipy.special import softmax
+
+    logits = np.array([r["logits"] for r in rows], dtype=np.float64)
+    probs = softmax(logits, axis=1)
+    labels, preds = np.array(file_labels), np.array([r["pred"] for r in rows])
+    assert np.allclose([r["prob"] for r in rows], probs[np.arange(23), preds], rtol=1e-12)
+    assert np.allclose([r["loss"] for r in rows], -np.log(probs[np.arange(23), labels]), rtol=1e-6)
+    with open(run["data_files"][0]) as f:
+        file_texts = [line.rsplit(",", 1)[0] for line in f.read().splitlines()[1:]]
+    assert [r["text"] for r in rows] == file_texts
+    for key in ("ece", "brier", "top2_accuracy", "auroc_macro", "reliability"):
+        assert key in metrics, key
+    assert "ece " in proc.stdout and "top2_accuracy " in proc.stdout
+    assert os.path.isfile(folder / "reliability_diagram.png")
+    assert "Reliability diagram" in open(folder / "report.html").read()
     assert "accuracy" in proc.stdout and "confusion matrix" in proc.stdout  # rank 0's summary
-    assert proc.stdout.count("accuracy ") == 1  # printed once, by rank 0 only
+    assert len(re.findall(r"(?<!\w)accuracy \d", proc.stdout)) == 1  # printed once, by rank 0 only
 
 
 @pytest.mark.parametrize("nproc", [2, 3])

@@ -124,3 +124,40 @@ def test_refuses_a_folder_that_is_not_a_run(runs, tmp_path, capsys):
     shutil.copy(runs["b"] / "metrics.json", partial / "metrics.json")
     assert_refused([partial, runs["b"]], r"partial.*: missing predictions\.jsonl", capsys)
     assert_refused([runs["a"], tmp_path / "nope"], r"nope: no such folder", capsys)
+
+
+def test_paired_test_on_the_shared_rows(runs, tmp_path, capsys):
+    """McNemar's exact p-value (scipy's binomial test of the discordant rows) and the paired
+    bootstrap of B - A, printed and written to --json; the same seed gives the same file."""
+    from scipy.stats import binomtest
+
+    path = tmp_path / "paired.json"
+    assert compare_main([str(runs["a"]), str(runs["b"]), "--json", str(path), "--bootstrap-resamples", "300"]) == 0
+    out = capsys.readouterr().out
+    paired = json.load(open(path))
+    pa, pb = read_jsonl(runs["a"] / "predictions.jsonl"), read_jsonl(runs["b"] / "predictions.jsonl")
+    a_only = sum(1 for x, y in zip(pa, pb) if x["pred"] == x["label"] != y["pred"])
+    b_only = sum(1 for x, y in zip(pa, pb) if y["pred"] == y["label"] != x["pred"])
+    m = paired["mcnemar"]
+    assert (m["a_only"], m["b_only"], paired["shared_rows"]) == (a_only, b_only, 40)
+    assert m["pvalue"] == pytest.approx(binomtest(a_only, a_only + b_only, 0.5).pvalue if a_only + b_only else 1.0)
+    assert f"McNemar exact test of accuracy: p = {m['pvalue']:.4g}" in out
+    ma, mb = (json.load(open(runs[k] / "metrics.json")) for k in ("a", "b"))
+    boot = paired["bootstrap"]
+    assert boot["resamples"] == 300
+    for name in ("accuracy", "f1_macro", "loss"):
+        assert boot[name]["difference"] == pytest.approx(mb[name] - ma[name], abs=1e-12)
+        lo, hi = boot[name]["interval"]
+        assert lo <= boot[name]["difference"] <= hi or lo == hi
+        assert f"B-A {name:<12} {boot[name]['difference']:+.4f}   95% CI [{lo:+.4f}, {hi:+.4f}]" in out
+    again = tmp_path / "again.json"
+    assert compare_main([str(runs["a"]), str(runs["b"]), "--json", str(again), "--bootstrap-resamples", "300"]) == 0
+    assert json.load(open(again)) == paired
+
+
+def test_compare_shows_the_probability_scores(runs, capsys):
+    assert compare_main([str(runs["a"]), str(runs["b"])]) == 0
+    out = capsys.readouterr().out
+    ma = json.load(open(runs["a"] / "metrics.json"))
+    for name in ("ece", "brier", "top2_accuracy", "auroc_macro"):
+        assert re.search(rf"^  {name} +{ma[name]:.4f} ", out, re.M), (name, out)

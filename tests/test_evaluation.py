@@ -21,8 +21,9 @@ WORKER = os.path.join(REPO, "tests", "gloo_worker.py")
 def runs(tiny_model, tiny_checkpoint, tmp_path_factory):
     base = tmp_path_factory.mktemp("gloo")
     csv = write_csv(str(base / "data.csv"), 100, seed=3)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",  # this checkout's dist_eval, not the venv's
-           "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
+    # the checkout under test, not an installed copy of the package
+    pythonpath = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath}
     out = {}
     for world in (1, 2, 3, 4):
         out_dir = base / f"n{world}"
@@ -100,6 +101,23 @@ def test_metrics_equal_sklearn_on_the_merged_set(runs, world, size):
 
     loss = torch.nn.functional.cross_entropy(torch.from_numpy(logits).double(), torch.from_numpy(labels)).item()
     assert m["loss"] == pytest.approx(loss, rel=1e-12)
+    # the probability scores (issue 14), against scikit-learn and explicit formulas on the same rows
+    probs = torch.softmax(torch.from_numpy(logits).double(), dim=1).numpy()
+    assert m["top_k"] == 2
+    assert m["top2_accuracy"] == pytest.approx(skm.top_k_accuracy_score(labels, probs, k=2, labels=[0, 1, 2]))
+    onehot = np.eye(3)[labels]
+    assert m["brier"] == pytest.approx(((probs - onehot) ** 2).sum(axis=1).mean(), rel=1e-12)
+    confidence, correct = probs.max(axis=1), probs.argmax(axis=1) == labels
+    edges = np.linspace(0, 1, 16)
+    in_bin = [(confidence > lo) & (confidence <= hi) for lo, hi in zip(edges[:-1], edges[1:])]
+    ece = sum(abs(correct[b].sum() - confidence[b].sum()) for b in in_bin) / size
+    assert m["ece"] == pytest.approx(ece, rel=1e-9, abs=1e-12)
+    assert sum(m["reliability"]["count"]) == size
+    if len(set(labels.tolist())) == 3:
+        assert m["auroc_macro"] == pytest.approx(skm.roc_auc_score(labels, probs, multi_class="ovr", average="macro"))
+    intervals = m["confidence_intervals"]
+    for name in ("ece", "brier", "top2_accuracy", "auroc_macro"):
+        assert name in intervals
 
 
 @pytest.mark.multiproc
@@ -132,7 +150,8 @@ def test_throughput_options_change_no_result(runs, world, size, variant):
         np.testing.assert_allclose(arrays["logits"], reference["logits"], rtol=1e-5, atol=1e-6)
         # everything computed from (labels, preds) is exactly equal; what uses the logits
         # (loss, its interval, user metrics of logits) to float32 rounding
-        from_logits = ("loss", "mean_max_logit", "correct_margin", "confidence_intervals")
+        scores = ("ece", "brier", "top2_accuracy", "auroc_macro")  # of the probabilities (issue 14)
+        from_logits = ("loss", "mean_max_logit", "correct_margin", "confidence_intervals", "reliability", *scores)
         common = (set(info["metrics"]) & set(reference_info["metrics"])) - set(
             from_logits
         )  # user metrics: only some runs
@@ -140,8 +159,11 @@ def test_throughput_options_change_no_result(runs, world, size, variant):
         assert {k: info["metrics"][k] for k in common} == {k: reference_info["metrics"][k] for k in common}
         assert info["metrics"]["loss"] == pytest.approx(reference_info["metrics"]["loss"], rel=1e-6)
         got, want = info["metrics"]["confidence_intervals"], reference_info["metrics"]["confidence_intervals"]
-        assert {k: v for k, v in got.items() if k != "loss"} == {k: v for k, v in want.items() if k != "loss"}
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        close = ("loss", *scores)
+        assert {k: v for k, v in got.items() if k not in close} == {k: v for k, v in want.items() if k not in close}
+        for name in close:  # None: undefined (AUROC with one class present) in both
+            for value, expected in ((info["metrics"][name], reference_info["metrics"][name]), (got[name], want[name])):
+                assert value == expected if expected is None else value == pytest.approx(expected, rel=1e-5, abs=1e-6)
     # and each option is still exact across N: bitwise equal to its own single-process run
     single, _ = load(runs[1], f"{variant}_{size}")
     assert np.array_equal(single["logits"], other["logits"])

@@ -64,3 +64,61 @@ def confusion_matrix_png(cm, class_names: Sequence[str], title: str = "") -> Opt
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
+
+
+def reliability_diagram_png(probs, labels, bins: int = 15, title: str = "", path=None) -> bytes | None:
+    """The reliability diagram of probabilities (rows x classes) and labels: accuracy
+    against mean top-class probability per equal-width confidence bin (bins as
+    :func:`dist_eval.metrics.calibration_bins`), the diagonal of perfect calibration, the
+    gap shaded, the ECE in the title, and the share of rows per bin below. PNG bytes
+    (also written to ``path`` when given), or None when matplotlib is not installed.
+    """
+    from dist_eval.metrics import expected_calibration_error, reliability_table
+
+    table = reliability_table(probs, labels, bins)  # validates the input before any import
+    total = int(table["count"].sum())
+    ece = expected_calibration_error(probs, labels, bins) if total else float("nan")
+    data = reliability_table_png(table, ece, title)
+    if data is not None and path is not None:
+        with open(path, "wb") as handle:
+            handle.write(data)
+    return data
+
+
+def reliability_table_png(table: dict, ece: float, title: str = "") -> bytes | None:
+    """The reliability diagram of a :func:`dist_eval.metrics.reliability_table` (arrays or
+    the lists metrics.json holds under ``reliability``); None without matplotlib.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    import io
+
+    edges, count = np.asarray(table["edges"], dtype=np.float64), np.asarray(table["count"])
+    accuracy, confidence = np.asarray(table["accuracy"]), np.asarray(table["confidence"])
+    bins, total = len(count), int(count.sum())
+    centers = (edges[:-1] + edges[1:]) / 2.0
+    width = edges[1] - edges[0]
+    filled = count > 0
+    fig = Figure(figsize=(5.6, 6.4), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    top.plot([0, 1], [0, 1], linestyle="--", color="#888888", linewidth=1, label="Perfect calibration")
+    top.bar(centers[filled], accuracy[filled], width=width, color="#4c78a8", edgecolor="#1f3b57",
+            linewidth=0.6, label="Accuracy")
+    gap = confidence[filled] - accuracy[filled]
+    top.bar(centers[filled], gap, bottom=accuracy[filled], width=width, color="#e45756", alpha=0.35,
+            edgecolor="#e45756", linewidth=0.6, label="Gap to mean confidence")
+    top.set_xlim(0, 1)
+    top.set_ylim(0, 1)
+    top.set_ylabel("Accuracy")
+    top.legend(loc="upper left", fontsize=8)
+    top.set_title(f"{title + ': ' if title else ''}ECE {ece:.4f} ({bins} bins, {total} rows)", fontsize=11)
+    bottom.bar(centers, count / max(total, 1), width=width, color="#9d9d9d", edgecolor="#555555", linewidth=0.5)
+    bottom.set_xlabel("Confidence (top-class probability)")
+    bottom.set_ylabel("Share of rows")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()

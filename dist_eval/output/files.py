@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -40,12 +40,27 @@ def _jsonable(value):
 
 
 def write_predictions(
-    output_dir: str, merged: MergedResults, label_names: Optional[Sequence[str]] = None, save_logits: bool = False
+    output_dir: str,
+    merged: MergedResults,
+    label_names: Optional[Sequence[str]] = None,
+    save_logits: bool = False,
+    texts: Optional[Dict[str, Sequence[str]]] = None,
 ) -> str:
-    """One JSON object per row of the split, in row order."""
+    """One JSON object per row of the split, in row order: ``index``, ``label``, ``pred``
+    (and their names), ``prob`` (the softmax probability of ``pred``, when the logits are
+    there), ``loss`` (the row's cross-entropy), ``logits`` with ``save_logits``, and each
+    of ``texts`` ({key: one text per row, in row order}, e.g. {"text": [...]}).
+    """
+    from dist_eval.metrics import softmax
+
     path = os.path.join(output_dir, "predictions.jsonl")
     indices, labels, preds = merged.indices.tolist(), merged.labels.tolist(), merged.preds.tolist()
+    losses = merged.losses.tolist()
     logits = merged.logits.tolist() if (save_logits and merged.logits is not None) else None
+    probs = None
+    if merged.logits is not None:
+        probs = softmax(merged.logits)[np.arange(len(indices)), merged.preds].tolist()
+    texts = texts or {}
 
     def write(f):
         for i in range(len(indices)):
@@ -53,8 +68,13 @@ def write_predictions(
             if label_names:
                 row["label_name"] = label_names[labels[i]]
                 row["pred_name"] = label_names[preds[i]]
+            if probs is not None:
+                row["prob"] = probs[i]
+            row["loss"] = losses[i]
             if logits is not None:
                 row["logits"] = logits[i]
+            for key, values in texts.items():
+                row[key] = values[indices[i]]
             f.write(json.dumps(row))
             f.write("\n")
 
@@ -62,7 +82,8 @@ def write_predictions(
 
 
 def write_report_files(output_dir: str, metrics: dict, warn: Callable[[str], None] = warn) -> List[str]:
-    """per_class.csv, per_class.md, confusion_matrix.png and report.html; returns their paths.
+    """per_class.csv, per_class.md, confusion_matrix.png, reliability_diagram.png and
+    report.html; returns their paths.
 
     Without matplotlib the figure is skipped with one ``warn`` line and report.html
     shows the matrix as a table instead.
@@ -98,5 +119,25 @@ def write_report_files(output_dir: str, metrics: dict, warn: Callable[[str], Non
         path = os.path.join(output_dir, "confusion_matrix.png")
         atomic_write(path, png)
         written.append(path)
-    text_file("report.html", render_html(metrics, png))
+    reliability = _reliability_png(metrics, warn)
+    if reliability is not None:
+        path = os.path.join(output_dir, "reliability_diagram.png")
+        atomic_write(path, reliability)
+        written.append(path)
+    text_file("report.html", render_html(metrics, png, reliability_png=reliability))
     return written
+
+
+def _reliability_png(metrics: dict, warn: Callable[[str], None]) -> Optional[bytes]:
+    """The reliability diagram of metrics.json's ``reliability`` table, or None (no table,
+    no matplotlib: already said for the confusion matrix, or a drawing error: warned).
+    """
+    from dist_eval.output.figures import reliability_table_png
+
+    if not metrics.get("reliability"):
+        return None
+    try:
+        return reliability_table_png(metrics["reliability"], metrics["ece"])
+    except Exception as e:  # a figure must not cost the user the rest of the report
+        warn(f"reliability_diagram.png could not be drawn ({type(e).__name__}: {e})")
+        return None

@@ -8,7 +8,7 @@ import base64
 import html
 from typing import Iterable, Optional
 
-from dist_eval.metrics import HEADLINE_METRICS
+from dist_eval.metrics import headline_names
 from dist_eval.output.per_class import class_names, per_class_rows
 
 _CSS = """
@@ -40,7 +40,8 @@ footer { color: #8c959f; font-size: 12px; margin-top: 36px; }
 
 _CARD_TITLES = {
     "accuracy": "Accuracy", "f1_macro": "Macro F1", "f1_weighted": "Weighted F1", "precision_macro": "Macro precision",
-    "recall_macro": "Macro recall", "loss": "Loss (cross-entropy)",
+    "recall_macro": "Macro recall", "loss": "Loss (cross-entropy)", "ece": "ECE (15 bins)", "brier": "Brier score",
+    "auroc_macro": "AUROC (macro OvR)",
 }
 _ALL_METRICS = (
     ("accuracy", "accuracy (= micro P/R/F1)"),
@@ -51,7 +52,17 @@ _ALL_METRICS = (
     ("recall_weighted", "recall, weighted"),
     ("f1_weighted", "F1, weighted"),
     ("loss", "loss (mean cross-entropy)"),
+    ("ece", "expected calibration error (15 equal-width bins)"),
+    ("brier", "Brier score (mean sum of squares, range [0, 2])"),
+    ("top{k}_accuracy", "top-k accuracy"),
+    ("auroc_macro", "AUROC, one-vs-rest macro (positive class with 2)"),
 )
+
+
+def _title(key: str, titles: dict) -> str:
+    if key.startswith("top") and key.endswith("_accuracy"):
+        return f"Top-{key[3:-len('_accuracy')]} accuracy"
+    return titles[key]
 
 
 def _e(value) -> str:
@@ -69,8 +80,8 @@ def _table(header: Iterable[str], rows: Iterable[str]) -> str:
 
 def _cards(metrics: dict) -> str:
     out = []
-    for key in HEADLINE_METRICS:
-        title = _CARD_TITLES[key]
+    for key in headline_names(metrics):
+        title = _title(key, _CARD_TITLES)
         ci = _interval(metrics, key)
         ci_text = f"95% CI [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "&nbsp;"
         out.append(
@@ -82,7 +93,9 @@ def _cards(metrics: dict) -> str:
 
 def _metrics_table(metrics: dict) -> str:
     rows = []
-    for key, title in _ALL_METRICS:
+    titles = dict(_ALL_METRICS)
+    for key in headline_names(metrics, [key for key, _ in _ALL_METRICS]):
+        title = _title(key, titles)
         ci = _interval(metrics, key)
         ci_cell = f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else ""
         rows.append(
@@ -121,6 +134,13 @@ def _confusion_table(metrics: dict) -> str:
     return _table(header, rows)
 
 
+def _sample_text(sample: Optional[dict]) -> Optional[str]:
+    if not sample or not sample.get("limit"):
+        return None
+    return (f"{sample['rows']} of {sample['rows_in_data']} rows, a random sample (--limit {sample['limit']} "
+            f"--limit-seed {sample['limit_seed']}), chosen by a hash of each row's content")
+
+
 def _run_facts(metrics: dict) -> str:
     run = metrics.get("run", {})
     facts = [
@@ -128,6 +148,7 @@ def _run_facts(metrics: dict) -> str:
         ("classes", metrics["num_labels"]),
         ("data", ", ".join(run.get("data_files") or []) or None),
         ("split", run.get("split")),
+        ("sample (--limit)", _sample_text(run.get("sample"))),
         ("model", run.get("model")),
         ("checkpoint", run.get("checkpoint")),
         ("backend", run.get("backend")),
@@ -150,9 +171,26 @@ def _run_facts(metrics: dict) -> str:
     return _table(("", ""), rows).replace("<thead><tr><th></th><th></th></tr></thead>", "")
 
 
-def render_html(metrics: dict, confusion_png: Optional[bytes] = None, title: str = "dist_eval report") -> str:
+def _calibration(reliability_png: Optional[bytes]) -> str:
+    if not reliability_png:
+        return ""
+    data = base64.b64encode(reliability_png).decode("ascii")
+    return (
+        "<h2>Calibration</h2>"
+        '<div class="note">Accuracy against mean top-class probability in 15 equal-width bins; '
+        "the ECE is the row-weighted mean gap.</div>"
+        f'<img class="cm" alt="Reliability diagram" src="data:image/png;base64,{data}">'
+    )
+
+
+def render_html(
+    metrics: dict,
+    confusion_png: Optional[bytes] = None,
+    title: str = "dist_eval report",
+    reliability_png: Optional[bytes] = None,
+) -> str:
     """The whole page as a string; ``confusion_png`` is embedded when given, else the
-    matrix appears as a table only.
+    matrix appears as a table only; ``reliability_png`` (the reliability diagram) when given.
     """
     run = metrics.get("run", {})
     subtitle = " &middot; ".join(
@@ -180,7 +218,7 @@ def render_html(metrics: dict, confusion_png: Optional[bytes] = None, title: str
         figure = _confusion_table(metrics) + '<div class="note">No figure: matplotlib is not installed.</div>'
     beside = "metrics.json, predictions.jsonl, per_class.csv, per_class.md" + (
         ", confusion_matrix.png" if confusion_png else ""
-    )
+    ) + (", reliability_diagram.png" if reliability_png else "")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{_e(title)}</title><style>{_CSS}</style></head>
@@ -195,6 +233,7 @@ def render_html(metrics: dict, confusion_png: Optional[bytes] = None, title: str
 <h2>Confusion matrix</h2>
 <div class="note">Rows: true class; columns: predicted class.</div>
 {figure}
+{_calibration(reliability_png)}
 <h2>Run</h2>
 {_run_facts(metrics)}
 <footer>Written by dist_eval. Files beside this one: {beside}.</footer>

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from dist_eval.metrics import HEADLINE_METRICS, INTERVAL_METRICS
+from dist_eval.metrics import INTERVAL_METRICS, headline_names
 
 # "acc", not "accuracy", in the intervals line: the line above is the one that says "accuracy X.XXXX"
 _SHORT = {"accuracy": "acc"}
@@ -14,9 +14,8 @@ def format_intervals(metrics: dict) -> Optional[str]:
     intervals = metrics.get("confidence_intervals")
     if not intervals:
         return None
-    parts = "   ".join(
-        f"{_SHORT.get(name, name)} [{intervals[name][0]:.4f}, {intervals[name][1]:.4f}]" for name in INTERVAL_METRICS
-    )
+    names = headline_names(metrics, INTERVAL_METRICS, intervals)
+    parts = "   ".join(f"{_SHORT.get(n, n)} [{intervals[n][0]:.4f}, {intervals[n][1]:.4f}]" for n in names)
     return (f"{100 * intervals['level']:g}% CI (bootstrap, {intervals['resamples']} resamples, "
             f"seed {intervals['seed']}): {parts}")
 
@@ -28,8 +27,12 @@ def format_summary(metrics: dict) -> str:
         f"dist_eval: {metrics['num_samples']} samples, {run.get('world_size', 1)} rank(s), "
         f"backend {run.get('backend', '?')}, {run.get('wall_seconds', 0):.1f} s wall, "
         f"{run.get('samples_per_second') or 0:.1f} samples/s (eval loop)",
-        "  " + "   ".join(f"{name} {metrics[name]:.4f}" for name in HEADLINE_METRICS),
+        "  " + "   ".join(f"{name} {metrics[name]:.4f}" for name in headline_names(metrics)),
     ]
+    sample = run.get("sample") or {}
+    if sample.get("limit"):
+        lines.append(f"  a random sample of {sample['rows']} of {sample['rows_in_data']} rows "
+                     f"(--limit {sample['limit']} --limit-seed {sample['limit_seed']})")
     intervals = format_intervals(metrics)
     if intervals:
         lines.append(f"  {intervals}")

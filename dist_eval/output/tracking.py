@@ -12,7 +12,7 @@ import sys
 from typing import Dict, Optional
 
 from dist_eval.errors import UsageError
-from dist_eval.metrics import HEADLINE_METRICS, INTERVAL_METRICS
+from dist_eval.metrics import INTERVAL_METRICS, headline_names
 
 TRACKERS = ("none", "wandb", "tensorboard")
 # tracker -> (the module it needs, how to install it)
@@ -35,10 +35,10 @@ def check_tracker(report_to: str) -> None:
 
 def scalars_of(metrics: dict) -> Dict[str, float]:
     """The flat scalars a tracker logs: main metrics, CI bounds, per-class F1."""
-    out = {name: float(metrics[name]) for name in HEADLINE_METRICS if isinstance(metrics.get(name), (int, float))}
+    out = {name: float(metrics[name]) for name in headline_names(metrics)}
     out["num_samples"] = float(metrics["num_samples"])
     intervals = metrics.get("confidence_intervals") or {}
-    for name in INTERVAL_METRICS:
+    for name in headline_names(metrics, INTERVAL_METRICS, intervals):
         if name in intervals:
             out[f"{name}_ci_low"], out[f"{name}_ci_high"] = (float(v) for v in intervals[name])
     for name, values in metrics.get("per_class", {}).items():

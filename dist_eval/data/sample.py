@@ -1,0 +1,47 @@
+"""``--limit N --limit-seed S``: a seeded random sample of N rows, without replacement.
+
+Rows are chosen by a stable key of their content (a keyed hash of the task's columns:
+text, text pair, label), never by position: the same rows for any number of ranks and
+any order of the data files. The N rows with the smallest keys are kept, in key order,
+so the sample is also in the same order whatever the order of the files. Rows with the
+same content have the same key: which of two identical rows is kept does not matter.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Sequence
+
+import numpy as np
+
+
+def row_keys(columns: Sequence[Sequence], seed: int) -> np.ndarray:
+    """uint64 key of each row: blake2b (8 bytes) of the row's values, keyed by ``seed``."""
+    salt = int(seed).to_bytes(8, "little", signed=False)
+    keys = np.empty(len(columns[0]) if columns else 0, dtype=np.uint64)
+    for i, values in enumerate(zip(*columns)):
+        data = json.dumps(values, ensure_ascii=False, default=str).encode()
+        keys[i] = int.from_bytes(hashlib.blake2b(data, digest_size=8, key=salt).digest(), "little")
+    return keys
+
+
+def sample_indices(columns: Sequence[Sequence], limit: int, seed: int) -> np.ndarray:
+    """Positions of the ``limit`` rows with the smallest keys, in key order (ties, i.e.
+    identical rows, by position); every row when ``limit`` is 0 or at least the row count.
+    """
+    num_rows = len(columns[0]) if columns else 0
+    if not limit or limit >= num_rows:
+        return np.arange(num_rows)
+    keys = row_keys(columns, seed)
+    order = np.lexsort((np.arange(num_rows), keys))  # by key, then by position
+    return order[:limit]
+
+
+def sample_rows(dataset, limit: int, seed: int, columns: Sequence[str]):
+    """The ``datasets.Dataset`` of the sampled rows (``dataset`` itself when ``limit`` is 0
+    or covers every row); ``columns``: the task's columns whose values make a row's key.
+    """
+    if not limit or limit >= len(dataset):
+        return dataset
+    indices = sample_indices([dataset[name] for name in columns], limit, seed)
+    return dataset.select(indices.tolist())

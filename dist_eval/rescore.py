@@ -1,0 +1,111 @@
+"""Recompute every metric of a finished run from its per-row output alone:
+``python -m dist_eval.rescore OUT``.
+
+Reads ``OUT/predictions.jsonl`` (labels, predictions, losses, and the logits when the run
+had ``--save-logits``: without them the probability scores are left out) and, from
+``OUT/metrics.json``, only the settings of the scores (number of classes, class names,
+top-k, bootstrap resamples and seed). Computes the metrics with the function the run's
+merge uses (:func:`dist_eval.merge.row_metrics`), so they are the same numbers, and
+prints each next to the run's. Exit 0 when every one is equal, 1 when one differs, 2
+when the folder is not a finished run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+import numpy as np
+
+from dist_eval.errors import UsageError
+from dist_eval.metrics import headline_names
+
+EXIT_USAGE = 2
+# what rescore recomputes; the rest of metrics.json (run facts, user metrics) is the run's
+RESCORED = ("num_samples", "num_labels", "accuracy", "precision_macro", "recall_macro", "f1_macro",
+            "precision_micro", "recall_micro", "f1_micro", "precision_weighted", "recall_weighted", "f1_weighted",
+            "per_class", "confusion_matrix", "loss", "confidence_intervals", "ece", "brier", "auroc_macro", "top_k",
+            "reliability")
+
+
+def _read(folder: str):
+    paths = {name: os.path.join(folder, name) for name in ("metrics.json", "predictions.jsonl")}
+    missing = [name for name, path in paths.items() if not os.path.isfile(path)]
+    if missing:
+        raise UsageError(f"{folder}: missing {' and '.join(missing)}. Pass the --output-dir of a finished run.")
+    try:
+        with open(paths["metrics.json"]) as f:
+            metrics = json.load(f)
+        with open(paths["predictions.jsonl"]) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        columns = {key: [r[key] for r in rows] for key in ("index", "label", "pred", "loss")}
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(
+            f"{folder}: not a dist_eval output with per-row losses ({type(e).__name__}: {e}). "
+            "Runs before per-row losses were written cannot be rescored."
+        ) from e
+    logits = np.array([r["logits"] for r in rows], dtype=np.float32) if rows and "logits" in rows[0] else None
+    return metrics, columns, logits
+
+
+def rescore(folder: str) -> dict:
+    """The built-in metrics of the run in ``folder``, recomputed from predictions.jsonl."""
+    from dist_eval.merge import row_metrics
+
+    metrics, columns, logits = _read(folder)
+    if columns["index"] != list(range(len(columns["index"]))):
+        raise UsageError(f"{folder}: predictions.jsonl is not one row per index 0..n-1 (a partial or edited output).")
+    intervals = metrics.get("confidence_intervals") or {}
+    bootstrap = (intervals["resamples"], intervals["seed"]) if intervals else None
+    return row_metrics(
+        np.array(columns["label"], dtype=np.int64), np.array(columns["pred"], dtype=np.int64),
+        np.array(columns["loss"], dtype=np.float64), logits, int(metrics["num_labels"]),
+        metrics.get("label_names"), bootstrap, metrics.get("top_k"),
+    )
+
+
+def differences(run: dict, rescored: dict) -> list:
+    """The keys whose rescored value differs from the run's (the intervals: those rescored)."""
+    stored = dict(run)
+    if isinstance(rescored.get("confidence_intervals"), dict) and isinstance(run.get("confidence_intervals"), dict):
+        stored["confidence_intervals"] = {k: v for k, v in run["confidence_intervals"].items()
+                                          if k in rescored["confidence_intervals"]}
+    return [key for key in RESCORED if key in rescored and json.dumps(rescored[key]) != json.dumps(stored.get(key))]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dist_eval.rescore",
+        description="Recompute every metric of a run from its predictions.jsonl (+ logits) alone.",
+    )
+    parser.add_argument("run", metavar="OUT", help="output folder of a finished run")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the recomputed metrics to PATH")
+    args = parser.parse_args(argv)
+    try:
+        rescored = rescore(args.run)
+        with open(os.path.join(args.run, "metrics.json")) as f:
+            run = json.load(f)
+    except UsageError as e:
+        print(f"dist_eval.rescore: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    for name in headline_names(rescored):
+        print(f"  {name:<16} {rescored[name]:.6f}   (run: {run.get(name)})")
+    if "ece" not in rescored:
+        print("  (no logits in predictions.jsonl: run with --save-logits to rescore ece, brier, top-k and AUROC)")
+    if args.json:
+        from dist_eval.atomic import atomic_write
+
+        atomic_write(args.json, lambda f: json.dump(rescored, f, indent=2))
+    differ = differences(run, rescored)
+    if differ:
+        print(f"dist_eval.rescore: differs from metrics.json: {', '.join(differ)}", flush=True)
+        return 1
+    checked = [key for key in RESCORED if key in rescored]
+    print(f"dist_eval.rescore: all {len(checked)} recomputed metrics equal metrics.json", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""``--limit N --limit-seed S`` (dist_eval/data/sample.py): a seeded random sample of N rows
+without replacement, chosen by the rows' content: the same rows for any order of the data
+and any number of ranks, recorded in the report, part of the resume key."""
+import json
+import random
+
+import numpy as np
+import pytest
+from conftest import read_jsonl, run_cli, write_csv
+from inprocess_cli import run_cli_in_process
+
+from dist_eval.data.sample import row_keys, sample_indices
+
+
+def columns_of(rows):
+    return [[r[0] for r in rows], [r[1] for r in rows]]
+
+
+def test_sample_is_without_replacement_and_independent_of_row_order():
+    rng = random.Random(0)
+    rows = [(f"text {i}", i % 3) for i in range(500)]
+    chosen = sample_indices(columns_of(rows), 50, seed=7)
+    assert len(chosen) == 50 and len(set(chosen.tolist())) == 50  # without replacement
+    shuffled = rows[:]
+    rng.shuffle(shuffled)
+    again = sample_indices(columns_of(shuffled), 50, seed=7)
+    # the same rows, in the same order
+    assert [rows[i] for i in chosen] == [shuffled[i] for i in again]
+    other_seed = sample_indices(columns_of(rows), 50, seed=8)
+    assert {rows[i] for i in other_seed} != {rows[i] for i in chosen}
+    assert sample_indices(columns_of(rows), 0, seed=7).tolist() == list(range(500))  # 0: every row
+    assert sample_indices(columns_of(rows), 900, seed=7).tolist() == list(range(500))
+
+
+def test_sample_is_uniform_enough():
+    """Every row equally likely: over seeds, each of 20 rows is drawn about limit/20 of the time."""
+    rows = [(f"row {i}", 0) for i in range(20)]
+    counts = np.zeros(20)
+    for seed in range(2000):
+        counts[sample_indices(columns_of(rows), 5, seed)] += 1
+    assert np.all(np.abs(counts / 2000 - 0.25) < 0.05), counts
+
+
+def test_keys_depend_on_content_and_seed():
+    a = row_keys([["x", "y"], [0, 0]], seed=1)
+    assert a[0] != a[1] and np.array_equal(a, row_keys([["x", "y"], [0, 0]], seed=1))
+    assert not np.array_equal(a, row_keys([["x", "y"], [0, 0]], seed=2))
+
+
+def local_args(model, checkpoint, data, out, *extra):
+    return ["--model", model, "--data-files", data, "--backend", "local", "--checkpoint", checkpoint,
+            "--output-dir", str(out), "--batch-size", "4", "--progress", "none", "--save-text",
+            "--bootstrap-resamples", "100", *extra]
+
+
+@pytest.mark.multiproc
+def test_limit_evaluates_the_same_rows_for_any_order_and_n(tiny_model, tiny_checkpoint, tmp_path):
+    data = write_csv(str(tmp_path / "data.csv"), 60, seed=11)
+    lines = open(data).read().splitlines()
+    body = lines[1:]
+    random.Random(1).shuffle(body)
+    shuffled = tmp_path / "shuffled.csv"
+    shuffled.write_text("\n".join([lines[0], *body]) + "\n")
+    limit = ["--limit", "17", "--limit-seed", "3"]
+    assert run_cli_in_process(local_args(tiny_model, tiny_checkpoint, data, tmp_path / "a", *limit)) == 0
+    assert run_cli_in_process(local_args(tiny_model, tiny_checkpoint, str(shuffled), tmp_path / "b", *limit)) == 0
+    proc = run_cli(local_args(tiny_model, tiny_checkpoint, data, tmp_path / "c", *limit), nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [read_jsonl(tmp_path / name / "predictions.jsonl") for name in "abc"]
+    assert len(runs[0]) == 17 and runs[0] == runs[1] == runs[2]
+    texts = {line.rsplit(",", 1)[0] for line in body}
+    assert {r["text"] for r in runs[0]} <= texts and len({r["text"] for r in runs[0]}) == 17
+    metrics = [json.load(open(tmp_path / name / "metrics.json")) for name in "abc"]
+    assert metrics[0]["num_samples"] == 17
+    assert metrics[0]["run"]["sample"] == {"limit": 17, "limit_seed": 3, "rows_in_data": 60, "rows": 17}
+    strip = [{k: v for k, v in m.items() if k != "run"} for m in metrics]
+    assert strip[0] == strip[1] == strip[2]
+    assert "17 of 60 rows, a random sample (--limit 17 --limit-seed 3)" in open(tmp_path / "a" / "report.html").read()
+    # --limit 0: every row
+    assert run_cli_in_process(local_args(tiny_model, tiny_checkpoint, data, tmp_path / "d", "--limit", "0")) == 0
+    assert json.load(open(tmp_path / "d" / "metrics.json"))["num_samples"] == 60

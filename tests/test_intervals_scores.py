@@ -1,0 +1,92 @@
+"""Bootstrap intervals of the probability scores: each resample recomputed by the point
+functions (themselves checked against scikit-learn) on explicitly drawn rows, the same
+for any row order (so any world size) and seed, and bootstrap_intervals untouched."""
+import numpy as np
+import pytest
+
+from dist_eval.intervals import (
+    SCORES_STREAM,
+    _score_metric_resamples,
+    bootstrap_intervals,
+    bootstrap_score_intervals,
+    canonical_row_order,
+)
+from dist_eval.metrics import score_metrics, softmax
+
+
+def synthetic(n, k, seed, coarse=False):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, k, n)
+    logits = rng.normal(size=(n, k))
+    logits[np.arange(n), labels] += 1.5
+    probs = softmax(logits)
+    if coarse:  # tied scores within and across rows
+        weights = np.round(probs * 4) + 1.0
+        probs = weights / weights.sum(axis=1, keepdims=True)
+    return probs, labels
+
+
+def explicit_resamples(probs, labels, resamples, seed, top_k=None):
+    """Draw the row indices as documented and score each resample with score_metrics."""
+    order = canonical_row_order(labels, probs)
+    probs, labels = probs[order], labels[order]
+    n = len(labels)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(SCORES_STREAM,))))
+    rows = rng.integers(0, n, size=(resamples, n))  # one chunk: resamples x n is small here
+    per_resample = [score_metrics(probs[r], labels[r], top_k=top_k) for r in rows]
+    return {name: np.array([m[name] for m in per_resample]) for name in per_resample[0]}
+
+
+@pytest.mark.parametrize("n,k,coarse,top_k", [(60, 4, False, None), (40, 3, True, 2), (50, 2, True, None),
+                                              (30, 5, False, 3), (8, 3, True, None)])
+def test_each_resample_equals_the_point_functions_on_its_rows(n, k, coarse, top_k):
+    probs, labels = synthetic(n, k, seed=n + k, coarse=coarse)
+    ours = _score_metric_resamples(probs, labels, 200, 5, top_k, 15)
+    ref = explicit_resamples(probs, labels, 200, 5, top_k)
+    assert set(ours) == set(ref)
+    for name in ref:
+        np.testing.assert_allclose(ours[name], ref[name], rtol=1e-12, atol=1e-14, equal_nan=True, err_msg=name)
+
+
+@pytest.mark.parametrize("n,k", [(300, 4), (120, 2)])
+def test_score_intervals_do_not_depend_on_the_order_of_the_rows_and_follow_the_seed(n, k):
+    probs, labels = synthetic(n, k, seed=1, coarse=True)
+    order = np.random.default_rng(2).permutation(n)
+    first = bootstrap_score_intervals(probs, labels, resamples=300, seed=7)
+    assert first == bootstrap_score_intervals(probs[order], labels[order], resamples=300, seed=7)
+    other = bootstrap_score_intervals(probs, labels, resamples=300, seed=8)
+    assert other["ece"] != first["ece"] and other["auroc_macro"] != first["auroc_macro"]
+    assert first["method"] == "bootstrap-percentile" and first["resamples"] == 300 and first["seed"] == 7
+    point = score_metrics(probs, labels)
+    assert set(first) - {"method", "resamples", "seed", "level"} == set(point)
+    for name, value in point.items():
+        lo, hi = first[name]
+        assert lo <= value <= hi, (name, lo, value, hi)
+
+
+def test_score_intervals_edge_cases():
+    probs, labels = synthetic(100, 3, seed=3)
+    assert bootstrap_score_intervals(probs, labels, resamples=0) is None
+    assert bootstrap_score_intervals(probs[:0], labels[:0]) is None
+    with pytest.raises(ValueError):
+        bootstrap_score_intervals(probs, labels, resamples=-1)
+    one = bootstrap_score_intervals(probs[:1], labels[:1], resamples=50)  # one row: AUROC undefined
+    assert np.isnan(one["auroc_macro"]).all() and one["brier"][0] == one["brier"][1]
+    assert "top2_accuracy" in one and "top2_accuracy" not in bootstrap_score_intervals(*synthetic(20, 2, 0), 10)
+
+
+def test_existing_intervals_are_unchanged():
+    """bootstrap_intervals is not touched: its numbers at a fixed seed, recorded on the
+    commit before the score intervals were added."""
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 4, 500)
+    preds = np.where(rng.random(500) < 0.75, labels, rng.integers(0, 4, 500))
+    losses = rng.lognormal(-1.0, 1.0, 500)
+    ci = bootstrap_intervals(labels, preds, losses, 4, resamples=300, seed=7)
+    assert ci == RECORDED
+
+
+RECORDED = {
+    'method': 'bootstrap-percentile', 'resamples': 300, 'seed': 7, 'level': 0.95, 'accuracy': [0.796, 0.85905],
+    'f1_macro': [0.7933861317844021, 0.8570595748986883], 'loss': [0.5724867919799044, 0.7021886757005841],
+}
