@@ -8,7 +8,7 @@ Paths are from the ``*ForSequenceClassification`` object, the same in transforme
 class (the local backend) and in petals' ``Distributed*`` class (the petals backend):
 
 ================  ============================  ================================
-field             llama                         bloom / falcon (to fill)
+field             llama                         bloom / falcon
 ================  ============================  ================================
 petals_class      DistributedLlamaFor...        DistributedBloomFor... / DistributedFalconFor...
 local_class       LlamaForSequenceClassification BloomFor... / FalconForSequenceClassification
@@ -19,7 +19,14 @@ prompts           model.prompt_embeddings       transformer.prompt_embeddings
 deep_prompts      model.intermediate_prompt_... transformer.intermediate_prompt_embeddings
 checkpoint_prefix "model."                      "transformer."
 last_token        first_pad                     non_pad_count
+server_blocks     model.layers                  h / transformer.h
+frozen            embed_tokens layers norm      word_embeddings[_layernorm] h ln_f
 ================  ============================  ================================
+
+``server_blocks`` is where petals 2.2.0's server looks for block ``i``'s tensors
+(``<server_blocks>.<i>.``, its ``Distributed*Config.block_prefix``): bigscience's BLOOM
+hub checkpoints are ``BloomModel`` saves, without the ``transformer.`` prefix.
+:mod:`dist_eval.backends.petals_folder` converts a folder in another layout.
 
 BLOOM also normalises the embeddings (``transformer.word_embeddings_layernorm``) inside
 its backbone, after the prompts are prepended, in petals and in transformers alike; so
@@ -27,8 +34,11 @@ the local backend, which calls the backbone with ``inputs_embeds``, needs no fie
 """
 from __future__ import annotations
 
+import json
 import operator
+import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Dict
 
 import torch
@@ -50,7 +60,24 @@ class Family:
     deep_prompts: str  # petals' per-block prompts [pre_seq_len, layers * hidden] (deep_ptune)
     checkpoint_prefix: str  # prefix of the backbone's keys in petals' trainable state dict
     last_token: str  # which position the head reads: "first_pad" or "non_pad_count" (see last_token_index)
+    server_blocks: str  # key prefix of the blocks' tensors that petals' server reads
+    frozen: tuple  # first names (under the backbone) of the base model's own tensors
     head: str = "score"  # the classifier head (nn.Linear, no bias)
+    # settings of config.json petals 2.2.0 cannot serve: ((attribute, value), ...), why
+    unsupported: tuple = ()
+
+    @property
+    def block_name(self) -> str:
+        """The block stack's name under the backbone (``layers``, ``h``)."""
+        return self.blocks[len(self.checkpoint_prefix):]
+
+    def unsupported_reason(self, config) -> str:
+        """Why petals cannot serve this config of the family ('' when it can)."""
+        for settings, why in self.unsupported:
+            if all(getattr(config, name, None) == value for name, value in settings):
+                shown = ", ".join(f"{name}={value}" for name, value in settings)
+                return f"{why} ({shown} in config.json)"
+        return ""
 
     def get(self, module, path: str):
         """The attribute at the dotted ``path`` of ``module`` (a field of this family)."""
@@ -84,6 +111,43 @@ FAMILIES: Dict[str, Family] = {
         deep_prompts="model.intermediate_prompt_embeddings",
         checkpoint_prefix="model.",
         last_token="first_pad",
+        server_blocks="model.layers",
+        frozen=("embed_tokens", "layers", "norm"),
+    ),
+    "bloom": Family(
+        model_type="bloom",
+        petals_class="DistributedBloomForSequenceClassification",
+        local_class="BloomForSequenceClassification",
+        backbone="transformer",
+        embeddings="transformer.word_embeddings",
+        blocks="transformer.h",
+        prompts="transformer.prompt_embeddings",
+        deep_prompts="transformer.intermediate_prompt_embeddings",
+        checkpoint_prefix="transformer.",
+        last_token="non_pad_count",
+        server_blocks="h",
+        frozen=("word_embeddings", "word_embeddings_layernorm", "h", "ln_f"),
+    ),
+    "falcon": Family(
+        model_type="falcon",
+        petals_class="DistributedFalconForSequenceClassification",
+        local_class="FalconForSequenceClassification",
+        backbone="transformer",
+        embeddings="transformer.word_embeddings",
+        blocks="transformer.h",
+        prompts="transformer.prompt_embeddings",
+        deep_prompts="transformer.intermediate_prompt_embeddings",
+        checkpoint_prefix="transformer.",
+        last_token="non_pad_count",
+        server_blocks="transformer.h",
+        frozen=("word_embeddings", "h", "ln_f"),
+        # petals' OptimizedFalconAttention reshapes the one shared key/value head of the old
+        # multi-query layout (falcon-7b, falcon-rw) as if every head had its own: the server
+        # fails every forward. falcon-40b/180b (the new decoder architecture) work.
+        unsupported=(
+            ((("new_decoder_architecture", False), ("multi_query", True)),
+             "petals 2.2.0's Falcon server cannot run the old multi-query layout (falcon-7b style)"),
+        ),
     ),
 }
 
@@ -91,13 +155,27 @@ FAMILIES: Dict[str, Family] = {
 def family_of(config, model_dir: str = "") -> Family:
     """The family of a transformers config (its ``model_type``); refuses an unsupported one."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
+    family = FAMILIES.get(model_type)
+    why = family.unsupported_reason(config) if family else f"config.json has model_type {model_type!r}"
+    if why:
         raise UsageError(
-            f"config.json has model_type {model_type!r}, not a supported model family; "
-            f"supported: {', '.join(sorted(FAMILIES))}.",
+            f"{why}: not a model petals 2.2.0 serves; the families that work: {', '.join(sorted(FAMILIES))}.",
             param="model_dir", value=model_dir,
         )
-    return FAMILIES[model_type]
+    return family
+
+
+def family_of_folder(model_dir: str) -> Family:
+    """The family of a model folder (its config.json), without transformers."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(
+            f"cannot read its config.json ({e}). Pass a folder saved with save_pretrained().",
+            param="model_dir", value=model_dir,
+        ) from e
+    return family_of(SimpleNamespace(**config) if isinstance(config, dict) else None, model_dir)
 
 
 def checkpoint_prefixes() -> tuple:
