@@ -21,6 +21,7 @@ checkpoint_prefix "model."                      "transformer."
 last_token        first_pad                     non_pad_count
 server_blocks     model.layers                  h / transformer.h
 frozen            embed_tokens layers norm      word_embeddings[_layernorm] h ln_f
+key_signature     (keys only this family has, to name the family of a foreign checkpoint key)
 ================  ============================  ================================
 
 ``server_blocks`` is where petals 2.2.0's server looks for block ``i``'s tensors
@@ -39,11 +40,12 @@ import operator
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Dict
-
-import torch
+from typing import TYPE_CHECKING, Dict
 
 from dist_eval.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,11 @@ class Family:
     last_token: str  # which position the head reads: "first_pad" or "non_pad_count" (see last_token_index)
     server_blocks: str  # key prefix of the blocks' tensors that petals' server reads
     frozen: tuple  # first names (under the backbone) of the base model's own tensors
+    # a regex matching key names (with or without the prefix) that only this family's models have
+    key_signature: str = ""
     head: str = "score"  # the classifier head (nn.Linear, no bias)
+    # config settings a small model of this family needs to be one petals serves (the demo's)
+    small_config: tuple = ()
     # settings of config.json petals 2.2.0 cannot serve: ((attribute, value), ...), why
     unsupported: tuple = ()
 
@@ -94,10 +100,14 @@ class Family:
         is no pad; ``non_pad_count`` (BLOOM, Falcon): the number of non-pad tokens - 1.
         They agree on right-padded rows without a pad inside the text (dist_eval refuses those).
         """
+        import torch
+
         if self.last_token == "first_pad":
             return (torch.eq(input_ids, pad_token_id).long().argmax(-1) - 1) % input_ids.shape[1]
         return torch.ne(input_ids, pad_token_id).sum(-1) - 1
 
+
+DEMO_FAMILY = "llama"  # the built-in demo's family, unless --demo-family says another
 
 FAMILIES: Dict[str, Family] = {
     "llama": Family(
@@ -113,6 +123,7 @@ FAMILIES: Dict[str, Family] = {
         last_token="first_pad",
         server_blocks="model.layers",
         frozen=("embed_tokens", "layers", "norm"),
+        key_signature=r"^(model\.)?(embed_tokens|layers\.\d+|norm)\.",
     ),
     "bloom": Family(
         model_type="bloom",
@@ -127,6 +138,7 @@ FAMILIES: Dict[str, Family] = {
         last_token="non_pad_count",
         server_blocks="h",
         frozen=("word_embeddings", "word_embeddings_layernorm", "h", "ln_f"),
+        key_signature=r"^(transformer\.)?(word_embeddings_layernorm\.|h\.\d+\.self_attention\.query_key_value\.bias)",
     ),
     "falcon": Family(
         model_type="falcon",
@@ -141,6 +153,8 @@ FAMILIES: Dict[str, Family] = {
         last_token="non_pad_count",
         server_blocks="transformer.h",
         frozen=("word_embeddings", "h", "ln_f"),
+        key_signature=r"^(transformer\.)?h\.\d+\.(ln_attn|ln_mlp|self_attention\.query_key_value\.weight$)",
+        small_config=(("new_decoder_architecture", True), ("num_kv_heads", 2)),  # the falcon-40b layout
         # petals' OptimizedFalconAttention reshapes the one shared key/value head of the old
         # multi-query layout (falcon-7b, falcon-rw) as if every head had its own: the server
         # fails every forward. falcon-40b/180b (the new decoder architecture) work.
@@ -181,3 +195,11 @@ def family_of_folder(model_dir: str) -> Family:
 def checkpoint_prefixes() -> tuple:
     """Every family's checkpoint key prefix (a bare state dict does not say its family)."""
     return tuple(sorted({family.checkpoint_prefix for family in FAMILIES.values()}))
+
+
+def family_of_key(key: str) -> str:
+    """The model_type whose models alone have a tensor named ``key`` ('' when not one alone)."""
+    import re
+
+    matches = [family.model_type for family in FAMILIES.values() if re.search(family.key_signature, key)]
+    return matches[0] if len(matches) == 1 else ""
