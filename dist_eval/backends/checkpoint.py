@@ -201,6 +201,12 @@ def _classify(key: str, family: Optional[Family]) -> tuple:
     return ("frozen" if _is_frozen(short, families) else "unknown"), short
 
 
+def _owners(key: str) -> List[str]:
+    """The families a foreign key may come from: by its name, else by its prefix."""
+    named = family_of_key(key)
+    return [named] if named else [f.model_type for f in FAMILIES.values() if key.startswith(f.checkpoint_prefix)]
+
+
 def _trainable(raw, family: Optional[Family], path: str, param: str = "checkpoint") -> Dict[str, torch.Tensor]:
     """The trainable tensors of a state dict (short names); refuses keys it cannot place."""
     not_tensors = [str(k) for k, v in raw.items() if not isinstance(v, torch.Tensor)]
@@ -219,8 +225,7 @@ def _trainable(raw, family: Optional[Family], path: str, param: str = "checkpoin
             tensors[short] = raw[key]
     name = family.model_type if family else "dist_eval"
     if seen["foreign"]:
-        owners = sorted({family_of_key(k) or next(f.model_type for f in FAMILIES.values()
-                                                 if k.startswith(f.checkpoint_prefix)) for k in seen["foreign"]})
+        owners = sorted({owner for key in seen["foreign"] for owner in _owners(key)} - {name})
         raise UsageError(
             f"keys {_short(seen['foreign'])} are those of a {' or '.join(owners)} model, and the model is {name}. "
             "Pass the checkpoint trained for this model, or the model it was trained for.", param=param, value=path,

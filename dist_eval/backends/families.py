@@ -91,7 +91,7 @@ class Family:
 
     def final_hidden(self, classifier, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """The hidden states after the last block and the final norm, for ``inputs_embeds``."""
-        return self.get(classifier, self.backbone)(inputs_embeds=inputs_embeds).last_hidden_state
+        return self.get(classifier, self.backbone)(inputs_embeds=inputs_embeds, use_cache=False).last_hidden_state
 
     def last_token_index(self, input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
         """Per row, the position the head reads, as transformers computes it for this family.

@@ -22,12 +22,17 @@ class PromptTunedClassifier(nn.Module):
     the input embeddings; ``deep_ptune`` additionally adds
     ``intermediate_prompts[i]`` to the prefix positions before block ``i`` (as
     ``petals.server.block_functions.run_rpc_forward`` does); the prefix is removed
-    before the head, and the head picks the last non-pad token. ``family`` (read from the
-    model's config by default) says where the embeddings, blocks and head are.
+    before the head, and the head picks the token the family's transformers class picks
+    (``Family.last_token_index``). The backbone, called with ``inputs_embeds``, applies
+    BLOOM's embedding norm to prompts + tokens, as petals' client does. Causal attention
+    over prompts + tokens with no padding mask, as on petals' servers. ``family`` (read from
+    the model's config by default) says where the embeddings, blocks and head are.
     """
 
     def __init__(self, hf_model, tuning_mode: Optional[str], pre_seq_len: int, family: Optional[Family] = None):
         super().__init__()
+        if tuning_mode not in (None, "ptune", "deep_ptune"):
+            raise ValueError(f"tuning_mode={tuning_mode!r}: expected None, 'ptune' or 'deep_ptune'")
         self.hf_model = hf_model
         self.family = family or family_of(hf_model.config)
         config = hf_model.config
@@ -50,9 +55,12 @@ class PromptTunedClassifier(nn.Module):
 
     def _make_deep_prompt_hook(self, layer_index: int):
         def hook(module, args, kwargs):
+            prompts = getattr(self._intermediate, "value", None)
+            if prompts is None:  # the block run outside forward(), e.g. through hf_model itself
+                return None
             hidden_states = args[0] if args else kwargs["hidden_states"]
             hidden_states = hidden_states.clone()
-            prompt = self._intermediate.value[layer_index]
+            prompt = prompts[layer_index]
             hidden_states[:, : prompt.shape[1]] += prompt
             if args:
                 return (hidden_states, *args[1:]), kwargs
