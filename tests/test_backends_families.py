@@ -67,3 +67,41 @@ def test_last_token_rules_agree_on_right_padded_rows(rule):
     family = dataclasses.replace(FAMILIES["llama"], last_token=rule)
     input_ids = torch.tensor([[5, 6, 7, 0, 0], [5, 6, 7, 8, 9], [5, 0, 0, 0, 0]])
     assert family.last_token_index(input_ids, 0).tolist() == [2, 4, 0]
+
+
+@pytest.mark.parametrize("config,why", [
+    ({"model_type": "gpt2"}, "config.json has model_type 'gpt2'"),
+    ({"model_type": "falcon", "new_decoder_architecture": False, "multi_query": True},
+     "petals 2.2.0's Falcon server cannot run the old multi-query layout (falcon-7b style)"),
+])
+@pytest.mark.parametrize("backend", ["petals", "local"])
+def test_the_cli_refuses_a_family_petals_cannot_serve_up_front(tmp_path, capsys, config, why, backend):
+    import json
+
+    from inprocess_cli import run_cli_in_process
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    (tmp_path / "d.csv").write_text("text,label\nw1,0\n")
+    code = run_cli_in_process(["--model", str(model), "--data-files", str(tmp_path / "d.csv"), "--backend", backend,
+                               "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("dist_eval: error:")]
+    assert code == 2 and len(errors) == 1, err
+    shown = "" if "gpt2" in why else " (new_decoder_architecture=False, multi_query=True in config.json)"
+    assert errors[0] == (f"dist_eval: error: --model {model}: {why}{shown}"
+                         ": not a model petals 2.2.0 serves; the families that work: bloom, falcon, llama.")
+    assert not (tmp_path / "out").exists()  # refused before any work (no swarm, no output folder)
+
+
+def test_head_needs_a_checkpoint_and_demo_family_needs_the_demo(tmp_path, capsys):
+    from inprocess_cli import run_cli_in_process
+
+    assert run_cli_in_process(["--demo-family", "gpt2"]) == 2
+    assert "--demo-family gpt2: expected one of bloom, falcon, llama." in capsys.readouterr().err
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "bloom"}')
+    assert run_cli_in_process(["--model", str(model), "--data-files", "x.csv", "--demo-family", "bloom"]) == 2
+    assert "--demo-family bloom: only for the built-in demo (no --model)." in capsys.readouterr().err

@@ -125,3 +125,24 @@ def test_unknown_tuning_mode(models):
     hf = transformers.BloomForSequenceClassification.from_pretrained(models["bloom"])
     with pytest.raises(ValueError, match="tuning_mode='prefix'"):
         PromptTunedClassifier(hf, "prefix", 2, FAMILIES["bloom"])
+
+
+@pytest.mark.parametrize("family", ["bloom", "falcon"])
+def test_base_layout_with_a_head_is_read_from_its_converted_copy(tmp_path, monkeypatch, family):
+    """transformers refuses a base-model layout that holds score.weight ("corrupted"); the
+    local backend reads the converted copy, and the head from the folder itself."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from dist_eval.backends import load_model
+
+    monkeypatch.setenv("DIST_EVAL_CACHE", str(tmp_path / "cache"))
+    folder = build_tiny_model(str(tmp_path / "m"), family=family, layout="base", num_layers=2)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    tensors["score.weight"] = torch.ones(3, 32)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    loaded = load_model("local", folder)
+    spec = FAMILIES[family]
+    assert torch.equal(spec.get(loaded.module.hf_model, spec.head).weight, torch.ones(3, 32))
+    assert loaded.module(batch()).shape == (4, 3)

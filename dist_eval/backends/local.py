@@ -92,8 +92,17 @@ class PromptTunedClassifier(nn.Module):
 
 
 def load_local(model_dir: str, state: TrainableState, family: Family) -> nn.Module:
-    """The model of ``model_dir`` with the trained prompts and head, in this process."""
+    """The model of ``model_dir`` with the trained prompts and head, in this process.
+
+    A base-model layout that also holds ``score.weight``, which transformers refuses as
+    "corrupted", is read from its converted copy (:mod:`dist_eval.backends.petals_folder`).
+    """
     import transformers
+
+    from dist_eval.backends.petals_folder import detect_layout, petals_model_folder
+
+    if not detect_layout(model_dir, family).client_ready:
+        model_dir = petals_model_folder(model_dir)
 
     hf_model = getattr(transformers, family.local_class).from_pretrained(
         model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False
