@@ -27,15 +27,17 @@ def family_swarm(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"swarm-{family}")
     model = build_tiny_model(str(root / f"tiny-{family}"), family=family, layout=LAYOUT[family])
     data = write_csv(str(root / "data.csv"), ROWS, seed=3)
-    swarm = LocalSwarm(model, num_servers=2)  # each server half of the blocks
-    assert swarm.model_dir != os.path.abspath(model)  # served from the converted copy
-    assert swarm.dht_prefix == f"dist_eval-tiny-{family}"  # named after the folder given
-    try:
-        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):  # same summation order as the client
-            swarm.start()
-        yield family, model, data, swarm
-    finally:
-        swarm.stop()
+    # converted copies go to this test's cache (the CLI runs inherit it), not the user's
+    with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": str(root / "cache")}):
+        swarm = LocalSwarm(model, num_servers=2)  # each server half of the blocks
+        assert swarm.model_dir.startswith(str(root / "cache"))  # served from the converted copy
+        assert swarm.dht_prefix == f"dist_eval-tiny-{family}"  # named after the folder given
+        try:
+            with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):  # same summation order as the client
+                swarm.start()
+            yield family, model, data, swarm
+        finally:
+            swarm.stop()
 
 
 def run(family_swarm, out, checkpoint_args, nproc, backend="petals", peers=True):
