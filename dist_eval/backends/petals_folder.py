@@ -191,6 +191,9 @@ def petals_model_folder(model_dir: str, cache_dir: Optional[str] = None, log=Non
             f"{layout.family.model_type} server reads ('{layout.family.server_blocks}.<i>.') in {target}")
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir)
     try:
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it private; the cache is not
         _write_converted(model_dir, layout, tmp)
         try:
             os.rename(tmp, target)
