@@ -22,6 +22,8 @@ last_token        first_pad                     non_pad_count
 server_blocks     model.layers                  h / transformer.h
 frozen            embed_tokens layers norm      word_embeddings[_layernorm] h ln_f
 key_signature     (keys only this family has, to name the family of a foreign checkpoint key)
+small_config      -                             - / new_decoder_architecture, num_kv_heads=2
+unsupported       -                             - / the old multi-query layout (falcon-7b)
 ================  ============================  ================================
 
 ``server_blocks`` is where petals 2.2.0's server looks for block ``i``'s tensors
