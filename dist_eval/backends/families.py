@@ -34,6 +34,10 @@ hub checkpoints are ``BloomModel`` saves, without the ``transformer.`` prefix.
 BLOOM also normalises the embeddings (``transformer.word_embeddings_layernorm``) inside
 its backbone, after the prompts are prepended, in petals and in transformers alike; so
 the local backend, which calls the backbone with ``inputs_embeds``, needs no field for it.
+
+transformers' Falcon fills its rotary cache on first use without a lock: two threads in
+its forward at once can read ``cos_cached=None``. The local backend therefore runs one
+forward at a time (``--in-flight`` overlaps nothing there; results are unchanged).
 """
 from __future__ import annotations
 

@@ -52,6 +52,9 @@ class PromptTunedClassifier(nn.Module):
                 )
         # per thread: several batches may be in flight at once (--in-flight)
         self._intermediate = threading.local()
+        # one forward at a time: some transformers models fill their rotary cache lazily and
+        # without a lock (see backends/families.py); the results do not change
+        self._lock = threading.Lock()
 
     def _make_deep_prompt_hook(self, layer_index: int):
         def hook(module, args, kwargs):
@@ -70,6 +73,10 @@ class PromptTunedClassifier(nn.Module):
         return hook
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            return self._forward(input_ids)
+
+    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         config = self.hf_model.config
         batch_size = input_ids.shape[0]
         inputs_embeds = self.family.get(self.hf_model, self.family.embeddings)(input_ids)
