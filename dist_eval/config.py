@@ -147,7 +147,19 @@ class EvalConfig:
     initial_peers: Optional[List[str]] = _opt(_INITIAL_PEERS, default=None, meta={"nargs": "+"})
     dht_prefix: Optional[str] = _opt("DHT prefix the swarm's servers announce the model under.", default=None)
     checkpoint: Optional[str] = _opt(
-        "Trained prompt embeddings + classifier head (dist_eval or Petals state dict).", default=None
+        "Trained prompt embeddings + classifier head (dist_eval's file, a Petals state dict, or petals #268's "
+        "torch.save(prompt_embeddings) with --head).",
+        default=None,
+    )
+    head: Optional[str] = _opt(
+        "The classifier head of a --checkpoint that holds only prompts: a file with score.weight, or a model "
+        "folder holding a trained one (e.g. the --model folder of a *ForSequenceClassification save).",
+        default=None,
+    )
+    demo_family: Optional[str] = _opt(
+        "Model family (config.json model_type) of the built-in demo (no --model): the same task on a small model "
+        "of this family; a family petals serves. Default: the embedded demo's.",
+        default=None,
     )
     tuning_mode: Optional[str] = _opt(
         "Prompt tuning mode of the checkpoint (read from it by default).",
@@ -262,6 +274,22 @@ class EvalConfig:
         check_tracker(self.report_to)  # a missing wandb/tensorboard fails here, before any work
         if self.model is not None and not os.path.isdir(self.model):
             raise UsageError(f"--model {self.model}: no such folder. Pass a folder saved with save_pretrained().")
+        self._check_family()
+
+    def _check_family(self) -> None:
+        """A family petals cannot serve is refused here, before any work."""
+        from dist_eval.backends.families import DEMO_FAMILY, FAMILIES, family_of_folder
+
+        if self.model is not None:
+            family_of_folder(self.model)
+            if self.demo_family is not None:
+                raise UsageError("only for the built-in demo (no --model).", param="demo_family",
+                                 value=self.demo_family)
+        elif self.demo_family is None:
+            self.demo_family = DEMO_FAMILY
+        elif self.demo_family not in FAMILIES:
+            raise UsageError(f"expected one of {', '.join(sorted(FAMILIES))}.", param="demo_family",
+                             value=self.demo_family)
 
     @property
     def is_demo(self) -> bool:

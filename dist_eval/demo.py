@@ -2,14 +2,17 @@
 
 ``torchrun -m dist_eval`` with no ``--model``/``--data-files`` evaluates these assets. They
 are generated here, deterministically and without any download, on the first run
-(well under a minute on two CPU cores) and cached in ``<cache>/demo-v{DEMO_VERSION}/``:
+(well under a minute on two CPU cores) and cached in ``<cache>/demo-v{DEMO_VERSION}/``
+(the embedded default family, :data:`dist_eval.backends.families.DEMO_FAMILY`) or
+``<cache>/demo-v{DEMO_VERSION}-<family>/`` (``--demo-family``: the same task, data, sizes
+and training on a model of another family petals serves):
 
 - ``data/``: a ``DatasetDict`` (``train``, ``test``) of English-like word sentences,
   4 to 48 words long, labelled with one of four topics (a ``ClassLabel``). A sentence's
   topic shows in the topic words it contains, mixed with shared filler words and a few
   words of another topic; train and test are drawn independently.
 - ``model/``: a word-level tokenizer (``<pad>`` = 0, never produced for real text, no
-  special tokens added) and a 4-layer causal LM of family :data:`DEMO_MODEL_TYPE` (hidden size 64) pre-trained
+  special tokens added) and a 4-layer causal LM of the demo's family (hidden size 64) pre-trained
   on the train texts with the causal-LM loss. No classifier head in it: this is what
   the Petals servers serve.
 - ``checkpoint.pt``: prompt embeddings + ``score`` head, prompt-tuned (``ptune``) with the
@@ -46,7 +49,6 @@ LABEL_NAMES: Tuple[str, ...] = ("sports", "science", "business", "food")
 NUM_LABELS = len(LABEL_NAMES)
 PRE_SEQ_LEN = 8
 PAD_ID = 0  # the tokenizer's <pad>, never produced for real text
-DEMO_MODEL_TYPE = "llama"  # a family of dist_eval.backends.families
 NUM_TRAIN = 3000
 NUM_TEST = 800
 MIN_WORDS, MAX_WORDS = 4, 48
@@ -81,20 +83,27 @@ def default_cache_dir() -> str:
     return os.environ.get("DIST_EVAL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dist_eval")
 
 
-def demo_assets(cache_dir: Optional[str] = None, log: Callable[[str], None] = print) -> DemoAssets:
-    """Return the cached demo assets, building them first if absent.
+def demo_assets(
+    cache_dir: Optional[str] = None, log: Callable[[str], None] = print, family: Optional[str] = None
+) -> DemoAssets:
+    """Return the cached demo assets of ``family`` (a model_type; None: the default), building
+    them first if absent.
 
     Safe when several processes call it at once: the build holds an exclusive ``fcntl``
     lock, writes into a temporary folder in the same parent and ``os.rename``s it into
     place, so no reader ever sees a half-built folder.
     """
+    from dist_eval.backends.families import DEMO_FAMILY
+
+    family = family or DEMO_FAMILY
     cache_dir = os.path.abspath(cache_dir or default_cache_dir())
-    final = os.path.join(cache_dir, f"demo-v{DEMO_VERSION}")
+    name = f"demo-v{DEMO_VERSION}" + ("" if family == DEMO_FAMILY else f"-{family}")
+    final = os.path.join(cache_dir, name)
     assets = _read_assets(final)
     if assets is not None:
         return assets
     os.makedirs(cache_dir, exist_ok=True)
-    lock_path = os.path.join(cache_dir, f"demo-v{DEMO_VERSION}.lock")
+    lock_path = os.path.join(cache_dir, f"{name}.lock")
     with open(lock_path, "a+") as lock_file:
         try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -106,10 +115,10 @@ def demo_assets(cache_dir: Optional[str] = None, log: Callable[[str], None] = pr
             if assets is not None:
                 return assets
             _remove_leftovers(cache_dir, final)
-            tmp = tempfile.mkdtemp(prefix=f".demo-v{DEMO_VERSION}.tmp-", dir=cache_dir)
+            tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir)
             try:
                 os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the cache is not
-                _build(tmp, log)
+                _build(tmp, log, family)
                 os.rename(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -161,7 +170,7 @@ def _umask() -> int:
 
 def _remove_leftovers(cache_dir: str, final: str) -> None:
     """Under the lock: temp folders of crashed builds, and an incomplete final folder."""
-    prefix = f".demo-v{DEMO_VERSION}.tmp-"
+    prefix = f".{os.path.basename(final)}.tmp-"
     for name in os.listdir(cache_dir):
         if name.startswith(prefix):
             shutil.rmtree(os.path.join(cache_dir, name), ignore_errors=True)
@@ -403,7 +412,7 @@ def _build_environment():
                 datasets.enable_progress_bars()
 
 
-def _build(root: str, log) -> None:
+def _build(root: str, log, family: str) -> None:
     import torch
     import transformers
 
@@ -416,8 +425,8 @@ def _build(root: str, log) -> None:
         tokenizer, (train_ids, train_labels), (test_ids, test_labels) = _build_data(paths, log)
         torch.manual_seed(SEED)
         rng = random.Random(SEED)
-        config, architecture = _build_base_model(paths, tokenizer, train_ids, rng, log)
-        _build_checkpoint(paths, config, train_ids, train_labels, rng, log)
+        config, architecture = _build_base_model(paths, tokenizer, train_ids, rng, log, family)
+        _build_checkpoint(paths, config, train_ids, train_labels, rng, log, family)
         # Accuracy of what was saved, loaded back the way the evaluator loads it.
         loaded = load_model("local", paths["model_dir"], checkpoint=paths["checkpoint"])
         test_accuracy = _accuracy(loaded.module, test_ids, test_labels)
@@ -472,12 +481,15 @@ def _build_data(paths: Dict[str, str], log):
     return tokenizer, (train_ids, train_labels), (test_ids, test_labels)
 
 
-def _build_base_model(paths: Dict[str, str], tokenizer, train_ids, rng: random.Random, log):
+def _build_base_model(paths: Dict[str, str], tokenizer, train_ids, rng: random.Random, log, family: str):
     """The causal LM, pre-trained on the train texts and saved: (its config, its class name)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from dist_eval.backends.families import FAMILIES
+
     config = AutoConfig.for_model(
-        DEMO_MODEL_TYPE,
+        family,
+        **dict(FAMILIES[family].small_config),
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=172,
@@ -499,7 +511,9 @@ def _build_base_model(paths: Dict[str, str], tokenizer, train_ids, rng: random.R
     return config, type(base).__name__
 
 
-def _build_checkpoint(paths: Dict[str, str], config, train_ids, train_labels, rng: random.Random, log) -> None:
+def _build_checkpoint(
+    paths: Dict[str, str], config, train_ids, train_labels, rng: random.Random, log, family_name: str
+) -> None:
     """Prompts + head, prompt-tuned on the frozen base model, saved as the checkpoint."""
     import torch
     from transformers import AutoModelForSequenceClassification
@@ -508,7 +522,7 @@ def _build_checkpoint(paths: Dict[str, str], config, train_ids, train_labels, rn
     from dist_eval.backends.families import FAMILIES
     from dist_eval.backends.local import PromptTunedClassifier
 
-    family = FAMILIES[DEMO_MODEL_TYPE]
+    family = FAMILIES[family_name]
     torch.manual_seed(SEED + 1)
     hf = AutoModelForSequenceClassification.from_pretrained(
         paths["model_dir"], num_labels=NUM_LABELS, torch_dtype=torch.float32

@@ -32,6 +32,7 @@ class Job:
     checkpoint: Optional[str]
     settings: Settings
     demo: bool
+    head: Optional[str] = None
 
 
 def run(config: EvalConfig) -> int:
@@ -95,10 +96,11 @@ def _prepare(config: EvalConfig, say) -> Job:
 
     check_output_dir(config.output_dir)
     if not config.is_demo:
-        return Job(config.model, config.data_files, config.split, config.checkpoint, config.settings, demo=False)
+        return Job(config.model, config.data_files, config.split, config.checkpoint, config.settings, demo=False,
+                   head=config.head)
     from dist_eval.demo import demo_assets
 
-    demo = demo_assets(log=lambda line: say(line, flush=True))
+    demo = demo_assets(log=lambda line: say(line, flush=True), family=config.demo_family)
     settings = dataclasses.replace(config.settings, text_column=demo.text_column, label_column=demo.label_column)
     return Job(demo.model_dir, [demo.data_dir], demo.split, demo.checkpoint, settings, demo=True)
 
@@ -150,7 +152,7 @@ def _load_model(config: EvalConfig, job: Job, initial_peers, dht_prefix) -> tupl
             "Save the tokenizer there too (tokenizer.save_pretrained(folder))."
         ) from e
     model = load_model(
-        config.backend, job.model_dir, checkpoint=job.checkpoint, tuning_mode=config.tuning_mode,
+        config.backend, job.model_dir, checkpoint=job.checkpoint, head=job.head, tuning_mode=config.tuning_mode,
         pre_seq_len=config.pre_seq_len, num_labels=config.num_labels, initial_peers=initial_peers,
         dht_prefix=dht_prefix, swarm_timeout=config.swarm_timeout, device=config.device,
     )
@@ -161,7 +163,7 @@ def _resume_folder(config: EvalConfig, job: Job, dataset, model, say) -> str:
     """Rank 0: this run's folder of partial results, keyed by everything that decides them."""
     from dist_eval import resume
 
-    key = resume.run_key(job.model_dir, job.checkpoint, dataset, job.split, model, job.settings)
+    key = resume.run_key(job.model_dir, job.checkpoint, dataset, job.split, model, job.settings, job.head)
     return resume.resume_folder(config.output_dir, key, config.resume, say)
 
 
@@ -210,6 +212,7 @@ def _run_facts(config: EvalConfig, job: Job, initial_peers, dht_prefix, started:
         data_files=[os.path.abspath(p) if os.path.exists(p) else p for p in job.data_files],
         split=job.split,
         checkpoint=os.path.abspath(job.checkpoint) if job.checkpoint else None,
+        head=os.path.abspath(job.head) if job.head else None,
         demo=job.demo,
         batch_size=config.batch_size,
         max_length=config.max_length,

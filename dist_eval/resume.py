@@ -50,7 +50,10 @@ def _sha256_of_file(path: str) -> str:
     return digest.hexdigest()
 
 
-def run_key(model_dir: str, checkpoint: Optional[str], dataset, split: Optional[str], model, settings) -> str:
+def run_key(
+    model_dir: str, checkpoint: Optional[str], dataset, split: Optional[str], model, settings,
+    head: Optional[str] = None,
+) -> str:
     """A short hash of what decides the results: the model folder's files, the checkpoint,
     the data, the loaded model (a :class:`dist_eval.backends.LoadedModel`) and every field of
     ``settings`` (a :class:`dist_eval.config.Settings`). Weights are identified by name, size
@@ -65,6 +68,8 @@ def run_key(model_dir: str, checkpoint: Optional[str], dataset, split: Optional[
                   "device": _device_kind(model)},
         "settings": settings.as_dict(),
     }
+    if head:  # a checkpoint's separate head (--head): a file, or a model folder
+        facts["head"] = _file_facts(head) if os.path.isdir(head) else _sha256_of_file(head)
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

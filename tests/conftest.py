@@ -15,22 +15,66 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = [f"w{i}" for i in range(60)]
 
 
-def build_tiny_model(folder: str, seed: int = 0, num_layers: int = 4) -> str:
-    """A random tiny LlamaForCausalLM + word-level tokenizer, saved like a real model."""
+def build_tiny_model(folder: str, seed: int = 0, num_layers: int = 4, family: str = "llama", layout: str = "causal_lm",
+                     variant: str = "") -> str:
+    """A random tiny ``<family>ForCausalLM`` + word-level tokenizer, saved like a real model.
+
+    ``family``: llama (the default, unchanged), bloom or falcon. ``layout``: "causal_lm"
+    (a ``*ForCausalLM`` save: ``model.``/``transformer.`` key prefixes), "base" (a base model
+    save, e.g. ``BloomModel``: ``h.<i>.`` keys, the layout of bigscience's hub checkpoints)
+    or "seq_cls" (a ``*ForSequenceClassification`` save, with a random 3-class ``score``).
+    Every layout of one (family, seed, num_layers, variant) holds the same weights.
+    ``variant`` (falcon only): "" (falcon-40b style: new decoder architecture, rotary,
+    2 kv heads), "alibi" (alibi instead of rotary) or "7b" (falcon-7b style: multi-query,
+    parallel attention).
+    """
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<unk>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>").save_pretrained(folder)
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-        num_attention_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=None, eos_token_id=None,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    config = _tiny_config(family, len(vocab), num_layers, variant)
+    import transformers
+
+    prefix = {"llama": "Llama", "bloom": "Bloom", "falcon": "Falcon"}[family]
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config)
+    if layout == "base":
+        model = model.base_model
+    elif layout == "seq_cls":
+        config.num_labels = 3
+        classifier = getattr(transformers, f"{prefix}ForSequenceClassification")(config)
+        classifier.base_model.load_state_dict(model.base_model.state_dict())
+        model = classifier
+    elif layout != "causal_lm":
+        raise ValueError(f"layout={layout!r}")
+    model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = ""):
+    common = dict(vocab_size=vocab_size, hidden_size=32, num_attention_heads=4, pad_token_id=0, bos_token_id=None,
+                  eos_token_id=None)
+    if family == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(intermediate_size=64, num_hidden_layers=num_layers, max_position_embeddings=128, **common)
+    if family == "bloom":
+        from transformers import BloomConfig
+
+        return BloomConfig(n_layer=num_layers, **common)
+    if family == "falcon":
+        from transformers import FalconConfig
+
+        shapes = {
+            "": dict(new_decoder_architecture=True, num_kv_heads=2, alibi=False),
+            "alibi": dict(new_decoder_architecture=True, num_kv_heads=2, alibi=True),
+            "7b": dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, alibi=False),
+        }[variant]
+        return FalconConfig(num_hidden_layers=num_layers, **shapes, **common)
+    raise ValueError(f"family={family!r}")
 
 
 def build_checkpoint(

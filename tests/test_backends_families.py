@@ -1,5 +1,6 @@
-"""The model-family table (dist_eval.backends.families): Llama's entry against transformers'
-and petals' classes, the family chosen from config.json, an unknown family refused."""
+"""The model-family table (dist_eval.backends.families): every entry against transformers'
+and petals' classes, the family chosen from config.json, an unknown family (and Falcon's
+old multi-query layout) refused in one line naming the families that work."""
 from __future__ import annotations
 
 import pytest
@@ -8,25 +9,36 @@ import torch
 from dist_eval.backends.families import FAMILIES, checkpoint_prefixes, family_of
 
 
-def test_llama_entry_names_real_classes_and_attributes():
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_entry_names_real_classes_and_attributes(name):
     import transformers
 
-    llama = FAMILIES["llama"]
-    config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
-                                      num_attention_heads=2, pad_token_id=0, num_labels=3)
-    model = getattr(transformers, llama.local_class)(config)
-    assert isinstance(llama.get(model, llama.embeddings), torch.nn.Embedding)
-    assert len(llama.get(model, llama.blocks)) == 2
-    assert llama.get(model, llama.head).weight.shape == (3, 8)
-    hidden = llama.final_hidden(model, torch.zeros(1, 4, 8))
+    family = FAMILIES[name]
+    config = transformers.AutoConfig.for_model(
+        name, vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        pad_token_id=0, num_labels=3, **dict(family.small_config),
+    )
+    model = getattr(transformers, family.local_class)(config)
+    assert isinstance(family.get(model, family.embeddings), torch.nn.Embedding)
+    assert len(family.get(model, family.blocks)) == 2
+    assert family.get(model, family.head).weight.shape == (3, 8)
+    hidden = family.final_hidden(model, torch.zeros(1, 4, 8))
     assert hidden.shape == (1, 4, 8)
+    keys = model.state_dict()
+    assert any(k.startswith(family.blocks + ".0.") for k in keys)
+    frozen = {k[len(family.checkpoint_prefix):].split(".")[0] for k in keys if k.startswith(family.checkpoint_prefix)}
+    assert frozen == set(family.frozen)
+    assert family.get(model, family.backbone) is model.base_model
 
 
-def test_llama_petals_class_exists():
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_petals_class_exists_with_the_table_paths(name):
     from dist_eval.backends.compat import import_petals
 
     petals = import_petals()
-    assert hasattr(petals, FAMILIES["llama"].petals_class)
+    family = FAMILIES[name]
+    cls = getattr(petals, family.petals_class)
+    assert cls.config_class.block_prefix == family.server_blocks
 
 
 def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
@@ -40,7 +52,11 @@ def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
     with flag_names():
         text = str(caught.value)
     assert "\n" not in text and text.startswith("--model /m: config.json has model_type 'gpt2'")
-    assert "supported: llama" in text
+    assert text.endswith("the families that work: bloom, falcon, llama.")
+    old_falcon = types.SimpleNamespace(model_type="falcon", new_decoder_architecture=False, multi_query=True)
+    with pytest.raises(UsageError, match="old multi-query layout .*the families that work: bloom, falcon, llama"):
+        family_of(old_falcon)
+    assert family_of(types.SimpleNamespace(model_type="falcon", new_decoder_architecture=True)) is FAMILIES["falcon"]
     assert "model." in checkpoint_prefixes()
 
 
@@ -51,3 +67,41 @@ def test_last_token_rules_agree_on_right_padded_rows(rule):
     family = dataclasses.replace(FAMILIES["llama"], last_token=rule)
     input_ids = torch.tensor([[5, 6, 7, 0, 0], [5, 6, 7, 8, 9], [5, 0, 0, 0, 0]])
     assert family.last_token_index(input_ids, 0).tolist() == [2, 4, 0]
+
+
+@pytest.mark.parametrize("config,why", [
+    ({"model_type": "gpt2"}, "config.json has model_type 'gpt2'"),
+    ({"model_type": "falcon", "new_decoder_architecture": False, "multi_query": True},
+     "petals 2.2.0's Falcon server cannot run the old multi-query layout (falcon-7b style)"),
+])
+@pytest.mark.parametrize("backend", ["petals", "local"])
+def test_the_cli_refuses_a_family_petals_cannot_serve_up_front(tmp_path, capsys, config, why, backend):
+    import json
+
+    from inprocess_cli import run_cli_in_process
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    (tmp_path / "d.csv").write_text("text,label\nw1,0\n")
+    code = run_cli_in_process(["--model", str(model), "--data-files", str(tmp_path / "d.csv"), "--backend", backend,
+                               "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("dist_eval: error:")]
+    assert code == 2 and len(errors) == 1, err
+    shown = "" if "gpt2" in why else " (new_decoder_architecture=False, multi_query=True in config.json)"
+    assert errors[0] == (f"dist_eval: error: --model {model}: {why}{shown}"
+                         ": not a model petals 2.2.0 serves; the families that work: bloom, falcon, llama.")
+    assert not (tmp_path / "out").exists()  # refused before any work (no swarm, no output folder)
+
+
+def test_head_needs_a_checkpoint_and_demo_family_needs_the_demo(tmp_path, capsys):
+    from inprocess_cli import run_cli_in_process
+
+    assert run_cli_in_process(["--demo-family", "gpt2"]) == 2
+    assert "--demo-family gpt2: expected one of bloom, falcon, llama." in capsys.readouterr().err
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "bloom"}')
+    assert run_cli_in_process(["--model", str(model), "--data-files", "x.csv", "--demo-family", "bloom"]) == 2
+    assert "--demo-family bloom: only for the built-in demo (no --model)." in capsys.readouterr().err

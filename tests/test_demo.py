@@ -202,3 +202,26 @@ def test_default_cache_dir(monkeypatch, tmp_path):
     assert default_cache_dir() == str(tmp_path / "c")
     monkeypatch.delenv("DIST_EVAL_CACHE")
     assert default_cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "dist_eval")
+
+
+def test_the_family_is_part_of_the_cache_key(monkeypatch, tmp_path, built, assets):
+    """--demo-family: another family's assets go to demo-v<N>-<family>; the default's stay where they were."""
+    cache = built[0]
+    assert demo_assets(cache, log=lambda line: None, family="llama") == assets  # the default, unchanged
+    calls = []
+
+    def fake_build(root, log, family):
+        calls.append(family)
+        os.makedirs(os.path.join(root, "model"))
+        os.makedirs(os.path.join(root, "data"))
+        open(os.path.join(root, "checkpoint.pt"), "w").close()
+        manifest = {"demo_version": DEMO_VERSION, "num_labels": 4, "label_names": list(demo.LABEL_NAMES),
+                    "tuning_mode": "ptune", "pre_seq_len": demo.PRE_SEQ_LEN}
+        with open(os.path.join(root, "manifest.json"), "w") as f:
+            json.dump(manifest, f)
+
+    monkeypatch.setattr(demo, "_build", fake_build)
+    other = demo_assets(str(tmp_path), log=lambda line: None, family="bloom")
+    assert calls == ["bloom"]
+    assert other.model_dir == str(tmp_path / f"demo-v{DEMO_VERSION}-bloom" / "model")
+    assert demo_assets(str(tmp_path), log=lambda line: None, family="bloom") == other and calls == ["bloom"]

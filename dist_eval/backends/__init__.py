@@ -2,7 +2,8 @@
 
 - :mod:`~dist_eval.backends.classifier`: :class:`LoadedModel` and :func:`load_model`
 - :mod:`~dist_eval.backends.families`: what differs between model families, in one table
-- :mod:`~dist_eval.backends.checkpoint`: the trained prompts + head file format
+- :mod:`~dist_eval.backends.checkpoint`: the trained prompts + head, read from every form users hold
+- :mod:`~dist_eval.backends.petals_folder`: a model folder in the layout petals' server and client read
 - :mod:`~dist_eval.backends.local`: the same model computed in-process (the reference)
 - :mod:`~dist_eval.backends.petals`: blocks on a swarm (petals imported lazily)
 - :mod:`~dist_eval.backends.failover`: routing around failed servers; naming unserved blocks

@@ -59,6 +59,7 @@ def load_model(
     model_dir: str,
     *,
     checkpoint: Optional[str] = None,
+    head: Optional[str] = None,
     tuning_mode: Optional[str] = None,
     pre_seq_len: int = 0,
     num_labels: Optional[int] = None,
@@ -71,6 +72,8 @@ def load_model(
     """Load the classifier for ``backend`` ('petals' or 'local') with the trained prompts/head.
 
     ``device`` (local backend): cpu, cuda (this rank on cuda:LOCAL_RANK % device_count) or cuda:K.
+    ``head``: the classifier head of a ``checkpoint`` that holds only prompts (petals issue
+    #268's export): a file with ``score.weight``, or a model folder holding a trained one.
     """
     if backend not in BACKENDS:
         raise UsageError(f"expected one of {', '.join(repr(b) for b in BACKENDS)}.", param="backend", value=backend)
@@ -83,7 +86,7 @@ def load_model(
         device = this_rank_device(device, int(os.environ.get("LOCAL_RANK", "0")))
     config = _read_config(model_dir)
     family = family_of(config, model_dir)
-    state = _resolve_trainable(model_dir, checkpoint, tuning_mode, pre_seq_len, num_labels, family)
+    state = _resolve_trainable(model_dir, (checkpoint, head), tuning_mode, pre_seq_len, num_labels, family)
     _check_shapes(state, config, checkpoint, model_dir)
     if config.pad_token_id is None:
         raise UsageError(
@@ -128,10 +131,14 @@ def _class_names(config, state: TrainableState) -> Optional[dict]:
     return id2label
 
 
-def _resolve_trainable(model_dir: str, checkpoint, tuning_mode, pre_seq_len, num_labels, family) -> TrainableState:
-    """The prompts + head every rank will use; refuses anything that would be random."""
+def _resolve_trainable(model_dir: str, files, tuning_mode, pre_seq_len, num_labels, family) -> TrainableState:
+    """The prompts + head every rank will use (``files``: checkpoint, head); refuses anything random."""
+    checkpoint, head = files
+    if head and not checkpoint:
+        raise UsageError("needs --checkpoint: it gives the head of a checkpoint that holds only prompts.",
+                         param="head", value=head)
     if checkpoint:
-        state = load_checkpoint(checkpoint, family)
+        state = load_checkpoint(checkpoint, family, head)
     else:
         state = model_dir_trainable_state(model_dir, family)
         if state is None:

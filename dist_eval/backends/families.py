@@ -8,7 +8,7 @@ Paths are from the ``*ForSequenceClassification`` object, the same in transforme
 class (the local backend) and in petals' ``Distributed*`` class (the petals backend):
 
 ================  ============================  ================================
-field             llama                         bloom / falcon (to fill)
+field             llama                         bloom / falcon
 ================  ============================  ================================
 petals_class      DistributedLlamaFor...        DistributedBloomFor... / DistributedFalconFor...
 local_class       LlamaForSequenceClassification BloomFor... / FalconForSequenceClassification
@@ -19,21 +19,39 @@ prompts           model.prompt_embeddings       transformer.prompt_embeddings
 deep_prompts      model.intermediate_prompt_... transformer.intermediate_prompt_embeddings
 checkpoint_prefix "model."                      "transformer."
 last_token        first_pad                     non_pad_count
+server_blocks     model.layers                  h / transformer.h
+frozen            embed_tokens layers norm      word_embeddings[_layernorm] h ln_f
+key_signature     (keys only this family has, to name the family of a foreign checkpoint key)
+small_config      -                             - / new_decoder_architecture, num_kv_heads=2
+unsupported       -                             - / the old multi-query layout (falcon-7b)
 ================  ============================  ================================
+
+``server_blocks`` is where petals 2.2.0's server looks for block ``i``'s tensors
+(``<server_blocks>.<i>.``, its ``Distributed*Config.block_prefix``): bigscience's BLOOM
+hub checkpoints are ``BloomModel`` saves, without the ``transformer.`` prefix.
+:mod:`dist_eval.backends.petals_folder` converts a folder in another layout.
 
 BLOOM also normalises the embeddings (``transformer.word_embeddings_layernorm``) inside
 its backbone, after the prompts are prepended, in petals and in transformers alike; so
 the local backend, which calls the backbone with ``inputs_embeds``, needs no field for it.
+
+transformers' Falcon fills its rotary cache on first use without a lock: two threads in
+its forward at once can read ``cos_cached=None``. The local backend therefore runs one
+forward at a time (``--in-flight`` overlaps nothing there; results are unchanged).
 """
 from __future__ import annotations
 
+import json
 import operator
+import os
 from dataclasses import dataclass
-from typing import Dict
-
-import torch
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Dict
 
 from dist_eval.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -50,7 +68,28 @@ class Family:
     deep_prompts: str  # petals' per-block prompts [pre_seq_len, layers * hidden] (deep_ptune)
     checkpoint_prefix: str  # prefix of the backbone's keys in petals' trainable state dict
     last_token: str  # which position the head reads: "first_pad" or "non_pad_count" (see last_token_index)
+    server_blocks: str  # key prefix of the blocks' tensors that petals' server reads
+    frozen: tuple  # first names (under the backbone) of the base model's own tensors
+    # a regex matching key names (with or without the prefix) that only this family's models have
+    key_signature: str = ""
     head: str = "score"  # the classifier head (nn.Linear, no bias)
+    # config settings a small model of this family needs to be one petals serves (the demo's)
+    small_config: tuple = ()
+    # settings of config.json petals 2.2.0 cannot serve: ((attribute, value), ...), why
+    unsupported: tuple = ()
+
+    @property
+    def block_name(self) -> str:
+        """The block stack's name under the backbone (``layers``, ``h``)."""
+        return self.blocks[len(self.checkpoint_prefix):]
+
+    def unsupported_reason(self, config) -> str:
+        """Why petals cannot serve this config of the family ('' when it can)."""
+        for settings, why in self.unsupported:
+            if all(getattr(config, name, None) == value for name, value in settings):
+                shown = ", ".join(f"{name}={value}" for name, value in settings)
+                return f"{why} ({shown} in config.json)"
+        return ""
 
     def get(self, module, path: str):
         """The attribute at the dotted ``path`` of ``module`` (a field of this family)."""
@@ -58,7 +97,7 @@ class Family:
 
     def final_hidden(self, classifier, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """The hidden states after the last block and the final norm, for ``inputs_embeds``."""
-        return self.get(classifier, self.backbone)(inputs_embeds=inputs_embeds).last_hidden_state
+        return self.get(classifier, self.backbone)(inputs_embeds=inputs_embeds, use_cache=False).last_hidden_state
 
     def last_token_index(self, input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
         """Per row, the position the head reads, as transformers computes it for this family.
@@ -67,10 +106,14 @@ class Family:
         is no pad; ``non_pad_count`` (BLOOM, Falcon): the number of non-pad tokens - 1.
         They agree on right-padded rows without a pad inside the text (dist_eval refuses those).
         """
+        import torch
+
         if self.last_token == "first_pad":
             return (torch.eq(input_ids, pad_token_id).long().argmax(-1) - 1) % input_ids.shape[1]
         return torch.ne(input_ids, pad_token_id).sum(-1) - 1
 
+
+DEMO_FAMILY = "llama"  # the built-in demo's family, unless --demo-family says another
 
 FAMILIES: Dict[str, Family] = {
     "llama": Family(
@@ -84,6 +127,47 @@ FAMILIES: Dict[str, Family] = {
         deep_prompts="model.intermediate_prompt_embeddings",
         checkpoint_prefix="model.",
         last_token="first_pad",
+        server_blocks="model.layers",
+        frozen=("embed_tokens", "layers", "norm"),
+        key_signature=r"^(model\.)?(embed_tokens|layers\.\d+|norm)\.",
+    ),
+    "bloom": Family(
+        model_type="bloom",
+        petals_class="DistributedBloomForSequenceClassification",
+        local_class="BloomForSequenceClassification",
+        backbone="transformer",
+        embeddings="transformer.word_embeddings",
+        blocks="transformer.h",
+        prompts="transformer.prompt_embeddings",
+        deep_prompts="transformer.intermediate_prompt_embeddings",
+        checkpoint_prefix="transformer.",
+        last_token="non_pad_count",
+        server_blocks="h",
+        frozen=("word_embeddings", "word_embeddings_layernorm", "h", "ln_f"),
+        key_signature=r"^(transformer\.)?(word_embeddings_layernorm\.|h\.\d+\.self_attention\.query_key_value\.bias)",
+    ),
+    "falcon": Family(
+        model_type="falcon",
+        petals_class="DistributedFalconForSequenceClassification",
+        local_class="FalconForSequenceClassification",
+        backbone="transformer",
+        embeddings="transformer.word_embeddings",
+        blocks="transformer.h",
+        prompts="transformer.prompt_embeddings",
+        deep_prompts="transformer.intermediate_prompt_embeddings",
+        checkpoint_prefix="transformer.",
+        last_token="non_pad_count",
+        server_blocks="transformer.h",
+        frozen=("word_embeddings", "h", "ln_f"),
+        key_signature=r"^(transformer\.)?h\.\d+\.(ln_attn|ln_mlp|self_attention\.query_key_value\.weight$)",
+        small_config=(("new_decoder_architecture", True), ("num_kv_heads", 2)),  # the falcon-40b layout
+        # petals' OptimizedFalconAttention reshapes the one shared key/value head of the old
+        # multi-query layout (falcon-7b, falcon-rw) as if every head had its own: the server
+        # fails every forward. falcon-40b/180b (the new decoder architecture) work.
+        unsupported=(
+            ((("new_decoder_architecture", False), ("multi_query", True)),
+             "petals 2.2.0's Falcon server cannot run the old multi-query layout (falcon-7b style)"),
+        ),
     ),
 }
 
@@ -91,15 +175,37 @@ FAMILIES: Dict[str, Family] = {
 def family_of(config, model_dir: str = "") -> Family:
     """The family of a transformers config (its ``model_type``); refuses an unsupported one."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
+    family = FAMILIES.get(model_type)
+    why = family.unsupported_reason(config) if family else f"config.json has model_type {model_type!r}"
+    if why:
         raise UsageError(
-            f"config.json has model_type {model_type!r}, not a supported model family; "
-            f"supported: {', '.join(sorted(FAMILIES))}.",
+            f"{why}: not a model petals 2.2.0 serves; the families that work: {', '.join(sorted(FAMILIES))}.",
             param="model_dir", value=model_dir,
         )
-    return FAMILIES[model_type]
+    return family
+
+
+def family_of_folder(model_dir: str) -> Family:
+    """The family of a model folder (its config.json), without transformers."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(
+            f"cannot read its config.json ({e}). Pass a folder saved with save_pretrained().",
+            param="model_dir", value=model_dir,
+        ) from e
+    return family_of(SimpleNamespace(**config) if isinstance(config, dict) else None, model_dir)
 
 
 def checkpoint_prefixes() -> tuple:
     """Every family's checkpoint key prefix (a bare state dict does not say its family)."""
     return tuple(sorted({family.checkpoint_prefix for family in FAMILIES.values()}))
+
+
+def family_of_key(key: str) -> str:
+    """The model_type whose models alone have a tensor named ``key`` ('' when not one alone)."""
+    import re
+
+    matches = [family.model_type for family in FAMILIES.values() if re.search(family.key_signature, key)]
+    return matches[0] if len(matches) == 1 else ""

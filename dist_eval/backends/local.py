@@ -22,12 +22,17 @@ class PromptTunedClassifier(nn.Module):
     the input embeddings; ``deep_ptune`` additionally adds
     ``intermediate_prompts[i]`` to the prefix positions before block ``i`` (as
     ``petals.server.block_functions.run_rpc_forward`` does); the prefix is removed
-    before the head, and the head picks the last non-pad token. ``family`` (read from the
-    model's config by default) says where the embeddings, blocks and head are.
+    before the head, and the head picks the token the family's transformers class picks
+    (``Family.last_token_index``). The backbone, called with ``inputs_embeds``, applies
+    BLOOM's embedding norm to prompts + tokens, as petals' client does. Causal attention
+    over prompts + tokens with no padding mask, as on petals' servers. ``family`` (read from
+    the model's config by default) says where the embeddings, blocks and head are.
     """
 
     def __init__(self, hf_model, tuning_mode: Optional[str], pre_seq_len: int, family: Optional[Family] = None):
         super().__init__()
+        if tuning_mode not in (None, "ptune", "deep_ptune"):
+            raise ValueError(f"tuning_mode={tuning_mode!r}: expected None, 'ptune' or 'deep_ptune'")
         self.hf_model = hf_model
         self.family = family or family_of(hf_model.config)
         config = hf_model.config
@@ -47,6 +52,9 @@ class PromptTunedClassifier(nn.Module):
                 )
         # per thread: several batches may be in flight at once (--in-flight)
         self._intermediate = threading.local()
+        # one forward at a time: some transformers models fill their rotary cache lazily and
+        # without a lock (see backends/families.py); the results do not change
+        self._lock = threading.Lock()
 
     def prompt_device(self) -> torch.device:
         """Where the model's weights are (the input ids are moved there)."""
@@ -54,9 +62,12 @@ class PromptTunedClassifier(nn.Module):
 
     def _make_deep_prompt_hook(self, layer_index: int):
         def hook(module, args, kwargs):
+            prompts = getattr(self._intermediate, "value", None)
+            if prompts is None:  # the block run outside forward(), e.g. through hf_model itself
+                return None
             hidden_states = args[0] if args else kwargs["hidden_states"]
             hidden_states = hidden_states.clone()
-            prompt = self._intermediate.value[layer_index]
+            prompt = prompts[layer_index]
             hidden_states[:, : prompt.shape[1]] += prompt
             if args:
                 return (hidden_states, *args[1:]), kwargs
@@ -66,6 +77,10 @@ class PromptTunedClassifier(nn.Module):
         return hook
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            return self._forward(input_ids)
+
+    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         config = self.hf_model.config
         input_ids = input_ids.to(self.prompt_device())
         batch_size = input_ids.shape[0]
@@ -89,8 +104,17 @@ class PromptTunedClassifier(nn.Module):
 
 
 def load_local(model_dir: str, state: TrainableState, family: Family, device: str = "cpu") -> nn.Module:
-    """The model of ``model_dir`` with the trained prompts and head, in this process, on ``device``."""
+    """The model of ``model_dir`` with the trained prompts and head, in this process, on ``device``.
+
+    A base-model layout that also holds ``score.weight``, which transformers refuses as
+    "corrupted", is read from its converted copy (:mod:`dist_eval.backends.petals_folder`).
+    """
     import transformers
+
+    from dist_eval.backends.petals_folder import detect_layout, petals_model_folder
+
+    if not detect_layout(model_dir, family).client_ready:
+        model_dir = petals_model_folder(model_dir)
 
     hf_model = getattr(transformers, family.local_class).from_pretrained(
         model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False

@@ -143,7 +143,8 @@ def load_petals(
     swarm_timeout: float,
 ) -> nn.Module:
     """The model of ``model_dir`` as a client of the swarm at ``initial_peers``, once every
-    block is served, with the trained prompts and head.
+    block is served, with the trained prompts and head. A folder in a layout petals'
+    client cannot read is read from its converted copy (:mod:`dist_eval.backends.petals_folder`).
     """
     import_petals()
     quiet_hivemind_logs()
@@ -164,8 +165,10 @@ def load_petals(
         kwargs["dht_prefix"] = dht_prefix
     if state.tuning_mode:
         kwargs.update(tuning_mode=state.tuning_mode, pre_seq_len=state.pre_seq_len)
+    from dist_eval.backends.petals_folder import petals_model_folder
+
     try:
-        inner = getattr(petals, family.petals_class).from_pretrained(model_dir, **kwargs)
+        inner = getattr(petals, family.petals_class).from_pretrained(petals_model_folder(model_dir), **kwargs)
     except Exception as e:
         if type(e).__name__ == "P2PDaemonError":  # nobody answered at the initial peers
             raise UsageError(

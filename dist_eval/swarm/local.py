@@ -87,6 +87,19 @@ _LIVE_SWARMS: Set[LocalSwarm] = set()
 _LIVE_LOCK = threading.Lock()
 
 
+def _served_folder(model_dir: str) -> str:
+    """``model_dir``, or its copy in the layout petals' server reads (converted once, cached)."""
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        return model_dir  # _read_num_blocks says what is missing
+    from dist_eval.backends.petals_folder import petals_model_folder
+    from dist_eval.errors import UsageError
+
+    try:
+        return petals_model_folder(model_dir, log=lambda line: print(f"dist_eval.swarm: {line}", flush=True))
+    except UsageError as e:
+        raise SwarmError(f"{model_dir}: {e.detail}") from None
+
+
 def _stop_all_at_exit() -> None:
     with _LIVE_LOCK:
         swarms = list(_LIVE_SWARMS)
@@ -107,7 +120,10 @@ class LocalSwarm:
     ``start()`` (or ``with LocalSwarm(...) as swarm``) returns once every server printed
     ``Started``, i.e. every block is served; then ``initial_peers`` holds one multiaddr
     per server (``/ip4/127.0.0.1/tcp/PORT/p2p/ID``) and ``dht_prefix`` the prefix the
-    blocks are announced under: pass both to petals' ``from_pretrained``.
+    blocks are announced under: pass both to petals' ``from_pretrained``. A folder in a
+    layout petals' server cannot read is served from its converted copy (``model_dir``;
+    ``source_dir`` is the folder given, and names the default ``dht_prefix``), see
+    :mod:`dist_eval.backends.petals_folder`.
 
     Placement (see :func:`plan_blocks`): each server serves one contiguous range
     (``--block_indices A:B``). With one server it serves every block; with K >= 2
@@ -168,7 +184,8 @@ class LocalSwarm:
             raise SwarmError(
                 f"dht_prefix={dht_prefix!r}: must be non-empty, without '.' or spaces (petals uses them as delimiters)."
             )
-        self.model_dir = os.path.abspath(model_dir)
+        self.source_dir = os.path.abspath(model_dir)
+        self.model_dir = _served_folder(self.source_dir)  # the folder itself, or its copy in petals' layout
         self.num_blocks: int = _read_num_blocks(self.model_dir)
         self.num_servers = num_servers
         self.host = _check_host(host)
@@ -178,7 +195,7 @@ class LocalSwarm:
         self.placement: List[Tuple[int, int]] = [
             (first + a, first + b) for a, b in plan_blocks(last - first, num_servers, blocks_per_server)
         ]
-        self.dht_prefix: str = dht_prefix or _default_prefix(self.model_dir)
+        self.dht_prefix: str = dht_prefix or _default_prefix(self.source_dir)
         self.port = port
         self.start_timeout = float(start_timeout)
         self.log_dir = os.path.abspath(log_dir) if log_dir else None

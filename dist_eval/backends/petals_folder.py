@@ -1,0 +1,244 @@
+"""A model folder as petals 2.2.0's server and client read it, for every family (used by the
+local swarm's servers and by the petals client alike).
+
+What petals needs (measured with tiny folders of the three families on a local swarm):
+
+- **Server** (``petals/server/from_pretrained.py::load_pretrained_block``): block ``i``'s
+  tensors are looked up by the exact key prefix ``<Family.server_blocks>.<i>.`` (petals'
+  ``Distributed*Config.block_prefix``). A folder whose keys carry another prefix makes the
+  server exit with "Some block weights are missing". Which files to read comes from
+  ``model.safetensors.index.json`` (sharded) or the single ``model.safetensors`` /
+  ``pytorch_model.bin``.
+- **Client** (``Distributed*ForSequenceClassification.from_pretrained``, transformers'
+  loader): reads the embeddings, the embedding norm (BLOOM), the final norm and, when
+  present, ``score.weight``; the block keys are skipped. It accepts a prefixed save
+  (``*ForCausalLM`` / ``*ForSequenceClassification``) and a base-model save, but NOT a
+  base-model layout that also holds ``score.weight`` ("The state dictionary of the model
+  you are trying to load is corrupted").
+
+So the folders that need converting are: BLOOM saved from its causal-LM or
+sequence-classification class (prefixed block keys), FALCON and LLAMA saved
+from their base model class (unprefixed block keys), and a base-layout folder with
+a ``score`` head. :func:`petals_model_folder` returns the folder itself when petals reads it
+as it is, else a converted copy in a cache folder, written once (atomically, so several
+ranks may ask at once) and reused while the source files are unchanged. The copy is in the
+family's hub layout (``server_blocks``) for every tensor of the base model, so transformers
+reads it too (a mixed layout would load with random blocks, silently). When that layout has
+no prefix (BLOOM), a ``score`` / ``lm_head`` head is left out of the copy (petals' client
+refuses a head beside unprefixed keys); dist_eval reads the head from the source folder or
+the checkpoint, never from the copy. With a prefixed layout, heads are kept.
+
+Files: ``client.safetensors`` (every tensor that is not a block's), ``blocks-<k>.safetensors``
+(one per source weight file, so memory stays at one source shard at a time; petals'
+client skips these shards), ``model.safetensors.index.json`` mapping each key to its file,
+and the source folder's other files (config.json, tokenizer files) copied. The block
+tensors are copied (safetensors cannot rename keys in place), so a conversion needs as much
+free disk as the source weights.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from dist_eval.backends.families import Family, family_of_folder
+from dist_eval.errors import UsageError
+
+# in the order petals' server looks for them (petals/server/from_pretrained.py INDEX_FILES)
+WEIGHT_FILES = (
+    "model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin"
+)
+HEAD_PREFIXES = ("score.", "lm_head.")
+CONVERSION_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class FolderLayout:
+    family: Family
+    # key -> file (relative to the folder) holding it
+    weight_map: Dict[str, str]
+    # prefix the block stack has in this folder, (a Family.blocks or Family.block_name)
+    block_prefix: str
+    # True when the base model's keys carry the checkpoint prefix (a *ForCausalLM / *ForSequenceClassification save)
+    prefixed: bool
+
+    @property
+    def server_ready(self) -> bool:
+        return self.block_prefix == self.family.server_blocks
+
+    @property
+    def client_ready(self) -> bool:
+        return self.prefixed or not any(k.startswith(HEAD_PREFIXES) for k in self.weight_map)
+
+    @property
+    def num_blocks(self) -> int:
+        pattern = re.compile(re.escape(self.block_prefix) + r"\.(\d+)\.")
+        return len({m.group(1) for k in self.weight_map for m in [pattern.match(k)] if m})
+
+
+def weight_map(model_dir: str) -> Dict[str, str]:
+    """Every tensor name of the folder -> the file that holds it (the file petals and
+    transformers would read, in their order of preference).
+    """
+    for name in WEIGHT_FILES:
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
+        if name.endswith(".index.json"):
+            with open(path) as f:
+                return dict(json.load(f)["weight_map"])
+        return {key: name for key in _tensor_names(path)}
+    raise UsageError(
+        f"no weights ({', '.join(WEIGHT_FILES)}); pass a folder saved with save_pretrained().",
+        param="model_dir", value=model_dir,
+    )
+
+
+def _tensor_names(path: str) -> List[str]:
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    return list(_load_bin(path))
+
+
+def _load_bin(path: str):
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # a legacy (non-zip) file cannot be memory-mapped
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _load_file(path: str):
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return _load_bin(path)
+
+
+def detect_layout(model_dir: str, family: Optional[Family] = None) -> FolderLayout:
+    """The folder's family (from config.json) and where its blocks' tensors are."""
+    if family is None:
+        family = family_of_folder(model_dir)
+    mapping = weight_map(model_dir)
+    prefixed_blocks = f"{family.blocks}."
+    bare_blocks = f"{family.block_name}."
+    has_prefixed = any(k.startswith(prefixed_blocks) for k in mapping)
+    has_bare = any(k.startswith(bare_blocks) for k in mapping)
+    if has_prefixed == has_bare:
+        found = sorted(mapping)[:5]
+        what = "both" if has_prefixed else "neither"
+        raise UsageError(
+            f"a {family.model_type} folder's blocks are under '{prefixed_blocks}<i>.' or "
+            f"'{bare_blocks}<i>.'; this one has {what} (first keys: {found}).",
+            param="model_dir", value=model_dir,
+        )
+    block_prefix = prefixed_blocks[:-1] if has_prefixed else bare_blocks[:-1]
+    return FolderLayout(family, mapping, block_prefix, prefixed=has_prefixed)
+
+
+def _rename(key: str, layout: FolderLayout) -> Tuple[str, Optional[str]]:
+    """("block" | "client", key in the converted folder), or (.., None): left out."""
+    family = layout.family
+    prefix = family.checkpoint_prefix
+    target_prefixed = family.server_blocks.startswith(prefix)
+    if key.startswith(HEAD_PREFIXES) or (layout.prefixed and not key.startswith(prefix)):
+        return "client", (key if target_prefixed else None)  # a head (see the module doc)
+    base_key = key[len(prefix):] if layout.prefixed else key
+    new_key = prefix + base_key if target_prefixed else base_key
+    return ("block" if base_key.startswith(family.block_name + ".") else "client"), new_key
+
+
+def _fingerprint(model_dir: str, layout: FolderLayout) -> str:
+    h = hashlib.sha256()
+    h.update(f"v{CONVERSION_VERSION}\0{os.path.realpath(model_dir)}\0".encode())
+    for name in sorted(set(layout.weight_map.values()) | {"config.json"}):
+        st = os.stat(os.path.join(model_dir, name))
+        h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def default_cache_dir() -> str:
+    """``<$DIST_EVAL_CACHE or ~/.cache/dist_eval>/petals_folders``."""
+    root = os.environ.get("DIST_EVAL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dist_eval")
+    return os.path.join(root, "petals_folders")
+
+
+def petals_model_folder(model_dir: str, cache_dir: Optional[str] = None, log=None) -> str:
+    """A folder petals' server and client both read for ``model_dir``: ``model_dir`` itself
+    when it already is one, else its converted copy under ``cache_dir`` (see module doc).
+    """
+    layout = detect_layout(model_dir)
+    if layout.server_ready and layout.client_ready:
+        return model_dir
+    cache_dir = cache_dir or default_cache_dir()
+    name = os.path.basename(os.path.normpath(model_dir)) or "model"
+    target = os.path.join(cache_dir, f"{name}-{layout.family.model_type}-{_fingerprint(model_dir, layout)}")
+    if os.path.isfile(os.path.join(target, "model.safetensors.index.json")):
+        return target
+    os.makedirs(cache_dir, exist_ok=True)
+    if log:
+        log(f"converting {model_dir} (blocks under '{layout.block_prefix}.<i>.') to the layout petals' "
+            f"{layout.family.model_type} server reads ('{layout.family.server_blocks}.<i>.') in {target}")
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir)
+    try:
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it private; the cache is not
+        _write_converted(model_dir, layout, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first: its copy is the same
+            if not os.path.isfile(os.path.join(target, "model.safetensors.index.json")):
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_converted(model_dir: str, layout: FolderLayout, out: str) -> None:
+    from safetensors.torch import save_file
+
+    skip = set(WEIGHT_FILES) | set(layout.weight_map.values())
+    for entry in os.listdir(model_dir):
+        src = os.path.join(model_dir, entry)
+        if entry not in skip and os.path.isfile(src):
+            shutil.copy2(src, os.path.join(out, entry))
+    new_map: Dict[str, str] = {}
+    client: Dict[str, object] = {}
+    dropped: List[str] = []
+    total = 0
+    for k, source in enumerate(sorted(set(layout.weight_map.values()))):
+        tensors = _load_file(os.path.join(model_dir, source))
+        blocks = {}
+        for key, tensor in tensors.items():
+            if layout.weight_map.get(key) != source:
+                continue  # a stray copy: the index says another file holds it
+            part, new_key = _rename(key, layout)
+            if new_key is None:
+                dropped.append(key)
+                continue
+            tensor = tensor.contiguous()
+            total += tensor.numel() * tensor.element_size()
+            (blocks if part == "block" else client)[new_key] = tensor
+        if blocks:
+            fname = f"blocks-{k:05d}.safetensors"
+            save_file(blocks, os.path.join(out, fname), metadata={"format": "pt"})
+            new_map.update({key: fname for key in blocks})
+        del tensors, blocks
+    save_file(client, os.path.join(out, "client.safetensors"), metadata={"format": "pt"})
+    new_map.update({key: "client.safetensors" for key in client})
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total, "converted_from": os.path.realpath(model_dir),
+                                "left_out": sorted(dropped)},
+                   "weight_map": dict(sorted(new_map.items()))}, f, indent=1)

@@ -1,0 +1,148 @@
+"""dist_eval.backends.local: without prompts it equals the family's transformers classifier
+bit for bit; with prompts it does what petals' client + servers do (checked against a
+step-by-step re-implementation here; against a real swarm through the CLI in
+tests/test_families_swarm.py)."""
+import pytest
+import torch
+from conftest import build_tiny_model
+
+from dist_eval.backends.checkpoint import TrainableState
+from dist_eval.backends.families import FAMILIES
+from dist_eval.backends.local import PromptTunedClassifier, load_local
+
+EMBEDDINGS_NORM = {"bloom": "word_embeddings_layernorm"}  # applied after the prompts are prepended
+FINAL_NORM = {"llama": "norm", "bloom": "ln_f", "falcon": "ln_f"}
+
+
+def load_local_reference(folder, spec, mode, pre_seq_len, tensors):
+    state = TrainableState(mode, pre_seq_len if mode else 0, int(tensors["score.weight"].shape[0]), tensors)
+    return load_local(folder, state, spec).eval()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ref_models")
+    return {f: build_tiny_model(str(root / f), family=f, layout="seq_cls") for f in FAMILIES}
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n in (1, 6, 9, 4):
+        rows.append(torch.randint(2, 62, (n,), generator=g).tolist() + [0] * (9 - n))
+    return torch.tensor(rows)
+
+
+def trained(mode, hidden=32, layers=4):
+    g = torch.Generator().manual_seed(1)
+    t = {"score.weight": torch.randn(3, hidden, generator=g)}
+    if mode:
+        t["prompt_embeddings.weight"] = torch.randn(2, hidden, generator=g)
+    if mode == "deep_ptune":
+        t["intermediate_prompt_embeddings.weight"] = torch.randn(2, layers * hidden, generator=g)
+    return t
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_no_prompts_equals_transformers_classifier(models, family):
+    import transformers
+
+    spec = FAMILIES[family]
+    hf = getattr(transformers, spec.local_class).from_pretrained(models[family]).eval()
+    ref = load_local_reference(models[family], spec, None, 0, {"score.weight": hf.score.weight.detach().clone()})
+    with torch.no_grad():
+        assert torch.equal(ref(batch()), hf(input_ids=batch()).logits)
+
+
+def petals_steps(hf, spec, mode, tensors, input_ids):
+    """petals 2.2.0's forward written out: client embeddings + prompts (+ BLOOM's embedding
+    layernorm), server blocks with intermediate prompts added before each, client prefix
+    removal + final norm + head + the family's pooling."""
+    base = spec.get(hf, spec.backbone)
+    config = hf.config
+    embeds = spec.get(hf, spec.embeddings)(input_ids)
+    b, p = input_ids.shape[0], tensors["prompt_embeddings.weight"].shape[0] if mode else 0
+    if mode:
+        embeds = torch.cat([tensors["prompt_embeddings.weight"].unsqueeze(0).expand(b, -1, -1), embeds], dim=1)
+    norm = EMBEDDINGS_NORM.get(spec.model_type)
+    hidden = getattr(base, norm)(embeds) if norm else embeds
+    seq = hidden.shape[1]
+    for i, block in enumerate(spec.get(hf, spec.blocks)):
+        if mode == "deep_ptune":
+            inter = tensors["intermediate_prompt_embeddings.weight"].view(p, config.num_hidden_layers, -1)[:, i]
+            hidden = hidden.clone()
+            hidden[:, :p] += inter
+        hidden = _run_block(spec, base, block, hidden, seq)
+    hidden = getattr(base, FINAL_NORM[spec.model_type])(hidden[:, p:])
+    logits = hidden @ tensors["score.weight"].T
+    return logits[torch.arange(b), spec.last_token_index(input_ids, config.pad_token_id)]
+
+
+def _run_block(spec, base, block, hidden, seq):
+    b = hidden.shape[0]
+    mask = torch.ones(b, seq)
+    if spec.model_type == "llama":
+        from transformers.models.llama.modeling_llama import LlamaModel
+
+        causal = LlamaModel._prepare_decoder_attention_mask(base, mask, (b, seq), hidden, 0)
+        return block(hidden, attention_mask=causal, position_ids=torch.arange(seq).unsqueeze(0))[0]
+    if spec.model_type == "bloom":
+        from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+        causal = base._prepare_attn_mask(mask, (b, seq), 0)
+        return block(hidden, build_alibi_tensor(mask, base.num_heads, hidden.dtype), causal)[0]
+    causal = base._prepare_attn_mask(mask, (b, seq), 0)
+    return block(hidden, None, causal)[0]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("mode", ["ptune", "deep_ptune"])
+def test_prompts_as_petals_applies_them(models, family, mode):
+    spec = FAMILIES[family]
+    tensors = trained(mode)
+    ref = load_local_reference(models[family], spec, mode, 2, tensors)
+    with torch.no_grad():
+        got = ref(batch())
+        import transformers
+
+        hf = getattr(transformers, spec.local_class).from_pretrained(models[family]).eval()
+        expected = petals_steps(hf, spec, mode, tensors, batch())
+        plain = load_local_reference(models[family], spec, None, 0, tensors)(batch())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got, plain)  # the prompts matter
+
+
+def test_pooling_rules():
+    ids = torch.tensor([[5, 0, 7, 0], [5, 6, 7, 8]])
+    assert FAMILIES["llama"].last_token_index(ids, 0).tolist() == [0, 3]
+    assert FAMILIES["bloom"].last_token_index(ids, 0).tolist() == [1, 3]  # a pad inside the text counts differently
+    assert FAMILIES["falcon"].last_token == "non_pad_count"
+
+
+def test_unknown_tuning_mode(models):
+    import transformers
+
+    hf = transformers.BloomForSequenceClassification.from_pretrained(models["bloom"])
+    with pytest.raises(ValueError, match="tuning_mode='prefix'"):
+        PromptTunedClassifier(hf, "prefix", 2, FAMILIES["bloom"])
+
+
+@pytest.mark.parametrize("family", ["bloom", "falcon"])
+def test_base_layout_with_a_head_is_read_from_its_converted_copy(tmp_path, monkeypatch, family):
+    """transformers refuses a base-model layout that holds score.weight ("corrupted"); the
+    local backend reads the converted copy, and the head from the folder itself."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from dist_eval.backends import load_model
+
+    monkeypatch.setenv("DIST_EVAL_CACHE", str(tmp_path / "cache"))
+    folder = build_tiny_model(str(tmp_path / "m"), family=family, layout="base", num_layers=2)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    tensors["score.weight"] = torch.ones(3, 32)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    loaded = load_model("local", folder)
+    spec = FAMILIES[family]
+    assert torch.equal(spec.get(loaded.module.hf_model, spec.head).weight, torch.ones(3, 32))
+    assert loaded.module(batch()).shape == (4, 3)

@@ -1,0 +1,92 @@
+"""BLOOM and Falcon on a real private Petals swarm, through the CLI under torchrun: for no
+tuning, ptune and deep_ptune, Petals N=2 equals local N=1 bit for bit (fp32), and the
+predictions are identical for N = 1, 2, 3. One swarm per family (module fixture), in a
+layout petals cannot read as it is (BLOOM saved from BloomForCausalLM, Falcon from
+FalconModel): the swarm serves the converted copy, the client reads it too. The checkpoints
+are read in the forms users hold (dist_eval's file, a petals state dict with the family's
+prefix, petals #268's nn.Embedding export + --head). Marked `swarm`."""
+import json
+import os
+from unittest import mock
+
+import pytest
+import torch
+from conftest import build_checkpoint, build_tiny_model, read_jsonl, run_cli, write_csv
+
+pytestmark = pytest.mark.swarm
+
+LAYOUT = {"bloom": "causal_lm", "falcon": "base"}
+ROWS = 30
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUT))
+def family_swarm(request, tmp_path_factory):
+    from dist_eval.swarm import LocalSwarm
+
+    family = request.param
+    root = tmp_path_factory.mktemp(f"swarm-{family}")
+    model = build_tiny_model(str(root / f"tiny-{family}"), family=family, layout=LAYOUT[family])
+    data = write_csv(str(root / "data.csv"), ROWS, seed=3)
+    # converted copies go to this test's cache (the CLI runs inherit it), not the user's
+    with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": str(root / "cache")}):
+        swarm = LocalSwarm(model, num_servers=2)  # each server half of the blocks
+        assert swarm.model_dir.startswith(str(root / "cache"))  # served from the converted copy
+        assert swarm.dht_prefix == f"dist_eval-tiny-{family}"  # named after the folder given
+        try:
+            with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):  # same summation order as the client
+                swarm.start()
+            yield family, model, data, swarm
+        finally:
+            swarm.stop()
+
+
+def run(family_swarm, out, checkpoint_args, nproc, backend="petals", peers=True):
+    family, model, data, swarm = family_swarm
+    args = ["--model", model, "--data-files", data, *checkpoint_args, "--output-dir", str(out),
+            "--batch-size", "8", "--save-logits", "--backend", backend, "--quiet"]
+    if backend == "petals" and peers:
+        args += ["--initial-peers", *swarm.initial_peers, "--dht-prefix", swarm.dht_prefix]
+    elif backend == "petals":
+        args += ["--local-servers", "1"]  # the CLI starts (and stops) its own swarm
+    proc = run_cli(args, nproc=nproc, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    rows = read_jsonl(out / "predictions.jsonl")
+    assert [r["index"] for r in rows] == list(range(ROWS))
+    return rows
+
+
+def petals_state_dict(path, family, tensors):
+    """What model.state_dict() of petals' Distributed*ForSequenceClassification holds (trainable part)."""
+    prefix = "transformer."
+    torch.save({(k if k == "score.weight" else prefix + k): v for k, v in tensors.items()}, path)
+    return path
+
+
+@pytest.mark.parametrize("tuning_mode", [None, "ptune", "deep_ptune"])
+def test_petals_n2_equals_local_n1_bitwise(family_swarm, tmp_path, tuning_mode):
+    family = family_swarm[0]
+    ck = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode=tuning_mode, pre_seq_len=3)
+    petals = run(family_swarm, tmp_path / "petals2", ["--checkpoint", ck], nproc=2)
+    if tuning_mode == "deep_ptune":  # the local run reads petals' own state dict form
+        tensors = torch.load(ck, weights_only=True)["state_dict"]
+        ck = petals_state_dict(str(tmp_path / "petals_sd.pt"), family, tensors)
+    local = run(family_swarm, tmp_path / "local1", ["--checkpoint", ck], nproc=1, backend="local")
+    assert petals == local  # labels, preds and the float32 logits, every row
+    metrics = json.load(open(tmp_path / "petals2" / "metrics.json"))
+    assert metrics["run"]["backend"] == "petals" and metrics["run"]["world_size"] == 2
+
+
+def test_predictions_identical_for_n_1_2_3(family_swarm, tmp_path):
+    ck = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode="ptune", pre_seq_len=3)
+    # petals #268: torch.save(model.transformer.prompt_embeddings, f), the head in a second file
+    tensors = torch.load(ck, weights_only=True)["state_dict"]
+    prompts = torch.nn.Embedding(*tensors["prompt_embeddings.weight"].shape)
+    prompts.weight.data.copy_(tensors["prompt_embeddings.weight"])
+    torch.save(prompts, tmp_path / "prompts.pt")
+    torch.save({"score.weight": tensors["score.weight"]}, tmp_path / "head.pt")
+    export = ["--checkpoint", str(tmp_path / "prompts.pt"), "--head", str(tmp_path / "head.pt")]
+    one = run(family_swarm, tmp_path / "n1", ["--checkpoint", ck], nproc=1, peers=False)  # the CLI's own swarm
+    two = run(family_swarm, tmp_path / "n2", export, nproc=2)
+    three = run(family_swarm, tmp_path / "n3", ["--checkpoint", ck], nproc=3)
+    assert one == two == three
