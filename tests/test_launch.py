@@ -195,7 +195,8 @@ def test_swarm_cli_refuses_bad_multi_host_arguments(tiny_model, args, message, c
     assert len(lines) == 1 and message in lines[0], err
 
 
-def test_local_rank_beyond_the_gpus_is_a_usage_error(monkeypatch):
+def test_local_rank_beyond_the_gpus_is_a_usage_error_with_nccl(monkeypatch):
+    """NCCL needs a GPU per rank (gloo, the default, does not: tests/test_ranks_devices.py)."""
     import torch
 
     from dist_eval import ranks
@@ -208,8 +209,8 @@ def test_local_rank_beyond_the_gpus_is_a_usage_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device before the check"))
-    with pytest.raises(UsageError, match=r"LOCAL_RANK 1: this node has 1 visible CUDA device.*at most 1 rank"):
-        ranks.init_process_group_from_env(10)
+    with pytest.raises(UsageError, match=r"NCCL needs one CUDA device per rank, and LOCAL_RANK 1 finds 1 visible"):
+        ranks.init_process_group_from_env(10, dist_backend="nccl")
 
 
 @pytest.mark.multiproc
