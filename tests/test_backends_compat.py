@@ -127,9 +127,13 @@ def _first_forwards_at_once(forward, input_ids, num_threads: int) -> list:
 
 
 def _group_of(pid):
+    """The process group of a live process; None for one that is gone or a zombie (a dead
+    process its new parent, init, has not reaped yet: it holds nothing)."""
     import os
 
+    from conftest import _state
+
     try:
-        return os.getpgid(pid)
+        return None if _state(pid) in (None, "Z") else os.getpgid(pid)
     except OSError:
         return None

@@ -102,11 +102,11 @@ class HelperWatch:
     def __init__(self, manager, poll_seconds: float = 0.5):
         self.manager = manager
         self.poll_seconds = poll_seconds
-        self.helpers = client_helper_pids(manager.dht)
+        self.helpers = client_helper_pids(getattr(manager, "dht", None))  # none: nothing to watch
         self._start_times = {pid: _start_time(pid) for pid in self.helpers}
         # if this rank is killed outright (SIGKILL, or torchrun's SIGKILL after SIGTERM), no
         # code of it runs: a watchdog process then stops the helpers, which would be orphans
-        self._watchdog = Watchdog()
+        self._watchdog = Watchdog() if self.helpers else None
         for pid, start_time in self._start_times.items():
             self._watchdog.watch_pid(pid, start_time)
         self.died: HelperDied | None = None
@@ -158,7 +158,8 @@ class HelperWatch:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        self._watchdog.release()
+        if self._watchdog is not None:
+            self._watchdog.release()
 
     def _running(self) -> list:
         return [pid for pid in self.helpers if is_running(pid, self._start_times[pid])]
