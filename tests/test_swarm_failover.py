@@ -223,6 +223,22 @@ def rank_processes(torchrun_pid):
     return ranks
 
 
+def ranks_in_their_loop(run):
+    """{rank: its processes} of a BackgroundCli run, a second into its evaluation loop."""
+    assert run.evaluating.wait(timeout=240), "never reached the evaluation loop: " + "".join(run.err)[-3000:]
+    time.sleep(1.0)
+    procs = rank_processes(run.proc.pid)
+    assert sorted(procs) == [0, 1] and all(len(p) == 3 for p in procs.values()), procs
+    return procs
+
+
+def alive_after(pids, since: float, seconds: float) -> list:
+    """The ``pids`` still alive ``seconds`` after ``since`` (returns as soon as none is)."""
+    while any(_alive(pid) for pid in pids) and time.monotonic() - since < seconds:
+        time.sleep(0.1)
+    return [pid for pid in pids if _alive(pid)]
+
+
 @pytest.fixture(scope="module")
 def swarm2(tiny_model):
     """A swarm of its own for the tests that kill a rank or its helpers (the tests above kill servers)."""
@@ -242,19 +258,13 @@ def test_a_dead_rank_or_helper_ends_every_rank_in_bounded_time(swarm2, tiny_mode
     out = tmp_path / "out"
     run = BackgroundCli(petals_args(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2)
     try:
-        assert run.evaluating.wait(timeout=240), "never reached the evaluation loop: " + "".join(run.err)[-3000:]
-        time.sleep(1.0)
-        procs = rank_processes(run.proc.pid)
-        assert sorted(procs) == [0, 1] and all(len(p) == 3 for p in procs.values()), procs
+        procs = ranks_in_their_loop(run)
         assert run.proc.poll() is None, "the run ended before the kill; make many_rows_csv longer"
         os.kill(procs[1][victim], signal.SIGKILL)
         killed_at = time.monotonic()
         code, _, stderr = run.wait(timeout=120)
         after_kill = time.monotonic() - killed_at
-        every_pid = [pid for p in procs.values() for pid in p.values()]
-        while any(_alive(pid) for pid in every_pid) and time.monotonic() - killed_at < 30:
-            time.sleep(0.2)
-        left = [pid for pid in every_pid if _alive(pid)]
+        left = alive_after([pid for p in procs.values() for pid in p.values()], since=killed_at, seconds=30)
     finally:
         run.stop()
     (tmp_path / "stderr.txt").write_text(stderr)  # the whole log, for a failure's reader
@@ -282,10 +292,7 @@ def test_sigterm_to_torchrun_stops_every_process_within_15_s(swarm2, tiny_model,
     out = tmp_path / "out"
     run = BackgroundCli(petals_args(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2)
     try:
-        assert run.evaluating.wait(timeout=240), "never reached the evaluation loop: " + "".join(run.err)[-3000:]
-        time.sleep(1.0)
-        procs = rank_processes(run.proc.pid)
-        assert sorted(procs) == [0, 1] and all(len(p) == 3 for p in procs.values()), procs
+        procs = ranks_in_their_loop(run)
         if state == "stuck":
             os.kill(procs[1]["p2pd daemon"], signal.SIGSTOP)
             time.sleep(2.0)
@@ -294,10 +301,8 @@ def test_sigterm_to_torchrun_stops_every_process_within_15_s(swarm2, tiny_model,
         signalled_at = time.monotonic()
         code, _, stderr = run.wait(timeout=60)
         every_pid = [run.proc.pid] + [pid for p in procs.values() for pid in p.values()]
-        while any(_alive(pid) for pid in every_pid) and time.monotonic() - signalled_at < 15:
-            time.sleep(0.1)
+        left = alive_after(every_pid, since=signalled_at, seconds=15)
         took = time.monotonic() - signalled_at
-        left = [pid for pid in every_pid if _alive(pid)]
     finally:
         run.stop()
     assert not left, f"still alive 15 s after SIGTERM: {left}\n{stderr[-3000:]}"
