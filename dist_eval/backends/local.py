@@ -111,14 +111,16 @@ def load_local(model_dir: str, state: TrainableState, family: Family, device: st
     """
     import transformers
 
+    from dist_eval.backends.compat import no_random_init_of_meta_tensors
     from dist_eval.backends.petals_folder import detect_layout, petals_model_folder
 
     if not detect_layout(model_dir, family).client_ready:
         model_dir = petals_model_folder(model_dir)
 
-    hf_model = getattr(transformers, family.local_class).from_pretrained(
-        model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False
-    )
+    with no_random_init_of_meta_tensors():
+        hf_model = getattr(transformers, family.local_class).from_pretrained(
+            model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False
+        )
     model = PromptTunedClassifier(hf_model, state.tuning_mode, state.pre_seq_len, family)
     with torch.no_grad():
         family.get(hf_model, family.head).weight.copy_(state.tensors["score.weight"])

@@ -8,7 +8,12 @@ import torch
 from torch import nn
 
 from dist_eval.backends.checkpoint import TrainableState
-from dist_eval.backends.compat import import_petals, quiet_hivemind_logs, shutdown_petals_client
+from dist_eval.backends.compat import (
+    import_petals,
+    no_random_init_of_meta_tensors,
+    quiet_hivemind_logs,
+    shutdown_petals_client,
+)
 from dist_eval.backends.failover import patch_petals_client_failover, swarm_failure
 from dist_eval.backends.families import Family
 from dist_eval.backends.helpers import HelperWatch
@@ -168,7 +173,8 @@ def load_petals(
     from dist_eval.backends.petals_folder import petals_model_folder
 
     try:
-        inner = getattr(petals, family.petals_class).from_pretrained(petals_model_folder(model_dir), **kwargs)
+        with no_random_init_of_meta_tensors():
+            inner = getattr(petals, family.petals_class).from_pretrained(petals_model_folder(model_dir), **kwargs)
     except Exception as e:
         if type(e).__name__ == "P2PDaemonError":  # nobody answered at the initial peers
             raise UsageError(
