@@ -19,6 +19,7 @@ from conftest import REPO, build_tiny_model, free_port, run_in_own_group, write_
 from dist_eval import evaluate, load_model
 from dist_eval.backends.checkpoint import save_checkpoint
 from dist_eval.backends.families import FAMILIES
+from dist_eval.backends.objects import evaluation_model
 from dist_eval.errors import UsageError
 
 HIDDEN, LAYERS, LABELS = 32, 4, 3
@@ -210,6 +211,9 @@ def test_petals_object_equals_load_model_bitwise(swarm, dataset, tmp_path, mode)
     try:
         set_trained(model, family, tensors)
         model.train()
+        with evaluation_model(model) as adapted:  # what evaluate computes with
+            assert (adapted.backend, adapted.prompt_tokens, adapted.num_labels) == ("petals", 3, LABELS)
+            assert not model.training and "forward" in vars(blocks)  # bounded by --swarm-timeout meanwhile
         got = run(model, dataset, tokenizer)
         assert model.training and all(modes(model))  # back in train mode
         assert "forward" not in vars(blocks)  # the adapter's bounded forward is gone

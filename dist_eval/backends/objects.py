@@ -48,8 +48,8 @@ def evaluation_model(model, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT) -> Ite
     module = adapted.module if isinstance(adapted, LoadedModel) else adapted
     modes = [(m, m.training) for m in module.modules()] if isinstance(module, nn.Module) else []
     try:
-        for m, _ in modes:
-            m.training = False
+        if modes:
+            module.eval()
         yield adapted
     finally:
         for m, training in modes:
