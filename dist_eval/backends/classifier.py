@@ -99,8 +99,8 @@ def load_model(
         client_options=petals_client_options or {}, swarm_timeout=swarm_timeout, device=device,
     )
     module.eval()
-    return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend, _class_names(config, state),
-                       state.pre_seq_len)
+    return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend,
+                       class_names(config, state.num_labels), state.pre_seq_len)
 
 
 def _read_config(model_dir: str):
@@ -120,12 +120,12 @@ def _read_config(model_dir: str):
         ) from e
 
 
-def _class_names(config, state: TrainableState) -> Optional[dict]:
+def class_names(config, num_labels: int) -> Optional[dict]:
     """config.json's id2label, unless it is transformers' placeholder map (LABEL_0, ...)."""
     id2label = getattr(config, "id2label", None)
     if id2label and (
-        len(id2label) != state.num_labels
-        or all(str(id2label.get(i, id2label.get(str(i)))) == f"LABEL_{i}" for i in range(state.num_labels))
+        len(id2label) != num_labels
+        or all(str(id2label.get(i, id2label.get(str(i)))) == f"LABEL_{i}" for i in range(num_labels))
     ):
         return None
     return id2label

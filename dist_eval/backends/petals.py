@@ -30,19 +30,24 @@ class PetalsClassifier(nn.Module):
     :func:`dist_eval.backends.failover.unserved_blocks`). petals alone would retry without
     a time bound (it counts attempts, and re-adds a dead server's DHT record, which lives
     ~2 minutes).
+
+    ``owns_client=False``: ``inner`` is the caller's (a model object passed to
+    ``evaluate``); :meth:`close` then leaves its client running and ``inner`` as it was.
     """
 
-    def __init__(self, inner, family: Family, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT):
+    def __init__(self, inner, family: Family, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT, owns_client: bool = True):
         super().__init__()
         self.inner = inner
         self.family = family
         self.swarm_timeout = swarm_timeout
+        self.owns_client = owns_client
         blocks = family.get(inner, family.blocks)
         self.sequence_manager = blocks.sequence_manager
+        self._own_forward = blocks.__dict__.get("forward")  # normally none: the class's
         remote_forward = blocks.forward
         # Instance attribute: nn.Module.__call__ then runs the bounded version.
         blocks.forward = lambda *args, **kwargs: self._bounded_remote(remote_forward, *args, **kwargs)
-        self.helper_watch = HelperWatch(self.sequence_manager).start()
+        self.helper_watch = HelperWatch(self.sequence_manager, watchdog=owns_client).start()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # No attention mask: the petals client rejects any mask that is not all ones.
@@ -57,8 +62,17 @@ class PetalsClassifier(nn.Module):
         return swarm_provenance(self.sequence_manager.state.sequence_info.block_infos)
 
     def close(self) -> None:
-        """Stop the client (its DHT process, p2pd and routing thread), in bounded time."""
+        """Stop the client (its DHT process, p2pd and routing thread), in bounded time; or,
+        for a client the caller owns, only undo what this adapter changed on ``inner``.
+        """
         self.helper_watch.stop()  # first: a normal shutdown stops the helpers
+        if not self.owns_client:
+            blocks = self.family.get(self.inner, self.family.blocks)
+            if self._own_forward is None:
+                del blocks.forward
+            else:
+                blocks.forward = self._own_forward
+            return
         shutdown_petals_client(self.sequence_manager)
         self.helper_watch.close()
 
