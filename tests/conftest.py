@@ -10,7 +10,9 @@ import sys
 
 import pytest
 import torch
-from process_leaks import pytest_configure, pytest_runtest_call, pytest_runtest_setup, pytest_runtest_teardown  # noqa: F401  (pytest hooks: no test leaves a process behind)
+
+# pytest hooks: no test leaves a process behind
+from process_leaks import pytest_runtest_call, pytest_runtest_setup, pytest_runtest_teardown  # noqa: F401
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = [f"w{i}" for i in range(60)]

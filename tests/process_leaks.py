@@ -4,9 +4,9 @@
   helper, a p2pd daemon, ...) must be gone once the test's teardown has run; a
   module's processes (those of its module-scoped fixtures, e.g. a shared swarm) once
   the module's last test has been torn down.
-- The test process is made a child subreaper (PR_SET_CHILD_SUBREAPER): a process whose
-  parent died is re-parented to it instead of to init, so an orphan is still seen as
-  ours, and found. (Orphans that died are reaped at the end of each module.)
+- A test's processes are its descendants when its body ends, and every process that
+  shares a process group or a session with one of them: an orphan (its parent killed
+  by the test) keeps its group and session when init adopts it, so it is still found.
 - A process still alive ``GRACE_SECONDS`` after its test (or module) ended fails that
   test's teardown, naming the processes, and is killed so that it cannot disturb the
   tests after it.
@@ -17,30 +17,31 @@ long as the interpreter does.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import time
-from typing import Dict
+from typing import Dict, NamedTuple, Set
 
 import pytest
 
-_PR_SET_CHILD_SUBREAPER = 36
 GRACE_SECONDS = 10.0
 _INTERPRETER_DAEMONS = ("torch_shm_manager", "multiprocessing.resource_tracker")
-_module_before: Dict[str, set] = {}  # test module -> its processes' pids before its first test
-_STARTED = pytest.StashKey[Dict[int, str]]()  # a test's processes started by its body
 
 
-def pytest_configure(config) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: orphans go to init and are not seen
-        pass
+class Proc(NamedTuple):
+    ppid: int
+    state: str
+    pgid: int
+    sid: int
+    started: int  # clock ticks after boot: with the pid, names one process (pids are reused)
 
 
-def _processes() -> Dict[int, tuple]:
-    """{pid: (ppid, state)} of every process, from /proc."""
+_module_before: Dict[str, Set[tuple]] = {}  # test module -> (pid, started) of descendants before its first test
+_STARTED = pytest.StashKey[Dict[tuple, str]]()  # a test's processes: (pid, started) -> command line
+
+
+def _processes() -> Dict[int, Proc]:
+    """Every process, from /proc."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -48,10 +49,9 @@ def _processes() -> Dict[int, tuple]:
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:
                 rest = f.read().decode("utf-8", "replace").rpartition(")")[2].split()
-        except OSError:
+            found[int(entry)] = Proc(int(rest[1]), rest[0], int(rest[2]), int(rest[3]), int(rest[19]))
+        except (OSError, ValueError, IndexError):
             continue
-        if len(rest) > 1:
-            found[int(entry)] = (int(rest[1]), rest[0])
     return found
 
 
@@ -63,62 +63,81 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
-def _descendants(include_zombies: bool = False) -> Dict[int, str]:
-    """{pid: command line} of this process's live descendants (children, theirs, ...)."""
-    procs = _processes()
+def _ours(procs: Dict[int, Proc], pids) -> Dict[tuple, str]:
+    """{(pid, started): command line} of the live ``pids``, interpreter daemons aside."""
+    found = {}
+    for pid in pids:
+        if procs[pid].state != "Z":
+            cmd = _cmdline(pid)
+            if not any(d in cmd for d in _INTERPRETER_DAEMONS):
+                found[(pid, procs[pid].started)] = cmd
+    return found
+
+
+def _descendants(procs: Dict[int, Proc]) -> Dict[tuple, str]:
+    """This process's live descendants (children, theirs, ...)."""
     children: Dict[int, list] = {}
-    for pid, (ppid, _) in procs.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = {}, list(children.get(os.getpid(), []))
+    for pid, p in procs.items():
+        children.setdefault(p.ppid, []).append(pid)
+    found, todo = [], list(children.get(os.getpid(), []))
     while todo:
         pid = todo.pop()
         todo.extend(children.get(pid, []))
-        if include_zombies or procs[pid][1] != "Z":
-            found[pid] = _cmdline(pid)
-    return {pid: cmd for pid, cmd in found.items() if not any(d in cmd for d in _INTERPRETER_DAEMONS)}
+        found.append(pid)
+    return _ours(procs, found)
 
 
-def _left_after_grace(started: Dict[int, str]) -> Dict[int, str]:
+def _with_their_groups(procs: Dict[int, Proc], started: Dict[tuple, str], since: int) -> Dict[tuple, str]:
+    """``started``, and every live process started at ``since`` or later that shares a
+    process group or a session with one of them (not this process's own).
+    """
+    mine = {os.getpgid(0), os.getsid(0)}
+    groups = {x for (pid, _) in started if pid in procs for x in (procs[pid].pgid, procs[pid].sid)} - mine
+    kin = [pid for pid, p in procs.items() if (p.pgid in groups or p.sid in groups) and p.started >= since]
+    return {**started, **_ours(procs, kin)}
+
+
+def _left_after_grace(started: Dict[tuple, str]) -> Dict[tuple, str]:
     """Those of ``started`` still alive (zombies aside) after up to GRACE_SECONDS."""
     deadline = time.monotonic() + GRACE_SECONDS
     while True:
-        live = _descendants()
-        left = {pid: cmd for pid, cmd in started.items() if pid in live and live[pid] == cmd}
+        procs = _processes()
+        left = {key: cmd for key, cmd in started.items()
+                if key[0] in procs and procs[key[0]].started == key[1] and procs[key[0]].state != "Z"}
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.1)
 
 
-def _kill(pids) -> None:
-    for pid in pids:
+def _kill(keys) -> None:
+    for pid, _ in keys:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
 
 
-def _reap_orphaned_zombies(pids) -> None:
-    """Orphans re-parented to this process (the subreaper) that died: reap them."""
-    for pid in pids:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
+def _now_in_ticks() -> int:
+    with open("/proc/uptime") as f:
+        return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
-    _module_before.setdefault(item.nodeid.split("::")[0], set(_descendants()))
+    _module_before.setdefault(item.nodeid.split("::")[0], set(_descendants(_processes())))
     return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    before = set(_descendants())
+    since = _now_in_ticks() - 1
+    before = set(_descendants(_processes()))
     try:
         return (yield)
     finally:
-        item.stash[_STARTED] = {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
+        procs = _processes()
+        started = {key: cmd for key, cmd in _descendants(procs).items() if key not in before}
+        item.stash[_STARTED] = _with_their_groups(procs, started, since)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -128,12 +147,10 @@ def pytest_runtest_teardown(item, nextitem):
     module = item.nodeid.split("::")[0]
     if nextitem is None or nextitem.nodeid.split("::")[0] != module:  # the module's fixtures are gone too
         before = _module_before.pop(module, set())
-        everything = _descendants(include_zombies=True)
-        leaks.update(_left_after_grace({p: c for p, c in _descendants().items() if p not in before}))
-        _reap_orphaned_zombies(p for p in everything if p not in before)
+        leaks.update(_left_after_grace({k: c for k, c in _descendants(_processes()).items() if k not in before}))
     if leaks:
         _kill(leaks)
-        listed = "; ".join(f"pid {pid}: {cmd}" for pid, cmd in sorted(leaks.items()))
+        listed = "; ".join(f"pid {pid}: {cmd}" for (pid, _), cmd in sorted(leaks.items()))
         pytest.fail(f"{len(leaks)} process(es) started by this test (or its module) outlived it by "
                     f"{GRACE_SECONDS:.0f} s (now killed): {listed}", pytrace=False)
     return result

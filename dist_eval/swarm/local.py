@@ -339,11 +339,15 @@ class LocalSwarm:
     # ------------------------------------------------------------------ start
 
     def _launch_all(self, deadline: float) -> None:
-        self._workdir = tempfile.mkdtemp(prefix="dist_eval-swarm-")
-        tmpdir = os.path.join(self._workdir, "tmp")
-        logs = self.log_dir or os.path.join(self._workdir, "logs")
-        os.makedirs(tmpdir)
-        os.makedirs(logs, exist_ok=True)
+        with self._lock:  # a stop() from another thread sees the folder and the watchdog, or prevents them
+            if self._state != "starting":
+                raise SwarmError("local swarm: stopped while starting.")
+            self._workdir = tempfile.mkdtemp(prefix="dist_eval-swarm-")
+            self._watchdog = watchdog = Watchdog()
+            tmpdir = os.path.join(self._workdir, "tmp")
+            logs = self.log_dir or os.path.join(self._workdir, "logs")
+            os.makedirs(tmpdir)
+            os.makedirs(logs, exist_ok=True)
         if self.port is None:
             ports = _free_ports(self.num_servers, self.host)
         else:
@@ -358,10 +362,9 @@ class LocalSwarm:
             _Server(i, ports[i], self.placement[i], os.path.join(logs, f"server-{i}.log"))
             for i in range(self.num_servers)
         ]
-        self._watchdog = Watchdog()
-        self._watchdog.watch_path(tmpdir)
+        watchdog.watch_path(tmpdir)
         if self.log_dir is None:
-            self._watchdog.watch_path(self._workdir)
+            watchdog.watch_path(self._workdir)
         env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", TMPDIR=tmpdir, PYTHONUNBUFFERED="1")
         if os.path.basename(_PROJECT_ROOT) not in ("site-packages", "dist-packages"):  # a source checkout
