@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import build_checkpoint, read_jsonl, run_cli, write_csv
+from conftest import build_checkpoint, read_jsonl, run_cli, swarm_server_pids, write_csv
 from inprocess_cli import run_cli_in_process
 
 PAIRS = [("c1", "dev"), ("c1", "test"), ("c2", "dev"), ("c2", "test")]
@@ -254,3 +254,38 @@ def test_bad_flags_fail_in_one_line(tiny_model, assets, tmp_path, capsys, flags,
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dist_eval: error:")]
     assert len(errors) == 1 and re.search(pattern, errors[0]), errors
     assert not os.path.exists(tmp_path / "out" / "summary.json")
+
+
+def servers_of(model_dir):
+    found = []
+    for pid in swarm_server_pids():
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if model_dir.encode() in f.read().split(b"\0"):
+                found.append(pid)
+    return found
+
+
+@pytest.mark.swarm
+def test_on_a_swarm_started_once(tiny_model, assets, tmp_path):
+    """petals, N=2, a local swarm started by the run (once) for 2 deep_ptune checkpoints x 2 sets:
+    each pair's logits equal the local backend's single run of that pair, bit for bit."""
+    checkpoints = {name: build_checkpoint(str(tmp_path / f"{name}.pt"), tuning_mode="deep_ptune", seed=seed)
+                   for name, seed in (("c1", 5), ("c2", 6))}
+    sets = [f"{name}={','.join(files)}" for name, files in assets["sets"].items()]
+    out = tmp_path / "petals"
+    args = ["--model", tiny_model, "--batch-size", "4", "--save-logits", "--bootstrap-resamples", "100",
+            "--output-dir", str(out), "--local-servers", "2", "--data-files", *sets,
+            "--checkpoint", checkpoints["c1"], "--checkpoint", checkpoints["c2"]]
+    proc = run_cli(args, nproc=2, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("starting a local swarm") == 1 and proc.stdout.count("one model load") == 1
+    assert not servers_of(tiny_model)  # the run stopped its swarm
+    for ck, name in PAIRS:
+        single = tmp_path / f"local_{ck}_{name}"
+        with one_thread():
+            assert run_cli_in_process([*common(tiny_model, single), "--data-files", *assets["sets"][name],
+                                       "--checkpoint", checkpoints[ck]]) == 0
+        assert read_jsonl(out / ck / name / "predictions.jsonl") == read_jsonl(single / "predictions.jsonl")
+        metrics = json.load(open(out / ck / name / "metrics.json"))
+        assert metrics["run"]["backend"] == "petals" and metrics["run"]["swarm"]
+        assert without_run(metrics) == without_run(json.load(open(single / "metrics.json")))
