@@ -20,6 +20,7 @@ from typing import List, Optional
 from dist_eval import ranks
 from dist_eval.config import EvalConfig, Settings
 from dist_eval.errors import UsageError
+from dist_eval.jobs import Plan
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Job:
     settings: Settings
     demo: bool
     head: Optional[str] = None
+    plan: Optional[Plan] = None  # several sets and/or checkpoints (dist_eval.jobs); None: this one run
 
 
 def run(config: EvalConfig) -> int:
@@ -54,6 +56,10 @@ def run(config: EvalConfig) -> int:
                 _import_client(config)  # each rank imports its client (seconds of CPU) while they start
                 address = (swarm.wait_started().initial_peers, swarm.dht_prefix) if main else None
             initial_peers, dht_prefix = ranks.broadcast_object(address)
+        if job.plan is not None:  # several sets and/or checkpoints: one model load, a loop over the pairs
+            from dist_eval.jobs import run_pairs
+
+            return run_pairs(config, job, (initial_peers, dht_prefix), cleanup, say, (started, started_at))
         with ranks.phase("loading the data", main_first=True):  # rank 0 fills the datasets cache first
             from dist_eval.data.load import load_split
 
@@ -118,8 +124,9 @@ def _prepare(config: EvalConfig, say) -> Job:
 
     check_output_dir(config.output_dir)
     if not config.is_demo:
-        return Job(config.model, config.data_files, config.split, config.checkpoint, config.settings, demo=False,
-                   head=config.head)
+        first = config.plan.pairs()[0]  # the single run's own, or the first pair's (whose checkpoint is loaded)
+        return Job(config.model, list(first.data.files), config.split, first.checkpoint.path, config.settings,
+                   demo=False, head=config.head, plan=config.plan if config.plan.several else None)
     from dist_eval.demo import demo_assets
 
     demo = demo_assets(log=lambda line: say(line, flush=True), family=config.demo_family)

@@ -30,6 +30,31 @@ class LoadedModel:
     backend: str
     id2label: Optional[dict] = None
     prompt_tokens: int = 0  # prompt vectors prepended to every row (servers compute them too)
+    tuning_mode: Optional[str] = None
+
+    def check_structure(self, state: TrainableState, checkpoint: Optional[str]) -> None:
+        """``state`` (another checkpoint's) fits this loaded model: same tuning mode, prompt
+        vectors and classes; else a UsageError naming ``--checkpoint``.
+        """
+        have = (self.tuning_mode, self.prompt_tokens, self.num_labels)
+        got = (state.tuning_mode, state.pre_seq_len, state.num_labels)
+        if got != have:
+            def describe(mode, prompts, classes):
+                return f"tuning mode {mode or 'none'}, {prompts} prompt vector(s), {classes} classes"
+
+            raise UsageError(
+                f"{describe(*got)}, but the model is loaded for {describe(*have)} (the first --checkpoint). "
+                "The checkpoints of one run share one loaded model: evaluate this one in another run.",
+                param="checkpoint", value=checkpoint,
+            )
+
+    def load_trainable(self, state: TrainableState, checkpoint: Optional[str] = None) -> None:
+        """Swap in another checkpoint's prompts + head (read with :func:`read_trainable`), in
+        place: the base model stays loaded and a petals client stays connected. The logits
+        are then those of a model loaded with that checkpoint, bit for bit.
+        """
+        self.check_structure(state, checkpoint)
+        self.module.load_trainable(state)
 
     def close(self) -> None:
         """Release what the backend holds (the petals client's DHT and routing thread)."""
@@ -100,7 +125,21 @@ def load_model(
     )
     module.eval()
     return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend,
-                       class_names(config, state.num_labels), state.pre_seq_len)
+                       class_names(config, state.num_labels), state.pre_seq_len, state.tuning_mode)
+
+
+def read_trainable(
+    model_dir: str, checkpoint: Optional[str] = None, head: Optional[str] = None, tuning_mode: Optional[str] = None,
+    pre_seq_len: int = 0, num_labels: Optional[int] = None,
+) -> TrainableState:
+    """The prompts + head :func:`load_model` would load for these arguments, checked the same
+    way, without loading the model (for :meth:`LoadedModel.load_trainable`).
+    """
+    config = _read_config(model_dir)
+    family = family_of(config, model_dir)
+    state = _resolve_trainable(model_dir, (checkpoint, head), tuning_mode, pre_seq_len, num_labels, family)
+    _check_shapes(state, config, checkpoint, model_dir)
+    return state
 
 
 def _read_config(model_dir: str):

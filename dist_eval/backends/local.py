@@ -56,6 +56,15 @@ class PromptTunedClassifier(nn.Module):
         # without a lock (see backends/families.py); the results do not change
         self._lock = threading.Lock()
 
+    def load_trainable(self, state: TrainableState) -> None:
+        """The trained head and prompts of ``state`` (its structure is this model's) into the weights."""
+        with torch.no_grad():
+            self.family.get(self.hf_model, self.family.head).weight.copy_(state.tensors["score.weight"])
+            if self.tuning_mode:
+                self.prompt_embeddings.weight.copy_(state.tensors["prompt_embeddings.weight"])
+            if self.tuning_mode == "deep_ptune":
+                self.intermediate_prompt_embeddings.weight.copy_(state.tensors["intermediate_prompt_embeddings.weight"])
+
     def prompt_device(self) -> torch.device:
         """Where the model's weights are (the input ids are moved there)."""
         return next(self.hf_model.parameters()).device
@@ -122,10 +131,5 @@ def load_local(model_dir: str, state: TrainableState, family: Family, device: st
             model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False
         )
     model = PromptTunedClassifier(hf_model, state.tuning_mode, state.pre_seq_len, family)
-    with torch.no_grad():
-        family.get(hf_model, family.head).weight.copy_(state.tensors["score.weight"])
-        if state.tuning_mode:
-            model.prompt_embeddings.weight.copy_(state.tensors["prompt_embeddings.weight"])
-        if state.tuning_mode == "deep_ptune":
-            model.intermediate_prompt_embeddings.weight.copy_(state.tensors["intermediate_prompt_embeddings.weight"])
+    model.load_trainable(state)
     return model.to(device)

@@ -53,6 +53,12 @@ class PetalsClassifier(nn.Module):
         # No attention mask: the petals client rejects any mask that is not all ones.
         return self.inner(input_ids=input_ids).logits
 
+    def load_trainable(self, state: TrainableState) -> None:
+        """The trained head and prompts of ``state`` (its structure is this client's) into the
+        client's local weights; the servers hold none of them (deep prompts travel with each request).
+        """
+        _load_trainable(self.inner, state, self.family)
+
     def provenance(self) -> dict:
         """The servers this client's routing table holds for the model's blocks (see
         :mod:`dist_eval.backends.provenance`).
