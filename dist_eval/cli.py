@@ -18,6 +18,7 @@ from typing import List, Optional
 from dist_eval import ranks
 from dist_eval.config import EvalConfig, config_fields
 from dist_eval.errors import UsageError, flag_names
+from dist_eval.ranks.siblings import Siblings, dead_main_rank, sibling_ranks
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -87,6 +88,8 @@ def _main(args: argparse.Namespace) -> int:
             config_error = config_error or e
         # Even a flag error goes through an agreement: a rank that exited at once would
         # make torchrun stop rank 0 before it had printed the error.
+        global _siblings
+        _siblings = sibling_ranks()  # every rank exists once the group is joined
         with ranks.phase("checking the flags"):
             if config_error is not None:
                 raise config_error
@@ -102,16 +105,28 @@ def _main(args: argparse.Namespace) -> int:
         _print_error(str(e))
         return EXIT_USAGE
     except KeyboardInterrupt as e:
-        why = " (torchrun stops every rank when one of them fails; a job scheduler on cancel)" if isinstance(
-            e, Terminated) else ""
-        if ranks.get_rank() == 0:  # every rank was signalled; rank 0 says so for all
-            _print_error(f"interrupted by {e or 'SIGINT'}{why}; stopped cleanly, nothing reported; finished batches "
-                         "are kept for a resume")
+        _report_interrupt(e)
         return 130
     finally:
         if owns_group:
             ranks.destroy_process_group()
         _cli_running = False
+
+
+def _report_interrupt(e: KeyboardInterrupt) -> None:
+    """One line for the whole run: from rank 0 (every rank was signalled), or, when rank 0
+    itself died, from the lowest surviving rank of its node.
+    """
+    kept = "nothing reported; finished batches are kept for a resume"
+    _signal_checked.wait(timeout=2.0)  # the watcher's look at rank 0 when the signal came
+    dead = _dead_main_rank_at_signal
+    if dead is not None:
+        _print_error(f"rank 0 (pid {dead}) died (killed, or out of memory: see the system log); torchrun stopped "
+                     f"the other ranks; {kept}")
+    elif ranks.get_rank() == 0:
+        why = " (torchrun stops every rank when one of them fails; a job scheduler on cancel)" if isinstance(
+            e, Terminated) else ""
+        _print_error(f"interrupted by {str(e) or 'SIGINT'}{why}; stopped cleanly, {kept}")
 
 
 class Terminated(KeyboardInterrupt):
@@ -122,6 +137,9 @@ class Terminated(KeyboardInterrupt):
 # partial results, stop the local swarm: 2-5 s measured) before it exits regardless.
 STOP_GRACE_SECONDS = 10.0
 _cli_running = False
+_siblings: Siblings = {}  # this node's ranks, noted at the start (see dist_eval.ranks.siblings)
+_dead_main_rank_at_signal: Optional[int] = None  # rank 0's pid if it was dead when this rank was signalled
+_signal_checked = threading.Event()
 _grace_watch_started = False
 _fork_hook_registered = False
 _wakeup_sockets = None
@@ -147,13 +165,18 @@ def _exit_within_grace_after_a_signal() -> None:
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
 
     def watch() -> None:
+        global _dead_main_rank_at_signal
         while True:
             received = reader.recv(1)
             if received and received[0] in (signal.SIGINT, signal.SIGTERM):
                 break
+        # Now, not later: rank 0 already gone when the signal comes means torchrun is stopping
+        # the survivors of its death; alive means it got the signal too (and reports it).
+        _dead_main_rank_at_signal = dead_main_rank(_siblings, ranks.get_rank())
+        _signal_checked.set()
         time.sleep(STOP_GRACE_SECONDS)
         if _cli_running:
-            if ranks.get_rank() == 0:
+            if ranks.get_rank() == 0 or _dead_main_rank_at_signal is not None:
                 _print_error(f"stopped by {signal.Signals(received[0]).name}: the cleanup was still waiting "
                              f"{STOP_GRACE_SECONDS:.0f} s later (on another rank or the swarm); exited at once")
             os._exit(128 + received[0])

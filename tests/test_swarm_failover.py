@@ -372,5 +372,6 @@ def test_the_local_swarms_parent_killed(tiny_model, tiny_checkpoint, many_rows_c
     assert code != 0
     errors = [line for line in stderr.splitlines() if line.startswith("dist_eval: error:")]
     assert len(errors) == 1, stderr[-3000:]
+    assert f"rank 0 (pid {procs[0]['rank']}) died" in errors[0], errors[0]  # said by rank 1
     print(f"the local swarm's parent killed: every process gone {took:.1f} s later "
           f"({len(server_procs)} server processes)")
