@@ -13,6 +13,7 @@ from torch import nn
 
 from dist_eval.backends.checkpoint import TrainableState
 from dist_eval.backends.families import Family, family_of
+from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer
 
 
 class PromptTunedClassifier(nn.Module):
@@ -77,12 +78,20 @@ class PromptTunedClassifier(nn.Module):
         return hook
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        with self._lock:
-            return self._forward(input_ids)
-
-    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        config = self.hf_model.config
         input_ids = input_ids.to(self.prompt_device())
+        hidden = self.hidden_states(input_ids)
+        logits = self.family.get(self.hf_model, self.family.head)(hidden)
+        # the same pooling as transformers' classifier of this family (right padding, no mask)
+        last = self.family.last_token_index(input_ids, self.hf_model.config.pad_token_id)
+        return logits[torch.arange(input_ids.shape[0]), last]
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final (normed) hidden states of the tokens [batch, seq, hidden], prompts removed."""
+        with self._lock:
+            return self._hidden_states(input_ids.to(self.prompt_device()))
+
+    def _hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        config = self.hf_model.config
         batch_size = input_ids.shape[0]
         inputs_embeds = self.family.get(self.hf_model, self.family.embeddings)(input_ids)
         if self.tuning_mode:
@@ -96,16 +105,17 @@ class PromptTunedClassifier(nn.Module):
             hidden = self.family.final_hidden(self.hf_model, inputs_embeds)
         finally:
             self._intermediate.value = None
-        hidden = hidden[:, self.pre_seq_len :]
-        logits = self.family.get(self.hf_model, self.family.head)(hidden)
-        # the same pooling as transformers' classifier of this family (right padding, no mask)
-        last = self.family.last_token_index(input_ids, config.pad_token_id)
-        return logits[torch.arange(batch_size), last]
+        return hidden[:, self.pre_seq_len :]
 
 
-def load_local(model_dir: str, state: TrainableState, family: Family, device: str = "cpu") -> nn.Module:
+def load_local(
+    model_dir: str, state: TrainableState, family: Family, device: str = "cpu",
+    label_words: Optional[LabelWords] = None,
+) -> nn.Module:
     """The model of ``model_dir`` with the trained prompts and head, in this process, on ``device``.
 
+    With ``label_words``: the causal LM (``Family.local_lm_class``) with the trained prompts,
+    scoring the label words (:mod:`dist_eval.backends.zeroshot`); no classifier head.
     A base-model layout that also holds ``score.weight``, which transformers refuses as
     "corrupted", is read from its converted copy (:mod:`dist_eval.backends.petals_folder`).
     """
@@ -115,15 +125,20 @@ def load_local(model_dir: str, state: TrainableState, family: Family, device: st
 
     if not detect_layout(model_dir, family).client_ready:
         model_dir = petals_model_folder(model_dir)
-
-    hf_model = getattr(transformers, family.local_class).from_pretrained(
-        model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False
-    )
+    if label_words is not None:
+        hf_model = getattr(transformers, family.local_lm_class).from_pretrained(model_dir, torch_dtype=torch.float32)
+    else:
+        hf_model = getattr(transformers, family.local_class).from_pretrained(
+            model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False
+        )
     model = PromptTunedClassifier(hf_model, state.tuning_mode, state.pre_seq_len, family)
     with torch.no_grad():
-        family.get(hf_model, family.head).weight.copy_(state.tensors["score.weight"])
+        if label_words is None:
+            family.get(hf_model, family.head).weight.copy_(state.tensors["score.weight"])
         if state.tuning_mode:
             model.prompt_embeddings.weight.copy_(state.tensors["prompt_embeddings.weight"])
         if state.tuning_mode == "deep_ptune":
             model.intermediate_prompt_embeddings.weight.copy_(state.tensors["intermediate_prompt_embeddings.weight"])
+    if label_words is not None:
+        model = ZeroShotScorer(model, family.get(hf_model, family.lm_head), label_words)
     return model.to(device)
