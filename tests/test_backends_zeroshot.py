@@ -3,6 +3,8 @@ reference (transformers' ``*ForCausalLM`` run on each row + word, its log-softma
 the word's tokens), for every family, with and without ptune prompts; through evaluate()
 with a template; and the bad inputs (wrong count of words, unknown words, a template without
 {text}, a head given with label words). Petals on a real swarm: test_backends_zeroshot_swarm.py."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -169,3 +171,25 @@ def test_word_tokens_are_those_after_a_space():
     for word, ids in zip(["great", "awful"], scored.token_ids):
         in_context = tok(f"it was {word}")["input_ids"][len(tok("it was")["input_ids"]):]
         assert list(ids) == in_context != tok(word)["input_ids"]
+
+
+def test_cli_settings_name_the_flags(models, tmp_path):
+    from dist_eval.config import EvalConfig
+    from dist_eval.errors import flag_names
+
+    data = str(tmp_path / "d.csv")
+    base = dict(model=models["llama"], data_files=[data], backend="local")
+    cases = [
+        (dict(label_words=["w1", "w2"], num_labels=3),
+         r"^--label-words w1 w2: 2 words given, one per class, but --num-labels is 3\. Give 3 words"),
+        (dict(label_words=["w1", "w2"], head="h.pt"), r"^--head h.pt: not used with --label-words"),
+        (dict(template="{text} {text_pair}"), r"^--template \{text\} \{text_pair\}: \{text_pair\} must be in it "
+                                              r"exactly when there is a text pair column; drop \{text_pair\}"),
+    ]
+    with flag_names():
+        for extra, pattern in cases:
+            with pytest.raises(UsageError) as caught:
+                EvalConfig(**base, **extra)
+            assert re.search(pattern, str(caught.value)), str(caught.value)
+        config = EvalConfig(**base, label_words=["w1", "w2"], template="w3 {text}")
+    assert config.settings.label_words == ("w1", "w2") and config.settings.template == "w3 {text}"
