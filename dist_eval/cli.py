@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
         else:
             kwargs["type"] = {"int": int, "float": float, "Optional[int]": int}.get(str(f.type), str)
-            for key in ("nargs", "choices"):
+            for key in ("nargs", "choices", "action"):
                 if key in f.metadata:
                     kwargs[key] = f.metadata[key]
         parser.add_argument(flag, dest=f.name, **kwargs)

@@ -180,7 +180,9 @@ class EvalConfig:
         default=None,
     )
     data_files: Optional[List[str]] = _opt(
-        "Data: csv/tsv/json/jsonl/parquet files, a save_to_disk folder, or a hub dataset name.",
+        "Data: csv/tsv/json/jsonl/parquet files, a save_to_disk folder, or a hub dataset name. Several sets in "
+        "one run: NAME=FILE[,FILE...] each (e.g. dev=dev.jsonl test=a.jsonl,b.jsonl), each reported in "
+        "OUTPUT_DIR/NAME.",
         default=None,
         meta={"nargs": "+"},
     )
@@ -197,10 +199,13 @@ class EvalConfig:
     backend: str = _opt(_PETALS_OR_LOCAL, default="petals", meta={"choices": ["petals", "local"]})
     initial_peers: Optional[List[str]] = _opt(_INITIAL_PEERS, default=None, meta={"nargs": "+"})
     dht_prefix: Optional[str] = _opt("DHT prefix the swarm's servers announce the model under.", default=None)
-    checkpoint: Optional[str] = _opt(
+    checkpoint: Optional[List[str]] = _opt(
         "Trained prompt embeddings + classifier head (dist_eval's file, a Petals state dict, or petals #268's "
-        "torch.save(prompt_embeddings) with --head).",
+        "torch.save(prompt_embeddings) with --head). Repeat it for several checkpoints of one structure, "
+        "evaluated with the model loaded once, each reported in OUTPUT_DIR/NAME (NAME: the file's stem, "
+        "or NAME=FILE).",
         default=None,
+        meta={"action": "append"},
     )
     head: Optional[str] = _opt(
         "The classifier head of a --checkpoint that holds only prompts: a file with score.weight, or a model "
@@ -338,6 +343,7 @@ class EvalConfig:
         from dist_eval.output.tracking import check_tracker
 
         check_tracker(self.report_to)  # a missing wandb/tensorboard fails here, before any work
+        self._plan()
         if self.model is not None and not os.path.isdir(self.model):
             raise UsageError(f"--model {self.model}: no such folder. Pass a folder saved with save_pretrained().")
         self._check_family()
@@ -354,6 +360,17 @@ class EvalConfig:
             raise UsageError(f"{len(words)} words given, one per class, but --num-labels is {self.num_labels}. "
                              f"Give {self.num_labels} words (in class-id order) or drop --num-labels.",
                              param="label_words", value=list(words))
+
+    def _plan(self) -> None:
+        """``plan``: the sets x checkpoints to evaluate (:mod:`dist_eval.jobs`); None for the demo."""
+        from dist_eval.jobs import parse_checkpoints, parse_plan
+
+        self.plan = None
+        if self.data_files is not None:
+            self.plan = parse_plan(self.data_files, self.checkpoint)
+        elif parse_checkpoints(self.checkpoint)[0].name:
+            raise UsageError("several or named checkpoints need --model and --data-files (the built-in demo has "
+                             "its own).", param="checkpoint")
 
     def _check_family(self) -> None:
         """A family petals cannot serve is refused here, before any work."""

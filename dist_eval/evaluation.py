@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from dist_eval import ranks
+from dist_eval.backends.objects import evaluation_model
 from dist_eval.config import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_BOOTSTRAP_RESAMPLES,
@@ -102,8 +103,23 @@ def evaluate(
 
     Works with no process group (one process) and inside one that a training loop
     already initialised; every rank of the group must call it. ``model`` is a
-    :class:`dist_eval.backends.LoadedModel` or any callable ``input_ids -> logits``
-    (a transformers model works: its output's ``.logits`` is used).
+    :class:`dist_eval.backends.LoadedModel` (from ``load_model``), the model object a
+    training loop holds, or any callable ``input_ids -> logits`` (a transformers model
+    of another architecture works: its output's ``.logits`` is used). A model object is
+    petals' ``Distributed*ForSequenceClassification`` of a family in
+    :data:`dist_eval.backends.families.FAMILIES` (or what petals' Auto class built;
+    "ptune"/"deep_ptune" prompts and head as trained; its client stays up) or
+    transformers' ``*ForSequenceClassification`` of those families, also inside
+    ``DistributedDataParallel``: it is run by the code of ``load_model``'s
+    petals or local backend, with the same logits bit for bit as ``load_model`` on the
+    same weights (:mod:`dist_eval.backends.objects`). It is evaluated in eval mode and
+    no-grad; each module's ``training`` flag is put back afterwards::
+
+        for epoch in range(epochs):
+            model.train()
+            train_one_epoch(model, ...)
+            result = evaluate(model, val_dataset, tokenizer=tokenizer)  # model.training is True again
+            print(epoch, result.metrics["accuracy"])
 
     ``data`` is a ``datasets.Dataset`` (then ``tokenizer``, the column names and
     ``batch_size``/``max_length`` apply) or a ``DataLoader`` yielding dicts with
@@ -153,20 +169,21 @@ def evaluate(
     none with 2) and ``auroc_macro`` (one-vs-rest, macro over the classes present), with
     ``reliability`` (the per-bin table) and their intervals beside the others.
     """
-    task = _task_of(model, num_labels, pad_token_id, label_names)
-    settings = Settings(
-        text_column=text_column, text_pair_column=text_pair_column, label_column=label_column, limit=limit,
-        limit_seed=limit_seed, batch_size=batch_size, max_length=max_length, length_buckets=length_buckets,
-        max_batch_tokens=max_batch_tokens, template=template, label_words=_label_words_of(task, label_words),
-    )
     options = Options(in_flight=in_flight, save_interval=save_interval, bootstrap_resamples=bootstrap_resamples,
                       bootstrap_seed=bootstrap_seed, top_k=top_k)
-    start, start_cpu = time.perf_counter(), time.process_time()
+    with evaluation_model(model) as model:  # a model object: adapted, in eval mode until the forwards end
+        task = _task_of(model, num_labels, pad_token_id, label_names)
+        settings = Settings(
+            text_column=text_column, text_pair_column=text_pair_column, label_column=label_column, limit=limit,
+            limit_seed=limit_seed, batch_size=batch_size, max_length=max_length, length_buckets=length_buckets,
+            max_batch_tokens=max_batch_tokens, template=template, label_words=_label_words_of(task, label_words),
+        )
+        start, start_cpu = time.perf_counter(), time.process_time()
 
-    num_rows, batches, num_truncated, own_batches = _this_rank_batches(data, tokenizer, settings, task)
-    with ranks.phase("reading the stored partial results"):
-        stored, writer = open_partial(resume_folder, own_batches, task.num_labels, options.save_interval)
-    local = _forward_passes(task, batches, stored, writer, options.in_flight, sample_metrics, on_batch_done)
+        num_rows, batches, num_truncated, own_batches = _this_rank_batches(data, tokenizer, settings, task)
+        with ranks.phase("reading the stored partial results"):
+            stored, writer = open_partial(resume_folder, own_batches, task.num_labels, options.save_interval)
+        local = _forward_passes(task, batches, stored, writer, options.in_flight, sample_metrics, on_batch_done)
     loop_seconds = time.perf_counter() - start
     local.loop_cpu_seconds = time.process_time() - start_cpu  # this rank's CPU (all its threads) in the loop
 

@@ -20,6 +20,7 @@ from typing import List, Optional
 from dist_eval import ranks
 from dist_eval.config import EvalConfig, Settings
 from dist_eval.errors import UsageError
+from dist_eval.jobs import Plan
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Job:
     settings: Settings
     demo: bool
     head: Optional[str] = None
+    plan: Optional[Plan] = None  # several sets and/or checkpoints (dist_eval.jobs); None: this one run
 
 
 def run(config: EvalConfig) -> int:
@@ -50,8 +52,14 @@ def run(config: EvalConfig) -> int:
         initial_peers, dht_prefix = config.initial_peers, config.dht_prefix
         if config.backend == "petals" and not initial_peers:
             with ranks.phase("starting the local swarm"):
-                swarm = _start_swarm(config, job, cleanup, say) if main else None
-            initial_peers, dht_prefix = ranks.broadcast_object(swarm)
+                swarm = _start_swarm(config, job, cleanup, say) if main else None  # its servers start meanwhile:
+                _import_client(config)  # each rank imports its client (seconds of CPU) while they start
+                address = (swarm.wait_started().initial_peers, swarm.dht_prefix) if main else None
+            initial_peers, dht_prefix = ranks.broadcast_object(address)
+        if job.plan is not None:  # several sets and/or checkpoints: one model load, a loop over the pairs
+            from dist_eval.jobs import run_pairs
+
+            return run_pairs(config, job, (initial_peers, dht_prefix), cleanup, say, (started, started_at))
         with ranks.phase("loading the data", main_first=True):  # rank 0 fills the datasets cache first
             from dist_eval.data.load import load_split
 
@@ -79,7 +87,27 @@ def run(config: EvalConfig) -> int:
             from dist_eval import resume
 
             resume.finished(folder)
+        shutdown_began = time.perf_counter()
+    if main:
+        _record_shutdown(config, result.metrics, started, shutdown_began, say)
     return 0
+
+
+def _record_shutdown(config: EvalConfig, metrics: dict, started: float, shutdown_began: float, say) -> None:
+    """Rank 0, once every process of the run has stopped: metrics.json gains the times of
+    the report and of the shutdown (the client, the other ranks, the local swarm), and the
+    run's total from the launch; one line says them.
+    """
+    from dist_eval.output.files import write_metrics
+
+    run = metrics["run"]
+    run["phase_seconds"] = {name: round(seconds, 3) for name, seconds in ranks.phase_seconds.items()}
+    run["phase_seconds"]["shutting down"] = round(time.perf_counter() - shutdown_began, 3)
+    run["total_seconds"] = round((run.get("startup_seconds") or 0.0) + time.perf_counter() - started, 3)
+    write_metrics(config.output_dir, metrics)
+    phases = run["phase_seconds"]
+    say(f"dist_eval: done in {run['total_seconds']:.1f} s from the launch (writing the report "
+        f"{phases.get('writing the report', 0.0):.1f} s, shutting down {phases['shutting down']:.1f} s)", flush=True)
 
 
 def _barrier_unless_interrupted(exc_type, exc, tb) -> None:
@@ -96,8 +124,9 @@ def _prepare(config: EvalConfig, say) -> Job:
 
     check_output_dir(config.output_dir)
     if not config.is_demo:
-        return Job(config.model, config.data_files, config.split, config.checkpoint, config.settings, demo=False,
-                   head=config.head)
+        first = config.plan.pairs()[0]  # the single run's own, or the first pair's (whose checkpoint is loaded)
+        return Job(config.model, list(first.data.files), config.split, first.checkpoint.path, config.settings,
+                   demo=False, head=config.head, plan=config.plan if config.plan.several else None)
     from dist_eval.demo import demo_assets
 
     demo = demo_assets(log=lambda line: say(line, flush=True), family=config.demo_family)
@@ -121,8 +150,18 @@ def _sample(settings: Settings, dataset) -> dict:
             "rows_in_data": rows_in_data, "rows": len(dataset)}
 
 
-def _start_swarm(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, say) -> tuple:
-    """Rank 0: a local swarm serving the model, stopped when the run ends; (its peers, its prefix)."""
+def _import_client(config: EvalConfig) -> None:
+    """Import the backend's client library now (petals: ~3 s of CPU), not in "loading the model"."""
+    if config.backend == "petals":
+        from dist_eval.backends.compat import import_petals
+
+        import_petals()
+
+
+def _start_swarm(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, say):
+    """Rank 0: a local swarm serving the model, starting in the background (``wait_started()``),
+    stopped when the run ends.
+    """
     from dist_eval.swarm import LocalSwarm
 
     if ranks.launched_on_several_nodes():  # its servers listen on 127.0.0.1 of rank 0's node only
@@ -134,8 +173,8 @@ def _start_swarm(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, sa
         )
     say(f"dist_eval: starting a local swarm of {config.local_servers} server(s) for {job.model_dir} ...", flush=True)
     swarm = LocalSwarm(job.model_dir, num_servers=config.local_servers, dht_prefix=config.dht_prefix)
-    cleanup.enter_context(swarm)  # stopped when the run ends, whatever happens
-    return swarm.initial_peers, swarm.dht_prefix
+    cleanup.callback(swarm.stop)  # when the run ends, whatever happens (a start under way too)
+    return swarm.start_in_background()
 
 
 def _load_model(config: EvalConfig, job: Job, initial_peers, dht_prefix) -> tuple:
@@ -191,18 +230,26 @@ def _evaluate(config: EvalConfig, job: Job, model, tokenizer, dataset, folder: s
 
 
 def _startup_seconds(started: float) -> Optional[float]:
-    """Seconds from this process's start (by the kernel's clock) to ``started`` (a
-    perf_counter time): the launch and the imports, before the first phase.
+    """Seconds from the launch to ``started`` (a perf_counter time): the launcher's own
+    start-up and this process's imports, before the first phase. The launch is the start
+    of torchrun's agent (this process's parent under torchrun), else of this process,
+    by the kernel's clock.
     """
+    launched_by = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else os.getpid()
+    alive = _seconds_alive(launched_by)
+    return None if alive is None else round(max(0.0, alive - (time.perf_counter() - started)), 3)
+
+
+def _seconds_alive(pid: int) -> Optional[float]:
+    """How long process ``pid`` has been running (from /proc; None where that is unknown)."""
     try:
-        with open("/proc/self/stat", "rb") as f:
+        with open(f"/proc/{pid}/stat", "rb") as f:
             start_ticks = int(f.read().decode().rpartition(")")[2].split()[19])
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    alive = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    return round(max(0.0, alive - (time.perf_counter() - started)), 3)
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _run_facts(config: EvalConfig, job: Job, initial_peers, dht_prefix, started: float, started_at: str) -> dict:

@@ -11,6 +11,9 @@ import sys
 import pytest
 import torch
 
+# pytest hooks: no test leaves a process behind
+from process_leaks import pytest_runtest_call, pytest_runtest_setup, pytest_runtest_teardown  # noqa: F401
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = [f"w{i}" for i in range(60)]
 

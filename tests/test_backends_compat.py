@@ -1,8 +1,13 @@
 """dist_eval.backends.compat: what it changes in hivemind/petals, checked on the real classes."""
+import os
+import subprocess
+import sys
 import threading
 from typing import AsyncIterator
 
 import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _fresh_servicer_class():
@@ -137,3 +142,23 @@ def _group_of(pid):
         return None if _state(pid) in (None, "Z") else os.getpgid(pid)
     except OSError:
         return None
+
+
+def test_meta_tensors_are_not_randomly_initialised_and_others_are_unchanged():
+    # normal_ on a meta tensor imports torch._dynamo (seconds per process); the context skips
+    # it, and leaves every real tensor's draw exactly as torch makes it
+    code = """
+import sys, torch
+from dist_eval.backends.compat import no_random_init_of_meta_tensors
+torch.manual_seed(0); expected = torch.nn.init.normal_(torch.empty(5, 3), std=0.02)
+with no_random_init_of_meta_tensors():
+    meta = torch.nn.Embedding(7, 3, device="meta")
+    torch.manual_seed(0); got = torch.nn.init.normal_(torch.empty(5, 3), std=0.02)
+assert meta.weight.is_meta and torch.equal(got, expected)
+assert "torch._dynamo" not in sys.modules, "normal_ on a meta tensor imported torch._dynamo"
+assert torch.nn.init.normal_.__module__ == "torch.nn.init"  # restored
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

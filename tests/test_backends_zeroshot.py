@@ -193,3 +193,16 @@ def test_cli_settings_name_the_flags(models, tmp_path):
             assert re.search(pattern, str(caught.value)), str(caught.value)
         config = EvalConfig(**base, label_words=["w1", "w2"], template="w3 {text}")
     assert config.settings.label_words == ("w1", "w2") and config.settings.template == "w3 {text}"
+
+
+def test_swapping_prompt_checkpoints_equals_loading_each(models, tmp_path):
+    """Several --checkpoint with --label-words: the loaded scorer takes each one's prompts in place."""
+    from dist_eval.backends.classifier import read_trainable
+
+    folder = models["llama"]
+    first, second = (build_checkpoint(str(tmp_path / f"ck{s}.pt"), tuning_mode="ptune", seed=s) for s in (1, 2))
+    model = load_model("local", folder, checkpoint=first, label_words=WORDS)
+    model.load_trainable(read_trainable(folder, second, label_words=WORDS), second)
+    fresh = load_model("local", folder, checkpoint=second, label_words=WORDS)
+    with torch.no_grad():
+        assert torch.equal(model.module(padded(folder, TEXTS)), fresh.module(padded(folder, TEXTS)))

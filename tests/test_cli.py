@@ -52,8 +52,12 @@ def test_outputs_are_complete(cli_runs):
     assert run["startup_seconds"] > 0
     assert list(run["phase_seconds"])[:3] == ["preparing the run", "loading the data", "loading the model"]
     assert {"loading the model", "the forward passes", "merging the results"} <= set(run["phase_seconds"])
-    assert sum(run["phase_seconds"].values()) <= run["wall_seconds"] + 1.0
-    assert "  time: start-up " in proc.stdout
+    # ... and, once every process had stopped, the report's and the shutdown's times and the total
+    assert list(run["phase_seconds"])[-2:] == ["writing the report", "shutting down"]
+    assert run["total_seconds"] >= run["startup_seconds"] + run["wall_seconds"]
+    assert sum(run["phase_seconds"].values()) <= run["total_seconds"] - run["startup_seconds"] + 1.0
+    assert "  time: launch and imports " in proc.stdout
+    assert f"dist_eval: done in {run['total_seconds']:.1f} s from the launch" in proc.stdout
     rows = read_jsonl(folder / "predictions.jsonl")
     assert [r["index"] for r in rows] == list(range(23))
     assert all(len(r["logits"]) == 3 and r["pred"] == max(range(3), key=lambda k: r["logits"][k]) for r in rows)

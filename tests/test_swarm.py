@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -292,6 +293,47 @@ def test_start_timeout_stops_everything(tiny_model, tmp_path):
     finally:
         s.stop()
         _kill_groups(s.pgids)
+
+
+def test_a_joining_server_waits_for_its_peers_file(tmp_path):
+    from dist_eval.swarm.server import _server_argv
+
+    assert _server_argv(["folder", "--new_swarm", "--port", "1"]) == ["folder", "--new_swarm", "--port", "1"]
+    peers = tmp_path / "peers"
+    threading.Timer(0.3, lambda: peers.write_text("/ip4/127.0.0.1/tcp/1/p2p/A\n/ip4/127.0.0.1/tcp/2/p2p/B\n")).start()
+    began = time.monotonic()
+    argv = _server_argv(["folder", "--initial_peers_file", str(peers), "--dht_prefix", "p"])
+    assert time.monotonic() - began >= 0.25  # it waited for the file
+    assert argv == ["folder", "--initial_peers", "/ip4/127.0.0.1/tcp/1/p2p/A", "/ip4/127.0.0.1/tcp/2/p2p/B",
+                    "--dht_prefix", "p"]
+
+
+@pytest.mark.swarm
+def test_started_in_the_background_and_stopped_while_starting(tiny_model, tmp_path):
+    # stop() while the servers start (a run interrupted during "starting the local swarm"):
+    # no server is left, whatever the start was doing; wait_started() raises
+    for delay in (0.0, 0.5, 2.0):
+        s = LocalSwarm(str(tiny_model), num_servers=2, log_dir=str(tmp_path / f"logs-{delay}"))
+        try:
+            s.start_in_background()
+            time.sleep(delay)
+            s.stop()
+            with pytest.raises(SwarmError):
+                s.wait_started()
+            _assert_groups_gone(s.pgids)
+            assert not s._starter.is_alive()
+        finally:
+            s.stop()
+            _kill_groups(s.pgids)
+    # ... and when left alone it starts like start() does
+    with LocalSwarm(str(tiny_model), num_servers=2) as reference:
+        pass
+    s = LocalSwarm(str(tiny_model), num_servers=2).start_in_background()
+    try:
+        assert s.wait_started() is s and len(s.initial_peers) == 2 and s.placement == reference.placement
+    finally:
+        s.stop()
+    _assert_groups_gone(s.pgids)
 
 
 @pytest.mark.swarm

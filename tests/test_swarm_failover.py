@@ -187,6 +187,28 @@ def _children(pid):
     return found
 
 
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _group(pgid):
+    """The live processes of process group ``pgid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                rest = f.read().decode("utf-8", "replace").rpartition(")")[2].split()
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit() and len(rest) > 2 and int(rest[2]) == pgid and rest[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
 def _comm(pid):
     try:
         with open(f"/proc/{pid}/comm") as f:
@@ -216,6 +238,8 @@ def rank_processes(torchrun_pid):
             continue
         procs = {"rank": pid}
         for child in _children(pid):
+            if "dist_eval.swarm.server" in _cmdline(child):
+                continue  # a server of the local swarm that rank 0 started
             grandchildren = [g for g in _children(child) if _comm(g) == "p2pd"]
             if grandchildren:
                 procs["DHT process"], procs["p2pd daemon"] = child, grandchildren[0]
@@ -283,12 +307,17 @@ def test_a_dead_rank_or_helper_ends_every_rank_in_bounded_time(swarm2, tiny_mode
     print(f"{victim} killed: every rank out {after_kill:.1f} s later")
 
 
-@pytest.mark.parametrize("state", ["healthy", "stuck"])
-def test_sigterm_to_torchrun_stops_every_process_within_15_s(swarm2, tiny_model, tiny_checkpoint, many_rows_csv,
-                                                             tmp_path, state):
-    """SIGTERM to torchrun (a scheduler's cancel) mid-run: torchrun, the ranks and their DHT
-    and p2pd helpers are all gone within 15 s, no traceback, one error line, the finished
-    batches kept. "stuck": rank 1's p2pd is frozen (SIGSTOP) first, so its requests hang."""
+@pytest.mark.parametrize("target,signame,state", [
+    ("torchrun", "SIGTERM", "healthy"), ("torchrun", "SIGTERM", "stuck"),
+    ("torchrun", "SIGINT", "healthy"), ("torchrun", "SIGINT", "stuck"),
+    ("rank 1", "SIGTERM", "healthy"), ("rank 1", "SIGTERM", "stuck"), ("rank 1", "SIGINT", "healthy"),
+])
+def test_a_signal_stops_every_process_within_15_s(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, tmp_path,
+                                                  target, signame, state):
+    """SIGTERM (a scheduler's cancel) or SIGINT (Ctrl-C) to torchrun, or to one rank alone,
+    mid-run: torchrun, the ranks and their DHT and p2pd helpers are all gone within 15 s,
+    no traceback, one error line, the finished batches kept. "stuck": rank 1's p2pd is
+    frozen (SIGSTOP) first, so that its requests hang."""
     out = tmp_path / "out"
     run = BackgroundCli(petals_args(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2)
     try:
@@ -297,7 +326,7 @@ def test_sigterm_to_torchrun_stops_every_process_within_15_s(swarm2, tiny_model,
             os.kill(procs[1]["p2pd daemon"], signal.SIGSTOP)
             time.sleep(2.0)
         assert run.proc.poll() is None, "the run ended before the signal; make many_rows_csv longer"
-        run.proc.send_signal(signal.SIGTERM)
+        os.kill(run.proc.pid if target == "torchrun" else procs[1]["rank"], getattr(signal, signame))
         signalled_at = time.monotonic()
         code, _, stderr = run.wait(timeout=60)
         every_pid = [run.proc.pid] + [pid for p in procs.values() for pid in p.values()]
@@ -305,10 +334,43 @@ def test_sigterm_to_torchrun_stops_every_process_within_15_s(swarm2, tiny_model,
         took = time.monotonic() - signalled_at
     finally:
         run.stop()
-    assert not left, f"still alive 15 s after SIGTERM: {left}\n{stderr[-3000:]}"
+    (tmp_path / "stderr.txt").write_text(stderr)
+    assert not left, f"still alive 15 s after {signame}: {left}\n{stderr[-3000:]}"
     assert code != 0
     assert "Traceback" not in stderr.split("dist_eval: error:")[0], stderr[-3000:]
     errors = [line for line in stderr.splitlines() if line.startswith("dist_eval: error:")]
     assert len(errors) == 1, stderr[-3000:]
+    assert "interrupted by SIG" in errors[0], errors[0]
     assert list((out / "partial").glob("*/rank*.npz")), "no finished batch was kept for a resume"
-    print(f"{state}: every process gone {took:.1f} s after SIGTERM")
+    print(f"{signame} to {target}, {state}: every process gone {took:.1f} s later")
+
+
+def test_the_local_swarms_parent_killed(tiny_model, tiny_checkpoint, many_rows_csv, tmp_path):
+    """A run that started its own local swarm (no --initial-peers), and rank 0, the swarm's
+    parent, SIGKILLed mid-run (no cleanup runs in it): the swarm's servers, their p2pd
+    daemons and every other process of the run are gone within 30 s (the watchdog), and
+    the run ends non-zero with one error line."""
+    out = tmp_path / "out"
+    args = ["--model", tiny_model, "--data-files", many_rows_csv, "--checkpoint", tiny_checkpoint,
+            "--output-dir", str(out), "--batch-size", "2", "--in-flight", "1", "--local-servers", "2"]
+    run = BackgroundCli(args, nproc=2)
+    try:
+        procs = ranks_in_their_loop(run)
+        servers = [pid for pid in _children(procs[0]["rank"]) if "dist_eval.swarm.server" in _cmdline(pid)]
+        assert len(servers) == 2, servers
+        server_procs = [pid for server in servers for pid in _group(server)]
+        os.kill(procs[0]["rank"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        code, _, stderr = run.wait(timeout=120)
+        every_pid = [run.proc.pid] + [pid for p in procs.values() for pid in p.values()] + server_procs
+        left = alive_after(every_pid, since=killed_at, seconds=30)
+        took = time.monotonic() - killed_at
+    finally:
+        run.stop()
+    (tmp_path / "stderr.txt").write_text(stderr)
+    assert not left, f"still alive 30 s after rank 0 was killed: {left}\n{stderr[-3000:]}"
+    assert code != 0
+    errors = [line for line in stderr.splitlines() if line.startswith("dist_eval: error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    print(f"the local swarm's parent killed: every process gone {took:.1f} s later "
+          f"({len(server_procs)} server processes)")

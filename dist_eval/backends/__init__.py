@@ -1,6 +1,8 @@
 """Model backends: one small interface, ``model(input_ids) -> logits [batch, num_labels]``.
 
 - :mod:`~dist_eval.backends.classifier`: :class:`LoadedModel` and :func:`load_model`
+- :mod:`~dist_eval.backends.objects`: a model object in memory (petals' or transformers'
+  sequence classifier, as a training loop holds it) as the LoadedModel ``load_model`` gives
 - :mod:`~dist_eval.backends.families`: what differs between model families, in one table
 - :mod:`~dist_eval.backends.checkpoint`: the trained prompts + head, read from every form users hold
 - :mod:`~dist_eval.backends.petals_folder`: a model folder in the layout petals' server and client read

@@ -32,8 +32,33 @@ class LoadedModel:
     backend: str
     id2label: Optional[dict] = None
     prompt_tokens: int = 0  # prompt vectors prepended to every row (servers compute them too)
+    tuning_mode: Optional[str] = None
     label_words: Optional[tuple] = None  # zero-shot: the words scored for the classes (else a classifier head)
     appended_tokens: int = 0  # zero-shot: the most label-word tokens a forward appends to a row
+
+    def check_structure(self, state: TrainableState, checkpoint: Optional[str]) -> None:
+        """``state`` (another checkpoint's) fits this loaded model: same tuning mode, prompt
+        vectors and classes; else a UsageError naming ``--checkpoint``.
+        """
+        have = (self.tuning_mode, self.prompt_tokens, self.num_labels)
+        got = (state.tuning_mode, state.pre_seq_len, state.num_labels)
+        if got != have:
+            def describe(mode, prompts, classes):
+                return f"tuning mode {mode or 'none'}, {prompts} prompt vector(s), {classes} classes"
+
+            raise UsageError(
+                f"{describe(*got)}, but the model is loaded for {describe(*have)} (the first --checkpoint). "
+                "The checkpoints of one run share one loaded model: evaluate this one in another run.",
+                param="checkpoint", value=checkpoint,
+            )
+
+    def load_trainable(self, state: TrainableState, checkpoint: Optional[str] = None) -> None:
+        """Swap in another checkpoint's prompts + head (read with :func:`read_trainable`), in
+        place: the base model stays loaded and a petals client stays connected. The logits
+        are then those of a model loaded with that checkpoint, bit for bit.
+        """
+        self.check_structure(state, checkpoint)
+        self.module.load_trainable(state)
 
     def close(self) -> None:
         """Release what the backend holds (the petals client's DHT and routing thread)."""
@@ -116,8 +141,9 @@ def load_model(
         label_words=scored,
     )
     module.eval()
-    return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend, _class_names(config, state),
-                       state.pre_seq_len, words, scored.appended_tokens if scored else 0)
+    return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend,
+                       class_names(config, state.num_labels), state.pre_seq_len, state.tuning_mode,
+                       label_words=words, appended_tokens=scored.appended_tokens if scored else 0)
 
 
 def _label_words(model_dir: str, config, family: Family, words: tuple, tokenizer) -> LabelWords:
@@ -133,6 +159,21 @@ def _label_words(model_dir: str, config, family: Family, words: tuple, tokenizer
                              "tokens. Save the tokenizer there, or pass tokenizer=...", param="model_dir",
                              value=model_dir) from e
     return label_word_tokens(tokenizer, words, int(config.pad_token_id))
+
+
+def read_trainable(
+    model_dir: str, checkpoint: Optional[str] = None, head: Optional[str] = None, tuning_mode: Optional[str] = None,
+    pre_seq_len: int = 0, num_labels: Optional[int] = None, label_words: Union[Sequence[str], str, None] = None,
+) -> TrainableState:
+    """The prompts + head :func:`load_model` would load for these arguments, checked the same
+    way, without loading the model (for :meth:`LoadedModel.load_trainable`).
+    """
+    config = _read_config(model_dir)
+    family = family_of(config, model_dir)
+    state = _resolve_trainable(model_dir, (checkpoint, head), (tuning_mode, pre_seq_len), num_labels, family,
+                               read_label_words(label_words))
+    _check_shapes(state, config, checkpoint, model_dir)
+    return state
 
 
 def _read_config(model_dir: str):
@@ -152,12 +193,12 @@ def _read_config(model_dir: str):
         ) from e
 
 
-def _class_names(config, state: TrainableState) -> Optional[dict]:
+def class_names(config, num_labels: int) -> Optional[dict]:
     """config.json's id2label, unless it is transformers' placeholder map (LABEL_0, ...)."""
     id2label = getattr(config, "id2label", None)
     if id2label and (
-        len(id2label) != state.num_labels
-        or all(str(id2label.get(i, id2label.get(str(i)))) == f"LABEL_{i}" for i in range(state.num_labels))
+        len(id2label) != num_labels
+        or all(str(id2label.get(i, id2label.get(str(i)))) == f"LABEL_{i}" for i in range(num_labels))
     ):
         return None
     return id2label

@@ -131,6 +131,30 @@ def import_petals():
     return petals
 
 
+@contextlib.contextmanager
+def no_random_init_of_meta_tensors():
+    """Within: ``torch.nn.init.normal_`` leaves meta tensors alone.
+
+    transformers builds a model's modules on the meta device before it loads their
+    weights; ``nn.Embedding`` then calls ``normal_`` on a meta tensor, which makes torch
+    import ``torch._dynamo`` (2-4 s of CPU in every client and server process) to fill a
+    tensor that holds no values. Skipping that changes nothing: a meta tensor has no
+    data and draws no random numbers. Every other tensor goes to torch's ``normal_``.
+    """
+    import torch
+
+    original = torch.nn.init.normal_
+
+    def normal_(tensor, *args, **kwargs):
+        return tensor if tensor.is_meta else original(tensor, *args, **kwargs)
+
+    torch.nn.init.normal_ = normal_
+    try:
+        yield
+    finally:
+        torch.nn.init.normal_ = original
+
+
 def quiet_third_party_output() -> None:
     """Silence warnings that are noise for this tool's users, in every process we own.
 

@@ -212,6 +212,22 @@ def family_of_folder(model_dir: str) -> Family:
     return family_of(SimpleNamespace(**config) if isinstance(config, dict) else None, model_dir)
 
 
+def family_of_object(model) -> tuple:
+    """(family, "petals" | "local" | "") of a model object in memory: "petals" for the
+    family's ``Distributed*ForSequenceClassification`` (petals' Auto classes build those),
+    "local" for its transformers ``*ForSequenceClassification``, "" for another class of
+    the family (a ``*ForCausalLM``, the base model); (None, "") outside the families.
+    By class name (the classes' MRO), so neither petals nor transformers is imported.
+    """
+    family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    if family is None:
+        return None, ""
+    names = {cls.__name__ for cls in type(model).__mro__}
+    if family.petals_class in names:  # also a subclass of local_class: checked first
+        return family, "petals"
+    return family, "local" if family.local_class in names else ""
+
+
 def checkpoint_prefixes() -> tuple:
     """Every family's checkpoint key prefix (a bare state dict does not say its family)."""
     return tuple(sorted({family.checkpoint_prefix for family in FAMILIES.values()}))

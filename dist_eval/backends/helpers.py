@@ -99,15 +99,17 @@ class HelperWatch:
     :class:`HelperDied` that every later forward of this client raises.
     """
 
-    def __init__(self, manager, poll_seconds: float = 0.5):
+    def __init__(self, manager, poll_seconds: float = 0.5, watchdog: bool = True):
         self.manager = manager
         self.poll_seconds = poll_seconds
         self.helpers = client_helper_pids(getattr(manager, "dht", None))  # none: nothing to watch
         self._start_times = {pid: _start_time(pid) for pid in self.helpers}
         # if this rank is killed outright (SIGKILL, or torchrun's SIGKILL after SIGTERM), no
-        # code of it runs: a watchdog process then stops the helpers, which would be orphans
-        self._watchdog = Watchdog() if self.helpers else None
-        for pid, start_time in self._start_times.items():
+        # code of it runs: a watchdog process then stops the helpers, which would be orphans.
+        # ``watchdog=False``: a client the caller owns (a model object it passed), whose
+        # helpers are its own to stop: only watched.
+        self._watchdog = Watchdog() if self.helpers and watchdog else None
+        for pid, start_time in self._start_times.items() if self._watchdog else ():
             self._watchdog.watch_pid(pid, start_time)
         self.died: HelperDied | None = None
         self._stopping = threading.Event()

@@ -57,6 +57,16 @@ class PromptTunedClassifier(nn.Module):
         # without a lock (see backends/families.py); the results do not change
         self._lock = threading.Lock()
 
+    def load_trainable(self, state: TrainableState) -> None:
+        """The trained head and prompts of ``state`` (its structure is this model's) into the weights."""
+        with torch.no_grad():
+            if "score.weight" in state.tensors:  # none with label words (a causal LM's head is used)
+                self.family.get(self.hf_model, self.family.head).weight.copy_(state.tensors["score.weight"])
+            if self.tuning_mode:
+                self.prompt_embeddings.weight.copy_(state.tensors["prompt_embeddings.weight"])
+            if self.tuning_mode == "deep_ptune":
+                self.intermediate_prompt_embeddings.weight.copy_(state.tensors["intermediate_prompt_embeddings.weight"])
+
     def prompt_device(self) -> torch.device:
         """Where the model's weights are (the input ids are moved there)."""
         return next(self.hf_model.parameters()).device
@@ -121,24 +131,22 @@ def load_local(
     """
     import transformers
 
+    from dist_eval.backends.compat import no_random_init_of_meta_tensors
     from dist_eval.backends.petals_folder import detect_layout, petals_model_folder
 
     if not detect_layout(model_dir, family).client_ready:
         model_dir = petals_model_folder(model_dir)
-    if label_words is not None:
-        hf_model = getattr(transformers, family.local_lm_class).from_pretrained(model_dir, torch_dtype=torch.float32)
-    else:
-        hf_model = getattr(transformers, family.local_class).from_pretrained(
-            model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False
-        )
+
+    with no_random_init_of_meta_tensors():
+        if label_words is not None:
+            hf_model = getattr(transformers, family.local_lm_class).from_pretrained(
+                model_dir, torch_dtype=torch.float32)
+        else:
+            hf_model = getattr(transformers, family.local_class).from_pretrained(
+                model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False
+            )
     model = PromptTunedClassifier(hf_model, state.tuning_mode, state.pre_seq_len, family)
-    with torch.no_grad():
-        if label_words is None:
-            family.get(hf_model, family.head).weight.copy_(state.tensors["score.weight"])
-        if state.tuning_mode:
-            model.prompt_embeddings.weight.copy_(state.tensors["prompt_embeddings.weight"])
-        if state.tuning_mode == "deep_ptune":
-            model.intermediate_prompt_embeddings.weight.copy_(state.tensors["intermediate_prompt_embeddings.weight"])
+    model.load_trainable(state)
     if label_words is not None:
         model = ZeroShotScorer(model, family.get(hf_model, family.lm_head), label_words)
     return model.to(device)

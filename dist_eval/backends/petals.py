@@ -8,7 +8,12 @@ import torch
 from torch import nn
 
 from dist_eval.backends.checkpoint import TrainableState
-from dist_eval.backends.compat import import_petals, quiet_hivemind_logs, shutdown_petals_client
+from dist_eval.backends.compat import (
+    import_petals,
+    no_random_init_of_meta_tensors,
+    quiet_hivemind_logs,
+    shutdown_petals_client,
+)
 from dist_eval.backends.failover import patch_petals_client_failover, swarm_failure
 from dist_eval.backends.families import Family
 from dist_eval.backends.helpers import HelperWatch
@@ -26,19 +31,24 @@ class PetalsClassifier(nn.Module):
     :func:`dist_eval.backends.failover.unserved_blocks`). petals alone would retry without
     a time bound (it counts attempts, and re-adds a dead server's DHT record, which lives
     ~2 minutes).
+
+    ``owns_client=False``: ``inner`` is the caller's (a model object passed to
+    ``evaluate``); :meth:`close` then leaves its client running and ``inner`` as it was.
     """
 
-    def __init__(self, inner, family: Family, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT):
+    def __init__(self, inner, family: Family, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT, owns_client: bool = True):
         super().__init__()
         self.inner = inner
         self.family = family
         self.swarm_timeout = swarm_timeout
+        self.owns_client = owns_client
         blocks = family.get(inner, family.blocks)
         self.sequence_manager = blocks.sequence_manager
+        self._own_forward = blocks.__dict__.get("forward")  # normally none: the class's
         remote_forward = blocks.forward
         # Instance attribute: nn.Module.__call__ then runs the bounded version.
         blocks.forward = lambda *args, **kwargs: self._bounded_remote(remote_forward, *args, **kwargs)
-        self.helper_watch = HelperWatch(self.sequence_manager).start()
+        self.helper_watch = HelperWatch(self.sequence_manager, watchdog=owns_client).start()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # No attention mask: the petals client rejects any mask that is not all ones.
@@ -50,6 +60,12 @@ class PetalsClassifier(nn.Module):
         """
         return self.family.get(self.inner, self.family.backbone)(input_ids=input_ids).last_hidden_state
 
+    def load_trainable(self, state: TrainableState) -> None:
+        """The trained head and prompts of ``state`` (its structure is this client's) into the
+        client's local weights; the servers hold none of them (deep prompts travel with each request).
+        """
+        _load_trainable(self.inner, state, self.family)
+
     def provenance(self) -> dict:
         """The servers this client's routing table holds for the model's blocks (see
         :mod:`dist_eval.backends.provenance`).
@@ -59,8 +75,17 @@ class PetalsClassifier(nn.Module):
         return swarm_provenance(self.sequence_manager.state.sequence_info.block_infos)
 
     def close(self) -> None:
-        """Stop the client (its DHT process, p2pd and routing thread), in bounded time."""
+        """Stop the client (its DHT process, p2pd and routing thread), in bounded time; or,
+        for a client the caller owns, only undo what this adapter changed on ``inner``.
+        """
         self.helper_watch.stop()  # first: a normal shutdown stops the helpers
+        if not self.owns_client:
+            blocks = self.family.get(self.inner, self.family.blocks)
+            if self._own_forward is None:
+                del blocks.forward
+            else:
+                blocks.forward = self._own_forward
+            return
         shutdown_petals_client(self.sequence_manager)
         self.helper_watch.close()
 
@@ -179,7 +204,8 @@ def load_petals(
 
     try:
         petals_class = family.petals_class if label_words is None else family.petals_lm_class
-        inner = getattr(petals, petals_class).from_pretrained(petals_model_folder(model_dir), **kwargs)
+        with no_random_init_of_meta_tensors():
+            inner = getattr(petals, petals_class).from_pretrained(petals_model_folder(model_dir), **kwargs)
     except Exception as e:
         if type(e).__name__ == "P2PDaemonError":  # nobody answered at the initial peers
             raise UsageError(

@@ -102,7 +102,8 @@ class ZeroShotScorer(nn.Module):
 
     ``base.hidden_states(input_ids)`` returns the final (normed) hidden states of the tokens
     ``[B, T, H]`` (prompt vectors already removed); ``lm_head.weight`` is the LM head ``[V, H]``.
-    ``close``/``provenance`` of ``base`` (a petals client's) are this module's too.
+    ``close``/``provenance`` of ``base`` (a petals client's) and its ``load_trainable`` (another
+    checkpoint's prompts) are this module's too.
     """
 
     def __init__(self, base: nn.Module, lm_head: nn.Module, label_words: LabelWords):
@@ -111,7 +112,7 @@ class ZeroShotScorer(nn.Module):
         self.lm_head = lm_head
         self.label_words = label_words
         self._groups = _groups(label_words.token_ids)
-        for name in ("close", "provenance"):
+        for name in ("close", "provenance", "load_trainable"):
             if hasattr(base, name):
                 setattr(self, name, getattr(base, name))
 

@@ -36,10 +36,9 @@ def format_summary(metrics: dict) -> str:
     intervals = format_intervals(metrics)
     if intervals:
         lines.append(f"  {intervals}")
-    phases = run.get("phase_seconds")
-    if phases:
-        startup = f"start-up {run['startup_seconds']:.1f} s, " if run.get("startup_seconds") is not None else ""
-        lines.append("  time: " + startup + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()))
+    time_line = _time_line(run)
+    if time_line:
+        lines.append(time_line)
     from dist_eval.backends.provenance import replicas_warning
 
     warning = replicas_warning(run)
@@ -61,3 +60,14 @@ def format_summary(metrics: dict) -> str:
     for name, row in zip(per_class, cm):
         lines.append(f"  {name:<{width}}" + "".join(f"{v:>{cell}d}" for v in row))
     return "\n".join(lines)
+
+
+def _time_line(run: dict) -> str:
+    """The run's phases that took >= 0.05 s, in order (every phase is in metrics.json)."""
+    phases = dict(run.get("phase_seconds") or {})
+    if not phases:
+        return ""
+    if run.get("startup_seconds") is not None:
+        phases = {"launch and imports": run["startup_seconds"], **phases}
+    shown = [f"{name} {seconds:.1f} s" for name, seconds in phases.items() if seconds >= 0.05]
+    return "  time: " + ", ".join(shown)

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
+from dist_eval.atomic import atomic_write
 from dist_eval.errors import one_line
 from dist_eval.swarm.placement import (
     SwarmError,
@@ -28,6 +29,7 @@ from dist_eval.swarm.placement import (
     plan_blocks,
 )
 from dist_eval.swarm.procs import (
+    PEERS_FILE_FLAG,
     _free_ports,
     _ignores_sigint,
     _live_groups,
@@ -44,11 +46,13 @@ _STARTED_RE = re.compile(r"\[INFO\] Started\s*$", re.MULTILINE)
 
 
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# SIGINT -> SIGKILL delay. Measured on 2 CPU cores: a lone server exits ~1 s after SIGINT,
-# but the last servers of a swarm announce "offline" to peers that already left and wait
-# for hivemind's DHT timeouts (~10 s). Nothing is lost by cutting that short: the whole
-# private swarm is going away, and the files hivemind would leave are removed here.
-_GRACE_SECONDS = 3.0
+# SIGINT -> SIGKILL delay. Measured on 2 CPU cores: a lone server exits ~0.1-1 s after
+# SIGINT, but the last servers of a swarm announce "offline" to peers that already left
+# and wait for hivemind's DHT timeouts (~10 s). For a private swarm (all of it going away)
+# nothing is lost by cutting that short: the files hivemind would leave are removed here.
+# Servers that joined another host's swarm get longer, so that their "offline" reaches it.
+_GRACE_SECONDS_PRIVATE = 1.0
+_GRACE_SECONDS_JOINED = 3.0
 
 
 @dataclass
@@ -144,7 +148,8 @@ class LocalSwarm:
 
     Ports: ``port=None`` takes free ports from the OS; ``port=P`` uses P, P+1, ....
     Without ``join_peers`` the first server starts a new swarm, the others join it
-    through its address (they start in parallel once it has printed it). Servers run
+    through its address (all start at once; the others wait for that address after their
+    imports, see :mod:`dist_eval.swarm.server`). Servers run
     ``--device cpu --torch_dtype float32 --quant_type none --throughput 1.0`` (no network
     speed test); later flags in ``extra_server_args`` override them (e.g. ``["--device", "cuda"]``).
 
@@ -152,10 +157,11 @@ class LocalSwarm:
     and a private ``TMPDIR``; its output goes to ``<log_dir>/server-<i>.log`` (a temp
     folder when log_dir is None, deleted on stop unless the start failed). ``stop()``
     sends SIGINT to each group (petals' graceful shutdown, ~1 s for a lone server), SIGKILL
-    to what is left after 3 s, waits until no process of the groups remains, then deletes
-    the private TMPDIR and the ``/tmp/hivemind-*.sock`` files the servers held (hivemind
-    leaks them). ``stop()`` also runs from ``__exit__`` (on exceptions too), at
-    interpreter exit, and from a small watchdog process if this process dies without it.
+    to what is left after 1 s (3 s for servers that joined another host's swarm), waits
+    until no process of the groups remains, then deletes the private TMPDIR and the
+    ``/tmp/hivemind-*.sock`` files the servers held (hivemind leaks them). ``stop()`` also
+    runs from ``__exit__`` (on exceptions too), at interpreter exit, and from a small
+    watchdog process if this process dies without it.
     """
 
     def __init__(
@@ -211,6 +217,8 @@ class LocalSwarm:
         self._state = "new"  # new -> starting -> running -> stopped
         self._lock = threading.RLock()
         self._owner_pid = os.getpid()  # a fork()ed child must not stop its parent's swarm
+        self._starter: Optional[threading.Thread] = None  # start_in_background()'s thread
+        self._start_error: Optional[BaseException] = None
 
     # ------------------------------------------------------------------ public
 
@@ -256,6 +264,29 @@ class LocalSwarm:
             self._state = "running"
         return self
 
+    def start_in_background(self) -> LocalSwarm:
+        """Begin :meth:`start` in a thread and return at once, so that the caller can work
+        (e.g. import its client) while the servers start; :meth:`wait_started` joins it.
+        :meth:`stop` may be called meanwhile: the start then fails and starts nothing more.
+        """
+        def start() -> None:
+            try:
+                self.start()
+            except BaseException as e:  # re-raised by wait_started(), in the caller's thread
+                self._start_error = e
+
+        self._starter = threading.Thread(target=start, name="dist_eval-swarm-start", daemon=True)
+        self._starter.start()
+        return self
+
+    def wait_started(self) -> LocalSwarm:
+        """Wait for :meth:`start_in_background`'s start; raise its error if it failed."""
+        if self._starter is not None:
+            self._starter.join()
+        if self._start_error is not None:
+            raise self._start_error
+        return self
+
     def check(self) -> None:
         """Raise SwarmError if a server has exited since the start."""
         for s in self._servers:
@@ -269,7 +300,7 @@ class LocalSwarm:
         """Stop every server process and wait until none is left (idempotent).
 
         SIGINT to each process group (SIGTERM if the servers inherited an ignored SIGINT),
-        SIGKILL to what is left after min(3 s, 60% of ``timeout``), then wait until no
+        SIGKILL to what is left after min(1 s (joined: 3 s), 60% of ``timeout``), then wait until no
         process of the groups is left, at most until ``timeout``. Typical: 1-4 s.
         SwarmError if a process survives (never seen).
         """
@@ -280,7 +311,8 @@ class LocalSwarm:
         began = time.monotonic()
         deadline = began + timeout
         try:
-            self._terminate(deadline, began + min(_GRACE_SECONDS, 0.6 * timeout))
+            grace = _GRACE_SECONDS_JOINED if self.join_peers else _GRACE_SECONDS_PRIVATE
+            self._terminate(deadline, began + min(grace, 0.6 * timeout))
         finally:
             self._cleanup_files()
             if self._watchdog is not None:
@@ -288,6 +320,8 @@ class LocalSwarm:
                 self._watchdog = None
             with _LIVE_LOCK:
                 _LIVE_SWARMS.discard(self)
+            if self._starter is not None and self._starter is not threading.current_thread():
+                self._starter.join(timeout=5.0)  # its servers are gone: it fails at once
             self.stop_seconds = time.monotonic() - began
 
     def __enter__(self) -> LocalSwarm:
@@ -305,11 +339,15 @@ class LocalSwarm:
     # ------------------------------------------------------------------ start
 
     def _launch_all(self, deadline: float) -> None:
-        self._workdir = tempfile.mkdtemp(prefix="dist_eval-swarm-")
-        tmpdir = os.path.join(self._workdir, "tmp")
-        logs = self.log_dir or os.path.join(self._workdir, "logs")
-        os.makedirs(tmpdir)
-        os.makedirs(logs, exist_ok=True)
+        with self._lock:  # a stop() from another thread sees the folder and the watchdog, or prevents them
+            if self._state != "starting":
+                raise SwarmError("local swarm: stopped while starting.")
+            self._workdir = tempfile.mkdtemp(prefix="dist_eval-swarm-")
+            self._watchdog = watchdog = Watchdog()
+            tmpdir = os.path.join(self._workdir, "tmp")
+            logs = self.log_dir or os.path.join(self._workdir, "logs")
+            os.makedirs(tmpdir)
+            os.makedirs(logs, exist_ok=True)
         if self.port is None:
             ports = _free_ports(self.num_servers, self.host)
         else:
@@ -324,29 +362,35 @@ class LocalSwarm:
             _Server(i, ports[i], self.placement[i], os.path.join(logs, f"server-{i}.log"))
             for i in range(self.num_servers)
         ]
-        self._watchdog = Watchdog()
-        self._watchdog.watch_path(tmpdir)
+        watchdog.watch_path(tmpdir)
         if self.log_dir is None:
-            self._watchdog.watch_path(self._workdir)
+            watchdog.watch_path(self._workdir)
         env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", TMPDIR=tmpdir, PYTHONUNBUFFERED="1")
         if os.path.basename(_PROJECT_ROOT) not in ("site-packages", "dist-packages"):  # a source checkout
             env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
 
         if self.join_peers:  # another host started the swarm: all servers join it at once
-            peers, joining = self.join_peers, self._servers
+            for s in self._servers:
+                self._spawn(s, ["--initial_peers", *self.join_peers], env)
         else:
-            first = self._servers[0]
+            # The first server starts the swarm; the others start at the same time (their
+            # imports are most of a server's start-up) and join once its address is known.
+            first, peers_file = self._servers[0], os.path.join(self._workdir, "peers")
             self._spawn(first, ["--new_swarm"], env)
+            for s in self._servers[1:]:
+                self._spawn(s, [PEERS_FILE_FLAG, peers_file], env)
             self._wait(deadline, [first], need_started=False)
-            peers, joining = [first.address], self._servers[1:]
-        for s in joining:
-            self._spawn(s, ["--initial_peers", *peers], env)
+            atomic_write(peers_file, first.address + "\n")
         self._wait(deadline, self._servers, need_started=True)
 
     def _spawn(self, s: _Server, peer_args: List[str], env: Dict[str, str]) -> None:
-        if self._state != "starting":  # stop() was called from another thread meanwhile
-            raise SwarmError("local swarm: stopped while starting.")
+        with self._lock:  # stop() (from another thread) either sees this server or stops it from starting
+            if self._state != "starting":
+                raise SwarmError("local swarm: stopped while starting.")
+            self._spawn_locked(s, peer_args, env)
+
+    def _spawn_locked(self, s: _Server, peer_args: List[str], env: Dict[str, str]) -> None:
         cmd = [
             sys.executable, "-m", "dist_eval.swarm.server", self.model_dir, *peer_args,
             "--dht_prefix", self.dht_prefix,

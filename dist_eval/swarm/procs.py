@@ -11,6 +11,9 @@ from typing import Dict, List, Sequence, Set, Tuple
 
 _SIGINT_BIT = 1 << (signal.SIGINT - 1)
 
+# Ours, not petals': dist_eval.swarm.server waits for this file, then joins the peers in it.
+PEERS_FILE_FLAG = "--initial_peers_file"
+
 
 def _process_groups(pgids: Set[int]) -> Dict[int, List[Tuple[int, str]]]:
     """{pgid: [(pid, state), ...]} for every live process whose group is in ``pgids``."""

@@ -1,15 +1,49 @@
 """Entry point of one swarm server process: ``python -m dist_eval.swarm.server <run_server args>``.
 
 It exists so that server processes import petals through dist_eval.backends.compat (the
-hivemind re-exports) exactly like the evaluator ranks do.
+hivemind re-exports) exactly like the evaluator ranks do, and so that a server can be
+started before the swarm it joins has an address: ``--initial_peers_file PATH`` (ours,
+not petals') makes it import petals and torch first (the bulk of a server's start-up),
+then wait for PATH to appear, and join the peers listed there (one per line). A local
+swarm thus imports all its servers at once instead of one after another.
 """
+import os
 import sys
+import time
 
-from dist_eval.backends.compat import import_petals
+from dist_eval.swarm.procs import PEERS_FILE_FLAG
+
+# How long a server waits for its peers file; its swarm's start timeout ends it sooner.
+_PEERS_FILE_WAIT_SECONDS = 600.0
+
+
+def _wait_for_peers(path: str) -> list:
+    """The peers listed in ``path``, once it exists (its writer renames it into place whole)."""
+    deadline = time.monotonic() + _PEERS_FILE_WAIT_SECONDS
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            sys.exit(f"dist_eval.swarm.server: {path} did not appear within {_PEERS_FILE_WAIT_SECONDS:.0f} s; "
+                     "the swarm that this server was to join never printed its address.")
+        time.sleep(0.05)
+    with open(path) as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def _server_argv(argv: list) -> list:
+    """``argv`` with ``--initial_peers_file PATH`` replaced by ``--initial_peers PEER ...``."""
+    if PEERS_FILE_FLAG not in argv:
+        return argv
+    at = argv.index(PEERS_FILE_FLAG)
+    peers = _wait_for_peers(argv[at + 1])
+    return [*argv[:at], "--initial_peers", *peers, *argv[at + 2:]]
+
 
 if __name__ == "__main__":
+    from dist_eval.backends.compat import import_petals, no_random_init_of_meta_tensors
+
     import_petals()
     from petals.cli import run_server
 
-    sys.argv[0] = "petals.cli.run_server"
-    run_server.main()
+    sys.argv = ["petals.cli.run_server", *_server_argv(sys.argv[1:])]
+    with no_random_init_of_meta_tensors():  # the blocks are built on meta, then loaded
+        run_server.main()

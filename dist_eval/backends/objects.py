@@ -1,0 +1,133 @@
+"""Model objects a caller holds in memory, as the :class:`LoadedModel` that ``load_model`` gives.
+
+A training loop evaluates the model it trains, right after an epoch, without saving it:
+
+- petals' ``Distributed*ForSequenceClassification`` of a family (as petals' prompt-tuning
+  workflow holds it: ``tuning_mode`` "ptune"/"deep_ptune", trained prompts and ``score``
+  head, blocks on the swarm) is run by the petals backend's adapter
+  (:class:`~dist_eval.backends.petals.PetalsClassifier`), which leaves the caller's
+  client running when the evaluation ends;
+- transformers' ``*ForSequenceClassification`` of a family is run by the local backend's
+  (:class:`~dist_eval.backends.local.PromptTunedClassifier`, no prompts).
+
+The same code as ``load_model``'s, on the same weights: the logits are the same, bit for
+bit. During :func:`evaluation_model` the model is in eval mode; afterwards every module
+has its own ``training`` flag back. A ``DistributedDataParallel`` wrapper is looked
+through (its ``.module`` is evaluated; no gradient is computed). Another class of a
+family (a ``*ForCausalLM``), or a transformers model of another architecture that is not
+a ``*ForSequenceClassification``, is refused; any other callable ``input_ids -> logits``
+is used as it is.
+"""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+from torch import nn
+
+from dist_eval.backends.classifier import LoadedModel, class_names
+from dist_eval.backends.families import Family, family_of_object
+from dist_eval.config import DEFAULT_SWARM_TIMEOUT
+from dist_eval.errors import UsageError
+
+
+class _Shown(str):
+    """A value shown in an error as ``<ClassName>``, not as a quoted string."""
+
+    def __repr__(self) -> str:
+        return f"<{self}>"
+
+
+@contextmanager
+def evaluation_model(model, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT) -> Iterator[object]:
+    """``model`` as ``evaluate`` computes with it, in eval mode, restored on exit: a
+    :class:`LoadedModel` (given, or adapted from a model object), else the callable itself.
+    """
+    adapted = as_loaded_model(model, swarm_timeout)
+    module = adapted.module if isinstance(adapted, LoadedModel) else adapted
+    modes = [(m, m.training) for m in module.modules()] if isinstance(module, nn.Module) else []
+    try:
+        if modes:
+            module.eval()
+        yield adapted
+    finally:
+        for m, training in modes:
+            m.training = training
+        if adapted is not model and isinstance(adapted, LoadedModel):
+            adapted.close()  # the adapter's own parts only; the caller's client stays up
+
+
+def as_loaded_model(model, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT):
+    """A :class:`LoadedModel` for a family's sequence classifier object (petals' or
+    transformers'); ``model`` itself for a LoadedModel or another usable callable;
+    a UsageError for a model object that cannot classify.
+    """
+    if isinstance(model, LoadedModel):
+        return model
+    parallel = sys.modules.get("torch.nn.parallel")
+    if parallel is not None and isinstance(model, parallel.DistributedDataParallel):
+        model = model.module
+    transformers = sys.modules.get("transformers")  # a transformers model: transformers is loaded
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return model
+    family, kind = family_of_object(model)
+    if not kind:
+        if family is None and type(model).__name__.endswith("ForSequenceClassification"):
+            return model  # another architecture's classifier: called as it is (its .logits)
+        raise _refused(model, family, "not a sequence classifier (its logits are not one row per class)")
+    head = _head(model, family)
+    pad_token_id = getattr(model.config, "pad_token_id", None)
+    if pad_token_id is None:
+        raise UsageError(
+            "its config has no pad_token_id; right-padded batches need one to find each row's last token. "
+            "Set model.config.pad_token_id = tokenizer.pad_token_id.",
+            param="model", value=_Shown(type(model).__name__),
+        )
+    tuning_mode, pre_seq_len = _prompts_of(model, kind)
+    if kind == "petals":
+        module = _petals_module(model, family, swarm_timeout)
+    else:
+        from dist_eval.backends.local import PromptTunedClassifier
+
+        module = PromptTunedClassifier(model, None, 0, family)
+    return LoadedModel(module, head.out_features, int(pad_token_id), kind,
+                       class_names(model.config, head.out_features), pre_seq_len if tuning_mode else 0)
+
+
+def _head(model, family: Family) -> nn.Linear:
+    """The classifier head, refused unless a linear layer with one output per class."""
+    try:
+        head = family.get(model, family.head)
+    except AttributeError:
+        head = None
+    weight = getattr(head, "weight", None)
+    if not isinstance(head, nn.Linear) or weight is None or weight.is_meta or head.out_features < 1:
+        raise _refused(model, family, f"no usable classifier head ({family.head!r}: {type(head).__name__})")
+    return head
+
+
+def _prompts_of(model, kind: str) -> tuple:
+    """(tuning_mode, pre_seq_len) of a petals object's config; (None, 0) for transformers'."""
+    if kind != "petals":
+        return None, 0
+    tuning_mode = getattr(model.config, "tuning_mode", None)
+    return tuning_mode, int(getattr(model.config, "pre_seq_len", 0) or 0)
+
+
+def _petals_module(model, family: Family, swarm_timeout: float) -> nn.Module:
+    from dist_eval.backends.failover import patch_petals_client_failover
+    from dist_eval.backends.petals import PetalsClassifier
+
+    patch_petals_client_failover()  # routes around failed servers at once, names unserved blocks
+    return PetalsClassifier(model, family, swarm_timeout, owns_client=False)
+
+
+def _refused(model, family, why: str) -> UsageError:
+    expected = (f"petals' {family.petals_class} or transformers' {family.local_class}" if family
+                else "a petals Distributed*ForSequenceClassification or a transformers *ForSequenceClassification")
+    return UsageError(
+        f"{why}. Expected a sequence classifier with its trained head: {expected}, or a LoadedModel "
+        "from load_model(...). Load the classifier class from the same folder, or pass "
+        "a callable input_ids -> logits.", param="model", value=_Shown(type(model).__name__),
+    )

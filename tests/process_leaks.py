@@ -1,0 +1,156 @@
+"""A pytest plugin (loaded by conftest.py): no test leaves a process behind.
+
+- Every process that a test's body started (a torchrun job, a rank, a server, a DHT
+  helper, a p2pd daemon, ...) must be gone once the test's teardown has run; a
+  module's processes (those of its module-scoped fixtures, e.g. a shared swarm) once
+  the module's last test has been torn down.
+- A test's processes are its descendants when its body ends, and every process that
+  shares a process group or a session with one of them: an orphan (its parent killed
+  by the test) keeps its group and session when init adopts it, so it is still found.
+- A process still alive ``GRACE_SECONDS`` after its test (or module) ended fails that
+  test's teardown, naming the processes, and is killed so that it cannot disturb the
+  tests after it.
+
+Processes that belong to the test interpreter itself, whoever started them, are not
+counted: torch's shared-memory manager and multiprocessing's resource tracker live as
+long as the interpreter does.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Dict, NamedTuple, Set
+
+import pytest
+
+GRACE_SECONDS = 10.0
+_INTERPRETER_DAEMONS = ("torch_shm_manager", "multiprocessing.resource_tracker")
+
+
+class Proc(NamedTuple):
+    ppid: int
+    state: str
+    pgid: int
+    sid: int
+    started: int  # clock ticks after boot: with the pid, names one process (pids are reused)
+
+
+_module_before: Dict[str, Set[tuple]] = {}  # test module -> (pid, started) of descendants before its first test
+_STARTED = pytest.StashKey[Dict[tuple, str]]()  # a test's processes: (pid, started) -> command line
+
+
+def _processes() -> Dict[int, Proc]:
+    """Every process, from /proc."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                rest = f.read().decode("utf-8", "replace").rpartition(")")[2].split()
+            found[int(entry)] = Proc(int(rest[1]), rest[0], int(rest[2]), int(rest[3]), int(rest[19]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()[:200]
+    except OSError:
+        return "?"
+
+
+def _ours(procs: Dict[int, Proc], pids) -> Dict[tuple, str]:
+    """{(pid, started): command line} of the live ``pids``, interpreter daemons aside."""
+    found = {}
+    for pid in pids:
+        if procs[pid].state != "Z":
+            cmd = _cmdline(pid)
+            if not any(d in cmd for d in _INTERPRETER_DAEMONS):
+                found[(pid, procs[pid].started)] = cmd
+    return found
+
+
+def _descendants(procs: Dict[int, Proc]) -> Dict[tuple, str]:
+    """This process's live descendants (children, theirs, ...)."""
+    children: Dict[int, list] = {}
+    for pid, p in procs.items():
+        children.setdefault(p.ppid, []).append(pid)
+    found, todo = [], list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        found.append(pid)
+    return _ours(procs, found)
+
+
+def _with_their_groups(procs: Dict[int, Proc], started: Dict[tuple, str], since: int) -> Dict[tuple, str]:
+    """``started``, and every live process started at ``since`` or later that shares a
+    process group or a session with one of them (not this process's own).
+    """
+    mine = {os.getpgid(0), os.getsid(0)}
+    groups = {x for (pid, _) in started if pid in procs for x in (procs[pid].pgid, procs[pid].sid)} - mine
+    kin = [pid for pid, p in procs.items() if (p.pgid in groups or p.sid in groups) and p.started >= since]
+    return {**started, **_ours(procs, kin)}
+
+
+def _left_after_grace(started: Dict[tuple, str]) -> Dict[tuple, str]:
+    """Those of ``started`` still alive (zombies aside) after up to GRACE_SECONDS."""
+    deadline = time.monotonic() + GRACE_SECONDS
+    while True:
+        procs = _processes()
+        left = {key: cmd for key, cmd in started.items()
+                if key[0] in procs and procs[key[0]].started == key[1] and procs[key[0]].state != "Z"}
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
+
+
+def _kill(keys) -> None:
+    for pid, _ in keys:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _now_in_ticks() -> int:
+    with open("/proc/uptime") as f:
+        return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    _module_before.setdefault(item.nodeid.split("::")[0], set(_descendants(_processes())))
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    since = _now_in_ticks() - 1
+    before = set(_descendants(_processes()))
+    try:
+        return (yield)
+    finally:
+        procs = _processes()
+        started = {key: cmd for key, cmd in _descendants(procs).items() if key not in before}
+        item.stash[_STARTED] = _with_their_groups(procs, started, since)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    leaks = _left_after_grace(item.stash.get(_STARTED, {}))
+    module = item.nodeid.split("::")[0]
+    if nextitem is None or nextitem.nodeid.split("::")[0] != module:  # the module's fixtures are gone too
+        before = _module_before.pop(module, set())
+        leaks.update(_left_after_grace({k: c for k, c in _descendants(_processes()).items() if k not in before}))
+    if leaks:
+        _kill(leaks)
+        listed = "; ".join(f"pid {pid}: {cmd}" for (pid, _), cmd in sorted(leaks.items()))
+        pytest.fail(f"{len(leaks)} process(es) started by this test (or its module) outlived it by "
+                    f"{GRACE_SECONDS:.0f} s (now killed): {listed}", pytrace=False)
+    return result
