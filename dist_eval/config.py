@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple, Union
 
 from dist_eval.errors import UsageError
 
@@ -47,6 +47,52 @@ def check_seconds(param: str, value, *, allow_zero: bool = False) -> None:
         raise UsageError(f"expected {expected}.", param=param, value=value)
 
 
+def read_label_words(value: Union[str, Sequence[str], None], param: str = "label_words") -> Optional[Tuple[str, ...]]:
+    """The label words (one per class, in class-id order) as a tuple; None stays None.
+
+    ``value``: the words, or ``"@PATH"`` (alone), a UTF-8 file with one word per line
+    (surrounding whitespace stripped, blank lines skipped). At least 2 distinct, non-empty words.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    words = list(value)
+    if len(words) == 1 and isinstance(words[0], str) and words[0].startswith("@"):
+        path = words[0][1:]
+        try:
+            with open(path, encoding="utf-8") as f:
+                words = [line.strip() for line in f if line.strip()]
+        except OSError as e:
+            raise UsageError(f"cannot read the file of label words ({e.strerror}). Pass @FILE with one word per "
+                             "line, or the words themselves.", param=param, value=value[0]) from e
+    bad = [w for w in words if not isinstance(w, str) or not w.strip()]
+    if bad:
+        raise UsageError(f"expected one non-empty word per class; got {bad[0]!r}.", param=param, value=words)
+    words = [w.strip() for w in words]
+    if len(words) < 2:
+        raise UsageError(f"expected one word per class, at least 2; got {len(words)}.", param=param, value=words)
+    repeated = sorted({w for w in words if words.count(w) > 1})
+    if repeated:
+        raise UsageError(f"{repeated} given for more than one class; each class needs its own word.",
+                         param=param, value=words)
+    return tuple(words)
+
+
+def check_template(template: Optional[str], text_pair_column: Optional[str]) -> None:
+    """A template holds ``{text}`` once, and ``{text_pair}`` exactly when there is a pair column."""
+    if template is None:
+        return
+    if not isinstance(template, str) or template.count("{text}") != 1:
+        raise UsageError("expected a text with the placeholder {text} once (where each row's text goes), e.g. "
+                         "'Review: {text} Sentiment:'.", param="template", value=template)
+    if ("{text_pair}" in template) != (text_pair_column is not None):
+        fix = ("add {text_pair} where the second text goes" if text_pair_column
+               else "drop {text_pair} or pass the second text's column (text_pair_column)")
+        raise UsageError(f"{{text_pair}} must be in it exactly when there is a text pair column; {fix}.",
+                         param="template", value=template)
+
+
 @dataclass(frozen=True)
 class Settings:
     """What decides which rows are evaluated and each row's logits. Every field is part of
@@ -62,8 +108,13 @@ class Settings:
     max_batch_tokens: Optional[int] = DEFAULT_MAX_BATCH_TOKENS  # None: no cap
     limit: int = 0  # a seeded random sample of this many rows (dist_eval.data.sample); 0: every row
     limit_seed: int = 0
+    # zero-shot (dist_eval.backends.zeroshot): the words scored for the classes, in class-id order
+    label_words: Optional[Tuple[str, ...]] = None
+    template: Optional[str] = None  # each row's text is "{text}" in it (and "{text_pair}") before tokenizing
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "label_words", read_label_words(self.label_words))
+        check_template(self.template, self.text_pair_column)
         check_int("batch_size", self.batch_size, 1)
         check_int("limit", self.limit, 0, "an integer >= 0 (0: every row)")
         check_int("limit_seed", self.limit_seed, 0, "an integer >= 0")
@@ -174,6 +225,18 @@ class EvalConfig:
     pre_seq_len: int = _opt(
         "Number of prompt vectors (needs --tuning-mode; read from the checkpoint by default).", default=0
     )
+    label_words: Optional[List[str]] = _opt(
+        "Zero-shot: score each class by the language model's log-probability of its word after the text (one "
+        "word per class, in class-id order; @FILE: one word per line). No classifier head or --checkpoint is "
+        "needed; a ptune --checkpoint's prompts are used (its head is not).",
+        default=None,
+        meta={"nargs": "+"},
+    )
+    template: Optional[str] = _opt(
+        "Each row's text is put in this template before tokenizing, at {text} (and {text_pair} with "
+        "--text-pair-column), e.g. 'Review: {text} Sentiment:'. Default: the text as it is.",
+        default=None,
+    )
     # batches
     batch_size: int = _opt("At most this many rows per forward pass.", default=DEFAULT_BATCH_SIZE)
     max_length: int = _opt(
@@ -256,7 +319,10 @@ class EvalConfig:
             max_batch_tokens=self.max_batch_tokens or None,
             limit=self.limit,
             limit_seed=self.limit_seed,
+            label_words=self.label_words,
+            template=self.template,
         )
+        self._check_label_words()
         self.options = Options(
             in_flight=self.in_flight,
             save_interval=self.save_interval,
@@ -281,6 +347,19 @@ class EvalConfig:
         if self.model is not None and not os.path.isdir(self.model):
             raise UsageError(f"--model {self.model}: no such folder. Pass a folder saved with save_pretrained().")
         self._check_family()
+
+    def _check_label_words(self) -> None:
+        """--label-words replaces the classifier head: no --head, and one word per class."""
+        words = self.settings.label_words
+        if words is None:
+            return
+        if self.head is not None:
+            raise UsageError("not used with --label-words: the language model's head scores the label words. "
+                             "Drop --head.", param="head", value=self.head)
+        if self.num_labels is not None and self.num_labels != len(words):
+            raise UsageError(f"{len(words)} words given, one per class, but --num-labels is {self.num_labels}. "
+                             f"Give {self.num_labels} words (in class-id order) or drop --num-labels.",
+                             param="label_words", value=list(words))
 
     def _plan(self) -> None:
         """``plan``: the sets x checkpoints to evaluate (:mod:`dist_eval.jobs`); None for the demo."""

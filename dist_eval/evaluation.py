@@ -27,6 +27,7 @@ from dist_eval.config import (
     DEFAULT_SAVE_INTERVAL,
     Options,
     Settings,
+    read_label_words,
 )
 from dist_eval.data.labels import TaskColumns, check_columns, label_names_of, read_labels
 from dist_eval.data.loader import loader_batches
@@ -64,7 +65,8 @@ class _Task:
     num_labels: Optional[int]
     pad_token_id: Optional[int]
     label_names: Optional[Sequence[str]]
-    prompt_tokens: int
+    prompt_tokens: int  # tokens a forward adds to each row: prompt vectors, appended label-word tokens
+    label_words: Optional[tuple] = None  # a zero-shot model's
 
 
 def evaluate(
@@ -91,6 +93,8 @@ def evaluate(
     bootstrap_seed: int = 0,
     top_k: Optional[int] = None,
     limit: int = 0, limit_seed: int = 0,
+    template: Optional[str] = None,
+    label_words: Optional[Sequence[str]] = None,
     resume_folder: Optional[str] = None,
     save_interval: float = DEFAULT_SAVE_INTERVAL,
 ) -> EvalResult:
@@ -148,6 +152,12 @@ def evaluate(
     that many rows, without replacement, chosen by a hash of each row's content: the same
     rows for any world size and any order of the rows (:mod:`dist_eval.data.sample`).
 
+    ``template`` (Dataset input only): each row's text is put in it at ``{text}`` (and
+    ``{text_pair}`` with ``text_pair_column``) before tokenizing, e.g. ``"Review: {text} Sentiment:"``.
+    ``label_words``: those of a zero-shot model (``load_model(..., label_words=...)``, which
+    knows them: given here, they are checked against it); the data's labels are class ids
+    into them (see :mod:`dist_eval.backends.zeroshot`).
+
     ``bootstrap_resamples`` (0 disables) and ``bootstrap_seed``: 95% percentile bootstrap
     intervals for accuracy, macro-F1 and loss, computed on rank 0 from the merged set
     (:func:`dist_eval.intervals.bootstrap_intervals`, about 1 s per 1000 resamples),
@@ -159,15 +169,15 @@ def evaluate(
     none with 2) and ``auroc_macro`` (one-vs-rest, macro over the classes present), with
     ``reliability`` (the per-bin table) and their intervals beside the others.
     """
-    settings = Settings(
-        text_column=text_column, text_pair_column=text_pair_column, label_column=label_column, limit=limit,
-        limit_seed=limit_seed, batch_size=batch_size, max_length=max_length, length_buckets=length_buckets,
-        max_batch_tokens=max_batch_tokens,
-    )
     options = Options(in_flight=in_flight, save_interval=save_interval, bootstrap_resamples=bootstrap_resamples,
                       bootstrap_seed=bootstrap_seed, top_k=top_k)
     with evaluation_model(model) as model:  # a model object: adapted, in eval mode until the forwards end
         task = _task_of(model, num_labels, pad_token_id, label_names)
+        settings = Settings(
+            text_column=text_column, text_pair_column=text_pair_column, label_column=label_column, limit=limit,
+            limit_seed=limit_seed, batch_size=batch_size, max_length=max_length, length_buckets=length_buckets,
+            max_batch_tokens=max_batch_tokens, template=template, label_words=_label_words_of(task, label_words),
+        )
         start, start_cpu = time.perf_counter(), time.process_time()
 
         num_rows, batches, num_truncated, own_batches = _this_rank_batches(data, tokenizer, settings, task)
@@ -215,6 +225,18 @@ def _forward_passes(task: _Task, batches, stored, writer, in_flight, sample_metr
     return local
 
 
+def _label_words_of(task: _Task, label_words) -> Optional[tuple]:
+    """The model's label words; ``label_words`` given must be them."""
+    given = read_label_words(label_words)
+    if given is not None and task.label_words is None:
+        raise UsageError("the model scores the classes with a classifier head, not label words. Load it with "
+                         "load_model(..., label_words=...) to score words.", param="label_words", value=list(given))
+    if given is not None and given != task.label_words:
+        raise UsageError(f"the model was loaded to score {list(task.label_words)}; pass those or none.",
+                         param="label_words", value=list(given))
+    return task.label_words
+
+
 def _task_of(model, num_labels, pad_token_id, label_names) -> _Task:
     """The forward callable and the task's facts: from a LoadedModel, else from ``model.config``."""
     from dist_eval.backends.classifier import LoadedModel
@@ -225,7 +247,8 @@ def _task_of(model, num_labels, pad_token_id, label_names) -> _Task:
             num_labels=num_labels or model.num_labels,
             pad_token_id=model.pad_token_id if pad_token_id is None else pad_token_id,
             label_names=label_names or (list(model.id2label.values()) if model.id2label else None),
-            prompt_tokens=model.prompt_tokens,
+            prompt_tokens=model.prompt_tokens + model.appended_tokens,
+            label_words=model.label_words,
         )
     config = getattr(model, "config", None)
     return _Task(
@@ -274,5 +297,22 @@ def _check_data(data, tokenizer, settings: Settings, task: _Task):
     columns = TaskColumns.of(settings)
     check_columns(data, columns)
     data = sample_rows(data, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
-    labels = read_labels(data, settings.label_column, task.num_labels, label_names=task.label_names)
+    labels = _read_labels(data, settings, task)
     return data, labels, task.label_names or label_names_of(data, settings.label_column)
+
+
+def _read_labels(data, settings: Settings, task: _Task) -> np.ndarray:
+    """The labels as class ids; with label words, a label beyond them names ``label_words``."""
+    try:
+        return read_labels(data, settings.label_column, task.num_labels, label_names=task.label_names)
+    except UsageError as e:
+        if task.label_words is None or e.param != "label_column" or not (
+                "outside [0," in e.detail or "distinct text labels" in e.detail):
+            raise
+        count = len(task.label_words)
+        found = e.detail.split(", outside")[0].split(", but")[0]  # "row 5 has label 3" / "4 distinct text labels"
+        raise UsageError(
+            f"{count} words given, one per class (ids 0..{count - 1}), but the data does not fit them: {found} "
+            f"(column {settings.label_column!r}). Give one word per class, in class-id order.",
+            param="label_words", value=list(task.label_words),
+        ) from e

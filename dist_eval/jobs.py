@@ -197,7 +197,7 @@ def _check_checkpoints(config, job, model) -> None:
 
     for checkpoint in job.plan.checkpoints[1:]:
         state = read_trainable(job.model_dir, checkpoint.path, job.head, config.tuning_mode, config.pre_seq_len,
-                               config.num_labels)
+                               config.num_labels, job.settings.label_words)
         model.check_structure(state, checkpoint.path)
 
 
@@ -288,5 +288,5 @@ def _swap(run: _Run, job) -> None:
 
     config = run.config
     state = read_trainable(job.model_dir, job.checkpoint, job.head, config.tuning_mode, config.pre_seq_len,
-                           config.num_labels)
+                           config.num_labels, job.settings.label_words)
     run.model.load_trainable(state, job.checkpoint)

@@ -194,6 +194,7 @@ def _load_model(config: EvalConfig, job: Job, initial_peers, dht_prefix) -> tupl
         config.backend, job.model_dir, checkpoint=job.checkpoint, head=job.head, tuning_mode=config.tuning_mode,
         pre_seq_len=config.pre_seq_len, num_labels=config.num_labels, initial_peers=initial_peers,
         dht_prefix=dht_prefix, swarm_timeout=config.swarm_timeout, device=config.device,
+        label_words=job.settings.label_words, tokenizer=tokenizer,
     )
     return tokenizer, model
 
@@ -261,6 +262,8 @@ def _run_facts(config: EvalConfig, job: Job, initial_peers, dht_prefix, started:
         checkpoint=os.path.abspath(job.checkpoint) if job.checkpoint else None,
         head=os.path.abspath(job.head) if job.head else None,
         demo=job.demo,
+        label_words=list(job.settings.label_words) if job.settings.label_words else None,
+        template=job.settings.template,
         batch_size=config.batch_size,
         max_length=config.max_length,
         max_batch_tokens=config.max_batch_tokens,

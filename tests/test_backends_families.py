@@ -29,6 +29,11 @@ def test_entry_names_real_classes_and_attributes(name):
     frozen = {k[len(family.checkpoint_prefix):].split(".")[0] for k in keys if k.startswith(family.checkpoint_prefix)}
     assert frozen == set(family.frozen)
     assert family.get(model, family.backbone) is model.base_model
+    # the causal LM (zero-shot): the same paths, and its LM head over the vocabulary
+    lm = getattr(transformers, family.local_lm_class)(config)
+    assert len(family.get(lm, family.blocks)) == 2 and family.get(lm, family.backbone) is lm.base_model
+    assert isinstance(family.get(lm, family.embeddings), torch.nn.Embedding)
+    assert family.get(lm, family.lm_head).weight.shape == (16, 8)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -39,6 +44,8 @@ def test_petals_class_exists_with_the_table_paths(name):
     family = FAMILIES[name]
     cls = getattr(petals, family.petals_class)
     assert cls.config_class.block_prefix == family.server_blocks
+    lm_class = getattr(petals, family.petals_lm_class)  # zero-shot: the same config (blocks), an LM head
+    assert lm_class.config_class is cls.config_class and lm_class.__name__.endswith("ForCausalLM")
 
 
 def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():

@@ -212,3 +212,31 @@ def test_forked_helpers_get_the_default_sigterm_back():
         assert signal.getsignal(signal.SIGTERM) == cli._raise_interrupt  # the parent keeps its handler
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_label_words_n2_equals_n1(tiny_model, data_csv, tmp_path):
+    """Zero-shot (--label-words, --template, no checkpoint) under torchrun: N=2 equals N=1
+    (predictions, logits, metrics), the words given as a file on one run; accuracy is
+    scikit-learn's on the predictions; metrics.json records the words and the template."""
+    from sklearn.metrics import accuracy_score
+
+    (tmp_path / "words.txt").write_text("w1\nw2 w5\nw3\n")
+    template = "w40 {text} w41"
+    outs = {}
+    for nproc, words in ((1, ["w1", "w2 w5", "w3"]), (2, ["@" + str(tmp_path / "words.txt")])):
+        out = tmp_path / f"n{nproc}"
+        proc = run_cli(["--model", tiny_model, "--data-files", data_csv, "--backend", "local", "--label-words",
+                        *words, "--template", template, "--output-dir", str(out), "--batch-size", "4",
+                        "--save-logits"], nproc=nproc)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "warning" not in proc.stderr, proc.stderr[-3000:]
+        outs[nproc] = (read_jsonl(out / "predictions.jsonl"), json.load(open(out / "metrics.json")))
+    (rows, metrics), (rows2, metrics2) = outs[1], outs[2]
+    assert rows2 == rows and [r["index"] for r in rows] == list(range(23))
+    assert {k: v for k, v in metrics2.items() if k != "run"} == {k: v for k, v in metrics.items() if k != "run"}
+    preds = [max(range(3), key=lambda k: r["logits"][k]) for r in rows]
+    assert [r["pred"] for r in rows] == preds
+    assert metrics["accuracy"] == pytest.approx(accuracy_score([r["label"] for r in rows], preds), abs=1e-12)
+    for m in (metrics, metrics2):
+        assert m["run"]["label_words"] == ["w1", "w2 w5", "w3"] and m["run"]["template"] == template
+        assert m["run"]["checkpoint"] is None

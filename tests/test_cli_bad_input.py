@@ -71,6 +71,18 @@ CASES = {
     "empty_split_csv": ("text,label\n", [], r"--data-files .*data\.csv: no rows"),
     "empty_data_file": ("", [], r"--data-files .*data\.csv: no rows"),
     "model_without_tokenizer": (None, ["MODEL_WITHOUT_TOKENIZER"], r"--model .*: no usable tokenizer in the folder"),
+    # zero-shot: fewer label words than the data's classes; a template without {text}
+    "too_few_label_words": (
+        None,
+        ["--label-words", "w1", "w2"],
+        r"--label-words w1 w2: 2 words given, one per class \(ids 0..1\), but the data does not fit them: "
+        r"row 2 has label 2 \(column 'label'\)\. Give one word per class",
+    ),
+    "template_without_text": (
+        None,
+        ["--label-words", "w1", "w2", "w3", "--template", "Review: {txt}"],
+        r"--template Review: \{txt\}: expected a text with the placeholder \{text\} once",
+    ),
 }
 
 

@@ -107,6 +107,21 @@ def load_checkpoint(path: str, family: Optional[Family] = None, head: Optional[s
     return _to_state(tensors, f"{path} + {head}")
 
 
+def load_prompts(path: str, family: Optional[Family], num_labels: int) -> tuple:
+    """(the prompts of ``path`` as the state of a ``num_labels``-class zero-shot model, whether
+    the file also held a classifier head, which is not used). Refuses a file without prompts.
+    """
+    tensors = _read(path, family, "checkpoint")
+    had_head = tensors.pop(HEAD, None) is not None
+    if PROMPT not in tensors:
+        raise UsageError(
+            "it holds no prompt embeddings (only a classifier head), and label words use none of the rest: the "
+            "language model's head scores them. Drop --checkpoint, or pass a ptune/deep_ptune checkpoint.",
+            param="checkpoint", value=path,
+        )
+    return _to_state(tensors, path, num_labels), had_head
+
+
 def _short(keys: Iterable[str], limit: int = 6) -> str:
     keys = sorted(keys)
     shown = ", ".join(keys[:limit])
@@ -239,8 +254,9 @@ def _trainable(raw, family: Optional[Family], path: str, param: str = "checkpoin
     return tensors
 
 
-def _to_state(tensors: Dict[str, torch.Tensor], source: str) -> TrainableState:
-    if HEAD not in tensors:
+def _to_state(tensors: Dict[str, torch.Tensor], source: str, num_labels: Optional[int] = None) -> TrainableState:
+    """The state of ``tensors``; ``num_labels`` given: a model without a classifier head (zero-shot)."""
+    if HEAD not in tensors and num_labels is None:
         raise UsageError(
             "no classifier head (score.weight) in it. Pass a checkpoint with the head, or give the head "
             "with --head FILE|MODEL_DIR (petals issue #268's prompt export has none).",
@@ -260,7 +276,7 @@ def _to_state(tensors: Dict[str, torch.Tensor], source: str) -> TrainableState:
             "they are trained together.", param="checkpoint", value=source,
         )
     clean = {k: v.detach().to(torch.float32).cpu().contiguous() for k, v in tensors.items()}
-    return TrainableState(mode, pre_seq_len, int(clean[HEAD].shape[0]), clean)
+    return TrainableState(mode, pre_seq_len, int(clean[HEAD].shape[0]) if num_labels is None else num_labels, clean)
 
 
 def model_dir_trainable_state(model_dir: str, family: Optional[Family] = None) -> Optional[TrainableState]:

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence, Union
 
 from torch import nn
 
-from dist_eval.backends.checkpoint import TrainableState, load_checkpoint, model_dir_trainable_state
+from dist_eval import ranks
+from dist_eval.backends.checkpoint import TrainableState, load_checkpoint, load_prompts, model_dir_trainable_state
 from dist_eval.backends.families import Family, family_of
-from dist_eval.config import DEFAULT_SWARM_TIMEOUT
-from dist_eval.errors import UsageError, param_name
+from dist_eval.backends.zeroshot import LabelWords, check_lm_head, label_word_tokens
+from dist_eval.config import DEFAULT_SWARM_TIMEOUT, read_label_words
+from dist_eval.errors import UsageError, param_name, warn
 
 
 @dataclass
@@ -31,6 +33,8 @@ class LoadedModel:
     id2label: Optional[dict] = None
     prompt_tokens: int = 0  # prompt vectors prepended to every row (servers compute them too)
     tuning_mode: Optional[str] = None
+    label_words: Optional[tuple] = None  # zero-shot: the words scored for the classes (else a classifier head)
+    appended_tokens: int = 0  # zero-shot: the most label-word tokens a forward appends to a row
 
     def check_structure(self, state: TrainableState, checkpoint: Optional[str]) -> None:
         """``state`` (another checkpoint's) fits this loaded model: same tuning mode, prompt
@@ -63,10 +67,11 @@ class LoadedModel:
             close()
 
 
-def _load_local(model_dir: str, state: TrainableState, family: Family, device: str = "cpu", **_) -> nn.Module:
+def _load_local(model_dir: str, state: TrainableState, family: Family, device: str = "cpu", label_words=None,
+                **_) -> nn.Module:
     from dist_eval.backends.local import load_local
 
-    return load_local(model_dir, state, family, device)
+    return load_local(model_dir, state, family, device, label_words)
 
 
 def _load_petals(model_dir: str, state: TrainableState, family: Family, device: str = "cpu", **swarm) -> nn.Module:
@@ -75,7 +80,8 @@ def _load_petals(model_dir: str, state: TrainableState, family: Family, device: 
     return load_petals(model_dir, state, family, **swarm)
 
 
-# backend name -> fn(model_dir, state, family, initial_peers=, dht_prefix=, client_options=, swarm_timeout=, device=)
+# backend name -> fn(model_dir, state, family, initial_peers=, dht_prefix=, client_options=, swarm_timeout=, device=,
+#                    label_words=)
 BACKENDS: Dict[str, Callable[..., nn.Module]] = {"petals": _load_petals, "local": _load_local}
 
 
@@ -93,12 +99,20 @@ def load_model(
     petals_client_options: Optional[dict] = None,
     swarm_timeout: float = DEFAULT_SWARM_TIMEOUT,
     device: str = "cpu",
+    label_words: Union[Sequence[str], str, None] = None,
+    tokenizer=None,
 ) -> LoadedModel:
     """Load the classifier for ``backend`` ('petals' or 'local') with the trained prompts/head.
 
     ``device`` (local backend): cpu, cuda (this rank on cuda:LOCAL_RANK % device_count) or cuda:K.
     ``head``: the classifier head of a ``checkpoint`` that holds only prompts (petals issue
     #268's export): a file with ``score.weight``, or a model folder holding a trained one.
+
+    ``label_words`` (zero-shot; one word per class in class-id order, or ``"@FILE"`` with one
+    per line): the model folder's causal LM scores each class by the log-probability of its
+    word after the text (:mod:`dist_eval.backends.zeroshot`; ``tokenizer``, by default the
+    folder's, gives the words' tokens). No head is needed; a ``checkpoint``'s prompts are used,
+    a head in it is not (one line says so).
     """
     if backend not in BACKENDS:
         raise UsageError(f"expected one of {', '.join(repr(b) for b in BACKENDS)}.", param="backend", value=backend)
@@ -111,7 +125,8 @@ def load_model(
         device = this_rank_device(device, int(os.environ.get("LOCAL_RANK", "0")))
     config = _read_config(model_dir)
     family = family_of(config, model_dir)
-    state = _resolve_trainable(model_dir, (checkpoint, head), tuning_mode, pre_seq_len, num_labels, family)
+    words = read_label_words(label_words)
+    state = _resolve_trainable(model_dir, (checkpoint, head), (tuning_mode, pre_seq_len), num_labels, family, words)
     _check_shapes(state, config, checkpoint, model_dir)
     if config.pad_token_id is None:
         raise UsageError(
@@ -119,25 +134,44 @@ def load_model(
             "each sequence's last token. Set pad_token_id in config.json.",
             param="model_dir", value=model_dir,
         )
+    scored = _label_words(model_dir, config, family, words, tokenizer) if words else None
     module = BACKENDS[backend](
         model_dir, state, family, initial_peers=initial_peers, dht_prefix=dht_prefix,
         client_options=petals_client_options or {}, swarm_timeout=swarm_timeout, device=device,
+        label_words=scored,
     )
     module.eval()
     return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend,
-                       class_names(config, state.num_labels), state.pre_seq_len, state.tuning_mode)
+                       class_names(config, state.num_labels), state.pre_seq_len, state.tuning_mode,
+                       label_words=words, appended_tokens=scored.appended_tokens if scored else 0)
+
+
+def _label_words(model_dir: str, config, family: Family, words: tuple, tokenizer) -> LabelWords:
+    """The label words' tokens, once the folder is known to hold an LM head."""
+    check_lm_head(model_dir, config, family)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except Exception as e:
+            raise UsageError(f"no usable tokenizer in the folder ({type(e).__name__}) to read the label words' "
+                             "tokens. Save the tokenizer there, or pass tokenizer=...", param="model_dir",
+                             value=model_dir) from e
+    return label_word_tokens(tokenizer, words, int(config.pad_token_id))
 
 
 def read_trainable(
     model_dir: str, checkpoint: Optional[str] = None, head: Optional[str] = None, tuning_mode: Optional[str] = None,
-    pre_seq_len: int = 0, num_labels: Optional[int] = None,
+    pre_seq_len: int = 0, num_labels: Optional[int] = None, label_words: Union[Sequence[str], str, None] = None,
 ) -> TrainableState:
     """The prompts + head :func:`load_model` would load for these arguments, checked the same
     way, without loading the model (for :meth:`LoadedModel.load_trainable`).
     """
     config = _read_config(model_dir)
     family = family_of(config, model_dir)
-    state = _resolve_trainable(model_dir, (checkpoint, head), tuning_mode, pre_seq_len, num_labels, family)
+    state = _resolve_trainable(model_dir, (checkpoint, head), (tuning_mode, pre_seq_len), num_labels, family,
+                               read_label_words(label_words))
     _check_shapes(state, config, checkpoint, model_dir)
     return state
 
@@ -170,13 +204,17 @@ def class_names(config, num_labels: int) -> Optional[dict]:
     return id2label
 
 
-def _resolve_trainable(model_dir: str, files, tuning_mode, pre_seq_len, num_labels, family) -> TrainableState:
-    """The prompts + head every rank will use (``files``: checkpoint, head); refuses anything random."""
+def _resolve_trainable(model_dir: str, files, tuning, num_labels, family, label_words=None) -> TrainableState:
+    """The prompts + head every rank will use (``files``: checkpoint, head; ``tuning``: mode,
+    prompt count); refuses anything random. With ``label_words``: the prompts only.
+    """
     checkpoint, head = files
-    if head and not checkpoint:
+    if label_words is not None:
+        state = _zero_shot_state(checkpoint, head, family, label_words, num_labels)
+    elif head and not checkpoint:
         raise UsageError("needs --checkpoint: it gives the head of a checkpoint that holds only prompts.",
                          param="head", value=head)
-    if checkpoint:
+    elif checkpoint:
         state = load_checkpoint(checkpoint, family, head)
     else:
         state = model_dir_trainable_state(model_dir, family)
@@ -184,10 +222,42 @@ def _resolve_trainable(model_dir: str, files, tuning_mode, pre_seq_len, num_labe
             raise UsageError(
                 f"the model folder has no classifier head ('{family.head}.weight') and no "
                 "--checkpoint was given; its head would be initialised at random, differently on each "
-                "rank. Pass --checkpoint FILE with the trained prompts and head.",
+                "rank. Pass --checkpoint FILE with the trained prompts and head, or score the classes "
+                "zero-shot with --label-words.",
                 param="model_dir",
                 value=model_dir,
             )
+    _check_tuning(state, *tuning)
+    if num_labels is not None and num_labels != state.num_labels:
+        raise UsageError(
+            f"the classifier head has {state.num_labels} outputs. "
+            f"Pass {param_name('num_labels', state.num_labels)} or the checkpoint trained for {num_labels} labels.",
+            param="num_labels",
+            value=num_labels,
+        )
+    return state
+
+
+def _zero_shot_state(checkpoint, head, family: Family, label_words: tuple, num_labels) -> TrainableState:
+    """The prompts of ``checkpoint`` (or none) for a model scoring ``label_words``."""
+    if head:
+        raise UsageError("not used with label words: the language model's head scores them. Drop it.",
+                         param="head", value=head)
+    if num_labels is not None and num_labels != len(label_words):
+        raise UsageError(f"{len(label_words)} words given, one per class, but num_labels is {num_labels}. "
+                         f"Give {num_labels} words (in class-id order).", param="label_words",
+                         value=list(label_words))
+    if not checkpoint:
+        return TrainableState(None, 0, len(label_words), {})
+    state, had_head = load_prompts(checkpoint, family, len(label_words))
+    if had_head and ranks.get_rank() == 0:
+        warn(f"{param_name('checkpoint', checkpoint)}: its classifier head is not used (the language model's head "
+             "scores the label words); its prompts are.")
+    return state
+
+
+def _check_tuning(state: TrainableState, tuning_mode, pre_seq_len) -> None:
+    """The tuning mode and prompt count asked for are the checkpoint's (None: read from it)."""
     if tuning_mode is None:
         tuning_mode = state.tuning_mode
         pre_seq_len = pre_seq_len or state.pre_seq_len
@@ -205,18 +275,10 @@ def _resolve_trainable(model_dir: str, files, tuning_mode, pre_seq_len, num_labe
             param="pre_seq_len",
             value=pre_seq_len,
         )
-    if num_labels is not None and num_labels != state.num_labels:
-        raise UsageError(
-            f"the classifier head has {state.num_labels} outputs. "
-            f"Pass {param_name('num_labels', state.num_labels)} or the checkpoint trained for {num_labels} labels.",
-            param="num_labels",
-            value=num_labels,
-        )
-    return state
 
 
 def _check_shapes(state: TrainableState, config, checkpoint: Optional[str], model_dir: str) -> None:
-    expected = {"score.weight": (state.num_labels, config.hidden_size)}
+    expected = {"score.weight": (state.num_labels, config.hidden_size)} if "score.weight" in state.tensors else {}
     if state.tuning_mode:
         expected["prompt_embeddings.weight"] = (state.pre_seq_len, config.hidden_size)
     if state.tuning_mode == "deep_ptune":

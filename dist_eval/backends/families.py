@@ -5,13 +5,18 @@ in dist_eval reaches a model's parts through a :class:`Family`: its classes by n
 parts by attribute path from the sequence classifier (``get(classifier, family.blocks)``).
 
 Paths are from the ``*ForSequenceClassification`` object, the same in transformers'
-class (the local backend) and in petals' ``Distributed*`` class (the petals backend):
+class (the local backend) and in petals' ``Distributed*`` class (the petals backend). The
+``*ForCausalLM`` classes (zero-shot scoring with label words, :mod:`dist_eval.backends.zeroshot`)
+have the same backbone, embeddings and blocks paths, and the language-model head at ``lm_head``:
 
 ================  ============================  ================================
 field             llama                         bloom / falcon
 ================  ============================  ================================
 petals_class      DistributedLlamaFor...        DistributedBloomFor... / DistributedFalconFor...
 local_class       LlamaForSequenceClassification BloomFor... / FalconForSequenceClassification
+petals_lm_class   DistributedLlamaForCausalLM   DistributedBloomForCausalLM / DistributedFalconForCausalLM
+local_lm_class    LlamaForCausalLM              BloomForCausalLM / FalconForCausalLM
+lm_head           lm_head                       lm_head (tied to the embeddings by default)
 backbone          model                         transformer
 embeddings        model.embed_tokens            transformer.word_embeddings
 blocks            model.layers                  transformer.h
@@ -61,6 +66,8 @@ class Family:
     model_type: str  # config.json "model_type"
     petals_class: str  # class in the ``petals`` package: blocks on the swarm, the rest here
     local_class: str  # class in ``transformers``: the whole model in-process
+    petals_lm_class: str  # petals' causal-LM class (zero-shot): blocks on the swarm, LM head here
+    local_lm_class: str  # transformers' causal-LM class (zero-shot), in-process
     backbone: str  # the base model; called with ``inputs_embeds`` it returns the final (normed) hidden states
     embeddings: str  # the token embeddings (nn.Embedding)
     blocks: str  # the stack of transformer blocks (petals: the RemoteSequential over the swarm)
@@ -73,6 +80,7 @@ class Family:
     # a regex matching key names (with or without the prefix) that only this family's models have
     key_signature: str = ""
     head: str = "score"  # the classifier head (nn.Linear, no bias)
+    lm_head: str = "lm_head"  # the causal LM's head (vocabulary logits), from the *ForCausalLM object
     # config settings a small model of this family needs to be one petals serves (the demo's)
     small_config: tuple = ()
     # settings of config.json petals 2.2.0 cannot serve: ((attribute, value), ...), why
@@ -120,6 +128,8 @@ FAMILIES: Dict[str, Family] = {
         model_type="llama",
         petals_class="DistributedLlamaForSequenceClassification",
         local_class="LlamaForSequenceClassification",
+        petals_lm_class="DistributedLlamaForCausalLM",
+        local_lm_class="LlamaForCausalLM",
         backbone="model",
         embeddings="model.embed_tokens",
         blocks="model.layers",
@@ -135,6 +145,8 @@ FAMILIES: Dict[str, Family] = {
         model_type="bloom",
         petals_class="DistributedBloomForSequenceClassification",
         local_class="BloomForSequenceClassification",
+        petals_lm_class="DistributedBloomForCausalLM",
+        local_lm_class="BloomForCausalLM",
         backbone="transformer",
         embeddings="transformer.word_embeddings",
         blocks="transformer.h",
@@ -150,6 +162,8 @@ FAMILIES: Dict[str, Family] = {
         model_type="falcon",
         petals_class="DistributedFalconForSequenceClassification",
         local_class="FalconForSequenceClassification",
+        petals_lm_class="DistributedFalconForCausalLM",
+        local_lm_class="FalconForCausalLM",
         backbone="transformer",
         embeddings="transformer.word_embeddings",
         blocks="transformer.h",

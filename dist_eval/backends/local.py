@@ -13,6 +13,7 @@ from torch import nn
 
 from dist_eval.backends.checkpoint import TrainableState
 from dist_eval.backends.families import Family, family_of
+from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer
 
 
 class PromptTunedClassifier(nn.Module):
@@ -59,7 +60,8 @@ class PromptTunedClassifier(nn.Module):
     def load_trainable(self, state: TrainableState) -> None:
         """The trained head and prompts of ``state`` (its structure is this model's) into the weights."""
         with torch.no_grad():
-            self.family.get(self.hf_model, self.family.head).weight.copy_(state.tensors["score.weight"])
+            if "score.weight" in state.tensors:  # none with label words (a causal LM's head is used)
+                self.family.get(self.hf_model, self.family.head).weight.copy_(state.tensors["score.weight"])
             if self.tuning_mode:
                 self.prompt_embeddings.weight.copy_(state.tensors["prompt_embeddings.weight"])
             if self.tuning_mode == "deep_ptune":
@@ -86,12 +88,20 @@ class PromptTunedClassifier(nn.Module):
         return hook
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        with self._lock:
-            return self._forward(input_ids)
-
-    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        config = self.hf_model.config
         input_ids = input_ids.to(self.prompt_device())
+        hidden = self.hidden_states(input_ids)
+        logits = self.family.get(self.hf_model, self.family.head)(hidden)
+        # the same pooling as transformers' classifier of this family (right padding, no mask)
+        last = self.family.last_token_index(input_ids, self.hf_model.config.pad_token_id)
+        return logits[torch.arange(input_ids.shape[0]), last]
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final (normed) hidden states of the tokens [batch, seq, hidden], prompts removed."""
+        with self._lock:
+            return self._hidden_states(input_ids.to(self.prompt_device()))
+
+    def _hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        config = self.hf_model.config
         batch_size = input_ids.shape[0]
         inputs_embeds = self.family.get(self.hf_model, self.family.embeddings)(input_ids)
         if self.tuning_mode:
@@ -105,16 +115,17 @@ class PromptTunedClassifier(nn.Module):
             hidden = self.family.final_hidden(self.hf_model, inputs_embeds)
         finally:
             self._intermediate.value = None
-        hidden = hidden[:, self.pre_seq_len :]
-        logits = self.family.get(self.hf_model, self.family.head)(hidden)
-        # the same pooling as transformers' classifier of this family (right padding, no mask)
-        last = self.family.last_token_index(input_ids, config.pad_token_id)
-        return logits[torch.arange(batch_size), last]
+        return hidden[:, self.pre_seq_len :]
 
 
-def load_local(model_dir: str, state: TrainableState, family: Family, device: str = "cpu") -> nn.Module:
+def load_local(
+    model_dir: str, state: TrainableState, family: Family, device: str = "cpu",
+    label_words: Optional[LabelWords] = None,
+) -> nn.Module:
     """The model of ``model_dir`` with the trained prompts and head, in this process, on ``device``.
 
+    With ``label_words``: the causal LM (``Family.local_lm_class``) with the trained prompts,
+    scoring the label words (:mod:`dist_eval.backends.zeroshot`); no classifier head.
     A base-model layout that also holds ``score.weight``, which transformers refuses as
     "corrupted", is read from its converted copy (:mod:`dist_eval.backends.petals_folder`).
     """
@@ -127,9 +138,15 @@ def load_local(model_dir: str, state: TrainableState, family: Family, device: st
         model_dir = petals_model_folder(model_dir)
 
     with no_random_init_of_meta_tensors():
-        hf_model = getattr(transformers, family.local_class).from_pretrained(
-            model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False
-        )
+        if label_words is not None:
+            hf_model = getattr(transformers, family.local_lm_class).from_pretrained(
+                model_dir, torch_dtype=torch.float32)
+        else:
+            hf_model = getattr(transformers, family.local_class).from_pretrained(
+                model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False
+            )
     model = PromptTunedClassifier(hf_model, state.tuning_mode, state.pre_seq_len, family)
     model.load_trainable(state)
+    if label_words is not None:
+        model = ZeroShotScorer(model, family.get(hf_model, family.lm_head), label_words)
     return model.to(device)

@@ -17,6 +17,7 @@ from dist_eval.backends.compat import (
 from dist_eval.backends.failover import patch_petals_client_failover, swarm_failure
 from dist_eval.backends.families import Family
 from dist_eval.backends.helpers import HelperWatch
+from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer
 from dist_eval.config import DEFAULT_SWARM_TIMEOUT
 from dist_eval.errors import UsageError, one_line
 
@@ -52,6 +53,12 @@ class PetalsClassifier(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # No attention mask: the petals client rejects any mask that is not all ones.
         return self.inner(input_ids=input_ids).logits
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final (normed) hidden states of the tokens [batch, seq, hidden], prompts removed
+        (petals' backbone prepends and removes them itself).
+        """
+        return self.family.get(self.inner, self.family.backbone)(input_ids=input_ids).last_hidden_state
 
     def load_trainable(self, state: TrainableState) -> None:
         """The trained head and prompts of ``state`` (its structure is this client's) into the
@@ -165,11 +172,13 @@ def wait_for_blocks(manager, timeout: float, dht_prefix: Optional[str]) -> None:
 
 def load_petals(
     model_dir: str, state: TrainableState, family: Family, initial_peers, dht_prefix, client_options: dict,
-    swarm_timeout: float,
+    swarm_timeout: float, label_words: Optional[LabelWords] = None,
 ) -> nn.Module:
     """The model of ``model_dir`` as a client of the swarm at ``initial_peers``, once every
     block is served, with the trained prompts and head. A folder in a layout petals'
     client cannot read is read from its converted copy (:mod:`dist_eval.backends.petals_folder`).
+    With ``label_words``: petals' causal LM (``Family.petals_lm_class``; its LM head here)
+    scoring them (:mod:`dist_eval.backends.zeroshot`).
     """
     import_petals()
     quiet_hivemind_logs()
@@ -182,10 +191,11 @@ def load_petals(
         )
     kwargs = dict(
         initial_peers=list(initial_peers),
-        num_labels=state.num_labels,
         torch_dtype=torch.float32,
         **{**DEFAULT_CLIENT_OPTIONS, **client_options},
     )
+    if label_words is None:
+        kwargs["num_labels"] = state.num_labels
     if dht_prefix:
         kwargs["dht_prefix"] = dht_prefix
     if state.tuning_mode:
@@ -193,8 +203,9 @@ def load_petals(
     from dist_eval.backends.petals_folder import petals_model_folder
 
     try:
+        petals_class = family.petals_class if label_words is None else family.petals_lm_class
         with no_random_init_of_meta_tensors():
-            inner = getattr(petals, family.petals_class).from_pretrained(petals_model_folder(model_dir), **kwargs)
+            inner = getattr(petals, petals_class).from_pretrained(petals_model_folder(model_dir), **kwargs)
     except Exception as e:
         if type(e).__name__ == "P2PDaemonError":  # nobody answered at the initial peers
             raise UsageError(
@@ -210,12 +221,16 @@ def load_petals(
         shutdown_petals_client(manager)
         raise
     _load_trainable(inner, state, family)
-    return PetalsClassifier(inner, family, swarm_timeout)
+    client = PetalsClassifier(inner, family, swarm_timeout)
+    if label_words is None:
+        return client
+    return ZeroShotScorer(client, family.get(inner, family.lm_head), label_words)
 
 
 def _load_trainable(inner, state: TrainableState, family: Family) -> None:
     with torch.no_grad():
-        family.get(inner, family.head).weight.copy_(state.tensors["score.weight"])
+        if "score.weight" in state.tensors:  # none with label words
+            family.get(inner, family.head).weight.copy_(state.tensors["score.weight"])
         if state.tuning_mode:
             family.get(inner, family.prompts).weight.copy_(state.tensors["prompt_embeddings.weight"])
         if state.tuning_mode == "deep_ptune":

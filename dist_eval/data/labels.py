@@ -17,11 +17,13 @@ class TaskColumns:
     text: str
     label: str
     text_pair: Optional[str] = None
+    template: Optional[str] = None  # the text given to the tokenizer: "{text}" (and "{text_pair}") filled in
 
     @classmethod
     def of(cls, settings) -> TaskColumns:
-        """The columns of a :class:`dist_eval.config.Settings`."""
-        return cls(settings.text_column, settings.label_column, settings.text_pair_column)
+        """The columns of a :class:`dist_eval.config.Settings` (and its template)."""
+        return cls(settings.text_column, settings.label_column, settings.text_pair_column,
+                   getattr(settings, "template", None))
 
     def named(self):
         """(parameter, column name) of each column given."""

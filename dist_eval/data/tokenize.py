@@ -1,7 +1,7 @@
 """Token ids of rows (checked, truncated) and right-padded batches."""
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ def tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, ma
                     "Fix the data or pick the text column.",
                     param=param, value=name,
                 )
+    if columns.template is not None:  # one text per row: the template filled in (no tokenizer pair)
+        texts = [apply_template(columns.template, text, pairs[i] if pairs else None) for i, text in enumerate(texts)]
+        pairs = None
     encoded = tokenizer(texts, pairs, truncation=False, add_special_tokens=True)["input_ids"]
     num_truncated = 0
     out = []
@@ -49,6 +52,14 @@ def tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, ma
             )
         out.append(ids)
     return out, num_truncated
+
+
+def apply_template(template: str, text: str, text_pair: Optional[str] = None) -> str:
+    """``template`` with ``{text}`` (and ``{text_pair}``) replaced; other braces are kept as they are."""
+    import re
+
+    # one pass: a placeholder inside a row's own text is never replaced
+    return re.sub(r"\{text(_pair)?\}", lambda m: text_pair if m.group(1) else text, template)
 
 
 def right_pad(sequences: List[List[int]], pad_token_id: int) -> torch.Tensor:

@@ -1,0 +1,168 @@
+"""Zero-shot classification with label words (a verbalizer): the causal LM scores each class.
+
+Class ``k``'s logit is the log-probability, under the model's language-model head, of the
+tokens of label word ``k`` following the row's (templated) text::
+
+    logits[k] = sum_j log p(w_k[j] | text, w_k[:j])
+
+so the classes are compared as lm-evaluation-harness compares multiple-choice answers
+(summed, not length-normalised, log-probabilities). The scorer has the classifier's
+interface (``input_ids -> logits [batch, num_labels]``): batches, shards, the merge,
+metrics and report are those of any classifier.
+
+**The tokens of a label word** are the ones it has after a space in running text, fixed per
+class (not re-tokenized per row): the tokens of ``"a " + word`` after those of ``"a"``, both
+without special tokens. So with a byte-level BPE tokenizer ``great`` is scored as
+``Ġgreat``, with a SentencePiece one as ``▁great``, exactly the tokens that
+follow ``... was`` in ``... was great``. A template should therefore end where the word's
+space begins (``"Review: {text} Sentiment:"``, not ``"... Sentiment: "``). The row's own
+tokens are the tokenizer's for the templated text (special tokens included: e.g. a BOS
+first); the word's tokens are appended after them.
+
+**Cost**: one forward per distinct ``w_k[:-1]`` (the tokens appended to the row before the
+last one scored): a single forward when every label word is one token, the usual
+verbalizer. The LM head is applied only at the positions that predict a label token.
+
+Backends: locally the family's ``*ForCausalLM`` from transformers; on petals its
+``Distributed*ForCausalLM``, whose blocks run on the swarm while the embeddings, prompts,
+final norm and LM head (tied to the embeddings or not) run here. Both hand
+:class:`ZeroShotScorer` the final hidden states, and the scorer's arithmetic is the same
+code on both: in fp32 on CPU the logits are bitwise equal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from dist_eval.errors import UsageError
+
+# the text a label word follows when its tokens are read (see the module docstring)
+ANCHOR = "a"
+
+
+@dataclass(frozen=True)
+class LabelWords:
+    """The label words, their token ids (one tuple per class) and the model's pad token id."""
+
+    words: Tuple[str, ...]
+    token_ids: Tuple[Tuple[int, ...], ...]
+    pad_token_id: int
+
+    @property
+    def appended_tokens(self) -> int:
+        """The most tokens a forward appends to a row (every word's tokens but its last)."""
+        return max(len(ids) for ids in self.token_ids) - 1
+
+
+def _ids(tokenizer, text: str) -> List[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def label_word_tokens(tokenizer, words: Sequence[str], pad_token_id: int) -> LabelWords:
+    """Each word's token ids after a space in running text; refuses a word the tokenizer does
+    not know (its unknown token), one holding the pad token, and two words with the same tokens.
+    """
+    anchor = _ids(tokenizer, ANCHOR)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    token_ids = []
+    for word in words:
+        full = _ids(tokenizer, f"{ANCHOR} {word}")
+        ids = full[len(anchor):] if full[: len(anchor)] == anchor else _ids(tokenizer, " " + word)
+        why = ("has no tokens" if not ids else
+               f"is the unknown token {unk} to the tokenizer" if unk is not None and unk in ids else
+               f"holds the pad token {pad_token_id}" if pad_token_id in ids else "")
+        if why:
+            raise UsageError(f"the word {word!r} {why}; pick a word in the model's vocabulary.",
+                             param="label_words", value=list(words))
+        token_ids.append(tuple(ids))
+    for k, ids in enumerate(token_ids):
+        same = [j for j in range(k) if token_ids[j] == ids]
+        if same:
+            raise UsageError(
+                f"the words {words[same[0]]!r} and {words[k]!r} have the same tokens {list(ids)}: their classes would "
+                "always score the same. Pick words that differ.", param="label_words", value=list(words),
+            )
+    return LabelWords(tuple(words), tuple(token_ids), int(pad_token_id))
+
+
+def _groups(token_ids: Sequence[Tuple[int, ...]]) -> Dict[Tuple[int, ...], List[int]]:
+    """{tokens appended to the row (a word's tokens but its last): the classes read from that forward}."""
+    groups: Dict[Tuple[int, ...], List[int]] = {}
+    for k, ids in enumerate(token_ids):
+        groups.setdefault(ids[:-1], []).append(k)
+    return groups
+
+
+class ZeroShotScorer(nn.Module):
+    """``input_ids [B, T]`` (right-padded, no pad inside a row) -> ``logits [B, K]``: per class
+    the summed log-probabilities of its label word's tokens after the row (module docstring).
+
+    ``base.hidden_states(input_ids)`` returns the final (normed) hidden states of the tokens
+    ``[B, T, H]`` (prompt vectors already removed); ``lm_head.weight`` is the LM head ``[V, H]``.
+    ``close``/``provenance`` of ``base`` (a petals client's) and its ``load_trainable`` (another
+    checkpoint's prompts) are this module's too.
+    """
+
+    def __init__(self, base: nn.Module, lm_head: nn.Module, label_words: LabelWords):
+        super().__init__()
+        self.base = base
+        self.lm_head = lm_head
+        self.label_words = label_words
+        self._groups = _groups(label_words.token_ids)
+        for name in ("close", "provenance", "load_trainable"):
+            if hasattr(base, name):
+                setattr(self, name, getattr(base, name))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        input_ids = input_ids.cpu()
+        batch = input_ids.shape[0]
+        lengths = torch.ne(input_ids, self.label_words.pad_token_id).sum(-1)
+        scores = torch.empty(batch, len(self.label_words.token_ids), dtype=torch.float32)
+        for appended, classes in self._groups.items():
+            ids = self._with_appended(input_ids, lengths, appended)
+            hidden = self.base.hidden_states(ids)
+            # positions L-1 .. L-1+len(appended) predict the label word's tokens
+            positions = (lengths - 1).unsqueeze(1) + torch.arange(len(appended) + 1)
+            rows = torch.arange(batch).unsqueeze(1)
+            picked = hidden[rows.to(hidden.device), positions.to(hidden.device)]  # [B, n, H]
+            weight = self.lm_head.weight
+            log_probs = torch.nn.functional.linear(picked.to(weight.dtype), weight).float().log_softmax(-1).cpu()
+            steps = torch.arange(len(appended) + 1)
+            for k in classes:
+                tokens = torch.tensor(self.label_words.token_ids[k])
+                scores[:, k] = log_probs[:, steps, tokens].sum(-1)
+        return scores
+
+    def _with_appended(self, input_ids: torch.Tensor, lengths: torch.Tensor, appended: tuple) -> torch.Tensor:
+        """Each row with ``appended`` written right after its last token (pads after)."""
+        if not appended:
+            return input_ids
+        extra = len(appended)
+        ids = torch.full((input_ids.shape[0], input_ids.shape[1] + extra), self.label_words.pad_token_id,
+                         dtype=input_ids.dtype)
+        ids[:, : input_ids.shape[1]] = input_ids
+        positions = lengths.unsqueeze(1) + torch.arange(extra)
+        ids.scatter_(1, positions, torch.tensor(appended, dtype=ids.dtype).expand(ids.shape[0], -1))
+        return ids
+
+
+def check_lm_head(model_dir: str, config, family) -> None:
+    """The folder holds the LM head's weights, or the config ties them to the embeddings;
+    else transformers and petals would both draw it at random.
+    """
+    from dist_eval.backends.petals_folder import weight_map
+
+    if getattr(config, "tie_word_embeddings", True):
+        return
+    if any(key.split(".")[-2:-1] == [family.lm_head] or key.startswith(family.lm_head + ".")
+           for key in weight_map(model_dir)):
+        return
+    raise UsageError(
+        f"the folder holds no language-model head ('{family.lm_head}.weight') and config.json does not tie it to "
+        "the embeddings, so label words cannot be scored (the head would be random). Pass the folder of the "
+        "causal LM (a *ForCausalLM save), not of a classifier or a base model.",
+        param="model_dir", value=model_dir,
+    )

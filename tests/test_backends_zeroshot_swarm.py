@@ -1,0 +1,58 @@
+"""Zero-shot label words on a real private Petals swarm (server processes on 127.0.0.1):
+petals' causal-LM client (blocks on the swarm, LM head here) gives the local backend's
+logits bit for bit in fp32, without prompts and with a ptune checkpoint's, for Llama (untied
+LM head) and BLOOM (tied to the embeddings). One swarm per family. Marked `swarm`."""
+import os
+from unittest import mock
+
+import pytest
+import torch
+from conftest import build_checkpoint, build_tiny_model
+from test_backends_zeroshot import TEXTS, WORDS, padded
+
+from dist_eval.backends import load_model
+
+pytestmark = pytest.mark.swarm
+
+
+@pytest.fixture(scope="module", params=["llama", "bloom"])
+def family_swarm(request, tmp_path_factory):
+    from dist_eval.swarm import LocalSwarm
+
+    root = tmp_path_factory.mktemp(f"zeroshot-{request.param}")
+    model = build_tiny_model(str(root / f"lm-{request.param}"), family=request.param)
+    with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": str(root / "cache")}):
+        swarm = LocalSwarm(model, num_servers=2)
+        try:
+            # one thread on both sides: a CPU matmul's last bits depend on the thread count
+            with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
+                swarm.start()
+            yield model, swarm
+        finally:
+            swarm.stop()
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("tuning_mode", [None, "ptune"])
+def test_petals_equals_local_bitwise(family_swarm, tmp_path, tuning_mode, one_thread):
+    model_dir, swarm = family_swarm
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode=tuning_mode) if tuning_mode else None
+    batch = padded(model_dir, TEXTS)
+    local = load_model("local", model_dir, checkpoint=checkpoint, label_words=WORDS)
+    petals = load_model("petals", model_dir, checkpoint=checkpoint, label_words=WORDS,
+                        initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix)
+    try:
+        with torch.no_grad():
+            expected, got = local.module(batch), petals.module(batch)
+        assert got.dtype == torch.float32 and torch.equal(got, expected)
+        servers = petals.module.provenance()["servers"]  # the scorer hands on the client's provenance
+        assert servers and min(s["blocks"][0] for s in servers) == 0
+    finally:
+        petals.close()
