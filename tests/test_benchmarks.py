@@ -1,0 +1,70 @@
+"""benchmarks/bench_gpu.py: its data generator, its in-process batch plan (dist_eval's own), and
+its CPU smoke mode end to end."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import bench_gpu  # noqa: E402
+import inprocess_loop  # noqa: E402
+
+
+def test_long_tailed_data_is_deterministic_with_the_issues_spread():
+    texts, labels = bench_gpu.long_tailed_texts(2000, 13)
+    assert (texts, labels) == bench_gpu.long_tailed_texts(2000, 13)
+    assert bench_gpu.long_tailed_texts(2000, 14)[0] != texts
+    words = sorted(len(t.split()) for t in texts)
+    assert statistics.median(words) == 19
+    assert 44 <= words[int(0.9 * (len(words) - 1))] <= 54  # p90 about 49
+    assert words[-1] == 178 and words[0] >= 3
+    assert sorted(set(labels)) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("batch_size,cap", [(64, 1536), (256, 16384), (16, 0)])
+def test_inprocess_plan_is_the_one_dist_eval_runs(tmp_path, batch_size, cap):
+    import datasets
+    from transformers import AutoTokenizer
+
+    from dist_eval.config import Settings
+    from dist_eval.data.shard import dataset_batches
+
+    data = bench_gpu.make_data(str(tmp_path / "data"), 300, 13)
+    bench_gpu.save_tokenizer(str(tmp_path / "model"), data["vocab"])
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
+    dataset = datasets.load_from_disk(str(tmp_path / "data"))
+    ids, plan = inprocess_loop.plan_like_dist_eval(tokenizer, dataset, 8, 0, batch_size, cap)
+
+    settings = Settings(batch_size=batch_size, max_batch_tokens=cap or None)
+    labels = np.array(dataset["label"])
+    batches, _, own = dataset_batches(dataset, tokenizer, labels, settings, pad_token_id=0, prefix_tokens=8)
+    assert [b.tolist() for b in plan] == [own[k].tolist() for k in sorted(own)]
+    for (_, rows, padded, _), planned in zip(batches, plan):
+        assert rows.tolist() == planned.tolist()
+        assert [ids[r] for r in rows.tolist()] == [[t for t in row if t != 0] for row in padded.tolist()]
+    if cap:
+        assert max(len(b) * (max(len(ids[r]) for r in b.tolist()) + 8) for b in plan if len(b) > 1) <= cap
+
+
+@pytest.mark.swarm
+def test_cpu_smoke_run_end_to_end(tmp_path):
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_gpu.py"), "--model-size", "tiny", "--device", "cpu",
+           "--rows", "40", "--ranks", "1", "--servers", "1", "--repeats", "1", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "x seeds" in proc.stdout and "dist_eval N=1, defaults" in proc.stdout
+    report = json.loads(out.read_text())
+    names = [r["name"] for r in report["results"]]
+    assert names == ["seeds' loop, batch 16", "dist_eval N=1, defaults", "in-process, batch 64, cap 1536"]
+    assert all(r["agreement"] == 1.0 for r in report["results"])  # float32: the same predictions
+    assert report["machine"]["cpus"] == os.cpu_count() and report["model"]["dtype"] == "float32"
