@@ -174,17 +174,32 @@ def test_blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tin
     assert not (out / "metrics.json").exists() and not (out / "predictions.jsonl").exists()
 
 
-def _children(pid):
+def _stat(pid):
+    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, ...); [] if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().decode("utf-8", "replace").rpartition(")")[2].split()
+    except (OSError, ValueError):
+        return []
+
+
+def _live_with(field, value):
+    """The live (not zombie) processes whose stat ``field`` (1: ppid, 2: process group) is ``value``."""
     found = []
     for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                rest = f.read().decode("utf-8", "replace").rpartition(")")[2].split()
-        except (OSError, ValueError):
-            continue
-        if entry.isdigit() and len(rest) > 1 and int(rest[1]) == pid and rest[0] != "Z":
+        rest = _stat(entry) if entry.isdigit() else []
+        if len(rest) > field and int(rest[field]) == value and rest[0] != "Z":
             found.append(int(entry))
     return found
+
+
+def _children(pid):
+    return _live_with(1, pid)
+
+
+def _group(pgid):
+    """The live processes of process group ``pgid``."""
+    return _live_with(2, pgid)
 
 
 def _cmdline(pid):
@@ -193,20 +208,6 @@ def _cmdline(pid):
             return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
     except OSError:
         return ""
-
-
-def _group(pgid):
-    """The live processes of process group ``pgid``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                rest = f.read().decode("utf-8", "replace").rpartition(")")[2].split()
-        except (OSError, ValueError):
-            continue
-        if entry.isdigit() and len(rest) > 2 and int(rest[2]) == pgid and rest[0] != "Z":
-            found.append(int(entry))
-    return found
 
 
 def _comm(pid):
@@ -218,11 +219,8 @@ def _comm(pid):
 
 
 def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().decode("utf-8", "replace").rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
+    rest = _stat(pid)
+    return bool(rest) and rest[0] != "Z"
 
 
 def rank_processes(torchrun_pid):
