@@ -101,7 +101,7 @@ def _record_shutdown(config: EvalConfig, metrics: dict, started: float, shutdown
     from dist_eval.output.files import write_metrics
 
     run = metrics["run"]
-    run["phase_seconds"] = {name: round(seconds, 3) for name, seconds in ranks.phase_seconds.items()}
+    run["phase_seconds"] = _phase_seconds()  # the report's phase too, now
     run["phase_seconds"]["shutting down"] = round(time.perf_counter() - shutdown_began, 3)
     run["total_seconds"] = round((run.get("startup_seconds") or 0.0) + time.perf_counter() - started, 3)
     write_metrics(config.output_dir, metrics)
@@ -240,14 +240,20 @@ def _startup_seconds(started: float) -> Optional[float]:
     return None if alive is None else round(max(0.0, alive - (time.perf_counter() - started)), 3)
 
 
+def _phase_seconds() -> dict:
+    """{phase: seconds} of this rank's phases so far, in order."""
+    return {name: round(seconds, 3) for name, seconds in ranks.phase_seconds.items()}
+
+
 def _seconds_alive(pid: int) -> Optional[float]:
     """How long process ``pid`` has been running (from /proc; None where that is unknown)."""
+    from dist_eval.swarm.procs import start_time
+
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            start_ticks = int(f.read().decode().rpartition(")")[2].split()[19])
+        start_ticks = int(start_time(pid))
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError, TypeError):
         return None
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
@@ -274,7 +280,7 @@ def _run_facts(config: EvalConfig, job: Job, initial_peers, dht_prefix, started:
         started_at=started_at,
         wall_seconds=time.perf_counter() - started,
         startup_seconds=_startup_seconds(started),
-        phase_seconds={name: round(seconds, 3) for name, seconds in ranks.phase_seconds.items()},
+        phase_seconds=_phase_seconds(),
         versions=_versions(),
     )
 

@@ -2,7 +2,8 @@
 import subprocess
 import sys
 
-from dist_eval.ranks.siblings import _stat, dead_main_rank
+from dist_eval.ranks.siblings import dead_main_rank
+from dist_eval.swarm.procs import start_time
 
 
 def _process(seconds: float) -> subprocess.Popen:
@@ -10,7 +11,7 @@ def _process(seconds: float) -> subprocess.Popen:
 
 
 def _entry(proc: subprocess.Popen):
-    return proc.pid, _stat(proc.pid)[19]
+    return proc.pid, start_time(proc.pid)
 
 
 def test_the_lowest_surviving_rank_reports_a_dead_rank_0():

@@ -31,6 +31,7 @@ import threading
 import time
 
 from dist_eval.errors import UsageError
+from dist_eval.swarm.procs import child_pids, is_running, start_time
 from dist_eval.swarm.watchdog import Watchdog
 
 _EXIT_WAIT = 2.0  # seconds the helpers get to exit after a normal client shutdown
@@ -38,41 +39,6 @@ _EXIT_WAIT = 2.0  # seconds the helpers get to exit after a normal client shutdo
 
 class HelperDied(UsageError):
     """A helper process of this rank's petals client died; the rank cannot reach the swarm."""
-
-
-def _proc_stat(pid: int) -> list | None:
-    """The fields of /proc/PID/stat after the command name (state, ppid, ...), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().decode("utf-8", "replace").rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
-def _start_time(pid: int) -> str | None:
-    """When the process started (clock ticks since boot): tells a pid reused later apart."""
-    fields = _proc_stat(pid)
-    return fields[19] if fields and len(fields) > 19 else None
-
-
-def is_running(pid: int, start_time: str | None = None) -> bool:
-    """True while ``pid`` exists and is not a zombie (a dead child not reaped yet), and,
-    with ``start_time``, is still the process that started then.
-    """
-    fields = _proc_stat(pid)
-    if not fields or fields[0] == "Z":
-        return False
-    return start_time is None or (len(fields) > 19 and fields[19] == start_time)
-
-
-def child_pids(pid: int) -> list:
-    """The live children of ``pid``, from /proc."""
-    children = []
-    for entry in os.listdir("/proc"):
-        fields = _proc_stat(int(entry)) if entry.isdigit() else None
-        if fields and len(fields) > 1 and int(fields[1]) == pid and fields[0] != "Z":
-            children.append(int(entry))
-    return children
 
 
 def client_helper_pids(dht) -> dict[int, str]:
@@ -103,14 +69,14 @@ class HelperWatch:
         self.manager = manager
         self.poll_seconds = poll_seconds
         self.helpers = client_helper_pids(getattr(manager, "dht", None))  # none: nothing to watch
-        self._start_times = {pid: _start_time(pid) for pid in self.helpers}
+        self._start_times = {pid: start_time(pid) for pid in self.helpers}
         # if this rank is killed outright (SIGKILL, or torchrun's SIGKILL after SIGTERM), no
         # code of it runs: a watchdog process then stops the helpers, which would be orphans.
         # ``watchdog=False``: a client the caller owns (a model object it passed), whose
         # helpers are its own to stop: only watched.
         self._watchdog = Watchdog() if self.helpers and watchdog else None
-        for pid, start_time in self._start_times.items() if self._watchdog else ():
-            self._watchdog.watch_pid(pid, start_time)
+        for pid, started in self._start_times.items() if self._watchdog else ():
+            self._watchdog.watch_pid(pid, started)
         self.died: HelperDied | None = None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dist_eval-helper-watch", daemon=True)

@@ -11,16 +11,10 @@ from __future__ import annotations
 import os
 from typing import Dict, Optional, Tuple
 
+from dist_eval.swarm.procs import is_running, proc_stat
+
 # rank -> (pid, start time in clock ticks since boot: with the pid, one process)
 Siblings = Dict[int, Tuple[int, str]]
-
-
-def _stat(pid: int) -> list:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().decode("utf-8", "replace").rpartition(")")[2].split()
-    except OSError:
-        return []
 
 
 def _rank_of(pid: int) -> Optional[int]:
@@ -42,7 +36,7 @@ def sibling_ranks() -> Siblings:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        rest = _stat(int(entry))
+        rest = proc_stat(int(entry)) or []
         if len(rest) > 19 and int(rest[1]) == agent:
             rank = _rank_of(int(entry))
             if rank is not None:
@@ -50,16 +44,11 @@ def sibling_ranks() -> Siblings:
     return found
 
 
-def _alive(pid: int, start: str) -> bool:
-    rest = _stat(pid)
-    return len(rest) > 19 and rest[0] != "Z" and rest[19] == start
-
-
 def dead_main_rank(siblings: Siblings, my_rank: int) -> Optional[int]:
     """Rank 0's pid if it ran on this node, has died, and this rank is the lowest one of
     the node still alive (so that one rank reports it); else None.
     """
-    if my_rank == 0 or 0 not in siblings or _alive(*siblings[0]):
+    if my_rank == 0 or 0 not in siblings or is_running(*siblings[0]):
         return None
-    lower_alive = [r for r, proc in siblings.items() if 0 < r < my_rank and _alive(*proc)]
+    lower_alive = [r for r, proc in siblings.items() if 0 < r < my_rank and is_running(*proc)]
     return None if lower_alive else siblings[0][0]

@@ -15,6 +15,41 @@ _SIGINT_BIT = 1 << (signal.SIGINT - 1)
 PEERS_FILE_FLAG = "--initial_peers_file"
 
 
+def proc_stat(pid: int) -> list | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().decode("utf-8", "replace").rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def start_time(pid: int) -> str | None:
+    """When the process started (clock ticks since boot): tells a pid reused later apart."""
+    fields = proc_stat(pid)
+    return fields[19] if fields and len(fields) > 19 else None
+
+
+def is_running(pid: int, start_time: str | None = None) -> bool:
+    """True while ``pid`` exists and is not a zombie (a dead child not reaped yet), and,
+    with ``start_time``, is still the process that started then.
+    """
+    fields = proc_stat(pid)
+    if not fields or fields[0] == "Z":
+        return False
+    return start_time is None or (len(fields) > 19 and fields[19] == start_time)
+
+
+def child_pids(pid: int) -> list:
+    """The live children of ``pid``, from /proc."""
+    children = []
+    for entry in os.listdir("/proc"):
+        fields = proc_stat(int(entry)) if entry.isdigit() else None
+        if fields and len(fields) > 1 and int(fields[1]) == pid and fields[0] != "Z":
+            children.append(int(entry))
+    return children
+
+
 def _process_groups(pgids: Set[int]) -> Dict[int, List[Tuple[int, str]]]:
     """{pgid: [(pid, state), ...]} for every live process whose group is in ``pgids``."""
     found: Dict[int, List[Tuple[int, str]]] = {}
