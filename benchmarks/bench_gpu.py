@@ -2,11 +2,12 @@
 model in-process, side by side, in one run (issue 13).
 
     python benchmarks/bench_gpu.py [--model-size tinyllama|tiny] [--device auto|cuda|cpu] [--rows 2000]
-        [--servers 2] [--ranks 1,2,4,8] [--repeats 3] [--server-args="--max_batch_size 16384"] [--out FILE]
+        [--servers K] [--ranks 1,2,4,8,16] [--repeats 3] [--server-args="--max_batch_size 16384"] [--out FILE]
 
-What runs, all against ONE local swarm (``LocalSwarm``, ``--servers`` petals server
-processes on 127.0.0.1; on a GPU ``--device cuda --torch_dtype float16``, plus
-``--server-args``), every configuration a fresh process:
+What runs, all against ONE local swarm (``LocalSwarm`` with dist_eval's own plan for the
+device, :mod:`dist_eval.swarm.devices`: on a GPU, fp16 full replicas, as many per GPU as
+fit, at most 8, ``--max_batch_size 16384``; ``--servers`` and ``--server-args`` override),
+every configuration a fresh process:
 
 1. the seeds' loop (``benchmarks/plain_loop.py``: one process, batch 16, dataset order,
    attention mask dropped), the reference of "x seeds";
@@ -119,10 +120,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the model's dtype (auto: float16 on cuda, float32 on cpu)")
     p.add_argument("--rows", type=int, default=2000)
     p.add_argument("--seed", type=int, default=13, help="seed of the data, the weights and the checkpoint")
-    p.add_argument("--servers", type=int, default=2, help="server processes of the swarm (all on the one device)")
+    p.add_argument("--servers", type=int, default=None,
+                   help="server processes of the swarm (default: LocalSwarm's for the device, as dist_eval starts "
+                   "it: 2 on the CPU; on GPUs full replicas, as many per GPU as fit in half its memory, at most 8)")
     p.add_argument("--server-args", default="", help='more petals server flags, e.g. --server-args="--max_batch_size '
                    '16384" (later flags override LocalSwarm\'s and this benchmark\'s)')
-    p.add_argument("--ranks", type=_int_list, default=[1, 2, 4, 8], help="dist_eval's N, e.g. 1,2,4,8")
+    p.add_argument("--ranks", type=_int_list, default=[1, 2, 4, 8, 16], help="dist_eval's N, e.g. 1,2,4,8,16")
     p.add_argument("--dist-eval-args", default="", help="flags added to every dist_eval configuration (default none)")
     p.add_argument("--seeds-batches", type=_int_list, default=[16],
                    help="batch sizes of the seeds' loop (the first is the reference), e.g. 16,64")
@@ -473,10 +476,6 @@ def machine_info(device: str) -> dict:
 # ------------------------------------------------------------------------------ main
 
 
-def server_args(device: str, dtype: str, extra: str) -> List[str]:
-    return ["--device", device, "--torch_dtype", dtype, *shlex.split(extra)]
-
-
 def run_all(args, device: str, workdir: str) -> dict:
     from dist_eval.swarm import LocalSwarm
 
@@ -485,10 +484,14 @@ def run_all(args, device: str, workdir: str) -> dict:
     say(f"model {assets.model['parameters'] / 1e6:.1f}M parameters ({assets.dtype}), data {assets.data}")
     configs = build_configs(args)
     os.makedirs(os.path.join(workdir, "runs"), exist_ok=True)
-    extra_server_args = server_args(device, assets.dtype, args.server_args)
-    say(f"starting a local swarm of {args.servers} server(s): {shlex.join(extra_server_args)} ...")
-    with LocalSwarm(assets.model_dir, num_servers=args.servers, extra_server_args=extra_server_args,
-                    start_timeout=args.start_timeout) as swarm:  # fmt: skip
+    extra_server_args = shlex.split(args.server_args)
+    # the swarm dist_eval starts itself (LocalSwarm's plan for the device), in the model's dtype
+    swarm = LocalSwarm(assets.model_dir, num_servers=args.servers, device=device, torch_dtype=assets.dtype,
+                       extra_server_args=extra_server_args, start_timeout=args.start_timeout)
+    plan = swarm.server_plan
+    say(f"starting a local swarm of {plan.num_servers} server(s), {plan.describe()} "
+        f"{shlex.join(plan.server_args(0)[4:] + extra_server_args)} ...")
+    with swarm:
         say(f"swarm ready in {swarm.start_seconds:.1f} s")
         for repeat in range(args.repeats):
             for config in configs:
@@ -502,8 +505,9 @@ def run_all(args, device: str, workdir: str) -> dict:
                 config.runs.append(result)
                 say(f"  [{repeat + 1}/{args.repeats}] {config.name}: {result['samples_per_second']:.1f} samples/s "
                     f"(loop {result['eval_loop_seconds']:.2f} s, wall {result['wall_seconds']:.1f} s)")
-        swarm_facts = {"servers": args.servers, "server_args": extra_server_args, "start_seconds": swarm.start_seconds,
-                       "placement": swarm.placement}  # fmt: skip
+        swarm_facts = {"servers": plan.num_servers, "devices": list(plan.devices), "torch_dtype": plan.torch_dtype,
+                       "max_batch_size": plan.max_batch_size, "server_args": extra_server_args,
+                       "start_seconds": swarm.start_seconds, "placement": swarm.placement}  # fmt: skip
     return {"assets": assets, "configs": configs, "swarm": swarm_facts}
 
 

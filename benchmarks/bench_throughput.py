@@ -27,6 +27,7 @@ import os
 import platform
 import random
 import resource
+import shlex
 import socket
 import subprocess
 import sys
@@ -52,6 +53,8 @@ CONFIGS = [
     ("N=2, in-flight 4", 2, ["--in-flight", "4"]),
     ("N=2, batch size 16", 2, ["--batch-size", "16"]),
     ("N=2, batch size 128", 2, ["--batch-size", "128"]),
+    ("N=2, batch 256, cap 4096", 2, ["--batch-size", "256", "--max-batch-tokens", "4096"]),
+    ("N=2, batch 256, cap 8192", 2, ["--batch-size", "256", "--max-batch-tokens", "8192"]),
     ("local backend N=1 (no RPC ceiling)", 1, ["--backend", "local"]),
     ("local backend N=2", 2, ["--backend", "local"]),
 ]
@@ -217,10 +220,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=1000)
     p.add_argument("--servers", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=1, help="runs per configuration; the median is reported")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per configuration, round-robin over the configurations; the median is reported")
     p.add_argument(
         "--only", nargs="*", default=None, help="substrings of configuration names to run (plain loop always runs)"
     )
+    p.add_argument("--server-args", default="", help='petals server flags for the swarm, e.g. '
+                   '--server-args="--max_batch_size 8192" (caps over 2048 are split for servers without it)')
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "throughput.json"))
     args = p.parse_args()
 
@@ -236,14 +242,20 @@ def main() -> int:
         padding = padding_ratios(assets.model_dir, data_dir, assets.pre_seq_len)
         print(f"padded / real tokens: {json.dumps(padding)}", flush=True)
         print(f"starting a local swarm of {args.servers} servers ...", file=sys.stderr, flush=True)
-        with LocalSwarm(assets.model_dir, num_servers=args.servers) as swarm:
-            for name, ranks, extra in configs:
-                runs = []
-                for _ in range(args.repeats):
-                    runs.append(run_config(name, ranks, extra, assets, data_dir, swarm, workdir, env))
-                runs.sort(key=lambda r: r["eval_samples_per_second"])
-                result = runs[len(runs) // 2]
-                print(f"  {name}: {result['eval_samples_per_second']:.0f} samples/s", file=sys.stderr, flush=True)
+        server_args = shlex.split(args.server_args)
+        with LocalSwarm(assets.model_dir, num_servers=args.servers, extra_server_args=server_args) as swarm:
+            # round-robin: every configuration meets the swarm and the machine in each state
+            runs = {name: [] for name, _, _ in configs}
+            for repeat in range(args.repeats):
+                for name, ranks, extra in configs:
+                    run = run_config(name, ranks, extra, assets, data_dir, swarm, workdir, env)
+                    runs[name].append(run)
+                    print(f"  [{repeat + 1}/{args.repeats}] {name}: {run['eval_samples_per_second']:.0f} samples/s",
+                          file=sys.stderr, flush=True)
+            for name, _, _ in configs:
+                ordered = sorted(runs[name], key=lambda r: r["eval_samples_per_second"])
+                result = dict(ordered[len(ordered) // 2])  # the median
+                result["all_eval_samples_per_second"] = [r["eval_samples_per_second"] for r in runs[name]]
                 results.append(result)
     baseline = results[0]
     for r in results:
@@ -273,6 +285,7 @@ def main() -> int:
                 },
                 "rows": args.rows,
                 "servers": args.servers,
+                "server_args": args.server_args,
                 "repeats": args.repeats,
                 "padding": padding,
                 "results": [{k: v for k, v in r.items() if k != "preds"} for r in results],

@@ -14,6 +14,7 @@ it as ``batch_size=0``, the CLI as ``--batch-size 0``.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -21,10 +22,11 @@ from dist_eval.errors import UsageError
 
 # Defaults chosen from benchmarks/RESULTS.md: on a swarm, fewer and bigger forwards win
 # (each one pays a round trip and per-request work on every server), and a token cap
-# keeps a batch of long rows under a Petals server's --max_batch_size (2048 tokens by
-# default, prompt vectors included) while rows of similar length fill it.
+# keeps a batch of long rows within a Petals server's --max_batch_size (2048 tokens by
+# default, prompt vectors included) while rows of similar length fill it. A batch goes
+# to the swarm as one request (backends/requests.py), so the cap is the request size.
 DEFAULT_BATCH_SIZE = 64
-DEFAULT_MAX_BATCH_TOKENS = 1536
+DEFAULT_MAX_BATCH_TOKENS = 2048
 DEFAULT_MAX_LENGTH = 512
 # Batches in flight per rank: 2 overlaps one batch's network wait with the next one's
 # work; more gains little on a small swarm (benchmarks/RESULTS.md).
@@ -155,7 +157,8 @@ def _opt(help: str, **kwargs):
 _PETALS_OR_LOCAL = "petals: blocks run on a swarm; local: the same model in-process (the reference)."
 _MAX_BATCH_TOKENS = (
     "And at most this many padded tokens per forward: rows x (longest row + prompt vectors); 0: no cap. "
-    "Keep it under the servers' --max_batch_size (2048 by default)."
+    "A batch goes to the swarm as one request; a server that accepts fewer tokens (its --max_batch_size, "
+    "2048 by default) has it split."
 )
 _INITIAL_PEERS = (
     "Swarm multiaddrs. Omitted with --backend petals: a local swarm serving --model is started for the run."
@@ -270,7 +273,15 @@ class EvalConfig:
     save_text: bool = _opt("Also write each row's text (and text pair) to predictions.jsonl.", default=False)
     output_dir: str = _opt("Where metrics.json and predictions.jsonl go.", default="dist_eval_output")
     # the swarm and the process group
-    local_servers: int = _opt("Servers of the local swarm started when --initial-peers is omitted.", default=2)
+    local_servers: Optional[int] = _opt(
+        "Servers of the local swarm started when --initial-peers is omitted (default: 2 on the CPU; on GPUs "
+        "full replicas, as many per GPU as fit in half its memory, at most 8).",
+        default=None,
+    )
+    local_device: str = _opt(
+        "Where that local swarm's servers compute: auto (every visible GPU if any, else the CPU), cpu, cuda or cuda:K.",
+        default="auto",
+    )
     swarm_timeout: float = _opt(_SWARM_TIMEOUT, default=DEFAULT_SWARM_TIMEOUT)
     dist_timeout: float = _opt("Seconds a collective may wait for the other ranks before failing.", default=900.0)
     dist_backend: str = _opt(
@@ -330,7 +341,11 @@ class EvalConfig:
             bootstrap_seed=self.bootstrap_seed,
             top_k=self.top_k,
         )
-        check_int("local_servers", self.local_servers, 1)
+        if self.local_servers is not None:
+            check_int("local_servers", self.local_servers, 1)
+        if not isinstance(self.local_device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.local_device):
+            raise UsageError("expected auto, cpu, cuda (every visible GPU) or cuda:K.", param="local_device",
+                             value=self.local_device)
         check_seconds("swarm_timeout", self.swarm_timeout)
         check_seconds("dist_timeout", self.dist_timeout)
         if self.num_labels is not None:

@@ -171,8 +171,11 @@ def _start_swarm(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, sa
             "(launch/start_server.sh on a host, HOST=<its IP>) and pass the INITIAL_PEERS=... they "
             "print with --initial-peers, and their --dht-prefix."
         )
-    say(f"dist_eval: starting a local swarm of {config.local_servers} server(s) for {job.model_dir} ...", flush=True)
-    swarm = LocalSwarm(job.model_dir, num_servers=config.local_servers, dht_prefix=config.dht_prefix)
+    swarm = LocalSwarm(job.model_dir, num_servers=config.local_servers, dht_prefix=config.dht_prefix,
+                       device=config.local_device)
+    plan = swarm.server_plan
+    say(f"dist_eval: starting a local swarm of {plan.num_servers} server(s) ({plan.describe()}) "
+        f"for {job.model_dir} ...", flush=True)
     cleanup.callback(swarm.stop)  # when the run ends, whatever happens (a start under way too)
     return swarm.start_in_background()
 

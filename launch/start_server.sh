@@ -17,7 +17,8 @@
 # HOST            the IPv4 address to listen on and announce, reachable from every client
 #                 (default: this host's first address from `hostname -I`, else 127.0.0.1)
 # PORT            TCP port (default: a free one); fix it to open it in a firewall
-# SERVERS (1), DEVICE (cpu), PYTHON (the repository's .venv, else python3)
+# SERVERS (1), DEVICE (auto: the GPUs if any, in fp16/bf16, else the CPU), PYTHON (the repository's
+#                 .venv, else python3)
 # Further arguments go to `python -m dist_eval.swarm` (its --help lists them).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_python.sh"  # ROOT, PYTHON, PYTHONPATH

@@ -12,20 +12,27 @@ from conftest import build_checkpoint, read_jsonl, run_cli, write_csv
 pytestmark = pytest.mark.swarm
 
 
-@pytest.fixture(scope="module")
-def swarm(tiny_model):
+def one_thread_swarm(model, **kwargs):
+    """A started LocalSwarm whose servers compute with one thread, stopped after the module.
+
+    The local reference runs with one thread (run_cli sets OMP_NUM_THREADS=1); the servers
+    must too: a CPU matmul's summation order, so its last bits, depends on the thread
+    count, and these tests compare logits bit for bit.
+    """
     from dist_eval.swarm import LocalSwarm
 
-    # The local reference runs with one thread (run_cli sets OMP_NUM_THREADS=1); the
-    # servers must too: a CPU matmul's summation order, so its last bits, depends on the
-    # thread count, and this test compares logits bit for bit.
-    swarm = LocalSwarm(tiny_model, num_servers=2, dht_prefix="dist-eval-test")
+    swarm = LocalSwarm(model, **kwargs)
     try:
         with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
             swarm.start()
         yield swarm
     finally:
         swarm.stop()
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model):
+    yield from one_thread_swarm(tiny_model, num_servers=2, dht_prefix="dist-eval-test")
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +88,44 @@ def test_wrong_dht_prefix_names_missing_blocks_in_bounded_time(swarm, tiny_model
     assert len(errors) == 1, proc.stderr[-3000:]
     assert "no server in the swarm holds block(s) [0, 1, 2, 3]" in errors[0] and "--dht-prefix" in errors[0]
     assert time.monotonic() - started < 60
+
+
+@pytest.fixture(scope="module")
+def small_request_swarm(tiny_model):
+    """One server that accepts requests of at most 96 tokens (--max_batch_size 96)."""
+    yield from one_thread_swarm(tiny_model, num_servers=1, dht_prefix="dist-eval-small",
+                                extra_server_args=["--max_batch_size", "96"])
+
+
+def test_a_batch_over_the_servers_max_batch_size_is_split_not_failed(small_request_swarm, tiny_model, tiny_checkpoint,
+                                                                     data_csv, tmp_path):
+    # batches of 8 rows x (8 prompt vectors + up to ~30 tokens) are well over 96 tokens:
+    # the server refuses each such request, each rank learns 96 and resends the batch split
+    outs, stderr = {}, {}
+    for name, extra in (("petals", []), ("local", ["--backend", "local"])):
+        args = petals_args(small_request_swarm, tiny_model, tiny_checkpoint, data_csv, tmp_path / name, *extra)
+        if name == "local":
+            args = args[:args.index("--initial-peers")] + args[args.index("--batch-size"):]
+        proc = run_cli(args, nproc=2 if name == "petals" else 1, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        outs[name], stderr[name] = read_jsonl(tmp_path / name / "predictions.jsonl"), proc.stderr
+    learned = [line for line in stderr["petals"].splitlines() if "sending requests of at most 96 tokens" in line]
+    assert 1 <= len(learned) <= 2, stderr["petals"][-3000:]  # once per rank that met a big batch
+    assert "failed a request" not in stderr["petals"]  # the server was not taken for a failed one
+    assert [r["index"] for r in outs["petals"]] == list(range(41))
+    assert [r["pred"] for r in outs["petals"]] == [r["pred"] for r in outs["local"]]
+    for got, want in zip(outs["petals"], outs["local"]):  # float rounding at most: rows are cut differently
+        assert got["logits"] == pytest.approx(want["logits"], rel=1e-5, abs=1e-6)
+
+
+def test_a_row_longer_than_the_servers_max_batch_size_is_one_clear_error(small_request_swarm, tiny_model,
+                                                                          tiny_checkpoint, tmp_path):
+    data = write_csv(str(tmp_path / "long.csv"), 6, seed=3, max_words=200)
+    proc = run_cli(petals_args(small_request_swarm, tiny_model, tiny_checkpoint, data, tmp_path / "out",
+                               "--swarm-timeout", "20"), nproc=1, timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("dist_eval: error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "96 tokens, its --max_batch_size" in errors[0] and "--max-length" in errors[0], errors[0]
+    assert "Traceback" not in proc.stderr.split("dist_eval: error:")[0]  # none of ours (torchrun prints its own after)

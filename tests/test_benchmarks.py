@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from conftest import REPO
 
+from dist_eval.config import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS
+
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import bench_gpu  # noqa: E402
@@ -29,7 +31,7 @@ def test_long_tailed_data_is_deterministic_with_the_issues_spread():
     assert sorted(set(labels)) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("batch_size,cap", [(64, 1536), (256, 16384), (16, 0)])
+@pytest.mark.parametrize("batch_size,cap", [(64, 2048), (256, 16384), (16, 0)])
 def test_inprocess_plan_is_the_one_dist_eval_runs(tmp_path, batch_size, cap):
     import datasets
     from transformers import AutoTokenizer
@@ -65,6 +67,7 @@ def test_cpu_smoke_run_end_to_end(tmp_path):
     assert "x seeds" in proc.stdout and "dist_eval N=1, defaults" in proc.stdout
     report = json.loads(out.read_text())
     names = [r["name"] for r in report["results"]]
-    assert names == ["seeds' loop, batch 16", "dist_eval N=1, defaults", "in-process, batch 64, cap 1536"]
+    assert names == ["seeds' loop, batch 16", "dist_eval N=1, defaults",
+                     f"in-process, batch {DEFAULT_BATCH_SIZE}, cap {DEFAULT_MAX_BATCH_TOKENS}"]
     assert all(r["agreement"] == 1.0 for r in report["results"])  # float32: the same predictions
     assert report["machine"]["cpus"] == os.cpu_count() and report["model"]["dtype"] == "float32"

@@ -8,6 +8,7 @@
 - :mod:`~dist_eval.backends.petals_folder`: a model folder in the layout petals' server and client read
 - :mod:`~dist_eval.backends.local`: the same model computed in-process (the reference)
 - :mod:`~dist_eval.backends.petals`: blocks on a swarm (petals imported lazily)
+- :mod:`~dist_eval.backends.requests`: a batch goes as one request, split only to what a server accepts
 - :mod:`~dist_eval.backends.failover`: routing around failed servers; naming unserved blocks
 - :mod:`~dist_eval.backends.compat`: the one place petals 2.2 meets hivemind 1.1.12
 """

@@ -6,6 +6,7 @@ import re
 import sys
 import time
 
+from dist_eval.backends.requests import drives, too_large
 from dist_eval.errors import UsageError, one_line, short_error, warn
 
 
@@ -21,6 +22,10 @@ def patch_petals_client_failover() -> None:
     from ``block_infos`` right after the failure, so the next attempt goes elsewhere.
     A block left with no server is handled as petals does (``on_request_failure``
     triggers a refresh that re-adds banned servers rather than none).
+
+    A request over a server's ``--max_batch_size`` is no failure of that server: it ends
+    the forward at once with :class:`~dist_eval.backends.requests.RequestTooLarge` (for
+    clients whose request size dist_eval drives), without a ban or a retry of the same size.
 
     Also records each peer's last request outcome (``state.dist_eval_outcomes``: peer
     -> (monotonic time, ok)) so that, when a batch keeps failing, the blocks whose every
@@ -45,6 +50,9 @@ def patch_petals_client_failover() -> None:
         helper_died = getattr(self, "dist_eval_helper_died", None)
         if helper_died is not None:  # no retry can work: stop this forward now (backends.helpers)
             raise helper_died
+        refused = too_large(sys.exc_info()[1]) if drives(self) else None
+        if refused is not None:  # the server works, the request was too big: resend it split
+            raise refused
         outcomes = getattr(self.state, "dist_eval_outcomes", None) or {}
         if peer_id is not None and outcomes.get(peer_id, (0, True))[1]:
             _warn_server_failed(peer_id, sys.exc_info()[1])  # once per failing streak, not per retry

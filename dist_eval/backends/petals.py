@@ -17,6 +17,7 @@ from dist_eval.backends.compat import (
 from dist_eval.backends.failover import patch_petals_client_failover, swarm_failure
 from dist_eval.backends.families import Family
 from dist_eval.backends.helpers import HelperWatch
+from dist_eval.backends.requests import RequestTooLarge, learn_server_limit, restore_petals_split, send_batches_whole
 from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer
 from dist_eval.config import DEFAULT_SWARM_TIMEOUT
 from dist_eval.errors import UsageError, one_line
@@ -31,6 +32,9 @@ class PetalsClassifier(nn.Module):
     :func:`dist_eval.backends.failover.unserved_blocks`). petals alone would retry without
     a time bound (it counts attempts, and re-adds a dead server's DHT record, which lives
     ~2 minutes).
+
+    Each batch goes to the swarm as one request, cut only to what a server refusing its
+    size accepts (:mod:`dist_eval.backends.requests`).
 
     ``owns_client=False``: ``inner`` is the caller's (a model object passed to
     ``evaluate``); :meth:`close` then leaves its client running and ``inner`` as it was.
@@ -49,6 +53,7 @@ class PetalsClassifier(nn.Module):
         # Instance attribute: nn.Module.__call__ then runs the bounded version.
         blocks.forward = lambda *args, **kwargs: self._bounded_remote(remote_forward, *args, **kwargs)
         self.helper_watch = HelperWatch(self.sequence_manager, watchdog=owns_client).start()
+        send_batches_whole(self.sequence_manager)  # one request per batch (backends.requests)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # No attention mask: the petals client rejects any mask that is not all ones.
@@ -80,6 +85,7 @@ class PetalsClassifier(nn.Module):
         """
         self.helper_watch.stop()  # first: a normal shutdown stops the helpers
         if not self.owns_client:
+            restore_petals_split(self.sequence_manager)
             blocks = self.family.get(self.inner, self.family.blocks)
             if self._own_forward is None:
                 del blocks.forward
@@ -97,6 +103,9 @@ class PetalsClassifier(nn.Module):
                 raise self.helper_watch.died
             try:
                 return remote_forward(*args, **kwargs)
+            except RequestTooLarge as refused:
+                hidden_states = args[0] if args else kwargs["inputs"]  # [rows, tokens, hidden]
+                learn_server_limit(self.sequence_manager, refused, row_tokens=hidden_states.shape[1])
             except Exception as e:  # any swarm failure: retried until the deadline
                 if self.helper_watch.check() is not None:
                     raise self.helper_watch.died from e

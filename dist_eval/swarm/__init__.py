@@ -9,7 +9,8 @@ Library::
 Command line (stays in the foreground; Ctrl-C or SIGTERM stops every process it started)::
 
     python -m dist_eval.swarm MODEL_DIR [--servers K] [--port P] [--dht-prefix NAME] [--start-timeout S]
-        [--host IP] [--initial-peers MADDR ...] [--block-indices A:B] [--device DEV]
+        [--host IP] [--initial-peers MADDR ...] [--block-indices A:B] [--device auto|cpu|cuda|cuda:K]
+        [--torch-dtype float32|float16|bfloat16]
 
 It prints one line ``INITIAL_PEERS=<multiaddr> [<multiaddr> ...]`` on stdout once its
 servers serve their blocks. Several hosts make one swarm: the first starts a new swarm
@@ -22,6 +23,7 @@ petals server spawns about eleven processes (among them the p2pd daemon that hol
 port), and only signalling the whole group stops them all. This package imports nothing
 but the standard library, so the CLI starts at once and never prints petals' noise.
 
+- :mod:`~dist_eval.swarm.devices`: where the servers run (CPU or GPUs), in which dtype, how many
 - :mod:`~dist_eval.swarm.placement`: which blocks each server serves; checks of the arguments
 - :mod:`~dist_eval.swarm.procs`: process groups, sockets and ports, read from /proc
 - :mod:`~dist_eval.swarm.watchdog`: stops the servers if their owner dies

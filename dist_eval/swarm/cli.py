@@ -32,8 +32,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--servers",
         type=int,
-        default=2,
-        help="Number of server processes (default 2; with 2+ every block is on 2 servers).",
+        default=None,
+        help="Number of server processes (default: 2 on the CPU, every block on both; on GPUs, full "
+        "replicas, as many per GPU as fit in half its memory, at most 8).",
     )
     p.add_argument(
         "--port", type=int, default=None, help="First TCP port (servers use PORT, PORT+1, ...; default: free ports)."
@@ -70,7 +71,15 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="A:B",
         help="Serve only blocks A..B-1 (end exclusive; other hosts serve the rest). Default: every block.",
     )
-    p.add_argument("--device", default=None, help="Torch device of the servers (default cpu; e.g. cuda, cuda:1).")
+    p.add_argument(
+        "--device", default="auto",
+        help="Where the servers compute: auto (the default: every visible GPU if any, else the CPU), cpu, "
+        "cuda (every visible GPU) or cuda:K.",
+    )  # fmt: skip
+    p.add_argument(
+        "--torch-dtype", default=None, choices=["float32", "float16", "bfloat16"],
+        help="The servers' dtype (default: float32 on the CPU; on a GPU the model's saved 16-bit dtype, else float16).",
+    )  # fmt: skip
     return p
 
 
@@ -119,7 +128,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.model_dir, num_servers=args.servers, dht_prefix=args.dht_prefix, port=args.port,
             blocks_per_server=args.blocks_per_server, start_timeout=args.start_timeout, log_dir=args.log_dir,
             host=args.host, join_peers=args.initial_peers, block_range=args.block_indices,
-            extra_server_args=["--device", args.device] if args.device else (),
+            device=args.device, torch_dtype=args.torch_dtype,
         )  # fmt: skip
     except SwarmError as e:
         print(f"dist_eval.swarm: error: {e}", file=sys.stderr, flush=True)

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from dist_eval.atomic import atomic_write
 from dist_eval.errors import one_line
+from dist_eval.swarm.devices import check_num_servers, model_weights, plan_servers, visible_gpu_memory
 from dist_eval.swarm.placement import (
     SwarmError,
     _check_block_range,
@@ -150,8 +151,13 @@ class LocalSwarm:
     Without ``join_peers`` the first server starts a new swarm, the others join it
     through its address (all start at once; the others wait for that address after their
     imports, see :mod:`dist_eval.swarm.server`). Servers run
-    ``--device cpu --torch_dtype float32 --quant_type none --throughput 1.0`` (no network
-    speed test); later flags in ``extra_server_args`` override them (e.g. ``["--device", "cuda"]``).
+    ``--quant_type none --throughput 1.0`` (no network speed test) and the device, dtype and
+    request size of their :class:`~dist_eval.swarm.devices.ServerPlan` (``server_plan``):
+    ``device`` ``"cpu"`` (the default: float32, 2 servers), ``"cuda"``, ``"cuda:K"`` or
+    ``"auto"`` (the GPUs if any): on GPUs, fp16/bf16 full replicas, as many per GPU as fit
+    (at most 8), accepting 16384-token requests (see :mod:`dist_eval.swarm.devices`).
+    ``num_servers`` and ``torch_dtype`` override the plan's; later flags in
+    ``extra_server_args`` override any of them.
 
     Processes: every server is its own session/process group, with ``HF_HUB_OFFLINE=1``
     and a private ``TMPDIR``; its output goes to ``<log_dir>/server-<i>.log`` (a temp
@@ -167,7 +173,7 @@ class LocalSwarm:
     def __init__(
         self,
         model_dir: str,
-        num_servers: int = 2,
+        num_servers: Optional[int] = None,
         dht_prefix: Optional[str] = None,
         port: Optional[int] = None,
         blocks_per_server: Optional[int] = None,
@@ -177,11 +183,21 @@ class LocalSwarm:
         host: str = "127.0.0.1",
         join_peers: Sequence[str] = (),
         block_range: Optional[Tuple[int, int]] = None,
+        device: str = "cpu",
+        torch_dtype: Optional[str] = None,
     ):
         if not os.path.isdir(model_dir):
             raise SwarmError(f"{model_dir}: no such folder. Pass a model folder saved with save_pretrained().")
-        if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
-            raise SwarmError(f"num_servers={num_servers!r}: expected a positive number of servers.")
+        check_num_servers(num_servers)
+        self.source_dir = os.path.abspath(model_dir)
+        self.model_dir = _served_folder(self.source_dir)  # the folder itself, or its copy in petals' layout
+        self.num_blocks: int = _read_num_blocks(self.model_dir)
+        self.block_range = _check_block_range(block_range or (0, self.num_blocks), self.num_blocks)
+        first, last = self.block_range
+        self.server_plan = self._plan_servers(device, num_servers, torch_dtype)
+        num_servers = self.server_plan.num_servers
+        if blocks_per_server is None:
+            blocks_per_server = self.server_plan.blocks_per_server
         if port is not None and (not isinstance(port, int) or not 1 <= port <= 65535 - num_servers + 1):
             raise SwarmError(f"port={port!r}: expected a TCP port such that port..port+{num_servers - 1} are valid.")
         if not start_timeout or start_timeout <= 0:
@@ -190,14 +206,9 @@ class LocalSwarm:
             raise SwarmError(
                 f"dht_prefix={dht_prefix!r}: must be non-empty, without '.' or spaces (petals uses them as delimiters)."
             )
-        self.source_dir = os.path.abspath(model_dir)
-        self.model_dir = _served_folder(self.source_dir)  # the folder itself, or its copy in petals' layout
-        self.num_blocks: int = _read_num_blocks(self.model_dir)
         self.num_servers = num_servers
         self.host = _check_host(host)
         self.join_peers: List[str] = _check_peers(join_peers)
-        self.block_range = _check_block_range(block_range or (0, self.num_blocks), self.num_blocks)
-        first, last = self.block_range
         self.placement: List[Tuple[int, int]] = [
             (first + a, first + b) for a, b in plan_blocks(last - first, num_servers, blocks_per_server)
         ]
@@ -219,6 +230,15 @@ class LocalSwarm:
         self._owner_pid = os.getpid()  # a fork()ed child must not stop its parent's swarm
         self._starter: Optional[threading.Thread] = None  # start_in_background()'s thread
         self._start_error: Optional[BaseException] = None
+
+    def _plan_servers(self, device: str, num_servers: Optional[int], torch_dtype: Optional[str]):
+        first, last = self.block_range
+        weight_bytes, saved_dtype = model_weights(self.model_dir)
+        return plan_servers(
+            device, num_servers, torch_dtype, gpu_memory=visible_gpu_memory(device),
+            weight_bytes=weight_bytes * (last - first) // self.num_blocks, saved_dtype=saved_dtype,
+            num_blocks=last - first, cpus=os.cpu_count() or 1,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ public
 
@@ -367,6 +387,8 @@ class LocalSwarm:
             watchdog.watch_path(self._workdir)
         env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", TMPDIR=tmpdir, PYTHONUNBUFFERED="1")
+        if self.server_plan.threads and "OMP_NUM_THREADS" not in env:  # an operator's setting stands
+            env["OMP_NUM_THREADS"] = str(self.server_plan.threads)
         if os.path.basename(_PROJECT_ROOT) not in ("site-packages", "dist-packages"):  # a source checkout
             env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
 
@@ -394,7 +416,7 @@ class LocalSwarm:
         cmd = [
             sys.executable, "-m", "dist_eval.swarm.server", self.model_dir, *peer_args,
             "--dht_prefix", self.dht_prefix,
-            "--device", "cpu", "--torch_dtype", "float32", "--quant_type", "none",
+            *self.server_plan.server_args(s.index), "--quant_type", "none",
             "--throughput", "1.0", "--skip_reachability_check",
             "--host_maddrs", f"/ip4/{self.host}/tcp/{s.port}",  # listened on and announced
             "--block_indices", f"{s.blocks[0]}:{s.blocks[1]}",
