@@ -14,11 +14,11 @@ it as ``batch_size=0``, the CLI as ``--batch-size 0``.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import List, Optional, Sequence, Tuple, Union
 
 from dist_eval.errors import UsageError
+from dist_eval.swarm.devices import DEVICE_REQUEST
 
 # Defaults chosen from benchmarks/RESULTS.md: on a swarm, fewer and bigger forwards win
 # (each one pays a round trip and per-request work on every server), and a token cap
@@ -343,7 +343,7 @@ class EvalConfig:
         )
         if self.local_servers is not None:
             check_int("local_servers", self.local_servers, 1)
-        if not isinstance(self.local_device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.local_device):
+        if not isinstance(self.local_device, str) or not DEVICE_REQUEST.fullmatch(self.local_device):
             raise UsageError("expected auto, cpu, cuda (every visible GPU) or cuda:K.", param="local_device",
                              value=self.local_device)
         check_seconds("swarm_timeout", self.swarm_timeout)

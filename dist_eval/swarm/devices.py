@@ -32,6 +32,8 @@ GPU_SERVERS_MAX = 8  # per GPU; the most measured to pay off
 GPU_WEIGHT_SHARE = 0.5  # of a GPU's memory the servers' weights may take; the rest: activations, caches
 GPU_MAX_BATCH_SIZE = 16384  # tokens per request a GPU server accepts
 DTYPES = ("float32", "float16", "bfloat16")
+# what may be asked for: auto, cpu, cuda (every visible GPU), cuda:K (group 1: K)
+DEVICE_REQUEST = re.compile(r"auto|cpu|cuda(?::(\d+))?")
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -130,8 +132,8 @@ def _gpus_of(device: str, visible: int) -> List[int]:
         if not visible:
             raise SwarmError("device='cuda': no CUDA device is visible here; use device='cpu' (or 'auto').")
         return list(range(visible))
-    match = re.fullmatch(r"cuda:(\d+)", device or "")
-    if not match:
+    match = DEVICE_REQUEST.fullmatch(device) if isinstance(device, str) else None
+    if not match or match.group(1) is None:
         raise SwarmError(f"device={device!r}: expected auto, cpu, cuda (every visible GPU) or cuda:K.")
     if int(match.group(1)) >= visible:
         raise SwarmError(f"device={device!r}: {visible} CUDA device(s) are visible here (cuda:0..).")
