@@ -2,14 +2,35 @@
 same code path as the CLI, seconds faster than a subprocess that imports torch again."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 from typing import List
 
+import torch
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Compute in this process as a torchrun rank does (torchrun sets OMP_NUM_THREADS=1).
+
+    With two threads a CPU's matmul kernels may split a reduction and round the last bits
+    differently, so an in-process result equals a torchrun rank's bitwise only with one
+    thread (whether the kernels split depends on the CPU: it passed on one machine and
+    failed on another).
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
 
 def run_cli_in_process(args: List[str], hide_modules=()) -> int:
-    """``dist_eval.cli.main(args)``; the process's SIGTERM handler is restored afterwards.
+    """``dist_eval.cli.main(args)`` with one thread (:func:`one_thread`); the process's
+    SIGTERM handler and thread count are restored afterwards.
 
     ``hide_modules``: names made unimportable for the call (as if not installed).
     """
@@ -22,7 +43,8 @@ def run_cli_in_process(args: List[str], hide_modules=()) -> int:
     try:
         for name in hide_modules:
             sys.modules[name] = None  # import and find_spec then fail, as for a missing package
-        return main(args)
+        with one_thread():
+            return main(args)
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
         for name, module in saved.items():

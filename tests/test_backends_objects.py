@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, build_tiny_model, free_port, run_in_own_group, write_csv
+from inprocess_cli import one_thread
 
 from dist_eval import evaluate, load_model
 from dist_eval.backends.checkpoint import save_checkpoint
@@ -62,12 +63,8 @@ def set_trained(model, family, tensors):
 
 def run(model, data, tokenizer):
     """(metrics without the run's timings, logits) of evaluate, with one thread (the servers' summation order)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         result = evaluate(model, data, tokenizer=tokenizer, batch_size=8, return_logits=True, bootstrap_resamples=50)
-    finally:
-        torch.set_num_threads(threads)
     assert result.predictions.indices.tolist() == list(range(len(data)))
     return {k: v for k, v in result.metrics.items() if k != "run"}, result.predictions.logits
 

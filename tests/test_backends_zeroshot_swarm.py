@@ -8,6 +8,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import build_checkpoint, build_tiny_model
+from inprocess_cli import one_thread
 from test_backends_zeroshot import TEXTS, WORDS, padded
 
 from dist_eval.backends import load_model
@@ -33,15 +34,13 @@ def family_swarm(request, tmp_path_factory):
 
 
 @pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def single_thread():
+    with one_thread():
+        yield
 
 
 @pytest.mark.parametrize("tuning_mode", [None, "ptune"])
-def test_petals_equals_local_bitwise(family_swarm, tmp_path, tuning_mode, one_thread):
+def test_petals_equals_local_bitwise(family_swarm, tmp_path, tuning_mode, single_thread):
     model_dir, swarm = family_swarm
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode=tuning_mode) if tuning_mode else None
     batch = padded(model_dir, TEXTS)

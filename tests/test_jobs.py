@@ -9,22 +9,10 @@ import re
 from unittest import mock
 
 import pytest
-import torch
 from conftest import build_checkpoint, read_jsonl, run_cli, swarm_server_pids, write_csv
-from inprocess_cli import run_cli_in_process
+from inprocess_cli import one_thread, run_cli_in_process
 
 PAIRS = [("c1", "dev"), ("c1", "test"), ("c2", "dev"), ("c2", "test")]
-
-
-@contextlib.contextmanager
-def one_thread():
-    """In-process runs compute like the torchrun ones (OMP_NUM_THREADS=1): the same last bits."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
