@@ -162,3 +162,40 @@ print("ok")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": REPO_ROOT})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+_QUIET_THEN_DATASETS = """
+import sys
+from dist_eval.backends.compat import import_petals, quiet_third_party_output
+quiet_third_party_output()
+import_petals()
+print("datasets imported by petals' import:", "datasets" in sys.modules)
+import datasets
+print("bars disabled:", datasets.is_progress_bar_enabled() is False)
+print("verbosity error:", datasets.logging.get_verbosity() == datasets.logging.ERROR)
+"""
+
+
+def test_quieting_does_not_import_datasets_and_still_silences_it():
+    """A swarm server (which loads no data) no longer imports datasets for its quieting
+    (~0.5 s of CPU each), and a process that loads data afterwards still gets no bars."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "DATASETS_VERBOSITY")}
+    env["PYTHONPATH"] = REPO_ROOT
+    out = subprocess.run([sys.executable, "-c", _QUIET_THEN_DATASETS], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "datasets imported by petals' import: False" in out.stdout
+    assert "bars disabled: True" in out.stdout
+    assert "verbosity error: True" in out.stdout
+
+
+def test_quieting_after_datasets_was_imported_silences_it():
+    """Imported first (a user's script), datasets is silenced through its own functions."""
+    code = ("import datasets\nfrom dist_eval.backends.compat import quiet_third_party_output\n"
+            "quiet_third_party_output()\nprint(datasets.is_progress_bar_enabled(), "
+            "datasets.logging.get_verbosity() == datasets.logging.ERROR)")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "DATASETS_VERBOSITY")}
+    env["PYTHONPATH"] = REPO_ROOT
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]
