@@ -104,6 +104,7 @@ def install() -> None:
         run_rpc_forward=handler.run_rpc_forward,
         merge_inference_pools_inplace=server.merge_inference_pools_inplace,
         get_pools=TransformerBackend.get_pools,
+        shutdown=TransformerBackend.shutdown,
     )
 
     def merge_pools_inplace(backends) -> None:
@@ -115,6 +116,11 @@ def install() -> None:
         merged = getattr(self, MERGED_POOL, None)
         return (*pools, merged) if merged is not None else pools  # the runtime drops the repeats
 
+    def shutdown(self) -> None:
+        setattr(self, MERGED_POOL, None)  # pool -> step -> backends -> pool: break it, as petals does for its pools
+        _original["shutdown"](self)
+
     server.merge_inference_pools_inplace = merge_pools_inplace
     TransformerBackend.get_pools = get_pools
+    TransformerBackend.shutdown = shutdown
     handler.run_rpc_forward = _run_rpc_forward_merged
