@@ -20,9 +20,10 @@ def exit_without_teardown(code: int) -> None:
     import os
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What Py_FinalizeEx does first, in its order: the threading module's exit hooks (which
+    # wake idle concurrent.futures workers, so that an executor never shut down cannot
+    # hang here), then a join of every non-daemon thread, then the atexit handlers.
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

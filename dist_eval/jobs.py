@@ -242,9 +242,9 @@ def _dataset(run: _Run, pair: Pair, job) -> tuple:
     from dist_eval import pipeline
 
     if pair.data.name not in run.datasets:
-        with ranks.phase("loading the data", main_first=True):  # rank 0 fills the datasets cache first
-            from dist_eval.data.load import load_split
+        from dist_eval.data.load import fills_cache, load_split
 
+        with ranks.phase("loading the data", main_first=fills_cache(job.data_files)):  # rank 0 fills the cache first
             sample = pipeline._sample(job.settings, load_split(job.data_files, job.split))
             run.datasets[pair.data.name] = (sample.pop("dataset"), sample)
     dataset, sample = run.datasets[pair.data.name]

@@ -60,9 +60,9 @@ def run(config: EvalConfig) -> int:
             from dist_eval.jobs import run_pairs
 
             return run_pairs(config, job, (initial_peers, dht_prefix), cleanup, say, (started, started_at))
-        with ranks.phase("loading the data", main_first=True):  # rank 0 fills the datasets cache first
-            from dist_eval.data.load import load_split
+        from dist_eval.data.load import fills_cache, load_split
 
+        with ranks.phase("loading the data", main_first=fills_cache(job.data_files)):  # rank 0 fills the cache first
             dataset = load_split(job.data_files, job.split)
             sample = _sample(job.settings, dataset)
             dataset = sample.pop("dataset")

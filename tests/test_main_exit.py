@@ -14,6 +14,9 @@ def late():
     time.sleep(0.5)
     open(marks, "a").write("thread\\n")
 threading.Thread(target=late).start()  # not a daemon: Python's exit waits for it, and so must this one
+from concurrent.futures import ThreadPoolExecutor
+idle = ThreadPoolExecutor(2)  # never shut down: its idle worker must not hang the exit (as with Python's own)
+idle.submit(lambda: None).result()
 sys.stdout.write("unflushed output")
 exit_without_teardown(int(sys.argv[2]))
 open(marks, "a").write("after\\n")

@@ -73,6 +73,15 @@ def load_split(data: Sequence[str] | str, split: Optional[str] = None):
         ) from e
 
 
+def fills_cache(data: Sequence[str] | str) -> bool:
+    """Whether :func:`load_split` of ``data`` builds ``datasets``' cache (loose files, a hub
+    name): then one rank should load first and the others read what it built. A
+    ``save_to_disk`` folder is read as it is, by every rank at once.
+    """
+    paths = [data] if isinstance(data, str) else list(data)
+    return not (len(paths) == 1 and os.path.isdir(paths[0]))
+
+
 def _has_no_rows(path: str, builder: str) -> bool:
     """An empty file, or a csv/tsv with at most its header line: ``datasets`` fails on
     those with messages that do not say so ("Instruction 'train' corresponds to no data").

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Optional, Sequence, Tuple
 
-from dist_eval.swarm.local import LocalSwarm
+from dist_eval.swarm.local import GRACE_SECONDS_ANNOUNCED, LocalSwarm
 from dist_eval.swarm.placement import SwarmError
 
 
@@ -153,8 +153,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
-        try:
-            swarm.stop()
+        try:  # others may have joined this swarm: its servers get time to say they are going
+            swarm.stop(grace=None if swarm.join_peers else GRACE_SECONDS_ANNOUNCED)
         except SwarmError as e:
             print(f"dist_eval.swarm: error: {e}", file=sys.stderr, flush=True)
             code = 1

@@ -53,8 +53,10 @@ _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 # nothing is lost by cutting that short: its clients have closed, nobody is left to hear
 # "offline", and the files hivemind would leave are removed here. 0.25 s: a 2-server
 # swarm stops in 0.2-0.4 s instead of 1.1-1.2 s (with 1 s), a second of every demo run.
-# Servers that joined another host's swarm get longer, so that their "offline" reaches it.
+# Servers that joined another host's swarm get longer, so that their "offline" reaches it;
+# so does a swarm that others may have joined (python -m dist_eval.swarm: stop(grace=...)).
 _GRACE_SECONDS_PRIVATE = 0.25
+GRACE_SECONDS_ANNOUNCED = 1.0
 _GRACE_SECONDS_JOINED = 3.0
 
 
@@ -318,12 +320,14 @@ class LocalSwarm:
                     f"{s.blocks[0]}:{s.blocks[1]} may be unserved. Log tail: {s.tail()} (log: {s.log_path})"
                 )
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 15.0, grace: Optional[float] = None) -> None:
         """Stop every server process and wait until none is left (idempotent).
 
         SIGINT to each process group (SIGTERM if the servers inherited an ignored SIGINT),
-        SIGKILL to what is left after min(0.25 s (joined: 3 s), 60% of ``timeout``), then wait until no
-        process of the groups is left, at most until ``timeout``. Typical: 1-4 s.
+        SIGKILL to what is left after min(``grace``, 60% of ``timeout``), then wait until no
+        process of the groups is left, at most until ``timeout``. ``grace`` None: 0.25 s for
+        a private swarm (only its owner's clients used it), 3 s for servers that joined
+        another host's swarm. Typical: 0.2-4 s.
         SwarmError if a process survives (never seen).
         """
         with self._lock:
@@ -333,7 +337,8 @@ class LocalSwarm:
         began = time.monotonic()
         deadline = began + timeout
         try:
-            grace = _GRACE_SECONDS_JOINED if self.join_peers else _GRACE_SECONDS_PRIVATE
+            if grace is None:
+                grace = _GRACE_SECONDS_JOINED if self.join_peers else _GRACE_SECONDS_PRIVATE
             self._terminate(deadline, began + min(grace, 0.6 * timeout))
         finally:
             self._cleanup_files()

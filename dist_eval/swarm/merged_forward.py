@@ -15,7 +15,9 @@ values, in the same order, with the prompts (deep prompt tuning) added between b
 before, so the outputs are bitwise those of petals' own path (a CPU server computes even
 the prompt addition on the same device as before). A request larger than the servers'
 ``--max_batch_size`` gets petals' own "Task size greater than max_batch_size" error.
-Backward (a training client's request) keeps petals' per-block pools.
+Backward (a training client's request) keeps petals' per-block pools. One trade-off: a
+forward request now holds the runtime for all its blocks, so an inference step (a
+generating client of a shared swarm) waits for the whole request, not for one block.
 
 Applied by :mod:`dist_eval.swarm.server` (:func:`install`), i.e. to the servers that
 dist_eval starts (``LocalSwarm``, ``python -m dist_eval.swarm``,
@@ -30,19 +32,26 @@ MERGED_POOL = "dist_eval_merged_forward_pool"  # the attribute each backend of a
 
 class MergedForwardStep:
     """The runtime's function of the merged pool: (hidden states, adapter, block uids,
-    one prompt per block) -> (hidden states after those blocks,).
+    a tuple of one prompt per block) -> (hidden states after those blocks,).
+
+    The prompts come in a tuple, which the pool leaves where it is (it moves top-level
+    tensors only): each goes to the device just before its block, as petals' per-block
+    path held one block's prompts on the device at a time (deep prompts are expanded to
+    the batch: B blocks of them at once could be large on a GPU).
     """
 
     def __init__(self, backends: Dict[str, object]):
         self.backends = backends
 
-    def __call__(self, hidden_states, active_adapter: str, uids: Tuple[str, ...], *prompts):
+    def __call__(self, hidden_states, active_adapter: str, uids: Tuple[str, ...], prompts: tuple):
+        import torch
         from petals.utils.misc import is_dummy
 
-        for uid, prompt in zip(uids, prompts):
-            if not is_dummy(prompt):
-                hidden_states[:, : prompt.shape[1]] += prompt
-            (hidden_states,) = self.backends[uid].forward(hidden_states, active_adapter)
+        with torch.no_grad():  # as each block's forward runs in petals' path
+            for uid, prompt in zip(uids, prompts):
+                if not is_dummy(prompt):
+                    hidden_states[:, : prompt.shape[1]] += prompt.to(hidden_states.device)
+                (hidden_states,) = self.backends[uid].forward(hidden_states, active_adapter)
         return (hidden_states,)
 
 
@@ -82,7 +91,7 @@ async def _run_rpc_forward_merged(*flat_tensors, requested_backends, active_adap
         prompts = [p.squeeze(0) for p in prompts.to(dtype).split(1, dim=0)]
     priority = prioritizer.prioritize(hidden_states, points=points, backend=requested_backends[0], type="forward")
     uids = tuple(backend.name for backend in requested_backends)
-    (hidden_states,) = await pool.submit_task(hidden_states, active_adapter, uids, *prompts, priority=priority)
+    (hidden_states,) = await pool.submit_task(hidden_states, active_adapter, uids, tuple(prompts), priority=priority)
     assert isinstance(hidden_states, torch.Tensor) and hidden_states.ndim == 3
     return hidden_states
 
