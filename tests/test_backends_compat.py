@@ -176,17 +176,22 @@ print("verbosity error:", datasets.logging.get_verbosity() == datasets.logging.E
 """
 
 
+def _run_fresh(code: str) -> str:
+    """stdout of ``code`` in a new Python, without the user's datasets settings in its environment."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "DATASETS_VERBOSITY")}
+    env["PYTHONPATH"] = REPO_ROOT
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def test_quieting_does_not_import_datasets_and_still_silences_it():
     """A swarm server (which loads no data) no longer imports datasets for its quieting
     (~0.5 s of CPU each), and a process that loads data afterwards still gets no bars."""
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "DATASETS_VERBOSITY")}
-    env["PYTHONPATH"] = REPO_ROOT
-    out = subprocess.run([sys.executable, "-c", _QUIET_THEN_DATASETS], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "datasets imported by petals' import: False" in out.stdout
-    assert "bars disabled: True" in out.stdout
-    assert "verbosity error: True" in out.stdout
+    out = _run_fresh(_QUIET_THEN_DATASETS)
+    assert "datasets imported by petals' import: False" in out
+    assert "bars disabled: True" in out
+    assert "verbosity error: True" in out
 
 
 def test_quieting_after_datasets_was_imported_silences_it():
@@ -194,8 +199,4 @@ def test_quieting_after_datasets_was_imported_silences_it():
     code = ("import datasets\nfrom dist_eval.backends.compat import quiet_third_party_output\n"
             "quiet_third_party_output()\nprint(datasets.is_progress_bar_enabled(), "
             "datasets.logging.get_verbosity() == datasets.logging.ERROR)")
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "DATASETS_VERBOSITY")}
-    env["PYTHONPATH"] = REPO_ROOT
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["False", "True"]
+    assert _run_fresh(code).split() == ["False", "True"]

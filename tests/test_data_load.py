@@ -12,7 +12,7 @@ def test_loose_files_and_hub_names_fill_the_cache_a_saved_folder_does_not(tmp_pa
     assert fills_cache(csv) and fills_cache([csv]) and fills_cache([csv, csv])
     assert fills_cache("some_org/some_dataset")
     assert not fills_cache(folder) and not fills_cache([folder])
-    # and the folder is indeed read in place: no cache files are written beside or for it
+    # and the folder is read in place: loading it adds no file to it
     before = sorted(p.name for p in (tmp_path / "saved").iterdir())
     assert load_split(folder)["text"] == ["a b", "c"]
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == before

@@ -3,15 +3,14 @@ blocks is one task of its runtime (not one per block), with the same logits bit 
 Marked `swarm`."""
 import re
 import time
-from unittest import mock
 
 import pytest
 import torch
 from conftest import build_checkpoint
 from inprocess_cli import one_thread
+from test_backends_petals import one_thread_swarm
 
 from dist_eval.backends import load_model
-from dist_eval.swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
 
@@ -21,14 +20,8 @@ def split_swarm(tiny_model, tmp_path_factory):
     """Two servers holding blocks 0:2 and 2:4 (every request crosses both, each for part of
     the model), one thread each, reporting their runtime's tasks every second."""
     logs = tmp_path_factory.mktemp("merged-logs")
-    swarm = LocalSwarm(tiny_model, num_servers=2, blocks_per_server=2, dht_prefix="merged-forward",
-                       log_dir=str(logs), extra_server_args=["--stats_report_interval", "1"])
-    try:
-        with mock.patch.dict("os.environ", {"OMP_NUM_THREADS": "1"}):
-            swarm.start()
-        yield swarm
-    finally:
-        swarm.stop()
+    yield from one_thread_swarm(tiny_model, num_servers=2, blocks_per_server=2, dht_prefix="merged-forward",
+                                log_dir=str(logs), extra_server_args=["--stats_report_interval", "1"])
 
 
 def _tasks_reported(swarm):
