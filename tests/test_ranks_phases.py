@@ -1,7 +1,14 @@
 """``with phase(name)`` (dist_eval.ranks.phases) in one process: names bound inside are bound
 after, a failure becomes a RankFailure (a usage error stays one), a failure agreed on in a
-nested phase passes through unchanged. Several ranks: tests/test_cli_bad_input.py, test_cli.py."""
+nested phase passes through unchanged. Several ranks: tests/test_cli_bad_input.py, test_cli.py,
+and the failure flag of a stop_early phase below (tests/stop_early_worker.py)."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
+from conftest import REPO, free_port
 
 from dist_eval import ranks
 from dist_eval.errors import UsageError
@@ -42,3 +49,28 @@ def test_each_phase_records_its_wall_seconds():
         raise ValueError("boom")
     assert list(ranks.phase_seconds) == ["sleeping", "failing"]
     assert 0.05 <= ranks.phase_seconds["sleeping"] < 5
+
+
+@pytest.mark.multiproc
+def test_a_failure_stops_the_other_ranks_with_few_store_reads(tmp_path):
+    """2 real ranks (torchrun, gloo): rank 0 checks the phase's failure flag once per
+    "batch" in a fast loop while rank 1 fails after a second. Rank 0 stops, and the
+    checks asked the c10d store at most once per CHECK_INTERVAL, not once per call."""
+    from dist_eval.ranks.phases import FailureFlag
+
+    out = tmp_path / "facts.json"
+    pythonpath = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         os.path.join(REPO, "tests", "stop_early_worker.py"), str(out)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts = json.loads(out.read_text())
+    assert "never_stopped" not in facts
+    assert facts["failure"] == "rank 1: the forward passes failed: ValueError: rank 1 broke"
+    assert facts["stopped_after_s"] >= 1.0  # it ran until rank 1 failed ...
+    assert facts["calls"] > 10 * facts["reads"]  # ... checking far more often than it asked the store
+    # at most one read per interval (the first at once)
+    assert facts["reads"] <= facts["elapsed_s"] / FailureFlag.CHECK_INTERVAL + 1

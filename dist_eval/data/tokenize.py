@@ -12,11 +12,14 @@ from dist_eval.errors import UsageError
 
 def tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, max_length: int, pad_token_id: int):
     """Token ids of ``rows`` (lists, unpadded), and how many were truncated to max_length."""
-    subset = dataset.select(rows.tolist()) if len(rows) else None
-    if subset is None:
+    if not len(rows):
         return [], 0
-    texts = list(subset[columns.text])
-    pairs = list(subset[columns.text_pair]) if columns.text_pair else None
+    # One read of just these rows and text columns: select() and then a column read was
+    # ~8x slower (16 ms for 1000 rows here), and it runs inside the timed evaluation loop.
+    text_columns = [columns.text] + ([columns.text_pair] if columns.text_pair else [])
+    picked = dataset.select_columns(text_columns)[rows.tolist()]
+    texts = list(picked[columns.text])
+    pairs = list(picked[columns.text_pair]) if columns.text_pair else None
     for param, name, values in (("text_column", columns.text, texts), ("text_pair_column", columns.text_pair, pairs)):
         if values is None:
             continue
