@@ -129,3 +129,48 @@ def test_a_row_longer_than_the_servers_max_batch_size_is_one_clear_error(small_r
     assert len(errors) == 1, proc.stderr[-3000:]
     assert "96 tokens, its --max_batch_size" in errors[0] and "--max-length" in errors[0], errors[0]
     assert "Traceback" not in proc.stderr.split("dist_eval: error:")[0]  # none of ours (torchrun prints its own after)
+
+
+def test_deep_prompts_travel_once_per_request(swarm, tiny_model, tmp_path):
+    """The client dist_eval drives sends deep prompts for one row ([blocks, 1, P, hidden]),
+    not one copy per row of the batch; the servers add them to every row, so the logits
+    equal the local backend's bit for bit. Also when a batch is split into requests."""
+    import torch
+    from inprocess_cli import one_thread
+
+    from dist_eval.backends import load_model
+    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.requests import RequestTooLarge, learn_server_limit
+
+    import_petals()  # petals' own import needs dist_eval's hivemind compatibility first
+    from petals.client import sequential_autograd
+
+    checkpoint = build_checkpoint(str(tmp_path / "deep.pt"), tuning_mode="deep_ptune", pre_seq_len=4)
+    input_ids = torch.randint(5, 40, (6, 9), generator=torch.Generator().manual_seed(0))  # no pad (0) inside
+    sent = []
+    real_forward = sequential_autograd.run_remote_forward
+
+    async def recording_forward(uid, stub, rpc_info, *inputs, **kwargs):
+        sent.append([tuple(t.shape) for t in inputs])
+        return await real_forward(uid, stub, rpc_info, *inputs, **kwargs)
+
+    petals = load_model("petals", tiny_model, checkpoint=checkpoint, initial_peers=swarm.initial_peers,
+                        dht_prefix=swarm.dht_prefix)
+    try:
+        with one_thread(), torch.no_grad(), mock.patch.object(sequential_autograd, "run_remote_forward",
+                                                              recording_forward):
+            whole = petals.module(input_ids)
+            learn_server_limit(petals.module.sequence_manager, RequestTooLarge(3 * (9 + 4)), row_tokens=9 + 4)
+            split = petals.module(input_ids)  # two requests of 3 rows each
+    finally:
+        petals.module.close()
+    with one_thread(), torch.no_grad():
+        local = load_model("local", tiny_model, checkpoint=checkpoint).module(input_ids)
+    assert torch.equal(whole, local)
+    assert torch.allclose(split, local, rtol=1e-5, atol=1e-6)  # rows cut differently: float rounding at most
+    assert sent and all(len(shapes) == 2 for shapes in sent)  # hidden states and deep prompts
+    rows = [shapes[0][0] for shapes in sent]
+    assert sorted(set(rows)) == [3, 6]
+    for hidden, prompts in sent:
+        assert hidden[1] == 9 + 4
+        assert prompts[1:] == (1, 4, hidden[2]) and 1 <= prompts[0] <= 4  # one row of prompts per block of the span

@@ -14,8 +14,19 @@ than max_batch_size (N)". That is not a failed server: the client learns N, keep
 the rest of the run, and sends the batch again cut into requests of at most N tokens
 (rows are independent, so only float rounding can change).
 
+Deep prompts (``deep_ptune``) travel once per request, not once per row: petals' client
+builds them for every row of the batch ([blocks, rows, prompt length, hidden]), the same
+values in every row, and sends them all; a request then carried (blocks x prompt length)
+vectors per row besides its hidden states, 7x the hidden states for a 22-block model with
+16 prompt vectors and 40 tokens a row. The client dist_eval drives sends them for one row
+([blocks, 1, prompt length, hidden]); a server adds them to every row by broadcasting
+(``hidden[:, :P] += prompt``, petals' own server code and dist_eval's merged forward alike),
+the same values added, so the logits are unchanged bit for bit. Only with gradients off:
+petals' backward expects one prompt per row.
+
 Only clients that dist_eval drives are changed: the limit lives on the client's sequence
-manager (:func:`send_batches_whole`), and a manager without it keeps petals' own splitting.
+manager (:func:`send_batches_whole`), and a manager without it keeps petals' own splitting
+and prompts.
 """
 from __future__ import annotations
 
@@ -52,6 +63,7 @@ def send_batches_whole(sequence_manager) -> None:
     a server refused its size, see :func:`learn_server_limit`).
     """
     _patch_petals_split()
+    _patch_petals_prompts()
     setattr(sequence_manager, _LIMIT_ATTR, None)
 
 
@@ -117,6 +129,8 @@ def _patch_petals_split() -> None:
             input_batches = inputs.detach().split(batch_size)
             if prompts is None or sa.is_dummy(prompts):
                 prompt_batches = [sa.DUMMY] * len(input_batches)
+            elif prompts.shape[1] == 1:  # one row of deep prompts for every row (_patch_petals_prompts)
+                prompt_batches = [prompts.detach()] * len(input_batches)
             else:
                 prompt_batches = prompts.detach().split(batch_size, dim=1)
             _ = sequence_manager.rpc_info  # lazy init, as petals does
@@ -132,3 +146,32 @@ def _patch_petals_split() -> None:
 
         function.forward = staticmethod(forward)
         function._dist_eval_split = True
+
+
+def _patch_petals_prompts() -> None:
+    """Patch petals' ``PTuneMixin.get_prompt`` so that a client dist_eval drives builds its
+    deep prompts for one row, sent once per request (see the module docstring). Idempotent.
+    """
+    import torch
+    from petals.client.ptune import PTuneMixin
+    from petals.client.remote_sequential import RemoteSequential
+
+    with _patch_lock:
+        if getattr(PTuneMixin, "_dist_eval_compact_prompts", False):
+            return
+        petals_get_prompt = PTuneMixin.get_prompt
+
+        def get_prompt(self, batch_size):
+            compact = (
+                self.config.tuning_mode == "deep_ptune"
+                and not torch.is_grad_enabled()
+                and any(isinstance(m, RemoteSequential) and drives(m.sequence_manager) for m in self.children())
+            )
+            if not compact:
+                return petals_get_prompt(self, batch_size)
+            prompts, deep_prompts = petals_get_prompt(self, 1)
+            # the input prompts are concatenated with the rows' embeddings here: one per row
+            return prompts.expand(batch_size, -1, -1), deep_prompts
+
+        PTuneMixin.get_prompt = get_prompt
+        PTuneMixin._dist_eval_compact_prompts = True
