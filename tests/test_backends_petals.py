@@ -162,6 +162,9 @@ def test_deep_prompts_travel_once_per_request(swarm, tiny_model, tmp_path):
             whole = petals.module(input_ids)
             learn_server_limit(petals.module.sequence_manager, RequestTooLarge(3 * (9 + 4)), row_tokens=9 + 4)
             split = petals.module(input_ids)  # two requests of 3 rows each
+            compact_sent = list(sent)
+            with torch.enable_grad():  # petals' backward needs one prompt per row: none compacted then
+                petals.module(input_ids)
     finally:
         petals.module.close()
     with one_thread(), torch.no_grad():
@@ -169,8 +172,10 @@ def test_deep_prompts_travel_once_per_request(swarm, tiny_model, tmp_path):
     assert torch.equal(whole, local)
     assert torch.allclose(split, local, rtol=1e-5, atol=1e-6)  # rows cut differently: float rounding at most
     assert sent and all(len(shapes) == 2 for shapes in sent)  # hidden states and deep prompts
-    rows = [shapes[0][0] for shapes in sent]
+    with_grad = sent[len(compact_sent):]
+    assert with_grad and all(prompts[1] == hidden[0] == 3 for hidden, prompts in with_grad)
+    rows = [shapes[0][0] for shapes in compact_sent]
     assert sorted(set(rows)) == [3, 6]
-    for hidden, prompts in sent:
+    for hidden, prompts in compact_sent:
         assert hidden[1] == 9 + 4
         assert prompts[1:] == (1, 4, hidden[2]) and 1 <= prompts[0] <= 4  # one row of prompts per block of the span

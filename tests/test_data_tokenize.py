@@ -1,6 +1,7 @@
 """tokenize_rows (dist_eval.data.tokenize): the ids of exactly the rows asked for, in their
 order, as the tokenizer gives them for the same texts (and pairs, and a template), on a
-real ``datasets.Dataset`` and on a ``select()`` view of one (what --limit gives)."""
+real ``datasets.Dataset``, on a ``select()`` view of one (what --limit gives), on formatted
+ones and one with a transform."""
 import datasets
 import numpy as np
 import pytest
@@ -50,3 +51,20 @@ def test_template_truncation_and_no_rows(tokenizer):
     assert ids == [x[:4] for x in full]
     assert truncated == sum(len(x) > 4 for x in full) == 2
     assert tokenize_rows(tokenizer, data, np.zeros(0, np.int64), columns, 4, -1) == ([], 0)
+
+
+@pytest.mark.parametrize("fmt", ["numpy", "pandas", "torch", "transform"])
+def test_formatted_datasets_and_a_transform(tokenizer, fmt):
+    data = _data()
+    if fmt == "transform":  # a transform that reads another column than the text
+        data = data.with_transform(lambda b: {"text": [f"{t} {o}" for t, o in zip(b["text"], b["other"])],
+                                              "label": b["label"]})
+        want_texts = [f"{_data()[r]['text']} {_data()[r]['other']}" for r in (4, 2, 9)]
+    else:
+        data = data.with_format(fmt)
+        want_texts = [_data()[r]["text"] for r in (4, 2, 9)]
+    rows = np.array([4, 2, 9], dtype=np.int64)
+    for pair in (None, "text"):  # the same column as text and pair
+        columns = TaskColumns("text", "label", pair)
+        ids, _ = tokenize_rows(tokenizer, data, rows, columns, max_length=512, pad_token_id=-1)
+        assert ids == tokenizer(want_texts, want_texts if pair else None)["input_ids"]

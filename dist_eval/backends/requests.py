@@ -21,8 +21,10 @@ vectors per row besides its hidden states, 7x the hidden states for a 22-block m
 16 prompt vectors and 40 tokens a row. The client dist_eval drives sends them for one row
 ([blocks, 1, prompt length, hidden]); a server adds them to every row by broadcasting
 (``hidden[:, :P] += prompt``, petals' own server code and dist_eval's merged forward alike),
-the same values added, so the logits are unchanged bit for bit. Only with gradients off:
-petals' backward expects one prompt per row.
+the same values added, so the logits are unchanged bit for bit (with petals' default wire
+format: no compression, or one that rounds each value alone; an 8-bit one with per-block
+statistics could round one row of prompts differently from many). Only with gradients
+off: petals' backward expects one prompt per row.
 
 Only clients that dist_eval drives are changed: the limit lives on the client's sequence
 manager (:func:`send_batches_whole`), and a manager without it keeps petals' own splitting
