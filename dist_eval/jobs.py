@@ -242,11 +242,7 @@ def _dataset(run: _Run, pair: Pair, job) -> tuple:
     from dist_eval import pipeline
 
     if pair.data.name not in run.datasets:
-        from dist_eval.data.load import fills_cache, load_split
-
-        with ranks.phase("loading the data", main_first=fills_cache(job.data_files)):  # rank 0 fills the cache first
-            sample = pipeline._sample(job.settings, load_split(job.data_files, job.split))
-            run.datasets[pair.data.name] = (sample.pop("dataset"), sample)
+        run.datasets[pair.data.name] = pipeline._load_data(job)
     dataset, sample = run.datasets[pair.data.name]
     return dataset, dict(sample)
 

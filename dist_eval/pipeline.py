@@ -60,12 +60,7 @@ def run(config: EvalConfig) -> int:
             from dist_eval.jobs import run_pairs
 
             return run_pairs(config, job, (initial_peers, dht_prefix), cleanup, say, (started, started_at))
-        from dist_eval.data.load import fills_cache, load_split
-
-        with ranks.phase("loading the data", main_first=fills_cache(job.data_files)):  # rank 0 fills the cache first
-            dataset = load_split(job.data_files, job.split)
-            sample = _sample(job.settings, dataset)
-            dataset = sample.pop("dataset")
+        dataset, sample = _load_data(job)
         with ranks.phase("loading the model"):
             tokenizer, model = _load_model(config, job, initial_peers, dht_prefix)
         cleanup.push(_barrier_unless_interrupted)  # no rank's client is still talking when rank 0 stops the swarm
@@ -132,6 +127,15 @@ def _prepare(config: EvalConfig, say) -> Job:
     demo = demo_assets(log=lambda line: say(line, flush=True), family=config.demo_family)
     settings = dataclasses.replace(config.settings, text_column=demo.text_column, label_column=demo.label_column)
     return Job(demo.model_dir, [demo.data_dir], demo.split, demo.checkpoint, settings, demo=True)
+
+
+def _load_data(job: Job) -> tuple:
+    """(the job's rows, what the report records of its --limit sample): a phase, every rank."""
+    from dist_eval.data.load import fills_cache, load_split
+
+    with ranks.phase("loading the data", main_first=fills_cache(job.data_files)):  # rank 0 fills the cache first
+        sample = _sample(job.settings, load_split(job.data_files, job.split))
+    return sample.pop("dataset"), sample
 
 
 def _sample(settings: Settings, dataset) -> dict:
