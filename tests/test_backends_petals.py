@@ -143,7 +143,7 @@ def test_deep_prompts_travel_once_per_request(swarm, tiny_model, tmp_path):
     from dist_eval.backends.requests import RequestTooLarge, learn_server_limit
 
     import_petals()  # petals' own import needs dist_eval's hivemind compatibility first
-    from petals.client import sequential_autograd
+    from petals.client import remote_forward_backward, sequential_autograd
 
     checkpoint = build_checkpoint(str(tmp_path / "deep.pt"), tuning_mode="deep_ptune", pre_seq_len=4)
     input_ids = torch.randint(5, 40, (6, 9), generator=torch.Generator().manual_seed(0))  # no pad (0) inside
@@ -157,8 +157,11 @@ def test_deep_prompts_travel_once_per_request(swarm, tiny_model, tmp_path):
     petals = load_model("petals", tiny_model, checkpoint=checkpoint, initial_peers=swarm.initial_peers,
                         dht_prefix=swarm.dht_prefix)
     try:
-        with one_thread(), torch.no_grad(), mock.patch.object(sequential_autograd, "run_remote_forward",
-                                                              recording_forward):
+        # no-grad forwards go through dist_eval's readout (which calls petals' function from its
+        # module), forwards with gradients through petals' own sequential_forward
+        with one_thread(), torch.no_grad(), \
+                mock.patch.object(remote_forward_backward, "run_remote_forward", recording_forward), \
+                mock.patch.object(sequential_autograd, "run_remote_forward", recording_forward):
             whole = petals.module(input_ids)
             learn_server_limit(petals.module.sequence_manager, RequestTooLarge(3 * (9 + 4)), row_tokens=9 + 4)
             split = petals.module(input_ids)  # two requests of 3 rows each

@@ -1,6 +1,7 @@
 """The petals backend: transformer blocks run on a swarm; embeddings, prompts and head run here."""
 from __future__ import annotations
 
+import threading
 import time
 from typing import Optional
 
@@ -17,6 +18,7 @@ from dist_eval.backends.compat import (
 from dist_eval.backends.failover import patch_petals_client_failover, swarm_failure
 from dist_eval.backends.families import Family
 from dist_eval.backends.helpers import HelperWatch
+from dist_eval.backends.readout import forward_reading
 from dist_eval.backends.requests import RequestTooLarge, learn_server_limit, restore_petals_split, send_batches_whole
 from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer
 from dist_eval.config import DEFAULT_SWARM_TIMEOUT
@@ -54,10 +56,22 @@ class PetalsClassifier(nn.Module):
         blocks.forward = lambda *args, **kwargs: self._bounded_remote(remote_forward, *args, **kwargs)
         self.helper_watch = HelperWatch(self.sequence_manager, watchdog=owns_client).start()
         send_batches_whole(self.sequence_manager)  # one request per batch (backends.requests)
+        config = inner.config
+        self._prompt_tokens = config.pre_seq_len if getattr(config, "tuning_mode", None) else 0
+        # per thread (batches in flight run in threads): the positions the head of the
+        # forward running in this thread reads, for its remote blocks (backends.readout)
+        self._reading = threading.local()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # No attention mask: the petals client rejects any mask that is not all ones.
-        return self.inner(input_ids=input_ids).logits
+        if torch.is_grad_enabled():
+            return self.inner(input_ids=input_ids).logits
+        last = self.family.last_token_index(input_ids, self.inner.config.pad_token_id)
+        self._reading.positions = last + self._prompt_tokens
+        try:
+            return self.inner(input_ids=input_ids).logits
+        finally:
+            self._reading.positions = None
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The final (normed) hidden states of the tokens [batch, seq, hidden], prompts removed
@@ -102,7 +116,12 @@ class PetalsClassifier(nn.Module):
             if self.helper_watch.check() is not None:
                 raise self.helper_watch.died
             try:
-                return remote_forward(*args, **kwargs)
+                positions = getattr(self._reading, "positions", None)
+                if positions is None:
+                    return remote_forward(*args, **kwargs)
+                hidden_states = args[0] if args else kwargs["inputs"]
+                prompts = args[1] if len(args) > 1 else kwargs.get("prompts")
+                return forward_reading(hidden_states, prompts, self.sequence_manager, positions)
             except RequestTooLarge as refused:
                 hidden_states = args[0] if args else kwargs["inputs"]  # [rows, tokens, hidden]
                 learn_server_limit(self.sequence_manager, refused, row_tokens=hidden_states.shape[1])

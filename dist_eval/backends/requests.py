@@ -109,6 +109,25 @@ def learn_server_limit(sequence_manager, refused: RequestTooLarge, row_tokens: i
         )
 
 
+def request_batches(inputs, prompts, sequence_manager) -> tuple:
+    """(hidden states of each request, prompts of each request) for a forward of ``inputs``
+    [rows, tokens, hidden] with ``prompts`` (deep prompts [blocks, rows or 1, P, hidden], or
+    none): the whole batch, or pieces of at most :func:`request_limit` tokens.
+    """
+    from petals.utils.misc import DUMMY, is_dummy
+
+    limit = request_limit(sequence_manager)
+    batch_size = inputs.shape[0] if limit is None else max(limit // inputs.shape[1], 1)
+    input_batches = inputs.detach().split(batch_size)
+    if prompts is None or is_dummy(prompts):
+        prompt_batches = [DUMMY] * len(input_batches)
+    elif prompts.shape[1] == 1:  # one row of deep prompts for every row (_patch_petals_prompts)
+        prompt_batches = [prompts.detach()] * len(input_batches)
+    else:
+        prompt_batches = prompts.detach().split(batch_size, dim=1)
+    return input_batches, prompt_batches
+
+
 def _patch_petals_split() -> None:
     """Patch petals' remote-forward autograd function, with the micro-batch size read from the
     client's sequence manager (petals reads a module constant). Idempotent.
@@ -125,16 +144,8 @@ def _patch_petals_split() -> None:
         def forward(ctx, inputs, prompts, sequence_manager):
             if not hasattr(sequence_manager, _LIMIT_ATTR):
                 return petals_forward(ctx, inputs, prompts, sequence_manager)
-            limit = getattr(sequence_manager, _LIMIT_ATTR)
-            # from here on petals 2.2.0's own forward, but for this line
-            batch_size = inputs.shape[0] if limit is None else max(limit // inputs.shape[1], 1)
-            input_batches = inputs.detach().split(batch_size)
-            if prompts is None or sa.is_dummy(prompts):
-                prompt_batches = [sa.DUMMY] * len(input_batches)
-            elif prompts.shape[1] == 1:  # one row of deep prompts for every row (_patch_petals_prompts)
-                prompt_batches = [prompts.detach()] * len(input_batches)
-            else:
-                prompt_batches = prompts.detach().split(batch_size, dim=1)
+            # from here on petals 2.2.0's own forward, but for the requests' size
+            input_batches, prompt_batches = request_batches(inputs, prompts, sequence_manager)
             _ = sequence_manager.rpc_info  # lazy init, as petals does
             outputs = sa.RemoteExpertWorker.run_coroutine(
                 sa._gather_forward(input_batches, prompt_batches, sequence_manager)

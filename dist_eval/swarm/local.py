@@ -46,6 +46,9 @@ _MADDR_RE = re.compile(r"/ip4/[0-9.]+/tcp/(\d+)/p2p/[1-9A-HJ-NP-Za-km-z]+")
 _STARTED_RE = re.compile(r"\[INFO\] Started\s*$", re.MULTILINE)
 
 
+# the module each server process runs: petals' run_server with dist_eval's server-side
+# changes (tests run petals' own server in its place, as a swarm of others' servers)
+SERVER_MODULE = "dist_eval.swarm.server"
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # SIGINT -> SIGKILL delay. Measured on 2 CPU cores: a lone server exits ~0.1-1 s after
 # SIGINT, but the last servers of a swarm announce "offline" to peers that already left
@@ -421,7 +424,7 @@ class LocalSwarm:
 
     def _spawn_locked(self, s: _Server, peer_args: List[str], env: Dict[str, str]) -> None:
         cmd = [
-            sys.executable, "-m", "dist_eval.swarm.server", self.model_dir, *peer_args,
+            sys.executable, "-m", SERVER_MODULE, self.model_dir, *peer_args,
             "--dht_prefix", self.dht_prefix,
             *self.server_plan.server_args(s.index), "--quant_type", "none",
             "--throughput", "1.0", "--skip_reachability_check",

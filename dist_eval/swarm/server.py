@@ -44,9 +44,11 @@ if __name__ == "__main__":
     import_petals()
     from petals.cli import run_server
 
+    from dist_eval.backends.readout import install_server
     from dist_eval.swarm.merged_forward import install
 
     install()  # each forward request: one task through all its blocks
+    install_server()  # a request may ask for the positions its client reads (backends.readout)
 
     sys.argv = ["petals.cli.run_server", *_server_argv(sys.argv[1:])]
     with no_random_init_of_meta_tensors():  # the blocks are built on meta, then loaded
