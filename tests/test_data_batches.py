@@ -2,6 +2,7 @@
 lands on exactly one rank for N = 1..4 and awkward sizes; length buckets and token budgets."""
 import numpy as np
 import pytest
+import torch
 from test_merge import payload
 from torch.utils.data import DistributedSampler
 
@@ -85,3 +86,31 @@ def test_token_budget_batches(budget, length_buckets, prefix):
 def test_token_budget_needs_lengths():
     with pytest.raises(ValueError, match="lengths"):
         plan_batches(10, 4, None, max_batch_tokens=100)
+
+
+def test_padded_batches_tokenize_missing_rows_as_their_batches_come():
+    from dist_eval.data.shard import _AHEAD_ROWS, padded_batches
+
+    planned = [np.arange(i * 100, (i + 1) * 100, dtype=np.int64) for i in range(12)]  # 12 batches of 100 rows
+    labels = np.arange(1200) % 3
+    known = {r: [r % 50 + 1] * 2 for r in range(0, 1200, 2)}  # half the rows came from the lengths phase
+    own = [0, 2, 3, 5, 7, 8, 9, 11]
+    calls = []
+
+    def tokenize(rows):
+        calls.append(list(rows))
+        return [[r % 50 + 1] * 2 for r in rows]
+
+    batches = padded_batches(own, planned, labels, dict(known), tokenize, pad_token_id=0)
+    first = next(batches)
+    # the first batch is out after one call: its 50 missing rows and the next batches', up to _AHEAD_ROWS
+    assert _AHEAD_ROWS == 256 and [len(call) for call in calls] == [300]
+    assert calls[0][:50] == list(range(1, 100, 2)) and all(r % 2 for r in calls[0])
+    rest = list(batches)
+    assert [b[0] for b in [first, *rest]] == own
+    assert [len(call) for call in calls] == [300, 100]  # the two batches left, when their turn came
+    assert sorted(r for call in calls for r in call) == [r for b in own for r in range(b * 100 + 1, (b + 1) * 100, 2)]
+    for batch_id, rows, input_ids, batch_labels in [first, *rest]:
+        assert torch.equal(input_ids, torch.tensor([[r % 50 + 1] * 2 for r in range(batch_id * 100,
+                                                                                       (batch_id + 1) * 100)]))
+        assert np.array_equal(rows, planned[batch_id]) and np.array_equal(batch_labels, labels[rows])
