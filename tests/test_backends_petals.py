@@ -157,7 +157,7 @@ def test_deep_prompts_travel_once_per_request(swarm, tiny_model, tmp_path):
     petals = load_model("petals", tiny_model, checkpoint=checkpoint, initial_peers=swarm.initial_peers,
                         dht_prefix=swarm.dht_prefix)
     try:
-        # no-grad forwards go through dist_eval's readout (which calls petals' function from its
+        # no-grad forwards go through dist_eval's wire protocol (which calls petals' function from its
         # module), forwards with gradients through petals' own sequential_forward
         with one_thread(), torch.no_grad(), \
                 mock.patch.object(remote_forward_backward, "run_remote_forward", recording_forward), \
@@ -174,11 +174,13 @@ def test_deep_prompts_travel_once_per_request(swarm, tiny_model, tmp_path):
         local = load_model("local", tiny_model, checkpoint=checkpoint).module(input_ids)
     assert torch.equal(whole, local)
     assert torch.allclose(split, local, rtol=1e-5, atol=1e-6)  # rows cut differently: float rounding at most
-    assert sent and all(len(shapes) == 2 for shapes in sent)  # hidden states and deep prompts
+    # hidden states (or, to a first server holding the client's token embeddings, token ids:
+    # backends.wire) and deep prompts, then what comes with token ids
+    assert sent and all(len(shapes) in (2, 4) for shapes in sent)
     with_grad = sent[len(compact_sent):]
-    assert with_grad and all(prompts[1] == hidden[0] == 3 for hidden, prompts in with_grad)
+    assert with_grad and all(len(shapes) == 2 and shapes[1][1] == shapes[0][0] == 3 for shapes in with_grad)
     rows = [shapes[0][0] for shapes in compact_sent]
     assert sorted(set(rows)) == [3, 6]
-    for hidden, prompts in compact_sent:
-        assert hidden[1] == 9 + 4
-        assert prompts[1:] == (1, 4, hidden[2]) and 1 <= prompts[0] <= 4  # one row of prompts per block of the span
+    for inputs, prompts, *with_ids in compact_sent:
+        assert inputs == ((inputs[0], 9) if with_ids else (inputs[0], 9 + 4, 32))
+        assert prompts[1:] == (1, 4, 32) and 1 <= prompts[0] <= 4  # one row of prompts per block of the span

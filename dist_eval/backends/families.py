@@ -24,6 +24,7 @@ prompts           model.prompt_embeddings       transformer.prompt_embeddings
 deep_prompts      model.intermediate_prompt_... transformer.intermediate_prompt_embeddings
 checkpoint_prefix "model."                      "transformer."
 last_token        first_pad                     non_pad_count
+embeds_on_server  True                          False / True
 server_blocks     model.layers                  h / transformer.h
 frozen            embed_tokens layers norm      word_embeddings[_layernorm] h ln_f
 key_signature     (keys only this family has, to name the family of a foreign checkpoint key)
@@ -35,6 +36,12 @@ unsupported       -                             - / the old multi-query layout (
 (``<server_blocks>.<i>.``, its ``Distributed*Config.block_prefix``): bigscience's BLOOM
 hub checkpoints are ``BloomModel`` saves, without the ``transformer.`` prefix.
 :mod:`dist_eval.backends.petals_folder` converts a folder in another layout.
+
+``embeds_on_server``: whether a server dist_eval starts may look a forward's token ids up
+itself (:mod:`dist_eval.backends.wire`): true where petals' client builds a forward's
+input by a table lookup and a concatenation with the prompts, nothing else, so a server
+doing it gets the same bits. BLOOM then normalises the embeddings (arithmetic: it stays on
+the client, which sends hidden states).
 
 BLOOM also normalises the embeddings (``transformer.word_embeddings_layernorm``) inside
 its backbone, after the prompts are prepended, in petals and in transformers alike; so
@@ -77,6 +84,8 @@ class Family:
     last_token: str  # which position the head reads: "first_pad" or "non_pad_count" (see last_token_index)
     server_blocks: str  # key prefix of the blocks' tensors that petals' server reads
     frozen: tuple  # first names (under the backbone) of the base model's own tensors
+    # the first server may look token ids up itself: the input is a lookup + concatenation (backends.wire)
+    embeds_on_server: bool = False
     # a regex matching key names (with or without the prefix) that only this family's models have
     key_signature: str = ""
     head: str = "score"  # the classifier head (nn.Linear, no bias)
@@ -90,6 +99,12 @@ class Family:
     def block_name(self) -> str:
         """The block stack's name under the backbone (``layers``, ``h``)."""
         return self.blocks[len(self.checkpoint_prefix):]
+
+    @property
+    def served_embeddings_key(self) -> str:
+        """The token embeddings' key in the folder a server reads (the ``server_blocks`` layout)."""
+        prefixed = self.server_blocks.startswith(self.checkpoint_prefix)
+        return (self.embeddings if prefixed else self.embeddings[len(self.checkpoint_prefix):]) + ".weight"
 
     def unsupported_reason(self, config) -> str:
         """Why petals cannot serve this config of the family ('' when it can)."""
@@ -139,6 +154,7 @@ FAMILIES: Dict[str, Family] = {
         last_token="first_pad",
         server_blocks="model.layers",
         frozen=("embed_tokens", "layers", "norm"),
+        embeds_on_server=True,
         key_signature=r"^(model\.)?(embed_tokens|layers\.\d+|norm)\.",
     ),
     "bloom": Family(
@@ -173,6 +189,7 @@ FAMILIES: Dict[str, Family] = {
         last_token="non_pad_count",
         server_blocks="transformer.h",
         frozen=("word_embeddings", "h", "ln_f"),
+        embeds_on_server=True,
         key_signature=r"^(transformer\.)?h\.\d+\.(ln_attn|ln_mlp|self_attention\.query_key_value\.weight$)",
         small_config=(("new_decoder_architecture", True), ("num_kv_heads", 2)),  # the falcon-40b layout
         # petals' OptimizedFalconAttention reshapes the one shared key/value head of the old

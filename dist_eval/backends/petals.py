@@ -18,8 +18,8 @@ from dist_eval.backends.compat import (
 from dist_eval.backends.failover import patch_petals_client_failover, swarm_failure
 from dist_eval.backends.families import Family
 from dist_eval.backends.helpers import HelperWatch
-from dist_eval.backends.readout import forward_reading
 from dist_eval.backends.requests import RequestTooLarge, learn_server_limit, restore_petals_split, send_batches_whole
+from dist_eval.backends.wire import embeddings_digest, forward_over_wire
 from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer
 from dist_eval.config import DEFAULT_SWARM_TIMEOUT
 from dist_eval.errors import UsageError, one_line
@@ -58,20 +58,24 @@ class PetalsClassifier(nn.Module):
         send_batches_whole(self.sequence_manager)  # one request per batch (backends.requests)
         config = inner.config
         self._prompt_tokens = config.pre_seq_len if getattr(config, "tuning_mode", None) else 0
-        # per thread (batches in flight run in threads): the positions the head of the
-        # forward running in this thread reads, for its remote blocks (backends.readout)
-        self._reading = threading.local()
+        # the client's token embeddings, which a first server must hold too to be sent token ids
+        self._embeddings_digest = (embeddings_digest(family.get(inner, family.embeddings).weight)
+                                   if family.embeds_on_server else None)
+        # per thread (batches in flight run in threads): the token ids of the forward running
+        # in this thread and the positions its head reads, for its remote blocks (backends.wire)
+        self._forward_facts = threading.local()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # No attention mask: the petals client rejects any mask that is not all ones.
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # a training step: petals' own requests (its backward needs them)
             return self.inner(input_ids=input_ids).logits
-        last = self.family.last_token_index(input_ids, self.inner.config.pad_token_id)
-        self._reading.positions = last + self._prompt_tokens
+        facts = self._forward_facts
+        facts.token_ids = input_ids
+        facts.positions = self.family.last_token_index(input_ids, self.inner.config.pad_token_id) + self._prompt_tokens
         try:
             return self.inner(input_ids=input_ids).logits
         finally:
-            self._reading.positions = None
+            facts.token_ids = facts.positions = None
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The final (normed) hidden states of the tokens [batch, seq, hidden], prompts removed
@@ -116,12 +120,14 @@ class PetalsClassifier(nn.Module):
             if self.helper_watch.check() is not None:
                 raise self.helper_watch.died
             try:
-                positions = getattr(self._reading, "positions", None)
-                if positions is None:
+                positions = getattr(self._forward_facts, "positions", None)
+                if positions is None:  # not this classifier's forward (e.g. hidden_states()): petals' own
                     return remote_forward(*args, **kwargs)
                 hidden_states = args[0] if args else kwargs["inputs"]
                 prompts = args[1] if len(args) > 1 else kwargs.get("prompts")
-                return forward_reading(hidden_states, prompts, self.sequence_manager, positions)
+                return forward_over_wire(hidden_states, prompts, self.sequence_manager, positions,
+                                         self._forward_facts.token_ids, self._prompt_tokens,
+                                         self._embeddings_digest)
             except RequestTooLarge as refused:
                 hidden_states = args[0] if args else kwargs["inputs"]  # [rows, tokens, hidden]
                 learn_server_limit(self.sequence_manager, refused, row_tokens=hidden_states.shape[1])

@@ -99,6 +99,22 @@ def weight_map(model_dir: str) -> Dict[str, str]:
     )
 
 
+def read_tensor(model_dir: str, key: str):
+    """The tensor named ``key`` in the folder's weights (only that one is read from a
+    safetensors file); a UsageError naming the key when the folder has none.
+    """
+    source = weight_map(model_dir).get(key)
+    if source is None:
+        raise UsageError(f"no tensor {key!r} in the folder's weights.", param="model_dir", value=model_dir)
+    path = os.path.join(model_dir, source)
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor(key)
+    return _load_bin(path)[key]
+
+
 def _tensor_names(path: str) -> List[str]:
     if path.endswith(".safetensors"):
         from safetensors import safe_open

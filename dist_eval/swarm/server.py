@@ -38,18 +38,29 @@ def _server_argv(argv: list) -> list:
     return [*argv[:at], "--initial_peers", *peers, *argv[at + 2:]]
 
 
+def _model_and_first_block(argv: list) -> tuple:
+    """(the model folder, the first block of ``--block_indices A:B``) of run_server arguments;
+    (folder, None) without ``--block_indices`` (petals then picks the blocks at run time).
+    """
+    first = None
+    if "--block_indices" in argv:
+        first = int(argv[argv.index("--block_indices") + 1].split(":")[0])
+    return argv[0], first
+
+
 if __name__ == "__main__":
     from dist_eval.backends.compat import import_petals, no_random_init_of_meta_tensors
 
     import_petals()
     from petals.cli import run_server
 
-    from dist_eval.backends.readout import install_server
+    from dist_eval.backends.wire import install_server
     from dist_eval.swarm.merged_forward import install
 
+    argv = _server_argv(sys.argv[1:])
     install()  # each forward request: one task through all its blocks
-    install_server()  # a request may ask for the positions its client reads (backends.readout)
+    install_server(*_model_and_first_block(argv))  # token ids in, read positions out (backends.wire)
 
-    sys.argv = ["petals.cli.run_server", *_server_argv(sys.argv[1:])]
+    sys.argv = ["petals.cli.run_server", *argv]
     with no_random_init_of_meta_tensors():  # the blocks are built on meta, then loaded
         run_server.main()

@@ -1,0 +1,328 @@
+"""What a forward sends to the swarm and what comes back: token ids in, read positions out.
+
+petals' client sends the first server of a forward the embedded tokens, [rows, prompt
+vectors + tokens, hidden] in float32, and every server answers with the hidden states of
+every position, the size of what it was sent. On a classifier's forward most of both is
+waste: the first server could look the tokens up itself, and the head reads one position
+per row. Those bytes cross the transport (hivemind's p2pd daemons at both ends) and are
+serialised and copied on both sides; on the CPU benchmark the daemons alone took ~25% of
+the machine (benchmarks/RESULTS.md). So, on a classifier's no-grad forward
+(:class:`~dist_eval.backends.petals.PetalsClassifier`):
+
+1. **Read positions out.** The client names, in the request's metadata
+   (:data:`POSITIONS_KEY`), one position per row for the **last** server of the chain,
+   which answers [rows, 1, hidden]. Servers before the last answer whole hidden states (they
+   feed the next one). A server of petals' own ignores the key and answers every position;
+   the client takes the positions itself.
+2. **Token ids in.** A server dist_eval starts that holds block 0 keeps the token embeddings
+   (float32, in memory shared by its connection handlers) and says so in its ``rpc_info``
+   (:data:`TOKEN_IDS_KEY`: the SHA-256 of the table). The client asks each server of a
+   forward's first span for that once; to a server whose table is the client's own, bit for
+   bit, it sends the token ids [rows, tokens] (int64) and the prompt vectors [1, P, hidden]
+   instead of the hidden states, and the server builds ``cat(prompts, table[ids])`` exactly
+   as the client would have. Only for families whose embedding step is that lookup and
+   concatenation and nothing else (``Family.embeds_on_server``: Llama, Falcon; BLOOM
+   normalises the embeddings, arithmetic that stays on the client).
+3. Hidden states sent to the first server go in that server's dtype (float16 on a GPU
+   server, half of float32), the conversion it would have made on arrival.
+
+Every change moves values, never computes them differently: a lookup, a concatenation, a
+dtype conversion the server made anyway, a choice of rows. So the logits are those of
+petals' own path bit for bit (``tests/test_backends_wire.py``), whichever servers a
+request meets, and a swarm that mixes dist_eval's servers with others' gives the same
+results for any number of ranks. For issue 13's GPU model (64 rows of 40 tokens + 16 prompt
+vectors, hidden 2048, fp16 servers) a one-hop request carried 29 MB up and 14.7 MB down;
+it now carries 20 KB up and 0.26 MB down.
+
+Both halves of the protocol live here: :func:`install_server` (the servers dist_eval
+starts, :mod:`dist_eval.swarm.server`) and :func:`forward_over_wire` (the client).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import itertools
+from collections import deque
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+POSITIONS_KEY = "dist_eval_read_positions"  # request metadata: one position per row (the last server's answer)
+TOKEN_IDS_KEY = "dist_eval_token_ids"  # rpc_info: SHA-256 of the token embeddings this server looks ids up in
+_PEERS_ATTR = "dist_eval_peer_wire"  # on a client's sequence manager: peer -> _PeerWire
+
+
+def embeddings_digest(table: torch.Tensor) -> str:
+    """SHA-256 of a token embedding table as float32 (its shape included)."""
+    array = np.ascontiguousarray(table.detach().to(torch.float32).cpu().numpy())
+    digest = hashlib.sha256(repr(tuple(array.shape)).encode())
+    digest.update(array.data)
+    return digest.hexdigest()
+
+
+def read_positions(hidden_states: torch.Tensor, positions) -> torch.Tensor:
+    """``hidden_states`` [rows, length, hidden] at one position per row -> [rows, 1, hidden].
+    ValueError (the request fails, with this message) for positions that do not fit.
+    """
+    rows, length = hidden_states.shape[:2]
+    if (not isinstance(positions, (list, tuple)) or len(positions) != rows
+            or not all(isinstance(p, int) and 0 <= p < length for p in positions)):
+        shown = positions if not isinstance(positions, (list, tuple)) else f"{len(positions)} values"
+        raise ValueError(f"{POSITIONS_KEY}: expected {rows} positions in [0, {length}), one per row; got {shown}")
+    return hidden_states[torch.arange(rows), torch.tensor(positions, dtype=torch.long)].unsqueeze(1)
+
+
+def embed(table: torch.Tensor, token_ids: torch.Tensor, prompts: Optional[torch.Tensor]) -> torch.Tensor:
+    """[rows, P + tokens, hidden]: ``prompts`` [1, P, hidden] (or None) before each row's
+    looked-up tokens, as petals' client builds a forward's input (float32).
+    """
+    embedded = torch.nn.functional.embedding(token_ids, table)
+    if prompts is None:
+        return embedded
+    return torch.cat([prompts.to(embedded.dtype).expand(token_ids.shape[0], -1, -1), embedded], dim=1)
+
+
+# ---------------------------------------------------------------- server half
+
+_server: Dict[str, object] = {}  # "table", "digest": this server's token embeddings (servers holding block 0)
+
+
+def install_server(model_dir: Optional[str] = None, first_block: Optional[int] = None) -> None:
+    """Make this process's petals server answer a request naming :data:`POSITIONS_KEY` with
+    those positions only, and, if it serves block 0 (``first_block``) of a family that
+    embeds on servers, accept token ids (the table read from ``model_dir``). Call after
+    :func:`dist_eval.backends.compat.import_petals` and after
+    :func:`dist_eval.swarm.merged_forward.install`, before the server starts (its
+    connection handlers, forked later, share the table). Idempotent.
+    """
+    if "installed" in _server:
+        return
+    from petals.server import handler
+
+    if model_dir is not None and first_block == 0:
+        _load_server_table(model_dir)
+    connection = handler.TransformerConnectionHandler
+    serialize_outputs, rpc_info, run_rpc_forward = connection._serialize_outputs, connection.rpc_info, \
+        handler.run_rpc_forward
+
+    # the one step both rpc_forward and rpc_forward_stream take with the request's metadata
+    # in hand, after the blocks ran (backward and inference do not pass through it)
+    def _serialize_outputs(self, hidden_states, requested_backends, metadata):
+        positions = metadata.get(POSITIONS_KEY) if isinstance(metadata, dict) else None
+        if positions is not None:
+            hidden_states = read_positions(hidden_states, positions)
+        return serialize_outputs(self, hidden_states, requested_backends, metadata)
+
+    @functools.wraps(rpc_info)  # hivemind reads the request/response types from the annotations
+    async def _rpc_info(self, request, context):
+        info = await rpc_info(self, request, context)
+        if "digest" not in _server:
+            return info
+        from hivemind.proto import runtime_pb2
+        from hivemind.utils import MSGPackSerializer
+
+        result = MSGPackSerializer.loads(info.serialized_info)
+        result[TOKEN_IDS_KEY] = _server["digest"]
+        return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(result))
+
+    async def _run_rpc_forward(*flat_tensors, args_structure=None, **kwargs):
+        if "table" in _server:
+            from petals.utils.packaging import unpack_args_kwargs
+
+            args = unpack_args_kwargs(flat_tensors, args_structure)[0] if args_structure is not None else flat_tensors
+            if len(args) >= 4 and not args[0].is_floating_point():  # token ids (see _request_tensors)
+                flat_tensors, args_structure = _embed_on_server(*args[:4]), None
+        return await run_rpc_forward(*flat_tensors, args_structure=args_structure, **kwargs)
+
+    connection._serialize_outputs = _serialize_outputs
+    connection.rpc_info = _rpc_info
+    handler.run_rpc_forward = _run_rpc_forward
+    _server["installed"] = True
+
+
+def _load_server_table(model_dir: str) -> None:
+    from dist_eval.backends.families import family_of_folder
+    from dist_eval.backends.petals_folder import read_tensor
+
+    family = family_of_folder(model_dir)
+    if not family.embeds_on_server:
+        return
+    table = read_tensor(model_dir, family.served_embeddings_key).to(torch.float32)
+    _server.update(table=table, digest=embeddings_digest(table))
+
+
+def _embed_on_server(token_ids, prompts, input_prompts, digest):
+    """(hidden states, prompts) of a request that sent token ids; ValueError (a failed
+    request) for a table other than this server's or ids outside it.
+    """
+    from petals.utils.misc import is_dummy
+
+    table = _server["table"]
+    if bytes(digest.to(torch.uint8).tolist()).hex() != _server["digest"]:
+        raise ValueError(f"{TOKEN_IDS_KEY}: the client's token embeddings are not this server's; send hidden states")
+    if token_ids.ndim != 2 or (token_ids.numel() and not 0 <= int(token_ids.min()) <= int(token_ids.max())
+                               < table.shape[0]):
+        raise ValueError(f"{TOKEN_IDS_KEY}: expected token ids [rows, tokens] in [0, {table.shape[0]})")
+    return embed(table, token_ids, None if is_dummy(input_prompts) else input_prompts), prompts
+
+
+# ---------------------------------------------------------------- client half
+
+
+class _PeerWire:
+    """What the client knows of one server: the dtype it computes in, whether it looks
+    token ids up in the client's own table.
+    """
+
+    def __init__(self, info: dict, client_digest: Optional[str]):
+        self.dtype = info["forward_schema"][0][0].dtype
+        self.token_ids = client_digest is not None and info.get(TOKEN_IDS_KEY) == client_digest
+
+
+def forward_over_wire(hidden_states: torch.Tensor, prompts, sequence_manager, positions: torch.Tensor,
+                      token_ids: Optional[torch.Tensor] = None, prompt_tokens: int = 0,
+                      embeddings_digest: Optional[str] = None) -> torch.Tensor:
+    """The remote blocks' output for ``hidden_states`` [rows, prompt_tokens + tokens, hidden]
+    (no grad), with only ``positions`` (one per row) filled in and zeros elsewhere.
+
+    ``token_ids`` [rows, tokens] (the ids ``hidden_states`` embed, after ``prompt_tokens``
+    prompt vectors) and ``embeddings_digest`` (of the client's table): sent instead of the
+    hidden states to a first server with the same table. Requests are sized as
+    :mod:`dist_eval.backends.requests` says; failures go through petals' routing and
+    dist_eval's failover exactly as in petals' own forward.
+    """
+    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+
+    from dist_eval.backends.requests import request_batches
+
+    rows = hidden_states.shape[0]
+    positions = positions.to(torch.long).cpu()
+    input_batches, prompt_batches = request_batches(hidden_states, prompts, sequence_manager)
+    size = input_batches[0].shape[0] if input_batches else 1
+    position_batches = positions.split(size)
+    id_batches = token_ids.cpu().split(size) if token_ids is not None else [None] * len(input_batches)
+    _ = sequence_manager.rpc_info  # lazy init, as petals does before a forward
+    if not hasattr(sequence_manager, _PEERS_ATTR):
+        setattr(sequence_manager, _PEERS_ATTR, {})
+
+    async def all_requests():
+        return await asyncio.gather(*(
+            _forward_chain(_Request(inputs, batch_prompts, ids, prompt_tokens, batch_positions), sequence_manager,
+                           embeddings_digest)
+            for inputs, batch_prompts, ids, batch_positions in zip(input_batches, prompt_batches, id_batches,
+                                                                     position_batches)
+        ))
+
+    read = torch.cat(RemoteExpertWorker.run_coroutine(all_requests()), dim=0)  # [rows, 1, hidden]
+    out = torch.zeros_like(hidden_states)
+    out[torch.arange(rows), positions] = read[:, 0].to(out.dtype)
+    return out
+
+
+class _Request:
+    """One request's inputs: hidden states [rows, P + tokens, hidden], deep prompts
+    [blocks, 1 or rows, P, hidden] (or a dummy), the token ids they embed (or None),
+    P, and the positions the head reads.
+    """
+
+    def __init__(self, hidden_states, prompts, token_ids, prompt_tokens: int, positions: torch.Tensor):
+        self.hidden_states, self.prompts, self.token_ids = hidden_states, prompts, token_ids
+        self.prompt_tokens, self.positions = prompt_tokens, positions.tolist()
+
+
+async def _forward_chain(request: _Request, manager, client_digest: Optional[str]) -> torch.Tensor:
+    """One request's way through every block (petals 2.2.0's ``sequential_forward``, with
+    the wire changes of the module doc): [rows, 1, hidden].
+    """
+    from hivemind.utils import MSGPackSerializer
+    from petals.client.remote_forward_backward import run_remote_forward
+    from petals.data_structures import CHAIN_DELIMITER
+    from petals.server.handler import TransformerConnectionHandler
+    from petals.utils.packaging import pack_args_kwargs
+
+    end = len(manager.block_uids)
+    inputs = request.hidden_states
+    block, spans = 0, deque()
+    while block < end:
+        for attempt in itertools.count():
+            span = None
+            try:
+                if not spans or attempt >= 1:  # a new route, also after every failure
+                    spans = deque(manager.make_sequence(block, end, mode="max_throughput"))
+                    spans[-1].end = min(spans[-1].end, end)
+                span = spans.popleft()
+                stub = TransformerConnectionHandler.get_stub(manager.state.p2p, span.peer_id)
+                span_prompts = request.prompts[span.start : span.end]
+                if block == 0:
+                    peer = await _peer_wire(manager, stub, span.peer_id, client_digest)
+                    tensors = _request_tensors(request, span_prompts, peer, client_digest)
+                else:
+                    tensors = (inputs, span_prompts)
+                flat_tensors, args_structure = pack_args_kwargs(*tensors)
+                uids = CHAIN_DELIMITER.join(manager.block_uids[span.start : span.end])
+                metadata = manager.get_request_metadata("rpc_forward", args_structure, uids, *flat_tensors)
+                last = span.end == end
+                if last:
+                    metadata[POSITIONS_KEY] = request.positions
+                (outputs,) = await run_remote_forward(uids, stub, manager.rpc_info, *flat_tensors,
+                                                      config=manager.config,
+                                                      metadata=MSGPackSerializer.dumps(metadata))
+                inputs = _check_answer(outputs, request.hidden_states.shape, request.positions if last else None)
+                block = span.end
+                manager.on_request_success(span.peer_id)
+                break
+            except Exception:
+                manager.on_request_failure(span.peer_id if span is not None else None)
+                if attempt + 1 == manager.config.max_retries:
+                    raise
+                await asyncio.sleep(manager.get_retry_delay(attempt))
+    return inputs
+
+
+async def _peer_wire(manager, stub, peer_id, client_digest: Optional[str]) -> _PeerWire:
+    """The server's :class:`_PeerWire`, asked once per client (its ``rpc_info``)."""
+    known: Dict[object, _PeerWire] = getattr(manager, _PEERS_ATTR)
+    if peer_id not in known:
+        from hivemind.proto import runtime_pb2
+        from hivemind.utils import MSGPackSerializer
+
+        answer = await stub.rpc_info(runtime_pb2.ExpertUID(uid=manager.block_uids[0]),
+                                     timeout=manager.config.request_timeout)
+        known[peer_id] = _PeerWire(MSGPackSerializer.loads(answer.serialized_info), client_digest)
+    return known[peer_id]
+
+
+def _request_tensors(request: _Request, span_prompts, peer: _PeerWire, client_digest: Optional[str]) -> tuple:
+    """The tensors of a first server's request: (token ids, deep prompts, prompt vectors
+    [1, P, hidden] or a dummy, the table's digest as 32 bytes) to a server that looks
+    the ids up in the client's table; else (hidden states, deep prompts) in its dtype.
+    """
+    from petals.utils.misc import DUMMY, is_dummy
+
+    if peer.token_ids and request.token_ids is not None:
+        rows, tokens = request.token_ids.shape
+        assert request.hidden_states.shape[:2] == (rows, request.prompt_tokens + tokens)
+        prompt_vectors = request.hidden_states[:1, : request.prompt_tokens] if request.prompt_tokens else DUMMY
+        digest = torch.tensor(list(bytes.fromhex(client_digest)), dtype=torch.uint8)
+        return request.token_ids.to(torch.int64), span_prompts, prompt_vectors, digest
+    prompts = span_prompts if is_dummy(span_prompts) else span_prompts.to(peer.dtype)
+    return request.hidden_states.to(peer.dtype), prompts
+
+
+def _check_answer(outputs, sent_shape: Sequence[int], wanted: Optional[List[int]]) -> torch.Tensor:
+    """A server's answer as the next step needs it: the whole hidden states from a server
+    before the last; from the last, the positions ``wanted`` (taken here from a server
+    that answered every position). A RuntimeError (a failed request) for any other shape.
+    """
+    rows, length, hidden = sent_shape
+    if not isinstance(outputs, torch.Tensor):
+        raise RuntimeError(f"a server answered a forward with {type(outputs).__name__}, not a tensor")
+    shape = tuple(outputs.shape)
+    if wanted is not None and shape == (rows, 1, hidden):
+        return outputs
+    if shape == (rows, length, hidden):
+        return outputs if wanted is None else read_positions(outputs, wanted)
+    expected = f"[{rows}, {length}, {hidden}]" + (f" or [{rows}, 1, {hidden}]" if wanted is not None else "")
+    raise RuntimeError(f"a server answered a forward with shape {list(shape)}, expected {expected}")

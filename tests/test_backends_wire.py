@@ -1,0 +1,353 @@
+"""dist_eval.backends.wire: token ids in (a first server with the client's own token
+embeddings looks them up), read positions out (the last server answers only the positions
+the classifier head reads), and the logits stay those of the local backend, bit for bit;
+a server of petals' own (which offers no table and ignores the positions) is sent hidden
+states and answers every position, and the client takes the positions itself. The swarm
+tests are marked `swarm`."""
+import os
+from unittest import mock
+
+import pytest
+import torch
+from conftest import REPO, build_checkpoint, build_tiny_model
+
+from dist_eval.backends.wire import (
+    POSITIONS_KEY,
+    _check_answer,
+    _embed_on_server,
+    _PeerWire,
+    _Request,
+    _request_tensors,
+    _server,
+    embed,
+    embeddings_digest,
+    read_positions,
+)
+
+# ------------------------------------------------------------------ the protocol's checks
+
+
+def test_read_positions_takes_one_position_per_row_exactly():
+    hidden = torch.randn(3, 5, 4)
+    read = read_positions(hidden, [4, 0, 2])
+    assert read.shape == (3, 1, 4)
+    for row, position in enumerate([4, 0, 2]):
+        assert torch.equal(read[row, 0], hidden[row, position])
+
+
+@pytest.mark.parametrize("positions", [[1, 2], [1, 2, 5], [1, -1, 2], [1, 2.0, 3], "1,2,3", None])
+def test_read_positions_refuses_positions_that_do_not_fit(positions):
+    with pytest.raises(ValueError, match=rf"{POSITIONS_KEY}: expected 3 positions in \[0, 5\), one per row"):
+        read_positions(torch.zeros(3, 5, 4), positions)
+
+
+def test_an_answer_of_every_position_is_read_here_and_a_read_answer_is_kept():
+    sent = (2, 6, 4)
+    full = torch.randn(*sent)
+    read = _check_answer(full, sent, [5, 1])  # a server of petals' own: every position
+    assert read.shape == (2, 1, 4) and torch.equal(read[:, 0], full[[0, 1], [5, 1]])
+    trimmed = torch.randn(2, 1, 4)
+    assert _check_answer(trimmed, sent, [5, 1]) is trimmed  # a dist_eval server: the positions
+    assert _check_answer(full, sent, None) is full  # a server before the last: every position
+
+
+@pytest.mark.parametrize("answer", [torch.zeros(2, 1, 4), torch.zeros(2, 6, 3), torch.zeros(3, 6, 4), "x"])
+def test_an_answer_of_another_shape_fails_the_request(answer):
+    with pytest.raises(RuntimeError, match="a server answered a forward with"):
+        _check_answer(answer, (2, 6, 4), None if isinstance(answer, torch.Tensor) and answer.shape[1] == 1 else [0, 1])
+
+
+def test_embed_puts_the_prompt_vectors_before_each_rows_looked_up_tokens():
+    table, prompts = torch.randn(10, 4), torch.randn(1, 2, 4)
+    ids = torch.tensor([[3, 0, 9], [1, 1, 2]])
+    built = embed(table, ids, prompts)
+    assert built.shape == (2, 5, 4)
+    for row in range(2):
+        assert torch.equal(built[row, :2], prompts[0]) and torch.equal(built[row, 2:], table[ids[row]])
+    assert torch.equal(embed(table, ids, None), table[ids])
+
+
+def test_the_digest_is_of_the_float32_values_and_the_shape():
+    table = torch.randn(10, 4).to(torch.float16)
+    assert embeddings_digest(table) == embeddings_digest(table.to(torch.float32))  # the client reads fp32
+    changed = table.to(torch.float32).clone()
+    changed[7, 1] += 1e-3
+    assert embeddings_digest(changed) != embeddings_digest(table)
+    assert embeddings_digest(table.reshape(20, 2)) != embeddings_digest(table)
+
+
+def test_a_server_refuses_token_ids_for_another_table_or_outside_its_own(monkeypatch):
+    from dist_eval.backends.compat import import_petals
+
+    import_petals()  # petals' own import needs dist_eval's hivemind compatibility first
+    table = torch.randn(10, 4)
+    monkeypatch.setitem(_server, "table", table)
+    monkeypatch.setitem(_server, "digest", embeddings_digest(table))
+    own = torch.tensor(list(bytes.fromhex(_server["digest"])), dtype=torch.uint8)
+    ids, prompts, vectors = torch.tensor([[1, 2]]), torch.zeros(0), torch.randn(1, 3, 4)
+    hidden, deep = _embed_on_server(ids, prompts, vectors, own)
+    assert torch.equal(hidden, embed(table, ids, vectors)) and deep is prompts
+    with pytest.raises(ValueError, match="not this server's"):
+        _embed_on_server(ids, prompts, vectors, torch.zeros(32, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"token ids \[rows, tokens\] in \[0, 10\)"):
+        _embed_on_server(torch.tensor([[1, 10]]), prompts, vectors, own)
+
+
+def test_the_first_request_is_token_ids_to_a_server_with_the_clients_table_else_hidden_states_in_its_dtype():
+    from hivemind.utils.tensor_descr import BatchTensorDescriptor
+    from petals.utils.misc import DUMMY
+
+    def info(dtype, digest=None):
+        schema = ((BatchTensorDescriptor((64,), dtype=dtype),), {})
+        return {"forward_schema": schema, **({"dist_eval_token_ids": digest} if digest else {})}
+
+    table = torch.randn(10, 4)
+    digest = embeddings_digest(table)
+    ids, vectors = torch.tensor([[1, 2, 3], [4, 5, 0]]), torch.randn(1, 2, 4)
+    hidden = embed(table, ids, vectors)
+    request = _Request(hidden, DUMMY, ids, 2, torch.tensor([4, 3]))
+    sent = _request_tensors(request, DUMMY, _PeerWire(info(torch.float32, digest), digest), digest)
+    assert torch.equal(sent[0], ids) and sent[1] is DUMMY and torch.equal(sent[2], vectors)
+    assert bytes(sent[3].tolist()).hex() == digest
+    for peer in (_PeerWire(info(torch.float32), digest), _PeerWire(info(torch.float32, "0" * 64), digest)):
+        assert [t.dtype for t in _request_tensors(request, DUMMY, peer, digest)] == [torch.float32, torch.float32]
+    deep = torch.randn(4, 1, 2, 4)
+    to_half = _request_tensors(request, deep, _PeerWire(info(torch.bfloat16), digest), digest)
+    assert torch.equal(to_half[0], hidden.to(torch.bfloat16)) and torch.equal(to_half[1], deep.to(torch.bfloat16))
+
+
+def test_every_family_that_embeds_on_servers_finds_its_table_in_the_folder_servers_read(tmp_path):
+    from transformers import AutoModel
+
+    from dist_eval.backends.families import FAMILIES
+    from dist_eval.backends.petals_folder import petals_model_folder, read_tensor
+
+    assert [name for name, family in FAMILIES.items() if family.embeds_on_server] == ["llama", "falcon"]
+    for name in ("llama", "falcon"):
+        for layout in ("causal_lm", "base", "seq_cls"):
+            folder = build_tiny_model(str(tmp_path / f"{name}-{layout}"), family=name, layout=layout)
+            served = petals_model_folder(folder, cache_dir=str(tmp_path / "cache"))
+            table = read_tensor(served, FAMILIES[name].served_embeddings_key)
+            assert torch.equal(table, AutoModel.from_pretrained(folder).get_input_embeddings().weight)
+
+
+# ------------------------------------------------------------------ on real swarms
+
+
+def _right_padded_rows(lengths, seed=0):
+    """Rows of random word ids (never the pad id 0) of these lengths, right-padded with 0."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = torch.randint(2, 60, (length,), generator=g)
+    return ids
+
+
+def _recording_forwards():
+    """(patch, calls): each remote forward's (blocks, [(shape, dtype) sent], metadata, shape answered),
+    through dist_eval's readout and through petals' own forward alike."""
+    import contextlib
+
+    from hivemind.utils import MSGPackSerializer
+
+    from dist_eval.backends.compat import import_petals
+
+    import_petals()
+    from petals.client import remote_forward_backward, sequential_autograd
+
+    calls = []
+    real = remote_forward_backward.run_remote_forward
+
+    async def recording(uid, stub, rpc_info, *inputs, metadata=None, **kwargs):
+        (answer,) = await real(uid, stub, rpc_info, *inputs, metadata=metadata, **kwargs)
+        sent = [(tuple(t.shape), t.dtype) for t in inputs]
+        calls.append((uid, sent, MSGPackSerializer.loads(metadata), tuple(answer.shape)))
+        return (answer,)
+
+    @contextlib.contextmanager
+    def patch():
+        with mock.patch.object(remote_forward_backward, "run_remote_forward", recording), \
+                mock.patch.object(sequential_autograd, "run_remote_forward", recording):
+            yield
+
+    return patch(), calls
+
+
+def _remote_and_local(swarm, model, checkpoint, batches):
+    """Each batch's logits from the petals backend (with every request recorded) and from the
+    local backend, computed with one thread; and the hidden states of the first batch."""
+    from inprocess_cli import one_thread
+
+    from dist_eval.backends import load_model
+    from dist_eval.backends.compat import import_petals
+
+    import_petals()
+    patch, calls = _recording_forwards()
+    petals = load_model("petals", model, checkpoint=checkpoint, initial_peers=swarm.initial_peers,
+                        dht_prefix=swarm.dht_prefix)
+    local = load_model("local", model, checkpoint=checkpoint)
+    try:
+        with one_thread(), torch.no_grad(), patch:
+            remote = [petals.module(ids) for ids in batches]
+            remote_hidden = petals.module.hidden_states(batches[0])
+        with one_thread(), torch.no_grad():
+            expected = [local.module(ids) for ids in batches]
+            local_hidden = local.module.hidden_states(batches[0])
+    finally:
+        petals.close()
+    return remote, expected, calls, (remote_hidden, local_hidden)
+
+
+@pytest.fixture(scope="module")
+def two_span_swarm(tiny_model):
+    """dist_eval's servers, holding blocks 0:2 and 2:4: every forward crosses both."""
+    from test_backends_petals import one_thread_swarm
+
+    yield from one_thread_swarm(tiny_model, num_servers=2, blocks_per_server=2, dht_prefix="wire")
+
+
+@pytest.fixture(scope="module")
+def stock_swarm(tiny_model):
+    """One server of petals' own (tests/stock_petals_server.py) holding every block, one thread."""
+    from dist_eval.swarm import LocalSwarm
+
+    swarm = LocalSwarm(tiny_model, num_servers=1, dht_prefix="wire-stock")
+    tests = os.path.join(REPO, "tests")
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    try:
+        with mock.patch("dist_eval.swarm.local.SERVER_MODULE", "stock_petals_server"), \
+                mock.patch.dict(os.environ, {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}):
+            swarm.start()  # only this swarm's servers are petals' own
+        yield swarm
+    finally:
+        swarm.stop()
+
+
+def _ids_sent(sent, rows, tokens, prompt_tokens=3, hidden=32):
+    """Whether a first request sent (token ids, deep prompts, prompt vectors, table digest)."""
+    return (len(sent) == 4 and sent[0] == ((rows, tokens), torch.int64) and sent[2] == ((1, prompt_tokens, hidden),
+            torch.float32) and sent[3] == ((32,), torch.uint8))
+
+
+@pytest.mark.swarm
+@pytest.mark.parametrize("tuning_mode", ["ptune", "deep_ptune"])
+def test_token_ids_go_in_the_read_positions_come_out_and_the_logits_are_unchanged(two_span_swarm, tiny_model,
+                                                                                  tmp_path, tuning_mode):
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode=tuning_mode, pre_seq_len=3)
+    batches = [_right_padded_rows([9, 4, 1, 9, 6]), _right_padded_rows([3], seed=1), _right_padded_rows([17, 2], 2)]
+    remote, expected, calls, (remote_hidden, local_hidden) = _remote_and_local(
+        two_span_swarm, tiny_model, checkpoint, batches)
+    for got, want in zip(remote, expected):
+        assert torch.equal(got, want)
+    assert torch.equal(remote_hidden, local_hidden)  # hidden_states(): petals' own requests, as before
+    forwards = calls[:2 * len(batches)]  # the logits' forwards; then hidden_states()'
+    assert len(calls) == 2 * len(batches) + 2
+    for (first, last), ids in zip(zip(forwards[::2], forwards[1::2]), batches):
+        rows, tokens = ids.shape
+        assert _ids_sent(first[1], rows, tokens), first[1]  # the server at block 0 looks them up
+        assert first[3] == (rows, tokens + 3, 32) and POSITIONS_KEY not in first[2]  # it feeds the next server
+        assert last[1][0] == ((rows, tokens + 3, 32), torch.float32)
+        lengths = (ids != 0).sum(1)
+        assert last[2][POSITIONS_KEY] == (lengths - 1 + 3).tolist()  # each row's last token, after the prompts
+        assert last[3] == (rows, 1, 32)  # what came back: one position per row
+    for _, sent, metadata, answer in calls[-2:]:  # petals' own: hidden states in, every position out
+        assert POSITIONS_KEY not in metadata and len(sent) == 2 and answer[1] == batches[0].shape[1] + 3
+
+
+@pytest.mark.swarm
+def test_a_batch_split_into_requests_reads_each_requests_positions(two_span_swarm, tiny_model, tmp_path):
+    from inprocess_cli import one_thread
+
+    from dist_eval.backends import load_model
+    from dist_eval.backends.requests import RequestTooLarge, learn_server_limit
+
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), pre_seq_len=3)
+    ids = _right_padded_rows([9, 4, 1, 9, 6, 2, 7])
+    patch, calls = _recording_forwards()
+    petals = load_model("petals", tiny_model, checkpoint=checkpoint, initial_peers=two_span_swarm.initial_peers,
+                        dht_prefix=two_span_swarm.dht_prefix)
+    try:
+        with one_thread(), torch.no_grad(), patch:
+            learn_server_limit(petals.module.sequence_manager, RequestTooLarge(3 * (9 + 3)), row_tokens=9 + 3)
+            split = petals.module(ids)  # requests of 3, 3 and 1 rows
+    finally:
+        petals.close()
+    with one_thread(), torch.no_grad():
+        local = load_model("local", tiny_model, checkpoint=checkpoint).module(ids)
+    assert torch.allclose(split, local, rtol=1e-5, atol=1e-6)  # rows cut differently: float rounding at most
+    assert sorted(len(sent) == 4 and sent[0][0] for _, sent, metadata, _ in calls if POSITIONS_KEY not in metadata) \
+        == [(1, 9), (3, 9), (3, 9)]
+    assert sorted(positions for _, _, metadata, _ in calls if (positions := metadata.get(POSITIONS_KEY))) == \
+        sorted([[8 + 3, 3 + 3, 0 + 3], [8 + 3, 5 + 3, 1 + 3], [6 + 3]])
+    assert sorted(answer for _, _, metadata, answer in calls if POSITIONS_KEY in metadata) == \
+        [(1, 1, 32), (3, 1, 32), (3, 1, 32)]
+
+
+@pytest.mark.swarm
+def test_a_client_whose_token_embeddings_differ_sends_hidden_states(two_span_swarm, tiny_model, tmp_path):
+    """The same blocks, other token embeddings (one value changed): the servers' table is
+    not the client's, so the client embeds, and its logits are those of its own model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    other = str(tmp_path / "other")
+    shutil.copytree(tiny_model, other)
+    weights = load_file(os.path.join(other, "model.safetensors"))
+    weights["model.embed_tokens.weight"][7, 3] += 0.5
+    save_file(weights, os.path.join(other, "model.safetensors"), metadata={"format": "pt"})
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), pre_seq_len=3)
+    batches = [_right_padded_rows([9, 4, 1]), _right_padded_rows([5, 11], seed=3)]
+    remote, expected, calls, _ = _remote_and_local(two_span_swarm, other, checkpoint, batches)
+    for got, want in zip(remote, expected):
+        assert torch.equal(got, want)
+    firsts = [sent for _, sent, metadata, _ in calls[:2 * len(batches)] if POSITIONS_KEY not in metadata]
+    assert firsts == [[((ids.shape[0], ids.shape[1] + 3, 32), torch.float32), ((0,), torch.float32)]
+                      for ids in batches]  # hidden states (and no deep prompts), not token ids
+
+
+@pytest.mark.swarm
+def test_a_server_of_petals_own_is_sent_hidden_states_and_answers_every_position(stock_swarm, tiny_model, tmp_path):
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode="deep_ptune", pre_seq_len=3)
+    batches = [_right_padded_rows([9, 4, 1, 9, 6]), _right_padded_rows([5, 11], seed=3)]
+    remote, expected, calls, _ = _remote_and_local(stock_swarm, tiny_model, checkpoint, batches)
+    for got, want in zip(remote, expected):
+        assert torch.equal(got, want)
+    for (_, sent, metadata, answer), ids in zip(calls[:len(batches)], batches):
+        shape = (ids.shape[0], ids.shape[1] + 3, 32)
+        assert len(sent) == 2 and sent[0] == (shape, torch.float32)  # no table offered: hidden states
+        assert POSITIONS_KEY in metadata and answer == shape  # asked, and ignored: every position came back
+
+
+@pytest.mark.swarm
+def test_hidden_states_travel_in_the_servers_dtype_and_the_logits_equal_petals_own_requests(tmp_path):
+    """BLOOM keeps its embedding step on the client: it sends hidden states, converted to the
+    server's bfloat16 before they leave; the logits equal those of petals' own requests
+    (which send float32 for the server to convert), bit for bit."""
+    from inprocess_cli import one_thread
+
+    from dist_eval.backends import load_model
+    from dist_eval.swarm import LocalSwarm
+
+    bloom = build_tiny_model(str(tmp_path / "bloom"), family="bloom")
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode="deep_ptune", pre_seq_len=3)
+    batches = [_right_padded_rows([9, 4, 1, 9, 6]), _right_padded_rows([5, 11], seed=3)]
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), \
+            LocalSwarm(bloom, num_servers=1, dht_prefix="wire-bloom-bf16", torch_dtype="bfloat16") as swarm:
+        patch, calls = _recording_forwards()
+        petals = load_model("petals", bloom, checkpoint=checkpoint, initial_peers=swarm.initial_peers,
+                            dht_prefix=swarm.dht_prefix)
+        try:
+            with one_thread(), patch:
+                with torch.no_grad():
+                    wire = [petals.module(ids) for ids in batches]
+                with torch.enable_grad():  # a training step: petals' own requests
+                    own = [petals.module(ids).detach() for ids in batches]
+        finally:
+            petals.close()
+    for got, want in zip(wire, own):
+        assert torch.equal(got, want)
+    for (_, sent, _, answer), ids in zip(calls[:len(batches)], batches):
+        assert len(sent) == 2 and sent[0] == ((ids.shape[0], ids.shape[1] + 3, 32), torch.bfloat16)
+        assert sent[1][1] == torch.bfloat16 and answer == (ids.shape[0], 1, 32)
+    assert all(sent[0][1] == torch.float32 for _, sent, _, _ in calls[len(batches):])  # petals' own: float32
