@@ -275,7 +275,8 @@ class EvalConfig:
     # the swarm and the process group
     local_servers: Optional[int] = _opt(
         "Servers of the local swarm started when --initial-peers is omitted (default: 2 on the CPU; on GPUs "
-        "full replicas, as many per GPU as fit in half its memory, at most 8).",
+        "as many per GPU as fit in half its memory, at most 8). Each holds every block where they all fit in "
+        "half the memory; else every block is on two of them.",
         default=None,
     )
     local_device: str = _opt(

@@ -10,9 +10,10 @@ from dist_eval.swarm.placement import SwarmError
 GIB = 2**30
 
 
-def plan(device="auto", servers=None, dtype=None, gpus=(), weights=2 * GIB, saved="float16", blocks=22, cpus=16):
+def plan(device="auto", servers=None, dtype=None, gpus=(), weights=2 * GIB, saved="float16", blocks=22, cpus=16,
+         ram=0):
     return plan_servers(device, servers, dtype, gpu_memory=[g * GIB for g in gpus], weight_bytes=weights,
-                        saved_dtype=saved, num_blocks=blocks, cpus=cpus)
+                        saved_dtype=saved, num_blocks=blocks, cpus=cpus, cpu_memory=ram * GIB)
 
 
 def test_cpu_plan_is_what_it_was():
@@ -21,6 +22,17 @@ def test_cpu_plan_is_what_it_was():
         assert p == ServerPlan(("cpu", "cpu"), "float32", None, None, threads=8)
         assert p.server_args(1) == ["--device", "cpu", "--torch_dtype", "float32"]
     assert plan("cpu", servers=3, dtype="bfloat16").devices == ("cpu",) * 3
+
+
+def test_cpu_servers_hold_full_replicas_where_they_fit_half_the_memory_available():
+    # 2 GiB saved in fp16 = 4 GiB per float32 replica
+    assert plan("cpu", servers=3, ram=24).blocks_per_server == 22  # 12 GiB <= half of 24
+    assert plan("cpu", servers=3, ram=23).blocks_per_server is None  # two servers a block (placement's layout)
+    assert plan("cpu", servers=3, ram=12, dtype="bfloat16").blocks_per_server == 22  # 6 GiB in bf16
+    assert plan("cpu", ram=16).blocks_per_server == 22 and plan("cpu", ram=0).blocks_per_server is None
+    from dist_eval.swarm.devices import available_memory
+
+    assert available_memory() > 0  # /proc/meminfo on Linux
 
 
 def test_the_cores_are_shared_out_among_the_servers():

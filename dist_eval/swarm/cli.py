@@ -33,8 +33,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--servers",
         type=int,
         default=None,
-        help="Number of server processes (default: 2 on the CPU, every block on both; on GPUs, full "
-        "replicas, as many per GPU as fit in half its memory, at most 8).",
+        help="Number of server processes (default: 2 on the CPU; on GPUs, as many per GPU as fit in half its "
+        "memory, at most 8). Each holds every block where they all fit in half the memory (the GPU's, or the "
+        "memory available here); else every block is on 2 servers.",
     )
     p.add_argument(
         "--port", type=int, default=None, help="First TCP port (servers use PORT, PORT+1, ...; default: free ports)."
@@ -46,7 +47,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--start-timeout", type=float, default=120.0, help="Seconds to wait for every block to be served (default 120)."
     )
     p.add_argument(
-        "--blocks-per-server", type=int, default=None, help="Blocks per server (default: every block on 2 servers)."
+        "--blocks-per-server", type=int, default=None, help="Blocks per server (default: see --servers)."
     )
     p.add_argument(
         "--log-dir", default=None, help="Keep the servers' logs here (default: a temp folder removed at exit)."

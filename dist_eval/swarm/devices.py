@@ -13,7 +13,13 @@ as many per GPU as fit in a share of its memory, at most 8; in fp16 (bf16 for a 
 saved in bf16), petals' own default being the saved dtype (fp32 for many checkpoints);
 and each server accepts requests of up to 16384 tokens (petals' default 2048), which
 paid off with bigger requests on few servers. On the CPU and on GPUs alike, the cores are
-shared out among the servers (``threads``: ``OMP_NUM_THREADS``, unless set already).
+shared out among the servers (``threads``: ``OMP_NUM_THREADS``, unless set already), and
+the servers hold full replicas wherever they fit in a share of the device's memory: then
+every request is one hop, and any server can fail. On the CPU, where a server computes
+with one thread of its own, K servers on one machine are there for parallelism; with
+every block on only two of them (``placement.plan_blocks``, the layout when they do not
+fit) a request crossed one or two servers, and the server holding every block got ~78% of
+the work (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from dist_eval.swarm.placement import SwarmError
 CPU_SERVERS = 2  # every block on both: one may fail without a block going missing
 GPU_SERVERS_MAX = 8  # per GPU; the most measured to pay off
 GPU_WEIGHT_SHARE = 0.5  # of a GPU's memory the servers' weights may take; the rest: activations, caches
+CPU_WEIGHT_SHARE = 0.5  # of the memory available here that the CPU servers' full replicas may take
 GPU_MAX_BATCH_SIZE = 16384  # tokens per request a GPU server accepts
 DTYPES = ("float32", "float16", "bfloat16")
 # what may be asked for: auto, cpu, cuda (every visible GPU), cuda:K (group 1: K)
@@ -43,7 +50,7 @@ class ServerPlan:
 
     devices: Tuple[str, ...]
     torch_dtype: str
-    blocks_per_server: Optional[int]  # None: placement's default (every block on 2 servers)
+    blocks_per_server: Optional[int]  # every block (full replicas), or None: placement's default (2 servers a block)
     max_batch_size: Optional[int]  # None: petals' default
     threads: Optional[int] = None  # CPU threads of each server (OMP_NUM_THREADS); None: torch's default
 
@@ -73,21 +80,25 @@ def plan_servers(
     saved_dtype: str,
     num_blocks: int,
     cpus: int = 1,
+    cpu_memory: int = 0,
 ) -> ServerPlan:
     """The servers for ``device`` (``auto``: every visible GPU if any, else the CPU; ``cpu``;
     ``cuda``: every visible GPU; ``cuda:K``: that one) and ``num_servers`` (None: the
     device's default), in ``torch_dtype`` (None: float32 on the CPU, the saved 16-bit
     dtype or float16 on a GPU). ``gpu_memory``: bytes of each visible GPU;
     ``weight_bytes``: the model's weights as saved, in ``saved_dtype``; ``cpus``: the CPU
-    cores here, shared out among the servers (``threads``).
+    cores here, shared out among the servers (``threads``); ``cpu_memory``: bytes of memory
+    available here (0: unknown), which CPU servers' full replicas must fit a share of.
     """
     if torch_dtype is not None and torch_dtype not in DTYPES:
         raise SwarmError(f"torch_dtype={torch_dtype!r}: expected one of {', '.join(DTYPES)} (or none: the default).")
     check_num_servers(num_servers)
     gpus = _gpus_of(device, len(gpu_memory))
     if not gpus:
-        count = num_servers or CPU_SERVERS
-        return ServerPlan(("cpu",) * count, torch_dtype or "float32", None, None, _threads(cpus, count))
+        count, dtype = num_servers or CPU_SERVERS, torch_dtype or "float32"
+        replica = weight_bytes * _BYTES[dtype] // _BYTES.get(saved_dtype, 4)
+        full = count * replica <= cpu_memory * CPU_WEIGHT_SHARE  # else two servers a block
+        return ServerPlan(("cpu",) * count, dtype, num_blocks if full else None, None, _threads(cpus, count))
     dtype = torch_dtype or (saved_dtype if saved_dtype in ("float16", "bfloat16") else "float16")
     replica = weight_bytes * _BYTES[dtype] // _BYTES.get(saved_dtype, 4)
     budget = min(int(gpu_memory[g] * GPU_WEIGHT_SHARE) for g in gpus)
@@ -166,6 +177,18 @@ def visible_gpu_memory(device: str) -> List[int]:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise SwarmError(f"device={device!r}: could not ask torch for the GPUs ({tail}).")
     return [int(x) for x in done.stdout.split()]
+
+
+def available_memory() -> int:
+    """Bytes of memory available here for new processes (MemAvailable of /proc/meminfo; 0 where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _driver_sees_gpus() -> bool:

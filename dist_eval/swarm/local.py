@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from dist_eval.atomic import atomic_write
 from dist_eval.errors import one_line
-from dist_eval.swarm.devices import check_num_servers, model_weights, plan_servers, visible_gpu_memory
+from dist_eval.swarm.devices import available_memory, check_num_servers, model_weights, plan_servers, visible_gpu_memory
 from dist_eval.swarm.placement import (
     SwarmError,
     _check_block_range,
@@ -137,12 +137,14 @@ class LocalSwarm:
     ``source_dir`` is the folder given, and names the default ``dht_prefix``), see
     :mod:`dist_eval.backends.petals_folder`.
 
-    Placement (see :func:`plan_blocks`): each server serves one contiguous range
-    (``--block_indices A:B``). With one server it serves every block; with K >= 2
-    every block is on two servers (two layers of servers, each splitting the blocks),
-    so a failed server leaves no block missing; each server then holds about 2L/K of
-    the L blocks (K=2: both serve all). ``blocks_per_server=B`` overrides: B blocks per
-    server, ranges evenly spread (must cover every block). ``placement`` lists the ranges.
+    Placement: each server serves one contiguous range (``--block_indices A:B``). Every
+    server holds every block where the K replicas fit in a share of the memory (the GPU's,
+    or the memory available here for CPU servers: :func:`~dist_eval.swarm.devices.plan_servers`):
+    every request is then one hop. Else (:func:`plan_blocks`) every block is on two
+    servers (two layers of servers, each splitting the blocks), so a failed server leaves
+    no block missing; each server then holds about 2L/K of the L blocks (K=2: both serve
+    all). ``blocks_per_server=B`` overrides: B blocks per server, ranges evenly spread
+    (must cover every block). ``placement`` lists the ranges.
 
     ``block_range=(A, B)`` places the servers on blocks A..B-1 only (the rest of the
     model served by other hosts); ``placement`` is then within that range.
@@ -244,7 +246,7 @@ class LocalSwarm:
         return plan_servers(
             device, num_servers, torch_dtype, gpu_memory=visible_gpu_memory(device),
             weight_bytes=weight_bytes * (last - first) // self.num_blocks, saved_dtype=saved_dtype,
-            num_blocks=last - first, cpus=os.cpu_count() or 1,
+            num_blocks=last - first, cpus=os.cpu_count() or 1, cpu_memory=available_memory(),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ public
