@@ -7,6 +7,7 @@ from test_merge import payload
 from torch.utils.data import DistributedSampler
 
 from dist_eval.data import plan_batches, shard_batch_ids
+from dist_eval.data.batches import snake_order
 from dist_eval.merge import merge_gathered
 
 SIZES = [1, 2, 3, 5, 7, 100]
@@ -20,11 +21,12 @@ def test_shards_cover_every_row_once(world, num_rows, batch_size):
     shards = [shard_batch_ids(len(batches), r, world) for r in range(world)]
     rows = np.concatenate([batches[b] for shard in shards for b in shard])
     assert sorted(rows.tolist()) == list(range(num_rows))
-    # shards are DistributedSampler's (no padding): sizes differ by at most one batch
+    # shards are DistributedSampler's (no padding) of the ids in snake order: sizes differ by at most one batch
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    order = snake_order(len(batches), world)
     for r, shard in enumerate(shards):
         padded = list(DistributedSampler(range(len(batches)), num_replicas=world, rank=r, shuffle=False))
-        assert padded[: len(shard)] == shard
+        assert sorted(order[p] for p in padded[: len(shard)]) == shard
     merged = merge_gathered([payload(np.concatenate([batches[b] for b in s]) if s else []) for s in shards], num_rows)
     assert merged.indices.tolist() == list(range(num_rows))
     assert merged.num_duplicates_dropped == 0
@@ -32,6 +34,18 @@ def test_shards_cover_every_row_once(world, num_rows, batch_size):
 
 def test_more_ranks_than_batches_leaves_ranks_empty():
     assert [shard_batch_ids(1, r, 4) for r in range(4)] == [[0], [], [], []]
+
+
+def test_snake_order_deals_every_rank_nearly_the_same_cost():
+    assert snake_order(7, 3) == [0, 1, 2, 5, 4, 3, 6]
+    assert snake_order(5, 1) == [0, 1, 2, 3, 4] and snake_order(0, 2) == []
+    assert [shard_batch_ids(9, r, 2) for r in range(2)] == [[0, 3, 4, 7, 8], [1, 2, 5, 6]]
+    costs = np.sort(np.random.default_rng(0).integers(100, 2048, size=41))[::-1]  # a plan: longest first
+    for world in (2, 3, 4, 8):
+        totals = [int(costs[shard_batch_ids(len(costs), r, world)].sum()) for r in range(world)]
+        assert max(totals) - min(totals) <= costs[0]  # at most one batch apart
+        dealt = [int(costs[r::world].sum()) for r in range(world)]  # plan order: rank 0 gets the most
+        assert max(totals) - min(totals) < max(dealt) - min(dealt)
 
 
 def _lengths(num_rows, seed=0):
