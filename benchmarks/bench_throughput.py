@@ -8,7 +8,9 @@ of ``--rows`` sentences with a long-tailed spread of lengths (8 to 128 tokens, m
 about 24). Every configuration is a fresh process (torchrun for dist_eval), so start-up
 is part of the end-to-end figure; the eval-loop figure is rows / the slowest rank's loop
 time (tokenisation included, model loading not). Each configuration must give the plain
-loop's predictions, or the benchmark fails.
+loop's predictions, or the benchmark fails. The plain loop (the baseline, ``x plain``) runs
+petals' own client, as the tutorial's users have it; a second row runs the same loop
+through the client dist_eval drives (``benchmarks/plain_loop.py --client dist_eval``).
 
 Where the time goes: for each configuration, the client ranks' CPU seconds inside the
 evaluation loop (``time.process_time`` of each rank, summed) and the server processes'
@@ -40,7 +42,8 @@ sys.path.insert(0, ROOT)
 # (name, ranks, extra flags). ranks None: the plain tutorial loop.
 OFF = ["--batch-size", "16", "--no-length-buckets", "--max-batch-tokens", "0", "--in-flight", "1"]
 CONFIGS = [
-    ("plain loop (tutorial), 1 process", None, []),
+    ("plain loop (tutorial), 1 process", None, []),  # petals' own client: the baseline
+    ("plain loop, dist_eval's client", None, ["--client", "dist_eval"]),
     ("dist_eval N=1, defaults", 1, []),
     ("dist_eval N=2, defaults", 2, []),
     ("dist_eval N=4, defaults", 4, []),
@@ -142,7 +145,7 @@ def _children_cpu_seconds() -> float:
 def run_config(name, ranks, extra, assets, data_dir, swarm, workdir, env):
     out_dir = os.path.join(workdir, f"out-{abs(hash(name))}")
     if ranks is None:
-        out_json = os.path.join(workdir, "plain.json")
+        out_json = os.path.join(workdir, f"plain-{abs(hash(name))}.json")
         cmd = [
             sys.executable,
             os.path.join(ROOT, "benchmarks", "plain_loop.py"),
@@ -154,6 +157,7 @@ def run_config(name, ranks, extra, assets, data_dir, swarm, workdir, env):
             *swarm.initial_peers,
             "--dht-prefix",
             swarm.dht_prefix,
+            *extra,
         ]
     else:
         cmd = [
@@ -223,7 +227,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per configuration, round-robin over the configurations; the median is reported")
     p.add_argument(
-        "--only", nargs="*", default=None, help="substrings of configuration names to run (plain loop always runs)"
+        "--only", nargs="*", default=None, help="substrings of configuration names to run (the plain loops always run)"
     )
     p.add_argument("--server-args", default="", help='petals server flags for the swarm, e.g. '
                    '--server-args="--max_batch_size 8192" (caps over 2048 are split for servers without it)')
