@@ -65,6 +65,8 @@ def test_embed_puts_the_prompt_vectors_before_each_rows_looked_up_tokens():
     for row in range(2):
         assert torch.equal(built[row, :2], prompts[0]) and torch.equal(built[row, 2:], table[ids[row]])
     assert torch.equal(embed(table, ids, None), table[ids])
+    for saved in (torch.float16, torch.bfloat16):  # a server keeps the table as saved; the client reads it in fp32
+        assert torch.equal(embed(table.to(saved), ids, prompts), embed(table.to(saved).to(torch.float32), ids, prompts))
 
 
 def test_the_digest_is_of_the_float32_values_and_the_shape():
@@ -351,3 +353,32 @@ def test_hidden_states_travel_in_the_servers_dtype_and_the_logits_equal_petals_o
         assert len(sent) == 2 and sent[0] == ((ids.shape[0], ids.shape[1] + 3, 32), torch.bfloat16)
         assert sent[1][1] == torch.bfloat16 and answer == (ids.shape[0], 1, 32)
     assert all(sent[0][1] == torch.float32 for _, sent, _, _ in calls[len(batches):])  # petals' own: float32
+
+
+@pytest.mark.swarm
+def test_a_table_saved_in_float16_is_looked_up_as_the_client_reads_it(tiny_model, tmp_path):
+    """The server keeps the table as saved (float16, half the memory) and widens the rows it
+    looks up; the client reads the same table in float32: same digest, token ids sent, the
+    logits those of the local backend bitwise."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dist_eval.swarm import LocalSwarm
+
+    half = str(tmp_path / "half")
+    shutil.copytree(tiny_model, half)
+    weights = {k: v.to(torch.float16) for k, v in load_file(os.path.join(half, "model.safetensors")).items()}
+    save_file(weights, os.path.join(half, "model.safetensors"), metadata={"format": "pt"})
+    config = json.load(open(os.path.join(half, "config.json")))
+    json.dump({**config, "torch_dtype": "float16"}, open(os.path.join(half, "config.json"), "w"))
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), pre_seq_len=3)
+    batches = [_right_padded_rows([9, 4, 1, 9, 6]), _right_padded_rows([5, 11], seed=3)]
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), \
+            LocalSwarm(half, num_servers=1, dht_prefix="wire-half", torch_dtype="float32") as swarm:
+        remote, expected, calls, _ = _remote_and_local(swarm, half, checkpoint, batches)
+    for got, want in zip(remote, expected):
+        assert torch.equal(got, want)
+    for (_, sent, _, answer), ids in zip(calls[:len(batches)], batches):
+        assert _ids_sent(sent, *ids.shape) and answer == (ids.shape[0], 1, 32)

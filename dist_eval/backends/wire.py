@@ -15,7 +15,7 @@ the machine (benchmarks/RESULTS.md). So, on a classifier's no-grad forward
    feed the next one). A server of petals' own ignores the key and answers every position;
    the client takes the positions itself.
 2. **Token ids in.** A server dist_eval starts that holds block 0 keeps the token embeddings
-   (float32, in memory shared by its connection handlers) and says so in its ``rpc_info``
+   (as saved, in memory shared by its connection handlers) and says so in its ``rpc_info``
    (:data:`TOKEN_IDS_KEY`: the SHA-256 of the table). The client asks each server of a
    forward's first span for that once; to a server whose table is the client's own, bit for
    bit, it sends the token ids [rows, tokens] (int64) and the prompt vectors [1, P, hidden]
@@ -75,10 +75,11 @@ def read_positions(hidden_states: torch.Tensor, positions) -> torch.Tensor:
 
 
 def embed(table: torch.Tensor, token_ids: torch.Tensor, prompts: Optional[torch.Tensor]) -> torch.Tensor:
-    """[rows, P + tokens, hidden]: ``prompts`` [1, P, hidden] (or None) before each row's
-    looked-up tokens, as petals' client builds a forward's input (float32).
+    """[rows, P + tokens, hidden] in float32: ``prompts`` [1, P, hidden] (or None) before each
+    row's looked-up tokens, as petals' client builds a forward's input (its table is the
+    same one in float32: a 16-bit value widens to float32 exactly).
     """
-    embedded = torch.nn.functional.embedding(token_ids, table)
+    embedded = torch.nn.functional.embedding(token_ids, table).to(torch.float32)
     if prompts is None:
         return embedded
     return torch.cat([prompts.to(embedded.dtype).expand(token_ids.shape[0], -1, -1), embedded], dim=1)
@@ -149,7 +150,7 @@ def _load_server_table(model_dir: str) -> None:
     family = family_of_folder(model_dir)
     if not family.embeds_on_server:
         return
-    table = read_tensor(model_dir, family.served_embeddings_key).to(torch.float32)
+    table = read_tensor(model_dir, family.served_embeddings_key)  # as saved: looked-up rows widen to float32
     _server.update(table=table, digest=embeddings_digest(table))
 
 
