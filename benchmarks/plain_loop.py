@@ -9,7 +9,7 @@ the mask left out, which is what dist_eval does too.)
 with its default client settings, as a user of the tutorial has it; the trained prompts and
 head are copied into it from the checkpoint. ``--client dist_eval``: the same loop through
 ``dist_eval.load_model`` (the client dist_eval drives: its request sizing and wire
-protocol, failover settings), which is how this baseline was run before 2026-11-24.
+protocol, failover settings), which is how this baseline ran until 2026-11-23 (benchmarks/RESULTS.md).
 
     python benchmarks/plain_loop.py MODEL_DIR DATA_DIR CHECKPOINT OUT_JSON --initial-peers ... --dht-prefix NAME
 """
