@@ -116,6 +116,11 @@ def test_the_first_request_is_token_ids_to_a_server_with_the_clients_table_else_
     deep = torch.randn(4, 1, 2, 4)
     to_half = _request_tensors(request, deep, _PeerWire(info(torch.bfloat16), digest), digest)
     assert torch.equal(to_half[0], hidden.to(torch.bfloat16)) and torch.equal(to_half[1], deep.to(torch.bfloat16))
+    ids_to_half = _request_tensors(request, deep, _PeerWire(info(torch.bfloat16, digest), digest), digest)
+    assert torch.equal(ids_to_half[0], ids) and torch.equal(ids_to_half[2], vectors.to(torch.bfloat16))
+    # what the server then builds, converted to its dtype, is what the hidden states converted are
+    built = embed(table, ids, ids_to_half[2]).to(torch.bfloat16)
+    assert torch.equal(built, hidden.to(torch.bfloat16)) and torch.equal(ids_to_half[1], deep.to(torch.bfloat16))
 
 
 def test_every_family_that_embeds_on_servers_finds_its_table_in_the_folder_servers_read(tmp_path):
@@ -322,22 +327,24 @@ def test_a_server_of_petals_own_is_sent_hidden_states_and_answers_every_position
 
 
 @pytest.mark.swarm
-def test_hidden_states_travel_in_the_servers_dtype_and_the_logits_equal_petals_own_requests(tmp_path):
-    """BLOOM keeps its embedding step on the client: it sends hidden states, converted to the
-    server's bfloat16 before they leave; the logits equal those of petals' own requests
-    (which send float32 for the server to convert), bit for bit."""
+@pytest.mark.parametrize("family", ["bloom", "llama"])
+def test_what_goes_to_a_bf16_server_goes_in_its_dtype_and_the_logits_equal_petals_own_requests(tmp_path, family):
+    """A bfloat16 server: BLOOM's client (it keeps its embedding step) sends hidden states,
+    Llama's the token ids and prompt vectors, each in bfloat16 before they leave; the
+    logits equal those of petals' own requests (float32 sent, converted by the server) bit
+    for bit."""
     from inprocess_cli import one_thread
 
     from dist_eval.backends import load_model
     from dist_eval.swarm import LocalSwarm
 
-    bloom = build_tiny_model(str(tmp_path / "bloom"), family="bloom")
+    folder = build_tiny_model(str(tmp_path / family), family=family)
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode="deep_ptune", pre_seq_len=3)
     batches = [_right_padded_rows([9, 4, 1, 9, 6]), _right_padded_rows([5, 11], seed=3)]
     with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), \
-            LocalSwarm(bloom, num_servers=1, dht_prefix="wire-bloom-bf16", torch_dtype="bfloat16") as swarm:
+            LocalSwarm(folder, num_servers=1, dht_prefix=f"wire-{family}-bf16", torch_dtype="bfloat16") as swarm:
         patch, calls = _recording_forwards()
-        petals = load_model("petals", bloom, checkpoint=checkpoint, initial_peers=swarm.initial_peers,
+        petals = load_model("petals", folder, checkpoint=checkpoint, initial_peers=swarm.initial_peers,
                             dht_prefix=swarm.dht_prefix)
         try:
             with one_thread(), patch:
@@ -350,8 +357,13 @@ def test_hidden_states_travel_in_the_servers_dtype_and_the_logits_equal_petals_o
     for got, want in zip(wire, own):
         assert torch.equal(got, want)
     for (_, sent, _, answer), ids in zip(calls[:len(batches)], batches):
-        assert len(sent) == 2 and sent[0] == ((ids.shape[0], ids.shape[1] + 3, 32), torch.bfloat16)
-        assert sent[1][1] == torch.bfloat16 and answer == (ids.shape[0], 1, 32)
+        rows, tokens = ids.shape
+        if family == "llama":
+            assert [dtype for _, dtype in sent] == [torch.int64, torch.bfloat16, torch.bfloat16, torch.uint8]
+            assert sent[2][0] == (1, 3, 32)
+        else:
+            assert sent == [((rows, tokens + 3, 32), torch.bfloat16), ((4, 1, 3, 32), torch.bfloat16)]
+        assert answer == (rows, 1, 32)
     assert all(sent[0][1] == torch.float32 for _, sent, _, _ in calls[len(batches):])  # petals' own: float32
 
 
