@@ -150,10 +150,12 @@ def test_bounded_remote_forward_retries_then_fails(monkeypatch):
         return "hidden"
 
     def classifier_over(remote_forward):
+        import torch
+
         layers = types.SimpleNamespace(forward=remote_forward, sequence_manager=manager)
-        PetalsClassifier(
-            types.SimpleNamespace(model=types.SimpleNamespace(layers=layers)), FAMILIES["llama"], swarm_timeout=30.0
-        )
+        model = types.SimpleNamespace(layers=layers, embed_tokens=types.SimpleNamespace(weight=torch.zeros(5, 2)))
+        config = types.SimpleNamespace(tuning_mode=None, pre_seq_len=0)
+        PetalsClassifier(types.SimpleNamespace(model=model, config=config), FAMILIES["llama"], swarm_timeout=30.0)
         return layers.forward  # now the bounded version
 
     monkeypatch.setattr("time.sleep", lambda s: None)

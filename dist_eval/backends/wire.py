@@ -21,8 +21,8 @@ the machine (benchmarks/RESULTS.md). So, on a classifier's no-grad forward
    bit, it sends the token ids [rows, tokens] (int64) and the prompt vectors [1, P, hidden]
    instead of the hidden states, and the server builds ``cat(prompts, table[ids])`` exactly
    as the client would have. Only for families whose embedding step is that lookup and
-   concatenation and nothing else (``Family.embeds_on_server``: Llama, Falcon; BLOOM
-   normalises the embeddings, arithmetic that stays on the client).
+   concatenation and nothing else (``Family.embeds_on_server``; a family that normalises
+   the embeddings keeps that arithmetic on the client, and sends hidden states).
 3. Hidden states sent to the first server go in that server's dtype (float16 on a GPU
    server, half of float32), the conversion it would have made on arrival.
 

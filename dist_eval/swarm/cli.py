@@ -33,9 +33,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--servers",
         type=int,
         default=None,
-        help="Number of server processes (default: 2 on the CPU; on GPUs, as many per GPU as fit in half its "
-        "memory, at most 8). Each holds every block where they all fit in half the memory (the GPU's, or the "
-        "memory available here); else every block is on 2 servers.",
+        help="Server processes (default: 2 on the CPU; on GPUs as many per GPU as fit in half its memory, at most "
+        "8), each with every block where they all fit in half the memory, else every block on 2 of them.",
     )
     p.add_argument(
         "--port", type=int, default=None, help="First TCP port (servers use PORT, PORT+1, ...; default: free ports)."
