@@ -105,18 +105,28 @@ def test_the_first_request_is_token_ids_to_a_server_with_the_clients_table_else_
 
     table = torch.randn(10, 4)
     digest = embeddings_digest(table)
+    computed = []
+
+    def own_digest():  # the client's, computed only when a server offers a table
+        computed.append(1)
+        return digest
+
+    def never():
+        raise AssertionError("the client's digest computed with no table offered")
+
     ids, vectors = torch.tensor([[1, 2, 3], [4, 5, 0]]), torch.randn(1, 2, 4)
     hidden = embed(table, ids, vectors)
     request = _Request(hidden, DUMMY, ids, 2, torch.tensor([4, 3]))
-    sent = _request_tensors(request, DUMMY, _PeerWire(info(torch.float32, digest), digest), digest)
+    sent = _request_tensors(request, DUMMY, _PeerWire(info(torch.float32, digest), own_digest))
     assert torch.equal(sent[0], ids) and sent[1] is DUMMY and torch.equal(sent[2], vectors)
-    assert bytes(sent[3].tolist()).hex() == digest
-    for peer in (_PeerWire(info(torch.float32), digest), _PeerWire(info(torch.float32, "0" * 64), digest)):
-        assert [t.dtype for t in _request_tensors(request, DUMMY, peer, digest)] == [torch.float32, torch.float32]
+    assert bytes(sent[3].tolist()).hex() == digest and computed == [1]
+    for peer in (_PeerWire(info(torch.float32), never), _PeerWire(info(torch.float32, "0" * 64), own_digest),
+                 _PeerWire(info(torch.float32, digest), None)):
+        assert [t.dtype for t in _request_tensors(request, DUMMY, peer)] == [torch.float32, torch.float32]
     deep = torch.randn(4, 1, 2, 4)
-    to_half = _request_tensors(request, deep, _PeerWire(info(torch.bfloat16), digest), digest)
+    to_half = _request_tensors(request, deep, _PeerWire(info(torch.bfloat16), never))
     assert torch.equal(to_half[0], hidden.to(torch.bfloat16)) and torch.equal(to_half[1], deep.to(torch.bfloat16))
-    ids_to_half = _request_tensors(request, deep, _PeerWire(info(torch.bfloat16, digest), digest), digest)
+    ids_to_half = _request_tensors(request, deep, _PeerWire(info(torch.bfloat16, digest), own_digest))
     assert torch.equal(ids_to_half[0], ids) and torch.equal(ids_to_half[2], vectors.to(torch.bfloat16))
     # what the server then builds, converted to its dtype, is what the hidden states converted are
     built = embed(table, ids, ids_to_half[2]).to(torch.bfloat16)

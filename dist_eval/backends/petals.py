@@ -1,6 +1,7 @@
 """The petals backend: transformer blocks run on a swarm; embeddings, prompts and head run here."""
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Optional
@@ -58,9 +59,11 @@ class PetalsClassifier(nn.Module):
         send_batches_whole(self.sequence_manager)  # one request per batch (backends.requests)
         config = inner.config
         self._prompt_tokens = config.pre_seq_len if getattr(config, "tuning_mode", None) else 0
-        # the client's token embeddings, which a first server must hold too to be sent token ids
-        self._embeddings_digest = (embeddings_digest(family.get(inner, family.embeddings).weight)
-                                   if family.embeds_on_server else None)
+        # the digest of the client's token embeddings, which a first server must hold too to be
+        # sent token ids: computed once, when a server first offers its own (backends.wire)
+        table = family.get(inner, family.embeddings).weight
+        self._own_digest = functools.lru_cache(maxsize=None)(lambda: embeddings_digest(table)) \
+            if family.embeds_on_server else None
         # per thread (batches in flight run in threads): the token ids of the forward running
         # in this thread and the positions its head reads, for its remote blocks (backends.wire)
         self._forward_facts = threading.local()
@@ -126,8 +129,7 @@ class PetalsClassifier(nn.Module):
                 hidden_states = args[0] if args else kwargs["inputs"]
                 prompts = args[1] if len(args) > 1 else kwargs.get("prompts")
                 return forward_over_wire(hidden_states, prompts, self.sequence_manager, positions,
-                                         self._forward_facts.token_ids, self._prompt_tokens,
-                                         self._embeddings_digest)
+                                         self._forward_facts.token_ids, self._prompt_tokens, self._own_digest)
             except RequestTooLarge as refused:
                 hidden_states = args[0] if args else kwargs["inputs"]  # [rows, tokens, hidden]
                 learn_server_limit(self.sequence_manager, refused, row_tokens=hidden_states.shape[1])

@@ -17,7 +17,8 @@ the machine (benchmarks/RESULTS.md). So, on a classifier's no-grad forward
 2. **Token ids in.** A server dist_eval starts that holds block 0 keeps the token embeddings
    (as saved, in memory shared by its connection handlers) and says so in its ``rpc_info``
    (:data:`TOKEN_IDS_KEY`: the SHA-256 of the table). The client asks each server of a
-   forward's first span for that once; to a server whose table is the client's own, bit for
+   forward's first span for that once (and hashes its own table the first time one offers
+   it: nothing at start-up, nothing with others' servers); to a server whose table is the client's own, bit for
    bit, it sends the token ids [rows, tokens] (int64) and the prompt vectors [1, P, hidden]
    instead of the hidden states, and the server builds ``cat(prompts, table[ids])`` exactly
    as the client would have. Only for families whose embedding step is that lookup and
@@ -44,7 +45,7 @@ import functools
 import hashlib
 import itertools
 from collections import deque
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -173,24 +174,27 @@ def _embed_on_server(token_ids, prompts, input_prompts, digest):
 
 
 class _PeerWire:
-    """What the client knows of one server: the dtype it computes in, whether it looks
-    token ids up in the client's own table.
+    """What the client knows of one server: the dtype it computes in, and ``digest``, the
+    SHA-256 of its token embeddings where they are the client's own (else None: it is sent
+    hidden states). ``own_digest`` computes the client's, and is called only when a server
+    offers a table (it reads the whole table: no cost at start-up, none with others' servers).
     """
 
-    def __init__(self, info: dict, client_digest: Optional[str]):
+    def __init__(self, info: dict, own_digest: Optional[Callable[[], str]]):
         self.dtype = info["forward_schema"][0][0].dtype
-        self.token_ids = client_digest is not None and info.get(TOKEN_IDS_KEY) == client_digest
+        offered = info.get(TOKEN_IDS_KEY)
+        self.digest = offered if offered is not None and own_digest is not None and offered == own_digest() else None
 
 
 def forward_over_wire(hidden_states: torch.Tensor, prompts, sequence_manager, positions: torch.Tensor,
                       token_ids: Optional[torch.Tensor] = None, prompt_tokens: int = 0,
-                      embeddings_digest: Optional[str] = None) -> torch.Tensor:
+                      own_digest: Optional[Callable[[], str]] = None) -> torch.Tensor:
     """The remote blocks' output for ``hidden_states`` [rows, prompt_tokens + tokens, hidden]
     (no grad), with only ``positions`` (one per row) filled in and zeros elsewhere.
 
     ``token_ids`` [rows, tokens] (the ids ``hidden_states`` embed, after ``prompt_tokens``
-    prompt vectors) and ``embeddings_digest`` (of the client's table): sent instead of the
-    hidden states to a first server with the same table. Requests are sized as
+    prompt vectors) and ``own_digest`` (computes the digest of the client's table, once:
+    cache it): sent instead of the hidden states to a first server with the same table. Requests are sized as
     :mod:`dist_eval.backends.requests` says; failures go through petals' routing and
     dist_eval's failover exactly as in petals' own forward.
     """
@@ -211,7 +215,7 @@ def forward_over_wire(hidden_states: torch.Tensor, prompts, sequence_manager, po
     async def all_requests():
         return await asyncio.gather(*(
             _forward_chain(_Request(inputs, batch_prompts, ids, prompt_tokens, batch_positions), sequence_manager,
-                           embeddings_digest)
+                           own_digest)
             for inputs, batch_prompts, ids, batch_positions in zip(input_batches, prompt_batches, id_batches,
                                                                      position_batches)
         ))
@@ -233,7 +237,7 @@ class _Request:
         self.prompt_tokens, self.positions = prompt_tokens, positions.tolist()
 
 
-async def _forward_chain(request: _Request, manager, client_digest: Optional[str]) -> torch.Tensor:
+async def _forward_chain(request: _Request, manager, own_digest: Optional[Callable[[], str]]) -> torch.Tensor:
     """One request's way through every block (petals 2.2.0's ``sequential_forward``, with
     the wire changes of the module doc): [rows, 1, hidden].
     """
@@ -257,8 +261,8 @@ async def _forward_chain(request: _Request, manager, client_digest: Optional[str
                 stub = TransformerConnectionHandler.get_stub(manager.state.p2p, span.peer_id)
                 span_prompts = request.prompts[span.start : span.end]
                 if block == 0:
-                    peer = await _peer_wire(manager, stub, span.peer_id, client_digest)
-                    tensors = _request_tensors(request, span_prompts, peer, client_digest)
+                    peer = await _peer_wire(manager, stub, span.peer_id, own_digest)
+                    tensors = _request_tensors(request, span_prompts, peer)
                 else:
                     tensors = (inputs, span_prompts)
                 flat_tensors, args_structure = pack_args_kwargs(*tensors)
@@ -282,7 +286,7 @@ async def _forward_chain(request: _Request, manager, client_digest: Optional[str
     return inputs
 
 
-async def _peer_wire(manager, stub, peer_id, client_digest: Optional[str]) -> _PeerWire:
+async def _peer_wire(manager, stub, peer_id, own_digest: Optional[Callable[[], str]]) -> _PeerWire:
     """The server's :class:`_PeerWire`, asked once per client (its ``rpc_info``)."""
     known: Dict[object, _PeerWire] = getattr(manager, _PEERS_ATTR)
     if peer_id not in known:
@@ -291,11 +295,11 @@ async def _peer_wire(manager, stub, peer_id, client_digest: Optional[str]) -> _P
 
         answer = await stub.rpc_info(runtime_pb2.ExpertUID(uid=manager.block_uids[0]),
                                      timeout=manager.config.request_timeout)
-        known[peer_id] = _PeerWire(MSGPackSerializer.loads(answer.serialized_info), client_digest)
+        known[peer_id] = _PeerWire(MSGPackSerializer.loads(answer.serialized_info), own_digest)
     return known[peer_id]
 
 
-def _request_tensors(request: _Request, span_prompts, peer: _PeerWire, client_digest: Optional[str]) -> tuple:
+def _request_tensors(request: _Request, span_prompts, peer: _PeerWire) -> tuple:
     """The tensors of a first server's request: (token ids, deep prompts, prompt vectors
     [1, P, hidden] or a dummy, the table's digest as 32 bytes) to a server that looks
     the ids up in the client's table; else (hidden states, deep prompts) in its dtype.
@@ -305,11 +309,11 @@ def _request_tensors(request: _Request, span_prompts, peer: _PeerWire, client_di
     # in the server's dtype: it converts whatever comes to it, and a value once converted
     # converts to itself (the prompt vectors, put before float32 embeddings there, too)
     prompts = span_prompts if is_dummy(span_prompts) else span_prompts.to(peer.dtype)
-    if peer.token_ids and request.token_ids is not None:
+    if peer.digest is not None and request.token_ids is not None:
         rows, tokens = request.token_ids.shape
         assert request.hidden_states.shape[:2] == (rows, request.prompt_tokens + tokens)
         vectors = request.hidden_states[:1, : request.prompt_tokens].to(peer.dtype) if request.prompt_tokens else DUMMY
-        digest = torch.tensor(list(bytes.fromhex(client_digest)), dtype=torch.uint8)
+        digest = torch.tensor(list(bytes.fromhex(peer.digest)), dtype=torch.uint8)
         return request.token_ids.to(torch.int64), prompts, vectors, digest
     return request.hidden_states.to(peer.dtype), prompts
 
