@@ -96,11 +96,11 @@ def plan_servers(
     gpus = _gpus_of(device, len(gpu_memory))
     if not gpus:
         count, dtype = num_servers or CPU_SERVERS, torch_dtype or "float32"
-        replica = weight_bytes * _BYTES[dtype] // _BYTES.get(saved_dtype, 4)
-        full = count * replica <= cpu_memory * CPU_WEIGHT_SHARE  # else two servers a block
+        # full replicas where they fit, else every block on two servers (placement's layout)
+        full = count * _replica_bytes(weight_bytes, saved_dtype, dtype) <= cpu_memory * CPU_WEIGHT_SHARE
         return ServerPlan(("cpu",) * count, dtype, num_blocks if full else None, None, _threads(cpus, count))
     dtype = torch_dtype or (saved_dtype if saved_dtype in ("float16", "bfloat16") else "float16")
-    replica = weight_bytes * _BYTES[dtype] // _BYTES.get(saved_dtype, 4)
+    replica = _replica_bytes(weight_bytes, saved_dtype, dtype)
     budget = min(int(gpu_memory[g] * GPU_WEIGHT_SHARE) for g in gpus)
     per_gpu = min(GPU_SERVERS_MAX, budget // max(replica, 1))
     if per_gpu >= 1:  # full replicas: one hop per request, and any server can fail
@@ -120,6 +120,11 @@ def plan_servers(
         )
     devices = tuple(f"cuda:{g}" for g in gpus)
     return ServerPlan(devices, dtype, blocks_each, GPU_MAX_BATCH_SIZE, _threads(cpus, len(gpus)))
+
+
+def _replica_bytes(weight_bytes: int, saved_dtype: str, dtype: str) -> int:
+    """Bytes of one server's copy of weights saved as ``weight_bytes`` in ``saved_dtype``, served in ``dtype``."""
+    return weight_bytes * _BYTES[dtype] // _BYTES.get(saved_dtype, 4)
 
 
 def _threads(cpus: int, servers: int) -> int:
