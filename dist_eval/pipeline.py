@@ -254,7 +254,7 @@ def _phase_seconds() -> dict:
 
 def _seconds_alive(pid: int) -> Optional[float]:
     """How long process ``pid`` has been running (from /proc; None where that is unknown)."""
-    from dist_eval.swarm.procs import start_time
+    from dist_eval.procs import start_time
 
     try:
         start_ticks = int(start_time(pid))

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from dist_eval.backends.helpers import HelperDied, HelperWatch, client_helper_pids, is_running
-from dist_eval.swarm.watchdog import Watchdog
+from dist_eval.watchdog import Watchdog
 
 # a process that starts a child named p2pd (a copy of sleep), as hivemind's DHT process does
 _DHT_STAND_IN = """
@@ -53,7 +53,7 @@ def _wait_gone(pid, seconds=10.0):
 
 
 def test_is_running_tells_a_reused_pid_apart():
-    from dist_eval.swarm.procs import start_time as _start_time
+    from dist_eval.procs import start_time as _start_time
 
     assert is_running(os.getpid()) and is_running(os.getpid(), _start_time(os.getpid()))
     assert not is_running(os.getpid(), "0")
@@ -84,7 +84,7 @@ def test_a_dead_helper_is_named_and_the_survivor_killed(helpers, victim):
 
 def test_the_watchdog_kills_the_helpers_when_their_owner_dies(helpers):
     _, pids = helpers
-    from dist_eval.swarm.procs import start_time as _start_time
+    from dist_eval.procs import start_time as _start_time
 
     watchdog = Watchdog()
     for pid in pids.values():
@@ -96,7 +96,7 @@ def test_the_watchdog_kills_the_helpers_when_their_owner_dies(helpers):
 
 def test_a_released_watchdog_leaves_them_alone(helpers):
     _, pids = helpers
-    from dist_eval.swarm.procs import start_time as _start_time
+    from dist_eval.procs import start_time as _start_time
 
     watchdog = Watchdog()
     for pid in pids.values():

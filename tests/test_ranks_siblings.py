@@ -3,7 +3,7 @@ import subprocess
 import sys
 
 from dist_eval.ranks.siblings import dead_main_rank
-from dist_eval.swarm.procs import start_time
+from dist_eval.procs import start_time
 
 
 def _process(seconds: float) -> subprocess.Popen:

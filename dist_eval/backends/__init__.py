@@ -1,4 +1,4 @@
-"""Model backends: one small interface, ``model(input_ids) -> logits [batch, num_labels]``.
+"""Model backends: one small interface, :class:`~dist_eval.backends.base.Backend`.
 
 - :mod:`~dist_eval.backends.classifier`: :class:`LoadedModel` and :func:`load_model`
 - :mod:`~dist_eval.backends.objects`: a model object in memory (petals' or transformers'
@@ -11,7 +11,17 @@
 - :mod:`~dist_eval.backends.requests`: a batch goes as one request, split only to what a server accepts
 - :mod:`~dist_eval.backends.failover`: routing around failed servers; naming unserved blocks
 - :mod:`~dist_eval.backends.compat`: the one place petals 2.2 meets hivemind 1.1.12
-"""
-from dist_eval.backends.classifier import LoadedModel, load_model
 
-__all__ = ["LoadedModel", "load_model"]
+The names below are imported on first use: ``dist_eval.swarm`` reads model folders with
+:mod:`~dist_eval.backends.petals_folder` and must not import torch by running this file.
+"""
+import importlib
+
+_EXPORTS = {"LoadedModel": "dist_eval.backends.classifier", "load_model": "dist_eval.backends.classifier"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dist_eval.backends' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -31,8 +31,8 @@ import threading
 import time
 
 from dist_eval.errors import UsageError
-from dist_eval.swarm.procs import child_pids, is_running, start_time
-from dist_eval.swarm.watchdog import Watchdog
+from dist_eval.procs import child_pids, is_running, start_time
+from dist_eval.watchdog import Watchdog
 
 _EXIT_WAIT = 2.0  # seconds the helpers get to exit after a normal client shutdown
 

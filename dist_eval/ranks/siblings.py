@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Dict, Optional, Tuple
 
-from dist_eval.swarm.procs import is_running, proc_stat
+from dist_eval.procs import is_running, proc_stat
 
 # rank -> (pid, start time in clock ticks since boot: with the pid, one process)
 Siblings = Dict[int, Tuple[int, str]]

@@ -25,8 +25,6 @@ but the standard library, so the CLI starts at once and never prints petals' noi
 
 - :mod:`~dist_eval.swarm.devices`: where the servers run (CPU or GPUs), in which dtype, how many
 - :mod:`~dist_eval.swarm.placement`: which blocks each server serves; checks of the arguments
-- :mod:`~dist_eval.swarm.procs`: process groups, sockets and ports, read from /proc
-- :mod:`~dist_eval.swarm.watchdog`: stops the servers if their owner dies
 - :mod:`~dist_eval.swarm.local`: :class:`LocalSwarm`
 - :mod:`~dist_eval.swarm.cli`: ``python -m dist_eval.swarm``
 - :mod:`~dist_eval.swarm.server`: one server process

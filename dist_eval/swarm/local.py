@@ -29,8 +29,7 @@ from dist_eval.swarm.placement import (
     _read_num_blocks,
     plan_blocks,
 )
-from dist_eval.swarm.procs import (
-    PEERS_FILE_FLAG,
+from dist_eval.procs import (
     _free_ports,
     _ignores_sigint,
     _live_groups,
@@ -38,7 +37,8 @@ from dist_eval.swarm.procs import (
     _signal_group,
     _unix_socket_paths,
 )
-from dist_eval.swarm.watchdog import Watchdog
+from dist_eval.swarm.server import PEERS_FILE_FLAG
+from dist_eval.watchdog import Watchdog
 
 # "Nov 22 09:06:39.750 [INFO] Running a server on ['/ip4/127.0.0.1/tcp/39111/p2p/12D3Koo...']"
 _RUNNING_RE = re.compile(r"Running a server on \[([^\]]*)\]")

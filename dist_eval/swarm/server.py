@@ -11,8 +11,8 @@ import os
 import sys
 import time
 
-from dist_eval.swarm.procs import PEERS_FILE_FLAG
-
+# Ours, not petals': this module waits for this file, then joins the peers in it.
+PEERS_FILE_FLAG = "--initial_peers_file"
 # How long a server waits for its peers file; its swarm's start timeout ends it sooner.
 _PEERS_FILE_WAIT_SECONDS = 600.0
 

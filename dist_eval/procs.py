@@ -1,4 +1,5 @@
-"""Processes, process groups, sockets and ports of a swarm's servers, read from /proc.
+"""Processes, process groups, sockets and ports, read from /proc: used by the local swarm,
+the client's helpers and the ranks' view of their siblings.
 
 Standard library only.
 """
@@ -10,10 +11,6 @@ import socket
 from typing import Dict, List, Sequence, Set, Tuple
 
 _SIGINT_BIT = 1 << (signal.SIGINT - 1)
-
-# Ours, not petals': dist_eval.swarm.server waits for this file, then joins the peers in it.
-PEERS_FILE_FLAG = "--initial_peers_file"
-
 
 def proc_stat(pid: int) -> list | None:
     """The fields of /proc/PID/stat after the command name (state, ppid, ...), or None."""
