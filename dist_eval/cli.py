@@ -16,7 +16,7 @@ import time
 from typing import List, Optional
 
 from dist_eval import ranks
-from dist_eval.config import EvalConfig, config_fields
+from dist_eval.config import EvalConfig, default_of, flag_fields
 from dist_eval.errors import UsageError, flag_names
 from dist_eval.ranks.siblings import Siblings, dead_main_rank, sibling_ranks
 
@@ -25,6 +25,7 @@ EXIT_FAILURE = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags, generated from the declarations of :mod:`dist_eval.config` (one per field)."""
     parser = argparse.ArgumentParser(
         prog="torchrun --nproc_per_node=N -m dist_eval",
         description=(
@@ -34,19 +35,49 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    for f in config_fields():
-        flag = "--" + f.name.replace("_", "-")
-        kwargs = {"help": f.metadata["help"], "default": f.default}
-        if f.type in ("bool", bool):
-            # a switch that is on by default also gets its --no-... form
-            kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
-        else:
-            kwargs["type"] = {"int": int, "float": float, "Optional[int]": int}.get(str(f.type), str)
-            for key in ("nargs", "choices", "action"):
-                if key in f.metadata:
-                    kwargs[key] = f.metadata[key]
-        parser.add_argument(flag, dest=f.name, **kwargs)
+    for title, group_fields in flag_fields().items():
+        group = parser.add_argument_group(title)
+        for f in group_fields:
+            group.add_argument(flag_of(f.name), dest=f.name, **_argparse_kwargs(f))
     return parser
+
+
+def flag_of(name: str) -> str:
+    """The CLI flag of a setting: ``batch_size`` -> ``--batch-size``."""
+    return "--" + name.replace("_", "-")
+
+
+def _argparse_kwargs(f) -> dict:
+    kwargs = {"help": f.metadata["help"], "default": default_of(f)}
+    if f.type in ("bool", bool):
+        # a switch that is on by default also gets its --no-... form
+        kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        return kwargs
+    kwargs["type"] = int if "int" in str(f.type) else float if "float" in str(f.type) else str
+    kwargs.update(f.metadata["flag"])
+    return kwargs
+
+
+def checked_config(**flags) -> EvalConfig:
+    """The run's :class:`EvalConfig`, with what it cannot check itself checked here, before the
+    first phase: the model folder's family, the demo's family, the local swarm's device
+    request, the tracker's package.
+    """
+    from dist_eval.backends.families import FAMILIES, family_of_folder
+    from dist_eval.output.tracking import check_tracker
+    from dist_eval.swarm.devices import DEVICE_REQUEST
+
+    config = EvalConfig(**flags)
+    if not isinstance(config.local_device, str) or not DEVICE_REQUEST.fullmatch(config.local_device):
+        raise UsageError("expected auto, cpu, cuda (every visible GPU) or cuda:K.", param="local_device",
+                         value=config.local_device)
+    check_tracker(config.report_to)  # a missing wandb/tensorboard fails here, before any work
+    if config.model is not None:
+        family_of_folder(config.model)  # a family petals cannot serve is refused here
+    elif config.demo_family is not None and config.demo_family not in FAMILIES:
+        raise UsageError(f"expected one of {', '.join(sorted(FAMILIES))}.", param="demo_family",
+                         value=config.demo_family)
+    return config
 
 
 def _print_error(message: str) -> None:
@@ -66,7 +97,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     config, config_error = None, None
     try:
-        config = EvalConfig(**vars(args))
+        config = checked_config(**vars(args))
     except UsageError as e:
         config_error = e  # every rank finds the same one: agreed on below, printed by rank 0
     owns_group = False
@@ -80,7 +111,7 @@ def _main(args: argparse.Namespace) -> int:
     global _cli_running
     _cli_running = True
     try:
-        timeout = config.dist_timeout if config else EvalConfig.__dataclass_fields__["dist_timeout"].default
+        timeout = config.dist_timeout if config else EvalConfig.dist_timeout  # its default
         try:
             owns_group = ranks.init_process_group_from_env(timeout, config.dist_backend if config else "gloo")
         except UsageError as e:  # no NCCL here: the ranks agree on it over gloo, and rank 0 prints it once

@@ -1,24 +1,31 @@
-"""Every setting of a run and its default, each defined and checked once.
+"""Every setting of a run, declared once: its default, its help, its check.
 
-- :class:`Settings`: what decides each row's logits (the data's columns and the batch
-  plan). The Python API takes them as arguments of ``evaluate`` and builds this object;
-  the resume key is a hash of all its fields, so a new setting cannot be left out of it.
+- :class:`Settings`: what decides which rows are evaluated and each row's logits (the
+  data's columns and the batch plan). Every field is part of the resume key.
 - :class:`Options`: what changes no result (batches in flight, saving, the bootstrap).
-- :class:`EvalConfig`: the CLI's settings. The flags are generated from its fields
-  (``--batch-size`` <-> ``batch_size``), so the flags, their help and their checks
-  cannot drift apart; it holds a :class:`Settings` and an :class:`Options`.
+- :class:`EvalConfig`: a CLI run: the run's own fields (the model, the data, the swarm,
+  the outputs) and one :class:`Settings` and one :class:`Options`.
+
+A field of these classes is the one declaration of its setting: the CLI flag
+(``batch_size`` <-> ``--batch-size``, its help and type), the keyword of
+:func:`dist_eval.evaluate` (its signature lists the fields of Settings and Options), the
+check (in ``__post_init__``) and, for Settings, the resume key all follow from it; a
+test holds them together. Adding a setting means adding its field and the code that uses
+it, nothing else.
 
 A :class:`~dist_eval.errors.UsageError` raised here names the parameter: the API shows
-it as ``batch_size=0``, the CLI as ``--batch-size 0``.
+it as ``batch_size=0``, the CLI as ``--batch-size 0``. This module checks its own fields
+only (standard library, :mod:`dist_eval.plan`); what needs a model folder's family, a
+tracker's package or the machine's devices is checked by the CLI before its first phase.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields
-from typing import List, Optional, Sequence, Tuple, Union
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from dist_eval.errors import UsageError
-from dist_eval.swarm.devices import DEVICE_REQUEST
+from dist_eval.plan import parse_checkpoints, parse_plan
 
 # Defaults chosen from benchmarks/RESULTS.md: on a swarm, fewer and bigger forwards win
 # (each one pays a round trip and per-request work on every server), and a token cap
@@ -34,6 +41,16 @@ DEFAULT_IN_FLIGHT = 2
 DEFAULT_SAVE_INTERVAL = 10.0
 DEFAULT_BOOTSTRAP_RESAMPLES = 1000
 DEFAULT_SWARM_TIMEOUT = 60.0
+
+
+
+
+def setting(default: Any, help: str, *, zero_is_none: bool = False, **flag) -> Any:
+    """One setting's declaration: a dataclass field with its default and help. ``flag``:
+    argparse's ``nargs``/``choices``/``action`` for its CLI flag; ``zero_is_none``: the
+    flag's 0 is the API's None.
+    """
+    return field(default=default, metadata={"help": help, "flag": flag, "zero_is_none": zero_is_none})
 
 
 def check_int(param: str, value, minimum: int, expected: str = "a positive integer") -> None:
@@ -95,24 +112,46 @@ def check_template(template: Optional[str], text_pair_column: Optional[str]) -> 
                          param="template", value=template)
 
 
+_MAX_BATCH_TOKENS = (
+    "And at most this many padded tokens per forward: rows x (longest row + prompt vectors); 0 (API: None): no "
+    "cap. A batch goes to the swarm as one request; a server that accepts fewer tokens (its --max_batch_size, "
+    "2048 by default) has it split."
+)
+_LIMIT = (
+    "Evaluate a seeded random sample of this many rows (without replacement; chosen by a hash of each row's "
+    "content: the same rows for any number of ranks and any order of the files); 0: every row."
+)
+_LABEL_WORDS = (
+    "Zero-shot: score each class by the language model's log-probability of its word after the text (one "
+    "word per class, in class-id order; @FILE: one word per line). No classifier head or --checkpoint is "
+    "needed; a ptune --checkpoint's prompts are used (its head is not)."
+)
+_TEMPLATE = (
+    "Each row's text is put in this template before tokenizing, at {text} (and {text_pair} with "
+    "--text-pair-column), e.g. 'Review: {text} Sentiment:'. Default: the text as it is."
+)
+
+
 @dataclass(frozen=True)
 class Settings:
     """What decides which rows are evaluated and each row's logits. Every field is part of
     the resume key.
     """
 
-    text_column: str = "text"
-    text_pair_column: Optional[str] = None
-    label_column: str = "label"
-    batch_size: int = DEFAULT_BATCH_SIZE
-    max_length: int = DEFAULT_MAX_LENGTH
-    length_buckets: bool = True
-    max_batch_tokens: Optional[int] = DEFAULT_MAX_BATCH_TOKENS  # None: no cap
-    limit: int = 0  # a seeded random sample of this many rows (dist_eval.data.sample); 0: every row
-    limit_seed: int = 0
+    text_column: str = setting("text", "Column with the input text.")
+    text_pair_column: Optional[str] = setting(None, "Optional second text column (sentence pairs).")
+    label_column: str = setting("label", "Column with integer class ids in [0, num_labels).")
+    batch_size: int = setting(DEFAULT_BATCH_SIZE, "At most this many rows per forward pass.")
+    max_length: int = setting(DEFAULT_MAX_LENGTH, "Longer texts are truncated to this many tokens (counted in "
+                                                  "the report).")
+    length_buckets: bool = setting(True, "Batch rows of similar token length together (less padding; results "
+                                         "unchanged).")
+    max_batch_tokens: Optional[int] = setting(DEFAULT_MAX_BATCH_TOKENS, _MAX_BATCH_TOKENS, zero_is_none=True)
+    limit: int = setting(0, _LIMIT)  # dist_eval.data.sample
+    limit_seed: int = setting(0, "Seed of the --limit sample.")
     # zero-shot (dist_eval.backends.zeroshot): the words scored for the classes, in class-id order
-    label_words: Optional[Tuple[str, ...]] = None
-    template: Optional[str] = None  # each row's text is "{text}" in it (and "{text_pair}") before tokenizing
+    label_words: Optional[Tuple[str, ...]] = setting(None, _LABEL_WORDS, nargs="+")
+    template: Optional[str] = setting(None, _TEMPLATE)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "label_words", read_label_words(self.label_words))
@@ -122,7 +161,8 @@ class Settings:
         check_int("limit_seed", self.limit_seed, 0, "an integer >= 0")
         check_int("max_length", self.max_length, 1)
         if self.max_batch_tokens is not None:
-            check_int("max_batch_tokens", self.max_batch_tokens, 1, "a positive number of tokens (None: no cap)")
+            check_int("max_batch_tokens", self.max_batch_tokens, 1,
+                      "a positive number of tokens, or no cap: None (the API), 0 (the CLI)")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -132,11 +172,18 @@ class Settings:
 class Options:
     """What changes no result: throughput, saving partial results, the bootstrap."""
 
-    in_flight: int = DEFAULT_IN_FLIGHT
-    save_interval: float = DEFAULT_SAVE_INTERVAL
-    bootstrap_resamples: int = DEFAULT_BOOTSTRAP_RESAMPLES
-    bootstrap_seed: int = 0
-    top_k: Optional[int] = None  # the k of top{k}_accuracy; None: 2 with more than 2 classes, else none
+    in_flight: int = setting(DEFAULT_IN_FLIGHT, "Batches in flight at once on each rank (overlaps network waits; "
+                                                "results unchanged).")
+    save_interval: float = setting(DEFAULT_SAVE_INTERVAL, "Seconds between each rank's atomic saves of finished "
+                                                          "batches (partial results; 0: every batch).")
+    bootstrap_resamples: int = setting(
+        DEFAULT_BOOTSTRAP_RESAMPLES,
+        "Resamples of the bootstrap confidence intervals (level 0.95) of accuracy, macro-F1, loss and the "
+        "probability scores (0 disables).",
+    )
+    bootstrap_seed: int = setting(0, "Seed of the bootstrap: the same seed gives the same intervals.")
+    top_k: Optional[int] = setting(None, "The k of the top-k accuracy (top{K}_accuracy in metrics.json); "
+                                         "default: 2 with more than 2 classes, none with 2.")
 
     def __post_init__(self) -> None:
         check_int("in_flight", self.in_flight, 1)
@@ -150,16 +197,25 @@ class Options:
         return asdict(self)
 
 
-def _opt(help: str, **kwargs):
-    return field(metadata={"help": help, **kwargs.pop("meta", {})}, **kwargs)
+def split_settings(values: Dict[str, Any], *, from_flags: bool = False) -> Tuple[Settings, Options, Dict[str, Any]]:
+    """``values`` (keywords or flags by field name) as (:class:`Settings`, :class:`Options`,
+    the rest). ``from_flags``: a flag's 0 is None where the declaration says so.
+    """
+    rest, built = dict(values), []
+    for cls in (Settings, Options):
+        mine = {f.name: rest.pop(f.name) for f in fields(cls) if f.name in rest}
+        if from_flags:
+            mine.update({f.name: None for f in fields(cls) if f.metadata["zero_is_none"] and mine.get(f.name) == 0})
+        built.append(cls(**mine))
+    return built[0], built[1], rest
+
+
+def setting_fields() -> list:
+    """The fields of :class:`Settings` and :class:`Options`: the settings the API and the CLI share."""
+    return [*fields(Settings), *fields(Options)]
 
 
 _PETALS_OR_LOCAL = "petals: blocks run on a swarm; local: the same model in-process (the reference)."
-_MAX_BATCH_TOKENS = (
-    "And at most this many padded tokens per forward: rows x (longest row + prompt vectors); 0: no cap. "
-    "A batch goes to the swarm as one request; a server that accepts fewer tokens (its --max_batch_size, "
-    "2048 by default) has it split."
-)
 _INITIAL_PEERS = (
     "Swarm multiaddrs. Omitted with --backend petals: a local swarm serving --model is started for the run."
 )
@@ -171,182 +227,115 @@ _PROGRESS = (
     "Progress of all ranks, on stderr from rank 0: bar, log (plain lines for job logs), none; "
     "auto = bar on a terminal, else log (none with --quiet)."
 )
+_DATA_FILES = (
+    "Data: csv/tsv/json/jsonl/parquet files, a save_to_disk folder, or a hub dataset name. Several sets in "
+    "one run: NAME=FILE[,FILE...] each (e.g. dev=dev.jsonl test=a.jsonl,b.jsonl), each reported in "
+    "OUTPUT_DIR/NAME."
+)
+_CHECKPOINT = (
+    "Trained prompt embeddings + classifier head (dist_eval's file, a Petals state dict, or petals #268's "
+    "torch.save(prompt_embeddings) with --head). Repeat it for several checkpoints of one structure, "
+    "evaluated with the model loaded once, each reported in OUTPUT_DIR/NAME (NAME: the file's stem, "
+    "or NAME=FILE)."
+)
+_HEAD = (
+    "The classifier head of a --checkpoint that holds only prompts: a file with score.weight, or a model "
+    "folder holding a trained one (e.g. the --model folder of a *ForSequenceClassification save)."
+)
+_DEMO_FAMILY = (
+    "Model family (config.json model_type) of the built-in demo (no --model): the same task on a small model "
+    "of this family; a family petals serves. Default: the embedded demo's."
+)
+_LOCAL_SERVERS = (
+    "Servers of the local swarm started when --initial-peers is omitted (default: 2 on the CPU; on GPUs "
+    "as many per GPU as fit in half its memory, at most 8). Each holds every block where they all fit in "
+    "half the memory; else every block is on two of them."
+)
 
 
-@dataclass
+@dataclass(init=False)
 class EvalConfig:
-    """The CLI's settings: one field per flag, validated on construction."""
+    """A CLI run: one field per flag of its own, and the shared :class:`Settings` and
+    :class:`Options` (``settings``, ``options``), validated on construction.
+
+    Built from flags by field name, ``EvalConfig(batch_size=8, model=...)``: each goes to the
+    class that declares it, and reads back the same way (``config.batch_size``).
+    """
 
     # what to evaluate
-    model: Optional[str] = _opt(
-        "Folder saved with save_pretrained (config, weights, tokenizer). Omit with --data-files for the built-in demo.",
-        default=None,
-    )
-    data_files: Optional[List[str]] = _opt(
-        "Data: csv/tsv/json/jsonl/parquet files, a save_to_disk folder, or a hub dataset name. Several sets in "
-        "one run: NAME=FILE[,FILE...] each (e.g. dev=dev.jsonl test=a.jsonl,b.jsonl), each reported in "
-        "OUTPUT_DIR/NAME.",
-        default=None,
-        meta={"nargs": "+"},
-    )
-    split: Optional[str] = _opt(
-        "Split to evaluate (needed for a save_to_disk DatasetDict; loose files are one split).", default=None
-    )
-    text_column: str = _opt("Column with the input text.", default=Settings.text_column)
-    text_pair_column: Optional[str] = _opt("Optional second text column (sentence pairs).", default=None)
-    label_column: str = _opt("Column with integer class ids in [0, num_labels).", default=Settings.label_column)
-    num_labels: Optional[int] = _opt(
-        "Number of classes; must match the classifier head (read from the checkpoint by default).", default=None
-    )
+    model: Optional[str] = setting(None, "Folder saved with save_pretrained (config, weights, tokenizer). Omit "
+                                         "with --data-files for the built-in demo.")
+    data_files: Optional[List[str]] = setting(None, _DATA_FILES, nargs="+")
+    split: Optional[str] = setting(None, "Split to evaluate (needed for a save_to_disk DatasetDict; loose files "
+                                         "are one split).")
+    num_labels: Optional[int] = setting(None, "Number of classes; must match the classifier head (read from the "
+                                              "checkpoint by default).")
     # the model
-    backend: str = _opt(_PETALS_OR_LOCAL, default="petals", meta={"choices": ["petals", "local"]})
-    initial_peers: Optional[List[str]] = _opt(_INITIAL_PEERS, default=None, meta={"nargs": "+"})
-    dht_prefix: Optional[str] = _opt("DHT prefix the swarm's servers announce the model under.", default=None)
-    checkpoint: Optional[List[str]] = _opt(
-        "Trained prompt embeddings + classifier head (dist_eval's file, a Petals state dict, or petals #268's "
-        "torch.save(prompt_embeddings) with --head). Repeat it for several checkpoints of one structure, "
-        "evaluated with the model loaded once, each reported in OUTPUT_DIR/NAME (NAME: the file's stem, "
-        "or NAME=FILE).",
-        default=None,
-        meta={"action": "append"},
-    )
-    head: Optional[str] = _opt(
-        "The classifier head of a --checkpoint that holds only prompts: a file with score.weight, or a model "
-        "folder holding a trained one (e.g. the --model folder of a *ForSequenceClassification save).",
-        default=None,
-    )
-    demo_family: Optional[str] = _opt(
-        "Model family (config.json model_type) of the built-in demo (no --model): the same task on a small model "
-        "of this family; a family petals serves. Default: the embedded demo's.",
-        default=None,
-    )
-    tuning_mode: Optional[str] = _opt(
-        "Prompt tuning mode of the checkpoint (read from it by default).",
-        default=None,
-        meta={"choices": ["ptune", "deep_ptune"]},
-    )
-    pre_seq_len: int = _opt(
-        "Number of prompt vectors (needs --tuning-mode; read from the checkpoint by default).", default=0
-    )
-    label_words: Optional[List[str]] = _opt(
-        "Zero-shot: score each class by the language model's log-probability of its word after the text (one "
-        "word per class, in class-id order; @FILE: one word per line). No classifier head or --checkpoint is "
-        "needed; a ptune --checkpoint's prompts are used (its head is not).",
-        default=None,
-        meta={"nargs": "+"},
-    )
-    template: Optional[str] = _opt(
-        "Each row's text is put in this template before tokenizing, at {text} (and {text_pair} with "
-        "--text-pair-column), e.g. 'Review: {text} Sentiment:'. Default: the text as it is.",
-        default=None,
-    )
-    # batches
-    batch_size: int = _opt("At most this many rows per forward pass.", default=DEFAULT_BATCH_SIZE)
-    max_length: int = _opt(
-        "Longer texts are truncated to this many tokens (counted in the report).", default=DEFAULT_MAX_LENGTH
-    )
-    max_batch_tokens: int = _opt(_MAX_BATCH_TOKENS, default=DEFAULT_MAX_BATCH_TOKENS)
-    length_buckets: bool = _opt(
-        "Batch rows of similar token length together (less padding; results unchanged).", default=True
-    )
-    limit: int = _opt(
-        "Evaluate a seeded random sample of this many rows (without replacement; chosen by a hash of each row's "
-        "content: the same rows for any number of ranks and any order of the files); 0: every row.",
-        default=0,
-    )
-    limit_seed: int = _opt("Seed of the --limit sample.", default=0)
+    backend: str = setting("petals", _PETALS_OR_LOCAL, choices=["petals", "local"])
+    initial_peers: Optional[List[str]] = setting(None, _INITIAL_PEERS, nargs="+")
+    dht_prefix: Optional[str] = setting(None, "DHT prefix the swarm's servers announce the model under.")
+    checkpoint: Optional[List[str]] = setting(None, _CHECKPOINT, action="append")
+    head: Optional[str] = setting(None, _HEAD)
+    demo_family: Optional[str] = setting(None, _DEMO_FAMILY)
+    tuning_mode: Optional[str] = setting(None, "Prompt tuning mode of the checkpoint (read from it by default).",
+                                         choices=["ptune", "deep_ptune"])
+    pre_seq_len: int = setting(0, "Number of prompt vectors (needs --tuning-mode; read from the checkpoint by "
+                                  "default).")
     # an interrupted run
-    resume: bool = _opt(
-        "Reuse the partial results an interrupted run of the same model, data and settings stored in --output-dir.",
-        default=True,
-    )
-    save_interval: float = _opt(
-        "Seconds between each rank's atomic saves of finished batches (partial results; 0: every batch).",
-        default=DEFAULT_SAVE_INTERVAL,
-    )
-    in_flight: int = _opt(
-        "Batches in flight at once on each rank (overlaps network waits; results unchanged).",
-        default=DEFAULT_IN_FLIGHT,
-    )
+    resume: bool = setting(True, "Reuse the partial results an interrupted run of the same model, data and "
+                                 "settings stored in --output-dir.")
     # outputs
-    save_logits: bool = _opt("Also write each row's logits to predictions.jsonl.", default=False)
-    save_text: bool = _opt("Also write each row's text (and text pair) to predictions.jsonl.", default=False)
-    output_dir: str = _opt("Where metrics.json and predictions.jsonl go.", default="dist_eval_output")
+    save_logits: bool = setting(False, "Also write each row's logits to predictions.jsonl.")
+    save_text: bool = setting(False, "Also write each row's text (and text pair) to predictions.jsonl.")
+    output_dir: str = setting("dist_eval_output", "Where metrics.json and predictions.jsonl go.")
     # the swarm and the process group
-    local_servers: Optional[int] = _opt(
-        "Servers of the local swarm started when --initial-peers is omitted (default: 2 on the CPU; on GPUs "
-        "as many per GPU as fit in half its memory, at most 8). Each holds every block where they all fit in "
-        "half the memory; else every block is on two of them.",
-        default=None,
-    )
-    local_device: str = _opt(
-        "Where that local swarm's servers compute: auto (every visible GPU if any, else the CPU), cpu, cuda or cuda:K.",
-        default="auto",
-    )
-    swarm_timeout: float = _opt(_SWARM_TIMEOUT, default=DEFAULT_SWARM_TIMEOUT)
-    dist_timeout: float = _opt("Seconds a collective may wait for the other ranks before failing.", default=900.0)
-    dist_backend: str = _opt(
-        "Process group backend: gloo (any N, wherever the ranks run) or nccl (one GPU per rank).",
-        default="gloo", meta={"choices": ["gloo", "nccl"]},
-    )
-    device: str = _opt(
-        "Where --backend local computes: cpu, cuda (each rank on cuda:LOCAL_RANK %% device_count) or cuda:K.",
-        default="cpu",
-    )
+    local_servers: Optional[int] = setting(None, _LOCAL_SERVERS)
+    local_device: str = setting("auto", "Where that local swarm's servers compute: auto (every visible GPU if "
+                                        "any, else the CPU), cpu, cuda or cuda:K.")
+    swarm_timeout: float = setting(DEFAULT_SWARM_TIMEOUT, _SWARM_TIMEOUT)
+    dist_timeout: float = setting(900.0, "Seconds a collective may wait for the other ranks before failing.")
+    dist_backend: str = setting("gloo", "Process group backend: gloo (any N, wherever the ranks run) or nccl "
+                                        "(one GPU per rank).", choices=["gloo", "nccl"])
+    device: str = setting("cpu", "Where --backend local computes: cpu, cuda (each rank on cuda:LOCAL_RANK %% "
+                                 "device_count) or cuda:K.")
     # what is shown
-    quiet: bool = _opt("Print only errors and the final one-line result.", default=False)
-    progress: str = _opt(_PROGRESS, default="auto", meta={"choices": ["auto", "bar", "log", "none"]})
-    bootstrap_resamples: int = _opt(
-        "Resamples of the bootstrap confidence intervals (level 0.95) of accuracy, macro-F1 and loss (0 disables).",
-        default=DEFAULT_BOOTSTRAP_RESAMPLES,
-    )
-    bootstrap_seed: int = _opt("Seed of the bootstrap: the same seed gives the same intervals.", default=0)
-    top_k: Optional[int] = _opt(
-        "The k of the top-k accuracy (top{K}_accuracy in metrics.json); default: 2 with more than 2 classes, "
-        "none with 2.",
-        default=None,
-    )
-    report_to: str = _opt(
-        "Also log the final metrics and confusion matrix to wandb or tensorboard (its package must be installed).",
-        default="none",
-        meta={"choices": ["none", "wandb", "tensorboard"]},
-    )
+    quiet: bool = setting(False, "Print only errors and the final one-line result.")
+    progress: str = setting("auto", _PROGRESS, choices=["auto", "bar", "log", "none"])
+    report_to: str = setting("none", "Also log the final metrics and confusion matrix to wandb or tensorboard "
+                                     "(its package must be installed).", choices=["none", "wandb", "tensorboard"])
+    # the shared settings: not flags themselves, their fields are
+    settings: Settings = field(default_factory=Settings, metadata={"shared": True})
+    options: Options = field(default_factory=Options, metadata={"shared": True})
 
-    def __post_init__(self) -> None:
+    def __init__(self, **flags) -> None:
+        settings, options, own = split_settings(flags, from_flags=True)
+        unknown = sorted(set(own) - {f.name for f in run_fields()})
+        if unknown:
+            raise TypeError(f"EvalConfig: no such flag(s) {unknown}; the flags are the fields of EvalConfig, "
+                            "Settings and Options.")
+        for f in run_fields():
+            setattr(self, f.name, own.get(f.name, f.default))
+        self.settings, self.options = settings, options
+        self._check()
+
+    def __getattr__(self, name: str):
+        # called only for names not set on the instance: a shared setting, read where it lives
+        for shared in ("settings", "options"):
+            held = self.__dict__.get(shared)
+            if held is not None and name in held.__dataclass_fields__:
+                return getattr(held, name)
+        raise AttributeError(f"'EvalConfig' object has no attribute {name!r}")
+
+    def _check(self) -> None:
         if (self.model is None) != (self.data_files is None):
             given, missing = ("--model", "--data-files") if self.model else ("--data-files", "--model")
             raise UsageError(f"{missing}: needed with {given} (or omit both to run the built-in demo).")
-        check_int("max_batch_tokens", self.max_batch_tokens, 0, "a number of tokens >= 0 (0: no cap)")
         if self.device != "cpu" and self.backend != "local":
             raise UsageError("only --backend local computes here; a Petals client's tensors stay on the CPU.",
                              param="device", value=self.device)
-        # a flag's 0 is the API's None (no cap): converted here, once
-        self.settings = Settings(
-            text_column=self.text_column,
-            text_pair_column=self.text_pair_column,
-            label_column=self.label_column,
-            batch_size=self.batch_size,
-            max_length=self.max_length,
-            length_buckets=self.length_buckets,
-            max_batch_tokens=self.max_batch_tokens or None,
-            limit=self.limit,
-            limit_seed=self.limit_seed,
-            label_words=self.label_words,
-            template=self.template,
-        )
         self._check_label_words()
-        self.options = Options(
-            in_flight=self.in_flight,
-            save_interval=self.save_interval,
-            bootstrap_resamples=self.bootstrap_resamples,
-            bootstrap_seed=self.bootstrap_seed,
-            top_k=self.top_k,
-        )
         if self.local_servers is not None:
             check_int("local_servers", self.local_servers, 1)
-        if not isinstance(self.local_device, str) or not DEVICE_REQUEST.fullmatch(self.local_device):
-            raise UsageError("expected auto, cpu, cuda (every visible GPU) or cuda:K.", param="local_device",
-                             value=self.local_device)
         check_seconds("swarm_timeout", self.swarm_timeout)
         check_seconds("dist_timeout", self.dist_timeout)
         if self.num_labels is not None:
@@ -356,13 +345,11 @@ class EvalConfig:
             raise UsageError("needs --tuning-mode ptune or deep_ptune.", param="pre_seq_len", value=self.pre_seq_len)
         if self.initial_peers and self.backend != "petals":
             raise UsageError("--initial-peers: only used with --backend petals.")
-        from dist_eval.output.tracking import check_tracker
-
-        check_tracker(self.report_to)  # a missing wandb/tensorboard fails here, before any work
         self._plan()
         if self.model is not None and not os.path.isdir(self.model):
             raise UsageError(f"--model {self.model}: no such folder. Pass a folder saved with save_pretrained().")
-        self._check_family()
+        if self.model is not None and self.demo_family is not None:
+            raise UsageError("only for the built-in demo (no --model).", param="demo_family", value=self.demo_family)
 
     def _check_label_words(self) -> None:
         """--label-words replaces the classifier head: no --head, and one word per class."""
@@ -378,9 +365,7 @@ class EvalConfig:
                              param="label_words", value=list(words))
 
     def _plan(self) -> None:
-        """``plan``: the sets x checkpoints to evaluate (:mod:`dist_eval.jobs`); None for the demo."""
-        from dist_eval.jobs import parse_checkpoints, parse_plan
-
+        """``plan``: the (checkpoint, set) pairs to evaluate (:mod:`dist_eval.plan`); None for the demo."""
         self.plan = None
         if self.data_files is not None:
             self.plan = parse_plan(self.data_files, self.checkpoint)
@@ -388,25 +373,62 @@ class EvalConfig:
             raise UsageError("several or named checkpoints need --model and --data-files (the built-in demo has "
                              "its own).", param="checkpoint")
 
-    def _check_family(self) -> None:
-        """A family petals cannot serve is refused here, before any work."""
-        from dist_eval.backends.families import DEMO_FAMILY, FAMILIES, family_of_folder
-
-        if self.model is not None:
-            family_of_folder(self.model)
-            if self.demo_family is not None:
-                raise UsageError("only for the built-in demo (no --model).", param="demo_family",
-                                 value=self.demo_family)
-        elif self.demo_family is None:
-            self.demo_family = DEMO_FAMILY
-        elif self.demo_family not in FAMILIES:
-            raise UsageError(f"expected one of {', '.join(sorted(FAMILIES))}.", param="demo_family",
-                             value=self.demo_family)
-
     @property
     def is_demo(self) -> bool:
         return self.model is None
 
 
-def config_fields():
-    return fields(EvalConfig)
+def run_fields() -> list:
+    """The fields of :class:`EvalConfig` that are flags of a CLI run alone (not shared with the API)."""
+    return [f for f in fields(EvalConfig) if not f.metadata.get("shared")]
+
+
+def flag_fields() -> Dict[str, list]:
+    """Every flag's field, by group (the run's own, then :class:`Settings`, then :class:`Options`)."""
+    return {"the run": run_fields(), "what decides the results": list(fields(Settings)),
+            "what changes no result": list(fields(Options))}
+
+
+def default_of(f) -> Any:
+    """A field's default (None for one built by a factory)."""
+    return None if f.default is MISSING else f.default
+
+
+def settings_from(keywords: Dict[str, Any], settings: Optional[Settings] = None,
+                  options: Optional[Options] = None) -> Tuple[Settings, Options]:
+    """The API's settings: ``settings``/``options`` as given (the CLI passes its validated
+    ones through), else built from the keywords named like their fields. A keyword that is
+    no setting is a TypeError naming the closest one.
+    """
+    built_settings, built_options, unknown = split_settings(keywords)
+    if unknown:
+        import difflib
+
+        name = sorted(unknown)[0]
+        close = difflib.get_close_matches(name, [f.name for f in setting_fields()], n=1)
+        raise TypeError(f"evaluate() got an unexpected keyword argument {name!r}"
+                        + (f"; did you mean {close[0]!r}?" if close else ""))
+    for given, built, what in ((settings, built_settings, "settings"), (options, built_options, "options")):
+        passed = [f.name for f in fields(built) if f.name in keywords]
+        if given is not None and passed:
+            raise UsageError(f"{passed[0]!r} is given both as a keyword and in {what}=; pass one of them.",
+                             param=passed[0], value=keywords[passed[0]])
+    return settings or built_settings, options or built_options
+
+
+def with_setting_keywords(fn):
+    """``fn``'s signature (``help(fn)``, ``inspect.signature``) lists every setting of
+    :class:`Settings` and :class:`Options` as a keyword-only argument in place of its
+    ``**settings_keywords``, and its docstring lists their help: both from the declarations.
+    """
+    import inspect
+
+    signature = inspect.signature(fn)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    shared = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default_of(f), annotation=f.type)
+              for f in setting_fields()]
+    fn.__signature__ = signature.replace(parameters=[*own, *shared])
+    lines = [f"    ``{f.name}`` (default ``{default_of(f)!r}``): {f.metadata['help']}" for f in setting_fields()]
+    heading = "\n    Settings (keywords; or ``settings=``/``options=``, validated objects):\n\n"
+    fn.__doc__ = (fn.__doc__ or "") + heading + "\n".join(lines) + "\n"
+    return fn

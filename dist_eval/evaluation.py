@@ -10,7 +10,7 @@ on every rank, so no rank is left waiting in the next collective.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
@@ -18,17 +18,7 @@ import torch
 
 from dist_eval import ranks
 from dist_eval.backends.objects import evaluation_model
-from dist_eval.config import (
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_BOOTSTRAP_RESAMPLES,
-    DEFAULT_IN_FLIGHT,
-    DEFAULT_MAX_BATCH_TOKENS,
-    DEFAULT_MAX_LENGTH,
-    DEFAULT_SAVE_INTERVAL,
-    Options,
-    Settings,
-    read_label_words,
-)
+from dist_eval.config import Options, Settings, read_label_words, settings_from, with_setting_keywords
 from dist_eval.data.labels import TaskColumns, check_columns, label_names_of, read_labels
 from dist_eval.data.loader import loader_batches
 from dist_eval.data.sample import sample_rows
@@ -69,34 +59,23 @@ class _Task:
     label_words: Optional[tuple] = None  # a zero-shot model's
 
 
+@with_setting_keywords
 def evaluate(
     model,
     data,
     *,
     tokenizer=None,
-    text_column: str = Settings.text_column,
-    text_pair_column: Optional[str] = None,
-    label_column: str = Settings.label_column,
     num_labels: Optional[int] = None,
     label_names: Optional[Sequence[str]] = None,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    max_length: int = DEFAULT_MAX_LENGTH,
     pad_token_id: Optional[int] = None,
     return_logits: bool = False,
     metrics: Optional[Dict[str, MergedMetric]] = None,
     sample_metrics: Optional[Dict[str, SampleMetric]] = None,
     on_batch_done: Optional[Callable[[int], None]] = None,
-    length_buckets: bool = True,
-    max_batch_tokens: Optional[int] = DEFAULT_MAX_BATCH_TOKENS,
-    in_flight: int = DEFAULT_IN_FLIGHT,
-    bootstrap_resamples: int = DEFAULT_BOOTSTRAP_RESAMPLES,
-    bootstrap_seed: int = 0,
-    top_k: Optional[int] = None,
-    limit: int = 0, limit_seed: int = 0,
-    template: Optional[str] = None,
-    label_words: Optional[Sequence[str]] = None,
     resume_folder: Optional[str] = None,
-    save_interval: float = DEFAULT_SAVE_INTERVAL,
+    settings: Optional[Settings] = None,
+    options: Optional[Options] = None,
+    **settings_keywords,
 ) -> EvalResult:
     """Evaluate a classifier on a dataset (or DataLoader), sharded over the current
     process group, exactly: every row counted once, whatever the world size.
@@ -137,31 +116,20 @@ def evaluate(
     mean. Both appear in ``metrics`` beside the built-ins.
     ``on_batch_done(num_rows)`` is called on each rank after each of its batches.
 
-    Throughput (none of these changes any result): ``length_buckets`` batches rows of
-    similar token length together (less padding); ``max_batch_tokens`` caps a batch's
-    padded tokens (rows x (longest row + prompt vectors); None: no cap) besides its
-    ``batch_size`` rows; ``in_flight`` keeps that many batches
-    in flight at once on each rank (their results are put back in order).
+    The settings (listed below, from their declarations in :mod:`dist_eval.config`) are
+    keywords, or the validated ``settings=Settings(...)`` / ``options=Options(...)``. Those of
+    :class:`~dist_eval.config.Options` change no result. ``limit`` and ``template`` apply to
+    a Dataset only. ``label_words`` are those of a zero-shot model (``load_model(...,
+    label_words=...)``, which knows them: given here, they are checked against it).
 
     ``resume_folder`` (Dataset input only): each rank stores the logits of finished
     batches there, atomically, at most every ``save_interval`` seconds; batches already
     stored there are not run again. The folder must belong to this exact model, data and
     settings (the CLI keys it by a hash of them; see :mod:`dist_eval.resume`).
 
-    ``limit`` (Dataset input only; 0: every row): a seeded (``limit_seed``) random sample of
-    that many rows, without replacement, chosen by a hash of each row's content: the same
-    rows for any world size and any order of the rows (:mod:`dist_eval.data.sample`).
-
-    ``template`` (Dataset input only): each row's text is put in it at ``{text}`` (and
-    ``{text_pair}`` with ``text_pair_column``) before tokenizing, e.g. ``"Review: {text} Sentiment:"``.
-    ``label_words``: those of a zero-shot model (``load_model(..., label_words=...)``, which
-    knows them: given here, they are checked against it); the data's labels are class ids
-    into them (see :mod:`dist_eval.backends.zeroshot`).
-
-    ``bootstrap_resamples`` (0 disables) and ``bootstrap_seed``: 95% percentile bootstrap
-    intervals for accuracy, macro-F1 and loss, computed on rank 0 from the merged set
-    (:func:`dist_eval.intervals.bootstrap_intervals`, about 1 s per 1000 resamples),
-    in ``metrics["confidence_intervals"]``; the same for any world size.
+    Intervals (``bootstrap_resamples``, 0 disables): 95% percentile bootstrap intervals,
+    computed on rank 0 from the merged set (:mod:`dist_eval.intervals`), in
+    ``metrics["confidence_intervals"]``; the same for any world size.
 
     Probability scores, from the softmax of every row's logits (gathered to rank 0 with the
     other per-sample arrays: rows x classes x 4 bytes there): ``ece`` (15 equal-width
@@ -169,15 +137,10 @@ def evaluate(
     none with 2) and ``auroc_macro`` (one-vs-rest, macro over the classes present), with
     ``reliability`` (the per-bin table) and their intervals beside the others.
     """
-    options = Options(in_flight=in_flight, save_interval=save_interval, bootstrap_resamples=bootstrap_resamples,
-                      bootstrap_seed=bootstrap_seed, top_k=top_k)
+    settings, options = settings_from(settings_keywords, settings, options)
     with evaluation_model(model) as model:  # a model object: adapted, in eval mode until the forwards end
         task = _task_of(model, num_labels, pad_token_id, label_names)
-        settings = Settings(
-            text_column=text_column, text_pair_column=text_pair_column, label_column=label_column, limit=limit,
-            limit_seed=limit_seed, batch_size=batch_size, max_length=max_length, length_buckets=length_buckets,
-            max_batch_tokens=max_batch_tokens, template=template, label_words=_label_words_of(task, label_words),
-        )
+        settings = replace(settings, label_words=_label_words_of(task, settings.label_words))
         start, start_cpu = time.perf_counter(), time.process_time()
 
         num_rows, batches, num_truncated, own_batches = _this_rank_batches(data, tokenizer, settings, task)

@@ -1,26 +1,32 @@
 """The CLI run, phase by phase: ``python -m dist_eval`` -> :func:`dist_eval.cli.main` -> :func:`run`.
 
-    preparing the run -> starting the local swarm -> loading the data -> loading the model
-      -> finding the stored partial results -> evaluate() -> writing the report
+A run is a plan of (checkpoint, set) pairs (:mod:`dist_eval.plan`); a single run is a plan
+of one pair. Every run goes through the same loop::
+
+    preparing the run -> starting the local swarm -> loading the data (the first set)
+      -> loading the model                                       (once: what the pairs share)
+      -> for each pair: loading the data (a set not seen yet) -> finding the stored partial
+         results -> loading the checkpoint (another pair's) -> evaluate() -> writing the report
+      -> writing the summary (several pairs) -> shutting down
 
 Every phase is a :func:`dist_eval.ranks.phase`: a failure on one rank fails every rank
-together. Rank 0 alone prints, starts the local swarm and writes the report.
+together. Rank 0 alone prints, starts the local swarm and writes the reports. What a
+report's ``metrics.json`` says of the run is built in one place, :func:`_run_facts`.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import os
 import platform
 import time
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Tuple
 
 from dist_eval import ranks
 from dist_eval.config import EvalConfig, Settings
 from dist_eval.errors import UsageError
-from dist_eval.jobs import Plan
+from dist_eval.plan import Checkpoint, EvalSet, Pair, Plan
 
 
 @dataclass
@@ -28,89 +34,77 @@ class Job:
     """What this run evaluates: the flags', or the built-in demo's model, data and columns."""
 
     model_dir: str
-    data_files: List[str]
     split: Optional[str]
-    checkpoint: Optional[str]
     settings: Settings
+    plan: Plan
     demo: bool
     head: Optional[str] = None
-    plan: Optional[Plan] = None  # several sets and/or checkpoints (dist_eval.jobs); None: this one run
+
+
+@dataclass
+class _Clock:
+    started: float  # perf_counter at the start of run()
+    started_at: str  # the same moment, ISO 8601 UTC
+
+    @classmethod
+    def now(cls) -> _Clock:
+        return cls(time.perf_counter(), datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+@dataclass
+class _Session:
+    """What every pair of the run shares: the flags, the job, the loaded model, the swarm, the clock."""
+
+    config: EvalConfig
+    job: Job
+    swarm: Tuple[Optional[list], Optional[str]]  # (initial peers, DHT prefix)
+    clock: _Clock
+    say: object
+    model: object = None
+    tokenizer: object = None
+    loaded: Optional[Checkpoint] = None  # whose prompts + head the model holds
+    shared_phases: Dict[str, float] = field(default_factory=dict)  # phases before the first pair
+    datasets: Dict[Optional[str], tuple] = field(default_factory=dict)  # set name -> (dataset, sample facts)
+
+
+@dataclass
+class _Report:
+    """Rank 0: a report written, completed with the shutdown's times once every process has stopped."""
+
+    folder: str
+    metrics: dict
+    phases: Dict[str, float]
 
 
 def run(config: EvalConfig) -> int:
     """The CLI run on this rank; returns the exit code (a failure raises :class:`RankFailure`)."""
-    started = time.perf_counter()
+    clock = _Clock.now()
     ranks.phase_seconds.clear()
-    started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     main = ranks.is_main_process()
     say = print if main and not config.quiet else (lambda *a, **k: None)
 
     with ranks.phase("preparing the run"):
         job = _prepare(config, say) if main else None
     job = ranks.broadcast_object(job)
+    reports: List[_Report] = []
     with contextlib.ExitStack() as cleanup:
-        initial_peers, dht_prefix = config.initial_peers, config.dht_prefix
-        if config.backend == "petals" and not initial_peers:
-            with ranks.phase("starting the local swarm"):
-                swarm = _start_swarm(config, job, cleanup, say) if main else None  # its servers start meanwhile:
-                _import_client(config)  # each rank imports its client (seconds of CPU) while they start
-                address = (swarm.wait_started().initial_peers, swarm.dht_prefix) if main else None
-            initial_peers, dht_prefix = ranks.broadcast_object(address)
-        if job.plan is not None:  # several sets and/or checkpoints: one model load, a loop over the pairs
-            from dist_eval.jobs import run_pairs
+        session = _Session(config, job, _swarm_address(config, job, cleanup, say), clock, say)
+        _load_model(session, cleanup)
+        pairs = job.plan.pairs()
+        for number, pair in enumerate(pairs, 1):
+            report = _run_pair(session, pair, f"[{number}/{len(pairs)}]")
+            if report is not None:
+                reports.append(report)
+        if job.plan.several:
+            with ranks.phase("writing the summary"):
+                if main:
+                    from dist_eval.output.pairs import write_pairs_summary
 
-            return run_pairs(config, job, (initial_peers, dht_prefix), cleanup, say, (started, started_at))
-        dataset, sample = _load_data(job)
-        with ranks.phase("loading the model"):
-            tokenizer, model = _load_model(config, job, initial_peers, dht_prefix)
-        cleanup.push(_barrier_unless_interrupted)  # no rank's client is still talking when rank 0 stops the swarm
-        cleanup.callback(model.close)
-        with ranks.phase("finding the stored partial results"):
-            folder = _resume_folder(config, job, dataset, model, say) if main else None
-        folder = ranks.broadcast_object(folder)
-
-        result = _evaluate(config, job, model, tokenizer, dataset, folder, cleanup, say)
-        result.metrics["run"].update(_run_facts(config, job, initial_peers, dht_prefix, started, started_at))
-        provenance = getattr(model.module, "provenance", None)
-        if main and provenance is not None:  # a petals run: the servers as announced in the DHT
-            result.metrics["run"]["swarm"] = provenance()
-        result.metrics["run"]["sample"] = sample
-        with ranks.phase("writing the report"):
-            if main:
-                _write_report(config, result, say, _texts(config, job, dataset))
-        if main:  # the report is complete: the partial results have served
-            from dist_eval import resume
-
-            resume.finished(folder)
+                    print(write_pairs_summary(config.output_dir, pairs), flush=True)
         shutdown_began = time.perf_counter()
     if main:
-        _record_shutdown(config, result.metrics, started, shutdown_began, say)
+        _record_shutdown(reports, clock, shutdown_began, say)
     return 0
-
-
-def _record_shutdown(config: EvalConfig, metrics: dict, started: float, shutdown_began: float, say) -> None:
-    """Rank 0, once every process of the run has stopped: metrics.json gains the times of
-    the report and of the shutdown (the client, the other ranks, the local swarm), and the
-    run's total from the launch; one line says them.
-    """
-    from dist_eval.output.files import write_metrics
-
-    run = metrics["run"]
-    run["phase_seconds"] = _phase_seconds()  # the report's phase too, now
-    run["phase_seconds"]["shutting down"] = round(time.perf_counter() - shutdown_began, 3)
-    run["total_seconds"] = round((run.get("startup_seconds") or 0.0) + time.perf_counter() - started, 3)
-    write_metrics(config.output_dir, metrics)
-    phases = run["phase_seconds"]
-    say(f"dist_eval: done in {run['total_seconds']:.1f} s from the launch (writing the report "
-        f"{phases.get('writing the report', 0.0):.1f} s, shutting down {phases['shutting down']:.1f} s)", flush=True)
-
-
-def _barrier_unless_interrupted(exc_type, exc, tb) -> None:
-    """An exit callback: wait for the other ranks, except after SIGINT/SIGTERM, when they
-    may be gone (torchrun stops them all when one dies) and a collective would fail.
-    """
-    if exc_type is None or not issubclass(exc_type, KeyboardInterrupt):
-        ranks.barrier_if_alive()
 
 
 def _prepare(config: EvalConfig, say) -> Job:
@@ -119,47 +113,32 @@ def _prepare(config: EvalConfig, say) -> Job:
 
     check_output_dir(config.output_dir)
     if not config.is_demo:
-        first = config.plan.pairs()[0]  # the single run's own, or the first pair's (whose checkpoint is loaded)
-        return Job(config.model, list(first.data.files), config.split, first.checkpoint.path, config.settings,
-                   demo=False, head=config.head, plan=config.plan if config.plan.several else None)
+        if config.plan.several:
+            say(f"dist_eval: {len(config.plan.checkpoints)} checkpoint(s) x {len(config.plan.sets)} set(s) = "
+                f"{len(config.plan.pairs())} evaluations, one model load; reports under {config.output_dir}",
+                flush=True)
+        return Job(config.model, config.split, config.settings, config.plan, demo=False, head=config.head)
     from dist_eval.demo import demo_assets
 
     demo = demo_assets(log=lambda line: say(line, flush=True), family=config.demo_family)
-    settings = dataclasses.replace(config.settings, text_column=demo.text_column, label_column=demo.label_column)
-    return Job(demo.model_dir, [demo.data_dir], demo.split, demo.checkpoint, settings, demo=True)
+    settings = replace(config.settings, text_column=demo.text_column, label_column=demo.label_column)
+    plan = Plan((EvalSet(None, (demo.data_dir,)),), (Checkpoint(None, demo.checkpoint),))
+    return Job(demo.model_dir, demo.split, settings, plan, demo=True)
 
 
-def _load_data(job: Job) -> tuple:
-    """(the job's rows, what the report records of its --limit sample): a phase, every rank."""
-    from dist_eval.data.load import fills_cache, load_split
-
-    with ranks.phase("loading the data", main_first=fills_cache(job.data_files)):  # rank 0 fills the cache first
-        sample = _sample(job.settings, load_split(job.data_files, job.split))
-    return sample.pop("dataset"), sample
-
-
-def _sample(settings: Settings, dataset) -> dict:
-    """The --limit sample of the split (every rank draws the same rows: no collective), and
-    what the report records of it: ``{"dataset", "limit", "limit_seed", "rows_in_data", "rows"}``.
+def _swarm_address(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, say) -> tuple:
+    """(initial peers, DHT prefix) of the swarm: the flags', or a local swarm's, started by
+    rank 0 (and stopped when the run ends) while every rank imports its client.
     """
-    from dist_eval.data.labels import TaskColumns
-    from dist_eval.data.sample import sample_rows
-
-    columns = TaskColumns.of(settings)
-    rows_in_data = len(dataset)
-    if settings.limit and all(name in dataset.column_names for _, name in columns.named()):
-        dataset = sample_rows(dataset, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
-    # (a missing column is reported by evaluate(), naming the flag)
-    return {"dataset": dataset, "limit": settings.limit, "limit_seed": settings.limit_seed,
-            "rows_in_data": rows_in_data, "rows": len(dataset)}
-
-
-def _import_client(config: EvalConfig) -> None:
-    """Import the backend's client library now (petals: ~3 s of CPU), not in "loading the model"."""
-    if config.backend == "petals":
+    if config.backend != "petals" or config.initial_peers:
+        return config.initial_peers, config.dht_prefix
+    with ranks.phase("starting the local swarm"):
+        swarm = _start_swarm(config, job, cleanup, say) if ranks.is_main_process() else None
         from dist_eval.backends.compat import import_petals
 
-        import_petals()
+        import_petals()  # each rank imports its client (seconds of CPU) while the servers start
+        address = (swarm.wait_started().initial_peers, swarm.dht_prefix) if swarm is not None else None
+    return ranks.broadcast_object(address)
 
 
 def _start_swarm(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, say):
@@ -184,56 +163,221 @@ def _start_swarm(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, sa
     return swarm.start_in_background()
 
 
-def _load_model(config: EvalConfig, job: Job, initial_peers, dht_prefix) -> tuple:
-    """(tokenizer, :class:`dist_eval.backends.LoadedModel`) of the job's model folder."""
+def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
+    """Every rank: the first set's data (a mistake in it shows before the model loads), then the
+    model with the first pair's checkpoint; every other checkpoint is checked against it.
+    """
     from transformers import AutoTokenizer
 
     from dist_eval.backends import load_model
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
-    except Exception as e:
-        raise UsageError(
-            f"--model {job.model_dir}: no usable tokenizer in the folder ({type(e).__name__}). "
-            "Save the tokenizer there too (tokenizer.save_pretrained(folder))."
-        ) from e
-    model = load_model(
-        config.backend, job.model_dir, checkpoint=job.checkpoint, head=job.head, tuning_mode=config.tuning_mode,
-        pre_seq_len=config.pre_seq_len, num_labels=config.num_labels, initial_peers=initial_peers,
-        dht_prefix=dht_prefix, swarm_timeout=config.swarm_timeout, device=config.device,
-        label_words=job.settings.label_words, tokenizer=tokenizer,
-    )
-    return tokenizer, model
+    config, job = session.config, session.job
+    first = job.plan.pairs()[0]
+    _dataset(session, first.data)
+    with ranks.phase("loading the model"):
+        try:
+            session.tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
+        except Exception as e:
+            raise UsageError(
+                f"--model {job.model_dir}: no usable tokenizer in the folder ({type(e).__name__}). "
+                "Save the tokenizer there too (tokenizer.save_pretrained(folder))."
+            ) from e
+        session.model = load_model(
+            config.backend, job.model_dir, checkpoint=first.checkpoint.path, head=job.head,
+            tuning_mode=config.tuning_mode, pre_seq_len=config.pre_seq_len, num_labels=config.num_labels,
+            initial_peers=session.swarm[0], dht_prefix=session.swarm[1], swarm_timeout=config.swarm_timeout,
+            device=config.device, label_words=job.settings.label_words, tokenizer=session.tokenizer,
+        )
+        session.loaded = first.checkpoint
+        cleanup.push(_barrier_unless_interrupted)  # no rank's client still talks when rank 0 stops the swarm
+        cleanup.callback(session.model.close)
+        for checkpoint in job.plan.checkpoints[1:]:
+            session.model.check_structure(_trainable(session, checkpoint), checkpoint.path)
+    session.shared_phases = dict(ranks.phase_seconds)
 
 
-def _resume_folder(config: EvalConfig, job: Job, dataset, model, say) -> str:
-    """Rank 0: this run's folder of partial results, keyed by everything that decides them."""
+def _trainable(session: _Session, checkpoint: Checkpoint):
+    """The prompts + head of ``checkpoint``, read and checked as ``load_model`` would."""
+    from dist_eval.backends.classifier import read_trainable
+
+    config, job = session.config, session.job
+    return read_trainable(job.model_dir, checkpoint.path, job.head, config.tuning_mode, config.pre_seq_len,
+                          config.num_labels, job.settings.label_words)
+
+
+def _barrier_unless_interrupted(exc_type, exc, tb) -> None:
+    """An exit callback: wait for the other ranks, except after SIGINT/SIGTERM, when they
+    may be gone (torchrun stops them all when one dies) and a collective would fail.
+    """
+    if exc_type is None or not issubclass(exc_type, KeyboardInterrupt):
+        ranks.barrier_if_alive()
+
+
+def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[_Report]:
+    """One pair: its data, its stored results, its checkpoint, evaluate(), its report (rank 0
+    returns it). A pair whose folder holds its finished report is skipped (several pairs).
+    """
     from dist_eval import resume
 
-    key = resume.run_key(job.model_dir, job.checkpoint, dataset, job.split, model, job.settings, job.head)
-    return resume.resume_folder(config.output_dir, key, config.resume, say)
+    config, main = session.config, ranks.is_main_process()
+    ranks.phase_seconds.clear()  # this pair's own phases (the shared ones: session.shared_phases)
+    pair_started = time.perf_counter()
+    out = os.path.join(config.output_dir, pair.folder)
+    if session.job.plan.several:
+        session.say(f"dist_eval: {numbered} checkpoint {pair.checkpoint.name or pair.checkpoint.path or '-'}, "
+                    f"set {pair.data.name or '-'} -> {out}", flush=True)
+    dataset, sample = _dataset(session, pair.data)
+    with ranks.phase("finding the stored partial results"):
+        found = _partial_folder(session, out, pair, dataset) if main else None
+    folder, key = ranks.broadcast_object(found)
+    if folder is None:
+        return None
+    if pair.checkpoint != session.loaded:
+        with ranks.phase("loading the checkpoint"):
+            session.model.load_trainable(_trainable(session, pair.checkpoint), pair.checkpoint.path)
+        session.loaded = pair.checkpoint
+    result = _evaluate(session, dataset, folder)
+    facts = _run_facts(session, pair, pair_started)
+    result.metrics["run"].update(facts, run_key=key, sample=sample)
+    with ranks.phase("writing the report"):
+        if main:
+            _write_report(config, out, result, session.say, _texts(config, session.job.settings, dataset))
+    if not main:
+        return None
+    resume.finished(folder)  # the report is complete: the partial results have served
+    own = dict(ranks.phase_seconds)
+    return _Report(out, result.metrics, own if session.job.plan.several else {**session.shared_phases, **own})
 
 
-def _evaluate(config: EvalConfig, job: Job, model, tokenizer, dataset, folder: str, cleanup, say):
+def _dataset(session: _Session, data: EvalSet) -> tuple:
+    """(the set's rows, what the report records of its --limit sample): loaded once per set,
+    in a phase, by every rank.
+    """
+    from dist_eval.data.load import fills_cache, load_split
+
+    if data.name not in session.datasets:
+        job = session.job
+        with ranks.phase("loading the data", main_first=fills_cache(list(data.files))):  # rank 0 fills the cache
+            sample = _sample(job.settings, load_split(list(data.files), job.split))
+        session.datasets[data.name] = (sample.pop("dataset"), sample)
+    dataset, sample = session.datasets[data.name]
+    return dataset, dict(sample)
+
+
+def _sample(settings: Settings, dataset) -> dict:
+    """The --limit sample of the split (every rank draws the same rows: no collective), and
+    what the report records of it: ``{"dataset", "limit", "limit_seed", "rows_in_data", "rows"}``.
+    """
+    from dist_eval.data.labels import TaskColumns
+    from dist_eval.data.sample import sample_rows
+
+    columns = TaskColumns.of(settings)
+    rows_in_data = len(dataset)
+    if settings.limit and all(name in dataset.column_names for _, name in columns.named()):
+        dataset = sample_rows(dataset, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
+    # (a missing column is reported by evaluate(), naming the flag)
+    return {"dataset": dataset, "limit": settings.limit, "limit_seed": settings.limit_seed,
+            "rows_in_data": rows_in_data, "rows": len(dataset)}
+
+
+def _partial_folder(session: _Session, out: str, pair: Pair, dataset) -> Tuple[Optional[str], str]:
+    """Rank 0: (this pair's folder of partial results, its run key, made of everything that
+    decides the results); (None, key) when the folder holds the finished report of this very
+    pair (skipped; several pairs only: a single run is run again).
+    """
+    from dist_eval import resume
+    from dist_eval.output.files import check_output_dir
+
+    config, job = session.config, session.job
+    check_output_dir(out)
+    key = resume.run_key(job.model_dir, pair.checkpoint.path, dataset, job.split, session.model, job.settings,
+                         job.head)
+    if job.plan.several and config.resume and resume.finished_report(out, key):
+        session.say(f"dist_eval: already finished (the report in {out} is of this checkpoint, data and settings): "
+                    "skipped", flush=True)
+        return None, key
+    return resume.resume_folder(out, key, config.resume, session.say), key
+
+
+def _evaluate(session: _Session, dataset, folder: str):
     """evaluate() over the dataset, with the global progress shown by rank 0."""
     from dist_eval.evaluation import evaluate
     from dist_eval.progress import GlobalProgress
 
-    say(
-        f"dist_eval: evaluating {len(dataset)} rows on {ranks.get_world_size()} rank(s) with the {config.backend} "
-        "backend ...",
-        flush=True,
-    )
+    config = session.config
+    session.say(f"dist_eval: evaluating {len(dataset)} rows on {ranks.get_world_size()} rank(s) with the "
+                f"{config.backend} backend ...", flush=True)
     # every rank creates it here (one broadcast); rank 0 shows all ranks' rows on stderr
     progress = GlobalProgress(len(dataset), config.progress, quiet=config.quiet)
-    cleanup.callback(progress.close, completed=False)  # ends a bar's line if the evaluation fails
-    progress.start()
-    result = evaluate(
-        model, dataset, tokenizer=tokenizer, **job.settings.as_dict(), **config.options.as_dict(),
-        return_logits=True, on_batch_done=progress.update, resume_folder=folder,
-    )
+    try:
+        progress.start()
+        result = evaluate(session.model, dataset, tokenizer=session.tokenizer, settings=session.job.settings,
+                          options=config.options, return_logits=True, on_batch_done=progress.update,
+                          resume_folder=folder)
+    except BaseException:
+        progress.close(completed=False)  # ends a bar's line
+        raise
     progress.close()
     return result
+
+
+def _run_facts(session: _Session, pair: Pair, pair_started: float) -> dict:
+    """What a report's metrics.json records of the run, besides what the merge measured. For a
+    plan of one pair, its times count from the run's start; with several, from the pair's, and
+    ``pair`` names it and the phases the pairs shared.
+    """
+    config, job, several = session.config, session.job, session.job.plan.several
+    facts = dict(
+        backend=config.backend,
+        model=os.path.abspath(job.model_dir),
+        data_files=[os.path.abspath(p) if os.path.exists(p) else p for p in pair.data.files],
+        split=job.split,
+        checkpoint=os.path.abspath(pair.checkpoint.path) if pair.checkpoint.path else None,
+        head=os.path.abspath(job.head) if job.head else None,
+        demo=job.demo,
+        label_words=list(job.settings.label_words) if job.settings.label_words else None,
+        template=job.settings.template,
+        batch_size=job.settings.batch_size,
+        max_length=job.settings.max_length,
+        max_batch_tokens=job.settings.max_batch_tokens or 0,
+        length_buckets=job.settings.length_buckets,
+        in_flight=config.options.in_flight,
+        initial_peers=list(session.swarm[0] or []),
+        dht_prefix=session.swarm[1],
+        started_at=session.clock.started_at,
+        wall_seconds=time.perf_counter() - (pair_started if several else session.clock.started),
+        startup_seconds=_startup_seconds(session.clock.started),
+        phase_seconds=_rounded(ranks.phase_seconds if several else {**session.shared_phases, **ranks.phase_seconds}),
+        versions=_versions(),
+    )
+    if several:
+        facts["pair"] = {"checkpoint": pair.checkpoint.name, "set": pair.data.name, "folder": pair.folder,
+                         "shared_phase_seconds": _rounded(session.shared_phases)}
+    provenance = getattr(session.model.module, "provenance", None)
+    swarm = provenance() if provenance is not None and ranks.is_main_process() else None
+    if swarm is not None:  # a petals run: the servers as announced in the DHT
+        facts["swarm"] = swarm
+    return facts
+
+
+def _record_shutdown(reports: List[_Report], clock: _Clock, shutdown_began: float, say) -> None:
+    """Rank 0, once every process of the run has stopped: each report's metrics.json gains
+    the times of its report and of the shutdown (the client, the other ranks, the local
+    swarm), and the run's total from the launch; one line says them.
+    """
+    from dist_eval.output.files import write_metrics
+
+    shutdown = round(time.perf_counter() - shutdown_began, 3)
+    for report in reports:
+        run = report.metrics["run"]
+        run["phase_seconds"] = {**_rounded(report.phases), "shutting down": shutdown}
+        run["total_seconds"] = round((run.get("startup_seconds") or 0.0) + time.perf_counter() - clock.started, 3)
+        write_metrics(report.folder, report.metrics)
+    if reports:
+        run = reports[-1].metrics["run"]
+        say(f"dist_eval: done in {run['total_seconds']:.1f} s from the launch (writing the report "
+            f"{run['phase_seconds'].get('writing the report', 0.0):.1f} s, shutting down {shutdown:.1f} s)",
+            flush=True)
 
 
 def _startup_seconds(started: float) -> Optional[float]:
@@ -247,9 +391,9 @@ def _startup_seconds(started: float) -> Optional[float]:
     return None if alive is None else round(max(0.0, alive - (time.perf_counter() - started)), 3)
 
 
-def _phase_seconds() -> dict:
-    """{phase: seconds} of this rank's phases so far, in order."""
-    return {name: round(seconds, 3) for name, seconds in ranks.phase_seconds.items()}
+def _rounded(phases: Dict[str, float]) -> Dict[str, float]:
+    """{phase: seconds}, in order, to the millisecond."""
+    return {name: round(seconds, 3) for name, seconds in phases.items()}
 
 
 def _seconds_alive(pid: int) -> Optional[float]:
@@ -265,33 +409,6 @@ def _seconds_alive(pid: int) -> Optional[float]:
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _run_facts(config: EvalConfig, job: Job, initial_peers, dht_prefix, started: float, started_at: str) -> dict:
-    """What metrics.json records about the run, besides what the merge measured."""
-    return dict(
-        backend=config.backend,
-        model=os.path.abspath(job.model_dir),
-        data_files=[os.path.abspath(p) if os.path.exists(p) else p for p in job.data_files],
-        split=job.split,
-        checkpoint=os.path.abspath(job.checkpoint) if job.checkpoint else None,
-        head=os.path.abspath(job.head) if job.head else None,
-        demo=job.demo,
-        label_words=list(job.settings.label_words) if job.settings.label_words else None,
-        template=job.settings.template,
-        batch_size=config.batch_size,
-        max_length=config.max_length,
-        max_batch_tokens=config.max_batch_tokens,
-        length_buckets=config.length_buckets,
-        in_flight=config.in_flight,
-        initial_peers=list(initial_peers or []),
-        dht_prefix=dht_prefix,
-        started_at=started_at,
-        wall_seconds=time.perf_counter() - started,
-        startup_seconds=_startup_seconds(started),
-        phase_seconds=_phase_seconds(),
-        versions=_versions(),
-    )
-
-
 def _versions() -> dict:
     from importlib import metadata
 
@@ -304,21 +421,21 @@ def _versions() -> dict:
     return out
 
 
-def _texts(config: EvalConfig, job: Job, dataset) -> Optional[dict]:
+def _texts(config: EvalConfig, settings: Settings, dataset) -> Optional[dict]:
     """Rank 0, with --save-text: {"text": ..., "text_pair": ...} of every row, in row order."""
     if not config.save_text:
         return None
-    columns = {"text": job.settings.text_column, "text_pair": job.settings.text_pair_column}
+    columns = {"text": settings.text_column, "text_pair": settings.text_pair_column}
     return {key: dataset[column] for key, column in columns.items() if column}
 
 
-def _write_report(config: EvalConfig, result, say, texts: Optional[dict] = None) -> None:
-    """Rank 0: predictions.jsonl, metrics.json and the report files; the summary; the tracker."""
+def _write_report(config: EvalConfig, out: str, result, say, texts: Optional[dict] = None) -> None:
+    """Rank 0: predictions.jsonl, metrics.json and the report files in ``out``; the summary; the tracker."""
     from dist_eval.output.files import write_metrics, write_predictions, write_report_files
     from dist_eval.output.summary import format_summary
     from dist_eval.output.tracking import log_to_tracker
 
-    metrics, out = result.metrics, config.output_dir
+    metrics = result.metrics
     write_predictions(out, result.predictions, metrics.get("label_names"), config.save_logits, texts)
     path = write_metrics(out, metrics)
     files = write_report_files(out, metrics)

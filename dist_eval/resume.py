@@ -106,6 +106,19 @@ def finished(folder: str) -> None:
         os.rmdir(os.path.dirname(folder))
 
 
+def finished_report(folder: str, key: str) -> bool:
+    """``folder`` holds the complete report of the run ``key``: its metrics.json records the
+    key, predictions.jsonl is there and no partial results are left (they are removed last).
+    """
+    try:
+        with open(os.path.join(folder, "metrics.json")) as f:
+            recorded = json.load(f).get("run", {}).get("run_key")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (recorded == key and os.path.isfile(os.path.join(folder, "predictions.jsonl"))
+            and not os.path.isdir(os.path.join(folder, SUBDIR, key)))
+
+
 def data_fingerprint(dataset) -> str:
     """The ``datasets`` fingerprint (derived from the source files' content) and size."""
     return f"{getattr(dataset, '_fingerprint', None)}:{len(dataset)}:{dataset.column_names}"

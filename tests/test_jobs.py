@@ -1,4 +1,4 @@
-"""Several sets and checkpoints in one run (dist_eval.jobs): each (checkpoint, set) pair's
+"""Several sets and checkpoints in one run (dist_eval.plan, dist_eval.pipeline): each (checkpoint, set) pair's
 report equals a separate single run of that pair (bitwise logits, N = 1 and 2), the summary
 table equals the pairs' metrics.json, the model is loaded once, a run stopped between pairs
 re-runs only the unfinished ones, and malformed flags fail in one line naming the flag."""
@@ -188,7 +188,7 @@ def test_one_plural_dimension_has_one_folder_level(tiny_model, assets, tmp_path,
 
 
 def test_plan_layouts():
-    from dist_eval.jobs import parse_plan
+    from dist_eval.plan import parse_plan
 
     plain = parse_plan(["a.csv", "b.csv"], ["ck.pt"])
     assert not plain.several and [p.folder for p in plain.pairs()] == [""]
@@ -212,7 +212,7 @@ def test_several_checkpoints_need_model_and_data():
 
 
 def test_an_existing_path_with_equals_is_a_path(tmp_path):
-    from dist_eval.jobs import parse_plan
+    from dist_eval.plan import parse_plan
 
     folder = tmp_path / "split=test"
     folder.mkdir()

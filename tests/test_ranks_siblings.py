@@ -2,8 +2,8 @@
 import subprocess
 import sys
 
-from dist_eval.ranks.siblings import dead_main_rank
 from dist_eval.procs import start_time
+from dist_eval.ranks.siblings import dead_main_rank
 
 
 def _process(seconds: float) -> subprocess.Popen:

@@ -89,6 +89,7 @@ def test_model_weights_reads_the_folder(tiny_model):
 
 
 def test_flags_reach_the_plan(tiny_model):
+    from dist_eval.cli import checked_config
     from dist_eval.config import EvalConfig
     from dist_eval.errors import UsageError
     from dist_eval.swarm import LocalSwarm
@@ -100,7 +101,7 @@ def test_flags_reach_the_plan(tiny_model):
     assert swarm.num_servers == 3 and swarm.server_plan.threads == max(1, (os.cpu_count() or 1) // 3)
     assert LocalSwarm(tiny_model).server_plan.describe() == "float32 on cpu"
     with pytest.raises(UsageError, match="local_device"):
-        EvalConfig(local_device="gpu")
+        checked_config(local_device="gpu")  # the CLI checks a device request before its first phase
     assert EvalConfig().local_device == "auto" and EvalConfig().local_servers is None
 
 

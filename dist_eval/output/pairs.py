@@ -1,4 +1,4 @@
-"""The table comparing the (checkpoint, set) pairs of one run (:mod:`dist_eval.jobs`):
+"""The table comparing the (checkpoint, set) pairs of one run (:mod:`dist_eval.plan`):
 ``OUT/summary.md`` (printed too) and ``OUT/summary.json``, read from each pair's metrics.json.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ COLUMNS = ("accuracy", "f1_macro", "loss")
 
 
 def pair_rows(output_dir: str, pairs: Sequence) -> List[dict]:
-    """One row per pair (a :class:`dist_eval.jobs.Pair`): its names, folder and headline
+    """One row per pair (a :class:`dist_eval.plan.Pair`): its names, folder and headline
     numbers, copied from its metrics.json (so the table cannot disagree with the reports).
     """
     rows = []

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from dist_eval.atomic import atomic_write
 from dist_eval.errors import one_line
+from dist_eval.procs import _free_ports, _ignores_sigint, _live_groups, _port_is_free, _signal_group, _unix_socket_paths
 from dist_eval.swarm.devices import available_memory, check_num_servers, model_weights, plan_servers, visible_gpu_memory
 from dist_eval.swarm.placement import (
     SwarmError,
@@ -28,14 +29,6 @@ from dist_eval.swarm.placement import (
     _default_prefix,
     _read_num_blocks,
     plan_blocks,
-)
-from dist_eval.procs import (
-    _free_ports,
-    _ignores_sigint,
-    _live_groups,
-    _port_is_free,
-    _signal_group,
-    _unix_socket_paths,
 )
 from dist_eval.swarm.server import PEERS_FILE_FLAG
 from dist_eval.watchdog import Watchdog
