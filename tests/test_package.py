@@ -117,3 +117,91 @@ def test_every_setting_is_in_the_resume_key(tmp_path):
     assert set(changed) == {f.name for f in dataclasses.fields(Settings)}
     for name, value in changed.items():
         assert run_key(str(model_dir), None, dataset, None, model, dataclasses.replace(base, **{name: value})) != key
+
+
+def module_imports():
+    """{module: the dist_eval modules it imports}, imports inside functions included; importing
+    ``a.b.c`` also runs ``a.b``'s ``__init__``, so it counts as importing the package too."""
+    modules = {}
+    for path in package_files():
+        name = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+        modules[name] = path
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                targets.update(f"{base}.{alias.name}" for alias in node.names)
+                targets.add(base)
+        found = set()
+        for target in targets:
+            parts = target.split(".")
+            for end in range(1, len(parts) + 1):  # every package on the way runs its __init__
+                prefix = ".".join(parts[:end])
+                if prefix in modules and prefix != name and not name.startswith(prefix + "."):
+                    found.add(prefix)
+        graph[name] = found
+    return graph
+
+
+def test_no_import_cycle_among_the_package_modules():
+    """Layers only point down: no module reaches, through any chain of imports (at the top or
+    inside functions), back to itself."""
+    graph = module_imports()
+    assert "dist_eval.plan" in graph["dist_eval.config"] and "dist_eval.pipeline" in graph["dist_eval.cli"]
+    cycles = []
+    for start in sorted(graph):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    cycles.append(" -> ".join([*path, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+        if cycles:
+            break
+    assert not cycles, f"an import cycle: {cycles[0]}"
+
+
+def test_config_imports_no_higher_module():
+    assert module_imports()["dist_eval.config"] == {"dist_eval.errors", "dist_eval.plan"}
+    assert module_imports()["dist_eval.plan"] == {"dist_eval.errors"}
+
+
+def test_flags_keywords_and_resume_key_cannot_drift_apart():
+    """Each setting is one field: the CLI has its flag (same default, the flag's 0 where the API
+    has None), evaluate() its keyword (same default) and builds the same Settings/Options from
+    it; every field of Settings is in the resume key (test_every_setting_is_in_the_resume_key)."""
+    import dataclasses
+    import inspect
+
+    from dist_eval import evaluate
+    from dist_eval.cli import build_parser, flag_of
+    from dist_eval.config import EvalConfig, Options, Settings, setting_fields, settings_from
+
+    parser = build_parser()
+    flags = {action.dest: action for action in parser._actions if action.option_strings and action.dest != "help"}
+    keywords = inspect.signature(evaluate).parameters
+    for f in setting_fields():
+        assert flag_of(f.name) in flags[f.name].option_strings and f.metadata["help"], f.name
+        assert flags[f.name].default == f.default and keywords[f.name].default == f.default, f.name
+        assert keywords[f.name].kind is inspect.Parameter.KEYWORD_ONLY
+    run_flags = {f.name for f in dataclasses.fields(EvalConfig) if not f.metadata.get("shared")}
+    assert set(flags) == run_flags | {f.name for f in setting_fields()}
+    # the same values give the same objects through the CLI and through the API
+    values = {"batch_size": 3, "template": "t: {text}", "top_k": 1, "in_flight": 4, "limit": 9}
+    config = EvalConfig(**values)
+    assert (config.settings, config.options) == settings_from(values)
+    assert config.settings == Settings(batch_size=3, template="t: {text}", limit=9)
+    assert config.options == Options(top_k=1, in_flight=4) and config.batch_size == 3
+    assert EvalConfig(max_batch_tokens=0).settings == settings_from({"max_batch_tokens": None})[0]
+    with pytest.raises(TypeError, match="'batch_sise'.*did you mean 'batch_size'"):
+        settings_from({"batch_sise": 3})

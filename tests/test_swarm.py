@@ -336,10 +336,24 @@ def test_started_in_the_background_and_stopped_while_starting(tiny_model, tmp_pa
     _assert_groups_gone(s.pgids)
 
 
+# ``python -m dist_eval.swarm`` as it is, which also says, once its servers serve, whether
+# torch was imported in its own process (the servers import it; the CLI must not)
+SWARM_CLI_TELLING_TORCH = (
+    "import runpy, sys\n"
+    "import dist_eval.swarm.cli as cli\n"
+    "ready = cli._say_ready\n"
+    "def say_ready(swarm):\n"
+    "    ready(swarm)\n"
+    "    print(f'torch imported by the CLI: {\"torch\" in sys.modules}', file=sys.stderr, flush=True)\n"
+    "cli._say_ready = say_ready\n"
+    "runpy.run_module('dist_eval.swarm', run_name='__main__', alter_sys=True)\n"
+)
+
+
 @pytest.mark.swarm
 def test_cli_prints_initial_peers_and_stops_on_sigterm(tiny_model):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dist_eval.swarm", str(tiny_model), "--servers", "2"],
+        [sys.executable, "-c", SWARM_CLI_TELLING_TORCH, str(tiny_model), "--servers", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, cwd=ROOT,
     )  # fmt: skip
     groups = []
@@ -363,6 +377,7 @@ def test_cli_prints_initial_peers_and_stops_on_sigterm(tiny_model):
         assert out == b""  # INITIAL_PEERS was the only stdout line
         err = err.decode()
         assert "--dht-prefix dist_eval-tiny_llama" in err and "torchrun" in err and "Traceback" not in err
+        assert "torch imported by the CLI: False" in err, err  # a real model folder read without torch
         _assert_groups_gone(groups)
         assert all(_port_free(int(MADDR.match(p).group(1))) for p in peers)
     finally:
