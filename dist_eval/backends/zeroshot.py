@@ -32,16 +32,14 @@ code on both: in fp32 on CPU the logits are bitwise equal.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from dist_eval.backends.base import Backend
+from dist_eval.backends.checkpoint import TrainableState
 from dist_eval.errors import UsageError
-
-if TYPE_CHECKING:
-    from dist_eval.backends.checkpoint import TrainableState
 
 # the text a label word follows when its tokens are read (see the module docstring)
 ANCHOR = "a"
