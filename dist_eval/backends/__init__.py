@@ -1,5 +1,6 @@
 """Model backends: one small interface, :class:`~dist_eval.backends.base.Backend`.
 
+- :mod:`~dist_eval.backends.base`: :class:`Backend`, what every backend provides (and a minimal one to copy)
 - :mod:`~dist_eval.backends.classifier`: :class:`LoadedModel` and :func:`load_model`
 - :mod:`~dist_eval.backends.objects`: a model object in memory (petals' or transformers'
   sequence classifier, as a training loop holds it) as the LoadedModel ``load_model`` gives
@@ -17,7 +18,8 @@ The names below are imported on first use: ``dist_eval.swarm`` reads model folde
 """
 import importlib
 
-_EXPORTS = {"LoadedModel": "dist_eval.backends.classifier", "load_model": "dist_eval.backends.classifier"}
+_EXPORTS = {"Backend": "dist_eval.backends.base", "LoadedModel": "dist_eval.backends.classifier",
+            "load_model": "dist_eval.backends.classifier"}
 __all__ = list(_EXPORTS)
 
 

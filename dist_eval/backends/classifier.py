@@ -1,4 +1,5 @@
-"""The classifier interface: :class:`LoadedModel` (``module(input_ids) -> logits``) and :func:`load_model`.
+"""The classifier interface: :class:`LoadedModel` (a :class:`~dist_eval.backends.base.Backend` and the
+facts the report needs) and :func:`load_model`.
 
 ``load_model`` reads the model folder's config (its ``model_type`` picks the family,
 :mod:`dist_eval.backends.families`), the trained prompts and head (a checkpoint, or the
@@ -12,9 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence, Union
 
-from torch import nn
-
 from dist_eval import ranks
+from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import TrainableState, load_checkpoint, load_prompts, model_dir_trainable_state
 from dist_eval.backends.families import Family, family_of
 from dist_eval.backends.zeroshot import LabelWords, check_lm_head, label_word_tokens
@@ -26,7 +26,7 @@ from dist_eval.errors import UsageError, param_name, warn
 class LoadedModel:
     """A ready-to-run classifier and the facts the report needs about it."""
 
-    module: nn.Module  # called as module(input_ids) -> logits
+    module: Backend  # called as module(input_ids) -> logits
     num_labels: int
     pad_token_id: int
     backend: str
@@ -35,6 +35,15 @@ class LoadedModel:
     tuning_mode: Optional[str] = None
     label_words: Optional[tuple] = None  # zero-shot: the words scored for the classes (else a classifier head)
     appended_tokens: int = 0  # zero-shot: the most label-word tokens a forward appends to a row
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.module, Backend):  # the run calls close(), provenance(), ... on it
+            raise UsageError(
+                f"expected a dist_eval.backends.base.Backend (forward(input_ids) -> logits, close(), provenance(), "
+                f"...), got {type(self.module).__name__}. Derive its class from Backend (its docstring shows a "
+                "minimal one), or pass the callable to evaluate() itself, without a LoadedModel.",
+                param="module",
+            )
 
     def check_structure(self, state: TrainableState, checkpoint: Optional[str]) -> None:
         """``state`` (another checkpoint's) fits this loaded model: same tuning mode, prompt
@@ -60,21 +69,23 @@ class LoadedModel:
         self.check_structure(state, checkpoint)
         self.module.load_trainable(state)
 
+    def provenance(self) -> Optional[dict]:
+        """The swarm's servers that computed the logits, for the report; None where no swarm is used."""
+        return self.module.provenance()
+
     def close(self) -> None:
         """Release what the backend holds (the petals client's DHT and routing thread)."""
-        close = getattr(self.module, "close", None)
-        if close is not None:
-            close()
+        self.module.close()
 
 
 def _load_local(model_dir: str, state: TrainableState, family: Family, device: str = "cpu", label_words=None,
-                **_) -> nn.Module:
+                **_) -> Backend:
     from dist_eval.backends.local import load_local
 
     return load_local(model_dir, state, family, device, label_words)
 
 
-def _load_petals(model_dir: str, state: TrainableState, family: Family, device: str = "cpu", **swarm) -> nn.Module:
+def _load_petals(model_dir: str, state: TrainableState, family: Family, device: str = "cpu", **swarm) -> Backend:
     from dist_eval.backends.petals import load_petals
 
     return load_petals(model_dir, state, family, **swarm)
@@ -82,7 +93,7 @@ def _load_petals(model_dir: str, state: TrainableState, family: Family, device: 
 
 # backend name -> fn(model_dir, state, family, initial_peers=, dht_prefix=, client_options=, swarm_timeout=, device=,
 #                    label_words=)
-BACKENDS: Dict[str, Callable[..., nn.Module]] = {"petals": _load_petals, "local": _load_local}
+BACKENDS: Dict[str, Callable[..., Backend]] = {"petals": _load_petals, "local": _load_local}
 
 
 def load_model(

@@ -11,12 +11,13 @@ from typing import Optional
 import torch
 from torch import nn
 
+from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import TrainableState
 from dist_eval.backends.families import Family, family_of
 from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer
 
 
-class PromptTunedClassifier(nn.Module):
+class PromptTunedClassifier(Backend):
     """A local transformers sequence classifier with Petals-style (deep) p-tuning.
 
     Mirrors petals 2.2.0 exactly: ``ptune`` prepends ``pre_seq_len`` prompt vectors to
@@ -121,7 +122,7 @@ class PromptTunedClassifier(nn.Module):
 def load_local(
     model_dir: str, state: TrainableState, family: Family, device: str = "cpu",
     label_words: Optional[LabelWords] = None,
-) -> nn.Module:
+) -> Backend:
     """The model of ``model_dir`` with the trained prompts and head, in this process, on ``device``.
 
     With ``label_words``: the causal LM (``Family.local_lm_class``) with the trained prompts,

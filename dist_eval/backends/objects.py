@@ -10,6 +10,7 @@ A training loop evaluates the model it trains, right after an epoch, without sav
 - transformers' ``*ForSequenceClassification`` of a family is run by the local backend's
   (:class:`~dist_eval.backends.local.PromptTunedClassifier`, no prompts).
 
+Both adapters implement :class:`~dist_eval.backends.base.Backend`, as ``load_model``'s backends do.
 The same code as ``load_model``'s, on the same weights: the logits are the same, bit for
 bit. During :func:`evaluation_model` the model is in eval mode; afterwards every module
 has its own ``training`` flag back. A ``DistributedDataParallel`` wrapper is looked

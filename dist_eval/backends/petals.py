@@ -7,8 +7,8 @@ import time
 from typing import Optional
 
 import torch
-from torch import nn
 
+from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import TrainableState
 from dist_eval.backends.compat import (
     import_petals,
@@ -26,7 +26,7 @@ from dist_eval.config import DEFAULT_SWARM_TIMEOUT
 from dist_eval.errors import UsageError, one_line
 
 
-class PetalsClassifier(nn.Module):
+class PetalsClassifier(Backend):
     """Adapter: petals' ``Distributed*ForSequenceClassification`` of a family -> logits.
 
     The remote part of each forward (the blocks on the swarm) is retried for at most
@@ -209,7 +209,7 @@ def wait_for_blocks(manager, timeout: float, dht_prefix: Optional[str]) -> None:
 def load_petals(
     model_dir: str, state: TrainableState, family: Family, initial_peers, dht_prefix, client_options: dict,
     swarm_timeout: float, label_words: Optional[LabelWords] = None,
-) -> nn.Module:
+) -> Backend:
     """The model of ``model_dir`` as a client of the swarm at ``initial_peers``, once every
     block is served, with the trained prompts and head. A folder in a layout petals'
     client cannot read is read from its converted copy (:mod:`dist_eval.backends.petals_folder`).

@@ -32,11 +32,13 @@ code on both: in fp32 on CPU the logits are bitwise equal.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from dist_eval.backends.base import Backend
+from dist_eval.backends.checkpoint import TrainableState
 from dist_eval.errors import UsageError
 
 # the text a label word follows when its tokens are read (see the module docstring)
@@ -96,25 +98,38 @@ def _groups(token_ids: Sequence[Tuple[int, ...]]) -> Dict[Tuple[int, ...], List[
     return groups
 
 
-class ZeroShotScorer(nn.Module):
+class ZeroShotScorer(Backend):
     """``input_ids [B, T]`` (right-padded, no pad inside a row) -> ``logits [B, K]``: per class
     the summed log-probabilities of its label word's tokens after the row (module docstring).
 
     ``base.hidden_states(input_ids)`` returns the final (normed) hidden states of the tokens
     ``[B, T, H]`` (prompt vectors already removed); ``lm_head.weight`` is the LM head ``[V, H]``.
-    ``close``/``provenance`` of ``base`` (a petals client's) and its ``load_trainable`` (another
-    checkpoint's prompts) are this module's too.
+    The rest of the :class:`Backend` contract is ``base``'s (a petals client's provenance and
+    close, another checkpoint's prompts).
     """
 
-    def __init__(self, base: nn.Module, lm_head: nn.Module, label_words: LabelWords):
+    def __init__(self, base: Backend, lm_head: nn.Module, label_words: LabelWords):
         super().__init__()
         self.base = base
         self.lm_head = lm_head
         self.label_words = label_words
         self._groups = _groups(label_words.token_ids)
-        for name in ("close", "provenance", "load_trainable"):
-            if hasattr(base, name):
-                setattr(self, name, getattr(base, name))
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``base``'s: the label words' tokens are scored from them, not hidden states of their own."""
+        return self.base.hidden_states(input_ids)
+
+    def load_trainable(self, state: TrainableState) -> None:
+        """Another checkpoint's prompts into ``base`` (the LM head is the model's own, not trained)."""
+        self.base.load_trainable(state)
+
+    def provenance(self) -> Optional[dict]:
+        """``base``'s: the swarm's servers for a petals client, else None."""
+        return self.base.provenance()
+
+    def close(self) -> None:
+        """``base``'s client, helpers and threads released."""
+        self.base.close()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         input_ids = input_ids.cpu()
