@@ -353,8 +353,7 @@ def _run_facts(session: _Session, pair: Pair, pair_started: float) -> dict:
     if several:
         facts["pair"] = {"checkpoint": pair.checkpoint.name, "set": pair.data.name, "folder": pair.folder,
                          "shared_phase_seconds": _rounded(session.shared_phases)}
-    provenance = getattr(session.model.module, "provenance", None)
-    swarm = provenance() if provenance is not None and ranks.is_main_process() else None
+    swarm = session.model.provenance() if ranks.is_main_process() else None
     if swarm is not None:  # a petals run: the servers as announced in the DHT
         facts["swarm"] = swarm
     return facts
