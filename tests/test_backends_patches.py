@@ -179,6 +179,7 @@ def test_a_client_side_error_ends_the_run_at_once_and_bans_no_server(swarm, tiny
 
     from dist_eval import evaluate, load_model
     from dist_eval.backends import wire
+    from dist_eval.ranks.phases import RankFailure
 
     model = load_model("petals", tiny_model, checkpoint=tiny_checkpoint, initial_peers=swarm.initial_peers,
                        dht_prefix=swarm.dht_prefix, swarm_timeout=30.0)
@@ -190,7 +191,7 @@ def test_a_client_side_error_ends_the_run_at_once_and_bans_no_server(swarm, tiny
     monkeypatch.setattr(wire, "_request_tensors", broken)
     started = time.monotonic()
     try:
-        with pytest.raises(TypeError, match="a bug in dist_eval's request building"):
+        with pytest.raises(RankFailure, match="internal|TypeError: a bug in dist_eval's request building") as caught:
             evaluate(model, data, tokenizer=AutoTokenizer.from_pretrained(tiny_model), batch_size=8, in_flight=2)
         took = time.monotonic() - started
         banned = [peer for peer in manager.state.sequence_info.block_infos[0].servers
@@ -198,6 +199,7 @@ def test_a_client_side_error_ends_the_run_at_once_and_bans_no_server(swarm, tiny
         failures = _failures(manager)
     finally:
         model.close()
+    assert isinstance(caught.value.__cause__, TypeError)  # the error itself, its traceback with it
     assert took < 10, took  # was: every server banned, retried until --swarm-timeout (30 s here)
     assert banned == [] and failures == []
     assert "failed a request" not in capfd.readouterr().err
@@ -206,10 +208,8 @@ def test_a_client_side_error_ends_the_run_at_once_and_bans_no_server(swarm, tiny
 @pytest.mark.swarm
 def test_a_petals_object_with_requests_in_flight_on_a_fresh_stub_class_fails_none(swarm, tiny_model, data,
                                                                                   monkeypatch, capfd):
-    """The in-memory model path applies the stub lock too: hivemind's stub class as a fresh
-    process has it (not built yet, no lock), its collection slowed so that threads meet in it."""
-    from hivemind.p2p.servicer import ServicerBase
-    from petals.server.handler import TransformerConnectionHandler
+    """The in-memory model path applies the stub lock too, on hivemind's stub class as a fresh
+    process has it (see _fresh_stub_class_without_the_lock)."""
     from petals.utils.auto_config import AutoDistributedModelForSequenceClassification
     from transformers import AutoTokenizer
 
@@ -221,20 +221,8 @@ def test_a_petals_object_with_requests_in_flight_on_a_fresh_stub_class_fails_non
         swarm.model_dir, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix, num_labels=3,
         torch_dtype=torch.float32)
     manager = model.model.layers.sequence_manager
-    # as in a process whose petals was imported without the lock (hivemind's own collection)
-    monkeypatch.setattr(ServicerBase, "_collect_rpc_handlers",
-                        classmethod(ServicerBase._collect_rpc_handlers.__func__.__wrapped__))
-    monkeypatch.delitem(patches._applied, "stub_lock")
-    monkeypatch.setattr(TransformerConnectionHandler, "_rpc_handlers", None)
-    monkeypatch.setattr(TransformerConnectionHandler, "_stub_type", None)
-    strip = TransformerConnectionHandler._strip_iterator_hint.__func__
-
-    def slow_strip(cls, hint):
-        time.sleep(0.02)  # widen the window in which the class is marked collected but has no stub type
-        return strip(cls, hint)
-
-    monkeypatch.setattr(TransformerConnectionHandler, "_strip_iterator_hint", classmethod(slow_strip))
     try:
+        _fresh_stub_class_without_the_lock(monkeypatch)
         result = evaluate(model, data, tokenizer=AutoTokenizer.from_pretrained(swarm.model_dir), batch_size=4,
                           in_flight=2, return_logits=True)
         failures = _failures(manager)
@@ -244,3 +232,25 @@ def test_a_petals_object_with_requests_in_flight_on_a_fresh_stub_class_fails_non
     assert result.predictions.logits.shape == (len(data), 3)
     assert failures == []
     assert "failed a request" not in capfd.readouterr().err
+
+
+def _fresh_stub_class_without_the_lock(monkeypatch) -> None:
+    """hivemind's stub collection as in a process whose petals was imported without the lock,
+    petals' stub class not built yet, and its collection slowed so that threads meet in it."""
+    from hivemind.p2p.servicer import ServicerBase
+    from petals.server.handler import TransformerConnectionHandler
+
+    from dist_eval.backends import patches
+
+    monkeypatch.setattr(ServicerBase, "_collect_rpc_handlers",
+                        classmethod(ServicerBase._collect_rpc_handlers.__func__.__wrapped__))
+    monkeypatch.delitem(patches._applied, "stub_lock")
+    monkeypatch.setattr(TransformerConnectionHandler, "_rpc_handlers", None)
+    monkeypatch.setattr(TransformerConnectionHandler, "_stub_type", None)
+    strip = TransformerConnectionHandler._strip_iterator_hint
+
+    def slow_strip(hint):
+        time.sleep(0.02)  # widen the window in which the class is marked collected but has no stub type
+        return strip(hint)
+
+    monkeypatch.setattr(TransformerConnectionHandler, "_strip_iterator_hint", staticmethod(slow_strip))
