@@ -93,6 +93,7 @@ assert handler.run_rpc_forward is functions.run_rpc_forward  # nothing set
 def test_another_petals_or_hivemind_is_refused_in_one_line_unless_allowed(monkeypatch, capsys):
     from dist_eval.backends import patches
     from dist_eval.backends.compat import import_petals
+    from dist_eval.errors import UsageError
 
     versions = {"petals": "2.3.0", "hivemind": "1.1.12"}
     monkeypatch.setattr(patches, "installed_version", versions.get)
@@ -101,7 +102,7 @@ def test_another_petals_or_hivemind_is_refused_in_one_line_unless_allowed(monkey
     with pytest.raises(patches.UnsupportedPetalsError) as caught:
         import_petals()  # checked before anything is imported or patched
     text = str(caught.value)
-    assert "\n" not in text and isinstance(caught.value, ImportError)
+    assert "\n" not in text and isinstance(caught.value, ImportError) and isinstance(caught.value, UsageError)
     assert text.startswith("installed: petals 2.3.0; dist_eval's petals patches support petals 2.2.0.post1")
     assert "DIST_EVAL_ALLOW_UNSUPPORTED_PETALS=1" in text and "hivemind" not in text  # only what differs
 

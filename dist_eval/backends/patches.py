@@ -24,7 +24,7 @@ import os
 import threading
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
-from dist_eval.errors import warn
+from dist_eval.errors import UsageError, warn
 
 # The versions the patches were written against and tested with (petals' copied code paths
 # and error texts, hivemind's stub collection and module layout).
@@ -38,8 +38,10 @@ _applied: Dict[str, Tuple[str, List[Tuple[str, object, str, object]]]] = {}  # n
 _versions_checked = False
 
 
-class UnsupportedPetalsError(ImportError):
-    """The installed petals or hivemind is not a version dist_eval's patches were written for."""
+class UnsupportedPetalsError(UsageError, ImportError):
+    """The installed petals or hivemind is not a version dist_eval's patches were written for
+    (a UsageError: the CLI prints it in one line; an ImportError: petals cannot be used).
+    """
 
 
 def installed_version(distribution: str) -> Optional[str]:
