@@ -1,4 +1,4 @@
-"""dist_eval.backends.compat: what it changes in hivemind/petals, checked on the real classes."""
+"""dist_eval.backends.compat (and the hivemind patches of dist_eval.backends.patches), checked on the real classes."""
 import os
 import subprocess
 import sys
@@ -60,7 +60,7 @@ def test_concurrent_first_stubs_all_succeed():
     rank's first forwards: threads creating the first stub at once."""
     from dist_eval.backends.compat import import_petals
 
-    import_petals()  # applies make_servicer_stubs_thread_safe, as every rank does
+    import_petals()  # applies the stub lock (patches.thread_safe_stub_collection), as every rank does
     stubs, errors = _stubs_from_threads(_fresh_servicer_class())
     assert errors == [] and len(stubs) == 8
     assert all(hasattr(stub, "rpc_info") and hasattr(stub, "rpc_forward_stream") for stub in stubs)

@@ -17,10 +17,8 @@ class _NoPings:
 def make_manager(placement=PLACEMENT):
     """A RemoteSequenceManager whose routing table lists ``placement`` (no DHT, no thread)."""
     from dist_eval.backends.compat import import_petals
-    from dist_eval.backends.failover import patch_petals_client_failover
 
-    import_petals()
-    patch_petals_client_failover()
+    import_petals()  # every client patch, the failover's included
     from hivemind import PeerID
     from hivemind.dht.node import Blacklist
     from petals import ClientConfig

@@ -11,7 +11,10 @@
 - :mod:`~dist_eval.backends.petals`: blocks on a swarm (petals imported lazily)
 - :mod:`~dist_eval.backends.requests`: a batch goes as one request, split only to what a server accepts
 - :mod:`~dist_eval.backends.failover`: routing around failed servers; naming unserved blocks
-- :mod:`~dist_eval.backends.compat`: the one place petals 2.2 meets hivemind 1.1.12
+- :mod:`~dist_eval.backends.wire`: what a forward sends to the swarm and gets back (both halves)
+- :mod:`~dist_eval.backends.helpers`: the petals client's helper processes, and a watch over them
+- :mod:`~dist_eval.backends.patches`: every change dist_eval makes to petals and hivemind, applied in one place
+- :mod:`~dist_eval.backends.compat`: importing petals (the one way: every client patch), and its side effects
 
 The names below are imported on first use: ``dist_eval.swarm`` reads model folders with
 :mod:`~dist_eval.backends.petals_folder` and must not import torch by running this file.

@@ -1,113 +1,37 @@
-"""The one place where petals 2.2.0 is made to work with hivemind 1.1.12.
+"""How a process imports petals, and keeps petals' and hivemind's side effects in bounds.
 
-Every process that imports petals (evaluator ranks and swarm servers alike) must go
-through :func:`import_petals` instead of ``import petals``.
-
-Why this exists: petals 2.2.0.post1 pins hivemind 1.1.10.post2, which has no wheel and
-downloads its p2pd binary at build time (impossible offline or on an air-gapped
-cluster). hivemind 1.1.12 ships p2pd in its wheel but no longer re-exports, from its
-top-level package, names that petals imports as ``from hivemind import X``. They still
-exist in submodules; we put them back on the ``hivemind`` module before petals loads.
+Every process that imports petals (evaluator ranks and swarm servers alike) goes through
+:func:`import_petals` instead of ``import petals``: it checks the installed versions and
+applies dist_eval's client patches (:mod:`dist_eval.backends.patches`, which also says
+why petals 2.2.0 needs hivemind's re-exports put back to import with hivemind 1.1.12).
+The rest: quieting third-party output, a bounded client shutdown, no random init of meta
+tensors.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import os
 import sys
 import warnings
 
-# name -> submodule of hivemind 1.1.12 that still defines it
-_HIVEMIND_REEXPORTS = {
-    "BatchTensorDescriptor": "hivemind.utils.tensor_descr",
-    "TensorDescriptor": "hivemind.utils.tensor_descr",
-    "MAX_DHT_TIME_DISCREPANCY_SECONDS": "hivemind.utils",
-    "MSGPackSerializer": "hivemind.utils",
-    "TimedStorage": "hivemind.utils",
-    "get_dht_time": "hivemind.utils",
-    "get_logger": "hivemind.utils",
-    "nested_compare": "hivemind.utils.nested",
-    "nested_flatten": "hivemind.utils.nested",
-    "nested_pack": "hivemind.utils.nested",
-    "anext": "hivemind.utils.asyncio",
-    "P2P": "hivemind.p2p",
-    "P2PContext": "hivemind.p2p",
-    "PeerID": "hivemind.p2p",
-    "serialize_torch_tensor": "hivemind.compression",
-    "deserialize_torch_tensor": "hivemind.compression",
-    "deserialize_tensor_stream": "hivemind.compression",
-    "Runtime": "hivemind.moe.server.runtime",
-}
+from dist_eval.backends.patches import apply_client_patches, check_versions
 
-_patched = False
+_quieted = False
 
 
 class PetalsNotInstalledError(ImportError):
-    pass
-
-
-def _patch_hivemind() -> None:
-    import hivemind
-
-    for name, module_name in _HIVEMIND_REEXPORTS.items():
-        if not hasattr(hivemind, name):
-            setattr(hivemind, name, getattr(importlib.import_module(module_name), name))
-
-
-def make_servicer_stubs_thread_safe() -> None:
-    """Make hivemind's lazy stub-class creation safe when several threads make it at once.
-
-    Why: ``ServicerBase.get_stub`` calls ``_collect_rpc_handlers``, which marks the class
-    as collected (``_rpc_handlers = []``) *before* it builds ``_stub_type``. A second
-    thread that asks for a stub in that window skips the collection and calls
-    ``_stub_type`` while it is still None: ``TypeError: 'NoneType' object is not
-    callable``. A rank's first forwards (``--in-flight`` threads, each fetching the
-    servers' rpc_info) hit exactly that window, so a fresh client's first requests
-    failed now and then and were routed around as if a server had failed. One lock
-    around the collection closes the window; later calls find it done at once.
-    Idempotent.
-    """
-    import threading
-
-    from hivemind.p2p.servicer import ServicerBase
-
-    if getattr(ServicerBase, "_dist_eval_thread_safe", False):
-        return
-    collect = ServicerBase._collect_rpc_handlers.__func__
-    lock = threading.RLock()
-
-    def _collect_rpc_handlers(cls) -> None:
-        with lock:
-            collect(cls)
-
-    _collect_rpc_handlers.__wrapped__ = collect  # hivemind's own, for tests
-    ServicerBase._collect_rpc_handlers = classmethod(_collect_rpc_handlers)
-    ServicerBase._dist_eval_thread_safe = True
-
-
-def _silence_version_check() -> None:
-    # petals' server asks PyPI for a newer version at start; offline it logs a full
-    # traceback that looks like a failure. The check is informational only.
-    import petals.utils.version as version
-
-    def _no_version_check() -> None:
-        pass
-
-    version.validate_version = _no_version_check
-    try:
-        import petals.cli.run_server as run_server
-
-        run_server.validate_version = _no_version_check
-    except ImportError:  # server extras missing: the client still works
-        pass
+    """hivemind or petals cannot be imported in this Python."""
 
 
 def import_petals():
-    """Import and return the ``petals`` module with the hivemind compatibility applied."""
-    global _patched
+    """Import and return the ``petals`` module, every client patch applied (the one way to
+    import petals, and the one entry to :func:`~dist_eval.backends.patches.apply_client_patches`).
+    An :class:`~dist_eval.backends.patches.UnsupportedPetalsError` for other petals/hivemind versions.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    check_versions()  # before anything is imported or patched
     try:
         import hivemind  # noqa: F401
     except ImportError as e:
@@ -116,19 +40,17 @@ def import_petals():
             f"Python ({e}). Install them with ./launch/install.sh (plain `pip install petals` "
             "cannot work offline: see README 'Install')."
         ) from e
-    if not _patched:
+    global _quieted
+    if not _quieted:  # once: petals' import warns, and the patches' imports too
         quiet_third_party_output()
-        _patch_hivemind()
-        make_servicer_stubs_thread_safe()
+        _quieted = True
     try:
+        apply_client_patches()
         import petals
     except ImportError as e:
         raise PetalsNotInstalledError(
             f"petals is not importable ({e}). Install it with ./launch/install.sh."
         ) from e
-    if not _patched:
-        _silence_version_check()
-        _patched = True
     return petals
 
 
@@ -207,41 +129,6 @@ def ensure_main_thread_event_loop() -> None:
 
 
 _SHUTDOWN_WAIT = 2.0  # seconds each step of a client's shutdown may take (~0.1 s when healthy)
-
-
-def release_waits_on_dead_helpers(manager, error: BaseException) -> None:
-    """Make every wait of this process on a dead DHT process or p2pd daemon end with ``error``.
-
-    - calls into the DHT process (``MPFuture``): a routing refresh waits on one with no
-      time limit, and would wait forever on a dead process;
-    - the routing ``ready`` event that forwards wait for after a failure: set, so they go
-      on to their next attempt, which raises ``error`` (see the failover patch);
-    - requests waiting for an answer from a dead p2pd (its connection is gone, the
-      answer never comes): failed on hivemind's event loop.
-
-    Safe to call repeatedly (a refresh may start a new wait after the last release).
-    """
-    from hivemind.utils.mpfuture import MPFuture
-
-    if MPFuture._active_pid == os.getpid():
-        for ref in list((MPFuture._active_futures or {}).values()):
-            future = ref()
-            if future is not None and not future.done():
-                with contextlib.suppress(Exception):
-                    future.set_exception(error)
-    manager.ready.set()
-    control = getattr(getattr(getattr(manager.state, "p2p", None), "_client", None), "control", None)
-    if control is None:
-        return
-    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
-
-    def fail_pending_calls() -> None:
-        for future in list(control._pending_calls.values()):
-            if not future.done():
-                future.set_exception(error)
-
-    with contextlib.suppress(Exception):
-        RemoteExpertWorker._event_loop_fut.result(timeout=0).call_soon_threadsafe(fail_pending_calls)
 
 
 def shutdown_petals_client(sequence_manager) -> None:

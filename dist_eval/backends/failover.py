@@ -10,8 +10,9 @@ from dist_eval.backends.requests import drives, too_large
 from dist_eval.errors import UsageError, one_line, short_error, warn
 
 
-def patch_petals_client_failover() -> None:
-    """Make petals 2.2.0's client route around a failed server at once. Idempotent.
+def failover_replacements() -> list:
+    """The petals 2.2.0 client, made to route around a failed server at once (applied by
+    :func:`dist_eval.backends.patches.apply_client_patches`).
 
     Why: on a failed request, ``RemoteSequenceManager.on_request_failure`` bans the peer
     and drops it from ``block_infos``, but routing (``make_sequence``) reads the
@@ -23,6 +24,8 @@ def patch_petals_client_failover() -> None:
     A block left with no server is handled as petals does (``on_request_failure``
     triggers a refresh that re-adds banned servers rather than none).
 
+    Only a server failure (:func:`server_failure`) bans a server: any other error (a bug
+    of the client's, a petals API change) is raised at once, in petals' own requests too.
     A request over a server's ``--max_batch_size`` is no failure of that server: it ends
     the forward at once with :class:`~dist_eval.backends.requests.RequestTooLarge` (for
     clients whose request size dist_eval drives), without a ban or a retry of the same size.
@@ -33,29 +36,22 @@ def patch_petals_client_failover() -> None:
     """
     from petals.client.routing.sequence_manager import RemoteSequenceManager
 
-    if getattr(RemoteSequenceManager, "_dist_eval_failover", False):
-        return
     original_failure = RemoteSequenceManager.on_request_failure
     original_success = RemoteSequenceManager.on_request_success
-
-    def _record(manager, peer_id, ok: bool) -> None:
-        if peer_id is None:
-            return
-        outcomes = getattr(manager.state, "dist_eval_outcomes", None)
-        if outcomes is None:
-            outcomes = manager.state.dist_eval_outcomes = {}
-        outcomes[peer_id] = (time.monotonic(), ok)
 
     def on_request_failure(self, peer_id):
         helper_died = getattr(self, "dist_eval_helper_died", None)
         if helper_died is not None:  # no retry can work: stop this forward now (backends.helpers)
             raise helper_died
-        refused = too_large(sys.exc_info()[1]) if drives(self) else None
+        error = sys.exc_info()[1]
+        if error is not None and not server_failure(error):  # ours, not the server's: no ban, no retry
+            raise error
+        refused = too_large(error) if drives(self) else None
         if refused is not None:  # the server works, the request was too big: resend it split
             raise refused
         outcomes = getattr(self.state, "dist_eval_outcomes", None) or {}
         if peer_id is not None and outcomes.get(peer_id, (0, True))[1]:
-            _warn_server_failed(peer_id, sys.exc_info()[1])  # once per failing streak, not per retry
+            _warn_server_failed(peer_id, error)  # once per failing streak, not per retry
         _record(self, peer_id, False)
         original_failure(self, peer_id)
         if peer_id is None:
@@ -68,19 +64,53 @@ def patch_petals_client_failover() -> None:
         _record(self, peer_id, True)
         original_success(self, peer_id)
 
-    RemoteSequenceManager.on_request_failure = on_request_failure
-    RemoteSequenceManager.on_request_success = on_request_success
-    RemoteSequenceManager._dist_eval_failover = True
-    # petals logs every retry as a multi-line WARNING (the whole ServerInfo); the one
-    # line above per failing server says the same, and the outcome is reported anyway.
+    return [(RemoteSequenceManager, "on_request_failure", on_request_failure),
+            (RemoteSequenceManager, "on_request_success", on_request_success)]
+
+
+def quiet_retry_logs() -> None:
+    """Quiet petals' retry logs: it logs every retry as a multi-line WARNING (the whole ServerInfo); the one line
+    of :func:`failover_replacements` per failing server says the same, and the outcome is reported anyway.
+    """
     for name in ("petals.client.sequential_autograd", "petals.client.routing.sequence_manager"):
         logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger("petals.client.routing.sequence_manager").addFilter(_drop_helper_died)
 
 
+def _record(manager, peer_id, ok: bool) -> None:
+    if peer_id is None:
+        return
+    outcomes = getattr(manager.state, "dist_eval_outcomes", None)
+    if outcomes is None:
+        outcomes = manager.state.dist_eval_outcomes = {}
+    outcomes[peer_id] = (time.monotonic(), ok)
+
+
+class ServerAnswerError(RuntimeError):
+    """A server answered a request with something the client cannot use (a server failure)."""
+
+
+def server_failure(error: BaseException) -> bool:
+    """Whether ``error``, raised by a request to the swarm, is the transport's or a server's
+    (retried elsewhere, and the server banned), not the client's own (raised at once).
+
+    Server failures: an error the server sent back or the transport raised (hivemind's
+    ``P2PHandlerError``, ``P2PDaemonError``), a timeout, a dropped or refused connection
+    (``OSError``, ``EOFError``), no server for some blocks (petals' ``MissingBlocksError``),
+    an answer of the wrong shape (:class:`ServerAnswerError`). petals itself counts every
+    exception as the server's; then a ``TypeError`` in the client's own request building
+    banned every healthy server until ``--swarm-timeout``.
+    """
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
+    from petals.client.routing.sequence_manager import MissingBlocksError
+
+    return isinstance(error, (P2PHandlerError, P2PDaemonError, TimeoutError, OSError, EOFError,
+                              MissingBlocksError, ServerAnswerError))
+
+
 def _drop_helper_died(record: logging.LogRecord) -> bool:
     """A logging filter. petals' routing thread logs, with a traceback, the error that ends
-    its wait on a dead DHT process (:func:`~dist_eval.backends.compat.release_waits_on_dead_helpers`);
+    its wait on a dead DHT process (:func:`~dist_eval.backends.helpers.release_waits_on_dead_helpers`);
     the run reports that failure itself, in one line.
     """
     from dist_eval.backends.helpers import HelperDied
@@ -99,7 +129,7 @@ def _warn_server_failed(peer_id, error) -> None:
 def unserved_blocks(manager) -> list:
     """Blocks with no working server: none is listed for them in the last routing
     refresh, or every server listed for them failed its latest request (the outcomes
-    that :func:`patch_petals_client_failover` records).
+    that :func:`failover_replacements` records).
     """
     outcomes = dict(getattr(manager.state, "dist_eval_outcomes", None) or {})
     failing = {peer for peer, (_, ok) in outcomes.items() if not ok}

@@ -11,7 +11,7 @@ progress for 417 s, until an outside timeout stopped it).
 - marks the client dead: the next attempt of a forward raises :class:`HelperDied`
   (one line naming the process) instead of retrying;
 - releases what waits on the dead processes (see
-  :func:`dist_eval.backends.compat.release_waits_on_dead_helpers`), at every poll, so that every
+  :func:`release_waits_on_dead_helpers`), at every poll, so that every
   thread of the rank returns within a poll (a request already sent through a dead p2pd
   fails at once, one sent just before fails within the client's request timeout);
 - on :meth:`HelperWatch.close`, kills the helper that outlived the other (a p2pd whose
@@ -25,6 +25,7 @@ and fails the run with one error line; the other ranks stop at their next batch.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -100,8 +101,6 @@ class HelperWatch:
         return self.died
 
     def _run(self) -> None:
-        from dist_eval.backends.compat import release_waits_on_dead_helpers
-
         while not self._stopping.wait(self.poll_seconds):
             if self.check() is not None:
                 release_waits_on_dead_helpers(self.manager, self.died)
@@ -131,3 +130,38 @@ class HelperWatch:
 
     def _running(self) -> list:
         return [pid for pid in self.helpers if is_running(pid, self._start_times[pid])]
+
+
+def release_waits_on_dead_helpers(manager, error: BaseException) -> None:
+    """Make every wait of this process on a dead DHT process or p2pd daemon end with ``error``.
+
+    - calls into the DHT process (``MPFuture``): a routing refresh waits on one with no
+      time limit, and would wait forever on a dead process;
+    - the routing ``ready`` event that forwards wait for after a failure: set, so they go
+      on to their next attempt, which raises ``error`` (see the failover patch);
+    - requests waiting for an answer from a dead p2pd (its connection is gone, the
+      answer never comes): failed on hivemind's event loop.
+
+    Safe to call repeatedly (a refresh may start a new wait after the last release).
+    """
+    from hivemind.utils.mpfuture import MPFuture
+
+    if MPFuture._active_pid == os.getpid():
+        for ref in list((MPFuture._active_futures or {}).values()):
+            future = ref()
+            if future is not None and not future.done():
+                with contextlib.suppress(Exception):
+                    future.set_exception(error)
+    manager.ready.set()
+    control = getattr(getattr(getattr(manager.state, "p2p", None), "_client", None), "control", None)
+    if control is None:
+        return
+    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+
+    def fail_pending_calls() -> None:
+        for future in list(control._pending_calls.values()):
+            if not future.done():
+                future.set_exception(error)
+
+    with contextlib.suppress(Exception):
+        RemoteExpertWorker._event_loop_fut.result(timeout=0).call_soon_threadsafe(fail_pending_calls)

@@ -117,10 +117,9 @@ def _prompts_of(model, kind: str) -> tuple:
 
 
 def _petals_module(model, family: Family, swarm_timeout: float) -> nn.Module:
-    from dist_eval.backends.failover import patch_petals_client_failover
     from dist_eval.backends.petals import PetalsClassifier
 
-    patch_petals_client_failover()  # routes around failed servers at once, names unserved blocks
+    # the adapter applies every client patch (backends.patches), the stub lock included
     return PetalsClassifier(model, family, swarm_timeout, owns_client=False)
 
 

@@ -16,7 +16,7 @@ from dist_eval.backends.compat import (
     quiet_hivemind_logs,
     shutdown_petals_client,
 )
-from dist_eval.backends.failover import patch_petals_client_failover, swarm_failure
+from dist_eval.backends.failover import server_failure, swarm_failure
 from dist_eval.backends.families import Family
 from dist_eval.backends.helpers import HelperWatch
 from dist_eval.backends.requests import RequestTooLarge, learn_server_limit, restore_petals_split, send_batches_whole
@@ -45,6 +45,7 @@ class PetalsClassifier(Backend):
 
     def __init__(self, inner, family: Family, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT, owns_client: bool = True):
         super().__init__()
+        import_petals()  # every client patch, also for a caller's model object (backends.patches)
         self.inner = inner
         self.family = family
         self.swarm_timeout = swarm_timeout
@@ -133,9 +134,12 @@ class PetalsClassifier(Backend):
             except RequestTooLarge as refused:
                 hidden_states = args[0] if args else kwargs["inputs"]  # [rows, tokens, hidden]
                 learn_server_limit(self.sequence_manager, refused, row_tokens=hidden_states.shape[1])
-            except Exception as e:  # any swarm failure: retried until the deadline
+            except Exception as e:
                 if self.helper_watch.check() is not None:
                     raise self.helper_watch.died from e
+                if not server_failure(e):  # the client's own error (a bug, a petals change): no retry helps
+                    raise
+                # a swarm failure: retried until the deadline
                 if first_failure is None:
                     first_failure = attempt_started  # petals' own retries inside count too
                 waited = time.monotonic() - first_failure
@@ -216,10 +220,8 @@ def load_petals(
     With ``label_words``: petals' causal LM (``Family.petals_lm_class``; its LM head here)
     scoring them (:mod:`dist_eval.backends.zeroshot`).
     """
-    import_petals()
+    petals = import_petals()  # every client patch (backends.patches)
     quiet_hivemind_logs()
-    patch_petals_client_failover()
-    import petals
 
     if not initial_peers:
         raise UsageError(

@@ -28,7 +28,8 @@ off: petals' backward expects one prompt per row.
 
 Only clients that dist_eval drives are changed: the limit lives on the client's sequence
 manager (:func:`send_batches_whole`), and a manager without it keeps petals' own splitting
-and prompts.
+and prompts. The two patches (:func:`split_replacements`, :func:`prompt_replacements`) are
+applied by :func:`dist_eval.backends.patches.apply_client_patches`.
 """
 from __future__ import annotations
 
@@ -36,12 +37,15 @@ import re
 import threading
 from typing import Optional
 
-from dist_eval.errors import UsageError, warn
+from dist_eval.errors import UsageError, one_line, warn
 
 _LIMIT_ATTR = "dist_eval_request_tokens"  # absent: petals' splitting; None: whole; N: at most N tokens
 _TOO_LARGE_RE = re.compile(r"Task size greater than max_batch_size \((\d+)\)")
-_patch_lock = threading.Lock()
 _learn_lock = threading.Lock()
+
+
+class UnrecognisedRefusal(RuntimeError):
+    """A server refused a request over its size in words that dist_eval cannot read (another petals?)."""
 
 
 class RequestTooLarge(Exception):
@@ -56,16 +60,23 @@ def too_large(error: Optional[BaseException]) -> Optional[RequestTooLarge]:
     """The RequestTooLarge that ``error`` (a failed request's exception) stands for, or None."""
     if error is None:
         return None
-    match = _TOO_LARGE_RE.search(str(error))
+    text = str(error)
+    match = _TOO_LARGE_RE.search(text)
+    if match is None and "max_batch_size" in text:  # not a dead server: petals' text changed
+        raise UnrecognisedRefusal(
+            f"a server refused a request naming max_batch_size in words dist_eval does not recognise "
+            f"({one_line(text, 200)}); expected 'Task size greater than max_batch_size (N)', petals 2.2.0.post1's. "
+            "Install the supported petals (./launch/install.sh), or lower --max-batch-tokens below the servers' "
+            "--max_batch_size."
+        ) from error
     return RequestTooLarge(int(match.group(1))) if match else None
 
 
 def send_batches_whole(sequence_manager) -> None:
     """From now on this client sends each forward's batch as one request (split only after
-    a server refused its size, see :func:`learn_server_limit`).
+    a server refused its size, see :func:`learn_server_limit`); the client patches must be
+    applied (:func:`dist_eval.backends.compat.import_petals`).
     """
-    _patch_petals_split()
-    _patch_petals_prompts()
     setattr(sequence_manager, _LIMIT_ATTR, None)
 
 
@@ -121,70 +132,62 @@ def request_batches(inputs, prompts, sequence_manager) -> tuple:
     input_batches = inputs.detach().split(batch_size)
     if prompts is None or is_dummy(prompts):
         prompt_batches = [DUMMY] * len(input_batches)
-    elif prompts.shape[1] == 1:  # one row of deep prompts for every row (_patch_petals_prompts)
+    elif prompts.shape[1] == 1:  # one row of deep prompts for every row (prompt_replacements)
         prompt_batches = [prompts.detach()] * len(input_batches)
     else:
         prompt_batches = prompts.detach().split(batch_size, dim=1)
     return input_batches, prompt_batches
 
 
-def _patch_petals_split() -> None:
-    """Patch petals' remote-forward autograd function, with the micro-batch size read from the
-    client's sequence manager (petals reads a module constant). Idempotent.
+def split_replacements() -> list:
+    """The remote-forward autograd function of petals, with the micro-batch size read from the
+    client's sequence manager (petals reads a module constant).
     """
     import torch
     from petals.client import sequential_autograd as sa
 
-    with _patch_lock:
-        function = sa._RemoteSequentialAutogradFunction
-        if getattr(function, "_dist_eval_split", False):
-            return
-        petals_forward = function.forward
+    function = sa._RemoteSequentialAutogradFunction
+    petals_forward = function.forward
 
-        def forward(ctx, inputs, prompts, sequence_manager):
-            if not hasattr(sequence_manager, _LIMIT_ATTR):
-                return petals_forward(ctx, inputs, prompts, sequence_manager)
-            # from here on petals 2.2.0's own forward, but for the requests' size
-            input_batches, prompt_batches = request_batches(inputs, prompts, sequence_manager)
-            _ = sequence_manager.rpc_info  # lazy init, as petals does
-            outputs = sa.RemoteExpertWorker.run_coroutine(
-                sa._gather_forward(input_batches, prompt_batches, sequence_manager)
-            )
-            assert len(outputs) == len(input_batches)
-            ctx.prompt_batches = prompt_batches
-            ctx.sequence_manager = sequence_manager
-            ctx.intemediate_input_batches = [output[1] for output in outputs]  # petals' spelling
-            ctx.sequences_for_batches = [output[2] for output in outputs]
-            return torch.cat([output[0] for output in outputs], dim=0)
+    def forward(ctx, inputs, prompts, sequence_manager):
+        if not hasattr(sequence_manager, _LIMIT_ATTR):
+            return petals_forward(ctx, inputs, prompts, sequence_manager)
+        # from here on petals 2.2.0's own forward, but for the requests' size
+        input_batches, prompt_batches = request_batches(inputs, prompts, sequence_manager)
+        _ = sequence_manager.rpc_info  # lazy init, as petals does
+        outputs = sa.RemoteExpertWorker.run_coroutine(
+            sa._gather_forward(input_batches, prompt_batches, sequence_manager)
+        )
+        assert len(outputs) == len(input_batches)
+        ctx.prompt_batches = prompt_batches
+        ctx.sequence_manager = sequence_manager
+        ctx.intemediate_input_batches = [output[1] for output in outputs]  # petals' spelling
+        ctx.sequences_for_batches = [output[2] for output in outputs]
+        return torch.cat([output[0] for output in outputs], dim=0)
 
-        function.forward = staticmethod(forward)
-        function._dist_eval_split = True
+    return [(function, "forward", staticmethod(forward))]
 
 
-def _patch_petals_prompts() -> None:
-    """Patch petals' ``PTuneMixin.get_prompt`` so that a client dist_eval drives builds its
-    deep prompts for one row, sent once per request (see the module docstring). Idempotent.
+def prompt_replacements() -> list:
+    """The ``PTuneMixin.get_prompt`` of petals, made to build a client's deep prompts for one row,
+    sent once per request, when dist_eval drives the client (see the module docstring).
     """
     import torch
     from petals.client.ptune import PTuneMixin
     from petals.client.remote_sequential import RemoteSequential
 
-    with _patch_lock:
-        if getattr(PTuneMixin, "_dist_eval_compact_prompts", False):
-            return
-        petals_get_prompt = PTuneMixin.get_prompt
+    petals_get_prompt = PTuneMixin.get_prompt
 
-        def get_prompt(self, batch_size):
-            compact = (
-                self.config.tuning_mode == "deep_ptune"
-                and not torch.is_grad_enabled()
-                and any(isinstance(m, RemoteSequential) and drives(m.sequence_manager) for m in self.children())
-            )
-            if not compact:
-                return petals_get_prompt(self, batch_size)
-            prompts, deep_prompts = petals_get_prompt(self, 1)
-            # the input prompts are concatenated with the rows' embeddings here: one per row
-            return prompts.expand(batch_size, -1, -1), deep_prompts
+    def get_prompt(self, batch_size):
+        compact = (
+            self.config.tuning_mode == "deep_ptune"
+            and not torch.is_grad_enabled()
+            and any(isinstance(m, RemoteSequential) and drives(m.sequence_manager) for m in self.children())
+        )
+        if not compact:
+            return petals_get_prompt(self, batch_size)
+        prompts, deep_prompts = petals_get_prompt(self, 1)
+        # the input prompts are concatenated with the rows' embeddings here: one per row
+        return prompts.expand(batch_size, -1, -1), deep_prompts
 
-        PTuneMixin.get_prompt = get_prompt
-        PTuneMixin._dist_eval_compact_prompts = True
+    return [(PTuneMixin, "get_prompt", get_prompt)]

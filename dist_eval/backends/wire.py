@@ -35,8 +35,9 @@ results for any number of ranks. For issue 13's GPU model (64 rows of 40 tokens 
 vectors, hidden 2048, fp16 servers) a one-hop request carried 29 MB up and 14.7 MB down;
 it now carries 0.09 MB up (ids and prompt vectors) and 0.26 MB down (computed).
 
-Both halves of the protocol live here: :func:`install_server` (the servers dist_eval
-starts, :mod:`dist_eval.swarm.server`) and :func:`forward_over_wire` (the client).
+Both halves of the protocol live here: :func:`server_replacements` (the servers dist_eval
+starts, applied by :func:`dist_eval.swarm.server.apply_server_patches`) and
+:func:`forward_over_wire` (the client).
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
+
+from dist_eval.backends.failover import ServerAnswerError, server_failure
 
 POSITIONS_KEY = "dist_eval_read_positions"  # request metadata: one position per row (the last server's answer)
 TOKEN_IDS_KEY = "dist_eval_token_ids"  # rpc_info: SHA-256 of the token embeddings this server looks ids up in
@@ -91,16 +94,14 @@ def embed(table: torch.Tensor, token_ids: torch.Tensor, prompts: Optional[torch.
 _server: Dict[str, object] = {}  # "table", "digest": this server's token embeddings (servers holding block 0)
 
 
-def install_server(model_dir: Optional[str] = None, first_block: Optional[int] = None) -> None:
-    """Make this process's petals server answer a request naming :data:`POSITIONS_KEY` with
-    those positions only, and, if it serves block 0 (``first_block``) of a family that
-    embeds on servers, accept token ids (the table read from ``model_dir``). Call after
-    :func:`dist_eval.backends.compat.import_petals` and after
-    :func:`dist_eval.swarm.merged_forward.install`, before the server starts (its
-    connection handlers, forked later, share the table). Idempotent.
+def server_replacements(model_dir: Optional[str] = None, first_block: Optional[int] = None) -> list:
+    """What makes this process's petals server answer a request naming :data:`POSITIONS_KEY`
+    with those positions only, and, if it serves block 0 (``first_block``) of a family that
+    embeds on servers, accept token ids (the table read from ``model_dir``). Applied by
+    :func:`dist_eval.swarm.server.apply_server_patches` after the merged forward (it wraps
+    the ``run_rpc_forward`` that one sets), before the server starts (its connection
+    handlers, forked later, share the table).
     """
-    if "installed" in _server:
-        return
     from petals.server import handler
 
     if model_dir is not None and first_block == 0:
@@ -138,10 +139,8 @@ def install_server(model_dir: Optional[str] = None, first_block: Optional[int] =
                 flat_tensors, args_structure = _embed_on_server(*args[:4]), None
         return await run_rpc_forward(*flat_tensors, args_structure=args_structure, **kwargs)
 
-    connection._serialize_outputs = _serialize_outputs
-    connection.rpc_info = _rpc_info
-    handler.run_rpc_forward = _run_rpc_forward
-    _server["installed"] = True
+    return [(connection, "_serialize_outputs", _serialize_outputs), (connection, "rpc_info", _rpc_info),
+            (handler, "run_rpc_forward", _run_rpc_forward)]
 
 
 def _load_server_table(model_dir: str) -> None:
@@ -239,7 +238,8 @@ class _Request:
 
 async def _forward_chain(request: _Request, manager, own_digest: Optional[Callable[[], str]]) -> torch.Tensor:
     """One request's way through every block (petals 2.2.0's ``sequential_forward``, with
-    the wire changes of the module doc): [rows, 1, hidden].
+    the wire changes of the module doc): [rows, 1, hidden]. Only a server failure
+    (:func:`~dist_eval.backends.failover.server_failure`) is retried elsewhere.
     """
     from hivemind.utils import MSGPackSerializer
     from petals.client.remote_forward_backward import run_remote_forward
@@ -271,14 +271,15 @@ async def _forward_chain(request: _Request, manager, own_digest: Optional[Callab
                 last = span.end == end
                 if last:
                     metadata[POSITIONS_KEY] = request.positions
-                (outputs,) = await run_remote_forward(uids, stub, manager.rpc_info, *flat_tensors,
-                                                      config=manager.config,
-                                                      metadata=MSGPackSerializer.dumps(metadata))
+                outputs = await run_remote_forward(uids, stub, manager.rpc_info, *flat_tensors,
+                                                   config=manager.config, metadata=MSGPackSerializer.dumps(metadata))
                 inputs = _check_answer(outputs, request.hidden_states.shape, request.positions if last else None)
                 block = span.end
                 manager.on_request_success(span.peer_id)
                 break
-            except Exception:
+            except Exception as error:
+                if not server_failure(error):  # the client's own error: no server to ban, no retry can help
+                    raise
                 manager.on_request_failure(span.peer_id if span is not None else None)
                 if attempt + 1 == manager.config.max_retries:
                     raise
@@ -321,15 +322,17 @@ def _request_tensors(request: _Request, span_prompts, peer: _PeerWire) -> tuple:
 def _check_answer(outputs, sent_shape: Sequence[int], wanted: Optional[List[int]]) -> torch.Tensor:
     """A server's answer as the next step needs it: the whole hidden states from a server
     before the last; from the last, the positions ``wanted`` (taken here from a server
-    that answered every position). A RuntimeError (a failed request) for any other shape.
+    that answered every position). A ServerAnswerError (a failed request) for any other shape.
     """
     rows, length, hidden = sent_shape
+    if isinstance(outputs, (tuple, list)) and len(outputs) == 1:  # run_remote_forward's answer: one tensor
+        outputs = outputs[0]
     if not isinstance(outputs, torch.Tensor):
-        raise RuntimeError(f"a server answered a forward with {type(outputs).__name__}, not a tensor")
+        raise ServerAnswerError(f"a server answered a forward with {type(outputs).__name__}, not a tensor")
     shape = tuple(outputs.shape)
     if wanted is not None and shape == (rows, 1, hidden):
         return outputs
     if shape == (rows, length, hidden):
         return outputs if wanted is None else read_positions(outputs, wanted)
     expected = f"[{rows}, {length}, {hidden}]" + (f" or [{rows}, 1, {hidden}]" if wanted is not None else "")
-    raise RuntimeError(f"a server answered a forward with shape {list(shape)}, expected {expected}")
+    raise ServerAnswerError(f"a server answered a forward with shape {list(shape)}, expected {expected}")

@@ -27,7 +27,9 @@ but the standard library, so the CLI starts at once and never prints petals' noi
 - :mod:`~dist_eval.swarm.placement`: which blocks each server serves; checks of the arguments
 - :mod:`~dist_eval.swarm.local`: :class:`LocalSwarm`
 - :mod:`~dist_eval.swarm.cli`: ``python -m dist_eval.swarm``
-- :mod:`~dist_eval.swarm.server`: one server process
+- :mod:`~dist_eval.swarm.server`: one server process, and the patches dist_eval's servers get
+  (:func:`~dist_eval.swarm.server.apply_server_patches`)
+- :mod:`~dist_eval.swarm.merged_forward`: a server's forward request as one task of its runtime
 """
 from dist_eval.swarm.cli import main
 from dist_eval.swarm.local import LocalSwarm

@@ -19,7 +19,7 @@ Backward (a training client's request) keeps petals' per-block pools. One trade-
 forward request now holds the runtime for all its blocks, so an inference step (a
 generating client of a shared swarm) waits for the whole request, not for one block.
 
-Applied by :mod:`dist_eval.swarm.server` (:func:`install`), i.e. to the servers that
+Applied by :func:`dist_eval.swarm.server.apply_server_patches` (:func:`replacements`), i.e. to the servers that
 dist_eval starts (``LocalSwarm``, ``python -m dist_eval.swarm``,
 ``launch/start_server.sh``), before petals builds its blocks.
 """
@@ -99,12 +99,11 @@ async def _run_rpc_forward_merged(*flat_tensors, requested_backends, active_adap
 _original: Dict[str, object] = {}
 
 
-def install() -> None:
-    """Make this process's petals server run each forward request as one task (idempotent).
-    Call after :func:`dist_eval.backends.compat.import_petals`, before the server starts.
+def replacements() -> list:
+    """What makes this process's petals server run each forward request as one task: petals'
+    ``run_rpc_forward`` and the pool set-up it needs. Applied first of the server patches, by
+    :func:`dist_eval.swarm.server.apply_server_patches`, before the server starts.
     """
-    if _original:
-        return
     import petals.server.handler as handler
     import petals.server.server as server
     from petals.server.backend import TransformerBackend
@@ -129,7 +128,6 @@ def install() -> None:
         setattr(self, MERGED_POOL, None)  # pool -> step -> backends -> pool: break it, as petals does for its pools
         _original["shutdown"](self)
 
-    server.merge_inference_pools_inplace = merge_pools_inplace
-    TransformerBackend.get_pools = get_pools
-    TransformerBackend.shutdown = shutdown
-    handler.run_rpc_forward = _run_rpc_forward_merged
+    return [(server, "merge_inference_pools_inplace", merge_pools_inplace),
+            (TransformerBackend, "get_pools", get_pools), (TransformerBackend, "shutdown", shutdown),
+            (handler, "run_rpc_forward", _run_rpc_forward_merged)]

@@ -1,7 +1,8 @@
 """Entry point of one swarm server process: ``python -m dist_eval.swarm.server <run_server args>``.
 
 It exists so that server processes import petals through dist_eval.backends.compat (the
-hivemind re-exports) exactly like the evaluator ranks do, and so that a server can be
+hivemind re-exports) exactly like the evaluator ranks do, with dist_eval's server patches
+applied in their order (:func:`apply_server_patches`), and so that a server can be
 started before the swarm it joins has an address: ``--initial_peers_file PATH`` (ours,
 not petals') makes it import petals and torch first (the bulk of a server's start-up),
 then wait for PATH to appear, and join the peers listed there (one per line). A local
@@ -10,6 +11,7 @@ swarm thus imports all its servers at once instead of one after another.
 import os
 import sys
 import time
+from typing import Optional
 
 # Ours, not petals': this module waits for this file, then joins the peers in it.
 PEERS_FILE_FLAG = "--initial_peers_file"
@@ -48,18 +50,37 @@ def _model_and_first_block(argv: list) -> tuple:
     return argv[0], first
 
 
-if __name__ == "__main__":
-    from dist_eval.backends.compat import import_petals, no_random_init_of_meta_tensors
+def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[int] = None) -> None:
+    """Apply every server patch, in the one order that works, after petals' import and the
+    patches every petals process gets (:func:`dist_eval.backends.compat.import_petals`):
+
+    1. :mod:`dist_eval.swarm.merged_forward`: each forward request one task through all its blocks;
+    2. :mod:`dist_eval.backends.wire` (server half): token ids in, read positions out. It wraps
+       the ``run_rpc_forward`` that 1 set; applied first, 1 would replace it, and a request of
+       token ids would reach the blocks as hidden states. :func:`dist_eval.backends.patches.apply`
+       refuses that order.
+
+    Before the server starts (its connection handlers, forked later, share what these set).
+    Idempotent. ``model_dir``/``first_block``: the served folder and its first block (the table
+    a server of block 0 looks token ids up in).
+    """
+    from dist_eval.backends import wire
+    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.patches import apply
+    from dist_eval.swarm import merged_forward
 
     import_petals()
-    from petals.cli import run_server
+    apply("merged_forward", "server", merged_forward.replacements)
+    apply("wire_server", "server", lambda: wire.server_replacements(model_dir, first_block), after=("merged_forward",))
 
-    from dist_eval.backends.wire import install_server
-    from dist_eval.swarm.merged_forward import install
 
+if __name__ == "__main__":
+    from dist_eval.backends.compat import no_random_init_of_meta_tensors
+
+    # petals, torch and the patches first (the bulk of a start-up), then the wait for the peers
+    apply_server_patches(*_model_and_first_block(sys.argv[1:]))
     argv = _server_argv(sys.argv[1:])
-    install()  # each forward request: one task through all its blocks
-    install_server(*_model_and_first_block(argv))  # token ids in, read positions out (backends.wire)
+    from petals.cli import run_server
 
     sys.argv = ["petals.cli.run_server", *argv]
     with no_random_init_of_meta_tensors():  # the blocks are built on meta, then loaded

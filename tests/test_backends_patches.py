@@ -1,0 +1,258 @@
+"""dist_eval.backends.patches: every patch of petals/hivemind applied in one place per side,
+the version guard, the inventory in docs/design.md, and what counts as a server failure.
+The last two tests run a real private swarm (marked `swarm`)."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO, write_csv
+
+CLIENT_PATCHES = ["hivemind_reexports", "stub_lock", "no_version_check", "failover", "request_size", "deep_prompts"]
+SERVER_PATCHES = [*CLIENT_PATCHES, "merged_forward", "wire_server"]
+
+# each in a fresh Python: the patches applied after one entry point, and the symbols they replaced
+ENTRY_POINTS = {
+    "import_petals": "from dist_eval.backends.compat import import_petals\nimport_petals()",
+    "PetalsClassifier": """
+import types, torch
+from dist_eval.backends.families import FAMILIES
+from dist_eval.backends.petals import PetalsClassifier
+layers = types.SimpleNamespace(forward=None, sequence_manager=types.SimpleNamespace(state=None, dht=None))
+inner = types.SimpleNamespace(model=types.SimpleNamespace(layers=layers, embed_tokens=torch.nn.Embedding(5, 2)),
+                              config=types.SimpleNamespace(tuning_mode=None, pre_seq_len=0))
+import dist_eval.backends.petals as p
+p.HelperWatch = lambda *a, **k: types.SimpleNamespace(start=lambda: None)  # no helper processes here
+PetalsClassifier(inner, FAMILIES["llama"])""",
+    "load_petals": """
+from dist_eval.backends.petals import load_petals
+from dist_eval.errors import UsageError
+try:
+    load_petals("unused", None, None, [], None, {}, 1.0)
+except UsageError:
+    pass""",
+    "apply_server_patches": "from dist_eval.swarm.server import apply_server_patches\napply_server_patches()",
+}
+_REPORT = "\nfrom dist_eval.backends import patches\nprint(json.dumps([patches.applied(), patches.replaced()]))"
+
+
+def _in_fresh_python(code: str, env=None):
+    proc = subprocess.run([sys.executable, "-c", "import json\n" + code + _REPORT], capture_output=True, text=True,
+                          timeout=180, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def entry_results():
+    return {name: _in_fresh_python(code) for name, code in ENTRY_POINTS.items()}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_every_entry_point_applies_every_patch_of_its_side(entry_results, entry):
+    applied, replaced = entry_results[entry]
+    assert applied == (SERVER_PATCHES if entry == "apply_server_patches" else CLIENT_PATCHES)
+    assert "hivemind.p2p.servicer.ServicerBase._collect_rpc_handlers" in replaced  # the stub lock
+
+
+def _inventory() -> dict:
+    """{symbol: side} of the table under "What dist_eval changes in petals" in docs/design.md."""
+    text = open(os.path.join(REPO, "docs", "design.md")).read()
+    section = text.split("## What dist_eval changes in petals", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `([\w.]+)` \| (\w+) \|", section, re.MULTILINE)}
+
+
+def test_the_inventory_lists_exactly_what_the_patches_replace(entry_results):
+    _, replaced = entry_results["apply_server_patches"]  # client and server patches, in a server
+    assert _inventory() == replaced
+
+
+def test_the_server_patches_refuse_another_order():
+    code = """
+from dist_eval.backends import wire
+from dist_eval.backends.compat import import_petals
+from dist_eval.backends.patches import apply
+import_petals()
+try:
+    apply("wire_server", "server", wire.server_replacements, after=("merged_forward",))
+except RuntimeError as e:
+    print("refused:", e)
+import petals.server.handler as handler, petals.server.block_functions as functions
+assert handler.run_rpc_forward is functions.run_rpc_forward  # nothing set
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused: patch 'wire_server' applied before ['merged_forward']" in proc.stdout
+
+
+def test_another_petals_or_hivemind_is_refused_in_one_line_unless_allowed(monkeypatch, capsys):
+    from dist_eval.backends import patches
+    from dist_eval.backends.compat import import_petals
+    from dist_eval.errors import UsageError
+
+    versions = {"petals": "2.3.0", "hivemind": "1.1.12"}
+    monkeypatch.setattr(patches, "installed_version", versions.get)
+    monkeypatch.setattr(patches, "_versions_checked", False)
+    monkeypatch.delenv(patches.ALLOW_UNSUPPORTED_ENV, raising=False)
+    with pytest.raises(patches.UnsupportedPetalsError) as caught:
+        import_petals()  # checked before anything is imported or patched
+    text = str(caught.value)
+    assert "\n" not in text and isinstance(caught.value, ImportError) and isinstance(caught.value, UsageError)
+    assert text.startswith("installed: petals 2.3.0; dist_eval's petals patches support petals 2.2.0.post1")
+    assert "DIST_EVAL_ALLOW_UNSUPPORTED_PETALS=1" in text and "hivemind" not in text  # only what differs
+
+    monkeypatch.setenv(patches.ALLOW_UNSUPPORTED_ENV, "1")
+    import_petals()
+    import_petals()  # checked once per process: one warning line
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "trying anyway" in line]
+    assert len(warnings) == 1 and "petals 2.3.0" in warnings[0] and "2.2.0.post1" in warnings[0]
+
+
+def test_only_transport_and_server_errors_are_server_failures():
+    from dist_eval.backends.compat import import_petals
+
+    import_petals()
+    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, P2PHandlerError
+    from petals.client.routing.sequence_manager import MissingBlocksError
+
+    from dist_eval.backends.failover import ServerAnswerError, server_failure
+
+    for error in (P2PHandlerError("Failed to call handler"), ControlFailure("failed to dial"), TimeoutError(),
+                  ConnectionResetError(), EOFError(), MissingBlocksError([1]), ServerAnswerError("shape")):
+        assert server_failure(error), error
+    for error in (TypeError("'NoneType' object is not callable"), KeyError("x"), AttributeError("y"), ValueError()):
+        assert not server_failure(error), error
+
+
+def test_a_client_error_in_petals_own_requests_bans_no_server(capsys):
+    from test_backends_failover import fail, make_manager
+
+    manager, peers, _ = make_manager()
+    with pytest.raises(TypeError, match="ours"):
+        fail(manager, peers[2], TypeError("ours"))
+    assert peers[2] not in manager.state.banned_peers
+    assert not (getattr(manager.state, "dist_eval_outcomes", None) or {})
+    assert "failed a request" not in capsys.readouterr().err
+
+
+def test_a_size_refusal_in_unknown_words_is_no_dead_server():
+    from dist_eval.backends.requests import RequestTooLarge, UnrecognisedRefusal, too_large
+
+    assert too_large(RuntimeError("Task size greater than max_batch_size (64), it can't be processed")).server_limit \
+        == 64 and isinstance(too_large(RuntimeError("Task size greater than max_batch_size (8)")), RequestTooLarge)
+    assert too_large(RuntimeError("connection refused")) is None
+    with pytest.raises(UnrecognisedRefusal, match="max_batch_size in words dist_eval does not recognise"):
+        too_large(RuntimeError("Batch of 100 tokens exceeds max_batch_size=64"))
+
+
+# ---- on a real private swarm ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model):
+    from test_backends_petals import one_thread_swarm
+
+    yield from one_thread_swarm(tiny_model, num_servers=2, dht_prefix="patches")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    import datasets
+
+    csv = write_csv(str(tmp_path_factory.mktemp("patches") / "data.csv"), 24, seed=3)
+    return datasets.load_dataset("csv", data_files=csv, split="train")
+
+
+def _failures(manager) -> list:
+    outcomes = getattr(manager.state, "dist_eval_outcomes", None) or {}
+    return [peer for peer, (_, ok) in outcomes.items() if not ok]
+
+
+@pytest.mark.swarm
+def test_a_client_side_error_ends_the_run_at_once_and_bans_no_server(swarm, tiny_model, tiny_checkpoint, data,
+                                                                       monkeypatch, capfd):
+    from transformers import AutoTokenizer
+
+    from dist_eval import evaluate, load_model
+    from dist_eval.backends import wire
+    from dist_eval.ranks.phases import RankFailure
+
+    model = load_model("petals", tiny_model, checkpoint=tiny_checkpoint, initial_peers=swarm.initial_peers,
+                       dht_prefix=swarm.dht_prefix, swarm_timeout=30.0)
+    manager = model.module.sequence_manager
+
+    def broken(*args, **kwargs):
+        raise TypeError("a bug in dist_eval's request building")
+
+    monkeypatch.setattr(wire, "_request_tensors", broken)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RankFailure, match="TypeError: a bug in dist_eval's request building") as caught:
+            evaluate(model, data, tokenizer=AutoTokenizer.from_pretrained(tiny_model), batch_size=8, in_flight=2)
+        took = time.monotonic() - started
+        banned = [peer for peer in manager.state.sequence_info.block_infos[0].servers
+                  if peer in manager.state.banned_peers]
+        failures = _failures(manager)
+    finally:
+        model.close()
+    assert isinstance(caught.value.__cause__, TypeError)  # the error itself, its traceback with it
+    assert took < 10, took  # was: every server banned, retried until --swarm-timeout (30 s here)
+    assert banned == [] and failures == []
+    assert "failed a request" not in capfd.readouterr().err
+
+
+@pytest.mark.swarm
+def test_a_petals_object_with_requests_in_flight_on_a_fresh_stub_class_fails_none(swarm, tiny_model, data,
+                                                                                  monkeypatch, capfd):
+    """The in-memory model path applies the stub lock too, on hivemind's stub class as a fresh
+    process has it (see _fresh_stub_class_without_the_lock)."""
+    from dist_eval import evaluate
+    from dist_eval.backends import patches
+    from dist_eval.backends.compat import import_petals, shutdown_petals_client
+
+    import_petals()  # petals' own import needs dist_eval's hivemind re-exports
+    from petals.utils.auto_config import AutoDistributedModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    model = AutoDistributedModelForSequenceClassification.from_pretrained(
+        swarm.model_dir, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix, num_labels=3,
+        torch_dtype=torch.float32)
+    manager = model.model.layers.sequence_manager
+    try:
+        _fresh_stub_class_without_the_lock(monkeypatch)
+        result = evaluate(model, data, tokenizer=AutoTokenizer.from_pretrained(swarm.model_dir), batch_size=4,
+                          in_flight=2, return_logits=True)
+        failures = _failures(manager)
+    finally:
+        shutdown_petals_client(manager)
+    assert "stub_lock" in patches.applied()  # applied again by the object's path
+    assert result.predictions.logits.shape == (len(data), 3)
+    assert failures == []
+    assert "failed a request" not in capfd.readouterr().err
+
+
+def _fresh_stub_class_without_the_lock(monkeypatch) -> None:
+    """hivemind's stub collection as in a process whose petals was imported without the lock,
+    petals' stub class not built yet, and its collection slowed so that threads meet in it."""
+    from hivemind.p2p.servicer import ServicerBase
+    from petals.server.handler import TransformerConnectionHandler
+
+    from dist_eval.backends import patches
+
+    monkeypatch.setattr(ServicerBase, "_collect_rpc_handlers",
+                        classmethod(ServicerBase._collect_rpc_handlers.__func__.__wrapped__))
+    monkeypatch.delitem(patches._applied, "stub_lock")
+    monkeypatch.setattr(TransformerConnectionHandler, "_rpc_handlers", None)
+    monkeypatch.setattr(TransformerConnectionHandler, "_stub_type", None)
+    strip = TransformerConnectionHandler._strip_iterator_hint
+
+    def slow_strip(hint):
+        time.sleep(0.02)  # widen the window in which the class is marked collected but has no stub type
+        return strip(hint)
+
+    monkeypatch.setattr(TransformerConnectionHandler, "_strip_iterator_hint", staticmethod(slow_strip))
