@@ -117,11 +117,19 @@ def read_tensor(model_dir: str, key: str):
 
 def _tensor_names(path: str) -> List[str]:
     if path.endswith(".safetensors"):
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as f:
-            return list(f.keys())
+        return safetensors_names(path)
     return list(_load_bin(path))
+
+
+def safetensors_names(path: str) -> List[str]:
+    """The tensor names of a safetensors file, read from its header with the standard library
+    (``safe_open`` would import torch: ``python -m dist_eval.swarm`` reads folders without it).
+    The format: an 8-byte little-endian header length, then the JSON header.
+    """
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return [name for name in header if name != "__metadata__"]
 
 
 def _load_bin(path: str):
