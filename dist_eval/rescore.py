@@ -87,14 +87,20 @@ def differences(run: dict, rescored: dict) -> list:
     return [key for key in rescored_keys(run, rescored) if json.dumps(rescored.get(key)) != json.dumps(stored.get(key))]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's flags (also docs/cli.md's source)."""
     parser = argparse.ArgumentParser(
         prog="python -m dist_eval.rescore",
-        description="Recompute every metric of a run from its predictions.jsonl (+ logits) alone.",
+        description="Recompute every metric of a run from its predictions.jsonl (+ logits) alone; exit 0 when "
+        "every one equals metrics.json, 1 when one differs, 2 when OUT is not a finished run.",
     )
     parser.add_argument("run", metavar="OUT", help="output folder of a finished run")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the recomputed metrics to PATH")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         rescored = rescore(args.run)
         with open(os.path.join(args.run, "metrics.json")) as f:
