@@ -208,3 +208,26 @@ def test_readme_is_short_and_holds_no_test_counts_or_timings():
         text = open(path).read()
         assert not re.search(r"\b\d+ tests\b", text), path
         assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), f"{path}: a dated figure belongs in benchmarks/RESULTS.md"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as dashes."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lstrip("#").strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_relative_link_of_the_docs_leads_somewhere():
+    bad = []
+    for path in markdown_files():
+        for target in re.findall(r"\]\(([^)\s]+)\)", open(path).read()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+            if not os.path.exists(full):
+                bad.append(f"{os.path.relpath(path, REPO)}: {target} (no such file)")
+            elif anchor and full.endswith(".md"):
+                slugs = {_slug(line) for line in open(full) if line.startswith("#")}
+                if anchor not in slugs:
+                    bad.append(f"{os.path.relpath(path, REPO)}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
