@@ -12,8 +12,8 @@ def exit_without_teardown(code: int) -> None:
     Why: when ``main()`` returns, the run has already stopped everything it started (the
     local swarm, the petals client's DHT and p2pd, the process group) and written its
     report; what would remain is CPython freeing the modules of torch, transformers and
-    petals and running their native destructors, about 1 s of every rank's exit on 2
-    cores, for nothing. The ``atexit`` handlers still run: multiprocessing's (its
+    petals and running their native destructors, a noticeable part of every rank's exit
+    (benchmarks/RESULTS.md), for nothing. The ``atexit`` handlers still run: multiprocessing's (its
     children, its temp folders), logging's flush, the local swarm's last-resort stop.
     """
     import atexit

@@ -165,7 +165,7 @@ class Terminated(KeyboardInterrupt):
 
 
 # After SIGINT/SIGTERM, a rank has this long to clean up (stop its client, flush its
-# partial results, stop the local swarm: 2-5 s measured) before it exits regardless.
+# partial results, stop the local swarm: benchmarks/RESULTS.md) before it exits regardless.
 STOP_GRACE_SECONDS = 10.0
 _cli_running = False
 _siblings: Siblings = {}  # this node's ranks, noted at the start (see dist_eval.ranks.siblings)

@@ -114,8 +114,8 @@ def check_template(template: Optional[str], text_pair_column: Optional[str]) -> 
 
 _MAX_BATCH_TOKENS = (
     "And at most this many padded tokens per forward: rows x (longest row + prompt vectors); 0 (API: None): no "
-    "cap. A batch goes to the swarm as one request; a server that accepts fewer tokens (its --max_batch_size, "
-    "2048 by default) has it split."
+    "cap. A batch goes to the swarm as one request; a server that accepts fewer tokens (its --max_batch_size: "
+    "petals' default is 2048, 8192 for grouped-query models) has it split."
 )
 _LIMIT = (
     "Evaluate a seeded random sample of this many rows (without replacement; chosen by a hash of each row's "
@@ -140,7 +140,8 @@ class Settings:
 
     text_column: str = setting("text", "Column with the input text.")
     text_pair_column: Optional[str] = setting(None, "Optional second text column (sentence pairs).")
-    label_column: str = setting("label", "Column with integer class ids in [0, num_labels).")
+    label_column: str = setting("label", "Column with the labels: integer class ids in [0, num_labels), or texts "
+                                         "(mapped to ids through the model's class names, else sorted).")
     batch_size: int = setting(DEFAULT_BATCH_SIZE, "At most this many rows per forward pass.")
     max_length: int = setting(DEFAULT_MAX_LENGTH, "Longer texts are truncated to this many tokens (counted in "
                                                   "the report).")

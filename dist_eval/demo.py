@@ -55,8 +55,8 @@ MIN_WORDS, MAX_WORDS = 4, 48
 TOPIC_SHARE = (0.2, 0.45)  # share of a sentence's words drawn from its own topic
 OTHER_TOPIC_RATE = 0.1  # chance that a word is a distractor from another topic (at most as many as own-topic words)
 # Fixed during the build, so the weights do not depend on the caller's thread setting. One
-# thread: ~25 s on 2 idle cores (2 threads: ~17 s), but 2 threads slow down ~5-15x when the
-# cores are busy with other work (OpenMP spin-waits), one thread only ~1.5-2x.
+# thread: a little slower on idle cores, but two threads slow down far more than one when
+# the cores are busy with other work (OpenMP spin-waits).
 BUILD_THREADS = 1
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"

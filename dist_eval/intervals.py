@@ -43,8 +43,8 @@ def bootstrap_intervals(
     Metrics are recomputed per resample as :mod:`dist_eval.metrics` computes them
     (macro-F1 over all ``num_labels`` classes, absent ones as 0). Random numbers come
     from ``numpy.random.Generator(PCG64(seed))``. Returns None when ``resamples`` is 0
-    or there are no samples. Cost: about 1 s per 1000 resamples for any n >= 4096 (the
-    sort of the losses adds ~0.1 s per 10^6 samples).
+    or there are no samples. Cost: independent of n beyond 4096 samples, but for the sort of
+    the losses (figures: benchmarks/RESULTS.md).
     """
     labels = np.asarray(labels, dtype=np.int64)
     preds = np.asarray(preds, dtype=np.int64)
@@ -159,8 +159,8 @@ def bootstrap_score_intervals(
     canonical order of the rows (sorted by label and probabilities), so the result depends
     only on the multiset of rows: the same for any world size and row order, and the same
     seed gives the same intervals on any machine. An exact bootstrap (no grouping): cost
-    about resamples x rows x (classes + bins) operations, about 1-2 s per 100 resamples
-    at 20 000 rows and 10 classes on one core (0.2 s with 2 classes). ``auroc_macro`` of a resample is
+    about resamples x rows x (classes + bins) operations (figures: benchmarks/RESULTS.md):
+    lower the resamples for large sets. ``auroc_macro`` of a resample is
     over the classes present in it; resamples where it is undefined (one class) are left
     out of its percentiles (NaN interval when all are). Returns None when ``resamples`` is
     0 or there are no rows.

@@ -380,13 +380,15 @@ def _record_shutdown(reports: List[_Report], clock: _Clock, shutdown_began: floa
 
 
 def _startup_seconds(started: float) -> Optional[float]:
-    """Seconds from the launch to ``started`` (a perf_counter time): the launcher's own
-    start-up and this process's imports, before the first phase. The launch is the start
-    of torchrun's agent (this process's parent under torchrun), else of this process,
-    by the kernel's clock.
+    """Seconds from this process's start to ``started`` (a perf_counter time): the run's own
+    start-up and imports, before the first phase, by the kernel's clock.
+
+    Not from torchrun's start (this process's parent): /proc gives a process's fork time, and
+    a shell that ``exec``s torchrun after other work (``bash -c './launch/install.sh &&
+    torchrun ...'``) hands torchrun its own start, so the install counted as the launch.
+    torchrun's own start-up, before it starts the ranks, is not counted.
     """
-    launched_by = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else os.getpid()
-    alive = _seconds_alive(launched_by)
+    alive = _seconds_alive(os.getpid())
     return None if alive is None else round(max(0.0, alive - (time.perf_counter() - started)), 3)
 
 

@@ -23,11 +23,23 @@ from dist_eval.errors import UsageError
 from dist_eval.metrics import headline_names
 
 EXIT_USAGE = 2
-# what rescore recomputes; the rest of metrics.json (run facts, user metrics) is the run's
+# what rescore recomputes, besides top{K}_accuracy (named with the run's k: see rescored_keys);
+# the rest of metrics.json (run facts, user metrics) is the run's
 RESCORED = ("num_samples", "num_labels", "accuracy", "precision_macro", "recall_macro", "f1_macro",
             "precision_micro", "recall_micro", "f1_micro", "precision_weighted", "recall_weighted", "f1_weighted",
             "per_class", "confusion_matrix", "loss", "confidence_intervals", "ece", "brier", "auroc_macro", "top_k",
             "reliability")
+
+
+def rescored_keys(run: dict, rescored: dict) -> list:
+    """The keys compared: RESCORED and every ``top{K}_accuracy`` either side holds, wherever
+    rescore computed it or the run wrote a probability score it could recompute (a listed
+    name was once missing here, and a differing top-k passed as "same").
+    """
+    top_k = sorted({key for key in (*run, *rescored) if key.startswith("top") and key.endswith("_accuracy")})
+    probability_scores = "ece" in rescored  # only with logits: else they are left out, and said so
+    return [key for key in (*RESCORED, *top_k)
+            if key in rescored or (probability_scores and key in run and key.startswith("top"))]
 
 
 def _read(folder: str):
@@ -72,17 +84,23 @@ def differences(run: dict, rescored: dict) -> list:
     if isinstance(rescored.get("confidence_intervals"), dict) and isinstance(run.get("confidence_intervals"), dict):
         stored["confidence_intervals"] = {k: v for k, v in run["confidence_intervals"].items()
                                           if k in rescored["confidence_intervals"]}
-    return [key for key in RESCORED if key in rescored and json.dumps(rescored[key]) != json.dumps(stored.get(key))]
+    return [key for key in rescored_keys(run, rescored) if json.dumps(rescored.get(key)) != json.dumps(stored.get(key))]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's flags (also docs/cli.md's source)."""
     parser = argparse.ArgumentParser(
         prog="python -m dist_eval.rescore",
-        description="Recompute every metric of a run from its predictions.jsonl (+ logits) alone.",
+        description="Recompute every metric of a run from its predictions.jsonl (+ logits) alone; exit 0 when "
+        "every one equals metrics.json, 1 when one differs, 2 when OUT is not a finished run.",
     )
     parser.add_argument("run", metavar="OUT", help="output folder of a finished run")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the recomputed metrics to PATH")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         rescored = rescore(args.run)
         with open(os.path.join(args.run, "metrics.json")) as f:
@@ -102,7 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if differ:
         print(f"dist_eval.rescore: differs from metrics.json: {', '.join(differ)}", flush=True)
         return 1
-    checked = [key for key in RESCORED if key in rescored]
+    checked = rescored_keys(run, rescored)
     print(f"dist_eval.rescore: all {len(checked)} recomputed metrics equal metrics.json", flush=True)
     return 0
 

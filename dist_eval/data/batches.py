@@ -90,7 +90,7 @@ def shard_batch_ids(num_batches: int, rank: int, world_size: int) -> List[int]:
 
     The plan lists batches longest first, so the shards' costs then nearly match (dealt in
     plan order, rank 0 took the longest batch of every round, so the most work; the ranks'
-    ends still differ by the servers' answers, 0.02-0.1 s in a 1-s loop on the CPU benchmark).
+    ends still differ by the servers' answers: benchmarks/RESULTS.md).
     DistributedSampler (drop_last=False) pads the id list to a multiple of the world
     size by repeating ids from its start; the padding lands at the end of each rank's
     shard. Those repeats are dropped here, before anything runs or is counted. A rank

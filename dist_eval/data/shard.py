@@ -47,7 +47,7 @@ def dataset_batches(
     checks every row and counts the truncated ones); the rows of this rank's batches that
     its block did not cover are then tokenized as the batches come, a few batches ahead,
     while earlier batches are at the swarm: the first forward starts without waiting for
-    the rest of the shard (at 2000 rows on 2 ranks that wait was 0.02-0.03 s, ~2% of the loop). Without
+    the rest of the shard (a wait of a few percent of the loop: benchmarks/RESULTS.md). Without
     the lengths, every row of the shard is tokenized (so checked) here, before any forward.
     """
     columns, max_length = TaskColumns.of(settings), settings.max_length

@@ -16,7 +16,7 @@ def tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, ma
         return [], 0
     if dataset.format["type"] is None:
         # One read of just these rows and text columns: select() and then a column read was
-        # ~8x slower (16 ms for 1000 rows here), and it runs inside the timed evaluation loop.
+        # several times slower (benchmarks/RESULTS.md), and it runs inside the timed loop.
         text_columns = list(dict.fromkeys([columns.text] + ([columns.text_pair] if columns.text_pair else [])))
         picked = dataset.select_columns(text_columns)[rows.tolist()]
     else:  # a format or a transform (which may read other columns) decides what a read gives

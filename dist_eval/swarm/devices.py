@@ -5,10 +5,10 @@ memory and the model's weight size, so that the GPU decisions are tested on a CP
 machine; :func:`visible_gpu_memory` is the one place that asks torch. Standard library
 only at import.
 
-Why these GPU defaults (figures of the throughput issue, one H100, a 1.03B-parameter model in fp16):
+Why these GPU defaults (the throughput issue's figures on one H100: benchmarks/RESULTS.md):
 a petals server computes one request at a time, so on a GPU the servers, not the GPU,
-saturate; 8 server processes on one GPU, each holding every block, reached 797 samples/s
-where 2 reached 293-400 and 4 reached 516. So on a GPU the swarm starts full replicas,
+saturate, and more server processes on one GPU, each holding every block, served more.
+So on a GPU the swarm starts full replicas,
 as many per GPU as fit in a share of its memory, at most 8; in fp16 (bf16 for a model
 saved in bf16), petals' own default being the saved dtype (fp32 for many checkpoints);
 and each server accepts requests of up to 16384 tokens (petals' default 2048), which
@@ -18,7 +18,7 @@ the servers hold full replicas wherever they fit in a share of the device's memo
 every request is one hop, and any server can fail. On the CPU, where a server computes
 with one thread of its own, K servers on one machine are there for parallelism; with
 every block on only two of them (``placement.plan_blocks``, the layout when they do not
-fit) a request crossed one or two servers, and the server holding every block got ~78% of
+fit) a request crossed one or two servers, and the server holding every block got most of
 the work (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
@@ -129,8 +129,8 @@ def _replica_bytes(weight_bytes: int, saved_dtype: str, dtype: str) -> int:
 
 def _threads(cpus: int, servers: int) -> int:
     # Each server's torch would start one thread per core: K servers on C cores then fight
-    # over them (and OpenMP threads spin while they wait). Measured on 2 cores, 3 servers of
-    # the CPU benchmark: one thread each made the swarm ~30% faster for every client.
+    # over them (and OpenMP threads spin while they wait); one thread each made the CPU
+    # benchmark's swarm faster for every client (benchmarks/RESULTS.md).
     return max(1, cpus // servers)
 
 

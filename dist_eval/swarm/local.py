@@ -43,12 +43,12 @@ _STARTED_RE = re.compile(r"\[INFO\] Started\s*$", re.MULTILINE)
 # changes (tests run petals' own server in its place, as a swarm of others' servers)
 SERVER_MODULE = "dist_eval.swarm.server"
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# SIGINT -> SIGKILL delay. Measured on 2 CPU cores: a lone server exits ~0.1-1 s after
-# SIGINT, but the last servers of a swarm announce "offline" to peers that already left
-# and wait for hivemind's DHT timeouts (~10 s). For a private swarm (all of it going away)
+# SIGINT -> SIGKILL delay. A lone server exits soon after SIGINT, but the last servers of
+# a swarm announce "offline" to peers that already left and wait for hivemind's DHT
+# timeouts. For a private swarm (all of it going away)
 # nothing is lost by cutting that short: its clients have closed, nobody is left to hear
-# "offline", and the files hivemind would leave are removed here. 0.25 s: a 2-server
-# swarm stops in 0.2-0.4 s instead of 1.1-1.2 s (with 1 s), a second of every demo run.
+# "offline", and the files hivemind would leave are removed here. 0.25 s saves most of a
+# second of every demo run over 1 s (benchmarks/RESULTS.md).
 # Servers that joined another host's swarm get longer, so that their "offline" reaches it;
 # so does a swarm that others may have joined (python -m dist_eval.swarm: stop(grace=...)).
 _GRACE_SECONDS_PRIVATE = 0.25
@@ -164,7 +164,7 @@ class LocalSwarm:
     Processes: every server is its own session/process group, with ``HF_HUB_OFFLINE=1``
     and a private ``TMPDIR``; its output goes to ``<log_dir>/server-<i>.log`` (a temp
     folder when log_dir is None, deleted on stop unless the start failed). ``stop()``
-    sends SIGINT to each group (petals' graceful shutdown, ~1 s for a lone server), SIGKILL
+    sends SIGINT to each group (petals' graceful shutdown), SIGKILL
     to what is left after 0.25 s (3 s for servers that joined another host's swarm), waits
     until no process of the groups remains, then deletes the private TMPDIR and the
     ``/tmp/hivemind-*.sock`` files the servers held (hivemind leaks them). ``stop()`` also
@@ -325,7 +325,7 @@ class LocalSwarm:
         SIGKILL to what is left after min(``grace``, 60% of ``timeout``), then wait until no
         process of the groups is left, at most until ``timeout``. ``grace`` None: 0.25 s for
         a private swarm (only its owner's clients used it), 3 s for servers that joined
-        another host's swarm. Typical: 0.2-4 s.
+        another host's swarm.
         SwarmError if a process survives (never seen).
         """
         with self._lock:
