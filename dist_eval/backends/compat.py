@@ -60,7 +60,7 @@ def no_random_init_of_meta_tensors():
 
     transformers builds a model's modules on the meta device before it loads their
     weights; ``nn.Embedding`` then calls ``normal_`` on a meta tensor, which makes torch
-    import ``torch._dynamo`` (2-4 s of CPU in every client and server process) to fill a
+    import ``torch._dynamo`` (seconds of CPU in every client and server process) to fill a
     tensor that holds no values. Skipping that changes nothing: a meta tensor has no
     data and draws no random numbers. Every other tensor goes to torch's ``normal_``.
     """
@@ -100,7 +100,7 @@ def quiet_third_party_output() -> None:
         pass
     # "Generating train split: ..." bars belong to interactive notebooks, not to a job log.
     # Said through the variables datasets reads at import, so that a process that never
-    # loads data (a swarm server) does not import datasets for it (~0.5 s of CPU each).
+    # loads data (a swarm server) does not import datasets for it (CPU time at every start).
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("DATASETS_VERBOSITY", "error")
     datasets = sys.modules.get("datasets")

@@ -19,7 +19,7 @@ def failover_replacements() -> list:
     ``spans_containing_block`` computed at the last routing refresh, which still holds
     the dead peer. Every retry until the next refresh (``update_period``, 60 s by
     default) could pick it again, with backoff growing to ``max_backoff``: one batch
-    stalled 63 s when a server was killed (measured). Here the spans are recomputed
+    stalled for about a minute when a server was killed (benchmarks/RESULTS.md). Here the spans are recomputed
     from ``block_infos`` right after the failure, so the next attempt goes elsewhere.
     A block left with no server is handled as petals does (``on_request_failure``
     triggers a refresh that re-adds banned servers rather than none).

@@ -3,8 +3,8 @@
 A rank's petals client forks hivemind's DHT process, which starts a ``p2pd`` daemon;
 every request and every routing refresh goes through them. When one of them dies (the
 OOM killer, an operator), petals waits forever: a routing refresh waits on the dead DHT
-process with no time limit, and so does the model's shutdown (measured: a rank made no
-progress for 417 s, until an outside timeout stopped it).
+process with no time limit, and so does the model's shutdown (a rank was seen to wait until
+an outside timeout stopped it: benchmarks/RESULTS.md, "Figures the backends' comments quoted").
 
 :class:`HelperWatch` polls both every ``poll_seconds``. Once one is gone it
 

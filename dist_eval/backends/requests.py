@@ -17,8 +17,8 @@ the rest of the run, and sends the batch again cut into requests of at most N to
 Deep prompts (``deep_ptune``) travel once per request, not once per row: petals' client
 builds them for every row of the batch ([blocks, rows, prompt length, hidden]), the same
 values in every row, and sends them all; a request then carried (blocks x prompt length)
-vectors per row besides its hidden states, 6x the hidden states for a 22-block model with
-16 prompt vectors and 40 tokens a row. The client dist_eval drives sends them for one row
+vectors per row besides its hidden states, several times the hidden states for a deep
+model (computed in benchmarks/RESULTS.md). The client dist_eval drives sends them for one row
 ([blocks, 1, prompt length, hidden]); a server adds them to every row by broadcasting
 (``hidden[:, :P] += prompt``, petals' own server code and dist_eval's merged forward alike),
 the same values added, so the logits are unchanged bit for bit (with petals' default wire

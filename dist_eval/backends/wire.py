@@ -5,8 +5,8 @@ vectors + tokens, hidden] in float32, and every server answers with the hidden s
 every position, the size of what it was sent. On a classifier's forward most of both is
 waste: the first server could look the tokens up itself, and the head reads one position
 per row. Those bytes cross the transport (hivemind's p2pd daemons at both ends) and are
-serialised and copied on both sides; on the CPU benchmark the daemons alone took ~25% of
-the machine (benchmarks/RESULTS.md). So, on a classifier's no-grad forward
+serialised and copied on both sides; on the CPU benchmark the daemons alone took a large
+share of the machine (benchmarks/RESULTS.md). So, on a classifier's no-grad forward
 (:class:`~dist_eval.backends.petals.PetalsClassifier`):
 
 1. **Read positions out.** The client names, in the request's metadata
@@ -31,9 +31,8 @@ Every change moves values, never computes them differently: a lookup, a concaten
 dtype conversion the server made anyway, a choice of rows. So the logits are those of
 petals' own path bit for bit (``tests/test_backends_wire.py``), whichever servers a
 request meets, and a swarm that mixes dist_eval's servers with others' gives the same
-results for any number of ranks. For issue 13's GPU model (64 rows of 40 tokens + 16 prompt
-vectors, hidden 2048, fp16 servers) a one-hop request carried 29 MB up and 14.7 MB down;
-it now carries 0.09 MB up (ids and prompt vectors) and 0.26 MB down (computed).
+results for any number of ranks. What a request carried before and after, for the GPU
+benchmark's model, is computed in benchmarks/RESULTS.md.
 
 Both halves of the protocol live here: :func:`server_replacements` (the servers dist_eval
 starts, applied by :func:`dist_eval.swarm.server.apply_server_patches`) and
