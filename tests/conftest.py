@@ -8,11 +8,20 @@ import random
 import subprocess
 import sys
 
+import process_leaks  # no test leaves a process behind
 import pytest
+import suite_plugin  # the gpu, multiproc and swarm marks, checked; --reverse-order
 import torch
 
-# pytest hooks: no test leaves a process behind
-from process_leaks import pytest_runtest_call, pytest_runtest_setup, pytest_runtest_teardown  # noqa: F401
+
+def pytest_addoption(parser):
+    suite_plugin.add_options(parser)
+
+
+def pytest_configure(config):
+    for plugin in (process_leaks, suite_plugin):
+        if not config.pluginmanager.is_registered(plugin):
+            config.pluginmanager.register(plugin, f"dist_eval_{plugin.__name__}")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = [f"w{i}" for i in range(60)]

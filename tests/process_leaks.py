@@ -2,8 +2,10 @@
 
 - Every process that a test's body started (a torchrun job, a rank, a server, a DHT
   helper, a p2pd daemon, ...) must be gone once the test's teardown has run; a
-  module's processes (those of its module-scoped fixtures, e.g. a shared swarm) once
-  the module's last test has been torn down.
+  module's processes (those of its module-scoped fixtures) once the module's last test
+  has been torn down; a session-scoped fixture's (a swarm shared by several modules)
+  once the last test of the run has been torn down: they are noted when the fixture is
+  set up, so they are not charged to the module that happened to set it up first.
 - A test's processes are its descendants when its body ends, and every process that
   shares a process group or a session with one of them: an orphan (its parent killed
   by the test) keeps its group and session when init adopts it, so it is still found.
@@ -37,6 +39,8 @@ class Proc(NamedTuple):
 
 
 _module_before: Dict[str, Set[tuple]] = {}  # test module -> (pid, started) of descendants before its first test
+_session_owned: Dict[tuple, str] = {}  # processes started by session-scoped fixtures: checked at the end
+_session_groups: Set[int] = set()  # their process groups and sessions (a server's later children are in them)
 _STARTED = pytest.StashKey[Dict[tuple, str]]()  # a test's processes: (pid, started) -> command line
 
 
@@ -123,6 +127,32 @@ def _now_in_ticks() -> int:
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """A session-scoped fixture's processes (and their groups) are the session's, not the module's."""
+    if fixturedef.scope != "session":
+        return (yield)
+    since = _now_in_ticks() - 1
+    before = set(_descendants(_processes()))
+    try:
+        return (yield)
+    finally:
+        procs = _processes()
+        started = {key: cmd for key, cmd in _descendants(procs).items() if key not in before}
+        owned = _with_their_groups(procs, started, since)
+        _session_owned.update(owned)
+        mine = {os.getpgid(0), os.getsid(0)}
+        _session_groups.update({x for (pid, _) in owned if pid in procs for x in (procs[pid].pgid, procs[pid].sid)}
+                               - mine)
+
+
+def _without_the_sessions(found: Dict[tuple, str]) -> Dict[tuple, str]:
+    """``found`` less the processes in a session-scoped fixture's groups (checked at the end)."""
+    procs = _processes()
+    return {key: cmd for key, cmd in found.items() if key not in _session_owned and not (
+        key[0] in procs and (procs[key[0]].pgid in _session_groups or procs[key[0]].sid in _session_groups))}
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
     _module_before.setdefault(item.nodeid.split("::")[0], set(_descendants(_processes())))
     return (yield)
@@ -137,7 +167,7 @@ def pytest_runtest_call(item):
     finally:
         procs = _processes()
         started = {key: cmd for key, cmd in _descendants(procs).items() if key not in before}
-        item.stash[_STARTED] = _with_their_groups(procs, started, since)
+        item.stash[_STARTED] = _without_the_sessions(_with_their_groups(procs, started, since))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -147,7 +177,12 @@ def pytest_runtest_teardown(item, nextitem):
     module = item.nodeid.split("::")[0]
     if nextitem is None or nextitem.nodeid.split("::")[0] != module:  # the module's fixtures are gone too
         before = _module_before.pop(module, set())
-        leaks.update(_left_after_grace({k: c for k, c in _descendants(_processes()).items() if k not in before}))
+        new = {k: c for k, c in _descendants(_processes()).items() if k not in before}
+        leaks.update(_left_after_grace(_without_the_sessions(new)))
+    if nextitem is None:  # the end of the run: the session's fixtures are gone too, with their groups
+        procs = _processes()
+        in_groups = [pid for pid, p in procs.items() if p.pgid in _session_groups or p.sid in _session_groups]
+        leaks.update(_left_after_grace({**_session_owned, **_ours(procs, in_groups)}))
     if leaks:
         _kill(leaks)
         listed = "; ".join(f"pid {pid}: {cmd}" for (pid, _), cmd in sorted(leaks.items()))

@@ -66,8 +66,32 @@ def test_concurrent_first_stubs_all_succeed():
     assert all(hasattr(stub, "rpc_info") and hasattr(stub, "rpc_forward_stream") for stub in stubs)
 
 
+def _gated_servicer_class():
+    """A new hivemind servicer class whose handler collection, in the first thread that runs it,
+    stops inside the window (the class marked collected, no stub type yet) until released:
+    (class, inside: set when a thread is there, release)."""
+    from hivemind.p2p.servicer import ServicerBase
+    from hivemind.proto import runtime_pb2
+
+    inside, release = threading.Event(), threading.Event()
+
+    class GatedServicer(ServicerBase):
+        async def rpc_info(self, request: runtime_pb2.ExpertUID, context) -> runtime_pb2.ExpertInfo:
+            raise NotImplementedError
+
+        @classmethod
+        def _strip_iterator_hint(cls, hint):
+            if not inside.is_set():
+                inside.set()
+                release.wait(timeout=60)
+            return super()._strip_iterator_hint(hint)
+
+    return GatedServicer, inside, release
+
+
 def test_unpatched_hivemind_fails_the_same_way(monkeypatch):
-    """The race is real without the patch (so the test above can fail)."""
+    """The race is real without the patch (so the test above can fail): a second stub asked
+    for while the first thread is inside the collection fails, whatever the scheduling."""
     from hivemind.p2p.servicer import ServicerBase
 
     from dist_eval.backends.compat import import_petals
@@ -75,8 +99,18 @@ def test_unpatched_hivemind_fails_the_same_way(monkeypatch):
     import_petals()
     original = ServicerBase._collect_rpc_handlers.__func__.__wrapped__
     monkeypatch.setattr(ServicerBase, "_collect_rpc_handlers", classmethod(original))
-    _, errors = _stubs_from_threads(_fresh_servicer_class())
-    assert errors and all(isinstance(e, TypeError) and "not callable" in str(e) for e in errors)
+    servicer, inside, release = _gated_servicer_class()
+    first = []
+    thread = threading.Thread(target=lambda: first.append(servicer.get_stub(None, None)))
+    thread.start()
+    try:
+        assert inside.wait(timeout=60), "the first thread never reached the collection"
+        with pytest.raises(TypeError, match="not callable"):
+            servicer.get_stub(None, None)
+    finally:
+        release.set()
+        thread.join(timeout=60)
+    assert len(first) == 1 and hasattr(first[0], "rpc_info")  # the first one, once done, has its stub
 
 
 @pytest.mark.swarm

@@ -7,8 +7,7 @@ import time
 
 import pytest
 from conftest import build_checkpoint, read_jsonl, run_cli, write_csv
-
-pytestmark = pytest.mark.multiproc
+from inprocess_cli import run_cli_in_process
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +32,7 @@ def cli_runs(tiny_model, tiny_checkpoint, data_csv, tmp_path_factory):
     return out
 
 
+@pytest.mark.multiproc
 def test_outputs_are_complete(cli_runs):
     folder, proc = cli_runs[2]
     metrics = json.load(open(folder / "metrics.json"))
@@ -86,6 +86,7 @@ def test_outputs_are_complete(cli_runs):
     assert len(re.findall(r"(?<!\w)accuracy \d", proc.stdout)) == 1  # printed once, by rank 0 only
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_predictions_identical_for_any_nproc(cli_runs, nproc):
     single = read_jsonl(cli_runs[1][0] / "predictions.jsonl")
@@ -94,6 +95,22 @@ def test_predictions_identical_for_any_nproc(cli_runs, nproc):
     m1 = json.load(open(cli_runs[1][0] / "metrics.json"))
     mn = json.load(open(cli_runs[nproc][0] / "metrics.json"))
     assert {k: v for k, v in mn.items() if k != "run"} == {k: v for k, v in m1.items() if k != "run"}
+
+
+def fails_in_process(args, capfd, pattern):
+    """``args`` run in this process (one rank, the CLI's own code path: where the launcher is not
+    what is tested) end with exit code 2, one error line matching ``pattern``, no traceback and
+    no report. (Two-rank runs of such cases, every rank exiting 2: the multiproc tests here.)"""
+    capfd.readouterr()
+    code = run_cli_in_process(args)
+    _, err = capfd.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("dist_eval: error:")]
+    assert code == 2 and len(errors) == 1, err[-3000:]
+    assert re.search(pattern, errors[0]), errors[0]
+    assert "Traceback" not in err, err[-3000:]
+    out = args[args.index("--output-dir") + 1]
+    for name in ("metrics.json", "predictions.jsonl"):
+        assert not os.path.exists(os.path.join(out, name)), f"{name} written by a failed run"
 
 
 def assert_clean_failure(proc, pattern, nproc=2, max_seconds=None, started=None):
@@ -117,31 +134,32 @@ def assert_clean_failure(proc, pattern, nproc=2, max_seconds=None, started=None)
             assert not os.path.exists(os.path.join(out, name)), f"{name} written by a failed run"
 
 
-def test_missing_column(tiny_model, tiny_checkpoint, data_csv, tmp_path):
-    proc = run_cli(local_args(tiny_model, tiny_checkpoint, data_csv, tmp_path, "--text-column", "sentence"), nproc=2)
-    assert_clean_failure(proc, r"--text-column sentence: no such column; the dataset has \['text', 'label'\]")
-    assert not (tmp_path / "metrics.json").exists()
+def test_missing_column(tiny_model, tiny_checkpoint, data_csv, tmp_path, capfd):
+    fails_in_process(local_args(tiny_model, tiny_checkpoint, data_csv, tmp_path, "--text-column", "sentence"), capfd,
+                     r"--text-column sentence: no such column; the dataset has \['text', 'label'\]")
 
 
+@pytest.mark.multiproc
 def test_label_out_of_range(tiny_model, tiny_checkpoint, tmp_path):
     data = tmp_path / "bad.csv"
     data.write_text("text,label\nw1 w2,0\nw3,1\nw4 w5,7\n")
     proc = run_cli(local_args(tiny_model, tiny_checkpoint, str(data), tmp_path / "out"), nproc=2)
-    assert_clean_failure(proc, r"--label-column label: row 2 has label 7, outside \[0, 3\)")
+    assert_clean_failure(proc, r"--label-column label: row 2 has label 7, outside \[0, 3\)")  # in a phase: all ranks
 
 
-def test_missing_data_file(tiny_model, tiny_checkpoint, tmp_path):
-    proc = run_cli(local_args(tiny_model, tiny_checkpoint, str(tmp_path / "nope.csv"), tmp_path / "out"), nproc=2)
-    assert_clean_failure(proc, r"--data-files: no such file .*nope\.csv")
+def test_missing_data_file(tiny_model, tiny_checkpoint, tmp_path, capfd):
+    fails_in_process(local_args(tiny_model, tiny_checkpoint, str(tmp_path / "nope.csv"), tmp_path / "out"), capfd,
+                     r"--data-files: no such file .*nope\.csv")
 
 
-def test_corrupt_data_file(tiny_model, tiny_checkpoint, tmp_path):
+def test_corrupt_data_file(tiny_model, tiny_checkpoint, tmp_path, capfd):
     data = tmp_path / "broken.parquet"
     data.write_bytes(b"PAR1 this is not parquet at all" * 10)
-    proc = run_cli(local_args(tiny_model, tiny_checkpoint, str(data), tmp_path / "out"), nproc=2)
-    assert_clean_failure(proc, r"--data-files .*broken\.parquet: cannot be read as parquet")
+    fails_in_process(local_args(tiny_model, tiny_checkpoint, str(data), tmp_path / "out"), capfd,
+                     r"--data-files .*broken\.parquet: cannot be read as parquet")
 
 
+@pytest.mark.multiproc
 def test_unanswered_initial_peers_fail_fast(tiny_model, tiny_checkpoint, data_csv, tmp_path):
     started = time.monotonic()
     proc = run_cli(["--model", tiny_model, "--data-files", data_csv, "--checkpoint", tiny_checkpoint,
@@ -151,17 +169,15 @@ def test_unanswered_initial_peers_fail_fast(tiny_model, tiny_checkpoint, data_cs
     assert_clean_failure(proc, r"--initial-peers .*: no swarm answered", max_seconds=60, started=started)
 
 
-def test_refuses_a_random_head(tiny_model, data_csv, tmp_path):
-    proc = run_cli(
-        ["--model", tiny_model, "--data-files", data_csv, "--backend", "local", "--output-dir", str(tmp_path)], nproc=2
-    )
-    assert_clean_failure(proc, r"no classifier head .* initialised at random")
+def test_refuses_a_random_head(tiny_model, data_csv, tmp_path, capfd):
+    fails_in_process(["--model", tiny_model, "--data-files", data_csv, "--backend", "local", "--output-dir",
+                      str(tmp_path)], capfd, r"no classifier head .* initialised at random")
 
 
-def test_refuses_a_checkpoint_for_another_model(tiny_model, data_csv, tmp_path):
+def test_refuses_a_checkpoint_for_another_model(tiny_model, data_csv, tmp_path, capfd):
     other = build_checkpoint(str(tmp_path / "big.pt"), hidden=48)
-    proc = run_cli(local_args(tiny_model, other, data_csv, tmp_path / "out"), nproc=2)
-    assert_clean_failure(proc, r"shape \[3, 48\], expected \[3, 32\]")
+    fails_in_process(local_args(tiny_model, other, data_csv, tmp_path / "out"), capfd,
+                     r"shape \[3, 48\], expected \[3, 32\]")
 
 
 @pytest.mark.parametrize(
@@ -172,18 +188,25 @@ def test_refuses_a_checkpoint_for_another_model(tiny_model, data_csv, tmp_path):
         (["--max-length", "-3"], r"--max-length -3: expected a positive integer"),
     ],
 )
-def test_bad_flags(tiny_model, tiny_checkpoint, data_csv, tmp_path, flags, pattern):
-    proc = run_cli(local_args(tiny_model, tiny_checkpoint, data_csv, tmp_path, *flags), nproc=2)
-    assert_clean_failure(proc, pattern)
+def test_bad_flags(tiny_model, tiny_checkpoint, data_csv, tmp_path, flags, pattern, capfd):
+    fails_in_process(local_args(tiny_model, tiny_checkpoint, data_csv, tmp_path, *flags), capfd, pattern)
 
 
-def test_unwritable_output_dir(tiny_model, tiny_checkpoint, data_csv, tmp_path):
+@pytest.mark.multiproc
+def test_a_bad_flag_ends_every_rank(tiny_model, tiny_checkpoint, data_csv, tmp_path):
+    """Checked before the first phase, agreed on by every rank: each exits 2, rank 0 says why."""
+    proc = run_cli(local_args(tiny_model, tiny_checkpoint, data_csv, tmp_path, "--batch-size", "0"), nproc=2)
+    assert_clean_failure(proc, r"--batch-size 0: expected a positive integer")
+
+
+def test_unwritable_output_dir(tiny_model, tiny_checkpoint, data_csv, tmp_path, capfd):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    proc = run_cli(local_args(tiny_model, tiny_checkpoint, data_csv, blocker / "out"), nproc=2)
-    assert_clean_failure(proc, r"--output-dir .*: not writable")
+    fails_in_process(local_args(tiny_model, tiny_checkpoint, data_csv, blocker / "out"), capfd,
+                     r"--output-dir .*: not writable")
 
 
+@pytest.mark.multiproc
 def test_truncation_is_counted(tiny_model, tiny_checkpoint, data_csv, tmp_path):
     proc = run_cli(local_args(tiny_model, tiny_checkpoint, data_csv, tmp_path, "--max-length", "5"), nproc=1)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -214,6 +237,7 @@ def test_forked_helpers_get_the_default_sigterm_back():
         signal.signal(signal.SIGTERM, previous)
 
 
+@pytest.mark.multiproc
 def test_label_words_n2_equals_n1(tiny_model, data_csv, tmp_path):
     """Zero-shot (--label-words, --template, no checkpoint) under torchrun: N=2 equals N=1
     (predictions, logits, metrics), the words given as a file on one run; accuracy is

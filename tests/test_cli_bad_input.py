@@ -12,9 +12,7 @@ import shutil
 
 import pytest
 from conftest import read_jsonl, run_cli
-from test_cli import assert_clean_failure, local_args
-
-pytestmark = pytest.mark.multiproc
+from test_cli import assert_clean_failure, fails_in_process, local_args
 
 
 def _write(path, text):
@@ -86,19 +84,37 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_fails_cleanly(case, tiny_model, tiny_checkpoint, model_without_tokenizer, tmp_path):
+# run on two ranks under torchrun (every rank exits 2): the process group's own refusal, a failure
+# found in a phase inside a phase, and one found by rank 0's label reading; the others in-process
+TWO_RANKS = {"nccl_without_gpu", "row_without_text", "text_labels_not_num_labels"}
+
+
+def _case_args(case, tiny_model, tiny_checkpoint, model_without_tokenizer, tmp_path):
     text, extra, pattern = CASES[case]
     data = _write(tmp_path / "data.csv", text if text is not None else "text,label\nw1 w2,0\nw3,1\nw4 w5,2\n")
     model = tiny_model
     if extra == ["MODEL_WITHOUT_TOKENIZER"]:
         model, extra = model_without_tokenizer, []
-    out = tmp_path / "out"
-    proc = run_cli(local_args(model, tiny_checkpoint, data, out, *extra), nproc=2, timeout=240)
+    return local_args(model, tiny_checkpoint, data, tmp_path / "out", *extra), pattern
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in TWO_RANKS])
+def test_bad_input_fails_cleanly(case, tiny_model, tiny_checkpoint, model_without_tokenizer, tmp_path, capfd):
+    args, pattern = _case_args(case, tiny_model, tiny_checkpoint, model_without_tokenizer, tmp_path)
+    fails_in_process(args, capfd, pattern)  # exit code 2, one line, no traceback, no report
+    assert_no_report(tmp_path / "out")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", sorted(TWO_RANKS))
+def test_bad_input_fails_cleanly_on_every_rank(case, tiny_model, tiny_checkpoint, model_without_tokenizer, tmp_path):
+    args, pattern = _case_args(case, tiny_model, tiny_checkpoint, model_without_tokenizer, tmp_path)
+    proc = run_cli(args, nproc=2, timeout=240)
     assert_clean_failure(proc, pattern)  # exit code 2 on every rank, one line, no traceback of ours
-    assert_no_report(out)
+    assert_no_report(tmp_path / "out")
 
 
+@pytest.mark.multiproc
 def test_text_labels_get_sorted_ids(tiny_model, tiny_checkpoint, tmp_path):
     """Exactly num_labels distinct text labels (and a model without class names): ids in
     sorted order, the texts reported as the class names."""
@@ -112,6 +128,7 @@ def test_text_labels_get_sorted_ids(tiny_model, tiny_checkpoint, tmp_path):
     assert [r["label_name"] for r in rows] == ["emu", "cat", "dog", "cat", "emu"]
 
 
+@pytest.mark.multiproc
 def test_integer_text_labels_are_integers(tiny_model, tiny_checkpoint, tmp_path):
     data = _write(
         tmp_path / "data.jsonl",

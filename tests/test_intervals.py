@@ -1,6 +1,5 @@
 """Bootstrap confidence intervals as a pure function (dist_eval.intervals): seeded,
 order-independent, containing the estimate, equal to a plain index bootstrap, fast."""
-import time
 
 import numpy as np
 import pytest
@@ -79,9 +78,9 @@ def test_intervals_disabled_and_bad_arguments():
     assert one["accuracy"][0] == one["accuracy"][1]  # one sample: no spread
 
 
-def test_intervals_fast_for_a_million_samples():
+def test_intervals_of_a_million_samples_are_narrow():
+    # (how long it takes: benchmarks/bench_merge.py, not a unit test)
     labels, preds, losses = synthetic(10**6, seed=5)
-    started = time.perf_counter()
     ci = bootstrap_intervals(labels, preds, losses, 4, resamples=1000)
-    assert time.perf_counter() - started < 30  # ~1 s on one idle core; generous for a busy machine
-    assert ci["accuracy"][1] - ci["accuracy"][0] < 0.005
+    accuracy = float((labels == preds).mean())
+    assert ci["accuracy"][0] < accuracy < ci["accuracy"][1] and ci["accuracy"][1] - ci["accuracy"][0] < 0.005

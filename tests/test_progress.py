@@ -25,17 +25,28 @@ def progress_lines(text):
     return [LINE.match(line) for line in text.splitlines() if line.startswith("dist_eval: progress")]
 
 
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    """Wait until ``condition()`` (the progress thread's turn comes when it comes), failing only
+    if it never does."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, f"never happened: {what}"
+        time.sleep(0.005)
+
+
 def test_log_mode_reaches_the_total():
     out = io.StringIO()
     with GlobalProgress(100, "log", stream=out, refresh_s=0.01) as progress:
-        for _ in range(10):
+        for step in range(1, 10):
             progress.update(10)
-            time.sleep(0.03)
+            # the rows so far are shown while running, whenever the thread gets the core
+            wait_for(lambda step=step: f"progress {10 * step}/100 " in out.getvalue(), f"a line for {10 * step} rows")
+        progress.update(10)
     matches = progress_lines(out.getvalue())
     assert all(matches), out.getvalue()
     done = [int(m.group(1)) for m in matches]
     assert done == sorted(done) and len(set(done)) == len(done)  # no repeated line
-    assert len(done) >= 3  # lines while running (each 10%), not only the final one
+    assert done == list(range(10, 101, 10))  # a line for each 10% while running, then the final one
     assert matches[-1].group(1, 2, 4) == ("100", "100", "done")
 
 

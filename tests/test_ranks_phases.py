@@ -15,10 +15,18 @@ from dist_eval.errors import UsageError
 
 
 @pytest.mark.parametrize("main_first", [False, True])
-def test_names_bound_in_a_phase_are_bound_after_it(main_first):
-    with ranks.phase("computing", main_first=main_first):
-        value = 41 + 1
-    assert value == 42
+def test_the_body_runs_once_and_is_timed(main_first):
+    """In one process the body runs once, here (main_first or not: this is rank 0), gets no
+    failure flag unless asked, and its wall time is recorded under its name."""
+    ranks.phase_seconds.clear()
+    runs = []
+    with ranks.phase("computing", main_first=main_first) as flag:
+        runs.append(ranks.get_rank())
+    assert runs == [0] and flag is None
+    assert list(ranks.phase_seconds) == ["computing"] and ranks.phase_seconds["computing"] >= 0
+    with ranks.phase("checking", stop_early=True) as flag:
+        flag.check()  # no other rank failed: returns
+    assert type(flag).__name__ == "FailureFlag"
 
 
 def test_a_usage_error_fails_the_phase_as_a_usage_failure():

@@ -140,9 +140,8 @@ def test_server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoi
     assert rows == read_jsonl(reference / "predictions.jsonl")  # labels, preds and logits, bitwise
     metrics = json.load(open(disturbed / "metrics.json"))
     assert without_run(metrics) == without_run(reference_metrics)
-    if "max_batch_seconds" in metrics["run"]:
-        # petals' default client settings stalled one batch 63 s here; tuned + patched, ~2 s
-        assert metrics["run"]["max_batch_seconds"] < 10, metrics["run"]
+    # petals' default client settings stalled one batch 63 s here; tuned + patched, ~2 s
+    assert metrics["run"]["max_batch_seconds"] < 10, metrics["run"]
 
 
 def test_blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, tmp_path):
