@@ -127,6 +127,34 @@ def tiny_checkpoint(tmp_path_factory) -> str:
     return build_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "ptune.pt"))
 
 
+def one_thread_swarm(model, **kwargs):
+    """A started LocalSwarm whose servers compute with one thread, stopped afterwards (a
+    generator for a fixture).
+
+    The local reference runs with one thread (run_cli sets OMP_NUM_THREADS=1); the servers
+    must too: a CPU matmul's summation order, so its last bits, depends on the thread
+    count, and tests compare logits bit for bit.
+    """
+    from unittest import mock
+
+    from dist_eval.swarm import LocalSwarm
+
+    swarm = LocalSwarm(model, **kwargs)
+    try:
+        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
+            swarm.start()
+        yield swarm
+    finally:
+        swarm.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_swarm(tiny_model):
+    """Two servers of the tiny Llama, each holding every block, one thread: shared by the modules
+    whose tests only send it requests (none stops or kills a server of it)."""
+    yield from one_thread_swarm(tiny_model, num_servers=2, dht_prefix="dist-eval-test")
+
+
 def run_cli(args, nproc: int = 1, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=nproc -m dist_eval args`` (or plain python for nproc=0)."""
     if nproc == 0:

@@ -17,7 +17,8 @@ from typing import List
 import pytest
 
 # what a command line holds -> the mark a test that starts it needs
-_STARTS = {"torch.distributed.run": "multiproc", "dist_eval.swarm.server": "swarm"}
+_STARTS = {"torch.distributed.run": "multiproc", "torchrun ": "multiproc",
+           "-m dist_eval.swarm.server": "swarm", "-m stock_petals_server": "swarm"}
 _launched: List[str] = []  # command lines started since the current test began
 _gpu_deselected: List[str] = []
 _real_popen_init = subprocess.Popen.__init__

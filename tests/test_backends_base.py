@@ -120,12 +120,10 @@ def test_local_zero_shot_and_object_backends_implement_the_contract(tiny_model, 
 
 
 @pytest.mark.swarm
-def test_petals_backends_implement_the_contract(tiny_model, tiny_checkpoint):
+def test_petals_backends_implement_the_contract(tiny_model, tiny_checkpoint, tiny_swarm):
     from dist_eval.backends.petals import PetalsClassifier
-    from dist_eval.swarm import LocalSwarm
 
-    swarm = LocalSwarm(tiny_model, num_servers=1)
-    swarm.start()
+    swarm = tiny_swarm
     loaded = []
     try:
         peers = dict(initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix)
@@ -136,8 +134,7 @@ def test_petals_backends_implement_the_contract(tiny_model, tiny_checkpoint):
         for model in loaded:
             assert isinstance(model.module, Backend)
             servers = model.provenance()["servers"]  # the swarm's servers, through the scorer too
-            assert len(servers) == 1 and servers[0]["blocks"][0] == 0
+            assert len(servers) == 2 and all(server["blocks"][0] == 0 for server in servers)
     finally:
         for model in loaded:
             model.close()
-        swarm.stop()

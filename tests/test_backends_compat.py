@@ -114,9 +114,10 @@ def test_unpatched_hivemind_fails_the_same_way(monkeypatch):
 
 
 @pytest.mark.swarm
-def test_fresh_swarms_first_requests_at_once_never_fail(tiny_model, tiny_checkpoint, capfd):
-    """Fresh swarms, started one after the other; each time a fresh client sends its first
-    forwards at once from several threads (as --in-flight does): no request fails."""
+def test_fresh_clients_first_requests_at_once_never_fail(tiny_model, tiny_checkpoint, capfd):
+    """Three fresh clients one after the other (the race is the client's: one swarm serves
+    them all); each sends its first forwards at once from several threads (as --in-flight
+    does), its stub class not built yet as in a new process: no request fails."""
     import torch
     from conftest import all_pids
 
@@ -129,9 +130,9 @@ def test_fresh_swarms_first_requests_at_once_never_fail(tiny_model, tiny_checkpo
 
     groups = set()
     input_ids = torch.tensor([[2, 3, 4, 5, 0], [6, 7, 8, 0, 0]])
-    for attempt in range(3):
-        with LocalSwarm(tiny_model, num_servers=2, dht_prefix=f"fresh-{attempt}") as swarm:
-            groups |= set(swarm.pgids)
+    with LocalSwarm(tiny_model, num_servers=2, dht_prefix="fresh-clients") as swarm:
+        groups |= set(swarm.pgids)
+        for _ in range(3):
             # as in a new client process: no stub class built yet
             TransformerConnectionHandler._rpc_handlers = TransformerConnectionHandler._stub_type = None
             model = load_model("petals", tiny_model, checkpoint=tiny_checkpoint, initial_peers=swarm.initial_peers,
@@ -140,10 +141,10 @@ def test_fresh_swarms_first_requests_at_once_never_fail(tiny_model, tiny_checkpo
                 logits = _first_forwards_at_once(model.module, input_ids, num_threads=4)
             finally:
                 model.close()
-        assert all(torch.equal(x, logits[0]) for x in logits)
+            assert all(x is not None and torch.equal(x, logits[0]) for x in logits)
     err = capfd.readouterr().err
     assert "failed a request" not in err, err[-3000:]
-    assert len(groups) == 6 and not [pid for pid in all_pids() if _group_of(pid) in groups]  # every server is gone
+    assert len(groups) == 2 and not [pid for pid in all_pids() if _group_of(pid) in groups]  # every server is gone
 
 
 def _first_forwards_at_once(forward, input_ids, num_threads: int) -> list:

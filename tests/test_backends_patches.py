@@ -154,10 +154,8 @@ def test_a_size_refusal_in_unknown_words_is_no_dead_server():
 
 
 @pytest.fixture(scope="module")
-def swarm(tiny_model):
-    from test_backends_petals import one_thread_swarm
-
-    yield from one_thread_swarm(tiny_model, num_servers=2, dht_prefix="patches")
+def swarm(tiny_swarm):
+    return tiny_swarm
 
 
 @pytest.fixture(scope="module")

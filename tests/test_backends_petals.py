@@ -2,37 +2,18 @@
 under torchrun gives the same predictions for N=1 and N=2, and the same logits as the
 local backend, bitwise (fp32). Marked `swarm`: run alone with `pytest -m swarm`."""
 import json
-import os
 import time
 from unittest import mock
 
 import pytest
-from conftest import build_checkpoint, read_jsonl, run_cli, write_csv
+from conftest import build_checkpoint, one_thread_swarm, read_jsonl, run_cli, write_csv
 
 pytestmark = pytest.mark.swarm
 
 
-def one_thread_swarm(model, **kwargs):
-    """A started LocalSwarm whose servers compute with one thread, stopped after the module.
-
-    The local reference runs with one thread (run_cli sets OMP_NUM_THREADS=1); the servers
-    must too: a CPU matmul's summation order, so its last bits, depends on the thread
-    count, and these tests compare logits bit for bit.
-    """
-    from dist_eval.swarm import LocalSwarm
-
-    swarm = LocalSwarm(model, **kwargs)
-    try:
-        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
-            swarm.start()
-        yield swarm
-    finally:
-        swarm.stop()
-
-
 @pytest.fixture(scope="module")
-def swarm(tiny_model):
-    yield from one_thread_swarm(tiny_model, num_servers=2, dht_prefix="dist-eval-test")
+def swarm(tiny_swarm):
+    return tiny_swarm
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +27,7 @@ def petals_args(swarm, model, checkpoint, data, out, *extra):
             "--save-logits", *extra]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("tuning_mode", ["ptune", "deep_ptune"])
 def test_petals_equals_local_and_is_exact_across_ranks(swarm, tiny_model, data_csv, tmp_path, tuning_mode):
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode=tuning_mode, pre_seq_len=4)
@@ -78,6 +60,7 @@ def test_petals_equals_local_and_is_exact_across_ranks(swarm, tiny_model, data_c
     assert "swarm" not in json.load(open(tmp_path / "local1" / "metrics.json"))["run"]
 
 
+@pytest.mark.multiproc
 def test_wrong_dht_prefix_names_missing_blocks_in_bounded_time(swarm, tiny_model, tiny_checkpoint, data_csv, tmp_path):
     started = time.monotonic()
     args = petals_args(swarm, tiny_model, tiny_checkpoint, data_csv, tmp_path, "--swarm-timeout", "5")
@@ -97,6 +80,7 @@ def small_request_swarm(tiny_model):
                                 extra_server_args=["--max_batch_size", "96"])
 
 
+@pytest.mark.multiproc
 def test_a_batch_over_the_servers_max_batch_size_is_split_not_failed(small_request_swarm, tiny_model, tiny_checkpoint,
                                                                      data_csv, tmp_path):
     # batches of 8 rows x (8 prompt vectors + up to ~30 tokens) are well over 96 tokens:
@@ -119,6 +103,7 @@ def test_a_batch_over_the_servers_max_batch_size_is_split_not_failed(small_reque
         assert got["logits"] == pytest.approx(want["logits"], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.multiproc
 def test_a_row_longer_than_the_servers_max_batch_size_is_one_clear_error(small_request_swarm, tiny_model,
                                                                           tiny_checkpoint, tmp_path):
     data = write_csv(str(tmp_path / "long.csv"), 6, seed=3, max_words=200)

@@ -218,7 +218,7 @@ def _remote_and_local(swarm, model, checkpoint, batches):
 @pytest.fixture(scope="module")
 def two_span_swarm(tiny_model):
     """dist_eval's servers, holding blocks 0:2 and 2:4: every forward crosses both."""
-    from test_backends_petals import one_thread_swarm
+    from conftest import one_thread_swarm
 
     yield from one_thread_swarm(tiny_model, num_servers=2, blocks_per_server=2, dht_prefix="wire")
 

@@ -57,6 +57,7 @@ def test_inprocess_plan_is_the_one_dist_eval_runs(tmp_path, batch_size, cap):
 
 
 @pytest.mark.swarm
+@pytest.mark.multiproc
 def test_cpu_smoke_run_end_to_end(tmp_path):
     out = tmp_path / "gpu.json"
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_gpu.py"), "--model-size", "tiny", "--device", "cpu",

@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import read_jsonl, run_cli, swarm_server_pids
 
-pytestmark = pytest.mark.swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.multiproc]
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,7 @@ def test_rescore_fails_when_the_run_wrote_a_top_k_it_cannot_have(top2_run, tmp_p
 SLEEP = 6.0
 
 
+@pytest.mark.multiproc
 def test_startup_is_the_runs_own_not_the_shell_before_torchrun(tiny_model, tiny_checkpoint, tmp_path):
     """``bash -c 'sleep S; exec torchrun ...'``: torchrun inherits the shell's start time in
     /proc; the run's start-up and total must not count the S seconds before it.

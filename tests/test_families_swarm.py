@@ -12,8 +12,9 @@ from unittest import mock
 import pytest
 import torch
 from conftest import build_checkpoint, build_tiny_model, read_jsonl, run_cli, write_csv
+from inprocess_cli import run_cli_in_process
 
-pytestmark = pytest.mark.swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.multiproc]
 
 LAYOUT = {"bloom": "causal_lm", "falcon": "base"}
 ROWS = 30
@@ -48,9 +49,12 @@ def run(family_swarm, out, checkpoint_args, nproc, backend="petals", peers=True)
         args += ["--initial-peers", *swarm.initial_peers, "--dht-prefix", swarm.dht_prefix]
     elif backend == "petals":
         args += ["--local-servers", "1"]  # the CLI starts (and stops) its own swarm
-    proc = run_cli(args, nproc=nproc, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if backend == "local" and nproc == 1:  # the reference: the CLI's code in this process, one thread
+        assert run_cli_in_process(args) == 0
+    else:
+        proc = run_cli(args, nproc=nproc, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     rows = read_jsonl(out / "predictions.jsonl")
     assert [r["index"] for r in rows] == list(range(ROWS))
     return rows

@@ -254,6 +254,7 @@ def servers_of(model_dir):
 
 
 @pytest.mark.swarm
+@pytest.mark.multiproc
 def test_on_a_swarm_started_once(tiny_model, assets, tmp_path):
     """petals, N=2, a local swarm started by the run (once) for 2 deep_ptune checkpoints x 2 sets:
     each pair's logits equal the local backend's single run of that pair, bit for bit."""

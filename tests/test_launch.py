@@ -291,6 +291,7 @@ def test_multi_node_run_without_initial_peers_is_refused(tiny_model, inputs, tmp
 
 
 @pytest.mark.swarm
+@pytest.mark.multiproc
 def test_two_hosts_swarm_and_two_nodes_equal_one_node(tiny_model, inputs, local_reference, tmp_path):
     """Host A starts a swarm serving blocks 0:2, host B joins it by multiaddr and serves
     2:4 (so every forward crosses both); then 2 torchrun nodes evaluate against it and

@@ -6,8 +6,8 @@ block is on two servers (placement 0:2, 2:4, 0:4),
 - when every server of some blocks is killed mid-run, every rank exits non-zero with
   one line naming those blocks, bounded by --swarm-timeout.
 
-Marked `swarm`. The two tests share one swarm (started once, ~30-60 s on 2 busy cores);
-the second kills what it needs whether or not the first ran.
+Marked `swarm` and `multiproc`. Each of the two tests that kill servers has a swarm of its
+own (function-scoped): a swarm one of them killed part of must not be another's, in any order.
 """
 import json
 import os
@@ -21,12 +21,12 @@ from unittest import mock
 import pytest
 from conftest import REPO, free_port, read_jsonl, run_cli, stop_group, write_csv
 
-pytestmark = pytest.mark.swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.multiproc]  # real swarms, runs under torchrun
 
 NUM_ROWS = 160  # batch size 2, in flight 1: 40 forwards a rank, ~5-25 s of loop with 2 ranks on 2 busy cores
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def swarm3(tiny_model):
     from dist_eval.swarm import LocalSwarm
 
@@ -264,12 +264,9 @@ def alive_after(pids, since: float, seconds: float) -> list:
 
 
 @pytest.fixture(scope="module")
-def swarm2(tiny_model):
-    """A swarm of its own for the tests that kill a rank or its helpers (the tests above kill servers)."""
-    from dist_eval.swarm import LocalSwarm
-
-    with LocalSwarm(tiny_model, num_servers=2, dht_prefix="dist-eval-kills", start_timeout=240) as s:
-        yield s
+def swarm2(tiny_swarm):
+    """The session's shared swarm: these tests kill a rank or its helpers, never a server."""
+    return tiny_swarm
 
 
 @pytest.mark.parametrize("victim", ["DHT process", "p2pd daemon", "rank"])

@@ -6,9 +6,8 @@ import time
 
 import pytest
 import torch
-from conftest import build_checkpoint
+from conftest import build_checkpoint, one_thread_swarm
 from inprocess_cli import one_thread
-from test_backends_petals import one_thread_swarm
 
 from dist_eval.backends import load_model
 
