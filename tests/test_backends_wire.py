@@ -328,8 +328,10 @@ def test_a_server_of_petals_own_is_sent_hidden_states_and_answers_every_position
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode="deep_ptune", pre_seq_len=3)
     batches = [_right_padded_rows([9, 4, 1, 9, 6]), _right_padded_rows([5, 11], seed=3)]
     remote, expected, calls, _ = _remote_and_local(stock_swarm, tiny_model, checkpoint, batches)
+    assert len(remote) == len(expected) == len(batches)
     for got, want in zip(remote, expected):
         assert torch.equal(got, want)
+    assert len(calls) >= len(batches), calls  # every batch's forward was recorded: the checks below see each
     for (_, sent, metadata, answer), ids in zip(calls[:len(batches)], batches):
         shape = (ids.shape[0], ids.shape[1] + 3, 32)
         assert len(sent) == 2 and sent[0] == (shape, torch.float32)  # no table offered: hidden states
@@ -364,8 +366,11 @@ def test_what_goes_to_a_bf16_server_goes_in_its_dtype_and_the_logits_equal_petal
                     own = [petals.module(ids).detach() for ids in batches]
         finally:
             petals.close()
+    assert len(wire) == len(own) == len(batches)
     for got, want in zip(wire, own):
         assert torch.equal(got, want)
+    # one request per batch on each path, both recorded: the comparison above is of two paths, not one
+    assert len(calls) == 2 * len(batches), calls
     for (_, sent, _, answer), ids in zip(calls[:len(batches)], batches):
         rows, tokens = ids.shape
         if family == "llama":
@@ -400,7 +405,9 @@ def test_a_table_saved_in_float16_is_looked_up_as_the_client_reads_it(tiny_model
     with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), \
             LocalSwarm(half, num_servers=1, dht_prefix="wire-half", torch_dtype="float32") as swarm:
         remote, expected, calls, _ = _remote_and_local(swarm, half, checkpoint, batches)
+    assert len(remote) == len(expected) == len(batches)
     for got, want in zip(remote, expected):
         assert torch.equal(got, want)
+    assert len(calls) >= len(batches), calls  # every batch's forward was recorded: the checks below see each
     for (_, sent, _, answer), ids in zip(calls[:len(batches)], batches):
         assert _ids_sent(sent, *ids.shape) and answer == (ids.shape[0], 1, 32)

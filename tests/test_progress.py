@@ -36,7 +36,8 @@ def wait_for(condition, what: str, timeout: float = 60.0) -> None:
 
 def test_log_mode_reaches_the_total():
     out = io.StringIO()
-    with GlobalProgress(100, "log", stream=out, refresh_s=0.01) as progress:
+    # a line per 10% of the rows (the time-based lines, every log_every_s, kept out of the way)
+    with GlobalProgress(100, "log", stream=out, refresh_s=0.01, log_every_s=3600) as progress:
         for step in range(1, 10):
             progress.update(10)
             # the rows so far are shown while running, whenever the thread gets the core
