@@ -19,6 +19,7 @@ long as the interpreter does.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -131,18 +132,28 @@ def pytest_fixture_setup(fixturedef, request):
     """A session-scoped fixture's processes (and their groups) are the session's, not the module's."""
     if fixturedef.scope != "session":
         return (yield)
+    owned: Dict[tuple, str] = {}
+    try:
+        with _noting_started(owned):
+            return (yield)
+    finally:
+        _session_owned.update(owned)
+        procs, mine = _processes(), {os.getpgid(0), os.getsid(0)}
+        _session_groups.update({x for (pid, _) in owned if pid in procs for x in (procs[pid].pgid, procs[pid].sid)}
+                               - mine)
+
+
+@contextlib.contextmanager
+def _noting_started(into: Dict[tuple, str]):
+    """Puts in ``into`` what the body started: new descendants, with their groups and sessions."""
     since = _now_in_ticks() - 1
     before = set(_descendants(_processes()))
     try:
-        return (yield)
+        yield
     finally:
         procs = _processes()
         started = {key: cmd for key, cmd in _descendants(procs).items() if key not in before}
-        owned = _with_their_groups(procs, started, since)
-        _session_owned.update(owned)
-        mine = {os.getpgid(0), os.getsid(0)}
-        _session_groups.update({x for (pid, _) in owned if pid in procs for x in (procs[pid].pgid, procs[pid].sid)}
-                               - mine)
+        into.update(_with_their_groups(procs, started, since))
 
 
 def _without_the_sessions(found: Dict[tuple, str]) -> Dict[tuple, str]:
@@ -160,14 +171,12 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    since = _now_in_ticks() - 1
-    before = set(_descendants(_processes()))
+    started: Dict[tuple, str] = {}
     try:
-        return (yield)
+        with _noting_started(started):
+            return (yield)
     finally:
-        procs = _processes()
-        started = {key: cmd for key, cmd in _descendants(procs).items() if key not in before}
-        item.stash[_STARTED] = _without_the_sessions(_with_their_groups(procs, started, since))
+        item.stash[_STARTED] = _without_the_sessions(started)
 
 
 @pytest.hookimpl(wrapper=True)
