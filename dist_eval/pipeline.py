@@ -245,8 +245,7 @@ def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[_Report]
     if not main:
         return None
     resume.finished(folder)  # the report is complete: the partial results have served
-    own = dict(ranks.phase_seconds)
-    return _Report(out, result.metrics, own if session.job.plan.several else {**session.shared_phases, **own})
+    return _Report(out, result.metrics, _report_phases(session))
 
 
 def _dataset(session: _Session, data: EvalSet) -> tuple:
@@ -347,7 +346,7 @@ def _run_facts(session: _Session, pair: Pair, pair_started: float) -> dict:
         started_at=session.clock.started_at,
         wall_seconds=time.perf_counter() - (pair_started if several else session.clock.started),
         startup_seconds=_startup_seconds(session.clock.started),
-        phase_seconds=_rounded(ranks.phase_seconds if several else {**session.shared_phases, **ranks.phase_seconds}),
+        phase_seconds=_rounded(_report_phases(session)),
         versions=_versions(),
     )
     if several:
@@ -357,6 +356,14 @@ def _run_facts(session: _Session, pair: Pair, pair_started: float) -> dict:
     if swarm is not None:  # a petals run: the servers as announced in the DHT
         facts["swarm"] = swarm
     return facts
+
+
+def _report_phases(session: _Session) -> Dict[str, float]:
+    """The phases a report records, so far: the pair's own; for a plan of one pair, the run's
+    shared ones before them too (with several pairs they go to ``pair.shared_phase_seconds``).
+    """
+    own = dict(ranks.phase_seconds)
+    return own if session.job.plan.several else {**session.shared_phases, **own}
 
 
 def _record_shutdown(reports: List[_Report], clock: _Clock, shutdown_began: float, say) -> None:
