@@ -2,6 +2,7 @@
 small datasets, generated deterministically in a temp folder (nothing downloaded)."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -295,12 +296,37 @@ print("ASSETS", json.dumps(asdict(assets)), flush=True)
 
 @pytest.fixture(scope="session")
 def demo_build(tmp_path_factory):
-    """The built-in demo assets, built for real once per test session, by two processes
+    """The built-in demo assets, built for real once per test run, by two processes
     calling ``demo_assets`` on the same empty cache at once (as two torchrun ranks do):
-    (cache, each process's stdout, the DemoAssets each returned)."""
+    (cache, each process's stdout, the DemoAssets each returned).
+
+    Under pytest-xdist the workers share one build: the first to get the lock builds it in
+    the run's common temp folder and records what the builders said; the others read that.
+    """
     from dist_eval.demo import DemoAssets
 
-    cache = str(tmp_path_factory.mktemp("demo_cache"))
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this run's folder, common to its workers (each has its own below it)
+    record = root / "demo_build.json"
+    with open(root / "demo_build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not record.exists():
+            cache = root / "demo_cache"
+            cache.mkdir()
+            record.write_text(json.dumps({"cache": str(cache), "outputs": _build_demo(str(cache))}))
+    built = json.loads(record.read_text())
+    returned = []
+    for out in built["outputs"]:
+        line = [line for line in out.splitlines() if line.startswith("ASSETS ")][-1]
+        fields = json.loads(line[len("ASSETS ") :])
+        fields["label_names"] = tuple(fields["label_names"])
+        returned.append(DemoAssets(**fields))
+    return built["cache"], built["outputs"], returned
+
+
+def _build_demo(cache: str) -> list:
+    """The stdout of two processes calling ``demo_assets(cache)`` at once."""
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -329,13 +355,7 @@ def demo_build(tmp_path_factory):
     finally:
         for proc in procs:
             stop_group(proc.pid)
-    returned = []
-    for out in outputs:
-        line = [line for line in out.splitlines() if line.startswith("ASSETS ")][-1]
-        fields = json.loads(line[len("ASSETS ") :])
-        fields["label_names"] = tuple(fields["label_names"])
-        returned.append(DemoAssets(**fields))
-    return cache, outputs, returned
+    return outputs
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,9 @@
 - ``--reverse-order``: the collected tests in reverse order (modules and tests within them),
   to show that no test depends on another having run first; ``pytest-random-order``
   (``--random-order``) gives a random order.
+
+Under pytest-xdist each worker collects, deselects and checks marks on its own; the gpu
+deselections reach the controller, which prints the summary, through ``workeroutput``.
 """
 from __future__ import annotations
 
@@ -53,6 +56,20 @@ def pytest_collection_modifyitems(session, config, items):
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
     if config.getoption("--reverse-order"):
         items.reverse()
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller prints the summary
+        workeroutput["dist_eval_gpu_deselected"] = list(_gpu_deselected)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller: a worker's gpu deselections (every worker deselects the same tests)."""
+    for nodeid in getattr(node, "workeroutput", {}).get("dist_eval_gpu_deselected", []):
+        if nodeid not in _gpu_deselected:
+            _gpu_deselected.append(nodeid)
 
 
 def pytest_terminal_summary(terminalreporter):
