@@ -29,7 +29,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOREIGN = {
     "petals server": {"--max_batch_size", "--torch_dtype", "--initial_peers_file", "--num_blocks"},
     "pip": {"--no-deps", "--upgrade", "--target", "--no-index", "--no-compile", "--no-cache-dir"},
-    "pytest": {"--durations", "--dist", "--reverse-order", "--random-order", "--random-order-bucket", "--random-order-seed"},
+    "pytest": {"--durations", "--dist", "--reverse-order", "--random-order", "--random-order-bucket",
+               "--random-order-seed"},
     "sbatch": {"--nodes", "--gpus-per-node"},
 }
 FOREIGN_FLAGS = set().union(*FOREIGN.values())
