@@ -272,15 +272,22 @@ def _pgid(pid):
 
 
 def swarm_server_pids():
-    """Live processes running dist_eval's swarm server entry point."""
+    """Live processes running dist_eval's swarm server entry point, started from this test
+    process: under pytest-xdist, those whose environment names this worker (every process a
+    worker starts inherits ``PYTEST_XDIST_WORKER``, also once orphaned), not another worker's."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
     out = []
     for pid in all_pids():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().split(b"\0")
+            if b"dist_eval.swarm.server" not in cmd:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
         except OSError:
             continue
-        if b"dist_eval.swarm.server" in cmd:
+        if worker is None or f"PYTEST_XDIST_WORKER={worker}".encode() in environ:
             out.append(pid)
     return out
 
