@@ -1,0 +1,59 @@
+"""A model folder that holds only the client's shards (its index names block shards that are
+absent: what petals' client keeps of a big model): ``--backend petals`` against a swarm gives
+the logits of the full folder bit for bit; the local backend and a local swarm, which read
+every block, refuse it in one line naming the absent shards."""
+import numpy as np
+import pytest
+from conftest import build_checkpoint, split_into_shards, write_csv
+from inprocess_cli import one_thread
+
+from dist_eval import evaluate, load_model
+from dist_eval.errors import UsageError
+from dist_eval.swarm import SwarmError
+
+
+@pytest.fixture(scope="module")
+def client_folder(tiny_model, tmp_path_factory):
+    return split_into_shards(tiny_model, str(tmp_path_factory.mktemp("client_shards")), blocks=False)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    import datasets
+
+    csv = write_csv(str(tmp_path_factory.mktemp("client_shards_data") / "data.csv"), 13, seed=3)
+    return datasets.load_dataset("csv", data_files=csv, split="train")
+
+
+@pytest.mark.swarm
+def test_a_client_only_folder_on_petals_equals_the_full_folder_bitwise(tiny_swarm, tiny_model, client_folder,
+                                                                       dataset, tmp_path):
+    from transformers import AutoTokenizer
+
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
+    logits = []
+    for folder in (tiny_model, client_folder):
+        model = load_model("petals", folder, checkpoint=checkpoint, initial_peers=tiny_swarm.initial_peers,
+                           dht_prefix=tiny_swarm.dht_prefix)
+        try:
+            with one_thread():
+                result = evaluate(model, dataset, tokenizer=AutoTokenizer.from_pretrained(folder), batch_size=4,
+                                  return_logits=True, bootstrap_resamples=0)
+        finally:
+            model.close()
+        logits.append(result.predictions.logits)
+    assert logits[0].shape == (len(dataset), 3) and np.array_equal(logits[0], logits[1])
+
+
+def test_the_local_backend_and_a_local_swarm_refuse_a_client_only_folder_in_one_line(client_folder, tmp_path):
+    from dist_eval.swarm import LocalSwarm
+
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
+    with pytest.raises(UsageError) as e:
+        load_model("local", client_folder, checkpoint=checkpoint)
+    message = str(e.value)
+    assert message.startswith(f"model_dir={client_folder!r}: --backend local reads every block") and "\n" not in message
+    assert "model-blocks-0.safetensors, model-blocks-1.safetensors, model-blocks-2.safetensors, " \
+           "model-blocks-3.safetensors" in message and "--backend petals --initial-peers" in message
+    with pytest.raises(SwarmError, match=r"a local swarm reads every block's weights.*model-blocks-0\.safetensors"):
+        LocalSwarm(client_folder, num_servers=1)  # refused before any server starts
