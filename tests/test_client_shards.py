@@ -5,6 +5,7 @@ every block, refuse it in one line naming the absent shards."""
 import numpy as np
 import pytest
 from conftest import build_checkpoint, split_into_shards, write_csv
+from fake_hub import fake_hub
 from inprocess_cli import one_thread
 
 from dist_eval import evaluate, load_model
@@ -57,3 +58,59 @@ def test_the_local_backend_and_a_local_swarm_refuse_a_client_only_folder_in_one_
            "model-blocks-3.safetensors" in message and "--backend petals --initial-peers" in message
     with pytest.raises(SwarmError, match=r"a local swarm reads every block's weights.*model-blocks-0\.safetensors"):
         LocalSwarm(client_folder, num_servers=1)  # refused before any server starts
+
+
+REPO_ID = "tiny-org/tiny-llama"
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """A private HF cache (the user's is untouched), online unless a test says otherwise."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    return tmp_path / "hf_cache"
+
+
+@pytest.mark.swarm
+def test_a_hub_id_fetches_only_the_clients_files_and_equals_the_full_folder(tiny_swarm, tiny_model, dataset,
+                                                                            hub_cache, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+    from transformers import AutoTokenizer
+
+    from dist_eval.backends.hub import client_folder
+
+    sharded = split_into_shards(tiny_model, str(tmp_path / "sharded"))
+    with fake_hub({REPO_ID: sharded}) as hub:
+        folder = client_folder(REPO_ID, endpoint=hub.endpoint)
+    fetched = hub.files("GET")
+    assert "model-client.safetensors" in fetched and "config.json" in fetched and "tokenizer.json" in fetched
+    assert not [f for f in fetched if f.startswith("model-blocks-")], fetched
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # the same, from the populated cache only
+    assert client_folder(REPO_ID) == folder
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
+    logits = []
+    for model_dir in (tiny_model, folder):
+        model = load_model("petals", model_dir, checkpoint=checkpoint, initial_peers=tiny_swarm.initial_peers,
+                           dht_prefix=tiny_swarm.dht_prefix)
+        try:
+            with one_thread():
+                result = evaluate(model, dataset, tokenizer=AutoTokenizer.from_pretrained(model_dir), batch_size=4,
+                                  return_logits=True, bootstrap_resamples=0)
+        finally:
+            model.close()
+        logits.append(result.predictions.logits)
+    assert np.array_equal(logits[0], logits[1])
+
+
+def test_offline_with_an_empty_cache_names_the_missing_file_in_one_line(hub_cache, monkeypatch):
+    from huggingface_hub import constants
+
+    from dist_eval.backends.hub import client_folder
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UsageError) as e:
+        client_folder(REPO_ID)
+    assert str(e.value).startswith(f"model_dir={REPO_ID!r}: config.json is not in the HF cache and HF_HUB_OFFLINE=1")
+    assert "\n" not in str(e.value)
