@@ -88,7 +88,8 @@ def split_into_shards(src: str, dst: str, blocks: bool = True) -> str:
             save_file(tensors, os.path.join(dst, shard), metadata={"format": "pt"})
     weight_map = {key: shard for shard, tensors in sorted(shards.items()) for key in sorted(tensors)}
     with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+        total_size = sum(t.numel() * t.element_size() for tensors in shards.values() for t in tensors.values())
+        json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=1)
     return dst
 
 

@@ -4,7 +4,7 @@ the logits of the full folder bit for bit; the local backend and a local swarm, 
 every block, refuse it in one line naming the absent shards."""
 import numpy as np
 import pytest
-from conftest import build_checkpoint, split_into_shards, write_csv
+from conftest import build_checkpoint, read_jsonl, run_cli, split_into_shards, write_csv
 from fake_hub import fake_hub
 from inprocess_cli import one_thread
 
@@ -79,7 +79,7 @@ def test_a_hub_id_fetches_only_the_clients_files_and_equals_the_full_folder(tiny
     from huggingface_hub import constants
     from transformers import AutoTokenizer
 
-    from dist_eval.backends.hub import client_folder
+    from dist_eval.backends.hub import client_folder, petals_dht_prefix
 
     sharded = split_into_shards(tiny_model, str(tmp_path / "sharded"))
     with fake_hub({REPO_ID: sharded}) as hub:
@@ -89,6 +89,7 @@ def test_a_hub_id_fetches_only_the_clients_files_and_equals_the_full_folder(tiny
     assert not [f for f in fetched if f.startswith("model-blocks-")], fetched
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # the same, from the populated cache only
     assert client_folder(REPO_ID) == folder
+    assert petals_dht_prefix(REPO_ID) == "tiny-llama-hf"  # petals' rule for a Llama hub id
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
     logits = []
     for model_dir in (tiny_model, folder):
@@ -114,3 +115,40 @@ def test_offline_with_an_empty_cache_names_the_missing_file_in_one_line(hub_cach
         client_folder(REPO_ID)
     assert str(e.value).startswith(f"model_dir={REPO_ID!r}: config.json is not in the HF cache and HF_HUB_OFFLINE=1")
     assert "\n" not in str(e.value)
+
+
+def test_the_local_backend_on_a_hub_id_says_what_it_would_fetch_before_fetching(tiny_model, hub_cache, tmp_path,
+                                                                               monkeypatch):
+    from dist_eval.backends.hub import resolve_model
+
+    sharded = split_into_shards(tiny_model, str(tmp_path / "sharded"))
+    with fake_hub({REPO_ID: sharded}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        for backend, peers in (("local", None), ("petals", None)):
+            with pytest.raises(UsageError) as e:
+                resolve_model(REPO_ID, backend, peers)
+            assert "reads every block's weights" in str(e.value) and "\n" not in str(e.value)
+            assert "GB in 5 shards, per model.safetensors.index.json" in str(e.value)
+    assert set(hub.files("GET")) == {"model.safetensors.index.json"}  # nothing else before the user asks
+
+
+@pytest.mark.swarm
+@pytest.mark.multiproc
+def test_the_cli_on_a_hub_id_with_two_ranks_equals_the_full_folder(tiny_swarm, tiny_model, tmp_path):
+    """``--model org/name`` on a fake hub (HF_ENDPOINT, a private HF_HOME), N=2 == the full local
+    folder (--backend local, one process), bitwise; no blocks-only shard requested."""
+    data = write_csv(str(tmp_path / "data.csv"), 17, seed=4)
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
+    common = ["--data-files", data, "--checkpoint", checkpoint, "--batch-size", "4", "--save-logits"]
+    sharded = split_into_shards(tiny_model, str(tmp_path / "sharded"))
+    with fake_hub({REPO_ID: sharded}) as hub:
+        env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "0"}
+        proc = run_cli(["--model", REPO_ID, "--output-dir", str(tmp_path / "hub"), "--initial-peers",
+                        *tiny_swarm.initial_peers, "--dht-prefix", tiny_swarm.dht_prefix, *common], nproc=2, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not [f for f in hub.files("GET") if f.startswith("model-blocks-")], hub.files("GET")
+    local = run_cli(["--model", tiny_model, "--backend", "local", "--output-dir", str(tmp_path / "local"), *common],
+                    nproc=0)
+    assert local.returncode == 0, local.stderr[-3000:]
+    hub_rows = read_jsonl(tmp_path / "hub" / "predictions.jsonl")
+    assert len(hub_rows) == 17 and hub_rows == read_jsonl(tmp_path / "local" / "predictions.jsonl")

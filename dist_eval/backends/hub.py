@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
+from dist_eval.config import is_hub_id
 from dist_eval.errors import UsageError
 
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -24,9 +25,55 @@ SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
-def is_hub_id(model: str) -> bool:
-    """``org/name`` (or ``name``) that is not a folder here: what ``--model`` names on the hub."""
-    return not os.path.exists(model) and not model.startswith((".", "/", "~")) and model.count("/") <= 1
+def resolve_model(model: str, backend: str, initial_peers, revision: Optional[str] = None
+                  ) -> Tuple[str, Optional[str]]:
+    """(the folder to read, the DHT prefix petals' client would use or None) of ``model``: a
+    folder as it is; a hub id, for ``--backend petals --initial-peers``, as its client files
+    (:func:`client_folder`). What reads every block (the local backend, a local swarm) is told
+    what the repository holds, in one line, before anything but its index is fetched.
+    """
+    if os.path.isdir(model) or not is_hub_id(model):
+        if revision is not None:
+            raise UsageError(f"only for a hub id; --model {model} is a folder here. Drop --revision.",
+                             param="revision", value=revision)
+        return model, None
+    if backend != "petals" or not initial_peers:
+        needs = "--backend local" if backend != "petals" else "a local swarm (no --initial-peers)"
+        raise UsageError(
+            f"{needs} reads every block's weights, and of a hub id dist_eval fetches only the client's files "
+            f"({_size_of(model, revision)}). Run --backend petals --initial-peers against a swarm serving it, "
+            f"or download it whole (huggingface-cli download {model}) and pass that folder.",
+            param="model_dir", value=model)
+    return client_folder(model, revision), petals_dht_prefix(model, revision)
+
+
+def petals_dht_prefix(repo_id: str, revision: Optional[str] = None) -> str:
+    """The DHT prefix petals' client uses for ``repo_id`` (petals' own rule, per family: its
+    config class applied to the id, the config read from the HF cache).
+    """
+    from dist_eval.backends.compat import import_petals
+
+    import_petals()
+    from huggingface_hub import constants
+    from petals.utils.auto_config import AutoDistributedConfig
+
+    config = AutoDistributedConfig.from_pretrained(  # the cache huggingface_hub uses, which client_folder filled
+        repo_id, revision=revision, local_files_only=True, cache_dir=constants.HF_HUB_CACHE)
+    return config.dht_prefix
+
+
+def _size_of(repo_id: str, revision: Optional[str]) -> str:
+    """What the repository's weights come to, from its index (the only file fetched for it)."""
+    for index_name in INDEX_FILES:
+        index = _fetch(repo_id, index_name, revision, None, optional=True)
+        if index is not None:
+            with open(index) as f:
+                content = json.load(f)
+            total = content.get("metadata", {}).get("total_size")
+            shards = len(set(content["weight_map"].values()))
+            size = f"{total / 1e9:.1f} GB in " if total else ""
+            return f"its weights: {size}{shards} shards, per {index_name}"
+    return "its index could not be read"
 
 
 def client_folder(repo_id: str, revision: Optional[str] = None, endpoint: Optional[str] = None) -> str:
