@@ -103,6 +103,34 @@ def test_a_hub_id_fetches_only_the_clients_files_and_equals_the_full_folder(tiny
             model.close()
         logits.append(result.predictions.logits)
     assert np.array_equal(logits[0], logits[1])
+    assert np.array_equal(petals_object_logits(tiny_swarm, checkpoint, dataset, folder), logits[0])
+
+
+def petals_object_logits(swarm, checkpoint, dataset, folder):
+    """The logits of petals' own ``from_pretrained(hub id)`` (offline, from the filled HF cache), with the
+    checkpoint's prompts and head set as a training loop holds them, through ``evaluate``."""
+    import torch
+    from huggingface_hub import constants
+    from transformers import AutoTokenizer
+
+    from dist_eval.backends.checkpoint import load_checkpoint
+    from dist_eval.backends.compat import import_petals, shutdown_petals_client
+    from dist_eval.backends.families import FAMILIES
+
+    state = load_checkpoint(checkpoint)
+    model = getattr(import_petals(), FAMILIES["llama"].petals_class).from_pretrained(
+        REPO_ID, cache_dir=constants.HF_HUB_CACHE, local_files_only=True, initial_peers=swarm.initial_peers,
+        dht_prefix=swarm.dht_prefix, num_labels=3, tuning_mode="ptune", pre_seq_len=3, torch_dtype=torch.float32)
+    try:
+        with torch.no_grad():
+            model.score.weight.copy_(state.tensors["score.weight"])
+            model.model.prompt_embeddings.weight.copy_(state.tensors["prompt_embeddings.weight"])
+        with one_thread():
+            result = evaluate(model, dataset, tokenizer=AutoTokenizer.from_pretrained(folder), batch_size=4,
+                              return_logits=True, bootstrap_resamples=0)
+    finally:
+        shutdown_petals_client(model.model.layers.sequence_manager)
+    return result.predictions.logits
 
 
 def test_offline_with_an_empty_cache_names_the_missing_file_in_one_line(hub_cache, monkeypatch):
