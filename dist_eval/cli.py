@@ -72,7 +72,7 @@ def checked_config(**flags) -> EvalConfig:
         raise UsageError("expected auto, cpu, cuda (every visible GPU) or cuda:K.", param="local_device",
                          value=config.local_device)
     check_tracker(config.report_to)  # a missing wandb/tensorboard fails here, before any work
-    if config.model is not None:
+    if config.model is not None and os.path.isdir(config.model):  # a hub id: once its config is fetched
         family_of_folder(config.model)  # a family petals cannot serve is refused here
     elif config.demo_family is not None and config.demo_family not in FAMILIES:
         raise UsageError(f"expected one of {', '.join(sorted(FAMILIES))}.", param="demo_family",

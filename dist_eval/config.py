@@ -45,6 +45,11 @@ DEFAULT_SWARM_TIMEOUT = 60.0
 
 
 
+def is_hub_id(model: str) -> bool:
+    """``org/name`` (or ``name``) that is not a path here: what ``--model`` names on the hub."""
+    return not os.path.exists(model) and not model.startswith((".", "/", "~")) and model.count("/") <= 1
+
+
 def setting(default: Any, help: str, *, zero_is_none: bool = False, **flag) -> Any:
     """One setting's declaration: a dataclass field with its default and help. ``flag``:
     argparse's ``nargs``/``choices``/``action`` for its CLI flag; ``zero_is_none``: the
@@ -264,8 +269,10 @@ class EvalConfig:
     """
 
     # what to evaluate
-    model: Optional[str] = setting(None, "Folder saved with save_pretrained (config, weights, tokenizer). Omit "
-                                         "with --data-files for the built-in demo.")
+    model: Optional[str] = setting(None, "Folder saved with save_pretrained (config, weights, tokenizer), or a hub "
+                                         "id (org/name: with --backend petals --initial-peers, only the client's "
+                                         "files are fetched). Omit with --data-files for the built-in demo.")
+    revision: Optional[str] = setting(None, "Hub revision (branch, tag or commit) of a --model hub id.")
     data_files: Optional[List[str]] = setting(None, _DATA_FILES, nargs="+")
     split: Optional[str] = setting(None, "Split to evaluate (needed for a save_to_disk DatasetDict; loose files "
                                          "are one split).")
@@ -347,8 +354,9 @@ class EvalConfig:
         if self.initial_peers and self.backend != "petals":
             raise UsageError("--initial-peers: only used with --backend petals.")
         self._plan()
-        if self.model is not None and not os.path.isdir(self.model):
-            raise UsageError(f"--model {self.model}: no such folder. Pass a folder saved with save_pretrained().")
+        if self.model is not None and not os.path.isdir(self.model) and not is_hub_id(self.model):
+            raise UsageError(f"--model {self.model}: no such folder, nor a hub id (org/name). Pass a folder saved "
+                             "with save_pretrained(), or a hub id.")
         if self.model is not None and self.demo_family is not None:
             raise UsageError("only for the built-in demo (no --model).", param="demo_family", value=self.demo_family)
 

@@ -39,6 +39,7 @@ class Job:
     plan: Plan
     demo: bool
     head: Optional[str] = None
+    dht_prefix: Optional[str] = None  # petals' default for a --model hub id
 
 
 @dataclass
@@ -117,7 +118,11 @@ def _prepare(config: EvalConfig, say) -> Job:
             say(f"dist_eval: {len(config.plan.checkpoints)} checkpoint(s) x {len(config.plan.sets)} set(s) = "
                 f"{len(config.plan.pairs())} evaluations, one model load; reports under {config.output_dir}",
                 flush=True)
-        return Job(config.model, config.split, config.settings, config.plan, demo=False, head=config.head)
+        from dist_eval.backends.hub import resolve_model
+
+        model_dir, dht_prefix = resolve_model(config.model, config.backend, config.initial_peers, config.revision)
+        return Job(model_dir, config.split, config.settings, config.plan, demo=False, head=config.head,
+                   dht_prefix=dht_prefix)
     from dist_eval.demo import demo_assets
 
     demo = demo_assets(log=lambda line: say(line, flush=True), family=config.demo_family)
@@ -131,7 +136,7 @@ def _swarm_address(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, 
     rank 0 (and stopped when the run ends) while every rank imports its client.
     """
     if config.backend != "petals" or config.initial_peers:
-        return config.initial_peers, config.dht_prefix
+        return config.initial_peers, config.dht_prefix or job.dht_prefix
     with ranks.phase("starting the local swarm"):
         swarm = _start_swarm(config, job, cleanup, say) if ranks.is_main_process() else None
         from dist_eval.backends.compat import import_petals

@@ -67,6 +67,33 @@ def build_tiny_model(folder: str, seed: int = 0, num_layers: int = 4, family: st
     return folder
 
 
+def split_into_shards(src: str, dst: str, blocks: bool = True) -> str:
+    """``src`` (a single-file ``*ForCausalLM`` Llama save) re-saved in ``dst`` as a sharded folder: one
+    shard per block (``model-blocks-<i>.safetensors``) and one for the rest (``model-client.safetensors``),
+    with their index; ``blocks=False`` leaves the block shards out (what petals' client keeps of a model)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(src, name), dst)
+    shards = {}
+    for key, tensor in load_file(os.path.join(src, "model.safetensors")).items():
+        block = key.split(".")[2] if key.startswith("model.layers.") else None
+        shard = "model-client.safetensors" if block is None else f"model-blocks-{block}.safetensors"
+        shards.setdefault(shard, {})[key] = tensor.contiguous()
+    for shard, tensors in sorted(shards.items()):
+        if blocks or shard == "model-client.safetensors":
+            save_file(tensors, os.path.join(dst, shard), metadata={"format": "pt"})
+    weight_map = {key: shard for shard, tensors in sorted(shards.items()) for key in sorted(tensors)}
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        total_size = sum(t.numel() * t.element_size() for tensors in shards.values() for t in tensors.values())
+        json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=1)
+    return dst
+
+
 def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = ""):
     common = dict(vocab_size=vocab_size, hidden_size=32, num_attention_heads=4, pad_token_id=0, bos_token_id=None,
                   eos_token_id=None)

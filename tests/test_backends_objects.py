@@ -268,3 +268,38 @@ def test_object_under_gloo_n2_equals_n1(folders, tmp_path):
     assert outs[2][0]["world"] == 2
     assert outs[2][0]["metrics"] == outs[1][0]["metrics"]
     assert np.array_equal(outs[2][1], outs[1][1])
+
+
+LEFT_ALONE = ("HF_HUB_OFFLINE", "HF_DATASETS_DISABLE_PROGRESS_BARS", "DATASETS_VERBOSITY", "TOKENIZERS_PARALLELISM",
+              "BITSANDBYTES_NOWELCOME")
+
+
+@pytest.mark.swarm
+def test_evaluate_on_a_petals_object_leaves_the_callers_process_as_found(tiny_swarm, dataset, monkeypatch):
+    """A training process that evaluates a petals model keeps its environment, and datasets and
+    transformers behave as before (before: HF_HUB_OFFLINE=1 stayed set, and no hub download worked)."""
+    import datasets
+    import transformers
+    from transformers import AutoTokenizer
+
+    from dist_eval.backends import compat
+
+    for name in LEFT_ALONE:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(compat, "_quieted", False)  # as in a process that never imported petals through dist_eval
+    before, bars = dict(os.environ), datasets.is_progress_bar_enabled()
+    verbosity = transformers.logging.get_verbosity()
+    petals = compat.import_petals()
+    assert dict(os.environ) == before, {k: os.environ.get(k) for k in set(os.environ) ^ set(before)}
+    model = petals.DistributedLlamaForSequenceClassification.from_pretrained(
+        tiny_swarm.model_dir, initial_peers=tiny_swarm.initial_peers, dht_prefix=tiny_swarm.dht_prefix,
+        num_labels=LABELS, torch_dtype=torch.float32)
+    before = dict(os.environ)  # what the caller's own from_pretrained set stays (torch sets TORCHINDUCTOR_CACHE_DIR)
+    try:
+        result = evaluate(model, dataset, tokenizer=AutoTokenizer.from_pretrained(tiny_swarm.model_dir), batch_size=8,
+                          bootstrap_resamples=0)
+    finally:
+        compat.shutdown_petals_client(model.model.layers.sequence_manager)
+    assert result.metrics["num_samples"] == len(dataset)
+    assert dict(os.environ) == before, {k: os.environ.get(k) for k in set(os.environ) ^ set(before)}
+    assert datasets.is_progress_bar_enabled() == bars and transformers.logging.get_verbosity() == verbosity

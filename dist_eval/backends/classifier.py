@@ -112,6 +112,7 @@ def load_model(
     device: str = "cpu",
     label_words: Union[Sequence[str], str, None] = None,
     tokenizer=None,
+    revision: Optional[str] = None,
 ) -> LoadedModel:
     """Load the classifier for ``backend`` ('petals' or 'local') with the trained prompts/head.
 
@@ -124,7 +125,15 @@ def load_model(
     word after the text (:mod:`dist_eval.backends.zeroshot`; ``tokenizer``, by default the
     folder's, gives the words' tokens). No head is needed; a ``checkpoint``'s prompts are used,
     a head in it is not (one line says so).
+
+    ``model_dir`` may be a hub id (``org/name``, at ``revision``) with the petals backend and
+    ``initial_peers``: only the client's files are fetched (:mod:`dist_eval.backends.hub`), and
+    ``dht_prefix`` defaults to petals' own for that id.
     """
+    from dist_eval.backends.hub import resolve_model
+
+    model_dir, hub_prefix = resolve_model(model_dir, backend, initial_peers, revision)
+    dht_prefix = dht_prefix or hub_prefix
     if backend not in BACKENDS:
         raise UsageError(f"expected one of {', '.join(repr(b) for b in BACKENDS)}.", param="backend", value=backend)
     if device != "cpu":

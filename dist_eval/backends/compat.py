@@ -30,8 +30,12 @@ def import_petals():
     import petals, and the one entry to :func:`~dist_eval.backends.patches.apply_client_patches`).
     An :class:`~dist_eval.backends.patches.UnsupportedPetalsError` for other petals/hivemind versions.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     check_versions()  # before anything is imported or patched
+    with environ_as_found():  # petals' import sets BITSANDBYTES_NOWELCOME: not in a caller's process
+        return _import_petals()
+
+
+def _import_petals():
     try:
         import hivemind  # noqa: F401
     except ImportError as e:
@@ -42,7 +46,7 @@ def import_petals():
         ) from e
     global _quieted
     if not _quieted:  # once: petals' import warns, and the patches' imports too
-        quiet_third_party_output()
+        quiet_warnings()  # no variable set: this may be a caller's own process (evaluate on its model)
         _quieted = True
     try:
         apply_client_patches()
@@ -52,6 +56,22 @@ def import_petals():
             f"petals is not importable ({e}). Install it with ./launch/install.sh."
         ) from e
     return petals
+
+
+@contextlib.contextmanager
+def environ_as_found():
+    """Within: anything; after: ``os.environ`` as it was before (variables set are removed,
+    changed or removed ones put back), so that no import leaves one in a caller's process.
+    """
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(before):
+            del os.environ[name]
+        for name, value in before.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -78,8 +98,18 @@ def no_random_init_of_meta_tensors():
         torch.nn.init.normal_ = original
 
 
+def quiet_warnings() -> None:
+    """Filter two warnings by their message, and nothing else: what :func:`import_petals` does
+    in any process, a caller's own included (no environment variable, no library's verbosity:
+    a user's process is left as it was, but for two lines of noise).
+    """
+    warnings.filterwarnings("ignore", message=r".*_register_pytree_node.*")
+    warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter.*")
+
+
 def quiet_third_party_output() -> None:
-    """Silence warnings that are noise for this tool's users, in every process we own.
+    """Silence warnings that are noise for this tool's users, in every process we own (the
+    CLI's ranks, the swarm servers; never a caller of ``evaluate``: it sets variables).
 
     - transformers 4.33 + torch 2.13: a FutureWarning about ``_register_pytree_node``;
     - petals' server loading blocks onto meta tensors: one UserWarning per weight;
@@ -90,8 +120,7 @@ def quiet_third_party_output() -> None:
       which it then does anyway; saying so up front keeps the log clean.
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", message=r".*_register_pytree_node.*")
-    warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter.*")
+    quiet_warnings()
     try:
         from transformers.utils import logging as hf_logging
 

@@ -133,8 +133,9 @@ def load_local(
     import transformers
 
     from dist_eval.backends.compat import no_random_init_of_meta_tensors
-    from dist_eval.backends.petals_folder import detect_layout, petals_model_folder
+    from dist_eval.backends.petals_folder import detect_layout, petals_model_folder, require_every_shard
 
+    require_every_shard(model_dir, "--backend local")
     if not detect_layout(model_dir, family).client_ready:
         model_dir = petals_model_folder(model_dir)
 

@@ -99,6 +99,32 @@ def weight_map(model_dir: str) -> Dict[str, str]:
     )
 
 
+def missing_shards(model_dir: str) -> List[str]:
+    """The weight files the folder's index names that are not in the folder (what petals'
+    client leaves out of its cache: the shards that hold only blocks).
+    """
+    try:
+        files = set(weight_map(model_dir).values())
+    except UsageError:
+        return []  # no weights at all: the loader says so
+    return sorted(f for f in files if not os.path.isfile(os.path.join(model_dir, f)))
+
+
+def require_every_shard(model_dir: str, needs: str) -> None:
+    """A UsageError, one line naming the absent shards, when ``needs`` (what reads every block:
+    "--backend local", "a local swarm") would read a folder that holds only the client's shards.
+    """
+    missing = missing_shards(model_dir)
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise UsageError(
+            f"{needs} reads every block's weights, but the folder's index names shards that are not in it "
+            f"({shown}). Pass a folder that holds every shard, or use --backend petals --initial-peers "
+            "with a swarm that serves the blocks (it reads only the client's shards).",
+            param="model_dir", value=model_dir,
+        )
+
+
 def read_tensor(model_dir: str, key: str):
     """The tensor named ``key`` in the folder's weights (only that one is read from a
     safetensors file); a UsageError naming the key when the folder has none.

@@ -96,10 +96,11 @@ def _served_folder(model_dir: str) -> str:
     """``model_dir``, or its copy in the layout petals' server reads (converted once, cached)."""
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         return model_dir  # _read_num_blocks says what is missing
-    from dist_eval.backends.petals_folder import petals_model_folder
+    from dist_eval.backends.petals_folder import petals_model_folder, require_every_shard
     from dist_eval.errors import UsageError
 
     try:
+        require_every_shard(model_dir, "a local swarm")
         return petals_model_folder(model_dir, log=lambda line: print(f"dist_eval.swarm: {line}", flush=True))
     except UsageError as e:
         raise SwarmError(f"{model_dir}: {e.detail}") from None

@@ -65,10 +65,11 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     a server of block 0 looks token ids up in).
     """
     from dist_eval.backends import wire
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.compat import import_petals, quiet_third_party_output
     from dist_eval.backends.patches import apply
     from dist_eval.swarm import merged_forward
 
+    quiet_third_party_output()  # a server is a process of ours (the caller's is left alone)
     import_petals()
     apply("merged_forward", "server", merged_forward.replacements)
     apply("wire_server", "server", lambda: wire.server_replacements(model_dir, first_block), after=("merged_forward",))

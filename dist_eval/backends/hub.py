@@ -1,0 +1,142 @@
+"""A model named by its hub id: only the files petals' client reads, as its client fetches them.
+
+petals' client (``Distributed*.from_pretrained(hub_id)``) downloads the config, the tokenizer
+and the checkpoint shards that hold a client-side tensor (embeddings, final norm, head);
+its patch of transformers' ``get_checkpoint_shard_files`` skips the shards that hold only
+blocks. :func:`client_folder` fetches the same files through ``huggingface_hub`` (or finds
+them in the user's HF cache) and returns the cache's snapshot folder, which then holds only
+the client's shards: a folder ``--backend petals`` reads as it is
+(:func:`dist_eval.backends.petals_folder.require_every_shard` is what the local backend and a
+local swarm say of it). Offline-ness is the user's: ``HF_HUB_OFFLINE=1`` (read by
+``huggingface_hub`` at its import) reads from the cache only, and a missing file is named in
+one line. Nothing here sets an environment variable.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional, Tuple
+
+from dist_eval.config import is_hub_id
+from dist_eval.errors import UsageError
+
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def resolve_model(model: str, backend: str, initial_peers, revision: Optional[str] = None
+                  ) -> Tuple[str, Optional[str]]:
+    """(the folder to read, the DHT prefix petals' client would use or None) of ``model``: a
+    folder as it is; a hub id, for ``--backend petals --initial-peers``, as its client files
+    (:func:`client_folder`). What reads every block (the local backend, a local swarm) is told
+    what the repository holds, in one line, before anything but its index is fetched.
+    """
+    if os.path.isdir(model) or not is_hub_id(model):
+        if revision is not None:
+            raise UsageError(f"only for a hub id; --model {model} is a folder here. Drop --revision.",
+                             param="revision", value=revision)
+        return model, None
+    if backend != "petals" or not initial_peers:
+        needs = "--backend local" if backend != "petals" else "a local swarm (no --initial-peers)"
+        raise UsageError(
+            f"{needs} reads every block's weights, and of a hub id dist_eval fetches only the client's files "
+            f"({_size_of(model, revision)}). Run --backend petals --initial-peers against a swarm serving it, "
+            f"or download it whole (huggingface-cli download {model}) and pass that folder.",
+            param="model_dir", value=model)
+    return client_folder(model, revision), petals_dht_prefix(model, revision)
+
+
+def petals_dht_prefix(repo_id: str, revision: Optional[str] = None) -> str:
+    """The DHT prefix petals' client uses for ``repo_id`` (petals' own rule, per family: its
+    config class applied to the id, the config read from the HF cache).
+    """
+    from dist_eval.backends.compat import import_petals
+
+    import_petals()
+    from huggingface_hub import constants
+    from petals.utils.auto_config import AutoDistributedConfig
+
+    config = AutoDistributedConfig.from_pretrained(  # the cache huggingface_hub uses, which client_folder filled
+        repo_id, revision=revision, local_files_only=True, cache_dir=constants.HF_HUB_CACHE)
+    return config.dht_prefix
+
+
+def _size_of(repo_id: str, revision: Optional[str]) -> str:
+    """What the repository's weights come to, from its index (the only file fetched for it)."""
+    for index_name in INDEX_FILES:
+        index = _fetch(repo_id, index_name, revision, None, optional=True)
+        if index is not None:
+            with open(index) as f:
+                content = json.load(f)
+            total = content.get("metadata", {}).get("total_size")
+            shards = len(set(content["weight_map"].values()))
+            size = f"{total / 1e9:.1f} GB in " if total else ""
+            return f"its weights: {size}{shards} shards, per {index_name}"
+    return "its index could not be read"
+
+
+def client_folder(repo_id: str, revision: Optional[str] = None, endpoint: Optional[str] = None) -> str:
+    """The snapshot folder (in the user's HF cache) holding config, tokenizer, the index and the
+    shards with a client-side tensor of ``repo_id`` at ``revision``; never a blocks-only shard.
+    """
+    from dist_eval.backends.families import family_of_folder
+
+    config = _fetch(repo_id, "config.json", revision, endpoint)
+    folder = os.path.dirname(config)
+    for name in TOKENIZER_FILES:
+        _fetch(repo_id, name, revision, endpoint, optional=True)
+    blocks = family_of_folder(folder).blocks + "."
+    for name in client_shards(repo_id, revision, endpoint, blocks):
+        _fetch(repo_id, name, revision, endpoint)
+    return folder
+
+
+def client_shards(repo_id: str, revision: Optional[str], endpoint: Optional[str], blocks_prefix: str) -> List[str]:
+    """The weight files holding a tensor whose name does not start with ``blocks_prefix``."""
+    for index_name in INDEX_FILES:
+        index = _fetch(repo_id, index_name, revision, endpoint, optional=True)
+        if index is not None:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            return sorted({f for key, f in weight_map.items() if not key.startswith(blocks_prefix)})
+    for name in SINGLE_FILES:  # one file holds everything: the client reads it whole
+        if _fetch(repo_id, name, revision, endpoint, optional=True) is not None:
+            return [name]
+    where = "the HF cache holds" if _offline() else "the hub repository has"
+    raise UsageError(f"{where} no weights ({', '.join(INDEX_FILES + SINGLE_FILES)}) of it.",
+                     param="model_dir", value=repo_id)
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE
+
+
+def _fetch(repo_id: str, name: str, revision: Optional[str], endpoint: Optional[str], optional: bool = False):
+    """The local path of ``name`` (downloaded, or from the cache); None for an absent optional file."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = _offline()
+    try:  # LocalEntryNotFoundError first: it is an EntryNotFoundError
+        return hf_hub_download(repo_id, name, revision=revision, endpoint=endpoint or os.environ.get("HF_ENDPOINT"),
+                               local_files_only=offline)
+    except LocalEntryNotFoundError:
+        if optional:  # offline: the online run that filled the cache fetched it, or found it absent
+            return None
+        raise UsageError(
+            f"{name} is not in the HF cache and HF_HUB_OFFLINE=1 forbids downloading it: run once online "
+            "(or unset HF_HUB_OFFLINE), or pass a folder that holds the model." if offline else
+            f"{name} could not be downloaded (no connection to the hub?): check the network, or set "
+            "HF_HUB_OFFLINE=1 to read the HF cache only.", param="model_dir", value=repo_id) from None
+    except EntryNotFoundError:
+        if optional:
+            return None
+        raise UsageError(f"the hub repository has no {name} (revision {revision or 'main'}).",
+                         param="model_dir", value=repo_id) from None
+    except RepositoryNotFoundError:
+        raise UsageError("no such repository on the hub (or it is private: log in with `huggingface-cli login` "
+                         "or set HF_TOKEN), and no such folder here.", param="model_dir", value=repo_id) from None
+
