@@ -273,6 +273,9 @@ class EvalConfig:
                                          "id (org/name: with --backend petals --initial-peers, only the client's "
                                          "files are fetched). Omit with --data-files for the built-in demo.")
     revision: Optional[str] = setting(None, "Hub revision (branch, tag or commit) of a --model hub id.")
+    fetch_whole_model: bool = setting(False, "With a --model hub id where the run reads every block (--backend "
+                                             "local, or a local swarm): download every weight file into the HF "
+                                             "cache (without it, such a run says how much that is and stops).")
     data_files: Optional[List[str]] = setting(None, _DATA_FILES, nargs="+")
     split: Optional[str] = setting(None, "Split to evaluate (needed for a save_to_disk DatasetDict; loose files "
                                          "are one split).")

@@ -120,7 +120,8 @@ def _prepare(config: EvalConfig, say) -> Job:
                 flush=True)
         from dist_eval.backends.hub import resolve_model
 
-        model_dir, dht_prefix = resolve_model(config.model, config.backend, config.initial_peers, config.revision)
+        model_dir, dht_prefix = resolve_model(config.model, config.backend, config.initial_peers, config.revision,
+                                              whole=config.fetch_whole_model)
         return Job(model_dir, config.split, config.settings, config.plan, demo=False, head=config.head,
                    dht_prefix=dht_prefix)
     from dist_eval.demo import demo_assets

@@ -2,6 +2,8 @@
 absent: what petals' client keeps of a big model): ``--backend petals`` against a swarm gives
 the logits of the full folder bit for bit; the local backend and a local swarm, which read
 every block, refuse it in one line naming the absent shards."""
+import os
+
 import numpy as np
 import pytest
 from conftest import build_checkpoint, read_jsonl, run_cli, split_into_shards, write_csv
@@ -157,7 +159,34 @@ def test_the_local_backend_on_a_hub_id_says_what_it_would_fetch_before_fetching(
                 resolve_model(REPO_ID, backend, peers)
             assert "reads every block's weights" in str(e.value) and "\n" not in str(e.value)
             assert "GB in 5 shards, per model.safetensors.index.json" in str(e.value)
+            assert "--fetch-whole-model" in str(e.value)
     assert set(hub.files("GET")) == {"model.safetensors.index.json"}  # nothing else before the user asks
+
+
+def test_fetch_whole_model_gets_every_shard_for_the_local_backend(tiny_model, dataset, hub_cache, tmp_path,
+                                                                   monkeypatch):
+    """--fetch-whole-model (``whole=True``): every weight file is fetched, and the local backend
+    on that folder equals the full local folder, bitwise."""
+    from transformers import AutoTokenizer
+
+    from dist_eval.backends.hub import resolve_model
+
+    sharded = split_into_shards(tiny_model, str(tmp_path / "sharded"))
+    with fake_hub({REPO_ID: sharded}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        folder, prefix = resolve_model(REPO_ID, "local", None, whole=True)
+    shards = {f for f in os.listdir(sharded) if f.endswith(".safetensors")}
+    assert shards <= set(hub.files("GET")) and shards <= set(os.listdir(folder)), (hub.files("GET"), shards)
+    assert prefix is None
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
+    logits = []
+    for model_dir in (tiny_model, folder):
+        model = load_model("local", model_dir, checkpoint=checkpoint)
+        with one_thread():
+            result = evaluate(model, dataset, tokenizer=AutoTokenizer.from_pretrained(model_dir), batch_size=4,
+                              return_logits=True, bootstrap_resamples=0)
+        logits.append(result.predictions.logits)
+    assert np.array_equal(logits[0], logits[1])
 
 
 @pytest.mark.swarm

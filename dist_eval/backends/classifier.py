@@ -113,6 +113,7 @@ def load_model(
     label_words: Union[Sequence[str], str, None] = None,
     tokenizer=None,
     revision: Optional[str] = None,
+    fetch_whole_model: bool = False,
 ) -> LoadedModel:
     """Load the classifier for ``backend`` ('petals' or 'local') with the trained prompts/head.
 
@@ -128,11 +129,12 @@ def load_model(
 
     ``model_dir`` may be a hub id (``org/name``, at ``revision``) with the petals backend and
     ``initial_peers``: only the client's files are fetched (:mod:`dist_eval.backends.hub`), and
-    ``dht_prefix`` defaults to petals' own for that id.
+    ``dht_prefix`` defaults to petals' own for that id. The local backend reads every block:
+    on a hub id it is refused, saying how much that is, unless ``fetch_whole_model``.
     """
     from dist_eval.backends.hub import resolve_model
 
-    model_dir, hub_prefix = resolve_model(model_dir, backend, initial_peers, revision)
+    model_dir, hub_prefix = resolve_model(model_dir, backend, initial_peers, revision, whole=fetch_whole_model)
     dht_prefix = dht_prefix or hub_prefix
     if backend not in BACKENDS:
         raise UsageError(f"expected one of {', '.join(repr(b) for b in BACKENDS)}.", param="backend", value=backend)

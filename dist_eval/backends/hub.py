@@ -25,12 +25,13 @@ SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
-def resolve_model(model: str, backend: str, initial_peers, revision: Optional[str] = None
+def resolve_model(model: str, backend: str, initial_peers, revision: Optional[str] = None, whole: bool = False
                   ) -> Tuple[str, Optional[str]]:
     """(the folder to read, the DHT prefix petals' client would use or None) of ``model``: a
     folder as it is; a hub id, for ``--backend petals --initial-peers``, as its client files
     (:func:`client_folder`). What reads every block (the local backend, a local swarm) is told
-    what the repository holds, in one line, before anything but its index is fetched.
+    what the repository holds, in one line, before anything but its index is fetched; with
+    ``whole`` (``--fetch-whole-model``) it gets every weight file instead.
     """
     if os.path.isdir(model) or not is_hub_id(model):
         if revision is not None:
@@ -38,11 +39,13 @@ def resolve_model(model: str, backend: str, initial_peers, revision: Optional[st
                              param="revision", value=revision)
         return model, None
     if backend != "petals" or not initial_peers:
+        if whole:
+            return client_folder(model, revision, every_shard=True), None
         needs = "--backend local" if backend != "petals" else "a local swarm (no --initial-peers)"
         raise UsageError(
             f"{needs} reads every block's weights, and of a hub id dist_eval fetches only the client's files "
             f"({_size_of(model, revision)}). Run --backend petals --initial-peers against a swarm serving it, "
-            f"or download it whole (huggingface-cli download {model}) and pass that folder.",
+            f"or add --fetch-whole-model to download every weight file into the HF cache.",
             param="model_dir", value=model)
     return client_folder(model, revision), petals_dht_prefix(model, revision)
 
@@ -76,9 +79,11 @@ def _size_of(repo_id: str, revision: Optional[str]) -> str:
     return "its index could not be read"
 
 
-def client_folder(repo_id: str, revision: Optional[str] = None, endpoint: Optional[str] = None) -> str:
+def client_folder(repo_id: str, revision: Optional[str] = None, endpoint: Optional[str] = None,
+                  every_shard: bool = False) -> str:
     """The snapshot folder (in the user's HF cache) holding config, tokenizer, the index and the
-    shards with a client-side tensor of ``repo_id`` at ``revision``; never a blocks-only shard.
+    shards with a client-side tensor of ``repo_id`` at ``revision``; never a blocks-only shard,
+    unless ``every_shard`` (what the local backend and a local swarm read).
     """
     from dist_eval.backends.families import family_of_folder
 
@@ -86,20 +91,23 @@ def client_folder(repo_id: str, revision: Optional[str] = None, endpoint: Option
     folder = os.path.dirname(config)
     for name in TOKENIZER_FILES:
         _fetch(repo_id, name, revision, endpoint, optional=True)
-    blocks = family_of_folder(folder).blocks + "."
+    blocks = "" if every_shard else family_of_folder(folder).blocks + "."  # "": no tensor name is a block's
     for name in client_shards(repo_id, revision, endpoint, blocks):
         _fetch(repo_id, name, revision, endpoint)
     return folder
 
 
 def client_shards(repo_id: str, revision: Optional[str], endpoint: Optional[str], blocks_prefix: str) -> List[str]:
-    """The weight files holding a tensor whose name does not start with ``blocks_prefix``."""
+    """The weight files holding a tensor whose name does not start with ``blocks_prefix``
+    (every weight file, with ``blocks_prefix`` empty).
+    """
     for index_name in INDEX_FILES:
         index = _fetch(repo_id, index_name, revision, endpoint, optional=True)
         if index is not None:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-            return sorted({f for key, f in weight_map.items() if not key.startswith(blocks_prefix)})
+            return sorted({f for key, f in weight_map.items()
+                           if not (blocks_prefix and key.startswith(blocks_prefix))})
     for name in SINGLE_FILES:  # one file holds everything: the client reads it whole
         if _fetch(repo_id, name, revision, endpoint, optional=True) is not None:
             return [name]
