@@ -143,7 +143,8 @@ def evaluate(
         settings = replace(settings, label_words=_label_words_of(task, settings.label_words))
         start, start_cpu = time.perf_counter(), time.process_time()
 
-        num_rows, batches, num_truncated, own_batches = _this_rank_batches(data, tokenizer, settings, task)
+        num_rows, batches, num_truncated, own_batches = _this_rank_batches(data, tokenizer, settings, task,
+                                                                           options.top_k)
         with ranks.phase("reading the stored partial results"):
             stored, writer = open_partial(resume_folder, own_batches, task.num_labels, options.save_interval)
         local = _forward_passes(task, batches, stored, writer, options.in_flight, sample_metrics, on_batch_done)
@@ -223,11 +224,12 @@ def _task_of(model, num_labels, pad_token_id, label_names) -> _Task:
     )
 
 
-def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task):
+def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: Optional[int] = None):
     """(rows in the data, this rank's batches, rows truncated here, {batch id: rows} of this
     rank's batches or None for a DataLoader). Two phases: every rank must call it.
     """
     with ranks.phase("preparing the data"):
+        _check_top_k(top_k, task.num_labels)  # the first point the classes are known: every rank alike
         data, labels, task.label_names = _check_data(data, tokenizer, settings, task)
         num_rows = len(data.dataset) if labels is None else len(data)
     own_batches = None
@@ -239,6 +241,14 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task):
                 data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens
             )
     return num_rows, batches, num_truncated, own_batches
+
+
+def _check_top_k(top_k: Optional[int], num_labels: Optional[int]) -> None:
+    """A k at or above the number of classes: every row is a top-k hit, a number that means nothing."""
+    if top_k is not None and num_labels is not None and top_k >= num_labels:
+        fix = f"pass at most {num_labels - 1}, or omit it" if num_labels > 2 else "omit it (no top-k with 2 classes)"
+        raise UsageError(f"expected a k below the number of classes ({num_labels}); got {top_k}, with which every "
+                         f"row is a hit. Fix: {fix}.", param="top_k", value=top_k)
 
 
 def _check_data(data, tokenizer, settings: Settings, task: _Task):
