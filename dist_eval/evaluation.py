@@ -144,7 +144,7 @@ def evaluate(
         start, start_cpu = time.perf_counter(), time.process_time()
 
         num_rows, batches, num_truncated, own_batches = _this_rank_batches(data, tokenizer, settings, task,
-                                                                           options.top_k)
+                                                                           options.top_k, _plan_hook(on_batch_done))
         with ranks.phase("reading the stored partial results"):
             stored, writer = open_partial(resume_folder, own_batches, task.num_labels, options.save_interval)
         local = _forward_passes(task, batches, stored, writer, options.in_flight, sample_metrics, on_batch_done)
@@ -224,7 +224,15 @@ def _task_of(model, num_labels, pad_token_id, label_names) -> _Task:
     )
 
 
-def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: Optional[int] = None):
+def _plan_hook(on_batch_done):
+    """A GlobalProgress's ``set_plan`` when ``on_batch_done`` is its ``update``: its ETA then counts work."""
+    from dist_eval.progress import GlobalProgress
+
+    owner = getattr(on_batch_done, "__self__", None)
+    return owner.set_plan if isinstance(owner, GlobalProgress) else None
+
+
+def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: Optional[int] = None, on_plan=None):
     """(rows in the data, this rank's batches, rows truncated here, {batch id: rows} of this
     rank's batches or None for a DataLoader). Two phases: every rank must call it.
     """
@@ -238,7 +246,8 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: 
             batches, num_truncated = loader_batches(data), 0
         else:
             batches, num_truncated, own_batches = dataset_batches(
-                data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens
+                data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
+                on_plan=on_plan,
             )
     return num_rows, batches, num_truncated, own_batches
 

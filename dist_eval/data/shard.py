@@ -1,7 +1,7 @@
 """This rank's batches of a Dataset (planned globally, tokenized once); a user DataLoader's: loader.py."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -68,7 +68,8 @@ _AHEAD_ROWS = 256
 
 
 def dataset_batches(
-    dataset, tokenizer, labels: np.ndarray, settings, *, pad_token_id: int, prefix_tokens: int = 0
+    dataset, tokenizer, labels: np.ndarray, settings, *, pad_token_id: int, prefix_tokens: int = 0,
+    on_plan: Optional[Callable[[List[int], List[int]], None]] = None,
 ) -> Tuple[Iterator[Batch], int, Dict[int, np.ndarray]]:
     """This rank's batches of a Dataset: (iterator of right-padded batches, rows truncated
     here, {batch id: row indices} of this rank's batches).
@@ -79,7 +80,8 @@ def dataset_batches(
     checks every row and counts the truncated ones); each block's token ids then go to the
     ranks whose batches hold their rows (:func:`_send_to_owners`), so a row is tokenized
     once per run. Without the lengths, every row of the shard is tokenized (so checked)
-    here, before any forward.
+    here, before any forward. ``on_plan(rows, padded tokens)`` of every batch of the global
+    plan, in plan order, when the lengths are known (the progress's ETA counts that work).
     """
     columns, max_length = TaskColumns.of(settings), settings.max_length
     num_rows = len(labels)
@@ -93,6 +95,8 @@ def dataset_batches(
         num_rows, settings.batch_size, lengths, settings.max_batch_tokens,
         length_buckets=settings.length_buckets, prefix_tokens=prefix_tokens,
     )
+    if on_plan is not None and lengths is not None:
+        on_plan([len(b) for b in planned], [len(b) * (int(lengths[b].max()) + prefix_tokens) for b in planned])
     batch_ids = shard_batch_ids(len(planned), ranks.get_rank(), ranks.get_world_size())
     own_rows = {r for b in batch_ids for r in planned[b].tolist()}
     if lengths is not None:  # the block's rows go to the ranks whose batches hold them: no row tokenized twice
