@@ -174,7 +174,33 @@ def bootstrap_score_intervals(
         raise ValueError(f"level must lie in (0, 1); got {level}")
     if resamples == 0 or labels.shape[0] == 0:
         return None
-    values = _score_metric_resamples(probs, labels, resamples, seed, top_k, bins)
+    return score_percentiles(_score_metric_resamples(probs, labels, resamples, seed, top_k, bins), seed, level)
+
+
+def score_resamples_part(probs, labels, resamples: int, seed: int, top_k, bins: int, part: tuple) -> tuple:
+    """One rank's share of :func:`bootstrap_score_intervals`' work: ``part`` = (rank, world
+    size) computes every world-size-th chunk of resamples (the draws of the others are made
+    and skipped, so the random stream is the same). Returns (the resample numbers, their
+    values); :func:`join_score_resamples` puts the parts together, the same bits for any N.
+    """
+    from dist_eval.metrics import _scores_and_labels
+
+    probs, labels = _scores_and_labels(probs, labels)
+    return _score_metric_resamples(probs, labels, resamples, seed, top_k, bins, part)
+
+
+def join_score_resamples(parts: list, resamples: int) -> dict:
+    """Every resample's values from the parts of :func:`score_resamples_part`."""
+    out: dict = {}
+    for numbers, values in parts:
+        for name, part_values in values.items():
+            out.setdefault(name, np.empty(resamples))[numbers] = part_values
+    return out
+
+
+def score_percentiles(values: dict, seed: int, level: float = 0.95) -> dict:
+    """The intervals (:func:`bootstrap_score_intervals`' dict) of every resample's values."""
+    resamples = len(next(iter(values.values())))
     tail = 100.0 * (1.0 - level) / 2.0
     out = {"method": METHOD, "resamples": int(resamples), "seed": int(seed), "level": float(level)}
     for name, draws in values.items():
@@ -207,16 +233,22 @@ def resample_counts(rng, n: int, resamples: int):
         yield start, counts.astype(np.float64)
 
 
-def _integer_resample_counts(rng, n: int, resamples: int):
-    """:func:`resample_counts` as int32 (the same draws): half the memory traffic of float64."""
-    for start, r in _chunks(resamples, n):
+def _integer_resample_counts(rng, n: int, resamples: int, part: tuple = (0, 1)):
+    """:func:`resample_counts` as int32 (the same draws): half the memory traffic of float64.
+    ``part`` = (rank, world size): only every world-size-th chunk (the others' draws are made).
+    """
+    for number, (start, r) in enumerate(_chunks(resamples, n)):
         indices = rng.integers(0, n, size=(r, n))
+        if number % part[1] != part[0]:
+            continue
         flat = (np.arange(r)[:, None] * n + indices).ravel()
         yield start, np.bincount(flat, minlength=r * n).reshape(r, n).astype(np.int32)
 
 
-def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bins: int) -> dict[str, np.ndarray]:
-    """Each score metric of every resample: ``{name: float64[resamples]}``."""
+def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bins: int, part=None):
+    """Each score metric of every resample: ``{name: float64[resamples]}``; with ``part``
+    (rank, world size), (the resample numbers, ``{name: values}``) of that rank's chunks.
+    """
     from dist_eval import metrics as M
 
     order = canonical_row_order(labels, probs)
@@ -236,9 +268,11 @@ def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bin
         out[f"top{k}_accuracy"] = np.empty(resamples)
     out["auroc_macro"] = np.empty(resamples)
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(SCORES_STREAM,))))
-    for start, whole in _integer_resample_counts(rng, n, resamples):
+    numbers = []
+    for start, whole in _integer_resample_counts(rng, n, resamples, part or (0, 1)):
         counts = whole.astype(np.float64)
         stop = start + counts.shape[0]
+        numbers.append(np.arange(start, stop))
         out["ece"][start:stop] = np.abs(counts @ gap_by_bin).sum(axis=1) / n
         out["brier"][start:stop] = counts @ brier / n
         if k is not None:
@@ -249,7 +283,10 @@ def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bin
             defined = ~np.isnan(per_class)
             sums = np.where(defined, per_class, 0.0).sum(axis=1)
             out["auroc_macro"][start:stop] = np.where(defined.any(axis=1), sums / defined.sum(axis=1), np.nan)
-    return out
+    if part is None:
+        return out
+    mine = np.concatenate(numbers) if numbers else np.zeros(0, dtype=np.int64)
+    return mine, {name: values[mine] for name, values in out.items()}
 
 
 def _ranking(scores: np.ndarray, positive: np.ndarray):

@@ -115,3 +115,20 @@ def test_score_intervals_are_those_recorded_before_the_faster_auroc(case):
     ci = bootstrap_score_intervals(probs, labels, resamples=300, seed=7)
     assert {name: value for name, value in ci.items() if isinstance(value, list)} == RECORDED_SCORES[case]
 
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_the_resamples_shared_over_ranks_are_those_of_one_process(world):
+    """Issue 29: each rank computes every N-th chunk of resamples; joined, the same bits as
+    one process (900 rows: 3 chunks of 582 resamples at most), so the intervals do not depend on N."""
+    from dist_eval.intervals import join_score_resamples, score_percentiles, score_resamples_part
+
+    probs, labels = synthetic(900, 3, seed=4, coarse=True)
+    whole = _score_metric_resamples(probs, labels, 1200, 7, None, 15)
+    parts = [score_resamples_part(probs, labels, 1200, 7, None, 15, (rank, world)) for rank in range(world)]
+    assert sum(len(numbers) > 0 for numbers, _ in parts) == min(world, 3)  # the work is shared
+    joined = join_score_resamples(parts, 1200)
+    assert set(joined) == set(whole)
+    for name in whole:
+        assert np.array_equal(joined[name], whole[name], equal_nan=True), name
+    assert score_percentiles(joined, 7) == bootstrap_score_intervals(probs, labels, 1200, 7)
