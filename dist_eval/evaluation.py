@@ -128,7 +128,8 @@ def evaluate(
     settings (the CLI keys it by a hash of them; see :mod:`dist_eval.resume`).
 
     Intervals (``bootstrap_resamples``, 0 disables): 95% percentile bootstrap intervals,
-    computed on rank 0 from the merged set (:mod:`dist_eval.intervals`), in
+    computed on rank 0 from the merged set (:mod:`dist_eval.intervals`; those of the
+    probability scores with their resamples shared over the ranks), in
     ``metrics["confidence_intervals"]``; the same for any world size.
 
     Probability scores, from the softmax of every row's logits (gathered to rank 0 with the
