@@ -128,7 +128,7 @@ def _main(args: argparse.Namespace) -> int:
 
         return run(config)
     except ranks.RankFailure as e:
-        if ranks.get_rank() == 0 or not e.usage:
+        if ranks.get_rank() == 0 or not (e.usage or e.shared):  # a failure every rank met: printed once
             _print_error(str(e))
         ranks.barrier_if_alive()  # no rank exits (and gets rank 0 stopped) before rank 0 has printed
         return EXIT_USAGE if e.usage else EXIT_FAILURE

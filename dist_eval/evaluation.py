@@ -128,7 +128,8 @@ def evaluate(
     settings (the CLI keys it by a hash of them; see :mod:`dist_eval.resume`).
 
     Intervals (``bootstrap_resamples``, 0 disables): 95% percentile bootstrap intervals,
-    computed on rank 0 from the merged set (:mod:`dist_eval.intervals`), in
+    computed on rank 0 from the merged set (:mod:`dist_eval.intervals`; those of the
+    probability scores with their resamples shared over the ranks), in
     ``metrics["confidence_intervals"]``; the same for any world size.
 
     Probability scores, from the softmax of every row's logits (gathered to rank 0 with the
@@ -143,7 +144,8 @@ def evaluate(
         settings = replace(settings, label_words=_label_words_of(task, settings.label_words))
         start, start_cpu = time.perf_counter(), time.process_time()
 
-        num_rows, batches, num_truncated, own_batches = _this_rank_batches(data, tokenizer, settings, task)
+        num_rows, batches, num_truncated, own_batches = _this_rank_batches(data, tokenizer, settings, task,
+                                                                           options.top_k, _plan_hook(on_batch_done))
         with ranks.phase("reading the stored partial results"):
             stored, writer = open_partial(resume_folder, own_batches, task.num_labels, options.save_interval)
         local = _forward_passes(task, batches, stored, writer, options.in_flight, sample_metrics, on_batch_done)
@@ -223,11 +225,20 @@ def _task_of(model, num_labels, pad_token_id, label_names) -> _Task:
     )
 
 
-def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task):
+def _plan_hook(on_batch_done):
+    """A GlobalProgress's ``set_plan`` when ``on_batch_done`` is its ``update``: its ETA then counts work."""
+    from dist_eval.progress import GlobalProgress
+
+    owner = getattr(on_batch_done, "__self__", None)
+    return owner.set_plan if isinstance(owner, GlobalProgress) else None
+
+
+def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: Optional[int] = None, on_plan=None):
     """(rows in the data, this rank's batches, rows truncated here, {batch id: rows} of this
     rank's batches or None for a DataLoader). Two phases: every rank must call it.
     """
     with ranks.phase("preparing the data"):
+        _check_top_k(top_k, task.num_labels)  # the first point the classes are known: every rank alike
         data, labels, task.label_names = _check_data(data, tokenizer, settings, task)
         num_rows = len(data.dataset) if labels is None else len(data)
     own_batches = None
@@ -236,9 +247,18 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task):
             batches, num_truncated = loader_batches(data), 0
         else:
             batches, num_truncated, own_batches = dataset_batches(
-                data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens
+                data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
+                on_plan=on_plan,
             )
     return num_rows, batches, num_truncated, own_batches
+
+
+def _check_top_k(top_k: Optional[int], num_labels: Optional[int]) -> None:
+    """A k at or above the number of classes: every row is a top-k hit, a number that means nothing."""
+    if top_k is not None and num_labels is not None and top_k >= num_labels:
+        fix = f"pass at most {num_labels - 1}, or omit it" if num_labels > 2 else "omit it (no top-k with 2 classes)"
+        raise UsageError(f"expected a k below the number of classes ({num_labels}); got {top_k}, with which every "
+                         f"row is a hit. Fix: {fix}.", param="top_k", value=top_k)
 
 
 def _check_data(data, tokenizer, settings: Settings, task: _Task):

@@ -174,7 +174,33 @@ def bootstrap_score_intervals(
         raise ValueError(f"level must lie in (0, 1); got {level}")
     if resamples == 0 or labels.shape[0] == 0:
         return None
-    values = _score_metric_resamples(probs, labels, resamples, seed, top_k, bins)
+    return score_percentiles(_score_metric_resamples(probs, labels, resamples, seed, top_k, bins), seed, level)
+
+
+def score_resamples_part(probs, labels, resamples: int, seed: int, top_k, bins: int, part: tuple) -> tuple:
+    """One rank's share of :func:`bootstrap_score_intervals`' work: ``part`` = (rank, world
+    size) computes every world-size-th chunk of resamples (the draws of the others are made
+    and skipped, so the random stream is the same). Returns (the resample numbers, their
+    values); :func:`join_score_resamples` puts the parts together, the same bits for any N.
+    """
+    from dist_eval.metrics import _scores_and_labels
+
+    probs, labels = _scores_and_labels(probs, labels)
+    return _score_metric_resamples(probs, labels, resamples, seed, top_k, bins, part)
+
+
+def join_score_resamples(parts: list, resamples: int) -> dict:
+    """Every resample's values from the parts of :func:`score_resamples_part`."""
+    out: dict = {}
+    for numbers, values in parts:
+        for name, part_values in values.items():
+            out.setdefault(name, np.empty(resamples))[numbers] = part_values
+    return out
+
+
+def score_percentiles(values: dict, seed: int, level: float = 0.95) -> dict:
+    """The intervals (:func:`bootstrap_score_intervals`' dict) of every resample's values."""
+    resamples = len(next(iter(values.values())))
     tail = 100.0 * (1.0 - level) / 2.0
     out = {"method": METHOD, "resamples": int(resamples), "seed": int(seed), "level": float(level)}
     for name, draws in values.items():
@@ -203,14 +229,26 @@ def resample_counts(rng, n: int, resamples: int):
     """Yield ``(start, counts)`` chunks: ``counts[i, j]`` is how often row j is drawn in
     resample ``start + i`` (n row indices drawn uniformly with replacement per resample).
     """
-    for start, r in _chunks(resamples, n):
+    for start, counts in _integer_resample_counts(rng, n, resamples):
+        yield start, counts.astype(np.float64)
+
+
+def _integer_resample_counts(rng, n: int, resamples: int, part: tuple = (0, 1)):
+    """:func:`resample_counts` as int32 (the same draws): half the memory traffic of float64.
+    ``part`` = (rank, world size): only every world-size-th chunk (the others' draws are made).
+    """
+    for number, (start, r) in enumerate(_chunks(resamples, n)):
         indices = rng.integers(0, n, size=(r, n))
+        if number % part[1] != part[0]:
+            continue
         flat = (np.arange(r)[:, None] * n + indices).ravel()
-        yield start, np.bincount(flat, minlength=r * n).reshape(r, n).astype(np.float64)
+        yield start, np.bincount(flat, minlength=r * n).reshape(r, n).astype(np.int32)
 
 
-def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bins: int) -> dict[str, np.ndarray]:
-    """Each score metric of every resample: ``{name: float64[resamples]}``."""
+def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bins: int, part=None):
+    """Each score metric of every resample: ``{name: float64[resamples]}``; with ``part``
+    (rank, world size), (the resample numbers, ``{name: values}``) of that rank's chunks.
+    """
     from dist_eval import metrics as M
 
     order = canonical_row_order(labels, probs)
@@ -230,19 +268,25 @@ def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bin
         out[f"top{k}_accuracy"] = np.empty(resamples)
     out["auroc_macro"] = np.empty(resamples)
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(SCORES_STREAM,))))
-    for start, counts in resample_counts(rng, n, resamples):
+    numbers = []
+    for start, whole in _integer_resample_counts(rng, n, resamples, part or (0, 1)):
+        counts = whole.astype(np.float64)
         stop = start + counts.shape[0]
+        numbers.append(np.arange(start, stop))
         out["ece"][start:stop] = np.abs(counts @ gap_by_bin).sum(axis=1) / n
         out["brier"][start:stop] = counts @ brier / n
         if k is not None:
             out[f"top{k}_accuracy"][start:stop] = counts @ hits / n
-        per_class = np.stack([_weighted_auroc(counts, *ranking) for ranking in rankings], axis=1)
+        per_class = np.stack([_weighted_auroc(whole, *ranking) for ranking in rankings], axis=1)
         with np.errstate(invalid="ignore"):
             # classes present in the resample; NaN when fewer than two are (every AUROC undefined)
             defined = ~np.isnan(per_class)
             sums = np.where(defined, per_class, 0.0).sum(axis=1)
             out["auroc_macro"][start:stop] = np.where(defined.any(axis=1), sums / defined.sum(axis=1), np.nan)
-    return out
+    if part is None:
+        return out
+    mine = np.concatenate(numbers) if numbers else np.zeros(0, dtype=np.int64)
+    return mine, {name: values[mine] for name, values in out.items()}
 
 
 def _ranking(scores: np.ndarray, positive: np.ndarray):
@@ -254,16 +298,21 @@ def _ranking(scores: np.ndarray, positive: np.ndarray):
 
 
 def _weighted_auroc(counts: np.ndarray, order, starts, positive) -> np.ndarray:
-    """AUROC of each resample (row weights ``counts``): Mann-Whitney with ties as 1/2; NaN
-    where the resample has no positive or no negative row.
+    """AUROC of each resample (integer row weights ``counts``): Mann-Whitney with ties as 1/2;
+    NaN where the resample has no positive or no negative row.
+
+    In integers, exactly: twice the wins, sum over tie groups of pos x (2 x negatives below
+    + negatives tied) = pos x (negatives up to and including the group + those below). The
+    float result is then the same bits however it is summed (every count < 2**53).
     """
     weights = counts[:, order]
     pos = weights * positive[None, :]
     if starts.size < order.size:  # tied scores: one group per run of ties
         pos = np.add.reduceat(pos, starts, axis=1)
         weights = np.add.reduceat(weights, starts, axis=1)
-    neg = weights - pos  # counts are integers: exact in float64
-    below = np.cumsum(neg, axis=1) - neg  # negative weight strictly below each group
-    wins = (pos * (below + 0.5 * neg)).sum(axis=1)
-    pairs = pos.sum(axis=1) * neg.sum(axis=1)
-    return np.divide(wins, pairs, out=np.full(wins.shape, np.nan), where=pairs > 0)
+    neg = weights - pos
+    upto = np.cumsum(neg, axis=1, dtype=np.int64)  # negative weight up to and including each group
+    twice_wins = (pos * (2 * upto - neg)).sum(axis=1, dtype=np.int64)
+    pairs = pos.sum(axis=1, dtype=np.int64) * neg.sum(axis=1, dtype=np.int64)
+    wins = twice_wins.astype(np.float64) / 2
+    return np.divide(wins, pairs.astype(np.float64), out=np.full(wins.shape, np.nan), where=pairs > 0)

@@ -185,7 +185,11 @@ def merge_on_main(
             report = _report(
                 merged, num_labels, label_names, user_metrics, global_totals, rank_facts, (bootstrap, top_k)
             )
-    return ranks.broadcast_object(report), merged
+    report = ranks.broadcast_object(report)
+    if bootstrap and bootstrap[0] and report.get("confidence_intervals") and "top_k" in report:
+        with ranks.phase("the score intervals"):
+            report = shared_score_intervals(report, merged, bootstrap)
+    return report, merged
 
 
 def _report(
@@ -217,10 +221,13 @@ def _report(
     return report
 
 
-def probability_scores(logits, labels, top_k: Optional[int], bootstrap: Optional[Tuple[int, int]]) -> dict:
+def probability_scores(logits, labels, top_k: Optional[int], bootstrap: Optional[Tuple[int, int]],
+                       score_intervals: bool = True) -> dict:
     """Rank 0: ``ece``, ``brier``, ``top{k}_accuracy``, ``auroc_macro``, ``top_k`` and the
     ``reliability`` table of the softmax of the merged logits (row order: the same for any
-    N), and their intervals (``bootstrap_score_intervals``) under ``score_intervals``.
+    N), and their intervals (``bootstrap_score_intervals``) under ``score_intervals`` (unless
+    ``score_intervals`` is False: the run's merge shares them over the ranks, see
+    :func:`shared_score_intervals`).
     """
     if logits is None:
         raise RuntimeError("internal: the probability scores need every row's logits on rank 0")
@@ -230,21 +237,42 @@ def probability_scores(logits, labels, top_k: Optional[int], bootstrap: Optional
     out["top_k"] = k
     table = reliability_table(probs, labels, CALIBRATION_BINS)
     out["reliability"] = {name: values.tolist() for name, values in table.items()}
-    if bootstrap and bootstrap[0]:
+    if bootstrap and bootstrap[0] and score_intervals:
         intervals = bootstrap_score_intervals(
             probs, labels, resamples=bootstrap[0], seed=bootstrap[1], top_k=k, bins=CALIBRATION_BINS
         )
-        out["score_intervals"] = {
-            name: None if np.isnan(value).any() else value for name, value in (intervals or {}).items() if name in out
-        }
+        out["score_intervals"] = _reported(intervals, out)
     # undefined (AUROC with one class present) is null in metrics.json, not NaN: JSON has
     # no NaN, and NaN != NaN would make equal reports compare unequal
     return {name: None if isinstance(value, float) and np.isnan(value) else value for name, value in out.items()}
 
 
+def _reported(intervals: Optional[dict], scores: dict) -> dict:
+    """The score intervals the report keeps: those of the scores it has, None for NaN."""
+    return {name: None if np.isnan(value).any() else value
+            for name, value in (intervals or {}).items() if name in scores}
+
+
+def shared_score_intervals(report: dict, merged: Optional[MergedResults], bootstrap) -> dict:
+    """Every rank: the probability scores' intervals, their resamples shared over the ranks
+    (rank 0 sends the probabilities; each rank computes every N-th chunk of resamples; the
+    values are all-gathered), added to ``report``'s ``confidence_intervals``. The same bits
+    for any N: each resample is computed as one process computes it.
+    """
+    from dist_eval.intervals import join_score_resamples, score_percentiles, score_resamples_part
+
+    shared = (softmax(merged.logits), merged.labels) if ranks.is_main_process() else None
+    probs, labels = ranks.broadcast_object(shared)
+    part = score_resamples_part(probs, labels, bootstrap[0], bootstrap[1], report["top_k"], CALIBRATION_BINS,
+                                (ranks.get_rank(), ranks.get_world_size()))
+    values = join_score_resamples(ranks.all_gather_object(part), bootstrap[0])
+    report["confidence_intervals"].update(_reported(score_percentiles(values, bootstrap[1]), report))
+    return report
+
+
 def row_metrics(
     labels, preds, losses, logits, num_labels: int, label_names=None,
-    bootstrap: Optional[Tuple[int, int]] = None, top_k: Optional[int] = None,
+    bootstrap: Optional[Tuple[int, int]] = None, top_k: Optional[int] = None, score_intervals: bool = True,
 ) -> dict:
     """Every built-in metric of the rows (ordered by row index), and their intervals: the
     run's merge and ``python -m dist_eval.rescore`` both call this. Without ``logits`` the
@@ -261,8 +289,8 @@ def row_metrics(
         )
     if logits is not None:
         intervals = report.get("confidence_intervals")
-        report.update(probability_scores(logits, labels, top_k, bootstrap))
-        if intervals:  # one dict of intervals: the same resamples count, seed and level
+        report.update(probability_scores(logits, labels, top_k, bootstrap, score_intervals))
+        if intervals and score_intervals:  # one dict of intervals: the same resamples count, seed and level
             intervals.update(report.pop("score_intervals"))
     return report
 
@@ -270,8 +298,9 @@ def row_metrics(
 def _metrics(merged: MergedResults, num_labels, label_names, user_metrics, totals: Totals, scoring) -> dict:
     if label_names is not None and len(label_names) != num_labels:
         label_names = None
-    report = row_metrics(
-        merged.labels, merged.preds, merged.losses, merged.logits, num_labels, label_names, scoring[0], scoring[1]
+    report = row_metrics(  # the score intervals: shared over the ranks afterwards (shared_score_intervals)
+        merged.labels, merged.preds, merged.losses, merged.logits, num_labels, label_names, scoring[0], scoring[1],
+        score_intervals=False,
     )
     reduced_loss = totals.loss_sum / merged.num_samples
     if abs(reduced_loss - report["loss"]) > 1e-9 * max(1.0, abs(report["loss"])):

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 
 from dist_eval import ranks
 from dist_eval.config import EvalConfig, Settings
-from dist_eval.errors import UsageError
+from dist_eval.errors import UsageError, short_error
 from dist_eval.plan import Checkpoint, EvalSet, Pair, Plan
 
 
@@ -188,18 +188,35 @@ def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
                 f"--model {job.model_dir}: no usable tokenizer in the folder ({type(e).__name__}). "
                 "Save the tokenizer there too (tokenizer.save_pretrained(folder))."
             ) from e
-        session.model = load_model(
-            config.backend, job.model_dir, checkpoint=first.checkpoint.path, head=job.head,
-            tuning_mode=config.tuning_mode, pre_seq_len=config.pre_seq_len, num_labels=config.num_labels,
-            initial_peers=session.swarm[0], dht_prefix=session.swarm[1], swarm_timeout=config.swarm_timeout,
-            device=config.device, label_words=job.settings.label_words, tokenizer=session.tokenizer,
-        )
+        with _unreadable_model_files(job.model_dir):
+            session.model = load_model(
+                config.backend, job.model_dir, checkpoint=first.checkpoint.path, head=job.head,
+                tuning_mode=config.tuning_mode, pre_seq_len=config.pre_seq_len, num_labels=config.num_labels,
+                initial_peers=session.swarm[0], dht_prefix=session.swarm[1], swarm_timeout=config.swarm_timeout,
+                device=config.device, label_words=job.settings.label_words, tokenizer=session.tokenizer,
+            )
         session.loaded = first.checkpoint
         cleanup.push(_barrier_unless_interrupted)  # no rank's client still talks when rank 0 stops the swarm
         cleanup.callback(session.model.close)
         for checkpoint in job.plan.checkpoints[1:]:
             session.model.check_structure(_trainable(session, checkpoint), checkpoint.path)
     session.shared_phases = dict(ranks.phase_seconds)
+
+
+@contextlib.contextmanager
+def _unreadable_model_files(model_dir: str):
+    """A file of the model folder that cannot be read (a truncated safetensors file, one
+    missing) is the user's input to fix: a usage error (exit 2), not an internal one.
+    """
+    from json import JSONDecodeError
+
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, JSONDecodeError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        raise UsageError(f"a file of the folder cannot be read ({short_error(e, 120)}): it is broken or incomplete. "
+                         "Save or copy the model again.", param="model_dir", value=model_dir) from e
 
 
 def _trainable(session: _Session, checkpoint: Checkpoint):

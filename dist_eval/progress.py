@@ -11,19 +11,51 @@ total at most every ``refresh_s`` and renders it on stderr (stdout keeps the sum
 
 In one process the count is local. Progress can never fail an evaluation: a store error
 stops the display with one warning line.
+
+The ETA counts work, not rows: given the batch plan (:meth:`GlobalProgress.set_plan`,
+each batch's rows and padded tokens), the rows done are turned into the plan's cost done,
+taken in run order (the plan runs its longest batches first, so the first rows are the
+costliest). No ETA is shown before ``ETA_AFTER_WORK`` of the work is done: the first
+batches (the longest, a cold swarm) say little of the rate.
 """
 from __future__ import annotations
 
 import sys
 import threading
 import time
-from typing import Optional, TextIO
+from typing import Optional, Sequence, TextIO
+
+import numpy as np
 
 from dist_eval import ranks
 from dist_eval.errors import warn
 
 MODES = ("auto", "bar", "log", "none")
 _BAR_WIDTH = 30
+ETA_AFTER_WORK = 0.02  # the share of the work done before an ETA is shown
+
+
+class WorkPlan:
+    """Cumulative rows and cost of a batch plan, in run order: the work of the first rows."""
+
+    def __init__(self, batch_rows: Sequence[int], batch_costs: Sequence[float]):
+        self.rows = np.concatenate([[0], np.cumsum(np.asarray(batch_rows, dtype=np.float64))])
+        self.costs = np.concatenate([[0], np.cumsum(np.asarray(batch_costs, dtype=np.float64))])
+
+    def fraction(self, rows_done: int) -> float:
+        """The share of the plan's cost in its first ``rows_done`` rows (linear within a batch)."""
+        total = self.costs[-1]
+        return float(np.interp(rows_done, self.rows, self.costs) / total) if total > 0 else 1.0
+
+
+def eta_seconds(elapsed: float, done: int, total: int, plan: Optional[WorkPlan] = None) -> Optional[float]:
+    """Seconds left, from the share of the work done in ``elapsed`` (the rows' share without
+    a plan); None before ``ETA_AFTER_WORK`` of it.
+    """
+    fraction = plan.fraction(done) if plan is not None else (done / total if total else 1.0)
+    if fraction < ETA_AFTER_WORK or fraction <= 0:
+        return None
+    return elapsed * (1.0 - min(fraction, 1.0)) / fraction
 
 
 def resolve_mode(mode: str, quiet: bool, stream: TextIO) -> str:
@@ -95,6 +127,7 @@ class GlobalProgress:
         self._last_logged_done = -1
         self._line_width = 0
         self._closed = False
+        self._plan: Optional[WorkPlan] = None
 
     # -- every rank ---------------------------------------------------------------------
 
@@ -109,6 +142,13 @@ class GlobalProgress:
             ranks.shared_counter_add(self._key, num_rows)
         except Exception as e:  # progress must never fail the evaluation
             self._give_up(e)
+
+    def set_plan(self, batch_rows: Sequence[int], batch_costs: Sequence[float]) -> None:
+        """The global batch plan in run order (each batch's rows and cost, e.g. padded
+        tokens): the ETA then counts work. :func:`dist_eval.evaluate` calls it, on every
+        rank, for an ``on_batch_done`` that is a bound ``update`` of a GlobalProgress.
+        """
+        self._plan = WorkPlan(batch_rows, batch_costs) if len(batch_rows) else None
 
     def __enter__(self) -> GlobalProgress:
         self.start()
@@ -173,7 +213,7 @@ class GlobalProgress:
         now = time.monotonic()
         elapsed = max(now - (self._started or now), 1e-9)
         rate = done / elapsed if done else 0.0
-        eta = (self.total - done) / rate if rate > 0 else None
+        eta = eta_seconds(elapsed, done, self.total, self._plan)
         if self.mode == "bar":
             self._draw_bar(done, rate, eta, elapsed, final)
         elif final:

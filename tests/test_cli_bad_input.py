@@ -34,6 +34,17 @@ def model_without_tokenizer(tiny_model, tmp_path_factory):
     return str(folder)
 
 
+@pytest.fixture(scope="module")
+def model_truncated(tiny_model, tmp_path_factory):
+    """The tiny model with its safetensors file cut short (issue 29: an internal error on every rank before)."""
+    folder = tmp_path_factory.mktemp("truncated")
+    for name in os.listdir(tiny_model):
+        shutil.copy(os.path.join(tiny_model, name), folder / name)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    return str(folder)
+
+
 CASES = {
     # id: (data file text or None for the default, extra flags, pattern of the error line)
     "device_without_gpu": (None, ["--device", "cuda:1"], r"--device cuda:1: no CUDA device is visible"),
@@ -69,6 +80,11 @@ CASES = {
     "empty_split_csv": ("text,label\n", [], r"--data-files .*data\.csv: no rows"),
     "empty_data_file": ("", [], r"--data-files .*data\.csv: no rows"),
     "model_without_tokenizer": (None, ["MODEL_WITHOUT_TOKENIZER"], r"--model .*: no usable tokenizer in the folder"),
+    # issue 29: a k that every row meets; a model folder's broken file (exit 2, not an internal error)
+    "top_k_at_num_classes": (None, ["--top-k", "3"], r"--top-k 3: expected a k below the number of classes \(3\); "
+                                                     r"got 3.* Fix: pass at most 2"),
+    "truncated_safetensors": (None, ["MODEL_TRUNCATED"], r"--model .*: a file of the folder cannot be read "
+                                                         r"\(SafetensorError: .*\): it is broken"),
     # zero-shot: fewer label words than the data's classes; a template without {text}
     "too_few_label_words": (
         None,
@@ -89,18 +105,20 @@ CASES = {
 TWO_RANKS = {"nccl_without_gpu", "row_without_text", "text_labels_not_num_labels"}
 
 
-def _case_args(case, tiny_model, tiny_checkpoint, model_without_tokenizer, tmp_path):
+def _case_args(case, tiny_model, tiny_checkpoint, folders, tmp_path):
     text, extra, pattern = CASES[case]
     data = _write(tmp_path / "data.csv", text if text is not None else "text,label\nw1 w2,0\nw3,1\nw4 w5,2\n")
     model = tiny_model
-    if extra == ["MODEL_WITHOUT_TOKENIZER"]:
-        model, extra = model_without_tokenizer, []
+    if extra and extra[0] in folders:  # MODEL_WITHOUT_TOKENIZER, MODEL_TRUNCATED
+        model, extra = folders[extra[0]], []
     return local_args(model, tiny_checkpoint, data, tmp_path / "out", *extra), pattern
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c not in TWO_RANKS])
-def test_bad_input_fails_cleanly(case, tiny_model, tiny_checkpoint, model_without_tokenizer, tmp_path, capfd):
-    args, pattern = _case_args(case, tiny_model, tiny_checkpoint, model_without_tokenizer, tmp_path)
+def test_bad_input_fails_cleanly(case, tiny_model, tiny_checkpoint, model_without_tokenizer, model_truncated, tmp_path,
+                                 capfd):
+    folders = {"MODEL_WITHOUT_TOKENIZER": model_without_tokenizer, "MODEL_TRUNCATED": model_truncated}
+    args, pattern = _case_args(case, tiny_model, tiny_checkpoint, folders, tmp_path)
     fails_in_process(args, capfd, pattern)  # exit code 2, one line, no traceback, no report
     assert_no_report(tmp_path / "out")
 
@@ -108,7 +126,8 @@ def test_bad_input_fails_cleanly(case, tiny_model, tiny_checkpoint, model_withou
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", sorted(TWO_RANKS))
 def test_bad_input_fails_cleanly_on_every_rank(case, tiny_model, tiny_checkpoint, model_without_tokenizer, tmp_path):
-    args, pattern = _case_args(case, tiny_model, tiny_checkpoint, model_without_tokenizer, tmp_path)
+    args, pattern = _case_args(case, tiny_model, tiny_checkpoint, {"MODEL_WITHOUT_TOKENIZER": model_without_tokenizer},
+                               tmp_path)
     proc = run_cli(args, nproc=2, timeout=240)
     assert_clean_failure(proc, pattern)  # exit code 2 on every rank, one line, no traceback of ours
     assert_no_report(tmp_path / "out")

@@ -90,3 +90,45 @@ RECORDED = {
     'method': 'bootstrap-percentile', 'resamples': 300, 'seed': 7, 'level': 0.95, 'accuracy': [0.796, 0.85905],
     'f1_macro': [0.7933861317844021, 0.8570595748986883], 'loss': [0.5724867919799044, 0.7021886757005841],
 }
+
+
+RECORDED_SCORES = {
+    (400, 3, 1, False): {
+        'ece': [0.07377155571371265, 0.14433303881378456], 'brier': [0.30173239944841895, 0.3720464832941516],
+        'top2_accuracy': [0.9086875, 0.9563124999999999], 'auroc_macro': [0.8929042916391734, 0.935890100041755]},
+    (300, 4, 2, True): {
+        'ece': [0.22009474206349208, 0.30504844576719575], 'brier': [0.5103636975623582, 0.5626108571900983],
+        'top2_accuracy': [0.7966666666666666, 0.8766666666666667],
+        'auroc_macro': [0.8438759579503451, 0.8999518335000332]},
+    (200, 2, 3, True): {
+        'ece': [0.11622916666666668, 0.2063124999999999], 'brier': [0.2242986111111111, 0.29724999999999996],
+        'auroc_macro': [0.8789460923191392, 0.9553439630375775]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(RECORDED_SCORES))
+def test_score_intervals_are_those_recorded_before_the_faster_auroc(case):
+    """Issue 29 made the resampled AUROC exact integer arithmetic (faster): the intervals at a
+    fixed seed are bit for bit those recorded on the commit before it (f8583d7)."""
+    n, k, seed, coarse = case
+    probs, labels = synthetic(n, k, seed, coarse=coarse)
+    ci = bootstrap_score_intervals(probs, labels, resamples=300, seed=7)
+    assert {name: value for name, value in ci.items() if isinstance(value, list)} == RECORDED_SCORES[case]
+
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_the_resamples_shared_over_ranks_are_those_of_one_process(world):
+    """Issue 29: each rank computes every N-th chunk of resamples; joined, the same bits as
+    one process (900 rows: 3 chunks of 582 resamples at most), so the intervals do not depend on N."""
+    from dist_eval.intervals import join_score_resamples, score_percentiles, score_resamples_part
+
+    probs, labels = synthetic(900, 3, seed=4, coarse=True)
+    whole = _score_metric_resamples(probs, labels, 1200, 7, None, 15)
+    parts = [score_resamples_part(probs, labels, 1200, 7, None, 15, (rank, world)) for rank in range(world)]
+    assert sum(len(numbers) > 0 for numbers, _ in parts) == min(world, 3)  # the work is shared
+    joined = join_score_resamples(parts, 1200)
+    assert set(joined) == set(whole)
+    for name in whole:
+        assert np.array_equal(joined[name], whole[name], equal_nan=True), name
+    assert score_percentiles(joined, 7) == bootstrap_score_intervals(probs, labels, 1200, 7)

@@ -4,6 +4,7 @@ import io
 import re
 import time
 
+import numpy as np
 import pytest
 from conftest import write_csv
 from inprocess_cli import run_cli_in_process
@@ -155,3 +156,73 @@ def test_cli_quiet_shows_no_progress(tiny_model, tiny_checkpoint, tmp_path, capf
     assert code == 0, err[-3000:]
     assert "progress" not in err and "progress" not in out
     assert re.fullmatch(r"dist_eval: accuracy \d\.\d{4} on 9 samples -> .*metrics\.json\n", out)
+
+
+# ---- the ETA counts work (issue 29: at 2% a long-tailed run said "ETA 12:12" and ended 75 s later)
+
+
+def _recorded_trace(world: int = 2, num_rows: int = 20000, seed: int = 0):
+    """A recorded run without a wall clock: a long-tailed set's batch plan (longest first),
+    each rank running its shard in order, a batch taking time per padded token plus a fixed
+    overhead worth 250 of them (the plan's cost, padded tokens, does not count it).
+    Returns (the plan as (rows, padded tokens) per batch, times, rows done over every rank
+    after each batch)."""
+    import numpy as np
+
+    from dist_eval.data import plan_batches, shard_batch_ids
+
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(8 + (rng.pareto(1.5, num_rows) * 20).astype(np.int64), 512)
+    planned = plan_batches(num_rows, 32, lengths, 4096)
+    costs = [len(b) * int(lengths[b].max()) for b in planned]
+    events = []
+    for rank in range(world):
+        clock = 0.0
+        for b in shard_batch_ids(len(planned), rank, world):
+            clock += 0.005 + 2e-5 * costs[b]
+            events.append((clock, len(planned[b])))
+    events.sort()
+    times = np.array([t for t, _ in events])
+    done = np.cumsum([n for _, n in events])
+    return ([len(b) for b in planned], costs), times, done
+
+
+def test_the_eta_at_10_percent_is_within_25_percent_of_the_remaining_time():
+    from dist_eval.progress import WorkPlan, eta_seconds
+
+    (rows, costs), times, done = _recorded_trace()
+    total = int(done[-1])
+    at = int(np.searchsorted(done, total // 10))  # the first update at 10% of the rows: the log line's
+    eta = eta_seconds(times[at], int(done[at]), total, WorkPlan(rows, costs))
+    remaining = times[-1] - times[at]
+    assert abs(eta - remaining) <= 0.25 * remaining, (eta, remaining)
+    # counted in rows, the same trace is far off (the first rows are the longest)
+    assert abs(eta_seconds(times[at], int(done[at]), total) - remaining) > 0.25 * remaining
+
+
+def test_no_eta_before_the_rate_means_anything():
+    from dist_eval.progress import ETA_AFTER_WORK, WorkPlan, eta_seconds
+
+    plan = WorkPlan([10, 10, 980], [100, 100, 19600])
+    assert eta_seconds(0.1, 0, 1000, plan) is None
+    assert eta_seconds(0.3, 1, 1000, plan) is None  # 0.05% of the work (before: 0.1% of the rows gave an ETA)
+    assert plan.fraction(20) < ETA_AFTER_WORK <= plan.fraction(40)
+    assert eta_seconds(5.0, 40, 1000, plan) == pytest.approx(5.0 * (19800 - 600) / 600)  # 200 + 400
+    progress = GlobalProgress(1000, "log", stream=io.StringIO())
+    progress.set_plan([10, 10, 980], [100, 100, 19600])
+    progress.start()
+    progress.update(1)
+    progress._render(final=False)
+    assert "ETA ?" in progress.stream.getvalue()
+    progress.close()
+
+
+def test_the_cli_gives_the_progress_its_plan(tiny_model, tiny_checkpoint, tmp_path, monkeypatch):
+    plans = []
+    monkeypatch.setattr(GlobalProgress, "set_plan", lambda self, rows, costs: plans.append((list(rows), list(costs))))
+    data = write_csv(str(tmp_path / "data.csv"), 20, seed=1)
+    args = ["--model", tiny_model, "--data-files", data, "--backend", "local", "--checkpoint", tiny_checkpoint,
+            "--output-dir", str(tmp_path / "out"), "--batch-size", "4", "--progress", "none", "--quiet"]
+    assert run_cli_in_process(args) == 0
+    (rows, costs), = plans
+    assert sum(rows) == 20 and len(costs) == len(rows) == 5 and costs == sorted(costs, reverse=True)

@@ -4,6 +4,7 @@ nested phase passes through unchanged. Several ranks: tests/test_cli_bad_input.p
 and the failure flag of a stop_early phase below (tests/stop_early_worker.py)."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -82,3 +83,34 @@ def test_a_failure_stops_the_other_ranks_with_few_store_reads(tmp_path):
     assert facts["calls"] > 10 * facts["reads"]  # ... checking far more often than it asked the store
     # at most one read per interval (the first at once)
     assert facts["reads"] <= facts["elapsed_s"] / FailureFlag.CHECK_INTERVAL + 1
+
+
+def test_a_failure_every_rank_met_alike_is_shared():
+    """Issue 29: a broken model folder failed both ranks with one message; both printed it,
+    glued on one line. Shared: the CLI prints it from rank 0 alone."""
+    from dist_eval.ranks.phases import RankFailure
+
+    same = [(0, "internal", "loading failed: X"), (1, "internal", "loading failed: X")]
+    assert RankFailure("p", same, 2).shared and str(RankFailure("p", same, 2)) == "loading failed: X"
+    assert not RankFailure("p", same[:1], 2).shared  # rank 1 alone knows nothing of it
+    assert not RankFailure("p", [same[0], (1, "internal", "other")], 2).shared
+
+
+def test_the_cli_prints_a_shared_failure_from_rank_0_alone(monkeypatch, capfd):
+    from dist_eval import cli
+    from dist_eval.ranks.phases import RankFailure
+
+    failure = RankFailure("p", [(0, "internal", "loading failed: X"), (1, "internal", "loading failed: X")], 2)
+
+    def fail(config):
+        raise failure
+
+    monkeypatch.setattr("dist_eval.pipeline.run", fail)
+    monkeypatch.setattr(cli.ranks, "get_rank", lambda: 1)
+    args = cli.build_parser().parse_args([])
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert cli._main(args) == cli.EXIT_FAILURE
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "loading failed" not in capfd.readouterr().err

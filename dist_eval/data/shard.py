@@ -1,7 +1,7 @@
 """This rank's batches of a Dataset (planned globally, tokenized once); a user DataLoader's: loader.py."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -30,13 +30,46 @@ def _token_lengths(dataset, tokenizer, columns: TaskColumns, num_rows: int, max_
     return lengths, dict(zip(block.tolist(), ids)), num_truncated
 
 
+def _row_owners(planned: List[np.ndarray], num_rows: int) -> np.ndarray:
+    """The rank whose batches hold each row."""
+    owners = np.zeros(num_rows, dtype=np.int64)
+    world_size = ranks.get_world_size()
+    for rank in range(1, world_size):
+        ids = shard_batch_ids(len(planned), rank, world_size)
+        if ids:
+            owners[np.concatenate([planned[b] for b in ids])] = rank
+    return owners
+
+
+def _send_to_owners(by_row: Dict[int, List[int]], planned: List[np.ndarray], num_rows: int) -> Dict[int, List[int]]:
+    """The token ids of this rank's block, each row sent to the rank whose batches hold it;
+    returns those of this rank's own rows. Rows travel packed: (row indices, lengths, one
+    flat int32 array of ids), which pickles in a fraction of a list of lists' time.
+    """
+    owners = _row_owners(planned, num_rows)
+    rows = np.fromiter(by_row, dtype=np.int64, count=len(by_row))
+    outgoing = []
+    for rank in range(ranks.get_world_size()):
+        picked = rows[owners[rows] == rank].tolist()
+        sizes = np.fromiter((len(by_row[r]) for r in picked), dtype=np.int64, count=len(picked))
+        flat = np.fromiter((t for r in picked for t in by_row[r]), dtype=np.int32, count=int(sizes.sum()))
+        outgoing.append((np.asarray(picked, dtype=np.int64), sizes, flat))
+    mine: Dict[int, List[int]] = {}
+    for picked, sizes, flat in ranks.exchange_objects(outgoing):
+        ends = np.cumsum(sizes)
+        mine.update((row, flat[end - size:end].tolist())
+                    for row, size, end in zip(picked.tolist(), sizes.tolist(), ends.tolist()))
+    return mine
+
+
 # Rows tokenized at once as the batches come (see dataset_batches): the rows of the next
 # batches up to this many, so that each read of the dataset serves several batches.
 _AHEAD_ROWS = 256
 
 
 def dataset_batches(
-    dataset, tokenizer, labels: np.ndarray, settings, *, pad_token_id: int, prefix_tokens: int = 0
+    dataset, tokenizer, labels: np.ndarray, settings, *, pad_token_id: int, prefix_tokens: int = 0,
+    on_plan: Optional[Callable[[List[int], List[int]], None]] = None,
 ) -> Tuple[Iterator[Batch], int, Dict[int, np.ndarray]]:
     """This rank's batches of a Dataset: (iterator of right-padded batches, rows truncated
     here, {batch id: row indices} of this rank's batches).
@@ -44,11 +77,11 @@ def dataset_batches(
     ``settings`` is a :class:`dist_eval.config.Settings`. Every rank calls it (it holds
     collectives). With length buckets or a token budget the global batch plan needs every
     row's token count (:func:`_token_lengths`: each rank tokenizes one block of rows, which
-    checks every row and counts the truncated ones); the rows of this rank's batches that
-    its block did not cover are then tokenized as the batches come, a few batches ahead,
-    while earlier batches are at the swarm: the first forward starts without waiting for
-    the rest of the shard (a wait of a few percent of the loop: benchmarks/RESULTS.md). Without
-    the lengths, every row of the shard is tokenized (so checked) here, before any forward.
+    checks every row and counts the truncated ones); each block's token ids then go to the
+    ranks whose batches hold their rows (:func:`_send_to_owners`), so a row is tokenized
+    once per run. Without the lengths, every row of the shard is tokenized (so checked)
+    here, before any forward. ``on_plan(rows, padded tokens)`` of every batch of the global
+    plan, in plan order, when the lengths are known (the progress's ETA counts that work).
     """
     columns, max_length = TaskColumns.of(settings), settings.max_length
     num_rows = len(labels)
@@ -62,10 +95,13 @@ def dataset_batches(
         num_rows, settings.batch_size, lengths, settings.max_batch_tokens,
         length_buckets=settings.length_buckets, prefix_tokens=prefix_tokens,
     )
+    if on_plan is not None and lengths is not None:
+        on_plan([len(b) for b in planned], [len(b) * (int(lengths[b].max()) + prefix_tokens) for b in planned])
     batch_ids = shard_batch_ids(len(planned), ranks.get_rank(), ranks.get_world_size())
     own_rows = {r for b in batch_ids for r in planned[b].tolist()}
-    by_row = {r: ids for r, ids in by_row.items() if r in own_rows}  # the block's other rows are not needed
-    if lengths is None:
+    if lengths is not None:  # the block's rows go to the ranks whose batches hold them: no row tokenized twice
+        by_row = _send_to_owners(by_row, planned, num_rows)
+    else:
         todo = np.array(sorted(own_rows), dtype=np.int64)
         ids, num_truncated = tokenize_rows(tokenizer, dataset, todo, columns, max_length, pad_token_id)
         by_row.update(zip(todo.tolist(), ids))

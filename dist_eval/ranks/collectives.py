@@ -56,6 +56,25 @@ def all_gather_object(obj: Any) -> List[Any]:
     return out
 
 
+def exchange_objects(outgoing: List[Any]) -> List[Any]:
+    """``outgoing[r]`` goes to rank ``r``; returns what each rank sent this one, in rank order.
+
+    One scatter from each rank in turn: a rank receives only what is addressed to it (an
+    all-gather would give every rank everything).
+    """
+    world_size = get_world_size()
+    if len(outgoing) != world_size:
+        raise ValueError(f"{len(outgoing)} objects for {world_size} ranks")
+    if world_size == 1:
+        return list(outgoing)
+    incoming: List[Any] = []
+    for src in range(world_size):
+        box: List[Any] = [None]
+        dist.scatter_object_list(box, list(outgoing) if get_rank() == src else None, src=src)
+        incoming.append(box[0])
+    return incoming
+
+
 def gather_arrays_to_main(arrays: Dict[str, np.ndarray]) -> Optional[Dict[str, np.ndarray]]:
     """Each array concatenated over ranks in rank order, on rank 0 only (None elsewhere).
 

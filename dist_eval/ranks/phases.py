@@ -56,7 +56,8 @@ class RankFailure(RuntimeError):
     """Raised on every rank when one or more ranks failed a phase.
 
     ``usage`` is True when every failure was a :class:`dist_eval.errors.UsageError`
-    (the user can fix it), so the CLI prints one line instead of a traceback.
+    (the user can fix it), so the CLI prints one line instead of a traceback. ``shared``
+    is True when every rank failed with the same message: rank 0 alone prints it.
     """
 
     def __init__(self, phase: str, failures: List[tuple], world_size: int):
@@ -65,6 +66,8 @@ class RankFailure(RuntimeError):
         failures = [f for f in failures if f[1] != "stopped"] or failures
         self.failures = failures  # [(rank, kind, message)]
         self.usage = all(kind == "usage" for _, kind, _ in failures)
+        # every rank met the same error (a broken model folder): one line, from rank 0, is enough
+        self.shared = len(failures) == world_size and len({m for _, _, m in failures}) == 1
         rank, _, message = failures[0]
         where = f"rank {rank}: " if world_size > 1 and len(failures) < world_size else ""
         others = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 and where else ""

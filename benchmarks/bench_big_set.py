@@ -1,0 +1,148 @@
+"""Where a big set's run goes, phase by phase: the local backend, N ranks, the default
+intervals on, this checkout beside a baseline (a git ref, run from an exported copy).
+
+    .venv/bin/python benchmarks/bench_big_set.py --rows 200000 [--nproc 2] [--baseline main] [--out FILE]
+    .venv/bin/python benchmarks/bench_big_set.py --table FILE      (the table of a saved run again)
+
+The data: the demo task's sentences cut to long-tailed lengths (benchmarks/bench_gpu.py's
+``make_data``: median 19 words, 90th percentile 49, at most 178), a random tiny Llama (4
+layers, hidden 64) with random prompts and head, all made once in a temporary folder.
+Each of the two codes then runs the CLI once under torchrun (``--nproc``) on it; the
+figures are the command's wall time, samples/s (rows / wall time) and each phase's
+seconds from ``metrics.json`` (``run.phase_seconds``; "launch and imports" is the wall
+time the phases do not cover). The share that matters (issue 29): everything other than
+the forward passes, as a share of the wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+
+FORWARD = "the forward passes"
+MEASURING, TOKENIZING = "measuring the token lengths", "tokenizing the data"
+
+
+def make_assets(workdir: str, rows: int, seed: int) -> list:
+    """The CLI's arguments for the set, the model and its checkpoint made in ``workdir``."""
+    import bench_gpu
+
+    from dist_eval.demo import LABEL_NAMES
+
+    data = bench_gpu.make_data(os.path.join(workdir, "data"), rows, seed)
+    model_dir = os.path.join(workdir, "model")
+    vocab = bench_gpu.save_tokenizer(model_dir, data.pop("vocab"))
+    model = bench_gpu.save_model(model_dir, "tiny", vocab, "cpu", "float32", seed)
+    checkpoint = bench_gpu.save_checkpoint(os.path.join(workdir, "ptune.pt"), model["hidden_size"],
+                                           len(LABEL_NAMES), seed)
+    return ["--model", model_dir, "--data-files", os.path.join(workdir, "data"), "--backend", "local",
+            "--checkpoint", checkpoint, "--progress", "log"]
+
+
+def export(ref: str, folder: str) -> str:
+    """The code of git ref ``ref``, exported (``git archive``) into ``folder``."""
+    archive = subprocess.run(["git", "-C", ROOT, "archive", ref], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    return folder
+
+
+def run_once(code: str, args: list, out: str, nproc: int) -> dict:
+    """One CLI run of the code in ``code``: wall seconds and the phases of its report."""
+    env = {**os.environ, "PYTHONPATH": code, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(_free_port()), "-m", "dist_eval", *args, "--output-dir", out]
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=code, env=env)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"run of {code} failed:\n{proc.stderr[-3000:]}")
+    with open(os.path.join(out, "metrics.json")) as f:
+        metrics = json.load(f)
+    return {"wall_seconds": wall, "rows": metrics["num_samples"], "phases": dict(metrics["run"]["phase_seconds"]),
+            "eta_lines": [line for line in proc.stderr.splitlines() if "progress" in line][:3]}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def top_level(phases: dict, wall: float) -> dict:
+    """The phases without nesting ("measuring the token lengths" runs inside "tokenizing the
+    data", whose figure includes it), and "launch and imports": the wall time they leave.
+    """
+    phases = dict(phases)
+    if MEASURING in phases and TOKENIZING in phases:
+        phases[TOKENIZING + " (besides measuring)"] = phases.pop(TOKENIZING) - phases[MEASURING]
+    return {"launch and imports": max(0.0, wall - sum(phases.values())), **phases}
+
+
+def report(results: dict) -> None:
+    results = {label: {**r, "phases": top_level(r["phases"], r["wall_seconds"])} for label, r in results.items()}
+    names = list(dict.fromkeys(name for r in results.values() for name in r["phases"]))
+    labels = list(results)
+    print(f"{'phase':<38}" + "".join(f"{label:>22}" for label in labels))
+    for name in names:
+        cells = []
+        for label in labels:
+            r = results[label]
+            seconds = r["phases"].get(name)
+            cells.append("-" if seconds is None else f"{seconds:7.1f} s {100 * seconds / r['wall_seconds']:5.1f}%")
+        print(f"{name:<38}" + "".join(f"{c:>22}" for c in cells))
+    for title, fn in (("wall", lambda r: f"{r['wall_seconds']:7.1f} s"),
+                      ("everything but the forwards", lambda r: f"{100 * _not_forward(r):6.1f}%"),
+                      ("samples/s (rows / wall)", lambda r: f"{r['rows'] / r['wall_seconds']:8.1f}")):
+        print(f"{title:<38}" + "".join(f"{fn(results[label]):>22}" for label in labels))
+
+
+def _not_forward(r: dict) -> float:
+    return 1.0 - r["phases"].get(FORWARD, 0.0) / r["wall_seconds"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--baseline", default="main", help="git ref run beside this checkout ('' for none)")
+    p.add_argument("--out", default=None, help="a JSON file for the figures")
+    p.add_argument("--table", default=None, help="only print the table of a JSON file written by --out")
+    args = p.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            saved = json.load(f)
+        print(f"{saved['rows']} rows, local backend, N={saved['nproc']}, default intervals:")
+        report(saved["results"])
+        return 0
+    with tempfile.TemporaryDirectory(prefix="bench_big_set_") as workdir:
+        cli_args = make_assets(workdir, args.rows, args.seed)
+        codes = {"this checkout": ROOT}
+        if args.baseline:
+            codes[f"baseline {args.baseline}"] = export(args.baseline, tempfile.mkdtemp(dir=workdir))
+        results = {}
+        for label, code in codes.items():
+            results[label] = run_once(code, cli_args, os.path.join(workdir, f"out{len(results)}"), args.nproc)
+            print(f"{label}: {results[label]['wall_seconds']:.1f} s", flush=True)
+    print(f"\n{args.rows} rows, local backend, N={args.nproc}, default intervals:")
+    report(results)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rows": args.rows, "nproc": args.nproc, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
