@@ -9,10 +9,17 @@ import random
 import subprocess
 import sys
 
+import datasets  # noqa: F401  (see below)
 import process_leaks  # no test leaves a process behind
 import pytest
 import suite_plugin  # the gpu, multiproc and swarm marks, checked; --reverse-order
 import torch
+from transformers.utils import logging as hf_logging
+
+# datasets binds its log handler to sys.stderr when imported, transformers when its logging is
+# first used: here, before any test, not inside a test whose captured stream is closed after it
+# (a later test's log line would then print a "--- Logging error ---" traceback).
+hf_logging.get_logger()
 
 
 def pytest_addoption(parser):
