@@ -51,4 +51,10 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    finally:
+        # as the CLI ends: the gloo group torn down before the interpreter, not by its exit
+        # (under load, gloo's threads met at interpreter exit aborted rank 0: "terminate called
+        # without an active exception", SIGABRT)
+        ranks.destroy_process_group()
