@@ -138,3 +138,29 @@ def stopping_round(lower, upper, round_ends, width: Optional[float] = None, deci
         if width is not None and hi - lo <= width:
             return k, "width"
     return len(round_ends) - 1, "end"
+
+
+def stop_report(values, population: int, round_rows: int, width: Optional[float] = None,
+                decide: bool = False, bounds=(0.0, 1.0), level: float = 0.95, paired_with=None) -> Dict:
+    """What a run that looks after every ``round_rows`` rows would stop on: ``values`` are the
+    per-row values of the whole set in the order the rows are seen (``paired_with``: the first
+    model's, ``values`` then the second's; the difference is second - first). Only the rows up to
+    the stopping round decide it. Keys: ``interval`` (low, high, width, level, method,
+    time_uniform), ``reason`` ("width", "decided" or "end"), ``rows_used``, ``rows_in_set``,
+    ``rows_saved``, ``rounds``, ``round_rows``, ``estimate`` (the mean of the rows used).
+    """
+    values = np.asarray(values, dtype=np.float64)
+    if paired_with is not None:
+        lower, upper = paired_sequence(paired_with, values, population, level, bounds)
+        values = values - np.asarray(paired_with, dtype=np.float64)
+    else:
+        lower, upper = sequence(values, population, level, bounds)
+    ends = list(range(round_rows, values.size, round_rows)) + [values.size]
+    k, reason = stopping_round(lower, upper, ends, width, decide)
+    used = ends[k]
+    interval = {"low": float(lower[used - 1]), "high": float(upper[used - 1]),
+                "width": float(upper[used - 1] - lower[used - 1]), "level": level,
+                "method": "confidence-sequence-empirical-bernstein-without-replacement", "time_uniform": True}
+    return {"interval": interval, "reason": reason, "rows_used": used, "rows_in_set": int(population),
+            "rows_saved": int(population) - used, "rounds": k + 1, "round_rows": round_rows,
+            "estimate": float(values[:used].mean())}

@@ -111,3 +111,17 @@ def test_values_outside_the_declared_bounds_are_refused():
         sq.sequence([0.5, 1.5], 10)
     with pytest.raises(ValueError, match="method"):
         sq.sequence([0.5], 10, method="normal")
+
+
+def test_the_stop_report_uses_only_the_rows_up_to_its_round():
+    truth, values = streams(0.9, seed=9, runs=1)
+    report = sq.stop_report(values[0], POPULATION, ROUND, width=0.1)
+    used = report["rows_used"]
+    assert report["reason"] == "width" and used % ROUND == 0 and used < POPULATION
+    assert report["rows_saved"] == POPULATION - used and report["interval"]["width"] <= 0.1
+    assert report["interval"]["low"] <= truth <= report["interval"]["high"]
+    assert report["interval"]["time_uniform"] is True and report["estimate"] == values[0, :used].mean()
+    changed = values[0].copy()
+    changed[used:] = 1 - changed[used:]          # rows after the stop cannot change it
+    assert sq.stop_report(changed, POPULATION, ROUND, width=0.1) == report
+    assert sq.stop_report(values[0], POPULATION, ROUND, width=0.0)["rows_used"] == POPULATION
