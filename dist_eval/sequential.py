@@ -32,6 +32,8 @@ from typing import Dict, Optional
 import numpy as np
 
 METHODS = ("empirical-bernstein", "hoeffding")
+# The built-in per-row metrics a run can stop on, and the range of their per-row values.
+STOP_METRICS = {"accuracy": (0.0, 1.0), "top_k_accuracy": (0.0, 1.0), "brier": (0.0, 2.0)}
 # The largest betting weight: below 1 so that log(1 - lambda) stays finite (the paper's c).
 MAX_LAMBDA = 0.5
 
@@ -164,3 +166,21 @@ def stop_report(values, population: int, round_rows: int, width: Optional[float]
     return {"interval": interval, "reason": reason, "rows_used": used, "rows_in_set": int(population),
             "rows_saved": int(population) - used, "rounds": k + 1, "round_rows": round_rows,
             "estimate": float(values[:used].mean())}
+
+
+def row_values(metric: str, logits, labels, top_k: int = 2):
+    """``(per-row values, their bounds)`` of a built-in stopping metric (STOP_METRICS): their
+    mean is the metric of metrics.json (accuracy from the argmax, as ``preds``).
+    """
+    from dist_eval.metrics import per_sample_brier, softmax, top_k_hits
+
+    logits, labels = np.asarray(logits), np.asarray(labels)
+    if metric not in STOP_METRICS:
+        raise ValueError(f"metric: expected one of {sorted(STOP_METRICS)}, got {metric!r}")
+    if metric == "accuracy":
+        values = (np.argmax(logits, axis=1) == labels).astype(np.float64)
+    elif metric == "top_k_accuracy":
+        values = top_k_hits(logits, labels, top_k).astype(np.float64)
+    else:
+        values = per_sample_brier(softmax(logits), labels)
+    return values, STOP_METRICS[metric]

@@ -125,3 +125,19 @@ def test_the_stop_report_uses_only_the_rows_up_to_its_round():
     changed[used:] = 1 - changed[used:]          # rows after the stop cannot change it
     assert sq.stop_report(changed, POPULATION, ROUND, width=0.1) == report
     assert sq.stop_report(values[0], POPULATION, ROUND, width=0.0)["rows_used"] == POPULATION
+
+
+def test_the_row_values_of_the_stopping_metrics_average_to_the_reported_metrics():
+    from dist_eval.metrics import brier_score, softmax, top_k_accuracy
+
+    rng = np.random.default_rng(10)
+    logits, labels = rng.normal(size=(300, 5)), rng.integers(0, 5, 300)
+    values, bounds = sq.row_values("accuracy", logits, labels)
+    assert bounds == (0.0, 1.0) and values.mean() == np.mean(np.argmax(logits, axis=1) == labels)
+    values, _ = sq.row_values("top_k_accuracy", logits, labels, top_k=3)
+    assert values.mean() == pytest.approx(top_k_accuracy(logits, labels, 3), abs=1e-15)
+    values, bounds = sq.row_values("brier", logits, labels)
+    assert bounds == (0.0, 2.0) and values.mean() == pytest.approx(brier_score(softmax(logits), labels), abs=1e-15)
+    assert sq.interval(values, 300, bounds=bounds)["low"] == pytest.approx(values.mean(), abs=1e-12)
+    with pytest.raises(ValueError, match="metric: expected one of"):
+        sq.row_values("f1", logits, labels)
