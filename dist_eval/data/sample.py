@@ -32,9 +32,15 @@ def sample_indices(columns: Sequence[Sequence], limit: int, seed: int) -> np.nda
     num_rows = len(columns[0]) if columns else 0
     if not limit or limit >= num_rows:
         return np.arange(num_rows)
+    return key_order(columns, seed)[:limit]
+
+
+def key_order(columns: Sequence[Sequence], seed: int) -> np.ndarray:
+    """Every row's position, in the seeded content-hash order the --limit sample takes its
+    rows from (a sample of n rows is the first n): the order a sequential evaluation sees.
+    """
     keys = row_keys(columns, seed)
-    order = np.lexsort((np.arange(num_rows), keys))  # by key, then by position
-    return order[:limit]
+    return np.lexsort((np.arange(len(keys)), keys))  # by key, then by position
 
 
 def sample_rows(dataset, limit: int, seed: int, columns: Sequence[str]):

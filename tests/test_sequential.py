@@ -1,0 +1,143 @@
+"""Time-uniform confidence sequences (dist_eval.sequential) tested as statistics:
+fixed seeds, no wall clock, many simulated optionally-stopped runs at once (vectorised)."""
+
+import numpy as np
+import pytest
+from scipy.stats import binom
+
+from dist_eval import sequential as sq
+
+POPULATION = 1200
+RUNS = 400
+ROUND = 40
+ROUND_ENDS = np.arange(ROUND, POPULATION + 1, ROUND)
+
+
+def streams(rate, seed=0, population=POPULATION, runs=RUNS):
+    """One fixed finite set of 0/1 rows (a model's per-row correctness) and ``runs`` random
+    orders of it: the rows each run would see, without replacement."""
+    rng = np.random.default_rng(seed)
+    rows = (rng.random(population) < rate).astype(np.float64)
+    return rows.mean(), np.stack([rng.permutation(rows) for _ in range(runs)])
+
+
+def peeked_bootstrap(values, ends, level=0.95):
+    """The fixed-n percentile bootstrap interval of the mean after each round (exact: for 0/1
+    rows the bootstrap mean is Binomial(n, mean) / n), as a user who peeks would compute it."""
+    n = np.asarray(ends, dtype=np.float64)
+    means = np.cumsum(values, axis=-1)[..., np.asarray(ends) - 1]
+    alpha = 1.0 - level
+    return binom.ppf(alpha / 2, n, means / n) / n, binom.ppf(1 - alpha / 2, n, means / n) / n
+
+
+def missed(lower, upper, truth):
+    return (lower > truth + 1e-12) | (upper < truth - 1e-12)
+
+
+@pytest.mark.parametrize("rate", [0.5, 0.9])
+def test_optional_stopping_keeps_the_coverage_and_peeking_at_a_bootstrap_does_not(rate):
+    """The adversary's stop: at the first round whose interval misses the truth (or the last).
+    The sequence still covers in >= 95% of runs; the bootstrap looked at after every round
+    covers in fewer."""
+    truth, values = streams(rate)
+    lower, upper = sq.sequence(values, POPULATION)
+    rounds = ROUND_ENDS - 1
+    sequence_coverage = 1 - missed(lower[:, rounds], upper[:, rounds], truth).any(axis=1).mean()
+    low_b, high_b = peeked_bootstrap(values, ROUND_ENDS[:-1])
+    bootstrap_coverage = 1 - missed(low_b, high_b, truth).any(axis=1).mean()
+    assert sequence_coverage >= 0.95, sequence_coverage
+    assert bootstrap_coverage < 0.95, bootstrap_coverage
+    # a single fixed n (no peeking) is fine for the bootstrap: the contrast is the peeking
+    assert 1 - missed(low_b[:, 4], high_b[:, 4], truth).mean() >= 0.93
+
+
+def test_stopping_at_a_width_covers_and_is_narrow_enough():
+    truth, values = streams(0.85, seed=3)
+    lower, upper = sq.sequence(values, POPULATION)
+    stops = [sq.stopping_round(lower[r], upper[r], ROUND_ENDS, width=0.1) for r in range(RUNS)]
+    ends = np.array([ROUND_ENDS[k] - 1 for k, _ in stops])
+    low, high = lower[np.arange(RUNS), ends], upper[np.arange(RUNS), ends]
+    assert {reason for _, reason in stops} == {"width"}
+    assert (high - low <= 0.1).all() and ends.max() < POPULATION - 1
+    assert 1 - missed(low, high, truth).mean() >= 0.95
+
+
+def test_the_whole_set_seen_gives_its_exact_mean():
+    rng = np.random.default_rng(5)
+    scores = rng.random(777) * 2.0          # e.g. a Brier score, in [0, 2]
+    for method in sq.METHODS:
+        result = sq.interval(scores, 777, bounds=(0.0, 2.0), method=method)
+        assert result["low"] == result["high"] == float(np.mean(scores))
+        assert result["time_uniform"] is True and result["rows"] == result["population"] == 777
+    lower, upper = sq.paired_sequence(scores[:300] / 2, scores[300:600] / 2, 300)
+    assert lower[-1] == upper[-1] == float(np.mean(scores[300:600] / 2 - scores[:300] / 2))
+
+
+def test_the_width_shrinks_round_by_round_and_always_holds_the_sure_bounds():
+    truth, values = streams(0.7, seed=4, runs=50)
+    lower, upper = sq.sequence(values, POPULATION)
+    width = (upper - lower)[:, ROUND_ENDS - 1]
+    assert (np.diff(width, axis=1) <= 0).all() and (np.diff(width, axis=1) < 0).any(axis=1).all()
+    seen = np.cumsum(values, axis=1)
+    assert (lower >= seen / POPULATION - 1e-12).all()
+    assert (upper <= (seen + POPULATION - np.arange(1, POPULATION + 1)) / POPULATION + 1e-12).all()
+
+
+@pytest.mark.parametrize("rate", [0.5, 0.8, 0.95])
+def test_at_least_as_narrow_as_a_time_uniform_hoeffding_bound(rate):
+    _, values = streams(rate, seed=6, runs=100)
+    lower, upper = sq.sequence(values, POPULATION)
+    width = (upper - lower)[:, ROUND_ENDS - 1].mean(axis=0)
+    assert (width <= 2 * sq.hoeffding_union(ROUND_ENDS, POPULATION)).all()
+    if rate >= 0.8:   # and narrower than Hoeffding's sequence of the same construction
+        low_h, high_h = sq.sequence(values, POPULATION, method="hoeffding")
+        assert (width[5:-1] < (high_h - low_h)[:, ROUND_ENDS[5:-1] - 1].mean(axis=0)).all()
+
+
+def test_paired_differences_decide_when_one_model_is_better():
+    rng = np.random.default_rng(8)
+    first = (rng.random(POPULATION) < 0.70).astype(float)
+    second = np.where(rng.random(POPULATION) < 0.15, 1.0, first)          # B fixes 15% of rows
+    order = rng.permutation(POPULATION)
+    lower, upper = sq.paired_sequence(first[order], second[order], POPULATION)
+    k, reason = sq.stopping_round(lower, upper, ROUND_ENDS, decide=True)
+    assert reason == "decided" and lower[ROUND_ENDS[k] - 1] > 0 and ROUND_ENDS[k] < POPULATION
+    lower, upper = sq.paired_sequence(first[order], first[order], POPULATION)
+    assert sq.stopping_round(lower, upper, ROUND_ENDS, decide=True) == (len(ROUND_ENDS) - 1, "end")
+
+
+def test_values_outside_the_declared_bounds_are_refused():
+    with pytest.raises(ValueError, match=r"values: expected within \[0.0, 1.0\], got"):
+        sq.sequence([0.5, 1.5], 10)
+    with pytest.raises(ValueError, match="method"):
+        sq.sequence([0.5], 10, method="normal")
+
+
+def test_the_stop_report_uses_only_the_rows_up_to_its_round():
+    truth, values = streams(0.9, seed=9, runs=1)
+    report = sq.stop_report(values[0], POPULATION, ROUND, width=0.1)
+    used = report["rows_used"]
+    assert report["reason"] == "width" and used % ROUND == 0 and used < POPULATION
+    assert report["rows_saved"] == POPULATION - used and report["interval"]["width"] <= 0.1
+    assert report["interval"]["low"] <= truth <= report["interval"]["high"]
+    assert report["interval"]["time_uniform"] is True and report["estimate"] == values[0, :used].mean()
+    changed = values[0].copy()
+    changed[used:] = 1 - changed[used:]          # rows after the stop cannot change it
+    assert sq.stop_report(changed, POPULATION, ROUND, width=0.1) == report
+    assert sq.stop_report(values[0], POPULATION, ROUND, width=0.0)["rows_used"] == POPULATION
+
+
+def test_the_row_values_of_the_stopping_metrics_average_to_the_reported_metrics():
+    from dist_eval.metrics import brier_score, softmax, top_k_accuracy
+
+    rng = np.random.default_rng(10)
+    logits, labels = rng.normal(size=(300, 5)), rng.integers(0, 5, 300)
+    values, bounds = sq.row_values("accuracy", logits, labels)
+    assert bounds == (0.0, 1.0) and values.mean() == np.mean(np.argmax(logits, axis=1) == labels)
+    values, _ = sq.row_values("top_k_accuracy", logits, labels, top_k=3)
+    assert values.mean() == pytest.approx(top_k_accuracy(logits, labels, 3), abs=1e-15)
+    values, bounds = sq.row_values("brier", logits, labels)
+    assert bounds == (0.0, 2.0) and values.mean() == pytest.approx(brier_score(softmax(logits), labels), abs=1e-15)
+    assert sq.interval(values, 300, bounds=bounds)["low"] == pytest.approx(values.mean(), abs=1e-12)
+    with pytest.raises(ValueError, match="metric: expected one of"):
+        sq.row_values("f1", logits, labels)
