@@ -31,21 +31,25 @@ def dataset(tmp_path_factory):
 @pytest.mark.swarm
 def test_a_client_only_folder_on_petals_equals_the_full_folder_bitwise(tiny_swarm, tiny_model, client_folder,
                                                                        dataset, tmp_path):
-    from transformers import AutoTokenizer
 
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
-    logits = []
-    for folder in (tiny_model, client_folder):
-        model = load_model("petals", folder, checkpoint=checkpoint, initial_peers=tiny_swarm.initial_peers,
-                           dht_prefix=tiny_swarm.dht_prefix)
-        try:
-            with one_thread():
-                result = evaluate(model, dataset, tokenizer=AutoTokenizer.from_pretrained(folder), batch_size=4,
-                                  return_logits=True, bootstrap_resamples=0)
-        finally:
-            model.close()
-        logits.append(result.predictions.logits)
+    logits = [petals_logits(tiny_swarm, folder, checkpoint, dataset) for folder in (tiny_model, client_folder)]
     assert logits[0].shape == (len(dataset), 3) and np.array_equal(logits[0], logits[1])
+
+
+def petals_logits(swarm, folder, checkpoint, dataset):
+    """The logits of ``load_model("petals", folder)`` on ``swarm``, evaluated with one thread."""
+    from transformers import AutoTokenizer
+
+    model = load_model("petals", folder, checkpoint=checkpoint, initial_peers=swarm.initial_peers,
+                       dht_prefix=swarm.dht_prefix)
+    try:
+        with one_thread():
+            result = evaluate(model, dataset, tokenizer=AutoTokenizer.from_pretrained(folder), batch_size=4,
+                              return_logits=True, bootstrap_resamples=0)
+    finally:
+        model.close()
+    return result.predictions.logits
 
 
 def test_the_local_backend_and_a_local_swarm_refuse_a_client_only_folder_in_one_line(client_folder, tmp_path):
@@ -79,7 +83,6 @@ def hub_cache(tmp_path, monkeypatch):
 def test_a_hub_id_fetches_only_the_clients_files_and_equals_the_full_folder(tiny_swarm, tiny_model, dataset,
                                                                             hub_cache, tmp_path, monkeypatch):
     from huggingface_hub import constants
-    from transformers import AutoTokenizer
 
     from dist_eval.backends.hub import client_folder, petals_dht_prefix
 
@@ -93,17 +96,7 @@ def test_a_hub_id_fetches_only_the_clients_files_and_equals_the_full_folder(tiny
     assert client_folder(REPO_ID) == folder
     assert petals_dht_prefix(REPO_ID) == "tiny-llama-hf"  # petals' rule for a Llama hub id
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
-    logits = []
-    for model_dir in (tiny_model, folder):
-        model = load_model("petals", model_dir, checkpoint=checkpoint, initial_peers=tiny_swarm.initial_peers,
-                           dht_prefix=tiny_swarm.dht_prefix)
-        try:
-            with one_thread():
-                result = evaluate(model, dataset, tokenizer=AutoTokenizer.from_pretrained(model_dir), batch_size=4,
-                                  return_logits=True, bootstrap_resamples=0)
-        finally:
-            model.close()
-        logits.append(result.predictions.logits)
+    logits = [petals_logits(tiny_swarm, model_dir, checkpoint, dataset) for model_dir in (tiny_model, folder)]
     assert np.array_equal(logits[0], logits[1])
     assert np.array_equal(petals_object_logits(tiny_swarm, checkpoint, dataset, folder), logits[0])
 
