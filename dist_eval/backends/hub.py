@@ -67,16 +67,24 @@ def petals_dht_prefix(repo_id: str, revision: Optional[str] = None) -> str:
 
 def _size_of(repo_id: str, revision: Optional[str]) -> str:
     """What the repository's weights come to, from its index (the only file fetched for it)."""
+    found = _index(repo_id, revision, None)
+    if found is None:
+        return "its index could not be read"
+    index_name, content = found
+    total = content.get("metadata", {}).get("total_size")
+    shards = len(set(content["weight_map"].values()))
+    size = f"{total / 1e9:.1f} GB in " if total else ""
+    return f"its weights: {size}{shards} shards, per {index_name}"
+
+
+def _index(repo_id: str, revision: Optional[str], endpoint: Optional[str]) -> Optional[Tuple[str, dict]]:
+    """(the index file's name, its content) of the repository's sharded weights, or None."""
     for index_name in INDEX_FILES:
-        index = _fetch(repo_id, index_name, revision, None, optional=True)
+        index = _fetch(repo_id, index_name, revision, endpoint, optional=True)
         if index is not None:
             with open(index) as f:
-                content = json.load(f)
-            total = content.get("metadata", {}).get("total_size")
-            shards = len(set(content["weight_map"].values()))
-            size = f"{total / 1e9:.1f} GB in " if total else ""
-            return f"its weights: {size}{shards} shards, per {index_name}"
-    return "its index could not be read"
+                return index_name, json.load(f)
+    return None
 
 
 def client_folder(repo_id: str, revision: Optional[str] = None, endpoint: Optional[str] = None,
@@ -101,13 +109,10 @@ def client_shards(repo_id: str, revision: Optional[str], endpoint: Optional[str]
     """The weight files holding a tensor whose name does not start with ``blocks_prefix``
     (every weight file, with ``blocks_prefix`` empty).
     """
-    for index_name in INDEX_FILES:
-        index = _fetch(repo_id, index_name, revision, endpoint, optional=True)
-        if index is not None:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            return sorted({f for key, f in weight_map.items()
-                           if not (blocks_prefix and key.startswith(blocks_prefix))})
+    found = _index(repo_id, revision, endpoint)
+    if found is not None:
+        return sorted({f for key, f in found[1]["weight_map"].items()
+                       if not (blocks_prefix and key.startswith(blocks_prefix))})
     for name in SINGLE_FILES:  # one file holds everything: the client reads it whole
         if _fetch(repo_id, name, revision, endpoint, optional=True) is not None:
             return [name]
