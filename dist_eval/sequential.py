@@ -1,7 +1,8 @@
 """Time-uniform confidence sequences for the mean of a finite set sampled without replacement.
 
-A pure numpy module (no torch): the statistics of ``--stop-at-width`` and
-``--stop-when-decided``. Rows are seen in a fixed random order (``data/sample.py``'s
+A pure numpy module (no torch): the statistics for stopping an evaluation once its interval
+is narrow enough (from Python today, docs/python-api.md; the run's own flags are to come,
+issue 28). Rows are seen in a fixed random order (``data/sample.py``'s
 content-hash order); after ``t`` of the set's ``N`` rows the sequence gives an interval for
 the mean over **all N rows**. The intervals hold at every ``t`` at once with probability at
 least ``level`` (time-uniform), so a run may look after every round and stop whenever it
