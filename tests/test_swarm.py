@@ -351,9 +351,11 @@ SWARM_CLI_TELLING_TORCH = (
     "import runpy, sys\n"
     "import dist_eval.swarm.cli as cli\n"
     "ready = cli._say_ready\n"
+    # printed before the INITIAL_PEERS line: the test sends SIGTERM as soon as it reads that
+    # line, so a line printed after it could be cut off by the signal
     "def say_ready(swarm):\n"
-    "    ready(swarm)\n"
     "    print(f'torch imported by the CLI: {\"torch\" in sys.modules}', file=sys.stderr, flush=True)\n"
+    "    ready(swarm)\n"
     "cli._say_ready = say_ready\n"
     "runpy.run_module('dist_eval.swarm', run_name='__main__', alter_sys=True)\n"
 )
