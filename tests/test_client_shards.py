@@ -186,7 +186,8 @@ def test_fetch_whole_model_gets_every_shard_for_the_local_backend(tiny_model, da
 @pytest.mark.multiproc
 def test_the_cli_on_a_hub_id_with_two_ranks_equals_the_full_folder(tiny_swarm, tiny_model, tmp_path):
     """``--model org/name`` on a fake hub (HF_ENDPOINT, a private HF_HOME), N=2 == the full local
-    folder (--backend local, one process), bitwise; no blocks-only shard requested."""
+    folder (--backend local, one process), bitwise; no blocks-only shard requested; then the same
+    with the hub stopped and HF_HUB_OFFLINE=1, from the cache the first run filled."""
     data = write_csv(str(tmp_path / "data.csv"), 17, seed=4)
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
     common = ["--data-files", data, "--checkpoint", checkpoint, "--batch-size", "4", "--save-logits"]
@@ -197,8 +198,14 @@ def test_the_cli_on_a_hub_id_with_two_ranks_equals_the_full_folder(tiny_swarm, t
                         *tiny_swarm.initial_peers, "--dht-prefix", tiny_swarm.dht_prefix, *common], nproc=2, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not [f for f in hub.files("GET") if f.startswith("model-blocks-")], hub.files("GET")
+    # the hub is gone: HF_HUB_OFFLINE=1 set by the user runs both ranks from the cache it filled
+    offline = run_cli(["--model", REPO_ID, "--output-dir", str(tmp_path / "offline"), "--initial-peers",
+                       *tiny_swarm.initial_peers, "--dht-prefix", tiny_swarm.dht_prefix, *common],
+                      nproc=2, env={**env, "HF_HUB_OFFLINE": "1"})
+    assert offline.returncode == 0, offline.stderr[-3000:]
     local = run_cli(["--model", tiny_model, "--backend", "local", "--output-dir", str(tmp_path / "local"), *common],
                     nproc=0)
     assert local.returncode == 0, local.stderr[-3000:]
     hub_rows = read_jsonl(tmp_path / "hub" / "predictions.jsonl")
     assert len(hub_rows) == 17 and hub_rows == read_jsonl(tmp_path / "local" / "predictions.jsonl")
+    assert read_jsonl(tmp_path / "offline" / "predictions.jsonl") == hub_rows
