@@ -11,6 +11,7 @@ import importlib
 __version__ = "0.1.0"
 _EXPORTS = {
     "evaluate": "dist_eval.evaluation",
+    "evaluate_pair": "dist_eval.evaluation",
     "EvalResult": "dist_eval.evaluation",
     "load_model": "dist_eval.backends.classifier",
     "LoadedModel": "dist_eval.backends.classifier",

@@ -41,6 +41,13 @@ DEFAULT_IN_FLIGHT = 2
 DEFAULT_SAVE_INTERVAL = 10.0
 DEFAULT_BOOTSTRAP_RESAMPLES = 1000
 DEFAULT_SWARM_TIMEOUT = 60.0
+# Rows per round of a run that stops early (--stop-at-width): the interval is looked at after
+# each round. Smaller rounds stop closer to the rows the answer needs, each costing one more
+# evaluate() (a merge, and on a swarm a few round trips); the stopping round is the same for
+# any world size, since a round is a count of rows, not of batches.
+DEFAULT_STOP_ROUND_ROWS = 256
+# The per-row metrics a run can stop on (their bounds: dist_eval.sequential.STOP_METRICS).
+STOP_METRIC_NAMES = ("accuracy", "brier", "top_k_accuracy")
 
 
 
@@ -126,6 +133,18 @@ _LIMIT = (
     "Evaluate a seeded random sample of this many rows (without replacement; chosen by a hash of each row's "
     "content: the same rows for any number of ranks and any order of the files); 0: every row."
 )
+_STOP_AT_WIDTH = (
+    "Stop early: evaluate the rows in the --limit order (a seeded hash of each row's content), in rounds of "
+    "--stop-round-rows rows over all ranks, and stop at the first round whose 95%% time-uniform confidence "
+    "interval of --stop-metric over the whole set (valid although the run chose when to stop) is at most this "
+    "wide, e.g. 0.02 for +-1 point of accuracy; or at the end of the set. With two --checkpoint's and "
+    "--stop-when-decided, the width of the interval of their difference. Default: every row."
+)
+_STOP_WHEN_DECIDED = (
+    "With two --checkpoint's: evaluate both on the same rows in rounds (as --stop-at-width) and stop as soon "
+    "as the 95%% time-uniform interval of the difference in --stop-metric (second - first) excludes 0, or is "
+    "at most --stop-at-width wide, or the set ends."
+)
 _LABEL_WORDS = (
     "Zero-shot: score each class by the language model's log-probability of its word after the text (one "
     "word per class, in class-id order; @FILE: one word per line). No classifier head or --checkpoint is "
@@ -158,6 +177,19 @@ class Settings:
     # zero-shot (dist_eval.backends.zeroshot): the words scored for the classes, in class-id order
     label_words: Optional[Tuple[str, ...]] = setting(None, _LABEL_WORDS, nargs="+")
     template: Optional[str] = setting(None, _TEMPLATE)
+    # stopping early (dist_eval.stopping): which rows are evaluated depends on these
+    stop_at_width: Optional[float] = setting(None, _STOP_AT_WIDTH, zero_is_none=True)
+    stop_when_decided: bool = setting(False, _STOP_WHEN_DECIDED)
+    stop_metric: str = setting("accuracy", "The per-row metric --stop-at-width and --stop-when-decided look at "
+                                           "(API: also a sample_metrics name, its values within [0, 1]).",
+                               choices=list(STOP_METRIC_NAMES))
+    stop_round_rows: int = setting(DEFAULT_STOP_ROUND_ROWS, "Rows per round of a run that stops early (over "
+                                                            "all ranks): the interval is looked at after each.")
+
+    @property
+    def stops_early(self) -> bool:
+        """Rows are evaluated in rounds until an interval says stop (dist_eval.stopping)."""
+        return self.stop_at_width is not None or self.stop_when_decided
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "label_words", read_label_words(self.label_words))
@@ -169,6 +201,15 @@ class Settings:
         if self.max_batch_tokens is not None:
             check_int("max_batch_tokens", self.max_batch_tokens, 1,
                       "a positive number of tokens, or no cap: None (the API), 0 (the CLI)")
+        if self.stop_at_width is not None and (
+                isinstance(self.stop_at_width, bool) or not isinstance(self.stop_at_width, (int, float))
+                or not 0 < self.stop_at_width <= 2):
+            raise UsageError("expected a width in (0, 2] (the interval's high - low, e.g. 0.02 for +-1 point), "
+                             "or none: every row.", param="stop_at_width", value=self.stop_at_width)
+        check_int("stop_round_rows", self.stop_round_rows, 1)
+        if not isinstance(self.stop_metric, str) or not self.stop_metric:
+            raise UsageError(f"expected a metric name: one of {', '.join(STOP_METRIC_NAMES)} (or, in the API, a "
+                             "sample_metrics name).", param="stop_metric", value=self.stop_metric)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -357,6 +398,10 @@ class EvalConfig:
         if self.initial_peers and self.backend != "petals":
             raise UsageError("--initial-peers: only used with --backend petals.")
         self._plan()
+        if self.settings.stop_when_decided and (
+                self.plan is None or len(self.plan.checkpoints) != 2 or len(self.plan.sets) != 1):
+            raise UsageError("compares two checkpoints on the same rows: pass --model, --data-files (one set) and "
+                             "--checkpoint twice (--checkpoint A.pt --checkpoint B.pt).", param="stop_when_decided")
         if self.model is not None and not os.path.isdir(self.model) and not is_hub_id(self.model):
             raise UsageError(f"--model {self.model}: no such folder, nor a hub id (org/name). Pass a folder saved "
                              "with save_pretrained(), or a hub id.")
@@ -440,7 +485,9 @@ def with_setting_keywords(fn):
     shared = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default_of(f), annotation=f.type)
               for f in setting_fields()]
     fn.__signature__ = signature.replace(parameters=[*own, *shared])
-    lines = [f"    ``{f.name}`` (default ``{default_of(f)!r}``): {f.metadata['help']}" for f in setting_fields()]
+    # the help is argparse's, where a percent sign is written %%
+    lines = [f"    ``{f.name}`` (default ``{default_of(f)!r}``): {f.metadata['help'].replace('%%', '%')}"
+             for f in setting_fields()]
     heading = "\n    Settings (keywords; or ``settings=``/``options=``, validated objects):\n\n"
     fn.__doc__ = (fn.__doc__ or "") + heading + "\n".join(lines) + "\n"
     return fn

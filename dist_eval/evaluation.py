@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -139,6 +139,13 @@ def evaluate(
     ``reliability`` (the per-bin table) and their intervals beside the others.
     """
     settings, options = settings_from(settings_keywords, settings, options)
+    if settings.stops_early:
+        return _evaluate_in_rounds(
+            [model], data, tokenizer=tokenizer, num_labels=num_labels, label_names=label_names,
+            pad_token_id=pad_token_id, return_logits=return_logits, metrics=metrics, sample_metrics=sample_metrics,
+            on_batch_done=on_batch_done, resume_folders=[resume_folder] if resume_folder else None,
+            settings=settings, options=options,
+        )[0]
     with evaluation_model(model) as model:  # a model object: adapted, in eval mode until the forwards end
         task = _task_of(model, num_labels, pad_token_id, label_names)
         settings = replace(settings, label_words=_label_words_of(task, settings.label_words))
@@ -158,6 +165,70 @@ def evaluate(
         bootstrap=(options.bootstrap_resamples, options.bootstrap_seed), top_k=options.top_k,
     )
     return EvalResult(metrics=report, predictions=merged if return_logits else _without_logits(merged))
+
+
+@with_setting_keywords
+def evaluate_pair(
+    first,
+    second,
+    data,
+    *,
+    tokenizer=None,
+    num_labels: Optional[int] = None,
+    label_names: Optional[Sequence[str]] = None,
+    pad_token_id: Optional[int] = None,
+    return_logits: bool = False,
+    metrics: Optional[Dict[str, MergedMetric]] = None,
+    sample_metrics: Optional[Dict[str, SampleMetric]] = None,
+    on_batch_done: Optional[Callable[[int], None]] = None,
+    resume_folders: Optional[Sequence[str]] = None,
+    settings: Optional[Settings] = None,
+    options: Optional[Options] = None,
+    **settings_keywords,
+) -> Tuple[EvalResult, EvalResult]:
+    """Two models on the same rows, in rounds, until it is known which is better:
+    ``(first's EvalResult, second's)``, each as :func:`evaluate` returns it for the rows used.
+
+    Rows are evaluated in the --limit order, ``stop_round_rows`` at a time, by both models; after
+    each round, the 95% time-uniform confidence sequence of the mean per-row difference in
+    ``stop_metric`` (second - first) over the whole set says whether to stop:
+    ``stop_when_decided=True`` stops once it excludes 0, ``stop_at_width=W`` once it is at
+    most W wide; else at the end of the set. Both results' ``metrics["stopping"]`` say which
+    (``reason``, ``better``: "first", "second" or None) and the interval. ``resume_folders``:
+    one per model. The other arguments are :func:`evaluate`'s.
+    """
+    settings, options = settings_from(settings_keywords, settings, options)
+    first_result, second_result = _evaluate_in_rounds(
+        [first, second], data, tokenizer=tokenizer, num_labels=num_labels, label_names=label_names,
+        pad_token_id=pad_token_id, return_logits=return_logits, metrics=metrics, sample_metrics=sample_metrics,
+        on_batch_done=on_batch_done, resume_folders=resume_folders, settings=settings, options=options,
+    )
+    return first_result, second_result
+
+
+def _evaluate_in_rounds(models, data, *, tokenizer, num_labels, label_names, pad_token_id, return_logits, metrics,
+                        sample_metrics, on_batch_done, resume_folders, settings, options) -> list:
+    """:func:`evaluate` with ``stop_at_width``, :func:`evaluate_pair`: exact evaluate() calls on
+    rounds of rows (:mod:`dist_eval.stopping`) until the interval says stop; an EvalResult per model.
+    """
+    from dist_eval.stopping import evaluate_in_rounds
+
+    with evaluation_model(models[0]) as adapted:
+        model_names = _task_of(adapted, num_labels, pad_token_id, label_names).label_names
+
+    def evaluator(model):
+        def evaluate_rows(data, **keywords) -> EvalResult:
+            return evaluate(model, data, tokenizer=tokenizer, num_labels=num_labels, pad_token_id=pad_token_id,
+                            **keywords)
+        return evaluate_rows
+
+    results = evaluate_in_rounds(
+        [evaluator(model) for model in models], data, settings, options, label_names=label_names,
+        model_names=model_names, user_metrics=metrics, sample_metrics=sample_metrics, on_batch_done=on_batch_done,
+        resume_folders=resume_folders,
+    )
+    return [EvalResult(metrics=report, predictions=merged if return_logits else _without_logits(merged))
+            for report, merged in results]
 
 
 def _without_logits(merged: Optional[MergedResults]) -> Optional[MergedResults]:

@@ -296,15 +296,25 @@ def row_metrics(
 
 
 def _metrics(merged: MergedResults, num_labels, label_names, user_metrics, totals: Totals, scoring) -> dict:
-    if label_names is not None and len(label_names) != num_labels:
-        label_names = None
-    report = row_metrics(  # the score intervals: shared over the ranks afterwards (shared_score_intervals)
-        merged.labels, merged.preds, merged.losses, merged.logits, num_labels, label_names, scoring[0], scoring[1],
-        score_intervals=False,
-    )
+    # the score intervals: shared over the ranks afterwards (shared_score_intervals)
+    report = rows_report(merged, num_labels, label_names, user_metrics, scoring, score_intervals=False)
     reduced_loss = totals.loss_sum / merged.num_samples
     if abs(reduced_loss - report["loss"]) > 1e-9 * max(1.0, abs(report["loss"])):
         raise RuntimeError(f"internal: all_reduced mean loss {reduced_loss} != merged mean loss {report['loss']}")
+    return report
+
+
+def rows_report(merged: MergedResults, num_labels: int, label_names, user_metrics, scoring,
+                score_intervals: bool = True) -> dict:
+    """Rank 0: every metric of the merged rows (built-in, per-sample values' means, the user's)
+    and ``label_names``. ``scoring``: (bootstrap (resamples, seed) or None, top_k).
+    """
+    if label_names is not None and len(label_names) != num_labels:
+        label_names = None
+    report = row_metrics(
+        merged.labels, merged.preds, merged.losses, merged.logits, num_labels, label_names, scoring[0], scoring[1],
+        score_intervals=score_intervals,
+    )
     for name in sorted(merged.sample_values):
         report[name] = mean_of(merged.sample_values[name])
     for name, fn in (user_metrics or {}).items():

@@ -92,7 +92,9 @@ def run(config: EvalConfig) -> int:
         session = _Session(config, job, _swarm_address(config, job, cleanup, say), clock, say)
         _load_model(session, cleanup)
         pairs = job.plan.pairs()
-        for number, pair in enumerate(pairs, 1):
+        if job.settings.stop_when_decided:  # two checkpoints on the same rows, together
+            reports.extend(_run_compared(session, pairs))
+        for number, pair in enumerate(pairs if not job.settings.stop_when_decided else [], 1):
             report = _run_pair(session, pair, f"[{number}/{len(pairs)}]")
             if report is not None:
                 reports.append(report)
@@ -240,34 +242,105 @@ def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[_Report]
     """One pair: its data, its stored results, its checkpoint, evaluate(), its report (rank 0
     returns it). A pair whose folder holds its finished report is skipped (several pairs).
     """
-    from dist_eval import resume
-
-    config, main = session.config, ranks.is_main_process()
     ranks.phase_seconds.clear()  # this pair's own phases (the shared ones: session.shared_phases)
     pair_started = time.perf_counter()
-    out = os.path.join(config.output_dir, pair.folder)
+    out = os.path.join(session.config.output_dir, pair.folder)
     if session.job.plan.several:
         session.say(f"dist_eval: {numbered} checkpoint {pair.checkpoint.name or pair.checkpoint.path or '-'}, "
                     f"set {pair.data.name or '-'} -> {out}", flush=True)
     dataset, sample = _dataset(session, pair.data)
-    with ranks.phase("finding the stored partial results"):
-        found = _partial_folder(session, out, pair, dataset) if main else None
-    folder, key = ranks.broadcast_object(found)
+    folder, key = _stored_results(session, out, pair, dataset)
     if folder is None:
         return None
-    if pair.checkpoint != session.loaded:
-        with ranks.phase("loading the checkpoint"):
-            session.model.load_trainable(_trainable(session, pair.checkpoint), pair.checkpoint.path)
-        session.loaded = pair.checkpoint
+    _load_checkpoint(session, pair.checkpoint)
     result = _evaluate(session, dataset, folder)
+    return _report_pair(session, pair, result, (out, folder, key), dataset, sample, pair_started)
+
+
+def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
+    """--stop-when-decided: the two checkpoints on the same rows of the one set, in rounds, until
+    the interval of their difference says stop (:mod:`dist_eval.stopping`); a report for each.
+    """
+    from dist_eval.evaluation import evaluate
+    from dist_eval.progress import GlobalProgress
+    from dist_eval.stopping import evaluate_in_rounds
+
+    config = session.config
+    ranks.phase_seconds.clear()
+    pair_started = time.perf_counter()
+    dataset, sample = _dataset(session, pairs[0].data)
+    outs = [os.path.join(config.output_dir, pair.folder) for pair in pairs]
+    stored = [_stored_results(session, out, pair, dataset) for out, pair in zip(outs, pairs)]
+    if all(folder is None for folder, _ in stored):
+        return []  # both reports of this very comparison are there (--resume)
+
+    def evaluator(checkpoint: Checkpoint):
+        def evaluate_rows(data, **keywords):
+            _load_checkpoint(session, checkpoint)
+            return evaluate(session.model, data, tokenizer=session.tokenizer, **keywords)
+        return evaluate_rows
+
+    settings = session.job.settings
+    session.say(f"dist_eval: comparing {pairs[0].checkpoint.name} and {pairs[1].checkpoint.name} on up to "
+                f"{len(dataset)} rows of the same set, in rounds of {settings.stop_round_rows}, until the 95% interval "
+                f"of the difference in {settings.stop_metric} excludes 0 ...", flush=True)
+    model = session.model
+    with GlobalProgress(2 * len(dataset), config.progress, quiet=config.quiet) as progress:
+        results = evaluate_in_rounds(
+            [evaluator(pair.checkpoint) for pair in pairs], dataset, settings, config.options, label_names=None,
+            model_names=list(model.id2label.values()) if model.id2label else None, user_metrics=None,
+            sample_metrics=None, on_batch_done=progress.update, resume_folders=[folder for folder, _ in stored],
+        )
+    reports = []
+    for pair, out, (folder, key), (metrics, merged) in zip(pairs, outs, stored, results):
+        report = _report_pair(session, pair, _Result(metrics, merged), (out, folder, key), dataset, sample,
+                              pair_started)
+        if report is not None:
+            reports.append(report)
+    return reports
+
+
+@dataclass
+class _Result:
+    """An EvalResult's two fields (what a report is written from)."""
+
+    metrics: dict
+    predictions: object
+
+
+def _stored_results(session: _Session, out: str, pair: Pair, dataset) -> Tuple[Optional[str], str]:
+    """(this pair's folder of partial results, or None when its finished report is there; its run key)."""
+    with ranks.phase("finding the stored partial results"):
+        found = _partial_folder(session, out, pair, dataset) if ranks.is_main_process() else None
+    return ranks.broadcast_object(found)
+
+
+def _load_checkpoint(session: _Session, checkpoint: Checkpoint) -> None:
+    """The model holds ``checkpoint``'s prompts + head (loaded only when it holds another's)."""
+    if checkpoint != session.loaded:
+        with ranks.phase("loading the checkpoint"):
+            session.model.load_trainable(_trainable(session, checkpoint), checkpoint.path)
+        session.loaded = checkpoint
+
+
+def _report_pair(session: _Session, pair: Pair, result, where: tuple, dataset, sample: dict,
+                 pair_started: float) -> Optional[_Report]:
+    """Rank 0: the pair's report written in ``where`` = (its folder, the partial results' folder,
+    the run key); returned for the shutdown's times.
+    """
+    from dist_eval import resume
+
+    out, folder, key = where
     facts = _run_facts(session, pair, pair_started)
     result.metrics["run"].update(facts, run_key=key, sample=sample)
     with ranks.phase("writing the report"):
-        if main:
-            _write_report(config, out, result, session.say, _texts(config, session.job.settings, dataset))
-    if not main:
+        if ranks.is_main_process():
+            _write_report(session.config, out, result, session.say,
+                          _texts(session.config, session.job.settings, dataset))
+    if not ranks.is_main_process():
         return None
-    resume.finished(folder)  # the report is complete: the partial results have served
+    if folder is not None:
+        resume.finished(folder)  # the report is complete: the partial results have served
     return _Report(out, result.metrics, _report_phases(session))
 
 
@@ -327,8 +400,11 @@ def _evaluate(session: _Session, dataset, folder: str):
     from dist_eval.progress import GlobalProgress
 
     config = session.config
-    session.say(f"dist_eval: evaluating {len(dataset)} rows on {ranks.get_world_size()} rank(s) with the "
-                f"{config.backend} backend ...", flush=True)
+    settings = session.job.settings
+    stops = (f", in rounds of {settings.stop_round_rows} until the 95% interval of {settings.stop_metric} is at most "
+             f"{settings.stop_at_width} wide" if settings.stop_at_width is not None else "")
+    session.say(f"dist_eval: evaluating {'up to ' if stops else ''}{len(dataset)} rows on {ranks.get_world_size()} "
+                f"rank(s) with the {config.backend} backend{stops} ...", flush=True)
     # every rank creates it here (one broadcast); rank 0 shows all ranks' rows on stderr
     progress = GlobalProgress(len(dataset), config.progress, quiet=config.quiet)
     try:

@@ -129,12 +129,17 @@ def paired_sequence(first, second, population: int, level: float = 0.95, bounds=
     return sequence(diff, population, level, (-span, span), method)
 
 
-def stopping_round(lower, upper, round_ends, width: Optional[float] = None, decide: bool = False):
+def stopping_round(lower, upper, round_ends, width: Optional[float] = None, decide: bool = False,
+                   population: Optional[int] = None):
     """The index into ``round_ends`` (row counts after each round) of the first round whose
     interval is at most ``width`` wide, or (``decide``) excludes 0; the last round otherwise.
-    Returns ``(round, reason)``, reason one of "width", "decided", "end".
+    A round that reaches ``population`` rows ends the set: its interval is the exact value, and
+    the reason is "end" whatever its width. Returns ``(round, reason)``, reason one of "width",
+    "decided", "end".
     """
     for k, end in enumerate(round_ends):
+        if population is not None and end >= population:
+            return k, "end"
         lo, hi = float(lower[end - 1]), float(upper[end - 1])
         if decide and (lo > 0 or hi < 0):
             return k, "decided"
@@ -159,7 +164,7 @@ def stop_report(values, population: int, round_rows: int, width: Optional[float]
     else:
         lower, upper = sequence(values, population, level, bounds)
     ends = list(range(round_rows, values.size, round_rows)) + [values.size]
-    k, reason = stopping_round(lower, upper, ends, width, decide)
+    k, reason = stopping_round(lower, upper, ends, width, decide, population)
     used = ends[k]
     interval = {"low": float(lower[used - 1]), "high": float(upper[used - 1]),
                 "width": float(upper[used - 1] - lower[used - 1]), "level": level,

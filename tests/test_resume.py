@@ -45,8 +45,9 @@ def _rank_pid(torchrun_pid: int, rank: int):
     return None
 
 
-def _interrupted_run(args, out, kill_after_files: int = 20):
-    """Start a 2-rank job, SIGKILL rank 1 once it stored some batches; return the job's exit code."""
+def _interrupted_run(args, out, kill_after_files: int = 20, stored: str = "*/rank1-*.npz"):
+    """Start a 2-rank job, SIGKILL rank 1 once it stored some batches (files matching ``stored``
+    under the partial results); return the job's exit code."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "dist_eval", *args, "--output-dir", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -55,7 +56,7 @@ def _interrupted_run(args, out, kill_after_files: int = 20):
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
-            if len(glob.glob(str(out / "partial" / "*" / "rank1-*.npz"))) >= kill_after_files:
+            if len(glob.glob(str(out / "partial" / stored))) >= kill_after_files:
                 break
             time.sleep(0.05)
         assert proc.poll() is None, "the job ended before it could be interrupted; make it longer"
@@ -87,6 +88,33 @@ def test_killed_rank_then_resume_equals_uninterrupted_run(job):
     ref = json.load(open(reference / "metrics.json"))
     assert {k: v for k, v in metrics.items() if k != "run"} == {k: v for k, v in ref.items() if k != "run"}
     assert not (out / "partial").exists()  # served its purpose, removed
+
+
+def test_a_run_that_stops_early_resumes_its_sequence_exactly(job):
+    """--stop-at-width: rank 1 killed in the third round; the same command again on 3 ranks
+    reads the finished rounds back and stops on the same round, rows and numbers."""
+    base, args, _ = job
+    stopping = [*args, "--stop-at-width", "0.15", "--stop-round-rows", "100"]
+    reference = base / "stopping_reference"
+    proc = run_cli([*stopping, "--output-dir", str(reference)], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = json.load(open(reference / "metrics.json"))
+    assert ref["stopping"]["reason"] == "width" and ref["stopping"]["rounds"] > 3  # the kill lands mid-run
+
+    out = base / "stopping_interrupted"
+    code, _ = _interrupted_run(stopping, out, kill_after_files=5, stored="*/round-000003/rank1-*.npz")
+    assert code != 0 and not (out / "metrics.json").exists()
+    proc = run_cli([*stopping, "--output-dir", str(out)], nproc=3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.load(open(out / "metrics.json"))
+    assert metrics["run"]["resumed_samples"] >= 200  # two whole rounds and part of the third read back
+    timing = ("seconds", "seconds_saved_estimate")
+    assert {k: v for k, v in metrics["stopping"].items() if k not in timing} == \
+        {k: v for k, v in ref["stopping"].items() if k not in timing}
+    assert read_jsonl(out / "predictions.jsonl") == read_jsonl(reference / "predictions.jsonl")
+    assert {k: v for k, v in metrics.items() if k not in ("run", "stopping")} == \
+        {k: v for k, v in ref.items() if k not in ("run", "stopping")}
+    assert not (out / "partial").exists()
 
 
 def test_other_settings_never_mix_in_stored_results(job):

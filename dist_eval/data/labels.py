@@ -59,7 +59,7 @@ def label_names_of(dataset, label_column: str) -> Optional[List[str]]:
 _INT_TEXT = re.compile(r"^\s*[+-]?\d+\s*$")
 
 
-def _is_generic_names(names: Sequence[str]) -> bool:
+def is_generic_names(names: Sequence[str]) -> bool:
     """Transformers' placeholder names (LABEL_0, LABEL_1, ...): no real class names."""
     return all(str(name) == f"LABEL_{i}" for i, name in enumerate(names))
 
@@ -132,7 +132,7 @@ def _text_labels_to_ids(values: np.ndarray, label_column: str, num_labels: int, 
     if all(_INT_TEXT.match(t) for t in distinct):
         return np.array([int(t) for t in texts.tolist()], dtype=np.int64)
     shown = distinct[:8] + (["..."] if len(distinct) > 8 else [])
-    names = [str(n) for n in label_names] if label_names and not _is_generic_names(label_names) else None
+    names = [str(n) for n in label_names] if label_names and not is_generic_names(label_names) else None
     if names is not None:
         unknown = [t for t in distinct if t not in names]
         if unknown:

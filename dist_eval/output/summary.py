@@ -20,6 +20,23 @@ def format_intervals(metrics: dict) -> Optional[str]:
             f"seed {intervals['seed']}): {parts}")
 
 
+def format_stopping(metrics: dict) -> Optional[str]:
+    """What a run that stops early (``stopping`` in metrics.json) stopped on, or None."""
+    stop = metrics.get("stopping")
+    if not stop:
+        return None
+    interval = stop["interval"]
+    why = {"width": f"its interval is at most {stop['stop_at_width']} wide",
+           "decided": f"the {stop.get('better')} checkpoint is better (the interval of the difference excludes 0)",
+           "end": "the set ended"}[stop["reason"]]
+    saved = (f" {stop['rows_saved']} rows saved (about {stop['seconds_saved_estimate']:.1f} s of evaluation); "
+             f"the metrics below are of the {stop['rows_used']} rows used, a random sample."
+             if stop["rows_saved"] else "")
+    return (f"stopped after {stop['rows_used']} of {stop['rows_in_set']} rows ({stop['rounds']} round(s)): {why}. "
+            f"{interval['of']}: [{interval['low']:.4f}, {interval['high']:.4f}] "
+            f"({100 * interval['level']:g}% time-uniform: valid wherever the run stops).{saved}")
+
+
 def format_summary(metrics: dict) -> str:
     """A short, readable summary for the terminal."""
     run = metrics.get("run", {})
@@ -33,6 +50,9 @@ def format_summary(metrics: dict) -> str:
     if sample.get("limit"):
         lines.append(f"  a random sample of {sample['rows']} of {sample['rows_in_data']} rows "
                      f"(--limit {sample['limit']} --limit-seed {sample['limit_seed']})")
+    stopping = format_stopping(metrics)
+    if stopping:
+        lines.append(f"  {stopping}")
     intervals = format_intervals(metrics)
     if intervals:
         lines.append(f"  {intervals}")

@@ -1,0 +1,282 @@
+"""Stopping early: evaluate a set in rounds of rows, in the --limit order, until the
+time-uniform interval (:mod:`dist_eval.sequential`) says the answer is known.
+
+    the set's rows in their content-hash order (data/sample.key_order)
+      -> for each round of ``stop_round_rows`` rows: evaluate() on them (every rank, exact)
+         -> rank 0: the per-row values seen so far -> the confidence sequence -> stop? (broadcast)
+      -> rank 0: the metrics of the rows used (one merged set), the run's facts, ``stopping``
+
+A round is a count of rows, not of batches, and the order is the rows' content hash, so the
+rows of each round, the stopping round and every number are the same for any world size.
+Each round keeps its partial results in its own subfolder of the resume folder: a resumed
+run reads the finished rounds back, sees the same values, and makes the same decisions.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from dist_eval import ranks
+from dist_eval.config import Options, Settings
+from dist_eval.data.labels import TaskColumns, check_columns, is_generic_names, label_names_of
+from dist_eval.data.sample import key_order, sample_rows
+from dist_eval.errors import UsageError
+from dist_eval.merge import MergedResults, rows_report
+from dist_eval.metrics import default_top_k
+from dist_eval.sequential import STOP_METRICS, paired_sequence, row_values, sequence
+
+LEVEL = 0.95
+
+
+def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings, options: Options, *, label_names,
+                       model_names, user_metrics, sample_metrics, on_batch_done, resume_folders) -> list:
+    """``evaluate()`` with ``stop_at_width`` (one evaluator) or ``stop_when_decided`` (two, on
+    the same rows): for each evaluator, (the report on every rank, the merged rows used on
+    rank 0, None elsewhere). An evaluator ``(dataset, **keywords)`` is one exact evaluate()
+    of the rows given; ``model_names``: the first model's class names (or None);
+    ``resume_folders``: one per evaluator (or None).
+    """
+    _check_stopping(data, settings, len(evaluators), sample_metrics)
+    rounds = Rounds(data, settings)
+    names = _class_names(label_names, model_names, rounds.data, settings.label_column)
+    keywords = dict(label_names=names, sample_metrics=sample_metrics, return_logits=True,
+                    settings=rounds.settings, options=replace(options, bootstrap_resamples=0),
+                    on_batch_done=_rows_only(on_batch_done))
+    seen = [Seen() for _ in evaluators]
+    decision = None
+    while decision is None:
+        rows = rounds.next_rows()
+        subset = rounds.data.select(rows.tolist())
+        for evaluate_rows, mine, folder in zip(evaluators, seen, resume_folders or [None] * len(evaluators)):
+            mine.add(evaluate_rows(data=subset, resume_folder=rounds.folder(folder), **keywords), rows)
+        if ranks.is_main_process():
+            values = [_stop_values(settings.stop_metric, mine.merged(), options.top_k) for mine in seen]
+            decision = _decide(values, rounds, settings)
+        decision = ranks.broadcast_object(decision)
+    out = []
+    for mine in seen:
+        report, merged = None, None
+        if ranks.is_main_process():
+            merged = mine.merged(by_index=True)
+            report = rows_report(merged, mine.num_labels, mine.label_names, user_metrics,
+                                 ((options.bootstrap_resamples, options.bootstrap_seed), options.top_k))
+            report.update(mine.facts())
+            report["stopping"] = _stopping_facts(decision, settings, mine, rounds.population)
+        out.append((ranks.broadcast_object(report), merged))
+    return out
+
+
+def _check_stopping(data, settings: Settings, models: int, sample_metrics) -> None:
+    import datasets
+
+    param, value = ("stop_when_decided", True) if settings.stop_when_decided else ("stop_at_width",
+                                                                                  settings.stop_at_width)
+    if not isinstance(data, datasets.Dataset):
+        raise UsageError(f"stopping early needs a datasets.Dataset (rows it can order and select), not "
+                         f"{type(data).__name__}. Pass the Dataset, or drop {param}.", param=param, value=value)
+    if settings.stop_when_decided and models != 2:
+        raise UsageError("compares two models on the same rows: use dist_eval.evaluate_pair(first, second, ...) "
+                         "(the CLI: two --checkpoint's).", param=param, value=value)
+    if models == 2 and not settings.stop_when_decided and settings.stop_at_width is None:
+        raise UsageError("evaluate_pair stops early: pass stop_when_decided=True and/or stop_at_width=W.",
+                         param="stop_when_decided", value=False)
+    _check_metric(settings.stop_metric, sample_metrics)
+
+
+class Rounds:
+    """The set's rows in the --limit order, handed out ``stop_round_rows`` at a time."""
+
+    def __init__(self, data, settings: Settings):
+        columns = [name for _, name in TaskColumns.of(settings).named()]
+        check_columns(data, TaskColumns.of(settings))
+        self.data = sample_rows(data, settings.limit, settings.limit_seed, columns)
+        self.order = key_order([self.data[name] for name in columns], settings.limit_seed)
+        self.population = len(self.data)
+        self.round_rows = settings.stop_round_rows
+        self.number = 0  # rounds handed out
+        # each round: an exact evaluate() of its rows, none sampled again, none stopping
+        self.settings = replace(settings, limit=0, stop_at_width=None, stop_when_decided=False)
+        if self.population == 0:
+            raise UsageError("the evaluated split is empty: nothing to evaluate. Check --data-files and --split.",
+                             param="data")
+
+    @property
+    def rows_used(self) -> int:
+        return min(self.number * self.round_rows, self.population)
+
+    def next_rows(self) -> np.ndarray:
+        start = self.number * self.round_rows
+        self.number += 1
+        return self.order[start:start + self.round_rows]
+
+    def folder(self, resume_folder: Optional[str]) -> Optional[str]:
+        """This round's own folder of partial results (its rows are its own evaluate()'s rows 0..R-1)."""
+        return None if resume_folder is None else os.path.join(resume_folder, f"round-{self.number:06d}")
+
+
+class Seen:
+    """Rank 0: the rounds' merged rows, indices into the set; every rank: the rounds' facts."""
+
+    def __init__(self):
+        self.parts: List[MergedResults] = []
+        self.reports: List[dict] = []
+        self.started = time.perf_counter()
+
+    def add(self, result, rows: np.ndarray) -> None:
+        self.reports.append(result.metrics)
+        if result.predictions is not None:  # rank 0
+            part = result.predictions
+            part.indices = rows[part.indices]  # the round's row i is the set's row rows[i]
+            self.parts.append(part)
+
+    @property
+    def num_labels(self) -> int:
+        return self.reports[-1]["num_labels"]
+
+    @property
+    def label_names(self):
+        return self.reports[-1].get("label_names")
+
+    def merged(self, by_index: bool = False) -> MergedResults:
+        """Every row seen, in the order seen (the --limit order), or by the set's row index."""
+        parts = self.parts
+        joined = MergedResults(
+            indices=np.concatenate([p.indices for p in parts]),
+            labels=np.concatenate([p.labels for p in parts]),
+            preds=np.concatenate([p.preds for p in parts]),
+            losses=np.concatenate([p.losses for p in parts]),
+            logits=np.concatenate([p.logits for p in parts]),
+            sample_values={name: np.concatenate([p.sample_values[name] for p in parts])
+                           for name in parts[0].sample_values},
+            num_duplicates_dropped=sum(p.num_duplicates_dropped for p in parts),
+        )
+        if by_index:
+            order = np.argsort(joined.indices, kind="stable")
+            joined = MergedResults(joined.indices[order], joined.labels[order], joined.preds[order],
+                                   joined.losses[order], joined.logits[order],
+                                   {name: v[order] for name, v in joined.sample_values.items()},
+                                   joined.num_duplicates_dropped)
+        return joined
+
+    def facts(self) -> dict:
+        """``num_truncated`` and ``run`` over the rounds: sums, or the worst batch."""
+        runs = [r["run"] for r in self.reports]
+        loop = sum(r["eval_loop_seconds"] for r in runs)
+        rows = sum(r["num_samples"] for r in self.reports)
+        return {
+            "num_truncated": sum(r["num_truncated"] for r in self.reports),
+            "run": {
+                "world_size": runs[0]["world_size"],
+                "per_rank_samples": [int(sum(column)) for column in zip(*(r["per_rank_samples"] for r in runs))],
+                "eval_loop_seconds": loop,
+                "forward_seconds_sum": sum(r["forward_seconds_sum"] for r in runs),
+                "loop_cpu_seconds_sum": sum(r["loop_cpu_seconds_sum"] for r in runs),
+                "samples_per_second": rows / loop if loop > 0 else None,
+                "duplicates_dropped": sum(r["duplicates_dropped"] for r in runs),
+                "max_batch_seconds": max(r["max_batch_seconds"] for r in runs),
+                "resumed_samples": sum(r["resumed_samples"] for r in runs),
+            },
+        }
+
+
+def _class_names(label_names, model_names, data, label_column: str):
+    """The class names every round is given: text labels get the ids the whole set gives them
+    (sorted distinct texts, when the model has no names of its own), not those of the texts
+    one round happens to hold.
+    """
+    if label_names is not None:
+        return label_names
+    if model_names and not is_generic_names(model_names):
+        return None  # each round maps the texts through the model's names, as the whole set would
+    return label_names_of(data, label_column)
+
+
+def _check_metric(metric: str, sample_metrics: Optional[Dict]) -> None:
+    if metric not in STOP_METRICS and metric not in (sample_metrics or {}):
+        custom = f", or a sample_metrics name ({', '.join(sample_metrics)})" if sample_metrics else ""
+        raise UsageError(f"expected one of {', '.join(sorted(STOP_METRICS))}{custom}.", param="stop_metric",
+                         value=metric)
+
+
+def _stop_values(metric: str, seen: MergedResults, top_k: Optional[int]):
+    """(the per-row values of the stopping metric, in the order seen, and their bounds)."""
+    if metric in seen.sample_values:
+        values = seen.sample_values[metric].astype(np.float64)
+        if values.size and (values.min() < 0 or values.max() > 1):
+            raise UsageError(f"the sample metric's values must lie in [0, 1] to stop on it; got values in "
+                             f"[{values.min()}, {values.max()}]. Rescale it to [0, 1].", param="stop_metric",
+                             value=metric)
+        return values, (0.0, 1.0)
+    k = default_top_k(seen.logits.shape[1]) if top_k is None else top_k
+    if metric == "top_k_accuracy" and k is None:
+        raise UsageError("top_k_accuracy with 2 classes means nothing (every row is a top-2 hit). Stop on "
+                         "accuracy or brier.", param="stop_metric", value=metric)
+    return row_values(metric, seen.logits, seen.labels, top_k=k or 2)
+
+
+def _decide(values: list, rounds: Rounds, settings: Settings) -> Optional[dict]:
+    """After a round: the decision to stop (the interval, why), or None to go on. One model:
+    the interval of its metric; two: of the second's minus the first's, row by row.
+    """
+    if len(values) == 1:
+        (x, bounds), = values
+        lower, upper = sequence(x, rounds.population, LEVEL, bounds)
+    else:
+        (first, bounds), (second, _) = values
+        lower, upper = paired_sequence(first, second, rounds.population, LEVEL, bounds)
+    low, high = float(lower[-1]), float(upper[-1])
+    width = settings.stop_at_width
+    if rounds.rows_used >= rounds.population:
+        reason = "end"  # the interval is the exact value now
+    elif settings.stop_when_decided and (low > 0 or high < 0):
+        reason = "decided"
+    elif width is not None and high - low <= width:
+        reason = "width"
+    else:
+        return None
+    decision = {"reason": reason, "interval": {"low": low, "high": high, "width": high - low}}
+    if len(values) == 2:
+        decision["interval"]["of"] = (f"the mean difference in {settings.stop_metric} (second - first) over all "
+                                      f"{rounds.population} rows of the set")
+        decision["better"] = "second" if low > 0 else "first" if high < 0 else None
+    return decision
+
+
+def _stopping_facts(decision: dict, settings: Settings, seen: Seen, population: int) -> dict:
+    """``metrics.json``'s ``stopping``: the interval it stopped on, why, the rows and time saved."""
+    used = sum(r["num_samples"] for r in seen.reports)
+    loop = sum(r["run"]["eval_loop_seconds"] for r in seen.reports)
+    return {
+        "metric": settings.stop_metric,
+        "stop_at_width": settings.stop_at_width,
+        "stop_when_decided": settings.stop_when_decided,
+        # "width": narrow enough; "decided": the difference excludes 0; "end": every row of the set seen
+        "reason": decision["reason"],
+        **({"better": decision["better"]} if "better" in decision else {}),
+        "interval": {"of": f"the mean {settings.stop_metric} over all {population} rows of the set",
+                     **decision["interval"], "level": LEVEL, "time_uniform": True,
+                     "method": "confidence-sequence-empirical-bernstein-without-replacement"},
+        "rows_used": used,
+        "rows_in_set": population,
+        "rows_saved": population - used,
+        "rounds": len(seen.reports),
+        "round_rows": settings.stop_round_rows,
+        "seconds": round(time.perf_counter() - seen.started, 3),
+        # the rows not evaluated at the rate of those that were (the rounds' evaluation loops)
+        "seconds_saved_estimate": round(loop / used * (population - used), 3) if used else 0.0,
+        "metrics_are_of": "the rows used: a random sample of the set (the --limit order)" if used < population
+                          else "every row of the set",
+    }
+
+
+def _rows_only(on_batch_done):
+    """The callback without its owner: a GlobalProgress counts rows then, not a round's batch plan
+    (each round would replace the plan of the whole set).
+    """
+    if on_batch_done is None:
+        return None
+    return lambda num_rows: on_batch_done(num_rows)

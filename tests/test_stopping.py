@@ -1,0 +1,259 @@
+"""Stopping early (``stop_at_width``, dist_eval/stopping.py): a run evaluates the demo set in
+rounds of rows in the --limit order and stops where the confidence sequence computed on the
+whole set's rows (dist_eval/sequential.py) says it may; its rows, logits and metrics are
+those of an ordinary evaluate() of the same rows. The real demo model, local backend.
+"""
+import numpy as np
+import pytest
+import torch
+from conftest import read_jsonl, run_cli
+from inprocess_cli import one_thread
+
+from dist_eval import evaluate
+from dist_eval.config import STOP_METRIC_NAMES, Settings
+from dist_eval.data.sample import key_order
+from dist_eval.errors import UsageError
+from dist_eval.sequential import STOP_METRICS, stop_report
+
+ROUND = 100
+
+
+@pytest.fixture(scope="module")
+def demo(demo_build):
+    from transformers import AutoTokenizer
+
+    from dist_eval.backends import load_model
+    from dist_eval.data.load import load_split
+
+    assets = demo_build[2][0]
+    with one_thread():
+        model = load_model("local", assets.model_dir, checkpoint=assets.checkpoint)
+        tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
+        dataset = load_split([assets.data_dir], assets.split)
+        full = evaluate(model, dataset, tokenizer=tokenizer, return_logits=True, bootstrap_resamples=0)
+    yield model, tokenizer, dataset, full
+    model.close()
+
+
+def _stopped(demo, **keywords):
+    model, tokenizer, dataset, _ = demo
+    with one_thread():
+        return evaluate(model, dataset, tokenizer=tokenizer, return_logits=True, stop_round_rows=ROUND, **keywords)
+
+
+def test_the_stop_metrics_are_the_flags_choices():
+    assert set(STOP_METRIC_NAMES) == set(STOP_METRICS)
+
+
+@pytest.mark.parametrize("width", [0.05, 0.1])
+def test_stops_where_the_sequence_over_the_whole_set_says(demo, width):
+    """The stopping round and interval are those of sequential.stop_report over the rows used,
+    in the --limit order, out of the whole set; the rows used are the first of that order.
+    A row's logits depend on the batch it ran in (its padding, the kernels' shapes), so they
+    equal the whole set's run to float rounding, not bit for bit: the predictions are equal."""
+    model, tokenizer, dataset, full = demo
+    result = _stopped(demo, stop_at_width=width)
+    stop = result.metrics["stopping"]
+
+    order = key_order([dataset["text"], dataset["label"]], 0)
+    used = order[: stop["rows_used"]]
+    assert np.array_equal(result.predictions.indices, np.sort(used))
+    position = np.searchsorted(result.predictions.indices, used)  # the rows used, in the order seen
+    correct = (result.predictions.preds == result.predictions.labels).astype(float)[position]
+    expected = stop_report(correct, len(dataset), ROUND, width=width)
+    assert stop["reason"] == expected["reason"] == "width"
+    assert stop["rows_used"] == expected["rows_used"] < len(dataset)
+    assert stop["rounds"] == expected["rounds"] and stop["rows_saved"] == len(dataset) - stop["rows_used"]
+    assert stop["interval"]["low"] == expected["interval"]["low"]
+    assert stop["interval"]["high"] == expected["interval"]["high"]
+    assert stop["interval"]["width"] <= width and stop["interval"]["time_uniform"] is True
+    assert stop["rows_in_set"] == len(dataset) and stop["metric"] == "accuracy"
+    # one round fewer would not have been narrow enough
+    if stop["rounds"] > 1:
+        earlier = stop_report(correct[: stop["rows_used"] - ROUND], len(dataset), ROUND, width=width)
+        assert earlier["reason"] == "end" and earlier["interval"]["width"] > width
+
+    rows = np.sort(used)
+    assert np.array_equal(result.predictions.preds, full.predictions.preds[rows])
+    np.testing.assert_allclose(result.predictions.logits, full.predictions.logits[rows], rtol=0, atol=1e-4)
+    with one_thread():
+        same_rows = evaluate(model, dataset.select(rows.tolist()), tokenizer=tokenizer)
+    for name in ("accuracy", "f1_macro", "confusion_matrix", "num_samples", "label_names"):
+        assert result.metrics[name] == same_rows.metrics[name], name
+    assert result.metrics["loss"] == pytest.approx(same_rows.metrics["loss"], rel=1e-5)
+    assert result.metrics["num_samples"] == stop["rows_used"] == sum(result.metrics["run"]["per_rank_samples"])
+    assert set(result.metrics["confidence_intervals"]) >= {"accuracy", "ece", "auroc_macro"}
+
+
+def test_a_set_seen_to_its_end_gives_its_exact_value(demo):
+    _, _, dataset, full = demo
+    result = _stopped(demo, stop_at_width=1e-9)
+    stop = result.metrics["stopping"]
+    assert stop["reason"] == "end" and stop["rows_used"] == len(dataset) and stop["rows_saved"] == 0
+    assert stop["rounds"] == -(-len(dataset) // ROUND)
+    assert stop["interval"]["low"] == stop["interval"]["high"] == result.metrics["accuracy"] == full.metrics["accuracy"]
+    assert result.metrics["confusion_matrix"] == full.metrics["confusion_matrix"]
+
+
+def test_the_brier_score_and_a_bounded_sample_metric_can_decide(demo):
+    result = _stopped(demo, stop_at_width=0.1, stop_metric="brier", bootstrap_resamples=0)
+    assert result.metrics["stopping"]["metric"] == "brier" and result.metrics["stopping"]["interval"]["width"] <= 0.1
+
+    def confident(logits, labels):  # the top probability: a per-row value in [0, 1]
+        return torch.softmax(torch.as_tensor(logits, dtype=torch.float64), dim=1).max(dim=1).values.numpy()
+
+    result = _stopped(demo, stop_at_width=0.1, stop_metric="confident", sample_metrics={"confident": confident},
+                      bootstrap_resamples=0)
+    stop = result.metrics["stopping"]
+    assert stop["metric"] == "confident" and stop["interval"]["low"] <= result.metrics["confident"]
+
+    with pytest.raises(UsageError) as e:  # values outside [0, 1]
+        _stopped(demo, stop_at_width=0.1, stop_metric="twice", bootstrap_resamples=0,
+                 sample_metrics={"twice": lambda logits, labels: 2 * confident(logits, labels)})
+    assert e.value.param == "stop_metric" and "[0, 1]" in str(e.value)
+
+
+def test_what_cannot_stop_is_refused_naming_the_setting(demo):
+    model, tokenizer, dataset, _ = demo
+    for bad in ({"stop_at_width": 0}, {"stop_at_width": 3.0}, {"stop_at_width": "0.1"}, {"stop_round_rows": 0}):
+        with pytest.raises(UsageError) as e:
+            Settings(**bad)
+        assert e.value.param == next(iter(bad))
+    with pytest.raises(UsageError) as e:
+        _stopped(demo, stop_at_width=0.1, stop_metric="f1_macro")
+    assert e.value.param == "stop_metric" and "accuracy" in str(e.value)
+    loader = torch.utils.data.DataLoader([{"input_ids": torch.ones(3, dtype=torch.long), "labels": 0}])
+    with pytest.raises(UsageError) as e:
+        evaluate(model, loader, stop_at_width=0.1)
+    assert e.value.param == "stop_at_width" and "Dataset" in str(e.value)
+
+
+@pytest.mark.multiproc
+def test_the_cli_stops_on_the_same_rows_with_the_same_numbers_for_one_and_two_ranks(demo_cache, tmp_path):
+    common = ["--backend", "local", "--stop-at-width", "0.06", "--stop-round-rows", "64", "--save-logits", "--quiet"]
+    env = {"DIST_EVAL_CACHE": demo_cache}
+    runs = {}
+    for nproc in (0, 2):
+        out = tmp_path / f"n{nproc}"
+        proc = run_cli([*common, "--output-dir", str(out)], nproc=nproc, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        metrics = __import__("json").loads((out / "metrics.json").read_text())
+        runs[nproc] = metrics, read_jsonl(out / "predictions.jsonl")
+        assert not (out / "partial").exists()  # the rounds' partial results are removed with the rest
+    (one, one_rows), (two, two_rows) = runs[0], runs[2]
+    timing = ("seconds", "seconds_saved_estimate")
+    assert {k: v for k, v in one["stopping"].items() if k not in timing} == \
+        {k: v for k, v in two["stopping"].items() if k not in timing}
+    assert one["stopping"]["reason"] == "width" and one["stopping"]["rows_saved"] > 0
+    assert one_rows == two_rows and len(one_rows) == one["stopping"]["rows_used"]
+    for name in ("accuracy", "loss", "confusion_matrix", "confidence_intervals", "auroc_macro"):
+        assert one[name] == two[name], name
+    assert two["run"]["world_size"] == 2 and sum(two["run"]["per_rank_samples"]) == len(two_rows)
+
+
+@pytest.fixture(scope="module")
+def worse_checkpoint(demo_build, tmp_path_factory):
+    """The demo's checkpoint with two classes' head rows swapped: about half as accurate (the
+    demo's margins are wide: noise on the head hardly changes a prediction)."""
+    assets = demo_build[2][0]
+    saved = torch.load(assets.checkpoint, weights_only=True)
+    head = saved["state_dict"]["score.weight"].clone()
+    saved["state_dict"]["score.weight"] = head[[1, 0, 2, 3]]
+    path = str(tmp_path_factory.mktemp("worse") / "worse.pt")
+    torch.save(saved, path)
+    return path
+
+
+def _paired_values(result_first, result_second, order, rows_used):
+    used = order[:rows_used]
+    values = []
+    for result in (result_first, result_second):
+        assert np.array_equal(result.predictions.indices, np.sort(used))
+        position = np.searchsorted(result.predictions.indices, used)
+        values.append((result.predictions.preds == result.predictions.labels).astype(float)[position])
+    return values
+
+
+def test_two_models_on_the_same_rows_stop_once_the_difference_excludes_zero(demo, demo_build, worse_checkpoint):
+    from dist_eval import evaluate_pair
+    from dist_eval.backends import load_model
+
+    model, tokenizer, dataset, full = demo
+    with one_thread():
+        worse = load_model("local", demo_build[2][0].model_dir, checkpoint=worse_checkpoint)
+        try:
+            first, second = evaluate_pair(model, worse, dataset, tokenizer=tokenizer, return_logits=True,
+                                          stop_when_decided=True, stop_round_rows=ROUND, bootstrap_resamples=0)
+            worse_full = evaluate(worse, dataset, tokenizer=tokenizer, bootstrap_resamples=0)
+        finally:
+            worse.close()
+    stop = first.metrics["stopping"]
+    assert stop == second.metrics["stopping"] | {k: stop[k] for k in ("seconds", "seconds_saved_estimate")}
+    assert worse_full.metrics["accuracy"] < full.metrics["accuracy"]  # what the run should find
+    assert stop["reason"] == "decided" and stop["better"] == "first" and stop["interval"]["high"] < 0
+    assert stop["rows_used"] < len(dataset)
+
+    order = key_order([dataset["text"], dataset["label"]], 0)
+    a, b = _paired_values(first, second, order, stop["rows_used"])
+    expected = stop_report(b, len(dataset), ROUND, decide=True, paired_with=a)
+    assert (stop["rows_used"], stop["rounds"], stop["reason"]) == (expected["rows_used"], expected["rounds"], "decided")
+    assert (stop["interval"]["low"], stop["interval"]["high"]) == (expected["interval"]["low"],
+                                                                   expected["interval"]["high"])
+    with pytest.raises(UsageError) as e:  # one model cannot be compared
+        _stopped(demo, stop_when_decided=True)
+    assert e.value.param == "stop_when_decided"
+
+
+@pytest.mark.multiproc
+def test_the_cli_compares_two_checkpoints_with_one_model_load_as_the_api_does(demo, demo_build, worse_checkpoint,
+                                                                             tmp_path):
+    from dist_eval import evaluate_pair
+    from dist_eval.backends import load_model
+
+    assets = demo_build[2][0]
+    out = tmp_path / "out"
+    proc = run_cli(["--model", assets.model_dir, "--data-files", assets.data_dir, "--split", assets.split,
+                    "--checkpoint", f"A={assets.checkpoint}", "--checkpoint", f"B={worse_checkpoint}",
+                    "--backend", "local", "--stop-when-decided", "--stop-round-rows", str(ROUND),
+                    "--bootstrap-resamples", "0", "--save-logits", "--output-dir", str(out), "--progress", "none"],
+                   nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the first checkpoint is better" in proc.stdout
+    model, tokenizer, dataset, _ = demo
+    with one_thread():
+        worse = load_model("local", assets.model_dir, checkpoint=worse_checkpoint)
+        try:
+            api = evaluate_pair(model, worse, dataset, tokenizer=tokenizer, stop_when_decided=True,
+                                stop_round_rows=ROUND, bootstrap_resamples=0)
+        finally:
+            worse.close()
+    timing = ("seconds", "seconds_saved_estimate")
+    for name, result in zip("AB", api):
+        metrics = __import__("json").loads((out / name / "metrics.json").read_text())
+        assert {k: v for k, v in metrics["stopping"].items() if k not in timing} == \
+            {k: v for k, v in result.metrics["stopping"].items() if k not in timing}
+        for key in ("accuracy", "loss", "confusion_matrix", "ece", "auroc_macro"):
+            assert metrics[key] == result.metrics[key], (name, key)
+        assert len(read_jsonl(out / name / "predictions.jsonl")) == metrics["stopping"]["rows_used"]
+    assert metrics["stopping"]["reason"] == "decided"
+
+
+def test_the_worked_example_in_the_docs_is_what_the_demo_gives(demo):
+    """docs/running.md's table of the rows the demo needs: each row again, in process (the
+    same rounds, rows and numbers as the CLI's, for any number of ranks)."""
+    import os
+    import re
+
+    from conftest import REPO
+
+    text = open(os.path.join(REPO, "docs", "running.md")).read()
+    rows = re.findall(r"^\| ([0-9.]+) \| (\d+) \| (\d+) \| \[([0-9.]+), ([0-9.]+)\] \| \d+ \|$", text, re.M)
+    assert len(rows) == 4, rows
+    for width, round_rows, used, low, high in rows:
+        model, tokenizer, dataset, _ = demo
+        with one_thread():
+            result = evaluate(model, dataset, tokenizer=tokenizer, stop_at_width=float(width),
+                              stop_round_rows=int(round_rows), bootstrap_resamples=0)
+        stop = result.metrics["stopping"]
+        assert stop["rows_used"] == int(used), (width, round_rows)
+        assert (f"{stop['interval']['low']:.4f}", f"{stop['interval']['high']:.4f}") == (low, high)
