@@ -140,6 +140,7 @@ def test_the_cli_stops_on_the_same_rows_with_the_same_numbers_for_one_and_two_ra
         metrics = __import__("json").loads((out / "metrics.json").read_text())
         runs[nproc] = metrics, read_jsonl(out / "predictions.jsonl")
         assert not (out / "partial").exists()  # the rounds' partial results are removed with the rest
+        assert "stopped after" in (out / "report.html").read_text()
     (one, one_rows), (two, two_rows) = runs[0], runs[2]
     timing = ("seconds", "seconds_saved_estimate")
     assert {k: v for k, v in one["stopping"].items() if k not in timing} == \
@@ -257,3 +258,38 @@ def test_the_worked_example_in_the_docs_is_what_the_demo_gives(demo):
         stop = result.metrics["stopping"]
         assert stop["rows_used"] == int(used), (width, round_rows)
         assert (f"{stop['interval']['low']:.4f}", f"{stop['interval']['high']:.4f}") == (low, high)
+
+
+def test_a_limit_sample_is_the_set_and_two_equal_models_stop_on_width(demo):
+    """With --limit the set is the sample (its rows first in the same order); two models that
+    never differ cannot decide, so the pair stops when the difference's interval is narrow."""
+    from dist_eval import evaluate_pair
+
+    model, tokenizer, dataset, _ = demo
+    result = _stopped(demo, stop_at_width=0.08, limit=300, bootstrap_resamples=0)
+    stop = result.metrics["stopping"]
+    assert stop["rows_in_set"] == 300 and stop["rows_used"] < 300
+    from dist_eval.data.sample import sample_rows
+
+    sample = sample_rows(dataset, 300, 0, ["text", "label"])  # indices are the sample's, as with any --limit
+    order = key_order([dataset["text"], dataset["label"]], 0)
+    used = sorted(zip(sample.select(result.predictions.indices.tolist())["text"],
+                      sample.select(result.predictions.indices.tolist())["label"]))
+    first_of_order = dataset.select(order[: stop["rows_used"]].tolist())
+    assert used == sorted(zip(first_of_order["text"], first_of_order["label"]))
+    with one_thread():
+        first, second = evaluate_pair(model, model, dataset, tokenizer=tokenizer, stop_at_width=0.1,
+                                      stop_when_decided=True, stop_round_rows=ROUND, bootstrap_resamples=0)
+    stop = first.metrics["stopping"]
+    assert stop["reason"] == "width" and stop["better"] is None
+    assert stop["interval"]["low"] < 0 < stop["interval"]["high"]
+    assert first.metrics["accuracy"] == second.metrics["accuracy"]
+
+
+def test_the_cli_refuses_a_comparison_without_two_checkpoints_in_one_line():
+    from dist_eval.config import EvalConfig
+
+    for checkpoints in (["a.pt"], ["A=a.pt", "B=b.pt", "C=c.pt"]):
+        with pytest.raises(UsageError) as e:
+            EvalConfig(model=".", data_files=["x.csv"], checkpoint=checkpoints, stop_when_decided=True)
+        assert e.value.param == "stop_when_decided" and "--checkpoint twice" in str(e.value)

@@ -10,6 +10,7 @@ from typing import Iterable, Optional
 
 from dist_eval.metrics import headline_names
 from dist_eval.output.per_class import class_names, per_class_rows
+from dist_eval.output.summary import format_stopping
 
 _CSS = """
 body { font-family: -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif; color: #1f2328;
@@ -149,6 +150,7 @@ def _run_facts(metrics: dict) -> str:
         ("data", ", ".join(run.get("data_files") or []) or None),
         ("split", run.get("split")),
         ("sample (--limit)", _sample_text(run.get("sample"))),
+        ("stopped early", format_stopping(metrics)),
         ("model", run.get("model")),
         ("checkpoint", run.get("checkpoint")),
         ("backend", run.get("backend")),
