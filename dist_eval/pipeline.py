@@ -86,7 +86,7 @@ def run(config: EvalConfig) -> int:
 
     with ranks.phase("preparing the run"):
         job = _prepare(config, say) if main else None
-    job = ranks.broadcast_object(job)
+    job = _model_on_this_node(config, ranks.broadcast_object(job))
     reports: List[_Report] = []
     with contextlib.ExitStack() as cleanup:
         session = _Session(config, job, _swarm_address(config, job, cleanup, say), clock, say)
@@ -132,6 +132,28 @@ def _prepare(config: EvalConfig, say) -> Job:
     settings = replace(config.settings, text_column=demo.text_column, label_column=demo.label_column)
     plan = Plan((EvalSet(None, (demo.data_dir,)),), (Checkpoint(None, demo.checkpoint),))
     return Job(demo.model_dir, demo.split, settings, plan, demo=True)
+
+
+def _model_on_this_node(config: EvalConfig, job: Job) -> Job:
+    """A hub id's files are in rank 0's HF cache; a rank whose HF cache is another (another node
+    without a shared HF_HOME) fetches the same snapshot (its commit) into its own cache.
+    """
+    from dist_eval.config import is_hub_id
+
+    if job.demo or not is_hub_id(config.model):  # the same on every rank: all enter the phase or none
+        return job
+    with ranks.phase("finding the model on this node"):
+        from huggingface_hub import constants
+
+        own_cache = os.path.realpath(constants.HF_HUB_CACHE)
+        if not os.path.realpath(job.model_dir).startswith(own_cache + os.sep):
+            from dist_eval.backends.hub import resolve_model
+
+            commit = os.path.basename(os.path.normpath(job.model_dir))  # a snapshot folder is named by its commit
+            model_dir, _ = resolve_model(config.model, config.backend, config.initial_peers, commit,
+                                         whole=config.fetch_whole_model)
+            job = replace(job, model_dir=model_dir)
+    return job
 
 
 def _swarm_address(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, say) -> tuple:

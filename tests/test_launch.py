@@ -26,10 +26,12 @@ from conftest import (
     free_port,
     read_stdout_line,
     run_in_own_group,
+    split_into_shards,
     stop_group,
     swarm_server_pids,
     write_csv,
 )
+from fake_hub import fake_hub
 
 LAUNCH = os.path.join(REPO, "launch")
 SCRIPTS = ["run_local.sh", "run_multinode.sh", "start_server.sh", "slurm.sbatch"]
@@ -61,9 +63,10 @@ def start_in_own_group(cmd, env, stdout=subprocess.PIPE, stderr=None):
                             start_new_session=True)
 
 
-def run_nodes(args, tmp_path, nnodes=2, nproc_per_node=1, timeout=240):
+def run_nodes(args, tmp_path, nnodes=2, nproc_per_node=1, timeout=240, node_env=None):
     """``nnodes`` separate torchrun processes (launch/run_multinode.sh, NODE_RANK 0..n-1)
-    meeting at a c10d rendezvous on 127.0.0.1; returns [(returncode, log text)] per node."""
+    meeting at a c10d rendezvous on 127.0.0.1; returns [(returncode, log text)] per node.
+    ``node_env``: {node rank: environment variables of that node alone}."""
     port = free_port()
     env = {**ENV, "NNODES": str(nnodes), "NPROC_PER_NODE": str(nproc_per_node), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "RDZV_ID": f"test-{port}", "RDZV_TIMEOUT": "120", "LOCAL_ADDR": "127.0.0.1"}
@@ -73,7 +76,8 @@ def run_nodes(args, tmp_path, nnodes=2, nproc_per_node=1, timeout=240):
             log = open(tmp_path / f"node{rank}.log", "w+")
             logs.insert(0, log)
             nodes.insert(0, start_in_own_group(["bash", os.path.join(LAUNCH, "run_multinode.sh"), *args],
-                                               {**env, "NODE_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT))
+                                               {**env, **(node_env or {}).get(rank, {}), "NODE_RANK": str(rank)},
+                                               stdout=log, stderr=subprocess.STDOUT))
         end = time.monotonic() + timeout
         for node in nodes:
             node.wait(timeout=max(1.0, end - time.monotonic()))
@@ -362,3 +366,29 @@ def test_two_hosts_swarm_and_two_nodes_equal_one_node(tiny_model, inputs, local_
     assert not set(servers) & set(swarm_server_pids())
     ports = [int(MADDR.match(p).group(1)) for p in peers.values()]
     assert all(port_is_free(p) for p in ports), ports
+
+
+@pytest.mark.swarm
+@pytest.mark.multiproc
+def test_two_nodes_each_with_its_own_hf_cache_fetch_a_hub_ids_client_files(tiny_swarm, tiny_model, inputs,
+                                                                           local_reference, tmp_path):
+    """``--model org/name`` on 2 nodes that share no HF_HOME: rank 0 resolves the id, the other
+    node fetches the same snapshot into its own cache; no blocks-only shard is fetched, and
+    the run equals the local backend's on the full folder (bitwise logits)."""
+    repo_id = "tiny-org/tiny-llama"
+    sharded = split_into_shards(tiny_model, str(tmp_path / "sharded"))
+    homes = {rank: tmp_path / f"hf_home{rank}" for rank in (0, 1)}
+    swarm = ["--initial-peers", *tiny_swarm.initial_peers, "--dht-prefix", tiny_swarm.dht_prefix]
+    with fake_hub({repo_id: sharded}) as hub:
+        node_env = {rank: {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(home), "HF_HUB_OFFLINE": "0"}
+                    for rank, home in homes.items()}
+        nodes = run_nodes(eval_args(repo_id, inputs, tmp_path / "two", *swarm), tmp_path, node_env=node_env)
+        fetched = hub.files("GET")
+    for returncode, log in nodes:
+        assert_ok(returncode, log)
+    assert not [f for f in fetched if f.startswith("model-blocks-")], fetched
+    for home in homes.values():  # each node's own cache holds the client's files
+        assert list(home.glob("hub/models--tiny-org--tiny-llama/snapshots/*/config.json")), home
+    two = outputs(tmp_path / "two")
+    assert two[2]["world_size"] == 2
+    assert two[0] == local_reference[0]  # predictions with logits
