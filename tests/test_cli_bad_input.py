@@ -101,8 +101,9 @@ CASES = {
 
 
 # run on two ranks under torchrun (every rank exits 2): the process group's own refusal, a failure
-# found in a phase inside a phase, and one found by rank 0's label reading; the others in-process
-TWO_RANKS = {"nccl_without_gpu", "row_without_text", "text_labels_not_num_labels"}
+# a failure found in a phase inside a phase, one found by rank 0's label reading, and one every rank
+# meets alike (a truncated weights file: printed once, by rank 0, on its own line); the others in-process
+TWO_RANKS = {"nccl_without_gpu", "row_without_text", "text_labels_not_num_labels", "truncated_safetensors"}
 
 
 def _case_args(case, tiny_model, tiny_checkpoint, folders, tmp_path):
@@ -125,11 +126,13 @@ def test_bad_input_fails_cleanly(case, tiny_model, tiny_checkpoint, model_withou
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", sorted(TWO_RANKS))
-def test_bad_input_fails_cleanly_on_every_rank(case, tiny_model, tiny_checkpoint, model_without_tokenizer, tmp_path):
-    args, pattern = _case_args(case, tiny_model, tiny_checkpoint, {"MODEL_WITHOUT_TOKENIZER": model_without_tokenizer},
-                               tmp_path)
+def test_bad_input_fails_cleanly_on_every_rank(case, tiny_model, tiny_checkpoint, model_without_tokenizer,
+                                              model_truncated, tmp_path):
+    folders = {"MODEL_WITHOUT_TOKENIZER": model_without_tokenizer, "MODEL_TRUNCATED": model_truncated}
+    args, pattern = _case_args(case, tiny_model, tiny_checkpoint, folders, tmp_path)
     proc = run_cli(args, nproc=2, timeout=240)
     assert_clean_failure(proc, pattern)  # exit code 2 on every rank, one line, no traceback of ours
+    assert proc.stderr.count("dist_eval: error:") == 1, proc.stderr[-3000:]  # not once per rank, nor glued
     assert_no_report(tmp_path / "out")
 
 
