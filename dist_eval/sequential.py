@@ -1,8 +1,8 @@
 """Time-uniform confidence sequences for the mean of a finite set sampled without replacement.
 
 A pure numpy module (no torch): the statistics for stopping an evaluation once its interval
-is narrow enough (from Python today, docs/python-api.md; the run's own flags are to come,
-issue 28). Rows are seen in a fixed random order (``data/sample.py``'s
+is narrow enough (``--stop-at-width``, ``--stop-when-decided``: :mod:`dist_eval.stopping`
+runs the rounds and asks this module). Rows are seen in a fixed random order (``data/sample.py``'s
 content-hash order); after ``t`` of the set's ``N`` rows the sequence gives an interval for
 the mean over **all N rows**. The intervals hold at every ``t`` at once with probability at
 least ``level`` (time-uniform), so a run may look after every round and stop whenever it
