@@ -237,11 +237,14 @@ def _integer_resample_counts(rng, n: int, resamples: int, part: tuple = (0, 1)):
     """:func:`resample_counts` as int32 (the same draws): half the memory traffic of float64.
     ``part`` = (rank, world size): only every world-size-th chunk (the others' draws are made).
     """
+    # int32 draws below 2**31 are the same numbers from the same stream as int64 ones (numpy's
+    # bounded 32-bit generator serves both), with half the bytes to write.
+    dtype = np.int32 if n <= np.iinfo(np.int32).max else np.int64
     for number, (start, r) in enumerate(_chunks(resamples, n)):
-        indices = rng.integers(0, n, size=(r, n))
+        indices = rng.integers(0, n, size=(r, n), dtype=dtype)
         if number % part[1] != part[0]:
             continue
-        flat = (np.arange(r)[:, None] * n + indices).ravel()
+        flat = indices.ravel() if r == 1 else (np.arange(r, dtype=np.int64)[:, None] * n + indices).ravel()
         yield start, np.bincount(flat, minlength=r * n).reshape(r, n).astype(np.int32)
 
 
@@ -277,7 +280,7 @@ def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bin
         out["brier"][start:stop] = counts @ brier / n
         if k is not None:
             out[f"top{k}_accuracy"][start:stop] = counts @ hits / n
-        per_class = np.stack([_weighted_auroc(whole, *ranking) for ranking in rankings], axis=1)
+        per_class = np.stack([_weighted_auroc(whole, ranking) for ranking in rankings], axis=1)
         with np.errstate(invalid="ignore"):
             # classes present in the resample; NaN when fewer than two are (every AUROC undefined)
             defined = ~np.isnan(per_class)
@@ -289,30 +292,50 @@ def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bin
     return mine, {name: values[mine] for name, values in out.items()}
 
 
-def _ranking(scores: np.ndarray, positive: np.ndarray):
-    """Rows in score order, where each run of tied scores starts, and which rows are positive."""
+def _ranking(scores: np.ndarray, positive: np.ndarray) -> tuple:
+    """What :func:`_weighted_auroc` needs of one class, made once: (the positive rows: a
+    slice when they are contiguous, as in the canonical order, else their indices; the
+    negative rows in score order; for each positive row, how many negative rows score
+    strictly lower; and for the positive rows with tied negatives, their positions among
+    the positive rows and how many negatives score lower or the same).
+
+    Ties are runs of equal scores after a stable sort (a NaN ties with nothing), as before.
+    """
     order = np.argsort(scores, kind="mergesort")
     ordered = scores[order]
-    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
-    return order, starts, positive[order]
+    group = np.empty(order.size, dtype=np.int64)  # rank of each row's run of tied scores
+    group[order] = np.cumsum(np.r_[True, ordered[1:] != ordered[:-1]]) - 1
+    negatives = order[~positive[order]]
+    rows = np.flatnonzero(positive)
+    below = np.searchsorted(group[negatives], group[rows], side="left")
+    upto = np.searchsorted(group[negatives], group[rows], side="right")
+    tied = np.flatnonzero(upto != below)
+    contiguous = rows.size > 0 and rows[-1] - rows[0] + 1 == rows.size
+    positives = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else rows
+    return positives, negatives, below, tied, upto[tied]
 
 
-def _weighted_auroc(counts: np.ndarray, order, starts, positive) -> np.ndarray:
-    """AUROC of each resample (integer row weights ``counts``): Mann-Whitney with ties as 1/2;
-    NaN where the resample has no positive or no negative row.
+def _weighted_auroc(counts: np.ndarray, ranking: tuple) -> np.ndarray:
+    """AUROC of each resample (int32 row weights ``counts`` [r, n], each row summing to n;
+    ``ranking`` from :func:`_ranking`): Mann-Whitney with ties as 1/2; NaN where the resample
+    has no positive or no negative row.
 
-    In integers, exactly: twice the wins, sum over tie groups of pos x (2 x negatives below
-    + negatives tied) = pos x (negatives up to and including the group + those below). The
-    float result is then the same bits however it is summed (every count < 2**53).
+    In integers, exactly: twice the wins = sum over positive rows of weight x (2 x negative
+    weight below + negative weight tied) = weight x (negatives below + negatives up to and
+    including the tie): one cumulative sum over the negatives in score order, read at each
+    positive row. The float result is then the same bits however it is summed (every count
+    < 2**53).
     """
-    weights = counts[:, order]
-    pos = weights * positive[None, :]
-    if starts.size < order.size:  # tied scores: one group per run of ties
-        pos = np.add.reduceat(pos, starts, axis=1)
-        weights = np.add.reduceat(weights, starts, axis=1)
-    neg = weights - pos
-    upto = np.cumsum(neg, axis=1, dtype=np.int64)  # negative weight up to and including each group
-    twice_wins = (pos * (2 * upto - neg)).sum(axis=1, dtype=np.int64)
-    pairs = pos.sum(axis=1, dtype=np.int64) * neg.sum(axis=1, dtype=np.int64)
+    positives, negatives, below, tied, tied_upto = ranking
+    r, n = counts.shape
+    negative_upto = np.zeros((r, negatives.size + 1), dtype=np.int32)  # [:, j]: the first j negatives' weight
+    np.cumsum(np.take(counts, negatives, axis=1), axis=1, dtype=np.int32, out=negative_upto[:, 1:])
+    pos = counts[:, positives] if isinstance(positives, slice) else np.take(counts, positives, axis=1)
+    twice_wins = 2 * np.einsum("ij,ij->i", pos, np.take(negative_upto, below, axis=1), dtype=np.int64)
+    if tied.size:  # + the negatives tied with each positive row, once
+        tied_negatives = np.take(negative_upto, tied_upto, axis=1) - np.take(negative_upto, below[tied], axis=1)
+        twice_wins += np.einsum("ij,ij->i", np.take(pos, tied, axis=1), tied_negatives, dtype=np.int64)
+    positive_weight = pos.sum(axis=1, dtype=np.int64)
+    pairs = positive_weight * (n - positive_weight)
     wins = twice_wins.astype(np.float64) / 2
     return np.divide(wins, pairs.astype(np.float64), out=np.full(wins.shape, np.nan), where=pairs > 0)

@@ -1,5 +1,5 @@
 """benchmarks/bench_gpu.py: its data generator, its in-process batch plan (dist_eval's own), and
-its CPU smoke mode end to end."""
+its CPU smoke mode end to end; benchmarks/bench_score_intervals.py runs."""
 from __future__ import annotations
 
 import json
@@ -72,3 +72,15 @@ def test_cpu_smoke_run_end_to_end(tmp_path):
                      f"in-process, batch {DEFAULT_BATCH_SIZE}, cap {DEFAULT_MAX_BATCH_TOKENS}"]
     assert all(r["agreement"] == 1.0 for r in report["results"])  # float32: the same predictions
     assert report["machine"]["cpus"] == os.cpu_count() and report["model"]["dtype"] == "float32"
+
+
+def test_score_intervals_benchmark_runs():
+    """benchmarks/bench_score_intervals.py on a small set, without a baseline: it runs and
+    prints rank 0's seconds."""
+    script = os.path.join(REPO, "benchmarks", "bench_score_intervals.py")
+    cmd = [sys.executable, script, "--rows", "300", "--resamples", "40", "--nproc", "2", "--baseline", ""]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "300 rows, 4 classes, 40 resamples, rank 0 of 2:" in proc.stdout and "this checkout" in proc.stdout
+    assert "the same bits" not in proc.stdout  # no baseline: nothing to compare

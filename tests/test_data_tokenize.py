@@ -68,3 +68,21 @@ def test_formatted_datasets_and_a_transform(tokenizer, fmt):
         columns = TaskColumns("text", "label", pair)
         ids, _ = tokenize_rows(tokenizer, data, rows, columns, max_length=512, pad_token_id=-1)
         assert ids == tokenizer(want_texts, want_texts if pair else None)["input_ids"]
+
+
+@pytest.mark.parametrize("pair", [False, True])
+def test_only_the_ids_are_asked_of_the_tokenizer(tokenizer, pair):
+    """Issue 29: no attention masks or token type ids are built (they cost more than the
+    tokenization of short rows); the ids are those of a default call."""
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return tokenizer(*args, **kwargs)
+
+    data = _data()
+    rows = np.arange(50, dtype=np.int64)
+    columns = TaskColumns("text", "label", "other" if pair else None)
+    ids, _ = tokenize_rows(recording, data, rows, columns, max_length=512, pad_token_id=-1)
+    assert calls and all(not c["return_attention_mask"] and not c["return_token_type_ids"] for c in calls)
+    assert ids == tokenizer(list(data["text"]), list(data["other"]) if pair else None)["input_ids"]

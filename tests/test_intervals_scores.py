@@ -117,18 +117,129 @@ def test_score_intervals_are_those_recorded_before_the_faster_auroc(case):
 
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_the_resamples_shared_over_ranks_are_those_of_one_process(world):
+@pytest.mark.parametrize("world,n,resamples", [(1, 900, 1200), (2, 900, 1200), (3, 900, 1200), (4, 900, 1200),
+                                               (2, 300_001, 5), (3, 300_001, 5)])
+def test_the_resamples_shared_over_ranks_are_those_of_one_process(world, n, resamples):
     """Issue 29: each rank computes every N-th chunk of resamples; joined, the same bits as
-    one process (900 rows: 3 chunks of 582 resamples at most), so the intervals do not depend on N."""
-    from dist_eval.intervals import join_score_resamples, score_percentiles, score_resamples_part
+    one process (900 rows: 3 chunks of 582 resamples at most; 300,001 rows: one resample a
+    chunk), so the intervals do not depend on N."""
+    from dist_eval.intervals import _chunks, join_score_resamples, score_percentiles, score_resamples_part
 
-    probs, labels = synthetic(900, 3, seed=4, coarse=True)
-    whole = _score_metric_resamples(probs, labels, 1200, 7, None, 15)
-    parts = [score_resamples_part(probs, labels, 1200, 7, None, 15, (rank, world)) for rank in range(world)]
-    assert sum(len(numbers) > 0 for numbers, _ in parts) == min(world, 3)  # the work is shared
-    joined = join_score_resamples(parts, 1200)
+    probs, labels = synthetic(n, 3, seed=4, coarse=True)
+    whole = _score_metric_resamples(probs, labels, resamples, 7, None, 15)
+    parts = [score_resamples_part(probs, labels, resamples, 7, None, 15, (rank, world)) for rank in range(world)]
+    chunks = len(list(_chunks(resamples, n)))
+    assert sum(len(numbers) > 0 for numbers, _ in parts) == min(world, chunks)  # the work is shared
+    joined = join_score_resamples(parts, resamples)
     assert set(joined) == set(whole)
     for name in whole:
-        assert np.array_equal(joined[name], whole[name], equal_nan=True), name
-    assert score_percentiles(joined, 7) == bootstrap_score_intervals(probs, labels, 1200, 7)
+        assert joined[name].tobytes() == whole[name].tobytes(), name
+    assert score_percentiles(joined, 7) == bootstrap_score_intervals(probs, labels, resamples, 7)
+
+
+# Issue 29, the faster score intervals: the same bits as before. Made at dc17d6c (before the
+# AUROC read one cumulative sum per class and the draws came as int32) with
+#   probs, labels = synthetic(n, k, seed, coarse)
+#   bootstrap_score_intervals(probs, labels, resamples=resamples, seed=29, top_k=top_k)
+# keyed (n, k, seed, coarse, top_k, resamples): 2 to 4 chunks of resamples each (3 with n=777).
+PINNED_BEFORE_FASTER_AUROC = {
+    (2500, 4, 11, False, None, 700): {
+        'ece': [0.09082156992001876, 0.12305827570941313],
+        'brier': [0.41447894748919195, 0.44160810234875447],
+        'top2_accuracy': [0.8836, 0.90781],
+        'auroc_macro': [0.8947209323386982, 0.9106476737228544],
+    },
+    (1999, 3, 12, True, 2, 600): {
+        'ece': [0.20681441911431905, 0.24351379558827035],
+        'brier': [0.40420646476866556, 0.4252426649123881],
+        'top2_accuracy': [0.9239619809904952, 0.9454727363681841],
+        'auroc_macro': [0.8961843577491893, 0.9162112309026653],
+    },
+    (1500, 2, 13, True, None, 500): {
+        'ece': [0.13104722222222223, 0.16040277777777773],
+        'brier': [0.25007037037037055, 0.27414814814814853],
+        'auroc_macro': [0.9082810492545237, 0.9327271229090051],
+    },
+    (3001, 5, 14, True, 3, 400): {
+        'ece': [0.2521469364709119, 0.2855705824128851],
+        'brier': [0.5919015840245017, 0.606471403194766],
+        'top3_accuracy': [0.9043652115961346, 0.9240253248917027],
+        'auroc_macro': [0.8665052807074578, 0.8834779917511418],
+    },
+    (777, 6, 15, False, None, 2100): {
+        'ece': [0.08943551505710548, 0.14993405811588947],
+        'brier': [0.5163162001018836, 0.5662930803038538],
+        'top2_accuracy': [0.7824967824967825, 0.8378378378378378],
+        'auroc_macro': [0.8749898648209805, 0.9030832577595004],
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(PINNED_BEFORE_FASTER_AUROC))
+def test_score_intervals_are_those_pinned_before_the_faster_resamples(case):
+    n, k, seed, coarse, top_k, resamples = case
+    probs, labels = synthetic(n, k, seed, coarse=coarse)
+    ci = bootstrap_score_intervals(probs, labels, resamples=resamples, seed=29, top_k=top_k)
+    assert {name: value for name, value in ci.items() if isinstance(value, list)} == PINNED_BEFORE_FASTER_AUROC[case]
+
+
+def reference_weighted_auroc(counts, scores, positive):
+    """The resampled AUROC as computed before (dc17d6c): the rows' weights in score order,
+    one group per run of tied scores, the negatives' cumulative sum over all rows."""
+    order = np.argsort(scores, kind="mergesort")
+    ordered = scores[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    weights = counts[:, order]
+    pos = weights * positive[order][None, :]
+    if starts.size < order.size:
+        pos = np.add.reduceat(pos, starts, axis=1)
+        weights = np.add.reduceat(weights, starts, axis=1)
+    neg = weights - pos
+    upto = np.cumsum(neg, axis=1, dtype=np.int64)
+    twice_wins = (pos * (2 * upto - neg)).sum(axis=1, dtype=np.int64)
+    pairs = pos.sum(axis=1, dtype=np.int64) * neg.sum(axis=1, dtype=np.int64)
+    wins = twice_wins.astype(np.float64) / 2
+    return np.divide(wins, pairs.astype(np.float64), out=np.full(wins.shape, np.nan), where=pairs > 0)
+
+
+@pytest.mark.parametrize("n,levels,share,contiguous", [(500, None, 0.3, True), (400, 5, 0.5, False),
+                                                       (300, 2, 0.1, True), (50, 3, 0.0, True),
+                                                       (50, 3, 1.0, False), (1, None, 1.0, True),
+                                                       (200, 4, 0.4, False)])
+def test_weighted_auroc_is_bit_for_bit_the_former_one(n, levels, share, contiguous):
+    """The one-cumulative-sum AUROC against the former computation: distinct and tied
+    scores, NaN scores, positives in one block (the canonical order) or scattered, no
+    positive or no negative row, and resamples where one side draws nothing."""
+    from dist_eval.intervals import _ranking, _weighted_auroc
+
+    rng = np.random.default_rng(n + int(10 * share))
+    scores = rng.random(n) if levels is None else rng.integers(0, levels, n) / levels
+    if n >= 200:
+        scores[rng.integers(0, n, 5)] = np.nan
+    positive = rng.random(n) < share
+    if contiguous:
+        positive = np.sort(positive)[::-1].copy()
+    counts = rng.multinomial(n, np.full(n, 1.0 / n), size=40).astype(np.int32)
+    counts[0] = 0
+    counts[0, 0] = n  # one row drawn n times
+    got = _weighted_auroc(counts, _ranking(scores, positive))
+    want = reference_weighted_auroc(counts, scores, positive)
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("n,resamples", [(1, 3), (999, 1200), (300_001, 3)])
+def test_resample_counts_are_those_of_the_documented_int64_draws(n, resamples):
+    """The draws come as int32 (faster); the counts and the stream after them are those of
+    rng.integers(0, n, size=(r, n)) per chunk, as documented (n > 2**18: one resample a chunk)."""
+    from dist_eval.intervals import _chunks, _integer_resample_counts
+
+    ours = np.random.Generator(np.random.PCG64(3))
+    ref = np.random.Generator(np.random.PCG64(3))
+    got = list(_integer_resample_counts(ours, n, resamples))
+    chunks = list(_chunks(resamples, n))
+    assert [start for start, _ in got] == [start for start, _ in chunks]
+    for (_, counts), (_, r) in zip(got, chunks):
+        rows = ref.integers(0, n, size=(r, n))
+        want = np.stack([np.bincount(row, minlength=n) for row in rows])
+        assert counts.dtype == np.int32 and np.array_equal(counts, want)
+    assert ours.integers(0, 2**62) == ref.integers(0, 2**62)

@@ -36,7 +36,10 @@ def tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, ma
     if columns.template is not None:  # one text per row: the template filled in (no tokenizer pair)
         texts = [apply_template(columns.template, text, pairs[i] if pairs else None) for i, text in enumerate(texts)]
         pairs = None
-    encoded = tokenizer(texts, pairs, truncation=False, add_special_tokens=True)["input_ids"]
+    # only the ids: the masks and token type ids a call builds by default cost more than the
+    # tokenization itself on short rows (a Python list per row each; benchmarks/RESULTS.md)
+    encoded = tokenizer(texts, pairs, truncation=False, add_special_tokens=True, return_attention_mask=False,
+                        return_token_type_ids=False)["input_ids"]
     num_truncated = 0
     out = []
     for offset, ids in enumerate(encoded):
