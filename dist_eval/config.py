@@ -138,7 +138,7 @@ _STOP_AT_WIDTH = (
     "--stop-round-rows rows over all ranks, and stop at the first round whose 95%% time-uniform confidence "
     "interval of --stop-metric over the whole set (valid although the run chose when to stop) is at most this "
     "wide, e.g. 0.02 for +-1 point of accuracy; or at the end of the set. With two --checkpoint's and "
-    "--stop-when-decided, the width of the interval of their difference. Default: every row."
+    "--stop-when-decided, the width of the interval of their difference. 0 (the default; API: None): every row."
 )
 _STOP_WHEN_DECIDED = (
     "With two --checkpoint's: evaluate both on the same rows in rounds (as --stop-at-width) and stop as soon "
@@ -205,7 +205,7 @@ class Settings:
                 isinstance(self.stop_at_width, bool) or not isinstance(self.stop_at_width, (int, float))
                 or not 0 < self.stop_at_width <= 2):
             raise UsageError("expected a width in (0, 2] (the interval's high - low, e.g. 0.02 for +-1 point), "
-                             "or none: every row.", param="stop_at_width", value=self.stop_at_width)
+                             "or 0 (API: None): every row.", param="stop_at_width", value=self.stop_at_width)
         check_int("stop_round_rows", self.stop_round_rows, 1)
         if not isinstance(self.stop_metric, str) or not self.stop_metric:
             raise UsageError(f"expected a metric name: one of {', '.join(STOP_METRIC_NAMES)} (or, in the API, a "

@@ -569,7 +569,11 @@ def _write_report(config: EvalConfig, out: str, result, say, texts: Optional[dic
     path = write_metrics(out, metrics)
     files = write_report_files(out, metrics)
     if config.quiet:
-        print(f"dist_eval: accuracy {metrics['accuracy']:.4f} on {metrics['num_samples']} samples -> {path}")
+        stop = metrics.get("stopping")
+        stopped = (f" (stopped after {stop['rows_used']} of {stop['rows_in_set']} rows: {stop['reason']}, "
+                   f"95% time-uniform interval [{stop['interval']['low']:.4f}, {stop['interval']['high']:.4f}])"
+                   if stop else "")
+        print(f"dist_eval: accuracy {metrics['accuracy']:.4f} on {metrics['num_samples']} samples{stopped} -> {path}")
     else:
         print(format_summary(metrics))
         names = ", ".join(os.path.basename(f) for f in [path, os.path.join(out, "predictions.jsonl"), *files])

@@ -3,6 +3,8 @@ rounds of rows in the --limit order and stops where the confidence sequence comp
 whole set's rows (dist_eval/sequential.py) says it may; its rows, logits and metrics are
 those of an ordinary evaluate() of the same rows. The real demo model, local backend.
 """
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -141,6 +143,8 @@ def test_the_cli_stops_on_the_same_rows_with_the_same_numbers_for_one_and_two_ra
         runs[nproc] = metrics, read_jsonl(out / "predictions.jsonl")
         assert not (out / "partial").exists()  # the rounds' partial results are removed with the rest
         assert "stopped after" in (out / "report.html").read_text()
+        assert re.search(r"accuracy \d\.\d{4} on \d+ samples \(stopped after \d+ of 800 rows: width, 95% time-uniform "
+                         r"interval \[0\.\d{4}, [01]\.\d{4}\]\) -> ", proc.stdout), proc.stdout  # --quiet's one line
     (one, one_rows), (two, two_rows) = runs[0], runs[2]
     timing = ("seconds", "seconds_saved_estimate")
     assert {k: v for k, v in one["stopping"].items() if k not in timing} == \
