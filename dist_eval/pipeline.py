@@ -94,10 +94,11 @@ def run(config: EvalConfig) -> int:
         pairs = job.plan.pairs()
         if job.settings.stop_when_decided:  # two checkpoints on the same rows, together
             reports.extend(_run_compared(session, pairs))
-        for number, pair in enumerate(pairs if not job.settings.stop_when_decided else [], 1):
-            report = _run_pair(session, pair, f"[{number}/{len(pairs)}]")
-            if report is not None:
-                reports.append(report)
+        else:
+            for number, pair in enumerate(pairs, 1):
+                report = _run_pair(session, pair, f"[{number}/{len(pairs)}]")
+                if report is not None:
+                    reports.append(report)
         if job.plan.several:
             with ranks.phase("writing the summary"):
                 if main:
@@ -283,7 +284,7 @@ def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
     """--stop-when-decided: the two checkpoints on the same rows of the one set, in rounds, until
     the interval of their difference says stop (:mod:`dist_eval.stopping`); a report for each.
     """
-    from dist_eval.evaluation import evaluate
+    from dist_eval.evaluation import EvalResult, evaluate
     from dist_eval.progress import GlobalProgress
     from dist_eval.stopping import evaluate_in_rounds
 
@@ -315,19 +316,11 @@ def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
         )
     reports = []
     for pair, out, (folder, key), (metrics, merged) in zip(pairs, outs, stored, results):
-        report = _report_pair(session, pair, _Result(metrics, merged), (out, folder, key), dataset, sample,
+        report = _report_pair(session, pair, EvalResult(metrics, merged), (out, folder, key), dataset, sample,
                               pair_started)
         if report is not None:
             reports.append(report)
     return reports
-
-
-@dataclass
-class _Result:
-    """An EvalResult's two fields (what a report is written from)."""
-
-    metrics: dict
-    predictions: object
 
 
 def _stored_results(session: _Session, out: str, pair: Pair, dataset) -> Tuple[Optional[str], str]:

@@ -46,7 +46,7 @@ def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings,
     keywords = dict(label_names=names, sample_metrics=sample_metrics, return_logits=True,
                     settings=rounds.settings, options=replace(options, bootstrap_resamples=0),
                     on_batch_done=_rows_only(on_batch_done))
-    seen = [Seen() for _ in evaluators]
+    seen = [Seen(settings.stop_metric, options.top_k) for _ in evaluators]
     decision = None
     while decision is None:
         rows = rounds.next_rows()
@@ -54,14 +54,13 @@ def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings,
         for evaluate_rows, mine, folder in zip(evaluators, seen, resume_folders or [None] * len(evaluators)):
             mine.add(evaluate_rows(data=subset, resume_folder=rounds.folder(folder), **keywords), rows)
         if ranks.is_main_process():
-            values = [_stop_values(settings.stop_metric, mine.merged(), options.top_k) for mine in seen]
-            decision = _decide(values, rounds, settings)
+            decision = _decide([mine.stop_values() for mine in seen], rounds, settings)
         decision = ranks.broadcast_object(decision)
     out = []
     for mine in seen:
         report, merged = None, None
         if ranks.is_main_process():
-            merged = mine.merged(by_index=True)
+            merged = mine.merged()
             report = rows_report(merged, mine.num_labels, mine.label_names, user_metrics,
                                  ((options.bootstrap_resamples, options.bootstrap_seed), options.top_k))
             report.update(mine.facts())
@@ -119,10 +118,15 @@ class Rounds:
 
 
 class Seen:
-    """Rank 0: the rounds' merged rows, indices into the set; every rank: the rounds' facts."""
+    """Rank 0: the rounds' merged rows (indices into the set) and their per-row values of the
+    stopping metric, each computed once; every rank: the rounds' facts.
+    """
 
-    def __init__(self):
+    def __init__(self, metric: str, top_k: Optional[int]):
+        self.metric, self.top_k = metric, top_k
         self.parts: List[MergedResults] = []
+        self.values: List[np.ndarray] = []
+        self.bounds = None
         self.reports: List[dict] = []
         self.started = time.perf_counter()
 
@@ -132,6 +136,12 @@ class Seen:
             part = result.predictions
             part.indices = rows[part.indices]  # the round's row i is the set's row rows[i]
             self.parts.append(part)
+            values, self.bounds = _stop_values(self.metric, part, self.top_k)
+            self.values.append(values)
+
+    def stop_values(self) -> tuple:
+        """(the stopping metric's value of every row seen, in the order seen, and its bounds)."""
+        return np.concatenate(self.values), self.bounds
 
     @property
     def num_labels(self) -> int:
@@ -141,26 +151,16 @@ class Seen:
     def label_names(self):
         return self.reports[-1].get("label_names")
 
-    def merged(self, by_index: bool = False) -> MergedResults:
-        """Every row seen, in the order seen (the --limit order), or by the set's row index."""
-        parts = self.parts
-        joined = MergedResults(
-            indices=np.concatenate([p.indices for p in parts]),
-            labels=np.concatenate([p.labels for p in parts]),
-            preds=np.concatenate([p.preds for p in parts]),
-            losses=np.concatenate([p.losses for p in parts]),
-            logits=np.concatenate([p.logits for p in parts]),
-            sample_values={name: np.concatenate([p.sample_values[name] for p in parts])
-                           for name in parts[0].sample_values},
-            num_duplicates_dropped=sum(p.num_duplicates_dropped for p in parts),
-        )
-        if by_index:
-            order = np.argsort(joined.indices, kind="stable")
-            joined = MergedResults(joined.indices[order], joined.labels[order], joined.preds[order],
-                                   joined.losses[order], joined.logits[order],
-                                   {name: v[order] for name, v in joined.sample_values.items()},
-                                   joined.num_duplicates_dropped)
-        return joined
+    def merged(self) -> MergedResults:
+        """Every row seen, ordered by the set's row index (as a merge orders them)."""
+        columns = {name: np.concatenate([getattr(p, name) for p in self.parts])
+                   for name in ("indices", "labels", "preds", "losses", "logits")}
+        values = {name: np.concatenate([p.sample_values[name] for p in self.parts])
+                  for name in self.parts[0].sample_values}
+        order = np.argsort(columns["indices"], kind="stable")
+        return MergedResults(**{name: column[order] for name, column in columns.items()},
+                             sample_values={name: v[order] for name, v in values.items()},
+                             num_duplicates_dropped=sum(p.num_duplicates_dropped for p in self.parts))
 
     def facts(self) -> dict:
         """``num_truncated`` and ``run`` over the rounds: sums, or the worst batch."""
@@ -202,20 +202,20 @@ def _check_metric(metric: str, sample_metrics: Optional[Dict]) -> None:
                          value=metric)
 
 
-def _stop_values(metric: str, seen: MergedResults, top_k: Optional[int]):
-    """(the per-row values of the stopping metric, in the order seen, and their bounds)."""
-    if metric in seen.sample_values:
-        values = seen.sample_values[metric].astype(np.float64)
+def _stop_values(metric: str, part: MergedResults, top_k: Optional[int]):
+    """(the per-row values of the stopping metric of a round's rows, in their order, and their bounds)."""
+    if metric in part.sample_values:
+        values = part.sample_values[metric].astype(np.float64)
         if values.size and (values.min() < 0 or values.max() > 1):
             raise UsageError(f"the sample metric's values must lie in [0, 1] to stop on it; got values in "
                              f"[{values.min()}, {values.max()}]. Rescale it to [0, 1].", param="stop_metric",
                              value=metric)
         return values, (0.0, 1.0)
-    k = default_top_k(seen.logits.shape[1]) if top_k is None else top_k
+    k = default_top_k(part.logits.shape[1]) if top_k is None else top_k
     if metric == "top_k_accuracy" and k is None:
         raise UsageError("top_k_accuracy with 2 classes means nothing (every row is a top-2 hit). Stop on "
                          "accuracy or brier.", param="stop_metric", value=metric)
-    return row_values(metric, seen.logits, seen.labels, top_k=k or 2)
+    return row_values(metric, part.logits, part.labels, top_k=k or 2)
 
 
 def _decide(values: list, rounds: Rounds, settings: Settings) -> Optional[dict]:

@@ -3,6 +3,7 @@ rounds of rows in the --limit order and stops where the confidence sequence comp
 whole set's rows (dist_eval/sequential.py) says it may; its rows, logits and metrics are
 those of an ordinary evaluate() of the same rows. The real demo model, local backend.
 """
+import json
 import re
 
 import numpy as np
@@ -139,7 +140,7 @@ def test_the_cli_stops_on_the_same_rows_with_the_same_numbers_for_one_and_two_ra
         out = tmp_path / f"n{nproc}"
         proc = run_cli([*common, "--output-dir", str(out)], nproc=nproc, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        metrics = __import__("json").loads((out / "metrics.json").read_text())
+        metrics = json.loads((out / "metrics.json").read_text())
         runs[nproc] = metrics, read_jsonl(out / "predictions.jsonl")
         assert not (out / "partial").exists()  # the rounds' partial results are removed with the rest
         assert "stopped after" in (out / "report.html").read_text()
@@ -234,7 +235,7 @@ def test_the_cli_compares_two_checkpoints_with_one_model_load_as_the_api_does(de
             worse.close()
     timing = ("seconds", "seconds_saved_estimate")
     for name, result in zip("AB", api):
-        metrics = __import__("json").loads((out / name / "metrics.json").read_text())
+        metrics = json.loads((out / name / "metrics.json").read_text())
         assert {k: v for k, v in metrics["stopping"].items() if k not in timing} == \
             {k: v for k, v in result.metrics["stopping"].items() if k not in timing}
         for key in ("accuracy", "loss", "confusion_matrix", "ece", "auroc_macro"):
