@@ -86,3 +86,106 @@ def test_only_the_ids_are_asked_of_the_tokenizer(tokenizer, pair):
     ids, _ = tokenize_rows(recording, data, rows, columns, max_length=512, pad_token_id=-1)
     assert calls and all(not c["return_attention_mask"] and not c["return_token_type_ids"] for c in calls)
     assert ids == tokenizer(list(data["text"]), list(data["other"]) if pair else None)["input_ids"]
+
+
+def _bpe_backend(texts):
+    """A small byte-level BPE trained on ``texts``, with BOS/EOS added by a post-processor
+    (as Llama's and BLOOM's tokenizer.json have), so special tokens and pairs show."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    special = ["<pad>", "<unk>", "<s>", "</s>"]
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=special))
+    bpe.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1", special_tokens=[("<s>", 2), ("</s>", 3)])
+    return bpe
+
+
+def _family_tokenizers(texts):
+    from transformers import BloomTokenizerFast, GPT2TokenizerFast, LlamaTokenizerFast, PreTrainedTokenizerFast
+
+    made = {}
+    for cls in (PreTrainedTokenizerFast, BloomTokenizerFast, GPT2TokenizerFast, LlamaTokenizerFast):
+        kwargs = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+        made[cls.__name__] = cls(tokenizer_object=_bpe_backend(texts), **kwargs)
+    return made
+
+
+@pytest.mark.parametrize("pair", [False, True])
+def test_the_backend_called_directly_gives_the_tokenizers_own_ids(pair):
+    """Issue 29: a plain fast tokenizer's Rust backend is called without transformers' per-row
+    conversion; the ids (special tokens, pairs, truncation) equal the tokenizer's own call,
+    for the tokenizer classes of the families dist_eval serves."""
+    from dist_eval.data.tokenize import _backend_gives_the_same_ids
+
+    data = _data(200)
+    columns = TaskColumns("text", "label", "other" if pair else None)
+    rows = np.arange(199, -1, -3, dtype=np.int64)
+    texts = [data[int(r)]["text"] for r in rows]
+    pairs = [data[int(r)]["other"] for r in rows] if pair else None
+    for name, tokenizer in _family_tokenizers(list(data["text"])).items():
+        assert _backend_gives_the_same_ids(tokenizer, tokenizer._tokenizer), name
+        ids, truncated = tokenize_rows(tokenizer, data, rows, columns, max_length=9, pad_token_id=0)
+        full = tokenizer(texts, pairs)["input_ids"]
+        assert ids == [x[:9] for x in full], name
+        assert truncated == sum(len(x) > 9 for x in full) > 0, name
+        assert any(x[0] == tokenizer.bos_token_id for x in ids) or name == "PreTrainedTokenizerFast", name
+
+
+def test_the_tokenizers_own_call_when_the_backend_differs_from_it():
+    """A backend set to truncate or pad (transformers' call switches that off), or a class that
+    overrides the call: the tokenizer's own call is used, so the ids are still its own."""
+    from transformers import PreTrainedTokenizerFast
+
+    from dist_eval.data.tokenize import _backend_gives_the_same_ids
+
+    data = _data(40)
+    columns = TaskColumns("text", "label")
+    rows = np.arange(40, dtype=np.int64)
+    texts = list(data["text"])
+
+    truncating = PreTrainedTokenizerFast(tokenizer_object=_bpe_backend(texts), pad_token="<pad>")
+    truncating._tokenizer.enable_truncation(max_length=3)
+    assert not _backend_gives_the_same_ids(truncating, truncating._tokenizer)
+    ids, _ = tokenize_rows(truncating, data, rows, columns, max_length=512, pad_token_id=0)
+    assert max(map(len, ids)) > 3  # not the backend's truncation: transformers' call turned it off
+    assert ids == truncating(texts)["input_ids"]
+
+    class Lowering(PreTrainedTokenizerFast):  # a subclass that changes the texts in its call
+        def __call__(self, text, *args, **kwargs):
+            return super().__call__([t.upper() for t in text], *args, **kwargs)
+
+    lowering = Lowering(tokenizer_object=_bpe_backend(texts), pad_token="<pad>")
+    assert not _backend_gives_the_same_ids(lowering, lowering._tokenizer)
+    ids, _ = tokenize_rows(lowering, data, rows, columns, max_length=512, pad_token_id=0)
+    assert ids == lowering(texts)["input_ids"] != PreTrainedTokenizerFast(
+        tokenizer_object=_bpe_backend(texts))(texts)["input_ids"]
+
+
+def test_the_first_bad_row_in_row_order_is_named(tokenizer):
+    """An empty row and a row with the pad id: the error names whichever comes first."""
+    from dist_eval.errors import UsageError
+
+    data = datasets.Dataset.from_dict({"text": ["good film", "<pad> film", "", "bad"], "label": [0, 1, 0, 1]})
+    pad = tokenizer.convert_tokens_to_ids("<pad>")
+    columns = TaskColumns("text", "label")
+    with pytest.raises(UsageError, match="row 1 contains the pad token id"):
+        tokenize_rows(tokenizer, data, np.arange(4, dtype=np.int64), columns, 512, pad)
+    with pytest.raises(UsageError, match="row 2 is empty"):
+        tokenize_rows(tokenizer, data, np.array([0, 2, 1], dtype=np.int64), columns, 512, pad)
+
+
+def test_right_pad_places_every_id_and_pads_the_rest():
+    import torch
+
+    from dist_eval.data.tokenize import right_pad
+
+    rng = np.random.default_rng(3)
+    for lengths in ([1], [5, 1, 3], [7] * 4, rng.integers(1, 40, 33).tolist()):
+        rows = [rng.integers(1, 2**40, n).tolist() for n in lengths]  # ids beyond int32 stay exact
+        batch = right_pad(rows, pad_token_id=-7)
+        assert batch.dtype == torch.long and batch.shape == (len(rows), max(lengths))
+        for row, ids in zip(batch.tolist(), rows):
+            assert row == ids + [-7] * (max(lengths) - len(ids))

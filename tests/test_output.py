@@ -236,3 +236,56 @@ def test_a_figure_that_fails_costs_only_the_figure(one_process_result, tmp_path,
         sorted(p.name for p in tmp_path.iterdir()) == ["per_class.csv", "per_class.md", "report.html"]
         and len(written) == 3
     )
+
+
+def _predictions_by_json_dumps(merged, label_names, save_logits, texts):
+    """The reference: a dict per row, json.dumps'd (what write_predictions wrote before it
+    built its lines a column at a time)."""
+    from dist_eval.metrics import softmax
+
+    probs = softmax(merged.logits)[np.arange(len(merged.indices)), merged.preds] if merged.logits is not None else None
+    lines = []
+    for i, index in enumerate(merged.indices.tolist()):
+        row = {"index": index, "label": int(merged.labels[i]), "pred": int(merged.preds[i])}
+        if label_names:
+            row["label_name"] = label_names[merged.labels[i]]
+            row["pred_name"] = label_names[merged.preds[i]]
+        if probs is not None:
+            row["prob"] = float(probs[i])
+        row["loss"] = float(merged.losses[i])
+        if save_logits and merged.logits is not None:
+            row["logits"] = merged.logits[i].tolist()
+        for key, values in (texts or {}).items():
+            row[key] = values[index]
+        lines.append(json.dumps(row) + "\n")
+    return "".join(lines).encode()
+
+
+@pytest.mark.parametrize("case", ["names_texts_logits", "plain", "no_logits", "texts_named_like_fields", "big"])
+def test_predictions_lines_are_json_dumps_of_each_row(tmp_path, case):
+    """predictions.jsonl byte for byte as json.dumps writes each row's dict: NaN and infinite
+    values, quotes, escapes, non-ASCII and % in names, texts and keys, a text key that is also
+    a field's, and more rows than one write holds."""
+    from dist_eval.merge import MergedResults
+    from dist_eval.output.files import _LINES_PER_WRITE, write_predictions
+
+    rng = np.random.default_rng(len(case))
+    n, k = (_LINES_PER_WRITE + 7, 4) if case == "big" else (60, 3)
+    logits = (rng.normal(size=(n, k)) * 5).astype(np.float32)
+    logits[0, 0], logits[1, 1], logits[2, :] = np.nan, np.inf, -np.inf
+    losses = rng.exponential(size=n)
+    losses[3:6] = [np.nan, np.inf, -np.inf]
+    merged = MergedResults(indices=rng.permutation(n), labels=rng.integers(0, k, n),
+                           preds=logits.argmax(axis=1), losses=losses,
+                           logits=None if case == "no_logits" else logits)
+    names = {"names_texts_logits": ["a", 'q"u\\o', "\u00fcn\u00ef %s \n"], "texts_named_like_fields": ["x", "y", "z"],
+             "big": ["w", "x", "y", "z"]}.get(case)
+    texts = {"names_texts_logits": {"text": [f"t%s{i} \u00e9\n\"" for i in range(n)],
+                                    "te%xt": [str(i) for i in range(n)]},
+             "texts_named_like_fields": {"label": ["L"] * n, "text": ["T"] * n}}.get(case)
+    save_logits = case in ("names_texts_logits", "no_logits")
+    with np.errstate(all="ignore"):
+        path = write_predictions(str(tmp_path), merged, names, save_logits, texts)
+        expected = _predictions_by_json_dumps(merged, names, save_logits, texts)
+    with open(path, "rb") as f:
+        assert f.read() == expected

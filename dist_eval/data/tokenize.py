@@ -1,6 +1,7 @@
 """Token ids of rows (checked, truncated) and right-padded batches."""
 from __future__ import annotations
 
+from itertools import chain
 from typing import List, Optional
 
 import numpy as np
@@ -36,31 +37,68 @@ def tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, ma
     if columns.template is not None:  # one text per row: the template filled in (no tokenizer pair)
         texts = [apply_template(columns.template, text, pairs[i] if pairs else None) for i, text in enumerate(texts)]
         pairs = None
-    # only the ids: the masks and token type ids a call builds by default cost more than the
-    # tokenization itself on short rows (a Python list per row each; benchmarks/RESULTS.md)
-    encoded = tokenizer(texts, pairs, truncation=False, add_special_tokens=True, return_attention_mask=False,
-                        return_token_type_ids=False)["input_ids"]
-    num_truncated = 0
-    out = []
-    for offset, ids in enumerate(encoded):
-        if len(ids) > max_length:
-            ids = ids[:max_length]
-            num_truncated += 1
-        if not ids:
-            raise UsageError(
-                f"row {int(rows[offset])} is empty after tokenization; the model "
-                "has no token to classify. Drop empty rows from the data.",
-                param="text_column", value=columns.text,
-            )
-        if pad_token_id in ids:
-            raise UsageError(
-                f"row {int(rows[offset])} contains the pad token id {pad_token_id} inside its text; with "
-                "right padding and no attention mask the model would classify the wrong position. Use a tokenizer "
-                "whose pad token never occurs in text (set pad_token_id in config.json).",
-                param="tokenizer",
-            )
-        out.append(ids)
-    return out, num_truncated
+    encoded = _token_ids(tokenizer, texts, pairs)
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    truncated = np.flatnonzero(lengths > max_length)
+    for offset in truncated.tolist():
+        encoded[offset] = encoded[offset][:max_length]
+    # C-level tests per row: the per-row Python loop they replace was a tenth of the
+    # tokenization's time on short rows. The first bad row in row order is the one named.
+    empty = np.flatnonzero(lengths == 0)
+    with_pad = next((offset for offset, ids in enumerate(encoded) if pad_token_id in ids), None)
+    if empty.size and (with_pad is None or empty[0] < with_pad):
+        raise UsageError(
+            f"row {int(rows[empty[0]])} is empty after tokenization; the model "
+            "has no token to classify. Drop empty rows from the data.",
+            param="text_column", value=columns.text,
+        )
+    if with_pad is not None:
+        raise UsageError(
+            f"row {int(rows[with_pad])} contains the pad token id {pad_token_id} inside its text; with "
+            "right padding and no attention mask the model would classify the wrong position. Use a tokenizer "
+            "whose pad token never occurs in text (set pad_token_id in config.json).",
+            param="tokenizer",
+        )
+    return encoded, int(truncated.size)
+
+
+# Fast tokenizer classes whose own _batch_encode_plus only refuses pre-split words (which
+# dist_eval never passes) before calling the base class's: the backend may be called for them.
+_OVERRIDES_THAT_ONLY_CHECK = frozenset({"BloomTokenizerFast", "GPT2TokenizerFast", "CodeGenTokenizerFast"})
+
+
+def _token_ids(tokenizer, texts: List[str], pairs: Optional[List[str]]) -> List[List[int]]:
+    """Each text's (or pair's) token ids with the special tokens, as ``tokenizer(texts, pairs)``
+    gives them. A plain fast tokenizer's Rust backend is called directly: transformers' call
+    turns every row's encoding into a dict of lists (the masks, offsets, ...), which cost more
+    than the tokenization itself on short rows (benchmarks/RESULTS.md). Anything else, or a
+    backend set to truncate or pad (transformers' call would switch that off), goes through
+    the tokenizer's own call.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if _backend_gives_the_same_ids(tokenizer, backend):
+        batch = texts if pairs is None else list(zip(texts, pairs))
+        return [encoding.ids for encoding in backend.encode_batch(batch, add_special_tokens=True)]
+    # only the ids: the masks and token type ids a call builds by default are a list per row each
+    return tokenizer(texts, pairs, truncation=False, add_special_tokens=True, return_attention_mask=False,
+                     return_token_type_ids=False)["input_ids"]
+
+
+def _backend_gives_the_same_ids(tokenizer, backend) -> bool:
+    try:
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    except ImportError:  # pragma: no cover - both come with transformers' fast tokenizers
+        return False
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or not isinstance(backend, Tokenizer):
+        return False
+    bases = (PreTrainedTokenizerBase, PreTrainedTokenizerFast)
+    for method in ("__call__", "_call_one", "batch_encode_plus", "_batch_encode_plus"):
+        defined_in = next(k for k in type(tokenizer).__mro__ if method in vars(k))
+        if defined_in not in bases and not (method == "_batch_encode_plus"
+                                            and defined_in.__name__ in _OVERRIDES_THAT_ONLY_CHECK):
+            return False
+    return backend.truncation is None and backend.padding is None
 
 
 def apply_template(template: str, text: str, text_pair: Optional[str] = None) -> str:
@@ -76,8 +114,10 @@ def right_pad(sequences: List[List[int]], pad_token_id: int) -> torch.Tensor:
     petals client refuses any mask that is not all ones, and causal attention means
     pads after a sequence do not change its earlier positions.
     """
-    longest = max(len(s) for s in sequences)
-    batch = torch.full((len(sequences), longest), pad_token_id, dtype=torch.long)
-    for i, ids in enumerate(sequences):
-        batch[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return batch
+    lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
+    batch = np.full((len(sequences), int(lengths.max())), pad_token_id, dtype=np.int64)
+    # every id in one read, placed by a mask of the real positions (row-major, as the ids
+    # come): a tensor per row was most of the batch's building time on short rows
+    batch[np.arange(batch.shape[1]) < lengths[:, None]] = np.fromiter(
+        chain.from_iterable(sequences), dtype=np.int64, count=int(lengths.sum()))
+    return torch.from_numpy(batch)
