@@ -60,9 +60,9 @@ def _send_to_owners(by_row: Dict[int, List[int]], planned: List[np.ndarray], num
         outgoing.append((np.asarray(picked, dtype=np.int64), sizes, flat))
     mine: Dict[int, List[int]] = {}
     for picked, sizes, flat in ranks.exchange_objects(outgoing):
-        ids = flat.tolist()  # one conversion, then list slices: a numpy slice per row cost more
-        ends = np.cumsum(sizes).tolist()
-        mine.update((row, ids[end - size:end]) for row, size, end in zip(picked.tolist(), sizes.tolist(), ends))
+        ends = np.cumsum(sizes)
+        mine.update((row, flat[end - size:end].tolist())
+                    for row, size, end in zip(picked.tolist(), sizes.tolist(), ends.tolist()))
     return mine
 
 
