@@ -28,7 +28,7 @@ exactly its mean. ``method="hoeffding"`` is the same construction with Hoeffding
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -48,19 +48,71 @@ def _scaled(values, low: float, high: float) -> np.ndarray:
     return np.clip(x, 0.0, 1.0)
 
 
-def _weights(x: np.ndarray, log_term: float, method: str):
-    """Betting weights lambda_i and the penalty terms v_i psi(lambda_i), from rows before i."""
-    t = np.arange(1, x.shape[-1] + 1, dtype=np.float64)
+def _accumulate(ufunc, x: np.ndarray, carry: Optional[np.ndarray]) -> np.ndarray:
+    """``ufunc.accumulate`` along the last axis, continued from ``carry`` (the value after the
+    rows before, shaped ``x.shape[:-1] + (1,)``; None: no rows before). A left fold, so the
+    values are those of one accumulate over every row, bit for bit.
+    """
+    if carry is None:
+        return ufunc.accumulate(x, axis=-1)
+    return ufunc.accumulate(np.concatenate([carry, x], axis=-1), axis=-1)[..., 1:]
+
+
+def _shifted(carry: Optional[np.ndarray], running: np.ndarray, first: float) -> np.ndarray:
+    """Each row's value of ``running`` before it: ``carry`` (or ``first``) then ``running[:-1]``."""
+    before = np.full(running.shape[:-1] + (1,), first) if carry is None else carry
+    return np.concatenate([before, running[..., :-1]], axis=-1)
+
+
+class _Carry:
+    """What the sequence after ``t`` rows needs of them: running sums, the last mean, the
+    interval so far (each shaped ``leading axes + (1,)``, None before any row).
+    """
+
+    def __init__(self):
+        self.t = 0
+        self.sum_x = self.sum_squares = self.last_mean = self.denominator = None
+        self.centre_sum = self.penalty_sum = self.lower = self.upper = None
+
+
+def _extend(x: np.ndarray, carry: _Carry, population: int, log_term: float, method: str):
+    """(lower, upper) in [0, 1] after each row of ``x`` (scaled values, the rows after
+    ``carry``'s), and ``carry`` moved past them. Every quantity is a running sum, mean or
+    max/min, continued from the carry: any split of the rows into calls gives the same bits.
+    """
+    n = x.shape[-1]
+    t = np.arange(carry.t + 1, carry.t + n + 1, dtype=np.float64)  # 1-based row number i
+    remaining = population - t + 1.0
+    sum_x = _accumulate(np.add, x, carry.sum_x)
+    seen_before = _shifted(carry.sum_x, sum_x, 0.0)
     if method == "hoeffding":
-        lam = np.minimum(np.sqrt(8.0 * log_term / (t * np.log1p(t))), MAX_LAMBDA)
-        return np.broadcast_to(lam, x.shape), np.broadcast_to(lam * lam / 8.0, x.shape)
-    means = (0.5 + np.cumsum(x, axis=-1)) / (t + 1.0)            # mean_i, shrunk to 1/2
-    previous = np.concatenate([np.full(x.shape[:-1] + (1,), 0.5), means[..., :-1]], axis=-1)
-    squares = (x - means) ** 2
-    var_prev = (0.25 + np.concatenate([np.zeros(x.shape[:-1] + (1,)), np.cumsum(squares, axis=-1)[..., :-1]],
-                                      axis=-1)) / t
-    lam = np.minimum(np.sqrt(2.0 * log_term / (var_prev * t * np.log1p(t))), MAX_LAMBDA)
-    return lam, (x - previous) ** 2 * (-np.log1p(-lam) - lam)
+        lam = np.broadcast_to(np.minimum(np.sqrt(8.0 * log_term / (t * np.log1p(t))), MAX_LAMBDA), x.shape)
+        penalty = np.broadcast_to(lam * lam / 8.0, x.shape)
+    else:  # betting weights from the rows before i: their mean and variance, shrunk to 1/2 and 1/4
+        means = (0.5 + sum_x) / (t + 1.0)
+        previous = _shifted(carry.last_mean, means, 0.5)
+        sum_squares = _accumulate(np.add, (x - means) ** 2, carry.sum_squares)
+        var_prev = (0.25 + _shifted(carry.sum_squares, sum_squares, 0.0)) / t
+        lam = np.minimum(np.sqrt(2.0 * log_term / (var_prev * t * np.log1p(t))), MAX_LAMBDA)
+        penalty = (x - previous) ** 2 * (-np.log1p(-lam) - lam)
+        carry.last_mean, carry.sum_squares = means[..., -1:], sum_squares[..., -1:]
+    denominator = _accumulate(np.add, lam * population / remaining, carry.denominator)
+    centre_sum = _accumulate(np.add, lam * (x + seen_before / remaining), carry.centre_sum)
+    penalty_sum = _accumulate(np.add, penalty, carry.penalty_sum)
+    centre = centre_sum / denominator
+    margin = (log_term + penalty_sum) / denominator
+    lower = _accumulate(np.maximum, np.maximum(centre - margin, sum_x / population), carry.lower)
+    upper = _accumulate(np.minimum, np.minimum(centre + margin, (sum_x + population - t) / population), carry.upper)
+    carry.t += n
+    carry.sum_x, carry.denominator = sum_x[..., -1:], denominator[..., -1:]
+    carry.centre_sum, carry.penalty_sum = centre_sum[..., -1:], penalty_sum[..., -1:]
+    carry.lower, carry.upper = lower[..., -1:], upper[..., -1:]
+    return lower, upper
+
+
+def _checked_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
 
 
 def sequence(values, population: int, level: float = 0.95, bounds=(0.0, 1.0),
@@ -69,8 +121,7 @@ def sequence(values, population: int, level: float = 0.95, bounds=(0.0, 1.0),
     were seen in; leading axes are independent streams), the interval for the mean over the
     ``population`` rows after each row. Already intersected over time and with the sure bounds.
     """
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    _checked_method(method)
     low, high = float(bounds[0]), float(bounds[1])
     x = _scaled(values, low, high)
     n = x.shape[-1]
@@ -78,23 +129,49 @@ def sequence(values, population: int, level: float = 0.95, bounds=(0.0, 1.0),
         raise ValueError(f"values: expected at most population={population} rows, got {n}")
     if n == 0:
         return np.zeros(x.shape), np.zeros(x.shape)
-    log_term = math.log(2.0 / (1.0 - level))
-    i = np.arange(1, n + 1, dtype=np.float64)
-    remaining = population - i + 1.0
-    seen_before = np.concatenate([np.zeros(x.shape[:-1] + (1,)), np.cumsum(x, axis=-1)[..., :-1]], axis=-1)
-    lam, penalty = _weights(x, log_term, method)
-    denominator = np.cumsum(lam * population / remaining, axis=-1)
-    centre = np.cumsum(lam * (x + seen_before / remaining), axis=-1) / denominator
-    margin = (log_term + np.cumsum(penalty, axis=-1)) / denominator
-    seen = np.cumsum(x, axis=-1)
-    lower = np.maximum.accumulate(np.maximum(centre - margin, seen / population), axis=-1)
-    upper = np.minimum.accumulate(np.minimum(centre + margin, (seen + population - i) / population), axis=-1)
+    lower, upper = _extend(x, _Carry(), population, math.log(2.0 / (1.0 - level)), method)
     lower, upper = low + (high - low) * lower, low + (high - low) * upper
     if n == population:
         exact = np.mean(np.asarray(values, dtype=np.float64), axis=-1)
         lower[..., -1] = exact
         upper[..., -1] = exact
     return lower, upper
+
+
+class RunningSequence:
+    """:func:`sequence` of one stream given a round of rows at a time: ``extend(values)``
+    returns ``(low, high)`` after the round's last row, the bits ``sequence`` gives at that
+    row for all the rows so far, at a cost of the round's rows (not of every row seen).
+    """
+
+    def __init__(self, population: int, level: float = 0.95, bounds=(0.0, 1.0),
+                 method: str = "empirical-bernstein"):
+        _checked_method(method)
+        self.population, self.method = int(population), method
+        self.low, self.high = float(bounds[0]), float(bounds[1])
+        self.log_term = math.log(2.0 / (1.0 - level))
+        self._carry = _Carry()
+        self._values: List[np.ndarray] = []  # for the exact mean once every row is seen
+
+    @property
+    def rows(self) -> int:
+        return self._carry.t
+
+    def extend(self, values) -> Tuple[float, float]:
+        values = np.asarray(values, dtype=np.float64)
+        if values.ndim != 1 or values.size == 0:
+            raise ValueError(f"values: expected a non-empty 1-D array of a round's rows, got shape {values.shape}")
+        if self.rows + values.size > self.population:
+            raise ValueError(f"values: expected at most population={self.population} rows in all, "
+                             f"got {self.rows + values.size}")
+        self._values.append(values)
+        lower, upper = _extend(_scaled(values, self.low, self.high), self._carry, self.population, self.log_term,
+                               self.method)
+        if self.rows == self.population:
+            exact = float(np.mean(np.concatenate(self._values)))
+            return exact, exact
+        span = self.high - self.low
+        return float(self.low + span * lower[-1]), float(self.low + span * upper[-1])
 
 
 def interval(values, population: int, level: float = 0.95, bounds=(0.0, 1.0),

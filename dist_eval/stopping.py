@@ -27,7 +27,7 @@ from dist_eval.data.sample import key_order, sample_rows
 from dist_eval.errors import UsageError
 from dist_eval.merge import MergedResults, rows_report
 from dist_eval.metrics import default_top_k
-from dist_eval.sequential import STOP_METRICS, paired_sequence, row_values, sequence
+from dist_eval.sequential import STOP_METRICS, RunningSequence, row_values
 
 LEVEL = 0.95
 
@@ -47,6 +47,7 @@ def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings,
                     settings=rounds.settings, options=replace(options, bootstrap_resamples=0),
                     on_batch_done=_rows_only(on_batch_done))
     seen = [Seen(settings.stop_metric, options.top_k) for _ in evaluators]
+    running = None  # rank 0: the confidence sequence, a round at a time
     decision = None
     while decision is None:
         rows = rounds.next_rows()
@@ -54,7 +55,8 @@ def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings,
         for evaluate_rows, mine, folder in zip(evaluators, seen, resume_folders or [None] * len(evaluators)):
             mine.add(evaluate_rows(data=subset, resume_folder=rounds.folder(folder), **keywords), rows)
         if ranks.is_main_process():
-            decision = _decide([mine.stop_values() for mine in seen], rounds, settings)
+            running = running or _sequence_of(seen, rounds.population)
+            decision = _decide(running.extend(_round_values(seen)), len(seen) == 2, rounds, settings)
         decision = ranks.broadcast_object(decision)
     out = []
     for mine in seen:
@@ -139,9 +141,9 @@ class Seen:
             values, self.bounds = _stop_values(self.metric, part, self.top_k)
             self.values.append(values)
 
-    def stop_values(self) -> tuple:
-        """(the stopping metric's value of every row seen, in the order seen, and its bounds)."""
-        return np.concatenate(self.values), self.bounds
+    def last_values(self) -> np.ndarray:
+        """The stopping metric's value of each row of the last round, in the order seen."""
+        return self.values[-1]
 
     @property
     def num_labels(self) -> int:
@@ -218,17 +220,23 @@ def _stop_values(metric: str, part: MergedResults, top_k: Optional[int]):
     return row_values(metric, part.logits, part.labels, top_k=k or 2)
 
 
-def _decide(values: list, rounds: Rounds, settings: Settings) -> Optional[dict]:
-    """After a round: the decision to stop (the interval, why), or None to go on. One model:
-    the interval of its metric; two: of the second's minus the first's, row by row.
+def _sequence_of(seen: List[Seen], population: int) -> RunningSequence:
+    """The confidence sequence of one model's metric, or of the second's minus the first's, row by row."""
+    low, high = seen[0].bounds
+    bounds = (low, high) if len(seen) == 1 else (-(high - low), high - low)
+    return RunningSequence(population, LEVEL, bounds)
+
+
+def _round_values(seen: List[Seen]) -> np.ndarray:
+    """The last round's values the sequence takes: the metric's, or the differences (second - first)."""
+    return seen[0].last_values() if len(seen) == 1 else seen[1].last_values() - seen[0].last_values()
+
+
+def _decide(interval: tuple, paired: bool, rounds: Rounds, settings: Settings) -> Optional[dict]:
+    """After a round, given the sequence's interval: the decision to stop (the interval, why),
+    or None to go on. ``paired``: the interval is of the second model's minus the first's.
     """
-    if len(values) == 1:
-        (x, bounds), = values
-        lower, upper = sequence(x, rounds.population, LEVEL, bounds)
-    else:
-        (first, bounds), (second, _) = values
-        lower, upper = paired_sequence(first, second, rounds.population, LEVEL, bounds)
-    low, high = float(lower[-1]), float(upper[-1])
+    low, high = interval
     width = settings.stop_at_width
     if rounds.rows_used >= rounds.population:
         reason = "end"  # the interval is the exact value now
@@ -239,7 +247,7 @@ def _decide(values: list, rounds: Rounds, settings: Settings) -> Optional[dict]:
     else:
         return None
     decision = {"reason": reason, "interval": {"low": low, "high": high, "width": high - low}}
-    if len(values) == 2:
+    if paired:
         decision["interval"]["of"] = (f"the mean difference in {settings.stop_metric} (second - first) over all "
                                       f"{rounds.population} rows of the set")
         decision["better"] = "second" if low > 0 else "first" if high < 0 else None

@@ -1,5 +1,5 @@
 """benchmarks/bench_gpu.py: its data generator, its in-process batch plan (dist_eval's own), and
-its CPU smoke mode end to end; benchmarks/bench_score_intervals.py runs."""
+its CPU smoke mode end to end; benchmarks/bench_score_intervals.py and bench_sequence_rounds.py run."""
 from __future__ import annotations
 
 import json
@@ -84,3 +84,13 @@ def test_score_intervals_benchmark_runs():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "300 rows, 4 classes, 40 resamples, rank 0 of 2:" in proc.stdout and "this checkout" in proc.stdout
     assert "the same bits" not in proc.stdout  # no baseline: nothing to compare
+
+
+def test_sequence_rounds_benchmark_runs_and_the_two_ways_agree():
+    """benchmarks/bench_sequence_rounds.py on a small set: both ways timed, the same last interval."""
+    script = os.path.join(REPO, "benchmarks", "bench_sequence_rounds.py")
+    cmd = [sys.executable, script, "--population", "5000", "--round", "100", "--upto", "3000"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "30 rounds of 100 rows, up to 3000 of 5000:" in proc.stdout
+    assert "last interval the same bits: True" in proc.stdout

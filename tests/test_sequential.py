@@ -141,3 +141,32 @@ def test_the_row_values_of_the_stopping_metrics_average_to_the_reported_metrics(
     assert sq.interval(values, 300, bounds=bounds)["low"] == pytest.approx(values.mean(), abs=1e-12)
     with pytest.raises(ValueError, match="metric: expected one of"):
         sq.row_values("f1", logits, labels)
+
+
+@pytest.mark.parametrize("method", sq.METHODS)
+@pytest.mark.parametrize("kind", ["correct", "brier", "paired"])
+def test_a_round_at_a_time_gives_the_bits_of_the_whole_sequence(method, kind):
+    """RunningSequence (what a stopping run keeps between rounds, at a cost of the round's
+    rows): after each round of uneven size, the interval sequence() gives at that row for
+    every row so far, bit for bit, through to the exact mean when the set is seen."""
+    rng = np.random.default_rng(len(kind))
+    population = 2500
+    if kind == "correct":
+        values, bounds = (rng.random(population) < 0.8).astype(np.float64), (0.0, 1.0)
+    elif kind == "brier":
+        values, bounds = rng.random(population) ** 3 * 2.0, (0.0, 2.0)
+    else:  # the second model's minus the first's, as paired_sequence takes them
+        values, bounds = (rng.random(population) < 0.7) - (rng.random(population) < 0.6).astype(np.float64), (-1.0, 1.0)
+    lower, upper = sq.sequence(values, population, 0.95, bounds, method)
+    running = sq.RunningSequence(population, 0.95, bounds, method)
+    seen, rounds = 0, 0
+    while seen < population:
+        step = int(rng.integers(1, 400))
+        interval = running.extend(values[seen:seen + step])
+        seen = min(population, seen + step)
+        rounds += 1
+        assert interval == (float(lower[seen - 1]), float(upper[seen - 1]))
+    assert rounds > 5 and running.rows == population
+    assert interval == (float(values.mean()), float(values.mean()))
+    with pytest.raises(ValueError, match="at most population"):
+        running.extend(values[:1])
