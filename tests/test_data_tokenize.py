@@ -104,6 +104,8 @@ def _bpe_backend(texts):
 
 
 def _family_tokenizers(texts):
+    """The families' tokenizer classes (Falcon's is the base class), and GPT-2's, whose override of
+    _batch_encode_plus only checks too but is in no family's entry."""
     from transformers import BloomTokenizerFast, GPT2TokenizerFast, LlamaTokenizerFast, PreTrainedTokenizerFast
 
     made = {}
@@ -117,7 +119,8 @@ def _family_tokenizers(texts):
 def test_the_backend_called_directly_gives_the_tokenizers_own_ids(pair):
     """Issue 29: a plain fast tokenizer's Rust backend is called without transformers' per-row
     conversion; the ids (special tokens, pairs, truncation) equal the tokenizer's own call,
-    for the tokenizer classes of the families dist_eval serves."""
+    for the tokenizer classes of the families dist_eval serves (a class outside the family
+    table that overrides the call's steps goes through its own call, with the same ids)."""
     from dist_eval.data.tokenize import _backend_gives_the_same_ids
 
     data = _data(200)
@@ -126,7 +129,7 @@ def test_the_backend_called_directly_gives_the_tokenizers_own_ids(pair):
     texts = [data[int(r)]["text"] for r in rows]
     pairs = [data[int(r)]["other"] for r in rows] if pair else None
     for name, tokenizer in _family_tokenizers(list(data["text"])).items():
-        assert _backend_gives_the_same_ids(tokenizer, tokenizer._tokenizer), name
+        assert _backend_gives_the_same_ids(tokenizer, tokenizer._tokenizer) == (name != "GPT2TokenizerFast"), name
         ids, truncated = tokenize_rows(tokenizer, data, rows, columns, max_length=9, pad_token_id=0)
         full = tokenizer(texts, pairs)["input_ids"]
         assert ids == [x[:9] for x in full], name

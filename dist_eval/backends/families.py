@@ -94,6 +94,10 @@ class Family:
     small_config: tuple = ()
     # settings of config.json petals 2.2.0 cannot serve: ((attribute, value), ...), why
     unsupported: tuple = ()
+    # transformers' fast tokenizer classes of the family whose own _batch_encode_plus only refuses
+    # pre-split words before calling the base class's: their Rust backend gives the call's ids
+    # (data/tokenize.py calls it directly; a class overriding nothing needs no entry)
+    tokenizers_calling_the_base: tuple = ()
 
     @property
     def block_name(self) -> str:
@@ -173,6 +177,7 @@ FAMILIES: Dict[str, Family] = {
         server_blocks="h",
         frozen=("word_embeddings", "word_embeddings_layernorm", "h", "ln_f"),
         key_signature=r"^(transformer\.)?(word_embeddings_layernorm\.|h\.\d+\.self_attention\.query_key_value\.bias)",
+        tokenizers_calling_the_base=("BloomTokenizerFast",),
     ),
     "falcon": Family(
         model_type="falcon",
@@ -201,6 +206,11 @@ FAMILIES: Dict[str, Family] = {
         ),
     ),
 }
+
+
+def tokenizers_calling_the_base() -> frozenset:
+    """Every family's ``tokenizers_calling_the_base``: class names."""
+    return frozenset(name for family in FAMILIES.values() for name in family.tokenizers_calling_the_base)
 
 
 def family_of(config, model_dir: str = "") -> Family:

@@ -62,11 +62,6 @@ def tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, ma
     return encoded, int(truncated.size)
 
 
-# Fast tokenizer classes whose own _batch_encode_plus only refuses pre-split words (which
-# dist_eval never passes) before calling the base class's: the backend may be called for them.
-_OVERRIDES_THAT_ONLY_CHECK = frozenset({"BloomTokenizerFast", "GPT2TokenizerFast", "CodeGenTokenizerFast"})
-
-
 def _token_ids(tokenizer, texts: List[str], pairs: Optional[List[str]]) -> List[List[int]]:
     """Each text's (or pair's) token ids with the special tokens, as ``tokenizer(texts, pairs)``
     gives them. A plain fast tokenizer's Rust backend is called directly: transformers' call
@@ -90,13 +85,15 @@ def _backend_gives_the_same_ids(tokenizer, backend) -> bool:
         from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
     except ImportError:  # pragma: no cover - both come with transformers' fast tokenizers
         return False
+    from dist_eval.backends.families import tokenizers_calling_the_base
+
     if not isinstance(tokenizer, PreTrainedTokenizerFast) or not isinstance(backend, Tokenizer):
         return False
     bases = (PreTrainedTokenizerBase, PreTrainedTokenizerFast)
     for method in ("__call__", "_call_one", "batch_encode_plus", "_batch_encode_plus"):
         defined_in = next(k for k in type(tokenizer).__mro__ if method in vars(k))
         if defined_in not in bases and not (method == "_batch_encode_plus"
-                                            and defined_in.__name__ in _OVERRIDES_THAT_ONLY_CHECK):
+                                            and defined_in.__name__ in tokenizers_calling_the_base()):
             return False
     return backend.truncation is None and backend.padding is None
 
