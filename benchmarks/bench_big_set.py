@@ -1,7 +1,7 @@
 """Where a big set's run goes, phase by phase: the local backend, N ranks, the default
 intervals on, this checkout beside a baseline (a git ref, run from an exported copy).
 
-    .venv/bin/python benchmarks/bench_big_set.py --rows 200000 [--nproc 2] [--baseline main] [--out FILE]
+    .venv/bin/python benchmarks/bench_big_set.py --rows 200000 [--nproc 2] [--limit N] [--baseline main] [--out FILE]
     .venv/bin/python benchmarks/bench_big_set.py --table FILE      (the table of a saved run again)
 
 The data: the demo task's sentences cut to long-tailed lengths (benchmarks/bench_gpu.py's
@@ -117,6 +117,7 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=0, help="passed to the CLI: a --limit sample of the set (0: every row)")
     p.add_argument("--baseline", default="main", help="git ref run beside this checkout ('' for none)")
     p.add_argument("--out", default=None, help="a JSON file for the figures")
     p.add_argument("--table", default=None, help="only print the table of a JSON file written by --out")
@@ -124,11 +125,12 @@ def main() -> int:
     if args.table:
         with open(args.table) as f:
             saved = json.load(f)
-        print(f"{saved['rows']} rows, local backend, N={saved['nproc']}, default intervals:")
+        sample = f" (--limit {saved['limit']})" if saved.get("limit") else ""
+        print(f"{saved['rows']} rows{sample}, local backend, N={saved['nproc']}, default intervals:")
         report(saved["results"])
         return 0
     with tempfile.TemporaryDirectory(prefix="bench_big_set_") as workdir:
-        cli_args = make_assets(workdir, args.rows, args.seed)
+        cli_args = make_assets(workdir, args.rows, args.seed) + (["--limit", str(args.limit)] if args.limit else [])
         codes = {"this checkout": ROOT}
         if args.baseline:
             codes[f"baseline {args.baseline}"] = export(args.baseline, tempfile.mkdtemp(dir=workdir))
@@ -136,11 +138,12 @@ def main() -> int:
         for label, code in codes.items():
             results[label] = run_once(code, cli_args, os.path.join(workdir, f"out{len(results)}"), args.nproc)
             print(f"{label}: {results[label]['wall_seconds']:.1f} s", flush=True)
-    print(f"\n{args.rows} rows, local backend, N={args.nproc}, default intervals:")
+    sample = f" (--limit {args.limit})" if args.limit else ""
+    print(f"\n{args.rows} rows{sample}, local backend, N={args.nproc}, default intervals:")
     report(results)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"rows": args.rows, "nproc": args.nproc, "results": results}, f, indent=2)
+            json.dump({"rows": args.rows, "limit": args.limit, "nproc": args.nproc, "results": results}, f, indent=2)
     return 0
 
 

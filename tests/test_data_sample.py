@@ -79,3 +79,50 @@ def test_limit_evaluates_the_same_rows_for_any_order_and_n(tiny_model, tiny_chec
     # --limit 0: every row
     assert run_cli_in_process(local_args(tiny_model, tiny_checkpoint, data, tmp_path / "d", "--limit", "0")) == 0
     assert json.load(open(tmp_path / "d" / "metrics.json"))["num_samples"] == 60
+
+
+def _reference_keys(columns, seed):
+    """The keys as dist_eval first computed them: json.dumps of each row's values, one keyed
+    blake2b each (row_keys must keep these bits: a --limit sample is the same rows across versions)."""
+    import hashlib
+
+    salt = int(seed).to_bytes(8, "little", signed=False)
+    return np.array([int.from_bytes(hashlib.blake2b(json.dumps(values, ensure_ascii=False, default=str).encode(),
+                                                    digest_size=8, key=salt).digest(), "little")
+                     for values in zip(*columns)], dtype=np.uint64)
+
+
+@pytest.mark.parametrize("view", ["plain", "selected", "numpy_format", "transform"])
+def test_keys_of_a_datasets_columns_are_the_first_versions_bits(view):
+    """Issue 29: the columns are read once as lists (not a Column row by row) and the rows hashed
+    from one encoder and keyed state; the keys, hence every --limit sample and stopping order,
+    are those json.dumps + blake2b per row gave: text with quotes and non-ASCII, None, a
+    ClassLabel, floats; a select() view; a formatted dataset and a transform (read as Columns)."""
+    import datasets
+
+    from dist_eval.data.sample import column_values, key_order, sample_rows
+
+    rng = np.random.default_rng(5)
+    n = 300
+    data = datasets.Dataset.from_dict(
+        {"text": [f'r\u00e9 "{i}" \\ \u4e2d' if i % 7 else None for i in range(n)],
+         "label": [int(x) for x in rng.integers(0, 3, n)],
+         "score": [float(x) for x in rng.random(n)]},
+        features=datasets.Features({"text": datasets.Value("string"),
+                                    "label": datasets.ClassLabel(names=["a", "b", "c"]),
+                                    "score": datasets.Value("float64")}))
+    if view == "selected":
+        data = data.select(rng.permutation(n)[:200].tolist())
+    elif view == "numpy_format":
+        data = data.with_format("numpy")
+    elif view == "transform":
+        data = data.with_transform(lambda batch: {"text": [f"<{t}>" for t in batch["text"]], "label": batch["label"],
+                                                  "score": batch["score"]})
+    names = ["text", "label", "score"]
+    columns = column_values(data, names)
+    expected = _reference_keys([data[name] for name in names], seed=11)
+    assert np.array_equal(row_keys(columns, seed=11), expected)
+    assert np.array_equal(key_order(columns, 11), np.lexsort((np.arange(len(expected)), expected)))
+    picked = sample_rows(data, 40, 11, names)
+    assert [picked[i]["score"] for i in range(40)] == [data[int(r)]["score"] for r in
+                                                      np.lexsort((np.arange(len(expected)), expected))[:40]]

@@ -18,11 +18,28 @@ import numpy as np
 def row_keys(columns: Sequence[Sequence], seed: int) -> np.ndarray:
     """uint64 key of each row: blake2b (8 bytes) of the row's values, keyed by ``seed``."""
     salt = int(seed).to_bytes(8, "little", signed=False)
-    keys = np.empty(len(columns[0]) if columns else 0, dtype=np.uint64)
-    for i, values in enumerate(zip(*columns)):
-        data = json.dumps(values, ensure_ascii=False, default=str).encode()
-        keys[i] = int.from_bytes(hashlib.blake2b(data, digest_size=8, key=salt).digest(), "little")
-    return keys
+    # the bytes json.dumps(values, ensure_ascii=False, default=str) gives, from one encoder
+    # (json.dumps builds an encoder per call when given options), hashed from one keyed state
+    encode = json.JSONEncoder(ensure_ascii=False, default=str).encode
+    keyed = hashlib.blake2b(digest_size=8, key=salt)
+    digests = []
+    for values in zip(*columns):
+        row = keyed.copy()
+        row.update(encode(values).encode())
+        digests.append(row.digest())
+    return np.frombuffer(b"".join(digests), dtype="<u8").astype(np.uint64)
+
+
+def column_values(dataset, columns: Sequence[str]) -> list:
+    """The values of each of ``columns`` of a ``datasets.Dataset``, row by row, as
+    :func:`row_keys` takes them: one read of the columns as Python lists when the dataset has
+    no format or transform (iterating a Column reads it row by row: most of a --limit's
+    time on a big set), else the Columns themselves (their format decides the values).
+    """
+    if dataset.format["type"] is None:
+        values = dataset.select_columns(list(dict.fromkeys(columns)))[:]
+        return [values[name] for name in columns]
+    return [dataset[name] for name in columns]
 
 
 def sample_indices(columns: Sequence[Sequence], limit: int, seed: int) -> np.ndarray:
@@ -49,5 +66,5 @@ def sample_rows(dataset, limit: int, seed: int, columns: Sequence[str]):
     """
     if not limit or limit >= len(dataset):
         return dataset
-    indices = sample_indices([dataset[name] for name in columns], limit, seed)
+    indices = sample_indices(column_values(dataset, columns), limit, seed)
     return dataset.select(indices.tolist())
