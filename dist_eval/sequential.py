@@ -198,12 +198,15 @@ def hoeffding_union(rows, population: int, level: float = 0.95, span: float = 1.
 
 def paired_sequence(first, second, population: int, level: float = 0.95, bounds=(0.0, 1.0),
                     method: str = "empirical-bernstein"):
-    """The sequence for the mean of ``second - first`` per row (both in ``bounds``): the
-    differences lie in [-(high-low), high-low].
-    """
-    span = float(bounds[1]) - float(bounds[0])
+    """The sequence for the mean of ``second - first`` per row (both in ``bounds``)."""
     diff = np.asarray(second, dtype=np.float64) - np.asarray(first, dtype=np.float64)
-    return sequence(diff, population, level, (-span, span), method)
+    return sequence(diff, population, level, paired_bounds(bounds), method)
+
+
+def paired_bounds(bounds) -> tuple:
+    """The bounds of ``second - first`` per row when both lie in ``bounds``: [-(high-low), high-low]."""
+    span = float(bounds[1]) - float(bounds[0])
+    return -span, span
 
 
 def stopping_round(lower, upper, round_ends, width: Optional[float] = None, decide: bool = False,

@@ -27,7 +27,7 @@ from dist_eval.data.sample import column_values, key_order, sample_rows
 from dist_eval.errors import UsageError
 from dist_eval.merge import MergedResults, rows_report
 from dist_eval.metrics import default_top_k
-from dist_eval.sequential import STOP_METRICS, RunningSequence, row_values
+from dist_eval.sequential import STOP_METRICS, RunningSequence, paired_bounds, row_values
 
 LEVEL = 0.95
 
@@ -55,7 +55,8 @@ def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings,
         for evaluate_rows, mine, folder in zip(evaluators, seen, resume_folders or [None] * len(evaluators)):
             mine.add(evaluate_rows(data=subset, resume_folder=rounds.folder(folder), **keywords), rows)
         if ranks.is_main_process():
-            running = running or _sequence_of(seen, rounds.population)
+            if running is None:
+                running = _sequence_of(seen, rounds.population)
             decision = _decide(running.extend(_round_values(seen)), len(seen) == 2, rounds, settings)
         decision = ranks.broadcast_object(decision)
     out = []
@@ -120,14 +121,15 @@ class Rounds:
 
 
 class Seen:
-    """Rank 0: the rounds' merged rows (indices into the set) and their per-row values of the
-    stopping metric, each computed once; every rank: the rounds' facts.
+    """Rank 0: the rounds' merged rows (indices into the set) and the per-row values of the
+    stopping metric of the last round (the running sequence holds those before); every rank:
+    the rounds' facts.
     """
 
     def __init__(self, metric: str, top_k: Optional[int]):
         self.metric, self.top_k = metric, top_k
         self.parts: List[MergedResults] = []
-        self.values: List[np.ndarray] = []
+        self.last_values: Optional[np.ndarray] = None  # the last round's, in the order seen
         self.bounds = None
         self.reports: List[dict] = []
         self.started = time.perf_counter()
@@ -138,12 +140,7 @@ class Seen:
             part = result.predictions
             part.indices = rows[part.indices]  # the round's row i is the set's row rows[i]
             self.parts.append(part)
-            values, self.bounds = _stop_values(self.metric, part, self.top_k)
-            self.values.append(values)
-
-    def last_values(self) -> np.ndarray:
-        """The stopping metric's value of each row of the last round, in the order seen."""
-        return self.values[-1]
+            self.last_values, self.bounds = _stop_values(self.metric, part, self.top_k)
 
     @property
     def num_labels(self) -> int:
@@ -222,14 +219,13 @@ def _stop_values(metric: str, part: MergedResults, top_k: Optional[int]):
 
 def _sequence_of(seen: List[Seen], population: int) -> RunningSequence:
     """The confidence sequence of one model's metric, or of the second's minus the first's, row by row."""
-    low, high = seen[0].bounds
-    bounds = (low, high) if len(seen) == 1 else (-(high - low), high - low)
+    bounds = seen[0].bounds if len(seen) == 1 else paired_bounds(seen[0].bounds)
     return RunningSequence(population, LEVEL, bounds)
 
 
 def _round_values(seen: List[Seen]) -> np.ndarray:
     """The last round's values the sequence takes: the metric's, or the differences (second - first)."""
-    return seen[0].last_values() if len(seen) == 1 else seen[1].last_values() - seen[0].last_values()
+    return seen[0].last_values if len(seen) == 1 else seen[1].last_values - seen[0].last_values
 
 
 def _decide(interval: tuple, paired: bool, rounds: Rounds, settings: Settings) -> Optional[dict]:
