@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -30,16 +30,19 @@ def row_keys(columns: Sequence[Sequence], seed: int) -> np.ndarray:
     return np.frombuffer(b"".join(digests), dtype="<u8").astype(np.uint64)
 
 
-def column_values(dataset, columns: Sequence[str]) -> list:
-    """The values of each of ``columns`` of a ``datasets.Dataset``, row by row, as
-    :func:`row_keys` takes them: one read of the columns as Python lists when the dataset has
-    no format or transform (iterating a Column reads it row by row: most of a --limit's
-    time on a big set), else the Columns themselves (their format decides the values).
+def column_values(dataset, columns: Sequence[str], rows: Optional[np.ndarray] = None) -> list:
+    """The values of each of ``columns`` of a ``datasets.Dataset`` (of ``rows`` only, in their
+    order, when given), row by row. A dataset without a format or transform: one read of just
+    those rows and columns, as Python lists (iterating a Column reads it a row at a time, and
+    ``select()`` then a column read is several times slower: benchmarks/RESULTS.md). With a
+    format or a transform (which may read other columns), the Columns of ``select(rows)``:
+    their format decides the values.
     """
     if dataset.format["type"] is None:
-        values = dataset.select_columns(list(dict.fromkeys(columns)))[:]
+        values = dataset.select_columns(list(dict.fromkeys(columns)))[slice(None) if rows is None else rows.tolist()]
         return [values[name] for name in columns]
-    return [dataset[name] for name in columns]
+    picked = dataset if rows is None else dataset.select(rows.tolist())
+    return [picked[name] for name in columns]
 
 
 def sample_indices(columns: Sequence[Sequence], limit: int, seed: int) -> np.ndarray:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from dist_eval.data.labels import TaskColumns
+from dist_eval.data.sample import column_values
 from dist_eval.errors import UsageError
 
 
@@ -15,15 +16,10 @@ def tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, ma
     """Token ids of ``rows`` (lists, unpadded), and how many were truncated to max_length."""
     if not len(rows):
         return [], 0
-    if dataset.format["type"] is None:
-        # One read of just these rows and text columns: select() and then a column read was
-        # several times slower (benchmarks/RESULTS.md), and it runs inside the timed loop.
-        text_columns = list(dict.fromkeys([columns.text] + ([columns.text_pair] if columns.text_pair else [])))
-        picked = dataset.select_columns(text_columns)[rows.tolist()]
-    else:  # a format or a transform (which may read other columns) decides what a read gives
-        picked = dataset.select(rows.tolist())
-    texts = list(picked[columns.text])
-    pairs = list(picked[columns.text_pair]) if columns.text_pair else None
+    # one read of just these rows and text columns (it runs inside the timed loop)
+    read = column_values(dataset, [columns.text] + ([columns.text_pair] if columns.text_pair else []), rows)
+    texts = list(read[0])
+    pairs = list(read[1]) if columns.text_pair else None
     for param, name, values in (("text_column", columns.text, texts), ("text_pair_column", columns.text_pair, pairs)):
         if values is None:
             continue
