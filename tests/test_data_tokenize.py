@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dist_eval.data.labels import TaskColumns
-from dist_eval.data.tokenize import tokenize_rows
+from dist_eval.data.tokenize import cyclic_gc_paused, tokenize_rows
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +192,20 @@ def test_right_pad_places_every_id_and_pads_the_rest():
         assert batch.dtype == torch.long and batch.shape == (len(rows), max(lengths))
         for row, ids in zip(batch.tolist(), rows):
             assert row == ids + [-7] * (max(lengths) - len(ids))
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_paused_inside_and_left_as_it_was(enabled):
+    import gc
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with cyclic_gc_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() is enabled
+        with pytest.raises(KeyError), cyclic_gc_paused():
+            raise KeyError("inside")
+        assert gc.isenabled() is enabled  # also when the block raised
+    finally:
+        (gc.enable if was else gc.disable)()

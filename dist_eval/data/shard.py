@@ -9,7 +9,7 @@ import numpy as np
 from dist_eval import ranks
 from dist_eval.data.batches import plan_batches, shard_batch_ids
 from dist_eval.data.labels import TaskColumns
-from dist_eval.data.tokenize import right_pad, tokenize_rows
+from dist_eval.data.tokenize import cyclic_gc_paused, right_pad, tokenize_rows
 from dist_eval.predict import Batch
 
 
@@ -61,8 +61,9 @@ def _send_to_owners(by_row: Dict[int, List[int]], planned: List[np.ndarray], num
     mine: Dict[int, List[int]] = {}
     for picked, sizes, flat in ranks.exchange_objects(outgoing):
         ends = np.cumsum(sizes)
-        mine.update((row, flat[end - size:end].tolist())
-                    for row, size, end in zip(picked.tolist(), sizes.tolist(), ends.tolist()))
+        with cyclic_gc_paused():  # a list per row
+            mine.update((row, flat[end - size:end].tolist())
+                        for row, size, end in zip(picked.tolist(), sizes.tolist(), ends.tolist()))
     return mine
 
 

@@ -1,8 +1,10 @@
 """Token ids of rows (checked, truncated) and right-padded batches."""
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from itertools import chain
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -12,10 +14,31 @@ from dist_eval.data.sample import column_values
 from dist_eval.errors import UsageError
 
 
+@contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused, if it runs, for a block that builds many
+    objects and no reference cycles (a list of token ids per row): every collection their
+    allocations trigger walks the objects built so far, which made 500k rows' ids take four
+    times as long (benchmarks/RESULTS.md). Objects are still freed by reference counting.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, max_length: int, pad_token_id: int):
     """Token ids of ``rows`` (lists, unpadded), and how many were truncated to max_length."""
     if not len(rows):
         return [], 0
+    with cyclic_gc_paused():
+        return _tokenize_rows(tokenizer, dataset, rows, columns, max_length, pad_token_id)
+
+
+def _tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, max_length: int, pad_token_id: int):
     # one read of just these rows and text columns (it runs inside the timed loop)
     read = column_values(dataset, [columns.text] + ([columns.text_pair] if columns.text_pair else []), rows)
     texts = list(read[0])
