@@ -158,9 +158,11 @@ def bootstrap_score_intervals(
     Every metric is recomputed on the same resamples, drawn as row indices over a
     canonical order of the rows (sorted by label and probabilities), so the result depends
     only on the multiset of rows: the same for any world size and row order, and the same
-    seed gives the same intervals on any machine. An exact bootstrap (no grouping): cost
-    about resamples x rows x (classes + bins) operations (figures: benchmarks/RESULTS.md):
-    lower the resamples for large sets. ``auroc_macro`` of a resample is
+    seed gives the same intervals on any machine. An exact bootstrap up to EXACT_SCORE_ROWS
+    rows: cost about resamples x rows x (classes + bins) operations (figures:
+    benchmarks/RESULTS.md). Above, when :func:`grouped_score_intervals` holds, the rows are
+    drawn grouped (:func:`_grouped_score_resamples`: ``method`` says so), at a cost of
+    resamples x SCORE_GROUPS and a sort of the rows. ``auroc_macro`` of a resample is
     over the classes present in it; resamples where it is undefined (one class) are left
     out of its percentiles (NaN interval when all are). Returns None when ``resamples`` is
     0 or there are no rows.
@@ -174,6 +176,9 @@ def bootstrap_score_intervals(
         raise ValueError(f"level must lie in (0, 1); got {level}")
     if resamples == 0 or labels.shape[0] == 0:
         return None
+    if grouped_score_intervals(probs, labels):
+        values = _grouped_score_resamples(probs, labels, resamples, seed, top_k, bins)
+        return {**score_percentiles(values, seed, level), "method": GROUPED_SCORES_METHOD}
     return score_percentiles(_score_metric_resamples(probs, labels, resamples, seed, top_k, bins), seed, level)
 
 
@@ -339,3 +344,150 @@ def _weighted_auroc(counts: np.ndarray, ranking: tuple) -> np.ndarray:
     pairs = positive_weight * (n - positive_weight)
     wins = twice_wins.astype(np.float64) / 2
     return np.divide(wins, pairs.astype(np.float64), out=np.full(wins.shape, np.nan), where=pairs > 0)
+
+
+# --- the score intervals of a big set: grouped draws (issue 29) -------------------------
+# An exact resample costs a draw per row: resamples x rows, most of a big set's merge
+# (benchmarks/RESULTS.md). Above EXACT_SCORE_ROWS rows, when every AUROC class has MIN_AUROC_SIDE rows on
+# each side, each score metric is drawn from sums of grouped values, as the loss is above
+# LOSS_GROUPS samples: at a cost of resamples x SCORE_GROUPS, whatever the rows.
+
+GROUPED_SCORES_METHOD = "bootstrap-percentile; score metrics grouped, AUROC linearized"
+EXACT_SCORE_ROWS = 1 << 16
+SCORE_GROUPS = 1024
+MIN_AUROC_SIDE = 1000
+
+
+def grouped_score_intervals(probs: np.ndarray, labels: np.ndarray) -> bool:
+    """Whether :func:`bootstrap_score_intervals` draws the rows grouped: more than
+    EXACT_SCORE_ROWS rows, finite probabilities, and every class whose AUROC is averaged
+    present with at least MIN_AUROC_SIDE rows on each side (or absent: left out anyway).
+    """
+    n, num_labels = probs.shape
+    if n <= EXACT_SCORE_ROWS or not np.isfinite(probs).all():
+        return False
+    positives = np.bincount(labels, minlength=num_labels)
+    if num_labels == 2:
+        positives = positives[1:]
+    sides = np.minimum(positives, n - positives)
+    return bool(np.all((positives == 0) | (sides >= MIN_AUROC_SIDE)))
+
+
+def _grouped_score_resamples(probs, labels, resamples: int, seed: int, top_k, bins: int, groups: int = SCORE_GROUPS):
+    """Each score metric of ``resamples`` bootstrap resamples, drawn grouped:
+    ``{name: float64[resamples]}`` (the keys of :func:`_score_metric_resamples`).
+
+    - ``top{k}_accuracy``: the hits of a resample are Binomial(n, hits / n): exact.
+    - ``brier``: the mean of the per-row values, drawn as the loss is (equal-count groups of
+      the sorted values, Multinomial draws per group, a normal term for the spread inside).
+    - ``ece``: the same per calibration bin (groups never straddle a bin); each resample's
+      ECE is the sum of the bins' absolute drawn gap sums over n, as the point ECE.
+    - ``auroc_macro``: linearized. A resample's macro AUROC is taken as the set's plus the
+      weighted mean of each row's influence on it (the Mann-Whitney placements, DeLong's
+      components, with the change of the class sizes), drawn as ``brier``. Its neglected
+      term is of the order of 1/sqrt of the smaller side of a class, which the guard of
+      :func:`grouped_score_intervals` keeps small.
+
+    Depends only on the multiset of rows (every grouping is of sorted values).
+    """
+    from dist_eval import metrics as M
+
+    n, num_labels = probs.shape
+    k = M.default_top_k(num_labels) if top_k is None else top_k
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(SCORES_STREAM,))))
+    confidence = probs.max(axis=1)
+    gap = confidence - (probs.argmax(axis=1) == labels)
+    bin_of = M.calibration_bins(confidence, bins)
+    by_bin = np.lexsort((gap, bin_of))
+    bin_starts = np.searchsorted(bin_of[by_bin], np.arange(bins))
+    out = {"ece": np.abs(_grouped_sums(rng, gap[by_bin], bin_starts, resamples, groups)).sum(axis=1) / n}
+    brier = np.sort(M.per_sample_brier(probs, labels))
+    out["brier"] = _grouped_sums(rng, brier, np.zeros(1, dtype=np.int64), resamples, groups)[:, 0] / n
+    if k is not None:
+        hits = int(M.top_k_hits(probs, labels, k).sum())
+        out[f"top{k}_accuracy"] = rng.binomial(n, hits / n, size=resamples) / n
+    auroc, influence = auroc_influence(probs, labels)
+    if influence is None:  # fewer than two classes: undefined in every resample
+        out["auroc_macro"] = np.full(resamples, np.nan)
+    else:
+        drawn = _grouped_sums(rng, np.sort(influence), np.zeros(1, dtype=np.int64), resamples, groups)[:, 0]
+        out["auroc_macro"] = auroc + drawn / n
+    return out
+
+
+def auroc_influence(probs: np.ndarray, labels: np.ndarray) -> tuple:
+    """(the macro AUROC of :func:`dist_eval.metrics.auroc_macro`, each row's influence on it)
+    or (NaN, None) when it is undefined. The influence of row i is n x the derivative of the
+    AUROC in row i's weight: for a positive row of class c, n (V_i - A_c) / P_c, for a
+    negative one n (V_i - A_c) / N_c, averaged over the classes (V_i: the share of the other
+    side it beats, ties 1/2). The influences sum to 0; a resample with weights w then has
+    the AUROC A + sum_i (w_i - 1) influence_i / n to first order. Counts are exact integers.
+    """
+    n, num_labels = probs.shape
+    classes = [1] if num_labels == 2 else np.flatnonzero(np.bincount(labels, minlength=num_labels))
+    aurocs, influence = [], np.zeros(n)
+    for c in classes:
+        positive = labels == c
+        num_pos = int(positive.sum())
+        num_neg = n - num_pos
+        if num_pos == 0 or num_neg == 0:
+            continue
+        twice_pos, twice_neg = _twice_wins(probs[:, c], positive)
+        auroc = int(twice_pos.sum(dtype=np.int64)) / (2 * num_pos * num_neg)
+        influence[positive] += n * (twice_pos / (2 * num_neg) - auroc) / num_pos
+        influence[~positive] += n * (twice_neg / (2 * num_pos) - auroc) / num_neg
+        aurocs.append(auroc)
+    if not aurocs:  # a class present alone has no negatives: so none is defined
+        return float("nan"), None
+    return float(np.mean(aurocs)), influence / len(aurocs)
+
+
+def _twice_wins(scores: np.ndarray, positive: np.ndarray) -> tuple:
+    """Twice the wins of each positive row (2 x the negatives scoring lower + those tied)
+    and of each negative row (2 x the positives scoring higher + those tied), in row order:
+    one sort, then counts per run of equal scores.
+    """
+    order = np.argsort(scores, kind="stable")
+    ordered, is_pos = scores[order], positive[order]
+    run_starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    run_of = np.repeat(np.arange(run_starts.size), np.diff(np.r_[run_starts, scores.size]))
+    pos_before = np.r_[0, np.cumsum(is_pos)][run_starts]  # positives in the runs below each run
+    pos_in = np.add.reduceat(is_pos.astype(np.int64), run_starts)
+    neg_before, neg_in = run_starts - pos_before, np.diff(np.r_[run_starts, scores.size]) - pos_in
+    twice = np.where(is_pos, 2 * neg_before[run_of] + neg_in[run_of],
+                     2 * (int(is_pos.sum()) - pos_before[run_of] - pos_in[run_of]) + pos_in[run_of])
+    in_rows = np.empty_like(twice)
+    in_rows[order] = twice
+    return in_rows[positive], in_rows[~positive]
+
+
+def _grouped_sums(rng, ordered: np.ndarray, segment_starts: np.ndarray, resamples: int, groups: int) -> np.ndarray:
+    """[resamples, segments]: each resample's sum of the drawn values of each segment of
+    ``ordered`` (sorted within each segment; ``segment_starts`` ascending, empty segments
+    allowed). The segments are cut into groups of at most ceil(n / groups) consecutive
+    values; a resample's n draws fall on the groups as Multinomial(n, size / n) (exact), and
+    the sum of a group's d draws is d x its mean plus a normal term of variance d x its
+    variance (exact in mean and variance; exact outright where a group is one value).
+    """
+    n = ordered.size
+    most = -(-n // groups)  # rows per group at most
+    segment_ends = np.r_[segment_starts[1:], n]
+    starts = []
+    segment_of = []
+    for segment, (start, end) in enumerate(zip(segment_starts.tolist(), segment_ends.tolist())):
+        if end > start:
+            count = -(-(end - start) // most)
+            starts.append(start + (np.arange(count) * (end - start)) // count)
+            segment_of.append(np.full(count, segment))
+    starts = np.concatenate(starts)
+    sizes = np.diff(np.r_[starts, n])
+    means = np.add.reduceat(ordered, starts) / sizes
+    variances = np.add.reduceat((ordered - np.repeat(means, sizes)) ** 2, starts) / sizes
+    membership = np.zeros((starts.size, segment_starts.size))  # group -> its segment
+    membership[np.arange(starts.size), np.concatenate(segment_of)] = 1.0
+    out = np.empty((resamples, segment_starts.size))
+    for start, r in _chunks(resamples, starts.size):
+        draws = rng.multinomial(n, sizes / n, size=r).astype(np.float64)  # [r, groups]
+        totals = draws * means + np.sqrt(draws * variances) * rng.standard_normal((r, starts.size))
+        out[start:start + r] = totals @ membership
+    return out

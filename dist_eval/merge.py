@@ -248,25 +248,48 @@ def probability_scores(logits, labels, top_k: Optional[int], bootstrap: Optional
 
 
 def _reported(intervals: Optional[dict], scores: dict) -> dict:
-    """The score intervals the report keeps: those of the scores it has, None for NaN."""
-    return {name: None if np.isnan(value).any() else value
+    """The score intervals the report keeps: those of the scores it has, None for NaN, and
+    the method that drew them (the grouped one names itself: see bootstrap_score_intervals).
+    """
+    kept = {name: None if np.isnan(value).any() else value
             for name, value in (intervals or {}).items() if name in scores}
+    if intervals:
+        kept["method"] = intervals["method"]
+    return kept
 
 
 def shared_score_intervals(report: dict, merged: Optional[MergedResults], bootstrap) -> dict:
     """Every rank: the probability scores' intervals, their resamples shared over the ranks
     (rank 0 sends the probabilities; each rank computes every N-th chunk of resamples; the
     values are all-gathered), added to ``report``'s ``confidence_intervals``. The same bits
-    for any N: each resample is computed as one process computes it.
+    for any N: each resample is computed as one process computes it. A set whose rows are
+    drawn grouped (:func:`dist_eval.intervals.grouped_score_intervals`): rank 0 computes
+    them and sends them.
     """
-    from dist_eval.intervals import join_score_resamples, score_percentiles, score_resamples_part
+    from dist_eval.intervals import (
+        grouped_score_intervals,
+        join_score_resamples,
+        score_percentiles,
+        score_resamples_part,
+    )
 
-    shared = (softmax(merged.logits), merged.labels) if ranks.is_main_process() else None
-    probs, labels = ranks.broadcast_object(shared)
-    part = score_resamples_part(probs, labels, bootstrap[0], bootstrap[1], report["top_k"], CALIBRATION_BINS,
-                                (ranks.get_rank(), ranks.get_world_size()))
-    values = join_score_resamples(ranks.all_gather_object(part), bootstrap[0])
-    report["confidence_intervals"].update(_reported(score_percentiles(values, bootstrap[1]), report))
+    shared = None
+    if ranks.is_main_process():
+        probs = softmax(merged.logits)
+        if grouped_score_intervals(probs, merged.labels):  # drawn grouped: a moment's work, rank 0's alone
+            shared = bootstrap_score_intervals(probs, merged.labels, resamples=bootstrap[0], seed=bootstrap[1],
+                                               top_k=report["top_k"], bins=CALIBRATION_BINS)
+        else:
+            shared = (probs, merged.labels)
+    shared = ranks.broadcast_object(shared)
+    if isinstance(shared, dict):
+        intervals = shared
+    else:
+        probs, labels = shared
+        part = score_resamples_part(probs, labels, bootstrap[0], bootstrap[1], report["top_k"], CALIBRATION_BINS,
+                                    (ranks.get_rank(), ranks.get_world_size()))
+        intervals = score_percentiles(join_score_resamples(ranks.all_gather_object(part), bootstrap[0]), bootstrap[1])
+    report["confidence_intervals"].update(_reported(intervals, report))
     return report
 
 

@@ -201,6 +201,17 @@ def test_contributing_lists_every_test_file_and_every_module():
     assert not missing, f"modules not in docs/contributing.md's layout: {missing}"
 
 
+def test_the_score_intervals_constants_are_those_the_docs_state():
+    from dist_eval.intervals import EXACT_SCORE_ROWS, GROUPED_SCORES_METHOD, MIN_AUROC_SIDE, SCORE_GROUPS
+
+    outputs, api = read("docs", "outputs.md"), read("docs", "python-api.md")
+    assert f"Up to {EXACT_SCORE_ROWS:,} rows** (`EXACT_SCORE_ROWS`)" in outputs
+    assert f"at least {MIN_AUROC_SIDE:,} rows on each side" in outputs
+    assert f"{SCORE_GROUPS:,} equal-count groups (`SCORE_GROUPS`)" in outputs
+    assert f"`method` is then\n  `\"{GROUPED_SCORES_METHOD}\"`" in outputs
+    assert f"rows x classes up to {EXACT_SCORE_ROWS:,} rows" in api
+
+
 def test_readme_is_short_and_holds_no_test_counts_or_timings():
     readme = read("README.md")
     assert len(readme.splitlines()) <= 250

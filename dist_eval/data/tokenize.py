@@ -18,8 +18,9 @@ from dist_eval.errors import UsageError
 def cyclic_gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused, if it runs, for a block that builds many
     objects and no reference cycles (a list of token ids per row): every collection their
-    allocations trigger walks the objects built so far, which made 500k rows' ids take four
-    times as long (benchmarks/RESULTS.md). Objects are still freed by reference counting.
+    allocations trigger walks the objects built so far, which made a big set's ids take
+    several times as long (benchmarks/RESULTS.md). Objects are still freed by reference
+    counting.
     """
     was_enabled = gc.isenabled()
     gc.disable()

@@ -1,0 +1,42 @@
+"""The merge with real ranks (torchrun, gloo; merge_worker.py): the report of N ranks is
+one process's, bit for bit, with the score intervals shared over the ranks (a small set)
+or drawn grouped on rank 0 (a set above EXACT_SCORE_ROWS rows), and equal to what
+``python -m dist_eval.rescore`` computes from the merged rows."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, free_port
+
+from dist_eval.intervals import EXACT_SCORE_ROWS, GROUPED_SCORES_METHOD, METHOD
+
+SIZES = [3001, EXACT_SCORE_ROWS + 3]
+
+
+def merged_reports(tmp_path, world: int) -> dict:
+    out = tmp_path / f"world{world}.json"
+    worker = [os.path.join(REPO, "tests", "merge_worker.py"), str(out), *map(str, SIZES)]
+    launch = [] if world == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(world),
+                                    "--master_port", str(free_port())]
+    pythonpath = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, *launch, *worker], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.multiproc
+def test_n_ranks_merge_to_one_process_report_with_either_score_intervals(tmp_path):
+    one = merged_reports(tmp_path, 1)
+    for world in (2, 3):
+        assert json.dumps(merged_reports(tmp_path, world), sort_keys=True) == json.dumps(one, sort_keys=True), world
+    for size, method in zip(SIZES, (METHOD, GROUPED_SCORES_METHOD)):
+        report, rescored = one[str(size)]["report"], one[str(size)]["rescored"]
+        intervals = report["confidence_intervals"]
+        assert intervals["method"] == method
+        assert set(intervals) >= {"accuracy", "ece", "brier", "top2_accuracy", "auroc_macro"}
+        for name in ("ece", "brier", "top2_accuracy", "auroc_macro"):
+            assert intervals[name][0] <= report[name] <= intervals[name][1], (size, name)
+        assert json.dumps(rescored["confidence_intervals"], sort_keys=True) == json.dumps(intervals, sort_keys=True)
