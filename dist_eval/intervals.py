@@ -348,9 +348,10 @@ def _weighted_auroc(counts: np.ndarray, ranking: tuple) -> np.ndarray:
 
 # --- the score intervals of a big set: grouped draws (issue 29) -------------------------
 # An exact resample costs a draw per row: resamples x rows, most of a big set's merge
-# (benchmarks/RESULTS.md). Above EXACT_SCORE_ROWS rows, when every AUROC class has MIN_AUROC_SIDE rows on
-# each side, each score metric is drawn from sums of grouped values, as the loss is above
-# LOSS_GROUPS samples: at a cost of resamples x SCORE_GROUPS, whatever the rows.
+# (benchmarks/RESULTS.md). Above EXACT_SCORE_ROWS rows, when every AUROC class has
+# MIN_AUROC_SIDE rows on each side, each score metric is drawn from sums of grouped values,
+# as the loss is above LOSS_GROUPS samples: at a cost of resamples x SCORE_GROUPS, whatever
+# the rows (but for their sort).
 
 GROUPED_SCORES_METHOD = "bootstrap-percentile; score metrics grouped, AUROC linearized"
 EXACT_SCORE_ROWS = 1 << 16
