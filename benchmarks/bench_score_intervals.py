@@ -1,5 +1,7 @@
-"""One rank's share of the probability scores' bootstrap ("the score intervals" phase), alone:
-this checkout beside a baseline git ref, and whether the two give the same bits.
+"""One rank's share of the probability scores' exact bootstrap ("the score intervals" phase
+up to 65,536 rows, or with a rare class: dist_eval.intervals.EXACT_SCORE_ROWS; above, the
+run draws them grouped on rank 0, which bench_big_set.py's phases show), alone: this
+checkout beside a baseline git ref, and whether the two give the same bits.
 
     .venv/bin/python benchmarks/bench_score_intervals.py --rows 200000 [--nproc 2] [--baseline main]
 
