@@ -116,21 +116,43 @@ def _per_class(class_of_cell: np.ndarray, weights: np.ndarray, num_labels: int) 
 
 def _resample_mean_loss(rng, losses: np.ndarray, resamples: int) -> np.ndarray:
     """Mean loss of ``resamples`` bootstrap resamples (exact up to LOSS_GROUPS samples)."""
-    n = losses.shape[0]
     ordered = np.sort(losses)  # canonical order: invariant to how the rows arrived
-    num_groups = min(n, LOSS_GROUPS)
-    bounds = (np.arange(num_groups + 1) * n) // num_groups  # equal-count groups (sizes differ by <= 1)
-    sizes = np.diff(bounds)
-    means = np.add.reduceat(ordered, bounds[:-1]) / sizes
-    variances = np.add.reduceat((ordered - np.repeat(means, sizes)) ** 2, bounds[:-1]) / sizes
-    grouped = num_groups < n
-    out = np.empty(resamples)
-    for start, r in _chunks(resamples, num_groups):
+    return _grouped_sums(rng, ordered, np.zeros(1, dtype=np.int64), resamples, LOSS_GROUPS)[:, 0] / losses.shape[0]
+
+
+def _grouped_sums(rng, ordered: np.ndarray, segment_starts: np.ndarray, resamples: int, groups: int) -> np.ndarray:
+    """[resamples, segments]: each resample's sum of the drawn values of each segment of
+    ``ordered`` (sorted within each segment; ``segment_starts`` ascending from 0, empty
+    segments allowed). A segment of m of the n values is cut into min(m, ceil(groups x m / n))
+    equal-count groups (sizes differ by <= 1; one segment: min(n, groups) groups). A
+    resample's n draws fall on the groups as Multinomial(n, size / n) (exact), and the sum of
+    a group's d draws is d x its mean plus, when some group holds several values, a normal
+    term of variance d x its variance (exact in mean and variance; exact outright when every
+    group is one value).
+    """
+    n = ordered.size
+    starts, counts = [], []
+    for start, end in zip(segment_starts.tolist(), np.r_[segment_starts[1:], n].tolist()):
+        size = end - start
+        count = min(size, -(-groups * size // n))
+        starts.append(start + (np.arange(count) * size) // max(count, 1))
+        counts.append(count)
+    starts = np.concatenate(starts)
+    edges = np.r_[0, np.cumsum(counts)].tolist()  # segment j's groups: edges[j] to edges[j + 1]
+    sizes = np.diff(np.r_[starts, n])
+    means = np.add.reduceat(ordered, starts) / sizes
+    variances = np.add.reduceat((ordered - np.repeat(means, sizes)) ** 2, starts) / sizes
+    grouped = starts.size < n
+    out = np.empty((resamples, segment_starts.size))
+    for start, r in _chunks(resamples, starts.size):
         draws = rng.multinomial(n, sizes / n, size=r).astype(np.float64)  # [r, groups]
-        totals = draws @ means
         if grouped:  # the spread of the draws inside each group
-            totals += (np.sqrt(draws * variances[None, :]) * rng.standard_normal((r, num_groups))).sum(axis=1)
-        out[start:start + r] = totals / n
+            spread = np.sqrt(draws * variances[None, :]) * rng.standard_normal((r, starts.size))
+        for segment, (first, last) in enumerate(zip(edges[:-1], edges[1:])):
+            totals = draws[:, first:last] @ means[first:last]
+            if grouped:
+                totals += spread[:, first:last].sum(axis=1)
+            out[start:start + r, segment] = totals
     return out
 
 
@@ -461,34 +483,3 @@ def _twice_wins(scores: np.ndarray, positive: np.ndarray) -> tuple:
     in_rows[order] = twice
     return in_rows[positive], in_rows[~positive]
 
-
-def _grouped_sums(rng, ordered: np.ndarray, segment_starts: np.ndarray, resamples: int, groups: int) -> np.ndarray:
-    """[resamples, segments]: each resample's sum of the drawn values of each segment of
-    ``ordered`` (sorted within each segment; ``segment_starts`` ascending, empty segments
-    allowed). The segments are cut into groups of at most ceil(n / groups) consecutive
-    values; a resample's n draws fall on the groups as Multinomial(n, size / n) (exact), and
-    the sum of a group's d draws is d x its mean plus a normal term of variance d x its
-    variance (exact in mean and variance; exact outright where a group is one value).
-    """
-    n = ordered.size
-    most = -(-n // groups)  # rows per group at most
-    segment_ends = np.r_[segment_starts[1:], n]
-    starts = []
-    segment_of = []
-    for segment, (start, end) in enumerate(zip(segment_starts.tolist(), segment_ends.tolist())):
-        if end > start:
-            count = -(-(end - start) // most)
-            starts.append(start + (np.arange(count) * (end - start)) // count)
-            segment_of.append(np.full(count, segment))
-    starts = np.concatenate(starts)
-    sizes = np.diff(np.r_[starts, n])
-    means = np.add.reduceat(ordered, starts) / sizes
-    variances = np.add.reduceat((ordered - np.repeat(means, sizes)) ** 2, starts) / sizes
-    membership = np.zeros((starts.size, segment_starts.size))  # group -> its segment
-    membership[np.arange(starts.size), np.concatenate(segment_of)] = 1.0
-    out = np.empty((resamples, segment_starts.size))
-    for start, r in _chunks(resamples, starts.size):
-        draws = rng.multinomial(n, sizes / n, size=r).astype(np.float64)  # [r, groups]
-        totals = draws * means + np.sqrt(draws * variances) * rng.standard_normal((r, starts.size))
-        out[start:start + r] = totals @ membership
-    return out
