@@ -15,11 +15,12 @@ from dist_eval.intervals import (
 from dist_eval.metrics import score_metrics, softmax
 
 
-def synthetic(n, k, seed, coarse=False):
+def synthetic(n, k, seed, coarse=False, separation=1.5, shares=None):
+    """Probabilities and labels; ``shares``: each class's share of the rows (None: uniform)."""
     rng = np.random.default_rng(seed)
-    labels = rng.integers(0, k, n)
+    labels = rng.choice(k, n, p=shares) if shares else rng.integers(0, k, n)
     logits = rng.normal(size=(n, k))
-    logits[np.arange(n), labels] += 1.5
+    logits[np.arange(n), labels] += separation
     probs = softmax(logits)
     if coarse:  # tied scores within and across rows
         weights = np.round(probs * 4) + 1.0
@@ -261,23 +262,11 @@ GROUPED_CASES = [  # (k, seed, coarse, separation, class shares)
 ]
 
 
-def shaped(n, k, seed, coarse, separation, shares):
-    rng = np.random.default_rng(seed)
-    labels = rng.choice(k, n, p=shares) if shares else rng.integers(0, k, n)
-    logits = rng.normal(size=(n, k))
-    logits[np.arange(n), labels] += separation
-    probs = softmax(logits)
-    if coarse:
-        weights = np.round(probs * 4) + 1.0
-        probs = weights / weights.sum(axis=1, keepdims=True)
-    return probs, labels
-
-
 @pytest.mark.parametrize("case", GROUPED_CASES)
 def test_grouped_score_intervals_agree_with_the_exact_bootstrap(case):
     from dist_eval.intervals import _grouped_score_resamples, score_percentiles
 
-    probs, labels = shaped(20_000, *case)
+    probs, labels = synthetic(20_000, *case)
     exact = score_percentiles(_score_metric_resamples(probs, labels, 2000, 3, None, 15), 3)
     grouped = score_percentiles(_grouped_score_resamples(probs, labels, 2000, 3, None, 15, groups=64), 3)
     assert set(grouped) == set(exact)
