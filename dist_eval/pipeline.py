@@ -198,21 +198,14 @@ def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
     """Every rank: the first set's data (a mistake in it shows before the model loads), then the
     model with the first pair's checkpoint; every other checkpoint is checked against it.
     """
-    from transformers import AutoTokenizer
-
     from dist_eval.backends import load_model
+    from dist_eval.backends.tokenizer import load_tokenizer
 
     config, job = session.config, session.job
     first = job.plan.pairs()[0]
     _dataset(session, first.data)
     with ranks.phase("loading the model"):
-        try:
-            session.tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
-        except Exception as e:
-            raise UsageError(
-                f"--model {job.model_dir}: no usable tokenizer in the folder ({type(e).__name__}). "
-                "Save the tokenizer there too (tokenizer.save_pretrained(folder))."
-            ) from e
+        session.tokenizer = load_tokenizer(job.model_dir)
         with _unreadable_model_files(job.model_dir):
             session.model = load_model(
                 config.backend, job.model_dir, checkpoint=first.checkpoint.path, head=job.head,

@@ -210,7 +210,7 @@ def _classify(key: str, family: Optional[Family]) -> tuple:
     if "prompt" in short:
         return "unknown", short
     named = family_of_key(key)
-    if family is not None and named and named != family.model_type:
+    if family is not None and named and named != (family.built_on or family.model_type):  # keys as its base's
         return "foreign", key
     families = [family] if family else list(FAMILIES.values())
     return ("frozen" if _is_frozen(short, families) else "unknown"), short

@@ -172,14 +172,9 @@ def _label_words(model_dir: str, config, family: Family, words: tuple, tokenizer
     """The label words' tokens, once the folder is known to hold an LM head."""
     check_lm_head(model_dir, config, family)
     if tokenizer is None:
-        from transformers import AutoTokenizer
+        from dist_eval.backends.tokenizer import load_tokenizer
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        except Exception as e:
-            raise UsageError(f"no usable tokenizer in the folder ({type(e).__name__}) to read the label words' "
-                             "tokens. Save the tokenizer there, or pass tokenizer=...", param="model_dir",
-                             value=model_dir) from e
+        tokenizer = load_tokenizer(model_dir)  # the label words' tokens
     return label_word_tokens(tokenizer, words, int(config.pad_token_id))
 
 
@@ -201,10 +196,15 @@ def read_trainable(
 def _read_config(model_dir: str):
     from transformers import AutoConfig
 
+    from dist_eval.backends.blocks import register
+    from dist_eval.backends.families import family_of_folder
+
     if not os.path.isdir(model_dir):
         raise UsageError(
             "not a folder. Pass a folder saved with save_pretrained().", param="model_dir", value=model_dir
         )
+    family_of_folder(model_dir)  # what no block here computes is refused from config.json itself
+    register()  # the config classes of the families the pinned transformers lacks
     try:
         return AutoConfig.from_pretrained(model_dir)
     except Exception as e:  # a folder without a readable config.json

@@ -53,6 +53,7 @@ forward at a time (``--in-flight`` overlaps nothing there; results are unchanged
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import operator
 import os
@@ -98,6 +99,17 @@ class Family:
     # pre-split words before calling the base class's: their Rust backend gives the call's ids
     # (data/tokenize.py calls it directly; a class overriding nothing needs no entry)
     tokenizers_calling_the_base: tuple = ()
+    # "module:Name" of transformers' config and attention classes that dist_eval's block options
+    # extend (backends.blocks); the families built on this one get them too
+    config_class: str = ""
+    attention_class: str = ""
+    # a family newer than the pinned transformers: the family whose classes and block it runs
+    # (its own classes subclass those, with this model_type), with these config options
+    built_on: str = ""
+    block_options: tuple = ()
+    # config.json's keys of a sliding attention window: (the window, the switch that turns it on,
+    # "" when the window alone says it); rows longer than an active window are refused
+    sliding_window: tuple = ()
 
     @property
     def block_name(self) -> str:
@@ -111,12 +123,23 @@ class Family:
         return (self.embeddings if prefixed else self.embeddings[len(self.checkpoint_prefix):]) + ".weight"
 
     def unsupported_reason(self, config) -> str:
-        """Why petals cannot serve this config of the family ('' when it can)."""
+        """Why dist_eval cannot compute this config of the family ('' when it can)."""
         for settings, why in self.unsupported:
             if all(getattr(config, name, None) == value for name, value in settings):
                 shown = ", ".join(f"{name}={value}" for name, value in settings)
                 return f"{why} ({shown} in config.json)"
+        if self.attention_class or self.built_on:  # the block of backends.blocks
+            return _block_refusal(config)
         return ""
+
+    def attention_window(self, config) -> int:
+        """The sliding attention window of this config in positions (0: none, or not on)."""
+        if not self.sliding_window:
+            return 0
+        window_key, switch = self.sliding_window
+        window = getattr(config, window_key, None)
+        on = getattr(config, switch, False) if switch else True
+        return int(window) if window and on else 0
 
     def get(self, module, path: str):
         """The attribute at the dotted ``path`` of ``module`` (a field of this family)."""
@@ -140,6 +163,35 @@ class Family:
         return torch.ne(input_ids, pad_token_id).sum(-1) - 1
 
 
+# rope_scaling types the block computes (backends.blocks): the pinned transformers' own, and llama3
+SERVED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+# families seen in configs that no block here computes, and why (the rest: "not a family dist_eval knows")
+NOT_COMPUTED = {
+    "mixtral": "its mixture-of-experts blocks", "qwen2_moe": "its mixture-of-experts blocks",
+    "qwen3": "the norms on q and k in its attention", "qwen3_moe": "its mixture-of-experts blocks",
+    "gemma": "its scaled embeddings and GeGLU blocks", "gemma2": "its soft-capped, alternating sliding attention",
+    "gemma3": "its soft-capped, alternating sliding attention", "phi3": "its fused projections and longrope",
+}
+
+
+def _block_refusal(config) -> str:
+    """What in a config of a Llama-shaped block the block does not compute ('' when nothing)."""
+    rope = getattr(config, "rope_scaling", None)
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind is not None and kind not in SERVED_ROPE_TYPES:
+        return (f"rope_scaling of rope_type {kind!r} in config.json is not computed here "
+                f"(computed: {', '.join(SERVED_ROPE_TYPES)})")
+    for key in ("attention_bias", "mlp_bias"):
+        if getattr(config, key, False):
+            return f"{key}: true in config.json (biases this block does not have) is not computed here"
+    hidden, heads = getattr(config, "hidden_size", 0), getattr(config, "num_attention_heads", 0) or 1
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim and head_dim * heads != hidden:
+        return (f"head_dim {head_dim} in config.json is not hidden_size / num_attention_heads "
+                f"({hidden} / {heads}); only that head size is computed here")
+    return ""
+
+
 DEMO_FAMILY = "llama"  # the built-in demo's family, unless --demo-family says another
 
 FAMILIES: Dict[str, Family] = {
@@ -160,6 +212,8 @@ FAMILIES: Dict[str, Family] = {
         frozen=("embed_tokens", "layers", "norm"),
         embeds_on_server=True,
         key_signature=r"^(model\.)?(embed_tokens|layers\.\d+|norm)\.",
+        config_class="transformers.models.llama.configuration_llama:LlamaConfig",
+        attention_class="transformers.models.llama.modeling_llama:LlamaAttention",
     ),
     "bloom": Family(
         model_type="bloom",
@@ -208,6 +262,23 @@ FAMILIES: Dict[str, Family] = {
 }
 
 
+def _built_on_llama(model_type: str, name: str, **fields) -> Family:
+    """A family newer than the pinned transformers whose block is Llama's with options."""
+    llama = FAMILIES["llama"]
+    return dataclasses.replace(
+        llama, model_type=model_type, petals_class=f"Distributed{name}ForSequenceClassification",
+        local_class=f"{name}ForSequenceClassification", petals_lm_class=f"Distributed{name}ForCausalLM",
+        local_lm_class=f"{name}ForCausalLM", key_signature="", config_class="", attention_class="",
+        built_on="llama", **fields)
+
+
+# Mistral: Llama's block (grouped-query attention); v0.1 attends within a sliding window
+FAMILIES["mistral"] = _built_on_llama("mistral", "Mistral", sliding_window=("sliding_window", ""))
+# Qwen2 / Qwen2.5: Llama's block with biases on the q, k and v projections (not on o)
+FAMILIES["qwen2"] = _built_on_llama("qwen2", "Qwen2", block_options=(("qkv_bias", True),),
+                                    sliding_window=("sliding_window", "use_sliding_window"))
+
+
 def tokenizers_calling_the_base() -> frozenset:
     """Every family's ``tokenizers_calling_the_base``: class names."""
     return frozenset(name for family in FAMILIES.values() for name in family.tokenizers_calling_the_base)
@@ -217,11 +288,16 @@ def family_of(config, model_dir: str = "") -> Family:
     """The family of a transformers config (its ``model_type``); refuses an unsupported one."""
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(model_type)
-    why = family.unsupported_reason(config) if family else f"config.json has model_type {model_type!r}"
+    if family:
+        why = family.unsupported_reason(config)
+    elif model_type in NOT_COMPUTED:
+        why = f"config.json has model_type {model_type!r}, whose {NOT_COMPUTED[model_type]} dist_eval does not compute"
+    else:
+        why = f"config.json has model_type {model_type!r}"
     if why:
         raise UsageError(
-            f"{why}: not a model petals 2.2.0 serves; the families that work: {', '.join(sorted(FAMILIES))}.",
-            param="model_dir", value=model_dir,
+            f"{why}: not a model dist_eval computes; the families that work: {', '.join(sorted(FAMILIES))} "
+            "(docs/models-and-checkpoints.md).", param="model_dir", value=model_dir,
         )
     return family
 
@@ -264,5 +340,6 @@ def family_of_key(key: str) -> str:
     """The model_type whose models alone have a tensor named ``key`` ('' when not one alone)."""
     import re
 
-    matches = [family.model_type for family in FAMILIES.values() if re.search(family.key_signature, key)]
+    matches = [family.model_type for family in FAMILIES.values()
+               if family.key_signature and re.search(family.key_signature, key)]
     return matches[0] if len(matches) == 1 else ""

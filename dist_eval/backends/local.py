@@ -130,8 +130,7 @@ def load_local(
     A base-model layout that also holds ``score.weight``, which transformers refuses as
     "corrupted", is read from its converted copy (:mod:`dist_eval.backends.petals_folder`).
     """
-    import transformers
-
+    from dist_eval.backends.blocks import family_class
     from dist_eval.backends.compat import no_random_init_of_meta_tensors
     from dist_eval.backends.petals_folder import detect_layout, petals_model_folder, require_every_shard
 
@@ -141,10 +140,10 @@ def load_local(
 
     with no_random_init_of_meta_tensors():
         if label_words is not None:
-            hf_model = getattr(transformers, family.local_lm_class).from_pretrained(
+            hf_model = family_class(family.local_lm_class, in_petals=False).from_pretrained(
                 model_dir, torch_dtype=torch.float32)
         else:
-            hf_model = getattr(transformers, family.local_class).from_pretrained(
+            hf_model = family_class(family.local_class, in_petals=False).from_pretrained(
                 model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False
             )
     model = PromptTunedClassifier(hf_model, state.tuning_mode, state.pre_seq_len, family)

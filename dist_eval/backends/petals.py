@@ -220,7 +220,7 @@ def load_petals(
     With ``label_words``: petals' causal LM (``Family.petals_lm_class``; its LM head here)
     scoring them (:mod:`dist_eval.backends.zeroshot`).
     """
-    petals = import_petals()  # every client patch (backends.patches)
+    import_petals()  # every client patch (backends.patches)
     quiet_hivemind_logs()
 
     if not initial_peers:
@@ -238,12 +238,13 @@ def load_petals(
         kwargs["dht_prefix"] = dht_prefix
     if state.tuning_mode:
         kwargs.update(tuning_mode=state.tuning_mode, pre_seq_len=state.pre_seq_len)
+    from dist_eval.backends.blocks import family_class
     from dist_eval.backends.petals_folder import petals_model_folder
 
     try:
         petals_class = family.petals_class if label_words is None else family.petals_lm_class
         with no_random_init_of_meta_tensors():
-            inner = getattr(petals, petals_class).from_pretrained(petals_model_folder(model_dir), **kwargs)
+            inner = family_class(petals_class, in_petals=True).from_pretrained(petals_model_folder(model_dir), **kwargs)
     except Exception as e:
         if type(e).__name__ == "P2PDaemonError":  # nobody answered at the initial peers
             raise UsageError(

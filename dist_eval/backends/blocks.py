@@ -1,0 +1,197 @@
+"""The blocks dist_eval computes beyond the pinned transformers' (4.33) and petals 2.2.0's.
+
+The families after 2023 that dist_eval serves are built on an older family's block with a
+few options (the family table's ``built_on`` and ``block_options``,
+:mod:`dist_eval.backends.families`): q/k/v projections with biases, and rotary frequencies
+rescaled by the ``llama3`` rule. Everything here reads the table; no family is named.
+
+Three things make a folder saved by a current transformers computable by the pinned one,
+each applied once per process by :func:`register` (client ranks, the local backend and the
+servers dist_eval starts alike, so the swarm computes what ``--backend local`` computes):
+
+1. **Configs.** The base config class reads config.json's ``rope_scaling`` in every format
+   (``{"rope_type": ...}`` with extra keys, as saved since transformers 4.43): ``default``
+   is no scaling, ``linear`` and ``dynamic`` go to the pinned code's own, and ``llama3`` is
+   kept as ``rope_llama3`` (the pinned class refuses it) for the block. What no block here
+   computes is refused earlier, from config.json alone (:func:`dist_eval.backends.families.family_of`).
+2. **The block.** After the base attention's ``__init__``: biased q/k/v projections when
+   the config says ``qkv_bias``, and the ``llama3`` frequencies (:func:`llama3_inv_freq`, the
+   rule of transformers >= 4.43) with the cos/sin cache rebuilt from them. petals' server
+   block derives from the same attention class, so it gets the same options.
+3. **Classes.** For each family built on another, subclasses of the other's config, local
+   (transformers) and petals classes with this family's ``model_type``, registered with
+   transformers' ``AutoConfig`` and, when petals is imported, petals' own registry (the
+   server finds its block class there).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import threading
+from typing import Dict, Optional
+
+_lock = threading.RLock()
+_classes: Dict[str, type] = {}  # class name -> class built here
+# the cos/sin cache a rescaled rotary table starts with (it grows on a longer row, as the base one does)
+_ROPE_CACHE_POSITIONS = 4096
+
+
+def class_at(path: str):
+    """The class at ``"module:Name"``."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def llama3_inv_freq(inv_freq, rope: dict):
+    """``inv_freq`` rescaled by the ``llama3`` rule (transformers >= 4.43, in its order of
+    operations): long wavelengths divided by ``factor``, short ones kept, between them a
+    smooth interpolation.
+    """
+    import torch
+
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def pinned_rope_scaling(rope_scaling: Optional[dict]) -> tuple:
+    """(what the pinned config class accepts as ``rope_scaling``, the ``llama3`` settings or None)
+    of config.json's ``rope_scaling`` in any format.
+    """
+    if not isinstance(rope_scaling, dict):
+        return rope_scaling, None
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind in (None, "default"):
+        return None, None
+    if kind == "llama3":
+        return None, {key: rope_scaling[key] for key in LLAMA3_KEYS}
+    if kind in ("linear", "dynamic"):
+        return {"type": kind, "factor": rope_scaling["factor"]}, None
+    return rope_scaling, None  # the pinned class refuses it, as before (family_of refuses it first)
+
+
+def _config_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, rope_scaling=None, rope_llama3=None, **kwargs):
+        pinned, llama3 = pinned_rope_scaling(rope_scaling)
+        original(self, *args, rope_scaling=pinned, **kwargs)
+        self.rope_llama3 = llama3 or rope_llama3  # also when a config saved here is read back
+    return __init__
+
+
+def _attention_init(original):
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        original(self, config, *args, **kwargs)
+        apply_block_options(self, config)
+    return __init__
+
+
+def apply_block_options(attention, config) -> None:
+    """Give a base attention module built for ``config`` the options the config asks for."""
+    from torch import nn
+
+    if getattr(config, "qkv_bias", False):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(attention, name)
+            setattr(attention, name, nn.Linear(old.in_features, old.out_features, bias=True,
+                                               device=old.weight.device, dtype=old.weight.dtype))
+    rope = getattr(config, "rope_llama3", None)
+    if rope:
+        rotary = attention.rotary_emb
+        rotary.inv_freq = llama3_inv_freq(rotary.inv_freq, rope)
+        rotary._set_cos_sin_cache(min(_ROPE_CACHE_POSITIONS, rotary.max_seq_len_cached), rotary.inv_freq.device,
+                                  rotary.cos_cached.dtype)
+
+
+def register() -> None:
+    """Apply the config and block options and build every family's classes (transformers
+    side; petals' too when petals is imported). Idempotent; every process calls it before it
+    reads a config or builds a model.
+    """
+    import sys
+
+    from dist_eval.backends.families import FAMILIES
+    from dist_eval.backends.patches import apply
+
+    with _lock:
+        for family in FAMILIES.values():
+            if family.attention_class:
+                apply(f"block_options_{family.model_type}", "both",
+                      lambda f=family: _option_replacements(f))
+        for family in FAMILIES.values():
+            if family.built_on:
+                _build_transformers_classes(family)
+        if "petals" in sys.modules:
+            for family in FAMILIES.values():
+                if family.built_on:
+                    _build_petals_classes(family)
+
+
+def _option_replacements(family) -> list:
+    config_cls, attention_cls = class_at(family.config_class), class_at(family.attention_class)
+    return [(config_cls, "__init__", _config_init(config_cls.__init__)),
+            (attention_cls, "__init__", _attention_init(attention_cls.__init__))]
+
+
+def _build_transformers_classes(family) -> None:
+    import transformers
+
+    base = _base(family)
+    if family.model_type in _classes:
+        return
+    config = type(_config_name(family), (class_at(base.config_class),),
+                  {"model_type": family.model_type, **dict(family.block_options)})
+    _classes[family.model_type] = config
+    transformers.AutoConfig.register(family.model_type, config)
+    for name, base_name in ((family.local_class, base.local_class), (family.local_lm_class, base.local_lm_class)):
+        _classes[name] = type(name, (getattr(transformers, base_name),), {"config_class": config})
+
+
+def _build_petals_classes(family) -> None:
+    import petals
+    from petals.utils.auto_config import _CLASS_MAPPING, register_model_classes
+
+    if family.model_type in _CLASS_MAPPING:
+        return
+    base = _base(family)
+    base_config = getattr(petals, "Distributed" + _config_name(base))
+    config = type("Distributed" + _config_name(family), (base_config,),
+                  {"model_type": family.model_type, **dict(family.block_options)})
+    built = {}
+    for name, base_name in ((family.petals_class, base.petals_class), (family.petals_lm_class, base.petals_lm_class)):
+        built[name] = _classes[name] = type(name, (getattr(petals, base_name),), {"config_class": config})
+    register_model_classes(config=config, model_for_causal_lm=built[family.petals_lm_class],
+                           model_for_sequence_classification=built[family.petals_class])
+
+
+def _base(family):
+    from dist_eval.backends.families import FAMILIES
+
+    return FAMILIES[family.built_on]
+
+
+def _config_name(family) -> str:
+    return family.local_class.replace("ForSequenceClassification", "Config")
+
+
+def family_class(name: str, in_petals: bool):
+    """The class ``name`` of a family: petals' or transformers' own, or one built here."""
+    if in_petals:
+        from dist_eval.backends.compat import import_petals
+
+        module = import_petals()  # registers petals' side too
+    else:
+        import transformers as module
+    register()
+    return _classes[name] if name in _classes else getattr(module, name)

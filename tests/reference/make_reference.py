@@ -1,0 +1,183 @@
+"""Reference models, tokenizers and logits made by a current transformers (run in .venv-reference).
+
+    .venv-reference/bin/python tests/reference/make_reference.py OUT
+
+For each family after 2023 that dist_eval computes, a tiny random model saved by the current
+transformers (``*ForCausalLM.save_pretrained``: config.json as it writes it, safetensors) with a
+tokenizer trained and saved by the current tokenizers (merges as pairs; Llama 3's
+``ignore_merges``; SentencePiece-style for Mistral; Qwen2's own tokenizer class), and, for
+the rows of ``CORPUS``: the ids the current tokenizer gives, and the logits of the current
+``*ForSequenceClassification`` (no prompts) and of its backbone with prompts prepended (ptune).
+Everything is computed here, in one run, from fixed seeds; ``OUT/reference.json`` holds the
+numbers and the versions that made them. dist_eval's tests (tests/test_families_reference.py)
+read OUT in the project's environment. Nothing here imports dist_eval.
+"""
+import json
+import os
+import sys
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Tiếng Việt là ngôn ngữ chính thức của Việt Nam.",
+    "Người Việt nói tiếng Việt rất hay.",
+    "Καλημέρα κόσμε, τι κάνεις σήμερα;",
+    "ελληνικά γράμματα και λέξεις",
+    "日本語のテキストと中文文本混合。",
+    "我爱北京天安门，天安门上太阳升。",
+    "Emoji test: 🙂🚀🔥 and 👩‍💻 together!",
+    "def add(a, b):\n    return a + b  # code\n",
+    "for (int i = 0; i < n; ++i) { sum += x[i]; }",
+    "  leading spaces and\ttabs\tand   runs   of spaces",
+    "UPPER lower MiXeD 12345 67.89 -0.5e10",
+    "naïve café résumé — “quotes” ‘single’ … ellipsis",
+    "Ünïcödé ßtraße Ångström Øre ħ ŋ",
+    "Việt Việt Việt κόσμε κόσμε 天安门",
+    "a",
+]
+HIDDEN, HEADS, KV_HEADS, LAYERS, INTERMEDIATE = 64, 4, 2, 4, 128
+NUM_LABELS, PRE_SEQ_LEN = 3, 4
+# whole words put in the Llama-3-style vocabulary without a merge that makes them: emitted
+# whole only where ignore_merges is honoured
+WHOLE_WORDS = [" ngôn", " Ångström", " σήμερα", "北京", " résumé"]
+
+
+def train_bpe(byte_level: bool, special: list, vocab_size: int = 400):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if byte_level:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:  # SentencePiece-style (Llama 2, Mistral): metaspace, byte fallback
+        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        alphabet = [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, initial_alphabet=alphabet,
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    return tok
+
+
+def with_whole_words(tok):
+    """A byte-level BPE with ignore_merges and WHOLE_WORDS added to its vocabulary, no merge."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(tok.to_str())
+    mapped = {w: _byte_level(w) for w in WHOLE_WORDS}
+    vocab = data["model"]["vocab"]
+    for word in mapped.values():
+        vocab.setdefault(word, max(vocab.values()) + 1)
+    data["model"]["ignore_merges"] = True
+    return Tokenizer.from_str(json.dumps(data))
+
+
+def _byte_level(text: str) -> str:
+    table = _bytes_to_unicode()
+    return "".join(table[b] for b in text.encode("utf-8"))
+
+
+def _bytes_to_unicode() -> dict:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def tokenizer_of(kind: str):
+    from tokenizers import processors
+    from transformers import LlamaTokenizerFast, PreTrainedTokenizerFast, Qwen2TokenizerFast
+
+    if kind == "llama3":  # Llama 3: tiktoken-style byte-level BPE, ignore_merges, BOS by its post-processor
+        tok = with_whole_words(train_bpe(True, ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]))
+        bos = tok.token_to_id("<|begin_of_text|>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+            special_tokens=[("<|begin_of_text|>", bos)])
+        return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
+                                       eos_token="<|end_of_text|>", pad_token="<|pad|>")
+    if kind == "mistral":  # Llama 2 / Mistral: SentencePiece-style BPE with byte fallback, BOS added
+        tok = train_bpe(False, ["<unk>", "<s>", "</s>"])
+        return LlamaTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                  pad_token="</s>", add_bos_token=True, add_eos_token=False, legacy=False)
+    tok = train_bpe(True, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])  # Qwen2: byte-level, no BOS
+    return Qwen2TokenizerFast(tokenizer_object=tok, unk_token=None, bos_token=None, eos_token="<|endoftext|>",
+                              pad_token="<|endoftext|>")
+
+
+def config_of(kind: str, vocab_size: int, pad_token_id: int):
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                  num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS, intermediate_size=INTERMEDIATE,
+                  pad_token_id=pad_token_id, max_position_embeddings=512, num_labels=NUM_LABELS)
+    if kind == "llama3":  # Llama 3.2-style: llama3 rope (a small original context, so it matters here), tied
+        return transformers.LlamaConfig(rope_theta=500000.0, tie_word_embeddings=True, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}, **common)
+    if kind == "mistral":
+        return transformers.MistralConfig(rope_theta=10000.0, sliding_window=4096, **common)
+    return transformers.Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
+                                    **common)
+
+
+CLASSES = {"llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+
+def make(kind: str, out: str) -> dict:
+    import transformers
+    from safetensors.torch import save_file
+
+    folder = os.path.join(out, kind)
+    tokenizer = tokenizer_of(kind)
+    config = config_of(kind, len(tokenizer), tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    name = CLASSES[kind]
+    lm = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    lm.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    g = torch.Generator().manual_seed(1)
+    trainable = {"score.weight": torch.randn(NUM_LABELS, HIDDEN, generator=g),
+                 "prompt_embeddings.weight": torch.randn(PRE_SEQ_LEN, HIDDEN, generator=g)}
+    save_file(trainable, os.path.join(out, f"{kind}.trainable.safetensors"))
+    loaded = transformers.AutoTokenizer.from_pretrained(folder)
+    ids = [loaded(text)["input_ids"] for text in CORPUS]
+    clf = getattr(transformers, f"{name}ForSequenceClassification").from_pretrained(folder, num_labels=NUM_LABELS)
+    clf.score.weight.data.copy_(trainable["score.weight"])
+    clf.eval()
+    head, ptune = [], []
+    with torch.no_grad():
+        for row in ids:
+            x = torch.tensor([row])
+            head.append(clf(input_ids=x).logits[0].tolist())
+            embeds = torch.cat([trainable["prompt_embeddings.weight"][None], clf.model.embed_tokens(x)], dim=1)
+            hidden = clf.model(inputs_embeds=embeds).last_hidden_state[0, -1]
+            ptune.append(clf.score(hidden).tolist())
+    return {"folder": kind, "class": type(loaded).__name__, "ids": ids, "logits_head": head, "logits_ptune": ptune,
+            "pad_token_id": tokenizer.pad_token_id, "num_labels": NUM_LABELS, "pre_seq_len": PRE_SEQ_LEN}
+
+
+def main(out: str) -> None:
+    import tokenizers
+    import transformers
+
+    os.makedirs(out, exist_ok=True)
+    cases = {kind: make(kind, out) for kind in CLASSES}
+    result = {"versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+                           "torch": torch.__version__}, "corpus": CORPUS, "cases": cases}
+    with open(os.path.join(out, "reference.json.tmp"), "w", encoding="utf-8") as f:
+        json.dump(result, f, ensure_ascii=False)
+    os.replace(os.path.join(out, "reference.json.tmp"), os.path.join(out, "reference.json"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
