@@ -57,6 +57,7 @@ class _Task:
     label_names: Optional[Sequence[str]]
     prompt_tokens: int  # tokens a forward adds to each row: prompt vectors, appended label-word tokens
     label_words: Optional[tuple] = None  # a zero-shot model's
+    attention_window: int = 0  # positions a row may span, prompts included (0: any)
 
 
 @with_setting_keywords
@@ -291,6 +292,7 @@ def _task_of(model, num_labels, pad_token_id, label_names) -> _Task:
             label_names=label_names or (list(model.id2label.values()) if model.id2label else None),
             prompt_tokens=model.prompt_tokens + model.appended_tokens,
             label_words=model.label_words,
+            attention_window=model.attention_window,
         )
     config = getattr(model, "config", None)
     return _Task(
@@ -316,6 +318,7 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: 
     """
     with ranks.phase("preparing the data"):
         _check_top_k(top_k, task.num_labels)  # the first point the classes are known: every rank alike
+        _check_window(task, settings.max_length)
         data, labels, task.label_names = _check_data(data, tokenizer, settings, task)
         num_rows = len(data.dataset) if labels is None else len(data)
     own_batches = None
@@ -328,6 +331,18 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: 
                 on_plan=on_plan,
             )
     return num_rows, batches, num_truncated, own_batches
+
+
+def _check_window(task: _Task, max_length: int) -> None:
+    """Rows that may be longer than the model's sliding attention window, which no block here computes."""
+    longest = max_length + task.prompt_tokens
+    if task.attention_window and longest > task.attention_window:
+        raise UsageError(
+            f"rows of up to {max_length} tokens and {task.prompt_tokens} prompt or label-word positions may pass "
+            f"the model's sliding attention window of {task.attention_window} positions (config.json), which "
+            f"dist_eval does not compute (a row within it is computed exactly). "
+            f"Pass --max-length {task.attention_window - task.prompt_tokens} or less.",
+            param="max_length", value=max_length)
 
 
 def _check_top_k(top_k: Optional[int], num_labels: Optional[int]) -> None:

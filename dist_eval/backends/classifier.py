@@ -35,6 +35,7 @@ class LoadedModel:
     tuning_mode: Optional[str] = None
     label_words: Optional[tuple] = None  # zero-shot: the words scored for the classes (else a classifier head)
     appended_tokens: int = 0  # zero-shot: the most label-word tokens a forward appends to a row
+    attention_window: int = 0  # a sliding attention window's positions (config.json); 0: none
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, Backend):  # the run calls close(), provenance(), ... on it
@@ -165,7 +166,8 @@ def load_model(
     module.eval()
     return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend,
                        class_names(config, state.num_labels), state.pre_seq_len, state.tuning_mode,
-                       label_words=words, appended_tokens=scored.appended_tokens if scored else 0)
+                       label_words=words, appended_tokens=scored.appended_tokens if scored else 0,
+                       attention_window=family.attention_window(config))
 
 
 def _label_words(model_dir: str, config, family: Family, words: tuple, tokenizer) -> LabelWords:

@@ -143,6 +143,10 @@ def make(kind: str, out: str) -> dict:
     torch.manual_seed(0)
     name = CLASSES[kind]
     lm = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    with torch.no_grad():  # biases (Qwen2's q/k/v) start at zero: give them values that count
+        for key, tensor in lm.named_parameters():
+            if key.endswith("proj.bias"):
+                tensor.normal_(0.0, 0.5)
     lm.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     g = torch.Generator().manual_seed(1)

@@ -1,0 +1,228 @@
+"""The families after 2023 (Llama 3.x, Mistral, Qwen2) and tokenizers saved since late 2024,
+checked against a reference nobody in this project wrote: a current transformers and
+tokenizers, in their own environment (launch/install_reference.sh), make tiny models and
+tokenizers and compute ids and logits (tests/reference/make_reference.py, run once per test
+run, nothing stored). Here, in the project's environment:
+
+- dist_eval's token ids equal the current tokenizers', row for row, on non-ASCII text, code and
+  emoji (merges saved as pairs, Llama 3's ignore_merges, SentencePiece-style Llama/Mistral);
+- ``--backend local`` logits are within 1e-4 of the current ``*ForSequenceClassification``
+  (no prompts; and with prompts prepended, ptune);
+- on a local swarm started by the run, torchrun N=2, the logits equal local N=1 bit for bit
+  (and so the reference within 1e-4), marked swarm;
+- what no block computes is refused in one line, from config.json, before anything loads.
+"""
+import json
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, read_jsonl, run_cli
+from inprocess_cli import run_cli_in_process
+
+TOLERANCE = 1e-4
+KINDS = ("llama3", "mistral", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The reference folder: models, tokenizers, trainable tensors and reference.json."""
+    install = os.path.join(REPO, "launch", "install_reference.sh")
+    done = subprocess.run([install], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    python = os.path.join(os.environ.get("DIST_EVAL_REFERENCE_VENV", os.path.join(REPO, ".venv-reference")),
+                          "bin", "python")
+    out = tmp_path_factory.mktemp("reference")
+    made = subprocess.run([python, os.path.join(REPO, "tests", "reference", "make_reference.py"), str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert made.returncode == 0, made.stderr[-3000:]
+    with open(out / "reference.json", encoding="utf-8") as f:
+        ref = json.load(f)
+    assert ref["versions"]["transformers"].startswith("4.57"), ref["versions"]
+    return out, ref
+
+
+def checkpoint(reference, kind, mode):
+    from safetensors.torch import load_file
+
+    from dist_eval.backends.checkpoint import save_checkpoint
+
+    out, _ = reference
+    path = str(out / f"{kind}.{mode}.pt")
+    tensors = load_file(str(out / f"{kind}.trainable.safetensors"))
+    if mode == "head":
+        save_checkpoint(path, None, {"score.weight": tensors["score.weight"]})
+    else:
+        save_checkpoint(path, "ptune", tensors)
+    return path
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_ids_equal_the_current_tokenizers(reference, kind):
+    from datasets import Dataset
+
+    from dist_eval.backends.tokenizer import load_tokenizer
+    from dist_eval.data.labels import TaskColumns
+    from dist_eval.data.tokenize import tokenize_rows
+
+    out, ref = reference
+    case = ref["cases"][kind]
+    tokenizer = load_tokenizer(str(out / kind))
+    data = Dataset.from_dict({"text": ref["corpus"], "label": [0] * len(ref["corpus"])})
+    rows = np.arange(len(ref["corpus"]), dtype=np.int64)
+    ids, truncated = tokenize_rows(tokenizer, data, rows, TaskColumns("text", "label"), 512, case["pad_token_id"])
+    assert truncated == 0
+    assert [list(map(int, row)) for row in ids] == case["ids"]
+
+
+def test_ignore_merges_changes_the_ids_here(reference):
+    """The Llama 3 tokenizer's vocabulary has whole words no merge makes: without
+    ignore_merges (tokenizers 0.13) those rows split, so the test above can fail."""
+    from tokenizers import Tokenizer
+
+    out, ref = reference
+    with open(out / "llama3" / "tokenizer.json", encoding="utf-8") as f:
+        saved = json.load(f)
+    saved["model"]["ignore_merges"] = False
+    dropped = Tokenizer.from_str(json.dumps(saved))
+    differ = [text for text, ids in zip(ref["corpus"], ref["cases"]["llama3"]["ids"])
+              if dropped.encode(text).ids != ids]
+    assert len(differ) >= 3, differ
+
+
+@pytest.mark.parametrize("mode", ["head", "ptune"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_local_logits_within_1e4_of_the_current_transformers(reference, kind, mode):
+    from dist_eval.backends import load_model
+
+    out, ref = reference
+    case = ref["cases"][kind]
+    model = load_model("local", str(out / kind), checkpoint=checkpoint(reference, kind, mode))
+    longest = max(map(len, case["ids"]))
+    batch = torch.tensor([row + [case["pad_token_id"]] * (longest - len(row)) for row in case["ids"]])
+    with torch.no_grad():
+        logits = model.module(batch)
+    expected = torch.tensor(case[f"logits_{mode}"])
+    assert (logits - expected).abs().max().item() < TOLERANCE
+    assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_each_block_option_matters(reference, kind, monkeypatch):
+    """Without the option the family needs (llama3 rope, q/k/v biases) the logits move far
+    past the tolerance: the reference comparison can fail."""
+    from dist_eval.backends import blocks, load_model
+
+    out, ref = reference
+    case = ref["cases"][kind]
+    original = blocks.apply_block_options
+
+    def without(attention, config):
+        config = type("Plain", (), {"qkv_bias": False, "rope_llama3": None})()
+        original(attention, config)
+
+    monkeypatch.setattr(blocks, "apply_block_options", without)
+    model = load_model("local", str(out / kind), checkpoint=checkpoint(reference, kind, "head"))
+    longest = max(map(len, case["ids"]))
+    batch = torch.tensor([row + [case["pad_token_id"]] * (longest - len(row)) for row in case["ids"]])
+    with torch.no_grad():
+        logits = model.module(batch)
+    assert (logits - torch.tensor(case["logits_head"])).abs().max().item() > 100 * TOLERANCE
+
+
+def edited_folder(reference, tmp_path, kind, **changes):
+    out, _ = reference
+    folder = tmp_path / f"{kind}-edited"
+    shutil.copytree(out / kind, folder)
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(folder / "config.json", "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+@pytest.mark.parametrize("kind, changes, expected", [
+    ("llama3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ("llama3", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope'"),
+    ("llama3", {"attention_bias": True}, "attention_bias: true"),
+    ("mistral", {"head_dim": 32}, "head_dim 32"),
+    ("qwen2", {"model_type": "qwen3"}, "the norms on q and k"),
+    ("mistral", {"model_type": "mixtral"}, "mixture-of-experts"),
+    ("llama3", {"model_type": "llava"}, "model_type 'llava'"),
+])
+def test_what_no_block_computes_is_refused_from_config_json(reference, tmp_path, kind, changes, expected):
+    from dist_eval.backends import load_model
+    from dist_eval.errors import UsageError
+
+    folder = edited_folder(reference, tmp_path, kind, **changes)
+    os.remove(os.path.join(folder, "model.safetensors"))  # refused before any weight is read
+    with pytest.raises(UsageError) as refused:
+        load_model("local", folder, checkpoint=checkpoint(reference, kind, "head"))
+    message = str(refused.value)
+    assert expected in message and "families that work" in message and "\n" not in message
+
+
+def test_rows_past_a_sliding_window_are_refused(reference, tmp_path):
+    from datasets import Dataset
+
+    from dist_eval import evaluate
+    from dist_eval.backends import load_model
+    from dist_eval.backends.tokenizer import load_tokenizer
+    from dist_eval.ranks import RankFailure
+
+    folder = edited_folder(reference, tmp_path, "mistral", sliding_window=16)
+    model = load_model("local", folder, checkpoint=checkpoint(reference, "mistral", "ptune"))
+    data = Dataset.from_dict({"text": ["a b c"], "label": [0]})
+    with pytest.raises(RankFailure, match=r"sliding attention window of 16 positions.*--max-length 12 or less") as e:
+        evaluate(model, data, tokenizer=load_tokenizer(folder), max_length=64)
+    assert e.value.usage  # the CLI prints it in one line
+    result = evaluate(model, data, tokenizer=load_tokenizer(folder), max_length=12)
+    assert result.metrics["num_samples"] == 1
+
+
+def test_a_tokenizer_feature_the_installed_tokenizers_cannot_read_is_refused(reference, monkeypatch):
+    from dist_eval.backends import tokenizer
+    from dist_eval.errors import UsageError
+
+    out, _ = reference
+    monkeypatch.setattr(tokenizer, "installed_version", lambda name: "0.13.3")
+    with pytest.raises(UsageError, match=r"merges saved as pairs, which tokenizers 0\.13\.3 .* >= 0\.20"):
+        tokenizer.load_tokenizer(str(out / "mistral"))
+
+
+def write_rows(path, corpus):
+    with open(path, "w", encoding="utf-8") as f:
+        for i, text in enumerate(corpus):
+            f.write(json.dumps({"text": text, "label": i % 3}, ensure_ascii=False) + "\n")
+    return str(path)
+
+
+@pytest.mark.swarm
+@pytest.mark.multiproc
+@pytest.mark.parametrize("kind", KINDS)
+def test_swarm_n2_equals_local_n1_bitwise_and_the_reference(reference, tmp_path, kind):
+    out, ref = reference
+    case = ref["cases"][kind]
+    data = write_rows(tmp_path / "rows.jsonl", ref["corpus"])
+    ck = checkpoint(reference, kind, "ptune")
+    common = ["--model", str(out / kind), "--data-files", data, "--checkpoint", ck, "--batch-size", "4",
+              "--save-logits", "--quiet"]
+    proc = run_cli([*common, "--output-dir", str(tmp_path / "swarm"), "--local-servers", "2"], nproc=2, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_cli_in_process([*common, "--output-dir", str(tmp_path / "local"), "--backend", "local"]) == 0
+    swarm, local = read_jsonl(tmp_path / "swarm" / "predictions.jsonl"), read_jsonl(tmp_path / "local" /
+                                                                                     "predictions.jsonl")
+    assert swarm == local  # every row's logits, bit for bit
+    logits = np.array([row["logits"] for row in swarm])
+    assert np.abs(logits - np.array(case["logits_ptune"])).max() < TOLERANCE
+
+
+def test_the_reference_script_imports_no_dist_eval():
+    """The reference is computed by code that never imports dist_eval (a reference nobody here wrote)."""
+    with open(os.path.join(REPO, "tests", "reference", "make_reference.py"), encoding="utf-8") as f:
+        source = f.read()
+    assert "import dist_eval" not in source and "from dist_eval" not in source
