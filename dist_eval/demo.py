@@ -485,8 +485,10 @@ def _build_base_model(paths: Dict[str, str], tokenizer, train_ids, rng: random.R
     """The causal LM, pre-trained on the train texts and saved: (its config, its class name)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from dist_eval.backends.blocks import register
     from dist_eval.backends.families import FAMILIES
 
+    register()  # the classes of the families newer than the pinned transformers
     config = AutoConfig.for_model(
         family,
         **dict(FAMILIES[family].small_config),
@@ -518,10 +520,12 @@ def _build_checkpoint(
     import torch
     from transformers import AutoModelForSequenceClassification
 
+    from dist_eval.backends.blocks import register
     from dist_eval.backends.checkpoint import save_checkpoint
     from dist_eval.backends.families import FAMILIES
     from dist_eval.backends.local import PromptTunedClassifier
 
+    register()
     family = FAMILIES[family_name]
     torch.manual_seed(SEED + 1)
     hf = AutoModelForSequenceClassification.from_pretrained(

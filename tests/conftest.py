@@ -39,7 +39,7 @@ def build_tiny_model(folder: str, seed: int = 0, num_layers: int = 4, family: st
                      variant: str = "") -> str:
     """A random tiny ``<family>ForCausalLM`` + word-level tokenizer, saved like a real model.
 
-    ``family``: llama (the default, unchanged), bloom or falcon. ``layout``: "causal_lm"
+    ``family``: llama (the default, unchanged), bloom, falcon, mistral or qwen2. ``layout``: "causal_lm"
     (a ``*ForCausalLM`` save: ``model.``/``transformer.`` key prefixes), "base" (a base model
     save, e.g. ``BloomModel``: ``h.<i>.`` keys, the layout of bigscience's hub checkpoints)
     or "seq_cls" (a ``*ForSequenceClassification`` save, with a random 3-class ``score``).
@@ -57,15 +57,15 @@ def build_tiny_model(folder: str, seed: int = 0, num_layers: int = 4, family: st
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>").save_pretrained(folder)
     torch.manual_seed(seed)
     config = _tiny_config(family, len(vocab), num_layers, variant)
-    import transformers
+    from dist_eval.backends.blocks import family_class
+    from dist_eval.backends.families import FAMILIES
 
-    prefix = {"llama": "Llama", "bloom": "Bloom", "falcon": "Falcon"}[family]
-    model = getattr(transformers, f"{prefix}ForCausalLM")(config)
+    model = family_class(FAMILIES[family].local_lm_class, in_petals=False)(config)
     if layout == "base":
         model = model.base_model
     elif layout == "seq_cls":
         config.num_labels = 3
-        classifier = getattr(transformers, f"{prefix}ForSequenceClassification")(config)
+        classifier = family_class(FAMILIES[family].local_class, in_petals=False)(config)
         classifier.base_model.load_state_dict(model.base_model.state_dict())
         model = classifier
     elif layout != "causal_lm":
@@ -121,6 +121,14 @@ def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = "
             "7b": dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, alibi=False),
         }[variant]
         return FalconConfig(num_hidden_layers=num_layers, **shapes, **common)
+    if family in ("mistral", "qwen2"):  # the families newer than the pinned transformers: dist_eval's classes
+        from transformers import AutoConfig
+
+        from dist_eval.backends.blocks import register
+
+        register()
+        return AutoConfig.for_model(family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2,
+                                    max_position_embeddings=128, **common)
     raise ValueError(f"family={family!r}")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dist_eval.backends.blocks import family_class
 from dist_eval.backends.families import FAMILIES, checkpoint_prefixes, family_of
 
 
@@ -18,7 +19,7 @@ def test_entry_names_real_classes_and_attributes(name):
         name, vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
         pad_token_id=0, num_labels=3, **dict(family.small_config),
     )
-    model = getattr(transformers, family.local_class)(config)
+    model = family_class(family.local_class, in_petals=False)(config)
     assert isinstance(family.get(model, family.embeddings), torch.nn.Embedding)
     assert len(family.get(model, family.blocks)) == 2
     assert family.get(model, family.head).weight.shape == (3, 8)
@@ -30,7 +31,7 @@ def test_entry_names_real_classes_and_attributes(name):
     assert frozen == set(family.frozen)
     assert family.get(model, family.backbone) is model.base_model
     # the causal LM (zero-shot): the same paths, and its LM head over the vocabulary
-    lm = getattr(transformers, family.local_lm_class)(config)
+    lm = family_class(family.local_lm_class, in_petals=False)(config)
     assert len(family.get(lm, family.blocks)) == 2 and family.get(lm, family.backbone) is lm.base_model
     assert isinstance(family.get(lm, family.embeddings), torch.nn.Embedding)
     assert family.get(lm, family.lm_head).weight.shape == (16, 8)
@@ -40,11 +41,11 @@ def test_entry_names_real_classes_and_attributes(name):
 def test_petals_class_exists_with_the_table_paths(name):
     from dist_eval.backends.compat import import_petals
 
-    petals = import_petals()
+    import_petals()
     family = FAMILIES[name]
-    cls = getattr(petals, family.petals_class)
+    cls = family_class(family.petals_class, in_petals=True)
     assert cls.config_class.block_prefix == family.server_blocks
-    lm_class = getattr(petals, family.petals_lm_class)  # zero-shot: the same config (blocks), an LM head
+    lm_class = family_class(family.petals_lm_class, in_petals=True)  # zero-shot: the same config (blocks), an LM head
     assert lm_class.config_class is cls.config_class and lm_class.__name__.endswith("ForCausalLM")
 
 
@@ -59,7 +60,8 @@ def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
     with flag_names():
         text = str(caught.value)
     assert "\n" not in text and text.startswith("--model /m: config.json has model_type 'gpt2'")
-    assert text.endswith("the families that work: bloom, falcon, llama.")
+    assert text.endswith("the families that work: bloom, falcon, llama, mistral, qwen2 "
+                         "(docs/models-and-checkpoints.md).")
     old_falcon = types.SimpleNamespace(model_type="falcon", new_decoder_architecture=False, multi_query=True)
     with pytest.raises(UsageError, match="old multi-query layout .*the families that work: bloom, falcon, llama"):
         family_of(old_falcon)
@@ -98,7 +100,8 @@ def test_the_cli_refuses_a_family_petals_cannot_serve_up_front(tmp_path, capsys,
     assert code == 2 and len(errors) == 1, err
     shown = "" if "gpt2" in why else " (new_decoder_architecture=False, multi_query=True in config.json)"
     assert errors[0] == (f"dist_eval: error: --model {model}: {why}{shown}"
-                         ": not a model petals 2.2.0 serves; the families that work: bloom, falcon, llama.")
+                         ": not a model dist_eval computes; the families that work: bloom, falcon, llama, mistral, "
+                         "qwen2 (docs/models-and-checkpoints.md).")
     assert not (tmp_path / "out").exists()  # refused before any work (no swarm, no output folder)
 
 
@@ -106,7 +109,7 @@ def test_head_needs_a_checkpoint_and_demo_family_needs_the_demo(tmp_path, capsys
     from inprocess_cli import run_cli_in_process
 
     assert run_cli_in_process(["--demo-family", "gpt2"]) == 2
-    assert "--demo-family gpt2: expected one of bloom, falcon, llama." in capsys.readouterr().err
+    assert "--demo-family gpt2: expected one of bloom, falcon, llama, mistral, qwen2." in capsys.readouterr().err
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "bloom"}')

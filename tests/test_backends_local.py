@@ -6,12 +6,14 @@ import pytest
 import torch
 from conftest import build_tiny_model
 
+from dist_eval.backends.blocks import family_class
 from dist_eval.backends.checkpoint import TrainableState
 from dist_eval.backends.families import FAMILIES
 from dist_eval.backends.local import PromptTunedClassifier, load_local
 
 EMBEDDINGS_NORM = {"bloom": "word_embeddings_layernorm"}  # applied after the prompts are prepended
 FINAL_NORM = {"llama": "norm", "bloom": "ln_f", "falcon": "ln_f"}
+FINAL_NORM.update(mistral="norm", qwen2="norm")  # Llama's backbone
 
 
 def load_local_reference(folder, spec, mode, pre_seq_len, tensors):
@@ -45,10 +47,9 @@ def trained(mode, hidden=32, layers=4):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_no_prompts_equals_transformers_classifier(models, family):
-    import transformers
 
     spec = FAMILIES[family]
-    hf = getattr(transformers, spec.local_class).from_pretrained(models[family]).eval()
+    hf = family_class(spec.local_class, in_petals=False).from_pretrained(models[family]).eval()
     ref = load_local_reference(models[family], spec, None, 0, {"score.weight": hf.score.weight.detach().clone()})
     with torch.no_grad():
         assert torch.equal(ref(batch()), hf(input_ids=batch()).logits)
@@ -81,7 +82,7 @@ def petals_steps(hf, spec, mode, tensors, input_ids):
 def _run_block(spec, base, block, hidden, seq):
     b = hidden.shape[0]
     mask = torch.ones(b, seq)
-    if spec.model_type == "llama":
+    if (spec.built_on or spec.model_type) == "llama":
         from transformers.models.llama.modeling_llama import LlamaModel
 
         causal = LlamaModel._prepare_decoder_attention_mask(base, mask, (b, seq), hidden, 0)
@@ -103,9 +104,8 @@ def test_prompts_as_petals_applies_them(models, family, mode):
     ref = load_local_reference(models[family], spec, mode, 2, tensors)
     with torch.no_grad():
         got = ref(batch())
-        import transformers
 
-        hf = getattr(transformers, spec.local_class).from_pretrained(models[family]).eval()
+        hf = family_class(spec.local_class, in_petals=False).from_pretrained(models[family]).eval()
         expected = petals_steps(hf, spec, mode, tensors, batch())
         plain = load_local_reference(models[family], spec, None, 0, tensors)(batch())
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import build_tiny_model
 
+from dist_eval.backends.blocks import family_class
 from dist_eval.backends.families import FAMILIES
 from dist_eval.backends.petals_folder import detect_layout, petals_model_folder, weight_map
 from dist_eval.errors import UsageError
@@ -41,7 +42,6 @@ EXPECTED = {
 
 @pytest.mark.parametrize("family,layout", sorted(EXPECTED))
 def test_layout_and_conversion(folders, tmp_path, family, layout):
-    import transformers
     from safetensors import safe_open
 
     spec = FAMILIES[family]
@@ -72,7 +72,7 @@ def test_layout_and_conversion(folders, tmp_path, family, layout):
     for name in ("config.json", "tokenizer.json"):
         assert os.path.isfile(os.path.join(served, name))
     # the same weights: a transformers classifier loads both folders identically
-    cls = getattr(transformers, spec.local_class)
+    cls = family_class(spec.local_class, in_petals=False)
     a = cls.from_pretrained(folder, num_labels=3).state_dict()
     b = cls.from_pretrained(served, num_labels=3).state_dict()
     for key, value in a.items():
@@ -127,7 +127,6 @@ def test_pytorch_bin_folder_is_converted(tmp_path):
 def test_base_layout_with_a_head_is_converted(tmp_path, family):
     """A base-model layout plus score.weight: transformers (so petals' client) raises "The state
     dictionary of the model you are trying to load is corrupted"; the converted copy loads."""
-    import transformers
     from safetensors.torch import load_file, save_file
 
     spec = FAMILIES[family]
@@ -135,7 +134,7 @@ def test_base_layout_with_a_head_is_converted(tmp_path, family):
     tensors = load_file(os.path.join(folder, "model.safetensors"))
     tensors["score.weight"] = torch.ones(3, 32)
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    cls = getattr(transformers, spec.local_class)
+    cls = family_class(spec.local_class, in_petals=False)
     with pytest.raises(ValueError, match="corrupted"):
         cls.from_pretrained(folder, num_labels=3)
     layout = detect_layout(folder)

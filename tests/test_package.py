@@ -44,8 +44,8 @@ def test_no_function_over_60_lines():
 
 def test_only_the_family_table_names_a_family():
     # class names, attribute paths and checkpoint prefixes of a family live in backends/families.py
-    pattern = re.compile(r"Llama|Bloom|Falcon|\.model\.layers|\.embed_tokens|\.word_embeddings|\btransformer\.h\b|"
-                         r"[\"']model\.[\"']")
+    pattern = re.compile(r"Llama|Bloom|Falcon|Mistral|Qwen|\.model\.layers|\.embed_tokens|\.word_embeddings|"
+                         r"\btransformer\.h\b|[\"']model\.[\"']")
     found = []
     for path in package_files():
         if path == FAMILY_TABLE:

@@ -154,8 +154,11 @@ def _build_transformers_classes(family) -> None:
                   {"model_type": family.model_type, **dict(family.block_options)})
     _classes[family.model_type] = config
     transformers.AutoConfig.register(family.model_type, config)
-    for name, base_name in ((family.local_class, base.local_class), (family.local_lm_class, base.local_lm_class)):
+    autos = (transformers.AutoModelForSequenceClassification, transformers.AutoModelForCausalLM)
+    for name, base_name, auto in zip((family.local_class, family.local_lm_class),
+                                     (base.local_class, base.local_lm_class), autos):
         _classes[name] = type(name, (getattr(transformers, base_name),), {"config_class": config})
+        auto.register(config, _classes[name])
 
 
 def _build_petals_classes(family) -> None:

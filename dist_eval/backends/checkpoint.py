@@ -219,7 +219,8 @@ def _classify(key: str, family: Optional[Family]) -> tuple:
 def _owners(key: str) -> List[str]:
     """The families a foreign key may come from: by its name, else by its prefix."""
     named = family_of_key(key)
-    return [named] if named else [f.model_type for f in FAMILIES.values() if key.startswith(f.checkpoint_prefix)]
+    return [named] if named else [f.model_type for f in FAMILIES.values()
+                                  if not f.built_on and key.startswith(f.checkpoint_prefix)]  # not twice a layout
 
 
 def _trainable(raw, family: Optional[Family], path: str, param: str = "checkpoint") -> Dict[str, torch.Tensor]:

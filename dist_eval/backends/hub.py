@@ -54,9 +54,11 @@ def petals_dht_prefix(repo_id: str, revision: Optional[str] = None) -> str:
     """The DHT prefix petals' client uses for ``repo_id`` (petals' own rule, per family: its
     config class applied to the id, the config read from the HF cache).
     """
+    from dist_eval.backends.blocks import register
     from dist_eval.backends.compat import import_petals
 
     import_petals()
+    register()  # petals' registry knows the families it lacks
     from huggingface_hub import constants
     from petals.utils.auto_config import AutoDistributedConfig
 

@@ -119,8 +119,7 @@ def apply_client_patches() -> None:
     3. petals' PyPI version check, off (offline it logs a traceback);
     4. failover: a failed server leaves routing at once; only server failures ban;
     5. a batch goes as one request, split only to what a server accepts;
-    6. deep prompts go once per request;
-    7. the blocks and classes of the families petals 2.2.0 lacks (:mod:`dist_eval.backends.blocks`).
+    6. deep prompts go once per request.
     """
     from dist_eval.backends import failover, requests
 
@@ -135,9 +134,6 @@ def apply_client_patches() -> None:
             failover.quiet_retry_logs()
         apply("request_size", "client", requests.split_replacements)
         apply("deep_prompts", "client", requests.prompt_replacements)
-    from dist_eval.backends import blocks
-
-    blocks.register()  # the newer families' classes, in petals' registry too
 
 
 # ---------------------------------------------------------------- hivemind and petals' start-up

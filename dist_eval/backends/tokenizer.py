@@ -2,11 +2,11 @@
 
 The pinned transformers (4.33) predates tokenizers saved since late 2024; dist_eval runs it
 beside a current ``tokenizers`` (launch/install.sh), which parses merges saved as pairs
-(tokenizers >= 0.20) and honours ``ignore_merges`` (Llama 3, tokenizers >= 0.19). Two things
+(tokenizers >= 0.20) and honours ``ignore_merges`` (tokenizers >= 0.19). Two things
 remain, handled here in one place for every caller (the run, label words):
 
 - a ``tokenizer_class`` in tokenizer_config.json that the pinned transformers does not know
-  (a newer family's, e.g. Qwen2's) is read as the fast tokenizer its tokenizer.json is: the
+  (a newer family's) is read as the fast tokenizer its tokenizer.json is: the
   classes of the families served add nothing to the ids a fast tokenizer computes;
 - a tokenizer feature the installed ``tokenizers`` cannot honour is refused in one line,
   never read differently (:func:`unsupported_tokenizer_feature`).
