@@ -242,3 +242,24 @@ def test_every_relative_link_of_the_docs_leads_somewhere():
                 if anchor not in slugs:
                     bad.append(f"{os.path.relpath(path, REPO)}: {target} (no such heading)")
     assert not bad, "\n".join(bad)
+
+
+def test_the_support_table_matches_the_family_table():
+    """docs/models-and-checkpoints.md's support table: a row per family, and a family newer
+    than petals 2.2.0 (built on another's block) marked as not served by stock petals servers."""
+    from dist_eval.backends.families import FAMILIES
+
+    page = read("docs", "models-and-checkpoints.md")
+    table = page.split("<!-- support-table -->", 1)[1].split("<!-- /support-table -->", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()[2:]]
+    by_type = {}
+    for row in rows:
+        for model_type in re.findall(r"\(`([a-z0-9_]+)`", row[0]):
+            by_type.setdefault(model_type, []).append(row)
+    assert sorted(by_type) == sorted(FAMILIES)
+    for name, family in FAMILIES.items():
+        for row in by_type[name]:
+            assert row[1] == "yes" and row[3] == "yes", row  # dist_eval's servers and --backend local
+            if family.built_on:
+                assert row[2] == "no", row
+    assert any("llama3" in row[0] and row[2] == "no" for row in by_type["llama"])
