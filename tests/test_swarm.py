@@ -22,7 +22,8 @@ from conftest import read_stdout_line
 from dist_eval.swarm import LocalSwarm, SwarmError, plan_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
-MADDR = re.compile(r"^/ip4/127\.0\.0\.1/tcp/(\d+)/p2p/12D3KooW[1-9A-HJ-NP-Za-km-z]+$")
+# a peer id: 12D3KooW... (Ed25519) or Qm... (RSA: the identity files dist_eval's servers keep over restarts)
+MADDR = re.compile(r"^/ip4/127\.0\.0\.1/tcp/(\d+)/p2p/(?:12D3KooW|Qm)[1-9A-HJ-NP-Za-km-z]+$")
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
 
 
