@@ -1,0 +1,199 @@
+"""A swarm that outlives its servers (issue 42): the supervisor of ``dist_eval/swarm/supervisor.py``
+restarting dead servers with a backoff and a limit, SIGTERM draining a server, and
+``python -m dist_eval.swarm status``.
+
+The real-swarm part is one test on one swarm of two full replicas (each event depends on the
+one before it, and a swarm start is seconds of the suite's budget): a replica SIGKILLed mid-run
+(the run == the local backend bitwise, the replica back), the bootstrap server killed (a client
+given the other's address runs; it rejoins through that address), the limit reached (it stays
+down, one line, the other serves), SIGTERM (drained, exit 0, not restarted). Marked ``swarm`` and
+``multiproc`` (one torchrun run).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, one_thread_swarm, read_jsonl, run_cli, write_csv
+
+from dist_eval.swarm import SwarmError
+from dist_eval.swarm.status import render
+from dist_eval.swarm.supervisor import RestartPolicy, _ranges, describe_exit
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+       "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+POLICY = RestartPolicy(max_restarts=1, window=600.0, backoff=0.5, unserved_timeout=120.0)
+
+
+# --------------------------------------------------------------------------- no servers
+
+
+def test_the_restart_policy():
+    policy, rng = RestartPolicy(backoff=2.0, max_backoff=10.0, jitter=0.0), random.Random(0)
+    assert [policy.delay(k, rng) for k in (1, 2, 3, 4, 5)] == [2.0, 4.0, 8.0, 10.0, 10.0]
+    jittered = RestartPolicy(backoff=2.0, jitter=0.25)
+    assert all(1.5 <= jittered.delay(1, rng) <= 2.5 for _ in range(200))
+    for bad, name in (({"max_restarts": -1}, "max_restarts"), ({"window": 0}, "window"),
+                      ({"backoff": 90.0}, "backoff"), ({"unserved_timeout": -1.0}, "unserved_timeout")):
+        with pytest.raises(SwarmError, match=name):
+            RestartPolicy(**bad)
+    assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(3) == "exit code 3"
+    assert _ranges([0, 1, 2, 5, 7, 8]) == "0:3, 5:6, 7:9"
+
+
+def _status(*args, timeout: float = 90.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dist_eval.swarm", "status", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV, cwd=REPO)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "--initial-peers"),
+    (["--initial-peers", "not-an-address", "--dht-prefix", "p"], "expected a multiaddr"),
+    (["--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmPZ4KWFQPiKRiaRQrYdS8SrgLnjpyB6PPj643UBXCkvd4"], "--dht-prefix"),
+    (["--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmPZ4KWFQPiKRiaRQrYdS8SrgLnjpyB6PPj643UBXCkvd4",
+      "--dht-prefix", "p", "--num-blocks", "0"], "--num-blocks"),
+])
+def test_status_bad_flags_exit_2_with_one_line(args, message):
+    r = _status(*args)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_restart_flags_are_checked_and_named():
+    r = subprocess.run([sys.executable, "-m", "dist_eval.swarm", str(REPO), "--max-restarts", "-1"],
+                       capture_output=True, text=True, timeout=60, env=ENV, cwd=REPO)
+    assert r.returncode == 2 and "--max-restarts -1" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_status_table():
+    server = {"addresses": ["/ip4/10.0.0.5/tcp/31337"], "reachable": True, "state": "ONLINE", "blocks": [0, 2],
+              "torch_dtype": "torch.float16", "throughput": 12.5, "version": "2.2.0"}
+    status = {"dht_prefix": "m", "num_blocks": 3, "num_blocks_from": "given", "unserved": [2], "healthy": False,
+              "servers": [{**server, "peer_id": "QmA"}, {**server, "peer_id": "QmB", "reachable": False}],
+              "blocks": [{"block": b, "servers": ["QmA", "QmB"] if b < 2 else [], "online": ["QmA"] if b < 2 else []}
+                         for b in range(3)]}
+    text = render(status)
+    assert "S0  ONLINE   blocks 0:2  float16  throughput 12.5  petals 2.2.0  reachable  " \
+           "/ip4/10.0.0.5/tcp/31337/p2p/QmA" in text, text
+    assert "UNREACHABLE" in text and "blocks 0:2: S0, S1 (not serving)" in text
+    assert "blocks 2:3: NO SERVER (none)" in text and text.endswith("unserved: blocks 2")
+
+
+# --------------------------------------------------------------------------- a real swarm
+
+
+@pytest.fixture(scope="module")
+def events():
+    return []
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model, events):
+    def log(line):
+        events.append(line)
+        print(f"dist_eval.swarm: {line}", file=sys.stderr, flush=True)
+
+    yield from one_thread_swarm(tiny_model, num_servers=2, dht_prefix="dist-eval-supervised", restart=POLICY, log=log)
+
+
+def _wait_for(condition, seconds: float, what: str) -> float:
+    began = time.monotonic()
+    while not condition():
+        assert time.monotonic() - began < seconds, f"not within {seconds} s: {what}"
+        time.sleep(0.1)
+    return time.monotonic() - began
+
+
+def _kill(swarm, index: int, sig=signal.SIGKILL) -> None:
+    os.killpg(swarm.pgids[index], sig) if sig == signal.SIGKILL else os.kill(swarm.pgids[index], sig)
+
+
+def _lines(events, index: int, text: str) -> list:
+    return [e for e in events if e.startswith(f"server {index} ") and text in e]
+
+
+def _run_args(model, checkpoint, data, out, peers=None, prefix=None):
+    swarm_args = ["--initial-peers", *peers, "--dht-prefix", prefix] if peers else ["--backend", "local"]
+    return ["--model", model, "--data-files", data, "--checkpoint", checkpoint, "--output-dir", str(out),
+            "--batch-size", "2", "--in-flight", "1", "--save-logits", *swarm_args]
+
+
+@pytest.mark.swarm
+@pytest.mark.multiproc
+def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint, tmp_path):
+    from test_swarm_failover import BackgroundCli
+
+    data = write_csv(str(tmp_path / "rows.csv"), 160, seed=7)
+    local = run_cli(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "local"), nproc=1, timeout=300)
+    assert local.returncode == 0, local.stderr[-3000:]
+    reference = read_jsonl(tmp_path / "local" / "predictions.jsonl")
+    peers, prefix = list(swarm.initial_peers), swarm.dht_prefix
+
+    # 1. a replica SIGKILLed mid-run: the run finishes == the local backend; the replica is back
+    run = BackgroundCli(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "killed", peers, prefix), nproc=1)
+    try:
+        assert run.evaluating.wait(timeout=240), "".join(run.err)[-3000:]
+        time.sleep(1.0)
+        assert run.proc.poll() is None, "the run ended before the kill"
+        _kill(swarm, 1)
+        code, _, err = run.wait(timeout=300)
+    finally:
+        run.stop()
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    assert read_jsonl(tmp_path / "killed" / "predictions.jsonl") == reference  # logits bitwise
+    back = _wait_for(lambda: swarm.server_state(1) == "up" and swarm.restarts(1) == 1, 60, "server 1 restarted")
+    assert len(_lines(events, 1, "died (killed by SIGKILL); restarting in")) == 1, events
+    assert len(_lines(events, 1, "serves again (restart 1")) == 1, events
+    assert swarm.initial_peers == peers  # the same identity: the same addresses
+    swarm.check()
+    print(f"server 1 back {back:.1f} s after the run ended")
+
+    # it rejoined the same swarm: server 1's address alone shows both, ONLINE and reachable
+    r = _status("--initial-peers", peers[1], "--dht-prefix", prefix, "--json")
+    assert r.returncode == 0, r.stderr
+    status = json.loads(r.stdout)
+    assert status["healthy"] and status["num_blocks"] == 4 and status["unserved"] == []
+    assert sorted(s["peer_id"] for s in status["servers"]) == sorted(p.rsplit("/", 1)[1] for p in peers)
+    assert all(s["state"] == "ONLINE" and s["reachable"] and s["blocks"] == [0, 4] for s in status["servers"])
+    assert all(len(b["online"]) == 2 for b in status["blocks"])
+
+    # 2. the bootstrap server killed: a client given the other's address runs; it rejoins through that address
+    _kill(swarm, 0)
+    proc = run_cli(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "bootstrap", peers[1:], prefix), nproc=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_jsonl(tmp_path / "bootstrap" / "predictions.jsonl") == reference
+    _wait_for(lambda: swarm.server_state(0) == "up" and swarm.restarts(0) == 1, 60, "server 0 restarted")
+    with open(swarm.log_paths[0]) as f:
+        restart_command = [line for line in f if line.startswith("$ ")][-1]
+    assert f"--initial_peers {peers[1]}" in restart_command and "--new_swarm" not in restart_command
+
+    # 3. killed again past the limit: it stays down, one line; the other serves
+    _kill(swarm, 1)
+    _wait_for(lambda: swarm.server_state(1) == "down", 30, "server 1 down")
+    gave_up = _lines(events, 1, "not restarted")
+    assert len(gave_up) == 1 and "killed by SIGKILL" in gave_up[0] and "--max-restarts 1" in gave_up[0], events
+    assert "stays down; the other servers still serve its blocks" in gave_up[0]
+    time.sleep(2 * POLICY.backoff)
+    assert swarm.server_state(1) == "down" and swarm.restarts(1) == 1
+    swarm.check()  # server 0 serves every block
+    r = _status("--initial-peers", peers[0], "--dht-prefix", prefix)
+    assert r.returncode == 0 and "every block is served" in r.stdout and "UNREACHABLE" in r.stdout, r.stdout + r.stderr
+    r = _status("--initial-peers", peers[0], "--dht-prefix", prefix, "--num-blocks", "5", "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["unserved"] == [4], r.stdout + r.stderr
+
+    # 4. SIGTERM drains server 0: OFFLINE announced, exit 0, not restarted; the swarm then fails its check
+    _kill(swarm, 0, signal.SIGTERM)
+    _wait_for(lambda: swarm.server_state(0) == "down", 30, "server 0 drained")
+    assert swarm._servers[0].proc.returncode == 0
+    with open(swarm.log_paths[0]) as f:
+        assert "are offline" in f.read()  # petals' graceful path announced it
+    assert len(_lines(events, 0, "left the swarm (exit code 0")) == 1, events
+    with pytest.raises(SwarmError, match="blocks 0:4 have no live server and every server holding them stays down"):
+        swarm.check()
