@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # flags of programs that are not dist_eval's, as the docs quote them
 FOREIGN = {
-    "petals server": {"--max_batch_size", "--torch_dtype", "--initial_peers_file", "--num_blocks"},
+    "petals server": {"--max_batch_size", "--torch_dtype", "--initial_peers_file", "--num_blocks", "--identity_path"},
     "pip": {"--no-deps", "--upgrade", "--target", "--no-index", "--no-compile", "--no-cache-dir"},
     "pytest": {"--durations", "--dist", "--reverse-order", "--random-order", "--random-order-bucket",
                "--random-order-seed"},

@@ -187,6 +187,13 @@ class LocalSwarm:
     ``/tmp/hivemind-*.sock`` files the servers held (hivemind leaks them). ``stop()`` also
     runs from ``__exit__`` (on exceptions too), at interpreter exit, and from a small
     watchdog process if this process dies without it.
+
+    Restarts: once started, a :class:`~dist_eval.swarm.supervisor.Supervisor` thread restarts
+    a server that dies as ``restart`` (a :class:`~dist_eval.swarm.supervisor.RestartPolicy`,
+    default: at most 3 restarts in 600 s, 2 s backoff doubling) says, on its port, blocks and
+    identity (``--identity_path``: the same address); ``log`` gets one line per event (default:
+    stderr). :meth:`check` raises once blocks stay unserved; :meth:`server_state` and
+    :meth:`restarts` tell where each server stands.
     """
 
     def __init__(
