@@ -2,12 +2,13 @@
 restarting dead servers with a backoff and a limit, SIGTERM draining a server, and
 ``python -m dist_eval.swarm status``.
 
-The real-swarm part is one test on one swarm of two full replicas (each event depends on the
+The real-swarm part is one test on one swarm of three full replicas (each event depends on the
 one before it, and a swarm start is seconds of the suite's budget): a replica SIGKILLed mid-run
 (the run == the local backend bitwise, the replica back), the bootstrap server killed (a client
-given the other's address runs; it rejoins through that address), the limit reached (it stays
-down, one line, the other serves), SIGTERM (drained, exit 0, not restarted). Marked ``swarm`` and
-``multiproc`` (one torchrun run).
+given another's address runs; it rejoins through that address), one SIGTERMed mid-run (drained:
+the run == the local backend, the server not restarted), the limit reached (it stays down, one
+line, another serves), the last one SIGTERMed (the swarm's check fails). Marked ``swarm`` and
+``multiproc`` (torchrun runs).
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def swarm(tiny_model, events):
         events.append(line)
         print(f"dist_eval.swarm: {line}", file=sys.stderr, flush=True)
 
-    yield from one_thread_swarm(tiny_model, num_servers=2, dht_prefix="dist-eval-supervised", restart=POLICY, log=log)
+    yield from one_thread_swarm(tiny_model, num_servers=3, dht_prefix="dist-eval-supervised", restart=POLICY, log=log)
 
 
 def _wait_for(condition, seconds: float, what: str) -> float:
@@ -119,6 +120,25 @@ def _lines(events, index: int, text: str) -> list:
     return [e for e in events if e.startswith(f"server {index} ") and text in e]
 
 
+def _run_killing(swarm, index, sig, args, events) -> str:
+    """A torchrun run of ``args`` (one rank) whose server ``index`` gets ``sig`` a second into its
+    loop; its stderr, once it finished with code 0 and no traceback.
+    """
+    from test_swarm_failover import BackgroundCli
+
+    run = BackgroundCli(args, nproc=1)
+    try:
+        assert run.evaluating.wait(timeout=240), "".join(run.err)[-3000:]
+        time.sleep(1.0)
+        assert run.proc.poll() is None, "the run ended before the signal"
+        _kill(swarm, index, sig)
+        code, _, err = run.wait(timeout=300)
+    finally:
+        run.stop()
+    assert code == 0 and "Traceback" not in err, err[-3000:] + "\n".join(events)
+    return err
+
+
 def _run_args(model, checkpoint, data, out, peers=None, prefix=None):
     swarm_args = ["--initial-peers", *peers, "--dht-prefix", prefix] if peers else ["--backend", "local"]
     return ["--model", model, "--data-files", data, "--checkpoint", checkpoint, "--output-dir", str(out),
@@ -128,8 +148,7 @@ def _run_args(model, checkpoint, data, out, peers=None, prefix=None):
 @pytest.mark.swarm
 @pytest.mark.multiproc
 def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint, tmp_path):
-    from test_swarm_failover import BackgroundCli
-
+    assert swarm.placement == [(0, 4)] * 3
     data = write_csv(str(tmp_path / "rows.csv"), 160, seed=7)
     local = run_cli(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "local"), nproc=1, timeout=300)
     assert local.returncode == 0, local.stderr[-3000:]
@@ -137,16 +156,8 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     peers, prefix = list(swarm.initial_peers), swarm.dht_prefix
 
     # 1. a replica SIGKILLed mid-run: the run finishes == the local backend; the replica is back
-    run = BackgroundCli(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "killed", peers, prefix), nproc=1)
-    try:
-        assert run.evaluating.wait(timeout=240), "".join(run.err)[-3000:]
-        time.sleep(1.0)
-        assert run.proc.poll() is None, "the run ended before the kill"
-        _kill(swarm, 1)
-        code, _, err = run.wait(timeout=300)
-    finally:
-        run.stop()
-    assert code == 0 and "Traceback" not in err, err[-3000:]
+    _run_killing(swarm, 1, signal.SIGKILL, _run_args(tiny_model, tiny_checkpoint, data, tmp_path / "killed", peers,
+                                                      prefix), events)
     assert read_jsonl(tmp_path / "killed" / "predictions.jsonl") == reference  # logits bitwise
     back = _wait_for(lambda: swarm.server_state(1) == "up" and swarm.restarts(1) == 1, 60, "server 1 restarted")
     assert len(_lines(events, 1, "died (killed by SIGKILL); restarting in")) == 1, events
@@ -162,7 +173,7 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     assert status["healthy"] and status["num_blocks"] == 4 and status["unserved"] == []
     assert sorted(s["peer_id"] for s in status["servers"]) == sorted(p.rsplit("/", 1)[1] for p in peers)
     assert all(s["state"] == "ONLINE" and s["reachable"] and s["blocks"] == [0, 4] for s in status["servers"])
-    assert all(len(b["online"]) == 2 for b in status["blocks"])
+    assert all(len(b["online"]) == 3 for b in status["blocks"])
 
     # 2. the bootstrap server killed: a client given the other's address runs; it rejoins through that address
     _kill(swarm, 0)
@@ -174,7 +185,16 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
         restart_command = [line for line in f if line.startswith("$ ")][-1]
     assert f"--initial_peers {peers[1]}" in restart_command and "--new_swarm" not in restart_command
 
-    # 3. killed again past the limit: it stays down, one line; the other serves
+    # 3. SIGTERM to server 2 mid-run drains it: the run == the local backend, at most a warning; not restarted
+    err = _run_killing(swarm, 2, signal.SIGTERM, _run_args(tiny_model, tiny_checkpoint, data, tmp_path / "drained",
+                                                           peers, prefix), events)
+    assert read_jsonl(tmp_path / "drained" / "predictions.jsonl") == reference
+    assert len([line for line in err.splitlines() if line.startswith("dist_eval: warning")]) <= 1, err[-3000:]
+    _wait_for(lambda: swarm.server_state(2) == "down", 30, "server 2 drained")
+    assert swarm._servers[2].proc.returncode == 0
+    assert len(_lines(events, 2, "left the swarm (exit code 0")) == 1 and not _lines(events, 2, "restarting in"), events
+
+    # 4. killed again past the limit: it stays down, one line; the other serves
     _kill(swarm, 1)
     _wait_for(lambda: swarm.server_state(1) == "down", 30, "server 1 down")
     gave_up = _lines(events, 1, "not restarted")
@@ -188,7 +208,7 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     r = _status("--initial-peers", peers[0], "--dht-prefix", prefix, "--num-blocks", "5", "--json")
     assert r.returncode == 1 and json.loads(r.stdout)["unserved"] == [4], r.stdout + r.stderr
 
-    # 4. SIGTERM drains server 0: OFFLINE announced, exit 0, not restarted; the swarm then fails its check
+    # 5. SIGTERM drains server 0, the last one: OFFLINE announced, exit 0, not restarted; the swarm then fails its check
     _kill(swarm, 0, signal.SIGTERM)
     _wait_for(lambda: swarm.server_state(0) == "down", 30, "server 0 drained")
     assert swarm._servers[0].proc.returncode == 0
