@@ -467,7 +467,7 @@ class LocalSwarm:
             "--host_maddrs", f"/ip4/{self.host}/tcp/{s.port}",  # listened on and announced
             "--block_indices", f"{s.blocks[0]}:{s.blocks[1]}",
             # its peer id (so its address) kept over restarts
-            "--identity_path", os.path.join(self._workdir, f"identity-{s.index}.key"),
+            "--identity_path", self._identity_path(s),
             *self.extra_server_args,
         ]  # fmt: skip
         with open(s.log_path, mode) as log:
@@ -509,6 +509,9 @@ class LocalSwarm:
                     f"{s.log_path}. Log tail: {s.tail()}"
                 )
             time.sleep(0.1)
+
+    def _identity_path(self, s: _Server) -> str:
+        return os.path.join(self._workdir, f"identity-{s.index}.key")
 
     def _scan_log(self, s: _Server) -> None:
         """Note ``s``'s address and whether it serves ('Started'), from its log."""
@@ -607,11 +610,20 @@ class LocalSwarm:
         if self._workdir is None:
             return
         shutil.rmtree(os.path.join(self._workdir, "tmp"), ignore_errors=True)
+        for s in self._servers:  # the servers' identities (private keys) go whatever happens
+            try:
+                os.unlink(self._identity_path(s))
+            except OSError:
+                pass
         if self.log_dir is None and self._keep_logs:
             return  # the failure message points at these logs
         if self.log_dir is None:
             shutil.rmtree(self._workdir, ignore_errors=True)
         else:
+            try:
+                os.unlink(os.path.join(self._workdir, "peers"))  # a private swarm's first address, if any
+            except OSError:
+                pass
             try:
                 os.rmdir(self._workdir)
             except OSError:
