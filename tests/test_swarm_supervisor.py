@@ -48,6 +48,28 @@ def test_the_restart_policy():
     assert _ranges([0, 1, 2, 5, 7, 8]) == "0:3, 5:6, 7:9"
 
 
+def test_a_restart_joins_the_servers_up_or_waits_for_a_new_swarms_address():
+    from types import SimpleNamespace
+
+    from dist_eval.swarm.supervisor import Supervisor
+
+    servers = [SimpleNamespace(address=f"/ip4/127.0.0.1/tcp/{i + 1}/p2p/Qm{i}") for i in range(3)]
+    swarm = SimpleNamespace(_servers=servers, restart=RestartPolicy(), join_peers=[])
+    supervisor = Supervisor(swarm, log=print)
+    states = lambda *s: [setattr(w, "state", state) for w, state in zip(supervisor.watches, s)]  # noqa: E731
+    states("waiting", "up", "waiting")
+    assert supervisor._peers_for(servers[0]) == [servers[1]]
+    states("waiting", "down", "starting")
+    assert supervisor._peers_for(servers[0]) == [servers[2]]  # restarting, its address known (the same identity)
+    servers[2].address = None
+    assert supervisor._peers_for(servers[0]) is None  # a new swarm on its way: wait for its address
+    swarm.join_peers = ["/ip4/10.0.0.5/tcp/31337/p2p/QmA"]
+    assert supervisor._peers_for(servers[0]) == []  # joins the swarm this host joined
+    swarm.join_peers = []
+    states("waiting", "down", "down")
+    assert supervisor._peers_for(servers[0]) == []  # nobody left: a new swarm
+
+
 def _status(*args, timeout: float = 90.0) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dist_eval.swarm", "status", *args], capture_output=True, text=True,
                           timeout=timeout, env=ENV, cwd=REPO)

@@ -146,9 +146,23 @@ class Supervisor:
                 watch.timed_out = True
                 self.swarm._kill_group(s)  # seen dead on the next round, counted as a failed start
         elif watch.state == "waiting" and now >= watch.due and self.swarm._group_gone(s):
+            peers = self._peers_for(s)
+            if peers is None:
+                return  # another server is restarting a new swarm: join it once its address is known
             watch.state, watch.spawned, watch.timed_out = "starting", now, False
             watch.restarts.append(now)
-            self.swarm._respawn(s, [o for o, w in zip(self.swarm._servers, self.watches) if w.state == "up"])
+            self.swarm._respawn(s, peers)
+
+    def _peers_for(self, s) -> Optional[list]:
+        """The servers ``s`` joins through on its restart: those up, or restarting with an address
+        printed; [] (a new swarm, or the one it joined) when there is none; None to wait, while
+        another server without an address yet restarts (two new swarms would not know each other).
+        """
+        others = [(o, w) for o, w in zip(self.swarm._servers, self.watches) if o is not s]
+        peers = [o for o, w in others if w.state == "up" or (w.state == "starting" and o.address)]
+        if not peers and not self.swarm.join_peers and any(w.state == "starting" for _, w in others):
+            return None
+        return peers
 
     def _died(self, s, watch: _Watch, now: float) -> None:
         how = (f"did not serve within {self.swarm.start_timeout:.0f} s of its restart" if watch.timed_out
@@ -175,7 +189,8 @@ class Supervisor:
 
     def _cover_note(self, dead) -> str:
         """Whether the servers still up hold the dead one's blocks."""
-        live = [s.blocks for s, w in zip(self.swarm._servers, self.watches) if w.state == "up" and s is not dead]
+        live = [s.blocks for s, w in zip(self.swarm._servers, self.watches)
+                if w.state == "up" and s is not dead and s.proc.poll() is None]  # not dead too, unseen yet
         missing = [b for b in range(*dead.blocks) if not any(a <= b < e for a, e in live)]
         if not missing:
             return "; the other servers still serve its blocks"
