@@ -21,7 +21,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, one_thread_swarm, read_jsonl, run_cli, write_csv
+from conftest import REPO, one_thread_swarm, read_jsonl, read_stdout_line, run_cli, write_csv
 
 from dist_eval.swarm import SwarmError
 from dist_eval.swarm.status import render
@@ -70,6 +70,26 @@ def test_a_restart_joins_the_servers_up_or_waits_for_a_new_swarms_address():
     assert supervisor._peers_for(servers[0]) == []  # nobody left: a new swarm
 
 
+def test_when_the_swarm_gives_up():
+    import threading
+    from types import SimpleNamespace
+
+    from dist_eval.swarm.supervisor import Supervisor
+
+    servers = [SimpleNamespace(blocks=(0, 4), label="server 0 (blocks 0:4, port 1)")]
+    swarm = SimpleNamespace(_servers=servers, restart=RestartPolicy(unserved_timeout=5.0), join_peers=[],
+                            _lock=threading.RLock(), block_range=(0, 4))
+    supervisor = Supervisor(swarm, log=print)
+    assert supervisor.failure() is None  # every block served
+    supervisor.watches[0].state, supervisor.unserved = "waiting", [0, 1, 2, 3]
+    supervisor.unserved_since = time.monotonic() - 1.0
+    assert supervisor.failure() is None  # a restart may bring them back
+    supervisor.unserved_since = time.monotonic() - 6.0
+    assert "blocks 0:4 have no live server for 6 s (--unserved-timeout 5)" in supervisor.failure()
+    supervisor.watches[0].state, supervisor.unserved_since = "down", time.monotonic() - 1.0
+    assert "every server holding them stays down (server 0 (blocks 0:4, port 1): down)" in supervisor.failure()
+
+
 def _status(*args, timeout: float = 90.0) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dist_eval.swarm", "status", *args], capture_output=True, text=True,
                           timeout=timeout, env=ENV, cwd=REPO)
@@ -110,6 +130,16 @@ def test_status_table():
 
 
 # --------------------------------------------------------------------------- a real swarm
+
+
+@pytest.fixture(scope="module")
+def local_run(tiny_model, tiny_checkpoint, tmp_path_factory):
+    """(the rows, the local backend's predictions of them): what every run on a swarm must give."""
+    folder = tmp_path_factory.mktemp("supervised")
+    data = write_csv(str(folder / "rows.csv"), 160, seed=7)
+    local = run_cli(_run_args(tiny_model, tiny_checkpoint, data, folder / "local"), nproc=1, timeout=300)
+    assert local.returncode == 0, local.stderr[-3000:]
+    return data, read_jsonl(folder / "local" / "predictions.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -169,12 +199,9 @@ def _run_args(model, checkpoint, data, out, peers=None, prefix=None):
 
 @pytest.mark.swarm
 @pytest.mark.multiproc
-def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint, tmp_path):
+def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint, local_run, tmp_path):
     assert swarm.placement == [(0, 4)] * 3
-    data = write_csv(str(tmp_path / "rows.csv"), 160, seed=7)
-    local = run_cli(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "local"), nproc=1, timeout=300)
-    assert local.returncode == 0, local.stderr[-3000:]
-    reference = read_jsonl(tmp_path / "local" / "predictions.jsonl")
+    data, reference = local_run
     peers, prefix = list(swarm.initial_peers), swarm.dht_prefix
 
     # 1. a replica SIGKILLed mid-run: the run finishes == the local backend; the replica is back
@@ -239,3 +266,65 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     assert len(_lines(events, 0, "left the swarm (exit code 0")) == 1, events
     with pytest.raises(SwarmError, match="blocks 0:4 have no live server and every server holding them stays down"):
         swarm.check()
+
+
+def _start_host(env, log_path):
+    """``launch/start_server.sh`` (one server) in its own session: (the process, its INITIAL_PEERS)."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([os.path.join(REPO, "launch", "start_server.sh")], env=env, cwd=REPO,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+    line = read_stdout_line(proc, timeout=150)
+    assert line.startswith("INITIAL_PEERS="), (line, open(log_path).read()[-3000:])
+    return proc, line.strip().split("=", 1)[1].split(" ")
+
+
+def _server_groups(pid) -> list:
+    """The process groups of the swarm servers that ``pid`` started."""
+    from test_swarm_failover import _children, _cmdline
+
+    return [c for c in _children(pid) if "dist_eval.swarm.server" in _cmdline(c)]
+
+
+@pytest.mark.swarm
+@pytest.mark.multiproc
+def test_a_hosts_swarm_process_dying_leaves_the_others_serving(tiny_model, tiny_checkpoint, local_run, tmp_path):
+    """Two hosts (launch/start_server.sh), each serving every block, B joined to A: A's swarm
+    process SIGKILLed (its watchdog stops its server): B serves on; a client given B's address
+    runs, == the local backend; status through B says every block is served."""
+    from test_swarm_failover import _group
+
+    data, reference = local_run
+    env = {**ENV, "PYTHON": sys.executable, "MODEL_DIR": tiny_model, "DHT_PREFIX": "dist-eval-hosts",
+           "HOST": "127.0.0.1", "SERVERS": "1", "DEVICE": "cpu"}
+    hosts, groups = [], []
+    try:
+        host_a, peers_a = _start_host(env, tmp_path / "a.log")
+        hosts.append(host_a)
+        host_b, peers_b = _start_host({**env, "INITIAL_PEERS": " ".join(peers_a)}, tmp_path / "b.log")
+        hosts.append(host_b)
+        groups = _server_groups(host_a.pid) + _server_groups(host_b.pid)
+        assert len(groups) == 2, groups
+        host_a.kill()
+        host_a.wait(timeout=10)
+        _wait_for(lambda: not _group(groups[0]), 15, "host A's server stopped by its watchdog")
+        assert host_b.poll() is None and _group(groups[1]), open(tmp_path / "b.log").read()[-3000:]
+        proc = run_cli(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "via_b", peers_b, "dist-eval-hosts"),
+                       nproc=0)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert read_jsonl(tmp_path / "via_b" / "predictions.jsonl") == reference
+        r = _status("--initial-peers", *peers_b, "--dht-prefix", "dist-eval-hosts", "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        status = json.loads(r.stdout)
+        assert status["unserved"] == [] and all(b["online"] == [peers_b[0].rsplit("/", 1)[1]] for b in status["blocks"])
+        host_b.send_signal(signal.SIGTERM)
+        assert host_b.wait(timeout=30) == 0, open(tmp_path / "b.log").read()[-3000:]
+    finally:
+        for proc in hosts:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except OSError:
+                pass
