@@ -252,10 +252,13 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     time.sleep(2 * POLICY.backoff)
     assert swarm.server_state(1) == "down" and swarm.restarts(1) == 1
     swarm.check()  # server 0 serves every block
-    r = _status("--initial-peers", peers[0], "--dht-prefix", prefix)
-    assert r.returncode == 0 and "every block is served" in r.stdout and "UNREACHABLE" in r.stdout, r.stdout + r.stderr
-    r = _status("--initial-peers", peers[0], "--dht-prefix", prefix, "--num-blocks", "5", "--json")
-    assert r.returncode == 1 and json.loads(r.stdout)["unserved"] == [4], r.stdout + r.stderr
+    # the table, asked for a 5th block that nobody announces: exit 1 for it alone
+    r = _status("--initial-peers", peers[0], "--dht-prefix", prefix, "--num-blocks", "5")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1 and lines[-1] == "unserved: blocks 4", r.stdout + r.stderr
+    assert "UNREACHABLE" in r.stdout and "blocks 4:5: NO SERVER (none)" in lines, r.stdout
+    served = [line for line in lines if line.startswith("blocks 0:4: ")]
+    assert len(served) == 1 and served[0].count("(not serving)") == 2, r.stdout  # servers 1 and 2 of 3
 
     # 5. SIGTERM drains server 0, the last one: OFFLINE announced, exit 0, not restarted; the swarm then fails its check
     _kill(swarm, 0, signal.SIGTERM)
