@@ -101,6 +101,8 @@ def _status(*args, timeout: float = 90.0) -> subprocess.CompletedProcess:
     (["--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmPZ4KWFQPiKRiaRQrYdS8SrgLnjpyB6PPj643UBXCkvd4"], "--dht-prefix"),
     (["--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmPZ4KWFQPiKRiaRQrYdS8SrgLnjpyB6PPj643UBXCkvd4",
       "--dht-prefix", "p", "--num-blocks", "0"], "--num-blocks"),
+    (["--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmPZ4KWFQPiKRiaRQrYdS8SrgLnjpyB6PPj643UBXCkvd4",
+      "--dht-prefix", "p", "--timeout", "10"], "--initial-peers: no peer answered"),  # nobody at that port
 ])
 def test_status_bad_flags_exit_2_with_one_line(args, message):
     r = _status(*args)
