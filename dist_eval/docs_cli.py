@@ -32,12 +32,17 @@ def commands() -> Dict[str, Tuple[str, Callable[[], argparse.ArgumentParser]]]:
     """{name: (what it is, its parser's builder)} of every command with flags of its own."""
     from dist_eval import cli, compare, rescore
     from dist_eval.swarm import cli as swarm_cli
+    from dist_eval.swarm import status as swarm_status
 
     return {
         "python -m dist_eval": ("the evaluation, under `torchrun --nproc_per_node=N -m dist_eval` or "
                                 "`dist-eval ... --`", cli.build_parser),
         "python -m dist_eval.swarm": ("serve a model folder on a private or multi-host swarm "
                                       "(`launch/start_server.sh` runs it)", swarm_cli._build_parser),
+        "python -m dist_eval.swarm status": ("which blocks of a swarm are served, by whom (`--json` for scripts); "
+                                             "the first argument `status` is this subcommand, never a model "
+                                             "folder (serve a folder named so as `./status`)",
+                                             swarm_status.build_parser),
         "python -m dist_eval.compare": ("two runs side by side, with the paired test", compare.build_parser),
         "python -m dist_eval.rescore": ("every metric of a run again, from its predictions.jsonl",
                                         rescore.build_parser),

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Start this host's Petals server for MODEL_DIR; prints INITIAL_PEERS=<its address> once its
-# blocks are served and stays in the foreground (Ctrl-C / SIGTERM stops it and its processes).
+# blocks are served and stays in the foreground (Ctrl-C / SIGTERM stops it and its processes). A server
+# that dies is restarted (--max-restarts, --restart-backoff, ...; docs/cluster.md#when-a-server-dies);
+# `python -m dist_eval.swarm status --initial-peers ... --dht-prefix ...` lists what the swarm serves.
 #
 #   # host A (10.0.0.5): starts a new swarm, serving blocks 0..15 of a 32-block model
 #   MODEL_DIR=/shared/my-llama DHT_PREFIX=my-llama BLOCKS=0:16 PORT=31337 ./launch/start_server.sh

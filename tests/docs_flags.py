@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # flags of programs that are not dist_eval's, as the docs quote them
 FOREIGN = {
-    "petals server": {"--max_batch_size", "--torch_dtype", "--initial_peers_file", "--num_blocks"},
+    "petals server": {"--max_batch_size", "--torch_dtype", "--initial_peers_file", "--num_blocks", "--identity_path"},
     "pip": {"--no-deps", "--upgrade", "--target", "--no-index", "--no-compile", "--no-cache-dir"},
     "pytest": {"--durations", "--dist", "--reverse-order", "--random-order", "--random-order-bucket",
                "--random-order-seed"},
@@ -57,8 +57,11 @@ def command_flags() -> Dict[str, Set[str]]:
         return {o for a in parser._actions for o in a.option_strings}
 
     names = {"python -m dist_eval": "main", "python -m dist_eval.swarm": "swarm",
+             "python -m dist_eval.swarm status": "swarm",  # its subcommand's flags count as the swarm's
              "python -m dist_eval.compare": "compare", "python -m dist_eval.rescore": "rescore"}
-    out = {names[name]: flags(build()) for name, (_, build) in commands().items()}
+    out: Dict[str, Set[str]] = {}
+    for name, (_, build) in commands().items():
+        out.setdefault(names[name], set()).update(flags(build()))
     out["torchrun"] = flags(torchrun.get_args_parser())
     for path in glob.glob(os.path.join(REPO, "benchmarks", "*.py")):
         out[os.path.basename(path)[:-3]] = _script_flags(path)

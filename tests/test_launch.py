@@ -36,7 +36,8 @@ from fake_hub import fake_hub
 LAUNCH = os.path.join(REPO, "launch")
 SCRIPTS = ["run_local.sh", "run_multinode.sh", "start_server.sh", "slurm.sbatch"]
 ENV = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-MADDR = re.compile(r"^/ip4/127\.0\.0\.1/tcp/(\d+)/p2p/12D3KooW[1-9A-HJ-NP-Za-km-z]+$")
+# a peer id: 12D3KooW... (Ed25519) or Qm... (RSA: the identity files dist_eval's servers keep over restarts)
+MADDR = re.compile(r"^/ip4/127\.0\.0\.1/tcp/(\d+)/p2p/(?:12D3KooW|Qm)[1-9A-HJ-NP-Za-km-z]+$")
 
 
 # --------------------------------------------------------------------------- helpers

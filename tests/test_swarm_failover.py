@@ -29,10 +29,13 @@ NUM_ROWS = 160  # batch size 2, in flight 1: 40 forwards a rank, ~5-25 s of loop
 @pytest.fixture
 def swarm3(tiny_model):
     from dist_eval.swarm import LocalSwarm
+    from dist_eval.swarm.supervisor import RestartPolicy
 
-    # as on a machine where 3 full replicas would not fit: every block on two servers
+    # as on a machine where 3 full replicas would not fit: every block on two servers; a server
+    # killed here stays dead (max_restarts=0), as the client's failover is what these tests test
     with mock.patch("dist_eval.swarm.local.available_memory", return_value=0), \
-            LocalSwarm(tiny_model, num_servers=3, dht_prefix="dist-eval-failover", start_timeout=240) as s:
+            LocalSwarm(tiny_model, num_servers=3, dht_prefix="dist-eval-failover", start_timeout=240,
+                       restart=RestartPolicy(max_restarts=0)) as s:
         assert s.placement == [(0, 2), (2, 4), (0, 4)]
         yield s
 

@@ -10,12 +10,15 @@ Command line (stays in the foreground; Ctrl-C or SIGTERM stops every process it 
 
     python -m dist_eval.swarm MODEL_DIR [--servers K] [--port P] [--dht-prefix NAME] [--start-timeout S]
         [--host IP] [--initial-peers MADDR ...] [--block-indices A:B] [--device auto|cpu|cuda|cuda:K]
-        [--torch-dtype float32|float16|bfloat16]
+        [--torch-dtype float32|float16|bfloat16] [--max-restarts N] [--restart-window S] [--restart-backoff S]
+        [--unserved-timeout S]
+    python -m dist_eval.swarm status --initial-peers MADDR ... (--dht-prefix NAME | --model DIR) [--json]
 
 It prints one line ``INITIAL_PEERS=<multiaddr> [<multiaddr> ...]`` on stdout once its
 servers serve their blocks. Several hosts make one swarm: the first starts a new swarm
 (``--host`` = its IP), the others join it with ``--initial-peers`` (the first's line),
-each serving a ``--block-indices`` range, all under the same ``--dht-prefix``.
+each serving a ``--block-indices`` range, all under the same ``--dht-prefix``. A server that
+dies is restarted (:mod:`~dist_eval.swarm.supervisor`); SIGTERM to one server drains it.
 
 Each server is ``python -m dist_eval.swarm.server <petals run_server flags>`` (so it imports
 petals through :mod:`dist_eval.backends.compat`), started in its own session/process group: a
@@ -27,6 +30,8 @@ but the standard library, so the CLI starts at once and never prints petals' noi
 - :mod:`~dist_eval.swarm.placement`: which blocks each server serves; checks of the arguments
 - :mod:`~dist_eval.swarm.local`: :class:`LocalSwarm`
 - :mod:`~dist_eval.swarm.cli`: ``python -m dist_eval.swarm``
+- :mod:`~dist_eval.swarm.supervisor`: dead servers restarted, with a backoff and a limit
+- :mod:`~dist_eval.swarm.status`: ``python -m dist_eval.swarm status`` (imports petals: only that subcommand)
 - :mod:`~dist_eval.swarm.server`: one server process, and the patches dist_eval's servers get
   (:func:`~dist_eval.swarm.server.apply_server_patches`)
 - :mod:`~dist_eval.swarm.merged_forward`: a server's forward request as one task of its runtime

@@ -1,4 +1,10 @@
-"""``python -m dist_eval.swarm MODEL_DIR ...``: serve a model folder until Ctrl-C / SIGTERM."""
+"""``python -m dist_eval.swarm MODEL_DIR ...``: serve a model folder until Ctrl-C / SIGTERM, restarting
+the servers that die (:mod:`dist_eval.swarm.supervisor`); ``python -m dist_eval.swarm status ...``:
+list a swarm's blocks and servers (:mod:`dist_eval.swarm.status`).
+
+The first argument ``status`` is the subcommand, never a folder: serve a model folder named
+``status`` as ``./status``.
+"""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +15,9 @@ from typing import Optional, Sequence, Tuple
 
 from dist_eval.swarm.local import GRACE_SECONDS_ANNOUNCED, LocalSwarm
 from dist_eval.swarm.placement import SwarmError
+from dist_eval.swarm.supervisor import RestartPolicy
+
+STATUS = "status"  # python -m dist_eval.swarm status ...: the subcommand (a folder of that name: ./status)
 
 
 class _Interrupted(Exception):
@@ -21,14 +30,19 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+_DESCRIPTION = (
+    "Serve a saved model folder on a private Petals swarm on 127.0.0.1 (or, with --host and "
+    "--initial-peers, as this host's part of a multi-host swarm) until Ctrl-C / SIGTERM. "
+    "Prints INITIAL_PEERS=<multiaddrs> on stdout once its servers serve their blocks. A server that dies is "
+    "restarted (one line on stderr per event); the swarm exits 1 once blocks stay unserved. "
+    "`python -m dist_eval.swarm status --help`: list a swarm's blocks and servers."
+)
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="python -m dist_eval.swarm",
-        description="Serve a saved model folder on a private Petals swarm on 127.0.0.1 (or, with --host and "
-        "--initial-peers, as this host's part of a multi-host swarm) until Ctrl-C / SIGTERM. "
-        "Prints INITIAL_PEERS=<multiaddrs> on stdout once its servers serve their blocks.",
-    )
-    p.add_argument("model_dir", help="Folder saved with save_pretrained (config.json + weights).")
+    p = _Parser(prog="python -m dist_eval.swarm", description=_DESCRIPTION)
+    p.add_argument("model_dir", help="Folder saved with save_pretrained (config.json + weights); a folder named "
+                   "'status' as ./status (the first argument 'status' is the status subcommand).")
     p.add_argument(
         "--servers",
         type=int,
@@ -80,7 +94,38 @@ def _build_parser() -> argparse.ArgumentParser:
         "--torch-dtype", default=None, choices=["float32", "float16", "bfloat16"],
         help="The servers' dtype (default: float32 on the CPU; on a GPU the model's saved 16-bit dtype, else float16).",
     )  # fmt: skip
+    _add_restart_flags(p)
     return p
+
+
+def _add_restart_flags(p: argparse.ArgumentParser) -> None:
+    d = RestartPolicy()
+    g = p.add_argument_group("restarts (a server that dies)")
+    g.add_argument("--max-restarts", type=int, default=d.max_restarts,
+                   help=f"Restarts of one server within --restart-window; then it stays down (default "
+                   f"{d.max_restarts}; 0: never restart). A server that exits with code 0 (SIGTERM) is not restarted.")
+    g.add_argument("--restart-window", type=float, default=d.window, metavar="SECONDS",
+                   help=f"The window --max-restarts counts in (default {d.window:.0f}).")
+    g.add_argument("--restart-backoff", type=float, default=d.backoff, metavar="SECONDS",
+                   help=f"Delay before a restart (default {d.backoff:g}), doubling with each restart in the window, "
+                   f"at most {d.max_backoff:.0f} s, +-{d.jitter:.0%} at random.")
+    g.add_argument("--unserved-timeout", type=float, default=d.unserved_timeout, metavar="SECONDS",
+                   help=f"Exit 1 once a block has had no live server for this long (default "
+                   f"{d.unserved_timeout:.0f}), or at once when every server holding it stays down.")
+
+
+def _restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    flags = {"max_restarts": "--max-restarts", "window": "--restart-window", "backoff": "--restart-backoff",
+             "unserved_timeout": "--unserved-timeout"}
+    try:
+        return RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window,
+                             backoff=args.restart_backoff, max_backoff=max(60.0, args.restart_backoff),
+                             unserved_timeout=args.unserved_timeout)
+    except SwarmError as e:
+        for name, flag in flags.items():
+            if str(e).startswith(f"{name}="):
+                raise SwarmError(f"{flag} {str(e).split('=', 1)[1]}") from None
+        raise
 
 
 def _block_range_arg(text: str) -> Tuple[int, int]:
@@ -115,6 +160,11 @@ def _say_ready(swarm: LocalSwarm) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [STATUS]:
+        from dist_eval.swarm import status
+
+        return status.main(argv[1:])
     args = _build_parser().parse_args(argv)
 
     def on_signal(signum, frame):
@@ -128,7 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.model_dir, num_servers=args.servers, dht_prefix=args.dht_prefix, port=args.port,
             blocks_per_server=args.blocks_per_server, start_timeout=args.start_timeout, log_dir=args.log_dir,
             host=args.host, join_peers=args.initial_peers, block_range=args.block_indices,
-            device=args.device, torch_dtype=args.torch_dtype,
+            device=args.device, torch_dtype=args.torch_dtype, restart=_restart_policy(args),
         )  # fmt: skip
     except SwarmError as e:
         print(f"dist_eval.swarm: error: {e}", file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from dist_eval.atomic import atomic_write
 from dist_eval.errors import one_line
@@ -31,6 +31,7 @@ from dist_eval.swarm.placement import (
     plan_blocks,
 )
 from dist_eval.swarm.server import PEERS_FILE_FLAG
+from dist_eval.swarm.supervisor import RestartPolicy, Supervisor
 from dist_eval.watchdog import Watchdog
 
 # "Nov 22 09:06:39.750 [INFO] Running a server on ['/ip4/127.0.0.1/tcp/39111/p2p/12D3Koo...']"
@@ -106,6 +107,10 @@ def _served_folder(model_dir: str) -> str:
         raise SwarmError(f"{model_dir}: {e.detail}") from None
 
 
+def _log_to_stderr(line: str) -> None:
+    print(f"dist_eval.swarm: {line}", file=sys.stderr, flush=True)
+
+
 def _stop_all_at_exit() -> None:
     with _LIVE_LOCK:
         swarms = list(_LIVE_SWARMS)
@@ -117,6 +122,17 @@ def _stop_all_at_exit() -> None:
 
 
 atexit.register(_stop_all_at_exit)
+
+
+def _check_args(port: Optional[int], num_servers: int, start_timeout: float, dht_prefix: Optional[str]) -> None:
+    if port is not None and (not isinstance(port, int) or not 1 <= port <= 65535 - num_servers + 1):
+        raise SwarmError(f"port={port!r}: expected a TCP port such that port..port+{num_servers - 1} are valid.")
+    if not start_timeout or start_timeout <= 0:
+        raise SwarmError(f"start_timeout={start_timeout!r}: expected a positive number of seconds.")
+    if dht_prefix is not None and (not dht_prefix or re.search(r"[.\s]", dht_prefix)):
+        raise SwarmError(
+            f"dht_prefix={dht_prefix!r}: must be non-empty, without '.' or spaces (petals uses them as delimiters)."
+        )
 
 
 class LocalSwarm:
@@ -171,6 +187,13 @@ class LocalSwarm:
     ``/tmp/hivemind-*.sock`` files the servers held (hivemind leaks them). ``stop()`` also
     runs from ``__exit__`` (on exceptions too), at interpreter exit, and from a small
     watchdog process if this process dies without it.
+
+    Restarts: once started, a :class:`~dist_eval.swarm.supervisor.Supervisor` thread restarts
+    a server that dies as ``restart`` (a :class:`~dist_eval.swarm.supervisor.RestartPolicy`,
+    default: at most 3 restarts in 600 s, 2 s backoff doubling) says, on its port, blocks and
+    identity (``--identity_path``: the same address); ``log`` gets one line per event (default:
+    stderr). :meth:`check` raises once blocks stay unserved; :meth:`server_state` and
+    :meth:`restarts` tell where each server stands.
     """
 
     def __init__(
@@ -188,6 +211,8 @@ class LocalSwarm:
         block_range: Optional[Tuple[int, int]] = None,
         device: str = "cpu",
         torch_dtype: Optional[str] = None,
+        restart: Optional[RestartPolicy] = None,
+        log: Optional[Callable[[str], None]] = None,
     ):
         if not os.path.isdir(model_dir):
             raise SwarmError(f"{model_dir}: no such folder. Pass a model folder saved with save_pretrained().")
@@ -201,14 +226,7 @@ class LocalSwarm:
         num_servers = self.server_plan.num_servers
         if blocks_per_server is None:
             blocks_per_server = self.server_plan.blocks_per_server
-        if port is not None and (not isinstance(port, int) or not 1 <= port <= 65535 - num_servers + 1):
-            raise SwarmError(f"port={port!r}: expected a TCP port such that port..port+{num_servers - 1} are valid.")
-        if not start_timeout or start_timeout <= 0:
-            raise SwarmError(f"start_timeout={start_timeout!r}: expected a positive number of seconds.")
-        if dht_prefix is not None and (not dht_prefix or re.search(r"[.\s]", dht_prefix)):
-            raise SwarmError(
-                f"dht_prefix={dht_prefix!r}: must be non-empty, without '.' or spaces (petals uses them as delimiters)."
-            )
+        _check_args(port, num_servers, start_timeout, dht_prefix)
         self.num_servers = num_servers
         self.host = _check_host(host)
         self.join_peers: List[str] = _check_peers(join_peers)
@@ -233,6 +251,10 @@ class LocalSwarm:
         self._owner_pid = os.getpid()  # a fork()ed child must not stop its parent's swarm
         self._starter: Optional[threading.Thread] = None  # start_in_background()'s thread
         self._start_error: Optional[BaseException] = None
+        self.restart = restart if restart is not None else RestartPolicy()
+        self._log = log or _log_to_stderr
+        self._supervisor: Optional[Supervisor] = None  # from start() on: restarts the servers that die
+        self._env: Dict[str, str] = {}
 
     def _plan_servers(self, device: str, num_servers: Optional[int], torch_dtype: Optional[str]):
         first, last = self.block_range
@@ -284,7 +306,11 @@ class LocalSwarm:
         self.initial_peers = [s.address for s in self._servers]
         self.start_seconds = time.monotonic() - began
         with self._lock:
+            if self._state != "starting":  # stopped meanwhile
+                raise SwarmError("local swarm: stopped while starting.")
             self._state = "running"
+            self._supervisor = Supervisor(self, self._log)
+            self._supervisor.start()
         return self
 
     def start_in_background(self) -> LocalSwarm:
@@ -311,13 +337,24 @@ class LocalSwarm:
         return self
 
     def check(self) -> None:
-        """Raise SwarmError if a server has exited since the start."""
-        for s in self._servers:
-            if s.proc is not None and s.proc.poll() is not None and self._state == "running":
-                raise SwarmError(
-                    f"local swarm {s.label} exited with code {s.proc.returncode}; blocks "
-                    f"{s.blocks[0]}:{s.blocks[1]} may be unserved. Log tail: {s.tail()} (log: {s.log_path})"
-                )
+        """Raise SwarmError once blocks of this swarm stay without a live server: past
+        ``restart.unserved_timeout`` seconds, or with every server holding them down for good
+        (see :mod:`dist_eval.swarm.supervisor`). A server that died while others still serve
+        its blocks, or that is being restarted, is no error.
+        """
+        failure = self._supervisor.failure() if self._supervisor is not None else None
+        if failure is not None:
+            raise SwarmError(f"local swarm: {failure}")
+
+    def server_state(self, index: int) -> str:
+        """Server ``index``'s state as its supervisor sees it: "up", "waiting" (dead, its
+        restart due), "starting" (restarted, not serving yet) or "down" (stays down).
+        """
+        return self._supervisor.state(index) if self._supervisor is not None else "new"
+
+    def restarts(self, index: int) -> int:
+        """How many times server ``index`` was restarted in the restart window."""
+        return self._supervisor.restarts(index) if self._supervisor is not None else 0
 
     def stop(self, timeout: float = 15.0, grace: Optional[float] = None) -> None:
         """Stop every server process and wait until none is left (idempotent).
@@ -333,6 +370,8 @@ class LocalSwarm:
             if self._state == "stopped" or os.getpid() != self._owner_pid:
                 return
             self._state = "stopped"
+        if self._supervisor is not None:
+            self._supervisor.stop()  # it starts no server once the state says stopped
         began = time.monotonic()
         deadline = began + timeout
         try:
@@ -391,7 +430,7 @@ class LocalSwarm:
         watchdog.watch_path(tmpdir)
         if self.log_dir is None:
             watchdog.watch_path(self._workdir)
-        env = dict(os.environ)
+        self._env = env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", TMPDIR=tmpdir, PYTHONUNBUFFERED="1")
         if self.server_plan.threads and "OMP_NUM_THREADS" not in env:  # an operator's setting stands
             env["OMP_NUM_THREADS"] = str(self.server_plan.threads)
@@ -418,7 +457,8 @@ class LocalSwarm:
                 raise SwarmError("local swarm: stopped while starting.")
             self._spawn_locked(s, peer_args, env)
 
-    def _spawn_locked(self, s: _Server, peer_args: List[str], env: Dict[str, str]) -> None:
+    def _spawn_locked(self, s: _Server, peer_args: List[str], env: Dict[str, str], mode: str = "wb") -> None:
+        """Start server ``s`` (``mode`` "ab": again, its log appended to)."""
         cmd = [
             sys.executable, "-m", SERVER_MODULE, self.model_dir, *peer_args,
             "--dht_prefix", self.dht_prefix,
@@ -426,12 +466,14 @@ class LocalSwarm:
             "--throughput", "1.0", "--skip_reachability_check",
             "--host_maddrs", f"/ip4/{self.host}/tcp/{s.port}",  # listened on and announced
             "--block_indices", f"{s.blocks[0]}:{s.blocks[1]}",
+            # its peer id (so its address) kept over restarts
+            "--identity_path", self._identity_path(s),
             *self.extra_server_args,
         ]  # fmt: skip
-        with open(s.log_path, "wb") as log:
+        with open(s.log_path, mode) as log:
+            s.log_offset, s.log_text = log.tell(), ""  # a restart's log is read from its own start
             log.write(("$ " + " ".join(cmd) + "\n").encode())
             log.flush()
-            s.log_offset = 0
             s.proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=env, cwd=self._workdir, start_new_session=True,
@@ -442,15 +484,7 @@ class LocalSwarm:
         while True:
             pending = []
             for s in servers:
-                text = s.read_log()
-                if s.address is None:
-                    match = _RUNNING_RE.search(text)
-                    if match:
-                        addrs = [m.group(0) for m in _MADDR_RE.finditer(match.group(1))]
-                        mine = [a for a in addrs if a.startswith(f"/ip4/{self.host}/tcp/{s.port}/")]
-                        s.address = (mine or addrs or [None])[0]
-                if s.address is not None and _STARTED_RE.search(text):
-                    s.started = True
+                self._scan_log(s)
                 if s.proc.poll() is not None:
                     hint = ""
                     if self.join_peers and "failed to connect to bootstrap peers" in s.read_log():
@@ -475,6 +509,46 @@ class LocalSwarm:
                     f"{s.log_path}. Log tail: {s.tail()}"
                 )
             time.sleep(0.1)
+
+    def _identity_path(self, s: _Server) -> str:
+        return os.path.join(self._workdir, f"identity-{s.index}.key")
+
+    def _scan_log(self, s: _Server) -> None:
+        """Note ``s``'s address and whether it serves ('Started'), from its log."""
+        text = s.read_log()
+        if s.address is None:
+            match = _RUNNING_RE.search(text)
+            if match:
+                addrs = [m.group(0) for m in _MADDR_RE.finditer(match.group(1))]
+                mine = [a for a in addrs if a.startswith(f"/ip4/{self.host}/tcp/{s.port}/")]
+                s.address = (mine or addrs or [None])[0]
+        if s.address is not None and _STARTED_RE.search(text):
+            s.started = True
+
+    # ------------------------------------------------------------------ restarts (the supervisor's)
+
+    def _serves_again(self, s: _Server) -> bool:
+        self._scan_log(s)
+        if s.started:
+            self.initial_peers[s.index] = s.address
+        return s.started
+
+    def _kill_group(self, s: _Server) -> None:
+        """SIGKILL what is left of ``s``'s process group (its sockets noted, to be removed)."""
+        self._note_sockets()
+        _signal_group(s.proc.pid, signal.SIGKILL)
+
+    def _group_gone(self, s: _Server) -> bool:
+        s.proc.poll()  # reaped: a zombie leader keeps its group listed
+        return not _live_groups({s.proc.pid})
+
+    def _respawn(self, s: _Server, up: List[_Server]) -> None:
+        """Start ``s`` again (same port, blocks, identity), joining through the servers ``up``
+        or the swarm this one joined; a new swarm where there is neither.
+        """
+        peers = [o.address for o in up if o is not s and o.address] + self.join_peers
+        s.address, s.started = None, False
+        self._spawn_locked(s, ["--initial_peers", *peers] if peers else ["--new_swarm"], self._env, mode="ab")
 
     # ------------------------------------------------------------------ stop
 
@@ -536,11 +610,20 @@ class LocalSwarm:
         if self._workdir is None:
             return
         shutil.rmtree(os.path.join(self._workdir, "tmp"), ignore_errors=True)
+        for s in self._servers:  # the servers' identities (private keys) go whatever happens
+            try:
+                os.unlink(self._identity_path(s))
+            except OSError:
+                pass
         if self.log_dir is None and self._keep_logs:
             return  # the failure message points at these logs
         if self.log_dir is None:
             shutil.rmtree(self._workdir, ignore_errors=True)
         else:
+            try:
+                os.unlink(os.path.join(self._workdir, "peers"))  # a private swarm's first address, if any
+            except OSError:
+                pass
             try:
                 os.rmdir(self._workdir)
             except OSError:

@@ -7,8 +7,13 @@ started before the swarm it joins has an address: ``--initial_peers_file PATH`` 
 not petals') makes it import petals and torch first (the bulk of a server's start-up),
 then wait for PATH to appear, and join the peers listed there (one per line). A local
 swarm thus imports all its servers at once instead of one after another.
+
+SIGTERM (a preemption notice) drains the server as SIGINT does: petals' run_server handles only
+KeyboardInterrupt gracefully (it announces the blocks OFFLINE, waits until the DHT stored it,
+shuts its handlers down, exits 0); without this a SIGTERM killed the server unannounced.
 """
 import os
+import signal
 import sys
 import time
 from typing import Optional
@@ -50,6 +55,24 @@ def _model_and_first_block(argv: list) -> tuple:
     return argv[0], first
 
 
+def drain_on_sigterm() -> None:
+    """SIGTERM to this process -> KeyboardInterrupt (petals' graceful shutdown). Only here: the
+    processes the server forks inherit the handler, and a SIGTERM there (their parent stopping
+    them) keeps its default action.
+    """
+    main_pid = os.getpid()
+
+    def on_sigterm(signum, frame):
+        if os.getpid() != main_pid:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the shutdown is under way
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[int] = None) -> None:
     """Apply every server patch, in the one order that works, after petals' import and the
     patches every petals process gets (:func:`dist_eval.backends.compat.import_petals`):
@@ -86,5 +109,6 @@ if __name__ == "__main__":
     from petals.cli import run_server
 
     sys.argv = ["petals.cli.run_server", *argv]
+    drain_on_sigterm()
     with no_random_init_of_meta_tensors():  # the blocks are built on meta, then loaded
         run_server.main()

@@ -1,0 +1,335 @@
+"""A swarm that outlives its servers (issue 42): the supervisor of ``dist_eval/swarm/supervisor.py``
+restarting dead servers with a backoff and a limit, SIGTERM draining a server, and
+``python -m dist_eval.swarm status``.
+
+The real-swarm part is one test on one swarm of three full replicas (each event depends on the
+one before it, and a swarm start is seconds of the suite's budget): a replica SIGKILLed mid-run
+(the run == the local backend bitwise, the replica back), the bootstrap server killed (a client
+given another's address runs; it rejoins through that address), one SIGTERMed mid-run (drained:
+the run == the local backend, the server not restarted), the limit reached (it stays down, one
+line, another serves), the last one SIGTERMed (the swarm's check fails). Marked ``swarm`` and
+``multiproc`` (torchrun runs).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, one_thread_swarm, read_jsonl, read_stdout_line, run_cli, write_csv
+
+from dist_eval.swarm import SwarmError
+from dist_eval.swarm.status import render
+from dist_eval.swarm.supervisor import RestartPolicy, _ranges, describe_exit
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+       "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+POLICY = RestartPolicy(max_restarts=1, window=600.0, backoff=0.5, unserved_timeout=120.0)
+
+
+# --------------------------------------------------------------------------- no servers
+
+
+def test_the_restart_policy():
+    policy, rng = RestartPolicy(backoff=2.0, max_backoff=10.0, jitter=0.0), random.Random(0)
+    assert [policy.delay(k, rng) for k in (1, 2, 3, 4, 5)] == [2.0, 4.0, 8.0, 10.0, 10.0]
+    jittered = RestartPolicy(backoff=2.0, jitter=0.25)
+    assert all(1.5 <= jittered.delay(1, rng) <= 2.5 for _ in range(200))
+    for bad, name in (({"max_restarts": -1}, "max_restarts"), ({"window": 0}, "window"),
+                      ({"backoff": 90.0}, "backoff"), ({"unserved_timeout": -1.0}, "unserved_timeout")):
+        with pytest.raises(SwarmError, match=name):
+            RestartPolicy(**bad)
+    assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(3) == "exit code 3"
+    assert _ranges([0, 1, 2, 5, 7, 8]) == "0:3, 5:6, 7:9"
+
+
+def test_a_restart_joins_the_servers_up_or_waits_for_a_new_swarms_address():
+    from types import SimpleNamespace
+
+    from dist_eval.swarm.supervisor import Supervisor
+
+    servers = [SimpleNamespace(address=f"/ip4/127.0.0.1/tcp/{i + 1}/p2p/Qm{i}") for i in range(3)]
+    swarm = SimpleNamespace(_servers=servers, restart=RestartPolicy(), join_peers=[])
+    supervisor = Supervisor(swarm, log=print)
+    states = lambda *s: [setattr(w, "state", state) for w, state in zip(supervisor.watches, s)]  # noqa: E731
+    states("waiting", "up", "waiting")
+    assert supervisor._peers_for(servers[0]) == [servers[1]]
+    states("waiting", "down", "starting")
+    assert supervisor._peers_for(servers[0]) == [servers[2]]  # restarting, its address known (the same identity)
+    servers[2].address = None
+    assert supervisor._peers_for(servers[0]) is None  # a new swarm on its way: wait for its address
+    swarm.join_peers = ["/ip4/10.0.0.5/tcp/31337/p2p/QmA"]
+    assert supervisor._peers_for(servers[0]) == []  # joins the swarm this host joined
+    swarm.join_peers = []
+    states("waiting", "down", "down")
+    assert supervisor._peers_for(servers[0]) == []  # nobody left: a new swarm
+
+
+def test_when_the_swarm_gives_up():
+    import threading
+    from types import SimpleNamespace
+
+    from dist_eval.swarm.supervisor import Supervisor
+
+    servers = [SimpleNamespace(blocks=(0, 4), label="server 0 (blocks 0:4, port 1)")]
+    swarm = SimpleNamespace(_servers=servers, restart=RestartPolicy(unserved_timeout=5.0), join_peers=[],
+                            _lock=threading.RLock(), block_range=(0, 4))
+    supervisor = Supervisor(swarm, log=print)
+    assert supervisor.failure() is None  # every block served
+    supervisor.watches[0].state, supervisor.unserved = "waiting", [0, 1, 2, 3]
+    supervisor.unserved_since = time.monotonic() - 1.0
+    assert supervisor.failure() is None  # a restart may bring them back
+    supervisor.unserved_since = time.monotonic() - 6.0
+    assert "blocks 0:4 have no live server for 6 s (--unserved-timeout 5)" in supervisor.failure()
+    supervisor.watches[0].state, supervisor.unserved_since = "down", time.monotonic() - 1.0
+    assert "every server holding them stays down (server 0 (blocks 0:4, port 1): down)" in supervisor.failure()
+
+
+def _status(*args, timeout: float = 90.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dist_eval.swarm", "status", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV, cwd=REPO)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "--initial-peers"),
+    (["--initial-peers", "not-an-address", "--dht-prefix", "p"], "expected a multiaddr"),
+    (["--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmPZ4KWFQPiKRiaRQrYdS8SrgLnjpyB6PPj643UBXCkvd4"], "--dht-prefix"),
+    (["--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmPZ4KWFQPiKRiaRQrYdS8SrgLnjpyB6PPj643UBXCkvd4",
+      "--dht-prefix", "p", "--num-blocks", "0"], "--num-blocks"),
+    (["--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmPZ4KWFQPiKRiaRQrYdS8SrgLnjpyB6PPj643UBXCkvd4",
+      "--dht-prefix", "p", "--timeout", "10"], "--initial-peers: no peer answered"),  # nobody at that port
+])
+def test_status_bad_flags_exit_2_with_one_line(args, message):
+    r = _status(*args)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_restart_flags_are_checked_and_named():
+    r = subprocess.run([sys.executable, "-m", "dist_eval.swarm", str(REPO), "--max-restarts", "-1"],
+                       capture_output=True, text=True, timeout=60, env=ENV, cwd=REPO)
+    assert r.returncode == 2 and "--max-restarts -1" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_status_table():
+    server = {"addresses": ["/ip4/10.0.0.5/tcp/31337"], "reachable": True, "state": "ONLINE", "blocks": [0, 2],
+              "torch_dtype": "torch.float16", "throughput": 12.5, "version": "2.2.0"}
+    status = {"dht_prefix": "m", "num_blocks": 3, "num_blocks_from": "given", "unserved": [2], "healthy": False,
+              "servers": [{**server, "peer_id": "QmA"}, {**server, "peer_id": "QmB", "reachable": False}],
+              "blocks": [{"block": b, "servers": ["QmA", "QmB"] if b < 2 else [], "online": ["QmA"] if b < 2 else []}
+                         for b in range(3)]}
+    text = render(status)
+    assert "S0  ONLINE   blocks 0:2  float16  throughput 12.5  petals 2.2.0  reachable  " \
+           "/ip4/10.0.0.5/tcp/31337/p2p/QmA" in text, text
+    assert "UNREACHABLE" in text and "blocks 0:2: S0, S1 (not serving)" in text
+    assert "blocks 2:3: NO SERVER (none)" in text and text.endswith("unserved: blocks 2")
+
+
+# --------------------------------------------------------------------------- a real swarm
+
+
+@pytest.fixture(scope="module")
+def local_run(tiny_model, tiny_checkpoint, tmp_path_factory):
+    """(the rows, the local backend's predictions of them): what every run on a swarm must give."""
+    folder = tmp_path_factory.mktemp("supervised")
+    data = write_csv(str(folder / "rows.csv"), 160, seed=7)
+    local = run_cli(_run_args(tiny_model, tiny_checkpoint, data, folder / "local"), nproc=1, timeout=300)
+    assert local.returncode == 0, local.stderr[-3000:]
+    return data, read_jsonl(folder / "local" / "predictions.jsonl")
+
+
+@pytest.fixture(scope="module")
+def events():
+    return []
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model, events):
+    def log(line):
+        events.append(line)
+        print(f"dist_eval.swarm: {line}", file=sys.stderr, flush=True)
+
+    yield from one_thread_swarm(tiny_model, num_servers=3, dht_prefix="dist-eval-supervised", restart=POLICY, log=log)
+
+
+def _wait_for(condition, seconds: float, what: str) -> float:
+    began = time.monotonic()
+    while not condition():
+        assert time.monotonic() - began < seconds, f"not within {seconds} s: {what}"
+        time.sleep(0.1)
+    return time.monotonic() - began
+
+
+def _kill(swarm, index: int, sig=signal.SIGKILL) -> None:
+    os.killpg(swarm.pgids[index], sig) if sig == signal.SIGKILL else os.kill(swarm.pgids[index], sig)
+
+
+def _lines(events, index: int, text: str) -> list:
+    return [e for e in events if e.startswith(f"server {index} ") and text in e]
+
+
+def _run_killing(swarm, index, sig, args, events) -> str:
+    """A torchrun run of ``args`` (one rank) whose server ``index`` gets ``sig`` a second into its
+    loop; its stderr, once it finished with code 0 and no traceback.
+    """
+    from test_swarm_failover import BackgroundCli
+
+    run = BackgroundCli(args, nproc=1)
+    try:
+        assert run.evaluating.wait(timeout=240), "".join(run.err)[-3000:]
+        time.sleep(1.0)
+        assert run.proc.poll() is None, "the run ended before the signal"
+        _kill(swarm, index, sig)
+        code, _, err = run.wait(timeout=300)
+    finally:
+        run.stop()
+    assert code == 0 and "Traceback" not in err, err[-3000:] + "\n".join(events)
+    return err
+
+
+def _run_args(model, checkpoint, data, out, peers=None, prefix=None):
+    swarm_args = ["--initial-peers", *peers, "--dht-prefix", prefix] if peers else ["--backend", "local"]
+    return ["--model", model, "--data-files", data, "--checkpoint", checkpoint, "--output-dir", str(out),
+            "--batch-size", "2", "--in-flight", "1", "--save-logits", *swarm_args]
+
+
+@pytest.mark.swarm
+@pytest.mark.multiproc
+def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint, local_run, tmp_path):
+    assert swarm.placement == [(0, 4)] * 3
+    data, reference = local_run
+    peers, prefix = list(swarm.initial_peers), swarm.dht_prefix
+
+    # 1. a replica SIGKILLed mid-run: the run finishes == the local backend; the replica is back
+    _run_killing(swarm, 1, signal.SIGKILL, _run_args(tiny_model, tiny_checkpoint, data, tmp_path / "killed", peers,
+                                                      prefix), events)
+    assert read_jsonl(tmp_path / "killed" / "predictions.jsonl") == reference  # logits bitwise
+    back = _wait_for(lambda: swarm.server_state(1) == "up" and swarm.restarts(1) == 1, 60, "server 1 restarted")
+    assert len(_lines(events, 1, "died (killed by SIGKILL); restarting in")) == 1, events
+    assert len(_lines(events, 1, "serves again (restart 1")) == 1, events
+    assert swarm.initial_peers == peers  # the same identity: the same addresses
+    swarm.check()
+    print(f"server 1 back {back:.1f} s after the run ended")
+
+    # it rejoined the same swarm: server 1's address alone shows both, ONLINE and reachable
+    r = _status("--initial-peers", peers[1], "--dht-prefix", prefix, "--json")
+    assert r.returncode == 0, r.stderr
+    status = json.loads(r.stdout)
+    assert status["healthy"] and status["num_blocks"] == 4 and status["unserved"] == []
+    assert sorted(s["peer_id"] for s in status["servers"]) == sorted(p.rsplit("/", 1)[1] for p in peers)
+    assert all(s["state"] == "ONLINE" and s["reachable"] and s["blocks"] == [0, 4] for s in status["servers"])
+    assert all(len(b["online"]) == 3 for b in status["blocks"])
+
+    # 2. the bootstrap server killed: a client given the other's address runs; it rejoins through that address
+    _kill(swarm, 0)
+    proc = run_cli(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "bootstrap", peers[1:], prefix), nproc=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_jsonl(tmp_path / "bootstrap" / "predictions.jsonl") == reference
+    _wait_for(lambda: swarm.server_state(0) == "up" and swarm.restarts(0) == 1, 60, "server 0 restarted")
+    with open(swarm.log_paths[0]) as f:
+        restart_command = [line for line in f if line.startswith("$ ")][-1]
+    assert f"--initial_peers {peers[1]}" in restart_command and "--new_swarm" not in restart_command
+
+    # 3. SIGTERM to server 2 mid-run drains it: the run == the local backend, at most a warning; not restarted
+    err = _run_killing(swarm, 2, signal.SIGTERM, _run_args(tiny_model, tiny_checkpoint, data, tmp_path / "drained",
+                                                           peers, prefix), events)
+    assert read_jsonl(tmp_path / "drained" / "predictions.jsonl") == reference
+    assert len([line for line in err.splitlines() if line.startswith("dist_eval: warning")]) <= 1, err[-3000:]
+    _wait_for(lambda: swarm.server_state(2) == "down", 30, "server 2 drained")
+    assert swarm._servers[2].proc.returncode == 0
+    assert len(_lines(events, 2, "left the swarm (exit code 0")) == 1 and not _lines(events, 2, "restarting in"), events
+
+    # 4. killed again past the limit: it stays down, one line; the other serves
+    _kill(swarm, 1)
+    _wait_for(lambda: swarm.server_state(1) == "down", 30, "server 1 down")
+    gave_up = _lines(events, 1, "not restarted")
+    assert len(gave_up) == 1 and "killed by SIGKILL" in gave_up[0] and "--max-restarts 1" in gave_up[0], events
+    assert "stays down; the other servers still serve its blocks" in gave_up[0]
+    time.sleep(2 * POLICY.backoff)
+    assert swarm.server_state(1) == "down" and swarm.restarts(1) == 1
+    swarm.check()  # server 0 serves every block
+    # the table, asked for a 5th block that nobody announces: exit 1 for it alone
+    r = _status("--initial-peers", peers[0], "--dht-prefix", prefix, "--num-blocks", "5")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1 and lines[-1] == "unserved: blocks 4", r.stdout + r.stderr
+    assert "UNREACHABLE" in r.stdout and "blocks 4:5: NO SERVER (none)" in lines, r.stdout
+    served = [line for line in lines if line.startswith("blocks 0:4: ")]
+    assert len(served) == 1 and served[0].count("(not serving)") == 2, r.stdout  # servers 1 and 2 of 3
+
+    # 5. SIGTERM drains server 0, the last one: OFFLINE announced, exit 0, not restarted; the swarm then fails its check
+    _kill(swarm, 0, signal.SIGTERM)
+    _wait_for(lambda: swarm.server_state(0) == "down", 30, "server 0 drained")
+    assert swarm._servers[0].proc.returncode == 0
+    with open(swarm.log_paths[0]) as f:
+        assert "are offline" in f.read()  # petals' graceful path announced it
+    assert len(_lines(events, 0, "left the swarm (exit code 0")) == 1, events
+    with pytest.raises(SwarmError, match="blocks 0:4 have no live server and every server holding them stays down"):
+        swarm.check()
+
+
+def _start_host(env, log_path):
+    """``launch/start_server.sh`` (one server) in its own session: (the process, its INITIAL_PEERS)."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([os.path.join(REPO, "launch", "start_server.sh")], env=env, cwd=REPO,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+    line = read_stdout_line(proc, timeout=150)
+    assert line.startswith("INITIAL_PEERS="), (line, open(log_path).read()[-3000:])
+    return proc, line.strip().split("=", 1)[1].split(" ")
+
+
+def _server_groups(pid) -> list:
+    """The process groups of the swarm servers that ``pid`` started."""
+    from test_swarm_failover import _children, _cmdline
+
+    return [c for c in _children(pid) if "dist_eval.swarm.server" in _cmdline(c)]
+
+
+@pytest.mark.swarm
+@pytest.mark.multiproc
+def test_a_hosts_swarm_process_dying_leaves_the_others_serving(tiny_model, tiny_checkpoint, local_run, tmp_path):
+    """Two hosts (launch/start_server.sh), each serving every block, B joined to A: A's swarm
+    process SIGKILLed (its watchdog stops its server): B serves on; a client given B's address
+    runs, == the local backend; status through B says every block is served."""
+    from test_swarm_failover import _group
+
+    data, reference = local_run
+    env = {**ENV, "PYTHON": sys.executable, "MODEL_DIR": tiny_model, "DHT_PREFIX": "dist-eval-hosts",
+           "HOST": "127.0.0.1", "SERVERS": "1", "DEVICE": "cpu"}
+    hosts, groups = [], []
+    try:
+        host_a, peers_a = _start_host(env, tmp_path / "a.log")
+        hosts.append(host_a)
+        host_b, peers_b = _start_host({**env, "INITIAL_PEERS": " ".join(peers_a)}, tmp_path / "b.log")
+        hosts.append(host_b)
+        groups = _server_groups(host_a.pid) + _server_groups(host_b.pid)
+        assert len(groups) == 2, groups
+        host_a.kill()
+        host_a.wait(timeout=10)
+        _wait_for(lambda: not _group(groups[0]), 15, "host A's server stopped by its watchdog")
+        assert host_b.poll() is None and _group(groups[1]), open(tmp_path / "b.log").read()[-3000:]
+        proc = run_cli(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "via_b", peers_b, "dist-eval-hosts"),
+                       nproc=0)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert read_jsonl(tmp_path / "via_b" / "predictions.jsonl") == reference
+        r = _status("--initial-peers", *peers_b, "--dht-prefix", "dist-eval-hosts", "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        status = json.loads(r.stdout)
+        assert status["unserved"] == [] and all(b["online"] == [peers_b[0].rsplit("/", 1)[1]] for b in status["blocks"])
+        host_b.send_signal(signal.SIGTERM)
+        assert host_b.wait(timeout=30) == 0, open(tmp_path / "b.log").read()[-3000:]
+    finally:
+        for proc in hosts:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except OSError:
+                pass
