@@ -128,10 +128,12 @@ def evaluate(
     settings (the CLI keys it by a hash of them; see :mod:`dist_eval.resume`).
 
     Stopping early (``stop_at_width``, a Dataset only): the rows are evaluated in the
-    ``limit`` order, ``stop_round_rows`` at a time, until the 95% time-uniform interval of
-    ``stop_metric`` over the whole set is at most that wide (:mod:`dist_eval.stopping`); the
-    metrics are those of the rows used, and ``metrics["stopping"]`` says where and why it
-    stopped. Two models on the same rows: :func:`evaluate_pair`.
+    ``limit`` order, ``stop_round_rows`` at a time, until the 95% interval of ``stop_metric``
+    over the whole set is at most that wide (:mod:`dist_eval.stopping`; ``stop_rule``:
+    "time-uniform", valid at every round at once, or "fixed-width", about the rows of a fixed
+    sample, valid at its own stop only); the metrics are those of the rows used, and
+    ``metrics["stopping"]`` says where and why it stopped, by which rule, and what its interval
+    guarantees. Two models on the same rows: :func:`evaluate_pair`.
 
     Intervals (``bootstrap_resamples``, 0 disables): 95% percentile bootstrap intervals,
     computed on rank 0 from the merged set (:mod:`dist_eval.intervals`; those of the

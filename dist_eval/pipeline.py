@@ -564,7 +564,8 @@ def _write_report(config: EvalConfig, out: str, result, say, texts: Optional[dic
     if config.quiet:
         stop = metrics.get("stopping")
         stopped = (f" (stopped after {stop['rows_used']} of {stop['rows_in_set']} rows: {stop['reason']}, "
-                   f"95% time-uniform interval [{stop['interval']['low']:.4f}, {stop['interval']['high']:.4f}])"
+                   f"95% {'time-uniform' if stop['interval']['time_uniform'] else 'fixed-width rule'} interval "
+                   f"[{stop['interval']['low']:.4f}, {stop['interval']['high']:.4f}])"
                    if stop else "")
         print(f"dist_eval: accuracy {metrics['accuracy']:.4f} on {metrics['num_samples']} samples{stopped} -> {path}")
     else:

@@ -27,7 +27,7 @@ from dist_eval.data.sample import column_values, key_order, sample_rows
 from dist_eval.errors import UsageError
 from dist_eval.merge import MergedResults, rows_report
 from dist_eval.metrics import default_top_k
-from dist_eval.sequential import STOP_METRICS, RunningSequence, paired_bounds, row_values
+from dist_eval.sequential import STOP_METRICS, RunningSequence, describe, paired_bounds, row_values
 
 LEVEL = 0.95
 
@@ -56,7 +56,7 @@ def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings,
             mine.add(evaluate_rows(data=subset, resume_folder=rounds.folder(folder), **keywords), rows)
         if ranks.is_main_process():
             if running is None:
-                running = _sequence_of(seen, rounds.population)
+                running = _sequence_of(seen, rounds.population, settings)
             decision = _decide(running.extend(_round_values(seen)), len(seen) == 2, rounds, settings)
         decision = ranks.broadcast_object(decision)
     out = []
@@ -101,7 +101,8 @@ class Rounds:
         self.round_rows = settings.stop_round_rows
         self.number = 0  # rounds handed out
         # each round: an exact evaluate() of its rows, none sampled again, none stopping
-        self.settings = replace(settings, limit=0, stop_at_width=None, stop_when_decided=False)
+        self.settings = replace(settings, limit=0, stop_at_width=None, stop_when_decided=False,
+                                stop_rule="time-uniform")
         if self.population == 0:
             raise UsageError("the evaluated split is empty: nothing to evaluate. Check --data-files and --split.",
                              param="data")
@@ -217,10 +218,12 @@ def _stop_values(metric: str, part: MergedResults, top_k: Optional[int]):
     return row_values(metric, part.logits, part.labels, top_k=k or 2)
 
 
-def _sequence_of(seen: List[Seen], population: int) -> RunningSequence:
-    """The confidence sequence of one model's metric, or of the second's minus the first's, row by row."""
+def _sequence_of(seen: List[Seen], population: int, settings: Settings) -> RunningSequence:
+    """The intervals of one model's metric, or of the second's minus the first's, row by row, of
+    the rule asked for (the time-uniform one tuned to the width asked for, if any).
+    """
     bounds = seen[0].bounds if len(seen) == 1 else paired_bounds(seen[0].bounds)
-    return RunningSequence(population, LEVEL, bounds)
+    return RunningSequence(population, LEVEL, bounds, width=settings.stop_at_width, rule=settings.stop_rule)
 
 
 def _round_values(seen: List[Seen]) -> np.ndarray:
@@ -258,12 +261,13 @@ def _stopping_facts(decision: dict, settings: Settings, seen: Seen, population: 
         "metric": settings.stop_metric,
         "stop_at_width": settings.stop_at_width,
         "stop_when_decided": settings.stop_when_decided,
+        "rule": settings.stop_rule,
         # "width": narrow enough; "decided": the difference excludes 0; "end": every row of the set seen
         "reason": decision["reason"],
         **({"better": decision["better"]} if "better" in decision else {}),
         "interval": {"of": f"the mean {settings.stop_metric} over all {population} rows of the set",
-                     **decision["interval"], "level": LEVEL, "time_uniform": True,
-                     "method": "confidence-sequence-empirical-bernstein-without-replacement"},
+                     **decision["interval"], "level": LEVEL, **describe(settings.stop_rule, settings.stop_at_width,
+                                                                         LEVEL)},
         "rows_used": used,
         "rows_in_set": population,
         "rows_saved": population - used,
