@@ -25,7 +25,7 @@ from dist_eval.config import Options, Settings
 from dist_eval.data.labels import TaskColumns, check_columns, is_generic_names, label_names_of
 from dist_eval.data.sample import column_values, key_order, sample_rows
 from dist_eval.errors import UsageError
-from dist_eval.merge import MergedResults, rows_report
+from dist_eval.merge import MergedResults, merge_parts, rows_report
 from dist_eval.metrics import default_top_k
 from dist_eval.sequential import STOP_METRICS, RunningSequence, describe, paired_bounds, row_values
 
@@ -152,15 +152,8 @@ class Seen:
         return self.reports[-1].get("label_names")
 
     def merged(self) -> MergedResults:
-        """Every row seen, ordered by the set's row index (as a merge orders them)."""
-        columns = {name: np.concatenate([getattr(p, name) for p in self.parts])
-                   for name in ("indices", "labels", "preds", "losses", "logits")}
-        values = {name: np.concatenate([p.sample_values[name] for p in self.parts])
-                  for name in self.parts[0].sample_values}
-        order = np.argsort(columns["indices"], kind="stable")
-        return MergedResults(**{name: column[order] for name, column in columns.items()},
-                             sample_values={name: v[order] for name, v in values.items()},
-                             num_duplicates_dropped=sum(p.num_duplicates_dropped for p in self.parts))
+        """Every row seen, ordered by the set's row index: the merge's own fields (merge.merge_parts)."""
+        return merge_parts(self.parts)
 
     def facts(self) -> dict:
         """``num_truncated`` and ``run`` over the rounds: sums, or the worst batch."""
