@@ -27,7 +27,7 @@ from dist_eval.data.sample import column_values, key_order, sample_rows
 from dist_eval.errors import UsageError
 from dist_eval.merge import MergedResults, merge_parts, rows_report
 from dist_eval.metrics import default_top_k
-from dist_eval.sequential import STOP_METRICS, RunningSequence, describe, paired_bounds, row_values
+from dist_eval.sequential import STOP_METRICS, RunningSequence, describe, paired_bounds, row_values, stop_reason
 
 LEVEL = 0.95
 
@@ -229,14 +229,9 @@ def _decide(interval: tuple, paired: bool, rounds: Rounds, settings: Settings) -
     or None to go on. ``paired``: the interval is of the second model's minus the first's.
     """
     low, high = interval
-    width = settings.stop_at_width
-    if rounds.rows_used >= rounds.population:
-        reason = "end"  # the interval is the exact value now
-    elif settings.stop_when_decided and (low > 0 or high < 0):
-        reason = "decided"
-    elif width is not None and high - low <= width:
-        reason = "width"
-    else:
+    reason = stop_reason(low, high, rounds.rows_used, rounds.population, settings.stop_at_width,
+                         settings.stop_when_decided)
+    if reason is None:
         return None
     decision = {"reason": reason, "interval": {"low": low, "high": high, "width": high - low}}
     if paired:
