@@ -284,7 +284,7 @@ def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
     """--stop-when-decided: the two checkpoints on the same rows of the one set, in rounds, until
     the interval of their difference says stop (:mod:`dist_eval.stopping`); a report for each.
     """
-    from dist_eval.evaluation import EvalResult, evaluate
+    from dist_eval.evaluation import EvalResult, evaluate_once
     from dist_eval.progress import GlobalProgress
     from dist_eval.stopping import evaluate_in_rounds
 
@@ -300,7 +300,8 @@ def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
     def evaluator(checkpoint: Checkpoint):
         def evaluate_rows(data, **keywords):
             _load_checkpoint(session, checkpoint)
-            return evaluate(session.model, data, tokenizer=session.tokenizer, **keywords)
+            return evaluate_once(session.model, data, tokenizer=session.tokenizer, num_labels=None, pad_token_id=None,
+                                 metrics=None, **keywords)
         return evaluate_rows
 
     settings = session.job.settings

@@ -2,7 +2,7 @@
 time-uniform interval (:mod:`dist_eval.sequential`) says the answer is known.
 
     the set's rows in their content-hash order (data/sample.key_order)
-      -> for each round of ``stop_round_rows`` rows: evaluate() on them (every rank, exact)
+      -> for each round of ``stop_round_rows`` rows: evaluation.evaluate_once on them (every rank, exact)
          -> rank 0: the per-row values seen so far -> the confidence sequence -> stop? (broadcast)
       -> rank 0: the metrics of the rows used (one merged set), the run's facts, ``stopping``
 
@@ -36,8 +36,10 @@ def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings,
                        model_names, user_metrics, sample_metrics, on_batch_done, resume_folders) -> list:
     """``evaluate()`` with ``stop_at_width`` (one evaluator) or ``stop_when_decided`` (two, on
     the same rows): for each evaluator, (the report on every rank, the merged rows used on
-    rank 0, None elsewhere). An evaluator ``(dataset, **keywords)`` is one exact evaluate()
-    of the rows given; ``model_names``: the first model's class names (or None);
+    rank 0, None elsewhere). An evaluator ``(dataset, **keywords)`` is one exact evaluation of
+    the rows given (``evaluation.evaluate_once``, never ``evaluate`` back: no recursion), for one
+    checkpoint (``evaluate``) and for the comparison (``evaluate_pair``, the CLI's
+    ``--stop-when-decided``) alike; ``model_names``: the first model's class names (or None);
     ``resume_folders``: one per evaluator (or None).
     """
     _check_stopping(data, settings, len(evaluators), sample_metrics)
@@ -100,7 +102,7 @@ class Rounds:
         self.population = len(self.data)
         self.round_rows = settings.stop_round_rows
         self.number = 0  # rounds handed out
-        # each round: an exact evaluate() of its rows, none sampled again, none stopping
+        # each round: an exact evaluation of its rows, none sampled again, none stopping
         self.settings = replace(settings, limit=0, stop_at_width=None, stop_when_decided=False,
                                 stop_rule="time-uniform")
         if self.population == 0:
@@ -117,7 +119,7 @@ class Rounds:
         return self.order[start:start + self.round_rows]
 
     def folder(self, resume_folder: Optional[str]) -> Optional[str]:
-        """This round's own folder of partial results (its rows are its own evaluate()'s rows 0..R-1)."""
+        """This round's own folder of partial results (its rows are its own evaluation's rows 0..R-1)."""
         return None if resume_folder is None else os.path.join(resume_folder, f"round-{self.number:06d}")
 
 

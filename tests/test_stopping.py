@@ -324,3 +324,15 @@ def test_the_cli_refuses_a_comparison_without_two_checkpoints_in_one_line():
         with pytest.raises(UsageError) as e:
             EvalConfig(model=".", data_files=["x.csv"], checkpoint=checkpoints, stop_when_decided=True)
         assert e.value.param == "stop_when_decided" and "--checkpoint twice" in str(e.value)
+
+
+def test_a_stopped_run_never_calls_evaluate_back(demo, monkeypatch):
+    """One way in: each round is one exact evaluation (evaluation.evaluate_once), not a call back
+    into the public evaluate() (which would dispatch to the rounds again)."""
+    import dist_eval.evaluation as evaluation
+
+    calls = []
+    original = evaluation.evaluate
+    monkeypatch.setattr(evaluation, "evaluate", lambda *a, **k: calls.append(1) or original(*a, **k))
+    result = _stopped(demo, stop_at_width=0.1, bootstrap_resamples=0)
+    assert result.metrics["stopping"]["rounds"] >= 1 and calls == []
