@@ -48,6 +48,9 @@ DEFAULT_SWARM_TIMEOUT = 60.0
 DEFAULT_STOP_ROUND_ROWS = 256
 # The per-row metrics a run can stop on (their bounds: dist_eval.sequential.STOP_METRICS).
 STOP_METRIC_NAMES = ("accuracy", "brier", "top_k_accuracy")
+# How a run stops early (dist_eval.sequential.RULES): an interval valid at every round, or a
+# fixed-sample interval used once, at the first round it is narrow enough.
+STOP_RULE_NAMES = ("time-uniform", "fixed-width")
 
 
 
@@ -135,15 +138,23 @@ _LIMIT = (
 )
 _STOP_AT_WIDTH = (
     "Stop early: evaluate the rows in the --limit order (a seeded hash of each row's content), in rounds of "
-    "--stop-round-rows rows over all ranks, and stop at the first round whose 95%% time-uniform confidence "
-    "interval of --stop-metric over the whole set (valid although the run chose when to stop) is at most this "
-    "wide, e.g. 0.02 for +-1 point of accuracy; or at the end of the set. With two --checkpoint's and "
+    "--stop-round-rows rows over all ranks, and stop at the first round whose 95%% interval of --stop-metric "
+    "over the whole set (--stop-rule: time-uniform by default, valid although the run chose when to stop) is at "
+    "most this wide, e.g. 0.02 for +-1 point of accuracy; or at the end of the set. With two --checkpoint's and "
     "--stop-when-decided, the width of the interval of their difference. 0 (the default; API: None): every row."
 )
 _STOP_WHEN_DECIDED = (
     "With two --checkpoint's: evaluate both on the same rows in rounds (as --stop-at-width) and stop as soon "
     "as the 95%% time-uniform interval of the difference in --stop-metric (second - first) excludes 0, or is "
     "at most --stop-at-width wide, or the set ends."
+)
+_STOP_RULE = (
+    "What --stop-at-width stops on. time-uniform: a 95%% confidence sequence (valid at every round at once, so "
+    "the interval stays valid if you look at it and evaluate more rows; its weights tuned to reach the width in "
+    "the fewest rows: about 1.5-2.5x the rows of a fixed-sample interval of that width). fixed-width: the "
+    "fixed-sample 95%% interval of the rows seen, at the first round it is at most --stop-at-width wide (about "
+    "the rows a fixed sample of that width needs; about 95%% coverage for this rule only: not if you then "
+    "evaluate more rows). Not with --stop-when-decided; without --stop-at-width, nothing stops early."
 )
 _LABEL_WORDS = (
     "Zero-shot: score each class by the language model's log-probability of its word after the text (one "
@@ -185,6 +196,7 @@ class Settings:
                                choices=list(STOP_METRIC_NAMES))
     stop_round_rows: int = setting(DEFAULT_STOP_ROUND_ROWS, "Rows per round of a run that stops early (over "
                                                             "all ranks): the interval is looked at after each.")
+    stop_rule: str = setting("time-uniform", _STOP_RULE, choices=list(STOP_RULE_NAMES))
 
     @property
     def stops_early(self) -> bool:
@@ -207,9 +219,19 @@ class Settings:
             raise UsageError("expected a width in (0, 2] (the interval's high - low, e.g. 0.02 for +-1 point), "
                              "or 0 (API: None): every row.", param="stop_at_width", value=self.stop_at_width)
         check_int("stop_round_rows", self.stop_round_rows, 1)
+        self._check_stop_rule()
         if not isinstance(self.stop_metric, str) or not self.stop_metric:
             raise UsageError(f"expected a metric name: one of {', '.join(STOP_METRIC_NAMES)} (or, in the API, a "
                              "sample_metrics name).", param="stop_metric", value=self.stop_metric)
+
+    def _check_stop_rule(self) -> None:
+        if self.stop_rule not in STOP_RULE_NAMES:
+            raise UsageError(f"expected one of {', '.join(STOP_RULE_NAMES)}.", param="stop_rule", value=self.stop_rule)
+        if self.stop_rule == "fixed-width" and self.stop_when_decided:
+            raise UsageError("the fixed-width rule stops once its interval is at most --stop-at-width wide, and "
+                             "cannot decide which checkpoint is better (looking at a fixed-sample test after every "
+                             "round is not a valid test): drop --stop-when-decided, or --stop-rule.",
+                             param="stop_rule", value=self.stop_rule)
 
     def as_dict(self) -> dict:
         return asdict(self)

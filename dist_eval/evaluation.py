@@ -129,10 +129,12 @@ def evaluate(
     settings (the CLI keys it by a hash of them; see :mod:`dist_eval.resume`).
 
     Stopping early (``stop_at_width``, a Dataset only): the rows are evaluated in the
-    ``limit`` order, ``stop_round_rows`` at a time, until the 95% time-uniform interval of
-    ``stop_metric`` over the whole set is at most that wide (:mod:`dist_eval.stopping`); the
-    metrics are those of the rows used, and ``metrics["stopping"]`` says where and why it
-    stopped. Two models on the same rows: :func:`evaluate_pair`.
+    ``limit`` order, ``stop_round_rows`` at a time, until the 95% interval of ``stop_metric``
+    over the whole set is at most that wide (:mod:`dist_eval.stopping`; ``stop_rule``:
+    "time-uniform", valid at every round at once, or "fixed-width", about the rows of a fixed
+    sample, valid at its own stop only); the metrics are those of the rows used, and
+    ``metrics["stopping"]`` says where and why it stopped, by which rule, and what its interval
+    guarantees. Two models on the same rows: :func:`evaluate_pair`.
 
     Intervals (``bootstrap_resamples``, 0 disables): 95% percentile bootstrap intervals,
     computed on rank 0 from the merged set (:mod:`dist_eval.intervals`; those of the
@@ -153,6 +155,18 @@ def evaluate(
             on_batch_done=on_batch_done, resume_folders=[resume_folder] if resume_folder else None,
             settings=settings, options=options,
         )[0]
+    return evaluate_once(model, data, tokenizer=tokenizer, num_labels=num_labels, label_names=label_names,
+                         pad_token_id=pad_token_id, return_logits=return_logits, metrics=metrics,
+                         sample_metrics=sample_metrics, on_batch_done=on_batch_done, resume_folder=resume_folder,
+                         settings=settings, options=options)
+
+
+def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_id, return_logits, metrics,
+                  sample_metrics, on_batch_done, resume_folder, settings: Settings, options: Options) -> EvalResult:
+    """One exact evaluation of every row of ``data`` (:func:`evaluate`'s, validated ``settings``
+    that do not stop early): the whole run, or one round of a run that stops early
+    (:mod:`dist_eval.stopping` calls it for each round, never :func:`evaluate` back).
+    """
     with evaluation_model(model) as model:  # a model object: adapted, in eval mode until the forwards end
         task = _task_of(model, num_labels, pad_token_id, label_names)
         settings = replace(settings, label_words=_label_words_of(task, settings.label_words))
@@ -225,8 +239,8 @@ def _evaluate_in_rounds(models, data, *, tokenizer, num_labels, label_names, pad
 
     def evaluator(model):
         def evaluate_rows(data, **keywords) -> EvalResult:
-            return evaluate(model, data, tokenizer=tokenizer, num_labels=num_labels, pad_token_id=pad_token_id,
-                            **keywords)
+            return evaluate_once(model, data, tokenizer=tokenizer, num_labels=num_labels, pad_token_id=pad_token_id,
+                                 metrics=None, **keywords)
         return evaluate_rows
 
     results = evaluate_in_rounds(

@@ -6,7 +6,7 @@ Values are ``local_`` (one rank's) or ``global_`` (over every rank) as in the na
 """
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -116,6 +116,32 @@ def merge_gathered(payloads: List[dict], num_rows: int) -> MergedResults:
         sample_values=sample_values,
         num_duplicates_dropped=num_duplicates,
     )
+
+
+def merge_parts(parts: Sequence[MergedResults]) -> MergedResults:
+    """One MergedResults of several merged parts of disjoint rows (the rounds of a run that
+    stops early, their indices already the set's): every field of MergedResults, whatever it
+    holds, ordered by row index as :func:`merge_gathered` orders them; arrays and each
+    ``sample_values`` array concatenated, counts summed. A field of another kind is refused,
+    so a field added to the merge cannot silently go missing here.
+    """
+    indices = np.concatenate([part.indices for part in parts])
+    order = np.argsort(indices, kind="stable")
+    out = {}
+    for name in (f.name for f in fields(MergedResults)):
+        values = [getattr(part, name) for part in parts]
+        if all(value is None for value in values):
+            out[name] = None
+        elif all(isinstance(value, np.ndarray) for value in values):
+            out[name] = np.concatenate(values)[order]
+        elif all(isinstance(value, dict) for value in values):
+            out[name] = {key: np.concatenate([value[key] for value in values])[order] for key in values[0]}
+        elif all(isinstance(value, int) for value in values):
+            out[name] = sum(values)
+        else:
+            raise TypeError(f"MergedResults.{name}: expected arrays, dicts of arrays or counts in every part, "
+                            f"got {sorted({type(value).__name__ for value in values})}; teach merge_parts it")
+    return MergedResults(**out)
 
 
 @dataclass

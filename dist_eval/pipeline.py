@@ -277,7 +277,7 @@ def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
     """--stop-when-decided: the two checkpoints on the same rows of the one set, in rounds, until
     the interval of their difference says stop (:mod:`dist_eval.stopping`); a report for each.
     """
-    from dist_eval.evaluation import EvalResult, evaluate
+    from dist_eval.evaluation import EvalResult, evaluate_once
     from dist_eval.progress import GlobalProgress
     from dist_eval.stopping import evaluate_in_rounds
 
@@ -293,7 +293,8 @@ def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
     def evaluator(checkpoint: Checkpoint):
         def evaluate_rows(data, **keywords):
             _load_checkpoint(session, checkpoint)
-            return evaluate(session.model, data, tokenizer=session.tokenizer, **keywords)
+            return evaluate_once(session.model, data, tokenizer=session.tokenizer, num_labels=None, pad_token_id=None,
+                                 metrics=None, **keywords)
         return evaluate_rows
 
     settings = session.job.settings
@@ -557,7 +558,8 @@ def _write_report(config: EvalConfig, out: str, result, say, texts: Optional[dic
     if config.quiet:
         stop = metrics.get("stopping")
         stopped = (f" (stopped after {stop['rows_used']} of {stop['rows_in_set']} rows: {stop['reason']}, "
-                   f"95% time-uniform interval [{stop['interval']['low']:.4f}, {stop['interval']['high']:.4f}])"
+                   f"95% {'time-uniform' if stop['interval']['time_uniform'] else 'fixed-width rule'} interval "
+                   f"[{stop['interval']['low']:.4f}, {stop['interval']['high']:.4f}])"
                    if stop else "")
         print(f"dist_eval: accuracy {metrics['accuracy']:.4f} on {metrics['num_samples']} samples{stopped} -> {path}")
     else:

@@ -2,7 +2,7 @@
 time-uniform interval (:mod:`dist_eval.sequential`) says the answer is known.
 
     the set's rows in their content-hash order (data/sample.key_order)
-      -> for each round of ``stop_round_rows`` rows: evaluate() on them (every rank, exact)
+      -> for each round of ``stop_round_rows`` rows: evaluation.evaluate_once on them (every rank, exact)
          -> rank 0: the per-row values seen so far -> the confidence sequence -> stop? (broadcast)
       -> rank 0: the metrics of the rows used (one merged set), the run's facts, ``stopping``
 
@@ -25,9 +25,9 @@ from dist_eval.config import Options, Settings
 from dist_eval.data.labels import TaskColumns, check_columns, is_generic_names, label_names_of
 from dist_eval.data.sample import column_values, key_order, sample_rows
 from dist_eval.errors import UsageError
-from dist_eval.merge import MergedResults, rows_report
+from dist_eval.merge import MergedResults, merge_parts, rows_report
 from dist_eval.metrics import default_top_k
-from dist_eval.sequential import STOP_METRICS, RunningSequence, paired_bounds, row_values
+from dist_eval.sequential import STOP_METRICS, RunningSequence, describe, paired_bounds, row_values, stop_reason
 
 LEVEL = 0.95
 
@@ -36,8 +36,10 @@ def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings,
                        model_names, user_metrics, sample_metrics, on_batch_done, resume_folders) -> list:
     """``evaluate()`` with ``stop_at_width`` (one evaluator) or ``stop_when_decided`` (two, on
     the same rows): for each evaluator, (the report on every rank, the merged rows used on
-    rank 0, None elsewhere). An evaluator ``(dataset, **keywords)`` is one exact evaluate()
-    of the rows given; ``model_names``: the first model's class names (or None);
+    rank 0, None elsewhere). An evaluator ``(dataset, **keywords)`` is one exact evaluation of
+    the rows given (``evaluation.evaluate_once``, never ``evaluate`` back: no recursion), for one
+    checkpoint (``evaluate``) and for the comparison (``evaluate_pair``, the CLI's
+    ``--stop-when-decided``) alike; ``model_names``: the first model's class names (or None);
     ``resume_folders``: one per evaluator (or None).
     """
     _check_stopping(data, settings, len(evaluators), sample_metrics)
@@ -56,7 +58,7 @@ def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings,
             mine.add(evaluate_rows(data=subset, resume_folder=rounds.folder(folder), **keywords), rows)
         if ranks.is_main_process():
             if running is None:
-                running = _sequence_of(seen, rounds.population)
+                running = _sequence_of(seen, rounds.population, settings)
             decision = _decide(running.extend(_round_values(seen)), len(seen) == 2, rounds, settings)
         decision = ranks.broadcast_object(decision)
     out = []
@@ -100,8 +102,9 @@ class Rounds:
         self.population = len(self.data)
         self.round_rows = settings.stop_round_rows
         self.number = 0  # rounds handed out
-        # each round: an exact evaluate() of its rows, none sampled again, none stopping
-        self.settings = replace(settings, limit=0, stop_at_width=None, stop_when_decided=False)
+        # each round: an exact evaluation of its rows, none sampled again, none stopping
+        self.settings = replace(settings, limit=0, stop_at_width=None, stop_when_decided=False,
+                                stop_rule="time-uniform")
         if self.population == 0:
             raise UsageError("the evaluated split is empty: nothing to evaluate. Check --data-files and --split.",
                              param="data")
@@ -116,7 +119,7 @@ class Rounds:
         return self.order[start:start + self.round_rows]
 
     def folder(self, resume_folder: Optional[str]) -> Optional[str]:
-        """This round's own folder of partial results (its rows are its own evaluate()'s rows 0..R-1)."""
+        """This round's own folder of partial results (its rows are its own evaluation's rows 0..R-1)."""
         return None if resume_folder is None else os.path.join(resume_folder, f"round-{self.number:06d}")
 
 
@@ -151,15 +154,8 @@ class Seen:
         return self.reports[-1].get("label_names")
 
     def merged(self) -> MergedResults:
-        """Every row seen, ordered by the set's row index (as a merge orders them)."""
-        columns = {name: np.concatenate([getattr(p, name) for p in self.parts])
-                   for name in ("indices", "labels", "preds", "losses", "logits")}
-        values = {name: np.concatenate([p.sample_values[name] for p in self.parts])
-                  for name in self.parts[0].sample_values}
-        order = np.argsort(columns["indices"], kind="stable")
-        return MergedResults(**{name: column[order] for name, column in columns.items()},
-                             sample_values={name: v[order] for name, v in values.items()},
-                             num_duplicates_dropped=sum(p.num_duplicates_dropped for p in self.parts))
+        """Every row seen, ordered by the set's row index: the merge's own fields (merge.merge_parts)."""
+        return merge_parts(self.parts)
 
     def facts(self) -> dict:
         """``num_truncated`` and ``run`` over the rounds: sums, or the worst batch."""
@@ -217,10 +213,12 @@ def _stop_values(metric: str, part: MergedResults, top_k: Optional[int]):
     return row_values(metric, part.logits, part.labels, top_k=k or 2)
 
 
-def _sequence_of(seen: List[Seen], population: int) -> RunningSequence:
-    """The confidence sequence of one model's metric, or of the second's minus the first's, row by row."""
+def _sequence_of(seen: List[Seen], population: int, settings: Settings) -> RunningSequence:
+    """The intervals of one model's metric, or of the second's minus the first's, row by row, of
+    the rule asked for (the time-uniform one tuned to the width asked for, if any).
+    """
     bounds = seen[0].bounds if len(seen) == 1 else paired_bounds(seen[0].bounds)
-    return RunningSequence(population, LEVEL, bounds)
+    return RunningSequence(population, LEVEL, bounds, width=settings.stop_at_width, rule=settings.stop_rule)
 
 
 def _round_values(seen: List[Seen]) -> np.ndarray:
@@ -233,14 +231,9 @@ def _decide(interval: tuple, paired: bool, rounds: Rounds, settings: Settings) -
     or None to go on. ``paired``: the interval is of the second model's minus the first's.
     """
     low, high = interval
-    width = settings.stop_at_width
-    if rounds.rows_used >= rounds.population:
-        reason = "end"  # the interval is the exact value now
-    elif settings.stop_when_decided and (low > 0 or high < 0):
-        reason = "decided"
-    elif width is not None and high - low <= width:
-        reason = "width"
-    else:
+    reason = stop_reason(low, high, rounds.rows_used, rounds.population, settings.stop_at_width,
+                         settings.stop_when_decided)
+    if reason is None:
         return None
     decision = {"reason": reason, "interval": {"low": low, "high": high, "width": high - low}}
     if paired:
@@ -258,12 +251,13 @@ def _stopping_facts(decision: dict, settings: Settings, seen: Seen, population: 
         "metric": settings.stop_metric,
         "stop_at_width": settings.stop_at_width,
         "stop_when_decided": settings.stop_when_decided,
+        "rule": settings.stop_rule,
         # "width": narrow enough; "decided": the difference excludes 0; "end": every row of the set seen
         "reason": decision["reason"],
         **({"better": decision["better"]} if "better" in decision else {}),
         "interval": {"of": f"the mean {settings.stop_metric} over all {population} rows of the set",
-                     **decision["interval"], "level": LEVEL, "time_uniform": True,
-                     "method": "confidence-sequence-empirical-bernstein-without-replacement"},
+                     **decision["interval"], "level": LEVEL, **describe(settings.stop_rule, settings.stop_at_width,
+                                                                         LEVEL)},
         "rows_used": used,
         "rows_in_set": population,
         "rows_saved": population - used,

@@ -27,6 +27,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "simulation: many simulated runs of a statistic, vectorized (seconds, in "
+                                       "every run of the suite)")
     for plugin in (process_leaks, suite_plugin):
         if not config.pluginmanager.is_registered(plugin):
             config.pluginmanager.register(plugin, f"dist_eval_{plugin.__name__}")

@@ -114,7 +114,7 @@ def test_every_setting_is_in_the_resume_key(tmp_path):
     changed = {"text_column": "t", "text_pair_column": "p", "label_column": "y", "batch_size": 3, "max_length": 7,
                "length_buckets": False, "max_batch_tokens": None, "limit": 5, "limit_seed": 1,
                "label_words": ("yes", "no"), "template": "{text} ok", "stop_at_width": 0.02,
-               "stop_when_decided": True, "stop_metric": "brier", "stop_round_rows": 7}
+               "stop_when_decided": True, "stop_metric": "brier", "stop_round_rows": 7, "stop_rule": "fixed-width"}
     assert set(changed) == {f.name for f in dataclasses.fields(Settings)}
     for name, value in changed.items():
         assert run_key(str(model_dir), None, dataset, None, model, dataclasses.replace(base, **{name: value})) != key

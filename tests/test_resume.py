@@ -94,7 +94,7 @@ def test_a_run_that_stops_early_resumes_its_sequence_exactly(job):
     """--stop-at-width: rank 1 killed in the third round; the same command again on 3 ranks
     reads the finished rounds back and stops on the same round, rows and numbers."""
     base, args, _ = job
-    stopping = [*args, "--stop-at-width", "0.15", "--stop-round-rows", "100"]
+    stopping = [*args, "--stop-at-width", "0.12", "--stop-round-rows", "100"]
     reference = base / "stopping_reference"
     proc = run_cli([*stopping, "--output-dir", str(reference)], nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,10 +13,10 @@ from conftest import read_jsonl, run_cli
 from inprocess_cli import one_thread
 
 from dist_eval import evaluate
-from dist_eval.config import STOP_METRIC_NAMES, Settings
+from dist_eval.config import STOP_METRIC_NAMES, STOP_RULE_NAMES, Settings
 from dist_eval.data.sample import key_order
 from dist_eval.errors import UsageError
-from dist_eval.sequential import STOP_METRICS, stop_report
+from dist_eval.sequential import RULES, STOP_METRICS, stop_report
 
 ROUND = 100
 
@@ -44,8 +44,34 @@ def _stopped(demo, **keywords):
         return evaluate(model, dataset, tokenizer=tokenizer, return_logits=True, stop_round_rows=ROUND, **keywords)
 
 
-def test_the_stop_metrics_are_the_flags_choices():
-    assert set(STOP_METRIC_NAMES) == set(STOP_METRICS)
+def test_the_stop_metrics_and_rules_are_the_flags_choices():
+    assert set(STOP_METRIC_NAMES) == set(STOP_METRICS) and STOP_RULE_NAMES == RULES
+    for bad in ({"stop_rule": "fixed-width", "stop_at_width": 0.1, "stop_when_decided": True},
+                {"stop_rule": "peek"}):
+        with pytest.raises(UsageError) as e:
+            Settings(**bad)
+        assert e.value.param == "stop_rule"
+
+
+def test_the_fixed_width_rule_stops_where_its_interval_is_narrow_enough_and_says_what_it_guarantees(demo):
+    """``stop_rule="fixed-width"``: the stop of sequential.stop_report's fixed-width rule on the
+    rows used; fewer rows than the time-uniform rule; metrics.json's words say which rule stopped
+    and that its interval holds at this stop only."""
+    _, _, dataset, _ = demo
+    fixed = _stopped(demo, stop_at_width=0.05, stop_rule="fixed-width", bootstrap_resamples=0)
+    tuned = _stopped(demo, stop_at_width=0.05, bootstrap_resamples=0)
+    stop = fixed.metrics["stopping"]
+    order = key_order([dataset["text"], dataset["label"]], 0)
+    position = np.searchsorted(fixed.predictions.indices, order[: stop["rows_used"]])
+    correct = (fixed.predictions.preds == fixed.predictions.labels).astype(float)[position]
+    expected = stop_report(correct, len(dataset), ROUND, width=0.05, rule="fixed-width")
+    assert (stop["rule"], stop["reason"], stop["rows_used"]) == ("fixed-width", "width", expected["rows_used"])
+    assert (stop["interval"]["low"], stop["interval"]["high"]) == (expected["interval"]["low"],
+                                                                   expected["interval"]["high"])
+    assert stop["interval"]["time_uniform"] is False and "this stopping rule only" in stop["interval"]["guarantee"]
+    assert stop["rows_used"] < tuned.metrics["stopping"]["rows_used"]
+    assert tuned.metrics["stopping"]["rule"] == "time-uniform"
+    assert tuned.metrics["stopping"]["interval"]["tuned_to_width"] == 0.05
 
 
 @pytest.mark.parametrize("width", [0.05, 0.1])
@@ -298,3 +324,15 @@ def test_the_cli_refuses_a_comparison_without_two_checkpoints_in_one_line():
         with pytest.raises(UsageError) as e:
             EvalConfig(model=".", data_files=["x.csv"], checkpoint=checkpoints, stop_when_decided=True)
         assert e.value.param == "stop_when_decided" and "--checkpoint twice" in str(e.value)
+
+
+def test_a_stopped_run_never_calls_evaluate_back(demo, monkeypatch):
+    """One way in: each round is one exact evaluation (evaluation.evaluate_once), not a call back
+    into the public evaluate() (which would dispatch to the rounds again)."""
+    import dist_eval.evaluation as evaluation
+
+    calls = []
+    original = evaluation.evaluate
+    monkeypatch.setattr(evaluation, "evaluate", lambda *a, **k: calls.append(1) or original(*a, **k))
+    result = _stopped(demo, stop_at_width=0.1, bootstrap_resamples=0)
+    assert result.metrics["stopping"]["rounds"] >= 1 and calls == []

@@ -34,7 +34,14 @@ def format_stopping(metrics: dict) -> Optional[str]:
              if stop["rows_saved"] else "")
     return (f"stopped after {stop['rows_used']} of {stop['rows_in_set']} rows ({stop['rounds']} round(s)): {why}. "
             f"{interval['of']}: [{interval['low']:.4f}, {interval['high']:.4f}] "
-            f"({100 * interval['level']:g}% time-uniform: valid wherever the run stops).{saved}")
+            f"({100 * interval['level']:g}% {stop_rule_words(interval)}).{saved}")
+
+
+def stop_rule_words(interval: dict) -> str:
+    """What the interval a run stopped on guarantees, in a few words (its ``guarantee`` says more)."""
+    if interval.get("time_uniform", True):
+        return "time-uniform: valid wherever the run stops"
+    return "fixed-width rule: valid at this stop only, not if more rows are evaluated after it"
 
 
 def format_summary(metrics: dict) -> str:
