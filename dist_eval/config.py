@@ -24,6 +24,7 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from dist_eval.backends.kinds import BACKENDS, backend_kind
 from dist_eval.errors import UsageError
 from dist_eval.plan import parse_checkpoints, parse_plan
 
@@ -345,7 +346,7 @@ class EvalConfig:
     num_labels: Optional[int] = setting(None, "Number of classes; must match the classifier head (read from the "
                                               "checkpoint by default).")
     # the model
-    backend: str = setting("petals", _PETALS_OR_LOCAL, choices=["petals", "local"])
+    backend: str = setting("petals", _PETALS_OR_LOCAL, choices=list(BACKENDS))
     initial_peers: Optional[List[str]] = setting(None, _INITIAL_PEERS, nargs="+")
     dht_prefix: Optional[str] = setting(None, "DHT prefix the swarm's servers announce the model under.")
     checkpoint: Optional[List[str]] = setting(None, _CHECKPOINT, action="append")
@@ -404,7 +405,8 @@ class EvalConfig:
         if (self.model is None) != (self.data_files is None):
             given, missing = ("--model", "--data-files") if self.model else ("--data-files", "--model")
             raise UsageError(f"{missing}: needed with {given} (or omit both to run the built-in demo).")
-        if self.device != "cpu" and self.backend != "local":
+        kind = backend_kind(self.backend)
+        if self.device != "cpu" and not kind.computes_here:
             raise UsageError("only --backend local computes here; a Petals client's tensors stay on the CPU.",
                              param="device", value=self.device)
         self._check_label_words()
@@ -417,7 +419,7 @@ class EvalConfig:
         check_int("pre_seq_len", self.pre_seq_len, 0, ">= 0")
         if self.pre_seq_len and not self.tuning_mode:
             raise UsageError("needs --tuning-mode ptune or deep_ptune.", param="pre_seq_len", value=self.pre_seq_len)
-        if self.initial_peers and self.backend != "petals":
+        if self.initial_peers and not kind.on_swarm:
             raise UsageError("--initial-peers: only used with --backend petals.")
         self._plan()
         if self.settings.stop_when_decided and (

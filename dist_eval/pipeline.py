@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from dist_eval import ranks
+from dist_eval.backends.kinds import backend_kind
 from dist_eval.config import EvalConfig, Settings
 from dist_eval.errors import UsageError, short_error
 from dist_eval.plan import Checkpoint, EvalSet, Pair, Plan
@@ -161,7 +162,7 @@ def _swarm_address(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, 
     """(initial peers, DHT prefix) of the swarm: the flags', or a local swarm's, started by
     rank 0 (and stopped when the run ends) while every rank imports its client.
     """
-    if config.backend != "petals" or config.initial_peers:
+    if not backend_kind(config.backend).on_swarm or config.initial_peers:
         return config.initial_peers, config.dht_prefix or job.dht_prefix
     with ranks.phase("starting the local swarm"):
         swarm = _start_swarm(config, job, cleanup, say) if ranks.is_main_process() else None

@@ -4,19 +4,20 @@ facts the report needs) and :func:`load_model`.
 ``load_model`` reads the model folder's config (its ``model_type`` picks the family,
 :mod:`dist_eval.backends.families`), the trained prompts and head (a checkpoint, or the
 head saved in the folder), checks them against each other, and hands them to a backend
-of :data:`BACKENDS`. A head that would be initialised at random is refused: each rank
+of :data:`dist_eval.backends.kinds.BACKENDS`. A head that would be initialised at random is refused: each rank
 would draw a different one and disagree silently.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from dist_eval import ranks
 from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import TrainableState, load_checkpoint, load_prompts, model_dir_trainable_state
 from dist_eval.backends.families import Family, family_of
+from dist_eval.backends.kinds import backend_kind
 from dist_eval.backends.zeroshot import LabelWords, check_lm_head, label_word_tokens
 from dist_eval.config import DEFAULT_SWARM_TIMEOUT, read_label_words
 from dist_eval.errors import UsageError, param_name, warn
@@ -79,24 +80,6 @@ class LoadedModel:
         self.module.close()
 
 
-def _load_local(model_dir: str, state: TrainableState, family: Family, device: str = "cpu", label_words=None,
-                **_) -> Backend:
-    from dist_eval.backends.local import load_local
-
-    return load_local(model_dir, state, family, device, label_words)
-
-
-def _load_petals(model_dir: str, state: TrainableState, family: Family, device: str = "cpu", **swarm) -> Backend:
-    from dist_eval.backends.petals import load_petals
-
-    return load_petals(model_dir, state, family, **swarm)
-
-
-# backend name -> fn(model_dir, state, family, initial_peers=, dht_prefix=, client_options=, swarm_timeout=, device=,
-#                    label_words=)
-BACKENDS: Dict[str, Callable[..., Backend]] = {"petals": _load_petals, "local": _load_local}
-
-
 def load_model(
     backend: str,
     model_dir: str,
@@ -135,14 +118,13 @@ def load_model(
     """
     from dist_eval.backends.hub import resolve_model
 
+    kind = backend_kind(backend)
     model_dir, hub_prefix = resolve_model(model_dir, backend, initial_peers, revision, whole=fetch_whole_model)
     dht_prefix = dht_prefix or hub_prefix
-    if backend not in BACKENDS:
-        raise UsageError(f"expected one of {', '.join(repr(b) for b in BACKENDS)}.", param="backend", value=backend)
     if device != "cpu":
         from dist_eval.ranks.devices import this_rank_device
 
-        if backend != "local":
+        if not kind.computes_here:
             raise UsageError("only the local backend computes here; a Petals client stays on the CPU.",
                              param="device", value=device)
         device = this_rank_device(device, int(os.environ.get("LOCAL_RANK", "0")))
@@ -158,11 +140,8 @@ def load_model(
             param="model_dir", value=model_dir,
         )
     scored = _label_words(model_dir, config, family, words, tokenizer) if words else None
-    module = BACKENDS[backend](
-        model_dir, state, family, initial_peers=initial_peers, dht_prefix=dht_prefix,
-        client_options=petals_client_options or {}, swarm_timeout=swarm_timeout, device=device,
-        label_words=scored,
-    )
+    module = kind.load(model_dir, state, family, scored, initial_peers=initial_peers, dht_prefix=dht_prefix,
+                       client_options=petals_client_options or {}, swarm_timeout=swarm_timeout, device=device)
     module.eval()
     return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend,
                        class_names(config, state.num_labels), state.pre_seq_len, state.tuning_mode,

@@ -17,6 +17,7 @@ import json
 import os
 from typing import List, Optional, Tuple
 
+from dist_eval.backends.kinds import backend_kind
 from dist_eval.config import is_hub_id
 from dist_eval.errors import UsageError
 
@@ -25,8 +26,8 @@ SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
-def resolve_model(model: str, backend: str, initial_peers, revision: Optional[str] = None, whole: bool = False
-                  ) -> Tuple[str, Optional[str]]:
+def resolve_model(model: str, backend: str, initial_peers, revision: Optional[str] = None,
+                  whole: bool = False) -> Tuple[str, Optional[str]]:
     """(the folder to read, the DHT prefix petals' client would use or None) of ``model``: a
     folder as it is; a hub id, for ``--backend petals --initial-peers``, as its client files
     (:func:`client_folder`). What reads every block (the local backend, a local swarm) is told
@@ -38,10 +39,11 @@ def resolve_model(model: str, backend: str, initial_peers, revision: Optional[st
             raise UsageError(f"only for a hub id; --model {model} is a folder here. Drop --revision.",
                              param="revision", value=revision)
         return model, None
-    if backend != "petals" or not initial_peers:
+    kind = backend_kind(backend)
+    if not kind.on_swarm or not initial_peers:
         if whole:
             return client_folder(model, revision, every_shard=True), None
-        needs = "--backend local" if backend != "petals" else "a local swarm (no --initial-peers)"
+        needs = f"--backend {backend}" if not kind.on_swarm else "a local swarm (no --initial-peers)"
         raise UsageError(
             f"{needs} reads every block's weights, and of a hub id dist_eval fetches only the client's files "
             f"({_size_of(model, revision)}). Run --backend petals --initial-peers against a swarm serving it, "
