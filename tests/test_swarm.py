@@ -311,7 +311,9 @@ def test_a_joining_server_waits_for_its_peers_file(tmp_path):
 
     assert _server_argv(["folder", "--new_swarm", "--port", "1"]) == ["folder", "--new_swarm", "--port", "1"]
     peers = tmp_path / "peers"
-    threading.Timer(0.3, lambda: peers.write_text("/ip4/127.0.0.1/tcp/1/p2p/A\n/ip4/127.0.0.1/tcp/2/p2p/B\n")).start()
+    written = tmp_path / "peers.tmp"  # renamed into place whole, as LocalSwarm writes it (atomic_write)
+    written.write_text("/ip4/127.0.0.1/tcp/1/p2p/A\n/ip4/127.0.0.1/tcp/2/p2p/B\n")
+    threading.Timer(0.3, lambda: written.rename(peers)).start()
     began = time.monotonic()
     argv = _server_argv(["folder", "--initial_peers_file", str(peers), "--dht_prefix", "p"])
     assert time.monotonic() - began >= 0.25  # it waited for the file

@@ -542,11 +542,11 @@ class LocalSwarm:
         s.proc.poll()  # reaped: a zombie leader keeps its group listed
         return not _live_groups({s.proc.pid})
 
-    def _respawn(self, s: _Server, up: List[_Server]) -> None:
-        """Start ``s`` again (same port, blocks, identity), joining through the servers ``up``
-        or the swarm this one joined; a new swarm where there is neither.
+    def _respawn(self, s: _Server, through: List[_Server]) -> None:
+        """Start ``s`` again (same port, blocks, identity), joining through the servers ``through``
+        (the supervisor's choice) and the swarm this one joined; a new swarm where there is neither.
         """
-        peers = [o.address for o in up if o is not s and o.address] + self.join_peers
+        peers = [o.address for o in through if o is not s and o.address] + self.join_peers
         s.address, s.started = None, False
         self._spawn_locked(s, ["--initial_peers", *peers] if peers else ["--new_swarm"], self._env, mode="ab")
 

@@ -167,6 +167,8 @@ class Supervisor:
     def _died(self, s, watch: _Watch, now: float) -> None:
         how = (f"did not serve within {self.swarm.start_timeout:.0f} s of its restart" if watch.timed_out
                else describe_exit(s.proc.returncode))
+        if s.proc.returncode > 0:  # it failed by itself: the end of its log says why
+            how += f"; its log ({s.log_path}) ends: {s.tail(2)}"
         watch.died = now
         self.swarm._kill_group(s)  # its helpers (the DHT process, p2pd holding the port) outlive its main process
         while watch.restarts and watch.restarts[0] < now - self.policy.window:
