@@ -42,3 +42,16 @@ def test_differing_replicas_are_named_and_warned_about_in_one_line():
 def test_offline_servers_do_not_count():
     got = swarm_provenance(table({"a": server(0, 4), "b": server(0, 4, quant="nf4", state="OFFLINE")}))
     assert got["identical_replicas"] and [s["peer_id"] for s in got["servers"]] == ["a"]
+
+
+def test_dist_eval_servers_mark_their_version_and_match_stock_replicas():
+    """A dist_eval server's marked version and a stock server's are the same blocks for a model
+    both compute; a newer family's model refuses the stock one (backends.blocks)."""
+    from dist_eval.backends.blocks import SERVER_VERSION_MARK, servers_without_block_options
+
+    ours = server(0, 4, version="2.2.0.post1" + SERVER_VERSION_MARK)
+    got = swarm_provenance(table({"peerA": ours, "peerB": server(0, 4)}))
+    assert got["identical_replicas"]
+    assert servers_without_block_options(table({"peerA": ours, "peerB": server(0, 4),
+                                                "peerC": server(0, 4, state="OFFLINE")})) == [("peerB", "2.2.0.post1")]
+    assert servers_without_block_options(table({"peerA": ours})) == []

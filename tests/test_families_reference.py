@@ -217,6 +217,8 @@ def test_swarm_n2_equals_local_n1_bitwise_and_the_reference(reference, tmp_path,
     swarm, local = read_jsonl(tmp_path / "swarm" / "predictions.jsonl"), read_jsonl(tmp_path / "local" /
                                                                                      "predictions.jsonl")
     assert swarm == local  # every row's logits, bit for bit
+    servers = json.load(open(tmp_path / "swarm" / "metrics.json"))["run"]["swarm"]["servers"]
+    assert servers and all(s["petals_version"].endswith("+dist_eval.blocks1") for s in servers)  # checked by clients
     logits = np.array([row["logits"] for row in swarm])
     assert np.abs(logits - np.array(case["logits_ptune"])).max() < TOLERANCE
 

@@ -31,6 +31,9 @@ import math
 import threading
 from typing import Dict, Optional
 
+# what the servers dist_eval starts add to the petals version they announce: they compute the
+# block options here (a stock petals server would run a newer family's blocks without them)
+SERVER_VERSION_MARK = "+dist_eval.blocks1"
 _lock = threading.RLock()
 _classes: Dict[str, type] = {}  # class name -> class built here
 # the cos/sin cache a rescaled rotary table starts with (it grows on a longer row, as the base one does)
@@ -198,3 +201,30 @@ def family_class(name: str, in_petals: bool):
         import transformers as module
     register()
     return _classes[name] if name in _classes else getattr(module, name)
+
+
+def needs_block_options(family, config) -> bool:
+    """Whether ``config`` of ``family`` is computed only by this module's block options."""
+    return bool(family.built_on or getattr(config, "rope_llama3", None))
+
+
+def servers_without_block_options(block_infos) -> list:
+    """The online servers (peer id, announced version) of a swarm's routing table that are not
+    dist_eval's (their version lacks :data:`SERVER_VERSION_MARK`).
+    """
+    found = {}
+    for block in block_infos:
+        for peer_id, info in (getattr(block, "servers", None) or {}).items():
+            state = getattr(getattr(info, "state", None), "name", "")
+            version = str(getattr(info, "version", None))
+            if state == "ONLINE" and not version.endswith(SERVER_VERSION_MARK):
+                found[str(peer_id)] = version
+    return sorted(found.items())
+
+
+def server_version_replacements() -> list:
+    """The version a server dist_eval starts announces: petals' own, marked."""
+    import petals
+
+    version = str(petals.__version__)
+    return [] if version.endswith(SERVER_VERSION_MARK) else [(petals, "__version__", version + SERVER_VERSION_MARK)]

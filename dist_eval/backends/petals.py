@@ -259,11 +259,33 @@ def load_petals(
     except BaseException:
         shutdown_petals_client(manager)
         raise
+    try:
+        _require_block_options(manager, family, inner.config)
+    except BaseException:
+        shutdown_petals_client(manager)
+        raise
     _load_trainable(inner, state, family)
     client = PetalsClassifier(inner, family, swarm_timeout)
     if label_words is None:
         return client
     return ZeroShotScorer(client, family.get(inner, family.lm_head), label_words)
+
+
+def _require_block_options(manager, family: Family, config) -> None:
+    """A model whose blocks only dist_eval's servers compute (a newer family, llama3 rope) is
+    refused on a swarm with other servers: they would run its blocks without the options.
+    """
+    from dist_eval.backends.blocks import needs_block_options, servers_without_block_options
+
+    if not needs_block_options(family, config):
+        return
+    others = servers_without_block_options(manager.state.sequence_info.block_infos)
+    if others:
+        shown = ", ".join(f"{peer[:16]}... (petals {version})" for peer, version in others[:3])
+        raise UsageError(
+            f"the swarm's server(s) {shown} are not dist_eval's, and this {family.model_type} model's blocks "
+            f"need dist_eval's block options (docs/models-and-checkpoints.md). Serve it with python -m "
+            f"dist_eval.swarm or launch/start_server.sh.", param="initial_peers")
 
 
 def _load_trainable(inner, state: TrainableState, family: Family) -> None:

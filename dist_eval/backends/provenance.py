@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List
 
+from dist_eval.backends.blocks import SERVER_VERSION_MARK
+
 # What decides a server's numbers: two replicas that agree on these compute the same blocks
 REPLICA_FIELDS = ("version", "torch_dtype", "quant_type", "adapters")
 
@@ -23,6 +25,12 @@ def _state_name(info) -> str:
 def _text(info, name: str):
     value = getattr(info, name, None)
     return None if value is None else str(value)
+
+
+def _replica_value(info, name: str) -> str:
+    value = str(getattr(info, name, None))
+    # dist_eval's servers mark their version (backends.blocks): on a model both compute, the same blocks
+    return value[: -len(SERVER_VERSION_MARK)] if name == "version" and value.endswith(SERVER_VERSION_MARK) else value
 
 
 def _server_record(peer_id: str, info, blocks: List[int]) -> dict:
@@ -53,7 +61,7 @@ def swarm_provenance(block_infos: Iterable) -> dict:
             key = str(peer_id)
             blocks_of.setdefault(key, []).append(index)
             infos[key] = info
-            kinds.add(tuple(str(getattr(info, f, None)) for f in REPLICA_FIELDS))
+            kinds.add(tuple(_replica_value(info, f) for f in REPLICA_FIELDS))
         if len(kinds) > 1:
             mixed.append(index)
     servers = [_server_record(p, infos[p], blocks_of[p]) for p in sorted(blocks_of, key=lambda p: blocks_of[p][0])]

@@ -88,7 +88,7 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     a server of block 0 looks token ids up in).
     """
     from dist_eval.backends import wire
-    from dist_eval.backends.blocks import register
+    from dist_eval.backends.blocks import register, server_version_replacements
     from dist_eval.backends.compat import import_petals, quiet_third_party_output
     from dist_eval.backends.patches import apply
     from dist_eval.swarm import merged_forward
@@ -98,6 +98,7 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     apply("merged_forward", "server", merged_forward.replacements)
     apply("wire_server", "server", lambda: wire.server_replacements(model_dir, first_block), after=("merged_forward",))
     register()  # the blocks and classes of the families petals 2.2.0 lacks, in petals' registry
+    apply("server_version", "server", server_version_replacements)  # says it computes them
 
 
 if __name__ == "__main__":
