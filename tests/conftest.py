@@ -279,11 +279,22 @@ def _state(pid):
 
 
 def free_port() -> int:
+    """A port free now, below the kernel's ephemeral range (32768 on): a port the kernel handed
+    out (port 0) is handed out again to the next socket that asks, e.g. a p2pd's, before torchrun
+    binds it (seen: EADDRINUSE at rendezvous in a loaded run); one drawn here is taken only by a
+    test that draws the same one."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def read_jsonl(path: str):
