@@ -7,7 +7,7 @@ import sys
 import time
 
 from dist_eval.backends.requests import drives, too_large
-from dist_eval.errors import UsageError, one_line, short_error, warn
+from dist_eval.errors import UsageError, one_line, short_error, stopping, warn
 
 
 def failover_replacements() -> list:
@@ -119,6 +119,8 @@ def _drop_helper_died(record: logging.LogRecord) -> bool:
 
 
 def _warn_server_failed(peer_id, error) -> None:
+    if stopping.is_set():  # cancelled: the request was cut short here, not by the server
+        return
     reason = one_line(f"{type(error).__name__}: {error}", 160) if error is not None else "no answer"
     warn(
         f"swarm server ...{str(peer_id)[-8:]} failed a request ({reason}); "
