@@ -60,16 +60,28 @@ def first_free_port(port: int, tries: int = 100) -> int:
     raise OSError(f"no free port among the {tries} from {port}: set MASTER_PORT")
 
 
+def build_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dist_eval.rendezvous",
+                                     description="The rendezvous port of run RDZV_ID (the same on every node).")
+    parser.add_argument("rdzv_id", metavar="RDZV_ID", help="the run's id: a SLURM job id or any name")
+    parser.add_argument("--free", action="store_true",
+                        help="from there, the first port free on this host (run on the rendezvous host)")
+    return parser
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    free = "--free" in argv
-    rest = [a for a in argv if a != "--free"]
-    if len(rest) != 1 or not rest[0].strip():
-        print("usage: python -m dist_eval.rendezvous RDZV_ID [--free]", file=sys.stderr)
-        return 2
-    port = port_for(rest[0])
     try:
-        print(first_free_port(port) if free else port)
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed its usage line
+        return int(e.code or 0)
+    if not args.rdzv_id.strip():
+        print("dist_eval.rendezvous: error: RDZV_ID: expected a job id or a name, got an empty one", file=sys.stderr)
+        return 2
+    port = port_for(args.rdzv_id)
+    try:
+        print(first_free_port(port) if args.free else port)
     except OSError as e:
         print(f"dist_eval.rendezvous: error: {e}", file=sys.stderr)
         return 1

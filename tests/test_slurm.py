@@ -4,12 +4,13 @@ the module, every daemon stopped at its end.
 
 2-node jobs equal one process bit for bit; two jobs on one node at once (each its own
 rendezvous port, from its job id); a usage error ends every job with dist_eval's exit code 2
-and its one line; ``scancel`` mid-run against a real swarm leaves no process after 3 s and no
+and its one line; ``scancel`` mid-run against a real swarm leaves no process within 5 s and no
 warning about a healthy server. The ranks' threads follow the CPUs the job was given.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
@@ -20,6 +21,8 @@ from slurm_cluster import SlurmCluster
 from dist_eval.rendezvous import port_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
+# scancel to the last process of the job gone (srun's included): 1-3 s here, with room for a busy machine
+STOPPED_WITHIN_S = 5.0
 SBATCH = os.path.join(REPO, "launch", "slurm.sbatch")
 # what a job inherits from sbatch (--export=ALL): no OMP_NUM_THREADS, so that the script sets it
 JOB_ENV = {"PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "LOCAL_ADDR": "127.0.0.1", "OMP_NUM_THREADS": ""}
@@ -146,28 +149,30 @@ def _ranks(job):
 @pytest.mark.swarm
 def test_scancel_mid_run_on_a_swarm(cluster, tiny_swarm, tiny_model, tmp_path):
     """2 nodes x 2 ranks against a real swarm: each rank 1 thread of the node's 2 CPUs;
-    scancel mid-run leaves no process of the job after 3 s and no warning about a server."""
+    scancel mid-run leaves no process of the job within seconds and no warning about a server."""
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
     data = write_csv(str(tmp_path / "big.csv"), 4000, seed=9)
     args = ["--model", tiny_model, "--checkpoint", checkpoint, "--data-files", data, "--batch-size", "4",
             "--output-dir", str(tmp_path / "out"), "--progress", "log", "--swarm-timeout", "30"]
     job = submit(cluster, ["--nodes=2"], args, NPROC_PER_NODE="2", INITIAL_PEERS=" ".join(tiny_swarm.initial_peers),
                  DHT_PREFIX=tiny_swarm.dht_prefix)
-    end, ranks = time.monotonic() + 120, {}
-    while time.monotonic() < end and not os.path.isdir(tmp_path / "out" / "partial"):
+    end, ranks, mid_run = time.monotonic() + 120, {}, re.compile(r"progress [1-9]\d*/4000 ")
+    while time.monotonic() < end and not mid_run.search(cluster.output(job)):
         ranks = _ranks(job) or ranks
         assert cluster.job(job)["JobState"] in ("PENDING", "RUNNING"), cluster.output(job)[-3000:]
         time.sleep(0.2)
-    assert os.path.isdir(tmp_path / "out" / "partial"), cluster.output(job)[-3000:]  # batches are being saved
+    assert mid_run.search(cluster.output(job)), cluster.output(job)[-3000:]  # rows done, the requests flowing
     ranks = _ranks(job) or ranks
     assert len(ranks) == 4 and set(ranks.values()) == {("1", 2)}, ranks  # 2 CPUs a node, over 2 ranks
     cluster.run(["scancel", str(job)])
     cancelled = time.monotonic()
-    while _job_processes(job) and time.monotonic() < cancelled + 3:
+    while _job_processes(job) and time.monotonic() < cancelled + STOPPED_WITHIN_S:
         time.sleep(0.1)
     assert not _job_processes(job), _job_processes(job)
+    print(f"every process of the job gone {time.monotonic() - cancelled:.1f} s after scancel")
     state, _ = cluster.wait(job)
     text = cluster.output(job)
     assert state == "CANCELLED", text[-3000:]
     assert "failed a request" not in text and "Traceback" not in text, text[-3000:]
+    assert "death signal" not in text, text[-3000:]  # torchrun's launcher logs stay quiet
     assert not (tmp_path / "out" / "metrics.json").exists()
