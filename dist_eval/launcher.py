@@ -114,8 +114,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # torchrun's launcher logs (rendezvous, "closing signal SIGTERM", the failure report)
     # repeat what the ranks already said; the ranks' own output is untouched.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    logging.getLogger("torch.distributed.run").setLevel(logging.CRITICAL)
+    # torch's elastic loggers each have a level of their own (LOGLEVEL, WARNING): every one of them,
+    # or "Received 15 death signal, shutting down workers" follows a scheduler's cancel
+    for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic", "torch.distributed.run"]:
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         args = parse_args([*torchrun_options, "-m", "dist_eval", *flags])
     except SystemExit as e:  # argparse has printed its own one-line error
