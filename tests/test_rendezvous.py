@@ -83,3 +83,55 @@ def test_run_multinode_port_threads_and_launcher(tmp_path):
     assert many.startswith("OMP_NUM_THREADS=1 ") and "127.0.0.1:29999 --rdzv-id dist_eval " in many
     kept = _multinode_command(tmp_path, OMP_NUM_THREADS="3")
     assert kept.startswith("OMP_NUM_THREADS=3 ")
+
+
+ECHO_SRUN = """#!/usr/bin/env bash
+echo "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT RDZV_ID=$RDZV_ID srun $*"
+"""
+ECHO_SCONTROL = """#!/usr/bin/env bash
+case "$1 $2" in
+  "show hostnames") tr ',' '\\n' <<< "$3" ;;
+  "show node") echo "NodeName=$3 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.1.2.3 NodeHostName=$3" ;;
+esac
+"""
+
+
+def _sbatch_step(tmp_path, **env):
+    """launch/slurm.sbatch's batch step with a stand-in scontrol and an srun that only prints."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", ECHO_SRUN), ("scontrol", ECHO_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RDZV_ID", "NPROC_PER_NODE")}
+    env = {**base, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable,
+           "SLURM_JOB_NODELIST": "node7,node8", "SLURM_JOB_NUM_NODES": "2", "SLURM_SUBMIT_DIR": REPO, **env}
+    out = subprocess.run(["bash", os.path.join(REPO, "launch", "slurm.sbatch"), "--backend", "local"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip(), out.stderr.strip()
+
+
+def test_slurm_batch_step_port_address_and_cpus(tmp_path):
+    """The port from the job id (free on the first node), its NodeAddr, the job's CPUs passed
+    on to srun, and one line when the ranks outnumber them."""
+    job = "7001"
+    while not port_is_free(port_for(job)):  # a job id whose port is free here, for an exact check
+        job = str(int(job) + 1)
+    out, err = _sbatch_step(tmp_path, SLURM_JOB_ID=job, SLURM_CPUS_PER_TASK="2")
+    assert out.startswith(f"MASTER_ADDR=10.1.2.3 MASTER_PORT={port_for(job)} RDZV_ID={job} srun --nodes=2 "
+                          "--ntasks-per-node=1 --cpus-per-task=2 --kill-on-bad-exit=1 "), out
+    assert err == ""
+    taken = socket.socket()
+    taken.bind(("", port_for(job)))
+    taken.listen(1)
+    try:  # another job's rendezvous on that port already: the next one
+        out, _ = _sbatch_step(tmp_path, SLURM_JOB_ID=job, SLURM_CPUS_PER_TASK="2")
+        assert f"MASTER_PORT={first_free_port(port_for(job))} " in out and f"MASTER_PORT={port_for(job)} " not in out
+    finally:
+        taken.close()
+    out, err = _sbatch_step(tmp_path, SLURM_JOB_ID=job, SLURM_CPUS_PER_TASK="2", NPROC_PER_NODE="4",
+                            MASTER_PORT="29999")
+    assert "MASTER_PORT=29999 " in out and "--cpus-per-task=2 " in out
+    assert err == ("slurm.sbatch: warning: 4 ranks a node share 2 CPU(s): submit with --cpus-per-task=4 "
+                   "for a core per rank")
