@@ -15,6 +15,7 @@ started by this process and stopped at exit (SIGTERM, then SIGKILL), with the jo
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -55,6 +56,8 @@ def _free_ports(count: int) -> List[int]:
 
 
 def _conf(folder: str, ctld_port: int, node_ports: List[int], munge_socket: str) -> str:
+    # job ids (so the rendezvous ports taken from them) that another cluster on this host is unlikely to use
+    first_job_id = 1000 + random.randrange(8000)
     nodes = "\n".join(f"NodeName={name} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 Port={port} "
                       f"CPUs={CPUS_PER_NODE} RealMemory=2000 State=UNKNOWN" for name, port in zip(NODES, node_ports))
     return f"""ClusterName=dist-eval-test
@@ -83,6 +86,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 KillWait=5
 MinJobAge=600
+FirstJobId={first_job_id}
 MessageTimeout=20
 {nodes}
 PartitionName=test Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP

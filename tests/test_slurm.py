@@ -110,17 +110,17 @@ def test_a_usage_error_is_exit_2_and_one_line_every_time(cluster, tiny_model, in
     assert not (tmp_path / "out" / "metrics.json").exists()
 
 
-def _job_processes(job):
-    """Live processes (not zombies) of SLURM job ``job`` on this host: those whose environment
-    says SLURM_JOB_ID=job."""
-    needle = f"SLURM_JOB_ID={job}".encode()
+def _job_processes(cluster, job):
+    """Live processes (not zombies) of SLURM job ``job`` of ``cluster`` on this host: those whose
+    environment says SLURM_JOB_ID=job and this cluster's SLURM_CONF (another may run here too)."""
+    needles = {f"SLURM_JOB_ID={job}".encode(), f"SLURM_CONF={cluster.env['SLURM_CONF']}".encode()}
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
+                if not needles <= set(f.read().split(b"\0")):
                     continue
             with open(f"/proc/{entry}/stat", "rb") as f:
                 if f.read().rpartition(b")")[2].split()[0] == b"Z":
@@ -132,9 +132,9 @@ def _job_processes(job):
     return found
 
 
-def _ranks(job):
+def _ranks(cluster, job):
     """{pid: (OMP_NUM_THREADS, the CPUs it may run on)} of the job's dist_eval ranks."""
-    ranks, commands = {}, dict(_job_processes(job))
+    ranks, commands = {}, dict(_job_processes(cluster, job))
     for pid, cmd in commands.items():
         with open(f"/proc/{pid}/stat", "rb") as f:
             parent = int(f.read().rpartition(b")")[2].split()[1])
@@ -158,17 +158,17 @@ def test_scancel_mid_run_on_a_swarm(cluster, tiny_swarm, tiny_model, tmp_path):
                  DHT_PREFIX=tiny_swarm.dht_prefix)
     end, ranks, mid_run = time.monotonic() + 120, {}, re.compile(r"progress [1-9]\d*/4000 ")
     while time.monotonic() < end and not mid_run.search(cluster.output(job)):
-        ranks = _ranks(job) or ranks
+        ranks = _ranks(cluster, job) or ranks
         assert cluster.job(job)["JobState"] in ("PENDING", "RUNNING"), cluster.output(job)[-3000:]
         time.sleep(0.2)
     assert mid_run.search(cluster.output(job)), cluster.output(job)[-3000:]  # rows done, the requests flowing
-    ranks = _ranks(job) or ranks
+    ranks = _ranks(cluster, job) or ranks
     assert len(ranks) == 4 and set(ranks.values()) == {("1", 2)}, ranks  # 2 CPUs a node, over 2 ranks
     cluster.run(["scancel", str(job)])
     cancelled = time.monotonic()
-    while _job_processes(job) and time.monotonic() < cancelled + STOPPED_WITHIN_S:
+    while _job_processes(cluster, job) and time.monotonic() < cancelled + STOPPED_WITHIN_S:
         time.sleep(0.1)
-    assert not _job_processes(job), _job_processes(job)
+    assert not _job_processes(cluster, job), _job_processes(cluster, job)
     print(f"every process of the job gone {time.monotonic() - cancelled:.1f} s after scancel")
     state, _ = cluster.wait(job)
     text = cluster.output(job)
