@@ -17,7 +17,7 @@ from typing import List, Optional
 
 from dist_eval import ranks
 from dist_eval.config import EvalConfig, default_of, flag_fields
-from dist_eval.errors import UsageError, flag_names
+from dist_eval.errors import UsageError, flag_names, stopping
 from dist_eval.ranks.siblings import Siblings, dead_main_rank, sibling_ranks
 
 EXIT_USAGE = 2
@@ -108,8 +108,8 @@ def _main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, _raise_interrupt)
         _reset_signals_in_forked_children()
         _exit_within_grace_after_a_signal()
-    global _cli_running
-    _cli_running = True
+    global _cli_running, _exit_decided
+    _cli_running, _exit_decided = True, False
     try:
         timeout = config.dist_timeout if config else EvalConfig.dist_timeout  # its default
         try:
@@ -128,11 +128,13 @@ def _main(args: argparse.Namespace) -> int:
 
         return run(config)
     except ranks.RankFailure as e:
+        _decided()
         if ranks.get_rank() == 0 or not (e.usage or e.shared):  # a failure every rank met: printed once
             _print_error(str(e))
         ranks.barrier_if_alive()  # no rank exits (and gets rank 0 stopped) before rank 0 has printed
         return EXIT_USAGE if e.usage else EXIT_FAILURE
     except UsageError as e:
+        _decided()
         _print_error(str(e))
         return EXIT_USAGE
     except KeyboardInterrupt as e:
@@ -168,6 +170,7 @@ class Terminated(KeyboardInterrupt):
 # partial results, stop the local swarm: benchmarks/RESULTS.md) before it exits regardless.
 STOP_GRACE_SECONDS = 10.0
 _cli_running = False
+_exit_decided = False  # set once the exit code is known: a later SIGTERM lets it stand
 _siblings: Siblings = {}  # this node's ranks, noted at the start (see dist_eval.ranks.siblings)
 _dead_main_rank_at_signal: Optional[int] = None  # rank 0's pid if it was dead when this rank was signalled
 _signal_checked = threading.Event()
@@ -201,6 +204,7 @@ def _exit_within_grace_after_a_signal() -> None:
             received = reader.recv(1)
             if received and received[0] in (signal.SIGINT, signal.SIGTERM):
                 break
+        stopping.set()  # at once, from C's note of the signal: requests it cuts short blame no server
         # Now, not later: rank 0 already gone when the signal comes means torchrun is stopping
         # the survivors of its death; alive means it got the signal too (and reports it).
         _dead_main_rank_at_signal = dead_main_rank(_siblings, ranks.get_rank())
@@ -233,6 +237,16 @@ def _reset_signal_handling_in_child() -> None:
         signal.set_wakeup_fd(-1)
 
 
+def _decided() -> None:
+    """The run's exit code is decided (a failure agreed on, or met alone): a SIGTERM from now
+    on does not change it. Under ``srun --kill-on-bad-exit`` the first node to exit gets the
+    others' processes signalled while they exit with the same code (dist_eval.launcher).
+    """
+    global _exit_decided
+    _exit_decided = True
+
+
 def _raise_interrupt(signum, frame):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: do not interrupt the cleanup itself
-    raise Terminated(signal.Signals(signum).name)
+    if not _exit_decided:
+        raise Terminated(signal.Signals(signum).name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
+import threading
 from typing import Any, Iterator, Optional, TextIO
 
 _NO_VALUE = object()
@@ -16,6 +17,10 @@ _AS_FLAGS = contextvars.ContextVar("dist_eval_errors_as_flags", default=False)
 # API parameters whose CLI flag is not "--" + the name with dashes (the CLI reads the
 # tokenizer from the model folder)
 _FLAG_OF = {"model_dir": "--model", "data": "--data-files", "tokenizer": "--model"}
+# Set when this process is told to stop (SIGINT/SIGTERM, dist_eval.cli): a scheduler's cancel
+# signals every process of the job, the rank's own p2pd too, so the requests it cuts short
+# ("stream reset") say nothing about the servers, and are not reported as their failures.
+stopping = threading.Event()
 
 
 class UsageError(Exception):

@@ -12,12 +12,20 @@ the run's ``dist_eval: error: ...`` line, burying it. This launcher lets torchru
 watch and stop the ranks exactly as it does, but keeps its launcher logs quiet and ends
 with the run's last line and the failing rank's exit code (128 + N for a rank killed by
 signal N). SIGINT/SIGTERM to it stop every rank, as they do to torchrun.
+
+One exit code, whatever the timing: a scheduler that stops the other nodes of a job when
+one node fails (``srun --kill-on-bad-exit``) sends SIGTERM to this launcher while its ranks
+are already exiting with the code they agreed on (2 for a usage error, every rank of every
+node). When every rank of this node ended with a code of the run's own (0, 1, 2) rather
+than by the signal, that code is this launcher's too, not 128 + 15.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 PROG = "dist-eval"
 _USAGE = (
@@ -50,6 +58,44 @@ def _exit_code(error) -> int:
     return 128 - code if code < 0 else (code or 1)
 
 
+# the exit codes of a run that ended on its own (dist_eval.cli: success, EXIT_FAILURE, EXIT_USAGE)
+RUN_CODES = (0, 1, 2)
+
+
+@contextlib.contextmanager
+def _noting_rank_exit_codes(codes: Dict[int, Optional[int]]):
+    """While torchrun runs: each time it closes its ranks (``SubprocessContext.close``,
+    after a signal too), ``codes`` gets their exit codes (local rank -> code; negative:
+    killed by that signal).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    original = SubprocessContext.close
+
+    def close(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for local_rank, handler in getattr(self, "subprocess_handlers", {}).items():
+                codes[local_rank] = handler.proc.poll()
+
+    SubprocessContext.close = close
+    try:
+        yield codes
+    finally:
+        SubprocessContext.close = original
+
+
+def _code_after_signal(sigval: int, codes: Dict[int, Optional[int]]) -> int:
+    """128 + the signal, unless every rank ended with a code of the run's own: that one
+    (the first non-zero; 0 when all succeeded).
+    """
+    ended = list(codes.values())
+    if ended and all(code in RUN_CODES for code in ended):
+        return next((code for code in ended if code), 0)
+    return 128 + int(sigval)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``torchrun [torchrun options] -m dist_eval [dist_eval flags]`` in this process."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -68,18 +114,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # torchrun's launcher logs (rendezvous, "closing signal SIGTERM", the failure report)
     # repeat what the ranks already said; the ranks' own output is untouched.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    logging.getLogger("torch.distributed.run").setLevel(logging.CRITICAL)
+    # torch's elastic loggers each have a level of their own (LOGLEVEL, WARNING): every one of them,
+    # or "Received 15 death signal, shutting down workers" follows a scheduler's cancel
+    for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic", "torch.distributed.run"]:
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         args = parse_args([*torchrun_options, "-m", "dist_eval", *flags])
     except SystemExit as e:  # argparse has printed its own one-line error
         return int(e.code or 0)
+    codes: Dict[int, Optional[int]] = {}
     try:
-        run(args)
+        with _noting_rank_exit_codes(codes):
+            try:
+                run(args)
+            finally:  # the ranks have ended: a SIGTERM now (srun stopping the job's other nodes) changes nothing
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except ChildFailedError as e:
         return _exit_code(e)
     except SignalException as e:  # SIGTERM/SIGINT to the launcher: torchrun has stopped the ranks
-        return 128 + int(e.sigval)
+        return _code_after_signal(e.sigval, codes)
     except KeyboardInterrupt:
         return 130
     return 0

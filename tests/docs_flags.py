@@ -31,7 +31,7 @@ FOREIGN = {
     "pip": {"--no-deps", "--upgrade", "--target", "--no-index", "--no-compile", "--no-cache-dir"},
     "pytest": {"--durations", "--dist", "--reverse-order", "--random-order", "--random-order-bucket",
                "--random-order-seed"},
-    "sbatch": {"--nodes", "--gpus-per-node"},
+    "sbatch": {"--nodes", "--gpus-per-node", "--cpus-per-task", "--ntasks-per-node", "--kill-on-bad-exit"},
 }
 FOREIGN_FLAGS = set().union(*FOREIGN.values())
 
@@ -41,6 +41,7 @@ NAMED = [
     (re.compile(r"dist_eval\.swarm|start_server\.sh|LocalSwarm"), "swarm"),
     (re.compile(r"dist_eval\.compare"), "compare"),
     (re.compile(r"dist_eval\.rescore"), "rescore"),
+    (re.compile(r"dist_eval\.rendezvous"), "rendezvous"),
     (re.compile(r"torchrun|torch\.distributed\.run|dist-eval|run_multinode\.sh|slurm\.sbatch|run_local\.sh"),
      "torchrun"),
     (re.compile(r"benchmarks/(\w+)\.py|\b(bench_\w+|plain_loop|inprocess_loop)\.py"), "script"),
@@ -51,6 +52,7 @@ def command_flags() -> Dict[str, Set[str]]:
     """{command: its flags}, from the parsers themselves (and benchmarks' sources)."""
     import torch.distributed.run as torchrun
 
+    from dist_eval import rendezvous
     from dist_eval.docs_cli import commands
 
     def flags(parser) -> Set[str]:
@@ -63,6 +65,7 @@ def command_flags() -> Dict[str, Set[str]]:
     for name, (_, build) in commands().items():
         out.setdefault(names[name], set()).update(flags(build()))
     out["torchrun"] = flags(torchrun.get_args_parser())
+    out["rendezvous"] = flags(rendezvous.build_parser())
     for path in glob.glob(os.path.join(REPO, "benchmarks", "*.py")):
         out[os.path.basename(path)[:-3]] = _script_flags(path)
     return out

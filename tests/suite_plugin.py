@@ -2,9 +2,10 @@
 
 - ``gpu``: tests that need CUDA. Where torch sees no CUDA device they are deselected (not
   skipped: a skip is not a pass), and the run's summary says so in one line.
-- ``multiproc`` and ``swarm`` say what a test starts; they are checked, not trusted: a test
-  (or a fixture it set up) that launches ``torch.distributed.run`` must be marked ``multiproc``,
-  one that starts dist_eval's swarm servers ``swarm``, or the test fails naming the mark.
+- ``multiproc``, ``swarm`` and ``slurm`` say what a test starts; they are checked, not trusted: a test
+  (or a fixture it set up) that launches ``torch.distributed.run`` (or ``dist_eval.launcher``) must be
+  marked ``multiproc``, one that starts dist_eval's swarm servers ``swarm``, one that starts
+  ``slurmctld`` ``slurm``, or the test fails naming the mark.
 - ``--reverse-order``: the collected tests in reverse order (modules and tests within them),
   to show that no test depends on another having run first; ``pytest-random-order``
   (``--random-order``) gives a random order.
@@ -20,8 +21,8 @@ from typing import List
 import pytest
 
 # what a command line holds -> the mark a test that starts it needs
-_STARTS = {"torch.distributed.run": "multiproc", "torchrun ": "multiproc",
-           "-m dist_eval.swarm.server": "swarm", "-m stock_petals_server": "swarm"}
+_STARTS = {"torch.distributed.run": "multiproc", "torchrun ": "multiproc", "-m dist_eval.launcher": "multiproc",
+           "-m dist_eval.swarm.server": "swarm", "-m stock_petals_server": "swarm", "/slurmctld": "slurm"}
 _launched: List[str] = []  # command lines started since the current test began
 _gpu_deselected: List[str] = []
 _real_popen_init = subprocess.Popen.__init__

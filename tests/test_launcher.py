@@ -51,3 +51,17 @@ def test_a_run_on_two_ranks(tiny_model, tmp_path):
     metrics = json.load(open(out / "metrics.json"))
     assert metrics["num_samples"] == 23 and metrics["run"]["world_size"] == 2
     assert proc.stdout.strip().startswith("dist_eval: accuracy ")
+
+
+def test_a_signal_after_the_ranks_ended_keeps_their_code():
+    """srun --kill-on-bad-exit sends SIGTERM to the other nodes' launchers while their ranks
+    exit with the code every rank agreed on: that code stands; a run stopped by the signal
+    (its ranks' 130, or killed) is 128 + the signal."""
+    from dist_eval.launcher import _code_after_signal
+
+    assert _code_after_signal(15, {0: 2, 1: 2}) == 2
+    assert _code_after_signal(15, {0: 0, 1: 1}) == 1
+    assert _code_after_signal(15, {0: 0, 1: 0}) == 0
+    assert _code_after_signal(15, {0: 130, 1: 130}) == 143  # the ranks were interrupted: scancel
+    assert _code_after_signal(15, {0: 2, 1: -15}) == 143
+    assert _code_after_signal(15, {0: None}) == 143 and _code_after_signal(2, {}) == 130

@@ -4,10 +4,11 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import threading
 import time
 
 from dist_eval.backends.requests import drives, too_large
-from dist_eval.errors import UsageError, one_line, short_error, warn
+from dist_eval.errors import UsageError, one_line, short_error, stopping, warn
 
 
 def failover_replacements() -> list:
@@ -118,12 +119,23 @@ def _drop_helper_died(record: logging.LogRecord) -> bool:
     return not (record.exc_info and isinstance(record.exc_info[1], HelperDied))
 
 
+# A stream reset by this rank's own p2pd is said this much later, unless the rank was told to
+# stop meanwhile: a scheduler's cancel signals the p2pd too, and it may act before the rank hears.
+OWN_DAEMON_GRACE_S = 0.5
+
+
 def _warn_server_failed(peer_id, error) -> None:
+    if stopping.is_set():  # cancelled: the request was cut short here, not by the server
+        return
     reason = one_line(f"{type(error).__name__}: {error}", 160) if error is not None else "no answer"
-    warn(
-        f"swarm server ...{str(peer_id)[-8:]} failed a request ({reason}); "
-        "routing around it (a block no other server holds is retried for up to --swarm-timeout)."
-    )
+    message = (f"swarm server ...{str(peer_id)[-8:]} failed a request ({reason}); "
+               "routing around it (a block no other server holds is retried for up to --swarm-timeout).")
+    if type(error).__name__ == "P2PDaemonError":  # from the daemon of this rank, not the server's answer
+        timer = threading.Timer(OWN_DAEMON_GRACE_S, lambda: stopping.is_set() or warn(message))
+        timer.daemon = True  # never holds up the process's exit
+        timer.start()
+    else:
+        warn(message)
 
 
 def unserved_blocks(manager) -> list:

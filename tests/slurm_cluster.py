@@ -1,0 +1,238 @@
+"""A real SLURM cluster on this host, for tests and benchmarks: munged, slurmctld and two
+slurmd "nodes" (n1, n2: ``slurmd -N``, each its own port), all state under one folder.
+
+    with SlurmCluster(folder) as cluster:
+        job = cluster.sbatch(["--nodes=2", "launch/slurm.sbatch", "--backend", "local", ...])
+        cluster.wait(job)       # -> (state, exit code), e.g. ("COMPLETED", 0)
+
+Debian's ``slurm-wlm`` and ``munge`` are installed (``apt-get install``, as root) where
+``slurmctld`` is missing; an install that fails raises, naming what failed. Every daemon is
+started by this process and stopped at exit (SIGTERM, then SIGKILL), with the job steps'
+``slurmstepd`` left by them. Process tracking and confinement: ``proctrack/linuxproc`` and
+``task/affinity`` (each task bound to the CPUs it was given), which work in a container;
+``task/cgroup`` needs a cgroup hierarchy slurmd may own.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from typing import Dict, List, Optional, Tuple
+
+SBIN = "/usr/sbin"
+NODES = ("n1", "n2")
+CPUS_PER_NODE = 2
+
+
+def ensure_installed() -> None:
+    """slurm-wlm and munge from Debian's archive where slurmctld is missing (as root)."""
+    if os.path.exists(f"{SBIN}/slurmctld") and os.path.exists(f"{SBIN}/munged"):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise RuntimeError("SLURM is not installed and cannot be here (needs root and apt-get): "
+                           "apt-get install slurm-wlm munge")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "slurm-wlm", "munge"]):
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        if out.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {out.returncode}); the SLURM tests need Debian's "
+                               f"slurm-wlm and munge:\n{(out.stdout + out.stderr)[-2000:]}")
+
+
+def _free_ports(count: int) -> List[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _conf(folder: str, ctld_port: int, node_ports: List[int], munge_socket: str) -> str:
+    # job ids (so the rendezvous ports taken from them) that another cluster on this host is unlikely to use
+    first_job_id = 1000 + random.randrange(8000)
+    nodes = "\n".join(f"NodeName={name} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 Port={port} "
+                      f"CPUs={CPUS_PER_NODE} RealMemory=2000 State=UNKNOWN" for name, port in zip(NODES, node_ports))
+    return f"""ClusterName=dist-eval-test
+SlurmctldHost={socket.gethostname()}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket}
+StateSaveLocation={folder}/state
+SlurmdSpoolDir={folder}/spool/%n
+SlurmctldPidFile={folder}/slurmctld.pid
+SlurmdPidFile={folder}/slurmd.%n.pid
+SlurmctldLogFile={folder}/slurmctld.log
+SlurmdLogFile={folder}/slurmd.%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/affinity
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+MpiDefault=none
+ReturnToService=2
+SlurmdParameters=config_overrides
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+KillWait=5
+MinJobAge=600
+FirstJobId={first_job_id}
+MessageTimeout=20
+{nodes}
+PartitionName=test Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class SlurmCluster:
+    """munged + slurmctld + slurmd n1, n2 on this host; ``env`` is what SLURM's commands need."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.daemons: Dict[str, subprocess.Popen] = {}
+        self.env = {**os.environ, "SLURM_CONF": os.path.join(folder, "slurm.conf")}
+
+    def __enter__(self) -> SlurmCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 30.0) -> None:
+        ensure_installed()
+        f = self.folder
+        for sub in ("state", "spool/n1", "spool/n2", "munge"):
+            os.makedirs(os.path.join(f, sub), exist_ok=True)
+        key, sock = os.path.join(f, "munge", "munge.key"), os.path.join(f, "munge", "munge.sock")
+        with open(key, "wb") as out:
+            out.write(os.urandom(1024))
+        os.chmod(key, 0o400)
+        os.chmod(os.path.join(f, "munge"), 0o700)
+        ctld, *nodes = _free_ports(1 + len(NODES))
+        with open(self.env["SLURM_CONF"], "w") as out:
+            out.write(_conf(f, ctld, nodes, sock))
+        self._daemon("munged", [f"{SBIN}/munged", "-F", "--force", f"--key-file={key}", f"--socket={sock}",
+                                f"--pid-file={f}/munge/munged.pid", f"--log-file={f}/munge/munged.log",
+                                f"--seed-file={f}/munge/munged.seed"])
+        self._wait_for(lambda: os.path.exists(sock), timeout, "munged's socket")
+        self._daemon("slurmctld", [f"{SBIN}/slurmctld", "-D", "-i"])
+        for name in NODES:
+            self._daemon(f"slurmd {name}", [f"{SBIN}/slurmd", "-D", "-N", name])
+        self._wait_for(self._nodes_idle, timeout, "both nodes idle (sinfo)")
+
+    def _daemon(self, name: str, cmd: List[str]) -> None:
+        log = open(os.path.join(self.folder, f"{name.replace(' ', '-')}.out"), "w")
+        self.daemons[name] = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+
+    def _wait_for(self, ready, timeout: float, what: str) -> None:
+        end = time.monotonic() + timeout
+        while not ready():
+            dead = [name for name, p in self.daemons.items() if p.poll() is not None]
+            if dead or time.monotonic() > end:
+                raise RuntimeError(f"SLURM test cluster: no {what} after {timeout:.0f} s "
+                                   f"({'exited: ' + ', '.join(dead) if dead else 'timed out'}); {self.logs()}")
+            time.sleep(0.2)
+
+    def _nodes_idle(self) -> bool:
+        out = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False)
+        states = dict(line.split() for line in out.stdout.splitlines() if len(line.split()) == 2)
+        return all(states.get(name) == "idle" for name in NODES)
+
+    def logs(self, tail: int = 1500) -> str:
+        texts = []
+        for name in sorted(os.listdir(self.folder)):
+            if name.endswith((".log", ".out")) and not name.startswith("job-"):
+                with open(os.path.join(self.folder, name), errors="replace") as f:
+                    texts.append(f"--- {name}\n{f.read()[-tail:]}")
+        return "\n".join(texts)
+
+    def run(self, cmd: List[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
+        out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check and out.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)}: exit {out.returncode}: {out.stderr.strip()}")
+        return out
+
+    def sbatch(self, args: List[str], cwd: str, env: Optional[Dict[str, str]] = None) -> int:
+        """Submit; the job's output goes to FOLDER/job-ID.out (``output(job)``)."""
+        cmd = ["sbatch", "--parsable", f"--output={self.folder}/job-%j.out", f"--chdir={cwd}", *args]
+        out = subprocess.run(cmd, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=30,
+                             cwd=cwd)
+        if out.returncode != 0:
+            raise RuntimeError(f"sbatch failed (exit {out.returncode}): {out.stderr.strip()}")
+        return int(out.stdout.strip().split(";")[0])
+
+    def output(self, job: int) -> str:
+        path = os.path.join(self.folder, f"job-{job}.out")
+        return open(path, errors="replace").read() if os.path.exists(path) else ""
+
+    def job(self, job: int) -> Dict[str, str]:
+        text = self.run(["scontrol", "show", "job", "-o", str(job)]).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", text))
+
+    def wait(self, job: int, timeout: float = 120) -> Tuple[str, int]:
+        """(state, exit code) once the job has ended."""
+        end = time.monotonic() + timeout
+        while True:
+            info = self.job(job)
+            if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                return info["JobState"], int(info.get("ExitCode", "0:0").split(":")[0])
+            if time.monotonic() > end:
+                raise TimeoutError(f"job {job} still {info.get('JobState')} after {timeout:.0f} s:\n"
+                                   f"{self.output(job)[-3000:]}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Cancel every job, then stop every daemon this object started, and the step daemons
+        (slurmstepd) of its slurmd, found by the SLURM_CONF they inherited."""
+        if "slurmctld" in self.daemons and self.daemons["slurmctld"].poll() is None:
+            self.run(["scancel", "--full", "--partition=test"], check=False)
+        for name in [n for n in self.daemons if n.startswith("slurmd")] + ["slurmctld", "munged"]:
+            self._stop(self.daemons.get(name))
+        for pid in self._own_step_daemons():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _stop(self, proc: Optional[subprocess.Popen], grace: float = 10.0) -> None:
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def _own_step_daemons(self) -> List[int]:
+        needle = f"SLURM_CONF={self.env['SLURM_CONF']}".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if not f.read().startswith(b"slurmstepd"):
+                        continue
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+        return found

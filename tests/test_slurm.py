@@ -1,0 +1,178 @@
+"""launch/slurm.sbatch under a real SLURM (Debian's slurm-wlm, installed where missing):
+munged, slurmctld and two slurmd nodes on this host (tests/slurm_cluster.py), one cluster for
+the module, every daemon stopped at its end.
+
+2-node jobs equal one process bit for bit; two jobs on one node at once (each its own
+rendezvous port, from its job id); a usage error ends every job with dist_eval's exit code 2
+and its one line; ``scancel`` mid-run against a real swarm leaves no process within 5 s and no
+warning about a healthy server. The ranks' threads follow the CPUs the job was given.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+import pytest
+from conftest import REPO, build_checkpoint, write_csv
+from slurm_cluster import SlurmCluster
+
+from dist_eval.rendezvous import port_for
+
+pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
+# scancel to the last process of the job gone (srun's included): 1-3 s here, with room for a busy machine
+STOPPED_WITHIN_S = 5.0
+SBATCH = os.path.join(REPO, "launch", "slurm.sbatch")
+# what a job inherits from sbatch (--export=ALL): no OMP_NUM_THREADS, so that the script sets it
+JOB_ENV = {"PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "LOCAL_ADDR": "127.0.0.1", "OMP_NUM_THREADS": ""}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with SlurmCluster(str(tmp_path_factory.mktemp("slurm"))) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("slurm_inputs")
+    return build_checkpoint(str(folder / "ck.pt")), write_csv(str(folder / "data.csv"), 41, seed=5)
+
+
+def eval_args(model, inputs, out, *extra):
+    checkpoint, data = inputs
+    return ["--model", model, "--checkpoint", checkpoint, "--data-files", data, "--batch-size", "8",
+            "--save-logits", "--output-dir", str(out), *extra]
+
+
+def submit(cluster, sbatch_options, args, **env):
+    job_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    job_env.update({k: v for k, v in {**JOB_ENV, **env}.items() if v})
+    return cluster.sbatch([*sbatch_options, SBATCH, *args], cwd=REPO, env=job_env)
+
+
+def outputs(folder):
+    import json
+
+    with open(os.path.join(folder, "predictions.jsonl")) as f:
+        predictions = f.read()
+    with open(os.path.join(folder, "metrics.json")) as f:
+        metrics = json.load(f)
+    return predictions, {k: v for k, v in metrics.items() if k != "run"}, metrics["run"]
+
+
+def assert_completed(cluster, job):
+    state, code = cluster.wait(job)
+    text = cluster.output(job)
+    assert (state, code) == ("COMPLETED", 0), f"job {job}: {state} {code}\n{text[-3000:]}"
+    assert "Traceback" not in text, text[-3000:]
+
+
+def test_a_two_node_job_and_a_one_rank_job_share_a_node(cluster, tiny_model, inputs, tmp_path):
+    """A 2-node job (n1, n2) and a 1-rank job on n1 at once: two rendezvous on n1, each on its
+    job's own port (a fixed one made the second fail: EADDRINUSE); the 2-node job == the one
+    rank, bit for bit."""
+    args = ("--backend", "local")
+    one_cpu = ["--cpus-per-task=1"]
+    two = submit(cluster, ["--nodes=2", *one_cpu], eval_args(tiny_model, inputs, tmp_path / "two", *args))
+    one = submit(cluster, ["--nodes=1", "--nodelist=n1", *one_cpu],
+                 eval_args(tiny_model, inputs, tmp_path / "one", *args))
+    together, end = False, time.monotonic() + 120
+    while time.monotonic() < end and not together:
+        states = [cluster.job(job)["JobState"] for job in (two, one)]
+        together = states == ["RUNNING", "RUNNING"]
+        if any(s in ("COMPLETED", "FAILED", "CANCELLED") for s in states):
+            break
+        time.sleep(0.1)
+    for job in (two, one):
+        assert_completed(cluster, job)
+    assert together, "the two jobs did not run at the same time"
+    assert cluster.job(two)["NodeList"] == "n[1-2]" and cluster.job(one)["NodeList"] == "n1"
+    assert port_for(str(two)) != port_for(str(one))
+    reference, result = outputs(tmp_path / "one"), outputs(tmp_path / "two")
+    assert reference[2]["world_size"] == 1 and result[2]["world_size"] == 2
+    assert result[:2] == reference[:2]  # predictions with logits, and every metric
+
+
+def test_a_usage_error_is_exit_2_and_one_line_every_time(cluster, tiny_model, inputs, tmp_path):
+    """On 2 nodes, twice at once: exit code 2 (not torchrun's 1, not 143 from srun's
+    --kill-on-bad-exit), the one error line, no torchrun ChildFailedError report."""
+    args = eval_args(tiny_model, inputs, tmp_path / "out", "--backend", "local", "--batch-size", "0")
+    jobs = [submit(cluster, ["--nodes=2", "--cpus-per-task=1"], args) for _ in range(2)]
+    for job in jobs:
+        state, code = cluster.wait(job)
+        text = cluster.output(job)
+        assert (state, code) == ("FAILED", 2), f"job {job}: {state} {code}\n{text[-3000:]}"
+        # SLURM's own lines (srun: error: n2: task 1: Exited with exit code 2, slurmstepd-n1: ... CANCELLED) aside
+        ours = [line for line in text.splitlines() if line.strip() and not line.startswith(("srun:", "slurmstepd"))]
+        assert ours == ["dist_eval: error: --batch-size 0: expected a positive integer."], text[-3000:]
+    assert not (tmp_path / "out" / "metrics.json").exists()
+
+
+def _job_processes(cluster, job):
+    """Live processes (not zombies) of SLURM job ``job`` of ``cluster`` on this host: those whose
+    environment says SLURM_JOB_ID=job and this cluster's SLURM_CONF (another may run here too)."""
+    needles = {f"SLURM_JOB_ID={job}".encode(), f"SLURM_CONF={cluster.env['SLURM_CONF']}".encode()}
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if not needles <= set(f.read().split(b"\0")):
+                    continue
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if f.read().rpartition(b")")[2].split()[0] == b"Z":
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found.append((int(entry), f.read().replace(b"\0", b" ").decode(errors="replace")))
+        except OSError:
+            continue
+    return found
+
+
+def _ranks(cluster, job):
+    """{pid: (OMP_NUM_THREADS, the CPUs it may run on)} of the job's dist_eval ranks."""
+    ranks, commands = {}, dict(_job_processes(cluster, job))
+    for pid, cmd in commands.items():
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            parent = int(f.read().rpartition(b")")[2].split()[1])
+        if "-m dist_eval " not in cmd or "dist_eval.launcher" not in commands.get(parent, ""):
+            continue  # not a rank (torchrun's launcher, a rank's helper processes)
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        ranks[pid] = (env.get(b"OMP_NUM_THREADS", b"").decode(), len(os.sched_getaffinity(pid)))
+    return ranks
+
+
+@pytest.mark.swarm
+def test_scancel_mid_run_on_a_swarm(cluster, tiny_swarm, tiny_model, tmp_path):
+    """2 nodes x 2 ranks against a real swarm: each rank 1 thread of the node's 2 CPUs;
+    scancel mid-run leaves no process of the job within seconds and no warning about a server."""
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
+    data = write_csv(str(tmp_path / "big.csv"), 4000, seed=9)
+    args = ["--model", tiny_model, "--checkpoint", checkpoint, "--data-files", data, "--batch-size", "4",
+            "--output-dir", str(tmp_path / "out"), "--progress", "log", "--swarm-timeout", "30"]
+    job = submit(cluster, ["--nodes=2"], args, NPROC_PER_NODE="2", INITIAL_PEERS=" ".join(tiny_swarm.initial_peers),
+                 DHT_PREFIX=tiny_swarm.dht_prefix)
+    end, ranks, mid_run = time.monotonic() + 120, {}, re.compile(r"progress [1-9]\d*/4000 ")
+    while time.monotonic() < end and not mid_run.search(cluster.output(job)):
+        ranks = _ranks(cluster, job) or ranks
+        assert cluster.job(job)["JobState"] in ("PENDING", "RUNNING"), cluster.output(job)[-3000:]
+        time.sleep(0.2)
+    assert mid_run.search(cluster.output(job)), cluster.output(job)[-3000:]  # rows done, the requests flowing
+    ranks = _ranks(cluster, job) or ranks
+    assert len(ranks) == 4 and set(ranks.values()) == {("1", 2)}, ranks  # 2 CPUs a node, over 2 ranks
+    cluster.run(["scancel", str(job)])
+    cancelled = time.monotonic()
+    while _job_processes(cluster, job) and time.monotonic() < cancelled + STOPPED_WITHIN_S:
+        time.sleep(0.1)
+    assert not _job_processes(cluster, job), _job_processes(cluster, job)
+    print(f"every process of the job gone {time.monotonic() - cancelled:.1f} s after scancel")
+    state, _ = cluster.wait(job)
+    text = cluster.output(job)
+    assert state == "CANCELLED", text[-3000:]
+    assert "failed a request" not in text and "Traceback" not in text, text[-3000:]
+    assert "death signal" not in text, text[-3000:]  # torchrun's launcher logs stay quiet
+    assert not (tmp_path / "out" / "metrics.json").exists()
