@@ -259,15 +259,15 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     lines = r.stdout.splitlines()
     assert r.returncode == 1 and lines[-1] == "unserved: blocks 4", r.stdout + r.stderr
     assert "UNREACHABLE" in r.stdout and "blocks 4:5: NO SERVER (none)" in lines, r.stdout
-    # blocks 0-3: server 0 serves each, servers 1 and 2 at most listed as not serving (their records in
+    # blocks 0-3: one server serves each, servers 1 and 2 at most listed as not serving (their records in
     # the DHT, OFFLINE or stale, may differ from block to block while they expire: so ranges may split)
     ranges = [line for line in lines if line.startswith("blocks ") and not line.startswith("blocks 4:5")]
     covered = set()
     for line in ranges:
         start, end = map(int, line.split()[1].rstrip(":").split(":"))
         covered |= set(range(start, end))
-        assert "S0," in line + "," and "S0 (not serving)" not in line, r.stdout
-        assert all(f"{s} (not serving)" in line for s in ("S1", "S2") if f" {s}" in line), r.stdout
+        serving = [entry for entry in line.split(": ", 1)[1].split(", ") if "(not serving)" not in entry]
+        assert len(serving) == 1, r.stdout  # server 0 alone (status numbers the servers its own way)
     assert covered == {0, 1, 2, 3}, r.stdout
 
     # 5. SIGTERM drains server 0, the last one: OFFLINE announced, exit 0, not restarted; the swarm then fails its check
