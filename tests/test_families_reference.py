@@ -228,3 +228,21 @@ def test_the_reference_script_imports_no_dist_eval():
     with open(os.path.join(REPO, "tests", "reference", "make_reference.py"), encoding="utf-8") as f:
         source = f.read()
     assert "import dist_eval" not in source and "from dist_eval" not in source
+
+
+def test_a_hub_id_no_block_computes_is_refused_after_its_config_alone(reference, tmp_path, monkeypatch):
+    """By hub id on a swarm: config.json is fetched, read and refused; no tokenizer, index or weight."""
+    from fake_hub import fake_hub
+    from huggingface_hub import constants
+
+    from dist_eval.backends.hub import resolve_model
+    from dist_eval.errors import UsageError
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))  # the user's cache untouched
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    folder = edited_folder(reference, tmp_path, "llama3", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with fake_hub({"org/yarn-llama": folder}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        with pytest.raises(UsageError, match="rope_type 'yarn'"):
+            resolve_model("org/yarn-llama", "petals", ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"])
+    assert hub.files("GET") == ["config.json"]

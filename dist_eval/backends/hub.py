@@ -101,9 +101,10 @@ def client_folder(repo_id: str, revision: Optional[str] = None, endpoint: Option
 
     config = _fetch(repo_id, "config.json", revision, endpoint)
     folder = os.path.dirname(config)
+    family = family_of_folder(folder)  # a model no block here computes is refused before anything else is fetched
     for name in TOKENIZER_FILES:
         _fetch(repo_id, name, revision, endpoint, optional=True)
-    blocks = "" if every_shard else family_of_folder(folder).blocks + "."  # "": no tensor name is a block's
+    blocks = "" if every_shard else family.blocks + "."  # "": no tensor name is a block's
     for name in client_shards(repo_id, revision, endpoint, blocks):
         _fetch(repo_id, name, revision, endpoint)
     return folder
