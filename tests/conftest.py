@@ -297,6 +297,15 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000-32767")
 
 
+def outputs(folder):
+    """(predictions.jsonl text, metrics.json without its ``run`` section, ``run``) of a run's folder."""
+    with open(os.path.join(folder, "predictions.jsonl")) as f:
+        predictions = f.read()
+    with open(os.path.join(folder, "metrics.json")) as f:
+        metrics = json.load(f)
+    return predictions, {k: v for k, v in metrics.items() if k != "run"}, metrics["run"]
+
+
 def read_jsonl(path: str):
     import json
 

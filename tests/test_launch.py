@@ -9,7 +9,6 @@ no server.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -24,6 +23,7 @@ from conftest import (
     REPO,
     build_checkpoint,
     free_port,
+    outputs,
     read_stdout_line,
     run_in_own_group,
     split_into_shards,
@@ -130,15 +130,6 @@ def port_is_free(port):
             return True
         except OSError:
             return False
-
-
-def outputs(folder):
-    """(predictions.jsonl text, metrics.json without its ``run`` section, ``run``)."""
-    with open(os.path.join(folder, "predictions.jsonl")) as f:
-        predictions = f.read()
-    with open(os.path.join(folder, "metrics.json")) as f:
-        metrics = json.load(f)
-    return predictions, {k: v for k, v in metrics.items() if k != "run"}, metrics["run"]
 
 
 def assert_ok(returncode, log):

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, build_checkpoint, write_csv
+from conftest import REPO, build_checkpoint, outputs, write_csv
 from slurm_cluster import SlurmCluster
 
 from dist_eval.rendezvous import port_for
@@ -50,16 +50,6 @@ def submit(cluster, sbatch_options, args, **env):
     job_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     job_env.update({k: v for k, v in {**JOB_ENV, **env}.items() if v})
     return cluster.sbatch([*sbatch_options, SBATCH, *args], cwd=REPO, env=job_env)
-
-
-def outputs(folder):
-    import json
-
-    with open(os.path.join(folder, "predictions.jsonl")) as f:
-        predictions = f.read()
-    with open(os.path.join(folder, "metrics.json")) as f:
-        metrics = json.load(f)
-    return predictions, {k: v for k, v in metrics.items() if k != "run"}, metrics["run"]
 
 
 def assert_completed(cluster, job):
