@@ -218,7 +218,7 @@ _NOT_LISTED = {"petals": "installed with --no-deps by launch/install.sh (pyproje
 
 
 def test_pyproject_lists_every_package_dist_eval_imports():
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
 
     project = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))
     listed = {re.split(r"[<>=!~\[ ;]", spec, maxsplit=1)[0].lower() for spec in project["project"]["dependencies"]}
@@ -238,7 +238,8 @@ def test_pyproject_lists_every_package_dist_eval_imports():
 
 def test_the_report_templates_are_package_data():
     import importlib.resources
-    import tomllib
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
 
     project = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))
     assert project["tool"]["setuptools"]["package-data"]["dist_eval.output"] == ["templates/*"]
