@@ -294,8 +294,8 @@ _SWARM_TIMEOUT = (
     "every server of some block fails mid-run."
 )
 _PROGRESS = (
-    "Progress of all ranks, on stderr from rank 0: bar, log (plain lines for job logs), none; "
-    "auto = bar on a terminal, else log (none with --quiet)."
+    "Progress of all ranks, on stderr from rank 0: bar (tqdm), log (plain lines for job logs), none; "
+    "auto = bar on a terminal, else log (none with --quiet or TQDM_DISABLE, which also turns bar off)."
 )
 _DATA_FILES = (
     "Data: csv/tsv/json/jsonl/parquet files, a save_to_disk folder, or a hub dataset name. Several sets in "

@@ -4,10 +4,15 @@ Each rank adds the rows it finished to a counter in the process group's c10d sto
 small request per batch, never a collective); a background thread on rank 0 reads the
 total at most every ``refresh_s`` and renders it on stderr (stdout keeps the summary):
 
-    bar   a live bar on one line:  dist_eval [#########.....] 450/800  56%  123.4 samples/s  ETA 0:03
+    bar   a tqdm bar (``tqdm.auto``: a widget in a notebook) counting the plan's work, padded
+          tokens (rows without a plan), the rows and samples/s in its postfix:
+          dist_eval:  56%|#####     | 21.1k/37.7k [00:03<00:02, 6.2k tok/s, 450/800 rows, 123.4 samples/s]
     log   plain lines for job logs: a line every ``log_every_s`` and at each 10%, and a final one
+          (no carriage return)
     none  nothing
-    auto  bar when stderr is a terminal, log otherwise, none with ``quiet``
+    auto  bar when stderr is a terminal or in a notebook, log otherwise; none with ``quiet`` or
+          where ``TQDM_DISABLE`` is set (as tqdm reads it: any non-empty value), which also turns
+          ``bar`` off (an explicit ``log`` still writes its lines)
 
 In one process the count is local. Progress can never fail an evaluation: a store error
 stops the display with one warning line.
@@ -20,6 +25,7 @@ batches (the longest, a cold swarm) say little of the rate.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -31,8 +37,9 @@ from dist_eval import ranks
 from dist_eval.errors import warn
 
 MODES = ("auto", "bar", "log", "none")
-_BAR_WIDTH = 30
 ETA_AFTER_WORK = 0.02  # the share of the work done before an ETA is shown
+# tqdm's own format (its r_bar) with the remaining time as "?": before ETA_AFTER_WORK of the work
+_BAR_BEFORE_ETA = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<?, {rate_fmt}{postfix}]"
 
 
 class WorkPlan:
@@ -58,16 +65,30 @@ def eta_seconds(elapsed: float, done: int, total: int, plan: Optional[WorkPlan] 
     return elapsed * (1.0 - min(fraction, 1.0)) / fraction
 
 
+def tqdm_disabled() -> bool:
+    """``TQDM_DISABLE`` set, as tqdm reads it (its ``disable`` from a non-empty string)."""
+    return bool(os.environ.get("TQDM_DISABLE"))
+
+
+def in_notebook() -> bool:
+    """In a Jupyter kernel (tqdm.auto's test): the bar is a widget there."""
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    shell = get_ipython() if get_ipython is not None else None
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+
+
 def resolve_mode(mode: str, quiet: bool, stream: TextIO) -> str:
-    """The mode actually used: ``auto`` becomes bar / log / none."""
+    """The mode actually used: ``auto`` becomes bar / log / none; ``bar`` is none under
+    ``TQDM_DISABLE``.
+    """
     if mode not in MODES:
         raise ValueError(f"progress mode {mode!r}: expected one of {', '.join(MODES)}")
+    if (mode == "auto" and quiet) or (mode in ("auto", "bar") and tqdm_disabled()):
+        return "none"
     if mode != "auto":
         return mode
-    if quiet:
-        return "none"
     isatty = getattr(stream, "isatty", None)
-    return "bar" if isatty is not None and isatty() else "log"
+    return "bar" if (isatty is not None and isatty()) or in_notebook() else "log"
 
 
 def format_duration(seconds: Optional[float]) -> str:
@@ -125,7 +146,7 @@ class GlobalProgress:
         self._last_log_time = None
         self._last_log_decile = -1
         self._last_logged_done = -1
-        self._line_width = 0
+        self._bar = None  # rank 0's tqdm bar (mode bar), made by start()
         self._closed = False
         self._plan: Optional[WorkPlan] = None
 
@@ -160,6 +181,8 @@ class GlobalProgress:
     def start(self) -> None:
         self._started = time.monotonic()
         self._last_log_time = self._started
+        if self.mode == "bar":
+            self._bar = self._open_bar()
         if self.mode in ("bar", "log"):
             self._thread = threading.Thread(target=self._refresh_loop, name="dist_eval-progress", daemon=True)
             self._thread.start()
@@ -182,6 +205,12 @@ class GlobalProgress:
         if self.mode in ("bar", "log"):
             # after a failure the store may be gone: show the last count rank 0 read
             self._render(final=True, completed=completed, ask_store=completed)
+        if self._bar is not None:
+            try:
+                self._bar.close()
+            except (OSError, ValueError):
+                pass
+            self._bar = None
 
     # -- rank 0 -------------------------------------------------------------------------
 
@@ -221,17 +250,25 @@ class GlobalProgress:
         elif self._log_due(done, now):
             self._write_log_line(done, rate, elapsed, f"ETA {format_duration(eta)}")
 
+    def _open_bar(self):
+        from tqdm.auto import tqdm
+
+        # smoothing=0: the rate is the work done over the time elapsed, so tqdm's remaining time
+        # is eta_seconds'; the total and unit become the plan's once it arrives (_draw_bar)
+        return tqdm(total=self.total, desc=self.label, unit=" rows", smoothing=0, file=self.stream,
+                    mininterval=0, leave=True, bar_format=_BAR_BEFORE_ETA)
+
     def _draw_bar(self, done: int, rate: float, eta, elapsed: float, final: bool) -> None:
-        fraction = min(1.0, done / self.total) if self.total else 1.0
-        filled = int(round(fraction * _BAR_WIDTH))
-        tail = f"{format_duration(elapsed)} elapsed" if final else f"ETA {format_duration(eta)}"
-        line = (
-            f"{self.label} [{'#' * filled}{'.' * (_BAR_WIDTH - filled)}] {done}/{self.total} "
-            f"{100 * fraction:3.0f}%  {rate:.1f} samples/s  {tail}"
-        )
-        pad = " " * max(0, self._line_width - len(line))  # wipe a longer previous line
-        self._line_width = len(line)
-        self._write("\r" + line + pad + ("\n" if final else ""))
+        bar = self._bar
+        if self._plan is not None and bar.unit != " tok":
+            bar.total, bar.unit, bar.unit_scale = float(self._plan.costs[-1]), " tok", True
+        bar.n = float(self._plan.costs[-1] * self._plan.fraction(done)) if self._plan is not None else done
+        bar.bar_format = _BAR_BEFORE_ETA if eta is None and not final else None
+        bar.set_postfix_str(f"{done}/{self.total} rows, {rate:.1f} samples/s", refresh=False)
+        try:
+            bar.refresh()
+        except (OSError, ValueError):  # a closed or broken stream: stop drawing, keep evaluating
+            self.mode = "none"
 
     def _log_due(self, done: int, now: float) -> bool:
         decile = int(10 * done / self.total) if self.total else 10

@@ -2,10 +2,12 @@
 against a plain bootstrap), the files (CSV, Markdown, PNG, self-contained HTML) with
 class names, the report without matplotlib, and --report-to."""
 import base64
+import copy
 import csv
 import io
 import json
 import re
+from html.parser import HTMLParser
 
 import numpy as np
 import pytest
@@ -163,6 +165,41 @@ def test_report_without_matplotlib(one_process_result, tmp_path, monkeypatch, ca
     assert "data:image/png" not in page and "matplotlib is not installed" in page
     for row in one_process_result.metrics["confusion_matrix"]:  # the matrix as a table instead
         assert "".join(f'<td class="num">{v}</td>' for v in row) in page
+
+
+class _PageText(HTMLParser):
+    """The elements and the text a browser would make of a page."""
+
+    def __init__(self):
+        super().__init__()
+        self.tags, self.text = [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def test_report_shows_markup_in_texts_as_text(one_process_result):
+    """report.html's template escapes every text of a run (autoescape): class names, a data
+    file, the title with markup in them are shown as text, never made elements."""
+    from dist_eval.output.html import render_html
+
+    metrics = copy.deepcopy(one_process_result.metrics)
+    hostile = ["<script>alert(1)</script>", "a & b <b>bold</b>", '"><img src=x onerror=alert(2)>']
+    renamed = dict(zip(CLASS_NAMES, hostile))
+    metrics["label_names"] = hostile
+    metrics["per_class"] = {renamed.get(name, name): row for name, row in metrics["per_class"].items()}
+    metrics["run"]["data_files"] = ["<script>alert(3)</script>.csv"]
+    page = render_html(metrics, title="<script>alert(4)</script> report")
+    parsed = _PageText()
+    parsed.feed(page)
+    assert not {"script", "b"} & set(parsed.tags) and "img" not in parsed.tags  # no figure given: no <img> at all
+    text = "".join(parsed.text)
+    assert all(text.count(name) >= 3 for name in hostile)  # per-class table and both heads of the confusion table
+    assert "<script>alert(3)</script>.csv" in text and text.count("<script>alert(4)</script> report") == 2
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "&#34;&gt;&lt;img src=x" in page
 
 
 def test_bootstrap_off_leaves_no_intervals(tiny_model, tiny_checkpoint, tmp_path, capfd):

@@ -209,3 +209,39 @@ def test_flags_keywords_and_resume_key_cannot_drift_apart():
     assert EvalConfig(max_batch_tokens=0).settings == settings_from({"max_batch_tokens": None})[0]
     with pytest.raises(TypeError, match="'batch_sise'.*did you mean 'batch_size'"):
         settings_from({"batch_sise": 3})
+
+
+# the import name of each distribution whose import name differs from it
+_IMPORT_TO_DISTRIBUTION = {"sklearn": "scikit-learn", "PIL": "pillow", "huggingface_hub": "huggingface-hub"}
+_NOT_LISTED = {"petals": "installed with --no-deps by launch/install.sh (pyproject.toml says why)",
+               "wandb": "optional: --report-to wandb", "tensorboard": "optional: --report-to tensorboard"}
+
+
+def test_pyproject_lists_every_package_dist_eval_imports():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+
+    project = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))
+    listed = {re.split(r"[<>=!~\[ ;]", spec, maxsplit=1)[0].lower() for spec in project["project"]["dependencies"]}
+    imported = set()
+    for path in package_files():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = {name for name in imported if name not in sys.stdlib_module_names and name != "dist_eval"}
+    missing = sorted(name for name in third_party - set(_NOT_LISTED)
+                     if _IMPORT_TO_DISTRIBUTION.get(name, name).lower().replace("_", "-") not in listed)
+    assert not missing, f"imported by dist_eval but not in pyproject.toml's dependencies: {missing}"
+    assert {"tqdm", "jinja2", "scipy"} <= third_party  # the libraries issue 41 put to use
+
+
+def test_the_report_templates_are_package_data():
+    import importlib.resources
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+
+    project = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))
+    assert project["tool"]["setuptools"]["package-data"]["dist_eval.output"] == ["templates/*"]
+    templates = importlib.resources.files("dist_eval.output") / "templates"
+    assert sorted(p.name for p in templates.iterdir()) == ["report.css", "report.html.j2"]

@@ -1,7 +1,8 @@
-"""Paired comparison: McNemar's exact test against scipy (and statsmodels when
-installed) and hand counts; the paired bootstrap against explicitly drawn resamples
+"""Paired comparison: McNemar's exact test is scipy's binomtest, equal to the exact binomial tail
+(rationals) over a grid of counts, and to hand counts; the paired bootstrap against explicitly drawn resamples
 scored by scikit-learn, invariant to row order, seeded."""
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -11,14 +12,30 @@ from sklearn import metrics as skm
 from dist_eval.intervals import canonical_row_order
 from dist_eval.paired import PAIRED_STREAM, binomial_two_sided_pvalue, mcnemar_exact, paired_bootstrap
 
-COUNTS = [(0, 0), (0, 1), (1, 0), (3, 10), (10, 3), (0, 30), (5, 5), (6, 5), (100, 130), (4000, 4300),
-          (50000, 51000), (0, 200), (7, 0), (25, 40)]
+GRID = range(41)
 
 
-@pytest.mark.parametrize("b,c", COUNTS)
-def test_pvalue_equals_scipy_binomtest(b, c):
-    ref = binomtest(b, b + c, 0.5).pvalue if b + c else 1.0
-    assert binomial_two_sided_pvalue(b, c) == pytest.approx(ref, rel=1e-11, abs=0)
+def exact_two_sided(b, c):
+    """min(1, 2 P[X <= min(b, c)]) for X ~ Binomial(b + c, 1/2), in exact rationals."""
+    n, m = b + c, min(b, c)
+    if n == 0 or b == c:
+        return Fraction(1)
+    return min(Fraction(1), Fraction(2 * sum(math.comb(n, i) for i in range(m + 1)), 2**n))
+
+
+def test_pvalue_is_scipy_binomtest_and_the_exact_tail_over_a_grid():
+    for b in GRID:
+        for c in GRID:
+            ours = binomial_two_sided_pvalue(b, c)
+            assert ours == (binomtest(b, b + c, 0.5).pvalue if b + c else 1.0), (b, c)
+            assert ours == pytest.approx(float(exact_two_sided(b, c)), rel=1e-12, abs=0), (b, c)
+
+
+@pytest.mark.parametrize("b,c", [(100, 130), (4000, 4300), (50000, 51000), (0, 200)])
+def test_pvalue_for_large_counts(b, c):
+    assert binomial_two_sided_pvalue(b, c) == binomtest(b, b + c, 0.5).pvalue
+    if b + c <= 1000:  # the exact rationals of larger counts cost seconds
+        assert binomial_two_sided_pvalue(b, c) == pytest.approx(float(exact_two_sided(b, c)), rel=1e-9, abs=0)
 
 
 def test_pvalue_by_hand():

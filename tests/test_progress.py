@@ -52,16 +52,89 @@ def test_log_mode_reaches_the_total():
     assert matches[-1].group(1, 2, 4) == ("100", "100", "done")
 
 
-def test_bar_mode_redraws_one_line():
+BAR_FINAL = re.compile(
+    r"^dist_eval: 100%\|#+\| (\S+)/(\S+) \[[\d:]+<[\d:]+, [\d.]+k? (rows|tok)/s, (\d+)/(\d+) rows, [\d.]+ samples/s\]$"
+)
+
+
+@pytest.fixture
+def no_tqdm_disable(monkeypatch):
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+
+
+def test_bar_mode_is_a_tqdm_bar_redrawn_on_one_line(no_tqdm_disable):
+    from tqdm import tqdm
+
     out = FakeTerminal()
     with GlobalProgress(40, "auto", stream=out, refresh_s=0.01) as progress:  # a terminal: auto = bar
+        assert isinstance(progress._bar, tqdm)
         for _ in range(4):
             progress.update(10)
             time.sleep(0.03)
     text = out.getvalue()
     assert text.count("\n") == 1 and text.endswith("\n")  # redrawn in place, one final newline
-    final = text.rstrip("\n").split("\r")[-1]
-    assert re.match(r"dist_eval \[#{30}\] 40/40 100%  [\d.]+ samples/s  [\d:]+ elapsed", final), final
+    final = BAR_FINAL.match(text.rstrip("\n").split("\r")[-1])
+    assert final and final.groups() == ("40", "40", "rows", "40", "40"), text.split("\r")[-1]
+
+
+def test_the_bar_counts_the_plans_work_with_the_rows_in_its_postfix(no_tqdm_disable):
+    out = FakeTerminal()
+    progress = GlobalProgress(1000, "bar", stream=out, refresh_s=3600)  # drawn here, by _render
+    progress.set_plan([10, 10, 980], [100, 100, 19600])
+    progress.start()
+    progress.update(20)
+    progress._render(final=False)
+    line = out.getvalue().split("\r")[-1]
+    assert (progress._bar.n, progress._bar.total) == pytest.approx((200, 19800))  # padded tokens, not rows
+    assert "| 200/19.8k [" in line and "<?, " in line and ", 20/1000 rows, " in line, line  # 1% of the work: no ETA
+    progress.update(500)  # 10,000 of 19,800 tokens
+    time.sleep(0.05)
+    progress._render(final=False)
+    line = out.getvalue().split("\r")[-1]
+    assert progress._bar.n == pytest.approx(200 + 19600 * 500 / 980) and ", 520/1000 rows, " in line, line
+    assert "<?" not in line and re.search(r"<\d\d:\d\d, ", line), line  # tqdm's remaining time = eta_seconds
+    progress.update(480)
+    progress.close()
+    final = BAR_FINAL.match(out.getvalue().rstrip("\n").split("\r")[-1])
+    assert final and final.groups() == ("19.8k", "19.8k", "tok", "1000", "1000"), out.getvalue()[-300:]
+    assert progress._bar is None and out.getvalue().endswith("\n")
+
+
+def test_the_bar_is_tqdm_auto_s(no_tqdm_disable, monkeypatch):
+    """tqdm.auto's class draws it: a widget in a notebook, where ``auto`` picks the bar."""
+    import sys
+    import types
+
+    import tqdm.auto
+
+    made = []
+
+    class Recorded(tqdm.auto.tqdm):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorded)
+    kernel = types.SimpleNamespace(config={"IPKernelApp": {}})
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: kernel))
+    notebook_stream = io.StringIO()  # a kernel's stderr is no terminal
+    assert resolve_mode("auto", False, notebook_stream) == "bar"
+    with GlobalProgress(10, "auto", stream=notebook_stream) as progress:
+        progress.update(10)
+    assert len(made) == 1 and made[0]["desc"] == "dist_eval"
+
+
+def test_tqdm_disable_silences_the_bar_not_an_explicit_log(monkeypatch):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    for mode in ("auto", "bar"):
+        out = FakeTerminal()
+        with GlobalProgress(10, mode, stream=out, refresh_s=0.01) as progress:
+            progress.update(10)
+        assert out.getvalue() == "" and not progress.enabled, mode
+    out = io.StringIO()
+    with GlobalProgress(10, "log", stream=out, refresh_s=0.01) as progress:
+        progress.update(10)
+    assert [m.group(1, 4) for m in progress_lines(out.getvalue())] == [("10", "done")]
 
 
 def test_a_failed_run_says_stopped():
@@ -84,9 +157,10 @@ def test_a_failed_run_says_stopped():
         ("log", True, False, "log"),
         ("none", False, True, "none"),
         ("bar", False, False, "bar"),
+        ("log", False, True, "log"),
     ],
 )
-def test_mode_resolution(mode, quiet, tty, expected):
+def test_mode_resolution(mode, quiet, tty, expected, no_tqdm_disable):
     assert resolve_mode(mode, quiet, FakeTerminal() if tty else io.StringIO()) == expected
 
 
@@ -131,6 +205,7 @@ def test_cli_log_mode_prints_progress_to_stderr(tiny_model, tiny_checkpoint, tmp
     assert matches and all(matches), err[-3000:]
     assert matches[-1].group(1, 2, 4) == ("37", "37", "done")
     assert all(int(m.group(2)) == 37 for m in matches)
+    assert "\r" not in err  # plain lines in a file (stderr is one here), not a bar redrawn
     assert "progress" not in out  # stdout holds the summary only
     assert re.search(r"^  accuracy \d\.\d{4}", out, re.M)
 
@@ -156,6 +231,22 @@ def test_cli_quiet_shows_no_progress(tiny_model, tiny_checkpoint, tmp_path, capf
     assert code == 0, err[-3000:]
     assert "progress" not in err and "progress" not in out
     assert re.fullmatch(r"dist_eval: accuracy \d\.\d{4} on 9 samples -> .*metrics\.json\n", out)
+
+
+@pytest.mark.parametrize("how", ["TQDM_DISABLE", "--progress none"])
+def test_cli_silenced_shows_no_progress(how, tiny_model, tiny_checkpoint, tmp_path, capfd, monkeypatch):
+    data = write_csv(str(tmp_path / "data.csv"), 9, seed=12)
+    args = ["--model", tiny_model, "--data-files", data, "--backend", "local", "--checkpoint", tiny_checkpoint,
+            "--output-dir", str(tmp_path / "out"), "--bootstrap-resamples", "20"]
+    if how == "TQDM_DISABLE":
+        monkeypatch.setenv("TQDM_DISABLE", "1")
+    else:
+        args += ["--progress", "none"]
+    code = run_cli_in_process(args)
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+    assert "progress" not in err and "\r" not in err and "rows/s" not in err, err[-3000:]
+    assert re.search(r"^  accuracy \d\.\d{4}", out, re.M)
 
 
 # ---- the ETA counts work (issue 29: at 2% a long-tailed run said "ETA 12:12" and ended 75 s later)
