@@ -172,11 +172,14 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
         settings = replace(settings, label_words=_label_words_of(task, settings.label_words))
         start, start_cpu = time.perf_counter(), time.process_time()
 
-        num_rows, batches, num_truncated, own_batches = _this_rank_batches(data, tokenizer, settings, task,
-                                                                           options.top_k, _plan_hook(on_batch_done))
+        num_rows, batches, num_truncated, own_batches, data = _this_rank_batches(
+            data, tokenizer, settings, task, options.top_k, _plan_hook(on_batch_done))
         with ranks.phase("reading the stored partial results"):
             stored, writer = open_partial(resume_folder, own_batches, task.num_labels, options.save_interval)
-        local = _forward_passes(task, batches, stored, writer, options.in_flight, sample_metrics, on_batch_done)
+        with ranks.phase("reading the row store"):
+            rows_source = _row_source(model, tokenizer, data, settings, options, task, own_batches)
+        local = _forward_passes(task, batches, (stored, writer, rows_source), options.in_flight, sample_metrics,
+                                on_batch_done)
     loop_seconds = time.perf_counter() - start
     local.loop_cpu_seconds = time.process_time() - start_cpu  # this rank's CPU (all its threads) in the loop
 
@@ -185,7 +188,31 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
         num_truncated=num_truncated, loop_seconds=loop_seconds,
         bootstrap=(options.bootstrap_resamples, options.bootstrap_seed), top_k=options.top_k,
     )
+    report["row_store"] = _row_store_facts(rows_source, num_rows, report["run"]["resumed_samples"])
     return EvalResult(metrics=report, predictions=merged if return_logits else _without_logits(merged))
+
+
+def _row_source(model, tokenizer, data, settings: Settings, options: Options, task: _Task, own_batches):
+    """This rank's :class:`dist_eval.rowstore.RowSource` (every rank calls it; rank 0 reads the
+    store): none for a DataLoader (no global plan), a model without an identity, or the store off.
+    """
+    from dist_eval.rowstore import RowSource, open_rows, store_for
+
+    if own_batches is None:
+        return RowSource(None, ranks.get_rank())
+    store = store_for(options.row_store, model, tokenizer, settings, task.pad_token_id) \
+        if ranks.is_main_process() else None
+    columns = [settings.text_column] + ([settings.text_pair_column] if settings.text_pair_column else [])
+    own_rows = np.concatenate(list(own_batches.values())) if own_batches else np.zeros(0, dtype=np.int64)
+    return open_rows(store, options.fresh_rows, data, columns, own_rows, task.num_labels, options.save_interval)
+
+
+def _row_store_facts(rows_source, num_rows: int, resumed: int) -> dict:
+    """The report's ``row_store``: the rows it served over all ranks, those evaluated, the time saved."""
+    served, saved = ranks.all_reduce_sum(np.array([rows_source.rows_served, rows_source.seconds_saved]))
+    folder = ranks.broadcast_object(rows_source.folder)
+    return {"folder": folder, "fresh_rows": bool(rows_source.fresh), "rows_from_store": int(served),
+            "rows_evaluated": int(num_rows - served - resumed), "seconds_saved": float(saved)}
 
 
 @with_setting_keywords
@@ -259,10 +286,12 @@ def _without_logits(merged: Optional[MergedResults]) -> Optional[MergedResults]:
     return merged
 
 
-def _forward_passes(task: _Task, batches, stored, writer, in_flight, sample_metrics, on_batch_done):
+def _forward_passes(task: _Task, batches, saving, in_flight, sample_metrics, on_batch_done):
     """This rank's forwards (a phase): finished batches are stored as they come, and kept
     when the phase fails; one rank's failure stops the others at their next batch.
+    ``saving``: (stored partial results, their writer, the row store's RowSource).
     """
+    stored, writer, rows_source = saving
     with ranks.phase("the forward passes", stop_early=True) as failed:
 
         def after_batch(num_rows: int) -> None:
@@ -274,11 +303,12 @@ def _forward_passes(task: _Task, batches, stored, writer, in_flight, sample_metr
             local = predict_shard(
                 task.forward, batches, task.num_labels, keep_logits=True, sample_metrics=sample_metrics,
                 on_batch_done=after_batch, in_flight=in_flight, stored=stored,
-                on_batch_logits=writer.add if writer is not None else None,
+                on_batch_logits=writer.add if writer is not None else None, rows_source=rows_source,
             )
         finally:
             if writer is not None:
                 writer.flush()  # also on failure: finished batches are not lost
+            rows_source.flush()
     return local
 
 
@@ -328,7 +358,8 @@ def _plan_hook(on_batch_done):
 
 def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: Optional[int] = None, on_plan=None):
     """(rows in the data, this rank's batches, rows truncated here, {batch id: rows} of this
-    rank's batches or None for a DataLoader). Two phases: every rank must call it.
+    rank's batches or None for a DataLoader, the data: the --limit sample's). Two phases: every
+    rank must call it.
     """
     with ranks.phase("preparing the data"):
         _check_top_k(top_k, task.num_labels)  # the first point the classes are known: every rank alike
@@ -344,7 +375,7 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: 
                 data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
                 on_plan=on_plan,
             )
-    return num_rows, batches, num_truncated, own_batches
+    return num_rows, batches, num_truncated, own_batches, data
 
 
 def _check_window(task: _Task, max_length: int) -> None:
