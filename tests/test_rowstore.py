@@ -246,6 +246,64 @@ def test_concurrent_and_killed_writers_leave_only_whole_files(tmp_path, capfd):
             assert len(keys) == (200000 if name.startswith("k-") else 50)
 
 
+def test_swapped_checkpoints_keep_their_own_rows(assets, tmp_path):
+    """As a run of several checkpoints swaps them (LoadedModel.load_trainable): B is not served
+    A's rows; A swapped back is served its own, bit for bit."""
+    from dist_eval.backends.classifier import read_trainable
+
+    other = build_checkpoint(str(tmp_path / "other.pt"), seed=7)
+    store, tokenizer = str(tmp_path / "store"), load_tokenizer(assets["model"])
+    with one_thread():
+        model = load_model("local", assets["model"], checkpoint=assets["checkpoint"])
+        def run():
+            return evaluate(model, assets["data"], tokenizer=tokenizer, row_store=store, limit=ROWS, batch_size=8,
+                            bootstrap_resamples=0, return_logits=True)
+
+        first = run()
+        model.load_trainable(read_trainable(assets["model"], other))
+        second = run()
+        model.load_trainable(read_trainable(assets["model"], assets["checkpoint"]))
+        third = run()
+        model.close()
+    assert [r.metrics["row_store"]["rows_from_store"] for r in (first, second, third)] == [0, 0, ROWS]
+    assert np.array_equal(third.predictions.logits, first.predictions.logits)
+
+
+def test_a_failed_run_leaves_its_evaluated_rows_and_a_stopping_run_reads_them(assets, tmp_path):
+    """A run that fails mid-way has stored the batches it finished (flushed on failure); a run
+    that stops early reads rows by rounds, and the same run again evaluates none."""
+    store, tokenizer = str(tmp_path / "store"), load_tokenizer(assets["model"])
+    with one_thread():
+        model = load_model("local", assets["model"], checkpoint=assets["checkpoint"])
+        forward, calls = model.module.forward, []
+
+        def failing(input_ids):
+            calls.append(len(input_ids))
+            if len(calls) == 2:
+                raise RuntimeError("the swarm went away")
+            return forward(input_ids)
+
+        model.module.forward = failing
+        with pytest.raises(RuntimeError):
+            evaluate(model, assets["data"], tokenizer=tokenizer, row_store=store, limit=MORE, batch_size=8,
+                     in_flight=1, bootstrap_resamples=0)
+        model.module.forward = forward
+        again = evaluate(model, assets["data"], tokenizer=tokenizer, row_store=store, limit=MORE, batch_size=8,
+                         bootstrap_resamples=0)
+        assert again.metrics["row_store"]["rows_from_store"] == calls[0]
+        stop = dict(tokenizer=tokenizer, row_store=store, stop_at_width=0.9, stop_round_rows=8, batch_size=8,
+                    bootstrap_resamples=0)
+        stopped = evaluate(model, assets["data"], **stop)
+        repeated = evaluate(model, assets["data"], **stop)
+        model.close()
+    assert stopped.metrics["row_store"]["rows_from_store"] + stopped.metrics["row_store"]["rows_evaluated"] == \
+        stopped.metrics["num_samples"] > 0
+    assert repeated.metrics["row_store"]["rows_from_store"] == repeated.metrics["num_samples"]
+    assert repeated.metrics["row_store"]["rows_evaluated"] == 0
+    assert repeated.metrics["num_samples"] == stopped.metrics["num_samples"]
+    assert repeated.metrics["accuracy"] == stopped.metrics["accuracy"]
+
+
 def test_row_keys_are_the_text_and_pair():
     keys = row_keys(["a b", "a b", "a b"], ["x", "x", "y"])
     assert (keys[0] == keys[1]).all() and not (keys[0] == keys[2]).all()
