@@ -188,7 +188,7 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
         num_truncated=num_truncated, loop_seconds=loop_seconds,
         bootstrap=(options.bootstrap_resamples, options.bootstrap_seed), top_k=options.top_k,
     )
-    report["row_store"] = _row_store_facts(rows_source, num_rows, report["run"]["resumed_samples"])
+    report["run"]["row_store"] = _row_store_facts(rows_source, num_rows, report["run"]["resumed_samples"])
     return EvalResult(metrics=report, predictions=merged if return_logits else _without_logits(merged))
 
 
@@ -208,7 +208,7 @@ def _row_source(model, tokenizer, data, settings: Settings, options: Options, ta
 
 
 def _row_store_facts(rows_source, num_rows: int, resumed: int) -> dict:
-    """The report's ``row_store``: the rows it served over all ranks, those evaluated, the time saved."""
+    """The report's ``run.row_store``: the rows it served over all ranks, those evaluated, the time saved."""
     served, saved = ranks.all_reduce_sum(np.array([rows_source.rows_served, rows_source.seconds_saved]))
     folder = ranks.broadcast_object(rows_source.folder)
     return {"folder": folder, "fresh_rows": bool(rows_source.fresh), "rows_from_store": int(served),

@@ -48,6 +48,15 @@ def _run(model_dir, checkpoint, dataset, store, **keywords):
             model.close()
 
 
+def _facts(result) -> dict:
+    return result.metrics["run"]["row_store"]
+
+
+def _counts(result) -> tuple:
+    """(rows read from the store, rows evaluated)."""
+    return _facts(result)["rows_from_store"], _facts(result)["rows_evaluated"]
+
+
 def _files(store: str) -> list:
     return sorted(os.path.join(d, n) for d, _, names in os.walk(store) for n in names if n.endswith(".rows"))
 
@@ -57,26 +66,26 @@ def test_a_later_run_evaluates_only_the_rows_the_store_lacks(assets, tmp_path):
     then 24 again (no forward); fresh_rows evaluates all again; "off" reads and writes nothing."""
     store, args = str(tmp_path / "store"), (assets["model"], assets["checkpoint"], assets["data"])
     first = _run(*args, store)
-    assert first.metrics["row_store"] | {"folder": None} == {
+    assert _facts(first) | {"folder": None} == {
         "folder": None, "fresh_rows": False, "rows_from_store": 0, "rows_evaluated": ROWS, "seconds_saved": 0.0}
     second = _run(*args, store, limit=MORE)
-    facts = second.metrics["row_store"]
+    facts = _facts(second)
     assert (facts["rows_from_store"], facts["rows_evaluated"]) == (ROWS, MORE - ROWS) and facts["seconds_saved"] > 0
-    assert facts["folder"] == first.metrics["row_store"]["folder"]
+    assert facts["folder"] == _facts(first)["folder"]
     assert np.array_equal(second.predictions.logits[:ROWS], first.predictions.logits)  # the sample's first rows
     third = _run(*args, store, limit=MORE)
-    assert (third.metrics["row_store"]["rows_from_store"], third.metrics["row_store"]["rows_evaluated"]) == (MORE, 0)
+    assert _counts(third) == (MORE, 0)
     assert third.metrics["run"]["forward_seconds_sum"] == 0
     assert np.array_equal(third.predictions.logits, second.predictions.logits)
     assert third.metrics["accuracy"] == second.metrics["accuracy"]
     written = _files(store)
     fresh = _run(*args, store, limit=MORE, fresh_rows=True)
-    assert (fresh.metrics["row_store"]["rows_from_store"], fresh.metrics["row_store"]["rows_evaluated"]) == (0, MORE)
+    assert _counts(fresh) == (0, MORE)
     np.testing.assert_allclose(fresh.predictions.logits, second.predictions.logits, atol=1e-5)
     assert len(_files(store)) > len(written)  # still written
     written = _files(store)
     off = _run(*args, "off", limit=MORE)
-    assert off.metrics["row_store"]["folder"] is None and off.metrics["row_store"]["rows_evaluated"] == MORE
+    assert _facts(off)["folder"] is None and _counts(off) == (0, MORE)
     assert _files(store) == written
 
 
@@ -129,12 +138,12 @@ def test_changing_what_decides_the_logits_evaluates_every_row_again(assets, tmp_
     before = _run(work["model"], work["checkpoint"], assets["data"], store)
     keywords = CHANGES[change](work)[-1]
     after = _run(work["model"], work["checkpoint"], assets["data"], store, **keywords)
-    served = after.metrics["row_store"]["rows_from_store"]
+    served = _facts(after)["rows_from_store"]
     assert served == (ROWS if change.startswith("nothing") else 0), change
     if change.startswith("nothing"):
         assert np.array_equal(after.predictions.logits, before.predictions.logits)
     else:
-        assert after.metrics["row_store"]["folder"] != before.metrics["row_store"]["folder"]
+        assert _facts(after)["folder"] != _facts(before)["folder"]
 
 
 def test_the_numerics_and_the_merges_are_in_the_key(assets):
@@ -192,7 +201,7 @@ def test_corrupted_foreign_and_cut_files_are_skipped_with_one_warning(assets, tm
     again = _run(*args, store)
     warnings = [line for line in capfd.readouterr().err.splitlines() if "row store" in line]
     assert len(warnings) == 1 and "skipped 4 file(s)" in warnings[0], warnings
-    facts = again.metrics["row_store"]
+    facts = _facts(again)
     assert (facts["rows_from_store"], facts["rows_evaluated"]) == (ROWS - len(keys), len(keys))
     assert np.abs(again.predictions.logits).max() < 1e3
     np.testing.assert_allclose(again.predictions.logits, first.predictions.logits, atol=1e-5)
@@ -265,7 +274,7 @@ def test_swapped_checkpoints_keep_their_own_rows(assets, tmp_path):
         model.load_trainable(read_trainable(assets["model"], assets["checkpoint"]))
         third = run()
         model.close()
-    assert [r.metrics["row_store"]["rows_from_store"] for r in (first, second, third)] == [0, 0, ROWS]
+    assert [_facts(r)["rows_from_store"] for r in (first, second, third)] == [0, 0, ROWS]
     assert np.array_equal(third.predictions.logits, first.predictions.logits)
 
 
@@ -290,16 +299,15 @@ def test_a_failed_run_leaves_its_evaluated_rows_and_a_stopping_run_reads_them(as
         model.module.forward = forward
         again = evaluate(model, assets["data"], tokenizer=tokenizer, row_store=store, limit=MORE, batch_size=8,
                          bootstrap_resamples=0)
-        assert again.metrics["row_store"]["rows_from_store"] == calls[0]
+        assert _facts(again)["rows_from_store"] == calls[0]
         stop = dict(tokenizer=tokenizer, row_store=store, stop_at_width=0.9, stop_round_rows=8, batch_size=8,
                     bootstrap_resamples=0)
         stopped = evaluate(model, assets["data"], **stop)
         repeated = evaluate(model, assets["data"], **stop)
         model.close()
-    assert stopped.metrics["row_store"]["rows_from_store"] + stopped.metrics["row_store"]["rows_evaluated"] == \
-        stopped.metrics["num_samples"] > 0
-    assert repeated.metrics["row_store"]["rows_from_store"] == repeated.metrics["num_samples"]
-    assert repeated.metrics["row_store"]["rows_evaluated"] == 0
+    assert sum(_counts(stopped)) == stopped.metrics["num_samples"] > 0
+    assert _facts(repeated)["rows_from_store"] == repeated.metrics["num_samples"]
+    assert _facts(repeated)["rows_evaluated"] == 0
     assert repeated.metrics["num_samples"] == stopped.metrics["num_samples"]
     assert repeated.metrics["accuracy"] == stopped.metrics["accuracy"]
 
@@ -325,10 +333,10 @@ def test_two_ranks_with_the_store_equal_one_rank_bitwise(assets, tmp_path):
                     "--batch-size", "8", "--limit", "20", "--bootstrap-resamples", "0"], nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.load(open(os.path.join(out, "metrics.json")))
-    assert metrics["row_store"]["rows_from_store"] == 8 and metrics["row_store"]["rows_evaluated"] == 12
+    assert metrics["run"]["row_store"]["rows_from_store"] == 8 and metrics["run"]["row_store"]["rows_evaluated"] == 12
     assert "8 rows from the row store" in proc.stdout
     one = _run(assets["model"], assets["checkpoint"], load_split([data_file], None), str(tmp_path / "copy"), limit=20)
-    assert one.metrics["row_store"]["rows_from_store"] == 8
+    assert _facts(one)["rows_from_store"] == 8
     logits = np.array([row["logits"] for row in read_jsonl(os.path.join(out, "predictions.jsonl"))], np.float32)
     assert np.array_equal(logits, one.predictions.logits)
     assert metrics["accuracy"] == one.metrics["accuracy"]

@@ -66,8 +66,8 @@ def format_summary(metrics: dict) -> str:
     time_line = _time_line(run)
     if time_line:
         lines.append(time_line)
-    if (metrics.get("row_store") or {}).get("folder"):
-        lines.append(format_row_store(metrics["row_store"]))
+    if (run.get("row_store") or {}).get("folder"):
+        lines.append(format_row_store(run["row_store"]))
     from dist_eval.backends.provenance import replicas_warning
 
     warning = replicas_warning(run)
