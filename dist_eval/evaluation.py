@@ -177,7 +177,9 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
         with ranks.phase("reading the stored partial results"):
             stored, writer = open_partial(resume_folder, own_batches, task.num_labels, options.save_interval)
         with ranks.phase("reading the row store"):
+            read_start = time.perf_counter()
             rows_source = _row_source(model, tokenizer, data, settings, options, task, own_batches)
+            rows_source.read_seconds = time.perf_counter() - read_start
         local = _forward_passes(task, batches, (stored, writer, rows_source), options.in_flight, sample_metrics,
                                 on_batch_done)
     loop_seconds = time.perf_counter() - start
@@ -208,11 +210,16 @@ def _row_source(model, tokenizer, data, settings: Settings, options: Options, ta
 
 
 def _row_store_facts(rows_source, num_rows: int, resumed: int) -> dict:
-    """The report's ``run.row_store``: the rows it served over all ranks, those evaluated, the time saved."""
-    served, saved = ranks.all_reduce_sum(np.array([rows_source.rows_served, rows_source.seconds_saved]))
-    folder = ranks.broadcast_object(rows_source.folder)
+    """The report's ``run.row_store``: the rows it served over all ranks, those evaluated, the time
+    saved; the store's own cost: rank 0's reading (with the keys and the exchange), all ranks' writing.
+    """
+    served, saved, written = ranks.all_reduce_sum(
+        np.array([rows_source.rows_served, rows_source.seconds_saved, rows_source.write_seconds]))
+    folder, read = ranks.broadcast_object((rows_source.folder, rows_source.read_seconds))
+    # each row's seconds are a rank's wall time for it; this run's ranks would have shared them
     return {"folder": folder, "fresh_rows": bool(rows_source.fresh), "rows_from_store": int(served),
-            "rows_evaluated": int(num_rows - served - resumed), "seconds_saved": float(saved)}
+            "rows_evaluated": int(num_rows - served - resumed), "seconds_saved": float(saved) / ranks.get_world_size(),
+            "read_seconds": read, "write_seconds": float(written)}
 
 
 @with_setting_keywords

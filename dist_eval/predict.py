@@ -163,10 +163,10 @@ def _to_row_store(rows_source, rows: np.ndarray, logits: np.ndarray, seconds: Op
         return
     hits = _known_rows(rows, rows_source.logits)
     if hits is not None:
-        rows_source.served(rows[hits])
+        rows_source.served(rows[hits], whole_batch=seconds is None)
     if seconds is not None:
         fresh = np.ones(len(rows), dtype=bool) if hits is None else ~hits
-        rows_source.add(rows[fresh], logits[fresh], seconds)
+        rows_source.add(rows[fresh], logits[fresh])
 
 
 def predict_shard(

@@ -318,7 +318,9 @@ class RowSource:
         self.folder: Optional[str] = None
         self.fresh = False
         self.rows_served, self.seconds_saved = 0, 0.0
+        self.read_seconds, self.write_seconds = 0.0, 0.0  # the store's own cost in this run
         self.interval, self.last_flush = save_interval, time.monotonic()
+        self.last_batch = time.perf_counter()  # the wall time of each batch: since the one before
         if message is None:
             return
         self.folder, key, rows, keys, hit_rows, hit_logits, hit_seconds, self.fresh = message
@@ -327,24 +329,34 @@ class RowSource:
         self.seconds = dict(zip(hit_rows.tolist(), hit_seconds.tolist()))
         self.writer = RowWriter(self.folder, key, rank)
 
-    def served(self, rows: np.ndarray) -> None:
-        """Rows whose logits came from the store (no forward ran for them)."""
+    def served(self, rows: np.ndarray, whole_batch: bool) -> None:
+        """Rows whose logits came from the store (no forward ran for them); ``whole_batch``: every
+        row of their batch (the next batch's time starts now).
+        """
         self.rows_served += len(rows)
         self.seconds_saved += sum(self.seconds[int(r)] for r in rows)
+        if whole_batch:
+            self.last_batch = time.perf_counter()
 
-    def add(self, rows: np.ndarray, logits: np.ndarray, seconds: float) -> None:
-        """Rows just evaluated (their forward took ``seconds``), written at most every save interval."""
+    def add(self, rows: np.ndarray, logits: np.ndarray) -> None:
+        """Rows just evaluated, written at most every save interval, each with its share of the
+        rank's wall time since the batch before (batches in flight overlap: not their forward's).
+        """
+        now = time.perf_counter()
+        elapsed, self.last_batch = now - self.last_batch, now
         if self.writer is None or not len(rows):
             return
         keys = np.frombuffer(b"".join(self.keys[int(r)] for r in rows), dtype=np.uint8).reshape(len(rows), KEY_BYTES)
-        self.writer.add(keys, logits, np.full(len(rows), seconds / len(rows), dtype=np.float32))
+        self.writer.add(keys, logits, np.full(len(rows), elapsed / len(rows), dtype=np.float32))
         if time.monotonic() - self.last_flush >= self.interval:
             self.flush()
 
     def flush(self) -> None:
+        start = time.perf_counter()
         if self.writer is not None:
             self.writer.flush()
         self.last_flush = time.monotonic()
+        self.write_seconds += time.perf_counter() - start
 
 
 def open_rows(store: Optional[RowStore], fresh: bool, data, columns: List[str], own_rows: np.ndarray,

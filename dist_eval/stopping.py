@@ -167,7 +167,8 @@ class Seen:
             "num_truncated": sum(r["num_truncated"] for r in self.reports),
             "run": {
                 "row_store": {**stores[0], **{name: sum(s[name] for s in stores) for name in
-                                              ("rows_from_store", "rows_evaluated", "seconds_saved")}},
+                                              ("rows_from_store", "rows_evaluated", "seconds_saved",
+                                                               "read_seconds", "write_seconds")}},
                 "world_size": runs[0]["world_size"],
                 "per_rank_samples": [int(sum(column)) for column in zip(*(r["per_rank_samples"] for r in runs))],
                 "eval_loop_seconds": loop,

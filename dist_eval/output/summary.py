@@ -95,7 +95,7 @@ def format_row_store(store: dict) -> str:
     """The row store's line: rows it served, rows evaluated, the time it saved."""
     fresh = " (--fresh-rows: none read)" if store.get("fresh_rows") else ""
     return (f"  {store['rows_from_store']} rows from the row store{fresh}, {store['rows_evaluated']} evaluated; "
-            f"{store['seconds_saved']:.1f} s of forwards saved ({store['folder']})")
+            f"about {store['seconds_saved']:.1f} s saved ({store['folder']})")
 
 
 def _time_line(run: dict) -> str:
