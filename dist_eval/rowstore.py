@@ -34,6 +34,7 @@ evaluates every row again (and still stores them).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -94,14 +95,22 @@ def file_digest(path: str) -> str:
 
 def folder_identity(folder: str) -> dict:
     """A model folder's identity: each file's digest by name (not the folder's name or place),
-    and the commit of a hub snapshot (``.../snapshots/<commit>/``).
+    and the commit of a hub snapshot (``.../snapshots/<commit>/``). Hashed once per process for
+    the same files (the same names, sizes and mtimes): a run that evaluates in rounds asks each round.
     """
-    real = os.path.realpath(folder)
-    files = []
+    stats = []
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         if os.path.isfile(path):
-            files.append((name, file_digest(path)))
+            stat = os.stat(path)
+            stats.append((name, stat.st_size, stat.st_mtime_ns, stat.st_ino))
+    return _folder_identity(folder, tuple(stats))
+
+
+@functools.lru_cache(maxsize=16)
+def _folder_identity(folder: str, stats: tuple) -> dict:
+    real = os.path.realpath(folder)
+    files = [(name, file_digest(os.path.join(folder, name))) for name, *_ in stats]
     commit = re.search(r"/snapshots/([0-9a-f]{40})(/|$)", os.path.abspath(folder) + "/") or re.search(
         r"/snapshots/([0-9a-f]{40})(/|$)", real + "/")
     return {"files": files, "hub_commit": commit.group(1) if commit else None}
@@ -155,6 +164,10 @@ def row_keys(texts: List, pairs: Optional[List]) -> np.ndarray:
     return np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(texts), KEY_BYTES)
 
 
+# (folder, key, classes) -> (the files read, the rows they hold): files are written once
+_READ: Dict[tuple, Tuple[set, Dict[bytes, Tuple[np.ndarray, float]]]] = {}
+
+
 class RowStore:
     """One key's folder: its rows read (:meth:`read`) and new ones written (:meth:`writer`)."""
 
@@ -166,10 +179,16 @@ class RowStore:
         self.facts = {"model": model_facts, "task": task_facts}
 
     def read(self, num_labels: int) -> Dict[bytes, Tuple[np.ndarray, float]]:
-        """{row key: (logits, seconds it took)} of every valid file; the others skipped, one warning."""
-        found: Dict[bytes, Tuple[np.ndarray, float]] = {}
+        """{row key: (logits, seconds it took)} of every valid file; the others skipped, one warning.
+        A file never changes once in place: one process reads each once (a run in rounds reads
+        only the files written since its last round).
+        """
+        read_before, found = _READ.setdefault((self.folder, self.key, num_labels), (set(), {}))
         skipped: List[str] = []
         for path in self._files():
+            if path in read_before:
+                continue
+            read_before.add(path)
             try:
                 keys, logits, seconds = read_file(path, self.key, num_labels)
             except (OSError, ValueError) as e:
