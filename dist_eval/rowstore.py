@@ -152,14 +152,19 @@ def settings_facts(settings) -> dict:
     return {name: value for name, value in settings.as_dict().items() if name not in NOT_IN_KEY}
 
 
+def _text_bytes(value) -> bytes:
+    """A cell's bytes, length first (so that text and pair cannot run into each other)."""
+    data = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else repr(value).encode()
+    return len(data).to_bytes(8, "little") + data
+
+
 def row_keys(texts: List, pairs: Optional[List]) -> np.ndarray:
-    """[n, 16] uint8: each row's key, a BLAKE2b of its text and text pair."""
-    encode = json.JSONEncoder(ensure_ascii=False, default=str).encode
+    """[n, 16] uint8: each row's key, a BLAKE2b of its text and text pair (each length-prefixed)."""
     base = hashlib.blake2b(digest_size=KEY_BYTES, person=b"dist_eval-row")
     digests = []
     for i, text in enumerate(texts):
         row = base.copy()
-        row.update(encode([text, pairs[i] if pairs is not None else None]).encode())
+        row.update(_text_bytes(text) + (b"\x00" if pairs is None else b"\x01" + _text_bytes(pairs[i])))
         digests.append(row.digest())
     return np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(texts), KEY_BYTES)
 
