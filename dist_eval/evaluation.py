@@ -23,7 +23,7 @@ from dist_eval.data.labels import TaskColumns, check_columns, label_names_of, re
 from dist_eval.data.loader import loader_batches
 from dist_eval.data.sample import sample_rows
 from dist_eval.data.shard import dataset_batches
-from dist_eval.errors import UsageError
+from dist_eval.errors import UsageError, warn
 from dist_eval.merge import MergedResults, merge_on_main
 from dist_eval.predict import predict_shard
 from dist_eval.resume import open_partial
@@ -202,8 +202,12 @@ def _row_source(model, tokenizer, data, settings: Settings, options: Options, ta
 
     if own_batches is None:
         return RowSource(None, ranks.get_rank())
-    store = store_for(options.row_store, model, tokenizer, settings, task.pad_token_id) \
-        if ranks.is_main_process() else None
+    store = None
+    if ranks.is_main_process():
+        try:
+            store = store_for(options.row_store, model, tokenizer, settings, task.pad_token_id)
+        except Exception as e:  # a store that cannot be keyed costs the reuse, never the run
+            warn(f"row store: not used in this run ({type(e).__name__}: {e})")
     columns = [settings.text_column] + ([settings.text_pair_column] if settings.text_pair_column else [])
     own_rows = np.concatenate(list(own_batches.values())) if own_batches else np.zeros(0, dtype=np.int64)
     return open_rows(store, options.fresh_rows, data, columns, own_rows, task.num_labels, options.save_interval)
