@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from itertools import chain
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -172,14 +173,11 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
         settings = replace(settings, label_words=_label_words_of(task, settings.label_words))
         start, start_cpu = time.perf_counter(), time.process_time()
 
-        num_rows, batches, num_truncated, own_batches, data = _this_rank_batches(
-            data, tokenizer, settings, task, options.top_k, _plan_hook(on_batch_done))
+        num_rows, batches, num_truncated, own_batches, rows_source = _this_rank_batches(
+            data, tokenizer, settings, task, options.top_k, _plan_hook(on_batch_done),
+            _store_opener(model, tokenizer, settings, options, task))
         with ranks.phase("reading the stored partial results"):
             stored, writer = open_partial(resume_folder, own_batches, task.num_labels, options.save_interval)
-        with ranks.phase("reading the row store"):
-            read_start = time.perf_counter()
-            rows_source = _row_source(model, tokenizer, data, settings, options, task, own_batches)
-            rows_source.read_seconds = time.perf_counter() - read_start
         local = _forward_passes(task, batches, (stored, writer, rows_source), options.in_flight, sample_metrics,
                                 on_batch_done)
     loop_seconds = time.perf_counter() - start
@@ -194,23 +192,24 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
     return EvalResult(metrics=report, predictions=merged if return_logits else _without_logits(merged))
 
 
-def _row_source(model, tokenizer, data, settings: Settings, options: Options, task: _Task, own_batches):
-    """This rank's :class:`dist_eval.rowstore.RowSource` (every rank calls it; rank 0 reads the
-    store): none for a DataLoader (no global plan), a model without an identity, or the store off.
+def _store_opener(model, tokenizer, settings: Settings, options: Options, task: _Task):
+    """``open(dataset) -> RowSource``, every rank (rank 0 reads the store): no row served for a
+    model without an identity or with the store off (a DataLoader's run never calls it).
     """
-    from dist_eval.rowstore import RowSource, open_rows, store_for
+    from dist_eval.rowstore import open_rows, store_for
 
-    if own_batches is None:
-        return RowSource(None, ranks.get_rank())
-    store = None
-    if ranks.is_main_process():
-        try:
-            store = store_for(options.row_store, model, tokenizer, settings, task.pad_token_id)
-        except Exception as e:  # a store that cannot be keyed costs the reuse, never the run
-            warn(f"row store: not used in this run ({type(e).__name__}: {e})")
-    columns = [settings.text_column] + ([settings.text_pair_column] if settings.text_pair_column else [])
-    own_rows = np.concatenate(list(own_batches.values())) if own_batches else np.zeros(0, dtype=np.int64)
-    return open_rows(store, options.fresh_rows, data, columns, own_rows, task.num_labels, options.save_interval)
+    def open_store(data):
+        start, store = time.perf_counter(), None
+        if ranks.is_main_process():
+            try:
+                store = store_for(options.row_store, model, tokenizer, settings, task.pad_token_id)
+            except Exception as e:  # a store that cannot be keyed costs the reuse, never the run
+                warn(f"row store: not used in this run ({type(e).__name__}: {e})")
+        columns = [settings.text_column] + ([settings.text_pair_column] if settings.text_pair_column else [])
+        source = open_rows(store, options.fresh_rows, data, columns, task.num_labels, options.save_interval)
+        source.read_seconds = time.perf_counter() - start
+        return source
+    return open_store
 
 
 def _row_store_facts(rows_source, num_rows: int, resumed: int) -> dict:
@@ -367,16 +366,24 @@ def _plan_hook(on_batch_done):
     return owner.set_plan if isinstance(owner, GlobalProgress) else None
 
 
-def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: Optional[int] = None, on_plan=None):
+def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: Optional[int] = None, on_plan=None,
+                       open_store=None):
     """(rows in the data, this rank's batches, rows truncated here, {batch id: rows} of this
-    rank's batches or None for a DataLoader, the data: the --limit sample's). Two phases: every
-    rank must call it.
+    rank's batches or None for a DataLoader, the row store's RowSource). Every rank must call it.
+    The rows the store holds are left out of the batch plan; rank 0 reports them, as batches
+    whose logits are known.
     """
+    from dist_eval.rowstore import RowSource
+
     with ranks.phase("preparing the data"):
         _check_top_k(top_k, task.num_labels)  # the first point the classes are known: every rank alike
         _check_window(task, settings.max_length)
         data, labels, task.label_names = _check_data(data, tokenizer, settings, task)
         num_rows = len(data.dataset) if labels is None else len(data)
+    rows_source = RowSource(None, ranks.get_rank())
+    if labels is not None and open_store is not None:
+        with ranks.phase("reading the row store"):
+            rows_source = open_store(data)
     own_batches = None
     with ranks.phase("tokenizing the data"):
         if labels is None:  # a DataLoader: its batches are the user's
@@ -384,9 +391,10 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: 
         else:
             batches, num_truncated, own_batches = dataset_batches(
                 data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
-                on_plan=on_plan,
+                on_plan=on_plan, skip_rows=rows_source.stored_rows,
             )
-    return num_rows, batches, num_truncated, own_batches, data
+            batches = chain(rows_source.batches(labels), batches)
+    return num_rows, batches, num_truncated, own_batches, rows_source
 
 
 def _check_window(task: _Task, max_length: int) -> None:

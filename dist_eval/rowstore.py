@@ -329,15 +329,17 @@ def key_bytes(keys: np.ndarray) -> Iterable[bytes]:
 
 
 class RowSource:
-    """A rank's view of the store in one evaluation: the logits of its rows the store holds
-    (``logits``: {row: logits}), the keys of its other rows, and the writer of those once
-    evaluated (:meth:`add`); the rows it served (:meth:`served`) and the seconds they had cost.
+    """A rank's view of the store in one evaluation: the rows the store holds (``stored_rows``,
+    the same on every rank: the batch plan leaves them out), their logits (``logits``: {row:
+    logits}, rank 0's, which reports them), every row's key, and the writer of the rows this rank
+    evaluates (:meth:`add`); the rows served (:meth:`served`) and the seconds they had cost.
     """
 
     def __init__(self, message: Optional[tuple], rank: int, save_interval: float = 0.0):
         self.logits: Dict[int, np.ndarray] = {}
-        self.keys: Dict[int, bytes] = {}
         self.seconds: Dict[int, float] = {}
+        self.stored_rows = np.zeros(0, dtype=np.int64)
+        self.key_array: Optional[np.ndarray] = None
         self.writer: Optional[RowWriter] = None
         self.folder: Optional[str] = None
         self.fresh = False
@@ -347,11 +349,16 @@ class RowSource:
         self.last_batch = time.perf_counter()  # the wall time of each batch: since the one before
         if message is None:
             return
-        self.folder, key, rows, keys, hit_rows, hit_logits, hit_seconds, self.fresh = message
-        self.keys = dict(zip(rows.tolist(), key_bytes(keys)))
-        self.logits = dict(zip(hit_rows.tolist(), hit_logits))
-        self.seconds = dict(zip(hit_rows.tolist(), hit_seconds.tolist()))
+        self.folder, key, self.key_array, self.stored_rows, self.fresh = message
         self.writer = RowWriter(self.folder, key, rank)
+
+    def batches(self, labels: np.ndarray, rows_per_batch: int = 4096) -> list:
+        """Rank 0: the stored rows as batches whose logits are known (ids below 0: no plan's)."""
+        if not self.logits:
+            return []
+        rows = self.stored_rows
+        return [(-1 - i, rows[start:start + rows_per_batch], None, labels[rows[start:start + rows_per_batch]])
+                for i, start in enumerate(range(0, len(rows), rows_per_batch))]
 
     def served(self, rows: np.ndarray, whole_batch: bool) -> None:
         """Rows whose logits came from the store (no forward ran for them); ``whole_batch``: every
@@ -370,8 +377,7 @@ class RowSource:
         elapsed, self.last_batch = now - self.last_batch, now
         if self.writer is None or not len(rows):
             return
-        keys = np.frombuffer(b"".join(self.keys[int(r)] for r in rows), dtype=np.uint8).reshape(len(rows), KEY_BYTES)
-        self.writer.add(keys, logits, np.full(len(rows), elapsed / len(rows), dtype=np.float32))
+        self.writer.add(self.key_array[rows], logits, np.full(len(rows), elapsed / len(rows), dtype=np.float32))
         if time.monotonic() - self.last_flush >= self.interval:
             self.flush()
 
@@ -383,16 +389,15 @@ class RowSource:
         self.write_seconds += time.perf_counter() - start
 
 
-def open_rows(store: Optional[RowStore], fresh: bool, data, columns: List[str], own_rows: np.ndarray,
-              num_labels: int, save_interval: float = 0.0) -> RowSource:
+def open_rows(store: Optional[RowStore], fresh: bool, data, columns: List[str], num_labels: int,
+              save_interval: float = 0.0) -> RowSource:
     """Every rank: its :class:`RowSource`. Rank 0 alone reads the store (``store``: rank 0's;
-    None: off) and the rows' texts, and sends each rank the keys of the rows of its batches and
-    the logits of those the store holds: every rank agrees on what the store served, for any N.
+    None: off) and the rows' texts, and sends every rank the rows' keys and which rows the store
+    holds: every rank plans the same batches of the others, for any N; rank 0 keeps their logits.
     """
     from dist_eval import ranks
 
-    everyone = ranks.all_gather_object(np.asarray(own_rows, dtype=np.int64))
-    outgoing: List[Optional[tuple]] = [None] * ranks.get_world_size()
+    message, found = None, {}
     if ranks.is_main_process() and store is not None:
         try:
             store.describe()
@@ -404,14 +409,13 @@ def open_rows(store: Optional[RowStore], fresh: bool, data, columns: List[str], 
 
         values = column_values(data, columns)
         keys = row_keys(values[0], values[1] if len(values) > 1 else None)
-        found = {} if fresh else store.read(num_labels)
-        served = [[(row, found[k]) for row, k in zip(rows.tolist(), key_bytes(keys[rows])) if k in found]
-                  for rows in everyone]
-        for rank, (rows, hits) in enumerate(zip(everyone, served)):
-            hit_logits = np.stack([h[1][0] for h in hits]) if hits else np.zeros((0, num_labels), np.float32)
-            outgoing[rank] = (store.folder, store.key, rows, keys[rows], np.array([h[0] for h in hits], np.int64),
-                              hit_logits, np.array([h[1][1] for h in hits], np.float64), fresh)
-    return RowSource(ranks.exchange_objects(outgoing)[0], ranks.get_rank(), save_interval)
+        held = {} if fresh else store.read(num_labels)
+        found = {row: held[k] for row, k in enumerate(key_bytes(keys)) if k in held}
+        message = (store.folder, store.key, keys, np.fromiter(found, dtype=np.int64, count=len(found)), fresh)
+    source = RowSource(ranks.broadcast_object(message), ranks.get_rank(), save_interval)
+    source.logits = {row: hit[0] for row, hit in found.items()}
+    source.seconds = {row: hit[1] for row, hit in found.items()}
+    return source
 
 
 def store_for(option: str, model, tokenizer, settings, pad_token_id) -> Optional[RowStore]:

@@ -37,10 +37,14 @@ def assets(tmp_path_factory):
     return {"root": root, "model": model_dir, "checkpoint": checkpoint, "data": load_split([data], None)}
 
 
-def _run(model_dir, checkpoint, dataset, store, **keywords):
+def _run(model_dir, checkpoint, dataset, store, forwards=None, **keywords):
+    """evaluate() of a fresh load_model; ``forwards``: a list that gets each forward's rows."""
     keywords = {"limit": ROWS, "batch_size": 8, **keywords}
     with one_thread():
         model = load_model("local", model_dir, checkpoint=checkpoint)
+        if forwards is not None:
+            forward = model.module.forward
+            model.module.forward = lambda input_ids: forwards.append(len(input_ids)) or forward(input_ids)
         try:
             return evaluate(model, dataset, tokenizer=load_tokenizer(model_dir), row_store=store, return_logits=True,
                             bootstrap_resamples=0, **keywords)
@@ -70,7 +74,9 @@ def test_a_later_run_evaluates_only_the_rows_the_store_lacks(assets, tmp_path):
         "folder": None, "fresh_rows": False, "rows_from_store": 0, "rows_evaluated": ROWS, "seconds_saved": 0.0,
         "read_seconds": 0, "write_seconds": 0}
     assert _facts(first)["write_seconds"] > 0
-    second = _run(*args, store, limit=MORE)
+    forwards = []
+    second = _run(*args, store, forwards, limit=MORE)
+    assert forwards == [MORE - ROWS]  # the rows the store lacks, planned alone: one batch of 8
     facts = _facts(second)
     assert (facts["rows_from_store"], facts["rows_evaluated"]) == (ROWS, MORE - ROWS) and facts["seconds_saved"] > 0
     assert facts["folder"] == _facts(first)["folder"]
