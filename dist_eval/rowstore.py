@@ -29,8 +29,9 @@ read as rows. A row kept by two files (two runs evaluated it) is read from the f
 Exactness: a row from the store carries the logits of the run that evaluated it. Another
 run's batches may hold that row with other rows or padding, which can change the last bits
 of a float on some kernels; within one run everything is as exact as before, for any number
-of ranks (rank 0 reads the store and hands each rank the rows of its batches). ``--fresh-rows``
-evaluates every row again (and still stores them).
+of ranks: rank 0 reads the store and tells every rank which rows it holds; the batch plan
+leaves those out (the others in full batches, the same plan on every rank) and rank 0 reports
+them. ``--fresh-rows`` evaluates every row again (and still stores them).
 """
 from __future__ import annotations
 

@@ -97,6 +97,18 @@ def test_a_later_run_evaluates_only_the_rows_the_store_lacks(assets, tmp_path):
     assert _files(store) == written
 
 
+@pytest.mark.parametrize("plan", [{}, {"length_buckets": False, "max_batch_tokens": None}])
+def test_rows_from_the_store_still_count_as_truncated(assets, tmp_path, plan):
+    """--max-length cuts rows: a run half read from the store counts as many as a run without it
+    (with the token lengths measured, and without)."""
+    store, args = str(tmp_path / "store"), (assets["model"], assets["checkpoint"], assets["data"])
+    _run(*args, store, max_length=6, **plan)
+    served = _run(*args, store, limit=MORE, max_length=6, **plan)
+    alone = _run(*args, "off", limit=MORE, max_length=6, **plan)
+    assert _counts(served) == (ROWS, MORE - ROWS)
+    assert served.metrics["num_truncated"] == alone.metrics["num_truncated"] > 0
+
+
 def _change_weight(model_dir: str) -> None:
     from safetensors.torch import load_file, save_file
 
