@@ -88,30 +88,18 @@ def _known_rows(rows: np.ndarray, known: Dict[int, np.ndarray]) -> Optional[np.n
     return hits if hits.any() else None
 
 
-def _forward_rest(model: Callable, input_ids: torch.Tensor, hits: np.ndarray, known: np.ndarray):
-    """A batch some of whose rows the row store holds: a forward of the others (same padded
-    width), the logits of the batch put together in its row order; the seconds of that forward.
-    """
-    fresh = np.flatnonzero(~hits)
-    part, seconds = _timed_forward(model, input_ids[torch.from_numpy(fresh)])
-    logits = torch.empty((len(hits), part.shape[1]), dtype=part.dtype)
-    logits[torch.from_numpy(fresh)] = part
-    logits[torch.from_numpy(np.flatnonzero(hits))] = torch.from_numpy(np.ascontiguousarray(known))
-    return logits, seconds
-
-
 def _start(model: Callable, batch: Batch, stored: Dict[int, np.ndarray], known: Dict[int, np.ndarray], submit):
-    """A future of (logits, seconds or None) for one batch; ``submit(fn, *args)`` runs a forward."""
+    """A future of (logits, seconds or None) for one batch; ``submit(fn, *args)`` runs a forward.
+    A batch of rows the row store holds (rank 0's, outside the plan: the plan leaves them out)
+    runs none.
+    """
     batch_id, rows = batch[0], batch[1]
     if batch_id in stored:
         return _Ready(stored[batch_id])
     hits = _known_rows(rows, known)
-    if hits is None:
-        return submit(_timed_forward, model, batch[2])
-    logits = np.stack([known[int(r)] for r in np.asarray(rows)[hits]])
-    if hits.all():
-        return _Ready(logits)
-    return submit(_forward_rest, model, batch[2], hits, logits)
+    if hits is not None and hits.all():
+        return _Ready(np.stack([known[int(r)] for r in rows]))
+    return submit(_timed_forward, model, batch[2])
 
 
 class _Now:
@@ -158,15 +146,13 @@ def _forwards_in_order(
 
 
 def _to_row_store(rows_source, rows: np.ndarray, logits: np.ndarray, seconds: Optional[float]) -> None:
-    """A batch not resumed: its rows the store served counted, the others handed to it to store."""
+    """A batch not resumed: served by the store (no forward: counted), or evaluated (to store)."""
     if rows_source is None:
         return
-    hits = _known_rows(rows, rows_source.logits)
-    if hits is not None:
-        rows_source.served(rows[hits], whole_batch=seconds is None)
-    if seconds is not None:
-        fresh = np.ones(len(rows), dtype=bool) if hits is None else ~hits
-        rows_source.add(rows[fresh], logits[fresh])
+    if seconds is None:
+        rows_source.served(rows)
+    else:
+        rows_source.add(rows, logits)
 
 
 def predict_shard(
@@ -187,8 +173,8 @@ def predict_shard(
     ``stored``: {batch id: logits} from an interrupted run; those batches are not run.
     ``on_batch_logits(batch_id, rows, logits)`` is called for each newly computed batch
     (to store partial results); ``on_batch_done(num_rows)`` after every batch (progress).
-    ``rows_source`` (a :class:`dist_eval.rowstore.RowSource`): rows the row store holds are
-    not evaluated (a batch's other rows are, in one forward); the evaluated rows go to it.
+    ``rows_source`` (a :class:`dist_eval.rowstore.RowSource`): a batch of rows the row store
+    holds is not evaluated; the rows evaluated go to it.
     """
     stored, known = stored or {}, (rows_source.logits if rows_source is not None else {})
     indices, labels, preds, losses, logits_kept = [], [], [], [], []

@@ -361,14 +361,11 @@ class RowSource:
         return [(-1 - i, rows[start:start + rows_per_batch], None, labels[rows[start:start + rows_per_batch]])
                 for i, start in enumerate(range(0, len(rows), rows_per_batch))]
 
-    def served(self, rows: np.ndarray, whole_batch: bool) -> None:
-        """Rows whose logits came from the store (no forward ran for them); ``whole_batch``: every
-        row of their batch (the next batch's time starts now).
-        """
+    def served(self, rows: np.ndarray) -> None:
+        """A batch of rows whose logits came from the store (no forward ran; the next batch's time starts now)."""
         self.rows_served += len(rows)
         self.seconds_saved += sum(self.seconds[int(r)] for r in rows)
-        if whole_batch:
-            self.last_batch = time.perf_counter()
+        self.last_batch = time.perf_counter()
 
     def add(self, rows: np.ndarray, logits: np.ndarray) -> None:
         """Rows just evaluated, written at most every save interval, each with its share of the
