@@ -332,6 +332,37 @@ def test_a_failed_run_leaves_its_evaluated_rows_and_a_stopping_run_reads_them(as
     assert repeated.metrics["accuracy"] == stopped.metrics["accuracy"]
 
 
+RUN = """
+import sys, torch
+torch.set_num_threads(1)
+from dist_eval import evaluate
+from dist_eval.backends import load_model
+from dist_eval.backends.tokenizer import load_tokenizer
+from dist_eval.data.load import load_split
+model_dir, checkpoint, data, store, limit = sys.argv[1:6]
+model = load_model("local", model_dir, checkpoint=checkpoint)
+result = evaluate(model, load_split([data], None), tokenizer=load_tokenizer(model_dir), row_store=store,
+                  limit=int(limit), batch_size=4, save_interval=0, bootstrap_resamples=0)
+print(result.metrics["run"]["row_store"]["rows_evaluated"])
+"""
+
+
+def test_two_runs_writing_one_store_at_once_leave_it_whole(assets, tmp_path, capfd):
+    """Two processes evaluate overlapping samples into one store at the same time (two jobs on
+    one cluster file system): a third run reads every row of both, no file skipped."""
+    data, store = str(tmp_path / "data.csv"), str(tmp_path / "store")
+    assets["data"].to_csv(data, index=False)
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    runs = [subprocess.Popen([sys.executable, "-c", RUN, assets["model"], assets["checkpoint"], data, store, limit],
+                             env=env, stdout=subprocess.PIPE, text=True) for limit in ("12", "20")]
+    outputs = [run.communicate(timeout=300)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0] and outputs[0].split()[-1] == "12"
+    capfd.readouterr()
+    third = _run(assets["model"], assets["checkpoint"], load_split([data], None), store, limit=MORE)
+    assert "row store" not in capfd.readouterr().err
+    assert _counts(third) == (MORE, 0)
+
+
 def test_row_keys_are_the_text_and_pair():
     keys = row_keys(["a b", "a b", "a b"], ["x", "x", "y"])
     assert (keys[0] == keys[1]).all() and not (keys[0] == keys[2]).all()
