@@ -166,6 +166,13 @@ _TEMPLATE = (
     "Each row's text is put in this template before tokenizing, at {text} (and {text_pair} with "
     "--text-pair-column), e.g. 'Review: {text} Sentiment:'. Default: the text as it is."
 )
+_ROW_STORE = (
+    "The store of evaluated rows every later run reuses (keyed by the model's and checkpoint's content, the "
+    "numerics, the tokenizer and the settings that change a row's logits): a folder, off, or auto "
+    "($DIST_EVAL_ROW_STORE, else $DIST_EVAL_CACHE/rows, ~/.cache/dist_eval/rows). A row read from it has the "
+    "logits of the run that evaluated it. Safe to delete at any time."
+)
+_FRESH_ROWS = "Evaluate every row afresh: read no row from the row store (the rows are still written to it)."
 
 
 @dataclass(frozen=True)
@@ -254,6 +261,9 @@ class Options:
     bootstrap_seed: int = setting(0, "Seed of the bootstrap: the same seed gives the same intervals.")
     top_k: Optional[int] = setting(None, "The k of the top-k accuracy (top{K}_accuracy in metrics.json); "
                                          "default: 2 with more than 2 classes, none with 2.")
+    # the row store (dist_eval.rowstore): a row's logits as the run that evaluated it computed them
+    row_store: str = setting("auto", _ROW_STORE)
+    fresh_rows: bool = setting(False, _FRESH_ROWS)
 
     def __post_init__(self) -> None:
         check_int("in_flight", self.in_flight, 1)
@@ -262,6 +272,10 @@ class Options:
         check_seconds("save_interval", self.save_interval, allow_zero=True)
         check_int("bootstrap_resamples", self.bootstrap_resamples, 0, "an integer >= 0 (0 disables the intervals)")
         check_int("bootstrap_seed", self.bootstrap_seed, 0, "an integer >= 0")
+        if not isinstance(self.row_store, (str, os.PathLike)) or not str(self.row_store).strip():
+            raise UsageError("expected a folder, 'auto' (the dist_eval cache's rows/ folder) or 'off'.",
+                             param="row_store", value=self.row_store)
+        object.__setattr__(self, "row_store", os.fspath(self.row_store))
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from itertools import chain
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -23,7 +24,7 @@ from dist_eval.data.labels import TaskColumns, check_columns, label_names_of, re
 from dist_eval.data.loader import loader_batches
 from dist_eval.data.sample import sample_rows
 from dist_eval.data.shard import dataset_batches
-from dist_eval.errors import UsageError
+from dist_eval.errors import UsageError, warn
 from dist_eval.merge import MergedResults, merge_on_main
 from dist_eval.predict import predict_shard
 from dist_eval.resume import open_partial
@@ -172,11 +173,13 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
         settings = replace(settings, label_words=_label_words_of(task, settings.label_words))
         start, start_cpu = time.perf_counter(), time.process_time()
 
-        num_rows, batches, num_truncated, own_batches = _this_rank_batches(data, tokenizer, settings, task,
-                                                                           options.top_k, _plan_hook(on_batch_done))
+        num_rows, batches, num_truncated, own_batches, rows_source = _this_rank_batches(
+            data, tokenizer, settings, task, options.top_k, _plan_hook(on_batch_done),
+            _store_opener(model, tokenizer, settings, options, task))
         with ranks.phase("reading the stored partial results"):
             stored, writer = open_partial(resume_folder, own_batches, task.num_labels, options.save_interval)
-        local = _forward_passes(task, batches, stored, writer, options.in_flight, sample_metrics, on_batch_done)
+        local = _forward_passes(task, batches, (stored, writer, rows_source), options.in_flight, sample_metrics,
+                                on_batch_done)
     loop_seconds = time.perf_counter() - start
     local.loop_cpu_seconds = time.process_time() - start_cpu  # this rank's CPU (all its threads) in the loop
 
@@ -185,7 +188,41 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
         num_truncated=num_truncated, loop_seconds=loop_seconds,
         bootstrap=(options.bootstrap_resamples, options.bootstrap_seed), top_k=options.top_k,
     )
+    report["run"]["row_store"] = _row_store_facts(rows_source, num_rows, report["run"]["resumed_samples"])
     return EvalResult(metrics=report, predictions=merged if return_logits else _without_logits(merged))
+
+
+def _store_opener(model, tokenizer, settings: Settings, options: Options, task: _Task):
+    """``open(dataset) -> RowSource``, every rank (rank 0 reads the store): no row served for a
+    model without an identity or with the store off (a DataLoader's run never calls it).
+    """
+    from dist_eval.rowstore import open_rows, store_for
+
+    def open_store(data):
+        start, store = time.perf_counter(), None
+        if ranks.is_main_process():
+            try:
+                store = store_for(options.row_store, model, tokenizer, settings, task.pad_token_id)
+            except Exception as e:  # a store that cannot be keyed costs the reuse, never the run
+                warn(f"row store: not used in this run ({type(e).__name__}: {e})")
+        columns = [settings.text_column] + ([settings.text_pair_column] if settings.text_pair_column else [])
+        source = open_rows(store, options.fresh_rows, data, columns, task.num_labels, options.save_interval)
+        source.read_seconds = time.perf_counter() - start
+        return source
+    return open_store
+
+
+def _row_store_facts(rows_source, num_rows: int, resumed: int) -> dict:
+    """The report's ``run.row_store``: the rows it served over all ranks, those evaluated, the time
+    saved; the store's own cost: rank 0's reading (with the keys and the exchange), all ranks' writing.
+    """
+    served, saved, written = ranks.all_reduce_sum(
+        np.array([rows_source.rows_served, rows_source.seconds_saved, rows_source.write_seconds]))
+    folder, read = ranks.broadcast_object((rows_source.folder, rows_source.read_seconds))
+    # each row's seconds are a rank's wall time for it; this run's ranks would have shared them
+    return {"folder": folder, "fresh_rows": bool(rows_source.fresh), "rows_from_store": int(served),
+            "rows_evaluated": int(num_rows - served - resumed), "seconds_saved": float(saved) / ranks.get_world_size(),
+            "read_seconds": read, "write_seconds": float(written)}
 
 
 @with_setting_keywords
@@ -259,10 +296,12 @@ def _without_logits(merged: Optional[MergedResults]) -> Optional[MergedResults]:
     return merged
 
 
-def _forward_passes(task: _Task, batches, stored, writer, in_flight, sample_metrics, on_batch_done):
+def _forward_passes(task: _Task, batches, saving, in_flight, sample_metrics, on_batch_done):
     """This rank's forwards (a phase): finished batches are stored as they come, and kept
     when the phase fails; one rank's failure stops the others at their next batch.
+    ``saving``: (stored partial results, their writer, the row store's RowSource).
     """
+    stored, writer, rows_source = saving
     with ranks.phase("the forward passes", stop_early=True) as failed:
 
         def after_batch(num_rows: int) -> None:
@@ -274,11 +313,12 @@ def _forward_passes(task: _Task, batches, stored, writer, in_flight, sample_metr
             local = predict_shard(
                 task.forward, batches, task.num_labels, keep_logits=True, sample_metrics=sample_metrics,
                 on_batch_done=after_batch, in_flight=in_flight, stored=stored,
-                on_batch_logits=writer.add if writer is not None else None,
+                on_batch_logits=writer.add if writer is not None else None, rows_source=rows_source,
             )
         finally:
             if writer is not None:
                 writer.flush()  # also on failure: finished batches are not lost
+            rows_source.flush()
     return local
 
 
@@ -326,15 +366,24 @@ def _plan_hook(on_batch_done):
     return owner.set_plan if isinstance(owner, GlobalProgress) else None
 
 
-def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: Optional[int] = None, on_plan=None):
+def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: Optional[int] = None, on_plan=None,
+                       open_store=None):
     """(rows in the data, this rank's batches, rows truncated here, {batch id: rows} of this
-    rank's batches or None for a DataLoader). Two phases: every rank must call it.
+    rank's batches or None for a DataLoader, the row store's RowSource). Every rank must call it.
+    The rows the store holds are left out of the batch plan; rank 0 reports them, as batches
+    whose logits are known.
     """
+    from dist_eval.rowstore import RowSource
+
     with ranks.phase("preparing the data"):
         _check_top_k(top_k, task.num_labels)  # the first point the classes are known: every rank alike
         _check_window(task, settings.max_length)
         data, labels, task.label_names = _check_data(data, tokenizer, settings, task)
         num_rows = len(data.dataset) if labels is None else len(data)
+    rows_source = RowSource(None, ranks.get_rank())
+    if labels is not None and open_store is not None:
+        with ranks.phase("reading the row store"):
+            rows_source = open_store(data)
     own_batches = None
     with ranks.phase("tokenizing the data"):
         if labels is None:  # a DataLoader: its batches are the user's
@@ -342,9 +391,10 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: 
         else:
             batches, num_truncated, own_batches = dataset_batches(
                 data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
-                on_plan=on_plan,
+                on_plan=on_plan, skip_rows=rows_source.stored_rows,
             )
-    return num_rows, batches, num_truncated, own_batches
+            batches = chain(rows_source.batches(labels), batches)
+    return num_rows, batches, num_truncated, own_batches, rows_source
 
 
 def _check_window(task: _Task, max_length: int) -> None:

@@ -69,40 +69,71 @@ def _timed_forward(model: Callable, input_ids: torch.Tensor) -> Tuple[torch.Tens
 
 
 class _Ready:
-    """A finished 'future' for a batch whose logits were stored by an earlier run."""
+    """A finished 'future' for a batch whose logits are known without a forward: stored by an
+    interrupted run, or every row of it in the row store.
+    """
 
     def __init__(self, logits: np.ndarray):
-        self.value = (torch.from_numpy(logits), None)
+        self.value = (torch.from_numpy(np.ascontiguousarray(logits)), None)
+
+    def result(self):
+        return self.value
+
+
+def _known_rows(rows: np.ndarray, known: Dict[int, np.ndarray]) -> Optional[np.ndarray]:
+    """Which rows of a batch the row store holds (a bool mask), or None when it holds none."""
+    if not known:
+        return None
+    hits = np.fromiter((int(r) in known for r in rows), dtype=bool, count=len(rows))
+    return hits if hits.any() else None
+
+
+def _start(model: Callable, batch: Batch, stored: Dict[int, np.ndarray], known: Dict[int, np.ndarray], submit):
+    """A future of (logits, seconds or None) for one batch; ``submit(fn, *args)`` runs a forward.
+    A batch of rows the row store holds (rank 0's, outside the plan: the plan leaves them out)
+    runs none.
+    """
+    batch_id, rows = batch[0], batch[1]
+    if batch_id in stored:
+        return _Ready(stored[batch_id])
+    hits = _known_rows(rows, known)
+    if hits is not None and hits.all():
+        return _Ready(np.stack([known[int(r)] for r in rows]))
+    return submit(_timed_forward, model, batch[2])
+
+
+class _Now:
+    """A 'future' run at once (one batch in flight)."""
+
+    def __init__(self, fn, *args):
+        self.value = fn(*args)
 
     def result(self):
         return self.value
 
 
 def _forwards_in_order(
-    model: Callable, batches: Iterable[Batch], in_flight: int, stored: Dict[int, np.ndarray]
+    model: Callable, batches: Iterable[Batch], in_flight: int, stored: Dict[int, np.ndarray],
+    known: Optional[Dict[int, np.ndarray]] = None,
 ) -> Iterator[Tuple[Batch, torch.Tensor, Optional[float]]]:
     """(batch, logits, seconds) for every batch, in the order the batches came; seconds
-    is None for a batch whose logits were stored (no forward ran).
+    is None for a batch whose logits were all known (no forward ran). ``known``: {row:
+    logits} of rows the row store holds (not evaluated again).
 
     With ``in_flight`` > 1 up to that many forwards run at once in worker threads (the
     petals client spends most of a forward waiting on the network); results are still
     yielded in batch order, so what follows is identical to a sequential run.
     """
+    known = known or {}
     if in_flight <= 1:
         for batch in batches:
-            if batch[0] in stored:
-                yield (batch, *_Ready(stored[batch[0]]).result())
-            else:
-                yield (batch, *_timed_forward(model, batch[2]))
+            yield (batch, *_start(model, batch, stored, known, _Now).result())
         return
     pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="dist_eval-forward")
     pending: Deque = deque()
     try:
         for batch in batches:
-            if batch[0] in stored:
-                pending.append((batch, _Ready(stored[batch[0]])))
-            else:
-                pending.append((batch, pool.submit(_timed_forward, model, batch[2])))
+            pending.append((batch, _start(model, batch, stored, known, pool.submit)))
             if len(pending) >= in_flight:
                 batch_done, future = pending.popleft()
                 yield (batch_done, *future.result())
@@ -112,6 +143,16 @@ def _forwards_in_order(
     finally:
         # on an error, do not start queued forwards; running ones end within the client's timeouts
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _to_row_store(rows_source, rows: np.ndarray, logits: np.ndarray, seconds: Optional[float]) -> None:
+    """A batch not resumed: served by the store (no forward: counted), or evaluated (to store)."""
+    if rows_source is None:
+        return
+    if seconds is None:
+        rows_source.served(rows)
+    else:
+        rows_source.add(rows, logits)
 
 
 def predict_shard(
@@ -124,6 +165,7 @@ def predict_shard(
     in_flight: int = 1,
     stored: Optional[Dict[int, np.ndarray]] = None,
     on_batch_logits: Optional[Callable[[int, np.ndarray, np.ndarray], None]] = None,
+    rows_source=None,
 ) -> ShardResults:
     """Run every batch under ``torch.no_grad()`` and keep per-sample results.
 
@@ -131,23 +173,25 @@ def predict_shard(
     ``stored``: {batch id: logits} from an interrupted run; those batches are not run.
     ``on_batch_logits(batch_id, rows, logits)`` is called for each newly computed batch
     (to store partial results); ``on_batch_done(num_rows)`` after every batch (progress).
+    ``rows_source`` (a :class:`dist_eval.rowstore.RowSource`): a batch of rows the row store
+    holds is not evaluated; the rows evaluated go to it.
     """
-    stored = stored or {}
+    stored, known = stored or {}, (rows_source.logits if rows_source is not None else {})
     indices, labels, preds, losses, logits_kept = [], [], [], [], []
     sample_values: Dict[str, list] = {name: [] for name in (sample_metrics or {})}
     forward_seconds, max_batch_seconds, num_resumed = 0.0, 0.0, 0
-    for (batch_id, rows, _, batch_labels), logits, seconds in _forwards_in_order(model, batches, in_flight, stored):
-        if seconds is None:
-            num_resumed += len(rows)
-        else:
+    for (batch_id, rows, _, batch_labels), logits, seconds in _forwards_in_order(model, batches, in_flight, stored,
+                                                                                  known):
+        num_resumed += len(rows) if batch_id in stored else 0
+        if seconds is not None:
             forward_seconds += seconds
             max_batch_seconds = max(max_batch_seconds, seconds)
         if logits.shape != (len(rows), num_labels):
-            raise RuntimeError(
-                f"the model returned logits of shape {list(logits.shape)} for a batch of {len(rows)}; "
-                f"expected [{len(rows)}, {num_labels}]"
-            )
+            raise RuntimeError(f"the model returned logits of shape {list(logits.shape)} for a batch of "
+                               f"{len(rows)}; expected [{len(rows)}, {num_labels}]")
         batch_logits = logits.numpy()
+        if batch_id not in stored:
+            _to_row_store(rows_source, np.asarray(rows, dtype=np.int64), batch_logits, seconds)
         if seconds is not None and on_batch_logits is not None:
             on_batch_logits(batch_id, np.asarray(rows, dtype=np.int64), batch_logits)
         indices.append(np.asarray(rows, dtype=np.int64))

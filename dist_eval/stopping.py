@@ -158,13 +158,17 @@ class Seen:
         return merge_parts(self.parts)
 
     def facts(self) -> dict:
-        """``num_truncated`` and ``run`` over the rounds: sums, or the worst batch."""
+        """``num_truncated`` and ``run`` (with ``row_store``) over the rounds: sums, or the worst batch."""
         runs = [r["run"] for r in self.reports]
         loop = sum(r["eval_loop_seconds"] for r in runs)
         rows = sum(r["num_samples"] for r in self.reports)
+        stores = [r["run"]["row_store"] for r in self.reports]
         return {
             "num_truncated": sum(r["num_truncated"] for r in self.reports),
             "run": {
+                "row_store": {**stores[0], **{name: sum(s[name] for s in stores) for name in
+                                              ("rows_from_store", "rows_evaluated", "seconds_saved",
+                                                               "read_seconds", "write_seconds")}},
                 "world_size": runs[0]["world_size"],
                 "per_rank_samples": [int(sum(column)) for column in zip(*(r["per_rank_samples"] for r in runs))],
                 "eval_loop_seconds": loop,

@@ -33,6 +33,12 @@ def pytest_configure(config):
         if not config.pluginmanager.is_registered(plugin):
             config.pluginmanager.register(plugin, f"dist_eval_{plugin.__name__}")
 
+# The row store (dist_eval/rowstore.py) is on by default, in the user's cache: the suite turns it
+# off for every run it starts (torchrun jobs inherit this), so that no test is served the rows of
+# another test or of an earlier run (two runs compared bit for bit must both evaluate). The row
+# store's own tests (tests/test_rowstore.py) pass a folder of their own.
+os.environ["DIST_EVAL_ROW_STORE"] = "off"
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = [f"w{i}" for i in range(60)]
 

@@ -37,6 +37,8 @@ class LoadedModel:
     label_words: Optional[tuple] = None  # zero-shot: the words scored for the classes (else a classifier head)
     appended_tokens: int = 0  # zero-shot: the most label-word tokens a forward appends to a row
     attention_window: int = 0  # a sliding attention window's positions (config.json); 0: none
+    # what decides the logits, for the row store (dist_eval.rowstore): {"model": ..., "trainable": digest}
+    identity: Optional[dict] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, Backend):  # the run calls close(), provenance(), ... on it
@@ -70,6 +72,10 @@ class LoadedModel:
         """
         self.check_structure(state, checkpoint)
         self.module.load_trainable(state)
+        if self.identity is not None:
+            from dist_eval.rowstore import tensors_digest
+
+            self.identity = {**self.identity, "trainable": tensors_digest(state.tensors)}
 
     def provenance(self) -> Optional[dict]:
         """The swarm's servers that computed the logits, for the report; None where no swarm is used."""
@@ -146,7 +152,17 @@ def load_model(
     return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend,
                        class_names(config, state.num_labels), state.pre_seq_len, state.tuning_mode,
                        label_words=words, appended_tokens=scored.appended_tokens if scored else 0,
-                       attention_window=family.attention_window(config))
+                       attention_window=family.attention_window(config),
+                       identity=_identity(model_dir, state, family, backend, device, dht_prefix))
+
+
+def _identity(model_dir: str, state: TrainableState, family: Family, backend: str, device, dht_prefix) -> dict:
+    """What decides this model's logits besides the rows (the row store's key: dist_eval.rowstore)."""
+    from dist_eval.rowstore import folder_identity, tensors_digest
+
+    model = {"folder": folder_identity(model_dir), "family": family.model_type, "backend": backend,
+             "device": str(device).split(":")[0], "dtype": "float32", "dht_prefix": dht_prefix}
+    return {"model": model, "trainable": tensors_digest(state.tensors)}
 
 
 def _label_words(model_dir: str, config, family: Family, words: tuple, tokenizer) -> LabelWords:

@@ -67,6 +67,17 @@ def _send_to_owners(by_row: Dict[int, List[int]], planned: List[np.ndarray], num
     return mine
 
 
+def _plan(rows, settings, lengths: Optional[np.ndarray], prefix_tokens: int) -> List[np.ndarray]:
+    """The global plan of ``rows`` (a count: every row; or the row indices planned)."""
+    if isinstance(rows, int):
+        return plan_batches(rows, settings.batch_size, lengths, settings.max_batch_tokens,
+                            length_buckets=settings.length_buckets, prefix_tokens=prefix_tokens)
+    planned = plan_batches(len(rows), settings.batch_size, None if lengths is None else lengths[rows],
+                           settings.max_batch_tokens, length_buckets=settings.length_buckets,
+                           prefix_tokens=prefix_tokens)
+    return [rows[b] for b in planned]
+
+
 # Rows tokenized at once as the batches come (see dataset_batches): the rows of the next
 # batches up to this many, so that each read of the dataset serves several batches.
 _AHEAD_ROWS = 256
@@ -74,7 +85,7 @@ _AHEAD_ROWS = 256
 
 def dataset_batches(
     dataset, tokenizer, labels: np.ndarray, settings, *, pad_token_id: int, prefix_tokens: int = 0,
-    on_plan: Optional[Callable[[List[int], List[int]], None]] = None,
+    on_plan: Optional[Callable[[List[int], List[int]], None]] = None, skip_rows: Optional[np.ndarray] = None,
 ) -> Tuple[Iterator[Batch], int, Dict[int, np.ndarray]]:
     """This rank's batches of a Dataset: (iterator of right-padded batches, rows truncated
     here, {batch id: row indices} of this rank's batches).
@@ -87,6 +98,8 @@ def dataset_batches(
     once per run. Without the lengths, every row of the shard is tokenized (so checked)
     here, before any forward. ``on_plan(rows, padded tokens)`` of every batch of the global
     plan, in plan order, when the lengths are known (the progress's ETA counts that work).
+    ``skip_rows`` (the same on every rank): rows the plan leaves out (the row store holds them);
+    they are still tokenized where their truncation is counted.
     """
     columns, max_length = TaskColumns.of(settings), settings.max_length
     num_rows = len(labels)
@@ -96,10 +109,16 @@ def dataset_batches(
         lengths, by_row, num_truncated = _token_lengths(
             dataset, tokenizer, columns, num_rows, max_length, pad_token_id
         )
-    planned = plan_batches(
-        num_rows, settings.batch_size, lengths, settings.max_batch_tokens,
-        length_buckets=settings.length_buckets, prefix_tokens=prefix_tokens,
-    )
+    kept = None  # every row
+    if skip_rows is not None and len(skip_rows):
+        skipped = np.zeros(num_rows, dtype=bool)
+        skipped[skip_rows] = True
+        kept = np.flatnonzero(~skipped)
+        by_row = {r: ids for r, ids in by_row.items() if not skipped[r]}
+        if lengths is None:  # their truncation, counted on the rank of their block (as with the lengths)
+            mine = skip_rows[_row_block(len(skip_rows), ranks.get_rank(), ranks.get_world_size())]
+            num_truncated += tokenize_rows(tokenizer, dataset, np.sort(mine), columns, max_length, pad_token_id)[1]
+    planned = _plan(num_rows if kept is None else kept, settings, lengths, prefix_tokens)
     if on_plan is not None and lengths is not None:
         on_plan([len(b) for b in planned], [len(b) * (int(lengths[b].max()) + prefix_tokens) for b in planned])
     batch_ids = shard_batch_ids(len(planned), ranks.get_rank(), ranks.get_world_size())
@@ -108,7 +127,8 @@ def dataset_batches(
         by_row = _send_to_owners(by_row, planned, num_rows)
     else:
         todo = np.array(sorted(own_rows), dtype=np.int64)
-        ids, num_truncated = tokenize_rows(tokenizer, dataset, todo, columns, max_length, pad_token_id)
+        ids, truncated_here = tokenize_rows(tokenizer, dataset, todo, columns, max_length, pad_token_id)
+        num_truncated += truncated_here
         by_row.update(zip(todo.tolist(), ids))
 
     def tokenize(rows: List[int]) -> List[List[int]]:

@@ -66,6 +66,8 @@ def format_summary(metrics: dict) -> str:
     time_line = _time_line(run)
     if time_line:
         lines.append(time_line)
+    if (run.get("row_store") or {}).get("folder"):
+        lines.append(format_row_store(run["row_store"]))
     from dist_eval.backends.provenance import replicas_warning
 
     warning = replicas_warning(run)
@@ -87,6 +89,13 @@ def format_summary(metrics: dict) -> str:
     for name, row in zip(per_class, cm):
         lines.append(f"  {name:<{width}}" + "".join(f"{v:>{cell}d}" for v in row))
     return "\n".join(lines)
+
+
+def format_row_store(store: dict) -> str:
+    """The row store's line: rows it served, rows evaluated, the time it saved."""
+    fresh = " (--fresh-rows: none read)" if store.get("fresh_rows") else ""
+    return (f"  {store['rows_from_store']} rows from the row store{fresh}, {store['rows_evaluated']} evaluated; "
+            f"about {store['seconds_saved']:.1f} s saved ({store['folder']})")
 
 
 def _time_line(run: dict) -> str:

@@ -1,0 +1,445 @@
+"""The row store (issue 38): every row a run evaluates, kept for every later run to reuse.
+
+A row costs GPU time on a swarm; the same model and checkpoint are evaluated again and again
+(``--limit 500``, then 5000, then every row; a narrower ``--stop-at-width``; another metric; a
+new ``--output-dir``). The store keeps each evaluated row's logits under a key of everything
+that decides them, and a run reads the rows it can and evaluates only the others.
+
+Layout (one tree, safe to delete whole or in part at any time)::
+
+    <root>/<model key>/<task key>/key.json                   what the two keys are made of
+    <root>/<model key>/<task key>/<run>-r<rank>-<n>.rows     rows, written once, never changed
+
+``<root>``: ``--row-store DIR`` (API ``row_store=``), by default ``$DIST_EVAL_CACHE/rows``
+(``~/.cache/dist_eval/rows``; the environment variable ``DIST_EVAL_ROW_STORE`` names another
+default, or ``off``). The model key hashes the model's identity (:func:`folder_identity`: the
+files' content, a hub snapshot's commit) and the numerics (backend, dtype, device, torch, the
+swarm servers' versions, dtypes, quantization); the task key the checkpoint's prompts and head
+(their tensors' bytes), the tokenizer's content, every setting that changes a row's tokens or
+logits (``--max-length``, template, label words, columns). Each row is then keyed by a hash
+of its own text (and text pair): with the tokenizer and settings fixed by the folder, the text
+decides its token ids.
+
+A file is one (run, rank, flush): written under a hidden temporary name, fsynced, renamed into
+place, so two runs (two jobs on one cluster file system) never write the same file and a
+reader never sees half of one. Each file's header names its key and the SHA-256 of its rows:
+a file that is cut, corrupted or of another key is skipped (one warning line per run), never
+read as rows. A row kept by two files (two runs evaluated it) is read from the first by name.
+
+Exactness: a row from the store carries the logits of the run that evaluated it. Another
+run's batches may hold that row with other rows or padding, which can change the last bits
+of a float on some kernels; within one run everything is as exact as before, for any number
+of ranks: rank 0 reads the store and tells every rank which rows it holds; the batch plan
+leaves those out (the others in full batches, the same plan on every rank) and rank 0 reports
+them. ``--fresh-rows`` evaluates every row again (and still stores them).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import time
+import uuid
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from dist_eval.atomic import atomic_write
+from dist_eval.errors import warn
+
+MAGIC = b"DIST_EVAL_ROWS\x00"
+FORMAT_VERSION = 1
+SUFFIX = ".rows"
+KEY_BYTES = 16
+# files up to this size are hashed whole; a bigger weight file by its size, mtime, its first
+# and last MiB (a safetensors header, the first tensors) (hashing 100 GB at each start: minutes)
+WHOLE_HASH_BYTES = 64 << 20
+EDGE_BYTES = 1 << 20
+# settings that decide which rows are evaluated, or how they are batched, not their logits
+NOT_IN_KEY = ("label_column", "batch_size", "length_buckets", "max_batch_tokens", "limit", "limit_seed",
+              "stop_at_width", "stop_when_decided", "stop_metric", "stop_round_rows", "stop_rule")
+
+
+def store_root(option: str) -> Optional[str]:
+    """The store's folder for ``--row-store`` (``auto``: the environment's, else the cache's); None: off."""
+    if option == "auto":
+        option = os.environ.get("DIST_EVAL_ROW_STORE") or ""
+        if not option:  # the cache folder of the demo and of converted folders
+            cache = os.environ.get("DIST_EVAL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dist_eval")
+            return os.path.join(cache, "rows")
+    if option.strip().lower() in ("off", "none", "0", ""):
+        return None
+    return os.path.abspath(os.path.expanduser(option))
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_digest(path: str) -> str:
+    """A file's content: its SHA-256 up to WHOLE_HASH_BYTES; above, of its size, mtime and edges."""
+    stat = os.stat(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if stat.st_size <= WHOLE_HASH_BYTES:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+            return digest.hexdigest()
+        digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+        digest.update(f.read(EDGE_BYTES))
+        f.seek(stat.st_size - EDGE_BYTES)
+        digest.update(f.read(EDGE_BYTES))
+    return "edges:" + digest.hexdigest()
+
+
+def folder_identity(folder: str) -> dict:
+    """A model folder's identity: each file's digest by name (not the folder's name or place),
+    and the commit of a hub snapshot (``.../snapshots/<commit>/``). Hashed once per process for
+    the same files (the same names, sizes and mtimes): a run that evaluates in rounds asks each round.
+    """
+    stats = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            stat = os.stat(path)
+            stats.append((name, stat.st_size, stat.st_mtime_ns, stat.st_ino))
+    return _folder_identity(folder, tuple(stats))
+
+
+@functools.lru_cache(maxsize=16)
+def _folder_identity(folder: str, stats: tuple) -> dict:
+    real = os.path.realpath(folder)
+    files = [(name, file_digest(os.path.join(folder, name))) for name, *_ in stats]
+    commit = re.search(r"/snapshots/([0-9a-f]{40})(/|$)", os.path.abspath(folder) + "/") or re.search(
+        r"/snapshots/([0-9a-f]{40})(/|$)", real + "/")
+    return {"files": files, "hub_commit": commit.group(1) if commit else None}
+
+
+def tensors_digest(tensors: dict) -> str:
+    """The prompts' and head's content: names, dtypes, shapes and bytes of each tensor."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}:".encode())
+        digest.update(tensor.view(-1).view(dtype=_byte_dtype()).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def _byte_dtype():
+    import torch
+
+    return torch.uint8
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """The tokenizer's content: a fast tokenizer's whole definition (vocabulary, merges,
+    normalizer, pre- and post-processor), else its vocabulary; its class and init arguments.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        body = backend.to_str()
+    else:
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        body = json.dumps(sorted(vocab.items()), ensure_ascii=False)
+    facts = {"class": type(tokenizer).__name__, "init": getattr(tokenizer, "init_kwargs", None),
+             "special": getattr(tokenizer, "special_tokens_map", None)}
+    return _sha256(body.encode() + json.dumps(facts, sort_keys=True, default=str).encode())
+
+
+def settings_facts(settings) -> dict:
+    """The settings that change a row's tokens or logits (not which rows, nor their batches)."""
+    return {name: value for name, value in settings.as_dict().items() if name not in NOT_IN_KEY}
+
+
+def _text_bytes(value) -> bytes:
+    """A cell's bytes, length first (so that text and pair cannot run into each other)."""
+    data = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else repr(value).encode()
+    return len(data).to_bytes(8, "little") + data
+
+
+def row_keys(texts: List, pairs: Optional[List]) -> np.ndarray:
+    """[n, 16] uint8: each row's key, a BLAKE2b of its text and text pair (each length-prefixed)."""
+    base = hashlib.blake2b(digest_size=KEY_BYTES, person=b"dist_eval-row")
+    digests = []
+    for i, text in enumerate(texts):
+        row = base.copy()
+        row.update(_text_bytes(text) + (b"\x00" if pairs is None else b"\x01" + _text_bytes(pairs[i])))
+        digests.append(row.digest())
+    return np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(texts), KEY_BYTES)
+
+
+# (folder, key, classes) -> (the files read, the rows they hold): files are written once
+_READ: Dict[tuple, Tuple[set, Dict[bytes, Tuple[np.ndarray, float]]]] = {}
+
+
+class RowStore:
+    """One key's folder: its rows read (:meth:`read`) and new ones written (:meth:`writer`)."""
+
+    def __init__(self, root: str, model_facts: dict, task_facts: dict):
+        self.model_key = _sha256(json.dumps(model_facts, sort_keys=True, default=str).encode())[:24]
+        self.task_key = _sha256(json.dumps(task_facts, sort_keys=True, default=str).encode())[:24]
+        self.key = f"{self.model_key}/{self.task_key}"
+        self.folder = os.path.join(root, self.model_key, self.task_key)
+        self.facts = {"model": model_facts, "task": task_facts}
+
+    def read(self, num_labels: int) -> Dict[bytes, Tuple[np.ndarray, float]]:
+        """{row key: (logits, seconds it took)} of every valid file; the others skipped, one warning.
+        A file never changes once in place: one process reads each once (a run in rounds reads
+        only the files written since its last round).
+        """
+        read_before, found = _READ.setdefault((self.folder, self.key, num_labels), (set(), {}))
+        skipped: List[str] = []
+        for path in self._files():
+            if path in read_before:
+                continue
+            read_before.add(path)
+            try:
+                keys, logits, seconds = read_file(path, self.key, num_labels)
+            except (OSError, ValueError) as e:
+                skipped.append(f"{os.path.basename(path)} ({e})")
+                continue
+            for i, key in enumerate(keys):
+                found.setdefault(key, (logits[i], float(seconds[i])))
+        if skipped:
+            warn(f"row store: skipped {len(skipped)} file(s) in {self.folder} that are not whole rows of this "
+                 f"key (first: {skipped[0]}); those rows are evaluated again")
+        return found
+
+    def _files(self) -> List[str]:
+        try:
+            names = sorted(os.listdir(self.folder))
+        except OSError:
+            return []
+        return [os.path.join(self.folder, n) for n in names if n.endswith(SUFFIX) and not n.startswith(".")]
+
+    def describe(self) -> None:
+        """Write ``key.json`` (what the keys are made of) once, for a reader of the folder."""
+        os.makedirs(self.folder, exist_ok=True)
+        path = os.path.join(self.folder, "key.json")
+        if not os.path.exists(path):
+            atomic_write(path, json.dumps(self.facts, indent=1, sort_keys=True, default=str) + "\n")
+
+    def writer(self, rank: int) -> RowWriter:
+        return RowWriter(self.folder, self.key, rank)
+
+
+class RowWriter:
+    """A rank's new rows, written as a new file at each :meth:`flush`."""
+
+    def __init__(self, folder: str, key: str, rank: int):
+        self.folder, self.key = folder, key
+        self.prefix = f"{uuid.uuid4().hex[:12]}-{os.getpid()}-r{rank}"
+        self.sequence = 0
+        self.pending: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def add(self, keys: np.ndarray, logits: np.ndarray, seconds: np.ndarray) -> None:
+        if len(keys):
+            self.pending.append((keys, logits, seconds))
+
+    def flush(self) -> Optional[str]:
+        if not self.pending:
+            return None
+        keys = np.concatenate([k for k, _, _ in self.pending])
+        logits = np.concatenate([v for _, v, _ in self.pending]).astype("<f4")
+        seconds = np.concatenate([s for _, _, s in self.pending]).astype("<f4")
+        self.pending.clear()
+        path = os.path.join(self.folder, f"{self.prefix}-{self.sequence:06d}{SUFFIX}")
+        self.sequence += 1
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            write_file(path, self.key, keys, logits, seconds)
+        except OSError as e:  # a full or read-only disk costs the reuse, not the run
+            warn(f"row store: could not write {path} ({e}); these rows will be evaluated again next time")
+            return None
+        return path
+
+
+def _payload(keys: np.ndarray, logits: np.ndarray, seconds: np.ndarray) -> bytes:
+    return (np.ascontiguousarray(keys, dtype=np.uint8).tobytes() + np.ascontiguousarray(logits, "<f4").tobytes()
+            + np.ascontiguousarray(seconds, "<f4").tobytes())
+
+
+def write_file(path: str, key: str, keys: np.ndarray, logits: np.ndarray, seconds: np.ndarray) -> None:
+    """One file of rows: MAGIC, header length (8 bytes), the JSON header, the rows; written to
+    a hidden temporary name, fsynced, renamed (a killed writer leaves no file of this name).
+    """
+    payload = _payload(keys, logits, seconds)
+    header = json.dumps({"format": FORMAT_VERSION, "key": key, "rows": int(len(keys)),
+                         "num_labels": int(logits.shape[1]), "sha256": _sha256(payload)}).encode()
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + len(header).to_bytes(8, "little") + header + payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    _fsync_folder(folder)
+
+
+def _fsync_folder(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_file(path: str, key: str, num_labels: int) -> Tuple[List[bytes], np.ndarray, np.ndarray]:
+    """(row keys, logits [n, K], seconds [n]) of a file of ``key``; ValueError when it is not one."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.startswith(MAGIC):
+        raise ValueError("not a row store file")
+    start = len(MAGIC) + 8
+    size = int.from_bytes(data[len(MAGIC):start], "little")
+    try:
+        header = json.loads(data[start:start + size])
+    except ValueError:
+        raise ValueError("unreadable header") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION or header.get("key") != key:
+        raise ValueError("another key or format")
+    rows, labels = header.get("rows"), header.get("num_labels")
+    payload = data[start + size:]
+    if labels != num_labels or not isinstance(rows, int) or len(payload) != rows * (KEY_BYTES + 4 * labels + 4):
+        raise ValueError("another shape, or cut short")
+    if _sha256(payload) != header.get("sha256"):
+        raise ValueError("checksum mismatch")
+    keys_end = rows * KEY_BYTES
+    logits_end = keys_end + rows * 4 * labels
+    keys = [payload[i:i + KEY_BYTES] for i in range(0, keys_end, KEY_BYTES)]
+    logits = np.frombuffer(payload[keys_end:logits_end], dtype="<f4").reshape(rows, labels)
+    seconds = np.frombuffer(payload[logits_end:], dtype="<f4")
+    return keys, logits, seconds
+
+
+def key_bytes(keys: np.ndarray) -> Iterable[bytes]:
+    """Each [16] uint8 row of ``keys`` as bytes (the store's dict keys)."""
+    flat = np.ascontiguousarray(keys, dtype=np.uint8).tobytes()
+    return (flat[i:i + KEY_BYTES] for i in range(0, len(flat), KEY_BYTES))
+
+
+class RowSource:
+    """A rank's view of the store in one evaluation: the rows the store holds (``stored_rows``,
+    the same on every rank: the batch plan leaves them out), their logits (``logits``: {row:
+    logits}, rank 0's, which reports them), every row's key, and the writer of the rows this rank
+    evaluates (:meth:`add`); the rows served (:meth:`served`) and the seconds they had cost.
+    """
+
+    def __init__(self, message: Optional[tuple], rank: int, save_interval: float = 0.0):
+        self.logits: Dict[int, np.ndarray] = {}
+        self.seconds: Dict[int, float] = {}
+        self.stored_rows = np.zeros(0, dtype=np.int64)
+        self.key_array: Optional[np.ndarray] = None
+        self.writer: Optional[RowWriter] = None
+        self.folder: Optional[str] = None
+        self.fresh = False
+        self.rows_served, self.seconds_saved = 0, 0.0
+        self.read_seconds, self.write_seconds = 0.0, 0.0  # the store's own cost in this run
+        self.interval, self.last_flush = save_interval, time.monotonic()
+        self.last_batch = time.perf_counter()  # the wall time of each batch: since the one before
+        if message is None:
+            return
+        self.folder, key, self.key_array, self.stored_rows, self.fresh = message
+        self.writer = RowWriter(self.folder, key, rank)
+
+    def batches(self, labels: np.ndarray, rows_per_batch: int = 4096) -> list:
+        """Rank 0: the stored rows as batches whose logits are known (ids below 0: no plan's)."""
+        if not self.logits:
+            return []
+        rows = self.stored_rows
+        return [(-1 - i, rows[start:start + rows_per_batch], None, labels[rows[start:start + rows_per_batch]])
+                for i, start in enumerate(range(0, len(rows), rows_per_batch))]
+
+    def served(self, rows: np.ndarray) -> None:
+        """A batch of rows whose logits came from the store (no forward ran; the next batch's time starts now)."""
+        self.rows_served += len(rows)
+        self.seconds_saved += sum(self.seconds[int(r)] for r in rows)
+        self.last_batch = time.perf_counter()
+
+    def add(self, rows: np.ndarray, logits: np.ndarray) -> None:
+        """Rows just evaluated, written at most every save interval, each with its share of the
+        rank's wall time since the batch before (batches in flight overlap: not their forward's).
+        """
+        now = time.perf_counter()
+        elapsed, self.last_batch = now - self.last_batch, now
+        if self.writer is None or not len(rows):
+            return
+        self.writer.add(self.key_array[rows], logits, np.full(len(rows), elapsed / len(rows), dtype=np.float32))
+        if time.monotonic() - self.last_flush >= self.interval:
+            self.flush()
+
+    def flush(self) -> None:
+        start = time.perf_counter()
+        if self.writer is not None:
+            self.writer.flush()
+        self.last_flush = time.monotonic()
+        self.write_seconds += time.perf_counter() - start
+
+
+def open_rows(store: Optional[RowStore], fresh: bool, data, columns: List[str], num_labels: int,
+              save_interval: float = 0.0) -> RowSource:
+    """Every rank: its :class:`RowSource`. Rank 0 alone reads the store (``store``: rank 0's;
+    None: off) and the rows' texts, and sends every rank the rows' keys and which rows the store
+    holds: every rank plans the same batches of the others, for any N; rank 0 keeps their logits.
+    """
+    from dist_eval import ranks
+
+    message, found = None, {}
+    if ranks.is_main_process() and store is not None:
+        try:
+            store.describe()
+        except OSError as e:
+            warn(f"row store: cannot write in {store.folder} ({e}); evaluating every row, storing none")
+            store = None
+    if ranks.is_main_process() and store is not None:
+        from dist_eval.data.sample import column_values
+
+        values = column_values(data, columns)
+        keys = row_keys(values[0], values[1] if len(values) > 1 else None)
+        held = {} if fresh else store.read(num_labels)
+        found = {row: held[k] for row, k in enumerate(key_bytes(keys)) if k in held}
+        message = (store.folder, store.key, keys, np.fromiter(found, dtype=np.int64, count=len(found)), fresh)
+    source = RowSource(ranks.broadcast_object(message), ranks.get_rank(), save_interval)
+    source.logits = {row: hit[0] for row, hit in found.items()}
+    source.seconds = {row: hit[1] for row, hit in found.items()}
+    return source
+
+
+def store_for(option: str, model, tokenizer, settings, pad_token_id) -> Optional[RowStore]:
+    """Rank 0: the store folder of this model, checkpoint, tokenizer and settings; None when the
+    store is off, or the model has no identity (a model object or callable: its weights may
+    change between calls, as in a training loop; only ``load_model``'s and the CLI's are kept).
+    """
+    root = store_root(option)
+    identity = getattr(model, "identity", None)
+    if root is None or identity is None or tokenizer is None:
+        return None
+    import torch
+
+    model_facts = {**identity["model"], "torch": torch.__version__, "servers": _server_numerics(model)}
+    task_facts = {"format": FORMAT_VERSION, "trainable": identity["trainable"],
+                  "tokenizer": tokenizer_digest(tokenizer), "settings": settings_facts(settings),
+                  "num_labels": model.num_labels, "prompt_tokens": model.prompt_tokens, "pad_token_id": pad_token_id}
+    return RowStore(root, model_facts, task_facts)
+
+
+def _server_numerics(model) -> Optional[list]:
+    """A swarm's servers as far as their numbers go: each distinct (petals version, dtype,
+    quantization, adapters) announced; None for an in-process backend.
+    """
+    if model.backend != "petals":
+        return None
+    servers = (model.provenance() or {}).get("servers", [])
+    return sorted({json.dumps([s.get("petals_version"), s.get("torch_dtype"), s.get("quantization"),
+                               s.get("adapters")]) for s in servers})
