@@ -238,6 +238,20 @@ class Settings:
         return asdict(self)
 
 
+_SLICE_BY = (
+    "Every metric (and its interval) also per value of each of these columns of the data: metrics.json's "
+    "slices, slices.csv, the worst slices in the summary. Read from the rows already evaluated (no new run)."
+)
+
+
+def _slice_columns(value) -> Tuple[str, ...]:
+    """``slice_by`` as a tuple of distinct column names."""
+    columns = [value] if isinstance(value, str) else list(value)
+    if not columns or not all(isinstance(c, str) and c for c in columns) or len(set(columns)) != len(columns):
+        raise UsageError("expected one or more distinct column names.", param="slice_by", value=value)
+    return tuple(columns)
+
+
 @dataclass(frozen=True)
 class Options:
     """What changes no result: throughput, saving partial results, the bootstrap."""
@@ -254,8 +268,11 @@ class Options:
     bootstrap_seed: int = setting(0, "Seed of the bootstrap: the same seed gives the same intervals.")
     top_k: Optional[int] = setting(None, "The k of the top-k accuracy (top{K}_accuracy in metrics.json); "
                                          "default: 2 with more than 2 classes, none with 2.")
+    slice_by: Optional[Tuple[str, ...]] = setting(None, _SLICE_BY, nargs="+")
 
     def __post_init__(self) -> None:
+        if self.slice_by is not None:
+            object.__setattr__(self, "slice_by", _slice_columns(self.slice_by))
         check_int("in_flight", self.in_flight, 1)
         if self.top_k is not None:
             check_int("top_k", self.top_k, 1, "a positive integer (the k of top-k accuracy)")

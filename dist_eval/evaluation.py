@@ -23,7 +23,7 @@ from dist_eval.data.labels import TaskColumns, check_columns, label_names_of, re
 from dist_eval.data.loader import loader_batches
 from dist_eval.data.sample import sample_rows
 from dist_eval.data.shard import dataset_batches
-from dist_eval.errors import UsageError
+from dist_eval.errors import UsageError, warn
 from dist_eval.merge import MergedResults, merge_on_main
 from dist_eval.predict import predict_shard
 from dist_eval.resume import open_partial
@@ -148,17 +148,65 @@ def evaluate(
     ``reliability`` (the per-bin table) and their intervals beside the others.
     """
     settings, options = settings_from(settings_keywords, settings, options)
+    slices = slice_values(data, settings, options)  # checked before any work, on every rank
+    keep_logits = return_logits or bool(slices)  # a slice's probability scores need them
     if settings.stops_early:
-        return _evaluate_in_rounds(
+        result = _evaluate_in_rounds(
             [model], data, tokenizer=tokenizer, num_labels=num_labels, label_names=label_names,
-            pad_token_id=pad_token_id, return_logits=return_logits, metrics=metrics, sample_metrics=sample_metrics,
+            pad_token_id=pad_token_id, return_logits=keep_logits, metrics=metrics, sample_metrics=sample_metrics,
             on_batch_done=on_batch_done, resume_folders=[resume_folder] if resume_folder else None,
             settings=settings, options=options,
         )[0]
-    return evaluate_once(model, data, tokenizer=tokenizer, num_labels=num_labels, label_names=label_names,
-                         pad_token_id=pad_token_id, return_logits=return_logits, metrics=metrics,
-                         sample_metrics=sample_metrics, on_batch_done=on_batch_done, resume_folder=resume_folder,
-                         settings=settings, options=options)
+    else:
+        result = evaluate_once(model, data, tokenizer=tokenizer, num_labels=num_labels, label_names=label_names,
+                               pad_token_id=pad_token_id, return_logits=keep_logits, metrics=metrics,
+                               sample_metrics=sample_metrics, on_batch_done=on_batch_done,
+                               resume_folder=resume_folder, settings=settings, options=options)
+    if slices:
+        result = with_slices(result, slices, options, rows_in_set=len(data))
+        if not return_logits and result.predictions is not None:
+            result = EvalResult(metrics=result.metrics, predictions=_without_logits(result.predictions))
+    return result
+
+
+def slice_values(data, settings: Settings, options: Options) -> dict:
+    """{column: each row's slice name} of the rows evaluate() evaluates (the ``limit`` sample
+    of ``data``), for ``options.slice_by``; {} without it. Bad columns refused in one line.
+    """
+    import datasets
+
+    from dist_eval.slices import one_row_slices, read_slice_values
+
+    if not options.slice_by:
+        return {}
+    if not isinstance(data, datasets.Dataset):
+        raise UsageError(f"slices need a datasets.Dataset (its columns), not {type(data).__name__}.",
+                         param="slice_by", value=list(options.slice_by))
+    columns = TaskColumns.of(settings)
+    check_columns(data, columns)
+    values = read_slice_values(sample_rows(data, settings.limit, settings.limit_seed,
+                                           [name for _, name in columns.named()]), options.slice_by)
+    single = one_row_slices(values)
+    if single and ranks.is_main_process():
+        warn(f"--slice-by: {len(single)} slice(s) of a single row ({', '.join(single[:5])}"
+             f"{', ...' if len(single) > 5 else ''}): their metrics mean little, and they get no interval")
+    return values
+
+
+def with_slices(result: EvalResult, values: dict, options: Options, rows_in_set: int) -> EvalResult:
+    """``result`` with ``metrics["slices"]`` (:func:`dist_eval.slices.slice_report`), computed
+    on rank 0 from its merged rows and sent to every rank.
+    """
+    from dist_eval.slices import slice_report
+
+    report = None
+    if ranks.is_main_process():
+        metrics = result.metrics
+        report = slice_report(result.predictions, values, metrics["num_labels"], metrics.get("label_names"),
+                              ((options.bootstrap_resamples, options.bootstrap_seed), metrics.get("top_k")),
+                              rows_in_set)
+    result.metrics["slices"] = ranks.broadcast_object(report)
+    return result
 
 
 def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_id, return_logits, metrics,

@@ -341,6 +341,11 @@ def _report_pair(session: _Session, pair: Pair, result, where: tuple, dataset, s
     from dist_eval import resume
 
     out, folder, key = where
+    options = session.config.options
+    if options.slice_by and "slices" not in result.metrics:  # two checkpoints stopping early: their rows used
+        from dist_eval.evaluation import slice_values, with_slices
+
+        result = with_slices(result, slice_values(dataset, session.job.settings, options), options, len(dataset))
     facts = _run_facts(session, pair, pair_started)
     result.metrics["run"].update(facts, run_key=key, sample=sample)
     with ranks.phase("writing the report"):
@@ -539,11 +544,19 @@ def _versions() -> dict:
 
 
 def _texts(config: EvalConfig, settings: Settings, dataset) -> Optional[dict]:
-    """Rank 0, with --save-text: {"text": ..., "text_pair": ...} of every row, in row order."""
-    if not config.save_text:
-        return None
-    columns = {"text": settings.text_column, "text_pair": settings.text_pair_column}
-    return {key: dataset[column] for key, column in columns.items() if column}
+    """Rank 0: with --save-text, {"text": ..., "text_pair": ...} of every row, in row order; with
+    --slice-by, {"slice": {column: value}} of every row.
+    """
+    out = {}
+    if config.save_text:
+        columns = {"text": settings.text_column, "text_pair": settings.text_pair_column}
+        out.update({key: dataset[column] for key, column in columns.items() if column})
+    if config.options.slice_by:
+        from dist_eval.slices import read_slice_values
+
+        values = read_slice_values(dataset, config.options.slice_by)
+        out["slice"] = [dict(zip(values, row)) for row in zip(*values.values())]
+    return out or None
 
 
 def _write_report(config: EvalConfig, out: str, result, say, texts: Optional[dict] = None) -> None:

@@ -1,0 +1,150 @@
+"""Metrics per slice (--slice-by, issue 39): each slice's metrics equal an evaluate() of the
+slice alone; intervals only from MIN_INTERVAL_ROWS rows; the files, the summary, rescore and
+compare per slice; bad input in one line."""
+import csv
+import json
+import random
+
+import pytest
+from conftest import WORDS
+from inprocess_cli import run_cli_in_process
+
+from dist_eval.slices import MIN_INTERVAL_ROWS
+
+LANGS = ("de", "en", "fr")
+
+
+def write_sliced_csv(path, num_rows: int, seed: int = 0) -> str:
+    """Rows of random words, integer labels and a ``lang`` column (``en`` is most rows)."""
+    r = random.Random(seed)
+    with open(path, "w") as f:
+        f.write("text,label,lang,source\n")
+        for i in range(num_rows):
+            text = " ".join(r.choice(WORDS) for _ in range(r.randint(1, 12)))
+            lang = r.choice(("de", "en", "en", "en", "fr"))
+            f.write(f"{text},{r.choice([0, 0, 1, 1, 2])},{lang},s{i % 2}\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def sliced(tiny_model, tiny_checkpoint, tmp_path_factory):
+    base = tmp_path_factory.mktemp("sliced")
+    data = write_sliced_csv(base / "data.csv", 90)
+    out = base / "out"
+    args = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--data-files", data,
+            "--output-dir", str(out), "--slice-by", "lang", "source", "--bootstrap-resamples", "50",
+            "--save-logits", "--progress", "none", "--batch-size", "1"]  # a row's logits: whatever rows surround it
+    assert run_cli_in_process(args) == 0
+    return base, data, out
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model, tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    from dist_eval import load_model
+
+    return load_model("local", tiny_model, checkpoint=tiny_checkpoint), AutoTokenizer.from_pretrained(tiny_model)
+
+
+def _evaluate(loaded, dataset, **keywords):
+    from dist_eval import evaluate
+
+    model, tokenizer = loaded
+    return evaluate(model, dataset, tokenizer=tokenizer, return_logits=True, bootstrap_resamples=50, batch_size=1,
+                    **keywords)
+
+
+def test_each_slice_equals_evaluating_the_slice_alone(sliced, loaded):
+    import datasets
+
+    _, data, out = sliced
+    metrics = json.load(open(out / "metrics.json"))
+    slices = metrics["slices"]
+    assert slices["columns"] == ["lang", "source"] and slices["rows"] == 90
+    assert sorted(slices["by"]["lang"]) == list(LANGS) and sorted(slices["by"]["source"]) == ["s0", "s1"]
+    assert sum(s["num_samples"] for s in slices["by"]["lang"].values()) == 90
+    whole = datasets.load_dataset("csv", data_files=data, split="train")
+    for column, by_value in slices["by"].items():
+        for value, got in by_value.items():
+            rows = [i for i, cell in enumerate(whole[column]) if cell == value]
+            alone = _evaluate(loaded, whole.select(rows)).metrics
+            has_interval = got["num_samples"] >= MIN_INTERVAL_ROWS
+            skipped = {"run", "num_truncated"} | (set() if has_interval else {"confidence_intervals"})
+            for key, expected in alone.items():
+                if key not in skipped:
+                    assert json.dumps(got.get(key)) == json.dumps(expected), (column, value, key)
+            assert ("confidence_intervals" in got) == has_interval, (column, value)
+            assert ("interval_note" in got) == (not has_interval)
+
+
+def test_the_files_and_the_summary(sliced, capsys):
+    _, _, out = sliced
+    metrics = json.load(open(out / "metrics.json"))
+    rows = list(csv.DictReader(open(out / "slices.csv")))
+    assert [(r["column"], r["value"]) for r in rows][:1] and len(rows) == 5
+    accuracies = [float(r["accuracy"]) for r in rows]
+    assert accuracies == sorted(accuracies)  # the worst first
+    for r in rows:
+        got = metrics["slices"]["by"][r["column"]][r["value"]]
+        assert float(r["accuracy"]) == got["accuracy"] and int(r["rows"]) == got["num_samples"]
+        assert (r["accuracy_low"] == "") == ("confidence_intervals" not in got)
+    predictions = [json.loads(line) for line in open(out / "predictions.jsonl")]
+    assert all(set(p["slice"]) == {"lang", "source"} for p in predictions)
+    from dist_eval.output.summary import format_summary
+
+    summary = format_summary(metrics)
+    assert "slices by lang, source (5, over 90 rows), lowest accuracy first:" in summary
+    assert "too few rows for an interval" in summary or all(int(r["rows"]) >= MIN_INTERVAL_ROWS for r in rows)
+
+
+def test_rescore_recomputes_every_slice(sliced, capsys):
+    from dist_eval import rescore
+
+    _, _, out = sliced
+    assert rescore.main([str(out)]) == 0
+    metrics = json.load(open(out / "metrics.json"))
+    first = sorted(metrics["slices"]["by"]["lang"])[0]
+    metrics["slices"]["by"]["lang"][first]["accuracy"] += 0.5
+    broken = out.parent / "broken"
+    broken.mkdir()
+    (broken / "metrics.json").write_text(json.dumps(metrics))
+    (broken / "predictions.jsonl").write_text((out / "predictions.jsonl").read_text())
+    assert rescore.main([str(broken)]) == 1
+    assert "slices" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--slice-by", "country"], "--slice-by country: no column 'country' in the data"),
+    (["--slice-by", "text"], "distinct values, more than 100 slices"),
+])
+def test_bad_slice_columns_in_one_line(tiny_model, tiny_checkpoint, tmp_path, capsys, flags, words):
+    data = write_sliced_csv(tmp_path / "data.csv", 120)
+    args = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--data-files", data,
+            "--output-dir", str(tmp_path / "out"), "--progress", "none", *flags]
+    assert run_cli_in_process(args) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and words in err[0], err
+
+
+def test_a_slice_of_one_row_is_said_in_one_line(tiny_model, tiny_checkpoint, tmp_path, capsys):
+    data = write_sliced_csv(tmp_path / "data.csv", 20)
+    with open(data, "a") as f:
+        f.write("w1 w2,0,xx,s0\n")
+    args = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--data-files", data,
+            "--output-dir", str(tmp_path / "out"), "--progress", "none", "--slice-by", "lang"]
+    assert run_cli_in_process(args) == 0
+    captured = capsys.readouterr()
+    said = [line for line in captured.err.splitlines() if "single row" in line]
+    assert len(said) == 1 and "--slice-by: 1 slice(s) of a single row (lang=xx)" in said[0], captured.err
+    assert "lang=xx: accuracy" in captured.out and "over 21 rows" in captured.out
+
+
+def test_a_sampled_run_says_its_slices_are_over_the_rows_used(tiny_model, tiny_checkpoint, tmp_path, capsys):
+    data = write_sliced_csv(tmp_path / "data.csv", 40)
+    args = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--data-files", data,
+            "--output-dir", str(tmp_path / "out"), "--progress", "none", "--slice-by", "source", "--limit", "25"]
+    assert run_cli_in_process(args) == 0
+    assert "slices by source (2, over the 25 rows of a random sample of 40)" in capsys.readouterr().out
+    metrics = json.load(open(tmp_path / "out" / "metrics.json"))
+    assert sum(s["num_samples"] for s in metrics["slices"]["by"]["source"].values()) == 25
