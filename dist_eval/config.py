@@ -239,16 +239,18 @@ class Settings:
 
 
 _SLICE_BY = (
-    "Every metric (and its interval) also per value of each of these columns of the data: metrics.json's "
-    "slices, slices.csv, the worst slices in the summary. Read from the rows already evaluated (no new run)."
+    "Every metric (and its interval) also per value of each of these columns of the data, and per quartile "
+    "of the rows' token length (the flag alone: those only): metrics.json's slices, slices.csv, the worst "
+    "slices in the summary. From the rows already evaluated (no new forward pass)."
 )
 
 
 def _slice_columns(value) -> Tuple[str, ...]:
     """``slice_by`` as a tuple of distinct column names."""
     columns = [value] if isinstance(value, str) else list(value)
-    if not columns or not all(isinstance(c, str) and c for c in columns) or len(set(columns)) != len(columns):
-        raise UsageError("expected one or more distinct column names.", param="slice_by", value=value)
+    if not all(isinstance(c, str) and c for c in columns) or len(set(columns)) != len(columns):
+        raise UsageError("expected distinct column names (none: the token-length quartiles only).",
+                         param="slice_by", value=value)
     return tuple(columns)
 
 
@@ -268,7 +270,7 @@ class Options:
     bootstrap_seed: int = setting(0, "Seed of the bootstrap: the same seed gives the same intervals.")
     top_k: Optional[int] = setting(None, "The k of the top-k accuracy (top{K}_accuracy in metrics.json); "
                                          "default: 2 with more than 2 classes, none with 2.")
-    slice_by: Optional[Tuple[str, ...]] = setting(None, _SLICE_BY, nargs="+")
+    slice_by: Optional[Tuple[str, ...]] = setting(None, _SLICE_BY, nargs="*")
 
     def __post_init__(self) -> None:
         if self.slice_by is not None:

@@ -45,6 +45,9 @@ class EvalResult:
 
     metrics: dict
     predictions: Optional[MergedResults]
+    # with slice_by, on rank 0: {column: each row's slice name, by row index} (the token-length
+    # quartiles under TOKEN_LENGTH_SLICES); what predictions.jsonl's ``slice`` holds
+    slices: Optional[dict] = None
 
 
 @dataclass
@@ -149,7 +152,7 @@ def evaluate(
     """
     settings, options = settings_from(settings_keywords, settings, options)
     slices = slice_values(data, settings, options)  # checked before any work, on every rank
-    keep_logits = return_logits or bool(slices)  # a slice's probability scores need them
+    keep_logits = return_logits or options.slice_by is not None  # a slice's probability scores need them
     if settings.stops_early:
         result = _evaluate_in_rounds(
             [model], data, tokenizer=tokenizer, num_labels=num_labels, label_names=label_names,
@@ -162,11 +165,19 @@ def evaluate(
                                pad_token_id=pad_token_id, return_logits=keep_logits, metrics=metrics,
                                sample_metrics=sample_metrics, on_batch_done=on_batch_done,
                                resume_folder=resume_folder, settings=settings, options=options)
-    if slices:
-        result = with_slices(result, slices, options, rows_in_set=len(data))
+    if options.slice_by is not None:
+        result = with_slices(result, slices, options, rows_in_set=len(data),
+                             lengths=(tokenizer, settings, sampled_rows(data, settings)))
         if not return_logits and result.predictions is not None:
-            result = EvalResult(metrics=result.metrics, predictions=_without_logits(result.predictions))
+            result.predictions = _without_logits(result.predictions)
     return result
+
+
+def sampled_rows(data, settings: Settings):
+    """The rows evaluate() evaluates of a Dataset: its ``limit`` sample."""
+    columns = TaskColumns.of(settings)
+    check_columns(data, columns)
+    return sample_rows(data, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
 
 
 def slice_values(data, settings: Settings, options: Options) -> dict:
@@ -177,15 +188,12 @@ def slice_values(data, settings: Settings, options: Options) -> dict:
 
     from dist_eval.slices import one_row_slices, read_slice_values
 
-    if not options.slice_by:
+    if options.slice_by is None:
         return {}
     if not isinstance(data, datasets.Dataset):
         raise UsageError(f"slices need a datasets.Dataset (its columns), not {type(data).__name__}.",
                          param="slice_by", value=list(options.slice_by))
-    columns = TaskColumns.of(settings)
-    check_columns(data, columns)
-    values = read_slice_values(sample_rows(data, settings.limit, settings.limit_seed,
-                                           [name for _, name in columns.named()]), options.slice_by)
+    values = read_slice_values(sampled_rows(data, settings), options.slice_by)
     single = one_row_slices(values)
     if single and ranks.is_main_process():
         warn(f"--slice-by: {len(single)} slice(s) of a single row ({', '.join(single[:5])}"
@@ -193,14 +201,18 @@ def slice_values(data, settings: Settings, options: Options) -> dict:
     return values
 
 
-def with_slices(result: EvalResult, values: dict, options: Options, rows_in_set: int) -> EvalResult:
+def with_slices(result: EvalResult, values: dict, options: Options, rows_in_set: int, lengths=None) -> EvalResult:
     """``result`` with ``metrics["slices"]`` (:func:`dist_eval.slices.slice_report`), computed
-    on rank 0 from its merged rows and sent to every rank.
+    on rank 0 from its merged rows and sent to every rank, and ``slices`` (each row's, rank 0).
+    ``lengths``: (tokenizer, settings, the rows evaluated) for the token-length quartiles.
     """
-    from dist_eval.slices import slice_report
+    from dist_eval.slices import TOKEN_LENGTH_SLICES, length_quartiles, slice_report
 
     report = None
     if ranks.is_main_process():
+        if lengths is not None and lengths[0] is not None:
+            values = {**values, TOKEN_LENGTH_SLICES: length_quartiles(*lengths)}
+        result.slices = values
         metrics = result.metrics
         report = slice_report(result.predictions, values, metrics["num_labels"], metrics.get("label_names"),
                               ((options.bootstrap_resamples, options.bootstrap_seed), metrics.get("top_k")),

@@ -342,16 +342,18 @@ def _report_pair(session: _Session, pair: Pair, result, where: tuple, dataset, s
 
     out, folder, key = where
     options = session.config.options
-    if options.slice_by and "slices" not in result.metrics:  # two checkpoints stopping early: their rows used
+    if options.slice_by is not None and "slices" not in result.metrics:  # two checkpoints stopping early
         from dist_eval.evaluation import slice_values, with_slices
 
-        result = with_slices(result, slice_values(dataset, session.job.settings, options), options, len(dataset))
+        settings = session.job.settings
+        result = with_slices(result, slice_values(dataset, settings, options), options, len(dataset),
+                             (session.tokenizer, settings, dataset))
     facts = _run_facts(session, pair, pair_started)
     result.metrics["run"].update(facts, run_key=key, sample=sample)
     with ranks.phase("writing the report"):
         if ranks.is_main_process():
             _write_report(session.config, out, result, session.say,
-                          _texts(session.config, session.job.settings, dataset))
+                          _texts(session.config, session.job.settings, dataset, getattr(result, "slices", None)))
     if not ranks.is_main_process():
         return None
     if folder is not None:
@@ -543,7 +545,7 @@ def _versions() -> dict:
     return out
 
 
-def _texts(config: EvalConfig, settings: Settings, dataset) -> Optional[dict]:
+def _texts(config: EvalConfig, settings: Settings, dataset, slices: Optional[dict] = None) -> Optional[dict]:
     """Rank 0: with --save-text, {"text": ..., "text_pair": ...} of every row, in row order; with
     --slice-by, {"slice": {column: value}} of every row.
     """
@@ -551,11 +553,8 @@ def _texts(config: EvalConfig, settings: Settings, dataset) -> Optional[dict]:
     if config.save_text:
         columns = {"text": settings.text_column, "text_pair": settings.text_pair_column}
         out.update({key: dataset[column] for key, column in columns.items() if column})
-    if config.options.slice_by:
-        from dist_eval.slices import read_slice_values
-
-        values = read_slice_values(dataset, config.options.slice_by)
-        out["slice"] = [dict(zip(values, row)) for row in zip(*values.values())]
+    if slices:  # each row's slices (evaluate()'s EvalResult.slices)
+        out["slice"] = [dict(zip(slices, row)) for row in zip(*slices.values())]
     return out or None
 
 

@@ -20,6 +20,8 @@ from dist_eval.errors import UsageError
 MIN_INTERVAL_ROWS = 30
 # More distinct values than this in a --slice-by column: a text or id column by mistake.
 MAX_SLICE_VALUES = 100
+# The slices of the rows by their token count's quartile, whatever the columns (--slice-by).
+TOKEN_LENGTH_SLICES = "token_length_quartile"
 # The summary's lines of slices: the worst first.
 SUMMARY_SLICES = 5
 TOO_FEW = f"too few rows for an interval (fewer than {MIN_INTERVAL_ROWS})"
@@ -50,6 +52,28 @@ def read_slice_values(dataset, slice_by: Optional[Sequence[str]]) -> Dict[str, L
                              param="slice_by", value=list(slice_by))
         out[column] = values
     return out
+
+
+def length_quartiles(tokenizer, settings, dataset) -> List[str]:
+    """Each row's token-length quartile, named with its range: ``Q1 (3-7 tokens)`` (the text
+    as the model gets it: the template filled in, truncated to ``max_length``). Quartile edges
+    of the rows' lengths (lower values); tied lengths share a quartile, so there may be fewer.
+    """
+    from dist_eval.data.labels import TaskColumns
+    from dist_eval.data.tokenize import tokenize_rows
+
+    ids, _ = tokenize_rows(tokenizer, dataset, np.arange(len(dataset)), TaskColumns.of(settings),
+                           settings.max_length, -1)
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    if not lengths.size:
+        return []
+    edges = np.quantile(lengths, [0.25, 0.5, 0.75], method="lower")
+    quartile = np.searchsorted(edges, lengths, side="left")  # <= edges[0]: Q1, ...
+    names = {}
+    for q in np.unique(quartile).tolist():
+        inside = lengths[quartile == q]
+        names[q] = f"Q{q + 1} ({inside.min()}-{inside.max()} tokens)"
+    return [names[q] for q in quartile.tolist()]
 
 
 def one_row_slices(values: Dict[str, List[str]]) -> List[str]:
