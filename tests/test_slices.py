@@ -174,3 +174,23 @@ def test_a_swarm_run_on_two_ranks_gives_the_same_slices(sliced, tiny_swarm, tiny
     assert swarm["run"]["backend"] == "petals" and swarm["run"]["world_size"] == 2
     assert json.dumps(swarm["slices"]) == json.dumps(single["slices"])
     assert (out / "slices.csv").read_text() == (local / "slices.csv").read_text()
+
+
+def test_slices_of_several_sets_and_of_a_run_that_stops_early(tiny_model, tiny_checkpoint, tmp_path, capsys):
+    """Each pair's slices are of its own rows; a run that stops early: of the rows used (said)."""
+    first, second = (write_sliced_csv(tmp_path / f"{name}.csv", rows, seed) for name, rows, seed in
+                     (("a", 60, 1), ("b", 90, 2)))
+    args = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--data-files",
+            f"a={first}", f"b={second}", "--output-dir", str(tmp_path / "out"), "--progress", "none",
+            "--slice-by", "lang", "--stop-at-width", "0.9", "--stop-round-rows", "20", "--bootstrap-resamples", "20"]
+    assert run_cli_in_process(args) == 0
+    said = capsys.readouterr().out
+    for name, rows in (("a", 60), ("b", 90)):
+        metrics = json.load(open(tmp_path / "out" / name / "metrics.json"))
+        used = metrics["stopping"]["rows_used"]
+        assert used < rows and metrics["slices"]["rows"] == used and metrics["slices"]["rows_in_set"] == rows
+        assert sum(s["num_samples"] for s in metrics["slices"]["by"]["lang"].values()) == used
+        assert f"slices by lang, token_length_quartile ({len(metrics['slices']['by']['lang']) + 4}, over the " \
+               f"{used} rows used of {rows})" in said or f"over the {used} rows used of {rows})" in said
+        predictions = [json.loads(line) for line in open(tmp_path / "out" / name / "predictions.jsonl")]
+        assert len(predictions) == used and all("lang" in p["slice"] for p in predictions)
