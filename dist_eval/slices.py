@@ -182,3 +182,51 @@ def slices_csv(metrics: dict) -> str:
 
 def _cell(value) -> str:
     return "" if value is None else repr(float(value))
+
+
+# compare's per-slice test: a slice differs when its Holm-adjusted McNemar p-value is below this
+COMPARE_ALPHA = 0.05
+
+
+def compare_slices(cells: list, correct_a: np.ndarray, correct_b: np.ndarray, alpha: float = COMPARE_ALPHA) -> dict:
+    """Two runs per slice, paired on the shared rows: for every slice (``cells``: each row's
+    ``{column: value}``), each run's accuracy, B - A, McNemar's exact p-value and Holm's
+    adjustment of it over every slice compared; ``differs`` when the adjusted p is below
+    ``alpha``. Slices in the order of :func:`slices_of` columns (column, then value).
+    """
+    from dist_eval.paired import holm_adjusted, mcnemar_exact
+
+    columns = list(cells[0]) if cells else []
+    out = []
+    for column in columns:
+        names = np.array([slice_value(cell.get(column)) for cell in cells], dtype=object).astype(str)
+        for name in sorted(set(names.tolist())):
+            mask = names == name
+            test = mcnemar_exact(correct_a[mask], correct_b[mask])
+            acc_a, acc_b = float(correct_a[mask].mean()), float(correct_b[mask].mean())
+            out.append({"column": column, "value": name, "rows": int(mask.sum()), "accuracy_a": acc_a,
+                        "accuracy_b": acc_b, "difference": acc_b - acc_a, "a_only": test["a_only"],
+                        "b_only": test["b_only"], "pvalue": test["pvalue"]})
+    for row, adjusted in zip(out, holm_adjusted([row["pvalue"] for row in out])):
+        row["pvalue_holm"] = adjusted
+        row["differs"] = adjusted < alpha
+    return {"test": "McNemar exact, per slice", "adjustment": "holm", "alpha": alpha, "slices": out}
+
+
+def format_compared_slices(compared: Optional[dict]) -> List[str]:
+    """The lines ``python -m dist_eval.compare`` prints per slice: a table, then the slices that differ."""
+    if not compared or not compared["slices"]:
+        return []
+    rows = compared["slices"]
+    names = [f"{r['column']}={r['value']}" for r in rows]
+    width = max(5, *map(len, names))
+    lines = [f"per slice (paired, McNemar's exact test; p adjusted by Holm for the {len(rows)} slices compared):",
+             f"  {'slice':<{width}} {'rows':>6} {'A acc':>8} {'B acc':>8} {'B-A':>9} {'p':>8} {'p (Holm)':>9}"]
+    for name, r in zip(names, rows):
+        lines.append(f"  {name:<{width}} {r['rows']:6d} {r['accuracy_a']:8.4f} {r['accuracy_b']:8.4f} "
+                     f"{r['difference']:+9.4f} {r['pvalue']:8.4g} {r['pvalue_holm']:9.4g}"
+                     + ("  differs" if r["differs"] else ""))
+    differ = [f"{name} ({'B' if r['difference'] > 0 else 'A'} better)" for name, r in zip(names, rows) if r["differs"]]
+    lines.append(f"  slices that differ (Holm-adjusted p < {compared['alpha']:g}): {', '.join(differ)}" if differ
+                 else f"  no slice differs (every Holm-adjusted p >= {compared['alpha']:g})")
+    return lines

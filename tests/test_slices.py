@@ -194,3 +194,45 @@ def test_slices_of_several_sets_and_of_a_run_that_stops_early(tiny_model, tiny_c
                f"{used} rows used of {rows})" in said or f"over the {used} rows used of {rows})" in said
         predictions = [json.loads(line) for line in open(tmp_path / "out" / name / "predictions.jsonl")]
         assert len(predictions) == used and all("lang" in p["slice"] for p in predictions)
+
+
+def test_holm_adjustment_by_hand():
+    from dist_eval.paired import holm_adjusted
+
+    # sorted 0.005, 0.01, 0.03, 0.04 -> x4, x3, x2, x1 = 0.02, 0.03, 0.06, 0.04 -> running max
+    assert holm_adjusted([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm_adjusted([0.5, 0.9]) == [1.0, 1.0] and holm_adjusted([]) == []
+
+
+def test_compare_per_slice_with_holm(sliced, capsys):
+    """B = A with every lang=en row made right: of the lang slices only en differs after Holm's
+    adjustment (the other columns' slices hold en rows: they may differ too)."""
+    from dist_eval import compare
+
+    base, _, out = sliced
+    other = base / "better_en"
+    other.mkdir(exist_ok=True)
+    (other / "metrics.json").write_text((out / "metrics.json").read_text())
+    rows = [json.loads(line) for line in open(out / "predictions.jsonl")]
+    for row in rows:
+        if row["slice"]["lang"] == "en":
+            row["pred"] = row["label"]
+    (other / "predictions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert compare.main([str(out), str(other), "--json", str(base / "paired.json"), "--max-rows", "0"]) == 0
+    said = capsys.readouterr().out
+    assert "p adjusted by Holm for the 9 slices compared" in said
+    assert "slices that differ (Holm-adjusted p < 0.05): lang=en (B better)" in said
+    compared = json.load(open(base / "paired.json"))["slices"]
+    assert compared["adjustment"] == "holm" and len(compared["slices"]) == 9
+    by_name = {(r["column"], r["value"]): r for r in compared["slices"]}
+    en = by_name[("lang", "en")]
+    assert en["a_only"] == 0 and en["b_only"] == en["rows"] - round(en["accuracy_a"] * en["rows"])
+    assert en["pvalue_holm"] == pytest.approx(min(1.0, 9 * en["pvalue"]))  # the smallest p: times 9
+    assert [key for key, r in by_name.items() if r["differs"] and key[0] == "lang"] == [("lang", "en")]
+    assert all(r["pvalue"] == 1.0 for key, r in by_name.items() if key[0] == "lang" and key[1] != "en")
+    # a run over other data: refused in one line
+    for row in rows:
+        row["slice"]["lang"] = "zz"
+    (other / "predictions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert compare.main([str(out), str(other)]) == 2
+    assert "the slices of row 0 differ" in capsys.readouterr().err
