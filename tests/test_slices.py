@@ -93,6 +93,8 @@ def test_the_files_and_the_summary(sliced, capsys):
         got = metrics["slices"]["by"][r["column"]][r["value"]]
         assert float(r["accuracy"]) == got["accuracy"] and int(r["rows"]) == got["num_samples"]
         assert (r["accuracy_low"] == "") == ("confidence_intervals" not in got)
+    page = (out / "report.html").read_text()
+    assert "<h2>Slices</h2>" in page and page.count("<svg ") == 9 and "too few rows for an interval" in page
     predictions = [json.loads(line) for line in open(out / "predictions.jsonl")]
     assert all(set(p["slice"]) == {"lang", "source", "token_length_quartile"} for p in predictions)
     from dist_eval.output.summary import format_summary

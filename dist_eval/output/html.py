@@ -125,6 +125,43 @@ def _per_class_table(metrics: dict) -> str:
     return _table(("class", "label", "precision", "recall", "F1", "support", "predicted"), rows)
 
 
+def _slices_section(metrics: dict) -> str:
+    """Every slice (--slice-by), lowest accuracy first: a table whose last column plots its
+    accuracy and 95% interval on [0, 1] (inline SVG), the whole set's accuracy dashed.
+    """
+    from dist_eval.slices import slices_of
+
+    report = metrics.get("slices")
+    if not report:
+        return ""
+    rows = []
+    for column, name, values in slices_of(report):
+        ci = _interval(values, "accuracy")
+        ci_cell = f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else _e(values.get("interval_note", ""))
+        loss = f"{values['loss']:.4f}" if values.get("loss") is not None else ""
+        rows.append(f'<tr><td>{_e(column)}</td><td>{_e(name)}</td><td class="num">{values["num_samples"]}</td>'
+                    f'<td class="num">{values["accuracy"]:.4f}</td><td class="num">{ci_cell}</td>'
+                    f'<td class="num">{values["f1_macro"]:.4f}</td><td class="num">{loss}</td>'
+                    f"<td>{_interval_svg(values['accuracy'], ci, metrics['accuracy'])}</td></tr>")
+    over = f"{report['rows']} rows" + (f" used of {report['rows_in_set']}" if report["rows"] != report["rows_in_set"]
+                                      else "")
+    note = (f"Slices by {_e(', '.join(report['columns']))}, over {over}; each slice's metrics are those of its rows "
+            f"alone. No interval below {report['min_rows_for_interval']} rows. The plot: accuracy (dot) and its 95% "
+            "interval (line) on [0, 1]; dashed: the whole set. Every metric of each slice: metrics.json, slices.csv.")
+    table = _table(("column", "value", "rows", "accuracy", "95% CI", "macro F1", "loss", "accuracy on [0, 1]"), rows)
+    return f"<h2>Slices</h2>{table}<div class=\"note\">{note}</div>"
+
+
+def _interval_svg(value: float, interval: Optional[list], whole: float, width: int = 220) -> str:
+    """A one-row forest plot: the interval as a line, the value as a dot, ``whole`` dashed."""
+    x = [round(4 + (width - 8) * min(1.0, max(0.0, v)), 1) for v in (value, whole, *(interval or ()))]
+    line = f'<line x1="{x[2]}" x2="{x[3]}" y1="8" y2="8" stroke="#4c8ed9" stroke-width="3"/>' if interval else ""
+    return (f'<svg width="{width}" height="16" role="img" aria-label="accuracy {value:.4f}">'
+            f'<line x1="4" x2="{width - 4}" y1="8" y2="8" stroke="#d0d7de"/>'
+            f'<line x1="{x[1]}" x2="{x[1]}" y1="1" y2="15" stroke="#8c959f" stroke-dasharray="2,2"/>{line}'
+            f'<circle cx="{x[0]}" cy="8" r="4" fill="{"#1f2328" if interval else "#fff"}" stroke="#1f2328"/></svg>')
+
+
 def _confusion_table(metrics: dict) -> str:
     names = class_names(metrics)
     header = ["true \\ predicted", *names]
@@ -219,6 +256,7 @@ def render_html(
     else:
         figure = _confusion_table(metrics) + '<div class="note">No figure: matplotlib is not installed.</div>'
     beside = "metrics.json, predictions.jsonl, per_class.csv, per_class.md" + (
+        ", slices.csv" if metrics.get("slices") else "") + (
         ", confusion_matrix.png" if confusion_png else ""
     ) + (", reliability_diagram.png" if reliability_png else "")
     return f"""<!DOCTYPE html>
@@ -235,6 +273,7 @@ def render_html(
 <h2>Confusion matrix</h2>
 <div class="note">Rows: true class; columns: predicted class.</div>
 {figure}
+{_slices_section(metrics)}
 {_calibration(reliability_png)}
 <h2>Run</h2>
 {_run_facts(metrics)}
