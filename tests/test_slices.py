@@ -238,3 +238,30 @@ def test_compare_per_slice_with_holm(sliced, capsys):
     (other / "predictions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert compare.main([str(out), str(other)]) == 2
     assert "the slices of row 0 differ" in capsys.readouterr().err
+
+
+def test_two_checkpoints_stopping_when_decided_then_compared_per_slice(tiny_model, tiny_checkpoint, tmp_path,
+                                                                      capsys):
+    """--stop-when-decided's two reports have the slices of the rows both used; compare pairs
+    them per slice on those rows."""
+    from conftest import build_checkpoint
+
+    from dist_eval import compare
+
+    other = build_checkpoint(str(tmp_path / "other.pt"), seed=7)
+    data = write_sliced_csv(tmp_path / "data.csv", 80, seed=3)
+    args = ["--model", tiny_model, "--checkpoint", f"A={tiny_checkpoint}", "--checkpoint", f"B={other}",
+            "--backend", "local", "--data-files", data, "--output-dir", str(tmp_path / "out"), "--progress", "none",
+            "--slice-by", "lang", "--stop-when-decided", "--stop-round-rows", "40", "--bootstrap-resamples", "0"]
+    assert run_cli_in_process(args) == 0
+    reports = [json.load(open(tmp_path / "out" / name / "metrics.json")) for name in "AB"]
+    used = reports[0]["stopping"]["rows_used"]
+    for metrics in reports:
+        assert metrics["slices"]["rows"] == used and metrics["slices"]["rows_in_set"] == 80
+        assert sum(s["num_samples"] for s in metrics["slices"]["by"]["lang"].values()) == used
+        assert all("confidence_intervals" not in s for s in metrics["slices"]["by"]["lang"].values())
+    capsys.readouterr()
+    assert compare.main([str(tmp_path / "out" / "A"), str(tmp_path / "out" / "B"), "--max-rows", "0"]) == 0
+    said = capsys.readouterr().out
+    assert "per slice (paired, McNemar's exact test; p adjusted by Holm for the" in said
+    assert f"paired test on the {used} shared rows" in said
