@@ -3,7 +3,8 @@
 Prints the main metrics of both runs with B - A (and their confidence intervals when
 the runs have them), a paired test on the shared rows (McNemar's exact test of the
 accuracies; paired bootstrap intervals of B - A in accuracy, macro-F1 and loss; also
-written to ``--json PATH``), then the rows whose prediction changed (index, label,
+written to ``--json PATH``), per slice when both runs have ``--slice-by``'s (McNemar's test of each
+slice, its p-value adjusted by Holm for the number of slices), then the rows whose prediction changed (index, label,
 pred A, pred B), up to ``--max-rows``. Exit 0; exit 2 with one error line when a folder is not
 a finished run or the runs are over different data.
 """
@@ -34,6 +35,7 @@ class RunOutputs:
     labels: np.ndarray
     preds: np.ndarray
     losses: Optional[np.ndarray] = None  # each row's loss (runs before issue 14 have none)
+    slices: Optional[list] = None  # each row's {column: value} (runs with --slice-by)
 
 
 def load_run(folder: str) -> RunOutputs:
@@ -56,6 +58,7 @@ def load_run(folder: str) -> RunOutputs:
         labels = np.array([r["label"] for r in rows], dtype=np.int64)
         preds = np.array([r["pred"] for r in rows], dtype=np.int64)
         losses = np.array([r["loss"] for r in rows], dtype=np.float64) if all("loss" in r for r in rows) else None
+        slices = [r["slice"] for r in rows] if rows and all("slice" in r for r in rows) else None
         num_samples = int(metrics["num_samples"])
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(
@@ -66,7 +69,7 @@ def load_run(folder: str) -> RunOutputs:
             f"{folder}: predictions.jsonl has {len(rows)} rows but metrics.json counts {num_samples} samples "
             "(a partial or edited output). Re-run the evaluation."
         )
-    return RunOutputs(folder, metrics, indices, labels, preds, losses)
+    return RunOutputs(folder, metrics, indices, labels, preds, losses, slices)
 
 
 @dataclass
@@ -98,7 +101,28 @@ def paired_test(a: RunOutputs, b: RunOutputs, resamples: int = 1000, seed: int =
     if boot is not None and not with_loss:
         del boot["loss"]
     out["bootstrap"] = boot
+    cells = _shared_slices(a, b)
+    if cells:
+        from dist_eval.slices import compare_slices
+
+        out["slices"] = compare_slices(cells, a.preds == a.labels, b.preds == b.labels)
     return out
+
+
+def _shared_slices(a: RunOutputs, b: RunOutputs) -> Optional[list]:
+    """Each shared row's slices, {column: value}, over the columns both runs sliced by (and
+    where the two agree on every row: else the runs' data differ there, and it is refused).
+    """
+    if not a.slices or not b.slices:
+        return None
+    columns = [column for column in a.slices[0] if column in b.slices[0]]
+    cells = [{column: cell[column] for column in columns} for cell in a.slices]
+    other = [{column: cell[column] for column in columns} for cell in b.slices]
+    if cells != other:
+        first = next(i for i, (x, y) in enumerate(zip(cells, other)) if x != y)
+        raise UsageError(f"{a.folder} and {b.folder}: the slices of row {first} differ ({cells[first]} vs "
+                         f"{other[first]}): the runs are over different data. Compare two runs of the same split.")
+    return cells if columns else None
 
 
 def compare_runs(a: RunOutputs, b: RunOutputs, resamples: int = 1000, seed: int = 0) -> Comparison:
@@ -148,7 +172,9 @@ def format_paired(paired: Optional[dict]) -> List[str]:
         if boot["resamples"]:
             lines.append(f"  (paired bootstrap: {boot['resamples']} resamples, seed {boot['seed']}, "
                          "the same rows for A and B)")
-    return lines
+    from dist_eval.slices import format_compared_slices
+
+    return lines + format_compared_slices(paired.get("slices"))
 
 
 def _names(metrics: dict) -> Optional[List[str]]:

@@ -245,6 +245,22 @@ class Settings:
         return asdict(self)
 
 
+_SLICE_BY = (
+    "Every metric (and its interval) also per value of each of these columns of the data, and per quartile "
+    "of the rows' token length (the flag alone: those only): metrics.json's slices, slices.csv, the worst "
+    "slices in the summary. From the rows already evaluated (no new forward pass)."
+)
+
+
+def _slice_columns(value) -> Tuple[str, ...]:
+    """``slice_by`` as a tuple of distinct column names."""
+    columns = [value] if isinstance(value, str) else list(value)
+    if not all(isinstance(c, str) and c for c in columns) or len(set(columns)) != len(columns):
+        raise UsageError("expected distinct column names (none: the token-length quartiles only).",
+                         param="slice_by", value=value)
+    return tuple(columns)
+
+
 @dataclass(frozen=True)
 class Options:
     """What changes no result: throughput, saving partial results, the bootstrap."""
@@ -264,8 +280,11 @@ class Options:
     # the row store (dist_eval.rowstore): a row's logits as the run that evaluated it computed them
     row_store: str = setting("auto", _ROW_STORE)
     fresh_rows: bool = setting(False, _FRESH_ROWS)
+    slice_by: Optional[Tuple[str, ...]] = setting(None, _SLICE_BY, nargs="*")
 
     def __post_init__(self) -> None:
+        if self.slice_by is not None:
+            object.__setattr__(self, "slice_by", _slice_columns(self.slice_by))
         check_int("in_flight", self.in_flight, 1)
         if self.top_k is not None:
             check_int("top_k", self.top_k, 1, "a positive integer (the k of top-k accuracy)")

@@ -46,6 +46,9 @@ class EvalResult:
 
     metrics: dict
     predictions: Optional[MergedResults]
+    # with slice_by, on rank 0: {column: each row's slice name, by row index} (the token-length
+    # quartiles under TOKEN_LENGTH_SLICES); what predictions.jsonl's ``slice`` holds
+    slices: Optional[dict] = None
 
 
 @dataclass
@@ -149,17 +152,74 @@ def evaluate(
     ``reliability`` (the per-bin table) and their intervals beside the others.
     """
     settings, options = settings_from(settings_keywords, settings, options)
+    slices = slice_values(data, settings, options)  # checked before any work, on every rank
+    keep_logits = return_logits or options.slice_by is not None  # a slice's probability scores need them
     if settings.stops_early:
-        return _evaluate_in_rounds(
+        result = _evaluate_in_rounds(
             [model], data, tokenizer=tokenizer, num_labels=num_labels, label_names=label_names,
-            pad_token_id=pad_token_id, return_logits=return_logits, metrics=metrics, sample_metrics=sample_metrics,
+            pad_token_id=pad_token_id, return_logits=keep_logits, metrics=metrics, sample_metrics=sample_metrics,
             on_batch_done=on_batch_done, resume_folders=[resume_folder] if resume_folder else None,
             settings=settings, options=options,
         )[0]
-    return evaluate_once(model, data, tokenizer=tokenizer, num_labels=num_labels, label_names=label_names,
-                         pad_token_id=pad_token_id, return_logits=return_logits, metrics=metrics,
-                         sample_metrics=sample_metrics, on_batch_done=on_batch_done, resume_folder=resume_folder,
-                         settings=settings, options=options)
+    else:
+        result = evaluate_once(model, data, tokenizer=tokenizer, num_labels=num_labels, label_names=label_names,
+                               pad_token_id=pad_token_id, return_logits=keep_logits, metrics=metrics,
+                               sample_metrics=sample_metrics, on_batch_done=on_batch_done,
+                               resume_folder=resume_folder, settings=settings, options=options)
+    if options.slice_by is not None:
+        result = with_slices(result, slices, options, rows_in_set=len(data),
+                             lengths=(tokenizer, settings, sampled_rows(data, settings)))
+        if not return_logits and result.predictions is not None:
+            result.predictions = _without_logits(result.predictions)
+    return result
+
+
+def sampled_rows(data, settings: Settings):
+    """The rows evaluate() evaluates of a Dataset: its ``limit`` sample."""
+    columns = TaskColumns.of(settings)
+    check_columns(data, columns)
+    return sample_rows(data, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
+
+
+def slice_values(data, settings: Settings, options: Options) -> dict:
+    """{column: each row's slice name} of the rows evaluate() evaluates (the ``limit`` sample
+    of ``data``), for ``options.slice_by``; {} without it. Bad columns refused in one line.
+    """
+    import datasets
+
+    from dist_eval.slices import one_row_slices, read_slice_values
+
+    if options.slice_by is None:
+        return {}
+    if not isinstance(data, datasets.Dataset):
+        raise UsageError(f"slices need a datasets.Dataset (its columns), not {type(data).__name__}.",
+                         param="slice_by", value=list(options.slice_by))
+    values = read_slice_values(sampled_rows(data, settings), options.slice_by)
+    single = one_row_slices(values)
+    if single and ranks.is_main_process():
+        warn(f"--slice-by: {len(single)} slice(s) of a single row ({', '.join(single[:5])}"
+             f"{', ...' if len(single) > 5 else ''}): their metrics mean little, and they get no interval")
+    return values
+
+
+def with_slices(result: EvalResult, values: dict, options: Options, rows_in_set: int, lengths=None) -> EvalResult:
+    """``result`` with ``metrics["slices"]`` (:func:`dist_eval.slices.slice_report`), computed
+    on rank 0 from its merged rows and sent to every rank, and ``slices`` (each row's, rank 0).
+    ``lengths``: (tokenizer, settings, the rows evaluated) for the token-length quartiles.
+    """
+    from dist_eval.slices import TOKEN_LENGTH_SLICES, length_quartiles, slice_report
+
+    report = None
+    if ranks.is_main_process():
+        if lengths is not None and lengths[0] is not None:
+            values = {**values, TOKEN_LENGTH_SLICES: length_quartiles(*lengths)}
+        result.slices = values
+        metrics = result.metrics
+        report = slice_report(result.predictions, values, metrics["num_labels"], metrics.get("label_names"),
+                              ((options.bootstrap_resamples, options.bootstrap_seed), metrics.get("top_k")),
+                              rows_in_set)
+    result.metrics["slices"] = ranks.broadcast_object(report)
+    return result
 
 
 def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_id, return_logits, metrics,

@@ -13,6 +13,8 @@ the caller matches the shared rows by row id). No processes, no torch.distribute
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from dist_eval.intervals import METHOD, canonical_row_order, resample_counts
@@ -134,3 +136,17 @@ def _paired_resamples(labels, preds_a, preds_b, losses_a, losses_b, num_labels: 
         out["f1_macro"][start:stop] = f1_macro[1] - f1_macro[0]
         out["loss"][start:stop] = counts @ loss_gap / n
     return out
+
+
+def holm_adjusted(pvalues: Sequence[float]) -> list:
+    """Holm's step-down adjustment of m p-values (family-wise error over all m): the i-th
+    smallest becomes max over j <= i of min(1, (m - j + 1) p_(j)), in the input's order. A
+    p-value adjusted below alpha rejects exactly as Holm's procedure at level alpha does.
+    """
+    p = np.asarray(pvalues, dtype=np.float64)
+    m = p.size
+    order = np.argsort(p, kind="stable")
+    scaled = np.minimum(1.0, (m - np.arange(m)) * p[order])
+    adjusted = np.empty(m)
+    adjusted[order] = np.maximum.accumulate(scaled) if m else scaled
+    return adjusted.tolist()

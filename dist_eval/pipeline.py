@@ -341,12 +341,19 @@ def _report_pair(session: _Session, pair: Pair, result, where: tuple, dataset, s
     from dist_eval import resume
 
     out, folder, key = where
+    options = session.config.options
+    if options.slice_by is not None and "slices" not in result.metrics:  # two checkpoints stopping early
+        from dist_eval.evaluation import slice_values, with_slices
+
+        settings = session.job.settings
+        result = with_slices(result, slice_values(dataset, settings, options), options, len(dataset),
+                             (session.tokenizer, settings, dataset))
     facts = _run_facts(session, pair, pair_started)
     result.metrics["run"].update(facts, run_key=key, sample=sample)
     with ranks.phase("writing the report"):
         if ranks.is_main_process():
             _write_report(session.config, out, result, session.say,
-                          _texts(session.config, session.job.settings, dataset))
+                          _texts(session.config, session.job.settings, dataset, getattr(result, "slices", None)))
     if not ranks.is_main_process():
         return None
     if folder is not None:
@@ -538,12 +545,17 @@ def _versions() -> dict:
     return out
 
 
-def _texts(config: EvalConfig, settings: Settings, dataset) -> Optional[dict]:
-    """Rank 0, with --save-text: {"text": ..., "text_pair": ...} of every row, in row order."""
-    if not config.save_text:
-        return None
-    columns = {"text": settings.text_column, "text_pair": settings.text_pair_column}
-    return {key: dataset[column] for key, column in columns.items() if column}
+def _texts(config: EvalConfig, settings: Settings, dataset, slices: Optional[dict] = None) -> Optional[dict]:
+    """Rank 0: with --save-text, {"text": ..., "text_pair": ...} of every row, in row order; with
+    --slice-by, {"slice": {column: value}} of every row.
+    """
+    out = {}
+    if config.save_text:
+        columns = {"text": settings.text_column, "text_pair": settings.text_pair_column}
+        out.update({key: dataset[column] for key, column in columns.items() if column})
+    if slices:  # each row's slices (evaluate()'s EvalResult.slices)
+        out["slice"] = [dict(zip(slices, row)) for row in zip(*slices.values())]
+    return out or None
 
 
 def _write_report(config: EvalConfig, out: str, result, say, texts: Optional[dict] = None) -> None:

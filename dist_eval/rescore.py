@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -53,6 +53,8 @@ def _read(folder: str):
         with open(paths["predictions.jsonl"]) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         columns = {key: [r[key] for r in rows] for key in ("index", "label", "pred", "loss")}
+        if rows and "slice" in rows[0]:
+            columns["slice"] = [r["slice"] for r in rows]
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(
             f"{folder}: not a dist_eval output with per-row losses ({type(e).__name__}: {e}). "
@@ -71,11 +73,49 @@ def rescore(folder: str) -> dict:
         raise UsageError(f"{folder}: predictions.jsonl is not one row per index 0..n-1 (a partial or edited output).")
     intervals = metrics.get("confidence_intervals") or {}
     bootstrap = (intervals["resamples"], intervals["seed"]) if intervals else None
-    return row_metrics(
-        np.array(columns["label"], dtype=np.int64), np.array(columns["pred"], dtype=np.int64),
-        np.array(columns["loss"], dtype=np.float64), logits, int(metrics["num_labels"]),
-        metrics.get("label_names"), bootstrap, metrics.get("top_k"),
-    )
+    rows = MergedRows(np.array(columns["index"], dtype=np.int64), np.array(columns["label"], dtype=np.int64),
+                      np.array(columns["pred"], dtype=np.int64), np.array(columns["loss"], dtype=np.float64), logits)
+    out = row_metrics(rows.labels, rows.preds, rows.losses, logits, int(metrics["num_labels"]),
+                      metrics.get("label_names"), bootstrap, metrics.get("top_k"))
+    if metrics.get("slices") and "slice" in columns:
+        out["slices"] = _slices(metrics, columns["slice"], rows, bootstrap)
+    return out
+
+
+class MergedRows(NamedTuple):
+    """The per-row arrays of predictions.jsonl, as the merge's MergedResults names them."""
+
+    indices: np.ndarray
+    labels: np.ndarray
+    preds: np.ndarray
+    losses: np.ndarray
+    logits: Optional[np.ndarray]
+
+
+def _slices(metrics: dict, cells: list, rows: MergedRows, bootstrap) -> dict:
+    """The run's ``slices``, recomputed from each row's ``slice`` field (:mod:`dist_eval.slices`)."""
+    from dist_eval.slices import slice_report
+
+    stored = metrics["slices"]
+    values = {column: [cell[column] for cell in cells] for column in stored["columns"]}
+    return slice_report(rows, values, int(metrics["num_labels"]), metrics.get("label_names"),
+                        (bootstrap, metrics.get("top_k")), stored["rows_in_set"])
+
+
+def slice_differences(run: Optional[dict], rescored: Optional[dict]) -> list:
+    """``column=value`` of each slice whose rescored metrics differ from the run's (the keys
+    rescore computed: without logits, not the probability scores).
+    """
+    if not rescored:
+        return []
+    out = []
+    for column, by_value in rescored["by"].items():
+        stored_column = ((run or {}).get("by") or {}).get(column) or {}
+        for name, values in by_value.items():
+            if differences(stored_column.get(name) or {}, values):
+                out.append(f"{column}={name}")
+    return out + [f"{column}={name}" for column, by_value in ((run or {}).get("by") or {}).items()
+                  for name in by_value if name not in rescored["by"].get(column, {})]
 
 
 def differences(run: dict, rescored: dict) -> list:
@@ -84,7 +124,12 @@ def differences(run: dict, rescored: dict) -> list:
     if isinstance(rescored.get("confidence_intervals"), dict) and isinstance(run.get("confidence_intervals"), dict):
         stored["confidence_intervals"] = {k: v for k, v in run["confidence_intervals"].items()
                                           if k in rescored["confidence_intervals"]}
-    return [key for key in rescored_keys(run, rescored) if json.dumps(rescored.get(key)) != json.dumps(stored.get(key))]
+    differ = [key for key in rescored_keys(run, rescored)
+              if json.dumps(rescored.get(key)) != json.dumps(stored.get(key))]
+    if "slices" in rescored:
+        slices = slice_differences(run.get("slices"), rescored["slices"])
+        differ += [f"slices ({', '.join(slices)})"] if slices else []
+    return differ
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +166,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"dist_eval.rescore: differs from metrics.json: {', '.join(differ)}", flush=True)
         return 1
     checked = rescored_keys(run, rescored)
-    print(f"dist_eval.rescore: all {len(checked)} recomputed metrics equal metrics.json", flush=True)
+    sliced = (f" (and those of {sum(len(v) for v in rescored['slices']['by'].values())} slices)"
+              if "slices" in rescored else "")
+    print(f"dist_eval.rescore: all {len(checked)} recomputed metrics equal metrics.json{sliced}", flush=True)
     return 0
 
 

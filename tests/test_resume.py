@@ -78,16 +78,24 @@ def test_killed_rank_then_resume_equals_uninterrupted_run(job):
     stored = glob.glob(str(out / "partial" / "*" / "*.npz"))
     assert stored and not glob.glob(str(out / "partial" / "*" / "*.tmp"))
 
-    # the same command again, on 3 ranks this time: the batch plan does not depend on N
-    proc = run_cli([*args, "--output-dir", str(out)], nproc=3)
+    # the same command again, on 3 ranks this time: the batch plan does not depend on N; with
+    # --slice-by (it changes no result, so the stored batches serve: slices of the resumed run)
+    proc = run_cli([*args, "--output-dir", str(out), "--slice-by"], nproc=3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.load(open(out / "metrics.json"))
     resumed = metrics["run"]["resumed_samples"]
     assert 0 < resumed < NUM_ROWS  # only the rows without a stored result ran again
-    assert read_jsonl(out / "predictions.jsonl") == read_jsonl(reference / "predictions.jsonl")  # logits included
+    predictions = read_jsonl(out / "predictions.jsonl")
+    assert [{k: v for k, v in row.items() if k != "slice"} for row in predictions] == read_jsonl(
+        reference / "predictions.jsonl")  # logits included
     ref = json.load(open(reference / "metrics.json"))
-    assert {k: v for k, v in metrics.items() if k != "run"} == {k: v for k, v in ref.items() if k != "run"}
+    assert {k: v for k, v in metrics.items() if k not in ("run", "slices")} == {k: v for k, v in ref.items()
+                                                                                if k != "run"}
     assert not (out / "partial").exists()  # served its purpose, removed
+    from dist_eval import rescore  # the slices of the resumed rows: those the rows give
+
+    assert sum(s["num_samples"] for s in metrics["slices"]["by"]["token_length_quartile"].values()) == NUM_ROWS
+    assert rescore.main([str(out)]) == 0
 
 
 def test_a_run_that_stops_early_resumes_its_sequence_exactly(job):

@@ -102,8 +102,8 @@ def _json_floats(values: list) -> List[str]:
 
 
 def write_report_files(output_dir: str, metrics: dict, warn: Callable[[str], None] = warn) -> List[str]:
-    """per_class.csv, per_class.md, confusion_matrix.png, reliability_diagram.png and
-    report.html; returns their paths.
+    """per_class.csv, per_class.md, slices.csv (with ``slices``), confusion_matrix.png,
+    reliability_diagram.png and report.html; returns their paths.
 
     Without matplotlib the figure is skipped with one ``warn`` line and report.html
     shows the matrix as a table instead.
@@ -121,6 +121,10 @@ def write_report_files(output_dir: str, metrics: dict, warn: Callable[[str], Non
 
     text_file("per_class.csv", per_class_csv(metrics))
     text_file("per_class.md", per_class_markdown(metrics))
+    if metrics.get("slices"):
+        from dist_eval.slices import slices_csv
+
+        text_file("slices.csv", slices_csv(metrics))
     title = f"{metrics['num_samples']} samples, accuracy {metrics['accuracy']:.4f}, macro F1 {metrics['f1_macro']:.4f}"
     try:
         png = confusion_matrix_png(metrics["confusion_matrix"], class_names(metrics), title=title)

@@ -43,6 +43,46 @@ def _title(key: str, titles: dict) -> str:
     return titles[key]
 
 
+def _slice_rows(metrics: dict) -> list:
+    """Every slice (--slice-by), lowest accuracy first: its cells, and a one-row plot of its
+    accuracy and 95% interval on [0, 1] (inline SVG), the whole set's accuracy dashed.
+    """
+    from markupsafe import Markup
+
+    from dist_eval.slices import slices_of
+
+    rows = []
+    for column, name, values in slices_of(metrics.get("slices") or {}):
+        ci = (values.get("confidence_intervals") or {}).get("accuracy")
+        rows.append({
+            "column": column, "name": name, "rows": values["num_samples"], "accuracy": f"{values['accuracy']:.4f}",
+            "ci": f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else values.get("interval_note", ""),
+            "f1": f"{values['f1_macro']:.4f}",
+            "loss": f"{values['loss']:.4f}" if values.get("loss") is not None else "",
+            "plot": Markup(_interval_svg(values["accuracy"], ci, metrics["accuracy"])),  # numbers only
+        })
+    return rows
+
+
+def _slices_note(metrics: dict) -> Optional[dict]:
+    report = metrics.get("slices")
+    if not report:
+        return None
+    used = report["rows"] != report["rows_in_set"]
+    return {"columns": ", ".join(report["columns"]), "rows": report["rows"],
+            "rows_in_set": report["rows_in_set"] if used else None, "min_rows": report["min_rows_for_interval"]}
+
+
+def _interval_svg(value: float, interval: Optional[list], whole: float, width: int = 220) -> str:
+    """A one-row forest plot: the interval as a line, the value as a dot, ``whole`` dashed."""
+    x = [round(4 + (width - 8) * min(1.0, max(0.0, v)), 1) for v in (value, whole, *(interval or ()))]
+    line = f'<line x1="{x[2]}" x2="{x[3]}" y1="8" y2="8" stroke="#4c8ed9" stroke-width="3"/>' if interval else ""
+    return (f'<svg width="{width}" height="16" role="img" aria-label="accuracy {value:.4f}">'
+            f'<line x1="4" x2="{width - 4}" y1="8" y2="8" stroke="#d0d7de"/>'
+            f'<line x1="{x[1]}" x2="{x[1]}" y1="1" y2="15" stroke="#8c959f" stroke-dasharray="2,2"/>{line}'
+            f'<circle cx="{x[0]}" cy="8" r="4" fill="{"#1f2328" if interval else "#fff"}" stroke="#1f2328"/></svg>')
+
+
 def _sample_text(sample: Optional[dict]) -> Optional[str]:
     if not sample or not sample.get("limit"):
         return None
@@ -126,6 +166,7 @@ def render_html(
     ]
     names = class_names(metrics)
     beside = ["metrics.json", "predictions.jsonl", "per_class.csv", "per_class.md"]
+    beside += ["slices.csv"] if metrics.get("slices") else []
     beside += ["confusion_matrix.png"] if confusion_png else []
     beside += ["reliability_diagram.png"] if reliability_png else []
     return _environment().get_template("report.html.j2").render(
@@ -142,5 +183,7 @@ def render_html(
         confusion_png=_base64(confusion_png),
         reliability_png=_base64(reliability_png),
         facts=_run_facts(metrics),
+        slices=_slice_rows(metrics),
+        slices_note=_slices_note(metrics),
         beside=beside,
     )

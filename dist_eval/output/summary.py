@@ -73,6 +73,9 @@ def format_summary(metrics: dict) -> str:
     warning = replicas_warning(run)
     if warning:
         lines.append(warning)
+    from dist_eval.slices import format_slices
+
+    lines += format_slices(metrics)
     if metrics.get("num_truncated"):
         lines.append(f"  {metrics['num_truncated']} text(s) truncated to --max-length")
     per_class = metrics["per_class"]

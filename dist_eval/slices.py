@@ -1,0 +1,232 @@
+"""Metrics per slice of the data (``--slice-by COLUMN ...``, issue 39): a pure post-processing
+of the merged, de-duplicated rows on rank 0.
+
+Each slice (the rows with one value of one column) gets every metric of the whole set,
+computed by the same function (:func:`dist_eval.merge.row_metrics`) on its rows in row-index
+order: so a slice's metrics are those of evaluating the slice on its own, exactly, for any
+number of ranks (the merge is exact). A slice of fewer than :data:`MIN_INTERVAL_ROWS` rows
+gets no bootstrap interval, and says so.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from dist_eval.errors import UsageError
+
+# Below this many rows a slice's bootstrap interval is not reported: a percentile bootstrap of
+# a handful of rows is far narrower than the truth.
+MIN_INTERVAL_ROWS = 30
+# More distinct values than this in a --slice-by column: a text or id column by mistake.
+MAX_SLICE_VALUES = 100
+# The slices of the rows by their token count's quartile, whatever the columns (--slice-by).
+TOKEN_LENGTH_SLICES = "token_length_quartile"
+# The summary's lines of slices: the worst first.
+SUMMARY_SLICES = 5
+TOO_FEW = f"too few rows for an interval (fewer than {MIN_INTERVAL_ROWS})"
+
+
+def slice_value(value) -> str:
+    """A cell as a slice's name: the text of the value (None: "None")."""
+    return value if isinstance(value, str) else str(value)
+
+
+def read_slice_values(dataset, slice_by: Optional[Sequence[str]]) -> Dict[str, List[str]]:
+    """{column: each row's slice name, in row order} of a ``datasets.Dataset``. A missing
+    column, or one of more than MAX_SLICE_VALUES distinct values, is refused in one line.
+    """
+    if not slice_by:
+        return {}
+    names = list(getattr(dataset, "column_names", None) or [])
+    out = {}
+    for column in slice_by:
+        if column not in names:
+            raise UsageError(f"no column {column!r} in the data (its columns: {', '.join(names)}). Pass one of them.",
+                             param="slice_by", value=list(slice_by))
+        values = [slice_value(v) for v in dataset[column]]
+        distinct = len(set(values))
+        if distinct > MAX_SLICE_VALUES:
+            raise UsageError(f"column {column!r} has {distinct} distinct values, more than {MAX_SLICE_VALUES} "
+                             "slices (a text or id column?). Pass a column of categories (a language, a source).",
+                             param="slice_by", value=list(slice_by))
+        out[column] = values
+    return out
+
+
+def length_quartiles(tokenizer, settings, dataset) -> List[str]:
+    """Each row's token-length quartile, named with its range: ``Q1 (3-7 tokens)`` (the text
+    as the model gets it: the template filled in, truncated to ``max_length``). Quartile edges
+    of the rows' lengths (lower values); tied lengths share a quartile, so there may be fewer.
+    """
+    from dist_eval.data.labels import TaskColumns
+    from dist_eval.data.tokenize import tokenize_rows
+
+    ids, _ = tokenize_rows(tokenizer, dataset, np.arange(len(dataset)), TaskColumns.of(settings),
+                           settings.max_length, -1)
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    if not lengths.size:
+        return []
+    edges = np.quantile(lengths, [0.25, 0.5, 0.75], method="lower")
+    quartile = np.searchsorted(edges, lengths, side="left")  # <= edges[0]: Q1, ...
+    names = {}
+    for q in np.unique(quartile).tolist():
+        inside = lengths[quartile == q]
+        names[q] = f"Q{q + 1} ({inside.min()}-{inside.max()} tokens)"
+    return [names[q] for q in quartile.tolist()]
+
+
+def one_row_slices(values: Dict[str, List[str]]) -> List[str]:
+    """``column=value`` of each slice of a single row (its metrics mean nothing)."""
+    out = []
+    for column, column_values in values.items():
+        names, counts = np.unique(np.array(column_values, dtype=object).astype(str), return_counts=True)
+        out += [f"{column}={name}" for name, count in zip(names.tolist(), counts.tolist()) if count == 1]
+    return out
+
+
+def slice_report(merged, values: Dict[str, List[str]], num_labels: int, label_names, scoring,
+                 rows_in_set: Optional[int] = None) -> dict:
+    """Rank 0: ``{"columns", "min_rows_for_interval", "rows", "rows_in_set", "by": {column:
+    {value: metrics}}}`` of the merged rows (``merged.indices`` index ``values``' rows).
+    ``scoring``: (bootstrap (resamples, seed) or None, top_k). A slice's metrics are
+    :func:`dist_eval.merge.row_metrics` of its rows (``confidence_intervals`` only from
+    MIN_INTERVAL_ROWS rows on; else ``interval_note`` says why there is none).
+    """
+    indices = np.asarray(merged.indices, dtype=np.int64)
+    by = {}
+    for column, column_values in values.items():
+        names = np.array(column_values, dtype=object)[indices].astype(str)
+        by[column] = {name: _one_slice(merged, names == name, num_labels, label_names, scoring)
+                      for name in sorted(set(names.tolist()))}
+    return {"columns": list(values), "min_rows_for_interval": MIN_INTERVAL_ROWS, "rows": int(indices.size),
+            "rows_in_set": int(rows_in_set if rows_in_set is not None else indices.size), "by": by}
+
+
+def _one_slice(merged, mask: np.ndarray, num_labels: int, label_names, scoring) -> dict:
+    from dist_eval.merge import row_metrics
+
+    bootstrap, top_k = scoring
+    enough = int(mask.sum()) >= MIN_INTERVAL_ROWS
+    logits = merged.logits[mask] if merged.logits is not None else None
+    report = row_metrics(merged.labels[mask], merged.preds[mask], merged.losses[mask], logits, num_labels,
+                         label_names, bootstrap if enough else None, top_k)
+    if bootstrap and bootstrap[0] and not enough:
+        report["interval_note"] = TOO_FEW
+    return _nulls(report)
+
+
+def _nulls(report: dict) -> dict:
+    """NaN as None (JSON has no NaN): a slice's undefined AUROC, or its loss of no rows."""
+    return {k: None if isinstance(v, float) and np.isnan(v) else v for k, v in report.items()}
+
+
+def slices_of(report: dict) -> list:
+    """Every slice as (column, value, its metrics), the lowest accuracy first (ties by name)."""
+    found = [(column, name, values) for column, by_value in report["by"].items() for name, values in by_value.items()]
+    return sorted(found, key=lambda item: (item[2]["accuracy"], item[0], item[1]))
+
+
+def format_slices(metrics: dict, shown: int = SUMMARY_SLICES) -> List[str]:
+    """The summary's lines: the ``shown`` slices of lowest accuracy, with their intervals."""
+    report = metrics.get("slices")
+    if not report:
+        return []
+    found = slices_of(report)
+    sample = (metrics.get("run") or {}).get("sample") or {}
+    over = f"over {report['rows']} rows"
+    if report["rows"] != report["rows_in_set"]:
+        over = f"over the {report['rows']} rows used of {report['rows_in_set']}"
+    elif sample.get("limit") and sample.get("rows", 0) < sample.get("rows_in_data", 0):
+        over = f"over the {report['rows']} rows of a random sample of {sample['rows_in_data']}"
+    lines = [f"  slices by {', '.join(report['columns'])} ({len(found)}, {over}), lowest accuracy first:"]
+    for column, name, values in found[:shown]:
+        interval = (values.get("confidence_intervals") or {}).get("accuracy")
+        where = f"[{interval[0]:.4f}, {interval[1]:.4f}]" if interval else values.get("interval_note", "")
+        lines.append(f"    {column}={name}: accuracy {values['accuracy']:.4f} {where}, macro F1 "
+                     f"{values['f1_macro']:.4f}, {values['num_samples']} rows")
+    if len(found) > shown:
+        lines.append(f"    ... {len(found) - shown} more in slices.csv")
+    return lines
+
+
+CSV_METRICS = ("accuracy", "f1_macro", "f1_weighted", "precision_macro", "recall_macro", "loss", "ece", "brier",
+               "auroc_macro")
+
+
+def slices_csv(metrics: dict) -> str:
+    """slices.csv: a line per slice (lowest accuracy first): its rows, each headline metric
+    and, where it has one, its interval; ``note`` when it has none.
+    """
+    import csv
+    import io
+
+    report = metrics["slices"]
+    names = list(CSV_METRICS)
+    k = metrics.get("top_k")
+    if k:
+        names.insert(-1, f"top{k}_accuracy")
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["column", "value", "rows", *[f"{n}{part}" for n in names for part in ("", "_low", "_high")],
+                     "note"])
+    for column, name, values in slices_of(report):
+        intervals = values.get("confidence_intervals") or {}
+        cells = []
+        for n in names:
+            low, high = intervals.get(n) or (None, None)
+            cells += [_cell(values.get(n)), _cell(low), _cell(high)]
+        writer.writerow([column, name, values["num_samples"], *cells, values.get("interval_note", "")])
+    return buffer.getvalue()
+
+
+def _cell(value) -> str:
+    return "" if value is None else repr(float(value))
+
+
+# compare's per-slice test: a slice differs when its Holm-adjusted McNemar p-value is below this
+COMPARE_ALPHA = 0.05
+
+
+def compare_slices(cells: list, correct_a: np.ndarray, correct_b: np.ndarray, alpha: float = COMPARE_ALPHA) -> dict:
+    """Two runs per slice, paired on the shared rows: for every slice (``cells``: each row's
+    ``{column: value}``), each run's accuracy, B - A, McNemar's exact p-value and Holm's
+    adjustment of it over every slice compared; ``differs`` when the adjusted p is below
+    ``alpha``. Slices in the order of :func:`slices_of` columns (column, then value).
+    """
+    from dist_eval.paired import holm_adjusted, mcnemar_exact
+
+    columns = list(cells[0]) if cells else []
+    out = []
+    for column in columns:
+        names = np.array([slice_value(cell.get(column)) for cell in cells], dtype=object).astype(str)
+        for name in sorted(set(names.tolist())):
+            mask = names == name
+            test = mcnemar_exact(correct_a[mask], correct_b[mask])
+            acc_a, acc_b = float(correct_a[mask].mean()), float(correct_b[mask].mean())
+            out.append({"column": column, "value": name, "rows": int(mask.sum()), "accuracy_a": acc_a,
+                        "accuracy_b": acc_b, "difference": acc_b - acc_a, "a_only": test["a_only"],
+                        "b_only": test["b_only"], "pvalue": test["pvalue"]})
+    for row, adjusted in zip(out, holm_adjusted([row["pvalue"] for row in out])):
+        row["pvalue_holm"] = adjusted
+        row["differs"] = adjusted < alpha
+    return {"test": "McNemar exact, per slice", "adjustment": "holm", "alpha": alpha, "slices": out}
+
+
+def format_compared_slices(compared: Optional[dict]) -> List[str]:
+    """The lines ``python -m dist_eval.compare`` prints per slice: a table, then the slices that differ."""
+    if not compared or not compared["slices"]:
+        return []
+    rows = compared["slices"]
+    names = [f"{r['column']}={r['value']}" for r in rows]
+    width = max(5, *map(len, names))
+    lines = [f"per slice (paired, McNemar's exact test; p adjusted by Holm for the {len(rows)} slices compared):",
+             f"  {'slice':<{width}} {'rows':>6} {'A acc':>8} {'B acc':>8} {'B-A':>9} {'p':>8} {'p (Holm)':>9}"]
+    for name, r in zip(names, rows):
+        lines.append(f"  {name:<{width}} {r['rows']:6d} {r['accuracy_a']:8.4f} {r['accuracy_b']:8.4f} "
+                     f"{r['difference']:+9.4f} {r['pvalue']:8.4g} {r['pvalue_holm']:9.4g}"
+                     + ("  differs" if r["differs"] else ""))
+    differ = [f"{name} ({'B' if r['difference'] > 0 else 'A'} better)" for name, r in zip(names, rows) if r["differs"]]
+    lines.append(f"  slices that differ (Holm-adjusted p < {compared['alpha']:g}): {', '.join(differ)}" if differ
+                 else f"  no slice differs (every Holm-adjusted p >= {compared['alpha']:g})")
+    return lines
