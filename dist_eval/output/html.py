@@ -47,19 +47,19 @@ def _slice_rows(metrics: dict) -> list:
     """Every slice (--slice-by), lowest accuracy first: its cells, and a one-row plot of its
     accuracy and 95% interval on [0, 1] (inline SVG), the whole set's accuracy dashed.
     """
-    from markupsafe import Markup
-
     from dist_eval.slices import slices_of
 
+    if not metrics.get("slices"):
+        return []
     rows = []
-    for column, name, values in slices_of(metrics.get("slices") or {}):
+    for column, name, values in slices_of(metrics["slices"]):
         ci = (values.get("confidence_intervals") or {}).get("accuracy")
         rows.append({
             "column": column, "name": name, "rows": values["num_samples"], "accuracy": f"{values['accuracy']:.4f}",
             "ci": f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else values.get("interval_note", ""),
             "f1": f"{values['f1_macro']:.4f}",
             "loss": f"{values['loss']:.4f}" if values.get("loss") is not None else "",
-            "plot": Markup(_interval_svg(values["accuracy"], ci, metrics["accuracy"])),  # numbers only
+            "plot": _interval_svg(values["accuracy"], ci, metrics["accuracy"]),  # markup of numbers only: |safe
         })
     return rows
 
