@@ -47,7 +47,8 @@ def test_offline_servers_do_not_count():
 def test_dist_eval_servers_mark_their_version_and_match_stock_replicas():
     """A dist_eval server's marked version and a stock server's are the same blocks for a model
     both compute; a newer family's model refuses the stock one (backends.blocks)."""
-    from dist_eval.backends.blocks import SERVER_VERSION_MARK, servers_without_block_options
+    from dist_eval.backends.blocks import SERVER_VERSION_MARK
+    from dist_eval.backends.provenance import servers_without_block_options
 
     ours = server(0, 4, version="2.2.0.post1" + SERVER_VERSION_MARK)
     got = swarm_provenance(table({"peerA": ours, "peerB": server(0, 4)}))

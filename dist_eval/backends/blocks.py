@@ -71,9 +71,11 @@ def pinned_rope_scaling(rope_scaling: Optional[dict]) -> tuple:
     """(what the pinned config class accepts as ``rope_scaling``, the ``llama3`` settings or None)
     of config.json's ``rope_scaling`` in any format.
     """
+    from dist_eval.backends.families import rope_type
+
     if not isinstance(rope_scaling, dict):
         return rope_scaling, None
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    kind = rope_type(rope_scaling)
     if kind in (None, "default"):
         return None, None
     if kind == "llama3":
@@ -150,9 +152,9 @@ def _option_replacements(family) -> list:
 def _build_transformers_classes(family) -> None:
     import transformers
 
-    base = _base(family)
     if family.model_type in _classes:
         return
+    base = _base(family)
     config = type(_config_name(family), (class_at(base.config_class),),
                   {"model_type": family.model_type, **dict(family.block_options)})
     _classes[family.model_type] = config
@@ -206,20 +208,6 @@ def family_class(name: str, in_petals: bool):
 def needs_block_options(family, config) -> bool:
     """Whether ``config`` of ``family`` is computed only by this module's block options."""
     return bool(family.built_on or getattr(config, "rope_llama3", None))
-
-
-def servers_without_block_options(block_infos) -> list:
-    """The online servers (peer id, announced version) of a swarm's routing table that are not
-    dist_eval's (their version lacks :data:`SERVER_VERSION_MARK`).
-    """
-    found = {}
-    for block in block_infos:
-        for peer_id, info in (getattr(block, "servers", None) or {}).items():
-            state = getattr(getattr(info, "state", None), "name", "")
-            version = str(getattr(info, "version", None))
-            if state == "ONLINE" and not version.endswith(SERVER_VERSION_MARK):
-                found[str(peer_id)] = version
-    return sorted(found.items())
 
 
 def server_version_replacements() -> list:

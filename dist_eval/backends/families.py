@@ -59,7 +59,7 @@ import operator
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Dict
+from typing import TYPE_CHECKING, Dict, Optional
 
 from dist_eval.errors import UsageError
 
@@ -174,10 +174,18 @@ NOT_COMPUTED = {
 }
 
 
+def rope_type(rope_scaling) -> Optional[str]:
+    """The type of config.json's ``rope_scaling`` in either format (``rope_type`` since
+    transformers 4.43, ``type`` before); None without one.
+    """
+    if not isinstance(rope_scaling, dict):
+        return None
+    return rope_scaling.get("rope_type", rope_scaling.get("type"))
+
+
 def _block_refusal(config) -> str:
     """What in a config of a Llama-shaped block the block does not compute ('' when nothing)."""
-    rope = getattr(config, "rope_scaling", None)
-    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    kind = rope_type(getattr(config, "rope_scaling", None))
     if kind is not None and kind not in SERVED_ROPE_TYPES:
         return (f"rope_scaling of rope_type {kind!r} in config.json is not computed here "
                 f"(computed: {', '.join(SERVED_ROPE_TYPES)})")

@@ -275,7 +275,8 @@ def _require_block_options(manager, family: Family, config) -> None:
     """A model whose blocks only dist_eval's servers compute (a newer family, llama3 rope) is
     refused on a swarm with other servers: they would run its blocks without the options.
     """
-    from dist_eval.backends.blocks import needs_block_options, servers_without_block_options
+    from dist_eval.backends.blocks import needs_block_options
+    from dist_eval.backends.provenance import servers_without_block_options
 
     if not needs_block_options(family, config):
         return

@@ -68,6 +68,15 @@ def swarm_provenance(block_infos: Iterable) -> dict:
     return {"servers": servers, "identical_replicas": not mixed, "mixed_blocks": mixed}
 
 
+def servers_without_block_options(block_infos: Iterable) -> list:
+    """(peer id, announced version) of the online servers that are not dist_eval's: their
+    version lacks :data:`~dist_eval.backends.blocks.SERVER_VERSION_MARK`, so they do not
+    compute the block options of a newer family.
+    """
+    return [(s["peer_id"], s["petals_version"]) for s in swarm_provenance(block_infos)["servers"]
+            if not str(s["petals_version"]).endswith(SERVER_VERSION_MARK)]
+
+
 def replicas_warning(run: dict) -> str:
     """One line for the summary when some block's replicas differed, else ''."""
     swarm = run.get("swarm") or {}
