@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+from typing import Optional
 
 import datasets  # noqa: F401  (see below)
 import process_leaks  # no test leaves a process behind
@@ -444,19 +445,25 @@ def demo_cache(demo_build) -> str:
 def read_stdout_line(proc: subprocess.Popen, timeout: float) -> str:
     """One stdout line of ``proc`` (a Popen with stdout=PIPE), or what came before it
     exits or ``timeout`` seconds pass."""
+    return read_pipe_until(proc.stdout, lambda buf: b"\n" in buf, timeout, proc)
+
+
+def read_pipe_until(stream, done, timeout: float, proc: Optional[subprocess.Popen] = None) -> str:
+    """What ``stream`` (a pipe) gives until ``done(bytes so far)``, the pipe closes, ``proc``
+    (if given) exits with nothing more to read, or ``timeout`` seconds pass."""
     import selectors
     import time
 
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(stream, selectors.EVENT_READ)
     buf, end = b"", time.monotonic() + timeout
     try:
-        while b"\n" not in buf and time.monotonic() < end:
+        while not done(buf) and time.monotonic() < end:
             if not sel.select(timeout=0.5):
-                if proc.poll() is not None:
+                if proc is not None and proc.poll() is not None:
                     break
                 continue
-            chunk = os.read(proc.stdout.fileno(), 4096)
+            chunk = os.read(stream.fileno(), 4096)
             if not chunk:
                 break
             buf += chunk

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import read_stdout_line
+from conftest import read_pipe_until, read_stdout_line
 
 from dist_eval.swarm import LocalSwarm, SwarmError, plan_blocks
 
@@ -366,20 +366,7 @@ SWARM_CLI_TELLING_TORCH = (
 
 def _read_until(stream, text: str, timeout: float) -> str:
     """What ``stream`` (a pipe) gives until a whole line holding ``text`` came, or ``timeout``."""
-    import selectors
-
-    sel, buf, end = selectors.DefaultSelector(), b"", time.monotonic() + timeout
-    sel.register(stream, selectors.EVENT_READ)
-    try:
-        while time.monotonic() < end and not (text.encode() in buf and buf.endswith(b"\n")):
-            if sel.select(timeout=0.5):
-                chunk = os.read(stream.fileno(), 4096)
-                if not chunk:
-                    break
-                buf += chunk
-    finally:
-        sel.close()
-    return buf.decode()
+    return read_pipe_until(stream, lambda buf: text.encode() in buf and buf.endswith(b"\n"), timeout)
 
 
 @pytest.mark.swarm
