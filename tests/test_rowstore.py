@@ -341,8 +341,11 @@ from dist_eval.backends.tokenizer import load_tokenizer
 from dist_eval.data.load import load_split
 model_dir, checkpoint, data, store, limit = sys.argv[1:6]
 model = load_model("local", model_dir, checkpoint=checkpoint)
+# fresh_rows: each run evaluates (and writes) every row of its sample whichever reads the store
+# first; without it the faster run's rows could be served to the other (seen: the 12-row run
+# waited on datasets' cache lock while the 20-row run wrote them, and evaluated none)
 result = evaluate(model, load_split([data], None), tokenizer=load_tokenizer(model_dir), row_store=store,
-                  limit=int(limit), batch_size=4, save_interval=0, bootstrap_resamples=0)
+                  limit=int(limit), batch_size=4, save_interval=0, bootstrap_resamples=0, fresh_rows=True)
 print(result.metrics["run"]["row_store"]["rows_evaluated"])
 """
 
