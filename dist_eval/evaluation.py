@@ -152,7 +152,7 @@ def evaluate(
     ``reliability`` (the per-bin table) and their intervals beside the others.
     """
     settings, options = settings_from(settings_keywords, settings, options)
-    slices = slice_values(data, settings, options)  # checked before any work, on every rank
+    slices, evaluated = slice_values(data, settings, options)  # checked before any work, on every rank
     keep_logits = return_logits or options.slice_by is not None  # a slice's probability scores need them
     if settings.stops_early:
         result = _evaluate_in_rounds(
@@ -168,7 +168,7 @@ def evaluate(
                                resume_folder=resume_folder, settings=settings, options=options)
     if options.slice_by is not None:
         result = with_slices(result, slices, options, rows_in_set=len(data),
-                             lengths=(tokenizer, settings, sampled_rows(data, settings)))
+                             lengths=(tokenizer, settings, evaluated))
         if not return_logits and result.predictions is not None:
             result.predictions = _without_logits(result.predictions)
     return result
@@ -181,25 +181,27 @@ def sampled_rows(data, settings: Settings):
     return sample_rows(data, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
 
 
-def slice_values(data, settings: Settings, options: Options) -> dict:
-    """{column: each row's slice name} of the rows evaluate() evaluates (the ``limit`` sample
-    of ``data``), for ``options.slice_by``; {} without it. Bad columns refused in one line.
+def slice_values(data, settings: Settings, options: Options) -> tuple:
+    """({column: each row's slice name}, the Dataset of those rows) of the rows evaluate()
+    evaluates (the ``limit`` sample of ``data``, drawn once here), for ``options.slice_by``;
+    ({}, None) without it. Bad columns refused in one line.
     """
     import datasets
 
     from dist_eval.slices import one_row_slices, read_slice_values
 
     if options.slice_by is None:
-        return {}
+        return {}, None
     if not isinstance(data, datasets.Dataset):
         raise UsageError(f"slices need a datasets.Dataset (its columns), not {type(data).__name__}.",
                          param="slice_by", value=list(options.slice_by))
-    values = read_slice_values(sampled_rows(data, settings), options.slice_by)
+    evaluated = sampled_rows(data, settings)
+    values = read_slice_values(evaluated, options.slice_by)
     single = one_row_slices(values)
     if single and ranks.is_main_process():
         warn(f"--slice-by: {len(single)} slice(s) of a single row ({', '.join(single[:5])}"
              f"{', ...' if len(single) > 5 else ''}): their metrics mean little, and they get no interval")
-    return values
+    return values, evaluated
 
 
 def with_slices(result: EvalResult, values: dict, options: Options, rows_in_set: int, lengths=None) -> EvalResult:

@@ -346,7 +346,7 @@ def _report_pair(session: _Session, pair: Pair, result, where: tuple, dataset, s
         from dist_eval.evaluation import slice_values, with_slices
 
         settings = session.job.settings
-        result = with_slices(result, slice_values(dataset, settings, options), options, len(dataset),
+        result = with_slices(result, slice_values(dataset, settings, options)[0], options, len(dataset),
                              (session.tokenizer, settings, dataset))
     facts = _run_facts(session, pair, pair_started)
     result.metrics["run"].update(facts, run_key=key, sample=sample)

@@ -161,13 +161,12 @@ def _text_bytes(value) -> bytes:
 
 def row_keys(texts: List, pairs: Optional[List]) -> np.ndarray:
     """[n, 16] uint8: each row's key, a BLAKE2b of its text and text pair (each length-prefixed)."""
+    from dist_eval.data.sample import digest_each
+
     base = hashlib.blake2b(digest_size=KEY_BYTES, person=b"dist_eval-row")
-    digests = []
-    for i, text in enumerate(texts):
-        row = base.copy()
-        row.update(_text_bytes(text) + (b"\x00" if pairs is None else b"\x01" + _text_bytes(pairs[i])))
-        digests.append(row.digest())
-    return np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(texts), KEY_BYTES)
+    rows = (_text_bytes(text) + (b"\x00" if pairs is None else b"\x01" + _text_bytes(pairs[i]))
+            for i, text in enumerate(texts))
+    return np.frombuffer(digest_each(base, rows), dtype=np.uint8).reshape(len(texts), KEY_BYTES)
 
 
 # (folder, key, classes) -> (the files read, the rows they hold): files are written once

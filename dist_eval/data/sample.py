@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -22,12 +22,20 @@ def row_keys(columns: Sequence[Sequence], seed: int) -> np.ndarray:
     # (json.dumps builds an encoder per call when given options), hashed from one keyed state
     encode = json.JSONEncoder(ensure_ascii=False, default=str).encode
     keyed = hashlib.blake2b(digest_size=8, key=salt)
+    digests = digest_each(keyed, (encode(values).encode() for values in zip(*columns)))
+    return np.frombuffer(digests, dtype="<u8").astype(np.uint64)
+
+
+def digest_each(base, rows: Iterable[bytes]) -> bytes:
+    """The digests of ``base`` (a hashlib state, copied for each) updated with each row's bytes,
+    joined: one state built once, not one per row.
+    """
     digests = []
-    for values in zip(*columns):
-        row = keyed.copy()
-        row.update(encode(values).encode())
+    for data in rows:
+        row = base.copy()
+        row.update(data)
         digests.append(row.digest())
-    return np.frombuffer(b"".join(digests), dtype="<u8").astype(np.uint64)
+    return b"".join(digests)
 
 
 def column_values(dataset, columns: Sequence[str], rows: Optional[np.ndarray] = None) -> list:
