@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -33,23 +31,15 @@ sys.path.insert(0, ROOT)
 
 
 def run_cli(args: list, out: str, nproc: int) -> dict:
-    """One CLI run under torchrun: wall seconds, rows, the forwards' phase and run.row_store."""
-    from bench_big_set import _free_port
+    """One CLI run under torchrun (bench_big_set's): wall seconds, rows, the forwards' phase and run.row_store."""
+    from bench_big_set import run_once
 
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(_free_port()), "-m", "dist_eval", *args, "--output-dir", out]
-    started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-    wall = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise SystemExit(f"run failed:\n{proc.stderr[-3000:]}")
+    run = run_once(ROOT, args, out, nproc)
     with open(os.path.join(out, "metrics.json")) as f:
         metrics = json.load(f)
-    phases = metrics["run"]["phase_seconds"]
-    return {"wall_seconds": wall, "rows": metrics["num_samples"], "forward_seconds": phases.get("the forward passes"),
-            "row_store": metrics["run"]["row_store"], "accuracy": metrics["accuracy"]}
+    return {"wall_seconds": run["wall_seconds"], "rows": run["rows"],
+            "forward_seconds": run["phases"].get("the forward passes"), "row_store": metrics["run"]["row_store"],
+            "accuracy": metrics["accuracy"]}
 
 
 def disk_bytes(folder: str) -> int:

@@ -304,6 +304,13 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000-32767")
 
 
+def eval_args(model, inputs, out, *extra):
+    """The CLI's flags for ``model`` on ``inputs`` = (checkpoint, data file), writing to ``out``."""
+    checkpoint, data = inputs
+    return ["--model", model, "--checkpoint", checkpoint, "--data-files", data, "--batch-size", "8",
+            "--save-logits", "--output-dir", str(out), *extra]
+
+
 def outputs(folder):
     """(predictions.jsonl text, metrics.json without its ``run`` section, ``run``) of a run's folder."""
     with open(os.path.join(folder, "predictions.jsonl")) as f:

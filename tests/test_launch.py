@@ -22,6 +22,7 @@ import pytest
 from conftest import (
     REPO,
     build_checkpoint,
+    eval_args,
     free_port,
     outputs,
     read_stdout_line,
@@ -47,12 +48,6 @@ MADDR = re.compile(r"^/ip4/127\.0\.0\.1/tcp/(\d+)/p2p/(?:12D3KooW|Qm)[1-9A-HJ-NP
 def inputs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("multinode")
     return build_checkpoint(str(folder / "ck.pt")), write_csv(str(folder / "data.csv"), 41, seed=11)
-
-
-def eval_args(model, inputs, out, *extra):
-    checkpoint, data = inputs
-    return ["--model", model, "--checkpoint", checkpoint, "--data-files", data, "--batch-size", "8",
-            "--save-logits", "--output-dir", str(out), *extra]
 
 
 def run_script(script, args, env=None, timeout=240):

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, build_checkpoint, outputs, write_csv
+from conftest import REPO, build_checkpoint, eval_args, outputs, write_csv
 from slurm_cluster import SlurmCluster
 
 from dist_eval.rendezvous import port_for
@@ -38,12 +38,6 @@ def cluster(tmp_path_factory):
 def inputs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("slurm_inputs")
     return build_checkpoint(str(folder / "ck.pt")), write_csv(str(folder / "data.csv"), 41, seed=5)
-
-
-def eval_args(model, inputs, out, *extra):
-    checkpoint, data = inputs
-    return ["--model", model, "--checkpoint", checkpoint, "--data-files", data, "--batch-size", "8",
-            "--save-logits", "--output-dir", str(out), *extra]
 
 
 def submit(cluster, sbatch_options, args, **env):
