@@ -68,6 +68,9 @@ class _Server:
     started: bool = False
     log_offset: int = 0
     log_text: str = ""
+    # its process group was seen empty: never signalled again, since pids wrap (pid_max may be
+    # 32768) and a new group may then carry the same id: another swarm's server, say
+    group_gone: bool = False
 
     @property
     def label(self) -> str:
@@ -270,7 +273,7 @@ class LocalSwarm:
     @property
     def pgids(self) -> List[int]:
         """Process group ids of the servers started (each server's main pid)."""
-        return [s.proc.pid for s in self._servers if s.proc is not None]
+        return [s.proc.pid for s in self._servers if s.proc is not None and not s.group_gone]
 
     @property
     def ports(self) -> List[int]:
@@ -474,6 +477,7 @@ class LocalSwarm:
             s.log_offset, s.log_text = log.tell(), ""  # a restart's log is read from its own start
             log.write(("$ " + " ".join(cmd) + "\n").encode())
             log.flush()
+            s.group_gone = False  # a new process, a new group
             s.proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=env, cwd=self._workdir, start_new_session=True,
@@ -533,14 +537,23 @@ class LocalSwarm:
             self.initial_peers[s.index] = s.address
         return s.started
 
-    def _kill_group(self, s: _Server) -> None:
-        """SIGKILL what is left of ``s``'s process group (its sockets noted, to be removed)."""
+    def _kill_group(self, s: _Server, wait: float = 2.0) -> None:
+        """SIGKILL what is left of ``s``'s process group (its sockets noted, to be removed), and
+        wait up to ``wait`` seconds to see it gone (then its id is never signalled again).
+        """
+        if s.group_gone:
+            return
         self._note_sockets()
         _signal_group(s.proc.pid, signal.SIGKILL)
+        end = time.monotonic() + wait
+        while not self._group_gone(s) and time.monotonic() < end:
+            time.sleep(0.02)
 
     def _group_gone(self, s: _Server) -> bool:
-        s.proc.poll()  # reaped: a zombie leader keeps its group listed
-        return not _live_groups({s.proc.pid})
+        if not s.group_gone:
+            s.proc.poll()  # reaped: a zombie leader keeps its group listed
+            s.group_gone = s.proc.returncode is not None and not _live_groups({s.proc.pid})
+        return s.group_gone
 
     def _respawn(self, s: _Server, through: List[_Server]) -> None:
         """Start ``s`` again (same port, blocks, identity), joining through the servers ``through``
@@ -553,7 +566,7 @@ class LocalSwarm:
     # ------------------------------------------------------------------ stop
 
     def _terminate(self, deadline: float, kill_at: float) -> None:
-        started = [s for s in self._servers if s.proc is not None]
+        started = [s for s in self._servers if s.proc is not None and not s.group_gone]
         if not started:
             return
         pgids = {s.proc.pid for s in started}
