@@ -18,11 +18,18 @@ one node fails (``srun --kill-on-bad-exit``) sends SIGTERM to this launcher whil
 are already exiting with the code they agreed on (2 for a usage error, every rank of every
 node). When every rank of this node ended with a code of the run's own (0, 1, 2) rather
 than by the signal, that code is this launcher's too, not 128 + 15.
+
+And whichever node's launcher ends first: the rendezvous host's leaves when its own ranks
+have ended after a failure (torchrun waits for the other nodes after a success only), taking
+the rendezvous store with it. The other nodes' launchers then neither end with a traceback
+(their poll for nodes waiting to join) nor print torch's C++ store warnings: their ranks'
+own exit codes stand.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -86,6 +93,49 @@ def _noting_rank_exit_codes(codes: Dict[int, Optional[int]]):
         SubprocessContext.close = original
 
 
+@contextlib.contextmanager
+def _outliving_the_rendezvous_host():
+    """While torchrun runs: its poll of the rendezvous for nodes waiting to join (each
+    monitoring round while the ranks run) answers 0 once the host's store is gone, rather than
+    raising. The host's launcher leaves as soon as its ranks end after a failure; a node whose
+    ranks took longer to exit (with the code every rank agreed on) had them killed and ended
+    with a traceback and exit code 1. No node can wait on a rendezvous whose host has gone; a
+    host that died mid-run fails this node's ranks in their next collective, with their own error.
+    """
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    original = DynamicRendezvousHandler.num_nodes_waiting
+
+    def num_nodes_waiting(self) -> int:
+        try:
+            return original(self)
+        except RendezvousConnectionError:
+            return 0
+
+    DynamicRendezvousHandler.num_nodes_waiting = num_nodes_waiting
+    try:
+        yield
+    finally:
+        DynamicRendezvousHandler.num_nodes_waiting = original
+
+
+def _import_torch_without_cpp_warnings() -> None:
+    """Import torch with its C++ log level at ERROR for this process only: c10d's warnings
+    about a store that went away (the rendezvous host's launcher, gone first: "recvValueWithTimeout
+    failed ... Did the remote server shutdown or crash?", 20 lines of C++ frames) come from the
+    launcher, not the run. torch reads TORCH_CPP_LOG_LEVEL once, at import; the ranks started
+    afterwards inherit the environment as it was. A level the caller set is kept.
+    """
+    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        import torch  # noqa: F401
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 def _code_after_signal(sigval: int, codes: Dict[int, Optional[int]]) -> int:
     """128 + the signal, unless every rank ended with a code of the run's own: that one
     (the first non-zero; 0 when all succeeded).
@@ -108,6 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"after it.\n{_USAGE}", file=sys.stderr, flush=True)
         return 2
 
+    _import_torch_without_cpp_warnings()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -125,7 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(e.code or 0)
     codes: Dict[int, Optional[int]] = {}
     try:
-        with _noting_rank_exit_codes(codes):
+        with _noting_rank_exit_codes(codes), _outliving_the_rendezvous_host():
             try:
                 run(args)
             finally:  # the ranks have ended: a SIGTERM now (srun stopping the job's other nodes) changes nothing

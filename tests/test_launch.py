@@ -280,6 +280,29 @@ def test_multi_node_run_without_initial_peers_is_refused(tiny_model, inputs, tmp
     assert not (tmp_path / "out" / "metrics.json").exists()
 
 
+# the ranks of the node it is imported on (torchrun sets LOCAL_RANK) exit this many seconds late
+SLOW_EXIT_SITECUSTOMIZE = """import atexit, os, time
+if os.environ.get("LOCAL_RANK") is not None:
+    atexit.register(time.sleep, float(os.environ["SLOW_EXIT_S"]))
+"""
+
+
+@pytest.mark.multiproc
+def test_a_usage_error_keeps_its_code_on_a_node_whose_ranks_outlive_the_rendezvous_host(tmp_path):
+    """The rendezvous host's launcher leaves once its own ranks end after a failure, and the
+    store goes with it; node 1's rank, 3 s slower to exit, took its launcher's poll of the
+    store with it: a traceback, exit 1, torch's C++ store warnings. Each node: exit 2, and the
+    run's one line is all the output there is."""
+    slow = tmp_path / "slow_exit"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_EXIT_SITECUSTOMIZE)
+    node_env = {1: {"PYTHONPATH": str(slow), "SLOW_EXIT_S": "3"}}
+    nodes = run_nodes(["--backend", "local", "--batch-size", "0"], tmp_path, timeout=120, node_env=node_env)
+    assert [code for code, _ in nodes] == [2, 2], "\n---\n".join(text[-3000:] for _, text in nodes)
+    lines = [line for _, text in nodes for line in text.splitlines() if line.strip()]
+    assert lines == ["dist_eval: error: --batch-size 0: expected a positive integer."], lines[:40]
+
+
 # --------------------------------------------------------------------------- a two-host swarm
 
 
