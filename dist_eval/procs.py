@@ -107,6 +107,26 @@ def _unix_socket_paths(pids: Sequence[int]) -> Set[str]:
     return paths
 
 
+def shm_managers_under(folder: str) -> List[int]:
+    """The torch shared-memory managers whose socket is under ``folder``. torch starts one for
+    processes that share tensors through files (hivemind's strategy) with its socket in their
+    TMPDIR; it leaves their process group and session, outlives them by a moment, and on its
+    way out removes its socket and their shared-memory files: with its folder gone first, it
+    aborts ("terminate called ... No such file or directory") and the files stay in /dev/shm.
+    """
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/comm") as f:
+                if not f.read().startswith("torch_shm_manag"):  # comm is cut at 15 characters
+                    continue
+        except (OSError, ValueError):
+            continue
+        if any(path.startswith(folder.rstrip(os.sep) + os.sep) for path in _unix_socket_paths([int(entry)])):
+            found.append(int(entry))
+    return found
+
+
 def _ignores_sigint(pid: int) -> bool:
     """True when the process ignores SIGINT: it inherited SIG_IGN (e.g. its parent was a
     background job of a non-interactive shell), so Python never installed its handler.

@@ -212,6 +212,12 @@ def test_the_score_intervals_constants_are_those_the_docs_state():
     assert f"rows x classes up to {EXACT_SCORE_ROWS:,} rows" in api
 
 
+def test_the_drain_bound_is_the_one_the_docs_state():
+    from dist_eval.swarm.drain import DRAIN_TIMEOUT_S
+
+    assert f"at most `DRAIN_TIMEOUT_S` ({DRAIN_TIMEOUT_S:.0f} s," in read("docs", "cluster.md")
+
+
 def test_readme_is_short_and_holds_no_test_counts_or_timings():
     readme = read("README.md")
     assert len(readme.splitlines()) <= 250

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -281,14 +282,111 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
         swarm.check()
 
 
-def _start_host(env, log_path):
-    """``launch/start_server.sh`` (one server) in its own session: (the process, its INITIAL_PEERS)."""
+def _start_host(env, log_path, *args):
+    """``launch/start_server.sh [args]`` (one server) in its own session: (the process, its INITIAL_PEERS)."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([os.path.join(REPO, "launch", "start_server.sh")], env=env, cwd=REPO,
+        proc = subprocess.Popen([os.path.join(REPO, "launch", "start_server.sh"), *args], env=env, cwd=REPO,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
     line = read_stdout_line(proc, timeout=150)
     assert line.startswith("INITIAL_PEERS="), (line, open(log_path).read()[-3000:])
     return proc, line.strip().split("=", 1)[1].split(" ")
+
+
+# petals' forward handlers, once imported in a server, write SLOW_FORWARD_MARK and wait
+# SLOW_FORWARD_S seconds before they serve: a request that stays in flight
+SLOW_FORWARD_SITECUSTOMIZE = """import asyncio, functools, importlib.abc, importlib.util, os, sys
+
+
+def _slowed(forward, stream):
+    async def wait():
+        open(os.environ["SLOW_FORWARD_MARK"], "a").close()
+        await asyncio.sleep(float(os.environ["SLOW_FORWARD_S"]))
+
+    @functools.wraps(forward)
+    async def rpc_forward(self, request, context):
+        await wait()
+        return await forward(self, request, context)
+
+    @functools.wraps(forward)
+    async def rpc_forward_stream(self, requests, context):
+        await wait()
+        async for response in forward(self, requests, context):
+            yield response
+
+    return rpc_forward_stream if stream else rpc_forward
+
+
+class SlowForwards(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "petals.server.handler":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_slow(module):
+            exec_module(module)
+            cls = module.TransformerConnectionHandler
+            cls.rpc_forward = _slowed(cls.rpc_forward, False)
+            cls.rpc_forward_stream = _slowed(cls.rpc_forward_stream, True)
+
+        spec.loader.exec_module = exec_and_slow
+        return spec
+
+
+sys.meta_path.insert(0, SlowForwards())
+"""
+
+
+@pytest.mark.swarm
+@pytest.mark.multiproc
+def test_a_request_in_flight_finishes_on_a_server_told_to_stop(tiny_model, tiny_checkpoint, tmp_path):
+    """SIGTERM to a swarm process (launch/start_server.sh, one server) while its server serves a
+    forward 4 s long, the run's one batch: the server drains (the forward finishes; petals'
+    shutdown cut it, and the run failed: no other server), the swarm process waits for the
+    drain, both exit 0, no process is left; the run == the local backend."""
+    from test_swarm_failover import BackgroundCli, _group
+
+    data = write_csv(str(tmp_path / "rows.csv"), 8, seed=11)
+    local = run_cli([*_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "local"), "--batch-size", "8"], nproc=1,
+                    timeout=300)
+    assert local.returncode == 0, local.stderr[-3000:]
+    slow, mark = tmp_path / "slow_forwards", tmp_path / "forward_began"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_FORWARD_SITECUSTOMIZE)
+    env = {**ENV, "PYTHON": sys.executable, "MODEL_DIR": tiny_model, "DHT_PREFIX": "dist-eval-drain",
+           "HOST": "127.0.0.1", "SERVERS": "1", "DEVICE": "cpu", "PYTHONPATH": f"{slow}{os.pathsep}{ENV['PYTHONPATH']}",
+           "SLOW_FORWARD_S": "4", "SLOW_FORWARD_MARK": str(mark)}
+    host, groups, run = None, [], None
+    try:
+        host, peers = _start_host(env, tmp_path / "host.log", "--log-dir", str(tmp_path / "logs"))
+        groups = _server_groups(host.pid)
+        run = BackgroundCli([*_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "drained", peers,
+                                        "dist-eval-drain"), "--batch-size", "8", "--swarm-timeout", "15"], nproc=1)
+        _wait_for(lambda: mark.exists() or run.proc.poll() is not None, 240, "the forward began")
+        host.send_signal(signal.SIGTERM)
+        code, _, err = run.wait(timeout=120)
+        assert code == 0 and "Traceback" not in err, err[-3000:]
+        assert host.wait(timeout=60) == 0, open(tmp_path / "host.log").read()[-3000:]
+        log = open(tmp_path / "logs" / "server-0.log").read()
+        assert "dist_eval.swarm.server: draining: 1 request(s) in flight, new ones refused" in log, log[-3000:]
+        assert re.search(r"^dist_eval.swarm.server: drained in [3-9]\.\d s$", log, re.MULTILINE), log[-3000:]
+        # torch's shared-memory manager had time to clean up after the server (procs.shm_managers_under)
+        assert "terminate called" not in log and "Traceback" not in log, log[-3000:]
+        assert read_jsonl(tmp_path / "drained" / "predictions.jsonl") == read_jsonl(tmp_path / "local" /
+                                                                                    "predictions.jsonl")
+        assert not [g for g in groups if _group(g)], log[-3000:]
+    finally:
+        if run is not None:
+            run.stop()
+        if host is not None and host.poll() is None:
+            host.kill()
+            host.wait()
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def _server_groups(pid) -> list:

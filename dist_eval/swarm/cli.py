@@ -203,8 +203,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
-        try:  # others may have joined this swarm: its servers get time to say they are going
-            swarm.stop(grace=None if swarm.join_peers else GRACE_SECONDS_ANNOUNCED)
+        try:  # others may have joined this swarm: its servers finish their requests and say they are going
+            swarm.stop(grace=None if swarm.join_peers else GRACE_SECONDS_ANNOUNCED, drain=True)
         except SwarmError as e:
             print(f"dist_eval.swarm: error: {e}", file=sys.stderr, flush=True)
             code = 1

@@ -19,8 +19,17 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from dist_eval.atomic import atomic_write
 from dist_eval.errors import one_line
-from dist_eval.procs import _free_ports, _ignores_sigint, _live_groups, _port_is_free, _signal_group, _unix_socket_paths
+from dist_eval.procs import (
+    _free_ports,
+    _ignores_sigint,
+    _live_groups,
+    _port_is_free,
+    _signal_group,
+    _unix_socket_paths,
+    shm_managers_under,
+)
 from dist_eval.swarm.devices import available_memory, check_num_servers, model_weights, plan_servers, visible_gpu_memory
+from dist_eval.swarm.drain import DRAIN_TIMEOUT_S, DRAINED
 from dist_eval.swarm.placement import (
     SwarmError,
     _check_block_range,
@@ -53,6 +62,9 @@ _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 # Servers that joined another host's swarm get longer, so that their "offline" reaches it;
 # so does a swarm that others may have joined (python -m dist_eval.swarm: stop(grace=...)).
 _GRACE_SECONDS_PRIVATE = 0.25
+# How long a stopped swarm waits for torch's shared-memory manager of its servers to exit
+# (procs.shm_managers_under) before it removes their TMPDIR; it leaves soon after them
+_SHM_MANAGER_EXIT_SECONDS = 5.0
 GRACE_SECONDS_ANNOUNCED = 1.0
 _GRACE_SECONDS_JOINED = 3.0
 
@@ -90,6 +102,32 @@ class _Server:
     def tail(self, lines: int = 6) -> str:
         kept = [one_line(line, 197) for line in self.read_log().splitlines() if line.strip()][-lines:]
         return " | ".join(kept) if kept else "(empty log)"
+
+
+def _kill_when_due(started: List[_Server], deadline: float, grace: float, drain_s: float) -> None:
+    """Wait until the process groups of ``started`` (just sent SIGINT) are gone, at most until
+    ``deadline``; SIGKILL to each one ``grace`` seconds after the SIGINT, or with ``drain_s``,
+    ``grace`` after its log says it drained its requests (at most ``drain_s`` + ``grace``).
+    """
+    began = time.monotonic()
+    kill_at = {s.proc.pid: began + drain_s + grace for s in started}
+    draining = [s for s in started if drain_s]
+    killed: Set[int] = set()
+    while True:
+        for s in started:
+            s.proc.poll()  # reap the main processes: a zombie leader keeps its group listed
+        for s in [s for s in draining if DRAINED in s.read_log()]:
+            draining.remove(s)
+            kill_at[s.proc.pid] = min(kill_at[s.proc.pid], time.monotonic() + grace)
+        live = _live_groups(set(kill_at))
+        now = time.monotonic()
+        if not live or now >= deadline:
+            return
+        for pgid in set(live) - killed:
+            if now >= kill_at[pgid]:
+                _signal_group(pgid, signal.SIGKILL)
+                killed.add(pgid)
+        time.sleep(0.05)
 
 
 _LIVE_SWARMS: Set[LocalSwarm] = set()
@@ -359,14 +397,16 @@ class LocalSwarm:
         """How many times server ``index`` was restarted in the restart window."""
         return self._supervisor.restarts(index) if self._supervisor is not None else 0
 
-    def stop(self, timeout: float = 15.0, grace: Optional[float] = None) -> None:
+    def stop(self, timeout: float = 15.0, grace: Optional[float] = None, drain: bool = False) -> None:
         """Stop every server process and wait until none is left (idempotent).
 
         SIGINT to each process group (SIGTERM if the servers inherited an ignored SIGINT),
         SIGKILL to what is left after min(``grace``, 60% of ``timeout``), then wait until no
         process of the groups is left, at most until ``timeout``. ``grace`` None: 0.25 s for
         a private swarm (only its owner's clients used it), 3 s for servers that joined
-        another host's swarm.
+        another host's swarm. ``drain``: others' clients may have requests in flight (a swarm
+        others joined); each server's grace begins once its log says it drained them, at most
+        :data:`~dist_eval.swarm.drain.DRAIN_TIMEOUT_S` after the SIGINT.
         SwarmError if a process survives (never seen).
         """
         with self._lock:
@@ -376,11 +416,11 @@ class LocalSwarm:
         if self._supervisor is not None:
             self._supervisor.stop()  # it starts no server once the state says stopped
         began = time.monotonic()
-        deadline = began + timeout
+        drain_s = DRAIN_TIMEOUT_S if drain else 0.0
         try:
             if grace is None:
                 grace = _GRACE_SECONDS_JOINED if self.join_peers else _GRACE_SECONDS_PRIVATE
-            self._terminate(deadline, began + min(grace, 0.6 * timeout))
+            self._terminate(began + drain_s + timeout, min(grace, 0.6 * timeout), drain_s)
         finally:
             self._cleanup_files()
             if self._watchdog is not None:
@@ -565,7 +605,7 @@ class LocalSwarm:
 
     # ------------------------------------------------------------------ stop
 
-    def _terminate(self, deadline: float, kill_at: float) -> None:
+    def _terminate(self, deadline: float, grace: float, drain_s: float) -> None:
         started = [s for s in self._servers if s.proc is not None and not s.group_gone]
         if not started:
             return
@@ -574,24 +614,13 @@ class LocalSwarm:
         for s in started:
             if s.proc.poll() is None:
                 sig = signal.SIGTERM if _ignores_sigint(s.proc.pid) else signal.SIGINT
-                _signal_group(s.proc.pid, sig)
+                if drain_s:  # its main process alone: the p2pd daemon and the handlers serve on while it drains
+                    s.proc.send_signal(sig)
+                else:
+                    _signal_group(s.proc.pid, sig)
             elif s.proc.pid in live:  # main is gone, its children are not
                 _signal_group(s.proc.pid, signal.SIGKILL)
-        killed = False
-        while True:
-            for s in started:
-                s.proc.poll()  # reap the main processes: a zombie leader keeps its group listed
-            live = _live_groups(pgids)
-            if not live:
-                break
-            now = time.monotonic()
-            if now >= kill_at and not killed:
-                for pgid in live:
-                    _signal_group(pgid, signal.SIGKILL)
-                killed = True
-            if now >= deadline:
-                break
-            time.sleep(0.05)
+        _kill_when_due(started, deadline, grace, drain_s)
         for s in started:
             if s.proc.poll() is None:
                 try:
@@ -622,7 +651,11 @@ class LocalSwarm:
                 pass
         if self._workdir is None:
             return
-        shutil.rmtree(os.path.join(self._workdir, "tmp"), ignore_errors=True)
+        tmpdir = os.path.join(self._workdir, "tmp")
+        waited_until = time.monotonic() + _SHM_MANAGER_EXIT_SECONDS  # it cleans up after the servers
+        while shm_managers_under(tmpdir) and time.monotonic() < waited_until:
+            time.sleep(0.05)
+        shutil.rmtree(tmpdir, ignore_errors=True)
         for s in self._servers:  # the servers' identities (private keys) go whatever happens
             try:
                 os.unlink(self._identity_path(s))

@@ -10,7 +10,8 @@ swarm thus imports all its servers at once instead of one after another.
 
 SIGTERM (a preemption notice) drains the server as SIGINT does: petals' run_server handles only
 KeyboardInterrupt gracefully (it announces the blocks OFFLINE, waits until the DHT stored it,
-shuts its handlers down, exits 0); without this a SIGTERM killed the server unannounced.
+shuts its handlers down, exits 0); without this a SIGTERM killed the server unannounced. Before
+the handlers go, the requests in flight finish (:mod:`dist_eval.swarm.drain`).
 """
 import os
 import signal
@@ -81,7 +82,9 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     2. :mod:`dist_eval.backends.wire` (server half): token ids in, read positions out. It wraps
        the ``run_rpc_forward`` that 1 set; applied first, 1 would replace it, and a request of
        token ids would reach the blocks as hidden states. :func:`dist_eval.backends.patches.apply`
-       refuses that order.
+       refuses that order;
+    3. :mod:`dist_eval.swarm.drain`: a shutdown waits for the requests in flight (it counts them
+       in each request handler, around whatever the others changed inside them).
 
     Before the server starts (its connection handlers, forked later, share what these set).
     Idempotent. ``model_dir``/``first_block``: the served folder and its first block (the table
@@ -91,7 +94,7 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     from dist_eval.backends.blocks import register, server_version_replacements
     from dist_eval.backends.compat import import_petals, quiet_third_party_output
     from dist_eval.backends.patches import apply
-    from dist_eval.swarm import merged_forward
+    from dist_eval.swarm import drain, merged_forward
 
     quiet_third_party_output()  # a server is a process of ours (the caller's is left alone)
     import_petals()
@@ -99,6 +102,7 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     apply("wire_server", "server", lambda: wire.server_replacements(model_dir, first_block), after=("merged_forward",))
     register()  # the blocks and classes of the families petals 2.2.0 lacks, in petals' registry
     apply("server_version", "server", server_version_replacements)  # says it computes them
+    apply("drain", "server", drain.replacements)
 
 
 if __name__ == "__main__":
