@@ -379,14 +379,20 @@ def test_a_request_in_flight_finishes_on_a_server_told_to_stop(tiny_model, tiny_
     finally:
         if run is not None:
             run.stop()
-        if host is not None and host.poll() is None:
-            host.kill()
-            host.wait()
-        for group in groups:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except OSError:
-                pass
+        _stop_hosts([host] if host is not None else [], groups)
+
+
+def _stop_hosts(hosts, groups) -> None:
+    """Whatever a test left running: its swarm processes, then their servers' process groups."""
+    for proc in hosts:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _server_groups(pid) -> list:
@@ -430,12 +436,4 @@ def test_a_hosts_swarm_process_dying_leaves_the_others_serving(tiny_model, tiny_
         host_b.send_signal(signal.SIGTERM)
         assert host_b.wait(timeout=30) == 0, open(tmp_path / "b.log").read()[-3000:]
     finally:
-        for proc in hosts:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for group in groups:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except OSError:
-                pass
+        _stop_hosts(hosts, groups)
