@@ -27,6 +27,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
+# Every row evaluated by every run: the row store (on by default) would serve a repeated run's
+# rows without a forward. An explicit --row-store (bench_row_store's) still wins.
+os.environ.setdefault("DIST_EVAL_ROW_STORE", "off")
 
 FORWARD = "the forward passes"
 MEASURING, TOKENIZING = "measuring the token lengths", "tokenizing the data"

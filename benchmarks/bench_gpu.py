@@ -58,6 +58,9 @@ from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# Every row evaluated by every run: the row store (on by default) would serve a repeated run's
+# rows without a forward. An explicit --row-store (bench_row_store's) still wins.
+os.environ.setdefault("DIST_EVAL_ROW_STORE", "off")
 
 MODEL_SIZES: Dict[str, dict] = {
     "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,

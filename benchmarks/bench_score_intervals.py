@@ -23,6 +23,9 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+# Every row evaluated by every run: the row store (on by default) would serve a repeated run's
+# rows without a forward. An explicit --row-store (bench_row_store's) still wins.
+os.environ.setdefault("DIST_EVAL_ROW_STORE", "off")
 
 
 def data(rows: int, classes: int, seed: int):

@@ -28,6 +28,9 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# Every row evaluated by every run: the row store (on by default) would serve a repeated run's
+# rows without a forward. An explicit --row-store (bench_row_store's) still wins.
+os.environ.setdefault("DIST_EVAL_ROW_STORE", "off")
 
 from dist_eval import sequential as sq  # noqa: E402
 

@@ -38,6 +38,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# Every row evaluated by every run: the row store (on by default) would serve a repeated run's
+# rows without a forward. An explicit --row-store (bench_row_store's) still wins.
+os.environ.setdefault("DIST_EVAL_ROW_STORE", "off")
 
 # (name, ranks, extra flags). ranks None: the plain tutorial loop.
 OFF = ["--batch-size", "16", "--no-length-buckets", "--max-batch-tokens", "0", "--in-flight", "1"]
