@@ -25,7 +25,7 @@ from dist_eval.data.loader import loader_batches
 from dist_eval.data.sample import sample_rows
 from dist_eval.data.shard import dataset_batches
 from dist_eval.errors import UsageError, warn
-from dist_eval.merge import MergedResults, merge_on_main
+from dist_eval.merge import MergedResults, merge_on_main, rows_per_second
 from dist_eval.predict import predict_shard
 from dist_eval.resume import open_partial
 
@@ -250,7 +250,9 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
         num_truncated=num_truncated, loop_seconds=loop_seconds,
         bootstrap=(options.bootstrap_resamples, options.bootstrap_seed), top_k=options.top_k,
     )
-    report["run"]["row_store"] = _row_store_facts(rows_source, num_rows, report["run"]["resumed_samples"])
+    run = report["run"]
+    run["row_store"] = _row_store_facts(rows_source, num_rows, run["resumed_samples"])
+    run["samples_per_second"] = rows_per_second(run["row_store"]["rows_evaluated"], run["eval_loop_seconds"])
     return EvalResult(metrics=report, predictions=merged if return_logits else _without_logits(merged))
 
 

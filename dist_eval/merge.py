@@ -239,12 +239,19 @@ def _report(
         # where the loop's time goes: client CPU of all ranks (their own processes;
         # not the p2pd daemons), next to ranks x loop seconds of wall time
         "loop_cpu_seconds_sum": totals.loop_cpu_seconds,
-        "samples_per_second": merged.num_samples / loop_seconds_max if loop_seconds_max > 0 else None,
         "duplicates_dropped": merged.num_duplicates_dropped,
         "max_batch_seconds": max(facts.max_batch_seconds for facts in rank_facts),
         "resumed_samples": sum(facts.num_resumed for facts in rank_facts),
     }
     return report
+
+
+def rows_per_second(rows_evaluated: int, loop_seconds: float) -> Optional[float]:
+    """The report's ``run.samples_per_second``: the rows the loop evaluated (not those the row
+    store served or a resumed run had saved: they cost it no forward) per second of the slowest
+    rank's loop; None when it evaluated none.
+    """
+    return rows_evaluated / loop_seconds if rows_evaluated > 0 and loop_seconds > 0 else None
 
 
 def probability_scores(logits, labels, top_k: Optional[int], bootstrap: Optional[Tuple[int, int]],

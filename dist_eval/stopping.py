@@ -25,7 +25,7 @@ from dist_eval.config import Options, Settings
 from dist_eval.data.labels import TaskColumns, check_columns, is_generic_names, label_names_of
 from dist_eval.data.sample import column_values, key_order, sample_rows
 from dist_eval.errors import UsageError
-from dist_eval.merge import MergedResults, merge_parts, rows_report
+from dist_eval.merge import MergedResults, merge_parts, rows_per_second, rows_report
 from dist_eval.metrics import default_top_k
 from dist_eval.sequential import STOP_METRICS, RunningSequence, describe, paired_bounds, row_values, stop_reason
 
@@ -161,7 +161,6 @@ class Seen:
         """``num_truncated`` and ``run`` (with ``row_store``) over the rounds: sums, or the worst batch."""
         runs = [r["run"] for r in self.reports]
         loop = sum(r["eval_loop_seconds"] for r in runs)
-        rows = sum(r["num_samples"] for r in self.reports)
         stores = [r["run"]["row_store"] for r in self.reports]
         return {
             "num_truncated": sum(r["num_truncated"] for r in self.reports),
@@ -174,7 +173,7 @@ class Seen:
                 "eval_loop_seconds": loop,
                 "forward_seconds_sum": sum(r["forward_seconds_sum"] for r in runs),
                 "loop_cpu_seconds_sum": sum(r["loop_cpu_seconds_sum"] for r in runs),
-                "samples_per_second": rows / loop if loop > 0 else None,
+                "samples_per_second": rows_per_second(sum(s["rows_evaluated"] for s in stores), loop),
                 "duplicates_dropped": sum(r["duplicates_dropped"] for r in runs),
                 "max_batch_seconds": max(r["max_batch_seconds"] for r in runs),
                 "resumed_samples": sum(r["resumed_samples"] for r in runs),

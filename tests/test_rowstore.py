@@ -81,9 +81,12 @@ def test_a_later_run_evaluates_only_the_rows_the_store_lacks(assets, tmp_path):
     assert (facts["rows_from_store"], facts["rows_evaluated"]) == (ROWS, MORE - ROWS) and facts["seconds_saved"] > 0
     assert facts["folder"] == _facts(first)["folder"]
     assert np.array_equal(second.predictions.logits[:ROWS], first.predictions.logits)  # the sample's first rows
+    run = second.metrics["run"]  # samples/s: the rows evaluated, not those the store served
+    assert run["samples_per_second"] == (MORE - ROWS) / run["eval_loop_seconds"]
     third = _run(*args, store, limit=MORE)
     assert _counts(third) == (MORE, 0)
     assert third.metrics["run"]["forward_seconds_sum"] == 0
+    assert third.metrics["run"]["samples_per_second"] is None  # no row evaluated
     assert np.array_equal(third.predictions.logits, second.predictions.logits)
     assert third.metrics["accuracy"] == second.metrics["accuracy"]
     written = _files(store)

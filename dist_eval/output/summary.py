@@ -44,13 +44,20 @@ def stop_rule_words(interval: dict) -> str:
     return "fixed-width rule: valid at this stop only, not if more rows are evaluated after it"
 
 
+def _rate(run: dict) -> str:
+    """The loop's samples/s (the rows it evaluated), or why there is none."""
+    if run.get("samples_per_second"):
+        return f"{run['samples_per_second']:.1f} samples/s"
+    return "no row evaluated" if (run.get("row_store") or {}).get("rows_evaluated") == 0 else "0.0 samples/s"
+
+
 def format_summary(metrics: dict) -> str:
     """A short, readable summary for the terminal."""
     run = metrics.get("run", {})
     lines = [
         f"dist_eval: {metrics['num_samples']} samples, {run.get('world_size', 1)} rank(s), "
         f"backend {run.get('backend', '?')}, {run.get('wall_seconds', 0):.1f} s wall, "
-        f"{run.get('samples_per_second') or 0:.1f} samples/s (eval loop)",
+        f"{_rate(run)} (eval loop)",
         "  " + "   ".join(f"{name} {metrics[name]:.4f}" for name in headline_names(metrics)),
     ]
     sample = run.get("sample") or {}
