@@ -110,9 +110,9 @@ def _unix_socket_paths(pids: Sequence[int]) -> Set[str]:
 def shm_managers_under(folder: str) -> List[int]:
     """The torch shared-memory managers whose socket is under ``folder``. torch starts one for
     processes that share tensors through files (hivemind's strategy) with its socket in their
-    TMPDIR; it leaves their process group and session, outlives them by a moment, and on its
-    way out removes its socket and their shared-memory files: with its folder gone first, it
-    aborts ("terminate called ... No such file or directory") and the files stay in /dev/shm.
+    TMPDIR; it leaves their process group and session, outlives them by 2 s, frees the shared
+    memory they left and removes its socket: with its folder gone first, it aborts there
+    ("terminate called ... No such file or directory", in the output it inherited).
     """
     found = []
     for entry in os.listdir("/proc"):

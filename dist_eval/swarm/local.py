@@ -62,8 +62,11 @@ _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 # Servers that joined another host's swarm get longer, so that their "offline" reaches it;
 # so does a swarm that others may have joined (python -m dist_eval.swarm: stop(grace=...)).
 _GRACE_SECONDS_PRIVATE = 0.25
-# How long a stopped swarm waits for torch's shared-memory manager of its servers to exit
-# (procs.shm_managers_under) before it removes their TMPDIR; it leaves soon after them
+# How long a drained stop waits for torch's shared-memory manager of its servers to exit
+# (procs.shm_managers_under) before it removes their TMPDIR. The manager stays 2 s after its
+# last client (torch's own shutdown delay), freeing what they left, then removes its socket;
+# with its folder already gone it aborts with "terminate called ... No such file or directory"
+# in the last server's log, its shared memory already freed. Not worth 2 s of every run's stop.
 _SHM_MANAGER_EXIT_SECONDS = 5.0
 GRACE_SECONDS_ANNOUNCED = 1.0
 _GRACE_SECONDS_JOINED = 3.0
@@ -406,7 +409,8 @@ class LocalSwarm:
         a private swarm (only its owner's clients used it), 3 s for servers that joined
         another host's swarm. ``drain``: others' clients may have requests in flight (a swarm
         others joined); each server's grace begins once its log says it drained them, at most
-        :data:`~dist_eval.swarm.drain.DRAIN_TIMEOUT_S` after the SIGINT.
+        :data:`~dist_eval.swarm.drain.DRAIN_TIMEOUT_S` after the SIGINT, and their TMPDIR goes
+        once torch's shared-memory manager has left it.
         SwarmError if a process survives (never seen).
         """
         with self._lock:
@@ -422,7 +426,7 @@ class LocalSwarm:
                 grace = _GRACE_SECONDS_JOINED if self.join_peers else _GRACE_SECONDS_PRIVATE
             self._terminate(began + drain_s + timeout, min(grace, 0.6 * timeout), drain_s)
         finally:
-            self._cleanup_files()
+            self._cleanup_files(wait_for_shm_managers=drain)
             if self._watchdog is not None:
                 self._watchdog.release()
                 self._watchdog = None
@@ -643,7 +647,7 @@ class LocalSwarm:
         self._sockets |= {p for p in paths if os.path.basename(p).startswith("hivemind-")}
         return live
 
-    def _cleanup_files(self) -> None:
+    def _cleanup_files(self, wait_for_shm_managers: bool = False) -> None:
         for path in self._sockets:
             try:
                 os.unlink(path)
@@ -652,8 +656,10 @@ class LocalSwarm:
         if self._workdir is None:
             return
         tmpdir = os.path.join(self._workdir, "tmp")
-        waited_until = time.monotonic() + _SHM_MANAGER_EXIT_SECONDS  # it cleans up after the servers
-        while shm_managers_under(tmpdir) and time.monotonic() < waited_until:
+        # a drained stop (a swarm others use, whose logs may be kept) lets torch's manager of shared
+        # memory leave its socket folder itself; a private swarm's stop does not wait for it
+        waited_until = time.monotonic() + (_SHM_MANAGER_EXIT_SECONDS if wait_for_shm_managers else 0.0)
+        while time.monotonic() < waited_until and shm_managers_under(tmpdir):
             time.sleep(0.05)
         shutil.rmtree(tmpdir, ignore_errors=True)
         for s in self._servers:  # the servers' identities (private keys) go whatever happens
