@@ -20,9 +20,9 @@ import torch
 from dist_eval import ranks
 from dist_eval.backends.objects import evaluation_model
 from dist_eval.config import Options, Settings, read_label_words, settings_from, with_setting_keywords
-from dist_eval.data.labels import TaskColumns, check_columns, label_names_of, read_labels
+from dist_eval.data.labels import label_names_of, read_labels
 from dist_eval.data.loader import loader_batches
-from dist_eval.data.sample import sample_rows
+from dist_eval.data.sample import sampled_rows
 from dist_eval.data.shard import dataset_batches
 from dist_eval.errors import UsageError, warn
 from dist_eval.merge import MergedResults, merge_on_main, rows_per_second
@@ -172,13 +172,6 @@ def evaluate(
         if not return_logits and result.predictions is not None:
             result.predictions = _without_logits(result.predictions)
     return result
-
-
-def sampled_rows(data, settings: Settings):
-    """The rows evaluate() evaluates of a Dataset: its ``limit`` sample."""
-    columns = TaskColumns.of(settings)
-    check_columns(data, columns)
-    return sample_rows(data, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
 
 
 def slice_values(data, settings: Settings, options: Options) -> tuple:
@@ -497,9 +490,7 @@ def _check_data(data, tokenizer, settings: Settings, task: _Task):
         raise UsageError("evaluate(data=Dataset) needs tokenizer=...; or pass a DataLoader of token ids.")
     if task.pad_token_id is None:
         raise UsageError("unknown (the model config has none); pass pad_token_id=...", param="pad_token_id")
-    columns = TaskColumns.of(settings)
-    check_columns(data, columns)
-    data = sample_rows(data, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
+    data = sampled_rows(data, settings)
     labels = _read_labels(data, settings, task)
     return data, labels, task.label_names or label_names_of(data, settings.label_column)
 

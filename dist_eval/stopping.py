@@ -22,8 +22,8 @@ import numpy as np
 
 from dist_eval import ranks
 from dist_eval.config import Options, Settings
-from dist_eval.data.labels import TaskColumns, check_columns, is_generic_names, label_names_of
-from dist_eval.data.sample import column_values, key_order, sample_rows
+from dist_eval.data.labels import TaskColumns, is_generic_names, label_names_of
+from dist_eval.data.sample import column_values, key_order, sampled_rows
 from dist_eval.errors import UsageError
 from dist_eval.merge import MergedResults, merge_parts, rows_per_second, rows_report
 from dist_eval.metrics import default_top_k
@@ -96,8 +96,7 @@ class Rounds:
 
     def __init__(self, data, settings: Settings):
         columns = [name for _, name in TaskColumns.of(settings).named()]
-        check_columns(data, TaskColumns.of(settings))
-        self.data = sample_rows(data, settings.limit, settings.limit_seed, columns)
+        self.data = sampled_rows(data, settings)
         self.order = key_order(column_values(self.data, columns), settings.limit_seed)
         self.population = len(self.data)
         self.round_rows = settings.stop_round_rows

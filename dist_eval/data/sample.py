@@ -14,6 +14,8 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from dist_eval.data.labels import TaskColumns, check_columns
+
 
 def row_keys(columns: Sequence[Sequence], seed: int) -> np.ndarray:
     """uint64 key of each row: blake2b (8 bytes) of the row's values, keyed by ``seed``."""
@@ -79,3 +81,13 @@ def sample_rows(dataset, limit: int, seed: int, columns: Sequence[str]):
         return dataset
     indices = sample_indices(column_values(dataset, columns), limit, seed)
     return dataset.select(indices.tolist())
+
+
+def sampled_rows(dataset, settings):
+    """The rows an evaluation of ``dataset`` evaluates: its task columns (``settings``' text,
+    pair and label columns) checked, one line naming the flag, then their ``settings.limit``
+    sample (:func:`sample_rows`).
+    """
+    columns = TaskColumns.of(settings)
+    check_columns(dataset, columns)
+    return sample_rows(dataset, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
