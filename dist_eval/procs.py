@@ -114,7 +114,7 @@ def shm_managers_under(folder: str) -> List[int]:
     memory they left and removes its socket: with its folder gone first, it aborts there
     ("terminate called ... No such file or directory", in the output it inherited).
     """
-    found = []
+    found, inside = [], folder.rstrip(os.sep) + os.sep
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/comm") as f:
@@ -122,7 +122,7 @@ def shm_managers_under(folder: str) -> List[int]:
                     continue
         except (OSError, ValueError):
             continue
-        if any(path.startswith(folder.rstrip(os.sep) + os.sep) for path in _unix_socket_paths([int(entry)])):
+        if any(path.startswith(inside) for path in _unix_socket_paths([int(entry)])):
             found.append(int(entry))
     return found
 

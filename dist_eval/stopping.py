@@ -161,18 +161,18 @@ class Seen:
         runs = [r["run"] for r in self.reports]
         loop = sum(r["eval_loop_seconds"] for r in runs)
         stores = [r["run"]["row_store"] for r in self.reports]
+        summed = ("rows_from_store", "rows_evaluated", "seconds_saved", "read_seconds", "write_seconds")
+        store = {**stores[0], **{name: sum(s[name] for s in stores) for name in summed}}
         return {
             "num_truncated": sum(r["num_truncated"] for r in self.reports),
             "run": {
-                "row_store": {**stores[0], **{name: sum(s[name] for s in stores) for name in
-                                              ("rows_from_store", "rows_evaluated", "seconds_saved",
-                                                               "read_seconds", "write_seconds")}},
+                "row_store": store,
                 "world_size": runs[0]["world_size"],
                 "per_rank_samples": [int(sum(column)) for column in zip(*(r["per_rank_samples"] for r in runs))],
                 "eval_loop_seconds": loop,
                 "forward_seconds_sum": sum(r["forward_seconds_sum"] for r in runs),
                 "loop_cpu_seconds_sum": sum(r["loop_cpu_seconds_sum"] for r in runs),
-                "samples_per_second": rows_per_second(sum(s["rows_evaluated"] for s in stores), loop),
+                "samples_per_second": rows_per_second(store["rows_evaluated"], loop),
                 "duplicates_dropped": sum(r["duplicates_dropped"] for r in runs),
                 "max_batch_seconds": max(r["max_batch_seconds"] for r in runs),
                 "resumed_samples": sum(r["resumed_samples"] for r in runs),

@@ -62,14 +62,14 @@ _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 # Servers that joined another host's swarm get longer, so that their "offline" reaches it;
 # so does a swarm that others may have joined (python -m dist_eval.swarm: stop(grace=...)).
 _GRACE_SECONDS_PRIVATE = 0.25
+GRACE_SECONDS_ANNOUNCED = 1.0
+_GRACE_SECONDS_JOINED = 3.0
 # How long a drained stop waits for torch's shared-memory manager of its servers to exit
 # (procs.shm_managers_under) before it removes their TMPDIR. The manager stays 2 s after its
 # last client (torch's own shutdown delay), freeing what they left, then removes its socket;
 # with its folder already gone it aborts with "terminate called ... No such file or directory"
 # in the last server's log, its shared memory already freed. Not worth 2 s of every run's stop.
 _SHM_MANAGER_EXIT_SECONDS = 5.0
-GRACE_SECONDS_ANNOUNCED = 1.0
-_GRACE_SECONDS_JOINED = 3.0
 
 
 @dataclass
