@@ -63,7 +63,8 @@ def checked_config(**flags) -> EvalConfig:
     first phase: the model folder's family, the demo's family, the local swarm's device
     request, the tracker's package.
     """
-    from dist_eval.backends.families import FAMILIES, family_of_folder
+    from dist_eval.backends.families import family_of_folder
+    from dist_eval.demo import shipped_families
     from dist_eval.output.tracking import check_tracker
     from dist_eval.swarm.devices import DEVICE_REQUEST
 
@@ -74,9 +75,9 @@ def checked_config(**flags) -> EvalConfig:
     check_tracker(config.report_to)  # a missing wandb/tensorboard fails here, before any work
     if config.model is not None and os.path.isdir(config.model):  # a hub id: once its config is fetched
         family_of_folder(config.model)  # a family petals cannot serve is refused here
-    elif config.demo_family is not None and config.demo_family not in FAMILIES:
-        raise UsageError(f"expected one of {', '.join(sorted(FAMILIES))}.", param="demo_family",
-                         value=config.demo_family)
+    elif config.demo_family is not None and config.demo_family not in shipped_families():
+        raise UsageError(f"expected one of {', '.join(shipped_families())} (the families whose demo ships with "
+                         "dist_eval).", param="demo_family", value=config.demo_family)
     return config
 
 

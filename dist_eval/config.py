@@ -347,7 +347,7 @@ _HEAD = (
 )
 _DEMO_FAMILY = (
     "Model family (config.json model_type) of the built-in demo (no --model): the same task on a small model "
-    "of this family; a family petals serves. Default: the embedded demo's."
+    "of this family, shipped with dist_eval (bloom, falcon, llama, mistral, qwen2). Default: the embedded demo's."
 )
 _LOCAL_SERVERS = (
     "Servers of the local swarm started when --initial-peers is omitted (default: 2 on the CPU; on GPUs "

@@ -5,6 +5,8 @@
 #   DIST_EVAL_PYTHON=python3.11 ./launch/install.sh
 #   DIST_EVAL_TORCH="torch==2.13.0" ./launch/install.sh   # torch spec for a fresh venv
 #
+#   DIST_EVAL_INSTALLER=pip ./launch/install.sh           # pip instead of uv (launch/venv_tools.sh)
+#
 # Why not `pip install petals`: petals 2.2.0.post1 pins hivemind==1.1.10.post2, whose
 # sdist downloads the p2pd binary at build time (fails offline / air-gapped) and
 # pydantic<2. hivemind 1.1.12 ships p2pd in its wheel and works; dist_eval/backends/compat.py
@@ -17,24 +19,24 @@ TORCH_SPEC="${DIST_EVAL_TORCH:-torch==2.13.0}"
 STAMP="$VENV/.dist_eval_installed"
 # The stamp holds a hash of what was installed; a change of this script or of
 # pyproject.toml re-runs the install.
-WANT="$(cat "$ROOT/launch/install.sh" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+WANT="$(cat "$ROOT/launch/install.sh" "$ROOT/launch/venv_tools.sh" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && "$VENV/bin/python" -c "import dist_eval" 2>/dev/null; then
   exit 0
 fi
 
-echo "[install] setting up $VENV (a few minutes on first run)" >&2
-[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+echo "[install] setting up $VENV (about a minute on first run)" >&2
+source "$ROOT/launch/venv_tools.sh"
+make_venv "$VENV" "$PYTHON"
 
 # 1. torch first, on its own, so nothing later pulls a multi-GB CUDA build.
 #    A torch already in the venv (e.g. a CUDA build on a GPU cluster) is kept.
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  "${PIP[@]}" "$TORCH_SPEC"
+  "${INSTALL[@]}" "$TORCH_SPEC"
 fi
 
 # 2. petals' real run-time needs (its own metadata pins are stale) + ours.
-"${PIP[@]}" \
+"${INSTALL[@]}" \
   "hivemind==1.1.12" "pydantic>=2" \
   "transformers>=4.32,<4.35" "huggingface-hub>=0.23,<1.0" "tokenizers<0.14" \
   accelerate "peft==0.5.0" "tensor_parallel==1.0.23" "speedtest-cli==2.1.3" \
@@ -42,14 +44,14 @@ fi
   datasets numpy scikit-learn scipy jinja2 tqdm matplotlib pytest pytest-random-order pytest-xdist ruff
 
 # 3. petals itself and bitsandbytes (imported by the server; CPU works unquantized).
-"${PIP[@]}" --no-deps "petals==2.2.0.post1" "bitsandbytes==0.41.1"
+"${INSTALL[@]}" --no-deps "petals==2.2.0.post1" "bitsandbytes==0.41.1"
 
 # 4. a current tokenizers beside the pinned transformers: tokenizer.json files saved since late
 #    2024 write merges as pairs (tokenizers >= 0.20) and Llama 3's set ignore_merges (>= 0.19);
 #    0.13, which transformers 4.33 pins, cannot parse the first and silently drops the second.
 #    transformers 4.33 asks only for the tokenizers API that 0.22 still has (the suite checks its
 #    ids against a current transformers'); its import-time check of the pin is widened to match.
-"${PIP[@]}" --no-deps "tokenizers>=0.22,<0.23"
+"${INSTALL[@]}" --no-deps "tokenizers>=0.22,<0.23"
 "$VENV/bin/python" - <<'PY'
 import importlib.util, pathlib, re
 spec = importlib.util.find_spec("transformers")
@@ -61,7 +63,7 @@ if widened != text:
 PY
 
 # 5. this project, editable, without re-resolving anything.
-"${PIP[@]}" --no-deps -e "$ROOT"
+"${INSTALL[@]}" --no-deps -e "$ROOT"
 
 echo "$WANT" > "$STAMP"
 echo "[install] done: $VENV" >&2

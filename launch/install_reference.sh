@@ -15,17 +15,17 @@ TORCH_SPEC="${DIST_EVAL_TORCH:-torch==2.13.0}"
 # the reference: the last transformers 4.x and the tokenizers it pins (saved since late 2024)
 REFERENCE=("transformers==4.57.6" "tokenizers>=0.22,<0.23" safetensors numpy)
 STAMP="$VENV/.dist_eval_reference_installed"
-WANT="$(cat "$ROOT/launch/install_reference.sh" | sha256sum | cut -d' ' -f1)"
+WANT="$(cat "$ROOT/launch/install_reference.sh" "$ROOT/launch/venv_tools.sh" | sha256sum | cut -d' ' -f1)"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && "$VENV/bin/python" -c "import transformers" 2>/dev/null; then
   exit 0
 fi
 echo "[install_reference] setting up $VENV" >&2
-[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+source "$ROOT/launch/venv_tools.sh"
+make_venv "$VENV" "$PYTHON"
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  "${PIP[@]}" "$TORCH_SPEC"  # first, alone: nothing later pulls a CUDA build
+  "${INSTALL[@]}" "$TORCH_SPEC"  # first, alone: nothing later pulls a CUDA build
 fi
-"${PIP[@]}" "${REFERENCE[@]}"
+"${INSTALL[@]}" "${REFERENCE[@]}"
 echo "$WANT" > "$STAMP"
 echo "[install_reference] done: $VENV" >&2

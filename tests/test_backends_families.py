@@ -109,7 +109,8 @@ def test_head_needs_a_checkpoint_and_demo_family_needs_the_demo(tmp_path, capsys
     from inprocess_cli import run_cli_in_process
 
     assert run_cli_in_process(["--demo-family", "gpt2"]) == 2
-    assert "--demo-family gpt2: expected one of bloom, falcon, llama, mistral, qwen2." in capsys.readouterr().err
+    assert ("--demo-family gpt2: expected one of bloom, falcon, llama, mistral, qwen2 (the families whose demo ships "
+            "with dist_eval).") in capsys.readouterr().err
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "bloom"}')

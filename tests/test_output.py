@@ -242,7 +242,7 @@ def test_report_to_a_missing_package_fails_before_any_work(tracker, package, tmp
     def no_build(*args, **kwargs):
         raise AssertionError("the demo was built before the flags were checked")
 
-    monkeypatch.setattr(dist_eval.demo, "_build", no_build)
+    monkeypatch.setattr(dist_eval.demo, "_install", no_build)
     # no --model: it would be the demo, which builds a model first; the check must come before
     code = run_cli_in_process(["--report-to", tracker, "--output-dir", str(out_dir)], hide_modules=(package,))
     out, err = capfd.readouterr()
@@ -326,3 +326,16 @@ def test_predictions_lines_are_json_dumps_of_each_row(tmp_path, case):
         expected = _predictions_by_json_dumps(merged, names, save_logits, texts)
     with open(path, "rb") as f:
         assert f.read() == expected
+
+
+def test_the_row_store_line_says_what_the_store_did():
+    """Served rows and the time saved; a first run (nothing served) says where its rows were kept;
+    --fresh-rows says none were read."""
+    from dist_eval.output.summary import format_row_store
+
+    store = {"folder": "/s", "fresh_rows": False, "rows_from_store": 300, "rows_evaluated": 500, "seconds_saved": 41.2}
+    assert format_row_store(store) == "  300 rows from the row store, 500 evaluated; about 41.2 s saved (/s)"
+    first = {**store, "rows_from_store": 0, "seconds_saved": 0.0}
+    assert format_row_store(first) == "  row store: 500 rows evaluated and stored for later runs (/s)"
+    fresh = {**first, "fresh_rows": True}
+    assert format_row_store(fresh) == "  row store: --fresh-rows, none read; 500 evaluated and stored (/s)"

@@ -281,14 +281,19 @@ def test_the_worked_example_in_the_docs_is_what_the_demo_gives(demo):
     text = open(os.path.join(REPO, "docs", "running.md")).read()
     rows = re.findall(r"^\| ([0-9.]+) \| (\d+) \| (\d+) \| \[([0-9.]+), ([0-9.]+)\] \| \d+ \|$", text, re.M)
     assert len(rows) == 4, rows
-    for width, round_rows, used, low, high in rows:
-        model, tokenizer, dataset, _ = demo
+    fixed_width = re.search(r"^With `--stop-rule fixed-width`: (\d+), (\d+), (\d+) and (\d+) rows\.$", text, re.M)
+    assert fixed_width, "running.md's line of the fixed-width rule's rows"
+    model, tokenizer, dataset, _ = demo
+    for (width, round_rows, used, low, high), fixed_used in zip(rows, fixed_width.groups()):
         with one_thread():
             result = evaluate(model, dataset, tokenizer=tokenizer, stop_at_width=float(width),
                               stop_round_rows=int(round_rows), bootstrap_resamples=0)
+            fixed = evaluate(model, dataset, tokenizer=tokenizer, stop_at_width=float(width),
+                             stop_round_rows=int(round_rows), bootstrap_resamples=0, stop_rule="fixed-width")
         stop = result.metrics["stopping"]
         assert stop["rows_used"] == int(used), (width, round_rows)
         assert (f"{stop['interval']['low']:.4f}", f"{stop['interval']['high']:.4f}") == (low, high)
+        assert fixed.metrics["stopping"]["rows_used"] == int(fixed_used), (width, round_rows, "fixed-width")
 
 
 def test_a_limit_sample_is_the_set_and_two_equal_models_stop_on_width(demo):

@@ -130,6 +130,9 @@ def quiet_third_party_output() -> None:
     # "Generating train split: ..." bars belong to interactive notebooks, not to a job log.
     # Said through the variables datasets reads at import, so that a process that never
     # loads data (a swarm server) does not import datasets for it (CPU time at every start).
+    # matplotlib logs "generated new fontManager" at INFO the first time it is imported on a
+    # machine, which hivemind's root-logger handler then prints in a run's output.
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("DATASETS_VERBOSITY", "error")
     datasets = sys.modules.get("datasets")

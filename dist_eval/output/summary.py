@@ -102,9 +102,15 @@ def format_summary(metrics: dict) -> str:
 
 
 def format_row_store(store: dict) -> str:
-    """The row store's line: rows it served, rows evaluated, the time it saved."""
-    fresh = " (--fresh-rows: none read)" if store.get("fresh_rows") else ""
-    return (f"  {store['rows_from_store']} rows from the row store{fresh}, {store['rows_evaluated']} evaluated; "
+    """The row store's line: rows it served, rows evaluated, the time it saved; when it served
+    none (a first run), where the evaluated rows were kept for the next.
+    """
+    if store.get("fresh_rows"):
+        return (f"  row store: --fresh-rows, none read; {store['rows_evaluated']} evaluated and stored "
+                f"({store['folder']})")
+    if not store["rows_from_store"]:
+        return f"  row store: {store['rows_evaluated']} rows evaluated and stored for later runs ({store['folder']})"
+    return (f"  {store['rows_from_store']} rows from the row store, {store['rows_evaluated']} evaluated; "
             f"about {store['seconds_saved']:.1f} s saved ({store['folder']})")
 
 

@@ -1,0 +1,27 @@
+# Sourced by launch/install.sh and launch/install_reference.sh (not run on its own): the one way
+# this project makes a virtual environment and installs into it.
+#
+# uv installs where it can be had (several times faster than pip: it unpacks in parallel and
+# does not byte-compile torch's thousands of files up front), else pip. uv does not read pip's
+# configuration, so the find-links and index of `pip config` / PIP_* variables are passed on
+# (a machine whose torch wheel lies in a local folder keeps using it).
+
+# make_venv VENV PYTHON: create VENV with PYTHON's venv module unless it exists; then set INSTALL
+# to the install command for it (an array: "${INSTALL[@]}" PACKAGE ...).
+make_venv() {
+  local venv="$1" python="$2"
+  [[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
+  local pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+  if [[ "${DIST_EVAL_INSTALLER:-uv}" == uv ]] && { "$venv/bin/python" -m uv --version >/dev/null 2>&1 || "${pip[@]}" uv; }; then
+    INSTALL=("$venv/bin/python" -m uv pip install -q --python "$venv/bin/python")
+    local links index
+    links="${PIP_FIND_LINKS:-$("$venv/bin/python" -m pip config get global.find-links 2>/dev/null || true)}"
+    index="${PIP_INDEX_URL:-$("$venv/bin/python" -m pip config get global.index-url 2>/dev/null || true)}"
+    for link in $links; do
+      if [[ -e "$link" || "$link" == *://* ]]; then INSTALL+=(--find-links "$link"); fi
+    done
+    if [[ -n "$index" ]]; then INSTALL+=(--index-url "$index"); fi
+  else
+    INSTALL=("${pip[@]}")
+  fi
+}
