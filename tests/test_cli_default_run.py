@@ -1,10 +1,13 @@
-"""The embedded default: `torchrun --nproc_per_node=2 -m dist_eval` with no model or
-data arguments starts a local swarm, evaluates the built-in prompt-tuned model through
-Petals, reports accuracy > 0.90, and stops every server it started."""
+"""The embedded default, as the README's command 1 runs it (`dist-eval --nproc-per-node 2`, no
+dist_eval flag but the output folder): starts a local swarm, evaluates the built-in prompt-tuned
+model through Petals, reports accuracy > 0.90, prints nothing that is not dist_eval's own, and
+stops every server it started."""
 import json
+import os
+import sys
 
 import pytest
-from conftest import read_jsonl, run_cli, swarm_server_pids
+from conftest import read_jsonl, run_cli, run_in_own_group, swarm_server_pids
 
 pytestmark = [pytest.mark.swarm, pytest.mark.multiproc]
 
@@ -16,8 +19,10 @@ def default_run(tmp_path_factory, demo_cache):
     # A new matplotlib config folder: its first import on a machine logs "generated new fontManager",
     # which must not reach the run's output.
     mpl = tmp_path_factory.mktemp("mplconfig")
-    proc = run_cli(["--output-dir", str(out)], nproc=2, timeout=600,
-                   env={"DIST_EVAL_CACHE": demo_cache, "MPLCONFIGDIR": str(mpl)})
+    env = {**os.environ, "DIST_EVAL_CACHE": demo_cache, "MPLCONFIGDIR": str(mpl), "HF_HUB_OFFLINE": "1"}
+    env.pop("OMP_NUM_THREADS", None)  # as on a user's shell
+    proc = run_in_own_group([sys.executable, "-m", "dist_eval.launcher", "--nproc-per-node", "2", "--",
+                             "--output-dir", str(out)], timeout=600, env=env)
     return out, proc, before
 
 
@@ -27,6 +32,9 @@ def test_default_run(default_run):
     # a normal run prints no traceback (offline version check, exit-time event-loop noise)
     for noise in ("Traceback", "Exception ignored", "Error", "huggingface/tokenizers", "[INFO]", "fontManager"):
         assert noise not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
+    # every line is dist_eval's own: its "dist_eval: ..." lines and the summary's indented ones
+    for line in (proc.stdout + proc.stderr).splitlines():
+        assert line.startswith(("dist_eval: ", "  ")), line
     metrics = json.load(open(out / "metrics.json"))
     assert metrics["accuracy"] > 0.90
     assert metrics["run"]["backend"] == "petals" and metrics["run"]["world_size"] == 2
