@@ -1,12 +1,12 @@
-"""Worker for test_data_loader.py, run under torchrun (or plain python for one process).
+"""The seeds' evaluation loop, for test_evaluation.py's loader test: run by gloo_worker.py in
+the same launch as its own cases (under torchrun, or in the test process for one process).
 
-It plays the seeds' evaluation loop: texts tokenized with padding="max_length" (right
-padding, attention_mask kept), labels, no 'index', a DataLoader with a DistributedSampler
-(shuffle on or off, set_epoch called) or a plain DataLoader that every rank iterates whole.
-Rank 0 saves the merged predictions and metrics of each case."""
+Texts tokenized with padding="max_length" (right padding, attention_mask kept), labels, no
+'index', a DataLoader with a DistributedSampler (shuffle on or off, set_epoch called) or a
+plain DataLoader that every rank iterates whole. Rank 0 saves the merged predictions and
+metrics of each case."""
 import json
 import os
-import sys
 
 import numpy as np
 import torch
@@ -28,16 +28,14 @@ def loaders(rows, distributed):
             rows, batch_size=3, shuffle=shuffle, collate_fn=collate)
 
 
-def main(model_dir, checkpoint, csv_path, out_dir):
+def run_cases(model, model_dir, csv_path, out_dir):
+    """Every case, in the caller's process group (if any), with ``model`` (dist_eval's local one)."""
     import datasets
     from transformers import AutoTokenizer
 
-    from dist_eval import evaluate, load_model
+    from dist_eval import evaluate
 
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model = load_model("local", model_dir, checkpoint=checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "right"
     full = datasets.load_dataset("csv", data_files=csv_path, split="train")
@@ -59,9 +57,3 @@ def main(model_dir, checkpoint, csv_path, out_dir):
             with torch.no_grad():
                 logits = [model.module(r["input_ids"][None]).float().numpy()[0] for r in rows]
             np.save(os.path.join(out_dir, f"uncut_{size}.npy"), np.stack(logits))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:5])

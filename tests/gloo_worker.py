@@ -1,9 +1,12 @@
-"""Worker for test_evaluation.py, run under torchrun (or plain python for one process).
+"""Worker for test_evaluation.py, run under torchrun (or, for one process, called in the test
+process: :func:`main`).
 
 It plays a training loop that owns its process group: it initialises gloo itself, then
 calls dist_eval.evaluate() repeatedly (several dataset sizes and batch sizes), through
 both the Dataset path and the DataLoader + DistributedSampler path. Rank 0 saves what
-it got; every rank checks it received the same metrics."""
+it got; every rank checks it received the same metrics. Given a second data file and
+folder, the same launch then runs the seeds' loader cases (gloo_loader_worker.py) with the
+same model: one launch per world size for both."""
 import json
 import os
 import sys
@@ -13,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 
-def main(model_dir, checkpoint, csv_path, out_dir):
+def main(model_dir, checkpoint, csv_path, out_dir, loader_csv=None, loader_out=None):
     import datasets
     from transformers import AutoTokenizer
 
@@ -70,6 +73,10 @@ def main(model_dir, checkpoint, csv_path, out_dir):
         )
         result = evaluate(model, loader, return_logits=True)
         _save(out_dir, f"loader_{size}", result, rank)
+    if loader_csv is not None:
+        import gloo_loader_worker
+
+        gloo_loader_worker.run_cases(model, model_dir, loader_csv, loader_out)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -100,4 +107,4 @@ def _save(out_dir, name, result, rank):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:])

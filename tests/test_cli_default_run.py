@@ -7,7 +7,8 @@ import os
 import sys
 
 import pytest
-from conftest import read_jsonl, run_cli, run_in_own_group, swarm_server_pids
+from conftest import read_jsonl, run_in_own_group, swarm_server_pids
+from inprocess_cli import run_cli_in_process
 
 pytestmark = [pytest.mark.swarm, pytest.mark.multiproc]
 
@@ -47,12 +48,13 @@ def test_default_run(default_run):
     assert set(swarm_server_pids()) <= before  # every server it started is gone
 
 
-def test_local_backend_gives_the_same_predictions(default_run, tmp_path, demo_cache):
+def test_local_backend_gives_the_same_predictions(default_run, tmp_path, demo_cache, monkeypatch):
+    """The demo on the local backend, one rank in this process (one thread: a torchrun rank's bits)."""
     out, proc, _ = default_run
     assert proc.returncode == 0
     local = tmp_path / "local"
-    proc = run_cli(["--output-dir", str(local), "--backend", "local"], nproc=1, env={"DIST_EVAL_CACHE": demo_cache})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setenv("DIST_EVAL_CACHE", demo_cache)
+    assert run_cli_in_process(["--output-dir", str(local), "--backend", "local"]) == 0
     assert read_jsonl(local / "predictions.jsonl") == read_jsonl(out / "predictions.jsonl")
     swarm_metrics = json.load(open(out / "metrics.json"))
     local_metrics = json.load(open(local / "metrics.json"))

@@ -1,20 +1,13 @@
 """dist_eval.data.loader: the seeds' DataLoader as it is (no 'index', an attention mask,
-a DistributedSampler or a plain loader), in one process and in real gloo groups."""
-import json
-import os
-import subprocess
-import sys
-
+a DistributedSampler or a plain loader), in one process. In real gloo groups:
+test_evaluation.py's test_seeds_loader_every_row_once_metrics_equal_sklearn (its launches
+run gloo_loader_worker.py's cases)."""
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, free_port, write_csv
-from sklearn import metrics as skm
 
 from dist_eval.data import loader as dl
 from dist_eval.errors import UsageError
-
-WORKER = os.path.join(REPO, "tests", "gloo_loader_worker.py")
 
 
 def rows(n, width=6, lengths=None):
@@ -109,52 +102,3 @@ def test_unknowable_indices_are_used_when_batches_carry_index():
     data = [dict(r, index=i) for i, r in enumerate(rows(3))]
     got = batches(torch.utils.data.DataLoader(data, batch_sampler=[[2, 0], [1]]))
     assert [b[1].tolist() for b in got] == [[2, 0], [1]]
-
-
-@pytest.fixture(scope="module")
-def runs(tiny_model, tiny_checkpoint, tmp_path_factory):
-    base = tmp_path_factory.mktemp("gloo_loader")
-    csv = write_csv(str(base / "data.csv"), 50, seed=5)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",  # this checkout's dist_eval
-           "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
-    out = {}
-    for world in (1, 2, 3):
-        out[world] = base / f"n{world}"
-        out[world].mkdir()
-        launcher = [sys.executable] if world == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-            "--master_port", str(free_port())]
-        proc = subprocess.run([*launcher, WORKER, tiny_model, tiny_checkpoint, csv, str(out[world])],
-                              capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
-
-
-def load(out_dir, name):
-    with open(os.path.join(out_dir, name + ".json")) as f:
-        return dict(np.load(os.path.join(out_dir, name + ".npz"))), json.load(f)
-
-
-# a DistributedSampler needs a process group: one process runs the plain loaders only
-WORLD_CASES = [(world, case) for world in (1, 2, 3)
-               for case in ("dist_shuffle0", "dist_shuffle1", "plain_shuffle0", "plain_shuffle1")
-               if world > 1 or case.startswith("plain")]
-
-
-@pytest.mark.multiproc
-@pytest.mark.parametrize("size", [1, 5, 7, 50])
-@pytest.mark.parametrize(("world", "case"), WORLD_CASES)
-def test_seeds_loader_every_row_once_metrics_equal_sklearn(runs, world, size, case):
-    single, _ = load(runs[1], f"plain_shuffle0_{size}")
-    arrays, m = load(runs[world], f"{case}_{size}")
-    assert arrays["indices"].tolist() == list(range(size))  # every row once; repeats dropped
-    assert m["num_samples"] == size and sum(m["run"]["per_rank_samples"]) == size
-    assert np.array_equal(arrays["preds"], single["preds"]) and np.array_equal(arrays["labels"], single["labels"])
-    uncut = np.load(os.path.join(runs[1], f"uncut_{size}.npy"))  # cut batches: the same results
-    np.testing.assert_allclose(arrays["logits"], uncut, rtol=1e-4, atol=1e-5)
-    assert np.array_equal(arrays["preds"], uncut.argmax(1))
-    labels, preds = single["labels"], single["preds"]
-    kw = dict(labels=[0, 1, 2], zero_division=0)
-    assert m["accuracy"] == pytest.approx(skm.accuracy_score(labels, preds), abs=1e-12)
-    assert m["f1_macro"] == pytest.approx(skm.f1_score(labels, preds, average="macro", **kw), abs=1e-12)
-    assert m["confusion_matrix"] == skm.confusion_matrix(labels, preds, labels=[0, 1, 2]).tolist()

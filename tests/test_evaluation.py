@@ -2,7 +2,8 @@
 
 evaluate() is called inside a process group that the caller (a "training loop") made,
 for dataset sizes 1, 2, 3, 5, 7, 100 and batch sizes 1, 4, 16, so that some ranks get
-no batch at all and shards differ in size."""
+no batch at all and shards differ in size. The same launches run the seeds' DataLoader cases
+(gloo_loader_worker.py; test_data_loader.py tests dist_eval.data.loader in one process)."""
 import json
 import os
 import subprocess
@@ -18,40 +19,49 @@ WORKER = os.path.join(REPO, "tests", "gloo_worker.py")
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model, tiny_checkpoint, tmp_path_factory):
+def launches(tiny_model, tiny_checkpoint, tmp_path_factory):
+    """One launch per world size runs both workers' cases: gloo_worker.py's (worlds 1-4) and,
+    with the same model, gloo_loader_worker.py's (worlds 1-3). World 1 is plain evaluate()
+    without a process group: called in this process, with one thread as a torchrun rank has.
+    Returns ({world: gloo_worker's folder}, {world: the loader cases' folder})."""
+    import gloo_worker
+    from inprocess_cli import one_thread
+
     base = tmp_path_factory.mktemp("gloo")
     csv = write_csv(str(base / "data.csv"), 100, seed=3)
+    loader_csv = write_csv(str(base / "loader_data.csv"), 50, seed=5)
     # the checkout under test, not an installed copy of the package
     pythonpath = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath}
-    out = {}
+    out, loader_out = {}, {}
     for world in (1, 2, 3, 4):
-        out_dir = base / f"n{world}"
-        out_dir.mkdir()
-        launcher = (
-            [sys.executable]
-            if world == 1
-            else [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                str(world),
-                "--master_port",
-                str(free_port()),
-            ]
-        )
-        proc = subprocess.run(
-            [*launcher, WORKER, tiny_model, tiny_checkpoint, csv, str(out_dir)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-            cwd=REPO,
-        )
+        out[world] = base / f"n{world}"
+        out[world].mkdir()
+        args = [tiny_model, tiny_checkpoint, csv, str(out[world])]
+        if world <= 3:
+            loader_out[world] = base / f"loader_n{world}"
+            loader_out[world].mkdir()
+            args += [loader_csv, str(loader_out[world])]
+        if world == 1:
+            with one_thread():
+                gloo_worker.main(*args)
+            continue
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+                    "--master_port", str(free_port())]
+        proc = subprocess.run([*launcher, WORKER, *args], capture_output=True, text=True, timeout=300, env=env,
+                              cwd=REPO)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        out[world] = out_dir
-    return out
+    return out, loader_out
+
+
+@pytest.fixture(scope="module")
+def runs(launches):
+    return launches[0]
+
+
+@pytest.fixture(scope="module")
+def loader_runs(launches):
+    return launches[1]
 
 
 def load(out_dir, name):
@@ -167,3 +177,30 @@ def test_throughput_options_change_no_result(runs, world, size, variant):
     # and each option is still exact across N: bitwise equal to its own single-process run
     single, _ = load(runs[1], f"{variant}_{size}")
     assert np.array_equal(single["logits"], other["logits"])
+
+
+# the seeds' DataLoader (dist_eval.data.loader) in real gloo groups (moved here from
+# test_data_loader.py: its cases run in this module's launches). A DistributedSampler needs a
+# process group: one process runs the plain loaders only
+WORLD_CASES = [(world, case) for world in (1, 2, 3)
+               for case in ("dist_shuffle0", "dist_shuffle1", "plain_shuffle0", "plain_shuffle1")
+               if world > 1 or case.startswith("plain")]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("size", [1, 5, 7, 50])
+@pytest.mark.parametrize(("world", "case"), WORLD_CASES)
+def test_seeds_loader_every_row_once_metrics_equal_sklearn(loader_runs, world, size, case):
+    single, _ = load(loader_runs[1], f"plain_shuffle0_{size}")
+    arrays, m = load(loader_runs[world], f"{case}_{size}")
+    assert arrays["indices"].tolist() == list(range(size))  # every row once; repeats dropped
+    assert m["num_samples"] == size and sum(m["run"]["per_rank_samples"]) == size
+    assert np.array_equal(arrays["preds"], single["preds"]) and np.array_equal(arrays["labels"], single["labels"])
+    uncut = np.load(os.path.join(loader_runs[1], f"uncut_{size}.npy"))  # cut batches: the same results
+    np.testing.assert_allclose(arrays["logits"], uncut, rtol=1e-4, atol=1e-5)
+    assert np.array_equal(arrays["preds"], uncut.argmax(1))
+    labels, preds = single["labels"], single["preds"]
+    kw = dict(labels=[0, 1, 2], zero_division=0)
+    assert m["accuracy"] == pytest.approx(skm.accuracy_score(labels, preds), abs=1e-12)
+    assert m["f1_macro"] == pytest.approx(skm.f1_score(labels, preds, average="macro", **kw), abs=1e-12)
+    assert m["confusion_matrix"] == skm.confusion_matrix(labels, preds, labels=[0, 1, 2]).tolist()

@@ -33,6 +33,7 @@ from conftest import (
     write_csv,
 )
 from fake_hub import fake_hub
+from inprocess_cli import run_cli_in_process
 
 LAUNCH = os.path.join(REPO, "launch")
 SCRIPTS = ["run_local.sh", "run_multinode.sh", "start_server.sh", "slurm.sbatch"]
@@ -136,10 +137,10 @@ def assert_ok(returncode, log):
 
 @pytest.fixture(scope="module")
 def local_reference(tiny_model, inputs, tmp_path_factory):
-    """The single-node run of the local backend: torchrun with one rank (launch/run_local.sh)."""
+    """The single-node run of the local backend, one rank: in this process (one thread, as a
+    torchrun rank: the same bits; launch/run_local.sh itself runs in the two-hosts test)."""
     out = tmp_path_factory.mktemp("reference")
-    proc = run_script("run_local.sh", eval_args(tiny_model, inputs, out, "--backend", "local"), env={"NPROC": "1"})
-    assert_ok(proc.returncode, proc.stderr)
+    assert run_cli_in_process(eval_args(tiny_model, inputs, out, "--backend", "local")) == 0
     return outputs(out)
 
 

@@ -1,9 +1,12 @@
 """A rank killed mid-run, then the same command again: only the rows without a stored
 result are evaluated again, and the final report equals an uninterrupted run's. Real
-torchrun jobs (gloo, the local backend), a real SIGKILL."""
+torchrun jobs (gloo, the local backend), a real SIGKILL. The uninterrupted references run in
+this process (one rank: a run's results are the same bits for any N); one interrupted job
+serves both tests that start from one (each resumes its own copy)."""
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +14,7 @@ import time
 
 import pytest
 from conftest import REPO, all_pids, free_port, read_jsonl, run_cli, stop_group, write_csv
+from inprocess_cli import run_cli_in_process
 
 pytestmark = pytest.mark.multiproc
 NUM_ROWS = 1000
@@ -24,9 +28,27 @@ def job(tiny_model, tiny_checkpoint, tmp_path_factory):
             "--batch-size", "1", "--in-flight", "1", "--save-logits", "--quiet", "--save-interval", "0",
             "--bootstrap-resamples", "50"]
     reference = base / "reference"
-    proc = run_cli([*args, "--output-dir", str(reference)], nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_cli_in_process([*args, "--output-dir", str(reference)]) == 0
     return base, args, reference
+
+
+@pytest.fixture(scope="module")
+def interrupted(job):
+    """One 2-rank job, rank 1 SIGKILLed once it stored some batches: its output folder (partial
+    results only). Tests resume copies of it."""
+    base, args, _ = job
+    out = base / "interrupted_once"
+    code, err = _interrupted_run(args, out)
+    assert code != 0
+    assert not (out / "metrics.json").exists() and not (out / "predictions.jsonl").exists()
+    stored = glob.glob(str(out / "partial" / "*" / "*.npz"))
+    assert stored and not glob.glob(str(out / "partial" / "*" / "*.tmp"))
+    return out
+
+
+def _copy_of(interrupted, out):
+    shutil.copytree(interrupted, out)
+    return out
 
 
 def _rank_pid(torchrun_pid: int, rank: int):
@@ -69,14 +91,9 @@ def _interrupted_run(args, out, kill_after_files: int = 20, stored: str = "*/ran
         stop_group(proc.pid)
 
 
-def test_killed_rank_then_resume_equals_uninterrupted_run(job):
+def test_killed_rank_then_resume_equals_uninterrupted_run(job, interrupted):
     base, args, reference = job
-    out = base / "interrupted"
-    code, err = _interrupted_run(args, out)
-    assert code != 0
-    assert not (out / "metrics.json").exists() and not (out / "predictions.jsonl").exists()
-    stored = glob.glob(str(out / "partial" / "*" / "*.npz"))
-    assert stored and not glob.glob(str(out / "partial" / "*" / "*.tmp"))
+    out = _copy_of(interrupted, base / "interrupted")  # the kill's checks: in the fixture
 
     # the same command again, on 3 ranks this time: the batch plan does not depend on N; with
     # --slice-by (it changes no result, so the stored batches serve: slices of the resumed run)
@@ -104,8 +121,7 @@ def test_a_run_that_stops_early_resumes_its_sequence_exactly(job):
     base, args, _ = job
     stopping = [*args, "--stop-at-width", "0.12", "--stop-round-rows", "100"]
     reference = base / "stopping_reference"
-    proc = run_cli([*stopping, "--output-dir", str(reference)], nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_cli_in_process([*stopping, "--output-dir", str(reference)]) == 0  # one rank: the same rounds
     ref = json.load(open(reference / "metrics.json"))
     assert ref["stopping"]["reason"] == "width" and ref["stopping"]["rounds"] > 3  # the kill lands mid-run
 
@@ -125,19 +141,19 @@ def test_a_run_that_stops_early_resumes_its_sequence_exactly(job):
     assert not (out / "partial").exists()
 
 
-def test_other_settings_never_mix_in_stored_results(job):
+def test_other_settings_never_mix_in_stored_results(job, interrupted, capfd):
+    """The interrupted job's partial results, then a run with another batch plan (in this
+    process: what is checked is the stored results' fate, not the launch)."""
     base, args, reference = job
-    out = base / "changed"
-    code, _ = _interrupted_run(args, out)
-    assert code != 0 and glob.glob(str(out / "partial" / "*" / "*.npz"))
-    changed = [a if a != "--batch-size" else a for a in args]
+    out = _copy_of(interrupted, base / "changed")
+    assert glob.glob(str(out / "partial" / "*" / "*.npz"))
+    changed = list(args)
     changed[changed.index("--batch-size") + 1] = "3"  # another batch plan: stored batches do not apply
-    proc = run_cli([*changed, "--output-dir", str(out)], nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (
-        "removing stored partial results (made by another model, checkpoint, data or settings)"
-        in proc.stdout + proc.stderr
-    )
+    capfd.readouterr()
+    code = run_cli_in_process([*changed, "--output-dir", str(out)])
+    printed = "".join(capfd.readouterr())
+    assert code == 0, printed[-3000:]
+    assert "removing stored partial results (made by another model, checkpoint, data or settings)" in printed
     metrics = json.load(open(out / "metrics.json"))
     assert metrics["run"]["resumed_samples"] == 0
     ref_preds = [r["pred"] for r in read_jsonl(reference / "predictions.jsonl")]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import read_jsonl, run_cli
-from inprocess_cli import one_thread
+from inprocess_cli import one_thread, run_cli_in_process
 
 from dist_eval import evaluate
 from dist_eval.config import STOP_METRIC_NAMES, STOP_RULE_NAMES, Settings
@@ -158,20 +158,29 @@ def test_what_cannot_stop_is_refused_naming_the_setting(demo):
 
 
 @pytest.mark.multiproc
-def test_the_cli_stops_on_the_same_rows_with_the_same_numbers_for_one_and_two_ranks(demo_cache, tmp_path):
+def test_the_cli_stops_on_the_same_rows_with_the_same_numbers_for_one_and_two_ranks(demo_cache, tmp_path, capfd,
+                                                                                      monkeypatch):
+    """One process (in this one: one thread, as a launched process has) and two torchrun ranks."""
     common = ["--backend", "local", "--stop-at-width", "0.06", "--stop-round-rows", "64", "--save-logits", "--quiet"]
     env = {"DIST_EVAL_CACHE": demo_cache}
     runs = {}
     for nproc in (0, 2):
         out = tmp_path / f"n{nproc}"
-        proc = run_cli([*common, "--output-dir", str(out)], nproc=nproc, env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        if nproc == 0:
+            monkeypatch.setenv("DIST_EVAL_CACHE", demo_cache)
+            capfd.readouterr()
+            code = run_cli_in_process([*common, "--output-dir", str(out)])
+            stdout, stderr = capfd.readouterr()
+        else:
+            proc = run_cli([*common, "--output-dir", str(out)], nproc=nproc, env=env)
+            code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+        assert code == 0, stderr[-3000:]
         metrics = json.loads((out / "metrics.json").read_text())
         runs[nproc] = metrics, read_jsonl(out / "predictions.jsonl")
         assert not (out / "partial").exists()  # the rounds' partial results are removed with the rest
         assert "stopped after" in (out / "report.html").read_text()
         assert re.search(r"accuracy \d\.\d{4} on \d+ samples \(stopped after \d+ of 800 rows: width, 95% time-uniform "
-                         r"interval \[0\.\d{4}, [01]\.\d{4}\]\) -> ", proc.stdout), proc.stdout  # --quiet's one line
+                         r"interval \[0\.\d{4}, [01]\.\d{4}\]\) -> ", stdout), stdout  # --quiet's one line
     (one, one_rows), (two, two_rows) = runs[0], runs[2]
     timing = ("seconds", "seconds_saved_estimate")
     assert {k: v for k, v in one["stopping"].items() if k not in timing} == \
