@@ -14,6 +14,9 @@ from dist_eval.backends.families import FAMILIES, checkpoint_prefixes, family_of
 def test_entry_names_real_classes_and_attributes(name):
     import transformers
 
+    from dist_eval.backends.blocks import register
+
+    register()  # the newer families' config classes, whichever test runs first
     family = FAMILIES[name]
     config = transformers.AutoConfig.for_model(
         name, vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -60,7 +63,7 @@ def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
     with flag_names():
         text = str(caught.value)
     assert "\n" not in text and text.startswith("--model /m: config.json has model_type 'gpt2'")
-    assert text.endswith("the families that work: bloom, falcon, llama, mistral, qwen2 "
+    assert text.endswith("the families that work: bloom, falcon, llama, mistral, qwen2, qwen3, qwen3_moe "
                          "(docs/models-and-checkpoints.md).")
     old_falcon = types.SimpleNamespace(model_type="falcon", new_decoder_architecture=False, multi_query=True)
     with pytest.raises(UsageError, match="old multi-query layout .*the families that work: bloom, falcon, llama"):
@@ -101,7 +104,7 @@ def test_the_cli_refuses_a_family_petals_cannot_serve_up_front(tmp_path, capsys,
     shown = "" if "gpt2" in why else " (new_decoder_architecture=False, multi_query=True in config.json)"
     assert errors[0] == (f"dist_eval: error: --model {model}: {why}{shown}"
                          ": not a model dist_eval computes; the families that work: bloom, falcon, llama, mistral, "
-                         "qwen2 (docs/models-and-checkpoints.md).")
+                         "qwen2, qwen3, qwen3_moe (docs/models-and-checkpoints.md).")
     assert not (tmp_path / "out").exists()  # refused before any work (no swarm, no output folder)
 
 
