@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_eval.backends.blocks import family_class
+from dist_eval.backends.blocks import family_class, has_own_layers
 from dist_eval.backends.families import FAMILIES, checkpoint_prefixes, family_of
 
 
@@ -50,6 +50,35 @@ def test_petals_class_exists_with_the_table_paths(name):
     assert cls.config_class.block_prefix == family.server_blocks
     lm_class = family_class(family.petals_lm_class, in_petals=True)  # zero-shot: the same config (blocks), an LM head
     assert lm_class.config_class is cls.config_class and lm_class.__name__.endswith("ForCausalLM")
+
+
+@pytest.mark.parametrize("name", [name for name, family in sorted(FAMILIES.items()) if has_own_layers(family)])
+def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(name):
+    """petals' server builds a block as config.block_class(config); told the index it loads
+    (as dist_eval's servers do), it is the local model's layer of that index, tensor for tensor."""
+    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.layers import SERVER_BLOCK_INDEX
+
+    import_petals()
+    family = FAMILIES[name]
+    settings = dict(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=6, pad_token_id=0, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    local = family_class(family.local_class, in_petals=False)
+    layers = local(local.config_class(**settings)).model.layers
+    server_config = family_class(family.petals_class, in_petals=True).config_class(**settings)
+    experts = []
+    for index, layer in enumerate(layers):
+        token = SERVER_BLOCK_INDEX.set(index)
+        try:
+            block = server_config.block_class(server_config)
+        finally:
+            SERVER_BLOCK_INDEX.reset(token)
+        shapes = {k: v.shape for k, v in block.state_dict().items()}
+        assert shapes == {k: v.shape for k, v in layer.state_dict().items()}
+        assert shapes["self_attn.q_norm.weight"] == (6,) and shapes["self_attn.q_proj.weight"] == (12, 8)
+        experts += [index] if "mlp.gate.weight" in shapes else []
+    assert experts == ([1] if name == "qwen3_moe" else [])  # blocks 1 and 3 by the step, 3 dense by its list
 
 
 def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():

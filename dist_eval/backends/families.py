@@ -106,7 +106,8 @@ class Family:
     # a family newer than the pinned transformers: the family whose classes and block it runs
     # (its own classes subclass those, with this model_type), with these config options (class
     # attributes of its config classes: also the defaults of a key config.json leaves out);
-    # ``qk_norm``: the blocks are dist_eval's own layers (backends.layers)
+    # ``qk_norm``: the blocks are dist_eval's own layers (backends.layers); ``mixture_of_experts``:
+    # with experts where config.json's num_experts, mlp_only_layers and decoder_sparse_step say
     built_on: str = ""
     block_options: tuple = ()
     # config.json's keys of a sliding attention window: (the window, the switch that turns it on,
@@ -203,7 +204,7 @@ def _block_refusal(config, options: dict) -> str:
     if head_dim and head_dim * heads != hidden and not own_attention:
         return (f"head_dim {head_dim} in config.json is not hidden_size / num_attention_heads "
                 f"({hidden} / {heads}); only that head size is computed here")
-    if "num_experts" in options:
+    if options.get("mixture_of_experts"):
         return _experts_refusal(config)
     return ""
 
@@ -313,8 +314,8 @@ FAMILIES["qwen3"] = _built_on_llama("qwen3", "Qwen3", block_options=(("qk_norm",
 # num_experts_per_tok of num_experts), but the blocks in mlp_only_layers or off decoder_sparse_step
 FAMILIES["qwen3_moe"] = _built_on_llama(
     "qwen3_moe", "Qwen3Moe", block_options=(
-        ("qk_norm", True), ("num_experts", 128), ("num_experts_per_tok", 8), ("moe_intermediate_size", 768),
-        ("norm_topk_prob", False), ("decoder_sparse_step", 1), ("mlp_only_layers", ())),
+        ("qk_norm", True), ("mixture_of_experts", True), ("num_experts", 128), ("num_experts_per_tok", 8),
+        ("moe_intermediate_size", 768), ("norm_topk_prob", False), ("decoder_sparse_step", 1), ("mlp_only_layers", ())),
     sliding_window=("sliding_window", "use_sliding_window"))
 
 

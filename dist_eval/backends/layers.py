@@ -14,7 +14,8 @@ family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE).
   hidden state alone, and the router and each expert compute at least :data:`MIN_ROWS` rows
   at once (:func:`_rows`), so a row's result is the same whatever else is in its batch
   (padding included): the exactness for any N holds.
-- which block has the mixture: transformers' rule (:func:`is_sparse`), by the block's index:
+- which block has the mixture (in a family with the block option ``mixture_of_experts``):
+  transformers' rule (:func:`is_sparse`), by the block's index:
   not in ``mlp_only_layers``, and ``(index + 1) % decoder_sparse_step == 0``; the others have
   the dense MLP of ``intermediate_size``.
 
@@ -55,7 +56,11 @@ def head_dim_of(config) -> int:
 
 
 def is_sparse(config, index: int) -> bool:
-    """Whether block ``index`` of ``config`` has the mixture of experts (else the dense MLP)."""
+    """Whether block ``index`` of ``config`` has the mixture of experts (else the dense MLP); never
+    in a family without the block option ``mixture_of_experts`` (a dense Qwen3 ignores ``num_experts``).
+    """
+    if not getattr(config, "mixture_of_experts", False):
+        return False
     experts = getattr(config, "num_experts", 0) or 0
     dense = getattr(config, "mlp_only_layers", None) or ()
     return experts > 0 and index not in dense and (index + 1) % getattr(config, "decoder_sparse_step", 1) == 0
