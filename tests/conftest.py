@@ -48,7 +48,8 @@ def build_tiny_model(folder: str, seed: int = 0, num_layers: int = 4, family: st
                      variant: str = "") -> str:
     """A random tiny ``<family>ForCausalLM`` + word-level tokenizer, saved like a real model.
 
-    ``family``: llama (the default, unchanged), bloom, falcon, mistral or qwen2. ``layout``: "causal_lm"
+    ``family``: llama (the default, unchanged), bloom, falcon, mistral, qwen2, qwen3 (head_dim 16, not
+    hidden/heads) or qwen3_moe (4 experts, 2 per token, blocks 0 and 2 dense). ``layout``: "causal_lm"
     (a ``*ForCausalLM`` save: ``model.``/``transformer.`` key prefixes), "base" (a base model
     save, e.g. ``BloomModel``: ``h.<i>.`` keys, the layout of bigscience's hub checkpoints)
     or "seq_cls" (a ``*ForSequenceClassification`` save, with a random 3-class ``score``).
@@ -138,6 +139,16 @@ def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = "
         register()
         return AutoConfig.for_model(family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2,
                                     max_position_embeddings=128, **common)
+    if family in ("qwen3", "qwen3_moe"):  # dist_eval's own layers: a head size apart, q/k norms; experts
+        from transformers import AutoConfig
+
+        from dist_eval.backends.blocks import register
+
+        register()
+        experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                       decoder_sparse_step=2) if family == "qwen3_moe" else {}
+        return AutoConfig.for_model(family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2,
+                                    head_dim=16, max_position_embeddings=128, **experts, **common)
     raise ValueError(f"family={family!r}")
 
 

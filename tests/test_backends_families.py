@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_eval.backends.blocks import family_class
+from dist_eval.backends.blocks import family_class, has_own_layers
 from dist_eval.backends.families import FAMILIES, checkpoint_prefixes, family_of
 
 
@@ -14,6 +14,9 @@ from dist_eval.backends.families import FAMILIES, checkpoint_prefixes, family_of
 def test_entry_names_real_classes_and_attributes(name):
     import transformers
 
+    from dist_eval.backends.blocks import register
+
+    register()  # the newer families' config classes, whichever test runs first
     family = FAMILIES[name]
     config = transformers.AutoConfig.for_model(
         name, vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -49,6 +52,35 @@ def test_petals_class_exists_with_the_table_paths(name):
     assert lm_class.config_class is cls.config_class and lm_class.__name__.endswith("ForCausalLM")
 
 
+@pytest.mark.parametrize("name", [name for name, family in sorted(FAMILIES.items()) if has_own_layers(family)])
+def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(name):
+    """petals' server builds a block as config.block_class(config); told the index it loads
+    (as dist_eval's servers do), it is the local model's layer of that index, tensor for tensor."""
+    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.layers import SERVER_BLOCK_INDEX
+
+    import_petals()
+    family = FAMILIES[name]
+    settings = dict(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=6, pad_token_id=0, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    local = family_class(family.local_class, in_petals=False)
+    layers = local(local.config_class(**settings)).model.layers
+    server_config = family_class(family.petals_class, in_petals=True).config_class(**settings)
+    experts = []
+    for index, layer in enumerate(layers):
+        token = SERVER_BLOCK_INDEX.set(index)
+        try:
+            block = server_config.block_class(server_config)
+        finally:
+            SERVER_BLOCK_INDEX.reset(token)
+        shapes = {k: v.shape for k, v in block.state_dict().items()}
+        assert shapes == {k: v.shape for k, v in layer.state_dict().items()}
+        assert shapes["self_attn.q_norm.weight"] == (6,) and shapes["self_attn.q_proj.weight"] == (12, 8)
+        experts += [index] if "mlp.gate.weight" in shapes else []
+    assert experts == ([1] if name == "qwen3_moe" else [])  # blocks 1 and 3 by the step, 3 dense by its list
+
+
 def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
     import types
 
@@ -60,7 +92,7 @@ def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
     with flag_names():
         text = str(caught.value)
     assert "\n" not in text and text.startswith("--model /m: config.json has model_type 'gpt2'")
-    assert text.endswith("the families that work: bloom, falcon, llama, mistral, qwen2 "
+    assert text.endswith("the families that work: bloom, falcon, llama, mistral, qwen2, qwen3, qwen3_moe "
                          "(docs/models-and-checkpoints.md).")
     old_falcon = types.SimpleNamespace(model_type="falcon", new_decoder_architecture=False, multi_query=True)
     with pytest.raises(UsageError, match="old multi-query layout .*the families that work: bloom, falcon, llama"):
@@ -101,7 +133,7 @@ def test_the_cli_refuses_a_family_petals_cannot_serve_up_front(tmp_path, capsys,
     shown = "" if "gpt2" in why else " (new_decoder_architecture=False, multi_query=True in config.json)"
     assert errors[0] == (f"dist_eval: error: --model {model}: {why}{shown}"
                          ": not a model dist_eval computes; the families that work: bloom, falcon, llama, mistral, "
-                         "qwen2 (docs/models-and-checkpoints.md).")
+                         "qwen2, qwen3, qwen3_moe (docs/models-and-checkpoints.md).")
     assert not (tmp_path / "out").exists()  # refused before any work (no swarm, no output folder)
 
 

@@ -13,7 +13,7 @@ from dist_eval.backends.local import PromptTunedClassifier, load_local
 
 EMBEDDINGS_NORM = {"bloom": "word_embeddings_layernorm"}  # applied after the prompts are prepended
 FINAL_NORM = {"llama": "norm", "bloom": "ln_f", "falcon": "ln_f"}
-FINAL_NORM.update(mistral="norm", qwen2="norm")  # Llama's backbone
+FINAL_NORM.update(mistral="norm", qwen2="norm", qwen3="norm", qwen3_moe="norm")  # Llama's backbone
 
 
 def load_local_reference(folder, spec, mode, pre_seq_len, tensors):
@@ -146,3 +146,24 @@ def test_base_layout_with_a_head_is_read_from_its_converted_copy(tmp_path, monke
     spec = FAMILIES[family]
     assert torch.equal(spec.get(loaded.module.hf_model, spec.head).weight, torch.ones(3, 32))
     assert loaded.module(batch()).shape == (4, 3)
+
+
+def test_a_tokens_experts_and_their_sum_do_not_depend_on_its_batch():
+    """Qwen3-MoE's mixture (dist_eval's own layer): a row alone, in a batch, or beside padding
+    rows gets the same bits; the router picks 2 of 8 experts per token, several per row."""
+    import types
+
+    from dist_eval.backends.layers import SparseMoeMLP
+
+    config = types.SimpleNamespace(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, hidden_size=64,
+                                   moe_intermediate_size=32, hidden_act="silu")
+    torch.manual_seed(0)
+    moe = SparseMoeMLP(config)
+    rows = torch.randn(5, 7, 64)
+    with torch.no_grad():
+        together = moe(rows)
+        padded = moe(torch.cat([rows, torch.zeros(3, 7, 64)]))[:5]
+        for i in range(5):
+            assert torch.equal(moe(rows[i:i + 1])[0], together[i]) and torch.equal(padded[i], together[i])
+        chosen = torch.topk(moe.gate(rows[0]), 2, dim=-1).indices
+    assert len(set(chosen.flatten().tolist())) > 2

@@ -56,3 +56,30 @@ def test_dist_eval_servers_mark_their_version_and_match_stock_replicas():
     assert servers_without_block_options(table({"peerA": ours, "peerB": server(0, 4),
                                                 "peerC": server(0, 4, state="OFFLINE")})) == [("peerB", "2.2.0.post1")]
     assert servers_without_block_options(table({"peerA": ours})) == []
+
+
+def test_a_family_of_dist_evals_own_layers_refuses_a_swarm_with_stock_servers():
+    """Qwen3 / Qwen3-MoE blocks are dist_eval's layers: a server that is not dist_eval's (its
+    version unmarked) would not compute them, so the client refuses the swarm in one line."""
+    import types
+
+    import pytest
+
+    from dist_eval.backends.blocks import SERVER_VERSION_MARK
+    from dist_eval.backends.families import FAMILIES
+    from dist_eval.backends.petals import _require_block_options
+    from dist_eval.errors import UsageError
+
+    ours = server(0, 4, version="2.2.0.post1" + SERVER_VERSION_MARK)
+    for name in ("qwen3", "qwen3_moe"):
+        config = types.SimpleNamespace(model_type=name)
+        for servers, refused in (({"peerA": ours}, False), ({"peerA": ours, "peerStock": server(2, 4)}, True)):
+            manager = types.SimpleNamespace(state=types.SimpleNamespace(
+                sequence_info=types.SimpleNamespace(block_infos=table(servers))))
+            if not refused:
+                _require_block_options(manager, FAMILIES[name], config)
+                continue
+            with pytest.raises(UsageError) as e:
+                _require_block_options(manager, FAMILIES[name], config)
+            assert "\n" not in str(e.value) and "peerStock... (petals 2.2.0.post1) are not dist_eval's" in str(e.value)
+            assert f"this {name} model's blocks need dist_eval's block options" in str(e.value)

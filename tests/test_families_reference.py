@@ -1,4 +1,4 @@
-"""The families after 2023 (Llama 3.x, Mistral, Qwen2) and tokenizers saved since late 2024,
+"""The families after 2023 (Llama 3.x, Mistral, Qwen2, Qwen3, Qwen3-MoE) and tokenizers saved since late 2024,
 checked against a reference nobody in this project wrote: a current transformers and
 tokenizers, in their own environment (launch/install_reference.sh), make tiny models and
 tokenizers and compute ids and logits (tests/reference/make_reference.py, run once per test
@@ -10,12 +10,15 @@ run, nothing stored). Here, in the project's environment:
   (no prompts; and with prompts prepended, ptune);
 - on a local swarm started by the run, torchrun N=2, the logits equal local N=1 bit for bit
   (and so the reference within 1e-4), marked swarm;
+- dist_eval's own layers (Qwen3's head size and q/k norms, Qwen3-MoE's experts) hold exactly
+  the tensors the current transformers saved, and give experts to the blocks it does;
 - what no block computes is refused in one line, from config.json, before anything loads.
 """
 import json
 import os
 import shutil
 import subprocess
+import types
 
 import numpy as np
 import pytest
@@ -24,7 +27,11 @@ from conftest import REPO, read_jsonl, run_cli
 from inprocess_cli import run_cli_in_process
 
 TOLERANCE = 1e-4
-KINDS = ("llama3", "mistral", "qwen2")
+KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe")
+# on a swarm: Qwen3's blocks are Qwen3-MoE's dense block 1 (the same server block class, attention
+# and MLP; tests/test_backends_families.py builds each family's server blocks by index), so its own
+# swarm run (bitwise too, about 13 s) is left out for the suite's time budget
+SWARM_KINDS = ("llama3", "mistral", "qwen2", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +117,27 @@ def test_local_logits_within_1e4_of_the_current_transformers(reference, kind, mo
     assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_own_layers_hold_exactly_the_saved_tensors_and_route_as_transformers(reference, kind):
+    """No tensor of the folder left unread, none made up (transformers 4.33 would initialise a
+    missing one at random); which blocks have experts is transformers' rule."""
+    from safetensors.torch import load_file
+
+    from dist_eval.backends import load_model
+    from dist_eval.backends.layers import is_sparse
+
+    out, ref = reference
+    model = load_model("local", str(out / kind), checkpoint=checkpoint(reference, kind, "head"))
+    backbone = model.module.hf_model.model
+    saved = {k[len("model."):] for k in load_file(str(out / kind / "model.safetensors")) if k.startswith("model.")}
+    assert set(backbone.state_dict()) == saved
+    experts = [i for i, layer in enumerate(backbone.layers) if hasattr(layer.mlp, "experts")]
+    assert experts == ([0, 2, 3] if kind == "qwen3_moe" else [])
+    mix = ref["sparse_layers"]
+    config = types.SimpleNamespace(mixture_of_experts=True, **mix["settings"])
+    assert [i for i in range(config.num_hidden_layers) if is_sparse(config, i)] == mix["sparse"] == [1, 5]
+
+
 @pytest.mark.parametrize("kind", ["llama3", "qwen2"])
 def test_each_block_option_matters(reference, kind, monkeypatch):
     """Without the option the family needs (llama3 rope, q/k/v biases) the logits move far
@@ -150,7 +178,9 @@ def edited_folder(reference, tmp_path, kind, **changes):
     ("llama3", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope'"),
     ("llama3", {"attention_bias": True}, "attention_bias: true"),
     ("mistral", {"head_dim": 32}, "head_dim 32"),
-    ("qwen2", {"model_type": "qwen3"}, "the norms on q and k"),
+    ("qwen2", {"model_type": "qwen2_moe"}, "with a shared expert"),
+    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok 9 in config.json is not between 1 and "),
     ("mistral", {"model_type": "mixtral"}, "mixture-of-experts"),
     ("llama3", {"model_type": "llava"}, "model_type 'llava'"),
 ])
@@ -203,7 +233,7 @@ def write_rows(path, corpus):
 
 @pytest.mark.swarm
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SWARM_KINDS)
 def test_swarm_n2_equals_local_n1_bitwise_and_the_reference(reference, tmp_path, kind):
     out, ref = reference
     case = ref["cases"][kind]

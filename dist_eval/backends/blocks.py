@@ -2,8 +2,10 @@
 
 The families after 2023 that dist_eval serves are built on an older family's block with a
 few options (the family table's ``built_on`` and ``block_options``,
-:mod:`dist_eval.backends.families`): q/k/v projections with biases, and rotary frequencies
-rescaled by the ``llama3`` rule. Everything here reads the table; no family is named.
+:mod:`dist_eval.backends.families`): q/k/v projections with biases, rotary frequencies
+rescaled by the ``llama3`` rule, and (option ``qk_norm``) layers of dist_eval's own
+(:mod:`dist_eval.backends.layers`: per-head q/k norms, a head size of its own, mixtures of
+experts). Everything here reads the table; no family is named.
 
 Three things make a folder saved by a current transformers computable by the pinned one,
 each applied once per process by :func:`register` (client ranks, the local backend and the
@@ -17,7 +19,10 @@ servers dist_eval starts alike, so the swarm computes what ``--backend local`` c
 2. **The block.** After the base attention's ``__init__``: biased q/k/v projections when
    the config says ``qkv_bias``, and the ``llama3`` frequencies (:func:`llama3_inv_freq`, the
    rule of transformers >= 4.43) with the cos/sin cache rebuilt from them. petals' server
-   block derives from the same attention class, so it gets the same options.
+   block derives from the same attention class, so it gets the same options. A family with
+   ``qk_norm`` has layers of its own instead, the same in both (the local classes build them
+   in place of Llama's, petals' config names their block class; a server tells a block its
+   index, :func:`server_block_replacements`).
 3. **Classes.** For each family built on another, subclasses of the other's config, local
    (transformers) and petals classes with this family's ``model_type``, registered with
    transformers' ``AutoConfig`` and, when petals is imported, petals' own registry (the
@@ -111,6 +116,11 @@ def apply_block_options(attention, config) -> None:
             old = getattr(attention, name)
             setattr(attention, name, nn.Linear(old.in_features, old.out_features, bias=True,
                                                device=old.weight.device, dtype=old.weight.dtype))
+    rescale_rope(attention, config)
+
+
+def rescale_rope(attention, config) -> None:
+    """The ``llama3`` rotary frequencies for an attention module of ``config``, when it asks for them."""
     rope = getattr(config, "rope_llama3", None)
     if rope:
         rotary = attention.rotary_emb
@@ -162,7 +172,13 @@ def _build_transformers_classes(family) -> None:
     autos = (transformers.AutoModelForSequenceClassification, transformers.AutoModelForCausalLM)
     for name, base_name, auto in zip((family.local_class, family.local_lm_class),
                                      (base.local_class, base.local_lm_class), autos):
-        _classes[name] = type(name, (getattr(transformers, base_name),), {"config_class": config})
+        base_class = getattr(transformers, base_name)
+        body = {"config_class": config}
+        if has_own_layers(family):
+            from dist_eval.backends.layers import own_layers_init
+
+            body["__init__"] = own_layers_init(base_class)
+        _classes[name] = type(name, (base_class,), body)
         auto.register(config, _classes[name])
 
 
@@ -174,8 +190,12 @@ def _build_petals_classes(family) -> None:
         return
     base = _base(family)
     base_config = getattr(petals, "Distributed" + _config_name(base))
-    config = type("Distributed" + _config_name(family), (base_config,),
-                  {"model_type": family.model_type, **dict(family.block_options)})
+    body = {"model_type": family.model_type, **dict(family.block_options)}
+    if has_own_layers(family):  # the server's block (its attention is still a config.attn_class)
+        from dist_eval.backends.layers import petals_block_class
+
+        body["block_class"] = petals_block_class()
+    config = type("Distributed" + _config_name(family), (base_config,), body)
     built = {}
     for name, base_name in ((family.petals_class, base.petals_class), (family.petals_lm_class, base.petals_lm_class)):
         built[name] = _classes[name] = type(name, (getattr(petals, base_name),), {"config_class": config})
@@ -203,6 +223,34 @@ def family_class(name: str, in_petals: bool):
         import transformers as module
     register()
     return _classes[name] if name in _classes else getattr(module, name)
+
+
+def has_own_layers(family) -> bool:
+    """Whether the family's blocks are dist_eval's own layers (:mod:`dist_eval.backends.layers`)."""
+    return bool(dict(family.block_options).get("qk_norm"))
+
+
+def server_block_replacements() -> list:
+    """Petals' server builds block ``i`` as ``config.block_class(config)``, without ``i``; a
+    block of dist_eval's layers needs it (which blocks have the mixture of experts). The
+    server's ``load_pretrained_block`` (which knows ``i``) sets it for the block's build
+    (:data:`dist_eval.backends.layers.SERVER_BLOCK_INDEX`).
+    """
+    import petals.server.server as server
+
+    from dist_eval.backends.layers import SERVER_BLOCK_INDEX
+
+    load = server.load_pretrained_block
+
+    @functools.wraps(load)
+    def load_pretrained_block(model_name, block_index, *args, **kwargs):
+        token = SERVER_BLOCK_INDEX.set(block_index)
+        try:
+            return load(model_name, block_index, *args, **kwargs)
+        finally:
+            SERVER_BLOCK_INDEX.reset(token)
+
+    return [(server, "load_pretrained_block", load_pretrained_block)]
 
 
 def needs_block_options(family, config) -> bool:

@@ -104,7 +104,10 @@ class Family:
     config_class: str = ""
     attention_class: str = ""
     # a family newer than the pinned transformers: the family whose classes and block it runs
-    # (its own classes subclass those, with this model_type), with these config options
+    # (its own classes subclass those, with this model_type), with these config options (class
+    # attributes of its config classes: also the defaults of a key config.json leaves out);
+    # ``qk_norm``: the blocks are dist_eval's own layers (backends.layers); ``mixture_of_experts``:
+    # with experts where config.json's num_experts, mlp_only_layers and decoder_sparse_step say
     built_on: str = ""
     block_options: tuple = ()
     # config.json's keys of a sliding attention window: (the window, the switch that turns it on,
@@ -129,7 +132,7 @@ class Family:
                 shown = ", ".join(f"{name}={value}" for name, value in settings)
                 return f"{why} ({shown} in config.json)"
         if self.attention_class or self.built_on:  # the block of backends.blocks
-            return _block_refusal(config)
+            return _block_refusal(config, dict(self.block_options))
         return ""
 
     def attention_window(self, config) -> int:
@@ -167,10 +170,9 @@ class Family:
 SERVED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 # families seen in configs that no block here computes, and why (the rest: "not a family dist_eval knows")
 NOT_COMPUTED = {
-    "mixtral": "its mixture-of-experts blocks", "qwen2_moe": "its mixture-of-experts blocks",
-    "qwen3": "the norms on q and k in its attention", "qwen3_moe": "its mixture-of-experts blocks",
-    "gemma": "its scaled embeddings and GeGLU blocks", "gemma2": "its soft-capped, alternating sliding attention",
-    "gemma3": "its soft-capped, alternating sliding attention", "phi3": "its fused projections and longrope",
+    "mixtral": "mixture-of-experts blocks", "qwen2_moe": "mixture-of-experts blocks with a shared expert",
+    "gemma": "scaled embeddings and GeGLU blocks", "gemma2": "soft-capped, alternating sliding attention",
+    "gemma3": "soft-capped, alternating sliding attention", "phi3": "fused projections and longrope",
 }
 
 
@@ -183,20 +185,38 @@ def rope_type(rope_scaling) -> Optional[str]:
     return rope_scaling.get("rope_type", rope_scaling.get("type"))
 
 
-def _block_refusal(config) -> str:
-    """What in a config of a Llama-shaped block the block does not compute ('' when nothing)."""
+def _block_refusal(config, options: dict) -> str:
+    """What in a config of a Llama-shaped block the block does not compute ('' when nothing).
+    ``options``: the family's block options; with ``qk_norm`` the block's attention is
+    dist_eval's own (backends.blocks.QkNormAttention), which computes any head_dim and biases
+    on all four projections (``attention_bias``).
+    """
     kind = rope_type(getattr(config, "rope_scaling", None))
     if kind is not None and kind not in SERVED_ROPE_TYPES:
         return (f"rope_scaling of rope_type {kind!r} in config.json is not computed here "
                 f"(computed: {', '.join(SERVED_ROPE_TYPES)})")
-    for key in ("attention_bias", "mlp_bias"):
+    own_attention = bool(options.get("qk_norm"))
+    for key in ("mlp_bias",) if own_attention else ("attention_bias", "mlp_bias"):
         if getattr(config, key, False):
             return f"{key}: true in config.json (biases this block does not have) is not computed here"
     hidden, heads = getattr(config, "hidden_size", 0), getattr(config, "num_attention_heads", 0) or 1
     head_dim = getattr(config, "head_dim", None)
-    if head_dim and head_dim * heads != hidden:
+    if head_dim and head_dim * heads != hidden and not own_attention:
         return (f"head_dim {head_dim} in config.json is not hidden_size / num_attention_heads "
                 f"({hidden} / {heads}); only that head size is computed here")
+    if options.get("mixture_of_experts"):
+        return _experts_refusal(config)
+    return ""
+
+
+def _experts_refusal(config) -> str:
+    """What in a mixture-of-experts config the block does not compute ('' when nothing)."""
+    experts, chosen = getattr(config, "num_experts", 0), getattr(config, "num_experts_per_tok", 0)
+    if experts and not 0 < chosen <= experts:
+        return (f"num_experts_per_tok {chosen} in config.json is not between 1 and num_experts ({experts}); "
+                "no router chooses that many experts")
+    if getattr(config, "decoder_sparse_step", 1) < 1:
+        return f"decoder_sparse_step {config.decoder_sparse_step} in config.json is not 1 or more"
     return ""
 
 
@@ -285,6 +305,18 @@ FAMILIES["mistral"] = _built_on_llama("mistral", "Mistral", sliding_window=("sli
 # Qwen2 / Qwen2.5: Llama's block with biases on the q, k and v projections (not on o)
 FAMILIES["qwen2"] = _built_on_llama("qwen2", "Qwen2", block_options=(("qkv_bias", True),),
                                     sliding_window=("sliding_window", "use_sliding_window"))
+# Qwen3: Llama's block with dist_eval's attention (an RMSNorm over each head's q and k before
+# RoPE, head_dim set apart from hidden/heads); the options' values are also the config's defaults
+# (transformers' Qwen3Config), for a config.json that leaves a key out
+FAMILIES["qwen3"] = _built_on_llama("qwen3", "Qwen3", block_options=(("qk_norm", True), ("head_dim", 128)),
+                                    sliding_window=("sliding_window", "use_sliding_window"))
+# Qwen3-MoE: Qwen3's attention; the MLP of a block a mixture of experts (a softmax router choosing
+# num_experts_per_tok of num_experts), but the blocks in mlp_only_layers or off decoder_sparse_step
+FAMILIES["qwen3_moe"] = _built_on_llama(
+    "qwen3_moe", "Qwen3Moe", block_options=(
+        ("qk_norm", True), ("mixture_of_experts", True), ("num_experts", 128), ("num_experts_per_tok", 8),
+        ("moe_intermediate_size", 768), ("norm_topk_prob", False), ("decoder_sparse_step", 1), ("mlp_only_layers", ())),
+    sliding_window=("sliding_window", "use_sliding_window"))
 
 
 def tokenizers_calling_the_base() -> frozenset:

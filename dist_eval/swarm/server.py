@@ -84,14 +84,16 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
        token ids would reach the blocks as hidden states. :func:`dist_eval.backends.patches.apply`
        refuses that order;
     3. :mod:`dist_eval.swarm.drain`: a shutdown waits for the requests in flight (it counts them
-       in each request handler, around whatever the others changed inside them).
+       in each request handler, around whatever the others changed inside them);
+    4. :func:`dist_eval.backends.blocks.server_block_replacements`: a block is built knowing its
+       index (a mixture-of-experts family's blocks differ by index).
 
     Before the server starts (its connection handlers, forked later, share what these set).
     Idempotent. ``model_dir``/``first_block``: the served folder and its first block (the table
     a server of block 0 looks token ids up in).
     """
     from dist_eval.backends import wire
-    from dist_eval.backends.blocks import register, server_version_replacements
+    from dist_eval.backends.blocks import register, server_block_replacements, server_version_replacements
     from dist_eval.backends.compat import import_petals, quiet_third_party_output
     from dist_eval.backends.patches import apply
     from dist_eval.swarm import drain, merged_forward
@@ -103,6 +105,7 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     register()  # the blocks and classes of the families petals 2.2.0 lacks, in petals' registry
     apply("server_version", "server", server_version_replacements)  # says it computes them
     apply("drain", "server", drain.replacements)
+    apply("block_index", "server", server_block_replacements)
 
 
 if __name__ == "__main__":

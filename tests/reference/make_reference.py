@@ -5,12 +5,18 @@
 For each family after 2023 that dist_eval computes, a tiny random model saved by the current
 transformers (``*ForCausalLM.save_pretrained``: config.json as it writes it, safetensors) with a
 tokenizer trained and saved by the current tokenizers (merges as pairs; Llama 3's
-``ignore_merges``; SentencePiece-style for Mistral; Qwen2's own tokenizer class), and, for
+``ignore_merges``; SentencePiece-style for Mistral; Qwen2's own tokenizer class, which Qwen3 uses
+too), and, for
 the rows of ``CORPUS``: the ids the current tokenizer gives, and the logits of the current
 ``*ForSequenceClassification`` (no prompts) and of its backbone with prompts prepended (ptune).
 Everything is computed here, in one run, from fixed seeds; ``OUT/reference.json`` holds the
 numbers and the versions that made them. dist_eval's tests (tests/test_families_reference.py)
 read OUT in the project's environment. Nothing here imports dist_eval.
+
+Qwen3 and Qwen3-MoE have a ``head_dim`` (32) other than hidden/heads (16); Qwen3-MoE routes each
+token to 2 of 8 experts (``norm_topk_prob``), block 1 dense (``mlp_only_layers``), and
+``sparse_layers`` records which blocks transformers gives experts for another mix
+(``decoder_sparse_step`` 2 with ``mlp_only_layers``), from its own decoder layers.
 """
 import json
 import os
@@ -37,6 +43,7 @@ CORPUS = [
     "a",
 ]
 HIDDEN, HEADS, KV_HEADS, LAYERS, INTERMEDIATE = 64, 4, 2, 4, 128
+HEAD_DIM, EXPERTS, EXPERTS_PER_TOKEN, EXPERT_INTERMEDIATE = 32, 8, 2, 32  # Qwen3 (head_dim), Qwen3-MoE
 NUM_LABELS, PRE_SEQ_LEN = 3, 4
 # whole words put in the Llama-3-style vocabulary without a merge that makes them: emitted
 # whole only where ignore_merges is honoured
@@ -109,7 +116,7 @@ def tokenizer_of(kind: str):
         tok = train_bpe(False, ["<unk>", "<s>", "</s>"])
         return LlamaTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                   pad_token="</s>", add_bos_token=True, add_eos_token=False, legacy=False)
-    tok = train_bpe(True, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])  # Qwen2: byte-level, no BOS
+    tok = train_bpe(True, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])  # Qwen2, Qwen3: byte-level, no BOS
     return Qwen2TokenizerFast(tokenizer_object=tok, unk_token=None, bos_token=None, eos_token="<|endoftext|>",
                               pad_token="<|endoftext|>")
 
@@ -126,11 +133,32 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
             "original_max_position_embeddings": 64}, **common)
     if kind == "mistral":
         return transformers.MistralConfig(rope_theta=10000.0, sliding_window=4096, **common)
+    if kind == "qwen3":  # Qwen3-0.6B-style (tied), with biases on q, k, v and o (attention_bias)
+        return transformers.Qwen3Config(rope_theta=1000000.0, tie_word_embeddings=True, head_dim=HEAD_DIM,
+                                        attention_bias=True, use_sliding_window=False, **common)
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, **MOE, **common)
     return transformers.Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
                                     **common)
 
 
-CLASSES = {"llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+MOE = dict(num_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=EXPERT_INTERMEDIATE,
+           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+CLASSES = {"llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
+
+
+def sparse_layers() -> dict:
+    """The blocks transformers' Qwen3-MoE decoder layers give experts, for a config of 6 blocks,
+    decoder_sparse_step 2 and mlp_only_layers [3] (its own layers, built one by one)."""
+    import transformers
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+    settings = dict(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3], num_experts=4,
+                    num_experts_per_tok=2, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                    intermediate_size=32, moe_intermediate_size=8, vocab_size=16)
+    config = transformers.Qwen3MoeConfig(**settings)
+    sparse = [i for i in range(6) if isinstance(m.Qwen3MoeDecoderLayer(config, i).mlp, m.Qwen3MoeSparseMoeBlock)]
+    return {"settings": settings, "sparse": sparse}
 
 
 def make(kind: str, out: str) -> dict:
@@ -143,10 +171,14 @@ def make(kind: str, out: str) -> dict:
     torch.manual_seed(0)
     name = CLASSES[kind]
     lm = getattr(transformers, f"{name}ForCausalLM")(config).eval()
-    with torch.no_grad():  # biases (Qwen2's q/k/v) start at zero: give them values that count
+    with torch.no_grad():  # biases (Qwen2's q/k/v) start at zero, norms at one: give them values that count
         for key, tensor in lm.named_parameters():
             if key.endswith("proj.bias"):
                 tensor.normal_(0.0, 0.5)
+            elif key.endswith(("q_norm.weight", "k_norm.weight")):
+                tensor.uniform_(0.5, 1.5)
+            elif key.endswith("mlp.gate.weight"):  # a router far from uniform: no near-tie between experts
+                tensor.normal_(0.0, 0.3)
     lm.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     g = torch.Generator().manual_seed(1)
@@ -177,7 +209,8 @@ def main(out: str) -> None:
     os.makedirs(out, exist_ok=True)
     cases = {kind: make(kind, out) for kind in CLASSES}
     result = {"versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
-                           "torch": torch.__version__}, "corpus": CORPUS, "cases": cases}
+                           "torch": torch.__version__}, "corpus": CORPUS, "cases": cases,
+              "sparse_layers": sparse_layers()}
     with open(os.path.join(out, "reference.json.tmp"), "w", encoding="utf-8") as f:
         json.dump(result, f, ensure_ascii=False)
     os.replace(os.path.join(out, "reference.json.tmp"), os.path.join(out, "reference.json"))

@@ -1,0 +1,253 @@
+"""The block parts dist_eval computes itself, in plain torch, for the families whose block the
+pinned transformers (4.33) has no class for: those with the block option ``qk_norm`` in the
+family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE).
+
+- :class:`QkNormAttention`: Llama's attention with an RMSNorm over each head's q and k
+  (``q_norm``, ``k_norm``, a weight of ``head_dim`` values) before RoPE, ``head_dim`` set apart
+  from hidden/heads (config.json's ``head_dim``), and biases on q, k, v and o when
+  ``attention_bias`` is true. RoPE, its scaling types and the mask are the pinned Llama's.
+- :class:`SparseMoeMLP`: a mixture of ``num_experts`` experts (each a gated MLP of
+  ``moe_intermediate_size``): a softmax router (``gate``) over the experts, the
+  ``num_experts_per_tok`` most probable chosen per token, their probabilities renormalised
+  to sum to 1 when ``norm_topk_prob``, the experts' outputs summed with those weights (in
+  the order of the experts' indices). A token's experts and weights depend on that token's
+  hidden state alone, and the router and each expert compute at least :data:`MIN_ROWS` rows
+  at once (:func:`_rows`), so a row's result is the same whatever else is in its batch
+  (padding included): the exactness for any N holds.
+- which block has the mixture (in a family with the block option ``mixture_of_experts``):
+  transformers' rule (:func:`is_sparse`), by the block's index:
+  not in ``mlp_only_layers``, and ``(index + 1) % decoder_sparse_step == 0``; the others have
+  the dense MLP of ``intermediate_size``.
+
+The same parts make the decoder layers of ``--backend local`` (:class:`OwnDecoderLayer`, by
+index) and the blocks of the servers dist_eval starts (:func:`petals_block_class`): petals'
+server builds a block as ``config.block_class(config)``, without its index, so those servers
+tell it the index of the block they load (:data:`SERVER_BLOCK_INDEX`,
+:func:`dist_eval.backends.blocks.server_block_replacements`). Tensor names are transformers':
+``self_attn.{q,k,v,o}_proj``, ``self_attn.{q,k}_norm``, ``mlp.gate``,
+``mlp.experts.<e>.{gate,up,down}_proj``.
+"""
+from __future__ import annotations
+
+import contextvars
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaRMSNorm,
+    repeat_kv,
+    rotate_half,
+)
+
+# the index of the block this process's petals server is loading (None: not loading one)
+SERVER_BLOCK_INDEX: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_block_index", default=None)
+
+
+def head_dim_of(config) -> int:
+    """The size of one attention head: config.json's ``head_dim``, else hidden/heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def is_sparse(config, index: int) -> bool:
+    """Whether block ``index`` of ``config`` has the mixture of experts (else the dense MLP); never
+    in a family without the block option ``mixture_of_experts`` (a dense Qwen3 ignores ``num_experts``).
+    """
+    if not getattr(config, "mixture_of_experts", False):
+        return False
+    experts = getattr(config, "num_experts", 0) or 0
+    dense = getattr(config, "mlp_only_layers", None) or ()
+    return experts > 0 and index not in dense and (index + 1) % getattr(config, "decoder_sparse_step", 1) == 0
+
+
+def largest_block_index(config) -> int:
+    """The index of a block of the largest kind: the first with the mixture, else 0 (what a
+    block built without its index is, e.g. for petals' size estimate).
+    """
+    return next((i for i in range(config.num_hidden_layers) if is_sparse(config, i)), 0)
+
+
+class QkNormAttention(LlamaAttention):
+    """Llama's attention with per-head q/k RMSNorms before RoPE and a ``head_dim`` of its own.
+
+    A subclass of the pinned ``LlamaAttention`` for its rotary tables (``_init_rope``) and
+    because petals' server counts the heads of the block's ``config.attn_class`` modules;
+    its ``__init__`` (which derives the head size from hidden/heads) is not called.
+    """
+
+    def __init__(self, config):
+        nn.Module.__init__(self)
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = head_dim_of(config)
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.max_position_embeddings = config.max_position_embeddings
+        self.rope_theta = config.rope_theta
+        bias = bool(getattr(config, "attention_bias", False))
+        inner, kv_inner = self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(self.hidden_size, inner, bias=bias)
+        self.k_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
+        self.v_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
+        self.o_proj = nn.Linear(inner, self.hidden_size, bias=bias)
+        self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self._init_rope()
+        from dist_eval.backends.blocks import rescale_rope
+
+        rescale_rope(self, config)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_value: Optional[tuple] = None,
+                output_attentions: bool = False, use_cache: bool = False, **kwargs) -> tuple:
+        bsz, q_len, _ = hidden_states.size()
+        heads = (bsz, q_len, -1, self.head_dim)
+        query = self.q_norm(self.q_proj(hidden_states).view(heads)).transpose(1, 2)
+        key = self.k_norm(self.k_proj(hidden_states).view(heads)).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(heads).transpose(1, 2)
+
+        past = past_key_value[0].shape[-2] if past_key_value is not None else 0
+        cos, sin = self.rotary_emb(value, seq_len=past + q_len)  # [1, 1, positions, head_dim]
+        if position_ids is None:  # petals' server: the positions after the cached ones
+            position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
+        cos, sin = cos[0, 0][position_ids].unsqueeze(1), sin[0, 0][position_ids].unsqueeze(1)
+        query = query * cos + rotate_half(query) * sin
+        key = key * cos + rotate_half(key) * sin
+
+        if past_key_value is not None:
+            key = torch.cat([past_key_value[0], key], dim=2)
+            value = torch.cat([past_key_value[1], value], dim=2)
+        past_key_value = (key, value) if use_cache else None
+        key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
+
+        weights = torch.matmul(query, key.transpose(2, 3)) / math.sqrt(self.head_dim)
+        if attention_mask is not None:
+            weights = weights + attention_mask
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+        output = torch.matmul(weights, value).transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
+        return self.o_proj(output), (weights if output_attentions else None), past_key_value
+
+
+class ExpertMLP(nn.Module):
+    """One expert: a gated MLP (``down(act(gate(x)) * up(x))``) of its own intermediate size."""
+
+    def __init__(self, config, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoeMLP(nn.Module):
+    """A mixture of experts: softmax router, the top ``num_experts_per_tok`` per token."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)
+        self.experts = nn.ModuleList(ExpertMLP(config, config.moe_intermediate_size) for _ in range(self.num_experts))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        probabilities = F.softmax(_rows(self.gate, tokens), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probabilities, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(tokens.dtype)
+        output = torch.zeros_like(tokens)
+        for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
+            token, slot = torch.where(chosen == expert)
+            output.index_add_(0, token, _rows(self.experts[expert], tokens[token]) * weights[token, slot, None])
+        return output.view(hidden_states.shape)
+
+
+# MKL computes a matrix product of few rows by another path than one of many, summing in
+# another order: measured here (torch 2.13, MKL 2024.2, one thread), the last bits of a row
+# differ below 16 rows (below 3 for 64 columns, 6 for 128, 11 for 256) and never from 16 on.
+MIN_ROWS = 32
+
+
+def _rows(module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """``module(rows)`` (rows: [count, features]), each row's result independent of the count.
+
+    An expert sees the tokens routed to it, a few or many as the batch goes, so the number of
+    rows of its products changes with what else is in the batch; fewer than :data:`MIN_ROWS`
+    are computed with zero rows added (their results dropped).
+    """
+    count = rows.shape[0]
+    if count >= MIN_ROWS:
+        return module(rows)
+    return module(torch.cat([rows, rows.new_zeros(MIN_ROWS - count, rows.shape[1])]))[:count]
+
+
+def build_layer_parts(layer: nn.Module, config, index: int) -> None:
+    """Give ``layer`` (a Llama decoder layer, its ``__init__`` not run) the parts of block ``index``."""
+    layer.hidden_size = config.hidden_size
+    layer.self_attn = QkNormAttention(config)
+    layer.mlp = SparseMoeMLP(config) if is_sparse(config, index) else LlamaMLP(config)
+    layer.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    layer.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class OwnDecoderLayer(LlamaDecoderLayer):
+    """Block ``layer_idx`` of ``--backend local``: the pinned Llama layer's forward, these parts."""
+
+    def __init__(self, config, layer_idx: int):
+        nn.Module.__init__(self)
+        build_layer_parts(self, config, layer_idx)
+
+
+def own_layers_init(base: type):
+    """An ``__init__`` for a subclass of the pinned ``base`` (a Llama model class) whose
+    backbone's layers are :class:`OwnDecoderLayer`: ``base``'s own with no layers (as petals'
+    ``DistributedLlamaModel`` builds its own), then the layers, then transformers' post-init.
+    """
+
+    def __init__(self, config, *args, **kwargs):
+        count, config.num_hidden_layers = config.num_hidden_layers, 0
+        try:
+            base.__init__(self, config, *args, **kwargs)
+        finally:
+            config.num_hidden_layers = count
+        self.base_model.layers = nn.ModuleList(OwnDecoderLayer(config, i) for i in range(count))
+        self.post_init()
+
+    __init__.__qualname__ = f"{base.__name__}.__init__ (dist_eval's layers)"
+    return __init__
+
+
+_petals_block_class = None
+
+
+def petals_block_class() -> type:
+    """The block class of petals' server for these families: petals' Llama block (its
+    forward, its cache layout) with these parts; built with its index (``layer_idx``, else
+    :data:`SERVER_BLOCK_INDEX`, else :func:`largest_block_index`).
+    """
+    global _petals_block_class
+    if _petals_block_class is None:
+        from petals.models.llama.block import WrappedLlamaBlock
+
+        class OwnPetalsBlock(WrappedLlamaBlock):
+            def __init__(self, config, layer_idx: Optional[int] = None):
+                nn.Module.__init__(self)
+                index = SERVER_BLOCK_INDEX.get() if layer_idx is None else layer_idx
+                build_layer_parts(self, config, largest_block_index(config) if index is None else index)
+                self.pre_attn_graph = self.post_attn_graph = None  # petals' CUDA graphs, made on first use
+
+        OwnPetalsBlock.__qualname__ = OwnPetalsBlock.__name__  # found by name in this module (pickle)
+        globals()["OwnPetalsBlock"] = _petals_block_class = OwnPetalsBlock
+    return _petals_block_class
