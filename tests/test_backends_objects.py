@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, build_tiny_model, free_port, run_in_own_group, write_csv
+from float_promises import assert_same_bits
 from inprocess_cli import one_thread
 
 from dist_eval import evaluate, load_model
@@ -91,9 +92,9 @@ def test_transformers_object_equals_load_model_bitwise(folders, dataset, tmp_pat
     before = modes(model)
     got = run(model, dataset, tokenizer)
     assert modes(model) == before  # every module's own flag back
-    assert got[0] == reference[0]  # every metric, exactly
-    assert np.array_equal(got[1], reference[1])  # the float32 logits, bit for bit
-    assert got[0]["accuracy"] == run(model, dataset, tokenizer)[0]["accuracy"]  # eval mode: no dropout draw
+    assert_same_bits(got, reference, f"{family}: every metric and the logits, the object against load_model")
+    assert_same_bits(run(model, dataset, tokenizer)[0]["accuracy"], got[0]["accuracy"],
+                     "the accuracy again (eval mode: no dropout draw)")
     assert not any(p.grad is not None for p in model.parameters())
 
 
@@ -106,7 +107,8 @@ def test_another_architectures_classifier_is_called_as_it_is(dataset, folders):
     model = GPT2ForSequenceClassification(config).train()
     metrics, logits = run(model, dataset, AutoTokenizer.from_pretrained(folders["llama"]))
     assert model.training and logits.shape == (len(dataset), LABELS)
-    assert np.array_equal(run(model, dataset, AutoTokenizer.from_pretrained(folders["llama"]))[1], logits)
+    assert_same_bits(run(model, dataset, AutoTokenizer.from_pretrained(folders["llama"]))[1], logits,
+                     "the logits again (eval mode: no dropout draw)")
 
 
 def refusal(model, dataset, folders):
@@ -214,8 +216,8 @@ def test_petals_object_equals_load_model_bitwise(swarm, dataset, tmp_path, mode)
         got = run(model, dataset, tokenizer)
         assert model.training and all(modes(model))  # back in train mode
         assert "forward" not in vars(blocks)  # the adapter's bounded forward is gone
-        assert got[0] == via_load_model[0] == local[0]
-        assert np.array_equal(got[1], via_load_model[1]) and np.array_equal(got[1], local[1])
+        assert_same_bits(got, via_load_model, f"{family} {mode}: petals' object against load_model")
+        assert_same_bits(got, local, f"{family} {mode}: petals' object against the local backend")
         ids = tokenizer(["w1 w2 w3"], return_tensors="pt")["input_ids"]
         with torch.no_grad():  # the caller's client still works
             assert model.eval()(input_ids=ids).logits.shape == (1, LABELS)
@@ -270,8 +272,8 @@ def test_object_under_gloo_n2_equals_n1(folders, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs[world] = json.load(open(out / "m.json")), np.load(out / "logits.npy")
     assert outs[2][0]["world"] == 2
-    assert outs[2][0]["metrics"] == outs[1][0]["metrics"]
-    assert np.array_equal(outs[2][1], outs[1][1])
+    assert_same_bits(outs[2][0]["metrics"], outs[1][0]["metrics"], "every metric, N=2 against 1")
+    assert_same_bits(outs[2][1], outs[1][1], "the logits, N=2 against 1")
 
 
 LEFT_ALONE = ("HF_HUB_OFFLINE", "HF_DATASETS_DISABLE_PROGRESS_BARS", "DATASETS_VERBOSITY", "TOKENIZERS_PARALLELISM",

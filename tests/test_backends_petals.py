@@ -7,6 +7,7 @@ from unittest import mock
 
 import pytest
 from conftest import build_checkpoint, one_thread_swarm, read_jsonl, run_cli, write_csv
+from float_promises import assert_same_bits, assert_within_rounding
 
 pytestmark = pytest.mark.swarm
 
@@ -44,10 +45,10 @@ def test_petals_equals_local_and_is_exact_across_ranks(swarm, tiny_model, data_c
         assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
         outs[name] = read_jsonl(folder / "predictions.jsonl")
     assert [r["index"] for r in outs["petals2"]] == list(range(41))
-    # bitwise: the JSON floats are the exact float32 values, and every row matches
-    assert outs["petals2"] == outs["local1"]
+    # the JSON floats are the exact float32 values, and every row matches
+    assert_same_bits(outs["petals2"], outs["local1"], "predictions.jsonl, petals N=2 against local N=1")
     if "petals1" in outs:
-        assert outs["petals1"] == outs["petals2"]
+        assert_same_bits(outs["petals1"], outs["petals2"], "predictions.jsonl, petals N=1 against N=2")
     metrics = json.load(open(tmp_path / "petals2" / "metrics.json"))
     assert metrics["run"]["backend"] == "petals" and metrics["run"]["world_size"] == 2
     assert metrics["num_samples"] == 41
@@ -99,8 +100,9 @@ def test_a_batch_over_the_servers_max_batch_size_is_split_not_failed(small_reque
     assert "failed a request" not in stderr["petals"]  # the server was not taken for a failed one
     assert [r["index"] for r in outs["petals"]] == list(range(41))
     assert [r["pred"] for r in outs["petals"]] == [r["pred"] for r in outs["local"]]
-    for got, want in zip(outs["petals"], outs["local"]):  # float rounding at most: rows are cut differently
-        assert got["logits"] == pytest.approx(want["logits"], rel=1e-5, abs=1e-6)
+    assert_within_rounding([r["logits"] for r in outs["petals"]], [r["logits"] for r in outs["local"]],
+                           "the logits, batches split to the server's limit against local",
+                           why="the server's limit cuts each batch into requests of fewer rows")
 
 
 @pytest.mark.multiproc
@@ -157,8 +159,9 @@ def test_deep_prompts_travel_once_per_request(swarm, tiny_model, tmp_path):
         petals.module.close()
     with one_thread(), torch.no_grad():
         local = load_model("local", tiny_model, checkpoint=checkpoint).module(input_ids)
-    assert torch.equal(whole, local)
-    assert torch.allclose(split, local, rtol=1e-5, atol=1e-6)  # rows cut differently: float rounding at most
+    assert_same_bits(whole, local, "the logits of one request, against local")
+    assert_within_rounding(split, local, "the logits of a batch split in two requests, against local",
+                           why="the server's limit cuts the batch into requests of fewer rows")
     # hidden states (or, to a first server holding the client's token embeddings, token ids:
     # backends.wire) and deep prompts, then what comes with token ids
     assert sent and all(len(shapes) in (2, 4) for shapes in sent)

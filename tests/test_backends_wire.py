@@ -10,6 +10,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import REPO, build_checkpoint, build_tiny_model
+from float_promises import assert_same_bits, assert_within_rounding
 
 from dist_eval.backends.wire import (
     POSITIONS_KEY,
@@ -255,9 +256,8 @@ def test_token_ids_go_in_the_read_positions_come_out_and_the_logits_are_unchange
     batches = [_right_padded_rows([9, 4, 1, 9, 6]), _right_padded_rows([3], seed=1), _right_padded_rows([17, 2], 2)]
     remote, expected, calls, (remote_hidden, local_hidden) = _remote_and_local(
         two_span_swarm, tiny_model, checkpoint, batches)
-    for got, want in zip(remote, expected):
-        assert torch.equal(got, want)
-    assert torch.equal(remote_hidden, local_hidden)  # hidden_states(): petals' own requests, as before
+    assert_same_bits(remote, expected, "the logits of each batch, the swarm against local")
+    assert_same_bits(remote_hidden, local_hidden, "hidden_states(): petals' own requests, against local")
     forwards = calls[:2 * len(batches)]  # the logits' forwards; then hidden_states()'
     assert len(calls) == 2 * len(batches) + 2
     for (first, last), ids in zip(zip(forwards[::2], forwards[1::2]), batches):
@@ -292,7 +292,8 @@ def test_a_batch_split_into_requests_reads_each_requests_positions(two_span_swar
         petals.close()
     with one_thread(), torch.no_grad():
         local = load_model("local", tiny_model, checkpoint=checkpoint).module(ids)
-    assert torch.allclose(split, local, rtol=1e-5, atol=1e-6)  # rows cut differently: float rounding at most
+    assert_within_rounding(split, local, "the logits of a batch split in three requests, against local",
+                           why="the server's limit cuts the batch into requests of fewer rows")
     assert sorted(len(sent) == 4 and sent[0][0] for _, sent, metadata, _ in calls if POSITIONS_KEY not in metadata) \
         == [(1, 9), (3, 9), (3, 9)]
     assert sorted(positions for _, _, metadata, _ in calls if (positions := metadata.get(POSITIONS_KEY))) == \
@@ -317,8 +318,7 @@ def test_a_client_whose_token_embeddings_differ_sends_hidden_states(two_span_swa
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), pre_seq_len=3)
     batches = [_right_padded_rows([9, 4, 1]), _right_padded_rows([5, 11], seed=3)]
     remote, expected, calls, _ = _remote_and_local(two_span_swarm, other, checkpoint, batches)
-    for got, want in zip(remote, expected):
-        assert torch.equal(got, want)
+    assert_same_bits(remote, expected, "the logits of each batch, the swarm against local")
     firsts = [sent for _, sent, metadata, _ in calls[:2 * len(batches)] if POSITIONS_KEY not in metadata]
     assert firsts == [[((ids.shape[0], ids.shape[1] + 3, 32), torch.float32), ((0,), torch.float32)]
                       for ids in batches]  # hidden states (and no deep prompts), not token ids
@@ -330,8 +330,7 @@ def test_a_server_of_petals_own_is_sent_hidden_states_and_answers_every_position
     batches = [_right_padded_rows([9, 4, 1, 9, 6]), _right_padded_rows([5, 11], seed=3)]
     remote, expected, calls, _ = _remote_and_local(stock_swarm, tiny_model, checkpoint, batches)
     assert len(remote) == len(expected) == len(batches)
-    for got, want in zip(remote, expected):
-        assert torch.equal(got, want)
+    assert_same_bits(remote, expected, "the logits of each batch, the swarm against local")
     assert len(calls) >= len(batches), calls  # every batch's forward was recorded: the checks below see each
     for (_, sent, metadata, answer), ids in zip(calls[:len(batches)], batches):
         shape = (ids.shape[0], ids.shape[1] + 3, 32)
@@ -368,8 +367,7 @@ def test_what_goes_to_a_bf16_server_goes_in_its_dtype_and_the_logits_equal_petal
         finally:
             petals.close()
     assert len(wire) == len(own) == len(batches)
-    for got, want in zip(wire, own):
-        assert torch.equal(got, want)
+    assert_same_bits(wire, own, "the logits of each batch, dist_eval's wire against petals' own requests")
     # one request per batch on each path, both recorded: the comparison above is of two paths, not one
     assert len(calls) == 2 * len(batches), calls
     for (_, sent, _, answer), ids in zip(calls[:len(batches)], batches):
@@ -407,8 +405,7 @@ def test_a_table_saved_in_float16_is_looked_up_as_the_client_reads_it(tiny_model
             LocalSwarm(half, num_servers=1, dht_prefix="wire-half", torch_dtype="float32") as swarm:
         remote, expected, calls, _ = _remote_and_local(swarm, half, checkpoint, batches)
     assert len(remote) == len(expected) == len(batches)
-    for got, want in zip(remote, expected):
-        assert torch.equal(got, want)
+    assert_same_bits(remote, expected, "the logits of each batch, the swarm against local")
     assert len(calls) >= len(batches), calls  # every batch's forward was recorded: the checks below see each
     for (_, sent, _, answer), ids in zip(calls[:len(batches)], batches):
         assert _ids_sent(sent, *ids.shape) and answer == (ids.shape[0], 1, 32)

@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import build_checkpoint, build_tiny_model
+from float_promises import assert_same_bits, assert_within_rounding
 
 from dist_eval.backends import load_model
 from dist_eval.backends.families import FAMILIES
 from dist_eval.errors import UsageError
 from dist_eval.ranks import RankFailure
+
+BY_TRANSFORMERS = "another implementation: the causal LM's log-probabilities computed with transformers directly"
 
 # one single-token word, two sharing their first token, one of three tokens: 3 forwards
 WORDS = ["w1", "w2 w5", "w2 w9", "w3 w4 w6"]
@@ -74,11 +77,13 @@ def test_local_equals_the_causal_lm_reference(models, family):
     with torch.no_grad():
         logits = model.module(padded(models[family], TEXTS))
     assert logits.dtype == torch.float32 and logits.shape == (4, 4)
-    np.testing.assert_allclose(logits.numpy(), reference_scores(models[family], TEXTS, WORDS), rtol=1e-5, atol=1e-5)
+    assert_within_rounding(logits, reference_scores(models[family], TEXTS, WORDS),
+                           f"{family}: the scores, against the reference", why=BY_TRANSFORMERS)
     # a row alone gives the same logits as in a padded batch (right padding, causal attention)
     with torch.no_grad():
         alone = model.module(padded(models[family], TEXTS[:1]))
-    np.testing.assert_allclose(alone.numpy(), logits[:1].numpy(), rtol=1e-6, atol=1e-6)
+    assert_within_rounding(alone, logits[:1], f"{family}: a row alone, against the same row in a batch",
+                           why="another batch: the row alone, unpadded, against the row in a padded batch of 4")
 
 
 @pytest.mark.parametrize("family", ["llama", "bloom"])
@@ -91,7 +96,8 @@ def test_ptune_prompts_are_used_and_the_head_is_not(models, family, tmp_path, ca
     with torch.no_grad():
         logits = model.module(padded(models[family], TEXTS))
     expected = reference_scores(models[family], TEXTS, WORDS, prompts=prompts)
-    np.testing.assert_allclose(logits.numpy(), expected, rtol=1e-5, atol=1e-5)
+    assert_within_rounding(logits.numpy(), expected, f"{family}: the scores with prompts, against the reference",
+                           why=BY_TRANSFORMERS)
     assert model.prompt_tokens == 3
     assert not np.allclose(expected, reference_scores(models[family], TEXTS, WORDS), atol=1e-3)  # prompts matter
 
@@ -109,7 +115,8 @@ def test_evaluate_applies_the_template(models):
     result = evaluate(model, data, tokenizer=tokenizer_of(folder), template=template, batch_size=3,
                       return_logits=True, bootstrap_resamples=0)
     expected = reference_scores(folder, [template.replace("{text}", t) for t in TEXTS], WORDS)
-    np.testing.assert_allclose(result.predictions.logits, expected, rtol=1e-5, atol=1e-5)
+    assert_within_rounding(result.predictions.logits, expected, "the scores with a template, against the reference",
+                           why=BY_TRANSFORMERS)
     assert list(result.predictions.preds) == list(expected.argmax(1))
     assert result.metrics["accuracy"] == pytest.approx(accuracy_score([0, 1, 3, 2], expected.argmax(1)))
     with pytest.raises(UsageError, match=r"label_words=\['a', 'b', 'c', 'd'\]: the model was loaded to score"):
@@ -205,4 +212,5 @@ def test_swapping_prompt_checkpoints_equals_loading_each(models, tmp_path):
     model.load_trainable(read_trainable(folder, second, label_words=WORDS), second)
     fresh = load_model("local", folder, checkpoint=second, label_words=WORDS)
     with torch.no_grad():
-        assert torch.equal(model.module(padded(folder, TEXTS)), fresh.module(padded(folder, TEXTS)))
+        assert_same_bits(model.module(padded(folder, TEXTS)), fresh.module(padded(folder, TEXTS)),
+                         "the scores, the prompts swapped in against loaded")

@@ -7,6 +7,7 @@ import time
 
 import pytest
 from conftest import build_checkpoint, read_jsonl, run_cli, write_csv
+from float_promises import assert_same_bits
 from inprocess_cli import run_cli_in_process
 
 
@@ -97,10 +98,11 @@ def test_outputs_are_complete(cli_runs):
 def test_predictions_identical_for_any_nproc(cli_runs, nproc):
     single = read_jsonl(cli_runs[1][0] / "predictions.jsonl")
     multi = read_jsonl(cli_runs[nproc][0] / "predictions.jsonl")
-    assert multi == single  # labels, preds and logits
+    assert_same_bits(multi, single, f"predictions.jsonl (labels, preds, logits), N={nproc} against 1")
     m1 = json.load(open(cli_runs[1][0] / "metrics.json"))
     mn = json.load(open(cli_runs[nproc][0] / "metrics.json"))
-    assert {k: v for k, v in mn.items() if k != "run"} == {k: v for k, v in m1.items() if k != "run"}
+    assert_same_bits({k: v for k, v in mn.items() if k != "run"}, {k: v for k, v in m1.items() if k != "run"},
+                     f"metrics.json, N={nproc} against 1")
 
 
 def fails_in_process(args, capfd, pattern):
@@ -270,8 +272,10 @@ def test_label_words_n2_equals_n1(tiny_model, data_csv, tmp_path, capfd):
         assert "warning" not in stderr, stderr[-3000:]
         outs[nproc] = (read_jsonl(out / "predictions.jsonl"), json.load(open(out / "metrics.json")))
     (rows, metrics), (rows2, metrics2) = outs[1], outs[2]
-    assert rows2 == rows and [r["index"] for r in rows] == list(range(23))
-    assert {k: v for k, v in metrics2.items() if k != "run"} == {k: v for k, v in metrics.items() if k != "run"}
+    assert_same_bits(rows2, rows, "predictions.jsonl, N=2 against 1")
+    assert [r["index"] for r in rows] == list(range(23))
+    assert_same_bits({k: v for k, v in metrics2.items() if k != "run"},
+                     {k: v for k, v in metrics.items() if k != "run"}, "metrics.json, N=2 against 1")
     preds = [max(range(3), key=lambda k: r["logits"][k]) for r in rows]
     assert [r["pred"] for r in rows] == preds
     assert metrics["accuracy"] == pytest.approx(accuracy_score([r["label"] for r in rows], preds), abs=1e-12)

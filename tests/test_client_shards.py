@@ -4,10 +4,10 @@ the logits of the full folder bit for bit; the local backend and a local swarm, 
 every block, refuse it in one line naming the absent shards."""
 import os
 
-import numpy as np
 import pytest
 from conftest import build_checkpoint, read_jsonl, run_cli, split_into_shards, write_csv
 from fake_hub import fake_hub
+from float_promises import assert_same_bits
 from inprocess_cli import one_thread, run_cli_in_process
 
 from dist_eval import evaluate, load_model
@@ -34,7 +34,8 @@ def test_a_client_only_folder_on_petals_equals_the_full_folder_bitwise(tiny_swar
 
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
     logits = [petals_logits(tiny_swarm, folder, checkpoint, dataset) for folder in (tiny_model, client_folder)]
-    assert logits[0].shape == (len(dataset), 3) and np.array_equal(logits[0], logits[1])
+    assert logits[0].shape == (len(dataset), 3)
+    assert_same_bits(logits[1], logits[0], "the logits, the client's shards against the full folder")
 
 
 def petals_logits(swarm, folder, checkpoint, dataset):
@@ -97,8 +98,9 @@ def test_a_hub_id_fetches_only_the_clients_files_and_equals_the_full_folder(tiny
     assert petals_dht_prefix(REPO_ID) == "tiny-llama-hf"  # petals' rule for a Llama hub id
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
     logits = [petals_logits(tiny_swarm, model_dir, checkpoint, dataset) for model_dir in (tiny_model, folder)]
-    assert np.array_equal(logits[0], logits[1])
-    assert np.array_equal(petals_object_logits(tiny_swarm, checkpoint, dataset, folder), logits[0])
+    assert_same_bits(logits[1], logits[0], "the logits, the hub id's folder against the full folder")
+    assert_same_bits(petals_object_logits(tiny_swarm, checkpoint, dataset, folder), logits[0],
+                     "the logits, petals' own object against the full folder")
 
 
 def petals_object_logits(swarm, checkpoint, dataset, folder):
@@ -179,7 +181,7 @@ def test_fetch_whole_model_gets_every_shard_for_the_local_backend(tiny_model, da
             result = evaluate(model, dataset, tokenizer=AutoTokenizer.from_pretrained(model_dir), batch_size=4,
                               return_logits=True, bootstrap_resamples=0)
         logits.append(result.predictions.logits)
-    assert np.array_equal(logits[0], logits[1])
+    assert_same_bits(logits[1], logits[0], "the logits, the hub id against the full folder")
 
 
 @pytest.mark.swarm
@@ -207,5 +209,7 @@ def test_the_cli_on_a_hub_id_with_two_ranks_equals_the_full_folder(tiny_swarm, t
     assert run_cli_in_process(["--model", tiny_model, "--backend", "local", "--output-dir", str(tmp_path / "local"),
                                *common]) == 0
     hub_rows = read_jsonl(tmp_path / "hub" / "predictions.jsonl")
-    assert len(hub_rows) == 17 and hub_rows == read_jsonl(tmp_path / "local" / "predictions.jsonl")
-    assert read_jsonl(tmp_path / "offline" / "predictions.jsonl") == hub_rows
+    assert len(hub_rows) == 17
+    assert_same_bits(hub_rows, read_jsonl(tmp_path / "local" / "predictions.jsonl"),
+                     "predictions.jsonl, the hub id on petals N=2 against the folder on local N=1")
+    assert_same_bits(read_jsonl(tmp_path / "offline" / "predictions.jsonl"), hub_rows, "offline, against online")

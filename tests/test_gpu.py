@@ -43,7 +43,9 @@ def test_local_backend_on_cuda_equals_the_cpu(tiny_model, tiny_checkpoint, data_
                    nproc=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows, cpu_rows = read_jsonl(tmp_path / "predictions.jsonl"), cpu_run[0]
-    np.testing.assert_allclose(_logits(rows), _logits(cpu_rows), rtol=1e-4, atol=1e-5)  # fp32 rounding
+    # another device, not another batch plan: CUDA's kernels round otherwise, so equal to fp32 rounding
+    # only; a looser bound than float_promises.ROUNDING, kept until measured on a GPU
+    np.testing.assert_allclose(_logits(rows), _logits(cpu_rows), rtol=1e-4, atol=1e-5)
     clear = _clear_rows(cpu_rows)
     assert [r["pred"] for r, c in zip(rows, clear) if c] == [r["pred"] for r, c in zip(cpu_rows, clear) if c]
 
@@ -59,7 +61,7 @@ def test_more_ranks_than_gpus(tiny_model, tiny_checkpoint, data_csv, cpu_run, tm
     rows = read_jsonl(tmp_path / "predictions.jsonl")
     metrics = json.load(open(tmp_path / "metrics.json"))
     assert [r["index"] for r in rows] == list(range(48)) and metrics["run"]["world_size"] == nproc
-    np.testing.assert_allclose(_logits(rows), _logits(cpu_run[0]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(_logits(rows), _logits(cpu_run[0]), rtol=1e-4, atol=1e-5)  # another device, as above
 
 
 @pytest.mark.swarm

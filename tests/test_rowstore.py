@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, build_checkpoint, build_tiny_model, read_jsonl, run_cli, write_csv
+from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import one_thread
 
 from dist_eval import evaluate
@@ -80,19 +81,21 @@ def test_a_later_run_evaluates_only_the_rows_the_store_lacks(assets, tmp_path):
     facts = _facts(second)
     assert (facts["rows_from_store"], facts["rows_evaluated"]) == (ROWS, MORE - ROWS) and facts["seconds_saved"] > 0
     assert facts["folder"] == _facts(first)["folder"]
-    assert np.array_equal(second.predictions.logits[:ROWS], first.predictions.logits)  # the sample's first rows
+    assert_same_bits(second.predictions.logits[:ROWS], first.predictions.logits,  # the sample's first rows
+                     "the rows served from the store against the run that stored them")
     run = second.metrics["run"]  # samples/s: the rows evaluated, not those the store served
     assert run["samples_per_second"] == (MORE - ROWS) / run["eval_loop_seconds"]
     third = _run(*args, store, limit=MORE)
     assert _counts(third) == (MORE, 0)
     assert third.metrics["run"]["forward_seconds_sum"] == 0
     assert third.metrics["run"]["samples_per_second"] is None  # no row evaluated
-    assert np.array_equal(third.predictions.logits, second.predictions.logits)
-    assert third.metrics["accuracy"] == second.metrics["accuracy"]
+    assert_same_bits(third.predictions.logits, second.predictions.logits, "every row served from the store")
+    assert_same_bits(third.metrics["accuracy"], second.metrics["accuracy"], "the accuracy of rows served")
     written = _files(store)
     fresh = _run(*args, store, limit=MORE, fresh_rows=True)
     assert _counts(fresh) == (0, MORE)
-    np.testing.assert_allclose(fresh.predictions.logits, second.predictions.logits, atol=1e-5)
+    assert_within_rounding(fresh.predictions.logits, second.predictions.logits, "fresh_rows against the store's",
+                           why="fresh_rows plans the 20 rows together; the store's came from a plan of 12 and one of 8")
     assert len(_files(store)) > len(written)  # still written
     written = _files(store)
     off = _run(*args, "off", limit=MORE)
@@ -164,7 +167,7 @@ def test_changing_what_decides_the_logits_evaluates_every_row_again(assets, tmp_
     served = _facts(after)["rows_from_store"]
     assert served == (ROWS if change.startswith("nothing") else 0), change
     if change.startswith("nothing"):
-        assert np.array_equal(after.predictions.logits, before.predictions.logits)
+        assert_same_bits(after.predictions.logits, before.predictions.logits, "every row served from the store")
     else:
         assert _facts(after)["folder"] != _facts(before)["folder"]
 
@@ -227,7 +230,8 @@ def test_corrupted_foreign_and_cut_files_are_skipped_with_one_warning(assets, tm
     facts = _facts(again)
     assert (facts["rows_from_store"], facts["rows_evaluated"]) == (ROWS - len(keys), len(keys))
     assert np.abs(again.predictions.logits).max() < 1e3
-    np.testing.assert_allclose(again.predictions.logits, first.predictions.logits, atol=1e-5)
+    assert_within_rounding(again.predictions.logits, first.predictions.logits, "rows of skipped files evaluated again",
+                           why="the rows of the skipped files are planned into a batch of their own")
 
 
 WRITER = """
@@ -298,7 +302,7 @@ def test_swapped_checkpoints_keep_their_own_rows(assets, tmp_path):
         third = run()
         model.close()
     assert [_facts(r)["rows_from_store"] for r in (first, second, third)] == [0, 0, ROWS]
-    assert np.array_equal(third.predictions.logits, first.predictions.logits)
+    assert_same_bits(third.predictions.logits, first.predictions.logits, "every row served from the store")
 
 
 def test_a_failed_run_leaves_its_evaluated_rows_and_a_stopping_run_reads_them(assets, tmp_path):
@@ -332,7 +336,7 @@ def test_a_failed_run_leaves_its_evaluated_rows_and_a_stopping_run_reads_them(as
     assert _facts(repeated)["rows_from_store"] == repeated.metrics["num_samples"]
     assert _facts(repeated)["rows_evaluated"] == 0
     assert repeated.metrics["num_samples"] == stopped.metrics["num_samples"]
-    assert repeated.metrics["accuracy"] == stopped.metrics["accuracy"]
+    assert_same_bits(repeated.metrics["accuracy"], stopped.metrics["accuracy"], "the accuracy of rows served")
 
 
 RUN = """
@@ -395,5 +399,5 @@ def test_two_ranks_with_the_store_equal_one_rank_bitwise(assets, tmp_path):
     one = _run(assets["model"], assets["checkpoint"], load_split([data_file], None), str(tmp_path / "copy"), limit=20)
     assert _facts(one)["rows_from_store"] == 8
     logits = np.array([row["logits"] for row in read_jsonl(os.path.join(out, "predictions.jsonl"))], np.float32)
-    assert np.array_equal(logits, one.predictions.logits)
-    assert metrics["accuracy"] == one.metrics["accuracy"]
+    assert_same_bits(logits, one.predictions.logits, "the logits, 2 ranks against 1 on the same store")
+    assert_same_bits(metrics["accuracy"], one.metrics["accuracy"], "the accuracy, 2 ranks against 1")

@@ -7,11 +7,16 @@ import random
 
 import pytest
 from conftest import WORDS
-from inprocess_cli import run_cli_in_process
+from float_promises import assert_same_bits, assert_within_rounding
+from inprocess_cli import one_thread, run_cli_in_process
 
 from dist_eval.slices import MIN_INTERVAL_ROWS
 
 LANGS = ("de", "en", "fr")
+# One row a batch keeps each row's forward the same shape in the run and alone, but the slice alone is
+# planned as a run of its own (its batches, ids and rows in flight), and issue 46's machine rounded the
+# loss otherwise (4.633695609190301 in the run, 4.633695805291762 alone).
+SLICE_ALONE = "the slice alone is planned as a run of its own"
 
 
 def write_sliced_csv(path, num_rows: int, seed: int = 0) -> str:
@@ -51,8 +56,9 @@ def _evaluate(loaded, dataset, **keywords):
     from dist_eval import evaluate
 
     model, tokenizer = loaded
-    return evaluate(model, dataset, tokenizer=tokenizer, return_logits=True, bootstrap_resamples=50, batch_size=1,
-                    **keywords)
+    with one_thread():  # as the run's rank computes (two threads may round a reduction otherwise)
+        return evaluate(model, dataset, tokenizer=tokenizer, return_logits=True, bootstrap_resamples=50, batch_size=1,
+                        **keywords)
 
 
 def test_each_slice_equals_evaluating_the_slice_alone(sliced, loaded):
@@ -77,7 +83,8 @@ def test_each_slice_equals_evaluating_the_slice_alone(sliced, loaded):
             skipped = {"run", "num_truncated"} | (set() if has_interval else {"confidence_intervals"})
             for key, expected in alone.items():
                 if key not in skipped:
-                    assert json.dumps(got.get(key)) == json.dumps(expected), (column, value, key)
+                    assert_within_rounding(got.get(key), json.loads(json.dumps(expected)), f"{column}={value}: {key}",
+                                           why=SLICE_ALONE)
             assert ("confidence_intervals" in got) == has_interval, (column, value)
             assert ("interval_note" in got) == (not has_interval)
 
@@ -162,7 +169,7 @@ def test_a_sampled_run_says_its_slices_are_over_the_rows_used(tiny_model, tiny_c
 @pytest.mark.multiproc
 def test_a_swarm_run_on_two_ranks_gives_the_same_slices(sliced, tiny_swarm, tiny_model, tiny_checkpoint):
     """On a real swarm (petals, 2 ranks under torchrun): every slice's metrics are those of
-    the local single-process run, bit for bit, so those of each slice evaluated alone."""
+    the local single-process run, bit for bit (the same batch plan: one row a batch)."""
     from conftest import run_cli
 
     base, data, local = sliced
@@ -174,7 +181,7 @@ def test_a_swarm_run_on_two_ranks_gives_the_same_slices(sliced, tiny_swarm, tiny
     assert proc.returncode == 0, proc.stderr[-3000:]
     swarm, single = (json.load(open(folder / "metrics.json")) for folder in (out, local))
     assert swarm["run"]["backend"] == "petals" and swarm["run"]["world_size"] == 2
-    assert json.dumps(swarm["slices"]) == json.dumps(single["slices"])
+    assert_same_bits(swarm["slices"], single["slices"], "the slices, petals on 2 ranks against local on 1")
     assert (out / "slices.csv").read_text() == (local / "slices.csv").read_text()
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import read_pipe_until, read_stdout_line
+from float_promises import assert_within_rounding
 
 from dist_eval.swarm import LocalSwarm, SwarmError, plan_blocks
 
@@ -244,7 +245,8 @@ def test_petals_client_forward_matches_local_model(swarm, tiny_model):
         local.score.weight.data.copy_(model.score.weight.data)
         with torch.no_grad():
             expected = local(input_ids=input_ids).logits
-        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+        assert_within_rounding(logits, expected, "petals' own client on the swarm, against transformers'",
+                               why="another implementation: petals' own client and server path, in its own shapes")
     finally:
         llama = FAMILIES["llama"]
         shutdown_petals_client(llama.get(model, llama.blocks).sequence_manager)
