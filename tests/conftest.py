@@ -207,6 +207,41 @@ def tiny_swarm(tiny_model):
     yield from one_thread_swarm(tiny_model, num_servers=2, dht_prefix="dist-eval-test")
 
 
+@pytest.fixture(scope="session")
+def split_swarm(tiny_model, tmp_path_factory):
+    """Two servers of the tiny Llama holding blocks 0:2 and 2:4 (every request crosses both, each
+    for part of the model), one thread each, reporting their runtime's tasks every second in
+    their logs (``swarm.log_paths``). Shared by test_backends_wire.py and
+    test_swarm_merged_forward.py (issue 46; each started its own)."""
+    logs = tmp_path_factory.mktemp("split-swarm-logs")
+    yield from one_thread_swarm(tiny_model, num_servers=2, blocks_per_server=2, dht_prefix="split-swarm",
+                                log_dir=str(logs), extra_server_args=["--stats_report_interval", "1"])
+
+
+@pytest.fixture(scope="session")
+def bloom_swarm(tmp_path_factory):
+    """(model folder, cache, swarm): a tiny BLOOM saved from BloomForCausalLM (a layout petals cannot
+    read as it is: the swarm serves the converted copy, in ``cache``), two servers each holding half
+    of the blocks, one thread. Shared by test_families_swarm.py and test_backends_zeroshot_swarm.py
+    (issue 46; each started its own). A test using it sets DIST_EVAL_CACHE to ``cache`` (the client
+    reads the converted copy too), not the user's."""
+    from unittest import mock
+
+    from dist_eval.swarm import LocalSwarm
+
+    root = tmp_path_factory.mktemp("swarm-bloom")
+    model = build_tiny_model(str(root / "tiny-bloom"), family="bloom")
+    cache = str(root / "cache")
+    with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": cache}):
+        swarm = LocalSwarm(model, num_servers=2)  # each server half of the blocks
+    try:
+        with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": cache, "OMP_NUM_THREADS": "1"}):
+            swarm.start()  # one thread: the client's summation order
+        yield model, cache, swarm
+    finally:
+        swarm.stop()
+
+
 def run_cli(args, nproc: int = 1, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=nproc -m dist_eval args`` (or plain python for nproc=0)."""
     if nproc == 0:
