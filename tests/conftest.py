@@ -219,6 +219,30 @@ def split_swarm(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def local_reference_160(tiny_model, tiny_checkpoint, tmp_path_factory):
+    """(the rows file, the predictions, metrics.json) of the local backend on 160 rows (seed 7),
+    batch size 2, one batch in flight: what every run of the tiny model on those rows must give,
+    on a swarm (any N, a server killed or drained mid-run) as locally. Computed once, in this
+    process with one thread (equal to a torchrun rank bitwise): shared by test_swarm_failover.py
+    and test_swarm_supervisor.py, which each ran it under torchrun before (issue 46)."""
+    from inprocess_cli import run_cli_in_process
+
+    folder = tmp_path_factory.mktemp("reference_160")
+    data = write_csv(str(folder / "rows.csv"), 160, seed=7)
+    out = folder / "local"
+    assert run_cli_in_process(reference_160_args(tiny_model, tiny_checkpoint, data, out, "--backend", "local")) == 0
+    with open(out / "metrics.json") as f:
+        metrics = json.load(f)
+    return data, read_jsonl(str(out / "predictions.jsonl")), metrics
+
+
+def reference_160_args(model, checkpoint, data, out, *extra):
+    """The CLI's flags of :func:`local_reference_160`'s batch plan (batch size 2, in flight 1), and ``extra``."""
+    return ["--model", model, "--data-files", data, "--checkpoint", checkpoint, "--output-dir", str(out),
+            "--batch-size", "2", "--in-flight", "1", "--save-logits", *extra]
+
+
+@pytest.fixture(scope="session")
 def bloom_swarm(tmp_path_factory):
     """(model folder, cache, swarm): a tiny BLOOM saved from BloomForCausalLM (a layout petals cannot
     read as it is: the swarm serves the converted copy, in ``cache``), two servers each holding half
