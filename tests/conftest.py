@@ -218,6 +218,65 @@ def tiny_swarm(tiny_model):
     yield from one_thread_swarm(tiny_model, num_servers=2, dht_prefix="dist-eval-test")
 
 
+@pytest.fixture(scope="session")
+def split_swarm(tiny_model, tmp_path_factory):
+    """Two servers of the tiny Llama holding blocks 0:2 and 2:4 (every request crosses both, each
+    for part of the model), one thread each, reporting their runtime's tasks every second in
+    their logs (``swarm.log_paths``). Shared by test_backends_wire.py and
+    test_swarm_merged_forward.py (issue 46; each started its own)."""
+    logs = tmp_path_factory.mktemp("split-swarm-logs")
+    yield from one_thread_swarm(tiny_model, num_servers=2, blocks_per_server=2, dht_prefix="split-swarm",
+                                log_dir=str(logs), extra_server_args=["--stats_report_interval", "1"])
+
+
+@pytest.fixture(scope="session")
+def local_reference_160(tiny_model, tiny_checkpoint, tmp_path_factory):
+    """(the rows file, the predictions, metrics.json) of the local backend on 160 rows (seed 7),
+    batch size 2, one batch in flight: what every run of the tiny model on those rows must give,
+    on a swarm (any N, a server killed or drained mid-run) as locally. Computed once, in this
+    process with one thread (equal to a torchrun rank bitwise): shared by test_swarm_failover.py
+    and test_swarm_supervisor.py, which each ran it under torchrun before (issue 46)."""
+    from inprocess_cli import run_cli_in_process
+
+    folder = tmp_path_factory.mktemp("reference_160")
+    data = write_csv(str(folder / "rows.csv"), 160, seed=7)
+    out = folder / "local"
+    assert run_cli_in_process(reference_160_args(tiny_model, tiny_checkpoint, data, out, "--backend", "local")) == 0
+    with open(out / "metrics.json") as f:
+        metrics = json.load(f)
+    return data, read_jsonl(str(out / "predictions.jsonl")), metrics
+
+
+def reference_160_args(model, checkpoint, data, out, *extra):
+    """The CLI's flags of :func:`local_reference_160`'s batch plan (batch size 2, in flight 1), and ``extra``."""
+    return ["--model", model, "--data-files", data, "--checkpoint", checkpoint, "--output-dir", str(out),
+            "--batch-size", "2", "--in-flight", "1", "--save-logits", *extra]
+
+
+@pytest.fixture(scope="session")
+def bloom_swarm(tmp_path_factory):
+    """(model folder, cache, swarm): a tiny BLOOM saved from BloomForCausalLM (a layout petals cannot
+    read as it is: the swarm serves the converted copy, in ``cache``), two servers each holding half
+    of the blocks, one thread. Shared by test_families_swarm.py and test_backends_zeroshot_swarm.py
+    (issue 46; each started its own). A test using it sets DIST_EVAL_CACHE to ``cache`` (the client
+    reads the converted copy too), not the user's."""
+    from unittest import mock
+
+    from dist_eval.swarm import LocalSwarm
+
+    root = tmp_path_factory.mktemp("swarm-bloom")
+    model = build_tiny_model(str(root / "tiny-bloom"), family="bloom")
+    cache = str(root / "cache")
+    with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": cache}):
+        swarm = LocalSwarm(model, num_servers=2)  # each server half of the blocks
+    try:
+        with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": cache, "OMP_NUM_THREADS": "1"}):
+            swarm.start()  # one thread: the client's summation order
+        yield model, cache, swarm
+    finally:
+        swarm.stop()
+
+
 def run_cli(args, nproc: int = 1, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=nproc -m dist_eval args`` (or plain python for nproc=0)."""
     if nproc == 0:

@@ -218,11 +218,11 @@ def _remote_and_local(swarm, model, checkpoint, batches):
 
 
 @pytest.fixture(scope="module")
-def two_span_swarm(tiny_model):
-    """dist_eval's servers, holding blocks 0:2 and 2:4: every forward crosses both."""
-    from conftest import one_thread_swarm
-
-    yield from one_thread_swarm(tiny_model, num_servers=2, blocks_per_server=2, dht_prefix="wire")
+def two_span_swarm(split_swarm):
+    """dist_eval's servers, holding blocks 0:2 and 2:4: every forward crosses both (conftest's
+    split_swarm, shared with test_swarm_merged_forward.py)."""
+    assert split_swarm.placement == [(0, 2), (2, 4)]
+    return split_swarm
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,13 @@
 """Zero-shot label words on a real private Petals swarm (server processes on 127.0.0.1):
 petals' causal-LM client (blocks on the swarm, LM head here) gives the local backend's
 logits bit for bit in fp32, without prompts and with a ptune checkpoint's, for Llama (untied
-LM head) and BLOOM (tied to the embeddings). One swarm per family. Marked `swarm`."""
+LM head) and BLOOM (tied to the embeddings). One swarm per family, conftest's (shared). Marked `swarm`."""
 import os
 from unittest import mock
 
 import pytest
 import torch
-from conftest import build_checkpoint, build_tiny_model
+from conftest import build_checkpoint
 from inprocess_cli import one_thread
 from test_backends_zeroshot import TEXTS, WORDS, padded
 
@@ -17,20 +17,17 @@ pytestmark = pytest.mark.swarm
 
 
 @pytest.fixture(scope="module", params=["llama", "bloom"])
-def family_swarm(request, tmp_path_factory):
-    from dist_eval.swarm import LocalSwarm
-
-    root = tmp_path_factory.mktemp(f"zeroshot-{request.param}")
-    model = build_tiny_model(str(root / f"lm-{request.param}"), family=request.param)
-    with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": str(root / "cache")}):
-        swarm = LocalSwarm(model, num_servers=2)
-        try:
-            # one thread on both sides: a CPU matmul's last bits depend on the thread count
-            with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
-                swarm.start()
-            yield model, swarm
-        finally:
-            swarm.stop()
+def family_swarm(request):
+    """conftest's swarms (issue 46: this module started its own of the same models): tiny_swarm (the
+    tiny Llama, two servers of every block) and bloom_swarm (shared with test_families_swarm.py,
+    its converted copy in its own cache); one thread on both sides: a CPU matmul's last bits depend
+    on the thread count."""
+    if request.param == "llama":
+        yield request.getfixturevalue("tiny_model"), request.getfixturevalue("tiny_swarm")
+        return
+    model, cache, swarm = request.getfixturevalue("bloom_swarm")
+    with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": cache}):  # the client reads the converted copy too
+        yield model, swarm
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """BLOOM and Falcon on a real private Petals swarm, through the CLI under torchrun: for no
-tuning, ptune and deep_ptune, Petals N=2 equals local N=1 bit for bit (fp32), and the
+tuning, ptune and deep_ptune, Petals N=2 equals local N=1 bit for bit (fp32), and (ptune) the
 predictions are identical for N = 1, 2, 3. One swarm per family (module fixture), in a
 layout petals cannot read as it is (BLOOM saved from BloomForCausalLM, Falcon from
 FalconModel): the swarm serves the converted copy, the client reads it too. The checkpoints
@@ -22,23 +22,31 @@ ROWS = 30
 
 @pytest.fixture(scope="module", params=sorted(LAYOUT))
 def family_swarm(request, tmp_path_factory):
-    from dist_eval.swarm import LocalSwarm
-
     family = request.param
-    root = tmp_path_factory.mktemp(f"swarm-{family}")
-    model = build_tiny_model(str(root / f"tiny-{family}"), family=family, layout=LAYOUT[family])
-    data = write_csv(str(root / "data.csv"), ROWS, seed=3)
+    if family == "bloom":  # conftest's, shared with test_backends_zeroshot_swarm.py (the same model)
+        model, cache, swarm = request.getfixturevalue("bloom_swarm")
+        root = None
+    else:
+        root = tmp_path_factory.mktemp(f"swarm-{family}")
+        model = build_tiny_model(str(root / f"tiny-{family}"), family=family, layout=LAYOUT[family])
+        cache, swarm = str(root / "cache"), None
+    data = write_csv(str(tmp_path_factory.mktemp(f"data-{family}") / "data.csv"), ROWS, seed=3)
     # converted copies go to this test's cache (the CLI runs inherit it), not the user's
-    with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": str(root / "cache")}):
-        swarm = LocalSwarm(model, num_servers=2)  # each server half of the blocks
-        assert swarm.model_dir.startswith(str(root / "cache"))  # served from the converted copy
+    with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": cache}):
+        if swarm is None:
+            from dist_eval.swarm import LocalSwarm
+
+            swarm = LocalSwarm(model, num_servers=2)  # each server half of the blocks
+        assert swarm.model_dir.startswith(cache)  # served from the converted copy
         assert swarm.dht_prefix == f"dist_eval-tiny-{family}"  # named after the folder given
         try:
-            with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):  # same summation order as the client
-                swarm.start()
+            if root is not None:
+                with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):  # same summation order as the client
+                    swarm.start()
             yield family, model, data, swarm
         finally:
-            swarm.stop()
+            if root is not None:
+                swarm.stop()
 
 
 def run(family_swarm, out, checkpoint_args, nproc, backend="petals", peers=True):
@@ -67,11 +75,27 @@ def petals_state_dict(path, family, tensors):
     return path
 
 
+def petals_268_export(ck, folder):
+    """petals #268's form of ``ck``'s ptune prompts: torch.save(model.transformer.prompt_embeddings, f),
+    the head in a second file (--head)."""
+    tensors = torch.load(ck, weights_only=True)["state_dict"]
+    prompts = torch.nn.Embedding(*tensors["prompt_embeddings.weight"].shape)
+    prompts.weight.data.copy_(tensors["prompt_embeddings.weight"])
+    torch.save(prompts, folder / "prompts.pt")
+    torch.save({"score.weight": tensors["score.weight"]}, folder / "head.pt")
+    return ["--checkpoint", str(folder / "prompts.pt"), "--head", str(folder / "head.pt")]
+
+
 @pytest.mark.parametrize("tuning_mode", [None, "ptune", "deep_ptune"])
 def test_petals_n2_equals_local_n1_bitwise(family_swarm, tmp_path, tuning_mode):
+    """Petals N=2 == local N=1, bit for bit. For ptune also the predictions identical for N = 1, 2, 3
+    (merged here from test_predictions_identical_for_n_1_2_3, issue 46, whose N=2 run repeated this
+    one's): N=1 on the CLI's own swarm (--local-servers 1), N=2 from petals #268's export form,
+    N=3 on the module's swarm, all equal, and equal to the local run."""
     family = family_swarm[0]
     ck = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode=tuning_mode, pre_seq_len=3)
-    petals = run(family_swarm, tmp_path / "petals2", ["--checkpoint", ck], nproc=2)
+    petals_args = petals_268_export(ck, tmp_path) if tuning_mode == "ptune" else ["--checkpoint", ck]
+    petals = run(family_swarm, tmp_path / "petals2", petals_args, nproc=2)
     if tuning_mode == "deep_ptune":  # the local run reads petals' own state dict form
         tensors = torch.load(ck, weights_only=True)["state_dict"]
         ck = petals_state_dict(str(tmp_path / "petals_sd.pt"), family, tensors)
@@ -79,18 +103,7 @@ def test_petals_n2_equals_local_n1_bitwise(family_swarm, tmp_path, tuning_mode):
     assert petals == local  # labels, preds and the float32 logits, every row
     metrics = json.load(open(tmp_path / "petals2" / "metrics.json"))
     assert metrics["run"]["backend"] == "petals" and metrics["run"]["world_size"] == 2
-
-
-def test_predictions_identical_for_n_1_2_3(family_swarm, tmp_path):
-    ck = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode="ptune", pre_seq_len=3)
-    # petals #268: torch.save(model.transformer.prompt_embeddings, f), the head in a second file
-    tensors = torch.load(ck, weights_only=True)["state_dict"]
-    prompts = torch.nn.Embedding(*tensors["prompt_embeddings.weight"].shape)
-    prompts.weight.data.copy_(tensors["prompt_embeddings.weight"])
-    torch.save(prompts, tmp_path / "prompts.pt")
-    torch.save({"score.weight": tensors["score.weight"]}, tmp_path / "head.pt")
-    export = ["--checkpoint", str(tmp_path / "prompts.pt"), "--head", str(tmp_path / "head.pt")]
-    one = run(family_swarm, tmp_path / "n1", ["--checkpoint", ck], nproc=1, peers=False)  # the CLI's own swarm
-    two = run(family_swarm, tmp_path / "n2", export, nproc=2)
-    three = run(family_swarm, tmp_path / "n3", ["--checkpoint", ck], nproc=3)
-    assert one == two == three
+    if tuning_mode == "ptune":
+        one = run(family_swarm, tmp_path / "n1", ["--checkpoint", ck], nproc=1, peers=False)  # the CLI's own swarm
+        three = run(family_swarm, tmp_path / "n3", ["--checkpoint", ck], nproc=3)
+        assert one == petals == three

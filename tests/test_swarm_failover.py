@@ -2,7 +2,8 @@
 block is on two servers (placement 0:2, 2:4, 0:4),
 
 - a server SIGKILLed mid-run changes nothing: same predictions and metrics as an
-  undisturbed run, and no batch waits anywhere near petals' default minute;
+  undisturbed run (the local backend's on the same batch plan: conftest's
+  local_reference_160), and no batch waits anywhere near petals' default minute;
 - when every server of some blocks is killed mid-run, every rank exits non-zero with
   one line naming those blocks, bounded by --swarm-timeout.
 
@@ -19,11 +20,11 @@ import time
 from unittest import mock
 
 import pytest
-from conftest import REPO, free_port, read_jsonl, run_cli, stop_group, write_csv
+from conftest import REPO, free_port, read_jsonl, reference_160_args, stop_group, write_csv
 
 pytestmark = [pytest.mark.swarm, pytest.mark.multiproc]  # real swarms, runs under torchrun
 
-NUM_ROWS = 160  # batch size 2, in flight 1: 40 forwards a rank, ~5-25 s of loop with 2 ranks on 2 busy cores
+NUM_ROWS = 160  # local_reference_160's rows: 40 forwards a rank, ~5-25 s of loop with 2 ranks on 2 busy cores
 
 
 @pytest.fixture
@@ -41,11 +42,6 @@ def swarm3(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def rows_csv(tmp_path_factory):
-    return write_csv(str(tmp_path_factory.mktemp("failover") / "rows.csv"), NUM_ROWS, seed=7)
-
-
-@pytest.fixture(scope="module")
 def many_rows_csv(tmp_path_factory):
     # the failing run ends at the kill, so its length costs nothing: long enough that even a
     # fast machine is still in its evaluation loop a second after it starts
@@ -53,9 +49,9 @@ def many_rows_csv(tmp_path_factory):
 
 
 def petals_args(swarm, model, checkpoint, data, out, *extra):
-    return ["--model", model, "--data-files", data, "--checkpoint", checkpoint, "--output-dir", str(out),
-            "--initial-peers", *swarm.initial_peers, "--dht-prefix", swarm.dht_prefix,
-            "--batch-size", "2", "--in-flight", "1", "--save-logits", *extra]
+    """local_reference_160's batch plan (batch size 2, in flight 1), on ``swarm``."""
+    return reference_160_args(model, checkpoint, data, out, "--initial-peers", *swarm.initial_peers,
+                              "--dht-prefix", swarm.dht_prefix, *extra)
 
 
 class BackgroundCli:
@@ -70,6 +66,7 @@ class BackgroundCli:
                                      stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
         self.started = time.monotonic()
         self.evaluating = threading.Event()
+        self.progressed = threading.Event()  # rank 0's first progress line with rows done (at 10 %)
         self.out, self.err = [], []
         self._readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
                          threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True)]
@@ -81,6 +78,8 @@ class BackgroundCli:
             lines.append(line)
             if line.startswith("dist_eval: evaluating"):
                 self.evaluating.set()
+            elif line.startswith("dist_eval: progress ") and not line.startswith("dist_eval: progress 0/"):
+                self.progressed.set()
 
     def wait(self, timeout: float):
         try:
@@ -113,21 +112,19 @@ def without_run(metrics):
     return {k: v for k, v in metrics.items() if k != "run"}
 
 
-def test_server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoint, rows_csv, tmp_path):
-    reference = tmp_path / "undisturbed"
-    proc = run_cli(petals_args(swarm3, tiny_model, tiny_checkpoint, rows_csv, reference), nproc=2, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reference_metrics = json.load(open(reference / "metrics.json"))
-    loop_seconds = reference_metrics["run"]["eval_loop_seconds"]
-
+def test_server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoint, local_reference_160, tmp_path):
+    # the undisturbed reference: the local backend on the same rows and batch plan (petals N=2 equals
+    # local N=1 bitwise, tests/test_families_reference.py); computed once for this and test_swarm_supervisor.py
+    rows_csv, reference_rows, reference_metrics = local_reference_160
     disturbed = tmp_path / "disturbed"
     run = BackgroundCli(petals_args(swarm3, tiny_model, tiny_checkpoint, rows_csv, disturbed), nproc=2)
     try:
         assert run.evaluating.wait(timeout=240), (
             "the run never reached its evaluation loop: " + "".join(run.err)[-3000:]
         )
-        # a quarter into the loop (the undisturbed run's length), at most 3 s: mid-run on fast and slow machines
-        time.sleep(min(3.0, 0.25 * loop_seconds))
+        # mid-run on fast and slow machines: when the run itself reports rows done (its 10 % line), or
+        # 3 s into its loop if that comes first
+        run.progressed.wait(timeout=3.0)
         assert run.proc.poll() is None, "the run ended before the kill; make it longer (NUM_ROWS)"
         # server 2 (blocks 0:4) is on most routes, so the ranks surely meet its death; it is not the
         # peer the swarm was bootstrapped from, like most servers of a real swarm
@@ -140,9 +137,10 @@ def test_server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoi
     assert "failed a request" in err, "no rank noticed the dead server: the test did not test failover\n" + err[-3000:]
     rows = read_jsonl(disturbed / "predictions.jsonl")
     assert [r["index"] for r in rows] == list(range(NUM_ROWS))
-    assert rows == read_jsonl(reference / "predictions.jsonl")  # labels, preds and logits, bitwise
+    assert rows == reference_rows  # labels, preds and logits, bitwise
     metrics = json.load(open(disturbed / "metrics.json"))
     assert without_run(metrics) == without_run(reference_metrics)
+    assert metrics["run"]["world_size"] == 2 and metrics["run"]["backend"] == "petals"
     # petals' default client settings stalled one batch 63 s here; tuned + patched, ~2 s
     assert metrics["run"]["max_batch_seconds"] < 10, metrics["run"]
 

@@ -22,7 +22,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, one_thread_swarm, read_jsonl, read_stdout_line, run_cli, write_csv
+from conftest import REPO, one_thread_swarm, read_jsonl, read_stdout_line, reference_160_args, run_cli, write_csv
 
 from dist_eval.swarm import SwarmError
 from dist_eval.swarm.status import render
@@ -136,13 +136,11 @@ def test_status_table():
 
 
 @pytest.fixture(scope="module")
-def local_run(tiny_model, tiny_checkpoint, tmp_path_factory):
-    """(the rows, the local backend's predictions of them): what every run on a swarm must give."""
-    folder = tmp_path_factory.mktemp("supervised")
-    data = write_csv(str(folder / "rows.csv"), 160, seed=7)
-    local = run_cli(_run_args(tiny_model, tiny_checkpoint, data, folder / "local"), nproc=1, timeout=300)
-    assert local.returncode == 0, local.stderr[-3000:]
-    return data, read_jsonl(folder / "local" / "predictions.jsonl")
+def local_run(local_reference_160):
+    """(the rows, the local backend's predictions of them): what every run on a swarm must give
+    (conftest's local_reference_160, shared with test_swarm_failover.py)."""
+    data, predictions, _ = local_reference_160
+    return data, predictions
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +193,9 @@ def _run_killing(swarm, index, sig, args, events) -> str:
 
 
 def _run_args(model, checkpoint, data, out, peers=None, prefix=None):
+    """local_run's batch plan (batch size 2, in flight 1), on the swarm of ``peers`` (or the local backend)."""
     swarm_args = ["--initial-peers", *peers, "--dht-prefix", prefix] if peers else ["--backend", "local"]
-    return ["--model", model, "--data-files", data, "--checkpoint", checkpoint, "--output-dir", str(out),
-            "--batch-size", "2", "--in-flight", "1", "--save-logits", *swarm_args]
+    return reference_160_args(model, checkpoint, data, out, *swarm_args)
 
 
 @pytest.mark.swarm
@@ -345,12 +343,13 @@ def test_a_request_in_flight_finishes_on_a_server_told_to_stop(tiny_model, tiny_
     forward 4 s long, the run's one batch: the server drains (the forward finishes; petals'
     shutdown cut it, and the run failed: no other server), the swarm process waits for the
     drain, both exit 0, no process is left; the run == the local backend."""
+    from inprocess_cli import run_cli_in_process
     from test_swarm_failover import BackgroundCli, _group
 
     data = write_csv(str(tmp_path / "rows.csv"), 8, seed=11)
-    local = run_cli([*_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "local"), "--batch-size", "8"], nproc=1,
-                    timeout=300)
-    assert local.returncode == 0, local.stderr[-3000:]
+    # the reference in this process, one thread (== a torchrun rank bitwise; was a one-rank torchrun)
+    assert run_cli_in_process([*_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "local"), "--batch-size",
+                               "8"]) == 0
     slow, mark = tmp_path / "slow_forwards", tmp_path / "forward_began"
     slow.mkdir()
     (slow / "sitecustomize.py").write_text(SLOW_FORWARD_SITECUSTOMIZE)
