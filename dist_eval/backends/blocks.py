@@ -17,11 +17,11 @@ servers dist_eval starts alike, so the swarm computes what ``--backend local`` c
    kept as ``rope_llama3`` (the pinned class refuses it) for the block. What no block here
    computes is refused earlier, from config.json alone (:func:`dist_eval.backends.families.family_of`).
 2. **The block.** After the base attention's ``__init__``: biased q/k/v projections when
-   the config says ``qkv_bias``, and the ``llama3`` frequencies (:func:`llama3_inv_freq`, the
+   the config says ``qkv_bias``, and the ``llama3`` frequencies (:mod:`dist_eval.backends.rope`, the
    rule of transformers >= 4.43) with the cos/sin cache rebuilt from them. petals' server
    block derives from the same attention class, so it gets the same options. A family with
    ``qk_norm`` has layers of its own instead, the same in both (the local classes build them
-   in place of Llama's, petals' config names their block class; a server tells a block its
+   in place of the base family's, petals' config names their block class; a server tells a block its
    index, :func:`server_block_replacements`).
 3. **Classes.** For each family built on another, subclasses of the other's config, local
    (transformers) and petals classes with this family's ``model_type``, registered with
@@ -32,41 +32,22 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
 import threading
 from typing import Dict, Optional
+
+from dist_eval.backends.rope import rescale_rope
 
 # what the servers dist_eval starts add to the petals version they announce: they compute the
 # block options here (a stock petals server would run a newer family's blocks without them)
 SERVER_VERSION_MARK = "+dist_eval.blocks1"
 _lock = threading.RLock()
 _classes: Dict[str, type] = {}  # class name -> class built here
-# the cos/sin cache a rescaled rotary table starts with (it grows on a longer row, as the base one does)
-_ROPE_CACHE_POSITIONS = 4096
 
 
 def class_at(path: str):
     """The class at ``"module:Name"``."""
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-def llama3_inv_freq(inv_freq, rope: dict):
-    """``inv_freq`` rescaled by the ``llama3`` rule (transformers >= 4.43, in its order of
-    operations): long wavelengths divided by ``factor``, short ones kept, between them a
-    smooth interpolation.
-    """
-    import torch
-
-    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-    old_context = rope["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -117,16 +98,6 @@ def apply_block_options(attention, config) -> None:
             setattr(attention, name, nn.Linear(old.in_features, old.out_features, bias=True,
                                                device=old.weight.device, dtype=old.weight.dtype))
     rescale_rope(attention, config)
-
-
-def rescale_rope(attention, config) -> None:
-    """The ``llama3`` rotary frequencies for an attention module of ``config``, when it asks for them."""
-    rope = getattr(config, "rope_llama3", None)
-    if rope:
-        rotary = attention.rotary_emb
-        rotary.inv_freq = llama3_inv_freq(rotary.inv_freq, rope)
-        rotary._set_cos_sin_cache(min(_ROPE_CACHE_POSITIONS, rotary.max_seq_len_cached), rotary.inv_freq.device,
-                                  rotary.cos_cached.dtype)
 
 
 def register() -> None:

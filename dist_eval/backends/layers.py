@@ -46,6 +46,8 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
+from dist_eval.backends.rope import rescale_rope
+
 # the index of the block this process's petals server is loading (None: not loading one)
 SERVER_BLOCK_INDEX: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_block_index", default=None)
 
@@ -100,8 +102,6 @@ class QkNormAttention(LlamaAttention):
         self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self._init_rope()
-        from dist_eval.backends.blocks import rescale_rope
-
         rescale_rope(self, config)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
