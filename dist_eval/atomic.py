@@ -1,6 +1,7 @@
-"""Atomic file writes: a reader sees the whole file or none."""
+"""Files: atomic writes (a reader sees the whole file or none), and a file's digest."""
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import IO, Callable, Union
 
@@ -22,3 +23,12 @@ def atomic_write(path: str, content: Union[str, bytes, Callable[[IO], None]], *,
             f.write(content)
     os.replace(tmp, path)
     return path
+
+
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a file's bytes (hex), read a MiB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

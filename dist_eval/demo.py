@@ -41,6 +41,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from dist_eval.atomic import file_sha256  # demo_build reads it from here
+
 DEMO_VERSION = 2  # 2: shipped assets (1 was trained on the user's CPU)
 
 SEED = 20240517
@@ -203,15 +205,6 @@ def _install(root: str, family: str, shipped: dict, log) -> None:
     dataset.save_to_disk(_paths(root)["data_dir"])
     with open(os.path.join(root, MANIFEST), "w") as f:
         json.dump(shipped, f, indent=2, sort_keys=True)
-
-
-def file_sha256(path: str) -> str:
-    """The SHA-256 of a file's bytes (hex)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _umask() -> int:

@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from dist_eval import ranks
-from dist_eval.atomic import atomic_write
+from dist_eval.atomic import atomic_write, file_sha256
 from dist_eval.errors import warn
 
 SUBDIR = "partial"
@@ -42,14 +42,6 @@ def _file_facts(folder: str) -> List[Tuple[str, int, int]]:
     return facts
 
 
-def _sha256_of_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def run_key(
     model_dir: str, checkpoint: Optional[str], dataset, split: Optional[str], model, settings,
     head: Optional[str] = None,
@@ -61,7 +53,7 @@ def run_key(
     """
     facts = {
         "model_files": _file_facts(model_dir),
-        "checkpoint_sha256": _sha256_of_file(checkpoint) if checkpoint else None,
+        "checkpoint_sha256": file_sha256(checkpoint) if checkpoint else None,
         "data": data_fingerprint(dataset),
         "split": split,
         "model": {"backend": model.backend, "num_labels": model.num_labels, "prompt_tokens": model.prompt_tokens,
@@ -69,7 +61,7 @@ def run_key(
         "settings": settings.as_dict(),
     }
     if head:  # a checkpoint's separate head (--head): a file, or a model folder
-        facts["head"] = _file_facts(head) if os.path.isdir(head) else _sha256_of_file(head)
+        facts["head"] = _file_facts(head) if os.path.isdir(head) else file_sha256(head)
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -17,6 +17,7 @@ import torch
 from float_promises import assert_within_rounding
 
 from dist_eval import demo, demo_build
+from dist_eval.atomic import file_sha256
 from dist_eval.demo import DEMO_VERSION, DemoAssets, default_cache_dir, demo_assets, shipped_families, shipped_manifest
 
 
@@ -95,7 +96,7 @@ def test_the_shipped_assets_are_made_by_the_build_code_here(family):
                for root, _, names in os.walk(folder) for name in names} - {demo.MANIFEST}
     assert on_disk == set(manifest["files"])
     for relative, digest in manifest["files"].items():
-        assert demo.file_sha256(os.path.join(folder, relative)) == digest, relative
+        assert file_sha256(os.path.join(folder, relative)) == digest, relative
     assert manifest["accuracy"]["test"] > 0.90 and manifest["built_with"]["epochs"] == list(demo_build.EPOCHS)
 
 
