@@ -130,7 +130,7 @@ def _prepare(config: EvalConfig, say) -> Job:
                    dht_prefix=dht_prefix)
     from dist_eval.demo import demo_assets
 
-    demo = demo_assets(log=lambda line: say(line, flush=True), family=config.demo_family)
+    demo = demo_assets(log=lambda line: say(f"dist_eval: {line}", flush=True), family=config.demo_family)
     settings = replace(config.settings, text_column=demo.text_column, label_column=demo.label_column)
     plan = Plan((EvalSet(None, (demo.data_dir,)),), (Checkpoint(None, demo.checkpoint),))
     return Job(demo.model_dir, demo.split, settings, plan, demo=True)

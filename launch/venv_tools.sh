@@ -12,7 +12,9 @@ make_venv() {
   local venv="$1" python="$2"
   [[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
   local pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
-  if [[ "${DIST_EVAL_INSTALLER:-uv}" == uv ]] && { "$venv/bin/python" -m uv --version >/dev/null 2>&1 || "${pip[@]}" uv; }; then
+  # -q twice for uv itself: pip's warnings about the configured indexes (a file:// index without
+  # uv in it) are not the install's output
+  if [[ "${DIST_EVAL_INSTALLER:-uv}" == uv ]] && { "$venv/bin/python" -m uv --version >/dev/null 2>&1 || "${pip[@]}" -q uv; }; then
     INSTALL=("$venv/bin/python" -m uv pip install -q --python "$venv/bin/python")
     local links index
     links="${PIP_FIND_LINKS:-$("$venv/bin/python" -m pip config get global.find-links 2>/dev/null || true)}"
