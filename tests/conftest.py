@@ -2,6 +2,7 @@
 small datasets, generated deterministically in a temp folder (nothing downloaded)."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -253,28 +254,35 @@ def reference_160_args(model, checkpoint, data, out, *extra):
             "--batch-size", "2", "--in-flight", "1", "--save-logits", *extra]
 
 
-@pytest.fixture(scope="session")
-def bloom_swarm(tmp_path_factory):
-    """(model folder, cache, swarm): a tiny BLOOM saved from BloomForCausalLM (a layout petals cannot
+@contextlib.contextmanager
+def converted_family_swarm(tmp_path_factory, family: str, layout: str = "causal_lm"):
+    """(model folder, cache, swarm): a tiny ``family`` model saved in ``layout`` (one petals cannot
     read as it is: the swarm serves the converted copy, in ``cache``), two servers each holding half
-    of the blocks, one thread. Shared by test_families_swarm.py and test_backends_zeroshot_swarm.py
-    (issue 46; each started its own). A test using it sets DIST_EVAL_CACHE to ``cache`` (the client
-    reads the converted copy too), not the user's."""
+    of the blocks, one thread (the client's summation order); stopped on leaving. A test using it
+    sets DIST_EVAL_CACHE to ``cache`` (the client reads the converted copy too), not the user's."""
     from unittest import mock
 
     from dist_eval.swarm import LocalSwarm
 
-    root = tmp_path_factory.mktemp("swarm-bloom")
-    model = build_tiny_model(str(root / "tiny-bloom"), family="bloom")
+    root = tmp_path_factory.mktemp(f"swarm-{family}")
+    model = build_tiny_model(str(root / f"tiny-{family}"), family=family, layout=layout)
     cache = str(root / "cache")
     with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": cache}):
         swarm = LocalSwarm(model, num_servers=2)  # each server half of the blocks
     try:
         with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": cache, "OMP_NUM_THREADS": "1"}):
-            swarm.start()  # one thread: the client's summation order
+            swarm.start()
         yield model, cache, swarm
     finally:
         swarm.stop()
+
+
+@pytest.fixture(scope="session")
+def bloom_swarm(tmp_path_factory):
+    """:func:`converted_family_swarm` of a tiny BLOOM saved from BloomForCausalLM. Shared by
+    test_families_swarm.py and test_backends_zeroshot_swarm.py (issue 46; each started its own)."""
+    with converted_family_swarm(tmp_path_factory, "bloom") as started:
+        yield started
 
 
 def run_cli(args, nproc: int = 1, timeout: float = 300, env=None) -> subprocess.CompletedProcess:

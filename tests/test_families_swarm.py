@@ -5,13 +5,14 @@ layout petals cannot read as it is (BLOOM saved from BloomForCausalLM, Falcon fr
 FalconModel): the swarm serves the converted copy, the client reads it too. The checkpoints
 are read in the forms users hold (dist_eval's file, a petals state dict with the family's
 prefix, petals #268's nn.Embedding export + --head). Marked `swarm`."""
+import contextlib
 import json
 import os
 from unittest import mock
 
 import pytest
 import torch
-from conftest import build_checkpoint, build_tiny_model, read_jsonl, run_cli, write_csv
+from conftest import build_checkpoint, converted_family_swarm, read_jsonl, run_cli, write_csv
 from inprocess_cli import run_cli_in_process
 
 pytestmark = [pytest.mark.swarm, pytest.mark.multiproc]
@@ -23,30 +24,17 @@ ROWS = 30
 @pytest.fixture(scope="module", params=sorted(LAYOUT))
 def family_swarm(request, tmp_path_factory):
     family = request.param
-    if family == "bloom":  # conftest's, shared with test_backends_zeroshot_swarm.py (the same model)
-        model, cache, swarm = request.getfixturevalue("bloom_swarm")
-        root = None
-    else:
-        root = tmp_path_factory.mktemp(f"swarm-{family}")
-        model = build_tiny_model(str(root / f"tiny-{family}"), family=family, layout=LAYOUT[family])
-        cache, swarm = str(root / "cache"), None
-    data = write_csv(str(tmp_path_factory.mktemp(f"data-{family}") / "data.csv"), ROWS, seed=3)
-    # converted copies go to this test's cache (the CLI runs inherit it), not the user's
-    with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": cache}):
-        if swarm is None:
-            from dist_eval.swarm import LocalSwarm
-
-            swarm = LocalSwarm(model, num_servers=2)  # each server half of the blocks
+    with contextlib.ExitStack() as stack:
+        if family == "bloom":  # conftest's, shared with test_backends_zeroshot_swarm.py (the same model)
+            model, cache, swarm = request.getfixturevalue("bloom_swarm")
+        else:
+            model, cache, swarm = stack.enter_context(converted_family_swarm(tmp_path_factory, family, LAYOUT[family]))
+        data = write_csv(str(tmp_path_factory.mktemp(f"data-{family}") / "data.csv"), ROWS, seed=3)
         assert swarm.model_dir.startswith(cache)  # served from the converted copy
         assert swarm.dht_prefix == f"dist_eval-tiny-{family}"  # named after the folder given
-        try:
-            if root is not None:
-                with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):  # same summation order as the client
-                    swarm.start()
+        # converted copies go to this test's cache (the CLI runs inherit it), not the user's
+        with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": cache}):
             yield family, model, data, swarm
-        finally:
-            if root is not None:
-                swarm.stop()
 
 
 def run(family_swarm, out, checkpoint_args, nproc, backend="petals", peers=True):
