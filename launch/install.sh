@@ -65,5 +65,8 @@ PY
 # 5. this project, editable, without re-resolving anything.
 "${INSTALL[@]}" --no-deps -e "$ROOT"
 
+# 6. every module's bytecode, once (launch/venv_tools.sh: compile_venv)
+compile_venv "$VENV" "$ROOT/dist_eval"
+
 echo "$WANT" > "$STAMP"
 echo "[install] done: $VENV" >&2

@@ -27,3 +27,19 @@ make_venv() {
     INSTALL=("${pip[@]}")
   fi
 }
+
+# compile_venv VENV [DIR...]: write the bytecode of every module in VENV's site-packages (and in
+# each DIR) now. uv installs without it, and where PYTHONDONTWRITEBYTECODE is set (as on the
+# project's CI machine) Python never writes it either: every process then compiles torch,
+# transformers, datasets and petals from source again (benchmarks/RESULTS.md: "bytecode").
+# A file written for a newer Python (torch ships one) fails alone and is skipped.
+compile_venv() {
+  local venv="$1"
+  shift
+  "$venv/bin/python" - "$@" <<'PY'
+import compileall, sys, sysconfig
+
+for folder in dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.argv[1:]]):
+    compileall.compile_dir(folder, quiet=2, workers=0)
+PY
+}
