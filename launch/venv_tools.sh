@@ -30,7 +30,7 @@ make_venv() {
 
 # compile_venv VENV [DIR...]: write the bytecode of every module in VENV's site-packages (and in
 # each DIR) now. uv installs without it, and where PYTHONDONTWRITEBYTECODE is set (as on the
-# project's CI machine) Python never writes it either: every process then compiles torch,
+# machine this project is developed on) Python never writes it either: every process compiles torch,
 # transformers, datasets and petals from source again (benchmarks/RESULTS.md: "bytecode").
 # A file written for a newer Python (torch ships one) fails alone and is skipped.
 compile_venv() {
