@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
+from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT, is_hub_id, read_label_words
 from dist_eval.backends.kinds import BACKENDS, backend_kind
 from dist_eval.errors import UsageError
 from dist_eval.plan import parse_checkpoints, parse_plan
@@ -41,7 +42,6 @@ DEFAULT_MAX_LENGTH = 512
 DEFAULT_IN_FLIGHT = 2
 DEFAULT_SAVE_INTERVAL = 10.0
 DEFAULT_BOOTSTRAP_RESAMPLES = 1000
-DEFAULT_SWARM_TIMEOUT = 60.0
 # Rows per round of a run that stops early (--stop-at-width): the interval is looked at after
 # each round. Smaller rounds stop closer to the rows the answer needs, each costing one more
 # evaluate() (a merge, and on a swarm a few round trips); the stopping round is the same for
@@ -54,11 +54,6 @@ STOP_METRIC_NAMES = ("accuracy", "brier", "top_k_accuracy")
 STOP_RULE_NAMES = ("time-uniform", "fixed-width")
 
 
-
-
-def is_hub_id(model: str) -> bool:
-    """``org/name`` (or ``name``) that is not a path here: what ``--model`` names on the hub."""
-    return not os.path.exists(model) and not model.startswith((".", "/", "~")) and model.count("/") <= 1
 
 
 def setting(default: Any, help: str, *, zero_is_none: bool = False, **flag) -> Any:
@@ -80,38 +75,6 @@ def check_seconds(param: str, value, *, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         expected = "a number of seconds >= 0" if allow_zero else "a positive number of seconds"
         raise UsageError(f"expected {expected}.", param=param, value=value)
-
-
-def read_label_words(value: Union[str, Sequence[str], None], param: str = "label_words") -> Optional[Tuple[str, ...]]:
-    """The label words (one per class, in class-id order) as a tuple; None stays None.
-
-    ``value``: the words, or ``"@PATH"`` (alone), a UTF-8 file with one word per line
-    (surrounding whitespace stripped, blank lines skipped). At least 2 distinct, non-empty words.
-    """
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = [value]
-    words = list(value)
-    if len(words) == 1 and isinstance(words[0], str) and words[0].startswith("@"):
-        path = words[0][1:]
-        try:
-            with open(path, encoding="utf-8") as f:
-                words = [line.strip() for line in f if line.strip()]
-        except OSError as e:
-            raise UsageError(f"cannot read the file of label words ({e.strerror}). Pass @FILE with one word per "
-                             "line, or the words themselves.", param=param, value=value[0]) from e
-    bad = [w for w in words if not isinstance(w, str) or not w.strip()]
-    if bad:
-        raise UsageError(f"expected one non-empty word per class; got {bad[0]!r}.", param=param, value=words)
-    words = [w.strip() for w in words]
-    if len(words) < 2:
-        raise UsageError(f"expected one word per class, at least 2; got {len(words)}.", param=param, value=words)
-    repeated = sorted({w for w in words if words.count(w) > 1})
-    if repeated:
-        raise UsageError(f"{repeated} given for more than one class; each class needs its own word.",
-                         param=param, value=words)
-    return tuple(words)
 
 
 def check_template(template: Optional[str], text_pair_column: Optional[str]) -> None:

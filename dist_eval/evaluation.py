@@ -11,23 +11,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from itertools import chain
+from functools import partial
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from dist_eval import ranks
+from dist_eval.backends.arguments import read_label_words
 from dist_eval.backends.objects import evaluation_model
-from dist_eval.config import Options, Settings, read_label_words, settings_from, with_setting_keywords
+from dist_eval.config import Options, Settings, settings_from, with_setting_keywords
 from dist_eval.data.labels import label_names_of, read_labels
 from dist_eval.data.loader import loader_batches
 from dist_eval.data.sample import sampled_rows
 from dist_eval.data.shard import dataset_batches
 from dist_eval.errors import UsageError, warn
+from dist_eval.known import KnownLogits, open_known_logits
 from dist_eval.merge import MergedResults, merge_on_main, rows_per_second
 from dist_eval.predict import predict_shard
-from dist_eval.resume import open_partial
 
 # A user metric over the merged set: fn(labels, preds, logits_or_None) -> float or dict
 MergedMetric = Callable[[np.ndarray, np.ndarray, Optional[np.ndarray]], object]
@@ -228,13 +229,14 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
         settings = replace(settings, label_words=_label_words_of(task, settings.label_words))
         start, start_cpu = time.perf_counter(), time.process_time()
 
-        num_rows, batches, num_truncated, own_batches, rows_source = _this_rank_batches(
+        # the known logits: the row store's rows before the plan (which leaves them out), the
+        # resume folder's batches after it (keyed by the plan's batches)
+        num_rows, batches, num_truncated, own_batches, known = _this_rank_batches(
             data, tokenizer, settings, task, options.top_k, _plan_hook(on_batch_done),
-            _store_opener(model, tokenizer, settings, options, task))
+            partial(open_known_logits, model, tokenizer, settings, options, task.num_labels, task.pad_token_id))
         with ranks.phase("reading the stored partial results"):
-            stored, writer = open_partial(resume_folder, own_batches, task.num_labels, options.save_interval)
-        local = _forward_passes(task, batches, (stored, writer, rows_source), options.in_flight, sample_metrics,
-                                on_batch_done)
+            known.resume_from(resume_folder, own_batches, task.num_labels, options.save_interval)
+        local = _forward_passes(task, batches, known, options.in_flight, sample_metrics, on_batch_done)
     loop_seconds = time.perf_counter() - start
     local.loop_cpu_seconds = time.process_time() - start_cpu  # this rank's CPU (all its threads) in the loop
 
@@ -244,42 +246,9 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
         bootstrap=(options.bootstrap_resamples, options.bootstrap_seed), top_k=options.top_k,
     )
     run = report["run"]
-    run["row_store"] = _row_store_facts(rows_source, num_rows, run["resumed_samples"])
+    run["row_store"] = known.store_facts(num_rows, run["resumed_samples"])
     run["samples_per_second"] = rows_per_second(run["row_store"]["rows_evaluated"], run["eval_loop_seconds"])
     return EvalResult(metrics=report, predictions=merged if return_logits else _without_logits(merged))
-
-
-def _store_opener(model, tokenizer, settings: Settings, options: Options, task: _Task):
-    """``open(dataset) -> RowSource``, every rank (rank 0 reads the store): no row served for a
-    model without an identity or with the store off (a DataLoader's run never calls it).
-    """
-    from dist_eval.rowstore import open_rows, store_for
-
-    def open_store(data):
-        start, store = time.perf_counter(), None
-        if ranks.is_main_process():
-            try:
-                store = store_for(options.row_store, model, tokenizer, settings, task.pad_token_id)
-            except Exception as e:  # a store that cannot be keyed costs the reuse, never the run
-                warn(f"row store: not used in this run ({type(e).__name__}: {e})")
-        columns = [settings.text_column] + ([settings.text_pair_column] if settings.text_pair_column else [])
-        source = open_rows(store, options.fresh_rows, data, columns, task.num_labels, options.save_interval)
-        source.read_seconds = time.perf_counter() - start
-        return source
-    return open_store
-
-
-def _row_store_facts(rows_source, num_rows: int, resumed: int) -> dict:
-    """The report's ``run.row_store``: the rows it served over all ranks, those evaluated, the time
-    saved; the store's own cost: rank 0's reading (with the keys and the exchange), all ranks' writing.
-    """
-    served, saved, written = ranks.all_reduce_sum(
-        np.array([rows_source.rows_served, rows_source.seconds_saved, rows_source.write_seconds]))
-    folder, read = ranks.broadcast_object((rows_source.folder, rows_source.read_seconds))
-    # each row's seconds are a rank's wall time for it; this run's ranks would have shared them
-    return {"folder": folder, "fresh_rows": bool(rows_source.fresh), "rows_from_store": int(served),
-            "rows_evaluated": int(num_rows - served - resumed), "seconds_saved": float(saved) / ranks.get_world_size(),
-            "read_seconds": read, "write_seconds": float(written)}
 
 
 @with_setting_keywords
@@ -353,12 +322,10 @@ def _without_logits(merged: Optional[MergedResults]) -> Optional[MergedResults]:
     return merged
 
 
-def _forward_passes(task: _Task, batches, saving, in_flight, sample_metrics, on_batch_done):
+def _forward_passes(task: _Task, batches, known: KnownLogits, in_flight, sample_metrics, on_batch_done):
     """This rank's forwards (a phase): finished batches are stored as they come, and kept
     when the phase fails; one rank's failure stops the others at their next batch.
-    ``saving``: (stored partial results, their writer, the row store's RowSource).
     """
-    stored, writer, rows_source = saving
     with ranks.phase("the forward passes", stop_early=True) as failed:
 
         def after_batch(num_rows: int) -> None:
@@ -369,13 +336,10 @@ def _forward_passes(task: _Task, batches, saving, in_flight, sample_metrics, on_
         try:
             local = predict_shard(
                 task.forward, batches, task.num_labels, keep_logits=True, sample_metrics=sample_metrics,
-                on_batch_done=after_batch, in_flight=in_flight, stored=stored,
-                on_batch_logits=writer.add if writer is not None else None, rows_source=rows_source,
+                on_batch_done=after_batch, in_flight=in_flight, known=known,
             )
         finally:
-            if writer is not None:
-                writer.flush()  # also on failure: finished batches are not lost
-            rows_source.flush()
+            known.flush()  # also on failure: finished batches are not lost
     return local
 
 
@@ -424,23 +388,23 @@ def _plan_hook(on_batch_done):
 
 
 def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: Optional[int] = None, on_plan=None,
-                       open_store=None):
+                       open_known=None):
     """(rows in the data, this rank's batches, rows truncated here, {batch id: rows} of this
-    rank's batches or None for a DataLoader, the row store's RowSource). Every rank must call it.
-    The rows the store holds are left out of the batch plan; rank 0 reports them, as batches
-    whose logits are known.
+    rank's batches or None for a DataLoader, the :class:`KnownLogits` ``open_known(data)`` opened).
+    Every rank must call it. The rows the row store holds are left out of the batch plan; rank 0
+    reports them, as batches whose logits are known.
     """
-    from dist_eval.rowstore import RowSource
+    from dist_eval.backends.families import tokenizers_calling_the_base
 
     with ranks.phase("preparing the data"):
         _check_top_k(top_k, task.num_labels)  # the first point the classes are known: every rank alike
         _check_window(task, settings.max_length)
         data, labels, task.label_names = _check_data(data, tokenizer, settings, task)
         num_rows = len(data.dataset) if labels is None else len(data)
-    rows_source = RowSource(None, ranks.get_rank())
-    if labels is not None and open_store is not None:
+    known = KnownLogits()
+    if labels is not None and open_known is not None:
         with ranks.phase("reading the row store"):
-            rows_source = open_store(data)
+            known = open_known(data)
     own_batches = None
     with ranks.phase("tokenizing the data"):
         if labels is None:  # a DataLoader: its batches are the user's
@@ -448,10 +412,11 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: 
         else:
             batches, num_truncated, own_batches = dataset_batches(
                 data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
-                on_plan=on_plan, skip_rows=rows_source.stored_rows,
+                on_plan=on_plan, skip_rows=known.stored_rows,
+                calling_the_base=tokenizers_calling_the_base(),
             )
-            batches = chain(rows_source.batches(labels), batches)
-    return num_rows, batches, num_truncated, own_batches, rows_source
+            batches = known.with_store_batches(labels, batches)
+    return num_rows, batches, num_truncated, own_batches, known
 
 
 def _check_window(task: _Task, max_length: int) -> None:

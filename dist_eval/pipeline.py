@@ -140,7 +140,7 @@ def _model_on_this_node(config: EvalConfig, job: Job) -> Job:
     """A hub id's files are in rank 0's HF cache; a rank whose HF cache is another (another node
     without a shared HF_HOME) fetches the same snapshot (its commit) into its own cache.
     """
-    from dist_eval.config import is_hub_id
+    from dist_eval.backends.arguments import is_hub_id
 
     if job.demo or not is_hub_id(config.model):  # the same on every rank: all enter the phase or none
         return job

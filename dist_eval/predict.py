@@ -10,11 +10,8 @@ from typing import Callable, Deque, Dict, Iterable, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
+from dist_eval.data.batches import Batch
 from dist_eval.metrics import per_sample_cross_entropy
-
-# One batch: (batch id in the global plan, global row indices [B], input_ids [B, T] or
-# None when its logits are already stored (a resumed run), labels [B])
-Batch = Tuple[int, np.ndarray, Optional[torch.Tensor], np.ndarray]
 
 
 @dataclass
@@ -60,45 +57,33 @@ def _logits_of(output) -> torch.Tensor:
 DEFAULT_IN_FLIGHT = 2
 
 
-def _timed_forward(model: Callable, input_ids: torch.Tensor) -> Tuple[torch.Tensor, float]:
+def _timed_forward(model: Callable, input_ids: torch.Tensor) -> Tuple[torch.Tensor, float, None]:
     # no_grad is thread-local: it must be entered in the thread that runs the forward
     with torch.no_grad():
         start = time.perf_counter()
         logits = _logits_of(model(input_ids)).float().cpu()
-        return logits, time.perf_counter() - start
+        return logits, time.perf_counter() - start, None
 
 
 class _Ready:
-    """A finished 'future' for a batch whose logits are known without a forward: stored by an
-    interrupted run, or every row of it in the row store.
+    """A finished 'future' for a batch whose logits are known without a forward (``source``: where
+    they came from, :mod:`dist_eval.known`).
     """
 
-    def __init__(self, logits: np.ndarray):
-        self.value = (torch.from_numpy(np.ascontiguousarray(logits)), None)
+    def __init__(self, logits: np.ndarray, source: str):
+        self.value = (torch.from_numpy(np.ascontiguousarray(logits)), None, source)
 
     def result(self):
         return self.value
 
 
-def _known_rows(rows: np.ndarray, known: Dict[int, np.ndarray]) -> Optional[np.ndarray]:
-    """Which rows of a batch the row store holds (a bool mask), or None when it holds none."""
-    if not known:
-        return None
-    hits = np.fromiter((int(r) in known for r in rows), dtype=bool, count=len(rows))
-    return hits if hits.any() else None
-
-
-def _start(model: Callable, batch: Batch, stored: Dict[int, np.ndarray], known: Dict[int, np.ndarray], submit):
-    """A future of (logits, seconds or None) for one batch; ``submit(fn, *args)`` runs a forward.
-    A batch of rows the row store holds (rank 0's, outside the plan: the plan leaves them out)
-    runs none.
+def _start(model: Callable, batch: Batch, known, submit):
+    """A future of (logits, seconds or None, where known logits came from or None) for one batch;
+    ``submit(fn, *args)`` runs a forward. A batch whose logits ``known`` holds runs none.
     """
-    batch_id, rows = batch[0], batch[1]
-    if batch_id in stored:
-        return _Ready(stored[batch_id])
-    hits = _known_rows(rows, known)
-    if hits is not None and hits.all():
-        return _Ready(np.stack([known[int(r)] for r in rows]))
+    hit = known.of(batch[0], batch[1]) if known is not None else None
+    if hit is not None:
+        return _Ready(*hit)
     return submit(_timed_forward, model, batch[2])
 
 
@@ -113,27 +98,25 @@ class _Now:
 
 
 def _forwards_in_order(
-    model: Callable, batches: Iterable[Batch], in_flight: int, stored: Dict[int, np.ndarray],
-    known: Optional[Dict[int, np.ndarray]] = None,
-) -> Iterator[Tuple[Batch, torch.Tensor, Optional[float]]]:
-    """(batch, logits, seconds) for every batch, in the order the batches came; seconds
-    is None for a batch whose logits were all known (no forward ran). ``known``: {row:
-    logits} of rows the row store holds (not evaluated again).
+    model: Callable, batches: Iterable[Batch], in_flight: int, known=None,
+) -> Iterator[Tuple[Batch, torch.Tensor, Optional[float], Optional[str]]]:
+    """(batch, logits, seconds, source) for every batch, in the order the batches came; seconds
+    is None and source says where the logits came from for a batch whose logits ``known`` (a
+    :class:`dist_eval.known.KnownLogits`) holds (no forward ran).
 
     With ``in_flight`` > 1 up to that many forwards run at once in worker threads (the
     petals client spends most of a forward waiting on the network); results are still
     yielded in batch order, so what follows is identical to a sequential run.
     """
-    known = known or {}
     if in_flight <= 1:
         for batch in batches:
-            yield (batch, *_start(model, batch, stored, known, _Now).result())
+            yield (batch, *_start(model, batch, known, _Now).result())
         return
     pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="dist_eval-forward")
     pending: Deque = deque()
     try:
         for batch in batches:
-            pending.append((batch, _start(model, batch, stored, known, pool.submit)))
+            pending.append((batch, _start(model, batch, known, pool.submit)))
             if len(pending) >= in_flight:
                 batch_done, future = pending.popleft()
                 yield (batch_done, *future.result())
@@ -145,16 +128,6 @@ def _forwards_in_order(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _to_row_store(rows_source, rows: np.ndarray, logits: np.ndarray, seconds: Optional[float]) -> None:
-    """A batch not resumed: served by the store (no forward: counted), or evaluated (to store)."""
-    if rows_source is None:
-        return
-    if seconds is None:
-        rows_source.served(rows)
-    else:
-        rows_source.add(rows, logits)
-
-
 def predict_shard(
     model: Callable[[torch.Tensor], torch.Tensor],
     batches: Iterable[Batch],
@@ -163,26 +136,22 @@ def predict_shard(
     sample_metrics: Optional[Dict[str, Callable]] = None,
     on_batch_done: Optional[Callable[[int], None]] = None,
     in_flight: int = 1,
-    stored: Optional[Dict[int, np.ndarray]] = None,
-    on_batch_logits: Optional[Callable[[int, np.ndarray, np.ndarray], None]] = None,
-    rows_source=None,
+    known=None,
 ) -> ShardResults:
     """Run every batch under ``torch.no_grad()`` and keep per-sample results.
 
     ``in_flight``: batches run at once (results identical for any value).
-    ``stored``: {batch id: logits} from an interrupted run; those batches are not run.
-    ``on_batch_logits(batch_id, rows, logits)`` is called for each newly computed batch
-    (to store partial results); ``on_batch_done(num_rows)`` after every batch (progress).
-    ``rows_source`` (a :class:`dist_eval.rowstore.RowSource`): a batch of rows the row store
-    holds is not evaluated; the rows evaluated go to it.
+    ``known`` (a :class:`dist_eval.known.KnownLogits`): a batch whose logits it holds (an
+    interrupted run's, the row store's) is not run; every batch done is given back to it
+    (:meth:`~dist_eval.known.KnownLogits.took`: the computed ones are kept for later runs).
+    ``on_batch_done(num_rows)`` after every batch (progress).
     """
-    stored, known = stored or {}, (rows_source.logits if rows_source is not None else {})
     indices, labels, preds, losses, logits_kept = [], [], [], [], []
     sample_values: Dict[str, list] = {name: [] for name in (sample_metrics or {})}
-    forward_seconds, max_batch_seconds, num_resumed = 0.0, 0.0, 0
-    for (batch_id, rows, _, batch_labels), logits, seconds in _forwards_in_order(model, batches, in_flight, stored,
-                                                                                  known):
-        num_resumed += len(rows) if batch_id in stored else 0
+    forward_seconds, max_batch_seconds = 0.0, 0.0
+    for (batch_id, rows, _, batch_labels), logits, seconds, source in _forwards_in_order(model, batches, in_flight,
+                                                                                         known):
+        rows = np.asarray(rows, dtype=np.int64)
         if seconds is not None:
             forward_seconds += seconds
             max_batch_seconds = max(max_batch_seconds, seconds)
@@ -190,11 +159,9 @@ def predict_shard(
             raise RuntimeError(f"the model returned logits of shape {list(logits.shape)} for a batch of "
                                f"{len(rows)}; expected [{len(rows)}, {num_labels}]")
         batch_logits = logits.numpy()
-        if batch_id not in stored:
-            _to_row_store(rows_source, np.asarray(rows, dtype=np.int64), batch_logits, seconds)
-        if seconds is not None and on_batch_logits is not None:
-            on_batch_logits(batch_id, np.asarray(rows, dtype=np.int64), batch_logits)
-        indices.append(np.asarray(rows, dtype=np.int64))
+        if known is not None:
+            known.took(batch_id, rows, batch_logits, source)
+        indices.append(rows)
         labels.append(np.asarray(batch_labels, dtype=np.int64))
         # argmax picks the first maximum on ties, the same on every rank
         preds.append(batch_logits.argmax(axis=1).astype(np.int64))
@@ -221,5 +188,5 @@ def predict_shard(
         sample_values={name: cat(parts, np.float64) for name, parts in sample_values.items()},
         forward_seconds=forward_seconds,
         max_batch_seconds=max_batch_seconds,
-        num_resumed=num_resumed,
+        num_resumed=known.rows_resumed if known is not None else 0,
     )

@@ -12,13 +12,13 @@ Layout (one tree, safe to delete whole or in part at any time)::
 
 ``<root>``: ``--row-store DIR`` (API ``row_store=``), by default ``$DIST_EVAL_CACHE/rows``
 (``~/.cache/dist_eval/rows``; the environment variable ``DIST_EVAL_ROW_STORE`` names another
-default, or ``off``). The model key hashes the model's identity (:func:`folder_identity`: the
-files' content, a hub snapshot's commit) and the numerics (backend, dtype, device, torch, the
-swarm servers' versions, dtypes, quantization); the task key the checkpoint's prompts and head
-(their tensors' bytes), the tokenizer's content, every setting that changes a row's tokens or
-logits (``--max-length``, template, label words, columns). Each row is then keyed by a hash
-of its own text (and text pair): with the tokenizer and settings fixed by the folder, the text
-decides its token ids.
+default, or ``off``). The model key hashes the model's identity (the files' content, a hub
+snapshot's commit: :func:`~dist_eval.backends.provenance.folder_identity`) and the numerics
+(backend, dtype, device, torch, the swarm servers' versions, dtypes, quantization); the task key
+the checkpoint's prompts and head (their tensors' bytes), the tokenizer's content, every setting
+that changes a row's tokens or logits (``--max-length``, template, label words, columns). Each
+row is then keyed by a hash of its own text (and text pair): with the tokenizer and settings
+fixed by the folder, the text decides its token ids.
 
 A file is one (run, rank, flush): written under a hidden temporary name, fsynced, renamed into
 place, so two runs (two jobs on one cluster file system) never write the same file and a
@@ -35,11 +35,9 @@ them. ``--fresh-rows`` evaluates every row again (and still stores them).
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
-import re
 import time
 import uuid
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -47,16 +45,13 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from dist_eval.atomic import atomic_write
+from dist_eval.backends.provenance import tokenizer_digest
 from dist_eval.errors import warn
 
 MAGIC = b"DIST_EVAL_ROWS\x00"
 FORMAT_VERSION = 1
 SUFFIX = ".rows"
 KEY_BYTES = 16
-# files up to this size are hashed whole; a bigger weight file by its size, mtime, its first
-# and last MiB (a safetensors header, the first tensors) (hashing 100 GB at each start: minutes)
-WHOLE_HASH_BYTES = 64 << 20
-EDGE_BYTES = 1 << 20
 # settings that decide which rows are evaluated, or how they are batched, not their logits
 NOT_IN_KEY = ("label_column", "batch_size", "length_buckets", "max_batch_tokens", "limit", "limit_seed",
               "stop_at_width", "stop_when_decided", "stop_metric", "stop_round_rows", "stop_rule")
@@ -76,76 +71,6 @@ def store_root(option: str) -> Optional[str]:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def file_digest(path: str) -> str:
-    """A file's content: its SHA-256 up to WHOLE_HASH_BYTES; above, of its size, mtime and edges."""
-    stat = os.stat(path)
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        if stat.st_size <= WHOLE_HASH_BYTES:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-            return digest.hexdigest()
-        digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
-        digest.update(f.read(EDGE_BYTES))
-        f.seek(stat.st_size - EDGE_BYTES)
-        digest.update(f.read(EDGE_BYTES))
-    return "edges:" + digest.hexdigest()
-
-
-def folder_identity(folder: str) -> dict:
-    """A model folder's identity: each file's digest by name (not the folder's name or place),
-    and the commit of a hub snapshot (``.../snapshots/<commit>/``). Hashed once per process for
-    the same files (the same names, sizes and mtimes): a run that evaluates in rounds asks each round.
-    """
-    stats = []
-    for name in sorted(os.listdir(folder)):
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            stat = os.stat(path)
-            stats.append((name, stat.st_size, stat.st_mtime_ns, stat.st_ino))
-    return _folder_identity(folder, tuple(stats))
-
-
-@functools.lru_cache(maxsize=16)
-def _folder_identity(folder: str, stats: tuple) -> dict:
-    real = os.path.realpath(folder)
-    files = [(name, file_digest(os.path.join(folder, name))) for name, *_ in stats]
-    commit = re.search(r"/snapshots/([0-9a-f]{40})(/|$)", os.path.abspath(folder) + "/") or re.search(
-        r"/snapshots/([0-9a-f]{40})(/|$)", real + "/")
-    return {"files": files, "hub_commit": commit.group(1) if commit else None}
-
-
-def tensors_digest(tensors: dict) -> str:
-    """The prompts' and head's content: names, dtypes, shapes and bytes of each tensor."""
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().cpu().contiguous()
-        digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}:".encode())
-        digest.update(tensor.view(-1).view(dtype=_byte_dtype()).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
-
-
-def _byte_dtype():
-    import torch
-
-    return torch.uint8
-
-
-def tokenizer_digest(tokenizer) -> str:
-    """The tokenizer's content: a fast tokenizer's whole definition (vocabulary, merges,
-    normalizer, pre- and post-processor), else its vocabulary; its class and init arguments.
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        body = backend.to_str()
-    else:
-        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        body = json.dumps(sorted(vocab.items()), ensure_ascii=False)
-    facts = {"class": type(tokenizer).__name__, "init": getattr(tokenizer, "init_kwargs", None),
-             "special": getattr(tokenizer, "special_tokens_map", None)}
-    return _sha256(body.encode() + json.dumps(facts, sort_keys=True, default=str).encode())
 
 
 def settings_facts(settings) -> dict:

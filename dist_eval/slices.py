@@ -59,11 +59,12 @@ def length_quartiles(tokenizer, settings, dataset) -> List[str]:
     as the model gets it: the template filled in, truncated to ``max_length``). Quartile edges
     of the rows' lengths (lower values); tied lengths share a quartile, so there may be fewer.
     """
+    from dist_eval.backends.families import tokenizers_calling_the_base
     from dist_eval.data.labels import TaskColumns
     from dist_eval.data.tokenize import tokenize_rows
 
     ids, _ = tokenize_rows(tokenizer, dataset, np.arange(len(dataset)), TaskColumns.of(settings),
-                           settings.max_length, -1)
+                           settings.max_length, -1, tokenizers_calling_the_base())
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     if not lengths.size:
         return []

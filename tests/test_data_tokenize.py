@@ -121,6 +121,7 @@ def test_the_backend_called_directly_gives_the_tokenizers_own_ids(pair):
     conversion; the ids (special tokens, pairs, truncation) equal the tokenizer's own call,
     for the tokenizer classes of the families dist_eval serves (a class outside the family
     table that overrides the call's steps goes through its own call, with the same ids)."""
+    from dist_eval.backends.families import tokenizers_calling_the_base
     from dist_eval.data.tokenize import _backend_gives_the_same_ids
 
     data = _data(200)
@@ -129,8 +130,15 @@ def test_the_backend_called_directly_gives_the_tokenizers_own_ids(pair):
     texts = [data[int(r)]["text"] for r in rows]
     pairs = [data[int(r)]["other"] for r in rows] if pair else None
     for name, tokenizer in _family_tokenizers(list(data["text"])).items():
-        assert _backend_gives_the_same_ids(tokenizer, tokenizer._tokenizer) == (name != "GPT2TokenizerFast"), name
-        ids, truncated = tokenize_rows(tokenizer, data, rows, columns, max_length=9, pad_token_id=0)
+        trusted = tokenizers_calling_the_base()  # the model table's, as the evaluation passes them
+        direct = _backend_gives_the_same_ids(tokenizer, tokenizer._tokenizer, trusted)
+        assert direct == (name != "GPT2TokenizerFast"), name
+        # without the table, only a class that overrides none of the call's steps is called directly
+        alone = _backend_gives_the_same_ids(tokenizer, tokenizer._tokenizer)
+        assert alone == (name in ("PreTrainedTokenizerFast", "LlamaTokenizerFast")), name
+        ids, truncated = tokenize_rows(tokenizer, data, rows, columns, max_length=9, pad_token_id=0,
+                                       calling_the_base=trusted)
+        assert ids == tokenize_rows(tokenizer, data, rows, columns, max_length=9, pad_token_id=0)[0], name
         full = tokenizer(texts, pairs)["input_ids"]
         assert ids == [x[:9] for x in full], name
         assert truncated == sum(len(x) > 9 for x in full) > 0, name

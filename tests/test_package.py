@@ -176,10 +176,50 @@ def test_no_import_cycle_among_the_package_modules():
     assert not cycles, f"an import cycle: {cycles[0]}"
 
 
+# The package's layers, lowest first, in data-flow order: a module imports only from layers below
+# its own (and from inside its own package); two units of one layer never import each other.
+LAYERS = (
+    ("errors",),  # how every failure is said
+    ("atomic", "procs", "watchdog", "plan", "metrics", "launcher", "rendezvous"),  # foundations
+    ("ranks", "intervals", "sequential"),  # the collectives; the statistics under the metrics
+    ("data", "backends"),  # the rows; the model (its table, loaders, backends, provenance)
+    ("swarm", "predict", "progress", "resume", "paired", "config", "demo"),  # servers; the forward loop; settings
+    ("merge", "rowstore", "demo_build"),  # rank 0's merge; the store of known rows
+    ("slices", "stopping", "known"),  # the known logits: the resume folder and the row store, one source
+    ("compare", "rescore", "output", "evaluation"),  # the report writers; the evaluation core
+    ("pipeline",),  # the CLI's flow
+    ("cli",),
+    ("docs_cli", "__main__"),
+)
+
+
+def _unit(module: str) -> str:
+    """The layer unit of ``dist_eval.a.b``: ``a`` (a top-level module or sub-package)."""
+    return module.split(".")[1] if module.count(".") else module
+
+
+def test_layers_point_down():
+    """Issue 47: no import climbs back up: the data stage does not import the model table, the
+    backends do not import the CLI's settings, the model loader does not know the row store."""
+    layer_of = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}
+    graph = module_imports()
+    units = {_unit(name) for name in graph if name != "dist_eval"}
+    assert units == set(layer_of), f"units missing from LAYERS: {sorted(units - set(layer_of))}; " \
+                                   f"named but gone: {sorted(set(layer_of) - units)}"
+    climbs = [f"{name} imports {target} ({_unit(name)} is in layer {layer_of[_unit(name)]}, "
+              f"{_unit(target)} in layer {layer_of[_unit(target)]})"
+              for name, targets in sorted(graph.items()) if name != "dist_eval"
+              for target in sorted(targets) if target != "dist_eval" and _unit(target) != _unit(name)
+              and layer_of[_unit(target)] >= layer_of[_unit(name)]]
+    assert not climbs, "imports that do not point down:\n" + "\n".join(climbs)
+
+
 def test_config_imports_no_higher_module():
-    # the backends' table (what each backend takes and is) is a leaf: the flags' checks ask it
+    # the backends' table (what each backend takes and is) and what load_model takes are leaves:
+    # the flags' checks ask them
     assert module_imports()["dist_eval.config"] == {"dist_eval.errors", "dist_eval.plan", "dist_eval.backends",
-                                                    "dist_eval.backends.kinds"}
+                                                    "dist_eval.backends.kinds", "dist_eval.backends.arguments"}
+    assert module_imports()["dist_eval.backends.arguments"] == {"dist_eval.errors"}
     assert module_imports()["dist_eval.plan"] == {"dist_eval.errors"}
     assert module_imports()["dist_eval.backends.kinds"] == {"dist_eval.errors"}
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from dist_eval import ranks
+from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT, read_label_words
 from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import TrainableState, load_checkpoint, load_prompts, model_dir_trainable_state
 from dist_eval.backends.families import Family, family_of
 from dist_eval.backends.kinds import backend_kind
 from dist_eval.backends.zeroshot import LabelWords, check_lm_head, label_word_tokens
-from dist_eval.config import DEFAULT_SWARM_TIMEOUT, read_label_words
 from dist_eval.errors import UsageError, param_name, warn
 
 
@@ -73,7 +73,7 @@ class LoadedModel:
         self.check_structure(state, checkpoint)
         self.module.load_trainable(state)
         if self.identity is not None:
-            from dist_eval.rowstore import tensors_digest
+            from dist_eval.backends.provenance import tensors_digest
 
             self.identity = {**self.identity, "trainable": tensors_digest(state.tensors)}
 
@@ -158,7 +158,7 @@ def load_model(
 
 def _identity(model_dir: str, state: TrainableState, family: Family, backend: str, device, dht_prefix) -> dict:
     """What decides this model's logits besides the rows (the row store's key: dist_eval.rowstore)."""
-    from dist_eval.rowstore import folder_identity, tensors_digest
+    from dist_eval.backends.provenance import folder_identity, tensors_digest
 
     model = {"folder": folder_identity(model_dir), "family": family.model_type, "backend": backend,
              "device": str(device).split(":")[0], "dtype": "float32", "dht_prefix": dht_prefix}

@@ -17,8 +17,8 @@ import json
 import os
 from typing import List, Optional, Tuple
 
+from dist_eval.backends.arguments import is_hub_id
 from dist_eval.backends.kinds import backend_kind
-from dist_eval.config import is_hub_id
 from dist_eval.errors import UsageError
 
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")

@@ -27,9 +27,9 @@ from typing import Iterator
 
 from torch import nn
 
+from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT
 from dist_eval.backends.classifier import LoadedModel, class_names
 from dist_eval.backends.families import Family, family_of_object
-from dist_eval.config import DEFAULT_SWARM_TIMEOUT
 from dist_eval.errors import UsageError
 
 

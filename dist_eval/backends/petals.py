@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT
 from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import TrainableState
 from dist_eval.backends.compat import (
@@ -22,7 +23,6 @@ from dist_eval.backends.helpers import HelperWatch
 from dist_eval.backends.requests import RequestTooLarge, learn_server_limit, restore_petals_split, send_batches_whole
 from dist_eval.backends.wire import embeddings_digest, forward_over_wire
 from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer
-from dist_eval.config import DEFAULT_SWARM_TIMEOUT
 from dist_eval.errors import UsageError, one_line
 
 

@@ -1,4 +1,7 @@
-"""Which servers served a petals run, as they announce themselves in the DHT.
+"""Where a row's logits come from: the content of the model, checkpoint and tokenizer that
+compute them (:func:`folder_identity`, :func:`tensors_digest`, :func:`tokenizer_digest`: what
+the row store keys its rows by), and which servers served a petals run, as they announce
+themselves in the DHT.
 
 Read from the client's routing table (``sequence_manager.state.sequence_info.block_infos``:
 one ``RemoteModuleInfo`` per block, ``servers`` mapping each peer id to petals'
@@ -9,10 +12,19 @@ when every block's replicas are identical, which :func:`swarm_provenance` says.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import os
+import re
 from typing import Dict, Iterable, List
 
 from dist_eval.backends.blocks import SERVER_VERSION_MARK
 
+# files up to this size are hashed whole; a bigger weight file by its size, mtime, its first
+# and last MiB (a safetensors header, the first tensors) (hashing 100 GB at each start: minutes)
+WHOLE_HASH_BYTES = 64 << 20
+EDGE_BYTES = 1 << 20
 # What decides a server's numbers: two replicas that agree on these compute the same blocks
 REPLICA_FIELDS = ("version", "torch_dtype", "quant_type", "adapters")
 
@@ -86,3 +98,75 @@ def replicas_warning(run: dict) -> str:
     return (f"  warning: blocks {blocks[:8]}{' ...' if len(blocks) > 8 else ''} were served by replicas that differ "
             "(petals version, dtype, quantization or adapters): results may depend on the route "
             "(metrics.json run.swarm)")
+
+
+# ---------------------------------------------------------------- the content of what computes a row
+
+def file_digest(path: str) -> str:
+    """A file's content: its SHA-256 up to WHOLE_HASH_BYTES; above, of its size, mtime and edges."""
+    stat = os.stat(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if stat.st_size <= WHOLE_HASH_BYTES:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+            return digest.hexdigest()
+        digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+        digest.update(f.read(EDGE_BYTES))
+        f.seek(stat.st_size - EDGE_BYTES)
+        digest.update(f.read(EDGE_BYTES))
+    return "edges:" + digest.hexdigest()
+
+
+def folder_identity(folder: str) -> dict:
+    """A model folder's identity: each file's digest by name (not the folder's name or place),
+    and the commit of a hub snapshot (``.../snapshots/<commit>/``). Hashed once per process for
+    the same files (the same names, sizes and mtimes): a run that evaluates in rounds asks each round.
+    """
+    stats = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            stat = os.stat(path)
+            stats.append((name, stat.st_size, stat.st_mtime_ns, stat.st_ino))
+    return _folder_identity(folder, tuple(stats))
+
+
+@functools.lru_cache(maxsize=16)
+def _folder_identity(folder: str, stats: tuple) -> dict:
+    real = os.path.realpath(folder)
+    files = [(name, file_digest(os.path.join(folder, name))) for name, *_ in stats]
+    commit = re.search(r"/snapshots/([0-9a-f]{40})(/|$)", os.path.abspath(folder) + "/") or re.search(
+        r"/snapshots/([0-9a-f]{40})(/|$)", real + "/")
+    return {"files": files, "hub_commit": commit.group(1) if commit else None}
+
+
+def tensors_digest(tensors: dict) -> str:
+    """The prompts' and head's content: names, dtypes, shapes and bytes of each tensor."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}:".encode())
+        digest.update(tensor.view(-1).view(dtype=_byte_dtype()).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def _byte_dtype():
+    import torch
+
+    return torch.uint8
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """The tokenizer's content: a fast tokenizer's whole definition (vocabulary, merges,
+    normalizer, pre- and post-processor), else its vocabulary; its class and init arguments.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        body = backend.to_str()
+    else:
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        body = json.dumps(sorted(vocab.items()), ensure_ascii=False)
+    facts = {"class": type(tokenizer).__name__, "init": getattr(tokenizer, "init_kwargs", None),
+             "special": getattr(tokenizer, "special_tokens_map", None)}
+    return hashlib.sha256(body.encode() + json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()

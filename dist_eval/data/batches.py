@@ -7,10 +7,15 @@ together, and could change the last bits of the logits and loss with N).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
+import torch
 from torch.utils.data import DistributedSampler
+
+# One batch: (batch id in the global plan, global row indices [B], input_ids [B, T] or
+# None when its logits are already stored (a resumed run), labels [B])
+Batch = Tuple[int, np.ndarray, Optional[torch.Tensor], np.ndarray]
 
 
 def plan_batches(

@@ -32,9 +32,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
 from dist_eval import ranks
-from dist_eval.data.batches import shard_batch_ids
+from dist_eval.data.batches import Batch, shard_batch_ids
 from dist_eval.errors import UsageError
-from dist_eval.predict import Batch
 
 ARG = "data"
 

@@ -1,16 +1,17 @@
 """This rank's batches of a Dataset (planned globally, tokenized once); a user DataLoader's: loader.py."""
 from __future__ import annotations
 
+from functools import partial
 from itertools import chain
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from dist_eval import ranks
-from dist_eval.data.batches import plan_batches, shard_batch_ids
+from dist_eval.data.batches import Batch, plan_batches, shard_batch_ids
 from dist_eval.data.labels import TaskColumns
-from dist_eval.data.tokenize import cyclic_gc_paused, right_pad, tokenize_rows
-from dist_eval.predict import Batch
+from dist_eval.data.tokenize import cyclic_gc_paused, right_pad
+from dist_eval.data.tokenize import tokenize_rows as tokenize_these_rows
 
 
 def _row_block(num_rows: int, rank: int, world_size: int) -> np.ndarray:
@@ -18,14 +19,15 @@ def _row_block(num_rows: int, rank: int, world_size: int) -> np.ndarray:
     return np.arange(rank * num_rows // world_size, (rank + 1) * num_rows // world_size, dtype=np.int64)
 
 
-def _token_lengths(dataset, tokenizer, columns: TaskColumns, num_rows: int, max_length: int, pad_token_id: int):
+def _token_lengths(dataset, tokenize_rows: Callable, columns: TaskColumns, num_rows: int, max_length: int,
+                   pad_token_id: int):
     """Every row's token count, on every rank: each rank tokenizes one contiguous block of
     rows and the lengths are all-gathered (4-8 bytes a row). Returns (lengths, {row: ids}
     of this rank's block, rows of the block truncated). Every rank must call it.
     """
     block = _row_block(num_rows, ranks.get_rank(), ranks.get_world_size())
     with ranks.phase("measuring the token lengths"):
-        ids, num_truncated = tokenize_rows(tokenizer, dataset, block, columns, max_length, pad_token_id)
+        ids, num_truncated = tokenize_rows(dataset, block, columns, max_length, pad_token_id)
     local_lengths = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
     lengths = np.concatenate(ranks.all_gather_object(local_lengths))  # blocks are in rank order
     return lengths, dict(zip(block.tolist(), ids)), num_truncated
@@ -86,6 +88,7 @@ _AHEAD_ROWS = 256
 def dataset_batches(
     dataset, tokenizer, labels: np.ndarray, settings, *, pad_token_id: int, prefix_tokens: int = 0,
     on_plan: Optional[Callable[[List[int], List[int]], None]] = None, skip_rows: Optional[np.ndarray] = None,
+    calling_the_base: frozenset = frozenset(),
 ) -> Tuple[Iterator[Batch], int, Dict[int, np.ndarray]]:
     """This rank's batches of a Dataset: (iterator of right-padded batches, rows truncated
     here, {batch id: row indices} of this rank's batches).
@@ -99,15 +102,17 @@ def dataset_batches(
     here, before any forward. ``on_plan(rows, padded tokens)`` of every batch of the global
     plan, in plan order, when the lengths are known (the progress's ETA counts that work).
     ``skip_rows`` (the same on every rank): rows the plan leaves out (the row store holds them);
-    they are still tokenized where their truncation is counted.
+    they are still tokenized where their truncation is counted. ``calling_the_base``: see
+    :func:`~dist_eval.data.tokenize.tokenize_rows`.
     """
+    tokenize_rows = partial(tokenize_these_rows, tokenizer, calling_the_base=calling_the_base)
     columns, max_length = TaskColumns.of(settings), settings.max_length
     num_rows = len(labels)
     by_row: Dict[int, List[int]] = {}
     lengths, num_truncated = None, 0
     if settings.length_buckets or settings.max_batch_tokens is not None:
         lengths, by_row, num_truncated = _token_lengths(
-            dataset, tokenizer, columns, num_rows, max_length, pad_token_id
+            dataset, tokenize_rows, columns, num_rows, max_length, pad_token_id
         )
     kept = None  # every row
     if skip_rows is not None and len(skip_rows):
@@ -117,7 +122,7 @@ def dataset_batches(
         by_row = {r: ids for r, ids in by_row.items() if not skipped[r]}
         if lengths is None:  # their truncation, counted on the rank of their block (as with the lengths)
             mine = skip_rows[_row_block(len(skip_rows), ranks.get_rank(), ranks.get_world_size())]
-            num_truncated += tokenize_rows(tokenizer, dataset, np.sort(mine), columns, max_length, pad_token_id)[1]
+            num_truncated += tokenize_rows(dataset, np.sort(mine), columns, max_length, pad_token_id)[1]
     planned = _plan(num_rows if kept is None else kept, settings, lengths, prefix_tokens)
     if on_plan is not None and lengths is not None:
         on_plan([len(b) for b in planned], [len(b) * (int(lengths[b].max()) + prefix_tokens) for b in planned])
@@ -127,12 +132,12 @@ def dataset_batches(
         by_row = _send_to_owners(by_row, planned, num_rows)
     else:
         todo = np.array(sorted(own_rows), dtype=np.int64)
-        ids, truncated_here = tokenize_rows(tokenizer, dataset, todo, columns, max_length, pad_token_id)
+        ids, truncated_here = tokenize_rows(dataset, todo, columns, max_length, pad_token_id)
         num_truncated += truncated_here
         by_row.update(zip(todo.tolist(), ids))
 
     def tokenize(rows: List[int]) -> List[List[int]]:
-        return tokenize_rows(tokenizer, dataset, np.array(rows, dtype=np.int64), columns, max_length, pad_token_id)[0]
+        return tokenize_rows(dataset, np.array(rows, dtype=np.int64), columns, max_length, pad_token_id)[0]
 
     batches = padded_batches(batch_ids, planned, labels, by_row, tokenize, pad_token_id)
     return batches, num_truncated, {b: planned[b] for b in batch_ids}

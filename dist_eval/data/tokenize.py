@@ -31,15 +31,21 @@ def cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, max_length: int, pad_token_id: int):
-    """Token ids of ``rows`` (lists, unpadded), and how many were truncated to max_length."""
+def tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, max_length: int, pad_token_id: int,
+                  calling_the_base: frozenset = frozenset()):
+    """Token ids of ``rows`` (lists, unpadded), and how many were truncated to max_length.
+    ``calling_the_base``: names of fast tokenizer classes whose own ``_batch_encode_plus`` only
+    checks its arguments before calling the base class's (the model table's,
+    ``backends.families.tokenizers_calling_the_base()``): their Rust backend is called directly too.
+    """
     if not len(rows):
         return [], 0
     with cyclic_gc_paused():
-        return _tokenize_rows(tokenizer, dataset, rows, columns, max_length, pad_token_id)
+        return _tokenize_rows(tokenizer, dataset, rows, columns, max_length, pad_token_id, calling_the_base)
 
 
-def _tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, max_length: int, pad_token_id: int):
+def _tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, max_length: int, pad_token_id: int,
+                   calling_the_base: frozenset):
     # one read of just these rows and text columns (it runs inside the timed loop)
     read = column_values(dataset, [columns.text] + ([columns.text_pair] if columns.text_pair else []), rows)
     texts = list(read[0])
@@ -57,7 +63,7 @@ def _tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, m
     if columns.template is not None:  # one text per row: the template filled in (no tokenizer pair)
         texts = [apply_template(columns.template, text, pairs[i] if pairs else None) for i, text in enumerate(texts)]
         pairs = None
-    encoded = _token_ids(tokenizer, texts, pairs)
+    encoded = _token_ids(tokenizer, texts, pairs, calling_the_base)
     lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
     truncated = np.flatnonzero(lengths > max_length)
     for offset in truncated.tolist():
@@ -82,7 +88,7 @@ def _tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, m
     return encoded, int(truncated.size)
 
 
-def _token_ids(tokenizer, texts: List[str], pairs: Optional[List[str]]) -> List[List[int]]:
+def _token_ids(tokenizer, texts: List[str], pairs: Optional[List[str]], calling_the_base: frozenset) -> List[List[int]]:
     """Each text's (or pair's) token ids with the special tokens, as ``tokenizer(texts, pairs)``
     gives them. A plain fast tokenizer's Rust backend is called directly: transformers' call
     turns every row's encoding into a dict of lists (the masks, offsets, ...), which cost more
@@ -91,7 +97,7 @@ def _token_ids(tokenizer, texts: List[str], pairs: Optional[List[str]]) -> List[
     the tokenizer's own call.
     """
     backend = getattr(tokenizer, "_tokenizer", None)
-    if _backend_gives_the_same_ids(tokenizer, backend):
+    if _backend_gives_the_same_ids(tokenizer, backend, calling_the_base):
         batch = texts if pairs is None else list(zip(texts, pairs))
         return [encoding.ids for encoding in backend.encode_batch(batch, add_special_tokens=True)]
     # only the ids: the masks and token type ids a call builds by default are a list per row each
@@ -99,21 +105,19 @@ def _token_ids(tokenizer, texts: List[str], pairs: Optional[List[str]]) -> List[
                      return_token_type_ids=False)["input_ids"]
 
 
-def _backend_gives_the_same_ids(tokenizer, backend) -> bool:
+def _backend_gives_the_same_ids(tokenizer, backend, calling_the_base: frozenset = frozenset()) -> bool:
     try:
         from tokenizers import Tokenizer
         from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
     except ImportError:  # pragma: no cover - both come with transformers' fast tokenizers
         return False
-    from dist_eval.backends.families import tokenizers_calling_the_base
-
     if not isinstance(tokenizer, PreTrainedTokenizerFast) or not isinstance(backend, Tokenizer):
         return False
     bases = (PreTrainedTokenizerBase, PreTrainedTokenizerFast)
     for method in ("__call__", "_call_one", "batch_encode_plus", "_batch_encode_plus"):
         defined_in = next(k for k in type(tokenizer).__mro__ if method in vars(k))
         if defined_in not in bases and not (method == "_batch_encode_plus"
-                                            and defined_in.__name__ in tokenizers_calling_the_base()):
+                                            and defined_in.__name__ in calling_the_base):
             return False
     return backend.truncation is None and backend.padding is None
 

@@ -1,0 +1,51 @@
+"""What ``load_model`` and ``--model`` take, read once (no torch imported): the label words, a hub
+id, the swarm timeout's default. The CLI's settings (:mod:`dist_eval.config`) validate with
+these; the backends read them here, never from the settings module above them.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence, Tuple, Union
+
+from dist_eval.errors import UsageError
+
+# Seconds a swarm may take to serve every block (and a batch to be retried when every server of a
+# block failed): --swarm-timeout's default, and load_model's.
+DEFAULT_SWARM_TIMEOUT = 60.0
+
+
+def is_hub_id(model: str) -> bool:
+    """``org/name`` (or ``name``) that is not a path here: what ``--model`` names on the hub."""
+    return not os.path.exists(model) and not model.startswith((".", "/", "~")) and model.count("/") <= 1
+
+
+def read_label_words(value: Union[str, Sequence[str], None], param: str = "label_words") -> Optional[Tuple[str, ...]]:
+    """The label words (one per class, in class-id order) as a tuple; None stays None.
+
+    ``value``: the words, or ``"@PATH"`` (alone), a UTF-8 file with one word per line
+    (surrounding whitespace stripped, blank lines skipped). At least 2 distinct, non-empty words.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    words = list(value)
+    if len(words) == 1 and isinstance(words[0], str) and words[0].startswith("@"):
+        path = words[0][1:]
+        try:
+            with open(path, encoding="utf-8") as f:
+                words = [line.strip() for line in f if line.strip()]
+        except OSError as e:
+            raise UsageError(f"cannot read the file of label words ({e.strerror}). Pass @FILE with one word per "
+                             "line, or the words themselves.", param=param, value=value[0]) from e
+    bad = [w for w in words if not isinstance(w, str) or not w.strip()]
+    if bad:
+        raise UsageError(f"expected one non-empty word per class; got {bad[0]!r}.", param=param, value=words)
+    words = [w.strip() for w in words]
+    if len(words) < 2:
+        raise UsageError(f"expected one word per class, at least 2; got {len(words)}.", param=param, value=words)
+    repeated = sorted({w for w in words if words.count(w) > 1})
+    if repeated:
+        raise UsageError(f"{repeated} given for more than one class; each class needs its own word.",
+                         param=param, value=words)
+    return tuple(words)

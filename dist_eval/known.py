@@ -1,0 +1,118 @@
+"""Known logits: what a rank's forward loop need not compute, from one source with two providers,
+and where the logits it does compute go.
+
+- **The resume folder** (:mod:`dist_eval.resume`): the batches an interrupted run of this exact
+  plan finished, keyed by batch id, so that a resumed run is the same batches, bit for bit.
+- **The row store** (:mod:`dist_eval.rowstore`): rows any earlier run of this model, checkpoint
+  and settings evaluated, keyed by each row's content. The batch plan leaves them out (the same on
+  every rank) and rank 0 reports them as batches of their own (ids below 0: no plan's).
+
+:func:`open_known_logits` opens both, in one place, in the order the plan needs them (the store
+before the batch plan, which leaves its rows out; the resume folder after, which is keyed by the
+plan's batches). The loop (:func:`dist_eval.predict.predict_shard`) asks :meth:`KnownLogits.of`
+before each forward and gives back what it computed (:meth:`KnownLogits.computed`): this object
+is the one place a row's logits enter or leave the run other than a forward.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, Iterator, Optional, Tuple
+
+import numpy as np
+
+from dist_eval import ranks
+from dist_eval.errors import warn
+from dist_eval.resume import PartialWriter, open_partial
+from dist_eval.rowstore import RowSource, open_rows, store_for
+
+# where a batch's logits came from when no forward ran
+FROM_RESUME, FROM_STORE = "resume", "store"
+
+
+class KnownLogits:
+    """One rank's known logits (see the module's docstring)."""
+
+    def __init__(self, rows: Optional[RowSource] = None):
+        self.rows = rows if rows is not None else RowSource(None, ranks.get_rank())
+        self.resumed: Dict[int, np.ndarray] = {}  # {batch id: logits} an interrupted run stored
+        self.partial: Optional[PartialWriter] = None
+        self.rows_resumed = 0
+
+    # ---------------------------------------------------------------- the plan
+    @property
+    def stored_rows(self) -> np.ndarray:
+        """The rows the store holds, the same on every rank: the batch plan leaves them out."""
+        return self.rows.stored_rows
+
+    def with_store_batches(self, labels: np.ndarray, batches) -> Iterator:
+        """Rank 0: the store's rows as batches whose logits are known, then ``batches``."""
+        yield from self.rows.batches(labels)
+        yield from batches
+
+    def resume_from(self, folder: Optional[str], own_batches: Optional[Dict[int, np.ndarray]], num_labels: int,
+                    save_interval: float) -> None:
+        """Open the resume folder for this rank's batches of the plan (none: no folder, or a DataLoader)."""
+        self.resumed, self.partial = open_partial(folder, own_batches, num_labels, save_interval)
+
+    # ---------------------------------------------------------------- the loop
+    def of(self, batch_id: int, rows: np.ndarray) -> Optional[Tuple[np.ndarray, str]]:
+        """(logits, FROM_RESUME or FROM_STORE) when no forward is needed for this batch, else None."""
+        if batch_id in self.resumed:
+            return self.resumed[batch_id], FROM_RESUME
+        known = self.rows.logits
+        if known and all(int(r) in known for r in rows):
+            return np.stack([known[int(r)] for r in rows]), FROM_STORE
+        return None
+
+    def took(self, batch_id: int, rows: np.ndarray, logits: np.ndarray, source: Optional[str]) -> None:
+        """A batch done: ``source`` None when a forward computed ``logits`` (kept in the resume folder
+        and the row store), else where they came from (counted).
+        """
+        if source == FROM_RESUME:
+            self.rows_resumed += len(rows)
+        elif source == FROM_STORE:
+            self.rows.served(rows)
+        else:
+            self.rows.add(rows, logits)
+            if self.partial is not None:
+                self.partial.add(batch_id, rows, logits)
+
+    def flush(self) -> None:
+        """Write what is pending (also after a failure: the finished batches are not lost)."""
+        if self.partial is not None:
+            self.partial.flush()
+        self.rows.flush()
+
+    # ---------------------------------------------------------------- the report
+    def store_facts(self, num_rows: int, resumed: int) -> dict:
+        """The report's ``run.row_store`` (every rank calls it): the rows the store served over all
+        ranks, those evaluated, the time saved; the store's own cost: rank 0's reading (with the
+        keys and the exchange), all ranks' writing.
+        """
+        rows = self.rows
+        served, saved, written = ranks.all_reduce_sum(np.array([rows.rows_served, rows.seconds_saved,
+                                                                rows.write_seconds]))
+        folder, read = ranks.broadcast_object((rows.folder, rows.read_seconds))
+        # each row's seconds are a rank's wall time for it; this run's ranks would have shared them
+        return {"folder": folder, "fresh_rows": bool(rows.fresh), "rows_from_store": int(served),
+                "rows_evaluated": int(num_rows - served - resumed),
+                "seconds_saved": float(saved) / ranks.get_world_size(), "read_seconds": read,
+                "write_seconds": float(written)}
+
+
+def open_known_logits(model, tokenizer, settings, options, num_labels: int, pad_token_id, data) -> KnownLogits:
+    """Every rank: its :class:`KnownLogits`, the row store read (rank 0 reads it; every rank learns
+    which rows it holds). Nothing is known for a model without an identity or with the store off
+    (``options.row_store``). The resume folder opens later, once the plan is made
+    (:meth:`KnownLogits.resume_from`). Every rank must call it.
+    """
+    start, store = time.perf_counter(), None
+    if ranks.is_main_process():
+        try:
+            store = store_for(options.row_store, model, tokenizer, settings, pad_token_id)
+        except Exception as e:  # a store that cannot be keyed costs the reuse, never the run
+            warn(f"row store: not used in this run ({type(e).__name__}: {e})")
+    columns = [settings.text_column] + ([settings.text_pair_column] if settings.text_pair_column else [])
+    rows = open_rows(store, options.fresh_rows, data, columns, num_labels, options.save_interval)
+    rows.read_seconds = time.perf_counter() - start
+    return KnownLogits(rows)
