@@ -1,28 +1,104 @@
-"""Files: atomic writes (a reader sees the whole file or none), and a file's digest."""
+"""Files: atomic writes (a reader sees the whole file or none), bounded reads of regular files only,
+and a file's digest.
+"""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from typing import IO, Callable, Union
+import secrets
+import stat
+from typing import IO, Callable, Optional, Union
+
+# opened without following a planted link, and closed in any process the writer starts
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def atomic_write(path: str, content: Union[str, bytes, Callable[[IO], None]], *, binary: bool = False) -> str:
-    """Write ``content`` (text, bytes, or a function given the open file) to ``path``.
+    """Write ``content`` (text in UTF-8, bytes, or a function given the open file) to ``path``.
 
-    The file is written under a temporary name in the same folder (the pid in it: a
-    restarted process never collides with a dead one's leftovers), then renamed into
-    place. No fsync: the rename alone is atomic for readers, which is what a killed
-    process needs; a machine crash may lose the last write.
+    The file is written under a new hidden temporary name in the same folder, created
+    exclusively (a link or file planted under any name is never followed nor overwritten) and
+    readable by this user only until it is whole; fsynced, given the mode a plain ``open``
+    would give it (0666 less the umask), renamed into place, then the folder fsynced: a reader
+    sees the whole file or none, also after a machine crash. A write that fails removes its
+    temporary file.
     """
     binary = binary or isinstance(content, bytes)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb" if binary else "w") as f:
-        if callable(content):
-            content(f)
-        else:
-            f.write(content)
-    os.replace(tmp, path)
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.tmp{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, _CREATE, 0o600)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_folder(folder)
     return path
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it, racing other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def fsync_folder(folder: str) -> None:
+    """Make a rename in ``folder`` durable (best effort: some file systems refuse a folder's fsync)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_regular(path: str, max_bytes: int, *, owner: Optional[int] = None) -> bytes:
+    """The bytes of ``path`` when it is a regular file (or a link to one) of at most ``max_bytes``,
+    owned by the user id ``owner`` when given; else ValueError saying what it is. Never blocks (a
+    FIFO opens at once, non-blocking, and is refused) and never reads past the bound (a link to
+    ``/dev/zero`` is a device: refused).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        if owner is not None and info.st_uid != owner:
+            raise ValueError(f"owned by another user (uid {info.st_uid})")
+        if info.st_size > max_bytes:
+            raise ValueError(f"{info.st_size} bytes, over the bound of {max_bytes}")
+        chunks, size = [], 0
+        while size <= max_bytes:
+            chunk = os.read(fd, min(1 << 24, max_bytes + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > max_bytes:
+            raise ValueError(f"grew past the bound of {max_bytes} bytes while read")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def file_sha256(path: str) -> str:

@@ -48,6 +48,20 @@ class ShardResults:
 SAMPLE_VALUE_PREFIX = "sample_values/"
 
 
+class NonFiniteLogits(RuntimeError):
+    """A forward returned NaN or inf logits: they never become predictions, losses or stored rows."""
+
+    def __init__(self, batch_id: int, rows: np.ndarray, logits: np.ndarray):
+        bad = rows[~np.isfinite(logits).all(axis=1)]
+        shown = ", ".join(str(int(r)) for r in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        super().__init__(
+            f"the model returned NaN or inf logits for {len(bad)} row(s) of batch {batch_id} (rows {shown}); "
+            "none of them is counted or stored. A model or swarm server in float16 can overflow: serve the blocks "
+            "in bfloat16 or float32 (python -m dist_eval.swarm --torch-dtype), or find the server at fault "
+            "(python -m dist_eval.swarm status).")
+        self.rows = bad
+
+
 def _logits_of(output) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output
 
@@ -159,6 +173,8 @@ def predict_shard(
             raise RuntimeError(f"the model returned logits of shape {list(logits.shape)} for a batch of "
                                f"{len(rows)}; expected [{len(rows)}, {num_labels}]")
         batch_logits = logits.numpy()
+        if not np.isfinite(batch_logits).all():
+            raise NonFiniteLogits(batch_id, rows, batch_logits)
         if known is not None:
             known.took(batch_id, rows, batch_logits, source)
         indices.append(rows)

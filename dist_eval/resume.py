@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -26,10 +27,12 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from dist_eval import ranks
-from dist_eval.atomic import atomic_write, file_sha256
+from dist_eval.atomic import atomic_write, file_sha256, read_regular
 from dist_eval.errors import warn
 
 SUBDIR = "partial"
+# A partial-results file's size bound (one flush of a rank's batches, every save interval)
+MAX_PARTIAL_BYTES = 4 << 30
 
 
 def _file_facts(folder: str) -> List[Tuple[str, int, int]]:
@@ -130,13 +133,34 @@ def load(folder: str, wanted_batches: Iterable[int]) -> Dict[int, Tuple[np.ndarr
     """{batch id: (row indices, logits)} of the stored batches among ``wanted_batches``."""
     wanted = set(int(b) for b in wanted_batches)
     found: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+    skipped: List[str] = []
     for path in sorted(glob.glob(os.path.join(folder, "*.npz"))):
-        with np.load(path) as f:
-            batch_ids, offsets, rows, logits = f["batch_ids"], f["offsets"], f["rows"], f["logits"]
+        try:
+            batch_ids, offsets, rows, logits = _read_partial(path)
+        except Exception as e:  # whatever a cut, planted or foreign file raises: its batches run again
+            skipped.append(f"{os.path.basename(path)} ({type(e).__name__}: {e})")
+            continue
         for i, b in enumerate(batch_ids.tolist()):
             if b in wanted:
                 found[b] = (rows[offsets[i] : offsets[i + 1]], logits[offsets[i] : offsets[i + 1]])
+    if skipped and ranks.is_main_process():  # every rank reads every file: one line, rank 0's
+        warn(f"resume: skipped {len(skipped)} file(s) of partial results in {folder} that are not whole "
+             f"(first: {skipped[0]}); their batches are evaluated again")
     return found
+
+
+def _read_partial(path: str) -> tuple:
+    """(batch ids, offsets, rows, logits) of one partial-results file: a regular file this user
+    owns, of at most MAX_PARTIAL_BYTES (never a FIFO or a device: no hang, no unbounded read),
+    whole, with finite logits; else an exception saying what it is.
+    """
+    with np.load(io.BytesIO(read_regular(path, MAX_PARTIAL_BYTES, owner=os.geteuid())), allow_pickle=False) as f:
+        batch_ids, offsets, rows, logits = (np.asarray(f[name]) for name in ("batch_ids", "offsets", "rows", "logits"))
+    if offsets.shape != (len(batch_ids) + 1,) or offsets[-1] != len(rows) or len(logits) != len(rows):
+        raise ValueError("its arrays do not agree")
+    if not np.isfinite(logits).all():
+        raise ValueError("non-finite logits")
+    return batch_ids, offsets, rows, logits
 
 
 class PartialWriter:

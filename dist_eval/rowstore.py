@@ -22,9 +22,13 @@ fixed by the folder, the text decides its token ids.
 
 A file is one (run, rank, flush): written under a hidden temporary name, fsynced, renamed into
 place, so two runs (two jobs on one cluster file system) never write the same file and a
-reader never sees half of one. Each file's header names its key and the SHA-256 of its rows:
-a file that is cut, corrupted or of another key is skipped (one warning line per run), never
-read as rows. A row kept by two files (two runs evaluated it) is read from the first by name.
+reader never sees half of one. Each file's header names its key and the SHA-256 of its rows.
+A file is read only when it can be trusted: a regular file (never a FIFO, a device or a link to
+one; at most MAX_FILE_BYTES) owned by this user (the store may be a folder others can write:
+their files are not read; the checksum catches accidents, not a writer), whole, of this key,
+every logit finite. Any other is skipped (one warning line per run), never read as rows. A row
+kept by two files (two runs evaluated it) is read from the newest (by modification time, then
+name): ``--fresh-rows`` thus supersedes every older copy.
 
 Exactness: a row from the store carries the logits of the run that evaluated it. Another
 run's batches may hold that row with other rows or padding, which can change the last bits
@@ -44,7 +48,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from dist_eval.atomic import atomic_write
+from dist_eval.atomic import atomic_write, read_regular
 from dist_eval.backends.provenance import tokenizer_digest
 from dist_eval.errors import warn
 
@@ -52,6 +56,9 @@ MAGIC = b"DIST_EVAL_ROWS\x00"
 FORMAT_VERSION = 1
 SUFFIX = ".rows"
 KEY_BYTES = 16
+# A row file's size bound (a reader never reads more): a flush of a rank's rows every save interval
+# is far smaller (1M rows of 1000 classes, 4 GB, would be one flush of hours of a swarm's work)
+MAX_FILE_BYTES = 4 << 30
 # settings that decide which rows are evaluated, or how they are batched, not their logits
 NOT_IN_KEY = ("label_column", "batch_size", "length_buckets", "max_batch_tokens", "limit", "limit_seed",
               "stop_at_width", "stop_when_decided", "stop_metric", "stop_round_rows", "stop_rule")
@@ -124,19 +131,27 @@ class RowStore:
             except (OSError, ValueError) as e:
                 skipped.append(f"{os.path.basename(path)} ({e})")
                 continue
-            for i, key in enumerate(keys):
-                found.setdefault(key, (logits[i], float(seconds[i])))
+            for i, key in enumerate(keys):  # oldest first: the newest copy of a row wins
+                found[key] = (logits[i], float(seconds[i]))
         if skipped:
             warn(f"row store: skipped {len(skipped)} file(s) in {self.folder} that are not whole rows of this "
-                 f"key (first: {skipped[0]}); those rows are evaluated again")
+                 f"key that this user can trust (first: {skipped[0]}); those rows are evaluated again")
         return found
 
     def _files(self) -> List[str]:
+        """The row files, oldest first (by modification time, then name)."""
         try:
-            names = sorted(os.listdir(self.folder))
+            names = [n for n in os.listdir(self.folder) if n.endswith(SUFFIX) and not n.startswith(".")]
         except OSError:
             return []
-        return [os.path.join(self.folder, n) for n in names if n.endswith(SUFFIX) and not n.startswith(".")]
+        dated = []
+        for name in names:
+            path = os.path.join(self.folder, name)
+            try:
+                dated.append((os.lstat(path).st_mtime_ns, name, path))
+            except OSError:  # removed meanwhile
+                continue
+        return [path for _, _, path in sorted(dated)]
 
     def describe(self) -> None:
         """Write ``key.json`` (what the keys are made of) once, for a reader of the folder."""
@@ -186,43 +201,21 @@ def _payload(keys: np.ndarray, logits: np.ndarray, seconds: np.ndarray) -> bytes
 
 
 def write_file(path: str, key: str, keys: np.ndarray, logits: np.ndarray, seconds: np.ndarray) -> None:
-    """One file of rows: MAGIC, header length (8 bytes), the JSON header, the rows; written to
-    a hidden temporary name, fsynced, renamed (a killed writer leaves no file of this name).
+    """One file of rows: MAGIC, header length (8 bytes), the JSON header, the rows; written
+    atomically (:func:`~dist_eval.atomic.atomic_write`: a killed writer leaves no file of this name).
     """
     payload = _payload(keys, logits, seconds)
     header = json.dumps({"format": FORMAT_VERSION, "key": key, "rows": int(len(keys)),
                          "num_labels": int(logits.shape[1]), "sha256": _sha256(payload)}).encode()
-    folder, name = os.path.split(path)
-    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + len(header).to_bytes(8, "little") + header + payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    _fsync_folder(folder)
-
-
-def _fsync_folder(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    atomic_write(path, MAGIC + len(header).to_bytes(8, "little") + header + payload)
 
 
 def read_file(path: str, key: str, num_labels: int) -> Tuple[List[bytes], np.ndarray, np.ndarray]:
-    """(row keys, logits [n, K], seconds [n]) of a file of ``key``; ValueError when it is not one."""
-    with open(path, "rb") as f:
-        data = f.read()
+    """(row keys, logits [n, K], seconds [n]) of a file of ``key``; ValueError when it is not one
+    this user can trust: a regular file this user owns (the store may sit in a folder others can
+    write), of at most MAX_FILE_BYTES, whole, of ``key``, every logit finite.
+    """
+    data = read_regular(path, MAX_FILE_BYTES, owner=os.geteuid())
     if not data.startswith(MAGIC):
         raise ValueError("not a row store file")
     start = len(MAGIC) + 8
@@ -244,6 +237,8 @@ def read_file(path: str, key: str, num_labels: int) -> Tuple[List[bytes], np.nda
     keys = [payload[i:i + KEY_BYTES] for i in range(0, keys_end, KEY_BYTES)]
     logits = np.frombuffer(payload[keys_end:logits_end], dtype="<f4").reshape(rows, labels)
     seconds = np.frombuffer(payload[logits_end:], dtype="<f4")
+    if not np.isfinite(logits).all():
+        raise ValueError("non-finite logits")
     return keys, logits, seconds
 
 

@@ -180,3 +180,45 @@ def test_the_device_kind_is_in_the_run_key(tmp_path):
     assert key == run_key(str(tmp_path), None, dataset, None, types.SimpleNamespace(
         backend="local", num_labels=3, prompt_tokens=0), Settings())  # no weights: the CPU
     assert key != run_key(str(tmp_path), None, dataset, None, model("meta"), Settings())
+
+
+def test_unreadable_planted_or_non_finite_partial_files_are_skipped_with_one_warning(tiny_model, tiny_checkpoint,
+                                                                                     tmp_path, capfd):
+    """Issue 50. Before: a 0-byte .npz (what a crash left, writes were not fsynced) failed every
+    resume with an internal error naming no file, and a FIFO named *.npz blocked the resume. Now
+    such files, and one of non-finite logits, are skipped with one warning naming the first; their
+    batches are evaluated again and the results are the uninterrupted run's, bit for bit."""
+    import numpy as np
+    from float_promises import assert_same_bits
+
+    from dist_eval import evaluate
+    from dist_eval.backends import load_model
+    from dist_eval.backends.tokenizer import load_tokenizer
+    from dist_eval.data.load import load_split
+
+    data = load_split([write_csv(str(tmp_path / "data.csv"), 40, seed=3)], None)
+    folder = tmp_path / "partial"
+
+    def run():
+        model = load_model("local", tiny_model, checkpoint=tiny_checkpoint)
+        try:
+            return evaluate(model, data, tokenizer=load_tokenizer(tiny_model), resume_folder=str(folder),
+                            save_interval=0, batch_size=8, row_store="off", bootstrap_resamples=0, return_logits=True)
+        finally:
+            model.close()
+
+    first = run()
+    files = sorted(glob.glob(str(folder / "*.npz")))
+    assert len(files) == 5
+    with np.load(files[0]) as f:
+        arrays = {name: f[name] for name in f.files}
+    os.unlink(files[0])  # its batch is poisoned below, and evaluated again
+    np.savez(str(folder / "rank0-1-000000.npz"), **{**arrays, "logits": np.full_like(arrays["logits"], np.nan)})
+    open(folder / "rank0-2-000000.npz", "wb").close()  # what a crash leaves
+    os.mkfifo(folder / "rank0-3-000000.npz")
+    capfd.readouterr()
+    again = run()
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "resume" in line]
+    assert len(warnings) == 1 and "skipped 3 file(s)" in warnings[0] and "rank0-1-000000.npz" in warnings[0], warnings
+    assert again.metrics["run"]["resumed_samples"] == 40 - len(arrays["rows"])
+    assert_same_bits(again.predictions.logits, first.predictions.logits, "a resumed run with skipped files")

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -401,3 +402,89 @@ def test_two_ranks_with_the_store_equal_one_rank_bitwise(assets, tmp_path):
     logits = np.array([row["logits"] for row in read_jsonl(os.path.join(out, "predictions.jsonl"))], np.float32)
     assert_same_bits(logits, one.predictions.logits, "the logits, 2 ranks against 1 on the same store")
     assert_same_bits(metrics["accuracy"], one.metrics["accuracy"], "the accuracy, 2 ranks against 1")
+
+
+def _poisoned_copy(store: str, path: str, name: str, value: float, stamp: float) -> str:
+    """A whole, checksummed file of ``path``'s rows whose logits are all ``value``, named ``name``
+    in ``store``'s key folder, dated ``stamp`` (its modification time)."""
+    key = "/".join(path.split(os.sep)[-3:-1])
+    keys, logits, seconds = read_file(path, key, 3)
+    key_array = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), 16)
+    planted = os.path.join(os.path.dirname(path), name)
+    write_file(planted, key, key_array, np.full_like(logits, value), seconds)
+    os.utime(planted, (stamp, stamp))
+    return planted
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting a file as another user needs root")
+def test_only_files_this_user_can_trust_are_served(assets, tmp_path, capfd):
+    """Issue 50. Before: files were read in name order and the first holding a row won, whoever
+    wrote it; a whole, checksummed file of NaN logits was served too; a FIFO named *.rows blocked
+    rank 0 forever and a link to /dev/zero read until memory ran out. Now: another user's file, a
+    file of non-finite logits, a FIFO and a device are each skipped (one warning line), never served."""
+    store, args = str(tmp_path / "store"), (assets["model"], assets["checkpoint"], assets["data"])
+    first = _run(*args, store)
+    [real] = _files(store)
+    folder, newest = os.path.dirname(real), time.time() + 60
+    theirs = _poisoned_copy(store, real, "0-planted.rows", 1e6, newest)  # sorts first and is the newest
+    os.chown(theirs, 4242, 4242)
+    _poisoned_copy(store, real, "1-nan.rows", float("nan"), newest)
+    os.mkfifo(os.path.join(folder, "2-fifo.rows"))
+    os.symlink("/dev/zero", os.path.join(folder, "3-zero.rows"))
+    key = "/".join(real.split(os.sep)[-3:-1])
+    for name in ("2-fifo.rows", "3-zero.rows"):  # bounded here first: a reader that blocks fails, not hangs
+        reader = threading.Thread(target=lambda n=name: pytest.raises(ValueError, read_file,
+                                                                      os.path.join(folder, n), key, 3), daemon=True)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive(), f"reading {name} blocked"
+    capfd.readouterr()
+    again = _run(*args, store)
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "row store" in line]
+    assert len(warnings) == 1 and "skipped 4 file(s)" in warnings[0], warnings
+    assert _counts(again) == (ROWS, 0)
+    assert_same_bits(again.predictions.logits, first.predictions.logits, "the rows of the store's own file")
+
+
+def test_the_newest_copy_of_a_row_wins_so_fresh_rows_supersede_older_ones(assets, tmp_path):
+    """Issue 50. Before: the first file by name won, so --fresh-rows could not mend a store (its
+    new files lost to a stale copy about half the time). Now the newest copy of a row is served."""
+    store, args = str(tmp_path / "store"), (assets["model"], assets["checkpoint"], assets["data"])
+    _run(*args, store)
+    [real] = _files(store)
+    stale = _poisoned_copy(store, real, "0-stale.rows", 7.0, time.time() - 3600)  # sorts first, older
+    assert os.path.basename(stale) < os.path.basename(real)
+    fresh = _run(*args, store, fresh_rows=True)
+    served = _run(*args, store)
+    assert _counts(served) == (ROWS, 0)
+    assert_same_bits(served.predictions.logits, fresh.predictions.logits, "the newest copy")
+    newest = _poisoned_copy(store, real, "0-newer.rows", 5.0, time.time() + 60)
+    assert np.all(_run(*args, store).predictions.logits == 5.0), newest
+
+
+def test_non_finite_logits_fail_the_run_and_are_never_stored(assets, tmp_path):
+    """Issue 49/50. Before: a NaN row's argmax became a prediction, its loss null, and the row store
+    kept it for every later run. Now the run fails naming the rows, and nothing of them is stored."""
+    store = str(tmp_path / "store")
+    with one_thread():
+        model = load_model("local", assets["model"], checkpoint=assets["checkpoint"])
+        forward, calls = model.module.forward, []
+
+        def overflowing(input_ids):  # the second batch: one row's logit overflows
+            logits = forward(input_ids)
+            calls.append(len(input_ids))
+            if len(calls) == 2:
+                logits[0, 1] = float("nan")
+            return logits
+
+        model.module.forward = overflowing
+        try:
+            with pytest.raises(RuntimeError, match=r"NaN or inf logits for 1 row\(s\) of batch \d+ \(rows \d+\)"):
+                evaluate(model, assets["data"], tokenizer=load_tokenizer(assets["model"]), row_store=store,
+                         limit=ROWS, batch_size=8, bootstrap_resamples=0, save_interval=0)
+        finally:
+            model.close()
+    assert len(calls) == 2
+    stored = [read_file(path, "/".join(path.split(os.sep)[-3:-1]), 3)[1] for path in _files(store)]
+    assert [len(logits) for logits in stored] == [calls[0]]  # the first batch, whole; none of the second
+    assert np.isfinite(stored[0]).all()
