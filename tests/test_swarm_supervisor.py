@@ -55,7 +55,7 @@ def test_a_restart_joins_the_servers_up_or_waits_for_a_new_swarms_address():
     from dist_eval.swarm.supervisor import Supervisor
 
     servers = [SimpleNamespace(address=f"/ip4/127.0.0.1/tcp/{i + 1}/p2p/Qm{i}") for i in range(3)]
-    swarm = SimpleNamespace(_servers=servers, restart=RestartPolicy(), join_peers=[])
+    swarm = SimpleNamespace(servers=servers, restart=RestartPolicy(), join_peers=[])
     supervisor = Supervisor(swarm, log=print)
     states = lambda *s: [setattr(w, "state", state) for w, state in zip(supervisor.watches, s)]  # noqa: E731
     states("waiting", "up", "waiting")
@@ -72,14 +72,13 @@ def test_a_restart_joins_the_servers_up_or_waits_for_a_new_swarms_address():
 
 
 def test_when_the_swarm_gives_up():
-    import threading
     from types import SimpleNamespace
 
     from dist_eval.swarm.supervisor import Supervisor
 
     servers = [SimpleNamespace(blocks=(0, 4), label="server 0 (blocks 0:4, port 1)")]
-    swarm = SimpleNamespace(_servers=servers, restart=RestartPolicy(unserved_timeout=5.0), join_peers=[],
-                            _lock=threading.RLock(), block_range=(0, 4))
+    swarm = SimpleNamespace(servers=servers, restart=RestartPolicy(unserved_timeout=5.0), join_peers=[],
+                            block_range=(0, 4))
     supervisor = Supervisor(swarm, log=print)
     assert supervisor.failure() is None  # every block served
     supervisor.watches[0].state, supervisor.unserved = "waiting", [0, 1, 2, 3]

@@ -29,6 +29,8 @@ but the standard library, so the CLI starts at once and never prints petals' noi
 - :mod:`~dist_eval.swarm.devices`: where the servers run (CPU or GPUs), in which dtype, how many
 - :mod:`~dist_eval.swarm.placement`: which blocks each server serves; checks of the arguments
 - :mod:`~dist_eval.swarm.local`: :class:`LocalSwarm`
+- :mod:`~dist_eval.swarm.process`: one server process (start, state, stop, restart), as the swarm sees it
+- :mod:`~dist_eval.swarm.teardown`: the servers stopped together, what they leave removed
 - :mod:`~dist_eval.swarm.cli`: ``python -m dist_eval.swarm``
 - :mod:`~dist_eval.swarm.supervisor`: dead servers restarted, with a backoff and a limit
 - :mod:`~dist_eval.swarm.status`: ``python -m dist_eval.swarm status`` (imports petals: only that subcommand)

@@ -1,35 +1,25 @@
 """LocalSwarm: K petals server processes on this machine for one saved model folder.
 
-Standard library only.
+Each server is a :class:`~dist_eval.swarm.process.ServerProcess`; the supervisor
+(:mod:`~dist_eval.swarm.supervisor`) restarts those that die, and the teardown
+(:mod:`~dist_eval.swarm.teardown`) stops them and removes what they leave. Standard library only.
 """
 from __future__ import annotations
 
-import atexit
 import os
 import re
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from dist_eval.atomic import atomic_write
-from dist_eval.errors import one_line
-from dist_eval.procs import (
-    _free_ports,
-    _ignores_sigint,
-    _live_groups,
-    _port_is_free,
-    _signal_group,
-    _unix_socket_paths,
-    shm_managers_under,
-)
+from dist_eval.procs import _free_ports, _port_is_free
+from dist_eval.swarm import teardown
 from dist_eval.swarm.devices import available_memory, check_num_servers, model_weights, plan_servers, visible_gpu_memory
-from dist_eval.swarm.drain import DRAIN_TIMEOUT_S, DRAINED
+from dist_eval.swarm.drain import DRAIN_TIMEOUT_S
 from dist_eval.swarm.placement import (
     SwarmError,
     _check_block_range,
@@ -39,15 +29,10 @@ from dist_eval.swarm.placement import (
     _read_num_blocks,
     plan_blocks,
 )
+from dist_eval.swarm.process import ServerProcess
 from dist_eval.swarm.server import PEERS_FILE_FLAG
 from dist_eval.swarm.supervisor import RestartPolicy, Supervisor
 from dist_eval.watchdog import Watchdog
-
-# "Nov 22 09:06:39.750 [INFO] Running a server on ['/ip4/127.0.0.1/tcp/39111/p2p/12D3Koo...']"
-_RUNNING_RE = re.compile(r"Running a server on \[([^\]]*)\]")
-_MADDR_RE = re.compile(r"/ip4/[0-9.]+/tcp/(\d+)/p2p/[1-9A-HJ-NP-Za-km-z]+")
-_STARTED_RE = re.compile(r"\[INFO\] Started\s*$", re.MULTILINE)
-
 
 # the module each server process runs: petals' run_server with dist_eval's server-side
 # changes (tests run petals' own server in its place, as a swarm of others' servers)
@@ -57,84 +42,13 @@ _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 # a swarm announce "offline" to peers that already left and wait for hivemind's DHT
 # timeouts. For a private swarm (all of it going away)
 # nothing is lost by cutting that short: its clients have closed, nobody is left to hear
-# "offline", and the files hivemind would leave are removed here. 0.25 s saves most of a
+# "offline", and the files hivemind would leave are removed at stop. 0.25 s saves most of a
 # second of every demo run over 1 s (benchmarks/RESULTS.md).
 # Servers that joined another host's swarm get longer, so that their "offline" reaches it;
 # so does a swarm that others may have joined (python -m dist_eval.swarm: stop(grace=...)).
 _GRACE_SECONDS_PRIVATE = 0.25
 GRACE_SECONDS_ANNOUNCED = 1.0
 _GRACE_SECONDS_JOINED = 3.0
-# How long a drained stop waits for torch's shared-memory manager of its servers to exit
-# (procs.shm_managers_under) before it removes their TMPDIR. The manager stays 2 s after its
-# last client (torch's own shutdown delay), freeing what they left, then removes its socket;
-# with its folder already gone it aborts with "terminate called ... No such file or directory"
-# in the last server's log, its shared memory already freed. Not worth 2 s of every run's stop.
-_SHM_MANAGER_EXIT_SECONDS = 5.0
-
-
-@dataclass
-class _Server:
-    index: int
-    port: int
-    blocks: Tuple[int, int]
-    log_path: str
-    proc: Optional[subprocess.Popen] = None
-    address: Optional[str] = None
-    started: bool = False
-    log_offset: int = 0
-    log_text: str = ""
-    # its process group was seen empty: never signalled again, since pids wrap (pid_max may be
-    # 32768) and a new group may then carry the same id: another swarm's server, say
-    group_gone: bool = False
-
-    @property
-    def label(self) -> str:
-        return f"server {self.index} (blocks {self.blocks[0]}:{self.blocks[1]}, port {self.port})"
-
-    def read_log(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self.log_offset)
-                chunk = f.read()
-        except OSError:
-            return self.log_text
-        self.log_offset += len(chunk)
-        self.log_text += chunk.decode("utf-8", "replace")
-        return self.log_text
-
-    def tail(self, lines: int = 6) -> str:
-        kept = [one_line(line, 197) for line in self.read_log().splitlines() if line.strip()][-lines:]
-        return " | ".join(kept) if kept else "(empty log)"
-
-
-def _kill_when_due(started: List[_Server], deadline: float, grace: float, drain_s: float) -> None:
-    """Wait until the process groups of ``started`` (just sent SIGINT) are gone, at most until
-    ``deadline``; SIGKILL to each one ``grace`` seconds after the SIGINT, or with ``drain_s``,
-    ``grace`` after its log says it drained its requests (at most ``drain_s`` + ``grace``).
-    """
-    began = time.monotonic()
-    kill_at = {s.proc.pid: began + drain_s + grace for s in started}
-    draining = [s for s in started if drain_s]
-    killed: Set[int] = set()
-    while True:
-        for s in started:
-            s.proc.poll()  # reap the main processes: a zombie leader keeps its group listed
-        for s in [s for s in draining if DRAINED in s.read_log()]:
-            draining.remove(s)
-            kill_at[s.proc.pid] = min(kill_at[s.proc.pid], time.monotonic() + grace)
-        live = _live_groups(set(kill_at))
-        now = time.monotonic()
-        if not live or now >= deadline:
-            return
-        for pgid in set(live) - killed:
-            if now >= kill_at[pgid]:
-                _signal_group(pgid, signal.SIGKILL)
-                killed.add(pgid)
-        time.sleep(0.05)
-
-
-_LIVE_SWARMS: Set[LocalSwarm] = set()
-_LIVE_LOCK = threading.Lock()
 
 
 def _served_folder(model_dir: str) -> str:
@@ -153,19 +67,6 @@ def _served_folder(model_dir: str) -> str:
 
 def _log_to_stderr(line: str) -> None:
     print(f"dist_eval.swarm: {line}", file=sys.stderr, flush=True)
-
-
-def _stop_all_at_exit() -> None:
-    with _LIVE_LOCK:
-        swarms = list(_LIVE_SWARMS)
-    for swarm in swarms:
-        try:
-            swarm.stop()
-        except Exception:  # best effort at interpreter exit
-            pass
-
-
-atexit.register(_stop_all_at_exit)
 
 
 def _check_args(port: Optional[int], num_servers: int, start_timeout: float, dht_prefix: Optional[str]) -> None:
@@ -285,7 +186,7 @@ class LocalSwarm:
         self.initial_peers: List[str] = []
         self.start_seconds: Optional[float] = None  # measured by start()
         self.stop_seconds: Optional[float] = None  # measured by stop()
-        self._servers: List[_Server] = []
+        self._servers: List[ServerProcess] = []
         self._sockets: Set[str] = set()  # /tmp/hivemind-*.sock held by our servers
         self._workdir: Optional[str] = None
         self._keep_logs = False
@@ -298,7 +199,6 @@ class LocalSwarm:
         self.restart = restart if restart is not None else RestartPolicy()
         self._log = log or _log_to_stderr
         self._supervisor: Optional[Supervisor] = None  # from start() on: restarts the servers that die
-        self._env: Dict[str, str] = {}
 
     def _plan_servers(self, device: str, num_servers: Optional[int], torch_dtype: Optional[str]):
         first, last = self.block_range
@@ -314,7 +214,7 @@ class LocalSwarm:
     @property
     def pgids(self) -> List[int]:
         """Process group ids of the servers started (each server's main pid)."""
-        return [s.proc.pid for s in self._servers if s.proc is not None and not s.group_gone]
+        return [s.pgid for s in self._servers if s.pgid is not None and not s.seen_gone]
 
     @property
     def ports(self) -> List[int]:
@@ -323,6 +223,28 @@ class LocalSwarm:
     @property
     def log_paths(self) -> List[str]:
         return [s.log_path for s in self._servers]
+
+    @property
+    def servers(self) -> Tuple[ServerProcess, ...]:
+        """The server processes, in order (empty before :meth:`start`)."""
+        return tuple(self._servers)
+
+    @contextmanager
+    def running(self) -> Iterator[bool]:
+        """Hold the swarm as it is: yields whether it runs, and :meth:`stop` waits until the block ends
+        (the supervisor restarts servers within it, so that none starts after a stop).
+        """
+        with self._lock:
+            yield self._state == "running"
+
+    def serves_again(self, server: ServerProcess) -> bool:
+        """Whether ``server`` (restarted) serves its blocks; its address then replaces its entry
+        in ``initial_peers``.
+        """
+        if server.state == "up":
+            self.initial_peers[server.index] = server.address
+            return True
+        return False
 
     def start(self) -> LocalSwarm:
         """Start every server; return once every block is served. On failure or timeout
@@ -335,12 +257,11 @@ class LocalSwarm:
                 raise SwarmError(f"this LocalSwarm is {self._state}; create a new one to start another swarm.")
             self._state = "starting"
         began = time.monotonic()
-        with _LIVE_LOCK:
-            _LIVE_SWARMS.add(self)
+        teardown.stop_at_exit(self)
         try:
             self._launch_all(deadline=began + self.start_timeout)
         except BaseException:
-            self._keep_logs = any(s.proc is not None for s in self._servers)  # the error cites them
+            self._keep_logs = any(s.pgid is not None for s in self._servers)  # the error cites them
             try:
                 self.stop()
             except Exception:  # the start failure is the error to report
@@ -424,14 +345,15 @@ class LocalSwarm:
         try:
             if grace is None:
                 grace = _GRACE_SECONDS_JOINED if self.join_peers else _GRACE_SECONDS_PRIVATE
-            self._terminate(began + drain_s + timeout, min(grace, 0.6 * timeout), drain_s)
+            teardown.terminate(self._servers, self._sockets, began + drain_s + timeout, min(grace, 0.6 * timeout),
+                               drain_s)
         finally:
-            self._cleanup_files(wait_for_shm_managers=drain)
+            teardown.cleanup_files(self._sockets, self._workdir, self._servers, self.log_dir, self._keep_logs,
+                                   wait_for_shm_managers=drain)
             if self._watchdog is not None:
                 self._watchdog.release()
                 self._watchdog = None
-            with _LIVE_LOCK:
-                _LIVE_SWARMS.discard(self)
+            teardown.forget_at_exit(self)
             if self._starter is not None and self._starter is not threading.current_thread():
                 self._starter.join(timeout=5.0)  # its servers are gone: it fails at once
             self.stop_seconds = time.monotonic() - began
@@ -470,43 +392,52 @@ class LocalSwarm:
                         f"port {p} on {self.host} is already in use: pass another port (servers use "
                         f"{ports[0]}..{ports[-1]}), or none to pick free ports."
                     )
+        env = self._server_env(tmpdir)
         self._servers = [
-            _Server(i, ports[i], self.placement[i], os.path.join(logs, f"server-{i}.log"))
+            ServerProcess(
+                i, ports[i], self.placement[i], os.path.join(logs, f"server-{i}.log"), host=self.host,
+                identity_path=os.path.join(self._workdir, f"identity-{i}.key"),  # its peer id, kept over restarts
+                command=self._command, env=env, cwd=self._workdir, watchdog=watchdog, before_kill=self._note_sockets,
+            )
             for i in range(self.num_servers)
-        ]
+        ]  # fmt: skip
         watchdog.watch_path(tmpdir)
         if self.log_dir is None:
             watchdog.watch_path(self._workdir)
-        self._env = env = dict(os.environ)
+
+        if self.join_peers:  # another host started the swarm: all servers join it at once
+            for s in self._servers:
+                self._spawn(s, ["--initial_peers", *self.join_peers])
+        else:
+            # The first server starts the swarm; the others start at the same time (their
+            # imports are most of a server's start-up) and join once its address is known.
+            first, peers_file = self._servers[0], os.path.join(self._workdir, teardown.PEERS_FILE)
+            self._spawn(first, ["--new_swarm"])
+            for s in self._servers[1:]:
+                self._spawn(s, [PEERS_FILE_FLAG, peers_file])
+            self._wait(deadline, [first], need_started=False)
+            atomic_write(peers_file, first.address + "\n")
+        self._wait(deadline, self._servers, need_started=True)
+
+    def _server_env(self, tmpdir: str) -> Dict[str, str]:
+        """The servers' environment: offline, their private TMPDIR, the plan's threads, this checkout."""
+        env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", TMPDIR=tmpdir, PYTHONUNBUFFERED="1")
         if self.server_plan.threads and "OMP_NUM_THREADS" not in env:  # an operator's setting stands
             env["OMP_NUM_THREADS"] = str(self.server_plan.threads)
         if os.path.basename(_PROJECT_ROOT) not in ("site-packages", "dist-packages"):  # a source checkout
             env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH")) if p)
+        return env
 
-        if self.join_peers:  # another host started the swarm: all servers join it at once
-            for s in self._servers:
-                self._spawn(s, ["--initial_peers", *self.join_peers], env)
-        else:
-            # The first server starts the swarm; the others start at the same time (their
-            # imports are most of a server's start-up) and join once its address is known.
-            first, peers_file = self._servers[0], os.path.join(self._workdir, "peers")
-            self._spawn(first, ["--new_swarm"], env)
-            for s in self._servers[1:]:
-                self._spawn(s, [PEERS_FILE_FLAG, peers_file], env)
-            self._wait(deadline, [first], need_started=False)
-            atomic_write(peers_file, first.address + "\n")
-        self._wait(deadline, self._servers, need_started=True)
-
-    def _spawn(self, s: _Server, peer_args: List[str], env: Dict[str, str]) -> None:
+    def _spawn(self, s: ServerProcess, peer_args: List[str]) -> None:
         with self._lock:  # stop() (from another thread) either sees this server or stops it from starting
             if self._state != "starting":
                 raise SwarmError("local swarm: stopped while starting.")
-            self._spawn_locked(s, peer_args, env)
+            s.start(peer_args)
 
-    def _spawn_locked(self, s: _Server, peer_args: List[str], env: Dict[str, str], mode: str = "wb") -> None:
-        """Start server ``s`` (``mode`` "ab": again, its log appended to)."""
-        cmd = [
+    def _command(self, s: ServerProcess, peer_args: Sequence[str]) -> List[str]:
+        """Server ``s``'s command line, with ``peer_args`` (how it finds the swarm)."""
+        return [
             sys.executable, "-m", SERVER_MODULE, self.model_dir, *peer_args,
             "--dht_prefix", self.dht_prefix,
             *self.server_plan.server_args(s.index), "--quant_type", "none",
@@ -514,26 +445,16 @@ class LocalSwarm:
             "--host_maddrs", f"/ip4/{self.host}/tcp/{s.port}",  # listened on and announced
             "--block_indices", f"{s.blocks[0]}:{s.blocks[1]}",
             # its peer id (so its address) kept over restarts
-            "--identity_path", self._identity_path(s),
+            "--identity_path", s.identity_path,
             *self.extra_server_args,
         ]  # fmt: skip
-        with open(s.log_path, mode) as log:
-            s.log_offset, s.log_text = log.tell(), ""  # a restart's log is read from its own start
-            log.write(("$ " + " ".join(cmd) + "\n").encode())
-            log.flush()
-            s.group_gone = False  # a new process, a new group
-            s.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, cwd=self._workdir, start_new_session=True,
-            )  # fmt: skip
-        self._watchdog.watch_group(s.proc.pid)
 
-    def _wait(self, deadline: float, servers: List[_Server], need_started: bool) -> None:
+    def _wait(self, deadline: float, servers: List[ServerProcess], need_started: bool) -> None:
         while True:
             pending = []
             for s in servers:
-                self._scan_log(s)
-                if s.proc.poll() is not None:
+                state = s.state  # its log read, then its exit polled
+                if state == "exited":
                     hint = ""
                     if self.join_peers and "failed to connect to bootstrap peers" in s.read_log():
                         hint = (
@@ -541,10 +462,10 @@ class LocalSwarm:
                             "swarm prints them) and that its servers' TCP ports are reachable from here."
                         )
                     raise SwarmError(
-                        f"local swarm {s.label} exited with code {s.proc.returncode} before serving its blocks;{hint} "
+                        f"local swarm {s.label} exited with code {s.returncode} before serving its blocks;{hint} "
                         f"read its log ({s.log_path}). Log tail: {s.tail()}"
                     )
-                if s.address is None or (need_started and not s.started):
+                if s.address is None or (need_started and state != "up"):
                     pending.append(s)
             if not pending:
                 return
@@ -558,125 +479,6 @@ class LocalSwarm:
                 )
             time.sleep(0.1)
 
-    def _identity_path(self, s: _Server) -> str:
-        return os.path.join(self._workdir, f"identity-{s.index}.key")
-
-    def _scan_log(self, s: _Server) -> None:
-        """Note ``s``'s address and whether it serves ('Started'), from its log."""
-        text = s.read_log()
-        if s.address is None:
-            match = _RUNNING_RE.search(text)
-            if match:
-                addrs = [m.group(0) for m in _MADDR_RE.finditer(match.group(1))]
-                mine = [a for a in addrs if a.startswith(f"/ip4/{self.host}/tcp/{s.port}/")]
-                s.address = (mine or addrs or [None])[0]
-        if s.address is not None and _STARTED_RE.search(text):
-            s.started = True
-
-    # ------------------------------------------------------------------ restarts (the supervisor's)
-
-    def _serves_again(self, s: _Server) -> bool:
-        self._scan_log(s)
-        if s.started:
-            self.initial_peers[s.index] = s.address
-        return s.started
-
-    def _kill_group(self, s: _Server, wait: float = 2.0) -> None:
-        """SIGKILL what is left of ``s``'s process group (its sockets noted, to be removed), and
-        wait up to ``wait`` seconds to see it gone (then its id is never signalled again).
-        """
-        if s.group_gone:
-            return
-        self._note_sockets()
-        _signal_group(s.proc.pid, signal.SIGKILL)
-        end = time.monotonic() + wait
-        while not self._group_gone(s) and time.monotonic() < end:
-            time.sleep(0.02)
-
-    def _group_gone(self, s: _Server) -> bool:
-        if not s.group_gone:
-            s.proc.poll()  # reaped: a zombie leader keeps its group listed
-            s.group_gone = s.proc.returncode is not None and not _live_groups({s.proc.pid})
-        return s.group_gone
-
-    def _respawn(self, s: _Server, through: List[_Server]) -> None:
-        """Start ``s`` again (same port, blocks, identity), joining through the servers ``through``
-        (the supervisor's choice) and the swarm this one joined; a new swarm where there is neither.
-        """
-        peers = [o.address for o in through if o is not s and o.address] + self.join_peers
-        s.address, s.started = None, False
-        self._spawn_locked(s, ["--initial_peers", *peers] if peers else ["--new_swarm"], self._env, mode="ab")
-
-    # ------------------------------------------------------------------ stop
-
-    def _terminate(self, deadline: float, grace: float, drain_s: float) -> None:
-        started = [s for s in self._servers if s.proc is not None and not s.group_gone]
-        if not started:
-            return
-        pgids = {s.proc.pid for s in started}
-        live = self._note_sockets()
-        for s in started:
-            if s.proc.poll() is None:
-                sig = signal.SIGTERM if _ignores_sigint(s.proc.pid) else signal.SIGINT
-                if drain_s:  # its main process alone: the p2pd daemon and the handlers serve on while it drains
-                    s.proc.send_signal(sig)
-                else:
-                    _signal_group(s.proc.pid, sig)
-            elif s.proc.pid in live:  # main is gone, its children are not
-                _signal_group(s.proc.pid, signal.SIGKILL)
-        _kill_when_due(started, deadline, grace, drain_s)
-        for s in started:
-            if s.proc.poll() is None:
-                try:
-                    s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-        left = _live_groups(pgids)
-        if left:
-            raise SwarmError(
-                f"local swarm: processes {sorted(p for procs in left.values() for p in procs)} survived SIGKILL "
-                f"of their groups {sorted(left)}; kill them by hand (kill -9 -- -PGID)."
-            )
-
-    def _note_sockets(self) -> Dict[int, List[int]]:
-        """Remember the hivemind sockets our servers hold: hivemind creates them in /tmp
-        whatever TMPDIR says, and leaves some behind even on a clean exit.
-        """
-        live = _live_groups(set(self.pgids))
-        paths = _unix_socket_paths([p for procs in live.values() for p in procs])
-        self._sockets |= {p for p in paths if os.path.basename(p).startswith("hivemind-")}
-        return live
-
-    def _cleanup_files(self, wait_for_shm_managers: bool = False) -> None:
-        for path in self._sockets:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        if self._workdir is None:
-            return
-        tmpdir = os.path.join(self._workdir, "tmp")
-        # a drained stop (a swarm others use, whose logs may be kept) lets torch's manager of shared
-        # memory leave its socket folder itself; a private swarm's stop does not wait for it
-        waited_until = time.monotonic() + (_SHM_MANAGER_EXIT_SECONDS if wait_for_shm_managers else 0.0)
-        while time.monotonic() < waited_until and shm_managers_under(tmpdir):
-            time.sleep(0.05)
-        shutil.rmtree(tmpdir, ignore_errors=True)
-        for s in self._servers:  # the servers' identities (private keys) go whatever happens
-            try:
-                os.unlink(self._identity_path(s))
-            except OSError:
-                pass
-        if self.log_dir is None and self._keep_logs:
-            return  # the failure message points at these logs
-        if self.log_dir is None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
-        else:
-            try:
-                os.unlink(os.path.join(self._workdir, "peers"))  # a private swarm's first address, if any
-            except OSError:
-                pass
-            try:
-                os.rmdir(self._workdir)
-            except OSError:
-                pass
+    def _note_sockets(self) -> None:
+        """Remember the hivemind sockets our servers hold, to remove them at stop (see teardown)."""
+        teardown.note_sockets(self.pgids, self._sockets)

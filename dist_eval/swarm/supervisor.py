@@ -3,7 +3,8 @@ bounded number of restarts in a time window, as a process supervisor does (issue
 
 :class:`RestartPolicy` is the policy (pure: the delays, the limit, the bound on unserved
 blocks); :class:`Supervisor` is the thread that applies it to a
-:class:`~dist_eval.swarm.local.LocalSwarm`'s servers once they serve. Each event is one line:
+:class:`~dist_eval.swarm.local.LocalSwarm`'s servers once they serve, through their public
+methods (:class:`~dist_eval.swarm.process.ServerProcess`) and the swarm's. Each event is one line:
 which server, its exit code or signal, its blocks, restarted or not.
 
 - A server that exits with code 0 left on purpose (SIGTERM or SIGINT to it: petals' graceful
@@ -94,15 +95,16 @@ class _Watch:
 
 class Supervisor:
     """The thread that keeps ``swarm``'s servers alive (``swarm``: a LocalSwarm, started;
-    ``swarm.restart`` is the policy). Its servers are LocalSwarm's ``_Server`` records.
+    ``swarm.restart`` is the policy, ``swarm.servers`` the server processes), through public methods alone.
     """
 
     def __init__(self, swarm, log: Callable[[str], None]):
         self.swarm, self.policy, self.log = swarm, swarm.restart, log
-        self.watches = [_Watch() for _ in swarm._servers]
+        self.watches = [_Watch() for _ in swarm.servers]
         self.unserved: List[int] = []  # blocks without a live server, since unserved_since
         self.unserved_since: Optional[float] = None
         self._rng = random.Random()
+        self._watching = threading.Lock()  # the watches: this thread writes them, failure() reads them
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dist_eval-swarm-supervisor", daemon=True)
 
@@ -122,11 +124,12 @@ class Supervisor:
 
     def _loop(self) -> None:
         while not self._stop.wait(POLL_SECONDS):
-            with self.swarm._lock:  # stop() sets the state under it: no restart begins after a stop
-                if self.swarm._state != "running":
+            # stop() waits for this block to end, and then the swarm no longer runs: no restart begins after a stop
+            with self.swarm.running() as running, self._watching:
+                if not running:
                     return
                 now = time.monotonic()
-                for s, watch in zip(self.swarm._servers, self.watches):
+                for s, watch in zip(self.swarm.servers, self.watches):
                     try:
                         self._tend(s, watch, now)
                     except Exception as e:  # a failed restart is one more death, not the end of supervision
@@ -135,30 +138,31 @@ class Supervisor:
                 self._note_coverage(now)
 
     def _tend(self, s, watch: _Watch, now: float) -> None:
-        if watch.state in ("up", "starting") and s.proc.poll() is not None:
+        if watch.state in ("up", "starting") and s.poll() is not None:
             self._died(s, watch, now)
         elif watch.state == "starting":
-            if self.swarm._serves_again(s):
+            if self.swarm.serves_again(s):
                 watch.state = "up"
                 self.log(f"{s.label} serves again (restart {len(watch.restarts)}, {now - watch.died:.1f} s "
                          f"after it died; address {s.address})")
             elif now - watch.spawned > self.swarm.start_timeout:
                 watch.timed_out = True
-                self.swarm._kill_group(s)  # seen dead on the next round, counted as a failed start
-        elif watch.state == "waiting" and now >= watch.due and self.swarm._group_gone(s):
+                s.kill()  # seen dead on the next round, counted as a failed start
+        elif watch.state == "waiting" and now >= watch.due and s.gone():
             peers = self._peers_for(s)
             if peers is None:
                 return  # another server is restarting a new swarm: join it once its address is known
             watch.state, watch.spawned, watch.timed_out = "starting", now, False
             watch.restarts.append(now)
-            self.swarm._respawn(s, peers)
+            # the same port, blocks and identity, joining through those servers and the swarm this one joined
+            s.restart([o.address for o in peers if o.address] + self.swarm.join_peers)
 
     def _peers_for(self, s) -> Optional[list]:
         """The servers ``s`` joins through on its restart: those up, or restarting with an address
         printed; [] (a new swarm, or the one it joined) when there is none; None to wait, while
         another server without an address yet restarts (two new swarms would not know each other).
         """
-        others = [(o, w) for o, w in zip(self.swarm._servers, self.watches) if o is not s]
+        others = [(o, w) for o, w in zip(self.swarm.servers, self.watches) if o is not s]
         peers = [o for o, w in others if w.state == "up" or (w.state == "starting" and o.address)]
         if not peers and not self.swarm.join_peers and any(w.state == "starting" for _, w in others):
             return None
@@ -166,14 +170,14 @@ class Supervisor:
 
     def _died(self, s, watch: _Watch, now: float) -> None:
         how = (f"did not serve within {self.swarm.start_timeout:.0f} s of its restart" if watch.timed_out
-               else describe_exit(s.proc.returncode))
-        if s.proc.returncode > 0:  # it failed by itself: the end of its log says why
+               else describe_exit(s.returncode))
+        if s.returncode > 0:  # it failed by itself: the end of its log says why
             how += f"; its log ({s.log_path}) ends: {s.tail(2)}"
         watch.died = now
-        self.swarm._kill_group(s)  # its helpers (the DHT process, p2pd holding the port) outlive its main process
+        s.kill()  # its helpers (the DHT process, p2pd holding the port) outlive its main process
         while watch.restarts and watch.restarts[0] < now - self.policy.window:
             watch.restarts.popleft()
-        if s.proc.returncode == 0 and not watch.timed_out:
+        if s.returncode == 0 and not watch.timed_out:
             watch.state = "down"
             self.log(f"{s.label} left the swarm ({how}: stopped on purpose, e.g. SIGTERM); not restarted"
                      f"{self._cover_note(s)}")
@@ -191,8 +195,8 @@ class Supervisor:
 
     def _cover_note(self, dead) -> str:
         """Whether the servers still up hold the dead one's blocks."""
-        live = [s.blocks for s, w in zip(self.swarm._servers, self.watches)
-                if w.state == "up" and s is not dead and s.proc.poll() is None]  # not dead too, unseen yet
+        live = [s.blocks for s, w in zip(self.swarm.servers, self.watches)
+                if w.state == "up" and s is not dead and s.poll() is None]  # not dead too, unseen yet
         missing = [b for b in range(*dead.blocks) if not any(a <= b < e for a, e in live)]
         if not missing:
             return "; the other servers still serve its blocks"
@@ -200,7 +204,7 @@ class Supervisor:
 
     def _note_coverage(self, now: float) -> None:
         first, last = self.swarm.block_range
-        live = [s.blocks for s, w in zip(self.swarm._servers, self.watches) if w.state == "up"]
+        live = [s.blocks for s, w in zip(self.swarm.servers, self.watches) if w.state == "up"]
         unserved = [b for b in range(first, last) if not any(a <= b < e for a, e in live)]
         if unserved and self.unserved_since is None:
             self.unserved_since = now
@@ -212,11 +216,11 @@ class Supervisor:
 
     def failure(self) -> Optional[str]:
         """Why the swarm failed (its blocks stay unserved), or None while it serves or may serve again."""
-        with self.swarm._lock:
+        with self._watching:
             if self.unserved_since is None:
                 return None
             unserved, since = list(self.unserved), time.monotonic() - self.unserved_since
-            holders = [(s, w) for s, w in zip(self.swarm._servers, self.watches)
+            holders = [(s, w) for s, w in zip(self.swarm.servers, self.watches)
                        if any(a <= b < e for b in unserved for a, e in [s.blocks])]
         if since > self.policy.unserved_timeout:
             why = f"for {since:.0f} s (--unserved-timeout {self.policy.unserved_timeout:.0f})"

@@ -1,0 +1,114 @@
+"""The swarm's pieces talk through public methods (issue 47): one server process
+(:class:`~dist_eval.swarm.process.ServerProcess`: start, state, stop, kill, restart) on a real
+process group (a ``python -c`` stand-in that prints a petals server's lines and keeps a child),
+and no module of the swarm reads another object's private members (an ``ast`` check)."""
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import sys
+import time
+
+import pytest
+from conftest import _pgid, _state, all_pids, stop_group
+
+from dist_eval.swarm.process import ServerProcess
+
+SWARM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist_eval", "swarm")
+
+# a petals server's lines: its address, then 'Started' (its peer flags echoed); a child in its group
+# (as p2pd is) that only a signal to the whole group stops
+STAND_IN = """import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print("peer flags:", " ".join(sys.argv[2:]), flush=True)
+address = "/ip4/127.0.0.1/tcp/%s/p2p/QmStandbyPeer" % sys.argv[1]
+print("Nov 22 09:06:39.750 [INFO] Running a server on ['%s']" % address, flush=True)
+time.sleep(0.3)
+print("Nov 22 09:06:40.100 [INFO] Started", flush=True)
+time.sleep(120)
+"""
+
+
+def _private_reads(path: str) -> list:
+    """``obj._name`` read off anything but ``self`` in the module at ``path``: (line, code)."""
+    return _private_reads_of(ast.parse(open(path).read()))
+
+
+def _private_reads_of(tree: ast.AST) -> list:
+    return sorted((node.lineno, ast.unparse(node)) for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                  and not (isinstance(node.value, ast.Name) and node.value.id == "self"))
+
+
+@pytest.mark.parametrize("module", ["supervisor.py", "teardown.py", "local.py", "process.py"])
+def test_the_swarms_modules_use_each_others_public_members_only(module):
+    assert _private_reads_of(ast.parse("self.swarm._lock\nswarm._servers[0]\ns._seen_gone\nself._rng")) == [
+        (1, "self.swarm._lock"), (2, "swarm._servers"), (3, "s._seen_gone")]  # the check sees what it must
+    assert _private_reads(os.path.join(SWARM, module)) == []
+
+
+def _wait_for(server: ServerProcess, state: str, seconds: float = 30.0) -> None:
+    end = time.monotonic() + seconds
+    while server.state != state:
+        assert time.monotonic() < end, f"{server.label} not {state} within {seconds} s: {server.tail()}"
+        time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    """A process of group ``pgid`` that is not a zombie (an orphaned child may wait to be reaped)."""
+    return any(_pgid(p) == pgid and _state(p) != "Z" for p in all_pids())
+
+
+def test_a_server_process_starts_serves_stops_and_restarts_on_its_port(tmp_path):
+    kills, stand_in = [], tmp_path / "stand_in.py"
+    stand_in.write_text(STAND_IN)  # a file: its lines in the command (the log's first line) would match
+    server = ServerProcess(
+        1, 40123, (0, 2), str(tmp_path / "server-1.log"), host="127.0.0.1", identity_path=str(tmp_path / "id.key"),
+        command=lambda s, peer_args: [sys.executable, str(stand_in), str(s.port), *peer_args],
+        env=dict(os.environ), cwd=str(tmp_path), before_kill=lambda: kills.append(1),
+    )  # fmt: skip
+    assert (server.state, server.pgid, server.returncode) == ("new", None, None)
+    assert server.label == "server 1 (blocks 0:2, port 40123)"
+    groups = []
+    try:
+        server.start(["--new_swarm"])
+        groups.append(server.pgid)
+        _wait_for(server, "up")
+        assert server.address == "/ip4/127.0.0.1/tcp/40123/p2p/QmStandbyPeer" and server.started
+        assert server.read_log().startswith("$ ") and "peer flags: --new_swarm" in server.read_log()
+        assert server.returncode is None and _group_alive(server.pgid)
+
+        assert server.stop(grace=10.0) == -signal.SIGINT  # its group got SIGINT: the child went with it
+        assert server.state == "exited" and server.seen_gone and not _group_alive(groups[0])
+
+        server.restart(["/ip4/127.0.0.1/tcp/40124/p2p/QmOther"])  # the same port and identity, its log appended
+        groups.append(server.pgid)
+        assert server.pgid != groups[0] and server.address is None and not server.started
+        _wait_for(server, "up")
+        assert server.address == "/ip4/127.0.0.1/tcp/40123/p2p/QmStandbyPeer"
+        assert server.read_log().count("$ ") == 1  # read from its restart on
+        assert "peer flags: --initial_peers /ip4/127.0.0.1/tcp/40124/p2p/QmOther" in server.read_log()
+        with open(server.log_path) as f:
+            assert f.read().count("\n$ ") == 1  # the first start's lines kept above
+
+        server.kill()
+        assert kills == [1] and server.returncode == -signal.SIGKILL and server.gone()
+        assert server.state == "exited" and not _group_alive(groups[1])
+        server.kill()  # its group was seen gone: never signalled again
+        assert kills == [1]
+    finally:
+        for pgid in groups:
+            stop_group(pgid, grace=0.0)
+
+
+def test_a_server_that_exits_says_so_with_its_code_and_log(tmp_path):
+    server = ServerProcess(
+        0, 40125, (0, 4), str(tmp_path / "server-0.log"), host="127.0.0.1", identity_path=str(tmp_path / "id.key"),
+        command=lambda s, peer_args: [sys.executable, "-c", "import sys; print('no such flag'); sys.exit(3)"],
+        env=dict(os.environ), cwd=str(tmp_path),
+    )  # fmt: skip
+    server.start(["--new_swarm"])
+    _wait_for(server, "exited")
+    assert server.returncode == 3 and server.address is None and server.tail(1) == "no such flag"
+    assert server.stop() == 3 and server.seen_gone
