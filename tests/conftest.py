@@ -429,9 +429,11 @@ def _pgid(pid):
 
 def swarm_server_pids():
     """Live processes running dist_eval's swarm server entry point, started from this test
-    process: under pytest-xdist, those whose environment names this worker (every process a
-    worker starts inherits ``PYTEST_XDIST_WORKER``, also once orphaned), not another worker's."""
+    process: under pytest-xdist, those whose environment names this worker of this run (every
+    process a worker starts inherits ``PYTEST_XDIST_WORKER`` and ``PYTEST_XDIST_TESTRUNUID``, also
+    once orphaned), not another worker's nor another pytest run's on the same machine."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
     out = []
     for pid in all_pids():
         try:
@@ -443,7 +445,8 @@ def swarm_server_pids():
                 environ = f.read().split(b"\0")
         except OSError:
             continue
-        if worker is None or f"PYTEST_XDIST_WORKER={worker}".encode() in environ:
+        if worker is None or (f"PYTEST_XDIST_WORKER={worker}".encode() in environ
+                              and f"PYTEST_XDIST_TESTRUNUID={run}".encode() in environ):
             out.append(pid)
     return out
 

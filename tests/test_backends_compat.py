@@ -218,3 +218,24 @@ def test_quieting_after_datasets_was_imported_silences_it():
             "quiet_third_party_output()\nprint(datasets.is_progress_bar_enabled(), "
             "datasets.logging.get_verbosity() == datasets.logging.ERROR)")
     assert _run_fresh(code).split() == ["False", "True"]
+
+
+@pytest.mark.swarm
+def test_a_server_without_adapters_imports_no_bitsandbytes(tiny_model, tiny_checkpoint, tiny_swarm):
+    """A server's TransformerBackend imported petals.utils.peft, and bitsandbytes with it (0.6 s of
+    every server's start on a CPU), for a using_adapter that is a no-op without adapters
+    (dist_eval.swarm.server._peft_on_demand). The servers serve, and none has bitsandbytes loaded."""
+    import torch
+
+    from dist_eval.backends import load_model
+
+    model = load_model("petals", tiny_model, checkpoint=tiny_checkpoint, initial_peers=tiny_swarm.initial_peers,
+                       dht_prefix=tiny_swarm.dht_prefix)
+    try:
+        with torch.no_grad():
+            assert model.module(torch.tensor([[2, 3, 4, 5]])).shape == (1, model.num_labels)
+    finally:
+        model.close()
+    for server in tiny_swarm.servers:
+        with open(f"/proc/{server.pgid}/maps") as maps:  # the server's main process leads its group
+            assert "bitsandbytes" not in maps.read(), server.label

@@ -74,6 +74,46 @@ def drain_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
+# petals' module of LoRA adapters: it imports bitsandbytes (0.6 s of a server's start on this
+# CPU) only to offer using_adapter, which a server without adapters needs as a no-op
+_PEFT = "petals.utils.peft"
+
+
+def _peft_on_demand() -> list:
+    """``TransformerBackend.__init__`` without importing petals.utils.peft when nothing loaded it:
+    a server with adapters loads it first (its blocks get them before any backend is built) and
+    keeps petals' own; one without gets a ``using_adapter`` that defers to petals' once anything
+    imports it, else changes nothing (no LoRA layer reads it; the handler refuses an adapter the
+    server lacks before the forward).
+    """
+    import contextlib
+    import types
+
+    from petals.server.backend import TransformerBackend
+
+    original = TransformerBackend.__init__
+    no_adapters = types.ModuleType(_PEFT, "petals.utils.peft's using_adapter, for a server without adapters")
+
+    def using_adapter(active_adapter):
+        real = sys.modules.get(_PEFT)
+        return real.using_adapter(active_adapter) if real not in (None, no_adapters) else contextlib.nullcontext()
+
+    no_adapters.using_adapter = using_adapter
+
+    def __init__(self, *args, **kwargs):
+        if _PEFT in sys.modules:
+            return original(self, *args, **kwargs)
+        sys.modules[_PEFT] = no_adapters  # what petals' `import petals.utils.peft` inside it finds
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if sys.modules.get(_PEFT) is no_adapters:
+                del sys.modules[_PEFT]
+
+    __init__.__wrapped__ = original
+    return [(TransformerBackend, "__init__", __init__)]
+
+
 def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[int] = None) -> None:
     """Apply every server patch, in the one order that works, after petals' import and the
     patches every petals process gets (:func:`dist_eval.backends.compat.import_petals`):
@@ -86,7 +126,8 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     3. :mod:`dist_eval.swarm.drain`: a shutdown waits for the requests in flight (it counts them
        in each request handler, around whatever the others changed inside them);
     4. :func:`dist_eval.backends.blocks.server_block_replacements`: a block is built knowing its
-       index (a mixture-of-experts family's blocks differ by index).
+       index (a mixture-of-experts family's blocks differ by index);
+    5. :func:`_peft_on_demand`: a server without adapters does not import bitsandbytes.
 
     Before the server starts (its connection handlers, forked later, share what these set).
     Idempotent. ``model_dir``/``first_block``: the served folder and its first block (the table
@@ -106,6 +147,7 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     apply("server_version", "server", server_version_replacements)  # says it computes them
     apply("drain", "server", drain.replacements)
     apply("block_index", "server", server_block_replacements)
+    apply("peft_on_demand", "server", _peft_on_demand)
 
 
 if __name__ == "__main__":
