@@ -80,6 +80,15 @@ class _Report:
 
 def run(config: EvalConfig) -> int:
     """The CLI run on this rank; returns the exit code (a failure raises :class:`RankFailure`)."""
+    from dist_eval.output.files import release_output_dirs
+
+    try:
+        return _run(config)
+    finally:
+        release_output_dirs()  # rank 0's hold on --output-dir (a no-op elsewhere)
+
+
+def _run(config: EvalConfig) -> int:
     clock = _Clock.now()
     ranks.phase_seconds.clear()
     main = ranks.is_main_process()
@@ -114,9 +123,10 @@ def run(config: EvalConfig) -> int:
 
 def _prepare(config: EvalConfig, say) -> Job:
     """Rank 0: check the output folder; with no --model, build (or find) the demo's assets."""
-    from dist_eval.output.files import check_output_dir
+    from dist_eval.output.files import check_output_dir, hold_output_dir
 
     check_output_dir(config.output_dir)
+    hold_output_dir(config.output_dir)  # one run at a time per folder
     if not config.is_demo:
         if config.plan.several:
             say(f"dist_eval: {len(config.plan.checkpoints)} checkpoint(s) x {len(config.plan.sets)} set(s) = "

@@ -20,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
@@ -120,8 +121,24 @@ def data_fingerprint(dataset) -> str:
 
 
 def stale_runs(root: str, key: str) -> List[str]:
-    """Folders of partial results made by another model, checkpoint, data or settings."""
-    return [p for p in glob.glob(os.path.join(root, SUBDIR, "*")) if os.path.basename(p) != key and os.path.isdir(p)]
+    """Folders of partial results made by another model, checkpoint, data or settings: only what
+    dist_eval writes there (a folder named by a run key, holding its ranks' files and nothing
+    else); a folder of the user's under ``partial/`` is left alone.
+    """
+    return [p for p in glob.glob(os.path.join(root, SUBDIR, "*"))
+            if os.path.basename(p) != key and not os.path.islink(p) and os.path.isdir(p) and _is_partial_folder(p)]
+
+
+def _is_partial_folder(path: str) -> bool:
+    if not re.fullmatch(r"[0-9a-f]{16}", os.path.basename(path)):
+        return False
+    with contextlib.suppress(OSError):
+        return all(_PARTIAL_FILE.fullmatch(name) for name in os.listdir(path))
+    return False
+
+
+# a rank's flush (rank<r>-<pid>-<n>.npz) and the hidden temporary file of one in progress
+_PARTIAL_FILE = re.compile(r"rank\d+-\d+-\d+\.npz|\.rank\d+-\d+-\d+\.npz\.tmp\d+-[0-9a-f]+")
 
 
 def remove(paths: Iterable[str]) -> None:

@@ -3,8 +3,12 @@ report (per_class.csv / .md, confusion_matrix.png, report.html).
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import socket
+import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -24,6 +28,89 @@ def check_output_dir(path: str) -> None:
         os.remove(probe)
     except OSError as e:
         raise UsageError(f"--output-dir {path}: not writable ({e.strerror}). Pass a folder you can write to.") from e
+
+
+# One run at a time per output folder: rank 0 of the run holding it keeps this file there
+LOCK_NAME = ".dist_eval.lock"
+_held: Dict[str, str] = {}  # {folder: lock file} held by this process
+
+
+def hold_output_dir(path: str) -> None:
+    """Rank 0: take ``path`` for this run, or refuse in one line naming the run that holds it
+    (host, pid, start). A lock left by a run that died on this host is taken over with a warning
+    (one that died on another host cannot be seen dead from here: its file must be removed by hand).
+    Released when this process exits.
+    """
+    lock = os.path.join(os.path.abspath(path), LOCK_NAME)
+    if lock in _held.values():
+        return
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid()),
+          "since": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())}
+    for _ in range(3):  # another run may take over the same dead lock at the same moment
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except FileExistsError:
+            other = _lock_holder(lock)
+            if other.get("host") != me["host"] or _alive(other):
+                who = (f"host {other.get('host', '?')}, pid {other.get('pid', '?')}, since {other.get('since', '?')}"
+                       if other else "unreadable lock")
+                raise UsageError(f"in use by another run ({who}). Pass another --output-dir, or wait for that run "
+                                 f"to end (if it died on another host, remove {lock}).",
+                                 param="output_dir", value=path) from None
+            warn(f"--output-dir {path}: taking over the lock of a run that died (pid {other.get('pid')}, since "
+                 f"{other.get('since')})")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        _held[path] = lock
+        if len(_held) == 1:
+            atexit.register(release_output_dirs)
+        return
+    raise UsageError("another run keeps taking its lock; try again.", param="output_dir", value=path)
+
+
+def release_output_dirs() -> None:
+    """Remove the locks this process holds (at the end of the run, and at exit)."""
+    for path, lock in list(_held.items()):
+        if _lock_holder(lock).get("pid") == os.getpid():
+            with contextlib.suppress(OSError):
+                os.unlink(lock)
+        del _held[path]
+
+
+def _lock_holder(lock: str) -> dict:
+    from dist_eval.atomic import read_regular
+
+    try:
+        holder = json.loads(read_regular(lock, 4096))
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _process_start(pid: int) -> Optional[int]:
+    """A process's start time in clock ticks since boot (tells a live pid from a reused one)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(holder: dict) -> bool:
+    """The lock's run still runs on this host: its pid lives and started when the lock says."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return holder.get("started") is None or _process_start(pid) == holder.get("started")
 
 
 def write_metrics(output_dir: str, metrics: dict) -> str:
@@ -149,7 +236,17 @@ def write_report_files(output_dir: str, metrics: dict, warn: Callable[[str], Non
         atomic_write(path, reliability)
         written.append(path)
     text_file("report.html", render_html(metrics, png, reliability_png=reliability))
+    for name in REPORT_FILES:  # an earlier run's file this run does not write must not look current
+        path = os.path.join(output_dir, name)
+        if path not in written:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
     return written
+
+
+# every file write_report_files may write
+REPORT_FILES = ("per_class.csv", "per_class.md", "slices.csv", "confusion_matrix.png", "reliability_diagram.png",
+                "report.html")
 
 
 def _reliability_png(metrics: dict, warn: Callable[[str], None]) -> Optional[bytes]:
