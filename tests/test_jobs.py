@@ -141,7 +141,7 @@ def test_resume_reruns_only_the_unfinished_pairs(tiny_model, assets, singles, tm
     import dist_eval.pipeline
 
     out = tmp_path / "out"
-    real, calls = dist_eval.pipeline._write_report, []
+    real, calls = dist_eval.pipeline.write_report, []
 
     def stopped_at_the_third(*args, **kwargs):
         calls.append(1)
@@ -149,7 +149,7 @@ def test_resume_reruns_only_the_unfinished_pairs(tiny_model, assets, singles, tm
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    with mock.patch.object(dist_eval.pipeline, "_write_report", stopped_at_the_third), one_thread():
+    with mock.patch.object(dist_eval.pipeline, "write_report", stopped_at_the_third), one_thread():
         assert run_cli_in_process(multi_args(tiny_model, assets, out)) == 130
     assert os.path.isfile(out / "c1" / "test" / "metrics.json")
     assert not os.path.exists(out / "c2" / "dev" / "metrics.json")

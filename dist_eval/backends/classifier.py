@@ -9,6 +9,7 @@ would draw a different one and disagree silently.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -315,3 +316,21 @@ def _check_shapes(state: TrainableState, config, checkpoint: Optional[str], mode
                 param="checkpoint",
                 value=checkpoint or model_dir,
             )
+
+
+@contextlib.contextmanager
+def model_files_readable(model_dir: str):
+    """A file of the model folder that cannot be read (a truncated safetensors file, one
+    missing) is the user's input to fix: a usage error (exit 2), not an internal one.
+    """
+    from json import JSONDecodeError
+
+    from safetensors import SafetensorError
+
+    from dist_eval.errors import short_error
+
+    try:
+        yield
+    except (SafetensorError, JSONDecodeError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        raise UsageError(f"a file of the folder cannot be read ({short_error(e, 120)}): it is broken or incomplete. "
+                         "Save or copy the model again.", param="model_dir", value=model_dir) from e

@@ -52,6 +52,20 @@ def resolve_model(model: str, backend: str, initial_peers, revision: Optional[st
     return client_folder(model, revision), petals_dht_prefix(model, revision)
 
 
+def snapshot_on_this_node(model_dir: str, model: str, backend: str, initial_peers, whole: bool = False) -> str:
+    """``model_dir`` (a snapshot rank 0 resolved) when it is in this process's HF cache; else the
+    same snapshot (its commit: a snapshot folder is named by it) fetched into this one's (another
+    node without a shared HF_HOME).
+    """
+    from huggingface_hub import constants
+
+    own_cache = os.path.realpath(constants.HF_HUB_CACHE)
+    if os.path.realpath(model_dir).startswith(own_cache + os.sep):
+        return model_dir
+    commit = os.path.basename(os.path.normpath(model_dir))
+    return resolve_model(model, backend, initial_peers, commit, whole=whole)[0]
+
+
 def petals_dht_prefix(repo_id: str, revision: Optional[str] = None) -> str:
     """The DHT prefix petals' client uses for ``repo_id`` (petals' own rule, per family: its
     config class applied to the id, the config read from the HF cache).

@@ -91,3 +91,16 @@ def sampled_rows(dataset, settings):
     columns = TaskColumns.of(settings)
     check_columns(dataset, columns)
     return sample_rows(dataset, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
+
+
+def limit_sample(settings, dataset) -> dict:
+    """The --limit sample of the split (every rank draws the same rows: no collective), and
+    what the report records of it: ``{"dataset", "limit", "limit_seed", "rows_in_data", "rows"}``.
+    """
+    columns = TaskColumns.of(settings)
+    rows_in_data = len(dataset)
+    if settings.limit and all(name in dataset.column_names for _, name in columns.named()):
+        dataset = sample_rows(dataset, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
+    # (a missing column is reported by evaluate(), naming the flag)
+    return {"dataset": dataset, "limit": settings.limit, "limit_seed": settings.limit_seed,
+            "rows_in_data": rows_in_data, "rows": len(dataset)}

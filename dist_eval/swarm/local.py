@@ -482,3 +482,25 @@ class LocalSwarm:
     def _note_sockets(self) -> None:
         """Remember the hivemind sockets our servers hold, to remove them at stop (see teardown)."""
         teardown.note_sockets(self.pgids, self._sockets)
+
+
+def start_for_run(model_dir: str, num_servers: Optional[int], dht_prefix: Optional[str], device: str,
+                  say: Callable[..., None]) -> LocalSwarm:
+    """Rank 0 of a run without --initial-peers: a local swarm serving the model, starting in the
+    background (``wait_started()``); the caller stops it when the run ends.
+    """
+    from dist_eval import ranks
+    from dist_eval.errors import UsageError
+
+    if ranks.launched_on_several_nodes():  # its servers listen on 127.0.0.1 of rank 0's node only
+        raise UsageError(
+            "--initial-peers: omitted on a run over several nodes, but the local swarm started then "
+            "is reachable from rank 0's node only. Start servers every node can reach "
+            "(launch/start_server.sh on a host, HOST=<its IP>) and pass the INITIAL_PEERS=... they "
+            "print with --initial-peers, and their --dht-prefix."
+        )
+    swarm = LocalSwarm(model_dir, num_servers=num_servers, dht_prefix=dht_prefix, device=device)
+    plan = swarm.server_plan
+    say(f"dist_eval: starting a local swarm of {plan.num_servers} server(s) ({plan.describe()}) "
+        f"for {model_dir} ...", flush=True)
+    return swarm.start_in_background()
