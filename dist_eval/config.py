@@ -52,6 +52,8 @@ STOP_METRIC_NAMES = ("accuracy", "brier", "top_k_accuracy")
 # How a run stops early (dist_eval.sequential.RULES): an interval valid at every round, or a
 # fixed-sample interval used once, at the first round it is narrow enough.
 STOP_RULE_NAMES = ("time-uniform", "fixed-width")
+# --row-store values that turn the store off (as dist_eval.rowstore.store_root reads them)
+STORE_OFF = ("off", "none", "0")
 
 
 
@@ -118,7 +120,7 @@ _STOP_RULE = (
     "the fewest rows: about 1.5-2.5x the rows of a fixed-sample interval of that width). fixed-width: the "
     "fixed-sample 95%% interval of the rows seen, at the first round it is at most --stop-at-width wide (about "
     "the rows a fixed sample of that width needs; about 95%% coverage for this rule only: not if you then "
-    "evaluate more rows). Not with --stop-when-decided; without --stop-at-width, nothing stops early."
+    "evaluate more rows). Not with --stop-when-decided; only with --stop-at-width (else refused)."
 )
 _LABEL_WORDS = (
     "Zero-shot: score each class by the language model's log-probability of its word after the text (one "
@@ -135,7 +137,8 @@ _ROW_STORE = (
     "($DIST_EVAL_ROW_STORE, else $DIST_EVAL_CACHE/rows, ~/.cache/dist_eval/rows). A row read from it has the "
     "logits of the run that evaluated it. Safe to delete at any time."
 )
-_FRESH_ROWS = "Evaluate every row afresh: read no row from the row store (the rows are still written to it)."
+_FRESH_ROWS = ("Evaluate every row afresh: read no row from the row store (the rows are still written to it). "
+               "Not with --row-store off.")
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,20 @@ class Settings:
                              "round is not a valid test): drop --stop-when-decided, or --stop-rule.",
                              param="stop_rule", value=self.stop_rule)
 
+    def check_stop_flags(self) -> None:
+        """--stop-rule, --stop-metric and --stop-round-rows given (not their defaults) where nothing
+        stops early do nothing: refused. Not in ``__post_init__``: a round of a run that stops
+        early (dist_eval.stopping) is one exact run with these settings kept.
+        """
+        if self.stops_early:
+            return
+        for name in ("stop_rule", "stop_metric", "stop_round_rows"):
+            value = getattr(self, name)
+            if value != Settings.__dataclass_fields__[name].default:
+                raise UsageError("does nothing unless the run stops early: expected with {0} or {1}. Add {0} "
+                                 "(a width), or {1} (two checkpoints), or drop it.", param=name, value=value,
+                                 names=("stop_at_width", "stop_when_decided"))
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -258,6 +275,10 @@ class Options:
             raise UsageError("expected a folder, 'auto' (the dist_eval cache's rows/ folder) or 'off'.",
                              param="row_store", value=self.row_store)
         object.__setattr__(self, "row_store", os.fspath(self.row_store))
+        if self.fresh_rows and self.row_store.strip().lower() in STORE_OFF:
+            raise UsageError("does nothing with the row store off (nothing is read from it anyway): expected with "
+                             "{0} auto or a folder. Drop it, or give {0} a folder.", param="fresh_rows",
+                             names=("row_store",))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -418,6 +439,7 @@ class EvalConfig:
         if self.initial_peers and not kind.on_swarm:
             raise UsageError("--initial-peers: only used with --backend petals.")
         self._plan()
+        self.settings.check_stop_flags()
         if self.settings.stop_when_decided and (
                 self.plan is None or len(self.plan.checkpoints) != 2 or len(self.plan.sets) != 1):
             raise UsageError("compares two checkpoints on the same rows: pass --model, --data-files (one set) and "
@@ -490,7 +512,9 @@ def settings_from(keywords: Dict[str, Any], settings: Optional[Settings] = None,
         if given is not None and passed:
             raise UsageError(f"{passed[0]!r} is given both as a keyword and in {what}=; pass one of them.",
                              param=passed[0], value=keywords[passed[0]])
-    return settings or built_settings, options or built_options
+    settings, options = settings or built_settings, options or built_options
+    settings.check_stop_flags()
+    return settings, options
 
 
 def with_setting_keywords(fn):

@@ -10,7 +10,7 @@ import contextlib
 import contextvars
 import sys
 import threading
-from typing import Any, Iterator, Optional, TextIO
+from typing import Any, Iterator, Optional, TextIO, Tuple
 
 _NO_VALUE = object()
 _AS_FLAGS = contextvars.ContextVar("dist_eval_errors_as_flags", default=False)
@@ -31,9 +31,17 @@ class UsageError(Exception):
     the API argument or, inside :func:`flag_names`, as the CLI flag.
     """
 
-    def __init__(self, message: str, *, param: Optional[str] = None, value: Any = _NO_VALUE):
+    def __init__(self, message: str, *, param: Optional[str] = None, value: Any = _NO_VALUE,
+                 names: Tuple[str, ...] = ()):
         super().__init__(message)
-        self.detail, self.param, self.value = message, param, value
+        self.message, self.param, self.value, self.names = message, param, value, names
+
+    @property
+    def detail(self) -> str:
+        """The message; ``{0}``, ``{1}``... in it: the parameters ``names`` names, as the API or
+        the CLI spells them (formatted when shown, so the CLI's flag_names applies).
+        """
+        return self.message.format(*map(param_name, self.names)) if self.names else self.message
 
     def __str__(self) -> str:
         if self.param is None:

@@ -46,6 +46,9 @@ def model_truncated(tiny_model, tmp_path_factory):
     return str(folder)
 
 
+_DOES_NOTHING = (r"{}: does nothing unless the run stops early: expected with --stop-at-width or "
+                 r"--stop-when-decided\. Add --stop-at-width \(a width\), or --stop-when-decided \(two "
+                 r"checkpoints\), or drop it\.$")
 CASES = {
     # id: (data file text or None for the default, extra flags, pattern of the error line)
     "device_without_gpu": (None, ["--device", "cuda:1"], r"--device cuda:1: no CUDA device is visible"),
@@ -98,6 +101,15 @@ CASES = {
         ["--label-words", "w1", "w2", "w3", "--template", "Review: {txt}"],
         r"--template Review: \{txt\}: expected a text with the placeholder \{text\} once",
     ),
+    # issue 50: flags that do nothing in this combination
+    "stop_rule_without_stopping": (None, ["--stop-rule", "fixed-width"],
+                                   _DOES_NOTHING.format("--stop-rule fixed-width")),
+    "stop_metric_without_stopping": (None, ["--stop-metric", "brier"], _DOES_NOTHING.format("--stop-metric brier")),
+    "stop_round_rows_without_stopping": (None, ["--stop-round-rows", "64"],
+                                         _DOES_NOTHING.format("--stop-round-rows 64")),
+    "fresh_rows_with_the_store_off": (None, ["--fresh-rows", "--row-store", "off"],
+                                      r"--fresh-rows: does nothing with the row store off .*expected with --row-store "
+                                      r"auto or a folder\. Drop it, or give --row-store a folder\.$"),
 }
 
 

@@ -85,6 +85,30 @@ def test_the_api_names_arguments_and_the_cli_names_flags():
     assert str(UsageError("plain message")) == "plain message"
 
 
+def test_flags_that_do_nothing_in_a_combination_are_refused_naming_the_argument():
+    """Issue 50: the stop settings without a stop, --fresh-rows with the store off, were accepted and
+    did nothing. The API names its parameters (the CLI's flags: tests/test_cli_bad_input.py)."""
+    from dist_eval.config import Options, Settings, settings_from
+    from dist_eval.errors import UsageError, flag_names
+
+    for name, value in (("stop_rule", "fixed-width"), ("stop_metric", "brier"), ("stop_round_rows", 64)):
+        with pytest.raises(UsageError) as caught:
+            settings_from({name: value})
+        assert str(caught.value) == (f"{name}={value!r}: does nothing unless the run stops early: expected with "
+                                     "stop_at_width or stop_when_decided. Add stop_at_width (a width), or "
+                                     "stop_when_decided (two checkpoints), or drop it.")
+        with pytest.raises(UsageError):  # validated settings given as they are: the same check
+            settings_from({}, settings=Settings(**{name: value}))
+        assert settings_from({name: value, "stop_at_width": 0.1})[0].stop_at_width == 0.1
+    with pytest.raises(UsageError) as caught:
+        Options(fresh_rows=True, row_store="off")
+    assert str(caught.value).startswith("fresh_rows: does nothing with the row store off")
+    assert str(caught.value).endswith("expected with row_store auto or a folder. Drop it, or give row_store a folder.")
+    with flag_names():
+        assert "Drop it, or give --row-store a folder." in str(caught.value)
+    assert Options(fresh_rows=True, row_store="/tmp/rows").fresh_rows
+
+
 def test_settings_are_validated_once_for_api_and_cli():
     from dist_eval.config import EvalConfig, Options, Settings
     from dist_eval.errors import UsageError
