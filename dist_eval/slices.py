@@ -27,14 +27,60 @@ SUMMARY_SLICES = 5
 TOO_FEW = f"too few rows for an interval (fewer than {MIN_INTERVAL_ROWS})"
 
 
+# The slices of a cell without a value (null in JSON or parquet, an empty CSV cell) and of an
+# empty text: names in brackets, so that the texts "None", "NA", "null" stay slices of their own
+# (a data text spelled like one of these is refused: the two would be one slice).
+MISSING = "<missing>"
+EMPTY = "<empty>"
+
+
 def slice_value(value) -> str:
-    """A cell as a slice's name: the text of the value (None: "None")."""
-    return value if isinstance(value, str) else str(value)
+    """A stored slice name as it is (None, a row without one: :data:`MISSING`)."""
+    return MISSING if value is None else value if isinstance(value, str) else str(value)
+
+
+def slice_name(value) -> Optional[str]:
+    """A cell's slice name: a text as it is ("" is :data:`EMPTY`), an integer or a bool as
+    written, a whole float as its integer (a CSV column of integers with empty cells reads as
+    floats), None as :data:`MISSING`; None for what names no category (a fraction, NaN, inf,
+    a list) or a text spelled like :data:`MISSING` or :data:`EMPTY`.
+    """
+    if value is None:
+        return MISSING
+    if isinstance(value, str):
+        return None if value in (MISSING, EMPTY) else value or EMPTY
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value))
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)) and np.isfinite(value) and float(value).is_integer():
+        return str(int(value))
+    return None
+
+
+def column_slices(column: str, cells, slice_by: Sequence[str]) -> List[str]:
+    """Each cell of ``column`` as its slice name; a cell that names no category refused in one line."""
+    names = [slice_name(v) for v in cells]
+    if None not in names:
+        return names
+    row = names.index(None)
+    value = cells[row]
+    if isinstance(value, str):
+        why = (f"holds the text {value!r} (row {row}), the name of its slice of "
+               f"{'missing values' if value == MISSING else 'empty texts'}. Rename that text in the data")
+    elif isinstance(value, (float, np.floating)):
+        why = (f"holds numbers that are no category ({value!r} in row {row}): a slice per float value would "
+               "split the rows at random. Bin it first (a column of ranges, e.g. '0-10') and slice by that")
+    else:
+        why = (f"holds {type(value).__name__} values ({value!r} in row {row}), not categories. Pass a column of "
+               "texts or integers")
+    raise UsageError(f"column {column!r} {why}.", param="slice_by", value=list(slice_by))
 
 
 def read_slice_values(dataset, slice_by: Optional[Sequence[str]]) -> Dict[str, List[str]]:
     """{column: each row's slice name, in row order} of a ``datasets.Dataset``. A missing
-    column, or one of more than MAX_SLICE_VALUES distinct values, is refused in one line.
+    column, one of more than MAX_SLICE_VALUES distinct values, or one holding what names no
+    category (:func:`slice_name`) is refused in one line.
     """
     if not slice_by:
         return {}
@@ -44,7 +90,7 @@ def read_slice_values(dataset, slice_by: Optional[Sequence[str]]) -> Dict[str, L
         if column not in names:
             raise UsageError(f"no column {column!r} in the data (its columns: {', '.join(names)}). Pass one of them.",
                              param="slice_by", value=list(slice_by))
-        values = [slice_value(v) for v in dataset[column]]
+        values = column_slices(column, list(dataset[column]), slice_by)
         distinct = len(set(values))
         if distinct > MAX_SLICE_VALUES:
             raise UsageError(f"column {column!r} has {distinct} distinct values, more than {MAX_SLICE_VALUES} "

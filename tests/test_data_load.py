@@ -16,3 +16,17 @@ def test_loose_files_and_hub_names_fill_the_cache_a_saved_folder_does_not(tmp_pa
     before = sorted(p.name for p in (tmp_path / "saved").iterdir())
     assert load_split(folder)["text"] == ["a b", "c"]
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == before
+
+
+def test_a_csv_reads_na_texts_as_texts_and_only_empty_cells_as_missing(tmp_path):
+    """Issue 50. Before: pandas' defaults read the texts "NA", "null", "n/a", "None" as missing values
+    (a row whose text is "NA" was refused as having none). An empty cell is still missing: an empty
+    text or label is refused as before (tests/test_cli_bad_input.py)."""
+    for name, sep in (("a.csv", ","), ("a.tsv", "\t")):
+        path = tmp_path / name
+        path.write_text("\n".join(sep.join(row) for row in (
+            ("text", "label", "region"), ("NA", "0", "null"), ("", "1", ""), ("n/a", "", "NA"), ("None", "2", "nan"))))
+        data = load_split(str(path))
+        assert data["text"] == ["NA", None, "n/a", "None"]
+        assert data["label"] == [0, 1, None, 2]
+        assert data["region"] == ["null", None, "NA", "nan"]

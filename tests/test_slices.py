@@ -272,3 +272,60 @@ def test_two_checkpoints_stopping_when_decided_then_compared_per_slice(tiny_mode
     said = capsys.readouterr().out
     assert "per slice (paired, McNemar's exact test; p adjusted by Holm for the" in said
     assert f"paired test on the {used} shared rows" in said
+
+
+def test_na_null_empty_and_missing_cells_are_slices_of_their_own():
+    """Issue 50. Before: a missing cell was the slice "None" (as the text "None" was), and a CSV's "NA",
+    "null", "n/a" and empty cells were read as missing: one slice, without a word."""
+    import datasets
+
+    from dist_eval.slices import EMPTY, MISSING, read_slice_values
+
+    cells = ["NA", "null", "", None, "None", "n/a", "NA"]
+    data = datasets.Dataset.from_dict({"region": cells, "n": [1, 2, None, 3, 3, 1, 2],
+                                       "whole": [1.0, 2.0, None, 3.0, 3.0, 1.0, 2.0],
+                                       "flag": [True, False] * 3 + [True]})
+    values = read_slice_values(data, ["region", "n", "whole", "flag"])
+    assert values["region"] == ["NA", "null", EMPTY, MISSING, "None", "n/a", "NA"]
+    assert values["n"] == values["whole"] == ["1", "2", MISSING, "3", "3", "1", "2"]  # never "1.0", "nan"
+    assert values["flag"][:2] == ["True", "False"]
+
+
+@pytest.mark.parametrize("cells, words", [
+    ([0.5, 1.0, 2.25], "column 'x' holds numbers that are no category (0.5 in row 0): a slice per float value"),
+    ([1.0, float("nan")], "(nan in row 1)"),
+    ([1.0, float("inf")], "(inf in row 1)"),
+    (["a", "<missing>"], "column 'x' holds the text '<missing>' (row 1), the name of its slice of missing values"),
+    (["<empty>", "b"], "the name of its slice of empty texts. Rename that text in the data."),
+    ([[1], [2]], "column 'x' holds list values ([1] in row 0), not categories"),
+])
+def test_a_column_of_no_categories_is_refused_in_one_line(cells, words):
+    import datasets
+
+    from dist_eval.errors import UsageError
+    from dist_eval.slices import read_slice_values
+
+    with pytest.raises(UsageError) as caught:
+        read_slice_values(datasets.Dataset.from_dict({"x": cells}), ["x"])
+    assert caught.value.param == "slice_by" and words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_csv_keeps_its_na_texts_apart_from_its_empty_cells(tiny_model, tiny_checkpoint, tmp_path, capsys):
+    """Issue 50: a region column's "NA" (North America), "null", "n/a" and empty cells are four slices;
+    a float column is refused in one line naming the flag."""
+    from dist_eval.slices import MISSING
+
+    regions = ["NA", "", "null", "n/a"]
+    data = tmp_path / "data.csv"
+    data.write_text("text,label,region,score\n" + "".join(
+        f"{WORDS[i % len(WORDS)]} {WORDS[(i * 7) % len(WORDS)]},{i % 3},{regions[i % 4]},{i / 8}\n"
+        for i in range(24)))
+    args = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--data-files", str(data),
+            "--output-dir", str(tmp_path / "out"), "--progress", "none", "--bootstrap-resamples", "0", "--slice-by"]
+    assert run_cli_in_process([*args, "region"]) == 0
+    by = json.load(open(tmp_path / "out" / "metrics.json"))["slices"]["by"]["region"]
+    assert {name: s["num_samples"] for name, s in by.items()} == {"NA": 6, MISSING: 6, "null": 6, "n/a": 6}
+    capsys.readouterr()
+    assert run_cli_in_process([*args, "score"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "--slice-by score: column 'score' holds numbers that are no category" in err[0], err

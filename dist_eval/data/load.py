@@ -42,6 +42,10 @@ def load_split(data: Sequence[str] | str, split: Optional[str] = None):
             )
         builder = _BUILDERS[exts.pop()]
         kwargs = {"delimiter": "\t"} if all(p.lower().endswith(".tsv") for p in paths) else {}
+        if builder == "csv":
+            # only an empty cell is a missing value: pandas' default also turns the texts "NA" (North
+            # America), "null", "n/a", "None", "nan" into missing ones, merging them with empty cells
+            kwargs.update(keep_default_na=False, na_values=[""])
         empty = [p for p in paths if _has_no_rows(p, builder)]
         if len(empty) == len(paths):
             raise UsageError(
