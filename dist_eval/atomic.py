@@ -101,6 +101,11 @@ def read_regular(path: str, max_bytes: int, *, owner: Optional[int] = None) -> b
         os.close(fd)
 
 
+def cache_folder() -> str:
+    """dist_eval's cache folder: ``$DIST_EVAL_CACHE`` if set, else ``~/.cache/dist_eval``."""
+    return os.environ.get("DIST_EVAL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dist_eval")
+
+
 def file_sha256(path: str) -> str:
     """The SHA-256 of a file's bytes (hex), read a MiB at a time."""
     digest = hashlib.sha256()

@@ -14,7 +14,8 @@ Layout (one tree, safe to delete whole or in part at any time)::
 (``~/.cache/dist_eval/rows``; the environment variable ``DIST_EVAL_ROW_STORE`` names another
 default, or ``off``). The model key hashes the model's identity (the files' content, a hub
 snapshot's commit: :func:`~dist_eval.backends.provenance.folder_identity`) and the numerics
-(backend, dtype, device, torch, the swarm servers' versions, dtypes, quantization); the task key
+(backend, dtype, device, the versions of every library that can change a row's tokens or logits:
+:data:`KEYED_LIBRARIES`, the swarm servers' versions, dtypes, quantization); the task key
 the checkpoint's prompts and head (their tensors' bytes), the tokenizer's content, every setting
 that changes a row's tokens or logits (``--max-length``, template, label words, columns). Each
 row is then keyed by a hash of its own text (and text pair): with the tokenizer and settings
@@ -62,6 +63,26 @@ MAX_FILE_BYTES = 4 << 30
 # settings that decide which rows are evaluated, or how they are batched, not their logits
 NOT_IN_KEY = ("label_column", "batch_size", "length_buckets", "max_batch_tokens", "limit", "limit_seed",
               "stop_at_width", "stop_when_decided", "stop_metric", "stop_round_rows", "stop_rule")
+
+
+# The installed libraries whose version can change a row's tokens (tokenizers; sentencepiece: a slow
+# tokenizer's pieces; transformers: its tokenizer classes) or logits (torch's kernels, transformers' and
+# petals' model code, hivemind's wire, bitsandbytes' quantized and peft's adapted blocks on a local swarm)
+KEYED_LIBRARIES = ("torch", "transformers", "tokenizers", "sentencepiece", "petals", "hivemind", "bitsandbytes",
+                   "peft")
+
+
+def library_versions() -> Dict[str, Optional[str]]:
+    """{library: its installed version, None when it is not installed} of :data:`KEYED_LIBRARIES`."""
+    from importlib import metadata
+
+    versions = {}
+    for name in KEYED_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
 
 
 def store_root(option: str) -> Optional[str]:
@@ -344,9 +365,7 @@ def store_for(option: str, model, tokenizer, settings, pad_token_id) -> Optional
     identity = getattr(model, "identity", None)
     if root is None or identity is None or tokenizer is None:
         return None
-    import torch
-
-    model_facts = {**identity["model"], "torch": torch.__version__, "servers": _server_numerics(model)}
+    model_facts = {**identity["model"], "libraries": library_versions(), "servers": _server_numerics(model)}
     task_facts = {"format": FORMAT_VERSION, "trainable": identity["trainable"],
                   "tokenizer": tokenizer_digest(tokenizer), "settings": settings_facts(settings),
                   "num_labels": model.num_labels, "prompt_tokens": model.prompt_tokens, "pad_token_id": pad_token_id}

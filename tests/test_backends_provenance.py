@@ -1,6 +1,7 @@
 """dist_eval.backends.provenance: the servers of a run from petals' routing table (its real
 ServerInfo and RemoteModuleInfo), identical replicas or not, and the summary's warning."""
 import importlib
+import os
 
 from dist_eval.backends.compat import import_petals
 from dist_eval.backends.provenance import replicas_warning, swarm_provenance
@@ -83,3 +84,64 @@ def test_a_family_of_dist_evals_own_layers_refuses_a_swarm_with_stock_servers():
                 _require_block_options(manager, FAMILIES[name], config)
             assert "\n" not in str(e.value) and "peerStock... (petals 2.2.0.post1) are not dist_eval's" in str(e.value)
             assert f"this {name} model's blocks need dist_eval's block options" in str(e.value)
+
+
+def _big_file(path, size):
+    """A sparse file of ``size`` bytes with a few bytes of its own at the start and the end."""
+    with open(path, "wb") as f:
+        f.write(b"head")
+        f.truncate(size)
+        f.seek(size - 4)
+        f.write(b"tail")
+    return str(path)
+
+
+def test_a_big_weight_file_changed_mid_file_with_its_mtime_set_back_gets_another_digest(tmp_path, monkeypatch):
+    """Issue 50. Before: a file over 64 MiB was known by its size, mtime and first and last MiB, so a
+    rebuilt model with a change mid-file and normalised mtimes kept its key (and its stored rows).
+    Now it is hashed whole; the digest kept in the cache is looked up by (device, inode, size,
+    mtime, ctime), and setting an mtime back sets the ctime to now."""
+    import hashlib
+    import time
+
+    from dist_eval.backends.provenance import WHOLE_HASH_BYTES, file_digest, folder_identity
+
+    monkeypatch.setenv("DIST_EVAL_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path = _big_file(folder / "model.safetensors", WHOLE_HASH_BYTES + (3 << 20))
+    before = folder_identity(str(folder))
+    digest = file_digest(path)
+    stat = os.stat(path)
+    time.sleep(0.01)  # a ctime of its own (file systems keep ns; some tick coarser)
+    with open(path, "r+b") as f:  # one byte in the middle, then the mtime as it was
+        f.seek(stat.st_size // 2)
+        f.write(b"\x01")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == stat.st_mtime_ns and os.stat(path).st_size == stat.st_size
+    changed = file_digest(path)
+    assert changed != digest and folder_identity(str(folder)) != before
+    assert changed == hashlib.sha256(open(path, "rb").read()).hexdigest()  # hashed whole
+    assert (tmp_path / "cache" / "file_digests.json").is_file()
+
+
+def test_the_digest_of_a_big_file_is_read_from_the_cache_and_a_bad_cache_is_ignored(tmp_path, monkeypatch):
+    import json
+
+    from dist_eval.backends.provenance import WHOLE_HASH_BYTES, file_digest
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DIST_EVAL_CACHE", str(cache))
+    path = _big_file(tmp_path / "w.bin", WHOLE_HASH_BYTES + 1)
+    digest = file_digest(path)
+    kept = json.loads((cache / "file_digests.json").read_text())["sha256"]
+    assert list(kept.values()) == [digest]
+    # the cache is what a later start reads: a digest put there is the one given (nothing hashed)
+    (cache / "file_digests.json").write_text(json.dumps({"sha256": {k: "ab" * 32 for k in kept}}))
+    assert file_digest(path) == "ab" * 32
+    for bad in (b"\x00garbage", b"[1, 2]", json.dumps({"sha256": {k: "not a digest" for k in kept}}).encode()):
+        (cache / "file_digests.json").write_bytes(bad)
+        assert file_digest(path) == digest
+    (cache / "file_digests.json").unlink()
+    os.mkfifo(cache / "file_digests.json")  # a reader that would block: skipped at once
+    assert file_digest(path) == digest

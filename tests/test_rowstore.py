@@ -201,6 +201,33 @@ def test_the_numerics_and_the_merges_are_in_the_key(assets):
     assert tokenizer_digest(bpe([("a", "b")])) == tokenizer_digest(bpe([("a", "b")]))
 
 
+def test_every_library_that_changes_tokens_or_logits_is_in_the_key(assets):
+    """Issue 50. Before: the key held torch's version only; a new tokenizers or transformers (another
+    tokenization of the same files) served the old rows."""
+    from importlib import metadata
+
+    import tokenizers
+    import torch
+    import transformers
+
+    from dist_eval.config import Settings
+    from dist_eval.rowstore import RowStore
+
+    with one_thread():
+        model = load_model("local", assets["model"], checkpoint=assets["checkpoint"])
+    try:
+        store = store_for("/store", model, load_tokenizer(assets["model"]), Settings(), 0)
+    finally:
+        model.close()
+    versions = store.facts["model"]["libraries"]
+    assert versions["torch"] == torch.__version__ and versions["transformers"] == transformers.__version__
+    assert versions["tokenizers"] == tokenizers.__version__ and versions["petals"] == metadata.version("petals")
+    assert versions["sentencepiece"] == metadata.version("sentencepiece")
+    for name in ("tokenizers", "transformers", "petals"):
+        other = {**store.facts["model"], "libraries": {**versions, name: "0.0.1"}}
+        assert RowStore("/store", other, store.facts["task"]).folder != store.folder, name
+
+
 def test_corrupted_foreign_and_cut_files_are_skipped_with_one_warning(assets, tmp_path, capfd):
     """A cut file, a flipped byte, a file of another key holding the same rows, bytes that are no
     row file, a temporary file a killed writer left: one warning line, none read as rows."""

@@ -19,12 +19,19 @@ import os
 import re
 from typing import Dict, Iterable, List
 
+from dist_eval.atomic import atomic_write, cache_folder, file_sha256, read_regular
 from dist_eval.backends.blocks import SERVER_VERSION_MARK
 
-# files up to this size are hashed whole; a bigger weight file by its size, mtime, its first
-# and last MiB (a safetensors header, the first tensors) (hashing 100 GB at each start: minutes)
+# Every file is hashed whole (SHA-256). A file over this size is hashed once: its digest is kept in
+# the cache folder's DIGEST_CACHE by what changes whenever its content can have: (device, inode,
+# size, mtime, ctime). A write changes mtime and ctime; setting the mtime back (touch -d, a build's
+# normalised mtimes) sets the ctime to now, and no user can set a ctime; another file under the same
+# name has another inode (or, reusing one, a new ctime). Hashing 100 GB at each start would take
+# minutes (benchmarks/RESULTS.md, "file digests"); a cached digest takes a stat.
 WHOLE_HASH_BYTES = 64 << 20
-EDGE_BYTES = 1 << 20
+DIGEST_CACHE = "file_digests.json"
+DIGEST_CACHE_BYTES = 4 << 20  # the cache's size bound when read (DIGEST_CACHE_ENTRIES take ~0.5 MB)
+DIGEST_CACHE_ENTRIES = 4096  # the newest kept
 # What decides a server's numbers: two replicas that agree on these compute the same blocks
 REPLICA_FIELDS = ("version", "torch_dtype", "quant_type", "adapters")
 
@@ -103,32 +110,68 @@ def replicas_warning(run: dict) -> str:
 # ---------------------------------------------------------------- the content of what computes a row
 
 def file_digest(path: str) -> str:
-    """A file's content: its SHA-256 up to WHOLE_HASH_BYTES; above, of its size, mtime and edges."""
-    stat = os.stat(path)
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        if stat.st_size <= WHOLE_HASH_BYTES:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-            return digest.hexdigest()
-        digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
-        digest.update(f.read(EDGE_BYTES))
-        f.seek(stat.st_size - EDGE_BYTES)
-        digest.update(f.read(EDGE_BYTES))
-    return "edges:" + digest.hexdigest()
+    """A file's content: its SHA-256; over WHOLE_HASH_BYTES, read from the digest cache when
+    the file is unchanged since it was hashed (see DIGEST_CACHE above), else hashed and kept there.
+    """
+    before = os.stat(path)
+    if before.st_size <= WHOLE_HASH_BYTES:
+        return file_sha256(path)
+    key = _stat_key(before)
+    cached = _read_digest_cache().get(key)
+    if isinstance(cached, str) and re.fullmatch(r"[0-9a-f]{64}", cached):
+        return cached
+    digest = file_sha256(path)
+    if _stat_key(os.stat(path)) == key:  # not changed while hashed
+        _keep_digest(key, digest)
+    return digest
+
+
+def _stat_key(info: os.stat_result) -> str:
+    return f"{info.st_dev}:{info.st_ino}:{info.st_size}:{info.st_mtime_ns}:{info.st_ctime_ns}"
+
+
+def _digest_cache_path() -> str:
+    return os.path.join(cache_folder(), DIGEST_CACHE)
+
+
+def _read_digest_cache() -> Dict[str, str]:
+    """{stat key: SHA-256} of the cache; {} when there is none, or it is not this user's regular
+    file of bounded size, or not a cache (a corrupt cache is ignored: the file is hashed again).
+    """
+    try:
+        cache = json.loads(read_regular(_digest_cache_path(), DIGEST_CACHE_BYTES, owner=os.geteuid()))
+    except (OSError, ValueError):
+        return {}
+    digests = cache.get("sha256") if isinstance(cache, dict) else None
+    return digests if isinstance(digests, dict) else {}
+
+
+def _keep_digest(key: str, digest: str) -> None:
+    """Add a digest to the cache (the newest DIGEST_CACHE_ENTRIES kept); a cache that cannot be
+    written (a read-only home) only costs the next start another hash.
+    """
+    digests = _read_digest_cache()
+    digests.pop(key, None)
+    digests[key] = digest
+    kept = dict(list(digests.items())[-DIGEST_CACHE_ENTRIES:])
+    try:
+        os.makedirs(cache_folder(), mode=0o700, exist_ok=True)
+        atomic_write(_digest_cache_path(), json.dumps({"sha256": kept}))
+    except OSError:
+        pass
 
 
 def folder_identity(folder: str) -> dict:
     """A model folder's identity: each file's digest by name (not the folder's name or place),
     and the commit of a hub snapshot (``.../snapshots/<commit>/``). Hashed once per process for
-    the same files (the same names, sizes and mtimes): a run that evaluates in rounds asks each round.
+    the same files (the same names, sizes, mtimes and ctimes): a run that evaluates in rounds asks each round.
     """
     stats = []
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             stat = os.stat(path)
-            stats.append((name, stat.st_size, stat.st_mtime_ns, stat.st_ino))
+            stats.append((name, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino))
     return _folder_identity(folder, tuple(stats))
 
 
