@@ -23,7 +23,7 @@ from dist_eval.backends.objects import evaluation_model
 from dist_eval.config import Options, Settings, settings_from, with_setting_keywords
 from dist_eval.data.labels import label_names_of, read_labels
 from dist_eval.data.loader import loader_batches
-from dist_eval.data.sample import sampled_rows
+from dist_eval.data.sample import Rows, draw_rows
 from dist_eval.data.shard import dataset_batches
 from dist_eval.errors import UsageError, warn
 from dist_eval.known import KnownLogits, open_known_logits
@@ -153,7 +153,10 @@ def evaluate(
     ``reliability`` (the per-bin table) and their intervals beside the others.
     """
     settings, options = settings_from(settings_keywords, settings, options)
-    slices, evaluated = slice_values(data, settings, options)  # checked before any work, on every rank
+    with ranks.phase("preparing the data"):  # checked before any work, on every rank
+        rows = _rows_of(data, settings, options)
+        slices = slice_values(rows, options)
+    data = rows if rows is not None else data
     keep_logits = return_logits or options.slice_by is not None  # a slice's probability scores need them
     if settings.stops_early:
         result = _evaluate_in_rounds(
@@ -163,39 +166,43 @@ def evaluate(
             settings=settings, options=options,
         )[0]
     else:
-        result = evaluate_once(model, data, tokenizer=tokenizer, num_labels=num_labels, label_names=label_names,
+        result = evaluate_once(model, rows.dataset if rows is not None else data, tokenizer=tokenizer,
+                               num_labels=num_labels, label_names=label_names,
                                pad_token_id=pad_token_id, return_logits=keep_logits, metrics=metrics,
                                sample_metrics=sample_metrics, on_batch_done=on_batch_done,
                                resume_folder=resume_folder, settings=settings, options=options)
     if options.slice_by is not None:
-        result = with_slices(result, slices, options, rows_in_set=len(data),
-                             lengths=(tokenizer, settings, evaluated))
+        result = with_slices(result, slices, options, rows_in_set=len(rows),
+                             lengths=(tokenizer, settings, rows.dataset))
         if not return_logits and result.predictions is not None:
             result.predictions = _without_logits(result.predictions)
     return result
 
 
-def slice_values(data, settings: Settings, options: Options) -> tuple:
-    """({column: each row's slice name}, the Dataset of those rows) of the rows evaluate()
-    evaluates (the ``limit`` sample of ``data``, drawn once here), for ``options.slice_by``;
-    ({}, None) without it. Bad columns refused in one line.
-    """
-    import datasets
+def _rows_of(data, settings: Settings, options: Options) -> Optional[Rows]:
+    """The rows of a Dataset (or the Rows the CLI drew), drawn once here; None for a DataLoader."""
+    if isinstance(data, torch.utils.data.DataLoader):
+        if options.slice_by is not None:
+            raise UsageError(f"slices need a datasets.Dataset (its columns), not {type(data).__name__}.",
+                             param="slice_by", value=list(options.slice_by))
+        return None
+    return draw_rows(data, settings, in_key_order=settings.stops_early)
 
+
+def slice_values(rows: Optional[Rows], options: Options) -> dict:
+    """{column: each row's slice name} of ``rows`` (drawn by :func:`draw_rows`), for
+    ``options.slice_by``; {} without it. Bad columns refused in one line.
+    """
     from dist_eval.slices import one_row_slices, read_slice_values
 
-    if options.slice_by is None:
-        return {}, None
-    if not isinstance(data, datasets.Dataset):
-        raise UsageError(f"slices need a datasets.Dataset (its columns), not {type(data).__name__}.",
-                         param="slice_by", value=list(options.slice_by))
-    evaluated = sampled_rows(data, settings)
-    values = read_slice_values(evaluated, options.slice_by)
+    if options.slice_by is None or rows is None:
+        return {}
+    values = read_slice_values(rows.dataset, options.slice_by)
     single = one_row_slices(values)
     if single and ranks.is_main_process():
         warn(f"--slice-by: {len(single)} slice(s) of a single row ({', '.join(single[:5])}"
              f"{', ...' if len(single) > 5 else ''}): their metrics mean little, and they get no interval")
-    return values, evaluated
+    return values
 
 
 def with_slices(result: EvalResult, values: dict, options: Options, rows_in_set: int, lengths=None) -> EvalResult:
@@ -440,8 +447,8 @@ def _check_top_k(top_k: Optional[int], num_labels: Optional[int]) -> None:
 
 
 def _check_data(data, tokenizer, settings: Settings, task: _Task):
-    """(the data: a Dataset's ``limit`` sample, the labels of a Dataset or None for a
-    DataLoader, class names).
+    """(the data: a Dataset of the rows drawn already, or a DataLoader; the labels of a Dataset or
+    None for a DataLoader; class names).
     """
     if task.num_labels is None:
         raise UsageError("cannot tell the number of classes from the model; pass num_labels=K.", param="num_labels")
@@ -455,8 +462,7 @@ def _check_data(data, tokenizer, settings: Settings, task: _Task):
         raise UsageError("evaluate(data=Dataset) needs tokenizer=...; or pass a DataLoader of token ids.")
     if task.pad_token_id is None:
         raise UsageError("unknown (the model config has none); pass pad_token_id=...", param="pad_token_id")
-    data = sampled_rows(data, settings)
-    labels = _read_labels(data, settings, task)
+    labels = _read_labels(data, settings, task)  # the rows are drawn already (draw_rows: evaluate's)
     return data, labels, task.label_names or label_names_of(data, settings.label_column)
 
 

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 from dist_eval import ranks
 from dist_eval.backends.kinds import backend_kind
 from dist_eval.config import EvalConfig, Settings
+from dist_eval.data.sample import Rows
 from dist_eval.output.report import record_shutdown, report_phases, run_facts, texts_of, write_report
 from dist_eval.plan import Checkpoint, EvalSet, Pair, Plan
 
@@ -66,7 +67,7 @@ class _Session:
     tokenizer: object = None
     loaded: Optional[Checkpoint] = None  # whose prompts + head the model holds
     shared_phases: Dict[str, float] = field(default_factory=dict)  # phases before the first pair
-    datasets: Dict[Optional[str], tuple] = field(default_factory=dict)  # set name -> (dataset, sample facts)
+    datasets: Dict[Optional[str], Rows] = field(default_factory=dict)  # set name -> its rows, drawn once
 
 
 @dataclass
@@ -192,7 +193,7 @@ def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
 
     config, job = session.config, session.job
     first = job.plan.pairs()[0]
-    _dataset(session, first.data)
+    _rows(session, first.data)
     with ranks.phase("loading the model"):
         session.tokenizer = load_tokenizer(job.model_dir)
         with model_files_readable(job.model_dir):
@@ -237,13 +238,13 @@ def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[_Report]
     if session.job.plan.several:
         session.say(f"dist_eval: {numbered} checkpoint {pair.checkpoint.name or pair.checkpoint.path or '-'}, "
                     f"set {pair.data.name or '-'} -> {out}", flush=True)
-    dataset, sample = _dataset(session, pair.data)
-    folder, key = _stored_results(session, out, pair, dataset)
+    rows, sample = _rows(session, pair.data)
+    folder, key = _stored_results(session, out, pair, rows)
     if folder is None:
         return None
     _load_checkpoint(session, pair.checkpoint)
-    result = _evaluate(session, dataset, folder)
-    return _report_pair(session, pair, result, (out, folder, key), dataset, sample, pair_started)
+    result = _evaluate(session, rows, folder)
+    return _report_pair(session, pair, result, (out, folder, key), rows, sample, pair_started)
 
 
 def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
@@ -257,9 +258,9 @@ def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
     config = session.config
     ranks.phase_seconds.clear()
     pair_started = time.perf_counter()
-    dataset, sample = _dataset(session, pairs[0].data)
+    rows, sample = _rows(session, pairs[0].data)
     outs = [os.path.join(config.output_dir, pair.folder) for pair in pairs]
-    stored = [_stored_results(session, out, pair, dataset) for out, pair in zip(outs, pairs)]
+    stored = [_stored_results(session, out, pair, rows) for out, pair in zip(outs, pairs)]
     if all(folder is None for folder, _ in stored):
         return []  # both reports of this very comparison are there (--resume)
 
@@ -272,28 +273,28 @@ def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
 
     settings = session.job.settings
     session.say(f"dist_eval: comparing {pairs[0].checkpoint.name} and {pairs[1].checkpoint.name} on up to "
-                f"{len(dataset)} rows of the same set, in rounds of {settings.stop_round_rows}, until the 95% interval "
+                f"{len(rows)} rows of the same set, in rounds of {settings.stop_round_rows}, until the 95% interval "
                 f"of the difference in {settings.stop_metric} excludes 0 ...", flush=True)
     model = session.model
-    with GlobalProgress(2 * len(dataset), config.progress, quiet=config.quiet) as progress:
+    with GlobalProgress(2 * len(rows), config.progress, quiet=config.quiet) as progress:
         results = evaluate_in_rounds(
-            [evaluator(pair.checkpoint) for pair in pairs], dataset, settings, config.options, label_names=None,
+            [evaluator(pair.checkpoint) for pair in pairs], rows, settings, config.options, label_names=None,
             model_names=list(model.id2label.values()) if model.id2label else None, user_metrics=None,
             sample_metrics=None, on_batch_done=progress.update, resume_folders=[folder for folder, _ in stored],
         )
     reports = []
     for pair, out, (folder, key), (metrics, merged) in zip(pairs, outs, stored, results):
-        report = _report_pair(session, pair, EvalResult(metrics, merged), (out, folder, key), dataset, sample,
+        report = _report_pair(session, pair, EvalResult(metrics, merged), (out, folder, key), rows, sample,
                               pair_started)
         if report is not None:
             reports.append(report)
     return reports
 
 
-def _stored_results(session: _Session, out: str, pair: Pair, dataset) -> Tuple[Optional[str], str]:
+def _stored_results(session: _Session, out: str, pair: Pair, rows: Rows) -> Tuple[Optional[str], str]:
     """(this pair's folder of partial results, or None when its finished report is there; its run key)."""
     with ranks.phase("finding the stored partial results"):
-        found = _partial_folder(session, out, pair, dataset) if ranks.is_main_process() else None
+        found = _partial_folder(session, out, pair, rows) if ranks.is_main_process() else None
     return ranks.broadcast_object(found)
 
 
@@ -305,7 +306,7 @@ def _load_checkpoint(session: _Session, checkpoint: Checkpoint) -> None:
         session.loaded = checkpoint
 
 
-def _report_pair(session: _Session, pair: Pair, result, where: tuple, dataset, sample: dict,
+def _report_pair(session: _Session, pair: Pair, result, where: tuple, rows: Rows, sample: dict,
                  pair_started: float) -> Optional[_Report]:
     """Rank 0: the pair's report written in ``where`` = (its folder, the partial results' folder,
     the run key); returned for the shutdown's times.
@@ -318,13 +319,13 @@ def _report_pair(session: _Session, pair: Pair, result, where: tuple, dataset, s
         from dist_eval.evaluation import slice_values, with_slices
 
         settings = session.job.settings
-        result = with_slices(result, slice_values(dataset, settings, options)[0], options, len(dataset),
-                             (session.tokenizer, settings, dataset))
+        result = with_slices(result, slice_values(rows, options), options, len(rows),
+                             (session.tokenizer, settings, rows.dataset))
     facts = run_facts(session, pair, pair_started)
     result.metrics["run"].update(facts, run_key=key, sample=sample)
     with ranks.phase("writing the report"):
         if ranks.is_main_process():
-            texts = texts_of(session.config, session.job.settings, dataset, getattr(result, "slices", None))
+            texts = texts_of(session.config, session.job.settings, rows.dataset, getattr(result, "slices", None))
             write_report(session.config, out, result, session.say, texts)
     if not ranks.is_main_process():
         return None
@@ -333,23 +334,23 @@ def _report_pair(session: _Session, pair: Pair, result, where: tuple, dataset, s
     return _Report(out, result.metrics, report_phases(session))
 
 
-def _dataset(session: _Session, data: EvalSet) -> tuple:
+def _rows(session: _Session, data: EvalSet) -> tuple:
     """(the set's rows, what the report records of its --limit sample): loaded once per set,
     in a phase, by every rank.
     """
     from dist_eval.data.load import fills_cache, load_split
-    from dist_eval.data.sample import limit_sample
+    from dist_eval.data.sample import draw_rows
 
     if data.name not in session.datasets:
         job = session.job
         with ranks.phase("loading the data", main_first=fills_cache(list(data.files))):  # rank 0 fills the cache
-            sample = limit_sample(job.settings, load_split(list(data.files), job.split))
-        session.datasets[data.name] = (sample.pop("dataset"), sample)
-    dataset, sample = session.datasets[data.name]
-    return dataset, dict(sample)
+            rows = draw_rows(load_split(list(data.files), job.split), job.settings, job.settings.stops_early)
+        session.datasets[data.name] = rows
+    rows = session.datasets[data.name]
+    return rows, rows.facts()
 
 
-def _partial_folder(session: _Session, out: str, pair: Pair, dataset) -> Tuple[Optional[str], str]:
+def _partial_folder(session: _Session, out: str, pair: Pair, rows: Rows) -> Tuple[Optional[str], str]:
     """Rank 0: (this pair's folder of partial results, its run key, made of everything that
     decides the results); (None, key) when the folder holds the finished report of this very
     pair (skipped; several pairs only: a single run is run again).
@@ -359,7 +360,7 @@ def _partial_folder(session: _Session, out: str, pair: Pair, dataset) -> Tuple[O
 
     config, job = session.config, session.job
     check_output_dir(out)
-    key = resume.run_key(job.model_dir, pair.checkpoint.path, dataset, job.split, session.model, job.settings,
+    key = resume.run_key(job.model_dir, pair.checkpoint.path, rows.dataset, job.split, session.model, job.settings,
                          job.head)
     if job.plan.several and config.resume and resume.finished_report(out, key):
         session.say(f"dist_eval: already finished (the report in {out} is of this checkpoint, data and settings): "
@@ -368,8 +369,8 @@ def _partial_folder(session: _Session, out: str, pair: Pair, dataset) -> Tuple[O
     return resume.resume_folder(out, key, config.resume, session.say), key
 
 
-def _evaluate(session: _Session, dataset, folder: str):
-    """evaluate() over the dataset, with the global progress shown by rank 0."""
+def _evaluate(session: _Session, rows: Rows, folder: str):
+    """evaluate() over the rows, with the global progress shown by rank 0."""
     from dist_eval.evaluation import evaluate
     from dist_eval.progress import GlobalProgress
 
@@ -377,13 +378,13 @@ def _evaluate(session: _Session, dataset, folder: str):
     settings = session.job.settings
     stops = (f", in rounds of {settings.stop_round_rows} until the 95% interval of {settings.stop_metric} is at most "
              f"{settings.stop_at_width} wide" if settings.stop_at_width is not None else "")
-    session.say(f"dist_eval: evaluating {'up to ' if stops else ''}{len(dataset)} rows on {ranks.get_world_size()} "
+    session.say(f"dist_eval: evaluating {'up to ' if stops else ''}{len(rows)} rows on {ranks.get_world_size()} "
                 f"rank(s) with the {config.backend} backend{stops} ...", flush=True)
     # every rank creates it here (one broadcast); rank 0 shows all ranks' rows on stderr
-    progress = GlobalProgress(len(dataset), config.progress, quiet=config.quiet)
+    progress = GlobalProgress(len(rows), config.progress, quiet=config.quiet)
     try:
         progress.start()
-        result = evaluate(session.model, dataset, tokenizer=session.tokenizer, settings=session.job.settings,
+        result = evaluate(session.model, rows, tokenizer=session.tokenizer, settings=session.job.settings,
                           options=config.options, return_logits=True, on_batch_done=progress.update,
                           resume_folder=folder)
     except BaseException:

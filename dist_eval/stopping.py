@@ -1,7 +1,7 @@
 """Stopping early: evaluate a set in rounds of rows, in the --limit order, until the
 time-uniform interval (:mod:`dist_eval.sequential`) says the answer is known.
 
-    the set's rows in their content-hash order (data/sample.key_order)
+    the set's rows in their content-hash order (data/sample.draw_rows)
       -> for each round of ``stop_round_rows`` rows: evaluation.evaluate_once on them (every rank, exact)
          -> rank 0: the per-row values seen so far -> the confidence sequence -> stop? (broadcast)
       -> rank 0: the metrics of the rows used (one merged set), the run's facts, ``stopping``
@@ -22,8 +22,8 @@ import numpy as np
 
 from dist_eval import ranks
 from dist_eval.config import Options, Settings
-from dist_eval.data.labels import TaskColumns, is_generic_names, label_names_of
-from dist_eval.data.sample import column_values, key_order, sampled_rows
+from dist_eval.data.labels import is_generic_names, label_names_of
+from dist_eval.data.sample import Rows, draw_rows
 from dist_eval.errors import UsageError
 from dist_eval.merge import MergedResults, merge_parts, rows_per_second, rows_report
 from dist_eval.metrics import default_top_k
@@ -79,7 +79,7 @@ def _check_stopping(data, settings: Settings, models: int, sample_metrics) -> No
 
     param, value = ("stop_when_decided", True) if settings.stop_when_decided else ("stop_at_width",
                                                                                   settings.stop_at_width)
-    if not isinstance(data, datasets.Dataset):
+    if not isinstance(data, (datasets.Dataset, Rows)):
         raise UsageError(f"stopping early needs a datasets.Dataset (rows it can order and select), not "
                          f"{type(data).__name__}. Pass the Dataset, or drop {param}.", param=param, value=value)
     if settings.stop_when_decided and models != 2:
@@ -95,9 +95,8 @@ class Rounds:
     """The set's rows in the --limit order, handed out ``stop_round_rows`` at a time."""
 
     def __init__(self, data, settings: Settings):
-        columns = [name for _, name in TaskColumns.of(settings).named()]
-        self.data = sampled_rows(data, settings)
-        self.order = key_order(column_values(self.data, columns), settings.limit_seed)
+        rows = draw_rows(data, settings, in_key_order=True)  # the caller's draw, or drawn here once
+        self.data, self.order = rows.dataset, rows.order
         self.population = len(self.data)
         self.round_rows = settings.stop_round_rows
         self.number = 0  # rounds handed out

@@ -313,3 +313,19 @@ def test_the_report_templates_are_package_data():
     assert project["tool"]["setuptools"]["package-data"]["dist_eval.output"] == ["templates/*"]
     templates = importlib.resources.files("dist_eval.output") / "templates"
     assert sorted(p.name for p in templates.iterdir()) == ["report.css", "report.html.j2"]
+
+
+def test_the_rows_are_drawn_in_one_place():
+    """Issue 47: the --limit sample is drawn, and rows keyed by their content for it, only in
+    dist_eval/data/sample.py (draw_rows); the rest of the package passes its Rows down."""
+    drawing = {"key_order", "sample_indices", "sample_rows", "sampled_rows"}
+    calls = []
+    for path in package_files():
+        if path.endswith(os.path.join("data", "sample.py")):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", getattr(node.func, "attr", None))
+                if name in drawing:
+                    calls.append(f"{os.path.relpath(path, REPO)}:{node.lineno} {name}()")
+    assert not calls, "the sample drawn outside data/sample.py: " + "; ".join(calls)

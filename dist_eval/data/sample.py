@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -83,24 +84,45 @@ def sample_rows(dataset, limit: int, seed: int, columns: Sequence[str]):
     return dataset.select(indices.tolist())
 
 
-def sampled_rows(dataset, settings):
-    """The rows an evaluation of ``dataset`` evaluates: its task columns (``settings``' text,
-    pair and label columns) checked, one line naming the flag, then their ``settings.limit``
-    sample (:func:`sample_rows`).
+@dataclass
+class Rows:
+    """The rows an evaluation evaluates, drawn once (:func:`draw_rows`) and passed down: the
+    ``--limit`` sample of the data (every row without one), in its evaluation order, and with a
+    run that stops early each row's place in the seeded key order (its rounds' order).
     """
+
+    dataset: object  # a datasets.Dataset: the sample, in key order when drawn from a bigger set
+    rows_in_data: int  # the rows of the data it was drawn from
+    limit: int
+    limit_seed: int
+    order: Optional[np.ndarray] = None  # positions in ``dataset`` in the key order (a run in rounds)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def facts(self) -> dict:
+        """What a report records of the sample (``run.sample``)."""
+        return {"limit": self.limit, "limit_seed": self.limit_seed, "rows_in_data": self.rows_in_data,
+                "rows": len(self.dataset)}
+
+
+def draw_rows(data, settings, in_key_order: bool = False) -> Rows:
+    """The rows an evaluation of ``data`` (a ``datasets.Dataset``, or Rows already drawn) evaluates:
+    its task columns (``settings``' text, pair and label columns) checked, one line naming the flag,
+    then their ``settings.limit`` sample. ``in_key_order``: every row's place in the key order too
+    (a run in rounds). The one place rows are sampled or keyed by their content for the sample.
+    """
+    if isinstance(data, Rows) and (data.order is not None or not in_key_order):
+        return data
+    dataset = data.dataset if isinstance(data, Rows) else data
     columns = TaskColumns.of(settings)
     check_columns(dataset, columns)
-    return sample_rows(dataset, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
-
-
-def limit_sample(settings, dataset) -> dict:
-    """The --limit sample of the split (every rank draws the same rows: no collective), and
-    what the report records of it: ``{"dataset", "limit", "limit_seed", "rows_in_data", "rows"}``.
-    """
-    columns = TaskColumns.of(settings)
-    rows_in_data = len(dataset)
-    if settings.limit and all(name in dataset.column_names for _, name in columns.named()):
-        dataset = sample_rows(dataset, settings.limit, settings.limit_seed, [name for _, name in columns.named()])
-    # (a missing column is reported by evaluate(), naming the flag)
-    return {"dataset": dataset, "limit": settings.limit, "limit_seed": settings.limit_seed,
-            "rows_in_data": rows_in_data, "rows": len(dataset)}
+    num_rows, limit = len(dataset), settings.limit
+    sampling = not isinstance(data, Rows) and bool(limit) and limit < num_rows
+    order = None
+    if sampling or in_key_order:
+        order = key_order(column_values(dataset, [name for _, name in columns.named()]), settings.limit_seed)
+    if sampling:
+        dataset, order = dataset.select(order[:limit].tolist()), np.arange(limit)
+    rows_in_data = data.rows_in_data if isinstance(data, Rows) else num_rows
+    return Rows(dataset, rows_in_data, limit, settings.limit_seed, order)
