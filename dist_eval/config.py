@@ -28,6 +28,7 @@ from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT, is_hub_id, read_
 from dist_eval.backends.kinds import BACKENDS, backend_kind
 from dist_eval.errors import UsageError
 from dist_eval.plan import parse_checkpoints, parse_plan
+from dist_eval.sequential import RULES, STOP_METRICS
 
 # Defaults chosen from benchmarks/RESULTS.md: on a swarm, fewer and bigger forwards win
 # (each one pays a round trip and per-request work on every server), and a token cap
@@ -47,11 +48,9 @@ DEFAULT_BOOTSTRAP_RESAMPLES = 1000
 # evaluate() (a merge, and on a swarm a few round trips); the stopping round is the same for
 # any world size, since a round is a count of rows, not of batches.
 DEFAULT_STOP_ROUND_ROWS = 256
-# The per-row metrics a run can stop on (their bounds: dist_eval.sequential.STOP_METRICS).
-STOP_METRIC_NAMES = ("accuracy", "brier", "top_k_accuracy")
-# How a run stops early (dist_eval.sequential.RULES): an interval valid at every round, or a
-# fixed-sample interval used once, at the first round it is narrow enough.
-STOP_RULE_NAMES = ("time-uniform", "fixed-width")
+# The per-row metrics a run can stop on and the rules it stops by, named where they are computed
+STOP_METRIC_NAMES = tuple(STOP_METRICS)
+STOP_RULE_NAMES = RULES
 # --row-store values that turn the store off (as dist_eval.rowstore.store_root reads them)
 STORE_OFF = ("off", "none", "0")
 

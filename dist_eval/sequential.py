@@ -54,11 +54,12 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 METHODS = ("empirical-bernstein", "hoeffding")
-# The rules a run can stop by: a time-uniform sequence (tuned to the width when one is asked
+# The rules a run can stop by (--stop-rule's choices): a time-uniform sequence (tuned to the width when one is asked
 # for), or the fixed-n interval at the first round it is narrow enough.
 RULES = ("time-uniform", "fixed-width")
-# The built-in per-row metrics a run can stop on, and the range of their per-row values.
-STOP_METRICS = {"accuracy": (0.0, 1.0), "top_k_accuracy": (0.0, 1.0), "brier": (0.0, 2.0)}
+# The built-in per-row metrics a run can stop on (--stop-metric's choices, in this order), and the
+# range of their per-row values.
+STOP_METRICS = {"accuracy": (0.0, 1.0), "brier": (0.0, 2.0), "top_k_accuracy": (0.0, 1.0)}
 # The largest betting weight: below 1 so that log(1 - lambda) stays finite (the paper's c).
 MAX_LAMBDA = 0.5
 # The tuned weights' variance is shrunk to 1/4 by this many rows (benchmarks/bench_stop_rules.py:

@@ -242,7 +242,8 @@ def test_config_imports_no_higher_module():
     # the backends' table (what each backend takes and is) and what load_model takes are leaves:
     # the flags' checks ask them
     assert module_imports()["dist_eval.config"] == {"dist_eval.errors", "dist_eval.plan", "dist_eval.backends",
-                                                    "dist_eval.backends.kinds", "dist_eval.backends.arguments"}
+                                                    "dist_eval.backends.kinds", "dist_eval.backends.arguments",
+                                                    "dist_eval.sequential"}  # the stop metrics and rules, named once
     assert module_imports()["dist_eval.backends.arguments"] == {"dist_eval.errors"}
     assert module_imports()["dist_eval.plan"] == {"dist_eval.errors"}
     assert module_imports()["dist_eval.backends.kinds"] == {"dist_eval.errors"}
