@@ -143,3 +143,28 @@ def test_base_layout_with_a_head_is_converted(tmp_path, family):
     loaded = cls.from_pretrained(served, num_labels=3)
     # Falcon keeps the head (prefixed layout); BLOOM's copy leaves it out (dist_eval reads it from the source)
     assert torch.equal(loaded.score.weight, torch.ones(3, 32)) == (family == "falcon")
+
+
+def test_a_converted_copy_of_a_private_folder_stays_private(tmp_path):
+    """Issue 50. Before: the converted copy was made 0777 & ~umask, its weights 0666 & ~umask (readable
+    by everyone), whatever the source folder's permissions."""
+    import stat
+
+    folder = build_tiny_model(str(tmp_path / "bloom"), family="bloom", num_layers=2)  # converted (EXPECTED)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o600)
+    os.chmod(folder, 0o700)
+    served = petals_model_folder(folder, cache_dir=str(tmp_path / "cache"))
+    assert served != folder
+    modes = {name: stat.S_IMODE(os.stat(os.path.join(served, name)).st_mode) for name in os.listdir(served)}
+    assert stat.S_IMODE(os.stat(served).st_mode) == 0o700
+    assert "client.safetensors" in modes and any(name.startswith("blocks-") for name in modes)
+    assert set(modes.values()) == {0o600}, modes
+    # a group-readable source: the copy as readable, no more
+    other = build_tiny_model(str(tmp_path / "shared"), family="bloom", num_layers=2)
+    for name in os.listdir(other):
+        os.chmod(os.path.join(other, name), 0o640)
+    os.chmod(other, 0o750)
+    shared = petals_model_folder(other, cache_dir=str(tmp_path / "cache"))
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o750
+    assert {stat.S_IMODE(os.stat(os.path.join(shared, n)).st_mode) for n in os.listdir(shared)} == {0o640}

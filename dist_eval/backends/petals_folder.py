@@ -31,7 +31,8 @@ the checkpoint, never from the copy. With a prefixed layout, heads are kept.
 Files: ``client.safetensors`` (every tensor that is not a block's), ``blocks-<k>.safetensors``
 (one per source weight file, so memory stays at one source shard at a time; petals'
 client skips these shards), ``model.safetensors.index.json`` mapping each key to its file,
-and the source folder's other files (config.json, tokenizer files) copied. The block
+and the source folder's other files (config.json, tokenizer files) copied. The copy keeps the
+source's permissions (a private folder's weights stay private: :func:`_keep_source_modes`). The block
 tensors are copied (safetensors cannot rename keys in place), so a conversion needs as much
 free disk as the source weights.
 """
@@ -54,7 +55,8 @@ WEIGHT_FILES = (
     "model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin"
 )
 HEAD_PREFIXES = ("score.", "lm_head.")
-CONVERSION_VERSION = "1"
+# 2: a copy keeps its source's modes (a copy of version 1 was readable by everyone)
+CONVERSION_VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -212,8 +214,9 @@ def _fingerprint(model_dir: str, layout: FolderLayout) -> str:
     h = hashlib.sha256()
     h.update(f"v{CONVERSION_VERSION}\0{os.path.realpath(model_dir)}\0".encode())
     for name in sorted(set(layout.weight_map.values()) | {"config.json"}):
+        # the ctime too: a file changed with its mtime set back has a new one (backends/provenance.py)
         st = os.stat(os.path.join(model_dir, name))
-        h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}\0".encode())
     return h.hexdigest()[:16]
 
 
@@ -239,12 +242,10 @@ def petals_model_folder(model_dir: str, cache_dir: Optional[str] = None, log=Non
     if log:
         log(f"converting {model_dir} (blocks under '{layout.block_prefix}.<i>.') to the layout petals' "
             f"{layout.family.model_type} server reads ('{layout.family.server_blocks}.<i>.') in {target}")
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir)  # private (0700) while written
     try:
-        mask = os.umask(0o022)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it private; the cache is not
         _write_converted(model_dir, layout, tmp)
+        _keep_source_modes(model_dir, layout, tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process finished first: its copy is the same
@@ -254,6 +255,27 @@ def petals_model_folder(model_dir: str, cache_dir: Optional[str] = None, log=Non
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _keep_source_modes(model_dir: str, layout: FolderLayout, out: str) -> None:
+    """The copy as readable as its source, no more: the folder gets the source folder's mode,
+    each ``blocks-<k>`` file its source weight file's, the files holding every source's tensors
+    (``client.safetensors``, the index) what all the weight files allow; the owner always may
+    read and write (to delete the cache). The other files were copied with their modes.
+    """
+    def mode(path: str) -> int:
+        return os.stat(path).st_mode & 0o777
+
+    sources = sorted(set(layout.weight_map.values()))
+    common = 0o777
+    for k, source in enumerate(sources):
+        common &= mode(os.path.join(model_dir, source))
+        blocks = os.path.join(out, f"blocks-{k:05d}.safetensors")
+        if os.path.exists(blocks):
+            os.chmod(blocks, mode(os.path.join(model_dir, source)) | 0o600)
+    for name in ("client.safetensors", "model.safetensors.index.json"):
+        os.chmod(os.path.join(out, name), common | 0o600)
+    os.chmod(out, mode(model_dir) | 0o700)
 
 
 def _write_converted(model_dir: str, layout: FolderLayout, out: str) -> None:
