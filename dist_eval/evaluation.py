@@ -27,7 +27,8 @@ from dist_eval.data.sample import Rows, draw_rows
 from dist_eval.data.shard import dataset_batches
 from dist_eval.errors import UsageError, warn
 from dist_eval.known import KnownLogits, open_known_logits
-from dist_eval.merge import MergedResults, merge_on_main, rows_per_second
+from dist_eval.loop_facts import LoopFacts
+from dist_eval.merge import MergedResults, merge_on_main
 from dist_eval.predict import predict_shard
 
 # A user metric over the merged set: fn(labels, preds, logits_or_None) -> float or dict
@@ -50,6 +51,8 @@ class EvalResult:
     # with slice_by, on rank 0: {column: each row's slice name, by row index} (the token-length
     # quartiles under TOKEN_LENGTH_SLICES); what predictions.jsonl's ``slice`` holds
     slices: Optional[dict] = None
+    # what the loop measured, typed (metrics["run"] says it too): rounds add them up
+    facts: Optional[LoopFacts] = None
 
 
 @dataclass
@@ -252,10 +255,10 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
         num_truncated=num_truncated, loop_seconds=loop_seconds,
         bootstrap=(options.bootstrap_resamples, options.bootstrap_seed), top_k=options.top_k,
     )
-    run = report["run"]
-    run["row_store"] = known.store_facts(num_rows, run["resumed_samples"])
-    run["samples_per_second"] = rows_per_second(run["row_store"]["rows_evaluated"], run["eval_loop_seconds"])
-    return EvalResult(metrics=report, predictions=merged if return_logits else _without_logits(merged))
+    facts = LoopFacts.from_report(report)
+    facts.row_store = known.store_facts(num_rows, facts.resumed_samples)
+    report.update(facts.report())
+    return EvalResult(metrics=report, predictions=merged if return_logits else _without_logits(merged), facts=facts)
 
 
 @with_setting_keywords

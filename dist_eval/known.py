@@ -22,6 +22,7 @@ import numpy as np
 
 from dist_eval import ranks
 from dist_eval.errors import warn
+from dist_eval.loop_facts import StoreFacts
 from dist_eval.resume import PartialWriter, open_partial
 from dist_eval.rowstore import RowSource, open_rows, store_for
 
@@ -84,20 +85,19 @@ class KnownLogits:
         self.rows.flush()
 
     # ---------------------------------------------------------------- the report
-    def store_facts(self, num_rows: int, resumed: int) -> dict:
-        """The report's ``run.row_store`` (every rank calls it): the rows the store served over all
-        ranks, those evaluated, the time saved; the store's own cost: rank 0's reading (with the
-        keys and the exchange), all ranks' writing.
+    def store_facts(self, num_rows: int, resumed: int) -> StoreFacts:
+        """The row store in this evaluation, over all ranks (every rank calls it): the rows it
+        served and those evaluated; rank 0's reading (with the keys and the exchange), all ranks' writing.
         """
         rows = self.rows
         served, saved, written = ranks.all_reduce_sum(np.array([rows.rows_served, rows.seconds_saved,
                                                                 rows.write_seconds]))
         folder, read = ranks.broadcast_object((rows.folder, rows.read_seconds))
         # each row's seconds are a rank's wall time for it; this run's ranks would have shared them
-        return {"folder": folder, "fresh_rows": bool(rows.fresh), "rows_from_store": int(served),
-                "rows_evaluated": int(num_rows - served - resumed),
-                "seconds_saved": float(saved) / ranks.get_world_size(), "read_seconds": read,
-                "write_seconds": float(written)}
+        return StoreFacts(folder=folder, fresh_rows=bool(rows.fresh), rows_from_store=int(served),
+                          rows_evaluated=int(num_rows - served - resumed),
+                          seconds_saved=float(saved) / ranks.get_world_size(), read_seconds=read,
+                          write_seconds=float(written))
 
 
 def open_known_logits(model, tokenizer, settings, options, num_labels: int, pad_token_id, data) -> KnownLogits:

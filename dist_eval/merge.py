@@ -13,6 +13,7 @@ import numpy as np
 
 from dist_eval import ranks
 from dist_eval.intervals import bootstrap_intervals, bootstrap_score_intervals
+from dist_eval.loop_facts import LoopFacts
 from dist_eval.metrics import (
     CALIBRATION_BINS,
     confusion_matrix,
@@ -229,29 +230,18 @@ def _report(
             f"internal: all_reduce counted {int(totals.num_samples)} samples but the merge holds {merged.num_samples}"
         )
     report = _metrics(merged, num_labels, label_names, user_metrics, totals, scoring)
-    report["num_truncated"] = int(totals.num_truncated)
-    loop_seconds_max = max(facts.loop_seconds for facts in rank_facts)
-    report["run"] = {
-        "world_size": len(rank_facts),
-        "per_rank_samples": [facts.num_samples for facts in rank_facts],
-        "eval_loop_seconds": loop_seconds_max,
-        "forward_seconds_sum": totals.forward_seconds,
-        # where the loop's time goes: client CPU of all ranks (their own processes;
-        # not the p2pd daemons), next to ranks x loop seconds of wall time
-        "loop_cpu_seconds_sum": totals.loop_cpu_seconds,
-        "duplicates_dropped": merged.num_duplicates_dropped,
-        "max_batch_seconds": max(facts.max_batch_seconds for facts in rank_facts),
-        "resumed_samples": sum(facts.num_resumed for facts in rank_facts),
-    }
+    report.update(LoopFacts(
+        world_size=len(rank_facts),
+        per_rank_samples=[facts.num_samples for facts in rank_facts],
+        eval_loop_seconds=max(facts.loop_seconds for facts in rank_facts),
+        forward_seconds_sum=totals.forward_seconds,
+        loop_cpu_seconds_sum=totals.loop_cpu_seconds,
+        duplicates_dropped=merged.num_duplicates_dropped,
+        max_batch_seconds=max(facts.max_batch_seconds for facts in rank_facts),
+        resumed_samples=sum(facts.num_resumed for facts in rank_facts),
+        num_truncated=int(totals.num_truncated),
+    ).report())  # the row store's facts: the evaluation's (dist_eval.known)
     return report
-
-
-def rows_per_second(rows_evaluated: int, loop_seconds: float) -> Optional[float]:
-    """The report's ``run.samples_per_second``: the rows the loop evaluated (not those the row
-    store served or a resumed run had saved: they cost it no forward) per second of the slowest
-    rank's loop; None when it evaluated none.
-    """
-    return rows_evaluated / loop_seconds if rows_evaluated > 0 and loop_seconds > 0 else None
 
 
 def probability_scores(logits, labels, top_k: Optional[int], bootstrap: Optional[Tuple[int, int]],

@@ -13,6 +13,8 @@ run reads the finished rounds back, sees the same values, and makes the same dec
 """
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import time
 from dataclasses import replace
@@ -25,7 +27,8 @@ from dist_eval.config import Options, Settings
 from dist_eval.data.labels import is_generic_names, label_names_of
 from dist_eval.data.sample import Rows, draw_rows
 from dist_eval.errors import UsageError
-from dist_eval.merge import MergedResults, merge_parts, rows_per_second, rows_report
+from dist_eval.loop_facts import LoopFacts
+from dist_eval.merge import MergedResults, merge_parts, rows_report
 from dist_eval.metrics import default_top_k
 from dist_eval.sequential import STOP_METRICS, RunningSequence, describe, paired_bounds, row_values, stop_reason
 
@@ -68,7 +71,7 @@ def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings,
             merged = mine.merged()
             report = rows_report(merged, mine.num_labels, mine.label_names, user_metrics,
                                  ((options.bootstrap_resamples, options.bootstrap_seed), options.top_k))
-            report.update(mine.facts())
+            report.update(mine.total().report())
             report["stopping"] = _stopping_facts(decision, settings, mine, rounds.population)
         out.append((ranks.broadcast_object(report), merged))
     return out
@@ -133,10 +136,12 @@ class Seen:
         self.last_values: Optional[np.ndarray] = None  # the last round's, in the order seen
         self.bounds = None
         self.reports: List[dict] = []
+        self.round_facts: List[LoopFacts] = []
         self.started = time.perf_counter()
 
     def add(self, result, rows: np.ndarray) -> None:
         self.reports.append(result.metrics)
+        self.round_facts.append(result.facts)
         if result.predictions is not None:  # rank 0
             part = result.predictions
             part.indices = rows[part.indices]  # the round's row i is the set's row rows[i]
@@ -155,28 +160,9 @@ class Seen:
         """Every row seen, ordered by the set's row index: the merge's own fields (merge.merge_parts)."""
         return merge_parts(self.parts)
 
-    def facts(self) -> dict:
-        """``num_truncated`` and ``run`` (with ``row_store``) over the rounds: sums, or the worst batch."""
-        runs = [r["run"] for r in self.reports]
-        loop = sum(r["eval_loop_seconds"] for r in runs)
-        stores = [r["run"]["row_store"] for r in self.reports]
-        summed = ("rows_from_store", "rows_evaluated", "seconds_saved", "read_seconds", "write_seconds")
-        store = {**stores[0], **{name: sum(s[name] for s in stores) for name in summed}}
-        return {
-            "num_truncated": sum(r["num_truncated"] for r in self.reports),
-            "run": {
-                "row_store": store,
-                "world_size": runs[0]["world_size"],
-                "per_rank_samples": [int(sum(column)) for column in zip(*(r["per_rank_samples"] for r in runs))],
-                "eval_loop_seconds": loop,
-                "forward_seconds_sum": sum(r["forward_seconds_sum"] for r in runs),
-                "loop_cpu_seconds_sum": sum(r["loop_cpu_seconds_sum"] for r in runs),
-                "samples_per_second": rows_per_second(store["rows_evaluated"], loop),
-                "duplicates_dropped": sum(r["duplicates_dropped"] for r in runs),
-                "max_batch_seconds": max(r["max_batch_seconds"] for r in runs),
-                "resumed_samples": sum(r["resumed_samples"] for r in runs),
-            },
-        }
+    def total(self) -> LoopFacts:
+        """What the rounds' loops measured, added up (sums, or the worst batch)."""
+        return functools.reduce(operator.add, self.round_facts)
 
 
 def _class_names(label_names, model_names, data, label_column: str):
@@ -247,7 +233,7 @@ def _decide(interval: tuple, paired: bool, rounds: Rounds, settings: Settings) -
 def _stopping_facts(decision: dict, settings: Settings, seen: Seen, population: int) -> dict:
     """``metrics.json``'s ``stopping``: the interval it stopped on, why, the rows and time saved."""
     used = sum(r["num_samples"] for r in seen.reports)
-    loop = sum(r["run"]["eval_loop_seconds"] for r in seen.reports)
+    loop = seen.total().eval_loop_seconds
     return {
         "metric": settings.stop_metric,
         "stop_at_width": settings.stop_at_width,
