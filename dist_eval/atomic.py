@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import secrets
 import stat
 from typing import IO, Callable, Optional, Union
@@ -99,6 +100,21 @@ def read_regular(path: str, max_bytes: int, *, owner: Optional[int] = None) -> b
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+# A cell that starts with one of these is a formula to a spreadsheet (OWASP: CSV injection)
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def csv_cell(value):
+    """A cell of a CSV file dist_eval writes: a text a spreadsheet would run as a formula (it starts
+    with ``= + - @``, a tab or a carriage return) gets a leading single quote, as OWASP advises; a
+    number (``-1.5``, a negative number too) and anything not a text are left as they are.
+    """
+    if isinstance(value, str) and value.startswith(_FORMULA_STARTS) and not _NUMBER.fullmatch(value):
+        return "'" + value
+    return value
 
 
 def cache_folder() -> str:

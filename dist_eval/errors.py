@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import sys
 import threading
+import unicodedata
 from typing import Any, Iterator, Optional, TextIO, Tuple
 
 _NO_VALUE = object()
@@ -71,6 +72,19 @@ def flag_names() -> Iterator[None]:
         yield
     finally:
         _AS_FLAGS.reset(token)
+
+
+def printable(text: Any) -> str:
+    r"""``str(text)`` with every control character (C0, DEL, C1; Unicode format and separator
+    characters such as bidi overrides) written as its escape (ESC as ``\x1b``, a right-to-left
+    override as ``\u202e``): a peer's self-announced strings shown on a terminal cannot drive it
+    (colours, cursor moves, titles).
+    """
+    return "".join(ch.encode("unicode_escape").decode("ascii") if _is_control(ch) else ch for ch in str(text))
+
+
+def _is_control(ch: str) -> bool:
+    return unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp")
 
 
 def one_line(text: str, limit: int = 200) -> str:

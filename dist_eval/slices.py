@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from dist_eval.atomic import csv_cell
 from dist_eval.errors import UsageError
 
 # Below this many rows a slice's bootstrap interval is not reported: a percentile bootstrap of
@@ -203,7 +204,8 @@ CSV_METRICS = ("accuracy", "f1_macro", "f1_weighted", "precision_macro", "recall
 
 def slices_csv(metrics: dict) -> str:
     """slices.csv: a line per slice (lowest accuracy first): its rows, each headline metric
-    and, where it has one, its interval; ``note`` when it has none.
+    and, where it has one, its interval; ``note`` when it has none. A column or value (the
+    data's texts) that a spreadsheet would run as a formula is quoted (:func:`~dist_eval.atomic.csv_cell`).
     """
     import csv
     import io
@@ -223,7 +225,8 @@ def slices_csv(metrics: dict) -> str:
         for n in names:
             low, high = intervals.get(n) or (None, None)
             cells += [_cell(values.get(n)), _cell(low), _cell(high)]
-        writer.writerow([column, name, values["num_samples"], *cells, values.get("interval_note", "")])
+        writer.writerow([csv_cell(column), csv_cell(name), values["num_samples"], *cells,
+                         values.get("interval_note", "")])
     return buffer.getvalue()
 
 

@@ -329,3 +329,28 @@ def test_a_csv_keeps_its_na_texts_apart_from_its_empty_cells(tiny_model, tiny_ch
     assert run_cli_in_process([*args, "score"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "--slice-by score: column 'score' holds numbers that are no category" in err[0], err
+
+
+def test_csv_cells_a_spreadsheet_would_run_are_quoted(tiny_model, tiny_checkpoint, tmp_path):
+    """Issue 50. Before: a class name or slice value starting with = + - @ was written as it is, and a
+    spreadsheet opening per_class.csv or slices.csv ran it as a formula. Now it gets a leading single
+    quote (OWASP); a number, a negative one too, stays a number."""
+    labels = ["=HYPERLINK(\"http://x\")", "-2+3", "@SUM(A1)"]  # sorted: '-2+3' '=HYP...' '@SUM...'
+    regions = ["+cmd", "-2", "plain"]
+    data = tmp_path / "data.csv"
+    with open(data, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text", "label", "region"])
+        for i in range(24):
+            writer.writerow([f"{WORDS[i % len(WORDS)]} {WORDS[(i * 5) % len(WORDS)]}", labels[i % 3], regions[i % 3]])
+    out = tmp_path / "out"
+    args = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--data-files", str(data),
+            "--output-dir", str(out), "--progress", "none", "--bootstrap-resamples", "0", "--slice-by", "region"]
+    assert run_cli_in_process(args) == 0
+    classes = [row["class"] for row in csv.DictReader(open(out / "per_class.csv"))]
+    assert classes == ["'-2+3", "'=HYPERLINK(\"http://x\")", "'@SUM(A1)"]
+    values = {row["value"] for row in csv.DictReader(open(out / "slices.csv")) if row["column"] == "region"}
+    assert values == {"'+cmd", "-2", "plain"}
+    for name in ("per_class.csv", "slices.csv"):  # no other cell starts a formula
+        cells = [cell for row in csv.reader(open(out / name)) for cell in row]
+        assert not [c for c in cells if c and (c[0] in "=+@" or (c[0] == "-" and not c[1:2].isdigit()))], name

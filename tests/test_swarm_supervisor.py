@@ -131,6 +131,21 @@ def test_status_table():
     assert "blocks 2:3: NO SERVER (none)" in text and text.endswith("unserved: blocks 2")
 
 
+def test_status_table_escapes_what_the_peers_announce():
+    """Issue 50. Before: a server's self-announced version, dtype or address reached the terminal
+    raw: an escape sequence in it could recolour the table, move the cursor or set the title."""
+    server = {"addresses": ["/ip4/10.0.0.5/tcp/1\x1b[2J"], "reachable": True, "state": "ONLINE", "blocks": [0, 1],
+              "torch_dtype": "torch.float16\x9b31m", "throughput": 1.0, "peer_id": "QmA",
+              "version": "2.2.0\x1b]0;owned\x07\x1b[32m ok\u202egnp.exe\r\nfake line"}
+    status = {"dht_prefix": "m", "num_blocks": 1, "num_blocks_from": "given", "unserved": [], "healthy": True,
+              "servers": [server], "blocks": [{"block": 0, "servers": ["QmA"], "online": ["QmA"]}]}
+    text = render(status)
+    assert not any(ch in text for ch in "\x1b\x07\x9b\u202e\r"), repr(text)
+    assert "petals 2.2.0\\x1b]0;owned\\x07\\x1b[32m ok\\u202egnp.exe\\r\\nfake line  reachable" in text, text
+    assert "float16\\x9b31m" in text and "/ip4/10.0.0.5/tcp/1\\x1b[2J/p2p/QmA" in text
+    assert len(text.splitlines()) == 4  # the announced newline is no line of the table
+
+
 # --------------------------------------------------------------------------- a real swarm
 
 

@@ -23,7 +23,7 @@ from dist_eval.backends.helpers import HelperWatch
 from dist_eval.backends.requests import RequestTooLarge, learn_server_limit, restore_petals_split, send_batches_whole
 from dist_eval.backends.wire import embeddings_digest, forward_over_wire
 from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer
-from dist_eval.errors import UsageError, one_line
+from dist_eval.errors import UsageError, one_line, printable
 
 
 class PetalsClassifier(Backend):
@@ -282,7 +282,7 @@ def _require_block_options(manager, family: Family, config) -> None:
         return
     others = servers_without_block_options(manager.state.sequence_info.block_infos)
     if others:
-        shown = ", ".join(f"{peer[:16]}... (petals {version})" for peer, version in others[:3])
+        shown = ", ".join(f"{peer[:16]}... (petals {printable(version)})" for peer, version in others[:3])
         raise UsageError(
             f"the swarm's server(s) {shown} are not dist_eval's, and this {family.model_type} model's blocks "
             f"need dist_eval's block options (docs/models-and-checkpoints.md). Serve it with python -m "

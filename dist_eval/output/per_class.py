@@ -9,6 +9,8 @@ import csv
 import io
 from typing import List
 
+from dist_eval.atomic import csv_cell
+
 COLUMNS = ("class", "label", "precision", "recall", "f1", "support", "predicted")
 
 
@@ -36,11 +38,13 @@ def per_class_rows(metrics: dict) -> List[dict]:
 
 
 def per_class_csv(metrics: dict) -> str:
-    """CSV text with a header row; floats at full precision (a file for programs)."""
+    """CSV text with a header row; floats at full precision (a file for programs); a class name a
+    spreadsheet would run as a formula quoted (:func:`~dist_eval.atomic.csv_cell`).
+    """
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
     writer.writeheader()
-    writer.writerows(per_class_rows(metrics))
+    writer.writerows({**row, "class": csv_cell(row["class"])} for row in per_class_rows(metrics))  # a name: text
     return out.getvalue()
 
 

@@ -19,6 +19,7 @@ import sys
 from functools import partial
 from typing import Dict, List, Optional, Sequence
 
+from dist_eval.errors import printable
 from dist_eval.swarm.placement import SwarmError, _check_peers, _default_prefix, _read_num_blocks
 
 _PROBE_SECONDS = 5.0  # a server that does not answer a dial within this is listed unreachable
@@ -136,7 +137,7 @@ def render(status: dict) -> str:
         lines.append(f"unserved: blocks {', '.join(map(str, status['unserved']))}")
     else:
         lines.append("every block is served" if status["blocks"] else "no block is announced under this prefix")
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))  # the servers' versions, dtypes, addresses: what they announce
 
 
 def _runs(blocks: List[dict]):
