@@ -30,9 +30,19 @@ source "$ROOT/launch/venv_tools.sh"
 make_venv "$VENV" "$PYTHON"
 
 # 1. torch first, on its own, so nothing later pulls a multi-GB CUDA build.
-#    A torch already in the venv (e.g. a CUDA build on a GPU cluster) is kept.
-if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+#    A torch >= 2.6 already in the venv (e.g. a CUDA build on a GPU cluster) is kept; an older one
+#    is replaced: before 2.6, torch.load (petals' and transformers 4.33's reading of a
+#    pytorch_model.bin) runs the file's pickled code (pyproject.toml asks for torch>=2.6).
+TORCH_AT_LEAST_2_6='import re, sys, torch; sys.exit(tuple(map(int, re.findall(r"\d+", torch.__version__)[:2])) < (2, 6))'
+if ! "$VENV/bin/python" -W ignore -c "$TORCH_AT_LEAST_2_6" 2>/dev/null; then
+  if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    echo "[install] torch $("$VENV/bin/python" -W ignore -c "import torch; print(torch.__version__)" 2>/dev/null) is older than 2.6: installing $TORCH_SPEC" >&2
+  fi
   "${INSTALL[@]}" "$TORCH_SPEC"
+  if ! "$VENV/bin/python" -W ignore -c "$TORCH_AT_LEAST_2_6"; then
+    echo "[install] error: DIST_EVAL_TORCH=$TORCH_SPEC installs a torch older than 2.6; dist_eval needs torch>=2.6. Pass a spec of 2.6 or later." >&2
+    exit 1
+  fi
 fi
 
 # 2. petals' real run-time needs (its own metadata pins are stale) + ours.

@@ -305,6 +305,31 @@ def test_pyproject_lists_every_package_dist_eval_imports():
     assert {"tqdm", "jinja2", "scipy"} <= third_party  # the libraries issue 41 put to use
 
 
+def test_torch_older_than_2_6_is_refused_by_the_package_and_the_install(tmp_path):
+    """Issue 50. Before: pyproject.toml allowed torch 2.1, and launch/install.sh kept any torch in the
+    venv; before 2.6, torch.load (petals' and transformers 4.33's reading of a pytorch_model.bin)
+    runs the file's pickled code. The install's check is run on torch packages of each version."""
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+
+    project = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))
+    torch_spec = next(Requirement(s) for s in project["project"]["dependencies"] if Requirement(s).name == "torch")
+    assert "2.5.1" not in torch_spec.specifier and "2.6.0" in torch_spec.specifier
+    assert "2.13.0" in torch_spec.specifier
+    script = open(os.path.join(REPO, "launch", "install.sh")).read()
+    check = re.search(r"^TORCH_AT_LEAST_2_6='([^']*)'$", script, re.M).group(1)
+    assert '"$VENV/bin/python" -W ignore -c "$TORCH_AT_LEAST_2_6"' in script  # what decides the install
+    for version, older in (("2.5.1+cu121", True), ("2.1.2", True), ("1.13.1", True), ("2.6.0", False),
+                           ("2.13.0+cpu", False), ("2.10.0a0+git1234", False), ("3.0.0", False)):
+        fake = tmp_path / version / "torch"
+        fake.mkdir(parents=True)
+        (fake / "__init__.py").write_text(f"__version__ = {version!r}\n")
+        proc = subprocess.run([sys.executable, "-c", check], env={**os.environ, "PYTHONPATH": str(fake.parent)},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == (1 if older else 0), (version, proc.stderr)
+
+
 def test_the_report_templates_are_package_data():
     import importlib.resources
 
