@@ -156,30 +156,44 @@ def evaluate(
     ``reliability`` (the per-bin table) and their intervals beside the others.
     """
     settings, options = settings_from(settings_keywords, settings, options)
+    return _evaluate_models(
+        [model], data, tokenizer=tokenizer, num_labels=num_labels, label_names=label_names,
+        pad_token_id=pad_token_id, return_logits=return_logits, metrics=metrics, sample_metrics=sample_metrics,
+        on_batch_done=on_batch_done, resume_folders=[resume_folder] if resume_folder else None,
+        settings=settings, options=options,
+    )[0]
+
+
+def _evaluate_models(models, data, *, tokenizer, num_labels, label_names, pad_token_id, return_logits, metrics,
+                     sample_metrics, on_batch_done, resume_folders, settings, options, on_model=None) -> list:
+    """:func:`evaluate`'s and :func:`evaluate_pair`'s one path: the rows drawn once, then one
+    exact evaluation (one model that does not stop early) or rounds of them until the interval
+    says stop (:mod:`dist_eval.stopping`), then the slices, attached once to each model's result.
+    """
     with ranks.phase("preparing the data"):  # checked before any work, on every rank
         rows = _rows_of(data, settings, options)
         slices = slice_values(rows, options)
-    data = rows if rows is not None else data
     keep_logits = return_logits or options.slice_by is not None  # a slice's probability scores need them
-    if settings.stops_early:
-        result = _evaluate_in_rounds(
-            [model], data, tokenizer=tokenizer, num_labels=num_labels, label_names=label_names,
-            pad_token_id=pad_token_id, return_logits=keep_logits, metrics=metrics, sample_metrics=sample_metrics,
-            on_batch_done=on_batch_done, resume_folders=[resume_folder] if resume_folder else None,
-            settings=settings, options=options,
-        )[0]
+    if settings.stops_early or len(models) > 1:
+        results = _evaluate_in_rounds(
+            models, rows if rows is not None else data, tokenizer=tokenizer, num_labels=num_labels,
+            label_names=label_names, pad_token_id=pad_token_id, return_logits=keep_logits, metrics=metrics,
+            sample_metrics=sample_metrics, on_batch_done=on_batch_done, resume_folders=resume_folders,
+            settings=settings, options=options, on_model=on_model,
+        )
     else:
-        result = evaluate_once(model, rows.dataset if rows is not None else data, tokenizer=tokenizer,
-                               num_labels=num_labels, label_names=label_names,
-                               pad_token_id=pad_token_id, return_logits=keep_logits, metrics=metrics,
-                               sample_metrics=sample_metrics, on_batch_done=on_batch_done,
-                               resume_folder=resume_folder, settings=settings, options=options)
+        results = [evaluate_once(models[0], rows.dataset if rows is not None else data, tokenizer=tokenizer,
+                                 num_labels=num_labels, label_names=label_names, pad_token_id=pad_token_id,
+                                 return_logits=keep_logits, metrics=metrics, sample_metrics=sample_metrics,
+                                 on_batch_done=on_batch_done, resume_folder=(resume_folders or [None])[0],
+                                 settings=settings, options=options)]
     if options.slice_by is not None:
-        result = with_slices(result, slices, options, rows_in_set=len(rows),
-                             lengths=(tokenizer, settings, rows.dataset))
-        if not return_logits and result.predictions is not None:
-            result.predictions = _without_logits(result.predictions)
-    return result
+        slices = _with_length_quartiles(slices, tokenizer, settings, rows.dataset)
+        for result in results:
+            _attach_slices(result, slices, options, rows_in_set=len(rows))
+            if not return_logits and result.predictions is not None:
+                result.predictions = _without_logits(result.predictions)
+    return results
 
 
 def _rows_of(data, settings: Settings, options: Options) -> Optional[Rows]:
@@ -208,24 +222,29 @@ def slice_values(rows: Optional[Rows], options: Options) -> dict:
     return values
 
 
-def with_slices(result: EvalResult, values: dict, options: Options, rows_in_set: int, lengths=None) -> EvalResult:
-    """``result`` with ``metrics["slices"]`` (:func:`dist_eval.slices.slice_report`), computed
-    on rank 0 from its merged rows and sent to every rank, and ``slices`` (each row's, rank 0).
-    ``lengths``: (tokenizer, settings, the rows evaluated) for the token-length quartiles.
+def _with_length_quartiles(values: dict, tokenizer, settings: Settings, dataset) -> dict:
+    """Rank 0: ``values`` and each row's token-length quartile (when a tokenizer is known)."""
+    from dist_eval.slices import TOKEN_LENGTH_SLICES, length_quartiles
+
+    if not ranks.is_main_process() or tokenizer is None:
+        return values
+    return {**values, TOKEN_LENGTH_SLICES: length_quartiles(tokenizer, settings, dataset)}
+
+
+def _attach_slices(result: EvalResult, values: dict, options: Options, rows_in_set: int) -> None:
+    """``result.metrics["slices"]`` (:func:`dist_eval.slices.slice_report`), computed on rank 0
+    from its merged rows and sent to every rank, and ``result.slices`` (each row's, rank 0).
     """
-    from dist_eval.slices import TOKEN_LENGTH_SLICES, length_quartiles, slice_report
+    from dist_eval.slices import slice_report
 
     report = None
     if ranks.is_main_process():
-        if lengths is not None and lengths[0] is not None:
-            values = {**values, TOKEN_LENGTH_SLICES: length_quartiles(*lengths)}
         result.slices = values
         metrics = result.metrics
         report = slice_report(result.predictions, values, metrics["num_labels"], metrics.get("label_names"),
                               ((options.bootstrap_resamples, options.bootstrap_seed), metrics.get("top_k")),
                               rows_in_set)
     result.metrics["slices"] = ranks.broadcast_object(report)
-    return result
 
 
 def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_id, return_logits, metrics,
@@ -278,6 +297,7 @@ def evaluate_pair(
     resume_folders: Optional[Sequence[str]] = None,
     settings: Optional[Settings] = None,
     options: Optional[Options] = None,
+    on_model: Optional[Callable[[int], None]] = None,
     **settings_keywords,
 ) -> Tuple[EvalResult, EvalResult]:
     """Two models on the same rows, in rounds, until it is known which is better:
@@ -289,19 +309,23 @@ def evaluate_pair(
     ``stop_when_decided=True`` stops once it excludes 0, ``stop_at_width=W`` once it is at
     most W wide; else at the end of the set. Both results' ``metrics["stopping"]`` say which
     (``reason``, ``better``: "first", "second" or None) and the interval. ``resume_folders``:
-    one per model. The other arguments are :func:`evaluate`'s.
+    one per model. ``on_model(i)``: called before each evaluation of model ``i`` (0: first, 1:
+    second), e.g. to load that side's checkpoint into one model given twice (the CLI's two
+    ``--checkpoint``'s: one model load). The other arguments are :func:`evaluate`'s, ``slice_by``
+    included (the slices of the rows used, in each result).
     """
     settings, options = settings_from(settings_keywords, settings, options)
-    first_result, second_result = _evaluate_in_rounds(
+    first_result, second_result = _evaluate_models(
         [first, second], data, tokenizer=tokenizer, num_labels=num_labels, label_names=label_names,
         pad_token_id=pad_token_id, return_logits=return_logits, metrics=metrics, sample_metrics=sample_metrics,
         on_batch_done=on_batch_done, resume_folders=resume_folders, settings=settings, options=options,
+        on_model=on_model,
     )
     return first_result, second_result
 
 
 def _evaluate_in_rounds(models, data, *, tokenizer, num_labels, label_names, pad_token_id, return_logits, metrics,
-                        sample_metrics, on_batch_done, resume_folders, settings, options) -> list:
+                        sample_metrics, on_batch_done, resume_folders, settings, options, on_model=None) -> list:
     """:func:`evaluate` with ``stop_at_width``, :func:`evaluate_pair`: exact evaluate() calls on
     rounds of rows (:mod:`dist_eval.stopping`) until the interval says stop; an EvalResult per model.
     """
@@ -310,14 +334,16 @@ def _evaluate_in_rounds(models, data, *, tokenizer, num_labels, label_names, pad
     with evaluation_model(models[0]) as adapted:
         model_names = _task_of(adapted, num_labels, pad_token_id, label_names).label_names
 
-    def evaluator(model):
+    def evaluator(index: int):
         def evaluate_rows(data, **keywords) -> EvalResult:
-            return evaluate_once(model, data, tokenizer=tokenizer, num_labels=num_labels, pad_token_id=pad_token_id,
-                                 metrics=None, **keywords)
+            if on_model is not None:
+                on_model(index)
+            return evaluate_once(models[index], data, tokenizer=tokenizer, num_labels=num_labels,
+                                 pad_token_id=pad_token_id, metrics=None, **keywords)
         return evaluate_rows
 
     results = evaluate_in_rounds(
-        [evaluator(model) for model in models], data, settings, options, label_names=label_names,
+        [evaluator(index) for index in range(len(models))], data, settings, options, label_names=label_names,
         model_names=model_names, user_metrics=metrics, sample_metrics=sample_metrics, on_batch_done=on_batch_done,
         resume_folders=resume_folders,
     )

@@ -249,13 +249,13 @@ def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[_Report]
 
 def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
     """--stop-when-decided: the two checkpoints on the same rows of the one set, in rounds, until
-    the interval of their difference says stop (:mod:`dist_eval.stopping`); a report for each.
+    the interval of their difference says stop: :func:`dist_eval.evaluate_pair` on the one model,
+    each side's checkpoint loaded before its evaluations; a report for each.
     """
-    from dist_eval.evaluation import EvalResult, evaluate_once
+    from dist_eval.evaluation import evaluate_pair
     from dist_eval.progress import GlobalProgress
-    from dist_eval.stopping import evaluate_in_rounds
 
-    config = session.config
+    config, settings = session.config, session.job.settings
     ranks.phase_seconds.clear()
     pair_started = time.perf_counter()
     rows, sample = _rows(session, pairs[0].data)
@@ -263,29 +263,18 @@ def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
     stored = [_stored_results(session, out, pair, rows) for out, pair in zip(outs, pairs)]
     if all(folder is None for folder, _ in stored):
         return []  # both reports of this very comparison are there (--resume)
-
-    def evaluator(checkpoint: Checkpoint):
-        def evaluate_rows(data, **keywords):
-            _load_checkpoint(session, checkpoint)
-            return evaluate_once(session.model, data, tokenizer=session.tokenizer, num_labels=None, pad_token_id=None,
-                                 metrics=None, **keywords)
-        return evaluate_rows
-
-    settings = session.job.settings
     session.say(f"dist_eval: comparing {pairs[0].checkpoint.name} and {pairs[1].checkpoint.name} on up to "
                 f"{len(rows)} rows of the same set, in rounds of {settings.stop_round_rows}, until the 95% interval "
                 f"of the difference in {settings.stop_metric} excludes 0 ...", flush=True)
-    model = session.model
     with GlobalProgress(2 * len(rows), config.progress, quiet=config.quiet) as progress:
-        results = evaluate_in_rounds(
-            [evaluator(pair.checkpoint) for pair in pairs], rows, settings, config.options, label_names=None,
-            model_names=list(model.id2label.values()) if model.id2label else None, user_metrics=None,
-            sample_metrics=None, on_batch_done=progress.update, resume_folders=[folder for folder, _ in stored],
+        results = evaluate_pair(
+            session.model, session.model, rows, tokenizer=session.tokenizer, settings=settings, options=config.options,
+            return_logits=True, on_batch_done=progress.update, resume_folders=[folder for folder, _ in stored],
+            on_model=lambda side: _load_checkpoint(session, pairs[side].checkpoint),
         )
     reports = []
-    for pair, out, (folder, key), (metrics, merged) in zip(pairs, outs, stored, results):
-        report = _report_pair(session, pair, EvalResult(metrics, merged), (out, folder, key), rows, sample,
-                              pair_started)
+    for pair, out, (folder, key), result in zip(pairs, outs, stored, results):
+        report = _report_pair(session, pair, result, (out, folder, key), rows, sample, pair_started)
         if report is not None:
             reports.append(report)
     return reports
@@ -314,13 +303,6 @@ def _report_pair(session: _Session, pair: Pair, result, where: tuple, rows: Rows
     from dist_eval import resume
 
     out, folder, key = where
-    options = session.config.options
-    if options.slice_by is not None and "slices" not in result.metrics:  # two checkpoints stopping early
-        from dist_eval.evaluation import slice_values, with_slices
-
-        settings = session.job.settings
-        result = with_slices(result, slice_values(rows, options), options, len(rows),
-                             (session.tokenizer, settings, rows.dataset))
     facts = run_facts(session, pair, pair_started)
     result.metrics["run"].update(facts, run_key=key, sample=sample)
     with ranks.phase("writing the report"):

@@ -263,8 +263,8 @@ def test_the_cli_compares_two_checkpoints_with_one_model_load_as_the_api_does(de
     proc = run_cli(["--model", assets.model_dir, "--data-files", assets.data_dir, "--split", assets.split,
                     "--checkpoint", f"A={assets.checkpoint}", "--checkpoint", f"B={worse_checkpoint}",
                     "--backend", "local", "--stop-when-decided", "--stop-round-rows", str(ROUND),
-                    "--bootstrap-resamples", "0", "--save-logits", "--output-dir", str(out), "--progress", "none"],
-                   nproc=2)
+                    "--bootstrap-resamples", "0", "--save-logits", "--output-dir", str(out), "--progress", "none",
+                    "--slice-by", "label"], nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "the first checkpoint is better" in proc.stdout
     model, tokenizer, dataset, _ = demo
@@ -272,7 +272,7 @@ def test_the_cli_compares_two_checkpoints_with_one_model_load_as_the_api_does(de
         worse = load_model("local", assets.model_dir, checkpoint=worse_checkpoint)
         try:
             api = evaluate_pair(model, worse, dataset, tokenizer=tokenizer, stop_when_decided=True,
-                                stop_round_rows=ROUND, bootstrap_resamples=0)
+                                stop_round_rows=ROUND, bootstrap_resamples=0, slice_by=["label"])
         finally:
             worse.close()
     timing = ("seconds", "seconds_saved_estimate")
@@ -282,6 +282,9 @@ def test_the_cli_compares_two_checkpoints_with_one_model_load_as_the_api_does(de
             {k: v for k, v in result.metrics["stopping"].items() if k not in timing}
         for key in ("accuracy", "loss", "confusion_matrix", "ece", "auroc_macro"):
             assert_same_bits(metrics[key], result.metrics[key], f"{name}: {key}, the CLI on 2 ranks against the API")
+        # issue 47: the slices attach once, after the rounds, for evaluate_pair as for evaluate
+        assert metrics["slices"]["by"]["label"] and metrics["slices"]["rows"] == metrics["stopping"]["rows_used"]
+        assert_same_bits(json.loads(json.dumps(result.metrics["slices"])), metrics["slices"], f"{name}: slices")
         assert len(read_jsonl(out / name / "predictions.jsonl")) == metrics["stopping"]["rows_used"]
     assert metrics["stopping"]["reason"] == "decided"
 
