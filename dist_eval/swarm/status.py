@@ -167,7 +167,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "blocks under, e.g. --dht-prefix my-llama).")
         status = read_swarm(peers, prefix, num_blocks, args.timeout)
     except SwarmError as e:
-        print(f"dist_eval.swarm status: error: {e}", file=sys.stderr, flush=True)
+        print(f"dist_eval.swarm status: error: {printable(e)}", file=sys.stderr, flush=True)  # a peer's words, maybe
         return 2
     print(json.dumps(status) if args.json else render(status), flush=True)
     return 0 if status["healthy"] else 1
