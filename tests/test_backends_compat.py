@@ -224,7 +224,8 @@ def test_quieting_after_datasets_was_imported_silences_it():
 def test_a_server_without_adapters_imports_no_bitsandbytes(tiny_model, tiny_checkpoint, tiny_swarm):
     """A server's TransformerBackend imported petals.utils.peft, and bitsandbytes with it (0.6 s of
     every server's start on a CPU), for a using_adapter that is a no-op without adapters
-    (dist_eval.swarm.server._peft_on_demand). The servers serve, and none has bitsandbytes loaded."""
+    (dist_eval.swarm.server._peft_on_demand); a joining server checked that no other peer used its new
+    identity file, with a second p2pd (_own_identity_unchecked). The servers serve, without either."""
     import torch
 
     from dist_eval.backends import load_model
@@ -239,3 +240,5 @@ def test_a_server_without_adapters_imports_no_bitsandbytes(tiny_model, tiny_chec
     for server in tiny_swarm.servers:
         with open(f"/proc/{server.pgid}/maps") as maps:  # the server's main process leads its group
             assert "bitsandbytes" not in maps.read(), server.label
+        # nor a second p2pd to check that no other peer uses its own new identity
+        assert "Started" in server.read_log() and "is not used by other peers" not in server.read_log(), server.label

@@ -114,6 +114,23 @@ def _peft_on_demand() -> list:
     return [(TransformerBackend, "__init__", __init__)]
 
 
+def _own_identity_unchecked() -> list:
+    """``P2P.create`` without hivemind's check that no other peer uses the identity file: a server
+    dist_eval starts has a file of its own swarm's folder, made for it (and kept over its restarts,
+    which begin once the old process group is gone), and the check started a second p2pd and a DHT
+    client to ask the swarm (half a second and a process for each server that joins).
+    """
+    from hivemind.p2p.p2p_daemon import P2P
+
+    original = P2P.create.__func__
+
+    async def create(cls, *args, check_if_identity_free: bool = False, **kwargs):
+        return await original(cls, *args, check_if_identity_free=check_if_identity_free, **kwargs)
+
+    create.__wrapped__ = original
+    return [(P2P, "create", classmethod(create))]
+
+
 def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[int] = None) -> None:
     """Apply every server patch, in the one order that works, after petals' import and the
     patches every petals process gets (:func:`dist_eval.backends.compat.import_petals`):
@@ -127,7 +144,8 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
        in each request handler, around whatever the others changed inside them);
     4. :func:`dist_eval.backends.blocks.server_block_replacements`: a block is built knowing its
        index (a mixture-of-experts family's blocks differ by index);
-    5. :func:`_peft_on_demand`: a server without adapters does not import bitsandbytes.
+    5. :func:`_peft_on_demand`: a server without adapters does not import bitsandbytes;
+    6. :func:`_own_identity_unchecked`: its own identity file is not checked against the swarm.
 
     Before the server starts (its connection handlers, forked later, share what these set).
     Idempotent. ``model_dir``/``first_block``: the served folder and its first block (the table
@@ -148,6 +166,7 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     apply("drain", "server", drain.replacements)
     apply("block_index", "server", server_block_replacements)
     apply("peft_on_demand", "server", _peft_on_demand)
+    apply("own_identity", "server", _own_identity_unchecked)
 
 
 if __name__ == "__main__":
