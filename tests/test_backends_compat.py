@@ -225,7 +225,8 @@ def test_a_server_without_adapters_imports_no_bitsandbytes(tiny_model, tiny_chec
     """A server's TransformerBackend imported petals.utils.peft, and bitsandbytes with it (0.6 s of
     every server's start on a CPU), for a using_adapter that is a no-op without adapters
     (dist_eval.swarm.server._peft_on_demand); a joining server checked that no other peer used its new
-    identity file, with a second p2pd (_own_identity_unchecked). The servers serve, without either."""
+    identity file, with a second p2pd (_own_identity_unchecked), and was dialled back to learn that it
+    is reachable on loopback, with a third (_loopback_is_direct). The servers serve, without any of it."""
     import torch
 
     from dist_eval.backends import load_model
@@ -241,4 +242,9 @@ def test_a_server_without_adapters_imports_no_bitsandbytes(tiny_model, tiny_chec
         with open(f"/proc/{server.pgid}/maps") as maps:  # the server's main process leads its group
             assert "bitsandbytes" not in maps.read(), server.label
         # nor a second p2pd to check that no other peer uses its own new identity
-        assert "Started" in server.read_log() and "is not used by other peers" not in server.read_log(), server.label
+        log = server.read_log()
+        assert "Started" in log and "is not used by other peers" not in log, server.label
+        # nor a third to be dialled back on loopback, where every peer is a local process
+        assert "This server is accessible" not in log, server.label
+        with open(f"/proc/{server.pgid}/stat") as stat:
+            assert stat.read().rsplit(")", 1)[1].split()[0] in "RSD", server.label  # still serving

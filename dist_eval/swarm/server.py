@@ -131,6 +131,26 @@ def _own_identity_unchecked() -> list:
     return [(P2P, "create", classmethod(create))]
 
 
+def _loopback_is_direct() -> list:
+    """``Server.__init__`` knowing that a server listening on loopback only is reachable directly:
+    petals asks the swarm to dial it back (a DHT node with a p2pd of its own, for each server that
+    joins) to choose between direct and relayed; on 127.0.0.1 every peer is a local process. A
+    server on any other address is checked as petals does.
+    """
+    from petals.server.server import Server
+
+    original = Server.__init__
+
+    def __init__(self, *args, reachable_via_relay=None, **kwargs):
+        addresses = [str(address) for address in kwargs.get("host_maddrs") or ()]
+        if reachable_via_relay is None and addresses and all(a.startswith("/ip4/127.") for a in addresses):
+            reachable_via_relay = False
+        return original(self, *args, reachable_via_relay=reachable_via_relay, **kwargs)
+
+    __init__.__wrapped__ = original
+    return [(Server, "__init__", __init__)]
+
+
 def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[int] = None) -> None:
     """Apply every server patch, in the one order that works, after petals' import and the
     patches every petals process gets (:func:`dist_eval.backends.compat.import_petals`):
@@ -145,7 +165,8 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     4. :func:`dist_eval.backends.blocks.server_block_replacements`: a block is built knowing its
        index (a mixture-of-experts family's blocks differ by index);
     5. :func:`_peft_on_demand`: a server without adapters does not import bitsandbytes;
-    6. :func:`_own_identity_unchecked`: its own identity file is not checked against the swarm.
+    6. :func:`_own_identity_unchecked`: its own identity file is not checked against the swarm;
+    7. :func:`_loopback_is_direct`: a server on loopback is not dialled back to learn it is direct.
 
     Before the server starts (its connection handlers, forked later, share what these set).
     Idempotent. ``model_dir``/``first_block``: the served folder and its first block (the table
@@ -167,6 +188,7 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     apply("block_index", "server", server_block_replacements)
     apply("peft_on_demand", "server", _peft_on_demand)
     apply("own_identity", "server", _own_identity_unchecked)
+    apply("loopback_direct", "server", _loopback_is_direct)
 
 
 if __name__ == "__main__":
