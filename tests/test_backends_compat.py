@@ -226,10 +226,19 @@ def test_a_server_without_adapters_imports_no_bitsandbytes(tiny_model, tiny_chec
     every server's start on a CPU), for a using_adapter that is a no-op without adapters
     (dist_eval.swarm.server._peft_on_demand); a joining server checked that no other peer used its new
     identity file, with a second p2pd (_own_identity_unchecked), and was dialled back to learn that it
-    is reachable on loopback, with a third (_loopback_is_direct). The servers serve, without any of it."""
+    is reachable on loopback, with a third, and kept a probe, a fourth (_loopback_is_direct). The
+    servers serve, without any of it."""
     import torch
+    from conftest import all_pids
 
     from dist_eval.backends import load_model
+
+    def p2pd_in_group(pid, group):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return os.getpgid(pid) == group and f.read().split(b"\0")[0].endswith(b"p2pd")
+        except OSError:  # gone meanwhile
+            return False
 
     model = load_model("petals", tiny_model, checkpoint=tiny_checkpoint, initial_peers=tiny_swarm.initial_peers,
                        dht_prefix=tiny_swarm.dht_prefix)
@@ -246,5 +255,6 @@ def test_a_server_without_adapters_imports_no_bitsandbytes(tiny_model, tiny_chec
         assert "Started" in log and "is not used by other peers" not in log, server.label
         # nor a third to be dialled back on loopback, where every peer is a local process
         assert "This server is accessible" not in log, server.label
-        with open(f"/proc/{server.pgid}/stat") as stat:
-            assert stat.read().rsplit(")", 1)[1].split()[0] in "RSD", server.label  # still serving
+        # and one p2pd in its group, its DHT's: no probe to dial other peers back
+        daemons = [pid for pid in all_pids() if p2pd_in_group(pid, server.pgid)]
+        assert len(daemons) == 1, (server.label, daemons)

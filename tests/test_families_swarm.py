@@ -76,10 +76,10 @@ def petals_268_export(ck, folder):
 
 @pytest.mark.parametrize("tuning_mode", [None, "ptune", "deep_ptune"])
 def test_petals_n2_equals_local_n1_bitwise(family_swarm, tmp_path, tuning_mode):
-    """Petals N=2 == local N=1, bit for bit. For ptune also the predictions identical for N = 1, 2, 3
-    (merged here from test_predictions_identical_for_n_1_2_3, issue 46, whose N=2 run repeated this
-    one's): N=1 on the CLI's own swarm (--local-servers 1), N=2 from petals #268's export form,
-    N=3 on the module's swarm, all equal, and equal to the local run."""
+    """Petals N=2 == local N=1, bit for bit. For BLOOM's ptune also the predictions identical for
+    N = 1, 2, 3 (merged here from test_predictions_identical_for_n_1_2_3, issue 46, whose N=2 run
+    repeated this one's): N=1 on the CLI's own swarm (--local-servers 1), N=2 from petals #268's
+    export form, N=3 on the module's swarm, all equal, and equal to the local run."""
     family = family_swarm[0]
     ck = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode=tuning_mode, pre_seq_len=3)
     petals_args = petals_268_export(ck, tmp_path) if tuning_mode == "ptune" else ["--checkpoint", ck]
@@ -91,7 +91,9 @@ def test_petals_n2_equals_local_n1_bitwise(family_swarm, tmp_path, tuning_mode):
     assert petals == local  # labels, preds and the float32 logits, every row
     metrics = json.load(open(tmp_path / "petals2" / "metrics.json"))
     assert metrics["run"]["backend"] == "petals" and metrics["run"]["world_size"] == 2
-    if tuning_mode == "ptune":
+    if tuning_mode == "ptune" and family == "bloom":
+        # any N's equality is the batch plan's, not the family's (N = 1, 2 on the Llama swarm too:
+        # tests/test_backends_petals.py): checked on one family (issue 46: Falcon's two runs, ~40 s, dropped)
         one = run(family_swarm, tmp_path / "n1", ["--checkpoint", ck], nproc=1, peers=False)  # the CLI's own swarm
         three = run(family_swarm, tmp_path / "n3", ["--checkpoint", ck], nproc=3)
         assert one == petals == three

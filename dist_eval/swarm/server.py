@@ -132,23 +132,35 @@ def _own_identity_unchecked() -> list:
 
 
 def _loopback_is_direct() -> list:
-    """``Server.__init__`` knowing that a server listening on loopback only is reachable directly:
-    petals asks the swarm to dial it back (a DHT node with a p2pd of its own, for each server that
-    joins) to choose between direct and relayed; on 127.0.0.1 every peer is a local process. A
-    server on any other address is checked as petals does.
+    """A server listening on loopback only is reachable directly, by local processes only: petals
+    asked the swarm to dial it back (a DHT node with a p2pd of its own, for each server that joins)
+    to choose between direct and relayed, and kept a probe (another p2pd) to dial others back for
+    them. ``Server.__init__`` then takes it as direct, with no probe: a peer that asks it to check
+    a third gets no answer, which petals reads as "unknown" and runs directly. A server on any other
+    address is checked, and probes, as petals does.
     """
-    from petals.server.server import Server
+    import petals.server.server as server_module
 
-    original = Server.__init__
+    original = server_module.Server.__init__
+    protocol = server_module.ReachabilityProtocol
+    loopback_only = []  # set by this process's one server, before petals reads it
 
     def __init__(self, *args, reachable_via_relay=None, **kwargs):
         addresses = [str(address) for address in kwargs.get("host_maddrs") or ()]
-        if reachable_via_relay is None and addresses and all(a.startswith("/ip4/127.") for a in addresses):
-            reachable_via_relay = False
+        if addresses and all(a.startswith("/ip4/127.") for a in addresses):
+            loopback_only.append(True)
+            if reachable_via_relay is None:
+                reachable_via_relay = False
         return original(self, *args, reachable_via_relay=reachable_via_relay, **kwargs)
 
+    class NoProbeOnLoopback(protocol):
+        @classmethod
+        def attach_to_dht(cls, dht, *args, **kwargs):
+            return None if loopback_only else protocol.attach_to_dht(dht, *args, **kwargs)
+
     __init__.__wrapped__ = original
-    return [(Server, "__init__", __init__)]
+    return [(server_module.Server, "__init__", __init__),
+            (server_module, "ReachabilityProtocol", NoProbeOnLoopback)]
 
 
 def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[int] = None) -> None:
@@ -166,7 +178,8 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
        index (a mixture-of-experts family's blocks differ by index);
     5. :func:`_peft_on_demand`: a server without adapters does not import bitsandbytes;
     6. :func:`_own_identity_unchecked`: its own identity file is not checked against the swarm;
-    7. :func:`_loopback_is_direct`: a server on loopback is not dialled back to learn it is direct.
+    7. :func:`_loopback_is_direct`: a server on loopback is not dialled back to learn it is direct,
+       and keeps no probe to dial others back.
 
     Before the server starts (its connection handlers, forked later, share what these set).
     Idempotent. ``model_dir``/``first_block``: the served folder and its first block (the table
