@@ -433,7 +433,8 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: 
     from dist_eval.backends.families import tokenizers_calling_the_base
 
     with ranks.phase("preparing the data"):
-        _check_top_k(top_k, task.num_labels)  # the first point the classes are known: every rank alike
+        _check_classes(task.num_labels)  # the first point the classes are known: every rank alike
+        _check_top_k(top_k, task.num_labels)
         _check_window(task, settings.max_length)
         data, labels, task.label_names = _check_data(data, tokenizer, settings, task)
         num_rows = len(data.dataset) if labels is None else len(data)
@@ -465,6 +466,19 @@ def _check_window(task: _Task, max_length: int) -> None:
             f"dist_eval does not compute (a row within it is computed exactly). "
             f"Pass --max-length {task.attention_window - task.prompt_tokens} or less.",
             param="max_length", value=max_length)
+
+
+# The most classes a run evaluates: rank 0 holds a K x K confusion matrix of int64 (512 MiB at this
+# bound) beside every row's K logits; refused before any forward, not after the last one
+MAX_CLASSES = 8192
+
+
+def _check_classes(num_labels: Optional[int]) -> None:
+    if num_labels is not None and num_labels > MAX_CLASSES:
+        size = num_labels * num_labels * 8 / 2**30
+        raise UsageError(f"expected at most {MAX_CLASSES} classes; {num_labels} would need a {size:.1f} GiB confusion "
+                         "matrix on rank 0 alone. Evaluate a classifier of fewer classes (group rare ones).",
+                         param="num_labels", value=num_labels)
 
 
 def _check_top_k(top_k: Optional[int], num_labels: Optional[int]) -> None:

@@ -142,6 +142,9 @@ class Seen:
     def add(self, result, rows: np.ndarray) -> None:
         self.reports.append(result.metrics)
         self.round_facts.append(result.facts)
+        if len(self.reports) == 1:  # the classes are known once a round is merged: every rank checks alike
+            with ranks.phase("checking the stop metric"):
+                _check_top_k(self.metric, result.metrics["num_labels"], self.top_k)
         if result.predictions is not None:  # rank 0
             part = result.predictions
             part.indices = rows[part.indices]  # the round's row i is the set's row rows[i]
@@ -194,10 +197,14 @@ def _stop_values(metric: str, part: MergedResults, top_k: Optional[int]):
                              value=metric)
         return values, (0.0, 1.0)
     k = default_top_k(part.logits.shape[1]) if top_k is None else top_k
-    if metric == "top_k_accuracy" and k is None:
-        raise UsageError("top_k_accuracy with 2 classes means nothing (every row is a top-2 hit). Stop on "
-                         "accuracy or brier.", param="stop_metric", value=metric)
     return row_values(metric, part.logits, part.labels, top_k=k or 2)
+
+
+def _check_top_k(metric: str, num_labels: int, top_k: Optional[int]) -> None:
+    """top_k_accuracy needs a k below the number of classes (every rank calls it: one line, not a hang)."""
+    if metric == "top_k_accuracy" and top_k is None and default_top_k(num_labels) is None:
+        raise UsageError(f"top_k_accuracy with {num_labels} classes means nothing (every row is a top-"
+                         f"{num_labels} hit). Stop on accuracy or brier.", param="stop_metric", value=metric)
 
 
 def _sequence_of(seen: List[Seen], population: int, settings: Settings) -> RunningSequence:

@@ -107,6 +107,7 @@ CASES = {
     "stop_metric_without_stopping": (None, ["--stop-metric", "brier"], _DOES_NOTHING.format("--stop-metric brier")),
     "stop_round_rows_without_stopping": (None, ["--stop-round-rows", "64"],
                                          _DOES_NOTHING.format("--stop-round-rows 64")),
+    "slice_by_missing_column": (None, ["--slice-by", "region"], r"--slice-by region: no column 'region' in the data"),
     "fresh_rows_with_the_store_off": (None, ["--fresh-rows", "--row-store", "off"],
                                       r"--fresh-rows: does nothing with the row store off .*expected with --row-store "
                                       r"auto or a folder\. Drop it, or give --row-store a folder\.$"),
@@ -116,7 +117,8 @@ CASES = {
 # run on two ranks under torchrun (every rank exits 2): the process group's own refusal, a failure
 # a failure found in a phase inside a phase, one found by rank 0's label reading, and one every rank
 # meets alike (a truncated weights file: printed once, by rank 0, on its own line); the others in-process
-TWO_RANKS = {"nccl_without_gpu", "row_without_text", "text_labels_not_num_labels", "truncated_safetensors"}
+TWO_RANKS = {"nccl_without_gpu", "row_without_text", "text_labels_not_num_labels", "truncated_safetensors",
+             "slice_by_missing_column"}  # issue 50: this one printed a line per rank
 
 
 def _case_args(case, tiny_model, tiny_checkpoint, folders, tmp_path):
@@ -179,3 +181,16 @@ def test_integer_text_labels_are_integers(tiny_model, tiny_checkpoint, tmp_path)
 # ---- read_labels directly: the model's class names (config.json id2label) win
 
 
+@pytest.mark.multiproc
+def test_a_stop_metric_that_means_nothing_fails_once_on_every_rank(tiny_model, tmp_path):
+    """Issue 50. Before: --stop-metric top_k_accuracy with two classes raised on rank 0 alone, after
+    the first round, and the other ranks waited in the next collective until --dist-timeout."""
+    from conftest import build_checkpoint
+
+    checkpoint = build_checkpoint(str(tmp_path / "two.pt"), num_labels=2)
+    data = _write(tmp_path / "data.csv", "text,label\n" + "".join(f"w{i} w{i + 1},{i % 2}\n" for i in range(40)))
+    args = local_args(tiny_model, checkpoint, data, tmp_path / "out", "--stop-at-width", "0.1",
+                      "--stop-metric", "top_k_accuracy", "--stop-round-rows", "16", "--dist-timeout", "600")
+    proc = run_cli(args, nproc=2, timeout=240)  # a hang until --dist-timeout (600 s) fails here
+    assert_clean_failure(proc, r"--stop-metric top_k_accuracy: top_k_accuracy with 2 classes means nothing")
+    assert_no_report(tmp_path / "out")

@@ -208,3 +208,26 @@ def test_seeds_loader_every_row_once_metrics_equal_sklearn(loader_runs, world, s
     assert m["accuracy"] == pytest.approx(skm.accuracy_score(labels, preds), abs=1e-12)
     assert m["f1_macro"] == pytest.approx(skm.f1_score(labels, preds, average="macro", **kw), abs=1e-12)
     assert m["confusion_matrix"] == skm.confusion_matrix(labels, preds, labels=[0, 1, 2]).tolist()
+
+
+def test_a_class_count_beyond_the_bound_is_refused_before_any_forward():
+    """Issue 50. Before: 20,000 classes failed after every forward was done, building a 3.2 GB
+    confusion matrix on rank 0. Now refused in one line before the first forward."""
+    import torch
+
+    from dist_eval import evaluate
+    from dist_eval.evaluation import MAX_CLASSES
+    from dist_eval.ranks.phases import RankFailure
+
+    forwards = []
+
+    def model(input_ids):
+        forwards.append(len(input_ids))
+        return torch.zeros(len(input_ids), MAX_CLASSES + 1)
+
+    rows = [{"input_ids": torch.tensor([1, 2]), "labels": torch.tensor(0)} for _ in range(4)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=2)
+    # refused in the phase that prepares the data (every rank alike: one failure, one line)
+    with pytest.raises(RankFailure, match=rf"num_labels={MAX_CLASSES + 1}: expected at most {MAX_CLASSES} classes"):
+        evaluate(model, loader, num_labels=MAX_CLASSES + 1, pad_token_id=0)
+    assert forwards == []

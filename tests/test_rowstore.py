@@ -497,7 +497,7 @@ def test_non_finite_logits_fail_the_run_and_are_never_stored(assets, tmp_path):
         model = load_model("local", assets["model"], checkpoint=assets["checkpoint"])
         forward, calls = model.module.forward, []
 
-        def overflowing(input_ids):  # the second batch: one row's logit overflows
+        def overflowing(input_ids):  # the second forward (one at a time: in_flight=1): one row's logit overflows
             logits = forward(input_ids)
             calls.append(len(input_ids))
             if len(calls) == 2:
@@ -508,7 +508,7 @@ def test_non_finite_logits_fail_the_run_and_are_never_stored(assets, tmp_path):
         try:
             with pytest.raises(RuntimeError, match=r"NaN or inf logits for 1 row\(s\) of batch \d+ \(rows \d+\)"):
                 evaluate(model, assets["data"], tokenizer=load_tokenizer(assets["model"]), row_store=store,
-                         limit=ROWS, batch_size=8, bootstrap_resamples=0, save_interval=0)
+                         limit=ROWS, batch_size=8, bootstrap_resamples=0, save_interval=0, in_flight=1)
         finally:
             model.close()
     assert len(calls) == 2
