@@ -231,3 +231,4 @@ def test_a_class_count_beyond_the_bound_is_refused_before_any_forward():
     with pytest.raises(RankFailure, match=rf"num_labels={MAX_CLASSES + 1}: expected at most {MAX_CLASSES} classes"):
         evaluate(model, loader, num_labels=MAX_CLASSES + 1, pad_token_id=0)
     assert forwards == []
+    assert f"more than {MAX_CLASSES} classes" in open(os.path.join(REPO, "docs", "running.md")).read()
