@@ -37,7 +37,7 @@ def atomic_write(path: str, content: Union[str, bytes, Callable[[IO], None]], *,
                 f.write(content)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -47,7 +47,7 @@ def atomic_write(path: str, content: Union[str, bytes, Callable[[IO], None]], *,
     return path
 
 
-def _umask() -> int:
+def umask() -> int:
     """This process's umask, read without changing it (os.umask sets it, racing other threads)."""
     try:
         with open("/proc/self/status") as f:

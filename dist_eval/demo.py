@@ -41,7 +41,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from dist_eval.atomic import file_sha256  # demo_build reads it from here
+from dist_eval.atomic import cache_folder, file_sha256, umask  # demo_build reads file_sha256 from here
 
 DEMO_VERSION = 2  # 2: shipped assets (1 was trained on the user's CPU)
 
@@ -78,7 +78,7 @@ class DemoAssets:
 
 def default_cache_dir() -> str:
     """``$DIST_EVAL_CACHE`` if set, else ``~/.cache/dist_eval``."""
-    return os.environ.get("DIST_EVAL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dist_eval")
+    return cache_folder()
 
 
 def shipped_families() -> List[str]:
@@ -135,7 +135,7 @@ def demo_assets(
             _remove_leftovers(cache_dir, final)
             tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir)
             try:
-                os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the cache is not
+                os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; the cache is not
                 _install(tmp, family, shipped, log)
                 os.rename(tmp, final)
             except BaseException:
@@ -205,12 +205,6 @@ def _install(root: str, family: str, shipped: dict, log) -> None:
     dataset.save_to_disk(_paths(root)["data_dir"])
     with open(os.path.join(root, MANIFEST), "w") as f:
         json.dump(shipped, f, indent=2, sort_keys=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _remove_leftovers(cache_dir: str, final: str) -> None:

@@ -49,7 +49,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from dist_eval.atomic import atomic_write, read_regular
+from dist_eval.atomic import atomic_write, cache_folder, read_regular
 from dist_eval.backends.provenance import tokenizer_digest
 from dist_eval.errors import warn
 
@@ -90,8 +90,7 @@ def store_root(option: str) -> Optional[str]:
     if option == "auto":
         option = os.environ.get("DIST_EVAL_ROW_STORE") or ""
         if not option:  # the cache folder of the demo and of converted folders
-            cache = os.environ.get("DIST_EVAL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dist_eval")
-            return os.path.join(cache, "rows")
+            return os.path.join(cache_folder(), "rows")
     if option.strip().lower() in ("off", "none", "0", ""):
         return None
     return os.path.abspath(os.path.expanduser(option))

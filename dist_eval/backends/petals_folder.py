@@ -47,6 +47,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from dist_eval.atomic import cache_folder
 from dist_eval.backends.families import Family, family_of_folder
 from dist_eval.errors import UsageError
 
@@ -222,8 +223,7 @@ def _fingerprint(model_dir: str, layout: FolderLayout) -> str:
 
 def default_cache_dir() -> str:
     """``<$DIST_EVAL_CACHE or ~/.cache/dist_eval>/petals_folders``."""
-    root = os.environ.get("DIST_EVAL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dist_eval")
-    return os.path.join(root, "petals_folders")
+    return os.path.join(cache_folder(), "petals_folders")
 
 
 def petals_model_folder(model_dir: str, cache_dir: Optional[str] = None, log=None) -> str:
