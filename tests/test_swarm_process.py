@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -112,3 +113,45 @@ def test_a_server_that_exits_says_so_with_its_code_and_log(tmp_path):
     _wait_for(server, "exited")
     assert server.returncode == 3 and server.address is None and server.tail(1) == "no such flag"
     assert server.stop() == 3 and server.seen_gone
+
+
+# a parent's shared tensor released in a forked child, as a server's connection handler does:
+# the parent's file while it holds the tensor, then once it let it go, as torch does, then kept
+_FORK_RELEASE = """import gc, glob, os
+import torch, torch.multiprocessing
+torch.multiprocessing.set_sharing_strategy("file_system")  # hivemind's
+
+def files_while_held_and_after():
+    mine = lambda: len(glob.glob(f"/dev/shm/torch_{os.getpid()}_*"))
+    buffer = torch.zeros(16, dtype=torch.uint8).share_memory_()
+    pid = os.fork()
+    if pid == 0:
+        buffer = None
+        gc.collect()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    held = mine()
+    buffer = None
+    gc.collect()
+    return held, mine()
+
+print(*files_while_held_and_after())
+from dist_eval.backends.patches import apply
+from dist_eval.swarm.server import _inherited_shared_memory_kept
+apply("inherited_shared_memory", "server", _inherited_shared_memory_kept)
+print(*files_while_held_and_after())
+"""
+
+
+def test_a_servers_forked_child_leaves_its_parents_shared_memory_alone():
+    """torch counts a named shared storage's holders in the file, and a fork copies a holder
+    uncounted: a child's release unlinked the parent's file while the parent used it, and a later
+    release aborted its process ("could not unlink the shared memory file"; a server's connection
+    handler died so at its start). A server's children keep what they inherit
+    (swarm.server._inherited_shared_memory_kept): the file lives while the parent holds it."""
+    done = subprocess.run([sys.executable, "-c", _FORK_RELEASE], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(SWARM)), timeout=120)
+    as_torch_does, kept = done.stdout.splitlines()
+    assert as_torch_does == "0 0", done  # the child's release unlinked the parent's file
+    assert kept == "1 0", done  # there while the parent holds the tensor; gone once it let it go
+    assert "Warning" not in done.stderr, done.stderr

@@ -74,6 +74,47 @@ def drain_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
+# What a forked child of this server inherited in shared memory, kept until it exits
+_INHERITED_SHARED_MEMORY: list = []
+
+
+def _inherited_shared_memory_kept() -> list:
+    """Every process a server forks keeps the shared-memory storages it inherits until it exits.
+
+    hivemind shares tensors by name (torch's ``file_system`` strategy), and torch counts a named
+    storage's holders in the shared file itself; a fork copies a holder without counting it. A
+    child that released an inherited storage (hivemind replaces its per-process buffer of future
+    states in each child, and the child's copies of the parent's futures die) brought the count to
+    zero and unlinked the file while the parent still used it; a release that reached zero again
+    then found no file and aborted its process ("could not unlink the shared memory file", in a
+    destructor: terminate). A connection handler died that way while its server started, and the
+    server waited for it for good.
+
+    ``UntypedStorage.share_memory_`` notes each storage it names in torch's own cache of shared
+    storages (``reductions.shared_cache``: weak references, pruned by torch, where a storage sent or
+    received already is); a forked child takes strong references to the live ones, so it releases
+    nothing it did not count; the system unmaps its copies when it exits.
+    """
+    import torch
+    from torch.multiprocessing import reductions
+
+    original = torch.UntypedStorage.share_memory_
+
+    def share_memory_(self, *args, **kwargs):
+        shared = original(self, *args, **kwargs)
+        if self.device.type == "cpu" and torch.multiprocessing.get_sharing_strategy() == "file_system":
+            reductions.shared_cache[self._share_filename_cpu_()[1]] = reductions.StorageWeakRef(self)
+        return shared
+
+    def keep() -> None:
+        live = (torch.UntypedStorage._new_with_weak_ptr(ref.cdata) for ref in dict.values(reductions.shared_cache))
+        _INHERITED_SHARED_MEMORY[:] = [storage for storage in live if storage is not None]
+
+    os.register_at_fork(after_in_child=keep)
+    share_memory_.__wrapped__ = original
+    return [(torch.UntypedStorage, "share_memory_", share_memory_)]
+
+
 # petals' module of LoRA adapters: it imports bitsandbytes (0.6 s of a server's start on this
 # CPU) only to offer using_adapter, which a server without adapters needs as a no-op
 _PEFT = "petals.utils.peft"
@@ -179,7 +220,8 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     5. :func:`_peft_on_demand`: a server without adapters does not import bitsandbytes;
     6. :func:`_own_identity_unchecked`: its own identity file is not checked against the swarm;
     7. :func:`_loopback_is_direct`: a server on loopback is not dialled back to learn it is direct,
-       and keeps no probe to dial others back.
+       and keeps no probe to dial others back;
+    8. :func:`_inherited_shared_memory_kept`: a forked child never unlinks its parent's shared memory.
 
     Before the server starts (its connection handlers, forked later, share what these set).
     Idempotent. ``model_dir``/``first_block``: the served folder and its first block (the table
@@ -202,6 +244,7 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     apply("peft_on_demand", "server", _peft_on_demand)
     apply("own_identity", "server", _own_identity_unchecked)
     apply("loopback_direct", "server", _loopback_is_direct)
+    apply("inherited_shared_memory", "server", _inherited_shared_memory_kept)
 
 
 if __name__ == "__main__":
