@@ -1,4 +1,4 @@
-"""The row store (issue 38, dist_eval/rowstore.py): a later run reads the rows an earlier one
+"""The row store (issue 38, dist_eval/rowstore/): a later run reads the rows an earlier one
 evaluated and evaluates only the others; anything that decides a row's logits changes its key;
 corrupted, foreign, cut and half-written files are skipped with one warning line; concurrent
 and killed writers leave only whole files. In-process runs of a tiny Llama on the local
@@ -515,3 +515,44 @@ def test_non_finite_logits_fail_the_run_and_are_never_stored(assets, tmp_path):
     stored = [read_file(path, "/".join(path.split(os.sep)[-3:-1]), 3)[1] for path in _files(store)]
     assert [len(logits) for logits in stored] == [calls[0]]  # the first batch, whole; none of the second
     assert np.isfinite(stored[0]).all()
+
+
+def test_a_store_is_verified_and_compacted_reporting_what_it_dropped(assets, tmp_path, capsys):
+    """Issue 50: ``python -m dist_eval.rowstore verify|compact DIR``. verify names every file a run
+    would skip and why (exit 1); compact keeps the newest copy of each row in one file, removes the
+    superseded and untrusted files this user owns, leaves another user's, and says so; a run then
+    reads every row from the compacted file, the newest copies."""
+    from dist_eval.rowstore.upkeep import main
+
+    store, args = str(tmp_path / "store"), (assets["model"], assets["checkpoint"], assets["data"])
+    _run(*args, store)
+    [real] = _files(store)
+    folder = os.path.dirname(real)
+    _poisoned_copy(store, real, "0-newer.rows", 5.0, time.time() + 60)  # supersedes every row of the first
+    _poisoned_copy(store, real, "1-nan.rows", float("nan"), time.time())
+    cut = _poisoned_copy(store, real, "2-cut.rows", 1.0, time.time())
+    os.truncate(cut, os.path.getsize(cut) - 3)
+    os.mkfifo(os.path.join(folder, "3-fifo.rows"))
+    untrusted = ["1-nan.rows", "2-cut.rows", "3-fifo.rows"]
+    if os.geteuid() == 0:  # another user's file: planted by chown, as root only
+        os.chown(_poisoned_copy(store, real, "4-theirs.rows", 9.0, time.time()), 4242, 4242)
+        untrusted.append("4-theirs.rows")
+    done = subprocess.run([sys.executable, "-m", "dist_eval.rowstore", "verify", store], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 1, done
+    assert f"2 file(s) trusted, {ROWS} row(s), {ROWS} older cop(ies) superseded; {len(untrusted)} file(s) skipped" \
+        in done.stdout, done.stdout
+    skipped = sorted(os.path.basename(line.split(":")[0]) for line in done.stdout.splitlines() if "  skipped " in line)
+    assert skipped == untrusted, done.stdout
+    assert "non-finite logits" in done.stdout and "cut short" in done.stdout, done.stdout
+
+    assert main(["compact", store]) == 0
+    said = capsys.readouterr().out
+    theirs = 1 if "4-theirs.rows" in untrusted else 0
+    assert f"1 file(s) written, {2 + 3} removed ({ROWS} superseded cop(ies) and 3 untrusted file(s) dropped); " \
+           f"{theirs} file(s) left" in said, said
+    [compacted] = [p for p in _files(store) if "compacted" in p]
+    assert sorted(os.listdir(folder)) == sorted(["key.json", os.path.basename(compacted)] + ["4-theirs.rows"] * theirs)
+    served = _run(*args, store)
+    assert _counts(served) == (ROWS, 0) and np.all(served.predictions.logits == 5.0)  # the newest copies
+    assert main(["verify", store]) == theirs  # only another user's file is still skipped

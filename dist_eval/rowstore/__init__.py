@@ -142,7 +142,7 @@ class RowStore:
         """
         read_before, found = _READ.setdefault((self.folder, self.key, num_labels), (set(), {}))
         skipped: List[str] = []
-        for path in self._files():
+        for path in row_files(self.folder):
             if path in read_before:
                 continue
             read_before.add(path)
@@ -157,21 +157,6 @@ class RowStore:
             warn(f"row store: skipped {len(skipped)} file(s) in {self.folder} that are not whole rows of this "
                  f"key that this user can trust (first: {skipped[0]}); those rows are evaluated again")
         return found
-
-    def _files(self) -> List[str]:
-        """The row files, oldest first (by modification time, then name)."""
-        try:
-            names = [n for n in os.listdir(self.folder) if n.endswith(SUFFIX) and not n.startswith(".")]
-        except OSError:
-            return []
-        dated = []
-        for name in names:
-            path = os.path.join(self.folder, name)
-            try:
-                dated.append((os.lstat(path).st_mtime_ns, name, path))
-            except OSError:  # removed meanwhile
-                continue
-        return [path for _, _, path in sorted(dated)]
 
     def describe(self) -> None:
         """Write ``key.json`` (what the keys are made of) once, for a reader of the folder."""
@@ -215,6 +200,24 @@ class RowWriter:
         return path
 
 
+def row_files(folder: str) -> List[str]:
+    """The row files of a key's folder, oldest first (by modification time, then name): the order
+    in which a later copy of a row replaces an earlier one. Hidden names (writes in progress) aside.
+    """
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(SUFFIX) and not n.startswith(".")]
+    except OSError:
+        return []
+    dated = []
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            dated.append((os.lstat(path).st_mtime_ns, name, path))
+        except OSError:  # removed meanwhile
+            continue
+    return [path for _, _, path in sorted(dated)]
+
+
 def _payload(keys: np.ndarray, logits: np.ndarray, seconds: np.ndarray) -> bytes:
     return (np.ascontiguousarray(keys, dtype=np.uint8).tobytes() + np.ascontiguousarray(logits, "<f4").tobytes()
             + np.ascontiguousarray(seconds, "<f4").tobytes())
@@ -230,10 +233,11 @@ def write_file(path: str, key: str, keys: np.ndarray, logits: np.ndarray, second
     atomic_write(path, MAGIC + len(header).to_bytes(8, "little") + header + payload)
 
 
-def read_file(path: str, key: str, num_labels: int) -> Tuple[List[bytes], np.ndarray, np.ndarray]:
+def read_file(path: str, key: str, num_labels: Optional[int]) -> Tuple[List[bytes], np.ndarray, np.ndarray]:
     """(row keys, logits [n, K], seconds [n]) of a file of ``key``; ValueError when it is not one
     this user can trust: a regular file this user owns (the store may sit in a folder others can
-    write), of at most MAX_FILE_BYTES, whole, of ``key``, every logit finite.
+    write), of at most MAX_FILE_BYTES, whole, of ``key`` (and of ``num_labels`` classes, unless
+    None: as many as its header says), every logit finite.
     """
     data = read_regular(path, MAX_FILE_BYTES, owner=os.geteuid())
     if not data.startswith(MAGIC):
@@ -248,7 +252,8 @@ def read_file(path: str, key: str, num_labels: int) -> Tuple[List[bytes], np.nda
         raise ValueError("another key or format")
     rows, labels = header.get("rows"), header.get("num_labels")
     payload = data[start + size:]
-    if labels != num_labels or not isinstance(rows, int) or len(payload) != rows * (KEY_BYTES + 4 * labels + 4):
+    if num_labels is not None and labels != num_labels or not isinstance(labels, int) or labels < 1 \
+            or not isinstance(rows, int) or len(payload) != rows * (KEY_BYTES + 4 * labels + 4):
         raise ValueError("another shape, or cut short")
     if _sha256(payload) != header.get("sha256"):
         raise ValueError("checksum mismatch")
