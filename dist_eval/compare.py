@@ -36,6 +36,7 @@ class RunOutputs:
     preds: np.ndarray
     losses: Optional[np.ndarray] = None  # each row's loss (runs before issue 14 have none)
     slices: Optional[list] = None  # each row's {column: value} (runs with --slice-by)
+    clusters: Optional[list] = None  # each row's cluster (runs with --cluster-by)
 
 
 def load_run(folder: str) -> RunOutputs:
@@ -59,6 +60,7 @@ def load_run(folder: str) -> RunOutputs:
         preds = np.array([r["pred"] for r in rows], dtype=np.int64)
         losses = np.array([r["loss"] for r in rows], dtype=np.float64) if all("loss" in r for r in rows) else None
         slices = [r["slice"] for r in rows] if rows and all("slice" in r for r in rows) else None
+        clusters = [r["cluster"] for r in rows] if rows and all("cluster" in r for r in rows) else None
         num_samples = int(metrics["num_samples"])
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(
@@ -69,7 +71,7 @@ def load_run(folder: str) -> RunOutputs:
             f"{folder}: predictions.jsonl has {len(rows)} rows but metrics.json counts {num_samples} samples "
             "(a partial or edited output). Re-run the evaluation."
         )
-    return RunOutputs(folder, metrics, indices, labels, preds, losses, slices)
+    return RunOutputs(folder, metrics, indices, labels, preds, losses, slices, clusters)
 
 
 @dataclass
@@ -85,9 +87,13 @@ class Comparison:
 def paired_test(a: RunOutputs, b: RunOutputs, resamples: int = 1000, seed: int = 0) -> dict:
     """McNemar's exact test of the accuracies and the paired bootstrap intervals of B - A
     (accuracy, macro-F1, loss) on the shared rows (row i of A is row i of B: checked by
-    :func:`compare_runs`). Without per-row losses (older runs) the loss is left out.
+    :func:`compare_runs`). Without per-row losses (older runs) the loss is left out. Runs
+    with the same clusters (``--cluster-by``): ``bootstrap`` draws whole clusters, and
+    ``bootstrap_rows`` (the rows one by one) is beside it. ``power``: the minimum detectable
+    effect of these rows (:func:`dist_eval.power.power_summary`).
     """
     from dist_eval.paired import mcnemar_exact, paired_bootstrap
+    from dist_eval.power import power_summary
 
     num_labels = int(a.metrics["num_labels"])
     out = {"a": a.folder, "b": b.folder, "shared_rows": int(a.labels.shape[0])}
@@ -98,15 +104,40 @@ def paired_test(a: RunOutputs, b: RunOutputs, resamples: int = 1000, seed: int =
         a.labels, a.preds, b.preds, a.losses if with_loss else zeros, b.losses if with_loss else zeros,
         num_labels, resamples=resamples, seed=seed,
     )
-    if boot is not None and not with_loss:
-        del boot["loss"]
-    out["bootstrap"] = boot
+    clusters = _shared_clusters(a, b)
+    clustered = None
+    if clusters is not None:
+        from dist_eval.clusters import cluster_numbers, paired_cluster_bootstrap
+
+        clustered = paired_cluster_bootstrap(
+            a.labels, a.preds, b.preds, a.losses if with_loss else zeros, b.losses if with_loss else zeros,
+            cluster_numbers(clusters), num_labels, resamples=resamples, seed=seed)
+    for result in (boot, clustered):
+        if result is not None and not with_loss:
+            del result["loss"]
+    out["bootstrap"] = clustered or boot
+    if clustered:
+        out["bootstrap_rows"] = boot
+    deff = (clustered or {}).get("accuracy", {}).get("design_effect") or 1.0
+    out["power"] = power_summary(out["shared_rows"], out["mcnemar"]["discordant"], max(1.0, deff))
     cells = _shared_slices(a, b)
     if cells:
         from dist_eval.slices import compare_slices
 
         out["slices"] = compare_slices(cells, a.preds == a.labels, b.preds == b.labels)
     return out
+
+
+def _shared_clusters(a: RunOutputs, b: RunOutputs) -> Optional[list]:
+    """Each shared row's cluster when both runs have them (``--cluster-by``); refused where they differ."""
+    if not a.clusters or not b.clusters:
+        return None
+    if a.clusters != b.clusters:
+        first = next(i for i, (x, y) in enumerate(zip(a.clusters, b.clusters)) if x != y)
+        raise UsageError(f"{a.folder} and {b.folder}: the clusters of row {first} differ ({a.clusters[first]!r} vs "
+                         f"{b.clusters[first]!r}): the runs were clustered by different columns or are over "
+                         "different data. Run both with the same --cluster-by.")
+    return a.clusters
 
 
 def _shared_slices(a: RunOutputs, b: RunOutputs) -> Optional[list]:
@@ -160,7 +191,7 @@ def format_paired(paired: Optional[dict]) -> List[str]:
         f"  McNemar exact test of accuracy: p = {m['pvalue']:.4g} ({m['a_only']} rows right in A only, "
         f"{m['b_only']} in B only)",
     ]
-    boot = paired.get("bootstrap")
+    boot, rows = paired.get("bootstrap"), paired.get("bootstrap_rows")
     if boot:
         level = f"{100 * boot['level']:g}%"
         for name in ("accuracy", "f1_macro", "loss"):
@@ -168,13 +199,50 @@ def format_paired(paired: Optional[dict]) -> List[str]:
                 continue
             d, ci = boot[name]["difference"], boot[name]["interval"]
             ci_text = f"   {level} CI [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else ""
+            row_ci = ((rows or {}).get(name) or {}).get("interval")
+            ci_text += f"   (rows as independent: [{row_ci[0]:+.4f}, {row_ci[1]:+.4f}])" if ci and row_ci else ""
             lines.append(f"  B-A {name:<12} {d:+.4f}{ci_text}")
-        if boot["resamples"]:
+        if boot["resamples"] and "clusters" in boot:
+            lines.append(f"  (paired cluster bootstrap: {boot['resamples']} resamples of the {boot['clusters']} "
+                         f"clusters, seed {boot['seed']}, the same clusters for A and B; design effect of the "
+                         f"difference {boot['accuracy']['design_effect']:.2f})")
+        elif boot["resamples"]:
             lines.append(f"  (paired bootstrap: {boot['resamples']} resamples, seed {boot['seed']}, "
                          "the same rows for A and B)")
     from dist_eval.slices import format_compared_slices
 
-    return lines + format_compared_slices(paired.get("slices"))
+    return lines + format_power(paired.get("power")) + format_compared_slices(paired.get("slices"))
+
+
+def format_power(power: Optional[dict]) -> List[str]:
+    """The line on the power of the comparison: its minimum detectable effect."""
+    if not power:
+        return []
+    share = f"{power['rows']} rows, {100 * power['discordance']:.1f}% of them right in one run only"
+    share += f", design effect {power['design_effect']:.2f}" if "design_effect" in power else ""
+    mde = power["minimum_detectable_effect"]
+    if mde is None:
+        return [f"  power: with {share}, no difference in accuracy can be detected with "
+                f"{100 * power['power']:g}% power at level {power['alpha']:g}"]
+    return [f"  power: with {share}, a difference in accuracy of {mde:.4f} ({100 * mde:.2f} points) or more is "
+            f"detected with {100 * power['power']:g}% power at level {power['alpha']:g} (minimum detectable effect)"]
+
+
+def format_rows_for_effect(paired: dict, effect: float) -> str:
+    """``--rows-for-effect``: the rows a paired comparison needs for ``effect`` at the observed discordance."""
+    from dist_eval.power import rows_for_effect
+
+    power = paired["power"]
+    deff = power.get("design_effect", 1.0)
+    if not 0 < abs(effect) <= power["discordance"]:
+        raise UsageError(f"--rows-for-effect {effect:g}: expected a difference in accuracy in (0, "
+                         f"{power['discordance']:.4f}], the share of rows right in one run only here (a difference "
+                         "is made of those rows). Pass a smaller difference (0.01 is one point).")
+    needed = rows_for_effect(effect, power["discordance"], power["alpha"], power["power"], deff)
+    return (f"rows needed to detect a difference in accuracy of {abs(effect):g} with {100 * power['power']:g}% power "
+            f"at level {power['alpha']:g}: {needed} (at the discordance observed, "
+            f"{100 * power['discordance']:.1f}%{f', design effect {deff:.2f}' if deff != 1.0 else ''}; "
+            f"these runs have {power['rows']})")
 
 
 def _names(metrics: dict) -> Optional[List[str]]:
@@ -248,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bootstrap-resamples", type=int, default=1000,
                         help="resamples of the paired bootstrap (default 1000; 0: no intervals)")
     parser.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the paired bootstrap (default 0)")
+    parser.add_argument("--rows-for-effect", type=float, default=None, metavar="D",
+                        help="also print how many rows a paired comparison needs to detect a difference in accuracy "
+                             "of D (0.01: one point) with 80%% power at level 0.05, at the discordance of these runs")
     return parser
 
 
@@ -258,10 +329,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise UsageError("--bootstrap-resamples and --bootstrap-seed: expected integers >= 0.")
         a, b = load_run(args.run_a), load_run(args.run_b)
         comparison = compare_runs(a, b, args.bootstrap_resamples, args.bootstrap_seed)
+        planned = format_rows_for_effect(comparison.paired, args.rows_for_effect) \
+            if args.rows_for_effect is not None else None
     except UsageError as e:
         print(f"dist_eval.compare: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     print(format_comparison(comparison, args.max_rows), flush=True)
+    if planned:
+        print(planned, flush=True)
     if args.json:
         from dist_eval.atomic import atomic_write
 

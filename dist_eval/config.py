@@ -231,6 +231,14 @@ _SLICE_BY = (
 )
 
 
+_CLUSTER_BY = (
+    "Rows that share a value of this column are one cluster (a passage's questions, a conversation's turns): "
+    "every interval resamples whole clusters; the report gives the clusters, the design effect and the "
+    "intervals of independent rows beside them (docs/statistics.md). Not with --stop-at-width or "
+    "--stop-when-decided."
+)
+
+
 def _slice_columns(value) -> Tuple[str, ...]:
     """``slice_by`` as a tuple of distinct column names."""
     columns = [value] if isinstance(value, str) else list(value)
@@ -260,10 +268,13 @@ class Options:
     row_store: str = setting("auto", _ROW_STORE)
     fresh_rows: bool = setting(False, _FRESH_ROWS)
     slice_by: Optional[Tuple[str, ...]] = setting(None, _SLICE_BY, nargs="*")
+    cluster_by: Optional[str] = setting(None, _CLUSTER_BY, metavar="COLUMN")
 
     def __post_init__(self) -> None:
         if self.slice_by is not None:
             object.__setattr__(self, "slice_by", _slice_columns(self.slice_by))
+        if self.cluster_by is not None and (not isinstance(self.cluster_by, str) or not self.cluster_by):
+            raise UsageError("expected the name of a column of the data.", param="cluster_by", value=self.cluster_by)
         check_int("in_flight", self.in_flight, 1)
         if self.top_k is not None:
             check_int("top_k", self.top_k, 1, "a positive integer (the k of top-k accuracy)")
@@ -439,6 +450,7 @@ class EvalConfig:
             raise UsageError("--initial-peers: only used with --backend petals.")
         self._plan()
         self.settings.check_stop_flags()
+        check_clusters(self.settings, self.options)
         if self.settings.stop_when_decided and (
                 self.plan is None or len(self.plan.checkpoints) != 2 or len(self.plan.sets) != 1):
             raise UsageError("compares two checkpoints on the same rows: pass --model, --data-files (one set) and "
@@ -513,7 +525,17 @@ def settings_from(keywords: Dict[str, Any], settings: Optional[Settings] = None,
                              param=passed[0], value=keywords[passed[0]])
     settings, options = settings or built_settings, options or built_options
     settings.check_stop_flags()
+    check_clusters(settings, options)
     return settings, options
+
+
+def check_clusters(settings: Settings, options: Options) -> None:
+    """Clusters with a stopping rule are refused: the confidence sequences take the rows as independent."""
+    if options.cluster_by is not None and settings.stops_early:
+        raise UsageError("the stopping rules take rows as independent, and the rows of one cluster are not: "
+                         "expected without {0} and {1}. Drop {0} and {1} (evaluate every row), or drop the "
+                         "clusters.", param="cluster_by", value=options.cluster_by,
+                         names=("stop_at_width", "stop_when_decided"))
 
 
 def with_setting_keywords(fn):

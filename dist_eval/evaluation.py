@@ -173,7 +173,9 @@ def _evaluate_models(models, data, *, tokenizer, num_labels, label_names, pad_to
     with ranks.phase("preparing the data"):  # checked before any work, on every rank
         rows = _rows_of(data, settings, options)
         slices = slice_values(rows, options)
-    keep_logits = return_logits or options.slice_by is not None  # a slice's probability scores need them
+        clusters = _cluster_names(rows, options)
+    # a slice's probability scores and the clustered intervals of the scores need the logits
+    keep_logits = return_logits or options.slice_by is not None or clusters is not None
     if settings.stops_early or len(models) > 1:
         results = _evaluate_in_rounds(
             models, rows if rows is not None else data, tokenizer=tokenizer, num_labels=num_labels,
@@ -189,11 +191,43 @@ def _evaluate_models(models, data, *, tokenizer, num_labels, label_names, pad_to
                                  settings=settings, options=options)]
     if options.slice_by is not None:
         slices = _with_length_quartiles(slices, tokenizer, settings, rows.dataset)
-        for result in results:
-            _attach_slices(result, slices, options, rows_in_set=len(rows))
-            if not return_logits and result.predictions is not None:
-                result.predictions = _without_logits(result.predictions)
+    for result in results if options.slice_by is not None or clusters is not None else ():
+        if clusters is not None:
+            _attach_clusters(result, clusters, options)
+        if options.slice_by is not None:
+            _attach_slices(result, slices, options, rows_in_set=len(rows), clusters=clusters)
+        if not return_logits and result.predictions is not None:
+            result.predictions = _without_logits(result.predictions)
     return results
+
+
+def _cluster_names(rows: Optional[Rows], options: Options) -> Optional[tuple]:
+    """(the --cluster-by column, each row's cluster), or None without it; bad columns refused in one line."""
+    from dist_eval.slices import read_cluster_names
+
+    if options.cluster_by is None:
+        return None
+    if rows is None:
+        raise UsageError("clusters need a datasets.Dataset (its columns), not a DataLoader.", param="cluster_by",
+                         value=options.cluster_by)
+    return options.cluster_by, read_cluster_names(rows.dataset, options.cluster_by)
+
+
+def _attach_clusters(result: EvalResult, clusters: tuple, options: Options) -> None:
+    """``result.metrics`` with every interval resampling whole clusters
+    (:func:`dist_eval.clusters.clustered_report`), computed on rank 0 and sent to every rank.
+    """
+    from dist_eval.clusters import clustered_report
+    from dist_eval.metrics import softmax
+
+    report = None
+    if ranks.is_main_process():
+        merged, (column, names) = result.predictions, clusters
+        bootstrap = (options.bootstrap_resamples, options.bootstrap_seed)
+        report = clustered_report(result.metrics, merged.labels, merged.preds, merged.losses,
+                                  softmax(merged.logits), np.asarray(names, dtype=object)[merged.indices], column,
+                                  bootstrap)
+    result.metrics = ranks.broadcast_object(report)
 
 
 def _rows_of(data, settings: Settings, options: Options) -> Optional[Rows]:
@@ -231,7 +265,8 @@ def _with_length_quartiles(values: dict, tokenizer, settings: Settings, dataset)
     return {**values, TOKEN_LENGTH_SLICES: length_quartiles(tokenizer, settings, dataset)}
 
 
-def _attach_slices(result: EvalResult, values: dict, options: Options, rows_in_set: int) -> None:
+def _attach_slices(result: EvalResult, values: dict, options: Options, rows_in_set: int,
+                   clusters: Optional[tuple] = None) -> None:
     """``result.metrics["slices"]`` (:func:`dist_eval.slices.slice_report`), computed on rank 0
     from its merged rows and sent to every rank, and ``result.slices`` (each row's, rank 0).
     """
@@ -243,7 +278,7 @@ def _attach_slices(result: EvalResult, values: dict, options: Options, rows_in_s
         metrics = result.metrics
         report = slice_report(result.predictions, values, metrics["num_labels"], metrics.get("label_names"),
                               ((options.bootstrap_resamples, options.bootstrap_seed), metrics.get("top_k")),
-                              rows_in_set)
+                              rows_in_set, clusters)
     result.metrics["slices"] = ranks.broadcast_object(report)
 
 

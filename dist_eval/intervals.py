@@ -308,15 +308,33 @@ def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bin
         if k is not None:
             out[f"top{k}_accuracy"][start:stop] = counts @ hits / n
         per_class = np.stack([_weighted_auroc(whole, ranking) for ranking in rankings], axis=1)
-        with np.errstate(invalid="ignore"):
-            # classes present in the resample; NaN when fewer than two are (every AUROC undefined)
-            defined = ~np.isnan(per_class)
-            sums = np.where(defined, per_class, 0.0).sum(axis=1)
-            out["auroc_macro"][start:stop] = np.where(defined.any(axis=1), sums / defined.sum(axis=1), np.nan)
+        out["auroc_macro"][start:stop] = macro_of_defined(per_class)
     if part is None:
         return out
     mine = np.concatenate(numbers) if numbers else np.zeros(0, dtype=np.int64)
     return mine, {name: values[mine] for name, values in out.items()}
+
+
+def macro_of_defined(per_class: np.ndarray) -> np.ndarray:
+    """Each resample's mean of its defined (not NaN) per-class AUROCs [r, classes]: the classes
+    present in the resample; NaN when none is (fewer than two classes present).
+    """
+    with np.errstate(invalid="ignore"):
+        defined = ~np.isnan(per_class)
+        sums = np.where(defined, per_class, 0.0).sum(axis=1)
+        return np.where(defined.any(axis=1), sums / defined.sum(axis=1), np.nan)
+
+
+def ranking_of(scores: np.ndarray, positive: np.ndarray) -> tuple:
+    """What :func:`weighted_auroc` needs of one class (:func:`_ranking`)."""
+    return _ranking(scores, positive)
+
+
+def weighted_auroc(counts: np.ndarray, ranking: tuple, totals: np.ndarray) -> np.ndarray:
+    """AUROC of each resample of int32 row weights ``counts`` [r, n] whose rows sum to
+    ``totals`` [r] (a cluster bootstrap's: not n): :func:`_weighted_auroc`.
+    """
+    return _weighted_auroc(counts, ranking, totals)
 
 
 def _ranking(scores: np.ndarray, positive: np.ndarray) -> tuple:
@@ -342,8 +360,8 @@ def _ranking(scores: np.ndarray, positive: np.ndarray) -> tuple:
     return positives, negatives, below, tied, upto[tied]
 
 
-def _weighted_auroc(counts: np.ndarray, ranking: tuple) -> np.ndarray:
-    """AUROC of each resample (int32 row weights ``counts`` [r, n], each row summing to n;
+def _weighted_auroc(counts: np.ndarray, ranking: tuple, totals: np.ndarray | None = None) -> np.ndarray:
+    """AUROC of each resample (int32 row weights ``counts`` [r, n], each row summing to n, or to ``totals`` [r];
     ``ranking`` from :func:`_ranking`): Mann-Whitney with ties as 1/2; NaN where the resample
     has no positive or no negative row.
 
@@ -363,7 +381,7 @@ def _weighted_auroc(counts: np.ndarray, ranking: tuple) -> np.ndarray:
         tied_negatives = np.take(negative_upto, tied_upto, axis=1) - np.take(negative_upto, below[tied], axis=1)
         twice_wins += np.einsum("ij,ij->i", np.take(pos, tied, axis=1), tied_negatives, dtype=np.int64)
     positive_weight = pos.sum(axis=1, dtype=np.int64)
-    pairs = positive_weight * (n - positive_weight)
+    pairs = positive_weight * ((n if totals is None else totals) - positive_weight)
     wins = twice_wins.astype(np.float64) / 2
     return np.divide(wins, pairs.astype(np.float64), out=np.full(wins.shape, np.nan), where=pairs > 0)
 

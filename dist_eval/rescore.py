@@ -38,7 +38,8 @@ def rescored_keys(run: dict, rescored: dict) -> list:
     """
     top_k = sorted({key for key in (*run, *rescored) if key.startswith("top") and key.endswith("_accuracy")})
     probability_scores = "ece" in rescored  # only with logits: else they are left out, and said so
-    return [key for key in (*RESCORED, *top_k)
+    clustered = ["clustering"] if "clustering" in run or "clustering" in rescored else []  # --cluster-by
+    return [key for key in (*RESCORED, *clustered, *top_k)
             if key in rescored or (probability_scores and key in run and key.startswith("top"))]
 
 
@@ -53,8 +54,9 @@ def _read(folder: str):
         with open(paths["predictions.jsonl"]) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         columns = {key: [r[key] for r in rows] for key in ("index", "label", "pred", "loss")}
-        if rows and "slice" in rows[0]:
-            columns["slice"] = [r["slice"] for r in rows]
+        for key in ("slice", "cluster"):
+            if rows and key in rows[0]:
+                columns[key] = [r[key] for r in rows]
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(
             f"{folder}: not a dist_eval output with per-row losses ({type(e).__name__}: {e}). "
@@ -71,14 +73,22 @@ def rescore(folder: str) -> dict:
     metrics, columns, logits = _read(folder)
     if columns["index"] != list(range(len(columns["index"]))):
         raise UsageError(f"{folder}: predictions.jsonl is not one row per index 0..n-1 (a partial or edited output).")
-    intervals = metrics.get("confidence_intervals") or {}
+    clustering = metrics.get("clustering")
+    intervals = metrics.get("confidence_intervals") or (clustering or {}).get("unclustered_intervals") or {}
     bootstrap = (intervals["resamples"], intervals["seed"]) if intervals else None
+    clusters = (clustering["column"], columns["cluster"]) if clustering and "cluster" in columns else None
     rows = MergedRows(np.array(columns["index"], dtype=np.int64), np.array(columns["label"], dtype=np.int64),
                       np.array(columns["pred"], dtype=np.int64), np.array(columns["loss"], dtype=np.float64), logits)
     out = row_metrics(rows.labels, rows.preds, rows.losses, logits, int(metrics["num_labels"]),
                       metrics.get("label_names"), bootstrap, metrics.get("top_k"))
+    if clusters is not None:
+        from dist_eval.clusters import clustered_report
+        from dist_eval.metrics import softmax
+
+        out = clustered_report(out, rows.labels, rows.preds, rows.losses, None if logits is None else softmax(logits),
+                               clusters[1], clusters[0], bootstrap)
     if metrics.get("slices") and "slice" in columns:
-        out["slices"] = _slices(metrics, columns["slice"], rows, bootstrap)
+        out["slices"] = _slices(metrics, columns["slice"], rows, bootstrap, clusters)
     return out
 
 
@@ -92,14 +102,14 @@ class MergedRows(NamedTuple):
     logits: Optional[np.ndarray]
 
 
-def _slices(metrics: dict, cells: list, rows: MergedRows, bootstrap) -> dict:
+def _slices(metrics: dict, cells: list, rows: MergedRows, bootstrap, clusters=None) -> dict:
     """The run's ``slices``, recomputed from each row's ``slice`` field (:mod:`dist_eval.slices`)."""
     from dist_eval.slices import slice_report
 
     stored = metrics["slices"]
     values = {column: [cell[column] for cell in cells] for column in stored["columns"]}
     return slice_report(rows, values, int(metrics["num_labels"]), metrics.get("label_names"),
-                        (bootstrap, metrics.get("top_k")), stored["rows_in_set"])
+                        (bootstrap, metrics.get("top_k")), stored["rows_in_set"], clusters)
 
 
 def slice_differences(run: Optional[dict], rescored: Optional[dict]) -> list:
@@ -124,6 +134,10 @@ def differences(run: dict, rescored: dict) -> list:
     if isinstance(rescored.get("confidence_intervals"), dict) and isinstance(run.get("confidence_intervals"), dict):
         stored["confidence_intervals"] = {k: v for k, v in run["confidence_intervals"].items()
                                           if k in rescored["confidence_intervals"]}
+    unclustered = (rescored.get("clustering") or {}).get("unclustered_intervals")
+    if isinstance(unclustered, dict) and isinstance((run.get("clustering") or {}).get("unclustered_intervals"), dict):
+        stored["clustering"] = {**run["clustering"], "unclustered_intervals": {
+            k: v for k, v in run["clustering"]["unclustered_intervals"].items() if k in unclustered}}
     differ = [key for key in rescored_keys(run, rescored)
               if json.dumps(rescored.get(key)) != json.dumps(stored.get(key))]
     if "slices" in rescored:

@@ -101,6 +101,27 @@ def read_slice_values(dataset, slice_by: Optional[Sequence[str]]) -> Dict[str, L
     return out
 
 
+def read_cluster_names(dataset, column: str) -> List[str]:
+    """Each row's cluster (``--cluster-by``): the cell of ``column`` named as a slice is
+    (:func:`slice_name`), in row order. A missing column, a row without a value, a cell that
+    names no category, or a single cluster is refused in one line.
+    """
+    names = list(getattr(dataset, "column_names", None) or [])
+    if column not in names:
+        raise UsageError(f"no column {column!r} in the data (its columns: {', '.join(names)}). Pass one of them.",
+                         param="cluster_by", value=column)
+    values = column_slices(column, list(dataset[column]), [column])
+    if MISSING in values:
+        raise UsageError(f"row {values.index(MISSING)} has no value in column {column!r}: every row needs its "
+                         "cluster. Fill the column (a row of its own: a value no other row has).",
+                         param="cluster_by", value=column)
+    if len(set(values)) < 2 and values:
+        raise UsageError(f"column {column!r} holds one value ({values[0]!r}) in every row: one cluster, nothing "
+                         "to resample. Pass the column that groups the rows (a passage, a conversation).",
+                         param="cluster_by", value=column)
+    return values
+
+
 def length_quartiles(tokenizer, settings, dataset) -> List[str]:
     """Each row's token-length quartile, named with its range: ``Q1 (3-7 tokens)`` (the text
     as the model gets it: the template filled in, truncated to ``max_length``). Quartile edges
@@ -134,24 +155,28 @@ def one_row_slices(values: Dict[str, List[str]]) -> List[str]:
 
 
 def slice_report(merged, values: Dict[str, List[str]], num_labels: int, label_names, scoring,
-                 rows_in_set: Optional[int] = None) -> dict:
+                 rows_in_set: Optional[int] = None, clusters: Optional[tuple] = None) -> dict:
     """Rank 0: ``{"columns", "min_rows_for_interval", "rows", "rows_in_set", "by": {column:
     {value: metrics}}}`` of the merged rows (``merged.indices`` index ``values``' rows).
     ``scoring``: (bootstrap (resamples, seed) or None, top_k). A slice's metrics are
     :func:`dist_eval.merge.row_metrics` of its rows (``confidence_intervals`` only from
-    MIN_INTERVAL_ROWS rows on; else ``interval_note`` says why there is none).
+    MIN_INTERVAL_ROWS rows on; else ``interval_note`` says why there is none). ``clusters``:
+    (column, each row's cluster) of ``--cluster-by``: the intervals resample the slice's clusters
+    (:func:`dist_eval.clusters.clustered_report`).
     """
     indices = np.asarray(merged.indices, dtype=np.int64)
+    if clusters is not None:
+        clusters = (clusters[0], np.array(clusters[1], dtype=object)[indices].astype(str))
     by = {}
     for column, column_values in values.items():
         names = np.array(column_values, dtype=object)[indices].astype(str)
-        by[column] = {name: _one_slice(merged, names == name, num_labels, label_names, scoring)
+        by[column] = {name: _one_slice(merged, names == name, num_labels, label_names, scoring, clusters)
                       for name in sorted(set(names.tolist()))}
     return {"columns": list(values), "min_rows_for_interval": MIN_INTERVAL_ROWS, "rows": int(indices.size),
             "rows_in_set": int(rows_in_set if rows_in_set is not None else indices.size), "by": by}
 
 
-def _one_slice(merged, mask: np.ndarray, num_labels: int, label_names, scoring) -> dict:
+def _one_slice(merged, mask: np.ndarray, num_labels: int, label_names, scoring, clusters=None) -> dict:
     from dist_eval.merge import row_metrics
 
     bootstrap, top_k = scoring
@@ -159,6 +184,13 @@ def _one_slice(merged, mask: np.ndarray, num_labels: int, label_names, scoring) 
     logits = merged.logits[mask] if merged.logits is not None else None
     report = row_metrics(merged.labels[mask], merged.preds[mask], merged.losses[mask], logits, num_labels,
                          label_names, bootstrap if enough else None, top_k)
+    if clusters is not None:
+        from dist_eval.clusters import clustered_report
+        from dist_eval.metrics import softmax
+
+        report = clustered_report(report, merged.labels[mask], merged.preds[mask], merged.losses[mask],
+                                  None if logits is None else softmax(logits), clusters[1][mask], clusters[0],
+                                  bootstrap)
     if bootstrap and bootstrap[0] and not enough:
         report["interval_note"] = TOO_FEW
     return _nulls(report)

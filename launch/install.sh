@@ -51,7 +51,7 @@ fi
   "transformers>=4.32,<4.35" "huggingface-hub>=0.23,<1.0" "tokenizers<0.14" \
   accelerate "peft==0.5.0" "tensor_parallel==1.0.23" "speedtest-cli==2.1.3" \
   humanfriendly async-timeout sentencepiece safetensors Dijkstar cpufeature \
-  datasets numpy scikit-learn scipy jinja2 tqdm matplotlib pytest pytest-random-order pytest-xdist ruff
+  datasets numpy scikit-learn scipy jinja2 tqdm matplotlib pytest pytest-random-order pytest-xdist ruff statsmodels
 
 # 3. petals itself and bitsandbytes (imported by the server; CPU works unquantized).
 "${INSTALL[@]}" --no-deps "petals==2.2.0.post1" "bitsandbytes==0.41.1"

@@ -161,3 +161,23 @@ def test_compare_shows_the_probability_scores(runs, capsys):
     ma = json.load(open(runs["a"] / "metrics.json"))
     for name in ("ece", "brier", "top2_accuracy", "auroc_macro"):
         assert re.search(rf"^  {name} +{ma[name]:.4f} ", out, re.M), (name, out)
+
+
+def test_compare_gives_the_minimum_detectable_effect_and_the_rows_for_an_effect(runs, tmp_path, capsys):
+    """Issue 52: the power of the comparison (the MDE at the rows and discordance observed) printed
+    and in --json; --rows-for-effect D: the rows D needs; a D the discordant rows cannot make: one line."""
+    from dist_eval.power import minimum_detectable_effect, rows_for_effect
+
+    path = tmp_path / "paired.json"
+    assert compare_main([str(runs["a"]), str(runs["b"]), "--json", str(path), "--rows-for-effect", "0.05"]) == 0
+    out = capsys.readouterr().out
+    power = json.load(open(path))["power"]
+    discordant = json.load(open(path))["mcnemar"]["discordant"]
+    assert power["rows"] == 40 and power["discordance"] == discordant / 40
+    mde = minimum_detectable_effect(40, discordant / 40)
+    assert power["minimum_detectable_effect"] == mde and f"a difference in accuracy of {mde:.4f}" in out
+    needed = rows_for_effect(0.05, discordant / 40)
+    assert f"rows needed to detect a difference in accuracy of 0.05 with 80% power at level 0.05: {needed} " in out
+    assert compare_main([str(runs["a"]), str(runs["b"]), "--rows-for-effect", "0.99"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dist_eval.compare: error: --rows-for-effect 0.99: expected a difference") and "\n" not in err

@@ -104,7 +104,8 @@ def small_run(tiny_model, tiny_checkpoint, tmp_path_factory):
     args = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local",
             "--data-files", f"dev={base / 'dev.csv'}", f"test={base / 'test.csv'}", "--text-pair-column",
             "text_pair", "--output-dir", str(base / "out"), "--save-logits", "--save-text", "--limit", "10",
-            "--bootstrap-resamples", "20", "--progress", "none", "--quiet", "--slice-by", "label"]
+            "--bootstrap-resamples", "20", "--progress", "none", "--quiet", "--slice-by", "label",
+            "--cluster-by", "text_pair"]
     assert run_cli_in_process(args) == 0
     return base / "out"
 

@@ -205,10 +205,10 @@ def test_no_import_cycle_among_the_package_modules():
 LAYERS = (
     ("errors",),  # how every failure is said
     ("atomic", "procs", "watchdog", "plan", "metrics", "launcher", "rendezvous", "loop_facts"),  # foundations
-    ("ranks", "intervals", "sequential"),  # the collectives; the statistics under the metrics
+    ("ranks", "intervals", "sequential", "power"),  # the collectives; the statistics under the metrics
     ("data", "backends"),  # the rows; the model (its table, loaders, backends, provenance)
     ("swarm", "predict", "progress", "resume", "paired", "config", "demo"),  # servers; the forward loop; settings
-    ("merge", "rowstore", "demo_build"),  # rank 0's merge; the store of known rows
+    ("merge", "rowstore", "demo_build", "clusters"),  # rank 0's merge; the store of known rows; clustered intervals
     ("slices", "stopping", "known"),  # the known logits: the resume folder and the row store, one source
     ("compare", "rescore", "output", "evaluation"),  # the report writers; the evaluation core
     ("pipeline",),  # the CLI's flow

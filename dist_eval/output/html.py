@@ -177,6 +177,7 @@ def render_html(
         cards=_metric_rows(metrics, HEADLINE_METRICS, _CARD_TITLES),
         metric_rows=_metric_rows(metrics, [key for key, _ in _ALL_METRICS], dict(_ALL_METRICS)),
         intervals=metrics.get("confidence_intervals"),
+        clustering=metrics.get("clustering"),
         per_class=per_class_rows(metrics),
         class_names=names,
         confusion=list(zip(names, metrics["confusion_matrix"])),

@@ -131,7 +131,7 @@ def _versions() -> dict:
 
 def texts_of(config: EvalConfig, settings: Settings, dataset, slices: Optional[dict] = None) -> Optional[dict]:
     """Rank 0: with --save-text, {"text": ..., "text_pair": ...} of every row, in row order; with
-    --slice-by, {"slice": {column: value}} of every row.
+    --slice-by, {"slice": {column: value}} of every row; with --cluster-by, {"cluster": name}.
     """
     out = {}
     if config.save_text:
@@ -139,6 +139,10 @@ def texts_of(config: EvalConfig, settings: Settings, dataset, slices: Optional[d
         out.update({key: dataset[column] for key, column in columns.items() if column})
     if slices:  # each row's slices (evaluate()'s EvalResult.slices)
         out["slice"] = [dict(zip(slices, row)) for row in zip(*slices.values())]
+    if config.options.cluster_by is not None:  # each row's cluster (--cluster-by)
+        from dist_eval.slices import read_cluster_names
+
+        out["cluster"] = read_cluster_names(dataset, config.options.cluster_by)
     return out or None
 
 

@@ -16,7 +16,8 @@ def format_intervals(metrics: dict) -> Optional[str]:
         return None
     names = headline_names(metrics, INTERVAL_METRICS, intervals)
     parts = "   ".join(f"{_SHORT.get(n, n)} [{intervals[n][0]:.4f}, {intervals[n][1]:.4f}]" for n in names)
-    return (f"{100 * intervals['level']:g}% CI (bootstrap, {intervals['resamples']} resamples, "
+    kind = f"cluster bootstrap of {intervals['clusters']} clusters" if "clusters" in intervals else "bootstrap"
+    return (f"{100 * intervals['level']:g}% CI ({kind}, {intervals['resamples']} resamples, "
             f"seed {intervals['seed']}): {parts}")
 
 
@@ -70,6 +71,9 @@ def format_summary(metrics: dict) -> str:
     intervals = format_intervals(metrics)
     if intervals:
         lines.append(f"  {intervals}")
+    from dist_eval.clusters import format_clustering
+
+    lines += format_clustering(metrics)
     time_line = _time_line(run)
     if time_line:
         lines.append(time_line)
