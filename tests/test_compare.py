@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import REPO, build_checkpoint, read_jsonl, write_csv
 from inprocess_cli import run_cli_in_process
@@ -100,10 +101,17 @@ def assert_refused(args, pattern, capsys):
     assert captured.out == ""
 
 
-def test_refuses_runs_over_different_data(runs, capsys):
-    assert_refused(
-        [runs["a"], runs["small"]], r"has 40 samples and .* has 25: the runs are over different datasets", capsys
-    )
+def test_refuses_runs_over_different_data(runs, tmp_path, capsys):
+    """Runs that share no row's content; runs without content keys (before issue 52), paired by
+    position, of other sizes."""
+    assert_refused([runs["a"], runs["small"]], r"have no row in common .*: the runs are over different data", capsys)
+    for name in ("a", "small"):
+        shutil.copytree(runs[name], tmp_path / name)
+        rows = [{k: v for k, v in row.items() if k != "key"}
+                for row in read_jsonl(tmp_path / name / "predictions.jsonl")]
+        (tmp_path / name / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert_refused([tmp_path / "a", tmp_path / "small"], r"has 40 samples and .* has 25: the runs are over different "
+                   "datasets", capsys)
 
 
 def test_refuses_same_size_but_different_labels(runs, tmp_path, capsys):
@@ -181,3 +189,62 @@ def test_compare_gives_the_minimum_detectable_effect_and_the_rows_for_an_effect(
     assert compare_main([str(runs["a"]), str(runs["b"]), "--rows-for-effect", "0.99"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dist_eval.compare: error: --rows-for-effect 0.99: expected a difference") and "\n" not in err
+
+
+def _edited_copy(run, folder, order, extra=()):
+    """A copy of a run's output whose rows are ``order`` of the original's (reindexed), plus ``extra`` rows."""
+    folder.mkdir()
+    rows = read_jsonl(run / "predictions.jsonl")
+    kept = [dict(rows[i], index=place) for place, i in enumerate(order)]
+    kept += [dict(row, index=len(kept) + k) for k, row in enumerate(extra)]
+    metrics = json.load(open(run / "metrics.json"))
+    metrics["num_samples"] = len(kept)
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    (folder / "predictions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in kept))
+    return folder
+
+
+def test_compare_pairs_rows_by_content_whatever_their_order(runs, tmp_path, capsys):
+    """Issue 52: B's rows shuffled, 3 dropped, 2 of other content added: the 37 rows in both are
+    paired by content (the same paired test as on those rows in order), the others counted, named
+    in one warning and left out."""
+    order = np.random.default_rng(0).permutation(40)
+    dropped, kept = order[:3], order[3:]
+    foreign = [dict(row, key=f"{k:016x}") for k, row in enumerate(read_jsonl(runs["b"] / "predictions.jsonl")[:2])]
+    moved = _edited_copy(runs["b"], tmp_path / "moved", kept, foreign)
+    assert compare_main([str(runs["a"]), str(moved), "--json", str(tmp_path / "p.json"), "--max-rows", "3"]) == 0
+    said = capsys.readouterr()
+    warning = said.err.strip()
+    assert warning.startswith(f"dist_eval.compare: warning: 3 row(s) of {runs['a']} not in {moved} (index ")
+    assert "2 row(s) of " in warning and "(index 37, 38)" in warning and "\n" not in warning
+    paired = json.load(open(tmp_path / "p.json"))
+    assert paired["shared_rows"] == 37 and paired["rows_only_in_a"] == {"count": 3, "first": sorted(dropped.tolist())}
+    assert paired["rows_only_in_b"] == {"count": 2, "first": [37, 38]}
+    in_order = _edited_copy(runs["b"], tmp_path / "in_order", np.sort(kept))
+    same_a = _edited_copy(runs["a"], tmp_path / "a_kept", np.sort(kept))
+    assert compare_main([str(same_a), str(in_order), "--json", str(tmp_path / "q.json")]) == 0
+    expected = json.load(open(tmp_path / "q.json"))
+    assert paired["mcnemar"] == expected["mcnemar"] and paired["bootstrap"] == expected["bootstrap"]
+    assert "(40 and 39 samples, 37 in both, 3 classes)" in said.out and "index  index B" in said.out
+
+
+def test_compare_of_several_runs_with_holm_over_every_pair(runs, tmp_path, capsys):
+    """compare A B C: each pair (3) with Holm over the 3; --baseline B: the 2 against B."""
+    from dist_eval.paired import holm_adjusted
+
+    c = _edited_copy(runs["a"], tmp_path / "c", np.arange(40)[::-1])  # A's rows reversed: the same as A
+    path = tmp_path / "many.json"
+    assert compare_main([str(runs["a"]), str(runs["b"]), str(c), "--json", str(path)]) == 0
+    result = json.load(open(path))
+    pairs = [(r["a"], r["b"]) for r in result["pairs"]]
+    assert pairs == [(str(runs["a"]), str(runs["b"])), (str(runs["a"]), str(c)), (str(runs["b"]), str(c))]
+    assert [r["pvalue_holm"] for r in result["pairs"]] == holm_adjusted([r["pvalue"] for r in result["pairs"]])
+    assert result["pairs"][1]["difference"] == 0 and result["pairs"][1]["pvalue"] == 1.0
+    assert "p adjusted by Holm for the 3 comparisons" in capsys.readouterr().out
+    assert compare_main([str(runs["a"]), str(runs["b"]), str(c), "--baseline", str(runs["b"]), "--json",
+                         str(path)]) == 0
+    assert [(r["a"], r["b"]) for r in json.load(open(path))["pairs"]] == [(str(runs["b"]), str(runs["a"])),
+                                                                        (str(runs["b"]), str(c))]
+    capsys.readouterr()
+    assert compare_main([str(runs["a"]), str(runs["b"]), str(c), "--rows-for-effect", "0.1"]) == 2
+    assert "--rows-for-effect 0.1: expected two runs" in capsys.readouterr().err

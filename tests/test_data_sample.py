@@ -129,3 +129,22 @@ def test_keys_of_a_datasets_columns_are_the_first_versions_bits(view):
     picked = sample_rows(data, 40, 11, names)
     assert [picked[i]["score"] for i in range(40)] == [data[int(r)]["score"] for r in
                                                       np.lexsort((np.arange(len(expected)), expected))[:40]]
+
+
+def test_content_keys_follow_the_rows_whatever_their_order_or_file():
+    """predictions.jsonl's ``key`` (issue 52): a row's key is its content's (text, label, text pair),
+    the same in any place of any file; identical rows share it, another label changes it."""
+    import datasets
+
+    from dist_eval.config import Settings
+    from dist_eval.data.sample import content_keys
+
+    rows = {"text": ["a", "b", "a", "c"], "label": [0, 1, 0, 2], "pair": ["x", "y", "x", "z"]}
+    settings = Settings(text_pair_column="pair")
+    keys = content_keys(datasets.Dataset.from_dict(rows), settings)
+    assert keys[0] == keys[2] and len(set(keys)) == 3 and all(len(key) == 16 for key in keys)
+    order = [3, 1, 0]
+    moved = datasets.Dataset.from_dict({name: [values[i] for i in order] for name, values in rows.items()})
+    assert content_keys(moved, settings) == [keys[i] for i in order]
+    relabelled = datasets.Dataset.from_dict({**rows, "label": [1, 1, 0, 2]})
+    assert content_keys(relabelled, settings)[1:] == keys[1:] and content_keys(relabelled, settings)[0] != keys[0]

@@ -84,6 +84,21 @@ def sample_rows(dataset, limit: int, seed: int, columns: Sequence[str]):
     return dataset.select(indices.tolist())
 
 
+# the seed of a row's content key in predictions.jsonl (``key``): --limit's key at --limit-seed 0
+CONTENT_KEY_SEED = 0
+
+
+def content_keys(dataset, settings) -> list:
+    """Each row's content key, 16 hex digits: :func:`row_keys` of its task columns (text, label,
+    text pair: the values the --limit sample keys a row by) at seed 0. Rows with the same
+    content have the same key, whatever their place or file: ``dist_eval.compare`` pairs two
+    runs' rows by it.
+    """
+    names = [name for _, name in TaskColumns.of(settings).named()]
+    digits = row_keys(column_values(dataset, names), CONTENT_KEY_SEED).astype(">u8").tobytes().hex()
+    return [digits[start:start + 16] for start in range(0, len(digits), 16)]
+
+
 @dataclass
 class Rows:
     """The rows an evaluation evaluates, drawn once (:func:`draw_rows`) and passed down: the

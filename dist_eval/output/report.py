@@ -131,9 +131,12 @@ def _versions() -> dict:
 
 def texts_of(config: EvalConfig, settings: Settings, dataset, slices: Optional[dict] = None) -> Optional[dict]:
     """Rank 0: with --save-text, {"text": ..., "text_pair": ...} of every row, in row order; with
-    --slice-by, {"slice": {column: value}} of every row; with --cluster-by, {"cluster": name}.
+    --slice-by, {"slice": {column: value}} of every row; with --cluster-by, {"cluster": name}; always
+    {"key": each row's content key} (:func:`dist_eval.data.sample.content_keys`).
     """
-    out = {}
+    from dist_eval.data.sample import content_keys
+
+    out = {"key": content_keys(dataset, settings)}  # each row's content: compare pairs two runs' rows by it
     if config.save_text:
         columns = {"text": settings.text_column, "text_pair": settings.text_pair_column}
         out.update({key: dataset[column] for key, column in columns.items() if column})
@@ -143,7 +146,7 @@ def texts_of(config: EvalConfig, settings: Settings, dataset, slices: Optional[d
         from dist_eval.slices import read_cluster_names
 
         out["cluster"] = read_cluster_names(dataset, config.options.cluster_by)
-    return out or None
+    return out
 
 
 def write_report(config: EvalConfig, out: str, result, say, texts: Optional[dict] = None) -> None:
