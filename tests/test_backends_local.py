@@ -14,7 +14,7 @@ from dist_eval.backends.local import PromptTunedClassifier, load_local
 
 EMBEDDINGS_NORM = {"bloom": "word_embeddings_layernorm"}  # applied after the prompts are prepended
 FINAL_NORM = {"llama": "norm", "bloom": "ln_f", "falcon": "ln_f"}
-FINAL_NORM.update(mistral="norm", qwen2="norm", qwen3="norm", qwen3_moe="norm")  # Llama's backbone
+FINAL_NORM.update(mistral="norm", qwen2="norm", qwen3="norm", qwen3_moe="norm", glm4_moe="norm")  # Llama's backbone
 
 
 def load_local_reference(folder, spec, mode, pre_seq_len, tensors):
@@ -150,22 +150,29 @@ def test_base_layout_with_a_head_is_read_from_its_converted_copy(tmp_path, monke
     assert loaded.module(batch()).shape == (4, 3)
 
 
-def test_a_tokens_experts_and_their_sum_do_not_depend_on_its_batch():
-    """Qwen3-MoE's mixture (dist_eval's own layer): a row alone, in a batch, or beside padding
-    rows gets the same bits; the router picks 2 of 8 experts per token, several per row."""
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_a_tokens_experts_and_their_sum_do_not_depend_on_its_batch(router):
+    """Qwen3-MoE's and GLM-4.5's mixtures (dist_eval's own layers): a row alone, in a batch, or
+    beside padding rows gets the same bits; the router picks 2 of 8 experts per token, several per
+    row (GLM-4.5's: within the best of 2 groups, its choice shifted by the correction bias)."""
     import types
 
-    from dist_eval.backends.layers import SparseMoeMLP
+    from dist_eval.backends.layers import SigmoidMoeMLP, SparseMoeMLP
 
     config = types.SimpleNamespace(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, hidden_size=64,
-                                   moe_intermediate_size=32, hidden_act="silu")
+                                   moe_intermediate_size=32, hidden_act="silu", n_routed_experts=8, n_shared_experts=1,
+                                   n_group=2, topk_group=1, routed_scaling_factor=2.5)
     torch.manual_seed(0)
-    moe = SparseMoeMLP(config)
+    moe = SparseMoeMLP(config) if router == "softmax" else SigmoidMoeMLP(config)
+    if router == "sigmoid":  # a router far from uniform, a bias that shifts the choice (the reference's)
+        moe.gate.weight.data.normal_(0.0, 0.3)
+        moe.gate.e_score_correction_bias.normal_(0.0, 0.3)
     rows = torch.randn(5, 7, 64)
     with torch.no_grad():
         together = moe(rows)
         padded = moe(torch.cat([rows, torch.zeros(3, 7, 64)]))[:5]
         for i in range(5):
             assert torch.equal(moe(rows[i:i + 1])[0], together[i]) and torch.equal(padded[i], together[i])
-        chosen = torch.topk(moe.gate(rows[0]), 2, dim=-1).indices
+        logits = moe.gate(rows[0])
+        chosen = torch.topk(logits, 2, dim=-1).indices if router == "softmax" else moe.choose(logits.sigmoid())
     assert len(set(chosen.flatten().tolist())) > 2

@@ -141,7 +141,8 @@ def test_every_family_that_embeds_on_servers_finds_its_table_in_the_folder_serve
     from dist_eval.backends.petals_folder import petals_model_folder, read_tensor
 
     embedding = [name for name, family in FAMILIES.items() if family.embeds_on_server]
-    assert embedding == ["llama", "falcon", "mistral", "qwen2", "qwen3", "qwen3_moe"]  # the newer ones: Llama's layout
+    # the newer ones: Llama's layout
+    assert embedding == ["llama", "falcon", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe"]
     for name in embedding:
         for layout in ("causal_lm", "base", "seq_cls"):
             folder = build_tiny_model(str(tmp_path / f"{name}-{layout}"), family=name, layout=layout)

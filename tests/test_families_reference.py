@@ -1,4 +1,4 @@
-"""The families after 2023 (Llama 3.x, Mistral, Qwen2, Qwen3, Qwen3-MoE) and tokenizers saved since late 2024,
+"""The families after 2023 (Llama 3.x, Mistral, Qwen2, Qwen3, Qwen3-MoE, GLM-4.5) and tokenizers saved since late 2024,
 checked against a reference nobody in this project wrote: a current transformers and
 tokenizers, in their own environment (launch/install_reference.sh), make tiny models and
 tokenizers and compute ids and logits (tests/reference/make_reference.py, run once per test
@@ -7,11 +7,14 @@ run, nothing stored). Here, in the project's environment:
 - dist_eval's token ids equal the current tokenizers', row for row, on non-ASCII text, code and
   emoji (merges saved as pairs, Llama 3's ignore_merges, SentencePiece-style Llama/Mistral);
 - ``--backend local`` logits are within 1e-4 of the current ``*ForSequenceClassification``
-  (no prompts; and with prompts prepended, ptune);
+  (no prompts; and with prompts prepended, ptune); GLM-4.5, which has none, against its causal
+  LM's last final hidden state times the head, given with ``head=`` (``--head``), with and
+  without a checkpoint of prompts;
 - on a local swarm started by the run, torchrun N=2, the logits equal local N=1 bit for bit
   (and so the reference within 1e-4), marked swarm;
-- dist_eval's own layers (Qwen3's head size and q/k norms, Qwen3-MoE's experts) hold exactly
-  the tensors the current transformers saved, and give experts to the blocks it does;
+- dist_eval's own layers (Qwen3's head size and q/k norms, Qwen3-MoE's and GLM-4.5's experts) hold
+  exactly the tensors the current transformers saved, and give experts to the blocks it does;
+  GLM-4.5's router options (groups, correction bias, scaling) and partial RoPE each move the logits;
 - what no block computes is refused in one line, from config.json, before anything loads.
 """
 import json
@@ -27,11 +30,15 @@ from conftest import REPO, read_jsonl, run_cli
 from inprocess_cli import run_cli_in_process
 
 TOLERANCE = 1e-4
-KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe")
+KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")
 # on a swarm: Qwen3's blocks are Qwen3-MoE's dense block 1 (the same server block class, attention
 # and MLP; tests/test_backends_families.py builds each family's server blocks by index), so its own
-# swarm run (bitwise too, about 13 s) is left out for the suite's time budget
-SWARM_KINDS = ("llama3", "mistral", "qwen2", "qwen3_moe")
+# swarm run (bitwise too, about 13 s) is left out for the suite's time budget; so is Mistral's since
+# GLM-4.5's came (issue 48): its server block is the pinned Llama block with no option, llama3's
+# without the rescaled frequencies, and its classes are built and registered as every built-on
+# family's (blocks._build_petals_classes; tests/test_backends_families.py checks them)
+SWARM_KINDS = ("llama3", "qwen2", "qwen3_moe", "glm4_moe")
+HEAD_ONLY = ("glm4_moe",)  # no *ForSequenceClassification in transformers: the head given apart (--head)
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +59,35 @@ def reference(tmp_path_factory):
     return out, ref
 
 
-def checkpoint(reference, kind, mode):
-    from safetensors.torch import load_file
+def trained(reference, kind, mode) -> dict:
+    """load_model's checkpoint= and head= for the reference's trained tensors: a dist_eval
+    checkpoint of them; for a family without a sequence classifier (HEAD_ONLY) the head in a file
+    of its own (``--head``) alone, or beside a file of the prompts alone (``--checkpoint``).
+    """
+    from safetensors.torch import load_file, save_file
 
     from dist_eval.backends.checkpoint import save_checkpoint
 
     out, _ = reference
-    path = str(out / f"{kind}.{mode}.pt")
     tensors = load_file(str(out / f"{kind}.trainable.safetensors"))
+    if kind in HEAD_ONLY:
+        head, prompts = str(out / f"{kind}.head.safetensors"), str(out / f"{kind}.prompts.safetensors")
+        save_file({"score.weight": tensors["score.weight"]}, head)
+        if mode == "head":
+            return {"head": head}
+        save_file({"prompt_embeddings.weight": tensors["prompt_embeddings.weight"]}, prompts)
+        return {"checkpoint": prompts, "head": head}
+    path = str(out / f"{kind}.{mode}.pt")
     if mode == "head":
         save_checkpoint(path, None, {"score.weight": tensors["score.weight"]})
     else:
         save_checkpoint(path, "ptune", tensors)
-    return path
+    return {"checkpoint": path}
+
+
+def padded_batch(case) -> torch.Tensor:
+    longest = max(map(len, case["ids"]))
+    return torch.tensor([row + [case["pad_token_id"]] * (longest - len(row)) for row in case["ids"]])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -107,17 +130,15 @@ def test_local_logits_within_1e4_of_the_current_transformers(reference, kind, mo
 
     out, ref = reference
     case = ref["cases"][kind]
-    model = load_model("local", str(out / kind), checkpoint=checkpoint(reference, kind, mode))
-    longest = max(map(len, case["ids"]))
-    batch = torch.tensor([row + [case["pad_token_id"]] * (longest - len(row)) for row in case["ids"]])
+    model = load_model("local", str(out / kind), **trained(reference, kind, mode))
     with torch.no_grad():
-        logits = model.module(batch)
+        logits = model.module(padded_batch(case))
     expected = torch.tensor(case[f"logits_{mode}"])
     assert (logits - expected).abs().max().item() < TOLERANCE
     assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "glm4_moe"])
 def test_own_layers_hold_exactly_the_saved_tensors_and_route_as_transformers(reference, kind):
     """No tensor of the folder left unread, none made up (transformers 4.33 would initialise a
     missing one at random); which blocks have experts is transformers' rule."""
@@ -127,12 +148,15 @@ def test_own_layers_hold_exactly_the_saved_tensors_and_route_as_transformers(ref
     from dist_eval.backends.layers import is_sparse
 
     out, ref = reference
-    model = load_model("local", str(out / kind), checkpoint=checkpoint(reference, kind, "head"))
+    model = load_model("local", str(out / kind), **trained(reference, kind, "head"))
     backbone = model.module.hf_model.model
-    saved = {k[len("model."):] for k in load_file(str(out / kind / "model.safetensors")) if k.startswith("model.")}
-    assert set(backbone.state_dict()) == saved
+    saved = load_file(str(out / kind / "model.safetensors"))
+    held = backbone.state_dict()
+    assert set(held) == {k[len("model."):] for k in saved if k.startswith("model.")}
+    assert all(torch.equal(held[k[len("model."):]], v) for k, v in saved.items() if k.startswith("model."))
     experts = [i for i, layer in enumerate(backbone.layers) if hasattr(layer.mlp, "experts")]
-    assert experts == ([0, 2, 3] if kind == "qwen3_moe" else [])
+    # Qwen3-MoE: block 1 in mlp_only_layers; GLM-4.5: block 0 before first_k_dense_replace
+    assert experts == {"qwen3_moe": [0, 2, 3], "glm4_moe": [1, 2, 3]}.get(kind, [])
     mix = ref["sparse_layers"]
     config = types.SimpleNamespace(mixture_of_experts=True, **mix["settings"])
     assert [i for i in range(config.num_hidden_layers) if is_sparse(config, i)] == mix["sparse"] == [1, 5]
@@ -153,12 +177,40 @@ def test_each_block_option_matters(reference, kind, monkeypatch):
         original(attention, config)
 
     monkeypatch.setattr(blocks, "apply_block_options", without)
-    model = load_model("local", str(out / kind), checkpoint=checkpoint(reference, kind, "head"))
-    longest = max(map(len, case["ids"]))
-    batch = torch.tensor([row + [case["pad_token_id"]] * (longest - len(row)) for row in case["ids"]])
+    model = load_model("local", str(out / kind), **trained(reference, kind, "head"))
     with torch.no_grad():
-        logits = model.module(batch)
+        logits = model.module(padded_batch(case))
     assert (logits - torch.tensor(case["logits_head"])).abs().max().item() > 100 * TOLERANCE
+
+
+def test_each_glm_router_and_rotary_setting_matters(reference, tmp_path):
+    """GLM-4.5's grouped choice, correction bias (the choice only), routed_scaling_factor and
+    partial RoPE: each one changed moves the logits far past the tolerance, so the reference
+    comparison can fail on any of them."""
+    from dist_eval.backends import load_model
+
+    out, ref = reference
+    case = ref["cases"]["glm4_moe"]
+    expected, batch = torch.tensor(case["logits_head"]), padded_batch(case)
+
+    def moved(model) -> float:
+        with torch.no_grad():
+            return (model.module(batch) - expected).abs().max().item()
+
+    model = load_model("local", str(out / "glm4_moe"), **trained(reference, "glm4_moe", "head"))
+    mixtures = [layer.mlp for layer in model.module.hf_model.model.layers if hasattr(layer.mlp, "experts")]
+    for name, value in (("n_group", 1), ("routed_scaling_factor", 1.0)):
+        kept = [getattr(mlp, name) for mlp in mixtures]
+        for mlp in mixtures:
+            setattr(mlp, name, value)
+        assert moved(model) > 100 * TOLERANCE, name
+        for mlp, old in zip(mixtures, kept):
+            setattr(mlp, name, old)
+    for mlp in mixtures:
+        mlp.gate.e_score_correction_bias.zero_()
+    assert moved(model) > 100 * TOLERANCE, "e_score_correction_bias"
+    folder = edited_folder(reference, tmp_path, "glm4_moe", partial_rotary_factor=1.0)
+    assert moved(load_model("local", folder, **trained(reference, "glm4_moe", "head"))) > 100 * TOLERANCE
 
 
 def edited_folder(reference, tmp_path, kind, **changes):
@@ -181,6 +233,10 @@ def edited_folder(reference, tmp_path, kind, **changes):
     ("qwen2", {"model_type": "qwen2_moe"}, "with a shared expert"),
     ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
     ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok 9 in config.json is not between 1 and "),
+    ("glm4_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok 9 in config.json is not between 1 and "
+                                             "n_routed_experts (8)"),
+    ("glm4_moe", {"n_group": 3}, "n_group 3 in config.json does not split the 8 n_routed_experts"),
+    ("glm4_moe", {"partial_rotary_factor": 1.5}, "partial_rotary_factor 1.5 in config.json is not in (0, 1]"),
     ("mistral", {"model_type": "mixtral"}, "mixture-of-experts"),
     ("llama3", {"model_type": "llava"}, "model_type 'llava'"),
 ])
@@ -191,7 +247,7 @@ def test_what_no_block_computes_is_refused_from_config_json(reference, tmp_path,
     folder = edited_folder(reference, tmp_path, kind, **changes)
     os.remove(os.path.join(folder, "model.safetensors"))  # refused before any weight is read
     with pytest.raises(UsageError) as refused:
-        load_model("local", folder, checkpoint=checkpoint(reference, kind, "head"))
+        load_model("local", folder, **trained(reference, kind, "head"))
     message = str(refused.value)
     assert expected in message and "families that work" in message and "\n" not in message
 
@@ -205,7 +261,7 @@ def test_rows_past_a_sliding_window_are_refused(reference, tmp_path):
     from dist_eval.ranks import RankFailure
 
     folder = edited_folder(reference, tmp_path, "mistral", sliding_window=16)
-    model = load_model("local", folder, checkpoint=checkpoint(reference, "mistral", "ptune"))
+    model = load_model("local", folder, **trained(reference, "mistral", "ptune"))
     data = Dataset.from_dict({"text": ["a b c"], "label": [0]})
     with pytest.raises(RankFailure, match=r"sliding attention window of 16 positions.*--max-length 12 or less") as e:
         evaluate(model, data, tokenizer=load_tokenizer(folder), max_length=64)
@@ -238,9 +294,9 @@ def test_swarm_n2_equals_local_n1_bitwise_and_the_reference(reference, tmp_path,
     out, ref = reference
     case = ref["cases"][kind]
     data = write_rows(tmp_path / "rows.jsonl", ref["corpus"])
-    ck = checkpoint(reference, kind, "ptune")
-    common = ["--model", str(out / kind), "--data-files", data, "--checkpoint", ck, "--batch-size", "4",
-              "--save-logits", "--quiet"]
+    files = [arg for key, path in trained(reference, kind, "ptune").items() for arg in (f"--{key}", path)]
+    common = ["--model", str(out / kind), "--data-files", data, *files, "--batch-size", "4", "--save-logits",
+              "--quiet"]
     proc = run_cli([*common, "--output-dir", str(tmp_path / "swarm"), "--local-servers", "2"], nproc=2, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert run_cli_in_process([*common, "--output-dir", str(tmp_path / "local"), "--backend", "local"]) == 0

@@ -3,9 +3,9 @@
 The families after 2023 that dist_eval serves are built on an older family's block with a
 few options (the family table's ``built_on`` and ``block_options``,
 :mod:`dist_eval.backends.families`): q/k/v projections with biases, rotary frequencies
-rescaled by the ``llama3`` rule, and (option ``qk_norm``) layers of dist_eval's own
-(:mod:`dist_eval.backends.layers`: per-head q/k norms, a head size of its own, mixtures of
-experts). Everything here reads the table; no family is named.
+rescaled by the ``llama3`` rule, and (option ``own_layers``) layers of dist_eval's own
+(:mod:`dist_eval.backends.layers`: per-head q/k norms, a head size of its own, partial RoPE,
+mixtures of experts). Everything here reads the table; no family is named.
 
 Three things make a folder saved by a current transformers computable by the pinned one,
 each applied once per process by :func:`register` (client ranks, the local backend and the
@@ -20,7 +20,7 @@ servers dist_eval starts alike, so the swarm computes what ``--backend local`` c
    the config says ``qkv_bias``, and the ``llama3`` frequencies (:mod:`dist_eval.backends.rope`, the
    rule of transformers >= 4.43) with the cos/sin cache rebuilt from them. petals' server
    block derives from the same attention class, so it gets the same options. A family with
-   ``qk_norm`` has layers of its own instead, the same in both (the local classes build them
+   ``own_layers`` has layers of its own instead, the same in both (the local classes build them
    in place of the base family's, petals' config names their block class; a server tells a block its
    index, :func:`server_block_replacements`).
 3. **Classes.** For each family built on another, subclasses of the other's config, local
@@ -198,7 +198,7 @@ def family_class(name: str, in_petals: bool):
 
 def has_own_layers(family) -> bool:
     """Whether the family's blocks are dist_eval's own layers (:mod:`dist_eval.backends.layers`)."""
-    return bool(dict(family.block_options).get("qk_norm"))
+    return bool(dict(family.block_options).get("own_layers"))
 
 
 def server_block_replacements() -> list:

@@ -92,19 +92,30 @@ def load_checkpoint(path: str, family: Optional[Family] = None, head: Optional[s
     if HEAD in tensors:
         raise UsageError(f"it holds a classifier head, and so does {head}; pass only one of them.",
                          param="checkpoint", value=path)
+    tensors[HEAD] = _head_tensor(head, family)
+    return _to_state(tensors, f"{path} + {head}")
+
+
+def load_head(head: str, family: Optional[Family] = None) -> TrainableState:
+    """A classifier head alone, no prompts (``--head`` without ``--checkpoint``): the head of a
+    causal LM folder (a family without ``*ForSequenceClassification`` saves, e.g. GLM-4.5).
+    """
+    return _to_state({HEAD: _head_tensor(head, family)}, head)
+
+
+def _head_tensor(head: str, family: Optional[Family]) -> torch.Tensor:
+    """``score.weight`` of ``head``: a file holding it alone, or a model folder holding a trained one."""
     if os.path.isdir(head):
         state = model_dir_trainable_state(head, family)
         if state is None:
             raise UsageError("the model folder has no score.weight to use as the classifier head.",
                              param="head", value=head)
-        tensors[HEAD] = state.tensors[HEAD]
-    else:
-        head_tensors = _read(head, family, "head")
-        if set(head_tensors) != {HEAD}:
-            raise UsageError(f"a head file holds only score.weight; this one holds {sorted(head_tensors)}.",
-                             param="head", value=head)
-        tensors[HEAD] = head_tensors[HEAD]
-    return _to_state(tensors, f"{path} + {head}")
+        return state.tensors[HEAD]
+    head_tensors = _read(head, family, "head")
+    if set(head_tensors) != {HEAD}:
+        raise UsageError(f"a head file holds only score.weight; this one holds {sorted(head_tensors)}.",
+                         param="head", value=head)
+    return head_tensors[HEAD]
 
 
 def load_prompts(path: str, family: Optional[Family], num_labels: int) -> tuple:

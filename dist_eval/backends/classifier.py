@@ -17,7 +17,13 @@ from typing import Optional, Sequence, Union
 from dist_eval import ranks
 from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT, read_label_words
 from dist_eval.backends.base import Backend
-from dist_eval.backends.checkpoint import TrainableState, load_checkpoint, load_prompts, model_dir_trainable_state
+from dist_eval.backends.checkpoint import (
+    TrainableState,
+    load_checkpoint,
+    load_head,
+    load_prompts,
+    model_dir_trainable_state,
+)
 from dist_eval.backends.families import Family, family_of
 from dist_eval.backends.kinds import backend_kind
 from dist_eval.backends.zeroshot import LabelWords, check_lm_head, label_word_tokens
@@ -110,7 +116,9 @@ def load_model(
 
     ``device`` (local backend): cpu, cuda (this rank on cuda:LOCAL_RANK % device_count) or cuda:K.
     ``head``: the classifier head of a ``checkpoint`` that holds only prompts (petals issue
-    #268's export): a file with ``score.weight``, or a model folder holding a trained one.
+    #268's export), or without a ``checkpoint`` the head alone (a causal LM folder, as GLM-4.5's,
+    whose family has no ``*ForSequenceClassification`` saves): a file with ``score.weight``, or a
+    model folder holding a trained one.
 
     ``label_words`` (zero-shot; one word per class in class-id order, or ``"@FILE"`` with one
     per line): the model folder's causal LM scores each class by the log-probability of its
@@ -231,11 +239,10 @@ def _resolve_trainable(model_dir: str, files, tuning, num_labels, family, label_
     checkpoint, head = files
     if label_words is not None:
         state = _zero_shot_state(checkpoint, head, family, label_words, num_labels)
-    elif head and not checkpoint:
-        raise UsageError("needs --checkpoint: it gives the head of a checkpoint that holds only prompts.",
-                         param="head", value=head)
     elif checkpoint:
         state = load_checkpoint(checkpoint, family, head)
+    elif head:  # the head alone (no prompts), e.g. for a causal LM folder
+        state = load_head(head, family)
     else:
         state = model_dir_trainable_state(model_dir, family)
         if state is None:

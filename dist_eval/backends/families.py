@@ -106,8 +106,10 @@ class Family:
     # a family newer than the pinned transformers: the family whose classes and block it runs
     # (its own classes subclass those, with this model_type), with these config options (class
     # attributes of its config classes: also the defaults of a key config.json leaves out);
-    # ``qk_norm``: the blocks are dist_eval's own layers (backends.layers); ``mixture_of_experts``:
-    # with experts where config.json's num_experts, mlp_only_layers and decoder_sparse_step say
+    # ``own_layers``: the blocks are dist_eval's own layers (backends.layers); ``mixture_of_experts``
+    # (the router, "softmax" or "sigmoid"): with experts where config.json's num_experts,
+    # mlp_only_layers and decoder_sparse_step say (softmax), or n_routed_experts and
+    # first_k_dense_replace (sigmoid)
     built_on: str = ""
     block_options: tuple = ()
     # config.json's keys of a sliding attention window: (the window, the switch that turns it on,
@@ -187,15 +189,15 @@ def rope_type(rope_scaling) -> Optional[str]:
 
 def _block_refusal(config, options: dict) -> str:
     """What in a config of a Llama-shaped block the block does not compute ('' when nothing).
-    ``options``: the family's block options; with ``qk_norm`` the block's attention is
-    dist_eval's own (backends.blocks.QkNormAttention), which computes any head_dim and biases
-    on all four projections (``attention_bias``).
+    ``options``: the family's block options; with ``own_layers`` the block's attention is
+    dist_eval's own (backends.layers.QkNormAttention), which computes any head_dim, biases
+    (``attention_bias``) and a partial rotary embedding (``partial_rotary_factor``).
     """
     kind = rope_type(getattr(config, "rope_scaling", None))
     if kind is not None and kind not in SERVED_ROPE_TYPES:
         return (f"rope_scaling of rope_type {kind!r} in config.json is not computed here "
                 f"(computed: {', '.join(SERVED_ROPE_TYPES)})")
-    own_attention = bool(options.get("qk_norm"))
+    own_attention = bool(options.get("own_layers"))
     for key in ("mlp_bias",) if own_attention else ("attention_bias", "mlp_bias"):
         if getattr(config, key, False):
             return f"{key}: true in config.json (biases this block does not have) is not computed here"
@@ -204,17 +206,30 @@ def _block_refusal(config, options: dict) -> str:
     if head_dim and head_dim * heads != hidden and not own_attention:
         return (f"head_dim {head_dim} in config.json is not hidden_size / num_attention_heads "
                 f"({hidden} / {heads}); only that head size is computed here")
+    factor = getattr(config, "partial_rotary_factor", 1.0)
+    if not 0 < factor <= 1:
+        return f"partial_rotary_factor {factor} in config.json is not in (0, 1]; no head rotates that share"
     if options.get("mixture_of_experts"):
-        return _experts_refusal(config)
+        return _experts_refusal(config, options["mixture_of_experts"])
     return ""
 
 
-def _experts_refusal(config) -> str:
-    """What in a mixture-of-experts config the block does not compute ('' when nothing)."""
-    experts, chosen = getattr(config, "num_experts", 0), getattr(config, "num_experts_per_tok", 0)
+def _experts_refusal(config, router) -> str:
+    """What in a mixture-of-experts config the block does not compute ('' when nothing).
+    ``router``: the family's, "softmax" (num_experts) or "sigmoid" (n_routed_experts, in groups).
+    """
+    key = "n_routed_experts" if router == "sigmoid" else "num_experts"
+    experts, chosen = getattr(config, key, 0) or 0, getattr(config, "num_experts_per_tok", 0)
     if experts and not 0 < chosen <= experts:
-        return (f"num_experts_per_tok {chosen} in config.json is not between 1 and num_experts ({experts}); "
+        return (f"num_experts_per_tok {chosen} in config.json is not between 1 and {key} ({experts}); "
                 "no router chooses that many experts")
+    if router == "sigmoid" and experts:
+        groups, kept = getattr(config, "n_group", 1), getattr(config, "topk_group", 1)
+        if not groups or groups < 1 or experts % groups or experts // groups < 2:
+            return (f"n_group {groups} in config.json does not split the {experts} n_routed_experts into equal "
+                    "groups of 2 or more (the router scores a group by its two best)")
+        if not 1 <= kept <= groups:
+            return f"topk_group {kept} in config.json is not between 1 and n_group ({groups})"
     if getattr(config, "decoder_sparse_step", 1) < 1:
         return f"decoder_sparse_step {config.decoder_sparse_step} in config.json is not 1 or more"
     return ""
@@ -308,15 +323,28 @@ FAMILIES["qwen2"] = _built_on_llama("qwen2", "Qwen2", block_options=(("qkv_bias"
 # Qwen3: Llama's block with dist_eval's attention (an RMSNorm over each head's q and k before
 # RoPE, head_dim set apart from hidden/heads); the options' values are also the config's defaults
 # (transformers' Qwen3Config), for a config.json that leaves a key out
-FAMILIES["qwen3"] = _built_on_llama("qwen3", "Qwen3", block_options=(("qk_norm", True), ("head_dim", 128)),
-                                    sliding_window=("sliding_window", "use_sliding_window"))
+FAMILIES["qwen3"] = _built_on_llama(
+    "qwen3", "Qwen3", block_options=(("own_layers", True), ("use_qk_norm", True), ("head_dim", 128)),
+    sliding_window=("sliding_window", "use_sliding_window"))
 # Qwen3-MoE: Qwen3's attention; the MLP of a block a mixture of experts (a softmax router choosing
 # num_experts_per_tok of num_experts), but the blocks in mlp_only_layers or off decoder_sparse_step
 FAMILIES["qwen3_moe"] = _built_on_llama(
     "qwen3_moe", "Qwen3Moe", block_options=(
-        ("qk_norm", True), ("mixture_of_experts", True), ("num_experts", 128), ("num_experts_per_tok", 8),
+        ("own_layers", True), ("use_qk_norm", True), ("mixture_of_experts", "softmax"), ("num_experts", 128),
+        ("num_experts_per_tok", 8),
         ("moe_intermediate_size", 768), ("norm_topk_prob", False), ("decoder_sparse_step", 1), ("mlp_only_layers", ())),
     sliding_window=("sliding_window", "use_sliding_window"))
+# GLM-4.5 / 4.6 / 4.7: dist_eval's attention with q/k/v biases (o without), q/k norms only when
+# use_qk_norm, RoPE on partial_rotary_factor of each head; the blocks from first_k_dense_replace
+# on a mixture of n_routed_experts (a sigmoid router, its choice shifted by e_score_correction_bias,
+# in n_group groups) and a shared expert; the options' values are transformers' Glm4MoeConfig defaults
+FAMILIES["glm4_moe"] = _built_on_llama(
+    "glm4_moe", "Glm4Moe", block_options=(
+        ("own_layers", True), ("use_qk_norm", False), ("attention_output_bias", False),
+        ("partial_rotary_factor", 0.5), ("mixture_of_experts", "sigmoid"), ("n_routed_experts", 128),
+        ("n_shared_experts", 1), ("num_experts_per_tok", 8), ("moe_intermediate_size", 1408),
+        ("routed_scaling_factor", 1.0), ("n_group", 1), ("topk_group", 1), ("first_k_dense_replace", 1),
+        ("norm_topk_prob", True)))
 
 
 def tokenizers_calling_the_base() -> frozenset:

@@ -1,11 +1,14 @@
 """The block parts dist_eval computes itself, in plain torch, for the families whose block the
-pinned transformers (4.33) has no class for: those with the block option ``qk_norm`` in the
-family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE).
+pinned transformers (4.33) has no class for: those with the block option ``own_layers`` in the
+family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5).
 
 - :class:`QkNormAttention`: Llama's attention with an RMSNorm over each head's q and k
-  (``q_norm``, ``k_norm``, a weight of ``head_dim`` values) before RoPE, ``head_dim`` set apart
-  from hidden/heads (config.json's ``head_dim``), and biases on q, k, v and o when
-  ``attention_bias`` is true. RoPE, its scaling types and the mask are the pinned Llama's.
+  (``q_norm``, ``k_norm``, a weight of ``head_dim`` values) before RoPE when ``use_qk_norm``
+  (the family's option, or config.json's), ``head_dim`` set apart from hidden/heads (config.json's
+  ``head_dim``), biases on q, k and v when ``attention_bias`` is true (and on o too unless the
+  family's ``attention_output_bias`` is false), and RoPE on the first ``partial_rotary_factor``
+  of each head (GLM-4.5: half; the rest passes unrotated). RoPE, its scaling types and the mask
+  are the pinned Llama's.
 - :class:`SparseMoeMLP`: a mixture of ``num_experts`` experts (each a gated MLP of
   ``moe_intermediate_size``): a softmax router (``gate``) over the experts, the
   ``num_experts_per_tok`` most probable chosen per token, their probabilities renormalised
@@ -14,10 +17,19 @@ family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE).
   hidden state alone, and the router and each expert compute at least :data:`MIN_ROWS` rows
   at once (:func:`_rows`), so a row's result is the same whatever else is in its batch
   (padding included): the exactness for any N holds.
+- :class:`SigmoidMoeMLP` (GLM-4.5): ``n_routed_experts`` experts and a shared expert
+  (``shared_experts``, of ``moe_intermediate_size * n_shared_experts``) every token goes
+  through; a sigmoid router (``gate``, computed in float32) whose scores plus
+  ``gate.e_score_correction_bias`` choose the experts (within the ``topk_group`` best of
+  ``n_group`` groups, a group scored by its two best), the chosen experts weighted by their
+  sigmoid scores alone, renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``.
+  The router and the routed experts compute at least :data:`MIN_ROWS` rows, as above; the
+  shared expert computes the batch's tokens as a dense block's MLP does.
 - which block has the mixture (in a family with the block option ``mixture_of_experts``):
-  transformers' rule (:func:`is_sparse`), by the block's index:
-  not in ``mlp_only_layers``, and ``(index + 1) % decoder_sparse_step == 0``; the others have
-  the dense MLP of ``intermediate_size``.
+  transformers' rule (:func:`is_sparse`), by the block's index: for the softmax router
+  (Qwen3-MoE) not in ``mlp_only_layers``, and ``(index + 1) % decoder_sparse_step == 0``; for
+  the sigmoid router (GLM-4.5) from ``first_k_dense_replace`` on; the others have the dense MLP
+  of ``intermediate_size``.
 
 The same parts make the decoder layers of ``--backend local`` (:class:`OwnDecoderLayer`, by
 index) and the blocks of the servers dist_eval starts (:func:`petals_block_class`): petals'
@@ -25,7 +37,8 @@ server builds a block as ``config.block_class(config)``, without its index, so t
 tell it the index of the block they load (:data:`SERVER_BLOCK_INDEX`,
 :func:`dist_eval.backends.blocks.server_block_replacements`). Tensor names are transformers':
 ``self_attn.{q,k,v,o}_proj``, ``self_attn.{q,k}_norm``, ``mlp.gate``,
-``mlp.experts.<e>.{gate,up,down}_proj``.
+``mlp.experts.<e>.{gate,up,down}_proj``, ``mlp.gate.e_score_correction_bias``,
+``mlp.shared_experts.{gate,up,down}_proj``.
 """
 from __future__ import annotations
 
@@ -48,6 +61,8 @@ from transformers.models.llama.modeling_llama import (
 
 from dist_eval.backends.rope import rescale_rope
 
+# the block option ``mixture_of_experts`` of a family whose router is GLM-4.5's (the other: "softmax")
+SIGMOID = "sigmoid"
 # the index of the block this process's petals server is loading (None: not loading one)
 SERVER_BLOCK_INDEX: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_block_index", default=None)
 
@@ -61,8 +76,11 @@ def is_sparse(config, index: int) -> bool:
     """Whether block ``index`` of ``config`` has the mixture of experts (else the dense MLP); never
     in a family without the block option ``mixture_of_experts`` (a dense Qwen3 ignores ``num_experts``).
     """
-    if not getattr(config, "mixture_of_experts", False):
+    router = getattr(config, "mixture_of_experts", False)
+    if not router:
         return False
+    if router == SIGMOID:
+        return (getattr(config, "n_routed_experts", 0) or 0) > 0 and index >= config.first_k_dense_replace
     experts = getattr(config, "num_experts", 0) or 0
     dense = getattr(config, "mlp_only_layers", None) or ()
     return experts > 0 and index not in dense and (index + 1) % getattr(config, "decoder_sparse_step", 1) == 0
@@ -98,10 +116,19 @@ class QkNormAttention(LlamaAttention):
         self.q_proj = nn.Linear(self.hidden_size, inner, bias=bias)
         self.k_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
         self.v_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
-        self.o_proj = nn.Linear(inner, self.hidden_size, bias=bias)
-        self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self._init_rope()
+        self.o_proj = nn.Linear(inner, self.hidden_size, bias=bias and getattr(config, "attention_output_bias", True))
+        if getattr(config, "use_qk_norm", True):
+            self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
+        # RoPE on the first rotary_dim values of each head (transformers: int(head_dim * partial_rotary_factor))
+        self.rotary_dim = int(self.head_dim * getattr(config, "partial_rotary_factor", 1.0))
+        self.head_dim, head_dim = self.rotary_dim, self.head_dim  # the pinned _init_rope sizes its table by head_dim
+        try:
+            self._init_rope()
+        finally:
+            self.head_dim = head_dim
         rescale_rope(self, config)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -118,8 +145,7 @@ class QkNormAttention(LlamaAttention):
         if position_ids is None:  # petals' server: the positions after the cached ones
             position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
         cos, sin = cos[0, 0][position_ids].unsqueeze(1), sin[0, 0][position_ids].unsqueeze(1)
-        query = query * cos + rotate_half(query) * sin
-        key = key * cos + rotate_half(key) * sin
+        query, key = _rotate(query, cos, sin, self.rotary_dim), _rotate(key, cos, sin, self.rotary_dim)
 
         if past_key_value is not None:
             key = torch.cat([past_key_value[0], key], dim=2)
@@ -133,6 +159,14 @@ class QkNormAttention(LlamaAttention):
         weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
         output = torch.matmul(weights, value).transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
         return self.o_proj(output), (weights if output_attentions else None), past_key_value
+
+
+def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """RoPE on the first ``rotary_dim`` values of each head, the rest as they are."""
+    if rotary_dim == states.shape[-1]:
+        return states * cos + rotate_half(states) * sin
+    rotated, passed = states[..., :rotary_dim], states[..., rotary_dim:]
+    return torch.cat([rotated * cos + rotate_half(rotated) * sin, passed], dim=-1)
 
 
 class ExpertMLP(nn.Module):
@@ -174,6 +208,65 @@ class SparseMoeMLP(nn.Module):
         return output.view(hidden_states.shape)
 
 
+class SigmoidRouter(nn.Module):
+    """GLM-4.5's router: its logits in float32 (``weight``), and the bias its scores get for the
+    choice alone (``e_score_correction_bias``, a float32 buffer saved with the weights).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        weight = torch.empty(config.n_routed_experts, config.hidden_size)  # as transformers initialises it
+        self.weight = nn.Parameter(weight.normal_(0.0, getattr(config, "initializer_range", 0.02)))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(tokens.float(), self.weight.float())
+
+
+class SigmoidMoeMLP(nn.Module):
+    """GLM-4.5's mixture: a sigmoid top-k router with a correction bias for the choice and grouped
+    selection, ``routed_scaling_factor``, and a shared expert every token goes through.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts, self.top_k = config.n_routed_experts, config.num_experts_per_tok
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.gate = SigmoidRouter(config)
+        self.experts = nn.ModuleList(ExpertMLP(config, config.moe_intermediate_size) for _ in range(self.num_experts))
+        self.shared_experts = ExpertMLP(config, config.moe_intermediate_size * config.n_shared_experts)
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The experts of each token ([tokens, top_k]): the best scores plus the correction bias,
+        within the ``topk_group`` groups whose two best are best (the others' scores set to 0,
+        as transformers does).
+        """
+        choice = scores + self.gate.e_score_correction_bias[None]
+        groups = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+        best_groups = torch.topk(groups.topk(2, dim=-1)[0].sum(dim=-1), k=self.topk_group, dim=-1, sorted=False)[1]
+        kept = torch.zeros(choice.shape[0], self.n_group, dtype=torch.bool, device=choice.device)
+        kept.scatter_(1, best_groups, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(self.num_experts // self.n_group, dim=1), 0.0)
+        return torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        scores = _rows(self.gate, tokens).sigmoid()
+        chosen = self.choose(scores)
+        weights = scores.gather(1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * self.routed_scaling_factor
+        routed = torch.zeros_like(tokens, dtype=weights.dtype)
+        for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
+            token, slot = torch.where(chosen == expert)
+            routed.index_add_(0, token, _rows(self.experts[expert], tokens[token]) * weights[token, slot, None])
+        # the shared expert sees every token of the batch, as a dense block's MLP does
+        return routed.to(tokens.dtype).view(hidden_states.shape) + self.shared_experts(hidden_states)
+
+
 # MKL computes a matrix product of few rows by another path than one of many, summing in
 # another order: measured here (torch 2.13, MKL 2024.2, one thread), the last bits of a row
 # differ below 16 rows (below 3 for 64 columns, 6 for 128, 11 for 256) and never from 16 on.
@@ -197,7 +290,10 @@ def build_layer_parts(layer: nn.Module, config, index: int) -> None:
     """Give ``layer`` (a Llama decoder layer, its ``__init__`` not run) the parts of block ``index``."""
     layer.hidden_size = config.hidden_size
     layer.self_attn = QkNormAttention(config)
-    layer.mlp = SparseMoeMLP(config) if is_sparse(config, index) else LlamaMLP(config)
+    if not is_sparse(config, index):
+        layer.mlp = LlamaMLP(config)
+    else:
+        layer.mlp = SigmoidMoeMLP(config) if config.mixture_of_experts == SIGMOID else SparseMoeMLP(config)
     layer.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
     layer.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

@@ -17,6 +17,13 @@ Qwen3 and Qwen3-MoE have a ``head_dim`` (32) other than hidden/heads (16); Qwen3
 token to 2 of 8 experts (``norm_topk_prob``), block 1 dense (``mlp_only_layers``), and
 ``sparse_layers`` records which blocks transformers gives experts for another mix
 (``decoder_sparse_step`` 2 with ``mlp_only_layers``), from its own decoder layers.
+
+GLM-4.5 (``glm4_moe``) has no ``*ForSequenceClassification`` in transformers: its reference logits
+are the causal LM's backbone's last position's final hidden state times the head (``score.weight``),
+without and with the prompts prepended. Its tiny model: ``head_dim`` 32, q/k/v biases, q/k norms,
+RoPE on half of each head (``partial_rotary_factor`` 0.5), block 0 dense (``first_k_dense_replace``
+1) and blocks 1-3 a mixture of 8 routed experts (2 per token, chosen within the best of 2 groups,
+``e_score_correction_bias`` drawn) and a shared expert, ``routed_scaling_factor`` 2.5.
 """
 import json
 import os
@@ -112,6 +119,9 @@ def tokenizer_of(kind: str):
             special_tokens=[("<|begin_of_text|>", bos)])
         return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
                                        eos_token="<|end_of_text|>", pad_token="<|pad|>")
+    if kind == "glm4_moe":  # GLM-4.5: a byte-level BPE read by the plain fast tokenizer class, no BOS
+        tok = train_bpe(True, ["<|endoftext|>", "[gMASK]", "<sop>"])
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     if kind == "mistral":  # Llama 2 / Mistral: SentencePiece-style BPE with byte fallback, BOS added
         tok = train_bpe(False, ["<unk>", "<s>", "</s>"])
         return LlamaTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
@@ -138,13 +148,20 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
                                         attention_bias=True, use_sliding_window=False, **common)
     if kind == "qwen3_moe":
         return transformers.Qwen3MoeConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, **MOE, **common)
+    if kind == "glm4_moe":  # GLM-4.5-style, with n_group 2 (the flagship's 1) so that the grouped choice counts
+        return transformers.Glm4MoeConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, **GLM_MOE, **common)
     return transformers.Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
                                     **common)
 
 
 MOE = dict(num_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=EXPERT_INTERMEDIATE,
            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
-CLASSES = {"llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
+GLM_MOE = dict(partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, n_routed_experts=EXPERTS,
+               n_shared_experts=1, num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=EXPERT_INTERMEDIATE,
+               first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, n_group=2, topk_group=1)
+CLASSES = {"llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
+           "glm4_moe": "Glm4Moe"}
+NO_CLASSIFIER = ("glm4_moe",)  # transformers has no *ForSequenceClassification: the backbone times the head
 
 
 def sparse_layers() -> dict:
@@ -179,6 +196,9 @@ def make(kind: str, out: str) -> dict:
                 tensor.uniform_(0.5, 1.5)
             elif key.endswith("mlp.gate.weight"):  # a router far from uniform: no near-tie between experts
                 tensor.normal_(0.0, 0.3)
+        for key, tensor in lm.named_buffers():  # GLM's choice-only bias: big enough to change choices
+            if key.endswith("e_score_correction_bias"):
+                tensor.normal_(0.0, 0.3)
     lm.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     g = torch.Generator().manual_seed(1)
@@ -187,17 +207,21 @@ def make(kind: str, out: str) -> dict:
     save_file(trainable, os.path.join(out, f"{kind}.trainable.safetensors"))
     loaded = transformers.AutoTokenizer.from_pretrained(folder)
     ids = [loaded(text)["input_ids"] for text in CORPUS]
-    clf = getattr(transformers, f"{name}ForSequenceClassification").from_pretrained(folder, num_labels=NUM_LABELS)
-    clf.score.weight.data.copy_(trainable["score.weight"])
-    clf.eval()
+    if kind in NO_CLASSIFIER:
+        backbone = getattr(transformers, f"{name}ForCausalLM").from_pretrained(folder).eval().model
+        score = lambda hidden: hidden @ trainable["score.weight"].T  # noqa: E731
+    else:
+        clf = getattr(transformers, f"{name}ForSequenceClassification").from_pretrained(folder, num_labels=NUM_LABELS)
+        clf.score.weight.data.copy_(trainable["score.weight"])
+        backbone, score = clf.eval().model, clf.score
     head, ptune = [], []
     with torch.no_grad():
         for row in ids:
             x = torch.tensor([row])
-            head.append(clf(input_ids=x).logits[0].tolist())
-            embeds = torch.cat([trainable["prompt_embeddings.weight"][None], clf.model.embed_tokens(x)], dim=1)
-            hidden = clf.model(inputs_embeds=embeds).last_hidden_state[0, -1]
-            ptune.append(clf.score(hidden).tolist())
+            head.append(score(backbone(input_ids=x).last_hidden_state[0, -1]).tolist())
+            embeds = torch.cat([trainable["prompt_embeddings.weight"][None], backbone.embed_tokens(x)], dim=1)
+            hidden = backbone(inputs_embeds=embeds).last_hidden_state[0, -1]
+            ptune.append(score(hidden).tolist())
     return {"folder": kind, "class": type(loaded).__name__, "ids": ids, "logits_head": head, "logits_ptune": ptune,
             "pad_token_id": tokenizer.pad_token_id, "num_labels": NUM_LABELS, "pre_seq_len": PRE_SEQ_LEN}
 
