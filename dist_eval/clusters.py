@@ -256,9 +256,9 @@ def paired_cluster_bootstrap(
     g = number_of_clusters(clusters)
     difference = (preds_b == labels).astype(np.float64) - (preds_a == labels)
     point.update(method=CLUSTER_METHOD, resamples=int(resamples), clusters=g)
-    point["accuracy"].update(standard_error_clustered=cr1_standard_error(difference, clusters),
-                             standard_error_rows=iid_standard_error(difference),
-                             design_effect=design_effect(difference, clusters))
+    point["accuracy"].update(standard_error_clustered=_none_if_nan(cr1_standard_error(difference, clusters)),
+                             standard_error_rows=_none_if_nan(iid_standard_error(difference)),
+                             design_effect=_none_if_nan(design_effect(difference, clusters)))  # None: undefined
     if resamples == 0 or g < MIN_CLUSTERS:
         return point
     order = canonical_row_order(clusters, labels, preds_a, preds_b, gap)

@@ -293,9 +293,10 @@ def format_paired(paired: Optional[dict]) -> List[str]:
             ci_text += f"   (rows as independent: [{row_ci[0]:+.4f}, {row_ci[1]:+.4f}])" if ci and row_ci else ""
             lines.append(f"  B-A {name:<12} {d:+.4f}{ci_text}")
         if boot["resamples"] and "clusters" in boot:
+            deff = boot["accuracy"]["design_effect"]
             lines.append(f"  (paired cluster bootstrap: {boot['resamples']} resamples of the {boot['clusters']} "
                          f"clusters, seed {boot['seed']}, the same clusters for A and B; design effect of the "
-                         f"difference {boot['accuracy']['design_effect']:.2f})")
+                         f"difference {'undefined' if deff is None else f'{deff:.2f}'})")
         elif boot["resamples"]:
             lines.append(f"  (paired bootstrap: {boot['resamples']} resamples, seed {boot['seed']}, "
                          "the same rows for A and B)")

@@ -183,6 +183,10 @@ def test_compare_draws_the_clusters_of_two_clustered_runs():
     assert boot["accuracy"]["design_effect"] == design_effect(difference, cluster_numbers(names))
     assert paired["power"].get("design_effect", 1.0) == max(1.0, boot["accuracy"]["design_effect"])
     assert "(rows as independent: [" in format_comparison(compare_runs(a, b, resamples=200))
+    same = compare_runs(a, a, resamples=50)  # no discordant row: the design effect is undefined, said so
+    assert same.paired["bootstrap"]["accuracy"]["design_effect"] is None
+    assert "design effect of the difference undefined" in format_comparison(same)
+    json.dumps(same.paired, allow_nan=False)
     with pytest.raises(UsageError, match="the clusters of row 0 differ"):
         compare_runs(a, RunOutputs("B", metrics, np.arange(n), labels, other, losses, clusters=["x"] * n))
 
