@@ -16,7 +16,7 @@ import time
 from typing import List, Optional
 
 from dist_eval import ranks
-from dist_eval.config import EvalConfig, default_of, flag_fields
+from dist_eval.config import EvalConfig, default_of, flag_fields, shard_from_slurm
 from dist_eval.errors import UsageError, flag_names, stopping
 from dist_eval.ranks.siblings import Siblings, dead_main_rank, sibling_ranks
 
@@ -68,6 +68,8 @@ def checked_config(**flags) -> EvalConfig:
     from dist_eval.output.tracking import check_tracker
     from dist_eval.swarm.devices import DEVICE_REQUEST
 
+    if flags.get("shard") is None:  # a SLURM job array's task: its shard of the array
+        flags["shard"] = shard_from_slurm(os.environ)
     config = EvalConfig(**flags)
     if not isinstance(config.local_device, str) or not DEVICE_REQUEST.fullmatch(config.local_device):
         raise UsageError("expected auto, cpu, cuda (every visible GPU) or cuda:K.", param="local_device",

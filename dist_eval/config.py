@@ -136,6 +136,49 @@ _ROW_STORE = (
     "($DIST_EVAL_ROW_STORE, else $DIST_EVAL_CACHE/rows, ~/.cache/dist_eval/rows). A row read from it has the "
     "logits of the run that evaluated it. Safe to delete at any time."
 )
+_SHARD = (
+    "Evaluate only shard I of K (0 <= I < K) of the set: the batches of the whole set's batch plan dealt to it "
+    "(the same split for any number of ranks), written with what `python -m dist_eval.shard_merge` needs to "
+    "build the whole set's report, equal bit for bit to one run (docs/cluster.md). Default: none; in a SLURM "
+    "job array, the array task's place in the array, of SLURM_ARRAY_TASK_COUNT. Not with --stop-at-width or "
+    "--stop-when-decided, nor several sets or checkpoints."
+)
+
+
+def parse_shard(value) -> Optional[str]:
+    """``shard`` as "I/K" (from "I/K" or (I, K)), 0 <= I < K; None: the whole set."""
+    parts = value.split("/") if isinstance(value, str) else value
+    try:
+        index, count = (int(part) for part in parts)
+    except (TypeError, ValueError):
+        index = count = -1
+    if value is not None and not (isinstance(value, (str, tuple, list)) and 0 <= index < count):
+        raise UsageError("expected I/K, shard I of K with 0 <= I < K (e.g. 0/3, 1/3, 2/3), or none: the whole set.",
+                         param="shard", value=value)
+    return None if value is None else f"{index}/{count}"
+
+
+def shard_from_slurm(env) -> Optional[str]:
+    """The shard of a SLURM job array's task: its place among the array's task ids
+    (SLURM_ARRAY_TASK_ID from SLURM_ARRAY_TASK_MIN in steps of SLURM_ARRAY_TASK_STEP) of
+    SLURM_ARRAY_TASK_COUNT; None outside an array. An array whose ids are not such a range is refused.
+    """
+    if "SLURM_ARRAY_TASK_ID" not in env:
+        return None
+    names = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT")
+    try:
+        task, first, count = (int(env[name]) for name in names)
+        step = int(env.get("SLURM_ARRAY_TASK_STEP", "1") or 1)
+    except (KeyError, ValueError):
+        task = first = count = step = 0
+    index = (task - first) // step if step > 0 else -1
+    if step <= 0 or (task - first) % step or not 0 <= index < count:
+        shown = ", ".join(f"{name}={env.get(name)}" for name in (*names, "SLURM_ARRAY_TASK_STEP"))
+        raise UsageError(f"cannot tell this array task's shard from {shown} (an --array of ids in one range "
+                         "A-B[:STEP] is read as shards 0..K-1). Pass --shard I/K to each task.", param="shard")
+    return f"{index}/{count}"
+
+
 _FRESH_ROWS = ("Evaluate every row afresh: read no row from the row store (the rows are still written to it). "
                "Not with --row-store off.")
 
@@ -269,8 +312,16 @@ class Options:
     fresh_rows: bool = setting(False, _FRESH_ROWS)
     slice_by: Optional[Tuple[str, ...]] = setting(None, _SLICE_BY, nargs="*")
     cluster_by: Optional[str] = setting(None, _CLUSTER_BY, metavar="COLUMN")
+    # a part of the set (separately launched shards, merged by dist_eval.shard_merge): no row's result changes
+    shard: Optional[str] = setting(None, _SHARD)
+
+    @property
+    def shard_part(self) -> Optional[Tuple[int, int]]:
+        """(I, K) of ``shard``; None: the whole set."""
+        return None if self.shard is None else tuple(int(part) for part in self.shard.split("/"))
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "shard", parse_shard(self.shard))
         if self.slice_by is not None:
             object.__setattr__(self, "slice_by", _slice_columns(self.slice_by))
         if self.cluster_by is not None and (not isinstance(self.cluster_by, str) or not self.cluster_by):
@@ -450,7 +501,12 @@ class EvalConfig:
             raise UsageError("--initial-peers: only used with --backend petals.")
         self._plan()
         self.settings.check_stop_flags()
+        check_shard(self.settings, self.options)
         check_clusters(self.settings, self.options)
+        if self.options.shard is not None and self.plan is not None and self.plan.several:
+            raise UsageError("a shard is a part of one set for one checkpoint: expected one --checkpoint and one "
+                             "set in --data-files. Launch the shards of each pair apart.", param="shard",
+                             value=self.options.shard)
         if self.settings.stop_when_decided and (
                 self.plan is None or len(self.plan.checkpoints) != 2 or len(self.plan.sets) != 1):
             raise UsageError("compares two checkpoints on the same rows: pass --model, --data-files (one set) and "
@@ -525,8 +581,18 @@ def settings_from(keywords: Dict[str, Any], settings: Optional[Settings] = None,
                              param=passed[0], value=keywords[passed[0]])
     settings, options = settings or built_settings, options or built_options
     settings.check_stop_flags()
+    check_shard(settings, options)
     check_clusters(settings, options)
     return settings, options
+
+
+def check_shard(settings: Settings, options: Options) -> None:
+    """A shard of a run that stops early is refused: its rounds and the decision to stop need every row."""
+    if options.shard is not None and settings.stops_early:
+        raise UsageError("a run that stops early decides after each round over the rows of every shard, so it "
+                         "cannot be split into shards launched apart. Drop {0} and {1} (the shard evaluates "
+                         "its whole part), or drop the shard.", param="shard", value=options.shard,
+                         names=("stop_at_width", "stop_when_decided"))
 
 
 def check_clusters(settings: Settings, options: Options) -> None:

@@ -233,6 +233,10 @@ def _attach_clusters(result: EvalResult, clusters: tuple, options: Options) -> N
 def _rows_of(data, settings: Settings, options: Options) -> Optional[Rows]:
     """The rows of a Dataset (or the Rows the CLI drew), drawn once here; None for a DataLoader."""
     if isinstance(data, torch.utils.data.DataLoader):
+        if options.shard is not None:
+            raise UsageError("a shard is a part of a Dataset's batch plan; a DataLoader's batches are the "
+                             "caller's. Pass a datasets.Dataset, or drop the shard.", param="shard",
+                             value=options.shard)
         if options.slice_by is not None:
             raise UsageError(f"slices need a datasets.Dataset (its columns), not {type(data).__name__}.",
                              param="slice_by", value=list(options.slice_by))
@@ -297,7 +301,8 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
         # resume folder's batches after it (keyed by the plan's batches)
         num_rows, batches, num_truncated, own_batches, known = _this_rank_batches(
             data, tokenizer, settings, task, options.top_k, _plan_hook(on_batch_done),
-            partial(open_known_logits, model, tokenizer, settings, options, task.num_labels, task.pad_token_id))
+            partial(open_known_logits, model, tokenizer, settings, options, task.num_labels, task.pad_token_id),
+            options.shard_part)
         with ranks.phase("reading the stored partial results"):
             known.resume_from(resume_folder, own_batches, task.num_labels, options.save_interval)
         local = _forward_passes(task, batches, known, options.in_flight, sample_metrics, on_batch_done)
@@ -308,9 +313,11 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
         local, num_rows, task.num_labels, label_names=task.label_names, user_metrics=metrics,
         num_truncated=num_truncated, loop_seconds=loop_seconds,
         bootstrap=(options.bootstrap_resamples, options.bootstrap_seed), top_k=options.top_k,
+        rows=known.shard_rows,
     )
     facts = LoopFacts.from_report(report)
-    facts.row_store = known.store_facts(num_rows, facts.resumed_samples)
+    facts.row_store = known.store_facts(num_rows if known.shard_rows is None else len(known.shard_rows),
+                                        facts.resumed_samples)
     report.update(facts.report())
     return EvalResult(metrics=report, predictions=merged if return_logits else _without_logits(merged), facts=facts)
 
@@ -459,11 +466,12 @@ def _plan_hook(on_batch_done):
 
 
 def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: Optional[int] = None, on_plan=None,
-                       open_known=None):
+                       open_known=None, shard: Optional[Tuple[int, int]] = None):
     """(rows in the data, this rank's batches, rows truncated here, {batch id: rows} of this
     rank's batches or None for a DataLoader, the :class:`KnownLogits` ``open_known(data)`` opened).
     Every rank must call it. The rows the row store holds are left out of the batch plan; rank 0
-    reports them, as batches whose logits are known.
+    reports them, as batches whose logits are known. ``shard`` = (I, K): the rows of shard I of K
+    only (:func:`dist_eval.data.shard.shard_of_plan`; ``known.shard_rows``), a Dataset only.
     """
     from dist_eval.backends.families import tokenizers_calling_the_base
 
@@ -485,7 +493,7 @@ def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: 
             batches, num_truncated, own_batches = dataset_batches(
                 data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
                 on_plan=on_plan, skip_rows=known.stored_rows,
-                calling_the_base=tokenizers_calling_the_base(),
+                calling_the_base=tokenizers_calling_the_base(), shard=shard, on_shard=known.keep_rows,
             )
             batches = known.with_store_batches(labels, batches)
     return num_rows, batches, num_truncated, own_batches, known

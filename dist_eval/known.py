@@ -38,12 +38,18 @@ class KnownLogits:
         self.resumed: Dict[int, np.ndarray] = {}  # {batch id: logits} an interrupted run stored
         self.partial: Optional[PartialWriter] = None
         self.rows_resumed = 0
+        self.shard_rows: Optional[np.ndarray] = None  # a shard's rows (sorted); None: every row
 
     # ---------------------------------------------------------------- the plan
     @property
     def stored_rows(self) -> np.ndarray:
         """The rows the store holds, the same on every rank: the batch plan leaves them out."""
         return self.rows.stored_rows
+
+    def keep_rows(self, rows: np.ndarray) -> None:
+        """A shard's rows (sorted): the store serves and reports only those."""
+        self.shard_rows = rows
+        self.rows.stored_rows = self.rows.stored_rows[np.isin(self.rows.stored_rows, rows)]
 
     def with_store_batches(self, labels: np.ndarray, batches) -> Iterator:
         """Rank 0: the store's rows as batches whose logits are known, then ``batches``."""

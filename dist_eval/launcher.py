@@ -3,6 +3,7 @@
     dist-eval [torchrun options] [-- dist_eval flags]
     dist-eval --nproc-per-node 4 -- --model DIR --data-files test.csv
     dist-eval --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:29400 --nproc-per-node 8 -- --initial-peers ...
+    dist-eval merge SHARD_DIR... --output-dir OUT     (python -m dist_eval.shard_merge: shards merged)
 
 Everything before ``--`` goes to torchrun (``torchrun --help`` lists it; default: one rank
 on this node), everything after it to ``python -m dist_eval``. ``torchrun -m dist_eval``
@@ -38,6 +39,7 @@ PROG = "dist-eval"
 _USAGE = (
     f"usage: {PROG} [torchrun options] [-- dist_eval flags]\n"
     f"  e.g. {PROG} --nproc-per-node 2 -- --model DIR --data-files test.csv\n"
+    f"  {PROG} merge SHARD_DIR... --output-dir OUT: the shards of a run (--shard I/K) merged into its report\n"
     "  torchrun options: see `torchrun --help` (default: one rank on this node);\n"
     "  dist_eval flags: see `python -m dist_eval --help` (none: the built-in demo)."
 )
@@ -152,6 +154,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__.strip().split("\n\n")[0] + "\n\n" + _USAGE)
         return 0
+    if argv[:1] == ["merge"]:  # dist-eval merge SHARD_DIR... --output-dir OUT: the shards' merge, this process
+        os.execv(sys.executable, [sys.executable, "-m", "dist_eval.shard_merge", *argv[1:]])
     torchrun_options, flags = split_argv(argv)
     if any(not option.startswith("-") for option in torchrun_options[:1]):
         print(f"{PROG}: error: {torchrun_options[0]!r}: expected torchrun options before '--' and dist_eval flags "

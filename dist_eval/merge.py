@@ -56,10 +56,10 @@ def _concat(payloads: List[dict], key: str) -> Optional[np.ndarray]:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def merge_gathered(payloads: List[dict], num_rows: int) -> MergedResults:
+def merge_gathered(payloads: List[dict], num_rows: int, rows: Optional[np.ndarray] = None) -> MergedResults:
     """Concatenate the ranks' payloads (:meth:`ShardResults.as_payload`; already
     concatenated by the gather, in which case there is one), keep the first result of each row index, and
-    require exactly the rows 0..num_rows-1.
+    require exactly the rows 0..num_rows-1 (``rows``, sorted, when given: a shard's rows of the set).
 
     The payloads are consumed field by field (each field is released once it has been
     merged), so rank 0 holds about one copy of the gathered per-sample arrays, not two.
@@ -78,7 +78,14 @@ def merge_gathered(payloads: List[dict], num_rows: int) -> MergedResults:
     num_duplicates = int((~keep).sum())
     unique_indices = sorted_indices[keep]
     del sorted_indices
-    if len(unique_indices) != num_rows or (num_rows and (unique_indices[0] != 0 or unique_indices[-1] != num_rows - 1)):
+    if rows is not None and not np.array_equal(unique_indices, rows):
+        missing = np.setdiff1d(rows, unique_indices)
+        outside = np.setdiff1d(unique_indices, rows)
+        raise CoverageError(f"evaluated {len(unique_indices)} distinct rows, expected the shard's {len(rows)}: "
+                            f"{len(missing)} missing (first {missing[:5].tolist()}), {len(outside)} outside the shard "
+                            f"(first {outside[:5].tolist()})")
+    if rows is None and (len(unique_indices) != num_rows or (
+            num_rows and (unique_indices[0] != 0 or unique_indices[-1] != num_rows - 1))):
         present = np.zeros(num_rows, dtype=bool)
         inside = unique_indices[(unique_indices >= 0) & (unique_indices < num_rows)]
         present[inside] = True
@@ -189,6 +196,7 @@ def merge_on_main(
     loop_seconds: float = 0.0,
     bootstrap: Optional[Tuple[int, int]] = None,
     top_k: Optional[int] = None,
+    rows: Optional[np.ndarray] = None,
 ) -> tuple:
     """Combine every rank's results: (the report on every rank, the merged per-sample
     arrays on rank 0 and None elsewhere). Every rank must call it.
@@ -196,7 +204,8 @@ def merge_on_main(
     ``bootstrap`` = (resamples, seed) adds ``confidence_intervals`` to the report.
     ``top_k``: the k of ``top{k}_accuracy`` (None: :func:`dist_eval.metrics.default_top_k`).
     ``local.logits`` must be kept: the probability scores (ECE, Brier, top-k, AUROC) are
-    computed on rank 0 from the softmax of every row's logits.
+    computed on rank 0 from the softmax of every row's logits. ``rows``: the rows of a shard
+    (sorted), which the merge must cover instead of 0..num_rows-1.
     """
     global_totals = Totals.of_shard(local, num_truncated).all_reduced()
     # per-sample arrays to rank 0 only; rank 0 merges and computes the metrics
@@ -207,7 +216,7 @@ def merge_on_main(
     report, merged = None, None
     with ranks.phase("merging the results"):
         if ranks.is_main_process():
-            merged = merge_gathered([gathered], num_rows)  # consumes the arrays: one copy at a time
+            merged = merge_gathered([gathered], num_rows, rows)  # consumes the arrays: one copy at a time
             del gathered
             report = _report(
                 merged, num_labels, label_names, user_metrics, global_totals, rank_facts, (bootstrap, top_k)

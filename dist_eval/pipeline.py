@@ -309,6 +309,10 @@ def _report_pair(session: _Session, pair: Pair, result, where: tuple, rows: Rows
         if ranks.is_main_process():
             texts = texts_of(session.config, session.job.settings, rows.dataset, getattr(result, "slices", None))
             write_report(session.config, out, result, session.say, texts)
+            if session.config.options.shard is not None:  # what dist_eval.shard_merge reads: written last
+                from dist_eval.output.shard_files import write_shard
+
+                write_shard(out, result, session.config, result.metrics["run"], texts, len(rows))
     if not ranks.is_main_process():
         return None
     if folder is not None:
@@ -339,9 +343,11 @@ def _partial_folder(session: _Session, out: str, pair: Pair, rows: Rows) -> Tupl
     """
     from dist_eval import resume
     from dist_eval.output.files import check_output_dir
+    from dist_eval.output.shard_files import discard_shard
 
     config, job = session.config, session.job
     check_output_dir(out)
+    discard_shard(out)  # an earlier shard's files are not this run's
     key = resume.run_key(job.model_dir, pair.checkpoint.path, rows.dataset, job.split, session.model, job.settings,
                          job.head)
     if job.plan.several and config.resume and resume.finished_report(out, key):

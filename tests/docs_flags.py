@@ -31,7 +31,8 @@ FOREIGN = {
     "pip": {"--no-deps", "--upgrade", "--target", "--no-index", "--no-compile", "--no-cache-dir"},
     "pytest": {"--durations", "--dist", "--reverse-order", "--random-order", "--random-order-bucket",
                "--random-order-seed"},
-    "sbatch": {"--nodes", "--gpus-per-node", "--cpus-per-task", "--ntasks-per-node", "--kill-on-bad-exit"},
+    "sbatch": {"--nodes", "--gpus-per-node", "--cpus-per-task", "--ntasks-per-node", "--kill-on-bad-exit",
+               "--array", "--dependency", "--parsable", "--requeue"},
 }
 FOREIGN_FLAGS = set().union(*FOREIGN.values())
 
@@ -41,6 +42,7 @@ NAMED = [
     (re.compile(r"dist_eval\.swarm|start_server\.sh|LocalSwarm"), "swarm"),
     (re.compile(r"dist_eval\.compare"), "compare"),
     (re.compile(r"dist_eval\.rescore"), "rescore"),
+    (re.compile(r"dist_eval\.shard_merge|dist-eval merge"), "shard_merge"),
     (re.compile(r"dist_eval\.rendezvous"), "rendezvous"),
     (re.compile(r"torchrun|torch\.distributed\.run|dist-eval|run_multinode\.sh|slurm\.sbatch|run_local\.sh"),
      "torchrun"),
@@ -60,7 +62,8 @@ def command_flags() -> Dict[str, Set[str]]:
 
     names = {"python -m dist_eval": "main", "python -m dist_eval.swarm": "swarm",
              "python -m dist_eval.swarm status": "swarm",  # its subcommand's flags count as the swarm's
-             "python -m dist_eval.compare": "compare", "python -m dist_eval.rescore": "rescore"}
+             "python -m dist_eval.compare": "compare", "python -m dist_eval.rescore": "rescore",
+             "python -m dist_eval.shard_merge": "shard_merge"}
     out: Dict[str, Set[str]] = {}
     for name, (_, build) in commands().items():
         out.setdefault(names[name], set()).update(flags(build()))
@@ -152,12 +155,16 @@ def _command_at(token: str, following: str, current: Set[str]) -> Set[str]:
         return {"torchrun"}
     if token == "-m" and following.startswith("dist_eval"):
         return _named(following) - {"torchrun"} or {"main"}
+    if token == "merge" and current == {"torchrun"}:  # dist-eval merge: the shards' merge
+        return {"shard_merge"}
     if token == "--" and current == {"torchrun"}:
         return {"main"}
     if token.endswith("start_server.sh"):
         return {"swarm"}
-    if token.endswith(("run_local.sh", "run_multinode.sh", "slurm.sbatch")):
+    if token.endswith(("run_local.sh", "run_multinode.sh", "slurm.sbatch", "slurm_array.sbatch")):
         return {"main"}
+    if token.endswith("slurm_merge.sbatch"):
+        return {"shard_merge"}
     if token.endswith(".py") and (_named(token) or "benchmarks/" in token):
         return {os.path.basename(token)[:-3]}
     if token in ("pip", "pytest", "sbatch", "ruff") or token.endswith("/pip"):

@@ -211,7 +211,7 @@ LAYERS = (
     ("merge", "rowstore", "demo_build", "clusters"),  # rank 0's merge; the store of known rows; clustered intervals
     ("slices", "stopping", "known"),  # the known logits: the resume folder and the row store, one source
     ("compare", "rescore", "output", "evaluation"),  # the report writers; the evaluation core
-    ("pipeline",),  # the CLI's flow
+    ("pipeline", "shard_merge"),  # the CLI's flow; the shards' merge (the report writers below)
     ("cli",),
     ("docs_cli", "__main__"),
 )

@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
 # scancel to the last process of the job gone (srun's included): 1-3 s here, with room for a busy machine
 STOPPED_WITHIN_S = 5.0
 SBATCH = os.path.join(REPO, "launch", "slurm.sbatch")
+ARRAY, MERGE = (os.path.join(REPO, "launch", name) for name in ("slurm_array.sbatch", "slurm_merge.sbatch"))
 # what a job inherits from sbatch (--export=ALL): no OMP_NUM_THREADS, so that the script sets it
 JOB_ENV = {"PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "LOCAL_ADDR": "127.0.0.1", "OMP_NUM_THREADS": ""}
 
@@ -40,10 +41,10 @@ def inputs(tmp_path_factory):
     return build_checkpoint(str(folder / "ck.pt")), write_csv(str(folder / "data.csv"), 41, seed=5)
 
 
-def submit(cluster, sbatch_options, args, **env):
+def submit(cluster, sbatch_options, args, script=SBATCH, **env):
     job_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     job_env.update({k: v for k, v in {**JOB_ENV, **env}.items() if v})
-    return cluster.sbatch([*sbatch_options, SBATCH, *args], cwd=REPO, env=job_env)
+    return cluster.sbatch([*sbatch_options, script, *args], cwd=REPO, env=job_env)
 
 
 def assert_completed(cluster, job):
@@ -160,3 +161,34 @@ def test_scancel_mid_run_on_a_swarm(cluster, tiny_swarm, tiny_model, tmp_path):
     assert "failed a request" not in text and "Traceback" not in text, text[-3000:]
     assert "death signal" not in text, text[-3000:]  # torchrun's launcher logs stay quiet
     assert not (tmp_path / "out" / "metrics.json").exists()
+
+
+# 45 s on the 2-core machine (3 tasks, a requeue, the merge: each a torchrun of its own), over what the
+# suite's budget leaves: run when asked, as every change to the array or merge scripts should be
+@pytest.mark.skipif(os.environ.get("DIST_EVAL_SLURM_ARRAY") != "1",
+                    reason="the SLURM array test takes 45 s: DIST_EVAL_SLURM_ARRAY=1 runs it")
+def test_an_array_of_shards_one_requeued_then_the_merge(cluster, tiny_model, inputs, tmp_path):
+    """Issue 53: launch/slurm_array.sbatch as an array of 3 tasks (shards 0/3..2/3, from the array's
+    ids 4-6), task 5 requeued once running (scontrol requeue: it runs again, into its own folder);
+    launch/slurm_merge.sbatch after the array (--dependency=afterok): the merged report == one rank
+    over every row, bit for bit."""
+    from inprocess_cli import run_cli_in_process
+
+    out = tmp_path / "shards"
+    args = [a for a in eval_args(tiny_model, inputs, "-", "--backend", "local") if a not in ("--output-dir", "-")]
+    array = submit(cluster, ["--array=4-6", "--cpus-per-task=1"], args, ARRAY, OUT=str(out))
+    merge = submit(cluster, [f"--dependency=afterok:{array}"], [], MERGE, OUT=str(out))
+    assert run_cli_in_process([*args, "--output-dir", str(tmp_path / "one"), "--progress", "none", "--quiet"]) == 0
+    end = time.monotonic() + 120
+    while cluster.job(f"{array}_5").get("JobState") != "RUNNING" and time.monotonic() < end:
+        time.sleep(0.05)
+    cluster.run(["scontrol", "requeue", f"{array}_5"])
+    # a requeued job waits for a begin time (about 2 minutes) unless told otherwise
+    while cluster.job(f"{array}_5").get("JobState") != "PENDING" and time.monotonic() < end:
+        time.sleep(0.05)
+    cluster.run(["scontrol", "update", f"JobId={array}_5", "StartTime=now"])
+    assert_completed(cluster, merge)
+    assert cluster.job(f"{array}_5")["Restarts"] == "1"
+    shards = [outputs(out / f"shard-{task}") for task in (4, 5, 6)]
+    assert [run["world_size"] for _, _, run in shards] == [1, 1, 1]
+    assert outputs(out / "merged")[:2] == outputs(tmp_path / "one")[:2]

@@ -12,6 +12,7 @@ from dist_eval.data.batches import Batch, plan_batches, shard_batch_ids
 from dist_eval.data.labels import TaskColumns
 from dist_eval.data.tokenize import cyclic_gc_paused, right_pad
 from dist_eval.data.tokenize import tokenize_rows as tokenize_these_rows
+from dist_eval.errors import UsageError
 
 
 def _row_block(num_rows: int, rank: int, world_size: int) -> np.ndarray:
@@ -33,25 +34,26 @@ def _token_lengths(dataset, tokenize_rows: Callable, columns: TaskColumns, num_r
     return lengths, dict(zip(block.tolist(), ids)), num_truncated
 
 
-def _row_owners(planned: List[np.ndarray], num_rows: int) -> np.ndarray:
-    """The rank whose batches hold each row."""
+def _row_owners(planned: List[np.ndarray], num_rows: int, plan_ids: List[int]) -> np.ndarray:
+    """The rank whose batches (of ``plan_ids``) hold each row."""
     owners = np.zeros(num_rows, dtype=np.int64)
     world_size = ranks.get_world_size()
     for rank in range(1, world_size):
-        ids = shard_batch_ids(len(planned), rank, world_size)
+        ids = [plan_ids[i] for i in shard_batch_ids(len(plan_ids), rank, world_size)]
         if ids:
             owners[np.concatenate([planned[b] for b in ids])] = rank
     return owners
 
 
-def _send_to_owners(by_row: Dict[int, List[int]], planned: List[np.ndarray], num_rows: int) -> Dict[int, List[int]]:
+def _send_to_owners(by_row: Dict[int, List[int]], planned: List[np.ndarray], num_rows: int,
+                    plan_ids: List[int]) -> Dict[int, List[int]]:
     """The token ids of this rank's block, each row sent to the rank whose batches hold it;
     returns those of this rank's own rows. Rows travel packed: (row indices, lengths, one
     flat int32 array of ids), which pickles in a fraction of a list of lists' time.
     """
     if ranks.get_world_size() == 1:  # every row is this rank's already
         return by_row
-    owners = _row_owners(planned, num_rows)
+    owners = _row_owners(planned, num_rows, plan_ids)
     rows = np.fromiter(by_row, dtype=np.int64, count=len(by_row))
     outgoing = []
     for rank in range(ranks.get_world_size()):
@@ -88,7 +90,8 @@ _AHEAD_ROWS = 256
 def dataset_batches(
     dataset, tokenizer, labels: np.ndarray, settings, *, pad_token_id: int, prefix_tokens: int = 0,
     on_plan: Optional[Callable[[List[int], List[int]], None]] = None, skip_rows: Optional[np.ndarray] = None,
-    calling_the_base: frozenset = frozenset(),
+    calling_the_base: frozenset = frozenset(), shard: Optional[Tuple[int, int]] = None,
+    on_shard: Optional[Callable[[np.ndarray], None]] = None,
 ) -> Tuple[Iterator[Batch], int, Dict[int, np.ndarray]]:
     """This rank's batches of a Dataset: (iterator of right-padded batches, rows truncated
     here, {batch id: row indices} of this rank's batches).
@@ -104,6 +107,10 @@ def dataset_batches(
     ``skip_rows`` (the same on every rank): rows the plan leaves out (the row store holds them);
     they are still tokenized where their truncation is counted. ``calling_the_base``: see
     :func:`~dist_eval.data.tokenize.tokenize_rows`.
+
+    ``shard`` = (I, K): only the rows of shard I of K (:func:`shard_of_plan`: the batches of the
+    whole set's plan dealt to it, kept whole with their ids, so each row's logits are those of a
+    run over every row), given to ``on_shard`` (sorted); the truncated rows counted are its own.
     """
     tokenize_rows = partial(tokenize_these_rows, tokenizer, calling_the_base=calling_the_base)
     columns, max_length = TaskColumns.of(settings), settings.max_length
@@ -114,24 +121,37 @@ def dataset_batches(
         lengths, by_row, num_truncated = _token_lengths(
             dataset, tokenize_rows, columns, num_rows, max_length, pad_token_id
         )
-    kept = None  # every row
-    if skip_rows is not None and len(skip_rows):
-        skipped = np.zeros(num_rows, dtype=bool)
-        skipped[skip_rows] = True
-        kept = np.flatnonzero(~skipped)
-        by_row = {r: ids for r, ids in by_row.items() if not skipped[r]}
+    whole, inside, skip_rows = None, None, np.zeros(0, np.int64) if skip_rows is None else skip_rows
+    if shard is not None:
+        whole, plan_ids, inside = shard_of_plan(_plan(num_rows, settings, lengths, prefix_tokens), num_rows, shard)
+        skip_rows = skip_rows[inside[skip_rows]]  # the stored rows of this shard
+        if on_shard is not None:
+            on_shard(np.flatnonzero(inside))
+        if lengths is not None:  # the truncated rows of this shard (of this rank's block): only they are counted
+            num_truncated = _truncated_in_block(dataset, tokenize_rows, columns, settings, pad_token_id,
+                                                lengths, inside)
+    kept = None if inside is None else inside.copy()  # None: every row
+    if len(skip_rows):
+        kept = np.ones(num_rows, dtype=bool) if kept is None else kept
+        kept[skip_rows] = False
         if lengths is None:  # their truncation, counted on the rank of their block (as with the lengths)
             mine = skip_rows[_row_block(len(skip_rows), ranks.get_rank(), ranks.get_world_size())]
             num_truncated += tokenize_rows(dataset, np.sort(mine), columns, max_length, pad_token_id)[1]
-    planned = _plan(num_rows if kept is None else kept, settings, lengths, prefix_tokens)
-    if on_plan is not None and lengths is not None:
-        on_plan([len(b) for b in planned], [len(b) * (int(lengths[b].max()) + prefix_tokens) for b in planned])
-    batch_ids = shard_batch_ids(len(planned), ranks.get_rank(), ranks.get_world_size())
-    own_rows = {r for b in batch_ids for r in planned[b].tolist()}
-    if lengths is not None:  # the block's rows go to the ranks whose batches hold them: no row tokenized twice
-        by_row = _send_to_owners(by_row, planned, num_rows)
+    if kept is not None:
+        by_row = {r: ids for r, ids in by_row.items() if kept[r]}
+    if whole is not None and not len(skip_rows):  # the whole set's batches, their ids kept (resume, bits)
+        planned = whole
     else:
-        todo = np.array(sorted(own_rows), dtype=np.int64)
+        planned = _plan(num_rows if kept is None else np.flatnonzero(kept), settings, lengths, prefix_tokens)
+        plan_ids = list(range(len(planned)))
+    if on_plan is not None and lengths is not None:
+        on_plan([len(planned[b]) for b in plan_ids],
+                [len(planned[b]) * (int(lengths[planned[b]].max()) + prefix_tokens) for b in plan_ids])
+    batch_ids = [plan_ids[i] for i in shard_batch_ids(len(plan_ids), ranks.get_rank(), ranks.get_world_size())]
+    if lengths is not None:  # the block's rows go to the ranks whose batches hold them: no row tokenized twice
+        by_row = _send_to_owners(by_row, planned, num_rows, plan_ids)
+    else:
+        todo = np.array(sorted({r for b in batch_ids for r in planned[b].tolist()}), dtype=np.int64)
         ids, truncated_here = tokenize_rows(dataset, todo, columns, max_length, pad_token_id)
         num_truncated += truncated_here
         by_row.update(zip(todo.tolist(), ids))
@@ -141,6 +161,32 @@ def dataset_batches(
 
     batches = padded_batches(batch_ids, planned, labels, by_row, tokenize, pad_token_id)
     return batches, num_truncated, {b: planned[b] for b in batch_ids}
+
+
+def shard_of_plan(planned: List[np.ndarray], num_rows: int, shard: Tuple[int, int]):
+    """(the whole set's plan, the ids of shard I of K's batches in it, a mask of its rows): the
+    plan's batches dealt to K shards as to K ranks (:func:`shard_batch_ids`: by cost, snake order),
+    so the split depends only on the data and the settings, never on the ranks of any shard.
+    """
+    index, count = shard
+    ids = shard_batch_ids(len(planned), index, count)
+    if not ids:
+        raise UsageError(f"the set's batch plan has {len(planned)} batch(es), so shard {index} of {count} would hold "
+                         f"no row: expected at most {len(planned)} shards. Split it into fewer (K <= {len(planned)}).",
+                         param="shard", value=f"{index}/{count}")
+    inside = np.zeros(num_rows, dtype=bool)
+    inside[np.concatenate([planned[b] for b in ids])] = True
+    return planned, ids, inside
+
+
+def _truncated_in_block(dataset, tokenize_rows: Callable, columns: TaskColumns, settings, pad_token_id: int,
+                        lengths: np.ndarray, inside: np.ndarray) -> int:
+    """The truncated rows of this rank's block of lengths that are in the shard: a truncated row
+    is max_length tokens long, so only those rows are tokenized again to tell.
+    """
+    block = _row_block(len(lengths), ranks.get_rank(), ranks.get_world_size())
+    maybe = block[inside[block] & (lengths[block] >= settings.max_length)]
+    return tokenize_rows(dataset, maybe, columns, settings.max_length, pad_token_id)[1]
 
 
 def padded_batches(batch_ids: List[int], planned: List[np.ndarray], labels: np.ndarray, by_row: Dict[int, List[int]],

@@ -38,20 +38,22 @@ _held: Dict[str, str] = {}  # {folder: lock file} held by this process
 def hold_output_dir(path: str) -> None:
     """Rank 0: take ``path`` for this run, or refuse in one line naming the run that holds it
     (host, pid, start). A lock left by a run that died on this host is taken over with a warning
-    (one that died on another host cannot be seen dead from here: its file must be removed by hand).
+    (one that died on another host cannot be seen dead from here: its file must be removed by hand,
+    but for a SLURM job requeued onto another node: its earlier run's lock is taken over).
     Released when this process exits.
     """
     lock = os.path.join(os.path.abspath(path), LOCK_NAME)
     if lock in _held.values():
         return
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid()),
-          "since": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())}
+          "since": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime()),
+          "slurm_job": os.environ.get("SLURM_JOB_ID"), "restarts": os.environ.get("SLURM_RESTART_COUNT")}
     for _ in range(3):  # another run may take over the same dead lock at the same moment
         try:
             fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except FileExistsError:
             other = _lock_holder(lock)
-            if other.get("host") != me["host"] or _alive(other):
+            if not _earlier_run_of_this_job(other, me) and (other.get("host") != me["host"] or _alive(other)):
                 who = (f"host {other.get('host', '?')}, pid {other.get('pid', '?')}, since {other.get('since', '?')}"
                        if other else "unreadable lock")
                 raise UsageError(f"in use by another run ({who}). Pass another --output-dir, or wait for that run "
@@ -69,6 +71,17 @@ def hold_output_dir(path: str) -> None:
             atexit.register(release_output_dirs)
         return
     raise UsageError("another run keeps taking its lock; try again.", param="output_dir", value=path)
+
+
+def _earlier_run_of_this_job(other: dict, me: dict) -> bool:
+    """The lock's run is this SLURM job's before it was requeued (preempted, a node lost, scontrol
+    requeue: the same job id, fewer restarts), on whichever node: it has ended.
+    """
+    try:
+        return bool(me["slurm_job"]) and other.get("slurm_job") == me["slurm_job"] and \
+            int(other.get("restarts") or 0) < int(me["restarts"] or 0)
+    except (TypeError, ValueError):
+        return False
 
 
 def release_output_dirs() -> None:

@@ -1,0 +1,93 @@
+"""A shard's own files (``--shard I/K``), beside its report: what ``python -m dist_eval.shard_merge``
+needs to build the whole set's report from the shards, and nothing it must guess.
+
+- ``shard.npz``: the shard's rows as the run merged them (row index in the set, label, prediction,
+  loss, float32 logits), in row order: the exact values, no text round trip.
+- ``shard.json``, written last (atomically): the shard (I/K), the run key (the model, checkpoint,
+  data and settings: :func:`dist_eval.resume.run_key`, the same for every shard of one run), what
+  names each part of it, the report's options (bootstrap, top-k, slices, saved logits and texts),
+  the rows of the set, and the rows' slice values and texts (--save-text). Its presence says the
+  shard finished: a shard killed before it holds none, and a new run into the folder removes it
+  first (:func:`discard_shard`).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from typing import Optional
+
+import numpy as np
+
+from dist_eval.atomic import atomic_write, read_regular
+from dist_eval.merge import MergedResults
+
+MANIFEST, ARRAYS = "shard.json", "shard.npz"
+FORMAT = 1
+# the arrays of a shard (MergedResults' fields of the same names)
+ARRAY_FIELDS = ("indices", "labels", "preds", "losses", "logits")
+# the options that change the report built from the rows (not which rows, nor their logits)
+REPORT_OPTIONS = ("bootstrap_resamples", "bootstrap_seed", "top_k", "slice_by", "cluster_by")
+MAX_SHARD_BYTES = 64 << 30
+
+
+def discard_shard(folder: str) -> None:
+    """A run starting in ``folder``: an earlier shard's files there are not this run's."""
+    for name in (MANIFEST, ARRAYS):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, name))
+
+
+def write_shard(folder: str, result, config, run: dict, texts: Optional[dict], rows_in_set: int) -> str:
+    """Rank 0 of a shard's run: ``shard.npz`` then ``shard.json`` (last: the shard is finished) in
+    ``folder``. ``result``: the run's EvalResult (logits kept), ``config`` its EvalConfig, ``run``
+    its metrics.json's ``run`` (the run key, the model, checkpoint and data it names), ``texts``
+    what predictions.jsonl holds of each row beside its numbers (texts, slices; by row index).
+    """
+    merged: MergedResults = result.predictions
+    rows = merged.indices
+    arrays = {name: getattr(merged, name) for name in ARRAY_FIELDS if getattr(merged, name) is not None}
+    atomic_write(os.path.join(folder, ARRAYS), lambda f: np.savez(f, **arrays), binary=True)
+    options = config.options
+    manifest = {
+        "format": FORMAT,
+        "shard": options.shard,
+        "run_key": run.get("run_key"),
+        # what the run key is made of, as the report names it: a merge names what differs
+        "named": {"model": run.get("model"), "checkpoint": run.get("checkpoint"), "head": run.get("head"),
+                  "data_files": run.get("data_files"), "split": run.get("split"), "backend": run.get("backend"),
+                  "settings": config.settings.as_dict()},
+        "report": {**{name: getattr(options, name, None) for name in REPORT_OPTIONS},
+                   "save_logits": config.save_logits, "save_text": config.save_text},
+        "rows_in_set": int(rows_in_set),
+        "rows": int(len(rows)),
+        "texts": {key: [values[i] for i in rows.tolist()] for key, values in (texts or {}).items()},
+    }
+    return atomic_write(os.path.join(folder, MANIFEST), lambda f: json.dump(manifest, f, default=_plain))
+
+
+def _plain(value):
+    if isinstance(value, (tuple, np.generic)):
+        return list(value) if isinstance(value, tuple) else value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def read_manifest(folder: str) -> Optional[dict]:
+    """``folder``'s shard.json (None: there is none, the shard has not finished); a file that is
+    not one raises ValueError saying so.
+    """
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.lexists(path):
+        return None
+    manifest = json.loads(read_regular(path, 1 << 30))
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a dist_eval shard's manifest of format {FORMAT}")
+    return manifest
+
+
+def read_rows(folder: str) -> dict:
+    """The arrays of ``folder``'s shard.npz, by name (a regular file, read whole; no pickle)."""
+    data = read_regular(os.path.join(folder, ARRAYS), MAX_SHARD_BYTES)
+    with np.load(io.BytesIO(data), allow_pickle=False) as f:
+        return {name: np.asarray(f[name]) for name in f.files}

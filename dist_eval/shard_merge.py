@@ -1,0 +1,264 @@
+"""``python -m dist_eval.shard_merge SHARD_DIR... --output-dir OUT`` (or ``dist-eval merge ...``):
+the report of the whole set from its shards, launched apart (``--shard I/K``: a job array, other
+machines, other times, any number of ranks each).
+
+Each shard's folder holds its finished rows (:mod:`dist_eval.output.shard_files`). They are
+checked first, each refusal one line naming the shard: a shard missing or given twice, a shard of
+another split, of another model, checkpoint, data or settings (the run key), or of other report
+options, a shard unfinished. The rows are then merged by the run's own merge
+(:func:`dist_eval.merge.merge_gathered`: ordered by row index, the first copy of a row kept, every
+row of the set required), the metrics and intervals computed by the same functions a run's rank 0
+calls, and the report written by the run's writer (:func:`dist_eval.output.report.write_report`):
+the same metrics, intervals, slices and predictions.jsonl, bit for bit, as one run over the whole
+set with the same settings (a shard's batches are those of the whole set's plan).
+
+``--partial``: the shards that finished, with the missing shards and rows counted in
+``metrics.json``'s ``partial`` and said on the terminal; not a report of the set.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from types import SimpleNamespace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from dist_eval.errors import UsageError, warn
+from dist_eval.loop_facts import LoopFacts, StoreFacts
+from dist_eval.merge import CoverageError, merge_gathered, rows_report
+from dist_eval.output.shard_files import read_manifest, read_rows
+
+EXIT_USAGE = 2
+PROG = "python -m dist_eval.shard_merge"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Merge the folders of a run's shards (--shard I/K) into the report of the whole set, equal "
+                    "bit for bit to one run over every row with the same settings.")
+    parser.add_argument("shard_dirs", nargs="+", metavar="SHARD_DIR", help="The --output-dir of each shard.")
+    parser.add_argument("--output-dir", required=True, help="Where the merged report goes.")
+    parser.add_argument("--partial", action="store_true",
+                        help="Report the shards that finished, marked partial, with the missing shards and rows "
+                             "counted (else a missing or unfinished shard is refused).")
+    parser.add_argument("--quiet", action="store_true", help="Print only errors and the one-line result.")
+    return parser
+
+
+class _Shard(SimpleNamespace):
+    folder: str
+    index: int
+    count: int
+    manifest: dict
+    indices: np.ndarray  # its rows (set by merged_rows)
+
+
+def _name(shard: _Shard) -> str:
+    return f"shard {shard.index}/{shard.count} ({shard.folder})"
+
+
+def _read_shards(folders: Sequence[str], partial: bool) -> List[_Shard]:
+    """The finished shards of ``folders``; an unfinished one refused (skipped, said, with ``partial``)."""
+    shards = []
+    for folder in folders:
+        try:
+            manifest = read_manifest(folder)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{folder}: not a shard's folder ({e}). Pass the --output-dir of a run with --shard.") \
+                from e
+        if manifest is None:
+            what = "no such folder" if not os.path.isdir(folder) else "its run has not finished (no shard.json)"
+            if not partial:
+                raise UsageError(f"{folder}: unfinished shard: {what}. Rerun that shard's command (it resumes "
+                                 "where it stopped), or pass --partial to report the shards that finished.")
+            warn(f"--partial: {folder} left out: {what}")
+            continue
+        index, count = (int(part) for part in manifest["shard"].split("/"))
+        shards.append(_Shard(folder=folder, index=index, count=count, manifest=manifest))
+    if not shards:
+        raise UsageError("no shard has finished: nothing to report. Rerun the shards' commands (each resumes "
+                         "where it stopped).")
+    return shards
+
+
+def _differs(first: dict, other: dict) -> Optional[str]:
+    """What of ``other``'s run key and report options differs from ``first``'s, named; None: nothing."""
+    for part in ("named", "report"):
+        for name in sorted(set(first[part]) | set(other[part])):
+            a, b = first[part].get(name), other[part].get(name)
+            if isinstance(a, dict) and isinstance(b, dict):
+                inner = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), None)
+                if inner is not None:
+                    return f"{inner} {b.get(inner)!r}, not {a.get(inner)!r}"
+            elif a != b:
+                return f"{name} {b!r}, not {a!r}"
+    if first["run_key"] != other["run_key"]:
+        return f"run key {other['run_key']}, not {first['run_key']} (the model's files, the checkpoint or the data)"
+    if first["rows_in_set"] != other["rows_in_set"]:
+        return f"a set of {other['rows_in_set']} rows, not {first['rows_in_set']}"
+    return None
+
+
+def check_shards(shards: List[_Shard], partial: bool) -> List[int]:
+    """Refuse in one line naming the shard: another split, another run, a shard twice, one missing
+    (unless ``partial``). Returns the missing shards' indices.
+    """
+    first = shards[0]
+    seen: Dict[int, _Shard] = {}
+    for shard in shards:
+        if shard.count != first.count:
+            raise UsageError(f"{_name(shard)}: a shard of {shard.count}, but {_name(first)} is one of {first.count}. "
+                             f"Pass the shards of one split (one --shard I/{first.count} each).")
+        differs = _differs(first.manifest, shard.manifest)
+        if differs:
+            raise UsageError(f"{_name(shard)}: another run than {_name(first)}: {differs}. Pass the shards of one "
+                             "run (the same model, checkpoint, data and settings), or run this shard again so.")
+        if shard.index in seen:
+            raise UsageError(f"shard {shard.index}/{shard.count} given twice: {seen[shard.index].folder} and "
+                             f"{shard.folder}. Pass each shard's folder once.")
+        seen[shard.index] = shard
+    missing = [i for i in range(first.count) if i not in seen]
+    if missing and not partial:
+        raise UsageError(f"shard {missing[0]}/{first.count} missing ({len(missing)} of {first.count} missing: "
+                         f"{', '.join(f'{i}/{first.count}' for i in missing[:8])}). Pass its folder, or --partial to "
+                         "report the shards given.")
+    return missing
+
+
+def merged_rows(shards: List[_Shard], partial: bool):
+    """(the shards' rows as one MergedResults, by row index: the run's own merge), every row of the
+    set required unless ``partial``.
+    """
+    rows_in_set = shards[0].manifest["rows_in_set"]
+    payloads = [read_rows(shard.folder) for shard in shards]
+    for shard, payload in zip(shards, payloads):
+        shard.indices = payload["indices"].copy()  # the merge consumes the payloads
+    expected = np.sort(np.concatenate([p["indices"] for p in payloads])) if partial else None
+    try:
+        return merge_gathered(payloads, rows_in_set, expected)
+    except CoverageError as e:
+        raise UsageError(f"the shards do not hold the rows of the set: {e}. Run each shard again.") from e
+
+
+def loop_facts(shards: List[_Shard], metrics: List[dict]) -> LoopFacts:
+    """The shards' loops as one run's: their ranks side by side, counts and seconds added up."""
+    parts = [LoopFacts.from_report(m) for m in metrics]
+    store = parts[0].row_store
+    for part in parts[1:]:
+        store = store + part.row_store
+    return LoopFacts(
+        world_size=sum(p.world_size for p in parts),
+        per_rank_samples=[n for p in parts for n in p.per_rank_samples],
+        eval_loop_seconds=max(p.eval_loop_seconds for p in parts),
+        forward_seconds_sum=sum(p.forward_seconds_sum for p in parts),
+        loop_cpu_seconds_sum=sum(p.loop_cpu_seconds_sum for p in parts),
+        duplicates_dropped=sum(p.duplicates_dropped for p in parts),
+        max_batch_seconds=max(p.max_batch_seconds for p in parts),
+        resumed_samples=sum(p.resumed_samples for p in parts),
+        num_truncated=sum(p.num_truncated for p in parts),
+        row_store=store if isinstance(store, StoreFacts) else StoreFacts(),
+    )
+
+
+def _texts(shards: List[_Shard], rows_in_set: int) -> Tuple[Optional[dict], Optional[dict]]:
+    """(predictions.jsonl's texts and slices of every row, by row index; the slice values by column)."""
+    texts: Dict[str, list] = {}
+    for shard in shards:
+        manifest = shard.manifest
+        indices = shard.indices.tolist()
+        for key, values in manifest["texts"].items():
+            column = texts.setdefault(key, [None] * rows_in_set)
+            for i, value in zip(indices, values):
+                column[i] = value
+    slices = None
+    if "slice" in texts:
+        named = next(row for row in texts["slice"] if row is not None)
+        slices = {column: [row[column] if row is not None else None for row in texts["slice"]] for column in named}
+    return texts or None, slices
+
+
+def merge_shards(folders: Sequence[str], output_dir: str, *, partial: bool = False, quiet: bool = False) -> dict:
+    """Merge the shards in ``folders`` into the report of the whole set in ``output_dir`` (see the
+    module); returns its metrics.
+    """
+    import json
+
+    from dist_eval.output.files import check_output_dir, hold_output_dir, release_output_dirs
+    from dist_eval.output.report import write_report
+    from dist_eval.output.shard_files import discard_shard
+
+    shards = _read_shards(folders, partial)
+    missing = check_shards(shards, partial)
+    if shards[0].manifest["report"].get("cluster_by") is not None:
+        raise UsageError(f"{_name(shards[0])}: run with --cluster-by, whose intervals the merge does not compute "
+                         "yet. Run the shards without it (or the whole set in one run).")
+    shards.sort(key=lambda s: s.index)
+    manifest = shards[0].manifest
+    metrics_of = []
+    for shard in shards:
+        with open(os.path.join(shard.folder, "metrics.json")) as f:
+            metrics_of.append(json.load(f))
+    check_output_dir(output_dir)
+    hold_output_dir(output_dir)
+    try:
+        discard_shard(output_dir)
+        merged = merged_rows(shards, partial)
+        report = _report(shards, metrics_of, merged, missing)
+        texts, _ = _texts(shards, manifest["rows_in_set"])
+        options = manifest["report"]
+        config = SimpleNamespace(save_logits=options["save_logits"], quiet=quiet, report_to="none")
+        write_report(config, output_dir, SimpleNamespace(metrics=report, predictions=merged),
+                     print if not quiet else (lambda *a, **k: None), texts)
+    finally:
+        release_output_dirs()
+    if report.get("partial"):
+        part = report["partial"]
+        print(f"dist_eval: PARTIAL report: {part['rows']} of {part['rows_in_set']} rows ({part['missing_rows']} "
+              f"missing; shards missing: {', '.join(part['missing_shards'])}) -> {output_dir}", flush=True)
+    return report
+
+
+def _report(shards: List[_Shard], metrics_of: List[dict], merged, missing: List[int]) -> dict:
+    """metrics.json of the merged rows: the run's metrics (rows_report, as rank 0 computes them), its
+    slices, the shards' loops as one, the first shard's run facts naming the shards.
+    """
+    from dist_eval.slices import slice_report
+
+    manifest, first = shards[0].manifest, metrics_of[0]
+    options = manifest["report"]
+    bootstrap = (options["bootstrap_resamples"], options["bootstrap_seed"])
+    report = rows_report(merged, first["num_labels"], first.get("label_names"), None, (bootstrap, options["top_k"]))
+    facts = loop_facts(shards, metrics_of).report()
+    report.update(facts)
+    _, slices = _texts(shards, manifest["rows_in_set"])
+    if slices is not None:
+        report["slices"] = slice_report(merged, slices, report["num_labels"], report.get("label_names"),
+                                        (bootstrap, report.get("top_k")), manifest["rows_in_set"])
+    run = {**first["run"], **facts["run"]}
+    run["shards"] = [{"shard": f"{s.index}/{s.count}", "folder": os.path.abspath(s.folder), "rows": s.manifest["rows"],
+                      "world_size": m["run"]["world_size"], "wall_seconds": m["run"].get("wall_seconds")}
+                     for s, m in zip(shards, metrics_of)]
+    report["run"] = run
+    if missing:
+        count = shards[0].count
+        report["partial"] = {"rows": merged.num_samples, "rows_in_set": manifest["rows_in_set"],
+                             "missing_rows": manifest["rows_in_set"] - merged.num_samples,
+                             "missing_shards": [f"{i}/{count}" for i in missing]}
+    return report
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        merge_shards(args.shard_dirs, args.output_dir, partial=args.partial, quiet=args.quiet)
+    except UsageError as e:
+        print(f"dist_eval: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Separately launched shards (``--shard I/K``) merged into one run (``dist_eval.shard_merge``,
+issue 53): on the built-in demo (a --limit sample), K = 1, 3 and 7 shards merge into the report of one run over every
+row, bit for bit (metrics, intervals, slices, predictions.jsonl, per_class.csv, slices.csv); a shard
+on 2 ranks is the same shard; the merge's refusals name the shard; --partial counts what is
+missing; a killed shard resumes bit for bit, and its rows in the row store are not evaluated again;
+the shard of a SLURM array task; early stopping refused. The demo runs in the test process
+(matplotlib hidden: the figures are the same function of the same metrics, and the most of a
+small run's time), one shard under torchrun.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from unittest import mock
+
+import numpy as np
+import pytest
+from conftest import REPO, run_cli
+from float_promises import assert_same_bits, assert_within_rounding
+from inprocess_cli import run_cli_in_process
+
+from dist_eval.config import EvalConfig, Options, settings_from, shard_from_slurm
+from dist_eval.errors import UsageError, flag_names
+from dist_eval.output.shard_files import MANIFEST, read_rows
+from dist_eval.shard_merge import main as merge_main
+
+# the demo's seeded sample of 400 of its 800 rows (half the forwards): the rows every shard draws alike
+ROWS = 400
+FLAGS = ["--backend", "local", "--progress", "none", "--quiet", "--slice-by", "--bootstrap-resamples", "100",
+         "--save-logits", "--save-text", "--limit", str(ROWS)]
+SAME_FILES = ("predictions.jsonl", "per_class.csv", "per_class.md", "slices.csv")
+
+
+def demo(out, *extra) -> None:
+    assert run_cli_in_process([*FLAGS, *extra, "--output-dir", str(out)], hide_modules=("matplotlib",)) == 0
+
+
+def merge(folders, out, *extra) -> int:
+    """The merge in this process, without matplotlib (as the runs: the same report, no figures)."""
+    with mock.patch.dict(sys.modules, {"matplotlib": None}):
+        return merge_main([*map(str, folders), "--output-dir", str(out), *extra])
+
+
+def assert_same_report(merged, whole) -> None:
+    """Every metric, interval and slice of metrics.json bit for bit (not ``run``: times, ranks,
+    the shards), and the rows' and tables' files byte for byte."""
+    got, want = (json.loads((folder / "metrics.json").read_text()) for folder in (merged, whole))
+    assert_same_bits({k: v for k, v in got.items() if k != "run"}, {k: v for k, v in want.items() if k != "run"},
+                     "the merged shards' metrics against one run's (the same batches of one plan)")
+    for name in SAME_FILES:
+        assert (merged / name).read_bytes() == (whole / name).read_bytes(), name
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, demo_cache):
+    """The demo over every row, and its shards for K = 1, 3, 7 on one rank each (but shard 1/3:
+    on two, by its test); the module's tests run with the demo's cache."""
+    with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": demo_cache}):
+        base = tmp_path_factory.mktemp("shards")
+        demo(base / "whole")
+        shards = {}
+        for count in (1, 3, 7):
+            shards[count] = [base / f"{index}of{count}" for index in range(count)]
+            for index, folder in enumerate(shards[count]):
+                if (index, count) != (1, 3):
+                    demo(folder, "--shard", f"{index}/{count}")
+        yield base, shards
+
+
+def _merged_equals_the_whole_run(base, folders, out) -> None:
+    rows = [read_rows(folder)["indices"] for folder in folders]
+    assert sum(map(len, rows)) == ROWS and len(np.unique(np.concatenate(rows))) == ROWS  # each row in one shard
+    assert merge(reversed(folders), out) == 0  # any order of the folders
+    assert_same_report(out, base / "whole")
+    run = json.loads((out / "metrics.json").read_text())["run"]
+    assert [s["shard"] for s in run["shards"]] == [f"{i}/{len(folders)}" for i in range(len(folders))]
+    assert run["per_rank_samples"] == [n for folder in folders for n in json.loads(
+        (folder / "metrics.json").read_text())["run"]["per_rank_samples"]]
+
+
+@pytest.mark.parametrize("count", [1, 7])
+def test_the_shards_merge_into_one_run_of_the_whole_set(runs, count, tmp_path):
+    base, shards = runs
+    _merged_equals_the_whole_run(base, shards[count], tmp_path / "merged")
+
+
+@pytest.mark.multiproc
+def test_shards_on_one_and_two_ranks_merge_into_one_run(runs, tmp_path, demo_cache):
+    """N varies between shards: shard 1/3 on 2 ranks (torchrun; matplotlib hidden by a stub
+    that fails to import), 0/3 and 2/3 on one each, merged: the one run's report."""
+    base, shards = runs
+    stub = tmp_path / "stub" / "matplotlib"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    path = os.pathsep.join([str(stub.parent), REPO])
+    proc = run_cli([*FLAGS, "--shard", "1/3", "--output-dir", str(shards[3][1])], nproc=2,
+                   env={"DIST_EVAL_CACHE": demo_cache, "PYTHONPATH": path})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((shards[3][1] / "metrics.json").read_text())["run"]["world_size"] == 2
+    _merged_equals_the_whole_run(base, shards[3], tmp_path / "merged")
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dist_eval: error: ") and "\n" not in err, err
+    return err
+
+
+def test_the_merge_refuses_in_one_line_naming_the_shard(runs, tmp_path, capsys):
+    _, shards = runs
+    seven = shards[7]
+    assert merge(seven[:2] + seven[3:], tmp_path / "out") == 2
+    assert "shard 2/7 missing" in _one_line_error(capsys)
+    assert merge([*seven, seven[4]], tmp_path / "out") == 2
+    assert f"shard 4/7 given twice: {seven[4]} and {seven[4]}" in _one_line_error(capsys)
+    assert merge([*seven[:6], shards[1][0]], tmp_path / "out") == 2
+    assert f"shard 0/1 ({shards[1][0]}): a shard of 1" in _one_line_error(capsys)
+    other = tmp_path / "other"
+    shutil.copytree(seven[6], other)
+    manifest = json.loads((other / MANIFEST).read_text())
+    manifest["named"]["settings"]["batch_size"] = 7
+    (other / MANIFEST).write_text(json.dumps(manifest))
+    assert merge([*seven[:6], other], tmp_path / "out") == 2
+    assert f"shard 6/7 ({other}): another run than shard 0/7" in (err := _one_line_error(capsys))
+    assert "batch_size 7, not 64" in err
+    manifest["named"]["settings"]["batch_size"] = 64
+    manifest["run_key"] = "0" * 16
+    (other / MANIFEST).write_text(json.dumps(manifest))
+    assert merge([*seven[:6], other], tmp_path / "out") == 2
+    assert "run key 0000000000000000" in _one_line_error(capsys)
+    (other / MANIFEST).unlink()  # killed before its end: no shard.json
+    assert merge([*seven[:6], other], tmp_path / "out") == 2
+    assert f"{other}: unfinished shard" in _one_line_error(capsys)
+    assert not (tmp_path / "out" / "metrics.json").exists()
+
+
+def test_partial_reports_what_it_has_and_counts_what_is_missing(runs, tmp_path, capsys):
+    _, shards = runs
+    seven = shards[7]
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    assert merge([*seven[:2], unfinished, *seven[3:]], tmp_path / "out", "--partial") == 0
+    out = capsys.readouterr()
+    missing = len(read_rows(seven[2])["indices"])
+    assert f"PARTIAL report: {ROWS - missing} of {ROWS} rows ({missing} missing; shards missing: 2/7)" in out.out
+    assert "left out" in out.err
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["partial"] == {"rows": ROWS - missing, "rows_in_set": ROWS, "missing_rows": missing,
+                                  "missing_shards": ["2/7"]}
+    assert metrics["num_samples"] == ROWS - missing
+    assert len((tmp_path / "out" / "predictions.jsonl").read_text().splitlines()) == ROWS - missing
+
+
+def _killed_after(monkeypatch, batches: int) -> None:
+    """The shard's loop fails after ``batches`` batches (its finished ones stored, as a kill leaves them)."""
+    from dist_eval.known import KnownLogits
+
+    took, done = KnownLogits.took, []
+
+    def failing(self, *args):
+        took(self, *args)
+        done.append(1)
+        if len(done) == batches:
+            raise RuntimeError("killed (test)")
+
+    monkeypatch.setattr(KnownLogits, "took", failing)
+
+
+def test_a_killed_shard_resumes_and_pays_no_stored_row_again(runs, tmp_path, monkeypatch):
+    """Shard 0/3 killed after its first batch: rerun, it resumes from its partial results (the same
+    bits as its uninterrupted run); with the row store, the rows it finished come from the store
+    and only the others are evaluated."""
+    _, shards = runs
+    done = read_rows(shards[3][0])
+    for store in ("off", str(tmp_path / "rows")):
+        out = tmp_path / f"store-{os.path.basename(store)}"
+        flags = [*FLAGS, "--shard", "0/3", "--save-interval", "0", "--in-flight", "1", "--row-store", store,
+                 "--output-dir", str(out)]
+        with monkeypatch.context() as patch:
+            _killed_after(patch, 1)
+            assert run_cli_in_process(flags, hide_modules=("matplotlib",)) == 1
+        assert not (out / MANIFEST).exists()
+        assert run_cli_in_process(flags, hide_modules=("matplotlib",)) == 0
+        run = json.loads((out / "metrics.json").read_text())["run"]
+        if store == "off":
+            assert 0 < run["resumed_samples"] < len(done["indices"])
+            assert_same_bits(read_rows(out), done, "a resumed shard against its uninterrupted run")
+        else:
+            reused = run["row_store"]["rows_from_store"]
+            evaluated = run["row_store"]["rows_evaluated"]
+            assert reused > 0 and evaluated > 0 and reused + evaluated == len(done["indices"])
+            assert run["resumed_samples"] == 0  # the store serves them: the plan of the others is another
+            assert_within_rounding(read_rows(out), done, "the shard with stored rows against its run",
+                                   why="the rows the store did not hold are planned into batches of their own")
+
+
+def test_the_shard_of_a_slurm_array_task_and_the_refusals():
+    env = {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "4", "SLURM_ARRAY_TASK_COUNT": "3"}
+    assert shard_from_slurm(env) == "1/3"  # --array=4-6: ids need not start at 0
+    assert shard_from_slurm({**env, "SLURM_ARRAY_TASK_ID": "8", "SLURM_ARRAY_TASK_STEP": "2"}) == "2/3"
+    assert shard_from_slurm({}) is None
+    with flag_names(), pytest.raises(UsageError, match=r"--shard: cannot tell .*SLURM_ARRAY_TASK_ID=9.* Pass --shard"):
+        shard_from_slurm({**env, "SLURM_ARRAY_TASK_ID": "9"})  # --array=4,5,9: not one range
+    assert Options(shard=(2, 7)).shard == "2/7" and Options(shard="0/1").shard_part == (0, 1)
+    for bad in ("3/3", "1", "a/b", "-1/2", 3):
+        with flag_names(), pytest.raises(UsageError, match=r"--shard .*expected I/K"):
+            EvalConfig(shard=bad)
+    with flag_names(), pytest.raises(UsageError, match=r"--shard 0/2: a run that stops early .* Drop --stop-at-width"):
+        EvalConfig(shard="0/2", stop_at_width=0.1)
+    with pytest.raises(UsageError, match=r"shard='0/2'.*stop_at_width"):
+        settings_from({"shard": "0/2", "stop_when_decided": False, "stop_at_width": 0.1})
+
+
+def test_a_shard_without_rows_is_refused_before_any_forward(demo_cache, tmp_path, monkeypatch, capsys):
+    """40 rows are 2 batches: shard 6 of 7 would be empty (its metrics undefined): one line, exit 2."""
+    monkeypatch.setenv("DIST_EVAL_CACHE", demo_cache)
+    flags = ["--backend", "local", "--progress", "none", "--quiet", "--limit", "40", "--shard", "6/7"]
+    assert run_cli_in_process([*flags, "--output-dir", str(tmp_path)], hide_modules=("matplotlib",)) == 2
+    assert _one_line_error(capsys) == (
+        "dist_eval: error: --shard 6/7: the set's batch plan has 2 batch(es), so shard 6 of 7 would hold no row: "
+        "expected at most 2 shards. Split it into fewer (K <= 2).")
+
+
+def test_the_array_and_merge_scripts_refuse_in_one_line(tmp_path):
+    """launch/slurm_array.sbatch outside an array, or given --output-dir; launch/slurm_merge.sbatch
+    without a shard: exit 2 and one line (the array on a real SLURM: tests/test_slurm.py)."""
+    def script(name, *args, **env):
+        proc = subprocess.run(["bash", os.path.join(REPO, "launch", name), *args], capture_output=True, text=True,
+                              env={"PATH": os.environ["PATH"], "DIST_EVAL_ROOT": REPO, **env}, timeout=30)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        return proc.stderr
+
+    assert "expected an array task with OUT set" in script("slurm_array.sbatch", OUT=str(tmp_path))
+    assert "--output-dir is OUT/shard-<task id>" in script("slurm_array.sbatch", "--output-dir", "x",
+                                                           OUT=str(tmp_path), SLURM_ARRAY_TASK_ID="3")
+    assert f"no shard folder in {tmp_path}" in script("slurm_merge.sbatch", OUT=str(tmp_path))
