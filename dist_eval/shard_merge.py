@@ -237,7 +237,10 @@ def _report(shards: List[_Shard], metrics_of: List[dict], merged, missing: List[
     if slices is not None:
         report["slices"] = slice_report(merged, slices, report["num_labels"], report.get("label_names"),
                                         (bootstrap, report.get("top_k")), manifest["rows_in_set"])
-    run = {**first["run"], **facts["run"]}
+    # the first shard's facts of the run (model, data, settings, versions), its times not: the shards'
+    run = {**first["run"], **facts["run"], "phase_seconds": {}, "startup_seconds": None}
+    run.pop("total_seconds", None)
+    run["wall_seconds"] = max((m["run"].get("wall_seconds") or 0.0) for m in metrics_of)  # the slowest shard's
     run["shards"] = [{"shard": f"{s.index}/{s.count}", "folder": os.path.abspath(s.folder), "rows": s.manifest["rows"],
                       "world_size": m["run"]["world_size"], "wall_seconds": m["run"].get("wall_seconds")}
                      for s, m in zip(shards, metrics_of)]

@@ -222,6 +222,23 @@ def test_a_shard_without_rows_is_refused_before_any_forward(demo_cache, tmp_path
         "expected at most 2 shards. Split it into fewer (K <= 2).")
 
 
+def test_dist_eval_merge_is_the_shards_merge(monkeypatch):
+    """``dist-eval merge ARGS`` hands this process to ``python -m dist_eval.shard_merge ARGS``."""
+    from dist_eval import launcher
+
+    class Exec(Exception):
+        pass
+
+    def execv(path, argv):
+        raise Exec(path, argv)
+
+    monkeypatch.setattr(os, "execv", execv)
+    with pytest.raises(Exec) as handed:
+        launcher.main(["merge", "s0", "s1", "--output-dir", "out"])
+    assert handed.value.args == (sys.executable, [sys.executable, "-m", "dist_eval.shard_merge", "s0", "s1",
+                                                  "--output-dir", "out"])
+
+
 def test_the_array_and_merge_scripts_refuse_in_one_line(tmp_path):
     """launch/slurm_array.sbatch outside an array, or given --output-dir; launch/slurm_merge.sbatch
     without a shard: exit 2 and one line (the array on a real SLURM: tests/test_slurm.py)."""
