@@ -7,11 +7,13 @@ the shard of a SLURM array task; early stopping refused. The demo runs in the te
 (matplotlib hidden: the figures are the same function of the same metrics, and the most of a
 small run's time), one shard under torchrun.
 """
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from unittest import mock
 
 import numpy as np
@@ -252,3 +254,83 @@ def test_the_array_and_merge_scripts_refuse_in_one_line(tmp_path):
     assert "--output-dir is OUT/shard-<task id>" in script("slurm_array.sbatch", "--output-dir", "x",
                                                            OUT=str(tmp_path), SLURM_ARRAY_TASK_ID="3")
     assert f"no shard folder in {tmp_path}" in script("slurm_merge.sbatch", OUT=str(tmp_path))
+
+
+class _Ranks:
+    """get_rank / get_world_size / all_gather_object / exchange_objects for N threads (faked collectives)."""
+
+    def __init__(self, size):
+        self.size, self.local = size, threading.local()
+        self.barrier, self.slots = threading.Barrier(size, timeout=60), [None] * size
+
+    def rank(self):
+        return getattr(self.local, "rank", 0)
+
+    def _swap(self, obj):
+        self.slots[self.rank()] = obj
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()
+        return out
+
+    def all_gather_object(self, obj):
+        return self._swap(obj)
+
+    def exchange_objects(self, outgoing):
+        return [sent[self.rank()] for sent in self._swap(outgoing)]
+
+
+def test_a_long_tailed_set_splits_the_same_for_any_ranks_in_a_shard(tmp_path, monkeypatch):
+    """2,000 long-tailed rows (the GPU benchmark's data, some truncated), a token budget: for K = 1, 3, 7
+    the shards' batches partition the whole plan's, each with its id, rows and token ids, on 1 rank
+    or on 2 (threads); the truncated rows are counted once, by the shard that holds them."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from dist_eval import ranks
+    from dist_eval.config import Settings
+    from dist_eval.data.shard import dataset_batches
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import bench_gpu
+
+    data = bench_gpu.make_data(str(tmp_path / "data"), 2000, 17)
+    bench_gpu.save_tokenizer(str(tmp_path / "model"), data["vocab"])
+    tokenizer, dataset = AutoTokenizer.from_pretrained(str(tmp_path / "model")), datasets.load_from_disk(
+        str(tmp_path / "data"))
+    labels, settings = np.array(dataset["label"]), Settings(batch_size=32, max_batch_tokens=2048, max_length=96)
+
+    def batches(shard=None):
+        found, truncated, _ = dataset_batches(dataset, tokenizer, labels, settings, pad_token_id=0, prefix_tokens=8,
+                                              shard=shard)
+        return {b: (rows.tolist(), padded.tolist()) for b, rows, padded, _ in found}, truncated
+
+    whole, truncated_whole = batches()
+    assert truncated_whole > 0
+    two = _Ranks(2)
+    for count in (1, 3, 7):
+        parts = [batches((index, count)) for index in range(count)]
+        assert {b: batch for part, _ in parts for b, batch in part.items()} == whole
+        assert sum(len(part) for part, _ in parts) == len(whole)
+        assert sum(truncated for _, truncated in parts) == truncated_whole
+        with monkeypatch.context() as patch:
+            for name in ("all_gather_object", "exchange_objects"):
+                patch.setattr(ranks, name, getattr(two, name))
+            patch.setattr(ranks, "get_rank", two.rank)
+            patch.setattr(ranks, "get_world_size", lambda: 2)
+            patch.setattr(ranks, "phase", lambda name: contextlib.nullcontext())
+            index, results = count // 2, [None, None]
+
+            def run(rank, shard, results):
+                two.local.rank = rank
+                results[rank] = batches(shard)
+
+            threads = [threading.Thread(target=run, args=(rank, (index, count), results)) for rank in (0, 1)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+        assert all(results), "a rank failed"
+        (first, truncated0), (second, truncated1) = results
+        assert not set(first) & set(second) and {**first, **second} == parts[index][0]
+        assert truncated0 + truncated1 == parts[index][1]
