@@ -432,12 +432,41 @@ def compare_many(runs: Sequence[RunOutputs], baseline: Optional[int] = None, res
             "baseline": runs[baseline].folder if baseline is not None else None, "pairs": out}
 
 
-def format_many(result: dict) -> str:
+def checkpoint_comparisons(output_dir: str, pairs: Sequence, alpha: float = 0.05) -> Optional[dict]:
+    """A run of several checkpoints (:mod:`dist_eval.plan`'s pairs, their reports written): on each
+    set, every two checkpoints compared as :func:`compare_many` compares runs (McNemar's exact
+    test and the minimum detectable effect on the rows they share; no bootstrap: ``compare``
+    gives the intervals), the p-values adjusted by Holm over every comparison of the run. None
+    with fewer than two checkpoints on every set.
+    """
+    from dist_eval.paired import holm_adjusted
+
+    by_set: dict = {}
+    for pair in pairs:
+        by_set.setdefault(pair.data.name, []).append(pair)
+    rows = []
+    for name, set_pairs in by_set.items():
+        if len(set_pairs) < 2:
+            continue
+        runs = [load_run(os.path.join(output_dir, pair.folder)) for pair in set_pairs]
+        for run, pair in zip(runs, set_pairs):
+            run.folder = pair.folder or "."
+        rows += [{"set": name, **row} for row in compare_many(runs, None, 0, 0, alpha)["pairs"]]
+    if not rows:
+        return None
+    for row, adjusted in zip(rows, holm_adjusted([row["pvalue"] for row in rows])):
+        row["pvalue_holm"] = adjusted
+        row["differs"] = adjusted < alpha
+    return {"test": "McNemar exact, per pair of checkpoints on each set", "adjustment": "holm", "alpha": alpha,
+            "baseline": None, "pairs": rows}
+
+
+def format_many(result: dict, title: str = "dist_eval.compare") -> str:
     """The table ``compare`` prints for K runs: each pair's accuracies, B - A, its interval, p, Holm's p."""
     rows = result["pairs"]
     what = f"each against {result['baseline']}" if result["baseline"] else "each pair"
     width_a, width_b = (max(1, *(len(r[side]) for r in rows)) for side in ("a", "b"))
-    lines = [f"dist_eval.compare: {what}, {len(rows)} comparisons (paired, McNemar's exact test; p adjusted by Holm "
+    lines = [f"{title}: {what}, {len(rows)} comparisons (paired, McNemar's exact test; p adjusted by Holm "
              f"for the {len(rows)} comparisons):",
              f"  {'A':<{width_a}}  {'B':<{width_b}} {'rows':>6} {'A acc':>7} {'B acc':>7} {'B-A':>8} "
              f"{'95% CI of B-A':>18} {'p':>8} {'p (Holm)':>9}  {'MDE':>6}"]

@@ -113,9 +113,12 @@ def _run(config: EvalConfig) -> int:
         if job.plan.several:
             with ranks.phase("writing the summary"):
                 if main:
+                    from dist_eval.compare import checkpoint_comparisons, format_many
                     from dist_eval.output.pairs import write_pairs_summary
 
-                    print(write_pairs_summary(config.output_dir, pairs), flush=True)
+                    compared = checkpoint_comparisons(config.output_dir, pairs)  # issue 52: Holm over them all
+                    table = format_many(compared, "  checkpoints compared on each set") if compared else ""
+                    print(write_pairs_summary(config.output_dir, pairs, compared, table), flush=True)
         shutdown_began = time.perf_counter()
     if main:
         record_shutdown(reports, clock, shutdown_began, say)

@@ -279,3 +279,23 @@ def test_on_a_swarm_started_once(tiny_model, assets, tmp_path):
         metrics = json.load(open(out / ck / name / "metrics.json"))
         assert metrics["run"]["backend"] == "petals" and metrics["run"]["swarm"]
         assert without_run(metrics) == without_run(json.load(open(single / "metrics.json")))
+
+
+def test_the_checkpoints_are_compared_on_each_set_with_holm_over_all(multi_n1):
+    """Issue 52: summary.json's comparisons: c1 vs c2 on dev and on test (McNemar on the rows they
+    share, as compare computes it), Holm over the 2 comparisons of the run; summary.md shows them."""
+    from dist_eval.compare import compare_runs, load_run
+    from dist_eval.paired import holm_adjusted
+
+    out, _ = multi_n1
+    compared = json.load(open(out / "summary.json"))["comparisons"]
+    assert [(r["set"], r["a"], r["b"]) for r in compared["pairs"]] == [("dev", "c1/dev", "c2/dev"),
+                                                                      ("test", "c1/test", "c2/test")]
+    pvalues = []
+    for row in compared["pairs"]:
+        paired = compare_runs(load_run(out / row["a"]), load_run(out / row["b"]), resamples=0).paired
+        assert row["pvalue"] == paired["mcnemar"]["pvalue"] and row["shared_rows"] == paired["shared_rows"]
+        assert row["minimum_detectable_effect"] == paired["power"]["minimum_detectable_effect"]
+        pvalues.append(row["pvalue"])
+    assert [r["pvalue_holm"] for r in compared["pairs"]] == holm_adjusted(pvalues)
+    assert "checkpoints compared on each set: each pair, 2 comparisons" in open(out / "summary.md").read()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from dist_eval.atomic import atomic_write
 
@@ -56,14 +56,21 @@ def format_pairs_table(rows: Sequence[dict]) -> str:
     return "\n".join([line(header), rule, *(line(c) for c in cells)])
 
 
-def write_pairs_summary(output_dir: str, pairs: Sequence) -> str:
-    """Rank 0: OUT/summary.md and OUT/summary.json; returns the text to print."""
+def write_pairs_summary(output_dir: str, pairs: Sequence, comparisons: Optional[dict] = None,
+                        compared: str = "") -> str:
+    """Rank 0: OUT/summary.md and OUT/summary.json; returns the text to print. ``comparisons``: the
+    checkpoints compared on each set (``dist_eval.compare.checkpoint_comparisons``), ``compared``
+    their table: in both files and printed.
+    """
     rows = pair_rows(output_dir, pairs)
     level = "[lo, hi]: the bootstrap confidence intervals of each report" if any(
         r["confidence_intervals"] for r in rows) else ""
     table = format_pairs_table(rows)
     md = os.path.join(output_dir, "summary.md")
-    atomic_write(md, f"# dist_eval: {len(rows)} evaluations\n\n{table}\n" + (f"\n{level}\n" if level else ""))
+    atomic_write(md, f"# dist_eval: {len(rows)} evaluations\n\n{table}\n" + (f"\n{level}\n" if level else "")
+                 + (f"\n```\n{compared}\n```\n" if compared else ""))
     path = os.path.join(output_dir, "summary.json")
-    atomic_write(path, lambda f: json.dump({"pairs": rows}, f, indent=2))
-    return f"dist_eval: {len(rows)} evaluations\n{table}\n  summary: {md} ({os.path.basename(path)} beside it)"
+    atomic_write(path, lambda f: json.dump({"pairs": rows, **({"comparisons": comparisons} if comparisons else {})},
+                                           f, indent=2))
+    return (f"dist_eval: {len(rows)} evaluations\n{table}\n" + (f"{compared}\n" if compared else "")
+            + f"  summary: {md} ({os.path.basename(path)} beside it)")
