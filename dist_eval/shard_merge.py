@@ -25,10 +25,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dist_eval.errors import UsageError, warn
+from dist_eval.errors import UsageError, flag_names, warn
 from dist_eval.loop_facts import LoopFacts, StoreFacts
 from dist_eval.merge import CoverageError, merge_gathered, rows_report
-from dist_eval.output.shard_files import read_manifest, read_rows
+from dist_eval.output.shard_files import MANIFEST, read_manifest, read_rows
 
 EXIT_USAGE = 2
 PROG = "python -m dist_eval.shard_merge"
@@ -190,6 +190,9 @@ def merge_shards(folders: Sequence[str], output_dir: str, *, partial: bool = Fal
     from dist_eval.output.report import write_report
     from dist_eval.output.shard_files import discard_shard
 
+    if os.path.lexists(os.path.join(output_dir, MANIFEST)):
+        raise UsageError(f"{output_dir} holds a shard (its shard.json): the merged report would replace it. Pass "
+                         "another folder.", param="output_dir", value=output_dir)
     shards = _read_shards(folders, partial)
     missing = check_shards(shards, partial)
     if shards[0].manifest["report"].get("cluster_by") is not None:
@@ -255,11 +258,12 @@ def _report(shards: List[_Shard], metrics_of: List[dict], merged, missing: List[
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        merge_shards(args.shard_dirs, args.output_dir, partial=args.partial, quiet=args.quiet)
-    except UsageError as e:
-        print(f"dist_eval: error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+    with flag_names():  # errors name --output-dir, not output_dir=
+        try:
+            merge_shards(args.shard_dirs, args.output_dir, partial=args.partial, quiet=args.quiet)
+        except UsageError as e:
+            print(f"dist_eval: error: {e}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
     return 0
 
 

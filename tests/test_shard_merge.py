@@ -135,6 +135,9 @@ def test_the_merge_refuses_in_one_line_naming_the_shard(runs, tmp_path, capsys):
     assert merge([*seven[:6], other], tmp_path / "out") == 2
     assert f"{other}: unfinished shard" in _one_line_error(capsys)
     assert not (tmp_path / "out" / "metrics.json").exists()
+    assert merge(seven, seven[0]) == 2  # into a shard's own folder
+    assert f"--output-dir {seven[0]}: {seven[0]} holds a shard" in _one_line_error(capsys)
+    assert (seven[0] / MANIFEST).exists()
 
 
 def test_partial_reports_what_it_has_and_counts_what_is_missing(runs, tmp_path, capsys):
