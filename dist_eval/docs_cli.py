@@ -30,7 +30,7 @@ node), everything after it a flag of `python -m dist_eval` (above).
 
 def commands() -> Dict[str, Tuple[str, Callable[[], argparse.ArgumentParser]]]:
     """{name: (what it is, its parser's builder)} of every command with flags of its own."""
-    from dist_eval import cli, compare, rescore, shard_merge
+    from dist_eval import cli, compare, power, rescore, shard_merge
     from dist_eval.swarm import cli as swarm_cli
     from dist_eval.swarm import status as swarm_status
 
@@ -46,6 +46,8 @@ def commands() -> Dict[str, Tuple[str, Callable[[], argparse.ArgumentParser]]]:
         "python -m dist_eval.compare": ("two runs side by side, with the paired test", compare.build_parser),
         "python -m dist_eval.rescore": ("every metric of a run again, from its predictions.jsonl",
                                         rescore.build_parser),
+        "python -m dist_eval.power": ("plan a comparison of two checkpoints: the rows a difference needs, or the "
+                                      "smallest difference a number of rows detects", power.build_parser),
         "python -m dist_eval.shard_merge": ("the shards of a run (`--shard I/K`) merged into the report of the whole "
                                             "set (also `dist-eval merge SHARD_DIR... --output-dir OUT`)",
                                             shard_merge.build_parser),

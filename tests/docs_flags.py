@@ -42,6 +42,7 @@ NAMED = [
     (re.compile(r"dist_eval\.swarm|start_server\.sh|LocalSwarm"), "swarm"),
     (re.compile(r"dist_eval\.compare"), "compare"),
     (re.compile(r"dist_eval\.rescore"), "rescore"),
+    (re.compile(r"dist_eval\.power"), "power"),
     (re.compile(r"dist_eval\.shard_merge|dist-eval merge"), "shard_merge"),
     (re.compile(r"dist_eval\.rendezvous"), "rendezvous"),
     (re.compile(r"torchrun|torch\.distributed\.run|dist-eval|run_multinode\.sh|slurm\.sbatch|run_local\.sh"),
@@ -63,7 +64,7 @@ def command_flags() -> Dict[str, Set[str]]:
     names = {"python -m dist_eval": "main", "python -m dist_eval.swarm": "swarm",
              "python -m dist_eval.swarm status": "swarm",  # its subcommand's flags count as the swarm's
              "python -m dist_eval.compare": "compare", "python -m dist_eval.rescore": "rescore",
-             "python -m dist_eval.shard_merge": "shard_merge"}
+             "python -m dist_eval.shard_merge": "shard_merge", "python -m dist_eval.power": "power"}
     out: Dict[str, Set[str]] = {}
     for name, (_, build) in commands().items():
         out.setdefault(names[name], set()).update(flags(build()))

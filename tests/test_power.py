@@ -41,3 +41,20 @@ def test_no_effect_is_detectable_without_discordant_rows_or_with_too_few():
     assert power_summary(0, 0)["minimum_detectable_effect"] is None
     with pytest.raises(ValueError, match="discordance"):
         rows_for_effect(0.2, 0.1)
+
+
+def test_the_planning_command_prints_the_same_numbers(capsys):
+    """python -m dist_eval.power: --effect gives rows_for_effect's rows, --rows the MDE; a bad flag:
+    one line, exit 2."""
+    from dist_eval.power import main
+
+    assert main(["--effect", "0.01", "--discordance", "0.1"]) == 0
+    assert capsys.readouterr().out.startswith(f"dist_eval.power: {rows_for_effect(0.01, 0.1)} rows detect ")
+    assert main(["--rows", "800", "--discordance", "0.1", "--design-effect", "2"]) == 0
+    assert f"of {minimum_detectable_effect(800, 0.1, design_effect=2.0):.4f} (" in capsys.readouterr().out
+    for args, flag in ((["--effect", "0.3", "--discordance", "0.1"], "--effect 0.3"),
+                       (["--rows", "8", "--discordance", "1.5"], "--discordance 1.5"),
+                       (["--rows", "8", "--discordance", "0.1", "--design-effect", "0.5"], "--design-effect 0.5")):
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"dist_eval.power: error: {flag}: expected ") and "\n" not in err
