@@ -72,7 +72,7 @@ def test_a_family_of_dist_evals_own_layers_refuses_a_swarm_with_stock_servers():
     from dist_eval.errors import UsageError
 
     ours = server(0, 4, version="2.2.0.post1" + SERVER_VERSION_MARK)
-    for name in ("qwen3", "qwen3_moe", "glm4_moe"):
+    for name in ("qwen3", "qwen3_moe", "glm4_moe", "mixtral"):
         config = types.SimpleNamespace(model_type=name)
         for servers, refused in (({"peerA": ours}, False), ({"peerA": ours, "peerStock": server(2, 4)}, True)):
             manager = types.SimpleNamespace(state=types.SimpleNamespace(

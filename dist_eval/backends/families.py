@@ -107,9 +107,9 @@ class Family:
     # (its own classes subclass those, with this model_type), with these config options (class
     # attributes of its config classes: also the defaults of a key config.json leaves out);
     # ``own_layers``: the blocks are dist_eval's own layers (backends.layers); ``mixture_of_experts``
-    # (the router, "softmax" or "sigmoid"): with experts where config.json's num_experts,
+    # (the router, "softmax", "sigmoid" or "mixtral"): with experts where config.json's num_experts,
     # mlp_only_layers and decoder_sparse_step say (softmax), or n_routed_experts and
-    # first_k_dense_replace (sigmoid)
+    # first_k_dense_replace (sigmoid); Mixtral's in every block
     built_on: str = ""
     block_options: tuple = ()
     # config.json's keys of a sliding attention window: (the window, the switch that turns it on,
@@ -172,7 +172,7 @@ class Family:
 SERVED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 # families seen in configs that no block here computes, and why (the rest: "not a family dist_eval knows")
 NOT_COMPUTED = {
-    "mixtral": "mixture-of-experts blocks", "qwen2_moe": "mixture-of-experts blocks with a shared expert",
+    "qwen2_moe": "mixture-of-experts blocks with a shared expert",
     "gemma": "scaled embeddings and GeGLU blocks", "gemma2": "soft-capped, alternating sliding attention",
     "gemma3": "soft-capped, alternating sliding attention", "phi3": "fused projections and longrope",
 }
@@ -218,7 +218,7 @@ def _experts_refusal(config, router) -> str:
     """What in a mixture-of-experts config the block does not compute ('' when nothing).
     ``router``: the family's, "softmax" (num_experts) or "sigmoid" (n_routed_experts, in groups).
     """
-    key = "n_routed_experts" if router == "sigmoid" else "num_experts"
+    key = {"sigmoid": "n_routed_experts", "mixtral": "num_local_experts"}.get(router, "num_experts")
     experts, chosen = getattr(config, key, 0) or 0, getattr(config, "num_experts_per_tok", 0)
     if experts and not 0 < chosen <= experts:
         return (f"num_experts_per_tok {chosen} in config.json is not between 1 and {key} ({experts}); "
@@ -345,6 +345,14 @@ FAMILIES["glm4_moe"] = _built_on_llama(
         ("n_shared_experts", 1), ("num_experts_per_tok", 8), ("moe_intermediate_size", 1408),
         ("routed_scaling_factor", 1.0), ("n_group", 1), ("topk_group", 1), ("first_k_dense_replace", 1),
         ("norm_topk_prob", True)))
+# Mixtral: Llama's attention (dist_eval's layers: any head_dim, no q/k norm); each block's MLP a mixture
+# of num_local_experts experts of intermediate_size (Mixtral's names: block_sparse_moe, w1/w3/w2), a
+# softmax router choosing num_experts_per_tok, their weights renormalised; a window as Mistral's
+FAMILIES["mixtral"] = _built_on_llama(
+    "mixtral", "Mixtral", block_options=(
+        ("own_layers", True), ("use_qk_norm", False), ("mixture_of_experts", "mixtral"), ("num_local_experts", 8),
+        ("num_experts_per_tok", 2)),
+    sliding_window=("sliding_window", ""))
 
 
 def tokenizers_calling_the_base() -> frozenset:

@@ -1,6 +1,6 @@
 """The block parts dist_eval computes itself, in plain torch, for the families whose block the
 pinned transformers (4.33) has no class for: those with the block option ``own_layers`` in the
-family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5).
+family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5, Mixtral).
 
 - :class:`QkNormAttention`: Llama's attention with an RMSNorm over each head's q and k
   (``q_norm``, ``k_norm``, a weight of ``head_dim`` values) before RoPE when ``use_qk_norm``
@@ -28,8 +28,8 @@ family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5).
 - which block has the mixture (in a family with the block option ``mixture_of_experts``):
   transformers' rule (:func:`is_sparse`), by the block's index: for the softmax router
   (Qwen3-MoE) not in ``mlp_only_layers``, and ``(index + 1) % decoder_sparse_step == 0``; for
-  the sigmoid router (GLM-4.5) from ``first_k_dense_replace`` on; the others have the dense MLP
-  of ``intermediate_size``.
+  the sigmoid router (GLM-4.5) from ``first_k_dense_replace`` on; Mixtral's every block; the
+  others have the dense MLP of ``intermediate_size``.
 
 The same parts make the decoder layers of ``--backend local`` (:class:`OwnDecoderLayer`, by
 index) and the blocks of the servers dist_eval starts (:func:`petals_block_class`): petals'
@@ -38,7 +38,8 @@ tell it the index of the block they load (:data:`SERVER_BLOCK_INDEX`,
 :func:`dist_eval.backends.blocks.server_block_replacements`). Tensor names are transformers':
 ``self_attn.{q,k,v,o}_proj``, ``self_attn.{q,k}_norm``, ``mlp.gate``,
 ``mlp.experts.<e>.{gate,up,down}_proj``, ``mlp.gate.e_score_correction_bias``,
-``mlp.shared_experts.{gate,up,down}_proj``.
+``mlp.shared_experts.{gate,up,down}_proj``; Mixtral's ``block_sparse_moe.gate``,
+``block_sparse_moe.experts.<e>.w{1,2,3}``.
 """
 from __future__ import annotations
 
@@ -61,8 +62,9 @@ from transformers.models.llama.modeling_llama import (
 
 from dist_eval.backends.rope import rescale_rope
 
-# the block option ``mixture_of_experts`` of a family whose router is GLM-4.5's (the other: "softmax")
-SIGMOID = "sigmoid"
+# the block option ``mixture_of_experts`` of a family whose router is GLM-4.5's, and of Mixtral (its
+# softmax router is Qwen3-MoE's, "softmax"; its tensors have names of their own, every block has it)
+SIGMOID, MIXTRAL = "sigmoid", "mixtral"
 # the index of the block this process's petals server is loading (None: not loading one)
 SERVER_BLOCK_INDEX: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_block_index", default=None)
 
@@ -81,6 +83,8 @@ def is_sparse(config, index: int) -> bool:
         return False
     if router == SIGMOID:
         return (getattr(config, "n_routed_experts", 0) or 0) > 0 and index >= config.first_k_dense_replace
+    if router == MIXTRAL:
+        return (getattr(config, "num_local_experts", 0) or 0) > 0
     experts = getattr(config, "num_experts", 0) or 0
     dense = getattr(config, "mlp_only_layers", None) or ()
     return experts > 0 and index not in dense and (index + 1) % getattr(config, "decoder_sparse_step", 1) == 0
@@ -183,16 +187,36 @@ class ExpertMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-class SparseMoeMLP(nn.Module):
-    """A mixture of experts: softmax router, the top ``num_experts_per_tok`` per token."""
+class MixtralExpert(nn.Module):
+    """One Mixtral expert, under Mixtral's names: ``w2(act(w1(x)) * w3(x))`` of ``intermediate_size``."""
 
     def __init__(self, config):
         super().__init__()
-        self.num_experts = config.num_experts
+        self.w1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w3 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act_fn(self.w1(x)) * self.w3(x))
+
+
+class SparseMoeMLP(nn.Module):
+    """A mixture of experts: softmax router, the top ``num_experts_per_tok`` per token. Mixtral's
+    (the block option ``mixture_of_experts`` "mixtral"): ``num_local_experts`` :class:`MixtralExpert`,
+    the weights always renormalised.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        mixtral = getattr(config, "mixture_of_experts", None) == MIXTRAL
+        self.num_experts = config.num_local_experts if mixtral else config.num_experts
         self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.norm_topk_prob = mixtral or bool(config.norm_topk_prob)
         self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)
-        self.experts = nn.ModuleList(ExpertMLP(config, config.moe_intermediate_size) for _ in range(self.num_experts))
+        self.experts = nn.ModuleList(
+            MixtralExpert(config) if mixtral else ExpertMLP(config, config.moe_intermediate_size)
+            for _ in range(self.num_experts))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -290,10 +314,14 @@ def build_layer_parts(layer: nn.Module, config, index: int) -> None:
     """Give ``layer`` (a Llama decoder layer, its ``__init__`` not run) the parts of block ``index``."""
     layer.hidden_size = config.hidden_size
     layer.self_attn = QkNormAttention(config)
+    router = getattr(config, "mixture_of_experts", False)
     if not is_sparse(config, index):
         layer.mlp = LlamaMLP(config)
+    elif router == MIXTRAL:  # its tensors are block_sparse_moe.*; the pinned layer's forward calls self.mlp
+        layer.block_sparse_moe = SparseMoeMLP(config)
+        object.__setattr__(layer, "mlp", layer.block_sparse_moe)  # the same module, not registered twice
     else:
-        layer.mlp = SigmoidMoeMLP(config) if config.mixture_of_experts == SIGMOID else SparseMoeMLP(config)
+        layer.mlp = SigmoidMoeMLP(config) if router == SIGMOID else SparseMoeMLP(config)
     layer.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
     layer.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

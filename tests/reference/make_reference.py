@@ -24,6 +24,9 @@ without and with the prompts prepended. Its tiny model: ``head_dim`` 32, q/k/v b
 RoPE on half of each head (``partial_rotary_factor`` 0.5), block 0 dense (``first_k_dense_replace``
 1) and blocks 1-3 a mixture of 8 routed experts (2 per token, chosen within the best of 2 groups,
 ``e_score_correction_bias`` drawn) and a shared expert, ``routed_scaling_factor`` 2.5.
+
+Mixtral: ``head_dim`` 32, every block a mixture of 8 experts of ``intermediate_size``, 2 per token,
+Mistral's tokenizer.
 """
 import json
 import os
@@ -122,7 +125,7 @@ def tokenizer_of(kind: str):
     if kind == "glm4_moe":  # GLM-4.5: a byte-level BPE read by the plain fast tokenizer class, no BOS
         tok = train_bpe(True, ["<|endoftext|>", "[gMASK]", "<sop>"])
         return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    if kind == "mistral":  # Llama 2 / Mistral: SentencePiece-style BPE with byte fallback, BOS added
+    if kind in ("mistral", "mixtral"):  # Llama 2 / Mistral: SentencePiece-style BPE with byte fallback, BOS
         tok = train_bpe(False, ["<unk>", "<s>", "</s>"])
         return LlamaTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                   pad_token="</s>", add_bos_token=True, add_eos_token=False, legacy=False)
@@ -148,6 +151,9 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
                                         attention_bias=True, use_sliding_window=False, **common)
     if kind == "qwen3_moe":
         return transformers.Qwen3MoeConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, **MOE, **common)
+    if kind == "mixtral":  # Mixtral-8x7B-style, with a head_dim apart and a smaller expert
+        return transformers.MixtralConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, num_local_experts=EXPERTS,
+                                          num_experts_per_tok=EXPERTS_PER_TOKEN, **common)
     if kind == "glm4_moe":  # GLM-4.5-style, with n_group 2 (the flagship's 1) so that the grouped choice counts
         return transformers.Glm4MoeConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, **GLM_MOE, **common)
     return transformers.Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
@@ -160,7 +166,7 @@ GLM_MOE = dict(partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
                n_shared_experts=1, num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=EXPERT_INTERMEDIATE,
                first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, n_group=2, topk_group=1)
 CLASSES = {"llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
-           "glm4_moe": "Glm4Moe"}
+           "glm4_moe": "Glm4Moe", "mixtral": "Mixtral"}
 NO_CLASSIFIER = ("glm4_moe",)  # transformers has no *ForSequenceClassification: the backbone times the head
 
 
@@ -194,7 +200,7 @@ def make(kind: str, out: str) -> dict:
                 tensor.normal_(0.0, 0.5)
             elif key.endswith(("q_norm.weight", "k_norm.weight")):
                 tensor.uniform_(0.5, 1.5)
-            elif key.endswith("mlp.gate.weight"):  # a router far from uniform: no near-tie between experts
+            elif key.endswith(("mlp.gate.weight", "moe.gate.weight")):  # a router far from uniform: no near-tie
                 tensor.normal_(0.0, 0.3)
         for key, tensor in lm.named_buffers():  # GLM's choice-only bias: big enough to change choices
             if key.endswith("e_score_correction_bias"):
