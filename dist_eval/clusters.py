@@ -23,7 +23,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from dist_eval.intervals import (
+    EXACT_SCORE_ROWS,
     _integer_resample_counts,
+    auroc_influence,
     canonical_row_order,
     macro_of_defined,
     ranking_of,
@@ -38,6 +40,10 @@ PAIRED_CLUSTER_STREAM = 4
 MIN_CLUSTERS = 2
 # Row weights held at once for the AUROC of cluster resamples (a constant: the results never depend on it)
 ROW_WEIGHTS_PER_CHUNK = 1 << 22
+# Above this many rows a resample's AUROC is linearized (its cost per resample: clusters, not rows x classes),
+# as the score intervals of a big set are (dist_eval.intervals.grouped_score_intervals)
+EXACT_AUROC_ROWS = EXACT_SCORE_ROWS
+LINEARIZED = "; AUROC linearized"
 TOO_FEW_CLUSTERS = f"too few clusters for an interval (fewer than {MIN_CLUSTERS})"
 
 
@@ -156,8 +162,13 @@ class _ScoreSums:
         self.brier = np.bincount(clusters, weights=M.per_sample_brier(probs, labels), minlength=g)
         self.hits = (np.bincount(clusters, weights=M.top_k_hits(probs, labels, self.k).astype(np.float64),
                                  minlength=g) if self.k is not None else None)
-        auroc_classes = [1] if num_labels == 2 else range(num_labels)
-        self.rankings = [ranking_of(probs[:, c], labels == c) for c in auroc_classes]
+        self.linearized = clusters.size > EXACT_AUROC_ROWS
+        if self.linearized:  # A + the drawn clusters' summed influence: the exact AUROC's first order
+            self.auroc, influence = auroc_influence(probs, labels)
+            self.influence = None if influence is None else np.bincount(clusters, weights=influence, minlength=g)
+        else:
+            auroc_classes = [1] if num_labels == 2 else range(num_labels)
+            self.rankings = [ranking_of(probs[:, c], labels == c) for c in auroc_classes]
 
     def names(self) -> list:
         return ["ece", "brier", *([f"top{self.k}_accuracy"] if self.k is not None else []), "auroc_macro"]
@@ -166,6 +177,10 @@ class _ScoreSums:
         out = {"ece": np.abs(weights @ self.gaps).sum(axis=1) / sizes, "brier": weights @ self.brier / sizes}
         if self.k is not None:
             out[f"top{self.k}_accuracy"] = weights @ self.hits / sizes
+        if self.linearized:
+            out["auroc_macro"] = (self.auroc + weights @ self.influence / sizes if self.influence is not None
+                                  else np.full(whole.shape[0], np.nan))
+            return out
         auroc = np.empty(whole.shape[0])
         step = max(1, ROW_WEIGHTS_PER_CHUNK // max(1, self.clusters.size))  # [step, n] row weights at once
         for start in range(0, whole.shape[0], step):
@@ -188,7 +203,9 @@ def cluster_bootstrap_intervals(
     G clusters (``clusters``: each row's number, any integers) with replacement and scores
     every row of each drawn cluster: each metric as :mod:`dist_eval.metrics` computes it on
     those rows. None when ``resamples`` is 0, there are no rows or fewer than MIN_CLUSTERS
-    clusters. Cost: resamples x (clusters x classes), and resamples x rows x classes for AUROC.
+    clusters. Cost: resamples x (clusters x classes), and resamples x rows x classes for AUROC up
+    to EXACT_AUROC_ROWS rows; above, a resample's AUROC is linearized (the set's plus the drawn rows'
+    influence, as :func:`dist_eval.intervals.auroc_influence` gives it; ``method`` says so).
     """
     labels, preds = np.asarray(labels, dtype=np.int64), np.asarray(preds, dtype=np.int64)
     losses, clusters = np.asarray(losses, dtype=np.float64), _compact(clusters)
@@ -217,7 +234,8 @@ def cluster_bootstrap_intervals(
         values["loss"][start:stop] = weights @ loss_sums / drawn_sizes
         for name, drawn in (scores.drawn(whole, weights, drawn_sizes) if scores else {}).items():
             values[name][start:stop] = drawn
-    return {**_percentiles(values, seed, level), "method": CLUSTER_METHOD, "clusters": g}
+    method = CLUSTER_METHOD + (LINEARIZED if scores is not None and scores.linearized else "")
+    return {**_percentiles(values, seed, level), "method": method, "clusters": g}
 
 
 def _percentiles(values: dict, seed: int, level: float) -> dict:

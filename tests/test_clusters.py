@@ -201,3 +201,23 @@ def test_the_worked_example_of_the_docs_prints_what_the_docs_say(capsys):
     code, printed = re.findall(r"```(?:python)?\n(.*?)```", section, re.S)
     exec(compile(code, "docs/statistics.md", "exec"), {})
     assert capsys.readouterr().out == printed
+
+
+def test_a_big_sets_clustered_auroc_is_linearized_close_to_the_exact_one(monkeypatch):
+    """Above EXACT_AUROC_ROWS rows a resample's AUROC is the set's plus its drawn clusters' influence
+    (cost: clusters, not rows x classes), close to the exact resample's, and named in the method."""
+    import dist_eval.clusters as C
+
+    rng = np.random.default_rng(4)
+    n, g = 4000, 400
+    cluster = rng.integers(0, g, n)
+    labels = rng.integers(0, 3, n)
+    probs = M.softmax(rng.normal(size=(n, 3)) + 1.5 * np.eye(3)[labels] * rng.random((n, 1)))
+    preds, losses = probs.argmax(axis=1), rng.random(n)
+    exact = cluster_bootstrap_intervals(labels, preds, losses, cluster, 3, 300, 1, probs=probs)
+    monkeypatch.setattr(C, "EXACT_AUROC_ROWS", 1000)
+    linear = cluster_bootstrap_intervals(labels, preds, losses, cluster, 3, 300, 1, probs=probs)
+    assert linear["method"] == "cluster-bootstrap-percentile; AUROC linearized" != exact["method"]
+    assert linear["auroc_macro"] == pytest.approx(exact["auroc_macro"], abs=0.001)  # 3e-4 apart
+    assert {k: v for k, v in linear.items() if k not in ("auroc_macro", "method")} == \
+        {k: v for k, v in exact.items() if k not in ("auroc_macro", "method")}
