@@ -315,7 +315,7 @@ def _report_pair(session: _Session, pair: Pair, result, where: tuple, rows: Rows
             if session.config.options.shard is not None:  # what dist_eval.shard_merge reads: written last
                 from dist_eval.output.shard_files import write_shard
 
-                write_shard(out, result, session.config, result.metrics["run"], texts, len(rows))
+                write_shard(out, result, session, pair, rows, texts)
     if not ranks.is_main_process():
         return None
     if folder is not None:

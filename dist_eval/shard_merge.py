@@ -85,9 +85,17 @@ def _read_shards(folders: Sequence[str], partial: bool) -> List[_Shard]:
 
 
 def _differs(first: dict, other: dict) -> Optional[str]:
-    """What of ``other``'s run key and report options differs from ``first``'s, named; None: nothing."""
-    for part in ("named", "report"):
-        for name in sorted(set(first[part]) | set(other[part])):
+    """What of ``other``'s run key and report options differs from ``first``'s, named; None: nothing.
+    The files may differ in place and order where the rows, in evaluation order, do not.
+    """
+    if first["rows_key"] != other["rows_key"]:
+        return (f"other rows, or the same in another order (data files {other['named']['data_files']}, not "
+                f"{first['named']['data_files']}; give every shard the files in one order, or a --limit sample, "
+                "which is in the rows' content order whatever the files' order)")
+    for part in ("report", "named"):  # what the key is made of: named where the keys differ
+        if part == "named" and first["run_key"] == other["run_key"]:
+            break
+        for name in sorted((set(first[part]) | set(other[part])) - {"data_files"}):
             a, b = first[part].get(name), other[part].get(name)
             if isinstance(a, dict) and isinstance(b, dict):
                 inner = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), None)
@@ -96,7 +104,7 @@ def _differs(first: dict, other: dict) -> Optional[str]:
             elif a != b:
                 return f"{name} {b!r}, not {a!r}"
     if first["run_key"] != other["run_key"]:
-        return f"run key {other['run_key']}, not {first['run_key']} (the model's files, the checkpoint or the data)"
+        return f"run key {other['run_key']}, not {first['run_key']} (the model's files or the checkpoint)"
     if first["rows_in_set"] != other["rows_in_set"]:
         return f"a set of {other['rows_in_set']} rows, not {first['rows_in_set']}"
     return None

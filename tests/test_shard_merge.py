@@ -18,7 +18,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, write_csv
 from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import run_cli_in_process
 
@@ -44,13 +44,13 @@ def merge(folders, out, *extra) -> int:
         return merge_main([*map(str, folders), "--output-dir", str(out), *extra])
 
 
-def assert_same_report(merged, whole) -> None:
+def assert_same_report(merged, whole, files=SAME_FILES) -> None:
     """Every metric, interval and slice of metrics.json bit for bit (not ``run``: times, ranks,
     the shards), and the rows' and tables' files byte for byte."""
     got, want = (json.loads((folder / "metrics.json").read_text()) for folder in (merged, whole))
     assert_same_bits({k: v for k, v in got.items() if k != "run"}, {k: v for k, v in want.items() if k != "run"},
                      "the merged shards' metrics against one run's (the same batches of one plan)")
-    for name in SAME_FILES:
+    for name in files:
         assert (merged / name).read_bytes() == (whole / name).read_bytes(), name
 
 
@@ -121,16 +121,25 @@ def test_the_merge_refuses_in_one_line_naming_the_shard(runs, tmp_path, capsys):
     other = tmp_path / "other"
     shutil.copytree(seven[6], other)
     manifest = json.loads((other / MANIFEST).read_text())
-    manifest["named"]["settings"]["batch_size"] = 7
+    manifest["report"]["bootstrap_resamples"] = 7
     (other / MANIFEST).write_text(json.dumps(manifest))
     assert merge([*seven[:6], other], tmp_path / "out") == 2
     assert f"shard 6/7 ({other}): another run than shard 0/7" in (err := _one_line_error(capsys))
-    assert "batch_size 7, not 64" in err
+    assert "bootstrap_resamples 7, not 100" in err
+    manifest["report"]["bootstrap_resamples"] = 100
+    manifest["named"]["settings"]["batch_size"], manifest["run_key"] = 7, "1" * 16  # another run key: named
+    (other / MANIFEST).write_text(json.dumps(manifest))
+    assert merge([*seven[:6], other], tmp_path / "out") == 2
+    assert "batch_size 7, not 64" in _one_line_error(capsys)
     manifest["named"]["settings"]["batch_size"] = 64
     manifest["run_key"] = "0" * 16
     (other / MANIFEST).write_text(json.dumps(manifest))
     assert merge([*seven[:6], other], tmp_path / "out") == 2
     assert "run key 0000000000000000" in _one_line_error(capsys)
+    manifest["rows_key"] = "0" * 16  # the files in another order, no --limit sample: the rows in another order
+    (other / MANIFEST).write_text(json.dumps(manifest))
+    assert merge([*seven[:6], other], tmp_path / "out") == 2
+    assert "other rows, or the same in another order" in _one_line_error(capsys)
     (other / MANIFEST).unlink()  # killed before its end: no shard.json
     assert merge([*seven[:6], other], tmp_path / "out") == 2
     assert f"{other}: unfinished shard" in _one_line_error(capsys)
@@ -138,6 +147,20 @@ def test_the_merge_refuses_in_one_line_naming_the_shard(runs, tmp_path, capsys):
     assert merge(seven, seven[0]) == 2  # into a shard's own folder
     assert f"--output-dir {seven[0]}: {seven[0]} holds a shard" in _one_line_error(capsys)
     assert (seven[0] / MANIFEST).exists()
+
+
+def test_shards_given_the_files_in_another_order_merge_into_one_run(tiny_model, tiny_checkpoint, tmp_path):
+    """A --limit sample is in the rows' content order, whatever the files' order: shard 1/2 given the
+    files the other way round still merges with shard 0/2 into one run's report (the tiny model)."""
+    first, second = (write_csv(str(tmp_path / f"{name}.csv"), 30, seed=seed) for name, seed in (("a", 1), ("b", 2)))
+    flags = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--progress", "none",
+             "--quiet", "--bootstrap-resamples", "50", "--save-logits", "--batch-size", "4", "--limit", "59"]
+    for out, files, shard in (("whole", (first, second), []), ("s0", (first, second), ["--shard", "0/2"]),
+                              ("s1", (second, first), ["--shard", "1/2"])):
+        assert run_cli_in_process([*flags, "--data-files", *files, *shard, "--output-dir", str(tmp_path / out)],
+                                  hide_modules=("matplotlib",)) == 0
+    assert merge([tmp_path / "s0", tmp_path / "s1"], tmp_path / "merged") == 0
+    assert_same_report(tmp_path / "merged", tmp_path / "whole", files=("predictions.jsonl", "per_class.csv"))
 
 
 def test_partial_reports_what_it_has_and_counts_what_is_missing(runs, tmp_path, capsys):

@@ -4,8 +4,9 @@ needs to build the whole set's report from the shards, and nothing it must guess
 - ``shard.npz``: the shard's rows as the run merged them (row index in the set, label, prediction,
   loss, float32 logits), in row order: the exact values, no text round trip.
 - ``shard.json``, written last (atomically): the shard (I/K), the run key (the model, checkpoint,
-  data and settings: :func:`dist_eval.resume.run_key`, the same for every shard of one run), what
-  names each part of it, the report's options (bootstrap, top-k, slices, saved logits and texts),
+  data and settings: :func:`dist_eval.resume.run_key`, the same for every shard of one run, with
+  the set identified by its rows' content in evaluation order, :func:`merge_key`), what names each
+  part of it, the report's options (bootstrap, top-k, slices, saved logits and texts),
   the rows of the set, and the rows' slice values and texts (--save-text). Its presence says the
   shard finished: a shard killed before it holds none, and a new run into the folder removes it
   first (:func:`discard_shard`).
@@ -16,7 +17,7 @@ import contextlib
 import io
 import json
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -39,30 +40,69 @@ def discard_shard(folder: str) -> None:
             os.remove(os.path.join(folder, name))
 
 
-def write_shard(folder: str, result, config, run: dict, texts: Optional[dict], rows_in_set: int) -> str:
-    """Rank 0 of a shard's run: ``shard.npz`` then ``shard.json`` (last: the shard is finished) in
-    ``folder``. ``result``: the run's EvalResult (logits kept), ``config`` its EvalConfig, ``run``
-    its metrics.json's ``run`` (the run key, the model, checkpoint and data it names), ``texts``
-    what predictions.jsonl holds of each row beside its numbers (texts, slices; by row index).
+class _Content:
+    """A set's rows as the run key sees a dataset, identified by their content in evaluation order
+    (not by datasets' fingerprint, which follows the files and their order).
     """
+
+    def __init__(self, dataset, identity: str):
+        self._fingerprint, self.column_names, self._rows = identity, dataset.column_names, len(dataset)
+
+    def __len__(self) -> int:
+        return self._rows
+
+
+def content_key(dataset, settings) -> str:
+    """A hash of the rows' task columns (text, text pair, label), row by row in evaluation order:
+    the same for the same rows in the same order, whatever files and file order they came from.
+    """
+    import hashlib
+
+    from dist_eval.data.labels import TaskColumns
+    from dist_eval.data.sample import column_values, row_keys
+
+    names = [name for _, name in TaskColumns.of(settings).named()]
+    return hashlib.sha256(row_keys(column_values(dataset, names), 0).tobytes()).hexdigest()[:16]
+
+
+def merge_key(job, pair, model, dataset) -> Tuple[str, str]:
+    """(the run key with the set identified by its rows' content, that content key): what every
+    shard of one run shares, from any files holding the same rows in the same order.
+    """
+    from dist_eval import resume
+
+    content = content_key(dataset, job.settings)
+    return resume.run_key(job.model_dir, pair.checkpoint.path, _Content(dataset, content), job.split, model,
+                          job.settings, job.head), content
+
+
+def write_shard(folder: str, result, session, pair, rows, texts: Optional[dict]) -> str:
+    """Rank 0 of a shard's run: ``shard.npz`` then ``shard.json`` (last: the shard is finished) in
+    ``folder``. ``result``: the run's EvalResult (logits kept); ``session``, ``pair``: the run's
+    (:mod:`dist_eval.pipeline`); ``rows``: the set's Rows; ``texts``: what predictions.jsonl holds
+    of each row beside its numbers (texts, slices; by row index).
+    """
+    config, run = session.config, result.metrics["run"]
+    key, content = merge_key(session.job, pair, session.model, rows.dataset)
     merged: MergedResults = result.predictions
-    rows = merged.indices
+    mine = merged.indices  # this shard's rows of the set
     arrays = {name: getattr(merged, name) for name in ARRAY_FIELDS if getattr(merged, name) is not None}
     atomic_write(os.path.join(folder, ARRAYS), lambda f: np.savez(f, **arrays), binary=True)
     options = config.options
     manifest = {
         "format": FORMAT,
         "shard": options.shard,
-        "run_key": run.get("run_key"),
+        "run_key": key,  # the run key, the set by its content: the files may differ in order or place
+        "rows_key": content,
         # what the run key is made of, as the report names it: a merge names what differs
         "named": {"model": run.get("model"), "checkpoint": run.get("checkpoint"), "head": run.get("head"),
                   "data_files": run.get("data_files"), "split": run.get("split"), "backend": run.get("backend"),
                   "settings": config.settings.as_dict()},
         "report": {**{name: getattr(options, name, None) for name in REPORT_OPTIONS},
                    "save_logits": config.save_logits, "save_text": config.save_text},
-        "rows_in_set": int(rows_in_set),
-        "rows": int(len(rows)),
-        "texts": {key: [values[i] for i in rows.tolist()] for key, values in (texts or {}).items()},
+        "rows_in_set": int(len(rows)),
+        "rows": int(len(mine)),
+        "texts": {name: [values[i] for i in mine.tolist()] for name, values in (texts or {}).items()},
     }
     return atomic_write(os.path.join(folder, MANIFEST), lambda f: json.dump(manifest, f, default=_plain))
 
