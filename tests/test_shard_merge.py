@@ -238,6 +238,13 @@ def test_the_shard_of_a_slurm_array_task_and_the_refusals():
         EvalConfig(shard="0/2", stop_at_width=0.1)
     with pytest.raises(UsageError, match=r"shard='0/2'.*stop_at_width"):
         settings_from({"shard": "0/2", "stop_when_decided": False, "stop_at_width": 0.1})
+    import torch
+
+    from dist_eval import evaluate, ranks
+
+    loader = torch.utils.data.DataLoader([{"input_ids": torch.tensor([1, 2]), "labels": torch.tensor(0)}])
+    with pytest.raises(ranks.RankFailure, match=r"shard='0/2': a shard is a part of a Dataset's batch plan"):
+        evaluate(lambda ids: torch.zeros(len(ids), 2), loader, num_labels=2, shard="0/2")  # before any forward
 
 
 def test_a_shard_without_rows_is_refused_before_any_forward(demo_cache, tmp_path, monkeypatch, capsys):
