@@ -82,7 +82,8 @@ def load_run(folder: str) -> RunOutputs:
         raise UsageError(
             f"{folder}: metrics.json or predictions.jsonl is not a dist_eval output ({type(e).__name__}: {e})."
         ) from e
-    if len(rows) != num_samples or not np.array_equal(indices, np.arange(num_samples)):
+    # a run that stopped early holds the rows it used: their places in the set, not 0..n-1
+    if len(rows) != num_samples or np.unique(indices).size != indices.size:
         raise UsageError(
             f"{folder}: predictions.jsonl has {len(rows)} rows but metrics.json counts {num_samples} samples "
             "(a partial or edited output). Re-run the evaluation."
@@ -229,6 +230,9 @@ def compare_runs(a: RunOutputs, b: RunOutputs, resamples: int = 1000, seed: int 
             f"{a.folder} has {n_a} samples and {b.folder} has {n_b}: the runs are over different datasets. "
             "Compare two runs of the same split."
         )
+    if not np.array_equal(a.indices, b.indices):
+        raise UsageError(f"{a.folder} and {b.folder} hold other rows of the set (runs that stopped early on other "
+                         "rows?), and have no content keys to pair them by. Compare runs written since keys were.")
     return _compare_aligned(a, b, resamples, seed)
 
 
@@ -459,6 +463,17 @@ def checkpoint_comparisons(output_dir: str, pairs: Sequence, alpha: float = 0.05
         row["differs"] = adjusted < alpha
     return {"test": "McNemar exact, per pair of checkpoints on each set", "adjustment": "holm", "alpha": alpha,
             "baseline": None, "pairs": rows}
+
+
+def checkpoints_table(output_dir: str, pairs: Sequence) -> tuple:
+    """(:func:`checkpoint_comparisons` or None, its table to print): a run's summary. Reports that
+    compare refuses get a line saying why, not a failed run (its reports stand).
+    """
+    try:
+        compared = checkpoint_comparisons(output_dir, pairs)
+    except UsageError as e:
+        return None, f"  the checkpoints are not compared: {e}"
+    return compared, format_many(compared, "  checkpoints compared on each set") if compared else ""
 
 
 def format_many(result: dict, title: str = "dist_eval.compare") -> str:

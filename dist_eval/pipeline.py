@@ -113,12 +113,11 @@ def _run(config: EvalConfig) -> int:
         if job.plan.several:
             with ranks.phase("writing the summary"):
                 if main:
-                    from dist_eval.compare import checkpoint_comparisons, format_many
+                    from dist_eval.compare import checkpoints_table
                     from dist_eval.output.pairs import write_pairs_summary
 
-                    compared = checkpoint_comparisons(config.output_dir, pairs)  # issue 52: Holm over them all
-                    table = format_many(compared, "  checkpoints compared on each set") if compared else ""
-                    print(write_pairs_summary(config.output_dir, pairs, compared, table), flush=True)
+                    compared = checkpoints_table(config.output_dir, pairs)  # issue 52: Holm over them all
+                    print(write_pairs_summary(config.output_dir, pairs, *compared), flush=True)
         shutdown_began = time.perf_counter()
     if main:
         record_shutdown(reports, clock, shutdown_began, say)

@@ -248,3 +248,14 @@ def test_compare_of_several_runs_with_holm_over_every_pair(runs, tmp_path, capsy
     capsys.readouterr()
     assert compare_main([str(runs["a"]), str(runs["b"]), str(c), "--rows-for-effect", "0.1"]) == 2
     assert "--rows-for-effect 0.1: expected two runs" in capsys.readouterr().err
+
+
+def test_a_runs_summary_says_why_its_checkpoints_are_not_compared(tmp_path):
+    """checkpoints_table: reports compare refuses (here: no report) give a line, not a failed run."""
+    from types import SimpleNamespace
+
+    from dist_eval.compare import checkpoints_table
+
+    pairs = [SimpleNamespace(data=SimpleNamespace(name=None), folder=name) for name in ("c1", "c2")]
+    compared, table = checkpoints_table(str(tmp_path), pairs)
+    assert compared is None and table.startswith("  the checkpoints are not compared: ") and "no such folder" in table

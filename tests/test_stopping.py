@@ -287,6 +287,9 @@ def test_the_cli_compares_two_checkpoints_with_one_model_load_as_the_api_does(de
         assert_same_bits(json.loads(json.dumps(result.metrics["slices"])), metrics["slices"], f"{name}: slices")
         assert len(read_jsonl(out / name / "predictions.jsonl")) == metrics["stopping"]["rows_used"]
     assert metrics["stopping"]["reason"] == "decided"
+    # issue 52: the summary compares the two on the rows they used (paired by content, not by place)
+    compared = json.loads((out / "summary.json").read_text())["comparisons"]["pairs"]
+    assert [(r["a"], r["b"], r["shared_rows"]) for r in compared] == [("A", "B", metrics["stopping"]["rows_used"])]
 
 
 def test_the_worked_example_in_the_docs_is_what_the_demo_gives(demo):
