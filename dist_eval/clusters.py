@@ -90,6 +90,24 @@ def cr1_standard_error(values, clusters) -> float:
     return float(np.sqrt(g / (g - 1) * np.dot(sums, sums)) / n)
 
 
+def cluster_robust_pvalue(values, clusters) -> float:
+    """Two-sided p-value of a mean of 0 with clustered rows: t = mean / :func:`cr1_standard_error`
+    on G - 1 degrees of freedom (statsmodels' ``OLS(values, 1).fit(cov_type="cluster", use_t=True)``
+    t test). For a paired difference of correctness, McNemar's test with the clusters counted.
+    NaN with fewer than two clusters or no spread (1 when the mean is 0 too).
+    """
+    from scipy.stats import t as student
+
+    values = np.asarray(values, dtype=np.float64)
+    se, g = cr1_standard_error(values, clusters), number_of_clusters(clusters)
+    if np.isnan(se):
+        return float("nan")
+    mean = float(np.sort(values).sum() / values.size)
+    if se == 0:
+        return 1.0 if mean == 0 else 0.0
+    return float(2 * student.sf(abs(mean) / se, g - 1))
+
+
 def iid_standard_error(values) -> float:
     """The standard error of the mean of independent rows: sqrt(sample variance / n) (OLS's)."""
     values = np.sort(np.asarray(values, dtype=np.float64))
@@ -257,9 +275,9 @@ def paired_cluster_bootstrap(
     """:func:`dist_eval.paired.paired_bootstrap`'s result (differences B - A in accuracy,
     macro-F1 and loss, and their intervals) with whole clusters drawn: each resample draws G of
     the G clusters with replacement, the same for A and B. Adds ``clusters``, and to
-    ``accuracy`` the CR1 and independent-rows standard errors of the difference and their
-    design effect. None when there are no rows; intervals None with ``resamples`` 0 or fewer
-    than MIN_CLUSTERS clusters.
+    ``accuracy`` the CR1 and independent-rows standard errors of the difference, their design
+    effect and the cluster-robust test's p-value (:func:`cluster_robust_pvalue`). None when there
+    are no rows; intervals None with ``resamples`` 0 or fewer than MIN_CLUSTERS clusters.
     """
     from dist_eval.paired import paired_bootstrap
 
@@ -276,7 +294,8 @@ def paired_cluster_bootstrap(
     point.update(method=CLUSTER_METHOD, resamples=int(resamples), clusters=g)
     point["accuracy"].update(standard_error_clustered=_none_if_nan(cr1_standard_error(difference, clusters)),
                              standard_error_rows=_none_if_nan(iid_standard_error(difference)),
-                             design_effect=_none_if_nan(design_effect(difference, clusters)))  # None: undefined
+                             design_effect=_none_if_nan(design_effect(difference, clusters)),  # None: undefined
+                             pvalue_clustered=_none_if_nan(cluster_robust_pvalue(difference, clusters)))
     if resamples == 0 or g < MIN_CLUSTERS:
         return point
     order = canonical_row_order(clusters, labels, preds_a, preds_b, gap)

@@ -286,6 +286,10 @@ def format_paired(paired: Optional[dict]) -> List[str]:
         f"{m['b_only']} in B only)",
     ]
     boot, rows = paired.get("bootstrap"), paired.get("bootstrap_rows")
+    clustered_p = ((boot or {}).get("accuracy") or {}).get("pvalue_clustered")
+    if clustered_p is not None:
+        lines.append(f"  cluster-robust test of accuracy (CR1, t on {boot['clusters'] - 1} df): p = {clustered_p:.4g} "
+                     "(McNemar's takes the rows as independent)")
     if boot:
         level = f"{100 * boot['level']:g}%"
         for name in ("accuracy", "f1_macro", "loss"):
@@ -408,9 +412,10 @@ def _changed_rows(c: Comparison, max_rows: int) -> List[str]:
 def compare_many(runs: Sequence[RunOutputs], baseline: Optional[int] = None, resamples: int = 1000,
                  seed: int = 0, alpha: float = 0.05) -> dict:
     """K runs (checkpoints) on the same data: each pair, or each run against ``runs[baseline]``,
-    compared as :func:`compare_runs` compares two (McNemar's exact test and the paired bootstrap
-    of B - A on the rows they share), the p-values adjusted by Holm over every pair compared;
-    ``differs`` where the adjusted p is below ``alpha``.
+    compared as :func:`compare_runs` compares two (McNemar's exact test, or the cluster-robust
+    test of runs with the same clusters, and the paired bootstrap of B - A on the rows they
+    share), the p-values adjusted by Holm over every pair compared; ``differs`` where the
+    adjusted p is below ``alpha``.
     """
     from itertools import combinations
 
@@ -423,11 +428,14 @@ def compare_many(runs: Sequence[RunOutputs], baseline: Optional[int] = None, res
         c = compare_runs(runs[i], runs[j], resamples, seed)
         paired, boot = c.paired, c.paired.get("bootstrap") or {}
         accuracy_a, accuracy_b = (float((run.preds == run.labels).mean()) for run in (c.a, c.b))
+        clustered_p = (boot.get("accuracy") or {}).get("pvalue_clustered")  # clustered runs: the clusters counted
         out.append({"a": runs[i].folder, "b": runs[j].folder, "shared_rows": paired["shared_rows"],
                     "rows_only_in_a": (paired.get("rows_only_in_a") or {}).get("count", 0),
                     "rows_only_in_b": (paired.get("rows_only_in_b") or {}).get("count", 0),
                     "accuracy_a": accuracy_a, "accuracy_b": accuracy_b, "difference": accuracy_b - accuracy_a,
-                    "interval": (boot.get("accuracy") or {}).get("interval"), "pvalue": paired["mcnemar"]["pvalue"],
+                    "interval": (boot.get("accuracy") or {}).get("interval"),
+                    "test": "McNemar exact" if clustered_p is None else "cluster-robust t (CR1)",
+                    "pvalue": paired["mcnemar"]["pvalue"] if clustered_p is None else clustered_p,
                     "minimum_detectable_effect": paired["power"]["minimum_detectable_effect"]})
     for row, adjusted in zip(out, holm_adjusted([row["pvalue"] for row in out])):
         row["pvalue_holm"] = adjusted
@@ -481,7 +489,8 @@ def format_many(result: dict, title: str = "dist_eval.compare") -> str:
     rows = result["pairs"]
     what = f"each against {result['baseline']}" if result["baseline"] else "each pair"
     width_a, width_b = (max(1, *(len(r[side]) for r in rows)) for side in ("a", "b"))
-    lines = [f"{title}: {what}, {len(rows)} comparisons (paired, McNemar's exact test; p adjusted by Holm "
+    tests = " and ".join(sorted({r["test"] for r in rows}))
+    lines = [f"{title}: {what}, {len(rows)} comparisons (paired, {tests}; p adjusted by Holm "
              f"for the {len(rows)} comparisons):",
              f"  {'A':<{width_a}}  {'B':<{width_b}} {'rows':>6} {'A acc':>7} {'B acc':>7} {'B-A':>8} "
              f"{'95% CI of B-A':>18} {'p':>8} {'p (Holm)':>9}  {'MDE':>6}"]
