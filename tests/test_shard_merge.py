@@ -367,3 +367,24 @@ def test_a_long_tailed_set_splits_the_same_for_any_ranks_in_a_shard(tmp_path, mo
         (first, truncated0), (second, truncated1) = results
         assert not set(first) & set(second) and {**first, **second} == parts[index][0]
         assert truncated0 + truncated1 == parts[index][1]
+
+
+def test_a_requeued_slurm_job_takes_over_its_earlier_runs_lock_on_any_node(tmp_path, monkeypatch, capsys):
+    """A requeued array task may land on another node: the lock its earlier run left (the same job id,
+    fewer restarts) is taken over; another job's lock on another host is not."""
+    from dist_eval.output.files import LOCK_NAME, hold_output_dir, release_output_dirs
+
+    lock = tmp_path / LOCK_NAME
+    lock.write_text(json.dumps({"host": "another-node", "pid": 1, "since": "then", "slurm_job": "77",
+                                "restarts": None}))
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    with pytest.raises(UsageError, match="in use by another run \\(host another-node"):
+        hold_output_dir(str(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    try:
+        hold_output_dir(str(tmp_path))
+        assert json.loads(lock.read_text())["restarts"] == "1"
+    finally:
+        release_output_dirs()
+    assert "taking over the lock of a run that died" in capsys.readouterr().err
