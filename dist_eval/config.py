@@ -24,7 +24,7 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
-from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT, is_hub_id, read_label_words
+from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT, audit_share, is_hub_id, read_label_words
 from dist_eval.backends.kinds import BACKENDS, backend_kind
 from dist_eval.errors import UsageError
 from dist_eval.plan import parse_checkpoints, parse_plan
@@ -371,6 +371,11 @@ _SWARM_TIMEOUT = (
     "Seconds to wait for the swarm to serve every block before failing; also how long a batch is retried when "
     "every server of some block fails mid-run."
 )
+_AUDIT = (
+    "The share of the swarm's forwards replayed on other servers and compared (bit for bit where they announce "
+    "the same numerics), and each server's first: a server whose numbers differ stops the run, named. "
+    "Default: 0.03 ($DIST_EVAL_AUDIT) with --initial-peers, 0 on the run's own local swarm; 0 turns it off."
+)
 _PROGRESS = (
     "Progress of all ranks, on stderr from rank 0: bar (tqdm), log (plain lines for job logs), none; "
     "auto = bar on a terminal, else log (none with --quiet or TQDM_DISABLE, which also turns bar off)."
@@ -387,8 +392,9 @@ _CHECKPOINT = (
     "or NAME=FILE)."
 )
 _HEAD = (
-    "The classifier head of a --checkpoint that holds only prompts: a file with score.weight, or a model "
-    "folder holding a trained one (e.g. the --model folder of a *ForSequenceClassification save)."
+    "The classifier head: of a --checkpoint that holds only prompts, or without --checkpoint the head alone "
+    "(a causal LM --model whose family has no *ForSequenceClassification save, as GLM-4.5's): a file with "
+    "score.weight, or a model folder holding a trained one (e.g. a *ForSequenceClassification save)."
 )
 _DEMO_FAMILY = (
     "Model family (config.json model_type) of the built-in demo (no --model): the same task on a small model "
@@ -446,6 +452,7 @@ class EvalConfig:
     local_device: str = setting("auto", "Where that local swarm's servers compute: auto (every visible GPU if "
                                         "any, else the CPU), cpu, cuda or cuda:K.")
     swarm_timeout: float = setting(DEFAULT_SWARM_TIMEOUT, _SWARM_TIMEOUT)
+    audit: Optional[float] = setting(None, _AUDIT)
     dist_timeout: float = setting(900.0, "Seconds a collective may wait for the other ranks before failing.")
     dist_backend: str = setting("gloo", "Process group backend: gloo (any N, wherever the ranks run) or nccl "
                                         "(one GPU per rank).", choices=["gloo", "nccl"])
@@ -491,6 +498,11 @@ class EvalConfig:
         if self.local_servers is not None:
             check_int("local_servers", self.local_servers, 1)
         check_seconds("swarm_timeout", self.swarm_timeout)
+        if self.audit is not None:
+            if not kind.on_swarm:
+                raise UsageError(f"only a swarm's servers are audited; --backend {self.backend} computes every row "
+                                 "here. Drop it.", param="audit", value=self.audit)
+            audit_share(self.audit)
         check_seconds("dist_timeout", self.dist_timeout)
         if self.num_labels is not None:
             check_int("num_labels", self.num_labels, 2, "at least 2 classes")

@@ -204,6 +204,8 @@ def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
                 tuning_mode=config.tuning_mode, pre_seq_len=config.pre_seq_len, num_labels=config.num_labels,
                 initial_peers=session.swarm[0], dht_prefix=session.swarm[1], swarm_timeout=config.swarm_timeout,
                 device=config.device, label_words=job.settings.label_words, tokenizer=session.tokenizer,
+                # the run's own local swarm is audited only when asked: its servers are this run's
+                audit=config.audit if config.audit is not None or config.initial_peers else 0.0,
             )
         session.loaded = first.checkpoint
         cleanup.push(_barrier_unless_interrupted)  # no rank's client still talks when rank 0 stops the swarm

@@ -35,11 +35,15 @@ def pytest_configure(config):
         if not config.pluginmanager.is_registered(plugin):
             config.pluginmanager.register(plugin, f"dist_eval_{plugin.__name__}")
 
-# The row store (dist_eval/rowstore.py) is on by default, in the user's cache: the suite turns it
+# The row store (dist_eval/rowstore/) is on by default, in the user's cache: the suite turns it
 # off for every run it starts (torchrun jobs inherit this), so that no test is served the rows of
 # another test or of an earlier run (two runs compared bit for bit must both evaluate). The row
 # store's own tests (tests/test_rowstore.py) pass a folder of their own.
 os.environ["DIST_EVAL_ROW_STORE"] = "off"
+# The swarm audit replays 3% of a client's forwards, and each server's first, on a swarm the run did
+# not start (dist_eval.backends.audit): tests count their servers' requests, so the suite's default
+# is none; the audit's own tests (tests/test_audit.py) pass a share.
+os.environ["DIST_EVAL_AUDIT"] = "0"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = [f"w{i}" for i in range(60)]

@@ -69,7 +69,8 @@ def test_the_flag_check_fails_on_a_flag_given_to_the_wrong_command(tmp_path):
 # ids, phase names, package names, the intervals by metric) is documented as one key
 DESCEND = ("run", "reliability", "run.sample", "run.pair", "run.row_store")
 # documented keys a small local run cannot write
-ONLY_ELSEWHERE = {"run.swarm": "the petals backend (tests/test_backends_petals.py)"}
+ONLY_ELSEWHERE = {"run.swarm": "the petals backend (tests/test_backends_petals.py)",
+                  "run.swarm.audit": "a petals run with --audit (tests/test_audit.py)"}
 TOP_K = re.compile(r"top\d+_accuracy")
 
 

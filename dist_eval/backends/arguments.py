@@ -1,5 +1,5 @@
 """What ``load_model`` and ``--model`` take, read once (no torch imported): the label words, a hub
-id, the swarm timeout's default. The CLI's settings (:mod:`dist_eval.config`) validate with
+id, the swarm timeout's default, the audit's share. The CLI's settings (:mod:`dist_eval.config`) validate with
 these; the backends read them here, never from the settings module above them.
 """
 from __future__ import annotations
@@ -12,6 +12,12 @@ from dist_eval.errors import UsageError
 # Seconds a swarm may take to serve every block (and a batch to be retried when every server of a
 # block failed): --swarm-timeout's default, and load_model's.
 DEFAULT_SWARM_TIMEOUT = 60.0
+
+# --audit (dist_eval.backends.audit): the share of requests replayed on other servers, on a swarm
+# dist_eval did not start (the run's own: none); $DIST_EVAL_AUDIT names another default (the suite's
+# is 0: tests/conftest.py)
+DEFAULT_AUDIT_SHARE = 0.03
+AUDIT_ENV = "DIST_EVAL_AUDIT"
 
 
 def is_hub_id(model: str) -> bool:
@@ -49,3 +55,19 @@ def read_label_words(value: Union[str, Sequence[str], None], param: str = "label
         raise UsageError(f"{repeated} given for more than one class; each class needs its own word.",
                          param=param, value=words)
     return tuple(words)
+
+
+def audit_share(share: Optional[float], param: str = "audit") -> float:
+    """``share`` checked (0 to 1); None: $DIST_EVAL_AUDIT, else :data:`DEFAULT_AUDIT_SHARE`."""
+    given = share
+    if share is None:
+        given = os.environ.get(AUDIT_ENV, DEFAULT_AUDIT_SHARE)
+        param = AUDIT_ENV if AUDIT_ENV in os.environ else param
+    try:
+        value = float(given)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not 0.0 <= value <= 1.0:
+        raise UsageError("expected the share of requests to replay on other servers, from 0 (no audit) to 1 "
+                         f"(every request); the default is {DEFAULT_AUDIT_SHARE}.", param=param, value=given)
+    return value

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from dist_eval import ranks
-from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT, read_label_words
+from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT, audit_share, read_label_words
 from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import (
     TrainableState,
@@ -111,6 +111,7 @@ def load_model(
     tokenizer=None,
     revision: Optional[str] = None,
     fetch_whole_model: bool = False,
+    audit: Optional[float] = None,
 ) -> LoadedModel:
     """Load the classifier for ``backend`` ('petals' or 'local') with the trained prompts/head.
 
@@ -130,10 +131,15 @@ def load_model(
     ``initial_peers``: only the client's files are fetched (:mod:`dist_eval.backends.hub`), and
     ``dht_prefix`` defaults to petals' own for that id. The local backend reads every block:
     on a hub id it is refused, saying how much that is, unless ``fetch_whole_model``.
+
+    ``audit`` (petals): the share of forwards replayed on other servers and compared
+    (:mod:`dist_eval.backends.audit`); None: ``$DIST_EVAL_AUDIT``, else 3%; 0: none.
     """
     from dist_eval.backends.hub import resolve_model
 
     kind = backend_kind(backend)
+    if kind.on_swarm:
+        audit = audit_share(audit)
     model_dir, hub_prefix = resolve_model(model_dir, backend, initial_peers, revision, whole=fetch_whole_model)
     dht_prefix = dht_prefix or hub_prefix
     if device != "cpu":
@@ -156,7 +162,8 @@ def load_model(
         )
     scored = _label_words(model_dir, config, family, words, tokenizer) if words else None
     module = kind.load(model_dir, state, family, scored, initial_peers=initial_peers, dht_prefix=dht_prefix,
-                       client_options=petals_client_options or {}, swarm_timeout=swarm_timeout, device=device)
+                       client_options=petals_client_options or {}, swarm_timeout=swarm_timeout, device=device,
+                       audit_share=audit or 0.0)
     module.eval()
     return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend,
                        class_names(config, state.num_labels), state.pre_seq_len, state.tuning_mode,

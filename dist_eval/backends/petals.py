@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from dist_eval.backends import audit
 from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT
 from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import TrainableState
@@ -43,7 +44,8 @@ class PetalsClassifier(Backend):
     ``evaluate``); :meth:`close` then leaves its client running and ``inner`` as it was.
     """
 
-    def __init__(self, inner, family: Family, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT, owns_client: bool = True):
+    def __init__(self, inner, family: Family, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT, owns_client: bool = True,
+                 audit_share: float = 0.0):
         super().__init__()
         import_petals()  # every client patch, also for a caller's model object (backends.patches)
         self.inner = inner
@@ -52,6 +54,8 @@ class PetalsClassifier(Backend):
         self.owns_client = owns_client
         blocks = family.get(inner, family.blocks)
         self.sequence_manager = blocks.sequence_manager
+        if audit_share > 0:  # a share of the forwards replayed on other servers (backends.audit)
+            audit.attach(self.sequence_manager, audit_share)
         self._own_forward = blocks.__dict__.get("forward")  # normally none: the class's
         remote_forward = blocks.forward
         # Instance attribute: nn.Module.__call__ then runs the bounded version.
@@ -99,7 +103,11 @@ class PetalsClassifier(Backend):
         """
         from dist_eval.backends.provenance import swarm_provenance
 
-        return swarm_provenance(self.sequence_manager.state.sequence_info.block_infos)
+        facts = swarm_provenance(self.sequence_manager.state.sequence_info.block_infos)
+        ledger = audit.ledger_of(self.sequence_manager)
+        if ledger is not None:  # this client's audit (the report combines the ranks')
+            facts["audit"] = ledger.facts()
+        return facts
 
     def close(self) -> None:
         """Stop the client (its DHT process, p2pd and routing thread), in bounded time; or,
@@ -212,7 +220,7 @@ def wait_for_blocks(manager, timeout: float, dht_prefix: Optional[str]) -> None:
 
 def load_petals(
     model_dir: str, state: TrainableState, family: Family, initial_peers, dht_prefix, client_options: dict,
-    swarm_timeout: float, label_words: Optional[LabelWords] = None,
+    swarm_timeout: float, label_words: Optional[LabelWords] = None, audit_share: float = 0.0,
 ) -> Backend:
     """The model of ``model_dir`` as a client of the swarm at ``initial_peers``, once every
     block is served, with the trained prompts and head. A folder in a layout petals'
@@ -265,7 +273,7 @@ def load_petals(
         shutdown_petals_client(manager)
         raise
     _load_trainable(inner, state, family)
-    client = PetalsClassifier(inner, family, swarm_timeout)
+    client = PetalsClassifier(inner, family, swarm_timeout, audit_share=audit_share)
     if label_words is None:
         return client
     return ZeroShotScorer(client, family.get(inner, family.lm_head), label_words)

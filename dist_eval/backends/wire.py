@@ -50,6 +50,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from dist_eval.backends import audit
 from dist_eval.backends.failover import ServerAnswerError, server_failure
 
 POSITIONS_KEY = "dist_eval_read_positions"  # request metadata: one position per row (the last server's answer)
@@ -238,42 +239,22 @@ class _Request:
 async def _forward_chain(request: _Request, manager, own_digest: Optional[Callable[[], str]]) -> torch.Tensor:
     """One request's way through every block (petals 2.2.0's ``sequential_forward``, with
     the wire changes of the module doc): [rows, 1, hidden]. Only a server failure
-    (:func:`~dist_eval.backends.failover.server_failure`) is retried elsewhere.
+    (:func:`~dist_eval.backends.failover.server_failure`) is retried elsewhere. A share of the
+    requests is then replayed on other servers and compared (:mod:`dist_eval.backends.audit`).
     """
-    from hivemind.utils import MSGPackSerializer
-    from petals.client.remote_forward_backward import run_remote_forward
-    from petals.data_structures import CHAIN_DELIMITER
-    from petals.server.handler import TransformerConnectionHandler
-    from petals.utils.packaging import pack_args_kwargs
-
     end = len(manager.block_uids)
     inputs = request.hidden_states
-    block, spans = 0, deque()
+    block, spans, route = 0, deque(), []
     while block < end:
         for attempt in itertools.count():
             span = None
             try:
                 if not spans or attempt >= 1:  # a new route, also after every failure
-                    spans = deque(manager.make_sequence(block, end, mode="max_throughput"))
-                    spans[-1].end = min(spans[-1].end, end)
+                    spans = _route(manager, block, end)
                 span = spans.popleft()
-                stub = TransformerConnectionHandler.get_stub(manager.state.p2p, span.peer_id)
-                span_prompts = request.prompts[span.start : span.end]
-                if block == 0:
-                    peer = await _peer_wire(manager, stub, span.peer_id, own_digest)
-                    tensors = _request_tensors(request, span_prompts, peer)
-                else:
-                    tensors = (inputs, span_prompts)
-                flat_tensors, args_structure = pack_args_kwargs(*tensors)
-                uids = CHAIN_DELIMITER.join(manager.block_uids[span.start : span.end])
-                metadata = manager.get_request_metadata("rpc_forward", args_structure, uids, *flat_tensors)
-                last = span.end == end
-                if last:
-                    metadata[POSITIONS_KEY] = request.positions
-                outputs = await run_remote_forward(uids, stub, manager.rpc_info, *flat_tensors,
-                                                   config=manager.config, metadata=MSGPackSerializer.dumps(metadata))
-                inputs = _check_answer(outputs, request.hidden_states.shape, request.positions if last else None)
+                inputs = await _run_span(request, manager, span, inputs, own_digest)
                 block = span.end
+                route.append(span)
                 manager.on_request_success(span.peer_id)
                 break
             except Exception as error:
@@ -283,7 +264,104 @@ async def _forward_chain(request: _Request, manager, own_digest: Optional[Callab
                 if attempt + 1 == manager.config.max_retries:
                     raise
                 await asyncio.sleep(manager.get_retry_delay(attempt))
+    ledger = audit.ledger_of(manager)
+    if ledger is not None:
+        return await _audit(request, manager, route, inputs, own_digest, ledger)
     return inputs
+
+
+def _route(manager, block: int, end: int) -> deque:
+    """The route petals picks from ``block`` to ``end``; one around the servers the audit left out
+    where it met one of them (:func:`~dist_eval.backends.audit.exclude_if_unused`).
+    """
+    spans = deque(manager.make_sequence(block, end, mode="max_throughput"))
+    spans[-1].end = min(spans[-1].end, end)
+    ledger = audit.ledger_of(manager)
+    if ledger is not None and ledger.excluded and any(str(s.peer_id) in ledger.excluded for s in spans):
+        around = audit.disjoint_route(manager, set(ledger.excluded), end, None, start=block)
+        if around is not None:  # else petals' (a block only they serve: its failure says so)
+            spans = deque(around)
+    return spans
+
+
+async def _run_span(request: _Request, manager, span, inputs: torch.Tensor,
+                    own_digest: Optional[Callable[[], str]]) -> torch.Tensor:
+    """``span``'s server's answer to ``inputs`` (the request's, for block 0): the next span's inputs,
+    or, from the last span, the read positions.
+    """
+    from hivemind.utils import MSGPackSerializer
+    from petals.client.remote_forward_backward import run_remote_forward
+    from petals.data_structures import CHAIN_DELIMITER
+    from petals.server.handler import TransformerConnectionHandler
+    from petals.utils.packaging import pack_args_kwargs
+
+    stub = TransformerConnectionHandler.get_stub(manager.state.p2p, span.peer_id)
+    span_prompts = request.prompts[span.start : span.end]
+    if span.start == 0:
+        peer = await _peer_wire(manager, stub, span.peer_id, own_digest)
+        tensors = _request_tensors(request, span_prompts, peer)
+    else:
+        tensors = (inputs, span_prompts)
+    flat_tensors, args_structure = pack_args_kwargs(*tensors)
+    uids = CHAIN_DELIMITER.join(manager.block_uids[span.start : span.end])
+    metadata = manager.get_request_metadata("rpc_forward", args_structure, uids, *flat_tensors)
+    last = span.end == len(manager.block_uids)
+    if last:
+        metadata[POSITIONS_KEY] = request.positions
+    outputs = await run_remote_forward(uids, stub, manager.rpc_info, *flat_tensors,
+                                       config=manager.config, metadata=MSGPackSerializer.dumps(metadata))
+    return _check_answer(outputs, request.hidden_states.shape, request.positions if last else None)
+
+
+async def _replay(request: _Request, manager, spans, own_digest) -> Optional[torch.Tensor]:
+    """The request through ``spans`` once, no retry; None when one of their servers fails."""
+    inputs = request.hidden_states
+    try:
+        for span in spans:
+            inputs = await _run_span(request, manager, span, inputs, own_digest)
+    except Exception as error:
+        if not server_failure(error):
+            raise
+        return None
+    return inputs
+
+
+async def _audit(request: _Request, manager, route: list, answer: torch.Tensor, own_digest,
+                 ledger: audit.AuditLedger) -> torch.Tensor:
+    """Replay the request on servers outside ``route`` when the ledger picks it; compare; on a
+    disagreement, a third route outside both settles who is outvoted, and the run stops.
+    """
+    peers = [str(s.peer_id) for s in route]
+    digest = audit.request_digest(request.token_ids, request.hidden_states, request.positions)
+    end, rows = len(manager.block_uids), len(request.positions)
+    other = None
+    if ledger.reason_to_replay(digest, peers) is not None:
+        other = audit.disjoint_route(manager, set(peers) | set(ledger.excluded), end, ledger)
+    replayed = None if other is None else await _replay(request, manager, other, own_digest)
+    if replayed is None:
+        if other is not None:
+            with ledger.lock:
+                ledger.replays_failed += 1
+        ledger.taken_unchecked(peers)
+        return answer
+    bound = audit.tolerance([*route, *other], answer)
+    if audit.agree(answer, replayed, bound):
+        ledger.record(peers, rows, audit.difference(answer, replayed), bound)
+        return answer
+    third = audit.disjoint_route(manager, set(peers) | {str(s.peer_id) for s in other} | set(ledger.excluded), end,
+                                 ledger)
+    settled = None if third is None else await _replay(request, manager, third, own_digest)
+    agrees_with = None
+    if settled is not None:
+        third_bound = audit.tolerance([*route, *other, *third], answer)
+        agrees_with = "first" if audit.agree(answer, settled, third_bound) else \
+            "second" if audit.agree(replayed, settled, third_bound) else None
+    gap, third = audit.difference(answer, replayed), third if settled is not None else None
+    stands = audit.exclude_if_unused(ledger, rows, route, other, gap, third, agrees_with)
+    if stands is not None:  # the outvoted server gave no other answer: left out, the majority's answer stands
+        ledger.record([str(s.peer_id) for s in (route if stands == "first" else other)], rows, 0.0, None)
+        return answer if stands == "first" else replayed
+    raise audit.mismatch(ledger, rows, route, other, gap, third, agrees_with)
 
 
 async def _peer_wire(manager, stub, peer_id, own_digest: Optional[Callable[[], str]]) -> _PeerWire:

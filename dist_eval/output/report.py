@@ -51,8 +51,17 @@ def run_facts(session, pair: Pair, pair_started: float) -> dict:
     if several:
         facts["pair"] = {"checkpoint": pair.checkpoint.name, "set": pair.data.name, "folder": pair.folder,
                          "shared_phase_seconds": _rounded(session.shared_phases)}
-    swarm = session.model.provenance() if ranks.is_main_process() else None
-    if swarm is not None:  # a petals run: the servers as announced in the DHT
+    from dist_eval.backends.kinds import backend_kind
+
+    on_swarm = backend_kind(config.backend).on_swarm
+    swarm = session.model.provenance() if ranks.is_main_process() or on_swarm else None
+    if on_swarm:  # every rank's client audited its own forwards: added up here
+        from dist_eval.backends.audit import combine
+
+        audited = combine(ranks.all_gather_object((swarm or {}).get("audit")))
+        if swarm is not None and audited is not None:
+            swarm["audit"] = audited
+    if swarm is not None and ranks.is_main_process():  # a petals run: the servers as announced in the DHT
         facts["swarm"] = swarm
     return facts
 

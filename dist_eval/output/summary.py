@@ -84,6 +84,11 @@ def format_summary(metrics: dict) -> str:
     warning = replicas_warning(run)
     if warning:
         lines.append(warning)
+    from dist_eval.backends.audit import summary_line
+
+    audited = summary_line(run)
+    if audited:
+        lines.append(audited)
     from dist_eval.slices import format_slices
 
     lines += format_slices(metrics)

@@ -1,0 +1,320 @@
+"""The swarm audit (issue 49): a share of the forwards replayed on servers that did not compute them.
+
+A server's answer moves the logits without a word when its weights are another revision, its
+dtype or quantization another, its hardware faulty; petals checks only an answer's shape. So a
+client of dist_eval replays, on a route of other servers:
+
+- a seeded share of its requests (``--audit SHARE``, API ``audit=``), chosen by a hash of the
+  request's content and the seed, the same requests for any number of ranks (every rank plans
+  the same batches);
+- the first request through each server it has not seen yet (a join probe), when the share is
+  above 0, so a misconfigured server is caught on its first batch.
+
+The two answers (the hidden states the head reads) must be equal bit for bit where every server
+of both routes announces the same numerics (petals version, dtype, quantization, adapters): a
+forward is computed block by block, and a request replayed whole has the same composition. Where
+they announce different numerics, they must agree within :func:`tolerance` of the coarsest dtype.
+A disagreement is settled by a third route avoiding both (where the swarm has one): the route the
+other two outvote is named, its server blamed where it holds the route alone. A server blamed on
+its first request (the join probe: none of its answers was taken) is left out of every route from
+then on, the majority's answer stands, and the run goes on (``excluded`` in the report, with the
+evidence). Otherwise the run stops with :class:`AuditMismatch` (one line naming the servers and the
+difference), before any row of the request is counted or stored: answers of the server taken
+before, unchecked, cannot be told apart from its good ones. A block no other server holds cannot be audited disjointly:
+counted as a coverage gap in the report (``run.swarm.audit``).
+
+What it does not prove: servers that collude (every holder of a block returning the same wrong
+numbers) agree; a fault in a share f of one server's answers goes unseen with probability
+(1 - share * f) ** batches (the report gives it per server, for f = 1).
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from dist_eval.backends.arguments import audit_share  # noqa: F401  (re-exported: the share's checker)
+
+AUDIT_ATTR = "dist_eval_audit"  # on a client's sequence manager: its AuditLedger
+
+
+class AuditMismatch(RuntimeError):
+    """Two routes of servers gave different hidden states for one request: no row of it is counted."""
+
+
+@dataclass
+class ServerAudit:
+    """One server's part in the audit: the requests and rows of its answers replayed elsewhere."""
+
+    computed: int = 0  # requests whose answer it computed (a span of)
+    batches: int = 0  # of those, replayed on servers other than it, and equal
+    rows: int = 0
+    mismatches: int = 0
+    unchecked: int = 0  # of those, taken without a replay's verdict (not drawn, or no other server)
+
+    @property
+    def verified(self) -> bool:
+        """A replay elsewhere agreed with an answer of it: until then each of its requests is replayed."""
+        return self.batches > 0
+
+
+@dataclass
+class AuditLedger:
+    """What a client audited: set on its sequence manager (:func:`attach`), filled by the forwards."""
+
+    share: float
+    seed: int = 0
+    servers: Dict[str, ServerAudit] = field(default_factory=dict)
+    requests: int = 0  # every request the client completed
+    replayed: int = 0  # those replayed on another route
+    replayed_rows: int = 0
+    replays_failed: int = 0  # a replay's server failed: no verdict (the request itself stands)
+    gaps: Dict[int, int] = field(default_factory=dict)  # block -> replays it could not get from another server
+    max_difference: float = 0.0  # over the replays that agreed
+    tolerances: List[float] = field(default_factory=list)  # each replay compared within a tolerance
+    # peer -> the evidence against it: a server outvoted on the only request whose answer it gave,
+    # left out of every route since (the run goes on without it)
+    excluded: Dict[str, dict] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def reason_to_replay(self, digest: bytes, peers: Sequence[str]) -> Optional[str]:
+        """Why the request of ``digest`` through ``peers`` is replayed ("share", "first batch"), or None."""
+        if self.share <= 0:
+            return None
+        with self.lock:
+            self.requests += 1
+            for p in set(peers):
+                self.servers.setdefault(p, ServerAudit()).computed += 1
+            # the join probe: every request through a server no replay has agreed with yet (its
+            # requests in flight at once, and after a replay that failed, included)
+            if not all(self.servers[p].verified for p in peers):
+                return "first batch"
+        draw = int.from_bytes(hashlib.blake2b(digest, digest_size=8, key=self.seed.to_bytes(8, "little")).digest(),
+                              "little")
+        return "share" if draw < self.share * 2 ** 64 else None
+
+    def taken_unchecked(self, peers: Sequence[str]) -> None:
+        """An answer of ``peers`` taken without a replay's verdict."""
+        with self.lock:
+            for p in set(peers):
+                self.servers.setdefault(p, ServerAudit()).unchecked += 1
+
+    def record(self, peers: Sequence[str], rows: int, difference: Optional[float], tolerance: Optional[float]) -> None:
+        """A replay of ``rows`` rows computed by ``peers`` that agreed, ``difference`` apart at most."""
+        with self.lock:
+            self.replayed += 1
+            self.replayed_rows += rows
+            for p in set(peers):
+                audit = self.servers.setdefault(p, ServerAudit())
+                audit.batches += 1
+                audit.rows += rows
+            if difference is not None:
+                self.max_difference = max(self.max_difference, difference)
+            if tolerance is not None:
+                self.tolerances.append(tolerance)
+
+    def facts(self) -> dict:
+        """``run.swarm.audit``: what was checked, per server, and what escaped."""
+        with self.lock:
+            return {
+                "share": self.share,
+                "requests": self.requests,
+                "replayed": self.replayed,
+                "replayed_rows": self.replayed_rows,
+                "replays_failed": self.replays_failed,
+                "max_difference": self.max_difference,
+                "max_tolerance": max(self.tolerances) if self.tolerances else 0.0,
+                "coverage_gaps": {str(b): n for b, n in sorted(self.gaps.items())},
+                "excluded": dict(sorted(self.excluded.items())),
+                "servers": {p: {"computed": a.computed, "batches": a.batches, "rows": a.rows,
+                                "mismatches": a.mismatches, "unchecked": a.unchecked,
+                                # the chance that a server whose every answer (one in ten) is wrong went unseen
+                                "unseen_if_always_wrong": 0.0 if a.batches else 1.0,
+                                "unseen_if_one_in_ten_wrong": 0.9 ** a.batches}
+                            for p, a in sorted(self.servers.items())},
+            }
+
+
+def attach(manager, share: float, seed: int = 0) -> AuditLedger:
+    """Audit ``share`` of the requests of the client whose sequence manager is ``manager``."""
+    ledger = AuditLedger(share=float(share), seed=int(seed))
+    setattr(manager, AUDIT_ATTR, ledger)
+    return ledger
+
+
+def ledger_of(manager) -> Optional[AuditLedger]:
+    return getattr(manager, AUDIT_ATTR, None)
+
+
+def request_digest(token_ids: Optional[torch.Tensor], hidden_states: torch.Tensor, positions: Sequence[int]) -> bytes:
+    """The content of one request: what it asks, whichever rank sends it."""
+    h = hashlib.blake2b(digest_size=16)
+    source = token_ids if token_ids is not None else hidden_states
+    h.update(source.detach().cpu().contiguous().numpy().tobytes())
+    h.update(repr(list(positions)).encode())
+    return h.digest()
+
+
+def disjoint_route(manager, avoid: set, end: int, ledger: Optional[AuditLedger], start: int = 0) -> Optional[list]:
+    """Spans from block ``start`` to ``end`` on online servers outside ``avoid`` (the one reaching
+    furthest at each step, ties by peer id); None where a block has no such server (a coverage gap,
+    counted in ``ledger``).
+    """
+    from petals.data_structures import RemoteSpanInfo, ServerState
+
+    spans, block = [], start
+    containing = manager.state.sequence_info.spans_containing_block
+    while block < end:
+        choices = [s for s in containing[block] if str(s.peer_id) not in avoid and s.state == ServerState.ONLINE]
+        if not choices:
+            if ledger is not None:
+                with ledger.lock:
+                    ledger.gaps[block] = ledger.gaps.get(block, 0) + 1
+            return None
+        best = max(choices, key=lambda s: (s.end, str(s.peer_id)))
+        spans.append(RemoteSpanInfo(best.peer_id, block, min(best.end, end), best.server_info))
+        block = spans[-1].end
+    return spans
+
+
+def numerics(span) -> Tuple:
+    """What a server announces that decides its numbers."""
+    info = span.server_info
+    return (info.version, str(info.torch_dtype), str(info.quant_type), tuple(info.adapters or ()))
+
+
+def tolerance(spans: Sequence, reference: torch.Tensor) -> Optional[float]:
+    """None (bit for bit) where every span announces the same numerics; else a bound on the
+    difference of two honest answers: 64 units of the coarsest dtype's precision at the answer's
+    largest magnitude.
+    """
+    if len({numerics(s) for s in spans}) <= 1:
+        return None
+    eps = max(torch.finfo(_dtype(s.server_info.torch_dtype)).eps for s in spans)
+    return float(64 * eps * max(1.0, reference.abs().max().item()))
+
+
+def _dtype(name) -> torch.dtype:
+    dtype = getattr(torch, str(name).replace("torch.", ""), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest absolute difference of two answers (inf where either is not finite)."""
+    a, b = a.float(), b.float()
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return float("inf")
+    return float((a - b).abs().max().item()) if a.numel() else 0.0
+
+
+def agree(a: torch.Tensor, b: torch.Tensor, bound: Optional[float]) -> bool:
+    if bound is None:
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) and bool(torch.isfinite(a).all())
+    return a.shape == b.shape and difference(a, b) <= bound
+
+
+def combine(facts: Sequence[Optional[dict]]) -> Optional[dict]:
+    """The ranks' :meth:`AuditLedger.facts` as one (counts added, maxima taken); None without any."""
+    facts = [f for f in facts if f]
+    if not facts:
+        return None
+    total = {key: sum(f[key] for f in facts) for key in ("requests", "replayed", "replayed_rows", "replays_failed")}
+    gaps: Dict[str, int] = {}
+    servers: Dict[str, dict] = {}
+    for f in facts:
+        for block, n in f["coverage_gaps"].items():
+            gaps[block] = gaps.get(block, 0) + n
+        for peer, s in f["servers"].items():
+            into = servers.setdefault(peer, {"computed": 0, "batches": 0, "rows": 0, "mismatches": 0, "unchecked": 0})
+            for key in into:
+                into[key] += s[key]
+    for s in servers.values():
+        s["unseen_if_always_wrong"] = 0.0 if s["batches"] else 1.0
+        s["unseen_if_one_in_ten_wrong"] = 0.9 ** s["batches"]
+    excluded = {peer: evidence for f in facts for peer, evidence in f.get("excluded", {}).items()}
+    return {"share": facts[0]["share"], **total, "max_difference": max(f["max_difference"] for f in facts),
+            "max_tolerance": max(f["max_tolerance"] for f in facts),
+            "coverage_gaps": dict(sorted(gaps.items(), key=lambda kv: int(kv[0]))),
+            "excluded": dict(sorted(excluded.items())),
+            "servers": dict(sorted(servers.items()))}
+
+
+def summary_line(run: dict) -> str:
+    """The summary's line on the audit ('' without one)."""
+    facts = (run.get("swarm") or {}).get("audit")
+    if not facts:
+        return ""
+    unchecked = sum(1 for s in facts["servers"].values() if not s["batches"])
+    excluded = facts.get("excluded") or {}
+    compared = "bit for bit" if not facts["max_tolerance"] else (
+        f"within {facts['max_tolerance']:.2g} (servers of other numerics; largest difference "
+        f"{facts['max_difference']:.2g})")
+    agreed = "the others all equal" if excluded else "all equal"
+    return (f"  swarm audit: {facts['replayed']} of {facts['requests']} requests ({facts['replayed_rows']} rows) "
+            f"replayed on other servers, {agreed} {compared}; {len(facts['servers']) - unchecked} of "
+            f"{len(facts['servers'])} servers checked" + (f", {len(facts['coverage_gaps'])} block(s) with no other "
+                                                          "server to check them" if facts["coverage_gaps"] else "")
+            + (f"; {len(excluded)} server(s) outvoted on their first request and left out: "
+               f"{', '.join(excluded)}" if excluded else "")
+            + " (metrics.json run.swarm.audit)")
+
+
+def describe(spans: Sequence) -> str:
+    return " -> ".join(f"{s.peer_id} (blocks {s.start}:{s.end})" for s in spans)
+
+
+def exclude_if_unused(ledger: AuditLedger, rows: int, route: Sequence, other: Sequence, gap: float,
+                      third: Optional[Sequence], third_agrees_with: Optional[str]) -> Optional[str]:
+    """Where a third route outvoted one server none of whose answers was taken unchecked (each of its
+    requests was replayed until one agreed: the join probe), leave it out of every route from now on
+    and return which answer stands ("first": the request's own, "second": the replay's); else None
+    (the run stops).
+    """
+    if third is None or third_agrees_with is None:
+        return None
+    faulty = other if third_agrees_with == "first" else route
+    peers = {str(s.peer_id) for s in faulty}
+    with ledger.lock:
+        if len(peers) != 1:
+            return None
+        [peer] = peers
+        if ledger.servers.get(peer, ServerAudit()).unchecked:
+            return None  # answers of it were taken unchecked before: they cannot be told apart now
+        ledger.servers.setdefault(peer, ServerAudit()).mismatches += 1
+        ledger.excluded[peer] = {
+            "rows": rows, "difference": gap if gap != float("inf") else "inf",
+            "outvoted_by": sorted({str(s.peer_id) for s in [*(route if faulty is other else other), *third]}),
+        }
+    return third_agrees_with
+
+
+def mismatch(ledger: AuditLedger, rows: int, route: Sequence, other: Sequence, gap: float,
+             third: Optional[Sequence], third_agrees_with: Optional[str]) -> AuditMismatch:
+    """The error that stops the run: both routes, the difference, and the blame a third route allows."""
+    if third is None:
+        verdict = ("no third server of these blocks to settle it; stop or leave out the servers of one route, "
+                   "then run again")
+        blamed = [*route, *other]
+    elif third_agrees_with is None:
+        verdict = f"a third route ({describe(third)}) agrees with neither: more than one server is at fault"
+        blamed = [*route, *other, *third]
+    else:
+        faulty = other if third_agrees_with == "first" else route
+        verdict = (f"a third route ({describe(third)}) agrees with the "
+                   f"{'first' if third_agrees_with == 'first' else 'second'}: "
+                   + (f"server {faulty[0].peer_id} computes other numbers than its replicas (another revision, dtype "
+                      "or quantization of the weights, or faulty hardware)" if len(faulty) == 1 else
+                      f"one of {', '.join(str(s.peer_id) for s in faulty)} is at fault")
+                   + (", and answers of it were taken before this one, unchecked" if len(faulty) == 1 else "")
+                   + "; stop it or leave it out of the swarm, then run again")
+        blamed = list(faulty)
+    with ledger.lock:
+        for s in blamed:
+            ledger.servers.setdefault(str(s.peer_id), ServerAudit()).mismatches += 1
+    return AuditMismatch(
+        f"swarm audit: a request of {rows} row(s) gave other hidden states on two routes of servers, "
+        f"{'inf' if gap == float('inf') else f'{gap:.3g}'} apart at most: {describe(route)}; and {describe(other)}. "
+        f"{verdict[0].upper()}{verdict[1:]}. No row of it is counted or stored (--audit 0 turns the audit off).")

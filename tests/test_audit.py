@@ -1,0 +1,167 @@
+"""The swarm audit (issue 49, dist_eval/backends/audit.py) on real local swarms: an honest swarm's
+replays agree bit for bit and the logits equal the local backend's; a server whose block differs
+from its replicas' (another revision of the weights, served under the same prefix) is found on its
+first request, outvoted by a third server, named and left out, and the run's logits are the local
+backend's; one blamed after answers of it were taken stops the run in one line."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+from conftest import one_thread_swarm
+from float_promises import assert_same_bits
+from inprocess_cli import one_thread, run_cli_in_process
+from safetensors.torch import load_file, save_file
+
+from dist_eval import evaluate
+from dist_eval.backends import load_model
+from dist_eval.backends.audit import audit_share, summary_line
+from dist_eval.backends.tokenizer import load_tokenizer
+from dist_eval.errors import UsageError
+
+pytestmark = pytest.mark.swarm
+
+
+def _petals(model_dir, checkpoint, swarm, share):
+    return load_model("petals", model_dir, checkpoint=checkpoint, initial_peers=swarm.initial_peers,
+                      dht_prefix=swarm.dht_prefix, audit=share)
+
+
+def _rows(n):
+    return {"text": [" ".join(f"w{(7 * i + j) % 60}" for j in range(3 + i % 5)) for i in range(n)],
+            "label": [i % 3 for i in range(n)]}
+
+
+def test_an_honest_swarm_agrees_bit_for_bit_and_its_logits_are_the_local_backends(tiny_model, tiny_checkpoint,
+                                                                                  tiny_swarm):
+    import datasets
+
+    data = datasets.Dataset.from_dict(_rows(24))
+    tokenizer = load_tokenizer(tiny_model)
+    with one_thread():
+        local = load_model("local", tiny_model, checkpoint=tiny_checkpoint)
+        expected = evaluate(local, data, tokenizer=tokenizer, batch_size=8, return_logits=True, bootstrap_resamples=0)
+        local.close()
+        model = _petals(tiny_model, tiny_checkpoint, tiny_swarm, 1.0)
+        try:
+            got = evaluate(model, data, tokenizer=tokenizer, batch_size=8, return_logits=True, bootstrap_resamples=0)
+            audit = model.provenance()["audit"]
+        finally:
+            model.close()
+    assert_same_bits(got.predictions.logits, expected.predictions.logits, "the audited swarm's logits")
+    assert audit["requests"] == audit["replayed"] == 3 and audit["replayed_rows"] == 24, audit
+    assert audit["max_difference"] == 0.0 and audit["max_tolerance"] == 0.0 and not audit["coverage_gaps"], audit
+    # every server that computed a request (routes are drawn at random: one or both) was checked on all of them
+    assert audit["servers"] and all(s["batches"] == s["computed"] and not s["mismatches"]
+                                    for s in audit["servers"].values()), audit
+
+
+@pytest.fixture(scope="module")
+def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
+    """Three servers of every block of the tiny Llama under one prefix; the third serves a copy
+    whose block 2 differs by 1e-3 in one weight (another revision, say). Yields (the three
+    swarms' servers' peer ids, honest first, and the first swarm, whose peers the client joins)."""
+    changed = str(tmp_path_factory.mktemp("changed") / "model")
+    shutil.copytree(tiny_model, changed)
+    weights = load_file(os.path.join(changed, "model.safetensors"))
+    name = next(k for k in sorted(weights) if ".layers.2." in k and k.endswith("q_proj.weight"))
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, os.path.join(changed, "model.safetensors"), metadata={"format": "pt"})
+    honest = one_thread_swarm(tiny_model, num_servers=2, dht_prefix="audit-test")
+    first = next(honest)
+    faulty = one_thread_swarm(changed, num_servers=1, dht_prefix="audit-test", join_peers=first.initial_peers)
+    odd = next(faulty)
+    try:
+        yield [p.rsplit("/", 1)[1] for p in first.initial_peers + odd.initial_peers], first
+    finally:
+        for generator in (faulty, honest):
+            generator.close()
+
+
+def test_a_server_that_computes_other_numbers_is_found_named_and_left_out(tiny_model, tiny_checkpoint,
+                                                                         swarm_with_a_changed_replica):
+    """Its first request is replayed (the join probe), outvoted by a third route, and it is left
+    out of every route after: the run finishes on the two honest servers, its logits the local
+    backend's bit for bit. Each of the 60 requests takes a random route: all 60 miss the odd server,
+    as main route or replay, with probability below (2/3)^60 (3e-11)."""
+    import datasets
+
+    peers, swarm = swarm_with_a_changed_replica
+    odd = peers[2]
+    data = datasets.Dataset.from_dict(_rows(60))
+    tokenizer = load_tokenizer(tiny_model)
+    with one_thread():
+        local = load_model("local", tiny_model, checkpoint=tiny_checkpoint)
+        expected = evaluate(local, data, tokenizer=tokenizer, batch_size=1, return_logits=True, bootstrap_resamples=0)
+        local.close()
+        model = _petals(tiny_model, tiny_checkpoint, swarm, 0.5)
+        try:
+            got = evaluate(model, data, tokenizer=tokenizer, batch_size=1, return_logits=True, bootstrap_resamples=0)
+            audit = model.provenance()["audit"]
+        finally:
+            model.close()
+    assert_same_bits(got.predictions.logits, expected.predictions.logits, "the logits, the odd server left out")
+    assert list(audit["excluded"]) == [odd], audit
+    assert set(audit["excluded"][odd]["outvoted_by"]) == set(peers[:2]) and audit["excluded"][odd]["difference"] > 0
+    # outvoted on each of its requests in flight before it was left out; none of its answers taken
+    assert audit["servers"][odd]["mismatches"] >= 1 and not audit["servers"][odd]["unchecked"], audit
+    assert not any(audit["servers"].get(p, {}).get("mismatches") for p in peers[:2]), audit
+    line = summary_line({"swarm": {"audit": audit}})
+    assert f"1 server(s) outvoted on their first request and left out: {odd}" in line, line
+
+
+def test_a_server_blamed_after_answers_of_it_were_taken_stops_the_run_in_one_line():
+    """Its earlier answers, unchecked, cannot be told from its good ones: the run stops, naming it."""
+    from types import SimpleNamespace
+
+    from dist_eval.backends.audit import AuditLedger, ServerAudit, exclude_if_unused, mismatch
+
+    span = lambda peer: SimpleNamespace(peer_id=peer, start=0, end=4)  # noqa: E731
+    ledger = AuditLedger(share=0.1, servers={"odd": ServerAudit(computed=5, unchecked=3)})
+    args = (ledger, 2, [span("odd")], [span("a")], 0.5, [span("b")], "second")
+    assert exclude_if_unused(*args) is None and not ledger.excluded
+    error = str(mismatch(*args))
+    assert "server odd computes other numbers than its replicas" in error and "taken before this one" in error
+    assert len(error.splitlines()) == 1 and ledger.servers["odd"].mismatches == 1
+    ledger.servers["fresh"] = ServerAudit(computed=2)  # each of its answers replayed: left out, the run goes on
+    assert exclude_if_unused(ledger, 2, [span("fresh")], [span("a")], 0.5, [span("b")], "second") == "second"
+    assert list(ledger.excluded) == ["fresh"]
+
+
+def test_the_cli_audits_a_swarm_it_did_not_start_and_reports_it(tiny_model, tiny_checkpoint, tiny_swarm, tmp_path,
+                                                               capsys):
+    import json
+
+    from conftest import write_csv
+
+    data = write_csv(str(tmp_path / "rows.csv"), 12)
+    out = str(tmp_path / "out")
+    code = run_cli_in_process(["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--data-files", data,
+                               "--initial-peers", *tiny_swarm.initial_peers, "--dht-prefix", tiny_swarm.dht_prefix,
+                               "--batch-size", "4", "--audit", "1", "--output-dir", out, "--progress", "none"])
+    said = capsys.readouterr().out
+    assert code == 0, said
+    audit = json.load(open(os.path.join(out, "metrics.json")))["run"]["swarm"]["audit"]
+    assert audit["share"] == 1.0 and audit["replayed"] == audit["requests"] == 3 and audit["max_difference"] == 0
+    assert re.search(r"swarm audit: 3 of 3 requests \(12 rows\) replayed on other servers, all equal bit for bit; "
+                     r"(\d) of \1 servers checked", said), said
+
+
+def test_a_share_outside_0_to_1_or_on_the_local_backend_is_refused_in_one_line(tiny_model, monkeypatch):
+    assert audit_share(None) == 0.0  # the suite's default (conftest.py)
+    monkeypatch.delenv("DIST_EVAL_AUDIT")
+    assert audit_share(None) == 0.03
+    for wrong in (1.5, -0.1, "x", float("nan")):
+        with pytest.raises(UsageError, match="audit.*from 0 .no audit. to 1"):
+            audit_share(wrong)
+    monkeypatch.setenv("DIST_EVAL_AUDIT", "7")
+    with pytest.raises(UsageError, match="DIST_EVAL_AUDIT"):
+        audit_share(None)
+    from dist_eval.cli import checked_config
+
+    with pytest.raises(UsageError, match="only a swarm's servers are audited"):
+        checked_config(model=tiny_model, data_files=["x.csv"], backend="local", audit=0.1)
+    assert np.isclose(checked_config(model=tiny_model, data_files=["x.csv"], audit=0.5).audit, 0.5)
