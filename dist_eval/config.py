@@ -513,8 +513,7 @@ class EvalConfig:
             raise UsageError("--initial-peers: only used with --backend petals.")
         self._plan()
         self.settings.check_stop_flags()
-        check_shard(self.settings, self.options)
-        check_clusters(self.settings, self.options)
+        check_not_with_stopping(self.settings, self.options)
         if self.options.shard is not None and self.plan is not None and self.plan.several:
             raise UsageError("a shard is a part of one set for one checkpoint: expected one --checkpoint and one "
                              "set in --data-files. Launch the shards of each pair apart.", param="shard",
@@ -593,27 +592,26 @@ def settings_from(keywords: Dict[str, Any], settings: Optional[Settings] = None,
                              param=passed[0], value=keywords[passed[0]])
     settings, options = settings or built_settings, options or built_options
     settings.check_stop_flags()
-    check_shard(settings, options)
-    check_clusters(settings, options)
+    check_not_with_stopping(settings, options)
     return settings, options
 
 
-def check_shard(settings: Settings, options: Options) -> None:
-    """A shard of a run that stops early is refused: its rounds and the decision to stop need every row."""
-    if options.shard is not None and settings.stops_early:
-        raise UsageError("a run that stops early decides after each round over the rows of every shard, so it "
-                         "cannot be split into shards launched apart. Drop {0} and {1} (the shard evaluates "
-                         "its whole part), or drop the shard.", param="shard", value=options.shard,
-                         names=("stop_at_width", "stop_when_decided"))
+# the options a run that stops early refuses: (option, why, what else to drop)
+_NOT_WITH_STOPPING = (
+    ("shard", "a run that stops early decides after each round over the rows of every shard, so it cannot be "
+              "split into shards launched apart", "(the shard evaluates its whole part), or drop the shard"),
+    ("cluster_by", "the stopping rules take rows as independent, and the rows of one cluster are not: expected "
+                   "without {0} and {1}", "(evaluate every row), or drop the clusters"),
+)
 
 
-def check_clusters(settings: Settings, options: Options) -> None:
-    """Clusters with a stopping rule are refused: the confidence sequences take the rows as independent."""
-    if options.cluster_by is not None and settings.stops_early:
-        raise UsageError("the stopping rules take rows as independent, and the rows of one cluster are not: "
-                         "expected without {0} and {1}. Drop {0} and {1} (evaluate every row), or drop the "
-                         "clusters.", param="cluster_by", value=options.cluster_by,
-                         names=("stop_at_width", "stop_when_decided"))
+def check_not_with_stopping(settings: Settings, options: Options) -> None:
+    """A shard, or clusters, with a stopping rule are refused in one line naming both."""
+    for name, why, fix in _NOT_WITH_STOPPING:
+        value = getattr(options, name)
+        if value is not None and settings.stops_early:
+            raise UsageError(f"{why}. Drop {{0}} and {{1}} {fix}.", param=name, value=value,
+                             names=("stop_at_width", "stop_when_decided"))
 
 
 def with_setting_keywords(fn):

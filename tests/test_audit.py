@@ -35,22 +35,29 @@ def _rows(n):
             "label": [i % 3 for i in range(n)]}
 
 
-def test_an_honest_swarm_agrees_bit_for_bit_and_its_logits_are_the_local_backends(tiny_model, tiny_checkpoint,
-                                                                                  tiny_swarm):
+def _local_and_audited(model_dir, checkpoint, swarm, share, rows, batch_size):
+    """(the local backend's result, the audited swarm client's, its audit) on ``rows`` rows."""
     import datasets
 
-    data = datasets.Dataset.from_dict(_rows(24))
-    tokenizer = load_tokenizer(tiny_model)
+    data = datasets.Dataset.from_dict(_rows(rows))
+    tokenizer = load_tokenizer(model_dir)
+    results = []
     with one_thread():
-        local = load_model("local", tiny_model, checkpoint=tiny_checkpoint)
-        expected = evaluate(local, data, tokenizer=tokenizer, batch_size=8, return_logits=True, bootstrap_resamples=0)
-        local.close()
-        model = _petals(tiny_model, tiny_checkpoint, tiny_swarm, 1.0)
-        try:
-            got = evaluate(model, data, tokenizer=tokenizer, batch_size=8, return_logits=True, bootstrap_resamples=0)
-            audit = model.provenance()["audit"]
-        finally:
-            model.close()
+        for backend in ("local", "petals"):
+            model = load_model("local", model_dir, checkpoint=checkpoint) if backend == "local" else \
+                _petals(model_dir, checkpoint, swarm, share)
+            try:
+                results.append(evaluate(model, data, tokenizer=tokenizer, batch_size=batch_size, return_logits=True,
+                                        bootstrap_resamples=0))
+                audit = model.provenance() and model.provenance()["audit"]
+            finally:
+                model.close()
+    return results[0], results[1], audit
+
+
+def test_an_honest_swarm_agrees_bit_for_bit_and_its_logits_are_the_local_backends(tiny_model, tiny_checkpoint,
+                                                                                  tiny_swarm):
+    expected, got, audit = _local_and_audited(tiny_model, tiny_checkpoint, tiny_swarm, 1.0, 24, 8)
     assert_same_bits(got.predictions.logits, expected.predictions.logits, "the audited swarm's logits")
     assert audit["requests"] == audit["replayed"] == 3 and audit["replayed_rows"] == 24, audit
     assert audit["max_difference"] == 0.0 and audit["max_tolerance"] == 0.0 and not audit["coverage_gaps"], audit
@@ -87,22 +94,9 @@ def test_a_server_that_computes_other_numbers_is_found_named_and_left_out(tiny_m
     out of every route after: the run finishes on the two honest servers, its logits the local
     backend's bit for bit. Each of the 60 requests takes a random route: all 60 miss the odd server,
     as main route or replay, with probability below (2/3)^60 (3e-11)."""
-    import datasets
-
     peers, swarm = swarm_with_a_changed_replica
     odd = peers[2]
-    data = datasets.Dataset.from_dict(_rows(60))
-    tokenizer = load_tokenizer(tiny_model)
-    with one_thread():
-        local = load_model("local", tiny_model, checkpoint=tiny_checkpoint)
-        expected = evaluate(local, data, tokenizer=tokenizer, batch_size=1, return_logits=True, bootstrap_resamples=0)
-        local.close()
-        model = _petals(tiny_model, tiny_checkpoint, swarm, 0.5)
-        try:
-            got = evaluate(model, data, tokenizer=tokenizer, batch_size=1, return_logits=True, bootstrap_resamples=0)
-            audit = model.provenance()["audit"]
-        finally:
-            model.close()
+    expected, got, audit = _local_and_audited(tiny_model, tiny_checkpoint, swarm, 0.5, 60, 1)
     assert_same_bits(got.predictions.logits, expected.predictions.logits, "the logits, the odd server left out")
     assert list(audit["excluded"]) == [odd], audit
     assert set(audit["excluded"][odd]["outvoted_by"]) == set(peers[:2]) and audit["excluded"][odd]["difference"] > 0

@@ -10,34 +10,12 @@ import threading
 import numpy as np
 import pytest
 from conftest import REPO
+from thread_ranks import ThreadRanks
 
 from dist_eval import ranks
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import bench_gpu  # noqa: E402
-
-
-class _TwoRanks:
-    """get_rank / get_world_size / all_gather_object / exchange_objects for two threads."""
-
-    def __init__(self):
-        self.local, self.barrier, self.slots = threading.local(), threading.Barrier(2, timeout=60), [None, None]
-
-    def rank(self):
-        return getattr(self.local, "rank", 0)
-
-    def _swap(self, obj):
-        self.slots[self.rank()] = obj
-        self.barrier.wait()
-        out = list(self.slots)
-        self.barrier.wait()
-        return out
-
-    def all_gather_object(self, obj):
-        return self._swap(obj)
-
-    def exchange_objects(self, outgoing):
-        return [sent[self.rank()] for sent in self._swap(outgoing)]
 
 
 class _CountingTokenizer:
@@ -76,7 +54,7 @@ def test_each_row_is_tokenized_once_and_the_batches_do_not_change(long_tailed, m
     tokenizer, dataset = long_tailed
     settings = Settings(batch_size=16, max_batch_tokens=cap, max_length=64)
     alone, truncated_alone = _batches(tokenizer, dataset, settings)
-    fake, counting = _TwoRanks(), _CountingTokenizer(tokenizer)
+    fake, counting = ThreadRanks(2), _CountingTokenizer(tokenizer)
     for name in ("all_gather_object", "exchange_objects"):
         monkeypatch.setattr(ranks, name, getattr(fake, name))
     monkeypatch.setattr(ranks, "get_rank", fake.rank)

@@ -21,6 +21,7 @@ import pytest
 from conftest import REPO, run_cli, write_csv
 from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import run_cli_in_process
+from thread_ranks import ThreadRanks
 
 from dist_eval.config import EvalConfig, Options, settings_from, shard_from_slurm
 from dist_eval.errors import UsageError, flag_names
@@ -289,30 +290,6 @@ def test_the_array_and_merge_scripts_refuse_in_one_line(tmp_path):
     assert f"no shard folder in {tmp_path}" in script("slurm_merge.sbatch", OUT=str(tmp_path))
 
 
-class _Ranks:
-    """get_rank / get_world_size / all_gather_object / exchange_objects for N threads (faked collectives)."""
-
-    def __init__(self, size):
-        self.size, self.local = size, threading.local()
-        self.barrier, self.slots = threading.Barrier(size, timeout=60), [None] * size
-
-    def rank(self):
-        return getattr(self.local, "rank", 0)
-
-    def _swap(self, obj):
-        self.slots[self.rank()] = obj
-        self.barrier.wait()
-        out = list(self.slots)
-        self.barrier.wait()
-        return out
-
-    def all_gather_object(self, obj):
-        return self._swap(obj)
-
-    def exchange_objects(self, outgoing):
-        return [sent[self.rank()] for sent in self._swap(outgoing)]
-
-
 def test_a_long_tailed_set_splits_the_same_for_any_ranks_in_a_shard(tmp_path, monkeypatch):
     """2,000 long-tailed rows (the GPU benchmark's data, some truncated), a token budget: for K = 1, 3, 7
     the shards' batches partition the whole plan's, each with its id, rows and token ids, on 1 rank
@@ -340,7 +317,7 @@ def test_a_long_tailed_set_splits_the_same_for_any_ranks_in_a_shard(tmp_path, mo
 
     whole, truncated_whole = batches()
     assert truncated_whole > 0
-    two = _Ranks(2)
+    two = ThreadRanks(2)
     for count in (1, 3, 7):
         parts = [batches((index, count)) for index in range(count)]
         assert {b: batch for part, _ in parts for b, batch in part.items()} == whole
