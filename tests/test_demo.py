@@ -300,15 +300,22 @@ def test_the_family_is_part_of_the_cache_key(built, assets, other_family):
 def test_the_other_families_demos_run_on_a_local_swarm(other_family, tmp_path):
     """``torchrun -m dist_eval --demo-family F``, as the docs offer it: a local swarm of that
     family's demo model, the task learned, and the same predictions as the local backend."""
+    from unittest import mock
+
     from conftest import read_jsonl, run_cli
+    from inprocess_cli import run_cli_in_process
 
     family, cache, _ = other_family
     outs = {}
     for backend in ("petals", "local"):
         out = tmp_path / backend
-        proc = run_cli(["--demo-family", family, "--backend", backend, "--output-dir", str(out), "--save-logits"],
-                       nproc=1, timeout=600, env={"DIST_EVAL_CACHE": cache})
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        args = ["--demo-family", family, "--backend", backend, "--output-dir", str(out), "--save-logits"]
+        if backend == "local":  # the reference: the CLI's code in this process, one thread (as a rank)
+            with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": cache}):
+                assert run_cli_in_process(args) == 0
+        else:
+            proc = run_cli(args, nproc=1, timeout=600, env={"DIST_EVAL_CACHE": cache})
+            assert proc.returncode == 0, proc.stderr[-3000:]
         outs[backend] = (json.load(open(out / "metrics.json")), read_jsonl(out / "predictions.jsonl"))
     (metrics, rows), (local_metrics, local_rows) = outs["petals"], outs["local"]
     assert metrics["run"]["demo"] is True and metrics["run"]["backend"] == "petals" and metrics["accuracy"] > 0.9

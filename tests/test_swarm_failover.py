@@ -305,10 +305,12 @@ def test_a_dead_rank_or_helper_ends_every_rank_in_bounded_time(swarm2, tiny_mode
     print(f"{victim} killed: every rank out {after_kill:.1f} s later")
 
 
+# every pair of (target, signal, state) values once: four runs, not seven (issue 46: 32 s of the suite;
+# the cases dropped repeated pairs the kept ones run, and no path depends on all three at once: the
+# signal reaches the ranks as SIGTERM from torchrun or as itself, and a stuck rank leaves the same way)
 @pytest.mark.parametrize("target,signame,state", [
-    ("torchrun", "SIGTERM", "healthy"), ("torchrun", "SIGTERM", "stuck"),
-    ("torchrun", "SIGINT", "healthy"), ("torchrun", "SIGINT", "stuck"),
-    ("rank 1", "SIGTERM", "healthy"), ("rank 1", "SIGTERM", "stuck"), ("rank 1", "SIGINT", "healthy"),
+    ("torchrun", "SIGTERM", "healthy"), ("torchrun", "SIGINT", "stuck"),
+    ("rank 1", "SIGTERM", "stuck"), ("rank 1", "SIGINT", "healthy"),
 ])
 def test_a_signal_stops_every_process_within_15_s(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, tmp_path,
                                                   target, signame, state):
