@@ -559,51 +559,42 @@ def _check_args(args) -> tuple:
     return folders, None if args.baseline is None else folders.index(args.baseline)
 
 
-def _main_many(args, folders: list, baseline: Optional[int]) -> int:
-    try:
+def _compared(args) -> tuple:
+    """What the runs the arguments name compare to: (a warning line or '', the lines to print, what
+    ``--json`` writes, its name). Two runs: the paired test (and the rows an effect needs); more: every
+    pair, or each against the baseline, Holm over them all.
+    """
+    folders, baseline = _check_args(args)
+    if len(folders) > 2:
         result = compare_many([load_run(folder) for folder in folders], baseline, args.bootstrap_resamples,
                               args.bootstrap_seed)
-    except UsageError as e:
-        print(f"dist_eval.compare: error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    warning = many_warning(result)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
-    print(format_many(result), flush=True)
-    if args.json:
-        from dist_eval.atomic import atomic_write
-
-        atomic_write(args.json, lambda f: json.dump(result, f, indent=2))
-        print(f"comparisons written to {args.json}", flush=True)
-    return 0
+        return many_warning(result), [format_many(result)], result, "comparisons"
+    if baseline == 1:  # the baseline is A
+        folders.reverse()
+    a, b = load_run(folders[0]), load_run(folders[1])
+    comparison = compare_runs(a, b, args.bootstrap_resamples, args.bootstrap_seed)
+    lines = [format_comparison(comparison, args.max_rows)]
+    if args.rows_for_effect is not None:
+        lines.append(format_rows_for_effect(comparison.paired, args.rows_for_effect))
+    return one_side_warning(comparison), [line for line in lines if line], comparison.paired, "paired test"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        folders, baseline = _check_args(args)
-        if len(folders) > 2:
-            return _main_many(args, folders, baseline)
-        if baseline == 1:  # the baseline is A
-            folders.reverse()
-        a, b = load_run(folders[0]), load_run(folders[1])
-        comparison = compare_runs(a, b, args.bootstrap_resamples, args.bootstrap_seed)
-        planned = format_rows_for_effect(comparison.paired, args.rows_for_effect) \
-            if args.rows_for_effect is not None else None
+        warning, lines, written, name = _compared(args)
     except UsageError as e:
         print(f"dist_eval.compare: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
-    warning = one_side_warning(comparison)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    print(format_comparison(comparison, args.max_rows), flush=True)
-    if planned:
-        print(planned, flush=True)
+    for line in lines:
+        print(line, flush=True)
     if args.json:
         from dist_eval.atomic import atomic_write
 
-        atomic_write(args.json, lambda f: json.dump(comparison.paired, f, indent=2))
-        print(f"paired test written to {args.json}", flush=True)
+        atomic_write(args.json, lambda f: json.dump(written, f, indent=2))
+        print(f"{name} written to {args.json}", flush=True)
     return 0
 
 
