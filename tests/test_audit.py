@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from dist_eval import evaluate
 from dist_eval.backends import load_model
-from dist_eval.backends.audit import audit_share, summary_line
+from dist_eval.backends.arguments import audit_share
+from dist_eval.backends.audit import summary_line
 from dist_eval.backends.tokenizer import load_tokenizer
 from dist_eval.errors import UsageError
 

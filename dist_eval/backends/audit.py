@@ -20,12 +20,12 @@ its first request (the join probe: none of its answers was taken) is left out of
 then on, the majority's answer stands, and the run goes on (``excluded`` in the report, with the
 evidence). Otherwise the run stops with :class:`AuditMismatch` (one line naming the servers and the
 difference), before any row of the request is counted or stored: answers of the server taken
-before, unchecked, cannot be told apart from its good ones. A block no other server holds cannot be audited disjointly:
-counted as a coverage gap in the report (``run.swarm.audit``).
+before, unchecked, cannot be told apart from its good ones. A block no other server holds cannot
+be audited disjointly: counted as a coverage gap in the report (``run.swarm.audit``).
 
 What it does not prove: servers that collude (every holder of a block returning the same wrong
 numbers) agree; a fault in a share f of one server's answers goes unseen with probability
-(1 - share * f) ** batches (the report gives it per server, for f = 1).
+(1 - f) ** (its answers replayed) (the report gives it per server, for f = 1 and f = 0.1).
 """
 from __future__ import annotations
 
@@ -35,8 +35,6 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-
-from dist_eval.backends.arguments import audit_share  # noqa: F401  (re-exported: the share's checker)
 
 AUDIT_ATTR = "dist_eval_audit"  # on a client's sequence manager: its AuditLedger
 
@@ -96,9 +94,10 @@ class AuditLedger:
                               "little")
         return "share" if draw < self.share * 2 ** 64 else None
 
-    def taken_unchecked(self, peers: Sequence[str]) -> None:
-        """An answer of ``peers`` taken without a replay's verdict."""
+    def taken_unchecked(self, peers: Sequence[str], replay_failed: bool = False) -> None:
+        """An answer of ``peers`` taken without a replay's verdict (``replay_failed``: one was tried)."""
         with self.lock:
+            self.replays_failed += replay_failed
             for p in set(peers):
                 self.servers.setdefault(p, ServerAudit()).unchecked += 1
 
@@ -130,12 +129,16 @@ class AuditLedger:
                 "coverage_gaps": {str(b): n for b, n in sorted(self.gaps.items())},
                 "excluded": dict(sorted(self.excluded.items())),
                 "servers": {p: {"computed": a.computed, "batches": a.batches, "rows": a.rows,
-                                "mismatches": a.mismatches, "unchecked": a.unchecked,
-                                # the chance that a server whose every answer (one in ten) is wrong went unseen
-                                "unseen_if_always_wrong": 0.0 if a.batches else 1.0,
-                                "unseen_if_one_in_ten_wrong": 0.9 ** a.batches}
+                                "mismatches": a.mismatches, "unchecked": a.unchecked, **_unseen(a.batches)}
                             for p, a in sorted(self.servers.items())},
             }
+
+
+def _unseen(replayed: int) -> dict:
+    """The chance that a server whose every answer (one in ten) is wrong went unseen, with
+    ``replayed`` of its answers replayed and equal.
+    """
+    return {"unseen_if_always_wrong": 0.0 if replayed else 1.0, "unseen_if_one_in_ten_wrong": 0.9 ** replayed}
 
 
 def attach(manager, share: float, seed: int = 0) -> AuditLedger:
@@ -232,8 +235,7 @@ def combine(facts: Sequence[Optional[dict]]) -> Optional[dict]:
             for key in into:
                 into[key] += s[key]
     for s in servers.values():
-        s["unseen_if_always_wrong"] = 0.0 if s["batches"] else 1.0
-        s["unseen_if_one_in_ten_wrong"] = 0.9 ** s["batches"]
+        s.update(_unseen(s["batches"]))
     excluded = {peer: evidence for f in facts for peer, evidence in f.get("excluded", {}).items()}
     return {"share": facts[0]["share"], **total, "max_difference": max(f["max_difference"] for f in facts),
             "max_tolerance": max(f["max_tolerance"] for f in facts),

@@ -339,10 +339,7 @@ async def _audit(request: _Request, manager, route: list, answer: torch.Tensor, 
         other = audit.disjoint_route(manager, set(peers) | set(ledger.excluded), end, ledger)
     replayed = None if other is None else await _replay(request, manager, other, own_digest)
     if replayed is None:
-        if other is not None:
-            with ledger.lock:
-                ledger.replays_failed += 1
-        ledger.taken_unchecked(peers)
+        ledger.taken_unchecked(peers, replay_failed=other is not None)
         return answer
     bound = audit.tolerance([*route, *other], answer)
     if audit.agree(answer, replayed, bound):
@@ -352,11 +349,13 @@ async def _audit(request: _Request, manager, route: list, answer: torch.Tensor, 
                                  ledger)
     settled = None if third is None else await _replay(request, manager, third, own_digest)
     agrees_with = None
-    if settled is not None:
+    if settled is None:
+        third = None  # no third answer: no verdict
+    else:
         third_bound = audit.tolerance([*route, *other, *third], answer)
         agrees_with = "first" if audit.agree(answer, settled, third_bound) else \
             "second" if audit.agree(replayed, settled, third_bound) else None
-    gap, third = audit.difference(answer, replayed), third if settled is not None else None
+    gap = audit.difference(answer, replayed)
     stands = audit.exclude_if_unused(ledger, rows, route, other, gap, third, agrees_with)
     if stands is not None:  # the outvoted server gave no other answer: left out, the majority's answer stands
         ledger.record([str(s.peer_id) for s in (route if stands == "first" else other)], rows, 0.0, None)

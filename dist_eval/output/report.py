@@ -54,8 +54,8 @@ def run_facts(session, pair: Pair, pair_started: float) -> dict:
     from dist_eval.backends.kinds import backend_kind
 
     on_swarm = backend_kind(config.backend).on_swarm
-    swarm = session.model.provenance() if ranks.is_main_process() or on_swarm else None
-    if on_swarm:  # every rank's client audited its own forwards: added up here
+    swarm = session.model.provenance() if on_swarm else None  # every rank's: each client audits its own forwards
+    if on_swarm:  # added up here
         from dist_eval.backends.audit import combine
 
         audited = combine(ranks.all_gather_object((swarm or {}).get("audit")))
