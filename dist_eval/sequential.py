@@ -47,6 +47,7 @@ that rule only. ``describe`` gives each rule's guarantee in the words the report
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from statistics import NormalDist
 from typing import Dict, List, Optional, Tuple
@@ -334,6 +335,64 @@ def stop_reason(low: float, high: float, rows: int, population: Optional[int], w
     if width is not None and high - low <= width:
         return "width"
     return None
+
+
+# Why a run stopped (StopReport.reason), and how the summary says it.
+STOP_REASONS = {"width": "its interval is at most {width} wide",
+                "decided": "the {better} checkpoint is better (the interval of the difference excludes 0)",
+                "end": "the set ended"}
+
+
+@dataclasses.dataclass(frozen=True)
+class StopReport:
+    """``metrics.json``'s ``stopping``, its keys these fields in this order: written by a run in
+    rounds (``stopping.py``), read back with :meth:`from_json` by the summary and the report.
+    ``better`` is written only for a paired run (``paired``, not written: where it may be null).
+    """
+    metric: str
+    stop_at_width: Optional[float]
+    stop_when_decided: bool
+    rule: str
+    reason: str  # a key of STOP_REASONS
+    better: Optional[str]  # "first", "second" or None (neither): a paired run only
+    interval: Dict  # of, low, high, width, level and describe()'s keys
+    rows_used: int
+    rows_in_set: int
+    rows_saved: int
+    rounds: int
+    round_rows: int
+    seconds: float
+    # the rows not evaluated at the rate of those that were (the rounds' evaluation loops)
+    seconds_saved_estimate: float
+    metrics_are_of: str
+    paired: bool = False
+
+    def to_json(self) -> Dict:
+        """The dict metrics.json holds."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "paired" and (f.name != "better" or self.paired)}
+
+    @classmethod
+    def from_json(cls, stop: Dict) -> StopReport:
+        """The report a metrics.json's ``stopping`` holds."""
+        return cls(**{"better": None, **stop, "paired": "better" in stop})
+
+    def sentence(self) -> str:
+        """What the run stopped on, in the words of the summary."""
+        interval = self.interval
+        why = STOP_REASONS[self.reason].format(width=self.stop_at_width, better=self.better)
+        saved = (f" {self.rows_saved} rows saved (about {self.seconds_saved_estimate:.1f} s of evaluation); "
+                 f"the metrics below are of the {self.rows_used} rows used, a random sample."
+                 if self.rows_saved else "")
+        return (f"stopped after {self.rows_used} of {self.rows_in_set} rows ({self.rounds} round(s)): {why}. "
+                f"{interval['of']}: [{interval['low']:.4f}, {interval['high']:.4f}] "
+                f"({100 * interval['level']:g}% {self.guarantee_words()}).{saved}")
+
+    def guarantee_words(self) -> str:
+        """What the interval it stopped on guarantees, in a few words (``interval.guarantee`` says more)."""
+        if self.interval.get("time_uniform", True):
+            return "time-uniform: valid wherever the run stops"
+        return "fixed-width rule: valid at this stop only, not if more rows are evaluated after it"
 
 
 def stopping_round(lower, upper, round_ends, width: Optional[float] = None, decide: bool = False,

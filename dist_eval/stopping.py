@@ -30,7 +30,15 @@ from dist_eval.errors import UsageError
 from dist_eval.loop_facts import LoopFacts
 from dist_eval.merge import MergedResults, merge_parts, rows_report
 from dist_eval.metrics import default_top_k
-from dist_eval.sequential import STOP_METRICS, RunningSequence, describe, paired_bounds, row_values, stop_reason
+from dist_eval.sequential import (
+    STOP_METRICS,
+    RunningSequence,
+    StopReport,
+    describe,
+    paired_bounds,
+    row_values,
+    stop_reason,
+)
 
 LEVEL = 0.95
 
@@ -238,31 +246,22 @@ def _decide(interval: tuple, paired: bool, rounds: Rounds, settings: Settings) -
 
 
 def _stopping_facts(decision: dict, settings: Settings, seen: Seen, population: int) -> dict:
-    """``metrics.json``'s ``stopping``: the interval it stopped on, why, the rows and time saved."""
+    """``metrics.json``'s ``stopping`` (a :class:`StopReport`): the interval it stopped on, why, rows and time saved."""
     used = sum(r["num_samples"] for r in seen.reports)
     loop = seen.total().eval_loop_seconds
-    return {
-        "metric": settings.stop_metric,
-        "stop_at_width": settings.stop_at_width,
-        "stop_when_decided": settings.stop_when_decided,
-        "rule": settings.stop_rule,
-        # "width": narrow enough; "decided": the difference excludes 0; "end": every row of the set seen
-        "reason": decision["reason"],
-        **({"better": decision["better"]} if "better" in decision else {}),
-        "interval": {"of": f"the mean {settings.stop_metric} over all {population} rows of the set",
-                     **decision["interval"], "level": LEVEL, **describe(settings.stop_rule, settings.stop_at_width,
-                                                                         LEVEL)},
-        "rows_used": used,
-        "rows_in_set": population,
-        "rows_saved": population - used,
-        "rounds": len(seen.reports),
-        "round_rows": settings.stop_round_rows,
-        "seconds": round(time.perf_counter() - seen.started, 3),
-        # the rows not evaluated at the rate of those that were (the rounds' evaluation loops)
-        "seconds_saved_estimate": round(loop / used * (population - used), 3) if used else 0.0,
-        "metrics_are_of": "the rows used: a random sample of the set (the --limit order)" if used < population
-                          else "every row of the set",
-    }
+    return StopReport(
+        metric=settings.stop_metric, stop_at_width=settings.stop_at_width,
+        stop_when_decided=settings.stop_when_decided, rule=settings.stop_rule, reason=decision["reason"],
+        better=decision.get("better"), paired="better" in decision,
+        interval={"of": f"the mean {settings.stop_metric} over all {population} rows of the set",
+                  **decision["interval"], "level": LEVEL,
+                  **describe(settings.stop_rule, settings.stop_at_width, LEVEL)},
+        rows_used=used, rows_in_set=population, rows_saved=population - used, rounds=len(seen.reports),
+        round_rows=settings.stop_round_rows, seconds=round(time.perf_counter() - seen.started, 3),
+        seconds_saved_estimate=round(loop / used * (population - used), 3) if used else 0.0,
+        metrics_are_of="the rows used: a random sample of the set (the --limit order)" if used < population
+                       else "every row of the set",
+    ).to_json()
 
 
 def _rows_only(on_batch_done):

@@ -1,6 +1,7 @@
 """Time-uniform confidence sequences (dist_eval.sequential) tested as statistics:
 fixed seeds, no wall clock, many simulated optionally-stopped runs at once (vectorised)."""
 
+import json
 import os
 import sys
 
@@ -264,3 +265,20 @@ def test_the_stop_report_says_which_rule_stopped_and_what_it_guarantees():
     assert fixed["interval"]["rule"] == "fixed-width" and fixed["interval"]["time_uniform"] is False
     assert "this stopping rule only" in fixed["interval"]["guarantee"]
     assert fixed["rows_used"] < tuned["rows_used"] and fixed["interval"]["width"] <= 0.1
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_the_stop_report_is_read_back_as_it_was_written(paired):
+    """Issue 47: the stop report's keys are its fields, written once: a report read back from its
+    JSON is the same report, and ``better`` is a key (null when neither is better) of a paired run only."""
+    from dist_eval.sequential import StopReport, describe
+
+    report = StopReport(metric="accuracy", stop_at_width=0.1, stop_when_decided=paired, rule="time-uniform",
+                        reason="end", better=None, paired=paired,
+                        interval={"of": "x", "low": 0.5, "high": 0.5, "width": 0.0, "level": 0.95, **describe()},
+                        rows_used=10, rows_in_set=10, rows_saved=0, rounds=1, round_rows=10, seconds=0.1,
+                        seconds_saved_estimate=0.0, metrics_are_of="every row of the set")
+    written = json.loads(json.dumps(report.to_json()))
+    assert ("better" in written) == paired
+    assert StopReport.from_json(written) == report
+    assert "the set ended" in report.sentence() and "time-uniform" in report.sentence()

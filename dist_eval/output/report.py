@@ -163,16 +163,17 @@ def write_report(config: EvalConfig, out: str, result, say, texts: Optional[dict
     from dist_eval.output.files import write_metrics, write_predictions, write_report_files
     from dist_eval.output.summary import format_summary
     from dist_eval.output.tracking import log_to_tracker
+    from dist_eval.sequential import StopReport
 
     metrics = result.metrics
     write_predictions(out, result.predictions, metrics.get("label_names"), config.save_logits, texts)
     path = write_metrics(out, metrics)
     files = write_report_files(out, metrics)
     if config.quiet:
-        stop = metrics.get("stopping")
-        stopped = (f" (stopped after {stop['rows_used']} of {stop['rows_in_set']} rows: {stop['reason']}, "
-                   f"95% {'time-uniform' if stop['interval']['time_uniform'] else 'fixed-width rule'} interval "
-                   f"[{stop['interval']['low']:.4f}, {stop['interval']['high']:.4f}])"
+        stop = StopReport.from_json(metrics["stopping"]) if metrics.get("stopping") else None
+        stopped = (f" (stopped after {stop.rows_used} of {stop.rows_in_set} rows: {stop.reason}, "
+                   f"95% {'time-uniform' if stop.interval['time_uniform'] else 'fixed-width rule'} interval "
+                   f"[{stop.interval['low']:.4f}, {stop.interval['high']:.4f}])"
                    if stop else "")
         print(f"dist_eval: accuracy {metrics['accuracy']:.4f} on {metrics['num_samples']} samples{stopped} -> {path}")
     else:

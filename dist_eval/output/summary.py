@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 from dist_eval.metrics import INTERVAL_METRICS, headline_names
+from dist_eval.sequential import StopReport
 
 # "acc", not "accuracy", in the intervals line: the line above is the one that says "accuracy X.XXXX"
 _SHORT = {"accuracy": "acc"}
@@ -24,25 +25,7 @@ def format_intervals(metrics: dict) -> Optional[str]:
 def format_stopping(metrics: dict) -> Optional[str]:
     """What a run that stops early (``stopping`` in metrics.json) stopped on, or None."""
     stop = metrics.get("stopping")
-    if not stop:
-        return None
-    interval = stop["interval"]
-    why = {"width": f"its interval is at most {stop['stop_at_width']} wide",
-           "decided": f"the {stop.get('better')} checkpoint is better (the interval of the difference excludes 0)",
-           "end": "the set ended"}[stop["reason"]]
-    saved = (f" {stop['rows_saved']} rows saved (about {stop['seconds_saved_estimate']:.1f} s of evaluation); "
-             f"the metrics below are of the {stop['rows_used']} rows used, a random sample."
-             if stop["rows_saved"] else "")
-    return (f"stopped after {stop['rows_used']} of {stop['rows_in_set']} rows ({stop['rounds']} round(s)): {why}. "
-            f"{interval['of']}: [{interval['low']:.4f}, {interval['high']:.4f}] "
-            f"({100 * interval['level']:g}% {stop_rule_words(interval)}).{saved}")
-
-
-def stop_rule_words(interval: dict) -> str:
-    """What the interval a run stopped on guarantees, in a few words (its ``guarantee`` says more)."""
-    if interval.get("time_uniform", True):
-        return "time-uniform: valid wherever the run stops"
-    return "fixed-width rule: valid at this stop only, not if more rows are evaluated after it"
+    return StopReport.from_json(stop).sentence() if stop else None
 
 
 def _rate(run: dict) -> str:
