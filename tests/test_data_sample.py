@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import read_jsonl, run_cli, write_csv
+from conftest import read_jsonl, write_csv
 from float_promises import assert_same_bits
 from inprocess_cli import run_cli_in_process
 
@@ -54,8 +54,8 @@ def local_args(model, checkpoint, data, out, *extra):
             "--bootstrap-resamples", "100", *extra]
 
 
-@pytest.mark.multiproc
-def test_limit_evaluates_the_same_rows_for_any_order_and_n(tiny_model, tiny_checkpoint, tmp_path):
+def test_limit_evaluates_the_same_rows_for_any_order(tiny_model, tiny_checkpoint, tmp_path):
+    """The same rows for any order of the file (for any N: tests/test_memory_bounded.py's N=3 --limit run)."""
     data = write_csv(str(tmp_path / "data.csv"), 60, seed=11)
     lines = open(data).read().splitlines()
     body = lines[1:]
@@ -65,19 +65,16 @@ def test_limit_evaluates_the_same_rows_for_any_order_and_n(tiny_model, tiny_chec
     limit = ["--limit", "17", "--limit-seed", "3"]
     assert run_cli_in_process(local_args(tiny_model, tiny_checkpoint, data, tmp_path / "a", *limit)) == 0
     assert run_cli_in_process(local_args(tiny_model, tiny_checkpoint, str(shuffled), tmp_path / "b", *limit)) == 0
-    proc = run_cli(local_args(tiny_model, tiny_checkpoint, data, tmp_path / "c", *limit), nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = [read_jsonl(tmp_path / name / "predictions.jsonl") for name in "abc"]
-    assert len(runs[0]) == 17  # the sample in its key order: the same batch plan whatever the file's order and N
+    runs = [read_jsonl(tmp_path / name / "predictions.jsonl") for name in "ab"]
+    assert len(runs[0]) == 17  # the sample in its key order: the same batch plan whatever the file's order
     assert_same_bits(runs[1], runs[0], "predictions.jsonl, the file shuffled against in order")
-    assert_same_bits(runs[2], runs[0], "predictions.jsonl, N=2 against 1")
     texts = {line.rsplit(",", 1)[0] for line in body}
     assert {r["text"] for r in runs[0]} <= texts and len({r["text"] for r in runs[0]}) == 17
-    metrics = [json.load(open(tmp_path / name / "metrics.json")) for name in "abc"]
+    metrics = [json.load(open(tmp_path / name / "metrics.json")) for name in "ab"]
     assert metrics[0]["num_samples"] == 17
     assert metrics[0]["run"]["sample"] == {"limit": 17, "limit_seed": 3, "rows_in_data": 60, "rows": 17}
     strip = [{k: v for k, v in m.items() if k != "run"} for m in metrics]
-    assert_same_bits(strip[1:], strip[:1] * 2, "metrics.json, the file shuffled and N=2 against in order and N=1")
+    assert_same_bits(strip[1], strip[0], "metrics.json, the file shuffled against in order")
     assert "17 of 60 rows, a random sample (--limit 17 --limit-seed 3)" in open(tmp_path / "a" / "report.html").read()
     # --limit 0: every row
     assert run_cli_in_process(local_args(tiny_model, tiny_checkpoint, data, tmp_path / "d", "--limit", "0")) == 0

@@ -1,0 +1,118 @@
+"""Bounded memory (issue 51) changes no result: a long-tailed set's outputs (predictions.jsonl with
+logits and texts, metrics.json but its run facts, slices.csv, per_class.csv / .md) are the same
+bytes on N=1 and N=3, and those the code before issue 51 wrote on this machine (recorded in
+tests/memory_reference.json; ``python tests/test_memory_bounded.py --record OUT_DIR`` writes a
+run's digests)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import random
+import sys
+
+import pytest
+from conftest import WORDS, run_cli
+from float_promises import assert_same_bits
+from inprocess_cli import run_cli_in_process
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REFERENCE = os.path.join(HERE, "memory_reference.json")
+# the files compared byte for byte (metrics.json: without its run facts, which hold timings)
+FILES = ("predictions.jsonl", "slices.csv", "per_class.csv", "per_class.md")
+# the run facts that are results (the same for any N)
+RUN_RESULTS = ("sample", "duplicates_dropped", "resumed_samples")
+
+
+def write_long_tailed_csv(path, num_rows: int, seed: int = 0) -> str:
+    """Rows of 1 to 150 words, long-tailed (median about 9, a few past --max-length 48), 3 labels, a ``lang``."""
+    r = random.Random(seed)
+    with open(path, "w") as f:
+        f.write("text,label,lang\n")
+        for _ in range(num_rows):
+            words = min(150, 1 + int(r.lognormvariate(2.1, 0.8)))
+            text = " ".join(r.choice(WORDS) for _ in range(words))
+            f.write(f"{text},{r.choice([0, 0, 1, 1, 2])},{r.choice(('de', 'en', 'en', 'fr'))}\n")
+    return str(path)
+
+
+def run_args(model, checkpoint, data, out):
+    """The token budget and length buckets (the plan from the lengths), truncation, a --limit sample,
+    slices (the token-length quartiles too), logits and texts saved, the intervals of the scores."""
+    return ["--model", model, "--checkpoint", checkpoint, "--backend", "local", "--data-files", data,
+            "--output-dir", str(out), "--batch-size", "16", "--max-batch-tokens", "300", "--max-length", "48",
+            "--limit", "1800", "--limit-seed", "5", "--slice-by", "lang", "--save-logits", "--save-text",
+            "--bootstrap-resamples", "30", "--progress", "none", "--quiet"]
+
+
+def digests(folder) -> dict:
+    """{file: sha256} of the compared outputs; metrics.json's: of its results, sorted keys."""
+    out = {}
+    for name in FILES:
+        with open(os.path.join(folder, name), "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()
+    out["metrics.json"] = hashlib.sha256(json.dumps(results_of(folder), sort_keys=True).encode()).hexdigest()
+    return out
+
+
+def results_of(folder) -> dict:
+    """metrics.json without the run's facts but those that are results."""
+    with open(os.path.join(folder, "metrics.json")) as f:
+        metrics = json.load(f)
+    run = metrics.pop("run")
+    metrics["run"] = {key: run[key] for key in RUN_RESULTS}
+    return metrics
+
+
+def machine() -> dict:
+    """What the recorded bits depend on besides the code: the libraries that compute and the CPU."""
+    import numpy
+    import tokenizers
+    import torch
+
+    cpu = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    return {"torch": torch.__version__, "numpy": numpy.__version__, "tokenizers": tokenizers.__version__,
+            "machine": platform.machine(), "cpu": cpu}
+
+
+@pytest.fixture(scope="module")
+def long_tailed(tiny_model, tiny_checkpoint, tmp_path_factory):
+    """(the data, the N=1 run's folder): the CLI in this process, one thread as a rank computes."""
+    base = tmp_path_factory.mktemp("long_tailed")
+    data = write_long_tailed_csv(base / "data.csv", 2400, seed=51)
+    assert run_cli_in_process(run_args(tiny_model, tiny_checkpoint, data, base / "one")) == 0
+    return data, base / "one"
+
+
+def test_outputs_are_those_recorded_before_issue_51(long_tailed):
+    """N=1's outputs are the bytes the code before issue 51 wrote (on the machine it was recorded on)."""
+    with open(REFERENCE) as f:
+        recorded = json.load(f)
+    if recorded["machine"] != machine():
+        pytest.skip(f"recorded on {recorded['machine']}, this is {machine()}: the logits' last bits may differ; "
+                    "the N=1 against N=3 test still runs")
+    assert digests(long_tailed[1]) == recorded["digests"]
+
+
+@pytest.mark.multiproc
+def test_three_ranks_write_the_bytes_of_one(long_tailed, tiny_model, tiny_checkpoint, tmp_path):
+    """N=3 under torchrun writes N=1's files byte for byte."""
+    data, one = long_tailed
+    proc = run_cli(run_args(tiny_model, tiny_checkpoint, data, tmp_path / "three"), nproc=3, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.load(open(tmp_path / "three" / "metrics.json"))["run"]["world_size"] == 3
+    assert_same_bits(results_of(tmp_path / "three"), results_of(one), "metrics.json, N=3 against N=1")
+    for name in FILES:
+        assert (tmp_path / "three" / name).read_bytes() == (one / name).read_bytes(), f"{name}, N=3 against N=1"
+
+
+if __name__ == "__main__":  # --record OUT_DIR: the digests of a run's folder, with this machine, as the reference
+    if sys.argv[1:2] != ["--record"] or len(sys.argv) != 3:
+        raise SystemExit("usage: python tests/test_memory_bounded.py --record OUT_DIR")
+    with open(REFERENCE, "w") as f:
+        json.dump({"machine": machine(), "digests": digests(sys.argv[2])}, f, indent=2)
+        f.write("\n")
