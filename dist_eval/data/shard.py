@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from functools import partial
 from itertools import chain
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
 from dist_eval import ranks
 from dist_eval.data.batches import Batch, plan_batches, shard_batch_ids
 from dist_eval.data.labels import TaskColumns
-from dist_eval.data.tokenize import cyclic_gc_paused, right_pad
+from dist_eval.data.tokenize import right_pad, trim_heap
 from dist_eval.data.tokenize import tokenize_rows as tokenize_these_rows
 from dist_eval.errors import UsageError
 
@@ -20,18 +20,131 @@ def _row_block(num_rows: int, rank: int, world_size: int) -> np.ndarray:
     return np.arange(rank * num_rows // world_size, (rank + 1) * num_rows // world_size, dtype=np.int64)
 
 
+# Rows tokenized at once by the passes over a rank's rows (lengths, or a shard's rows): the
+# tokenizer's encodings of a call are held until it returns (about 150 bytes a token), so a
+# call per chunk bounds them; only the ids are kept, packed (4 bytes a token).
+_CHUNK_ROWS = 4096
+
+
+class PackedIds:
+    """Token ids of rows, packed: the rows (ascending), each one's start in one flat int32 array.
+    A mapping for :func:`padded_batches` (``in``, ``pop``, ``update``): a row popped is gone; rows
+    added by ``update`` (tokenized as their batches come) are held apart, as lists.
+    """
+
+    def __init__(self, rows: np.ndarray, sizes: np.ndarray, flat: np.ndarray):
+        order = np.argsort(rows, kind="stable")
+        if not np.array_equal(order, np.arange(len(rows))):  # received from several ranks: put in row order
+            starts = np.concatenate([[0], np.cumsum(sizes)])[:-1]
+            flat = np.concatenate([flat[starts[i]:starts[i] + sizes[i]] for i in order.tolist()]) if len(order) \
+                else flat
+            rows, sizes = rows[order], sizes[order]
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.starts = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=self.starts[1:])
+        self.flat = np.asarray(flat, dtype=np.int32)
+        self.taken = np.zeros(len(rows), dtype=bool)
+        self.extra: Dict[int, List[int]] = {}
+
+    @classmethod
+    def empty(cls) -> PackedIds:
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32))
+
+    def __len__(self) -> int:
+        return int((~self.taken).sum()) + len(self.extra)
+
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.starts)
+
+    def _position(self, row: int) -> int:
+        """The row's place in ``rows``, or -1 (absent or popped)."""
+        position = int(np.searchsorted(self.rows, row))
+        if position < len(self.rows) and self.rows[position] == row and not self.taken[position]:
+            return position
+        return -1
+
+    def __contains__(self, row: int) -> bool:
+        return row in self.extra or self._position(row) >= 0
+
+    def pop(self, row: int) -> List[int]:
+        if row in self.extra:
+            return self.extra.pop(row)
+        position = self._position(row)
+        if position < 0:
+            raise KeyError(row)
+        self.taken[position] = True
+        return self.flat[self.starts[position]:self.starts[position + 1]].tolist()
+
+    def take(self, rows: np.ndarray) -> List[List[int]]:
+        """The ids of ``rows`` (each held), popped: a batch at a time."""
+        if self.extra:
+            return [self.pop(r) for r in rows.tolist()]
+        positions = np.searchsorted(self.rows, rows)
+        self.taken[positions] = True
+        flat, starts = self.flat, self.starts
+        return [flat[a:b].tolist() for a, b in zip(starts[positions].tolist(), starts[positions + 1].tolist())]
+
+    def update(self, pairs) -> None:
+        self.extra.update(pairs)
+
+    def missing(self, rows: np.ndarray) -> np.ndarray:
+        """Those of ``rows`` held neither packed nor apart (vectorized: a batch at a time)."""
+        positions = np.minimum(np.searchsorted(self.rows, rows), max(len(self.rows) - 1, 0))
+        packed = (self.rows[positions] == rows) & ~self.taken[positions] if len(self.rows) else \
+            np.zeros(len(rows), dtype=bool)
+        if self.extra:
+            packed |= np.fromiter((r in self.extra for r in rows.tolist()), dtype=bool, count=len(rows))
+        return rows[~packed]
+
+    def select(self, keep: np.ndarray) -> PackedIds:
+        """The rows of ``keep`` (a mask over ``rows``), packed anew."""
+        tokens = np.repeat(keep, self.sizes())
+        return PackedIds(self.rows[keep], self.sizes()[keep], self.flat[tokens])
+
+    def of_rows(self, mask: np.ndarray) -> tuple:
+        """(rows, sizes, flat ids) of the rows where ``mask`` (over ``rows``) holds: what travels."""
+        tokens = np.repeat(mask, self.sizes())
+        return self.rows[mask], self.sizes()[mask].astype(np.int64), self.flat[tokens]
+
+    @classmethod
+    def joined(cls, parts: List[tuple]) -> PackedIds:
+        """One store of several (rows, sizes, flat ids) parts."""
+        if not parts:
+            return cls.empty()
+        return cls(*(np.concatenate([part[i] for part in parts]) for i in range(3)))
+
+
+def tokenize_packed(dataset, tokenize_rows: Callable, rows: np.ndarray, columns: TaskColumns, max_length: int,
+                    pad_token_id: int) -> Tuple[PackedIds, int]:
+    """(the token ids of ``rows``, packed; how many were truncated): tokenized _CHUNK_ROWS at a time,
+    in row order (the first bad row of ``rows`` is refused first), the heap trimmed afterwards.
+    """
+    sizes, flats, num_truncated = [], [], 0
+    for start in range(0, len(rows), _CHUNK_ROWS):
+        ids, truncated = tokenize_rows(dataset, rows[start:start + _CHUNK_ROWS], columns, max_length, pad_token_id)
+        num_truncated += truncated
+        chunk_sizes = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        sizes.append(chunk_sizes)
+        flats.append(np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(chunk_sizes.sum())))
+        del ids
+    trim_heap()
+    if not sizes:
+        return PackedIds.empty(), 0
+    return PackedIds(np.asarray(rows, dtype=np.int64), np.concatenate(sizes), np.concatenate(flats)), num_truncated
+
+
 def _token_lengths(dataset, tokenize_rows: Callable, columns: TaskColumns, num_rows: int, max_length: int,
                    pad_token_id: int):
     """Every row's token count, on every rank: each rank tokenizes one contiguous block of
-    rows and the lengths are all-gathered (4-8 bytes a row). Returns (lengths, {row: ids}
-    of this rank's block, rows of the block truncated). Every rank must call it.
+    rows (a chunk at a time) and the lengths are all-gathered (4 bytes a row). Returns (lengths,
+    the packed ids of this rank's block, rows of the block truncated). Every rank must call it.
     """
     block = _row_block(num_rows, ranks.get_rank(), ranks.get_world_size())
     with ranks.phase("measuring the token lengths"):
-        ids, num_truncated = tokenize_rows(dataset, block, columns, max_length, pad_token_id)
-    local_lengths = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
+        ids, num_truncated = tokenize_packed(dataset, tokenize_rows, block, columns, max_length, pad_token_id)
+    local_lengths = ids.sizes().astype(np.int32)
     lengths = np.concatenate(ranks.all_gather_object(local_lengths))  # blocks are in rank order
-    return lengths, dict(zip(block.tolist(), ids)), num_truncated
+    return lengths, ids, num_truncated
 
 
 def _row_owners(planned: List[np.ndarray], num_rows: int, plan_ids: List[int]) -> np.ndarray:
@@ -45,29 +158,20 @@ def _row_owners(planned: List[np.ndarray], num_rows: int, plan_ids: List[int]) -
     return owners
 
 
-def _send_to_owners(by_row: Dict[int, List[int]], planned: List[np.ndarray], num_rows: int,
-                    plan_ids: List[int]) -> Dict[int, List[int]]:
+def _send_to_owners(by_row: PackedIds, planned: List[np.ndarray], num_rows: int,
+                    plan_ids: List[int]) -> PackedIds:
     """The token ids of this rank's block, each row sent to the rank whose batches hold it;
     returns those of this rank's own rows. Rows travel packed: (row indices, lengths, one
     flat int32 array of ids), which pickles in a fraction of a list of lists' time.
     """
     if ranks.get_world_size() == 1:  # every row is this rank's already
         return by_row
-    owners = _row_owners(planned, num_rows, plan_ids)
-    rows = np.fromiter(by_row, dtype=np.int64, count=len(by_row))
-    outgoing = []
-    for rank in range(ranks.get_world_size()):
-        picked = rows[owners[rows] == rank].tolist()
-        sequences = [by_row[r] for r in picked]
-        sizes = np.fromiter(map(len, sequences), dtype=np.int64, count=len(picked))
-        flat = np.fromiter(chain.from_iterable(sequences), dtype=np.int32, count=int(sizes.sum()))
-        outgoing.append((np.asarray(picked, dtype=np.int64), sizes, flat))
-    mine: Dict[int, List[int]] = {}
-    for picked, sizes, flat in ranks.exchange_objects(outgoing):
-        ends = np.cumsum(sizes)
-        with cyclic_gc_paused():  # a list per row
-            mine.update((row, flat[end - size:end].tolist())
-                        for row, size, end in zip(picked.tolist(), sizes.tolist(), ends.tolist()))
+    owners = _row_owners(planned, num_rows, plan_ids)[by_row.rows]
+    outgoing = [by_row.of_rows(owners == rank) for rank in range(ranks.get_world_size())]
+    del by_row, owners
+    mine = PackedIds.joined(ranks.exchange_objects(outgoing))
+    del outgoing
+    trim_heap()
     return mine
 
 
@@ -115,7 +219,7 @@ def dataset_batches(
     tokenize_rows = partial(tokenize_these_rows, tokenizer, calling_the_base=calling_the_base)
     columns, max_length = TaskColumns.of(settings), settings.max_length
     num_rows = len(labels)
-    by_row: Dict[int, List[int]] = {}
+    by_row = PackedIds.empty()
     lengths, num_truncated = None, 0
     if settings.length_buckets or settings.max_batch_tokens is not None:
         lengths, by_row, num_truncated = _token_lengths(
@@ -138,7 +242,7 @@ def dataset_batches(
             mine = skip_rows[_row_block(len(skip_rows), ranks.get_rank(), ranks.get_world_size())]
             num_truncated += tokenize_rows(dataset, np.sort(mine), columns, max_length, pad_token_id)[1]
     if kept is not None:
-        by_row = {r: ids for r, ids in by_row.items() if kept[r]}
+        by_row = by_row.select(kept[by_row.rows])
     if whole is not None and not len(skip_rows):  # the whole set's batches, their ids kept (resume, bits)
         planned = whole
     else:
@@ -151,10 +255,9 @@ def dataset_batches(
     if lengths is not None:  # the block's rows go to the ranks whose batches hold them: no row tokenized twice
         by_row = _send_to_owners(by_row, planned, num_rows, plan_ids)
     else:
-        todo = np.array(sorted({r for b in batch_ids for r in planned[b].tolist()}), dtype=np.int64)
-        ids, truncated_here = tokenize_rows(dataset, todo, columns, max_length, pad_token_id)
+        todo = np.unique(np.concatenate([planned[b] for b in batch_ids])) if batch_ids else np.zeros(0, np.int64)
+        by_row, truncated_here = tokenize_packed(dataset, tokenize_rows, todo, columns, max_length, pad_token_id)
         num_truncated += truncated_here
-        by_row.update(zip(todo.tolist(), ids))
 
     def tokenize(rows: List[int]) -> List[List[int]]:
         return tokenize_rows(dataset, np.array(rows, dtype=np.int64), columns, max_length, pad_token_id)[0]
@@ -189,8 +292,9 @@ def _truncated_in_block(dataset, tokenize_rows: Callable, columns: TaskColumns, 
     return tokenize_rows(dataset, maybe, columns, settings.max_length, pad_token_id)[1]
 
 
-def padded_batches(batch_ids: List[int], planned: List[np.ndarray], labels: np.ndarray, by_row: Dict[int, List[int]],
-                   tokenize: Callable[[List[int]], List[List[int]]], pad_token_id: int) -> Iterator[Batch]:
+def padded_batches(batch_ids: List[int], planned: List[np.ndarray], labels: np.ndarray,
+                   by_row: Union[PackedIds, Dict[int, List[int]]], tokenize: Callable[[List[int]], List[List[int]]],
+                   pad_token_id: int) -> Iterator[Batch]:
     """The batches ``batch_ids`` of the plan, right-padded, in order. ``by_row`` holds the
     token ids known so far (each is dropped once used); the rows missing there are given
     to ``tokenize`` as their batches come: those of the batch at hand and of the next
@@ -198,11 +302,19 @@ def padded_batches(batch_ids: List[int], planned: List[np.ndarray], labels: np.n
     """
     for position, b in enumerate(batch_ids):
         batch_rows = planned[b].tolist()
-        if any(r not in by_row for r in batch_rows):
+        if len(_missing(by_row, planned[b])):
             todo: List[int] = []
             for ahead in batch_ids[position:]:
-                todo.extend(r for r in planned[ahead].tolist() if r not in by_row)
+                todo.extend(_missing(by_row, planned[ahead]).tolist())
                 if len(todo) >= _AHEAD_ROWS:
                     break
             by_row.update(zip(todo, tokenize(todo)))
-        yield b, planned[b], right_pad([by_row.pop(r) for r in batch_rows], pad_token_id), labels[planned[b]]
+        ids = by_row.take(planned[b]) if isinstance(by_row, PackedIds) else [by_row.pop(r) for r in batch_rows]
+        yield b, planned[b], right_pad(ids, pad_token_id), labels[planned[b]]
+
+
+def _missing(by_row, rows: np.ndarray) -> np.ndarray:
+    """Those of ``rows`` whose ids ``by_row`` does not hold, in their order."""
+    if isinstance(by_row, PackedIds):
+        return by_row.missing(rows)
+    return np.array([r for r in rows.tolist() if r not in by_row], dtype=np.int64)

@@ -31,6 +31,26 @@ def cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def trim_heap() -> None:
+    """Give the heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere nothing):
+    glibc keeps what a phase freed (a chunk of the tokenizer's encodings), and a later phase's growth
+    would hide in it, so a rank's peak would be set by its largest phase and never come down.
+    """
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
+
+
 def tokenize_rows(tokenizer, dataset, rows: np.ndarray, columns: TaskColumns, max_length: int, pad_token_id: int,
                   calling_the_base: frozenset = frozenset()):
     """Token ids of ``rows`` (lists, unpadded), and how many were truncated to max_length.
