@@ -154,41 +154,45 @@ def write_predictions(
     from dist_eval.metrics import softmax
 
     path = os.path.join(output_dir, "predictions.jsonl")
-    indices, labels, preds = merged.indices.tolist(), merged.labels.tolist(), merged.preds.tolist()
-    losses = merged.losses.tolist()
-    logits = merged.logits.tolist() if (save_logits and merged.logits is not None) else None
-    probs = None
-    if merged.logits is not None:
-        probs = softmax(merged.logits)[np.arange(len(indices)), merged.preds].tolist()
+    indices = merged.indices
+    logits = merged.logits if save_logits else None
     names = [json.dumps(name) for name in label_names] if label_names else None
-    columns = [("index", _json_ints(indices)), ("label", _json_ints(labels)), ("pred", _json_ints(preds))]
+    # each column: its key and what makes its cells of the rows [start, stop), a chunk at a time
+    columns: list = [("index", lambda a, b: _json_ints(indices[a:b].tolist())),
+                     ("label", lambda a, b: _json_ints(merged.labels[a:b].tolist())),
+                     ("pred", lambda a, b: _json_ints(merged.preds[a:b].tolist()))]
     if names:
-        columns += [("label_name", [names[i] for i in labels]), ("pred_name", [names[i] for i in preds])]
-    if probs is not None:
-        columns.append(("prob", _json_floats(probs)))
-    columns.append(("loss", _json_floats(losses)))
+        columns += [("label_name", lambda a, b: [names[i] for i in merged.labels[a:b].tolist()]),
+                    ("pred_name", lambda a, b: [names[i] for i in merged.preds[a:b].tolist()])]
+    if merged.logits is not None:  # softmax is row by row: a chunk's rows get the bits of the whole array's
+        columns.append(("prob", lambda a, b: _json_floats(
+            softmax(merged.logits[a:b])[np.arange(b - a), merged.preds[a:b]].tolist())))
+    columns.append(("loss", lambda a, b: _json_floats(merged.losses[a:b].tolist())))
     if logits is not None:
-        columns.append(("logits", ["[" + ", ".join(_json_floats(row)) + "]" for row in logits]))
+        columns.append(("logits", lambda a, b: ["[" + ", ".join(_json_floats(row)) + "]"
+                                                for row in logits[a:b].tolist()]))
     for key, values in (texts or {}).items():
-        text_column = (key, [json.dumps(values[i]) for i in indices])
+        text_column = (key, lambda a, b, values=values: [json.dumps(values[i]) for i in indices[a:b].tolist()])
         taken = [position for position, (name, _) in enumerate(columns) if name == key]
         if taken:  # a dict keeps the first place of a key given twice, with the last value
             columns[taken[0]] = text_column
         else:
             columns.append(text_column)
     # each line as json.dumps(row) writes it, the keys in this order, built a column at a
-    # time: a dict and a json.dumps per row were most of the report's time on big sets
+    # time: a dict and a json.dumps per row were most of the report's time on big sets; a
+    # chunk of rows at a time, so that the file's text is never held whole
     template = "{" + ", ".join(json.dumps(key).replace("%", "%%") + ": %s" for key, _ in columns) + "}\n"
 
     def write(f):
         for start in range(0, len(indices), _LINES_PER_WRITE):
-            rows = zip(*(values[start:start + _LINES_PER_WRITE] for _, values in columns))
+            stop = min(start + _LINES_PER_WRITE, len(indices))
+            rows = zip(*(cells(start, stop) for _, cells in columns))
             f.write("".join([template % row for row in rows]))
 
     return atomic_write(path, write)
 
 
-_LINES_PER_WRITE = 1 << 16
+_LINES_PER_WRITE = 1 << 14
 
 
 def _json_ints(values: list) -> List[str]:
