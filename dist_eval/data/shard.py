@@ -1,6 +1,7 @@
 """This rank's batches of a Dataset (planned globally, tokenized once); a user DataLoader's: loader.py."""
 from __future__ import annotations
 
+import weakref
 from functools import partial
 from itertools import chain
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
@@ -133,6 +134,39 @@ def tokenize_packed(dataset, tokenize_rows: Callable, rows: np.ndarray, columns:
     return PackedIds(np.asarray(rows, dtype=np.int64), np.concatenate(sizes), np.concatenate(flats)), num_truncated
 
 
+# The last set whose every row's token count a plan measured: (the dataset, its fingerprint, the
+# tokenizer, the columns, max_length, the lengths), so that --slice-by's length quartiles read them
+# rather than tokenize every row again (dist_eval.slices.length_quartiles)
+_measured: Optional[tuple] = None
+
+
+def _remember_lengths(dataset, tokenizer, columns: TaskColumns, max_length: int, lengths: np.ndarray) -> None:
+    global _measured
+    _measured = (weakref.ref(dataset), getattr(dataset, "_fingerprint", None), tokenizer, columns, max_length, lengths)
+
+
+def token_lengths(dataset, tokenizer, settings, calling_the_base: frozenset = frozenset()) -> np.ndarray:
+    """Every row's token count (truncated to ``settings.max_length``), int64: those the batch plan of
+    this very dataset, tokenizer and settings measured, else counted a chunk at a time (only the
+    counts kept: 8 bytes a row).
+    """
+    columns, max_length = TaskColumns.of(settings), settings.max_length
+    if _measured is not None:
+        ref, fingerprint, measured_by, measured_columns, measured_length, lengths = _measured
+        if ref() is dataset and fingerprint == getattr(dataset, "_fingerprint", None) and measured_by is tokenizer \
+                and measured_columns == columns and measured_length == max_length and len(lengths) == len(dataset):
+            return lengths.astype(np.int64)
+    counts = []
+    rows = np.arange(len(dataset), dtype=np.int64)
+    for start in range(0, len(rows), _CHUNK_ROWS):
+        ids, _ = tokenize_these_rows(tokenizer, dataset, rows[start:start + _CHUNK_ROWS], columns, max_length, -1,
+                                     calling_the_base)
+        counts.append(np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)))
+        del ids
+    trim_heap()
+    return np.concatenate(counts) if counts else np.zeros(0, np.int64)
+
+
 def _token_lengths(dataset, tokenize_rows: Callable, columns: TaskColumns, num_rows: int, max_length: int,
                    pad_token_id: int):
     """Every row's token count, on every rank: each rank tokenizes one contiguous block of
@@ -225,6 +259,7 @@ def dataset_batches(
         lengths, by_row, num_truncated = _token_lengths(
             dataset, tokenize_rows, columns, num_rows, max_length, pad_token_id
         )
+        _remember_lengths(dataset, tokenizer, columns, max_length, lengths)
     whole, inside, skip_rows = None, None, np.zeros(0, np.int64) if skip_rows is None else skip_rows
     if shard is not None:
         whole, plan_ids, inside = shard_of_plan(_plan(num_rows, settings, lengths, prefix_tokens), num_rows, shard)
