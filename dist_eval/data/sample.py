@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -74,29 +75,68 @@ def key_order(columns: Sequence[Sequence], seed: int) -> np.ndarray:
     return np.lexsort((np.arange(len(keys)), keys))  # by key, then by position
 
 
+# Rows read and keyed at once (a chunk's values are Python objects, 100 bytes and more a row): only
+# the keys are kept, 8 bytes a row
+_KEY_CHUNK_ROWS = 16384
+
+
+def dataset_keys(dataset, names: Sequence[str], seed: int) -> np.ndarray:
+    """:func:`row_keys` of every row of a ``datasets.Dataset`` (its columns ``names``), read a chunk at a time."""
+    parts = [row_keys(column_values(dataset, names, np.arange(start, min(start + _KEY_CHUNK_ROWS, len(dataset)))),
+                      seed) for start in range(0, len(dataset), _KEY_CHUNK_ROWS)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+
+
+def _dataset_key_order(dataset, names: Sequence[str], seed: int) -> np.ndarray:
+    """:func:`key_order` of a dataset's rows, its values read a chunk at a time."""
+    keys = dataset_keys(dataset, names, seed)
+    return np.lexsort((np.arange(len(keys)), keys))
+
+
 def sample_rows(dataset, limit: int, seed: int, columns: Sequence[str]):
     """The ``datasets.Dataset`` of the sampled rows (``dataset`` itself when ``limit`` is 0
     or covers every row); ``columns``: the task's columns whose values make a row's key.
     """
     if not limit or limit >= len(dataset):
         return dataset
-    indices = sample_indices(column_values(dataset, columns), limit, seed)
-    return dataset.select(indices.tolist())
+    return dataset.select(_dataset_key_order(dataset, columns, seed)[:limit].tolist())
 
 
 # the seed of a row's content key in predictions.jsonl (``key``): --limit's key at --limit-seed 0
 CONTENT_KEY_SEED = 0
 
 
-def content_keys(dataset, settings) -> list:
+def content_keys(dataset, settings) -> HexKeys:
     """Each row's content key, 16 hex digits: :func:`row_keys` of its task columns (text, label,
     text pair: the values the --limit sample keys a row by) at seed 0. Rows with the same
     content have the same key, whatever their place or file: ``dist_eval.compare`` pairs two
-    runs' rows by it.
+    runs' rows by it. A sequence of texts held as the 8-byte keys (:class:`HexKeys`).
     """
     names = [name for _, name in TaskColumns.of(settings).named()]
-    digits = row_keys(column_values(dataset, names), CONTENT_KEY_SEED).astype(">u8").tobytes().hex()
-    return [digits[start:start + 16] for start in range(0, len(digits), 16)]
+    return HexKeys(dataset_keys(dataset, names, CONTENT_KEY_SEED))
+
+
+class HexKeys(SequenceABC):
+    """uint64 keys read as a sequence of 16-hex-digit texts (big-endian), made as they are read."""
+
+    def __init__(self, keys: np.ndarray):
+        self.keys = np.asarray(keys, dtype=np.uint64)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return f"{int(self.keys[i]):016x}"
+
+    def __iter__(self):
+        return (f"{key:016x}" for key in self.keys.tolist())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, tuple, HexKeys)) else NotImplemented
+
+    __hash__ = None
 
 
 @dataclass
@@ -136,7 +176,7 @@ def draw_rows(data, settings, in_key_order: bool = False) -> Rows:
     sampling = not isinstance(data, Rows) and bool(limit) and limit < num_rows
     order = None
     if sampling or in_key_order:
-        order = key_order(column_values(dataset, [name for _, name in columns.named()]), settings.limit_seed)
+        order = _dataset_key_order(dataset, [name for _, name in columns.named()], settings.limit_seed)
     if sampling:
         dataset, order = dataset.select(order[:limit].tolist()), np.arange(limit)
     rows_in_data = data.rows_in_data if isinstance(data, Rows) else num_rows
