@@ -195,6 +195,40 @@ def write_predictions(
 _LINES_PER_WRITE = 1 << 14
 
 
+class ColumnCells:
+    """A dataset column's cells by row index, read a chunk of rows at a time as they are asked for
+    (in row order, as predictions.jsonl is written: each chunk read once), not the column held whole.
+    """
+
+    def __init__(self, dataset, column: str, chunk: int = _LINES_PER_WRITE):
+        self.dataset, self.column, self.chunk = dataset, column, chunk
+        self.start, self.cells = 0, []
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        if not self.start <= i < self.start + len(self.cells):
+            if not 0 <= i < len(self.dataset):
+                raise IndexError(i)
+            self.start = i
+            self.cells = self.dataset.select_columns([self.column])[i:i + self.chunk][self.column]
+        return self.cells[i - self.start]
+
+
+class RowSlices:
+    """Each row's ``{column: slice name}`` of ``{column: each row's slice name}``, made as it is asked for."""
+
+    def __init__(self, slices: Dict[str, Sequence[str]]):
+        self.slices = slices
+
+    def __len__(self) -> int:
+        return len(next(iter(self.slices.values()), ()))
+
+    def __getitem__(self, i: int) -> dict:
+        return {column: values[i] for column, values in self.slices.items()}
+
+
 def _json_ints(values: list) -> List[str]:
     return list(map(int.__repr__, values))
 

@@ -144,13 +144,15 @@ def texts_of(config: EvalConfig, settings: Settings, dataset, slices: Optional[d
     {"key": each row's content key} (:func:`dist_eval.data.sample.content_keys`).
     """
     from dist_eval.data.sample import content_keys
+    from dist_eval.output.files import ColumnCells, RowSlices
 
+    # each a sequence by row index, its cells made or read as predictions.jsonl is written (issue 51)
     out = {"key": content_keys(dataset, settings)}  # each row's content: compare pairs two runs' rows by it
     if config.save_text:
         columns = {"text": settings.text_column, "text_pair": settings.text_pair_column}
-        out.update({key: dataset[column] for key, column in columns.items() if column})
+        out.update({key: ColumnCells(dataset, column) for key, column in columns.items() if column})
     if slices:  # each row's slices (evaluate()'s EvalResult.slices)
-        out["slice"] = [dict(zip(slices, row)) for row in zip(*slices.values())]
+        out["slice"] = RowSlices(slices)
     if config.options.cluster_by is not None:  # each row's cluster (--cluster-by)
         from dist_eval.slices import read_cluster_names
 
