@@ -10,6 +10,7 @@ from typing import Callable, Deque, Dict, Iterable, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
+from dist_eval.backends.audit import NonFiniteAnswer
 from dist_eval.data.batches import Batch
 from dist_eval.metrics import per_sample_cross_entropy
 
@@ -71,11 +72,15 @@ def _logits_of(output) -> torch.Tensor:
 DEFAULT_IN_FLIGHT = 2
 
 
-def _timed_forward(model: Callable, input_ids: torch.Tensor) -> Tuple[torch.Tensor, float, None]:
+def _timed_forward(model: Callable, input_ids: torch.Tensor, batch: Optional[Batch] = None
+                   ) -> Tuple[torch.Tensor, float, None]:
     # no_grad is thread-local: it must be entered in the thread that runs the forward
     with torch.no_grad():
         start = time.perf_counter()
-        logits = _logits_of(model(input_ids)).float().cpu()
+        try:
+            logits = _logits_of(model(input_ids)).float().cpu()
+        except NonFiniteAnswer as error:  # a swarm's, on every route: named by the batch's rows
+            raise (error if batch is None else error.in_batch(batch[0], batch[1])) from None
         return logits, time.perf_counter() - start, None
 
 
@@ -98,7 +103,7 @@ def _start(model: Callable, batch: Batch, known, submit):
     hit = known.of(batch[0], batch[1]) if known is not None else None
     if hit is not None:
         return _Ready(*hit)
-    return submit(_timed_forward, model, batch[2])
+    return submit(_timed_forward, model, batch[2], batch)
 
 
 class _Now:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,8 +20,9 @@ from safetensors.torch import load_file, save_file
 from dist_eval import evaluate
 from dist_eval.backends import load_model
 from dist_eval.backends.arguments import audit_share
-from dist_eval.backends.audit import summary_line
+from dist_eval.backends.audit import NonFiniteAnswer, summary_line
 from dist_eval.backends.tokenizer import load_tokenizer
+from dist_eval.backends.wire import TEST_FAULT_ENV
 from dist_eval.errors import UsageError
 
 pytestmark = pytest.mark.swarm
@@ -69,9 +71,11 @@ def test_an_honest_swarm_agrees_bit_for_bit_and_its_logits_are_the_local_backend
 
 @pytest.fixture(scope="module")
 def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
-    """Three servers of every block of the tiny Llama under one prefix; the third serves a copy
-    whose block 2 differs by 1e-3 in one weight (another revision, say). Yields (the three
-    swarms' servers' peer ids, honest first, and the first swarm, whose peers the client joins)."""
+    """Four servers of every block of the tiny Llama under one prefix; the third serves a copy
+    whose block 2 differs by 1e-3 in one weight (another revision, say); the fourth answers row 0
+    of every request all NaN (the test-only fault hook, wire.TEST_FAULT_ENV). Yields (the four
+    servers' peer ids, honest first, then the changed one, then the NaN one; and the first swarm,
+    whose peers the client joins)."""
     changed = str(tmp_path_factory.mktemp("changed") / "model")
     shutil.copytree(tiny_model, changed)
     weights = load_file(os.path.join(changed, "model.safetensors"))
@@ -82,30 +86,56 @@ def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
     first = next(honest)
     faulty = one_thread_swarm(changed, num_servers=1, dht_prefix="audit-test", join_peers=first.initial_peers)
     odd = next(faulty)
+    with mock.patch.dict(os.environ, {TEST_FAULT_ENV: "nan"}):
+        nan = one_thread_swarm(tiny_model, num_servers=1, dht_prefix="audit-test", join_peers=first.initial_peers)
+        broken = next(nan)
     try:
-        yield [p.rsplit("/", 1)[1] for p in first.initial_peers + odd.initial_peers], first
+        yield [p.rsplit("/", 1)[1] for p in first.initial_peers + odd.initial_peers + broken.initial_peers], first
     finally:
-        for generator in (faulty, honest):
+        for generator in (nan, faulty, honest):
             generator.close()
 
 
-def test_a_server_that_computes_other_numbers_is_found_named_and_left_out(tiny_model, tiny_checkpoint,
-                                                                         swarm_with_a_changed_replica):
-    """Its first request is replayed (the join probe), outvoted by a third route, and it is left
-    out of every route after: the run finishes on the two honest servers, its logits the local
-    backend's bit for bit. Each of the 60 requests takes a random route: all 60 miss the odd server,
-    as main route or replay, with probability below (2/3)^60 (3e-11)."""
+def test_a_server_that_computes_other_numbers_or_nan_is_found_named_and_left_out(tiny_model, tiny_checkpoint,
+                                                                                swarm_with_a_changed_replica):
+    """The changed server's first request is replayed (the join probe), outvoted by a third route;
+    the NaN server's answer is retried on another route; each is left out of every route after: the
+    run finishes on the two honest servers, its logits the local backend's bit for bit. Each of the
+    60 requests takes a random route: all 60 miss one of the faulty servers as main route with
+    probability below (3/4)^60 (4e-8)."""
     peers, swarm = swarm_with_a_changed_replica
-    odd = peers[2]
+    odd, nan = peers[2:]
     expected, got, audit = _local_and_audited(tiny_model, tiny_checkpoint, swarm, 0.5, 60, 1)
-    assert_same_bits(got.predictions.logits, expected.predictions.logits, "the logits, the odd server left out")
-    assert list(audit["excluded"]) == [odd], audit
+    assert_same_bits(got.predictions.logits, expected.predictions.logits, "the logits, the faulty servers left out")
+    assert sorted(audit["excluded"]) == sorted([odd, nan]), audit
     assert set(audit["excluded"][odd]["outvoted_by"]) == set(peers[:2]) and audit["excluded"][odd]["difference"] > 0
+    assert audit["excluded"][nan]["non_finite"] and audit["excluded"][nan]["difference"] == "inf", audit
     # outvoted on each of its requests in flight before it was left out; none of its answers taken
-    assert audit["servers"][odd]["mismatches"] >= 1 and not audit["servers"][odd]["unchecked"], audit
+    for faulty in (odd, nan):
+        assert audit["servers"][faulty]["mismatches"] >= 1 and not audit["servers"][faulty]["unchecked"], audit
     assert not any(audit["servers"].get(p, {}).get("mismatches") for p in peers[:2]), audit
     line = summary_line({"swarm": {"audit": audit}})
-    assert f"1 server(s) outvoted on their first request and left out: {odd}" in line, line
+    assert f"2 server(s) outvoted on their first request and left out: {', '.join(sorted([odd, nan]))}" in line, line
+
+
+def test_a_row_nan_on_every_route_fails_the_run_in_one_line_naming_its_rows_and_servers(tiny_model, tiny_checkpoint,
+                                                                                      swarm_with_a_changed_replica):
+    """A client that may use only the NaN server (petals' allowed_servers), audit off: the batch's row
+    that comes back NaN has no other route; the run stops naming the dataset's row and the server."""
+    import datasets
+
+    peers, swarm = swarm_with_a_changed_replica
+    model = load_model("petals", tiny_model, checkpoint=tiny_checkpoint, initial_peers=swarm.initial_peers,
+                       dht_prefix=swarm.dht_prefix, audit=0.0, petals_client_options={"allowed_servers": [peers[3]]})
+    try:
+        with one_thread(), pytest.raises(Exception, match=NonFiniteAnswer.__name__) as caught:
+            evaluate(model, datasets.Dataset.from_dict(_rows(4)), tokenizer=load_tokenizer(tiny_model), batch_size=4,
+                     bootstrap_resamples=0)
+    finally:
+        model.close()
+    said = str(caught.value)
+    assert re.fullmatch(r".*NonFiniteAnswer: the swarm returned NaN or inf hidden states for 1 row\(s\) \(batch 0, rows [0-3]\) on every "
+                        rf"route tried: servers {peers[3]}; none of them is counted or stored\. .*", said), said
 
 
 def test_a_server_blamed_after_answers_of_it_were_taken_stops_the_run_in_one_line():

@@ -43,6 +43,43 @@ class AuditMismatch(RuntimeError):
     """Two routes of servers gave different hidden states for one request: no row of it is counted."""
 
 
+class NonFiniteAnswer(RuntimeError):
+    """Servers answered NaN or inf for rows of a request on every route tried (none is counted or stored)."""
+
+    def __init__(self, rows: Sequence[int], servers: Dict[str, List[int]], forward_rows: int, where: str = ""):
+        self.rows, self.servers, self.forward_rows = sorted(set(rows)), servers, forward_rows
+        shown = ", ".join(str(r) for r in self.rows[:8]) + (f" and {len(self.rows) - 8} more" if len(self.rows) > 8
+                                                             else "")
+        super().__init__(
+            f"the swarm returned NaN or inf hidden states for {len(self.rows)} row(s) ({where or 'of a forward, '}rows "
+            f"{shown}) on every route tried: servers {', '.join(sorted(servers))}; none of them is counted or "
+            "stored. A server in float16 can overflow: serve the blocks in bfloat16 or float32 (python -m "
+            "dist_eval.swarm --torch-dtype), or stop the servers named.")
+
+    def shifted(self, offset: int, forward_rows: int) -> NonFiniteAnswer:
+        """The same, its rows counted in a forward of ``forward_rows`` rows, the request's first at ``offset``."""
+        return NonFiniteAnswer([offset + r for r in self.rows], self.servers, forward_rows)
+
+    def in_batch(self, batch_id: int, rows: Sequence[int]) -> NonFiniteAnswer:
+        """The same, naming the dataset's ``rows`` of batch ``batch_id`` (where the forward was that batch's)."""
+        if self.forward_rows != len(rows):
+            return self
+        return NonFiniteAnswer([int(rows[r]) for r in self.rows], self.servers, self.forward_rows,
+                               where=f"batch {batch_id}, ")
+
+
+def non_finite_rows(output: torch.Tensor, positions: Sequence[int], read: bool) -> List[int]:
+    """The rows of a server's answer with NaN or inf where the head's read depends on it: the read
+    position (``read``: the last server's answer, [rows, 1, hidden]), else every position up to it
+    (the blocks are causal: a later position, padding, never reaches the read one).
+    """
+    finite = torch.isfinite(output).all(dim=-1)  # [rows, positions]
+    if not read:
+        upto = torch.arange(output.shape[1])[None, :] <= torch.tensor(list(positions))[:, None]
+        finite = finite | ~upto
+    return [int(r) for r in torch.nonzero(~finite.all(dim=1)).flatten()]
+
+
 @dataclass
 class ServerAudit:
     """One server's part in the audit: the requests and rows of its answers replayed elsewhere."""
@@ -114,6 +151,20 @@ class AuditLedger:
                 self.max_difference = max(self.max_difference, difference)
             if tolerance is not None:
                 self.tolerances.append(tolerance)
+
+    def blame_non_finite(self, peer: str, rows: int, finite_from: Sequence[str]) -> bool:
+        """``peer`` answered NaN or inf from finite inputs where ``finite_from`` answered numbers: left
+        out of every route from now on (True), unless answers of it were taken unchecked before (False:
+        the run stops, as on a mismatch).
+        """
+        with self.lock:
+            audit = self.servers.setdefault(peer, ServerAudit())
+            audit.mismatches += 1
+            if audit.unchecked:
+                return False
+            self.excluded.setdefault(peer, {"rows": rows, "difference": "inf", "non_finite": True,
+                                            "outvoted_by": sorted(set(finite_from))})
+            return True
 
     def facts(self) -> dict:
         """``run.swarm.audit``: what was checked, per server, and what escaped."""

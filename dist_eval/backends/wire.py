@@ -43,7 +43,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import itertools
+import os
+import random
 from collections import deque
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -110,9 +111,13 @@ def server_replacements(model_dir: Optional[str] = None, first_block: Optional[i
     serialize_outputs, rpc_info, run_rpc_forward = connection._serialize_outputs, connection.rpc_info, \
         handler.run_rpc_forward
 
+    fault = _test_fault()
+
     # the one step both rpc_forward and rpc_forward_stream take with the request's metadata
     # in hand, after the blocks ran (backward and inference do not pass through it)
     def _serialize_outputs(self, hidden_states, requested_backends, metadata):
+        if fault is not None:
+            hidden_states = fault(hidden_states)
         positions = metadata.get(POSITIONS_KEY) if isinstance(metadata, dict) else None
         if positions is not None:
             hidden_states = read_positions(hidden_states, positions)
@@ -141,6 +146,32 @@ def server_replacements(model_dir: Optional[str] = None, first_block: Optional[i
 
     return [(connection, "_serialize_outputs", _serialize_outputs), (connection, "rpc_info", _rpc_info),
             (handler, "run_rpc_forward", _run_rpc_forward)]
+
+
+TEST_FAULT_ENV = "DIST_EVAL_TEST_FAULT"  # tests and benchmarks only: a server that corrupts its answers
+
+
+def _test_fault() -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """The fault ``$DIST_EVAL_TEST_FAULT`` asks of this server (the audit's tests and benchmark make a
+    faulty server with it): ``nan`` (row 0 of an answer all NaN) or ``shift`` (row 0 plus 1e-2),
+    ``KIND:SHARE`` in that share of the answers (a seeded draw per answer), else None.
+    """
+    value = os.environ.get(TEST_FAULT_ENV)
+    if not value:
+        return None
+    kind, _, share = value.partition(":")
+    if kind not in ("nan", "shift"):
+        raise ValueError(f"${TEST_FAULT_ENV}: expected nan or shift, optionally :SHARE; got {value!r}")
+    draw, share = random.Random(0), float(share or 1)
+
+    def fault(hidden_states: torch.Tensor) -> torch.Tensor:
+        if draw.random() >= share:
+            return hidden_states
+        hidden_states = hidden_states.clone()
+        hidden_states[0] = float("nan") if kind == "nan" else hidden_states[0] + 1e-2
+        return hidden_states
+
+    return fault
 
 
 def _load_server_table(model_dir: str) -> None:
@@ -211,12 +242,17 @@ def forward_over_wire(hidden_states: torch.Tensor, prompts, sequence_manager, po
     if not hasattr(sequence_manager, _PEERS_ATTR):
         setattr(sequence_manager, _PEERS_ATTR, {})
 
+    async def one(offset, request):
+        try:
+            return await _forward_chain(request, sequence_manager, own_digest)
+        except audit.NonFiniteAnswer as error:  # its rows counted in this forward's
+            raise error.shifted(offset, rows) from None
+
     async def all_requests():
         return await asyncio.gather(*(
-            _forward_chain(_Request(inputs, batch_prompts, ids, prompt_tokens, batch_positions), sequence_manager,
-                           own_digest)
-            for inputs, batch_prompts, ids, batch_positions in zip(input_batches, prompt_batches, id_batches,
-                                                                     position_batches)
+            one(i * size, _Request(inputs, batch_prompts, ids, prompt_tokens, batch_positions))
+            for i, (inputs, batch_prompts, ids, batch_positions) in enumerate(zip(input_batches, prompt_batches,
+                                                                                  id_batches, position_batches))
         ))
 
     read = torch.cat(RemoteExpertWorker.run_coroutine(all_requests()), dim=0)  # [rows, 1, hidden]
@@ -234,29 +270,30 @@ class _Request:
     def __init__(self, hidden_states, prompts, token_ids, prompt_tokens: int, positions: torch.Tensor):
         self.hidden_states, self.prompts, self.token_ids = hidden_states, prompts, token_ids
         self.prompt_tokens, self.positions = prompt_tokens, positions.tolist()
+        self.finite_inputs: Optional[bool] = None  # whether the inputs are finite where the head's read depends on
 
 
 async def _forward_chain(request: _Request, manager, own_digest: Optional[Callable[[], str]]) -> torch.Tensor:
     """One request's way through every block (petals 2.2.0's ``sequential_forward``, with
-    the wire changes of the module doc): [rows, 1, hidden]. Only a server failure
-    (:func:`~dist_eval.backends.failover.server_failure`) is retried elsewhere. A share of the
-    requests is then replayed on other servers and compared (:mod:`dist_eval.backends.audit`).
+    the wire changes of the module doc): [rows, 1, hidden]. A server failure
+    (:func:`~dist_eval.backends.failover.server_failure`) is retried elsewhere; so is a span whose
+    answer has NaN or inf where its inputs had none (its server blamed, :func:`_blame_non_finite`). A
+    share of the requests is then replayed on other servers and compared (:mod:`dist_eval.backends.audit`).
     """
     end = len(manager.block_uids)
     inputs = request.hidden_states
     block, spans, route = 0, deque(), []
+    non_finite: Dict[str, List[int]] = {}  # peer -> the rows its answer to this request had NaN or inf in
     while block < end:
-        for attempt in itertools.count():
+        attempt, reroute = 0, False
+        while True:
             span = None
             try:
-                if not spans or attempt >= 1:  # a new route, also after every failure
-                    spans = _route(manager, block, end)
+                if not spans or reroute:  # a new route, also after every failure
+                    spans, reroute = _route(manager, block, end, request, non_finite), False
                 span = spans.popleft()
-                inputs = await _run_span(request, manager, span, inputs, own_digest)
-                block = span.end
-                route.append(span)
+                output = await _run_span(request, manager, span, inputs, own_digest)
                 manager.on_request_success(span.peer_id)
-                break
             except Exception as error:
                 if not server_failure(error):  # the client's own error: no server to ban, no retry can help
                     raise
@@ -264,23 +301,63 @@ async def _forward_chain(request: _Request, manager, own_digest: Optional[Callab
                 if attempt + 1 == manager.config.max_retries:
                     raise
                 await asyncio.sleep(manager.get_retry_delay(attempt))
+                attempt, reroute = attempt + 1, True
+                continue
+            bad = _non_finite(request, span, output, end)
+            if bad:  # from finite inputs: this server's, never a result; a route around it
+                non_finite[str(span.peer_id)], reroute = bad, True
+                continue
+            inputs, block = output, span.end
+            route.append(span)
+            break
     ledger = audit.ledger_of(manager)
     if ledger is not None:
+        _blame_non_finite(ledger, non_finite, rows=len(request.positions), finite_from=route)
         return await _audit(request, manager, route, inputs, own_digest, ledger)
     return inputs
 
 
-def _route(manager, block: int, end: int) -> deque:
+def _non_finite(request: _Request, span, output: torch.Tensor, end: int) -> List[int]:
+    """The rows of ``span``'s answer with NaN or inf where the head's read depends on them, the inputs
+    there finite (else none: the client sent them, no server is at fault and the logits say so).
+    """
+    if request.finite_inputs is None:
+        request.finite_inputs = not audit.non_finite_rows(request.hidden_states, request.positions, read=False)
+    if not request.finite_inputs:
+        return []
+    return audit.non_finite_rows(output, request.positions, read=span.end == end)
+
+
+def _blame_non_finite(ledger: audit.AuditLedger, non_finite: Dict[str, List[int]], rows: int, finite_from) -> None:
+    """Blame the servers whose answers had NaN or inf where others' (``finite_from``) had numbers."""
+    peers = [str(s.peer_id) for s in finite_from]
+    for peer, bad in non_finite.items():
+        if not ledger.blame_non_finite(peer, len(bad), peers):
+            raise audit.AuditMismatch(
+                f"swarm audit: server {peer} answered NaN or inf for {len(bad)} of {rows} row(s) of a request that "
+                f"{', '.join(sorted(set(peers)))} answered with numbers, and answers of it were taken before this one, "
+                "unchecked; stop it or leave it out of the swarm, then run again. No row of it is counted or stored.")
+
+
+def _route(manager, block: int, end: int, request: Optional[_Request] = None,
+           non_finite: Optional[Dict[str, List[int]]] = None) -> deque:
     """The route petals picks from ``block`` to ``end``; one around the servers the audit left out
-    where it met one of them (:func:`~dist_eval.backends.audit.exclude_if_unused`).
+    (:func:`~dist_eval.backends.audit.exclude_if_unused`) and those that answered ``request`` NaN or
+    inf (``non_finite``) where it met one of them. :class:`~dist_eval.backends.audit.NonFiniteAnswer`
+    where no route avoids the latter.
     """
     spans = deque(manager.make_sequence(block, end, mode="max_throughput"))
     spans[-1].end = min(spans[-1].end, end)
     ledger = audit.ledger_of(manager)
-    if ledger is not None and ledger.excluded and any(str(s.peer_id) in ledger.excluded for s in spans):
-        around = audit.disjoint_route(manager, set(ledger.excluded), end, None, start=block)
-        if around is not None:  # else petals' (a block only they serve: its failure says so)
+    left_out = set(non_finite or ()) | (set(ledger.excluded) if ledger is not None else set())
+    if left_out and any(str(s.peer_id) in left_out for s in spans):
+        around = audit.disjoint_route(manager, left_out, end, None, start=block)
+        if around is not None:
             spans = deque(around)
+        elif non_finite:  # every route tried for these blocks answered NaN or inf
+            raise audit.NonFiniteAnswer([r for rows in non_finite.values() for r in rows], non_finite,
+                                        len(request.positions))
+        # else petals' (a block only left-out servers serve: its failure says so)
     return spans
 
 
@@ -313,17 +390,38 @@ async def _run_span(request: _Request, manager, span, inputs: torch.Tensor,
     return _check_answer(outputs, request.hidden_states.shape, request.positions if last else None)
 
 
-async def _replay(request: _Request, manager, spans, own_digest) -> Optional[torch.Tensor]:
-    """The request through ``spans`` once, no retry; None when one of their servers fails."""
-    inputs = request.hidden_states
+async def _replay(request: _Request, manager, spans, own_digest, ledger: audit.AuditLedger,
+                  answered: Sequence) -> Optional[torch.Tensor]:
+    """The request through ``spans`` once, no retry; None when one of their servers fails, or answers
+    NaN or inf where ``answered`` (the route that answered the request) gave numbers (it is blamed).
+    """
+    inputs, end = request.hidden_states, len(manager.block_uids)
     try:
         for span in spans:
             inputs = await _run_span(request, manager, span, inputs, own_digest)
+            bad = _non_finite(request, span, inputs, end)
+            if bad:
+                _blame_non_finite(ledger, {str(span.peer_id): bad}, len(request.positions), answered)
+                return None
     except Exception as error:
         if not server_failure(error):
             raise
         return None
     return inputs
+
+
+async def _elsewhere(request: _Request, manager, avoid: set, own_digest, ledger: audit.AuditLedger,
+                     answered: Sequence):
+    """(route, its answer) for the request on servers outside ``avoid`` and those left out; (route or
+    None, None) where none answers. A server that answers NaN or inf is left out and another route tried.
+    """
+    end = len(manager.block_uids)
+    while True:
+        excluded = len(ledger.excluded)
+        spans = audit.disjoint_route(manager, avoid | set(ledger.excluded), end, ledger)
+        answer = None if spans is None else await _replay(request, manager, spans, own_digest, ledger, answered)
+        if answer is not None or spans is None or len(ledger.excluded) == excluded:
+            return spans, answer
 
 
 async def _audit(request: _Request, manager, route: list, answer: torch.Tensor, own_digest,
@@ -333,11 +431,10 @@ async def _audit(request: _Request, manager, route: list, answer: torch.Tensor, 
     """
     peers = [str(s.peer_id) for s in route]
     digest = audit.request_digest(request.token_ids, request.hidden_states, request.positions)
-    end, rows = len(manager.block_uids), len(request.positions)
-    other = None
+    rows = len(request.positions)
+    other = replayed = None
     if ledger.reason_to_replay(digest, peers) is not None:
-        other = audit.disjoint_route(manager, set(peers) | set(ledger.excluded), end, ledger)
-    replayed = None if other is None else await _replay(request, manager, other, own_digest)
+        other, replayed = await _elsewhere(request, manager, set(peers), own_digest, ledger, route)
     if replayed is None:
         ledger.taken_unchecked(peers, replay_failed=other is not None)
         return answer
@@ -345,9 +442,8 @@ async def _audit(request: _Request, manager, route: list, answer: torch.Tensor, 
     if audit.agree(answer, replayed, bound):
         ledger.record(peers, rows, audit.difference(answer, replayed), bound)
         return answer
-    third = audit.disjoint_route(manager, set(peers) | {str(s.peer_id) for s in other} | set(ledger.excluded), end,
-                                 ledger)
-    settled = None if third is None else await _replay(request, manager, third, own_digest)
+    third, settled = await _elsewhere(request, manager, set(peers) | {str(s.peer_id) for s in other}, own_digest,
+                                      ledger, route)
     agrees_with = None
     if settled is None:
         third = None  # no third answer: no verdict
