@@ -134,8 +134,9 @@ def test_a_row_nan_on_every_route_fails_the_run_in_one_line_naming_its_rows_and_
     finally:
         model.close()
     said = str(caught.value)
-    assert re.fullmatch(r".*NonFiniteAnswer: the swarm returned NaN or inf hidden states for 1 row\(s\) \(batch 0, rows [0-3]\) on every "
-                        rf"route tried: servers {peers[3]}; none of them is counted or stored\. .*", said), said
+    assert re.fullmatch(r".*NonFiniteAnswer: the swarm returned NaN or inf hidden states for 1 row\(s\) "
+                        rf"\(batch 0, rows [0-3]\) on every route tried: servers {peers[3]}; none of them is counted "
+                        r"or stored\. .*", said), said
 
 
 def test_a_server_blamed_after_answers_of_it_were_taken_stops_the_run_in_one_line():
