@@ -1,4 +1,6 @@
-"""python -m dist_eval (under torchrun): see dist_eval.cli."""
+"""python -m dist_eval (under torchrun): see dist_eval.cli. ``python -m dist_eval merge SHARD_DIR...
+--output-dir OUT``: the shards' merge (:mod:`dist_eval.shard_merge`), in this process.
+"""
 import sys
 
 from dist_eval.cli import main
@@ -31,4 +33,8 @@ def exit_without_teardown(code: int) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["merge"]:  # the documented form of the shards' merge (docs/cluster.md); no rank, no group
+        from dist_eval.shard_merge import main as merge_main
+
+        sys.exit(merge_main(sys.argv[2:]))
     exit_without_teardown(main())  # a SystemExit (--help, a flag argparse refuses) exits as usual

@@ -377,3 +377,11 @@ def rows_report(merged: MergedResults, num_labels: int, label_names, user_metric
         report[name] = value.item() if hasattr(value, "item") else value
     report["label_names"] = list(label_names) if label_names else None
     return report
+
+
+if __name__ == "__main__":  # python -m dist_eval.merge SHARD_DIR... --output-dir OUT (issue 53's name for it)
+    import runpy
+
+    # the program is the shards' merge, run as `dist-eval merge` hands it on (dist_eval.launcher); this
+    # module, the ranks' merge under it, imports nothing of it
+    runpy.run_module("dist_eval.shard_merge", run_name="__main__", alter_sys=True)

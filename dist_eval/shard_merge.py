@@ -10,7 +10,8 @@ options, a shard unfinished. The rows are then merged by the run's own merge
 row of the set required), the metrics and intervals computed by the same functions a run's rank 0
 calls, and the report written by the run's writer (:func:`dist_eval.output.report.write_report`):
 the same metrics, intervals, slices and predictions.jsonl, bit for bit, as one run over the whole
-set with the same settings (a shard's batches are those of the whole set's plan).
+set with the same settings (a shard's batches are those of the whole set's plan), ``--cluster-by``'s
+clustered intervals included (each row's cluster is in its shard's files).
 
 ``--partial``: the shards that finished, with the missing shards and rows counted in
 ``metrics.json``'s ``partial`` and said on the terminal; not a report of the set.
@@ -203,9 +204,6 @@ def merge_shards(folders: Sequence[str], output_dir: str, *, partial: bool = Fal
                          "another folder.", param="output_dir", value=output_dir)
     shards = _read_shards(folders, partial)
     missing = check_shards(shards, partial)
-    if shards[0].manifest["report"].get("cluster_by") is not None:
-        raise UsageError(f"{_name(shards[0])}: run with --cluster-by, whose intervals the merge does not compute "
-                         "yet. Run the shards without it (or the whole set in one run).")
     shards.sort(key=lambda s: s.index)
     manifest = shards[0].manifest
     metrics_of = []
@@ -244,10 +242,18 @@ def _report(shards: List[_Shard], metrics_of: List[dict], merged, missing: List[
     report = rows_report(merged, first["num_labels"], first.get("label_names"), None, (bootstrap, options["top_k"]))
     facts = loop_facts(shards, metrics_of).report()
     report.update(facts)
-    _, slices = _texts(shards, manifest["rows_in_set"])
+    texts, slices = _texts(shards, manifest["rows_in_set"])
+    clusters = None
+    if options.get("cluster_by") is not None:  # as the run's rank 0: every interval resamples whole clusters
+        from dist_eval.clusters import clustered_report
+        from dist_eval.metrics import softmax
+
+        clusters = (options["cluster_by"], texts["cluster"])
+        report = clustered_report(report, merged.labels, merged.preds, merged.losses, softmax(merged.logits),
+                                  np.asarray(clusters[1], dtype=object)[merged.indices], clusters[0], bootstrap)
     if slices is not None:
         report["slices"] = slice_report(merged, slices, report["num_labels"], report.get("label_names"),
-                                        (bootstrap, report.get("top_k")), manifest["rows_in_set"])
+                                        (bootstrap, report.get("top_k")), manifest["rows_in_set"], clusters)
     # the first shard's facts of the run (model, data, settings, versions), its times not: the shards'
     run = {**first["run"], **facts["run"], "phase_seconds": {}, "startup_seconds": None}
     run.pop("total_seconds", None)

@@ -1,26 +1,30 @@
 """Separately launched shards (``--shard I/K``) merged into one run (``dist_eval.shard_merge``,
-issue 53): on the built-in demo (a --limit sample), K = 1, 3 and 7 shards merge into the report of one run over every
-row, bit for bit (metrics, intervals, slices, predictions.jsonl, per_class.csv, slices.csv); a shard
-on 2 ranks is the same shard; the merge's refusals name the shard; --partial counts what is
-missing; a killed shard resumes bit for bit, and its rows in the row store are not evaluated again;
-the shard of a SLURM array task; early stopping refused. The demo runs in the test process
+issue 53): on the built-in demo (a --limit sample, clustered by label), K = 1, 3 and 7 shards merge
+into the report of one run over every row, bit for bit (metrics, intervals clustered and not, slices,
+predictions.jsonl, per_class.csv, slices.csv), by ``python -m dist_eval.shard_merge``, ``python -m
+dist_eval merge`` and ``python -m dist_eval.merge``; a shard on 2 ranks is the same shard on 1; the
+merge's refusals name the shard; --partial counts what is missing; a killed shard resumes bit for
+bit, and its rows in the row store are not evaluated again; the shard of a SLURM array task; early
+stopping refused. The demo runs in the test process
 (matplotlib hidden: the figures are the same function of the same metrics, and the most of a
 small run's time), one shard under torchrun.
 """
 import contextlib
 import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
 import threading
+import warnings
 from unittest import mock
 
 import numpy as np
 import pytest
 from conftest import REPO, run_cli, write_csv
 from float_promises import assert_same_bits, assert_within_rounding
-from inprocess_cli import run_cli_in_process
+from inprocess_cli import run_cli_in_process, without_modules
 from thread_ranks import ThreadRanks
 
 from dist_eval.config import EvalConfig, Options, settings_from, shard_from_slurm
@@ -30,8 +34,10 @@ from dist_eval.shard_merge import main as merge_main
 
 # the demo's seeded sample of 400 of its 800 rows (half the forwards): the rows every shard draws alike
 ROWS = 400
+# clustered by label (the demo's one column beside its text: 4 clusters, one a label slice): every interval
+# resamples clusters, as the merge's must too (issue 52)
 FLAGS = ["--backend", "local", "--progress", "none", "--quiet", "--slice-by", "--bootstrap-resamples", "100",
-         "--save-logits", "--save-text", "--limit", str(ROWS)]
+         "--save-logits", "--save-text", "--limit", str(ROWS), "--cluster-by", "label"]
 SAME_FILES = ("predictions.jsonl", "per_class.csv", "per_class.md", "slices.csv")
 
 
@@ -39,10 +45,21 @@ def demo(out, *extra) -> None:
     assert run_cli_in_process([*FLAGS, *extra, "--output-dir", str(out)], hide_modules=("matplotlib",)) == 0
 
 
-def merge(folders, out, *extra) -> int:
-    """The merge in this process, without matplotlib (as the runs: the same report, no figures)."""
+def merge(folders, out, *extra, command="dist_eval.shard_merge") -> int:
+    """The merge in this process, without matplotlib (as the runs: the same report, no figures), as
+    ``python -m dist_eval.shard_merge``, or its documented forms ``python -m dist_eval merge`` and
+    ``python -m dist_eval.merge`` (``command``: run as ``__main__``, as python -m runs them)."""
+    argv = [*map(str, folders), "--output-dir", str(out), *extra]
     with mock.patch.dict(sys.modules, {"matplotlib": None}):
-        return merge_main([*map(str, folders), "--output-dir", str(out), *extra])
+        if command == "dist_eval.shard_merge":
+            return merge_main(argv)
+        module, argv = ("dist_eval", ["merge", *argv]) if command == "dist_eval merge" else (command, argv)
+        with mock.patch.object(sys, "argv", [module, *argv]), pytest.raises(SystemExit) as ended, \
+                warnings.catch_warnings():
+            # this process imported the modules already (runpy warns of it); python -m has not
+            warnings.filterwarnings("ignore", "'dist_eval.*' found in sys.modules", RuntimeWarning)
+            runpy.run_module(module, run_name="__main__")
+        return ended.value.code
 
 
 def assert_same_report(merged, whole, files=SAME_FILES) -> None:
@@ -58,7 +75,7 @@ def assert_same_report(merged, whole, files=SAME_FILES) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, demo_cache):
     """The demo over every row, and its shards for K = 1, 3, 7 on one rank each (but shard 1/3:
-    on two, by its test); the module's tests run with the demo's cache."""
+    on two, by its test; on one in ``1of3-one-rank``); the module's tests run with the demo's cache."""
     with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": demo_cache}):
         base = tmp_path_factory.mktemp("shards")
         demo(base / "whole")
@@ -66,41 +83,44 @@ def runs(tmp_path_factory, demo_cache):
         for count in (1, 3, 7):
             shards[count] = [base / f"{index}of{count}" for index in range(count)]
             for index, folder in enumerate(shards[count]):
-                if (index, count) != (1, 3):
-                    demo(folder, "--shard", f"{index}/{count}")
+                demo(folder if (index, count) != (1, 3) else base / "1of3-one-rank", "--shard", f"{index}/{count}")
         yield base, shards
 
 
-def _merged_equals_the_whole_run(base, folders, out) -> None:
+def _merged_equals_the_whole_run(base, folders, out, command="dist_eval.shard_merge") -> None:
     rows = [read_rows(folder)["indices"] for folder in folders]
     assert sum(map(len, rows)) == ROWS and len(np.unique(np.concatenate(rows))) == ROWS  # each row in one shard
-    assert merge(reversed(folders), out) == 0  # any order of the folders
+    assert merge(reversed(folders), out, command=command) == 0  # any order of the folders
     assert_same_report(out, base / "whole")
+    clustering = json.loads((out / "metrics.json").read_text())["clustering"]
+    assert clustering["clusters"] == 4 and clustering["unclustered_intervals"]["method"] == "bootstrap-percentile"
     run = json.loads((out / "metrics.json").read_text())["run"]
     assert [s["shard"] for s in run["shards"]] == [f"{i}/{len(folders)}" for i in range(len(folders))]
     assert run["per_rank_samples"] == [n for folder in folders for n in json.loads(
         (folder / "metrics.json").read_text())["run"]["per_rank_samples"]]
 
 
-@pytest.mark.parametrize("count", [1, 7])
-def test_the_shards_merge_into_one_run_of_the_whole_set(runs, count, tmp_path):
+@pytest.mark.parametrize("count,command", [(1, "dist_eval merge"), (7, "dist_eval.merge")])
+def test_the_shards_merge_into_one_run_of_the_whole_set(runs, count, command, tmp_path):
+    """K = 1 and 7, merged by the issue's two commands, ``python -m dist_eval merge`` and
+    ``python -m dist_eval.merge`` (the ranks' merge module, as a program: the shards' merge)."""
     base, shards = runs
-    _merged_equals_the_whole_run(base, shards[count], tmp_path / "merged")
+    _merged_equals_the_whole_run(base, shards[count], tmp_path / "merged", command)
 
 
 @pytest.mark.multiproc
 def test_shards_on_one_and_two_ranks_merge_into_one_run(runs, tmp_path, demo_cache):
     """N varies between shards: shard 1/3 on 2 ranks (torchrun; matplotlib hidden by a stub
-    that fails to import), 0/3 and 2/3 on one each, merged: the one run's report."""
+    that fails to import) is its run on 1 rank, bit for bit (its clustered intervals too: issue
+    52's exactness for any N); with 0/3 and 2/3 on one each, merged: the one run's report."""
     base, shards = runs
-    stub = tmp_path / "stub" / "matplotlib"
-    stub.mkdir(parents=True)
-    (stub / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
-    path = os.pathsep.join([str(stub.parent), REPO])
+    path = os.pathsep.join([without_modules(tmp_path / "stub", "matplotlib"), REPO])
     proc = run_cli([*FLAGS, "--shard", "1/3", "--output-dir", str(shards[3][1])], nproc=2,
                    env={"DIST_EVAL_CACHE": demo_cache, "PYTHONPATH": path})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((shards[3][1] / "metrics.json").read_text())["run"]["world_size"] == 2
+    assert_same_report(shards[3][1], base / "1of3-one-rank")
+    assert_same_bits(read_rows(shards[3][1]), read_rows(base / "1of3-one-rank"), "shard 1/3 on 2 ranks and on 1")
     _merged_equals_the_whole_run(base, shards[3], tmp_path / "merged")
 
 

@@ -5,7 +5,9 @@ the module, every daemon stopped at its end.
 2-node jobs equal one process bit for bit; two jobs on one node at once (each its own
 rendezvous port, from its job id); a usage error ends every job with dist_eval's exit code 2
 and its one line; ``scancel`` mid-run against a real swarm leaves no process within 5 s and no
-warning about a healthy server. The ranks' threads follow the CPUs the job was given.
+warning about a healthy server. The ranks' threads follow the CPUs the job was given. Issue 53:
+an array of 3 shards (launch/slurm_array.sbatch), one requeued, then launch/slurm_merge.sbatch
+after it: one rank's report. The jobs write no figures (matplotlib hidden).
 """
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ import time
 
 import pytest
 from conftest import REPO, build_checkpoint, eval_args, outputs, write_csv
+from inprocess_cli import run_cli_in_process, without_modules
 from slurm_cluster import SlurmCluster
 
+from dist_eval.output.shard_files import read_manifest
 from dist_eval.rendezvous import port_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
@@ -31,8 +35,16 @@ JOB_ENV = {"PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "LOCAL_ADDR": "127.0
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with SlurmCluster(str(tmp_path_factory.mktemp("slurm"))) as c:
+    """The module's cluster; its jobs write no figures (matplotlib hidden: the same function of
+    the same metrics, and the most of a small run's CPU after its imports, on a machine its jobs share)."""
+    folder = tmp_path_factory.mktemp("slurm")
+    with SlurmCluster(str(folder)) as c:
+        c.job_env = {"PYTHONPATH": without_modules(folder / "hidden", "matplotlib")}
         yield c
+
+
+# each test's runs, by name, for a later test to compare with (the one-rank job: the array's merge)
+FINISHED: dict = {}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +55,7 @@ def inputs(tmp_path_factory):
 
 def submit(cluster, sbatch_options, args, script=SBATCH, **env):
     job_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    job_env.update({k: v for k, v in {**JOB_ENV, **env}.items() if v})
+    job_env.update({k: v for k, v in {**JOB_ENV, **cluster.job_env, **env}.items() if v})
     return cluster.sbatch([*sbatch_options, script, *args], cwd=REPO, env=job_env)
 
 
@@ -78,6 +90,7 @@ def test_a_two_node_job_and_a_one_rank_job_share_a_node(cluster, tiny_model, inp
     reference, result = outputs(tmp_path / "one"), outputs(tmp_path / "two")
     assert reference[2]["world_size"] == 1 and result[2]["world_size"] == 2
     assert result[:2] == reference[:2]  # predictions with logits, and every metric
+    FINISHED["one rank"] = tmp_path / "one"
 
 
 def test_a_usage_error_is_exit_2_and_one_line_every_time(cluster, tiny_model, inputs, tmp_path):
@@ -163,23 +176,15 @@ def test_scancel_mid_run_on_a_swarm(cluster, tiny_swarm, tiny_model, tmp_path):
     assert not (tmp_path / "out" / "metrics.json").exists()
 
 
-# 27 s on the 2-core machine when idle, 45 s busy (3 tasks, a requeue, the merge: each a torchrun or a
-# python of its own), over what the suite's budget leaves: run when asked, as after every change to
-# the array or merge scripts
-@pytest.mark.skipif(os.environ.get("DIST_EVAL_SLURM_ARRAY") != "1",
-                    reason="the SLURM array test takes 27-45 s: DIST_EVAL_SLURM_ARRAY=1 runs it")
 def test_an_array_of_shards_one_requeued_then_the_merge(cluster, tiny_model, inputs, tmp_path):
     """Issue 53: launch/slurm_array.sbatch as an array of 3 tasks (shards 0/3..2/3, from the array's
     ids 4-6), task 5 requeued once running (scontrol requeue: it runs again, into its own folder);
     launch/slurm_merge.sbatch after the array (--dependency=afterok): the merged report == one rank
-    over every row, bit for bit."""
-    from inprocess_cli import run_cli_in_process
-
+    over every row, bit for bit (the first test's one-rank job of the same flags, else a run here)."""
     out = tmp_path / "shards"
     args = [a for a in eval_args(tiny_model, inputs, "-", "--backend", "local") if a not in ("--output-dir", "-")]
     array = submit(cluster, ["--array=4-6", "--cpus-per-task=1"], args, ARRAY, OUT=str(out))
     merge = submit(cluster, [f"--dependency=afterok:{array}"], [], MERGE, OUT=str(out))
-    assert run_cli_in_process([*args, "--output-dir", str(tmp_path / "one"), "--progress", "none", "--quiet"]) == 0
     end = time.monotonic() + 120
     while cluster.job(f"{array}_5").get("JobState") != "RUNNING" and time.monotonic() < end:
         time.sleep(0.05)
@@ -188,8 +193,13 @@ def test_an_array_of_shards_one_requeued_then_the_merge(cluster, tiny_model, inp
     while cluster.job(f"{array}_5").get("JobState") != "PENDING" and time.monotonic() < end:
         time.sleep(0.05)
     cluster.run(["scontrol", "update", f"JobId={array}_5", "StartTime=now"])
+    one = FINISHED.get("one rank")
+    if one is None:  # this test alone
+        one = tmp_path / "one"
+        assert run_cli_in_process([*args, "--output-dir", str(one), "--progress", "none", "--quiet"]) == 0
     assert_completed(cluster, merge)
     assert cluster.job(f"{array}_5")["Restarts"] == "1"
     shards = [outputs(out / f"shard-{task}") for task in (4, 5, 6)]
     assert [run["world_size"] for _, _, run in shards] == [1, 1, 1]
-    assert outputs(out / "merged")[:2] == outputs(tmp_path / "one")[:2]
+    assert [read_manifest(str(out / f"shard-{task}"))["shard"] for task in (4, 5, 6)] == ["0/3", "1/3", "2/3"]
+    assert outputs(out / "merged")[:2] == outputs(one)[:2]
