@@ -34,6 +34,29 @@ sys.path.insert(0, ROOT)
 from bench_big_set import _free_port, export, make_assets  # noqa: E402
 
 MIB = 2**20
+# Put first on a rank's PYTHONPATH (with --phases): each phase's start and end, by the wall clock,
+# appended to $BENCH_MEMORY_PHASES-r<RANK>.jsonl (ranks.phases._agreed is looked up at each phase)
+SITECUSTOMIZE = """
+import json, os, sys, threading, time
+
+def _patch():
+    while "dist_eval.ranks.phases" not in sys.modules or not hasattr(sys.modules["dist_eval.ranks.phases"], "_agreed"):
+        time.sleep(0.005)
+    module = sys.modules["dist_eval.ranks.phases"]
+    agreed, path = module._agreed, os.environ["BENCH_MEMORY_PHASES"] + "-r" + os.environ.get("RANK", "0") + ".jsonl"
+
+    def timed(name, *args):
+        began = time.time()
+        try:
+            yield from agreed(name, *args)
+        finally:
+            with open(path, "a") as f:
+                f.write(json.dumps([name, began, time.time()]) + "\\n")
+    module._agreed = timed
+
+if os.environ.get("BENCH_MEMORY_PHASES"):
+    threading.Thread(target=_patch, daemon=True).start()
+"""
 
 
 def _status(pid: int) -> dict:
@@ -90,6 +113,7 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True)
         self.root_pid, self.interval = root_pid, interval
         self.peaks: dict = {}
+        self.series: dict = {}  # rank -> [(time, RssAnon kB)]
         self.ranks: dict = {}  # pid -> rank
         self.done = threading.Event()
 
@@ -103,16 +127,25 @@ class Sampler(threading.Thread):
                     self.ranks[pid] = rank
                 memory = _status(pid)
                 if memory:
+                    self.series.setdefault(self.ranks[pid], []).append((time.time(), memory.get("RssAnon", 0)))
                     peak = self.peaks.setdefault(self.ranks[pid], {"RssAnon": 0, "VmHWM": 0})
                     peak["RssAnon"] = max(peak["RssAnon"], memory.get("RssAnon", 0))
                     peak["VmHWM"] = max(peak["VmHWM"], memory.get("VmHWM", 0))
             time.sleep(self.interval)
 
 
-def run_once(code: str, args: list, out: str, nproc: int) -> dict:
-    """One CLI run of the code in ``code``: wall seconds and each rank's peaks (MiB)."""
+def run_once(code: str, args: list, out: str, nproc: int, phases: bool = False) -> dict:
+    """One CLI run of the code in ``code``: wall seconds and each rank's peaks (MiB); ``phases``:
+    each rank's peak RssAnon in each phase too (MiB), by the phases' times and the samples'.
+    """
     env = {**os.environ, "PYTHONPATH": code, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1"}
+    if phases:
+        hooks = os.path.join(out + "-hooks")
+        os.makedirs(hooks)
+        with open(os.path.join(hooks, "sitecustomize.py"), "w") as f:
+            f.write(SITECUSTOMIZE)
+        env.update(PYTHONPATH=os.pathsep.join([hooks, code]), BENCH_MEMORY_PHASES=os.path.join(hooks, "phases"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(_free_port()), "-m", "dist_eval", *args, "--output-dir", out]
     started = time.perf_counter()
@@ -128,8 +161,29 @@ def run_once(code: str, args: list, out: str, nproc: int) -> dict:
     with open(os.path.join(out, "metrics.json")) as f:
         metrics = json.load(f)
     peaks = {rank: {name: kb / 1024 for name, kb in values.items()} for rank, values in sorted(sampler.peaks.items())}
-    return {"wall_seconds": wall, "rows": metrics["num_samples"], "peaks_mib": peaks,
-            "phases": metrics["run"]["phase_seconds"]}
+    result = {"wall_seconds": wall, "rows": metrics["num_samples"], "peaks_mib": peaks,
+              "phases": metrics["run"]["phase_seconds"]}
+    if phases:
+        result["phase_peaks_mib"] = _phase_peaks(sampler.series, env["BENCH_MEMORY_PHASES"])
+    return result
+
+
+def _phase_peaks(series: dict, prefix: str) -> dict:
+    """{rank: {phase: the peak RssAnon sampled during it, MiB}} (phases that nest share samples)."""
+    out = {}
+    for rank, samples in sorted(series.items()):
+        try:
+            with open(f"{prefix}-r{rank}.jsonl") as f:
+                spans = [json.loads(line) for line in f]
+        except OSError:
+            continue
+        peaks = {}
+        for name, began, ended in spans:
+            inside = [kb for t, kb in samples if began <= t <= ended]
+            if inside:
+                peaks[name] = max(peaks.get(name, 0), max(inside) / 1024)
+        out[rank] = peaks
+    return out
 
 
 def report(saved: dict) -> None:
@@ -145,6 +199,11 @@ def report(saved: dict) -> None:
                 cells.append("-" if r is None else " / ".join(
                     f"{p['RssAnon']:.0f} [{p['VmHWM']:.0f}]" for p in r["peaks_mib"].values()))
             print(f"{rows:>10}" + "".join(f"{c:>36}" for c in cells))
+            for label in labels:
+                r = saved["results"][label].get(f"{mode}/{rows}") or {}
+                for rank, peaks in (r.get("phase_peaks_mib") or {}).items():
+                    print(f"{'':>10}   {label}, rank {rank}, peak in each phase: "
+                          + ", ".join(f"{name} {mib:.0f}" for name, mib in peaks.items()))
         if len(sizes) > 1:
             low, high = sizes[0], sizes[-1]
             cells = []
@@ -169,6 +228,7 @@ def main() -> int:
     p.add_argument("--resamples", type=int, default=0, help="--bootstrap-resamples of every run")
     p.add_argument("--limit-rows", type=float, default=0.01, help="the --limit run's sample: a share of the set")
     p.add_argument("--modes", nargs="+", default=["full", "limit"], choices=["full", "limit"])
+    p.add_argument("--phases", action="store_true", help="each rank's peak in each phase too")
     p.add_argument("--baseline", default="main", help="git ref run beside this checkout ('' for none)")
     p.add_argument("--out", default=None, help="a JSON file for the figures")
     p.add_argument("--table", default=None, help="only print the table of a JSON file written by --out")
@@ -194,7 +254,7 @@ def main() -> int:
                 for label, code in codes.items():
                     out = tempfile.mkdtemp(dir=workdir)
                     r = run_once(code, [*common, *extra, "--row-store", os.path.join(out, "store")],
-                                 os.path.join(out, "report"), args.nproc)
+                                 os.path.join(out, "report"), args.nproc, args.phases)
                     saved["results"].setdefault(label, {})[f"{mode}/{rows}"] = r
                     print(f"{mode} {rows} rows, {label}: {r['wall_seconds']:.1f} s, peak RssAnon "
                           + " / ".join(f"{v['RssAnon']:.0f}" for v in r["peaks_mib"].values()) + " MiB", flush=True)
