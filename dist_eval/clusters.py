@@ -275,9 +275,12 @@ def paired_cluster_bootstrap(
     """:func:`dist_eval.paired.paired_bootstrap`'s result (differences B - A in accuracy,
     macro-F1 and loss, and their intervals) with whole clusters drawn: each resample draws G of
     the G clusters with replacement, the same for A and B. Adds ``clusters``, and to
-    ``accuracy`` the CR1 and independent-rows standard errors of the difference, their design
-    effect and the cluster-robust test's p-value (:func:`cluster_robust_pvalue`). None when there
-    are no rows; intervals None with ``resamples`` 0 or fewer than MIN_CLUSTERS clusters.
+    ``accuracy`` and ``loss`` (means of a per-row difference) the CR1 and independent-rows
+    standard errors of the difference, their design effect and the cluster-robust test's p-value
+    (:func:`cluster_robust_pvalue`); macro F1 (not a mean of rows) gets the cluster bootstrap's
+    p-value, :func:`bootstrap_pvalue` (below 1 - level exactly where 0 is outside its interval).
+    None when there are no rows; intervals None with ``resamples`` 0 or fewer than MIN_CLUSTERS
+    clusters.
     """
     from dist_eval.paired import paired_bootstrap
 
@@ -292,10 +295,12 @@ def paired_cluster_bootstrap(
     g = number_of_clusters(clusters)
     difference = (preds_b == labels).astype(np.float64) - (preds_a == labels)
     point.update(method=CLUSTER_METHOD, resamples=int(resamples), clusters=g)
-    point["accuracy"].update(standard_error_clustered=_none_if_nan(cr1_standard_error(difference, clusters)),
-                             standard_error_rows=_none_if_nan(iid_standard_error(difference)),
-                             design_effect=_none_if_nan(design_effect(difference, clusters)),  # None: undefined
-                             pvalue_clustered=_none_if_nan(cluster_robust_pvalue(difference, clusters)))
+    for name, per_row in (("accuracy", difference), ("loss", gap)):
+        point[name].update(standard_error_clustered=_none_if_nan(cr1_standard_error(per_row, clusters)),
+                           standard_error_rows=_none_if_nan(iid_standard_error(per_row)),
+                           design_effect=_none_if_nan(design_effect(per_row, clusters)),  # None: undefined
+                           pvalue_clustered=_none_if_nan(cluster_robust_pvalue(per_row, clusters)))
+    point["f1_macro"]["pvalue_clustered"] = None
     if resamples == 0 or g < MIN_CLUSTERS:
         return point
     order = canonical_row_order(clusters, labels, preds_a, preds_b, gap)
@@ -305,7 +310,19 @@ def paired_cluster_bootstrap(
     for name, drawn in draws.items():
         lo, hi = np.percentile(drawn, [tail, 100.0 - tail])
         point[name]["interval"] = [float(lo), float(hi)]
+    point["f1_macro"]["pvalue_clustered"] = bootstrap_pvalue(draws["f1_macro"])
     return point
+
+
+def bootstrap_pvalue(drawn) -> float:
+    """The two-sided p-value of a difference of 0 that a percentile bootstrap's ``drawn`` values
+    give: twice the smaller share of them on either side of 0 (at most 1), so that it is below
+    1 - level where 0 lies outside the interval of that level (up to the percentiles'
+    interpolation). For a statistic that is not a mean of rows (macro F1), whose clustered
+    test has no closed form.
+    """
+    drawn = np.asarray(drawn, dtype=np.float64)
+    return float(min(1.0, 2.0 * min(np.mean(drawn <= 0.0), np.mean(drawn >= 0.0))))
 
 
 def _paired_draws(clusters, labels, preds_a, preds_b, gap, num_labels: int, g: int, resamples: int, seed: int):

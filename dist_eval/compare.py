@@ -4,7 +4,8 @@ Prints the main metrics of both runs with B - A (and their confidence intervals 
 the runs have them), a paired test on the shared rows (McNemar's exact test of the
 accuracies; paired bootstrap intervals of B - A in accuracy, macro-F1 and loss; also
 written to ``--json PATH``), per slice when both runs have ``--slice-by``'s (McNemar's test of each
-slice, its p-value adjusted by Holm for the number of slices), then the rows whose prediction changed (index, label,
+slice, its p-value adjusted by Holm for the number of slices, and the slice's paired interval of
+B - A), then the rows whose prediction changed (index, label,
 pred A, pred B), up to ``--max-rows``. The rows are paired by their content (predictions.jsonl's
 ``key``): rows of one run only are counted, named in one warning and left out of the paired test
 (runs without keys: by position). More than two runs: each pair, or each against ``--baseline``,
@@ -165,8 +166,35 @@ def paired_test(a: RunOutputs, b: RunOutputs, resamples: int = 1000, seed: int =
     if cells:
         from dist_eval.slices import compare_slices
 
-        out["slices"] = compare_slices(cells, a.preds == a.labels, b.preds == b.labels)
+        losses = (a.losses, b.losses) if with_loss else (zeros, zeros)
+        out["slices"] = compare_slices(
+            cells, a.preds == a.labels, b.preds == b.labels,
+            paired=lambda mask: _slice_intervals(a, b, losses, clusters, mask, resamples, seed))
     return out
+
+
+def _slice_intervals(a: RunOutputs, b: RunOutputs, losses: tuple, clusters: Optional[list], mask: np.ndarray,
+                     resamples: int, seed: int) -> dict:
+    """A slice's paired interval of B - A in accuracy, the one compare gives of the slice's rows
+    alone: ``interval`` (with clusters, the paired cluster bootstrap's, and ``interval_rows``, the
+    rows drawn one by one, beside it, with the slice's ``clusters``, ``design_effect`` and the
+    cluster-robust test's ``pvalue_clustered``).
+    """
+    from dist_eval.paired import paired_bootstrap
+
+    rows = np.flatnonzero(mask)
+    num_labels = int(a.metrics["num_labels"])
+    arrays = (a.labels[rows], a.preds[rows], b.preds[rows], losses[0][rows], losses[1][rows])
+    by_rows = paired_bootstrap(*arrays, num_labels, resamples=resamples, seed=seed)["accuracy"]["interval"]
+    if clusters is None:
+        return {"interval": by_rows}
+    from dist_eval.clusters import cluster_numbers, paired_cluster_bootstrap
+
+    clustered = paired_cluster_bootstrap(*arrays, cluster_numbers([clusters[i] for i in rows.tolist()]), num_labels,
+                                         resamples=resamples, seed=seed)
+    accuracy = clustered["accuracy"]
+    return {"interval": accuracy["interval"], "interval_rows": by_rows, "clusters": clustered["clusters"],
+            "design_effect": accuracy["design_effect"], "pvalue_clustered": accuracy["pvalue_clustered"]}
 
 
 def _shared_clusters(a: RunOutputs, b: RunOutputs) -> Optional[list]:
@@ -290,6 +318,11 @@ def format_paired(paired: Optional[dict]) -> List[str]:
     if clustered_p is not None:
         lines.append(f"  cluster-robust test of accuracy (CR1, t on {boot['clusters'] - 1} df): p = {clustered_p:.4g} "
                      "(McNemar's takes the rows as independent)")
+        others = [f"{what} p = {boot[name]['pvalue_clustered']:.4g}" for name, what in
+                  (("f1_macro", "of macro F1 (the cluster bootstrap's)"), ("loss", "of loss (CR1 t)"))
+                  if (boot.get(name) or {}).get("pvalue_clustered") is not None]
+        if others:
+            lines.append(f"  cluster-robust tests {', '.join(others)}")
     if boot:
         level = f"{100 * boot['level']:g}%"
         for name in ("accuracy", "f1_macro", "loss"):

@@ -270,11 +270,14 @@ def _cell(value) -> str:
 COMPARE_ALPHA = 0.05
 
 
-def compare_slices(cells: list, correct_a: np.ndarray, correct_b: np.ndarray, alpha: float = COMPARE_ALPHA) -> dict:
+def compare_slices(cells: list, correct_a: np.ndarray, correct_b: np.ndarray, alpha: float = COMPARE_ALPHA,
+                   paired=None) -> dict:
     """Two runs per slice, paired on the shared rows: for every slice (``cells``: each row's
     ``{column: value}``), each run's accuracy, B - A, McNemar's exact p-value and Holm's
     adjustment of it over every slice compared; ``differs`` when the adjusted p is below
     ``alpha``. Slices in the order of :func:`slices_of` columns (column, then value).
+    ``paired(mask)``: more of a slice (its interval of B - A; with clusters, ``pvalue_clustered``,
+    the p-value Holm adjusts where there is one: :func:`dist_eval.compare.paired_test`).
     """
     from dist_eval.paired import holm_adjusted, mcnemar_exact
 
@@ -288,11 +291,14 @@ def compare_slices(cells: list, correct_a: np.ndarray, correct_b: np.ndarray, al
             acc_a, acc_b = float(correct_a[mask].mean()), float(correct_b[mask].mean())
             out.append({"column": column, "value": name, "rows": int(mask.sum()), "accuracy_a": acc_a,
                         "accuracy_b": acc_b, "difference": acc_b - acc_a, "a_only": test["a_only"],
-                        "b_only": test["b_only"], "pvalue": test["pvalue"]})
-    for row, adjusted in zip(out, holm_adjusted([row["pvalue"] for row in out])):
+                        "b_only": test["b_only"], "pvalue": test["pvalue"], **(paired(mask) if paired else {})})
+    clustered = any(row.get("pvalue_clustered") is not None for row in out)
+    tested = [row["pvalue"] if row.get("pvalue_clustered") is None else row["pvalue_clustered"] for row in out]
+    for row, adjusted in zip(out, holm_adjusted(tested)):
         row["pvalue_holm"] = adjusted
         row["differs"] = adjusted < alpha
-    return {"test": "McNemar exact, per slice", "adjustment": "holm", "alpha": alpha, "slices": out}
+    test = "cluster-robust t (CR1; McNemar exact where a slice has one cluster)" if clustered else "McNemar exact"
+    return {"test": f"{test}, per slice", "adjustment": "holm", "alpha": alpha, "slices": out}
 
 
 def format_compared_slices(compared: Optional[dict]) -> List[str]:
@@ -302,11 +308,23 @@ def format_compared_slices(compared: Optional[dict]) -> List[str]:
     rows = compared["slices"]
     names = [f"{r['column']}={r['value']}" for r in rows]
     width = max(5, *map(len, names))
-    lines = [f"per slice (paired, McNemar's exact test; p adjusted by Holm for the {len(rows)} slices compared):",
-             f"  {'slice':<{width}} {'rows':>6} {'A acc':>8} {'B acc':>8} {'B-A':>9} {'p':>8} {'p (Holm)':>9}"]
+    clustered = compared["test"].startswith("cluster-robust")
+    test = "the cluster-robust test (CR1)" if clustered else "McNemar's exact test"
+    ci = [f"{'CI of B-A':>18}"] if any(r.get("interval") for r in rows) else []
+    ci += [f"{'CI, rows as indep.':>18}"] if ci and clustered else []
+    lines = [f"per slice (paired, {test}; p adjusted by Holm for the {len(rows)} slices compared):",
+             (f"  {'slice':<{width}} {'rows':>6} {'A acc':>8} {'B acc':>8} {'B-A':>9} {'p':>8} {'p (Holm)':>9} "
+              + " ".join(ci)).rstrip()]
+
+    def interval(r, key):
+        return f"[{r[key][0]:+.4f}, {r[key][1]:+.4f}]" if r.get(key) else ""
+
     for name, r in zip(names, rows):
-        lines.append(f"  {name:<{width}} {r['rows']:6d} {r['accuracy_a']:8.4f} {r['accuracy_b']:8.4f} "
-                     f"{r['difference']:+9.4f} {r['pvalue']:8.4g} {r['pvalue_holm']:9.4g}"
+        p = r["pvalue"] if r.get("pvalue_clustered") is None else r["pvalue_clustered"]
+        cells = [f"{interval(r, 'interval'):>18}"] if ci else []
+        cells += [f"{interval(r, 'interval_rows'):>18}"] if len(ci) == 2 else []
+        lines.append((f"  {name:<{width}} {r['rows']:6d} {r['accuracy_a']:8.4f} {r['accuracy_b']:8.4f} "
+                      f"{r['difference']:+9.4f} {p:8.4g} {r['pvalue_holm']:9.4g} " + " ".join(cells)).rstrip()
                      + ("  differs" if r["differs"] else ""))
     differ = [f"{name} ({'B' if r['difference'] > 0 else 'A'} better)" for name, r in zip(names, rows) if r["differs"]]
     lines.append(f"  slices that differ (Holm-adjusted p < {compared['alpha']:g}): {', '.join(differ)}" if differ

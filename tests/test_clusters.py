@@ -50,11 +50,13 @@ def test_clustered_standard_errors_equal_statsmodels_cr1(seed):
         assert abs(cr1_standard_error(values, cluster) - fit.bse[0]) < 1e-9
         assert abs(iid_standard_error(values) - sm.OLS(values, ones).fit().bse[0]) < 1e-9
         assert abs(design_effect(values, cluster) - (fit.bse[0] / sm.OLS(values, ones).fit().bse[0]) ** 2) < 1e-9
-    paired = paired_cluster_bootstrap(labels, preds, other, ones, ones, cluster, 3, resamples=0)
-    difference = (other == labels).astype(float) - (preds == labels)
-    fit = sm.OLS(difference, ones).fit(cov_type="cluster", cov_kwds={"groups": cluster}, use_t=True)
-    assert abs(paired["accuracy"]["standard_error_clustered"] - fit.bse[0]) < 1e-9
-    assert abs(paired["accuracy"]["pvalue_clustered"] - fit.pvalues[0]) < 1e-9  # t on G - 1 df
+    losses = np.random.default_rng(seed + 20).random((2, labels.size))
+    paired = paired_cluster_bootstrap(labels, preds, other, *losses, cluster, 3, resamples=0)
+    for name, difference in (("accuracy", (other == labels).astype(float) - (preds == labels)),
+                             ("loss", losses[1] - losses[0])):
+        fit = sm.OLS(difference, ones).fit(cov_type="cluster", cov_kwds={"groups": cluster}, use_t=True)
+        assert abs(paired[name]["standard_error_clustered"] - fit.bse[0]) < 1e-9
+        assert abs(paired[name]["pvalue_clustered"] - fit.pvalues[0]) < 1e-9  # t on G - 1 df
 
 
 def _plain_cluster_bootstrap(cluster, labels, preds, losses, probs, resamples, seed, num_labels, k=2):
@@ -91,6 +93,36 @@ def test_the_cluster_bootstrap_is_a_plain_cluster_bootstrap_in_any_row_order():
     assert shuffled == got  # bit for bit: the clusters by name, the rows in a canonical order
 
 
+def test_the_paired_cluster_bootstrap_is_a_plain_one_in_any_row_order():
+    """B - A in accuracy, macro F1 and loss: each resample draws G cluster ids (the same for A and B),
+    gathers their rows and scores both models on them, as a textbook would; macro F1's clustered
+    p-value is the draws' two-sided share beyond 0."""
+    from dist_eval.clusters import PAIRED_CLUSTER_STREAM
+
+    cluster, labels, preds_a, losses_a, _ = clustered_rows(5, clusters=12)
+    preds_b = np.where(np.random.default_rng(5).random(labels.size) < 0.3, labels, preds_a)
+    losses_b = np.random.default_rng(6).random(labels.size)
+    names = np.array([f"c{c}" for c in cluster])
+    got = paired_cluster_bootstrap(labels, preds_a, preds_b, losses_a, losses_b, cluster_numbers(names), 3, 60, 7)
+    numbers = cluster_numbers(names)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(7, spawn_key=(PAIRED_CLUSTER_STREAM,))))
+    draws = {"accuracy": [], "f1_macro": [], "loss": []}
+    for ids in rng.integers(0, 12, size=(60, 12), dtype=np.int32):
+        rows = np.concatenate([np.flatnonzero(numbers == i) for i in ids])
+        a, b = (M.metrics_from_confusion(M.confusion_matrix(labels[rows], p[rows], 3)) for p in (preds_a, preds_b))
+        draws["accuracy"].append(b["accuracy"] - a["accuracy"])
+        draws["f1_macro"].append(b["f1_macro"] - a["f1_macro"])
+        draws["loss"].append(losses_b[rows].mean() - losses_a[rows].mean())
+    for name, drawn in draws.items():
+        assert got[name]["interval"] == pytest.approx(np.percentile(drawn, [2.5, 97.5]).tolist(), abs=1e-12), name
+    f1 = np.array(draws["f1_macro"])
+    assert got["f1_macro"]["pvalue_clustered"] == min(1.0, 2 * min((f1 <= 0).mean(), (f1 >= 0).mean()))
+    order = np.random.default_rng(0).permutation(labels.size)
+    shuffled = paired_cluster_bootstrap(labels[order], preds_a[order], preds_b[order], losses_a[order],
+                                        losses_b[order], cluster_numbers(names[order]), 3, 60, 7)
+    assert shuffled == got  # bit for bit
+
+
 def test_the_cluster_bootstrap_covers_at_its_level_and_the_row_bootstrap_does_not():
     """2,000 sets of 40 clusters of 8 rows, intra-cluster correlation 0.1 to 0.5 (cluster accuracies
     drawn from a beta of mean 0.7): the 95% interval of the accuracy drawn by clusters covers 0.7 in
@@ -112,7 +144,7 @@ def test_the_cluster_bootstrap_covers_at_its_level_and_the_row_bootstrap_does_no
     assert rows < 0.80, rows  # 0.72
 
 
-def test_stopping_rules_and_bad_cluster_columns_are_refused_in_one_line():
+def test_stopping_rules_and_bad_cluster_columns_are_refused_in_one_line(tmp_path, capsys):
     import datasets
 
     from dist_eval.config import settings_from
@@ -120,6 +152,11 @@ def test_stopping_rules_and_bad_cluster_columns_are_refused_in_one_line():
 
     with pytest.raises(UsageError, match="cluster_by='doc': the stopping rules take rows as independent.*stop_at"):
         settings_from({"cluster_by": "doc", "stop_at_width": 0.1})
+    for rule in (["--stop-at-width", "0.1"], ["--stop-when-decided"]):  # the CLI: exit 2, one line, before any work
+        assert run_cli_in_process(["--cluster-by", "doc", *rule, "--output-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("dist_eval: error: --cluster-by doc: the stopping rules take rows as independent") \
+            and "\n" not in err, err
     data = datasets.Dataset.from_dict({"doc": ["a", "a", None], "one": ["x", "x", "x"], "text": ["t", "u", "v"]})
     for column, words in (("doc", "row 2 has no value"), ("one", "one value"), ("nope", "no column 'nope'")):
         with pytest.raises(UsageError, match=words) as caught:
@@ -165,25 +202,45 @@ def test_a_clustered_run_end_to_end(tiny_model, tiny_checkpoint, tmp_path, capsy
 
 def test_compare_draws_the_clusters_of_two_clustered_runs():
     """compare on two runs with the same clusters: the paired interval resamples clusters (the row
-    bootstrap's beside it), the design effect of the difference is CR1's, the power counts it;
-    runs clustered otherwise are refused in one line."""
+    bootstrap's beside it), the design effect of the difference is CR1's, the power counts it; per
+    slice, each slice's interval of B - A is the paired cluster bootstrap of its rows alone (the row
+    bootstrap's beside it), Holm adjusts the cluster-robust p-values; runs clustered otherwise are
+    refused in one line."""
     from dist_eval.compare import RunOutputs, compare_runs, format_comparison
+    from dist_eval.paired import holm_adjusted, paired_bootstrap
 
     cluster, labels, preds, losses, _ = clustered_rows(3)
     other = np.where(np.random.default_rng(3).random(labels.size) < 0.3, (preds + 1) % 3, preds)
     names = [f"c{c}" for c in cluster]
     n = labels.size
+    cells = [{"lang": "de" if i % 3 == 0 else "en"} for i in range(n)]
     metrics = {"num_samples": n, "num_labels": 3, "accuracy": 0.0}
-    a = RunOutputs("A", metrics, np.arange(n), labels, preds, losses, clusters=names)
-    b = RunOutputs("B", metrics, np.arange(n), labels, other, losses, clusters=names)
-    paired = compare_runs(a, b, resamples=200).paired
+    a = RunOutputs("A", metrics, np.arange(n), labels, preds, losses, slices=cells, clusters=names)
+    b = RunOutputs("B", metrics, np.arange(n), labels, other, losses, slices=cells, clusters=names)
+    compared = compare_runs(a, b, resamples=200)
+    paired = compared.paired
     boot = paired["bootstrap"]
     assert boot["method"] == "cluster-bootstrap-percentile" and boot["clusters"] == 30
     assert paired["bootstrap_rows"]["method"] == "bootstrap-percentile"
     difference = (other == labels).astype(float) - (preds == labels)
     assert boot["accuracy"]["design_effect"] == design_effect(difference, cluster_numbers(names))
     assert paired["power"].get("design_effect", 1.0) == max(1.0, boot["accuracy"]["design_effect"])
-    assert "(rows as independent: [" in format_comparison(compare_runs(a, b, resamples=200))
+    said = format_comparison(compared)
+    assert "(rows as independent: [" in said
+    assert "cluster-robust tests of macro F1 (the cluster bootstrap's) p = " in said
+    sliced = paired["slices"]
+    assert sliced["test"].startswith("cluster-robust t (CR1") and len(sliced["slices"]) == 2
+    for row in sliced["slices"]:
+        mask = np.array([cell["lang"] == row["value"] for cell in cells])
+        alone = (labels[mask], preds[mask], other[mask], losses[mask], losses[mask])
+        clustered = paired_cluster_bootstrap(*alone, cluster_numbers(np.array(names)[mask]), 3, 200)["accuracy"]
+        assert row["interval"] == clustered["interval"] and row["pvalue_clustered"] == clustered["pvalue_clustered"]
+        assert row["interval_rows"] == paired_bootstrap(*alone, 3, 200)["accuracy"]["interval"] != row["interval"]
+        assert row["clusters"] == len(set(np.array(names)[mask]))
+    assert [row["pvalue_holm"] for row in sliced["slices"]] == holm_adjusted(
+        [row["pvalue_clustered"] for row in sliced["slices"]])
+    assert "per slice (paired, the cluster-robust test (CR1); p adjusted by Holm for the 2 slices" in said
+    assert "CI, rows as indep." in said
     from dist_eval.compare import compare_many
 
     many = compare_many([a, b, a], resamples=0)["pairs"][0]  # several clustered runs: the clusters counted
