@@ -59,13 +59,26 @@ def slice_name(value) -> Optional[str]:
     return None
 
 
-def column_slices(column: str, cells, slice_by: Sequence[str]) -> List[str]:
-    """Each cell of ``column`` as its slice name; a cell that names no category refused in one line."""
-    names = [slice_name(v) for v in cells]
+def column_slices(column: str, cells, slice_by: Sequence[str], first_row: int = 0,
+                  known: Optional[dict] = None) -> List[str]:
+    """Each cell of ``column`` as its slice name; a cell that names no category refused in one line.
+    ``cells`` are rows ``first_row`` on (a chunk of the column); ``known``: {(type, value): name} of
+    the cells seen so far, so that the rows of a slice share one name (8 bytes a row, not a text each).
+    """
+    known = {} if known is None else known
+    names = []
+    for value in cells:
+        try:
+            name = known[(type(value), value)]
+        except KeyError:
+            name = known[(type(value), value)] = slice_name(value)
+        except TypeError:  # unhashable (a list): names no category
+            name = slice_name(value)
+        names.append(name)
     if None not in names:
         return names
-    row = names.index(None)
-    value = cells[row]
+    offset = names.index(None)
+    row, value = first_row + offset, cells[offset]
     if isinstance(value, str):
         why = (f"holds the text {value!r} (row {row}), the name of its slice of "
                f"{'missing values' if value == MISSING else 'empty texts'}. Rename that text in the data")
@@ -91,7 +104,7 @@ def read_slice_values(dataset, slice_by: Optional[Sequence[str]]) -> Dict[str, L
         if column not in names:
             raise UsageError(f"no column {column!r} in the data (its columns: {', '.join(names)}). Pass one of them.",
                              param="slice_by", value=list(slice_by))
-        values = column_slices(column, list(dataset[column]), slice_by)
+        values = _read_slices(dataset, column, slice_by)
         distinct = len(set(values))
         if distinct > MAX_SLICE_VALUES:
             raise UsageError(f"column {column!r} has {distinct} distinct values, more than {MAX_SLICE_VALUES} "
@@ -99,6 +112,22 @@ def read_slice_values(dataset, slice_by: Optional[Sequence[str]]) -> Dict[str, L
                              param="slice_by", value=list(slice_by))
         out[column] = values
     return out
+
+
+# Rows of a column read at once (their cells are Python objects until named)
+_READ_ROWS = 16384
+
+
+def _read_slices(dataset, column: str, slice_by: Sequence[str]) -> List[str]:
+    """:func:`column_slices` of a dataset's column, read a chunk of rows at a time."""
+    from dist_eval.data.sample import column_values
+
+    names: List[str] = []
+    known: dict = {}
+    for start in range(0, len(dataset), _READ_ROWS):
+        rows = np.arange(start, min(start + _READ_ROWS, len(dataset)))
+        names += column_slices(column, list(column_values(dataset, [column], rows)[0]), slice_by, start, known)
+    return names
 
 
 def read_cluster_names(dataset, column: str) -> List[str]:
@@ -110,7 +139,7 @@ def read_cluster_names(dataset, column: str) -> List[str]:
     if column not in names:
         raise UsageError(f"no column {column!r} in the data (its columns: {', '.join(names)}). Pass one of them.",
                          param="cluster_by", value=column)
-    values = column_slices(column, list(dataset[column]), [column])
+    values = _read_slices(dataset, column, [column])
     if MISSING in values:
         raise UsageError(f"row {values.index(MISSING)} has no value in column {column!r}: every row needs its "
                          "cluster. Fill the column (a row of its own: a value no other row has).",
@@ -128,12 +157,10 @@ def length_quartiles(tokenizer, settings, dataset) -> List[str]:
     of the rows' lengths (lower values); tied lengths share a quartile, so there may be fewer.
     """
     from dist_eval.backends.families import tokenizers_calling_the_base
-    from dist_eval.data.labels import TaskColumns
-    from dist_eval.data.tokenize import tokenize_rows
+    from dist_eval.data.shard import token_lengths
 
-    ids, _ = tokenize_rows(tokenizer, dataset, np.arange(len(dataset)), TaskColumns.of(settings),
-                           settings.max_length, -1, tokenizers_calling_the_base())
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    # the counts the batch plan measured (no second tokenization), else counted a chunk at a time
+    lengths = token_lengths(dataset, tokenizer, settings, tokenizers_calling_the_base())
     if not lengths.size:
         return []
     edges = np.quantile(lengths, [0.25, 0.5, 0.75], method="lower")
