@@ -1,4 +1,4 @@
-"""The families after 2023 (Llama 3.x, Mistral, Qwen2, Qwen3, Qwen3-MoE, GLM-4.5, Mixtral) and tokenizers
+"""The families after 2023 (Llama 3.x, Mistral, Qwen2, Qwen3, Qwen3-MoE, GLM-4.5, Mixtral, DeepSeek-V3) and tokenizers
 saved since late 2024, checked against a reference nobody in this project wrote: a current transformers and
 tokenizers, in their own environment (launch/install_reference.sh), make tiny models and
 tokenizers and compute ids and logits (tests/reference/make_reference.py, run once per test
@@ -11,10 +11,13 @@ run, nothing stored). Here, in the project's environment:
   LM's last final hidden state times the head, given with ``head=`` (``--head``), with and
   without a checkpoint of prompts;
 - on a local swarm started by the run, torchrun N=2, the logits equal local N=1 bit for bit
-  (and so the reference within 1e-4), marked swarm;
+  (and so the reference within 1e-4), marked swarm; DeepSeek-V3's from its FP8 folder;
+- DeepSeek-V3's FP8 folder (e4m3 weights, a scale per tile) gives the tensors and logits of the
+  same model saved dequantized, bit for bit;
 - dist_eval's own layers (Qwen3's head size and q/k norms, Qwen3-MoE's, GLM-4.5's and Mixtral's experts) hold
   exactly the tensors the current transformers saved, and give experts to the blocks it does;
-  GLM-4.5's router options (groups, correction bias, scaling) and partial RoPE each move the logits;
+  GLM-4.5's router options (groups, correction bias, scaling) and partial RoPE each move the logits,
+  and so do DeepSeek-V3's yarn RoPE, its softmax scale and its interleaved rope layout;
 - what no block computes is refused in one line, from config.json, before anything loads.
 """
 import json
@@ -30,7 +33,7 @@ from conftest import REPO, read_jsonl, run_cli
 from inprocess_cli import run_cli_in_process
 
 TOLERANCE = 1e-4
-KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral")
+KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3")
 # on a swarm: Qwen3's blocks are Qwen3-MoE's dense block 1 (the same server block class, attention
 # and MLP; tests/test_backends_families.py builds each family's server blocks by index), so its own
 # swarm run (bitwise too, about 13 s) is left out for the suite's time budget; so is Mistral's since
@@ -38,8 +41,12 @@ KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtra
 # without the rescaled frequencies, and its classes are built and registered as every built-on
 # family's (blocks._build_petals_classes; tests/test_backends_families.py checks them); Mixtral's
 # (bitwise too, RESULTS 2026-11-26) is left out: its server block is Qwen3-MoE's attention without
-# the q/k norms and its softmax router, under Mixtral's tensor names (the server-block test checks them)
-SWARM_KINDS = ("llama3", "qwen2", "qwen3_moe", "glm4_moe")
+# the q/k norms and its softmax router, under Mixtral's tensor names (the server-block test checks them);
+# GLM-4.5's (bitwise too, RESULTS 2026-11-26) since DeepSeek-V3's came: DeepSeek-V3's runs GLM-4.5's
+# mixture (layers.SigmoidMoeMLP, the same router and tensor names), and Qwen3-MoE's runs its attention
+# class (layers.QkNormAttention; GLM-4.5's biases and partial RoPE are options of it)
+SWARM_KINDS = ("llama3", "qwen2", "qwen3_moe", "deepseek_v3")
+SWARM_FOLDER = {"deepseek_v3": "deepseek_v3_fp8"}  # the servers dequantize the FP8 folder as they load
 HEAD_ONLY = ("glm4_moe",)  # no *ForSequenceClassification in transformers: the head given apart (--head)
 
 
@@ -140,10 +147,11 @@ def test_local_logits_within_1e4_of_the_current_transformers(reference, kind, mo
     assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "glm4_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3"])
 def test_own_layers_hold_exactly_the_saved_tensors_and_route_as_transformers(reference, kind):
     """No tensor of the folder left unread, none made up (transformers 4.33 would initialise a
-    missing one at random); which blocks have experts is transformers' rule."""
+    missing one at random), but a multi-token-prediction layer after the last block (DeepSeek-V3's);
+    which blocks have experts is transformers' rule."""
     from safetensors.torch import load_file
 
     from dist_eval.backends import load_model
@@ -153,12 +161,17 @@ def test_own_layers_hold_exactly_the_saved_tensors_and_route_as_transformers(ref
     model = load_model("local", str(out / kind), **trained(reference, kind, "head"))
     backbone = model.module.hf_model.model
     saved = load_file(str(out / kind / "model.safetensors"))
-    held = backbone.state_dict()
-    assert set(held) == {k[len("model."):] for k in saved if k.startswith("model.")}
-    assert all(torch.equal(held[k[len("model."):]], v) for k, v in saved.items() if k.startswith("model."))
+    held, blocks = backbone.state_dict(), len(backbone.layers)
+    prediction_layer = f"model.layers.{blocks}."
+    assert any(k.startswith(prediction_layer) for k in saved) == (kind == "deepseek_v3")
+    saved = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.") and
+             not k.startswith(prediction_layer)}
+    assert set(held) == set(saved)
+    assert all(torch.equal(held[k], v) for k, v in saved.items())
     experts = [i for i, layer in enumerate(backbone.layers) if hasattr(layer.mlp, "experts")]
-    # Qwen3-MoE: block 1 in mlp_only_layers; GLM-4.5: block 0 before first_k_dense_replace
-    assert experts == {"qwen3_moe": [0, 2, 3], "glm4_moe": [1, 2, 3], "mixtral": [0, 1, 2, 3]}.get(kind, [])
+    # Qwen3-MoE: block 1 in mlp_only_layers; GLM-4.5, DeepSeek-V3: block 0 before first_k_dense_replace
+    assert experts == {"qwen3_moe": [0, 2, 3], "glm4_moe": [1, 2, 3], "mixtral": [0, 1, 2, 3],
+                       "deepseek_v3": [1, 2]}.get(kind, [])
     mix = ref["sparse_layers"]
     config = types.SimpleNamespace(mixture_of_experts=True, **mix["settings"])
     assert [i for i in range(config.num_hidden_layers) if is_sparse(config, i)] == mix["sparse"] == [1, 5]
@@ -215,6 +228,49 @@ def test_each_glm_router_and_rotary_setting_matters(reference, tmp_path):
     assert moved(load_model("local", folder, **trained(reference, "glm4_moe", "head"))) > 100 * TOLERANCE
 
 
+def test_an_fp8_folder_is_the_model_saved_dequantized_bit_for_bit(reference, monkeypatch):
+    """DeepSeek-V3's FP8 format (e4m3 weights, a float32 weight_scale_inv per tile, the last tiles
+    partial): read, every tensor and logit equals the same model saved dequantized (the reference's
+    own), so within 1e-4 of the reference; read raw (each e4m3 value as it is), far from it."""
+    from dist_eval.backends import layers, load_model
+
+    out, ref = reference
+    case = ref["cases"]["deepseek_v3"]
+    batch, models = padded_batch(case), {}
+    for folder in ("deepseek_v3", case["fp8_folder"]):
+        models[folder] = load_model("local", str(out / folder), **trained(reference, "deepseek_v3", "ptune"))
+    plain, fp8 = (models[name].module for name in models)
+    assert all(torch.equal(plain.hf_model.state_dict()[k], v) for k, v in fp8.hf_model.state_dict().items())
+    with torch.no_grad():
+        logits = fp8(batch)
+        assert torch.equal(logits, plain(batch))
+    assert (logits - torch.tensor(case["logits_ptune"])).abs().max().item() < TOLERANCE
+    raw = lambda tensors, block, prefix="", where="": [tensors.pop(k) for k in list(tensors)  # noqa: E731
+                                                       if k.startswith(prefix) and k.endswith("_scale_inv")]
+    monkeypatch.setattr(layers, "dequantize_fp8", raw)
+    unscaled = load_model("local", str(out / case["fp8_folder"]), **trained(reference, "deepseek_v3", "ptune"))
+    with torch.no_grad():
+        assert (unscaled.module(batch) - logits).abs().max().item() > 100 * TOLERANCE
+
+
+def test_each_deepseek_rotary_setting_matters(reference, tmp_path):
+    """DeepSeek-V3's yarn frequencies and factors, the softmax scale its mscale_all_dim gives, and the
+    interleaved rope layout: each one changed moves the logits far past the tolerance."""
+    from dist_eval.backends import load_model
+
+    out, ref = reference
+    case = ref["cases"]["deepseek_v3"]
+    expected, batch = torch.tensor(case["logits_head"]), padded_batch(case)
+    with open(out / "deepseek_v3" / "config.json") as f:
+        yarn = json.load(f)["rope_scaling"]
+    for name, changes in (("yarn", {"rope_scaling": None}), ("rope_interleave", {"rope_interleave": False}),
+                          ("mscale_all_dim", {"rope_scaling": {**yarn, "mscale_all_dim": 0}})):
+        folder = edited_folder(reference, tmp_path / name, "deepseek_v3", **changes)
+        with torch.no_grad():
+            logits = load_model("local", folder, **trained(reference, "deepseek_v3", "head")).module(batch)
+        assert (logits - expected).abs().max().item() > 100 * TOLERANCE, name
+
+
 def edited_folder(reference, tmp_path, kind, **changes):
     out, _ = reference
     folder = tmp_path / f"{kind}-edited"
@@ -241,6 +297,11 @@ def edited_folder(reference, tmp_path, kind, **changes):
     ("glm4_moe", {"partial_rotary_factor": 1.5}, "partial_rotary_factor 1.5 in config.json is not in (0, 1]"),
     ("mixtral", {"num_experts_per_tok": 9}, "num_experts_per_tok 9 in config.json is not between 1 and "
                                             "num_local_experts (8)"),
+    ("deepseek_v3", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "rope_type 'llama3' in config.json is not computed here (computed: default, yarn)"),
+    ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads 2 in config.json is not num_attention_heads (4)"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "compressed-tensors"}}, "INT4 compressed-tensors weights"),
+    ("llama3", {"quantization_config": {"quant_method": "mxfp4"}}, "MXFP4 weights (quantization_config quant_method"),
     ("mistral", {"model_type": "phi3"}, "fused projections"),
     ("llama3", {"model_type": "llava"}, "model_type 'llava'"),
 ])
@@ -299,8 +360,8 @@ def test_swarm_n2_equals_local_n1_bitwise_and_the_reference(reference, tmp_path,
     case = ref["cases"][kind]
     data = write_rows(tmp_path / "rows.jsonl", ref["corpus"])
     files = [arg for key, path in trained(reference, kind, "ptune").items() for arg in (f"--{key}", path)]
-    common = ["--model", str(out / kind), "--data-files", data, *files, "--batch-size", "4", "--save-logits",
-              "--quiet"]
+    common = ["--model", str(out / SWARM_FOLDER.get(kind, kind)), "--data-files", data, *files, "--batch-size", "4",
+              "--save-logits", "--quiet"]
     proc = run_cli([*common, "--output-dir", str(tmp_path / "swarm"), "--local-servers", "2"], nproc=2, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert run_cli_in_process([*common, "--output-dir", str(tmp_path / "local"), "--backend", "local"]) == 0

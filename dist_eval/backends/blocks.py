@@ -14,7 +14,8 @@ servers dist_eval starts alike, so the swarm computes what ``--backend local`` c
 1. **Configs.** The base config class reads config.json's ``rope_scaling`` in every format
    (``{"rope_type": ...}`` with extra keys, as saved since transformers 4.43): ``default``
    is no scaling, ``linear`` and ``dynamic`` go to the pinned code's own, and ``llama3`` is
-   kept as ``rope_llama3`` (the pinned class refuses it) for the block. What no block here
+   kept as ``rope_llama3`` (the pinned class refuses it) for the block, and ``yarn`` as
+   ``rope_yarn`` for a family with the latent attention. What no block here
    computes is refused earlier, from config.json alone (:func:`dist_eval.backends.families.family_of`).
 2. **The block.** After the base attention's ``__init__``: biased q/k/v projections when
    the config says ``qkv_bias``, and the ``llama3`` frequencies (:mod:`dist_eval.backends.rope`, the
@@ -27,9 +28,13 @@ servers dist_eval starts alike, so the swarm computes what ``--backend local`` c
    (transformers) and petals classes with this family's ``model_type``, registered with
    transformers' ``AutoConfig`` and, when petals is imported, petals' own registry (the
    server finds its block class there).
+
+A server dist_eval starts also reads FP8 checkpoints (DeepSeek-V3's): :func:`fp8_load_replacements`
+dequantizes a block's tensors as petals reads them, as the local layers' load hook does.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
 import threading
@@ -42,6 +47,8 @@ from dist_eval.backends.rope import rescale_rope
 SERVER_VERSION_MARK = "+dist_eval.blocks1"
 _lock = threading.RLock()
 _classes: Dict[str, type] = {}  # class name -> class built here
+# the FP8 tile of the block this process's petals server is loading (None: not FP8, or not loading)
+_SERVER_FP8_BLOCK: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_fp8_block", default=None)
 
 
 def class_at(path: str):
@@ -73,10 +80,16 @@ def pinned_rope_scaling(rope_scaling: Optional[dict]) -> tuple:
 
 def _config_init(original):
     @functools.wraps(original)
-    def __init__(self, *args, rope_scaling=None, rope_llama3=None, **kwargs):
+    def __init__(self, *args, rope_scaling=None, rope_llama3=None, rope_yarn=None, **kwargs):
+        from dist_eval.backends.families import rope_type
+
+        yarn = None
+        if getattr(self, "latent_attention", False) and rope_type(rope_scaling) == "yarn":  # the latent attention's
+            yarn, rope_scaling = dict(rope_scaling), None
         pinned, llama3 = pinned_rope_scaling(rope_scaling)
         original(self, *args, rope_scaling=pinned, **kwargs)
         self.rope_llama3 = llama3 or rope_llama3  # also when a config saved here is read back
+        self.rope_yarn = yarn or rope_yarn
     return __init__
 
 
@@ -209,19 +222,43 @@ def server_block_replacements() -> list:
     """
     import petals.server.server as server
 
-    from dist_eval.backends.layers import SERVER_BLOCK_INDEX
+    from dist_eval.backends.layers import SERVER_BLOCK_INDEX, fp8_block_size
 
     load = server.load_pretrained_block
 
     @functools.wraps(load)
     def load_pretrained_block(model_name, block_index, *args, **kwargs):
         token = SERVER_BLOCK_INDEX.set(block_index)
+        fp8 = _SERVER_FP8_BLOCK.set(fp8_block_size(kwargs.get("config")))
         try:
             return load(model_name, block_index, *args, **kwargs)
         finally:
+            _SERVER_FP8_BLOCK.reset(fp8)
             SERVER_BLOCK_INDEX.reset(token)
 
-    return [(server, "load_pretrained_block", load_pretrained_block)]
+    return [(server, "load_pretrained_block", load_pretrained_block), *fp8_load_replacements()]
+
+
+def fp8_load_replacements() -> list:
+    """The tensors of a block as petals' server reads them (``_load_state_dict_from_repo``, every file
+    holding one of them), FP8 weights dequantized (:func:`dist_eval.backends.layers.dequantize_fp8`)
+    by the tile the block's config says (set by :func:`server_block_replacements` around its load).
+    """
+    import petals.server.from_pretrained as from_pretrained
+
+    from dist_eval.backends import layers
+
+    read = from_pretrained._load_state_dict_from_repo
+
+    @functools.wraps(read)
+    def _load_state_dict_from_repo(model_name, block_prefix, *args, **kwargs):
+        tensors = read(model_name, block_prefix, *args, **kwargs)
+        block = _SERVER_FP8_BLOCK.get()
+        if block is not None:
+            layers.dequantize_fp8(tensors, block, where=f"{model_name} ({block_prefix}*)")
+        return tensors
+
+    return [(from_pretrained, "_load_state_dict_from_repo", _load_state_dict_from_repo)]
 
 
 def needs_block_options(family, config) -> bool:

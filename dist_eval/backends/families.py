@@ -133,6 +133,9 @@ class Family:
             if all(getattr(config, name, None) == value for name, value in settings):
                 shown = ", ".join(f"{name}={value}" for name, value in settings)
                 return f"{why} ({shown} in config.json)"
+        why = _quantization_refusal(getattr(config, "quantization_config", None))
+        if why:
+            return why
         if self.attention_class or self.built_on:  # the block of backends.blocks
             return _block_refusal(config, dict(self.block_options))
         return ""
@@ -170,6 +173,8 @@ class Family:
 
 # rope_scaling types the block computes (backends.blocks): the pinned transformers' own, and llama3
 SERVED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+# those of the latent attention (backends.layers.LatentAttention, DeepSeek-V3)
+LATENT_ROPE_TYPES = ("default", "yarn")
 # families seen in configs that no block here computes, and why (the rest: "not a family dist_eval knows")
 NOT_COMPUTED = {
     "qwen2_moe": "mixture-of-experts blocks with a shared expert",
@@ -194,9 +199,18 @@ def _block_refusal(config, options: dict) -> str:
     (``attention_bias``) and a partial rotary embedding (``partial_rotary_factor``).
     """
     kind = rope_type(getattr(config, "rope_scaling", None))
-    if kind is not None and kind not in SERVED_ROPE_TYPES:
-        return (f"rope_scaling of rope_type {kind!r} in config.json is not computed here "
-                f"(computed: {', '.join(SERVED_ROPE_TYPES)})")
+    latent = bool(options.get("latent_attention"))
+    served = LATENT_ROPE_TYPES if latent else SERVED_ROPE_TYPES
+    if kind is not None and kind not in served:
+        return f"rope_scaling of rope_type {kind!r} in config.json is not computed here (computed: {', '.join(served)})"
+    if latent:
+        heads, kv_heads = getattr(config, "num_attention_heads", 0), getattr(config, "num_key_value_heads", None)
+        if kv_heads not in (None, heads):
+            return (f"num_key_value_heads {kv_heads} in config.json is not num_attention_heads ({heads}); the "
+                    "latent attention gives every head its own key")
+        scoring = getattr(config, "scoring_func", "sigmoid")
+        if scoring != "sigmoid":
+            return f"scoring_func {scoring!r} in config.json is not computed here (the router's scores: sigmoid)"
     own_attention = bool(options.get("own_layers"))
     for key in ("mlp_bias",) if own_attention else ("attention_bias", "mlp_bias"):
         if getattr(config, key, False):
@@ -212,6 +226,24 @@ def _block_refusal(config, options: dict) -> str:
     if options.get("mixture_of_experts"):
         return _experts_refusal(config, options["mixture_of_experts"])
     return ""
+
+
+def _quantization_refusal(quantization) -> str:
+    """Why config.json's ``quantization_config`` is not read here ('' when it is, or there is none):
+    FP8 (e4m3) weights with a scale per tile are (dequantized on load, backends.blocks.dequantize_fp8).
+    """
+    if not isinstance(quantization, dict):
+        return ""
+    method = quantization.get("quant_method")
+    if method == "fp8" and quantization.get("fmt", "e4m3") == "e4m3" and quantization.get("activation_scheme",
+                                                                                          "dynamic") == "dynamic":
+        block = quantization.get("weight_block_size") or [128, 128]
+        if len(block) == 2 and all(isinstance(n, int) and n > 0 for n in block):
+            return ""
+        return f"FP8 weight_block_size {block} in config.json is not two tile sizes"
+    shown = {"compressed-tensors": "INT4 compressed-tensors", "mxfp4": "MXFP4"}.get(method, method)
+    return (f"{shown} weights (quantization_config quant_method {method!r} in config.json) are not read here "
+            "(read: FP8 e4m3 with a weight_scale_inv per tile, and unquantized weights)")
 
 
 def _experts_refusal(config, router) -> str:
@@ -353,6 +385,21 @@ FAMILIES["mixtral"] = _built_on_llama(
         ("own_layers", True), ("use_qk_norm", False), ("mixture_of_experts", "mixtral"), ("num_local_experts", 8),
         ("num_experts_per_tok", 2)),
     sliding_window=("sliding_window", ""))
+
+# DeepSeek-V3 / R1 / V3.1: the latent attention (backends.layers.LatentAttention: q and kv latents,
+# their norms, RoPE on each head's rope part in DeepSeek's interleaved layout, yarn whose mscale also
+# scales the softmax); GLM-4.5's mixture (a sigmoid router with a correction bias, grouped choice,
+# routed_scaling_factor, a shared expert) from first_k_dense_replace on; the multi-token-prediction
+# layer saved after the last block is not read; FP8 weights dequantized on load. Kimi K2 (kimi_k2)
+# is the same block. The options' values are transformers' DeepseekV3Config defaults
+DEEPSEEK_V3_OPTIONS = (
+    ("own_layers", True), ("latent_attention", True), ("q_lora_rank", 1536), ("kv_lora_rank", 512),
+    ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64), ("v_head_dim", 128), ("rope_interleave", True),
+    ("mixture_of_experts", "sigmoid"), ("n_routed_experts", 256), ("n_shared_experts", 1),
+    ("num_experts_per_tok", 8), ("moe_intermediate_size", 2048), ("routed_scaling_factor", 2.5), ("n_group", 8),
+    ("topk_group", 4), ("first_k_dense_replace", 3), ("norm_topk_prob", True))
+FAMILIES["deepseek_v3"] = _built_on_llama("deepseek_v3", "DeepseekV3", block_options=DEEPSEEK_V3_OPTIONS)
+FAMILIES["kimi_k2"] = _built_on_llama("kimi_k2", "KimiK2", block_options=DEEPSEEK_V3_OPTIONS)
 
 
 def tokenizers_calling_the_base() -> frozenset:

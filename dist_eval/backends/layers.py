@@ -1,6 +1,6 @@
 """The block parts dist_eval computes itself, in plain torch, for the families whose block the
 pinned transformers (4.33) has no class for: those with the block option ``own_layers`` in the
-family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5, Mixtral).
+family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5, Mixtral, DeepSeek-V3).
 
 - :class:`QkNormAttention`: Llama's attention with an RMSNorm over each head's q and k
   (``q_norm``, ``k_norm``, a weight of ``head_dim`` values) before RoPE when ``use_qk_norm``
@@ -9,6 +9,12 @@ family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5, Mix
   family's ``attention_output_bias`` is false), and RoPE on the first ``partial_rotary_factor``
   of each head (GLM-4.5: half; the rest passes unrotated). RoPE, its scaling types and the mask
   are the pinned Llama's.
+- :class:`LatentAttention` (the block option ``latent_attention``, DeepSeek-V3 and Kimi K2):
+  multi-head latent attention, RoPE on each head's rope part in DeepSeek's interleaved layout,
+  ``yarn`` frequencies whose ``mscale_all_dim`` also scales the softmax (:func:`latent_rope`).
+- FP8 weights (config.json's ``quantization_config``, quant_method ``fp8``): a layer's e4m3
+  weights are dequantized as they are loaded (:func:`dequantize_fp8`, each value times its
+  tile's ``weight_scale_inv``), here by a load hook, on a server as it reads the block's tensors.
 - :class:`SparseMoeMLP`: a mixture of ``num_experts`` experts (each a gated MLP of
   ``moe_intermediate_size``): a softmax router (``gate``) over the experts, the
   ``num_experts_per_tok`` most probable chosen per token, their probabilities renormalised
@@ -44,6 +50,7 @@ tell it the index of the block they load (:data:`SERVER_BLOCK_INDEX`,
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 from typing import Optional
 
@@ -163,6 +170,133 @@ class QkNormAttention(LlamaAttention):
         weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
         output = torch.matmul(weights, value).transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
         return self.o_proj(output), (weights if output_attentions else None), past_key_value
+
+
+# the epsilon of DeepSeek-V3's latent norms (q_a_layernorm, kv_a_layernorm): RMSNorm's default, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def latent_rope(config) -> tuple:
+    """(inverse frequencies [qk_rope_head_dim / 2], the factor on cos and sin, the softmax scale) of
+    DeepSeek-V3's latent attention: no scaling, or ``yarn`` (config's ``rope_yarn``: transformers
+    4.57's rule, in its order of operations), whose ``mscale_all_dim`` also scales the softmax.
+    """
+    dim, base = config.qk_rope_head_dim, config.rope_theta
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim)
+    yarn = getattr(config, "rope_yarn", None)
+    if not yarn:
+        return 1.0 / pos_freqs, 1.0, scale
+    factor = yarn["factor"]
+    mscale, mscale_all_dim = yarn.get("mscale"), yarn.get("mscale_all_dim")
+    attention_factor = yarn.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+    beta_fast, beta_slow = yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1
+    context = yarn.get("original_max_position_embeddings") or config.max_position_embeddings
+
+    def correction_dim(rotations):
+        return (dim * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if yarn.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    if mscale_all_dim:
+        scale = scale * _yarn_mscale(factor, mscale_all_dim) ** 2
+    return inv_freq, attention_factor, scale
+
+
+class LatentAttention(LlamaAttention):
+    """DeepSeek-V3's multi-head latent attention (the block option ``latent_attention``).
+
+    q = ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` (``q_proj(x)`` when ``q_lora_rank`` is null), each
+    head ``qk_nope_head_dim`` values without RoPE and ``qk_rope_head_dim`` with; the keys' latent
+    ``kv_a_proj_with_mqa(x)``: ``kv_lora_rank`` values, normed (``kv_a_layernorm``) and expanded by
+    ``kv_b_proj`` into each head's unrotated key and its ``v_head_dim`` value, and a rope part shared
+    by every head. RoPE in DeepSeek's interleaved layout (``rope_interleave``), the frequencies and
+    softmax scale of :func:`latent_rope`. A subclass of the pinned ``LlamaAttention`` because petals'
+    server counts the heads of ``config.attn_class`` modules; its ``__init__`` is not called.
+    """
+
+    def __init__(self, config):
+        nn.Module.__init__(self)
+        self.config = config
+        self.hidden_size, self.num_heads = config.hidden_size, config.num_attention_heads
+        self.num_key_value_heads, self.num_key_value_groups = self.num_heads, 1  # every head its own key
+        self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_head_dim = (config.qk_nope_head_dim, config.qk_rope_head_dim,
+                                                         config.v_head_dim)
+        self.head_dim = self.nope_dim + self.rope_dim  # of a query and a key
+        self.interleave = bool(getattr(config, "rope_interleave", True))
+        bias = bool(getattr(config, "attention_bias", False))
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(self.hidden_size, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = LlamaRMSNorm(self.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(self.hidden_size, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = LlamaRMSNorm(self.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, self.hidden_size, bias=bias)
+        # float32, kept out of the module's buffers: a server's .to(bfloat16) leaves the frequencies as they are
+        self.rope_inv_freq, self.rope_factor, self.scaling = latent_rope(config)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_value: Optional[tuple] = None,
+                output_attentions: bool = False, use_cache: bool = False, **kwargs) -> tuple:
+        bsz, q_len, _ = hidden_states.size()
+        if self.q_lora_rank is None:
+            query = self.q_proj(hidden_states)
+        else:
+            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        query = query.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        q_pass, q_rot = torch.split(query, [self.nope_dim, self.rope_dim], dim=-1)
+        k_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_pass = self.kv_b_proj(self.kv_a_layernorm(k_pass)).view(bsz, q_len, -1, self.nope_dim + self.v_head_dim)
+        k_pass, value = torch.split(k_pass.transpose(1, 2), [self.nope_dim, self.v_head_dim], dim=-1)
+        k_rot = k_rot.view(bsz, 1, q_len, self.rope_dim)
+
+        past = past_key_value[0].shape[-2] if past_key_value is not None else 0
+        if position_ids is None:  # petals' server: the positions after the cached ones
+            position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
+        # as transformers: float32 angles, cos and sin times the yarn factor, then the states' dtype
+        freqs = position_ids[..., None].float() * self.rope_inv_freq.to(hidden_states.device)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos = (angles.cos() * self.rope_factor).to(query.dtype).unsqueeze(1)
+        sin = (angles.sin() * self.rope_factor).to(query.dtype).unsqueeze(1)
+        if self.interleave:  # DeepSeek's pairs (x0, x1), (x2, x3)... as halves (x0, x2, ...), (x1, x3, ...)
+            q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
+        q_rot, k_rot = q_rot * cos + rotate_half(q_rot) * sin, k_rot * cos + rotate_half(k_rot) * sin
+        query = torch.cat((q_pass, q_rot), dim=-1)
+        key = torch.cat((k_pass, k_rot.expand(*k_pass.shape[:-1], -1)), dim=-1)
+
+        if past_key_value is not None:
+            key = torch.cat([past_key_value[0], key], dim=2)
+            value = torch.cat([past_key_value[1], value], dim=2)
+        past_key_value = (key, value) if use_cache else None
+        weights = torch.matmul(query, key.transpose(2, 3)) * self.scaling
+        if attention_mask is not None:
+            weights = weights + attention_mask
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+        output = torch.matmul(weights, value).transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.v_head_dim)
+        return self.o_proj(output), (weights if output_attentions else None), past_key_value
+
+
+def _deinterleave(states: torch.Tensor) -> torch.Tensor:
+    b, h, s, d = states.shape
+    return states.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
 
 
 def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
@@ -291,6 +425,46 @@ class SigmoidMoeMLP(nn.Module):
         return routed.to(tokens.dtype).view(hidden_states.shape) + self.shared_experts(hidden_states)
 
 
+SCALE_SUFFIX = "_scale_inv"  # <name>.weight_scale_inv: the scale of each tile of <name>.weight (FP8)
+
+
+def fp8_block_size(config) -> Optional[tuple]:
+    """(rows, columns) of a tile of config.json's FP8 weights (``quantization_config``, quant_method
+    ``fp8``: ``weight_block_size``); None when the weights are not FP8.
+    """
+    quantization = getattr(config, "quantization_config", None)
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "fp8":
+        return None
+    return tuple(quantization.get("weight_block_size") or (128, 128))
+
+
+def dequantize_fp8(tensors: dict, block: tuple, prefix: str = "", where: str = "") -> None:
+    """In place: each FP8 (e4m3) ``<name>.weight`` under ``prefix`` becomes a float32 weight, each value
+    times the float32 ``<name>.weight_scale_inv`` of its ``block`` tile (DeepSeek-V3's format; the last
+    tiles may be partial), the scales removed. ``where``: the file or block named by an error.
+    """
+    from dist_eval.errors import UsageError
+
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    for key in [k for k in tensors if k.startswith(prefix) and k.endswith(".weight" + SCALE_SUFFIX)]:
+        name, scale = key[:-len(SCALE_SUFFIX)], tensors.pop(key)
+        weight = tensors.get(name)
+        if weight is None or weight.dtype not in fp8 or weight.dim() != 2:
+            found = "missing" if weight is None else f"{tuple(weight.shape)} {weight.dtype}"
+            raise UsageError(f"{key} scales FP8 tiles of {name}, which is {found} beside it; save a weight "
+                             "and its weight_scale_inv in the same file (or the model dequantized).",
+                             param="model_dir", value=where)
+        rows, cols = weight.shape
+        tiles = (-(-rows // block[0]), -(-cols // block[1]))
+        if tuple(scale.shape) != tiles:
+            raise UsageError(f"{key} has shape {tuple(scale.shape)}; {name} {tuple(weight.shape)} in tiles of "
+                             f"{list(block)} (weight_block_size in config.json) needs {tiles}.",
+                             param="model_dir", value=where)
+        scales = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+        tensors[name] = weight.to(torch.float32) * scales
+
+
+
 # MKL computes a matrix product of few rows by another path than one of many, summing in
 # another order: measured here (torch 2.13, MKL 2024.2, one thread), the last bits of a row
 # differ below 16 rows (below 3 for 64 columns, 6 for 128, 11 for 256) and never from 16 on.
@@ -313,7 +487,7 @@ def _rows(module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
 def build_layer_parts(layer: nn.Module, config, index: int) -> None:
     """Give ``layer`` (a Llama decoder layer, its ``__init__`` not run) the parts of block ``index``."""
     layer.hidden_size = config.hidden_size
-    layer.self_attn = QkNormAttention(config)
+    layer.self_attn = LatentAttention(config) if getattr(config, "latent_attention", False) else QkNormAttention(config)
     router = getattr(config, "mixture_of_experts", False)
     if not is_sparse(config, index):
         layer.mlp = LlamaMLP(config)
@@ -324,6 +498,14 @@ def build_layer_parts(layer: nn.Module, config, index: int) -> None:
         layer.mlp = SigmoidMoeMLP(config) if router == SIGMOID else SparseMoeMLP(config)
     layer.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
     layer.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    block = fp8_block_size(config)
+    if block is not None:  # transformers' loader hands each module the file's tensors: FP8 ones dequantized first
+        layer._register_load_state_dict_pre_hook(functools.partial(_dequantize_on_load, block))
+
+
+def _dequantize_on_load(block: tuple, state_dict: dict, prefix: str, *args) -> None:
+    """A layer's load hook: its FP8 weights in ``state_dict`` (one file's tensors) dequantized."""
+    dequantize_fp8(state_dict, block, prefix, where=prefix + "*")
 
 
 class OwnDecoderLayer(LlamaDecoderLayer):

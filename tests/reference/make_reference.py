@@ -27,6 +27,19 @@ RoPE on half of each head (``partial_rotary_factor`` 0.5), block 0 dense (``firs
 
 Mixtral: ``head_dim`` 32, every block a mixture of 8 experts of ``intermediate_size``, 2 per token,
 Mistral's tokenizer.
+
+DeepSeek-V3 (``deepseek_v3``): 3 blocks, the latent attention (``q_lora_rank`` 32, ``kv_lora_rank`` 16,
+each head 16 values without RoPE and 8 with, values of 32; latent norms drawn), yarn RoPE (factor 40,
+``mscale`` 0.9 and ``mscale_all_dim`` 1: both the cos/sin factor and the softmax scale count, a small
+original context), block 0 dense and blocks 1-2 a mixture of 8 routed experts (2 per token, chosen within
+the best 2 of 4 groups, correction bias drawn) and a shared expert; a byte-level BPE read by
+``LlamaTokenizerFast`` with a BOS, as DeepSeek's. Its weights are FP8-rounded: every linear weight of the
+blocks but the router quantized to e4m3 per tile of ``FP8_BLOCK`` (the last tiles partial) and
+dequantized (value times its tile's scale, float32) before the reference computes and the model is
+saved; ``deepseek_v3_fp8`` is the same model as DeepSeek ships it (the e4m3 weights, a float32
+``weight_scale_inv`` per tile, ``quantization_config``). Both folders also hold a multi-token-prediction
+layer after the last block (``model.layers.3.*``, ``num_nextn_predict_layers`` 1), which the forward
+does not use.
 """
 import json
 import os
@@ -125,6 +138,10 @@ def tokenizer_of(kind: str):
     if kind == "glm4_moe":  # GLM-4.5: a byte-level BPE read by the plain fast tokenizer class, no BOS
         tok = train_bpe(True, ["<|endoftext|>", "[gMASK]", "<sop>"])
         return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    if kind == "deepseek_v3":  # DeepSeek-V3: a byte-level BPE read by LlamaTokenizerFast, BOS added
+        tok = train_bpe(True, [DEEPSEEK_BOS, DEEPSEEK_EOS, "<｜▁pad▁｜>"])
+        return LlamaTokenizerFast(tokenizer_object=tok, bos_token=DEEPSEEK_BOS, eos_token=DEEPSEEK_EOS,
+                                  pad_token=DEEPSEEK_EOS, add_bos_token=True, add_eos_token=False, legacy=True)
     if kind in ("mistral", "mixtral"):  # Llama 2 / Mistral: SentencePiece-style BPE with byte fallback, BOS
         tok = train_bpe(False, ["<unk>", "<s>", "</s>"])
         return LlamaTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
@@ -154,6 +171,10 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
     if kind == "mixtral":  # Mixtral-8x7B-style, with a head_dim apart and a smaller expert
         return transformers.MixtralConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, num_local_experts=EXPERTS,
                                           num_experts_per_tok=EXPERTS_PER_TOKEN, **common)
+    if kind == "deepseek_v3":  # DeepSeek-V3-style, 3 blocks, every head its own key and value (as the flagship)
+        return transformers.DeepseekV3Config(rope_theta=10000.0, **DEEPSEEK, **{
+            **common, "num_hidden_layers": DEEPSEEK_LAYERS, "num_key_value_heads": HEADS,
+            "max_position_embeddings": 2560})
     if kind == "glm4_moe":  # GLM-4.5-style, with n_group 2 (the flagship's 1) so that the grouped choice counts
         return transformers.Glm4MoeConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, **GLM_MOE, **common)
     return transformers.Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
@@ -165,8 +186,17 @@ MOE = dict(num_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, moe_inter
 GLM_MOE = dict(partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, n_routed_experts=EXPERTS,
                n_shared_experts=1, num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=EXPERT_INTERMEDIATE,
                first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, n_group=2, topk_group=1)
+DEEPSEEK_LAYERS, DEEPSEEK_BOS, DEEPSEEK_EOS = 3, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+DEEPSEEK = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=32,
+                n_routed_experts=EXPERTS, n_shared_experts=1, num_experts_per_tok=EXPERTS_PER_TOKEN,
+                moe_intermediate_size=EXPERT_INTERMEDIATE, n_group=4, topk_group=2, first_k_dense_replace=1,
+                routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1,
+                rope_scaling={"type": "yarn", "factor": 40.0, "mscale": 0.9, "mscale_all_dim": 1.0, "beta_fast": 32,
+                              "beta_slow": 1, "original_max_position_embeddings": 64})
+FP8_BLOCK = (24, 24)  # the tiny model's tiles (the flagship's 128 x 128): partial ones at the edges
+FP8_MAX = 448.0  # the largest e4m3 value
 CLASSES = {"llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
-           "glm4_moe": "Glm4Moe", "mixtral": "Mixtral"}
+           "glm4_moe": "Glm4Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3"}
 NO_CLASSIFIER = ("glm4_moe",)  # transformers has no *ForSequenceClassification: the backbone times the head
 
 
@@ -184,6 +214,76 @@ def sparse_layers() -> dict:
     return {"settings": settings, "sparse": sparse}
 
 
+def fp8_tiles(weight: torch.Tensor) -> tuple:
+    """(the e4m3 weight, its float32 scale per FP8_BLOCK tile): each tile divided by its largest
+    magnitude / 448, as DeepSeek quantizes."""
+    rows, cols = weight.shape
+    (br, bc), quantized = FP8_BLOCK, torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(-(-rows // br), -(-cols // bc), dtype=torch.float32)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = weight[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+            scale[i, j] = tile.abs().max().clamp(min=1e-12) / FP8_MAX
+            quantized[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
+    return quantized, scale
+
+
+def fp8_value(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The weight an FP8 weight stands for: each e4m3 value (as float32) times its tile's scale."""
+    (br, bc), value = FP8_BLOCK, quantized.to(torch.float32)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            value[i * br:(i + 1) * br, j * bc:(j + 1) * bc] *= scale[i, j]
+    return value
+
+
+def is_fp8_weight(key: str, tensor: torch.Tensor) -> bool:
+    """DeepSeek-V3's FP8 tensors: the blocks' linear weights, but the router's."""
+    return key.startswith("model.layers.") and tensor.dim() == 2 and not key.endswith("mlp.gate.weight")
+
+
+def with_prediction_layer(tensors: dict, config) -> dict:
+    """The tensors plus a multi-token-prediction layer after the last block (DeepSeek-V3's names,
+    random values): what a checkpoint saves beside the blocks and the forward never uses."""
+    g = torch.Generator().manual_seed(2)
+    last, extra = config.num_hidden_layers - 1, {}
+    for key, tensor in tensors.items():
+        if key.startswith(f"model.layers.{last}."):
+            extra[key.replace(f".{last}.", f".{last + 1}.", 1)] = torch.randn(tensor.shape, generator=g)
+    mtp = f"model.layers.{last + 1}."
+    extra.update({mtp + "enorm.weight": torch.ones(HIDDEN), mtp + "hnorm.weight": torch.ones(HIDDEN),
+                  mtp + "eh_proj.weight": torch.randn(HIDDEN, 2 * HIDDEN, generator=g),
+                  mtp + "shared_head.norm.weight": torch.ones(HIDDEN)})
+    return {**tensors, **extra}
+
+
+def save_deepseek_folders(lm, folder: str, fp8_folder: str) -> None:
+    """Replace ``folder``'s weights by the FP8-rounded ones plus a prediction layer, and write
+    ``fp8_folder``: the same model in FP8 (e4m3 weights, a weight_scale_inv per tile, its config)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = with_prediction_layer(load_file(os.path.join(folder, "model.safetensors")), lm.config)
+    fp8 = {}
+    for key, tensor in tensors.items():
+        if is_fp8_weight(key, tensor):
+            quantized, scale = fp8_tiles(tensor)
+            fp8[key], fp8[key + "_scale_inv"] = quantized, scale
+            tensors[key] = fp8_value(quantized, scale)
+        else:
+            fp8[key] = tensor
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    shutil.copytree(folder, fp8_folder)
+    save_file(fp8, os.path.join(fp8_folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(fp8_folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(FP8_BLOCK)}
+    with open(os.path.join(fp8_folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+
+
 def make(kind: str, out: str) -> dict:
     import transformers
     from safetensors.torch import save_file
@@ -198,7 +298,7 @@ def make(kind: str, out: str) -> dict:
         for key, tensor in lm.named_parameters():
             if key.endswith("proj.bias"):
                 tensor.normal_(0.0, 0.5)
-            elif key.endswith(("q_norm.weight", "k_norm.weight")):
+            elif key.endswith(("q_norm.weight", "k_norm.weight", "a_layernorm.weight")):
                 tensor.uniform_(0.5, 1.5)
             elif key.endswith(("mlp.gate.weight", "moe.gate.weight")):  # a router far from uniform: no near-tie
                 tensor.normal_(0.0, 0.3)
@@ -207,6 +307,8 @@ def make(kind: str, out: str) -> dict:
                 tensor.normal_(0.0, 0.3)
     lm.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if kind == "deepseek_v3":
+        save_deepseek_folders(lm, folder, folder + "_fp8")
     g = torch.Generator().manual_seed(1)
     trainable = {"score.weight": torch.randn(NUM_LABELS, HIDDEN, generator=g),
                  "prompt_embeddings.weight": torch.randn(PRE_SEQ_LEN, HIDDEN, generator=g)}
@@ -229,7 +331,8 @@ def make(kind: str, out: str) -> dict:
             hidden = backbone(inputs_embeds=embeds).last_hidden_state[0, -1]
             ptune.append(score(hidden).tolist())
     return {"folder": kind, "class": type(loaded).__name__, "ids": ids, "logits_head": head, "logits_ptune": ptune,
-            "pad_token_id": tokenizer.pad_token_id, "num_labels": NUM_LABELS, "pre_seq_len": PRE_SEQ_LEN}
+            "pad_token_id": tokenizer.pad_token_id, "num_labels": NUM_LABELS, "pre_seq_len": PRE_SEQ_LEN,
+            **({"fp8_folder": kind + "_fp8", "fp8_block": list(FP8_BLOCK)} if kind == "deepseek_v3" else {})}
 
 
 def main(out: str) -> None:
