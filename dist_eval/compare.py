@@ -318,7 +318,10 @@ def format_paired(paired: Optional[dict]) -> List[str]:
     if clustered_p is not None:
         lines.append(f"  cluster-robust test of accuracy (CR1, t on {boot['clusters'] - 1} df): p = {clustered_p:.4g} "
                      "(McNemar's takes the rows as independent)")
-        others = [f"{what} p = {boot[name]['pvalue_clustered']:.4g}" for name, what in
+        def p_text(name: str, p: float) -> str:  # the bootstrap's p of 0: no resample beyond 0, under 2 / R
+            return f"p < {2 / max(1, boot['resamples']):.2g}" if name == "f1_macro" and p == 0 else f"p = {p:.4g}"
+
+        others = [f"{what} {p_text(name, boot[name]['pvalue_clustered'])}" for name, what in
                   (("f1_macro", "of macro F1 (the cluster bootstrap's)"), ("loss", "of loss (CR1 t)"))
                   if (boot.get(name) or {}).get("pvalue_clustered") is not None]
         if others:

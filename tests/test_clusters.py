@@ -11,7 +11,8 @@ import random
 import numpy as np
 import pytest
 from conftest import WORDS
-from inprocess_cli import run_cli_in_process
+from float_promises import assert_same_bits
+from inprocess_cli import one_thread, run_cli_in_process
 
 from dist_eval import metrics as M
 from dist_eval.clusters import (
@@ -198,6 +199,18 @@ def test_a_clustered_run_end_to_end(tiny_model, tiny_checkpoint, tmp_path, capsy
     assert [row["cluster"] for row in written[:6]] == ["d0"] * 5 + ["d1"]
     assert rescore.main([str(tmp_path / "out")]) == 0
     assert "all 23 recomputed metrics equal metrics.json" in capsys.readouterr().out
+    import datasets
+    from transformers import AutoTokenizer
+
+    from dist_eval import evaluate, load_model
+
+    with one_thread():  # the API's cluster_by=: the CLI's clustered intervals and clustering, bit for bit
+        api = evaluate(load_model("local", tiny_model, checkpoint=tiny_checkpoint),
+                       datasets.load_dataset("csv", data_files=str(tmp_path / "data.csv"), split="train"),
+                       tokenizer=AutoTokenizer.from_pretrained(tiny_model), cluster_by="doc",
+                       bootstrap_resamples=100).metrics
+    assert_same_bits({k: api[k] for k in ("confidence_intervals", "clustering")},
+                     {k: report[k] for k in ("confidence_intervals", "clustering")}, "the API's against the CLI's")
 
 
 def test_compare_draws_the_clusters_of_two_clustered_runs():
@@ -227,7 +240,7 @@ def test_compare_draws_the_clusters_of_two_clustered_runs():
     assert paired["power"].get("design_effect", 1.0) == max(1.0, boot["accuracy"]["design_effect"])
     said = format_comparison(compared)
     assert "(rows as independent: [" in said
-    assert "cluster-robust tests of macro F1 (the cluster bootstrap's) p = " in said
+    assert "cluster-robust tests of macro F1 (the cluster bootstrap's) p < 0.01, of loss (CR1 t) p = 1" in said
     sliced = paired["slices"]
     assert sliced["test"].startswith("cluster-robust t (CR1") and len(sliced["slices"]) == 2
     for row in sliced["slices"]:
