@@ -10,6 +10,7 @@ from typing import Callable, Deque, Dict, Iterable, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
+from dist_eval.backends import audit
 from dist_eval.backends.audit import NonFiniteAnswer
 from dist_eval.data.batches import Batch
 from dist_eval.metrics import per_sample_cross_entropy
@@ -72,16 +73,19 @@ def _logits_of(output) -> torch.Tensor:
 DEFAULT_IN_FLIGHT = 2
 
 
-def _timed_forward(model: Callable, input_ids: torch.Tensor, batch: Optional[Batch] = None
-                   ) -> Tuple[torch.Tensor, float, None]:
+def _timed_forward(model: Callable, input_ids: torch.Tensor, batch: Optional[Batch] = None) -> tuple:
+    """(logits, seconds, None, the audited servers whose answers they come from or None: audit.Taken)."""
     # no_grad is thread-local: it must be entered in the thread that runs the forward
     with torch.no_grad():
         start = time.perf_counter()
+        audit.begin_forward()
         try:
             logits = _logits_of(model(input_ids)).float().cpu()
         except NonFiniteAnswer as error:  # a swarm's, on every route: named by the batch's rows
             raise (error if batch is None else error.in_batch(batch[0], batch[1])) from None
-        return logits, time.perf_counter() - start, None
+        finally:
+            taken = audit.end_forward()
+        return logits, time.perf_counter() - start, None, taken
 
 
 class _Ready:
@@ -90,14 +94,14 @@ class _Ready:
     """
 
     def __init__(self, logits: np.ndarray, source: str):
-        self.value = (torch.from_numpy(np.ascontiguousarray(logits)), None, source)
+        self.value = (torch.from_numpy(np.ascontiguousarray(logits)), None, source, None)
 
     def result(self):
         return self.value
 
 
 def _start(model: Callable, batch: Batch, known, submit):
-    """A future of (logits, seconds or None, where known logits came from or None) for one batch;
+    """A future of (logits, seconds or None, where known logits came from or None, audit.Taken or None) for one batch;
     ``submit(fn, *args)`` runs a forward. A batch whose logits ``known`` holds runs none.
     """
     hit = known.of(batch[0], batch[1]) if known is not None else None
@@ -118,10 +122,11 @@ class _Now:
 
 def _forwards_in_order(
     model: Callable, batches: Iterable[Batch], in_flight: int, known=None,
-) -> Iterator[Tuple[Batch, torch.Tensor, Optional[float], Optional[str]]]:
-    """(batch, logits, seconds, source) for every batch, in the order the batches came; seconds
+) -> Iterator[Tuple[Batch, torch.Tensor, Optional[float], Optional[str], Optional[audit.Taken]]]:
+    """(batch, logits, seconds, source, taken) for every batch, in the order the batches came; seconds
     is None and source says where the logits came from for a batch whose logits ``known`` (a
-    :class:`dist_eval.known.KnownLogits`) holds (no forward ran).
+    :class:`dist_eval.known.KnownLogits`) holds (no forward ran); taken: the audited swarm servers
+    whose answers the logits come from (:class:`dist_eval.backends.audit.Redo`), else None.
 
     With ``in_flight`` > 1 up to that many forwards run at once in worker threads (the
     petals client spends most of a forward waiting on the network); results are still
@@ -147,6 +152,31 @@ def _forwards_in_order(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _checked(logits: torch.Tensor, batch_id: int, rows: np.ndarray, num_labels: int) -> np.ndarray:
+    if logits.shape != (len(rows), num_labels):
+        raise RuntimeError(f"the model returned logits of shape {list(logits.shape)} for a batch of "
+                           f"{len(rows)}; expected [{len(rows)}, {num_labels}]")
+    batch_logits = logits.numpy()
+    if not np.isfinite(batch_logits).all():
+        raise NonFiniteLogits(batch_id, rows, batch_logits)
+    return batch_logits
+
+
+def _sample_value(name: str, fn: Callable, batch_logits: np.ndarray, batch_labels) -> np.ndarray:
+    value = np.asarray(fn(batch_logits, np.asarray(batch_labels)), dtype=np.float64)
+    if value.shape != (len(batch_logits),):
+        raise ValueError(f"sample metric {name!r} returned shape {value.shape}, expected ({len(batch_logits)},)")
+    return value
+
+
+def _evaluate_again(model: Callable, redo: audit.Redo, put: Callable) -> None:
+    """The batches of a swarm server blamed since, evaluated again on the others, their results put in place."""
+    for position, again in redo.due():
+        logits, _, _, taken = _timed_forward(model, again[2], again)
+        redo.redone(position, again, taken, len(again[1]))
+        put(position, again, logits, None)
+
+
 def predict_shard(
     model: Callable[[torch.Tensor], torch.Tensor],
     batches: Iterable[Batch],
@@ -168,34 +198,38 @@ def predict_shard(
     indices, labels, preds, losses, logits_kept = [], [], [], [], []
     sample_values: Dict[str, list] = {name: [] for name in (sample_metrics or {})}
     forward_seconds, max_batch_seconds = 0.0, 0.0
-    for (batch_id, rows, _, batch_labels), logits, seconds, source in _forwards_in_order(model, batches, in_flight,
-                                                                                         known):
+    redo = audit.Redo()  # batches of a swarm server blamed later are evaluated again, in place
+
+    def put(position: int, batch: Batch, logits: torch.Tensor, source: Optional[str]) -> None:
+        batch_id, rows, _, batch_labels = batch
         rows = np.asarray(rows, dtype=np.int64)
+        batch_logits = _checked(logits, batch_id, rows, num_labels)
+        if known is not None:
+            known.took(batch_id, rows, batch_logits, source)  # a batch evaluated again: its newer copy wins
+        # argmax picks the first maximum on ties, the same on every rank
+        done = [(preds, batch_logits.argmax(axis=1).astype(np.int64)),
+                (losses, per_sample_cross_entropy(batch_logits, batch_labels)),
+                *([(logits_kept, batch_logits)] if keep_logits else []),
+                *((sample_values[name], _sample_value(name, fn, batch_logits, batch_labels))
+                  for name, fn in (sample_metrics or {}).items())]
+        if position == len(indices):  # a new batch (else one evaluated again: its results replaced)
+            indices.append(rows)
+            labels.append(np.asarray(batch_labels, dtype=np.int64))
+        for values, value in done:
+            if position == len(values):
+                values.append(value)
+            else:
+                values[position] = value
+
+    for batch, logits, seconds, source, taken in _forwards_in_order(model, batches, in_flight, known):
         if seconds is not None:
             forward_seconds += seconds
             max_batch_seconds = max(max_batch_seconds, seconds)
-        if logits.shape != (len(rows), num_labels):
-            raise RuntimeError(f"the model returned logits of shape {list(logits.shape)} for a batch of "
-                               f"{len(rows)}; expected [{len(rows)}, {num_labels}]")
-        batch_logits = logits.numpy()
-        if not np.isfinite(batch_logits).all():
-            raise NonFiniteLogits(batch_id, rows, batch_logits)
-        if known is not None:
-            known.took(batch_id, rows, batch_logits, source)
-        indices.append(rows)
-        labels.append(np.asarray(batch_labels, dtype=np.int64))
-        # argmax picks the first maximum on ties, the same on every rank
-        preds.append(batch_logits.argmax(axis=1).astype(np.int64))
-        losses.append(per_sample_cross_entropy(batch_logits, batch_labels))
-        if keep_logits:
-            logits_kept.append(batch_logits)
-        for name, fn in (sample_metrics or {}).items():
-            value = np.asarray(fn(batch_logits, np.asarray(batch_labels)), dtype=np.float64)
-            if value.shape != (len(rows),):
-                raise ValueError(f"sample metric {name!r} returned shape {value.shape}, expected ({len(rows)},)")
-            sample_values[name].append(value)
+        put(len(indices), batch, logits, source)
+        redo.watch(len(indices) - 1, batch, taken)
+        _evaluate_again(model, redo, put)
         if on_batch_done is not None:
-            on_batch_done(len(rows))
+            on_batch_done(len(batch[1]))
 
     def cat(parts, dtype, shape=(0,)):
         return np.concatenate(parts) if parts else np.zeros(shape, dtype=dtype)

@@ -28,9 +28,10 @@ from dist_eval.errors import UsageError
 pytestmark = pytest.mark.swarm
 
 
-def _petals(model_dir, checkpoint, swarm, share):
+def _petals(model_dir, checkpoint, swarm, share, servers=None):
     return load_model("petals", model_dir, checkpoint=checkpoint, initial_peers=swarm.initial_peers,
-                      dht_prefix=swarm.dht_prefix, audit=share)
+                      dht_prefix=swarm.dht_prefix, audit=share,
+                      petals_client_options={"allowed_servers": servers} if servers else None)
 
 
 def _rows(n):
@@ -38,8 +39,9 @@ def _rows(n):
             "label": [i % 3 for i in range(n)]}
 
 
-def _local_and_audited(model_dir, checkpoint, swarm, share, rows, batch_size):
-    """(the local backend's result, the audited swarm client's, its audit) on ``rows`` rows."""
+def _local_and_audited(model_dir, checkpoint, swarm, share, rows, batch_size, servers=None):
+    """(the local backend's result, the audited swarm client's, its audit) on ``rows`` rows
+    (``servers``: the only ones the client may use)."""
     import datasets
 
     data = datasets.Dataset.from_dict(_rows(rows))
@@ -48,7 +50,7 @@ def _local_and_audited(model_dir, checkpoint, swarm, share, rows, batch_size):
     with one_thread():
         for backend in ("local", "petals"):
             model = load_model("local", model_dir, checkpoint=checkpoint) if backend == "local" else \
-                _petals(model_dir, checkpoint, swarm, share)
+                _petals(model_dir, checkpoint, swarm, share, servers)
             try:
                 results.append(evaluate(model, data, tokenizer=tokenizer, batch_size=batch_size, return_logits=True,
                                         bootstrap_resamples=0))
@@ -71,11 +73,13 @@ def test_an_honest_swarm_agrees_bit_for_bit_and_its_logits_are_the_local_backend
 
 @pytest.fixture(scope="module")
 def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
-    """Four servers of every block of the tiny Llama under one prefix; the third serves a copy
+    """Five servers of every block of the tiny Llama under one prefix; the third serves a copy
     whose block 2 differs by 1e-3 in one weight (another revision, say); the fourth answers row 0
-    of every request all NaN (the test-only fault hook, wire.TEST_FAULT_ENV). Yields (the four
-    servers' peer ids, honest first, then the changed one, then the NaN one; and the first swarm,
-    whose peers the client joins)."""
+    of every request all NaN; the fifth shifts row 0 of 3 in 4 of its answers after its first two
+    (one connection handler, the draws of Random(0): 1st, 2nd right, 3rd to 6th shifted, 7th
+    right, ...) (the test-only fault hook,
+    wire.TEST_FAULT_ENV). Yields (the five servers' peer ids, honest first, then the changed, the
+    NaN and the shifting one; and the first swarm, whose peers the client joins)."""
     changed = str(tmp_path_factory.mktemp("changed") / "model")
     shutil.copytree(tiny_model, changed)
     weights = load_file(os.path.join(changed, "model.safetensors"))
@@ -89,10 +93,15 @@ def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
     with mock.patch.dict(os.environ, {TEST_FAULT_ENV: "nan"}):
         nan = one_thread_swarm(tiny_model, num_servers=1, dht_prefix="audit-test", join_peers=first.initial_peers)
         broken = next(nan)
+    with mock.patch.dict(os.environ, {TEST_FAULT_ENV: "shift:0.75"}):
+        shift = one_thread_swarm(tiny_model, num_servers=1, dht_prefix="audit-test", join_peers=first.initial_peers,
+                                 extra_server_args=["--num_handlers", "1"])
+        shifting = next(shift)
     try:
-        yield [p.rsplit("/", 1)[1] for p in first.initial_peers + odd.initial_peers + broken.initial_peers], first
+        yield [p.rsplit("/", 1)[1] for p in first.initial_peers + odd.initial_peers + broken.initial_peers
+               + shifting.initial_peers], first
     finally:
-        for generator in (nan, faulty, honest):
+        for generator in (shift, nan, faulty, honest):
             generator.close()
 
 
@@ -104,8 +113,8 @@ def test_a_server_that_computes_other_numbers_or_nan_is_found_named_and_left_out
     60 requests takes a random route: all 60 miss one of the faulty servers as main route with
     probability below (3/4)^60 (4e-8)."""
     peers, swarm = swarm_with_a_changed_replica
-    odd, nan = peers[2:]
-    expected, got, audit = _local_and_audited(tiny_model, tiny_checkpoint, swarm, 0.5, 60, 1)
+    odd, nan = peers[2:4]
+    expected, got, audit = _local_and_audited(tiny_model, tiny_checkpoint, swarm, 0.5, 60, 1, servers=peers[:4])
     assert_same_bits(got.predictions.logits, expected.predictions.logits, "the logits, the faulty servers left out")
     assert sorted(audit["excluded"]) == sorted([odd, nan]), audit
     assert set(audit["excluded"][odd]["outvoted_by"]) == set(peers[:2]) and audit["excluded"][odd]["difference"] > 0
@@ -115,7 +124,30 @@ def test_a_server_that_computes_other_numbers_or_nan_is_found_named_and_left_out
         assert audit["servers"][faulty]["mismatches"] >= 1 and not audit["servers"][faulty]["unchecked"], audit
     assert not any(audit["servers"].get(p, {}).get("mismatches") for p in peers[:2]), audit
     line = summary_line({"swarm": {"audit": audit}})
-    assert f"2 server(s) outvoted on their first request and left out: {', '.join(sorted([odd, nan]))}" in line, line
+    assert f"2 server(s) outvoted and left out: {', '.join(sorted([odd, nan]))} (metrics" in line, line
+
+
+def test_a_server_found_wrong_after_its_answers_were_taken_is_left_out_and_its_batches_evaluated_again(
+        tiny_model, tiny_checkpoint, swarm_with_a_changed_replica):
+    """The shifting server passes its join probe (its first answers are right), then shifts most of
+    its answers, of which the run takes those the share does not replay; once a replay catches one
+    (outvoted by the third server), it is left out and every batch it answered is evaluated again on
+    the honest two: the logits are the local backend's bit for bit, the run goes on (without the
+    redo, 1 run in 2 here takes a shifted answer: the logits differ). It answers about a third of
+    the 60 requests, 3 in 4 of them shifted after its 2nd: all go unreplayed at share 0.5 with
+    probability about 2^-15."""
+    peers, swarm = swarm_with_a_changed_replica
+    shifting = peers[4]
+    expected, got, audit = _local_and_audited(tiny_model, tiny_checkpoint, swarm, 0.5, 60, 1,
+                                              servers=[*peers[:2], shifting])
+    assert_same_bits(got.predictions.logits, expected.predictions.logits, "the logits, its batches evaluated again")
+    assert list(audit["excluded"]) == [shifting] and audit["excluded"][shifting]["difference"] > 0, audit
+    assert audit["excluded"][shifting]["outvoted_by"] == sorted(peers[:2]), audit
+    assert not any(audit["servers"].get(p, {}).get("mismatches") for p in peers[:2]), audit
+    taken = audit["excluded"][shifting]["answers_taken_unchecked"]
+    assert (f"1 server(s) outvoted and left out: {shifting}" + (f" ({taken} of their earlier answers evaluated again"
+                                                                if taken else " (metrics")) in summary_line(
+        {"swarm": {"audit": audit}})
 
 
 def test_a_row_nan_on_every_route_fails_the_run_in_one_line_naming_its_rows_and_servers(tiny_model, tiny_checkpoint,
@@ -140,7 +172,8 @@ def test_a_row_nan_on_every_route_fails_the_run_in_one_line_naming_its_rows_and_
 
 
 def test_a_server_blamed_after_answers_of_it_were_taken_stops_the_run_in_one_line():
-    """Its earlier answers, unchecked, cannot be told from its good ones: the run stops, naming it."""
+    """Its earlier answers, unchecked, cannot be told from its good ones: where the caller does not
+    evaluate them again (not the forward loop: audit.Redo), the run stops, naming it."""
     from types import SimpleNamespace
 
     from dist_eval.backends.audit import AuditLedger, ServerAudit, exclude_if_unused, mismatch
@@ -155,6 +188,7 @@ def test_a_server_blamed_after_answers_of_it_were_taken_stops_the_run_in_one_lin
     ledger.servers["fresh"] = ServerAudit(computed=2)  # each of its answers replayed: left out, the run goes on
     assert exclude_if_unused(ledger, 2, [span("fresh")], [span("a")], 0.5, [span("b")], "second") == "second"
     assert list(ledger.excluded) == ["fresh"]
+    assert exclude_if_unused(*args, redo=True) == "second" and ledger.excluded["odd"]["answers_taken_unchecked"] == 3
 
 
 def test_the_cli_audits_a_swarm_it_did_not_start_and_reports_it(tiny_model, tiny_checkpoint, tiny_swarm, tmp_path,

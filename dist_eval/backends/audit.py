@@ -15,13 +15,20 @@ of both routes announces the same numerics (petals version, dtype, quantization,
 forward is computed block by block, and a request replayed whole has the same composition. Where
 they announce different numerics, they must agree within :func:`tolerance` of the coarsest dtype.
 A disagreement is settled by a third route avoiding both (where the swarm has one): the route the
-other two outvote is named, its server blamed where it holds the route alone. A server blamed on
-its first request (the join probe: none of its answers was taken) is left out of every route from
-then on, the majority's answer stands, and the run goes on (``excluded`` in the report, with the
-evidence). Otherwise the run stops with :class:`AuditMismatch` (one line naming the servers and the
-difference), before any row of the request is counted or stored: answers of the server taken
-before, unchecked, cannot be told apart from its good ones. A block no other server holds cannot
+other two outvote is named, its server blamed where it holds the route alone. A blamed server is
+left out of every route from then on, the majority's answer stands, and the run goes on
+(``excluded`` in the report, with the evidence); every batch whose answers it gave before,
+unchecked, is evaluated again on the others (:class:`Redo`, in the forward loop), so the results
+come from unblamed servers only and every row counts once. The run stops with :class:`AuditMismatch`
+(one line naming the servers and the difference) before any row of the request is counted or
+stored where no verdict is possible (no third route; a third that agrees with neither; an outvoted
+route of several servers), or where no route of unblamed servers is left to evaluate a batch again
+(or a caller other than the forward loop took its answers). A block no other server holds cannot
 be audited disjointly: counted as a coverage gap in the report (``run.swarm.audit``).
+
+An answer with NaN or inf where the head's read depends on it, from finite inputs, is never a
+result: the request is retried on a route around its server, which is blamed as above; a row
+NaN on every route stops the run naming the rows and servers (:class:`NonFiniteAnswer`).
 
 What it does not prove: servers that collude (every holder of a block returning the same wrong
 numbers) agree; a fault in a share f of one server's answers goes unseen with probability
@@ -152,18 +159,19 @@ class AuditLedger:
             if tolerance is not None:
                 self.tolerances.append(tolerance)
 
-    def blame_non_finite(self, peer: str, rows: int, finite_from: Sequence[str]) -> bool:
+    def blame_non_finite(self, peer: str, rows: int, finite_from: Sequence[str], redo: bool = False) -> bool:
         """``peer`` answered NaN or inf from finite inputs where ``finite_from`` answered numbers: left
-        out of every route from now on (True), unless answers of it were taken unchecked before (False:
-        the run stops, as on a mismatch).
+        out of every route from now on (True), unless answers of it were taken unchecked before and the
+        caller does not evaluate them again (``redo``; False: the run stops, as on a mismatch).
         """
         with self.lock:
             audit = self.servers.setdefault(peer, ServerAudit())
             audit.mismatches += 1
-            if audit.unchecked:
+            if audit.unchecked and not redo:
                 return False
             self.excluded.setdefault(peer, {"rows": rows, "difference": "inf", "non_finite": True,
-                                            "outvoted_by": sorted(set(finite_from))})
+                                            "outvoted_by": sorted(set(finite_from)),
+                                            "answers_taken_unchecked": audit.unchecked})
             return True
 
     def facts(self) -> dict:
@@ -306,12 +314,14 @@ def summary_line(run: dict) -> str:
         f"within {facts['max_tolerance']:.2g} (servers of other numerics; largest difference "
         f"{facts['max_difference']:.2g})")
     agreed = "the others all equal" if excluded else "all equal"
+    redone = sum(evidence.get("answers_taken_unchecked", 0) for evidence in excluded.values())
     return (f"  swarm audit: {facts['replayed']} of {facts['requests']} requests ({facts['replayed_rows']} rows) "
             f"replayed on other servers, {agreed} {compared}; {len(facts['servers']) - unchecked} of "
             f"{len(facts['servers'])} servers checked" + (f", {len(facts['coverage_gaps'])} block(s) with no other "
                                                           "server to check them" if facts["coverage_gaps"] else "")
-            + (f"; {len(excluded)} server(s) outvoted on their first request and left out: "
-               f"{', '.join(excluded)}" if excluded else "")
+            + (f"; {len(excluded)} server(s) outvoted and left out: {', '.join(excluded)}"
+               + (f" ({redone} of their earlier answers evaluated again on the others)" if redone else "")
+               if excluded else "")
             + " (metrics.json run.swarm.audit)")
 
 
@@ -320,11 +330,11 @@ def describe(spans: Sequence) -> str:
 
 
 def exclude_if_unused(ledger: AuditLedger, rows: int, route: Sequence, other: Sequence, gap: float,
-                      third: Optional[Sequence], third_agrees_with: Optional[str]) -> Optional[str]:
+                      third: Optional[Sequence], third_agrees_with: Optional[str], redo: bool = False) -> Optional[str]:
     """Where a third route outvoted one server none of whose answers was taken unchecked (each of its
-    requests was replayed until one agreed: the join probe), leave it out of every route from now on
-    and return which answer stands ("first": the request's own, "second": the replay's); else None
-    (the run stops).
+    requests was replayed until one agreed: the join probe), or whose answers taken the caller
+    evaluates again (``redo``: :class:`Redo`), leave it out of every route from now on and return
+    which answer stands ("first": the request's own, "second": the replay's); else None (the run stops).
     """
     if third is None or third_agrees_with is None:
         return None
@@ -334,12 +344,14 @@ def exclude_if_unused(ledger: AuditLedger, rows: int, route: Sequence, other: Se
         if len(peers) != 1:
             return None
         [peer] = peers
-        if ledger.servers.get(peer, ServerAudit()).unchecked:
+        unchecked = ledger.servers.get(peer, ServerAudit()).unchecked
+        if unchecked and not redo:
             return None  # answers of it were taken unchecked before: they cannot be told apart now
         ledger.servers.setdefault(peer, ServerAudit()).mismatches += 1
         ledger.excluded[peer] = {
             "rows": rows, "difference": gap if gap != float("inf") else "inf",
             "outvoted_by": sorted({str(s.peer_id) for s in [*(route if faulty is other else other), *third]}),
+            "answers_taken_unchecked": unchecked,  # evaluated again (Redo)
         }
     return third_agrees_with
 
@@ -371,3 +383,82 @@ def mismatch(ledger: AuditLedger, rows: int, route: Sequence, other: Sequence, g
         f"swarm audit: a request of {rows} row(s) gave other hidden states on two routes of servers, "
         f"{'inf' if gap == float('inf') else f'{gap:.3g}'} apart at most: {describe(route)}; and {describe(other)}. "
         f"{verdict[0].upper()}{verdict[1:]}. No row of it is counted or stored (--audit 0 turns the audit off).")
+
+
+# ---------------------------------------------------------------- redo: a blamed server's answers taken before
+
+_forward = threading.local()  # the caller's thread: what its current forward took (see Redo)
+
+
+@dataclass
+class Taken:
+    """The servers whose answers one forward took (the hidden states its logits come from), and the
+    ledger that may blame one of them later.
+    """
+
+    ledger: AuditLedger
+    servers: frozenset
+
+    def blamed(self) -> set:
+        with self.ledger.lock:
+            return set(self.servers) & set(self.ledger.excluded)
+
+
+def begin_forward() -> None:
+    """The caller's next forward is one whose batch it evaluates again where a server is blamed later."""
+    _forward.taken, _forward.redoes = None, True
+
+
+def caller_redoes() -> bool:
+    return getattr(_forward, "redoes", False)
+
+
+def note_taken(ledger: AuditLedger, servers) -> None:
+    """In the caller's thread: the forward took answers of ``servers``."""
+    before = getattr(_forward, "taken", None)
+    _forward.taken = Taken(ledger, frozenset(servers) | (before.servers if before is not None else frozenset()))
+
+
+def end_forward() -> Optional[Taken]:
+    """What the forward since :func:`begin_forward` took (None: no audited swarm)."""
+    taken = getattr(_forward, "taken", None)
+    _forward.taken, _forward.redoes = None, False
+    return taken
+
+
+class Redo:
+    """A rank's batches whose answers came from audited servers: those of a server blamed later (its
+    earlier answers, unchecked, are suspect) are evaluated again on the others, the run going on (the
+    forward loop, :func:`dist_eval.predict.predict_shard`, replaces their results: every row counts once).
+    """
+
+    def __init__(self):
+        self.watched: Dict[int, Tuple[object, Taken]] = {}  # position in the loop's results -> (batch, Taken)
+        self.ledgers: Dict[int, AuditLedger] = {}
+        self.blamed_seen = 0
+
+    def watch(self, position: int, batch, taken: Optional[Taken]) -> None:
+        if taken is not None:
+            self.watched[position] = (batch, taken)
+            self.ledgers.setdefault(id(taken.ledger), taken.ledger)
+
+    def due(self) -> List[Tuple[int, object]]:
+        """(position, batch) of each watched batch that took answers of a server blamed since (a
+        look at every batch only when a server was blamed).
+        """
+        blamed = sum(len(ledger.excluded) for ledger in self.ledgers.values())
+        if blamed == self.blamed_seen:
+            return []
+        self.blamed_seen = blamed
+        return [(position, batch) for position, (batch, taken) in sorted(self.watched.items()) if taken.blamed()]
+
+    def redone(self, position: int, batch, taken: Optional[Taken], rows: int) -> None:
+        """The batch at ``position`` evaluated again: AuditMismatch where a blamed server answered again."""
+        again = taken.blamed() if taken is not None else set()
+        if again:
+            raise AuditMismatch(
+                f"swarm audit: server(s) {', '.join(sorted(again))} were outvoted after answers of them were taken, "
+                f"and evaluating those {rows} row(s) again found no route of other servers; serve their blocks on "
+                "more servers, or stop the blamed ones, then run again. No row of it is counted or stored.")
+        self.watched[position] = (batch, taken)
+        self.blamed_seen = -1  # the redo's own answers may meet a server blamed meanwhile

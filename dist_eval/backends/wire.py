@@ -242,6 +242,10 @@ def forward_over_wire(hidden_states: torch.Tensor, prompts, sequence_manager, po
     if not hasattr(sequence_manager, _PEERS_ATTR):
         setattr(sequence_manager, _PEERS_ATTR, {})
 
+    requests = [_Request(inputs, batch_prompts, ids, prompt_tokens, batch_positions, audit.caller_redoes())
+                for inputs, batch_prompts, ids, batch_positions in zip(input_batches, prompt_batches, id_batches,
+                                                                       position_batches)]
+
     async def one(offset, request):
         try:
             return await _forward_chain(request, sequence_manager, own_digest)
@@ -249,13 +253,12 @@ def forward_over_wire(hidden_states: torch.Tensor, prompts, sequence_manager, po
             raise error.shifted(offset, rows) from None
 
     async def all_requests():
-        return await asyncio.gather(*(
-            one(i * size, _Request(inputs, batch_prompts, ids, prompt_tokens, batch_positions))
-            for i, (inputs, batch_prompts, ids, batch_positions) in enumerate(zip(input_batches, prompt_batches,
-                                                                                  id_batches, position_batches))
-        ))
+        return await asyncio.gather(*(one(i * size, request) for i, request in enumerate(requests)))
 
     read = torch.cat(RemoteExpertWorker.run_coroutine(all_requests()), dim=0)  # [rows, 1, hidden]
+    ledger = audit.ledger_of(sequence_manager)
+    if ledger is not None:  # in the caller's thread: whose answers its logits come from (audit.Redo)
+        audit.note_taken(ledger, set().union(*(request.servers for request in requests)))
     out = torch.zeros_like(hidden_states)
     out[torch.arange(rows), positions] = read[:, 0].to(out.dtype)
     return out
@@ -267,9 +270,12 @@ class _Request:
     P, and the positions the head reads.
     """
 
-    def __init__(self, hidden_states, prompts, token_ids, prompt_tokens: int, positions: torch.Tensor):
+    def __init__(self, hidden_states, prompts, token_ids, prompt_tokens: int, positions: torch.Tensor,
+                 redoes: bool = False):
         self.hidden_states, self.prompts, self.token_ids = hidden_states, prompts, token_ids
         self.prompt_tokens, self.positions = prompt_tokens, positions.tolist()
+        self.redoes = redoes  # the caller evaluates the batch again if a server of it is blamed later
+        self.servers: set = set()  # the servers whose answers were taken (the hidden states returned)
         self.finite_inputs: Optional[bool] = None  # whether the inputs are finite where the head's read depends on
 
 
@@ -310,9 +316,10 @@ async def _forward_chain(request: _Request, manager, own_digest: Optional[Callab
             inputs, block = output, span.end
             route.append(span)
             break
+    request.servers = {str(s.peer_id) for s in route}
     ledger = audit.ledger_of(manager)
     if ledger is not None:
-        _blame_non_finite(ledger, non_finite, rows=len(request.positions), finite_from=route)
+        _blame_non_finite(ledger, non_finite, request, finite_from=route)
         return await _audit(request, manager, route, inputs, own_digest, ledger)
     return inputs
 
@@ -328,11 +335,12 @@ def _non_finite(request: _Request, span, output: torch.Tensor, end: int) -> List
     return audit.non_finite_rows(output, request.positions, read=span.end == end)
 
 
-def _blame_non_finite(ledger: audit.AuditLedger, non_finite: Dict[str, List[int]], rows: int, finite_from) -> None:
+def _blame_non_finite(ledger: audit.AuditLedger, non_finite: Dict[str, List[int]], request: _Request,
+                      finite_from) -> None:
     """Blame the servers whose answers had NaN or inf where others' (``finite_from``) had numbers."""
-    peers = [str(s.peer_id) for s in finite_from]
+    peers, rows = [str(s.peer_id) for s in finite_from], len(request.positions)
     for peer, bad in non_finite.items():
-        if not ledger.blame_non_finite(peer, len(bad), peers):
+        if not ledger.blame_non_finite(peer, len(bad), peers, redo=request.redoes):
             raise audit.AuditMismatch(
                 f"swarm audit: server {peer} answered NaN or inf for {len(bad)} of {rows} row(s) of a request that "
                 f"{', '.join(sorted(set(peers)))} answered with numbers, and answers of it were taken before this one, "
@@ -401,7 +409,7 @@ async def _replay(request: _Request, manager, spans, own_digest, ledger: audit.A
             inputs = await _run_span(request, manager, span, inputs, own_digest)
             bad = _non_finite(request, span, inputs, end)
             if bad:
-                _blame_non_finite(ledger, {str(span.peer_id): bad}, len(request.positions), answered)
+                _blame_non_finite(ledger, {str(span.peer_id): bad}, request, answered)
                 return None
     except Exception as error:
         if not server_failure(error):
@@ -452,9 +460,11 @@ async def _audit(request: _Request, manager, route: list, answer: torch.Tensor, 
         agrees_with = "first" if audit.agree(answer, settled, third_bound) else \
             "second" if audit.agree(replayed, settled, third_bound) else None
     gap = audit.difference(answer, replayed)
-    stands = audit.exclude_if_unused(ledger, rows, route, other, gap, third, agrees_with)
-    if stands is not None:  # the outvoted server gave no other answer: left out, the majority's answer stands
+    stands = audit.exclude_if_unused(ledger, rows, route, other, gap, third, agrees_with, redo=request.redoes)
+    if stands is not None:  # the outvoted server left out (its answers taken before redone): the majority's stands
         ledger.record([str(s.peer_id) for s in (route if stands == "first" else other)], rows, 0.0, None)
+        if stands == "second":
+            request.servers = {str(s.peer_id) for s in other}
         return answer if stands == "first" else replayed
     raise audit.mismatch(ledger, rows, route, other, gap, third, agrees_with)
 
