@@ -2,13 +2,15 @@
 evaluated on the same data (local backend), and the refusals (exit 2, one line)."""
 import json
 import re
+import runpy
 import shutil
-import subprocess
 import sys
+import warnings
+from unittest import mock
 
 import numpy as np
 import pytest
-from conftest import REPO, build_checkpoint, read_jsonl, write_csv
+from conftest import build_checkpoint, read_jsonl, write_csv
 from inprocess_cli import run_cli_in_process
 
 from dist_eval.compare import main as compare_main
@@ -80,16 +82,15 @@ def test_a_run_against_itself_changes_nothing(runs, capsys):
     assert re.search(r"^  accuracy +(\S+) +\1 +\+0\.0000", out, re.M)
 
 
-def test_module_entry_point(runs):
-    proc = subprocess.run(
-        [sys.executable, "-m", "dist_eval.compare", str(runs["a"]), str(runs["b"])],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("dist_eval.compare: A = ") and "predictions changed on" in proc.stdout
+def test_module_entry_point(runs, capsys):
+    """``python -m dist_eval.compare A B``: the module run as ``__main__`` (as python -m runs it), here."""
+    with mock.patch.object(sys, "argv", ["dist_eval.compare", str(runs["a"]), str(runs["b"])]), \
+            pytest.raises(SystemExit) as ended, warnings.catch_warnings():
+        # this process imported the module already (runpy warns of it); python -m has not
+        warnings.filterwarnings("ignore", "'dist_eval.compare' found in sys.modules", RuntimeWarning)
+        runpy.run_module("dist_eval.compare", run_name="__main__")
+    out = capsys.readouterr().out
+    assert ended.value.code == 0 and out.startswith("dist_eval.compare: A = ") and "predictions changed on" in out
 
 
 def assert_refused(args, pattern, capsys):
