@@ -49,7 +49,8 @@ def commands() -> Dict[str, Tuple[str, Callable[[], argparse.ArgumentParser]]]:
         "python -m dist_eval.power": ("plan a comparison of two checkpoints: the rows a difference needs, or the "
                                       "smallest difference a number of rows detects", power.build_parser),
         "python -m dist_eval.shard_merge": ("the shards of a run (`--shard I/K`) merged into the report of the whole "
-                                            "set (also `dist-eval merge SHARD_DIR... --output-dir OUT`)",
+                                            "set (also `python -m dist_eval.merge`, `python -m dist_eval merge` and "
+                                            "`dist-eval merge SHARD_DIR... --output-dir OUT`)",
                                             shard_merge.build_parser),
     }
 
