@@ -53,6 +53,8 @@ def plan_batches(
     order = np.lexsort((rows, -lengths)) if length_buckets else rows  # longest first; ties keep row order
     if max_batch_tokens is None:
         return [order[start : start + batch_size] for start in range(0, num_rows, batch_size)]
+    if length_buckets:
+        return _budgeted_longest_first(order, lengths[order], batch_size, max_batch_tokens, prefix_tokens)
     batches, current, longest = [], [], 0
     for row, length in zip(order.tolist(), lengths[order].tolist()):
         grown = max(longest, length)
@@ -63,6 +65,22 @@ def plan_batches(
         longest = grown
     if current:
         batches.append(np.array(current, dtype=np.int64))
+    return batches
+
+
+def _budgeted_longest_first(order: np.ndarray, sorted_lengths: np.ndarray, batch_size: int, max_batch_tokens: int,
+                            prefix_tokens: int) -> List[np.ndarray]:
+    """The token budget's batches of rows sorted longest first, a step per batch (not per row): a
+    batch's first row is its longest, so it holds min(batch_size, budget // (that length + prefix))
+    rows, at least one; the rows are those the row-by-row rule of :func:`plan_batches` gives.
+    """
+    batches, start, num_rows = [], 0, len(order)
+    while start < num_rows:
+        padded = int(sorted_lengths[start]) + prefix_tokens
+        fits = max(1, max_batch_tokens // padded) if padded > 0 else batch_size
+        stop = min(num_rows, start + min(batch_size, fits))
+        batches.append(order[start:stop])
+        start = stop
     return batches
 
 

@@ -192,19 +192,35 @@ def _row_owners(planned: List[np.ndarray], num_rows: int, plan_ids: List[int]) -
     return owners
 
 
+# Rows of a rank's block sent to their owners at once (a round of the exchange: its pickles and
+# buffers are a round's, not the block's)
+_EXCHANGE_ROWS = 65536
+
+
 def _send_to_owners(by_row: PackedIds, planned: List[np.ndarray], num_rows: int,
                     plan_ids: List[int]) -> PackedIds:
     """The token ids of this rank's block, each row sent to the rank whose batches hold it;
     returns those of this rank's own rows. Rows travel packed: (row indices, lengths, one
-    flat int32 array of ids), which pickles in a fraction of a list of lists' time.
+    flat int32 array of ids), which pickles in a fraction of a list of lists' time; in rounds of
+    _EXCHANGE_ROWS rows of each block (the same number of rounds on every rank).
     """
-    if ranks.get_world_size() == 1:  # every row is this rank's already
+    world_size = ranks.get_world_size()
+    if world_size == 1:  # every row is this rank's already
         return by_row
     owners = _row_owners(planned, num_rows, plan_ids)[by_row.rows]
-    outgoing = [by_row.of_rows(owners == rank) for rank in range(ranks.get_world_size())]
+    block = -(-num_rows // world_size)  # the largest block's rows
+    received: List[List[tuple]] = [[] for _ in range(world_size)]
+    for start in range(0, max(block, 1), _EXCHANGE_ROWS):
+        in_round = np.zeros(len(owners), dtype=bool)
+        in_round[start:start + _EXCHANGE_ROWS] = True
+        outgoing = [by_row.of_rows(in_round & (owners == rank)) for rank in range(world_size)]
+        for source, part in enumerate(ranks.exchange_objects(outgoing)):
+            received[source].append(part)
+        del outgoing
     del by_row, owners
-    mine = PackedIds.joined(ranks.exchange_objects(outgoing))
-    del outgoing
+    # each source's rows ascending, the sources' blocks in rank order: the rows ascending
+    mine = PackedIds.joined([part for parts in received for part in parts])
+    del received
     trim_heap()
     return mine
 
