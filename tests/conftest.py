@@ -57,7 +57,8 @@ def build_tiny_model(folder: str, seed: int = 0, num_layers: int = 4, family: st
     hidden/heads), qwen3_moe (4 experts, 2 per token, blocks 0 and 2 dense) or glm4_moe (head_dim 16,
     half of it rotated, q/k/v biases, no q/k norm; block 0 dense, the others 4 experts in 2 groups, 2
     per token, and a shared expert) or mixtral (head_dim 16, every block 4 experts, 2 per token) or
-    deepseek_v3 / kimi_k2 (the latent attention, yarn RoPE; block 0 dense, the others GLM-4.5's mixture).
+    deepseek_v3 / kimi_k2 (the latent attention, yarn RoPE; block 0 dense, the others GLM-4.5's mixture) or
+    llama4_text (head_dim 16, blocks 1 and 3 of 4 experts, 2 per token, and a shared expert, block 3 no RoPE).
     ``layout``: "causal_lm"
     (a ``*ForCausalLM`` save: ``model.``/``transformer.`` key prefixes), "base" (a base model
     save, e.g. ``BloomModel``: ``h.<i>.`` keys, the layout of bigscience's hub checkpoints)
@@ -191,6 +192,16 @@ def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = "
                           "original_max_position_embeddings": 32}, n_routed_experts=4, n_shared_experts=1,
             num_experts_per_tok=2, moe_intermediate_size=16, n_group=2, topk_group=1, first_k_dense_replace=1,
             **common)
+    if family == "llama4_text":  # dense and MoE blocks alternate, the 4th block without RoPE
+        from transformers import AutoConfig
+
+        from dist_eval.backends.blocks import register
+
+        register()
+        return AutoConfig.for_model(
+            family, intermediate_size=16, intermediate_size_mlp=64, num_hidden_layers=num_layers, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2,
+            interleave_moe_layer_step=2, **common)
     raise ValueError(f"family={family!r}")
 
 

@@ -67,7 +67,7 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
                     n_routed_experts=4, first_k_dense_replace=2, n_group=2, use_qk_norm=True,  # GLM-4.5's
                     num_local_experts=4,  # Mixtral's
                     q_lora_rank=6, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3,  # DeepSeek's
-                    topk_group=1)
+                    topk_group=1, intermediate_size_mlp=12, interleave_moe_layer_step=2)  # Llama 4's
     local = family_class(family.local_class, in_petals=False)
     layers = local(local.config_class(**settings)).model.layers
     server_config = family_class(family.petals_class, in_petals=True).config_class(**settings)
@@ -84,15 +84,20 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
             assert shapes["self_attn.q_a_layernorm.weight"] == (6,) and shapes["self_attn.q_b_proj.weight"] == (12, 6)
             assert shapes["self_attn.kv_a_proj_with_mqa.weight"] == (6, 8)  # kv_lora_rank + qk_rope_head_dim
             assert shapes["self_attn.kv_b_proj.weight"] == (14, 4) and shapes["self_attn.o_proj.weight"] == (8, 6)
+        elif name == "llama4_text":  # no q/k norm weights (an L2 norm), experts fused, a dense MLP of its own size
+            assert "self_attn.q_norm.weight" not in shapes and shapes["self_attn.q_proj.weight"] == (12, 8)
+            assert shapes.get("feed_forward.experts.gate_up_proj", (4, 8, 32)) == (4, 8, 32)
+            assert shapes.get("feed_forward.gate_proj.weight", (12, 8)) == (12, 8)
         else:
             assert shapes["self_attn.q_norm.weight"] == (6,) and shapes["self_attn.q_proj.weight"] == (12, 8)
-        experts += [index] if {"mlp.gate.weight", "block_sparse_moe.gate.weight"} & set(shapes) else []
+        gates = {"mlp.gate.weight", "block_sparse_moe.gate.weight", "feed_forward.router.weight"}
+        experts += [index] if gates & set(shapes) else []
         if "mlp.gate.e_score_correction_bias" in shapes or name == "glm4_moe" and "mlp.gate.weight" in shapes:
             assert shapes["mlp.gate.e_score_correction_bias"] == (4,) and "mlp.shared_experts.up_proj.weight" in shapes
     # Qwen3-MoE: blocks 1 and 3 by the step, 3 dense by its list; GLM-4.5: from first_k_dense_replace on;
     # Mixtral: every block
     assert experts == {"qwen3_moe": [1], "glm4_moe": [2, 3], "mixtral": [0, 1, 2, 3], "deepseek_v3": [2, 3],
-                       "kimi_k2": [2, 3]}.get(name, [])
+                       "kimi_k2": [2, 3], "llama4_text": [1, 3]}.get(name, [])
 
 
 def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
@@ -106,13 +111,27 @@ def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
     with flag_names():
         text = str(caught.value)
     assert "\n" not in text and text.startswith("--model /m: config.json has model_type 'gpt2'")
-    assert text.endswith("the families that work: bloom, deepseek_v3, falcon, glm4_moe, kimi_k2, llama, mistral, "
-                         "mixtral, qwen2, qwen3, qwen3_moe (docs/models-and-checkpoints.md).")
+    assert text.endswith("the families that work: bloom, deepseek_v3, falcon, glm4_moe, kimi_k2, llama, llama4_text, "
+                         "mistral, mixtral, qwen2, qwen3, qwen3_moe (docs/models-and-checkpoints.md).")
     old_falcon = types.SimpleNamespace(model_type="falcon", new_decoder_architecture=False, multi_query=True)
     with pytest.raises(UsageError, match="old multi-query layout .*the families that work: bloom, deepseek_v3, "):
         family_of(old_falcon)
     assert family_of(types.SimpleNamespace(model_type="falcon", new_decoder_architecture=True)) is FAMILIES["falcon"]
     assert "model." in checkpoint_prefixes()
+
+
+def test_llama4_rows_are_exact_within_its_chunk_and_below_its_temperature_tuning():
+    """Llama 4's chunked attention and attention-temperature tuning are inert within attention_chunk_size
+    positions and below floor_scale - 1: rows past the smaller are refused (the sliding-window check)."""
+    import types
+
+    family = FAMILIES["llama4_text"]
+    config = types.SimpleNamespace(attention_chunk_size=8192, attn_temperature_tuning=True, floor_scale=8192)
+    assert family.attention_window(config) == 8191
+    config.attn_temperature_tuning = False
+    assert family.attention_window(config) == 8192
+    config.attention_chunk_size, config.attn_temperature_tuning, config.floor_scale = None, True, 100
+    assert family.attention_window(config) == 99
 
 
 @pytest.mark.parametrize("rule", ["first_pad", "non_pad_count"])
@@ -147,7 +166,7 @@ def test_the_cli_refuses_a_family_petals_cannot_serve_up_front(tmp_path, capsys,
     shown = "" if "gpt2" in why else " (new_decoder_architecture=False, multi_query=True in config.json)"
     assert errors[0] == (f"dist_eval: error: --model {model}: {why}{shown}"
                          ": not a model dist_eval computes; the families that work: bloom, deepseek_v3, falcon, "
-                         "glm4_moe, kimi_k2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe "
+                         "glm4_moe, kimi_k2, llama, llama4_text, mistral, mixtral, qwen2, qwen3, qwen3_moe "
                          "(docs/models-and-checkpoints.md).")
     assert not (tmp_path / "out").exists()  # refused before any work (no swarm, no output folder)
 

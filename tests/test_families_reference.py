@@ -33,7 +33,7 @@ from conftest import REPO, read_jsonl, run_cli
 from inprocess_cli import run_cli_in_process
 
 TOLERANCE = 1e-4
-KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3")
+KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4_text")
 # on a swarm: Qwen3's blocks are Qwen3-MoE's dense block 1 (the same server block class, attention
 # and MLP; tests/test_backends_families.py builds each family's server blocks by index), so its own
 # swarm run (bitwise too, about 13 s) is left out for the suite's time budget; so is Mistral's since
@@ -47,7 +47,7 @@ KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtra
 # class (layers.QkNormAttention; GLM-4.5's biases and partial RoPE are options of it)
 SWARM_KINDS = ("llama3", "qwen2", "qwen3_moe", "deepseek_v3")
 SWARM_FOLDER = {"deepseek_v3": "deepseek_v3_fp8"}  # the servers dequantize the FP8 folder as they load
-HEAD_ONLY = ("glm4_moe",)  # no *ForSequenceClassification in transformers: the head given apart (--head)
+HEAD_ONLY = ("glm4_moe", "llama4_text")  # no *ForSequenceClassification in transformers: the head given apart (--head)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def test_local_logits_within_1e4_of_the_current_transformers(reference, kind, mo
     assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4_text"])
 def test_own_layers_hold_exactly_the_saved_tensors_and_route_as_transformers(reference, kind):
     """No tensor of the folder left unread, none made up (transformers 4.33 would initialise a
     missing one at random), but a multi-token-prediction layer after the last block (DeepSeek-V3's);
@@ -171,7 +171,7 @@ def test_own_layers_hold_exactly_the_saved_tensors_and_route_as_transformers(ref
     experts = [i for i, layer in enumerate(backbone.layers) if hasattr(layer.mlp, "experts")]
     # Qwen3-MoE: block 1 in mlp_only_layers; GLM-4.5, DeepSeek-V3: block 0 before first_k_dense_replace
     assert experts == {"qwen3_moe": [0, 2, 3], "glm4_moe": [1, 2, 3], "mixtral": [0, 1, 2, 3],
-                       "deepseek_v3": [1, 2]}.get(kind, [])
+                       "deepseek_v3": [1, 2], "llama4_text": [1, 3]}.get(kind, [])
     mix = ref["sparse_layers"]
     config = types.SimpleNamespace(mixture_of_experts=True, **mix["settings"])
     assert [i for i in range(config.num_hidden_layers) if is_sparse(config, i)] == mix["sparse"] == [1, 5]
@@ -271,6 +271,22 @@ def test_each_deepseek_rotary_setting_matters(reference, tmp_path):
         assert (logits - expected).abs().max().item() > 100 * TOLERANCE, name
 
 
+def test_each_llama4_setting_matters(reference, tmp_path):
+    """Llama 4's block without RoPE and its L2 norm of q and k: each one changed moves the logits far
+    past the tolerance (its router scaling the experts' input is what the reference comparison checks)."""
+    from dist_eval.backends import load_model
+
+    out, ref = reference
+    case = ref["cases"]["llama4_text"]
+    expected, batch = torch.tensor(case["logits_head"]), padded_batch(case)
+    for name, changes in (("no_rope_layers", {"no_rope_layers": [1, 1, 1, 1]}),
+                          ("use_qk_norm", {"use_qk_norm": False})):
+        folder = edited_folder(reference, tmp_path / name, "llama4_text", **changes)
+        with torch.no_grad():
+            logits = load_model("local", folder, **trained(reference, "llama4_text", "head")).module(batch)
+        assert (logits - expected).abs().max().item() > 100 * TOLERANCE, name
+
+
 def edited_folder(reference, tmp_path, kind, **changes):
     out, _ = reference
     folder = tmp_path / f"{kind}-edited"
@@ -302,6 +318,10 @@ def edited_folder(reference, tmp_path, kind, **changes):
     ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads 2 in config.json is not num_attention_heads (4)"),
     ("deepseek_v3", {"quantization_config": {"quant_method": "compressed-tensors"}}, "INT4 compressed-tensors weights"),
     ("llama3", {"quantization_config": {"quant_method": "mxfp4"}}, "MXFP4 weights (quantization_config quant_method"),
+    ("llama4_text", {"num_experts_per_tok": 9}, "num_experts_per_tok 9 in config.json is not between 1 and "
+                                                "num_local_experts (8)"),
+    ("llama4_text", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "(computed: default, llama3)"),
+    ("llama3", {"model_type": "llama4"}, "multimodal layout (a vision tower, the text model under language_model."),
     ("mistral", {"model_type": "phi3"}, "fused projections"),
     ("llama3", {"model_type": "llava"}, "model_type 'llava'"),
 ])

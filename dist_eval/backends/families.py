@@ -107,9 +107,10 @@ class Family:
     # (its own classes subclass those, with this model_type), with these config options (class
     # attributes of its config classes: also the defaults of a key config.json leaves out);
     # ``own_layers``: the blocks are dist_eval's own layers (backends.layers); ``mixture_of_experts``
-    # (the router, "softmax", "sigmoid" or "mixtral"): with experts where config.json's num_experts,
-    # mlp_only_layers and decoder_sparse_step say (softmax), or n_routed_experts and
-    # first_k_dense_replace (sigmoid); Mixtral's in every block
+    # (the router, "softmax", "sigmoid", "mixtral" or "llama4"): with experts where config.json's
+    # num_experts, mlp_only_layers and decoder_sparse_step say (softmax), or n_routed_experts and
+    # first_k_dense_replace (sigmoid), or moe_layers / interleave_moe_layer_step (llama4); Mixtral's in
+    # every block; ``latent_attention`` (DeepSeek-V3), ``llama4_attention``: those attentions
     built_on: str = ""
     block_options: tuple = ()
     # config.json's keys of a sliding attention window: (the window, the switch that turns it on,
@@ -147,7 +148,11 @@ class Family:
         window_key, switch = self.sliding_window
         window = getattr(config, window_key, None)
         on = getattr(config, switch, False) if switch else True
-        return int(window) if window and on else 0
+        window = int(window) if window and on else 0
+        floor = getattr(config, "floor_scale", 0) if getattr(config, "attn_temperature_tuning", False) else 0
+        if floor:  # Llama 4's temperature tuning scales q from position floor_scale - 1 on
+            window = min(window, floor - 1) if window else floor - 1
+        return window
 
     def get(self, module, path: str):
         """The attribute at the dotted ``path`` of ``module`` (a field of this family)."""
@@ -175,11 +180,15 @@ class Family:
 SERVED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 # those of the latent attention (backends.layers.LatentAttention, DeepSeek-V3)
 LATENT_ROPE_TYPES = ("default", "yarn")
+LLAMA4_ROPE_TYPES = ("default", "llama3")  # Llama 4's (backends.layers.ChunkedAttention)
 # families seen in configs that no block here computes, and why (the rest: "not a family dist_eval knows")
 NOT_COMPUTED = {
     "qwen2_moe": "mixture-of-experts blocks with a shared expert",
     "gemma": "scaled embeddings and GeGLU blocks", "gemma2": "soft-capped, alternating sliding attention",
     "gemma3": "soft-capped, alternating sliding attention", "phi3": "fused projections and longrope",
+    "llama4": ("multimodal layout (a vision tower, the text model under language_model.: save that text model "
+               "alone, Llama4ForConditionalGeneration's .language_model.save_pretrained(DIR), model_type "
+               "llama4_text, which works)"),
 }
 
 
@@ -200,7 +209,8 @@ def _block_refusal(config, options: dict) -> str:
     """
     kind = rope_type(getattr(config, "rope_scaling", None))
     latent = bool(options.get("latent_attention"))
-    served = LATENT_ROPE_TYPES if latent else SERVED_ROPE_TYPES
+    served = (LATENT_ROPE_TYPES if latent else LLAMA4_ROPE_TYPES if options.get("llama4_attention")
+              else SERVED_ROPE_TYPES)
     if kind is not None and kind not in served:
         return f"rope_scaling of rope_type {kind!r} in config.json is not computed here (computed: {', '.join(served)})"
     if latent:
@@ -250,7 +260,8 @@ def _experts_refusal(config, router) -> str:
     """What in a mixture-of-experts config the block does not compute ('' when nothing).
     ``router``: the family's, "softmax" (num_experts) or "sigmoid" (n_routed_experts, in groups).
     """
-    key = {"sigmoid": "n_routed_experts", "mixtral": "num_local_experts"}.get(router, "num_experts")
+    key = {"sigmoid": "n_routed_experts", "mixtral": "num_local_experts", "llama4": "num_local_experts"}.get(
+        router, "num_experts")
     experts, chosen = getattr(config, key, 0) or 0, getattr(config, "num_experts_per_tok", 0)
     if experts and not 0 < chosen <= experts:
         return (f"num_experts_per_tok {chosen} in config.json is not between 1 and {key} ({experts}); "
@@ -400,6 +411,20 @@ DEEPSEEK_V3_OPTIONS = (
     ("topk_group", 4), ("first_k_dense_replace", 3), ("norm_topk_prob", True))
 FAMILIES["deepseek_v3"] = _built_on_llama("deepseek_v3", "DeepseekV3", block_options=DEEPSEEK_V3_OPTIONS)
 FAMILIES["kimi_k2"] = _built_on_llama("kimi_k2", "KimiK2", block_options=DEEPSEEK_V3_OPTIONS)
+# Llama 4 Scout / Maverick, text (llama4_text: a Llama4ForCausalLM save): dist_eval's layers
+# (backends.layers.ChunkedAttention: RoPE in interleaved pairs but on every no_rope_layer_interval-th
+# block, a weightless L2 norm of q and k after it; InputScaledMoeMLP: a top-k sigmoid router scaling
+# the chosen experts' input, fused expert weights, a shared expert) in the blocks of moe_layers (every
+# interleave_moe_layer_step-th), a dense MLP of intermediate_size_mlp in the others; the chunked
+# attention and temperature tuning are inert on shorter rows, longer ones refused (attention_window).
+# The options' values are transformers' Llama4TextConfig defaults
+FAMILIES["llama4_text"] = _built_on_llama(
+    "llama4_text", "Llama4Text", block_options=(
+        ("own_layers", True), ("llama4_attention", True), ("mixture_of_experts", "llama4"), ("head_dim", 128),
+        ("num_local_experts", 16), ("num_experts_per_tok", 1), ("interleave_moe_layer_step", 1),
+        ("intermediate_size_mlp", 16384), ("use_qk_norm", True), ("no_rope_layer_interval", 4),
+        ("attention_chunk_size", 8192), ("attn_temperature_tuning", True), ("floor_scale", 8192)),
+    sliding_window=("attention_chunk_size", ""))
 
 
 def tokenizers_calling_the_base() -> frozenset:

@@ -1,6 +1,7 @@
 """The block parts dist_eval computes itself, in plain torch, for the families whose block the
 pinned transformers (4.33) has no class for: those with the block option ``own_layers`` in the
-family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5, Mixtral, DeepSeek-V3).
+family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5, Mixtral, DeepSeek-V3,
+Llama 4).
 
 - :class:`QkNormAttention`: Llama's attention with an RMSNorm over each head's q and k
   (``q_norm``, ``k_norm``, a weight of ``head_dim`` values) before RoPE when ``use_qk_norm``
@@ -12,6 +13,11 @@ family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5, Mix
 - :class:`LatentAttention` (the block option ``latent_attention``, DeepSeek-V3 and Kimi K2):
   multi-head latent attention, RoPE on each head's rope part in DeepSeek's interleaved layout,
   ``yarn`` frequencies whose ``mscale_all_dim`` also scales the softmax (:func:`latent_rope`).
+- :class:`ChunkedAttention` and :class:`InputScaledMoeMLP` (Llama 4: the block options
+  ``llama4_attention`` and ``mixture_of_experts`` "llama4"): RoPE in interleaved pairs but on the
+  blocks without it (:func:`uses_rope`), a weightless L2 norm of q and k after it; a router whose
+  sigmoid scores scale the chosen experts' input, fused expert tensors (:class:`FusedExperts`), a
+  shared expert; under Llama 4's names (``feed_forward.*``), in the blocks of ``moe_layers``.
 - FP8 weights (config.json's ``quantization_config``, quant_method ``fp8``): a layer's e4m3
   weights are dequantized as they are loaded (:func:`dequantize_fp8`, each value times its
   tile's ``weight_scale_inv``), here by a load hook, on a server as it reads the block's tensors.
@@ -67,11 +73,11 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from dist_eval.backends.rope import rescale_rope
+from dist_eval.backends.rope import llama3_inv_freq, rescale_rope
 
 # the block option ``mixture_of_experts`` of a family whose router is GLM-4.5's, and of Mixtral (its
 # softmax router is Qwen3-MoE's, "softmax"; its tensors have names of their own, every block has it)
-SIGMOID, MIXTRAL = "sigmoid", "mixtral"
+SIGMOID, MIXTRAL, LLAMA4 = "sigmoid", "mixtral", "llama4"
 # the index of the block this process's petals server is loading (None: not loading one)
 SERVER_BLOCK_INDEX: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_block_index", default=None)
 
@@ -88,6 +94,10 @@ def is_sparse(config, index: int) -> bool:
     router = getattr(config, "mixture_of_experts", False)
     if not router:
         return False
+    if router == LLAMA4:  # config.json's moe_layers, else every interleave_moe_layer_step-th block
+        step = getattr(config, "interleave_moe_layer_step", 1)
+        moe_layers = getattr(config, "moe_layers", None)
+        return index in (moe_layers if moe_layers is not None else range(step - 1, config.num_hidden_layers, step))
     if router == SIGMOID:
         return (getattr(config, "n_routed_experts", 0) or 0) > 0 and index >= config.first_k_dense_replace
     if router == MIXTRAL:
@@ -294,6 +304,85 @@ class LatentAttention(LlamaAttention):
         return self.o_proj(output), (weights if output_attentions else None), past_key_value
 
 
+def uses_rope(config, index: int) -> bool:
+    """Whether block ``index`` of a Llama 4 config has RoPE (config.json's ``no_rope_layers``: 1 where
+    it has; else transformers' default, every ``no_rope_layer_interval``-th block without).
+    """
+    flags = getattr(config, "no_rope_layers", None)
+    if flags:
+        return bool(flags[index])
+    return (index + 1) % getattr(config, "no_rope_layer_interval", 4) != 0
+
+
+class ChunkedAttention(LlamaAttention):
+    """Llama 4's attention (the block option ``llama4_attention``): Llama's projections with a
+    ``head_dim`` of its own; RoPE (DeepSeek's interleaved pairs, the ``llama3`` frequencies when
+    config.json says so) only on the blocks :func:`uses_rope` names, and there a weightless L2 norm
+    of each head's q and k after it when ``use_qk_norm``. Its chunked attention and attention-temperature
+    tuning change nothing within ``attention_chunk_size`` positions and below ``floor_scale - 1``: longer
+    rows are refused (:meth:`dist_eval.backends.families.Family.attention_window`).
+    """
+
+    def __init__(self, config, index: int):
+        nn.Module.__init__(self)
+        self.config = config
+        self.hidden_size, self.num_heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = head_dim_of(config)
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        inner, kv_inner = self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(self.hidden_size, inner, bias=bias)
+        self.k_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
+        self.v_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
+        self.o_proj = nn.Linear(inner, self.hidden_size, bias=bias)
+        self.use_rope = uses_rope(config, index)
+        self.l2_norm = self.use_rope and bool(getattr(config, "use_qk_norm", True))
+        self.eps = config.rms_norm_eps
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float()
+                                                / self.head_dim))
+        llama3 = getattr(config, "rope_llama3", None)
+        self.rope_inv_freq = llama3_inv_freq(inv_freq, llama3) if llama3 else inv_freq  # float32, not a buffer
+
+    def _l2(self, states: torch.Tensor) -> torch.Tensor:
+        x = states.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(states)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_value: Optional[tuple] = None,
+                output_attentions: bool = False, use_cache: bool = False, **kwargs) -> tuple:
+        bsz, q_len, _ = hidden_states.size()
+        heads = (bsz, q_len, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(heads).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(heads).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(heads).transpose(1, 2)
+        past = past_key_value[0].shape[-2] if past_key_value is not None else 0
+        if self.use_rope:
+            if position_ids is None:  # petals' server: the positions after the cached ones
+                position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
+            freqs = position_ids[..., None].float() * self.rope_inv_freq.to(hidden_states.device)
+            angles = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+            # as transformers: in float32 (its complex product), the pairs (x0, x1), (x2, x3)... rotated;
+            # the halves' layout here only permutes each head's values alike in q and k
+            query, key = (_deinterleave(s.float()) for s in (query, key))
+            query = (query * cos + rotate_half(query) * sin).type_as(value)
+            key = (key * cos + rotate_half(key) * sin).type_as(value)
+            if self.l2_norm:
+                query, key = self._l2(query), self._l2(key)
+        if past_key_value is not None:
+            key = torch.cat([past_key_value[0], key], dim=2)
+            value = torch.cat([past_key_value[1], value], dim=2)
+        past_key_value = (key, value) if use_cache else None
+        key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
+        weights = torch.matmul(query, key.transpose(2, 3)) * self.head_dim ** -0.5
+        if attention_mask is not None:
+            weights = weights + attention_mask
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+        output = torch.matmul(weights, value).transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
+        return self.o_proj(output), (weights if output_attentions else None), past_key_value
+
+
 def _deinterleave(states: torch.Tensor) -> torch.Tensor:
     b, h, s, d = states.shape
     return states.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
@@ -364,6 +453,49 @@ class SparseMoeMLP(nn.Module):
             token, slot = torch.where(chosen == expert)
             output.index_add_(0, token, _rows(self.experts[expert], tokens[token]) * weights[token, slot, None])
         return output.view(hidden_states.shape)
+
+
+class FusedExperts(nn.Module):
+    """Llama 4's experts, their weights fused under its names: ``gate_up_proj`` [experts, hidden,
+    2 x intermediate] (gate then up) and ``down_proj`` [experts, intermediate, hidden].
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        experts, hidden, inner = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * inner).normal_(0.0, 0.02))
+        self.down_proj = nn.Parameter(torch.empty(experts, inner, hidden).normal_(0.0, 0.02))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def expert(self, index: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert ``index`` on ``rows`` [count, hidden] (at least MIN_ROWS of them: _rows)."""
+        gate, up = torch.matmul(rows, self.gate_up_proj[index]).chunk(2, dim=-1)
+        return torch.matmul(up * self.act_fn(gate), self.down_proj[index])
+
+
+class InputScaledMoeMLP(nn.Module):
+    """Llama 4's mixture: a router (``router``) choosing the ``num_experts_per_tok`` experts of the
+    highest logits, each fed the token times the sigmoid of its logit (the expert's input scaled, not
+    its output), their outputs summed with a shared expert's (``shared_expert``) every token goes through.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
+        self.experts = FusedExperts(config)
+        self.shared_expert = ExpertMLP(config, config.intermediate_size)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        top, chosen = torch.topk(_rows(self.router, tokens), self.top_k, dim=-1)
+        scores = torch.sigmoid(top.float()).to(tokens.dtype)
+        routed = torch.zeros_like(tokens)
+        for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
+            token, slot = torch.where(chosen == expert)
+            run = functools.partial(self.experts.expert, expert)
+            routed.index_add_(0, token, _rows(run, tokens[token] * scores[token, slot, None]))
+        return (self.shared_expert(tokens) + routed).view(hidden_states.shape)
 
 
 class SigmoidRouter(nn.Module):
@@ -471,7 +603,7 @@ def dequantize_fp8(tensors: dict, block: tuple, prefix: str = "", where: str = "
 MIN_ROWS = 32
 
 
-def _rows(module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+def _rows(module, rows: torch.Tensor) -> torch.Tensor:
     """``module(rows)`` (rows: [count, features]), each row's result independent of the count.
 
     An expert sees the tokens routed to it, a few or many as the batch goes, so the number of
@@ -487,9 +619,18 @@ def _rows(module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
 def build_layer_parts(layer: nn.Module, config, index: int) -> None:
     """Give ``layer`` (a Llama decoder layer, its ``__init__`` not run) the parts of block ``index``."""
     layer.hidden_size = config.hidden_size
-    layer.self_attn = LatentAttention(config) if getattr(config, "latent_attention", False) else QkNormAttention(config)
+    if getattr(config, "latent_attention", False):
+        layer.self_attn = LatentAttention(config)
+    elif getattr(config, "llama4_attention", False):
+        layer.self_attn = ChunkedAttention(config, index)
+    else:
+        layer.self_attn = QkNormAttention(config)
     router = getattr(config, "mixture_of_experts", False)
-    if not is_sparse(config, index):
+    if router == LLAMA4:  # its tensors are feed_forward.*; the pinned layer's forward calls self.mlp
+        sparse = is_sparse(config, index)
+        layer.feed_forward = InputScaledMoeMLP(config) if sparse else ExpertMLP(config, config.intermediate_size_mlp)
+        object.__setattr__(layer, "mlp", layer.feed_forward)  # the same module, not registered twice
+    elif not is_sparse(config, index):
         layer.mlp = LlamaMLP(config)
     elif router == MIXTRAL:  # its tensors are block_sparse_moe.*; the pinned layer's forward calls self.mlp
         layer.block_sparse_moe = SparseMoeMLP(config)

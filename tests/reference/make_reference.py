@@ -40,6 +40,13 @@ saved; ``deepseek_v3_fp8`` is the same model as DeepSeek ships it (the e4m3 weig
 ``weight_scale_inv`` per tile, ``quantization_config``). Both folders also hold a multi-token-prediction
 layer after the last block (``model.layers.3.*``, ``num_nextn_predict_layers`` 1), which the forward
 does not use.
+
+Llama 4 (``llama4_text``, a ``Llama4ForCausalLM`` save; no ``*ForSequenceClassification``: the head
+apart, as GLM-4.5's): ``head_dim`` 32, llama3 rope, blocks 1 and 3 a mixture (``interleave_moe_layer_step``
+2) of 8 experts of 32 (fused ``gate_up_proj`` / ``down_proj``), 2 per token (the flagship's 1), scaled
+by the sigmoid of their router logits before they compute, and a shared expert; blocks 0 and 2 a dense
+MLP of ``intermediate_size_mlp``; block 3 without RoPE (``no_rope_layer_interval`` 4), the others with
+it and the L2 norm of q and k; Llama 3's tokenizer.
 """
 import json
 import os
@@ -127,7 +134,7 @@ def tokenizer_of(kind: str):
     from tokenizers import processors
     from transformers import LlamaTokenizerFast, PreTrainedTokenizerFast, Qwen2TokenizerFast
 
-    if kind == "llama3":  # Llama 3: tiktoken-style byte-level BPE, ignore_merges, BOS by its post-processor
+    if kind in ("llama3", "llama4_text"):  # Llama 3 / 4: tiktoken-style byte-level BPE, ignore_merges, BOS
         tok = with_whole_words(train_bpe(True, ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]))
         bos = tok.token_to_id("<|begin_of_text|>")
         tok.post_processor = processors.TemplateProcessing(
@@ -175,6 +182,8 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
         return transformers.DeepseekV3Config(rope_theta=10000.0, **DEEPSEEK, **{
             **common, "num_hidden_layers": DEEPSEEK_LAYERS, "num_key_value_heads": HEADS,
             "max_position_embeddings": 2560})
+    if kind == "llama4_text":  # Llama-4-Maverick-style: dense and MoE blocks alternate, the 4th block without RoPE
+        return transformers.Llama4TextConfig(rope_theta=500000.0, head_dim=HEAD_DIM, **LLAMA4, **common)
     if kind == "glm4_moe":  # GLM-4.5-style, with n_group 2 (the flagship's 1) so that the grouped choice counts
         return transformers.Glm4MoeConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, **GLM_MOE, **common)
     return transformers.Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
@@ -193,11 +202,16 @@ DEEPSEEK = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_he
                 routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1,
                 rope_scaling={"type": "yarn", "factor": 40.0, "mscale": 0.9, "mscale_all_dim": 1.0, "beta_fast": 32,
                               "beta_slow": 1, "original_max_position_embeddings": 64})
+LLAMA4 = dict(num_local_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, intermediate_size_mlp=INTERMEDIATE,
+              interleave_moe_layer_step=2, no_rope_layer_interval=4, use_qk_norm=True,
+              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 64})
 FP8_BLOCK = (24, 24)  # the tiny model's tiles (the flagship's 128 x 128): partial ones at the edges
 FP8_MAX = 448.0  # the largest e4m3 value
 CLASSES = {"llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
-           "glm4_moe": "Glm4Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3"}
-NO_CLASSIFIER = ("glm4_moe",)  # transformers has no *ForSequenceClassification: the backbone times the head
+           "glm4_moe": "Glm4Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "llama4_text": "Llama4"}
+# transformers has no *ForSequenceClassification: the backbone times the head
+NO_CLASSIFIER = ("glm4_moe", "llama4_text")
 
 
 def sparse_layers() -> dict:
@@ -300,7 +314,7 @@ def make(kind: str, out: str) -> dict:
                 tensor.normal_(0.0, 0.5)
             elif key.endswith(("q_norm.weight", "k_norm.weight", "a_layernorm.weight")):
                 tensor.uniform_(0.5, 1.5)
-            elif key.endswith(("mlp.gate.weight", "moe.gate.weight")):  # a router far from uniform: no near-tie
+            elif key.endswith(("mlp.gate.weight", "moe.gate.weight", "router.weight")):  # a router far from uniform
                 tensor.normal_(0.0, 0.3)
         for key, tensor in lm.named_buffers():  # GLM's choice-only bias: big enough to change choices
             if key.endswith("e_score_correction_bias"):
