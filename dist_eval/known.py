@@ -71,16 +71,17 @@ class KnownLogits:
             return np.stack([known[int(r)] for r in rows]), FROM_STORE
         return None
 
-    def took(self, batch_id: int, rows: np.ndarray, logits: np.ndarray, source: Optional[str]) -> None:
+    def took(self, batch_id: int, rows: np.ndarray, logits: np.ndarray, source: Optional[str], taken=None) -> None:
         """A batch done: ``source`` None when a forward computed ``logits`` (kept in the resume folder
-        and the row store), else where they came from (counted).
+        and the row store; ``taken``: the audited swarm servers they come from), else where they
+        came from (counted).
         """
         if source == FROM_RESUME:
             self.rows_resumed += len(rows)
         elif source == FROM_STORE:
             self.rows.served(rows)
         else:
-            self.rows.add(rows, logits)
+            self.rows.add(rows, logits, taken)
             if self.partial is not None:
                 self.partial.add(batch_id, rows, logits)
 

@@ -174,7 +174,7 @@ def _evaluate_again(model: Callable, redo: audit.Redo, put: Callable) -> None:
     for position, again in redo.due():
         logits, _, _, taken = _timed_forward(model, again[2], again)
         redo.redone(position, again, taken, len(again[1]))
-        put(position, again, logits, None)
+        put(position, again, logits, None, taken)
 
 
 def predict_shard(
@@ -200,12 +200,12 @@ def predict_shard(
     forward_seconds, max_batch_seconds = 0.0, 0.0
     redo = audit.Redo()  # batches of a swarm server blamed later are evaluated again, in place
 
-    def put(position: int, batch: Batch, logits: torch.Tensor, source: Optional[str]) -> None:
+    def put(position: int, batch: Batch, logits: torch.Tensor, source: Optional[str], taken) -> None:
         batch_id, rows, _, batch_labels = batch
         rows = np.asarray(rows, dtype=np.int64)
         batch_logits = _checked(logits, batch_id, rows, num_labels)
         if known is not None:
-            known.took(batch_id, rows, batch_logits, source)  # a batch evaluated again: its newer copy wins
+            known.took(batch_id, rows, batch_logits, source, taken)  # a batch evaluated again: its newer copy wins
         # argmax picks the first maximum on ties, the same on every rank
         done = [(preds, batch_logits.argmax(axis=1).astype(np.int64)),
                 (losses, per_sample_cross_entropy(batch_logits, batch_labels)),
@@ -225,7 +225,7 @@ def predict_shard(
         if seconds is not None:
             forward_seconds += seconds
             max_batch_seconds = max(max_batch_seconds, seconds)
-        put(len(indices), batch, logits, source)
+        put(len(indices), batch, logits, source, taken)
         redo.watch(len(indices) - 1, batch, taken)
         _evaluate_again(model, redo, put)
         if on_batch_done is not None:

@@ -24,6 +24,8 @@ from dist_eval.backends.audit import NonFiniteAnswer, summary_line
 from dist_eval.backends.tokenizer import load_tokenizer
 from dist_eval.backends.wire import TEST_FAULT_ENV
 from dist_eval.errors import UsageError
+from dist_eval.rowstore import blamed_servers
+from dist_eval.rowstore.upkeep import key_folders, survey
 
 pytestmark = pytest.mark.swarm
 
@@ -39,9 +41,9 @@ def _rows(n):
             "label": [i % 3 for i in range(n)]}
 
 
-def _local_and_audited(model_dir, checkpoint, swarm, share, rows, batch_size, servers=None):
+def _local_and_audited(model_dir, checkpoint, swarm, share, rows, batch_size, servers=None, row_store=None):
     """(the local backend's result, the audited swarm client's, its audit) on ``rows`` rows
-    (``servers``: the only ones the client may use)."""
+    (``servers``: the only ones the client may use; ``row_store``: the swarm run's)."""
     import datasets
 
     data = datasets.Dataset.from_dict(_rows(rows))
@@ -52,8 +54,9 @@ def _local_and_audited(model_dir, checkpoint, swarm, share, rows, batch_size, se
             model = load_model("local", model_dir, checkpoint=checkpoint) if backend == "local" else \
                 _petals(model_dir, checkpoint, swarm, share, servers)
             try:
+                store = {"row_store": row_store, "save_interval": 0} if row_store and backend == "petals" else {}
                 results.append(evaluate(model, data, tokenizer=tokenizer, batch_size=batch_size, return_logits=True,
-                                        bootstrap_resamples=0))
+                                        bootstrap_resamples=0, **store))
                 audit = model.provenance() and model.provenance()["audit"]
             finally:
                 model.close()
@@ -128,7 +131,7 @@ def test_a_server_that_computes_other_numbers_or_nan_is_found_named_and_left_out
 
 
 def test_a_server_found_wrong_after_its_answers_were_taken_is_left_out_and_its_batches_evaluated_again(
-        tiny_model, tiny_checkpoint, swarm_with_a_changed_replica):
+        tiny_model, tiny_checkpoint, swarm_with_a_changed_replica, tmp_path):
     """The shifting server passes its join probe (its first answers are right), then shifts most of
     its answers, of which the run takes those the share does not replay; once a replay catches one
     (outvoted by the third server), it is left out and every batch it answered is evaluated again on
@@ -139,11 +142,15 @@ def test_a_server_found_wrong_after_its_answers_were_taken_is_left_out_and_its_b
     peers, swarm = swarm_with_a_changed_replica
     shifting = peers[4]
     expected, got, audit = _local_and_audited(tiny_model, tiny_checkpoint, swarm, 0.5, 60, 1,
-                                              servers=[*peers[:2], shifting])
+                                              servers=[*peers[:2], shifting], row_store=str(tmp_path))
     assert_same_bits(got.predictions.logits, expected.predictions.logits, "the logits, its batches evaluated again")
     assert list(audit["excluded"]) == [shifting] and audit["excluded"][shifting]["difference"] > 0, audit
     assert audit["excluded"][shifting]["outvoted_by"] == sorted(peers[:2]), audit
     assert not any(audit["servers"].get(p, {}).get("mismatches") for p in peers[:2]), audit
+    # the row store (written after every batch) serves no row of it, each row recording its servers
+    [(folder, key)] = key_folders(str(tmp_path))
+    assert blamed_servers(folder) == {shifting} and len(survey(folder, key).rows) == 60
+    assert all(servers and shifting not in servers for _, _, servers in survey(folder, key).rows.values())
     taken = audit["excluded"][shifting]["answers_taken_unchecked"]
     assert (f"1 server(s) outvoted and left out: {shifting}" + (f" ({taken} of their earlier answers evaluated again"
                                                                 if taken else " (metrics")) in summary_line(

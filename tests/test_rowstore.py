@@ -556,3 +556,42 @@ def test_a_store_is_verified_and_compacted_reporting_what_it_dropped(assets, tmp
     served = _run(*args, store)
     assert _counts(served) == (ROWS, 0) and np.all(served.predictions.logits == 5.0)  # the newest copies
     assert main(["verify", store]) == theirs  # only another user's file is still skipped
+
+
+def test_rows_record_their_servers_and_those_of_a_blamed_server_are_never_served(tmp_path, capsys):
+    """Issue 49: a swarm's row keeps the servers it came from (under the file's checksum); a server the
+    audit blames is named in a .blamed file: its rows pending are not written, those written before
+    (this run's or an earlier one's) are served by no later run, and compact drops them, keeping the
+    others' servers."""
+    from dist_eval.backends.audit import AuditLedger, Taken
+    from dist_eval.rowstore import RowSource, read_rows
+    from dist_eval.rowstore.upkeep import main
+
+    store = RowStore(str(tmp_path / "store"), {"model": "m"}, {"task": "t"})
+    keys = row_keys([f"row {i}" for i in range(6)], None)
+
+    def run(ledger, batches):
+        source = RowSource((store.folder, store.key, keys, np.zeros(0, np.int64), False), 0, save_interval=3600)
+        for rows, servers in batches:
+            source.add(np.array(rows), np.full((len(rows), 3), float(rows[0]), np.float32),
+                       None if servers is None else Taken(ledger, frozenset(servers)))
+        return source
+
+    first = AuditLedger(share=0.03)
+    run(first, [([0, 1], {"a", "b"}), ([2], {"c"}), ([3], None)]).flush()  # nothing blamed: every row written
+    [written] = _files(str(tmp_path / "store"))
+    assert read_rows(written, store.key, 3)[3] == [("a", "b"), ("a", "b"), ("c",), ()]
+    assert len(store.read(3)) == 4
+    second = AuditLedger(share=0.03)
+    source = run(second, [([4], {"c"}), ([5], {"d"})])
+    second.excluded["c"] = {"rows": 1, "difference": 0.5}  # blamed before the flush: its row 4 is not written
+    source.flush()
+    served = store.read(3)
+    assert sorted(served) == sorted(bytes(keys[i]) for i in (0, 1, 3, 5)), "row 2 (c, written before) and 4 not served"
+    assert served[bytes(keys[5])][2] == ("d",)
+    assert main(["compact", str(tmp_path / "store")]) == 0
+    assert "1 row(s) of blamed servers withheld" in capsys.readouterr().out
+    [compacted] = _files(str(tmp_path / "store"))
+    kept = read_rows(compacted, store.key, 3)
+    assert sorted(zip(kept[0], kept[3])) == sorted([(bytes(keys[0]), ("a", "b")), (bytes(keys[1]), ("a", "b")),
+                                                    (bytes(keys[3]), ()), (bytes(keys[5]), ("d",))])

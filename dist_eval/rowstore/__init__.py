@@ -31,6 +31,12 @@ every logit finite. Any other is skipped (one warning line per run), never read 
 kept by two files (two runs evaluated it) is read from the newest (by modification time, then
 name): ``--fresh-rows`` thus supersedes every older copy.
 
+Provenance: a row a swarm computed records the servers whose answers its logits come from
+(peer ids, in the file's header, under its checksum). A server the swarm audit blames
+(:mod:`dist_eval.backends.audit`) is named in a ``<run>-r<rank>-<n>.blamed`` file of the key's
+folder (written once, as the rows); a run serves no row of a server any such file names, in this
+run or a later one (it is evaluated again), and writes none a server it blamed computed.
+
 Exactness: a row from the store carries the logits of the run that evaluated it. Another
 run's batches may hold that row with other rows or padding, which can change the last bits
 of a float on some kernels; within one run everything is as exact as before, for any number
@@ -56,6 +62,7 @@ from dist_eval.errors import warn
 MAGIC = b"DIST_EVAL_ROWS\x00"
 FORMAT_VERSION = 1
 SUFFIX = ".rows"
+BLAMED_SUFFIX = ".blamed"  # a run's blamed servers: their rows are not served
 KEY_BYTES = 16
 # A row file's size bound (a reader never reads more): a flush of a rank's rows every save interval
 # is far smaller (1M rows of 1000 classes, 4 GB, would be one flush of hours of a swarm's work)
@@ -135,11 +142,17 @@ class RowStore:
         self.folder = os.path.join(root, self.model_key, self.task_key)
         self.facts = {"model": model_facts, "task": task_facts}
 
-    def read(self, num_labels: int) -> Dict[bytes, Tuple[np.ndarray, float]]:
-        """{row key: (logits, seconds it took)} of every valid file; the others skipped, one warning.
-        A file never changes once in place: one process reads each once (a run in rounds reads
-        only the files written since its last round).
+    def read(self, num_labels: int) -> Dict[bytes, Tuple[np.ndarray, float, tuple]]:
+        """{row key: (logits, seconds it took, the servers that computed it)} of every valid file, but
+        rows of a server a ``.blamed`` file names; the other files skipped, one warning. A file never
+        changes once in place: one process reads each once (a run in rounds reads only the files
+        written since its last round).
         """
+        found = self._read(num_labels)
+        blamed = blamed_servers(self.folder)
+        return {k: hit for k, hit in found.items() if not blamed.intersection(hit[2])} if blamed else dict(found)
+
+    def _read(self, num_labels: int) -> Dict[bytes, Tuple[np.ndarray, float, tuple]]:
         read_before, found = _READ.setdefault((self.folder, self.key, num_labels), (set(), {}))
         skipped: List[str] = []
         for path in row_files(self.folder):
@@ -147,12 +160,12 @@ class RowStore:
                 continue
             read_before.add(path)
             try:
-                keys, logits, seconds = read_file(path, self.key, num_labels)
+                keys, logits, seconds, servers = read_rows(path, self.key, num_labels)
             except (OSError, ValueError) as e:
                 skipped.append(f"{os.path.basename(path)} ({e})")
                 continue
             for i, key in enumerate(keys):  # oldest first: the newest copy of a row wins
-                found[key] = (logits[i], float(seconds[i]))
+                found[key] = (logits[i], float(seconds[i]), servers[i])
         if skipped:
             warn(f"row store: skipped {len(skipped)} file(s) in {self.folder} that are not whole rows of this "
                  f"key that this user can trust (first: {skipped[0]}); those rows are evaluated again")
@@ -176,28 +189,69 @@ class RowWriter:
         self.folder, self.key = folder, key
         self.prefix = f"{uuid.uuid4().hex[:12]}-{os.getpid()}-r{rank}"
         self.sequence = 0
-        self.pending: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.pending: List[Tuple[np.ndarray, np.ndarray, np.ndarray, tuple]] = []
+        self.blamed_written: set = set()
 
-    def add(self, keys: np.ndarray, logits: np.ndarray, seconds: np.ndarray) -> None:
+    def add(self, keys: np.ndarray, logits: np.ndarray, seconds: np.ndarray, servers: tuple = ()) -> None:
+        """Rows (``servers``: the swarm servers whose answers the logits of every one of them come from)."""
         if len(keys):
-            self.pending.append((keys, logits, seconds))
+            self.pending.append((keys, logits, seconds, tuple(sorted(servers))))
 
-    def flush(self) -> Optional[str]:
-        if not self.pending:
-            return None
-        keys = np.concatenate([k for k, _, _ in self.pending])
-        logits = np.concatenate([v for _, v, _ in self.pending]).astype("<f4")
-        seconds = np.concatenate([s for _, _, s in self.pending]).astype("<f4")
+    def flush(self, blamed: Optional[Dict[str, dict]] = None) -> Optional[str]:
+        """Write the rows added since the last flush, but those of a server in ``blamed`` (the run's blamed
+        servers, {peer: evidence}: named in a ``.blamed`` file, once each).
+        """
+        blamed = blamed or {}
+        new = {peer: evidence for peer, evidence in blamed.items() if peer not in self.blamed_written}
+        if new:
+            self._write_blamed(new)
+        pending = [part for part in self.pending if not blamed.keys() & set(part[3])]
         self.pending.clear()
+        if not pending:
+            return None
+        keys = np.concatenate([k for k, _, _, _ in pending])
+        logits = np.concatenate([v for _, v, _, _ in pending]).astype("<f4")
+        seconds = np.concatenate([s for _, _, s, _ in pending]).astype("<f4")
+        servers = [part[3] for part in pending for _ in range(len(part[0]))]
         path = os.path.join(self.folder, f"{self.prefix}-{self.sequence:06d}{SUFFIX}")
         self.sequence += 1
         try:
             os.makedirs(self.folder, exist_ok=True)
-            write_file(path, self.key, keys, logits, seconds)
+            write_file(path, self.key, keys, logits, seconds, servers)
         except OSError as e:  # a full or read-only disk costs the reuse, not the run
             warn(f"row store: could not write {path} ({e}); these rows will be evaluated again next time")
             return None
         return path
+
+    def _write_blamed(self, blamed: Dict[str, dict]) -> None:
+        path = os.path.join(self.folder, f"{self.prefix}-{self.sequence:06d}{BLAMED_SUFFIX}")
+        self.sequence += 1
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            atomic_write(path, json.dumps({"format": FORMAT_VERSION, "key": self.key, "blamed": blamed},
+                                          sort_keys=True, default=str) + "\n")
+        except OSError as e:
+            warn(f"row store: could not write {path} ({e}); rows of servers blamed in this run may be served later")
+            return
+        self.blamed_written.update(blamed)
+
+
+def blamed_servers(folder: str) -> set:
+    """The servers the ``.blamed`` files of a key's folder name (those this user can trust: its own
+    regular files): no row of theirs is served.
+    """
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(BLAMED_SUFFIX) and not n.startswith(".")]
+    except OSError:
+        return set()
+    blamed: set = set()
+    for name in names:
+        try:
+            facts = json.loads(read_regular(os.path.join(folder, name), 1 << 20, owner=os.geteuid()))
+            blamed.update(str(peer) for peer in facts["blamed"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not whole, or not this user's: names no server
+    return blamed
 
 
 def row_files(folder: str) -> List[str]:
@@ -223,21 +277,49 @@ def _payload(keys: np.ndarray, logits: np.ndarray, seconds: np.ndarray) -> bytes
             + np.ascontiguousarray(seconds, "<f4").tobytes())
 
 
-def write_file(path: str, key: str, keys: np.ndarray, logits: np.ndarray, seconds: np.ndarray) -> None:
+def _servers_facts(servers: Optional[List[tuple]]) -> Optional[dict]:
+    """The header's ``servers``: the distinct sets of servers, and each row's (an index); None when
+    no row came from a swarm's servers.
+    """
+    if not servers or not any(servers):
+        return None
+    sets: Dict[tuple, int] = {}
+    rows = [sets.setdefault(tuple(sorted(s)), len(sets)) for s in servers]
+    return {"sets": [list(s) for s in sets], "rows": rows}
+
+
+def _checksum(payload: bytes, servers: Optional[dict]) -> str:
+    """The rows' SHA-256, and their servers' where they have some (a row's provenance is checked as its logits are)."""
+    return _sha256(payload if servers is None else payload + json.dumps(servers, sort_keys=True).encode())
+
+
+def write_file(path: str, key: str, keys: np.ndarray, logits: np.ndarray, seconds: np.ndarray,
+               servers: Optional[List[tuple]] = None) -> None:
     """One file of rows: MAGIC, header length (8 bytes), the JSON header, the rows; written
     atomically (:func:`~dist_eval.atomic.atomic_write`: a killed writer leaves no file of this name).
+    ``servers``: each row's swarm servers (the header's ``servers``), or None.
     """
     payload = _payload(keys, logits, seconds)
-    header = json.dumps({"format": FORMAT_VERSION, "key": key, "rows": int(len(keys)),
-                         "num_labels": int(logits.shape[1]), "sha256": _sha256(payload)}).encode()
+    facts = _servers_facts(servers)
+    header = {"format": FORMAT_VERSION, "key": key, "rows": int(len(keys)), "num_labels": int(logits.shape[1]),
+              "sha256": _checksum(payload, facts)}
+    if facts is not None:
+        header["servers"] = facts
+    header = json.dumps(header).encode()
     atomic_write(path, MAGIC + len(header).to_bytes(8, "little") + header + payload)
 
 
 def read_file(path: str, key: str, num_labels: Optional[int]) -> Tuple[List[bytes], np.ndarray, np.ndarray]:
-    """(row keys, logits [n, K], seconds [n]) of a file of ``key``; ValueError when it is not one
-    this user can trust: a regular file this user owns (the store may sit in a folder others can
-    write), of at most MAX_FILE_BYTES, whole, of ``key`` (and of ``num_labels`` classes, unless
-    None: as many as its header says), every logit finite.
+    """(row keys, logits [n, K], seconds [n]) of a file of ``key``, as :func:`read_rows`."""
+    return read_rows(path, key, num_labels)[:3]
+
+
+def read_rows(path: str, key: str, num_labels: Optional[int]) -> Tuple[List[bytes], np.ndarray, np.ndarray, list]:
+    """(row keys, logits [n, K], seconds [n], each row's servers: a tuple of peer ids, () where no
+    swarm's) of a file of ``key``; ValueError when it is not one this user can trust: a regular file
+    this user owns (the store may sit in a folder others can write), of at most MAX_FILE_BYTES,
+    whole, of ``key`` (and of ``num_labels`` classes, unless None: as many as its header says), every
+    logit finite.
     """
     data = read_regular(path, MAX_FILE_BYTES, owner=os.geteuid())
     if not data.startswith(MAGIC):
@@ -255,8 +337,10 @@ def read_file(path: str, key: str, num_labels: Optional[int]) -> Tuple[List[byte
     if num_labels is not None and labels != num_labels or not isinstance(labels, int) or labels < 1 \
             or not isinstance(rows, int) or len(payload) != rows * (KEY_BYTES + 4 * labels + 4):
         raise ValueError("another shape, or cut short")
-    if _sha256(payload) != header.get("sha256"):
+    servers = header.get("servers")
+    if _checksum(payload, servers) != header.get("sha256"):
         raise ValueError("checksum mismatch")
+    row_servers = _row_servers(servers, rows)
     keys_end = rows * KEY_BYTES
     logits_end = keys_end + rows * 4 * labels
     keys = [payload[i:i + KEY_BYTES] for i in range(0, keys_end, KEY_BYTES)]
@@ -264,7 +348,21 @@ def read_file(path: str, key: str, num_labels: Optional[int]) -> Tuple[List[byte
     seconds = np.frombuffer(payload[logits_end:], dtype="<f4")
     if not np.isfinite(logits).all():
         raise ValueError("non-finite logits")
-    return keys, logits, seconds
+    return keys, logits, seconds, row_servers
+
+
+def _row_servers(servers, rows: int) -> list:
+    """Each row's servers from the header's ``servers`` (ValueError where it does not fit)."""
+    if servers is None:
+        return [()] * rows
+    try:
+        sets = [tuple(str(p) for p in s) for s in servers["sets"]]
+        row_servers = [sets[i] for i in servers["rows"]]
+    except (KeyError, TypeError, IndexError):
+        raise ValueError("unreadable servers") from None
+    if len(row_servers) != rows:
+        raise ValueError("unreadable servers")
+    return row_servers
 
 
 def key_bytes(keys: np.ndarray) -> Iterable[bytes]:
@@ -291,6 +389,7 @@ class RowSource:
         self.rows_served, self.seconds_saved = 0, 0.0
         self.read_seconds, self.write_seconds = 0.0, 0.0  # the store's own cost in this run
         self.interval, self.last_flush = save_interval, time.monotonic()
+        self.ledgers: Dict[int, object] = {}  # the swarm audits of the rows added: their blamed servers
         self.last_batch = time.perf_counter()  # the wall time of each batch: since the one before
         if message is None:
             return
@@ -311,22 +410,31 @@ class RowSource:
         self.seconds_saved += sum(self.seconds[int(r)] for r in rows)
         self.last_batch = time.perf_counter()
 
-    def add(self, rows: np.ndarray, logits: np.ndarray) -> None:
+    def add(self, rows: np.ndarray, logits: np.ndarray, taken=None) -> None:
         """Rows just evaluated, written at most every save interval, each with its share of the
-        rank's wall time since the batch before (batches in flight overlap: not their forward's).
+        rank's wall time since the batch before (batches in flight overlap: not their forward's);
+        ``taken`` (:class:`~dist_eval.backends.audit.Taken`): the swarm servers they come from.
         """
         now = time.perf_counter()
         elapsed, self.last_batch = now - self.last_batch, now
         if self.writer is None or not len(rows):
             return
-        self.writer.add(self.key_array[rows], logits, np.full(len(rows), elapsed / len(rows), dtype=np.float32))
+        if taken is not None:
+            self.ledgers.setdefault(id(taken.ledger), taken.ledger)
+        self.writer.add(self.key_array[rows], logits, np.full(len(rows), elapsed / len(rows), dtype=np.float32),
+                        taken.servers if taken is not None else ())
         if time.monotonic() - self.last_flush >= self.interval:
             self.flush()
 
     def flush(self) -> None:
+        """Write the rows pending, but those of a server the audit blamed (named in a ``.blamed`` file)."""
         start = time.perf_counter()
         if self.writer is not None:
-            self.writer.flush()
+            blamed: Dict[str, dict] = {}
+            for ledger in self.ledgers.values():
+                with ledger.lock:
+                    blamed.update(ledger.excluded)
+            self.writer.flush(blamed)
         self.last_flush = time.monotonic()
         self.write_seconds += time.perf_counter() - start
 

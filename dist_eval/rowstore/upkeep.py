@@ -7,8 +7,9 @@ and every file a run skips, with why. Exit status 1 when any file is skipped, el
 
 ``compact`` writes each key folder's rows, the newest copy of each (the copy a run reads), into
 one file (a few above :data:`~dist_eval.rowstore.MAX_FILE_BYTES`) dated as the newest file it
-replaces, then removes the files it replaced and the untrusted files this user owns (a cut or
-corrupted file, non-finite logits, another key's, a FIFO or a link). Another user's files are
+replaces (each row with the servers that computed it; rows of a server a ``.blamed`` file names,
+which no run serves, left out), then removes the files it replaced and the untrusted files this
+user owns (a cut or corrupted file, non-finite logits, another key's, a FIFO or a link). Another user's files are
 left where they are and named: not this user's to remove, and never read. It reports what it
 dropped. A run that reads the folder meanwhile at worst evaluates some rows again; a file a run
 writes meanwhile is neither read nor removed.
@@ -24,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from dist_eval.rowstore import KEY_BYTES, MAX_FILE_BYTES, SUFFIX, read_file, row_files, write_file
+from dist_eval.rowstore import KEY_BYTES, MAX_FILE_BYTES, SUFFIX, blamed_servers, read_rows, row_files, write_file
 
 # room left in a compacted file for its magic, header and JSON
 _HEADER_ROOM = 4096
@@ -38,11 +39,12 @@ class FolderSurvey:
 
     folder: str
     key: str
-    rows: Dict[bytes, Tuple[np.ndarray, float]] = field(default_factory=dict)
+    rows: Dict[bytes, Tuple[np.ndarray, float, tuple]] = field(default_factory=dict)  # logits, seconds, servers
     trusted: List[str] = field(default_factory=list)
     newest_ns: int = 0  # the newest trusted file's modification time
     superseded: int = 0  # copies of a row that a newer file's copy replaces
     skipped: List[Tuple[str, str]] = field(default_factory=list)  # (path, why)
+    blamed: int = 0  # rows of a server a .blamed file names: never served, dropped by compact
 
 
 def key_folders(root: str) -> List[Tuple[str, str]]:
@@ -63,7 +65,7 @@ def survey(folder: str, key: str) -> FolderSurvey:
     num_labels: Optional[int] = None
     for path in row_files(folder):
         try:
-            keys, logits, seconds = read_file(path, key, num_labels)
+            keys, logits, seconds, servers = read_rows(path, key, num_labels)
         except (OSError, ValueError) as e:
             seen.skipped.append((path, str(e)))
             continue
@@ -72,7 +74,11 @@ def survey(folder: str, key: str) -> FolderSurvey:
         seen.newest_ns = max(seen.newest_ns, os.lstat(path).st_mtime_ns)
         for i, row in enumerate(keys):
             seen.superseded += row in seen.rows
-            seen.rows[row] = (logits[i], float(seconds[i]))
+            seen.rows[row] = (logits[i], float(seconds[i]), servers[i])
+    blamed = blamed_servers(folder)
+    if blamed:
+        kept = {row: hit for row, hit in seen.rows.items() if not blamed.intersection(hit[2])}
+        seen.blamed, seen.rows = len(seen.rows) - len(kept), kept
     return seen
 
 
@@ -81,8 +87,8 @@ def compact(seen: FolderSurvey) -> Tuple[List[str], List[str], List[Tuple[str, s
     replaces, then remove them and the untrusted files this user owns. Returns (files written,
     files removed, (file, why) of those left: another user's, or not removable).
     """
-    written = _write_compacted(seen) if len(seen.trusted) > 1 or seen.superseded else []
-    replaced = seen.trusted if written else []
+    written = _write_compacted(seen) if len(seen.trusted) > 1 or seen.superseded or seen.blamed else []
+    replaced = seen.trusted if written or (seen.blamed and not seen.rows) else []
     removed, left = [], []
     for path in [*replaced, *(p for p, _ in seen.skipped)]:
         try:
@@ -100,16 +106,19 @@ def compact(seen: FolderSurvey) -> Tuple[List[str], List[str], List[Tuple[str, s
 
 def _write_compacted(seen: FolderSurvey) -> List[str]:
     """The survey's rows in files of at most MAX_FILE_BYTES, named as no run names its files."""
+    if not seen.rows:
+        return []
     keys = np.frombuffer(b"".join(seen.rows), dtype=np.uint8).reshape(-1, KEY_BYTES)
     logits = np.stack([v[0] for v in seen.rows.values()]).astype("<f4")
     seconds = np.array([v[1] for v in seen.rows.values()], dtype="<f4")
+    servers = [v[2] for v in seen.rows.values()]
     per_file = max(1, (MAX_FILE_BYTES - _HEADER_ROOM) // (KEY_BYTES + 4 * logits.shape[1] + 4))
     prefix = f"{uuid.uuid4().hex[:12]}-{os.getpid()}-compacted"
     written = []
     for n, start in enumerate(range(0, len(keys), per_file)):
         path = os.path.join(seen.folder, f"{prefix}-{n:06d}{SUFFIX}")
         end = start + per_file
-        write_file(path, seen.key, keys[start:end], logits[start:end], seconds[start:end])
+        write_file(path, seen.key, keys[start:end], logits[start:end], seconds[start:end], servers[start:end])
         # as old as the newest file it replaces: a file a run writes meanwhile stays newer
         os.utime(path, ns=(seen.newest_ns, seen.newest_ns))
         written.append(path)
@@ -122,7 +131,8 @@ def _name(path: str, root: str) -> str:
 
 def _say_survey(seen: FolderSurvey, root: str) -> None:
     print(f"{seen.key}: {len(seen.trusted)} file(s) trusted, {len(seen.rows)} row(s), "
-          f"{seen.superseded} older cop(ies) superseded; {len(seen.skipped)} file(s) skipped")
+          f"{seen.superseded} older cop(ies) superseded; {len(seen.skipped)} file(s) skipped"
+          + (f"; {seen.blamed} row(s) of blamed servers withheld" if seen.blamed else ""))
     for path, why in seen.skipped:
         print(f"  skipped {_name(path, root)}: {why}")
 
