@@ -198,6 +198,34 @@ def test_a_server_blamed_after_answers_of_it_were_taken_stops_the_run_in_one_lin
     assert exclude_if_unused(*args, redo=True) == "second" and ledger.excluded["odd"]["answers_taken_unchecked"] == 3
 
 
+def test_the_tolerance_between_other_numerics_is_calibrated_on_the_runs_honest_agreement():
+    """64 ulps of the coarsest dtype until 32 honest agreements, then 8 times the largest difference
+    they showed: an answer 10 ulps off passes before, is caught after; the report says which."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dist_eval.backends import audit
+
+    def span(dtype):
+        info = SimpleNamespace(version="2.2.0", torch_dtype=dtype, quant_type="none", adapters=())
+        return SimpleNamespace(peer_id=dtype, start=0, end=4, server_info=info)
+
+    mixed, answer, ledger = [span("float32"), span("bfloat16")], torch.full((2, 1, 8), 3.0), audit.AuditLedger(0.1)
+    ulp = audit.unit(mixed, answer)
+    assert ulp == torch.finfo(torch.bfloat16).eps * 3.0 and audit.tolerance(mixed[:1] * 2, answer, ledger) is None
+    off = answer + 10 * ulp
+    assert audit.tolerance(mixed, answer, ledger) == 64 * ulp and audit.agree(answer, off, 64 * ulp)
+    for _ in range(audit.CALIBRATE_AFTER):  # honest replicas half an ulp apart
+        ledger.record(["a"], 2, 0.5 * ulp, audit.tolerance(mixed, answer, ledger), ulp)
+    assert audit.tolerance(mixed, answer, ledger) == 4 * ulp and not audit.agree(answer, off, 4 * ulp)
+    facts = ledger.facts()
+    assert facts["tolerance"]["calibrated"] and facts["tolerance"]["ulps"] == 4 and facts["max_tolerance"] == 64 * ulp
+    facts["servers"] = {"a": {"batches": 32}}
+    assert "tolerance 4 ulps, calibrated on 32 honest agreements (largest 0.5 ulps)" in audit.summary_line(
+        {"swarm": {"audit": facts}})
+
+
 def test_the_cli_audits_a_swarm_it_did_not_start_and_reports_it(tiny_model, tiny_checkpoint, tiny_swarm, tmp_path,
                                                                capsys):
     import json

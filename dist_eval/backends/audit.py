@@ -13,7 +13,8 @@ client of dist_eval replays, on a route of other servers:
 The two answers (the hidden states the head reads) must be equal bit for bit where every server
 of both routes announces the same numerics (petals version, dtype, quantization, adapters): a
 forward is computed block by block, and a request replayed whole has the same composition. Where
-they announce different numerics, they must agree within :func:`tolerance` of the coarsest dtype.
+they announce different numerics, they must agree within :func:`tolerance`: 64 ulps of the coarsest
+dtype at first, then calibrated on the honest agreement seen in the run (stated in the report).
 A disagreement is settled by a third route avoiding both (where the swarm has one): the route the
 other two outvote is named, its server blamed where it holds the route alone. A blamed server is
 left out of every route from then on, the majority's answer stands, and the run goes on
@@ -120,7 +121,15 @@ class AuditLedger:
     # peer -> the evidence against it: a server outvoted on the only request whose answer it gave,
     # left out of every route since (the run goes on without it)
     excluded: Dict[str, dict] = field(default_factory=dict)
+    honest_ulps: List[float] = field(default_factory=list)  # each agreement within a tolerance: its difference
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def tolerance_ulps(self) -> float:
+        """The tolerance now, in ulps (:data:`PRIOR_ULPS`, calibrated on the honest agreements seen)."""
+        with self.lock:
+            if len(self.honest_ulps) < CALIBRATE_AFTER:
+                return PRIOR_ULPS
+            return min(PRIOR_ULPS, max(FLOOR_ULPS, CALIBRATED_FACTOR * max(self.honest_ulps)))
 
     def reason_to_replay(self, digest: bytes, peers: Sequence[str]) -> Optional[str]:
         """Why the request of ``digest`` through ``peers`` is replayed ("share", "first batch"), or None."""
@@ -145,8 +154,11 @@ class AuditLedger:
             for p in set(peers):
                 self.servers.setdefault(p, ServerAudit()).unchecked += 1
 
-    def record(self, peers: Sequence[str], rows: int, difference: Optional[float], tolerance: Optional[float]) -> None:
-        """A replay of ``rows`` rows computed by ``peers`` that agreed, ``difference`` apart at most."""
+    def record(self, peers: Sequence[str], rows: int, difference: Optional[float], tolerance: Optional[float],
+               ulp: Optional[float] = None) -> None:
+        """A replay of ``rows`` rows computed by ``peers`` that agreed, ``difference`` apart at most
+        (``ulp``: the tolerance's unit, where it was compared within one: it calibrates the tolerance).
+        """
         with self.lock:
             self.replayed += 1
             self.replayed_rows += rows
@@ -158,6 +170,8 @@ class AuditLedger:
                 self.max_difference = max(self.max_difference, difference)
             if tolerance is not None:
                 self.tolerances.append(tolerance)
+            if ulp and difference is not None:
+                self.honest_ulps.append(difference / ulp)
 
     def blame_non_finite(self, peer: str, rows: int, finite_from: Sequence[str], redo: bool = False) -> bool:
         """``peer`` answered NaN or inf from finite inputs where ``finite_from`` answered numbers: left
@@ -185,12 +199,23 @@ class AuditLedger:
                 "replays_failed": self.replays_failed,
                 "max_difference": self.max_difference,
                 "max_tolerance": max(self.tolerances) if self.tolerances else 0.0,
+                "tolerance": _tolerance_facts(len(self.honest_ulps), max(self.honest_ulps, default=0.0)),
                 "coverage_gaps": {str(b): n for b, n in sorted(self.gaps.items())},
                 "excluded": dict(sorted(self.excluded.items())),
                 "servers": {p: {"computed": a.computed, "batches": a.batches, "rows": a.rows,
                                 "mismatches": a.mismatches, "unchecked": a.unchecked, **_unseen(a.batches)}
                             for p, a in sorted(self.servers.items())},
             }
+
+
+def _tolerance_facts(agreements: int, largest: float) -> dict:
+    """How the tolerance between servers of other numerics was set (``run.swarm.audit.tolerance``)."""
+    calibrated = agreements >= CALIBRATE_AFTER
+    return {"honest_agreements": agreements, "largest_honest_ulps": largest, "calibrated": calibrated,
+            "ulps": min(PRIOR_ULPS, max(FLOOR_ULPS, CALIBRATED_FACTOR * largest)) if calibrated else PRIOR_ULPS,
+            "rule": f"{PRIOR_ULPS:g} ulps of the coarsest dtype at the answer's magnitude until {CALIBRATE_AFTER} "
+                    f"honest agreements, then {CALIBRATED_FACTOR:g} times the largest difference they showed "
+                    f"(at least {FLOOR_ULPS:g}, at most {PRIOR_ULPS:g})"}
 
 
 def _unseen(replayed: int) -> dict:
@@ -248,15 +273,32 @@ def numerics(span) -> Tuple:
     return (info.version, str(info.torch_dtype), str(info.quant_type), tuple(info.adapters or ()))
 
 
-def tolerance(spans: Sequence, reference: torch.Tensor) -> Optional[float]:
-    """None (bit for bit) where every span announces the same numerics; else a bound on the
-    difference of two honest answers: 64 units of the coarsest dtype's precision at the answer's
-    largest magnitude.
+# The tolerance between servers of other numerics, in units (ulps) of the coarsest dtype's precision at
+# the answer's largest magnitude: PRIOR_ULPS until the run has seen CALIBRATE_AFTER honest agreements,
+# then CALIBRATED_FACTOR times the largest difference they showed (never above the prior, never below
+# FLOOR_ULPS): a server a little off (another revision's small change) is caught once the run knows how
+# close honest replicas come; the margin keeps an honest answer's tail from being blamed.
+PRIOR_ULPS, CALIBRATE_AFTER, CALIBRATED_FACTOR, FLOOR_ULPS = 64.0, 32, 8.0, 4.0
+
+
+def unit(spans: Sequence, reference: torch.Tensor) -> Optional[float]:
+    """None (bit for bit) where every span announces the same numerics; else one ulp of the
+    coarsest dtype's precision at the answer's largest magnitude (the tolerance's unit).
     """
     if len({numerics(s) for s in spans}) <= 1:
         return None
     eps = max(torch.finfo(_dtype(s.server_info.torch_dtype)).eps for s in spans)
-    return float(64 * eps * max(1.0, reference.abs().max().item()))
+    return float(eps * max(1.0, reference.abs().max().item()))
+
+
+def tolerance(spans: Sequence, reference: torch.Tensor, ledger: Optional[AuditLedger] = None) -> Optional[float]:
+    """None (bit for bit) where every span announces the same numerics; else a bound on the
+    difference of two honest answers: :meth:`AuditLedger.tolerance_ulps` units (:func:`unit`).
+    """
+    one = unit(spans, reference)
+    if one is None:
+        return None
+    return one * (ledger.tolerance_ulps() if ledger is not None else PRIOR_ULPS)
 
 
 def _dtype(name) -> torch.dtype:
@@ -298,6 +340,9 @@ def combine(facts: Sequence[Optional[dict]]) -> Optional[dict]:
     excluded = {peer: evidence for f in facts for peer, evidence in f.get("excluded", {}).items()}
     return {"share": facts[0]["share"], **total, "max_difference": max(f["max_difference"] for f in facts),
             "max_tolerance": max(f["max_tolerance"] for f in facts),
+            # every rank calibrates its own; the report's: the widest
+            "tolerance": max((f["tolerance"] for f in facts if "tolerance" in f), key=lambda t: t["ulps"],
+                             default=_tolerance_facts(0, 0.0)),
             "coverage_gaps": dict(sorted(gaps.items(), key=lambda kv: int(kv[0]))),
             "excluded": dict(sorted(excluded.items())),
             "servers": dict(sorted(servers.items()))}
@@ -312,7 +357,7 @@ def summary_line(run: dict) -> str:
     excluded = facts.get("excluded") or {}
     compared = "bit for bit" if not facts["max_tolerance"] else (
         f"within {facts['max_tolerance']:.2g} (servers of other numerics; largest difference "
-        f"{facts['max_difference']:.2g})")
+        f"{facts['max_difference']:.2g}; tolerance {_said_tolerance(facts.get('tolerance'))})")
     agreed = "the others all equal" if excluded else "all equal"
     redone = sum(evidence.get("answers_taken_unchecked", 0) for evidence in excluded.values())
     return (f"  swarm audit: {facts['replayed']} of {facts['requests']} requests ({facts['replayed_rows']} rows) "
@@ -323,6 +368,15 @@ def summary_line(run: dict) -> str:
                + (f" ({redone} of their earlier answers evaluated again on the others)" if redone else "")
                if excluded else "")
             + " (metrics.json run.swarm.audit)")
+
+
+def _said_tolerance(tolerance: Optional[dict]) -> str:
+    if not tolerance:
+        return f"{PRIOR_ULPS:g} ulps"
+    if not tolerance["calibrated"]:
+        return f"{tolerance['ulps']:g} ulps, not yet calibrated ({tolerance['honest_agreements']} honest agreements)"
+    return (f"{tolerance['ulps']:.3g} ulps, calibrated on {tolerance['honest_agreements']} honest agreements "
+            f"(largest {tolerance['largest_honest_ulps']:.3g} ulps)")
 
 
 def describe(spans: Sequence) -> str:

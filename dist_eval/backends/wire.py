@@ -446,9 +446,10 @@ async def _audit(request: _Request, manager, route: list, answer: torch.Tensor, 
     if replayed is None:
         ledger.taken_unchecked(peers, replay_failed=other is not None)
         return answer
-    bound = audit.tolerance([*route, *other], answer)
+    ulp = audit.unit([*route, *other], answer)
+    bound = audit.tolerance([*route, *other], answer, ledger)
     if audit.agree(answer, replayed, bound):
-        ledger.record(peers, rows, audit.difference(answer, replayed), bound)
+        ledger.record(peers, rows, audit.difference(answer, replayed), bound, ulp)
         return answer
     third, settled = await _elsewhere(request, manager, set(peers) | {str(s.peer_id) for s in other}, own_digest,
                                       ledger, route)
@@ -456,7 +457,7 @@ async def _audit(request: _Request, manager, route: list, answer: torch.Tensor, 
     if settled is None:
         third = None  # no third answer: no verdict
     else:
-        third_bound = audit.tolerance([*route, *other, *third], answer)
+        third_bound = audit.tolerance([*route, *other, *third], answer, ledger)
         agrees_with = "first" if audit.agree(answer, settled, third_bound) else \
             "second" if audit.agree(replayed, settled, third_bound) else None
     gap = audit.difference(answer, replayed)
