@@ -186,6 +186,13 @@ NOT_COMPUTED = {
     "qwen2_moe": "mixture-of-experts blocks with a shared expert",
     "gemma": "scaled embeddings and GeGLU blocks", "gemma2": "soft-capped, alternating sliding attention",
     "gemma3": "soft-capped, alternating sliding attention", "phi3": "fused projections and longrope",
+    "qwen3_next": "linear-attention (Gated DeltaNet) layers beside full attention",
+    "qwen3_5": "linear-attention (Gated DeltaNet) layers beside full attention",
+    "qwen3_5_moe": "linear-attention (Gated DeltaNet) layers beside full attention",
+    "glm5_next": "linear-attention layers beside full attention",
+    "deepseek_v32": "sparse attention (an indexer keeping index_topk positions per query)",
+    "deepseek_v4": "compressed sparse attention and hyper-connections (a widened residual stream)",
+    "gpt_oss": "attention sinks, a 128-token sliding window on alternate layers and MXFP4 experts",
     "llama4": ("multimodal layout (a vision tower, the text model under language_model.: save that text model "
                "alone, Llama4ForConditionalGeneration's .language_model.save_pretrained(DIR), model_type "
                "llama4_text, which works)"),
@@ -218,6 +225,9 @@ def _block_refusal(config, options: dict) -> str:
         if kv_heads not in (None, heads):
             return (f"num_key_value_heads {kv_heads} in config.json is not num_attention_heads ({heads}); the "
                     "latent attention gives every head its own key")
+        if getattr(config, "index_topk", None):  # DeepSeek V3.2's indexer in a deepseek_v3 config
+            return (f"index_topk {config.index_topk} in config.json (DeepSeek V3.2's sparse attention) is not "
+                    "computed here (the latent attention is dense)")
         scoring = getattr(config, "scoring_func", "sigmoid")
         if scoring != "sigmoid":
             return f"scoring_func {scoring!r} in config.json is not computed here (the router's scores: sigmoid)"
