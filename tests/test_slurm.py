@@ -39,7 +39,8 @@ def cluster(tmp_path_factory):
     the same metrics, and the most of a small run's CPU after its imports, on a machine its jobs share)."""
     folder = tmp_path_factory.mktemp("slurm")
     with SlurmCluster(str(folder)) as c:
-        c.job_env = {"PYTHONPATH": without_modules(folder / "hidden", "matplotlib")}
+        hidden = without_modules(folder / "hidden", "matplotlib")
+        c.job_env = {"PYTHONPATH": os.pathsep.join(p for p in (hidden, os.environ.get("PYTHONPATH")) if p)}
         yield c
 
 
