@@ -141,3 +141,97 @@ def _read_num_blocks(model_dir: str) -> int:
 def _default_prefix(model_dir: str) -> str:
     base = os.path.basename(os.path.normpath(os.path.abspath(model_dir)))
     return "dist_eval-" + (re.sub(r"[^A-Za-z0-9_-]", "_", base) or "model")
+
+
+def block_parameters(config: dict) -> List[int]:
+    """The number of weights of each block of a model, from its config.json (a dict) alone: the
+    shapes of the block dist_eval computes for its family (attention, latent attention, dense MLP
+    or mixture of experts by the family's rule, norms), no weights read. A multimodal config's
+    ``text_config`` is the text model's. What a server loading the block holds, in values.
+    """
+    config = dict(config.get("text_config") or config)
+    if config.get("model_type") in ("bloom", "falcon"):
+        raise SwarmError(f"config.json: the blocks of model_type {config['model_type']!r} are not counted here "
+                         "(every block of theirs is the same size)")
+    count = _config_int(config, "num_hidden_layers", "n_layer", "num_layers")
+    return [_attention_parameters(config) + _mlp_parameters(config, i) + 2 * config["hidden_size"]
+            for i in range(count)]
+
+
+def _config_int(config: dict, *keys: str) -> int:
+    for key in keys:
+        if isinstance(config.get(key), int) and config[key] >= 1:
+            return config[key]
+    raise SwarmError(f"config.json: no positive {' or '.join(keys)}; is this a transformer model?")
+
+
+def _attention_parameters(config: dict) -> int:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if config.get("kv_lora_rank"):  # DeepSeek-V3's latent attention
+        q_rank, kv_rank = config.get("q_lora_rank"), config["kv_lora_rank"]
+        nope, rope, value = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+        query = hidden * q_rank + q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+        return query + hidden * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + value) + heads * value * hidden
+    head_dim = config.get("head_dim") or hidden // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    inner, kv_inner = heads * head_dim, kv_heads * head_dim
+    total = 2 * hidden * inner + 2 * hidden * kv_inner
+    if config.get("attention_bias"):  # q, k, v (and o but in GLM-4.5)
+        total += inner + 2 * kv_inner + (hidden if config.get("model_type") != "glm4_moe" else 0)
+    elif config.get("model_type") == "qwen2":  # q, k and v always
+        total += inner + 2 * kv_inner
+    norms = config.get("model_type") in ("qwen3", "qwen3_moe") or (
+        config.get("model_type") == "glm4_moe" and config.get("use_qk_norm"))
+    return total + (2 * head_dim if norms else 0)
+
+
+def _mlp_parameters(config: dict, index: int) -> int:
+    hidden, kind = config["hidden_size"], config.get("model_type")
+
+    def gated(inner: int) -> int:
+        return 3 * hidden * inner
+
+    if kind == "mixtral":
+        return config["num_local_experts"] * (gated(config["intermediate_size"]) + hidden)
+    if kind in ("llama4_text", "llama4"):
+        step = config.get("interleave_moe_layer_step", 1)
+        moe_layers = config.get("moe_layers")
+        moe_layers = moe_layers if moe_layers is not None else range(step - 1, config["num_hidden_layers"], step)
+        if index not in moe_layers:
+            return gated(config.get("intermediate_size_mlp", 16384))
+        experts = config.get("num_local_experts", 16)
+        return experts * (gated(config["intermediate_size"]) + hidden) + gated(config["intermediate_size"])
+    if config.get("n_routed_experts") and index >= config.get("first_k_dense_replace", 0):
+        experts, inner = config["n_routed_experts"], config["moe_intermediate_size"]
+        return experts * (gated(inner) + hidden + 1) + gated(inner * config.get("n_shared_experts", 1))
+    if config.get("num_experts") and kind == "qwen3_moe":
+        sparse = index not in (config.get("mlp_only_layers") or ()) and (
+            (index + 1) % config.get("decoder_sparse_step", 1) == 0)
+        if sparse:
+            return config["num_experts"] * (gated(config["moe_intermediate_size"]) + hidden)
+    return gated(config["intermediate_size"])
+
+
+def plan_by_size(block_bytes: Sequence[int], budgets: Sequence[int]) -> List[Tuple[int, int]]:
+    """Contiguous block ranges, one per server in order: each takes as many of the next blocks as fit
+    in its ``budgets`` bytes by each block's own size (``block_bytes``: a mixture-of-experts block
+    weighs many dense ones), the last range ending at the last block. SwarmError, naming the block,
+    when one does not fit a server's budget or the servers cannot hold every block.
+    """
+    gib, ranges, start = 2**30, [], 0
+    for server, budget in enumerate(budgets):
+        end, used = start, 0
+        while end < len(block_bytes) and used + block_bytes[end] <= budget:
+            used, end = used + block_bytes[end], end + 1
+        if end == start and start < len(block_bytes):
+            raise SwarmError(f"block {start} ({block_bytes[start] / gib:.1f} GiB) does not fit server {server}'s "
+                             f"share ({budget / gib:.1f} GiB): give the servers more memory or fewer blocks each")
+        ranges.append((start, end))
+        start = end
+        if start == len(block_bytes):
+            break
+    if start < len(block_bytes):
+        rest = sum(block_bytes[start:])
+        raise SwarmError(f"{len(budgets)} server(s) hold blocks 0:{start}; blocks {start}:{len(block_bytes)} "
+                         f"({rest / gib:.1f} GiB) fit none: start more servers")
+    return ranges

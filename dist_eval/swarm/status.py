@@ -7,7 +7,9 @@ whether it answers).
 A block is served when a server announces it ONLINE and answers a dial (a server killed
 outright stays announced ONLINE until its record expires). Exit status: 0 when every block is
 served, 1 when a block is not, 2 on bad flags or when no peer answers. ``--json`` prints one
-JSON object instead of the table.
+JSON object instead of the table. With ``--model``, each server's line also says how much its
+blocks weigh in the dtype it announces, by each block's own shapes (config.json: a mixture-of-experts
+block weighs many dense ones; :func:`dist_eval.swarm.placement.block_parameters`).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from functools import partial
 from typing import Dict, List, Optional, Sequence
 
 from dist_eval.errors import printable
-from dist_eval.swarm.placement import SwarmError, _check_peers, _default_prefix, _read_num_blocks
+from dist_eval.swarm.placement import SwarmError, _check_peers, _default_prefix, _read_num_blocks, block_parameters
 
 _PROBE_SECONDS = 5.0  # a server that does not answer a dial within this is listed unreachable
 _FIRST_LOOKUP = 64  # blocks read at first when the block count is not given
@@ -118,6 +120,40 @@ def _as_dict(prefix: str, infos, addresses: Dict[str, List[str]], guessed: bool)
             "blocks": blocks, "unserved": unserved, "healthy": bool(blocks) and not unserved}
 
 
+_VALUE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def model_block_parameters(model_dir: str) -> Optional[List[int]]:
+    """Each block's number of weights by the folder's config.json (placement.block_parameters); None
+    where it cannot say (no config.json, a family it does not count).
+    """
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return block_parameters(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SwarmError):
+        return None
+
+
+def add_sizes(status: dict, parameters: List[int]) -> dict:
+    """``status`` with each block's weights (``block_parameters``) and each server's ``weight_bytes``:
+    its blocks' weights in the dtype it announces (None where its range is not the model's).
+    """
+    status["block_parameters"] = list(parameters)
+    for server in status["servers"]:
+        first, last = server["blocks"]
+        value = _VALUE_BYTES.get(server["torch_dtype"].replace("torch.", ""), 4)
+        inside = isinstance(first, int) and isinstance(last, int) and 0 <= first < last <= len(parameters)
+        server["weight_bytes"] = sum(parameters[first:last]) * value if inside else None
+    return status
+
+
+def _size(count: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count / 2**10:.1f} KiB"
+
+
 def render(status: dict) -> str:
     """The table: the servers, then each range of blocks with the same servers."""
     lines = [f"dht prefix {status['dht_prefix']}: {status['num_blocks']} block(s)"
@@ -126,7 +162,8 @@ def render(status: dict) -> str:
     tags = {s["peer_id"]: f"S{i}" for i, s in enumerate(status["servers"])}
     for s in status["servers"]:
         address = s["addresses"][0] + f"/p2p/{s['peer_id']}" if s["addresses"] else s["peer_id"]
-        lines.append(f"  {tags[s['peer_id']]}  {s['state']:<7}  blocks {s['blocks'][0]}:{s['blocks'][1]}  "
+        size = f" ({_size(s['weight_bytes'])})" if s.get("weight_bytes") is not None else ""
+        lines.append(f"  {tags[s['peer_id']]}  {s['state']:<7}  blocks {s['blocks'][0]}:{s['blocks'][1]}{size}  "
                      f"{s['torch_dtype'].replace('torch.', '')}  throughput {s['throughput']:g}  "
                      f"petals {s['version']}  {'reachable' if s['reachable'] else 'UNREACHABLE'}  {address}")
     for first, last, block in _runs(status["blocks"]):
@@ -166,6 +203,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SwarmError("--dht-prefix: required without --model (the prefix the servers announce their "
                              "blocks under, e.g. --dht-prefix my-llama).")
         status = read_swarm(peers, prefix, num_blocks, args.timeout)
+        parameters = model_block_parameters(args.model) if args.model is not None else None
+        if parameters is not None and len(parameters) == status["num_blocks"]:
+            add_sizes(status, parameters)  # each server's share by its blocks' real sizes
     except SwarmError as e:
         print(f"dist_eval.swarm status: error: {printable(e)}", file=sys.stderr, flush=True)  # a peer's words, maybe
         return 2

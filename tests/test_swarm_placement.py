@@ -1,0 +1,92 @@
+"""Big blocks placed by their size (issue 48): each block's weights counted from config.json alone
+(dist_eval.swarm.placement.block_parameters) equal the blocks dist_eval builds, tensor for tensor,
+for every family it counts; on the published configs' shapes (no weights) they give the figures of
+a block in bf16 that decide placement (a DeepSeek-V3 mixture-of-experts block 23 GB, its dense
+prefix blocks 1.2 GB); servers take as many blocks as fit their share by those sizes
+(plan_by_size); `swarm status --model` shows each server's share. Fast: no processes."""
+import pytest
+
+from dist_eval.backends.families import FAMILIES
+from dist_eval.swarm.placement import SwarmError, block_parameters, plan_by_size
+from dist_eval.swarm.status import add_sizes, render
+
+GB = 10**9
+# the published configs' shapes (the keys block_parameters reads; hub config.json files hold them)
+DEEPSEEK_V3 = dict(model_type="deepseek_v3", hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
+                   num_hidden_layers=61, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+                   n_shared_experts=1, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
+                   qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+KIMI_K2 = dict(DEEPSEEK_V3, model_type="kimi_k2", num_attention_heads=64, num_key_value_heads=64,
+               n_routed_experts=384, first_k_dense_replace=1)
+LLAMA4_MAVERICK = {"model_type": "llama4", "text_config": dict(
+    model_type="llama4_text", hidden_size=5120, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+    num_hidden_layers=48, intermediate_size=8192, intermediate_size_mlp=16384, num_local_experts=128,
+    interleave_moe_layer_step=2)}
+GLM_45 = dict(model_type="glm4_moe", hidden_size=5120, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+              num_hidden_layers=92, intermediate_size=12288, moe_intermediate_size=1536, n_routed_experts=160,
+              n_shared_experts=1, first_k_dense_replace=3, attention_bias=True, use_qk_norm=True)
+QWEN3_235B = dict(model_type="qwen3_moe", hidden_size=4096, num_attention_heads=64, num_key_value_heads=4,
+                  head_dim=128, num_hidden_layers=94, intermediate_size=12288, moe_intermediate_size=1536,
+                  num_experts=128, decoder_sparse_step=1, mlp_only_layers=[])
+MIXTRAL_8X22B = dict(model_type="mixtral", hidden_size=6144, num_attention_heads=48, num_key_value_heads=8,
+                     num_hidden_layers=56, intermediate_size=16384, num_local_experts=8)
+
+
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"bloom", "falcon"}))
+def test_the_count_from_config_json_is_the_blocks_dist_eval_builds(name):
+    """Every block of a tiny model of the family (dense and mixture blocks, by index) holds exactly
+    as many weights as block_parameters counts from its config alone."""
+    from conftest import _tiny_config
+
+    from dist_eval.backends.blocks import family_class
+
+    config = _tiny_config(name, 64, 4)
+    model = family_class(FAMILIES[name].local_class, in_petals=False)(config)
+    built = [sum(t.numel() for t in layer.state_dict().values()) for layer in model.model.layers]
+    assert block_parameters(config.to_dict()) == built
+    assert len(set(built)) > 1 or name not in ("deepseek_v3", "kimi_k2", "glm4_moe", "qwen3_moe", "llama4_text")
+
+
+def test_real_configs_give_the_published_block_sizes():
+    """One block in bf16 from the published shapes (no weights): the figures that decide placement."""
+    bf16 = {name: [2 * n for n in block_parameters(config)] for name, config in (
+        ("deepseek_v3", DEEPSEEK_V3), ("kimi_k2", KIMI_K2), ("llama4", LLAMA4_MAVERICK), ("glm4_moe", GLM_45),
+        ("qwen3_moe", QWEN3_235B), ("mixtral", MIXTRAL_8X22B))}
+    deepseek = bf16["deepseek_v3"]
+    assert len(deepseek) == 61 and deepseek[:3] == [deepseek[0]] * 3 and 1.1 * GB < deepseek[0] < 1.2 * GB
+    assert set(deepseek[3:]) == {deepseek[3]} and 22.9 * GB < deepseek[3] < 23.1 * GB
+    assert 1330 * GB < sum(deepseek) < 1345 * GB  # 671B parameters with the embeddings and the MTP layer
+    assert 34.0 * GB < bf16["kimi_k2"][1] < 34.2 * GB and bf16["kimi_k2"][0] < 1.2 * GB
+    maverick = bf16["llama4"]
+    assert maverick[0] < 0.7 * GB and 32.5 * GB < maverick[1] < 32.7 * GB and 33.1 * GB < sum(maverick[:2]) < 33.3 * GB
+    assert 7.8 * GB < bf16["glm4_moe"][3] < 7.9 * GB and bf16["glm4_moe"][2] < 1.0 * GB
+    assert 4.9 * GB < bf16["qwen3_moe"][0] < 5.0 * GB and 5.0 * GB < bf16["mixtral"][0] < 5.1 * GB
+
+
+def test_servers_take_as_many_blocks_as_fit_their_share_by_each_blocks_size():
+    """DeepSeek-V3 on 80 GB shares: the first server takes the three small dense blocks and three
+    mixture blocks, the others three mixture blocks each; a 16 GB share holds no mixture block."""
+    sizes = [2 * n for n in block_parameters(DEEPSEEK_V3)]
+    plan = plan_by_size(sizes, [80 * GB] * 24)
+    assert plan[0] == (0, 6) and plan[1] == (6, 9) and plan[-1][1] == 61
+    assert all(sum(sizes[a:b]) <= 80 * GB for a, b in plan) and all(a < b for a, b in plan)
+    assert [b for _, b in plan[:-1]] == [a for a, _ in plan[1:]]  # contiguous, every block once
+    with pytest.raises(SwarmError, match=r"block 3 \(21.4 GiB\) does not fit server 1's share \(14.9 GiB\)"):
+        plan_by_size(sizes, [16 * GB] * 100)  # server 0 takes the dense blocks 0:3
+    with pytest.raises(SwarmError, match=r"2 server\(s\) hold blocks 0:9; blocks 9:61 .* fit none"):
+        plan_by_size(sizes, [80 * GB] * 2)
+
+
+def test_swarm_status_shows_each_servers_share_by_its_blocks_sizes():
+    sizes = block_parameters(DEEPSEEK_V3)
+    status = {"dht_prefix": "dist_eval-deepseek", "num_blocks": 61, "num_blocks_from": "given", "unserved": [],
+              "healthy": True, "blocks": [{"block": i, "servers": ["A" if i < 6 else "B"],
+                                            "online": ["A" if i < 6 else "B"]} for i in range(61)],
+              "servers": [dict(peer_id=peer, addresses=[], reachable=True, state="ONLINE", blocks=blocks,
+                               torch_dtype="torch.bfloat16", quant_type="NONE", throughput=1.0, version="2.2.0")
+                          for peer, blocks in (("A", [0, 6]), ("B", [6, 61]))]}
+    add_sizes(status, sizes)
+    assert status["servers"][0]["weight_bytes"] == 2 * sum(sizes[:6]) and status["block_parameters"] == sizes
+    lines = render(status).splitlines()
+    assert lines[1].startswith("  S0  ONLINE   blocks 0:6 (67.6 GiB)  bfloat16")
+    assert lines[2].startswith("  S1  ONLINE   blocks 6:61 (1178.9 GiB)  bfloat16")
