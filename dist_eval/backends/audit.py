@@ -113,6 +113,7 @@ class AuditLedger:
     servers: Dict[str, ServerAudit] = field(default_factory=dict)
     requests: int = 0  # every request the client completed
     replayed: int = 0  # those replayed on another route
+    probes: int = 0  # requests picked for a replay as a join probe (a server no replay had agreed with yet)
     replayed_rows: int = 0
     replays_failed: int = 0  # a replay's server failed: no verdict (the request itself stands)
     gaps: Dict[int, int] = field(default_factory=dict)  # block -> replays it could not get from another server
@@ -142,6 +143,7 @@ class AuditLedger:
             # the join probe: every request through a server no replay has agreed with yet (its
             # requests in flight at once, and after a replay that failed, included)
             if not all(self.servers[p].verified for p in peers):
+                self.probes += 1
                 return "first batch"
         draw = int.from_bytes(hashlib.blake2b(digest, digest_size=8, key=self.seed.to_bytes(8, "little")).digest(),
                               "little")
@@ -195,6 +197,7 @@ class AuditLedger:
                 "share": self.share,
                 "requests": self.requests,
                 "replayed": self.replayed,
+                "join_probes": self.probes,
                 "replayed_rows": self.replayed_rows,
                 "replays_failed": self.replays_failed,
                 "max_difference": self.max_difference,
@@ -325,7 +328,8 @@ def combine(facts: Sequence[Optional[dict]]) -> Optional[dict]:
     facts = [f for f in facts if f]
     if not facts:
         return None
-    total = {key: sum(f[key] for f in facts) for key in ("requests", "replayed", "replayed_rows", "replays_failed")}
+    total = {key: sum(f.get(key, 0) for f in facts)
+             for key in ("requests", "replayed", "join_probes", "replayed_rows", "replays_failed")}
     gaps: Dict[str, int] = {}
     servers: Dict[str, dict] = {}
     for f in facts:
