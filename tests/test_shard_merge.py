@@ -172,16 +172,19 @@ def test_the_merge_refuses_in_one_line_naming_the_shard(runs, tmp_path, capsys):
 
 def test_shards_given_the_files_in_another_order_merge_into_one_run(tiny_model, tiny_checkpoint, tmp_path):
     """A --limit sample is in the rows' content order, whatever the files' order: shard 1/2 given the
-    files the other way round still merges with shard 0/2 into one run's report (the tiny model)."""
+    files the other way round still merges with shard 0/2 into one run's report (the tiny model),
+    clustered intervals too (--cluster-by: the same for any order of the files)."""
     first, second = (write_csv(str(tmp_path / f"{name}.csv"), 30, seed=seed) for name, seed in (("a", 1), ("b", 2)))
     flags = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--progress", "none",
-             "--quiet", "--bootstrap-resamples", "50", "--save-logits", "--batch-size", "4", "--limit", "59"]
+             "--quiet", "--bootstrap-resamples", "50", "--save-logits", "--batch-size", "4", "--limit", "59",
+             "--cluster-by", "label"]
     for out, files, shard in (("whole", (first, second), []), ("s0", (first, second), ["--shard", "0/2"]),
                               ("s1", (second, first), ["--shard", "1/2"])):
         assert run_cli_in_process([*flags, "--data-files", *files, *shard, "--output-dir", str(tmp_path / out)],
                                   hide_modules=("matplotlib",)) == 0
     assert merge([tmp_path / "s0", tmp_path / "s1"], tmp_path / "merged") == 0
     assert_same_report(tmp_path / "merged", tmp_path / "whole", files=("predictions.jsonl", "per_class.csv"))
+    assert json.loads((tmp_path / "merged" / "metrics.json").read_text())["clustering"]["clusters"] == 3
 
 
 def test_partial_reports_what_it_has_and_counts_what_is_missing(runs, tmp_path, capsys):
