@@ -239,6 +239,8 @@ def _plan(rows, settings, lengths: Optional[np.ndarray], prefix_tokens: int) -> 
 # Rows tokenized at once as the batches come (see dataset_batches): the rows of the next
 # batches up to this many, so that each read of the dataset serves several batches.
 _AHEAD_ROWS = 256
+# Batches between two trims of the heap in the forwards (each a few milliseconds)
+_TRIM_EVERY = 256
 
 
 def dataset_batches(
@@ -352,6 +354,8 @@ def padded_batches(batch_ids: List[int], planned: List[np.ndarray], labels: np.n
     ones, up to _AHEAD_ROWS rows, in one call.
     """
     for position, b in enumerate(batch_ids):
+        if position % _TRIM_EVERY == 0:  # a batch's garbage (ids, tensors, results) freed, given back
+            trim_heap()
         batch_rows = planned[b].tolist()
         if len(_missing(by_row, planned[b])):
             todo: List[int] = []
