@@ -76,9 +76,14 @@ def test_limit_evaluates_the_same_rows_for_any_order(tiny_model, tiny_checkpoint
     strip = [{k: v for k, v in m.items() if k != "run"} for m in metrics]
     assert_same_bits(strip[1], strip[0], "metrics.json, the file shuffled against in order")
     assert "17 of 60 rows, a random sample (--limit 17 --limit-seed 3)" in open(tmp_path / "a" / "report.html").read()
-    # --limit 0: every row
-    assert run_cli_in_process(local_args(tiny_model, tiny_checkpoint, data, tmp_path / "d", "--limit", "0")) == 0
-    assert json.load(open(tmp_path / "d" / "metrics.json"))["num_samples"] == 60
+    # --limit 0: every row (the rows the CLI's evaluation draws: draw_rows)
+    import datasets
+
+    from dist_eval.config import Settings
+    from dist_eval.data.sample import draw_rows
+
+    every = draw_rows(datasets.load_dataset("csv", data_files=data, split="train"), Settings(limit=0))
+    assert len(every) == 60 and every.facts()["rows"] == every.facts()["rows_in_data"] == 60
 
 
 def _reference_keys(columns, seed):
