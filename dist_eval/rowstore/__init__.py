@@ -455,10 +455,7 @@ def open_rows(store: Optional[RowStore], fresh: bool, data, columns: List[str], 
             warn(f"row store: cannot write in {store.folder} ({e}); evaluating every row, storing none")
             store = None
     if ranks.is_main_process() and store is not None:
-        from dist_eval.data.sample import column_values
-
-        values = column_values(data, columns)
-        keys = row_keys(values[0], values[1] if len(values) > 1 else None)
+        keys = _keys_of(data, columns)
         held = {} if fresh else store.read(num_labels)
         found = {row: held[k] for row, k in enumerate(key_bytes(keys)) if k in held}
         message = (store.folder, store.key, keys, np.fromiter(found, dtype=np.int64, count=len(found)), fresh)
@@ -466,6 +463,21 @@ def open_rows(store: Optional[RowStore], fresh: bool, data, columns: List[str], 
     source.logits = {row: hit[0] for row, hit in found.items()}
     source.seconds = {row: hit[1] for row, hit in found.items()}
     return source
+
+
+# Rows whose texts are read at once for their keys (issue 51: only the 16-byte keys are kept)
+_KEY_ROWS = 16384
+
+
+def _keys_of(data, columns: List[str]) -> np.ndarray:
+    """:func:`row_keys` of every row of ``data``, its texts read _KEY_ROWS rows at a time."""
+    from dist_eval.data.sample import column_values
+
+    parts = []
+    for start in range(0, len(data), _KEY_ROWS):
+        values = column_values(data, columns, np.arange(start, min(start + _KEY_ROWS, len(data))))
+        parts.append(row_keys(values[0], values[1] if len(values) > 1 else None))
+    return np.concatenate(parts) if parts else np.zeros((0, KEY_BYTES), dtype=np.uint8)
 
 
 def store_for(option: str, model, tokenizer, settings, pad_token_id) -> Optional[RowStore]:
