@@ -32,6 +32,7 @@ from dist_eval.intervals import (
     score_percentiles,
     weighted_auroc,
 )
+from dist_eval.metrics import weighted_sums
 
 CLUSTER_METHOD = "cluster-bootstrap-percentile"
 CLUSTER_STREAM = 3
@@ -87,7 +88,7 @@ def cr1_standard_error(values, clusters) -> float:
     if g < 2:
         return float("nan")
     sums = np.bincount(clusters, weights=values - values.mean(), minlength=g)
-    return float(np.sqrt(g / (g - 1) * np.dot(sums, sums)) / n)
+    return float(np.sqrt(g / (g - 1) * weighted_sums(sums[None, :], sums)[0]) / n)
 
 
 def cluster_robust_pvalue(values, clusters) -> float:
@@ -115,7 +116,7 @@ def iid_standard_error(values) -> float:
     if n < 2:
         return float("nan")
     residuals = values - values.mean()
-    return float(np.sqrt(np.dot(residuals, residuals) / (n - 1) / n))
+    return float(np.sqrt(weighted_sums(residuals[None, :], residuals)[0] / (n - 1) / n))
 
 
 def design_effect(values, clusters) -> float:
@@ -192,12 +193,13 @@ class _ScoreSums:
         return ["ece", "brier", *([f"top{self.k}_accuracy"] if self.k is not None else []), "auroc_macro"]
 
     def drawn(self, whole: np.ndarray, weights: np.ndarray, sizes: np.ndarray) -> dict:
-        out = {"ece": np.abs(weights @ self.gaps).sum(axis=1) / sizes, "brier": weights @ self.brier / sizes}
+        out = {"ece": np.abs(weighted_sums(weights, self.gaps)).sum(axis=1) / sizes,
+               "brier": weighted_sums(weights, self.brier) / sizes}
         if self.k is not None:
-            out[f"top{self.k}_accuracy"] = weights @ self.hits / sizes
+            out[f"top{self.k}_accuracy"] = weights @ self.hits / sizes  # counts of hits: exact in any order
         if self.linearized:
-            out["auroc_macro"] = (self.auroc + weights @ self.influence / sizes if self.influence is not None
-                                  else np.full(whole.shape[0], np.nan))
+            out["auroc_macro"] = (self.auroc + weighted_sums(weights, self.influence) / sizes
+                                  if self.influence is not None else np.full(whole.shape[0], np.nan))
             return out
         auroc = np.empty(whole.shape[0])
         step = max(1, ROW_WEIGHTS_PER_CHUNK // max(1, self.clusters.size))  # [step, n] row weights at once
@@ -249,7 +251,7 @@ def cluster_bootstrap_intervals(
         stop, weights = start + whole.shape[0], whole.astype(np.float64)
         drawn_sizes = weights @ sizes
         values["accuracy"][start:stop], values["f1_macro"][start:stop] = classes.drawn(weights, drawn_sizes)
-        values["loss"][start:stop] = weights @ loss_sums / drawn_sizes
+        values["loss"][start:stop] = weighted_sums(weights, loss_sums) / drawn_sizes
         for name, drawn in (scores.drawn(whole, weights, drawn_sizes) if scores else {}).items():
             values[name][start:stop] = drawn
     method = CLUSTER_METHOD + (LINEARIZED if scores is not None and scores.linearized else "")
@@ -340,7 +342,7 @@ def _paired_draws(clusters, labels, preds_a, preds_b, gap, num_labels: int, g: i
         (acc_a, f1_a), (acc_b, f1_b) = (side.drawn(weights, drawn_sizes) for side in sides)
         out["accuracy"][start:stop] = acc_b - acc_a
         out["f1_macro"][start:stop] = f1_b - f1_a
-        out["loss"][start:stop] = weights @ gap_sums / drawn_sizes
+        out["loss"][start:stop] = weighted_sums(weights, gap_sums) / drawn_sizes
     return out
 
 

@@ -21,6 +21,8 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from dist_eval.metrics import weighted_sums
+
 METHOD = "bootstrap-percentile"
 LOSS_GROUPS = 4096
 # Multinomial draws held at once (resamples x categories): bounds memory to a few MiB.
@@ -149,7 +151,7 @@ def _grouped_sums(rng, ordered: np.ndarray, segment_starts: np.ndarray, resample
         if grouped:  # the spread of the draws inside each group
             spread = np.sqrt(draws * variances[None, :]) * rng.standard_normal((r, starts.size))
         for segment, (first, last) in enumerate(zip(edges[:-1], edges[1:])):
-            totals = draws[:, first:last] @ means[first:last]
+            totals = weighted_sums(draws[:, first:last], means[first:last])
             if grouped:
                 totals += spread[:, first:last].sum(axis=1)
             out[start:start + r, segment] = totals
@@ -287,8 +289,7 @@ def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bin
     k = M.default_top_k(num_labels) if top_k is None else top_k
     confidence = probs.max(axis=1)
     gap = confidence - (probs.argmax(axis=1) == labels)
-    gap_by_bin = np.zeros((n, bins))
-    gap_by_bin[np.arange(n), M.calibration_bins(confidence, bins)] = gap
+    bin_of = M.calibration_bins(confidence, bins)
     brier = M.per_sample_brier(probs, labels)
     hits = M.top_k_hits(probs, labels, k).astype(np.float64) if k is not None else None
     auroc_classes = [1] if num_labels == 2 else range(num_labels)
@@ -303,10 +304,10 @@ def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bin
         counts = whole.astype(np.float64)
         stop = start + counts.shape[0]
         numbers.append(np.arange(start, stop))
-        out["ece"][start:stop] = np.abs(counts @ gap_by_bin).sum(axis=1) / n
-        out["brier"][start:stop] = counts @ brier / n
+        out["ece"][start:stop] = np.abs(M.binned_sums(counts, gap, bin_of, bins)).sum(axis=1) / n
+        out["brier"][start:stop] = weighted_sums(counts, brier) / n
         if k is not None:
-            out[f"top{k}_accuracy"][start:stop] = counts @ hits / n
+            out[f"top{k}_accuracy"][start:stop] = counts @ hits / n  # counts of hits: exact in any order
         per_class = np.stack([_weighted_auroc(whole, ranking) for ranking in rankings], axis=1)
         out["auroc_macro"][start:stop] = macro_of_defined(per_class)
     if part is None:

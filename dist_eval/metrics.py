@@ -104,6 +104,27 @@ def metrics_from_confusion(cm: np.ndarray, label_names: Optional[Sequence[str]] 
     }
 
 
+def weighted_sums(weights: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``weights @ values`` (each resample's counts or weights of the rows or clusters, times
+    their values, summed) in the same bits for any number of BLAS threads: numpy's own loop
+    (einsum, not optimized), not BLAS, whose threads split a long product in another order, so
+    that rank 0 of torchrun's N>1 (one thread each) would differ in the last bits from N=1.
+    Sums of integers (counts of hits, classes) are exact either way and may use ``@``.
+    """
+    return np.einsum("ij,j...->i...", weights, values)
+
+
+def binned_sums(weights: np.ndarray, values: np.ndarray, bin_of: np.ndarray, bins: int) -> np.ndarray:
+    """Each resample's weighted sum of ``values`` in each of ``bins`` bins (``bin_of``: each row's
+    bin), ``[resamples, bins]``: :func:`weighted_sums` of a one-hot of the bins without the one-hot,
+    a bincount per resample (its sums in row order: the same bits for any number of threads).
+    """
+    out = np.empty((weights.shape[0], bins))
+    for i, row in enumerate(weights):
+        out[i] = np.bincount(bin_of, weights=row * values, minlength=bins)
+    return out
+
+
 def per_sample_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """Cross-entropy of each row in float64 (log-sum-exp computed stably)."""
     logits = np.asarray(logits, dtype=np.float64)

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from dist_eval.intervals import METHOD, canonical_row_order, resample_counts
-from dist_eval.metrics import confusion_matrix, mean_of, metrics_from_confusion
+from dist_eval.metrics import confusion_matrix, mean_of, metrics_from_confusion, weighted_sums
 
 PAIRED_STREAM = 2  # the bootstrap's random stream: SeedSequence(seed, spawn_key=(PAIRED_STREAM,))
 
@@ -134,7 +134,7 @@ def _paired_resamples(labels, preds_a, preds_b, losses_a, losses_b, num_labels: 
             f1_macro.append(f1.mean(axis=1))
         out["accuracy"][start:stop] = accuracy[1] - accuracy[0]
         out["f1_macro"][start:stop] = f1_macro[1] - f1_macro[0]
-        out["loss"][start:stop] = counts @ loss_gap / n
+        out["loss"][start:stop] = weighted_sums(counts, loss_gap) / n  # the rest: counts, exact in any order
     return out
 
 

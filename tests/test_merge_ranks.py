@@ -1,14 +1,19 @@
 """The merge with real ranks (torchrun, gloo; merge_worker.py): the report of N ranks is
 one process's, bit for bit, with the score intervals shared over the ranks (a small set)
 or drawn grouped on rank 0 (a set above EXACT_SCORE_ROWS rows), and equal to what
-``python -m dist_eval.rescore`` computes from the merged rows."""
+``python -m dist_eval.rescore`` computes from the merged rows. One process is this one, its BLAS
+on 2 and 3 threads, the ranks' on one each (torchrun's OMP_NUM_THREADS=1): the intervals' sums of
+products must not depend on it (metrics.weighted_sums; with ``@`` the Brier interval of 3,001 rows
+differed in its last bits)."""
 import json
 import os
 import subprocess
 import sys
 
+import merge_worker
 import pytest
 from conftest import REPO, free_port
+from threadpoolctl import threadpool_limits
 
 from dist_eval.intervals import EXACT_SCORE_ROWS, GROUPED_SCORES_METHOD, METHOD
 
@@ -17,9 +22,16 @@ SIZES = [3001, EXACT_SCORE_ROWS + 3]
 
 def merged_reports(tmp_path, world: int) -> dict:
     out = tmp_path / f"world{world}.json"
+    if world == 1:  # one process, no process group: the worker's code in this process, BLAS on 2 and 3 threads
+        reports = []
+        for threads in (2, 3):
+            with threadpool_limits(limits=threads, user_api="blas"):
+                assert merge_worker.main(str(out), SIZES) == 0
+            reports.append(out.read_text())
+        assert reports[0] == reports[1], "the report depends on the number of BLAS threads"
+        return json.loads(reports[0])
     worker = [os.path.join(REPO, "tests", "merge_worker.py"), str(out), *map(str, SIZES)]
-    launch = [] if world == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(world),
-                                    "--master_port", str(free_port())]
+    launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port())]
     pythonpath = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, *launch, *worker], capture_output=True, text=True, timeout=300, cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath})
