@@ -189,6 +189,25 @@ def test_a_server_blamed_after_answers_of_it_were_taken_stops_the_run_in_one_lin
     assert exclude_if_unused(*args, redo=True) == "second" and ledger.excluded["odd"]["answers_taken_unchecked"] == 3
 
 
+def test_every_batch_a_blamed_server_answered_is_evaluated_again_once_also_one_in_flight_at_the_blame():
+    """audit.Redo, the forward loop's: a batch taken before the blame, and one whose forward was in flight
+    when it came (consumed after), are each due once; a redo that met the blamed server again stops the run."""
+    from dist_eval.backends.audit import AuditLedger, AuditMismatch, Redo, Taken
+
+    ledger, redo = AuditLedger(share=0.1), Redo()
+    redo.watch(0, "batch 0", Taken(ledger, frozenset({"x", "a"})))
+    redo.watch(1, "batch 1", Taken(ledger, frozenset({"a"})))
+    assert redo.due() == []
+    ledger.excluded["x"] = {"rows": 1}
+    assert redo.due() == [(0, "batch 0")] and redo.due() == []
+    redo.redone(0, "batch 0", Taken(ledger, frozenset({"a"})), 1)
+    assert redo.due() == []
+    redo.watch(2, "batch 2", Taken(ledger, frozenset({"x"})))  # in flight at the blame
+    assert redo.due() == [(2, "batch 2")] and redo.due() == []
+    with pytest.raises(AuditMismatch, match="x were outvoted .* found no route of other servers"):
+        redo.redone(2, "batch 2", Taken(ledger, frozenset({"x"})), 4)
+
+
 def test_the_tolerance_between_other_numerics_is_calibrated_on_the_runs_honest_agreement():
     """64 ulps of the coarsest dtype until 32 honest agreements, then 8 times the largest difference
     they showed: an answer 10 ulps off passes before, is caught after; the report says which."""

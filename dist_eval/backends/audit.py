@@ -499,6 +499,8 @@ class Redo:
         if taken is not None:
             self.watched[position] = (batch, taken)
             self.ledgers.setdefault(id(taken.ledger), taken.ledger)
+            if taken.blamed():  # a forward in flight took answers of a server blamed before it came back
+                self.blamed_seen = -1
 
     def due(self) -> List[Tuple[int, object]]:
         """(position, batch) of each watched batch that took answers of a server blamed since (a
