@@ -1,7 +1,8 @@
 """Bounded memory (issue 51) changes no result: a long-tailed set's outputs (predictions.jsonl with
 logits and texts, metrics.json but its run facts, slices.csv, per_class.csv / .md) are the same
 bytes on N=1 and N=3, and those the code before issue 51 wrote on this machine (recorded in
-tests/memory_reference.json; ``python tests/test_memory_bounded.py --record`` records this code's)."""
+tests/memory_reference.json; ``python tests/test_memory_bounded.py --record`` records this code's).
+The same set's K = 1, 3, 7 shards, merged, are its one run's bytes (issue 53)."""
 from __future__ import annotations
 
 import hashlib
@@ -10,6 +11,7 @@ import os
 import platform
 import random
 import sys
+from unittest import mock
 
 import pytest
 from conftest import WORDS, run_cli
@@ -83,7 +85,9 @@ def long_tailed(tiny_model, tiny_checkpoint, tmp_path_factory):
     """(the data, the N=1 run's folder): the CLI in this process, one thread as a rank computes."""
     base = tmp_path_factory.mktemp("long_tailed")
     data = write_long_tailed_csv(base / "data.csv", 2400, seed=51)
-    assert run_cli_in_process(run_args(tiny_model, tiny_checkpoint, data, base / "one")) == 0
+    # without matplotlib: the figures are no compared output
+    assert run_cli_in_process(run_args(tiny_model, tiny_checkpoint, data, base / "one"),
+                              hide_modules=("matplotlib",)) == 0
     return data, base / "one"
 
 
@@ -110,6 +114,28 @@ def test_three_ranks_write_the_bytes_of_one(long_tailed, tiny_model, tiny_checkp
     assert_same_bits(results_of(tmp_path / "three"), results_of(one), "metrics.json, N=3 against N=1")
     for name in FILES:
         assert (tmp_path / "three" / name).read_bytes() == (one / name).read_bytes(), f"{name}, N=3 against N=1"
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_the_long_tailed_sets_shards_merge_into_its_one_run(long_tailed, tiny_model, tiny_checkpoint, tmp_path, k):
+    """Issue 53 on a long-tailed set (the token budget's plan, truncated rows, a --limit sample,
+    slices with the length quartiles, logits, texts): its K shards, each run apart, merged by
+    ``python -m dist_eval merge``'s code, are its one run's bytes."""
+    from dist_eval.shard_merge import main as merge_main
+
+    data, one = long_tailed
+    shards = [tmp_path / f"shard{i}" for i in range(k)]
+    for i, out in enumerate(shards):
+        assert run_cli_in_process([*run_args(tiny_model, tiny_checkpoint, data, out), "--shard", f"{i}/{k}"],
+                                  hide_modules=("matplotlib",)) == 0  # figures: the same function of the same metrics
+    merged = tmp_path / "merged"
+    with mock.patch.dict(sys.modules, {"matplotlib": None}):
+        assert merge_main([*map(str, shards), "--output-dir", str(merged)]) == 0
+    got, want = (json.load(open(folder / "metrics.json")) for folder in (merged, one))
+    assert_same_bits({k: v for k, v in got.items() if k != "run"}, {k: v for k, v in want.items() if k != "run"},
+                     "the merged shards' metrics against one run's")
+    for name in FILES:
+        assert (merged / name).read_bytes() == (one / name).read_bytes(), f"{name}, merged shards against one run"
 
 
 def record() -> None:
