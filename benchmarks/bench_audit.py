@@ -1,0 +1,198 @@
+"""The swarm audit's cost and power (issue 49), on a local swarm of a random tiny Llama.
+
+    .venv/bin/python benchmarks/bench_audit.py [--rows 10000] [--catch-rows 640] [--catch-runs 20]
+        [--honest-rows 640] [--honest-runs 100] [--share 0.03] [--only NAME ...] [--out FILE]
+
+The swarm: three honest servers of every block, and two faulty ones under the same prefix, made
+by the test-only fault hook (``$DIST_EVAL_TEST_FAULT``, dist_eval.backends.wire): one shifts row 0
+of every answer by 1e-2, one of a random 10% of its answers (each server one thread, one
+connection handler). The model: bench_gpu's "tiny" Llama (random, float32) and a random p-tuning
+checkpoint, on the demo's sentences cut to long-tailed lengths (bench_big_set's data), so that
+the runs fit a 2-core machine; the audit's figures depend on the requests, not the model's size.
+A client (the API, batch size 64: the CLI's default; ``--share``: the default 3%) sees only the
+servers petals' ``allowed_servers`` gives it; each run gets a new audit whose hash is seeded with
+the run's number (independent draws of the replayed requests).
+
+1. **cost**: the honest three, one run of ``--rows`` rows: the replay forwards (``replayed`` and
+   ``replays_failed``, of which ``join_probes``) against the run's requests. Goal: at most 5% of
+   them, plus one per server.
+2. **power**: the honest three and one faulty server, ``--catch-runs`` runs (of ``--catch-rows``
+   rows for the server wrong in every answer, of ``--rows`` for the one wrong in one in ten): the
+   share of runs in which the faulty server is blamed (left out, its batches evaluated again; or
+   the run stopped naming it). Goals over a 10,000-row run: 100% (every
+   answer wrong), at least 90% (one in ten). Beside it, 1 - (1 - share * f) ** k for the requests
+   k the faulty server answered, there and in a 10,000-row run of the same batch size (a server
+   caught early answers fewer: where most runs catch it, k and the figure are low).
+3. **false blame**: the honest three, ``--honest-runs`` runs of ``--honest-rows`` rows: runs with
+   any server blamed or any mismatch. Goal: none in 100.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from unittest import mock
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+os.environ.setdefault("DIST_EVAL_ROW_STORE", "off")  # every run evaluates every row
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # the servers' threads: the machine's two cores are shared
+
+BATCH_SIZE = 64  # the CLI's default (dist_eval.config.DEFAULT_BATCH_SIZE)
+PREFIX = "bench-audit"
+SCENARIOS = ["cost", "always_wrong", "one_in_ten_wrong", "false_blame"]
+
+
+def start_swarm(model_dir: str):
+    """(the swarms, started: honest three first, then the always-wrong and the one-in-ten server; their peer ids)."""
+    from dist_eval.backends.wire import TEST_FAULT_ENV
+    from dist_eval.swarm import LocalSwarm
+
+    one_handler = ["--num_handlers", "1"]
+    honest = LocalSwarm(model_dir, num_servers=3, dht_prefix=PREFIX, extra_server_args=one_handler).start()
+    swarms = [honest]
+    for fault in ("shift", "shift:0.1"):
+        with mock.patch.dict(os.environ, {TEST_FAULT_ENV: fault}):
+            swarms.append(LocalSwarm(model_dir, num_servers=1, dht_prefix=PREFIX, join_peers=honest.initial_peers,
+                                     extra_server_args=one_handler).start())
+    peers = [p.rsplit("/", 1)[1] for swarm in swarms for p in swarm.initial_peers]
+    return swarms, peers
+
+
+def client(assets: dict, swarm, servers: list, share: float):
+    from dist_eval.backends import load_model
+
+    return load_model("petals", assets["model"], checkpoint=assets["checkpoint"], initial_peers=swarm.initial_peers,
+                      dht_prefix=PREFIX, audit=share, petals_client_options={"allowed_servers": servers})
+
+
+def audited_run(model, data, tokenizer, share: float, seed: int) -> dict:
+    """One evaluation with a new audit (its hash seeded with ``seed``): its audit facts, and ``stopped``
+    (the AuditMismatch's line where the run stopped)."""
+    from dist_eval import evaluate
+    from dist_eval.backends import audit
+
+    ledger = audit.attach(model.module.sequence_manager, share, seed=seed)
+    stopped = None
+    try:
+        evaluate(model, data, tokenizer=tokenizer, batch_size=BATCH_SIZE, bootstrap_resamples=0)
+    except Exception as error:  # noqa: BLE001 - the audit's stop is a result here (wrapped by the ranks' phase)
+        if "swarm audit" not in str(error):
+            raise
+        stopped = str(error)
+    return {**ledger.facts(), "stopped": stopped}
+
+
+def caught(facts: dict, peer: str) -> bool:
+    return peer in facts["excluded"] or (facts["stopped"] is not None and peer in facts["stopped"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=10000)
+    parser.add_argument("--catch-rows", type=int, default=640)
+    parser.add_argument("--catch-runs", type=int, default=20)
+    parser.add_argument("--honest-rows", type=int, default=640)
+    parser.add_argument("--honest-runs", type=int, default=100)
+    parser.add_argument("--share", type=float, default=0.03)
+    parser.add_argument("--only", nargs="+", choices=SCENARIOS, default=SCENARIOS, help="the figures to measure")
+    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+
+    import bench_big_set
+
+    from dist_eval.backends.tokenizer import load_tokenizer
+    from dist_eval.data.load import load_split
+
+    workdir = tempfile.mkdtemp(prefix="bench-audit-")
+    cli = bench_big_set.make_assets(workdir, max(args.rows, args.catch_rows, args.honest_rows), seed=0)
+    assets = {"model": cli[cli.index("--model") + 1], "checkpoint": cli[cli.index("--checkpoint") + 1]}
+    data = load_split(cli[cli.index("--data-files") + 1])
+    tokenizer = load_tokenizer(assets["model"])
+    started = time.time()
+    swarms, peers = start_swarm(assets["model"])
+    honest, always, sometimes = peers[:3], peers[3], peers[4]
+    figures = {"share": args.share, "batch_size": BATCH_SIZE, "servers": {"honest": honest, "always_wrong": always,
+                                                                          "one_in_ten_wrong": sometimes}}
+    try:
+        if "cost" in args.only:
+            figures["cost"] = cost(assets, swarms[0], honest, data.select(range(args.rows)), tokenizer, args.share)
+            print(json.dumps({"cost": figures["cost"]}), flush=True)
+        for name, faulty, rows, wrong in (("always_wrong", always, args.catch_rows, 1.0),
+                                          ("one_in_ten_wrong", sometimes, args.rows, 0.1)):
+            if name in args.only:
+                figures[name] = power(assets, swarms[0], honest, faulty, data.select(range(rows)), tokenizer, args,
+                                      wrong)
+                print(json.dumps({name: figures[name]}), flush=True)
+        if "false_blame" in args.only:
+            figures["false_blame"] = false_blame(assets, swarms[0], honest, data.select(range(args.honest_rows)),
+                                                 tokenizer, args)
+            print(json.dumps({"false_blame": figures["false_blame"]}), flush=True)
+    finally:
+        for swarm in reversed(swarms):
+            swarm.stop()
+    figures["seconds"] = round(time.time() - started, 1)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(figures, f, indent=1)
+    print(json.dumps(figures, indent=1))
+    return 0
+
+
+def cost(assets, swarm, honest, data, tokenizer, share) -> dict:
+    model = client(assets, swarm, honest, share)
+    try:
+        started = time.time()
+        facts = audited_run(model, data, tokenizer, share, seed=0)
+        seconds = time.time() - started
+    finally:
+        model.close()
+    extra = facts["replayed"] + facts["replays_failed"]
+    servers = len([p for p, s in facts["servers"].items() if s["computed"]])
+    return {"rows": len(data), "requests": facts["requests"], "replay_forwards": extra,
+            "join_probes": facts["join_probes"], "share_of_requests": round(extra / facts["requests"], 4),
+            "goal": round(0.05 * facts["requests"] + servers, 1), "servers": servers,
+            "blamed": sorted(facts["excluded"]), "seconds": round(seconds, 1)}
+
+
+def power(assets, swarm, honest, faulty, data, tokenizer, args, wrong: float) -> dict:
+    model = client(assets, swarm, [*honest, faulty], args.share)
+    runs, answered = [], []
+    try:
+        for seed in range(args.catch_runs):
+            facts = audited_run(model, data, tokenizer, args.share, seed=1000 + seed)
+            runs.append(caught(facts, faulty))
+            answered.append(facts["servers"].get(faulty, {}).get("computed", 0))
+            if any(p in facts["excluded"] for p in honest):
+                raise AssertionError(f"an honest server blamed: {facts['excluded']}")
+    finally:
+        model.close()
+    k = sum(answered) / len(answered)
+    k_10000 = k * (10000 / BATCH_SIZE) / max(1, -(-len(data) // BATCH_SIZE))
+    return {"rows": len(data), "runs": len(runs), "caught": sum(runs), "share_caught": sum(runs) / len(runs),
+            "faulty_requests_mean": round(k, 1),
+            "expected_caught": round(1 - (1 - args.share * wrong) ** k if wrong < 1 else 1.0, 3),
+            "expected_caught_10000_rows": round(1 - (1 - args.share * wrong) ** k_10000 if wrong < 1 else 1.0, 3)}
+
+
+def false_blame(assets, swarm, honest, data, tokenizer, args) -> dict:
+    model = client(assets, swarm, honest, args.share)
+    blamed, replayed = 0, 0
+    try:
+        for seed in range(args.honest_runs):
+            facts = audited_run(model, data, tokenizer, args.share, seed=2000 + seed)
+            blamed += bool(facts["excluded"] or facts["stopped"] or any(s["mismatches"]
+                                                                        for s in facts["servers"].values()))
+            replayed += facts["replayed"]
+    finally:
+        model.close()
+    return {"rows": len(data), "runs": args.honest_runs, "runs_with_blame": blamed, "replays_compared": replayed}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
