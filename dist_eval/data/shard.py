@@ -1,6 +1,7 @@
 """This rank's batches of a Dataset (planned globally, tokenized once); a user DataLoader's: loader.py."""
 from __future__ import annotations
 
+import tempfile
 import weakref
 from functools import partial
 from itertools import chain
@@ -25,6 +26,42 @@ def _row_block(num_rows: int, rank: int, world_size: int) -> np.ndarray:
 # tokenizer's encodings of a call are held until it returns (about 150 bytes a token), so a
 # call per chunk bounds them; only the ids are kept, packed (4 bytes a token).
 _CHUNK_ROWS = 4096
+
+
+class _Spill:
+    """int32 arrays appended to a temporary file on the local disk ($TMPDIR), unlinked as it is
+    made (the kernel frees it when the process ends, however it ends), read back as one array
+    mapped read-only: a rank's token ids are then the page cache's, not its heap's.
+    """
+
+    def __init__(self):
+        self.file = tempfile.TemporaryFile(prefix="dist_eval-ids-")  # noqa: SIM115 (closed by array())
+        self.count = 0
+
+    def add(self, values: np.ndarray) -> None:
+        data = np.ascontiguousarray(values, dtype=np.int32)
+        self.file.write(data.tobytes())
+        self.count += len(data)
+
+    def array(self) -> np.ndarray:
+        """Everything added, mapped (the file closed: the map keeps its own handle)."""
+        with self.file:
+            if not self.count:
+                return np.zeros(0, dtype=np.int32)
+            self.file.flush()
+            return np.asarray(np.memmap(self.file, dtype=np.int32, mode="r", shape=(self.count,)))
+
+
+def _spilled(parts) -> np.ndarray:
+    """The int32 arrays ``parts``, one after the other, in a :class:`_Spill`."""
+    spill = _Spill()
+    for part in parts:
+        spill.add(part)
+    return spill.array()
+
+
+# Token ids copied at once from one spill to another
+_COPY_TOKENS = 1 << 20
 
 
 class PackedIds:
@@ -98,21 +135,18 @@ class PackedIds:
         return rows[~packed]
 
     def select(self, keep: np.ndarray) -> PackedIds:
-        """The rows of ``keep`` (a mask over ``rows``), packed anew."""
-        tokens = np.repeat(keep, self.sizes())
-        return PackedIds(self.rows[keep], self.sizes()[keep], self.flat[tokens])
+        """The rows of ``keep`` (a mask over ``rows``), packed anew (spilled, a chunk at a time)."""
+        parts = (self.of_range(start, min(start + _CHUNK_ROWS, len(self.rows)),
+                               keep[start:start + _CHUNK_ROWS])[2] for start in range(0, len(self.rows), _CHUNK_ROWS))
+        return PackedIds(self.rows[keep], self.sizes()[keep], _spilled(parts))
 
-    def of_rows(self, mask: np.ndarray) -> tuple:
-        """(rows, sizes, flat ids) of the rows where ``mask`` (over ``rows``) holds: what travels."""
-        tokens = np.repeat(mask, self.sizes())
-        return self.rows[mask], self.sizes()[mask].astype(np.int64), self.flat[tokens]
-
-    @classmethod
-    def joined(cls, parts: List[tuple]) -> PackedIds:
-        """One store of several (rows, sizes, flat ids) parts."""
-        if not parts:
-            return cls.empty()
-        return cls(*(np.concatenate([part[i] for part in parts]) for i in range(3)))
+    def of_range(self, start: int, stop: int, mask: np.ndarray) -> tuple:
+        """(rows, sizes, flat ids) of the rows at places [start, stop) where ``mask`` (over those
+        places) holds: what travels.
+        """
+        sizes = np.diff(self.starts[start:stop + 1])
+        flat = self.flat[self.starts[start]:self.starts[stop]]
+        return self.rows[start:stop][mask], sizes[mask].astype(np.int64), flat[np.repeat(mask, sizes)]
 
 
 def tokenize_packed(dataset, tokenize_rows: Callable, rows: np.ndarray, columns: TaskColumns, max_length: int,
@@ -120,18 +154,19 @@ def tokenize_packed(dataset, tokenize_rows: Callable, rows: np.ndarray, columns:
     """(the token ids of ``rows``, packed; how many were truncated): tokenized _CHUNK_ROWS at a time,
     in row order (the first bad row of ``rows`` is refused first), the heap trimmed afterwards.
     """
-    sizes, flats, num_truncated = [], [], 0
+    sizes, spill, num_truncated = [], _Spill(), 0
     for start in range(0, len(rows), _CHUNK_ROWS):
         ids, truncated = tokenize_rows(dataset, rows[start:start + _CHUNK_ROWS], columns, max_length, pad_token_id)
         num_truncated += truncated
         chunk_sizes = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         sizes.append(chunk_sizes)
-        flats.append(np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(chunk_sizes.sum())))
+        spill.add(np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(chunk_sizes.sum())))
         del ids
     trim_heap()
+    flat = spill.array()
     if not sizes:
         return PackedIds.empty(), 0
-    return PackedIds(np.asarray(rows, dtype=np.int64), np.concatenate(sizes), np.concatenate(flats)), num_truncated
+    return PackedIds(np.asarray(rows, dtype=np.int64), np.concatenate(sizes), flat), num_truncated
 
 
 # The last set whose every row's token count a plan measured: (the dataset, its fingerprint, the
@@ -209,20 +244,25 @@ def _send_to_owners(by_row: PackedIds, planned: List[np.ndarray], num_rows: int,
         return by_row
     owners = _row_owners(planned, num_rows, plan_ids)[by_row.rows]
     block = -(-num_rows // world_size)  # the largest block's rows
-    received: List[List[tuple]] = [[] for _ in range(world_size)]
+    rows: List[List[np.ndarray]] = [[] for _ in range(world_size)]
+    sizes: List[List[np.ndarray]] = [[] for _ in range(world_size)]
+    spills = [_Spill() for _ in range(world_size)]  # each source's ids, as they come
     for start in range(0, max(block, 1), _EXCHANGE_ROWS):
-        in_round = np.zeros(len(owners), dtype=bool)
-        in_round[start:start + _EXCHANGE_ROWS] = True
-        outgoing = [by_row.of_rows(in_round & (owners == rank)) for rank in range(world_size)]
-        for source, part in enumerate(ranks.exchange_objects(outgoing)):
-            received[source].append(part)
+        stop = min(start + _EXCHANGE_ROWS, len(owners))
+        outgoing = [by_row.of_range(start, stop, owners[start:stop] == rank) if start < stop else
+                    (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32)) for rank in range(world_size)]
+        for source, (part_rows, part_sizes, part_ids) in enumerate(ranks.exchange_objects(outgoing)):
+            rows[source].append(part_rows)
+            sizes[source].append(part_sizes)
+            spills[source].add(part_ids)
         del outgoing
     del by_row, owners
     # each source's rows ascending, the sources' blocks in rank order: the rows ascending
-    mine = PackedIds.joined([part for parts in received for part in parts])
-    del received
+    arrays = (spill.array() for spill in spills)
+    flat = _spilled(ids[start:start + _COPY_TOKENS] for ids in arrays for start in range(0, len(ids), _COPY_TOKENS))
     trim_heap()
-    return mine
+    return PackedIds(np.concatenate([part for parts in rows for part in parts]),
+                     np.concatenate([part for parts in sizes for part in parts]), flat)
 
 
 def _plan(rows, settings, lengths: Optional[np.ndarray], prefix_tokens: int) -> List[np.ndarray]:
