@@ -70,32 +70,44 @@ def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
     whose block 2 differs by 1e-3 in one weight (another revision, say); the fourth answers row 0
     of every request all NaN; the fifth shifts row 0 of 3 in 4 of its answers after its first two
     (one connection handler, the draws of Random(0): 1st, 2nd right, 3rd to 6th shifted, 7th
-    right, ...) (the test-only fault hook,
-    wire.TEST_FAULT_ENV). Yields (the five servers' peer ids, honest first, then the changed, the
-    NaN and the shifting one; and the first swarm, whose peers the client joins)."""
-    changed = str(tmp_path_factory.mktemp("changed") / "model")
-    shutil.copytree(tiny_model, changed)
+    right, ...) (the test-only fault hook, wire.TEST_FAULT_ENV, each for its own copy of the
+    folder). The three join the honest two at once. Yields (the five servers' peer ids, honest
+    first, then the changed, the NaN and the shifting one; and the first swarm, whose peers the
+    client joins)."""
+    import socket
+
+    from dist_eval.swarm import LocalSwarm
+
+    folder = tmp_path_factory.mktemp("faulty")
+    changed, nan, shift = (str(folder / name) for name in ("changed", "nan", "shift"))
+    for copy in (changed, nan, shift):
+        shutil.copytree(tiny_model, copy)
     weights = load_file(os.path.join(changed, "model.safetensors"))
     name = next(k for k in sorted(weights) if ".layers.2." in k and k.endswith("q_proj.weight"))
     weights[name] = weights[name] + 1e-3
     save_file(weights, os.path.join(changed, "model.safetensors"), metadata={"format": "pt"})
     honest = one_thread_swarm(tiny_model, num_servers=2, dht_prefix="audit-test")
     first = next(honest)
-    faulty = one_thread_swarm(changed, num_servers=1, dht_prefix="audit-test", join_peers=first.initial_peers)
-    odd = next(faulty)
-    with mock.patch.dict(os.environ, {TEST_FAULT_ENV: "nan"}):
-        nan = one_thread_swarm(tiny_model, num_servers=1, dht_prefix="audit-test", join_peers=first.initial_peers)
-        broken = next(nan)
-    with mock.patch.dict(os.environ, {TEST_FAULT_ENV: "shift:0.75"}):
-        shift = one_thread_swarm(tiny_model, num_servers=1, dht_prefix="audit-test", join_peers=first.initial_peers,
-                                 extra_server_args=["--num_handlers", "1"])
-        shifting = next(shift)
+    sockets = [socket.socket() for _ in range(3)]  # three distinct free ports: the swarms start at once
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    others = [LocalSwarm(copy, num_servers=1, dht_prefix="audit-test", join_peers=first.initial_peers, port=port,
+                         extra_server_args=["--num_handlers", "1"] if copy == shift else ())
+              for copy, port in zip((changed, nan, shift), ports)]
     try:
-        yield [p.rsplit("/", 1)[1] for p in first.initial_peers + odd.initial_peers + broken.initial_peers
-               + shifting.initial_peers], first
+        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1", TEST_FAULT_ENV: f"{nan}=nan;{shift}=shift:0.75"}):
+            for other in others:
+                other.start_in_background()
+            for other in others:
+                other.wait_started()
+        yield [p.rsplit("/", 1)[1] for p in first.initial_peers + [o.initial_peers[0] for o in others]], first
     finally:
-        for generator in (shift, nan, faulty, honest):
-            generator.close()
+        for other in others:
+            other.stop()
+        honest.close()
 
 
 def test_a_server_that_computes_other_numbers_or_nan_is_found_named_and_left_out(tiny_model, tiny_checkpoint,

@@ -111,7 +111,7 @@ def server_replacements(model_dir: Optional[str] = None, first_block: Optional[i
     serialize_outputs, rpc_info, run_rpc_forward = connection._serialize_outputs, connection.rpc_info, \
         handler.run_rpc_forward
 
-    fault = _test_fault()
+    fault = _test_fault(model_dir)
 
     # the one step both rpc_forward and rpc_forward_stream take with the request's metadata
     # in hand, after the blocks ran (backward and inference do not pass through it)
@@ -151,12 +151,18 @@ def server_replacements(model_dir: Optional[str] = None, first_block: Optional[i
 TEST_FAULT_ENV = "DIST_EVAL_TEST_FAULT"  # tests and benchmarks only: a server that corrupts its answers
 
 
-def _test_fault() -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+def _test_fault(model_dir: Optional[str]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """The fault ``$DIST_EVAL_TEST_FAULT`` asks of this server (the audit's tests and benchmark make a
     faulty server with it): ``nan`` (row 0 of an answer all NaN) or ``shift`` (row 0 plus 1e-2),
-    ``KIND:SHARE`` in that share of the answers (a seeded draw per answer), else None.
+    ``KIND:SHARE`` in that share of the answers (a seeded draw per answer), else None. Entries
+    separated by ``;``; one written ``FOLDER=KIND[:SHARE]`` is only for servers of that model folder
+    (servers started at once with one environment, each its own fault).
     """
-    value = os.environ.get(TEST_FAULT_ENV)
+    value = None
+    for entry in filter(None, os.environ.get(TEST_FAULT_ENV, "").split(";")):
+        folder, _, fault = entry.rpartition("=")
+        if not folder or (model_dir is not None and os.path.realpath(folder) == os.path.realpath(model_dir)):
+            value = fault
     if not value:
         return None
     kind, _, share = value.partition(":")
