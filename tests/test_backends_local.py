@@ -23,6 +23,16 @@ def load_local_reference(folder, spec, mode, pre_seq_len, tensors):
     return load_local(folder, state, spec).eval()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny models compute on one thread, as a torchrun rank does: with more, on the 2-core test
+    machine, the mixtures' many small products mostly waited (what is compared runs alike either way)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("ref_models")

@@ -50,6 +50,16 @@ SWARM_FOLDER = {"deepseek_v3": "deepseek_v3_fp8"}  # the servers dequantize the 
 HEAD_ONLY = ("glm4_moe", "llama4_text")  # no *ForSequenceClassification in transformers: the head given apart (--head)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny models here compute on one thread, as a torchrun rank does: with more, on the 2-core
+    test machine, the threads of the mixtures' many small products mostly waited on each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The reference folder: models, tokenizers, trainable tensors and reference.json."""
