@@ -125,8 +125,8 @@ def _read_slices(dataset, column: str, slice_by: Sequence[str]) -> List[str]:
     names: List[str] = []
     known: dict = {}
     for start in range(0, len(dataset), _READ_ROWS):
-        rows = np.arange(start, min(start + _READ_ROWS, len(dataset)))
-        names += column_slices(column, list(column_values(dataset, [column], rows)[0]), slice_by, start, known)
+        cells = column_values(dataset, [column], slice(start, start + _READ_ROWS))[0]
+        names += column_slices(column, list(cells), slice_by, start, known)
     return names
 
 

@@ -42,17 +42,20 @@ def digest_each(base, rows: Iterable[bytes]) -> bytes:
     return b"".join(digests)
 
 
-def column_values(dataset, columns: Sequence[str], rows: Optional[np.ndarray] = None) -> list:
+def column_values(dataset, columns: Sequence[str], rows=None) -> list:
     """The values of each of ``columns`` of a ``datasets.Dataset`` (of ``rows`` only, in their
-    order, when given), row by row. A dataset without a format or transform: one read of just
-    those rows and columns, as Python lists (iterating a Column reads it a row at a time, and
+    order, when given: indices or a slice), row by row. A dataset without a format or transform:
+    one read of just those rows and columns, as Python lists (iterating a Column reads it a row at a time, and
     ``select()`` then a column read is several times slower: benchmarks/RESULTS.md). With a
     format or a transform (which may read other columns), the Columns of ``select(rows)``:
     their format decides the values.
     """
     if dataset.format["type"] is None:
-        values = dataset.select_columns(list(dict.fromkeys(columns)))[slice(None) if rows is None else rows.tolist()]
+        index = rows if isinstance(rows, slice) else slice(None) if rows is None else rows.tolist()
+        values = dataset.select_columns(list(dict.fromkeys(columns)))[index]
         return [values[name] for name in columns]
+    if isinstance(rows, slice):
+        rows = np.arange(*rows.indices(len(dataset)))
     picked = dataset if rows is None else dataset.select(rows.tolist())
     return [picked[name] for name in columns]
 
@@ -82,8 +85,8 @@ _KEY_CHUNK_ROWS = 16384
 
 def dataset_keys(dataset, names: Sequence[str], seed: int) -> np.ndarray:
     """:func:`row_keys` of every row of a ``datasets.Dataset`` (its columns ``names``), read a chunk at a time."""
-    parts = [row_keys(column_values(dataset, names, np.arange(start, min(start + _KEY_CHUNK_ROWS, len(dataset)))),
-                      seed) for start in range(0, len(dataset), _KEY_CHUNK_ROWS)]
+    parts = [row_keys(column_values(dataset, names, slice(start, start + _KEY_CHUNK_ROWS)), seed)
+             for start in range(0, len(dataset), _KEY_CHUNK_ROWS)]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
 
 

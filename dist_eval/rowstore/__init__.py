@@ -475,7 +475,7 @@ def _keys_of(data, columns: List[str]) -> np.ndarray:
 
     parts = []
     for start in range(0, len(data), _KEY_ROWS):
-        values = column_values(data, columns, np.arange(start, min(start + _KEY_ROWS, len(data))))
+        values = column_values(data, columns, slice(start, start + _KEY_ROWS))
         parts.append(row_keys(values[0], values[1] if len(values) > 1 else None))
     return np.concatenate(parts) if parts else np.zeros((0, KEY_BYTES), dtype=np.uint8)
 
