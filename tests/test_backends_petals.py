@@ -2,12 +2,14 @@
 under torchrun gives the same predictions for N=1 and N=2, and the same logits as the
 local backend, bitwise (fp32). Marked `swarm`: run alone with `pytest -m swarm`."""
 import json
+import os
 import time
 from unittest import mock
 
 import pytest
-from conftest import build_checkpoint, one_thread_swarm, read_jsonl, run_cli, write_csv
+from conftest import REPO, build_checkpoint, one_thread_swarm, read_jsonl, run_cli, write_csv
 from float_promises import assert_same_bits, assert_within_rounding
+from inprocess_cli import run_cli_in_process, without_modules
 
 pytestmark = pytest.mark.swarm
 
@@ -15,6 +17,19 @@ pytestmark = pytest.mark.swarm
 @pytest.fixture(scope="module")
 def swarm(tiny_swarm):
     return tiny_swarm
+
+
+@pytest.fixture(scope="module")
+def no_figures(tmp_path_factory):
+    """run_cli's env for a run whose figures nobody looks at: matplotlib hidden (the figures are the
+    same function of the same metrics, and most of a small run's report time)."""
+    hidden = without_modules(tmp_path_factory.mktemp("hidden"), "matplotlib")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (hidden, REPO, os.environ.get("PYTHONPATH")) if p)}
+
+
+def local_in_process(args):
+    """The local backend's reference, one rank in this process (one thread: a torchrun rank's bits)."""
+    assert run_cli_in_process(args, hide_modules=("matplotlib",)) == 0
 
 
 @pytest.fixture(scope="module")
@@ -30,19 +45,24 @@ def petals_args(swarm, model, checkpoint, data, out, *extra):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("tuning_mode", ["ptune", "deep_ptune"])
-def test_petals_equals_local_and_is_exact_across_ranks(swarm, tiny_model, data_csv, tmp_path, tuning_mode):
+def test_petals_equals_local_and_is_exact_across_ranks(swarm, tiny_model, data_csv, tmp_path, tuning_mode,
+                                                      no_figures):
+    """The petals runs under torchrun; the local reference in this process (one rank, one thread: a
+    torchrun rank's bits; its launch is not what is tested)."""
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode=tuning_mode, pre_seq_len=4)
     outs = {}
     for name, nproc, extra in (("petals1", 1, []), ("petals2", 2, []), ("local1", 1, ["--backend", "local"])):
         if tuning_mode == "deep_ptune" and name == "petals1":
             continue  # N=1 vs N=2 is covered with ptune; keep the suite short
         folder = tmp_path / name
-        proc = run_cli(petals_args(swarm, tiny_model, checkpoint, data_csv, folder, *extra)
-                       if "petals" in name else
-                       ["--model", tiny_model, "--data-files", data_csv, "--checkpoint", checkpoint,
-                        "--output-dir", str(folder), "--batch-size", "8", "--save-logits", *extra], nproc=nproc)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+        if "petals" in name:
+            proc = run_cli(petals_args(swarm, tiny_model, checkpoint, data_csv, folder, *extra), nproc=nproc,
+                           env=no_figures)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+        else:
+            local_in_process(["--model", tiny_model, "--data-files", data_csv, "--checkpoint", checkpoint,
+                              "--output-dir", str(folder), "--batch-size", "8", "--save-logits", *extra])
         outs[name] = read_jsonl(folder / "predictions.jsonl")
     assert [r["index"] for r in outs["petals2"]] == list(range(41))
     # the JSON floats are the exact float32 values, and every row matches
@@ -83,18 +103,21 @@ def small_request_swarm(tiny_model):
 
 @pytest.mark.multiproc
 def test_a_batch_over_the_servers_max_batch_size_is_split_not_failed(small_request_swarm, tiny_model, tiny_checkpoint,
-                                                                     data_csv, tmp_path):
+                                                                     data_csv, tmp_path, no_figures):
     # batches of 8 rows x (8 prompt vectors + up to ~30 tokens) are well over 96 tokens:
     # the server refuses each such request, each rank learns 96 and resends the batch split
+    # (two ranks under torchrun; the local reference in this process, one thread: a rank's bits)
     outs, stderr = {}, {}
     for name, extra in (("petals", []), ("local", ["--backend", "local"])):
         args = petals_args(small_request_swarm, tiny_model, tiny_checkpoint, data_csv, tmp_path / name, *extra)
         if name == "local":
-            args = args[:args.index("--initial-peers")] + args[args.index("--batch-size"):]
-        proc = run_cli(args, nproc=2 if name == "petals" else 1, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-        outs[name], stderr[name] = read_jsonl(tmp_path / name / "predictions.jsonl"), proc.stderr
+            local_in_process(args[:args.index("--initial-peers")] + args[args.index("--batch-size"):])
+        else:
+            proc = run_cli(args, nproc=2, timeout=240, env=no_figures)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+            stderr[name] = proc.stderr
+        outs[name] = read_jsonl(tmp_path / name / "predictions.jsonl")
     learned = [line for line in stderr["petals"].splitlines() if "sending requests of at most 96 tokens" in line]
     assert 1 <= len(learned) <= 2, stderr["petals"][-3000:]  # once per rank that met a big batch
     assert "failed a request" not in stderr["petals"]  # the server was not taken for a failed one
@@ -105,17 +128,19 @@ def test_a_batch_over_the_servers_max_batch_size_is_split_not_failed(small_reque
                            why="the server's limit cuts each batch into requests of fewer rows")
 
 
-@pytest.mark.multiproc
 def test_a_row_longer_than_the_servers_max_batch_size_is_one_clear_error(small_request_swarm, tiny_model,
-                                                                          tiny_checkpoint, tmp_path):
+                                                                          tiny_checkpoint, tmp_path, capfd):
+    """One rank, the CLI's code in this process (the refusal is the client's, not the launch's)."""
     data = write_csv(str(tmp_path / "long.csv"), 6, seed=3, max_words=200)
-    proc = run_cli(petals_args(small_request_swarm, tiny_model, tiny_checkpoint, data, tmp_path / "out",
-                               "--swarm-timeout", "20"), nproc=1, timeout=120)
-    assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("dist_eval: error:")]
-    assert len(errors) == 1, proc.stderr[-3000:]
+    capfd.readouterr()
+    code = run_cli_in_process(petals_args(small_request_swarm, tiny_model, tiny_checkpoint, data, tmp_path / "out",
+                                          "--swarm-timeout", "20"))
+    stderr = capfd.readouterr().err
+    assert code != 0
+    errors = [line for line in stderr.splitlines() if line.startswith("dist_eval: error:")]
+    assert len(errors) == 1, stderr[-3000:]
     assert "96 tokens, its --max_batch_size" in errors[0] and "--max-length" in errors[0], errors[0]
-    assert "Traceback" not in proc.stderr.split("dist_eval: error:")[0]  # none of ours (torchrun prints its own after)
+    assert "Traceback" not in stderr, stderr[-3000:]
 
 
 def test_deep_prompts_travel_once_per_request(swarm, tiny_model, tmp_path):

@@ -6,14 +6,21 @@ import re
 import time
 
 import pytest
-from conftest import build_checkpoint, read_jsonl, run_cli, write_csv
+from conftest import REPO, build_checkpoint, read_jsonl, run_cli, write_csv
 from float_promises import assert_same_bits
-from inprocess_cli import run_cli_in_process
+from inprocess_cli import run_cli_in_process, without_modules
 
 
 @pytest.fixture(scope="module")
 def data_csv(tmp_path_factory):
     return write_csv(str(tmp_path_factory.mktemp("cli") / "data.csv"), 23, seed=5)
+
+
+def no_figures_env(folder) -> dict:
+    """run_cli's env for a run whose figures nobody looks at: matplotlib hidden under ``folder``
+    (the figures are the same function of the same metrics, and most of a small run's report)."""
+    hidden = without_modules(folder, "matplotlib")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (hidden, REPO, os.environ.get("PYTHONPATH")) if p)}
 
 
 def local_args(model, checkpoint, data, out, *extra):
@@ -24,16 +31,18 @@ def local_args(model, checkpoint, data, out, *extra):
 @pytest.fixture(scope="module")
 def cli_runs(tiny_model, tiny_checkpoint, data_csv, tmp_path_factory):
     """The same run under torchrun on 2 and 3 ranks; the one-rank reference in this process
-    (one thread: a torchrun rank's bits; its output is not what is checked). {N: (folder, proc)}"""
+    (one thread: a torchrun rank's bits; its output is not what is checked). {N: (folder, proc)}
+    Only N=2's figures are looked at (test_outputs_are_complete): the others run without matplotlib."""
     out = {}
     for nproc in (1, 2, 3):
         folder = tmp_path_factory.mktemp(f"cli_n{nproc}")
         args = local_args(tiny_model, tiny_checkpoint, data_csv, folder, "--save-logits", "--save-text")
         if nproc == 1:
-            assert run_cli_in_process(args) == 0
+            assert run_cli_in_process(args, hide_modules=("matplotlib",)) == 0
             out[nproc] = (folder, None)
             continue
-        proc = run_cli(args, nproc=nproc)
+        env = no_figures_env(tmp_path_factory.mktemp("hidden")) if nproc == 3 else None
+        proc = run_cli(args, nproc=nproc, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[nproc] = (folder, proc)
     return out
@@ -147,12 +156,14 @@ def test_missing_column(tiny_model, tiny_checkpoint, data_csv, tmp_path, capfd):
                      r"--text-column sentence: no such column; the dataset has \['text', 'label'\]")
 
 
-@pytest.mark.multiproc
-def test_label_out_of_range(tiny_model, tiny_checkpoint, tmp_path):
+def test_label_out_of_range(tiny_model, tiny_checkpoint, tmp_path, capfd):
+    """One rank in this process. The two-rank path of this refusal (read_labels, in a phase: every
+    rank exits 2, rank 0 says why) is test_cli_bad_input.py's text_labels_not_num_labels: the same
+    function, the same phase, another of its checks."""
     data = tmp_path / "bad.csv"
     data.write_text("text,label\nw1 w2,0\nw3,1\nw4 w5,7\n")
-    proc = run_cli(local_args(tiny_model, tiny_checkpoint, str(data), tmp_path / "out"), nproc=2)
-    assert_clean_failure(proc, r"--label-column label: row 2 has label 7, outside \[0, 3\)")  # in a phase: all ranks
+    fails_in_process(local_args(tiny_model, tiny_checkpoint, str(data), tmp_path / "out"), capfd,
+                     r"--label-column label: row 2 has label 7, outside \[0, 3\)")
 
 
 def test_missing_data_file(tiny_model, tiny_checkpoint, tmp_path, capfd):
@@ -216,7 +227,8 @@ def test_unwritable_output_dir(tiny_model, tiny_checkpoint, data_csv, tmp_path, 
 
 def test_truncation_is_counted(tiny_model, tiny_checkpoint, data_csv, tmp_path, capfd):
     capfd.readouterr()
-    code = run_cli_in_process(local_args(tiny_model, tiny_checkpoint, data_csv, tmp_path, "--max-length", "5"))
+    code = run_cli_in_process(local_args(tiny_model, tiny_checkpoint, data_csv, tmp_path, "--max-length", "5"),
+                              hide_modules=("matplotlib",))  # no figure looked at
     stdout, stderr = capfd.readouterr()
     assert code == 0, stderr[-2000:]
     with open(data_csv) as f:
