@@ -4,6 +4,8 @@ for every family it counts; on the published configs' shapes (no weights) they g
 a block in bf16 that decide placement (a DeepSeek-V3 mixture-of-experts block 23 GB, its dense
 prefix blocks 1.2 GB); servers take as many blocks as fit their share by those sizes
 (plan_by_size); `swarm status --model` shows each server's share. Fast: no processes."""
+import json
+
 import pytest
 
 from dist_eval.backends.families import FAMILIES
@@ -90,3 +92,48 @@ def test_swarm_status_shows_each_servers_share_by_its_blocks_sizes():
     lines = render(status).splitlines()
     assert lines[1].startswith("  S0  ONLINE   blocks 0:6 (67.6 GiB)  bfloat16")
     assert lines[2].startswith("  S1  ONLINE   blocks 6:61 (1178.9 GiB)  bfloat16")
+
+
+def test_a_model_split_over_gpus_is_split_by_its_blocks_sizes():
+    """DeepSeek-V3 in bf16 (1,340 GB) over 15 GPUs whose weight share is 95 GB: an equal count of
+    blocks (5 a GPU, 110 GB at the mean block size) is refused; by size, every GPU holds at most its
+    share (four 23 GB mixture blocks, or the three dense blocks and three). 14 such GPUs cannot hold
+    it (58 mixture blocks, 4 a GPU at most): refused in one line."""
+    from dist_eval.swarm.devices import plan_servers
+
+    weights = block_parameters(DEEPSEEK_V3)
+    sizes = [2 * w for w in weights]
+
+    def plan(gpus, by_size=True):
+        return plan_servers("cuda", None, "bfloat16", gpu_memory=[190 * GB] * gpus, weight_bytes=sum(sizes),
+                            saved_dtype="bfloat16", num_blocks=len(sizes), block_weights=weights if by_size else None)
+
+    with pytest.raises(SwarmError, match="do not fit"):
+        plan(15, by_size=False)
+    ranges = plan(15).block_ranges
+    assert plan(15).devices == tuple(f"cuda:{g}" for g in range(len(ranges))) and len(ranges) == 15
+    assert ranges[0][0] == 0 and ranges[-1][1] == 61 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert max(sum(sizes[a:b]) for a, b in ranges) <= 95 * GB
+    with pytest.raises(SwarmError, match=r"do not fit the local swarm's 14 GPU\(s\) by size.*--initial-peers"):
+        plan(14)
+
+
+def test_a_local_swarm_of_a_mixture_model_places_its_blocks_by_size(tmp_path, monkeypatch):
+    """LocalSwarm asks the plan with each block's count from config.json and serves its ranges: a tiny
+    DeepSeek-V3 (a dense block 0, then mixture blocks) on two GPUs too small for a whole copy (no GPU
+    here: the GPUs' memory the plan is given is made up; no server is started)."""
+    from conftest import build_tiny_model
+
+    from dist_eval.swarm import LocalSwarm
+    from dist_eval.swarm import local as local_swarm
+    from dist_eval.swarm.devices import GPU_WEIGHT_SHARE
+
+    model = build_tiny_model(str(tmp_path / "deepseek"), family="deepseek_v3", num_layers=4)
+    sizes = [4 * n for n in block_parameters(json.load(open(tmp_path / "deepseek" / "config.json")))]
+    assert sizes[0] < sizes[1] == sizes[3]
+    share = sizes[0] + 2 * sizes[1]
+    monkeypatch.setattr(local_swarm, "visible_gpu_memory", lambda device: [int(share / GPU_WEIGHT_SHARE)] * 2)
+    swarm = LocalSwarm(model, device="cuda", torch_dtype="float32")
+    assert swarm.server_plan.block_ranges is not None and swarm.server_plan.devices == ("cuda:0", "cuda:1")
+    assert swarm.placement == list(swarm.server_plan.block_ranges) == [(0, 2), (2, 4)]
+    assert all(sum(sizes[a:b]) <= share for a, b in swarm.placement)

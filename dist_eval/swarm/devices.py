@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from dist_eval.swarm.placement import SwarmError
+from dist_eval.swarm.placement import SwarmError, plan_by_size
 
 CPU_SERVERS = 2  # every block on both: one may fail without a block going missing
 GPU_SERVERS_MAX = 8  # per GPU; the most measured to pay off
@@ -53,6 +53,9 @@ class ServerPlan:
     blocks_per_server: Optional[int]  # every block (full replicas), or None: placement's default (2 servers a block)
     max_batch_size: Optional[int]  # None: petals' default
     threads: Optional[int] = None  # CPU threads of each server (OMP_NUM_THREADS); None: torch's default
+    # each server's blocks [a, b), when a model split over GPUs has blocks of other sizes (a
+    # mixture-of-experts block weighs many dense ones): placed by size, not by count
+    block_ranges: Optional[Tuple[Tuple[int, int], ...]] = None
 
     @property
     def num_servers(self) -> int:
@@ -81,6 +84,7 @@ def plan_servers(
     num_blocks: int,
     cpus: int = 1,
     cpu_memory: int = 0,
+    block_weights: Optional[Sequence[int]] = None,
 ) -> ServerPlan:
     """The servers for ``device`` (``auto``: every visible GPU if any, else the CPU; ``cpu``;
     ``cuda``: every visible GPU; ``cuda:K``: that one) and ``num_servers`` (None: the
@@ -89,6 +93,8 @@ def plan_servers(
     ``weight_bytes``: the model's weights as saved, in ``saved_dtype``; ``cpus``: the CPU
     cores here, shared out among the servers (``threads``); ``cpu_memory``: bytes of memory
     available here (0: unknown), which CPU servers' full replicas must fit a share of.
+    ``block_weights``: each block's weights in values (``placement.block_parameters``), or None;
+    when they differ, a model split over the GPUs is split by the blocks' sizes.
     """
     if torch_dtype is not None and torch_dtype not in DTYPES:
         raise SwarmError(f"torch_dtype={torch_dtype!r}: expected one of {', '.join(DTYPES)} (or none: the default).")
@@ -108,6 +114,10 @@ def plan_servers(
         devices = tuple(f"cuda:{gpus[i % len(gpus)]}" for i in range(count))
         return ServerPlan(devices, dtype, num_blocks, GPU_MAX_BATCH_SIZE, _threads(cpus, count))
     # the model does not fit one GPU's share: split its blocks over the GPUs, one server each
+    if block_weights is not None and len(set(block_weights)) > 1 and (num_servers or len(gpus)) == len(gpus):
+        ranges = _split_by_size([w * _BYTES[dtype] for w in block_weights], len(gpus), budget, dtype)
+        devices = tuple(f"cuda:{g}" for g in gpus[:len(ranges)])
+        return ServerPlan(devices, dtype, None, GPU_MAX_BATCH_SIZE, _threads(cpus, len(devices)), tuple(ranges))
     per_block = -(-replica // num_blocks)
     blocks_each = -(-num_blocks // len(gpus))
     if blocks_each * per_block > budget or (num_servers or len(gpus)) != len(gpus):
@@ -120,6 +130,28 @@ def plan_servers(
         )
     devices = tuple(f"cuda:{g}" for g in gpus)
     return ServerPlan(devices, dtype, blocks_each, GPU_MAX_BATCH_SIZE, _threads(cpus, len(gpus)))
+
+
+def _split_by_size(block_bytes: List[int], gpus: int, budget: int, dtype: str) -> List[Tuple[int, int]]:
+    """Contiguous ranges, one per GPU, of about equal bytes (cut where the running total passes
+    each GPU's equal part); where one passes ``budget``, as many blocks as fit each in turn
+    (:func:`placement.plan_by_size`); SwarmError when the GPUs cannot hold them.
+    """
+    total, running, cuts = sum(block_bytes), 0, []
+    for index, size in enumerate(block_bytes):
+        if len(cuts) < gpus - 1 and running + size / 2 > total * (len(cuts) + 1) / gpus:
+            cuts.append(index)
+        running += size
+    edges = [0, *cuts, len(block_bytes)]
+    ranges = [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+    if all(sum(block_bytes[a:b]) <= budget for a, b in ranges):
+        return ranges
+    try:
+        return plan_by_size(block_bytes, [budget] * gpus)
+    except SwarmError as e:
+        raise SwarmError(f"the model's blocks in {dtype} do not fit the local swarm's {gpus} GPU(s) by size: {e}. "
+                         "Start servers over more GPUs or hosts (python -m dist_eval.swarm --block-indices, or "
+                         "petals' run_server) and pass their --initial-peers.") from e
 
 
 def _replica_bytes(weight_bytes: int, saved_dtype: str, dtype: str) -> int:

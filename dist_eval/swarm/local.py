@@ -6,6 +6,7 @@ Each server is a :class:`~dist_eval.swarm.process.ServerProcess`; the supervisor
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -27,6 +28,7 @@ from dist_eval.swarm.placement import (
     _check_peers,
     _default_prefix,
     _read_num_blocks,
+    block_parameters,
     plan_blocks,
 )
 from dist_eval.swarm.process import ServerProcess
@@ -63,6 +65,17 @@ def _served_folder(model_dir: str) -> str:
         return petals_model_folder(model_dir, log=lambda line: print(f"dist_eval.swarm: {line}", flush=True))
     except UsageError as e:
         raise SwarmError(f"{model_dir}: {e.detail}") from None
+
+
+def _block_weights(model_dir: str, first: int, last: int) -> Optional[List[int]]:
+    """Blocks ``first:last``'s weights counted from config.json (placement.block_parameters), or
+    None where they are not counted (families whose blocks are all alike) or cannot be read.
+    """
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return block_parameters(json.load(f))[first:last]
+    except (OSError, ValueError, KeyError, TypeError, SwarmError):
+        return None
 
 
 def _log_to_stderr(line: str) -> None:
@@ -175,8 +188,9 @@ class LocalSwarm:
         self.num_servers = num_servers
         self.host = _check_host(host)
         self.join_peers: List[str] = _check_peers(join_peers)
+        by_size = self.server_plan.block_ranges if blocks_per_server == self.server_plan.blocks_per_server else None
         self.placement: List[Tuple[int, int]] = [
-            (first + a, first + b) for a, b in plan_blocks(last - first, num_servers, blocks_per_server)
+            (first + a, first + b) for a, b in (by_size or plan_blocks(last - first, num_servers, blocks_per_server))
         ]
         self.dht_prefix: str = dht_prefix or _default_prefix(self.source_dir)
         self.port = port
@@ -207,6 +221,7 @@ class LocalSwarm:
             device, num_servers, torch_dtype, gpu_memory=visible_gpu_memory(device),
             weight_bytes=weight_bytes * (last - first) // self.num_blocks, saved_dtype=saved_dtype,
             num_blocks=last - first, cpus=os.cpu_count() or 1, cpu_memory=available_memory(),
+            block_weights=_block_weights(self.model_dir, first, last),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ public
