@@ -149,13 +149,18 @@ def mean_of(values: np.ndarray) -> float:
 
 def softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise softmax in float64, computed stably (the row maximum subtracted first)."""
-    logits = np.asarray(logits, dtype=np.float64)
+    logits = np.asarray(logits)
     if logits.ndim != 2:
         raise ValueError(f"logits must be 2-D (rows x classes); got shape {logits.shape}")
     if logits.shape[0] == 0:
         return np.zeros(logits.shape, dtype=np.float64)
-    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return shifted / shifted.sum(axis=1, keepdims=True)
+    # one float64 copy, each step in place (the same operations, so the same bits): rank 0 holds
+    # one rows x classes array here, not four (issue 51)
+    probs = np.array(logits, dtype=np.float64)
+    probs -= probs.max(axis=1, keepdims=True)
+    np.exp(probs, out=probs)
+    probs /= probs.sum(axis=1, keepdims=True)
+    return probs
 
 
 def _scores_and_labels(scores, labels, what: str = "probs"):
