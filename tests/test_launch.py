@@ -205,18 +205,6 @@ def test_local_rank_beyond_the_gpus_is_a_usage_error_with_nccl(monkeypatch):
         ranks.init_process_group_from_env(10, dist_backend="nccl")
 
 
-@pytest.mark.multiproc
-def test_two_nodes_equal_one_node_local_backend(tiny_model, inputs, local_reference, tmp_path):
-    """2 torchrun nodes x 1 rank (c10d rendezvous) == torchrun with 1 rank, row for row."""
-    nodes = run_nodes(eval_args(tiny_model, inputs, tmp_path / "out", "--backend", "local"), tmp_path)
-    for returncode, log in nodes:
-        assert_ok(returncode, log)
-    predictions, metrics, run = outputs(tmp_path / "out")
-    assert run["world_size"] == 2  # both nodes joined the one process group
-    assert predictions.count("\n") == 41
-    assert (predictions, metrics) == local_reference[:2]
-
-
 FAKE_SCONTROL = """#!/usr/bin/env bash
 # fake `scontrol show hostnames LIST`: one host per line
 [[ "$1 $2" == "show hostnames" ]] || { echo "fake scontrol: unexpected: $*" >&2; exit 2; }
@@ -237,7 +225,11 @@ exit $rc
 @pytest.mark.multiproc
 def test_slurm_batch_script_on_one_host(tiny_model, inputs, local_reference, tmp_path):
     """launch/slurm.sbatch under a stand-in srun/scontrol: the head node comes from the
-    node list, one torchrun per node, and the result equals the single-node run."""
+    node list, one torchrun per node, and the result equals the single-node run.
+
+    Also what a test of its own showed before: 2 torchrun nodes x 1 rank (launch/run_multinode.sh,
+    c10d rendezvous) == torchrun with 1 rank, row for row, with the local backend: the job's srun
+    runs exactly that, two run_multinode.sh nodes (the swarm's two nodes: the two-hosts test)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
@@ -261,7 +253,8 @@ def test_slurm_batch_script_on_one_host(tiny_model, inputs, local_reference, tmp
     assert srun_args.startswith("--nodes=2 --ntasks-per-node=1 --cpus-per-task=2 "), srun_args  # the job's CPUs
     assert "run_multinode.sh" in srun_args and "--backend local" in srun_args
     predictions, metrics, run = outputs(tmp_path / "out")
-    assert run["world_size"] == 2
+    assert run["world_size"] == 2  # both nodes joined the one process group
+    assert predictions.count("\n") == 41
     assert (predictions, metrics) == local_reference[:2]
 
 
