@@ -68,19 +68,20 @@ def _local_and_audited(model_dir, checkpoint, swarm, share, rows, batch_size, se
 def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
     """Five servers of every block of the tiny Llama under one prefix; the third serves a copy
     whose block 2 differs by 1e-3 in one weight (another revision, say); the fourth answers row 0
-    of every request all NaN; the fifth shifts row 0 of 3 in 4 of its answers after its first two
-    (one connection handler, the draws of Random(0): 1st, 2nd right, 3rd to 6th shifted, 7th
+    of every request all NaN; the fifth shifts every row of 3 in 4 of its answers after its first
+    two (one connection handler, the draws of Random(0): 1st, 2nd right, 3rd to 6th shifted, 7th
     right, ...) (the test-only fault hook, wire.TEST_FAULT_ENV, each for its own copy of the
-    folder). The three join the honest two at once. Yields (the five servers' peer ids, honest
-    first, then the changed, the NaN and the shifting one; and the first swarm, whose peers the
-    client joins)."""
+    folder); then two servers of part of the model, an honest one of blocks 0:2 and one of blocks
+    2:4 that shifts row 0 of every answer. The five join the honest two at once. Yields (the seven
+    servers' peer ids, honest first, then the changed, the NaN, the shifting one, the half and the
+    faulty half; and the first swarm, whose peers the client joins)."""
     import socket
 
     from dist_eval.swarm import LocalSwarm
 
     folder = tmp_path_factory.mktemp("faulty")
-    changed, nan, shift = (str(folder / name) for name in ("changed", "nan", "shift"))
-    for copy in (changed, nan, shift):
+    changed, nan, shift, half_shift = (str(folder / name) for name in ("changed", "nan", "shift", "half_shift"))
+    for copy in (changed, nan, shift, half_shift):
         shutil.copytree(tiny_model, copy)
     weights = load_file(os.path.join(changed, "model.safetensors"))
     name = next(k for k in sorted(weights) if ".layers.2." in k and k.endswith("q_proj.weight"))
@@ -88,17 +89,19 @@ def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
     save_file(weights, os.path.join(changed, "model.safetensors"), metadata={"format": "pt"})
     honest = one_thread_swarm(tiny_model, num_servers=2, dht_prefix="audit-test")
     first = next(honest)
-    sockets = [socket.socket() for _ in range(3)]  # three distinct free ports: the swarms start at once
+    sockets = [socket.socket() for _ in range(5)]  # distinct free ports: the swarms start at once
     for s in sockets:
         s.bind(("127.0.0.1", 0))
     ports = [s.getsockname()[1] for s in sockets]
     for s in sockets:
         s.close()
     others = [LocalSwarm(copy, num_servers=1, dht_prefix="audit-test", join_peers=first.initial_peers, port=port,
-                         extra_server_args=["--num_handlers", "1"] if copy == shift else ())
-              for copy, port in zip((changed, nan, shift), ports)]
+                         extra_server_args=["--num_handlers", "1"] if copy == shift else (), block_range=blocks)
+              for copy, port, blocks in zip((changed, nan, shift, tiny_model, half_shift), ports,
+                                            (None, None, None, (0, 2), (2, 4)))]
     try:
-        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1", TEST_FAULT_ENV: f"{nan}=nan;{shift}=shift:0.75"}):
+        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1",
+                                          TEST_FAULT_ENV: f"{nan}=nan;{shift}=shift_all:0.75;{half_shift}=shift"}):
             for other in others:
                 other.start_in_background()
             for other in others:
@@ -135,29 +138,68 @@ def test_a_server_that_computes_other_numbers_or_nan_is_found_named_and_left_out
 
 def test_a_server_found_wrong_after_its_answers_were_taken_is_left_out_and_its_batches_evaluated_again(
         tiny_model, tiny_checkpoint, swarm_with_a_changed_replica, tmp_path):
-    """The shifting server passes its join probe (its first answers are right), then shifts most of
-    its answers, of which the run takes those the share does not replay; once a replay catches one
-    (outvoted by the third server), it is left out and every batch it answered is evaluated again on
-    the honest two: the logits are the local backend's bit for bit, the run goes on (without the
-    redo, 1 run in 2 here takes a shifted answer: the logits differ). It answers about a third of
-    the 60 requests, 3 in 4 of them shifted after its 2nd: all go unreplayed at share 0.5 with
-    probability about 2^-15."""
+    """The shifting server passes its join probe (its first answers are right), then shifts every row
+    of most of its answers, of which the run takes those the share does not check; once a check
+    catches one (a row check of the rows drawn, then the request replayed whole, outvoted by the third
+    server), it is left out and every batch it answered is evaluated again on the honest two: the
+    logits are the local backend's bit for bit, the run goes on. 40 requests of 2 rows: it answers
+    about 13, 3 in 4 of them shifted after its 2nd, each seen where one of its 2 rows is drawn (3 in
+    4 at share 0.5): all escape with probability about 1e-4."""
     peers, swarm = swarm_with_a_changed_replica
     shifting = peers[4]
-    expected, got, audit = _local_and_audited(tiny_model, tiny_checkpoint, swarm, 0.5, 60, 1,
+    expected, got, audit = _local_and_audited(tiny_model, tiny_checkpoint, swarm, 0.5, 80, 2,
                                               servers=[*peers[:2], shifting], row_store=str(tmp_path))
+    assert audit["row_checks"] + audit["escalated"] > 0, audit  # requests of 2 rows, one drawn: row checks
     assert_same_bits(got.predictions.logits, expected.predictions.logits, "the logits, its batches evaluated again")
     assert list(audit["excluded"]) == [shifting] and audit["excluded"][shifting]["difference"] > 0, audit
     assert audit["excluded"][shifting]["outvoted_by"] == sorted(peers[:2]), audit
     assert not any(audit["servers"].get(p, {}).get("mismatches") for p in peers[:2]), audit
     # the row store (written after every batch) serves no row of it, each row recording its servers
     [(folder, key)] = key_folders(str(tmp_path))
-    assert blamed_servers(folder) == {shifting} and len(survey(folder, key).rows) == 60
+    assert blamed_servers(folder) == {shifting} and len(survey(folder, key).rows) == 60  # distinct: _rows repeats
     assert all(servers and shifting not in servers for _, _, servers in survey(folder, key).rows.values())
     taken = audit["excluded"][shifting]["answers_taken_unchecked"]
     assert (f"1 server(s) outvoted and left out: {shifting}" + (f" ({taken} of their earlier answers evaluated again"
                                                                 if taken else " (metrics")) in summary_line(
         {"swarm": {"audit": audit}})
+
+
+def test_a_server_at_fault_on_a_route_of_several_is_found_span_by_span_and_left_out(tiny_model, tiny_checkpoint,
+                                                                                      swarm_with_a_changed_replica):
+    """A route of two servers (blocks 0:2, then 2:4, whose server shifts row 0 of every answer) is
+    outvoted by the two honest servers of every block; its spans are then replayed one at a time on
+    them, each given the inputs the route gave it: the first span's answer is confirmed, the second's
+    contradicted by one and the other agrees, so its server alone is blamed and left out, the run goes
+    on, its logits the local backend's (before, the run stopped: "one of ... is at fault"). The
+    client's route is pinned through the two halves (petals draws routes by span length: 1 in 25)."""
+    import dataclasses
+
+    from dist_eval.backends.compat import import_petals
+
+    import_petals()
+    from petals.client.routing.sequence_manager import RemoteSequenceManager
+
+    peers, swarm = swarm_with_a_changed_replica
+    half, faulty = peers[5:7]
+
+    def pinned(manager, start=0, end=None, **kwargs):  # petals' spans of the two halves
+        spans, block, end = [], start, len(manager) if end is None else end
+        while block < end:
+            span = next(s for s in manager.state.sequence_info.spans_containing_block[block]
+                        if str(s.peer_id) in (half, faulty))
+            spans.append(dataclasses.replace(span, start=block))
+            block = span.end
+        return spans
+
+    with mock.patch.object(RemoteSequenceManager, "make_sequence", pinned):
+        expected, got, audit = _local_and_audited(tiny_model, tiny_checkpoint, swarm, 0.5, 6, 2,
+                                                  servers=[*peers[:2], half, faulty])
+    assert_same_bits(got.predictions.logits, expected.predictions.logits, "the logits, the faulty half left out")
+    assert list(audit["excluded"]) == [faulty], audit
+    evidence = audit["excluded"][faulty]
+    assert evidence["blocks"] == "2:4" and evidence["route"] == [half, faulty], evidence
+    assert evidence["outvoted_by"] == sorted(peers[:2]), evidence
+    assert not any(audit["servers"].get(p, {}).get("mismatches") for p in [*peers[:2], half]), audit
 
 
 def test_a_row_nan_on_every_route_fails_the_run_in_one_line_naming_its_rows_and_servers(tiny_model, tiny_checkpoint,
@@ -218,6 +260,27 @@ def test_every_batch_a_blamed_server_answered_is_evaluated_again_once_also_one_i
     assert redo.due() == [(2, "batch 2")] and redo.due() == []
     with pytest.raises(AuditMismatch, match="x were outvoted .* found no route of other servers"):
         redo.redone(2, "batch 2", Taken(ledger, frozenset({"x"})), 4)
+
+
+def test_the_rows_drawn_for_a_check_are_the_same_in_any_batch_and_the_share_of_them():
+    """A row is drawn by its content up to the position the head reads (right padding, the batch
+    around it: no part), so every N and every batch size check the same rows; about the share of them."""
+    import torch
+
+    from dist_eval.backends.audit import AuditLedger, ServerAudit, row_digests
+
+    ids = torch.randint(1, 50, (400, 9))
+    positions = [3 + i % 6 for i in range(400)]
+    ledger = AuditLedger(share=0.25, seed=3, servers={"a": ServerAudit(batches=1)})
+    _, drawn = ledger.pick(row_digests(ids, torch.zeros(0), positions), ["a"])
+    again = []
+    for start in range(0, 400, 7):  # batches of 7, each padded (after its rows' tokens) to its longest
+        length = max(positions[start:start + 7]) + 1
+        batch = torch.where(torch.arange(9) <= torch.tensor(positions[start:start + 7])[:, None], ids[start:start + 7],
+                            0)[:, :length]
+        reason, rows = ledger.pick(row_digests(batch, torch.zeros(0), positions[start:start + 7]), ["a"])
+        again += [start + r for r in (rows if reason == "rows" else range(7) if reason else [])]
+    assert again == drawn and 70 <= len(drawn) <= 130, len(drawn)
 
 
 def test_the_tolerance_between_other_numerics_is_calibrated_on_the_runs_honest_agreement():

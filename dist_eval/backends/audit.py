@@ -4,28 +4,35 @@ A server's answer moves the logits without a word when its weights are another r
 dtype or quantization another, its hardware faulty; petals checks only an answer's shape. So a
 client of dist_eval replays, on a route of other servers:
 
-- a seeded share of its requests (``--audit SHARE``, API ``audit=``), chosen by a hash of the
-  request's content and the seed, the same requests for any number of ranks (every rank plans
-  the same batches);
-- the first request through each server it has not seen yet (a join probe), when the share is
-  above 0, so a misconfigured server is caught on its first batch.
+- a seeded share of the rows of its requests (``--audit SHARE``, API ``audit=``), each row drawn by a
+  hash of its content (its tokens up to the position the head reads) and the seed: the same rows for
+  any number of ranks and any batch size. A request with rows drawn sends those rows alone (a row
+  check: a 64-row request with one row drawn costs a 64th of it again), as long as the furthest
+  position the head reads of them; a request with every row drawn is replayed whole;
+- the first request through each server it has not seen yet (a join probe), whole, when the share
+  is above 0, so a misconfigured server is caught on its first batch.
 
-The two answers (the hidden states the head reads) must be equal bit for bit where every server
-of both routes announces the same numerics (petals version, dtype, quantization, adapters): a
-forward is computed block by block, and a request replayed whole has the same composition. Where
-they announce different numerics, they must agree within :func:`tolerance`: 64 ulps of the coarsest
-dtype at first, then calibrated on the honest agreement seen in the run (stated in the report).
-A disagreement is settled by a third route avoiding both (where the swarm has one): the route the
-other two outvote is named, its server blamed where it holds the route alone. A blamed server is
-left out of every route from then on, the majority's answer stands, and the run goes on
-(``excluded`` in the report, with the evidence); every batch whose answers it gave before,
-unchecked, is evaluated again on the others (:class:`Redo`, in the forward loop), so the results
-come from unblamed servers only and every row counts once. The run stops with :class:`AuditMismatch`
-(one line naming the servers and the difference) before any row of the request is counted or
-stored where no verdict is possible (no third route; a third that agrees with neither; an outvoted
-route of several servers), or where no route of unblamed servers is left to evaluate a batch again
-(or a caller other than the forward loop took its answers). A block no other server holds cannot
-be audited disjointly: counted as a coverage gap in the report (``run.swarm.audit``).
+A row check's rows, computed in another batch, may differ in their last bits (other kernels for
+another shape): they must agree within :func:`rows_tolerance` (64 ulps of the coarsest dtype at the
+answer's magnitude); beyond it the request is replayed whole, and that replay decides. A whole
+replay (the same composition) must equal the answer bit for bit where every server of both routes
+announces the same numerics (petals version, dtype, quantization, adapters): a forward is computed
+block by block. Where they announce different numerics, they must agree within :func:`tolerance`:
+64 ulps of the coarsest dtype at first, then calibrated on the honest agreement seen in the run
+(stated in the report). A disagreement is settled by a third route avoiding both (where the swarm
+has one): the route the other two outvote is named; where it holds several servers, its spans are
+replayed one at a time, each on the inputs that route gave it, on other holders of its blocks, and
+the server of the first span that one other holder contradicts and a second confirms is blamed
+(dist_eval.backends.wire's span search). A blamed server is left out of every route from then on,
+the majority's answer stands, and the run goes on (``excluded`` in the report, with the evidence);
+every batch whose answers it gave before, unchecked, is evaluated again on the others
+(:class:`Redo`, in the forward loop), so the results come from unblamed servers only and every row
+counts once. The run stops with :class:`AuditMismatch` (one line naming the servers and the
+difference) before any row of the request is counted or stored where no verdict is possible (no
+third route; a third that agrees with neither; an outvoted route of several servers whose spans no
+two others settle), or where no route of unblamed servers is left to evaluate a batch again (or a
+caller other than the forward loop took its answers). A block no other server holds cannot be
+audited disjointly: counted as a coverage gap in the report (``run.swarm.audit``).
 
 An answer with NaN or inf where the head's read depends on it, from finite inputs, is never a
 result: the request is retried on a route around its server, which is blamed as above; a row
@@ -33,7 +40,9 @@ NaN on every route stops the run naming the rows and servers (:class:`NonFiniteA
 
 What it does not prove: servers that collude (every holder of a block returning the same wrong
 numbers) agree; a fault in a share f of one server's answers goes unseen with probability
-(1 - f) ** (its answers replayed) (the report gives it per server, for f = 1 and f = 0.1).
+(1 - f) ** (its answers checked), where a wrong answer is wrong in the rows checked (a wrong weight
+or kernel moves every row of a batch): the report gives it per server, for f = 1 and f = 0.1; a
+fault in one row of an answer is seen only where that row is drawn (the share, per row).
 """
 from __future__ import annotations
 
@@ -93,10 +102,11 @@ class ServerAudit:
     """One server's part in the audit: the requests and rows of its answers replayed elsewhere."""
 
     computed: int = 0  # requests whose answer it computed (a span of)
-    batches: int = 0  # of those, replayed on servers other than it, and equal
-    rows: int = 0
+    batches: int = 0  # of those, replayed whole on servers other than it, and equal
+    row_checks: int = 0  # of those, some rows replayed on servers other than it, and equal
+    rows: int = 0  # rows of its answers replayed elsewhere and equal (whole or in row checks)
     mismatches: int = 0
-    unchecked: int = 0  # of those, taken without a replay's verdict (not drawn, or no other server)
+    unchecked: int = 0  # of those, taken without a whole replay's verdict (not drawn, rows only, or no other server)
 
     @property
     def verified(self) -> bool:
@@ -112,8 +122,17 @@ class AuditLedger:
     seed: int = 0
     servers: Dict[str, ServerAudit] = field(default_factory=dict)
     requests: int = 0  # every request the client completed
-    replayed: int = 0  # those replayed on another route
+    request_rows: int = 0  # their rows
+    request_positions: int = 0  # their rows times the positions sent
+    replayed: int = 0  # those replayed whole on another route
+    row_checks: int = 0  # those whose drawn rows (not all) were replayed on another route and agreed
+    row_checked_rows: int = 0
+    row_max_difference: float = 0.0  # over the row checks
+    escalated: int = 0  # row checks beyond their tolerance: the request replayed whole
+    extra_rows: int = 0  # rows sent on a replay of any kind (whole, rows, third routes, spans): the audit's compute
+    extra_positions: int = 0  # those rows times the positions sent
     probes: int = 0  # requests picked for a replay as a join probe (a server no replay had agreed with yet)
+    probe_rows: int = 0  # their rows
     replayed_rows: int = 0
     replays_failed: int = 0  # a replay's server failed: no verdict (the request itself stands)
     gaps: Dict[int, int] = field(default_factory=dict)  # block -> replays it could not get from another server
@@ -132,22 +151,51 @@ class AuditLedger:
                 return PRIOR_ULPS
             return min(PRIOR_ULPS, max(FLOOR_ULPS, CALIBRATED_FACTOR * max(self.honest_ulps)))
 
-    def reason_to_replay(self, digest: bytes, peers: Sequence[str]) -> Optional[str]:
-        """Why the request of ``digest`` through ``peers`` is replayed ("share", "first batch"), or None."""
+    def pick(self, row_digests: Sequence[bytes], peers: Sequence[str],
+             positions: int = 0) -> Tuple[Optional[str], Optional[List[int]]]:
+        """What of the request through ``peers`` (one content digest per row, :func:`row_digests`; each
+        row ``positions`` long) is replayed: ("first batch", None) the whole request, a join probe;
+        ("share", None) the whole request, every row drawn; ("rows", the rows drawn) a row check;
+        (None, None) nothing.
+        """
         if self.share <= 0:
-            return None
+            return None, None
         with self.lock:
             self.requests += 1
+            self.request_rows += len(row_digests)
+            self.request_positions += len(row_digests) * positions
             for p in set(peers):
                 self.servers.setdefault(p, ServerAudit()).computed += 1
-            # the join probe: every request through a server no replay has agreed with yet (its
+            # the join probe: every request through a server no whole replay has agreed with yet (its
             # requests in flight at once, and after a replay that failed, included)
             if not all(self.servers[p].verified for p in peers):
                 self.probes += 1
-                return "first batch"
-        draw = int.from_bytes(hashlib.blake2b(digest, digest_size=8, key=self.seed.to_bytes(8, "little")).digest(),
-                              "little")
-        return "share" if draw < self.share * 2 ** 64 else None
+                self.probe_rows += len(row_digests)
+                return "first batch", None
+        key = self.seed.to_bytes(8, "little")
+        drawn = [r for r, digest in enumerate(row_digests)
+                 if int.from_bytes(hashlib.blake2b(digest, digest_size=8, key=key).digest(), "little")
+                 < self.share * 2 ** 64]
+        if not drawn:
+            return None, None
+        return ("share", None) if len(drawn) == len(row_digests) else ("rows", drawn)
+
+    def sent(self, rows: int, positions: int) -> None:
+        """A replay sent ``rows`` rows of ``positions`` positions each (the audit's own compute)."""
+        with self.lock:
+            self.extra_rows += rows
+            self.extra_positions += rows * positions
+
+    def record_rows(self, peers: Sequence[str], rows: int, difference: float) -> None:
+        """A row check of ``rows`` rows computed by ``peers`` that agreed, ``difference`` apart at most."""
+        with self.lock:
+            self.row_checks += 1
+            self.row_checked_rows += rows
+            self.row_max_difference = max(self.row_max_difference, difference)
+            for p in set(peers):
+                audit = self.servers.setdefault(p, ServerAudit())
+                audit.row_checks += 1
+                audit.rows += rows
 
     def taken_unchecked(self, peers: Sequence[str], replay_failed: bool = False) -> None:
         """An answer of ``peers`` taken without a replay's verdict (``replay_failed``: one was tried)."""
@@ -196,17 +244,27 @@ class AuditLedger:
             return {
                 "share": self.share,
                 "requests": self.requests,
+                "request_rows": self.request_rows,
+                "request_positions": self.request_positions,
                 "replayed": self.replayed,
                 "join_probes": self.probes,
+                "join_probe_rows": self.probe_rows,
                 "replayed_rows": self.replayed_rows,
+                "row_checks": self.row_checks,
+                "row_checked_rows": self.row_checked_rows,
+                "row_max_difference": self.row_max_difference,
+                "escalated": self.escalated,
+                "extra_rows": self.extra_rows,
+                "extra_positions": self.extra_positions,
                 "replays_failed": self.replays_failed,
                 "max_difference": self.max_difference,
                 "max_tolerance": max(self.tolerances) if self.tolerances else 0.0,
                 "tolerance": _tolerance_facts(len(self.honest_ulps), max(self.honest_ulps, default=0.0)),
                 "coverage_gaps": {str(b): n for b, n in sorted(self.gaps.items())},
                 "excluded": dict(sorted(self.excluded.items())),
-                "servers": {p: {"computed": a.computed, "batches": a.batches, "rows": a.rows,
-                                "mismatches": a.mismatches, "unchecked": a.unchecked, **_unseen(a.batches)}
+                "servers": {p: {"computed": a.computed, "batches": a.batches, "row_checks": a.row_checks,
+                                "rows": a.rows, "mismatches": a.mismatches, "unchecked": a.unchecked,
+                                **_unseen(a.batches + a.row_checks)}
                             for p, a in sorted(self.servers.items())},
             }
 
@@ -223,7 +281,9 @@ def _tolerance_facts(agreements: int, largest: float) -> dict:
 
 def _unseen(replayed: int) -> dict:
     """The chance that a server whose every answer (one in ten) is wrong went unseen, with
-    ``replayed`` of its answers replayed and equal.
+    ``replayed`` of its answers replayed (whole or some rows) and equal: an answer wrong in the
+    rows a check replayed (a wrong weight or a faulty kernel moves every row of a batch; a fault in
+    one row of an answer is seen only where that row is drawn, at the share).
     """
     return {"unseen_if_always_wrong": 0.0 if replayed else 1.0, "unseen_if_one_in_ten_wrong": 0.9 ** replayed}
 
@@ -239,13 +299,20 @@ def ledger_of(manager) -> Optional[AuditLedger]:
     return getattr(manager, AUDIT_ATTR, None)
 
 
-def request_digest(token_ids: Optional[torch.Tensor], hidden_states: torch.Tensor, positions: Sequence[int]) -> bytes:
-    """The content of one request: what it asks, whichever rank sends it."""
-    h = hashlib.blake2b(digest_size=16)
-    source = token_ids if token_ids is not None else hidden_states
-    h.update(source.detach().cpu().contiguous().numpy().tobytes())
-    h.update(repr(list(positions)).encode())
-    return h.digest()
+def row_digests(token_ids: Optional[torch.Tensor], hidden_states: torch.Tensor, positions: Sequence[int],
+                prompt_tokens: int = 0) -> List[bytes]:
+    """The content of each row of a request, up to the position the head reads (what decides its
+    answer: the blocks are causal): the same whichever rank sends it, in whichever batch.
+    """
+    digests = []
+    for row, position in enumerate(positions):
+        h = hashlib.blake2b(digest_size=16)
+        source = token_ids[row, : position - prompt_tokens + 1] if token_ids is not None else \
+            hidden_states[row, : position + 1]
+        h.update(source.detach().cpu().contiguous().numpy().tobytes())
+        h.update(repr(position).encode())
+        digests.append(h.digest())
+    return digests
 
 
 def disjoint_route(manager, avoid: set, end: int, ledger: Optional[AuditLedger], start: int = 0) -> Optional[list]:
@@ -304,6 +371,16 @@ def tolerance(spans: Sequence, reference: torch.Tensor, ledger: Optional[AuditLe
     return one * (ledger.tolerance_ulps() if ledger is not None else PRIOR_ULPS)
 
 
+def rows_tolerance(spans: Sequence, reference: torch.Tensor) -> float:
+    """A row check's bound: its rows, replayed in a smaller batch, may differ in their last bits from
+    the request's (another composition, other kernels), whatever the numerics: :data:`PRIOR_ULPS` units
+    of the coarsest dtype's precision at the answer's largest magnitude. Beyond it is no blame, only
+    the reason to replay the request whole (the same composition), compared as any replay.
+    """
+    eps = max(torch.finfo(_dtype(s.server_info.torch_dtype)).eps for s in spans)
+    return float(PRIOR_ULPS * eps * max(1.0, reference.abs().max().item()))
+
+
 def _dtype(name) -> torch.dtype:
     dtype = getattr(torch, str(name).replace("torch.", ""), None)
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
@@ -329,20 +406,24 @@ def combine(facts: Sequence[Optional[dict]]) -> Optional[dict]:
     if not facts:
         return None
     total = {key: sum(f.get(key, 0) for f in facts)
-             for key in ("requests", "replayed", "join_probes", "replayed_rows", "replays_failed")}
+             for key in ("requests", "request_rows", "request_positions", "replayed", "join_probes",
+                         "join_probe_rows", "replayed_rows", "row_checks",
+                         "row_checked_rows", "escalated", "extra_rows", "extra_positions", "replays_failed")}
     gaps: Dict[str, int] = {}
     servers: Dict[str, dict] = {}
     for f in facts:
         for block, n in f["coverage_gaps"].items():
             gaps[block] = gaps.get(block, 0) + n
         for peer, s in f["servers"].items():
-            into = servers.setdefault(peer, {"computed": 0, "batches": 0, "rows": 0, "mismatches": 0, "unchecked": 0})
+            into = servers.setdefault(peer, {"computed": 0, "batches": 0, "row_checks": 0, "rows": 0, "mismatches": 0,
+                                             "unchecked": 0})
             for key in into:
-                into[key] += s[key]
+                into[key] += s.get(key, 0)
     for s in servers.values():
-        s.update(_unseen(s["batches"]))
+        s.update(_unseen(s["batches"] + s["row_checks"]))
     excluded = {peer: evidence for f in facts for peer, evidence in f.get("excluded", {}).items()}
     return {"share": facts[0]["share"], **total, "max_difference": max(f["max_difference"] for f in facts),
+            "row_max_difference": max(f.get("row_max_difference", 0.0) for f in facts),
             "max_tolerance": max(f["max_tolerance"] for f in facts),
             # every rank calibrates its own; the report's: the widest
             "tolerance": max((f["tolerance"] for f in facts if "tolerance" in f), key=lambda t: t["ulps"],
@@ -357,7 +438,7 @@ def summary_line(run: dict) -> str:
     facts = (run.get("swarm") or {}).get("audit")
     if not facts:
         return ""
-    unchecked = sum(1 for s in facts["servers"].values() if not s["batches"])
+    unchecked = sum(1 for s in facts["servers"].values() if not s["batches"] and not s.get("row_checks"))
     excluded = facts.get("excluded") or {}
     compared = "bit for bit" if not facts["max_tolerance"] else (
         f"within {facts['max_tolerance']:.2g} (servers of other numerics; largest difference "
@@ -365,7 +446,11 @@ def summary_line(run: dict) -> str:
     agreed = "the others all equal" if excluded else "all equal"
     redone = sum(evidence.get("answers_taken_unchecked", 0) for evidence in excluded.values())
     return (f"  swarm audit: {facts['replayed']} of {facts['requests']} requests ({facts['replayed_rows']} rows) "
-            f"replayed on other servers, {agreed} {compared}; {len(facts['servers']) - unchecked} of "
+            f"replayed on other servers, {agreed} {compared}"
+            + (f"; {facts['row_checks']} more checked in {facts['row_checked_rows']} drawn rows, all within "
+               f"{PRIOR_ULPS:g} ulps (largest difference {facts['row_max_difference']:.2g})"
+               if facts.get("row_checks") else "")
+            + f"; {len(facts['servers']) - unchecked} of "
             f"{len(facts['servers'])} servers checked" + (f", {len(facts['coverage_gaps'])} block(s) with no other "
                                                           "server to check them" if facts["coverage_gaps"] else "")
             + (f"; {len(excluded)} server(s) outvoted and left out: {', '.join(excluded)}"
@@ -388,27 +473,32 @@ def describe(spans: Sequence) -> str:
 
 
 def exclude_if_unused(ledger: AuditLedger, rows: int, route: Sequence, other: Sequence, gap: float,
-                      third: Optional[Sequence], third_agrees_with: Optional[str], redo: bool = False) -> Optional[str]:
+                      third: Optional[Sequence], third_agrees_with: Optional[str], redo: bool = False,
+                      found: Optional[dict] = None) -> Optional[str]:
     """Where a third route outvoted one server none of whose answers was taken unchecked (each of its
     requests was replayed until one agreed: the join probe), or whose answers taken the caller
     evaluates again (``redo``: :class:`Redo`), leave it out of every route from now on and return
     which answer stands ("first": the request's own, "second": the replay's); else None (the run stops).
+    An outvoted route of several servers: ``found`` names the one whose span two others outvoted
+    (``peer``, ``blocks``, ``outvoted_by``: the span search of dist_eval.backends.wire), else None.
     """
     if third is None or third_agrees_with is None:
         return None
     faulty = other if third_agrees_with == "first" else route
     peers = {str(s.peer_id) for s in faulty}
     with ledger.lock:
-        if len(peers) != 1:
+        if len(peers) != 1 and found is None:
             return None
-        [peer] = peers
+        [peer] = peers if found is None else [found["peer"]]
         unchecked = ledger.servers.get(peer, ServerAudit()).unchecked
         if unchecked and not redo:
             return None  # answers of it were taken unchecked before: they cannot be told apart now
         ledger.servers.setdefault(peer, ServerAudit()).mismatches += 1
+        outvoted_by = found["outvoted_by"] if found is not None else \
+            {str(s.peer_id) for s in [*(route if faulty is other else other), *third]}
         ledger.excluded[peer] = {
-            "rows": rows, "difference": gap if gap != float("inf") else "inf",
-            "outvoted_by": sorted({str(s.peer_id) for s in [*(route if faulty is other else other), *third]}),
+            "rows": rows, "difference": gap if gap != float("inf") else "inf", "outvoted_by": sorted(outvoted_by),
+            **({"blocks": found["blocks"], "route": [str(s.peer_id) for s in faulty]} if found is not None else {}),
             "answers_taken_unchecked": unchecked,  # evaluated again (Redo)
         }
     return third_agrees_with

@@ -153,10 +153,12 @@ TEST_FAULT_ENV = "DIST_EVAL_TEST_FAULT"  # tests and benchmarks only: a server t
 
 def _test_fault(model_dir: Optional[str]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """The fault ``$DIST_EVAL_TEST_FAULT`` asks of this server (the audit's tests and benchmark make a
-    faulty server with it): ``nan`` (row 0 of an answer all NaN) or ``shift`` (row 0 plus 1e-2),
-    ``KIND:SHARE`` in that share of the answers (a seeded draw per answer), else None. Entries
-    separated by ``;``; one written ``FOLDER=KIND[:SHARE]`` is only for servers of that model folder
-    (servers started at once with one environment, each its own fault).
+    faulty server with it): ``nan`` (row 0 of an answer all NaN), ``shift`` (row 0 plus 1e-2),
+    ``shift_all`` (every row plus 1e-2, as a wrong weight moves a whole batch), ``KIND:SHARE`` in that
+    share of the answers (a seeded draw per answer); ``shift_rows:SHARE``: each row of every answer
+    plus 1e-2 in that share of the rows (a draw per row); else None. Entries separated by ``;``; one
+    written ``FOLDER=KIND[:SHARE]`` is only for servers of that model folder (servers started at once
+    with one environment, each its own fault).
     """
     value = None
     for entry in filter(None, os.environ.get(TEST_FAULT_ENV, "").split(";")):
@@ -166,15 +168,18 @@ def _test_fault(model_dir: Optional[str]) -> Optional[Callable[[torch.Tensor], t
     if not value:
         return None
     kind, _, share = value.partition(":")
-    if kind not in ("nan", "shift"):
-        raise ValueError(f"${TEST_FAULT_ENV}: expected nan or shift, optionally :SHARE; got {value!r}")
+    if kind not in ("nan", "shift", "shift_all", "shift_rows"):
+        raise ValueError(f"${TEST_FAULT_ENV}: expected nan, shift, shift_all or shift_rows, optionally :SHARE; "
+                         f"got {value!r}")
     draw, share = random.Random(0), float(share or 1)
 
     def fault(hidden_states: torch.Tensor) -> torch.Tensor:
-        if draw.random() >= share:
+        rows = [r for r in range(hidden_states.shape[0]) if draw.random() < share] if kind == "shift_rows" else \
+            ([] if draw.random() >= share else [0] if kind in ("nan", "shift") else list(range(hidden_states.shape[0])))
+        if not rows:
             return hidden_states
         hidden_states = hidden_states.clone()
-        hidden_states[0] = float("nan") if kind == "nan" else hidden_states[0] + 1e-2
+        hidden_states[rows] = float("nan") if kind == "nan" else hidden_states[rows] + 1e-2
         return hidden_states
 
     return fault
@@ -283,6 +288,20 @@ class _Request:
         self.redoes = redoes  # the caller evaluates the batch again if a server of it is blamed later
         self.servers: set = set()  # the servers whose answers were taken (the hidden states returned)
         self.finite_inputs: Optional[bool] = None  # whether the inputs are finite where the head's read depends on
+        self.trace: Optional[list] = None  # (span, its inputs, its answer) of the route taken, while audited
+
+    def of_rows(self, rows: Sequence[int]) -> _Request:
+        """The request of ``rows`` alone (a row check), as long as the furthest position the head reads of them."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        length = max(self.positions[r] for r in rows) + 1
+        prompts = self.prompts
+        if prompts.ndim == 4 and prompts.shape[1] == len(self.positions) > 1:  # per-row deep prompts
+            prompts = prompts[:, index]
+        ids = None if self.token_ids is None else self.token_ids[index, : length - self.prompt_tokens]
+        sub = _Request(self.hidden_states[index, :length], prompts, ids, self.prompt_tokens,
+                       torch.tensor([self.positions[r] for r in rows]), self.redoes)
+        sub.finite_inputs = self.finite_inputs
+        return sub
 
 
 async def _forward_chain(request: _Request, manager, own_digest: Optional[Callable[[], str]]) -> torch.Tensor:
@@ -295,6 +314,8 @@ async def _forward_chain(request: _Request, manager, own_digest: Optional[Callab
     end = len(manager.block_uids)
     inputs = request.hidden_states
     block, spans, route = 0, deque(), []
+    ledger = audit.ledger_of(manager)
+    request.trace = [] if ledger is not None else None
     non_finite: Dict[str, List[int]] = {}  # peer -> the rows its answer to this request had NaN or inf in
     while block < end:
         attempt, reroute = 0, False
@@ -319,14 +340,18 @@ async def _forward_chain(request: _Request, manager, own_digest: Optional[Callab
             if bad:  # from finite inputs: this server's, never a result; a route around it
                 non_finite[str(span.peer_id)], reroute = bad, True
                 continue
+            if request.trace is not None:
+                request.trace.append((span, inputs, output))
             inputs, block = output, span.end
             route.append(span)
             break
     request.servers = {str(s.peer_id) for s in route}
-    ledger = audit.ledger_of(manager)
     if ledger is not None:
         _blame_non_finite(ledger, non_finite, request, finite_from=route)
-        return await _audit(request, manager, route, inputs, own_digest, ledger)
+        try:
+            return await _audit(request, manager, route, inputs, own_digest, ledger)
+        finally:
+            request.trace = None  # the spans' hidden states: held only while the audit may search them
     return inputs
 
 
@@ -405,18 +430,23 @@ async def _run_span(request: _Request, manager, span, inputs: torch.Tensor,
 
 
 async def _replay(request: _Request, manager, spans, own_digest, ledger: audit.AuditLedger,
-                  answered: Sequence) -> Optional[torch.Tensor]:
+                  answered: Sequence, trace: Optional[list] = None) -> Optional[torch.Tensor]:
     """The request through ``spans`` once, no retry; None when one of their servers fails, or answers
     NaN or inf where ``answered`` (the route that answered the request) gave numbers (it is blamed).
+    ``trace`` gets (span, its inputs, its answer) of each span.
     """
     inputs, end = request.hidden_states, len(manager.block_uids)
+    ledger.sent(len(request.positions), inputs.shape[1])
     try:
         for span in spans:
-            inputs = await _run_span(request, manager, span, inputs, own_digest)
-            bad = _non_finite(request, span, inputs, end)
+            output = await _run_span(request, manager, span, inputs, own_digest)
+            bad = _non_finite(request, span, output, end)
             if bad:
                 _blame_non_finite(ledger, {str(span.peer_id): bad}, request, answered)
                 return None
+            if trace is not None:
+                trace.append((span, inputs, output))
+            inputs = output
     except Exception as error:
         if not server_failure(error):
             raise
@@ -426,29 +456,69 @@ async def _replay(request: _Request, manager, spans, own_digest, ledger: audit.A
 
 async def _elsewhere(request: _Request, manager, avoid: set, own_digest, ledger: audit.AuditLedger,
                      answered: Sequence):
-    """(route, its answer) for the request on servers outside ``avoid`` and those left out; (route or
-    None, None) where none answers. A server that answers NaN or inf is left out and another route tried.
+    """(route, its answer, its spans' trace) for the request on servers outside ``avoid`` and those left
+    out; (route or None, None, trace) where none answers. A server that answers NaN or inf is left out
+    and another route tried.
     """
     end = len(manager.block_uids)
     while True:
-        excluded = len(ledger.excluded)
+        excluded, trace = len(ledger.excluded), []
         spans = audit.disjoint_route(manager, avoid | set(ledger.excluded), end, ledger)
-        answer = None if spans is None else await _replay(request, manager, spans, own_digest, ledger, answered)
+        answer = None if spans is None else await _replay(request, manager, spans, own_digest, ledger, answered, trace)
         if answer is not None or spans is None or len(ledger.excluded) == excluded:
-            return spans, answer
+            return spans, answer, trace
+
+
+def _peers(spans) -> set:
+    return {str(s.peer_id) for s in spans}
 
 
 async def _audit(request: _Request, manager, route: list, answer: torch.Tensor, own_digest,
                  ledger: audit.AuditLedger) -> torch.Tensor:
-    """Replay the request on servers outside ``route`` when the ledger picks it; compare; on a
-    disagreement, a third route outside both settles who is outvoted, and the run stops.
+    """What the ledger picks of the request replayed on servers outside ``route`` and compared: its drawn
+    rows (a row check; beyond its tolerance, the whole request), or the whole request (a join probe, or
+    every row drawn).
     """
     peers = [str(s.peer_id) for s in route]
-    digest = audit.request_digest(request.token_ids, request.hidden_states, request.positions)
-    rows = len(request.positions)
-    other = replayed = None
-    if ledger.reason_to_replay(digest, peers) is not None:
-        other, replayed = await _elsewhere(request, manager, set(peers), own_digest, ledger, route)
+    reason, drawn = ledger.pick(audit.row_digests(request.token_ids, request.hidden_states, request.positions,
+                                                  request.prompt_tokens), peers, request.hidden_states.shape[1])
+    if reason is None:
+        ledger.taken_unchecked(peers)
+        return answer
+    if reason == "rows" and await _rows_agree(request, manager, route, answer, drawn, own_digest, ledger):
+        return answer
+    return await _replay_whole(request, manager, route, answer, own_digest, ledger)
+
+
+async def _rows_agree(request: _Request, manager, route: list, answer: torch.Tensor, drawn: List[int], own_digest,
+                      ledger: audit.AuditLedger) -> bool:
+    """A row check: the ``drawn`` rows alone on servers outside ``route``, within
+    :func:`~dist_eval.backends.audit.rows_tolerance` of the answer's rows (True; also where no replay
+    answered: the request stands unchecked). False: the request is to be replayed whole.
+    """
+    peers = [str(s.peer_id) for s in route]
+    other, replayed, _ = await _elsewhere(request.of_rows(drawn), manager, set(peers), own_digest, ledger, route)
+    if replayed is None:
+        ledger.taken_unchecked(peers, replay_failed=other is not None)
+        return True
+    mine = answer[torch.tensor(drawn, dtype=torch.long)]
+    if audit.agree(mine, replayed, audit.rows_tolerance([*route, *other], mine)):
+        ledger.record_rows(peers, len(drawn), audit.difference(mine, replayed))
+        ledger.taken_unchecked(peers)  # its other rows
+        return True
+    with ledger.lock:
+        ledger.escalated += 1
+    return False
+
+
+async def _replay_whole(request: _Request, manager, route: list, answer: torch.Tensor, own_digest,
+                        ledger: audit.AuditLedger) -> torch.Tensor:
+    """The request replayed on servers outside ``route`` and compared; on a disagreement, a third route
+    outside both settles who is outvoted (an outvoted route of several servers: its spans searched,
+    :func:`_span_at_fault`); the outvoted server is left out, or the run stops.
+    """
+    peers, rows = [str(s.peer_id) for s in route], len(request.positions)
+    other, replayed, other_trace = await _elsewhere(request, manager, set(peers), own_digest, ledger, route)
     if replayed is None:
         ledger.taken_unchecked(peers, replay_failed=other is not None)
         return answer
@@ -457,23 +527,69 @@ async def _audit(request: _Request, manager, route: list, answer: torch.Tensor, 
     if audit.agree(answer, replayed, bound):
         ledger.record(peers, rows, audit.difference(answer, replayed), bound, ulp)
         return answer
-    third, settled = await _elsewhere(request, manager, set(peers) | {str(s.peer_id) for s in other}, own_digest,
-                                      ledger, route)
-    agrees_with = None
+    third, settled, _ = await _elsewhere(request, manager, set(peers) | _peers(other), own_digest, ledger, route)
+    agrees_with, found = None, None
     if settled is None:
         third = None  # no third answer: no verdict
     else:
         third_bound = audit.tolerance([*route, *other, *third], answer, ledger)
         agrees_with = "first" if audit.agree(answer, settled, third_bound) else \
             "second" if audit.agree(replayed, settled, third_bound) else None
+    if agrees_with is not None:
+        faulty, trace = (other, other_trace) if agrees_with == "first" else (route, request.trace)
+        if len(_peers(faulty)) > 1:
+            found = await _span_at_fault(request, manager, trace, own_digest, ledger)
     gap = audit.difference(answer, replayed)
-    stands = audit.exclude_if_unused(ledger, rows, route, other, gap, third, agrees_with, redo=request.redoes)
+    stands = audit.exclude_if_unused(ledger, rows, route, other, gap, third, agrees_with, redo=request.redoes,
+                                     found=found)
     if stands is not None:  # the outvoted server left out (its answers taken before redone): the majority's stands
         ledger.record([str(s.peer_id) for s in (route if stands == "first" else other)], rows, 0.0, None)
         if stands == "second":
-            request.servers = {str(s.peer_id) for s in other}
+            request.servers = _peers(other)
         return answer if stands == "first" else replayed
     raise audit.mismatch(ledger, rows, route, other, gap, third, agrees_with)
+
+
+async def _span_at_fault(request: _Request, manager, trace: Optional[list], own_digest,
+                         ledger: audit.AuditLedger) -> Optional[dict]:
+    """An outvoted route of several servers, searched span by span: each span's inputs (as its route
+    gave them) replayed on other holders of its blocks. The first span whose answer one other holder
+    contradicts and a second confirms names its server (the evidence for
+    :func:`~dist_eval.backends.audit.exclude_if_unused`); None where no two others agree against one.
+    """
+    for span, inputs, output in trace or ():
+        peer = str(span.peer_id)
+        first = await _span_elsewhere(request, manager, span, inputs, {peer}, own_digest, ledger)
+        if first is None:
+            return None
+        if audit.agree(output, first[1], audit.tolerance([span, *first[0]], output, ledger)):
+            continue  # this span's answer is confirmed: the fault is further on
+        second = await _span_elsewhere(request, manager, span, inputs, {peer} | _peers(first[0]), own_digest, ledger)
+        if second is None or not audit.agree(first[1], second[1], audit.tolerance([*first[0], *second[0]], first[1],
+                                                                                   ledger)):
+            return None
+        return {"peer": peer, "blocks": f"{span.start}:{span.end}", "outvoted_by": _peers(first[0]) | _peers(second[0])}
+    return None
+
+
+async def _span_elsewhere(request: _Request, manager, span, inputs: torch.Tensor, avoid: set, own_digest,
+                          ledger: audit.AuditLedger):
+    """(route, answer) of ``span``'s blocks for ``inputs`` on servers outside ``avoid`` and those left out;
+    None where no such route answers.
+    """
+    spans = audit.disjoint_route(manager, avoid | set(ledger.excluded), span.end, None, start=span.start)
+    if spans is None:
+        return None
+    ledger.sent(len(request.positions), inputs.shape[1])
+    output = inputs
+    try:
+        for step in spans:
+            output = await _run_span(request, manager, step, output, own_digest)
+    except Exception as error:
+        if not server_failure(error):
+            raise
+        return None
+    return spans, output
 
 
 async def _peer_wire(manager, stub, peer_id, own_digest: Optional[Callable[[], str]]) -> _PeerWire:
