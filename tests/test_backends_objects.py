@@ -262,6 +262,8 @@ if dist.is_initialized():
 
 @pytest.mark.multiproc
 def test_object_under_gloo_n2_equals_n1(folders, tmp_path):
+    """The worker script on 2 torchrun ranks; N=1 is the same script run in this process (no process
+    group; one thread, as a launched rank computes: the same bits)."""
     csv = write_csv(str(tmp_path / "data.csv"), 13, seed=2)
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
@@ -271,10 +273,16 @@ def test_object_under_gloo_n2_equals_n1(folders, tmp_path):
     for world in (1, 2):
         out = tmp_path / f"n{world}"
         out.mkdir()
-        launcher = [sys.executable] if world == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-        proc = run_in_own_group([*launcher, str(worker), folders["bloom"], csv, str(out)], timeout=300, env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        argv = [str(worker), folders["bloom"], csv, str(out)]
+        if world == 1:
+            assert "RANK" not in os.environ and not torch.distributed.is_initialized()
+            with one_thread(), mock.patch.object(sys, "argv", argv):
+                exec(compile(WORKER, str(worker), "exec"), {"__name__": "__main__"})
+        else:
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_port", str(free_port())]
+            proc = run_in_own_group([*launcher, *argv], timeout=300, env=env)
+            assert proc.returncode == 0, proc.stderr[-3000:]
         outs[world] = json.load(open(out / "m.json")), np.load(out / "logits.npy")
     assert outs[2][0]["world"] == 2
     assert_same_bits(outs[2][0]["metrics"], outs[1][0]["metrics"], "every metric, N=2 against 1")
