@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,14 +59,26 @@ def test_inprocess_plan_is_the_one_dist_eval_runs(tmp_path, batch_size, cap):
 
 @pytest.mark.swarm
 @pytest.mark.multiproc
-def test_cpu_smoke_run_end_to_end(tmp_path):
+def test_cpu_smoke_run_end_to_end(tmp_path, capfd, monkeypatch):
+    """bench_gpu.main in this process (the script's own code; what it times runs in the processes it
+    launches: the swarm, the seeds' loop, torchrun, the in-process loop), its signal handlers restored.
+    The dist_eval run draws no figures (matplotlib hidden from the processes it launches)."""
+    from inprocess_cli import without_modules
+
     out = tmp_path / "gpu.json"
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_gpu.py"), "--model-size", "tiny", "--device", "cpu",
-           "--rows", "40", "--ranks", "1", "--servers", "1", "--repeats", "1", "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": REPO}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "x seeds" in proc.stdout and "dist_eval N=1, defaults" in proc.stdout
+    argv = ["--model-size", "tiny", "--device", "cpu", "--rows", "40", "--ranks", "1", "--servers", "1",
+            "--repeats", "1", "--out", str(out)]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([without_modules(tmp_path / "hidden", "matplotlib"), REPO]))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    capfd.readouterr()
+    try:
+        code = bench_gpu.main(argv)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    stdout, stderr = capfd.readouterr()
+    assert code == 0, stderr[-3000:]
+    assert "x seeds" in stdout and "dist_eval N=1, defaults" in stdout
     report = json.loads(out.read_text())
     names = [r["name"] for r in report["results"]]
     assert names == ["seeds' loop, batch 16", "dist_eval N=1, defaults",

@@ -1,7 +1,10 @@
 """Several sets and checkpoints in one run (dist_eval.plan, dist_eval.pipeline): each (checkpoint, set) pair's
 report equals a separate single run of that pair (bitwise logits, N = 1 and 2), the summary
 table equals the pairs' metrics.json, the model is loaded once, a run stopped between pairs
-re-runs only the unfinished ones, and malformed flags fail in one line naming the flag."""
+re-runs only the unfinished ones, and malformed flags fail in one line naming the flag.
+
+No test here looks at a figure: every run is without matplotlib (hidden; the figures are the same
+function of the same metrics, and most of a small pair's report time)."""
 import contextlib
 import json
 import os
@@ -9,10 +12,17 @@ import re
 from unittest import mock
 
 import pytest
-from conftest import build_checkpoint, read_jsonl, run_cli, swarm_server_pids, write_csv
-from inprocess_cli import one_thread, run_cli_in_process
+from conftest import REPO, build_checkpoint, read_jsonl, run_cli, swarm_server_pids, write_csv
+from inprocess_cli import one_thread, run_cli_in_process, without_modules
 
 PAIRS = [("c1", "dev"), ("c1", "test"), ("c2", "dev"), ("c2", "test")]
+NO_FIGURES = ("matplotlib",)  # run_cli_in_process's hide_modules
+
+
+def no_figures_env(folder) -> dict:
+    """run_cli's env for a launched run without matplotlib (hidden under ``folder``)."""
+    hidden = without_modules(folder, "matplotlib")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (hidden, REPO, os.environ.get("PYTHONPATH")) if p)}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +55,7 @@ def singles(tiny_model, assets):
         args = [*common(tiny_model, folder), "--data-files", *assets["sets"][name],
                 "--checkpoint", assets["checkpoints"][ck]]
         with one_thread():
-            assert run_cli_in_process(args) == 0
+            assert run_cli_in_process(args, hide_modules=NO_FIGURES) == 0
         out[(ck, name)] = folder
     return out
 
@@ -69,14 +79,14 @@ def multi_n1(tiny_model, assets):
     out = assets["base"] / "multi_n1"
     patch, loads = counting_loads()
     with patch, one_thread():
-        assert run_cli_in_process(multi_args(tiny_model, assets, out)) == 0
+        assert run_cli_in_process(multi_args(tiny_model, assets, out), hide_modules=NO_FIGURES) == 0
     return out, loads
 
 
 @pytest.fixture(scope="module")
 def multi_n2(tiny_model, assets):
     out = assets["base"] / "multi_n2"
-    proc = run_cli(multi_args(tiny_model, assets, out), nproc=2)
+    proc = run_cli(multi_args(tiny_model, assets, out), nproc=2, env=no_figures_env(assets["base"] / "hidden"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
 
@@ -150,14 +160,14 @@ def test_resume_reruns_only_the_unfinished_pairs(tiny_model, assets, singles, tm
         return real(*args, **kwargs)
 
     with mock.patch.object(dist_eval.pipeline, "write_report", stopped_at_the_third), one_thread():
-        assert run_cli_in_process(multi_args(tiny_model, assets, out)) == 130
+        assert run_cli_in_process(multi_args(tiny_model, assets, out), hide_modules=NO_FIGURES) == 130
     assert os.path.isfile(out / "c1" / "test" / "metrics.json")
     assert not os.path.exists(out / "c2" / "dev" / "metrics.json")
     assert os.path.isdir(out / "c2" / "dev" / "partial") and not os.path.exists(out / "summary.json")
     capsys.readouterr()
     patch, loads = counting_loads()
     with patch, one_thread():
-        assert run_cli_in_process(multi_args(tiny_model, assets, out)) == 0
+        assert run_cli_in_process(multi_args(tiny_model, assets, out), hide_modules=NO_FIGURES) == 0
     stdout = capsys.readouterr().out
     assert stdout.count("already finished") == 2 and loads == [assets["checkpoints"]["c1"]]
     resumed = {(ck, name): json.load(open(out / ck / name / "metrics.json"))["run"].get("resumed_samples")
@@ -172,13 +182,13 @@ def test_one_plural_dimension_has_one_folder_level(tiny_model, assets, tmp_path,
     args = [*common(tiny_model, sets_only), "--checkpoint", assets["checkpoints"]["c1"],
             "--data-files", f"dev={assets['sets']['dev'][0]}", f"test={','.join(assets['sets']['test'])}"]
     with one_thread():
-        assert run_cli_in_process(args) == 0
+        assert run_cli_in_process(args, hide_modules=NO_FIGURES) == 0
     assert sorted(os.listdir(sets_only)) == ["dev", "summary.json", "summary.md", "test"]
     ckpts_only = tmp_path / "ckpts"
     args = [*common(tiny_model, ckpts_only), "--data-files", assets["sets"]["dev"][0],
             "--checkpoint", assets["checkpoints"]["c1"], "--checkpoint", f"second={assets['checkpoints']['c2']}"]
     with one_thread():
-        assert run_cli_in_process(args) == 0
+        assert run_cli_in_process(args, hide_modules=NO_FIGURES) == 0
     assert sorted(os.listdir(ckpts_only)) == ["c1", "second", "summary.json", "summary.md"]
     summary = json.load(open(ckpts_only / "summary.json"))["pairs"]
     assert [(p["checkpoint"], p["set"], p["folder"]) for p in summary] == [("c1", None, "c1"),
@@ -266,7 +276,7 @@ def test_on_a_swarm_started_once(tiny_model, assets, tmp_path):
             "--output-dir", str(out), "--local-servers", "2", "--data-files", *sets,
             "--checkpoint", checkpoints["c1"], "--checkpoint", checkpoints["c2"]]
     before = set(servers_of(tiny_model))  # a swarm the session shares may serve the same model
-    proc = run_cli(args, nproc=2, timeout=600)
+    proc = run_cli(args, nproc=2, timeout=600, env=no_figures_env(tmp_path / "hidden"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("starting a local swarm") == 1 and proc.stdout.count("one model load") == 1
     assert set(servers_of(tiny_model)) <= before  # the run stopped the swarm it started
@@ -274,7 +284,7 @@ def test_on_a_swarm_started_once(tiny_model, assets, tmp_path):
         single = tmp_path / f"local_{ck}_{name}"
         with one_thread():
             assert run_cli_in_process([*common(tiny_model, single), "--data-files", *assets["sets"][name],
-                                       "--checkpoint", checkpoints[ck]]) == 0
+                                       "--checkpoint", checkpoints[ck]], hide_modules=NO_FIGURES) == 0
         assert read_jsonl(out / ck / name / "predictions.jsonl") == read_jsonl(single / "predictions.jsonl")
         metrics = json.load(open(out / ck / name / "metrics.json"))
         assert metrics["run"]["backend"] == "petals" and metrics["run"]["swarm"]
