@@ -2,7 +2,8 @@
 result are evaluated again, and the final report equals an uninterrupted run's. Real
 torchrun jobs (gloo, the local backend), a real SIGKILL. The uninterrupted references run in
 this process (one rank: a run's results are the same bits for any N); one interrupted job
-serves both tests that start from one (each resumes its own copy)."""
+serves both tests that start from one (each resumes its own copy). No run here draws figures
+(matplotlib hidden): none is looked at."""
 import glob
 import json
 import os
@@ -14,10 +15,17 @@ import time
 
 import pytest
 from conftest import REPO, all_pids, free_port, read_jsonl, run_cli, stop_group, write_csv
-from inprocess_cli import run_cli_in_process
+from inprocess_cli import run_cli_in_process, without_modules
 
 pytestmark = pytest.mark.multiproc
 NUM_ROWS = 1000
+NO_FIGURES = ("matplotlib",)  # run_cli_in_process's hide_modules
+
+
+def no_figures_env(folder) -> dict:
+    """run_cli's env for a launched run without matplotlib (hidden under ``folder``)."""
+    hidden = without_modules(folder, "matplotlib")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (hidden, REPO, os.environ.get("PYTHONPATH")) if p)}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +36,7 @@ def job(tiny_model, tiny_checkpoint, tmp_path_factory):
             "--batch-size", "1", "--in-flight", "1", "--save-logits", "--quiet", "--save-interval", "0",
             "--bootstrap-resamples", "50"]
     reference = base / "reference"
-    assert run_cli_in_process([*args, "--output-dir", str(reference)]) == 0
+    assert run_cli_in_process([*args, "--output-dir", str(reference)], hide_modules=NO_FIGURES) == 0
     return base, args, reference
 
 
@@ -97,7 +105,7 @@ def test_killed_rank_then_resume_equals_uninterrupted_run(job, interrupted):
 
     # the same command again, on 3 ranks this time: the batch plan does not depend on N; with
     # --slice-by (it changes no result, so the stored batches serve: slices of the resumed run)
-    proc = run_cli([*args, "--output-dir", str(out), "--slice-by"], nproc=3)
+    proc = run_cli([*args, "--output-dir", str(out), "--slice-by"], nproc=3, env=no_figures_env(base / "hidden1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.load(open(out / "metrics.json"))
     resumed = metrics["run"]["resumed_samples"]
@@ -121,14 +129,15 @@ def test_a_run_that_stops_early_resumes_its_sequence_exactly(job):
     base, args, _ = job
     stopping = [*args, "--stop-at-width", "0.12", "--stop-round-rows", "100"]
     reference = base / "stopping_reference"
-    assert run_cli_in_process([*stopping, "--output-dir", str(reference)]) == 0  # one rank: the same rounds
+    assert run_cli_in_process([*stopping, "--output-dir", str(reference)],
+                              hide_modules=NO_FIGURES) == 0  # one rank: the same rounds
     ref = json.load(open(reference / "metrics.json"))
     assert ref["stopping"]["reason"] == "width" and ref["stopping"]["rounds"] > 3  # the kill lands mid-run
 
     out = base / "stopping_interrupted"
     code, _ = _interrupted_run(stopping, out, kill_after_files=5, stored="*/round-000003/rank1-*.npz")
     assert code != 0 and not (out / "metrics.json").exists()
-    proc = run_cli([*stopping, "--output-dir", str(out)], nproc=3)
+    proc = run_cli([*stopping, "--output-dir", str(out)], nproc=3, env=no_figures_env(base / "hidden2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.load(open(out / "metrics.json"))
     assert metrics["run"]["resumed_samples"] >= 200  # two whole rounds and part of the third read back
@@ -150,7 +159,7 @@ def test_other_settings_never_mix_in_stored_results(job, interrupted, capfd):
     changed = list(args)
     changed[changed.index("--batch-size") + 1] = "3"  # another batch plan: stored batches do not apply
     capfd.readouterr()
-    code = run_cli_in_process([*changed, "--output-dir", str(out)])
+    code = run_cli_in_process([*changed, "--output-dir", str(out)], hide_modules=NO_FIGURES)
     printed = "".join(capfd.readouterr())
     assert code == 0, printed[-3000:]
     assert "removing stored partial results (made by another model, checkpoint, data or settings)" in printed

@@ -2,16 +2,18 @@
 rounds of rows in the --limit order and stops where the confidence sequence computed on the
 whole set's rows (dist_eval/sequential.py) says it may; its rows, logits and metrics are
 those of an ordinary evaluate() of the same rows. The real demo model, local backend.
+The CLI runs here draw no figures (matplotlib hidden): none is looked at.
 """
 import json
+import os
 import re
 
 import numpy as np
 import pytest
 import torch
-from conftest import read_jsonl, run_cli
+from conftest import REPO, read_jsonl, run_cli
 from float_promises import assert_same_bits, assert_within_rounding
-from inprocess_cli import one_thread, run_cli_in_process
+from inprocess_cli import one_thread, run_cli_in_process, without_modules
 
 from dist_eval import evaluate
 from dist_eval.config import STOP_METRIC_NAMES, STOP_RULE_NAMES, Settings
@@ -21,6 +23,12 @@ from dist_eval.sequential import RULES, STOP_METRICS, stop_report
 
 ROUND = 100
 IN_ROUNDS = "a run in rounds plans each round's rows into batches of their own"
+
+
+def no_figures_env(folder) -> dict:
+    """run_cli's env for a launched run without matplotlib (hidden under ``folder``)."""
+    hidden = without_modules(folder, "matplotlib")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (hidden, REPO, os.environ.get("PYTHONPATH")) if p)}
 
 
 @pytest.fixture(scope="module")
@@ -168,14 +176,14 @@ def test_the_cli_stops_on_the_same_rows_with_the_same_numbers_for_one_and_two_ra
                                                                                       monkeypatch):
     """One process (in this one: one thread, as a launched process has) and two torchrun ranks."""
     common = ["--backend", "local", "--stop-at-width", "0.06", "--stop-round-rows", "64", "--save-logits", "--quiet"]
-    env = {"DIST_EVAL_CACHE": demo_cache}
+    env = {"DIST_EVAL_CACHE": demo_cache, **no_figures_env(tmp_path / "hidden")}
     runs = {}
     for nproc in (0, 2):
         out = tmp_path / f"n{nproc}"
         if nproc == 0:
             monkeypatch.setenv("DIST_EVAL_CACHE", demo_cache)
             capfd.readouterr()
-            code = run_cli_in_process([*common, "--output-dir", str(out)])
+            code = run_cli_in_process([*common, "--output-dir", str(out)], hide_modules=("matplotlib",))
             stdout, stderr = capfd.readouterr()
         else:
             proc = run_cli([*common, "--output-dir", str(out)], nproc=nproc, env=env)
@@ -264,7 +272,7 @@ def test_the_cli_compares_two_checkpoints_with_one_model_load_as_the_api_does(de
                     "--checkpoint", f"A={assets.checkpoint}", "--checkpoint", f"B={worse_checkpoint}",
                     "--backend", "local", "--stop-when-decided", "--stop-round-rows", str(ROUND),
                     "--bootstrap-resamples", "0", "--save-logits", "--output-dir", str(out), "--progress", "none",
-                    "--slice-by", "label"], nproc=2)
+                    "--slice-by", "label"], nproc=2, env=no_figures_env(tmp_path / "hidden"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "the first checkpoint is better" in proc.stdout
     model, tokenizer, dataset, _ = demo
