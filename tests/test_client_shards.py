@@ -9,6 +9,7 @@ from conftest import build_checkpoint, read_jsonl, run_cli, split_into_shards, w
 from fake_hub import fake_hub
 from float_promises import assert_same_bits
 from inprocess_cli import one_thread, run_cli_in_process
+from test_cli import no_figures_env
 
 from dist_eval import evaluate, load_model
 from dist_eval.errors import UsageError
@@ -189,13 +190,15 @@ def test_fetch_whole_model_gets_every_shard_for_the_local_backend(tiny_model, da
 def test_the_cli_on_a_hub_id_with_two_ranks_equals_the_full_folder(tiny_swarm, tiny_model, tmp_path):
     """``--model org/name`` on a fake hub (HF_ENDPOINT, a private HF_HOME), N=2 == the full local
     folder (--backend local, one process), bitwise; no blocks-only shard requested; then the same
-    with the hub stopped and HF_HUB_OFFLINE=1, from the cache the first run filled."""
+    with the hub stopped and HF_HUB_OFFLINE=1, from the cache the first run filled. No run draws
+    figures (matplotlib hidden): none is looked at."""
     data = write_csv(str(tmp_path / "data.csv"), 17, seed=4)
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
     common = ["--data-files", data, "--checkpoint", checkpoint, "--batch-size", "4", "--save-logits"]
     sharded = split_into_shards(tiny_model, str(tmp_path / "sharded"))
     with fake_hub({REPO_ID: sharded}) as hub:
-        env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "0"}
+        env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "0",
+               **no_figures_env(tmp_path / "hidden")}
         proc = run_cli(["--model", REPO_ID, "--output-dir", str(tmp_path / "hub"), "--initial-peers",
                         *tiny_swarm.initial_peers, "--dht-prefix", tiny_swarm.dht_prefix, *common], nproc=2, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -207,7 +210,7 @@ def test_the_cli_on_a_hub_id_with_two_ranks_equals_the_full_folder(tiny_swarm, t
     assert offline.returncode == 0, offline.stderr[-3000:]
     # the full folder on one process: in this one (one thread, as a launched process has)
     assert run_cli_in_process(["--model", tiny_model, "--backend", "local", "--output-dir", str(tmp_path / "local"),
-                               *common]) == 0
+                               *common], hide_modules=("matplotlib",)) == 0
     hub_rows = read_jsonl(tmp_path / "hub" / "predictions.jsonl")
     assert len(hub_rows) == 17
     assert_same_bits(hub_rows, read_jsonl(tmp_path / "local" / "predictions.jsonl"),

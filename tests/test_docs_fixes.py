@@ -9,6 +9,7 @@ import time
 import pytest
 from conftest import free_port, run_in_own_group, write_csv
 from inprocess_cli import run_cli_in_process
+from test_cli import no_figures_env
 
 from dist_eval.rescore import main as rescore_main
 
@@ -54,7 +55,8 @@ SLEEP = 6.0
 @pytest.mark.multiproc
 def test_startup_is_the_runs_own_not_the_shell_before_torchrun(tiny_model, tiny_checkpoint, tmp_path):
     """``bash -c 'sleep S; exec torchrun ...'``: torchrun inherits the shell's start time in
-    /proc; the run's start-up and total must not count the S seconds before it.
+    /proc; the run's start-up and total must not count the S seconds before it. (No figures:
+    matplotlib hidden.)
     """
     data = write_csv(str(tmp_path / "data.csv"), 9, seed=2)
     torchrun = (f"{sys.executable} -m torch.distributed.run --nproc_per_node 1 --master_port {free_port()} "
@@ -62,7 +64,7 @@ def test_startup_is_the_runs_own_not_the_shell_before_torchrun(tiny_model, tiny_
                 f"--backend local --output-dir {tmp_path / 'out'} --progress none --bootstrap-resamples 0")
     began = time.monotonic()
     proc = run_in_own_group(["bash", "-c", f"sleep {SLEEP} && exec {torchrun}"], timeout=300,
-                            env=_env())
+                            env={**_env(), **no_figures_env(tmp_path / "hidden")})
     elapsed = time.monotonic() - began
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.load(open(tmp_path / "out" / "metrics.json"))["run"]
