@@ -13,7 +13,7 @@ import shutil
 import pytest
 from conftest import read_jsonl, run_cli
 from inprocess_cli import run_cli_in_process
-from test_cli import assert_clean_failure, fails_in_process, local_args
+from test_cli import assert_clean_failure, fails_in_process, local_args, no_figures_env
 
 
 def _write(path, text):
@@ -154,9 +154,10 @@ def test_bad_input_fails_cleanly_on_every_rank(case, tiny_model, tiny_checkpoint
 @pytest.mark.multiproc
 def test_text_labels_get_sorted_ids(tiny_model, tiny_checkpoint, tmp_path):
     """Exactly num_labels distinct text labels (and a model without class names): ids in
-    sorted order, the texts reported as the class names."""
+    sorted order, the texts reported as the class names. No figure is looked at: no matplotlib."""
     data = _write(tmp_path / "data.csv", "text,label\nw1 w2,emu\nw3,cat\nw4 w5,dog\nw6,cat\nw7 w8 w9,emu\n")
-    proc = run_cli(local_args(tiny_model, tiny_checkpoint, data, tmp_path / "out"), nproc=2, timeout=240)
+    proc = run_cli(local_args(tiny_model, tiny_checkpoint, data, tmp_path / "out"), nproc=2, timeout=240,
+                   env=no_figures_env(tmp_path / "hidden"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_jsonl(tmp_path / "out" / "predictions.jsonl")
     assert [r["label"] for r in rows] == [2, 0, 1, 0, 2]  # cat 0, dog 1, emu 2
@@ -173,8 +174,9 @@ def test_integer_text_labels_are_integers(tiny_model, tiny_checkpoint, tmp_path)
             for t, label in [("w1 w2", "2"), ("w3", "0"), ("w4", "1"), ("w5", "2")]
         ),
     )
-    # the labels' mapping, not the launch: one rank, in this process
-    assert run_cli_in_process(local_args(tiny_model, tiny_checkpoint, data, tmp_path / "out")) == 0
+    # the labels' mapping, not the launch (nor the figures): one rank, in this process, no matplotlib
+    assert run_cli_in_process(local_args(tiny_model, tiny_checkpoint, data, tmp_path / "out"),
+                              hide_modules=("matplotlib",)) == 0
     assert [r["label"] for r in read_jsonl(tmp_path / "out" / "predictions.jsonl")] == [2, 0, 1, 2]
 
 

@@ -304,6 +304,7 @@ def test_the_other_families_demos_run_on_a_local_swarm(other_family, tmp_path):
 
     from conftest import read_jsonl, run_cli
     from inprocess_cli import run_cli_in_process
+    from test_cli import no_figures_env
 
     family, cache, _ = other_family
     outs = {}
@@ -312,9 +313,10 @@ def test_the_other_families_demos_run_on_a_local_swarm(other_family, tmp_path):
         args = ["--demo-family", family, "--backend", backend, "--output-dir", str(out), "--save-logits"]
         if backend == "local":  # the reference: the CLI's code in this process, one thread (as a rank)
             with mock.patch.dict(os.environ, {"DIST_EVAL_CACHE": cache}):
-                assert run_cli_in_process(args) == 0
+                assert run_cli_in_process(args, hide_modules=("matplotlib",)) == 0  # no figure compared
         else:
-            proc = run_cli(args, nproc=1, timeout=600, env={"DIST_EVAL_CACHE": cache})
+            env = {"DIST_EVAL_CACHE": cache, **no_figures_env(tmp_path / "hidden")}  # no figure compared
+            proc = run_cli(args, nproc=1, timeout=600, env=env)
             assert proc.returncode == 0, proc.stderr[-3000:]
         outs[backend] = (json.load(open(out / "metrics.json")), read_jsonl(out / "predictions.jsonl"))
     (metrics, rows), (local_metrics, local_rows) = outs["petals"], outs["local"]
