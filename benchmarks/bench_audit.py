@@ -168,6 +168,9 @@ def cost(assets, swarm, honest, data, tokenizer, share) -> dict:
             "extra_beyond_probes_share": round((extra - probes) / rows, 4),
             "extra_positions": facts["extra_positions"], "request_positions": facts["request_positions"],
             "extra_share_of_positions": round(facts["extra_positions"] / facts["request_positions"], 4),
+            "join_probe_positions": facts["join_probe_positions"],
+            "extra_beyond_probes_share_of_positions": round(
+                (facts["extra_positions"] - facts["join_probe_positions"]) / facts["request_positions"], 4),
             "servers": servers,
             "goal_rows": round(0.05 * rows + probes, 1), "blamed": sorted(facts["excluded"]),
             "seconds": round(seconds, 1)}
@@ -193,16 +196,18 @@ def power(assets, swarm, honest, faulty, data, tokenizer, args, wrong: float) ->
 
 def false_blame(assets, swarm, honest, data, tokenizer, args) -> dict:
     model = client(assets, swarm, honest, args.share)
-    blamed, replayed = 0, 0
+    blamed, replayed, checks, escalated = 0, 0, 0, 0
     try:
         for seed in range(args.honest_runs):
             facts = audited_run(model, data, tokenizer, args.share, seed=2000 + seed)
             blamed += bool(facts["excluded"] or facts["stopped"] or any(s["mismatches"]
                                                                         for s in facts["servers"].values()))
-            replayed += facts["replayed"]
+            replayed, checks, escalated = (replayed + facts["replayed"], checks + facts["row_checks"],
+                                           escalated + facts["escalated"])
     finally:
         model.close()
-    return {"rows": len(data), "runs": args.honest_runs, "runs_with_blame": blamed, "replays_compared": replayed}
+    return {"rows": len(data), "runs": args.honest_runs, "runs_with_blame": blamed, "replays_compared": replayed,
+            "row_checks_compared": checks, "escalated": escalated}
 
 
 if __name__ == "__main__":

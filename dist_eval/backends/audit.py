@@ -133,6 +133,7 @@ class AuditLedger:
     extra_positions: int = 0  # those rows times the positions sent
     probes: int = 0  # requests picked for a replay as a join probe (a server no replay had agreed with yet)
     probe_rows: int = 0  # their rows
+    probe_positions: int = 0  # their rows times the positions sent
     replayed_rows: int = 0
     replays_failed: int = 0  # a replay's server failed: no verdict (the request itself stands)
     gaps: Dict[int, int] = field(default_factory=dict)  # block -> replays it could not get from another server
@@ -171,6 +172,7 @@ class AuditLedger:
             if not all(self.servers[p].verified for p in peers):
                 self.probes += 1
                 self.probe_rows += len(row_digests)
+                self.probe_positions += len(row_digests) * positions
                 return "first batch", None
         key = self.seed.to_bytes(8, "little")
         drawn = [r for r, digest in enumerate(row_digests)
@@ -249,6 +251,7 @@ class AuditLedger:
                 "replayed": self.replayed,
                 "join_probes": self.probes,
                 "join_probe_rows": self.probe_rows,
+                "join_probe_positions": self.probe_positions,
                 "replayed_rows": self.replayed_rows,
                 "row_checks": self.row_checks,
                 "row_checked_rows": self.row_checked_rows,
@@ -407,7 +410,7 @@ def combine(facts: Sequence[Optional[dict]]) -> Optional[dict]:
         return None
     total = {key: sum(f.get(key, 0) for f in facts)
              for key in ("requests", "request_rows", "request_positions", "replayed", "join_probes",
-                         "join_probe_rows", "replayed_rows", "row_checks",
+                         "join_probe_rows", "join_probe_positions", "replayed_rows", "row_checks",
                          "row_checked_rows", "escalated", "extra_rows", "extra_positions", "replays_failed")}
     gaps: Dict[str, int] = {}
     servers: Dict[str, dict] = {}
