@@ -372,8 +372,9 @@ _SWARM_TIMEOUT = (
     "every server of some block fails mid-run."
 )
 _AUDIT = (
-    "The share of the swarm's forwards replayed on other servers and compared (bit for bit where they announce "
-    "the same numerics), and each server's first: a server whose numbers differ stops the run, named. "
+    "The share of the rows computed again on other servers (each drawn by its content: the same for any N) and "
+    "compared, and each server's first request: a server found wrong is named and left out (its answers "
+    "computed again), or the run stops naming it. "
     "Default: 0.03 ($DIST_EVAL_AUDIT) with --initial-peers, 0 on the run's own local swarm; 0 turns it off."
 )
 _PROGRESS = (
