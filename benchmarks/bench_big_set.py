@@ -115,21 +115,16 @@ def _not_forward(r: dict) -> float:
     return 1.0 - r["phases"].get(FORWARD, 0.0) / r["wall_seconds"]
 
 
-def with_baseline_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """--baseline (a git ref run beside this checkout), --out (the figures' JSON), --table (print a saved one)."""
-    p.add_argument("--baseline", default="main", help="git ref run beside this checkout ('' for none)")
-    p.add_argument("--out", default=None, help="a JSON file for the figures")
-    p.add_argument("--table", default=None, help="only print the table of a JSON file written by --out")
-    return p
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=0, help="passed to the CLI: a --limit sample of the set (0: every row)")
-    args = with_baseline_flags(p).parse_args()
+    p.add_argument("--baseline", default="main", help="git ref run beside this checkout ('' for none)")
+    p.add_argument("--out", default=None, help="a JSON file for the figures")
+    p.add_argument("--table", default=None, help="only print the table of a JSON file written by --out")
+    args = p.parse_args()
     if args.table:
         with open(args.table) as f:
             saved = json.load(f)

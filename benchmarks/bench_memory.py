@@ -31,7 +31,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
-from bench_big_set import _free_port, export, make_assets, with_baseline_flags  # noqa: E402
+from bench_big_set import _free_port, export, make_assets  # noqa: E402
 
 MIB = 2**20
 # Put first on a rank's PYTHONPATH (with --phases): each phase's start and end, by the wall clock,
@@ -229,7 +229,10 @@ def main() -> int:
     p.add_argument("--limit-rows", type=float, default=0.01, help="the --limit run's sample: a share of the set")
     p.add_argument("--modes", nargs="+", default=["full", "limit"], choices=["full", "limit"])
     p.add_argument("--phases", action="store_true", help="each rank's peak in each phase too")
-    args = with_baseline_flags(p).parse_args()
+    p.add_argument("--baseline", default="main", help="git ref run beside this checkout ('' for none)")
+    p.add_argument("--out", default=None, help="a JSON file for the figures")
+    p.add_argument("--table", default=None, help="only print the table of a JSON file written by --out")
+    args = p.parse_args()
     if args.table:
         with open(args.table) as f:
             report(json.load(f))
