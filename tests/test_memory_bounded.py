@@ -77,7 +77,9 @@ def machine() -> dict:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     return {"torch": torch.__version__, "numpy": numpy.__version__, "tokenizers": tokenizers.__version__,
-            "machine": platform.machine(), "cpu": cpu}
+            "machine": platform.machine(), "cpu": cpu,
+            # the kernels torch picks (ATEN_CPU_CAPABILITY may choose others on the same CPU): the logits' last bits
+            "aten_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 @pytest.fixture(scope="module")
