@@ -182,13 +182,14 @@ class LocalSwarm:
         first, last = self.block_range
         self.server_plan = self._plan_servers(device, num_servers, torch_dtype)
         num_servers = self.server_plan.num_servers
+        # the plan's ranges by the blocks' sizes, unless blocks_per_server was asked for
+        by_size = self.server_plan.block_ranges if blocks_per_server is None else None
         if blocks_per_server is None:
             blocks_per_server = self.server_plan.blocks_per_server
         _check_args(port, num_servers, start_timeout, dht_prefix)
         self.num_servers = num_servers
         self.host = _check_host(host)
         self.join_peers: List[str] = _check_peers(join_peers)
-        by_size = self.server_plan.block_ranges if blocks_per_server == self.server_plan.blocks_per_server else None
         self.placement: List[Tuple[int, int]] = [
             (first + a, first + b) for a, b in (by_size or plan_blocks(last - first, num_servers, blocks_per_server))
         ]
