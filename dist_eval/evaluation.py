@@ -29,7 +29,7 @@ from dist_eval.errors import UsageError, warn
 from dist_eval.known import KnownLogits, open_known_logits
 from dist_eval.loop_facts import LoopFacts
 from dist_eval.merge import MergedResults, merge_on_main
-from dist_eval.predict import predict_shard
+from dist_eval.predict import ShardLoop, redo_blamed_on_other_ranks
 
 # A user metric over the merged set: fn(labels, preds, logits_or_None) -> float or dict
 MergedMetric = Callable[[np.ndarray, np.ndarray, Optional[np.ndarray]], object]
@@ -402,8 +402,10 @@ def _without_logits(merged: Optional[MergedResults]) -> Optional[MergedResults]:
 
 def _forward_passes(task: _Task, batches, known: KnownLogits, in_flight, sample_metrics, on_batch_done):
     """This rank's forwards (a phase): finished batches are stored as they come, and kept
-    when the phase fails; one rank's failure stops the others at their next batch.
+    when the phase fails; one rank's failure stops the others at their next batch. Then the
+    batches of swarm servers any rank's audit blamed, evaluated again (:func:`redo_blamed_on_other_ranks`).
     """
+    loop = ShardLoop(task.forward, task.num_labels, keep_logits=True, sample_metrics=sample_metrics, known=known)
     with ranks.phase("the forward passes", stop_early=True) as failed:
 
         def after_batch(num_rows: int) -> None:
@@ -412,13 +414,11 @@ def _forward_passes(task: _Task, batches, known: KnownLogits, in_flight, sample_
             failed.check()
 
         try:
-            local = predict_shard(
-                task.forward, batches, task.num_labels, keep_logits=True, sample_metrics=sample_metrics,
-                on_batch_done=after_batch, in_flight=in_flight, known=known,
-            )
+            loop.run(batches, on_batch_done=after_batch, in_flight=in_flight)
         finally:
             known.flush()  # also on failure: finished batches are not lost
-    return local
+    redo_blamed_on_other_ranks(loop, known.flush)
+    return loop.results()
 
 
 def _label_words_of(task: _Task, label_words) -> Optional[tuple]:

@@ -36,6 +36,8 @@ class KnownLogits:
     def __init__(self, rows: Optional[RowSource] = None):
         self.rows = rows if rows is not None else RowSource(None, ranks.get_rank())
         self.resumed: Dict[int, np.ndarray] = {}  # {batch id: logits} an interrupted run stored
+        self.resumed_servers: Dict[int, tuple] = {}  # {batch id: the swarm servers its logits come from}
+        self.blamed_before: Dict[str, dict] = {}  # servers the swarm audit blamed in the runs the folder holds
         self.partial: Optional[PartialWriter] = None
         self.rows_resumed = 0
         self.shard_rows: Optional[np.ndarray] = None  # a shard's rows (sorted); None: every row
@@ -59,16 +61,19 @@ class KnownLogits:
     def resume_from(self, folder: Optional[str], own_batches: Optional[Dict[int, np.ndarray]], num_labels: int,
                     save_interval: float) -> None:
         """Open the resume folder for this rank's batches of the plan (none: no folder, or a DataLoader)."""
-        self.resumed, self.partial = open_partial(folder, own_batches, num_labels, save_interval)
+        self.resumed, self.resumed_servers, self.blamed_before, self.partial = open_partial(
+            folder, own_batches, num_labels, save_interval)
 
     # ---------------------------------------------------------------- the loop
-    def of(self, batch_id: int, rows: np.ndarray) -> Optional[Tuple[np.ndarray, str]]:
-        """(logits, FROM_RESUME or FROM_STORE) when no forward is needed for this batch, else None."""
+    def of(self, batch_id: int, rows: np.ndarray) -> Optional[Tuple[np.ndarray, str, tuple]]:
+        """(logits, FROM_RESUME or FROM_STORE, the swarm servers they come from where the resume folder
+        says: a server blamed later has them evaluated again) when no forward is needed for this batch, else None.
+        """
         if batch_id in self.resumed:
-            return self.resumed[batch_id], FROM_RESUME
+            return self.resumed[batch_id], FROM_RESUME, self.resumed_servers.get(batch_id, ())
         known = self.rows.logits
         if known and all(int(r) in known for r in rows):
-            return np.stack([known[int(r)] for r in rows]), FROM_STORE
+            return np.stack([known[int(r)] for r in rows]), FROM_STORE, ()
         return None
 
     def took(self, batch_id: int, rows: np.ndarray, logits: np.ndarray, source: Optional[str], taken=None) -> None:
@@ -83,7 +88,12 @@ class KnownLogits:
         else:
             self.rows.add(rows, logits, taken)
             if self.partial is not None:
-                self.partial.add(batch_id, rows, logits)
+                self.partial.add(batch_id, rows, logits, *((taken.servers, taken.ledger) if taken is not None else ()))
+
+    def redone(self, source: str, rows: np.ndarray) -> None:
+        """A batch whose logits came from ``source`` evaluated again (a swarm server of it blamed since)."""
+        if source == FROM_RESUME:
+            self.rows_resumed -= len(rows)
 
     def flush(self) -> None:
         """Write what is pending (also after a failure: the finished batches are not lost)."""

@@ -93,8 +93,9 @@ class _Ready:
     they came from, :mod:`dist_eval.known`).
     """
 
-    def __init__(self, logits: np.ndarray, source: str):
-        self.value = (torch.from_numpy(np.ascontiguousarray(logits)), None, source, None)
+    def __init__(self, logits: np.ndarray, source: str, servers=()):
+        taken = audit.Taken(None, frozenset(servers)) if servers else None  # an earlier run's swarm servers
+        self.value = (torch.from_numpy(np.ascontiguousarray(logits)), None, source, taken)
 
     def result(self):
         return self.value
@@ -169,12 +170,90 @@ def _sample_value(name: str, fn: Callable, batch_logits: np.ndarray, batch_label
     return value
 
 
-def _evaluate_again(model: Callable, redo: audit.Redo, put: Callable) -> None:
-    """The batches of a swarm server blamed since, evaluated again on the others, their results put in place."""
-    for position, again in redo.due():
-        logits, _, _, taken = _timed_forward(model, again[2], again)
-        redo.redone(position, again, taken, len(again[1]))
-        put(position, again, logits, None, taken)
+class ShardLoop:
+    """One rank's forward loop and its results (:func:`predict_shard`); :func:`redo_blamed_on_other_ranks`
+    evaluates again, in place, its batches of swarm servers blamed on other ranks.
+    """
+
+    def __init__(self, model: Callable, num_labels: int, keep_logits: bool,
+                 sample_metrics: Optional[Dict[str, Callable]] = None, known=None):
+        self.model, self.num_labels, self.keep_logits, self.known = model, num_labels, keep_logits, known
+        self.sample_metrics = sample_metrics or {}
+        self.indices, self.labels, self.preds, self.losses, self.logits_kept = [], [], [], [], []
+        self.sample_values: Dict[str, list] = {name: [] for name in self.sample_metrics}
+        self.sources: list = []  # where each batch's logits came from (None: a forward of this run)
+        self.forward_seconds, self.max_batch_seconds = 0.0, 0.0
+        # batches of a swarm server blamed later are evaluated again, in place (its client's ledger: routes avoid it)
+        self.redo = audit.Redo(audit.ledger_of(getattr(model, "sequence_manager", None)))
+        before = getattr(known, "blamed_before", None)
+        if before:  # blamed in the runs a resume folder holds (every rank reads every rank's files): left out
+            self.redo.learn({peer: ({**evidence, "blamed_in_an_earlier_run": True}, []) for peer, evidence in
+                             sorted(before.items())})
+
+    def put(self, position: int, batch: Batch, logits: torch.Tensor, source: Optional[str], taken) -> None:
+        batch_id, rows, _, batch_labels = batch
+        rows = np.asarray(rows, dtype=np.int64)
+        batch_logits = _checked(logits, batch_id, rows, self.num_labels)
+        if self.known is not None:
+            if position < len(self.sources) and self.sources[position] is not None:
+                self.known.redone(self.sources[position], rows)  # known logits replaced: no longer counted as such
+            self.known.took(batch_id, rows, batch_logits, source, taken)  # evaluated again: its newer copy wins
+        # argmax picks the first maximum on ties, the same on every rank
+        done = [(self.preds, batch_logits.argmax(axis=1).astype(np.int64)),
+                (self.losses, per_sample_cross_entropy(batch_logits, batch_labels)),
+                (self.sources, source),
+                *([(self.logits_kept, batch_logits)] if self.keep_logits else []),
+                *((self.sample_values[name], _sample_value(name, fn, batch_logits, batch_labels))
+                  for name, fn in self.sample_metrics.items())]
+        if position == len(self.indices):  # a new batch (else one evaluated again: its results replaced)
+            self.indices.append(rows)
+            self.labels.append(np.asarray(batch_labels, dtype=np.int64))
+        for values, value in done:
+            if position == len(values):
+                values.append(value)
+            else:
+                values[position] = value
+
+    def run(self, batches: Iterable[Batch], on_batch_done: Optional[Callable[[int], None]] = None,
+            in_flight: int = 1) -> None:
+        """Every batch, in order (see :func:`predict_shard`)."""
+        for batch, logits, seconds, source, taken in _forwards_in_order(self.model, batches, in_flight, self.known):
+            if seconds is not None:
+                self.forward_seconds += seconds
+                self.max_batch_seconds = max(self.max_batch_seconds, seconds)
+            self.put(len(self.indices), batch, logits, source, taken)
+            self.redo.watch(len(self.indices) - 1, batch, taken)
+            self.evaluate_again()
+            if on_batch_done is not None:
+                on_batch_done(len(batch[1]))
+
+    def evaluate_again(self) -> None:
+        """The batches of swarm servers blamed since, evaluated again on the others, their results put in
+        place, until no redo meets a server blamed meanwhile.
+        """
+        due = self.redo.due()
+        while due:
+            for position, again in due:  # never the row store's batches: their servers are not watched
+                logits, _, _, taken = _timed_forward(self.model, again[2], again)
+                self.redo.redone(position, again, taken, len(again[1]))
+                self.put(position, again, logits, None, taken)
+            due = self.redo.due()
+
+    def results(self) -> ShardResults:
+        def cat(parts, dtype, shape=(0,)):
+            return np.concatenate(parts) if parts else np.zeros(shape, dtype=dtype)
+
+        return ShardResults(
+            indices=cat(self.indices, np.int64),
+            labels=cat(self.labels, np.int64),
+            preds=cat(self.preds, np.int64),
+            losses=cat(self.losses, np.float64),
+            logits=cat(self.logits_kept, np.float32, (0, self.num_labels)) if self.keep_logits else None,
+            sample_values={name: cat(parts, np.float64) for name, parts in self.sample_values.items()},
+            forward_seconds=self.forward_seconds,
+            max_batch_seconds=self.max_batch_seconds,
+            num_resumed=self.known.rows_resumed if self.known is not None else 0,
+        )
 
 
 def predict_shard(
@@ -193,55 +272,43 @@ def predict_shard(
     ``known`` (a :class:`dist_eval.known.KnownLogits`): a batch whose logits it holds (an
     interrupted run's, the row store's) is not run; every batch done is given back to it
     (:meth:`~dist_eval.known.KnownLogits.took`: the computed ones are kept for later runs).
-    ``on_batch_done(num_rows)`` after every batch (progress).
+    ``on_batch_done(num_rows)`` after every batch (progress). One rank's loop: with several,
+    :class:`ShardLoop` and :func:`redo_blamed_on_other_ranks`.
     """
-    indices, labels, preds, losses, logits_kept = [], [], [], [], []
-    sample_values: Dict[str, list] = {name: [] for name in (sample_metrics or {})}
-    forward_seconds, max_batch_seconds = 0.0, 0.0
-    redo = audit.Redo()  # batches of a swarm server blamed later are evaluated again, in place
+    loop = ShardLoop(model, num_labels, keep_logits, sample_metrics, known)
+    loop.run(batches, on_batch_done, in_flight)
+    return loop.results()
 
-    def put(position: int, batch: Batch, logits: torch.Tensor, source: Optional[str], taken) -> None:
-        batch_id, rows, _, batch_labels = batch
-        rows = np.asarray(rows, dtype=np.int64)
-        batch_logits = _checked(logits, batch_id, rows, num_labels)
-        if known is not None:
-            known.took(batch_id, rows, batch_logits, source, taken)  # a batch evaluated again: its newer copy wins
-        # argmax picks the first maximum on ties, the same on every rank
-        done = [(preds, batch_logits.argmax(axis=1).astype(np.int64)),
-                (losses, per_sample_cross_entropy(batch_logits, batch_labels)),
-                *([(logits_kept, batch_logits)] if keep_logits else []),
-                *((sample_values[name], _sample_value(name, fn, batch_logits, batch_labels))
-                  for name, fn in (sample_metrics or {}).items())]
-        if position == len(indices):  # a new batch (else one evaluated again: its results replaced)
-            indices.append(rows)
-            labels.append(np.asarray(batch_labels, dtype=np.int64))
-        for values, value in done:
-            if position == len(values):
-                values.append(value)
-            else:
-                values[position] = value
 
-    for batch, logits, seconds, source, taken in _forwards_in_order(model, batches, in_flight, known):
-        if seconds is not None:
-            forward_seconds += seconds
-            max_batch_seconds = max(max_batch_seconds, seconds)
-        put(len(indices), batch, logits, source, taken)
-        redo.watch(len(indices) - 1, batch, taken)
-        _evaluate_again(model, redo, put)
-        if on_batch_done is not None:
-            on_batch_done(len(batch[1]))
+# Exchanges of blamed servers after the forward loop, at most: each one that goes on blamed at least one
+# server more (a swarm of more servers blamed than this is stopped, in one line, on every rank alike)
+MAX_BLAME_EXCHANGES = 16
 
-    def cat(parts, dtype, shape=(0,)):
-        return np.concatenate(parts) if parts else np.zeros(shape, dtype=dtype)
 
-    return ShardResults(
-        indices=cat(indices, np.int64),
-        labels=cat(labels, np.int64),
-        preds=cat(preds, np.int64),
-        losses=cat(losses, np.float64),
-        logits=cat(logits_kept, np.float32, (0, num_labels)) if keep_logits else None,
-        sample_values={name: cat(parts, np.float64) for name, parts in sample_values.items()},
-        forward_seconds=forward_seconds,
-        max_batch_seconds=max_batch_seconds,
-        num_resumed=known.rows_resumed if known is not None else 0,
-    )
+def redo_blamed_on_other_ranks(loop: ShardLoop, flush: Callable[[], None]) -> None:
+    """Every rank, after its forward loop (every rank's finished): the servers each rank blamed, shared
+    (:func:`~dist_eval.ranks.collectives.union_by_key`, the evidence with them); each rank leaves out the
+    union and evaluates again its batches any of them answered (a phase: one rank's failure, e.g. no
+    route left, fails every rank in one line), until an exchange names no server more: every rank
+    takes the same steps (the union is the same on each). ``flush``: stores what was evaluated again.
+    A no-op in one process without a blame; without a swarm audit, one small exchange.
+    """
+    from dist_eval import ranks
+    from dist_eval.ranks.collectives import union_by_key
+
+    known: set = set()
+    for _ in range(MAX_BLAME_EXCHANGES):
+        union = union_by_key(loop.redo.own_blames())
+        if set(union) == known:
+            return
+        known = set(union)
+        with ranks.phase("evaluating again the batches of servers blamed on any rank"):
+            try:
+                loop.redo.learn(union)
+                loop.evaluate_again()
+            finally:
+                flush()
+    with ranks.phase("evaluating again the batches of servers blamed on any rank"):
+        raise audit.AuditMismatch(
+            f"swarm audit: servers were still being blamed after {MAX_BLAME_EXCHANGES} exchanges between the ranks "
+            f"({len(known)} blamed: {', '.join(sorted(known))}); stop the blamed servers, then run again.")

@@ -146,24 +146,36 @@ def remove(paths: Iterable[str]) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def load(folder: str, wanted_batches: Iterable[int]) -> Dict[int, Tuple[np.ndarray, np.ndarray]]:
-    """{batch id: (row indices, logits)} of the stored batches among ``wanted_batches``."""
+def load(folder: str, wanted_batches: Iterable[int]) -> Tuple[Dict[int, tuple], Dict[str, dict]]:
+    """({batch id: (row indices, logits, its swarm servers)} of the stored batches among ``wanted_batches``,
+    the servers the swarm audit had blamed when the files were written, with the evidence): a batch any of
+    those answered is left out (evaluated again). Files are read oldest first: a batch's newest copy wins
+    (one evaluated again after a blame).
+    """
     wanted = set(int(b) for b in wanted_batches)
-    found: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+    found: Dict[int, tuple] = {}
+    blamed: Dict[str, dict] = {}
     skipped: List[str] = []
-    for path in sorted(glob.glob(os.path.join(folder, "*.npz"))):
+    for path in sorted(glob.glob(os.path.join(folder, "*.npz")), key=_age):
         try:
-            batch_ids, offsets, rows, logits = _read_partial(path)
+            batch_ids, offsets, rows, logits, servers, file_blamed = _read_partial(path)
         except Exception as e:  # whatever a cut, planted or foreign file raises: its batches run again
             skipped.append(f"{os.path.basename(path)} ({type(e).__name__}: {e})")
             continue
+        blamed.update(file_blamed)
         for i, b in enumerate(batch_ids.tolist()):
             if b in wanted:
-                found[b] = (rows[offsets[i] : offsets[i + 1]], logits[offsets[i] : offsets[i + 1]])
+                found[b] = (rows[offsets[i] : offsets[i + 1]], logits[offsets[i] : offsets[i + 1]], servers[i])
     if skipped and ranks.is_main_process():  # every rank reads every file: one line, rank 0's
         warn(f"resume: skipped {len(skipped)} file(s) of partial results in {folder} that are not whole "
              f"(first: {skipped[0]}); their batches are evaluated again")
-    return found
+    return {b: hit for b, hit in found.items() if not blamed.keys() & set(hit[2])}, blamed
+
+
+def _age(path: str) -> tuple:
+    with contextlib.suppress(OSError):
+        return os.stat(path).st_mtime_ns, path
+    return 0, path
 
 
 def _read_partial(path: str) -> tuple:
@@ -173,11 +185,18 @@ def _read_partial(path: str) -> tuple:
     """
     with np.load(io.BytesIO(read_regular(path, MAX_PARTIAL_BYTES, owner=os.geteuid())), allow_pickle=False) as f:
         batch_ids, offsets, rows, logits = (np.asarray(f[name]) for name in ("batch_ids", "offsets", "rows", "logits"))
+        # a swarm run's: each batch's servers and the servers blamed at the flush (JSON); none in older files
+        servers = [tuple(json.loads(str(s))) for s in f["servers"]] if "servers" in f.files else \
+            [()] * len(batch_ids)
+        blamed = json.loads(str(f["blamed"])) if "blamed" in f.files else {}
     if offsets.shape != (len(batch_ids) + 1,) or offsets[-1] != len(rows) or len(logits) != len(rows):
         raise ValueError("its arrays do not agree")
+    if len(servers) != len(batch_ids) or not isinstance(blamed, dict) or \
+            not all(isinstance(p, str) for s in servers for p in s):
+        raise ValueError("its servers do not agree")
     if not np.isfinite(logits).all():
         raise ValueError("non-finite logits")
-    return batch_ids, offsets, rows, logits
+    return batch_ids, offsets, rows, logits, servers, blamed
 
 
 class PartialWriter:
@@ -188,25 +207,36 @@ class PartialWriter:
     def __init__(self, folder: str, rank: int, interval: float):
         self.folder, self.rank, self.interval = folder, rank, interval
         os.makedirs(folder, exist_ok=True)
-        self._pending: List[Tuple[int, np.ndarray, np.ndarray]] = []
+        self._pending: List[Tuple[int, np.ndarray, np.ndarray, tuple]] = []
+        self._ledgers: Dict[int, object] = {}  # the swarm audits of the batches added: their blamed servers
         self._last_flush = time.monotonic()
         self._sequence = len(glob.glob(os.path.join(folder, f"rank{rank}-*.npz")))
 
-    def add(self, batch_id: int, rows: np.ndarray, logits: np.ndarray) -> None:
-        self._pending.append((batch_id, rows, logits))
+    def add(self, batch_id: int, rows: np.ndarray, logits: np.ndarray, servers=(), ledger=None) -> None:
+        """A batch done (``servers``: the swarm servers its logits come from; ``ledger``: their audit's)."""
+        self._pending.append((batch_id, rows, logits, tuple(sorted(servers))))
+        if ledger is not None:
+            self._ledgers.setdefault(id(ledger), ledger)
         if time.monotonic() - self._last_flush >= self.interval:
             self.flush()
 
     def flush(self) -> None:
         if not self._pending:
             return
-        lengths = [len(rows) for _, rows, _ in self._pending]
+        lengths = [len(rows) for _, rows, _, _ in self._pending]
         payload = {
-            "batch_ids": np.array([b for b, _, _ in self._pending], dtype=np.int64),
+            "batch_ids": np.array([b for b, _, _, _ in self._pending], dtype=np.int64),
             "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-            "rows": np.concatenate([rows for _, rows, _ in self._pending]).astype(np.int64),
-            "logits": np.concatenate([logits for _, _, logits in self._pending]).astype(np.float32),
+            "rows": np.concatenate([rows for _, rows, _, _ in self._pending]).astype(np.int64),
+            "logits": np.concatenate([logits for _, _, logits, _ in self._pending]).astype(np.float32),
         }
+        if self._ledgers or any(servers for *_, servers in self._pending):
+            blamed: Dict[str, dict] = {}
+            for ledger in self._ledgers.values():
+                with ledger.lock:
+                    blamed.update(ledger.excluded)
+            payload["servers"] = np.array([json.dumps(list(servers)) for *_, servers in self._pending])
+            payload["blamed"] = np.array(json.dumps(blamed, sort_keys=True, default=str))
         # a new name per flush (never overwritten; the pid in it: a restarted rank never
         # collides with a dead one's leftovers)
         final = os.path.join(self.folder, f"rank{self.rank}-{os.getpid()}-{self._sequence:06d}.npz")
@@ -217,23 +247,26 @@ class PartialWriter:
         self._last_flush = time.monotonic()
 
 
-def stored_logits(folder: str, own_batches: Dict[int, np.ndarray], num_labels: int) -> Dict[int, np.ndarray]:
-    """{batch id: logits} of this rank's batches that an interrupted run stored. A stored
-    batch whose rows or shape do not match the plan is ignored (run again), never used.
+def stored_logits(folder: str, own_batches: Dict[int, np.ndarray], num_labels: int) -> tuple:
+    """({batch id: logits}, {batch id: its swarm servers}) of this rank's batches that an interrupted run
+    stored, and the servers blamed then (:func:`load`). A stored batch whose rows or shape do not match
+    the plan is ignored (run again), never used.
     """
-    stored = {}
-    for batch_id, (rows, logits) in load(folder, own_batches).items():
+    stored, servers = {}, {}
+    found, blamed = load(folder, own_batches)
+    for batch_id, (rows, logits, by) in found.items():
         if np.array_equal(rows, own_batches[batch_id]) and logits.shape == (len(rows), num_labels):
-            stored[batch_id] = logits
-    return stored
+            stored[batch_id], servers[batch_id] = logits, by
+    return stored, servers, blamed
 
 
 def open_partial(
     folder: Optional[str], own_batches: Optional[Dict[int, np.ndarray]], num_labels: int, save_interval: float
-) -> Tuple[Dict[int, np.ndarray], Optional[PartialWriter]]:
-    """(the stored logits of this rank's batches, a writer for the new ones); ({}, None)
-    without a folder, or for a DataLoader (whose batches have no global plan).
+) -> tuple:
+    """(the stored logits of this rank's batches, their swarm servers, the servers blamed when they were
+    stored, a writer for the new ones); ({}, {}, {}, None) without a folder, or for a DataLoader (whose
+    batches have no global plan).
     """
     if folder is None or own_batches is None:
-        return {}, None
-    return stored_logits(folder, own_batches, num_labels), PartialWriter(folder, ranks.get_rank(), save_interval)
+        return {}, {}, {}, None
+    return (*stored_logits(folder, own_batches, num_labels), PartialWriter(folder, ranks.get_rank(), save_interval))

@@ -13,7 +13,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from conftest import one_thread_swarm
+from conftest import REPO, free_port, one_thread_swarm
 from float_promises import assert_same_bits
 from inprocess_cli import one_thread, run_cli_in_process
 from safetensors.torch import load_file, save_file
@@ -158,10 +158,52 @@ def test_a_server_found_wrong_after_its_answers_were_taken_is_left_out_and_its_b
     [(folder, key)] = key_folders(str(tmp_path))
     assert blamed_servers(folder) == {shifting} and len(survey(folder, key).rows) == 60  # distinct: _rows repeats
     assert all(servers and shifting not in servers for _, _, servers in survey(folder, key).rows.values())
-    taken = audit["excluded"][shifting]["answers_taken_unchecked"]
-    assert (f"1 server(s) outvoted and left out: {shifting}" + (f" ({taken} of their earlier answers evaluated again"
-                                                                if taken else " (metrics")) in summary_line(
+    redone = audit["redone_batches"]
+    assert audit["excluded"][shifting]["blamed_by_ranks"] == [0], audit
+    assert (f"1 server(s) outvoted and left out: {shifting}" + (f" ({redone} batch(es) they answered evaluated again"
+                                                                if redone else " (metrics")) in summary_line(
         {"swarm": {"audit": audit}})
+
+
+@pytest.mark.multiproc
+def test_a_server_blamed_on_one_rank_has_its_batches_on_every_rank_evaluated_again(tiny_model, tiny_checkpoint,
+                                                                                  swarm_with_a_changed_replica,
+                                                                                  tmp_path):
+    """Two ranks under torchrun, each allowed the honest two and the changed server (wrong in every
+    answer); rank 0 audits, rank 1 checks nothing (tests/audit_ranks_worker.py): rank 0 blames the
+    changed server on its first request through it, rank 1 takes its answers unchecked. After the loop
+    the ranks share their blames (predict.redo_blamed_on_other_ranks): rank 1 leaves it out and
+    evaluates its batches again, so the logits are the local backend's bit for bit, every row once, and
+    the report says who blamed it and how many batches each rank redid. 30 batches a rank: each misses
+    the changed server with probability (2/3)^30 (5e-6)."""
+    import json
+    import subprocess
+    import sys
+
+    import datasets
+
+    peers, swarm = swarm_with_a_changed_replica
+    odd = peers[2]
+    out = str(tmp_path / "ranks")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), os.path.join(REPO, "tests", "audit_ranks_worker.py"), tiny_model,
+                           tiny_checkpoint, swarm.initial_peers[0], swarm.dht_prefix, ",".join(peers[:3]), out, "60"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, audit = np.load(out + ".npz"), json.load(open(out + ".json"))
+    data = datasets.Dataset.from_dict(_rows(60))
+    with one_thread():
+        model = load_model("local", tiny_model, checkpoint=tiny_checkpoint)
+        expected = evaluate(model, data, tokenizer=load_tokenizer(tiny_model), batch_size=1, return_logits=True,
+                            bootstrap_resamples=0)
+    assert list(got["indices"]) == list(range(60))  # every row once
+    assert_same_bits(got["logits"], expected.predictions.logits, "the logits, rank 1's batches evaluated again")
+    assert list(audit["excluded"]) == [odd] and audit["excluded"][odd]["blamed_by_ranks"] == [0], audit
+    redone = audit["redone_batches_by_rank"]
+    assert redone[1] > 0, audit  # rank 1's batches of it, evaluated again after rank 0's blame
+    assert f"({sum(redone)} batch(es) they answered evaluated again" in summary_line({"swarm": {"audit": audit}})
 
 
 def test_a_server_at_fault_on_a_route_of_several_is_found_span_by_span_and_left_out(tiny_model, tiny_checkpoint,

@@ -142,6 +142,8 @@ class AuditLedger:
     # peer -> the evidence against it: a server outvoted on the only request whose answer it gave,
     # left out of every route since (the run goes on without it)
     excluded: Dict[str, dict] = field(default_factory=dict)
+    learned: set = field(default_factory=set)  # of those, the servers other ranks blamed (Redo.learn)
+    redone_batches: int = 0  # batches whose answers of a server blamed later were evaluated again (Redo)
     honest_ulps: List[float] = field(default_factory=list)  # each agreement within a tolerance: its difference
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -265,6 +267,7 @@ class AuditLedger:
                 "tolerance": _tolerance_facts(len(self.honest_ulps), max(self.honest_ulps, default=0.0)),
                 "coverage_gaps": {str(b): n for b, n in sorted(self.gaps.items())},
                 "excluded": dict(sorted(self.excluded.items())),
+                "redone_batches": self.redone_batches,
                 "servers": {p: {"computed": a.computed, "batches": a.batches, "row_checks": a.row_checks,
                                 "rows": a.rows, "mismatches": a.mismatches, "unchecked": a.unchecked,
                                 **_unseen(a.batches + a.row_checks)}
@@ -405,6 +408,7 @@ def agree(a: torch.Tensor, b: torch.Tensor, bound: Optional[float]) -> bool:
 
 def combine(facts: Sequence[Optional[dict]]) -> Optional[dict]:
     """The ranks' :meth:`AuditLedger.facts` as one (counts added, maxima taken); None without any."""
+    redone_by_rank = [(f or {}).get("redone_batches", 0) for f in facts]  # in rank order (all_gather_object's)
     facts = [f for f in facts if f]
     if not facts:
         return None
@@ -433,6 +437,7 @@ def combine(facts: Sequence[Optional[dict]]) -> Optional[dict]:
                              default=_tolerance_facts(0, 0.0)),
             "coverage_gaps": dict(sorted(gaps.items(), key=lambda kv: int(kv[0]))),
             "excluded": dict(sorted(excluded.items())),
+            "redone_batches_by_rank": redone_by_rank,
             "servers": dict(sorted(servers.items()))}
 
 
@@ -447,7 +452,7 @@ def summary_line(run: dict) -> str:
         f"within {facts['max_tolerance']:.2g} (servers of other numerics; largest difference "
         f"{facts['max_difference']:.2g}; tolerance {_said_tolerance(facts.get('tolerance'))})")
     agreed = "the others all equal" if excluded else "all equal"
-    redone = sum(evidence.get("answers_taken_unchecked", 0) for evidence in excluded.values())
+    redone = sum(facts.get("redone_batches_by_rank") or [facts.get("redone_batches", 0)])  # combined, or a rank's
     return (f"  swarm audit: {facts['replayed']} of {facts['requests']} requests ({facts['replayed_rows']} rows) "
             f"replayed on other servers, {agreed} {compared}"
             + (f"; {facts['row_checks']} more checked in {facts['row_checked_rows']} drawn rows, all within "
@@ -457,7 +462,7 @@ def summary_line(run: dict) -> str:
             f"{len(facts['servers'])} servers checked" + (f", {len(facts['coverage_gaps'])} block(s) with no other "
                                                           "server to check them" if facts["coverage_gaps"] else "")
             + (f"; {len(excluded)} server(s) outvoted and left out: {', '.join(excluded)}"
-               + (f" ({redone} of their earlier answers evaluated again on the others)" if redone else "")
+               + (f" ({redone} batch(es) they answered evaluated again on the others)" if redone else "")
                if excluded else "")
             + " (metrics.json run.swarm.audit)")
 
@@ -544,15 +549,11 @@ _forward = threading.local()  # the caller's thread: what its current forward to
 @dataclass
 class Taken:
     """The servers whose answers one forward took (the hidden states its logits come from), and the
-    ledger that may blame one of them later.
+    ledger that may blame one of them later (None: a batch an earlier run computed, its servers recorded).
     """
 
-    ledger: AuditLedger
+    ledger: Optional[AuditLedger]
     servers: frozenset
-
-    def blamed(self) -> set:
-        with self.ledger.lock:
-            return set(self.servers) & set(self.ledger.excluded)
 
 
 def begin_forward() -> None:
@@ -579,39 +580,77 @@ def end_forward() -> Optional[Taken]:
 
 class Redo:
     """A rank's batches whose answers came from audited servers: those of a server blamed later (its
-    earlier answers, unchecked, are suspect) are evaluated again on the others, the run going on (the
-    forward loop, :func:`dist_eval.predict.predict_shard`, replaces their results: every row counts once).
+    earlier answers, unchecked, are suspect), on this rank or another (:meth:`learn`), are evaluated
+    again on the others, the run going on (the forward loop, :class:`dist_eval.predict.ShardLoop`,
+    replaces their results: every row counts once). ``ledger``: the client's (routes avoid what it
+    excludes); batches an earlier run computed (a resume folder's) are watched by their servers too.
     """
 
-    def __init__(self):
-        self.watched: Dict[int, Tuple[object, Taken]] = {}  # position in the loop's results -> (batch, Taken)
+    def __init__(self, ledger: Optional[AuditLedger] = None):
+        self.watched: Dict[int, Tuple[object, frozenset]] = {}  # position in the loop's results -> (batch, servers)
         self.ledgers: Dict[int, AuditLedger] = {}
+        if ledger is not None:
+            self.ledgers[id(ledger)] = ledger
         self.blamed_seen = 0
 
+    def blamed(self) -> set:
+        """Every server blamed so far (left out of every route)."""
+        out: set = set()
+        for ledger in self.ledgers.values():
+            with ledger.lock:
+                out |= set(ledger.excluded)
+        return out
+
     def watch(self, position: int, batch, taken: Optional[Taken]) -> None:
-        if taken is not None:
-            self.watched[position] = (batch, taken)
+        if taken is None or not taken.servers:
+            self.watched.pop(position, None)
+            return
+        self.watched[position] = (batch, frozenset(taken.servers))
+        if taken.ledger is not None:
             self.ledgers.setdefault(id(taken.ledger), taken.ledger)
-            if taken.blamed():  # a forward in flight took answers of a server blamed before it came back
-                self.blamed_seen = -1
+        if taken.servers & self.blamed():  # a forward in flight (or a stored batch) took answers of a blamed server
+            self.blamed_seen = -1
 
     def due(self) -> List[Tuple[int, object]]:
         """(position, batch) of each watched batch that took answers of a server blamed since (a
         look at every batch only when a server was blamed).
         """
-        blamed = sum(len(ledger.excluded) for ledger in self.ledgers.values())
-        if blamed == self.blamed_seen:
+        blamed = self.blamed()
+        if len(blamed) == self.blamed_seen:
             return []
-        self.blamed_seen = blamed
-        return [(position, batch) for position, (batch, taken) in sorted(self.watched.items()) if taken.blamed()]
+        self.blamed_seen = len(blamed)
+        return [(position, batch) for position, (batch, servers) in sorted(self.watched.items()) if servers & blamed]
 
     def redone(self, position: int, batch, taken: Optional[Taken], rows: int) -> None:
         """The batch at ``position`` evaluated again: AuditMismatch where a blamed server answered again."""
-        again = taken.blamed() if taken is not None else set()
+        again = set(taken.servers) & self.blamed() if taken is not None else set()
         if again:
             raise AuditMismatch(
                 f"swarm audit: server(s) {', '.join(sorted(again))} were outvoted after answers of them were taken, "
                 f"and evaluating those {rows} row(s) again found no route of other servers; serve their blocks on "
                 "more servers, or stop the blamed ones, then run again. No row of it is counted or stored.")
-        self.watched[position] = (batch, taken)
+        for ledger in list(self.ledgers.values())[:1]:
+            with ledger.lock:
+                ledger.redone_batches += 1
+        self.watch(position, batch, taken)
         self.blamed_seen = -1  # the redo's own answers may meet a server blamed meanwhile
+
+    def own_blames(self) -> Dict[str, dict]:
+        """The servers this rank blamed itself, with the evidence (what it tells the other ranks)."""
+        out: Dict[str, dict] = {}
+        for ledger in self.ledgers.values():
+            with ledger.lock:
+                out.update({peer: {k: v for k, v in evidence.items() if k != "blamed_by_ranks"}
+                            for peer, evidence in ledger.excluded.items() if peer not in ledger.learned})
+        return out
+
+    def learn(self, union: Dict[str, Tuple[dict, List[int]]]) -> None:
+        """Every rank's blamed servers (:func:`dist_eval.ranks.collectives.union_by_key` of :meth:`own_blames`):
+        each left out of this rank's routes, its evidence the lowest blaming rank's, with the ranks that blamed it.
+        """
+        for ledger in self.ledgers.values():
+            with ledger.lock:
+                for peer, (evidence, by) in union.items():
+                    if peer not in ledger.excluded:
+                        ledger.learned.add(peer)
+                    ledger.excluded[peer] = {**evidence, "blamed_by_ranks": list(by)}

@@ -7,7 +7,7 @@ set before the first collective by :func:`dist_eval.ranks.group.init_process_gro
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -114,3 +114,15 @@ def all_reduce_sum(values: np.ndarray) -> np.ndarray:
     tensor = torch.from_numpy(local.copy()).to(group_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor.cpu().numpy()
+
+
+def union_by_key(own: Dict[str, Any]) -> Dict[str, Tuple[Any, List[int]]]:
+    """Every rank's ``{key: value}`` as one, the same on every rank: {key: (the value of the lowest
+    rank that has the key, the ranks that have it)}, keys sorted. (The swarm audit's blamed servers:
+    :func:`dist_eval.predict.redo_blamed_on_other_ranks`.)
+    """
+    union: Dict[str, Tuple[Any, List[int]]] = {}
+    for rank, theirs in enumerate(all_gather_object(dict(own))):
+        for key, value in theirs.items():
+            union.setdefault(key, (value, []))[1].append(rank)
+    return dict(sorted(union.items()))
