@@ -6,6 +6,7 @@ Values are ``local_`` (one rank's) or ``global_`` (over every rank) as in the na
 """
 from __future__ import annotations
 
+import tempfile
 from dataclasses import astuple, dataclass, field, fields
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -66,8 +67,71 @@ def merge_gathered(payloads: List[dict], num_rows: int, rows: Optional[np.ndarra
 
     Duplicates arise when a user DataLoader's DistributedSampler pads its last round;
     a duplicate must agree with the kept copy on the label (same row), or the data is
-    inconsistent and we refuse to count it.
+    inconsistent and we refuse to count it. The run's merge does this a range of row indices
+    at a time (:func:`stream_to_main`), with the same rule.
     """
+    coverage = _Coverage(num_rows, rows)
+    merged = _merge_payloads(payloads, coverage)
+    coverage.raise_if_incomplete()
+    return merged
+
+
+class _Coverage:
+    """Which rows a merge found missing and which outside the set (or the shard), over ranges of
+    row indices taken in ascending order: the counts and the first few of each, for the one error
+    :meth:`raise_if_incomplete` raises at the end (the same words as one whole merge's).
+    """
+
+    def __init__(self, num_rows: int, rows: Optional[np.ndarray]):
+        self.num_rows, self.rows = num_rows, rows
+        self.distinct = self.missing = self.outside = 0
+        self.first_missing: list = []
+        self.first_outside: list = []
+        self.inconsistent = False  # a row index arrived twice with different labels
+
+    def check(self, unique_indices: np.ndarray, span: Optional[Tuple[int, int]] = None) -> None:
+        """``unique_indices``: the distinct row indices found (sorted) of ``span`` [begin, end) (None: all)."""
+        self.distinct += len(unique_indices)
+        if self.rows is not None:
+            expected = self.rows if span is None else self.rows[np.searchsorted(self.rows, span[0]):
+                                                                np.searchsorted(self.rows, span[1])]
+            if np.array_equal(unique_indices, expected):
+                return
+            missing, outside = np.setdiff1d(expected, unique_indices), np.setdiff1d(unique_indices, expected)
+        else:
+            low, high = (0, self.num_rows) if span is None else (max(span[0], 0), min(span[1], self.num_rows))
+            size = max(high - low, 0)
+            if len(unique_indices) == size and (
+                    not size or (unique_indices[0] == low and unique_indices[-1] == high - 1)):
+                return
+            present = np.zeros(size, dtype=bool)
+            present[unique_indices[(unique_indices >= low) & (unique_indices < high)] - low] = True
+            missing = np.flatnonzero(~present) + low
+            outside = unique_indices[(unique_indices < 0) | (unique_indices >= self.num_rows)]
+        self.missing += len(missing)
+        self.outside += len(outside)
+        self.first_missing = (self.first_missing + missing[:5].tolist())[:5]
+        self.first_outside = (self.first_outside + outside[:5].tolist())[:5]
+
+    def raise_if_incomplete(self) -> None:
+        if self.rows is not None and (self.missing or self.outside):
+            raise CoverageError(f"evaluated {self.distinct} distinct rows, expected the shard's {len(self.rows)}: "
+                                f"{self.missing} missing (first {self.first_missing}), {self.outside} outside the "
+                                f"shard (first {self.first_outside})")
+        if self.missing or self.outside:
+            raise CoverageError(
+                f"evaluated {self.distinct} distinct rows, expected {self.num_rows}: "
+                f"{self.missing} missing (first {self.first_missing}), {self.outside} outside the split "
+                f"(first {self.first_outside}). A DataLoader with drop_last=True, or a sampler that skips rows, "
+                "causes this."
+            )
+        if self.inconsistent:
+            raise CoverageError("the same row index arrived twice with different labels; the batches are inconsistent")
+
+
+def _merge_payloads(payloads: List[dict], coverage: _Coverage, span: Optional[Tuple[int, int]] = None
+                    ) -> MergedResults:
+    """:func:`merge_gathered`'s merge of the rows of ``span`` (None: all), its coverage told to ``coverage``."""
     names = [k for k in payloads[0] if k.startswith(SAMPLE_VALUE_PREFIX)] if payloads else []
     indices = _concat(payloads, "indices") if payloads else np.zeros(0, np.int64)
     order = np.argsort(indices, kind="stable")
@@ -78,30 +142,11 @@ def merge_gathered(payloads: List[dict], num_rows: int, rows: Optional[np.ndarra
     num_duplicates = int((~keep).sum())
     unique_indices = sorted_indices[keep]
     del sorted_indices
-    if rows is not None and not np.array_equal(unique_indices, rows):
-        missing = np.setdiff1d(rows, unique_indices)
-        outside = np.setdiff1d(unique_indices, rows)
-        raise CoverageError(f"evaluated {len(unique_indices)} distinct rows, expected the shard's {len(rows)}: "
-                            f"{len(missing)} missing (first {missing[:5].tolist()}), {len(outside)} outside the shard "
-                            f"(first {outside[:5].tolist()})")
-    if rows is None and (len(unique_indices) != num_rows or (
-            num_rows and (unique_indices[0] != 0 or unique_indices[-1] != num_rows - 1))):
-        present = np.zeros(num_rows, dtype=bool)
-        inside = unique_indices[(unique_indices >= 0) & (unique_indices < num_rows)]
-        present[inside] = True
-        missing = np.flatnonzero(~present)
-        outside = unique_indices[(unique_indices < 0) | (unique_indices >= num_rows)]
-        raise CoverageError(
-            f"evaluated {len(unique_indices)} distinct rows, expected {num_rows}: "
-            f"{len(missing)} missing (first {missing[:5].tolist()}), {len(outside)} outside the split "
-            f"(first {outside[:5].tolist()}). A DataLoader with drop_last=True, or a sampler that skips rows, "
-            "causes this."
-        )
+    coverage.check(unique_indices, span)
     labels_sorted = _concat(payloads, "labels")[order] if payloads else np.zeros(0, np.int64)
     if num_duplicates:
         first_of_run = np.maximum.accumulate(np.where(keep, np.arange(len(keep)), 0))
-        if np.any(labels_sorted != labels_sorted[first_of_run]):
-            raise CoverageError("the same row index arrived twice with different labels; the batches are inconsistent")
+        coverage.inconsistent |= bool(np.any(labels_sorted != labels_sorted[first_of_run]))
     labels = labels_sorted[keep] if num_duplicates else labels_sorted
     del labels_sorted
     selection = order[keep] if num_duplicates else order
@@ -124,6 +169,122 @@ def merge_gathered(payloads: List[dict], num_rows: int, rows: Optional[np.ndarra
         sample_values=sample_values,
         num_duplicates_dropped=num_duplicates,
     )
+
+
+# Row indices merged at once on rank 0 (issue 51): each round gathers every rank's results of one
+# range of this many row indices, merges them, and writes them to the merged columns' files
+MERGE_CHUNK_ROWS = 1 << 16
+
+
+def mapped_array(shape: tuple, dtype) -> np.ndarray:
+    """A zeroed array mapped from a temporary file of the local disk ($TMPDIR), unlinked as it is
+    made (the kernel frees it when the process ends, however it ends): the page cache's, not the
+    heap's, written back to disk under memory pressure.
+    """
+    size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if size == 0:
+        return np.zeros(shape, dtype=dtype)
+    with tempfile.TemporaryFile(prefix="dist_eval-merged-") as f:
+        f.truncate(size)
+        return np.asarray(np.memmap(f, dtype=dtype, mode="r+", shape=shape))  # the map keeps its own handle
+
+
+# Rows whose softmax is computed at once (row by row: a chunk's rows get the whole array's bits)
+_SOFTMAX_ROWS = 1 << 16
+
+
+def mapped_softmax(logits: np.ndarray) -> np.ndarray:
+    """:func:`dist_eval.metrics.softmax` of ``logits``; of more than _SOFTMAX_ROWS rows, a chunk at a
+    time into a :func:`mapped_array` (float64: 8 bytes a class of a row, on the local disk, not the heap).
+    """
+    if len(logits) <= _SOFTMAX_ROWS:
+        return softmax(logits)
+    probs = mapped_array(logits.shape, np.float64)
+    for start in range(0, len(logits), _SOFTMAX_ROWS):
+        probs[start:start + _SOFTMAX_ROWS] = softmax(logits[start:start + _SOFTMAX_ROWS])
+    return probs
+
+
+class _MergedColumns:
+    """Rank 0's merged rows, a range of row indices after another, in :func:`mapped_array`'s."""
+
+    def __init__(self, payload: dict, capacity: int):
+        self.columns = {key: mapped_array((capacity, *values.shape[1:]), values.dtype)
+                        for key, values in payload.items()}
+        self.count = self.duplicates = 0
+
+    def add(self, part: MergedResults) -> None:
+        stop = self.count + part.num_samples
+        values = {"indices": part.indices, "labels": part.labels, "preds": part.preds, "losses": part.losses,
+                  "logits": part.logits,
+                  **{SAMPLE_VALUE_PREFIX + name: value for name, value in part.sample_values.items()}}
+        for key, column in self.columns.items():
+            column[self.count:stop] = values[key]
+        self.count, self.duplicates = stop, self.duplicates + part.num_duplicates_dropped
+
+    def merged(self) -> MergedResults:
+        columns = {key: column[:self.count] for key, column in self.columns.items()}
+        return MergedResults(
+            indices=columns.pop("indices"), labels=columns.pop("labels"), preds=columns.pop("preds"),
+            losses=columns.pop("losses"), logits=columns.pop("logits", None),
+            sample_values={key[len(SAMPLE_VALUE_PREFIX):]: value for key, value in columns.items()},
+            num_duplicates_dropped=self.duplicates)
+
+
+def stream_to_main(local: ShardResults, num_rows: int, rows: Optional[np.ndarray] = None,
+                   chunk_rows: Optional[int] = None) -> Optional[MergedResults]:
+    """Every rank: its results sent to rank 0 a range of ``chunk_rows`` row indices at a time, in row
+    order (a gather per range: no file system shared by the ranks is needed); rank 0 merges each range
+    as :func:`merge_gathered` merges the whole (the first copy of a row kept: the lowest rank's, the
+    first of its batches'), checks it covers the range's rows, and writes it to its merged columns
+    (:func:`mapped_array`): the merged rows on rank 0 (memory maps), None elsewhere. Rank 0's heap
+    holds one range's rows, the other ranks their own results. Every rank must call it.
+    """
+    payload = local.as_payload()
+    order = np.argsort(payload["indices"], kind="stable")
+    in_order = payload["indices"][order]
+    main = ranks.is_main_process()
+    bounds = _index_bounds(in_order, num_rows, rows if main else None, chunk_rows or MERGE_CHUNK_ROWS)
+    cuts = np.searchsorted(in_order, bounds)
+    del in_order
+    counts = ranks.all_reduce_sum(np.diff(cuts).astype(np.float64))  # every rank's rows in each range
+    columns = _MergedColumns(payload, int(counts.sum())) if main else None
+    coverage, failure = _Coverage(num_rows, rows), None
+    for number, total in enumerate(counts.tolist()):
+        span = (int(bounds[number]), int(bounds[number + 1]))
+        gathered = None
+        if total:  # a collective: every rank takes part, whatever rank 0's merge did
+            picked = order[cuts[number]:cuts[number + 1]]
+            gathered = ranks.gather_arrays_to_main({key: values[picked] for key, values in payload.items()})
+        if main and failure is None:
+            try:
+                if gathered is None:
+                    coverage.check(np.zeros(0, np.int64), span)
+                else:
+                    columns.add(_merge_payloads([gathered], coverage, span))
+            except Exception as error:  # raised after the last range, so that no rank waits in a gather
+                failure = error
+    if failure is not None:
+        raise failure
+    if not main:
+        return None
+    coverage.raise_if_incomplete()
+    return columns.merged()
+
+
+def _index_bounds(in_order: np.ndarray, num_rows: int, rows: Optional[np.ndarray], chunk_rows: int) -> np.ndarray:
+    """The ranges' bounds, the same on every rank: from the lowest row index any rank holds (or the
+    set's first, 0 or the shard's) past the highest, ``chunk_rows`` apart.
+    """
+    expected = (rows[0], rows[-1] + 1) if rows is not None and len(rows) else (0, num_rows)
+    mine = [int(in_order[0]), int(in_order[-1]) + 1] if len(in_order) else []
+    if ranks.is_main_process():
+        mine += [int(value) for value in expected]
+    spans = [span for span in ranks.all_gather_object((min(mine), max(mine)) if mine else None) if span]
+    if not spans:
+        return np.zeros(1, dtype=np.int64)
+    begin, end = min(s[0] for s in spans), max(s[1] for s in spans)
+    return np.r_[np.arange(begin, end, chunk_rows, dtype=np.int64), end]
 
 
 def merge_parts(parts: Sequence[MergedResults]) -> MergedResults:
@@ -208,16 +369,15 @@ def merge_on_main(
     (sorted), which the merge must cover instead of 0..num_rows-1.
     """
     global_totals = Totals.of_shard(local, num_truncated).all_reduced()
-    # per-sample arrays to rank 0 only; rank 0 merges and computes the metrics
-    gathered = ranks.gather_arrays_to_main(local.as_payload())
     rank_facts = ranks.all_gather_object(
         RankFacts(local.num_samples, loop_seconds, local.max_batch_seconds, local.num_resumed)
     )
     report, merged = None, None
     with ranks.phase("merging the results"):
+        # per-sample arrays to rank 0 only, a range of rows at a time; rank 0 merges and computes the metrics
+        merged = stream_to_main(local, num_rows, rows)
+        _let_go(local)
         if ranks.is_main_process():
-            merged = merge_gathered([gathered], num_rows, rows)  # consumes the arrays: one copy at a time
-            del gathered
             report = _report(
                 merged, num_labels, label_names, user_metrics, global_totals, rank_facts, (bootstrap, top_k)
             )
@@ -226,6 +386,14 @@ def merge_on_main(
         with ranks.phase("the score intervals"):
             report = shared_score_intervals(report, merged, bootstrap)
     return report, merged
+
+
+def _let_go(local: ShardResults) -> None:
+    """The rank's own per-sample arrays, merged now: emptied, so that the caller's reference holds none."""
+    local.indices, local.labels = local.indices[:0].copy(), local.labels[:0].copy()  # copies: a view holds its base
+    local.preds, local.losses = local.preds[:0].copy(), local.losses[:0].copy()
+    local.logits = None if local.logits is None else local.logits[:0].copy()
+    local.sample_values = {name: values[:0].copy() for name, values in local.sample_values.items()}
 
 
 def _report(
@@ -263,7 +431,7 @@ def probability_scores(logits, labels, top_k: Optional[int], bootstrap: Optional
     """
     if logits is None:
         raise RuntimeError("internal: the probability scores need every row's logits on rank 0")
-    probs = softmax(logits)
+    probs = mapped_softmax(logits)
     k = default_top_k(probs.shape[1]) if top_k is None else top_k
     out = score_metrics(probs, labels, k, CALIBRATION_BINS)
     out["top_k"] = k
@@ -307,7 +475,7 @@ def shared_score_intervals(report: dict, merged: Optional[MergedResults], bootst
 
     shared = None
     if ranks.is_main_process():
-        probs = softmax(merged.logits)
+        probs = mapped_softmax(merged.logits)
         if grouped_score_intervals(probs, merged.labels):  # drawn grouped: a moment's work, rank 0's alone
             shared = bootstrap_score_intervals(probs, merged.labels, resamples=bootstrap[0], seed=bootstrap[1],
                                                top_k=report["top_k"], bins=CALIBRATION_BINS)

@@ -237,12 +237,20 @@ def brier_score(probs: np.ndarray, labels: np.ndarray) -> float:
     return mean_of(per_sample_brier(probs, labels))
 
 
+# Rows of a rows x classes array worked on at once where each row's value is its own (issue 51: the
+# temporaries of a chunk, not of the set; a row's bits do not depend on the rows beside it)
+ROWS_AT_ONCE = 1 << 16
+
+
 def per_sample_brier(probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """``sum_k (p_k - y_k)^2`` of each row, float64."""
     probs, labels = _scores_and_labels(probs, labels)
-    diff = probs.copy()
-    diff[np.arange(probs.shape[0]), labels] -= 1.0
-    return (diff * diff).sum(axis=1)
+    out = np.empty(probs.shape[0])
+    for start in range(0, probs.shape[0], ROWS_AT_ONCE):
+        diff = probs[start:start + ROWS_AT_ONCE].copy()
+        diff[np.arange(diff.shape[0]), labels[start:start + ROWS_AT_ONCE]] -= 1.0
+        out[start:start + ROWS_AT_ONCE] = (diff * diff).sum(axis=1)
+    return out
 
 
 def top_k_hits(scores: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
@@ -255,14 +263,17 @@ def top_k_hits(scores: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
     scores, labels = _scores_and_labels(scores, labels, "scores")
     if not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k must be an integer >= 1; got {k!r}")
-    rows = np.arange(scores.shape[0])
-    own = scores[rows, labels][:, None]
-    if scores.shape[1] == 2:
-        higher_index = np.arange(2)[None, :] < labels[:, None]  # ties rank class 0 first
-    else:
-        higher_index = np.arange(scores.shape[1])[None, :] > labels[:, None]
-    rank = (scores > own).sum(axis=1) + ((scores == own) & higher_index).sum(axis=1)
-    return rank < k
+    hits = np.empty(scores.shape[0], dtype=bool)
+    for start in range(0, scores.shape[0], ROWS_AT_ONCE):
+        part, part_labels = scores[start:start + ROWS_AT_ONCE], labels[start:start + ROWS_AT_ONCE]
+        own = part[np.arange(part.shape[0]), part_labels][:, None]
+        if scores.shape[1] == 2:
+            higher_index = np.arange(2)[None, :] < part_labels[:, None]  # ties rank class 0 first
+        else:
+            higher_index = np.arange(scores.shape[1])[None, :] > part_labels[:, None]
+        rank = (part > own).sum(axis=1) + ((part == own) & higher_index).sum(axis=1)
+        hits[start:start + ROWS_AT_ONCE] = rank < k
+    return hits
 
 
 def top_k_accuracy(scores: np.ndarray, labels: np.ndarray, k: int) -> float:
@@ -286,12 +297,17 @@ def binary_auroc(scores: np.ndarray, positive: np.ndarray) -> float:
         return float("nan")
     order = np.argsort(scores, kind="mergesort")
     ordered = scores[order]
-    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
-    ends = np.r_[starts[1:], ordered.size]
-    average_rank = (starts + ends + 1) / 2.0  # 1-based ranks, ties share their mean
-    ranks = np.empty(ordered.size)
-    ranks[order] = np.repeat(average_rank, ends - starts)
-    rank_sum = math.fsum(map(float, ranks[positive]))
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])  # the runs of tied scores
+    del ordered
+    positives_in_run = np.add.reduceat(positive[order].astype(np.int64), starts)
+    del order
+    # 1-based ranks, ties sharing their mean (start + end + 1) / 2: the positives' rank sum is half
+    # an exact integer, divided once (correctly rounded, as math.fsum of the halves would round it)
+    # (every integer below 2**63 for sets of fewer than 2**31 rows)
+    twice = positives_in_run * (starts + 1)
+    twice[:-1] += positives_in_run[:-1] * starts[1:]
+    twice[-1] += positives_in_run[-1] * scores.size
+    rank_sum = int(twice.sum(dtype=np.int64)) / 2
     return (rank_sum - num_pos * (num_pos + 1) / 2.0) / (num_pos * num_neg)
 
 

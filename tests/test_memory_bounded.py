@@ -13,6 +13,7 @@ import random
 import sys
 from unittest import mock
 
+import numpy as np
 import pytest
 from conftest import WORDS, run_cli
 from float_promises import assert_same_bits
@@ -138,6 +139,47 @@ def test_the_long_tailed_sets_shards_merge_into_its_one_run(long_tailed, tiny_mo
                      "the merged shards' metrics against one run's")
     for name in FILES:
         assert (merged / name).read_bytes() == (one / name).read_bytes(), f"{name}, merged shards against one run"
+
+
+def _shard_results(rows, labels=None, classes: int = 3):
+    from dist_eval.predict import ShardResults
+
+    rows = np.asarray(rows, dtype=np.int64)
+    rng = np.random.default_rng(len(rows))
+    return ShardResults(indices=rows, labels=rows % classes if labels is None else np.asarray(labels, np.int64),
+                        preds=(rows * 7) % classes, losses=rng.random(len(rows)),
+                        logits=rng.normal(size=(len(rows), classes)).astype(np.float32),
+                        sample_values={"v": rng.random(len(rows))})
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 16])
+def test_the_merge_a_range_of_rows_at_a_time_is_the_whole_merge(chunk):
+    """stream_to_main (rank 0's merge, a range of row indices at a time, into mapped files) keeps what
+    merge_gathered keeps of the whole: the first copy of each row (a row given twice with other values:
+    the first wins), every field, the duplicates' count; and refuses as it refuses, in the same words
+    (missing rows, rows outside the split or the shard, duplicates that disagree). Ranges of 1 row up."""
+    from dist_eval.merge import CoverageError, merge_gathered, stream_to_main
+
+    order = np.random.default_rng(0).permutation(300)
+    rows = np.r_[order, order[:40], 299, 0]  # duplicates, in no order: the first copy of each must win
+    local = _shard_results(rows)
+    whole = merge_gathered([local.as_payload()], 300)
+    merged = stream_to_main(local, 300, chunk_rows=chunk)
+    for name in ("indices", "labels", "preds", "losses", "logits"):
+        assert np.asarray(getattr(merged, name)).tobytes() == getattr(whole, name).tobytes(), name
+    assert np.asarray(merged.sample_values["v"]).tobytes() == whole.sample_values["v"].tobytes()
+    assert merged.num_duplicates_dropped == whole.num_duplicates_dropped == 42
+    shard = np.arange(3, 300, 5)
+    merged = stream_to_main(_shard_results(shard[::-1]), 300, shard, chunk_rows=chunk)
+    assert merged.indices.tolist() == shard.tolist()
+    for rows_given, num_rows, shard_rows, labels in (
+            ([0, 2, 3, 4, 11], 12, None, None), ([-2, 0, 1, 2, 9], 3, None, None), (shard[2:], 300, shard, None),
+            (np.r_[shard, 4], 300, shard, None), ([0, 1, 1], 2, None, [0, 1, 2])):
+        with pytest.raises(CoverageError) as whole_error:
+            merge_gathered([_shard_results(rows_given, labels).as_payload()], num_rows, shard_rows)
+        with pytest.raises(CoverageError) as error:
+            stream_to_main(_shard_results(rows_given, labels), num_rows, shard_rows, chunk)
+        assert str(error.value) == str(whole_error.value)
 
 
 def record() -> None:
