@@ -128,8 +128,8 @@ def row_keys(texts: List, pairs: Optional[List]) -> np.ndarray:
     return np.frombuffer(digest_each(base, rows), dtype=np.uint8).reshape(len(texts), KEY_BYTES)
 
 
-# (folder, key, classes) -> (the files read, the rows they hold): files are written once
-_READ: Dict[tuple, Tuple[set, Dict[bytes, Tuple[np.ndarray, float]]]] = {}
+# (folder, key, classes) -> [the files read, the rows they hold (StoredRows)]: files are written once
+_READ: Dict[tuple, list] = {}
 
 
 class RowStore:
@@ -142,34 +142,35 @@ class RowStore:
         self.folder = os.path.join(root, self.model_key, self.task_key)
         self.facts = {"model": model_facts, "task": task_facts}
 
-    def read(self, num_labels: int) -> Dict[bytes, Tuple[np.ndarray, float, tuple]]:
-        """{row key: (logits, seconds it took, the servers that computed it)} of every valid file, but
-        rows of a server a ``.blamed`` file names; the other files skipped, one warning. A file never
-        changes once in place: one process reads each once (a run in rounds reads only the files
-        written since its last round).
+    def read(self, num_labels: int) -> StoredRows:
+        """The rows of every valid file (:class:`StoredRows`, a mapping {row key: (logits, seconds it
+        took, the servers that computed it)}), but rows of a server a ``.blamed`` file names; the other
+        files skipped, one warning. A file never changes once in place: one process reads each once (a
+        run in rounds reads only the files written since its last round).
         """
         found = self._read(num_labels)
         blamed = blamed_servers(self.folder)
-        return {k: hit for k, hit in found.items() if not blamed.intersection(hit[2])} if blamed else dict(found)
+        return found.without_servers(blamed) if blamed else found
 
-    def _read(self, num_labels: int) -> Dict[bytes, Tuple[np.ndarray, float, tuple]]:
-        read_before, found = _READ.setdefault((self.folder, self.key, num_labels), (set(), {}))
+    def _read(self, num_labels: int) -> StoredRows:
+        cached = _READ.setdefault((self.folder, self.key, num_labels), [set(), StoredRows.empty(num_labels)])
+        read_before, parts = cached[0], []
         skipped: List[str] = []
         for path in row_files(self.folder):
             if path in read_before:
                 continue
             read_before.add(path)
             try:
-                keys, logits, seconds, servers = read_rows(path, self.key, num_labels)
+                parts.append(_read_columns(path, self.key, num_labels))
             except (OSError, ValueError) as e:
                 skipped.append(f"{os.path.basename(path)} ({e})")
                 continue
-            for i, key in enumerate(keys):  # oldest first: the newest copy of a row wins
-                found[key] = (logits[i], float(seconds[i]), servers[i])
         if skipped:
             warn(f"row store: skipped {len(skipped)} file(s) in {self.folder} that are not whole rows of this "
                  f"key that this user can trust (first: {skipped[0]}); those rows are evaluated again")
-        return found
+        if parts:  # oldest first: the newest copy of a row wins
+            cached[1] = cached[1].joined(parts)
+        return cached[1]
 
     def describe(self) -> None:
         """Write ``key.json`` (what the keys are made of) once, for a reader of the folder."""
@@ -288,9 +289,12 @@ def _servers_facts(servers: Optional[List[tuple]]) -> Optional[dict]:
     return {"sets": [list(s) for s in sets], "rows": rows}
 
 
-def _checksum(payload: bytes, servers: Optional[dict]) -> str:
+def _checksum(payload, servers: Optional[dict]) -> str:
     """The rows' SHA-256, and their servers' where they have some (a row's provenance is checked as its logits are)."""
-    return _sha256(payload if servers is None else payload + json.dumps(servers, sort_keys=True).encode())
+    digest = hashlib.sha256(payload)
+    if servers is not None:
+        digest.update(json.dumps(servers, sort_keys=True).encode())
+    return digest.hexdigest()
 
 
 def write_file(path: str, key: str, keys: np.ndarray, logits: np.ndarray, seconds: np.ndarray,
@@ -321,13 +325,22 @@ def read_rows(path: str, key: str, num_labels: Optional[int]) -> Tuple[List[byte
     whole, of ``key`` (and of ``num_labels`` classes, unless None: as many as its header says), every
     logit finite.
     """
-    data = read_regular(path, MAX_FILE_BYTES, owner=os.geteuid())
-    if not data.startswith(MAGIC):
+    keys, logits, seconds, which, sets = _read_columns(path, key, num_labels)
+    return [bytes(row) for row in keys.view(f"V{KEY_BYTES}").ravel()], logits, seconds, [sets[i] for i in which]
+
+
+def _read_columns(path: str, key: str, num_labels: Optional[int]) -> tuple:
+    """:func:`read_rows`' file as columns: (keys [n, 16] uint8, logits [n, K], seconds [n], each row's
+    server set as an index into the sets, the sets: tuples of peer ids). Copies of the file's bytes,
+    which are let go of as this returns (issue 51: no object per row).
+    """
+    data = memoryview(read_regular(path, MAX_FILE_BYTES, owner=os.geteuid()))
+    if not data[:len(MAGIC)] == MAGIC:
         raise ValueError("not a row store file")
     start = len(MAGIC) + 8
     size = int.from_bytes(data[len(MAGIC):start], "little")
     try:
-        header = json.loads(data[start:start + size])
+        header = json.loads(bytes(data[start:start + size]))
     except ValueError:
         raise ValueError("unreadable header") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION or header.get("key") != key:
@@ -340,29 +353,134 @@ def read_rows(path: str, key: str, num_labels: Optional[int]) -> Tuple[List[byte
     servers = header.get("servers")
     if _checksum(payload, servers) != header.get("sha256"):
         raise ValueError("checksum mismatch")
-    row_servers = _row_servers(servers, rows)
+    which, sets = _row_servers(servers, rows)
     keys_end = rows * KEY_BYTES
     logits_end = keys_end + rows * 4 * labels
-    keys = [payload[i:i + KEY_BYTES] for i in range(0, keys_end, KEY_BYTES)]
-    logits = np.frombuffer(payload[keys_end:logits_end], dtype="<f4").reshape(rows, labels)
-    seconds = np.frombuffer(payload[logits_end:], dtype="<f4")
+    keys = np.frombuffer(payload[:keys_end], dtype=np.uint8).reshape(rows, KEY_BYTES).copy()
+    logits = np.frombuffer(payload[keys_end:logits_end], dtype="<f4").reshape(rows, labels).copy()
+    seconds = np.frombuffer(payload[logits_end:], dtype="<f4").copy()
     if not np.isfinite(logits).all():
         raise ValueError("non-finite logits")
-    return keys, logits, seconds, row_servers
+    return keys, logits, seconds, which, sets
 
 
-def _row_servers(servers, rows: int) -> list:
-    """Each row's servers from the header's ``servers`` (ValueError where it does not fit)."""
+def _row_servers(servers, rows: int) -> tuple:
+    """(each row's server set: an index into the sets, the sets) from the header's ``servers``
+    (ValueError where it does not fit).
+    """
     if servers is None:
-        return [()] * rows
+        return np.zeros(rows, dtype=np.int32), [()]
     try:
         sets = [tuple(str(p) for p in s) for s in servers["sets"]]
-        row_servers = [sets[i] for i in servers["rows"]]
+        numbers = range(len(sets))
+        which = np.fromiter((numbers[i] for i in servers["rows"]), dtype=np.int32)  # IndexError: none such
     except (KeyError, TypeError, IndexError):
         raise ValueError("unreadable servers") from None
-    if len(row_servers) != rows:
+    if len(which) != rows:
         raise ValueError("unreadable servers")
-    return row_servers
+    return which, sets
+
+
+class StoredRows:
+    """The rows read from a store's files as columns (issue 51: about 24 bytes and the logits a row,
+    not a dict entry of objects): the keys sorted (one copy of each: the newest), their logits,
+    seconds and servers. A mapping {row key (bytes): (logits, seconds, servers)} as well.
+    """
+
+    def __init__(self, keys: np.ndarray, logits: np.ndarray, seconds: np.ndarray, which: np.ndarray, sets: list):
+        self.keys, self.logits, self.seconds, self.which, self.sets = keys, logits, seconds, which, sets
+
+    @classmethod
+    def empty(cls, num_labels: int) -> StoredRows:
+        return cls(np.zeros(0, f"V{KEY_BYTES}"), np.zeros((0, num_labels), "<f4"), np.zeros(0, "<f4"),
+                   np.zeros(0, np.int32), [()])
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self):
+        return (bytes(key) for key in self.keys)
+
+    def _position(self, key: bytes) -> int:
+        at = int(np.searchsorted(self.keys, np.void(key)))
+        if at == len(self.keys) or bytes(self.keys[at]) != key:
+            raise KeyError(key)
+        return at
+
+    def __contains__(self, key) -> bool:
+        try:
+            self._position(key)
+        except KeyError:
+            return False
+        return True
+
+    def __getitem__(self, key: bytes) -> tuple:
+        at = self._position(key)
+        return self.logits[at], float(self.seconds[at]), self.sets[self.which[at]]
+
+    def joined(self, newer: list) -> StoredRows:
+        """These rows and ``newer`` files' columns (:func:`_read_columns`), oldest first: a row's newest copy kept."""
+        sets = list(self.sets)
+        which = [self.which]
+        for _, _, _, part_which, part_sets in newer:
+            which.append(np.asarray(part_which, np.int64) + len(sets))
+            sets.extend(part_sets)
+        keys = np.concatenate([self.keys, *(np.ascontiguousarray(part[0]).view(f"V{KEY_BYTES}").ravel()
+                                            for part in newer)])
+        order = np.argsort(keys, kind="stable")  # equal keys stay oldest first
+        last = np.ones(len(order), dtype=bool)
+        last[:-1] = keys[order[1:]] != keys[order[:-1]]
+        kept = order[last]
+        del order, last
+
+        def column(mine, index):
+            return np.concatenate([mine, *(part[index] for part in newer)])[kept]
+
+        return StoredRows(keys[kept], column(self.logits, 1), column(self.seconds, 2),
+                          np.concatenate(which)[kept].astype(np.int32), sets)
+
+    def without_servers(self, blamed: set) -> StoredRows:
+        """These rows but those a server of ``blamed`` computed."""
+        bad = np.array([bool(blamed.intersection(servers)) for servers in self.sets])
+        kept = ~bad[self.which]
+        return StoredRows(self.keys[kept], self.logits[kept], self.seconds[kept], self.which[kept], self.sets)
+
+    def find(self, keys: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(the rows of ``keys`` [n, 16] held here, ascending; each one's position here)."""
+        wanted = np.ascontiguousarray(keys, dtype=np.uint8).view(f"V{KEY_BYTES}").ravel()
+        if not len(self.keys):
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        at = np.minimum(np.searchsorted(self.keys, wanted), len(self.keys) - 1)
+        rows = np.flatnonzero(self.keys[at] == wanted)
+        return rows, at[rows]
+
+
+class RowValues:
+    """{row of the set: one stored row's value} of :meth:`StoredRows.find`'s rows (a mapping by row,
+    as :class:`dict`: ``in``, ``[]``, ``len``): the rows' positions in the columns, 4 bytes a row of the set.
+    """
+
+    def __init__(self, values: np.ndarray, slots: np.ndarray, count: int, as_float: bool = False):
+        self.values, self.slots, self.count, self.as_float = values, slots, count, as_float
+
+    @classmethod
+    def of(cls, stored: StoredRows, rows: np.ndarray, positions: np.ndarray, num_rows: int) -> tuple:
+        """(the logits by row, the seconds by row) of the ``rows`` held at ``positions``."""
+        slots = np.full(num_rows, -1, dtype=np.int32 if len(stored) < 2**31 else np.int64)
+        slots[rows] = positions
+        return cls(stored.logits, slots, len(rows)), cls(stored.seconds, slots, len(rows), as_float=True)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __contains__(self, row) -> bool:
+        return 0 <= row < len(self.slots) and self.slots[row] >= 0
+
+    def __getitem__(self, row):
+        if row not in self:
+            raise KeyError(row)
+        value = self.values[self.slots[row]]
+        return float(value) if self.as_float else value
 
 
 def key_bytes(keys: np.ndarray) -> Iterable[bytes]:
@@ -379,7 +497,7 @@ class RowSource:
     """
 
     def __init__(self, message: Optional[tuple], rank: int, save_interval: float = 0.0):
-        self.logits: Dict[int, np.ndarray] = {}
+        self.logits: Dict[int, np.ndarray] = {}  # rank 0: RowValues (open_rows), a mapping by row as this
         self.seconds: Dict[int, float] = {}
         self.stored_rows = np.zeros(0, dtype=np.int64)
         self.key_array: Optional[np.ndarray] = None
@@ -447,7 +565,7 @@ def open_rows(store: Optional[RowStore], fresh: bool, data, columns: List[str], 
     """
     from dist_eval import ranks
 
-    message, found = None, {}
+    message, found = None, None
     if ranks.is_main_process() and store is not None:
         try:
             store.describe()
@@ -456,12 +574,13 @@ def open_rows(store: Optional[RowStore], fresh: bool, data, columns: List[str], 
             store = None
     if ranks.is_main_process() and store is not None:
         keys = _keys_of(data, columns)
-        held = {} if fresh else store.read(num_labels)
-        found = {row: held[k] for row, k in enumerate(key_bytes(keys)) if k in held}
-        message = (store.folder, store.key, keys, np.fromiter(found, dtype=np.int64, count=len(found)), fresh)
+        held = StoredRows.empty(num_labels) if fresh else store.read(num_labels)
+        rows, positions = held.find(keys)
+        found = RowValues.of(held, rows, positions, len(keys))
+        message = (store.folder, store.key, keys, rows, fresh)
     source = RowSource(ranks.broadcast_object(message), ranks.get_rank(), save_interval)
-    source.logits = {row: hit[0] for row, hit in found.items()}
-    source.seconds = {row: hit[1] for row, hit in found.items()}
+    if found is not None:
+        source.logits, source.seconds = found
     return source
 
 
