@@ -70,7 +70,7 @@ def _process_groups(pgids: Set[int]) -> Dict[int, List[Tuple[int, str]]]:
     return found
 
 
-def _live_groups(pgids: Set[int]) -> Dict[int, List[int]]:
+def live_groups(pgids: Set[int]) -> Dict[int, List[int]]:
     """Like :func:`_process_groups`, without zombies (they hold no port and no memory)."""
     return {
         g: [p for p, st in procs if st != "Z"]
@@ -79,7 +79,7 @@ def _live_groups(pgids: Set[int]) -> Dict[int, List[int]]:
     }
 
 
-def _unix_socket_paths(pids: Sequence[int]) -> Set[str]:
+def unix_socket_paths(pids: Sequence[int]) -> Set[str]:
     """Paths of the unix sockets that these processes hold (hivemind never deletes some)."""
     inodes = set()
     for pid in pids:
@@ -122,12 +122,12 @@ def shm_managers_under(folder: str) -> List[int]:
                     continue
         except (OSError, ValueError):
             continue
-        if any(path.startswith(inside) for path in _unix_socket_paths([int(entry)])):
+        if any(path.startswith(inside) for path in unix_socket_paths([int(entry)])):
             found.append(int(entry))
     return found
 
 
-def _ignores_sigint(pid: int) -> bool:
+def ignores_sigint(pid: int) -> bool:
     """True when the process ignores SIGINT: it inherited SIG_IGN (e.g. its parent was a
     background job of a non-interactive shell), so Python never installed its handler.
     """
@@ -141,14 +141,14 @@ def _ignores_sigint(pid: int) -> bool:
     return False
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def _port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as p2pd does: TIME_WAIT is no obstacle
         try:
@@ -159,7 +159,7 @@ def _port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def _free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
+def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
     """``count`` distinct ports that are free now on ``host`` (the OS picks them)."""
     sockets = []
     try:

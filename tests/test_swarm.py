@@ -172,7 +172,7 @@ def test_port_in_use_is_a_clear_error_and_starts_nothing(tiny_model):
         s = LocalSwarm(str(tiny_model), num_servers=1, port=port)
         with pytest.raises(SwarmError, match=f"port {port} .*in use"):
             s.start()
-        assert s.pgids == [] and not os.path.exists(s._workdir)
+        assert s.pgids == [] and not os.path.exists(s.workdir)
 
 
 @pytest.mark.parametrize(
@@ -256,8 +256,8 @@ def _check_stop(swarm):
     """stop() of a started swarm of 2 leaves no process, no port, no files (checked on the swarm that
     test_started_in_the_background_and_stopped_while_starting starts whole; the module's swarm serves
     the other tests)."""
-    pgids, ports, workdir = list(swarm.pgids), list(swarm.ports), swarm._workdir
-    sockets = set(swarm._sockets)
+    pgids, ports, workdir = list(swarm.pgids), list(swarm.ports), swarm.workdir
+    sockets = swarm.sockets
     assert len(pgids) == 2 and os.path.isdir(workdir)
     began = time.monotonic()
     swarm.stop(timeout=15.0)
@@ -301,15 +301,15 @@ def test_start_timeout_stops_everything(tiny_model, tmp_path):
 
 
 def test_a_joining_server_waits_for_its_peers_file(tmp_path):
-    from dist_eval.swarm.server import _server_argv
+    from dist_eval.swarm.server import server_argv
 
-    assert _server_argv(["folder", "--new_swarm", "--port", "1"]) == ["folder", "--new_swarm", "--port", "1"]
+    assert server_argv(["folder", "--new_swarm", "--port", "1"]) == ["folder", "--new_swarm", "--port", "1"]
     peers = tmp_path / "peers"
     written = tmp_path / "peers.tmp"  # renamed into place whole, as LocalSwarm writes it (atomic_write)
     written.write_text("/ip4/127.0.0.1/tcp/1/p2p/A\n/ip4/127.0.0.1/tcp/2/p2p/B\n")
     threading.Timer(0.3, lambda: written.rename(peers)).start()
     began = time.monotonic()
-    argv = _server_argv(["folder", "--initial_peers_file", str(peers), "--dht_prefix", "p"])
+    argv = server_argv(["folder", "--initial_peers_file", str(peers), "--dht_prefix", "p"])
     assert time.monotonic() - began >= 0.25  # it waited for the file
     assert argv == ["folder", "--initial_peers", "/ip4/127.0.0.1/tcp/1/p2p/A", "/ip4/127.0.0.1/tcp/2/p2p/B",
                     "--dht_prefix", "p"]
@@ -330,7 +330,7 @@ def test_started_in_the_background_and_stopped_while_starting(tiny_model, tmp_pa
             with pytest.raises(SwarmError):
                 s.wait_started()
             _assert_groups_gone(s.pgids)
-            assert not s._starter.is_alive()
+            assert not s.starting_in_background
         finally:
             s.stop()
             _kill_groups(s.pgids)
@@ -417,7 +417,7 @@ def test_watchdog_stops_servers_when_owner_is_killed(tiny_model):
         "import json, sys, time\n"
         "from dist_eval.swarm import LocalSwarm\n"
         "s = LocalSwarm(sys.argv[1], num_servers=1).start()\n"
-        "print(json.dumps({'pgids': s.pgids, 'ports': s.ports, 'workdir': s._workdir}), flush=True)\n"
+        "print(json.dumps({'pgids': s.pgids, 'ports': s.ports, 'workdir': s.workdir}), flush=True)\n"
         "time.sleep(600)\n"
     )
     owner = subprocess.Popen([sys.executable, "-c", code, str(tiny_model)], stdout=subprocess.PIPE, env=ENV, cwd=ROOT)

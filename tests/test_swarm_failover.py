@@ -104,7 +104,7 @@ def kill_server(swarm, index):
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         return False  # already dead (an earlier test killed it)
-    swarm._servers[index].proc.wait(timeout=10)
+    swarm.servers[index].proc.wait(timeout=10)
     return True
 
 

@@ -1,7 +1,8 @@
 """The swarm's pieces talk through public methods (issue 47): one server process
 (:class:`~dist_eval.swarm.process.ServerProcess`: start, state, stop, kill, restart) on a real
-process group (a ``python -c`` stand-in that prints a petals server's lines and keeps a child),
-and no module of the swarm reads another object's private members (an ``ast`` check)."""
+process group (a stand-in that reports its state as a server does, through
+:mod:`dist_eval.swarm.state_file`, and keeps a child), a drained stop that waits for the drain the
+server reports, and no module of the swarm reads another object's private members (an ``ast`` check)."""
 from __future__ import annotations
 
 import ast
@@ -18,17 +19,28 @@ from dist_eval.swarm.process import ServerProcess
 
 SWARM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist_eval", "swarm")
 
-# a petals server's lines: its address, then 'Started' (its peer flags echoed); a child in its group
-# (as p2pd is) that only a signal to the whole group stops
-STAND_IN = """import subprocess, sys, time
+# a server's reports, as dist_eval's server entry point makes them: its address, then "up" once a file
+# "go" is beside it (its peer flags echoed, and petals' 'Started' line printed first: the swarm does not
+# read it); a child in its group (as p2pd is) that only a signal to the whole group stops. With "drains":
+# SIGINT to it reports a drain and the stand-in lives on (a server finishing its shutdown).
+STAND_IN = """import os, signal, subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+from dist_eval.swarm import state_file
+from dist_eval.swarm.server import take_state_file
+port, *flags = take_state_file(sys.argv[2:])
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-print("peer flags:", " ".join(sys.argv[2:]), flush=True)
-address = "/ip4/127.0.0.1/tcp/%s/p2p/QmStandbyPeer" % sys.argv[1]
-print("Nov 22 09:06:39.750 [INFO] Running a server on ['%s']" % address, flush=True)
-time.sleep(0.3)
+print("peer flags:", " ".join(flags), flush=True)
+if "drains" in flags:
+    signal.signal(signal.SIGINT, lambda *_: [state_file.report(s) for s in (state_file.DRAINING, state_file.DRAINED)])
 print("Nov 22 09:06:40.100 [INFO] Started", flush=True)
-time.sleep(120)
+state_file.report(state_file.JOINING, addresses=["/ip4/127.0.0.1/tcp/%s/p2p/QmStandbyPeer" % port])
+while not os.path.exists("go"):
+    time.sleep(0.02)
+state_file.report(state_file.UP)
+while True:
+    time.sleep(120)
 """
+REPO = os.path.dirname(os.path.dirname(SWARM))
 
 
 def _private_reads(path: str) -> list:
@@ -42,7 +54,8 @@ def _private_reads_of(tree: ast.AST) -> list:
                   and not (isinstance(node.value, ast.Name) and node.value.id == "self"))
 
 
-@pytest.mark.parametrize("module", ["supervisor.py", "teardown.py", "local.py", "process.py"])
+@pytest.mark.parametrize("module", ["supervisor.py", "teardown.py", "local.py", "process.py", "launch.py",
+                                    "settings.py", "state_file.py"])
 def test_the_swarms_modules_use_each_others_public_members_only(module):
     assert _private_reads_of(ast.parse("self.swarm._lock\nswarm._servers[0]\ns._seen_gone\nself._rng")) == [
         (1, "self.swarm._lock"), (2, "swarm._servers"), (3, "s._seen_gone")]  # the check sees what it must
@@ -66,7 +79,7 @@ def test_a_server_process_starts_serves_stops_and_restarts_on_its_port(tmp_path)
     stand_in.write_text(STAND_IN)  # a file: its lines in the command (the log's first line) would match
     server = ServerProcess(
         1, 40123, (0, 2), str(tmp_path / "server-1.log"), host="127.0.0.1", identity_path=str(tmp_path / "id.key"),
-        command=lambda s, peer_args: [sys.executable, str(stand_in), str(s.port), *peer_args],
+        command=lambda s, peer_args: [sys.executable, str(stand_in), REPO, str(s.port), *peer_args],
         env=dict(os.environ), cwd=str(tmp_path), before_kill=lambda: kills.append(1),
     )  # fmt: skip
     assert (server.state, server.pgid, server.returncode) == ("new", None, None)
@@ -75,9 +88,15 @@ def test_a_server_process_starts_serves_stops_and_restarts_on_its_port(tmp_path)
     try:
         server.start(["--new_swarm"])
         groups.append(server.pgid)
+        while server.address is None:  # it reported its address: the others may join it
+            assert server.state == "starting", server.tail()
+            time.sleep(0.02)
+        assert server.address == "/ip4/127.0.0.1/tcp/40123/p2p/QmStandbyPeer"
+        assert "[INFO] Started" in server.read_log() and server.state == "starting"  # its report, not its log
+        (tmp_path / "go").touch()
         _wait_for(server, "up")
-        assert server.address == "/ip4/127.0.0.1/tcp/40123/p2p/QmStandbyPeer" and server.started
         assert server.read_log().startswith("$ ") and "peer flags: --new_swarm" in server.read_log()
+        assert server.state_path == str(tmp_path / "state-1.json") and os.path.exists(server.state_path)
         assert server.returncode is None and _group_alive(server.pgid)
 
         assert server.stop(grace=10.0) == -signal.SIGINT  # its group got SIGINT: the child went with it
@@ -85,7 +104,7 @@ def test_a_server_process_starts_serves_stops_and_restarts_on_its_port(tmp_path)
 
         server.restart(["/ip4/127.0.0.1/tcp/40124/p2p/QmOther"])  # the same port and identity, its log appended
         groups.append(server.pgid)
-        assert server.pgid != groups[0] and server.address is None and not server.started
+        assert server.pgid != groups[0] and server.address is None  # the last start's report is not this one's
         _wait_for(server, "up")
         assert server.address == "/ip4/127.0.0.1/tcp/40123/p2p/QmStandbyPeer"
         assert server.read_log().count("$ ") == 1  # read from its restart on
@@ -113,6 +132,31 @@ def test_a_server_that_exits_says_so_with_its_code_and_log(tmp_path):
     _wait_for(server, "exited")
     assert server.returncode == 3 and server.address is None and server.tail(1) == "no such flag"
     assert server.stop() == 3 and server.seen_gone
+
+
+def test_a_drained_stop_kills_the_server_once_it_reports_its_drain(tmp_path):
+    """A drained stop (teardown.terminate with ``drain_s``) sends SIGINT to the main process alone and
+    SIGKILL to the group ``grace`` after the server reports "drained" in its state file, not at the
+    drain's bound (30 s here); the report is all it goes by (the stand-in's log says nothing)."""
+    from dist_eval.swarm import teardown
+
+    (tmp_path / "stand_in.py").write_text(STAND_IN)
+    (tmp_path / "go").touch()
+    server = ServerProcess(
+        0, 40126, (0, 4), str(tmp_path / "server-0.log"), host="127.0.0.1", identity_path=str(tmp_path / "id.key"),
+        command=lambda s, peer_args: [sys.executable, str(tmp_path / "stand_in.py"), REPO, str(s.port), *peer_args],
+        env=dict(os.environ), cwd=str(tmp_path),
+    )  # fmt: skip
+    server.start(["drains"])
+    try:
+        _wait_for(server, "up")
+        began = time.monotonic()
+        teardown.terminate([server], set(), began + 60.0, grace=0.2, drain_s=30.0)
+        took = time.monotonic() - began
+        assert server.drained and server.returncode == -signal.SIGKILL and server.gone()
+        assert took < 10.0, took  # 30.2 s had the report not been read
+    finally:
+        stop_group(server.pgid, grace=0.0)
 
 
 # a parent's shared tensor released in a forked child, as a server's connection handler does:

@@ -26,7 +26,7 @@ from conftest import REPO, one_thread_swarm, read_jsonl, read_stdout_line, refer
 
 from dist_eval.swarm import SwarmError
 from dist_eval.swarm.status import render
-from dist_eval.swarm.supervisor import RestartPolicy, _ranges, describe_exit
+from dist_eval.swarm.supervisor import RestartPolicy, describe_exit, ranges
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
        "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -46,7 +46,7 @@ def test_the_restart_policy():
         with pytest.raises(SwarmError, match=name):
             RestartPolicy(**bad)
     assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(3) == "exit code 3"
-    assert _ranges([0, 1, 2, 5, 7, 8]) == "0:3, 5:6, 7:9"
+    assert ranges([0, 1, 2, 5, 7, 8]) == "0:3, 5:6, 7:9"
 
 
 def test_a_restart_joins_the_servers_up_or_waits_for_a_new_swarms_address():
@@ -59,16 +59,16 @@ def test_a_restart_joins_the_servers_up_or_waits_for_a_new_swarms_address():
     supervisor = Supervisor(swarm, log=print)
     states = lambda *s: [setattr(w, "state", state) for w, state in zip(supervisor.watches, s)]  # noqa: E731
     states("waiting", "up", "waiting")
-    assert supervisor._peers_for(servers[0]) == [servers[1]]
+    assert supervisor.peers_for(servers[0]) == [servers[1]]
     states("waiting", "down", "starting")
-    assert supervisor._peers_for(servers[0]) == [servers[2]]  # restarting, its address known (the same identity)
+    assert supervisor.peers_for(servers[0]) == [servers[2]]  # restarting, its address known (the same identity)
     servers[2].address = None
-    assert supervisor._peers_for(servers[0]) is None  # a new swarm on its way: wait for its address
+    assert supervisor.peers_for(servers[0]) is None  # a new swarm on its way: wait for its address
     swarm.join_peers = ["/ip4/10.0.0.5/tcp/31337/p2p/QmA"]
-    assert supervisor._peers_for(servers[0]) == []  # joins the swarm this host joined
+    assert supervisor.peers_for(servers[0]) == []  # joins the swarm this host joined
     swarm.join_peers = []
     states("waiting", "down", "down")
-    assert supervisor._peers_for(servers[0]) == []  # nobody left: a new swarm
+    assert supervisor.peers_for(servers[0]) == []  # nobody left: a new swarm
 
 
 def test_when_the_swarm_gives_up():
@@ -255,7 +255,7 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     assert read_jsonl(tmp_path / "drained" / "predictions.jsonl") == reference
     assert len([line for line in err.splitlines() if line.startswith("dist_eval: warning")]) <= 1, err[-3000:]
     _wait_for(lambda: swarm.server_state(2) == "down", 30, "server 2 drained")
-    assert swarm._servers[2].proc.returncode == 0
+    assert swarm.servers[2].proc.returncode == 0
     assert len(_lines(events, 2, "left the swarm (exit code 0")) == 1 and not _lines(events, 2, "restarting in"), events
 
     # 4. killed again past the limit: it stays down, one line; the other serves
@@ -286,7 +286,7 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     # 5. SIGTERM drains server 0, the last one: OFFLINE announced, exit 0, not restarted; the swarm then fails its check
     _kill(swarm, 0, signal.SIGTERM)
     _wait_for(lambda: swarm.server_state(0) == "down", 30, "server 0 drained")
-    assert swarm._servers[0].proc.returncode == 0
+    assert swarm.servers[0].proc.returncode == 0
     with open(swarm.log_paths[0]) as f:
         assert "are offline" in f.read()  # petals' graceful path announced it
     assert len(_lines(events, 0, "left the swarm (exit code 0")) == 1, events

@@ -28,8 +28,11 @@ but the standard library, so the CLI starts at once and never prints petals' noi
 
 - :mod:`~dist_eval.swarm.devices`: where the servers run (CPU or GPUs), in which dtype, how many
 - :mod:`~dist_eval.swarm.placement`: which blocks each server serves; checks of the arguments
-- :mod:`~dist_eval.swarm.local`: :class:`LocalSwarm`
+- :mod:`~dist_eval.swarm.settings`: what a local swarm runs, decided before any server starts
+- :mod:`~dist_eval.swarm.launch`: its work folder, its servers started in order, the wait until they serve
+- :mod:`~dist_eval.swarm.local`: :class:`LocalSwarm` (settings, launch, supervisor, teardown, in that order)
 - :mod:`~dist_eval.swarm.process`: one server process (start, state, stop, restart), as the swarm sees it
+- :mod:`~dist_eval.swarm.state_file`: a server's state, told to the swarm that started it (not its log)
 - :mod:`~dist_eval.swarm.teardown`: the servers stopped together, what they leave removed
 - :mod:`~dist_eval.swarm.cli`: ``python -m dist_eval.swarm``
 - :mod:`~dist_eval.swarm.supervisor`: dead servers restarted, with a backoff and a limit

@@ -13,7 +13,8 @@ import sys
 import time
 from typing import Optional, Sequence, Tuple
 
-from dist_eval.swarm.local import GRACE_SECONDS_ANNOUNCED, LocalSwarm
+from dist_eval.swarm import teardown
+from dist_eval.swarm.local import LocalSwarm
 from dist_eval.swarm.placement import SwarmError
 from dist_eval.swarm.supervisor import RestartPolicy
 
@@ -204,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
         try:  # others may have joined this swarm: its servers finish their requests and say they are going
-            swarm.stop(grace=None if swarm.join_peers else GRACE_SECONDS_ANNOUNCED, drain=True)
+            swarm.stop(grace=None if swarm.join_peers else teardown.GRACE_SECONDS_ANNOUNCED, drain=True)
         except SwarmError as e:
             print(f"dist_eval.swarm: error: {e}", file=sys.stderr, flush=True)
             code = 1

@@ -5,9 +5,10 @@ shuts the connection handlers down at once, cutting the requests they are servin
 forward fails and is retried elsewhere, or fails the run where no other server holds the blocks.
 Here the shutdown first announces OFFLINE, refuses new requests (a client routes around a
 refusal at once, as around a failed server) and waits until the requests in flight have
-finished, at most :data:`DRAIN_TIMEOUT_S`; then petals' shutdown goes on. The server logs one
-line as the drain begins and :data:`DRAINED` when it ends (the swarm process that stops its
-servers reads it: :meth:`dist_eval.swarm.local.LocalSwarm.stop`).
+finished, at most :data:`DRAIN_TIMEOUT_S`; then petals' shutdown goes on. The server reports
+"draining" as the drain begins and "drained" when it ends (:mod:`~dist_eval.swarm.state_file`: the
+swarm process that stops its servers waits for it, :func:`dist_eval.swarm.teardown.terminate`), and
+logs a line at each for people.
 
 The count of requests in flight lives in shared memory made before the connection handlers
 (forked processes) start, so that they count and the server's main process reads it.
@@ -21,10 +22,12 @@ import multiprocessing
 import sys
 import time
 
+from dist_eval.swarm import state_file
+
 # How long a draining server waits for its requests in flight. SLURM's default KillWait: the
 # time a job step gets between SIGTERM and SIGKILL; a cloud's preemption notice gives 30 s or more.
 DRAIN_TIMEOUT_S = 30.0
-# The log line a server prints when its drain ended (what the swarm process waits for)
+# The log line a server prints when its drain ended (for people: the swarm reads its state file)
 DRAINED = "dist_eval.swarm.server: drained"
 # The handlers that serve a request with the blocks (rpc_info answers metadata: never refused)
 _REQUESTS = ("rpc_forward", "rpc_backward", "rpc_push")
@@ -82,6 +85,7 @@ def _draining(shutdown):
         in_flight, draining = _shared["in_flight"], _shared["draining"]
         self.dht_announcer.announce(ServerState.OFFLINE)  # petals' shutdown says it again: harmless
         draining.set()
+        state_file.report(state_file.DRAINING)
         began = time.monotonic()
         _say(f"draining: {in_flight.value} request(s) in flight, new ones refused; "
              f"waiting at most {DRAIN_TIMEOUT_S:.0f} s")
@@ -90,6 +94,7 @@ def _draining(shutdown):
         left = in_flight.value
         cut = f"; {left} request(s) still in flight after {DRAIN_TIMEOUT_S:.0f} s are cut" if left > 0 else ""
         print(f"{DRAINED} in {time.monotonic() - began:.1f} s{cut}", file=sys.stderr, flush=True)
+        state_file.report(state_file.DRAINED)
         try:
             return shutdown(self)
         finally:  # petals may start a new container (new blocks): its handlers must not refuse

@@ -69,7 +69,7 @@ def plan_blocks(num_blocks: int, num_servers: int, blocks_per_server: Optional[i
     return plan
 
 
-def _check_host(host: str) -> str:
+def check_host(host: str) -> str:
     """``host`` if it is an IPv4 address servers can listen on *and* announce, else SwarmError."""
     try:
         address = ipaddress.IPv4Address(host)
@@ -97,7 +97,8 @@ def _check_host(host: str) -> str:
     return host
 
 
-def _check_peers(peers: Sequence[str]) -> List[str]:
+def check_peers(peers: Sequence[str]) -> List[str]:
+    """``peers`` as strings, each a multiaddr to join (else SwarmError)."""
     peers = [str(p) for p in peers]
     for p in peers:
         if not _PEER_RE.match(p):
@@ -108,7 +109,8 @@ def _check_peers(peers: Sequence[str]) -> List[str]:
     return peers
 
 
-def _check_block_range(block_range, num_blocks: int) -> Tuple[int, int]:
+def check_block_range(block_range, num_blocks: int) -> Tuple[int, int]:
+    """``block_range`` as ``(A, B)`` with 0 <= A < B <= ``num_blocks`` (else SwarmError)."""
     try:
         start, end = (int(x) for x in block_range)
     except (TypeError, ValueError):
@@ -122,7 +124,8 @@ def _check_block_range(block_range, num_blocks: int) -> Tuple[int, int]:
     return start, end
 
 
-def _read_num_blocks(model_dir: str) -> int:
+def read_num_blocks(model_dir: str) -> int:
+    """The model's number of blocks, from ``model_dir``'s config.json (else SwarmError)."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise SwarmError(f"{model_dir}: no config.json in the folder. Pass a folder saved with save_pretrained().")
@@ -138,7 +141,8 @@ def _read_num_blocks(model_dir: str) -> int:
     raise SwarmError(f"{path}: no positive num_hidden_layers; is this a transformer model petals can serve?")
 
 
-def _default_prefix(model_dir: str) -> str:
+def default_prefix(model_dir: str) -> str:
+    """The DHT prefix of a swarm of ``model_dir`` when none is given: ``dist_eval-<folder name>``."""
     base = os.path.basename(os.path.normpath(os.path.abspath(model_dir)))
     return "dist_eval-" + (re.sub(r"[^A-Za-z0-9_-]", "_", base) or "model")
 

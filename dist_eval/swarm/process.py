@@ -1,6 +1,6 @@
-"""One server process of a local swarm: started with its command line and log, read through its
-log (its address, 'Started'), stopped or killed with its whole process group, restarted on the
-same port, blocks and identity.
+"""One server process of a local swarm: started with its command line and log, its state read from
+the file it reports to (:mod:`~dist_eval.swarm.state_file`: its address, whether it serves, whether it
+drained), stopped or killed with its whole process group, restarted on the same port, blocks and identity.
 
 A petals server spawns about eleven processes (among them the p2pd daemon that holds its port),
 so each server is its own session/process group and is signalled as a group; once that group
@@ -10,43 +10,42 @@ Standard library only.
 """
 from __future__ import annotations
 
-import re
+import os
 import signal
 import subprocess
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from dist_eval import procs
 from dist_eval.errors import one_line
-from dist_eval.procs import _ignores_sigint, _live_groups, _signal_group
-
-# "Nov 22 09:06:39.750 [INFO] Running a server on ['/ip4/127.0.0.1/tcp/39111/p2p/12D3Koo...']"
-_RUNNING_RE = re.compile(r"Running a server on \[([^\]]*)\]")
-_MADDR_RE = re.compile(r"/ip4/[0-9.]+/tcp/(\d+)/p2p/[1-9A-HJ-NP-Za-km-z]+")
-_STARTED_RE = re.compile(r"\[INFO\] Started\s*$", re.MULTILINE)
+from dist_eval.swarm import state_file
 
 # its command line, given the server and its peer flags (``--new_swarm``, ``--initial_peers ...``)
 Command = Callable[["ServerProcess", Sequence[str]], List[str]]
+# What a server says in its state file, as :attr:`ServerProcess.state` names it
+_STATES = {state_file.UP: "up", state_file.DRAINING: "stopping", state_file.DRAINED: "stopping"}
 
 
 class ServerProcess:
     """Server ``index`` of a swarm: blocks ``blocks`` on ``host``:``port``, its output in
-    ``log_path``, its peer id kept in ``identity_path`` (so its address survives a restart).
+    ``log_path``, its peer id kept in ``identity_path`` (so its address survives a restart), its
+    state reported in ``state_path`` (default: ``state-<index>.json`` in ``cwd``).
 
-    ``command(server, peer_args)`` makes its command line; it runs with ``env`` in ``cwd``;
-    ``watchdog`` (a :class:`~dist_eval.watchdog.Watchdog`) is told each process group it starts;
-    ``before_kill()`` runs before each :meth:`kill` (the swarm notes the sockets its servers hold).
+    ``command(server, peer_args)`` makes its command line (``--state_file PATH`` is added to it); it
+    runs with ``env`` in ``cwd``; ``watchdog`` (a :class:`~dist_eval.watchdog.Watchdog`) is told each
+    process group it starts; ``before_kill()`` runs before each :meth:`kill` (the swarm notes the
+    sockets its servers hold).
     """
 
     def __init__(self, index: int, port: int, blocks: Tuple[int, int], log_path: str, *, host: str,
                  identity_path: str, command: Command, env: Dict[str, str], cwd: str, watchdog=None,
-                 before_kill: Optional[Callable[[], object]] = None):
+                 before_kill: Optional[Callable[[], object]] = None, state_path: Optional[str] = None):
         self.index, self.port, self.blocks, self.log_path = index, port, blocks, log_path
         self.host, self.identity_path = host, identity_path
+        self.state_path = state_path or os.path.join(cwd, f"state-{index}.json")
         self._command, self._env, self._cwd = command, env, cwd
         self._watchdog, self._before_kill = watchdog, before_kill
         self.proc: Optional[subprocess.Popen] = None
-        self.address: Optional[str] = None  # its multiaddr, once its log printed it
-        self.started = False  # its log said 'Started': it serves its blocks
         self._log_offset = 0
         self._log_text = ""
         # its process group was seen empty: never signalled again, since pids wrap (pid_max may be
@@ -75,15 +74,38 @@ class ServerProcess:
 
     @property
     def state(self) -> str:
-        """Where it stands, read from its log and its exit: "new" (not started), "starting"
-        (running, not serving yet), "up" (its log said 'Started') or "exited" (see :attr:`returncode`).
+        """Where it stands, by its exit and its state file: "new" (not started), "starting" (running,
+        not serving yet), "up" (serving its blocks), "stopping" (told to stop: draining or drained)
+        or "exited" (see :attr:`returncode`).
         """
         if self.proc is None:
             return "new"
-        self.scan_log()
         if self.poll() is not None:
             return "exited"
-        return "up" if self.started else "starting"
+        return _STATES.get(self._said().get("state"), "starting")
+
+    @property
+    def address(self) -> Optional[str]:
+        """Its multiaddr on ``host``:``port`` (else the first it announces) since this start, or None
+        before its DHT runs.
+        """
+        addresses = [str(a) for a in self._said().get("addresses") or ()]
+        mine = [a for a in addresses if a.startswith(f"/ip4/{self.host}/tcp/{self.port}/")]
+        return (mine or addresses or [None])[0]
+
+    @property
+    def drained(self) -> bool:
+        """It finished its requests in flight after it was told to stop (:mod:`~dist_eval.swarm.drain`)."""
+        return self._said().get("state") == state_file.DRAINED
+
+    @property
+    def error(self) -> Optional[str]:
+        """Why its start failed (the exception it raised, as the server reported it), or None."""
+        said = self._said()
+        return said.get("error") if said.get("state") == state_file.FAILED else None
+
+    def _said(self) -> dict:
+        return state_file.read(self.state_path, self.pgid)
 
     def start(self, peer_args: Sequence[str]) -> None:
         """Start it (its log written afresh) with ``peer_args``: ``--new_swarm``, or how it finds the swarm."""
@@ -93,11 +115,14 @@ class ServerProcess:
         """Start it again (same port, blocks and identity; its log appended to), joining the swarm
         through the multiaddrs ``peers``, or starting a new swarm where there are none.
         """
-        self.address, self.started = None, False
         self._spawn(["--initial_peers", *peers] if peers else ["--new_swarm"], mode="ab")
 
     def _spawn(self, peer_args: Sequence[str], mode: str) -> None:
-        cmd = self._command(self, peer_args)
+        cmd = [*self._command(self, peer_args), state_file.FLAG, self.state_path]
+        try:
+            os.unlink(self.state_path)  # an earlier start's (ignored anyway: another pid)
+        except OSError:
+            pass
         with open(self.log_path, mode) as log:
             self._log_offset, self._log_text = log.tell(), ""  # a restart's log is read from its own start
             log.write(("$ " + " ".join(cmd) + "\n").encode())
@@ -121,20 +146,10 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    def scan_log(self) -> None:
-        """Note its address and whether it serves ('Started'), from its log."""
-        text = self.read_log()
-        if self.address is None:
-            match = _RUNNING_RE.search(text)
-            if match:
-                addrs = [m.group(0) for m in _MADDR_RE.finditer(match.group(1))]
-                mine = [a for a in addrs if a.startswith(f"/ip4/{self.host}/tcp/{self.port}/")]
-                self.address = (mine or addrs or [None])[0]
-        if self.address is not None and _STARTED_RE.search(text):
-            self.started = True
-
     def read_log(self) -> str:
-        """Its log since its last (re)start (read on from where the last call stopped)."""
+        """Its log since its last (re)start (read on from where the last call stopped): for people and
+        error messages; the swarm learns its state from its state file.
+        """
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(self._log_offset)
@@ -154,16 +169,16 @@ class ServerProcess:
         """SIGINT (petals' graceful shutdown; SIGTERM if it inherited an ignored SIGINT) to its
         group, or to its main process alone (``main_only``: its helpers serve on while it drains).
         """
-        sig = signal.SIGTERM if _ignores_sigint(self.proc.pid) else signal.SIGINT
+        sig = signal.SIGTERM if procs.ignores_sigint(self.proc.pid) else signal.SIGINT
         if main_only:
             self.proc.send_signal(sig)
         else:
-            _signal_group(self.proc.pid, sig)
+            procs.signal_group(self.proc.pid, sig)
 
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to its whole process group, unless that group was seen gone."""
         if not self._seen_gone:
-            _signal_group(self.proc.pid, sig)
+            procs.signal_group(self.proc.pid, sig)
 
     def kill(self, wait: float = 2.0) -> None:
         """SIGKILL what is left of its process group, and wait up to ``wait`` seconds to see it
@@ -173,7 +188,7 @@ class ServerProcess:
             return
         if self._before_kill is not None:
             self._before_kill()
-        _signal_group(self.proc.pid, signal.SIGKILL)
+        procs.signal_group(self.proc.pid, signal.SIGKILL)
         end = time.monotonic() + wait
         while not self.gone() and time.monotonic() < end:
             time.sleep(0.02)
@@ -182,7 +197,7 @@ class ServerProcess:
         """Whether its main process exited and no process of its group is left (checked now)."""
         if not self._seen_gone:
             self.proc.poll()  # reaped: a zombie leader keeps its group listed
-            self._seen_gone = self.proc.returncode is not None and not _live_groups({self.proc.pid})
+            self._seen_gone = self.proc.returncode is not None and not procs.live_groups({self.proc.pid})
         return self._seen_gone
 
     def stop(self, grace: float = 0.25, timeout: float = 15.0) -> Optional[int]:

@@ -6,7 +6,9 @@ applied in their order (:func:`apply_server_patches`), and so that a server can 
 started before the swarm it joins has an address: ``--initial_peers_file PATH`` (ours,
 not petals') makes it import petals and torch first (the bulk of a server's start-up),
 then wait for PATH to appear, and join the peers listed there (one per line). A local
-swarm thus imports all its servers at once instead of one after another.
+swarm thus imports all its servers at once instead of one after another. ``--state_file PATH`` (ours
+too) is where it reports its state to the swarm that started it (:mod:`dist_eval.swarm.state_file`):
+its addresses, then that it serves, or why its start failed.
 
 SIGTERM (a preemption notice) drains the server as SIGINT does: petals' run_server handles only
 KeyboardInterrupt gracefully (it announces the blocks OFFLINE, waits until the DHT stored it,
@@ -18,6 +20,8 @@ import signal
 import sys
 import time
 from typing import Optional
+
+from dist_eval.swarm import state_file
 
 # Ours, not petals': this module waits for this file, then joins the peers in it.
 PEERS_FILE_FLAG = "--initial_peers_file"
@@ -37,7 +41,16 @@ def _wait_for_peers(path: str) -> list:
         return [line.strip() for line in f if line.strip()]
 
 
-def _server_argv(argv: list) -> list:
+def take_state_file(argv: list) -> list:
+    """``argv`` without ``--state_file PATH``, this process reporting its state there from now on."""
+    if state_file.FLAG not in argv:
+        return argv
+    at = argv.index(state_file.FLAG)
+    state_file.use(argv[at + 1])
+    return [*argv[:at], *argv[at + 2:]]
+
+
+def server_argv(argv: list) -> list:
     """``argv`` with ``--initial_peers_file PATH`` replaced by ``--initial_peers PEER ...``."""
     if PEERS_FILE_FLAG not in argv:
         return argv
@@ -204,6 +217,28 @@ def _loopback_is_direct() -> list:
             (server_module, "ReachabilityProtocol", NoProbeOnLoopback)]
 
 
+def state_reporting() -> list:
+    """``ModuleContainer.create`` telling the swarm that started this server where it stands
+    (:mod:`dist_eval.swarm.state_file`, nothing without ``--state_file``): its addresses as it begins
+    (its DHT runs; the servers that join it wait for them), then "up" once it returns (petals creates
+    the container started and ready: its blocks served). Again when petals creates another.
+    """
+    from petals.server.server import ModuleContainer
+
+    original = ModuleContainer.create.__func__
+
+    def create(cls, *args, **kwargs):
+        dht = kwargs.get("dht")
+        addresses = [str(a) for a in dht.get_visible_maddrs()] if dht is not None else []
+        state_file.report(state_file.JOINING, addresses=addresses)
+        container = original(cls, *args, **kwargs)
+        state_file.report(state_file.UP)
+        return container
+
+    create.__wrapped__ = original
+    return [(ModuleContainer, "create", classmethod(create))]
+
+
 def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[int] = None) -> None:
     """Apply every server patch, in the one order that works, after petals' import and the
     patches every petals process gets (:func:`dist_eval.backends.compat.import_petals`):
@@ -221,7 +256,8 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     6. :func:`_own_identity_unchecked`: its own identity file is not checked against the swarm;
     7. :func:`_loopback_is_direct`: a server on loopback is not dialled back to learn it is direct,
        and keeps no probe to dial others back;
-    8. :func:`_inherited_shared_memory_kept`: a forked child never unlinks its parent's shared memory.
+    8. :func:`_inherited_shared_memory_kept`: a forked child never unlinks its parent's shared memory;
+    9. :func:`state_reporting`: the server's state told to the swarm that started it.
 
     Before the server starts (its connection handlers, forked later, share what these set).
     Idempotent. ``model_dir``/``first_block``: the served folder and its first block (the table
@@ -245,17 +281,28 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     apply("own_identity", "server", _own_identity_unchecked)
     apply("loopback_direct", "server", _loopback_is_direct)
     apply("inherited_shared_memory", "server", _inherited_shared_memory_kept)
+    apply("state_file", "server", state_reporting)
 
 
-if __name__ == "__main__":
+def main(argv: list) -> None:
+    """Run petals' server on ``argv`` (run_server's flags, ours taken off) with every server patch."""
     from dist_eval.backends.compat import no_random_init_of_meta_tensors
 
     # petals, torch and the patches first (the bulk of a start-up), then the wait for the peers
-    apply_server_patches(*_model_and_first_block(sys.argv[1:]))
-    argv = _server_argv(sys.argv[1:])
+    apply_server_patches(*_model_and_first_block(argv))
+    argv = server_argv(argv)
     from petals.cli import run_server
 
     sys.argv = ["petals.cli.run_server", *argv]
     drain_on_sigterm()
     with no_random_init_of_meta_tensors():  # the blocks are built on meta, then loaded
         run_server.main()
+
+
+if __name__ == "__main__":
+    arguments = take_state_file(sys.argv[1:])
+    try:
+        main(arguments)
+    except Exception as e:  # the swarm says why (e.g. no swarm answered at --initial_peers); the log has the rest
+        state_file.report(state_file.FAILED, error=f"{type(e).__name__}: {e}")
+        raise

@@ -22,7 +22,7 @@ from functools import partial
 from typing import Dict, List, Optional, Sequence
 
 from dist_eval.errors import printable
-from dist_eval.swarm.placement import SwarmError, _check_peers, _default_prefix, _read_num_blocks, block_parameters
+from dist_eval.swarm.placement import SwarmError, block_parameters, check_peers, default_prefix, read_num_blocks
 
 _PROBE_SECONDS = 5.0  # a server that does not answer a dial within this is listed unreachable
 _FIRST_LOOKUP = 64  # blocks read at first when the block count is not given
@@ -190,15 +190,15 @@ def _runs(blocks: List[dict]):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        peers = _check_peers(args.initial_peers)
+        peers = check_peers(args.initial_peers)
         num_blocks = args.num_blocks
         if args.model is not None:
             if not os.path.isdir(args.model):
                 raise SwarmError(f"--model {args.model}: no such folder; pass the model folder, or --num-blocks.")
-            num_blocks = num_blocks or _read_num_blocks(args.model)
+            num_blocks = num_blocks or read_num_blocks(args.model)
         if num_blocks is not None and num_blocks < 1:
             raise SwarmError(f"--num-blocks {num_blocks}: expected a positive number of blocks.")
-        prefix = args.dht_prefix or (_default_prefix(os.path.abspath(args.model)) if args.model else None)
+        prefix = args.dht_prefix or (default_prefix(os.path.abspath(args.model)) if args.model else None)
         if prefix is None:
             raise SwarmError("--dht-prefix: required without --model (the prefix the servers announce their "
                              "blocks under, e.g. --dht-prefix my-llama).")

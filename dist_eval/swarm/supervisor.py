@@ -13,7 +13,7 @@ which server, its exit code or signal, its blocks, restarted or not.
   its process group is killed (its p2pd holds the port), then it is restarted on the same
   port, blocks and peer identity (``--identity_path``, so its address stays valid), joining
   through the servers still up (or the swarm it joined): the first server may be the one
-  that died. It counts as back once it prints ``Started`` again, within the start timeout.
+  that died. It counts as back once it says it serves again (its state file), within the start timeout.
 - More than ``max_restarts`` restarts of one server within ``window`` seconds: it stays down.
 - Blocks without a live server past ``unserved_timeout`` seconds, or with no server left that
   may come back: :meth:`Supervisor.failure` says so (``python -m dist_eval.swarm`` then exits 1).
@@ -149,7 +149,7 @@ class Supervisor:
                 watch.timed_out = True
                 s.kill()  # seen dead on the next round, counted as a failed start
         elif watch.state == "waiting" and now >= watch.due and s.gone():
-            peers = self._peers_for(s)
+            peers = self.peers_for(s)
             if peers is None:
                 return  # another server is restarting a new swarm: join it once its address is known
             watch.state, watch.spawned, watch.timed_out = "starting", now, False
@@ -157,9 +157,9 @@ class Supervisor:
             # the same port, blocks and identity, joining through those servers and the swarm this one joined
             s.restart([o.address for o in peers if o.address] + self.swarm.join_peers)
 
-    def _peers_for(self, s) -> Optional[list]:
+    def peers_for(self, s) -> Optional[list]:
         """The servers ``s`` joins through on its restart: those up, or restarting with an address
-        printed; [] (a new swarm, or the one it joined) when there is none; None to wait, while
+        announced; [] (a new swarm, or the one it joined) when there is none; None to wait, while
         another server without an address yet restarts (two new swarms would not know each other).
         """
         others = [(o, w) for o, w in zip(self.swarm.servers, self.watches) if o is not s]
@@ -200,7 +200,7 @@ class Supervisor:
         missing = [b for b in range(*dead.blocks) if not any(a <= b < e for a, e in live)]
         if not missing:
             return "; the other servers still serve its blocks"
-        return f"; blocks {_ranges(missing)} have no live server meanwhile"
+        return f"; blocks {ranges(missing)} have no live server meanwhile"
 
     def _note_coverage(self, now: float) -> None:
         first, last = self.swarm.block_range
@@ -209,7 +209,7 @@ class Supervisor:
         if unserved and self.unserved_since is None:
             self.unserved_since = now
         elif not unserved and self.unserved_since is not None:
-            self.log(f"every block is served again (blocks {_ranges(self.unserved)} had no live server for "
+            self.log(f"every block is served again (blocks {ranges(self.unserved)} had no live server for "
                      f"{now - self.unserved_since:.1f} s)")
             self.unserved_since = None
         self.unserved = unserved
@@ -229,10 +229,10 @@ class Supervisor:
         else:
             return None
         down = ", ".join(f"{s.label}: {w.state}" for s, w in holders)
-        return f"blocks {_ranges(unserved)} have no live server {why} ({down}); read the servers' logs"
+        return f"blocks {ranges(unserved)} have no live server {why} ({down}); read the servers' logs"
 
 
-def _ranges(blocks: List[int]) -> str:
+def ranges(blocks: List[int]) -> str:
     """[0, 1, 2, 5] -> "0:3, 5:6" (end exclusive, as --block-indices)."""
     spans: List[Tuple[int, int]] = []
     for b in blocks:
