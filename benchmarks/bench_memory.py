@@ -7,9 +7,13 @@ checkout beside a baseline git ref (run from an exported copy) in the same run.
 
 Each run is the CLI with ``--save-logits --slice-by label`` (so the token-length quartiles too),
 the row store on (a fresh folder: every row evaluated and stored) and ``--bootstrap-resamples``
-as given (0 by default: the intervals' arrays are O(rows) either way and cost minutes); a second
-run per size takes a ``--limit`` sample (``--limit-rows``, 1% of the set by default) with the same
-flags. The figure is each rank's **peak RssAnon** (the anonymous resident memory: the heap, not the
+as given (0 by default: the intervals' arrays are O(rows) either way and cost minutes). The modes
+(``--modes``), each a run per size and code: ``full``; ``limit``, a ``--limit`` sample
+(``--limit-rows``, 1% of the set by default) with the same flags; ``stop``, early stopping
+(``--stop-at-width 0.0001``, never reached: every row, in 16 rounds); ``resamples``, the default
+1000 bootstrap resamples; ``resume``, a run killed at 60% of the ``full`` run's wall time (the
+row store off, ``--save-interval 2``) and the measured run that resumes it in the same folder.
+The figure is each rank's **peak RssAnon** (the anonymous resident memory: the heap, not the
 mapped dataset files or the shared libraries), sampled from ``/proc/PID/status`` every 10 ms by this
 process (a rank is told by the ``RANK`` of its environment); ``VmHWM`` (the peak of all resident
 memory, kernel-kept) is recorded beside it. The slope is (peak at the largest set - peak at the
@@ -134,6 +138,23 @@ class Sampler(threading.Thread):
             time.sleep(self.interval)
 
 
+def killed_after(code: str, args: list, out: str, nproc: int, seconds: float) -> None:
+    """A CLI run of the code in ``code`` killed (SIGKILL, every process of it) after ``seconds``."""
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": code, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(_free_port()), "-m", "dist_eval", *args, "--output-dir", out]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=code, env=env,
+                            start_new_session=True)
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def run_once(code: str, args: list, out: str, nproc: int, phases: bool = False) -> dict:
     """One CLI run of the code in ``code``: wall seconds and each rank's peaks (MiB); ``phases``:
     each rank's peak RssAnon in each phase too (MiB), by the phases' times and the samples'.
@@ -162,7 +183,7 @@ def run_once(code: str, args: list, out: str, nproc: int, phases: bool = False) 
         metrics = json.load(f)
     peaks = {rank: {name: kb / 1024 for name, kb in values.items()} for rank, values in sorted(sampler.peaks.items())}
     result = {"wall_seconds": wall, "rows": metrics["num_samples"], "peaks_mib": peaks,
-              "phases": metrics["run"]["phase_seconds"]}
+              "phases": metrics["run"]["phase_seconds"], "resumed": metrics["run"].get("resumed_samples")}
     if phases:
         result["phase_peaks_mib"] = _phase_peaks(sampler.series, env["BENCH_MEMORY_PHASES"])
     return result
@@ -220,6 +241,16 @@ def report(saved: dict) -> None:
         print(f"{'wall':>10}" + "".join(f"{c:>36}" for c in cells) + f"   (at {sizes[-1]} rows)")
 
 
+# Each mode's flags beyond the common ones, for a set of ``rows`` rows (see the module's docstring)
+MODES = {
+    "full": lambda rows, args: [],
+    "limit": lambda rows, args: ["--limit", str(max(1, int(rows * args.limit_rows)))],
+    "stop": lambda rows, args: ["--stop-at-width", "0.0001", "--stop-round-rows", str(max(256, -(-rows // 16)))],
+    "resamples": lambda rows, args: ["--bootstrap-resamples", "1000"],
+    "resume": lambda rows, args: ["--row-store", "off", "--save-interval", "2"],
+}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[50_000, 200_000])
@@ -227,7 +258,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resamples", type=int, default=0, help="--bootstrap-resamples of every run")
     p.add_argument("--limit-rows", type=float, default=0.01, help="the --limit run's sample: a share of the set")
-    p.add_argument("--modes", nargs="+", default=["full", "limit"], choices=["full", "limit"])
+    p.add_argument("--modes", nargs="+", default=["full", "limit"], choices=list(MODES))
     p.add_argument("--phases", action="store_true", help="each rank's peak in each phase too")
     p.add_argument("--baseline", default="main", help="git ref run beside this checkout ('' for none)")
     p.add_argument("--out", default=None, help="a JSON file for the figures")
@@ -250,11 +281,15 @@ def main() -> int:
                 "--save-logits", "--slice-by", "label", "--bootstrap-resamples", str(args.resamples),
                 "--progress", "none", "--quiet"]
             for mode in args.modes:
-                extra = ["--limit", str(max(1, int(rows * args.limit_rows)))] if mode == "limit" else []
+                extra = MODES[mode](rows, args)
                 for label, code in codes.items():
                     out = tempfile.mkdtemp(dir=workdir)
-                    r = run_once(code, [*common, *extra, "--row-store", os.path.join(out, "store")],
-                                 os.path.join(out, "report"), args.nproc, args.phases)
+                    flags = [*common, *extra, "--row-store", os.path.join(out, "store")]
+                    if mode == "resume":  # killed at 60% of the full run's time, then resumed (measured)
+                        full = saved["results"].get(label, {}).get(f"full/{rows}", {}).get("wall_seconds")
+                        flags = [*common, *extra]
+                        killed_after(code, flags, os.path.join(out, "report"), args.nproc, 0.6 * (full or 60))
+                    r = run_once(code, flags, os.path.join(out, "report"), args.nproc, args.phases)
                     saved["results"].setdefault(label, {})[f"{mode}/{rows}"] = r
                     print(f"{mode} {rows} rows, {label}: {r['wall_seconds']:.1f} s, peak RssAnon "
                           + " / ".join(f"{v['RssAnon']:.0f}" for v in r["peaks_mib"].values()) + " MiB", flush=True)

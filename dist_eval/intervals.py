@@ -415,6 +415,30 @@ def grouped_score_intervals(probs: np.ndarray, labels: np.ndarray) -> bool:
     return bool(np.all((positives == 0) | (sides >= MIN_AUROC_SIDE)))
 
 
+def exact_score_cost(probs: np.ndarray, labels: np.ndarray, resamples: int) -> dict | None:
+    """What an exact score bootstrap of a set above EXACT_SCORE_ROWS rows costs, for the report
+    (issue 51: the one computation of the merge whose memory grows with the rows on every rank):
+    None where :func:`grouped_score_intervals` holds, or the set is small, or nothing is resampled.
+    ``bytes_per_rank``: about ``rows x (32 x classes + 68)`` (the probabilities each rank receives
+    and unpickles, their canonical order, the per-row values and each class's ranking, a resample's
+    draws), ``row_draws``: resamples x rows, the work it shares over the ranks.
+    """
+    n, num_labels = probs.shape
+    if not resamples or n <= EXACT_SCORE_ROWS or grouped_score_intervals(probs, labels):
+        return None
+    if not np.isfinite(probs).all():
+        why = "a probability is not finite"
+    else:
+        positives = np.bincount(labels, minlength=num_labels)
+        sides = np.minimum(positives, n - positives)
+        rare = [int(c) for c in np.flatnonzero((positives > 0) & (sides < MIN_AUROC_SIDE))
+                if num_labels > 2 or c == 1]
+        why = (f"class {rare[0]} has {int(sides[rare[0]])} rows on one side of its AUROC, fewer than "
+               f"{MIN_AUROC_SIDE}")
+    return {"rows": int(n), "why": why, "bytes_per_rank": int(n * (32 * num_labels + 68)),
+            "row_draws": int(resamples) * int(n)}
+
+
 def _grouped_score_resamples(probs, labels, resamples: int, seed: int, top_k, bins: int, groups: int = SCORE_GROUPS):
     """Each score metric of ``resamples`` bootstrap resamples, drawn grouped:
     ``{name: float64[resamples]}`` (the keys of :func:`_score_metric_resamples`).

@@ -48,6 +48,9 @@ class LoopFacts:
     resumed_samples: int
     num_truncated: int = 0
     row_store: StoreFacts = field(default_factory=StoreFacts)
+    # the exact score bootstrap of a set above EXACT_SCORE_ROWS rows, whose memory grows with the rows
+    # on every rank: its rows, why, bytes a rank, row draws (intervals.exact_score_cost); None: none ran
+    exact_score_intervals: Optional[dict] = None
 
     def __add__(self, other: LoopFacts) -> LoopFacts:
         return LoopFacts(
@@ -61,6 +64,7 @@ class LoopFacts:
             resumed_samples=self.resumed_samples + other.resumed_samples,
             num_truncated=self.num_truncated + other.num_truncated,
             row_store=self.row_store + other.row_store,
+            exact_score_intervals=other.exact_score_intervals or self.exact_score_intervals,
         )
 
     @property
@@ -81,5 +85,7 @@ class LoopFacts:
     def from_report(cls, report: dict) -> LoopFacts:
         """The facts :meth:`report` wrote into ``report`` (a merge's, broadcast to every rank)."""
         run = report["run"]
-        loop = {f.name: run[f.name] for f in fields(cls) if f.name not in ("num_truncated", "row_store")}
+        loop = {f.name: run[f.name] for f in fields(cls)
+                if f.name not in ("num_truncated", "row_store", "exact_score_intervals")}
+        loop["exact_score_intervals"] = run.get("exact_score_intervals")
         return cls(**loop, num_truncated=report["num_truncated"], row_store=StoreFacts(**run["row_store"]))

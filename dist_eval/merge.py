@@ -292,25 +292,44 @@ def merge_parts(parts: Sequence[MergedResults]) -> MergedResults:
     stops early, their indices already the set's): every field of MergedResults, whatever it
     holds, ordered by row index as :func:`merge_gathered` orders them; arrays and each
     ``sample_values`` array concatenated, counts summed. A field of another kind is refused,
-    so a field added to the merge cannot silently go missing here.
+    so a field added to the merge cannot silently go missing here. The arrays: :func:`mapped_array`'s,
+    filled a chunk of rows at a time (issue 51).
     """
     indices = np.concatenate([part.indices for part in parts])
     order = np.argsort(indices, kind="stable")
+    del indices
+    starts = np.cumsum([0] + [part.num_samples for part in parts])
     out = {}
     for name in (f.name for f in fields(MergedResults)):
         values = [getattr(part, name) for part in parts]
         if all(value is None for value in values):
             out[name] = None
         elif all(isinstance(value, np.ndarray) for value in values):
-            out[name] = np.concatenate(values)[order]
+            out[name] = _in_order(values, order, starts)
         elif all(isinstance(value, dict) for value in values):
-            out[name] = {key: np.concatenate([value[key] for value in values])[order] for key in values[0]}
+            out[name] = {key: _in_order([value[key] for value in values], order, starts) for key in values[0]}
         elif all(isinstance(value, int) for value in values):
             out[name] = sum(values)
         else:
             raise TypeError(f"MergedResults.{name}: expected arrays, dicts of arrays or counts in every part, "
                             f"got {sorted({type(value).__name__ for value in values})}; teach merge_parts it")
     return MergedResults(**out)
+
+
+def _in_order(values: List[np.ndarray], order: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``np.concatenate(values)[order]`` (``starts``: where each part begins in it) in a :func:`mapped_array`,
+    a chunk of rows at a time: the concatenation is never made.
+    """
+    out = mapped_array((len(order), *values[0].shape[1:]), np.result_type(*values))
+    for begin in range(0, len(order), MERGE_CHUNK_ROWS):
+        wanted = order[begin:begin + MERGE_CHUNK_ROWS]
+        part_of = np.searchsorted(starts, wanted, side="right") - 1
+        chunk = np.empty((len(wanted), *out.shape[1:]), dtype=out.dtype)
+        for number in np.unique(part_of).tolist():
+            taken = part_of == number
+            chunk[taken] = values[number][wanted[taken] - starts[number]]
+        out[begin:begin + len(wanted)] = chunk
+    return out
 
 
 @dataclass
@@ -467,6 +486,7 @@ def shared_score_intervals(report: dict, merged: Optional[MergedResults], bootst
     them and sends them.
     """
     from dist_eval.intervals import (
+        exact_score_cost,
         grouped_score_intervals,
         join_score_resamples,
         score_percentiles,
@@ -479,13 +499,13 @@ def shared_score_intervals(report: dict, merged: Optional[MergedResults], bootst
         if grouped_score_intervals(probs, merged.labels):  # drawn grouped: a moment's work, rank 0's alone
             shared = bootstrap_score_intervals(probs, merged.labels, resamples=bootstrap[0], seed=bootstrap[1],
                                                top_k=report["top_k"], bins=CALIBRATION_BINS)
-        else:
-            shared = (probs, merged.labels)
+        else:  # exact: every rank holds every row's probabilities (the report says what that costs)
+            shared = (probs, merged.labels, exact_score_cost(probs, merged.labels, bootstrap[0]))
     shared = ranks.broadcast_object(shared)
     if isinstance(shared, dict):
         intervals = shared
     else:
-        probs, labels = shared
+        probs, labels, report["run"]["exact_score_intervals"] = shared
         part = score_resamples_part(probs, labels, bootstrap[0], bootstrap[1], report["top_k"], CALIBRATION_BINS,
                                     (ranks.get_rank(), ranks.get_world_size()))
         intervals = score_percentiles(join_score_resamples(ranks.all_gather_object(part), bootstrap[0]), bootstrap[1])

@@ -182,6 +182,25 @@ def test_the_merge_a_range_of_rows_at_a_time_is_the_whole_merge(chunk):
         assert str(error.value) == str(whole_error.value)
 
 
+def test_the_report_says_what_an_exact_score_interval_of_a_big_set_costs():
+    """A set above EXACT_SCORE_ROWS rows with a class of 5 rows: its score intervals are the exact
+    bootstrap, whose memory grows with the rows on every rank; run.exact_score_intervals says so, why
+    and what it costs. A set whose classes are all common: drawn grouped, nothing said."""
+    from dist_eval.intervals import EXACT_SCORE_ROWS
+    from dist_eval.loop_facts import LoopFacts
+    from dist_eval.merge import merge_on_main
+
+    rows = EXACT_SCORE_ROWS + 10
+    local = _shard_results(np.arange(rows), labels=np.where(np.arange(rows) < 5, 2, np.arange(rows) % 2))
+    report, _ = merge_on_main(local, rows, 3, bootstrap=(2, 0))
+    cost = report["run"]["exact_score_intervals"]
+    assert cost == {"rows": rows, "why": "class 2 has 5 rows on one side of its AUROC, fewer than 1000",
+                    "bytes_per_rank": rows * (32 * 3 + 68), "row_draws": 2 * rows}
+    assert LoopFacts.from_report(report).report()["run"]["exact_score_intervals"] == cost  # kept as evaluate keeps it
+    report, _ = merge_on_main(_shard_results(np.arange(rows)), rows, 3, bootstrap=(2, 0))
+    assert report["run"]["exact_score_intervals"] is None
+
+
 def record() -> None:
     """The N=1 run of this module's fixtures (the suite's tiny model and checkpoint), its digests recorded."""
     import tempfile
