@@ -287,10 +287,13 @@ def _attach_slices(result: EvalResult, values: dict, options: Options, rows_in_s
 
 
 def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_id, return_logits, metrics,
-                  sample_metrics, on_batch_done, resume_folder, settings: Settings, options: Options) -> EvalResult:
+                  sample_metrics, on_batch_done, resume_folder, settings: Settings, options: Options,
+                  loops: Optional[list] = None) -> EvalResult:
     """One exact evaluation of every row of ``data`` (:func:`evaluate`'s, validated ``settings``
     that do not stop early): the whole run, or one round of a run that stops early
-    (:mod:`dist_eval.stopping` calls it for each round, never :func:`evaluate` back).
+    (:mod:`dist_eval.stopping` calls it for each round, never :func:`evaluate` back; ``loops``: the
+    earlier rounds' forward loops, this one's appended: batches of a swarm server blamed later are
+    evaluated again there too).
     """
     with evaluation_model(model) as model:  # a model object: adapted, in eval mode until the forwards end
         task = _task_of(model, num_labels, pad_token_id, label_names)
@@ -305,7 +308,7 @@ def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_
             options.shard_part)
         with ranks.phase("reading the stored partial results"):
             known.resume_from(resume_folder, own_batches, task.num_labels, options.save_interval)
-        local = _forward_passes(task, batches, known, options.in_flight, sample_metrics, on_batch_done)
+        local = _forward_passes(task, batches, known, options.in_flight, sample_metrics, on_batch_done, loops)
     loop_seconds = time.perf_counter() - start
     local.loop_cpu_seconds = time.process_time() - start_cpu  # this rank's CPU (all its threads) in the loop
 
@@ -400,7 +403,7 @@ def _without_logits(merged: Optional[MergedResults]) -> Optional[MergedResults]:
     return merged
 
 
-def _forward_passes(task: _Task, batches, known: KnownLogits, in_flight, sample_metrics, on_batch_done):
+def _forward_passes(task: _Task, batches, known: KnownLogits, in_flight, sample_metrics, on_batch_done, loops=None):
     """This rank's forwards (a phase): finished batches are stored as they come, and kept
     when the phase fails; one rank's failure stops the others at their next batch. Then the
     batches of swarm servers any rank's audit blamed, evaluated again (:func:`redo_blamed_on_other_ranks`).
@@ -417,7 +420,9 @@ def _forward_passes(task: _Task, batches, known: KnownLogits, in_flight, sample_
             loop.run(batches, on_batch_done=after_batch, in_flight=in_flight)
         finally:
             known.flush()  # also on failure: finished batches are not lost
-    redo_blamed_on_other_ranks(loop, known.flush)
+    redo_blamed_on_other_ranks(loop, loops or ())
+    if loops is not None:  # kept only where a swarm audit may blame a server later
+        loops.append(loop if loop.redo.ledgers else None)
     return loop.results()
 
 

@@ -5,7 +5,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Callable, Deque, Dict, Iterable, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -182,6 +182,7 @@ class ShardLoop:
         self.indices, self.labels, self.preds, self.losses, self.logits_kept = [], [], [], [], []
         self.sample_values: Dict[str, list] = {name: [] for name in self.sample_metrics}
         self.sources: list = []  # where each batch's logits came from (None: a forward of this run)
+        self.redone_positions: set = set()  # batches evaluated again since :meth:`take_redone`
         self.forward_seconds, self.max_batch_seconds = 0.0, 0.0
         # batches of a swarm server blamed later are evaluated again, in place (its client's ledger: routes avoid it)
         self.redo = audit.Redo(audit.ledger_of(getattr(model, "sequence_manager", None)))
@@ -237,7 +238,20 @@ class ShardLoop:
                 logits, _, _, taken = _timed_forward(self.model, again[2], again)
                 self.redo.redone(position, again, taken, len(again[1]))
                 self.put(position, again, logits, None, taken)
+                self.redone_positions.add(position)
             due = self.redo.due()
+
+    def take_redone(self) -> Optional[dict]:
+        """The results of the batches evaluated again since the last call (rows, preds, losses, logits,
+        sample values, concatenated), or None.
+        """
+        positions, self.redone_positions = sorted(self.redone_positions), set()
+        if not positions:
+            return None
+        fields = {"rows": self.indices, "preds": self.preds, "losses": self.losses,
+                  **({"logits": self.logits_kept} if self.keep_logits else {}),
+                  **{SAMPLE_VALUE_PREFIX + name: values for name, values in self.sample_values.items()}}
+        return {key: np.concatenate([values[p] for p in positions]) for key, values in fields.items()}
 
     def results(self) -> ShardResults:
         def cat(parts, dtype, shape=(0,)):
@@ -285,30 +299,59 @@ def predict_shard(
 MAX_BLAME_EXCHANGES = 16
 
 
-def redo_blamed_on_other_ranks(loop: ShardLoop, flush: Callable[[], None]) -> None:
+def redo_blamed_on_other_ranks(loop: ShardLoop, earlier: Sequence[Optional[ShardLoop]] = ()) -> None:
     """Every rank, after its forward loop (every rank's finished): the servers each rank blamed, shared
     (:func:`~dist_eval.ranks.collectives.union_by_key`, the evidence with them); each rank leaves out the
     union and evaluates again its batches any of them answered (a phase: one rank's failure, e.g. no
     route left, fails every rank in one line), until an exchange names no server more: every rank
-    takes the same steps (the union is the same on each). ``flush``: stores what was evaluated again.
-    A no-op in one process without a blame; without a swarm audit, one small exchange.
+    takes the same steps (the union is the same on each). ``earlier``: the loops of a run's earlier
+    rounds (stopping early), whose batches are evaluated again too (:func:`redone_in_earlier_rounds`).
+    What is evaluated again is stored (the loops' known logits). A no-op in one process without a
+    blame; without a swarm audit, one small exchange.
     """
     from dist_eval import ranks
     from dist_eval.ranks.collectives import union_by_key
 
+    loops = [one for one in (*earlier, loop) if one is not None]
     known: set = set()
     for _ in range(MAX_BLAME_EXCHANGES):
-        union = union_by_key(loop.redo.own_blames())
+        blamed: Dict[str, dict] = {}
+        for one in loops:
+            blamed.update(one.redo.own_blames())
+        union = union_by_key(blamed)
         if set(union) == known:
             return
         known = set(union)
         with ranks.phase("evaluating again the batches of servers blamed on any rank"):
-            try:
-                loop.redo.learn(union)
-                loop.evaluate_again()
-            finally:
-                flush()
+            for one in loops:
+                try:
+                    one.redo.learn(union)
+                    one.evaluate_again()
+                finally:
+                    if one.known is not None:
+                        one.known.flush()
     with ranks.phase("evaluating again the batches of servers blamed on any rank"):
         raise audit.AuditMismatch(
             f"swarm audit: servers were still being blamed after {MAX_BLAME_EXCHANGES} exchanges between the ranks "
             f"({len(known)} blamed: {', '.join(sorted(known))}); stop the blamed servers, then run again.")
+
+
+def redone_in_earlier_rounds(loops: Sequence[Optional[ShardLoop]]) -> Dict[int, list]:
+    """Every rank (a collective), after a round of a run that stops early: {round index: [each rank's
+    :meth:`ShardLoop.take_redone`]} of the earlier rounds (``loops``: this rank's, one per round, the
+    last the round just run) whose batches were evaluated again, on rank 0 ({} elsewhere): rank 0
+    puts them in place of the results it merged then (:meth:`dist_eval.stopping.Seen.patch`).
+    """
+    from dist_eval import ranks
+
+    if loops and loops[-1] is not None:
+        loops[-1].take_redone()  # the round just run: merged as redone
+    mine = {index: one.take_redone() for index, one in enumerate(loops[:-1]) if one is not None}
+    gathered = ranks.all_gather_object({index: part for index, part in mine.items() if part is not None})
+    if not ranks.is_main_process():
+        return {}
+    out: Dict[int, list] = {}
+    for theirs in gathered:
+        for index, part in theirs.items():
+            out.setdefault(index, []).append(part)
+    return dict(sorted(out.items()))

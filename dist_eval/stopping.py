@@ -30,6 +30,7 @@ from dist_eval.errors import UsageError
 from dist_eval.loop_facts import LoopFacts
 from dist_eval.merge import MergedResults, merge_parts, rows_report
 from dist_eval.metrics import default_top_k
+from dist_eval.predict import SAMPLE_VALUE_PREFIX, redone_in_earlier_rounds
 from dist_eval.sequential import (
     STOP_METRICS,
     RunningSequence,
@@ -66,10 +67,16 @@ def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings,
         rows = rounds.next_rows()
         subset = rounds.data.select(rows.tolist())
         for evaluate_rows, mine, folder in zip(evaluators, seen, resume_folders or [None] * len(evaluators)):
-            mine.add(evaluate_rows(data=subset, resume_folder=rounds.folder(folder), **keywords), rows)
+            mine.add(evaluate_rows(data=subset, resume_folder=rounds.folder(folder), loops=mine.loops, **keywords),
+                     rows)
+            mine.patch(redone_in_earlier_rounds(mine.loops))  # a swarm server blamed now: its earlier rounds' rows
         if ranks.is_main_process():
-            if running is None:
+            if running is None or any(mine.patched for mine in seen):  # the sequence of the numbers as they are now
                 running = _sequence_of(seen, rounds.population, settings)
+                for values in _earlier_values(seen):
+                    running.extend(values)
+                for mine in seen:
+                    mine.patched = False
             decision = _decide(running.extend(_round_values(seen)), len(seen) == 2, rounds, settings)
         decision = ranks.broadcast_object(decision)
     out = []
@@ -146,6 +153,9 @@ class Seen:
         self.reports: List[dict] = []
         self.round_facts: List[LoopFacts] = []
         self.started = time.perf_counter()
+        self.loops: list = []  # this rank's forward loop of each round (evaluation.evaluate_once's; None: no audit)
+        self.patched = False  # rank 0: an earlier round's rows evaluated again since the sequence took them
+        self.redone_decisions: set = set()  # rank 0: the rounds after which a decision took numbers redone since
 
     def add(self, result, rows: np.ndarray) -> None:
         self.reports.append(result.metrics)
@@ -158,6 +168,23 @@ class Seen:
             part.indices = rows[part.indices]  # the round's row i is the set's row rows[i]
             self.parts.append(part)
             self.last_values, self.bounds = _stop_values(self.metric, part, self.top_k)
+
+    def patch(self, redone: Dict[int, list]) -> None:
+        """Rank 0: the rows of earlier rounds evaluated again (a swarm server of theirs blamed since:
+        :func:`dist_eval.predict.redone_in_earlier_rounds`) put in place of the merged ones.
+        """
+        for index, parts in redone.items():
+            part = self.parts[index]
+            for redone_rows in parts:
+                at = redone_rows["rows"]  # the round's own row numbers: the merged part's positions
+                part.preds[at], part.losses[at] = redone_rows["preds"], redone_rows["losses"]
+                if part.logits is not None:
+                    part.logits[at] = redone_rows["logits"]
+                for name, values in part.sample_values.items():
+                    values[at] = redone_rows[SAMPLE_VALUE_PREFIX + name]
+            # the decisions after this round and until now took its numbers before they were redone
+            self.redone_decisions.update(range(index + 1, len(self.parts)))
+            self.patched = True
 
     @property
     def num_labels(self) -> int:
@@ -223,6 +250,12 @@ def _sequence_of(seen: List[Seen], population: int, settings: Settings) -> Runni
     return RunningSequence(population, LEVEL, bounds, width=settings.stop_at_width, rule=settings.stop_rule)
 
 
+def _earlier_values(seen: List[Seen]) -> list:
+    """The values of every round but the last, in order (the sequence taken again after a redo)."""
+    values = [[_stop_values(mine.metric, part, mine.top_k)[0] for part in mine.parts[:-1]] for mine in seen]
+    return values[0] if len(seen) == 1 else [second - first for first, second in zip(*values)]
+
+
 def _round_values(seen: List[Seen]) -> np.ndarray:
     """The last round's values the sequence takes: the metric's, or the differences (second - first)."""
     return seen[0].last_values if len(seen) == 1 else seen[1].last_values - seen[0].last_values
@@ -261,7 +294,8 @@ def _stopping_facts(decision: dict, settings: Settings, seen: Seen, population: 
         seconds_saved_estimate=round(loop / used * (population - used), 3) if used else 0.0,
         metrics_are_of="the rows used: a random sample of the set (the --limit order)" if used < population
                        else "every row of the set",
-    ).to_json()
+    ).to_json() | ({"decisions_on_numbers_redone_since": sorted(seen.redone_decisions)} if seen.redone_decisions
+                   else {})
 
 
 def _rows_only(on_batch_done):

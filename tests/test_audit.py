@@ -206,6 +206,95 @@ def test_a_server_blamed_on_one_rank_has_its_batches_on_every_rank_evaluated_aga
     assert f"({sum(redone)} batch(es) they answered evaluated again" in summary_line({"swarm": {"audit": audit}})
 
 
+def _local_logits(model_dir, checkpoint, rows):
+    with one_thread():
+        model = load_model("local", model_dir, checkpoint=checkpoint)
+        return evaluate(model, datasets_of(rows), tokenizer=load_tokenizer(model_dir), batch_size=1,
+                        return_logits=True, bootstrap_resamples=0).predictions.logits
+
+
+def datasets_of(rows):
+    import datasets
+
+    return datasets.Dataset.from_dict(_rows(rows))
+
+
+def _checking_from(model, rows: int, share: float):
+    """An on_batch_done that turns the client's audit on (``share``) once ``rows`` rows are done: the
+    answers before are taken unchecked (the checks a run makes may miss a server; a later one catches it)."""
+    from dist_eval.backends import audit
+
+    ledger, done = audit.ledger_of(model.module.sequence_manager), [0]
+    ledger.share = 0.0
+
+    def after(num_rows):
+        done[0] += num_rows
+        if done[0] >= rows:
+            ledger.share = share
+    return after
+
+
+def test_a_server_blamed_in_a_resumed_run_has_its_batches_from_the_resume_folder_evaluated_again(
+        tiny_model, tiny_checkpoint, swarm_with_a_changed_replica, tmp_path):
+    """A run allowed only the changed server (no other holder: its answers taken unchecked) stores 60
+    batches in a resume folder, each with its servers; the newest 30 files removed (as by a kill), a
+    run allowed the honest two as well resumes the other 30, blames the changed server on its first
+    new request through it and evaluates the 30 stored batches again: the logits are the local
+    backend's, every row once; the folder then names the blamed server and serves none of its
+    batches (resume.load). 30 new batches: none through it with probability (2/3)^30 (5e-6)."""
+    from dist_eval.resume import load
+
+    peers, swarm = swarm_with_a_changed_replica
+    odd, folder = peers[2], str(tmp_path / "partial")
+    got = []
+    for allowed in ([odd], peers[:3]):
+        model = _petals(tiny_model, tiny_checkpoint, swarm, 0.5, allowed)
+        try:
+            with one_thread():
+                got.append(evaluate(model, datasets_of(60), tokenizer=load_tokenizer(tiny_model), batch_size=1,
+                                    return_logits=True, bootstrap_resamples=0, resume_folder=folder,
+                                    save_interval=0))
+            audit = model.provenance()["audit"]
+        finally:
+            model.close()
+        if len(got) == 1:
+            for name in sorted(os.listdir(folder))[30:]:  # one batch a file (save_interval 0)
+                os.remove(os.path.join(folder, name))
+    expected = _local_logits(tiny_model, tiny_checkpoint, 60)
+    assert not np.array_equal(got[0].predictions.logits, expected)  # the changed server's numbers
+    assert list(got[1].predictions.indices) == list(range(60))
+    assert_same_bits(got[1].predictions.logits, expected, "the logits, the stored batches evaluated again")
+    assert list(audit["excluded"]) == [odd] and audit["redone_batches"] >= 30, audit
+    stored, blamed = load(folder, range(60))
+    assert list(blamed) == [odd] and len(stored) == 60 and not any(odd in servers for *_, servers in stored.values())
+
+
+def test_a_server_blamed_in_a_later_round_has_its_earlier_rounds_rows_evaluated_again(
+        tiny_model, tiny_checkpoint, swarm_with_a_changed_replica):
+    """Stopping early in rounds of 30 rows: the first round's answers taken unchecked (the audit turned
+    on after it), some from the changed server; the second round blames it, and the first round's
+    batches of it are evaluated again and put in place of the rows merged then: the logits are the
+    local backend's, the sequence taken again on them, and the report names the decision taken on the
+    numbers redone since. 30 batches a round: one misses the changed server with probability 5e-6."""
+    peers, swarm = swarm_with_a_changed_replica
+    odd = peers[2]
+    model = _petals(tiny_model, tiny_checkpoint, swarm, 0.5, peers[:3])
+    try:
+        with one_thread():
+            result = evaluate(model, datasets_of(60), tokenizer=load_tokenizer(tiny_model), batch_size=1,
+                              return_logits=True, bootstrap_resamples=0, stop_at_width=0.001, stop_round_rows=30,
+                              on_batch_done=_checking_from(model, 30, 0.5))
+        audit = model.provenance()["audit"]
+    finally:
+        model.close()
+    assert list(result.predictions.indices) == list(range(60))
+    assert_same_bits(result.predictions.logits, _local_logits(tiny_model, tiny_checkpoint, 60),
+                     "the logits, the first round's rows evaluated again")
+    assert list(audit["excluded"]) == [odd] and audit["redone_batches"] > 0, audit
+    stopping = result.metrics["stopping"]
+    assert stopping["rounds"] == 2 and stopping["decisions_on_numbers_redone_since"] == [1], stopping
+
+
 def test_a_server_at_fault_on_a_route_of_several_is_found_span_by_span_and_left_out(tiny_model, tiny_checkpoint,
                                                                                       swarm_with_a_changed_replica):
     """A route of two servers (blocks 0:2, then 2:4, whose server shifts row 0 of every answer) is
