@@ -50,9 +50,8 @@ class LocalSwarm:
     on every host. Ports: ``port=None`` takes free ports from the OS; ``port=P`` uses P, P+1, ....
 
     Processes: each server its own process group, its output in ``<log_dir>/server-<i>.log`` (a temp
-    folder when log_dir is None, deleted on stop unless the start failed). ``stop()`` stops them and
-    removes what they leave (:mod:`~dist_eval.swarm.teardown`); it also runs from ``__exit__``, at
-    interpreter exit, and from a watchdog process if this process dies without it.
+    folder when log_dir is None, deleted on stop unless the start failed). ``stop()`` also runs from
+    ``__exit__``, at interpreter exit, and from a watchdog process if this process dies without it.
 
     Restarts: once started, a :class:`~dist_eval.swarm.supervisor.Supervisor` thread restarts a server
     that dies as ``restart`` (a :class:`~dist_eval.swarm.supervisor.RestartPolicy`) says; ``log`` gets
@@ -252,17 +251,11 @@ class LocalSwarm:
     # ------------------------------------------------------------------ stop
 
     def stop(self, timeout: float = 15.0, grace: Optional[float] = None, drain: bool = False) -> None:
-        """Stop every server process and wait until none is left (idempotent).
-
-        SIGINT to each process group (SIGTERM if the servers inherited an ignored SIGINT),
-        SIGKILL to what is left after min(``grace``, 60% of ``timeout``), then wait until no
-        process of the groups is left, at most until ``timeout``. ``grace`` None: 0.25 s for
-        a private swarm (only its owner's clients used it), 3 s for servers that joined
-        another host's swarm. ``drain``: others' clients may have requests in flight (a swarm
-        others joined); each server's grace begins once it says it drained them, at most
-        :data:`~dist_eval.swarm.drain.DRAIN_TIMEOUT_S` after the SIGINT, and their TMPDIR goes
-        once torch's shared-memory manager has left it.
-        SwarmError if a process survives (never seen).
+        """Stop every server process and wait until none is left, then remove what they left (idempotent;
+        :mod:`~dist_eval.swarm.teardown`): SIGKILL after min(``grace``, 60% of ``timeout``), ``grace`` None:
+        0.25 s for a private swarm, 3 s for servers that joined another host's. ``drain``: others' clients
+        may have requests in flight; each server's grace begins once it drained them (at most
+        :data:`~dist_eval.swarm.drain.DRAIN_TIMEOUT_S`). SwarmError if a process survives (never seen).
         """
         with self._lock:
             if self._state == "stopped" or os.getpid() != self._owner_pid:
