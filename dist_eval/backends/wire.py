@@ -116,11 +116,11 @@ def server_replacements(model_dir: Optional[str] = None, first_block: Optional[i
     # the one step both rpc_forward and rpc_forward_stream take with the request's metadata
     # in hand, after the blocks ran (backward and inference do not pass through it)
     def _serialize_outputs(self, hidden_states, requested_backends, metadata):
-        if fault is not None:
-            hidden_states = fault(hidden_states)
         positions = metadata.get(POSITIONS_KEY) if isinstance(metadata, dict) else None
         if positions is not None:
             hidden_states = read_positions(hidden_states, positions)
+        if fault is not None:  # on what is sent (a nudge's size: the answer's own magnitude)
+            hidden_states = fault(hidden_states)
         return serialize_outputs(self, hidden_states, requested_backends, metadata)
 
     @functools.wraps(rpc_info)  # hivemind reads the request/response types from the annotations
@@ -156,7 +156,9 @@ def _test_fault(model_dir: Optional[str]) -> Optional[Callable[[torch.Tensor], t
     faulty server with it): ``nan`` (row 0 of an answer all NaN), ``shift`` (row 0 plus 1e-2),
     ``shift_all`` (every row plus 1e-2, as a wrong weight moves a whole batch), ``KIND:SHARE`` in that
     share of the answers (a seeded draw per answer); ``shift_rows:SHARE``: each row of every answer
-    plus 1e-2 in that share of the rows (a draw per row); else None. Entries separated by ``;``; one
+    plus 1e-2 in that share of the rows (a draw per row); ``nudge``: every answer plus 16 ulps of its dtype
+    at its largest magnitude (a server a little off: within the audit's prior tolerance between servers
+    of other numerics, beyond a calibrated one); else None. Entries separated by ``;``; one
     written ``FOLDER=KIND[:SHARE]`` is only for servers of that model folder (servers started at once
     with one environment, each its own fault).
     """
@@ -168,9 +170,11 @@ def _test_fault(model_dir: Optional[str]) -> Optional[Callable[[torch.Tensor], t
     if not value:
         return None
     kind, _, share = value.partition(":")
-    if kind not in ("nan", "shift", "shift_all", "shift_rows"):
-        raise ValueError(f"${TEST_FAULT_ENV}: expected nan, shift, shift_all or shift_rows, optionally :SHARE; "
-                         f"got {value!r}")
+    if kind not in ("nan", "shift", "shift_all", "shift_rows", "nudge"):
+        raise ValueError(f"${TEST_FAULT_ENV}: expected nan, shift, shift_all or shift_rows, optionally :SHARE, or "
+                         f"nudge; got {value!r}")
+    if kind == "nudge":
+        return _nudge
     draw, share = random.Random(0), float(share or 1)
 
     def fault(hidden_states: torch.Tensor) -> torch.Tensor:
@@ -183,6 +187,11 @@ def _test_fault(model_dir: Optional[str]) -> Optional[Callable[[torch.Tensor], t
         return hidden_states
 
     return fault
+
+
+def _nudge(hidden_states: torch.Tensor) -> torch.Tensor:
+    eps = torch.finfo(hidden_states.dtype if hidden_states.is_floating_point() else torch.float32).eps
+    return hidden_states + 16 * eps * max(1.0, float(hidden_states.float().abs().max()))
 
 
 def _load_server_table(model_dir: str) -> None:
@@ -522,20 +531,15 @@ async def _replay_whole(request: _Request, manager, route: list, answer: torch.T
     if replayed is None:
         ledger.taken_unchecked(peers, replay_failed=other is not None)
         return answer
-    ulp = audit.unit([*route, *other], answer)
+    # only agreements between servers of other numerics calibrate their tolerance (audit.tolerance)
+    ulp = None if audit.same_numerics([*route, *other]) else audit.unit([*route, *other], answer)
     bound = audit.tolerance([*route, *other], answer, ledger)
     if audit.agree(answer, replayed, bound):
         ledger.record(peers, rows, audit.difference(answer, replayed), bound, ulp)
         return answer
-    third, settled, _ = await _elsewhere(request, manager, set(peers) | _peers(other), own_digest, ledger, route)
-    agrees_with, found = None, None
-    if settled is None:
-        third = None  # no third answer: no verdict
-    else:
-        third_bound = audit.tolerance([*route, *other, *third], answer, ledger)
-        agrees_with = "first" if audit.agree(answer, settled, third_bound) else \
-            "second" if audit.agree(replayed, settled, third_bound) else None
-    if agrees_with is not None:
+    third, agrees_with = await _third_route(request, manager, route, other, answer, replayed, own_digest, ledger)
+    found = None
+    if agrees_with in ("first", "second"):
         faulty, trace = (other, other_trace) if agrees_with == "first" else (route, request.trace)
         if len(_peers(faulty)) > 1:
             found = await _span_at_fault(request, manager, trace, own_digest, ledger)
@@ -548,6 +552,27 @@ async def _replay_whole(request: _Request, manager, route: list, answer: torch.T
             request.servers = _peers(other)
         return answer if stands == "first" else replayed
     raise audit.mismatch(ledger, rows, route, other, gap, third, agrees_with)
+
+
+async def _third_route(request: _Request, manager, route: list, other: list, answer: torch.Tensor,
+                       replayed: torch.Tensor, own_digest, ledger: audit.AuditLedger) -> tuple:
+    """(a third route outside both, which answer it agrees with: "first", "second", None (neither) or
+    "both"); (None, None) where no third answers. Each answer is compared with the third's within the
+    tolerance of its own route and the third's: a third of coarser numerics than both (bfloat16
+    against two float32 routes) may agree with both, and settles nothing; then another third is
+    tried, outside it too.
+    """
+    avoid, both = set(map(str, (s.peer_id for s in [*route, *other]))), None
+    while True:
+        third, settled, _ = await _elsewhere(request, manager, avoid, own_digest, ledger, route)
+        if settled is None:
+            return (both, "both") if both is not None else (None, None)
+        first = audit.agree(answer, settled, audit.tolerance([*route, *third], answer, ledger))
+        second = audit.agree(replayed, settled, audit.tolerance([*other, *third], replayed, ledger))
+        if first != second or not first:
+            return third, "first" if first else "second" if second else None
+        both = third
+        avoid |= _peers(third)
 
 
 async def _span_at_fault(request: _Request, manager, trace: Optional[list], own_digest,
