@@ -29,7 +29,8 @@ from dist_eval.swarm.server import PEERS_FILE_FLAG
 from dist_eval.swarm.settings import SwarmSettings
 from dist_eval.watchdog import Watchdog
 
-# a server that exits with this in its error found no swarm at join_peers (the text of p2pd's refusal)
+# a server whose reported error holds this found no swarm at join_peers: p2pd says so in words only (hivemind
+# raises them as P2PDaemonError), so this is the one text the swarm matches; the hint is all it changes
 _NO_SWARM_ANSWERED = "failed to connect to bootstrap peers"
 
 
