@@ -196,9 +196,13 @@ def slice_report(merged, values: Dict[str, List[str]], num_labels: int, label_na
         clusters = (clusters[0], np.array(clusters[1], dtype=object)[indices].astype(str))
     by = {}
     for column, column_values in values.items():
-        names = np.array(column_values, dtype=object)[indices].astype(str)
-        by[column] = {name: _one_slice(merged, names == name, num_labels, label_names, scoring, clusters)
-                      for name in sorted(set(names.tolist()))}
+        # each row's slice as a number (4 bytes a row; issue 51: not a text array and a str a row)
+        numbers: dict = {}
+        number_of = np.fromiter((numbers.setdefault(str(value), len(numbers)) for value in column_values),
+                                dtype=np.int32, count=len(column_values))[indices]
+        present = set(np.unique(number_of).tolist())
+        by[column] = {name: _one_slice(merged, number_of == number, num_labels, label_names, scoring, clusters)
+                      for name, number in sorted(numbers.items()) if number in present}
     return {"columns": list(values), "min_rows_for_interval": MIN_INTERVAL_ROWS, "rows": int(indices.size),
             "rows_in_set": int(rows_in_set if rows_in_set is not None else indices.size), "by": by}
 
