@@ -25,6 +25,12 @@ the run's number (independent draws of the replayed requests).
    naming it). Goals over a 10,000-row run: 100% (every answer wrong), at least 90% (one in ten).
 3. **false blame**: the honest three, ``--honest-runs`` runs of ``--honest-rows`` rows: runs with
    any server blamed or any mismatch. Goal: none in 100.
+4. **numerics** (``--only numerics``): the honest three with two more honest servers, one in
+   bfloat16 and one computing with AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``: the same announced
+   numerics as the three, other last bits), every request replayed whole (share 1), ``--numerics-runs``
+   runs of ``--honest-rows`` rows, under today's rule (4 ulps between servers announcing the same
+   numerics) and, side by side, under the rule before it (bit for bit between them): runs with a
+   server blamed, which, and the largest honest difference between other numerics. Goal: none blamed.
 """
 from __future__ import annotations
 
@@ -49,7 +55,7 @@ PREFIX = "bench-audit"
 FAULTS = {"always_wrong": ("shift", 1.0), "one_in_ten_wrong": ("shift_all:0.1", 0.1),
           "one_in_ten_rows_wrong": ("shift_rows:0.1", 0.1), "one_row_in_one_in_ten": ("shift:0.1", 0.1)}
 SCENARIOS = ["cost", "always_wrong", "one_in_ten_wrong", "one_in_ten_rows_wrong", "one_row_in_one_in_ten",
-             "false_blame"]
+             "false_blame", "numerics"]
 DEFAULT_SCENARIOS = ["cost", "always_wrong", "one_in_ten_wrong", "one_in_ten_rows_wrong", "false_blame"]
 
 
@@ -105,6 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--honest-rows", type=int, default=640)
     parser.add_argument("--honest-runs", type=int, default=100)
     parser.add_argument("--share", type=float, default=0.03)
+    parser.add_argument("--numerics-runs", type=int, default=10)
     parser.add_argument("--only", nargs="+", choices=SCENARIOS, default=DEFAULT_SCENARIOS,
                         help="the figures to measure")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
@@ -139,6 +146,10 @@ def main(argv=None) -> int:
             figures["false_blame"] = false_blame(assets, swarms[0], honest, data.select(range(args.honest_rows)),
                                                  tokenizer, args)
             print(json.dumps({"false_blame": figures["false_blame"]}), flush=True)
+        if "numerics" in args.only:
+            figures["numerics"] = numerics(assets, swarms, honest, data.select(range(args.honest_rows)), tokenizer,
+                                           args.numerics_runs)
+            print(json.dumps({"numerics": figures["numerics"]}), flush=True)
     finally:
         for swarm in reversed(swarms):
             swarm.stop()
@@ -208,6 +219,43 @@ def false_blame(assets, swarm, honest, data, tokenizer, args) -> dict:
         model.close()
     return {"rows": len(data), "runs": args.honest_runs, "runs_with_blame": blamed, "replays_compared": replayed,
             "row_checks_compared": checks, "escalated": escalated}
+
+
+def numerics(assets, swarms, honest, data, tokenizer, runs: int) -> dict:
+    """Honest servers of other numerics and kernels joined to the honest three (``swarms`` gets them, to
+    stop): each rule's runs with a server blamed, who, and the largest honest differences."""
+    from dist_eval.backends import audit
+    from dist_eval.swarm import LocalSwarm
+
+    join = dict(num_servers=1, dht_prefix=PREFIX, join_peers=swarms[0].initial_peers,
+                extra_server_args=["--num_handlers", "1"])
+    swarms.append(LocalSwarm(assets["model"], torch_dtype="bfloat16", **join).start())
+    with mock.patch.dict(os.environ, {"ATEN_CPU_CAPABILITY": "avx2"}):  # read by its process at its start
+        swarms.append(LocalSwarm(assets["model"], **join).start())
+    names = {**{p: "honest" for p in honest}, swarms[-2].initial_peers[0].rsplit("/", 1)[1]: "bfloat16",
+             swarms[-1].initial_peers[0].rsplit("/", 1)[1]: "avx2"}
+    out = {}
+    for rule, same in (("4 ulps between the same announced numerics (now)", audit.SAME_NUMERICS_ULPS),
+                       ("bit for bit between them (before)", 0.0)):
+        model = client(assets, swarms[0], list(names), 1.0)
+        blamed, replayed, largest, honest_ulps = [], 0, 0.0, 0.0
+        try:
+            with mock.patch.object(audit, "SAME_NUMERICS_ULPS", same):
+                for seed in range(runs):
+                    facts = audited_run(model, data, tokenizer, 1.0, seed=3000 + seed)
+                    blamed.append(sorted(names[p] for p in facts["excluded"]) + (["stopped"] if facts["stopped"]
+                                                                                  else []))
+                    replayed += facts["replayed"]
+                    largest = max(largest, facts["max_difference"])
+                    honest_ulps = max(honest_ulps, facts["tolerance"]["largest_honest_ulps"])
+        finally:
+            model.close()
+        out[rule] = {"runs": runs, "runs_with_blame": sum(bool(b) for b in blamed),
+                     "blamed": {name: sum(name in b for b in blamed) for name in ("honest", "bfloat16", "avx2",
+                                                                                   "stopped")},
+                     "replays_compared": replayed, "max_difference": largest,
+                     "largest_honest_ulps_between_other_numerics": honest_ulps}
+    return out
 
 
 if __name__ == "__main__":

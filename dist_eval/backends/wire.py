@@ -156,9 +156,10 @@ def _test_fault(model_dir: Optional[str]) -> Optional[Callable[[torch.Tensor], t
     faulty server with it): ``nan`` (row 0 of an answer all NaN), ``shift`` (row 0 plus 1e-2),
     ``shift_all`` (every row plus 1e-2, as a wrong weight moves a whole batch), ``KIND:SHARE`` in that
     share of the answers (a seeded draw per answer); ``shift_rows:SHARE``: each row of every answer
-    plus 1e-2 in that share of the rows (a draw per row); ``nudge``: every answer plus 16 ulps of its dtype
-    at its largest magnitude (a server a little off: within the audit's prior tolerance between servers
-    of other numerics, beyond a calibrated one); else None. Entries separated by ``;``; one
+    plus 1e-2 in that share of the rows (a draw per row); ``nudge:K``: every answer after its first K (per
+    connection handler) plus 16 ulps of its dtype at its largest magnitude (a server that turns a
+    little off: within the audit's prior tolerance between servers of other numerics, beyond a
+    calibrated one); else None. Entries separated by ``;``; one
     written ``FOLDER=KIND[:SHARE]`` is only for servers of that model folder (servers started at once
     with one environment, each its own fault).
     """
@@ -172,9 +173,9 @@ def _test_fault(model_dir: Optional[str]) -> Optional[Callable[[torch.Tensor], t
     kind, _, share = value.partition(":")
     if kind not in ("nan", "shift", "shift_all", "shift_rows", "nudge"):
         raise ValueError(f"${TEST_FAULT_ENV}: expected nan, shift, shift_all or shift_rows, optionally :SHARE, or "
-                         f"nudge; got {value!r}")
+                         f"nudge:K; got {value!r}")
     if kind == "nudge":
-        return _nudge
+        return _nudge(int(share or 0))
     draw, share = random.Random(0), float(share or 1)
 
     def fault(hidden_states: torch.Tensor) -> torch.Tensor:
@@ -189,9 +190,17 @@ def _test_fault(model_dir: Optional[str]) -> Optional[Callable[[torch.Tensor], t
     return fault
 
 
-def _nudge(hidden_states: torch.Tensor) -> torch.Tensor:
-    eps = torch.finfo(hidden_states.dtype if hidden_states.is_floating_point() else torch.float32).eps
-    return hidden_states + 16 * eps * max(1.0, float(hidden_states.float().abs().max()))
+def _nudge(after: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    answers = [0]
+
+    def fault(hidden_states: torch.Tensor) -> torch.Tensor:
+        answers[0] += 1
+        if answers[0] <= after:
+            return hidden_states
+        eps = torch.finfo(hidden_states.dtype if hidden_states.is_floating_point() else torch.float32).eps
+        return hidden_states + 16 * eps * max(1.0, float(hidden_states.float().abs().max()))
+
+    return fault
 
 
 def _load_server_table(model_dir: str) -> None:
