@@ -1,8 +1,10 @@
-"""Worker for test_audit.py's blame across ranks, run under torchrun (2 ranks): each rank a petals
-client of the module's swarm, allowed the servers given; rank 0 audits half its rows, rank 1 checks
-nothing (its ledger's share 0: the checks a rank makes may miss a server another rank catches), so
-the answers rank 1 took from a faulty server stand unless rank 0's blame reaches it. Rank 0 writes
-the logits, the rows and the ranks' audit combined (as the CLI's report does) to OUT."""
+"""Worker for test_audit.py's blame across ranks: rank 1 of 2, a process of its own (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT in its environment), rank 0 :func:`main` called in the test's process in
+the same gloo group. Each rank a petals client of the module's swarm, allowed the servers given; rank
+0 audits half its rows, rank 1 checks nothing (its ledger's share 0: the checks a rank makes may miss
+a server another rank catches), so the answers rank 1 took from a faulty server stand unless rank 0's
+blame reaches it. Rank 0 writes the logits, the rows and the ranks' audit combined (as the CLI's
+report does) to OUT."""
 import json
 import sys
 
@@ -17,7 +19,9 @@ def main(model_dir, checkpoint, initial_peer, dht_prefix, allowed, out, rows):
     from dist_eval.backends import audit
     from dist_eval.backends.tokenizer import load_tokenizer
 
-    dist.init_process_group("gloo")
+    launched = not dist.is_initialized()
+    if launched:  # rank 1 (rank 0's group is the test's)
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = load_model("petals", model_dir, checkpoint=checkpoint, initial_peers=[initial_peer], dht_prefix=dht_prefix,
                        audit=0.5, petals_client_options={"allowed_servers": allowed.split(",")})
@@ -37,7 +41,8 @@ def main(model_dir, checkpoint, initial_peer, dht_prefix, allowed, out, rows):
         np.savez(out + ".npz", logits=result.predictions.logits, indices=result.predictions.indices)
         with open(out + ".json", "w") as f:
             json.dump(audit.combine(facts), f)
-    dist.destroy_process_group()
+    if launched:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from unittest import mock
 
 import numpy as np
@@ -74,11 +75,12 @@ def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
     folder); then two servers of part of the model, an honest one of blocks 0:2 and one of blocks
     2:4 that shifts row 0 of every answer; then two more of every block: one in bfloat16 that
     nudges every answer after its first 40 by 16 of its ulps (within the prior tolerance between
-    other numerics, beyond a calibrated one; one connection handler) and, after the others, an
-    honest one computing with AVX2 kernels (ATEN_CPU_CAPABILITY: the same announced numerics as
-    the honest two, other last bits). The six join the honest two at once. Yields (the nine
-    servers' peer ids, honest first, then the changed, the NaN, the shifting one, the half, the
-    faulty half, the nudging and the AVX2 one; and the first swarm, whose peers the client joins)."""
+    other numerics, beyond a calibrated one; one connection handler) and an honest one computing
+    with AVX2 kernels (ATEN_CPU_CAPABILITY: the same announced numerics as the honest two, other
+    last bits; spawned first, alone in that environment). The seven join the honest two at once.
+    Yields (the nine servers' peer ids, honest first, then the changed, the NaN, the shifting one,
+    the half, the faulty half, the nudging and the AVX2 one; and the first swarm, whose peers the
+    client joins)."""
     import socket
 
     from dist_eval.swarm import LocalSwarm
@@ -107,18 +109,24 @@ def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
                                                    ports, (None, None, None, (0, 2), (2, 4), None, None),
                                                    (None,) * 5 + ("bfloat16", None))]
     try:
+        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2"}):
+            others[-1].start_in_background()  # its environment is read as its process is spawned: alone
+            deadline = time.monotonic() + 60
+            while not others[-1].pgids and getattr(others[-1], "starting_in_background", True) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.02)
         with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1", TEST_FAULT_ENV: f"{nan}=nan;{shift}=shift_all:0.75;"
                                                                                   f"{half_shift}=shift;{nudge}=nudge:40"}):
             for other in others[:-1]:
                 other.start_in_background()
-            for other in others[:-1]:
+            for other in others:
                 other.wait_started()
-            with mock.patch.dict(os.environ, {"ATEN_CPU_CAPABILITY": "avx2"}):  # read at its start: alone
-                others[-1].start()
         yield [p.rsplit("/", 1)[1] for p in first.initial_peers + [o.initial_peers[0] for o in others]], first
-    finally:
-        for other in others:
-            other.stop()
+    finally:  # the servers stopped at once, each in its own thread (one after another: 1-2 s each)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(others)) as pool:
+            list(pool.map(lambda other: other.stop(), others))
         honest.close()
 
 
@@ -178,37 +186,45 @@ def test_a_server_found_wrong_after_its_answers_were_taken_is_left_out_and_its_b
 def test_a_server_blamed_on_one_rank_has_its_batches_on_every_rank_evaluated_again(tiny_model, tiny_checkpoint,
                                                                                   swarm_with_a_changed_replica,
                                                                                   tmp_path):
-    """Two ranks under torchrun, each allowed the honest two and the changed server (wrong in every
-    answer); rank 0 audits, rank 1 checks nothing (tests/audit_ranks_worker.py): rank 0 blames the
-    changed server on its first request through it, rank 1 takes its answers unchecked. After the loop
-    the ranks share their blames (predict.redo_blamed_on_other_ranks): rank 1 leaves it out and
-    evaluates its batches again, so the logits are the local backend's bit for bit, every row once, and
-    the report says who blamed it and how many batches each rank redid. 30 batches a rank: each misses
-    the changed server with probability (2/3)^30 (5e-6)."""
+    """Two ranks in one gloo group (rank 0 this process, rank 1 a process of its own), each allowed the
+    honest two and the changed server (wrong in every answer); rank 0 audits, rank 1 checks nothing
+    (tests/audit_ranks_worker.py): rank 0 blames the changed server on its first request through it,
+    rank 1 takes its answers unchecked. After the loop the ranks share their blames
+    (predict.redo_blamed_on_other_ranks): rank 1 leaves it out and evaluates its batches again, so the
+    logits are the local backend's bit for bit, every row once, and the report says who blamed it and
+    how many batches each rank redid. 30 batches a rank: each misses the changed server with
+    probability (2/3)^30 (5e-6)."""
+    import datetime
     import json
     import subprocess
     import sys
 
-    import datasets
+    import audit_ranks_worker
+    import torch.distributed as dist
 
     peers, swarm = swarm_with_a_changed_replica
-    odd = peers[2]
-    out = str(tmp_path / "ranks")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+    odd, out, port = peers[2], str(tmp_path / "ranks"), free_port()
+    args = [tiny_model, tiny_checkpoint, swarm.initial_peers[0], swarm.dht_prefix, ",".join(peers[:3]), out, "60"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RANK": "1", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), os.path.join(REPO, "tests", "audit_ranks_worker.py"), tiny_model,
-                           tiny_checkpoint, swarm.initial_peers[0], swarm.dht_prefix, ",".join(peers[:3]), out, "60"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "rank1.log", "w") as log:
+        rank1 = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "audit_ranks_worker.py"), *args],
+                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
+                                timeout=datetime.timedelta(seconds=120))
+        with one_thread():
+            audit_ranks_worker.main(*args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        code = rank1.wait(timeout=120)
+    assert code == 0, open(tmp_path / "rank1.log").read()[-3000:]
     got, audit = np.load(out + ".npz"), json.load(open(out + ".json"))
-    data = datasets.Dataset.from_dict(_rows(60))
-    with one_thread():
-        model = load_model("local", tiny_model, checkpoint=tiny_checkpoint)
-        expected = evaluate(model, data, tokenizer=load_tokenizer(tiny_model), batch_size=1, return_logits=True,
-                            bootstrap_resamples=0)
     assert list(got["indices"]) == list(range(60))  # every row once
-    assert_same_bits(got["logits"], expected.predictions.logits, "the logits, rank 1's batches evaluated again")
+    assert_same_bits(got["logits"], _local_logits(tiny_model, tiny_checkpoint, 60),
+                     "the logits, rank 1's batches evaluated again")
     assert list(audit["excluded"]) == [odd] and audit["excluded"][odd]["blamed_by_ranks"] == [0], audit
     redone = audit["redone_batches_by_rank"]
     assert redone[1] > 0, audit  # rank 1's batches of it, evaluated again after rank 0's blame
