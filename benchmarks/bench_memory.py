@@ -12,7 +12,8 @@ as given (0 by default: the intervals' arrays are O(rows) either way and cost mi
 (``--limit-rows``, 1% of the set by default) with the same flags; ``stop``, early stopping
 (``--stop-at-width 0.0001``, never reached: every row, in 16 rounds); ``resamples``, the default
 1000 bootstrap resamples; ``resume``, a run killed at 60% of the ``full`` run's wall time (the
-row store off, ``--save-interval 2``) and the measured run that resumes it in the same folder.
+row store off, ``--save-interval 2``) and the measured run that resumes it in the same folder;
+``stored``, a run that fills the row store, then the measured run, served every row from it.
 The figure is each rank's **peak RssAnon** (the anonymous resident memory: the heap, not the
 mapped dataset files or the shared libraries), sampled from ``/proc/PID/status`` every 10 ms by this
 process (a rank is told by the ``RANK`` of its environment); ``VmHWM`` (the peak of all resident
@@ -153,6 +154,12 @@ def killed_after(code: str, args: list, out: str, nproc: int, seconds: float) ->
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    for _ in range(300):  # until the ranks are gone too (their lock of the output folder with them)
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
 
 
 def run_once(code: str, args: list, out: str, nproc: int, phases: bool = False) -> dict:
@@ -248,6 +255,7 @@ MODES = {
     "stop": lambda rows, args: ["--stop-at-width", "0.0001", "--stop-round-rows", str(max(256, -(-rows // 16)))],
     "resamples": lambda rows, args: ["--bootstrap-resamples", "1000"],
     "resume": lambda rows, args: ["--row-store", "off", "--save-interval", "2"],
+    "stored": lambda rows, args: [],
 }
 
 
@@ -260,6 +268,8 @@ def main() -> int:
     p.add_argument("--limit-rows", type=float, default=0.01, help="the --limit run's sample: a share of the set")
     p.add_argument("--modes", nargs="+", default=["full", "limit"], choices=list(MODES))
     p.add_argument("--phases", action="store_true", help="each rank's peak in each phase too")
+    p.add_argument("--resume-kill", type=float, default=60.0,
+                   help="resume mode without a full run in this invocation: seconds before the first run is killed")
     p.add_argument("--baseline", default="main", help="git ref run beside this checkout ('' for none)")
     p.add_argument("--out", default=None, help="a JSON file for the figures")
     p.add_argument("--table", default=None, help="only print the table of a JSON file written by --out")
@@ -288,7 +298,10 @@ def main() -> int:
                     if mode == "resume":  # killed at 60% of the full run's time, then resumed (measured)
                         full = saved["results"].get(label, {}).get(f"full/{rows}", {}).get("wall_seconds")
                         flags = [*common, *extra]
-                        killed_after(code, flags, os.path.join(out, "report"), args.nproc, 0.6 * (full or 60))
+                        killed_after(code, flags, os.path.join(out, "report"), args.nproc,
+                                     0.6 * full if full else args.resume_kill)
+                    if mode == "stored":  # a first run fills the store; the measured one reads every row from it
+                        killed_after(code, flags, os.path.join(out, "first"), args.nproc, 24 * 3600)
                     r = run_once(code, flags, os.path.join(out, "report"), args.nproc, args.phases)
                     saved["results"].setdefault(label, {})[f"{mode}/{rows}"] = r
                     print(f"{mode} {rows} rows, {label}: {r['wall_seconds']:.1f} s, peak RssAnon "

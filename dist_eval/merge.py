@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dist_eval import ranks
+from dist_eval.data.tokenize import trim_heap
 from dist_eval.intervals import bootstrap_intervals, bootstrap_score_intervals
 from dist_eval.loop_facts import LoopFacts
 from dist_eval.metrics import (
@@ -404,6 +405,7 @@ def merge_on_main(
     if bootstrap and bootstrap[0] and report.get("confidence_intervals") and "top_k" in report:
         with ranks.phase("the score intervals"):
             report = shared_score_intervals(report, merged, bootstrap)
+    trim_heap()  # the merge's and the metrics' temporaries: given back, not left to the next phases' peaks
     return report, merged
 
 
@@ -535,6 +537,7 @@ def row_metrics(
         report.update(probability_scores(logits, labels, top_k, bootstrap, score_intervals))
         if intervals and score_intervals:  # one dict of intervals: the same resamples count, seed and level
             intervals.update(report.pop("score_intervals"))
+    trim_heap()  # each slice's (and a rescore's) temporaries given back before the next
     return report
 
 
