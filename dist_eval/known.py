@@ -16,18 +16,20 @@ is the one place a row's logits enter or leave the run other than a forward.
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterator, Optional, Tuple
+from functools import partial
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from dist_eval import ranks
+from dist_eval.data.batches import Batch, plan_batches
+from dist_eval.data.labels import TaskColumns
+from dist_eval.data.tokenize import right_pad, tokenize_rows
 from dist_eval.errors import warn
 from dist_eval.loop_facts import StoreFacts
+from dist_eval.predict import FROM_RESUME, FROM_STORE
 from dist_eval.resume import PartialWriter, open_partial
 from dist_eval.rowstore import RowSource, open_rows, store_for
-
-# where a batch's logits came from when no forward ran
-FROM_RESUME, FROM_STORE = "resume", "store"
 
 
 class KnownLogits:
@@ -41,6 +43,8 @@ class KnownLogits:
         self.partial: Optional[PartialWriter] = None
         self.rows_resumed = 0
         self.shard_rows: Optional[np.ndarray] = None  # a shard's rows (sorted); None: every row
+        # rows -> their batches, tokenized then (the row store's rows served, evaluated again: open_known_logits)
+        self.batches_of: Optional[Callable[[np.ndarray, np.ndarray], List[Batch]]] = None
 
     # ---------------------------------------------------------------- the plan
     @property
@@ -87,13 +91,19 @@ class KnownLogits:
             self.rows.served(rows)
         else:
             self.rows.add(rows, logits, taken)
-            if self.partial is not None:
+            if self.partial is not None and batch_id >= 0:  # not a plan's batch (the store's rows again): not kept
                 self.partial.add(batch_id, rows, logits, *((taken.servers, taken.ledger) if taken is not None else ()))
 
     def redone(self, source: str, rows: np.ndarray) -> None:
         """A batch whose logits came from ``source`` evaluated again (a swarm server of it blamed since)."""
         if source == FROM_RESUME:
             self.rows_resumed -= len(rows)
+        elif source == FROM_STORE:
+            self.rows.unserved(rows)
+
+    def stored_servers(self, rows: np.ndarray) -> List[frozenset]:
+        """Rank 0: the swarm servers that computed each of the row store's rows served (empty: none recorded)."""
+        return self.rows.servers_of(rows)
 
     def flush(self) -> None:
         """Write what is pending (also after a failure: the finished batches are not lost)."""
@@ -132,4 +142,27 @@ def open_known_logits(model, tokenizer, settings, options, num_labels: int, pad_
     columns = [settings.text_column] + ([settings.text_pair_column] if settings.text_pair_column else [])
     rows = open_rows(store, options.fresh_rows, data, columns, num_labels, options.save_interval)
     rows.read_seconds = time.perf_counter() - start
-    return KnownLogits(rows)
+    known = KnownLogits(rows)
+    if rows.logits:
+        prefix = getattr(model, "prompt_tokens", 0) + getattr(model, "appended_tokens", 0)
+        known.batches_of = partial(_batches_of, tokenizer, settings, pad_token_id, prefix, data)
+    return known
+
+
+# Batch ids of the row store's rows evaluated again (below the store's own, -1 - i: no plan's)
+_AGAIN_IDS = -(1 << 40)
+
+
+def _batches_of(tokenizer, settings, pad_token_id: int, prefix_tokens: int, data, rows: np.ndarray,
+                labels: np.ndarray) -> List[Batch]:
+    """``rows`` of ``data`` (their ``labels``) tokenized and planned as the run's settings plan rows."""
+    from dist_eval.backends.families import tokenizers_calling_the_base
+
+    ids = tokenize_rows(tokenizer, data, rows, TaskColumns.of(settings), settings.max_length, pad_token_id,
+                        calling_the_base=tokenizers_calling_the_base())[0]
+    lengths = np.array([len(one) for one in ids], dtype=np.int64)
+    by_length = settings.length_buckets or settings.max_batch_tokens is not None
+    planned = plan_batches(len(rows), settings.batch_size, lengths if by_length else None, settings.max_batch_tokens,
+                           length_buckets=settings.length_buckets, prefix_tokens=prefix_tokens)
+    return [(_AGAIN_IDS - i, rows[b], right_pad([ids[j] for j in b], pad_token_id), labels[b])
+            for i, b in enumerate(planned)]

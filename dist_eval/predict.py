@@ -48,6 +48,8 @@ class ShardResults:
 
 
 SAMPLE_VALUE_PREFIX = "sample_values/"
+# where a batch's logits came from when no forward ran (dist_eval.known)
+FROM_RESUME, FROM_STORE = "resume", "store"
 
 
 class NonFiniteLogits(RuntimeError):
@@ -183,6 +185,8 @@ class ShardLoop:
         self.sample_values: Dict[str, list] = {name: [] for name in self.sample_metrics}
         self.sources: list = []  # where each batch's logits came from (None: a forward of this run)
         self.redone_positions: set = set()  # batches evaluated again since :meth:`take_redone`
+        self.from_store: set = set()  # positions of the row store's batches (rank 0), their servers recorded
+        self.store_blamed: set = set()  # the blamed servers their rows were looked at for
         self.forward_seconds, self.max_batch_seconds = 0.0, 0.0
         # batches of a swarm server blamed later are evaluated again, in place (its client's ledger: routes avoid it)
         self.redo = audit.Redo(audit.ledger_of(getattr(model, "sequence_manager", None)))
@@ -224,6 +228,8 @@ class ShardLoop:
                 self.max_batch_seconds = max(self.max_batch_seconds, seconds)
             self.put(len(self.indices), batch, logits, source, taken)
             self.redo.watch(len(self.indices) - 1, batch, taken)
+            if source == FROM_STORE:
+                self.from_store.add(len(self.indices) - 1)
             self.evaluate_again()
             if on_batch_done is not None:
                 on_batch_done(len(batch[1]))
@@ -232,14 +238,40 @@ class ShardLoop:
         """The batches of swarm servers blamed since, evaluated again on the others, their results put in
         place, until no redo meets a server blamed meanwhile.
         """
-        due = self.redo.due()
+        due = self.redo.due() + self.stored_due()
         while due:
-            for position, again in due:  # never the row store's batches: their servers are not watched
+            for position, again in due:  # None: the row store's rows taken out of their batch, a new batch
+                position = len(self.indices) if position is None else position
                 logits, _, _, taken = _timed_forward(self.model, again[2], again)
                 self.redo.redone(position, again, taken, len(again[1]))
                 self.put(position, again, logits, None, taken)
                 self.redone_positions.add(position)
-            due = self.redo.due()
+            due = self.redo.due() + self.stored_due()
+
+    def stored_due(self) -> list:
+        """(None, batch) of the row store's rows served in this run that a server blamed since computed (the
+        store records each row's servers): taken out of their batch (no longer counted as served), tokenized
+        now and planned as the run's rows (:attr:`dist_eval.known.KnownLogits.batches_of`), a batch each.
+        """
+        blamed = self.redo.blamed() if self.from_store else set()
+        if blamed <= self.store_blamed:
+            return []
+        self.store_blamed = blamed
+        due = []
+        for position in sorted(self.from_store):
+            rows = self.indices[position]
+            bad = np.array([bool(servers & blamed) for servers in self.known.stored_servers(rows)], dtype=bool)
+            if bad.any():
+                labels = self.labels[position][bad]
+                self.known.redone(FROM_STORE, rows[bad])
+                self._keep_only(position, ~bad)
+                due += [(None, batch) for batch in self.known.batches_of(rows[bad], labels)]
+        return due
+
+    def _keep_only(self, position: int, kept: np.ndarray) -> None:
+        for values in (self.indices, self.labels, self.preds, self.losses,
+                       *([self.logits_kept] if self.keep_logits else []), *self.sample_values.values()):
+            values[position] = values[position][kept]
 
     def take_redone(self) -> Optional[dict]:
         """The results of the batches evaluated again since the last call (rows, preds, losses, logits,

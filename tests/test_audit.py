@@ -294,6 +294,36 @@ def test_a_server_blamed_in_a_resumed_run_has_its_batches_from_the_resume_folder
     assert list(blamed) == [odd] and len(stored) == 60 and not any(odd in servers for *_, servers in stored.values())
 
 
+def test_a_server_blamed_has_the_rows_the_row_store_served_this_run_of_it_evaluated_again(
+        tiny_model, tiny_checkpoint, swarm_with_a_changed_replica, tmp_path):
+    """A run allowed only the changed server (its answers taken unchecked) fills a row store with 10
+    rows, each recording it; a run of 40 rows allowed the honest two as well is served those 10 at its
+    start, then blames the changed server on its first request through it and evaluates the 10 again
+    (tokenized then): the logits are the local backend's, every row once, and the report counts them
+    evaluated, not served. 30 new batches: none through it with probability (2/3)^30 (5e-6)."""
+    peers, swarm = swarm_with_a_changed_replica
+    odd, store = peers[2], str(tmp_path / "store")
+    model = _petals(tiny_model, tiny_checkpoint, swarm, 0.5, [odd])
+    try:
+        with one_thread():
+            evaluate(model, datasets_of(10), tokenizer=load_tokenizer(tiny_model), batch_size=1,
+                     bootstrap_resamples=0, row_store=store, save_interval=0)
+    finally:
+        model.close()
+    [(folder, key)] = key_folders(store)
+    assert len(survey(folder, key).rows) == 10
+    assert all(odd in servers for _, _, servers in survey(folder, key).rows.values())
+    expected, got, audit = _local_and_audited(tiny_model, tiny_checkpoint, swarm, 0.5, 40, 1, servers=peers[:3],
+                                              row_store=store)
+    assert list(got.predictions.indices) == list(range(40))
+    assert_same_bits(got.predictions.logits, expected.predictions.logits, "the logits, the stored rows evaluated again")
+    assert list(audit["excluded"]) == [odd], audit
+    facts = got.metrics["run"]["row_store"]
+    assert facts["rows_from_store"] == 0 and facts["rows_evaluated"] == 40, facts
+    assert blamed_servers(folder) == {odd} and len(survey(folder, key).rows) == 40
+    assert not any(odd in servers for _, _, servers in survey(folder, key).rows.values())
+
+
 def test_a_server_blamed_in_a_later_round_has_its_earlier_rounds_rows_evaluated_again(
         tiny_model, tiny_checkpoint, swarm_with_a_changed_replica):
     """Stopping early in rounds of 30 rows: the first round's answers taken unchecked (the audit turned

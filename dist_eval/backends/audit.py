@@ -32,8 +32,9 @@ is left out of every route from then on, the majority's answer stands, and the r
 (``excluded`` in the report, with the evidence); every batch whose answers it gave before,
 unchecked, is evaluated again on the others (:class:`Redo`, in the forward loop): also on the other
 ranks (after the loop, the ranks share their blames: dist_eval.predict.redo_blamed_on_other_ranks),
-in the earlier rounds of a run that stops early, and the batches a resume folder held (it records
-each batch's servers), so the results come from unblamed servers only and every row counts once.
+in the earlier rounds of a run that stops early, the batches a resume folder held and the rows the
+row store served (each records its servers: dist_eval.predict.ShardLoop.stored_due), so the results
+come from unblamed servers only and every row counts once.
 The run stops with :class:`AuditMismatch` (one line naming the servers and the difference) before
 any row of the request is counted or stored where no verdict is possible (no third route; a third
 that agrees with neither, or every third with both; an outvoted route of several servers whose

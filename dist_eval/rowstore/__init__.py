@@ -508,6 +508,8 @@ class RowSource:
         self.read_seconds, self.write_seconds = 0.0, 0.0  # the store's own cost in this run
         self.interval, self.last_flush = save_interval, time.monotonic()
         self.ledgers: Dict[int, object] = {}  # the swarm audits of the rows added: their blamed servers
+        self.which: Dict[int, int] = {}  # rank 0: {row: its servers' index in server_sets} (RowValues)
+        self.server_sets: list = [()]
         self.last_batch = time.perf_counter()  # the wall time of each batch: since the one before
         if message is None:
             return
@@ -527,6 +529,15 @@ class RowSource:
         self.rows_served += len(rows)
         self.seconds_saved += sum(self.seconds[int(r)] for r in rows)
         self.last_batch = time.perf_counter()
+
+    def unserved(self, rows: np.ndarray) -> None:
+        """Rows served earlier in this run evaluated again (a server that computed them blamed since)."""
+        self.rows_served -= len(rows)
+        self.seconds_saved -= sum(self.seconds[int(r)] for r in rows)
+
+    def servers_of(self, rows: np.ndarray) -> List[frozenset]:
+        """Rank 0: the swarm servers that computed each of these served rows (as the store recorded them)."""
+        return [frozenset(self.server_sets[int(self.which[int(r)])]) for r in rows]
 
     def add(self, rows: np.ndarray, logits: np.ndarray, taken=None) -> None:
         """Rows just evaluated, written at most every save interval, each with its share of the
@@ -581,6 +592,7 @@ def open_rows(store: Optional[RowStore], fresh: bool, data, columns: List[str], 
     source = RowSource(ranks.broadcast_object(message), ranks.get_rank(), save_interval)
     if found is not None:
         source.logits, source.seconds = found
+        source.which, source.server_sets = RowValues(held.which, found[0].slots, found[0].count), held.sets
     return source
 
 
