@@ -145,6 +145,7 @@ def test_a_server_that_computes_other_numbers_or_nan_is_found_named_and_left_out
     assert set(audit["excluded"][odd]["outvoted_by"]) == set(peers[:2]) and audit["excluded"][odd]["difference"] > 0
     assert audit["excluded"][nan]["non_finite"] and audit["excluded"][nan]["difference"] == "inf", audit
     assert audit["max_difference"] == 0.0, audit  # the honest agree bit for bit
+    assert audit["max_tolerance"] == 0.0, audit  # compared bit for bit: the four announce the same kernels
     # outvoted on each of its requests in flight before it was left out; none of its answers taken
     for faulty in (odd, nan):
         assert audit["servers"][faulty]["mismatches"] >= 1 and not audit["servers"][faulty]["unchecked"], audit
@@ -357,7 +358,7 @@ def test_the_calibrated_tolerance_catches_a_server_a_little_off_and_blames_no_ho
     the other, so 40 requests compare the two numerics and calibrate their tolerance from 64 ulps of
     bfloat16 to max(4, 8 x the largest honest difference, about 0.1 ulp). Then the client's routing
     admits the other honest float32 server and one with AVX2 kernels (the same announced numerics,
-    other last bits: compared bit for bit, as before, it was blamed; now within 4 ulps), as servers
+    other announced kernels, other last bits: compared within 4 ulps; bit for bit, it was blamed), as servers
     joining the swarm mid-run, while the bfloat16 one turns 16 of its ulps off: it is caught on its
     next request (compared with a float32 replay: replays go to the finest numerics; the prior 64
     ulps would have let it pass), named and left out; no honest server is blamed, every row counts
@@ -516,14 +517,18 @@ def test_the_tolerance_between_other_numerics_is_calibrated_on_the_runs_honest_a
 
     from dist_eval.backends import audit
 
-    def span(dtype):
-        info = SimpleNamespace(version="2.2.0", torch_dtype=dtype, quant_type="none", adapters=())
+    def span(dtype, kernels=None):
+        info = SimpleNamespace(version="2.2.0", torch_dtype=dtype, quant_type="none", adapters=(),
+                               **{audit.KERNELS_KEY: kernels})
         return SimpleNamespace(peer_id=dtype, start=0, end=4, server_info=info)
 
     mixed, answer, ledger = [span("float32"), span("bfloat16")], torch.full((2, 1, 8), 3.0), audit.AuditLedger(0.1)
     ulp = audit.unit(mixed, answer)
-    assert ulp == torch.finfo(torch.bfloat16).eps * 3.0  # the same announced numerics: 4 ulps, not bit for bit
+    assert ulp == torch.finfo(torch.bfloat16).eps * 3.0  # the same announced numerics, no kernels: 4 ulps
+    eps32 = torch.finfo(torch.float32).eps
     assert audit.tolerance(mixed[:1] * 2, answer, ledger) == 4 * torch.finfo(torch.float32).eps * 3.0
+    avx2, avx512 = span("float32", "cpu AVX2"), span("float32", "cpu AVX512")  # kernels announced: the same only
+    assert audit.tolerance([avx2, avx2], answer) == 0 and audit.tolerance([avx2, avx512], answer) == 4 * 3.0 * eps32
     off = answer + 10 * ulp
     assert audit.tolerance(mixed, answer, ledger) == 64 * ulp and audit.agree(answer, off, 64 * ulp)
     for _ in range(audit.CALIBRATE_AFTER):  # honest replicas half an ulp apart

@@ -16,10 +16,12 @@ A row check's rows, computed in another batch, may differ in their last bits (ot
 another shape): they must agree within :func:`rows_tolerance` (64 ulps of the coarsest dtype at the
 answer's magnitude); beyond it the request is replayed whole, and that replay decides. A whole
 replay (the same composition) must agree with the answer within :func:`tolerance`: where every
-server of both routes announces the same numerics (petals version, dtype, quantization, adapters),
-4 ulps of that dtype at the answer's magnitude, not bit for bit: the announcement does not name the
-kernels, and honest servers on another CPU's vector instructions (AVX2 against AVX-512: measured),
-another GPU or another thread count differ in their last bits; where they announce other numerics,
+server of both routes announces the same numerics (petals version, dtype, quantization, adapters)
+and the same kernels (:func:`kernels`: dist_eval's servers announce them), bit for bit; the same
+numerics but other kernels, or a server that does not announce them (petals' own run_server), 4 ulps
+of that dtype at the answer's magnitude: honest servers on another CPU's vector instructions (AVX2
+against AVX-512: measured), another GPU or another thread count differ in their last bits; where they
+announce other numerics,
 64 ulps of the coarsest dtype at first, then calibrated on the honest agreement between such servers
 seen in the run (stated in the report). Replays go to the servers of the finest numerics available.
 A disagreement is settled by a third route avoiding both (where the swarm has one), each answer
@@ -291,7 +293,8 @@ def _tolerance_facts(agreements: int, largest: float) -> dict:
             "rule": f"servers of other numerics: {PRIOR_ULPS:g} ulps of the coarsest dtype at the answer's magnitude "
                     f"until {CALIBRATE_AFTER} honest agreements between such servers, then {CALIBRATED_FACTOR:g} times "
                     f"the largest difference they showed (at least {FLOOR_ULPS:g}, at most {PRIOR_ULPS:g}); servers "
-                    f"announcing the same numerics: {SAME_NUMERICS_ULPS:g} ulps (their kernels may differ)"}
+                    f"announcing the same numerics and kernels: bit for bit; the same numerics, other kernels or "
+                    f"none announced: {SAME_NUMERICS_ULPS:g} ulps"}
 
 
 def _unseen(replayed: int) -> dict:
@@ -360,20 +363,56 @@ def disjoint_route(manager, avoid: set, end: int, ledger: Optional[AuditLedger],
 # FLOOR_ULPS): a server a little off (another revision's small change) is caught once the run knows how
 # close honest replicas come; the margin keeps an honest answer's tail from being blamed.
 PRIOR_ULPS, CALIBRATE_AFTER, CALIBRATED_FACTOR, FLOOR_ULPS = 64.0, 32, 8.0, 4.0
-# Between servers that announce the same numerics: their kernels alone may differ (another CPU's vector
-# instructions, another GPU, another thread count sum in another order): AVX2 against AVX-512 kernels far
-# below it, a weight changed by 1e-3 above it on every request (benchmarks/RESULTS.md, tests/test_audit.py)
+# Between servers that announce the same numerics but not the same kernels (or none): the kernels alone may
+# differ (another CPU's vector instructions, another GPU, another thread count sum in another order): AVX2
+# against AVX-512 kernels far below it, a weight changed by 1e-3 above it on every request
+# (benchmarks/RESULTS.md, tests/test_audit.py). The same numerics and kernels: bit for bit.
 SAME_NUMERICS_ULPS = 4.0
+# The key of a server's announcement (petals' ServerInfo, extra_info) that names its kernels: dist_eval's
+# servers add it (dist_eval.swarm.server.kernels_of); petals' own drop it, its ServerInfo keeps no extra key
+# (announced_kernels_replacements keeps it on the client)
+KERNELS_KEY = "dist_eval_kernels"
 
 
 def numerics(span) -> Tuple:
-    """What a server announces that decides its numbers (not its kernels: see SAME_NUMERICS_ULPS)."""
+    """What a server announces that decides its numbers, but its kernels (:func:`kernels`)."""
     info = span.server_info
     return (info.version, str(info.torch_dtype), str(info.quant_type), tuple(info.adapters or ()))
 
 
 def same_numerics(spans: Sequence) -> bool:
     return len({numerics(s) for s in spans}) <= 1
+
+
+def kernels(span) -> Optional[str]:
+    """The kernels a server announces (torch's version, the device kind: the CPU's vector instructions and
+    threads, the GPU's name and compute capability), None where it announces none.
+    """
+    return getattr(span.server_info, KERNELS_KEY, None)
+
+
+def same_kernels(spans: Sequence) -> bool:
+    found = {kernels(s) for s in spans}
+    return len(found) == 1 and None not in found
+
+
+def announced_kernels_replacements() -> list:
+    """Petals' ServerInfo.from_tuple, keeping the kernels a server announces (its pydantic fields drop extra
+    keys): an attribute of the ServerInfo it makes, read by :func:`kernels`.
+    """
+    from petals.data_structures import ServerInfo
+
+    from_tuple = ServerInfo.from_tuple.__func__
+
+    def with_kernels(cls, source: tuple):
+        info = from_tuple(cls, source)
+        extra = source[2] if len(source) > 2 and isinstance(source[2], dict) else {}
+        if isinstance(extra.get(KERNELS_KEY), str):
+            object.__setattr__(info, KERNELS_KEY, extra[KERNELS_KEY])
+        return info
+
+    with_kernels.__wrapped__ = from_tuple
+    return [(ServerInfo, "from_tuple", classmethod(with_kernels))]
 
 
 def unit(spans: Sequence, reference: torch.Tensor) -> float:
@@ -383,11 +422,12 @@ def unit(spans: Sequence, reference: torch.Tensor) -> float:
 
 
 def tolerance(spans: Sequence, reference: torch.Tensor, ledger: Optional[AuditLedger] = None) -> float:
-    """A bound on the difference of two honest answers, in :func:`unit`'s: :data:`SAME_NUMERICS_ULPS` where
-    every span announces the same numerics, else :meth:`AuditLedger.tolerance_ulps` (calibrated).
+    """A bound on the difference of two honest answers: 0 (bit for bit) where every span announces the same
+    numerics and kernels; :data:`SAME_NUMERICS_ULPS` of :func:`unit` where the same numerics only; else
+    :meth:`AuditLedger.tolerance_ulps` of them (calibrated).
     """
     if same_numerics(spans):
-        return unit(spans, reference) * SAME_NUMERICS_ULPS
+        return 0.0 if same_kernels(spans) else unit(spans, reference) * SAME_NUMERICS_ULPS
     return unit(spans, reference) * (ledger.tolerance_ulps() if ledger is not None else PRIOR_ULPS)
 
 

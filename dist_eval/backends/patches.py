@@ -119,9 +119,10 @@ def apply_client_patches() -> None:
     3. petals' PyPI version check, off (offline it logs a traceback);
     4. failover: a failed server leaves routing at once; only server failures ban;
     5. a batch goes as one request, split only to what a server accepts;
-    6. deep prompts go once per request.
+    6. deep prompts go once per request;
+    7. the kernels a server announces kept (the swarm audit compares servers of the same kernels bit for bit).
     """
-    from dist_eval.backends import failover, requests
+    from dist_eval.backends import audit, failover, requests
 
     check_versions()
     with _lock:
@@ -134,6 +135,7 @@ def apply_client_patches() -> None:
             failover.quiet_retry_logs()
         apply("request_size", "client", requests.split_replacements)
         apply("deep_prompts", "client", requests.prompt_replacements)
+        apply("announced_kernels", "client", audit.announced_kernels_replacements)
 
 
 # ---------------------------------------------------------------- hivemind and petals' start-up

@@ -239,6 +239,47 @@ def state_reporting() -> list:
     return [(ModuleContainer, "create", classmethod(create))]
 
 
+def kernels_of(device) -> str:
+    """The kernels a server computes with on ``device`` (a torch.device), as it announces them
+    (:data:`dist_eval.backends.audit.KERNELS_KEY`): torch's version and, on a CPU, the vector instructions
+    torch dispatches to and the threads (another order of sums), on a GPU its name and compute capability.
+    """
+    import torch
+
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return (f"torch {torch.__version__} cuda {torch.version.cuda} {torch.cuda.get_device_name(device)} "
+                f"sm_{major}{minor}")
+    if device.type == "cpu":
+        return (f"torch {torch.__version__} cpu {torch.backends.cpu.get_cpu_capability()} "
+                f"threads {torch.get_num_threads()}")
+    return f"torch {torch.__version__} {device.type}"
+
+
+def announcing_kernels() -> list:
+    """The server's announcement (petals' ServerInfo.to_tuple) names its kernels (:func:`kernels_of` its
+    device, set as the server is made), so that the swarm audit compares servers of the same ones bit for bit.
+    """
+    from petals.data_structures import ServerInfo
+    from petals.server.server import Server
+
+    from dist_eval.backends.audit import KERNELS_KEY
+
+    init, to_tuple = Server.__init__, ServerInfo.to_tuple
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        object.__setattr__(self.server_info, KERNELS_KEY, kernels_of(self.device))
+
+    def announced(self):
+        state, throughput, extra = to_tuple(self)
+        if getattr(self, KERNELS_KEY, None) is not None:
+            extra[KERNELS_KEY] = getattr(self, KERNELS_KEY)
+        return state, throughput, extra
+
+    return [(Server, "__init__", __init__), (ServerInfo, "to_tuple", announced)]
+
+
 def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[int] = None) -> None:
     """Apply every server patch, in the one order that works, after petals' import and the
     patches every petals process gets (:func:`dist_eval.backends.compat.import_petals`):
@@ -257,7 +298,8 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     7. :func:`_loopback_is_direct`: a server on loopback is not dialled back to learn it is direct,
        and keeps no probe to dial others back;
     8. :func:`_inherited_shared_memory_kept`: a forked child never unlinks its parent's shared memory;
-    9. :func:`state_reporting`: the server's state told to the swarm that started it.
+    9. :func:`state_reporting`: the server's state told to the swarm that started it;
+    10. :func:`announcing_kernels`: its announcement names its kernels (the swarm audit's bit-for-bit rule).
 
     Before the server starts (its connection handlers, forked later, share what these set).
     Idempotent. ``model_dir``/``first_block``: the served folder and its first block (the table
@@ -282,6 +324,7 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     apply("loopback_direct", "server", _loopback_is_direct)
     apply("inherited_shared_memory", "server", _inherited_shared_memory_kept)
     apply("state_file", "server", state_reporting)
+    apply("announced_kernels_server", "server", announcing_kernels)
 
 
 def main(argv: list) -> None:
