@@ -228,8 +228,9 @@ class ShardLoop:
                 self.max_batch_seconds = max(self.max_batch_seconds, seconds)
             self.put(len(self.indices), batch, logits, source, taken)
             self.redo.watch(len(self.indices) - 1, batch, taken)
-            if source == FROM_STORE:
+            if source == FROM_STORE:  # looked at for every server blamed so far too
                 self.from_store.add(len(self.indices) - 1)
+                self.store_blamed = set()
             self.evaluate_again()
             if on_batch_done is not None:
                 on_batch_done(len(batch[1]))
