@@ -297,14 +297,14 @@ def test_a_server_blamed_in_a_resumed_run_has_its_batches_from_the_resume_folder
 
 def test_a_server_blamed_has_the_rows_the_row_store_served_this_run_of_it_evaluated_again(
         tiny_model, tiny_checkpoint, swarm_with_a_changed_replica, tmp_path):
-    """A run allowed only the changed server (its answers taken unchecked) fills a row store with 10
+    """A run with the audit off (--audit 0), allowed only the changed server, fills a row store with 10
     rows, each recording it; a run of 40 rows allowed the honest two as well is served those 10 at its
     start, then blames the changed server on its first request through it and evaluates the 10 again
     (tokenized then): the logits are the local backend's, every row once, and the report counts them
     evaluated, not served. 30 new batches: none through it with probability (2/3)^30 (5e-6)."""
     peers, swarm = swarm_with_a_changed_replica
     odd, store = peers[2], str(tmp_path / "store")
-    model = _petals(tiny_model, tiny_checkpoint, swarm, 0.5, [odd])
+    model = _petals(tiny_model, tiny_checkpoint, swarm, 0, [odd])
     try:
         with one_thread():
             evaluate(model, datasets_of(10), tokenizer=load_tokenizer(tiny_model), batch_size=1,

@@ -624,7 +624,7 @@ def caller_redoes() -> bool:
     return getattr(_forward, "redoes", False)
 
 
-def note_taken(ledger: AuditLedger, servers) -> None:
+def note_taken(ledger: Optional[AuditLedger], servers) -> None:
     """In the caller's thread: the forward took answers of ``servers``."""
     before = getattr(_forward, "taken", None)
     _forward.taken = Taken(ledger, frozenset(servers) | (before.servers if before is not None else frozenset()))
@@ -661,7 +661,8 @@ class Redo:
         return out
 
     def watch(self, position: int, batch, taken: Optional[Taken]) -> None:
-        if taken is None or not taken.servers:
+        # no ledger (the audit off): nothing can be blamed in this run, so no batch is held for a redo
+        if taken is None or not taken.servers or (taken.ledger is None and not self.ledgers):
             self.watched.pop(position, None)
             return
         self.watched[position] = (batch, frozenset(taken.servers))

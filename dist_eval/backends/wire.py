@@ -285,9 +285,9 @@ def forward_over_wire(hidden_states: torch.Tensor, prompts, sequence_manager, po
         return await asyncio.gather(*(one(i * size, request) for i, request in enumerate(requests)))
 
     read = torch.cat(RemoteExpertWorker.run_coroutine(all_requests()), dim=0)  # [rows, 1, hidden]
-    ledger = audit.ledger_of(sequence_manager)
-    if ledger is not None:  # in the caller's thread: whose answers its logits come from (audit.Redo)
-        audit.note_taken(ledger, set().union(*(request.servers for request in requests)))
+    # in the caller's thread: whose answers its logits come from (audit.Redo), also with the audit off
+    # (no ledger): the row store records them, so a later run that blames one of them serves none of its rows
+    audit.note_taken(audit.ledger_of(sequence_manager), set().union(*(request.servers for request in requests)))
     out = torch.zeros_like(hidden_states)
     out[torch.arange(rows), positions] = read[:, 0].to(out.dtype)
     return out

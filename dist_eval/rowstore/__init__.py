@@ -548,7 +548,7 @@ class RowSource:
         elapsed, self.last_batch = now - self.last_batch, now
         if self.writer is None or not len(rows):
             return
-        if taken is not None:
+        if taken is not None and taken.ledger is not None:  # None: the audit off (the servers still recorded)
             self.ledgers.setdefault(id(taken.ledger), taken.ledger)
         self.writer.add(self.key_array[rows], logits, np.full(len(rows), elapsed / len(rows), dtype=np.float32),
                         taken.servers if taken is not None else ())
