@@ -8,8 +8,7 @@
   ``slurmctld`` ``slurm``, or the test fails naming the mark.
 - ``--reverse-order``: the collected tests in reverse order (modules and tests within them),
   to show that no test depends on another having run first; ``pytest-random-order``
-  (``--random-order``) gives a random order. Otherwise the modules that launch most run first
-  (:func:`_heavy_modules_first`: the two workers end together).
+  (``--random-order``) gives a random order.
 
 Under pytest-xdist each worker collects, deselects and checks marks on its own; the gpu
 deselections reach the controller, which prints the summary, through ``workeroutput``.
@@ -58,29 +57,6 @@ def pytest_collection_modifyitems(session, config, items):
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
     if config.getoption("--reverse-order"):
         items.reverse()
-    elif not getattr(config.option, "random_order", False):
-        _heavy_modules_first(items)
-
-
-_LAUNCHING_MARKS = ("swarm", "multiproc", "slurm")
-
-
-def _heavy_modules_first(items) -> None:
-    """The modules whose tests launch most (swarms, torchrun, SLURM) first, the rest after, each
-    module's tests in their order. pytest-xdist hands whole files (``--dist loadfile``) to the worker
-    that is free, in this order (``--no-loadscope-reorder`` in pyproject.toml; its own reorder puts the
-    files of many tests first, which left the few-test, slow launching files as one worker's tail while
-    the other idled): the long files first and the short ones filling in at the end.
-    """
-    def module(item) -> str:
-        return item.nodeid.split("::")[0]
-
-    launches: dict = {}
-    for item in items:
-        launches[module(item)] = launches.get(module(item), 0) + any(
-            item.get_closest_marker(mark) for mark in _LAUNCHING_MARKS)
-    first_seen = {name: n for n, name in enumerate(dict.fromkeys(module(item) for item in items))}
-    items.sort(key=lambda item: (-launches[module(item)], first_seen[module(item)]))  # stable within a module
 
 
 def pytest_sessionfinish(session):
