@@ -340,12 +340,14 @@ def redo_blamed_on_other_ranks(loop: ShardLoop, earlier: Sequence[Optional[Shard
     takes the same steps (the union is the same on each). ``earlier``: the loops of a run's earlier
     rounds (stopping early), whose batches are evaluated again too (:func:`redone_in_earlier_rounds`).
     What is evaluated again is stored (the loops' known logits). A no-op in one process without a
-    blame; without a swarm audit, one small exchange.
+    blame, and without a swarm audit (no collective then).
     """
     from dist_eval import ranks
     from dist_eval.ranks.collectives import union_by_key
 
     loops = [one for one in (*earlier, loop) if one is not None]
+    if not any(one.redo.ledgers for one in loops):
+        return  # no swarm audit, so nothing to blame: the same on every rank (one model, one --audit share)
     known: set = set()
     for _ in range(MAX_BLAME_EXCHANGES):
         blamed: Dict[str, dict] = {}
@@ -377,7 +379,9 @@ def redone_in_earlier_rounds(loops: Sequence[Optional[ShardLoop]]) -> Dict[int, 
     """
     from dist_eval import ranks
 
-    if loops and loops[-1] is not None:
+    if all(one is None for one in loops):
+        return {}  # no swarm audit (every rank alike): no round is evaluated again, no collective
+    if loops[-1] is not None:
         loops[-1].take_redone()  # the round just run: merged as redone
     mine = {index: one.take_redone() for index, one in enumerate(loops[:-1]) if one is not None}
     gathered = ranks.all_gather_object({index: part for index, part in mine.items() if part is not None})
