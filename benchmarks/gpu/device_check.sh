@@ -26,8 +26,18 @@ python3 -c "import importlib.metadata as m, os, sys, torch; print(sys.version.sp
 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), 'cpus', os.cpu_count(),
 *(f'{p} {m.version(p)}' for p in ('transformers', 'petals', 'hivemind', 'tokenizers', 'datasets')))" \
   | tee "$OUT_DIR/machine.txt"
-step test_gpu "${GPU_TEST_LIMIT:-240}" python3 -m pytest -n 0 -p no:cacheprovider -m gpu tests/test_gpu.py \
-  -v -rA --durations=10 --timeout 200
+if [[ -z "${GPU_SKIP_TESTS:-}" ]]; then
+  step test_gpu "${GPU_TEST_LIMIT:-240}" python3 -m pytest -n 0 -p no:cacheprovider -m gpu tests/test_gpu.py \
+    -v -rA --durations=10 --timeout 200
+fi
+# GPU_BENCH_ARGS: more bench_gpu.py flags (e.g. --dtype bfloat16); GPU_BENCH2_ARGS: a second benchmark
+# run with these flags instead (e.g. --ranks 1 --dist-eval-args="--dist-backend nccl"), its JSON gpu_1b_2.json
+# shellcheck disable=SC2086
 step bench_1b "${GPU_BENCH_LIMIT:-300}" python3 benchmarks/bench_gpu.py --repeats "${GPU_BENCH_REPEATS:-1}" \
-  --ranks "${GPU_BENCH_RANKS:-1,4,16}" --own-swarm-ranks "${GPU_OWN_SWARM_RANKS:-4}" --out "$OUT_DIR/gpu_1b.json"
+  --ranks "${GPU_BENCH_RANKS:-1,4,16}" --own-swarm-ranks "${GPU_OWN_SWARM_RANKS:-4}" --out "$OUT_DIR/gpu_1b.json" \
+  ${GPU_BENCH_ARGS:-}
+if [[ -n "${GPU_BENCH2_ARGS:-}" ]]; then
+  # shellcheck disable=SC2086
+  eval "step bench_1b_2 ${GPU_BENCH_LIMIT:-300} python3 benchmarks/bench_gpu.py --out $OUT_DIR/gpu_1b_2.json $GPU_BENCH2_ARGS"
+fi
 ps -ef | grep -E "petals|hivemind|p2pd|torchrun" | grep -v grep || echo "no process left"
