@@ -65,6 +65,8 @@ os.environ.setdefault("DIST_EVAL_ROW_STORE", "off")
 MODEL_SIZES: Dict[str, dict] = {
     "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048),
+    "llama7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=0, max_position_embeddings=512),
 }  # fmt: skip
