@@ -1,7 +1,7 @@
 """Throughput on a GPU machine: the seeds' loop, dist_eval's defaults at several N and the same
 model in-process, side by side, in one run (issue 13).
 
-    python benchmarks/bench_gpu.py [--model-size tinyllama|tiny] [--device auto|cuda|cpu] [--rows 2000]
+    python benchmarks/bench_gpu.py [--model-size tinyllama|llama7b|tiny] [--device auto|cuda|cpu] [--rows 2000]
         [--servers K] [--ranks 1,2,4,8,16] [--repeats 3] [--server-args="--max_batch_size 16384"] [--out FILE]
 
 What runs, all against ONE local swarm (``LocalSwarm`` with dist_eval's own plan for the
@@ -22,8 +22,9 @@ every configuration a fresh process:
    local swarm dist_eval starts itself, with its own defaults) at N ranks.
 
 The model: a Llama built from a config with random weights, ``tinyllama`` (hidden 2048,
-intermediate 5632, 22 layers, 32 heads, 4 KV heads, vocab 32000: 1.03B parameters) or
-``tiny`` (hidden 64, 4 layers: a CPU smoke test), saved in float16 on a GPU (float32 on the
+intermediate 5632, 22 layers, 32 heads, 4 KV heads, vocab 32000: 1.03B parameters),
+``llama7b`` (the Llama-2-7B shape: hidden 4096, 32 layers, 6.7B parameters) or ``tiny``
+(hidden 64, 4 layers: a CPU smoke test), saved in float16 on a GPU (float32 on the
 CPU), with a word-level tokenizer built from the data and a random prompt-tuning checkpoint
 (8 prompt vectors, 4 classes). Nothing is downloaded. The data: ``--rows`` rows of the demo
 task's words cut to long-tailed lengths (log-normal, median 19 words, p90 about 49: 47 with
