@@ -25,11 +25,12 @@ from dist_eval.data.labels import label_names_of, read_labels
 from dist_eval.data.loader import loader_batches
 from dist_eval.data.sample import Rows, draw_rows
 from dist_eval.data.shard import dataset_batches
-from dist_eval.errors import UsageError, warn
+from dist_eval.errors import UsageError
 from dist_eval.known import KnownLogits, open_known_logits
 from dist_eval.loop_facts import LoopFacts
 from dist_eval.merge import MergedResults, merge_on_main
 from dist_eval.predict import ShardLoop, redo_blamed_on_other_ranks
+from dist_eval.slices import attach_slices
 
 # A user metric over the merged set: fn(labels, preds, logits_or_None) -> float or dict
 MergedMetric = Callable[[np.ndarray, np.ndarray, Optional[np.ndarray]], object]
@@ -172,10 +173,8 @@ def _evaluate_models(models, data, *, tokenizer, num_labels, label_names, pad_to
     """
     with ranks.phase("preparing the data"):  # checked before any work, on every rank
         rows = _rows_of(data, settings, options)
-        slices = slice_values(rows, options)
-        clusters = _cluster_names(rows, options)
     # a slice's probability scores and the clustered intervals of the scores need the logits
-    keep_logits = return_logits or options.slice_by is not None or clusters is not None
+    keep_logits = return_logits or options.slice_by is not None or options.cluster_by is not None
     if settings.stops_early or len(models) > 1:
         results = _evaluate_in_rounds(
             models, rows if rows is not None else data, tokenizer=tokenizer, num_labels=num_labels,
@@ -189,49 +188,17 @@ def _evaluate_models(models, data, *, tokenizer, num_labels, label_names, pad_to
                                  return_logits=keep_logits, metrics=metrics, sample_metrics=sample_metrics,
                                  on_batch_done=on_batch_done, resume_folder=(resume_folders or [None])[0],
                                  settings=settings, options=options)]
-    if options.slice_by is not None:
-        slices = _with_length_quartiles(slices, tokenizer, settings, rows.dataset)
-    for result in results if options.slice_by is not None or clusters is not None else ():
-        if clusters is not None:
-            _attach_clusters(result, clusters, options)
-        if options.slice_by is not None:
-            _attach_slices(result, slices, options, rows_in_set=len(rows), clusters=clusters)
-        if not return_logits and result.predictions is not None:
-            result.predictions = _without_logits(result.predictions)
+    if rows is not None:
+        attach_slices(results, rows, tokenizer, settings, options)
+    for result in results if not return_logits else ():
+        result.predictions = _without_logits(result.predictions)
     return results
 
 
-def _cluster_names(rows: Optional[Rows], options: Options) -> Optional[tuple]:
-    """(the --cluster-by column, each row's cluster), or None without it; bad columns refused in one line."""
-    from dist_eval.slices import read_cluster_names
-
-    if options.cluster_by is None:
-        return None
-    if rows is None:
-        raise UsageError("clusters need a datasets.Dataset (its columns), not a DataLoader.", param="cluster_by",
-                         value=options.cluster_by)
-    return options.cluster_by, read_cluster_names(rows.dataset, options.cluster_by)
-
-
-def _attach_clusters(result: EvalResult, clusters: tuple, options: Options) -> None:
-    """``result.metrics`` with every interval resampling whole clusters
-    (:func:`dist_eval.clusters.clustered_report`), computed on rank 0 and sent to every rank.
-    """
-    from dist_eval.clusters import clustered_report
-    from dist_eval.metrics import softmax
-
-    report = None
-    if ranks.is_main_process():
-        merged, (column, names) = result.predictions, clusters
-        bootstrap = (options.bootstrap_resamples, options.bootstrap_seed)
-        report = clustered_report(result.metrics, merged.labels, merged.preds, merged.losses,
-                                  softmax(merged.logits), np.asarray(names, dtype=object)[merged.indices], column,
-                                  bootstrap)
-    result.metrics = ranks.broadcast_object(report)
-
-
 def _rows_of(data, settings: Settings, options: Options) -> Optional[Rows]:
-    """The rows of a Dataset (or the Rows the CLI drew), drawn once here; None for a DataLoader."""
+    """The rows of a Dataset (or the Rows the CLI drew), drawn once here with their slices and clusters;
+    None for a DataLoader.
+    """
     if isinstance(data, torch.utils.data.DataLoader):
         if options.shard is not None:
             raise UsageError("a shard is a part of a Dataset's batch plan; a DataLoader's batches are the "
@@ -240,50 +207,11 @@ def _rows_of(data, settings: Settings, options: Options) -> Optional[Rows]:
         if options.slice_by is not None:
             raise UsageError(f"slices need a datasets.Dataset (its columns), not {type(data).__name__}.",
                              param="slice_by", value=list(options.slice_by))
+        if options.cluster_by is not None:
+            raise UsageError("clusters need a datasets.Dataset (its columns), not a DataLoader.", param="cluster_by",
+                             value=options.cluster_by)
         return None
-    return draw_rows(data, settings, in_key_order=settings.stops_early)
-
-
-def slice_values(rows: Optional[Rows], options: Options) -> dict:
-    """{column: each row's slice name} of ``rows`` (drawn by :func:`draw_rows`), for
-    ``options.slice_by``; {} without it. Bad columns refused in one line.
-    """
-    from dist_eval.slices import one_row_slices, read_slice_values
-
-    if options.slice_by is None or rows is None:
-        return {}
-    values = read_slice_values(rows.dataset, options.slice_by)
-    single = one_row_slices(values)
-    if single and ranks.is_main_process():
-        warn(f"--slice-by: {len(single)} slice(s) of a single row ({', '.join(single[:5])}"
-             f"{', ...' if len(single) > 5 else ''}): their metrics mean little, and they get no interval")
-    return values
-
-
-def _with_length_quartiles(values: dict, tokenizer, settings: Settings, dataset) -> dict:
-    """Rank 0: ``values`` and each row's token-length quartile (when a tokenizer is known)."""
-    from dist_eval.slices import TOKEN_LENGTH_SLICES, length_quartiles
-
-    if not ranks.is_main_process() or tokenizer is None:
-        return values
-    return {**values, TOKEN_LENGTH_SLICES: length_quartiles(tokenizer, settings, dataset)}
-
-
-def _attach_slices(result: EvalResult, values: dict, options: Options, rows_in_set: int,
-                   clusters: Optional[tuple] = None) -> None:
-    """``result.metrics["slices"]`` (:func:`dist_eval.slices.slice_report`), computed on rank 0
-    from its merged rows and sent to every rank, and ``result.slices`` (each row's, rank 0).
-    """
-    from dist_eval.slices import slice_report
-
-    report = None
-    if ranks.is_main_process():
-        result.slices = values
-        metrics = result.metrics
-        report = slice_report(result.predictions, values, metrics["num_labels"], metrics.get("label_names"),
-                              ((options.bootstrap_resamples, options.bootstrap_seed), metrics.get("top_k")),
-                              rows_in_set, clusters)
-    result.metrics["slices"] = ranks.broadcast_object(report)
+    return draw_rows(data, settings, options, in_key_order=settings.stops_early)
 
 
 def evaluate_once(model, data, *, tokenizer, num_labels, label_names, pad_token_id, return_logits, metrics,

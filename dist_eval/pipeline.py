@@ -311,7 +311,7 @@ def _report_pair(session: _Session, pair: Pair, result, where: tuple, rows: Rows
     result.metrics["run"].update(facts, run_key=key, sample=sample)
     with ranks.phase("writing the report"):
         if ranks.is_main_process():
-            texts = texts_of(session.config, session.job.settings, rows.dataset, getattr(result, "slices", None))
+            texts = texts_of(session.config, session.job.settings, rows, getattr(result, "slices", None))
             write_report(session.config, out, result, session.say, texts)
             if session.config.options.shard is not None:  # what dist_eval.shard_merge reads: written last
                 from dist_eval.output.shard_files import write_shard
@@ -334,7 +334,8 @@ def _rows(session: _Session, data: EvalSet) -> tuple:
     if data.name not in session.datasets:
         job = session.job
         with ranks.phase("loading the data", main_first=fills_cache(list(data.files))):  # rank 0 fills the cache
-            rows = draw_rows(load_split(list(data.files), job.split), job.settings, job.settings.stops_early)
+            rows = draw_rows(load_split(list(data.files), job.split), job.settings, session.config.options,
+                             job.settings.stops_early)
         session.datasets[data.name] = rows
     rows = session.datasets[data.name]
     return rows, rows.facts()

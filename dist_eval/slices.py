@@ -9,146 +9,23 @@ gets no bootstrap interval, and says so.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import numpy as np
 
 from dist_eval.atomic import csv_cell
-from dist_eval.errors import UsageError
+
+# each row's slice names are read with its rows (dist_eval.data.groups); the names stay importable here
+from dist_eval.data.groups import EMPTY, MISSING, read_cluster_names, read_slice_values, slice_value  # noqa: F401
 
 # Below this many rows a slice's bootstrap interval is not reported: a percentile bootstrap of
 # a handful of rows is far narrower than the truth.
 MIN_INTERVAL_ROWS = 30
-# More distinct values than this in a --slice-by column: a text or id column by mistake.
-MAX_SLICE_VALUES = 100
 # The slices of the rows by their token count's quartile, whatever the columns (--slice-by).
 TOKEN_LENGTH_SLICES = "token_length_quartile"
 # The summary's lines of slices: the worst first.
 SUMMARY_SLICES = 5
 TOO_FEW = f"too few rows for an interval (fewer than {MIN_INTERVAL_ROWS})"
-
-
-# The slices of a cell without a value (null in JSON or parquet, an empty CSV cell) and of an
-# empty text: names in brackets, so that the texts "None", "NA", "null" stay slices of their own
-# (a data text spelled like one of these is refused: the two would be one slice).
-MISSING = "<missing>"
-EMPTY = "<empty>"
-
-
-def slice_value(value) -> str:
-    """A stored slice name as it is (None, a row without one: :data:`MISSING`)."""
-    return MISSING if value is None else value if isinstance(value, str) else str(value)
-
-
-def slice_name(value) -> Optional[str]:
-    """A cell's slice name: a text as it is ("" is :data:`EMPTY`), an integer or a bool as
-    written, a whole float as its integer (a CSV column of integers with empty cells reads as
-    floats), None as :data:`MISSING`; None for what names no category (a fraction, NaN, inf,
-    a list) or a text spelled like :data:`MISSING` or :data:`EMPTY`.
-    """
-    if value is None:
-        return MISSING
-    if isinstance(value, str):
-        return None if value in (MISSING, EMPTY) else value or EMPTY
-    if isinstance(value, (bool, np.bool_)):
-        return str(bool(value))
-    if isinstance(value, (int, np.integer)):
-        return str(int(value))
-    if isinstance(value, (float, np.floating)) and np.isfinite(value) and float(value).is_integer():
-        return str(int(value))
-    return None
-
-
-def column_slices(column: str, cells, slice_by: Sequence[str], first_row: int = 0,
-                  known: Optional[dict] = None) -> List[str]:
-    """Each cell of ``column`` as its slice name; a cell that names no category refused in one line.
-    ``cells`` are rows ``first_row`` on (a chunk of the column); ``known``: {(type, value): name} of
-    the cells seen so far, so that the rows of a slice share one name (8 bytes a row, not a text each).
-    """
-    known = {} if known is None else known
-    names = []
-    for value in cells:
-        try:
-            name = known[(type(value), value)]
-        except KeyError:
-            name = known[(type(value), value)] = slice_name(value)
-        except TypeError:  # unhashable (a list): names no category
-            name = slice_name(value)
-        names.append(name)
-    if None not in names:
-        return names
-    offset = names.index(None)
-    row, value = first_row + offset, cells[offset]
-    if isinstance(value, str):
-        why = (f"holds the text {value!r} (row {row}), the name of its slice of "
-               f"{'missing values' if value == MISSING else 'empty texts'}. Rename that text in the data")
-    elif isinstance(value, (float, np.floating)):
-        why = (f"holds numbers that are no category ({value!r} in row {row}): a slice per float value would "
-               "split the rows at random. Bin it first (a column of ranges, e.g. '0-10') and slice by that")
-    else:
-        why = (f"holds {type(value).__name__} values ({value!r} in row {row}), not categories. Pass a column of "
-               "texts or integers")
-    raise UsageError(f"column {column!r} {why}.", param="slice_by", value=list(slice_by))
-
-
-def read_slice_values(dataset, slice_by: Optional[Sequence[str]]) -> Dict[str, List[str]]:
-    """{column: each row's slice name, in row order} of a ``datasets.Dataset``. A missing
-    column, one of more than MAX_SLICE_VALUES distinct values, or one holding what names no
-    category (:func:`slice_name`) is refused in one line.
-    """
-    if not slice_by:
-        return {}
-    names = list(getattr(dataset, "column_names", None) or [])
-    out = {}
-    for column in slice_by:
-        if column not in names:
-            raise UsageError(f"no column {column!r} in the data (its columns: {', '.join(names)}). Pass one of them.",
-                             param="slice_by", value=list(slice_by))
-        values = _read_slices(dataset, column, slice_by)
-        distinct = len(set(values))
-        if distinct > MAX_SLICE_VALUES:
-            raise UsageError(f"column {column!r} has {distinct} distinct values, more than {MAX_SLICE_VALUES} "
-                             "slices (a text or id column?). Pass a column of categories (a language, a source).",
-                             param="slice_by", value=list(slice_by))
-        out[column] = values
-    return out
-
-
-# Rows of a column read at once (their cells are Python objects until named)
-_READ_ROWS = 16384
-
-
-def _read_slices(dataset, column: str, slice_by: Sequence[str]) -> List[str]:
-    """:func:`column_slices` of a dataset's column, read a chunk of rows at a time."""
-    from dist_eval.data.sample import column_values
-
-    names: List[str] = []
-    known: dict = {}
-    for start in range(0, len(dataset), _READ_ROWS):
-        cells = column_values(dataset, [column], slice(start, start + _READ_ROWS))[0]
-        names += column_slices(column, list(cells), slice_by, start, known)
-    return names
-
-
-def read_cluster_names(dataset, column: str) -> List[str]:
-    """Each row's cluster (``--cluster-by``): the cell of ``column`` named as a slice is
-    (:func:`slice_name`), in row order. A missing column, a row without a value, a cell that
-    names no category, or a single cluster is refused in one line.
-    """
-    names = list(getattr(dataset, "column_names", None) or [])
-    if column not in names:
-        raise UsageError(f"no column {column!r} in the data (its columns: {', '.join(names)}). Pass one of them.",
-                         param="cluster_by", value=column)
-    values = _read_slices(dataset, column, [column])
-    if MISSING in values:
-        raise UsageError(f"row {values.index(MISSING)} has no value in column {column!r}: every row needs its "
-                         "cluster. Fill the column (a row of its own: a value no other row has).",
-                         param="cluster_by", value=column)
-    if len(set(values)) < 2 and values:
-        raise UsageError(f"column {column!r} holds one value ({values[0]!r}) in every row: one cluster, nothing "
-                         "to resample. Pass the column that groups the rows (a passage, a conversation).",
-                         param="cluster_by", value=column)
-    return values
 
 
 def length_quartiles(tokenizer, settings, dataset) -> List[str]:
@@ -172,13 +49,43 @@ def length_quartiles(tokenizer, settings, dataset) -> List[str]:
     return [names[q] for q in quartile.tolist()]
 
 
-def one_row_slices(values: Dict[str, List[str]]) -> List[str]:
-    """``column=value`` of each slice of a single row (its metrics mean nothing)."""
-    out = []
-    for column, column_values in values.items():
-        names, counts = np.unique(np.array(column_values, dtype=object).astype(str), return_counts=True)
-        out += [f"{column}={name}" for name, count in zip(names.tolist(), counts.tolist()) if count == 1]
-    return out
+def attach_slices(results: list, rows, tokenizer, settings, options) -> None:
+    """Once, after the rounds, for every entry point (``evaluate``, ``evaluate_pair``, the CLI): each
+    result's intervals resampling whole clusters (``--cluster-by``) and its metrics per slice
+    (``--slice-by``: ``metrics["slices"]``), of the slices and clusters ``rows`` (the run's
+    :class:`~dist_eval.data.sample.Rows`) were drawn with; computed on rank 0 from its merged rows,
+    sent to every rank. ``result.slices``: each row's slice names, rank 0.
+    """
+    from dist_eval import ranks
+
+    if options.slice_by is None and rows.clusters is None:
+        return
+    main, values = ranks.is_main_process(), rows.slices
+    if options.slice_by is not None and main and tokenizer is not None:
+        values = {**values, TOKEN_LENGTH_SLICES: length_quartiles(tokenizer, settings, rows.dataset)}
+    bootstrap = (options.bootstrap_resamples, options.bootstrap_seed)
+    for result in results:
+        merged, metrics = result.predictions, result.metrics
+        if rows.clusters is not None:
+            result.metrics = metrics = ranks.broadcast_object(_clustered(metrics, merged, rows.clusters, bootstrap)
+                                                              if main else None)
+        if options.slice_by is not None:
+            report = None
+            if main:
+                result.slices = values
+                report = slice_report(merged, values, metrics["num_labels"], metrics.get("label_names"),
+                                      (bootstrap, metrics.get("top_k")), len(rows), rows.clusters)
+            metrics["slices"] = ranks.broadcast_object(report)
+
+
+def _clustered(metrics: dict, merged, clusters: tuple, bootstrap) -> dict:
+    """Rank 0: ``metrics``, every interval resampling whole clusters (:func:`~dist_eval.clusters.clustered_report`)."""
+    from dist_eval.clusters import clustered_report
+    from dist_eval.metrics import softmax
+
+    column, names = clusters
+    return clustered_report(metrics, merged.labels, merged.preds, merged.losses, softmax(merged.logits),
+                            np.asarray(names, dtype=object)[merged.indices], column, bootstrap)
 
 
 def slice_report(merged, values: Dict[str, List[str]], num_labels: int, label_names, scoring,

@@ -25,7 +25,7 @@ import numpy as np
 from dist_eval import ranks
 from dist_eval.config import Options, Settings
 from dist_eval.data.labels import is_generic_names, label_names_of
-from dist_eval.data.sample import Rows, draw_rows
+from dist_eval.data.sample import Rows
 from dist_eval.errors import UsageError
 from dist_eval.loop_facts import LoopFacts
 from dist_eval.merge import MergedResults, merge_parts, rows_report
@@ -93,11 +93,9 @@ def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings,
 
 
 def _check_stopping(data, settings: Settings, models: int, sample_metrics) -> None:
-    import datasets
-
     param, value = ("stop_when_decided", True) if settings.stop_when_decided else ("stop_at_width",
                                                                                   settings.stop_at_width)
-    if not isinstance(data, (datasets.Dataset, Rows)):
+    if not isinstance(data, Rows) or data.order is None:
         raise UsageError(f"stopping early needs a datasets.Dataset (rows it can order and select), not "
                          f"{type(data).__name__}. Pass the Dataset, or drop {param}.", param=param, value=value)
     if settings.stop_when_decided and models != 2:
@@ -112,9 +110,8 @@ def _check_stopping(data, settings: Settings, models: int, sample_metrics) -> No
 class Rounds:
     """The set's rows in the --limit order, handed out ``stop_round_rows`` at a time."""
 
-    def __init__(self, data, settings: Settings):
-        rows = draw_rows(data, settings, in_key_order=True)  # the caller's draw, or drawn here once
-        self.data, self.order = rows.dataset, rows.order
+    def __init__(self, rows: Rows, settings: Settings):
+        self.data, self.order = rows.dataset, rows.order  # drawn once, in the key order (evaluation._rows_of)
         self.population = len(self.data)
         self.round_rows = settings.stop_round_rows
         self.number = 0  # rounds handed out

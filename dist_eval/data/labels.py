@@ -10,6 +10,25 @@ import numpy as np
 from dist_eval.errors import UsageError
 
 
+def column_values(dataset, columns: Sequence[str], rows=None) -> list:
+    """The values of each of ``columns`` of a ``datasets.Dataset`` (of ``rows`` only, in their
+    order, when given: indices or a slice), row by row. A dataset without a format or transform:
+    one read of just those rows and columns, as Python lists (iterating a Column reads it a row at a time, and
+    ``select()`` then a column read is several times slower: benchmarks/RESULTS.md). With a
+    format or a transform (which may read other columns), the Columns of ``select(rows)``:
+    their format decides the values.
+    """
+    if dataset.format["type"] is None:
+        index = rows if isinstance(rows, slice) else slice(None) if rows is None else rows.tolist()
+        values = dataset.select_columns(list(dict.fromkeys(columns)))[index]
+        return [values[name] for name in columns]
+    if isinstance(rows, slice):
+        rows = np.arange(*rows.indices(len(dataset)))
+    picked = dataset if rows is None else dataset.select(rows.tolist())
+    return [picked[name] for name in columns]
+
+
+
 @dataclass
 class TaskColumns:
     """The columns the task reads (their parameters: text_column, label_column, text_pair_column)."""

@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dist_eval.data.labels import TaskColumns, check_columns
+from dist_eval.data.groups import read_cluster_names, read_slice_values, warn_one_row_slices
+from dist_eval.data.labels import TaskColumns, check_columns, column_values
 
 
 def row_keys(columns: Sequence[Sequence], seed: int) -> np.ndarray:
@@ -40,24 +41,6 @@ def digest_each(base, rows: Iterable[bytes]) -> bytes:
         row.update(data)
         digests.append(row.digest())
     return b"".join(digests)
-
-
-def column_values(dataset, columns: Sequence[str], rows=None) -> list:
-    """The values of each of ``columns`` of a ``datasets.Dataset`` (of ``rows`` only, in their
-    order, when given: indices or a slice), row by row. A dataset without a format or transform:
-    one read of just those rows and columns, as Python lists (iterating a Column reads it a row at a time, and
-    ``select()`` then a column read is several times slower: benchmarks/RESULTS.md). With a
-    format or a transform (which may read other columns), the Columns of ``select(rows)``:
-    their format decides the values.
-    """
-    if dataset.format["type"] is None:
-        index = rows if isinstance(rows, slice) else slice(None) if rows is None else rows.tolist()
-        values = dataset.select_columns(list(dict.fromkeys(columns)))[index]
-        return [values[name] for name in columns]
-    if isinstance(rows, slice):
-        rows = np.arange(*rows.indices(len(dataset)))
-    picked = dataset if rows is None else dataset.select(rows.tolist())
-    return [picked[name] for name in columns]
 
 
 def sample_indices(columns: Sequence[Sequence], limit: int, seed: int) -> np.ndarray:
@@ -144,9 +127,11 @@ class HexKeys(SequenceABC):
 
 @dataclass
 class Rows:
-    """The rows an evaluation evaluates, drawn once (:func:`draw_rows`) and passed down: the
-    ``--limit`` sample of the data (every row without one), in its evaluation order, and with a
-    run that stops early each row's place in the seeded key order (its rounds' order).
+    """The rows an evaluation evaluates, drawn once (:func:`draw_rows`) and passed down whole: the
+    ``--limit`` sample of the data (every row without one), in its evaluation order; with a run that
+    stops early each row's place in the seeded key order (its rounds' order); each row's slice
+    names and cluster (``--slice-by``, ``--cluster-by``: :mod:`dist_eval.data.groups`) and, when
+    first asked, its content key (:attr:`keys`).
     """
 
     dataset: object  # a datasets.Dataset: the sample, in key order when drawn from a bigger set
@@ -154,9 +139,21 @@ class Rows:
     limit: int
     limit_seed: int
     order: Optional[np.ndarray] = None  # positions in ``dataset`` in the key order (a run in rounds)
+    key_columns: Tuple[str, ...] = ()  # the task's columns a row's content key is made of
+    slices: Dict[str, List[str]] = field(default_factory=dict)  # {column: each row's slice name}
+    clusters: Optional[tuple] = None  # (the --cluster-by column, each row's cluster), or None
+    grouped_by: tuple = (None, None)  # the (slice_by, cluster_by) that slices and clusters were read for
+    _keys: Optional[HexKeys] = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    @property
+    def keys(self) -> HexKeys:
+        """Each row's content key (:func:`content_keys`), hashed once, when first asked (rank 0's report)."""
+        if self._keys is None:
+            self._keys = HexKeys(dataset_keys(self.dataset, self.key_columns, CONTENT_KEY_SEED))
+        return self._keys
 
     def facts(self) -> dict:
         """What a report records of the sample (``run.sample``)."""
@@ -164,23 +161,37 @@ class Rows:
                 "rows": len(self.dataset)}
 
 
-def draw_rows(data, settings, in_key_order: bool = False) -> Rows:
+def draw_rows(data, settings, options=None, in_key_order: bool = False) -> Rows:
     """The rows an evaluation of ``data`` (a ``datasets.Dataset``, or Rows already drawn) evaluates:
     its task columns (``settings``' text, pair and label columns) checked, one line naming the flag,
-    then their ``settings.limit`` sample. ``in_key_order``: every row's place in the key order too
-    (a run in rounds). The one place rows are sampled or keyed by their content for the sample.
+    then their ``settings.limit`` sample; with ``options`` (:class:`dist_eval.config.Options`), each
+    row's slices and cluster. ``in_key_order``: every row's place in the key order too (a run in
+    rounds). The one place rows are sampled or keyed by their content.
     """
-    if isinstance(data, Rows) and (data.order is not None or not in_key_order):
-        return data
+    rows = data if isinstance(data, Rows) else None
+    if rows is None or (in_key_order and rows.order is None):
+        rows = _drawn(data, settings, in_key_order)
+    grouped_by = (None, None) if options is None else (options.slice_by, options.cluster_by)
+    if grouped_by != rows.grouped_by:
+        rows = replace(rows, slices=read_slice_values(rows.dataset, grouped_by[0]), grouped_by=grouped_by,
+                       clusters=None if grouped_by[1] is None else
+                       (grouped_by[1], read_cluster_names(rows.dataset, grouped_by[1])))
+        warn_one_row_slices(rows.slices)
+    return rows
+
+
+def _drawn(data, settings, in_key_order: bool) -> Rows:
+    """:func:`draw_rows`' sample (and key order) of a Dataset, or of Rows drawn without the key order."""
     dataset = data.dataset if isinstance(data, Rows) else data
     columns = TaskColumns.of(settings)
     check_columns(dataset, columns)
+    names = tuple(name for _, name in columns.named())
     num_rows, limit = len(dataset), settings.limit
     sampling = not isinstance(data, Rows) and bool(limit) and limit < num_rows
     order = None
     if sampling or in_key_order:
-        order = _dataset_key_order(dataset, [name for _, name in columns.named()], settings.limit_seed)
+        order = _dataset_key_order(dataset, names, settings.limit_seed)
     if sampling:
         dataset, order = dataset.select(order[:limit].tolist()), np.arange(limit)
     rows_in_data = data.rows_in_data if isinstance(data, Rows) else num_rows
-    return Rows(dataset, rows_in_data, limit, settings.limit_seed, order)
+    return Rows(dataset, rows_in_data, limit, settings.limit_seed, order, names)

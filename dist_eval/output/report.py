@@ -138,25 +138,23 @@ def _versions() -> dict:
     return out
 
 
-def texts_of(config: EvalConfig, settings: Settings, dataset, slices: Optional[dict] = None) -> Optional[dict]:
-    """Rank 0: with --save-text, {"text": ..., "text_pair": ...} of every row, in row order; with
-    --slice-by, {"slice": {column: value}} of every row; with --cluster-by, {"cluster": name}; always
-    {"key": each row's content key} (:func:`dist_eval.data.sample.content_keys`).
+def texts_of(config: EvalConfig, settings: Settings, rows, slices: Optional[dict] = None) -> Optional[dict]:
+    """Rank 0: with --save-text, {"text": ..., "text_pair": ...} of every row of ``rows`` (the run's
+    :class:`~dist_eval.data.sample.Rows`), in row order; with --slice-by, {"slice": {column: value}} of
+    every row; with --cluster-by, {"cluster": name}; always {"key": each row's content key}
+    (:attr:`dist_eval.data.sample.Rows.keys`).
     """
-    from dist_eval.data.sample import content_keys
     from dist_eval.output.files import ColumnCells, RowSlices
 
     # each a sequence by row index, its cells made or read as predictions.jsonl is written (issue 51)
-    out = {"key": content_keys(dataset, settings)}  # each row's content: compare pairs two runs' rows by it
+    out = {"key": rows.keys}  # each row's content: compare pairs two runs' rows by it
     if config.save_text:
         columns = {"text": settings.text_column, "text_pair": settings.text_pair_column}
-        out.update({key: ColumnCells(dataset, column) for key, column in columns.items() if column})
+        out.update({key: ColumnCells(rows.dataset, column) for key, column in columns.items() if column})
     if slices:  # each row's slices (evaluate()'s EvalResult.slices)
         out["slice"] = RowSlices(slices)
-    if config.options.cluster_by is not None:  # each row's cluster (--cluster-by)
-        from dist_eval.slices import read_cluster_names
-
-        out["cluster"] = read_cluster_names(dataset, config.options.cluster_by)
+    if rows.clusters is not None:  # each row's cluster (--cluster-by), read with the rows
+        out["cluster"] = rows.clusters[1]
     return out
 
 

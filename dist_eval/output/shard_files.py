@@ -52,27 +52,24 @@ class _Content:
         return self._rows
 
 
-def content_key(dataset, settings) -> str:
-    """A hash of the rows' task columns (text, text pair, label), row by row in evaluation order:
-    the same for the same rows in the same order, whatever files and file order they came from.
+def content_key(rows) -> str:
+    """A hash of the rows' content keys (:attr:`dist_eval.data.sample.Rows.keys`: their text, text pair
+    and label), row by row in evaluation order: the same for the same rows in the same order, whatever
+    files and file order they came from.
     """
     import hashlib
 
-    from dist_eval.data.labels import TaskColumns
-    from dist_eval.data.sample import column_values, row_keys
-
-    names = [name for _, name in TaskColumns.of(settings).named()]
-    return hashlib.sha256(row_keys(column_values(dataset, names), 0).tobytes()).hexdigest()[:16]
+    return hashlib.sha256(rows.keys.keys.tobytes()).hexdigest()[:16]
 
 
-def merge_key(job, pair, model, dataset) -> Tuple[str, str]:
+def merge_key(job, pair, model, rows) -> Tuple[str, str]:
     """(the run key with the set identified by its rows' content, that content key): what every
     shard of one run shares, from any files holding the same rows in the same order.
     """
     from dist_eval import resume
 
-    content = content_key(dataset, job.settings)
-    return resume.run_key(job.model_dir, pair.checkpoint.path, _Content(dataset, content), job.split, model,
+    content = content_key(rows)
+    return resume.run_key(job.model_dir, pair.checkpoint.path, _Content(rows.dataset, content), job.split, model,
                           job.settings, job.head), content
 
 
@@ -83,7 +80,7 @@ def write_shard(folder: str, result, session, pair, rows, texts: Optional[dict])
     of each row beside its numbers (texts, slices; by row index).
     """
     config, run = session.config, result.metrics["run"]
-    key, content = merge_key(session.job, pair, session.model, rows.dataset)
+    key, content = merge_key(session.job, pair, session.model, rows)
     merged: MergedResults = result.predictions
     mine = merged.indices  # this shard's rows of the set
     arrays = {name: getattr(merged, name) for name in ARRAY_FIELDS if getattr(merged, name) is not None}
