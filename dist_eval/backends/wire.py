@@ -363,7 +363,7 @@ async def _forward_chain(request: _Request, manager, own_digest: Optional[Callab
             inputs, block = output, span.end
             route.append(span)
             break
-    request.servers = {str(s.peer_id) for s in route}
+    request.servers = _peers(route)
     if ledger is not None:
         _blame_non_finite(ledger, non_finite, request, finite_from=route)
         try:
@@ -387,7 +387,7 @@ def _non_finite(request: _Request, span, output: torch.Tensor, end: int) -> List
 def _blame_non_finite(ledger: audit.AuditLedger, non_finite: Dict[str, List[int]], request: _Request,
                       finite_from) -> None:
     """Blame the servers whose answers had NaN or inf where others' (``finite_from``) had numbers."""
-    peers, rows = [str(s.peer_id) for s in finite_from], len(request.positions)
+    peers, rows = _peer_list(finite_from), len(request.positions)
     for peer, bad in non_finite.items():
         if not ledger.blame_non_finite(peer, len(bad), peers, redo=request.redoes):
             raise audit.AuditMismatch(
@@ -407,7 +407,7 @@ def _route(manager, block: int, end: int, request: Optional[_Request] = None,
     spans[-1].end = min(spans[-1].end, end)
     ledger = audit.ledger_of(manager)
     left_out = set(non_finite or ()) | (set(ledger.excluded) if ledger is not None else set())
-    if left_out and any(str(s.peer_id) in left_out for s in spans):
+    if left_out and _peers(spans) & left_out:
         around = audit.disjoint_route(manager, left_out, end, None, start=block)
         if around is not None:
             spans = deque(around)
@@ -488,7 +488,12 @@ async def _elsewhere(request: _Request, manager, avoid: set, own_digest, ledger:
 
 
 def _peers(spans) -> set:
-    return {str(s.peer_id) for s in spans}
+    return set(_peer_list(spans))
+
+
+def _peer_list(spans) -> list:
+    """The servers of ``spans`` by peer id, in route order (how the ledger names them)."""
+    return [str(s.peer_id) for s in spans]
 
 
 async def _audit(request: _Request, manager, route: list, answer: torch.Tensor, own_digest,
@@ -497,7 +502,7 @@ async def _audit(request: _Request, manager, route: list, answer: torch.Tensor, 
     rows (a row check; beyond its tolerance, the whole request), or the whole request (a join probe, or
     every row drawn).
     """
-    peers = [str(s.peer_id) for s in route]
+    peers = _peer_list(route)
     reason, drawn = ledger.pick(audit.row_digests(request.token_ids, request.hidden_states, request.positions,
                                                   request.prompt_tokens), peers, request.hidden_states.shape[1])
     if reason is None:
@@ -514,7 +519,7 @@ async def _rows_agree(request: _Request, manager, route: list, answer: torch.Ten
     :func:`~dist_eval.backends.audit.rows_tolerance` of the answer's rows (True; also where no replay
     answered: the request stands unchecked). False: the request is to be replayed whole.
     """
-    peers = [str(s.peer_id) for s in route]
+    peers = _peer_list(route)
     other, replayed, _ = await _elsewhere(request.of_rows(drawn), manager, set(peers), own_digest, ledger, route)
     if replayed is None:
         ledger.taken_unchecked(peers, replay_failed=other is not None)
@@ -535,7 +540,7 @@ async def _replay_whole(request: _Request, manager, route: list, answer: torch.T
     outside both settles who is outvoted (an outvoted route of several servers: its spans searched,
     :func:`_span_at_fault`); the outvoted server is left out, or the run stops.
     """
-    peers, rows = [str(s.peer_id) for s in route], len(request.positions)
+    peers, rows = _peer_list(route), len(request.positions)
     other, replayed, other_trace = await _elsewhere(request, manager, set(peers), own_digest, ledger, route)
     if replayed is None:
         ledger.taken_unchecked(peers, replay_failed=other is not None)
@@ -556,7 +561,7 @@ async def _replay_whole(request: _Request, manager, route: list, answer: torch.T
     stands = audit.exclude_if_unused(ledger, rows, route, other, gap, third, agrees_with, redo=request.redoes,
                                      found=found)
     if stands is not None:  # the outvoted server left out (its answers taken before redone): the majority's stands
-        ledger.record([str(s.peer_id) for s in (route if stands == "first" else other)], rows, 0.0, None)
+        ledger.record(_peer_list(route if stands == "first" else other), rows, 0.0, None)
         if stands == "second":
             request.servers = _peers(other)
         return answer if stands == "first" else replayed
