@@ -270,7 +270,8 @@ def main() -> int:
     p.add_argument("--phases", action="store_true", help="each rank's peak in each phase too")
     p.add_argument("--resume-kill", type=float, default=60.0,
                    help="resume mode without a full run in this invocation: seconds before the first run is killed")
-    p.add_argument("--baseline", default="main", help="git ref run beside this checkout ('' for none)")
+    p.add_argument("--baseline", default="main",
+                   help="git ref (or a folder of code) run beside this checkout ('' for none)")
     p.add_argument("--out", default=None, help="a JSON file for the figures")
     p.add_argument("--table", default=None, help="only print the table of a JSON file written by --out")
     args = p.parse_args()
@@ -282,8 +283,9 @@ def main() -> int:
              "results": {}}
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as workdir:
         codes = {"this checkout": ROOT}
-        if args.baseline:
-            codes[f"baseline {args.baseline}"] = export(args.baseline, tempfile.mkdtemp(dir=workdir))
+        if args.baseline:  # a folder of code as it is (e.g. a copy of a commit under test), else a git ref
+            codes[f"baseline {args.baseline}"] = args.baseline if os.path.isdir(args.baseline) else \
+                export(args.baseline, tempfile.mkdtemp(dir=workdir))
         for rows in saved["sizes"]:
             data = os.path.join(workdir, f"set{rows}")
             os.makedirs(data)

@@ -6,7 +6,6 @@ Values are ``local_`` (one rank's) or ``global_`` (over every rank) as in the na
 """
 from __future__ import annotations
 
-import tempfile
 from dataclasses import astuple, dataclass, field, fields
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -26,7 +25,7 @@ from dist_eval.metrics import (
     score_metrics,
     softmax,
 )
-from dist_eval.predict import SAMPLE_VALUE_PREFIX, ShardResults
+from dist_eval.predict import SAMPLE_VALUE_PREFIX, ShardResults, mapped_array
 
 
 class CoverageError(RuntimeError):
@@ -175,19 +174,6 @@ def _merge_payloads(payloads: List[dict], coverage: _Coverage, span: Optional[Tu
 # Row indices merged at once on rank 0 (issue 51): each round gathers every rank's results of one
 # range of this many row indices, merges them, and writes them to the merged columns' files
 MERGE_CHUNK_ROWS = 1 << 16
-
-
-def mapped_array(shape: tuple, dtype) -> np.ndarray:
-    """A zeroed array mapped from a temporary file of the local disk ($TMPDIR), unlinked as it is
-    made (the kernel frees it when the process ends, however it ends): the page cache's, not the
-    heap's, written back to disk under memory pressure.
-    """
-    size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    if size == 0:
-        return np.zeros(shape, dtype=dtype)
-    with tempfile.TemporaryFile(prefix="dist_eval-merged-") as f:
-        f.truncate(size)
-        return np.asarray(np.memmap(f, dtype=dtype, mode="r+", shape=shape))  # the map keeps its own handle
 
 
 # Rows whose softmax is computed at once (row by row: a chunk's rows get the whole array's bits)

@@ -1,11 +1,13 @@
 """The no-grad loop over this rank's batches."""
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, Iterable, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -172,6 +174,100 @@ def _sample_value(name: str, fn: Callable, batch_logits: np.ndarray, batch_label
     return value
 
 
+def mapped_array(shape: tuple, dtype) -> np.ndarray:
+    """A zeroed array mapped from a temporary file of the local disk ($TMPDIR), unlinked as it is
+    made (the kernel frees it when the process ends, however it ends): the page cache's, not the
+    heap's, written back to disk under memory pressure.
+    """
+    size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if size == 0:
+        return np.zeros(shape, dtype=dtype)
+    with tempfile.TemporaryFile(prefix="dist_eval-merged-") as f:
+        f.truncate(size)
+        return np.asarray(np.memmap(f, dtype=dtype, mode="r+", shape=shape))  # the map keeps its own handle
+
+
+class _ColumnFiles:
+    """One rank's per-row results, a column a file: each batch's rows written as it finishes to
+    unlinked temporary files of $TMPDIR (freed however the process ends), so that the loop holds its
+    batches in flight, not its rows (issue 51). A batch evaluated again is written in place (or,
+    its rows fewer, at the end: ``spans`` say where each batch's rows are); ``kept``: the rows
+    still counted of a batch some of whose rows were taken out (:meth:`ShardLoop.stored_due`).
+    """
+
+    def __init__(self, columns: Dict[str, tuple]):
+        self.columns = columns  # {name: (dtype, shape of a row's value)}
+        # open as long as the loop (its results' memory maps keep their own handles)
+        self.files = {name: tempfile.TemporaryFile(prefix="dist_eval-rows-") for name in columns}  # noqa: SIM115
+        self.spans: List[Tuple[int, int]] = []  # each batch's (first row in the files, rows)
+        self.kept: Dict[int, np.ndarray] = {}
+        self.end = 0  # rows written
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def _row_bytes(self, name: str) -> int:
+        dtype, shape = self.columns[name]
+        return int(np.dtype(dtype).itemsize * np.prod(shape, dtype=np.int64))
+
+    def put(self, position: int, values: Dict[str, np.ndarray]) -> None:
+        """A batch's values by column, new (``position`` == len(self)) or in place of that batch's."""
+        count = len(values["indices"])
+        if position < len(self.spans) and position not in self.kept and self.spans[position][1] == count:
+            start = self.spans[position][0]
+        else:
+            start, self.end = self.end, self.end + count
+        for name, (dtype, shape) in self.columns.items():
+            data = np.ascontiguousarray(values[name], dtype=dtype).reshape(count, *shape)
+            os.pwrite(self.files[name].fileno(), data.tobytes(), start * self._row_bytes(name))
+        self.kept.pop(position, None)
+        if position == len(self.spans):
+            self.spans.append((start, count))
+        else:
+            self.spans[position] = (start, count)
+
+    def batch(self, name: str, position: int) -> np.ndarray:
+        """One batch's values of a column (its rows still counted)."""
+        dtype, shape = self.columns[name]
+        start, count = self.spans[position]
+        size = self._row_bytes(name)
+        data = os.pread(self.files[name].fileno(), count * size, start * size)
+        values = np.frombuffer(data, dtype=dtype).reshape(count, *shape).copy()
+        return values[self.kept[position]] if position in self.kept else values
+
+    def keep_only(self, position: int, kept: np.ndarray) -> None:
+        """Of a batch's rows still counted, only ``kept`` stay counted."""
+        mask = self.kept.get(position, np.ones(self.spans[position][1], dtype=bool))
+        mask[np.flatnonzero(mask)] = kept
+        self.kept[position] = mask
+
+    def rows_of(self, positions: Sequence[int], name: str) -> np.ndarray:
+        """The values of a column, the batches ``positions`` one after another."""
+        dtype, shape = self.columns[name]
+        parts = [self.batch(name, position) for position in positions]
+        return np.concatenate(parts) if parts else np.zeros((0, *shape), dtype=dtype)
+
+    def whole(self) -> Dict[str, np.ndarray]:
+        """Every column, the batches in order: memory maps of the files, read-only (copied into new ones,
+        a batch at a time, where batches were written out of order or lost rows).
+        """
+        in_order = not self.kept and all(span[0] == start for span, start in
+                                         zip(self.spans, np.cumsum([0] + [c for _, c in self.spans]).tolist()))
+        total = sum(count for _, count in self.spans) - sum(int((~m).sum()) for m in self.kept.values())
+        out = {}
+        for name, (dtype, shape) in self.columns.items():
+            if not total:
+                out[name] = np.zeros((0, *shape), dtype=dtype)
+            elif in_order:
+                out[name] = np.asarray(np.memmap(self.files[name], dtype=dtype, mode="r", shape=(total, *shape)))
+            else:
+                out[name], at = mapped_array((total, *shape), dtype), 0
+                for position in range(len(self.spans)):
+                    values = self.batch(name, position)
+                    out[name][at:at + len(values)], at = values, at + len(values)
+        return out
+
+
 class ShardLoop:
     """One rank's forward loop and its results (:func:`predict_shard`); :func:`redo_blamed_on_other_ranks`
     evaluates again, in place, its batches of swarm servers blamed on other ranks.
@@ -181,8 +277,10 @@ class ShardLoop:
                  sample_metrics: Optional[Dict[str, Callable]] = None, known=None):
         self.model, self.num_labels, self.keep_logits, self.known = model, num_labels, keep_logits, known
         self.sample_metrics = sample_metrics or {}
-        self.indices, self.labels, self.preds, self.losses, self.logits_kept = [], [], [], [], []
-        self.sample_values: Dict[str, list] = {name: [] for name in self.sample_metrics}
+        self.rows = _ColumnFiles({
+            "indices": (np.int64, ()), "labels": (np.int64, ()), "preds": (np.int64, ()), "losses": (np.float64, ()),
+            **({"logits": (np.float32, (num_labels,))} if keep_logits else {}),
+            **{SAMPLE_VALUE_PREFIX + name: (np.float64, ()) for name in self.sample_metrics}})
         self.sources: list = []  # where each batch's logits came from (None: a forward of this run)
         self.redone_positions: set = set()  # batches evaluated again since :meth:`take_redone`
         self.from_store: set = set()  # positions of the row store's batches (rank 0), their servers recorded
@@ -204,20 +302,17 @@ class ShardLoop:
                 self.known.redone(self.sources[position], rows)  # known logits replaced: no longer counted as such
             self.known.took(batch_id, rows, batch_logits, source, taken)  # evaluated again: its newer copy wins
         # argmax picks the first maximum on ties, the same on every rank
-        done = [(self.preds, batch_logits.argmax(axis=1).astype(np.int64)),
-                (self.losses, per_sample_cross_entropy(batch_logits, batch_labels)),
-                (self.sources, source),
-                *([(self.logits_kept, batch_logits)] if self.keep_logits else []),
-                *((self.sample_values[name], _sample_value(name, fn, batch_logits, batch_labels))
-                  for name, fn in self.sample_metrics.items())]
-        if position == len(self.indices):  # a new batch (else one evaluated again: its results replaced)
-            self.indices.append(rows)
-            self.labels.append(np.asarray(batch_labels, dtype=np.int64))
-        for values, value in done:
-            if position == len(values):
-                values.append(value)
-            else:
-                values[position] = value
+        self.rows.put(position, {
+            "indices": rows, "labels": np.asarray(batch_labels, dtype=np.int64),
+            "preds": batch_logits.argmax(axis=1).astype(np.int64),
+            "losses": per_sample_cross_entropy(batch_logits, batch_labels),
+            **({"logits": batch_logits} if self.keep_logits else {}),
+            **{SAMPLE_VALUE_PREFIX + name: _sample_value(name, fn, batch_logits, batch_labels)
+               for name, fn in self.sample_metrics.items()}})
+        if position == len(self.sources):
+            self.sources.append(source)
+        else:
+            self.sources[position] = source
 
     def run(self, batches: Iterable[Batch], on_batch_done: Optional[Callable[[int], None]] = None,
             in_flight: int = 1) -> None:
@@ -226,10 +321,10 @@ class ShardLoop:
             if seconds is not None:
                 self.forward_seconds += seconds
                 self.max_batch_seconds = max(self.max_batch_seconds, seconds)
-            self.put(len(self.indices), batch, logits, source, taken)
-            self.redo.watch(len(self.indices) - 1, batch, taken)
+            self.put(len(self.rows), batch, logits, source, taken)
+            self.redo.watch(len(self.rows) - 1, batch, taken)
             if source == FROM_STORE:  # looked at for every server blamed so far too
-                self.from_store.add(len(self.indices) - 1)
+                self.from_store.add(len(self.rows) - 1)
                 self.store_blamed = set()
             self.evaluate_again()
             if on_batch_done is not None:
@@ -242,7 +337,7 @@ class ShardLoop:
         due = self.redo.due() + self.stored_due()
         while due:
             for position, again in due:  # None: the row store's rows taken out of their batch, a new batch
-                position = len(self.indices) if position is None else position
+                position = len(self.rows) if position is None else position
                 logits, _, _, taken = _timed_forward(self.model, again[2], again)
                 self.redo.redone(position, again, taken, len(again[1]))
                 self.put(position, again, logits, None, taken)
@@ -260,19 +355,14 @@ class ShardLoop:
         self.store_blamed = blamed
         due = []
         for position in sorted(self.from_store):
-            rows = self.indices[position]
+            rows = self.rows.batch("indices", position)
             bad = np.array([bool(servers & blamed) for servers in self.known.stored_servers(rows)], dtype=bool)
             if bad.any():
-                labels = self.labels[position][bad]
+                labels = self.rows.batch("labels", position)[bad]
                 self.known.redone(FROM_STORE, rows[bad])
-                self._keep_only(position, ~bad)
+                self.rows.keep_only(position, ~bad)
                 due += [(None, batch) for batch in self.known.batches_of(rows[bad], labels)]
         return due
-
-    def _keep_only(self, position: int, kept: np.ndarray) -> None:
-        for values in (self.indices, self.labels, self.preds, self.losses,
-                       *([self.logits_kept] if self.keep_logits else []), *self.sample_values.values()):
-            values[position] = values[position][kept]
 
     def take_redone(self) -> Optional[dict]:
         """The results of the batches evaluated again since the last call (rows, preds, losses, logits,
@@ -281,22 +371,16 @@ class ShardLoop:
         positions, self.redone_positions = sorted(self.redone_positions), set()
         if not positions:
             return None
-        fields = {"rows": self.indices, "preds": self.preds, "losses": self.losses,
-                  **({"logits": self.logits_kept} if self.keep_logits else {}),
-                  **{SAMPLE_VALUE_PREFIX + name: values for name, values in self.sample_values.items()}}
-        return {key: np.concatenate([values[p] for p in positions]) for key, values in fields.items()}
+        return {("rows" if name == "indices" else name): self.rows.rows_of(positions, name)
+                for name in self.rows.columns if name != "labels"}
 
     def results(self) -> ShardResults:
-        def cat(parts, dtype, shape=(0,)):
-            return np.concatenate(parts) if parts else np.zeros(shape, dtype=dtype)
-
+        """This rank's results, the batches in order: memory maps of its files (:class:`_ColumnFiles`)."""
+        columns = self.rows.whole()
         return ShardResults(
-            indices=cat(self.indices, np.int64),
-            labels=cat(self.labels, np.int64),
-            preds=cat(self.preds, np.int64),
-            losses=cat(self.losses, np.float64),
-            logits=cat(self.logits_kept, np.float32, (0, self.num_labels)) if self.keep_logits else None,
-            sample_values={name: cat(parts, np.float64) for name, parts in self.sample_values.items()},
+            indices=columns.pop("indices"), labels=columns.pop("labels"), preds=columns.pop("preds"),
+            losses=columns.pop("losses"), logits=columns.pop("logits", None),
+            sample_values={name[len(SAMPLE_VALUE_PREFIX):]: values for name, values in columns.items()},
             forward_seconds=self.forward_seconds,
             max_batch_seconds=self.max_batch_seconds,
             num_resumed=self.known.rows_resumed if self.known is not None else 0,

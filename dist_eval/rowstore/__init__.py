@@ -58,6 +58,7 @@ import numpy as np
 from dist_eval.atomic import atomic_write, cache_folder, read_regular
 from dist_eval.backends.provenance import tokenizer_digest
 from dist_eval.errors import warn
+from dist_eval.predict import mapped_array
 
 MAGIC = b"DIST_EVAL_ROWS\x00"
 FORMAT_VERSION = 1
@@ -513,7 +514,9 @@ class RowSource:
         self.last_batch = time.perf_counter()  # the wall time of each batch: since the one before
         if message is None:
             return
-        self.folder, key, self.key_array, self.stored_rows, self.fresh = message
+        self.folder, key, keys, self.stored_rows, self.fresh = message
+        self.key_array = mapped_array(keys.shape, keys.dtype)  # every row's key (16 bytes): on disk, not the heap
+        self.key_array[:] = keys
         self.writer = RowWriter(self.folder, key, rank)
 
     def batches(self, labels: np.ndarray, rows_per_batch: int = 4096) -> list:
