@@ -221,3 +221,40 @@ if __name__ == "__main__":  # --record: this code's outputs on this machine beco
     if sys.argv[1:] != ["--record"]:
         raise SystemExit("usage: python tests/test_memory_bounded.py --record")
     record()
+
+
+def test_the_forward_loop_keeps_its_rows_in_files_as_it_put_them():
+    """ShardLoop's results are its batches' values as put, in order, read from its files as memory maps:
+    a batch evaluated again replaces its values in place, the row store's rows taken out of a batch are
+    gone, take_redone gives the batches evaluated again (issue 51: the loop holds no list of arrays)."""
+    import torch
+
+    from dist_eval.predict import ShardLoop
+
+    def model(ids):
+        return ids[:, :3].float() / 7
+
+    rng = np.random.default_rng(1)
+    batches = [(b, np.arange(10 * b, 10 * b + n), torch.from_numpy(rng.integers(0, 50, (n, 4))), rng.integers(0, 3, n))
+               for b, n in enumerate((5, 3, 4))]
+    loop = ShardLoop(model, 3, keep_logits=True, sample_metrics={"m": lambda logits, labels: logits[:, 0] + labels})
+    loop.run(batches)
+    again = (1, batches[1][1], batches[1][2] + 1, batches[1][3])  # batch 1 evaluated again: other logits
+    loop.put(1, again, model(again[2]), None, None)
+    loop.redone_positions.add(1)
+    loop.rows.keep_only(0, np.array([True, False, True, True, False]))
+    done = [(batches[0][1], batches[0][2], batches[0][3]), (again[1], again[2], again[3]), batches[2][1:]]
+    done[0] = tuple(values[[0, 2, 3]] for values in done[0])
+    logits = np.concatenate([model(ids).numpy() for _, ids, _ in done])
+    labels = np.concatenate([labels for _, _, labels in done])
+    results = loop.results()
+    assert results.indices.tolist() == np.concatenate([rows for rows, _, _ in done]).tolist()
+    assert results.labels.tolist() == labels.tolist()
+    assert results.logits.tobytes() == logits.tobytes()
+    assert results.preds.tolist() == logits.argmax(axis=1).tolist()
+    assert results.sample_values["m"].tobytes() == (logits[:, 0].astype(np.float64) + labels).tobytes()
+    redone = loop.take_redone()
+    assert redone["rows"].tolist() == again[1].tolist()
+    assert redone["logits"].tobytes() == model(again[2]).numpy().tobytes()
+    loop.rows.kept.clear()  # every batch's rows, in order: the files themselves, mapped
+    assert isinstance(loop.results().logits.base, np.memmap)
