@@ -1,8 +1,9 @@
-"""Stopping early: evaluate a set in rounds of rows, in the --limit order, until the
-time-uniform interval (:mod:`dist_eval.sequential`) says the answer is known.
+"""The rounds: a run that does not stop early is one round of every row; stopping early evaluates
+a set in rounds of rows, in the --limit order, until the time-uniform interval
+(:mod:`dist_eval.sequential`) says the answer is known.
 
     the set's rows in their content-hash order (data/sample.draw_rows)
-      -> for each round of ``stop_round_rows`` rows: evaluation.evaluate_once on them (every rank, exact)
+      -> for each round of ``stop_round_rows`` rows: exact.evaluate_once on them (every rank, exact)
          -> rank 0: the per-row values seen so far -> the confidence sequence -> stop? (broadcast)
       -> rank 0: the metrics of the rows used (one merged set), the run's facts, ``stopping``
 
@@ -23,10 +24,11 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from dist_eval import ranks
-from dist_eval.config import Options, Settings
+from dist_eval.config import Settings
 from dist_eval.data.labels import is_generic_names, label_names_of
 from dist_eval.data.sample import Rows
 from dist_eval.errors import UsageError
+from dist_eval.exact import EvalResult, Request, evaluate_once, without_logits
 from dist_eval.loop_facts import LoopFacts
 from dist_eval.merge import MergedResults, merge_parts, rows_report
 from dist_eval.metrics import default_top_k
@@ -44,31 +46,45 @@ from dist_eval.sequential import (
 LEVEL = 0.95
 
 
-def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings, options: Options, *, label_names,
-                       model_names, user_metrics, sample_metrics, on_batch_done, resume_folders) -> list:
-    """``evaluate()`` with ``stop_at_width`` (one evaluator) or ``stop_when_decided`` (two, on
-    the same rows): for each evaluator, (the report on every rank, the merged rows used on
-    rank 0, None elsewhere). An evaluator ``(dataset, **keywords)`` is one exact evaluation of
-    the rows given (``evaluation.evaluate_once``, never ``evaluate`` back: no recursion), for one
-    checkpoint (``evaluate``) and for the comparison (``evaluate_pair``, the CLI's
-    ``--stop-when-decided``) alike; ``model_names``: the first model's class names (or None);
-    ``resume_folders``: one per evaluator (or None).
+def evaluate_rows(models: Sequence, data, request: Request, on_model: Optional[Callable[[int], None]] = None) -> list:
+    """Each model's :class:`~dist_eval.exact.EvalResult` on ``data`` (the run's Rows, or a DataLoader):
+    one round of every row (one model that does not stop early: :func:`~dist_eval.exact.evaluate_once`,
+    with the intervals), or rounds of rows until the interval says stop (:func:`evaluate_in_rounds`).
+    ``models``: one, or two on the same rows; ``on_model(i)``: called before each evaluation of model ``i``.
     """
-    _check_stopping(data, settings, len(evaluators), sample_metrics)
-    rounds = Rounds(data, settings)
-    names = _class_names(label_names, model_names, rounds.data, settings.label_column)
-    keywords = dict(label_names=names, sample_metrics=sample_metrics, return_logits=True,
-                    settings=rounds.settings, options=replace(options, bootstrap_resamples=0),
-                    on_batch_done=_rows_only(on_batch_done))
-    seen = [Seen(settings.stop_metric, options.top_k) for _ in evaluators]
+    if not request.settings.stops_early and len(models) == 1:
+        return [evaluate_once(models[0], data.dataset if isinstance(data, Rows) else data, request,
+                              (request.resume_folders or [None])[0])]
+    return evaluate_in_rounds(models, data, request, on_model)
+
+
+def evaluate_in_rounds(models: Sequence, rows: Rows, request: Request,
+                       on_model: Optional[Callable[[int], None]] = None) -> list:
+    """``evaluate()`` with ``stop_at_width`` (one model) or ``stop_when_decided`` (two, on the same
+    rows): an EvalResult per model, its report on every rank, its merged rows used on rank 0 (None
+    elsewhere). Each round is one exact evaluation of its rows (:func:`dist_eval.exact.evaluate_once`,
+    never ``evaluate`` back: no recursion), for one checkpoint (``evaluate``) and for the comparison
+    (``evaluate_pair``, the CLI's ``--stop-when-decided``) alike.
+    """
+    settings, options = request.settings, request.options
+    model_names = request.model_names(models[0])
+    _check_stopping(rows, settings, len(models), request.sample_metrics)
+    rounds = Rounds(rows, settings)
+    names = _class_names(request.label_names, model_names, rounds.data, settings.label_column)
+    each_round = replace(request, label_names=names, metrics=None, return_logits=True, settings=rounds.settings,
+                         options=replace(options, bootstrap_resamples=0),
+                         on_batch_done=_rows_only(request.on_batch_done))
+    seen = [Seen(settings.stop_metric, options.top_k) for _ in models]
+    folders = request.resume_folders or [None] * len(seen)
     running = None  # rank 0: the confidence sequence, a round at a time
     decision = None
     while decision is None:
-        rows = rounds.next_rows()
-        subset = rounds.data.select(rows.tolist())
-        for evaluate_rows, mine, folder in zip(evaluators, seen, resume_folders or [None] * len(evaluators)):
-            mine.add(evaluate_rows(data=subset, resume_folder=rounds.folder(folder), loops=mine.loops, **keywords),
-                     rows)
+        indices = rounds.next_rows()
+        subset = rounds.data.select(indices.tolist())
+        for index, (model, mine, folder) in enumerate(zip(models, seen, folders)):
+            if on_model is not None:
+                on_model(index)
+            mine.add(evaluate_once(model, subset, each_round, rounds.folder(folder), loops=mine.loops), indices)
             mine.patch(redone_in_earlier_rounds(mine.loops))  # a swarm server blamed now: its earlier rounds' rows
         if ranks.is_main_process():
             if running is None or any(mine.patched for mine in seen):  # the sequence of the numbers as they are now
@@ -79,17 +95,20 @@ def evaluate_in_rounds(evaluators: Sequence[Callable], data, settings: Settings,
                     mine.patched = False
             decision = _decide(running.extend(_round_values(seen)), len(seen) == 2, rounds, settings)
         decision = ranks.broadcast_object(decision)
-    out = []
-    for mine in seen:
-        report, merged = None, None
-        if ranks.is_main_process():
-            merged = mine.merged()
-            report = rows_report(merged, mine.num_labels, mine.label_names, user_metrics,
-                                 ((options.bootstrap_resamples, options.bootstrap_seed), options.top_k))
-            report.update(mine.total().report())
-            report["stopping"] = _stopping_facts(decision, settings, mine, rounds.population)
-        out.append((ranks.broadcast_object(report), merged))
-    return out
+    return [_result_of(mine, decision, request, rounds.population) for mine in seen]
+
+
+def _result_of(mine: Seen, decision: dict, request: Request, population: int) -> EvalResult:
+    """A model's result of the rows used: rank 0 merges its rounds, reports them and sends the report."""
+    report, merged, options = None, None, request.options
+    if ranks.is_main_process():
+        merged = mine.merged()
+        report = rows_report(merged, mine.num_labels, mine.label_names, request.metrics,
+                             ((options.bootstrap_resamples, options.bootstrap_seed), options.top_k))
+        report.update(mine.total().report())
+        report["stopping"] = _stopping_facts(decision, request.settings, mine, population)
+    return EvalResult(metrics=ranks.broadcast_object(report),
+                      predictions=merged if request.return_logits else without_logits(merged))
 
 
 def _check_stopping(data, settings: Settings, models: int, sample_metrics) -> None:
@@ -111,7 +130,7 @@ class Rounds:
     """The set's rows in the --limit order, handed out ``stop_round_rows`` at a time."""
 
     def __init__(self, rows: Rows, settings: Settings):
-        self.data, self.order = rows.dataset, rows.order  # drawn once, in the key order (evaluation._rows_of)
+        self.data, self.order = rows.dataset, rows.order  # drawn once, in the key order (data.sample.draw_rows)
         self.population = len(self.data)
         self.round_rows = settings.stop_round_rows
         self.number = 0  # rounds handed out
@@ -150,7 +169,7 @@ class Seen:
         self.reports: List[dict] = []
         self.round_facts: List[LoopFacts] = []
         self.started = time.perf_counter()
-        self.loops: list = []  # this rank's forward loop of each round (evaluation.evaluate_once's; None: no audit)
+        self.loops: list = []  # this rank's forward loop of each round (exact.evaluate_once's; None: no audit)
         self.patched = False  # rank 0: an earlier round's rows evaluated again since the sequence took them
         self.redone_decisions: set = set()  # rank 0: the rounds after which a decision took numbers redone since
 

@@ -32,7 +32,8 @@ def test_only_loop_facts_writes_the_loop_keys():
     evaluation core spells its keys (the report's renderers read metrics.json as written)."""
     keys = {"eval_loop_seconds", "resumed_samples", "rows_from_store", "per_rank_samples", "forward_seconds_sum",
             "loop_cpu_seconds_sum", "duplicates_dropped", "rows_evaluated", "samples_per_second"}
-    core = ["merge.py", "evaluation.py", "stopping.py", "known.py", "predict.py", "pipeline.py", "output/report.py"]
+    core = ["merge.py", "evaluation.py", "exact.py", "stopping.py", "known.py", "predict.py", "pipeline.py",
+            "output/report.py"]
     found = []
     for name in core:
         path = os.path.join(REPO, "dist_eval", name)

@@ -209,7 +209,9 @@ LAYERS = (
     ("data", "backends"),  # the rows; the model (its table, loaders, backends, provenance)
     ("swarm", "predict", "progress", "resume", "paired", "config", "demo"),  # servers; the forward loop; settings
     ("merge", "rowstore", "demo_build", "clusters"),  # rank 0's merge; the store of known rows; clustered intervals
-    ("slices", "stopping", "known"),  # the known logits: the resume folder and the row store, one source
+    ("slices", "known"),  # metrics per slice; the known logits: the resume folder and the row store, one source
+    ("exact",),  # one exact evaluation of every row: batches -> forwards -> merge
+    ("stopping",),  # the rounds: one of every row, or rounds until the interval says stop
     ("compare", "rescore", "output", "evaluation"),  # the report writers; the evaluation core
     ("pipeline", "shard_merge"),  # the CLI's flow; the shards' merge (the report writers below)
     ("cli",),
