@@ -7,8 +7,10 @@ block is on two servers (placement 0:2, 2:4, 0:4),
 - when every server of some blocks is killed mid-run, every rank exits non-zero with
   one line naming those blocks, bounded by --swarm-timeout.
 
-Marked `swarm` and `multiproc`. Each of the two tests that kill servers has a swarm of its
-own (function-scoped): a swarm one of them killed part of must not be another's, in any order.
+Marked `swarm` and `multiproc`. The two cases that kill servers are one test on one swarm
+(function-scoped), in that order: the second's kill leaves blocks without a server whether or
+not the first's server is dead, and no other test sees a swarm they killed part of (each case
+started a 3-server swarm of its own before: one start and stop fewer).
 """
 import json
 import os
@@ -98,13 +100,16 @@ class BackgroundCli:
 
 
 def kill_server(swarm, index):
-    """SIGKILL a server's whole process group (the server, its workers and its p2pd)."""
-    pgid = swarm.pgids[index]
+    """SIGKILL a server's whole process group (the server, its workers and its p2pd); False if it
+    was dead already. By the server's own record: ``swarm.pgids`` leaves out servers seen gone."""
+    server = swarm.servers[index]
+    if server.proc.poll() is not None:
+        return False  # killed earlier in the test
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(server.pgid, signal.SIGKILL)
     except ProcessLookupError:
-        return False  # already dead (an earlier test killed it)
-    swarm.servers[index].proc.wait(timeout=10)
+        return False
+    server.proc.wait(timeout=10)
     return True
 
 
@@ -112,7 +117,15 @@ def without_run(metrics):
     return {k: v for k, v in metrics.items() if k != "run"}
 
 
-def test_server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoint, local_reference_160, tmp_path):
+def test_a_server_killed_changes_nothing_then_blocks_left_without_server_fail_in_bounded_time(
+        swarm3, tiny_model, tiny_checkpoint, local_reference_160, many_rows_csv, tmp_path):
+    """On one swarm, in this order: server 2 (blocks 0:4) killed mid-run changes nothing; then, in a
+    second run, servers 1 and 2 dead (2 already is) leave blocks 2 and 3 without a server."""
+    server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoint, local_reference_160, tmp_path)
+    blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, tmp_path)
+
+
+def server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoint, local_reference_160, tmp_path):
     # the undisturbed reference: the local backend on the same rows and batch plan (petals N=2 equals
     # local N=1 bitwise, tests/test_families_reference.py); computed once for this and test_swarm_supervisor.py
     rows_csv, reference_rows, reference_metrics = local_reference_160
@@ -145,7 +158,7 @@ def test_server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoi
     assert metrics["run"]["max_batch_seconds"] < 10, metrics["run"]
 
 
-def test_blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, tmp_path):
+def blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, tmp_path):
     out = tmp_path / "out"
     run = BackgroundCli(
         petals_args(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, out, "--swarm-timeout", "10"), nproc=2
@@ -156,9 +169,8 @@ def test_blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tin
         )
         time.sleep(1.0)
         assert run.proc.poll() is None, "the run ended before the kill; make many_rows_csv longer"
-        # blocks 2 and 3 are on servers 1 (2:4) and 2 (0:4); server 0 (0:2) keeps serving 0 and 1
-        for index in (1, 2):
-            kill_server(swarm3, index)
+        # blocks 2 and 3 are on servers 1 (2:4) and 2 (0:4, dead already); server 0 (0:2) keeps serving 0 and 1
+        assert [kill_server(swarm3, index) for index in (1, 2)] == [True, False]
         killed_at = time.monotonic()
         code, stdout, stderr = run.wait(timeout=180)
         after_kill = time.monotonic() - killed_at
