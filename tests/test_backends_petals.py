@@ -1,6 +1,6 @@
 """On a real private Petals swarm (server processes on 127.0.0.1): the petals backend
-under torchrun gives the same predictions for N=1 and N=2, and the same logits as the
-local backend, bitwise (fp32). Marked `swarm`: run alone with `pytest -m swarm`."""
+gives the same predictions for N=1 (one rank in this process) and N=2 (under torchrun), and
+the same logits as the local backend, bitwise (fp32). Marked `swarm`: run alone with `pytest -m swarm`."""
 import json
 import os
 import time
@@ -28,7 +28,8 @@ def no_figures(tmp_path_factory):
 
 
 def local_in_process(args):
-    """The local backend's reference, one rank in this process (one thread: a torchrun rank's bits)."""
+    """One rank in this process (one thread: a torchrun rank's bits): the local backend's reference,
+    or petals N=1."""
     assert run_cli_in_process(args, hide_modules=("matplotlib",)) == 0
 
 
@@ -46,20 +47,26 @@ def petals_args(swarm, model, checkpoint, data, out, *extra):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("tuning_mode", ["ptune", "deep_ptune"])
 def test_petals_equals_local_and_is_exact_across_ranks(swarm, tiny_model, data_csv, tmp_path, tuning_mode,
-                                                      no_figures):
-    """The petals runs under torchrun; the local reference in this process (one rank, one thread: a
-    torchrun rank's bits; its launch is not what is tested)."""
+                                                      no_figures, capfd):
+    """Petals N=2 under torchrun; petals N=1 and the local reference in this process (one rank, one
+    thread: a torchrun rank's bits; a one-rank launch is not what is tested here, and cost a torchrun
+    start: test_families_swarm.py and test_swarm_supervisor.py launch one rank on a swarm)."""
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode=tuning_mode, pre_seq_len=4)
     outs = {}
     for name, nproc, extra in (("petals1", 1, []), ("petals2", 2, []), ("local1", 1, ["--backend", "local"])):
         if tuning_mode == "deep_ptune" and name == "petals1":
             continue  # N=1 vs N=2 is covered with ptune; keep the suite short
         folder = tmp_path / name
-        if "petals" in name:
+        if name == "petals2":
             proc = run_cli(petals_args(swarm, tiny_model, checkpoint, data_csv, folder, *extra), nproc=nproc,
                            env=no_figures)
             assert proc.returncode == 0, proc.stderr[-3000:]
             assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+        elif name == "petals1":
+            capfd.readouterr()
+            local_in_process(petals_args(swarm, tiny_model, checkpoint, data_csv, folder, *extra))
+            stderr = capfd.readouterr().err
+            assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
         else:
             local_in_process(["--model", tiny_model, "--data-files", data_csv, "--checkpoint", checkpoint,
                               "--output-dir", str(folder), "--batch-size", "8", "--save-logits", *extra])
