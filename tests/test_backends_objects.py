@@ -252,11 +252,14 @@ if not dist.is_initialized() or dist.get_rank() == 0:
     facts = {"metrics": metrics, "world": result.metrics["run"]["world_size"]}
     json.dump(facts, open(os.path.join(out, "m.json"), "w"))
 if dist.is_initialized():
-    # DistributedDataParallel holds the process group: dropped first, the group is destroyed now,
-    # not by the interpreter's teardown (where gloo's threads end in SIGABRT, about 1 run in 6)
+    # the group must end here, its gloo threads joined: one left to the interpreter's teardown (held by
+    # DistributedDataParallel, or by torch.distributed.nn's defaults when DDP imports it after the group's
+    # init: dist_eval imports it first, see dist_eval.ranks.group) aborts the rank at exit, now and then
     del model
     import gc; gc.collect()
     dist.destroy_process_group()
+    tasks = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    assert not [t for t in tasks if "gloo" in t], f"the gloo group outlived destroy_process_group: {tasks}"
 """
 
 

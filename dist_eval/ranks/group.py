@@ -7,6 +7,15 @@ import os
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose: torch.distributed.nn.functional's
+# functions take ``group=group.WORLD`` as a default, evaluated at its import. Imported later
+# (torch._dynamo imports it, and DistributedDataParallel imports torch._dynamo), they pin the
+# default group: destroy_process_group() then leaves it alive with its gloo threads, and at
+# the interpreter's exit a gloo thread that still drops the last collective's tensors needs
+# the GIL of a finalizing interpreter: "terminate called without an active exception", SIGABRT.
+if dist.is_available():  # a process that imported dist_eval before its init_process_group is safe
+    import torch.distributed.nn  # noqa: F401
+
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
