@@ -15,9 +15,11 @@ an outside timeout stopped it: benchmarks/RESULTS.md, "Figures the backends' com
   thread of the rank returns within a poll (a request already sent through a dead p2pd
   fails at once, one sent just before fails within the client's request timeout);
 - on :meth:`HelperWatch.close`, kills the helper that outlived the other (a p2pd whose
-  DHT process died is left running by hivemind, holding its port);
+  DHT process died is left running by hivemind, holding its port), and removes the unix
+  sockets in /tmp that the helpers and the client held (hivemind removes them only on a
+  clean shutdown of both: a p2pd killed, or found dead, left its own behind);
 - holds a watchdog process that stops both helpers if the rank itself is killed
-  outright (SIGKILL), when no code of the rank runs to stop them.
+  outright (SIGKILL), when no code of the rank runs to stop them, and removes those sockets.
 
 So a rank whose helper dies ends its forwards within about a second (at most the
 client's ``request_timeout``, 60 s, for a request in flight), saves its finished batches
@@ -32,7 +34,7 @@ import threading
 import time
 
 from dist_eval.errors import UsageError
-from dist_eval.procs import child_pids, is_running, start_time
+from dist_eval.procs import child_pids, is_running, start_time, unix_socket_paths
 from dist_eval.watchdog import Watchdog
 
 _EXIT_WAIT = 2.0  # seconds the helpers get to exit after a normal client shutdown
@@ -78,6 +80,10 @@ class HelperWatch:
         self._watchdog = Watchdog() if self.helpers and watchdog else None
         for pid, started in self._start_times.items() if self._watchdog else ():
             self._watchdog.watch_pid(pid, started)
+        # the client's own (None: a caller's client, whose sockets are its own to remove)
+        self.sockets = client_sockets(manager, self.helpers) if self._watchdog else set()
+        for path in sorted(self.sockets):
+            self._watchdog.watch_path(path)
         self.died: HelperDied | None = None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dist_eval-helper-watch", daemon=True)
@@ -125,11 +131,28 @@ class HelperWatch:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+        deadline = time.monotonic() + _EXIT_WAIT
+        while self._running() and time.monotonic() < deadline:  # SIGKILL is not instant
+            time.sleep(0.02)
+        for path in self.sockets:  # their holders are gone (the client's replica was shut down before)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         if self._watchdog is not None:
             self._watchdog.release()
 
     def _running(self) -> list:
         return [pid for pid in self.helpers if is_running(pid, self._start_times[pid])]
+
+
+def client_sockets(manager, helpers) -> set:
+    """The /tmp/hivemind-* unix sockets of a petals client: those its helper processes
+    ``helpers`` hold (the p2pd's and the DHT process's), and its P2P replica's in this process.
+    """
+    held = unix_socket_paths(list(helpers))
+    p2p = getattr(getattr(manager, "state", None), "p2p", None)
+    with contextlib.suppress(Exception):  # hivemind's P2P: the socket its replica listens on
+        held.add(p2p._client_listen_maddr["unix"])
+    return {p for p in held if os.path.basename(p).startswith("hivemind-")}
 
 
 def release_waits_on_dead_helpers(manager, error: BaseException) -> None:
