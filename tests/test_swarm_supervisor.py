@@ -22,7 +22,8 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, one_thread_swarm, read_jsonl, read_stdout_line, reference_160_args, run_cli, write_csv
+from conftest import REPO, one_thread_swarm, read_jsonl, read_stdout_line, reference_160_args, write_csv
+from inprocess_cli import run_cli_in_process
 
 from dist_eval.swarm import SwarmError
 from dist_eval.swarm.status import render
@@ -240,9 +241,9 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     assert all(len(b["online"]) == 3 for b in status["blocks"])
 
     # 2. the bootstrap server killed: a client given the other's address runs; it rejoins through that address
-    _kill(swarm, 0)
-    proc = run_cli(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "bootstrap", peers[1:], prefix), nproc=0)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _kill(swarm, 0)  # the client in this process (one thread: a rank's bits), as a plain `python -m dist_eval` was
+    assert run_cli_in_process(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "bootstrap", peers[1:],
+                                        prefix)) == 0
     assert read_jsonl(tmp_path / "bootstrap" / "predictions.jsonl") == reference
     _wait_for(lambda: swarm.server_state(0) == "up" and swarm.restarts(0) == 1, 60, "server 0 restarted")
     with open(swarm.log_paths[0]) as f:
@@ -357,7 +358,6 @@ def test_a_request_in_flight_finishes_on_a_server_told_to_stop(tiny_model, tiny_
     forward 4 s long, the run's one batch: the server drains (the forward finishes; petals'
     shutdown cut it, and the run failed: no other server), the swarm process waits for the
     drain, both exit 0, no process is left; the run == the local backend."""
-    from inprocess_cli import run_cli_in_process
     from test_swarm_failover import BackgroundCli, _group
 
     data = write_csv(str(tmp_path / "rows.csv"), 8, seed=11)
@@ -438,9 +438,9 @@ def test_a_hosts_swarm_process_dying_leaves_the_others_serving(tiny_model, tiny_
         host_a.wait(timeout=10)
         _wait_for(lambda: not _group(groups[0]), 15, "host A's server stopped by its watchdog")
         assert host_b.poll() is None and _group(groups[1]), open(tmp_path / "b.log").read()[-3000:]
-        proc = run_cli(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "via_b", peers_b, "dist-eval-hosts"),
-                       nproc=0)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        # the client in this process (one thread: a rank's bits), as a plain `python -m dist_eval` was
+        assert run_cli_in_process(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "via_b", peers_b,
+                                            "dist-eval-hosts")) == 0
         assert read_jsonl(tmp_path / "via_b" / "predictions.jsonl") == reference
         r = _status("--initial-peers", *peers_b, "--dht-prefix", "dist-eval-hosts", "--json")
         assert r.returncode == 0, r.stdout + r.stderr
