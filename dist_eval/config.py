@@ -28,7 +28,7 @@ from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT, audit_share, is_
 from dist_eval.backends.kinds import BACKENDS, backend_kind
 from dist_eval.errors import UsageError
 from dist_eval.plan import parse_checkpoints, parse_plan
-from dist_eval.sequential import RULES, STOP_METRICS
+from dist_eval.sequential import FIXED_WIDTH, RULES, STOP_METRICS, TIME_UNIFORM
 
 # Defaults chosen from benchmarks/RESULTS.md: on a swarm, fewer and bigger forwards win
 # (each one pays a round trip and per-request work on every server), and a token cap
@@ -212,7 +212,7 @@ class Settings:
                                choices=list(STOP_METRIC_NAMES))
     stop_round_rows: int = setting(DEFAULT_STOP_ROUND_ROWS, "Rows per round of a run that stops early (over "
                                                             "all ranks): the interval is looked at after each.")
-    stop_rule: str = setting("time-uniform", _STOP_RULE, choices=list(STOP_RULE_NAMES))
+    stop_rule: str = setting(TIME_UNIFORM, _STOP_RULE, choices=list(STOP_RULE_NAMES))
 
     @property
     def stops_early(self) -> bool:
@@ -243,7 +243,7 @@ class Settings:
     def _check_stop_rule(self) -> None:
         if self.stop_rule not in STOP_RULE_NAMES:
             raise UsageError(f"expected one of {', '.join(STOP_RULE_NAMES)}.", param="stop_rule", value=self.stop_rule)
-        if self.stop_rule == "fixed-width" and self.stop_when_decided:
+        if self.stop_rule == FIXED_WIDTH and self.stop_when_decided:
             raise UsageError("the fixed-width rule stops once its interval is at most --stop-at-width wide, and "
                              "cannot decide which checkpoint is better (looking at a fixed-sample test after every "
                              "round is not a valid test): drop --stop-when-decided, or --stop-rule.",

@@ -23,7 +23,7 @@ from dist_eval import ranks
 from dist_eval.backends.arguments import read_label_words
 from dist_eval.backends.objects import evaluation_model
 from dist_eval.config import Options, Settings
-from dist_eval.data.labels import label_names_of, read_labels
+from dist_eval.data.labels import is_generic_names, label_names_of, read_labels
 from dist_eval.data.loader import loader_batches
 from dist_eval.data.shard import dataset_batches
 from dist_eval.errors import UsageError
@@ -93,6 +93,18 @@ class Request:
         with evaluation_model(model) as adapted:
             return task_of(adapted, self.num_labels, self.pad_token_id, self.label_names).label_names
 
+    def class_names(self, model, data) -> Optional[Sequence[str]]:
+        """The class names each round of a run in rounds over ``data`` (the whole set) is given: text
+        labels get the ids the whole set gives them (sorted distinct texts, when the model has no names
+        of its own), not those of the texts one round happens to hold.
+        """
+        model_names = self.model_names(model)
+        if self.label_names is not None:
+            return self.label_names
+        if model_names and not is_generic_names(model_names):
+            return None  # each round maps the texts through the model's names, as the whole set would
+        return label_names_of(data, self.settings.label_column)
+
 
 def evaluate_once(model, data, request: Request, resume_folder: Optional[str],
                   loops: Optional[list] = None) -> EvalResult:
@@ -119,6 +131,7 @@ def evaluate_once(model, data, request: Request, resume_folder: Optional[str],
         local = _forward_passes(task, batches, known, options.in_flight, request.sample_metrics, on_batch_done, loops)
     loop_seconds = time.perf_counter() - start
     local.loop_cpu_seconds = time.process_time() - start_cpu  # this rank's CPU (all its threads) in the loop
+    store = known.store_facts(num_rows if known.shard_rows is None else len(known.shard_rows))
 
     report, merged = merge_on_main(
         local, num_rows, task.num_labels, label_names=task.label_names, user_metrics=request.metrics,
@@ -127,8 +140,7 @@ def evaluate_once(model, data, request: Request, resume_folder: Optional[str],
         rows=known.shard_rows,
     )
     facts = LoopFacts.from_report(report)
-    facts.row_store = known.store_facts(num_rows if known.shard_rows is None else len(known.shard_rows),
-                                        facts.resumed_samples)
+    facts.row_store = store
     report.update(facts.report())
     return EvalResult(metrics=report, predictions=merged if request.return_logits else without_logits(merged),
                       facts=facts)

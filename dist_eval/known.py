@@ -112,13 +112,14 @@ class KnownLogits:
         self.rows.flush()
 
     # ---------------------------------------------------------------- the report
-    def store_facts(self, num_rows: int, resumed: int) -> StoreFacts:
-        """The row store in this evaluation, over all ranks (every rank calls it): the rows it
-        served and those evaluated; rank 0's reading (with the keys and the exchange), all ranks' writing.
+    def store_facts(self, num_rows: int) -> StoreFacts:
+        """The row store in this evaluation, over all ranks (every rank calls it, after the loop): the
+        rows it served and those evaluated (neither served nor resumed); rank 0's reading (with the keys
+        and the exchange), all ranks' writing.
         """
         rows = self.rows
-        served, saved, written = ranks.all_reduce_sum(np.array([rows.rows_served, rows.seconds_saved,
-                                                                rows.write_seconds]))
+        served, saved, written, resumed = ranks.all_reduce_sum(np.array([rows.rows_served, rows.seconds_saved,
+                                                                         rows.write_seconds, self.rows_resumed]))
         folder, read = ranks.broadcast_object((rows.folder, rows.read_seconds))
         # each row's seconds are a rank's wall time for it; this run's ranks would have shared them
         return StoreFacts(folder=folder, fresh_rows=bool(rows.fresh), rows_from_store=int(served),

@@ -3,7 +3,7 @@ that stops early, and written into the report (``num_truncated`` and ``metrics["
 loop and row-store keys) in one place, :meth:`LoopFacts.report`.
 
 The merge (:mod:`dist_eval.merge`) measures the loop, the known logits
-(:mod:`dist_eval.known`) the row store, the evaluation (:mod:`dist_eval.evaluation`) joins them,
+(:mod:`dist_eval.known`) the row store, one exact evaluation (:mod:`dist_eval.exact`) joins them,
 and the rounds (:mod:`dist_eval.stopping`) add them up with ``+``; nobody else lists these keys.
 """
 from __future__ import annotations

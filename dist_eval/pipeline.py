@@ -11,7 +11,7 @@ of one pair. Every run goes through the same loop::
 
 Every phase is a :func:`dist_eval.ranks.phase`: a failure on one rank fails every rank
 together. Rank 0 alone prints, starts the local swarm and writes the reports. What a
-report's ``metrics.json`` says of the run is built in one place, :func:`dist_eval.output.report.run_facts`,
+report's ``metrics.json`` says of the run is built in one place, :func:`dist_eval.output.report.add_run_facts`,
 and the report is written there.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dist_eval import ranks
 from dist_eval.backends.kinds import backend_kind
 from dist_eval.config import EvalConfig, Settings
 from dist_eval.data.sample import Rows
-from dist_eval.output.report import record_shutdown, report_phases, run_facts, texts_of, write_report
+from dist_eval.output.report import add_run_facts, record_shutdown, report_phases, texts_of, write_report
 from dist_eval.plan import Checkpoint, EvalSet, Pair, Plan
 
 
@@ -242,92 +242,17 @@ def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[_Report]
     if session.job.plan.several:
         session.say(f"dist_eval: {numbered} checkpoint {pair.checkpoint.name or pair.checkpoint.path or '-'}, "
                     f"set {pair.data.name or '-'} -> {out}", flush=True)
-    rows, sample = _rows(session, pair.data)
+    rows = _rows(session, pair.data)
     folder, key = _stored_results(session, out, pair, rows)
     if folder is None:
         return None
     _load_checkpoint(session, pair.checkpoint)
     result = _evaluate(session, rows, folder)
-    return _report_pair(session, pair, result, (out, folder, key), rows, sample, pair_started)
+    return _report_pair(session, pair, result, (out, folder, key), rows, pair_started)
 
 
-def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
-    """--stop-when-decided: the two checkpoints on the same rows of the one set, in rounds, until
-    the interval of their difference says stop: :func:`dist_eval.evaluate_pair` on the one model,
-    each side's checkpoint loaded before its evaluations; a report for each.
-    """
-    from dist_eval.evaluation import evaluate_pair
-    from dist_eval.progress import GlobalProgress
-
-    config, settings = session.config, session.job.settings
-    ranks.phase_seconds.clear()
-    pair_started = time.perf_counter()
-    rows, sample = _rows(session, pairs[0].data)
-    outs = [os.path.join(config.output_dir, pair.folder) for pair in pairs]
-    stored = [_stored_results(session, out, pair, rows) for out, pair in zip(outs, pairs)]
-    if all(folder is None for folder, _ in stored):
-        return []  # both reports of this very comparison are there (--resume)
-    session.say(f"dist_eval: comparing {pairs[0].checkpoint.name} and {pairs[1].checkpoint.name} on up to "
-                f"{len(rows)} rows of the same set, in rounds of {settings.stop_round_rows}, until the 95% interval "
-                f"of the difference in {settings.stop_metric} excludes 0 ...", flush=True)
-    with GlobalProgress(2 * len(rows), config.progress, quiet=config.quiet) as progress:
-        results = evaluate_pair(
-            session.model, session.model, rows, tokenizer=session.tokenizer, settings=settings, options=config.options,
-            return_logits=True, on_batch_done=progress.update, resume_folders=[folder for folder, _ in stored],
-            on_model=lambda side: _load_checkpoint(session, pairs[side].checkpoint),
-        )
-    reports = []
-    for pair, out, (folder, key), result in zip(pairs, outs, stored, results):
-        report = _report_pair(session, pair, result, (out, folder, key), rows, sample, pair_started)
-        if report is not None:
-            reports.append(report)
-    return reports
-
-
-def _stored_results(session: _Session, out: str, pair: Pair, rows: Rows) -> Tuple[Optional[str], str]:
-    """(this pair's folder of partial results, or None when its finished report is there; its run key)."""
-    with ranks.phase("finding the stored partial results"):
-        found = _partial_folder(session, out, pair, rows) if ranks.is_main_process() else None
-    return ranks.broadcast_object(found)
-
-
-def _load_checkpoint(session: _Session, checkpoint: Checkpoint) -> None:
-    """The model holds ``checkpoint``'s prompts + head (loaded only when it holds another's)."""
-    if checkpoint != session.loaded:
-        with ranks.phase("loading the checkpoint"):
-            session.model.load_trainable(_trainable(session, checkpoint), checkpoint.path)
-        session.loaded = checkpoint
-
-
-def _report_pair(session: _Session, pair: Pair, result, where: tuple, rows: Rows, sample: dict,
-                 pair_started: float) -> Optional[_Report]:
-    """Rank 0: the pair's report written in ``where`` = (its folder, the partial results' folder,
-    the run key); returned for the shutdown's times.
-    """
-    from dist_eval import resume
-
-    out, folder, key = where
-    facts = run_facts(session, pair, pair_started)
-    result.metrics["run"].update(facts, run_key=key, sample=sample)
-    with ranks.phase("writing the report"):
-        if ranks.is_main_process():
-            texts = texts_of(session.config, session.job.settings, rows, getattr(result, "slices", None))
-            write_report(session.config, out, result, session.say, texts)
-            if session.config.options.shard is not None:  # what dist_eval.shard_merge reads: written last
-                from dist_eval.output.shard_files import write_shard
-
-                write_shard(out, result, session, pair, rows, texts)
-    if not ranks.is_main_process():
-        return None
-    if folder is not None:
-        resume.finished(folder)  # the report is complete: the partial results have served
-    return _Report(out, result.metrics, report_phases(session))
-
-
-def _rows(session: _Session, data: EvalSet) -> tuple:
-    """(the set's rows, what the report records of its --limit sample): loaded once per set,
-    in a phase, by every rank.
-    """
+def _rows(session: _Session, data: EvalSet) -> Rows:
+    """The set's rows: loaded once per set, in a phase, by every rank."""
     from dist_eval.data.load import fills_cache, load_split
     from dist_eval.data.sample import draw_rows
 
@@ -337,8 +262,14 @@ def _rows(session: _Session, data: EvalSet) -> tuple:
             rows = draw_rows(load_split(list(data.files), job.split), job.settings, session.config.options,
                              job.settings.stops_early)
         session.datasets[data.name] = rows
-    rows = session.datasets[data.name]
-    return rows, rows.facts()
+    return session.datasets[data.name]
+
+
+def _stored_results(session: _Session, out: str, pair: Pair, rows: Rows) -> Tuple[Optional[str], str]:
+    """(this pair's folder of partial results, or None when its finished report is there; its run key)."""
+    with ranks.phase("finding the stored partial results"):
+        found = _partial_folder(session, out, pair, rows) if ranks.is_main_process() else None
+    return ranks.broadcast_object(found)
 
 
 def _partial_folder(session: _Session, out: str, pair: Pair, rows: Rows) -> Tuple[Optional[str], str]:
@@ -360,6 +291,14 @@ def _partial_folder(session: _Session, out: str, pair: Pair, rows: Rows) -> Tupl
                     "skipped", flush=True)
         return None, key
     return resume.resume_folder(out, key, config.resume, session.say), key
+
+
+def _load_checkpoint(session: _Session, checkpoint: Checkpoint) -> None:
+    """The model holds ``checkpoint``'s prompts + head (loaded only when it holds another's)."""
+    if checkpoint != session.loaded:
+        with ranks.phase("loading the checkpoint"):
+            session.model.load_trainable(_trainable(session, checkpoint), checkpoint.path)
+        session.loaded = checkpoint
 
 
 def _evaluate(session: _Session, rows: Rows, folder: str):
@@ -385,3 +324,60 @@ def _evaluate(session: _Session, rows: Rows, folder: str):
         raise
     progress.close()
     return result
+
+
+def _report_pair(session: _Session, pair: Pair, result, where: tuple, rows: Rows,
+                 pair_started: float) -> Optional[_Report]:
+    """Rank 0: the pair's report written in ``where`` = (its folder, the partial results' folder,
+    the run key); returned for the shutdown's times.
+    """
+    from dist_eval import resume
+
+    out, folder, key = where
+    add_run_facts(result.metrics, session, pair, pair_started, key, rows)
+    with ranks.phase("writing the report"):
+        if ranks.is_main_process():
+            texts = texts_of(session.config, session.job.settings, rows, getattr(result, "slices", None))
+            write_report(session.config, out, result, session.say, texts)
+            if session.config.options.shard is not None:  # what dist_eval.shard_merge reads: written last
+                from dist_eval.output.shard_files import write_shard
+
+                write_shard(out, result, session, pair, rows, texts)
+    if not ranks.is_main_process():
+        return None
+    if folder is not None:
+        resume.finished(folder)  # the report is complete: the partial results have served
+    return _Report(out, result.metrics, report_phases(session))
+
+
+def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
+    """--stop-when-decided: the two checkpoints on the same rows of the one set, in rounds, until
+    the interval of their difference says stop: :func:`dist_eval.evaluate_pair` on the one model,
+    each side's checkpoint loaded before its evaluations; a report for each.
+    """
+    from dist_eval.evaluation import evaluate_pair
+    from dist_eval.progress import GlobalProgress
+
+    config, settings = session.config, session.job.settings
+    ranks.phase_seconds.clear()
+    pair_started = time.perf_counter()
+    rows = _rows(session, pairs[0].data)
+    outs = [os.path.join(config.output_dir, pair.folder) for pair in pairs]
+    stored = [_stored_results(session, out, pair, rows) for out, pair in zip(outs, pairs)]
+    if all(folder is None for folder, _ in stored):
+        return []  # both reports of this very comparison are there (--resume)
+    session.say(f"dist_eval: comparing {pairs[0].checkpoint.name} and {pairs[1].checkpoint.name} on up to "
+                f"{len(rows)} rows of the same set, in rounds of {settings.stop_round_rows}, until the 95% interval "
+                f"of the difference in {settings.stop_metric} excludes 0 ...", flush=True)
+    with GlobalProgress(2 * len(rows), config.progress, quiet=config.quiet) as progress:
+        results = evaluate_pair(
+            session.model, session.model, rows, tokenizer=session.tokenizer, settings=settings, options=config.options,
+            return_logits=True, on_batch_done=progress.update, resume_folders=[folder for folder, _ in stored],
+            on_model=lambda side: _load_checkpoint(session, pairs[side].checkpoint),
+        )
+    reports = []
+    for pair, out, (folder, key), result in zip(pairs, outs, stored, results):
+        report = _report_pair(session, pair, result, (out, folder, key), rows, pair_started)
+        if report is not None:
+            reports.append(report)
+    return reports

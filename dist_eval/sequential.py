@@ -57,7 +57,8 @@ import numpy as np
 METHODS = ("empirical-bernstein", "hoeffding")
 # The rules a run can stop by (--stop-rule's choices): a time-uniform sequence (tuned to the width when one is asked
 # for), or the fixed-n interval at the first round it is narrow enough.
-RULES = ("time-uniform", "fixed-width")
+TIME_UNIFORM, FIXED_WIDTH = "time-uniform", "fixed-width"
+RULES = (TIME_UNIFORM, FIXED_WIDTH)
 # The built-in per-row metrics a run can stop on (--stop-metric's choices, in this order), and the
 # range of their per-row values.
 STOP_METRICS = {"accuracy": (0.0, 1.0), "brier": (0.0, 2.0), "top_k_accuracy": (0.0, 1.0)}
@@ -148,7 +149,7 @@ def _extend(x: np.ndarray, carry: _Carry, population: int, log_term: float, meth
     return lower, upper
 
 
-def _checked(method: str, rule: str = "time-uniform") -> None:
+def _checked(method: str, rule: str = TIME_UNIFORM) -> None:
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     if rule not in RULES:
@@ -197,7 +198,7 @@ class _Rule:
     def step(self, values) -> Tuple[np.ndarray, np.ndarray]:
         """(lower, upper) in the values' units after each row of ``values``."""
         x = _scaled(values, self.low, self.high)
-        if self.rule == "fixed-width":
+        if self.rule == FIXED_WIDTH:
             lower, upper = _fixed_width(x, self.carry, self.population, self.level)
         else:
             lower, upper = _extend(x, self.carry, self.population, math.log(2.0 / (1.0 - self.level)), self.method,
@@ -207,7 +208,7 @@ class _Rule:
 
 
 def sequence(values, population: int, level: float = 0.95, bounds=(0.0, 1.0),
-             method: str = "empirical-bernstein", width: Optional[float] = None, rule: str = "time-uniform"):
+             method: str = "empirical-bernstein", width: Optional[float] = None, rule: str = TIME_UNIFORM):
     """``(lower, upper)``: arrays shaped like ``values`` (the last axis is the order the rows
     were seen in; leading axes are independent streams), the interval for the mean over the
     ``population`` rows after each row. Already intersected over time and with the sure bounds.
@@ -238,7 +239,7 @@ class RunningSequence:
     """
 
     def __init__(self, population: int, level: float = 0.95, bounds=(0.0, 1.0),
-                 method: str = "empirical-bernstein", width: Optional[float] = None, rule: str = "time-uniform"):
+                 method: str = "empirical-bernstein", width: Optional[float] = None, rule: str = TIME_UNIFORM):
         self._stream = _Rule(population, level, bounds, method, width, rule)
         self.population, self.method, self.rule = self._stream.population, method, rule
         self._values: List[np.ndarray] = []  # for the exact mean once every row is seen
@@ -262,14 +263,14 @@ class RunningSequence:
         return float(lower[-1]), float(upper[-1])
 
 
-def describe(rule: str = "time-uniform", width: Optional[float] = None, level: float = 0.95,
+def describe(rule: str = TIME_UNIFORM, width: Optional[float] = None, level: float = 0.95,
              method: str = "empirical-bernstein") -> Dict:
     """What an interval of ``rule`` is and guarantees, for a report: ``rule``, ``method``,
     ``time_uniform``, ``tuned_to_width`` (time-uniform) and ``guarantee`` (words a user reads).
     """
     _checked(method, rule)
     pct = f"{100 * level:g}%"
-    if rule == "fixed-width":
+    if rule == FIXED_WIDTH:
         return {"rule": rule, "method": "fixed-n-agresti-coull-without-replacement-chow-robbins-stop",
                 "time_uniform": False,
                 "guarantee": f"about {pct} at this stop, for this stopping rule only: the run stopped at the first "
@@ -287,15 +288,15 @@ def describe(rule: str = "time-uniform", width: Optional[float] = None, level: f
 
 def interval(values, population: int, level: float = 0.95, bounds=(0.0, 1.0),
              method: str = "empirical-bernstein", width: Optional[float] = None,
-             rule: str = "time-uniform") -> Optional[Dict]:
+             rule: str = TIME_UNIFORM) -> Optional[Dict]:
     """The interval after every row in ``values`` has been seen (None before any row)."""
     values = np.asarray(values, dtype=np.float64)
     if values.size == 0:
         return None
     lower, upper = sequence(values, population, level, bounds, method, width, rule)
     about = describe(rule, width, level, method)
-    return {"low": float(lower[-1]), "high": float(upper[-1]), "width": float(upper[-1] - lower[-1]),
-            "level": level, "method": about["method"], "time_uniform": about["time_uniform"],
+    return {**bounds_of(float(lower[-1]), float(upper[-1])), "level": level, "method": about["method"],
+            "time_uniform": about["time_uniform"],
             "rows": int(values.size), "population": int(population)}
 
 
@@ -310,7 +311,7 @@ def hoeffding_union(rows, population: int, level: float = 0.95, span: float = 1.
 
 
 def paired_sequence(first, second, population: int, level: float = 0.95, bounds=(0.0, 1.0),
-                    method: str = "empirical-bernstein", width: Optional[float] = None, rule: str = "time-uniform"):
+                    method: str = "empirical-bernstein", width: Optional[float] = None, rule: str = TIME_UNIFORM):
     """The sequence for the mean of ``second - first`` per row (both in ``bounds``)."""
     diff = np.asarray(second, dtype=np.float64) - np.asarray(first, dtype=np.float64)
     return sequence(diff, population, level, paired_bounds(bounds), method, width, rule)
@@ -329,18 +330,31 @@ def stop_reason(low: float, high: float, rows: int, population: Optional[int], w
     (``decide`` and the interval excludes 0), "width" (at most ``width`` wide), or None: go on.
     """
     if population is not None and rows >= population:
-        return "end"
+        return END
     if decide and (low > 0 or high < 0):
-        return "decided"
+        return DECIDED
     if width is not None and high - low <= width:
-        return "width"
+        return WIDTH
     return None
 
 
 # Why a run stopped (StopReport.reason), and how the summary says it.
-STOP_REASONS = {"width": "its interval is at most {width} wide",
-                "decided": "the {better} checkpoint is better (the interval of the difference excludes 0)",
-                "end": "the set ended"}
+WIDTH, DECIDED, END = "width", "decided", "end"
+STOP_REASONS = {WIDTH: "its interval is at most {width} wide",
+                DECIDED: "the {better} checkpoint is better (the interval of the difference excludes 0)",
+                END: "the set ended"}
+
+
+def bounds_of(low: float, high: float) -> Dict:
+    """An interval's ``low``, ``high`` and ``width``: the first keys of each interval a report holds."""
+    return {"low": low, "high": high, "width": high - low}
+
+
+def where_stopped(interval: Dict, reason: str, rows_used: int, rows_in_set: int, rounds: int,
+                  round_rows: int) -> Dict:
+    """The keys a stop report (:class:`StopReport`, :func:`stop_report`) says of where it stopped, in order."""
+    return dict(interval=interval, reason=reason, rows_used=rows_used, rows_in_set=rows_in_set,
+                rows_saved=rows_in_set - rows_used, rounds=rounds, round_rows=round_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,12 +421,12 @@ def stopping_round(lower, upper, round_ends, width: Optional[float] = None, deci
         reason = stop_reason(low, high, end, population, width, decide)
         if reason is not None:
             return k, reason
-    return len(round_ends) - 1, "end"
+    return len(round_ends) - 1, END
 
 
 def stop_report(values, population: int, round_rows: int, width: Optional[float] = None,
                 decide: bool = False, bounds=(0.0, 1.0), level: float = 0.95, paired_with=None,
-                rule: str = "time-uniform") -> Dict:
+                rule: str = TIME_UNIFORM) -> Dict:
     """What a run that looks after every ``round_rows`` rows would stop on: ``values`` are the
     per-row values of the whole set in the order the rows are seen (``paired_with``: the first
     model's, ``values`` then the second's; the difference is second - first). Only the rows up to
@@ -430,10 +444,9 @@ def stop_report(values, population: int, round_rows: int, width: Optional[float]
     ends = list(range(round_rows, values.size, round_rows)) + [values.size]
     k, reason = stopping_round(lower, upper, ends, width, decide, population)
     used = ends[k]
-    interval = {"low": float(lower[used - 1]), "high": float(upper[used - 1]),
-                "width": float(upper[used - 1] - lower[used - 1]), "level": level, **describe(rule, width, level)}
-    return {"interval": interval, "reason": reason, "rows_used": used, "rows_in_set": int(population),
-            "rows_saved": int(population) - used, "rounds": k + 1, "round_rows": round_rows,
+    interval = {**bounds_of(float(lower[used - 1]), float(upper[used - 1])), "level": level,
+                **describe(rule, width, level)}
+    return {**where_stopped(interval, reason, used, int(population), k + 1, round_rows),
             "estimate": float(values[:used].mean())}
 
 

@@ -18,14 +18,13 @@ import functools
 import operator
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from dist_eval import ranks
 from dist_eval.config import Settings
-from dist_eval.data.labels import is_generic_names, label_names_of
 from dist_eval.data.sample import Rows
 from dist_eval.errors import UsageError
 from dist_eval.exact import EvalResult, Request, evaluate_once, without_logits
@@ -35,12 +34,15 @@ from dist_eval.metrics import default_top_k
 from dist_eval.predict import SAMPLE_VALUE_PREFIX, redone_in_earlier_rounds
 from dist_eval.sequential import (
     STOP_METRICS,
+    TIME_UNIFORM,
     RunningSequence,
     StopReport,
+    bounds_of,
     describe,
     paired_bounds,
     row_values,
     stop_reason,
+    where_stopped,
 )
 
 LEVEL = 0.95
@@ -52,10 +54,10 @@ def evaluate_rows(models: Sequence, data, request: Request, on_model: Optional[C
     with the intervals), or rounds of rows until the interval says stop (:func:`evaluate_in_rounds`).
     ``models``: one, or two on the same rows; ``on_model(i)``: called before each evaluation of model ``i``.
     """
-    if not request.settings.stops_early and len(models) == 1:
-        return [evaluate_once(models[0], data.dataset if isinstance(data, Rows) else data, request,
-                              (request.resume_folders or [None])[0])]
-    return evaluate_in_rounds(models, data, request, on_model)
+    if request.settings.stops_early or len(models) > 1:
+        return evaluate_in_rounds(models, data, request, on_model)
+    return [evaluate_once(models[0], data.dataset if isinstance(data, Rows) else data, request,
+                          (request.resume_folders or [None])[0])]
 
 
 def evaluate_in_rounds(models: Sequence, rows: Rows, request: Request,
@@ -67,16 +69,14 @@ def evaluate_in_rounds(models: Sequence, rows: Rows, request: Request,
     (``evaluate_pair``, the CLI's ``--stop-when-decided``) alike.
     """
     settings, options = request.settings, request.options
-    model_names = request.model_names(models[0])
     _check_stopping(rows, settings, len(models), request.sample_metrics)
     rounds = Rounds(rows, settings)
-    names = _class_names(request.label_names, model_names, rounds.data, settings.label_column)
-    each_round = replace(request, label_names=names, metrics=None, return_logits=True, settings=rounds.settings,
-                         options=replace(options, bootstrap_resamples=0),
-                         on_batch_done=_rows_only(request.on_batch_done))
+    stopper = _Stopper(rounds, settings)
     seen = [Seen(settings.stop_metric, options.top_k) for _ in models]
     folders = request.resume_folders or [None] * len(seen)
-    running = None  # rank 0: the confidence sequence, a round at a time
+    each_round = replace(request, label_names=request.class_names(models[0], rounds.data), metrics=None,
+                         return_logits=True, settings=rounds.settings, options=replace(options, bootstrap_resamples=0),
+                         on_batch_done=_rows_only(request.on_batch_done))
     decision = None
     while decision is None:
         indices = rounds.next_rows()
@@ -86,19 +86,11 @@ def evaluate_in_rounds(models: Sequence, rows: Rows, request: Request,
                 on_model(index)
             mine.add(evaluate_once(model, subset, each_round, rounds.folder(folder), loops=mine.loops), indices)
             mine.patch(redone_in_earlier_rounds(mine.loops))  # a swarm server blamed now: its earlier rounds' rows
-        if ranks.is_main_process():
-            if running is None or any(mine.patched for mine in seen):  # the sequence of the numbers as they are now
-                running = _sequence_of(seen, rounds.population, settings)
-                for values in _earlier_values(seen):
-                    running.extend(values)
-                for mine in seen:
-                    mine.patched = False
-            decision = _decide(running.extend(_round_values(seen)), len(seen) == 2, rounds, settings)
-        decision = ranks.broadcast_object(decision)
-    return [_result_of(mine, decision, request, rounds.population) for mine in seen]
+        decision = ranks.broadcast_object(stopper.after_round(seen) if ranks.is_main_process() else None)
+    return [_result_of(mine, decision, request, stopper) for mine in seen]
 
 
-def _result_of(mine: Seen, decision: dict, request: Request, population: int) -> EvalResult:
+def _result_of(mine: Seen, decision: _Decision, request: Request, stopper: _Stopper) -> EvalResult:
     """A model's result of the rows used: rank 0 merges its rounds, reports them and sends the report."""
     report, merged, options = None, None, request.options
     if ranks.is_main_process():
@@ -106,7 +98,7 @@ def _result_of(mine: Seen, decision: dict, request: Request, population: int) ->
         report = rows_report(merged, mine.num_labels, mine.label_names, request.metrics,
                              ((options.bootstrap_resamples, options.bootstrap_seed), options.top_k))
         report.update(mine.total().report())
-        report["stopping"] = _stopping_facts(decision, request.settings, mine, population)
+        report["stopping"] = stopper.report(decision, mine)
     return EvalResult(metrics=ranks.broadcast_object(report),
                       predictions=merged if request.return_logits else without_logits(merged))
 
@@ -136,7 +128,7 @@ class Rounds:
         self.number = 0  # rounds handed out
         # each round: an exact evaluation of its rows, none sampled again, none stopping
         self.settings = replace(settings, limit=0, stop_at_width=None, stop_when_decided=False,
-                                stop_rule="time-uniform")
+                                stop_rule=TIME_UNIFORM)
         if self.population == 0:
             raise UsageError("the evaluated split is empty: nothing to evaluate. Check --data-files and --split.",
                              param="data")
@@ -153,6 +145,46 @@ class Rounds:
     def folder(self, resume_folder: Optional[str]) -> Optional[str]:
         """This round's own folder of partial results (its rows are its own evaluation's rows 0..R-1)."""
         return None if resume_folder is None else os.path.join(resume_folder, f"round-{self.number:06d}")
+
+
+class _Stopper:
+    """Rank 0: the confidence sequence of the rounds seen, the decision after each round (stop, or
+    None: go on), and each model's ``stopping`` report at the stop.
+    """
+
+    def __init__(self, rounds: Rounds, settings: Settings):
+        self.rounds, self.settings = rounds, settings
+        self.running: Optional[RunningSequence] = None
+
+    def after_round(self, seen: List[Seen]) -> Optional[_Decision]:
+        """The decision after the last round of ``seen`` (each model's rounds): the sequence takes its
+        values (every round's again after an earlier round was redone: the numbers as they are now),
+        then its interval says stop or go on (a paired interval: the second model's minus the first's).
+        """
+        settings, rounds, paired = self.settings, self.rounds, len(seen) == 2
+        again = self.running is None or any(mine.patched for mine in seen)
+        earlier = _earlier_values(seen) if again else []
+        latest = _round_values(seen)
+        for mine in seen:
+            mine.patched = False
+        if again:
+            bounds = paired_bounds(seen[0].bounds) if paired else seen[0].bounds
+            self.running = RunningSequence(rounds.population, LEVEL, bounds, width=settings.stop_at_width,
+                                           rule=settings.stop_rule)
+            for values in earlier:
+                self.running.extend(values)
+        low, high = self.running.extend(latest)
+        reason = stop_reason(low, high, rounds.rows_used, rounds.population, settings.stop_at_width,
+                             settings.stop_when_decided)
+        if reason is None or not paired:
+            return None if reason is None else _Decision(reason, bounds_of(low, high))
+        of = (f"the mean difference in {settings.stop_metric} (second - first) over all {rounds.population} rows "
+              "of the set")
+        better = "second" if low > 0 else "first" if high < 0 else None
+        return _Decision(reason, {**bounds_of(low, high), "of": of}, better, paired=True)
+
+    def report(self, decision: _Decision, mine: Seen) -> dict:
+        return _stopping_facts(decision, self.settings, mine, self.rounds.population)
 
 
 class Seen:
@@ -219,18 +251,6 @@ class Seen:
         return functools.reduce(operator.add, self.round_facts)
 
 
-def _class_names(label_names, model_names, data, label_column: str):
-    """The class names every round is given: text labels get the ids the whole set gives them
-    (sorted distinct texts, when the model has no names of its own), not those of the texts
-    one round happens to hold.
-    """
-    if label_names is not None:
-        return label_names
-    if model_names and not is_generic_names(model_names):
-        return None  # each round maps the texts through the model's names, as the whole set would
-    return label_names_of(data, label_column)
-
-
 def _check_metric(metric: str, sample_metrics: Optional[Dict]) -> None:
     if metric not in STOP_METRICS and metric not in (sample_metrics or {}):
         custom = f", or a sample_metrics name ({', '.join(sample_metrics)})" if sample_metrics else ""
@@ -258,14 +278,6 @@ def _check_top_k(metric: str, num_labels: int, top_k: Optional[int]) -> None:
                          f"{num_labels} hit). Stop on accuracy or brier.", param="stop_metric", value=metric)
 
 
-def _sequence_of(seen: List[Seen], population: int, settings: Settings) -> RunningSequence:
-    """The intervals of one model's metric, or of the second's minus the first's, row by row, of
-    the rule asked for (the time-uniform one tuned to the width asked for, if any).
-    """
-    bounds = seen[0].bounds if len(seen) == 1 else paired_bounds(seen[0].bounds)
-    return RunningSequence(population, LEVEL, bounds, width=settings.stop_at_width, rule=settings.stop_rule)
-
-
 def _earlier_values(seen: List[Seen]) -> list:
     """The values of every round but the last, in order (the sequence taken again after a redo)."""
     values = [[_stop_values(mine.metric, part, mine.top_k)[0] for part in mine.parts[:-1]] for mine in seen]
@@ -277,36 +289,28 @@ def _round_values(seen: List[Seen]) -> np.ndarray:
     return seen[0].last_values if len(seen) == 1 else seen[1].last_values - seen[0].last_values
 
 
-def _decide(interval: tuple, paired: bool, rounds: Rounds, settings: Settings) -> Optional[dict]:
-    """After a round, given the sequence's interval: the decision to stop (the interval, why),
-    or None to go on. ``paired``: the interval is of the second model's minus the first's.
-    """
-    low, high = interval
-    reason = stop_reason(low, high, rounds.rows_used, rounds.population, settings.stop_at_width,
-                         settings.stop_when_decided)
-    if reason is None:
-        return None
-    decision = {"reason": reason, "interval": {"low": low, "high": high, "width": high - low}}
-    if paired:
-        decision["interval"]["of"] = (f"the mean difference in {settings.stop_metric} (second - first) over all "
-                                      f"{rounds.population} rows of the set")
-        decision["better"] = "second" if low > 0 else "first" if high < 0 else None
-    return decision
+@dataclass(frozen=True)
+class _Decision:
+    """Rank 0's decision after a round, sent to every rank: the interval it stopped on, why."""
+
+    reason: str  # a key of sequential.STOP_REASONS
+    interval: dict  # low, high, width; paired: what it is of
+    better: Optional[str] = None  # paired: "first", "second" or None (neither)
+    paired: bool = False
 
 
-def _stopping_facts(decision: dict, settings: Settings, seen: Seen, population: int) -> dict:
+def _stopping_facts(decision: _Decision, settings: Settings, seen: Seen, population: int) -> dict:
     """``metrics.json``'s ``stopping`` (a :class:`StopReport`): the interval it stopped on, why, rows and time saved."""
     used = sum(r["num_samples"] for r in seen.reports)
     loop = seen.total().eval_loop_seconds
+    interval = {"of": f"the mean {settings.stop_metric} over all {population} rows of the set",
+                **decision.interval, "level": LEVEL, **describe(settings.stop_rule, settings.stop_at_width, LEVEL)}
     return StopReport(
         metric=settings.stop_metric, stop_at_width=settings.stop_at_width,
-        stop_when_decided=settings.stop_when_decided, rule=settings.stop_rule, reason=decision["reason"],
-        better=decision.get("better"), paired="better" in decision,
-        interval={"of": f"the mean {settings.stop_metric} over all {population} rows of the set",
-                  **decision["interval"], "level": LEVEL,
-                  **describe(settings.stop_rule, settings.stop_at_width, LEVEL)},
-        rows_used=used, rows_in_set=population, rows_saved=population - used, rounds=len(seen.reports),
-        round_rows=settings.stop_round_rows, seconds=round(time.perf_counter() - seen.started, 3),
+        stop_when_decided=settings.stop_when_decided, rule=settings.stop_rule, better=decision.better,
+        paired=decision.paired, **where_stopped(interval, decision.reason, used, population, len(seen.reports),
+                                                settings.stop_round_rows),
+        seconds=round(time.perf_counter() - seen.started, 3),
         seconds_saved_estimate=round(loop / used * (population - used), 3) if used else 0.0,
         metrics_are_of="the rows used: a random sample of the set (the --limit order)" if used < population
                        else "every row of the set",

@@ -1,6 +1,7 @@
 """The run's report, written by rank 0: what ``metrics.json`` says of the run (:func:`run_facts`,
-built in this one place), the rows' texts and slices for ``predictions.jsonl``, the files, the
-summary on the terminal, the tracker, and the shutdown's times once every process has stopped.
+built in this one place and added by :func:`add_run_facts`), the rows' texts and slices for
+``predictions.jsonl``, the files, the summary on the terminal, the tracker, and the shutdown's
+times once every process has stopped.
 
 The CLI's flow (:mod:`dist_eval.pipeline`) calls it with its session (the flags, the job, the
 clock, the swarm, the model: read here, never changed).
@@ -17,6 +18,10 @@ from dist_eval import ranks
 if TYPE_CHECKING:
     from dist_eval.config import EvalConfig, Settings
     from dist_eval.plan import Pair
+
+
+# What a run key is made of, as run_facts names them: a shard's manifest names them too (shard_files)
+RUN_KEY_FACTS = ("model", "checkpoint", "head", "data_files", "split", "backend")
 
 
 def run_facts(session, pair: Pair, pair_started: float) -> dict:
@@ -64,6 +69,14 @@ def run_facts(session, pair: Pair, pair_started: float) -> dict:
     if swarm is not None and ranks.is_main_process():  # a petals run: the servers as announced in the DHT
         facts["swarm"] = swarm
     return facts
+
+
+def add_run_facts(metrics: dict, session, pair: Pair, pair_started: float, run_key: str, rows) -> None:
+    """``metrics["run"]`` (what the loop measured) completed with :func:`run_facts`, the run key
+    and what ``rows`` (the run's :class:`~dist_eval.data.sample.Rows`) record of the --limit sample.
+    Every rank calls it (a swarm's audit is added up over them).
+    """
+    metrics["run"].update(run_facts(session, pair, pair_started), run_key=run_key, sample=rows.facts())
 
 
 def report_phases(session) -> Dict[str, float]:

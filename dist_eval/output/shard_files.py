@@ -23,6 +23,7 @@ import numpy as np
 
 from dist_eval.atomic import atomic_write, read_regular
 from dist_eval.merge import MergedResults
+from dist_eval.output.report import RUN_KEY_FACTS
 
 MANIFEST, ARRAYS = "shard.json", "shard.npz"
 FORMAT = 1
@@ -92,9 +93,7 @@ def write_shard(folder: str, result, session, pair, rows, texts: Optional[dict])
         "run_key": key,  # the run key, the set by its content: the files may differ in order or place
         "rows_key": content,
         # what the run key is made of, as the report names it: a merge names what differs
-        "named": {"model": run.get("model"), "checkpoint": run.get("checkpoint"), "head": run.get("head"),
-                  "data_files": run.get("data_files"), "split": run.get("split"), "backend": run.get("backend"),
-                  "settings": config.settings.as_dict()},
+        "named": {**{name: run.get(name) for name in RUN_KEY_FACTS}, "settings": config.settings.as_dict()},
         "report": {**{name: getattr(options, name, None) for name in REPORT_OPTIONS},
                    "save_logits": config.save_logits, "save_text": config.save_text},
         "rows_in_set": int(len(rows)),
