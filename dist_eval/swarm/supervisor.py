@@ -142,9 +142,10 @@ class Supervisor:
             self._died(s, watch, now)
         elif watch.state == "starting":
             if self.swarm.serves_again(s):
-                watch.state = "up"
+                # said before it shows: whoever sees "up" (server_state) finds the line in the log
                 self.log(f"{s.label} serves again (restart {len(watch.restarts)}, {now - watch.died:.1f} s "
                          f"after it died; address {s.address})")
+                watch.state = "up"
             elif now - watch.spawned > self.swarm.start_timeout:
                 watch.timed_out = True
                 s.kill()  # seen dead on the next round, counted as a failed start
@@ -178,20 +179,20 @@ class Supervisor:
         while watch.restarts and watch.restarts[0] < now - self.policy.window:
             watch.restarts.popleft()
         if s.returncode == 0 and not watch.timed_out:
-            watch.state = "down"
             self.log(f"{s.label} left the swarm ({how}: stopped on purpose, e.g. SIGTERM); not restarted"
                      f"{self._cover_note(s)}")
+            watch.state = "down"  # after the line, as every state: whoever sees it finds the line said
             return
         if len(watch.restarts) >= self.policy.max_restarts:
-            watch.state = "down"
             self.log(f"{s.label} died ({how}); not restarted: {len(watch.restarts)} restart(s) in the last "
                      f"{self.policy.window:.0f} s, the limit (--max-restarts {self.policy.max_restarts}, "
                      f"--restart-window {self.policy.window:.0f}); it stays down{self._cover_note(s)}")
+            watch.state = "down"
             return
         delay = self.policy.delay(len(watch.restarts) + 1, self._rng)
-        watch.state, watch.due = "waiting", now + delay
         self.log(f"{s.label} died ({how}); restarting in {delay:.1f} s (restart {len(watch.restarts) + 1} of at "
                  f"most {self.policy.max_restarts} in {self.policy.window:.0f} s){self._cover_note(s)}")
+        watch.state, watch.due = "waiting", now + delay
 
     def _cover_note(self, dead) -> str:
         """Whether the servers still up hold the dead one's blocks."""
