@@ -225,6 +225,8 @@ class LocalSwarm:
         """
         if server.state == "up":
             self.initial_peers[server.index] = server.address
+            if self._launch is not None:  # its new p2pd's sockets, removed at stop even if it is killed whole
+                self._launch.note_sockets()
             return True
         return False
 
