@@ -20,28 +20,16 @@ import contextlib
 import datetime
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from dist_eval import ranks
 from dist_eval.backends.kinds import backend_kind
-from dist_eval.config import EvalConfig, Settings
+from dist_eval.config import EvalConfig
 from dist_eval.data.sample import Rows
+from dist_eval.job import Job, on_this_node, prepare
 from dist_eval.output.report import add_run_facts, record_shutdown, report_phases, texts_of, write_report
-from dist_eval.plan import Checkpoint, EvalSet, Pair, Plan
-
-
-@dataclass
-class Job:
-    """What this run evaluates: the flags', or the built-in demo's model, data and columns."""
-
-    model_dir: str
-    split: Optional[str]
-    settings: Settings
-    plan: Plan
-    demo: bool
-    head: Optional[str] = None
-    dht_prefix: Optional[str] = None  # petals' default for a --model hub id
+from dist_eval.plan import Checkpoint, EvalSet, Pair
 
 
 @dataclass
@@ -96,8 +84,8 @@ def _run(config: EvalConfig) -> int:
     say = print if main and not config.quiet else (lambda *a, **k: None)
 
     with ranks.phase("preparing the run"):
-        job = _prepare(config, say) if main else None
-    job = _model_on_this_node(config, ranks.broadcast_object(job))
+        job = prepare(config, say) if main else None
+    job = on_this_node(config, ranks.broadcast_object(job))
     reports: List[_Report] = []
     with contextlib.ExitStack() as cleanup:
         session = _Session(config, job, _swarm_address(config, job, cleanup, say), clock, say)
@@ -122,47 +110,6 @@ def _run(config: EvalConfig) -> int:
     if main:
         record_shutdown(reports, clock, shutdown_began, say)
     return 0
-
-
-def _prepare(config: EvalConfig, say) -> Job:
-    """Rank 0: check the output folder; with no --model, build (or find) the demo's assets."""
-    from dist_eval.output.files import check_output_dir, hold_output_dir
-
-    check_output_dir(config.output_dir)
-    hold_output_dir(config.output_dir)  # one run at a time per folder
-    if not config.is_demo:
-        if config.plan.several:
-            say(f"dist_eval: {len(config.plan.checkpoints)} checkpoint(s) x {len(config.plan.sets)} set(s) = "
-                f"{len(config.plan.pairs())} evaluations, one model load; reports under {config.output_dir}",
-                flush=True)
-        from dist_eval.backends.hub import resolve_model
-
-        model_dir, dht_prefix = resolve_model(config.model, config.backend, config.initial_peers, config.revision,
-                                              whole=config.fetch_whole_model)
-        return Job(model_dir, config.split, config.settings, config.plan, demo=False, head=config.head,
-                   dht_prefix=dht_prefix)
-    from dist_eval.demo import demo_assets
-
-    demo = demo_assets(log=lambda line: say(f"dist_eval: {line}", flush=True), family=config.demo_family)
-    settings = replace(config.settings, text_column=demo.text_column, label_column=demo.label_column)
-    plan = Plan((EvalSet(None, (demo.data_dir,)),), (Checkpoint(None, demo.checkpoint),))
-    return Job(demo.model_dir, demo.split, settings, plan, demo=True)
-
-
-def _model_on_this_node(config: EvalConfig, job: Job) -> Job:
-    """A hub id's files are in rank 0's HF cache; a rank whose HF cache is another (another node
-    without a shared HF_HOME) fetches the same snapshot into its own.
-    """
-    from dist_eval.backends.arguments import is_hub_id
-
-    if job.demo or not is_hub_id(config.model):  # the same on every rank: all enter the phase or none
-        return job
-    with ranks.phase("finding the model on this node"):
-        from dist_eval.backends.hub import snapshot_on_this_node
-
-        model_dir = snapshot_on_this_node(job.model_dir, config.model, config.backend, config.initial_peers,
-                                          whole=config.fetch_whole_model)
-    return replace(job, model_dir=model_dir)
 
 
 def _swarm_address(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, say) -> tuple:

@@ -213,6 +213,7 @@ LAYERS = (
     ("exact",),  # one exact evaluation of every row: batches -> forwards -> merge
     ("stopping",),  # the rounds: one of every row, or rounds until the interval says stop
     ("compare", "rescore", "output", "evaluation"),  # the report writers; the evaluation core
+    ("job",),  # what a CLI run evaluates: the flags' or the demo's model and data, found on each node
     ("pipeline", "shard_merge"),  # the CLI's flow; the shards' merge (the report writers below)
     ("cli",),
     ("docs_cli", "__main__"),
