@@ -218,8 +218,11 @@ class _ColumnFiles:
         else:
             start, self.end = self.end, self.end + count
         for name, (dtype, shape) in self.columns.items():
-            data = np.ascontiguousarray(values[name], dtype=dtype).reshape(count, *shape)
-            os.pwrite(self.files[name].fileno(), data.tobytes(), start * self._row_bytes(name))
+            data = np.ascontiguousarray(values[name], dtype=dtype).reshape(count, *shape).tobytes()
+            written = os.pwrite(self.files[name].fileno(), data, start * self._row_bytes(name))
+            if written != len(data):  # a full disk writes short: never results with rows missing
+                raise OSError(f"wrote {written} of {len(data)} bytes of the loop's results to $TMPDIR "
+                              f"({tempfile.gettempdir()}): is it full? Point TMPDIR at a disk with room.")
         self.kept.pop(position, None)
         if position == len(self.spans):
             self.spans.append((start, count))
