@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from functools import partial
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 import torch
@@ -25,9 +24,8 @@ from dist_eval.backends.objects import evaluation_model
 from dist_eval.config import Options, Settings
 from dist_eval.data.labels import is_generic_names, label_names_of, read_labels
 from dist_eval.data.loader import loader_batches
-from dist_eval.data.shard import dataset_batches
 from dist_eval.errors import UsageError
-from dist_eval.known import KnownLogits, open_known_logits
+from dist_eval.known import KnownLogits, dataset_batches_with_known
 from dist_eval.loop_facts import LoopFacts
 from dist_eval.merge import MergedResults, merge_on_main
 from dist_eval.predict import ShardLoop, redo_blamed_on_other_ranks
@@ -123,9 +121,7 @@ def evaluate_once(model, data, request: Request, resume_folder: Optional[str],
         # the known logits: the row store's rows before the plan (which leaves them out), the
         # resume folder's batches after it (keyed by the plan's batches)
         num_rows, batches, num_truncated, own_batches, known = _this_rank_batches(
-            data, request.tokenizer, settings, task, options.top_k, _plan_hook(on_batch_done),
-            partial(open_known_logits, model, request.tokenizer, settings, options, task.num_labels,
-                    task.pad_token_id), options.shard_part)
+            model, data, request.tokenizer, settings, options, task, _plan_hook(on_batch_done))
         with ranks.phase("reading the stored partial results"):
             known.resume_from(resume_folder, own_batches, task.num_labels, options.save_interval)
         local = _forward_passes(task, batches, known, options.in_flight, request.sample_metrics, on_batch_done, loops)
@@ -220,38 +216,25 @@ def _plan_hook(on_batch_done):
     return owner.set_plan if isinstance(owner, GlobalProgress) else None
 
 
-def _this_rank_batches(data, tokenizer, settings: Settings, task: _Task, top_k: Optional[int] = None, on_plan=None,
-                       open_known=None, shard: Optional[Tuple[int, int]] = None):
+def _this_rank_batches(model, data, tokenizer, settings: Settings, options: Options, task: _Task, on_plan=None):
     """(rows in the data, this rank's batches, rows truncated here, {batch id: rows} of this
-    rank's batches or None for a DataLoader, the :class:`KnownLogits` ``open_known(data)`` opened).
-    Every rank must call it. The rows the row store holds are left out of the batch plan; rank 0
-    reports them, as batches whose logits are known. ``shard`` = (I, K): the rows of shard I of K
-    only (:func:`dist_eval.data.shard.shard_of_plan`; ``known.shard_rows``), a Dataset only.
+    rank's batches or None for a DataLoader, the :class:`KnownLogits`). Every rank must call it.
+    A Dataset goes whole to the known logits' stage (:func:`dist_eval.known.dataset_batches_with_known`:
+    the row store read, the batch plan without its rows, ``options.shard_part``'s rows only); a
+    DataLoader's batches are the user's.
     """
-    from dist_eval.backends.families import tokenizers_calling_the_base
-
     with ranks.phase("preparing the data"):
         _check_classes(task.num_labels)  # the first point the classes are known: every rank alike
-        _check_top_k(top_k, task.num_labels)
+        _check_top_k(options.top_k, task.num_labels)
         _check_window(task, settings.max_length)
-        data, labels, task.label_names = _check_data(data, tokenizer, settings, task)
-        num_rows = len(data.dataset) if labels is None else len(data)
-    known = KnownLogits()
-    if labels is not None and open_known is not None:
-        with ranks.phase("reading the row store"):
-            known = open_known(data)
-    own_batches = None
+        labels, task.label_names = _check_data(data, tokenizer, settings, task)
+    if labels is not None:
+        batches, num_truncated, own_batches, known = dataset_batches_with_known(
+            model, data, labels, tokenizer, settings, options, task, on_plan)
+        return len(data), batches, num_truncated, own_batches, known
     with ranks.phase("tokenizing the data"):
-        if labels is None:  # a DataLoader: its batches are the user's
-            batches, num_truncated = loader_batches(data), 0
-        else:
-            batches, num_truncated, own_batches = dataset_batches(
-                data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
-                on_plan=on_plan, skip_rows=known.stored_rows,
-                calling_the_base=tokenizers_calling_the_base(), shard=shard, on_shard=known.keep_rows,
-            )
-            batches = known.with_store_batches(labels, batches)
-    return num_rows, batches, num_truncated, own_batches, known
+        batches = loader_batches(data)
+    return len(data.dataset), batches, 0, None, KnownLogits()
 
 
 def _check_window(task: _Task, max_length: int) -> None:
@@ -288,8 +271,8 @@ def _check_top_k(top_k: Optional[int], num_labels: Optional[int]) -> None:
 
 
 def _check_data(data, tokenizer, settings: Settings, task: _Task):
-    """(the data: a Dataset of the rows drawn already, or a DataLoader; the labels of a Dataset or
-    None for a DataLoader; class names).
+    """(the labels of ``data``, a Dataset of the rows drawn already, as class ids, or None for a DataLoader;
+    the class names).
     """
     if task.num_labels is None:
         raise UsageError("cannot tell the number of classes from the model; pass num_labels=K.", param="num_labels")
@@ -298,13 +281,13 @@ def _check_data(data, tokenizer, settings: Settings, task: _Task):
             raise UsageError("a DataLoader over a dataset without len(): its rows cannot be counted.", param="data")
         if settings.limit:
             raise UsageError("only with a Dataset (a DataLoader's rows are the user's to choose).", param="limit")
-        return data, None, task.label_names
+        return None, task.label_names
     if tokenizer is None:
         raise UsageError("evaluate(data=Dataset) needs tokenizer=...; or pass a DataLoader of token ids.")
     if task.pad_token_id is None:
         raise UsageError("unknown (the model config has none); pass pad_token_id=...", param="pad_token_id")
     labels = _read_labels(data, settings, task)  # the rows are drawn already (draw_rows: evaluate's)
-    return data, labels, task.label_names or label_names_of(data, settings.label_column)
+    return labels, task.label_names or label_names_of(data, settings.label_column)
 
 
 def _read_labels(data, settings: Settings, task: _Task) -> np.ndarray:

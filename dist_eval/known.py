@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
+from itertools import chain
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -24,6 +25,7 @@ import numpy as np
 from dist_eval import ranks
 from dist_eval.data.batches import Batch, plan_batches
 from dist_eval.data.labels import TaskColumns
+from dist_eval.data.shard import dataset_batches
 from dist_eval.data.tokenize import right_pad, tokenize_rows
 from dist_eval.errors import warn
 from dist_eval.loop_facts import StoreFacts
@@ -56,11 +58,6 @@ class KnownLogits:
         """A shard's rows (sorted): the store serves and reports only those."""
         self.shard_rows = rows
         self.rows.stored_rows = self.rows.stored_rows[np.isin(self.rows.stored_rows, rows)]
-
-    def with_store_batches(self, labels: np.ndarray, batches) -> Iterator:
-        """Rank 0: the store's rows as batches whose logits are known, then ``batches``."""
-        yield from self.rows.batches(labels)
-        yield from batches
 
     def resume_from(self, folder: Optional[str], own_batches: Optional[Dict[int, np.ndarray]], num_labels: int,
                     save_interval: float) -> None:
@@ -126,6 +123,28 @@ class KnownLogits:
                           rows_evaluated=int(num_rows - served - resumed),
                           seconds_saved=float(saved) / ranks.get_world_size(), read_seconds=read,
                           write_seconds=float(written))
+
+
+def dataset_batches_with_known(model, data, labels: np.ndarray, tokenizer, settings, options, task,
+                               on_plan=None) -> Tuple[Iterator, int, dict, KnownLogits]:
+    """Every rank, a Dataset of the rows drawn, whole (``labels``: its class ids): (this rank's batches,
+    rows truncated here, {batch id: rows} of this rank's batches, its :class:`KnownLogits`). The row
+    store is read first (:func:`open_known_logits`), the batch plan leaves its rows out
+    (:func:`dist_eval.data.shard.dataset_batches`; ``options.shard_part``: (I, K), the rows of shard I
+    of K only, ``known.shard_rows``), and rank 0's batches start with the store's rows, as batches whose
+    logits are known. ``task``: the model's forward facts (:class:`dist_eval.exact._Task`).
+    """
+    from dist_eval.backends.families import tokenizers_calling_the_base
+
+    with ranks.phase("reading the row store"):
+        known = open_known_logits(model, tokenizer, settings, options, task.num_labels, task.pad_token_id, data)
+    with ranks.phase("tokenizing the data"):
+        batches, num_truncated, own_batches = dataset_batches(
+            data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
+            on_plan=on_plan, skip_rows=known.stored_rows, calling_the_base=tokenizers_calling_the_base(),
+            shard=options.shard_part, on_shard=known.keep_rows,
+        )
+    return chain(known.rows.batches(labels), batches), num_truncated, own_batches, known
 
 
 def open_known_logits(model, tokenizer, settings, options, num_labels: int, pad_token_id, data) -> KnownLogits:
