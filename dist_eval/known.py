@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from itertools import chain
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -58,6 +57,11 @@ class KnownLogits:
         """A shard's rows (sorted): the store serves and reports only those."""
         self.shard_rows = rows
         self.rows.stored_rows = self.rows.stored_rows[np.isin(self.rows.stored_rows, rows)]
+
+    def with_store_batches(self, labels: np.ndarray, batches) -> Iterator:
+        """Rank 0: the store's rows as batches whose logits are known, then ``batches``."""
+        yield from self.rows.batches(labels)
+        yield from batches
 
     def resume_from(self, folder: Optional[str], own_batches: Optional[Dict[int, np.ndarray]], num_labels: int,
                     save_interval: float) -> None:
@@ -144,7 +148,7 @@ def dataset_batches_with_known(model, data, labels: np.ndarray, tokenizer, setti
             on_plan=on_plan, skip_rows=known.stored_rows, calling_the_base=tokenizers_calling_the_base(),
             shard=options.shard_part, on_shard=known.keep_rows,
         )
-    return chain(known.rows.batches(labels), batches), num_truncated, own_batches, known
+    return known.with_store_batches(labels, batches), num_truncated, own_batches, known
 
 
 def open_known_logits(model, tokenizer, settings, options, num_labels: int, pad_token_id, data) -> KnownLogits:
