@@ -6,7 +6,7 @@ Values are ``local_`` (one rank's) or ``global_`` (over every rank) as in the na
 """
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, field, fields
+from dataclasses import astuple, dataclass, field, fields, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -390,7 +390,8 @@ def merge_on_main(
     report = ranks.broadcast_object(report)
     if bootstrap and bootstrap[0] and report.get("confidence_intervals") and "top_k" in report:
         with ranks.phase("the score intervals"):
-            report = shared_score_intervals(report, merged, bootstrap)
+            report, cost = shared_score_intervals(report, merged, bootstrap)
+        report.update(replace(LoopFacts.from_report(report), exact_score_intervals=cost).report())
     trim_heap()  # the merge's and the metrics' temporaries: given back, not left to the next phases' peaks
     return report, merged
 
@@ -465,13 +466,15 @@ def _reported(intervals: Optional[dict], scores: dict) -> dict:
     return kept
 
 
-def shared_score_intervals(report: dict, merged: Optional[MergedResults], bootstrap) -> dict:
+def shared_score_intervals(report: dict, merged: Optional[MergedResults], bootstrap) -> Tuple[dict, Optional[dict]]:
     """Every rank: the probability scores' intervals, their resamples shared over the ranks
     (rank 0 sends the probabilities; each rank computes every N-th chunk of resamples; the
     values are all-gathered), added to ``report``'s ``confidence_intervals``. The same bits
     for any N: each resample is computed as one process computes it. A set whose rows are
     drawn grouped (:func:`dist_eval.intervals.grouped_score_intervals`): rank 0 computes
-    them and sends them.
+    them and sends them. Returns ``report`` and what the exact bootstrap cost
+    (:func:`~dist_eval.intervals.exact_score_cost`; None where rank 0 computed them):
+    :attr:`LoopFacts.exact_score_intervals`.
     """
     from dist_eval.intervals import (
         exact_score_cost,
@@ -489,16 +492,16 @@ def shared_score_intervals(report: dict, merged: Optional[MergedResults], bootst
                                                top_k=report["top_k"], bins=CALIBRATION_BINS)
         else:  # exact: every rank holds every row's probabilities (the report says what that costs)
             shared = (probs, merged.labels, exact_score_cost(probs, merged.labels, bootstrap[0]))
-    shared = ranks.broadcast_object(shared)
+    shared, cost = ranks.broadcast_object(shared), None
     if isinstance(shared, dict):
         intervals = shared
     else:
-        probs, labels, report["run"]["exact_score_intervals"] = shared
+        probs, labels, cost = shared
         part = score_resamples_part(probs, labels, bootstrap[0], bootstrap[1], report["top_k"], CALIBRATION_BINS,
                                     (ranks.get_rank(), ranks.get_world_size()))
         intervals = score_percentiles(join_score_resamples(ranks.all_gather_object(part), bootstrap[0]), bootstrap[1])
     report["confidence_intervals"].update(_reported(intervals, report))
-    return report
+    return report, cost
 
 
 def row_metrics(
