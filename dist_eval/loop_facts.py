@@ -13,6 +13,29 @@ from typing import List, Optional
 
 
 @dataclass
+class SampleFacts:
+    """The rows a run evaluated (``run.sample``): its --limit sample (``limit`` 0 or None: every row of
+    the data), written by :meth:`dist_eval.data.sample.Rows.facts`, read back by :meth:`of`.
+    """
+
+    limit: Optional[int] = None
+    limit_seed: Optional[int] = None
+    rows_in_data: int = 0
+    rows: int = 0
+
+    @property
+    def sampled(self) -> bool:
+        """A random sample of the data's rows (--limit), not every row."""
+        return bool(self.limit)
+
+    @classmethod
+    def of(cls, metrics: dict) -> SampleFacts:
+        """What ``metrics`` (a report, metrics.json) records of the sample; a report without one: no sample."""
+        recorded = (metrics.get("run") or {}).get("sample") or {}
+        return cls(**{f.name: recorded[f.name] for f in fields(cls) if f.name in recorded})
+
+
+@dataclass
 class StoreFacts:
     """The row store in one evaluation (``run.row_store``): the rows it served over all ranks,
     those evaluated, the time saved; its own cost: rank 0's reading, all ranks' writing.

@@ -14,9 +14,10 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from dist_eval.atomic import csv_cell
+from dist_eval.data.groups import EMPTY, MISSING, read_cluster_names, read_slice_values, slice_value  # noqa: F401
 
 # each row's slice names are read with its rows (dist_eval.data.groups); the names stay importable here
-from dist_eval.data.groups import EMPTY, MISSING, read_cluster_names, read_slice_values, slice_value  # noqa: F401
+from dist_eval.loop_facts import SampleFacts
 
 # Below this many rows a slice's bootstrap interval is not reported: a percentile bootstrap of
 # a handful of rows is far narrower than the truth.
@@ -151,12 +152,12 @@ def format_slices(metrics: dict, shown: int = SUMMARY_SLICES) -> List[str]:
     if not report:
         return []
     found = slices_of(report)
-    sample = (metrics.get("run") or {}).get("sample") or {}
+    sample = SampleFacts.of(metrics)
     over = f"over {report['rows']} rows"
     if report["rows"] != report["rows_in_set"]:
         over = f"over the {report['rows']} rows used of {report['rows_in_set']}"
-    elif sample.get("limit") and sample.get("rows", 0) < sample.get("rows_in_data", 0):
-        over = f"over the {report['rows']} rows of a random sample of {sample['rows_in_data']}"
+    elif sample.sampled and sample.rows < sample.rows_in_data:
+        over = f"over the {report['rows']} rows of a random sample of {sample.rows_in_data}"
     lines = [f"  slices by {', '.join(report['columns'])} ({len(found)}, {over}), lowest accuracy first:"]
     for column, name, values in found[:shown]:
         interval = (values.get("confidence_intervals") or {}).get("accuracy")

@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from dist_eval.data.groups import read_cluster_names, read_slice_values, warn_one_row_slices
 from dist_eval.data.labels import TaskColumns, check_columns, column_values
+from dist_eval.loop_facts import SampleFacts
 
 
 def row_keys(columns: Sequence[Sequence], seed: int) -> np.ndarray:
@@ -157,8 +158,7 @@ class Rows:
 
     def facts(self) -> dict:
         """What a report records of the sample (``run.sample``)."""
-        return {"limit": self.limit, "limit_seed": self.limit_seed, "rows_in_data": self.rows_in_data,
-                "rows": len(self.dataset)}
+        return asdict(SampleFacts(self.limit, self.limit_seed, self.rows_in_data, len(self.dataset)))
 
 
 def draw_rows(data, settings, options=None, in_key_order: bool = False) -> Rows:

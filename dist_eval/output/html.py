@@ -12,6 +12,7 @@ import base64
 import functools
 from typing import Optional
 
+from dist_eval.loop_facts import SampleFacts
 from dist_eval.metrics import HEADLINE_METRICS, headline_names
 from dist_eval.output.per_class import class_names, per_class_rows
 from dist_eval.output.summary import format_stopping
@@ -83,11 +84,11 @@ def _interval_svg(value: float, interval: Optional[list], whole: float, width: i
             f'<circle cx="{x[0]}" cy="8" r="4" fill="{"#1f2328" if interval else "#fff"}" stroke="#1f2328"/></svg>')
 
 
-def _sample_text(sample: Optional[dict]) -> Optional[str]:
-    if not sample or not sample.get("limit"):
+def _sample_text(sample: SampleFacts) -> Optional[str]:
+    if not sample.sampled:
         return None
-    return (f"{sample['rows']} of {sample['rows_in_data']} rows, a random sample (--limit {sample['limit']} "
-            f"--limit-seed {sample['limit_seed']}), chosen by a hash of each row's content")
+    return (f"{sample.rows} of {sample.rows_in_data} rows, a random sample (--limit {sample.limit} "
+            f"--limit-seed {sample.limit_seed}), chosen by a hash of each row's content")
 
 
 def _run_facts(metrics: dict) -> list:
@@ -97,7 +98,7 @@ def _run_facts(metrics: dict) -> list:
         ("classes", metrics["num_labels"]),
         ("data", ", ".join(run.get("data_files") or []) or None),
         ("split", run.get("split")),
-        ("sample (--limit)", _sample_text(run.get("sample"))),
+        ("sample (--limit)", _sample_text(SampleFacts.of(metrics))),
         ("stopped early", format_stopping(metrics)),
         ("model", run.get("model")),
         ("checkpoint", run.get("checkpoint")),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from dist_eval.loop_facts import SampleFacts
 from dist_eval.metrics import INTERVAL_METRICS, headline_names
 from dist_eval.sequential import StopReport
 
@@ -44,10 +45,10 @@ def format_summary(metrics: dict) -> str:
         f"{_rate(run)} (eval loop)",
         "  " + "   ".join(f"{name} {metrics[name]:.4f}" for name in headline_names(metrics)),
     ]
-    sample = run.get("sample") or {}
-    if sample.get("limit"):
-        lines.append(f"  a random sample of {sample['rows']} of {sample['rows_in_data']} rows "
-                     f"(--limit {sample['limit']} --limit-seed {sample['limit_seed']})")
+    sample = SampleFacts.of(metrics)
+    if sample.sampled:
+        lines.append(f"  a random sample of {sample.rows} of {sample.rows_in_data} rows "
+                     f"(--limit {sample.limit} --limit-seed {sample.limit_seed})")
     stopping = format_stopping(metrics)
     if stopping:
         lines.append(f"  {stopping}")
