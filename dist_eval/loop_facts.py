@@ -5,6 +5,8 @@ loop and row-store keys) in one place, :meth:`LoopFacts.report`.
 The merge (:mod:`dist_eval.merge`) measures the loop, the known logits
 (:mod:`dist_eval.known`) the row store, one exact evaluation (:mod:`dist_eval.exact`) joins them,
 and the rounds (:mod:`dist_eval.stopping`) add them up with ``+``; nobody else lists these keys.
+The rows evaluated (``run.sample``, :class:`SampleFacts`) are written by the run's Rows and read
+back from metrics.json by the report writers here too.
 """
 from __future__ import annotations
 
