@@ -107,6 +107,16 @@ def unix_socket_paths(pids: Sequence[int]) -> Set[str]:
     return paths
 
 
+def is_hivemind_socket(path: str) -> bool:
+    """Whether a unix socket path is one hivemind made (``/tmp/hivemind-*``: p2pd's, a P2P client's)."""
+    return os.path.basename(path).startswith("hivemind-")
+
+
+def hivemind_socket_paths(pids: Sequence[int]) -> Set[str]:
+    """The hivemind sockets (:func:`is_hivemind_socket`) these processes hold."""
+    return {p for p in unix_socket_paths(pids) if is_hivemind_socket(p)}
+
+
 def shm_managers_under(folder: str) -> List[int]:
     """The torch shared-memory managers whose socket is under ``folder``. torch starts one for
     processes that share tensors through files (hivemind's strategy) with its socket in their

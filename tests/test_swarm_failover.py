@@ -289,15 +289,14 @@ def test_a_dead_rank_or_helper_ends_every_rank_in_bounded_time(swarm2, tiny_mode
     healthy swarm: every rank ends within 30 s, with one error line, non-zero; the finished
     batches are kept for a resume; no process of the run is left (helpers of a killed rank
     included), nor any hivemind socket that the ranks' clients held (hivemind leaves a killed p2pd's)."""
-    from dist_eval.procs import unix_socket_paths
+    from dist_eval.procs import hivemind_socket_paths
 
     out = tmp_path / "out"
     run = BackgroundCli(petals_args(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2)
     try:
         procs = ranks_in_their_loop(run)
         assert run.proc.poll() is None, "the run ended before the kill; make many_rows_csv longer"
-        sockets = {p for p in unix_socket_paths([pid for p in procs.values() for pid in p.values()])
-                   if os.path.basename(p).startswith("hivemind-")}
+        sockets = hivemind_socket_paths([pid for p in procs.values() for pid in p.values()])
         os.kill(procs[1][victim], signal.SIGKILL)
         killed_at = time.monotonic()
         code, _, stderr = run.wait(timeout=120)

@@ -25,7 +25,7 @@ import pytest
 from conftest import REPO, one_thread_swarm, read_jsonl, read_stdout_line, reference_160_args, write_csv
 from inprocess_cli import run_cli_in_process
 
-from dist_eval.procs import live_groups, unix_socket_paths
+from dist_eval.procs import hivemind_socket_paths, live_groups
 from dist_eval.swarm import SwarmError
 from dist_eval.swarm.status import render
 from dist_eval.swarm.supervisor import RestartPolicy, describe_exit, ranges
@@ -230,8 +230,7 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     assert len(_lines(events, 1, "serves again (restart 1")) == 1, events
     assert swarm.initial_peers == peers  # the same identity: the same addresses
     # the restarted server's hivemind sockets are noted, so that the stop removes them however it ends
-    held = {p for p in unix_socket_paths(live_groups({swarm.servers[1].pgid})[swarm.servers[1].pgid])
-            if os.path.basename(p).startswith("hivemind-")}
+    held = hivemind_socket_paths(live_groups({swarm.servers[1].pgid})[swarm.servers[1].pgid])
     assert held and held <= swarm.sockets, (held, swarm.sockets)
     swarm.check()
     print(f"server 1 back {back:.1f} s after the run ended")

@@ -34,7 +34,7 @@ import threading
 import time
 
 from dist_eval.errors import UsageError
-from dist_eval.procs import child_pids, is_running, start_time, unix_socket_paths
+from dist_eval.procs import child_pids, hivemind_socket_paths, is_hivemind_socket, is_running, start_time
 from dist_eval.watchdog import Watchdog
 
 _EXIT_WAIT = 2.0  # seconds the helpers get to exit after a normal client shutdown
@@ -148,11 +148,13 @@ def client_sockets(manager, helpers) -> set:
     """The /tmp/hivemind-* unix sockets of a petals client: those its helper processes
     ``helpers`` hold (the p2pd's and the DHT process's), and its P2P replica's in this process.
     """
-    held = unix_socket_paths(list(helpers))
+    held = hivemind_socket_paths(list(helpers))
     p2p = getattr(getattr(manager, "state", None), "p2p", None)
     with contextlib.suppress(Exception):  # hivemind's P2P: the socket its replica listens on
-        held.add(p2p._client_listen_maddr["unix"])
-    return {p for p in held if os.path.basename(p).startswith("hivemind-")}
+        path = p2p._client_listen_maddr["unix"]
+        if is_hivemind_socket(path):
+            held.add(path)
+    return held
 
 
 def release_waits_on_dead_helpers(manager, error: BaseException) -> None:

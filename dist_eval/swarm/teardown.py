@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Set
 
-from dist_eval.procs import live_groups, shm_managers_under, unix_socket_paths
+from dist_eval.procs import hivemind_socket_paths, live_groups, shm_managers_under
 from dist_eval.swarm.placement import SwarmError
 
 # How long a drained stop waits for torch's shared-memory manager of its servers to exit
@@ -129,8 +129,7 @@ def note_sockets(pgids: Sequence[int], sockets: Set[str]) -> Dict[int, List[int]
     Returns the groups' live processes.
     """
     live = live_groups(set(pgids))
-    paths = unix_socket_paths([p for procs in live.values() for p in procs])
-    sockets |= {p for p in paths if os.path.basename(p).startswith("hivemind-")}
+    sockets |= hivemind_socket_paths([p for procs in live.values() for p in procs])
     return live
 
 
