@@ -234,7 +234,7 @@ def _report(shards: List[_Shard], metrics_of: List[dict], merged, missing: List[
     """metrics.json of the merged rows: the run's metrics (rows_report, as rank 0 computes them), its
     slices, the shards' loops as one, the first shard's run facts naming the shards.
     """
-    from dist_eval.slices import slice_report
+    from dist_eval.slices import clustered_metrics, slice_report
 
     manifest, first = shards[0].manifest, metrics_of[0]
     options = manifest["report"]
@@ -245,12 +245,8 @@ def _report(shards: List[_Shard], metrics_of: List[dict], merged, missing: List[
     texts, slices = _texts(shards, manifest["rows_in_set"])
     clusters = None
     if options.get("cluster_by") is not None:  # as the run's rank 0: every interval resamples whole clusters
-        from dist_eval.clusters import clustered_report
-        from dist_eval.metrics import softmax
-
         clusters = (options["cluster_by"], texts["cluster"])
-        report = clustered_report(report, merged.labels, merged.preds, merged.losses, softmax(merged.logits),
-                                  np.asarray(clusters[1], dtype=object)[merged.indices], clusters[0], bootstrap)
+        report = clustered_metrics(report, merged, clusters, bootstrap)
     if slices is not None:
         report["slices"] = slice_report(merged, slices, report["num_labels"], report.get("label_names"),
                                         (bootstrap, report.get("top_k")), manifest["rows_in_set"], clusters)

@@ -68,8 +68,8 @@ def attach_slices(results: list, rows, tokenizer, settings, options) -> None:
     for result in results:
         merged, metrics = result.predictions, result.metrics
         if rows.clusters is not None:
-            result.metrics = metrics = ranks.broadcast_object(_clustered(metrics, merged, rows.clusters, bootstrap)
-                                                              if main else None)
+            mine = clustered_metrics(metrics, merged, rows.clusters, bootstrap) if main else None
+            result.metrics = metrics = ranks.broadcast_object(mine)
         if options.slice_by is not None:
             report = None
             if main:
@@ -79,7 +79,7 @@ def attach_slices(results: list, rows, tokenizer, settings, options) -> None:
             metrics["slices"] = ranks.broadcast_object(report)
 
 
-def _clustered(metrics: dict, merged, clusters: tuple, bootstrap) -> dict:
+def clustered_metrics(metrics: dict, merged, clusters: tuple, bootstrap) -> dict:
     """Rank 0: ``metrics``, every interval resampling whole clusters (:func:`~dist_eval.clusters.clustered_report`)."""
     from dist_eval.clusters import clustered_report
     from dist_eval.metrics import softmax
