@@ -123,17 +123,13 @@ class HelperWatch:
         stopped by hivemind), then end the watchdog process.
         """
         self.stop()
-        deadline = time.monotonic() + (0.0 if self.died is not None else _EXIT_WAIT)
-        while self._running() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        self._wait_gone(0.0 if self.died is not None else _EXIT_WAIT)
         for pid in self._running():
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        deadline = time.monotonic() + _EXIT_WAIT
-        while self._running() and time.monotonic() < deadline:  # SIGKILL is not instant
-            time.sleep(0.02)
+        self._wait_gone(_EXIT_WAIT)  # SIGKILL is not instant
         for path in self.sockets:  # their holders are gone (the client's replica was shut down before)
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -142,6 +138,12 @@ class HelperWatch:
 
     def _running(self) -> list:
         return [pid for pid in self.helpers if is_running(pid, self._start_times[pid])]
+
+    def _wait_gone(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for every helper to be gone."""
+        deadline = time.monotonic() + seconds
+        while self._running() and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def client_sockets(manager, helpers) -> set:
