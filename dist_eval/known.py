@@ -141,7 +141,8 @@ def dataset_batches_with_known(model, data, labels: np.ndarray, tokenizer, setti
     from dist_eval.backends.families import tokenizers_calling_the_base
 
     with ranks.phase("reading the row store"):
-        known = open_known_logits(model, tokenizer, settings, options, task.num_labels, task.pad_token_id, data)
+        known = open_known_logits(model, tokenizer, settings, options, task.num_labels, task.pad_token_id, data,
+                                  task.prompt_tokens)
     with ranks.phase("tokenizing the data"):
         batches, num_truncated, own_batches = dataset_batches(
             data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
@@ -151,11 +152,13 @@ def dataset_batches_with_known(model, data, labels: np.ndarray, tokenizer, setti
     return known.with_store_batches(labels, batches), num_truncated, own_batches, known
 
 
-def open_known_logits(model, tokenizer, settings, options, num_labels: int, pad_token_id, data) -> KnownLogits:
+def open_known_logits(model, tokenizer, settings, options, num_labels: int, pad_token_id, data,
+                      prefix_tokens: int) -> KnownLogits:
     """Every rank: its :class:`KnownLogits`, the row store read (rank 0 reads it; every rank learns
     which rows it holds). Nothing is known for a model without an identity or with the store off
     (``options.row_store``). The resume folder opens later, once the plan is made
-    (:meth:`KnownLogits.resume_from`). Every rank must call it.
+    (:meth:`KnownLogits.resume_from`). ``prefix_tokens``: what a forward adds to each row, as the
+    run's plan counts it (the store's rows evaluated again are planned alike). Every rank must call it.
     """
     start, store = time.perf_counter(), None
     if ranks.is_main_process():
@@ -168,8 +171,7 @@ def open_known_logits(model, tokenizer, settings, options, num_labels: int, pad_
     rows.read_seconds = time.perf_counter() - start
     known = KnownLogits(rows)
     if rows.logits:
-        prefix = getattr(model, "prompt_tokens", 0) + getattr(model, "appended_tokens", 0)
-        known.batches_of = partial(_batches_of, tokenizer, settings, pad_token_id, prefix, data)
+        known.batches_of = partial(_batches_of, tokenizer, settings, pad_token_id, prefix_tokens, data)
     return known
 
 
