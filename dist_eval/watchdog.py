@@ -14,7 +14,9 @@ from typing import Optional
 # It reads commands on stdin; EOF without "done" means the owner died. "pg N": a process
 # group to stop (SIGINT, SIGKILL 3 s later); "pid N START": one process, SIGKILLed at once
 # (START: its start time, so that a pid reused by then is left alone); "path P": a file
-# or folder to remove.
+# or folder to remove. It runs as `python -S -c`: no site-packages, so it starts at once and
+# does not depend on how dist_eval is installed; it imports nothing of dist_eval, which is why
+# its lookup of the hivemind sockets that its processes hold repeats procs.unix_socket_paths.
 _WATCHDOG = r"""
 import os, shutil, signal, sys, time
 groups, pids, paths = set(), {}, set()
