@@ -242,6 +242,17 @@ def score_percentiles(values: dict, seed: int, level: float = 0.95) -> dict:
     return out
 
 
+def kept_score_intervals(intervals: Optional[dict], scores: dict) -> dict:
+    """The score intervals a report keeps: those of the scores it has (``scores``' names), None for a
+    NaN one, and the method that drew them (the grouped one names itself: see bootstrap_score_intervals).
+    """
+    kept = {name: None if np.isnan(value).any() else value
+            for name, value in (intervals or {}).items() if name in scores}
+    if intervals:
+        kept["method"] = intervals["method"]
+    return kept
+
+
 def canonical_row_order(*columns: np.ndarray) -> np.ndarray:
     """A permutation that sorts rows by the given columns (1-D or 2-D, first column most
     significant): rows equal in every column are interchangeable, so anything computed on

@@ -1,31 +1,36 @@
 """Merge every rank's results: totals reduced over ranks, per-sample arrays gathered to
 rank 0, ordered by index, de-duplicated, checked to cover every row of the split exactly
-once, then the metrics (computed on rank 0, broadcast to every rank).
+once; then the report of the merged rows (:mod:`dist_eval.scoring`, on rank 0, broadcast to
+every rank; the score intervals' resamples shared over the ranks).
 
 Values are ``local_`` (one rank's) or ``global_`` (over every rank) as in the names.
 """
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, field, fields, replace
+from dataclasses import astuple, dataclass, field, fields
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from dist_eval import ranks
 from dist_eval.data.tokenize import trim_heap
-from dist_eval.intervals import bootstrap_intervals, bootstrap_score_intervals
-from dist_eval.loop_facts import LoopFacts
-from dist_eval.metrics import (
-    CALIBRATION_BINS,
-    confusion_matrix,
-    default_top_k,
-    mean_of,
-    metrics_from_confusion,
-    reliability_table,
-    score_metrics,
-    softmax,
+from dist_eval.intervals import (
+    bootstrap_score_intervals,
+    exact_score_cost,
+    grouped_score_intervals,
+    join_score_resamples,
+    kept_score_intervals,
+    score_percentiles,
+    score_resamples_part,
 )
+from dist_eval.loop_facts import LoopFacts
+from dist_eval.metrics import CALIBRATION_BINS
 from dist_eval.predict import SAMPLE_VALUE_PREFIX, ShardResults, mapped_array
+from dist_eval.scoring import (
+    mapped_softmax,
+    row_metrics,  # noqa: F401 (merge.row_metrics: the name its callers know)
+    rows_report,
+)
 
 
 class CoverageError(RuntimeError):
@@ -174,22 +179,6 @@ def _merge_payloads(payloads: List[dict], coverage: _Coverage, span: Optional[Tu
 # Row indices merged at once on rank 0 (issue 51): each round gathers every rank's results of one
 # range of this many row indices, merges them, and writes them to the merged columns' files
 MERGE_CHUNK_ROWS = 1 << 16
-
-
-# Rows whose softmax is computed at once (row by row: a chunk's rows get the whole array's bits)
-_SOFTMAX_ROWS = 1 << 16
-
-
-def mapped_softmax(logits: np.ndarray) -> np.ndarray:
-    """:func:`dist_eval.metrics.softmax` of ``logits``; of more than _SOFTMAX_ROWS rows, a chunk at a
-    time into a :func:`mapped_array` (float64: 8 bytes a class of a row, on the local disk, not the heap).
-    """
-    if len(logits) <= _SOFTMAX_ROWS:
-        return softmax(logits)
-    probs = mapped_array(logits.shape, np.float64)
-    for start in range(0, len(logits), _SOFTMAX_ROWS):
-        probs[start:start + _SOFTMAX_ROWS] = softmax(logits[start:start + _SOFTMAX_ROWS])
-    return probs
 
 
 class _MergedColumns:
@@ -378,20 +367,30 @@ def merge_on_main(
     rank_facts = ranks.all_gather_object(
         RankFacts(local.num_samples, loop_seconds, local.max_batch_seconds, local.num_resumed)
     )
-    report, merged = None, None
+    report, probs = None, None
     with ranks.phase("merging the results"):
         # per-sample arrays to rank 0 only, a range of rows at a time; rank 0 merges and computes the metrics
         merged = stream_to_main(local, num_rows, rows)
         _let_go(local)
         if ranks.is_main_process():
-            report = _report(
-                merged, num_labels, label_names, user_metrics, global_totals, rank_facts, (bootstrap, top_k)
-            )
-    report = ranks.broadcast_object(report)
+            report, probs = _report(merged, num_labels, label_names, user_metrics, global_totals, (bootstrap, top_k))
+    report, duplicates = ranks.broadcast_object((report, 0 if merged is None else merged.num_duplicates_dropped))
+    cost = None
     if bootstrap and bootstrap[0] and report.get("confidence_intervals") and "top_k" in report:
         with ranks.phase("the score intervals"):
-            report, cost = shared_score_intervals(report, merged, bootstrap)
-        report.update(replace(LoopFacts.from_report(report), exact_score_intervals=cost).report())
+            cost = shared_score_intervals(report, merged, probs, bootstrap)
+    report.update(LoopFacts(
+        world_size=len(rank_facts),
+        per_rank_samples=[facts.num_samples for facts in rank_facts],
+        eval_loop_seconds=max(facts.loop_seconds for facts in rank_facts),
+        forward_seconds_sum=global_totals.forward_seconds,
+        loop_cpu_seconds_sum=global_totals.loop_cpu_seconds,
+        duplicates_dropped=duplicates,
+        max_batch_seconds=max(facts.max_batch_seconds for facts in rank_facts),
+        resumed_samples=sum(facts.num_resumed for facts in rank_facts),
+        num_truncated=int(global_totals.num_truncated),
+        exact_score_intervals=cost,
+    ).report())  # the row store's facts: the evaluation's (dist_eval.known)
     trim_heap()  # the merge's and the metrics' temporaries: given back, not left to the next phases' peaks
     return report, merged
 
@@ -404,89 +403,36 @@ def _let_go(local: ShardResults) -> None:
     local.sample_values = {name: values[:0].copy() for name, values in local.sample_values.items()}
 
 
-def _report(
-    merged: MergedResults, num_labels, label_names, user_metrics, totals: Totals, rank_facts, scoring
-) -> dict:
-    """Rank 0: the metrics of the merged set, checked against the reduced totals, and the run's
-    facts. ``scoring``: (bootstrap (resamples, seed) or None, top_k).
+def _report(merged: MergedResults, num_labels, label_names, user_metrics, totals: Totals, scoring) -> tuple:
+    """Rank 0: the report of the merged set (:func:`dist_eval.scoring.rows_report`; the score
+    intervals left to :func:`shared_score_intervals`), checked against the reduced totals, and the
+    probabilities of its rows (None without logits), computed once for both. ``scoring``: (bootstrap
+    (resamples, seed) or None, top_k).
     """
     if merged.num_samples != int(totals.num_samples):
         raise RuntimeError(
             f"internal: all_reduce counted {int(totals.num_samples)} samples but the merge holds {merged.num_samples}"
         )
-    report = _metrics(merged, num_labels, label_names, user_metrics, totals, scoring)
-    report.update(LoopFacts(
-        world_size=len(rank_facts),
-        per_rank_samples=[facts.num_samples for facts in rank_facts],
-        eval_loop_seconds=max(facts.loop_seconds for facts in rank_facts),
-        forward_seconds_sum=totals.forward_seconds,
-        loop_cpu_seconds_sum=totals.loop_cpu_seconds,
-        duplicates_dropped=merged.num_duplicates_dropped,
-        max_batch_seconds=max(facts.max_batch_seconds for facts in rank_facts),
-        resumed_samples=sum(facts.num_resumed for facts in rank_facts),
-        num_truncated=int(totals.num_truncated),
-    ).report())  # the row store's facts: the evaluation's (dist_eval.known)
-    return report
+    probs = None if merged.logits is None else mapped_softmax(merged.logits)
+    report = rows_report(merged, num_labels, label_names, user_metrics, scoring, score_intervals=False, probs=probs)
+    reduced_loss = totals.loss_sum / merged.num_samples
+    if abs(reduced_loss - report["loss"]) > 1e-9 * max(1.0, abs(report["loss"])):
+        raise RuntimeError(f"internal: all_reduced mean loss {reduced_loss} != merged mean loss {report['loss']}")
+    return report, probs
 
 
-def probability_scores(logits, labels, top_k: Optional[int], bootstrap: Optional[Tuple[int, int]],
-                       score_intervals: bool = True) -> dict:
-    """Rank 0: ``ece``, ``brier``, ``top{k}_accuracy``, ``auroc_macro``, ``top_k`` and the
-    ``reliability`` table of the softmax of the merged logits (row order: the same for any
-    N), and their intervals (``bootstrap_score_intervals``) under ``score_intervals`` (unless
-    ``score_intervals`` is False: the run's merge shares them over the ranks, see
-    :func:`shared_score_intervals`).
-    """
-    if logits is None:
-        raise RuntimeError("internal: the probability scores need every row's logits on rank 0")
-    probs = mapped_softmax(logits)
-    k = default_top_k(probs.shape[1]) if top_k is None else top_k
-    out = score_metrics(probs, labels, k, CALIBRATION_BINS)
-    out["top_k"] = k
-    table = reliability_table(probs, labels, CALIBRATION_BINS)
-    out["reliability"] = {name: values.tolist() for name, values in table.items()}
-    if bootstrap and bootstrap[0] and score_intervals:
-        intervals = bootstrap_score_intervals(
-            probs, labels, resamples=bootstrap[0], seed=bootstrap[1], top_k=k, bins=CALIBRATION_BINS
-        )
-        out["score_intervals"] = _reported(intervals, out)
-    # undefined (AUROC with one class present) is null in metrics.json, not NaN: JSON has
-    # no NaN, and NaN != NaN would make equal reports compare unequal
-    return {name: None if isinstance(value, float) and np.isnan(value) else value for name, value in out.items()}
-
-
-def _reported(intervals: Optional[dict], scores: dict) -> dict:
-    """The score intervals the report keeps: those of the scores it has, None for NaN, and
-    the method that drew them (the grouped one names itself: see bootstrap_score_intervals).
-    """
-    kept = {name: None if np.isnan(value).any() else value
-            for name, value in (intervals or {}).items() if name in scores}
-    if intervals:
-        kept["method"] = intervals["method"]
-    return kept
-
-
-def shared_score_intervals(report: dict, merged: Optional[MergedResults], bootstrap) -> Tuple[dict, Optional[dict]]:
+def shared_score_intervals(report: dict, merged: Optional[MergedResults], probs: Optional[np.ndarray],
+                           bootstrap) -> Optional[dict]:
     """Every rank: the probability scores' intervals, their resamples shared over the ranks
-    (rank 0 sends the probabilities; each rank computes every N-th chunk of resamples; the
-    values are all-gathered), added to ``report``'s ``confidence_intervals``. The same bits
-    for any N: each resample is computed as one process computes it. A set whose rows are
-    drawn grouped (:func:`dist_eval.intervals.grouped_score_intervals`): rank 0 computes
-    them and sends them. Returns ``report`` and what the exact bootstrap cost
-    (:func:`~dist_eval.intervals.exact_score_cost`; None where rank 0 computed them):
-    :attr:`LoopFacts.exact_score_intervals`.
+    (rank 0 sends ``probs``, the softmax of its merged rows' logits; each rank computes every N-th
+    chunk of resamples; the values are all-gathered), added to ``report``'s ``confidence_intervals``.
+    The same bits for any N: each resample is computed as one process computes it. A set whose rows
+    are drawn grouped (:func:`dist_eval.intervals.grouped_score_intervals`): rank 0 computes them and
+    sends them. Returns what the exact bootstrap cost (:func:`~dist_eval.intervals.exact_score_cost`;
+    None where rank 0 computed them): :attr:`LoopFacts.exact_score_intervals`.
     """
-    from dist_eval.intervals import (
-        exact_score_cost,
-        grouped_score_intervals,
-        join_score_resamples,
-        score_percentiles,
-        score_resamples_part,
-    )
-
     shared = None
     if ranks.is_main_process():
-        probs = mapped_softmax(merged.logits)
         if grouped_score_intervals(probs, merged.labels):  # drawn grouped: a moment's work, rank 0's alone
             shared = bootstrap_score_intervals(probs, merged.labels, resamples=bootstrap[0], seed=bootstrap[1],
                                                top_k=report["top_k"], bins=CALIBRATION_BINS)
@@ -500,63 +446,8 @@ def shared_score_intervals(report: dict, merged: Optional[MergedResults], bootst
         part = score_resamples_part(probs, labels, bootstrap[0], bootstrap[1], report["top_k"], CALIBRATION_BINS,
                                     (ranks.get_rank(), ranks.get_world_size()))
         intervals = score_percentiles(join_score_resamples(ranks.all_gather_object(part), bootstrap[0]), bootstrap[1])
-    report["confidence_intervals"].update(_reported(intervals, report))
-    return report, cost
-
-
-def row_metrics(
-    labels, preds, losses, logits, num_labels: int, label_names=None,
-    bootstrap: Optional[Tuple[int, int]] = None, top_k: Optional[int] = None, score_intervals: bool = True,
-) -> dict:
-    """Every built-in metric of the rows (ordered by row index), and their intervals: the
-    run's merge and ``python -m dist_eval.rescore`` both call this. Without ``logits`` the
-    probability scores are left out.
-    """
-    cm = confusion_matrix(labels, preds, num_labels)
-    report = {"num_samples": int(len(labels)), "num_labels": num_labels}
-    report.update(metrics_from_confusion(cm, label_names))
-    # exactly rounded, in row order: the same bits for any world size
-    report["loss"] = mean_of(losses)
-    if bootstrap and bootstrap[0]:  # from the index-ordered merged set: the same for any N
-        report["confidence_intervals"] = bootstrap_intervals(
-            labels, preds, losses, num_labels, resamples=bootstrap[0], seed=bootstrap[1]
-        )
-    if logits is not None:
-        intervals = report.get("confidence_intervals")
-        report.update(probability_scores(logits, labels, top_k, bootstrap, score_intervals))
-        if intervals and score_intervals:  # one dict of intervals: the same resamples count, seed and level
-            intervals.update(report.pop("score_intervals"))
-    trim_heap()  # each slice's (and a rescore's) temporaries given back before the next
-    return report
-
-
-def _metrics(merged: MergedResults, num_labels, label_names, user_metrics, totals: Totals, scoring) -> dict:
-    # the score intervals: shared over the ranks afterwards (shared_score_intervals)
-    report = rows_report(merged, num_labels, label_names, user_metrics, scoring, score_intervals=False)
-    reduced_loss = totals.loss_sum / merged.num_samples
-    if abs(reduced_loss - report["loss"]) > 1e-9 * max(1.0, abs(report["loss"])):
-        raise RuntimeError(f"internal: all_reduced mean loss {reduced_loss} != merged mean loss {report['loss']}")
-    return report
-
-
-def rows_report(merged: MergedResults, num_labels: int, label_names, user_metrics, scoring,
-                score_intervals: bool = True) -> dict:
-    """Rank 0: every metric of the merged rows (built-in, per-sample values' means, the user's)
-    and ``label_names``. ``scoring``: (bootstrap (resamples, seed) or None, top_k).
-    """
-    if label_names is not None and len(label_names) != num_labels:
-        label_names = None
-    report = row_metrics(
-        merged.labels, merged.preds, merged.losses, merged.logits, num_labels, label_names, scoring[0], scoring[1],
-        score_intervals=score_intervals,
-    )
-    for name in sorted(merged.sample_values):
-        report[name] = mean_of(merged.sample_values[name])
-    for name, fn in (user_metrics or {}).items():
-        value = fn(merged.labels, merged.preds, merged.logits)
-        report[name] = value.item() if hasattr(value, "item") else value
-    report["label_names"] = list(label_names) if label_names else None
-    return report
+    report["confidence_intervals"].update(kept_score_intervals(intervals, report))
+    return cost
 
 
 if __name__ == "__main__":  # python -m dist_eval.merge SHARD_DIR... --output-dir OUT (issue 53's name for it)

@@ -1,0 +1,106 @@
+"""The report of a set of rows (ordered by row index), in the order the data flows: the softmax of the
+logits once, every point metric (:mod:`dist_eval.metrics`), then every interval
+(:mod:`dist_eval.intervals`). The run's merge, a stopping run's rounds, the shards' merge, each slice
+and ``python -m dist_eval.rescore`` all report their rows through it, so they give the same numbers.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from dist_eval.data.tokenize import trim_heap
+from dist_eval.intervals import bootstrap_intervals, bootstrap_score_intervals, kept_score_intervals
+from dist_eval.metrics import (
+    CALIBRATION_BINS,
+    confusion_matrix,
+    default_top_k,
+    mean_of,
+    metrics_from_confusion,
+    reliability_table,
+    score_metrics,
+    softmax,
+)
+from dist_eval.predict import mapped_array
+
+# Rows whose softmax is computed at once (row by row: a chunk's rows get the whole array's bits)
+_SOFTMAX_ROWS = 1 << 16
+
+
+def mapped_softmax(logits: np.ndarray) -> np.ndarray:
+    """:func:`dist_eval.metrics.softmax` of ``logits``; of more than _SOFTMAX_ROWS rows, a chunk at a
+    time into a :func:`~dist_eval.predict.mapped_array` (float64: 8 bytes a class of a row, on the local
+    disk, not the heap).
+    """
+    probs = mapped_array(logits.shape, np.float64) if len(logits) > _SOFTMAX_ROWS else None
+    if probs is None:
+        return softmax(logits)
+    for start in range(0, len(logits), _SOFTMAX_ROWS):
+        probs[start:start + _SOFTMAX_ROWS] = softmax(logits[start:start + _SOFTMAX_ROWS])
+    return probs
+
+
+def row_metrics(
+    labels, preds, losses, logits, num_labels: int, label_names=None,
+    bootstrap: Optional[Tuple[int, int]] = None, top_k: Optional[int] = None, score_intervals: bool = True,
+    probs: Optional[np.ndarray] = None, sample_values: Optional[Dict[str, np.ndarray]] = None,
+) -> dict:
+    """Every built-in metric of the rows, and their intervals. Without ``logits`` the probability
+    scores (``ece``, ``brier``, ``top{k}_accuracy``, ``auroc_macro``, ``top_k``, the ``reliability``
+    table, of the softmax of the logits: ``probs`` where the caller has it) are left out; their
+    intervals join ``confidence_intervals`` under ``score_intervals`` (False: the run's merge shares
+    them over the ranks, :func:`dist_eval.merge.shared_score_intervals`). ``top_k``: the k of
+    ``top{k}_accuracy`` (None: :func:`dist_eval.metrics.default_top_k`). ``sample_values``: per-row
+    values whose means the report adds, by name. ``bootstrap``: (resamples, seed) or None.
+    """
+    if logits is not None and probs is None:
+        probs = mapped_softmax(logits)
+    # the point metrics: exactly rounded sums, in row order, the same bits for any world size
+    report = {"num_samples": int(len(labels)), "num_labels": num_labels}
+    report.update(metrics_from_confusion(confusion_matrix(labels, preds, num_labels), label_names))
+    report["loss"] = mean_of(losses)
+    scores = {}
+    if probs is not None:
+        k = default_top_k(probs.shape[1]) if top_k is None else top_k
+        scores = {**score_metrics(probs, labels, k, CALIBRATION_BINS), "top_k": k}
+        table = reliability_table(probs, labels, CALIBRATION_BINS)
+        scores["reliability"] = {name: values.tolist() for name, values in table.items()}
+    means = {name: mean_of(sample_values[name]) for name in sorted(sample_values or {})}
+    # their intervals, of the index-ordered rows: the same for any N
+    intervals = kept = None
+    if bootstrap and bootstrap[0]:
+        intervals = bootstrap_intervals(labels, preds, losses, num_labels, resamples=bootstrap[0], seed=bootstrap[1])
+        if probs is not None and score_intervals:
+            kept = kept_score_intervals(bootstrap_score_intervals(
+                probs, labels, resamples=bootstrap[0], seed=bootstrap[1], top_k=scores["top_k"], bins=CALIBRATION_BINS
+            ), scores)
+        report["confidence_intervals"] = intervals
+    # undefined (AUROC with one class present) is null in metrics.json, not NaN: JSON has no NaN, and
+    # NaN != NaN would make equal reports compare unequal
+    report.update({name: None if isinstance(value, float) and np.isnan(value) else value
+                   for name, value in scores.items()})
+    if kept is not None:  # one dict of intervals: the same resamples count, seed and level
+        if intervals:
+            intervals.update(kept)
+        else:
+            report["score_intervals"] = kept
+    report.update(means)
+    trim_heap()  # each slice's (and a rescore's) temporaries given back before the next
+    return report
+
+
+def rows_report(merged, num_labels: int, label_names, user_metrics, scoring, score_intervals: bool = True,
+                probs: Optional[np.ndarray] = None) -> dict:
+    """Every metric of the merged rows (:class:`dist_eval.merge.MergedResults`): :func:`row_metrics`' (the
+    per-sample values' means among them), the user's, and ``label_names``. ``scoring``: (bootstrap
+    (resamples, seed) or None, top_k).
+    """
+    if label_names is not None and len(label_names) != num_labels:
+        label_names = None
+    report = row_metrics(merged.labels, merged.preds, merged.losses, merged.logits, num_labels, label_names,
+                         scoring[0], scoring[1], score_intervals, probs, merged.sample_values)
+    for name, fn in (user_metrics or {}).items():
+        value = fn(merged.labels, merged.preds, merged.logits)
+        report[name] = value.item() if hasattr(value, "item") else value
+    report["label_names"] = list(label_names) if label_names else None
+    return report
