@@ -5,13 +5,15 @@ loop and row-store keys) in one place, :meth:`LoopFacts.report`.
 The merge (:mod:`dist_eval.merge`) measures the loop, the known logits
 (:mod:`dist_eval.known`) the row store, one exact evaluation (:mod:`dist_eval.exact`) joins them,
 and the rounds (:mod:`dist_eval.stopping`) add them up with ``+``; nobody else lists these keys.
-The rows evaluated (``run.sample``, :class:`SampleFacts`) are written by the run's Rows and read
-back from metrics.json by the report writers here too.
+The rows evaluated (``run.sample``, :class:`SampleFacts`) are written by the run's Rows, and the
+rest of ``run`` (:class:`RunFacts`: what was run, where, its times) by the CLI's report writer
+(:mod:`dist_eval.output.report`); the report's readers read all three back with their ``of``,
+which a report of an older version, missing keys, passes (what it lacks is absent).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 
 @dataclass
@@ -98,13 +100,24 @@ class LoopFacts:
         they cost it no forward) per second of the slowest rank's loop; None when it evaluated none.
         """
         rows, seconds = self.row_store.rows_evaluated, self.eval_loop_seconds
-        return rows / seconds if rows > 0 and seconds > 0 else None
+        return rows / seconds if rows and seconds and rows > 0 and seconds > 0 else None
 
     def report(self) -> dict:
         """The report's keys: ``num_truncated`` and ``run``'s loop and row-store facts."""
         run = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("num_truncated", "row_store")}
         run.update(row_store=asdict(self.row_store), samples_per_second=self.samples_per_second)
         return {"num_truncated": self.num_truncated, "run": run}
+
+    @classmethod
+    def of(cls, metrics: dict) -> LoopFacts:
+        """What ``metrics`` (a report, metrics.json, perhaps of an older version) records of the loop:
+        a key it lacks is None (its row store's too).
+        """
+        run = metrics.get("run") or {}
+        loop = {f.name: run.get(f.name) for f in fields(cls) if f.name not in ("num_truncated", "row_store")}
+        store = run.get("row_store") or {}
+        return cls(**loop, num_truncated=metrics.get("num_truncated") or 0,
+                   row_store=StoreFacts(**{f.name: store.get(f.name) for f in fields(StoreFacts)}))
 
     @classmethod
     def from_report(cls, report: dict) -> LoopFacts:
@@ -114,3 +127,76 @@ class LoopFacts:
                 if f.name not in ("num_truncated", "row_store", "exact_score_intervals")}
         loop["exact_score_intervals"] = run.get("exact_score_intervals")
         return cls(**loop, num_truncated=report["num_truncated"], row_store=StoreFacts(**run["row_store"]))
+
+
+# What a run key is made of, as RunFacts names them (a shard's manifest names them: a merge says which differs)
+RUN_KEY_FACTS = ("model", "checkpoint", "head", "data_files", "split", "backend")
+# RunFacts' keys a report holds only when they apply (several pairs, a swarm, the shutdown, a merge of shards)
+_WHEN_GIVEN = ("pair", "swarm", "total_seconds", "shards")
+
+
+@dataclass
+class RunFacts:
+    """What a report says of the run beside its loop (``run.*``): what was evaluated, by what, where,
+    and its times. Built by :func:`dist_eval.output.report.run_facts` (the shutdown's times added by
+    ``record_shutdown``; a merge of shards by :mod:`dist_eval.shard_merge`), read back by :meth:`of`.
+    """
+
+    backend: Optional[str] = None
+    model: Optional[str] = None
+    data_files: List[str] = field(default_factory=list)
+    split: Optional[str] = None
+    checkpoint: Optional[str] = None
+    head: Optional[str] = None
+    demo: bool = False
+    label_words: Optional[List[str]] = None
+    template: Optional[str] = None
+    batch_size: Optional[int] = None
+    max_length: Optional[int] = None
+    max_batch_tokens: int = 0
+    length_buckets: Optional[int] = None
+    in_flight: Optional[int] = None
+    initial_peers: List[str] = field(default_factory=list)
+    dht_prefix: Optional[str] = None
+    started_at: Optional[str] = None  # ISO 8601 UTC
+    wall_seconds: Optional[float] = None  # the run's (several pairs: the pair's; shards: the slowest shard's)
+    startup_seconds: Optional[float] = None  # the process's start-up and imports, before the first phase
+    phase_seconds: Dict[str, float] = field(default_factory=dict)  # {phase: seconds}, in order
+    versions: Dict[str, Optional[str]] = field(default_factory=dict)
+    pair: Optional[dict] = None  # several pairs: the pair's checkpoint, set, folder and the phases they shared
+    swarm: Optional[dict] = None  # a swarm's run: its servers as announced in the DHT, and the audit
+    run_key: Optional[str] = None
+    sample: SampleFacts = field(default_factory=SampleFacts)
+    total_seconds: Optional[float] = None  # from the launch to the end of the shutdown
+    shards: Optional[list] = None  # a merge of shards (dist_eval.shard_merge): each shard's
+
+    def report(self) -> dict:
+        """``run``'s keys in the report, in order; those of :data:`_WHEN_GIVEN` only when set."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if not (f.name in _WHEN_GIVEN and getattr(self, f.name) is None)}
+        out["sample"] = asdict(self.sample)
+        return out
+
+    def key_facts(self) -> dict:
+        """What the run key is made of (:data:`RUN_KEY_FACTS`), by name."""
+        return {name: getattr(self, name) for name in RUN_KEY_FACTS}
+
+    @classmethod
+    def of_shards(cls, runs: List[RunFacts], world_sizes: List[int], shards: List[dict]) -> RunFacts:
+        """The run of a merge of shards: the first shard's facts (model, data, settings, versions), its
+        times not: the slowest shard's wall time, and each of ``shards`` (its name, folder, rows) with
+        its ranks and wall time.
+        """
+        return replace(runs[0], phase_seconds={}, startup_seconds=None, total_seconds=None,
+                       wall_seconds=max(run.wall_seconds or 0.0 for run in runs),
+                       shards=[{**shard, "world_size": n, "wall_seconds": run.wall_seconds}
+                               for shard, n, run in zip(shards, world_sizes, runs)])
+
+    @classmethod
+    def of(cls, metrics: dict) -> RunFacts:
+        """What ``metrics`` (a report, metrics.json, perhaps of an older version) records of the run;
+        a key it lacks takes the default (absent from what the readers show).
+        """
+        run = metrics.get("run") or {}
+        given = {f.name: run[f.name] for f in fields(cls) if f.name in run and run[f.name] is not None}
+        return cls(**{**given, "sample": SampleFacts.of(metrics)})

@@ -11,8 +11,8 @@ of one pair. Every run goes through the same loop::
 
 Every phase is a :func:`dist_eval.ranks.phase`: a failure on one rank fails every rank
 together. Rank 0 alone prints, starts the local swarm and writes the reports. What a
-report's ``metrics.json`` says of the run is built in one place, :func:`dist_eval.output.report.add_run_facts`,
-and the report is written there.
+report's ``metrics.json`` says of the run is built in one place, :func:`dist_eval.output.report.run_facts`,
+and the report is written there (:func:`dist_eval.output.report.report_pair`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from dist_eval.backends.kinds import backend_kind
 from dist_eval.config import EvalConfig
 from dist_eval.data.sample import Rows
 from dist_eval.job import Job, on_this_node, prepare
-from dist_eval.output.report import add_run_facts, record_shutdown, report_phases, texts_of, write_report
+from dist_eval.output.report import Written, record_shutdown, report_pair
 from dist_eval.plan import Checkpoint, EvalSet, Pair
 
 
@@ -58,15 +58,6 @@ class _Session:
     datasets: Dict[Optional[str], Rows] = field(default_factory=dict)  # set name -> its rows, drawn once
 
 
-@dataclass
-class _Report:
-    """Rank 0: a report written, completed with the shutdown's times once every process has stopped."""
-
-    folder: str
-    metrics: dict
-    phases: Dict[str, float]
-
-
 def run(config: EvalConfig) -> int:
     """The CLI run on this rank; returns the exit code (a failure raises :class:`RankFailure`)."""
     from dist_eval.output.files import release_output_dirs
@@ -86,7 +77,7 @@ def _run(config: EvalConfig) -> int:
     with ranks.phase("preparing the run"):
         job = prepare(config, say) if main else None
     job = on_this_node(config, ranks.broadcast_object(job))
-    reports: List[_Report] = []
+    reports: List[Written] = []
     with contextlib.ExitStack() as cleanup:
         session = _Session(config, job, _swarm_address(config, job, cleanup, say), clock, say)
         _load_model(session, cleanup)
@@ -179,7 +170,7 @@ def _barrier_unless_interrupted(exc_type, exc, tb) -> None:
         ranks.barrier_if_alive()
 
 
-def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[_Report]:
+def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[Written]:
     """One pair: its data, its stored results, its checkpoint, evaluate(), its report (rank 0
     returns it). A pair whose folder holds its finished report is skipped (several pairs).
     """
@@ -195,7 +186,7 @@ def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[_Report]
         return None
     _load_checkpoint(session, pair.checkpoint)
     result = _evaluate(session, rows, folder)
-    return _report_pair(session, pair, result, (out, folder, key), rows, pair_started)
+    return report_pair(session, pair, result, (out, folder, key), rows, pair_started)
 
 
 def _rows(session: _Session, data: EvalSet) -> Rows:
@@ -273,31 +264,7 @@ def _evaluate(session: _Session, rows: Rows, folder: str):
     return result
 
 
-def _report_pair(session: _Session, pair: Pair, result, where: tuple, rows: Rows,
-                 pair_started: float) -> Optional[_Report]:
-    """Rank 0: the pair's report written in ``where`` = (its folder, the partial results' folder,
-    the run key); returned for the shutdown's times.
-    """
-    from dist_eval import resume
-
-    out, folder, key = where
-    add_run_facts(result.metrics, session, pair, pair_started, key, rows)
-    with ranks.phase("writing the report"):
-        if ranks.is_main_process():
-            texts = texts_of(session.config, session.job.settings, rows, getattr(result, "slices", None))
-            write_report(session.config, out, result, session.say, texts)
-            if session.config.options.shard is not None:  # what dist_eval.shard_merge reads: written last
-                from dist_eval.output.shard_files import write_shard
-
-                write_shard(out, result, session, pair, rows, texts)
-    if not ranks.is_main_process():
-        return None
-    if folder is not None:
-        resume.finished(folder)  # the report is complete: the partial results have served
-    return _Report(out, result.metrics, report_phases(session))
-
-
-def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
+def _run_compared(session: _Session, pairs: List[Pair]) -> List[Written]:
     """--stop-when-decided: the two checkpoints on the same rows of the one set, in rounds, until
     the interval of their difference says stop: :func:`dist_eval.evaluate_pair` on the one model,
     each side's checkpoint loaded before its evaluations; a report for each.
@@ -324,7 +291,7 @@ def _run_compared(session: _Session, pairs: List[Pair]) -> List[_Report]:
         )
     reports = []
     for pair, out, (folder, key), result in zip(pairs, outs, stored, results):
-        report = _report_pair(session, pair, result, (out, folder, key), rows, pair_started)
+        report = report_pair(session, pair, result, (out, folder, key), rows, pair_started)
         if report is not None:
             reports.append(report)
     return reports

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dist_eval.errors import UsageError, flag_names, warn
-from dist_eval.loop_facts import LoopFacts, StoreFacts
+from dist_eval.loop_facts import LoopFacts, RunFacts, StoreFacts
 from dist_eval.merge import CoverageError, merge_gathered, rows_report
 from dist_eval.output.shard_files import MANIFEST, read_manifest, read_rows
 
@@ -152,9 +152,8 @@ def merged_rows(shards: List[_Shard], partial: bool):
         raise UsageError(f"the shards do not hold the rows of the set: {e}. Run each shard again.") from e
 
 
-def loop_facts(shards: List[_Shard], metrics: List[dict]) -> LoopFacts:
+def loop_facts(parts: List[LoopFacts]) -> LoopFacts:
     """The shards' loops as one run's: their ranks side by side, counts and seconds added up."""
-    parts = [LoopFacts.from_report(m) for m in metrics]
     store = parts[0].row_store
     for part in parts[1:]:
         store = store + part.row_store
@@ -240,7 +239,8 @@ def _report(shards: List[_Shard], metrics_of: List[dict], merged, missing: List[
     options = manifest["report"]
     bootstrap = (options["bootstrap_resamples"], options["bootstrap_seed"])
     report = rows_report(merged, first["num_labels"], first.get("label_names"), None, (bootstrap, options["top_k"]))
-    facts = loop_facts(shards, metrics_of).report()
+    loops = [LoopFacts.from_report(m) for m in metrics_of]
+    facts = loop_facts(loops).report()
     report.update(facts)
     texts, slices = _texts(shards, manifest["rows_in_set"])
     clusters = None
@@ -250,14 +250,10 @@ def _report(shards: List[_Shard], metrics_of: List[dict], merged, missing: List[
     if slices is not None:
         report["slices"] = slice_report(merged, slices, report["num_labels"], report.get("label_names"),
                                         (bootstrap, report.get("top_k")), manifest["rows_in_set"], clusters)
-    # the first shard's facts of the run (model, data, settings, versions), its times not: the shards'
-    run = {**first["run"], **facts["run"], "phase_seconds": {}, "startup_seconds": None}
-    run.pop("total_seconds", None)
-    run["wall_seconds"] = max((m["run"].get("wall_seconds") or 0.0) for m in metrics_of)  # the slowest shard's
-    run["shards"] = [{"shard": f"{s.index}/{s.count}", "folder": os.path.abspath(s.folder), "rows": s.manifest["rows"],
-                      "world_size": m["run"]["world_size"], "wall_seconds": m["run"].get("wall_seconds")}
-                     for s, m in zip(shards, metrics_of)]
-    report["run"] = run
+    run = RunFacts.of_shards([RunFacts.of(m) for m in metrics_of], [loop.world_size for loop in loops],
+                             [{"shard": f"{s.index}/{s.count}", "folder": os.path.abspath(s.folder),
+                               "rows": s.manifest["rows"]} for s in shards])
+    report["run"] = {**facts["run"], **run.report()}
     if missing:
         count = shards[0].count
         report["partial"] = {"rows": merged.num_samples, "rows_in_set": manifest["rows_in_set"],

@@ -148,10 +148,10 @@ def test_summary_equals_the_pairs_metrics(multi_n1):
 def test_resume_reruns_only_the_unfinished_pairs(tiny_model, assets, singles, tmp_path, capsys):
     """Stopped (as by SIGINT) while writing the 3rd pair's report: the same command again skips
     the 2 finished pairs, resumes the 3rd from its stored batches and runs the 4th."""
-    import dist_eval.pipeline
+    import dist_eval.output.report
 
     out = tmp_path / "out"
-    real, calls = dist_eval.pipeline.write_report, []
+    real, calls = dist_eval.output.report.write_report, []
 
     def stopped_at_the_third(*args, **kwargs):
         calls.append(1)
@@ -159,7 +159,7 @@ def test_resume_reruns_only_the_unfinished_pairs(tiny_model, assets, singles, tm
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    with mock.patch.object(dist_eval.pipeline, "write_report", stopped_at_the_third), one_thread():
+    with mock.patch.object(dist_eval.output.report, "write_report", stopped_at_the_third), one_thread():
         assert run_cli_in_process(multi_args(tiny_model, assets, out), hide_modules=NO_FIGURES) == 130
     assert os.path.isfile(out / "c1" / "test" / "metrics.json")
     assert not os.path.exists(out / "c2" / "dev" / "metrics.json")

@@ -41,3 +41,49 @@ def test_only_loop_facts_writes_the_loop_keys():
             if isinstance(node, ast.Constant) and node.value in keys:
                 found.append(f"{name}:{node.lineno} {node.value!r}")
     assert not found, found
+
+
+def _older_report(run: dict) -> dict:
+    """A report as an older version wrote it: the metrics, and ``run`` with only some of its keys."""
+    per_class = {name: {"label": k, "precision": 0.5, "recall": 0.5, "f1": 0.5, "support": 2}
+                 for k, name in enumerate(("neg", "pos"))}
+    return {"num_samples": 4, "num_labels": 2, "accuracy": 0.5, "f1_macro": 0.5, "precision_macro": 0.5,
+            "recall_macro": 0.5, "per_class": per_class, "confusion_matrix": [[1, 1], [1, 1]], "run": run}
+
+
+def test_the_run_facts_are_typed_and_an_older_report_still_renders():
+    """RunFacts writes run.*'s keys in order (those that apply only when set) and reads them back;
+    the summary and report.html of a report missing run keys show what it has, the rest absent."""
+    from dist_eval.loop_facts import RunFacts, SampleFacts
+    from dist_eval.output.html import render_html
+    from dist_eval.output.summary import format_summary
+
+    facts = RunFacts(backend="local", data_files=["/d.csv"], wall_seconds=2.0, phase_seconds={"a": 1.0},
+                     run_key="k", sample=SampleFacts(10, 0, 50, 10))
+    written = facts.report()
+    assert list(written)[:2] == ["backend", "model"] and list(written)[-2:] == ["run_key", "sample"]
+    assert "pair" not in written and "swarm" not in written and "total_seconds" not in written
+    assert RunFacts.of({"run": written}) == facts
+    for run in ({}, {"backend": "local"}, {"world_size": 2, "wall_seconds": 3.25, "phase_seconds": {"b": 0.5}}):
+        summary = format_summary(_older_report(run))
+        assert summary.startswith(f"dist_eval: 4 samples, {run.get('world_size', 1)} rank(s), backend "
+                                  f"{run.get('backend', '?')}, {run.get('wall_seconds', 0):.1f} s wall, 0.0 samples/s")
+        assert ("  time: b 0.5 s" in summary) == ("phase_seconds" in run)
+        page = render_html(_older_report(run))
+        assert ("3.2 s" in page) == ("wall_seconds" in run) and ("world size" in page) == ("world_size" in run)
+
+
+def test_no_module_but_loop_facts_spells_the_run_facts():
+    """The CLI's flow, the report writers and the shards' merge read and write run.*'s facts through
+    RunFacts, not by their keys."""
+    keys = {"wall_seconds", "phase_seconds", "startup_seconds", "total_seconds", "started_at", "world_size",
+            "initial_peers", "samples_per_second"}
+    output = os.path.join(REPO, "dist_eval", "output")
+    names = ["pipeline.py", "shard_merge.py", *(f"output/{f}" for f in os.listdir(output) if f.endswith(".py"))]
+    found = []
+    for name in names:
+        path = os.path.join(REPO, "dist_eval", name)
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Constant) and node.value in keys:
+                found.append(f"{name}:{node.lineno} {node.value!r}")
+    assert not found, found

@@ -13,9 +13,9 @@ import functools
 from typing import Optional
 
 from dist_eval.loop_facts import SampleFacts
-from dist_eval.metrics import HEADLINE_METRICS, headline_names
+from dist_eval.metrics import headline_names
 from dist_eval.output.per_class import class_names, per_class_rows
-from dist_eval.output.summary import format_stopping
+from dist_eval.output.report_facts import ReportFacts
 
 _CARD_TITLES = {
     "accuracy": "Accuracy", "f1_macro": "Macro F1", "f1_weighted": "Weighted F1", "precision_macro": "Macro precision",
@@ -91,30 +91,30 @@ def _sample_text(sample: SampleFacts) -> Optional[str]:
             f"--limit-seed {sample.limit_seed}), chosen by a hash of each row's content")
 
 
-def _run_facts(metrics: dict) -> list:
-    run = metrics.get("run", {})
+def _run_facts(facts: ReportFacts) -> list:
+    metrics, run, loop = facts.metrics, facts.run, facts.loop
     facts = [
         ("samples", metrics["num_samples"]),
         ("classes", metrics["num_labels"]),
-        ("data", ", ".join(run.get("data_files") or []) or None),
-        ("split", run.get("split")),
-        ("sample (--limit)", _sample_text(SampleFacts.of(metrics))),
-        ("stopped early", format_stopping(metrics)),
-        ("model", run.get("model")),
-        ("checkpoint", run.get("checkpoint")),
-        ("backend", run.get("backend")),
-        ("world size (ranks)", run.get("world_size")),
-        ("samples per rank", run.get("per_rank_samples")),
-        ("batch size", run.get("batch_size")),
-        ("max length", run.get("max_length")),
+        ("data", ", ".join(run.data_files) or None),
+        ("split", run.split),
+        ("sample (--limit)", _sample_text(run.sample)),
+        ("stopped early", facts.stop.sentence() if facts.stop else None),
+        ("model", run.model),
+        ("checkpoint", run.checkpoint),
+        ("backend", run.backend),
+        ("world size (ranks)", loop.world_size),
+        ("samples per rank", loop.per_rank_samples),
+        ("batch size", run.batch_size),
+        ("max length", run.max_length),
         ("texts truncated", metrics.get("num_truncated")),
-        ("swarm peers", ", ".join(run.get("initial_peers") or []) or None),
-        ("DHT prefix", run.get("dht_prefix")),
-        ("started at", run.get("started_at")),
-        ("wall time", f"{run['wall_seconds']:.1f} s" if run.get("wall_seconds") is not None else None),
-        ("eval loop", f"{run['eval_loop_seconds']:.1f} s" if run.get("eval_loop_seconds") is not None else None),
-        ("samples/s (eval loop)", f"{run['samples_per_second']:.1f}" if run.get("samples_per_second") else None),
-        ("versions", ", ".join(f"{k} {v}" for k, v in (run.get("versions") or {}).items() if v)),
+        ("swarm peers", ", ".join(run.initial_peers) or None),
+        ("DHT prefix", run.dht_prefix),
+        ("started at", run.started_at),
+        ("wall time", f"{run.wall_seconds:.1f} s" if run.wall_seconds is not None else None),
+        ("eval loop", f"{loop.eval_loop_seconds:.1f} s" if loop.eval_loop_seconds is not None else None),
+        ("samples/s (eval loop)", f"{loop.samples_per_second:.1f}" if loop.samples_per_second else None),
+        ("versions", ", ".join(f"{k} {v}" for k, v in run.versions.items() if v)),
     ]
     return [(key, value) for key, value in facts if value not in (None, "")]
 
@@ -135,11 +135,9 @@ def _interval(metrics: dict, name: str) -> Optional[list]:
     return (metrics.get("confidence_intervals") or {}).get(name)
 
 
-def _metric_rows(metrics: dict, names, titles: dict) -> list:
-    return [
-        {"title": _title(key, titles), "value": metrics[key], "ci": _interval(metrics, key)}
-        for key in headline_names(metrics, names)
-    ]
+def _metric_rows(metrics: dict, names: list, titles: dict) -> list:
+    """A row of each metric ``names`` (this run's) says, with its interval."""
+    return [{"title": _title(key, titles), "value": metrics[key], "ci": _interval(metrics, key)} for key in names]
 
 
 def _base64(png: Optional[bytes]) -> Optional[str]:
@@ -155,16 +153,10 @@ def render_html(
     """The whole page as a string; ``confusion_png`` is embedded when given, else the
     matrix appears as a table only; ``reliability_png`` (the reliability diagram) when given.
     """
-    run = metrics.get("run", {})
-    subtitle = [
-        x
-        for x in (
-            f"{metrics['num_samples']} samples, {metrics['num_labels']} classes",
-            ", ".join(run.get("data_files") or []),
-            run.get("started_at"),
-        )
-        if x
-    ]
+    facts = ReportFacts.of(metrics)
+    run = facts.run
+    subtitle = [x for x in (f"{metrics['num_samples']} samples, {metrics['num_labels']} classes",
+                            ", ".join(run.data_files), run.started_at) if x]
     names = class_names(metrics)
     beside = ["metrics.json", "predictions.jsonl", "per_class.csv", "per_class.md"]
     beside += ["slices.csv"] if metrics.get("slices") else []
@@ -174,9 +166,10 @@ def render_html(
         title=title,
         subtitle=subtitle,
         num_truncated=metrics.get("num_truncated"),
-        max_length=run.get("max_length", "?"),
-        cards=_metric_rows(metrics, HEADLINE_METRICS, _CARD_TITLES),
-        metric_rows=_metric_rows(metrics, [key for key, _ in _ALL_METRICS], dict(_ALL_METRICS)),
+        max_length=run.max_length if run.max_length is not None else "?",
+        cards=_metric_rows(metrics, facts.headline, _CARD_TITLES),
+        metric_rows=_metric_rows(metrics, headline_names(metrics, [key for key, _ in _ALL_METRICS]),
+                                 dict(_ALL_METRICS)),
         intervals=metrics.get("confidence_intervals"),
         clustering=metrics.get("clustering"),
         per_class=per_class_rows(metrics),
@@ -184,7 +177,7 @@ def render_html(
         confusion=list(zip(names, metrics["confusion_matrix"])),
         confusion_png=_base64(confusion_png),
         reliability_png=_base64(reliability_png),
-        facts=_run_facts(metrics),
+        facts=_run_facts(facts),
         slices=_slice_rows(metrics),
         slices_note=_slices_note(metrics),
         beside=beside,

@@ -1,36 +1,74 @@
 """The run's report, written by rank 0: what ``metrics.json`` says of the run (:func:`run_facts`,
-built in this one place and added by :func:`add_run_facts`), the rows' texts and slices for
-``predictions.jsonl``, the files, the summary on the terminal, the tracker, and the shutdown's
-times once every process has stopped.
+a :class:`~dist_eval.loop_facts.RunFacts` built in this one place), the rows' texts and slices for
+``predictions.jsonl``, the files, the summary on the terminal, the tracker, a shard's files, and
+the shutdown's times once every process has stopped.
 
-The CLI's flow (:mod:`dist_eval.pipeline`) calls it with its session (the flags, the job, the
-clock, the swarm, the model: read here, never changed).
+The CLI's flow (:mod:`dist_eval.pipeline`) hands each evaluated pair to :func:`report_pair` with
+its session (the flags, the job, the clock, the swarm, the model: read here, never changed).
 """
 from __future__ import annotations
 
 import os
 import platform
 import time
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 from dist_eval import ranks
+from dist_eval.loop_facts import RunFacts, SampleFacts
 
 if TYPE_CHECKING:
     from dist_eval.config import EvalConfig, Settings
     from dist_eval.plan import Pair
 
 
-# What a run key is made of, as run_facts names them: a shard's manifest names them too (shard_files)
-RUN_KEY_FACTS = ("model", "checkpoint", "head", "data_files", "split", "backend")
+@dataclass
+class Written:
+    """Rank 0: a pair's report written in ``folder``, completed with the shutdown's times once every
+    process has stopped (:func:`record_shutdown`).
+    """
+
+    folder: str
+    metrics: dict
+    facts: RunFacts
+    phases: Dict[str, float]  # the report's phases so far
 
 
-def run_facts(session, pair: Pair, pair_started: float) -> dict:
-    """What a report's metrics.json records of the run, besides what the merge measured. For a
-    plan of one pair, its times count from the run's start; with several, from the pair's, and
-    ``pair`` names it and the phases the pairs shared.
+def report_pair(session, pair: Pair, result, where: tuple, rows, pair_started: float) -> Optional[Written]:
+    """The pair's report: every rank adds up the run's facts (:func:`run_facts`); rank 0 writes the
+    report in ``where`` = (its folder, the partial results' folder, the run key), a shard's files
+    last, marks the partial results finished, and returns it for the shutdown's times.
+    """
+    out, folder, key = where
+    facts = run_facts(session, pair, pair_started, key, rows)
+    result.metrics["run"].update(facts.report())
+    with ranks.phase("writing the report"):
+        if ranks.is_main_process():
+            config = session.config
+            texts = texts_of(config, session.job.settings, rows, getattr(result, "slices", None))
+            write_report(config, out, result, session.say, texts)
+            if config.options.shard is not None:  # what dist_eval.shard_merge reads: written last
+                from dist_eval.output.shard_files import write_shard
+
+                write_shard(out, result, session, pair, rows, texts)
+    if not ranks.is_main_process():
+        return None
+    if folder is not None:
+        from dist_eval import resume
+
+        resume.finished(folder)  # the report is complete: the partial results have served
+    return Written(out, result.metrics, facts, report_phases(session))
+
+
+def run_facts(session, pair: Pair, pair_started: float, run_key: str, rows) -> RunFacts:
+    """What a report's metrics.json records of the run, besides what the loop measured: ``rows``
+    (the run's :class:`~dist_eval.data.sample.Rows`) give the --limit sample. For a plan of one
+    pair, its times count from the run's start; with several, from the pair's, and ``pair`` names
+    it and the phases the pairs shared. Every rank calls it (a swarm's audit is added up over them).
     """
     config, job, several = session.config, session.job, session.job.plan.several
-    facts = dict(
+    settings = job.settings
+    facts = RunFacts(
         backend=config.backend,
         model=os.path.abspath(job.model_dir),
         data_files=[os.path.abspath(p) if os.path.exists(p) else p for p in pair.data.files],
@@ -38,12 +76,12 @@ def run_facts(session, pair: Pair, pair_started: float) -> dict:
         checkpoint=os.path.abspath(pair.checkpoint.path) if pair.checkpoint.path else None,
         head=os.path.abspath(job.head) if job.head else None,
         demo=job.demo,
-        label_words=list(job.settings.label_words) if job.settings.label_words else None,
-        template=job.settings.template,
-        batch_size=job.settings.batch_size,
-        max_length=job.settings.max_length,
-        max_batch_tokens=job.settings.max_batch_tokens or 0,
-        length_buckets=job.settings.length_buckets,
+        label_words=list(settings.label_words) if settings.label_words else None,
+        template=settings.template,
+        batch_size=settings.batch_size,
+        max_length=settings.max_length,
+        max_batch_tokens=settings.max_batch_tokens or 0,
+        length_buckets=settings.length_buckets,
         in_flight=config.options.in_flight,
         initial_peers=list(session.swarm[0] or []),
         dht_prefix=session.swarm[1],
@@ -52,31 +90,31 @@ def run_facts(session, pair: Pair, pair_started: float) -> dict:
         startup_seconds=_startup_seconds(session.clock.started),
         phase_seconds=_rounded(report_phases(session)),
         versions=_versions(),
+        run_key=run_key,
+        sample=SampleFacts(**rows.facts()),
     )
     if several:
-        facts["pair"] = {"checkpoint": pair.checkpoint.name, "set": pair.data.name, "folder": pair.folder,
-                         "shared_phase_seconds": _rounded(session.shared_phases)}
-    from dist_eval.backends.kinds import backend_kind
-
-    on_swarm = backend_kind(config.backend).on_swarm
-    swarm = session.model.provenance() if on_swarm else None  # every rank's: each client audits its own forwards
-    if on_swarm:  # added up here
-        from dist_eval.backends.audit import combine
-
-        audited = combine(ranks.all_gather_object((swarm or {}).get("audit")))
-        if swarm is not None and audited is not None:
-            swarm["audit"] = audited
-    if swarm is not None and ranks.is_main_process():  # a petals run: the servers as announced in the DHT
-        facts["swarm"] = swarm
+        facts.pair = {"checkpoint": pair.checkpoint.name, "set": pair.data.name, "folder": pair.folder,
+                      "shared_phase_seconds": _rounded(session.shared_phases)}
+    facts.swarm = _swarm_facts(config.backend, session.model)
     return facts
 
 
-def add_run_facts(metrics: dict, session, pair: Pair, pair_started: float, run_key: str, rows) -> None:
-    """``metrics["run"]`` (what the loop measured) completed with :func:`run_facts`, the run key
-    and what ``rows`` (the run's :class:`~dist_eval.data.sample.Rows`) record of the --limit sample.
-    Every rank calls it (a swarm's audit is added up over them).
+def _swarm_facts(backend: str, model) -> Optional[dict]:
+    """Rank 0, a swarm's run: its servers as announced in the DHT, with the audit of every rank's
+    client (each audits its own forwards) added up; every rank calls it.
     """
-    metrics["run"].update(run_facts(session, pair, pair_started), run_key=run_key, sample=rows.facts())
+    from dist_eval.backends.kinds import backend_kind
+
+    if not backend_kind(backend).on_swarm:
+        return None
+    from dist_eval.backends.audit import combine
+
+    swarm = model.provenance()
+    audited = combine(ranks.all_gather_object((swarm or {}).get("audit")))
+    if swarm is not None and audited is not None:
+        swarm["audit"] = audited
+    return swarm if ranks.is_main_process() else None
 
 
 def report_phases(session) -> Dict[str, float]:
@@ -87,24 +125,24 @@ def report_phases(session) -> Dict[str, float]:
     return own if session.job.plan.several else {**session.shared_phases, **own}
 
 
-def record_shutdown(reports: List, clock, shutdown_began: float, say) -> None:
-    """Rank 0, once every process of the run has stopped: each report's (its ``folder``,
-    ``metrics``, ``phases``) metrics.json gains the times of its report and of the shutdown (the
-    client, the other ranks, the local swarm), and the run's total from the launch; one line
-    says them. ``clock``: the run's (``started``, a perf_counter time).
+def record_shutdown(reports: List[Written], clock, shutdown_began: float, say) -> None:
+    """Rank 0, once every process of the run has stopped: each report's metrics.json gains the times
+    of its report and of the shutdown (the client, the other ranks, the local swarm), and the run's
+    total from the launch; one line says them. ``clock``: the run's (``started``, a perf_counter time).
     """
     from dist_eval.output.files import write_metrics
 
     shutdown = round(time.perf_counter() - shutdown_began, 3)
     for report in reports:
-        run = report.metrics["run"]
-        run["phase_seconds"] = {**_rounded(report.phases), "shutting down": shutdown}
-        run["total_seconds"] = round((run.get("startup_seconds") or 0.0) + time.perf_counter() - clock.started, 3)
+        report.facts = replace(report.facts, phase_seconds={**_rounded(report.phases), "shutting down": shutdown},
+                               total_seconds=round((report.facts.startup_seconds or 0.0)
+                                                   + time.perf_counter() - clock.started, 3))
+        report.metrics["run"].update(report.facts.report())
         write_metrics(report.folder, report.metrics)
     if reports:
-        run = reports[-1].metrics["run"]
-        say(f"dist_eval: done in {run['total_seconds']:.1f} s from the launch (writing the report "
-            f"{run['phase_seconds'].get('writing the report', 0.0):.1f} s, shutting down {shutdown:.1f} s)",
+        facts = reports[-1].facts
+        say(f"dist_eval: done in {facts.total_seconds:.1f} s from the launch (writing the report "
+            f"{facts.phase_seconds.get('writing the report', 0.0):.1f} s, shutting down {shutdown:.1f} s)",
             flush=True)
 
 
@@ -174,26 +212,27 @@ def texts_of(config: EvalConfig, settings: Settings, rows, slices: Optional[dict
 def write_report(config: EvalConfig, out: str, result, say, texts: Optional[dict] = None) -> None:
     """Rank 0: predictions.jsonl, metrics.json and the report files in ``out``; the summary; the tracker."""
     from dist_eval.output.files import write_metrics, write_predictions, write_report_files
+    from dist_eval.output.report_facts import ReportFacts
     from dist_eval.output.summary import format_summary
     from dist_eval.output.tracking import log_to_tracker
-    from dist_eval.sequential import StopReport
 
     metrics = result.metrics
     write_predictions(out, result.predictions, metrics.get("label_names"), config.save_logits, texts)
     path = write_metrics(out, metrics)
     files = write_report_files(out, metrics)
+    report = ReportFacts.of(metrics)  # read once: the summary and the tracker say the same
     if config.quiet:
-        stop = StopReport.from_json(metrics["stopping"]) if metrics.get("stopping") else None
+        stop = report.stop
         stopped = (f" (stopped after {stop.rows_used} of {stop.rows_in_set} rows: {stop.reason}, "
                    f"95% {'time-uniform' if stop.interval['time_uniform'] else 'fixed-width rule'} interval "
                    f"[{stop.interval['low']:.4f}, {stop.interval['high']:.4f}])"
                    if stop else "")
         print(f"dist_eval: accuracy {metrics['accuracy']:.4f} on {metrics['num_samples']} samples{stopped} -> {path}")
     else:
-        print(format_summary(metrics))
+        print(format_summary(report))
         names = ", ".join(os.path.basename(f) for f in [path, os.path.join(out, "predictions.jsonl"), *files])
         print(f"  report: {os.path.join(out, 'report.html')} ({names} in {out})", flush=True)
     png = os.path.join(out, "confusion_matrix.png")
-    where = log_to_tracker(config.report_to, metrics, out, png if png in files else None)
+    where = log_to_tracker(config.report_to, report, out, png if png in files else None)
     if where:
         say(f"  logged to {config.report_to}: {where}", flush=True)

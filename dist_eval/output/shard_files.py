@@ -22,8 +22,8 @@ from typing import Optional, Tuple
 import numpy as np
 
 from dist_eval.atomic import atomic_write, read_regular
+from dist_eval.loop_facts import RunFacts
 from dist_eval.merge import MergedResults
-from dist_eval.output.report import RUN_KEY_FACTS
 
 MANIFEST, ARRAYS = "shard.json", "shard.npz"
 FORMAT = 1
@@ -80,7 +80,7 @@ def write_shard(folder: str, result, session, pair, rows, texts: Optional[dict])
     (:mod:`dist_eval.pipeline`); ``rows``: the set's Rows; ``texts``: what predictions.jsonl holds
     of each row beside its numbers (texts, slices; by row index).
     """
-    config, run = session.config, result.metrics["run"]
+    config = session.config
     key, content = merge_key(session.job, pair, session.model, rows)
     merged: MergedResults = result.predictions
     mine = merged.indices  # this shard's rows of the set
@@ -93,7 +93,7 @@ def write_shard(folder: str, result, session, pair, rows, texts: Optional[dict])
         "run_key": key,  # the run key, the set by its content: the files may differ in order or place
         "rows_key": content,
         # what the run key is made of, as the report names it: a merge names what differs
-        "named": {**{name: run.get(name) for name in RUN_KEY_FACTS}, "settings": config.settings.as_dict()},
+        "named": {**RunFacts.of(result.metrics).key_facts(), "settings": config.settings.as_dict()},
         "report": {**{name: getattr(options, name, None) for name in REPORT_OPTIONS},
                    "save_logits": config.save_logits, "save_text": config.save_text},
         "rows_in_set": int(len(rows)),

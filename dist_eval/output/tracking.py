@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 from dist_eval.errors import UsageError
-from dist_eval.metrics import INTERVAL_METRICS, headline_names
+from dist_eval.output.report_facts import ReportFacts
 
 TRACKERS = ("none", "wandb", "tensorboard")
 # tracker -> (the module it needs, how to install it)
@@ -33,32 +33,34 @@ def check_tracker(report_to: str) -> None:
         )
 
 
-def scalars_of(metrics: dict) -> Dict[str, float]:
+def scalars_of(report: Union[dict, ReportFacts]) -> Dict[str, float]:
     """The flat scalars a tracker logs: main metrics, CI bounds, per-class F1."""
-    out = {name: float(metrics[name]) for name in headline_names(metrics)}
+    facts = ReportFacts.of(report)
+    metrics, intervals = facts.metrics, facts.intervals
+    out = {name: float(metrics[name]) for name in facts.headline}
     out["num_samples"] = float(metrics["num_samples"])
-    intervals = metrics.get("confidence_intervals") or {}
-    for name in headline_names(metrics, INTERVAL_METRICS, intervals):
-        if name in intervals:
-            out[f"{name}_ci_low"], out[f"{name}_ci_high"] = (float(v) for v in intervals[name])
+    for name in facts.interval_names:
+        out[f"{name}_ci_low"], out[f"{name}_ci_high"] = (float(v) for v in intervals[name])
     for name, values in metrics.get("per_class", {}).items():
         out[f"per_class/{name}/f1"] = float(values["f1"])
     return out
 
 
 def log_to_tracker(
-    report_to: str, metrics: dict, output_dir: str, confusion_png: Optional[str] = None
+    report_to: str, report: Union[dict, ReportFacts], output_dir: str, confusion_png: Optional[str] = None
 ) -> Optional[str]:
-    """Log the final results; returns where they went (None for ``none``)."""
+    """Log the final results (``report``: metrics.json's content, or it read); returns where they
+    went (None for ``none``).
+    """
     if report_to == "none":
         return None
     check_tracker(report_to)
-    if report_to == "wandb":
-        return _log_wandb(metrics, output_dir, confusion_png)
-    return _log_tensorboard(metrics, output_dir, confusion_png)
+    facts = ReportFacts.of(report)
+    log = _log_wandb if report_to == "wandb" else _log_tensorboard
+    return log(facts.metrics, scalars_of(facts), output_dir, confusion_png)
 
 
-def _log_wandb(metrics: dict, output_dir: str, confusion_png: Optional[str]) -> str:
+def _log_wandb(metrics: dict, scalars: Dict[str, float], output_dir: str, confusion_png: Optional[str]) -> str:
     import wandb
 
     # project / entity / mode (offline) come from the usual WANDB_* environment variables
@@ -68,7 +70,6 @@ def _log_wandb(metrics: dict, output_dir: str, confusion_png: Optional[str]) -> 
         dir=output_dir,
         config=metrics.get("run", {}),
     )
-    scalars = scalars_of(metrics)
     payload: dict = dict(scalars)
     columns = ["class", "label", "precision", "recall", "f1", "support"]
     payload["per_class"] = wandb.Table(
@@ -87,7 +88,7 @@ def _log_wandb(metrics: dict, output_dir: str, confusion_png: Optional[str]) -> 
     return where
 
 
-def _log_tensorboard(metrics: dict, output_dir: str, confusion_png: Optional[str]) -> str:
+def _log_tensorboard(metrics: dict, scalars: Dict[str, float], output_dir: str, confusion_png: Optional[str]) -> str:
     from torch.utils.tensorboard import SummaryWriter
 
     from dist_eval.output.per_class import per_class_markdown
@@ -95,7 +96,7 @@ def _log_tensorboard(metrics: dict, output_dir: str, confusion_png: Optional[str
     log_dir = os.path.join(output_dir, "tensorboard")
     writer = SummaryWriter(log_dir=log_dir)
     try:
-        for name, value in scalars_of(metrics).items():
+        for name, value in scalars.items():
             writer.add_scalar(name, value, 0)
         writer.add_text("per_class", per_class_markdown(metrics), 0)
         if confusion_png:
