@@ -166,9 +166,11 @@ class _ClassSums:
 
 
 class _ScoreSums:
-    """What each probability score of a resample needs, per cluster (rows in canonical order)."""
+    """What each probability score of a resample needs, per cluster (rows in canonical order). ``auroc``:
+    the set's AUROC and each cluster's summed influence on it (linearized), or each class's ranking (exact).
+    """
 
-    def __init__(self, probs, labels, clusters, g: int, top_k, bins: int):
+    def __init__(self, probs, labels, clusters, g: int, top_k, bins: int, auroc):
         from dist_eval import metrics as M
 
         num_labels = probs.shape[1]
@@ -181,13 +183,11 @@ class _ScoreSums:
         self.brier = np.bincount(clusters, weights=M.per_sample_brier(probs, labels), minlength=g)
         self.hits = (np.bincount(clusters, weights=M.top_k_hits(probs, labels, self.k).astype(np.float64),
                                  minlength=g) if self.k is not None else None)
-        self.linearized = clusters.size > EXACT_AUROC_ROWS
+        self.linearized = isinstance(auroc, tuple)
         if self.linearized:  # A + the drawn clusters' summed influence: the exact AUROC's first order
-            self.auroc, influence = auroc_influence(probs, labels)
-            self.influence = None if influence is None else np.bincount(clusters, weights=influence, minlength=g)
+            self.auroc, self.influence = auroc
         else:
-            auroc_classes = [1] if num_labels == 2 else range(num_labels)
-            self.rankings = [ranking_of(probs[:, c], labels == c) for c in auroc_classes]
+            self.rankings = auroc
 
     def names(self) -> list:
         return ["ece", "brier", *([f"top{self.k}_accuracy"] if self.k is not None else []), "auroc_macro"]
@@ -239,11 +239,22 @@ def cluster_bootstrap_intervals(
     extra = [] if probs is None else [np.asarray(probs, dtype=np.float64)]
     order = canonical_row_order(clusters, labels, preds, losses, *extra)
     clusters, labels, preds, losses = clusters[order], labels[order], preds[order], losses[order]
+    scores = None
+    if probs is not None:  # the AUROC of a resample first (of the intervals' module), then the scores' sums
+        in_order = extra[0][order]
+        if clusters.size > EXACT_AUROC_ROWS:  # linearized: the set's AUROC + the drawn clusters' influence
+            auroc, influence = auroc_influence(in_order, labels)
+            auroc = (auroc, None if influence is None else np.bincount(clusters, weights=influence, minlength=g))
+            del influence
+        else:
+            auroc_classes = [1] if in_order.shape[1] == 2 else range(in_order.shape[1])
+            auroc = [ranking_of(in_order[:, c], labels == c) for c in auroc_classes]
+        scores = _ScoreSums(in_order, labels, clusters, g, top_k, bins, auroc)
+        del in_order, auroc  # the rows' probabilities in canonical order: not held through the resamples
     present = np.flatnonzero(np.bincount(labels, minlength=num_labels) + np.bincount(preds, minlength=num_labels))
     classes = _ClassSums.of(clusters, labels, preds, num_labels, g, present)
     sizes = np.bincount(clusters, minlength=g).astype(np.float64)
     loss_sums = np.bincount(clusters, weights=losses, minlength=g)
-    scores = None if probs is None else _ScoreSums(extra[0][order], labels, clusters, g, top_k, bins)
     names = ["accuracy", "f1_macro", "loss", *(scores.names() if scores else [])]
     values = {name: np.empty(resamples) for name in names}
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(CLUSTER_STREAM,))))
@@ -348,7 +359,7 @@ def _paired_draws(clusters, labels, preds_a, preds_b, gap, num_labels: int, g: i
 
 def clustered_report(report: dict, labels, preds, losses, probs, names: Sequence, column: str,
                      bootstrap) -> dict:
-    """``report`` (:func:`dist_eval.merge.row_metrics`' of these rows) with every interval
+    """``report`` (:func:`dist_eval.scoring.row_metrics`' of these rows) with every interval
     resampling whole clusters (``names``: each row's cluster): ``confidence_intervals`` the
     cluster bootstrap's (None, with ``interval_note``, under MIN_CLUSTERS clusters), and
     ``clustering``: the column, the number of clusters, the design effect and both standard
