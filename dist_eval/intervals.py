@@ -211,10 +211,9 @@ def score_resamples_part(probs, labels, resamples: int, seed: int, top_k, bins: 
     size) computes every world-size-th chunk of resamples (the draws of the others are made
     and skipped, so the random stream is the same). Returns (the resample numbers, their
     values); :func:`join_score_resamples` puts the parts together, the same bits for any N.
+    ``probs`` and ``labels``: as the run's merge sends them (float64 probabilities, int64 labels,
+    checked on rank 0 by the report's scores), taken as they are.
     """
-    from dist_eval.metrics import _scores_and_labels
-
-    probs, labels = _scores_and_labels(probs, labels)
     return _score_metric_resamples(probs, labels, resamples, seed, top_k, bins, part)
 
 
