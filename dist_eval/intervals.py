@@ -194,6 +194,15 @@ def bootstrap_score_intervals(
     from dist_eval.metrics import _scores_and_labels
 
     probs, labels = _scores_and_labels(probs, labels)
+    return drawn_score_intervals(probs, labels, resamples, seed, level, top_k, bins)
+
+
+def drawn_score_intervals(probs: np.ndarray, labels: np.ndarray, resamples: int, seed: int, level: float = 0.95,
+                          top_k: int | None = None, bins: int = 15) -> dict | None:
+    """:func:`bootstrap_score_intervals` of rows already checked: float64 probabilities (rows x classes)
+    and integer labels in range, as a report has them once :func:`dist_eval.metrics.score_metrics` took
+    them (the rows' report and the run's merge, :mod:`dist_eval.scoring`, :mod:`dist_eval.merge`).
+    """
     if not isinstance(resamples, (int, np.integer)) or resamples < 0:
         raise ValueError(f"resamples must be an integer >= 0 (0 disables the intervals); got {resamples!r}")
     if not 0.0 < level < 1.0:

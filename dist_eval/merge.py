@@ -15,7 +15,7 @@ import numpy as np
 from dist_eval import ranks
 from dist_eval.data.tokenize import trim_heap
 from dist_eval.intervals import (
-    bootstrap_score_intervals,
+    drawn_score_intervals,
     exact_score_cost,
     grouped_score_intervals,
     join_score_resamples,
@@ -434,8 +434,8 @@ def shared_score_intervals(report: dict, merged: Optional[MergedResults], probs:
     shared = None
     if ranks.is_main_process():
         if grouped_score_intervals(probs, merged.labels):  # drawn grouped: a moment's work, rank 0's alone
-            shared = bootstrap_score_intervals(probs, merged.labels, resamples=bootstrap[0], seed=bootstrap[1],
-                                               top_k=report["top_k"], bins=CALIBRATION_BINS)
+            shared = drawn_score_intervals(probs, merged.labels, bootstrap[0], bootstrap[1], top_k=report["top_k"],
+                                           bins=CALIBRATION_BINS)  # the rows the report's scores checked
         else:  # exact: every rank holds every row's probabilities (the report says what that costs)
             shared = (probs, merged.labels, exact_score_cost(probs, merged.labels, bootstrap[0]))
     shared, cost = ranks.broadcast_object(shared), None

@@ -10,7 +10,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from dist_eval.data.tokenize import trim_heap
-from dist_eval.intervals import bootstrap_intervals, bootstrap_score_intervals, kept_score_intervals
+from dist_eval.intervals import bootstrap_intervals, drawn_score_intervals, kept_score_intervals
 from dist_eval.metrics import (
     CALIBRATION_BINS,
     confusion_matrix,
@@ -71,8 +71,8 @@ def row_metrics(
     if bootstrap and bootstrap[0]:
         intervals = bootstrap_intervals(labels, preds, losses, num_labels, resamples=bootstrap[0], seed=bootstrap[1])
         if probs is not None and score_intervals:
-            kept = kept_score_intervals(bootstrap_score_intervals(
-                probs, labels, resamples=bootstrap[0], seed=bootstrap[1], top_k=scores["top_k"], bins=CALIBRATION_BINS
+            kept = kept_score_intervals(drawn_score_intervals(  # the rows as score_metrics checked them
+                probs, labels, bootstrap[0], bootstrap[1], top_k=scores["top_k"], bins=CALIBRATION_BINS
             ), scores)
         report["confidence_intervals"] = intervals
     # undefined (AUROC with one class present) is null in metrics.json, not NaN: JSON has no NaN, and
