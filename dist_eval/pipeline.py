@@ -48,6 +48,7 @@ class _Session:
 
     config: EvalConfig
     job: Job
+    on_swarm: bool  # the backend's model runs on a swarm (--backend petals)
     swarm: Tuple[Optional[list], Optional[str]]  # (initial peers, DHT prefix)
     clock: _Clock
     say: object
@@ -79,7 +80,8 @@ def _run(config: EvalConfig) -> int:
     job = on_this_node(config, ranks.broadcast_object(job))
     reports: List[Written] = []
     with contextlib.ExitStack() as cleanup:
-        session = _Session(config, job, _swarm_address(config, job, cleanup, say), clock, say)
+        on_swarm = backend_kind(config.backend).on_swarm
+        session = _Session(config, job, on_swarm, _swarm_address(config, job, on_swarm, cleanup, say), clock, say)
         _load_model(session, cleanup)
         pairs = job.plan.pairs()
         if job.settings.stop_when_decided:  # two checkpoints on the same rows, together
@@ -103,11 +105,11 @@ def _run(config: EvalConfig) -> int:
     return 0
 
 
-def _swarm_address(config: EvalConfig, job: Job, cleanup: contextlib.ExitStack, say) -> tuple:
+def _swarm_address(config: EvalConfig, job: Job, on_swarm: bool, cleanup: contextlib.ExitStack, say) -> tuple:
     """(initial peers, DHT prefix) of the swarm: the flags', or a local swarm's, started by
     rank 0 (and stopped when the run ends) while every rank imports its client.
     """
-    if not backend_kind(config.backend).on_swarm or config.initial_peers:
+    if not on_swarm or config.initial_peers:
         return config.initial_peers, config.dht_prefix or job.dht_prefix
     with ranks.phase("starting the local swarm"):
         swarm = None
@@ -171,8 +173,9 @@ def _barrier_unless_interrupted(exc_type, exc, tb) -> None:
 
 
 def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[Written]:
-    """One pair: its data, its stored results, its checkpoint, evaluate(), its report (rank 0
-    returns it). A pair whose folder holds its finished report is skipped (several pairs).
+    """One pair: its data, its stored results, its checkpoint evaluated, then handed to its report
+    (:func:`~dist_eval.output.report.report_pair`; rank 0 returns it). A pair whose folder holds its
+    finished report is skipped (several pairs).
     """
     ranks.phase_seconds.clear()  # this pair's own phases (the shared ones: session.shared_phases)
     pair_started = time.perf_counter()
@@ -184,8 +187,7 @@ def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[Written]
     folder, key = _stored_results(session, out, pair, rows)
     if folder is None:
         return None
-    _load_checkpoint(session, pair.checkpoint)
-    result = _evaluate(session, rows, folder)
+    result = _evaluate(session, pair.checkpoint, rows, folder)
     return report_pair(session, pair, result, (out, folder, key), rows, pair_started)
 
 
@@ -239,11 +241,14 @@ def _load_checkpoint(session: _Session, checkpoint: Checkpoint) -> None:
         session.loaded = checkpoint
 
 
-def _evaluate(session: _Session, rows: Rows, folder: str):
-    """evaluate() over the rows, with the global progress shown by rank 0."""
+def _evaluate(session: _Session, checkpoint: Checkpoint, rows: Rows, folder: str):
+    """``checkpoint`` (loaded when the model holds another's) evaluated over the rows, with the
+    global progress shown by rank 0.
+    """
     from dist_eval.evaluation import evaluate
     from dist_eval.progress import GlobalProgress
 
+    _load_checkpoint(session, checkpoint)
     config = session.config
     settings = session.job.settings
     stops = (f", in rounds of {settings.stop_round_rows} until the 95% interval of {settings.stop_metric} is at most "

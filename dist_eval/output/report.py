@@ -31,7 +31,7 @@ class Written:
     folder: str
     metrics: dict
     facts: RunFacts
-    phases: Dict[str, float]  # the report's phases so far
+    phases: Dict[str, float]  # the pair's own, to the end of its report's writing (facts.phase_seconds: before)
 
 
 def report_pair(session, pair: Pair, result, where: tuple, rows, pair_started: float) -> Optional[Written]:
@@ -57,7 +57,7 @@ def report_pair(session, pair: Pair, result, where: tuple, rows, pair_started: f
         from dist_eval import resume
 
         resume.finished(folder)  # the report is complete: the partial results have served
-    return Written(out, result.metrics, facts, report_phases(session))
+    return Written(out, result.metrics, facts, dict(ranks.phase_seconds))
 
 
 def run_facts(session, pair: Pair, pair_started: float, run_key: str, rows) -> RunFacts:
@@ -88,7 +88,7 @@ def run_facts(session, pair: Pair, pair_started: float, run_key: str, rows) -> R
         started_at=session.clock.started_at,
         wall_seconds=time.perf_counter() - (pair_started if several else session.clock.started),
         startup_seconds=_startup_seconds(session.clock.started),
-        phase_seconds=_rounded(report_phases(session)),
+        phase_seconds=_rounded(_report_phases(session)),
         versions=_versions(),
         run_key=run_key,
         sample=SampleFacts(**rows.facts()),
@@ -96,18 +96,15 @@ def run_facts(session, pair: Pair, pair_started: float, run_key: str, rows) -> R
     if several:
         facts.pair = {"checkpoint": pair.checkpoint.name, "set": pair.data.name, "folder": pair.folder,
                       "shared_phase_seconds": _rounded(session.shared_phases)}
-    facts.swarm = _swarm_facts(config.backend, session.model)
+    if session.on_swarm:
+        facts.swarm = _swarm_facts(session.model)
     return facts
 
 
-def _swarm_facts(backend: str, model) -> Optional[dict]:
+def _swarm_facts(model) -> Optional[dict]:
     """Rank 0, a swarm's run: its servers as announced in the DHT, with the audit of every rank's
     client (each audits its own forwards) added up; every rank calls it.
     """
-    from dist_eval.backends.kinds import backend_kind
-
-    if not backend_kind(backend).on_swarm:
-        return None
     from dist_eval.backends.audit import combine
 
     swarm = model.provenance()
@@ -117,7 +114,7 @@ def _swarm_facts(backend: str, model) -> Optional[dict]:
     return swarm if ranks.is_main_process() else None
 
 
-def report_phases(session) -> Dict[str, float]:
+def _report_phases(session) -> Dict[str, float]:
     """The phases a report records, so far: the pair's own; for a plan of one pair, the run's
     shared ones before them too (with several pairs they go to ``pair.shared_phase_seconds``).
     """
@@ -134,7 +131,8 @@ def record_shutdown(reports: List[Written], clock, shutdown_began: float, say) -
 
     shutdown = round(time.perf_counter() - shutdown_began, 3)
     for report in reports:
-        report.facts = replace(report.facts, phase_seconds={**_rounded(report.phases), "shutting down": shutdown},
+        phases = {**report.facts.phase_seconds, **_rounded(report.phases), "shutting down": shutdown}
+        report.facts = replace(report.facts, phase_seconds=phases,
                                total_seconds=round((report.facts.startup_seconds or 0.0)
                                                    + time.perf_counter() - clock.started, 3))
         report.metrics["run"].update(report.facts.report())

@@ -70,8 +70,9 @@ def merge_key(job, pair, model, rows) -> Tuple[str, str]:
     from dist_eval import resume
 
     content = content_key(rows)
-    return resume.run_key(job.model_dir, pair.checkpoint.path, _Content(rows.dataset, content), job.split, model,
-                          job.settings, job.head), content
+    dataset = _Content(rows.dataset, content)
+    return resume.run_key(job.model_dir, pair.checkpoint.path, dataset, job.split, model, job.settings,
+                          job.head), content
 
 
 def write_shard(folder: str, result, session, pair, rows, texts: Optional[dict]) -> str:

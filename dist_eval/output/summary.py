@@ -49,21 +49,19 @@ def format_summary(report: Union[dict, ReportFacts]) -> str:
         lines.append(f"  a random sample of {run.sample.rows} of {run.sample.rows_in_data} rows "
                      f"(--limit {run.sample.limit} --limit-seed {run.sample.limit_seed})")
     lines += [f"  {line}" for line in (format_stopping(facts), format_intervals(facts)) if line]
-    from dist_eval.clusters import format_clustering
-
-    lines += format_clustering(metrics)
-    lines += [line for line in (_time_line(run), loop.row_store.folder and format_row_store(loop.row_store)) if line]
+    times = [line for line in (_time_line(run), loop.row_store.folder and format_row_store(loop.row_store)) if line]
+    truncated = [f"  {loop.num_truncated} text(s) truncated to --max-length"] if loop.num_truncated else []
+    table = _per_class_lines(metrics)
     from dist_eval.backends.audit import summary_line
     from dist_eval.backends.provenance import replicas_warning
-
-    recorded = metrics.get("run") or {}  # the swarm's facts (run.swarm), read by the swarm's own modules
-    lines += [line for line in (replicas_warning(recorded), summary_line(recorded)) if line]
+    from dist_eval.clusters import format_clustering
     from dist_eval.slices import format_slices
 
-    lines += format_slices(metrics)
-    if loop.num_truncated:
-        lines.append(f"  {loop.num_truncated} text(s) truncated to --max-length")
-    return "\n".join(lines + _per_class_lines(metrics))
+    slices = format_slices(metrics)  # the other modules' lines of their own keys
+    clustering = format_clustering(metrics)
+    recorded = metrics.get("run") or {}  # the swarm's facts (run.swarm), read by the swarm's own modules
+    swarm = [line for line in (replicas_warning(recorded), summary_line(recorded)) if line]
+    return "\n".join(lines + clustering + times + swarm + slices + truncated + table)
 
 
 def _per_class_lines(metrics: dict) -> List[str]:
