@@ -379,6 +379,7 @@ def merge_on_main(
     if bootstrap and bootstrap[0] and report.get("confidence_intervals") and "top_k" in report:
         with ranks.phase("the score intervals"):
             cost = shared_score_intervals(report, merged, probs, bootstrap)
+    del probs  # rank 0's probabilities, of every row: let go before the heap is trimmed below
     report.update(LoopFacts(
         world_size=len(rank_facts),
         per_rank_samples=[facts.num_samples for facts in rank_facts],
