@@ -1,7 +1,9 @@
 """One exact evaluation of every row of a dataset (or a DataLoader), on every rank:
 
-    this rank's batches (dist_eval.data.shard; the known logits: dist_eval.known)
-      -> no-grad forwards (dist_eval.predict)
+    the model and its task's facts (dist_eval.backends.objects.evaluation_task)
+      -> this rank's batches and the known logits, opened together (dist_eval.known: the row
+         store, the batch plan of dist_eval.data.shard, the resume folder)
+      -> no-grad forwards (dist_eval.predict.forward_passes)
       -> merge (dist_eval.merge): all_reduce of totals, gather to rank 0, de-dup, coverage,
          metrics on rank 0 -> broadcast: every rank gets the same metrics
 
@@ -19,16 +21,14 @@ import numpy as np
 import torch
 
 from dist_eval import ranks
-from dist_eval.backends.arguments import read_label_words
-from dist_eval.backends.objects import evaluation_model
+from dist_eval.backends.objects import Task, evaluation_task
 from dist_eval.config import Options, Settings
 from dist_eval.data.labels import is_generic_names, label_names_of, read_labels
-from dist_eval.data.loader import loader_batches
 from dist_eval.errors import UsageError
-from dist_eval.known import KnownLogits, dataset_batches_with_known
+from dist_eval.known import batches_with_known
 from dist_eval.loop_facts import LoopFacts
 from dist_eval.merge import MergedResults, merge_on_main
-from dist_eval.predict import ShardLoop, redo_blamed_on_other_ranks
+from dist_eval.predict import forward_passes
 
 # A user metric over the merged set: fn(labels, preds, logits_or_None) -> float or dict
 MergedMetric = Callable[[np.ndarray, np.ndarray, Optional[np.ndarray]], object]
@@ -55,19 +55,6 @@ class EvalResult:
 
 
 @dataclass
-class _Task:
-    """What the model tells about the task, completed by the arguments."""
-
-    forward: Callable
-    num_labels: Optional[int]
-    pad_token_id: Optional[int]
-    label_names: Optional[Sequence[str]]
-    prompt_tokens: int  # tokens a forward adds to each row: prompt vectors, appended label-word tokens
-    label_words: Optional[tuple] = None  # a zero-shot model's
-    attention_window: int = 0  # positions a row may span, prompts included (0: any)
-
-
-@dataclass
 class Request:
     """What :func:`dist_eval.evaluate` or :func:`dist_eval.evaluate_pair` was asked besides the models
     and the data, made once at the top (:mod:`dist_eval.evaluation`) and passed down whole: each stage
@@ -88,8 +75,8 @@ class Request:
 
     def model_names(self, model) -> Optional[Sequence[str]]:
         """``model``'s class names (its own, or ``label_names``), or None."""
-        with evaluation_model(model) as adapted:
-            return task_of(adapted, self.num_labels, self.pad_token_id, self.label_names).label_names
+        with evaluation_task(model, self.num_labels, self.pad_token_id, self.label_names) as task:
+            return task.label_names
 
     def class_names(self, model, data) -> Optional[Sequence[str]]:
         """The class names each round of a run in rounds over ``data`` (the whole set) is given: text
@@ -113,24 +100,22 @@ def evaluate_once(model, data, request: Request, resume_folder: Optional[str],
     again there too).
     """
     options, on_batch_done = request.options, request.on_batch_done
-    with evaluation_model(model) as model:  # a model object: adapted, in eval mode until the end
-        task = task_of(model, request.num_labels, request.pad_token_id, request.label_names)
-        settings = replace(request.settings, label_words=_label_words_of(task, request.settings.label_words))
+    # a model object: adapted, in eval mode until the end
+    with evaluation_task(model, request.num_labels, request.pad_token_id, request.label_names,
+                         request.settings.label_words) as task:
+        settings = replace(request.settings, label_words=task.label_words)
         start, start_cpu = time.perf_counter(), time.process_time()
 
-        # the known logits: the row store's rows before the plan (which leaves them out), the
-        # resume folder's batches after it (keyed by the plan's batches)
-        num_rows, batches, num_truncated, own_batches, known = _this_rank_batches(
-            model, data, request.tokenizer, settings, options, task, _plan_hook(on_batch_done))
-        with ranks.phase("reading the stored partial results"):
-            known.resume_from(resume_folder, own_batches, task.num_labels, options.save_interval)
-        local = _forward_passes(task, batches, known, options.in_flight, request.sample_metrics, on_batch_done, loops)
+        batches, num_truncated, known = _this_rank_batches(
+            data, request.tokenizer, settings, options, task, resume_folder, _plan_hook(on_batch_done))
+        local = forward_passes(task.forward, task.num_labels, batches, known, options.in_flight,
+                               request.sample_metrics, on_batch_done, loops)
     loop_seconds = time.perf_counter() - start
     local.loop_cpu_seconds = time.process_time() - start_cpu  # this rank's CPU (all its threads) in the loop
-    store = known.store_facts(num_rows if known.shard_rows is None else len(known.shard_rows))
+    store = known.store_facts()
 
     report, merged = merge_on_main(
-        local, num_rows, task.num_labels, label_names=task.label_names, user_metrics=request.metrics,
+        local, known.num_rows, task.num_labels, label_names=task.label_names, user_metrics=request.metrics,
         num_truncated=num_truncated, loop_seconds=loop_seconds,
         bootstrap=(options.bootstrap_resamples, options.bootstrap_seed), top_k=options.top_k,
         rows=known.shard_rows,
@@ -149,65 +134,6 @@ def without_logits(merged: Optional[MergedResults]) -> Optional[MergedResults]:
     return merged
 
 
-def _forward_passes(task: _Task, batches, known: KnownLogits, in_flight, sample_metrics, on_batch_done, loops=None):
-    """This rank's forwards (a phase): finished batches are stored as they come, and kept
-    when the phase fails; one rank's failure stops the others at their next batch. Then the
-    batches of swarm servers any rank's audit blamed, evaluated again (:func:`redo_blamed_on_other_ranks`).
-    """
-    loop = ShardLoop(task.forward, task.num_labels, keep_logits=True, sample_metrics=sample_metrics, known=known)
-    with ranks.phase("the forward passes", stop_early=True) as failed:
-
-        def after_batch(num_rows: int) -> None:
-            if on_batch_done is not None:
-                on_batch_done(num_rows)
-            failed.check()
-
-        try:
-            loop.run(batches, on_batch_done=after_batch, in_flight=in_flight)
-        finally:
-            known.flush()  # also on failure: finished batches are not lost
-    redo_blamed_on_other_ranks(loop, loops or ())
-    if loops is not None:  # kept only where a swarm audit may blame a server later
-        loops.append(loop if loop.redo.ledgers else None)
-    return loop.results()
-
-
-def _label_words_of(task: _Task, label_words) -> Optional[tuple]:
-    """The model's label words; ``label_words`` given must be them."""
-    given = read_label_words(label_words)
-    if given is not None and task.label_words is None:
-        raise UsageError("the model scores the classes with a classifier head, not label words. Load it with "
-                         "load_model(..., label_words=...) to score words.", param="label_words", value=list(given))
-    if given is not None and given != task.label_words:
-        raise UsageError(f"the model was loaded to score {list(task.label_words)}; pass those or none.",
-                         param="label_words", value=list(given))
-    return task.label_words
-
-
-def task_of(model, num_labels, pad_token_id, label_names) -> _Task:
-    """The forward callable and the task's facts: from a LoadedModel, else from ``model.config``."""
-    from dist_eval.backends.classifier import LoadedModel
-
-    if isinstance(model, LoadedModel):
-        return _Task(
-            forward=model.module,
-            num_labels=num_labels or model.num_labels,
-            pad_token_id=model.pad_token_id if pad_token_id is None else pad_token_id,
-            label_names=label_names or (list(model.id2label.values()) if model.id2label else None),
-            prompt_tokens=model.prompt_tokens + model.appended_tokens,
-            label_words=model.label_words,
-            attention_window=model.attention_window,
-        )
-    config = getattr(model, "config", None)
-    return _Task(
-        forward=model,
-        num_labels=num_labels if num_labels is not None else getattr(config, "num_labels", None),
-        pad_token_id=pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None),
-        label_names=label_names,
-        prompt_tokens=0,
-    )
-
-
 def _plan_hook(on_batch_done):
     """A GlobalProgress's ``set_plan`` when ``on_batch_done`` is its ``update``: its ETA then counts work."""
     from dist_eval.progress import GlobalProgress
@@ -216,28 +142,22 @@ def _plan_hook(on_batch_done):
     return owner.set_plan if isinstance(owner, GlobalProgress) else None
 
 
-def _this_rank_batches(model, data, tokenizer, settings: Settings, options: Options, task: _Task, on_plan=None):
-    """(rows in the data, this rank's batches, rows truncated here, {batch id: rows} of this
-    rank's batches or None for a DataLoader, the :class:`KnownLogits`). Every rank must call it.
-    A Dataset goes whole to the known logits' stage (:func:`dist_eval.known.dataset_batches_with_known`:
-    the row store read, the batch plan without its rows, ``options.shard_part``'s rows only); a
-    DataLoader's batches are the user's.
+def _this_rank_batches(data, tokenizer, settings: Settings, options: Options, task: Task,
+                       resume_folder: Optional[str], on_plan=None):
+    """(this rank's batches, rows truncated here, the :class:`~dist_eval.known.KnownLogits`): the data
+    checked against the task and its labels read, then the known logits' stage
+    (:func:`dist_eval.known.batches_with_known`).
+    Every rank must call it.
     """
     with ranks.phase("preparing the data"):
         _check_classes(task.num_labels)  # the first point the classes are known: every rank alike
         _check_top_k(options.top_k, task.num_labels)
         _check_window(task, settings.max_length)
         labels, task.label_names = _check_data(data, tokenizer, settings, task)
-    if labels is not None:
-        batches, num_truncated, own_batches, known = dataset_batches_with_known(
-            model, data, labels, tokenizer, settings, options, task, on_plan)
-        return len(data), batches, num_truncated, own_batches, known
-    with ranks.phase("tokenizing the data"):
-        batches = loader_batches(data)
-    return len(data.dataset), batches, 0, None, KnownLogits()
+    return batches_with_known(data, labels, tokenizer, settings, options, task, resume_folder, on_plan)
 
 
-def _check_window(task: _Task, max_length: int) -> None:
+def _check_window(task: Task, max_length: int) -> None:
     """Rows that may be longer than the model's sliding attention window, which no block here computes."""
     longest = max_length + task.prompt_tokens
     if task.attention_window and longest > task.attention_window:
@@ -270,7 +190,7 @@ def _check_top_k(top_k: Optional[int], num_labels: Optional[int]) -> None:
                          f"row is a hit. Fix: {fix}.", param="top_k", value=top_k)
 
 
-def _check_data(data, tokenizer, settings: Settings, task: _Task):
+def _check_data(data, tokenizer, settings: Settings, task: Task):
     """(the labels of ``data``, a Dataset of the rows drawn already, as class ids, or None for a DataLoader;
     the class names).
     """
@@ -286,22 +206,6 @@ def _check_data(data, tokenizer, settings: Settings, task: _Task):
         raise UsageError("evaluate(data=Dataset) needs tokenizer=...; or pass a DataLoader of token ids.")
     if task.pad_token_id is None:
         raise UsageError("unknown (the model config has none); pass pad_token_id=...", param="pad_token_id")
-    labels = _read_labels(data, settings, task)  # the rows are drawn already (draw_rows: evaluate's)
+    # the rows are drawn already (draw_rows: evaluate's)
+    labels = read_labels(data, settings.label_column, task.num_labels, task.label_names, task.label_words)
     return labels, task.label_names or label_names_of(data, settings.label_column)
-
-
-def _read_labels(data, settings: Settings, task: _Task) -> np.ndarray:
-    """The labels as class ids; with label words, a label beyond them names ``label_words``."""
-    try:
-        return read_labels(data, settings.label_column, task.num_labels, label_names=task.label_names)
-    except UsageError as e:
-        if task.label_words is None or e.param != "label_column" or not (
-                "outside [0," in e.detail or "distinct text labels" in e.detail):
-            raise
-        count = len(task.label_words)
-        found = e.detail.split(", outside")[0].split(", but")[0]  # "row 5 has label 3" / "4 distinct text labels"
-        raise UsageError(
-            f"{count} words given, one per class (ids 0..{count - 1}), but the data does not fit them: {found} "
-            f"(column {settings.label_column!r}). Give one word per class, in class-id order.",
-            param="label_words", value=list(task.label_words),
-        ) from e

@@ -7,9 +7,9 @@ and where the logits it does compute go.
   and settings evaluated, keyed by each row's content. The batch plan leaves them out (the same on
   every rank) and rank 0 reports them as batches of their own (ids below 0: no plan's).
 
-:func:`open_known_logits` opens both, in one place, in the order the plan needs them (the store
-before the batch plan, which leaves its rows out; the resume folder after, which is keyed by the
-plan's batches). The loop (:func:`dist_eval.predict.predict_shard`) asks :meth:`KnownLogits.of`
+:func:`batches_with_known` opens both with this rank's batches, in one place, in the order the plan
+needs them (the store before the batch plan, which leaves its rows out; the resume folder after,
+which is keyed by the plan's batches). The loop (:func:`dist_eval.predict.predict_shard`) asks :meth:`KnownLogits.of`
 before each forward and gives back every batch it finished (:meth:`KnownLogits.took`): this object
 is the one place a row's logits enter or leave the run other than a forward.
 """
@@ -24,6 +24,7 @@ import numpy as np
 from dist_eval import ranks
 from dist_eval.data.batches import Batch, plan_batches
 from dist_eval.data.labels import TaskColumns
+from dist_eval.data.loader import loader_batches
 from dist_eval.data.shard import dataset_batches
 from dist_eval.data.tokenize import right_pad, tokenize_rows
 from dist_eval.errors import warn
@@ -36,13 +37,14 @@ from dist_eval.rowstore import RowSource, open_rows, store_for
 class KnownLogits:
     """One rank's known logits (see the module's docstring)."""
 
-    def __init__(self, rows: Optional[RowSource] = None):
+    def __init__(self, rows: Optional[RowSource] = None, num_rows: int = 0):
         self.rows = rows if rows is not None else RowSource(None, ranks.get_rank())
         self.resumed: Dict[int, np.ndarray] = {}  # {batch id: logits} an interrupted run stored
         self.resumed_servers: Dict[int, tuple] = {}  # {batch id: the swarm servers its logits come from}
         self.blamed_before: Dict[str, dict] = {}  # servers the swarm audit blamed in the runs the folder holds
         self.partial: Optional[PartialWriter] = None
         self.rows_resumed = 0
+        self.num_rows = num_rows  # the rows of the data
         self.shard_rows: Optional[np.ndarray] = None  # a shard's rows (sorted); None: every row
         # rows -> their batches, tokenized then (the row store's rows served, evaluated again: open_known_logits)
         self.batches_of: Optional[Callable[[np.ndarray, np.ndarray], List[Batch]]] = None
@@ -113,12 +115,12 @@ class KnownLogits:
         self.rows.flush()
 
     # ---------------------------------------------------------------- the report
-    def store_facts(self, num_rows: int) -> StoreFacts:
+    def store_facts(self) -> StoreFacts:
         """The row store in this evaluation, over all ranks (every rank calls it, after the loop): the
         rows it served and those evaluated (neither served nor resumed); rank 0's reading (with the keys
         and the exchange), all ranks' writing.
         """
-        rows = self.rows
+        rows, num_rows = self.rows, self.num_rows if self.shard_rows is None else len(self.shard_rows)
         served, saved, written, resumed = ranks.all_reduce_sum(np.array([rows.rows_served, rows.seconds_saved,
                                                                          rows.write_seconds, self.rows_resumed]))
         folder, read = ranks.broadcast_object((rows.folder, rows.read_seconds))
@@ -129,27 +131,35 @@ class KnownLogits:
                           write_seconds=float(written))
 
 
-def dataset_batches_with_known(model, data, labels: np.ndarray, tokenizer, settings, options, task,
-                               on_plan=None) -> Tuple[Iterator, int, dict, KnownLogits]:
-    """Every rank, a Dataset of the rows drawn, whole (``labels``: its class ids): (this rank's batches,
-    rows truncated here, {batch id: rows} of this rank's batches, its :class:`KnownLogits`). The row
-    store is read first (:func:`open_known_logits`), the batch plan leaves its rows out
+def batches_with_known(data, labels: Optional[np.ndarray], tokenizer, settings, options, task,
+                       resume_folder: Optional[str] = None, on_plan=None) -> Tuple[Iterator, int, KnownLogits]:
+    """Every rank: (this rank's batches, rows truncated here, its :class:`KnownLogits`), both providers
+    opened here. ``data``: a Dataset of the rows drawn, whole (``labels``: its class ids), or a DataLoader
+    (``labels`` None: its batches are the user's; nothing is known). For a Dataset, the row store is read
+    first (:func:`open_known_logits`), the batch plan leaves its rows out
     (:func:`dist_eval.data.shard.dataset_batches`; ``options.shard_part``: (I, K), the rows of shard I
-    of K only, ``known.shard_rows``), and rank 0's batches start with the store's rows, as batches whose
-    logits are known. ``task``: the model's forward facts (:class:`dist_eval.exact._Task`).
+    of K only, ``known.shard_rows``), the resume folder is read for this rank's batches of the plan, and
+    rank 0's batches start with the store's rows, as batches whose logits are known. ``task``: the
+    model and its forward facts (:class:`dist_eval.backends.objects.Task`).
     """
     from dist_eval.backends.families import tokenizers_calling_the_base
 
-    with ranks.phase("reading the row store"):
-        known = open_known_logits(model, tokenizer, settings, options, task.num_labels, task.pad_token_id, data,
-                                  task.prompt_tokens)
+    if labels is not None:
+        with ranks.phase("reading the row store"):
+            known = open_known_logits(task.model, tokenizer, settings, options, task.num_labels, task.pad_token_id,
+                                      data, task.prompt_tokens)
+        with ranks.phase("tokenizing the data"):
+            batches, num_truncated, own_batches = dataset_batches(
+                data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
+                on_plan=on_plan, skip_rows=known.stored_rows, calling_the_base=tokenizers_calling_the_base(),
+                shard=options.shard_part, on_shard=known.keep_rows,
+            )
+        with ranks.phase("reading the stored partial results"):
+            known.resume_from(resume_folder, own_batches, task.num_labels, options.save_interval)
+        return known.with_store_batches(labels, batches), num_truncated, known
+    known = KnownLogits(num_rows=len(data.dataset))  # a DataLoader: nothing known
     with ranks.phase("tokenizing the data"):
-        batches, num_truncated, own_batches = dataset_batches(
-            data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
-            on_plan=on_plan, skip_rows=known.stored_rows, calling_the_base=tokenizers_calling_the_base(),
-            shard=options.shard_part, on_shard=known.keep_rows,
-        )
-    return known.with_store_batches(labels, batches), num_truncated, own_batches, known
+        return loader_batches(data), 0, known
 
 
 def open_known_logits(model, tokenizer, settings, options, num_labels: int, pad_token_id, data,
@@ -169,7 +179,7 @@ def open_known_logits(model, tokenizer, settings, options, num_labels: int, pad_
     columns = [settings.text_column] + ([settings.text_pair_column] if settings.text_pair_column else [])
     rows = open_rows(store, options.fresh_rows, data, columns, num_labels, options.save_interval)
     rows.read_seconds = time.perf_counter() - start
-    known = KnownLogits(rows)
+    known = KnownLogits(rows, len(data))
     if rows.logits:
         known.batches_of = partial(_batches_of, tokenizer, settings, pad_token_id, prefix_tokens, data)
     return known

@@ -419,6 +419,34 @@ def predict_shard(
 MAX_BLAME_EXCHANGES = 16
 
 
+def forward_passes(forward: Callable, num_labels: int, batches, known, in_flight: int, sample_metrics=None,
+                   on_batch_done=None, loops: Optional[list] = None) -> ShardResults:
+    """Every rank: its forwards of ``batches`` (a phase): finished batches are given to ``known`` (a
+    :class:`dist_eval.known.KnownLogits`) as they come, and kept when the phase fails; one rank's failure
+    stops the others at their next batch. Then the batches of swarm servers any rank's audit blamed,
+    evaluated again (:func:`redo_blamed_on_other_ranks`; ``loops``: the earlier rounds' loops, this
+    one's appended where a swarm audit may blame a server later).
+    """
+    from dist_eval import ranks
+
+    loop = ShardLoop(forward, num_labels, keep_logits=True, sample_metrics=sample_metrics, known=known)
+    with ranks.phase("the forward passes", stop_early=True) as failed:
+
+        def after_batch(num_rows: int) -> None:
+            if on_batch_done is not None:
+                on_batch_done(num_rows)
+            failed.check()
+
+        try:
+            loop.run(batches, on_batch_done=after_batch, in_flight=in_flight)
+        finally:
+            known.flush()  # also on failure: finished batches are not lost
+    redo_blamed_on_other_ranks(loop, loops or ())
+    if loops is not None:  # kept only where a swarm audit may blame a server later
+        loops.append(loop if loop.redo.ledgers else None)
+    return loop.results()
+
+
 def redo_blamed_on_other_ranks(loop: ShardLoop, earlier: Sequence[Optional[ShardLoop]] = ()) -> None:
     """Every rank, after its forward loop (every rank's finished): the servers each rank blamed, shared
     (:func:`~dist_eval.ranks.collectives.union_by_key`, the evidence with them); each rank leaves out the

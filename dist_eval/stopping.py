@@ -94,11 +94,12 @@ def _result_of(mine: Seen, decision: _Decision, request: Request, stopper: _Stop
     """A model's result of the rows used: rank 0 merges its rounds, reports them and sends the report."""
     report, merged, options = None, None, request.options
     if ranks.is_main_process():
+        stopping = stopper.report(decision, mine)  # the rounds' time: not the report's bootstrap
         merged = mine.merged()
         report = rows_report(merged, mine.num_labels, mine.label_names, request.metrics,
                              ((options.bootstrap_resamples, options.bootstrap_seed), options.top_k))
         report.update(mine.total().report())
-        report["stopping"] = stopper.report(decision, mine)
+        report["stopping"] = stopping
     return EvalResult(metrics=ranks.broadcast_object(report),
                       predictions=merged if request.return_logits else without_logits(merged))
 

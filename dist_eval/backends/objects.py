@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
 
 from torch import nn
 
-from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT
+from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT, read_label_words
 from dist_eval.backends.classifier import LoadedModel, class_names
 from dist_eval.backends.families import Family, family_of_object
 from dist_eval.errors import UsageError
@@ -38,6 +39,66 @@ class _Shown(str):
 
     def __repr__(self) -> str:
         return f"<{self}>"
+
+
+@dataclass
+class Task:
+    """What the model tells about the task, completed by the caller's arguments (:func:`task_of`)."""
+
+    model: object  # the model as evaluated (:func:`evaluation_model`'s)
+    forward: Callable
+    num_labels: Optional[int]
+    pad_token_id: Optional[int]
+    label_names: Optional[Sequence[str]]
+    prompt_tokens: int  # tokens a forward adds to each row: prompt vectors, appended label-word tokens
+    label_words: Optional[tuple] = None  # a zero-shot model's
+    attention_window: int = 0  # positions a row may span, prompts included (0: any)
+
+
+@contextmanager
+def evaluation_task(model, num_labels=None, pad_token_id=None, label_names=None, label_words=None) -> Iterator[Task]:
+    """:func:`evaluation_model` of ``model`` and its task's facts (:func:`task_of`), for the evaluation."""
+    with evaluation_model(model) as adapted:
+        yield task_of(adapted, num_labels, pad_token_id, label_names, label_words)
+
+
+def task_of(model, num_labels, pad_token_id, label_names, label_words=None) -> Task:
+    """The forward callable and the task's facts: from a LoadedModel, else from ``model.config``; the
+    arguments given win. ``label_words`` given must be the model's.
+    """
+    if isinstance(model, LoadedModel):
+        return Task(
+            model=model,
+            forward=model.module,
+            num_labels=num_labels or model.num_labels,
+            pad_token_id=model.pad_token_id if pad_token_id is None else pad_token_id,
+            label_names=label_names or (list(model.id2label.values()) if model.id2label else None),
+            prompt_tokens=model.prompt_tokens + model.appended_tokens,
+            label_words=_label_words_of(model.label_words, label_words),
+            attention_window=model.attention_window,
+        )
+    config = getattr(model, "config", None)
+    return Task(
+        model=model,
+        forward=model,
+        num_labels=num_labels if num_labels is not None else getattr(config, "num_labels", None),
+        pad_token_id=pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None),
+        label_names=label_names,
+        prompt_tokens=0,
+        label_words=_label_words_of(None, label_words),
+    )
+
+
+def _label_words_of(own: Optional[tuple], label_words) -> Optional[tuple]:
+    """The model's label words (``own``); ``label_words`` given must be them."""
+    given = read_label_words(label_words)
+    if given is not None and own is None:
+        raise UsageError("the model scores the classes with a classifier head, not label words. Load it with "
+                         "load_model(..., label_words=...) to score words.", param="label_words", value=list(given))
+    if given is not None and given != own:
+        raise UsageError(f"the model was loaded to score {list(own)}; pass those or none.",
+                         param="label_words", value=list(given))
+    return own
 
 
 @contextmanager

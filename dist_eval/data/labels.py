@@ -83,7 +83,8 @@ def is_generic_names(names: Sequence[str]) -> bool:
     return all(str(name) == f"LABEL_{i}" for i, name in enumerate(names))
 
 
-def read_labels(dataset, label_column: str, num_labels: int, label_names: Optional[Sequence[str]] = None) -> np.ndarray:
+def read_labels(dataset, label_column: str, num_labels: int, label_names: Optional[Sequence[str]] = None,
+                label_words: Optional[Sequence[str]] = None) -> np.ndarray:
     """All labels as int64 class ids, checked to lie in [0, num_labels).
 
     Integer labels are used as they are (floats only when whole numbers). Text labels:
@@ -94,7 +95,8 @@ def read_labels(dataset, label_column: str, num_labels: int, label_names: Option
     - else (no names, or transformers' placeholder LABEL_k names), when there are
       exactly ``num_labels`` distinct texts they get ids in sorted order (as
       ``Dataset.class_encode_column`` does; :func:`label_names_of` reports the names);
-    - anything else is refused, naming the labels found and what was expected.
+    - anything else is refused, naming the labels found and what was expected (with a zero-shot
+      model's ``label_words``, one per class, as a mismatch with them).
     """
     # pyarrow -> numpy in one go (``dataset[col]`` is a lazy Column in datasets >= 4)
     values = np.asarray(dataset.select_columns([label_column]).with_format("numpy")[label_column][:])
@@ -103,7 +105,7 @@ def read_labels(dataset, label_column: str, num_labels: int, label_names: Option
             "the evaluated split is empty: nothing to evaluate. Check --data-files and --split.", param="data"
         )
     if values.dtype.kind in "OUS":  # text labels (object: text, maybe with missing values)
-        values = _text_labels_to_ids(values, label_column, num_labels, label_names)
+        values = _text_labels_to_ids(values, label_column, num_labels, label_names, label_words)
     if values.dtype.kind not in "iu":
         whole = (
             np.isfinite(values) & (values == np.round(values))
@@ -127,16 +129,25 @@ def read_labels(dataset, label_column: str, num_labels: int, label_names: Option
     bad = np.flatnonzero((values < 0) | (values >= num_labels))
     if bad.size:
         row = int(bad[0])
-        raise UsageError(
-            f"row {row} has label {values[row]}, outside [0, {num_labels}) "
-            f"({bad.size} such rows). Fix the data, or pass the checkpoint/--num-labels that match it.",
-            param="label_column",
-            value=label_column,
-        )
+        raise _unfit(f"row {row} has label {values[row]}", f", outside [0, {num_labels}) ({bad.size} such rows). "
+                     "Fix the data, or pass the checkpoint/--num-labels that match it.", label_column, label_words)
     return values
 
 
-def _text_labels_to_ids(values: np.ndarray, label_column: str, num_labels: int, label_names) -> np.ndarray:
+def _unfit(found: str, why: str, label_column: str, label_words) -> UsageError:
+    """Labels that do not fit the classes: ``found`` and ``why`` (naming the column), or, with a
+    zero-shot model's ``label_words``, ``found`` as a mismatch with the words (naming them).
+    """
+    if label_words is None:
+        return UsageError(found + why, param="label_column", value=label_column)
+    count = len(label_words)
+    return UsageError(f"{count} words given, one per class (ids 0..{count - 1}), but the data does not fit them: "
+                      f"{found} (column {label_column!r}). Give one word per class, in class-id order.",
+                      param="label_words", value=list(label_words))
+
+
+def _text_labels_to_ids(values: np.ndarray, label_column: str, num_labels: int, label_names,
+                        label_words=None) -> np.ndarray:
     not_text = [i for i, v in enumerate(values.tolist()) if not isinstance(v, str)]
     if not_text:
         row = not_text[0]
@@ -166,13 +177,10 @@ def _text_labels_to_ids(values: np.ndarray, label_column: str, num_labels: int, 
     elif len(distinct) == num_labels:
         mapping = {name: i for i, name in enumerate(distinct)}  # sorted: documented in README
     else:
-        raise UsageError(
-            f"{len(distinct)} distinct text labels {shown}, but the classifier "
-            f"head has {num_labels} classes, so they cannot be given ids in sorted order (that needs exactly "
-            f"{num_labels}). Map them to ids first (e.g. dataset.class_encode_column), or give the model's "
-            "config.json an id2label with these names.",
-            param="label_column",
-            value=label_column,
-        )
+        raise _unfit(f"{len(distinct)} distinct text labels {shown}",
+                     f", but the classifier head has {num_labels} classes, so they cannot be given ids in sorted "
+                     f"order (that needs exactly {num_labels}). Map them to ids first (e.g. "
+                     "dataset.class_encode_column), or give the model's config.json an id2label with these names.",
+                     label_column, label_words)
     lookup = np.vectorize(mapping.__getitem__, otypes=[np.int64])
     return lookup(texts)
