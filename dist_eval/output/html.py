@@ -91,15 +91,16 @@ def _sample_text(sample: SampleFacts) -> Optional[str]:
             f"--limit-seed {sample.limit_seed}), chosen by a hash of each row's content")
 
 
-def _run_facts(facts: ReportFacts) -> list:
-    metrics, run, loop = facts.metrics, facts.run, facts.loop
+def _run_facts(report: ReportFacts) -> list:
+    """The page's table of the run: (name, value) of what the report records."""
+    metrics, run, loop = report.metrics, report.run, report.loop
     facts = [
         ("samples", metrics["num_samples"]),
         ("classes", metrics["num_labels"]),
         ("data", ", ".join(run.data_files) or None),
         ("split", run.split),
         ("sample (--limit)", _sample_text(run.sample)),
-        ("stopped early", facts.stop.sentence() if facts.stop else None),
+        ("stopped early", report.stop.sentence() if report.stop else None),
         ("model", run.model),
         ("checkpoint", run.checkpoint),
         ("backend", run.backend),
