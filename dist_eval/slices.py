@@ -66,16 +66,15 @@ def attach_slices(results: list, rows, tokenizer, settings, options) -> None:
         values = {**values, TOKEN_LENGTH_SLICES: length_quartiles(tokenizer, settings, rows.dataset)}
     bootstrap = (options.bootstrap_resamples, options.bootstrap_seed)
     for result in results:
-        merged, metrics = result.predictions, result.metrics
+        merged, metrics, report = result.predictions, result.metrics, None
+        if options.slice_by is not None and main:
+            result.slices = values
+            report = slice_report(merged, values, metrics["num_labels"], metrics.get("label_names"),
+                                  (bootstrap, metrics.get("top_k")), len(rows), rows.clusters)
         if rows.clusters is not None:
             mine = clustered_metrics(metrics, merged, rows.clusters, bootstrap) if main else None
             result.metrics = metrics = ranks.broadcast_object(mine)
         if options.slice_by is not None:
-            report = None
-            if main:
-                result.slices = values
-                report = slice_report(merged, values, metrics["num_labels"], metrics.get("label_names"),
-                                      (bootstrap, metrics.get("top_k")), len(rows), rows.clusters)
             metrics["slices"] = ranks.broadcast_object(report)
 
 
