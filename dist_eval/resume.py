@@ -30,6 +30,7 @@ import numpy as np
 from dist_eval import ranks
 from dist_eval.atomic import atomic_write, file_sha256, read_regular
 from dist_eval.errors import warn
+from dist_eval.loop_facts import RunFacts
 
 SUBDIR = "partial"
 # A partial-results file's size bound (one flush of a rank's batches, every save interval)
@@ -108,8 +109,8 @@ def finished_report(folder: str, key: str) -> bool:
     """
     try:
         with open(os.path.join(folder, "metrics.json")) as f:
-            recorded = json.load(f).get("run", {}).get("run_key")
-    except (OSError, ValueError, AttributeError):
+            recorded = RunFacts.of(json.load(f)).run_key
+    except (OSError, ValueError, AttributeError, TypeError):  # no report, or not one
         return False
     return (recorded == key and os.path.isfile(os.path.join(folder, "predictions.jsonl"))
             and not os.path.isdir(os.path.join(folder, SUBDIR, key)))
