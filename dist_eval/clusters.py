@@ -370,6 +370,7 @@ def clustered_report(report: dict, labels, preds, losses, probs, names: Sequence
     correct = (np.asarray(labels) == np.asarray(preds)).astype(np.float64)
     out = dict(report)
     unclustered = out.pop("confidence_intervals", None)
+    note = out.pop("interval_note", None)  # why the rows have no interval (a slice's): it stays last
     out["clustering"] = {
         "column": column, "clusters": number_of_clusters(clusters),
         "design_effect": _none_if_nan(design_effect(correct, clusters)),
@@ -377,6 +378,8 @@ def clustered_report(report: dict, labels, preds, losses, probs, names: Sequence
                            "rows": _none_if_nan(iid_standard_error(correct))},
         "unclustered_intervals": unclustered,
     }
+    if note is not None:
+        out["interval_note"] = note
     if unclustered:
         intervals = cluster_bootstrap_intervals(labels, preds, losses, clusters, int(report["num_labels"]),
                                                 bootstrap[0], bootstrap[1], unclustered["level"], probs,
@@ -387,6 +390,25 @@ def clustered_report(report: dict, labels, preds, losses, probs, names: Sequence
             out["confidence_intervals"] = {k: None if isinstance(v, list) and np.isnan(v).any() else v
                                            for k, v in intervals.items()
                                            if k in unclustered or not isinstance(v, list)}
+    return out
+
+
+def clustered_reports(reports, merged, clusters: tuple, bootstrap) -> list:
+    """Rank 0: :func:`clustered_report` of each of ``reports``, (report, mask) pairs: the report of
+    the merged rows ``mask`` picks (None: every row), in one call for the whole set and every slice.
+    ``merged``: the run's merged rows (the softmax of their logits computed once, for every report);
+    ``clusters``: (column, each row's cluster name, by row index).
+    """
+    from dist_eval.scoring import mapped_softmax
+
+    column, names = clusters
+    probs = None if merged.logits is None else mapped_softmax(merged.logits)
+    names = np.asarray(names, dtype=object)[np.asarray(merged.indices, dtype=np.int64)]
+    out = []
+    for report, mask in reports:
+        rows = slice(None) if mask is None else mask
+        out.append(clustered_report(report, merged.labels[rows], merged.preds[rows], merged.losses[rows],
+                                    None if probs is None else probs[rows], names[rows], column, bootstrap))
     return out
 
 

@@ -2,13 +2,14 @@
 of the merged, de-duplicated rows on rank 0.
 
 Each slice (the rows with one value of one column) gets every metric of the whole set,
-computed by the same function (:func:`dist_eval.merge.row_metrics`) on its rows in row-index
+computed by the same function (:func:`dist_eval.scoring.row_metrics`) on its rows in row-index
 order: so a slice's metrics are those of evaluating the slice on its own, exactly, for any
 number of ranks (the merge is exact). A slice of fewer than :data:`MIN_INTERVAL_ROWS` rows
 gets no bootstrap interval, and says so.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -66,26 +67,67 @@ def attach_slices(results: list, rows, tokenizer, settings, options) -> None:
         values = {**values, TOKEN_LENGTH_SLICES: length_quartiles(tokenizer, settings, rows.dataset)}
     bootstrap = (options.bootstrap_resamples, options.bootstrap_seed)
     for result in results:
-        merged, metrics, report = result.predictions, result.metrics, None
-        if options.slice_by is not None and main:
-            result.slices = values
-            report = slice_report(merged, values, metrics["num_labels"], metrics.get("label_names"),
-                                  (bootstrap, metrics.get("top_k")), len(rows), rows.clusters)
+        metrics, report = result.metrics, None
+        if main:
+            if options.slice_by is not None:
+                result.slices = values
+            metrics, report = clustered_slices(
+                result.predictions, metrics, values if options.slice_by is not None else None,
+                (metrics["num_labels"], metrics.get("label_names")), (bootstrap, metrics.get("top_k")), len(rows),
+                rows.clusters)
         if rows.clusters is not None:
-            mine = clustered_metrics(metrics, merged, rows.clusters, bootstrap) if main else None
-            result.metrics = metrics = ranks.broadcast_object(mine)
+            result.metrics = metrics = ranks.broadcast_object(metrics if main else None)
         if options.slice_by is not None:
             metrics["slices"] = ranks.broadcast_object(report)
 
 
+def clustered_slices(merged, metrics: Optional[dict], values: Optional[Dict[str, List[str]]], labels: tuple,
+                     scoring: tuple, rows_in_set: Optional[int] = None, clusters: Optional[tuple] = None) -> tuple:
+    """Rank 0: (``metrics``, the report of the slices of ``values``) of the merged rows: ``metrics`` (the
+    whole set's; None: none) with every interval resampling whole clusters (``clusters``: (column, each
+    row's cluster name); None: as it is), and the slices' (:func:`slice_report`; None without ``values``).
+    ``labels``: (num_labels, label_names); ``scoring``: (bootstrap (resamples, seed) or None, top_k).
+    Each slice's point metrics first, then the clusters' intervals of the set and of every slice in
+    one call (:func:`dist_eval.clusters.clustered_reports`).
+    """
+    from dist_eval.scoring import row_metrics
+
+    indices = np.asarray(merged.indices, dtype=np.int64)
+    numbered = {} if values is None else _slice_numbers(values, indices)
+    (num_labels, label_names), (bootstrap, top_k) = labels, scoring
+    by: dict = {}
+    for column, (number_of, named) in numbered.items():
+        by[column] = {}
+        for name, number in named.items():  # a slice's point metrics and its rows' intervals
+            mask = number_of == number
+            enough = int(mask.sum()) >= MIN_INTERVAL_ROWS
+            report = row_metrics(merged.labels[mask], merged.preds[mask], merged.losses[mask],
+                                 None if merged.logits is None else merged.logits[mask], num_labels, label_names,
+                                 bootstrap if enough else None, top_k)
+            if bootstrap and bootstrap[0] and not enough:
+                report["interval_note"] = TOO_FEW
+            # NaN as None (JSON has no NaN): a slice's undefined AUROC, or its loss of no rows
+            by[column][name] = {k: None if isinstance(v, float) and np.isnan(v) else v for k, v in report.items()}
+    if clusters is not None:
+        from dist_eval.clusters import clustered_reports
+
+        # a slice's mask made as its turn comes (a bool a row), not every slice's at once
+        pairs = itertools.chain([(metrics, None)] if metrics is not None else [], (
+            (by[column][name], number_of == number) for column, (number_of, named) in numbered.items()
+            for name, number in named.items()))
+        done = iter(clustered_reports(pairs, merged, clusters, bootstrap))
+        metrics = next(done) if metrics is not None else None
+        by = {column: {name: next(done) for name in named} for column, (_, named) in numbered.items()}
+    report = None if values is None else {
+        "columns": list(values), "min_rows_for_interval": MIN_INTERVAL_ROWS, "rows": int(indices.size),
+        "rows_in_set": int(rows_in_set if rows_in_set is not None else indices.size), "by": by}
+    return metrics, report
+
+
 def clustered_metrics(metrics: dict, merged, clusters: tuple, bootstrap) -> dict:
     """Rank 0: ``metrics``, every interval resampling whole clusters (:func:`~dist_eval.clusters.clustered_report`)."""
-    from dist_eval.clusters import clustered_report
-    from dist_eval.metrics import softmax
-
-    column, names = clusters
-    return clustered_report(metrics, merged.labels, merged.preds, merged.losses, softmax(merged.logits),
-                            np.asarray(names, dtype=object)[merged.indices], column, bootstrap)
+    return clustered_slices(merged, metrics, None, (metrics["num_labels"], metrics.get("label_names")),
+                            (bootstrap, metrics.get("top_k")), None, clusters)[0]
 
 
 def slice_report(merged, values: Dict[str, List[str]], num_labels: int, label_names, scoring,
@@ -93,50 +135,27 @@ def slice_report(merged, values: Dict[str, List[str]], num_labels: int, label_na
     """Rank 0: ``{"columns", "min_rows_for_interval", "rows", "rows_in_set", "by": {column:
     {value: metrics}}}`` of the merged rows (``merged.indices`` index ``values``' rows).
     ``scoring``: (bootstrap (resamples, seed) or None, top_k). A slice's metrics are
-    :func:`dist_eval.merge.row_metrics` of its rows (``confidence_intervals`` only from
+    :func:`dist_eval.scoring.row_metrics` of its rows (``confidence_intervals`` only from
     MIN_INTERVAL_ROWS rows on; else ``interval_note`` says why there is none). ``clusters``:
     (column, each row's cluster) of ``--cluster-by``: the intervals resample the slice's clusters
     (:func:`dist_eval.clusters.clustered_report`).
     """
-    indices = np.asarray(merged.indices, dtype=np.int64)
-    if clusters is not None:
-        clusters = (clusters[0], np.array(clusters[1], dtype=object)[indices].astype(str))
-    by = {}
+    return clustered_slices(merged, None, values, (num_labels, label_names), scoring, rows_in_set, clusters)[1]
+
+
+def _slice_numbers(values: Dict[str, List[str]], indices: np.ndarray) -> dict:
+    """``{column: (each merged row's slice number, {value: its number})}``, the values sorted by name, those of
+    no merged row left out.
+    """
+    numbered = {}
     for column, column_values in values.items():
         # each row's slice as a number (4 bytes a row; issue 51: not a text array and a str a row)
         numbers: dict = {}
         number_of = np.fromiter((numbers.setdefault(str(value), len(numbers)) for value in column_values),
                                 dtype=np.int32, count=len(column_values))[indices]
         present = set(np.unique(number_of).tolist())
-        by[column] = {name: _one_slice(merged, number_of == number, num_labels, label_names, scoring, clusters)
-                      for name, number in sorted(numbers.items()) if number in present}
-    return {"columns": list(values), "min_rows_for_interval": MIN_INTERVAL_ROWS, "rows": int(indices.size),
-            "rows_in_set": int(rows_in_set if rows_in_set is not None else indices.size), "by": by}
-
-
-def _one_slice(merged, mask: np.ndarray, num_labels: int, label_names, scoring, clusters=None) -> dict:
-    from dist_eval.merge import row_metrics
-
-    bootstrap, top_k = scoring
-    enough = int(mask.sum()) >= MIN_INTERVAL_ROWS
-    logits = merged.logits[mask] if merged.logits is not None else None
-    report = row_metrics(merged.labels[mask], merged.preds[mask], merged.losses[mask], logits, num_labels,
-                         label_names, bootstrap if enough else None, top_k)
-    if clusters is not None:
-        from dist_eval.clusters import clustered_report
-        from dist_eval.metrics import softmax
-
-        report = clustered_report(report, merged.labels[mask], merged.preds[mask], merged.losses[mask],
-                                  None if logits is None else softmax(logits), clusters[1][mask], clusters[0],
-                                  bootstrap)
-    if bootstrap and bootstrap[0] and not enough:
-        report["interval_note"] = TOO_FEW
-    return _nulls(report)
-
-
-def _nulls(report: dict) -> dict:
-    """NaN as None (JSON has no NaN): a slice's undefined AUROC, or its loss of no rows."""
-    return {k: None if isinstance(v, float) and np.isnan(v) else v for k, v in report.items()}
+        numbered[column] = (number_of, {name: number for name, number in sorted(numbers.items()) if number in present})
+    return numbered
 
 
 def slices_of(report: dict) -> list:
