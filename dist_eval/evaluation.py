@@ -23,7 +23,6 @@ from dist_eval.exact import (
     MergedMetric,
     Request,
     SampleMetric,
-    without_logits,
 )
 from dist_eval.slices import attach_slices
 from dist_eval.stopping import evaluate_rows
@@ -138,7 +137,8 @@ def _evaluate_models(models: list, data, request: Request, on_model=None) -> lis
     if rows is not None:
         attach_slices(results, rows, request.tokenizer, settings, options)
     for result in results if not return_logits else ():
-        result.predictions = without_logits(result.predictions)
+        if result.predictions is not None:  # kept for the slices and the clustered intervals: returned when asked
+            result.predictions.logits = None
     return results
 
 

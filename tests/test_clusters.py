@@ -205,10 +205,12 @@ def test_a_clustered_run_end_to_end(tiny_model, tiny_checkpoint, tmp_path, capsy
     from dist_eval import evaluate, load_model
 
     with one_thread():  # the API's cluster_by=: the CLI's clustered intervals and clustering, bit for bit
-        api = evaluate(load_model("local", tiny_model, checkpoint=tiny_checkpoint),
-                       datasets.load_dataset("csv", data_files=str(tmp_path / "data.csv"), split="train"),
-                       tokenizer=AutoTokenizer.from_pretrained(tiny_model), cluster_by="doc",
-                       bootstrap_resamples=100).metrics
+        result = evaluate(load_model("local", tiny_model, checkpoint=tiny_checkpoint),
+                          datasets.load_dataset("csv", data_files=str(tmp_path / "data.csv"), split="train"),
+                          tokenizer=AutoTokenizer.from_pretrained(tiny_model), cluster_by="doc",
+                          bootstrap_resamples=100)
+    api = result.metrics
+    assert result.predictions.logits is None  # kept for the clustered intervals, not returned unasked
     assert_same_bits({k: api[k] for k in ("confidence_intervals", "clustering")},
                      {k: report[k] for k in ("confidence_intervals", "clustering")}, "the API's against the CLI's")
 
