@@ -26,11 +26,7 @@ from dist_eval.intervals import (
 from dist_eval.loop_facts import LoopFacts
 from dist_eval.metrics import CALIBRATION_BINS
 from dist_eval.predict import SAMPLE_VALUE_PREFIX, ShardResults, mapped_array
-from dist_eval.scoring import (
-    mapped_softmax,
-    row_metrics,  # noqa: F401 (merge.row_metrics: the name its callers know)
-    rows_report,
-)
+from dist_eval.scoring import mapped_softmax, rows_report
 
 
 class CoverageError(RuntimeError):

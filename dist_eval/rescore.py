@@ -5,7 +5,7 @@ Reads ``OUT/predictions.jsonl`` (labels, predictions, losses, and the logits whe
 had ``--save-logits``: without them the probability scores are left out) and, from
 ``OUT/metrics.json``, only the settings of the scores (number of classes, class names,
 top-k, bootstrap resamples and seed). Computes the metrics with the function the run's
-merge uses (:func:`dist_eval.merge.row_metrics`), so they are the same numbers, and
+merge uses (:func:`dist_eval.scoring.row_metrics`), so they are the same numbers, and
 prints each next to the run's. Exit 0 when every one is equal, 1 when one differs, 2
 when the folder is not a finished run.
 """
@@ -68,7 +68,7 @@ def _read(folder: str):
 
 def rescore(folder: str) -> dict:
     """The built-in metrics of the run in ``folder``, recomputed from predictions.jsonl."""
-    from dist_eval.merge import row_metrics
+    from dist_eval.scoring import row_metrics
 
     metrics, columns, logits = _read(folder)
     if columns["index"] != list(range(len(columns["index"]))):

@@ -2,7 +2,7 @@
 synthetic per-sample results with logits for this rank's rows (every N-th row: uneven
 shards), merged by dist_eval.merge.merge_on_main with the default intervals. Rank 0 saves
 the report and, beside it, the metrics ``python -m dist_eval.rescore`` would compute from
-the merged rows (merge.row_metrics)."""
+the merged rows (scoring.row_metrics)."""
 import json
 import os
 import sys
@@ -27,7 +27,8 @@ def shard(num_rows: int, num_labels: int, rank: int, world: int):
 
 def main(out_path: str, sizes: list) -> int:
     from dist_eval import ranks
-    from dist_eval.merge import merge_on_main, row_metrics
+    from dist_eval.merge import merge_on_main
+    from dist_eval.scoring import row_metrics
 
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
