@@ -117,6 +117,29 @@ def hivemind_socket_paths(pids: Sequence[int]) -> Set[str]:
     return {p for p in unix_socket_paths(pids) if is_hivemind_socket(p)}
 
 
+def remove_dead_hivemind_sockets(since: float) -> List[str]:
+    """Remove the hivemind sockets in /tmp bound at or after ``since`` (``time.time()``) that no socket of
+    any process holds (none in /proc/net/unix); the paths removed. hivemind removes a p2pd's socket only
+    while the daemon runs: one that exited on its own (no peer answered at the initial peers) leaves it.
+    """
+    import glob
+
+    try:
+        with open("/proc/net/unix") as f:
+            held = {parts[7] for parts in map(str.split, f) if len(parts) >= 8}
+    except OSError:
+        return []  # no /proc: nothing can be told dead
+    removed = []
+    for path in glob.glob("/tmp/hivemind-*.sock"):
+        try:
+            if path not in held and os.stat(path).st_mtime >= since - 1.0:  # file times are coarse
+                os.remove(path)
+                removed.append(path)
+        except OSError:
+            continue  # gone already, or another user's
+    return removed
+
+
 def shm_managers_under(folder: str) -> List[int]:
     """The torch shared-memory managers whose socket is under ``folder``. torch starts one for
     processes that share tensors through files (hivemind's strategy) with its socket in their

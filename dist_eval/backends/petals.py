@@ -25,6 +25,7 @@ from dist_eval.backends.requests import RequestTooLarge, learn_server_limit, res
 from dist_eval.backends.wire import embeddings_digest, forward_over_wire
 from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer
 from dist_eval.errors import UsageError, one_line, printable
+from dist_eval.procs import remove_dead_hivemind_sockets
 
 
 class PetalsClassifier(Backend):
@@ -249,12 +250,14 @@ def load_petals(
     from dist_eval.backends.blocks import family_class
     from dist_eval.backends.petals_folder import petals_model_folder
 
+    started = time.time()
     try:
         petals_class = family.petals_class if label_words is None else family.petals_lm_class
         with no_random_init_of_meta_tensors():
             inner = family_class(petals_class, in_petals=True).from_pretrained(petals_model_folder(model_dir), **kwargs)
     except Exception as e:
         if type(e).__name__ == "P2PDaemonError":  # nobody answered at the initial peers
+            remove_dead_hivemind_sockets(started)  # the failed p2pd's, which hivemind leaves
             raise UsageError(
                 f"no swarm answered ({one_line(e, 160)}). "
                 "Check the addresses (the servers print them) and that the servers are running.",

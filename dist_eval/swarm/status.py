@@ -18,10 +18,12 @@ import asyncio
 import json
 import os
 import sys
+import time
 from functools import partial
 from typing import Dict, List, Optional, Sequence
 
 from dist_eval.errors import printable
+from dist_eval.procs import remove_dead_hivemind_sockets
 from dist_eval.swarm.placement import SwarmError, block_parameters, check_peers, default_prefix, read_num_blocks
 
 _PROBE_SECONDS = 5.0  # a server that does not answer a dial within this is listed unreachable
@@ -80,9 +82,11 @@ def read_swarm(peers: Sequence[str], prefix: str, num_blocks: Optional[int], tim
     import hivemind
     from petals.utils.dht import get_remote_module_infos
 
+    started = time.time()
     try:
         dht = hivemind.DHT(initial_peers=list(peers), client_mode=True, start=True, startup_timeout=timeout)
     except Exception as e:
+        remove_dead_hivemind_sockets(started)  # the failed p2pd's, which hivemind leaves
         raise SwarmError(f"--initial-peers: no peer answered at {' '.join(peers)} ({type(e).__name__}: {e}). "
                          "Pass the address of a live server (its INITIAL_PEERS=... line).") from None
     try:
