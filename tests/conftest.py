@@ -360,6 +360,17 @@ def run_cli(args, nproc: int = 1, timeout: float = 300, env=None) -> subprocess.
     return run_in_own_group(cmd, timeout=timeout, env=full_env)
 
 
+@pytest.fixture(scope="session")
+def no_figures(tmp_path_factory) -> dict:
+    """The env (PYTHONPATH) of a CLI subprocess whose figures nobody looks at: matplotlib hidden,
+    as run_cli_in_process's ``hide_modules=("matplotlib",)`` does in this process (the figures are
+    the same function of the same metrics, and most of a small run's report: ~2 s of each run)."""
+    from inprocess_cli import without_modules
+
+    hidden = without_modules(tmp_path_factory.mktemp("no_figures"), "matplotlib")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (hidden, REPO, os.environ.get("PYTHONPATH")) if p)}
+
+
 def run_in_own_group(cmd, timeout: float, env=None) -> subprocess.CompletedProcess:
     """subprocess.run in a new process group; on timeout the whole group (torchrun, its
     workers, their DHT and p2pd children) is stopped, not only the top process."""

@@ -37,7 +37,9 @@ def family_swarm(request, tmp_path_factory):
             yield family, model, data, swarm
 
 
-def run(family_swarm, out, checkpoint_args, nproc, backend="petals", peers=True):
+def run(family_swarm, out, checkpoint_args, nproc, backend="petals", peers=True, env=None):
+    """The CLI's run: under torchrun (``env``: its environment's additions), or with ``nproc=1`` and
+    the local backend or the CLI's own swarm in this process (one thread: a torchrun rank's bits)."""
     family, model, data, swarm = family_swarm
     args = ["--model", model, "--data-files", data, *checkpoint_args, "--output-dir", str(out),
             "--batch-size", "8", "--save-logits", "--backend", backend, "--quiet"]
@@ -45,10 +47,12 @@ def run(family_swarm, out, checkpoint_args, nproc, backend="petals", peers=True)
         args += ["--initial-peers", *swarm.initial_peers, "--dht-prefix", swarm.dht_prefix]
     elif backend == "petals":
         args += ["--local-servers", "1"]  # the CLI starts (and stops) its own swarm
-    if backend == "local" and nproc == 1:  # the reference: the CLI's code in this process, one thread
-        assert run_cli_in_process(args) == 0
+    if nproc == 1 and (backend == "local" or not peers):  # the CLI's code in this process, one thread
+        # its own swarm's servers compute with one thread too, as the module's do (bits)
+        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
+            assert run_cli_in_process(args, hide_modules=("matplotlib",)) == 0  # no figure looked at
     else:
-        proc = run_cli(args, nproc=nproc, timeout=400)
+        proc = run_cli(args, nproc=nproc, timeout=400, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     rows = read_jsonl(out / "predictions.jsonl")
@@ -75,15 +79,16 @@ def petals_268_export(ck, folder):
 
 
 @pytest.mark.parametrize("tuning_mode", [None, "ptune", "deep_ptune"])
-def test_petals_n2_equals_local_n1_bitwise(family_swarm, tmp_path, tuning_mode):
+def test_petals_n2_equals_local_n1_bitwise(family_swarm, tmp_path, tuning_mode, no_figures):
     """Petals N=2 == local N=1, bit for bit. For BLOOM's ptune also the predictions identical for
     N = 1, 2, 3 (merged here from test_predictions_identical_for_n_1_2_3, issue 46, whose N=2 run
     repeated this one's): N=1 on the CLI's own swarm (--local-servers 1), N=2 from petals #268's
-    export form, N=3 on the module's swarm, all equal, and equal to the local run."""
+    export form, N=3 on the module's swarm, all equal, and equal to the local run. N=1 runs in this
+    process (a torchrun launch fewer: ~5 s), no run draws its figures (nobody looks at them: ~2 s a run)."""
     family = family_swarm[0]
     ck = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode=tuning_mode, pre_seq_len=3)
     petals_args = petals_268_export(ck, tmp_path) if tuning_mode == "ptune" else ["--checkpoint", ck]
-    petals = run(family_swarm, tmp_path / "petals2", petals_args, nproc=2)
+    petals = run(family_swarm, tmp_path / "petals2", petals_args, nproc=2, env=no_figures)
     if tuning_mode == "deep_ptune":  # the local run reads petals' own state dict form
         tensors = torch.load(ck, weights_only=True)["state_dict"]
         ck = petals_state_dict(str(tmp_path / "petals_sd.pt"), family, tensors)
@@ -95,5 +100,5 @@ def test_petals_n2_equals_local_n1_bitwise(family_swarm, tmp_path, tuning_mode):
         # any N's equality is the batch plan's, not the family's (N = 1, 2 on the Llama swarm too:
         # tests/test_backends_petals.py): checked on one family (issue 46: Falcon's two runs, ~40 s, dropped)
         one = run(family_swarm, tmp_path / "n1", ["--checkpoint", ck], nproc=1, peers=False)  # the CLI's own swarm
-        three = run(family_swarm, tmp_path / "n3", ["--checkpoint", ck], nproc=3)
+        three = run(family_swarm, tmp_path / "n3", ["--checkpoint", ck], nproc=3, env=no_figures)
         assert one == petals == three

@@ -58,12 +58,14 @@ def petals_args(swarm, model, checkpoint, data, out, *extra):
 
 class BackgroundCli:
     """``torchrun -m dist_eval`` in its own session, its output read as it comes, so a
-    test can act (kill a server) while the run is in its evaluation loop."""
+    test can act (kill a server) while the run is in its evaluation loop. ``nproc=0``: a plain
+    ``python -m dist_eval`` (one rank, no torchrun); ``env``: additions to its environment."""
 
-    def __init__(self, args, nproc: int):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), "-m", "dist_eval", *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    def __init__(self, args, nproc: int, env=None):
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                    str(free_port())] if nproc else []
+        cmd = [sys.executable, *launcher, "-m", "dist_eval", *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
         self.started = time.monotonic()
@@ -118,19 +120,22 @@ def without_run(metrics):
 
 
 def test_a_server_killed_changes_nothing_then_blocks_left_without_server_fail_in_bounded_time(
-        swarm3, tiny_model, tiny_checkpoint, local_reference_160, many_rows_csv, tmp_path):
+        swarm3, tiny_model, tiny_checkpoint, local_reference_160, many_rows_csv, tmp_path, no_figures):
     """On one swarm, in this order: server 2 (blocks 0:4) killed mid-run changes nothing; then, in a
     second run, servers 1 and 2 dead (2 already is) leave blocks 2 and 3 without a server."""
-    server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoint, local_reference_160, tmp_path)
+    server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoint, local_reference_160, tmp_path,
+                                          no_figures)
     blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, tmp_path)
 
 
-def server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoint, local_reference_160, tmp_path):
+def server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoint, local_reference_160, tmp_path,
+                                          no_figures):
     # the undisturbed reference: the local backend on the same rows and batch plan (petals N=2 equals
     # local N=1 bitwise, tests/test_families_reference.py); computed once for this and test_swarm_supervisor.py
     rows_csv, reference_rows, reference_metrics = local_reference_160
     disturbed = tmp_path / "disturbed"
-    run = BackgroundCli(petals_args(swarm3, tiny_model, tiny_checkpoint, rows_csv, disturbed), nproc=2)
+    # no figures drawn: nobody looks at them (~2 s of the run)
+    run = BackgroundCli(petals_args(swarm3, tiny_model, tiny_checkpoint, rows_csv, disturbed), nproc=2, env=no_figures)
     try:
         assert run.evaluating.wait(timeout=240), (
             "the run never reached its evaluation loop: " + "".join(run.err)[-3000:]

@@ -7,8 +7,8 @@ one before it, and a swarm start is seconds of the suite's budget): a replica SI
 (the run == the local backend bitwise, the replica back), the bootstrap server killed (a client
 given another's address runs; it rejoins through that address), one SIGTERMed mid-run (drained:
 the run == the local backend, the server not restarted), the limit reached (it stays down, one
-line, another serves), the last one SIGTERMed (the swarm's check fails). Marked ``swarm`` and
-``multiproc`` (torchrun runs).
+line, another serves), the last one SIGTERMed (the swarm's check fails). Marked ``swarm``; not
+``multiproc``: the runs are one rank each, in this process or a plain ``python -m dist_eval``.
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ from dist_eval.swarm.supervisor import RestartPolicy, describe_exit, ranges
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
        "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 POLICY = RestartPolicy(max_restarts=1, window=600.0, backoff=0.5, unserved_timeout=120.0)
+# the runs' figures nobody looks at: matplotlib hidden (run_cli_in_process; conftest's no_figures for a process)
+NO_FIGURES = ("matplotlib",)
 
 
 # --------------------------------------------------------------------------- no servers
@@ -97,6 +99,17 @@ def _status(*args, timeout: float = 90.0) -> subprocess.CompletedProcess:
                           timeout=timeout, env=ENV, cwd=REPO)
 
 
+def _status_here(capsys, *args) -> subprocess.CompletedProcess:
+    """:func:`_status`'s command in this process (status.main; the entry point's own dispatch and exit
+    codes are the subprocess tests'): petals is imported here already, a process start is ~3 s."""
+    from dist_eval.swarm import status
+
+    capsys.readouterr()
+    code = status.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["status", *args], code, out, err)
+
+
 @pytest.mark.parametrize("args, message", [
     ([], "--initial-peers"),
     (["--initial-peers", "not-an-address", "--dht-prefix", "p"], "expected a multiaddr"),
@@ -117,6 +130,37 @@ def test_restart_flags_are_checked_and_named():
     r = subprocess.run([sys.executable, "-m", "dist_eval.swarm", str(REPO), "--max-restarts", "-1"],
                        capture_output=True, text=True, timeout=60, env=ENV, cwd=REPO)
     assert r.returncode == 2 and "--max-restarts -1" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_dead_daemons_socket_is_removed():
+    """What a p2pd that exited on its own leaves (no peer answered: the status command above, a client's
+    ranks; hivemind removes a daemon's socket only while it runs): removed when no process holds it and it
+    was bound since the call's start; a socket held, or one older, is left alone."""
+    import socket
+    import uuid
+
+    from dist_eval.procs import remove_dead_hivemind_sockets
+
+    since = time.time()
+    paths = [f"/tmp/hivemind-p2pd-test-{uuid.uuid4().hex[:8]}-{what}.sock" for what in ("dead", "held", "old")]
+    held = []
+    try:
+        for path in paths:
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(path)
+            if path.endswith("held.sock"):
+                held.append(s)
+            else:
+                s.close()  # its file stays, as a dead p2pd's
+        os.utime(paths[2], (since - 60, since - 60))
+        remove_dead_hivemind_sockets(since)
+        assert [os.path.exists(p) for p in paths] == [False, True, True]
+    finally:
+        for s in held:
+            s.close()
+        for path in paths:
+            if os.path.exists(path):
+                os.remove(path)
 
 
 def test_status_table():
@@ -189,13 +233,14 @@ def _lines(events, index: int, text: str) -> list:
     return [e for e in events if e.startswith(f"server {index} ") and text in e]
 
 
-def _run_killing(swarm, index, sig, args, events) -> str:
-    """A torchrun run of ``args`` (one rank) whose server ``index`` gets ``sig`` a second into its
-    loop; its stderr, once it finished with code 0 and no traceback.
+def _run_killing(swarm, index, sig, args, events, env) -> str:
+    """A plain ``python -m dist_eval`` run of ``args`` (one rank; torchrun's own start-up adds nothing
+    here) whose server ``index`` gets ``sig`` a second into its loop; its stderr, once it finished
+    with code 0 and no traceback. ``env``: additions to its environment (no_figures).
     """
     from test_swarm_failover import BackgroundCli
 
-    run = BackgroundCli(args, nproc=1)
+    run = BackgroundCli(args, nproc=0, env=env)
     try:
         assert run.evaluating.wait(timeout=240), "".join(run.err)[-3000:]
         time.sleep(1.0)
@@ -215,15 +260,15 @@ def _run_args(model, checkpoint, data, out, peers=None, prefix=None):
 
 
 @pytest.mark.swarm
-@pytest.mark.multiproc
-def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint, local_run, tmp_path):
+def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint, local_run, tmp_path, no_figures,
+                                      capsys):
     assert swarm.placement == [(0, 4)] * 3
     data, reference = local_run
     peers, prefix = list(swarm.initial_peers), swarm.dht_prefix
 
     # 1. a replica SIGKILLed mid-run: the run finishes == the local backend; the replica is back
     _run_killing(swarm, 1, signal.SIGKILL, _run_args(tiny_model, tiny_checkpoint, data, tmp_path / "killed", peers,
-                                                      prefix), events)
+                                                      prefix), events, no_figures)
     assert read_jsonl(tmp_path / "killed" / "predictions.jsonl") == reference  # logits bitwise
     back = _wait_for(lambda: swarm.server_state(1) == "up" and swarm.restarts(1) == 1, 60, "server 1 restarted")
     assert len(_lines(events, 1, "died (killed by SIGKILL); restarting in")) == 1, events
@@ -236,7 +281,7 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     print(f"server 1 back {back:.1f} s after the run ended")
 
     # it rejoined the same swarm: server 1's address alone shows both, ONLINE and reachable
-    r = _status("--initial-peers", peers[1], "--dht-prefix", prefix, "--json")
+    r = _status_here(capsys, "--initial-peers", peers[1], "--dht-prefix", prefix, "--json")
     assert r.returncode == 0, r.stderr
     status = json.loads(r.stdout)
     assert status["healthy"] and status["num_blocks"] == 4 and status["unserved"] == []
@@ -247,7 +292,7 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     # 2. the bootstrap server killed: a client given the other's address runs; it rejoins through that address
     _kill(swarm, 0)  # the client in this process (one thread: a rank's bits), as a plain `python -m dist_eval` was
     assert run_cli_in_process(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "bootstrap", peers[1:],
-                                        prefix)) == 0
+                                        prefix), hide_modules=NO_FIGURES) == 0
     assert read_jsonl(tmp_path / "bootstrap" / "predictions.jsonl") == reference
     _wait_for(lambda: swarm.server_state(0) == "up" and swarm.restarts(0) == 1, 60, "server 0 restarted")
     with open(swarm.log_paths[0]) as f:
@@ -255,8 +300,9 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     assert f"--initial_peers {peers[1]}" in restart_command and "--new_swarm" not in restart_command
 
     # 3. SIGTERM to server 2 mid-run drains it: the run == the local backend, at most a warning; not restarted
+    # (its figures drawn: without matplotlib the run warns once more, and the warnings are what is counted)
     err = _run_killing(swarm, 2, signal.SIGTERM, _run_args(tiny_model, tiny_checkpoint, data, tmp_path / "drained",
-                                                           peers, prefix), events)
+                                                           peers, prefix), events, None)
     assert read_jsonl(tmp_path / "drained" / "predictions.jsonl") == reference
     assert len([line for line in err.splitlines() if line.startswith("dist_eval: warning")]) <= 1, err[-3000:]
     _wait_for(lambda: swarm.server_state(2) == "down", 30, "server 2 drained")
@@ -273,7 +319,7 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     assert swarm.server_state(1) == "down" and swarm.restarts(1) == 1
     swarm.check()  # server 0 serves every block
     # the table, asked for a 5th block that nobody announces: exit 1 for it alone
-    r = _status("--initial-peers", peers[0], "--dht-prefix", prefix, "--num-blocks", "5")
+    r = _status_here(capsys, "--initial-peers", peers[0], "--dht-prefix", prefix, "--num-blocks", "5")
     lines = r.stdout.splitlines()
     assert r.returncode == 1 and lines[-1] == "unserved: blocks 4", r.stdout + r.stderr
     assert "UNREACHABLE" in r.stdout and "blocks 4:5: NO SERVER (none)" in lines, r.stdout
@@ -356,8 +402,7 @@ sys.meta_path.insert(0, SlowForwards())
 
 
 @pytest.mark.swarm
-@pytest.mark.multiproc
-def test_a_request_in_flight_finishes_on_a_server_told_to_stop(tiny_model, tiny_checkpoint, tmp_path):
+def test_a_request_in_flight_finishes_on_a_server_told_to_stop(tiny_model, tiny_checkpoint, tmp_path, no_figures):
     """SIGTERM to a swarm process (launch/start_server.sh, one server) while its server serves a
     forward 4 s long, the run's one batch: the server drains (the forward finishes; petals'
     shutdown cut it, and the run failed: no other server), the swarm process waits for the
@@ -367,7 +412,7 @@ def test_a_request_in_flight_finishes_on_a_server_told_to_stop(tiny_model, tiny_
     data = write_csv(str(tmp_path / "rows.csv"), 8, seed=11)
     # the reference in this process, one thread (== a torchrun rank bitwise; was a one-rank torchrun)
     assert run_cli_in_process([*_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "local"), "--batch-size",
-                               "8"]) == 0
+                               "8"], hide_modules=NO_FIGURES) == 0
     slow, mark = tmp_path / "slow_forwards", tmp_path / "forward_began"
     slow.mkdir()
     (slow / "sitecustomize.py").write_text(SLOW_FORWARD_SITECUSTOMIZE)
@@ -379,7 +424,8 @@ def test_a_request_in_flight_finishes_on_a_server_told_to_stop(tiny_model, tiny_
         host, peers = _start_host(env, tmp_path / "host.log", "--log-dir", str(tmp_path / "logs"))
         groups = _server_groups(host.pid)
         run = BackgroundCli([*_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "drained", peers,
-                                        "dist-eval-drain"), "--batch-size", "8", "--swarm-timeout", "15"], nproc=1)
+                                        "dist-eval-drain"), "--batch-size", "8", "--swarm-timeout", "15"], nproc=0,
+                            env=no_figures)
         _wait_for(lambda: mark.exists() or run.proc.poll() is not None, 240, "the forward began")
         host.send_signal(signal.SIGTERM)
         code, _, err = run.wait(timeout=120)
@@ -420,8 +466,8 @@ def _server_groups(pid) -> list:
 
 
 @pytest.mark.swarm
-@pytest.mark.multiproc
-def test_a_hosts_swarm_process_dying_leaves_the_others_serving(tiny_model, tiny_checkpoint, local_run, tmp_path):
+def test_a_hosts_swarm_process_dying_leaves_the_others_serving(tiny_model, tiny_checkpoint, local_run, tmp_path,
+                                                               capsys):
     """Two hosts (launch/start_server.sh), each serving every block, B joined to A: A's swarm
     process SIGKILLed (its watchdog stops its server): B serves on; a client given B's address
     runs, == the local backend; status through B says every block is served."""
@@ -444,9 +490,9 @@ def test_a_hosts_swarm_process_dying_leaves_the_others_serving(tiny_model, tiny_
         assert host_b.poll() is None and _group(groups[1]), open(tmp_path / "b.log").read()[-3000:]
         # the client in this process (one thread: a rank's bits), as a plain `python -m dist_eval` was
         assert run_cli_in_process(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "via_b", peers_b,
-                                            "dist-eval-hosts")) == 0
+                                            "dist-eval-hosts"), hide_modules=NO_FIGURES) == 0
         assert read_jsonl(tmp_path / "via_b" / "predictions.jsonl") == reference
-        r = _status("--initial-peers", *peers_b, "--dht-prefix", "dist-eval-hosts", "--json")
+        r = _status_here(capsys, "--initial-peers", *peers_b, "--dht-prefix", "dist-eval-hosts", "--json")
         assert r.returncode == 0, r.stdout + r.stderr
         status = json.loads(r.stdout)
         assert status["unserved"] == [] and all(b["online"] == [peers_b[0].rsplit("/", 1)[1]] for b in status["blocks"])
