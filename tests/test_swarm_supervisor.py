@@ -243,7 +243,9 @@ def _run_killing(swarm, index, sig, args, events, env) -> str:
     run = BackgroundCli(args, nproc=0, env=env)
     try:
         assert run.evaluating.wait(timeout=240), "".join(run.err)[-3000:]
-        time.sleep(1.0)
+        # 0.3 s into the loop: one rank's 160 rows take ~1.3 s on a quiet machine, and 1.0 s left the
+        # signal too late once (the run had ended); the first batches are done by then
+        time.sleep(0.3)
         assert run.proc.poll() is None, "the run ended before the signal"
         _kill(swarm, index, sig)
         code, _, err = run.wait(timeout=300)
