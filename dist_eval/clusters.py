@@ -414,23 +414,3 @@ def clustered_reports(reports, merged, clusters: tuple, bootstrap) -> list:
 
 def _none_if_nan(value: float):
     return None if np.isnan(value) else value
-
-
-def format_clustering(metrics: dict) -> list:
-    """The summary's lines of ``clustering``: the clusters, the design effect, and the intervals of
-    the rows taken as independent beside the clustered ones (accuracy and macro F1).
-    """
-    clustering = metrics.get("clustering")
-    if not clustering:
-        return []
-    deff = clustering["design_effect"]
-    effect = f"design effect {deff:.2f} on accuracy" if deff is not None else "design effect undefined"
-    lines = [f"  clusters by {clustering['column']}: {clustering['clusters']} clusters of {metrics['num_samples']} "
-             f"rows, {effect} (the set is worth about {metrics['num_samples'] / deff:.0f} independent rows)"
-             if deff else f"  clusters by {clustering['column']}: {clustering['clusters']} clusters, {effect}"]
-    clustered, rows = metrics.get("confidence_intervals") or {}, clustering.get("unclustered_intervals") or {}
-    for name in ("accuracy", "f1_macro"):
-        if clustered.get(name) and rows.get(name):
-            lines.append(f"    {name}: [{clustered[name][0]:.4f}, {clustered[name][1]:.4f}] clustered, "
-                         f"[{rows[name][0]:.4f}, {rows[name][1]:.4f}] with the rows taken as independent")
-    return lines

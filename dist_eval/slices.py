@@ -14,19 +14,14 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from dist_eval.atomic import csv_cell
-from dist_eval.data.groups import EMPTY, MISSING, read_cluster_names, read_slice_values, slice_value  # noqa: F401
-
 # each row's slice names are read with its rows (dist_eval.data.groups); the names stay importable here
-from dist_eval.loop_facts import SampleFacts
+from dist_eval.data.groups import EMPTY, MISSING, read_cluster_names, read_slice_values, slice_value  # noqa: F401
 
 # Below this many rows a slice's bootstrap interval is not reported: a percentile bootstrap of
 # a handful of rows is far narrower than the truth.
 MIN_INTERVAL_ROWS = 30
 # The slices of the rows by their token count's quartile, whatever the columns (--slice-by).
 TOKEN_LENGTH_SLICES = "token_length_quartile"
-# The summary's lines of slices: the worst first.
-SUMMARY_SLICES = 5
 TOO_FEW = f"too few rows for an interval (fewer than {MIN_INTERVAL_ROWS})"
 
 
@@ -158,71 +153,6 @@ def _slice_numbers(values: Dict[str, List[str]], indices: np.ndarray) -> dict:
     return numbered
 
 
-def slices_of(report: dict) -> list:
-    """Every slice as (column, value, its metrics), the lowest accuracy first (ties by name)."""
-    found = [(column, name, values) for column, by_value in report["by"].items() for name, values in by_value.items()]
-    return sorted(found, key=lambda item: (item[2]["accuracy"], item[0], item[1]))
-
-
-def format_slices(metrics: dict, shown: int = SUMMARY_SLICES) -> List[str]:
-    """The summary's lines: the ``shown`` slices of lowest accuracy, with their intervals."""
-    report = metrics.get("slices")
-    if not report:
-        return []
-    found = slices_of(report)
-    sample = SampleFacts.of(metrics)
-    over = f"over {report['rows']} rows"
-    if report["rows"] != report["rows_in_set"]:
-        over = f"over the {report['rows']} rows used of {report['rows_in_set']}"
-    elif sample.sampled and sample.rows < sample.rows_in_data:
-        over = f"over the {report['rows']} rows of a random sample of {sample.rows_in_data}"
-    lines = [f"  slices by {', '.join(report['columns'])} ({len(found)}, {over}), lowest accuracy first:"]
-    for column, name, values in found[:shown]:
-        interval = (values.get("confidence_intervals") or {}).get("accuracy")
-        where = f"[{interval[0]:.4f}, {interval[1]:.4f}]" if interval else values.get("interval_note", "")
-        lines.append(f"    {column}={name}: accuracy {values['accuracy']:.4f} {where}, macro F1 "
-                     f"{values['f1_macro']:.4f}, {values['num_samples']} rows")
-    if len(found) > shown:
-        lines.append(f"    ... {len(found) - shown} more in slices.csv")
-    return lines
-
-
-CSV_METRICS = ("accuracy", "f1_macro", "f1_weighted", "precision_macro", "recall_macro", "loss", "ece", "brier",
-               "auroc_macro")
-
-
-def slices_csv(metrics: dict) -> str:
-    """slices.csv: a line per slice (lowest accuracy first): its rows, each headline metric
-    and, where it has one, its interval; ``note`` when it has none. A column or value (the
-    data's texts) that a spreadsheet would run as a formula is quoted (:func:`~dist_eval.atomic.csv_cell`).
-    """
-    import csv
-    import io
-
-    report = metrics["slices"]
-    names = list(CSV_METRICS)
-    k = metrics.get("top_k")
-    if k:
-        names.insert(-1, f"top{k}_accuracy")
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["column", "value", "rows", *[f"{n}{part}" for n in names for part in ("", "_low", "_high")],
-                     "note"])
-    for column, name, values in slices_of(report):
-        intervals = values.get("confidence_intervals") or {}
-        cells = []
-        for n in names:
-            low, high = intervals.get(n) or (None, None)
-            cells += [_cell(values.get(n)), _cell(low), _cell(high)]
-        writer.writerow([csv_cell(column), csv_cell(name), values["num_samples"], *cells,
-                         values.get("interval_note", "")])
-    return buffer.getvalue()
-
-
-def _cell(value) -> str:
-    return "" if value is None else repr(float(value))
-
-
 # compare's per-slice test: a slice differs when its Holm-adjusted McNemar p-value is below this
 COMPARE_ALPHA = 0.05
 
@@ -232,7 +162,7 @@ def compare_slices(cells: list, correct_a: np.ndarray, correct_b: np.ndarray, al
     """Two runs per slice, paired on the shared rows: for every slice (``cells``: each row's
     ``{column: value}``), each run's accuracy, B - A, McNemar's exact p-value and Holm's
     adjustment of it over every slice compared; ``differs`` when the adjusted p is below
-    ``alpha``. Slices in the order of :func:`slices_of` columns (column, then value).
+    ``alpha``. Slices in the order of their columns (column, then value).
     ``paired(mask)``: more of a slice (its interval of B - A; with clusters, ``pvalue_clustered``,
     the p-value Holm adjusts where there is one: :func:`dist_eval.compare.paired_test`).
     """

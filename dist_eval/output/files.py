@@ -16,6 +16,7 @@ import numpy as np
 from dist_eval.atomic import atomic_write
 from dist_eval.errors import UsageError, warn
 from dist_eval.merge import MergedResults
+from dist_eval.output.slice_lines import slices_csv
 
 
 def check_output_dir(path: str) -> None:
@@ -260,8 +261,6 @@ def write_report_files(output_dir: str, metrics: dict, warn: Callable[[str], Non
     text_file("per_class.csv", per_class_csv(metrics))
     text_file("per_class.md", per_class_markdown(metrics))
     if metrics.get("slices"):
-        from dist_eval.slices import slices_csv
-
         text_file("slices.csv", slices_csv(metrics))
     title = f"{metrics['num_samples']} samples, accuracy {metrics['accuracy']:.4f}, macro F1 {metrics['f1_macro']:.4f}"
     try:

@@ -16,6 +16,7 @@ from dist_eval.loop_facts import SampleFacts
 from dist_eval.metrics import headline_names
 from dist_eval.output.per_class import class_names, per_class_rows
 from dist_eval.output.report_facts import ReportFacts
+from dist_eval.output.slice_lines import slices_of
 
 _CARD_TITLES = {
     "accuracy": "Accuracy", "f1_macro": "Macro F1", "f1_weighted": "Weighted F1", "precision_macro": "Macro precision",
@@ -48,8 +49,6 @@ def _slice_rows(metrics: dict) -> list:
     """Every slice (--slice-by), lowest accuracy first: its cells, and a one-row plot of its
     accuracy and 95% interval on [0, 1] (inline SVG), the whole set's accuracy dashed.
     """
-    from dist_eval.slices import slices_of
-
     if not metrics.get("slices"):
         return []
     rows = []

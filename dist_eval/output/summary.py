@@ -5,6 +5,7 @@ from typing import List, Optional, Union
 
 from dist_eval.loop_facts import LoopFacts, RunFacts, StoreFacts
 from dist_eval.output.report_facts import ReportFacts
+from dist_eval.output.slice_lines import format_clustering, format_slices
 
 # "acc", not "accuracy", in the intervals line: the line above is the one that says "accuracy X.XXXX"
 _SHORT = {"accuracy": "acc"}
@@ -54,10 +55,8 @@ def format_summary(report: Union[dict, ReportFacts]) -> str:
     table = _per_class_lines(metrics)
     from dist_eval.backends.audit import summary_line
     from dist_eval.backends.provenance import replicas_warning
-    from dist_eval.clusters import format_clustering
-    from dist_eval.slices import format_slices
 
-    slices = format_slices(metrics)  # the other modules' lines of their own keys
+    slices = format_slices(metrics)
     clustering = format_clustering(metrics)
     recorded = metrics.get("run") or {}  # the swarm's facts (run.swarm), read by the swarm's own modules
     swarm = [line for line in (replicas_warning(recorded), summary_line(recorded)) if line]
