@@ -17,7 +17,7 @@ REFERENCE=("transformers==4.57.6" "tokenizers>=0.22,<0.23" safetensors numpy)
 STAMP="$VENV/.dist_eval_reference_installed"
 WANT="$(cat "$ROOT/launch/install_reference.sh" "$ROOT/launch/venv_tools.sh" | sha256sum | cut -d' ' -f1)"
 
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && "$VENV/bin/python" -c "import transformers" 2>/dev/null; then
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec(\"transformers\") is None)" 2>/dev/null; then
   exit 0
 fi
 echo "[install_reference] setting up $VENV" >&2
