@@ -42,7 +42,7 @@ def _reset_peak_rss() -> None:
 
 
 def local_results(num_rows: int, num_labels: int, rank: int, world: int):
-    from dist_eval.predict import ShardResults
+    from dist_eval.shard_results import ShardResults
 
     rows = np.arange(rank, num_rows + (-num_rows) % world, world, dtype=np.int64) % num_rows  # padded repeats
     rng = np.random.default_rng(rank)

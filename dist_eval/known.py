@@ -20,18 +20,19 @@ from functools import partial
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
+import torch
 
 from dist_eval import ranks
 from dist_eval.data.batches import Batch, plan_batches
-from dist_eval.data.labels import TaskColumns
+from dist_eval.data.labels import TaskColumns, classes_of
 from dist_eval.data.loader import loader_batches
 from dist_eval.data.shard import dataset_batches
 from dist_eval.data.tokenize import right_pad, tokenize_rows
 from dist_eval.errors import warn
 from dist_eval.loop_facts import StoreFacts
-from dist_eval.predict import FROM_RESUME, FROM_STORE
 from dist_eval.resume import PartialWriter, open_partial
 from dist_eval.rowstore import RowSource, open_rows, store_for
+from dist_eval.shard_results import FROM_RESUME, FROM_STORE
 
 
 class KnownLogits:
@@ -131,35 +132,37 @@ class KnownLogits:
                           write_seconds=float(written))
 
 
-def batches_with_known(data, labels: Optional[np.ndarray], tokenizer, settings, options, task,
-                       resume_folder: Optional[str] = None, on_plan=None) -> Tuple[Iterator, int, KnownLogits]:
+def batches_with_known(data, tokenizer, settings, options, task, resume_folder: Optional[str] = None,
+                       on_plan=None) -> Tuple[Iterator, int, KnownLogits]:
     """Every rank: (this rank's batches, rows truncated here, its :class:`KnownLogits`), both providers
-    opened here. ``data``: a Dataset of the rows drawn, whole (``labels``: its class ids), or a DataLoader
-    (``labels`` None: its batches are the user's; nothing is known). For a Dataset, the row store is read
-    first (:func:`open_known_logits`), the batch plan leaves its rows out
-    (:func:`dist_eval.data.shard.dataset_batches`; ``options.shard_part``: (I, K), the rows of shard I
-    of K only, ``known.shard_rows``), the resume folder is read for this rank's batches of the plan, and
-    rank 0's batches start with the store's rows, as batches whose logits are known. ``task``: the
-    model and its forward facts (:class:`dist_eval.backends.objects.Task`).
+    opened here. ``data``: a DataLoader (its batches are the user's; nothing is known), or a Dataset of
+    the rows drawn, whole: its labels are read as class ids (``task.label_names`` completed with the
+    data's class names), the row store is read (:func:`open_known_logits`), the batch plan leaves its
+    rows out (:func:`dist_eval.data.shard.dataset_batches`; ``options.shard_part``: (I, K), the rows of
+    shard I of K only, ``known.shard_rows``), the resume folder is read for this rank's batches of the
+    plan, and rank 0's batches start with the store's rows, as batches whose logits are known. ``task``:
+    the model and its forward facts (:class:`dist_eval.backends.objects.Task`).
     """
     from dist_eval.backends.families import tokenizers_calling_the_base
 
-    if labels is not None:
-        with ranks.phase("reading the row store"):
-            known = open_known_logits(task.model, tokenizer, settings, options, task.num_labels, task.pad_token_id,
-                                      data, task.prompt_tokens)
+    if isinstance(data, torch.utils.data.DataLoader):
         with ranks.phase("tokenizing the data"):
-            batches, num_truncated, own_batches = dataset_batches(
-                data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
-                on_plan=on_plan, skip_rows=known.stored_rows, calling_the_base=tokenizers_calling_the_base(),
-                shard=options.shard_part, on_shard=known.keep_rows,
-            )
-        with ranks.phase("reading the stored partial results"):
-            known.resume_from(resume_folder, own_batches, task.num_labels, options.save_interval)
-        return known.with_store_batches(labels, batches), num_truncated, known
-    known = KnownLogits(num_rows=len(data.dataset))  # a DataLoader: nothing known
+            return loader_batches(data), 0, KnownLogits(num_rows=len(data.dataset))
+    with ranks.phase("preparing the data"):
+        labels, task.label_names = classes_of(data, settings.label_column, task.num_labels, task.label_names,
+                                              task.label_words)
+    with ranks.phase("reading the row store"):
+        known = open_known_logits(task.model, tokenizer, settings, options, task.num_labels, task.pad_token_id,
+                                  data, task.prompt_tokens)
     with ranks.phase("tokenizing the data"):
-        return loader_batches(data), 0, known
+        batches, num_truncated, own_batches = dataset_batches(
+            data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
+            on_plan=on_plan, skip_rows=known.stored_rows, calling_the_base=tokenizers_calling_the_base(),
+            shard=options.shard_part, on_shard=known.keep_rows,
+        )
+    with ranks.phase("reading the stored partial results"):
+        known.resume_from(resume_folder, own_batches, task.num_labels, options.save_interval)
+    return known.with_store_batches(labels, batches), num_truncated, known
 
 
 def open_known_logits(model, tokenizer, settings, options, num_labels: int, pad_token_id, data,

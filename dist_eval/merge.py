@@ -25,8 +25,8 @@ from dist_eval.intervals import (
 )
 from dist_eval.loop_facts import LoopFacts
 from dist_eval.metrics import CALIBRATION_BINS
-from dist_eval.predict import SAMPLE_VALUE_PREFIX, ShardResults, mapped_array
 from dist_eval.scoring import mapped_softmax, rows_report
+from dist_eval.shard_results import SAMPLE_VALUE_PREFIX, ShardResults, mapped_array
 
 
 class CoverageError(RuntimeError):

@@ -6,7 +6,6 @@ import tempfile
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -16,42 +15,7 @@ from dist_eval.backends import audit
 from dist_eval.backends.audit import NonFiniteAnswer
 from dist_eval.data.batches import Batch
 from dist_eval.metrics import per_sample_cross_entropy
-
-
-@dataclass
-class ShardResults:
-    """Per-sample results of one rank, in the order its batches ran (``local_`` side)."""
-
-    indices: np.ndarray  # int64 global row index
-    labels: np.ndarray  # int64
-    preds: np.ndarray  # int64
-    losses: np.ndarray  # float64 cross-entropy per sample
-    logits: Optional[np.ndarray] = None  # float32 [n, K], when kept
-    sample_values: Dict[str, np.ndarray] = field(default_factory=dict)  # user per-sample metrics
-    forward_seconds: float = 0.0
-    max_batch_seconds: float = 0.0  # the slowest single forward
-    num_resumed: int = 0  # samples whose logits came from stored partial results
-    loop_cpu_seconds: float = 0.0  # CPU time of this rank's process during the evaluation loop
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.indices.shape[0])
-
-    def as_payload(self) -> dict:
-        """What crosses the network to rank 0: flat numpy arrays by name (the same
-        names on every rank: see :func:`payload_fields`).
-        """
-        payload = {"indices": self.indices, "labels": self.labels, "preds": self.preds, "losses": self.losses}
-        if self.logits is not None:
-            payload["logits"] = self.logits
-        for name, values in self.sample_values.items():
-            payload[SAMPLE_VALUE_PREFIX + name] = values
-        return payload
-
-
-SAMPLE_VALUE_PREFIX = "sample_values/"
-# where a batch's logits came from when no forward ran (dist_eval.known)
-FROM_RESUME, FROM_STORE = "resume", "store"
+from dist_eval.shard_results import FROM_STORE, SAMPLE_VALUE_PREFIX, ShardResults, mapped_array
 
 
 class NonFiniteLogits(RuntimeError):
@@ -172,19 +136,6 @@ def _sample_value(name: str, fn: Callable, batch_logits: np.ndarray, batch_label
     if value.shape != (len(batch_logits),):
         raise ValueError(f"sample metric {name!r} returned shape {value.shape}, expected ({len(batch_logits)},)")
     return value
-
-
-def mapped_array(shape: tuple, dtype) -> np.ndarray:
-    """A zeroed array mapped from a temporary file of the local disk ($TMPDIR), unlinked as it is
-    made (the kernel frees it when the process ends, however it ends): the page cache's, not the
-    heap's, written back to disk under memory pressure.
-    """
-    size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    if size == 0:
-        return np.zeros(shape, dtype=dtype)
-    with tempfile.TemporaryFile(prefix="dist_eval-merged-") as f:
-        f.truncate(size)
-        return np.asarray(np.memmap(f, dtype=dtype, mode="r+", shape=shape))  # the map keeps its own handle
 
 
 class _ColumnFiles:

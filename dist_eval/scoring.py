@@ -21,7 +21,7 @@ from dist_eval.metrics import (
     score_metrics,
     softmax,
 )
-from dist_eval.predict import mapped_array
+from dist_eval.shard_results import mapped_array
 
 # Rows whose softmax is computed at once (row by row: a chunk's rows get the whole array's bits)
 _SOFTMAX_ROWS = 1 << 16
@@ -29,7 +29,7 @@ _SOFTMAX_ROWS = 1 << 16
 
 def mapped_softmax(logits: np.ndarray) -> np.ndarray:
     """:func:`dist_eval.metrics.softmax` of ``logits``; of more than _SOFTMAX_ROWS rows, a chunk at a
-    time into a :func:`~dist_eval.predict.mapped_array` (float64: 8 bytes a class of a row, on the local
+    time into a :func:`~dist_eval.shard_results.mapped_array` (float64: 8 bytes a class of a row, on the local
     disk, not the heap).
     """
     probs = mapped_array(logits.shape, np.float64) if len(logits) > _SOFTMAX_ROWS else None

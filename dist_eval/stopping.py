@@ -31,7 +31,7 @@ from dist_eval.exact import EvalResult, Request, evaluate_once, without_logits
 from dist_eval.loop_facts import LoopFacts
 from dist_eval.merge import MergedResults, merge_parts, rows_report
 from dist_eval.metrics import default_top_k
-from dist_eval.predict import SAMPLE_VALUE_PREFIX, redone_in_earlier_rounds
+from dist_eval.predict import redone_in_earlier_rounds
 from dist_eval.sequential import (
     STOP_METRICS,
     TIME_UNIFORM,
@@ -44,6 +44,7 @@ from dist_eval.sequential import (
     stop_reason,
     where_stopped,
 )
+from dist_eval.shard_results import SAMPLE_VALUE_PREFIX
 
 LEVEL = 0.95
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 
 def shard(num_rows: int, num_labels: int, rank: int, world: int):
-    from dist_eval.predict import ShardResults
+    from dist_eval.shard_results import ShardResults
 
     rows = np.arange(rank, num_rows, world, dtype=np.int64)  # every world-th row: shards of unequal sizes
     rng = np.random.default_rng(num_rows)  # each row's values depend on the row alone

@@ -142,7 +142,7 @@ def test_the_long_tailed_sets_shards_merge_into_its_one_run(long_tailed, tiny_mo
 
 
 def _shard_results(rows, labels=None, classes: int = 3):
-    from dist_eval.predict import ShardResults
+    from dist_eval.shard_results import ShardResults
 
     rows = np.asarray(rows, dtype=np.int64)
     rng = np.random.default_rng(len(rows))

@@ -204,7 +204,8 @@ def test_no_import_cycle_among_the_package_modules():
 # its own (and from inside its own package); two units of one layer never import each other.
 LAYERS = (
     ("errors",),  # how every failure is said
-    ("atomic", "procs", "watchdog", "plan", "metrics", "launcher", "rendezvous", "loop_facts"),  # foundations
+    ("atomic", "procs", "watchdog", "plan", "metrics", "launcher", "rendezvous", "loop_facts",
+     "shard_results"),  # foundations
     ("ranks", "intervals", "sequential", "power"),  # the collectives; the statistics under the metrics
     ("data", "backends"),  # the rows; the model (its table, loaders, backends, provenance)
     ("swarm", "predict", "progress", "resume", "paired", "config", "demo"),  # servers; the forward loop; settings
