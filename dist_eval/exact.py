@@ -23,7 +23,7 @@ import torch
 from dist_eval import ranks
 from dist_eval.backends.objects import Task, evaluation_task
 from dist_eval.config import Options, Settings
-from dist_eval.data.labels import is_generic_names, label_names_of, read_labels
+from dist_eval.data.labels import is_generic_names, label_names_of
 from dist_eval.errors import UsageError
 from dist_eval.known import batches_with_known
 from dist_eval.loop_facts import LoopFacts
@@ -144,17 +144,25 @@ def _plan_hook(on_batch_done):
 
 def _this_rank_batches(data, tokenizer, settings: Settings, options: Options, task: Task,
                        resume_folder: Optional[str], on_plan=None):
-    """(this rank's batches, rows truncated here, the :class:`~dist_eval.known.KnownLogits`): the data
-    checked against the task and its labels read, then the known logits' stage
-    (:func:`dist_eval.known.batches_with_known`).
+    """(this rank's batches, rows truncated here, the :class:`~dist_eval.known.KnownLogits`): the task and
+    the data checked in one call, before anything is read, then the known logits' stage
+    (:func:`dist_eval.known.batches_with_known`: the labels, the row store, the batch plan, the resume folder).
     Every rank must call it.
     """
     with ranks.phase("preparing the data"):
-        _check_classes(task.num_labels)  # the first point the classes are known: every rank alike
-        _check_top_k(options.top_k, task.num_labels)
-        _check_window(task, settings.max_length)
-        labels, task.label_names = _check_data(data, tokenizer, settings, task)
-    return batches_with_known(data, labels, tokenizer, settings, options, task, resume_folder, on_plan)
+        _check_task(data, tokenizer, settings, options, task)
+    return batches_with_known(data, tokenizer, settings, options, task, resume_folder, on_plan)
+
+
+def _check_task(data, tokenizer, settings: Settings, options: Options, task: Task) -> None:
+    """What this evaluation refuses before it reads or loads anything: too many classes, a top-k that means
+    nothing, rows past the model's attention window, data the task cannot read. The first point the classes
+    are known: every rank checks alike.
+    """
+    _check_classes(task.num_labels)
+    _check_top_k(options.top_k, task.num_labels)
+    _check_window(task, settings.max_length)
+    _check_data(data, tokenizer, settings, task)
 
 
 def _check_window(task: Task, max_length: int) -> None:
@@ -190,10 +198,8 @@ def _check_top_k(top_k: Optional[int], num_labels: Optional[int]) -> None:
                          f"row is a hit. Fix: {fix}.", param="top_k", value=top_k)
 
 
-def _check_data(data, tokenizer, settings: Settings, task: Task):
-    """(the labels of ``data``, a Dataset of the rows drawn already, as class ids, or None for a DataLoader;
-    the class names).
-    """
+def _check_data(data, tokenizer, settings: Settings, task: Task) -> None:
+    """``data`` (a Dataset of the rows drawn already, or a DataLoader) can be evaluated by ``task``."""
     if task.num_labels is None:
         raise UsageError("cannot tell the number of classes from the model; pass num_labels=K.", param="num_labels")
     if isinstance(data, torch.utils.data.DataLoader):
@@ -201,11 +207,8 @@ def _check_data(data, tokenizer, settings: Settings, task: Task):
             raise UsageError("a DataLoader over a dataset without len(): its rows cannot be counted.", param="data")
         if settings.limit:
             raise UsageError("only with a Dataset (a DataLoader's rows are the user's to choose).", param="limit")
-        return None, task.label_names
+        return
     if tokenizer is None:
         raise UsageError("evaluate(data=Dataset) needs tokenizer=...; or pass a DataLoader of token ids.")
     if task.pad_token_id is None:
         raise UsageError("unknown (the model config has none); pass pad_token_id=...", param="pad_token_id")
-    # the rows are drawn already (draw_rows: evaluate's)
-    labels = read_labels(data, settings.label_column, task.num_labels, task.label_names, task.label_words)
-    return labels, task.label_names or label_names_of(data, settings.label_column)

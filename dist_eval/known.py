@@ -146,8 +146,9 @@ def batches_with_known(data, tokenizer, settings, options, task, resume_folder: 
     from dist_eval.backends.families import tokenizers_calling_the_base
 
     if isinstance(data, torch.utils.data.DataLoader):
+        known = KnownLogits(num_rows=len(data.dataset))  # nothing known
         with ranks.phase("tokenizing the data"):
-            return loader_batches(data), 0, KnownLogits(num_rows=len(data.dataset))
+            return loader_batches(data), 0, known
     with ranks.phase("preparing the data"):
         labels, task.label_names = classes_of(data, settings.label_column, task.num_labels, task.label_names,
                                               task.label_words)

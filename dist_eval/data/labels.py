@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -132,6 +132,15 @@ def read_labels(dataset, label_column: str, num_labels: int, label_names: Option
         raise _unfit(f"row {row} has label {values[row]}", f", outside [0, {num_labels}) ({bad.size} such rows). "
                      "Fix the data, or pass the checkpoint/--num-labels that match it.", label_column, label_words)
     return values
+
+
+def classes_of(dataset, label_column: str, num_labels: int, label_names: Optional[Sequence[str]] = None,
+               label_words: Optional[Sequence[str]] = None) -> Tuple[np.ndarray, Optional[List[str]]]:
+    """(every row's class id, :func:`read_labels`; the class names the report gives: ``label_names``, else
+    the data's own, :func:`label_names_of`).
+    """
+    labels = read_labels(dataset, label_column, num_labels, label_names, label_words)
+    return labels, label_names or label_names_of(dataset, label_column)
 
 
 def _unfit(found: str, why: str, label_column: str, label_words) -> UsageError:
