@@ -23,7 +23,6 @@ import torch
 from dist_eval import ranks
 from dist_eval.backends.objects import Task, evaluation_task
 from dist_eval.config import Options, Settings
-from dist_eval.data.labels import is_generic_names, label_names_of
 from dist_eval.errors import UsageError
 from dist_eval.known import batches_with_known
 from dist_eval.loop_facts import LoopFacts
@@ -72,23 +71,9 @@ class Request:
     resume_folders: Optional[Sequence[str]]
     settings: Settings
     options: Options
-
-    def model_names(self, model) -> Optional[Sequence[str]]:
-        """``model``'s class names (its own, or ``label_names``), or None."""
-        with evaluation_task(model, self.num_labels, self.pad_token_id, self.label_names) as task:
-            return task.label_names
-
-    def class_names(self, model, data) -> Optional[Sequence[str]]:
-        """The class names each round of a run in rounds over ``data`` (the whole set) is given: text
-        labels get the ids the whole set gives them (sorted distinct texts, when the model has no names
-        of its own), not those of the texts one round happens to hold.
-        """
-        model_names = self.model_names(model)
-        if self.label_names is not None:
-            return self.label_names
-        if model_names and not is_generic_names(model_names):
-            return None  # each round maps the texts through the model's names, as the whole set would
-        return label_names_of(data, self.settings.label_column)
+    # a round of a run in rounds whose caller named no classes: the set's Rows, whose class names the round's
+    # text labels take (dist_eval.data.labels.classes_of), as the whole set would give them
+    whole_set: Optional[object] = None
 
 
 def evaluate_once(model, data, request: Request, resume_folder: Optional[str],
@@ -97,7 +82,9 @@ def evaluate_once(model, data, request: Request, resume_folder: Optional[str],
     ``model``, with ``request``'s settings, which do not stop early: the whole run, or one round of a
     run that stops early (:mod:`dist_eval.stopping` calls it for each round; ``loops``: the earlier
     rounds' forward loops, this one's appended: batches of a swarm server blamed later are evaluated
-    again there too).
+    again there too). The task and the data are checked in one call, then this rank's batches and the
+    known logits are opened (:func:`dist_eval.known.batches_with_known`: the labels, the row store, the
+    batch plan, the resume folder), run (:func:`dist_eval.predict.forward_passes`) and merged.
     """
     options, on_batch_done = request.options, request.on_batch_done
     # a model object: adapted, in eval mode until the end
@@ -106,8 +93,11 @@ def evaluate_once(model, data, request: Request, resume_folder: Optional[str],
         settings = replace(request.settings, label_words=task.label_words)
         start, start_cpu = time.perf_counter(), time.process_time()
 
-        batches, num_truncated, known = _this_rank_batches(
-            data, request.tokenizer, settings, options, task, resume_folder, _plan_hook(on_batch_done))
+        with ranks.phase("preparing the data"):  # before anything is read: every rank alike
+            _check_task(data, request.tokenizer, settings, options, task)
+        batches, num_truncated, known = batches_with_known(
+            data, request.tokenizer, settings, options, task, resume_folder, _plan_hook(on_batch_done),
+            request.whole_set)
         local = forward_passes(task.forward, task.num_labels, batches, known, options.in_flight,
                                request.sample_metrics, on_batch_done, loops)
     loop_seconds = time.perf_counter() - start
@@ -140,18 +130,6 @@ def _plan_hook(on_batch_done):
 
     owner = getattr(on_batch_done, "__self__", None)
     return owner.set_plan if isinstance(owner, GlobalProgress) else None
-
-
-def _this_rank_batches(data, tokenizer, settings: Settings, options: Options, task: Task,
-                       resume_folder: Optional[str], on_plan=None):
-    """(this rank's batches, rows truncated here, the :class:`~dist_eval.known.KnownLogits`): the task and
-    the data checked in one call, before anything is read, then the known logits' stage
-    (:func:`dist_eval.known.batches_with_known`: the labels, the row store, the batch plan, the resume folder).
-    Every rank must call it.
-    """
-    with ranks.phase("preparing the data"):
-        _check_task(data, tokenizer, settings, options, task)
-    return batches_with_known(data, tokenizer, settings, options, task, resume_folder, on_plan)
 
 
 def _check_task(data, tokenizer, settings: Settings, options: Options, task: Task) -> None:

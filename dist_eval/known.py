@@ -133,15 +133,17 @@ class KnownLogits:
 
 
 def batches_with_known(data, tokenizer, settings, options, task, resume_folder: Optional[str] = None,
-                       on_plan=None) -> Tuple[Iterator, int, KnownLogits]:
+                       on_plan=None, whole_set=None) -> Tuple[Iterator, int, KnownLogits]:
     """Every rank: (this rank's batches, rows truncated here, its :class:`KnownLogits`), both providers
     opened here. ``data``: a DataLoader (its batches are the user's; nothing is known), or a Dataset of
     the rows drawn, whole: its labels are read as class ids (``task.label_names`` completed with the
-    data's class names), the row store is read (:func:`open_known_logits`), the batch plan leaves its
-    rows out (:func:`dist_eval.data.shard.dataset_batches`; ``options.shard_part``: (I, K), the rows of
-    shard I of K only, ``known.shard_rows``), the resume folder is read for this rank's batches of the
-    plan, and rank 0's batches start with the store's rows, as batches whose logits are known. ``task``:
-    the model and its forward facts (:class:`dist_eval.backends.objects.Task`).
+    data's class names; ``whole_set``: the Rows of the set a round is drawn from, whose class names the
+    round takes: :func:`dist_eval.data.labels.classes_of`), the row store is read
+    (:func:`open_known_logits`), the batch plan leaves its rows out
+    (:func:`dist_eval.data.shard.dataset_batches`; ``options.shard_part``: (I, K), the rows of shard I of
+    K only, ``known.shard_rows``), the resume folder is read for this rank's batches of the plan, and
+    rank 0's batches start with the store's rows, as batches whose logits are known. ``task``: the model
+    and its forward facts (:class:`dist_eval.backends.objects.Task`).
     """
     from dist_eval.backends.families import tokenizers_calling_the_base
 
@@ -151,7 +153,7 @@ def batches_with_known(data, tokenizer, settings, options, task, resume_folder: 
             return loader_batches(data), 0, known
     with ranks.phase("preparing the data"):
         labels, task.label_names = classes_of(data, settings.label_column, task.num_labels, task.label_names,
-                                              task.label_words)
+                                              task.label_words, whole_set)
     with ranks.phase("reading the row store"):
         known = open_known_logits(task.model, tokenizer, settings, options, task.num_labels, task.pad_token_id,
                                   data, task.prompt_tokens)

@@ -75,7 +75,8 @@ def evaluate_in_rounds(models: Sequence, rows: Rows, request: Request,
     stopper = _Stopper(rounds, settings)
     seen = [Seen(settings.stop_metric, options.top_k) for _ in models]
     folders = request.resume_folders or [None] * len(seen)
-    each_round = replace(request, label_names=request.class_names(models[0], rounds.data), metrics=None,
+    # a round's text labels get the ids the whole set gives them (its class names), not those of its own texts
+    each_round = replace(request, whole_set=rows if request.label_names is None else None, metrics=None,
                          return_logits=True, settings=rounds.settings, options=replace(options, bootstrap_resamples=0),
                          on_batch_done=_rows_only(request.on_batch_done))
     decision = None

@@ -371,3 +371,27 @@ def test_a_stopped_run_never_calls_evaluate_back(demo, monkeypatch):
     monkeypatch.setattr(evaluation, "evaluate", lambda *a, **k: calls.append(1) or original(*a, **k))
     result = _stopped(demo, stop_at_width=0.1, bootstrap_resamples=0)
     assert result.metrics["stopping"]["rounds"] >= 1 and calls == []
+
+
+def test_each_round_names_its_text_labels_as_the_whole_set_does(demo):
+    """Text labels and a model without class names (a callable): every round's labels get the ids the
+    whole set's sorted texts give them, also a round that holds only some of the texts (rounds of 2 rows,
+    3 classes), so the rounds' rows and names are those of an evaluation of every row."""
+    import datasets
+
+    _, tokenizer, _, _ = demo
+    texts = ["b", "c", "a", "c", "c", "b", "a", "c", "b", "c", "a", "b"]
+    data = datasets.Dataset.from_dict({"text": [f"row {i} {t}" for i, t in enumerate(texts)], "label": texts})
+
+    def model(input_ids):  # a fixed function of the tokens, three classes
+        return torch.stack([input_ids.sum(1) % 3, input_ids.sum(1) % 5, input_ids.sum(1) % 7], 1).float()
+
+    keywords = dict(tokenizer=tokenizer, num_labels=3, pad_token_id=tokenizer.pad_token_id, return_logits=True,
+                    bootstrap_resamples=0)
+    with one_thread():
+        whole = evaluate(model, data, **keywords)
+        rounds = evaluate(model, data, stop_at_width=1e-6, stop_round_rows=2, **keywords)
+    assert rounds.metrics["stopping"]["rows_used"] == len(texts)
+    assert rounds.metrics["label_names"] == whole.metrics["label_names"] == ["a", "b", "c"]
+    np.testing.assert_array_equal(rounds.predictions.indices, whole.predictions.indices)
+    np.testing.assert_array_equal(rounds.predictions.labels, [["a", "b", "c"].index(t) for t in texts])

@@ -135,10 +135,15 @@ def read_labels(dataset, label_column: str, num_labels: int, label_names: Option
 
 
 def classes_of(dataset, label_column: str, num_labels: int, label_names: Optional[Sequence[str]] = None,
-               label_words: Optional[Sequence[str]] = None) -> Tuple[np.ndarray, Optional[List[str]]]:
+               label_words: Optional[Sequence[str]] = None, whole_set=None) -> Tuple[np.ndarray, Optional[List[str]]]:
     """(every row's class id, :func:`read_labels`; the class names the report gives: ``label_names``, else
-    the data's own, :func:`label_names_of`).
+    the data's own, :func:`label_names_of`). ``whole_set``: the set ``dataset`` is a round of (its
+    :class:`~dist_eval.data.sample.Rows`), when the caller named no classes: unless the model's names
+    (``label_names``) are real ones, the classes are the whole set's (``whole_set.class_names``): text labels
+    get the ids the whole set gives them, not those of the texts one round happens to hold.
     """
+    if whole_set is not None and not (label_names and not is_generic_names(label_names)):
+        label_names = whole_set.class_names(label_column) or label_names
     labels = read_labels(dataset, label_column, num_labels, label_names, label_words)
     return labels, label_names or label_names_of(dataset, label_column)
 

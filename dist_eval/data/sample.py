@@ -17,7 +17,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dist_eval.data.groups import read_cluster_names, read_slice_values, warn_one_row_slices
-from dist_eval.data.labels import TaskColumns, check_columns, column_values
+from dist_eval.data.labels import TaskColumns, check_columns, column_values, label_names_of
 from dist_eval.loop_facts import SampleFacts
 
 
@@ -145,6 +145,7 @@ class Rows:
     clusters: Optional[tuple] = None  # (the --cluster-by column, each row's cluster), or None
     grouped_by: tuple = (None, None)  # the (slice_by, cluster_by) that slices and clusters were read for
     _keys: Optional[HexKeys] = field(default=None, repr=False)
+    _class_names: Dict[str, Optional[List[str]]] = field(default_factory=dict, repr=False)  # {label column: names}
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -155,6 +156,14 @@ class Rows:
         if self._keys is None:
             self._keys = HexKeys(dataset_keys(self.dataset, self.key_columns, CONTENT_KEY_SEED))
         return self._keys
+
+    def class_names(self, label_column: str) -> Optional[List[str]]:
+        """The set's class names (:func:`~dist_eval.data.labels.label_names_of` of its labels), read once, when
+        first asked: the rounds of a run in rounds name their text labels as the whole set does.
+        """
+        if label_column not in self._class_names:
+            self._class_names[label_column] = label_names_of(self.dataset, label_column)
+        return self._class_names[label_column]
 
     def facts(self) -> dict:
         """What a report records of the sample (``run.sample``)."""
