@@ -32,7 +32,7 @@ from dist_eval.intervals import (
     score_percentiles,
     weighted_auroc,
 )
-from dist_eval.metrics import weighted_sums
+from dist_eval.metrics import paired_differences, paired_rows, weighted_sums
 
 CLUSTER_METHOD = "cluster-bootstrap-percentile"
 CLUSTER_STREAM = 3
@@ -286,7 +286,8 @@ def paired_cluster_bootstrap(
     seed: int = 0, level: float = 0.95,
 ) -> Optional[dict]:
     """:func:`dist_eval.paired.paired_bootstrap`'s result (differences B - A in accuracy,
-    macro-F1 and loss, and their intervals) with whole clusters drawn: each resample draws G of
+    macro-F1 and loss, :func:`dist_eval.metrics.paired_differences`, and their intervals) with
+    whole clusters drawn: each resample draws G of
     the G clusters with replacement, the same for A and B. Adds ``clusters``, and to
     ``accuracy`` and ``loss`` (means of a per-row difference) the CR1 and independent-rows
     standard errors of the difference, their design effect and the cluster-robust test's p-value
@@ -295,19 +296,18 @@ def paired_cluster_bootstrap(
     None when there are no rows; intervals None with ``resamples`` 0 or fewer than MIN_CLUSTERS
     clusters.
     """
-    from dist_eval.paired import paired_bootstrap
-
     _checked(resamples, level)
-    point = paired_bootstrap(labels, preds_a, preds_b, losses_a, losses_b, num_labels, resamples=0, seed=seed,
-                             level=level)
-    if point is None:
+    labels, preds_a, preds_b, losses_a, losses_b = paired_rows(labels, preds_a, preds_b, losses_a, losses_b)
+    if labels.size == 0:
         return None
-    labels, clusters = np.asarray(labels, dtype=np.int64), _compact(clusters)
-    preds_a, preds_b = np.asarray(preds_a, dtype=np.int64), np.asarray(preds_b, dtype=np.int64)
-    gap = np.asarray(losses_b, dtype=np.float64) - np.asarray(losses_a, dtype=np.float64)
+    clusters = _compact(clusters)
     g = number_of_clusters(clusters)
+    point = {"method": CLUSTER_METHOD, "resamples": int(resamples), "seed": int(seed), "level": float(level),
+             **{name: {"difference": float(value), "interval": None} for name, value
+                in paired_differences(labels, preds_a, preds_b, losses_a, losses_b, num_labels).items()},
+             "clusters": g}
+    gap = losses_b - losses_a
     difference = (preds_b == labels).astype(np.float64) - (preds_a == labels)
-    point.update(method=CLUSTER_METHOD, resamples=int(resamples), clusters=g)
     for name, per_row in (("accuracy", difference), ("loss", gap)):
         point[name].update(standard_error_clustered=_none_if_nan(cr1_standard_error(per_row, clusters)),
                            standard_error_rows=_none_if_nan(iid_standard_error(per_row)),
@@ -393,16 +393,14 @@ def clustered_report(report: dict, labels, preds, losses, probs, names: Sequence
     return out
 
 
-def clustered_reports(reports, merged, clusters: tuple, bootstrap) -> list:
+def clustered_reports(reports, merged, probs: Optional[np.ndarray], clusters: tuple, bootstrap) -> list:
     """Rank 0: :func:`clustered_report` of each of ``reports``, (report, mask) pairs: the report of
     the merged rows ``mask`` picks (None: every row), in one call for the whole set and every slice.
-    ``merged``: the run's merged rows (the softmax of their logits computed once, for every report);
-    ``clusters``: (column, each row's cluster name, by row index).
+    ``merged``: the run's merged rows; ``probs``: the softmax of their logits (None without logits),
+    computed once by the caller for every report; ``clusters``: (column, each row's cluster name, by
+    row index).
     """
-    from dist_eval.scoring import mapped_softmax
-
     column, names = clusters
-    probs = None if merged.logits is None else mapped_softmax(merged.logits)
     names = np.asarray(names, dtype=object)[np.asarray(merged.indices, dtype=np.int64)]
     out = []
     for report, mask in reports:

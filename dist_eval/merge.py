@@ -1,7 +1,7 @@
 """Merge every rank's results: totals reduced over ranks, per-sample arrays gathered to
 rank 0, ordered by index, de-duplicated, checked to cover every row of the split exactly
-once; then the report of the merged rows (:mod:`dist_eval.scoring`, on rank 0, broadcast to
-every rank; the score intervals' resamples shared over the ranks).
+once; then the report of the merged rows, all of it :mod:`dist_eval.scoring`'s (on rank 0,
+broadcast to every rank; the score intervals' resamples shared over the ranks).
 
 Values are ``local_`` (one rank's) or ``global_`` (over every rank) as in the names.
 """
@@ -14,18 +14,8 @@ import numpy as np
 
 from dist_eval import ranks
 from dist_eval.data.tokenize import trim_heap
-from dist_eval.intervals import (
-    drawn_score_intervals,
-    exact_score_cost,
-    grouped_score_intervals,
-    join_score_resamples,
-    kept_score_intervals,
-    score_percentiles,
-    score_resamples_part,
-)
 from dist_eval.loop_facts import LoopFacts
-from dist_eval.metrics import CALIBRATION_BINS
-from dist_eval.scoring import mapped_softmax, rows_report
+from dist_eval.scoring import mapped_softmax, rows_report, shared_score_intervals
 from dist_eval.shard_results import SAMPLE_VALUE_PREFIX, ShardResults, mapped_array
 
 
@@ -374,7 +364,7 @@ def merge_on_main(
     cost = None
     if bootstrap and bootstrap[0] and report.get("confidence_intervals") and "top_k" in report:
         with ranks.phase("the score intervals"):
-            cost = shared_score_intervals(report, merged, probs, bootstrap)
+            cost = shared_score_intervals(report, None if merged is None else merged.labels, probs, bootstrap)
     del probs  # rank 0's probabilities, of every row: let go before the heap is trimmed below
     report.update(LoopFacts(
         world_size=len(rank_facts),
@@ -402,9 +392,9 @@ def _let_go(local: ShardResults) -> None:
 
 def _report(merged: MergedResults, num_labels, label_names, user_metrics, totals: Totals, scoring) -> tuple:
     """Rank 0: the report of the merged set (:func:`dist_eval.scoring.rows_report`; the score
-    intervals left to :func:`shared_score_intervals`), checked against the reduced totals, and the
-    probabilities of its rows (None without logits), computed once for both. ``scoring``: (bootstrap
-    (resamples, seed) or None, top_k).
+    intervals left to :func:`dist_eval.scoring.shared_score_intervals`), checked against the reduced
+    totals, and the probabilities of its rows (None without logits), computed once for both.
+    ``scoring``: (bootstrap (resamples, seed) or None, top_k).
     """
     if merged.num_samples != int(totals.num_samples):
         raise RuntimeError(
@@ -416,35 +406,6 @@ def _report(merged: MergedResults, num_labels, label_names, user_metrics, totals
     if abs(reduced_loss - report["loss"]) > 1e-9 * max(1.0, abs(report["loss"])):
         raise RuntimeError(f"internal: all_reduced mean loss {reduced_loss} != merged mean loss {report['loss']}")
     return report, probs
-
-
-def shared_score_intervals(report: dict, merged: Optional[MergedResults], probs: Optional[np.ndarray],
-                           bootstrap) -> Optional[dict]:
-    """Every rank: the probability scores' intervals, their resamples shared over the ranks
-    (rank 0 sends ``probs``, the softmax of its merged rows' logits; each rank computes every N-th
-    chunk of resamples; the values are all-gathered), added to ``report``'s ``confidence_intervals``.
-    The same bits for any N: each resample is computed as one process computes it. A set whose rows
-    are drawn grouped (:func:`dist_eval.intervals.grouped_score_intervals`): rank 0 computes them and
-    sends them. Returns what the exact bootstrap cost (:func:`~dist_eval.intervals.exact_score_cost`;
-    None where rank 0 computed them): :attr:`LoopFacts.exact_score_intervals`.
-    """
-    shared = None
-    if ranks.is_main_process():
-        if grouped_score_intervals(probs, merged.labels):  # drawn grouped: a moment's work, rank 0's alone
-            shared = drawn_score_intervals(probs, merged.labels, bootstrap[0], bootstrap[1], top_k=report["top_k"],
-                                           bins=CALIBRATION_BINS)  # the rows the report's scores checked
-        else:  # exact: every rank holds every row's probabilities (the report says what that costs)
-            shared = (probs, merged.labels, exact_score_cost(probs, merged.labels, bootstrap[0]))
-    shared, cost = ranks.broadcast_object(shared), None
-    if isinstance(shared, dict):
-        intervals = shared
-    else:
-        probs, labels, cost = shared
-        part = score_resamples_part(probs, labels, bootstrap[0], bootstrap[1], report["top_k"], CALIBRATION_BINS,
-                                    (ranks.get_rank(), ranks.get_world_size()))
-        intervals = score_percentiles(join_score_resamples(ranks.all_gather_object(part), bootstrap[0]), bootstrap[1])
-    report["confidence_intervals"].update(kept_score_intervals(intervals, report))
-    return cost
 
 
 if __name__ == "__main__":  # python -m dist_eval.merge SHARD_DIR... --output-dir OUT (issue 53's name for it)

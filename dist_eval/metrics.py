@@ -333,6 +333,32 @@ def auroc_macro(probs: np.ndarray, labels: np.ndarray) -> float:
     return float(np.mean([binary_auroc(probs[:, c], labels == c) for c in present]))
 
 
+def paired_rows(labels, preds_a, preds_b, losses_a, losses_b) -> tuple:
+    """Two runs' rows, row i of A and row i of B the same input: (labels, preds_a, preds_b) as int64 and
+    (losses_a, losses_b) as float64, refused unless 1-D of one length.
+    """
+    labels = np.asarray(labels, dtype=np.int64)
+    preds_a = np.asarray(preds_a, dtype=np.int64)
+    preds_b = np.asarray(preds_b, dtype=np.int64)
+    losses_a = np.asarray(losses_a, dtype=np.float64)
+    losses_b = np.asarray(losses_b, dtype=np.float64)
+    if not labels.shape == preds_a.shape == preds_b.shape == losses_a.shape == losses_b.shape or labels.ndim != 1:
+        raise ValueError("labels, preds and losses of A and B must be 1-D of one length; got "
+                         f"{[x.shape for x in (labels, preds_a, preds_b, losses_a, losses_b)]}")
+    return labels, preds_a, preds_b, losses_a, losses_b
+
+
+def paired_differences(labels, preds_a, preds_b, losses_a, losses_b, num_labels: int) -> dict:
+    """B - A in accuracy, macro-F1 (over all ``num_labels`` classes) and mean loss of two runs on the
+    same rows (:func:`paired_rows`' arrays): the point of every paired interval, clustered or not.
+    """
+    metric_a = metrics_from_confusion(confusion_matrix(labels, preds_a, num_labels))
+    metric_b = metrics_from_confusion(confusion_matrix(labels, preds_b, num_labels))
+    return {"accuracy": metric_b["accuracy"] - metric_a["accuracy"],
+            "f1_macro": metric_b["f1_macro"] - metric_a["f1_macro"],
+            "loss": mean_of(losses_b) - mean_of(losses_a)}
+
+
 def default_top_k(num_labels: int) -> int | None:
     """The k of ``top{k}_accuracy`` when none is asked for: 2 with more than two classes,
     else None (no top-k metric: with two classes top-2 is always 1).

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from dist_eval.intervals import METHOD, canonical_row_order, resample_counts
-from dist_eval.metrics import confusion_matrix, mean_of, metrics_from_confusion, weighted_sums
+from dist_eval.metrics import paired_differences, paired_rows, weighted_sums
 
 PAIRED_STREAM = 2  # the bootstrap's random stream: SeedSequence(seed, spawn_key=(PAIRED_STREAM,))
 
@@ -74,14 +74,7 @@ def paired_bootstrap(
     about resamples x rows x classes operations. ``interval`` is None when ``resamples``
     is 0; the whole result is None when there are no rows.
     """
-    labels = np.asarray(labels, dtype=np.int64)
-    preds_a = np.asarray(preds_a, dtype=np.int64)
-    preds_b = np.asarray(preds_b, dtype=np.int64)
-    losses_a = np.asarray(losses_a, dtype=np.float64)
-    losses_b = np.asarray(losses_b, dtype=np.float64)
-    if not labels.shape == preds_a.shape == preds_b.shape == losses_a.shape == losses_b.shape or labels.ndim != 1:
-        raise ValueError("labels, preds and losses of A and B must be 1-D of one length; got "
-                         f"{[x.shape for x in (labels, preds_a, preds_b, losses_a, losses_b)]}")
+    labels, preds_a, preds_b, losses_a, losses_b = paired_rows(labels, preds_a, preds_b, losses_a, losses_b)
     if not isinstance(resamples, (int, np.integer)) or resamples < 0:
         raise ValueError(f"resamples must be an integer >= 0 (0 disables the intervals); got {resamples!r}")
     if not 0.0 < level < 1.0:
@@ -89,13 +82,7 @@ def paired_bootstrap(
     n = labels.shape[0]
     if n == 0:
         return None
-    metric_a = metrics_from_confusion(confusion_matrix(labels, preds_a, num_labels))
-    metric_b = metrics_from_confusion(confusion_matrix(labels, preds_b, num_labels))
-    point = {
-        "accuracy": metric_b["accuracy"] - metric_a["accuracy"],
-        "f1_macro": metric_b["f1_macro"] - metric_a["f1_macro"],
-        "loss": mean_of(losses_b) - mean_of(losses_a),
-    }
+    point = paired_differences(labels, preds_a, preds_b, losses_a, losses_b, num_labels)
     out = {"method": METHOD, "resamples": int(resamples), "seed": int(seed), "level": float(level)}
     draws = _paired_resamples(labels, preds_a, preds_b, losses_a, losses_b, num_labels, resamples, seed)
     tail = 100.0 * (1.0 - level) / 2.0

@@ -1,7 +1,9 @@
 """The report of a set of rows (ordered by row index), in the order the data flows: the softmax of the
 logits once, every point metric (:mod:`dist_eval.metrics`), then every interval
-(:mod:`dist_eval.intervals`). The run's merge, a stopping run's rounds, the shards' merge, each slice
-and ``python -m dist_eval.rescore`` all report their rows through it, so they give the same numbers.
+(:mod:`dist_eval.intervals`), those of the run's merge too, whose score intervals' resamples are shared
+over the ranks (:func:`shared_score_intervals`). The run's merge, a stopping run's rounds, the shards'
+merge, each slice and ``python -m dist_eval.rescore`` all report their rows through it, so they give
+the same numbers. It computes; the callers that run phases give the heap back (``trim_heap``).
 """
 from __future__ import annotations
 
@@ -9,8 +11,17 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from dist_eval.data.tokenize import trim_heap
-from dist_eval.intervals import bootstrap_intervals, drawn_score_intervals, kept_score_intervals
+from dist_eval import ranks
+from dist_eval.intervals import (
+    bootstrap_intervals,
+    drawn_score_intervals,
+    exact_score_cost,
+    grouped_score_intervals,
+    join_score_resamples,
+    kept_score_intervals,
+    score_percentiles,
+    score_resamples_part,
+)
 from dist_eval.metrics import (
     CALIBRATION_BINS,
     confusion_matrix,
@@ -45,11 +56,11 @@ def row_metrics(
     bootstrap: Optional[Tuple[int, int]] = None, top_k: Optional[int] = None, score_intervals: bool = True,
     probs: Optional[np.ndarray] = None, sample_values: Optional[Dict[str, np.ndarray]] = None,
 ) -> dict:
-    """Every built-in metric of the rows, and their intervals. Without ``logits`` the probability
-    scores (``ece``, ``brier``, ``top{k}_accuracy``, ``auroc_macro``, ``top_k``, the ``reliability``
-    table, of the softmax of the logits: ``probs`` where the caller has it) are left out; their
+    """Every built-in metric of the rows, and their intervals. Without ``logits`` and ``probs`` the
+    probability scores (``ece``, ``brier``, ``top{k}_accuracy``, ``auroc_macro``, ``top_k``, the
+    ``reliability`` table, of the softmax of the logits: ``probs`` where the caller has it) are left out; their
     intervals join ``confidence_intervals`` under ``score_intervals`` (False: the run's merge shares
-    them over the ranks, :func:`dist_eval.merge.shared_score_intervals`). ``top_k``: the k of
+    them over the ranks, :func:`shared_score_intervals`). ``top_k``: the k of
     ``top{k}_accuracy`` (None: :func:`dist_eval.metrics.default_top_k`). ``sample_values``: per-row
     values whose means the report adds, by name. ``bootstrap``: (resamples, seed) or None.
     """
@@ -85,7 +96,6 @@ def row_metrics(
         else:
             report["score_intervals"] = kept
     report.update(means)
-    trim_heap()  # each slice's (and a rescore's) temporaries given back before the next
     return report
 
 
@@ -104,3 +114,34 @@ def rows_report(merged, num_labels: int, label_names, user_metrics, scoring, sco
         report[name] = value.item() if hasattr(value, "item") else value
     report["label_names"] = list(label_names) if label_names else None
     return report
+
+
+def shared_score_intervals(report: dict, labels: Optional[np.ndarray], probs: Optional[np.ndarray],
+                           bootstrap) -> Optional[dict]:
+    """Every rank: the probability scores' intervals of the run's merged rows, their resamples shared
+    over the ranks (rank 0 sends ``probs``, the softmax of its merged rows' logits, and ``labels``;
+    None elsewhere; each rank computes every N-th chunk of resamples; the values are all-gathered),
+    added to ``report``'s ``confidence_intervals`` (the report :func:`row_metrics` gave without them,
+    on every rank). The same bits for any N: each resample is computed as one process computes it. A
+    set whose rows are drawn grouped (:func:`dist_eval.intervals.grouped_score_intervals`): rank 0
+    computes them and sends them. Returns what the exact bootstrap cost
+    (:func:`~dist_eval.intervals.exact_score_cost`; None where rank 0 computed them):
+    :attr:`dist_eval.loop_facts.LoopFacts.exact_score_intervals`.
+    """
+    shared = None
+    if ranks.is_main_process():
+        if grouped_score_intervals(probs, labels):  # drawn grouped: a moment's work, rank 0's alone
+            shared = drawn_score_intervals(probs, labels, bootstrap[0], bootstrap[1], top_k=report["top_k"],
+                                           bins=CALIBRATION_BINS)  # the rows the report's scores checked
+        else:  # exact: every rank holds every row's probabilities (the report says what that costs)
+            shared = (probs, labels, exact_score_cost(probs, labels, bootstrap[0]))
+    shared, cost = ranks.broadcast_object(shared), None
+    if isinstance(shared, dict):
+        intervals = shared
+    else:
+        probs, labels, cost = shared
+        part = score_resamples_part(probs, labels, bootstrap[0], bootstrap[1], report["top_k"], CALIBRATION_BINS,
+                                    (ranks.get_rank(), ranks.get_world_size()))
+        intervals = score_percentiles(join_score_resamples(ranks.all_gather_object(part), bootstrap[0]), bootstrap[1])
+    report["confidence_intervals"].update(kept_score_intervals(intervals, report))
+    return cost

@@ -16,6 +16,7 @@ import numpy as np
 
 # each row's slice names are read with its rows (dist_eval.data.groups); the names stay importable here
 from dist_eval.data.groups import EMPTY, MISSING, read_cluster_names, read_slice_values, slice_value  # noqa: F401
+from dist_eval.data.tokenize import trim_heap
 
 # Below this many rows a slice's bootstrap interval is not reported: a percentile bootstrap of
 # a handful of rows is far narrower than the truth.
@@ -82,23 +83,26 @@ def clustered_slices(merged, metrics: Optional[dict], values: Optional[Dict[str,
     whole set's; None: none) with every interval resampling whole clusters (``clusters``: (column, each
     row's cluster name); None: as it is), and the slices' (:func:`slice_report`; None without ``values``).
     ``labels``: (num_labels, label_names); ``scoring``: (bootstrap (resamples, seed) or None, top_k).
-    Each slice's point metrics first, then the clusters' intervals of the set and of every slice in
-    one call (:func:`dist_eval.clusters.clustered_reports`).
+    The softmax of the rows' logits once, then each slice's report, then the clusters' intervals of the
+    set and of every slice in one call (:func:`dist_eval.clusters.clustered_reports`).
     """
-    from dist_eval.scoring import row_metrics
+    from dist_eval.scoring import mapped_softmax, row_metrics
 
     indices = np.asarray(merged.indices, dtype=np.int64)
     numbered = {} if values is None else _slice_numbers(values, indices)
     (num_labels, label_names), (bootstrap, top_k) = labels, scoring
+    # row by row: a slice's rows get the bits of the softmax of the slice's logits alone
+    probs = None if merged.logits is None else mapped_softmax(merged.logits)
     by: dict = {}
     for column, (number_of, named) in numbered.items():
         by[column] = {}
         for name, number in named.items():  # a slice's point metrics and its rows' intervals
             mask = number_of == number
             enough = int(mask.sum()) >= MIN_INTERVAL_ROWS
-            report = row_metrics(merged.labels[mask], merged.preds[mask], merged.losses[mask],
-                                 None if merged.logits is None else merged.logits[mask], num_labels, label_names,
-                                 bootstrap if enough else None, top_k)
+            report = row_metrics(merged.labels[mask], merged.preds[mask], merged.losses[mask], None, num_labels,
+                                 label_names, bootstrap if enough else None, top_k,
+                                 probs=None if probs is None else probs[mask])
+            trim_heap()  # each slice's temporaries given back before the next
             if bootstrap and bootstrap[0] and not enough:
                 report["interval_note"] = TOO_FEW
             # NaN as None (JSON has no NaN): a slice's undefined AUROC, or its loss of no rows
@@ -110,7 +114,7 @@ def clustered_slices(merged, metrics: Optional[dict], values: Optional[Dict[str,
         pairs = itertools.chain([(metrics, None)] if metrics is not None else [], (
             (by[column][name], number_of == number) for column, (number_of, named) in numbered.items()
             for name, number in named.items()))
-        done = iter(clustered_reports(pairs, merged, clusters, bootstrap))
+        done = iter(clustered_reports(pairs, merged, probs, clusters, bootstrap))
         metrics = next(done) if metrics is not None else None
         by = {column: {name: next(done) for name in named} for column, (_, named) in numbered.items()}
     report = None if values is None else {

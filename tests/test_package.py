@@ -208,9 +208,10 @@ LAYERS = (
      "shard_results"),  # foundations
     ("ranks", "intervals", "sequential", "power"),  # the collectives; the statistics under the metrics
     ("data", "backends"),  # the rows; the model (its table, loaders, backends, provenance)
-    ("swarm", "predict", "progress", "resume", "paired", "config", "demo"),  # servers; the forward loop; settings
+    ("swarm", "predict", "progress", "resume", "paired", "clusters", "config", "demo"),  # servers; the forward
+    # loop; the paired and the clustered intervals; settings
     ("scoring",),  # the report of a set of rows: point metrics, then intervals
-    ("merge", "rowstore", "demo_build", "clusters"),  # rank 0's merge; the store of known rows; clustered intervals
+    ("merge", "rowstore", "demo_build"),  # rank 0's merge; the store of known rows
     ("slices", "known"),  # metrics per slice; the known logits: the resume folder and the row store, one source
     ("exact",),  # one exact evaluation of every row: batches -> forwards -> merge
     ("stopping",),  # the rounds: one of every row, or rounds until the interval says stop
