@@ -130,7 +130,7 @@ def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
     model with the first pair's checkpoint; every other checkpoint is checked against it.
     """
     from dist_eval.backends import load_model
-    from dist_eval.backends.classifier import model_files_readable
+    from dist_eval.backends.classifier import model_files_readable, read_trainable
     from dist_eval.backends.tokenizer import load_tokenizer
 
     config, job = session.config, session.job
@@ -151,17 +151,10 @@ def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
         cleanup.push(_barrier_unless_interrupted)  # no rank's client still talks when rank 0 stops the swarm
         cleanup.callback(session.model.close)
         for checkpoint in job.plan.checkpoints[1:]:
-            session.model.check_structure(_trainable(session, checkpoint), checkpoint.path)
+            trainable = read_trainable(job.model_dir, checkpoint.path, job.head, config.tuning_mode, config.pre_seq_len,
+                                       config.num_labels, job.settings.label_words)
+            session.model.check_structure(trainable, checkpoint.path)
     session.shared_phases = dict(ranks.phase_seconds)
-
-
-def _trainable(session: _Session, checkpoint: Checkpoint):
-    """The prompts + head of ``checkpoint``, read and checked as ``load_model`` would."""
-    from dist_eval.backends.classifier import read_trainable
-
-    config, job = session.config, session.job
-    return read_trainable(job.model_dir, checkpoint.path, job.head, config.tuning_mode, config.pre_seq_len,
-                          config.num_labels, job.settings.label_words)
 
 
 def _barrier_unless_interrupted(exc_type, exc, tb) -> None:
@@ -170,25 +163,6 @@ def _barrier_unless_interrupted(exc_type, exc, tb) -> None:
     """
     if exc_type is None or not issubclass(exc_type, KeyboardInterrupt):
         ranks.barrier_if_alive()
-
-
-def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[Written]:
-    """One pair: its data, its stored results, its checkpoint evaluated, then handed to its report
-    (:func:`~dist_eval.output.report.report_pair`; rank 0 returns it). A pair whose folder holds its
-    finished report is skipped (several pairs).
-    """
-    ranks.phase_seconds.clear()  # this pair's own phases (the shared ones: session.shared_phases)
-    pair_started = time.perf_counter()
-    out = os.path.join(session.config.output_dir, pair.folder)
-    if session.job.plan.several:
-        session.say(f"dist_eval: {numbered} checkpoint {pair.checkpoint.name or pair.checkpoint.path or '-'}, "
-                    f"set {pair.data.name or '-'} -> {out}", flush=True)
-    rows = _rows(session, pair.data)
-    folder, key = _stored_results(session, out, pair, rows)
-    if folder is None:
-        return None
-    result = _evaluate(session, pair.checkpoint, rows, folder)
-    return report_pair(session, pair, result, (out, folder, key), rows, pair_started)
 
 
 def _rows(session: _Session, data: EvalSet) -> Rows:
@@ -205,86 +179,75 @@ def _rows(session: _Session, data: EvalSet) -> Rows:
     return session.datasets[data.name]
 
 
-def _stored_results(session: _Session, out: str, pair: Pair, rows: Rows) -> Tuple[Optional[str], str]:
-    """(this pair's folder of partial results, or None when its finished report is there; its run key)."""
-    with ranks.phase("finding the stored partial results"):
-        found = _partial_folder(session, out, pair, rows) if ranks.is_main_process() else None
-    return ranks.broadcast_object(found)
-
-
-def _partial_folder(session: _Session, out: str, pair: Pair, rows: Rows) -> Tuple[Optional[str], str]:
-    """Rank 0: (this pair's folder of partial results, its run key, made of everything that
-    decides the results); (None, key) when the folder holds the finished report of this very
-    pair (skipped; several pairs only: a single run is run again).
+def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[Written]:
+    """One pair, stage by stage: its rows (drawn once per set), its stored results (its finished
+    report there: skipped, several pairs), its checkpoint in the model (when it holds another's), the
+    evaluation (the global progress shown by rank 0), its report (rank 0 returns it).
     """
-    from dist_eval import resume
-    from dist_eval.output.files import check_output_dir
-    from dist_eval.output.shard_files import discard_shard
-
-    config, job = session.config, session.job
-    check_output_dir(out)
-    discard_shard(out)  # an earlier shard's files are not this run's
-    key = resume.run_key(job.model_dir, pair.checkpoint.path, rows.dataset, job.split, session.model, job.settings,
-                         job.head)
-    if job.plan.several and config.resume and resume.finished_report(out, key):
-        session.say(f"dist_eval: already finished (the report in {out} is of this checkpoint, data and settings): "
-                    "skipped", flush=True)
-        return None, key
-    return resume.resume_folder(out, key, config.resume, session.say), key
-
-
-def _load_checkpoint(session: _Session, checkpoint: Checkpoint) -> None:
-    """The model holds ``checkpoint``'s prompts + head (loaded only when it holds another's)."""
-    if checkpoint != session.loaded:
-        with ranks.phase("loading the checkpoint"):
-            session.model.load_trainable(_trainable(session, checkpoint), checkpoint.path)
-        session.loaded = checkpoint
-
-
-def _evaluate(session: _Session, checkpoint: Checkpoint, rows: Rows, folder: str):
-    """``checkpoint`` (loaded when the model holds another's) evaluated over the rows, with the
-    global progress shown by rank 0.
-    """
+    from dist_eval.backends.classifier import swap_checkpoint
     from dist_eval.evaluation import evaluate
     from dist_eval.progress import GlobalProgress
+    from dist_eval.resume import stored_results
 
-    _load_checkpoint(session, checkpoint)
-    config = session.config
-    settings = session.job.settings
+    ranks.phase_seconds.clear()  # this pair's own phases (the shared ones: session.shared_phases)
+    pair_started = time.perf_counter()
+    config, job, settings, say = session.config, session.job, session.job.settings, session.say
+    out = os.path.join(config.output_dir, pair.folder)
+    if job.plan.several:
+        say(f"dist_eval: {numbered} checkpoint {pair.checkpoint.name or pair.checkpoint.path or '-'}, "
+            f"set {pair.data.name or '-'} -> {out}", flush=True)
+    rows = _rows(session, pair.data)
+    key_facts = (job.model_dir, pair.checkpoint.path, rows.dataset, job.split, session.model, settings, job.head)
+    folder, key = stored_results(out, key_facts, resume=config.resume, skip_finished=job.plan.several, say=say)
+    if folder is None:
+        return None
+    if pair.checkpoint != session.loaded:  # the model holds another pair's prompts + head
+        with ranks.phase("loading the checkpoint"):
+            swap_checkpoint(session.model, job.model_dir, pair.checkpoint.path, job.head, config.tuning_mode,
+                            config.pre_seq_len, config.num_labels, settings.label_words)
+        session.loaded = pair.checkpoint
     stops = (f", in rounds of {settings.stop_round_rows} until the 95% interval of {settings.stop_metric} is at most "
              f"{settings.stop_at_width} wide" if settings.stop_at_width is not None else "")
-    session.say(f"dist_eval: evaluating {'up to ' if stops else ''}{len(rows)} rows on {ranks.get_world_size()} "
-                f"rank(s) with the {config.backend} backend{stops} ...", flush=True)
+    say(f"dist_eval: evaluating {'up to ' if stops else ''}{len(rows)} rows on {ranks.get_world_size()} "
+        f"rank(s) with the {config.backend} backend{stops} ...", flush=True)
     # every rank creates it here (one broadcast); rank 0 shows all ranks' rows on stderr
-    progress = GlobalProgress(len(rows), config.progress, quiet=config.quiet)
-    try:
-        progress.start()
-        result = evaluate(session.model, rows, tokenizer=session.tokenizer, settings=session.job.settings,
-                          options=config.options, return_logits=True, on_batch_done=progress.update,
-                          resume_folder=folder)
-    except BaseException:
-        progress.close(completed=False)  # ends a bar's line
-        raise
-    progress.close()
-    return result
+    with GlobalProgress(len(rows), config.progress, quiet=config.quiet) as progress:
+        result = evaluate(session.model, rows, tokenizer=session.tokenizer, settings=settings, options=config.options,
+                          return_logits=True, on_batch_done=progress.update, resume_folder=folder)
+    return report_pair(session, pair, result, (out, folder, key), rows, pair_started)
 
 
 def _run_compared(session: _Session, pairs: List[Pair]) -> List[Written]:
     """--stop-when-decided: the two checkpoints on the same rows of the one set, in rounds, until
     the interval of their difference says stop: :func:`dist_eval.evaluate_pair` on the one model,
-    each side's checkpoint loaded before its evaluations; a report for each.
+    each side's checkpoint swapped in before its evaluations; a report for each. The stages of
+    :func:`_run_pair`, each pair's stored results found first.
     """
+    from dist_eval.backends.classifier import swap_checkpoint
     from dist_eval.evaluation import evaluate_pair
     from dist_eval.progress import GlobalProgress
+    from dist_eval.resume import stored_results
 
-    config, settings = session.config, session.job.settings
+    config, job, settings = session.config, session.job, session.job.settings
     ranks.phase_seconds.clear()
     pair_started = time.perf_counter()
     rows = _rows(session, pairs[0].data)
     outs = [os.path.join(config.output_dir, pair.folder) for pair in pairs]
-    stored = [_stored_results(session, out, pair, rows) for out, pair in zip(outs, pairs)]
+    stored = [stored_results(out, (job.model_dir, pair.checkpoint.path, rows.dataset, job.split, session.model,
+                                   settings, job.head), resume=config.resume, skip_finished=job.plan.several,
+                             say=session.say)
+              for out, pair in zip(outs, pairs)]
     if all(folder is None for folder, _ in stored):
         return []  # both reports of this very comparison are there (--resume)
+
+    def hold(side: int) -> None:  # before each evaluation of a side: its prompts + head in the one model
+        checkpoint = pairs[side].checkpoint
+        if checkpoint != session.loaded:
+            with ranks.phase("loading the checkpoint"):
+                swap_checkpoint(session.model, job.model_dir, checkpoint.path, job.head, config.tuning_mode,
+                                config.pre_seq_len, config.num_labels, settings.label_words)
+            session.loaded = checkpoint
+
     session.say(f"dist_eval: comparing {pairs[0].checkpoint.name} and {pairs[1].checkpoint.name} on up to "
                 f"{len(rows)} rows of the same set, in rounds of {settings.stop_round_rows}, until the 95% interval "
                 f"of the difference in {settings.stop_metric} excludes 0 ...", flush=True)
@@ -292,7 +255,7 @@ def _run_compared(session: _Session, pairs: List[Pair]) -> List[Written]:
         results = evaluate_pair(
             session.model, session.model, rows, tokenizer=session.tokenizer, settings=settings, options=config.options,
             return_logits=True, on_batch_done=progress.update, resume_folders=[folder for folder, _ in stored],
-            on_model=lambda side: _load_checkpoint(session, pairs[side].checkpoint),
+            on_model=hold,
         )
     reports = []
     for pair, out, (folder, key), result in zip(pairs, outs, stored, results):

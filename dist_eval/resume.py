@@ -116,6 +116,26 @@ def finished_report(folder: str, key: str) -> bool:
             and not os.path.isdir(os.path.join(folder, SUBDIR, key)))
 
 
+def stored_results(output_dir: str, key_facts: tuple, *, resume: bool, skip_finished: bool,
+                   say: Callable[..., None]) -> Tuple[Optional[str], str]:
+    """Every rank: (the folder of this run's partial results in ``output_dir``, its run key), found by
+    rank 0 in a phase and sent to every rank; the folder is None when ``output_dir`` holds the finished
+    report of this very run and ``skip_finished`` (the run says so: skipped). ``key_facts``: the
+    arguments of :func:`run_key`; ``resume``: False removes what is stored (:func:`resume_folder`).
+    """
+    with ranks.phase("finding the stored partial results"):
+        found = None
+        if ranks.is_main_process():
+            key = run_key(*key_facts)
+            if skip_finished and resume and finished_report(output_dir, key):
+                say(f"dist_eval: already finished (the report in {output_dir} is of this checkpoint, data and "
+                    "settings): skipped", flush=True)
+                found = None, key
+            else:
+                found = resume_folder(output_dir, key, resume, say), key
+    return ranks.broadcast_object(found)
+
+
 def data_fingerprint(dataset) -> str:
     """The ``datasets`` fingerprint (derived from the source files' content) and size."""
     return f"{getattr(dataset, '_fingerprint', None)}:{len(dataset)}:{dataset.column_names}"

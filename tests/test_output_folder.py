@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 
+import pytest
 from conftest import write_csv
 from inprocess_cli import run_cli_in_process
 
@@ -79,3 +80,21 @@ def test_a_rerun_removes_the_report_files_it_does_not_write_and_keeps_the_users_
     assert not (out / "slices.csv").exists()
     assert (out / "report.html").exists() and (out / "per_class.csv").exists()
     assert (mine / "notes.txt").read_text() == "mine" and not stale.exists()
+
+
+def test_each_pairs_folder_is_made_ready_before_any_work(tmp_path):
+    """The run's start (job.prepare) makes every pair's folder: writable, an earlier shard's files
+    removed (not this run's); a folder that cannot be written is refused before any work."""
+    from dist_eval.errors import UsageError
+    from dist_eval.output.files import prepare_pair_folders
+    from dist_eval.output.shard_files import ARRAYS, MANIFEST
+
+    out = tmp_path / "out"
+    (out / "c1" / "dev").mkdir(parents=True)
+    for name in (MANIFEST, ARRAYS, "metrics.json"):
+        (out / "c1" / "dev" / name).write_text("an earlier run's")
+    prepare_pair_folders(str(out), ["c1/dev", "c2/dev"])
+    assert os.listdir(out / "c1" / "dev") == ["metrics.json"] and os.listdir(out / "c2" / "dev") == []
+    (out / "taken").write_text("a file where a pair's folder goes")
+    with pytest.raises(UsageError, match="not writable"):
+        prepare_pair_folders(str(out), ["taken"])

@@ -206,6 +206,19 @@ def read_trainable(
     return state
 
 
+def swap_checkpoint(
+    model: LoadedModel, model_dir: str, checkpoint: Optional[str] = None, head: Optional[str] = None,
+    tuning_mode: Optional[str] = None, pre_seq_len: int = 0, num_labels: Optional[int] = None,
+    label_words: Union[Sequence[str], str, None] = None,
+) -> None:
+    """``model`` (from :func:`load_model`) holds ``checkpoint``'s prompts + head from now on: read and
+    checked as :func:`load_model` reads them (:func:`read_trainable`), swapped in place
+    (:meth:`LoadedModel.load_trainable`).
+    """
+    state = read_trainable(model_dir, checkpoint, head, tuning_mode, pre_seq_len, num_labels, label_words)
+    model.load_trainable(state, checkpoint)
+
+
 def _read_config(model_dir: str):
     from transformers import AutoConfig
 

@@ -31,6 +31,19 @@ def check_output_dir(path: str) -> None:
         raise UsageError(f"--output-dir {path}: not writable ({e.strerror}). Pass a folder you can write to.") from e
 
 
+def prepare_pair_folders(output_dir: str, folders: Sequence[str]) -> None:
+    """Rank 0, before any work: each pair's folder in ``output_dir`` writable (:func:`check_output_dir`),
+    an earlier shard's files there removed: they are not this run's
+    (:func:`~dist_eval.output.shard_files.discard_shard`).
+    """
+    from dist_eval.output.shard_files import discard_shard
+
+    for folder in folders:
+        path = os.path.join(output_dir, folder)
+        check_output_dir(path)
+        discard_shard(path)
+
+
 # One run at a time per output folder: rank 0 of the run holding it keeps this file there
 LOCK_NAME = ".dist_eval.lock"
 _held: Dict[str, str] = {}  # {folder: lock file} held by this process
