@@ -166,13 +166,23 @@ class _ClassSums:
 
 
 class _ScoreSums:
-    """What each probability score of a resample needs, per cluster (rows in canonical order). ``auroc``:
-    the set's AUROC and each cluster's summed influence on it (linearized), or each class's ranking (exact).
+    """What each probability score of a resample needs, per cluster (rows in canonical order): the AUROC's
+    first (of the intervals' module: the set's AUROC and each cluster's summed influence on it, linearized,
+    above EXACT_AUROC_ROWS rows; else each class's ranking, exact), then the calibration gaps, the Brier
+    sums and the top-k hits.
     """
 
-    def __init__(self, probs, labels, clusters, g: int, top_k, bins: int, auroc):
+    def __init__(self, probs, labels, clusters, g: int, top_k, bins: int):
         from dist_eval import metrics as M
 
+        self.linearized = clusters.size > EXACT_AUROC_ROWS
+        if self.linearized:  # A + the drawn clusters' summed influence: the exact AUROC's first order
+            self.auroc, influence = auroc_influence(probs, labels)
+            self.influence = None if influence is None else np.bincount(clusters, weights=influence, minlength=g)
+            del influence
+        else:
+            classes = [1] if probs.shape[1] == 2 else range(probs.shape[1])
+            self.rankings = [ranking_of(probs[:, c], labels == c) for c in classes]
         num_labels = probs.shape[1]
         self.k = M.default_top_k(num_labels) if top_k is None else top_k
         self.bins, self.clusters = bins, clusters
@@ -183,11 +193,6 @@ class _ScoreSums:
         self.brier = np.bincount(clusters, weights=M.per_sample_brier(probs, labels), minlength=g)
         self.hits = (np.bincount(clusters, weights=M.top_k_hits(probs, labels, self.k).astype(np.float64),
                                  minlength=g) if self.k is not None else None)
-        self.linearized = isinstance(auroc, tuple)
-        if self.linearized:  # A + the drawn clusters' summed influence: the exact AUROC's first order
-            self.auroc, self.influence = auroc
-        else:
-            self.rankings = auroc
 
     def names(self) -> list:
         return ["ece", "brier", *([f"top{self.k}_accuracy"] if self.k is not None else []), "auroc_macro"]
@@ -239,18 +244,8 @@ def cluster_bootstrap_intervals(
     extra = [] if probs is None else [np.asarray(probs, dtype=np.float64)]
     order = canonical_row_order(clusters, labels, preds, losses, *extra)
     clusters, labels, preds, losses = clusters[order], labels[order], preds[order], losses[order]
-    scores = None
-    if probs is not None:  # the AUROC of a resample first (of the intervals' module), then the scores' sums
-        in_order = extra[0][order]
-        if clusters.size > EXACT_AUROC_ROWS:  # linearized: the set's AUROC + the drawn clusters' influence
-            auroc, influence = auroc_influence(in_order, labels)
-            auroc = (auroc, None if influence is None else np.bincount(clusters, weights=influence, minlength=g))
-            del influence
-        else:
-            auroc_classes = [1] if in_order.shape[1] == 2 else range(in_order.shape[1])
-            auroc = [ranking_of(in_order[:, c], labels == c) for c in auroc_classes]
-        scores = _ScoreSums(in_order, labels, clusters, g, top_k, bins, auroc)
-        del in_order, auroc  # the rows' probabilities in canonical order: not held through the resamples
+    # the rows' probabilities in canonical order: a temporary, not held through the resamples
+    scores = None if probs is None else _ScoreSums(extra[0][order], labels, clusters, g, top_k, bins)
     present = np.flatnonzero(np.bincount(labels, minlength=num_labels) + np.bincount(preds, minlength=num_labels))
     classes = _ClassSums.of(clusters, labels, preds, num_labels, g, present)
     sizes = np.bincount(clusters, minlength=g).astype(np.float64)
