@@ -29,7 +29,7 @@ from dist_eval.config import EvalConfig
 from dist_eval.data.sample import Rows
 from dist_eval.job import Job, on_this_node, prepare
 from dist_eval.output.report import Written, record_shutdown, report_pair
-from dist_eval.plan import Checkpoint, EvalSet, Pair
+from dist_eval.plan import EvalSet, Pair
 
 
 @dataclass
@@ -54,7 +54,6 @@ class _Session:
     say: object
     model: object = None
     tokenizer: object = None
-    loaded: Optional[Checkpoint] = None  # whose prompts + head the model holds
     shared_phases: Dict[str, float] = field(default_factory=dict)  # phases before the first pair
     datasets: Dict[Optional[str], Rows] = field(default_factory=dict)  # set name -> its rows, drawn once
 
@@ -147,7 +146,6 @@ def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
                 # the run's own local swarm is audited only when asked: its servers are this run's
                 audit=config.audit if config.audit is not None or config.initial_peers else 0.0,
             )
-        session.loaded = first.checkpoint
         cleanup.push(_barrier_unless_interrupted)  # no rank's client still talks when rank 0 stops the swarm
         cleanup.callback(session.model.close)
         for checkpoint in job.plan.checkpoints[1:]:
@@ -201,11 +199,8 @@ def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[Written]
     folder, key = stored_results(out, key_facts, resume=config.resume, skip_finished=job.plan.several, say=say)
     if folder is None:
         return None
-    if pair.checkpoint != session.loaded:  # the model holds another pair's prompts + head
-        with ranks.phase("loading the checkpoint"):
-            swap_checkpoint(session.model, job.model_dir, pair.checkpoint.path, job.head, config.tuning_mode,
-                            config.pre_seq_len, config.num_labels, settings.label_words)
-        session.loaded = pair.checkpoint
+    swap_checkpoint(session.model, job.model_dir, pair.checkpoint.path, job.head, config.tuning_mode,
+                    config.pre_seq_len, config.num_labels, settings.label_words)  # when it holds another's
     stops = (f", in rounds of {settings.stop_round_rows} until the 95% interval of {settings.stop_metric} is at most "
              f"{settings.stop_at_width} wide" if settings.stop_at_width is not None else "")
     say(f"dist_eval: evaluating {'up to ' if stops else ''}{len(rows)} rows on {ranks.get_world_size()} "
@@ -241,12 +236,8 @@ def _run_compared(session: _Session, pairs: List[Pair]) -> List[Written]:
         return []  # both reports of this very comparison are there (--resume)
 
     def hold(side: int) -> None:  # before each evaluation of a side: its prompts + head in the one model
-        checkpoint = pairs[side].checkpoint
-        if checkpoint != session.loaded:
-            with ranks.phase("loading the checkpoint"):
-                swap_checkpoint(session.model, job.model_dir, checkpoint.path, job.head, config.tuning_mode,
-                                config.pre_seq_len, config.num_labels, settings.label_words)
-            session.loaded = checkpoint
+        swap_checkpoint(session.model, job.model_dir, pairs[side].checkpoint.path, job.head, config.tuning_mode,
+                        config.pre_seq_len, config.num_labels, settings.label_words)
 
     session.say(f"dist_eval: comparing {pairs[0].checkpoint.name} and {pairs[1].checkpoint.name} on up to "
                 f"{len(rows)} rows of the same set, in rounds of {settings.stop_round_rows}, until the 95% interval "

@@ -46,6 +46,7 @@ class LoadedModel:
     attention_window: int = 0  # a sliding attention window's positions (config.json); 0: none
     # what decides the logits, for the row store (dist_eval.rowstore): {"model": ..., "trainable": digest}
     identity: Optional[dict] = None
+    checkpoint: Optional[str] = None  # the file whose prompts + head it holds (load_model's, then load_trainable's)
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, Backend):  # the run calls close(), provenance(), ... on it
@@ -79,6 +80,7 @@ class LoadedModel:
         """
         self.check_structure(state, checkpoint)
         self.module.load_trainable(state)
+        self.checkpoint = checkpoint
         if self.identity is not None:
             from dist_eval.backends.provenance import tensors_digest
 
@@ -169,7 +171,7 @@ def load_model(
                        class_names(config, state.num_labels), state.pre_seq_len, state.tuning_mode,
                        label_words=words, appended_tokens=scored.appended_tokens if scored else 0,
                        attention_window=family.attention_window(config),
-                       identity=_identity(model_dir, state, family, backend, device, dht_prefix))
+                       identity=_identity(model_dir, state, family, backend, device, dht_prefix), checkpoint=checkpoint)
 
 
 def _identity(model_dir: str, state: TrainableState, family: Family, backend: str, device, dht_prefix) -> dict:
@@ -213,10 +215,14 @@ def swap_checkpoint(
 ) -> None:
     """``model`` (from :func:`load_model`) holds ``checkpoint``'s prompts + head from now on: read and
     checked as :func:`load_model` reads them (:func:`read_trainable`), swapped in place
-    (:meth:`LoadedModel.load_trainable`).
+    (:meth:`LoadedModel.load_trainable`), in the phase "loading the checkpoint" (every rank); nothing
+    is read when the model holds that checkpoint already.
     """
-    state = read_trainable(model_dir, checkpoint, head, tuning_mode, pre_seq_len, num_labels, label_words)
-    model.load_trainable(state, checkpoint)
+    if checkpoint == model.checkpoint:
+        return
+    with ranks.phase("loading the checkpoint"):
+        state = read_trainable(model_dir, checkpoint, head, tuning_mode, pre_seq_len, num_labels, label_words)
+        model.load_trainable(state, checkpoint)
 
 
 def _read_config(model_dir: str):
