@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
+from itertools import chain
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -28,10 +29,9 @@ from dist_eval.data.labels import TaskColumns, classes_of
 from dist_eval.data.loader import loader_batches
 from dist_eval.data.shard import dataset_batches
 from dist_eval.data.tokenize import right_pad, tokenize_rows
-from dist_eval.errors import warn
 from dist_eval.loop_facts import StoreFacts
 from dist_eval.resume import PartialWriter, open_partial
-from dist_eval.rowstore import RowSource, open_rows, store_for
+from dist_eval.rowstore import RowSource, open_rows, run_store
 from dist_eval.shard_results import FROM_RESUME, FROM_STORE
 
 
@@ -47,7 +47,7 @@ class KnownLogits:
         self.rows_resumed = 0
         self.num_rows = num_rows  # the rows of the data
         self.shard_rows: Optional[np.ndarray] = None  # a shard's rows (sorted); None: every row
-        # rows -> their batches, tokenized then (the row store's rows served, evaluated again: open_known_logits)
+        # rows -> their batches, tokenized then (the row store's rows served, evaluated again: _dataset_batches)
         self.batches_of: Optional[Callable[[np.ndarray, np.ndarray], List[Batch]]] = None
 
     # ---------------------------------------------------------------- the plan
@@ -60,17 +60,6 @@ class KnownLogits:
         """A shard's rows (sorted): the store serves and reports only those."""
         self.shard_rows = rows
         self.rows.stored_rows = self.rows.stored_rows[np.isin(self.rows.stored_rows, rows)]
-
-    def with_store_batches(self, labels: np.ndarray, batches) -> Iterator:
-        """Rank 0: the store's rows as batches whose logits are known, then ``batches``."""
-        yield from self.rows.batches(labels)
-        yield from batches
-
-    def resume_from(self, folder: Optional[str], own_batches: Optional[Dict[int, np.ndarray]], num_labels: int,
-                    save_interval: float) -> None:
-        """Open the resume folder for this rank's batches of the plan (none: no folder, or a DataLoader)."""
-        self.resumed, self.resumed_servers, self.blamed_before, self.partial = open_partial(
-            folder, own_batches, num_labels, save_interval)
 
     # ---------------------------------------------------------------- the loop
     def of(self, batch_id: int, rows: np.ndarray) -> Optional[Tuple[np.ndarray, str, tuple]]:
@@ -135,28 +124,44 @@ class KnownLogits:
 def batches_with_known(data, tokenizer, settings, options, task, resume_folder: Optional[str] = None,
                        on_plan=None, whole_set=None) -> Tuple[Iterator, int, KnownLogits]:
     """Every rank: (this rank's batches, rows truncated here, its :class:`KnownLogits`), both providers
-    opened here. ``data``: a DataLoader (its batches are the user's; nothing is known), or a Dataset of
-    the rows drawn, whole: its labels are read as class ids (``task.label_names`` completed with the
-    data's class names; ``whole_set``: the Rows of the set a round is drawn from, whose class names the
-    round takes: :func:`dist_eval.data.labels.classes_of`), the row store is read
-    (:func:`open_known_logits`), the batch plan leaves its rows out
-    (:func:`dist_eval.data.shard.dataset_batches`; ``options.shard_part``: (I, K), the rows of shard I of
-    K only, ``known.shard_rows``), the resume folder is read for this rank's batches of the plan, and
-    rank 0's batches start with the store's rows, as batches whose logits are known. ``task``: the model
-    and its forward facts (:class:`dist_eval.backends.objects.Task`).
+    opened here, in one call. ``data``: a Dataset of the rows drawn, whole (:func:`_dataset_batches`), or
+    a DataLoader (its batches are the user's; nothing is known). ``task``: the model and its forward
+    facts (:class:`dist_eval.backends.objects.Task`).
+    """
+    loader = isinstance(data, torch.utils.data.DataLoader)
+    known = KnownLogits(num_rows=len(data.dataset) if loader else len(data))
+    if not loader:
+        batches, num_truncated = _dataset_batches(known, data, tokenizer, settings, options, task, resume_folder,
+                                                  on_plan, whole_set)
+        return batches, num_truncated, known
+    with ranks.phase("tokenizing the data"):
+        return loader_batches(data), 0, known
+
+
+def _dataset_batches(known: KnownLogits, data, tokenizer, settings, options, task, resume_folder: Optional[str],
+                     on_plan, whole_set) -> Tuple[Iterator, int]:
+    """(this rank's batches of a Dataset, rows truncated here), ``known`` opened with them, each step in
+    its phase: the labels read as class ids (``task.label_names`` completed with the data's class names;
+    ``whole_set``: the Rows of the set a round is drawn from: :func:`dist_eval.data.labels.classes_of`);
+    the row store read (rank 0 reads it, every rank learns which rows it holds; nothing is known for a
+    model without an identity or with the store off, ``options.row_store``); the batch plan, which leaves
+    its rows out (:func:`dist_eval.data.shard.dataset_batches`; ``options.shard_part``: (I, K), the rows
+    of shard I of K only, ``known.shard_rows``); the resume folder, for this rank's batches of the plan.
+    Rank 0's batches start with the store's rows, as batches whose logits are known.
     """
     from dist_eval.backends.families import tokenizers_calling_the_base
 
-    if isinstance(data, torch.utils.data.DataLoader):
-        known = KnownLogits(num_rows=len(data.dataset))  # nothing known
-        with ranks.phase("tokenizing the data"):
-            return loader_batches(data), 0, known
     with ranks.phase("preparing the data"):
         labels, task.label_names = classes_of(data, settings.label_column, task.num_labels, task.label_names,
                                               task.label_words, whole_set)
     with ranks.phase("reading the row store"):
-        known = open_known_logits(task.model, tokenizer, settings, options, task.num_labels, task.pad_token_id,
-                                  data, task.prompt_tokens)
+        start = time.perf_counter()
+        store = run_store(options.row_store, task.model, tokenizer, settings, task.pad_token_id)
+        columns = [settings.text_column] + ([settings.text_pair_column] if settings.text_pair_column else [])
+        known.rows = open_rows(store, options.fresh_rows, data, columns, task.num_labels, options.save_interval)
+        known.rows.read_seconds = time.perf_counter() - start
+        if known.rows.logits:  # the store's rows evaluated again are tokenized and planned as the run's
+            known.batches_of = partial(_batches_of, tokenizer, settings, task.pad_token_id, task.prompt_tokens, data)
     with ranks.phase("tokenizing the data"):
         batches, num_truncated, own_batches = dataset_batches(
             data, tokenizer, labels, settings, pad_token_id=task.pad_token_id, prefix_tokens=task.prompt_tokens,
@@ -164,31 +169,9 @@ def batches_with_known(data, tokenizer, settings, options, task, resume_folder: 
             shard=options.shard_part, on_shard=known.keep_rows,
         )
     with ranks.phase("reading the stored partial results"):
-        known.resume_from(resume_folder, own_batches, task.num_labels, options.save_interval)
-    return known.with_store_batches(labels, batches), num_truncated, known
-
-
-def open_known_logits(model, tokenizer, settings, options, num_labels: int, pad_token_id, data,
-                      prefix_tokens: int) -> KnownLogits:
-    """Every rank: its :class:`KnownLogits`, the row store read (rank 0 reads it; every rank learns
-    which rows it holds). Nothing is known for a model without an identity or with the store off
-    (``options.row_store``). The resume folder opens later, once the plan is made
-    (:meth:`KnownLogits.resume_from`). ``prefix_tokens``: what a forward adds to each row, as the
-    run's plan counts it (the store's rows evaluated again are planned alike). Every rank must call it.
-    """
-    start, store = time.perf_counter(), None
-    if ranks.is_main_process():
-        try:
-            store = store_for(options.row_store, model, tokenizer, settings, pad_token_id)
-        except Exception as e:  # a store that cannot be keyed costs the reuse, never the run
-            warn(f"row store: not used in this run ({type(e).__name__}: {e})")
-    columns = [settings.text_column] + ([settings.text_pair_column] if settings.text_pair_column else [])
-    rows = open_rows(store, options.fresh_rows, data, columns, num_labels, options.save_interval)
-    rows.read_seconds = time.perf_counter() - start
-    known = KnownLogits(rows, len(data))
-    if rows.logits:
-        known.batches_of = partial(_batches_of, tokenizer, settings, pad_token_id, prefix_tokens, data)
-    return known
+        known.resumed, known.resumed_servers, known.blamed_before, known.partial = open_partial(
+            resume_folder, own_batches, task.num_labels, options.save_interval)
+    return chain(known.rows.batches(labels), batches), num_truncated
 
 
 # Batch ids of the row store's rows evaluated again (below the store's own, -1 - i: no plan's)

@@ -630,6 +630,21 @@ def store_for(option: str, model, tokenizer, settings, pad_token_id) -> Optional
     return RowStore(root, model_facts, task_facts)
 
 
+def run_store(option: str, model, tokenizer, settings, pad_token_id) -> Optional[RowStore]:
+    """Rank 0: this run's store (:func:`store_for`); None on the other ranks, and where it cannot be keyed
+    (a warning: that costs the reuse, never the run).
+    """
+    from dist_eval import ranks
+
+    if not ranks.is_main_process():
+        return None
+    try:
+        return store_for(option, model, tokenizer, settings, pad_token_id)
+    except Exception as e:
+        warn(f"row store: not used in this run ({type(e).__name__}: {e})")
+        return None
+
+
 def _server_numerics(model) -> Optional[list]:
     """A swarm's servers as far as their numbers go: each distinct (petals version, dtype,
     quantization, adapters) announced; None for an in-process backend.
