@@ -1,8 +1,9 @@
 """One exact evaluation of every row of a dataset (or a DataLoader), on every rank:
 
     the model and its task's facts (dist_eval.backends.objects.evaluation_task)
-      -> this rank's batches and the known logits, opened together (dist_eval.known: the row
-         store, the batch plan of dist_eval.data.shard, the resume folder)
+      -> the task and the data checked, in one call, before anything is read
+      -> this rank's batches and the known logits, opened together (dist_eval.known: the labels as
+         class ids, the row store, the batch plan of dist_eval.data.shard, the resume folder)
       -> no-grad forwards (dist_eval.predict.forward_passes)
       -> merge (dist_eval.merge): all_reduce of totals, gather to rank 0, de-dup, coverage,
          metrics on rank 0 -> broadcast: every rank gets the same metrics

@@ -38,8 +38,8 @@ from dist_eval.shard_results import FROM_RESUME, FROM_STORE
 class KnownLogits:
     """One rank's known logits (see the module's docstring)."""
 
-    def __init__(self, rows: Optional[RowSource] = None, num_rows: int = 0):
-        self.rows = rows if rows is not None else RowSource(None, ranks.get_rank())
+    def __init__(self, num_rows: int):
+        self.rows = RowSource(None, ranks.get_rank())  # the row store's, once opened (_dataset_batches); else none
         self.resumed: Dict[int, np.ndarray] = {}  # {batch id: logits} an interrupted run stored
         self.resumed_servers: Dict[int, tuple] = {}  # {batch id: the swarm servers its logits come from}
         self.blamed_before: Dict[str, dict] = {}  # servers the swarm audit blamed in the runs the folder holds
@@ -129,7 +129,7 @@ def batches_with_known(data, tokenizer, settings, options, task, resume_folder: 
     facts (:class:`dist_eval.backends.objects.Task`).
     """
     loader = isinstance(data, torch.utils.data.DataLoader)
-    known = KnownLogits(num_rows=len(data.dataset) if loader else len(data))
+    known = KnownLogits(len(data.dataset) if loader else len(data))
     if not loader:
         batches, num_truncated = _dataset_batches(known, data, tokenizer, settings, options, task, resume_folder,
                                                   on_plan, whole_set)
