@@ -489,13 +489,13 @@ class InputScaledMoeMLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         top, chosen = torch.topk(_rows(self.router, tokens), self.top_k, dim=-1)
-        scores = torch.sigmoid(top.float()).to(tokens.dtype)
+        scores = _whole_steps(torch.sigmoid, top.float()).to(tokens.dtype)
         routed = torch.zeros_like(tokens)
         for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
             token, slot = torch.where(chosen == expert)
             run = functools.partial(self.experts.expert, expert)
             routed.index_add_(0, token, _rows(run, tokens[token] * scores[token, slot, None]))
-        return (self.shared_expert(tokens) + routed).view(hidden_states.shape)
+        return (_rows(self.shared_expert, tokens) + routed).view(hidden_states.shape)  # every token: _rows too
 
 
 class SigmoidRouter(nn.Module):
@@ -543,7 +543,7 @@ class SigmoidMoeMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        scores = _rows(self.gate, tokens).sigmoid()
+        scores = _whole_steps(torch.sigmoid, _rows(self.gate, tokens))
         chosen = self.choose(scores)
         weights = scores.gather(1, chosen)
         if self.norm_topk_prob:
@@ -553,8 +553,10 @@ class SigmoidMoeMLP(nn.Module):
         for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
             token, slot = torch.where(chosen == expert)
             routed.index_add_(0, token, _rows(self.experts[expert], tokens[token]) * weights[token, slot, None])
-        # the shared expert sees every token of the batch, as a dense block's MLP does
-        return routed.to(tokens.dtype).view(hidden_states.shape) + self.shared_experts(hidden_states)
+        # the shared expert sees every token, through _rows as the experts do: a batch of fewer tokens than
+        # MIN_ROWS would otherwise run another kernel path (on AVX2, other last bits for a row alone)
+        return routed.to(tokens.dtype).view(hidden_states.shape) + _rows(self.shared_experts, tokens).view(
+            hidden_states.shape)
 
 
 SCALE_SUFFIX = "_scale_inv"  # <name>.weight_scale_inv: the scale of each tile of <name>.weight (FP8)
@@ -614,6 +616,22 @@ def _rows(module, rows: torch.Tensor) -> torch.Tensor:
     if count >= MIN_ROWS:
         return module(rows)
     return module(torch.cat([rows, rows.new_zeros(MIN_ROWS - count, rows.shape[1])]))[:count]
+
+
+# The most elements one vectorised step of torch's CPU elementwise kernels takes (two vectors of 32
+# bfloat16 on AVX-512); the elements after the last whole step are computed by a scalar path, whose
+# transcendental functions (exp, sigmoid) differ from the vector ones in the last bits
+STEP_ELEMENTS = 64
+
+
+def _whole_steps(function, rows: torch.Tensor) -> torch.Tensor:
+    """``function(rows)`` of an elementwise ``function`` (rows: [count, width]), each row's result
+    independent of the count: each row padded to a multiple of :data:`STEP_ELEMENTS`, so that every
+    element is computed by the vector path (a router's scores: a few experts a row, whose last rows
+    would otherwise take the scalar path or not as the batch goes).
+    """
+    pad = -rows.shape[-1] % STEP_ELEMENTS
+    return function(F.pad(rows, (0, pad)))[..., :rows.shape[-1]] if pad else function(rows)
 
 
 def build_layer_parts(layer: nn.Module, config, index: int) -> None:
