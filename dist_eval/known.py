@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dist_eval import ranks
-from dist_eval.data.batches import Batch, plan_batches
+from dist_eval.data.batches import Batch, known_batches, plan_batches
 from dist_eval.data.labels import TaskColumns, classes_of
 from dist_eval.data.loader import loader_batches
 from dist_eval.data.shard import dataset_batches
@@ -171,7 +171,9 @@ def _dataset_batches(known: KnownLogits, data, tokenizer, settings, options, tas
     with ranks.phase("reading the stored partial results"):
         known.resumed, known.resumed_servers, known.blamed_before, known.partial = open_partial(
             resume_folder, own_batches, task.num_labels, options.save_interval)
-    return chain(known.rows.batches(labels), batches), num_truncated
+    # rank 0 (it holds the store's logits) hands out the store's rows first
+    served = known.rows.stored_rows if known.rows.logits else np.zeros(0, np.int64)
+    return chain(known_batches(served, labels), batches), num_truncated
 
 
 # Batch ids of the row store's rows evaluated again (below the store's own, -1 - i: no plan's)

@@ -18,6 +18,14 @@ from torch.utils.data import DistributedSampler
 Batch = Tuple[int, np.ndarray, Optional[torch.Tensor], np.ndarray]
 
 
+def known_batches(rows: np.ndarray, labels: np.ndarray, rows_per_batch: int = 4096) -> List[Batch]:
+    """``rows`` whose logits are known (the plan leaves them out: the row store holds them) as batches of
+    their own, ids -1, -2, ... (no plan's), without token ids: the loop takes their logits as they are.
+    """
+    return [(-1 - i, rows[start:start + rows_per_batch], None, labels[rows[start:start + rows_per_batch]])
+            for i, start in enumerate(range(0, len(rows), rows_per_batch))]
+
+
 def plan_batches(
     num_rows: int,
     batch_size: int,

@@ -519,14 +519,6 @@ class RowSource:
         self.key_array[:] = keys
         self.writer = RowWriter(self.folder, key, rank)
 
-    def batches(self, labels: np.ndarray, rows_per_batch: int = 4096) -> list:
-        """Rank 0: the stored rows as batches whose logits are known (ids below 0: no plan's)."""
-        if not self.logits:
-            return []
-        rows = self.stored_rows
-        return [(-1 - i, rows[start:start + rows_per_batch], None, labels[rows[start:start + rows_per_batch]])
-                for i, start in enumerate(range(0, len(rows), rows_per_batch))]
-
     def served(self, rows: np.ndarray) -> None:
         """A batch of rows whose logits came from the store (no forward ran; the next batch's time starts now)."""
         self.rows_served += len(rows)
