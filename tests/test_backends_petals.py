@@ -2,14 +2,13 @@
 gives the same predictions for N=1 (one rank in this process) and N=2 (under torchrun), and
 the same logits as the local backend, bitwise (fp32). Marked `swarm`: run alone with `pytest -m swarm`."""
 import json
-import os
 import time
 from unittest import mock
 
 import pytest
-from conftest import REPO, build_checkpoint, one_thread_swarm, read_jsonl, run_cli, write_csv
+from conftest import build_checkpoint, one_thread_swarm, read_jsonl, run_cli, write_csv
 from float_promises import assert_same_bits, assert_within_rounding
-from inprocess_cli import run_cli_in_process, without_modules
+from inprocess_cli import run_cli_in_process
 
 pytestmark = pytest.mark.swarm
 
@@ -17,14 +16,6 @@ pytestmark = pytest.mark.swarm
 @pytest.fixture(scope="module")
 def swarm(tiny_swarm):
     return tiny_swarm
-
-
-@pytest.fixture(scope="module")
-def no_figures(tmp_path_factory):
-    """run_cli's env for a run whose figures nobody looks at: matplotlib hidden (the figures are the
-    same function of the same metrics, and most of a small run's report time)."""
-    hidden = without_modules(tmp_path_factory.mktemp("hidden"), "matplotlib")
-    return {"PYTHONPATH": os.pathsep.join(p for p in (hidden, REPO, os.environ.get("PYTHONPATH")) if p)}
 
 
 def local_in_process(args):
