@@ -28,8 +28,9 @@ import numpy as np
 
 from dist_eval.errors import UsageError, flag_names, warn
 from dist_eval.loop_facts import LoopFacts, RunFacts, StoreFacts
-from dist_eval.merge import CoverageError, merge_gathered, rows_report
+from dist_eval.merge import CoverageError, merge_gathered
 from dist_eval.output.shard_files import MANIFEST, read_manifest, read_rows
+from dist_eval.scoring import rows_report
 
 EXIT_USAGE = 2
 PROG = "python -m dist_eval.shard_merge"

@@ -29,9 +29,10 @@ from dist_eval.data.sample import Rows
 from dist_eval.errors import UsageError
 from dist_eval.exact import EvalResult, Request, evaluate_once, without_logits
 from dist_eval.loop_facts import LoopFacts
-from dist_eval.merge import MergedResults, merge_parts, rows_report
+from dist_eval.merge import MergedResults, merge_parts
 from dist_eval.metrics import default_top_k
 from dist_eval.predict import redone_in_earlier_rounds
+from dist_eval.scoring import rows_report
 from dist_eval.sequential import (
     STOP_METRICS,
     TIME_UNIFORM,
