@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import uuid
 from typing import Optional
 
 import datasets  # noqa: F401  (see below)
@@ -35,6 +36,10 @@ def pytest_configure(config):
         if not config.pluginmanager.is_registered(plugin):
             config.pluginmanager.register(plugin, f"dist_eval_{plugin.__name__}")
 
+# This test process's own mark, inherited by every process it starts (also once orphaned): each
+# pytest process (an xdist worker too) sets its own, so that swarm_server_pids tells this process's
+# servers from those of another worker or of another pytest run on the same machine.
+os.environ["DIST_EVAL_TEST_PROCESS"] = uuid.uuid4().hex
 # The row store (dist_eval/rowstore/) is on by default, in the user's cache: the suite turns it
 # off for every run it starts (torchrun jobs inherit this), so that no test is served the rows of
 # another test or of an earlier run (two runs compared bit for bit must both evaluate). The row
@@ -492,11 +497,10 @@ def _pgid(pid):
 
 def swarm_server_pids():
     """Live processes running dist_eval's swarm server entry point, started from this test
-    process: under pytest-xdist, those whose environment names this worker of this run (every
-    process a worker starts inherits ``PYTEST_XDIST_WORKER`` and ``PYTEST_XDIST_TESTRUNUID``, also
-    once orphaned), not another worker's nor another pytest run's on the same machine."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
+    process: those whose environment holds this process's ``DIST_EVAL_TEST_PROCESS`` (set above,
+    inherited also once orphaned), not another xdist worker's nor another pytest run's on the
+    same machine (two ``-n 0`` runs side by side too)."""
+    mine = f"DIST_EVAL_TEST_PROCESS={os.environ['DIST_EVAL_TEST_PROCESS']}".encode()
     out = []
     for pid in all_pids():
         try:
@@ -508,8 +512,7 @@ def swarm_server_pids():
                 environ = f.read().split(b"\0")
         except OSError:
             continue
-        if worker is None or (f"PYTEST_XDIST_WORKER={worker}".encode() in environ
-                              and f"PYTEST_XDIST_TESTRUNUID={run}".encode() in environ):
+        if mine in environ:
             out.append(pid)
     return out
 
