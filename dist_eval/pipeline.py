@@ -29,7 +29,7 @@ from dist_eval.config import EvalConfig
 from dist_eval.data.sample import Rows
 from dist_eval.job import Job, on_this_node, prepare
 from dist_eval.output.report import Written, record_shutdown, report_pair
-from dist_eval.plan import EvalSet, Pair
+from dist_eval.plan import Checkpoint, EvalSet, Pair
 
 
 @dataclass
@@ -56,6 +56,24 @@ class _Session:
     tokenizer: object = None
     shared_phases: Dict[str, float] = field(default_factory=dict)  # phases before the first pair
     datasets: Dict[Optional[str], Rows] = field(default_factory=dict)  # set name -> its rows, drawn once
+
+    def trainable_of(self, checkpoint: Checkpoint) -> tuple:
+        """``read_trainable``'s (and ``swap_checkpoint``'s) arguments for ``checkpoint``'s prompts + head,
+        read and checked as ``load_model`` reads them.
+        """
+        config, job = self.config, self.job
+        return (job.model_dir, checkpoint.path, job.head, config.tuning_mode, config.pre_seq_len, config.num_labels,
+                job.settings.label_words)
+
+    def stored_results(self, out: str, pair: Pair, rows: Rows) -> Tuple[Optional[str], str]:
+        """(``pair``'s folder of partial results in ``out``, None when its finished report is there; its run
+        key): :func:`dist_eval.resume.stored_results`.
+        """
+        from dist_eval.resume import stored_results
+
+        job = self.job
+        key_facts = (job.model_dir, pair.checkpoint.path, rows.dataset, job.split, self.model, job.settings, job.head)
+        return stored_results(out, key_facts, resume=self.config.resume, skip_finished=job.plan.several, say=self.say)
 
 
 def run(config: EvalConfig) -> int:
@@ -149,9 +167,7 @@ def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
         cleanup.push(_barrier_unless_interrupted)  # no rank's client still talks when rank 0 stops the swarm
         cleanup.callback(session.model.close)
         for checkpoint in job.plan.checkpoints[1:]:
-            trainable = read_trainable(job.model_dir, checkpoint.path, job.head, config.tuning_mode, config.pre_seq_len,
-                                       config.num_labels, job.settings.label_words)
-            session.model.check_structure(trainable, checkpoint.path)
+            session.model.check_structure(read_trainable(*session.trainable_of(checkpoint)), checkpoint.path)
     session.shared_phases = dict(ranks.phase_seconds)
 
 
@@ -185,7 +201,6 @@ def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[Written]
     from dist_eval.backends.classifier import swap_checkpoint
     from dist_eval.evaluation import evaluate
     from dist_eval.progress import GlobalProgress
-    from dist_eval.resume import stored_results
 
     ranks.phase_seconds.clear()  # this pair's own phases (the shared ones: session.shared_phases)
     pair_started = time.perf_counter()
@@ -195,12 +210,10 @@ def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[Written]
         say(f"dist_eval: {numbered} checkpoint {pair.checkpoint.name or pair.checkpoint.path or '-'}, "
             f"set {pair.data.name or '-'} -> {out}", flush=True)
     rows = _rows(session, pair.data)
-    key_facts = (job.model_dir, pair.checkpoint.path, rows.dataset, job.split, session.model, settings, job.head)
-    folder, key = stored_results(out, key_facts, resume=config.resume, skip_finished=job.plan.several, say=say)
+    folder, key = session.stored_results(out, pair, rows)
     if folder is None:
         return None
-    swap_checkpoint(session.model, job.model_dir, pair.checkpoint.path, job.head, config.tuning_mode,
-                    config.pre_seq_len, config.num_labels, settings.label_words)  # when it holds another's
+    swap_checkpoint(session.model, *session.trainable_of(pair.checkpoint))  # when it holds another's
     stops = (f", in rounds of {settings.stop_round_rows} until the 95% interval of {settings.stop_metric} is at most "
              f"{settings.stop_at_width} wide" if settings.stop_at_width is not None else "")
     say(f"dist_eval: evaluating {'up to ' if stops else ''}{len(rows)} rows on {ranks.get_world_size()} "
@@ -221,23 +234,18 @@ def _run_compared(session: _Session, pairs: List[Pair]) -> List[Written]:
     from dist_eval.backends.classifier import swap_checkpoint
     from dist_eval.evaluation import evaluate_pair
     from dist_eval.progress import GlobalProgress
-    from dist_eval.resume import stored_results
 
-    config, job, settings = session.config, session.job, session.job.settings
+    config, settings = session.config, session.job.settings
     ranks.phase_seconds.clear()
     pair_started = time.perf_counter()
     rows = _rows(session, pairs[0].data)
     outs = [os.path.join(config.output_dir, pair.folder) for pair in pairs]
-    stored = [stored_results(out, (job.model_dir, pair.checkpoint.path, rows.dataset, job.split, session.model,
-                                   settings, job.head), resume=config.resume, skip_finished=job.plan.several,
-                             say=session.say)
-              for out, pair in zip(outs, pairs)]
+    stored = [session.stored_results(out, pair, rows) for out, pair in zip(outs, pairs)]
     if all(folder is None for folder, _ in stored):
         return []  # both reports of this very comparison are there (--resume)
 
     def hold(side: int) -> None:  # before each evaluation of a side: its prompts + head in the one model
-        swap_checkpoint(session.model, job.model_dir, pairs[side].checkpoint.path, job.head, config.tuning_mode,
-                        config.pre_seq_len, config.num_labels, settings.label_words)
+        swap_checkpoint(session.model, *session.trainable_of(pairs[side].checkpoint))
 
     session.say(f"dist_eval: comparing {pairs[0].checkpoint.name} and {pairs[1].checkpoint.name} on up to "
                 f"{len(rows)} rows of the same set, in rounds of {settings.stop_round_rows}, until the 95% interval "
