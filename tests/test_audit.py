@@ -37,8 +37,8 @@ pytestmark = pytest.mark.swarm
 # default, per routing refresh) a weight of 1e-6 until the next refresh. On a loaded 2-core machine (the
 # suite's other worker, nine servers) a ping of a one-handler server can take longer: that server then got
 # almost no request for a while, so a shifted answer it gave could be its last one and escape the checks
-# (seen once in a suite run: 2 of 80 rows and their 2 store copies wrong). Pings given 30 s keep the routes
-# random; the servers all answer, so no refresh waits that long.
+# (most likely what a suite run once showed: 4 of 80 rows wrong, one batch of 2 and its 2 store copies).
+# Pings given 30 s keep the routes random; the servers all answer, so no refresh waits that long.
 PING_TIMEOUT = 30.0
 
 
