@@ -116,16 +116,18 @@ def evaluate(
     ``reliability`` (the per-bin table) and their intervals beside the others.
     """
     settings, options = settings_from(settings_keywords, settings, options)
-    return _evaluate_models([model], data, Request(
+    return evaluate_models([model], data, Request(
         tokenizer, num_labels, label_names, pad_token_id, return_logits, metrics, sample_metrics, on_batch_done,
         [resume_folder] if resume_folder else None, settings, options,
     ))[0]
 
 
-def _evaluate_models(models: list, data, request: Request, on_model=None) -> list:
-    """:func:`evaluate`'s and :func:`evaluate_pair`'s one path: the rows drawn once, then one
-    exact evaluation (one model that does not stop early) or rounds of them until the interval
-    says stop (:mod:`dist_eval.stopping`), then the slices, attached once to each model's result.
+def evaluate_models(models: list, data, request: Request, on_model: Optional[Callable[[int], None]] = None) -> list:
+    """:func:`evaluate`'s and :func:`evaluate_pair`'s one path (and the CLI's, with its validated
+    :class:`~dist_eval.exact.Request`), an EvalResult per model: the rows drawn once, then one exact
+    evaluation (one model that does not stop early) or rounds of them until the interval says stop
+    (:mod:`dist_eval.stopping`), then the slices, attached once to each model's result.
+    ``on_model(i)``: called before each evaluation of model ``i``.
     """
     settings, options = request.settings, request.options
     with ranks.phase("preparing the data"):  # checked before any work, on every rank
@@ -196,7 +198,7 @@ def evaluate_pair(
     included (the slices of the rows used, in each result).
     """
     settings, options = settings_from(settings_keywords, settings, options)
-    first_result, second_result = _evaluate_models([first, second], data, Request(
+    first_result, second_result = evaluate_models([first, second], data, Request(
         tokenizer, num_labels, label_names, pad_token_id, return_logits, metrics, sample_metrics, on_batch_done,
         resume_folders, settings, options,
     ), on_model)

@@ -5,8 +5,9 @@ of one pair. Every run goes through the same loop::
 
     preparing the run -> starting the local swarm -> loading the data (the first set)
       -> loading the model                                       (once: what the pairs share)
-      -> for each pair: loading the data (a set not seen yet) -> finding the stored partial
-         results -> loading the checkpoint (another pair's) -> evaluate() -> writing the report
+      -> for each pair (the two of --stop-when-decided together): loading the data (a set not seen
+         yet) -> finding the stored partial results -> loading the checkpoint (another pair's)
+         -> evaluate() (evaluate_pair() for two) -> writing the reports
       -> writing the summary (several pairs) -> shutting down
 
 Every phase is a :func:`dist_eval.ranks.phase`: a failure on one rank fails every rank
@@ -29,7 +30,7 @@ from dist_eval.config import EvalConfig
 from dist_eval.data.sample import Rows
 from dist_eval.job import Job, on_this_node, prepare
 from dist_eval.output.report import Written, record_shutdown, report_pair
-from dist_eval.plan import Checkpoint, EvalSet, Pair
+from dist_eval.plan import EvalSet, Pair
 
 
 @dataclass
@@ -57,24 +58,6 @@ class _Session:
     shared_phases: Dict[str, float] = field(default_factory=dict)  # phases before the first pair
     datasets: Dict[Optional[str], Rows] = field(default_factory=dict)  # set name -> its rows, drawn once
 
-    def trainable_of(self, checkpoint: Checkpoint) -> tuple:
-        """``read_trainable``'s (and ``swap_checkpoint``'s) arguments for ``checkpoint``'s prompts + head,
-        read and checked as ``load_model`` reads them.
-        """
-        config, job = self.config, self.job
-        return (job.model_dir, checkpoint.path, job.head, config.tuning_mode, config.pre_seq_len, config.num_labels,
-                job.settings.label_words)
-
-    def stored_results(self, out: str, pair: Pair, rows: Rows) -> Tuple[Optional[str], str]:
-        """(``pair``'s folder of partial results in ``out``, None when its finished report is there; its run
-        key): :func:`dist_eval.resume.stored_results`.
-        """
-        from dist_eval.resume import stored_results
-
-        job = self.job
-        key_facts = (job.model_dir, pair.checkpoint.path, rows.dataset, job.split, self.model, job.settings, job.head)
-        return stored_results(out, key_facts, resume=self.config.resume, skip_finished=job.plan.several, say=self.say)
-
 
 def run(config: EvalConfig) -> int:
     """The CLI run on this rank; returns the exit code (a failure raises :class:`RankFailure`)."""
@@ -101,13 +84,10 @@ def _run(config: EvalConfig) -> int:
         session = _Session(config, job, on_swarm, _swarm_address(config, job, on_swarm, cleanup, say), clock, say)
         _load_model(session, cleanup)
         pairs = job.plan.pairs()
-        if job.settings.stop_when_decided:  # two checkpoints on the same rows, together
-            reports.extend(_run_compared(session, pairs))
-        else:
-            for number, pair in enumerate(pairs, 1):
-                report = _run_pair(session, pair, f"[{number}/{len(pairs)}]")
-                if report is not None:
-                    reports.append(report)
+        # --stop-when-decided: the two checkpoints on the same rows, together; else each pair alone
+        together = [pairs] if job.settings.stop_when_decided else [[pair] for pair in pairs]
+        for number, group in enumerate(together, 1):
+            reports.extend(_run_pairs(session, group, f"[{number}/{len(together)}]"))
         if job.plan.several:
             with ranks.phase("writing the summary"):
                 if main:
@@ -147,7 +127,7 @@ def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
     model with the first pair's checkpoint; every other checkpoint is checked against it.
     """
     from dist_eval.backends import load_model
-    from dist_eval.backends.classifier import model_files_readable, read_trainable
+    from dist_eval.backends.classifier import model_files_readable
     from dist_eval.backends.tokenizer import load_tokenizer
 
     config, job = session.config, session.job
@@ -167,7 +147,7 @@ def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
         cleanup.push(_barrier_unless_interrupted)  # no rank's client still talks when rank 0 stops the swarm
         cleanup.callback(session.model.close)
         for checkpoint in job.plan.checkpoints[1:]:
-            session.model.check_structure(read_trainable(*session.trainable_of(checkpoint)), checkpoint.path)
+            session.model.check_structure(session.model.source.read(checkpoint.path), checkpoint.path)
     session.shared_phases = dict(ranks.phase_seconds)
 
 
@@ -185,6 +165,8 @@ def _rows(session: _Session, data: EvalSet) -> Rows:
     from dist_eval.data.sample import draw_rows
 
     if data.name not in session.datasets:
+        import datasets  # noqa: F401 (every rank at once: a second of CPU, not one rank after the other below)
+
         job = session.job
         with ranks.phase("loading the data", main_first=fills_cache(list(data.files))):  # rank 0 fills the cache
             rows = draw_rows(load_split(list(data.files), job.split), job.settings, session.config.options,
@@ -193,72 +175,55 @@ def _rows(session: _Session, data: EvalSet) -> Rows:
     return session.datasets[data.name]
 
 
-def _run_pair(session: _Session, pair: Pair, numbered: str) -> Optional[Written]:
-    """One pair, stage by stage: its rows (drawn once per set), its stored results (its finished
-    report there: skipped, several pairs), its checkpoint in the model (when it holds another's), the
-    evaluation (the global progress shown by rank 0), its report (rank 0 returns it).
+def _run_pairs(session: _Session, pairs: List[Pair], numbered: str) -> List[Written]:
+    """Pairs evaluated together on the rows of one set, stage by stage: one pair (a run that does not
+    compare), or the two of --stop-when-decided, in rounds until the interval of their difference says
+    stop. Their rows (drawn once per set), each pair's stored results (several pairs: a finished report
+    is skipped), each side's checkpoint swapped into the one model before its evaluations, the
+    evaluation (:func:`dist_eval.evaluate`, or :func:`dist_eval.evaluate_pair` for two; the global
+    progress shown by rank 0), a report for each (rank 0 returns them).
     """
     from dist_eval.backends.classifier import swap_checkpoint
-    from dist_eval.evaluation import evaluate
+    from dist_eval.evaluation import evaluate_models
+    from dist_eval.exact import Request
     from dist_eval.progress import GlobalProgress
+    from dist_eval.resume import stored_results
 
-    ranks.phase_seconds.clear()  # this pair's own phases (the shared ones: session.shared_phases)
+    ranks.phase_seconds.clear()  # these pairs' own phases (the shared ones: session.shared_phases)
     pair_started = time.perf_counter()
     config, job, settings, say = session.config, session.job, session.job.settings, session.say
-    out = os.path.join(config.output_dir, pair.folder)
-    if job.plan.several:
-        say(f"dist_eval: {numbered} checkpoint {pair.checkpoint.name or pair.checkpoint.path or '-'}, "
-            f"set {pair.data.name or '-'} -> {out}", flush=True)
-    rows = _rows(session, pair.data)
-    folder, key = session.stored_results(out, pair, rows)
-    if folder is None:
-        return None
-    swap_checkpoint(session.model, *session.trainable_of(pair.checkpoint))  # when it holds another's
-    stops = (f", in rounds of {settings.stop_round_rows} until the 95% interval of {settings.stop_metric} is at most "
-             f"{settings.stop_at_width} wide" if settings.stop_at_width is not None else "")
-    say(f"dist_eval: evaluating {'up to ' if stops else ''}{len(rows)} rows on {ranks.get_world_size()} "
-        f"rank(s) with the {config.backend} backend{stops} ...", flush=True)
-    # every rank creates it here (one broadcast); rank 0 shows all ranks' rows on stderr
-    with GlobalProgress(len(rows), config.progress, quiet=config.quiet) as progress:
-        result = evaluate(session.model, rows, tokenizer=session.tokenizer, settings=settings, options=config.options,
-                          return_logits=True, on_batch_done=progress.update, resume_folder=folder)
-    return report_pair(session, pair, result, (out, folder, key), rows, pair_started)
-
-
-def _run_compared(session: _Session, pairs: List[Pair]) -> List[Written]:
-    """--stop-when-decided: the two checkpoints on the same rows of the one set, in rounds, until
-    the interval of their difference says stop: :func:`dist_eval.evaluate_pair` on the one model,
-    each side's checkpoint swapped in before its evaluations; a report for each. The stages of
-    :func:`_run_pair`, each pair's stored results found first.
-    """
-    from dist_eval.backends.classifier import swap_checkpoint
-    from dist_eval.evaluation import evaluate_pair
-    from dist_eval.progress import GlobalProgress
-
-    config, settings = session.config, session.job.settings
-    ranks.phase_seconds.clear()
-    pair_started = time.perf_counter()
-    rows = _rows(session, pairs[0].data)
     outs = [os.path.join(config.output_dir, pair.folder) for pair in pairs]
-    stored = [session.stored_results(out, pair, rows) for out, pair in zip(outs, pairs)]
+    if job.plan.several and len(pairs) == 1:
+        say(f"dist_eval: {numbered} checkpoint {pairs[0].checkpoint.name or pairs[0].checkpoint.path or '-'}, "
+            f"set {pairs[0].data.name or '-'} -> {outs[0]}", flush=True)
+    rows = _rows(session, pairs[0].data)
+    stored = [stored_results(out, (job.model_dir, pair.checkpoint.path, rows.dataset, job.split, session.model,
+                                   job.settings, job.head),
+                             resume=config.resume, skip_finished=job.plan.several, say=say)
+              for out, pair in zip(outs, pairs)]
     if all(folder is None for folder, _ in stored):
-        return []  # both reports of this very comparison are there (--resume)
+        return []  # the finished reports of these very pairs are there (--resume)
 
     def hold(side: int) -> None:  # before each evaluation of a side: its prompts + head in the one model
-        swap_checkpoint(session.model, *session.trainable_of(pairs[side].checkpoint))
+        swap_checkpoint(session.model, pairs[side].checkpoint.path)  # nothing read when it holds them
 
-    session.say(f"dist_eval: comparing {pairs[0].checkpoint.name} and {pairs[1].checkpoint.name} on up to "
-                f"{len(rows)} rows of the same set, in rounds of {settings.stop_round_rows}, until the 95% interval "
-                f"of the difference in {settings.stop_metric} excludes 0 ...", flush=True)
-    with GlobalProgress(2 * len(rows), config.progress, quiet=config.quiet) as progress:
-        results = evaluate_pair(
-            session.model, session.model, rows, tokenizer=session.tokenizer, settings=settings, options=config.options,
-            return_logits=True, on_batch_done=progress.update, resume_folders=[folder for folder, _ in stored],
-            on_model=hold,
-        )
-    reports = []
-    for pair, out, (folder, key), result in zip(pairs, outs, stored, results):
-        report = report_pair(session, pair, result, (out, folder, key), rows, pair_started)
-        if report is not None:
-            reports.append(report)
-    return reports
+    if len(pairs) == 1:
+        stops = (f", in rounds of {settings.stop_round_rows} until the 95% interval of {settings.stop_metric} is at "
+                 f"most {settings.stop_at_width} wide" if settings.stop_at_width is not None else "")
+        say(f"dist_eval: evaluating {'up to ' if stops else ''}{len(rows)} rows on {ranks.get_world_size()} "
+            f"rank(s) with the {config.backend} backend{stops} ...", flush=True)
+    else:
+        say(f"dist_eval: comparing {pairs[0].checkpoint.name} and {pairs[1].checkpoint.name} on up to "
+            f"{len(rows)} rows of the same set, in rounds of {settings.stop_round_rows}, until the 95% interval "
+            f"of the difference in {settings.stop_metric} excludes 0 ...", flush=True)
+    # every rank creates it here (one broadcast); rank 0 shows all ranks' rows on stderr
+    with GlobalProgress(len(pairs) * len(rows), config.progress, quiet=config.quiet) as progress:
+        # evaluate() for one pair, evaluate_pair() for two: their one path, with the CLI's validated settings
+        request = Request(session.tokenizer, num_labels=None, label_names=None, pad_token_id=None, return_logits=True,
+                          metrics=None, sample_metrics=None, on_batch_done=progress.update,
+                          resume_folders=[folder for folder, _ in stored], settings=settings, options=config.options)
+        results = evaluate_models([session.model] * len(pairs), rows, request, on_model=hold)
+    reports = [report_pair(session, pair, result, (out, folder, key), rows, pair_started)
+               for pair, out, (folder, key), result in zip(pairs, outs, stored, results)]
+    return [report for report in reports if report is not None]
+

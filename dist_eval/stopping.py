@@ -58,6 +58,8 @@ def evaluate_rows(models: Sequence, data, request: Request, on_model: Optional[C
     """
     if request.settings.stops_early or len(models) > 1:
         return evaluate_in_rounds(models, data, request, on_model)
+    if on_model is not None:
+        on_model(0)
     return [evaluate_once(models[0], data.dataset if isinstance(data, Rows) else data, request,
                           (request.resume_folders or [None])[0])]
 

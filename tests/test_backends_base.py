@@ -83,6 +83,12 @@ def test_the_contracts_defaults_and_what_a_loaded_model_calls():
         plain.hidden_states(torch.ones(1, 3, dtype=torch.long))
     with pytest.raises(NotImplementedError, match="holds no trained prompts or head to swap"):
         plain.load_trainable(None)
+    from dist_eval.backends.classifier import swap_checkpoint
+
+    # a model load_model did not make: how to read another checkpoint for it is not known
+    with pytest.raises(UsageError, match=r"^model='ClosingBackend': this model was not made by load_model.* "
+                                         r"Load it with dist_eval\.load_model\(\.\.\., checkpoint=\.\.\.\) instead"):
+        swap_checkpoint(model, "other.pt")
 
 
 def test_what_breaks_the_contract_is_refused_when_built():

@@ -203,13 +203,15 @@ def test_cli_settings_name_the_flags(models, tmp_path):
 
 
 def test_swapping_prompt_checkpoints_equals_loading_each(models, tmp_path):
-    """Several --checkpoint with --label-words: the loaded scorer takes each one's prompts in place."""
-    from dist_eval.backends.classifier import read_trainable
+    """Several --checkpoint with --label-words: the loaded scorer takes each one's prompts in place, read
+    as load_model read the first's (its label words included: swap_checkpoint, as the CLI swaps them)."""
+    from dist_eval.backends.classifier import swap_checkpoint
 
     folder = models["llama"]
     first, second = (build_checkpoint(str(tmp_path / f"ck{s}.pt"), tuning_mode="ptune", seed=s) for s in (1, 2))
     model = load_model("local", folder, checkpoint=first, label_words=WORDS)
-    model.load_trainable(read_trainable(folder, second, label_words=WORDS), second)
+    swap_checkpoint(model, second)
+    assert model.checkpoint == second
     fresh = load_model("local", folder, checkpoint=second, label_words=WORDS)
     with torch.no_grad():
         assert_same_bits(model.module(padded(folder, TEXTS)), fresh.module(padded(folder, TEXTS)),

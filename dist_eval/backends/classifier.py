@@ -30,6 +30,25 @@ from dist_eval.backends.zeroshot import LabelWords, check_lm_head, label_word_to
 from dist_eval.errors import UsageError, param_name, warn
 
 
+@dataclass(frozen=True)
+class TrainableSource:
+    """How :func:`load_model` read a model's prompts + head, less the checkpoint file: another
+    checkpoint of the same run is read the same way (:meth:`TrainableSource.read`).
+    """
+
+    model_dir: str
+    head: Optional[str] = None
+    tuning_mode: Optional[str] = None
+    pre_seq_len: int = 0
+    num_labels: Optional[int] = None
+    label_words: Optional[tuple] = None
+
+    def read(self, checkpoint: Optional[str]) -> TrainableState:
+        """``checkpoint``'s prompts + head, read and checked as :func:`load_model` read the first's."""
+        return read_trainable(self.model_dir, checkpoint, self.head, self.tuning_mode, self.pre_seq_len,
+                              self.num_labels, self.label_words)
+
+
 @dataclass
 class LoadedModel:
     """A ready-to-run classifier and the facts the report needs about it."""
@@ -47,6 +66,7 @@ class LoadedModel:
     # what decides the logits, for the row store (dist_eval.rowstore): {"model": ..., "trainable": digest}
     identity: Optional[dict] = None
     checkpoint: Optional[str] = None  # the file whose prompts + head it holds (load_model's, then load_trainable's)
+    source: Optional[TrainableSource] = None  # how load_model read them (swap_checkpoint reads another that way)
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, Backend):  # the run calls close(), provenance(), ... on it
@@ -171,7 +191,8 @@ def load_model(
                        class_names(config, state.num_labels), state.pre_seq_len, state.tuning_mode,
                        label_words=words, appended_tokens=scored.appended_tokens if scored else 0,
                        attention_window=family.attention_window(config),
-                       identity=_identity(model_dir, state, family, backend, device, dht_prefix), checkpoint=checkpoint)
+                       identity=_identity(model_dir, state, family, backend, device, dht_prefix), checkpoint=checkpoint,
+                       source=TrainableSource(model_dir, head, tuning_mode, pre_seq_len, num_labels, words))
 
 
 def _identity(model_dir: str, state: TrainableState, family: Family, backend: str, device, dht_prefix) -> dict:
@@ -208,21 +229,20 @@ def read_trainable(
     return state
 
 
-def swap_checkpoint(
-    model: LoadedModel, model_dir: str, checkpoint: Optional[str] = None, head: Optional[str] = None,
-    tuning_mode: Optional[str] = None, pre_seq_len: int = 0, num_labels: Optional[int] = None,
-    label_words: Union[Sequence[str], str, None] = None,
-) -> None:
+def swap_checkpoint(model: LoadedModel, checkpoint: Optional[str]) -> None:
     """``model`` (from :func:`load_model`) holds ``checkpoint``'s prompts + head from now on: read and
-    checked as :func:`load_model` reads them (:func:`read_trainable`), swapped in place
+    checked as :func:`load_model` read the first (``model.source``), swapped in place
     (:meth:`LoadedModel.load_trainable`), in the phase "loading the checkpoint" (every rank); nothing
     is read when the model holds that checkpoint already.
     """
     if checkpoint == model.checkpoint:
         return
+    if model.source is None:
+        raise UsageError("this model was not made by load_model, so how to read another checkpoint for it is not "
+                         "known. Load it with dist_eval.load_model(..., checkpoint=...) instead.",
+                         param="model", value=type(model.module).__name__)
     with ranks.phase("loading the checkpoint"):
-        state = read_trainable(model_dir, checkpoint, head, tuning_mode, pre_seq_len, num_labels, label_words)
-        model.load_trainable(state, checkpoint)
+        model.load_trainable(model.source.read(checkpoint), checkpoint)
 
 
 def _read_config(model_dir: str):
