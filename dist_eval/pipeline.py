@@ -77,6 +77,9 @@ def _run(config: EvalConfig) -> int:
 
     with ranks.phase("preparing the run"):
         job = prepare(config, say) if main else None
+        # every rank at once, here: its second of CPU would else come one rank after the other, inside "loading
+        # the data", where rank 0 fills the cache before the others start
+        import datasets  # noqa: F401
     job = on_this_node(config, ranks.broadcast_object(job))
     reports: List[Written] = []
     with contextlib.ExitStack() as cleanup:
@@ -165,8 +168,6 @@ def _rows(session: _Session, data: EvalSet) -> Rows:
     from dist_eval.data.sample import draw_rows
 
     if data.name not in session.datasets:
-        import datasets  # noqa: F401 (every rank at once: a second of CPU, not one rank after the other below)
-
         job = session.job
         with ranks.phase("loading the data", main_first=fills_cache(list(data.files))):  # rank 0 fills the cache
             rows = draw_rows(load_split(list(data.files), job.split), job.settings, session.config.options,
