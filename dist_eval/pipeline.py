@@ -7,7 +7,7 @@ of one pair. Every run goes through the same loop::
       -> loading the model                                       (once: what the pairs share)
       -> for each pair (the two of --stop-when-decided together): loading the data (a set not seen
          yet) -> finding the stored partial results -> loading the checkpoint (another pair's)
-         -> evaluate() (evaluate_pair() for two) -> writing the reports
+         -> evaluate_models() (evaluate()'s path; evaluate_pair()'s for two) -> writing the reports
       -> writing the summary (several pairs) -> shutting down
 
 Every phase is a :func:`dist_eval.ranks.phase`: a failure on one rank fails every rank
@@ -181,8 +181,9 @@ def _run_pairs(session: _Session, pairs: List[Pair], numbered: str) -> List[Writ
     compare), or the two of --stop-when-decided, in rounds until the interval of their difference says
     stop. Their rows (drawn once per set), each pair's stored results (several pairs: a finished report
     is skipped), each side's checkpoint swapped into the one model before its evaluations, the
-    evaluation (:func:`dist_eval.evaluate`, or :func:`dist_eval.evaluate_pair` for two; the global
-    progress shown by rank 0), a report for each (rank 0 returns them).
+    evaluation (:func:`dist_eval.evaluation.evaluate_models`: the path of :func:`dist_eval.evaluate`, or of
+    :func:`dist_eval.evaluate_pair` for two; the global progress shown by rank 0), a report for each (rank 0
+    returns them).
     """
     from dist_eval.backends.classifier import swap_checkpoint
     from dist_eval.evaluation import evaluate_models
