@@ -15,7 +15,7 @@ import numpy as np
 from dist_eval import ranks
 from dist_eval.data.tokenize import trim_heap
 from dist_eval.loop_facts import LoopFacts
-from dist_eval.scoring import mapped_softmax, rows_report, shared_score_intervals
+from dist_eval.scoring import main_report, score_intervals_everywhere
 from dist_eval.shard_results import SAMPLE_VALUE_PREFIX, ShardResults, mapped_array
 
 
@@ -361,10 +361,7 @@ def merge_on_main(
         if ranks.is_main_process():
             report, probs = _report(merged, num_labels, label_names, user_metrics, global_totals, (bootstrap, top_k))
     report, duplicates = ranks.broadcast_object((report, 0 if merged is None else merged.num_duplicates_dropped))
-    cost = None
-    if bootstrap and bootstrap[0] and report.get("confidence_intervals") and "top_k" in report:
-        with ranks.phase("the score intervals"):
-            cost = shared_score_intervals(report, None if merged is None else merged.labels, probs, bootstrap)
+    cost = score_intervals_everywhere(report, None if merged is None else merged.labels, probs, bootstrap)
     del probs  # rank 0's probabilities, of every row: let go before the heap is trimmed below
     report.update(LoopFacts(
         world_size=len(rank_facts),
@@ -391,17 +388,15 @@ def _let_go(local: ShardResults) -> None:
 
 
 def _report(merged: MergedResults, num_labels, label_names, user_metrics, totals: Totals, scoring) -> tuple:
-    """Rank 0: the report of the merged set (:func:`dist_eval.scoring.rows_report`; the score
-    intervals left to :func:`dist_eval.scoring.shared_score_intervals`), checked against the reduced
-    totals, and the probabilities of its rows (None without logits), computed once for both.
+    """Rank 0: the report of the merged set and the probabilities of its rows
+    (:func:`dist_eval.scoring.main_report`), checked against the reduced totals.
     ``scoring``: (bootstrap (resamples, seed) or None, top_k).
     """
     if merged.num_samples != int(totals.num_samples):
         raise RuntimeError(
             f"internal: all_reduce counted {int(totals.num_samples)} samples but the merge holds {merged.num_samples}"
         )
-    probs = None if merged.logits is None else mapped_softmax(merged.logits)
-    report = rows_report(merged, num_labels, label_names, user_metrics, scoring, score_intervals=False, probs=probs)
+    report, probs = main_report(merged, num_labels, label_names, user_metrics, scoring)
     reduced_loss = totals.loss_sum / merged.num_samples
     if abs(reduced_loss - report["loss"]) > 1e-9 * max(1.0, abs(report["loss"])):
         raise RuntimeError(f"internal: all_reduced mean loss {reduced_loss} != merged mean loss {report['loss']}")

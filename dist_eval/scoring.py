@@ -116,6 +116,29 @@ def rows_report(merged, num_labels: int, label_names, user_metrics, scoring, sco
     return report
 
 
+def main_report(merged, num_labels: int, label_names, user_metrics, scoring) -> Tuple[dict, Optional[np.ndarray]]:
+    """Rank 0: (:func:`rows_report` of its merged rows without the probability scores' intervals, which
+    every rank then shares: :func:`score_intervals_everywhere`; the rows' probabilities, None without
+    logits), the softmax computed once for both. A whole run's merge and a stopping run's rounds make
+    their report this way, in a phase, so that a failure in it (a user's metric) fails every rank.
+    """
+    probs = None if merged.logits is None else mapped_softmax(merged.logits)
+    return rows_report(merged, num_labels, label_names, user_metrics, scoring, score_intervals=False,
+                       probs=probs), probs
+
+
+def score_intervals_everywhere(report: dict, labels: Optional[np.ndarray], probs: Optional[np.ndarray],
+                               bootstrap) -> Optional[dict]:
+    """Every rank, once :func:`main_report`'s report is on every rank: its probability scores' intervals,
+    in the phase "the score intervals" (:func:`shared_score_intervals`), when the report has scores and
+    intervals; returns what the exact bootstrap cost (None: none computed, or rank 0 drew them alone).
+    """
+    if not (bootstrap and bootstrap[0] and report.get("confidence_intervals") and "top_k" in report):
+        return None
+    with ranks.phase("the score intervals"):
+        return shared_score_intervals(report, labels, probs, bootstrap)
+
+
 def shared_score_intervals(report: dict, labels: Optional[np.ndarray], probs: Optional[np.ndarray],
                            bootstrap) -> Optional[dict]:
     """Every rank: the probability scores' intervals of the run's merged rows, their resamples shared

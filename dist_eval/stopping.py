@@ -32,7 +32,7 @@ from dist_eval.loop_facts import LoopFacts
 from dist_eval.merge import MergedResults, merge_parts
 from dist_eval.metrics import default_top_k
 from dist_eval.predict import redone_in_earlier_rounds
-from dist_eval.scoring import rows_report
+from dist_eval.scoring import main_report, score_intervals_everywhere
 from dist_eval.sequential import (
     STOP_METRICS,
     TIME_UNIFORM,
@@ -96,17 +96,25 @@ def evaluate_in_rounds(models: Sequence, rows: Rows, request: Request,
 
 
 def _result_of(mine: Seen, decision: _Decision, request: Request, stopper: _Stopper) -> EvalResult:
-    """A model's result of the rows used: rank 0 merges its rounds, reports them and sends the report."""
-    report, merged, options = None, None, request.options
-    if ranks.is_main_process():
-        stopping = stopper.report(decision, mine)  # the rounds' time: not the report's bootstrap
-        merged = mine.merged()
-        report = rows_report(merged, mine.num_labels, mine.label_names, request.metrics,
-                             ((options.bootstrap_resamples, options.bootstrap_seed), options.top_k))
-        report.update(mine.total().report())
-        report["stopping"] = stopping
-    return EvalResult(metrics=ranks.broadcast_object(report),
-                      predictions=merged if request.return_logits else without_logits(merged))
+    """A model's result of the rows used, as a whole run's merge makes it (:func:`dist_eval.scoring.main_report`,
+    then the score intervals shared over the ranks): rank 0 merges its rounds and reports them, in a phase
+    (a failure there, a user's metric, fails every rank), and sends the report.
+    """
+    options, sent, merged, probs = request.options, None, None, None
+    bootstrap = (options.bootstrap_resamples, options.bootstrap_seed)
+    with ranks.phase("reporting the rows used"):
+        if ranks.is_main_process():
+            stopping = stopper.report(decision, mine)  # the rounds' time: not the report's bootstrap
+            merged = mine.merged()
+            report, probs = main_report(merged, mine.num_labels, mine.label_names, request.metrics,
+                                        (bootstrap, options.top_k))
+            sent = report, stopping
+    report, stopping = ranks.broadcast_object(sent)
+    cost = score_intervals_everywhere(report, None if merged is None else merged.labels, probs, bootstrap)
+    del probs
+    report.update(replace(mine.total(), exact_score_intervals=cost).report())
+    report["stopping"] = stopping
+    return EvalResult(metrics=report, predictions=merged if request.return_logits else without_logits(merged))
 
 
 def _check_stopping(data, settings: Settings, models: int, sample_metrics) -> None:

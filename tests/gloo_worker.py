@@ -73,12 +73,37 @@ def main(model_dir, checkpoint, csv_path, out_dir, loader_csv=None, loader_out=N
         )
         result = evaluate(model, loader, return_logits=True)
         _save(out_dir, f"loader_{size}", result, rank)
+    # a user's metric that fails in a run that stops early: every rank fails at once, naming it (before,
+    # rank 0 alone raised, and the other ranks waited in a broadcast until the group's timeout)
+    _save_outcomes(out_dir, "stopping_metric_fails", rank, lambda: evaluate(
+        model, full.select(range(40)), tokenizer=tokenizer, metrics={"broken": _broken_metric}, stop_at_width=0.5,
+        stop_round_rows=16, bootstrap_resamples=0))
     if loader_csv is not None:
         import gloo_loader_worker
 
         gloo_loader_worker.run_cases(model, model_dir, loader_csv, loader_out)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _broken_metric(labels, preds, logits):
+    raise ValueError("the user's metric broke")
+
+
+def _save_outcomes(out_dir, name, rank, call):
+    """How ``call`` ended on each rank ("returned", or the exception's type and message), saved by rank 0."""
+    try:
+        call()
+        outcome = "returned"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    everyone = [outcome]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, outcome)
+    if rank == 0:
+        with open(os.path.join(out_dir, name + ".json"), "w") as f:
+            json.dump(everyone, f)
 
 
 def _save(out_dir, name, result, rank):

@@ -65,6 +65,20 @@ def loader_runs(launches):
     return launches[1]
 
 
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_user_metric_that_fails_in_a_run_that_stops_early_fails_every_rank_at_once(runs, world):
+    """The rounds' report is made in a phase, as a whole run's merge is: every rank raises a RankFailure
+    naming it (before: rank 0 alone raised, and the others waited until the group's timeout, which the
+    launch's 300 s would have cut short here)."""
+    with open(os.path.join(runs[world], "stopping_metric_fails.json")) as f:
+        outcomes = json.load(f)
+    assert len(outcomes) == world
+    for outcome in outcomes:
+        assert outcome.startswith("RankFailure: ") and (
+            "reporting the rows used failed: ValueError: the user's metric broke" in outcome), outcome
+
+
 def load(out_dir, name):
     arrays = dict(np.load(os.path.join(out_dir, name + ".npz")))
     with open(os.path.join(out_dir, name + ".json")) as f:
