@@ -59,18 +59,19 @@ def attach_slices(results: list, rows, tokenizer, settings, options) -> None:
     if options.slice_by is None and rows.clusters is None:
         return
     main, values = ranks.is_main_process(), rows.slices
-    if options.slice_by is not None and main and tokenizer is not None:
-        values = {**values, TOKEN_LENGTH_SLICES: length_quartiles(tokenizer, settings, rows.dataset)}
     bootstrap = (options.bootstrap_resamples, options.bootstrap_seed)
-    for result in results:
-        metrics, report = result.metrics, None
-        if main:
+    made = [(result.metrics, None) for result in results]  # each result's (metrics, slices' report)
+    with ranks.phase("the slices and clusters"):  # rank 0's work: a failure there fails every rank at once
+        if main and options.slice_by is not None and tokenizer is not None:
+            values = {**values, TOKEN_LENGTH_SLICES: length_quartiles(tokenizer, settings, rows.dataset)}
+        for number, result in enumerate(results if main else ()):
             if options.slice_by is not None:
                 result.slices = values
-            metrics, report = clustered_slices(
-                result.predictions, metrics, values if options.slice_by is not None else None,
-                (metrics["num_labels"], metrics.get("label_names")), (bootstrap, metrics.get("top_k")), len(rows),
-                rows.clusters)
+            made[number] = clustered_slices(
+                result.predictions, result.metrics, values if options.slice_by is not None else None,
+                (result.metrics["num_labels"], result.metrics.get("label_names")),
+                (bootstrap, result.metrics.get("top_k")), len(rows), rows.clusters)
+    for result, (metrics, report) in zip(results, made):
         if rows.clusters is not None:
             result.metrics = metrics = ranks.broadcast_object(metrics if main else None)
         if options.slice_by is not None:

@@ -89,9 +89,15 @@ def evaluate_in_rounds(models: Sequence, rows: Rows, request: Request,
         for index, (model, mine, folder) in enumerate(zip(models, seen, folders)):
             if on_model is not None:
                 on_model(index)
-            mine.add(evaluate_once(model, subset, each_round, rounds.folder(folder), loops=mine.loops), indices)
-            mine.patch(redone_in_earlier_rounds(mine.loops))  # a swarm server blamed now: its earlier rounds' rows
-        decision = ranks.broadcast_object(stopper.after_round(seen) if ranks.is_main_process() else None)
+            result = evaluate_once(model, subset, each_round, rounds.folder(folder), loops=mine.loops)
+            # rank 0's work on the round's rows (a sample metric's values checked) in phases, as the rest of the
+            # run's: a failure there fails every rank at once, none waits in the next collective
+            with ranks.phase("taking the round's rows"):
+                mine.add(result, indices)
+                mine.patch(redone_in_earlier_rounds(mine.loops))  # a swarm server blamed now: its earlier rows
+        with ranks.phase("deciding whether to stop"):
+            decision = stopper.after_round(seen) if ranks.is_main_process() else None
+        decision = ranks.broadcast_object(decision)
     return [_result_of(mine, decision, request, stopper) for mine in seen]
 
 

@@ -78,6 +78,10 @@ def main(model_dir, checkpoint, csv_path, out_dir, loader_csv=None, loader_out=N
     _save_outcomes(out_dir, "stopping_metric_fails", rank, lambda: evaluate(
         model, full.select(range(40)), tokenizer=tokenizer, metrics={"broken": _broken_metric}, stop_at_width=0.5,
         stop_round_rows=16, bootstrap_resamples=0))
+    # the same for a sample metric to stop on whose values leave [0, 1], found by rank 0 after the first round
+    _save_outcomes(out_dir, "stop_metric_out_of_range", rank, lambda: evaluate(
+        model, full.select(range(40)), tokenizer=tokenizer, stop_metric="twice", stop_at_width=0.5,
+        stop_round_rows=16, bootstrap_resamples=0, sample_metrics={"twice": lambda logits, labels: labels * 0 + 2.0}))
     if loader_csv is not None:
         import gloo_loader_worker
 

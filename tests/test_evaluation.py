@@ -67,16 +67,22 @@ def loader_runs(launches):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_a_user_metric_that_fails_in_a_run_that_stops_early_fails_every_rank_at_once(runs, world):
-    """The rounds' report is made in a phase, as a whole run's merge is: every rank raises a RankFailure
-    naming it (before: rank 0 alone raised, and the others waited until the group's timeout, which the
-    launch's 300 s would have cut short here)."""
+def test_a_metric_that_fails_in_a_run_that_stops_early_fails_every_rank_at_once(runs, world):
+    """Rank 0's work in a run that stops early (the rounds' report, the stop metric's values) is done in
+    phases, as a whole run's merge is: every rank raises a RankFailure naming it (before: rank 0 alone
+    raised, and the others waited until the group's timeout, which the launch's 300 s would cut short here)."""
     with open(os.path.join(runs[world], "stopping_metric_fails.json")) as f:
         outcomes = json.load(f)
     assert len(outcomes) == world
     for outcome in outcomes:
         assert outcome.startswith("RankFailure: ") and (
             "reporting the rows used failed: ValueError: the user's metric broke" in outcome), outcome
+    # rank 0's check of a sample metric to stop on, after a round: the usage error on every rank, at once
+    with open(os.path.join(runs[world], "stop_metric_out_of_range.json")) as f:
+        outcomes = json.load(f)
+    found_by = "rank 0: " if world > 1 else ""  # on every rank, as rank 0 found it
+    assert outcomes == [f"RankFailure: {found_by}stop_metric='twice': the sample metric's values must lie in [0, 1] "
+                        "to stop on it; got values in [2.0, 2.0]. Rescale it to [0, 1]."] * world
 
 
 def load(out_dir, name):

@@ -15,7 +15,7 @@ from conftest import REPO, read_jsonl, run_cli
 from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import one_thread, run_cli_in_process, without_modules
 
-from dist_eval import evaluate
+from dist_eval import evaluate, ranks
 from dist_eval.config import STOP_METRIC_NAMES, STOP_RULE_NAMES, Settings
 from dist_eval.data.sample import key_order
 from dist_eval.errors import UsageError
@@ -150,10 +150,12 @@ def test_the_brier_score_and_a_bounded_sample_metric_can_decide(demo):
     stop = result.metrics["stopping"]
     assert stop["metric"] == "confident" and stop["interval"]["low"] <= result.metrics["confident"]
 
-    with pytest.raises(UsageError) as e:  # values outside [0, 1]
+    # values outside [0, 1], found in the run (after a round): a RankFailure on every rank whose usage is
+    # true and whose cause is the UsageError (docs/python-api.md), as every problem found during a run
+    with pytest.raises(ranks.RankFailure) as e:
         _stopped(demo, stop_at_width=0.1, stop_metric="twice", bootstrap_resamples=0,
                  sample_metrics={"twice": lambda logits, labels: 2 * confident(logits, labels)})
-    assert e.value.param == "stop_metric" and "[0, 1]" in str(e.value)
+    assert e.value.usage and e.value.__cause__.param == "stop_metric" and "[0, 1]" in str(e.value)
 
 
 def test_what_cannot_stop_is_refused_naming_the_setting(demo):
