@@ -210,6 +210,7 @@ def _run_pairs(session: _Session, pairs: List[Pair], numbered: str) -> List[Writ
         swap_checkpoint(session.model, pairs[side].checkpoint.path)  # nothing read when it holds them
 
     if len(pairs) == 1:
+        hold(0)  # before the line below and the progress, as a pair's stages go (evaluate_models' call: a no-op)
         stops = (f", in rounds of {settings.stop_round_rows} until the 95% interval of {settings.stop_metric} is at "
                  f"most {settings.stop_at_width} wide" if settings.stop_at_width is not None else "")
         say(f"dist_eval: evaluating {'up to ' if stops else ''}{len(rows)} rows on {ranks.get_world_size()} "

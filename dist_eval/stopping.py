@@ -5,7 +5,10 @@ a set in rounds of rows, in the --limit order, until the time-uniform interval
     the set's rows in their content-hash order (data/sample.draw_rows)
       -> for each round of ``stop_round_rows`` rows: exact.evaluate_once on them (every rank, exact)
          -> rank 0: the per-row values seen so far -> the confidence sequence -> stop? (broadcast)
-      -> rank 0: the metrics of the rows used (one merged set), the run's facts, ``stopping``
+      -> rank 0: the metrics of the rows used (one merged set), ``stopping`` (broadcast); every rank:
+         the score intervals, shared (as a whole run's merge makes its report), the run's facts
+
+Rank 0's work is done in phases (:func:`dist_eval.ranks.phase`): a failure there fails every rank.
 
 A round is a count of rows, not of batches, and the order is the rows' content hash, so the
 rows of each round, the stopping round and every number are the same for any world size.
@@ -90,11 +93,13 @@ def evaluate_in_rounds(models: Sequence, rows: Rows, request: Request,
             if on_model is not None:
                 on_model(index)
             result = evaluate_once(model, subset, each_round, rounds.folder(folder), loops=mine.loops)
-            # rank 0's work on the round's rows (a sample metric's values checked) in phases, as the rest of the
+            # a swarm server blamed now: its earlier rounds' rows, evaluated again (a collective: every rank, first)
+            redone = redone_in_earlier_rounds(mine.loops)
+            # rank 0's work on the round's rows (a sample metric's values checked) in a phase, as the rest of the
             # run's: a failure there fails every rank at once, none waits in the next collective
             with ranks.phase("taking the round's rows"):
                 mine.add(result, indices)
-                mine.patch(redone_in_earlier_rounds(mine.loops))  # a swarm server blamed now: its earlier rows
+                mine.patch(redone)
         with ranks.phase("deciding whether to stop"):
             decision = stopper.after_round(seen) if ranks.is_main_process() else None
         decision = ranks.broadcast_object(decision)
