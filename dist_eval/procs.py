@@ -117,13 +117,31 @@ def hivemind_socket_paths(pids: Sequence[int]) -> Set[str]:
     return {p for p in unix_socket_paths(pids) if is_hivemind_socket(p)}
 
 
-def remove_dead_hivemind_sockets(since: float) -> List[str]:
+def descendant_pids(pid: int) -> List[int]:
+    """The live children of ``pid``, theirs, and so on, from /proc."""
+    found, todo = [], [pid]
+    while todo:
+        children = child_pids(todo.pop())
+        found += children
+        todo += children
+    return found
+
+
+def remove_dead_hivemind_sockets(since: float, wait: float = 2.0) -> List[str]:
     """Remove the hivemind sockets in /tmp bound at or after ``since`` (``time.time()``) that no socket of
     any process holds (none in /proc/net/unix); the paths removed. hivemind removes a p2pd's socket only
     while the daemon runs: one that exited on its own (no peer answered at the initial peers) leaves it.
+    Such a daemon (a child of this process, or of its DHT process) may still be exiting when the failure
+    reaches this process: its socket is held a moment longer. So this waits up to ``wait`` seconds while a
+    process under this one holds a hivemind socket bound since ``since``.
     """
     import glob
+    import time
 
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and any(
+            _bound_since(path, since) for path in hivemind_socket_paths(descendant_pids(os.getpid()))):
+        time.sleep(0.05)
     try:
         with open("/proc/net/unix") as f:
             held = {parts[7] for parts in map(str.split, f) if len(parts) >= 8}
@@ -132,12 +150,19 @@ def remove_dead_hivemind_sockets(since: float) -> List[str]:
     removed = []
     for path in glob.glob("/tmp/hivemind-*.sock"):
         try:
-            if path not in held and os.stat(path).st_mtime >= since - 1.0:  # file times are coarse
+            if path not in held and _bound_since(path, since):
                 os.remove(path)
                 removed.append(path)
         except OSError:
             continue  # gone already, or another user's
     return removed
+
+
+def _bound_since(path: str, since: float) -> bool:
+    try:
+        return os.stat(path).st_mtime >= since - 1.0  # file times are coarse
+    except OSError:
+        return False
 
 
 def shm_managers_under(folder: str) -> List[int]:
