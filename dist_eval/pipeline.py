@@ -200,7 +200,7 @@ def _run_pairs(session: _Session, pairs: List[Pair], numbered: str) -> List[Writ
             f"set {pairs[0].data.name or '-'} -> {outs[0]}", flush=True)
     rows = _rows(session, pairs[0].data)
     stored = [stored_results(out, (job.model_dir, pair.checkpoint.path, rows.dataset, job.split, session.model,
-                                   job.settings, job.head),
+                                   settings, job.head),
                              resume=config.resume, skip_finished=job.plan.several, say=say)
               for out, pair in zip(outs, pairs)]
     if all(folder is None for folder, _ in stored):
@@ -229,4 +229,3 @@ def _run_pairs(session: _Session, pairs: List[Pair], numbered: str) -> List[Writ
     reports = [report_pair(session, pair, result, (out, folder, key), rows, pair_started)
                for pair, out, (folder, key), result in zip(pairs, outs, stored, results)]
     return [report for report in reports if report is not None]
-
