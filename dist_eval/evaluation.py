@@ -1,8 +1,9 @@
 """``evaluate()`` and ``evaluate_pair()``: the Python API, in data-flow order.
 
     the rows, drawn once (dist_eval.data.sample.draw_rows: the --limit sample, slices, clusters)
-      -> one exact evaluation of every row, or rounds of them until the interval says stop
-         (dist_eval.stopping.evaluate_rows; each one dist_eval.exact.evaluate_once)
+      -> the one loop of rounds (dist_eval.stopping.evaluate_rows; each round one
+         dist_eval.exact.evaluate_once per model): one round of every row, or rounds of rows
+         until the interval says stop
       -> the slices and clusters, attached once to each model's result (dist_eval.slices)
 
 Every step runs on every rank, each in a phase (:func:`dist_eval.ranks.phase`).
@@ -124,9 +125,10 @@ def evaluate(
 
 def evaluate_models(models: list, data, request: Request, on_model: Optional[Callable[[int], None]] = None) -> list:
     """:func:`evaluate`'s and :func:`evaluate_pair`'s one path (and the CLI's, with its validated
-    :class:`~dist_eval.exact.Request`), an EvalResult per model: the rows drawn once, then one exact
-    evaluation (one model that does not stop early) or rounds of them until the interval says stop
-    (:mod:`dist_eval.stopping`), then the slices, attached once to each model's result.
+    :class:`~dist_eval.exact.Request`), an EvalResult per model: the rows drawn once, then the one loop of
+    rounds (:func:`dist_eval.stopping.evaluate_rows`: one round of every row for one model that does not stop
+    early, or rounds of rows until the interval says stop), then the slices, attached once to each model's
+    result.
     ``on_model(i)``: called before each evaluation of model ``i``.
     """
     settings, options = request.settings, request.options

@@ -1,6 +1,9 @@
-"""The rounds: a run that does not stop early is one round of every row; stopping early evaluates
-a set in rounds of rows, in the --limit order, until the time-uniform interval
-(:mod:`dist_eval.sequential`) says the answer is known.
+"""The rounds: the one loop of every run. A schedule hands out rounds of rows, every model evaluates
+each round exactly, and the schedule's rule says after each round whether to stop:
+
+- a run that does not stop early is one round of every row (:class:`WholeRun`), its rule "done";
+- stopping early (:class:`InRounds`) evaluates a set in rounds of rows, in the --limit order, until
+  the time-uniform interval (:mod:`dist_eval.sequential`) says the answer is known:
 
     the set's rows in their content-hash order (data/sample.draw_rows)
       -> for each round of ``stop_round_rows`` rows: exact.evaluate_once on them (every rank, exact)
@@ -54,56 +57,110 @@ LEVEL = 0.95
 
 
 def evaluate_rows(models: Sequence, data, request: Request, on_model: Optional[Callable[[int], None]] = None) -> list:
-    """Each model's :class:`~dist_eval.exact.EvalResult` on ``data`` (the run's Rows, or a DataLoader):
-    one round of every row (one model that does not stop early: :func:`~dist_eval.exact.evaluate_once`,
-    with the intervals), or rounds of rows until the interval says stop (:func:`evaluate_in_rounds`).
-    ``models``: one, or two on the same rows; ``on_model(i)``: called before each evaluation of model ``i``.
+    """Each model's :class:`~dist_eval.exact.EvalResult` on ``data`` (the run's Rows, or a DataLoader), by the
+    one loop of every run: a schedule hands out a round of rows, each model evaluates it exactly
+    (:func:`~dist_eval.exact.evaluate_once`), and the schedule's rule says whether to stop after it. A run
+    that does not stop early is one round of every row (:class:`WholeRun`); stopping early, rounds of rows
+    until the interval says stop (:class:`InRounds`), for one model or two on the same rows alike.
+    ``on_model(i)``: called before each evaluation of model ``i``.
     """
     if request.settings.stops_early or len(models) > 1:
-        return evaluate_in_rounds(models, data, request, on_model)
-    if on_model is not None:
-        on_model(0)
-    return [evaluate_once(models[0], data.dataset if isinstance(data, Rows) else data, request,
-                          (request.resume_folders or [None])[0])]
-
-
-def evaluate_in_rounds(models: Sequence, rows: Rows, request: Request,
-                       on_model: Optional[Callable[[int], None]] = None) -> list:
-    """``evaluate()`` with ``stop_at_width`` (one model) or ``stop_when_decided`` (two, on the same
-    rows): an EvalResult per model, its report on every rank, its merged rows used on rank 0 (None
-    elsewhere). Each round is one exact evaluation of its rows (:func:`dist_eval.exact.evaluate_once`,
-    never ``evaluate`` back: no recursion), for one checkpoint (``evaluate``) and for the comparison
-    (``evaluate_pair``, the CLI's ``--stop-when-decided``) alike.
-    """
-    settings, options = request.settings, request.options
-    _check_stopping(rows, settings, len(models), request.sample_metrics)
-    rounds = Rounds(rows, settings)
-    stopper = _Stopper(rounds, settings)
-    seen = [Seen(settings.stop_metric, options.top_k) for _ in models]
-    folders = request.resume_folders or [None] * len(seen)
-    # a round's text labels get the ids the whole set gives them (its class names), not those of its own texts
-    each_round = replace(request, whole_set=rows if request.label_names is None else None, metrics=None,
-                         return_logits=True, settings=rounds.settings, options=replace(options, bootstrap_resamples=0),
-                         on_batch_done=_rows_only(request.on_batch_done))
-    decision = None
-    while decision is None:
-        indices = rounds.next_rows()
-        subset = rounds.data.select(indices.tolist())
-        for index, (model, mine, folder) in enumerate(zip(models, seen, folders)):
+        schedule = InRounds(models, data, request)
+    else:
+        schedule = WholeRun(data, request)
+    done = False
+    while not done:
+        rows, each_round = schedule.next_round()
+        for index, model in enumerate(models):
             if on_model is not None:
-                on_model(index)
-            result = evaluate_once(model, subset, each_round, rounds.folder(folder), loops=mine.loops)
-            # a swarm server blamed now: its earlier rounds' rows, evaluated again (a collective: every rank, first)
-            redone = redone_in_earlier_rounds(mine.loops)
-            # rank 0's work on the round's rows (a sample metric's values checked) in a phase, as the rest of the
-            # run's: a failure there fails every rank at once, none waits in the next collective
-            with ranks.phase("taking the round's rows"):
-                mine.add(result, indices)
-                mine.patch(redone)
+                on_model(index)  # before the model's evaluation, and before its earlier rounds are redone
+            schedule.take(index, evaluate_once(model, rows, each_round, schedule.folder(index),
+                                               loops=schedule.loops(index)))
+        done = schedule.after_round()
+    return schedule.results()
+
+
+class WholeRun:
+    """The schedule of a run that does not stop early: one round of every row, the data (the rows drawn, or
+    a DataLoader), the request and the resume folder as given; its rule: done after that round, whose
+    result (its merge's report, with the intervals) is the run's.
+    """
+
+    def __init__(self, data, request: Request):
+        self.data, self.request = (data.dataset if isinstance(data, Rows) else data), request
+        self.result: Optional[EvalResult] = None
+
+    def next_round(self) -> tuple:
+        return self.data, self.request
+
+    def folder(self, index: int) -> Optional[str]:
+        return (self.request.resume_folders or [None])[index]
+
+    def loops(self, index: int) -> None:
+        return None  # no earlier round to evaluate again
+
+    def take(self, index: int, result: EvalResult) -> None:
+        self.result = result
+
+    def after_round(self) -> bool:
+        return True
+
+    def results(self) -> list:
+        return [self.result]
+
+
+class InRounds:
+    """The schedule of ``evaluate()`` with ``stop_at_width`` (one model) or ``stop_when_decided`` (two, on the
+    same rows: ``evaluate_pair``, the CLI's ``--stop-when-decided``): rounds of ``stop_round_rows`` rows in the
+    --limit order (:class:`Rounds`), each an exact evaluation of its rows by every model, in its own resume
+    subfolder; after each, rank 0's rule (:class:`_Stopper`) says stop or go on. Its results: an EvalResult
+    per model, its report on every rank, its merged rows used on rank 0 (None elsewhere).
+    """
+
+    def __init__(self, models: Sequence, rows: Rows, request: Request):
+        settings, options = request.settings, request.options
+        _check_stopping(rows, settings, len(models), request.sample_metrics)
+        self.request = request
+        self.rounds = Rounds(rows, settings)
+        self.stopper = _Stopper(self.rounds, settings)
+        self.seen = [Seen(settings.stop_metric, options.top_k) for _ in models]
+        self.folders = request.resume_folders or [None] * len(self.seen)
+        # a round's text labels get the ids the whole set gives them (its class names), not those of its own texts
+        self.each_round = replace(request, whole_set=rows if request.label_names is None else None, metrics=None,
+                                  return_logits=True, settings=self.rounds.settings,
+                                  options=replace(options, bootstrap_resamples=0),
+                                  on_batch_done=_rows_only(request.on_batch_done))
+        self.indices: Optional[np.ndarray] = None  # the set's rows of the round handed out last
+        self.decision: Optional[_Decision] = None
+
+    def next_round(self) -> tuple:
+        self.indices = self.rounds.next_rows()
+        return self.rounds.data.select(self.indices.tolist()), self.each_round
+
+    def folder(self, index: int) -> Optional[str]:
+        return self.rounds.folder(self.folders[index])
+
+    def loops(self, index: int) -> list:
+        return self.seen[index].loops  # a swarm server blamed later: its batches of every round are redone
+
+    def take(self, index: int, result: EvalResult) -> None:
+        mine = self.seen[index]
+        # a swarm server blamed now: its earlier rounds' rows, evaluated again (a collective: every rank, first)
+        redone = redone_in_earlier_rounds(mine.loops)
+        # rank 0's work on the round's rows (a sample metric's values checked) in a phase, as the rest of the
+        # run's: a failure there fails every rank at once, none waits in the next collective
+        with ranks.phase("taking the round's rows"):
+            mine.add(result, self.indices)
+            mine.patch(redone)
+
+    def after_round(self) -> bool:
         with ranks.phase("deciding whether to stop"):
-            decision = stopper.after_round(seen) if ranks.is_main_process() else None
-        decision = ranks.broadcast_object(decision)
-    return [_result_of(mine, decision, request, stopper) for mine in seen]
+            decision = self.stopper.after_round(self.seen) if ranks.is_main_process() else None
+        self.decision = ranks.broadcast_object(decision)
+        return self.decision is not None
+
+    def results(self) -> list:
+        return [_result_of(mine, self.decision, self.request, self.stopper) for mine in self.seen]
 
 
 def _result_of(mine: Seen, decision: _Decision, request: Request, stopper: _Stopper) -> EvalResult:

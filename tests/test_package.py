@@ -361,3 +361,19 @@ def test_the_rows_are_drawn_in_one_place():
                 if name in drawing:
                     calls.append(f"{os.path.relpath(path, REPO)}:{node.lineno} {name}()")
     assert not calls, "the sample drawn outside data/sample.py: " + "; ".join(calls)
+
+
+def test_every_run_is_the_one_loop_of_rounds():
+    """Issue 47: a run that does not stop early is one round of every row; the one exact evaluation
+    (exact.evaluate_once) is called by the rounds' one loop (stopping.evaluate_rows) and nowhere else,
+    and evaluation.py enters that loop once, for evaluate(), evaluate_pair() and the CLI alike."""
+    callers = {}
+    for path in package_files():
+        tree = ast.parse(open(path).read())
+        for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in (n for n in ast.walk(function) if isinstance(n, ast.Call)):
+                name = getattr(node.func, "id", getattr(node.func, "attr", None))
+                if name in ("evaluate_once", "evaluate_rows"):
+                    callers.setdefault(name, set()).add(f"{os.path.relpath(path, REPO)}:{function.name}")
+    assert callers == {"evaluate_once": {"dist_eval/stopping.py:evaluate_rows"},
+                       "evaluate_rows": {"dist_eval/evaluation.py:evaluate_models"}}, callers
