@@ -179,11 +179,11 @@ def _rows(session: _Session, data: EvalSet) -> Rows:
 def _run_pairs(session: _Session, pairs: List[Pair], numbered: str) -> List[Written]:
     """Pairs evaluated together on the rows of one set, stage by stage: one pair (a run that does not
     compare), or the two of --stop-when-decided, in rounds until the interval of their difference says
-    stop. Their rows (drawn once per set), each pair's stored results (several pairs: a finished report
-    is skipped), each side's checkpoint swapped into the one model before its evaluations, the
-    evaluation (:func:`dist_eval.evaluation.evaluate_models`: the path of :func:`dist_eval.evaluate`, or of
-    :func:`dist_eval.evaluate_pair` for two; the global progress shown by rank 0), a report for each (rank 0
-    returns them).
+    stop. Their rows (drawn once per set), each pair's stored results (several pairs: finished reports
+    are skipped, those of a comparison when both are), each side's checkpoint swapped into the one model
+    before its evaluations, the evaluation (:func:`dist_eval.evaluation.evaluate_models`: the path of
+    :func:`dist_eval.evaluate`, or of :func:`dist_eval.evaluate_pair` for two; the global progress shown by
+    rank 0), a report for each (rank 0 returns them).
     """
     from dist_eval.backends.classifier import swap_checkpoint
     from dist_eval.evaluation import evaluate_models
@@ -199,10 +199,9 @@ def _run_pairs(session: _Session, pairs: List[Pair], numbered: str) -> List[Writ
         say(f"dist_eval: {numbered} checkpoint {pairs[0].checkpoint.name or pairs[0].checkpoint.path or '-'}, "
             f"set {pairs[0].data.name or '-'} -> {outs[0]}", flush=True)
     rows = _rows(session, pairs[0].data)
-    stored = [stored_results(out, (job.model_dir, pair.checkpoint.path, rows.dataset, job.split, session.model,
-                                   settings, job.head),
-                             resume=config.resume, skip_finished=job.plan.several, say=say)
-              for out, pair in zip(outs, pairs)]
+    stored = stored_results(outs, [(job.model_dir, pair.checkpoint.path, rows.dataset, job.split, session.model,
+                                    settings, job.head) for pair in pairs],
+                            resume=config.resume, skip_finished=job.plan.several, say=say)
     if all(folder is None for folder, _ in stored):
         return []  # the finished reports of these very pairs are there (--resume)
 

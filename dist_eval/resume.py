@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -116,23 +116,30 @@ def finished_report(folder: str, key: str) -> bool:
             and not os.path.isdir(os.path.join(folder, SUBDIR, key)))
 
 
-def stored_results(output_dir: str, key_facts: tuple, *, resume: bool, skip_finished: bool,
-                   say: Callable[..., None]) -> Tuple[Optional[str], str]:
-    """Every rank: (the folder of this run's partial results in ``output_dir``, its run key), found by
-    rank 0 in a phase and sent to every rank; the folder is None when ``output_dir`` holds the finished
-    report of this very run and ``skip_finished`` (the run says so: skipped). ``key_facts``: the
-    arguments of :func:`run_key`; ``resume``: False removes what is stored (:func:`resume_folder`).
+def stored_results(output_dirs: Sequence[str], key_facts: Sequence[tuple], *, resume: bool, skip_finished: bool,
+                   say: Callable[..., None]) -> List[Tuple[Optional[str], str]]:
+    """Every rank: for each run evaluated together (one, or the two compared on the same rows), (the folder of
+    its partial results in its ``output_dirs`` entry, its run key), found by rank 0 in a phase and sent to
+    every rank. The folders are None when every one of those output folders holds the finished report of its
+    very run and ``skip_finished`` (the run says so: skipped); a comparison with one side finished evaluates
+    both again (it needs both sides' rows), and says so. ``key_facts``: each run's arguments of
+    :func:`run_key`; ``resume``: False removes what is stored (:func:`resume_folder`).
     """
     with ranks.phase("finding the stored partial results"):
         found = None
         if ranks.is_main_process():
-            key = run_key(*key_facts)
-            if skip_finished and resume and finished_report(output_dir, key):
-                say(f"dist_eval: already finished (the report in {output_dir} is of this checkpoint, data and "
-                    "settings): skipped", flush=True)
-                found = None, key
+            keys = [run_key(*facts) for facts in key_facts]
+            finished = [skip_finished and resume and finished_report(out, key) for out, key in zip(output_dirs, keys)]
+            if all(finished):
+                for out in output_dirs:
+                    say(f"dist_eval: already finished (the report in {out} is of this checkpoint, data and "
+                        "settings): skipped", flush=True)
+                found = [(None, key) for key in keys]
             else:
-                found = resume_folder(output_dir, key, resume, say), key
+                for out in (out for out, done in zip(output_dirs, finished) if done):
+                    say(f"dist_eval: the report in {out} is finished, but the checkpoint it is compared with is "
+                        "not: both are evaluated again on the same rows", flush=True)
+                found = [(resume_folder(out, key, resume, say), key) for out, key in zip(output_dirs, keys)]
     return ranks.broadcast_object(found)
 
 

@@ -302,6 +302,43 @@ def test_the_cli_compares_two_checkpoints_with_one_model_load_as_the_api_does(de
     assert [(r["a"], r["b"], r["shared_rows"]) for r in compared] == [("A", "B", metrics["stopping"]["rows_used"])]
 
 
+def test_a_comparison_is_skipped_on_resume_only_when_both_reports_are_finished(demo_build, worse_checkpoint,
+                                                                              tmp_path, capfd):
+    """--resume of --stop-when-decided: with one report finished (a run killed between the two reports),
+    both are evaluated again and the run says so (before, it said "already finished ... skipped" for the
+    finished one and evaluated it anyway); with both finished, both are skipped, nothing evaluated."""
+    assets = demo_build[2][0]
+    out = tmp_path / "out"
+    args = ["--model", assets.model_dir, "--data-files", assets.data_dir, "--split", assets.split,
+            "--checkpoint", f"A={assets.checkpoint}", "--checkpoint", f"B={worse_checkpoint}", "--backend", "local",
+            "--stop-when-decided", "--stop-round-rows", str(ROUND), "--bootstrap-resamples", "0", "--progress",
+            "none", "--output-dir", str(out)]
+
+    def run() -> str:
+        capfd.readouterr()
+        code = run_cli_in_process(args, hide_modules=("matplotlib",))
+        printed = "".join(capfd.readouterr())
+        assert code == 0, printed[-3000:]
+        return printed
+
+    run()
+    first = {side: json.loads((out / side / "metrics.json").read_text()) for side in "AB"}
+    os.remove(out / "B" / "metrics.json")  # killed after A's report was written, before B's
+    printed = run()
+    assert "already finished" not in printed
+    assert f"the report in {out / 'A'} is finished, but the checkpoint it is compared with is not" in printed
+    assert "comparing A and B" in printed
+    for side in "AB":
+        again = json.loads((out / side / "metrics.json").read_text())
+        assert again["stopping"]["rows_used"] == first[side]["stopping"]["rows_used"]
+        assert_same_bits(again["accuracy"], first[side]["accuracy"], side)
+    printed = run()
+    assert [line for line in printed.splitlines() if "already finished" in line] == [
+        f"dist_eval: already finished (the report in {out / side} is of this checkpoint, data and settings): "
+        "skipped" for side in "AB"]
+    assert "comparing A and B" not in printed
+
+
 def test_the_worked_example_in_the_docs_is_what_the_demo_gives(demo):
     """docs/running.md's table of the rows the demo needs: each row again, in process (the
     same rounds, rows and numbers as the CLI's, for any number of ranks)."""
