@@ -121,9 +121,10 @@ def stored_results(output_dirs: Sequence[str], key_facts: Sequence[tuple], *, re
     """Every rank: for each run evaluated together (one, or the two compared on the same rows), (the folder of
     its partial results in its ``output_dirs`` entry, its run key), found by rank 0 in a phase and sent to
     every rank. The folders are None when every one of those output folders holds the finished report of its
-    very run and ``skip_finished`` (the run says so: skipped); a comparison with one side finished evaluates
-    both again (it needs both sides' rows), and says so. ``key_facts``: each run's arguments of
-    :func:`run_key`; ``resume``: False removes what is stored (:func:`resume_folder`).
+    very run and ``skip_finished`` (the run says so: skipped). In a comparison with one side finished, that
+    side is evaluated again beside the other (the rounds need both sides' rows), and the run says so.
+    ``key_facts``: each run's arguments of :func:`run_key`; ``resume``: False removes what is stored
+    (:func:`resume_folder`).
     """
     with ranks.phase("finding the stored partial results"):
         found = None
@@ -138,7 +139,7 @@ def stored_results(output_dirs: Sequence[str], key_facts: Sequence[tuple], *, re
             else:
                 for out in (out for out, done in zip(output_dirs, finished) if done):
                     say(f"dist_eval: the report in {out} is finished, but the checkpoint it is compared with is "
-                        "not: both are evaluated again on the same rows", flush=True)
+                        "not: it is evaluated again beside it, on the same rows", flush=True)
                 found = [(resume_folder(out, key, resume, say), key) for out, key in zip(output_dirs, keys)]
     return ranks.broadcast_object(found)
 

@@ -15,8 +15,9 @@ Rank 0's work is done in phases (:func:`dist_eval.ranks.phase`): a failure there
 
 A round is a count of rows, not of batches, and the order is the rows' content hash, so the
 rows of each round, the stopping round and every number are the same for any world size.
-Each round keeps its partial results in its own subfolder of the resume folder: a resumed
-run reads the finished rounds back, sees the same values, and makes the same decisions.
+Each round of a run that stops early keeps its partial results in its own subfolder of the resume
+folder (a whole run: the folder itself): a resumed run reads the finished rounds back, sees the same
+values, and makes the same decisions.
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ whole set's rows (dist_eval/sequential.py) says it may; its rows, logits and met
 those of an ordinary evaluate() of the same rows. The real demo model, local backend.
 The CLI runs here draw no figures (matplotlib hidden): none is looked at.
 """
+import glob
 import json
 import os
 import re
@@ -303,40 +304,80 @@ def test_the_cli_compares_two_checkpoints_with_one_model_load_as_the_api_does(de
 
 
 def test_a_comparison_is_skipped_on_resume_only_when_both_reports_are_finished(demo_build, worse_checkpoint,
-                                                                              tmp_path, capfd):
-    """--resume of --stop-when-decided: with one report finished (a run killed between the two reports),
-    both are evaluated again and the run says so (before, it said "already finished ... skipped" for the
-    finished one and evaluated it anyway); with both finished, both are skipped, nothing evaluated."""
+                                                                              tmp_path, capfd, monkeypatch):
+    """--resume of --stop-when-decided: a run interrupted between the two reports (A's written, B's rounds
+    stored) resumes with A evaluated again beside B, B from its stored rounds, and says so once (before, it
+    said "already finished ... skipped" for A and evaluated it anyway); the reports are the uninterrupted
+    run's. With both finished, both are skipped: nothing evaluated."""
+    from dist_eval import pipeline
+
     assets = demo_build[2][0]
-    out = tmp_path / "out"
     args = ["--model", assets.model_dir, "--data-files", assets.data_dir, "--split", assets.split,
             "--checkpoint", f"A={assets.checkpoint}", "--checkpoint", f"B={worse_checkpoint}", "--backend", "local",
             "--stop-when-decided", "--stop-round-rows", str(ROUND), "--bootstrap-resamples", "0", "--progress",
-            "none", "--output-dir", str(out)]
+            "none"]
 
-    def run() -> str:
+    def run(out, expected_code=0) -> str:
         capfd.readouterr()
-        code = run_cli_in_process(args, hide_modules=("matplotlib",))
+        code = run_cli_in_process([*args, "--output-dir", str(out)], hide_modules=("matplotlib",))
         printed = "".join(capfd.readouterr())
-        assert code == 0, printed[-3000:]
+        assert code == expected_code, printed[-3000:]
         return printed
 
-    run()
-    first = {side: json.loads((out / side / "metrics.json").read_text()) for side in "AB"}
-    os.remove(out / "B" / "metrics.json")  # killed after A's report was written, before B's
-    printed = run()
+    run(tmp_path / "whole")
+    whole = {side: json.loads((tmp_path / "whole" / side / "metrics.json").read_text()) for side in "AB"}
+    out = tmp_path / "out"
+    report_pair = pipeline.report_pair
+
+    def interrupted_before_b(session, pair, *rest):
+        if pair.folder == "B":
+            raise KeyboardInterrupt  # as a SIGINT there: A's report written, B's rounds stored
+        return report_pair(session, pair, *rest)
+
+    monkeypatch.setattr(pipeline, "report_pair", interrupted_before_b)
+    run(out, expected_code=130)
+    monkeypatch.setattr(pipeline, "report_pair", report_pair)
+    assert (out / "A" / "metrics.json").is_file() and not (out / "A" / "partial").exists()
+    assert not (out / "B" / "metrics.json").exists() and glob.glob(str(out / "B" / "partial" / "*" / "round-*"))
+    printed = run(out)
     assert "already finished" not in printed
-    assert f"the report in {out / 'A'} is finished, but the checkpoint it is compared with is not" in printed
-    assert "comparing A and B" in printed
+    assert printed.count("is finished, but the checkpoint it is compared with is not") == 1
+    assert f"the report in {out / 'A'} is finished, but the checkpoint it is compared with is not: it is " \
+           "evaluated again beside it, on the same rows" in printed
+    assert f"reusing the stored results in {out / 'B' / 'partial'}" in printed
     for side in "AB":
         again = json.loads((out / side / "metrics.json").read_text())
-        assert again["stopping"]["rows_used"] == first[side]["stopping"]["rows_used"]
-        assert_same_bits(again["accuracy"], first[side]["accuracy"], side)
-    printed = run()
+        assert again["stopping"]["rows_used"] == whole[side]["stopping"]["rows_used"]
+        for key in ("accuracy", "loss", "confusion_matrix"):
+            assert_same_bits(again[key], whole[side][key], f"{side}: {key}, resumed against uninterrupted")
+        assert not (out / side / "partial").exists()
+    assert json.loads((out / "B" / "metrics.json").read_text())["run"]["resumed_samples"] > 0
+    assert json.loads((out / "A" / "metrics.json").read_text())["run"]["resumed_samples"] == 0
+    printed = run(out)
     assert [line for line in printed.splitlines() if "already finished" in line] == [
         f"dist_eval: already finished (the report in {out / side} is of this checkpoint, data and settings): "
         "skipped" for side in "AB"]
     assert "comparing A and B" not in printed
+
+
+def test_every_run_goes_through_the_one_loop_of_rounds(demo, monkeypatch):
+    """Issue 47: a run that does not stop early is one round of every row (stopping.WholeRun) of the loop
+    that a run that stops early takes in rounds (stopping.InRounds); the numbers are the whole run's."""
+    from dist_eval import stopping
+
+    handed = []
+    for schedule in (stopping.WholeRun, stopping.InRounds):
+        def counted(self, _next=schedule.next_round, _name=schedule.__name__):
+            handed.append(_name)
+            return _next(self)
+        monkeypatch.setattr(schedule, "next_round", counted)
+    model, tokenizer, dataset, full = demo
+    with one_thread():
+        whole = evaluate(model, dataset, tokenizer=tokenizer, return_logits=True, bootstrap_resamples=0)
+    assert handed == ["WholeRun"]
+    assert_same_bits(whole.predictions.logits, full.predictions.logits, "a whole run, through the one loop")
+    stopped = _stopped(demo, stop_at_width=0.1, bootstrap_resamples=0)
+    assert handed == ["WholeRun"] + ["InRounds"] * stopped.metrics["stopping"]["rounds"]
 
 
 def test_the_worked_example_in_the_docs_is_what_the_demo_gives(demo):
