@@ -225,6 +225,8 @@ def _run_pairs(session: _Session, pairs: List[Pair], numbered: str) -> List[Writ
                           metrics=None, sample_metrics=None, on_batch_done=progress.update,
                           resume_folders=[folder for folder, _ in stored], settings=settings, options=config.options)
         results = evaluate_models([session.model] * len(pairs), rows, request, on_model=hold)
-    reports = [report_pair(session, pair, result, (out, folder, key), rows, pair_started)
-               for pair, out, (folder, key), result in zip(pairs, outs, stored, results)]
+    # a comparison's report names the other side's run key: its stop was decided against that one
+    partners = [key for _, key in reversed(stored)] if len(pairs) > 1 else [None]
+    reports = [report_pair(session, pair, result, (out, folder, key, partner), rows, pair_started)
+               for pair, out, (folder, key), partner, result in zip(pairs, outs, stored, partners, results)]
     return [report for report in reports if report is not None]

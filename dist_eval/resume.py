@@ -103,16 +103,20 @@ def finished(folder: str) -> None:
         os.rmdir(os.path.dirname(folder))
 
 
-def finished_report(folder: str, key: str) -> bool:
+def finished_report(folder: str, key: str, compared_with: Optional[str] = None) -> bool:
     """``folder`` holds the complete report of the run ``key``: its metrics.json records the
     key, predictions.jsonl is there and no partial results are left (they are removed last).
+    ``compared_with``: the run key of the other side of a comparison, which the report must name
+    (its stop was decided against that side's rows).
     """
     try:
         with open(os.path.join(folder, "metrics.json")) as f:
-            recorded = RunFacts.of(json.load(f)).run_key
+            recorded = RunFacts.of(json.load(f))
     except (OSError, ValueError, AttributeError, TypeError):  # no report, or not one
         return False
-    return (recorded == key and os.path.isfile(os.path.join(folder, "predictions.jsonl"))
+    partner = recorded.pair.get("compared_with_run_key") if isinstance(recorded.pair, dict) else None
+    return (recorded.run_key == key and partner == compared_with
+            and os.path.isfile(os.path.join(folder, "predictions.jsonl"))
             and not os.path.isdir(os.path.join(folder, SUBDIR, key)))
 
 
@@ -121,8 +125,9 @@ def stored_results(output_dirs: Sequence[str], key_facts: Sequence[tuple], *, re
     """Every rank: for each run evaluated together (one, or the two compared on the same rows), (the folder of
     its partial results in its ``output_dirs`` entry, its run key), found by rank 0 in a phase and sent to
     every rank. The folders are None when every one of those output folders holds the finished report of its
-    very run and ``skip_finished`` (the run says so: skipped). In a comparison with one side finished, that
-    side is evaluated again beside the other (the rounds need both sides' rows), and the run says so.
+    very run and ``skip_finished`` (the run says so: skipped); a comparison's reports must name each other's
+    run key. In a comparison with one side finished, that side is evaluated again beside the other (the
+    rounds need both sides' rows), and the run says so.
     ``key_facts``: each run's arguments of :func:`run_key`; ``resume``: False removes what is stored
     (:func:`resume_folder`).
     """
@@ -130,7 +135,9 @@ def stored_results(output_dirs: Sequence[str], key_facts: Sequence[tuple], *, re
         found = None
         if ranks.is_main_process():
             keys = [run_key(*facts) for facts in key_facts]
-            finished = [skip_finished and resume and finished_report(out, key) for out, key in zip(output_dirs, keys)]
+            partners = list(reversed(keys)) if len(keys) > 1 else [None]  # a comparison: each names the other
+            finished = [skip_finished and resume and finished_report(out, key, partner)
+                        for out, key, partner in zip(output_dirs, keys, partners)]
             if all(finished):
                 for out in output_dirs:
                     say(f"dist_eval: already finished (the report in {out} is of this checkpoint, data and "

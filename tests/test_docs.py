@@ -70,7 +70,8 @@ def test_the_flag_check_fails_on_a_flag_given_to_the_wrong_command(tmp_path):
 DESCEND = ("run", "reliability", "run.sample", "run.pair", "run.row_store")
 # documented keys a small local run cannot write
 ONLY_ELSEWHERE = {"run.swarm": "the petals backend (tests/test_backends_petals.py)",
-                  "run.swarm.audit": "a petals run with --audit (tests/test_audit.py)"}
+                  "run.swarm.audit": "a petals run with --audit (tests/test_audit.py)",
+                  "run.pair.compared_with_run_key": "a run of --stop-when-decided (tests/test_stopping.py)"}
 TOP_K = re.compile(r"top\d+_accuracy")
 
 

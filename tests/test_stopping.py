@@ -308,24 +308,27 @@ def test_a_comparison_is_skipped_on_resume_only_when_both_reports_are_finished(d
     """--resume of --stop-when-decided: a run interrupted between the two reports (A's written, B's rounds
     stored) resumes with A evaluated again beside B, B from its stored rounds, and says so once (before, it
     said "already finished ... skipped" for A and evaluated it anyway); the reports are the uninterrupted
-    run's. With both finished, both are skipped: nothing evaluated."""
+    run's. With both finished, both are skipped: nothing evaluated; but only when each report names the
+    other's run (``run.pair.compared_with_run_key``): a report of A against another checkpoint is not."""
     from dist_eval import pipeline
 
     assets = demo_build[2][0]
     args = ["--model", assets.model_dir, "--data-files", assets.data_dir, "--split", assets.split,
-            "--checkpoint", f"A={assets.checkpoint}", "--checkpoint", f"B={worse_checkpoint}", "--backend", "local",
-            "--stop-when-decided", "--stop-round-rows", str(ROUND), "--bootstrap-resamples", "0", "--progress",
-            "none"]
+            "--checkpoint", f"A={assets.checkpoint}", "--backend", "local", "--stop-when-decided",
+            "--stop-round-rows", str(ROUND), "--bootstrap-resamples", "0", "--progress", "none"]
 
-    def run(out, expected_code=0) -> str:
+    def run(out, expected_code=0, b=worse_checkpoint) -> str:
         capfd.readouterr()
-        code = run_cli_in_process([*args, "--output-dir", str(out)], hide_modules=("matplotlib",))
+        code = run_cli_in_process([*args, "--checkpoint", f"B={b}", "--output-dir", str(out)],
+                                  hide_modules=("matplotlib",))
         printed = "".join(capfd.readouterr())
         assert code == expected_code, printed[-3000:]
         return printed
 
     run(tmp_path / "whole")
     whole = {side: json.loads((tmp_path / "whole" / side / "metrics.json").read_text()) for side in "AB"}
+    for side, other in ("AB", "BA"):  # each report names the run it was compared with
+        assert whole[side]["run"]["pair"]["compared_with_run_key"] == whole[other]["run"]["run_key"]
     out = tmp_path / "out"
     report_pair = pipeline.report_pair
 
@@ -358,6 +361,24 @@ def test_a_comparison_is_skipped_on_resume_only_when_both_reports_are_finished(d
         f"dist_eval: already finished (the report in {out / side} is of this checkpoint, data and settings): "
         "skipped" for side in "AB"]
     assert "comparing A and B" not in printed
+    # A compared with a third checkpoint in B's place, interrupted before that B's report: A's report is of A
+    # against the third, B's still of B against A. Back to B: A's report does not name B's run, so the two
+    # are not skipped as finished (before: both skipped, A's stop decided against another checkpoint)
+    third = tmp_path / "third.pt"
+    saved = torch.load(worse_checkpoint, weights_only=True)
+    saved["state_dict"]["score.weight"] = saved["state_dict"]["score.weight"][[0, 1, 3, 2]].clone()
+    torch.save(saved, third)
+    monkeypatch.setattr(pipeline, "report_pair", interrupted_before_b)
+    run(out, expected_code=130, b=third)
+    monkeypatch.setattr(pipeline, "report_pair", report_pair)
+    printed = run(out)
+    assert "already finished" not in printed
+    assert f"the report in {out / 'B'} is finished, but the checkpoint it is compared with is not" in printed
+    for side in "AB":
+        again = json.loads((out / side / "metrics.json").read_text())
+        assert again["run"]["pair"]["compared_with_run_key"] == whole[side]["run"]["pair"]["compared_with_run_key"]
+        assert again["stopping"]["rows_used"] == whole[side]["stopping"]["rows_used"]
+        assert_same_bits(again["accuracy"], whole[side]["accuracy"], f"{side}: accuracy, against B again")
 
 
 def test_every_run_goes_through_the_one_loop_of_rounds(demo, monkeypatch):

@@ -36,11 +36,14 @@ class Written:
 
 def report_pair(session, pair: Pair, result, where: tuple, rows, pair_started: float) -> Optional[Written]:
     """The pair's report: every rank adds up the run's facts (:func:`run_facts`); rank 0 writes the
-    report in ``where`` = (its folder, the partial results' folder, the run key), a shard's files
-    last, marks the partial results finished, and returns it for the shutdown's times.
+    report in ``where`` = (its folder, the partial results' folder, the run key, the run key of the
+    checkpoint it was compared with or None), a shard's files last, marks the partial results finished,
+    and returns it for the shutdown's times.
     """
-    out, folder, key = where
+    out, folder, key, partner = where
     facts = run_facts(session, pair, pair_started, key, rows)
+    if partner is not None:  # --stop-when-decided: resume skips it only beside that very report
+        facts.pair["compared_with_run_key"] = partner
     result.metrics["run"].update(facts.report())
     with ranks.phase("writing the report"):
         if ranks.is_main_process():
