@@ -202,7 +202,7 @@ def _run_pairs(session: _Session, pairs: List[Pair], numbered: str) -> List[Writ
     stored = stored_results(outs, [(job.model_dir, pair.checkpoint.path, rows.dataset, job.split, session.model,
                                     settings, job.head) for pair in pairs],
                             resume=config.resume, skip_finished=job.plan.several, say=say)
-    if all(folder is None for folder, _ in stored):
+    if all(folder is None for folder, _, _ in stored):
         return []  # the finished reports of these very pairs are there (--resume)
 
     def hold(side: int) -> None:  # before each evaluation of a side: its prompts + head in the one model
@@ -223,10 +223,9 @@ def _run_pairs(session: _Session, pairs: List[Pair], numbered: str) -> List[Writ
         # evaluate() for one pair, evaluate_pair() for two: their one path, with the CLI's validated settings
         request = Request(session.tokenizer, num_labels=None, label_names=None, pad_token_id=None, return_logits=True,
                           metrics=None, sample_metrics=None, on_batch_done=progress.update,
-                          resume_folders=[folder for folder, _ in stored], settings=settings, options=config.options)
+                          resume_folders=[folder for folder, _, _ in stored], settings=settings,
+                          options=config.options)
         results = evaluate_models([session.model] * len(pairs), rows, request, on_model=hold)
-    # a comparison's report names the other side's run key: its stop was decided against that one
-    partners = [key for _, key in reversed(stored)] if len(pairs) > 1 else [None]
-    reports = [report_pair(session, pair, result, (out, folder, key, partner), rows, pair_started)
-               for pair, out, (folder, key), partner, result in zip(pairs, outs, stored, partners, results)]
+    reports = [report_pair(session, pair, result, (out, *found), rows, pair_started)
+               for pair, out, found, result in zip(pairs, outs, stored, results)]
     return [report for report in reports if report is not None]

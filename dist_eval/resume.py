@@ -121,15 +121,15 @@ def finished_report(folder: str, key: str, compared_with: Optional[str] = None) 
 
 
 def stored_results(output_dirs: Sequence[str], key_facts: Sequence[tuple], *, resume: bool, skip_finished: bool,
-                   say: Callable[..., None]) -> List[Tuple[Optional[str], str]]:
+                   say: Callable[..., None]) -> List[Tuple[Optional[str], str, Optional[str]]]:
     """Every rank: for each run evaluated together (one, or the two compared on the same rows), (the folder of
-    its partial results in its ``output_dirs`` entry, its run key), found by rank 0 in a phase and sent to
-    every rank. The folders are None when every one of those output folders holds the finished report of its
-    very run and ``skip_finished`` (the run says so: skipped); a comparison's reports must name each other's
-    run key. In a comparison with one side finished, that side is evaluated again beside the other (the
-    rounds need both sides' rows), and the run says so.
-    ``key_facts``: each run's arguments of :func:`run_key`; ``resume``: False removes what is stored
-    (:func:`resume_folder`).
+    its partial results in its ``output_dirs`` entry, its run key, the run key of the other side of a
+    comparison or None), found by rank 0 in a phase and sent to every rank. The folders are None when every
+    one of those output folders holds the finished report of its very run and ``skip_finished`` (the run
+    says so: skipped); a comparison's reports must name each other's run key. In a comparison with one side
+    finished, that side is evaluated again beside the other (the rounds need both sides' rows), and the run
+    says so. ``key_facts``: each run's arguments of :func:`run_key`; ``resume``: False removes what is
+    stored (:func:`resume_folder`).
     """
     with ranks.phase("finding the stored partial results"):
         found = None
@@ -142,12 +142,13 @@ def stored_results(output_dirs: Sequence[str], key_facts: Sequence[tuple], *, re
                 for out in output_dirs:
                     say(f"dist_eval: already finished (the report in {out} is of this checkpoint, data and "
                         "settings): skipped", flush=True)
-                found = [(None, key) for key in keys]
+                folders = [None] * len(keys)
             else:
                 for out in (out for out, done in zip(output_dirs, finished) if done):
                     say(f"dist_eval: the report in {out} is finished, but the checkpoint it is compared with is "
                         "not: it is evaluated again beside it, on the same rows", flush=True)
-                found = [(resume_folder(out, key, resume, say), key) for out, key in zip(output_dirs, keys)]
+                folders = [resume_folder(out, key, resume, say) for out, key in zip(output_dirs, keys)]
+            found = list(zip(folders, keys, partners))
     return ranks.broadcast_object(found)
 
 

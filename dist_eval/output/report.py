@@ -41,9 +41,7 @@ def report_pair(session, pair: Pair, result, where: tuple, rows, pair_started: f
     and returns it for the shutdown's times.
     """
     out, folder, key, partner = where
-    facts = run_facts(session, pair, pair_started, key, rows)
-    if partner is not None:  # --stop-when-decided: resume skips it only beside that very report
-        facts.pair["compared_with_run_key"] = partner
+    facts = run_facts(session, pair, pair_started, (key, partner), rows)
     result.metrics["run"].update(facts.report())
     with ranks.phase("writing the report"):
         if ranks.is_main_process():
@@ -63,14 +61,16 @@ def report_pair(session, pair: Pair, result, where: tuple, rows, pair_started: f
     return Written(out, result.metrics, facts, dict(ranks.phase_seconds))
 
 
-def run_facts(session, pair: Pair, pair_started: float, run_key: str, rows) -> RunFacts:
+def run_facts(session, pair: Pair, pair_started: float, run_keys: tuple, rows) -> RunFacts:
     """What a report's metrics.json records of the run, besides what the loop measured: ``rows``
-    (the run's :class:`~dist_eval.data.sample.Rows`) give the --limit sample. For a plan of one
+    (the run's :class:`~dist_eval.data.sample.Rows`) give the --limit sample; ``run_keys``: (its run
+    key, the run key of the checkpoint it was compared with or None). For a plan of one
     pair, its times count from the run's start; with several, from the pair's, and ``pair`` names
-    it and the phases the pairs shared. Every rank calls it (a swarm's audit is added up over them).
+    it, the phases the pairs shared and the run it was compared with (--resume skips a comparison only
+    when its two reports name each other). Every rank calls it (a swarm's audit is added up over them).
     """
     config, job, several = session.config, session.job, session.job.plan.several
-    settings = job.settings
+    settings, (run_key, compared_with) = job.settings, run_keys
     facts = RunFacts(
         backend=config.backend,
         model=os.path.abspath(job.model_dir),
@@ -99,6 +99,8 @@ def run_facts(session, pair: Pair, pair_started: float, run_key: str, rows) -> R
     if several:
         facts.pair = {"checkpoint": pair.checkpoint.name, "set": pair.data.name, "folder": pair.folder,
                       "shared_phase_seconds": _rounded(session.shared_phases)}
+        if compared_with is not None:  # --stop-when-decided: its stop was decided against that run's rows
+            facts.pair["compared_with_run_key"] = compared_with
     if session.on_swarm:
         facts.swarm = _swarm_facts(session.model)
     return facts
