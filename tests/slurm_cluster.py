@@ -5,16 +5,20 @@ slurmd "nodes" (n1, n2: ``slurmd -N``, each its own port), all state under one f
         job = cluster.sbatch(["--nodes=2", "launch/slurm.sbatch", "--backend", "local", ...])
         cluster.wait(job)       # -> (state, exit code), e.g. ("COMPLETED", 0)
 
-Debian's ``slurm-wlm`` and ``munge`` are installed (``apt-get install``, as root) where
-``slurmctld`` is missing; an install that fails raises, naming what failed. Every daemon is
-started by this process and stopped at exit (SIGTERM, then SIGKILL), with the job steps'
-``slurmstepd`` left by them. Process tracking and confinement: ``proctrack/linuxproc`` and
-``task/affinity`` (each task bound to the CPUs it was given), which work in a container;
-``task/cgroup`` needs a cgroup hierarchy slurmd may own.
+The daemons run as the user who starts them (``SlurmUser`` and ``SlurmdUser``: root, or an ordinary
+user where SLURM was installed by someone else), every file in ``folder``, which that user owns.
+Debian's ``slurm-wlm`` and ``munge`` are installed (``apt-get install``, as root) where a daemon is
+missing; an install that fails raises, naming what failed. :func:`why_not_here` says why a cluster
+cannot run here (SLURM missing, and this user may not install it): the suite deselects the ``slurm``
+tests then (``tests/suite_plugin.py``). Every daemon is started by this process and stopped at exit
+(SIGTERM, then SIGKILL), with the job steps' ``slurmstepd`` left by them. Process tracking and
+confinement: ``proctrack/linuxproc`` and ``task/affinity`` (each task bound to the CPUs it was given),
+which work in a container; ``task/cgroup`` needs a cgroup hierarchy slurmd may own.
 """
 from __future__ import annotations
 
 import os
+import pwd
 import random
 import re
 import shutil
@@ -24,18 +28,53 @@ import subprocess
 import time
 from typing import Dict, List, Optional, Tuple
 
-SBIN = "/usr/sbin"
+# where the daemons are looked for beside PATH (an ordinary user's PATH may hold no sbin): Debian's, a
+# source build's
+SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
+# what a cluster runs: the daemons, and the commands that the tests and the launch scripts call
+NEEDED = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo")
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 2
 
 
+def _search_path() -> str:
+    return os.pathsep.join([os.environ.get("PATH", ""), *SBIN_DIRS])
+
+
+def _program(name: str) -> Optional[str]:
+    return shutil.which(name, path=_search_path())
+
+
+def _missing() -> List[str]:
+    return [name for name in NEEDED if _program(name) is None]
+
+
+def _user() -> str:
+    uid = os.geteuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def why_not_here() -> Optional[str]:
+    """Why no cluster can run on this host for this user, or None: SLURM is installed (by anyone: the
+    daemons run as this user), or this user is root with apt-get (:func:`ensure_installed` installs it)."""
+    missing = _missing()
+    if not missing or (os.geteuid() == 0 and _program("apt-get")):
+        return None
+    return (f"SLURM is not installed here ({', '.join(missing)} not found; searched {', '.join(['PATH', *SBIN_DIRS])}) "
+            f"and this user ({_user()}, uid {os.geteuid()}) cannot install it (they run where it is installed, "
+            "or as root with apt-get: apt-get install slurm-wlm munge)")
+
+
 def ensure_installed() -> None:
-    """slurm-wlm and munge from Debian's archive where slurmctld is missing (as root)."""
-    if os.path.exists(f"{SBIN}/slurmctld") and os.path.exists(f"{SBIN}/munged"):
+    """slurm-wlm and munge from Debian's archive where a program of theirs is missing (as root)."""
+    if not _missing():
         return
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        raise RuntimeError("SLURM is not installed and cannot be here (needs root and apt-get): "
-                           "apt-get install slurm-wlm munge")
+    why = why_not_here()
+    if why:
+        raise RuntimeError(why)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "slurm-wlm", "munge"]):
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -63,8 +102,8 @@ def _conf(folder: str, ctld_port: int, node_ports: List[int], munge_socket: str)
     return f"""ClusterName=dist-eval-test
 SlurmctldHost={socket.gethostname()}(127.0.0.1)
 SlurmctldPort={ctld_port}
-SlurmUser=root
-SlurmdUser=root
+SlurmUser={_user()}
+SlurmdUser={_user()}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={munge_socket}
@@ -125,13 +164,13 @@ class SlurmCluster:
         ctld, *nodes = _free_ports(1 + len(NODES))
         with open(self.env["SLURM_CONF"], "w") as out:
             out.write(_conf(f, ctld, nodes, sock))
-        self._daemon("munged", [f"{SBIN}/munged", "-F", "--force", f"--key-file={key}", f"--socket={sock}",
+        self._daemon("munged", [_program("munged"), "-F", "--force", f"--key-file={key}", f"--socket={sock}",
                                 f"--pid-file={f}/munge/munged.pid", f"--log-file={f}/munge/munged.log",
                                 f"--seed-file={f}/munge/munged.seed"])
         self._wait_for(lambda: os.path.exists(sock), timeout, "munged's socket")
-        self._daemon("slurmctld", [f"{SBIN}/slurmctld", "-D", "-i"])
+        self._daemon("slurmctld", [_program("slurmctld"), "-D", "-i"])
         for name in NODES:
-            self._daemon(f"slurmd {name}", [f"{SBIN}/slurmd", "-D", "-N", name])
+            self._daemon(f"slurmd {name}", [_program("slurmd"), "-D", "-N", name])
         self._wait_for(self._nodes_idle, timeout, "both nodes idle (sinfo)")
 
     def _daemon(self, name: str, cmd: List[str]) -> None:

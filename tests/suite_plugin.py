@@ -1,7 +1,9 @@
 """A pytest plugin (loaded by conftest.py): the suite's marks and order.
 
-- ``gpu``: tests that need CUDA. Where torch sees no CUDA device they are deselected (not
-  skipped: a skip is not a pass), and the run's summary says so in one line.
+- ``gpu`` and ``slurm``: tests that need what a machine may not offer: CUDA, a SLURM cluster on this host
+  (``tests/slurm_cluster.py``: its daemons installed, or root to install them). Where it is not offered they
+  are deselected (not skipped: a skip is not a pass, nor an error), and the run's summary says so in one
+  line a mark, with the reason.
 - ``multiproc``, ``swarm`` and ``slurm`` say what a test starts; they are checked, not trusted: a test
   (or a fixture it set up) that launches ``torch.distributed.run`` (or ``dist_eval.launcher``) must be
   marked ``multiproc``, one that starts dist_eval's swarm servers ``swarm``, one that starts
@@ -10,13 +12,13 @@
   to show that no test depends on another having run first; ``pytest-random-order``
   (``--random-order``) gives a random order.
 
-Under pytest-xdist each worker collects, deselects and checks marks on its own; the gpu
+Under pytest-xdist each worker collects, deselects and checks marks on its own; the
 deselections reach the controller, which prints the summary, through ``workeroutput``.
 """
 from __future__ import annotations
 
 import subprocess
-from typing import List
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -24,7 +26,7 @@ import pytest
 _STARTS = {"torch.distributed.run": "multiproc", "torchrun ": "multiproc", "-m dist_eval.launcher": "multiproc",
            "-m dist_eval.swarm.server": "swarm", "-m stock_petals_server": "swarm", "/slurmctld": "slurm"}
 _launched: List[str] = []  # command lines started since the current test began
-_gpu_deselected: List[str] = []
+_deselected: Dict[str, Tuple[str, List[str]]] = {}  # mark -> (why, the node ids deselected)
 _real_popen_init = subprocess.Popen.__init__
 
 
@@ -42,19 +44,35 @@ def add_options(parser) -> None:
                      help="run the collected tests in reverse order (dist_eval's suite plugin)")
 
 
-def _cuda_available() -> bool:
+def _no_cuda() -> Optional[str]:
     import torch
 
-    return torch.cuda.is_available()
+    return None if torch.cuda.is_available() else "torch sees no CUDA device here (they run where one is)"
+
+
+def _no_slurm() -> Optional[str]:
+    import slurm_cluster
+
+    return slurm_cluster.why_not_here()
+
+
+# a mark -> why this machine cannot run its tests (None: it can); asked only when such a test was collected
+_NEEDS = {"gpu": _no_cuda, "slurm": _no_slurm}
+
+
+def _deselect(config, items) -> None:
+    for mark, why_not in _NEEDS.items():
+        marked = [item for item in items if item.get_closest_marker(mark)]
+        why = why_not() if marked else None
+        if why:
+            _deselected.setdefault(mark, (why, []))[1].extend(item.nodeid for item in marked)
+            config.hook.pytest_deselected(items=marked)
+            items[:] = [item for item in items if not item.get_closest_marker(mark)]
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    gpu = [item for item in items if item.get_closest_marker("gpu")]
-    if gpu and not _cuda_available():
-        _gpu_deselected.extend(item.nodeid for item in gpu)
-        config.hook.pytest_deselected(items=gpu)
-        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+    _deselect(config, items)
     if config.getoption("--reverse-order"):
         items.reverse()
 
@@ -62,21 +80,21 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_sessionfinish(session):
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: the controller prints the summary
-        workeroutput["dist_eval_gpu_deselected"] = list(_gpu_deselected)
+        workeroutput["dist_eval_deselected"] = {mark: [why, ids] for mark, (why, ids) in _deselected.items()}
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    """xdist's controller: a worker's gpu deselections (every worker deselects the same tests)."""
-    for nodeid in getattr(node, "workeroutput", {}).get("dist_eval_gpu_deselected", []):
-        if nodeid not in _gpu_deselected:
-            _gpu_deselected.append(nodeid)
+    """xdist's controller: a worker's deselections (every worker deselects the same tests)."""
+    for mark, (why, ids) in getattr(node, "workeroutput", {}).get("dist_eval_deselected", {}).items():
+        kept = _deselected.setdefault(mark, (why, []))[1]
+        kept.extend(nodeid for nodeid in ids if nodeid not in kept)
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _gpu_deselected:
-        terminalreporter.write_line(f"dist_eval: {len(_gpu_deselected)} gpu test(s) deselected: torch sees no CUDA "
-                                    "device here (they run where one is; none is counted as passed)")
+    for mark, (why, ids) in sorted(_deselected.items()):
+        terminalreporter.write_line(f"dist_eval: {len(ids)} {mark} test(s) deselected: {why}; "
+                                    "none is counted as passed")
 
 
 @pytest.hookimpl(wrapper=True)

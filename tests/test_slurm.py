@@ -8,15 +8,22 @@ and its one line; ``scancel`` mid-run against a real swarm leaves no process wit
 warning about a healthy server. The ranks' threads follow the CPUs the job was given. Issue 53:
 an array of 3 shards (launch/slurm_array.sbatch), one requeued, then launch/slurm_merge.sbatch
 after it: one rank's report. The jobs write no figures (matplotlib hidden).
+
+Where SLURM is missing and this user may not install it (not root), those tests are deselected with
+one summary line saying why, never an error nor a pass; where someone else installed it, the
+cluster runs as this user.
 """
 from __future__ import annotations
 
 import os
+import pwd
 import re
+import subprocess
 import sys
 import time
 
 import pytest
+import slurm_cluster
 from conftest import REPO, build_checkpoint, eval_args, outputs, write_csv
 from inprocess_cli import run_cli_in_process, without_modules
 from slurm_cluster import SlurmCluster
@@ -24,7 +31,6 @@ from slurm_cluster import SlurmCluster
 from dist_eval.output.shard_files import read_manifest
 from dist_eval.rendezvous import port_for
 
-pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
 # scancel to the last process of the job gone (srun's included): 1-3 s here, with room for a busy machine
 STOPPED_WITHIN_S = 5.0
 SBATCH = os.path.join(REPO, "launch", "slurm.sbatch")
@@ -67,6 +73,13 @@ def assert_completed(cluster, job):
     assert "Traceback" not in text, text[-3000:]
 
 
+def on_the_cluster(test):
+    """A test of jobs on the module's cluster: it starts SLURM (``slurm``: deselected where SLURM cannot run
+    here) and its jobs torchrun (``multiproc``)."""
+    return pytest.mark.multiproc(pytest.mark.slurm(test))
+
+
+@on_the_cluster
 def test_a_two_node_job_and_a_one_rank_job_share_a_node(cluster, tiny_model, inputs, tmp_path):
     """A 2-node job (n1, n2) and a 1-rank job on n1 at once: two rendezvous on n1, each on its
     job's own port (a fixed one made the second fail: EADDRINUSE); the 2-node job == the one
@@ -94,6 +107,7 @@ def test_a_two_node_job_and_a_one_rank_job_share_a_node(cluster, tiny_model, inp
     FINISHED["one rank"] = tmp_path / "one"
 
 
+@on_the_cluster
 def test_a_usage_error_is_exit_2_and_one_line_every_time(cluster, tiny_model, inputs, tmp_path):
     """On 2 nodes, twice at once: exit code 2 (not torchrun's 1, not 143 from srun's
     --kill-on-bad-exit), the one error line, no torchrun ChildFailedError report."""
@@ -145,6 +159,7 @@ def _ranks(cluster, job):
     return ranks
 
 
+@on_the_cluster
 @pytest.mark.swarm
 def test_scancel_mid_run_on_a_swarm(cluster, tiny_swarm, tiny_model, tmp_path):
     """2 nodes x 2 ranks against a real swarm: each rank 1 thread of the node's 2 CPUs;
@@ -177,6 +192,7 @@ def test_scancel_mid_run_on_a_swarm(cluster, tiny_swarm, tiny_model, tmp_path):
     assert not (tmp_path / "out" / "metrics.json").exists()
 
 
+@on_the_cluster
 def test_an_array_of_shards_one_requeued_then_the_merge(cluster, tiny_model, inputs, tmp_path):
     """Issue 53: launch/slurm_array.sbatch as an array of 3 tasks (shards 0/3..2/3, from the array's
     ids 4-6), task 5 requeued once running (scontrol requeue: it runs again, into its own folder);
@@ -204,3 +220,72 @@ def test_an_array_of_shards_one_requeued_then_the_merge(cluster, tiny_model, inp
     assert [run["world_size"] for _, _, run in shards] == [1, 1, 1]
     assert [read_manifest(str(out / f"shard-{task}"))["shard"] for task in (4, 5, 6)] == ["0/3", "1/3", "2/3"]
     assert outputs(out / "merged")[:2] == outputs(one)[:2]
+
+
+# a session of pytest on a machine without SLURM, for any user: nothing searched but PATH (an empty folder, so
+# no apt-get either); two tests of a SLURM cluster and one other, on one worker and on two (xdist)
+NO_SLURM_CONFTEST = """import slurm_cluster
+import suite_plugin
+slurm_cluster.SBIN_DIRS = ()
+
+def pytest_addoption(parser):
+    suite_plugin.add_options(parser)
+
+def pytest_configure(config):
+    config.pluginmanager.register(suite_plugin, "dist_eval_suite_plugin")
+"""
+NO_SLURM_TESTS = """import pytest
+import slurm_cluster
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_job(tmp_path, nodes):
+    with slurm_cluster.SlurmCluster(str(tmp_path)):
+        pass
+
+def test_another():
+    pass
+"""
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_where_slurm_cannot_run_its_tests_are_deselected_in_one_line(tmp_path, workers):
+    """SLURM missing and not installable by this user: the slurm tests are deselected (not errors, not
+    passes), and the summary says so once, with why; the other tests run."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    (tmp_path / "conftest.py").write_text(NO_SLURM_CONFTEST)
+    (tmp_path / "test_cluster.py").write_text(NO_SLURM_TESTS)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slurm: starts SLURM\n    gpu: needs CUDA\n")
+    (tmp_path / "empty").mkdir()
+    env = {**os.environ, "PATH": str(tmp_path / "empty"), "PYTHONPATH": os.pathsep.join([tests, REPO])}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", workers, "-c",
+                           str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path), str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    lines = done.stdout.splitlines()
+    counted = "1 passed, 2 deselected" if workers == "0" else "1 passed"  # xdist's workers deselect, not its count
+    assert done.returncode == 0 and f" {counted} in " in lines[-1], done.stdout[-3000:] + done.stderr
+    said = [line for line in lines if line.startswith("dist_eval:")]
+    user = f"({pwd.getpwuid(os.geteuid()).pw_name}, uid {os.geteuid()})"
+    assert said == [f"dist_eval: 2 slurm test(s) deselected: SLURM is not installed here (munged, slurmctld, "
+                    f"slurmd, sbatch, scontrol, scancel, sinfo not found; searched PATH) and this user {user} cannot "
+                    "install it "
+                    "(they run where it is installed, or as root with apt-get: apt-get install slurm-wlm munge); "
+                    "none is counted as passed"], done.stdout[-3000:]
+
+
+def test_a_cluster_runs_as_the_user_who_starts_it(tmp_path, monkeypatch):
+    """SLURM installed by someone else (every program found) can run for any user: its daemons run as
+    that user (SlurmUser, SlurmdUser), with every file in the cluster's folder; without it, only root may
+    install it."""
+    monkeypatch.setattr(slurm_cluster, "SBIN_DIRS", ())
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert slurm_cluster.why_not_here() is not None  # nothing installed, and no apt-get
+    for name in slurm_cluster.NEEDED:
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    assert slurm_cluster.why_not_here() is None
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    conf = slurm_cluster._conf(str(tmp_path), 6817, [6818, 6819], str(tmp_path / "munge.sock"))
+    assert f"\nSlurmUser={user}\nSlurmdUser={user}\n" in conf
+    paths = re.findall(r"=(/\S*)", conf)  # the state, spool, pid and log files, munge's socket
+    assert len(paths) == 7 and all(path.startswith(f"{tmp_path}/") for path in paths), conf
