@@ -1,7 +1,8 @@
 """A pytest plugin (loaded by conftest.py): the suite's marks and order.
 
-- ``gpu`` and ``slurm``: tests that need what a machine may not offer: CUDA, a SLURM cluster on this host
-  (``tests/slurm_cluster.py``: its daemons installed, or root to install them). Where it is not offered they
+- ``gpu``, ``slurm`` and ``root``: tests that need what a machine may not offer: CUDA, a SLURM cluster on this
+  host (``tests/slurm_cluster.py``: its daemons installed, or root to install them), root (a file given to
+  another user); the rest of what such a test checks is in a test of its own. Where it is not offered they
   are deselected (not skipped: a skip is not a pass, nor an error), and the run's summary says so in one
   line a mark, with the reason.
 - ``multiproc``, ``swarm`` and ``slurm`` say what a test starts; they are checked, not trusted: a test
@@ -17,6 +18,7 @@ deselections reach the controller, which prints the summary, through ``workerout
 """
 from __future__ import annotations
 
+import os
 import subprocess
 from typing import Dict, List, Optional, Tuple
 
@@ -56,8 +58,12 @@ def _no_slurm() -> Optional[str]:
     return slurm_cluster.why_not_here()
 
 
+def _not_root() -> Optional[str]:
+    return None if os.geteuid() == 0 else f"this user (uid {os.geteuid()}) is not root (they run as root)"
+
+
 # a mark -> why this machine cannot run its tests (None: it can); asked only when such a test was collected
-_NEEDS = {"gpu": _no_cuda, "slurm": _no_slurm}
+_NEEDS = {"gpu": _no_cuda, "slurm": _no_slurm, "root": _not_root}
 
 
 def _deselect(config, items) -> None:

@@ -443,19 +443,17 @@ def _poisoned_copy(store: str, path: str, name: str, value: float, stamp: float)
     return planted
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="planting a file as another user needs root")
 def test_only_files_this_user_can_trust_are_served(assets, tmp_path, capfd):
     """Issue 50. Before: files were read in name order and the first holding a row won, whoever
     wrote it; a whole, checksummed file of NaN logits was served too; a FIFO named *.rows blocked
-    rank 0 forever and a link to /dev/zero read until memory ran out. Now: another user's file, a
-    file of non-finite logits, a FIFO and a device are each skipped (one warning line), never served."""
+    rank 0 forever and a link to /dev/zero read until memory ran out. Now: a file of non-finite
+    logits, a FIFO and a device are each skipped (one warning line), never served; another user's
+    file too (root: test_a_file_of_another_user_is_never_served). Any user runs it."""
     store, args = str(tmp_path / "store"), (assets["model"], assets["checkpoint"], assets["data"])
     first = _run(*args, store)
     [real] = _files(store)
     folder, newest = os.path.dirname(real), time.time() + 60
-    theirs = _poisoned_copy(store, real, "0-planted.rows", 1e6, newest)  # sorts first and is the newest
-    os.chown(theirs, 4242, 4242)
-    _poisoned_copy(store, real, "1-nan.rows", float("nan"), newest)
+    _poisoned_copy(store, real, "1-nan.rows", float("nan"), newest)  # the newest
     os.mkfifo(os.path.join(folder, "2-fifo.rows"))
     os.symlink("/dev/zero", os.path.join(folder, "3-zero.rows"))
     key = "/".join(real.split(os.sep)[-3:-1])
@@ -468,7 +466,25 @@ def test_only_files_this_user_can_trust_are_served(assets, tmp_path, capfd):
     capfd.readouterr()
     again = _run(*args, store)
     warnings = [line for line in capfd.readouterr().err.splitlines() if "row store" in line]
-    assert len(warnings) == 1 and "skipped 4 file(s)" in warnings[0], warnings
+    assert len(warnings) == 1 and "skipped 3 file(s)" in warnings[0], warnings
+    assert _counts(again) == (ROWS, 0)
+    assert_same_bits(again.predictions.logits, first.predictions.logits, "the rows of the store's own file")
+
+
+@pytest.mark.root
+def test_a_file_of_another_user_is_never_served(assets, tmp_path, capfd):
+    """Issue 50: a whole, checksummed file of the key, the newest, first by name, but another user's (given
+    to uid 4242: root only) is skipped (one warning line naming why), never served."""
+    store, args = str(tmp_path / "store"), (assets["model"], assets["checkpoint"], assets["data"])
+    first = _run(*args, store)
+    [real] = _files(store)
+    theirs = _poisoned_copy(store, real, "0-planted.rows", 1e6, time.time() + 60)  # sorts first and is the newest
+    os.chown(theirs, 4242, 4242)
+    capfd.readouterr()
+    again = _run(*args, store)
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "row store" in line]
+    assert len(warnings) == 1 and "skipped 1 file(s)" in warnings[0], warnings
+    assert "0-planted.rows (owned by another user (uid 4242))" in warnings[0], warnings
     assert _counts(again) == (ROWS, 0)
     assert_same_bits(again.predictions.logits, first.predictions.logits, "the rows of the store's own file")
 
