@@ -46,6 +46,23 @@ def model_truncated(tiny_model, tmp_path_factory):
     return str(folder)
 
 
+# the model folder's JSON files, each cut in half in a copy of its own: the one error line names the file
+CUT_SHORT = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json")
+
+
+@pytest.fixture(scope="module")
+def models_cut_short(tiny_model, tmp_path_factory):
+    folders = {}
+    for cut in CUT_SHORT:
+        folder = tmp_path_factory.mktemp("cut_short")
+        for name in os.listdir(tiny_model):
+            shutil.copy(os.path.join(tiny_model, name), folder / name)
+        whole = (folder / cut).read_bytes()
+        (folder / cut).write_bytes(whole[:len(whole) // 2])
+        folders[f"MODEL_CUT:{cut}"] = str(folder)
+    return folders
+
+
 _DOES_NOTHING = (r"{}: does nothing unless the run stops early: expected with --stop-at-width or "
                  r"--stop-when-decided\. Add --stop-at-width \(a width\), or --stop-when-decided \(two "
                  r"checkpoints\), or drop it\.$")
@@ -111,6 +128,14 @@ CASES = {
     "fresh_rows_with_the_store_off": (None, ["--fresh-rows", "--row-store", "off"],
                                       r"--fresh-rows: does nothing with the row store off .*expected with --row-store "
                                       r"auto or a folder\. Drop it, or give --row-store a folder\.$"),
+    # issue 69: a JSON file of the model folder cut in half is named, with what was expected and the fix
+    **{f"cut_short_{cut}": (None, [f"MODEL_CUT:{cut}"],
+                            rf"--model \S+: {cut.replace('.', '[.]')}: expected a whole JSON file \(as "
+                            r"save_pretrained\(\) writes it\); it does not parse \(JSONDecodeError: .*\): it is "
+                            r"cut short or broken\. Save or copy the model folder again\.$") for cut in CUT_SHORT[:-1]},
+    # config.json is read first, by the family check (backends/config_json.py: its own refusal, the file named)
+    "cut_short_config.json": (None, ["MODEL_CUT:config.json"], r"--model \S+: .*config[.]json.*\(JSONDecodeError: "
+                                                               r"[^)]*\).*save_pretrained\(\)"),
 }
 
 
@@ -125,15 +150,16 @@ def _case_args(case, tiny_model, tiny_checkpoint, folders, tmp_path):
     text, extra, pattern = CASES[case]
     data = _write(tmp_path / "data.csv", text if text is not None else "text,label\nw1 w2,0\nw3,1\nw4 w5,2\n")
     model = tiny_model
-    if extra and extra[0] in folders:  # MODEL_WITHOUT_TOKENIZER, MODEL_TRUNCATED
+    if extra and extra[0] in folders:  # MODEL_WITHOUT_TOKENIZER, MODEL_TRUNCATED, MODEL_CUT:<file>
         model, extra = folders[extra[0]], []
     return local_args(model, tiny_checkpoint, data, tmp_path / "out", *extra), pattern
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c not in TWO_RANKS])
-def test_bad_input_fails_cleanly(case, tiny_model, tiny_checkpoint, model_without_tokenizer, model_truncated, tmp_path,
-                                 capfd):
-    folders = {"MODEL_WITHOUT_TOKENIZER": model_without_tokenizer, "MODEL_TRUNCATED": model_truncated}
+def test_bad_input_fails_cleanly(case, tiny_model, tiny_checkpoint, model_without_tokenizer, model_truncated,
+                                 models_cut_short, tmp_path, capfd):
+    folders = {"MODEL_WITHOUT_TOKENIZER": model_without_tokenizer, "MODEL_TRUNCATED": model_truncated,
+               **models_cut_short}
     args, pattern = _case_args(case, tiny_model, tiny_checkpoint, folders, tmp_path)
     fails_in_process(args, capfd, pattern)  # exit code 2, one line, no traceback, no report
     assert_no_report(tmp_path / "out")

@@ -374,16 +374,24 @@ def _check_shapes(state: TrainableState, config, checkpoint: Optional[str], mode
 @contextlib.contextmanager
 def model_files_readable(model_dir: str):
     """A file of the model folder that cannot be read (a truncated safetensors file, one
-    missing) is the user's input to fix: a usage error (exit 2), not an internal one.
+    missing) is the user's input to fix: a usage error (exit 2), not an internal one. Whatever
+    failed, a JSON file of the folder that does not parse is named (:func:`~dist_eval.backends.tokenizer.
+    refuse_broken_json`).
     """
     from json import JSONDecodeError
 
     from safetensors import SafetensorError
 
+    from dist_eval.backends.tokenizer import refuse_broken_json
     from dist_eval.errors import short_error
 
     try:
         yield
-    except (SafetensorError, JSONDecodeError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+    except UsageError:
+        raise
+    except Exception as e:
+        refuse_broken_json(model_dir, cause=e)
+        if not isinstance(e, (SafetensorError, JSONDecodeError, FileNotFoundError, IsADirectoryError, PermissionError)):
+            raise
         raise UsageError(f"a file of the folder cannot be read ({short_error(e, 120)}): it is broken or incomplete. "
                          "Save or copy the model again.", param="model_dir", value=model_dir) from e

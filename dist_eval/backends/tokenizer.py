@@ -10,14 +10,18 @@ remain, handled here in one place for every caller (the run, label words):
   classes of the families served add nothing to the ids a fast tokenizer computes;
 - a tokenizer feature the installed ``tokenizers`` cannot honour is refused in one line,
   never read differently (:func:`unsupported_tokenizer_feature`).
+
+A JSON file of the folder that does not parse (tokenizer.json cut short, tokenizer_config.json,
+special_tokens_map.json, ...) is named in that line (:func:`refuse_broken_json`), whichever reader met it.
 """
 from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 from dist_eval.backends.patches import installed_version
-from dist_eval.errors import UsageError
+from dist_eval.errors import UsageError, short_error
 
 # (what tokenizer.json says, the tokenizers release that first reads it so)
 _FEATURES = (("merges saved as pairs", (0, 20)), ("ignore_merges: true", (0, 19)))
@@ -55,16 +59,55 @@ def unsupported_tokenizer_feature(model_dir: str) -> str:
     return ""
 
 
+def broken_json_files(model_dir: str) -> list:
+    """The JSON files of the folder ``model_dir`` that do not parse, as ``[(name, error)]`` in name order:
+    looked for once a reader failed, to name the file (no reader of JSON says which file it read).
+    """
+    broken = []
+    names = sorted(os.listdir(model_dir)) if os.path.isdir(model_dir) else []
+    for name in names:
+        path = os.path.join(model_dir, name)
+        if not name.endswith(".json") or not os.path.isfile(path):
+            continue
+        try:
+            with open(path, "rb") as f:
+                json.loads(f.read().decode("utf-8"))
+        except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+            broken.append((name, e))
+    return broken
+
+
+def refuse_broken_json(model_dir: str, param: str = "model_dir", cause: Optional[BaseException] = None) -> None:
+    """A UsageError naming the first JSON file of ``model_dir`` that does not parse (and the others that do
+    not), when there is one; ``cause``: the failure that sent us looking.
+    """
+    broken = broken_json_files(model_dir)
+    if not broken:
+        return
+    name, error = broken[0]
+    others = f" (nor do {', '.join(n for n, _ in broken[1:])})" if broken[1:] else ""
+    raise UsageError(f"{name}: expected a whole JSON file (as save_pretrained() writes it); it does not parse "
+                     f"({short_error(error, 120)}){others}: it is cut short or broken. Save or copy the model folder "
+                     "again.", param=param, value=model_dir) from (cause or error)
+
+
 def load_tokenizer(model_dir: str, param: str = "model_dir"):
-    """The tokenizer saved in ``model_dir``, as its own transformers reads it; one-line refusals."""
+    """The tokenizer saved in ``model_dir``, as its own transformers reads it; one-line refusals (a JSON
+    file of the folder that does not parse is named).
+    """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    why = unsupported_tokenizer_feature(model_dir)
+    try:
+        why = unsupported_tokenizer_feature(model_dir)
+    except ValueError as e:
+        refuse_broken_json(model_dir, param, e)
+        raise
     if why:
         raise UsageError(why + ".", param=param, value=model_dir)
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:
+        refuse_broken_json(model_dir, param, e)
         unknown_class = "does not exist or is not currently imported" in str(e)
         if not (unknown_class and os.path.isfile(os.path.join(model_dir, "tokenizer.json"))):
             raise UsageError(f"no usable tokenizer in the folder ({type(e).__name__}: {str(e)[:160]}). Save the "
