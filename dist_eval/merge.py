@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dist_eval import ranks
+from dist_eval import chunks, ranks
 from dist_eval.data.tokenize import trim_heap
 from dist_eval.loop_facts import LoopFacts
 from dist_eval.scoring import main_report, score_intervals_everywhere
@@ -162,11 +162,6 @@ def _merge_payloads(payloads: List[dict], coverage: _Coverage, span: Optional[Tu
     )
 
 
-# Row indices merged at once on rank 0 (issue 51): each round gathers every rank's results of one
-# range of this many row indices, merges them, and writes them to the merged columns' files
-MERGE_CHUNK_ROWS = 1 << 16
-
-
 class _MergedColumns:
     """Rank 0's merged rows, a range of row indices after another, in :func:`mapped_array`'s."""
 
@@ -195,18 +190,19 @@ class _MergedColumns:
 
 def stream_to_main(local: ShardResults, num_rows: int, rows: Optional[np.ndarray] = None,
                    chunk_rows: Optional[int] = None) -> Optional[MergedResults]:
-    """Every rank: its results sent to rank 0 a range of ``chunk_rows`` row indices at a time, in row
-    order (a gather per range: no file system shared by the ranks is needed); rank 0 merges each range
-    as :func:`merge_gathered` merges the whole (the first copy of a row kept: the lowest rank's, the
-    first of its batches'), checks it covers the range's rows, and writes it to its merged columns
-    (:func:`mapped_array`): the merged rows on rank 0 (memory maps), None elsewhere. Rank 0's heap
-    holds one range's rows, the other ranks their own results. Every rank must call it.
+    """Every rank: its results sent to rank 0 a range of ``chunk_rows`` row indices at a time (by default
+    ``dist_eval.chunks.chunk_rows("merge")``), in row order (a gather per range: no file system shared by
+    the ranks is needed); rank 0 merges each range as :func:`merge_gathered` merges the whole (the first
+    copy of a row kept: the lowest rank's, the first of its batches'), checks it covers the range's rows,
+    and writes it to its merged columns (:func:`mapped_array`): the merged rows on rank 0 (memory maps),
+    None elsewhere. Rank 0's heap holds one range's rows, the other ranks their own results. Every rank
+    must call it.
     """
     payload = local.as_payload()
     order = np.argsort(payload["indices"], kind="stable")
     in_order = payload["indices"][order]
     main = ranks.is_main_process()
-    bounds = _index_bounds(in_order, num_rows, rows if main else None, chunk_rows or MERGE_CHUNK_ROWS)
+    bounds = _index_bounds(in_order, num_rows, rows if main else None, chunk_rows or chunks.chunk_rows("merge"))
     cuts = np.searchsorted(in_order, bounds)
     del in_order
     counts = ranks.all_reduce_sum(np.diff(cuts).astype(np.float64))  # every rank's rows in each range
@@ -283,8 +279,9 @@ def _in_order(values: List[np.ndarray], order: np.ndarray, starts: np.ndarray) -
     a chunk of rows at a time: the concatenation is never made.
     """
     out = mapped_array((len(order), *values[0].shape[1:]), np.result_type(*values))
-    for begin in range(0, len(order), MERGE_CHUNK_ROWS):
-        wanted = order[begin:begin + MERGE_CHUNK_ROWS]
+    step = chunks.chunk_rows("merge")
+    for begin in range(0, len(order), step):
+        wanted = order[begin:begin + step]
         part_of = np.searchsorted(starts, wanted, side="right") - 1
         chunk = np.empty((len(wanted), *out.shape[1:]), dtype=out.dtype)
         for number in np.unique(part_of).tolist():

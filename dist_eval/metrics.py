@@ -13,6 +13,8 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
+from dist_eval.chunks import chunk_rows
+
 # The headline metrics, in the order every output shows them: the terminal summary,
 # report.html's cards, the trackers' scalars and compare's table. "top{k}_accuracy" is
 # named by the run's k (metrics["top_k"]): see headline_names().
@@ -237,19 +239,16 @@ def brier_score(probs: np.ndarray, labels: np.ndarray) -> float:
     return mean_of(per_sample_brier(probs, labels))
 
 
-# Rows of a rows x classes array worked on at once where each row's value is its own (issue 51: the
-# temporaries of a chunk, not of the set; a row's bits do not depend on the rows beside it)
-ROWS_AT_ONCE = 1 << 16
-
-
 def per_sample_brier(probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """``sum_k (p_k - y_k)^2`` of each row, float64."""
+    """``sum_k (p_k - y_k)^2`` of each row, float64; ``chunk_rows("metrics")`` rows at a time (issue 51: the
+    temporaries of a chunk, not of the set; a row's bits do not depend on the rows beside it).
+    """
     probs, labels = _scores_and_labels(probs, labels)
-    out = np.empty(probs.shape[0])
-    for start in range(0, probs.shape[0], ROWS_AT_ONCE):
-        diff = probs[start:start + ROWS_AT_ONCE].copy()
-        diff[np.arange(diff.shape[0]), labels[start:start + ROWS_AT_ONCE]] -= 1.0
-        out[start:start + ROWS_AT_ONCE] = (diff * diff).sum(axis=1)
+    out, chunk = np.empty(probs.shape[0]), chunk_rows("metrics")
+    for start in range(0, probs.shape[0], chunk):
+        diff = probs[start:start + chunk].copy()
+        diff[np.arange(diff.shape[0]), labels[start:start + chunk]] -= 1.0
+        out[start:start + chunk] = (diff * diff).sum(axis=1)
     return out
 
 
@@ -263,16 +262,16 @@ def top_k_hits(scores: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
     scores, labels = _scores_and_labels(scores, labels, "scores")
     if not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k must be an integer >= 1; got {k!r}")
-    hits = np.empty(scores.shape[0], dtype=bool)
-    for start in range(0, scores.shape[0], ROWS_AT_ONCE):
-        part, part_labels = scores[start:start + ROWS_AT_ONCE], labels[start:start + ROWS_AT_ONCE]
+    hits, chunk = np.empty(scores.shape[0], dtype=bool), chunk_rows("metrics")  # as per_sample_brier
+    for start in range(0, scores.shape[0], chunk):
+        part, part_labels = scores[start:start + chunk], labels[start:start + chunk]
         own = part[np.arange(part.shape[0]), part_labels][:, None]
         if scores.shape[1] == 2:
             higher_index = np.arange(2)[None, :] < part_labels[:, None]  # ties rank class 0 first
         else:
             higher_index = np.arange(scores.shape[1])[None, :] > part_labels[:, None]
         rank = (part > own).sum(axis=1) + ((part == own) & higher_index).sum(axis=1)
-        hits[start:start + ROWS_AT_ONCE] = rank < k
+        hits[start:start + chunk] = rank < k
     return hits
 
 

@@ -12,6 +12,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from dist_eval import ranks
+from dist_eval.chunks import chunk_rows
 from dist_eval.intervals import (
     bootstrap_intervals,
     drawn_score_intervals,
@@ -34,20 +35,19 @@ from dist_eval.metrics import (
 )
 from dist_eval.shard_results import mapped_array
 
-# Rows whose softmax is computed at once (row by row: a chunk's rows get the whole array's bits)
-_SOFTMAX_ROWS = 1 << 16
-
 
 def mapped_softmax(logits: np.ndarray) -> np.ndarray:
-    """:func:`dist_eval.metrics.softmax` of ``logits``; of more than _SOFTMAX_ROWS rows, a chunk at a
-    time into a :func:`~dist_eval.shard_results.mapped_array` (float64: 8 bytes a class of a row, on the local
-    disk, not the heap).
+    """:func:`dist_eval.metrics.softmax` of ``logits``; of more than ``chunk_rows("softmax")`` rows, a chunk
+    at a time (row by row: a chunk's rows get the whole array's bits) into a
+    :func:`~dist_eval.shard_results.mapped_array` (float64: 8 bytes a class of a row, on the local disk, not
+    the heap).
     """
-    probs = mapped_array(logits.shape, np.float64) if len(logits) > _SOFTMAX_ROWS else None
+    chunk = chunk_rows("softmax")
+    probs = mapped_array(logits.shape, np.float64) if len(logits) > chunk else None
     if probs is None:
         return softmax(logits)
-    for start in range(0, len(logits), _SOFTMAX_ROWS):
-        probs[start:start + _SOFTMAX_ROWS] = softmax(logits[start:start + _SOFTMAX_ROWS])
+    for start in range(0, len(logits), chunk):
+        probs[start:start + chunk] = softmax(logits[start:start + chunk])
     return probs
 
 

@@ -1,14 +1,14 @@
 """Bounded memory (issue 51) changes no result: a long-tailed set's outputs (predictions.jsonl with
-logits and texts, metrics.json but its run facts, slices.csv, per_class.csv / .md) are the same
-bytes on N=1 and N=3, and those the code before issue 51 wrote on this machine (recorded in
-tests/memory_reference.json; ``python tests/test_memory_bounded.py --record`` records this code's).
-The same set's K = 1, 3, 7 shards, merged, are its one run's bytes (issue 53)."""
+logits and texts, metrics.json but its run facts, slices.csv, per_class.csv / .md, the rows the row store
+keeps) are the same bytes whether each chunk of the bounded-memory code holds the whole set (one chunk:
+the unbounded path) or the set crosses every chunk boundary several times (the sizes shrunk through
+``DIST_EVAL_CHUNK_ROWS``, dist_eval/chunks.py), on N=1 and N=3, and with every row served from the row
+store; both sides computed in the same test, on this machine. The same set's K = 1, 3, 7 shards, merged,
+are its one run's bytes (issue 53)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import platform
 import random
 import sys
 from unittest import mock
@@ -19,12 +19,22 @@ from conftest import WORDS, run_cli
 from float_promises import assert_same_bits
 from inprocess_cli import run_cli_in_process
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REFERENCE = os.path.join(HERE, "memory_reference.json")
+from dist_eval.chunks import DEFAULT_ROWS, ENV
+
 # the files compared byte for byte (metrics.json: without its run facts, which hold timings)
 FILES = ("predictions.jsonl", "slices.csv", "per_class.csv", "per_class.md")
-# the run facts that are results (the same for any N)
+# the run facts that are results (the same for any N and any chunk sizes)
 RUN_RESULTS = ("sample", "duplicates_dropped", "resumed_samples")
+# the set: 2,400 rows, its --limit sample 1,800 (a rank's block of 600 on N=3; predictions.jsonl's lines,
+# the merge's row indices, the softmax's and the metrics' rows), about 30,000 token ids
+SET_ROWS, SAMPLE_ROWS = 2400, 1800
+# One chunk of everything (a size above any set's): the unbounded path, the reference
+ONE_CHUNK = str(1 << 40)
+# Each chunk crossed several times by the rows it takes (a rank's block of 600 rows the smallest), with an
+# uneven remainder, no two sizes alike (their boundaries fall in different places)
+SHRUNK = {"tokenize": 97, "exchange": 211, "copy_tokens": 1009, "keys": 173, "slice_read": 131, "store_keys": 157,
+          "known": 89, "lines": 113, "merge": 251, "softmax": 199, "metrics": 139}
+IN_CHUNKS = ",".join(f"{name}={rows}" for name, rows in SHRUNK.items())
 
 
 def write_long_tailed_csv(path, num_rows: int, seed: int = 0) -> str:
@@ -39,23 +49,15 @@ def write_long_tailed_csv(path, num_rows: int, seed: int = 0) -> str:
     return str(path)
 
 
-def run_args(model, checkpoint, data, out):
+def run_args(model, checkpoint, data, out, row_store=None):
     """The token budget and length buckets (the plan from the lengths), truncation, a --limit sample,
-    slices (the token-length quartiles too), logits and texts saved, the intervals of the scores."""
+    slices (the token-length quartiles too), logits and texts saved, the intervals of the scores;
+    ``row_store``: the run's store folder (else off, as every test's)."""
     return ["--model", model, "--checkpoint", checkpoint, "--backend", "local", "--data-files", data,
             "--output-dir", str(out), "--batch-size", "16", "--max-batch-tokens", "300", "--max-length", "48",
-            "--limit", "1800", "--limit-seed", "5", "--slice-by", "lang", "--save-logits", "--save-text",
-            "--bootstrap-resamples", "30", "--progress", "none", "--quiet"]
-
-
-def digests(folder) -> dict:
-    """{file: sha256} of the compared outputs; metrics.json's: of its results, sorted keys."""
-    out = {}
-    for name in FILES:
-        with open(os.path.join(folder, name), "rb") as f:
-            out[name] = hashlib.sha256(f.read()).hexdigest()
-    out["metrics.json"] = hashlib.sha256(json.dumps(results_of(folder), sort_keys=True).encode()).hexdigest()
-    return out
+            "--limit", str(SAMPLE_ROWS), "--limit-seed", "5", "--slice-by", "lang", "--save-logits", "--save-text",
+            "--bootstrap-resamples", "30", "--progress", "none", "--quiet",
+            *(["--row-store", str(row_store)] if row_store else [])]
 
 
 def results_of(folder) -> dict:
@@ -67,66 +69,112 @@ def results_of(folder) -> dict:
     return metrics
 
 
-def machine() -> dict:
-    """What the recorded bits depend on besides the code: the libraries that compute and the CPU."""
-    import numpy
-    import tokenizers
-    import torch
+def stored_rows(store) -> dict:
+    """{(model and task folder, row key): (its logits' bytes, its servers)} of every row a row store
+    keeps (the seconds each took left out: a timing)."""
+    from dist_eval.rowstore.upkeep import key_folders, survey
 
-    cpu = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    return {"torch": torch.__version__, "numpy": numpy.__version__, "tokenizers": tokenizers.__version__,
-            "machine": platform.machine(), "cpu": cpu,
-            # the kernels torch picks (ATEN_CPU_CAPABILITY may choose others on the same CPU): the logits' last bits
-            "aten_capability": torch.backends.cpu.get_cpu_capability()}
+    return {(os.path.relpath(folder, store), row): (logits.tobytes(), servers)
+            for folder, key in key_folders(str(store))
+            for row, (logits, _, servers) in survey(folder, key).rows.items()}
+
+
+def assert_the_same_outputs(got, want, what: str) -> None:
+    """Every compared output of the run in ``got`` is ``want``'s, byte for byte."""
+    assert_same_bits(results_of(got), results_of(want), f"metrics.json, {what}")
+    for name in FILES:
+        assert (got / name).read_bytes() == (want / name).read_bytes(), f"{name}, {what}"
 
 
 @pytest.fixture(scope="module")
 def long_tailed(tiny_model, tiny_checkpoint, tmp_path_factory):
-    """(the data, the N=1 run's folder): the CLI in this process, one thread as a rank computes."""
+    """(the data, the N=1 run's folder, its row store): the CLI in this process, one thread as a rank
+    computes, every chunk the whole set (the unbounded path)."""
     base = tmp_path_factory.mktemp("long_tailed")
-    data = write_long_tailed_csv(base / "data.csv", 2400, seed=51)
+    data = write_long_tailed_csv(base / "data.csv", SET_ROWS, seed=51)
     # without matplotlib: the figures are no compared output
-    assert run_cli_in_process(run_args(tiny_model, tiny_checkpoint, data, base / "one"),
-                              hide_modules=("matplotlib",)) == 0
-    return data, base / "one"
+    with mock.patch.dict(os.environ, {ENV: ONE_CHUNK}):
+        assert run_cli_in_process(run_args(tiny_model, tiny_checkpoint, data, base / "one", base / "store"),
+                                  hide_modules=("matplotlib",)) == 0
+    assert SAMPLE_ROWS - 10 < len(stored_rows(base / "store")) <= SAMPLE_ROWS  # rows of one text share a key
+    return data, base / "one", base / "store"
 
 
-def test_outputs_are_those_recorded_before_issue_51(long_tailed):
-    """N=1's outputs are the bytes the code before issue 51 wrote (on the machine it was recorded on)."""
-    with open(REFERENCE) as f:
-        recorded = json.load(f)
-    if recorded["machine"] != machine():
-        pytest.skip(f"recorded on {recorded['machine']}, this is {machine()}: the logits' last bits may differ; "
-                    "the N=1 against N=3 test still runs")
-    found = digests(long_tailed[1])
-    changed = [name for name in found if found[name] != recorded["digests"].get(name)]
-    assert not changed, (f"{changed} differ from the recorded bytes. A change meant to change results (and only "
-                         "such) records them again: .venv/bin/python tests/test_memory_bounded.py --record")
+def test_every_chunk_size_is_shrunk_to_cross_the_set_several_times():
+    """The shrunk sizes name every chunk dist_eval has (one added later must be crossed here too), and
+    each one's boundary is crossed at least twice, with a remainder, by the fewest rows it takes (a rank's
+    block on N=3)."""
+    assert set(SHRUNK) == set(DEFAULT_ROWS)
+    block = SAMPLE_ROWS // 3
+    for name, rows in SHRUNK.items():
+        if name != "copy_tokens":  # token ids: about 30,000 of them
+            assert block // rows >= 2 and block % rows, name
+
+
+def test_the_chunk_sizes_are_read_at_each_call_and_a_wrong_setting_is_refused_naming_it(monkeypatch):
+    """DIST_EVAL_CHUNK_ROWS: unset, the defaults; one size for all, or the named ones; read at each call;
+    a name or size it does not take refused in one line naming the variable, what it takes and the fix."""
+    from dist_eval.chunks import chunk_rows
+    from dist_eval.errors import UsageError
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert {name: chunk_rows(name) for name in DEFAULT_ROWS} == DEFAULT_ROWS
+    monkeypatch.setenv(ENV, "7")
+    assert {chunk_rows(name) for name in DEFAULT_ROWS} == {7}
+    monkeypatch.setenv(ENV, IN_CHUNKS)
+    assert {name: chunk_rows(name) for name in DEFAULT_ROWS} == SHRUNK
+    monkeypatch.setenv(ENV, "merge=5")
+    assert chunk_rows("merge") == 5 and chunk_rows("lines") == DEFAULT_ROWS["lines"]
+    for wrong, said in (("merg=5", "'merg' names no chunk size"), ("merge=0", "'0' is no size"),
+                        ("x", "'x' is no size")):
+        monkeypatch.setenv(ENV, wrong)
+        with pytest.raises(UsageError, match=f"{ENV}='{wrong}': {said}: expected .* unset {ENV} for the defaults"):
+            chunk_rows("merge")
+
+
+def test_one_rank_in_chunks_writes_the_bytes_of_one_chunk(long_tailed, tiny_model, tiny_checkpoint, tmp_path,
+                                                           monkeypatch):
+    """N=1 with every chunk crossed several times writes the unbounded run's files byte for byte and
+    keeps the same rows in its row store; run again, every row served from that store (the known rows'
+    batches crossed too), it writes them again."""
+    data, one, store = long_tailed
+    monkeypatch.setenv(ENV, IN_CHUNKS)
+    for served in (False, True):
+        out = tmp_path / ("served" if served else "fresh")
+        assert run_cli_in_process(run_args(tiny_model, tiny_checkpoint, data, out, tmp_path / "store"),
+                                  hide_modules=("matplotlib",)) == 0
+        row_store = json.load(open(out / "metrics.json"))["run"]["row_store"]
+        assert row_store["rows_from_store"] == (SAMPLE_ROWS if served else 0), row_store
+        assert_the_same_outputs(out, one, f"in chunks {'(every row served from the store) ' if served else ''}"
+                                          "against one chunk")
+        assert stored_rows(tmp_path / "store") == stored_rows(store), "the row store, in chunks against one chunk"
 
 
 @pytest.mark.multiproc
-def test_three_ranks_write_the_bytes_of_one(long_tailed, tiny_model, tiny_checkpoint, tmp_path):
-    """N=3 under torchrun writes N=1's files byte for byte."""
-    data, one = long_tailed
-    proc = run_cli(run_args(tiny_model, tiny_checkpoint, data, tmp_path / "three"), nproc=3, timeout=300)
+def test_three_ranks_in_chunks_write_the_bytes_of_one_rank_in_one_chunk(long_tailed, tiny_model, tiny_checkpoint,
+                                                                       tmp_path):
+    """N=3 under torchrun, every chunk crossed several times on every rank (the token ids' exchange
+    too), writes N=1's unbounded files byte for byte and keeps the same rows in its row store."""
+    data, one, store = long_tailed
+    proc = run_cli(run_args(tiny_model, tiny_checkpoint, data, tmp_path / "three", tmp_path / "store"), nproc=3,
+                   timeout=300, env={ENV: IN_CHUNKS})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.load(open(tmp_path / "three" / "metrics.json"))["run"]["world_size"] == 3
-    assert_same_bits(results_of(tmp_path / "three"), results_of(one), "metrics.json, N=3 against N=1")
-    for name in FILES:
-        assert (tmp_path / "three" / name).read_bytes() == (one / name).read_bytes(), f"{name}, N=3 against N=1"
+    assert_the_same_outputs(tmp_path / "three", one, "N=3 in chunks against N=1 in one chunk")
+    assert stored_rows(tmp_path / "store") == stored_rows(store), "the row store, N=3 in chunks against N=1"
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])
-def test_the_long_tailed_sets_shards_merge_into_its_one_run(long_tailed, tiny_model, tiny_checkpoint, tmp_path, k):
+def test_the_long_tailed_sets_shards_merge_into_its_one_run(long_tailed, tiny_model, tiny_checkpoint, tmp_path, k,
+                                                            monkeypatch):
     """Issue 53 on a long-tailed set (the token budget's plan, truncated rows, a --limit sample,
-    slices with the length quartiles, logits, texts): its K shards, each run apart, merged by
-    ``python -m dist_eval merge``'s code, are its one run's bytes."""
+    slices with the length quartiles, logits, texts): its K shards, each run apart (every chunk crossed
+    several times: a shard's rows selected a chunk at a time too), merged by ``python -m dist_eval
+    merge``'s code, are its one run's bytes."""
     from dist_eval.shard_merge import main as merge_main
 
-    data, one = long_tailed
+    data, one, _ = long_tailed
+    monkeypatch.setenv(ENV, IN_CHUNKS)
     shards = [tmp_path / f"shard{i}" for i in range(k)]
     for i, out in enumerate(shards):
         assert run_cli_in_process([*run_args(tiny_model, tiny_checkpoint, data, out), "--shard", f"{i}/{k}"],
@@ -152,13 +200,36 @@ def _shard_results(rows, labels=None, classes: int = 3):
                         sample_values={"v": rng.random(len(rows))})
 
 
+def test_the_token_counts_no_plan_measured_are_counted_in_chunks_as_in_one(tiny_model, tmp_path, monkeypatch):
+    """data.shard.token_lengths where no batch plan measured the rows (--slice-by's length quartiles with
+    neither a token budget nor length buckets: not the CLI runs above), counted a chunk of rows at a time:
+    each row's count, truncated to max_length, as the tokenizer gives it, in one chunk and in many."""
+    import csv
+
+    import datasets
+
+    from dist_eval.backends.tokenizer import load_tokenizer
+    from dist_eval.config import Settings
+    from dist_eval.data.shard import token_lengths
+
+    with open(write_long_tailed_csv(tmp_path / "rows.csv", 600, seed=3)) as f:
+        texts = [row["text"] for row in csv.DictReader(f)]
+    data, tokenizer = datasets.Dataset.from_dict({"text": texts, "label": [0] * len(texts)}), load_tokenizer(tiny_model)
+    expected = [min(len(tokenizer(text)["input_ids"]), 48) for text in texts]
+    for sizes in (ONE_CHUNK, IN_CHUNKS):
+        monkeypatch.setenv(ENV, sizes)
+        assert token_lengths(data, tokenizer, Settings(max_length=48)).tolist() == expected, sizes
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 16])
-def test_the_merge_a_range_of_rows_at_a_time_is_the_whole_merge(chunk):
+def test_the_merge_a_range_of_rows_at_a_time_is_the_whole_merge(chunk, monkeypatch):
     """stream_to_main (rank 0's merge, a range of row indices at a time, into mapped files) keeps what
     merge_gathered keeps of the whole: the first copy of each row (a row given twice with other values:
     the first wins), every field, the duplicates' count; and refuses as it refuses, in the same words
-    (missing rows, rows outside the split or the shard, duplicates that disagree). Ranges of 1 row up."""
-    from dist_eval.merge import CoverageError, merge_gathered, stream_to_main
+    (missing rows, rows outside the split or the shard, duplicates that disagree). Ranges of 1 row up.
+    merge_parts (the rounds of a run that stops early joined in row order, the merge's chunk of rows at
+    a time) gives the whole merge's fields too."""
+    from dist_eval.merge import CoverageError, MergedResults, merge_gathered, merge_parts, stream_to_main
 
     order = np.random.default_rng(0).permutation(300)
     rows = np.r_[order, order[:40], 299, 0]  # duplicates, in no order: the first copy of each must win
@@ -169,6 +240,14 @@ def test_the_merge_a_range_of_rows_at_a_time_is_the_whole_merge(chunk):
         assert np.asarray(getattr(merged, name)).tobytes() == getattr(whole, name).tobytes(), name
     assert np.asarray(merged.sample_values["v"]).tobytes() == whole.sample_values["v"].tobytes()
     assert merged.num_duplicates_dropped == whole.num_duplicates_dropped == 42
+    monkeypatch.setenv(ENV, f"merge={chunk}")
+    rounds = np.split(np.random.default_rng(1).permutation(300), [70, 71, 190])  # uneven, their rows in no order
+    joined = merge_parts([MergedResults(indices=whole.indices[r], labels=whole.labels[r], preds=whole.preds[r],
+                                        losses=whole.losses[r], logits=whole.logits[r],
+                                        sample_values={"v": whole.sample_values["v"][r]}) for r in rounds])
+    for name in ("indices", "labels", "preds", "losses", "logits"):
+        assert np.asarray(getattr(joined, name)).tobytes() == getattr(whole, name).tobytes(), name
+    assert np.asarray(joined.sample_values["v"]).tobytes() == whole.sample_values["v"].tobytes()
     shard = np.arange(3, 300, 5)
     merged = stream_to_main(_shard_results(shard[::-1]), 300, shard, chunk_rows=chunk)
     assert merged.indices.tolist() == shard.tolist()
@@ -199,28 +278,6 @@ def test_the_report_says_what_an_exact_score_interval_of_a_big_set_costs():
     assert LoopFacts.from_report(report).report()["run"]["exact_score_intervals"] == cost  # kept as evaluate keeps it
     report, _ = merge_on_main(_shard_results(np.arange(rows)), rows, 3, bootstrap=(2, 0))
     assert report["run"]["exact_score_intervals"] is None
-
-
-def record() -> None:
-    """The N=1 run of this module's fixtures (the suite's tiny model and checkpoint), its digests recorded."""
-    import tempfile
-
-    from conftest import build_checkpoint, build_tiny_model
-
-    os.environ["DIST_EVAL_ROW_STORE"] = "off"
-    with tempfile.TemporaryDirectory() as base:
-        model, checkpoint = build_tiny_model(os.path.join(base, "model")), build_checkpoint(os.path.join(base, "p.pt"))
-        data = write_long_tailed_csv(os.path.join(base, "data.csv"), 2400, seed=51)
-        assert run_cli_in_process(run_args(model, checkpoint, data, os.path.join(base, "one"))) == 0
-        with open(REFERENCE, "w") as f:
-            json.dump({"machine": machine(), "digests": digests(os.path.join(base, "one"))}, f, indent=2)
-            f.write("\n")
-
-
-if __name__ == "__main__":  # --record: this code's outputs on this machine become the reference
-    if sys.argv[1:] != ["--record"]:
-        raise SystemExit("usage: python tests/test_memory_bounded.py --record")
-    record()
 
 
 def test_the_forward_loop_keeps_its_rows_in_files_as_it_put_them():

@@ -306,11 +306,12 @@ def test_predictions_lines_are_json_dumps_of_each_row(tmp_path, case):
     """predictions.jsonl byte for byte as json.dumps writes each row's dict: NaN and infinite
     values, quotes, escapes, non-ASCII and % in names, texts and keys, a text key that is also
     a field's, and more rows than one write holds."""
+    from dist_eval.chunks import chunk_rows
     from dist_eval.merge import MergedResults
-    from dist_eval.output.files import _LINES_PER_WRITE, write_predictions
+    from dist_eval.output.files import write_predictions
 
     rng = np.random.default_rng(len(case))
-    n, k = (_LINES_PER_WRITE + 7, 4) if case == "big" else (60, 3)
+    n, k = (chunk_rows("lines") + 7, 4) if case == "big" else (60, 3)
     logits = (rng.normal(size=(n, k)) * 5).astype(np.float32)
     logits[0, 0], logits[1, 1], logits[2, :] = np.nan, np.inf, -np.inf
     losses = rng.exponential(size=n)

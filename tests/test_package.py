@@ -204,6 +204,7 @@ def test_no_import_cycle_among_the_package_modules():
 # its own (and from inside its own package); two units of one layer never import each other.
 LAYERS = (
     ("errors",),  # how every failure is said
+    ("chunks",),  # the bounded-memory code's chunk sizes (DIST_EVAL_CHUNK_ROWS)
     ("atomic", "procs", "watchdog", "plan", "metrics", "launcher", "rendezvous", "loop_facts",
      "shard_results"),  # foundations
     ("ranks", "intervals", "sequential", "power"),  # the collectives; the statistics under the metrics

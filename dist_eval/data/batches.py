@@ -13,15 +13,19 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
+from dist_eval.chunks import chunk_rows
+
 # One batch: (batch id in the global plan, global row indices [B], input_ids [B, T] or
 # None when its logits are already stored (a resumed run), labels [B])
 Batch = Tuple[int, np.ndarray, Optional[torch.Tensor], np.ndarray]
 
 
-def known_batches(rows: np.ndarray, labels: np.ndarray, rows_per_batch: int = 4096) -> List[Batch]:
+def known_batches(rows: np.ndarray, labels: np.ndarray, rows_per_batch: Optional[int] = None) -> List[Batch]:
     """``rows`` whose logits are known (the plan leaves them out: the row store holds them) as batches of
-    their own, ids -1, -2, ... (no plan's), without token ids: the loop takes their logits as they are.
+    their own (of ``rows_per_batch`` rows, by default ``chunk_rows("known")``), ids -1, -2, ... (no plan's),
+    without token ids: the loop takes their logits as they are.
     """
+    rows_per_batch = rows_per_batch or chunk_rows("known")
     return [(-1 - i, rows[start:start + rows_per_batch], None, labels[rows[start:start + rows_per_batch]])
             for i, start in enumerate(range(0, len(rows), rows_per_batch))]
 

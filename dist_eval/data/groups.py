@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from dist_eval import ranks
+from dist_eval.chunks import chunk_rows
 from dist_eval.data.labels import column_values
 from dist_eval.errors import UsageError, warn
 
@@ -103,16 +104,15 @@ def read_slice_values(dataset, slice_by: Optional[Sequence[str]]) -> Dict[str, L
     return out
 
 
-# Rows of a column read at once (their cells are Python objects until named)
-_READ_ROWS = 16384
-
-
 def _read_slices(dataset, column: str, slice_by: Sequence[str]) -> List[str]:
-    """:func:`column_slices` of a dataset's column, read a chunk of rows at a time."""
+    """:func:`column_slices` of a dataset's column, read a chunk of rows at a time (their cells are
+    Python objects until named).
+    """
     names: List[str] = []
     known: dict = {}
-    for start in range(0, len(dataset), _READ_ROWS):
-        cells = column_values(dataset, [column], slice(start, start + _READ_ROWS))[0]
+    chunk = chunk_rows("slice_read")
+    for start in range(0, len(dataset), chunk):
+        cells = column_values(dataset, [column], slice(start, start + chunk))[0]
         names += column_slices(column, list(cells), slice_by, start, known)
     return names
 

@@ -16,6 +16,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from dist_eval.chunks import chunk_rows
 from dist_eval.data.groups import read_cluster_names, read_slice_values, warn_one_row_slices
 from dist_eval.data.labels import TaskColumns, check_columns, column_values, label_names_of
 from dist_eval.loop_facts import SampleFacts
@@ -62,15 +63,13 @@ def key_order(columns: Sequence[Sequence], seed: int) -> np.ndarray:
     return np.lexsort((np.arange(len(keys)), keys))  # by key, then by position
 
 
-# Rows read and keyed at once (a chunk's values are Python objects, 100 bytes and more a row): only
-# the keys are kept, 8 bytes a row
-_KEY_CHUNK_ROWS = 16384
-
-
 def dataset_keys(dataset, names: Sequence[str], seed: int) -> np.ndarray:
-    """:func:`row_keys` of every row of a ``datasets.Dataset`` (its columns ``names``), read a chunk at a time."""
-    parts = [row_keys(column_values(dataset, names, slice(start, start + _KEY_CHUNK_ROWS)), seed)
-             for start in range(0, len(dataset), _KEY_CHUNK_ROWS)]
+    """:func:`row_keys` of every row of a ``datasets.Dataset`` (its columns ``names``), read a chunk at a time
+    (a chunk's values are Python objects, 100 bytes and more a row): only the keys are kept, 8 bytes a row.
+    """
+    chunk = chunk_rows("keys")
+    parts = [row_keys(column_values(dataset, names, slice(start, start + chunk)), seed)
+             for start in range(0, len(dataset), chunk)]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
 
 

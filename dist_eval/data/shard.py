@@ -10,6 +10,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 import numpy as np
 
 from dist_eval import ranks
+from dist_eval.chunks import chunk_rows
 from dist_eval.data.batches import Batch, plan_batches, shard_batch_ids
 from dist_eval.data.labels import TaskColumns
 from dist_eval.data.tokenize import right_pad, trim_heap
@@ -20,12 +21,6 @@ from dist_eval.errors import UsageError
 def _row_block(num_rows: int, rank: int, world_size: int) -> np.ndarray:
     """Rows [rank*n/N, (rank+1)*n/N): each rank measures one contiguous block of lengths."""
     return np.arange(rank * num_rows // world_size, (rank + 1) * num_rows // world_size, dtype=np.int64)
-
-
-# Rows tokenized at once by the passes over a rank's rows (lengths, or a shard's rows): the
-# tokenizer's encodings of a call are held until it returns (about 150 bytes a token), so a
-# call per chunk bounds them; only the ids are kept, packed (4 bytes a token).
-_CHUNK_ROWS = 4096
 
 
 class _Spill:
@@ -59,9 +54,6 @@ def _spilled(parts) -> np.ndarray:
         spill.add(part)
     return spill.array()
 
-
-# Token ids copied at once from one spill to another
-_COPY_TOKENS = 1 << 20
 
 
 class PackedIds:
@@ -136,8 +128,9 @@ class PackedIds:
 
     def select(self, keep: np.ndarray) -> PackedIds:
         """The rows of ``keep`` (a mask over ``rows``), packed anew (spilled, a chunk at a time)."""
-        parts = (self.of_range(start, min(start + _CHUNK_ROWS, len(self.rows)),
-                               keep[start:start + _CHUNK_ROWS])[2] for start in range(0, len(self.rows), _CHUNK_ROWS))
+        chunk = chunk_rows("tokenize")
+        parts = (self.of_range(start, min(start + chunk, len(self.rows)), keep[start:start + chunk])[2]
+                 for start in range(0, len(self.rows), chunk))
         return PackedIds(self.rows[keep], self.sizes()[keep], _spilled(parts))
 
     def of_range(self, start: int, stop: int, mask: np.ndarray) -> tuple:
@@ -151,12 +144,12 @@ class PackedIds:
 
 def tokenize_packed(dataset, tokenize_rows: Callable, rows: np.ndarray, columns: TaskColumns, max_length: int,
                     pad_token_id: int) -> Tuple[PackedIds, int]:
-    """(the token ids of ``rows``, packed; how many were truncated): tokenized _CHUNK_ROWS at a time,
+    """(the token ids of ``rows``, packed; how many were truncated): tokenized a chunk of rows at a time,
     in row order (the first bad row of ``rows`` is refused first), the heap trimmed afterwards.
     """
-    sizes, spill, num_truncated = [], _Spill(), 0
-    for start in range(0, len(rows), _CHUNK_ROWS):
-        ids, truncated = tokenize_rows(dataset, rows[start:start + _CHUNK_ROWS], columns, max_length, pad_token_id)
+    sizes, spill, num_truncated, chunk = [], _Spill(), 0, chunk_rows("tokenize")
+    for start in range(0, len(rows), chunk):
+        ids, truncated = tokenize_rows(dataset, rows[start:start + chunk], columns, max_length, pad_token_id)
         num_truncated += truncated
         chunk_sizes = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         sizes.append(chunk_sizes)
@@ -191,10 +184,10 @@ def token_lengths(dataset, tokenizer, settings, calling_the_base: frozenset = fr
         if ref() is dataset and fingerprint == getattr(dataset, "_fingerprint", None) and measured_by is tokenizer \
                 and measured_columns == columns and measured_length == max_length and len(lengths) == len(dataset):
             return lengths.astype(np.int64)
-    counts = []
+    counts, chunk = [], chunk_rows("tokenize")
     rows = np.arange(len(dataset), dtype=np.int64)
-    for start in range(0, len(rows), _CHUNK_ROWS):
-        ids, _ = tokenize_these_rows(tokenizer, dataset, rows[start:start + _CHUNK_ROWS], columns, max_length, -1,
+    for start in range(0, len(rows), chunk):
+        ids, _ = tokenize_these_rows(tokenizer, dataset, rows[start:start + chunk], columns, max_length, -1,
                                      calling_the_base)
         counts.append(np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)))
         del ids
@@ -227,17 +220,13 @@ def _row_owners(planned: List[np.ndarray], num_rows: int, plan_ids: List[int]) -
     return owners
 
 
-# Rows of a rank's block sent to their owners at once (a round of the exchange: its pickles and
-# buffers are a round's, not the block's)
-_EXCHANGE_ROWS = 65536
-
-
 def _send_to_owners(by_row: PackedIds, planned: List[np.ndarray], num_rows: int,
                     plan_ids: List[int]) -> PackedIds:
     """The token ids of this rank's block, each row sent to the rank whose batches hold it;
     returns those of this rank's own rows. Rows travel packed: (row indices, lengths, one
     flat int32 array of ids), which pickles in a fraction of a list of lists' time; in rounds of
-    _EXCHANGE_ROWS rows of each block (the same number of rounds on every rank).
+    chunk_rows("exchange") rows of each block (the same number of rounds on every rank: a round's pickles
+    and buffers, not the block's).
     """
     world_size = ranks.get_world_size()
     if world_size == 1:  # every row is this rank's already
@@ -247,8 +236,9 @@ def _send_to_owners(by_row: PackedIds, planned: List[np.ndarray], num_rows: int,
     rows: List[List[np.ndarray]] = [[] for _ in range(world_size)]
     sizes: List[List[np.ndarray]] = [[] for _ in range(world_size)]
     spills = [_Spill() for _ in range(world_size)]  # each source's ids, as they come
-    for start in range(0, max(block, 1), _EXCHANGE_ROWS):
-        stop = min(start + _EXCHANGE_ROWS, len(owners))
+    chunk = chunk_rows("exchange")
+    for start in range(0, max(block, 1), chunk):
+        stop = min(start + chunk, len(owners))
         outgoing = [by_row.of_range(start, stop, owners[start:stop] == rank) if start < stop else
                     (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32)) for rank in range(world_size)]
         for source, (part_rows, part_sizes, part_ids) in enumerate(ranks.exchange_objects(outgoing)):
@@ -258,8 +248,8 @@ def _send_to_owners(by_row: PackedIds, planned: List[np.ndarray], num_rows: int,
         del outgoing
     del by_row, owners
     # each source's rows ascending, the sources' blocks in rank order: the rows ascending
-    arrays = (spill.array() for spill in spills)
-    flat = _spilled(ids[start:start + _COPY_TOKENS] for ids in arrays for start in range(0, len(ids), _COPY_TOKENS))
+    arrays, copy = (spill.array() for spill in spills), chunk_rows("copy_tokens")  # token ids copied at once
+    flat = _spilled(ids[start:start + copy] for ids in arrays for start in range(0, len(ids), copy))
     trim_heap()
     return PackedIds(np.concatenate([part for parts in rows for part in parts]),
                      np.concatenate([part for parts in sizes for part in parts]), flat)

@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from dist_eval.atomic import atomic_write
+from dist_eval.chunks import chunk_rows
 from dist_eval.errors import UsageError, warn
 from dist_eval.merge import MergedResults
 from dist_eval.output.slice_lines import slices_csv
@@ -198,24 +199,23 @@ def write_predictions(
     template = "{" + ", ".join(json.dumps(key).replace("%", "%%") + ": %s" for key, _ in columns) + "}\n"
 
     def write(f):
-        for start in range(0, len(indices), _LINES_PER_WRITE):
-            stop = min(start + _LINES_PER_WRITE, len(indices))
+        chunk = chunk_rows("lines")
+        for start in range(0, len(indices), chunk):
+            stop = min(start + chunk, len(indices))
             rows = zip(*(cells(start, stop) for _, cells in columns))
             f.write("".join([template % row for row in rows]))
 
     return atomic_write(path, write)
 
 
-_LINES_PER_WRITE = 1 << 14
-
-
 class ColumnCells:
     """A dataset column's cells by row index, read a chunk of rows at a time as they are asked for
-    (in row order, as predictions.jsonl is written: each chunk read once), not the column held whole.
+    (in row order, as predictions.jsonl is written: each chunk read once), not the column held whole;
+    ``chunk``: by default predictions.jsonl's, ``chunk_rows("lines")``.
     """
 
-    def __init__(self, dataset, column: str, chunk: int = _LINES_PER_WRITE):
-        self.dataset, self.column, self.chunk = dataset, column, chunk
+    def __init__(self, dataset, column: str, chunk: Optional[int] = None):
+        self.dataset, self.column, self.chunk = dataset, column, chunk or chunk_rows("lines")
         self.start, self.cells = 0, []
 
     def __len__(self) -> int:

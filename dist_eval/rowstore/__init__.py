@@ -57,6 +57,7 @@ import numpy as np
 
 from dist_eval.atomic import atomic_write, cache_folder, read_regular
 from dist_eval.backends.provenance import tokenizer_digest
+from dist_eval.chunks import chunk_rows
 from dist_eval.errors import warn
 from dist_eval.shard_results import mapped_array
 
@@ -591,17 +592,15 @@ def open_rows(store: Optional[RowStore], fresh: bool, data, columns: List[str], 
     return source
 
 
-# Rows whose texts are read at once for their keys (issue 51: only the 16-byte keys are kept)
-_KEY_ROWS = 16384
-
-
 def _keys_of(data, columns: List[str]) -> np.ndarray:
-    """:func:`row_keys` of every row of ``data``, its texts read _KEY_ROWS rows at a time."""
+    """:func:`row_keys` of every row of ``data``, its texts read a chunk of rows at a time (issue 51: only
+    the 16-byte keys are kept).
+    """
     from dist_eval.data.sample import column_values
 
-    parts = []
-    for start in range(0, len(data), _KEY_ROWS):
-        values = column_values(data, columns, slice(start, start + _KEY_ROWS))
+    parts, chunk = [], chunk_rows("store_keys")
+    for start in range(0, len(data), chunk):
+        values = column_values(data, columns, slice(start, start + chunk))
         parts.append(row_keys(values[0], values[1] if len(values) > 1 else None))
     return np.concatenate(parts) if parts else np.zeros((0, KEY_BYTES), dtype=np.uint8)
 
