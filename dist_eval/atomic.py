@@ -15,7 +15,10 @@ from typing import IO, Callable, Optional, Union
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def atomic_write(path: str, content: Union[str, bytes, Callable[[IO], None]], *, binary: bool = False) -> str:
+Content = Union[str, bytes, Callable[[IO], None]]
+
+
+def atomic_write(path: str, content: Content, *, binary: bool = False) -> str:
     """Write ``content`` (text in UTF-8, bytes, or a function given the open file) to ``path``.
 
     The file is written under a new hidden temporary name in the same folder, created
@@ -25,6 +28,30 @@ def atomic_write(path: str, content: Union[str, bytes, Callable[[IO], None]], *,
     sees the whole file or none, also after a machine crash. A write that fails removes its
     temporary file.
     """
+    return _published(path, content, binary, os.replace)
+
+
+def atomic_create(path: str, content: Content, *, binary: bool = False) -> str:
+    """:func:`atomic_write`, but only where ``path`` does not exist: FileExistsError otherwise (a lock
+    taken: its content whole or absent to every reader, never a file half written). The whole
+    temporary file is linked to ``path`` (a link fails where the name exists); on a file system
+    without links, ``path`` is created exclusively and written in place.
+    """
+    def link(tmp: str, final: str) -> None:
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            raise
+        except OSError:  # no hard links here (some FUSE or FAT file systems)
+            with os.fdopen(os.open(final, _CREATE, 0o666 & ~umask()), "wb") as f, open(tmp, "rb") as whole:
+                f.write(whole.read())
+        os.unlink(tmp)
+
+    return _published(path, content, binary, link)
+
+
+def _published(path: str, content: Content, binary: bool, publish: Callable[[str, str], None]) -> str:
+    """``content`` written whole to a new temporary file beside ``path``, then ``publish(tmp, path)``."""
     binary = binary or isinstance(content, bytes)
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.tmp{os.getpid()}-{secrets.token_hex(4)}")
@@ -38,7 +65,7 @@ def atomic_write(path: str, content: Union[str, bytes, Callable[[IO], None]], *,
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~umask())
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

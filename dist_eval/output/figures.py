@@ -80,8 +80,9 @@ def reliability_diagram_png(probs, labels, bins: int = 15, title: str = "", path
     ece = expected_calibration_error(probs, labels, bins) if total else float("nan")
     data = reliability_table_png(table, ece, title)
     if data is not None and path is not None:
-        with open(path, "wb") as handle:
-            handle.write(data)
+        from dist_eval.atomic import atomic_write
+
+        atomic_write(path, data)
     return data
 
 

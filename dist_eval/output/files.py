@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from dist_eval.atomic import atomic_write
+from dist_eval.atomic import atomic_create, atomic_write
 from dist_eval.chunks import chunk_rows
 from dist_eval.errors import UsageError, warn
 from dist_eval.merge import MergedResults
@@ -25,8 +25,7 @@ def check_output_dir(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".dist_eval_write_test_{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
+        atomic_write(probe, "ok")  # as the report's files are written: a temporary file renamed into place
         os.remove(probe)
     except OSError as e:
         raise UsageError(f"--output-dir {path}: not writable ({e.strerror}). Pass a folder you can write to.") from e
@@ -64,8 +63,8 @@ def hold_output_dir(path: str) -> None:
           "since": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime()),
           "slurm_job": os.environ.get("SLURM_JOB_ID"), "restarts": os.environ.get("SLURM_RESTART_COUNT")}
     for _ in range(3):  # another run may take over the same dead lock at the same moment
-        try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:  # whole or absent to a reader: a lock half written (read as unreadable) is never seen
+            atomic_create(lock, lambda f: json.dump(me, f))
         except FileExistsError:
             other = _lock_holder(lock)
             if not _earlier_run_of_this_job(other, me) and (other.get("host") != me["host"] or _alive(other)):
@@ -79,8 +78,6 @@ def hold_output_dir(path: str) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(lock)
             continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
         _held[path] = lock
         if len(_held) == 1:
             atexit.register(release_output_dirs)
