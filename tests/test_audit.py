@@ -3,7 +3,10 @@ replays agree bit for bit; a server whose block differs from its replicas' (anot
 the weights, served under the same prefix) is found on its first request, outvoted by a third
 server, named and left out, and so is one answering NaN, the run's logits the local backend's; a
 row NaN on every route stops the run naming it; a server caught after answers of it were taken
-has its batches evaluated again (the logits the local backend's, none of its rows stored)."""
+has its batches evaluated again (the logits the local backend's, none of its rows stored). The CLI
+against a swarm it did not start audits 3% of the rows by default (no setting: the default rule), each
+server's first request replayed (a join probe), the rows drawn by content checked, each server's unseen
+chances those of their formula; a block held by one server is a coverage gap of every replay."""
 from __future__ import annotations
 
 import os
@@ -15,7 +18,7 @@ from unittest import mock
 import numpy as np
 import pytest
 from conftest import REPO, free_port, one_thread_swarm
-from float_promises import assert_same_bits
+from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import one_thread, run_cli_in_process
 from safetensors.torch import load_file, save_file
 
@@ -244,12 +247,15 @@ def test_a_server_blamed_on_one_rank_has_its_batches_on_every_rank_evaluated_aga
     redone = audit["redone_batches_by_rank"]
     assert redone[1] > 0, audit  # rank 1's batches of it, evaluated again after rank 0's blame
     assert f"({sum(redone)} batch(es) they answered evaluated again" in summary_line({"swarm": {"audit": audit}})
+    assert_unseen_chances_follow_their_formula(audit)  # of the counts the ranks' reports add up
 
 
 def _local_logits(model_dir, checkpoint, rows):
+    """The local backend's logits of ``rows`` (datasets_of that many, or a dataset), a row a batch."""
     with one_thread():
         model = load_model("local", model_dir, checkpoint=checkpoint)
-        return evaluate(model, datasets_of(rows), tokenizer=load_tokenizer(model_dir), batch_size=1,
+        data = datasets_of(rows) if isinstance(rows, int) else rows
+        return evaluate(model, data, tokenizer=load_tokenizer(model_dir), batch_size=1,
                         return_logits=True, bootstrap_resamples=0).predictions.logits
 
 
@@ -366,7 +372,7 @@ def test_a_server_blamed_in_a_later_round_has_its_earlier_rounds_rows_evaluated_
 
 
 def test_the_calibrated_tolerance_catches_a_server_a_little_off_and_blames_no_honest_one_of_other_numerics(
-        tiny_model, tiny_checkpoint, swarm_with_a_changed_replica):
+        tiny_model, tiny_checkpoint, swarm_with_a_changed_replica, tmp_path):
     """Every request replayed (--audit 1), one at a time. First on an honest server in float32 and the
     one in bfloat16, honest for its first 40 answers: each request is answered by one and replayed on
     the other, so 40 requests compare the two numerics and calibrate their tolerance from 64 ulps of
@@ -376,9 +382,20 @@ def test_the_calibrated_tolerance_catches_a_server_a_little_off_and_blames_no_ho
     joining the swarm mid-run, while the bfloat16 one turns 16 of its ulps off: it is caught on its
     next request (compared with a float32 replay: replays go to the finest numerics; the prior 64
     ulps would have let it pass), named and left out; no honest server is blamed, every row counts
-    once. 60 requests after: none through it with probability (3/4)^60 (3e-8)."""
+    once. 60 requests after: none through it with probability (3/4)^60 (3e-8). Each row's logits are those
+    of the server whose answer was taken (the row store records it): a float32 server on this machine's
+    kernels gives the local backend's bits; the AVX2 one its own last bits; the bfloat16 one (its answers
+    before it turned, each agreeing with a float32 replay within the tolerance) bfloat16's numbers, which
+    the row store drops once it is blamed; none of its answers after it turned was taken."""
+    import datasets
+
+    from dist_eval.rowstore import row_keys
+
     peers, swarm = swarm_with_a_changed_replica
     nudging, avx2 = peers[7:9]
+    # 100 rows of distinct texts (datasets_of repeats every 60): the row store keeps each row's servers
+    data = datasets.Dataset.from_dict({"text": [f"w{i // 60} " + _rows(100)["text"][i] for i in range(100)],
+                                       "label": _rows(100)["label"]})
     model = _petals(tiny_model, tiny_checkpoint, swarm, 1.0, [peers[0], nudging])
     manager, done = model.module.sequence_manager, [0]
 
@@ -389,8 +406,9 @@ def test_the_calibrated_tolerance_catches_a_server_a_little_off_and_blames_no_ho
             manager.update(wait=True)
     try:
         with one_thread():
-            got = evaluate(model, datasets_of(100), tokenizer=load_tokenizer(tiny_model), batch_size=1,
-                           return_logits=True, bootstrap_resamples=0, on_batch_done=after, in_flight=1)
+            got = evaluate(model, data, tokenizer=load_tokenizer(tiny_model), batch_size=1, return_logits=True,
+                           bootstrap_resamples=0, on_batch_done=after, in_flight=1, row_store=str(tmp_path),
+                           save_interval=0)
         audit = model.provenance()["audit"]
     finally:
         model.close()
@@ -399,7 +417,19 @@ def test_the_calibrated_tolerance_catches_a_server_a_little_off_and_blames_no_ho
     for honest in (*peers[:2], avx2):
         assert audit["servers"][honest]["batches"] > 0 and not audit["servers"][honest]["mismatches"], audit
     assert list(got.predictions.indices) == list(range(100))
-    np.testing.assert_allclose(got.predictions.logits, _local_logits(tiny_model, tiny_checkpoint, 100), atol=0.1)
+    [(folder, key)] = key_folders(str(tmp_path))  # its rows but those of the blamed server
+    servers_of = {row: set(servers) for row, (_, _, servers) in survey(folder, key).rows.items()}
+    taken = [servers_of.get(row.tobytes()) for row in row_keys(data["text"], None)]
+    assert all(row < 40 for row, servers in enumerate(taken) if servers is None), taken  # the bfloat16's
+    same_kernels = [row for row, servers in enumerate(taken) if servers and servers <= set(peers[:2])]
+    other_kernels = [row for row, servers in enumerate(taken) if servers and avx2 in servers]
+    assert len(same_kernels) >= 40 and all(servers is None or servers <= {*peers[:2], avx2} for servers in taken)
+    local = _local_logits(tiny_model, tiny_checkpoint, data)
+    assert_same_bits(got.predictions.logits[same_kernels], local[same_kernels],
+                     "the logits of the rows the float32 servers of this machine's kernels answered")
+    assert_within_rounding(got.predictions.logits[other_kernels], local[other_kernels],
+                           "the logits of the rows the AVX2 server answered",
+                           why="its kernels (ATEN_CPU_CAPABILITY=avx2) sum in another order than this machine's best")
 
 
 def test_a_server_at_fault_on_a_route_of_several_is_found_span_by_span_and_left_out(tiny_model, tiny_checkpoint,
@@ -438,6 +468,28 @@ def test_a_server_at_fault_on_a_route_of_several_is_found_span_by_span_and_left_
     assert evidence["blocks"] == "2:4" and evidence["route"] == [half, faulty], evidence
     assert evidence["outvoted_by"] == sorted(peers[:2]), evidence
     assert not any(audit["servers"].get(p, {}).get("mismatches") for p in [*peers[:2], half]), audit
+
+
+def test_a_block_held_by_one_server_is_a_coverage_gap_of_every_replay(tiny_model, tiny_checkpoint,
+                                                                     swarm_with_a_changed_replica):
+    """A client allowed an honest server of every block and the honest one of blocks 0:2: blocks 2 and 3 have
+    one server, which no other can check. No replay can be made, so every request is a join probe (no whole
+    replay agrees with either server) whose replay finds no route: each counts blocks 2 and 3 in the report's
+    coverage_gaps, and blocks 0 and 1 where its route went through the half too (then no other server of
+    them is left either); the servers stay unchecked, unseen with certainty whatever their fault; the summary
+    says how many blocks no other server could check. The logits are the local backend's (nothing blamed)."""
+    peers, swarm = swarm_with_a_changed_replica
+    whole, half = peers[0], peers[5]
+    expected, got, audit = _local_and_audited(tiny_model, tiny_checkpoint, swarm, 0.5, 6, 1, servers=[whole, half])
+    assert_same_bits(got.predictions.logits, expected.predictions.logits, "the logits, no server checked")
+    gaps, servers = audit["coverage_gaps"], audit["servers"]
+    assert gaps["2"] == gaps["3"] == audit["requests"] == audit["join_probes"] == 6, audit
+    assert gaps.get("0", 0) == gaps.get("1", 0) == servers.get(half, {}).get("computed", 0), audit
+    assert not audit["replayed"] and not audit["replays_failed"] and not audit["excluded"], audit
+    assert all(s["unchecked"] == s["computed"] and s["unseen_if_always_wrong"] == 1.0 for s in servers.values())
+    assert_unseen_chances_follow_their_formula(audit)
+    assert (f"0 of {len(servers)} servers checked, {len(gaps)} block(s) with no other server to check them"
+            in summary_line({"swarm": {"audit": audit}})), audit
 
 
 def test_a_row_nan_on_every_route_fails_the_run_in_one_line_naming_its_rows_and_servers(tiny_model, tiny_checkpoint,
@@ -555,27 +607,81 @@ def test_the_tolerance_between_other_numerics_is_calibrated_on_the_runs_honest_a
         {"swarm": {"audit": facts}})
 
 
-def test_the_cli_audits_a_swarm_it_did_not_start_and_reports_it(tiny_model, tiny_checkpoint, tiny_swarm, tmp_path,
-                                                               capsys):
+def assert_unseen_chances_follow_their_formula(audit: dict) -> None:
+    """Each server's unseen chances in the report are, computed here, (1 - f) ** (its answers checked: replayed
+    whole or in their drawn rows elsewhere, and equal) for f = 1 (wrong in every answer) and f = 0.1 (in one in
+    ten): docs/cluster.md's "a server wrong in a share f of its answers goes unseen with probability (1 - f)
+    to the power of its answers checked"."""
+    for peer, server in audit["servers"].items():
+        checked = server["batches"] + server["row_checks"]
+        assert_same_bits({f: server[key] for f, key in ((1.0, "unseen_if_always_wrong"),
+                                                        (0.1, "unseen_if_one_in_ten_wrong"))},
+                         {f: (1 - f) ** checked for f in (1.0, 0.1)}, f"server {peer}'s unseen chances, {server}")
+
+
+def drawn_rows(model_dir, texts, share: float, prompt_tokens: int, seed: int = 0) -> list:
+    """The rows the audit draws at ``share``, computed here from docs/cluster.md's rule: each row by a hash
+    of its content (its token ids up to the position the head reads, and that position) keyed with the seed,
+    drawn where the keyed hash falls below ``share`` of its range: the same rows in any batch."""
+    import hashlib
+
+    tokenizer, drawn = load_tokenizer(model_dir), []
+    for row, text in enumerate(texts):
+        ids = np.asarray(tokenizer(text)["input_ids"], dtype=np.int64)
+        content = hashlib.blake2b(ids.tobytes() + repr(prompt_tokens + len(ids) - 1).encode(), digest_size=16)
+        keyed = hashlib.blake2b(content.digest(), digest_size=8, key=seed.to_bytes(8, "little")).digest()
+        if int.from_bytes(keyed, "little") < share * 2 ** 64:
+            drawn.append(row)
+    return drawn
+
+
+def test_the_cli_audits_3_percent_of_the_rows_of_a_swarm_it_did_not_start_by_default(
+        tiny_model, tiny_checkpoint, tiny_swarm, tmp_path, capsys, monkeypatch):
+    """No --audit and no $DIST_EVAL_AUDIT (the suite's 0 unset: the pipeline's default rule runs), against a
+    swarm the run did not start: the report's audit has the share 3%; each server's first request is replayed
+    whole on the other (a join probe: one a server, one batch in flight) and agrees, bit for bit; the rows
+    drawn at 3% by their content (computed here: 5 of these 100, none in the first request, a probe) are
+    checked, in row checks or a whole replay where both rows of a request were drawn, but those that fell in
+    the other probe's request (replayed whole anyway); each server's unseen chances follow their formula.
+    (The run's own swarm audits nothing: tests/test_cli_default_run.py.)"""
+    import csv
     import json
 
     from conftest import write_csv
 
-    data = write_csv(str(tmp_path / "rows.csv"), 12)
+    monkeypatch.delenv("DIST_EVAL_AUDIT")
+    rows = 100
+    data = write_csv(str(tmp_path / "rows.csv"), rows, seed=33)
+    with open(data) as f:
+        drawn = drawn_rows(tiny_model, [row["text"] for row in csv.DictReader(f)], 0.03, prompt_tokens=3)
+    assert drawn == [37, 39, 48, 49, 95], f"the set's drawn rows are not those this test was written for: {drawn}"
     out = str(tmp_path / "out")
     code = run_cli_in_process(["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--data-files", data,
                                "--initial-peers", *tiny_swarm.initial_peers, "--dht-prefix", tiny_swarm.dht_prefix,
-                               "--batch-size", "4", "--audit", "1", "--output-dir", out, "--progress", "none"])
+                               "--batch-size", "2", "--no-length-buckets", "--in-flight", "1", "--output-dir", out,
+                               "--progress", "none"], hide_modules=("matplotlib",))
     said = capsys.readouterr().out
     assert code == 0, said
     audit = json.load(open(os.path.join(out, "metrics.json")))["run"]["swarm"]["audit"]
-    assert audit["share"] == 1.0 and audit["replayed"] == audit["requests"] == 3 and audit["replayed_rows"] == 12
-    assert audit["max_difference"] == 0.0 and not audit["coverage_gaps"], audit
-    # every server that computed a request (routes are drawn at random: one or both) was checked on all of them
-    assert audit["servers"] and all(s["batches"] == s["computed"] and not s["mismatches"]
-                                    for s in audit["servers"].values()), audit
-    assert re.search(r"swarm audit: 3 of 3 requests \(12 rows\) replayed on other servers, all equal bit for bit; "
-                     r"(\d) of \1 servers checked", said), said
+    assert audit["share"] == 0.03 and audit["requests"] == rows // 2 and audit["request_rows"] == rows, audit
+    # the join probes: one a server that computed (both, unless one's pings kept timing out), its first request
+    # replayed whole on the other, equal
+    servers = audit["servers"]
+    assert sum(s["computed"] for s in servers.values()) == audit["requests"], audit
+    assert audit["join_probes"] == len(servers) and audit["join_probe_rows"] == 2 * len(servers), audit
+    assert all(s["batches"] >= 1 and not s["mismatches"] for s in servers.values()), audit
+    assert audit["max_difference"] == 0.0 and audit["max_tolerance"] == 0.0 and not audit["escalated"], audit
+    assert sum(s["batches"] for s in servers.values()) == audit["replayed"], audit  # one server a route
+    assert sum(s["row_checks"] for s in servers.values()) == audit["row_checks"], audit
+    # the drawn rows checked: rows 37, 39 and 95 in row checks, 48 and 49 (one request) replayed whole; but
+    # those of the second server's probe (not the first request's: rows 0 and 1, none drawn)
+    checked = audit["row_checked_rows"] + audit["replayed_rows"] - audit["join_probe_rows"]
+    assert len(drawn) - (audit["join_probe_rows"] - 2) <= checked <= len(drawn), (checked, audit)
+    assert not audit["coverage_gaps"] and not audit["replays_failed"] and not audit["excluded"], audit
+    assert_unseen_chances_follow_their_formula(audit)
+    assert re.search(rf"swarm audit: {audit['replayed']} of {rows // 2} requests \({audit['replayed_rows']} rows\) "
+                     rf"replayed on other servers, all equal bit for bit; {audit['row_checks']} more checked in "
+                     rf"{audit['row_checked_rows']} drawn rows, .*; (\d) of \1 servers checked \(metrics", said), said
 
 
 def test_a_share_outside_0_to_1_or_on_the_local_backend_is_refused_in_one_line(tiny_model, monkeypatch):

@@ -1,7 +1,8 @@
 """The embedded default, as the README's command 1 runs it (`dist-eval --nproc-per-node 2`, no
 dist_eval flag but the output folder): starts a local swarm, evaluates the built-in prompt-tuned
-model through Petals, reports accuracy > 0.90, prints nothing that is not dist_eval's own, and
-stops every server it started."""
+model through Petals, reports accuracy > 0.90, audits nothing on its own swarm (no --audit, no
+$DIST_EVAL_AUDIT: the default rule), prints nothing that is not dist_eval's own, and stops every
+server it started."""
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ def default_run(tmp_path_factory, demo_cache):
     mpl = tmp_path_factory.mktemp("mplconfig")
     env = {**os.environ, "DIST_EVAL_CACHE": demo_cache, "MPLCONFIGDIR": str(mpl), "HF_HUB_OFFLINE": "1"}
     env.pop("OMP_NUM_THREADS", None)  # as on a user's shell
+    env.pop("DIST_EVAL_AUDIT", None)  # the suite's 0 (conftest.py): a user's default, the audit's rule, runs
     proc = run_in_own_group([sys.executable, "-m", "dist_eval.launcher", "--nproc-per-node", "2", "--",
                              "--output-dir", str(out)], timeout=600, env=env)
     return out, proc, before
@@ -40,6 +42,8 @@ def test_default_run(default_run):
     assert metrics["accuracy"] > 0.90
     assert metrics["run"]["backend"] == "petals" and metrics["run"]["world_size"] == 2
     assert metrics["run"]["demo"] is True and len(metrics["run"]["initial_peers"]) >= 2
+    # the run's own local swarm is audited only when asked (its servers are this run's processes)
+    assert "audit" not in metrics["run"]["swarm"] and "swarm audit" not in proc.stdout, metrics["run"]["swarm"]
     assert len(metrics["confusion_matrix"]) >= 3
     rows = read_jsonl(out / "predictions.jsonl")
     assert [r["index"] for r in rows] == list(range(metrics["num_samples"]))

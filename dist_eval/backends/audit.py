@@ -336,18 +336,24 @@ def row_digests(token_ids: Optional[torch.Tensor], hidden_states: torch.Tensor, 
 def disjoint_route(manager, avoid: set, end: int, ledger: Optional[AuditLedger], start: int = 0) -> Optional[list]:
     """Spans from block ``start`` to ``end`` on online servers outside ``avoid`` (the one reaching
     furthest at each step, then of the finest dtype, ties by peer id); None where a block has no such
-    server (a coverage gap, counted in ``ledger``).
+    server (a coverage gap, counted in ``ledger`` for every block from ``start`` to ``end`` without one:
+    each block no other server could check, not only the first).
     """
     from petals.data_structures import RemoteSpanInfo, ServerState
 
     spans, block = [], start
     containing = manager.state.sequence_info.spans_containing_block
+
+    def usable(at: int) -> list:
+        return [s for s in containing[at] if str(s.peer_id) not in avoid and s.state == ServerState.ONLINE]
+
     while block < end:
-        choices = [s for s in containing[block] if str(s.peer_id) not in avoid and s.state == ServerState.ONLINE]
+        choices = usable(block)
         if not choices:
             if ledger is not None:
                 with ledger.lock:
-                    ledger.gaps[block] = ledger.gaps.get(block, 0) + 1
+                    for gap in (at for at in range(start, end) if not usable(at)):
+                        ledger.gaps[gap] = ledger.gaps.get(gap, 0) + 1
             return None
         # the furthest reach, then the finest numerics (a comparison within the coarsest dtype's tolerance:
         # a bfloat16 replayer would hide a float32 server's small fault), then the peer id
