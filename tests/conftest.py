@@ -359,10 +359,79 @@ def run_cli(args, nproc: int = 1, timeout: float = 300, env=None) -> subprocess.
             "dist_eval",
             *args,
         ]
+    return run_in_own_group(cmd, timeout=timeout, env=run_env(env))
+
+
+def run_env(env=None) -> dict:
+    """The environment of :func:`run_cli`'s processes: one thread, offline, this checkout; ``env`` added."""
     # the checkout under test, not an installed copy of the package
     pythonpath = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath, **(env or {})}
-    return run_in_own_group(cmd, timeout=timeout, env=full_env)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath, **(env or {})}
+
+
+@pytest.fixture(scope="session")
+def rank_zygote(tmp_path_factory):
+    """This test process's fork server of ranks (tests/forked_ranks.py), for :func:`run_ranks`."""
+    from forked_ranks import RankZygote
+
+    zygote = RankZygote(run_env(), str(tmp_path_factory.mktemp("zygote")))
+    try:
+        yield zygote
+    finally:
+        zygote.stop()
+
+
+def run_ranks(zygote, args, nproc: int, timeout: float = 300, env=None, script=None) -> subprocess.CompletedProcess:
+    """:func:`run_cli` on ``nproc`` ranks forked from ``zygote`` (conftest's ``rank_zygote``): real
+    processes in a real gloo group, the CLI's ``__main__`` (or ``script``, with ``args``), torchrun's
+    environment, without each rank's and the launcher's imports (tests/forked_ranks.py says what
+    differs from torchrun: not for a test of the launch). ``rank_codes``: each rank's exit code. An
+    ``env`` the fork server cannot serve (a library reads it when imported): torchrun."""
+    full_env = run_env(env)
+    if not zygote.serves(full_env):
+        if script is None:
+            result = run_cli(args, nproc=nproc, timeout=timeout, env=env)
+        else:
+            result = run_in_own_group([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                                       "--master_port", str(free_port()), script, *args], timeout=timeout, env=full_env)
+        result.rank_codes = None
+        return result
+    argv = ["-m", "dist_eval", *args] if script is None else [script, *args]
+    suite_plugin.note_launch(f"forked ranks: {argv[0]} {argv[1]}")
+    # the petals client's import (~1.4 s) once in the launcher, not in every rank
+    backend = args[args.index("--backend") + 1] if "--backend" in args else "petals"
+    preload = [] if backend == "local" or script else ["dist_eval.backends.compat:import_petals"]
+    return zygote.launch(argv, nproc, full_env, free_port(), timeout, preload)
+
+
+def start_ranks(zygote, args, nproc: int, env=None):
+    """:func:`run_ranks` started, not waited for: (the launch, its stdout, its stderr: text pipes
+    read as the ranks write). The launch is used as a ``subprocess.Popen`` of torchrun is (``pid``
+    leads its process group; ``poll``, ``wait``, ``returncode``), with the ranks' ``pids`` in rank
+    order. An ``env`` the fork server cannot serve: torchrun, a Popen (``pids`` then None)."""
+    full_env = run_env(env)
+    if not zygote.serves(full_env):
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                                 "--master_port", str(free_port()), "-m", "dist_eval", *args], cwd=REPO,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=full_env, start_new_session=True)
+        proc.pids = None
+        return proc, proc.stdout, proc.stderr
+    suite_plugin.note_launch("forked ranks: -m dist_eval")
+    backend = args[args.index("--backend") + 1] if "--backend" in args else "petals"
+    preload = [] if backend == "local" else ["dist_eval.backends.compat:import_petals"]
+    (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+    try:
+        launch = zygote.start(zygote.request(["-m", "dist_eval", *args], nproc, full_env, free_port(), preload),
+                              out_w, err_w)
+    except BaseException:
+        for fd in (out_r, err_r):
+            os.close(fd)
+        raise
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    return launch, os.fdopen(out_r, "r", errors="replace"), os.fdopen(err_r, "r", errors="replace")
 
 
 @pytest.fixture(scope="session")

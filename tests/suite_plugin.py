@@ -6,8 +6,9 @@
   are deselected (not skipped: a skip is not a pass, nor an error), and the run's summary says so in one
   line a mark, with the reason.
 - ``multiproc``, ``swarm`` and ``slurm`` say what a test starts; they are checked, not trusted: a test
-  (or a fixture it set up) that launches ``torch.distributed.run`` (or ``dist_eval.launcher``) must be
-  marked ``multiproc``, one that starts dist_eval's swarm servers ``swarm``, one that starts
+  (or a fixture it set up) that launches ``torch.distributed.run`` (or ``dist_eval.launcher``, or ranks
+  forked by ``tests/forked_ranks.py``) must be marked ``multiproc``, one that starts dist_eval's swarm
+  servers ``swarm``, one that starts
   ``slurmctld`` ``slurm``, or the test fails naming the mark.
 - ``--reverse-order``: the collected tests in reverse order (modules and tests within them),
   to show that no test depends on another having run first; ``pytest-random-order``
@@ -26,6 +27,7 @@ import pytest
 
 # what a command line holds -> the mark a test that starts it needs
 _STARTS = {"torch.distributed.run": "multiproc", "torchrun ": "multiproc", "-m dist_eval.launcher": "multiproc",
+           "forked ranks:": "multiproc", "rank_zygote.py": "multiproc",
            "-m dist_eval.swarm.server": "swarm", "-m stock_petals_server": "swarm", "/slurmctld": "slurm"}
 _launched: List[str] = []  # command lines started since the current test began
 _deselected: Dict[str, Tuple[str, List[str]]] = {}  # mark -> (why, the node ids deselected)
@@ -38,6 +40,12 @@ def _recording_popen_init(self, args, *rest, **kwargs):
 
 
 subprocess.Popen.__init__ = _recording_popen_init
+
+
+def note_launch(cmd: str) -> None:
+    """A launch that starts no Popen of its own (tests/forked_ranks.py: ranks forked from a fork
+    server), checked as one: ``forked ranks: ...`` needs the ``multiproc`` mark."""
+    _launched.append(cmd)
 
 
 def add_options(parser) -> None:
