@@ -1,12 +1,13 @@
 """On a real private Petals swarm (server processes on 127.0.0.1): the petals backend
-gives the same predictions for N=1 (one rank in this process) and N=2 (under torchrun), and
-the same logits as the local backend, bitwise (fp32). Marked `swarm`: run alone with `pytest -m swarm`."""
+gives the same predictions for N=1 (one rank in this process) and N=2 (two ranks in a gloo group,
+forked: conftest's run_ranks), and the same logits as the local backend, bitwise (fp32). Marked
+`swarm`: run alone with `pytest -m swarm`."""
 import json
 import time
 from unittest import mock
 
 import pytest
-from conftest import build_checkpoint, one_thread_swarm, read_jsonl, run_cli, write_csv
+from conftest import build_checkpoint, one_thread_swarm, read_jsonl, run_ranks, write_csv
 from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import run_cli_in_process
 
@@ -38,10 +39,12 @@ def petals_args(swarm, model, checkpoint, data, out, *extra):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("tuning_mode", ["ptune", "deep_ptune"])
 def test_petals_equals_local_and_is_exact_across_ranks(swarm, tiny_model, data_csv, tmp_path, tuning_mode,
-                                                      no_figures, capfd):
-    """Petals N=2 under torchrun; petals N=1 and the local reference in this process (one rank, one
-    thread: a torchrun rank's bits; a one-rank launch is not what is tested here, and cost a torchrun
-    start: test_families_swarm.py and test_swarm_supervisor.py launch one rank on a swarm)."""
+                                                      no_figures, capfd, rank_zygote):
+    """Petals N=2 on two forked ranks (conftest's run_ranks; the launch is not what is tested here:
+    torchrun on a swarm is test_swarm_failover's, test_launch's, test_families_swarm's); petals N=1 and
+    the local reference in this process (one rank, one thread: a torchrun rank's bits; a one-rank
+    launch is not what is tested here, and cost a torchrun start: test_families_swarm.py and
+    test_swarm_supervisor.py launch one rank on a swarm)."""
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode=tuning_mode, pre_seq_len=4)
     outs = {}
     for name, nproc, extra in (("petals1", 1, []), ("petals2", 2, []), ("local1", 1, ["--backend", "local"])):
@@ -49,8 +52,8 @@ def test_petals_equals_local_and_is_exact_across_ranks(swarm, tiny_model, data_c
             continue  # N=1 vs N=2 is covered with ptune; keep the suite short
         folder = tmp_path / name
         if name == "petals2":
-            proc = run_cli(petals_args(swarm, tiny_model, checkpoint, data_csv, folder, *extra), nproc=nproc,
-                           env=no_figures)
+            proc = run_ranks(rank_zygote, petals_args(swarm, tiny_model, checkpoint, data_csv, folder, *extra),
+                             nproc=nproc, env=no_figures)
             assert proc.returncode == 0, proc.stderr[-3000:]
             assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
         elif name == "petals1":
@@ -80,11 +83,12 @@ def test_petals_equals_local_and_is_exact_across_ranks(swarm, tiny_model, data_c
 
 
 @pytest.mark.multiproc
-def test_wrong_dht_prefix_names_missing_blocks_in_bounded_time(swarm, tiny_model, tiny_checkpoint, data_csv, tmp_path):
+def test_wrong_dht_prefix_names_missing_blocks_in_bounded_time(swarm, tiny_model, tiny_checkpoint, data_csv, tmp_path,
+                                                              rank_zygote):
     started = time.monotonic()
     args = petals_args(swarm, tiny_model, tiny_checkpoint, data_csv, tmp_path, "--swarm-timeout", "5")
     args[args.index("--dht-prefix") + 1] = "not-this-model"
-    proc = run_cli(args, nproc=2, timeout=120)
+    proc = run_ranks(rank_zygote, args, nproc=2, timeout=120)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("dist_eval: error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
@@ -101,17 +105,17 @@ def small_request_swarm(tiny_model):
 
 @pytest.mark.multiproc
 def test_a_batch_over_the_servers_max_batch_size_is_split_not_failed(small_request_swarm, tiny_model, tiny_checkpoint,
-                                                                     data_csv, tmp_path, no_figures):
+                                                                     data_csv, tmp_path, no_figures, rank_zygote):
     # batches of 8 rows x (8 prompt vectors + up to ~30 tokens) are well over 96 tokens:
     # the server refuses each such request, each rank learns 96 and resends the batch split
-    # (two ranks under torchrun; the local reference in this process, one thread: a rank's bits)
+    # (two ranks forked: conftest's run_ranks; the local reference in this process, one thread: a rank's bits)
     outs, stderr = {}, {}
     for name, extra in (("petals", []), ("local", ["--backend", "local"])):
         args = petals_args(small_request_swarm, tiny_model, tiny_checkpoint, data_csv, tmp_path / name, *extra)
         if name == "local":
             local_in_process(args[:args.index("--initial-peers")] + args[args.index("--batch-size"):])
         else:
-            proc = run_cli(args, nproc=2, timeout=240, env=no_figures)
+            proc = run_ranks(rank_zygote, args, nproc=2, timeout=240, env=no_figures)
             assert proc.returncode == 0, proc.stderr[-3000:]
             assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
             stderr[name] = proc.stderr
