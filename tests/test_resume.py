@@ -1,20 +1,20 @@
 """A rank killed mid-run, then the same command again: only the rows without a stored
 result are evaluated again, and the final report equals an uninterrupted run's. Real
-torchrun jobs (gloo, the local backend), a real SIGKILL. The uninterrupted references run in
-this process (one rank: a run's results are the same bits for any N); one interrupted job
-serves both tests that start from one (each resumes its own copy). No run here draws figures
-(matplotlib hidden): none is looked at."""
+multi-rank jobs (gloo, the local backend; ranks forked by conftest's run_ranks, which stops the
+others when one dies, as torchrun does: what a kill leaves, not the launch, is tested here), a
+real SIGKILL. The uninterrupted references run in this process (one rank: a run's results are
+the same bits for any N); one interrupted job serves both tests that start from one (each
+resumes its own copy). No run here draws figures (matplotlib hidden): none is looked at."""
 import glob
 import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
+import threading
 import time
 
 import pytest
-from conftest import REPO, all_pids, free_port, read_jsonl, run_cli, stop_group, write_csv
+from conftest import REPO, all_pids, read_jsonl, run_ranks, start_ranks, stop_group, write_csv
 from inprocess_cli import run_cli_in_process, without_modules
 
 pytestmark = pytest.mark.multiproc
@@ -41,12 +41,12 @@ def job(tiny_model, tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def interrupted(job):
+def interrupted(job, rank_zygote):
     """One 2-rank job, rank 1 SIGKILLed once it stored some batches: its output folder (partial
     results only). Tests resume copies of it."""
     base, args, _ = job
     out = base / "interrupted_once"
-    code, err = _interrupted_run(args, out)
+    code, err = _interrupted_run(rank_zygote, args, out)
     assert code != 0
     assert not (out / "metrics.json").exists() and not (out / "predictions.jsonl").exists()
     stored = glob.glob(str(out / "partial" / "*" / "*.npz"))
@@ -75,14 +75,14 @@ def _rank_pid(torchrun_pid: int, rank: int):
     return None
 
 
-def _interrupted_run(args, out, kill_after_files: int = 20, stored: str = "*/rank1-*.npz"):
+def _interrupted_run(zygote, args, out, kill_after_files: int = 20, stored: str = "*/rank1-*.npz"):
     """Start a 2-rank job, SIGKILL rank 1 once it stored some batches (files matching ``stored``
-    under the partial results); return the job's exit code."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "dist_eval", *args, "--output-dir", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    under the partial results); return the job's exit code and its stderr."""
+    proc, stdout, stderr = start_ranks(zygote, [*args, "--output-dir", str(out)], nproc=2)
+    said = {stdout: [], stderr: []}
+    readers = [threading.Thread(target=lambda s=s: said[s].extend(s), daemon=True) for s in (stdout, stderr)]
+    for reader in readers:
+        reader.start()
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
@@ -90,22 +90,27 @@ def _interrupted_run(args, out, kill_after_files: int = 20, stored: str = "*/ran
                 break
             time.sleep(0.05)
         assert proc.poll() is None, "the job ended before it could be interrupted; make it longer"
-        victim = _rank_pid(proc.pid, 1)
+        victim = proc.pids[1] if proc.pids is not None else _rank_pid(proc.pid, 1)  # forked, or torchrun's
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
-        _, err = proc.communicate(timeout=120)
-        return proc.returncode, err
+        proc.wait(timeout=120)
     finally:
         stop_group(proc.pid)
+        for reader in readers:
+            reader.join(timeout=10)
+        stdout.close()
+        stderr.close()
+    return proc.returncode, "".join(said[stderr])
 
 
-def test_killed_rank_then_resume_equals_uninterrupted_run(job, interrupted):
+def test_killed_rank_then_resume_equals_uninterrupted_run(job, interrupted, rank_zygote):
     base, args, reference = job
     out = _copy_of(interrupted, base / "interrupted")  # the kill's checks: in the fixture
 
     # the same command again, on 3 ranks this time: the batch plan does not depend on N; with
     # --slice-by (it changes no result, so the stored batches serve: slices of the resumed run)
-    proc = run_cli([*args, "--output-dir", str(out), "--slice-by"], nproc=3, env=no_figures_env(base / "hidden1"))
+    proc = run_ranks(rank_zygote, [*args, "--output-dir", str(out), "--slice-by"], nproc=3,
+                     env=no_figures_env(base / "hidden1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.load(open(out / "metrics.json"))
     resumed = metrics["run"]["resumed_samples"]
@@ -123,7 +128,7 @@ def test_killed_rank_then_resume_equals_uninterrupted_run(job, interrupted):
     assert rescore.main([str(out)]) == 0
 
 
-def test_a_run_that_stops_early_resumes_its_sequence_exactly(job):
+def test_a_run_that_stops_early_resumes_its_sequence_exactly(job, rank_zygote):
     """--stop-at-width: rank 1 killed in the third round; the same command again on 3 ranks
     reads the finished rounds back and stops on the same round, rows and numbers."""
     base, args, _ = job
@@ -135,9 +140,9 @@ def test_a_run_that_stops_early_resumes_its_sequence_exactly(job):
     assert ref["stopping"]["reason"] == "width" and ref["stopping"]["rounds"] > 3  # the kill lands mid-run
 
     out = base / "stopping_interrupted"
-    code, _ = _interrupted_run(stopping, out, kill_after_files=5, stored="*/round-000003/rank1-*.npz")
+    code, _ = _interrupted_run(rank_zygote, stopping, out, kill_after_files=5, stored="*/round-000003/rank1-*.npz")
     assert code != 0 and not (out / "metrics.json").exists()
-    proc = run_cli([*stopping, "--output-dir", str(out)], nproc=3, env=no_figures_env(base / "hidden2"))
+    proc = run_ranks(rank_zygote, [*stopping, "--output-dir", str(out)], nproc=3, env=no_figures_env(base / "hidden2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.load(open(out / "metrics.json"))
     assert metrics["run"]["resumed_samples"] >= 200  # two whole rounds and part of the third read back
