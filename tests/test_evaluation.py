@@ -1,4 +1,5 @@
-"""Real gloo process groups (torchrun): distributed == single process, exactly.
+"""Real gloo process groups (ranks forked by conftest's run_ranks: the launch is not what is tested
+here): distributed == single process, exactly.
 
 evaluate() is called inside a process group that the caller (a "training loop") made,
 for dataset sizes 1, 2, 3, 5, 7, 100 and batch sizes 1, 4, 16, so that some ranks get
@@ -8,12 +9,10 @@ The same launches run the seeds' DataLoader cases
 (gloo_loader_worker.py; test_data_loader.py tests dist_eval.data.loader in one process)."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, free_port, write_csv
+from conftest import REPO, run_ranks, write_csv
 from float_promises import assert_same_bits, assert_within_rounding
 from sklearn import metrics as skm
 
@@ -22,7 +21,7 @@ WORKER = os.path.join(REPO, "tests", "gloo_worker.py")
 
 
 @pytest.fixture(scope="module")
-def launches(tiny_model, tiny_checkpoint, tmp_path_factory):
+def launches(tiny_model, tiny_checkpoint, tmp_path_factory, rank_zygote):
     """One launch per world size (1-3) runs both workers' cases: gloo_worker.py's and,
     with the same model, gloo_loader_worker.py's (worlds 1-3). World 1 is plain evaluate()
     without a process group: called in this process, with one thread as a torchrun rank has.
@@ -33,9 +32,6 @@ def launches(tiny_model, tiny_checkpoint, tmp_path_factory):
     base = tmp_path_factory.mktemp("gloo")
     csv = write_csv(str(base / "data.csv"), 100, seed=3)
     loader_csv = write_csv(str(base / "loader_data.csv"), 50, seed=5)
-    # the checkout under test, not an installed copy of the package
-    pythonpath = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath}
     out, loader_out = {}, {}
     for world in (1, 2, 3):
         out[world] = base / f"n{world}"
@@ -47,10 +43,7 @@ def launches(tiny_model, tiny_checkpoint, tmp_path_factory):
             with one_thread():
                 gloo_worker.main(*args)
             continue
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-                    "--master_port", str(free_port())]
-        proc = subprocess.run([*launcher, WORKER, *args], capture_output=True, text=True, timeout=300, env=env,
-                              cwd=REPO)
+        proc = run_ranks(rank_zygote, args, nproc=world, script=WORKER)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return out, loader_out
 
