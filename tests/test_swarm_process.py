@@ -169,7 +169,9 @@ def test_a_server_that_exits_says_so_with_its_code_and_log(tmp_path):
 def test_a_drained_stop_kills_the_server_once_it_reports_its_drain(tmp_path):
     """A drained stop (teardown.terminate with ``drain_s``) sends SIGINT to the main process alone and
     SIGKILL to the group ``grace`` after the server reports "drained" in its state file, not at the
-    drain's bound (30 s here); the report is all it goes by (the stand-in's log says nothing)."""
+    drain's bound (an hour here, past the stop's deadline of 60 s: a stop that did not read the report
+    leaves the stand-in alive at the deadline, and fails, on any machine; no duration is asserted);
+    the report is all it goes by (the stand-in's log says nothing)."""
     from dist_eval.swarm import teardown
 
     (tmp_path / "stand_in.py").write_text(STAND_IN)
@@ -183,11 +185,8 @@ def test_a_drained_stop_kills_the_server_once_it_reports_its_drain(tmp_path):
     server.start(["drains"])
     try:
         _wait_for(server, "up")
-        began = time.monotonic()
-        teardown.terminate([server], set(), began + 60.0, grace=0.2, drain_s=30.0)
-        took = time.monotonic() - began
+        teardown.terminate([server], set(), time.monotonic() + 60.0, grace=0.2, drain_s=3600.0)
         assert server.drained and server.returncode == -signal.SIGKILL and server.gone()
-        assert took < 10.0, took  # 30.2 s had the report not been read
     finally:
         stop_group(server.pgid, grace=0.0)
 
