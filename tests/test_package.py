@@ -293,10 +293,19 @@ _NOT_LISTED = {"petals": "installed with --no-deps by launch/install.sh (pyproje
                "wandb": "optional: --report-to wandb", "tensorboard": "optional: --report-to tensorboard"}
 
 
-def test_pyproject_lists_every_package_dist_eval_imports():
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+def pyproject() -> dict:
+    """pyproject.toml, read by tomllib (Python 3.11 on) or by tomli, its backport, on 3.10 (which
+    requires-python allows; pytest depends on tomli there, and the test extra names it)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
 
-    project = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))
+
+def test_pyproject_lists_every_package_dist_eval_imports():
+    project = pyproject()
     listed = {re.split(r"[<>=!~\[ ;]", spec, maxsplit=1)[0].lower() for spec in project["project"]["dependencies"]}
     imported = set()
     for path in package_files():
@@ -318,9 +327,7 @@ def test_torch_older_than_2_6_is_refused_by_the_package_and_the_install(tmp_path
     runs the file's pickled code. The install's check is run on torch packages of each version."""
     from packaging.requirements import Requirement
 
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
-
-    project = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))
+    project = pyproject()
     torch_spec = next(Requirement(s) for s in project["project"]["dependencies"] if Requirement(s).name == "torch")
     assert "2.5.1" not in torch_spec.specifier and "2.6.0" in torch_spec.specifier
     assert "2.13.0" in torch_spec.specifier
@@ -340,9 +347,7 @@ def test_torch_older_than_2_6_is_refused_by_the_package_and_the_install(tmp_path
 def test_the_report_templates_are_package_data():
     import importlib.resources
 
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
-
-    project = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))
+    project = pyproject()
     assert project["tool"]["setuptools"]["package-data"]["dist_eval.output"] == ["templates/*"]
     templates = importlib.resources.files("dist_eval.output") / "templates"
     assert sorted(p.name for p in templates.iterdir()) == ["report.css", "report.html.j2"]
