@@ -24,7 +24,7 @@ def petals_client(model_dir, checkpoint, initial_peers, dht_prefix):
 
     from dist_eval.backends.checkpoint import load_checkpoint
     from dist_eval.backends.compat import import_petals, shutdown_petals_client
-    from dist_eval.backends.families import family_of_folder
+    from dist_eval.backends.config_json import family_of_folder
     from dist_eval.backends.petals import _load_trainable
     from dist_eval.backends.petals_folder import petals_model_folder
 

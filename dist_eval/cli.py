@@ -63,7 +63,7 @@ def checked_config(**flags) -> EvalConfig:
     first phase: the model folder's family, the demo's family, the local swarm's device
     request, the tracker's package.
     """
-    from dist_eval.backends.families import family_of_folder
+    from dist_eval.backends.config_json import family_of_folder
     from dist_eval.demo import shipped_families
     from dist_eval.output.tracking import check_tracker
     from dist_eval.swarm.devices import DEVICE_REQUEST

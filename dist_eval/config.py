@@ -377,6 +377,11 @@ _AUDIT = (
     "computed again), or the run stops naming it. "
     "Default: 0.03 ($DIST_EVAL_AUDIT) with --initial-peers, 0 on the run's own local swarm; 0 turns it off."
 )
+_SERVERS_4X_CONFIG = (
+    "With --initial-peers: the swarm's stock petals servers were started from a copy of --model whose config.json "
+    "is in transformers 4.x's form (top-level rope_theta, rope_scaling), so they read the RoPE right; without it, "
+    "a --model saved by transformers 5.x (rope_parameters) is refused on stock servers, which read that form wrong."
+)
 _PROGRESS = (
     "Progress of all ranks, on stderr from rank 0: bar (tqdm), log (plain lines for job logs), none; "
     "auto = bar on a terminal, else log (none with --quiet or TQDM_DISABLE, which also turns bar off)."
@@ -454,6 +459,7 @@ class EvalConfig:
                                         "any, else the CPU), cpu, cuda or cuda:K.")
     swarm_timeout: float = setting(DEFAULT_SWARM_TIMEOUT, _SWARM_TIMEOUT)
     audit: Optional[float] = setting(None, _AUDIT)
+    servers_started_from_4x_config: bool = setting(False, _SERVERS_4X_CONFIG)
     dist_timeout: float = setting(900.0, "Seconds a collective may wait for the other ranks before failing.")
     dist_backend: str = setting("gloo", "Process group backend: gloo (any N, wherever the ranks run) or nccl "
                                         "(one GPU per rank).", choices=["gloo", "nccl"])

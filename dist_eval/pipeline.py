@@ -146,6 +146,7 @@ def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
                 device=config.device, label_words=job.settings.label_words, tokenizer=session.tokenizer,
                 # the run's own local swarm is audited only when asked: its servers are this run's
                 audit=config.audit if config.audit is not None or config.initial_peers else 0.0,
+                servers_started_from_4x_config=config.servers_started_from_4x_config,
             )
         cleanup.push(_barrier_unless_interrupted)  # no rank's client still talks when rank 0 stops the swarm
         cleanup.callback(session.model.close)

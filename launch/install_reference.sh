@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv-reference/: a current transformers, for checking dist_eval's newer
-# families and tokenizers against computations nobody in this project wrote
-# (tests/reference/make_reference.py runs in it; tests/test_families_reference.py compares).
+# Create (or reuse) a reference environment: a current transformers, for checking dist_eval's
+# families, config forms, tokenizers and PEFT adapters against computations nobody in this
+# project wrote (tests/reference/make_reference.py runs in it; tests/test_families_reference.py compares).
 #
-#   ./launch/install_reference.sh     # idempotent: returns at once when the venv is complete
+#   ./launch/install_reference.sh       # .venv-reference/: the last transformers 4.x (4.57.6)
+#   ./launch/install_reference.sh 5     # .venv-reference5/: transformers 5.x (5.23.0), its hub and PEFT
 #
-# It never imports dist_eval, and dist_eval never imports from it: the project's own
-# environment (.venv, launch/install.sh) keeps petals' pinned transformers.
+# Two generations because they save config.json in two forms (transformers 5.x moved rope_theta and
+# rope_scaling into rope_parameters, and renamed fields): a model may come from either.
+# Idempotent: returns at once when the venv is complete. It never imports dist_eval, and dist_eval
+# never imports from it: the project's own environment (.venv, launch/install.sh) is apart.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${DIST_EVAL_REFERENCE_VENV:-$ROOT/.venv-reference}"
+GENERATION="${1:-4}"
 PYTHON="${DIST_EVAL_PYTHON:-python3}"
 TORCH_SPEC="${DIST_EVAL_TORCH:-torch==2.13.0}"
-# the reference: the last transformers 4.x and the tokenizers it pins (saved since late 2024)
-REFERENCE=("transformers==4.57.6" "tokenizers>=0.22,<0.23" safetensors numpy)
+case "$GENERATION" in
+  # the last transformers 4.x and the tokenizers it pins (saved since late 2024)
+  4) VENV="${DIST_EVAL_REFERENCE_VENV:-$ROOT/.venv-reference}"
+     REFERENCE=("transformers==4.57.6" "tokenizers>=0.22,<0.23" safetensors numpy) ;;
+  # transformers 5.x with the hub and tokenizers it asks for, and a current PEFT (its adapters' reference)
+  5) VENV="${DIST_EVAL_REFERENCE5_VENV:-$ROOT/.venv-reference5}"
+     REFERENCE=("transformers==5.23.0" "peft==0.21.2" safetensors numpy) ;;
+  *) echo "install_reference.sh: generation '$GENERATION': expected 4 or 5" >&2; exit 2 ;;
+esac
 STAMP="$VENV/.dist_eval_reference_installed"
 WANT="$(cat "$ROOT/launch/install_reference.sh" "$ROOT/launch/venv_tools.sh" | sha256sum | cut -d' ' -f1)"
 

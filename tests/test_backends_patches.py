@@ -14,7 +14,8 @@ from conftest import REPO, write_csv
 
 CLIENT_PATCHES = ["hivemind_reexports", "stub_lock", "no_version_check", "failover", "request_size", "deep_prompts",
                   "announced_kernels"]
-SERVER_PATCHES = [*CLIENT_PATCHES, "merged_forward", "wire_server", "block_options_llama",
+SERVER_PATCHES = [*CLIENT_PATCHES, "merged_forward", "wire_server", "config_forms", "block_options_llama",
+                  "server_rotary_falcon",
                   "server_version", "drain", "block_index", "peft_on_demand",
                   "own_identity", "loopback_direct", "inherited_shared_memory", "state_file",
                   "announced_kernels_server"]

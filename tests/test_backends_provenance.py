@@ -86,6 +86,32 @@ def test_a_family_of_dist_evals_own_layers_refuses_a_swarm_with_stock_servers():
             assert f"this {name} model's blocks need dist_eval's block options" in str(e.value)
 
 
+def test_a_falcon_of_another_rope_theta_refuses_stock_servers_and_an_older_dist_evals():
+    """petals 2.2's Falcon block computes RoPE at base 10000 whatever rope_theta says (dist_eval's servers at
+    rope_theta: tests/test_families_reference.py): a Falcon of another rope_theta refuses a swarm with a stock
+    server, or one of an older dist_eval (blocks1 computed it as petals does); one of theta 10000 takes both."""
+    import types
+
+    import pytest
+
+    from dist_eval.backends.blocks import SERVER_VERSION_MARK
+    from dist_eval.backends.families import FAMILIES
+    from dist_eval.backends.petals import _require_block_options
+    from dist_eval.errors import UsageError
+
+    ours, older = (server(0, 4, version="2.2.0.post1" + mark) for mark in (SERVER_VERSION_MARK, "+dist_eval.blocks1"))
+    for other in (server(2, 4), older):
+        manager = types.SimpleNamespace(state=types.SimpleNamespace(
+            sequence_info=types.SimpleNamespace(block_infos=table({"peerA": ours, "peerOther": other}))))
+        _require_block_options(manager, FAMILIES["falcon"], types.SimpleNamespace(rope_theta=10000.0))
+        with pytest.raises(UsageError) as e:
+            _require_block_options(manager, FAMILIES["falcon"], types.SimpleNamespace(rope_theta=500042.0))
+        assert "\n" not in str(e.value) and "peerOther... (petals 2.2.0.post1" in str(e.value)
+        assert "without its config.json's rope_theta 500042.0 (their block's RoPE base is always 10000)" \
+            in str(e.value)
+        assert "servers_started_from_4x_config" not in str(e.value)  # not a question of the config's form
+
+
 def _big_file(path, size):
     """A sparse file of ``size`` bytes with a few bytes of its own at the start and the end."""
     with open(path, "wb") as f:

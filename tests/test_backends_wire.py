@@ -411,3 +411,44 @@ def test_a_table_saved_in_float16_is_looked_up_as_the_client_reads_it(tiny_model
     assert len(calls) >= len(batches), calls  # every batch's forward was recorded: the checks below see each
     for (_, sent, _, answer), ids in zip(calls[:len(batches)], batches):
         assert _ids_sent(sent, *ids.shape) and answer == (ids.shape[0], 1, 32)
+
+
+def _saved_by_transformers_5(model: str, folder: str, rope_theta: float) -> str:
+    """A copy of ``model`` whose config.json is in transformers 5.x's form: RoPE in rope_parameters."""
+    import json
+    import shutil
+
+    shutil.copytree(model, folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config.pop("rope_scaling", None)
+    config["rope_parameters"] = {"rope_theta": rope_theta, "rope_type": "default"}
+    config.pop("rope_theta")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+@pytest.mark.swarm
+def test_a_folder_saved_by_transformers_5_is_refused_on_stock_servers_that_would_read_it_wrong(stock_swarm, tiny_model,
+                                                                                                   tmp_path):
+    """petals 2.2's own servers read config.json's top level only: a 5.x folder whose RoPE is the default they
+    take is exact on them; one whose rope_theta they would miss is refused in one line naming the field and the
+    flag, unless the user says the servers read a copy in the 4.x form."""
+    from dist_eval.backends import load_model
+    from dist_eval.errors import UsageError
+
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), pre_seq_len=3)
+    batches = [_right_padded_rows([9, 4, 1, 9, 6])]
+    default = _saved_by_transformers_5(tiny_model, str(tmp_path / "default"), 10000.0)
+    remote, expected, _, _ = _remote_and_local(stock_swarm, default, checkpoint, batches)
+    assert_same_bits(remote, expected, "a 5.x folder of the default RoPE on stock servers, against local")
+    other = _saved_by_transformers_5(tiny_model, str(tmp_path / "other"), 500000.0)
+    swarm = dict(initial_peers=stock_swarm.initial_peers, dht_prefix=stock_swarm.dht_prefix)
+    with pytest.raises(UsageError) as refused:
+        load_model("petals", other, checkpoint=checkpoint, **swarm)
+    message = str(refused.value)
+    assert "are stock petals servers, which compute this llama model without its config.json's rope_theta 500000.0 " \
+           "(saved in transformers 5.x's form, rope_parameters" in message, message
+    assert "say so with servers_started_from_4x_config (docs" in message and "\n" not in message  # CLI: the flag
+    load_model("petals", other, checkpoint=checkpoint, servers_started_from_4x_config=True, **swarm).close()

@@ -30,23 +30,24 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, read_jsonl, run_cli
+from float_promises import assert_same_bits
 from inprocess_cli import run_cli_in_process
 
+from dist_eval.backends.blocks import SERVER_VERSION_MARK
+
 TOLERANCE = 1e-4
+GENERATIONS = {"4": "4.57", "5": "5."}  # the transformers that made each reference (launch/install_reference.sh)
 KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4_text")
-# on a swarm: Qwen3's blocks are Qwen3-MoE's dense block 1 (the same server block class, attention
-# and MLP; tests/test_backends_families.py builds each family's server blocks by index), so its own
-# swarm run (bitwise too, about 13 s) is left out for the suite's time budget; so is Mistral's since
-# GLM-4.5's came (issue 48): its server block is the pinned Llama block with no option, llama3's
-# without the rescaled frequencies, and its classes are built and registered as every built-on
-# family's (blocks._build_petals_classes; tests/test_backends_families.py checks them); Mixtral's
-# (bitwise too, RESULTS 2026-11-26) is left out: its server block is Qwen3-MoE's attention without
-# the q/k norms and its softmax router, under Mixtral's tensor names (the server-block test checks them);
-# GLM-4.5's (bitwise too, RESULTS 2026-11-26) since DeepSeek-V3's came: DeepSeek-V3's runs GLM-4.5's
-# mixture (layers.SigmoidMoeMLP, the same router and tensor names), and Qwen3-MoE's runs its attention
-# class (layers.QkNormAttention; GLM-4.5's biases and partial RoPE are options of it)
-SWARM_KINDS = ("llama3", "qwen2", "qwen3_moe", "deepseek_v3")
+# on a swarm, end to end (torchrun N=2, the run's own one-server swarm, the config read in the server process):
+# the 5.x-saved Llama 3 (rope_parameters with llama3 scaling) and Qwen3-MoE (num_local_experts), and the
+# 4.57-saved DeepSeek-V3 from its FP8 folder (the servers dequantize it as they load). Every family's server
+# blocks, from both generations' folders, equal the local blocks bit for bit on the same hidden states
+# (test_server_blocks_equal_the_local_blocks_on_the_same_hidden_states, in-process): a whole swarm run of each
+# (about 13-30 s each on 2 cores) would add only the wire and the process, which these three check.
+SWARM_CASES = (("5", "llama3"), ("5", "qwen3_moe"), ("4", "deepseek_v3"))
 SWARM_FOLDER = {"deepseek_v3": "deepseek_v3_fp8"}  # the servers dequantize the FP8 folder as they load
+# every family of the family table (llama3: model_type llama; kimi_k2: DeepSeek-V3's block under its own name)
+ALL_KINDS = ("bloom", "falcon", *KINDS, "kimi_k2")
 HEAD_ONLY = ("glm4_moe", "llama4_text")  # no *ForSequenceClassification in transformers: the head given apart (--head)
 
 
@@ -60,22 +61,39 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The reference folder: models, tokenizers, trainable tensors and reference.json."""
+def make_reference(tmp_path_factory, generation: str):
+    """The reference folder made by transformers of ``generation`` ("4": 4.57, "5": 5.x): models,
+    tokenizers, trainable tensors and reference.json (tests/reference/make_reference.py in its venv)."""
     install = os.path.join(REPO, "launch", "install_reference.sh")
-    done = subprocess.run([install], capture_output=True, text=True, timeout=900)
+    done = subprocess.run([install, generation], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    python = os.path.join(os.environ.get("DIST_EVAL_REFERENCE_VENV", os.path.join(REPO, ".venv-reference")),
-                          "bin", "python")
-    out = tmp_path_factory.mktemp("reference")
-    made = subprocess.run([python, os.path.join(REPO, "tests", "reference", "make_reference.py"), str(out)],
+    venv = {"4": os.environ.get("DIST_EVAL_REFERENCE_VENV", os.path.join(REPO, ".venv-reference")),
+            "5": os.environ.get("DIST_EVAL_REFERENCE5_VENV", os.path.join(REPO, ".venv-reference5"))}[generation]
+    out = tmp_path_factory.mktemp(f"reference{generation}")
+    made = subprocess.run([os.path.join(venv, "bin", "python"), os.path.join(REPO, "tests", "reference",
+                                                                               "make_reference.py"), str(out)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert made.returncode == 0, made.stderr[-3000:]
     with open(out / "reference.json", encoding="utf-8") as f:
         ref = json.load(f)
-    assert ref["versions"]["transformers"].startswith("4.57"), ref["versions"]
+    assert ref["versions"]["transformers"].startswith(GENERATIONS[generation]), ref["versions"]
     return out, ref
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """transformers 4.57's reference: config.json in the 4.x form."""
+    return make_reference(tmp_path_factory, "4")
+
+
+@pytest.fixture(scope="module")
+def reference5(tmp_path_factory):
+    """transformers 5.x's reference: config.json in the 5.x form (rope_parameters, renamed fields)."""
+    return make_reference(tmp_path_factory, "5")
+
+
+def reference_of(request, generation: str):
+    return request.getfixturevalue({"4": "reference", "5": "reference5"}[generation])
 
 
 def trained(reference, kind, mode) -> dict:
@@ -109,17 +127,18 @@ def padded_batch(case) -> torch.Tensor:
     return torch.tensor([row + [case["pad_token_id"]] * (longest - len(row)) for row in case["ids"]])
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_token_ids_equal_the_current_tokenizers(reference, kind):
+@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("generation", sorted(GENERATIONS))
+def test_token_ids_equal_the_current_tokenizers(request, generation, kind):
     from datasets import Dataset
 
     from dist_eval.backends.tokenizer import load_tokenizer
     from dist_eval.data.labels import TaskColumns
     from dist_eval.data.tokenize import tokenize_rows
 
-    out, ref = reference
+    out, ref = reference_of(request, generation)
     case = ref["cases"][kind]
-    tokenizer = load_tokenizer(str(out / kind))
+    tokenizer = load_tokenizer(str(out / case["folder"]))
     data = Dataset.from_dict({"text": ref["corpus"], "label": [0] * len(ref["corpus"])})
     rows = np.arange(len(ref["corpus"]), dtype=np.int64)
     ids, truncated = tokenize_rows(tokenizer, data, rows, TaskColumns("text", "label"), 512, case["pad_token_id"])
@@ -143,18 +162,63 @@ def test_ignore_merges_changes_the_ids_here(reference):
 
 
 @pytest.mark.parametrize("mode", ["head", "ptune"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_local_logits_within_1e4_of_the_current_transformers(reference, kind, mode):
+@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("generation", sorted(GENERATIONS))
+def test_local_logits_within_1e4_of_the_transformers_that_saved_the_folder(request, generation, kind, mode):
+    """Every family, saved by transformers 4.57 and by 5.x (config.json in each one's form), computed by
+    --backend local within 1e-4 of that transformers' own classes."""
     from dist_eval.backends import load_model
 
+    reference = reference_of(request, generation)
     out, ref = reference
     case = ref["cases"][kind]
-    model = load_model("local", str(out / kind), **trained(reference, kind, mode))
+    model = load_model("local", str(out / case["folder"]), **trained(reference, kind, mode))
     with torch.no_grad():
         logits = model.module(padded_batch(case))
     expected = torch.tensor(case[f"logits_{mode}"])
     assert (logits - expected).abs().max().item() < TOLERANCE
     assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("generation", sorted(GENERATIONS))
+def test_server_blocks_equal_the_local_blocks_on_the_same_hidden_states(request, generation, kind):
+    """Each block as the servers dist_eval starts build it (petals' load_pretrained_block with dist_eval's
+    block index, from the folder petals reads, its config read by petals' own classes) gives, on the local
+    model's hidden states before it, the local model's hidden states after it, bit for bit (the last block's
+    through the final norm): values, not shapes, for every family and both config.json forms."""
+    from dist_eval.backends import load_model
+    from dist_eval.backends.blocks import register, server_block_replacements
+    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.config_json import family_of_folder
+    from dist_eval.backends.petals_folder import petals_model_folder
+
+    import_petals()
+    register()
+    from petals.utils.auto_config import AutoDistributedConfig
+
+    reference = reference_of(request, generation)
+    out, ref = reference
+    case = ref["cases"][kind]
+    folder = str(out / case["folder"])
+    family = family_of_folder(folder)
+    hf_model = load_model("local", folder, **trained(reference, kind, "head")).module.hf_model
+    backbone, blocks = family.get(hf_model, family.backbone), family.get(hf_model, family.blocks)
+    embeddings = family.get(hf_model, family.embeddings)(torch.tensor([case["ids"][1]]))
+    with torch.no_grad():
+        hidden = backbone(inputs_embeds=embeddings, output_hidden_states=True, use_cache=False).hidden_states
+    served = petals_model_folder(folder)
+    config = AutoDistributedConfig.from_pretrained(served)
+    load_block = dict(((owner.__name__, name), fn) for owner, name, fn in server_block_replacements())[
+        ("petals.server.server", "load_pretrained_block")]
+    final_norm = [module for name, module in backbone.named_children() if name in ("norm", "ln_f")]
+    for index in range(len(blocks)):
+        block = load_block(served, index, config=config, torch_dtype=torch.float32)
+        with torch.no_grad():
+            after = block(hidden[index])[0]
+            if index == len(blocks) - 1:  # transformers gives the last block's output through the final norm
+                after = final_norm[0](after)
+        assert_same_bits(after, hidden[index + 1], f"block {index} on a server and here")
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4_text"])
@@ -390,10 +454,11 @@ def write_rows(path, corpus):
 
 @pytest.mark.swarm
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind", SWARM_KINDS)
-def test_swarm_n2_equals_local_n1_bitwise_and_the_reference(reference, tmp_path, kind, no_figures):
+@pytest.mark.parametrize("generation, kind", SWARM_CASES)
+def test_swarm_n2_equals_local_n1_bitwise_and_the_reference(request, tmp_path, generation, kind, no_figures):
     """On one server of the run's own swarm (the block computes there; a second server, a full replica
     too, was ~8 s more of each run's start on 2 cores), no figures drawn (nobody looks at them)."""
+    reference = reference_of(request, generation)
     out, ref = reference
     case = ref["cases"][kind]
     data = write_rows(tmp_path / "rows.jsonl", ref["corpus"])
@@ -409,9 +474,43 @@ def test_swarm_n2_equals_local_n1_bitwise_and_the_reference(reference, tmp_path,
                                                                                      "predictions.jsonl")
     assert swarm == local  # every row's logits, bit for bit
     servers = json.load(open(tmp_path / "swarm" / "metrics.json"))["run"]["swarm"]["servers"]
-    assert servers and all(s["petals_version"].endswith("+dist_eval.blocks1") for s in servers)  # checked by clients
+    assert servers and all(s["petals_version"].endswith(SERVER_VERSION_MARK) for s in servers)  # checked by clients
     logits = np.array([row["logits"] for row in swarm])
     assert np.abs(logits - np.array(case["logits_ptune"])).max() < TOLERANCE
+
+
+def test_rows_stored_under_the_old_reading_of_a_5x_folder_are_not_served(reference5, tmp_path, monkeypatch):
+    """A Llama 3 folder saved by transformers 5.x, evaluated the way dist_eval read it before (config.json's
+    top level only: RoPE at theta 10000, unscaled) with the row store on, then as it reads it now: the stored
+    rows are not served (the store's key takes what was read from rope_parameters), and the new rows are
+    the reference's, which the old ones were not."""
+    from datasets import Dataset
+
+    from dist_eval import evaluate
+    from dist_eval.backends import config_json, load_model
+    from dist_eval.backends.tokenizer import load_tokenizer
+
+    out, ref = reference5
+    folder, rows = str(out / "llama3"), len(ref["corpus"])
+    data = Dataset.from_dict({"text": ref["corpus"], "label": [i % 3 for i in range(rows)]})
+    store, expected = str(tmp_path / "rows"), np.array(ref["cases"]["llama3"]["logits_head"])
+
+    def run():
+        model = load_model("local", folder, **trained(reference5, "llama3", "head"))
+        try:
+            result = evaluate(model, data, tokenizer=load_tokenizer(folder), row_store=store, return_logits=True,
+                              bootstrap_resamples=0, batch_size=4)
+        finally:
+            model.close()
+        return result.metrics["run"]["row_store"], np.asarray(result.predictions.logits)
+
+    with monkeypatch.context() as before:
+        before.setattr(config_json, "read_as_saved", lambda raw, where: dict(raw))  # the reading until now
+        stored, old = run()
+    assert stored["rows_evaluated"] == rows and np.abs(old - expected).max() > 100 * TOLERANCE
+    again, new = run()
+    assert again["rows_from_store"] == 0 and again["rows_evaluated"] == rows
+    assert np.abs(new - expected).max() < TOLERANCE
 
 
 def test_the_reference_script_imports_no_dist_eval():

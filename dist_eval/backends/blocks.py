@@ -44,7 +44,9 @@ from dist_eval.backends.rope import rescale_rope
 
 # what the servers dist_eval starts add to the petals version they announce: they compute the
 # block options here (a stock petals server would run a newer family's blocks without them)
-SERVER_VERSION_MARK = "+dist_eval.blocks1"
+# (blocks2: config.json read in either transformers generation's form, a server rotary table at its
+# rope_theta (Family.server_rotary_attention); a blocks1 server computed neither, so it counts as another's)
+SERVER_VERSION_MARK = "+dist_eval.blocks2"
 _lock = threading.RLock()
 _classes: Dict[str, type] = {}  # class name -> class built here
 # the FP8 tile of the block this process's petals server is loading (None: not FP8, or not loading)
@@ -120,10 +122,12 @@ def register() -> None:
     """
     import sys
 
+    from dist_eval.backends import config_json
     from dist_eval.backends.families import FAMILIES
     from dist_eval.backends.patches import apply
 
     with _lock:
+        apply("config_forms", "both", config_json.transformers_replacements)  # either generation's config.json
         for family in FAMILIES.values():
             if family.attention_class:
                 apply(f"block_options_{family.model_type}", "both",
@@ -135,12 +139,31 @@ def register() -> None:
             for family in FAMILIES.values():
                 if family.built_on:
                     _build_petals_classes(family)
+                if family.server_rotary_attention:
+                    apply(f"server_rotary_{family.model_type}", "both",
+                          lambda f=family: _server_rotary_replacements(f))
 
 
 def _option_replacements(family) -> list:
     config_cls, attention_cls = class_at(family.config_class), class_at(family.attention_class)
     return [(config_cls, "__init__", _config_init(config_cls.__init__)),
             (attention_cls, "__init__", _attention_init(attention_cls.__init__))]
+
+
+def _server_rotary_replacements(family) -> list:
+    """Petals' server attention of ``family`` (``Family.server_rotary_attention``) with its rotary table at
+    config.json's ``rope_theta``, as transformers computes it (petals 2.2 builds it at base 10000 always).
+    """
+    attention_cls = class_at(family.server_rotary_attention)
+    original = attention_cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        original(self, config, *args, **kwargs)
+        if getattr(config, "rotary", False):
+            self.maybe_rotary = type(self.maybe_rotary)(config.head_dim, base=getattr(config, "rope_theta", 10000.0))
+
+    return [(attention_cls, "__init__", __init__)]
 
 
 def _build_transformers_classes(family) -> None:

@@ -134,6 +134,7 @@ def load_model(
     revision: Optional[str] = None,
     fetch_whole_model: bool = False,
     audit: Optional[float] = None,
+    servers_started_from_4x_config: bool = False,
 ) -> LoadedModel:
     """Load the classifier for ``backend`` ('petals' or 'local') with the trained prompts/head.
 
@@ -156,6 +157,9 @@ def load_model(
 
     ``audit`` (petals): the share of forwards replayed on other servers and compared
     (:mod:`dist_eval.backends.audit`); None: ``$DIST_EVAL_AUDIT``, else 3%; 0: none.
+    ``servers_started_from_4x_config`` (petals): the swarm's stock petals servers read a copy of the folder
+    whose config.json is in transformers 4.x's form; without it a folder saved by transformers 5.x is
+    refused on such servers, which read its RoPE wrong (:mod:`dist_eval.backends.config_json`).
     """
     from dist_eval.backends.hub import resolve_model
 
@@ -185,22 +189,31 @@ def load_model(
     scored = _label_words(model_dir, config, family, words, tokenizer) if words else None
     module = kind.load(model_dir, state, family, scored, initial_peers=initial_peers, dht_prefix=dht_prefix,
                        client_options=petals_client_options or {}, swarm_timeout=swarm_timeout, device=device,
-                       audit_share=audit or 0.0)
+                       audit_share=audit or 0.0, servers_started_from_4x_config=servers_started_from_4x_config)
     module.eval()
     return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend,
                        class_names(config, state.num_labels), state.pre_seq_len, state.tuning_mode,
                        label_words=words, appended_tokens=scored.appended_tokens if scored else 0,
                        attention_window=family.attention_window(config),
-                       identity=_identity(model_dir, state, family, backend, device, dht_prefix), checkpoint=checkpoint,
+                       identity=_identity(model_dir, config, state, family, (backend, device, dht_prefix)),
+                       checkpoint=checkpoint,
                        source=TrainableSource(model_dir, head, tuning_mode, pre_seq_len, num_labels, words))
 
 
-def _identity(model_dir: str, state: TrainableState, family: Family, backend: str, device, dht_prefix) -> dict:
-    """What decides this model's logits besides the rows (the row store's key: dist_eval.rowstore)."""
+def _identity(model_dir: str, config, state: TrainableState, family: Family, where: tuple) -> dict:
+    """What decides this model's logits besides the rows (the row store's key: dist_eval.rowstore);
+    ``where``: (backend, device, dht_prefix). The fields of config.json read from transformers 5.x's
+    form are in it (the same bytes read another way before: those rows are not served again).
+    """
+    from dist_eval.backends.config_json import read_as
     from dist_eval.backends.provenance import folder_identity, tensors_digest
 
+    backend, device, dht_prefix = where
     model = {"folder": folder_identity(model_dir), "family": family.model_type, "backend": backend,
              "device": str(device).split(":")[0], "dtype": "float32", "dht_prefix": dht_prefix}
+    moved = read_as(config)
+    if moved:
+        model["config_read_as"] = moved
     return {"model": model, "trainable": tensors_digest(state.tensors)}
 
 
@@ -249,7 +262,7 @@ def _read_config(model_dir: str):
     from transformers import AutoConfig
 
     from dist_eval.backends.blocks import register
-    from dist_eval.backends.families import family_of_folder
+    from dist_eval.backends.config_json import family_of_folder
 
     if not os.path.isdir(model_dir):
         raise UsageError(

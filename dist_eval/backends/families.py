@@ -54,11 +54,8 @@ forward at a time (``--in-flight`` overlaps nothing there; results are unchanged
 from __future__ import annotations
 
 import dataclasses
-import json
 import operator
-import os
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Dict, Optional
 
 from dist_eval.errors import UsageError
@@ -116,6 +113,16 @@ class Family:
     # config.json's keys of a sliding attention window: (the window, the switch that turns it on,
     # "" when the window alone says it); rows longer than an active window are refused
     sliding_window: tuple = ()
+    # config.json's fields transformers 5.x saves under another name: ((5.x name, the name read here), ...)
+    # (backends.config_json reads either)
+    config_renames: tuple = ()
+    # the attention kinds of config.json's layer_types the blocks compute beyond full attention (a sliding
+    # window or a chunk: the rows longer than it are refused); another kind is refused (backends.config_json)
+    layer_types: tuple = ()
+    # "module:Name" of petals' server attention whose rotary table ignores config.json's rope_theta (its base
+    # is always 10000) and has no rope_scaling: dist_eval's servers rebuild it at rope_theta
+    # (backends.blocks), a rope_scaling is refused, and so are petals' own servers for another rope_theta
+    server_rotary_attention: str = ""
 
     @property
     def block_name(self) -> str:
@@ -137,6 +144,10 @@ class Family:
         why = _quantization_refusal(getattr(config, "quantization_config", None))
         if why:
             return why
+        kind = rope_type(getattr(config, "rope_scaling", None))
+        if self.server_rotary_attention and kind not in (None, "default"):
+            return (f"rope_scaling of rope_type {kind!r} in config.json is not computed here (this family's server "
+                    "block has no RoPE scaling)")
         if self.attention_class or self.built_on:  # the block of backends.blocks
             return _block_refusal(config, dict(self.block_options))
         return ""
@@ -347,6 +358,7 @@ FAMILIES: Dict[str, Family] = {
         embeds_on_server=True,
         key_signature=r"^(transformer\.)?h\.\d+\.(ln_attn|ln_mlp|self_attention\.query_key_value\.weight$)",
         small_config=(("new_decoder_architecture", True), ("num_kv_heads", 2)),  # the falcon-40b layout
+        server_rotary_attention="petals.models.falcon.block:OptimizedFalconAttention",
         # petals' OptimizedFalconAttention reshapes the one shared key/value head of the old
         # multi-query layout (falcon-7b, falcon-rw) as if every head had its own: the server
         # fails every forward. falcon-40b/180b (the new decoder architecture) work.
@@ -369,16 +381,18 @@ def _built_on_llama(model_type: str, name: str, **fields) -> Family:
 
 
 # Mistral: Llama's block (grouped-query attention); v0.1 attends within a sliding window
-FAMILIES["mistral"] = _built_on_llama("mistral", "Mistral", sliding_window=("sliding_window", ""))
+FAMILIES["mistral"] = _built_on_llama("mistral", "Mistral", sliding_window=("sliding_window", ""),
+                                      layer_types=("sliding_attention",))
 # Qwen2 / Qwen2.5: Llama's block with biases on the q, k and v projections (not on o)
 FAMILIES["qwen2"] = _built_on_llama("qwen2", "Qwen2", block_options=(("qkv_bias", True),),
-                                    sliding_window=("sliding_window", "use_sliding_window"))
+                                    sliding_window=("sliding_window", "use_sliding_window"),
+                                    layer_types=("sliding_attention",))
 # Qwen3: Llama's block with dist_eval's attention (an RMSNorm over each head's q and k before
 # RoPE, head_dim set apart from hidden/heads); the options' values are also the config's defaults
 # (transformers' Qwen3Config), for a config.json that leaves a key out
 FAMILIES["qwen3"] = _built_on_llama(
     "qwen3", "Qwen3", block_options=(("own_layers", True), ("use_qk_norm", True), ("head_dim", 128)),
-    sliding_window=("sliding_window", "use_sliding_window"))
+    sliding_window=("sliding_window", "use_sliding_window"), layer_types=("sliding_attention",))
 # Qwen3-MoE: Qwen3's attention; the MLP of a block a mixture of experts (a softmax router choosing
 # num_experts_per_tok of num_experts), but the blocks in mlp_only_layers or off decoder_sparse_step
 FAMILIES["qwen3_moe"] = _built_on_llama(
@@ -386,7 +400,8 @@ FAMILIES["qwen3_moe"] = _built_on_llama(
         ("own_layers", True), ("use_qk_norm", True), ("mixture_of_experts", "softmax"), ("num_experts", 128),
         ("num_experts_per_tok", 8),
         ("moe_intermediate_size", 768), ("norm_topk_prob", False), ("decoder_sparse_step", 1), ("mlp_only_layers", ())),
-    sliding_window=("sliding_window", "use_sliding_window"))
+    sliding_window=("sliding_window", "use_sliding_window"), layer_types=("sliding_attention",),
+    config_renames=(("num_local_experts", "num_experts"),))  # transformers 5.x names the expert count so
 # GLM-4.5 / 4.6 / 4.7: dist_eval's attention with q/k/v biases (o without), q/k norms only when
 # use_qk_norm, RoPE on partial_rotary_factor of each head; the blocks from first_k_dense_replace
 # on a mixture of n_routed_experts (a sigmoid router, its choice shifted by e_score_correction_bias,
@@ -405,7 +420,7 @@ FAMILIES["mixtral"] = _built_on_llama(
     "mixtral", "Mixtral", block_options=(
         ("own_layers", True), ("use_qk_norm", False), ("mixture_of_experts", "mixtral"), ("num_local_experts", 8),
         ("num_experts_per_tok", 2)),
-    sliding_window=("sliding_window", ""))
+    sliding_window=("sliding_window", ""), layer_types=("sliding_attention",))
 
 # DeepSeek-V3 / R1 / V3.1: the latent attention (backends.layers.LatentAttention: q and kv latents,
 # their norms, RoPE on each head's rope part in DeepSeek's interleaved layout, yarn whose mscale also
@@ -434,7 +449,7 @@ FAMILIES["llama4_text"] = _built_on_llama(
         ("num_local_experts", 16), ("num_experts_per_tok", 1), ("interleave_moe_layer_step", 1),
         ("intermediate_size_mlp", 16384), ("use_qk_norm", True), ("no_rope_layer_interval", 4),
         ("attention_chunk_size", 8192), ("attn_temperature_tuning", True), ("floor_scale", 8192)),
-    sliding_window=("attention_chunk_size", ""))
+    sliding_window=("attention_chunk_size", ""), layer_types=("chunked_attention",))
 
 
 def tokenizers_calling_the_base() -> frozenset:
@@ -458,19 +473,6 @@ def family_of(config, model_dir: str = "") -> Family:
             "(docs/models-and-checkpoints.md).", param="model_dir", value=model_dir,
         )
     return family
-
-
-def family_of_folder(model_dir: str) -> Family:
-    """The family of a model folder (its config.json), without transformers."""
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UsageError(
-            f"cannot read its config.json ({e}). Pass a folder saved with save_pretrained().",
-            param="model_dir", value=model_dir,
-        ) from e
-    return family_of(SimpleNamespace(**config) if isinstance(config, dict) else None, model_dir)
 
 
 def family_of_object(model) -> tuple:

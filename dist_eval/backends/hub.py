@@ -111,7 +111,7 @@ def client_folder(repo_id: str, revision: Optional[str] = None, endpoint: Option
     shards with a client-side tensor of ``repo_id`` at ``revision``; never a blocks-only shard,
     unless ``every_shard`` (what the local backend and a local swarm read).
     """
-    from dist_eval.backends.families import family_of_folder
+    from dist_eval.backends.config_json import family_of_folder
 
     config = _fetch(repo_id, "config.json", revision, endpoint)
     folder = os.path.dirname(config)

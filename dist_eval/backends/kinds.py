@@ -33,7 +33,8 @@ class BackendKind:
 
 BACKENDS: Dict[str, BackendKind] = {
     "petals": BackendKind("petals", "dist_eval.backends.petals:load_petals",
-                          ("initial_peers", "dht_prefix", "client_options", "swarm_timeout", "audit_share"),
+                          ("initial_peers", "dht_prefix", "client_options", "swarm_timeout", "audit_share",
+                           "servers_started_from_4x_config"),
                           on_swarm=True, computes_here=False),
     "local": BackendKind("local", "dist_eval.backends.local:load_local", ("device",),
                          on_swarm=False, computes_here=True),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import time
 from typing import Optional
@@ -222,6 +223,7 @@ def wait_for_blocks(manager, timeout: float, dht_prefix: Optional[str]) -> None:
 def load_petals(
     model_dir: str, state: TrainableState, family: Family, initial_peers, dht_prefix, client_options: dict,
     swarm_timeout: float, label_words: Optional[LabelWords] = None, audit_share: float = 0.0,
+    servers_started_from_4x_config: bool = False,
 ) -> Backend:
     """The model of ``model_dir`` as a client of the swarm at ``initial_peers``, once every
     block is served, with the trained prompts and head. A folder in a layout petals'
@@ -271,7 +273,7 @@ def load_petals(
         shutdown_petals_client(manager)
         raise
     try:
-        _require_block_options(manager, family, inner.config)
+        _require_block_options(manager, family, inner.config, servers_started_from_4x_config)
     except BaseException:
         shutdown_petals_client(manager)
         raise
@@ -282,22 +284,57 @@ def load_petals(
     return ZeroShotScorer(client, family.get(inner, family.lm_head), label_words)
 
 
-def _require_block_options(manager, family: Family, config) -> None:
-    """A model whose blocks only dist_eval's servers compute (a newer family, llama3 rope) is
-    refused on a swarm with other servers: they would run its blocks without the options.
+def _require_block_options(manager, family: Family, config, servers_read_4x_form: bool = False) -> None:
+    """A model whose blocks only dist_eval's servers compute (a newer family, llama3 rope), or that stock
+    petals servers compute with other numbers (:func:`stock_misreadings`), is refused on a swarm with
+    other servers. ``servers_read_4x_form``: the user says they read a copy of config.json in the 4.x form.
     """
     from dist_eval.backends.blocks import needs_block_options
     from dist_eval.backends.provenance import servers_without_block_options
 
-    if not needs_block_options(family, config):
+    options = needs_block_options(family, config)
+    misread = stock_misreadings(config, family, servers_read_4x_form)
+    if not options and not misread:
         return
     others = servers_without_block_options(manager.state.sequence_info.block_infos)
-    if others:
-        shown = ", ".join(f"{peer[:16]}... (petals {printable(version)})" for peer, version in others[:3])
+    if not others:
+        return
+    shown = ", ".join(f"{peer[:16]}... (petals {printable(version)})" for peer, version in others[:3])
+    serve = "Serve it with python -m dist_eval.swarm or launch/start_server.sh"
+    if options:
         raise UsageError(
             f"the swarm's server(s) {shown} are not dist_eval's, and this {family.model_type} model's blocks "
-            f"need dist_eval's block options (docs/models-and-checkpoints.md). Serve it with python -m "
-            f"dist_eval.swarm or launch/start_server.sh.", param="initial_peers")
+            f"need dist_eval's block options (docs/models-and-checkpoints.md). {serve}.", param="initial_peers")
+    fields = ", ".join(f"{name} {json.dumps(value)} ({why})" for name, (value, why) in misread.items())
+    moved = any(why == MOVED for _, why in misread.values())
+    raise UsageError(
+        f"the swarm's server(s) {shown} are stock petals servers, which compute this {family.model_type} model "
+        f"without its config.json's {fields}: other numbers than the model's. {serve}".replace("{", "{{")
+        .replace("}", "}}") + ("; or, if these servers were started from a copy of the folder in transformers 4.x's "
+                               "form (top-level rope_theta, rope_scaling), say so with {0}" if moved else "")
+        + " (docs/models-and-checkpoints.md).", param="initial_peers", names=("servers_started_from_4x_config",))
+
+
+# what petals 2.2's servers (transformers 4.33) take for a RoPE field config.json leaves out
+STOCK_SERVER_DEFAULTS = {"rope_theta": 10000.0, "rope_scaling": None}
+MOVED = "saved in transformers 5.x's form, rope_parameters, which they read as missing"
+
+
+def stock_misreadings(config, family: Family, servers_read_4x_form: bool = False) -> dict:
+    """{field: (value, why)} of what in ``config`` petals 2.2's own servers compute otherwise: the fields
+    read from transformers 5.x's form (:mod:`dist_eval.backends.config_json`: they find them missing and take
+    their default), unless ``servers_read_4x_form``, and a rope_theta their block ignores
+    (``Family.server_rotary_attention``); {} when none.
+    """
+    from dist_eval.backends.config_json import read_as
+
+    moved = {} if servers_read_4x_form else read_as(config) or {}
+    misread = {name: (value, MOVED) for name, value in moved.items()
+               if name not in STOCK_SERVER_DEFAULTS or STOCK_SERVER_DEFAULTS[name] != value}
+    theta = getattr(config, "rope_theta", STOCK_SERVER_DEFAULTS["rope_theta"])
+    if family.server_rotary_attention and theta != STOCK_SERVER_DEFAULTS["rope_theta"]:
+        misread["rope_theta"] = (theta, "their block's RoPE base is always 10000")
+    return misread
 
 
 def _load_trainable(inner, state: TrainableState, family: Family) -> None:

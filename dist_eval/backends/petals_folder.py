@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from dist_eval.atomic import cache_folder
-from dist_eval.backends.families import Family, family_of_folder
+from dist_eval.backends.config_json import family_of_folder
+from dist_eval.backends.families import Family
 from dist_eval.errors import UsageError
 
 # in the order petals' server looks for them (petals/server/from_pretrained.py INDEX_FILES)

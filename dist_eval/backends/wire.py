@@ -204,7 +204,7 @@ def _nudge(after: int) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _load_server_table(model_dir: str) -> None:
-    from dist_eval.backends.families import family_of_folder
+    from dist_eval.backends.config_json import family_of_folder
     from dist_eval.backends.petals_folder import read_tensor
 
     family = family_of_folder(model_dir)

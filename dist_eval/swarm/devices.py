@@ -23,7 +23,6 @@ the work (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -242,9 +241,11 @@ def model_weights(model_dir: str) -> Tuple[int, str]:
         for name in os.listdir(model_dir)
         if name.endswith((".safetensors", ".bin")) and not name.startswith("training_args")
     )
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            saved = json.load(f).get("torch_dtype") or "float32"
-    except (OSError, ValueError, AttributeError):
+    from dist_eval.backends.config_json import read_config_json
+    from dist_eval.errors import UsageError
+
+    try:  # either transformers generation's name of it (backends.config_json)
+        saved = read_config_json(model_dir).get("torch_dtype") or "float32"
+    except UsageError:
         saved = "float32"
     return size, saved if saved in _BYTES else "float32"

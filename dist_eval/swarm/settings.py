@@ -23,7 +23,6 @@ Standard library only.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -163,10 +162,12 @@ def _block_weights(model_dir: str, first: int, last: int) -> Optional[List[int]]
     """Blocks ``first:last``'s weights counted from config.json (placement.block_parameters), or
     None where they are not counted (families whose blocks are all alike) or cannot be read.
     """
+    from dist_eval.backends.config_json import read_config_json
+    from dist_eval.errors import UsageError
+
     try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            return block_parameters(json.load(f))[first:last]
-    except (OSError, ValueError, KeyError, TypeError, SwarmError):
+        return block_parameters(read_config_json(model_dir))[first:last]
+    except (UsageError, KeyError, TypeError, SwarmError):
         return None
 
 

@@ -131,10 +131,12 @@ def model_block_parameters(model_dir: str) -> Optional[List[int]]:
     """Each block's number of weights by the folder's config.json (placement.block_parameters); None
     where it cannot say (no config.json, a family it does not count).
     """
+    from dist_eval.backends.config_json import read_config_json
+    from dist_eval.errors import UsageError
+
     try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            return block_parameters(json.load(f))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, SwarmError):
+        return block_parameters(read_config_json(model_dir))
+    except (UsageError, KeyError, TypeError, AttributeError, SwarmError):
         return None
 
 

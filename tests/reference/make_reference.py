@@ -1,8 +1,14 @@
-"""Reference models, tokenizers and logits made by a current transformers (run in .venv-reference).
+"""Reference models, tokenizers and logits made by a current transformers, of either generation.
 
-    .venv-reference/bin/python tests/reference/make_reference.py OUT
+    .venv-reference/bin/python tests/reference/make_reference.py OUT     # transformers 4.57
+    .venv-reference5/bin/python tests/reference/make_reference.py OUT    # transformers 5.x
 
-For each family after 2023 that dist_eval computes, a tiny random model saved by the current
+The same code runs in both (launch/install_reference.sh makes each environment): each generation
+saves config.json in its own form (5.x: ``rope_parameters`` in place of ``rope_theta`` and
+``rope_scaling``, ``num_local_experts`` for Qwen3-MoE's expert count, ...), and computes with its own
+model classes, so dist_eval is checked against both forms and both computations.
+
+For each family that dist_eval computes, a tiny random model saved by the current
 transformers (``*ForCausalLM.save_pretrained``: config.json as it writes it, safetensors) with a
 tokenizer trained and saved by the current tokenizers (merges as pairs; Llama 3's
 ``ignore_merges``; SentencePiece-style for Mistral; Qwen2's own tokenizer class, which Qwen3 uses
@@ -47,9 +53,15 @@ apart, as GLM-4.5's): ``head_dim`` 32, llama3 rope, blocks 1 and 3 a mixture (``
 by the sigmoid of their router logits before they compute, and a shared expert; blocks 0 and 2 a dense
 MLP of ``intermediate_size_mlp``; block 3 without RoPE (``no_rope_layer_interval`` 4), the others with
 it and the L2 norm of q and k; Llama 3's tokenizer.
+
+BLOOM and Falcon (the 40B layout: the new decoder architecture, 2 key/value heads, RoPE at theta 50000, so
+that a reader taking the default 10000 is caught), byte-level BPE tokenizers. Kimi K2 (``kimi_k2``) has no
+class in transformers: DeepSeek-V3's folder with ``model_type`` ``kimi_k2``, the same block (its reference
+logits are DeepSeek-V3's).
 """
 import json
 import os
+import shutil
 import sys
 
 import torch
@@ -80,10 +92,26 @@ NUM_LABELS, PRE_SEQ_LEN = 3, 4
 WHOLE_WORDS = [" ngôn", " Ångström", " σήμερα", "北京", " résumé"]
 
 
-def train_bpe(byte_level: bool, special: list, vocab_size: int = 400):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+# Qwen2's pre-tokenizer (each digit alone), as its released tokenizer.json and transformers 5.x's class have it
+QWEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
-    if byte_level:
+
+def train_bpe(byte_level: bool, special: list, vocab_size: int = 400, qwen: bool = False):
+    """A BPE trained on CORPUS. ``qwen``: Qwen2's pipeline as released (NFC, its split, then bytes):
+    transformers 5.x's Qwen2 tokenizer class imposes it whatever tokenizer.json says, so the saved
+    file must be the released shape for both generations to tokenize alike."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    if qwen:
+        tok = Tokenizer(models.BPE())
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    elif byte_level:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
@@ -142,6 +170,14 @@ def tokenizer_of(kind: str):
             special_tokens=[("<|begin_of_text|>", bos)])
         return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
                                        eos_token="<|end_of_text|>", pad_token="<|pad|>")
+    if kind in ("bloom", "falcon"):  # BLOOM, Falcon: a byte-level BPE, no BOS
+        tok = train_bpe(True, ["<pad>", "<s>", "</s>"] if kind == "bloom" else [">>PAD<<", "<|endoftext|>"])
+        if kind == "bloom":  # its own class where the generation has one (4.x; 5.x has one class for all)
+            import transformers
+
+            bloom = getattr(transformers, "BloomTokenizerFast", PreTrainedTokenizerFast)
+            return bloom(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token=">>PAD<<")
     if kind == "glm4_moe":  # GLM-4.5: a byte-level BPE read by the plain fast tokenizer class, no BOS
         tok = train_bpe(True, ["<|endoftext|>", "[gMASK]", "<sop>"])
         return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
@@ -153,7 +189,7 @@ def tokenizer_of(kind: str):
         tok = train_bpe(False, ["<unk>", "<s>", "</s>"])
         return LlamaTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                   pad_token="</s>", add_bos_token=True, add_eos_token=False, legacy=False)
-    tok = train_bpe(True, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])  # Qwen2, Qwen3: byte-level, no BOS
+    tok = train_bpe(True, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], qwen=True)  # Qwen2, Qwen3: no BOS
     return Qwen2TokenizerFast(tokenizer_object=tok, unk_token=None, bos_token=None, eos_token="<|endoftext|>",
                               pad_token="<|endoftext|>")
 
@@ -168,6 +204,14 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
         return transformers.LlamaConfig(rope_theta=500000.0, tie_word_embeddings=True, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}, **common)
+    if kind == "bloom":
+        return transformers.BloomConfig(vocab_size=vocab_size, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                        pad_token_id=pad_token_id, num_labels=NUM_LABELS)
+    if kind == "falcon":  # falcon-40b's layout (petals serves it; the 7B's multi-query one it cannot)
+        return transformers.FalconConfig(vocab_size=vocab_size, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                         num_attention_heads=HEADS, new_decoder_architecture=True,
+                                         num_kv_heads=KV_HEADS, rope_theta=50000.0, pad_token_id=pad_token_id,
+                                         num_labels=NUM_LABELS)
     if kind == "mistral":
         return transformers.MistralConfig(rope_theta=10000.0, sliding_window=4096, **common)
     if kind == "qwen3":  # Qwen3-0.6B-style (tied), with biases on q, k, v and o (attention_bias)
@@ -208,7 +252,8 @@ LLAMA4 = dict(num_local_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, 
                             "original_max_position_embeddings": 64})
 FP8_BLOCK = (24, 24)  # the tiny model's tiles (the flagship's 128 x 128): partial ones at the edges
 FP8_MAX = 448.0  # the largest e4m3 value
-CLASSES = {"llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
+CLASSES = {"bloom": "Bloom", "falcon": "Falcon",
+           "llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
            "glm4_moe": "Glm4Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "llama4_text": "Llama4"}
 # transformers has no *ForSequenceClassification: the backbone times the head
 NO_CLASSIFIER = ("glm4_moe", "llama4_text")
@@ -274,8 +319,6 @@ def with_prediction_layer(tensors: dict, config) -> dict:
 def save_deepseek_folders(lm, folder: str, fp8_folder: str) -> None:
     """Replace ``folder``'s weights by the FP8-rounded ones plus a prediction layer, and write
     ``fp8_folder``: the same model in FP8 (e4m3 weights, a weight_scale_inv per tile, its config)."""
-    import shutil
-
     from safetensors.torch import load_file, save_file
 
     tensors = with_prediction_layer(load_file(os.path.join(folder, "model.safetensors")), lm.config)
@@ -295,6 +338,16 @@ def save_deepseek_folders(lm, folder: str, fp8_folder: str) -> None:
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": list(FP8_BLOCK)}
     with open(os.path.join(fp8_folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+
+
+def save_as_kimi(folder: str, kimi_folder: str) -> None:
+    """Kimi K2's folder: DeepSeek-V3's (the same block) under model_type kimi_k2, as Moonshot saves it."""
+    shutil.copytree(folder, kimi_folder)
+    with open(os.path.join(kimi_folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["model_type"] = "kimi_k2"
+    with open(os.path.join(kimi_folder, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
 
 
@@ -323,6 +376,7 @@ def make(kind: str, out: str) -> dict:
     tokenizer.save_pretrained(folder)
     if kind == "deepseek_v3":
         save_deepseek_folders(lm, folder, folder + "_fp8")
+        save_as_kimi(folder, os.path.join(out, "kimi_k2"))
     g = torch.Generator().manual_seed(1)
     trainable = {"score.weight": torch.randn(NUM_LABELS, HIDDEN, generator=g),
                  "prompt_embeddings.weight": torch.randn(PRE_SEQ_LEN, HIDDEN, generator=g)}
@@ -335,13 +389,13 @@ def make(kind: str, out: str) -> dict:
     else:
         clf = getattr(transformers, f"{name}ForSequenceClassification").from_pretrained(folder, num_labels=NUM_LABELS)
         clf.score.weight.data.copy_(trainable["score.weight"])
-        backbone, score = clf.eval().model, clf.score
+        backbone, score = clf.eval().base_model, clf.score
     head, ptune = [], []
     with torch.no_grad():
         for row in ids:
             x = torch.tensor([row])
             head.append(score(backbone(input_ids=x).last_hidden_state[0, -1]).tolist())
-            embeds = torch.cat([trainable["prompt_embeddings.weight"][None], backbone.embed_tokens(x)], dim=1)
+            embeds = torch.cat([trainable["prompt_embeddings.weight"][None], backbone.get_input_embeddings()(x)], dim=1)
             hidden = backbone(inputs_embeds=embeds).last_hidden_state[0, -1]
             ptune.append(score(hidden).tolist())
     return {"folder": kind, "class": type(loaded).__name__, "ids": ids, "logits_head": head, "logits_ptune": ptune,
@@ -358,6 +412,9 @@ def main(out: str) -> None:
     # busy, the mixtures' index_add_ took 22 ms a call with two: 42 s of the makes, 9 s with one)
     torch.set_num_threads(1)
     cases = {kind: make(kind, out) for kind in CLASSES}
+    cases["kimi_k2"] = {**cases["deepseek_v3"], "folder": "kimi_k2"}  # DeepSeek-V3's block, numbers, prompts + head
+    shutil.copyfile(os.path.join(out, "deepseek_v3.trainable.safetensors"),
+                    os.path.join(out, "kimi_k2.trainable.safetensors"))
     result = {"versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
                            "torch": torch.__version__}, "corpus": CORPUS, "cases": cases,
               "sparse_layers": sparse_layers()}

@@ -1,0 +1,196 @@
+"""config.json as either transformers generation saves it, read one way: the form the blocks read.
+
+transformers 5.x moved fields of config.json that change a model's numbers. A reader that looks
+for them where 4.x wrote them finds nothing and takes the default (RoPE at theta 10000, no scaling):
+a different model, without a word. Every reader of config.json in dist_eval (the client's and the
+servers' transformers configs, through :func:`transformers_replacements`; the swarm's placement and
+status, which read the file itself) goes through :func:`read_as_saved`, which gives the fields where
+the pinned code reads them:
+
+=====================================  ==================================  ==========================================
+what                                   4.x (and the pinned 4.33) writes    5.x writes
+=====================================  ==================================  ==========================================
+RoPE base                              ``rope_theta``                      ``rope_parameters.rope_theta``
+RoPE scaling                           ``rope_scaling`` ``{rope_type...}`` ``rope_parameters`` ``{rope_type, ...}``
+share of each head that rotates        ``partial_rotary_factor``           ``rope_parameters.partial_rotary_factor``
+RoPE of each attention type            -                                   ``rope_parameters`` ``{TYPE: {...}, ...}``
+the dtype the weights were saved in    ``torch_dtype``                     ``dtype``
+a family's renamed field               the family table's                  ``Family.config_renames`` (5.x name first)
+which blocks attend in a window        ``use_sliding_window`` (+ window)   ``layer_types`` too
+=====================================  ==================================  ==========================================
+
+Nothing is guessed: a field in a form not read here, a RoPE setting of a kind the blocks do not
+compute with a key they do not read, a layer type no block here computes, or the two forms giving
+different values, is refused in one line naming the field and the file (:class:`UsageError`,
+before any weight is read). The fields read from the 5.x form are kept under :data:`READ_AS` (the
+4.x-form values), so that what depends on them can tell: the row store's key takes them (rows
+stored under the wrong reading are not served), and a swarm of stock petals servers, which read
+such a folder the 4.x way, is refused for it (:func:`dist_eval.backends.blocks.needs_block_options`).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Optional
+
+from dist_eval.backends.families import FAMILIES, family_of
+from dist_eval.errors import UsageError
+
+# the key the fields read from the 5.x form are kept under (4.x-form values), in the dict and the config object
+READ_AS = "dist_eval_read_as"
+# the keys of rope_scaling (rope_parameters) each RoPE kind computed here reads; another key of one of
+# these kinds is refused (it would change the numbers unread). Kinds not here are refused by the family table.
+ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate"),
+}
+_KIND_KEYS = ("rope_type", "type")
+# attention kinds of transformers' layer_types; which of them a family's blocks compute is its table entry's
+LAYER_TYPES_READ = ("full_attention",)
+
+
+def read_config_json(model_dir: str) -> dict:
+    """``model_dir``'s config.json as the blocks read it (:func:`read_as_saved`); a UsageError naming the
+    file when it is missing or not a JSON object.
+    """
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read its config.json ({type(e).__name__}: {e}). Pass a folder saved with "
+                         "save_pretrained().", param="model_dir", value=model_dir) from e
+    if not isinstance(raw, dict):
+        raise UsageError(f"{path}: expected a JSON object, found {type(raw).__name__}. Pass a folder saved with "
+                         "save_pretrained().", param="model_dir", value=model_dir)
+    return read_as_saved(raw, path)
+
+
+def read_as_saved(raw: dict, where: str) -> dict:
+    """``raw`` (config.json's object, saved by transformers 4.x or 5.x) with every field where the pinned
+    code reads it (the module's table); ``where``: the file, for the refusal. The fields read from the 5.x
+    form are also under :data:`READ_AS`. Idempotent.
+    """
+    config = dict(raw)
+    family = FAMILIES.get(config.get("model_type"))
+    moved = dict(config.get(READ_AS) or {})
+    if "rope_parameters" in config:
+        moved.update(_rope_from_parameters(config, where))
+    if "dtype" in config and "torch_dtype" not in config:
+        config["torch_dtype"] = config["dtype"]
+    for new, old in family.config_renames if family else ():
+        if new in config:
+            _agree(config, old, config.pop(new), where, f"{new} (transformers 5.x's name for {old})")
+            moved[old] = config[old]
+    if family is not None:
+        _read_layer_types(config, family, where)
+    if config.get("rope_scaling") is not None:
+        _check_rope_keys(config["rope_scaling"], "rope_parameters" if "rope_scaling" in moved else "rope_scaling",
+                         where)
+    if moved:
+        config[READ_AS] = moved
+    return config
+
+
+def _rope_from_parameters(config: dict, where: str) -> dict:
+    """Move ``rope_parameters`` to ``rope_theta``, ``rope_scaling`` and ``partial_rotary_factor``; the moved values."""
+    parameters = _one_rope(config.pop("rope_parameters"), where)
+    rope = dict(parameters)
+    if "rope_theta" not in rope:
+        raise UsageError(f"{where}: rope_parameters {json.dumps(parameters)} has no rope_theta, the RoPE base the "
+                         "blocks need. Add it (the model card or the config it was trained with says it).",
+                         param="model_dir")
+    moved = {"rope_theta": rope.pop("rope_theta")}
+    if "partial_rotary_factor" in rope:
+        moved["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+    kind = rope.get("rope_type", rope.get("type"))
+    scaling = None if kind in (None, "default") and not set(rope) - set(_KIND_KEYS) else rope
+    moved["rope_scaling"] = scaling
+    for name, value in moved.items():
+        _agree(config, name, value, where, f"rope_parameters' {name}")
+    return moved
+
+
+def _one_rope(parameters, where: str) -> dict:
+    """The RoPE settings of ``rope_parameters``: the object itself, or its per-attention-type form when
+    every type has the same settings; else refused.
+    """
+    if not isinstance(parameters, dict):
+        raise UsageError(f"{where}: rope_parameters is {json.dumps(parameters)}, not an object of RoPE settings "
+                         "(transformers 5.x's form). Save the model again with transformers.", param="model_dir")
+    nested = [value for value in parameters.values() if isinstance(value, dict)]
+    if not nested:
+        return parameters
+    if len(nested) == len(parameters) and all(value == nested[0] for value in nested):
+        return nested[0]
+    raise UsageError(f"{where}: rope_parameters gives each attention type its own RoPE "
+                     f"({', '.join(sorted(map(str, parameters)))}), which no block here computes.", param="model_dir")
+
+
+def _agree(config: dict, name: str, value, where: str, source: str) -> None:
+    """Set ``config[name]`` to ``value``; refused when the file already says otherwise there."""
+    if name in config and config[name] is not None and config[name] != value:
+        raise UsageError(f"{where}: {name} {json.dumps(config[name])} and {source} {json.dumps(value)} differ; "
+                         "which one the model was trained with is not known. Keep one of them.", param="model_dir")
+    config[name] = value
+
+
+def _check_rope_keys(scaling, field: str, where: str) -> None:
+    """Refuse a RoPE setting of a kind computed here with a key its computation does not read."""
+    if not isinstance(scaling, dict):
+        return
+    kind = scaling.get("rope_type", scaling.get("type"))
+    unread = sorted(set(scaling) - set(_KIND_KEYS) - set(ROPE_KEYS.get(kind, scaling)))
+    if unread:
+        raise UsageError(f"{where}: {field} of rope_type {kind!r} has {', '.join(unread)}, which its computation "
+                         f"here does not read (it reads {', '.join(ROPE_KEYS[kind]) or 'nothing more'}); the "
+                         "numbers would differ from the model's.", param="model_dir")
+
+
+def _read_layer_types(config: dict, family, where: str) -> None:
+    """Check ``layer_types`` against what the family's blocks compute; a sliding layer turns its window on."""
+    types = config.get("layer_types")
+    if types is None:
+        return
+    computed = LAYER_TYPES_READ + family.layer_types
+    if not isinstance(types, list) or any(kind not in computed for kind in types):
+        unknown = sorted({str(kind) for kind in types} - set(computed)) if isinstance(types, list) else [str(types)]
+        raise UsageError(f"{where}: layer_types has {', '.join(unknown)}, which the {family.model_type} blocks "
+                         f"here do not compute (they compute {', '.join(computed)}).", param="model_dir")
+    if "sliding_attention" in types and family.sliding_window and family.sliding_window[1]:
+        config[family.sliding_window[1]] = True  # the window's switch: what transformers 5.x reads from layer_types
+
+
+def transformers_replacements() -> list:
+    """The pinned transformers reads config.json through :func:`read_as_saved` (every config class, in
+    every process that calls :func:`dist_eval.backends.blocks.register`).
+    """
+    from transformers import PretrainedConfig
+
+    read = PretrainedConfig._dict_from_json_file.__func__
+
+    @functools.wraps(read)
+    def _dict_from_json_file(cls, json_file):
+        return read_as_saved(read(cls, json_file), str(json_file))
+
+    return [(PretrainedConfig, "_dict_from_json_file", classmethod(_dict_from_json_file))]
+
+
+def family_of_folder(model_dir: str):
+    """The family of a model folder (its config.json, read in either form), without transformers;
+    what no block here computes refused (:func:`dist_eval.backends.families.family_of`).
+    """
+    from types import SimpleNamespace
+
+    return family_of(SimpleNamespace(**read_config_json(model_dir)), model_dir)
+
+
+def read_as(config) -> Optional[dict]:
+    """The fields ``config`` (a transformers config or a dict) had in the 5.x form, 4.x-form values; None if none."""
+    moved = config.get(READ_AS) if isinstance(config, dict) else getattr(config, READ_AS, None)
+    return dict(moved) if moved else None

@@ -1,0 +1,131 @@
+"""config.json read in either transformers generation's form (dist_eval.backends.config_json): the moved
+fields where the blocks read them, nothing guessed (a form not read, a RoPE key not computed, a layer type no
+block computes, the two forms disagreeing: refused in one line naming the field and the file), the same
+reading in every reader (the transformers config classes, the family check, the swarm's placement and
+device sizing), and the row store's key taking what was read from the 5.x form. The logits of folders saved
+by each generation are checked against that transformers in tests/test_families_reference.py."""
+import json
+import os
+
+import pytest
+
+from dist_eval.backends.config_json import READ_AS, read_as_saved, read_config_json
+from dist_eval.errors import UsageError
+
+WHERE = "/m/config.json"
+LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA_4X = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3_ROPE}, "torch_dtype": "float32"}
+LLAMA_5X = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", **LLAMA3_ROPE}, "dtype": "float32"}
+
+
+def refused(raw: dict) -> str:
+    with pytest.raises(UsageError) as caught:
+        read_as_saved(raw, WHERE)
+    message = str(caught.value)
+    assert WHERE in message and "\n" not in message
+    return message
+
+
+def without_marker(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k != READ_AS}
+
+
+def test_the_5x_form_reads_as_the_4x_form_and_says_what_it_moved():
+    read = read_as_saved(LLAMA_5X, WHERE)
+    assert without_marker(read) == {**LLAMA_4X, "dtype": "float32"}
+    assert read[READ_AS] == {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3_ROPE}}
+    assert READ_AS not in read_as_saved(LLAMA_4X, WHERE)  # the 4.x form: nothing moved, read as it is
+    assert read_as_saved(read, WHERE) == read  # idempotent (a config read back after it was saved here)
+
+
+def test_a_default_rope_and_a_partial_rotary_share_come_out_of_rope_parameters():
+    read = read_as_saved({"model_type": "glm4_moe", "rope_parameters": {
+        "rope_theta": 1e6, "rope_type": "default", "partial_rotary_factor": 0.5}}, WHERE)
+    assert (read["rope_theta"], read["rope_scaling"], read["partial_rotary_factor"]) == (1e6, None, 0.5)
+
+
+def test_a_renamed_field_of_the_family_is_read_under_either_name():
+    read = read_as_saved({"model_type": "qwen3_moe", "num_local_experts": 8, "rope_theta": 1e6}, WHERE)
+    assert read["num_experts"] == 8 and "num_local_experts" not in read and read[READ_AS] == {"num_experts": 8}
+    # another family's field of that name is its own (Mixtral's expert count is num_local_experts in both)
+    assert read_as_saved({"model_type": "mixtral", "num_local_experts": 8}, WHERE)["num_local_experts"] == 8
+    assert "num_experts 4 and num_local_experts (transformers 5.x's name for num_experts) 8 differ" in refused(
+        {"model_type": "qwen3_moe", "num_local_experts": 8, "num_experts": 4})
+
+
+def test_rope_parameters_of_each_attention_type_are_read_when_alike_and_refused_when_not():
+    same = {"rope_theta": 1e4, "rope_type": "default"}
+    read = read_as_saved({"model_type": "llama", "rope_parameters": {"full_attention": same,
+                                                                     "sliding_attention": same}}, WHERE)
+    assert read["rope_theta"] == 1e4
+    message = refused({"model_type": "llama", "rope_parameters": {
+        "full_attention": same, "sliding_attention": {**same, "rope_theta": 1e6}}})
+    assert "gives each attention type its own RoPE (full_attention, sliding_attention)" in message
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ({"model_type": "llama", "rope_parameters": {"rope_type": "default"}}, "has no rope_theta"),
+    ({"model_type": "llama", "rope_parameters": 10000.0}, "rope_parameters is 10000.0, not an object"),
+    ({"model_type": "llama", "rope_theta": 10000.0, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}},
+     "rope_theta 10000.0 and rope_parameters' rope_theta 500000.0 differ"),
+    ({**LLAMA_5X, "rope_parameters": {**LLAMA_5X["rope_parameters"], "beta": 2}},
+     "rope_parameters of rope_type 'llama3' has beta, which its computation here does not read"),
+    ({**LLAMA_4X, "rope_scaling": {"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 8}},
+     "rope_scaling of rope_type 'linear' has original_max_position_embeddings"),
+    ({"model_type": "llama", "layer_types": ["full_attention", "sliding_attention"]},
+     "layer_types has sliding_attention, which the llama blocks here do not compute"),
+    ({"model_type": "qwen2", "layer_types": ["linear_attention"]}, "layer_types has linear_attention"),
+])
+def test_a_form_or_a_setting_not_read_here_is_refused_in_one_line(raw, expected):
+    assert expected in refused(raw)
+
+
+def test_a_sliding_layer_turns_the_window_on_as_transformers_5_reads_it():
+    read = read_as_saved({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": False,
+                          "layer_types": ["full_attention", "sliding_attention"]}, WHERE)
+    assert read["use_sliding_window"] is True  # rows longer than the window are then refused (families)
+
+
+def test_every_reader_reads_the_5x_form(tmp_path):
+    """The family check (no transformers), the transformers config classes (client and servers), the swarm's
+    block sizes and the weights' dtype: one reading."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from dist_eval.backends.blocks import register
+    from dist_eval.backends.config_json import family_of_folder
+    from dist_eval.backends.families import FAMILIES
+    from dist_eval.swarm.devices import model_weights
+    from dist_eval.swarm.status import model_block_parameters
+
+    folder = tmp_path / "qwen3moe5"
+    folder.mkdir()
+    raw = {"model_type": "qwen3_moe", "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "head_dim": 8, "num_hidden_layers": 2, "intermediate_size": 32, "moe_intermediate_size": 8,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 32, "dtype": "bfloat16",
+           "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}
+    (folder / "config.json").write_text(json.dumps(raw))
+    assert family_of_folder(str(folder)) is FAMILIES["qwen3_moe"]
+    register()
+    config = AutoConfig.from_pretrained(str(folder))
+    assert (config.num_experts, config.rope_theta, config.rope_scaling) == (4, 1e6, None)
+    four = {**{k: v for k, v in raw.items() if k not in ("num_local_experts", "rope_parameters", "dtype")},
+            "num_experts": 4, "rope_theta": 1e6}
+    (tmp_path / "four").mkdir()
+    (tmp_path / "four" / "config.json").write_text(json.dumps(four))
+    assert model_block_parameters(str(folder)) == model_block_parameters(str(tmp_path / "four"))
+    assert model_weights(str(folder))[1] == "bfloat16"  # dtype, 5.x's name of torch_dtype
+    assert getattr(SimpleNamespace(**read_config_json(str(folder))), READ_AS) == {
+        "rope_theta": 1e6, "rope_scaling": None, "num_experts": 4}
+
+
+def test_a_config_json_that_is_not_an_object_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(UsageError, match=r"config\.json: expected a JSON object, found list"):
+        read_config_json(str(tmp_path))
+    os.remove(tmp_path / "config.json")
+    with pytest.raises(UsageError, match="cannot read its config.json"):
+        read_config_json(str(tmp_path))
