@@ -258,22 +258,6 @@ def test_slurm_batch_script_on_one_host(tiny_model, inputs, local_reference, tmp
     assert (predictions, metrics) == local_reference[:2]
 
 
-@pytest.mark.multiproc
-def test_multi_node_run_without_initial_peers_is_refused(tiny_model, inputs, tmp_path):
-    """A local swarm listens on 127.0.0.1 of rank 0's node: no use to other nodes."""
-    before = set(swarm_server_pids())
-    nodes = run_nodes(eval_args(tiny_model, inputs, tmp_path / "out", "--backend", "petals"), tmp_path, timeout=120)
-    for returncode, text in nodes:  # dist_eval's usage code on every node (torchrun's own exit is 1)
-        assert returncode == 2, text[-3000:]
-    log = "".join(text for _, text in nodes)
-    assert "ChildFailedError" not in log and "Traceback" not in log, log[-3000:]  # no torchrun report after it
-    errors = [line for line in log.splitlines() if line.startswith("dist_eval: error:")]
-    assert len(errors) == 1, log[-3000:]  # said once, by rank 0
-    assert "--initial-peers" in errors[0] and "launch/start_server.sh" in errors[0]
-    assert set(swarm_server_pids()) <= before  # no server was started
-    assert not (tmp_path / "out" / "metrics.json").exists()
-
-
 # the ranks of the node it is imported on (torchrun sets LOCAL_RANK) exit this many seconds late
 SLOW_EXIT_SITECUSTOMIZE = """import atexit, os, time
 if os.environ.get("LOCAL_RANK") is not None:
@@ -282,19 +266,28 @@ if os.environ.get("LOCAL_RANK") is not None:
 
 
 @pytest.mark.multiproc
-def test_a_usage_error_keeps_its_code_on_a_node_whose_ranks_outlive_the_rendezvous_host(tmp_path):
-    """The rendezvous host's launcher leaves once its own ranks end after a failure, and the
-    store goes with it; node 1's rank, 3 s slower to exit, took its launcher's poll of the
-    store with it: a traceback, exit 1, torch's C++ store warnings. Each node: exit 2, and the
-    run's one line is all the output there is."""
+def test_a_multi_node_run_without_initial_peers_is_refused_with_its_code_on_every_node(tiny_model, inputs,
+                                                                                        tmp_path):
+    """A local swarm listens on 127.0.0.1 of rank 0's node: no use to other nodes. Refused (rank 0's
+    usage error, in a phase): no server started, no report, dist_eval's usage code on every node
+    (torchrun's own exit is 1) and the run's one line all the output there is, no torchrun report
+    after it, also with node 1's rank 3 s slower to exit than the rendezvous host's: the host's
+    launcher leaves once its own ranks end after a failure, and the store goes with it; node 1's
+    rank took its launcher's poll of the store with it (a traceback, exit 1, torch's C++ store
+    warnings). One two-node launch for both (each was a test of its own, issue 69: the suite's time)."""
     slow = tmp_path / "slow_exit"
     slow.mkdir()
     (slow / "sitecustomize.py").write_text(SLOW_EXIT_SITECUSTOMIZE)
     node_env = {1: {"PYTHONPATH": str(slow), "SLOW_EXIT_S": "3"}}
-    nodes = run_nodes(["--backend", "local", "--batch-size", "0"], tmp_path, timeout=120, node_env=node_env)
+    before = set(swarm_server_pids())
+    nodes = run_nodes(eval_args(tiny_model, inputs, tmp_path / "out", "--backend", "petals"), tmp_path, timeout=120,
+                      node_env=node_env)
     assert [code for code, _ in nodes] == [2, 2], "\n---\n".join(text[-3000:] for _, text in nodes)
     lines = [line for _, text in nodes for line in text.splitlines() if line.strip()]
-    assert lines == ["dist_eval: error: --batch-size 0: expected a positive integer."], lines[:40]
+    assert len(lines) == 1 and lines[0].startswith("dist_eval: error:"), lines[:40]  # said once, by rank 0
+    assert "--initial-peers" in lines[0] and "launch/start_server.sh" in lines[0], lines[0]
+    assert set(swarm_server_pids()) <= before  # no server was started
+    assert not (tmp_path / "out" / "metrics.json").exists()
 
 
 # --------------------------------------------------------------------------- a two-host swarm
@@ -305,7 +298,14 @@ def test_a_usage_error_keeps_its_code_on_a_node_whose_ranks_outlive_the_rendezvo
 def test_two_hosts_swarm_and_two_nodes_equal_one_node(tiny_model, inputs, local_reference, tmp_path):
     """Host A starts a swarm serving blocks 0:2, host B joins it by multiaddr and serves
     2:4 (so every forward crosses both); then 2 torchrun nodes evaluate against it and
-    match one node exactly, and the local backend too (bitwise logits)."""
+    match one node exactly, and the local backend too (bitwise logits).
+
+    The two nodes are given the model as a hub id (``--model org/name``, a fake hub on 127.0.0.1)
+    and share no HF_HOME: rank 0 resolves the id, the other node fetches the same snapshot into
+    its own cache; no blocks-only shard is fetched (a test of its own before, on conftest's
+    tiny_swarm: the same two-node launch once, issue 69)."""
+    repo_id = "tiny-org/tiny-llama"
+    homes = {rank: tmp_path / f"hf_home{rank}" for rank in (0, 1)}
     prefix = f"multinode-{uuid.uuid4().hex[:8]}"
     hosts, servers, peers, logs = [], [], {}, []
     began, took = time.monotonic(), {}
@@ -341,12 +341,18 @@ def test_two_hosts_swarm_and_two_nodes_equal_one_node(tiny_model, inputs, local_
         )
         assert_ok(proc.returncode, proc.stderr)
         took["1 node run"] = time.monotonic() - began
-        nodes = run_nodes(
-            eval_args(tiny_model, inputs, tmp_path / "two", *swarm, "--initial-peers", peers["B"]), tmp_path
-        )
+        with fake_hub({repo_id: split_into_shards(tiny_model, str(tmp_path / "sharded"))}) as hub:
+            node_env = {rank: {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(home), "HF_HUB_OFFLINE": "0"}
+                        for rank, home in homes.items()}
+            nodes = run_nodes(eval_args(repo_id, inputs, tmp_path / "two", *swarm, "--initial-peers", peers["B"]),
+                              tmp_path, node_env=node_env)
+            fetched = hub.files("GET")
         for returncode, log in nodes:
             assert_ok(returncode, log)
         took["2 nodes run"] = time.monotonic() - began
+        assert not [f for f in fetched if f.startswith("model-blocks-")], fetched
+        for home in homes.values():  # each node's own cache holds the client's files
+            assert list(home.glob("hub/models--tiny-org--tiny-llama/snapshots/*/config.json")), home
 
         one, two = outputs(tmp_path / "one"), outputs(tmp_path / "two")
         assert one[2]["world_size"] == 1 and two[2]["world_size"] == 2 and two[2]["backend"] == "petals"
@@ -372,29 +378,3 @@ def test_two_hosts_swarm_and_two_nodes_equal_one_node(tiny_model, inputs, local_
     assert not set(servers) & set(swarm_server_pids())
     ports = [int(MADDR.match(p).group(1)) for p in peers.values()]
     assert all(port_is_free(p) for p in ports), ports
-
-
-@pytest.mark.swarm
-@pytest.mark.multiproc
-def test_two_nodes_each_with_its_own_hf_cache_fetch_a_hub_ids_client_files(tiny_swarm, tiny_model, inputs,
-                                                                           local_reference, tmp_path):
-    """``--model org/name`` on 2 nodes that share no HF_HOME: rank 0 resolves the id, the other
-    node fetches the same snapshot into its own cache; no blocks-only shard is fetched, and
-    the run equals the local backend's on the full folder (bitwise logits)."""
-    repo_id = "tiny-org/tiny-llama"
-    sharded = split_into_shards(tiny_model, str(tmp_path / "sharded"))
-    homes = {rank: tmp_path / f"hf_home{rank}" for rank in (0, 1)}
-    swarm = ["--initial-peers", *tiny_swarm.initial_peers, "--dht-prefix", tiny_swarm.dht_prefix]
-    with fake_hub({repo_id: sharded}) as hub:
-        node_env = {rank: {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(home), "HF_HUB_OFFLINE": "0"}
-                    for rank, home in homes.items()}
-        nodes = run_nodes(eval_args(repo_id, inputs, tmp_path / "two", *swarm), tmp_path, node_env=node_env)
-        fetched = hub.files("GET")
-    for returncode, log in nodes:
-        assert_ok(returncode, log)
-    assert not [f for f in fetched if f.startswith("model-blocks-")], fetched
-    for home in homes.values():  # each node's own cache holds the client's files
-        assert list(home.glob("hub/models--tiny-org--tiny-llama/snapshots/*/config.json")), home
-    two = outputs(tmp_path / "two")
-    assert two[2]["world_size"] == 2
-    assert two[0] == local_reference[0]  # predictions with logits
