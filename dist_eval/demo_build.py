@@ -3,10 +3,10 @@
 Trains, on the CPU, each family's small causal LM on the demo's train texts and prompt-tunes
 its prompts and head (:mod:`dist_eval.demo` describes the task and the files), then writes
 ``dist_eval/demo_assets/<family>/`` (``model/``, ``checkpoint.pt``, ``manifest.json``), which
-the package ships. Run it after changing this file or a family's ``small_config`` (a test
-fails until the assets are made again: the manifest records :func:`build_fingerprint`), then
-commit the new assets. The bits of a build differ by CPU instruction set, so the assets are
-made once and shipped rather than built on each user's machine.
+the package ships. Run it after changing this file, a module it builds through (:data:`BUILD_MODULES`)
+or a family's ``small_config`` (a test fails until the assets are made again: the manifest records
+:func:`build_fingerprint`), then commit the new assets. The bits of a build differ by CPU instruction
+set, so the assets are made once and shipped rather than built on each user's machine.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from dist_eval.demo import (
     BOS,
@@ -50,15 +50,38 @@ BUILD_THREADS = 1
 EPOCHS = (6, 4)  # causal-LM pre-training, then prompt tuning
 
 
-def build_fingerprint(family: str) -> str:
-    """What the assets of ``family`` are made from: this file's source and the family's small
-    config (a change of either makes other assets).
+# The modules of dist_eval the build goes through, each read whole into the fingerprint: every module this
+# file imports from, and the one that defines each name it imports (tests/test_demo.py checks the list
+# against the imports): the demo's data and constants, the token ids' padding, the family table and the
+# blocks of families newer than the pinned transformers, the prompt-tuned classifier it trains, the
+# checkpoint it writes, the local model that measures the accuracy the manifest records, the files' digests.
+BUILD_MODULES = (
+    "dist_eval.demo", "dist_eval.data.tokenize", "dist_eval.backends", "dist_eval.backends.classifier",
+    "dist_eval.backends.families", "dist_eval.backends.blocks", "dist_eval.backends.local",
+    "dist_eval.backends.checkpoint", "dist_eval.atomic",
+)
+
+
+def module_source(module: str) -> bytes:
+    """The source of a module of dist_eval (a package: its ``__init__.py``), read from this checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, *module.split("."))
+    with open(os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py", "rb") as f:
+        return f.read()
+
+
+def build_fingerprint(family: str, source: Callable[[str], bytes] = module_source) -> str:
+    """What the assets of ``family`` are made from: this file's source, that of every module of
+    :data:`BUILD_MODULES` (``source(module)``) and the family's small config (a change of any makes
+    other assets).
     """
     from dist_eval.backends.families import FAMILIES
 
     digest = hashlib.sha256()
-    with open(os.path.abspath(__file__), "rb") as f:
-        digest.update(f.read())
+    digest.update(source("dist_eval.demo_build"))
+    for module in BUILD_MODULES:
+        digest.update(f"\0{module}\0".encode())
+        digest.update(source(module))
     digest.update(json.dumps(dict(FAMILIES[family].small_config), sort_keys=True, default=str).encode())
     return digest.hexdigest()
 

@@ -88,8 +88,9 @@ def test_the_shipped_assets_are_made_by_the_build_code_here(family):
     manifest = shipped_manifest(family)
     assert family in FAMILIES and manifest["family"] == family
     assert manifest["build_fingerprint"] == demo_build.build_fingerprint(family), (
-        f"dist_eval/demo_build.py or {family}'s small_config changed after its demo was made: "
-        f"run python -m dist_eval.demo_build {family} and commit dist_eval/demo_assets/{family}")
+        f"dist_eval/demo_build.py, a module it builds through ({', '.join(demo_build.BUILD_MODULES)}) or "
+        f"{family}'s small_config changed after its demo was made: run python -m dist_eval.demo_build {family} "
+        f"and commit dist_eval/demo_assets/{family}")
     assert manifest["data_sha256"] == demo.data_sha256(demo.make_dataset())
     folder = os.path.join(demo.SHIPPED_DIR, family)
     on_disk = {os.path.relpath(os.path.join(root, name), folder)
@@ -98,6 +99,34 @@ def test_the_shipped_assets_are_made_by_the_build_code_here(family):
     for relative, digest in manifest["files"].items():
         assert file_sha256(os.path.join(folder, relative)) == digest, relative
     assert manifest["accuracy"]["test"] > 0.90 and manifest["built_with"]["epochs"] == list(demo_build.EPOCHS)
+
+
+def test_the_fingerprint_covers_the_code_the_build_goes_through():
+    """Issue 69: the fingerprint covered demo_build.py and the small config only, not the code the build
+    trains through. Every module demo_build.py imports from, and the one defining each name it imports,
+    is in BUILD_MODULES, and a change of any of them (or of demo_build.py) changes the fingerprint: the
+    shipped assets' check above then fails until they are made again."""
+    import ast
+    import importlib
+    import inspect
+
+    used = set()
+    for node in ast.walk(ast.parse(demo_build.module_source("dist_eval.demo_build"))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dist_eval"):
+            used.add(node.module)
+            for alias in node.names:
+                named = getattr(importlib.import_module(node.module), alias.name)
+                used.add(named.__name__ if inspect.ismodule(named) else getattr(named, "__module__", node.module))
+        elif isinstance(node, ast.Import):
+            used.update(alias.name for alias in node.names if alias.name.startswith("dist_eval"))
+    assert {"dist_eval.backends.local", "dist_eval.backends.classifier", "dist_eval.demo"} <= used  # what it sees
+    assert used <= set(demo_build.BUILD_MODULES), f"not in the fingerprint: {used - set(demo_build.BUILD_MODULES)}"
+    fingerprint = demo_build.build_fingerprint("llama")
+    for changed in ("dist_eval.demo_build", *demo_build.BUILD_MODULES):
+        edited = demo_build.build_fingerprint(
+            "llama", lambda module, changed=changed: demo_build.module_source(module) + (b"\n#\n" if module == changed
+                                                                                         else b""))
+        assert edited != fingerprint, f"{changed} edited, the fingerprint unchanged"
 
 
 def test_a_quick_build_writes_what_the_installer_reads(tmp_path):
