@@ -408,16 +408,18 @@ def start_ranks(zygote, args, nproc: int, env=None):
     """:func:`run_ranks` started, not waited for: (the launch, its stdout, its stderr: text pipes
     read as the ranks write). The launch is used as a ``subprocess.Popen`` of torchrun is (``pid``
     leads its process group; ``poll``, ``wait``, ``returncode``), with the ranks' ``pids`` in rank
-    order. An ``env`` the fork server cannot serve: torchrun, a Popen (``pids`` then None)."""
+    order. ``nproc`` 0: one process without torchrun's environment (a plain ``python -m dist_eval``).
+    An ``env`` the fork server cannot serve: torchrun (or python), a Popen (``pids`` then None)."""
     full_env = run_env(env)
     if not zygote.serves(full_env):
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                                 "--master_port", str(free_port()), "-m", "dist_eval", *args], cwd=REPO,
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                    str(free_port())] if nproc else []
+        proc = subprocess.Popen([sys.executable, *launcher, "-m", "dist_eval", *args], cwd=REPO,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=full_env, start_new_session=True)
         proc.pids = None
         return proc, proc.stdout, proc.stderr
-    suite_plugin.note_launch("forked ranks: -m dist_eval")
+    suite_plugin.note_launch("forked ranks: -m dist_eval" if nproc else "forked process: -m dist_eval")
     backend = args[args.index("--backend") + 1] if "--backend" in args else "petals"
     preload = [] if backend == "local" else ["dist_eval.backends.compat:import_petals"]
     (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()

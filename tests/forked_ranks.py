@@ -114,10 +114,12 @@ class ForkedLaunch:
     """One launch of forked ranks, as a ``subprocess.Popen`` of torchrun is used: ``pid`` (the
     launcher's, which leads the process group of the ranks and their helpers, as torchrun started
     in a session of its own), ``poll()``, ``wait(timeout)``, ``returncode`` (0 when every rank's is 0,
-    else 1, as torchrun's); and ``pids`` (the ranks', in rank order), ``rank_codes``."""
+    else 1, as torchrun's; a plain process's own, nproc 0); and ``pids`` (the ranks', in rank order),
+    ``rank_codes``."""
 
     def __init__(self, socket_path: str, request: dict, stdout: int, stderr: int):
         self.args = ["forked ranks:", *request["argv"]]
+        self._plain = request["nproc"] == 0  # one process without torchrun's environment: its own exit code
         self.rank_codes: Optional[List[int]] = None
         self.returncode: Optional[int] = None
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -154,7 +156,10 @@ class ForkedLaunch:
             self.returncode = -1
         else:
             self.rank_codes = json.loads(line)["codes"]
-            self.returncode = 0 if all(code == 0 for code in self.rank_codes) else 1
+            if self._plain:
+                self.returncode = self.rank_codes[0]
+            else:
+                self.returncode = 0 if all(code == 0 for code in self.rank_codes) else 1
         self._conn.close()
 
     def stop(self) -> None:

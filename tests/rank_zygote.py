@@ -10,7 +10,8 @@ others with SIGTERM (SIGKILL 30 s later); it reports every rank's exit code.
 
 Usage: ``python tests/rank_zygote.py SOCKET`` (prints ``READY`` once it listens). A request is
 one JSON line with the launch's stdout and stderr as passed file descriptors (SCM_RIGHTS):
-``{"argv": ["-m", "dist_eval", ...] or [script, ...], "nproc": N, "env": {...}, "cwd": DIR,
+``{"argv": ["-m", "dist_eval", ...] or [script, ...], "nproc": N (0: one process without torchrun's
+environment, as a plain ``python -m dist_eval``), "env": {...}, "cwd": DIR,
 "master_port": P, "path_prefix": [...], "preload": [...]}``; the answers, one JSON line each:
 ``{"pids": [...], "group": PGID}`` then ``{"codes": [...]}`` (a rank ended by a signal: minus its number).
 """
@@ -101,13 +102,14 @@ def _run_rank(request: dict, rank: int, out_fd: int, err_fd: int) -> None:
         nproc = request["nproc"]
         os.environ.clear()
         os.environ.update(request["env"])
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
-                          ROLE_NAME="default", WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                          GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(request["master_port"]), TORCHELASTIC_RESTART_COUNT="0",
-                          TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID=request["run_id"],
-                          TORCHELASTIC_USE_AGENT_STORE="False", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        if nproc:  # nproc 0: one plain process, as `python -m dist_eval` without torchrun
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                              ROLE_NAME="default", WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                              GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(request["master_port"]), TORCHELASTIC_RESTART_COUNT="0",
+                              TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID=request["run_id"],
+                              TORCHELASTIC_USE_AGENT_STORE="False", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.chdir(request["cwd"])
         # python -u: stdout and stderr unbuffered
         sys.stdin = open(0, closefd=False)
@@ -160,7 +162,7 @@ def _launch(conn: socket.socket, request: dict, out_fd: int, err_fd: int) -> Non
             if function:
                 getattr(imported, function)()
         ranks = {}
-        for rank in range(request["nproc"]):
+        for rank in range(max(1, request["nproc"])):
             pid = os.fork()
             if pid == 0:
                 conn.close()

@@ -27,7 +27,7 @@ import pytest
 
 # what a command line holds -> the mark a test that starts it needs
 _STARTS = {"torch.distributed.run": "multiproc", "torchrun ": "multiproc", "-m dist_eval.launcher": "multiproc",
-           "forked ranks:": "multiproc", "rank_zygote.py": "multiproc",
+           "forked ranks:": "multiproc",
            "-m dist_eval.swarm.server": "swarm", "-m stock_petals_server": "swarm", "/slurmctld": "slurm"}
 _launched: List[str] = []  # command lines started since the current test began
 _deselected: Dict[str, Tuple[str, List[str]]] = {}  # mark -> (why, the node ids deselected)

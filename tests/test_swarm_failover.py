@@ -22,7 +22,7 @@ import time
 from unittest import mock
 
 import pytest
-from conftest import REPO, free_port, read_jsonl, reference_160_args, stop_group, write_csv
+from conftest import REPO, free_port, read_jsonl, reference_160_args, start_ranks, stop_group, write_csv
 
 pytestmark = [pytest.mark.swarm, pytest.mark.multiproc]  # real swarms, runs under torchrun
 
@@ -59,21 +59,28 @@ def petals_args(swarm, model, checkpoint, data, out, *extra):
 class BackgroundCli:
     """``torchrun -m dist_eval`` in its own session, its output read as it comes, so a
     test can act (kill a server) while the run is in its evaluation loop. ``nproc=0``: a plain
-    ``python -m dist_eval`` (one rank, no torchrun); ``env``: additions to its environment."""
+    ``python -m dist_eval`` (one rank, no torchrun); ``env``: additions to its environment.
+    ``zygote`` (conftest's rank_zygote): the ranks (or the plain process) forked by conftest's
+    start_ranks instead, where the launch is not what is tested (``self.proc`` is then used as the
+    Popen of torchrun is, and ``self.proc.pids`` holds the ranks' pids)."""
 
-    def __init__(self, args, nproc: int, env=None):
-        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                    str(free_port())] if nproc else []
-        cmd = [sys.executable, *launcher, "-m", "dist_eval", *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    def __init__(self, args, nproc: int, env=None, zygote=None):
+        if zygote is not None:
+            self.proc, stdout, stderr = start_ranks(zygote, args, nproc, env=env)
+        else:
+            launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                        str(free_port())] if nproc else []
+            cmd = [sys.executable, *launcher, "-m", "dist_eval", *args]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+            stdout, stderr = self.proc.stdout, self.proc.stderr
         self.started = time.monotonic()
         self.evaluating = threading.Event()
         self.progressed = threading.Event()  # rank 0's first progress line with rows done (at 10 %)
         self.out, self.err = [], []
-        self._readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
-                         threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True)]
+        self._readers = [threading.Thread(target=self._read, args=(stdout, self.out), daemon=True),
+                         threading.Thread(target=self._read, args=(stderr, self.err), daemon=True)]
         for reader in self._readers:
             reader.start()
 
@@ -120,22 +127,26 @@ def without_run(metrics):
 
 
 def test_a_server_killed_changes_nothing_then_blocks_left_without_server_fail_in_bounded_time(
-        swarm3, tiny_model, tiny_checkpoint, local_reference_160, many_rows_csv, tmp_path, no_figures):
+        swarm3, tiny_model, tiny_checkpoint, local_reference_160, many_rows_csv, tmp_path, no_figures, rank_zygote):
     """On one swarm, in this order: server 2 (blocks 0:4) killed mid-run changes nothing; then, in a
-    second run, servers 1 and 2 dead (2 already is) leave blocks 2 and 3 without a server."""
+    second run, servers 1 and 2 dead (2 already is) leave blocks 2 and 3 without a server. The two
+    ranks of each run are forked (conftest's start_ranks): the client's failover is tested, not the
+    launch (torchrun's part, stopping the ranks when one fails: the signal tests below)."""
     server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoint, local_reference_160, tmp_path,
-                                          no_figures)
-    blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, tmp_path)
+                                          no_figures, rank_zygote)
+    blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, tmp_path,
+                                                    rank_zygote)
 
 
 def server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoint, local_reference_160, tmp_path,
-                                          no_figures):
+                                          no_figures, zygote):
     # the undisturbed reference: the local backend on the same rows and batch plan (petals N=2 equals
     # local N=1 bitwise, tests/test_families_reference.py); computed once for this and test_swarm_supervisor.py
     rows_csv, reference_rows, reference_metrics = local_reference_160
     disturbed = tmp_path / "disturbed"
     # no figures drawn: nobody looks at them (~2 s of the run)
-    run = BackgroundCli(petals_args(swarm3, tiny_model, tiny_checkpoint, rows_csv, disturbed), nproc=2, env=no_figures)
+    run = BackgroundCli(petals_args(swarm3, tiny_model, tiny_checkpoint, rows_csv, disturbed), nproc=2, env=no_figures,
+                        zygote=zygote)
     try:
         assert run.evaluating.wait(timeout=240), (
             "the run never reached its evaluation loop: " + "".join(run.err)[-3000:]
@@ -163,11 +174,12 @@ def server_killed_mid_run_changes_nothing(swarm3, tiny_model, tiny_checkpoint, l
     assert metrics["run"]["max_batch_seconds"] < 10, metrics["run"]
 
 
-def blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, tmp_path):
+def blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, tmp_path,
+                                                    zygote):
     out = tmp_path / "out"
     run = BackgroundCli(
-        petals_args(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, out, "--swarm-timeout", "10"), nproc=2
-    )
+        petals_args(swarm3, tiny_model, tiny_checkpoint, many_rows_csv, out, "--swarm-timeout", "10"), nproc=2,
+        zygote=zygote)
     try:
         assert run.evaluating.wait(timeout=240), (
             "the run never reached its evaluation loop: " + "".join(run.err)[-3000:]
@@ -185,9 +197,8 @@ def blocks_left_without_server_fail_in_bounded_time(swarm3, tiny_model, tiny_che
     errors = [line for line in stderr.splitlines() if line.startswith("dist_eval: error:")]
     assert len(errors) == 1, stderr[-3000:]
     assert "--swarm-timeout 10" in errors[0] and "block(s) [2, 3] of 4" in errors[0], errors[0]
-    # none of ours (torchrun prints its own ChildFailedError traceback after the ranks exit)
-    assert "Traceback" not in stderr.split("dist_eval: error:")[0], stderr[-3000:]
-    assert "exitcode  : 2" in stderr  # the ranks' usage-error code, in torchrun's summary
+    assert "Traceback" not in stderr.split("dist_eval: error:")[0], stderr[-3000:]  # none of ours
+    assert 2 in run.proc.rank_codes, run.proc.rank_codes  # the ranks' usage-error code (torchrun's summary said it)
     # --swarm-timeout 10 plus the last attempt and the shutdown: well under a minute
     assert after_kill < 45, (after_kill, stderr[-3000:])
     print(f"killed at {killed_at - run.started:.1f} s after the start, every rank out {after_kill:.1f} s later")
@@ -243,15 +254,18 @@ def _alive(pid):
     return bool(rest) and rest[0] != "Z"
 
 
-def rank_processes(torchrun_pid):
-    """{rank: {"rank": pid, "DHT process": pid, "p2pd daemon": pid}} of a running torchrun job."""
+def rank_processes(torchrun_pid, pids=None):
+    """{rank: {"rank": pid, "DHT process": pid, "p2pd daemon": pid}} of a running torchrun job (its
+    children with a RANK), or of forked ranks whose ``pids`` are known (conftest's start_ranks)."""
     ranks = {}
-    for pid in _children(torchrun_pid):
+    for pid in (_children(torchrun_pid) if pids is None else pids):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
         except OSError:
             continue
+        if pids is not None:
+            env[b"RANK"] = str(pids.index(pid)).encode()
         if b"RANK" not in env:
             continue
         procs = {"rank": pid}
@@ -269,7 +283,7 @@ def ranks_in_their_loop(run):
     """{rank: its processes} of a BackgroundCli run, a second into its evaluation loop."""
     assert run.evaluating.wait(timeout=240), "never reached the evaluation loop: " + "".join(run.err)[-3000:]
     time.sleep(1.0)
-    procs = rank_processes(run.proc.pid)
+    procs = rank_processes(run.proc.pid, getattr(run.proc, "pids", None))
     assert sorted(procs) == [0, 1] and all(len(p) == 3 for p in procs.values()), procs
     return procs
 
@@ -289,15 +303,19 @@ def swarm2(tiny_swarm):
 
 @pytest.mark.parametrize("victim", ["DHT process", "p2pd daemon", "rank"])
 def test_a_dead_rank_or_helper_ends_every_rank_in_bounded_time(swarm2, tiny_model, tiny_checkpoint, many_rows_csv,
-                                                               tmp_path, victim):
+                                                               tmp_path, victim, rank_zygote):
     """SIGKILL of rank 1's DHT process, its p2pd daemon, or rank 1 itself, mid-run, on a
     healthy swarm: every rank ends within 30 s, with one error line, non-zero; the finished
     batches are kept for a resume; no process of the run is left (helpers of a killed rank
-    included), nor any hivemind socket that the ranks' clients held (hivemind leaves a killed p2pd's)."""
+    included), nor any hivemind socket that the ranks' clients held (hivemind leaves a killed p2pd's).
+    The ranks are forked (conftest's start_ranks), their launcher stopping the others with SIGTERM
+    when one fails, as torchrun's agent does: what the ranks do is tested here; torchrun itself, a
+    rank signalled or rank 0 killed under it, in the tests below."""
     from dist_eval.procs import hivemind_socket_paths
 
     out = tmp_path / "out"
-    run = BackgroundCli(petals_args(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2)
+    run = BackgroundCli(petals_args(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2,
+                        zygote=rank_zygote)
     try:
         procs = ranks_in_their_loop(run)
         assert run.proc.poll() is None, "the run ended before the kill; make many_rows_csv longer"
