@@ -1,7 +1,9 @@
 """dist_eval.swarm: a real local Petals swarm (real processes, no mocks).
 
 Tests that start servers are marked ``swarm``; they share one tiny Llama (4 blocks,
-hidden 64) and, where they can, one module-scoped swarm of 2 servers.
+hidden 64). The swarm of 2 that test_started_in_the_background_and_stopped_while_starting
+starts whole is the one whose addresses, processes and stop are checked; the client's forward
+is sent to conftest's tiny_swarm (a swarm of this module's own started for them before).
 """
 from __future__ import annotations
 
@@ -104,21 +106,8 @@ def _make_model(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
+def llama_dir(tmp_path_factory) -> Path:
     return _make_model(tmp_path_factory.mktemp("models") / "tiny.llama")
-
-
-@pytest.fixture(scope="module")
-def swarm(tiny_model):
-    s = LocalSwarm(str(tiny_model), num_servers=2)
-    try:
-        began = time.monotonic()
-        s.start()
-        s.measured_start_seconds = time.monotonic() - began  # what start() took, seen from outside
-        yield s
-    finally:
-        s.stop()
-        _kill_groups(s.pgids)  # belt and braces if stop itself failed
 
 
 # --------------------------------------------------------------------------- no servers
@@ -148,28 +137,28 @@ def test_plan_blocks_with_blocks_per_server():
         plan_blocks(10, 2, blocks_per_server=4)
 
 
-def test_bad_library_arguments(tmp_path, tiny_model):
+def test_bad_library_arguments(tmp_path, llama_dir):
     with pytest.raises(SwarmError, match="no such folder"):
         LocalSwarm(str(tmp_path / "missing"))
     with pytest.raises(SwarmError, match="no config.json"):
         LocalSwarm(str(tmp_path))
     with pytest.raises(SwarmError, match="num_servers"):
-        LocalSwarm(str(tiny_model), num_servers=0)
+        LocalSwarm(str(llama_dir), num_servers=0)
     with pytest.raises(SwarmError, match="dht_prefix"):
-        LocalSwarm(str(tiny_model), dht_prefix="a.b")
-    s = LocalSwarm(str(tiny_model), num_servers=3)
+        LocalSwarm(str(llama_dir), dht_prefix="a.b")
+    s = LocalSwarm(str(llama_dir), num_servers=3)
     assert s.dht_prefix == "dist_eval-tiny_llama"  # sanitised folder name
     assert s.num_blocks == 4 and s.initial_peers == []
     s.stop()  # never started: a no-op, and idempotent
     s.stop()
 
 
-def test_port_in_use_is_a_clear_error_and_starts_nothing(tiny_model):
+def test_port_in_use_is_a_clear_error_and_starts_nothing(llama_dir):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        s = LocalSwarm(str(tiny_model), num_servers=1, port=port)
+        s = LocalSwarm(str(llama_dir), num_servers=1, port=port)
         with pytest.raises(SwarmError, match=f"port {port} .*in use"):
             s.start()
         assert s.pgids == [] and not os.path.exists(s.workdir)
@@ -206,22 +195,9 @@ def test_cli_bad_arguments_exit_2_with_one_line(tmp_path, args, message):
 
 
 @pytest.mark.swarm
-def test_initial_peers_are_two_well_formed_addresses(swarm):
-    assert len(swarm.initial_peers) == 2
-    ports = [int(MADDR.match(a).group(1)) for a in swarm.initial_peers]
-    assert ports == swarm.ports and len(set(ports)) == 2
-    assert len({a.rsplit("/", 1)[1] for a in swarm.initial_peers}) == 2  # two peer ids
-    assert swarm.dht_prefix == "dist_eval-tiny_llama"
-    assert swarm.num_blocks == 4 and swarm.placement == [(0, 4), (0, 4)]
-    assert 0 < swarm.start_seconds <= swarm.measured_start_seconds  # it measures its own start, in seconds
-    for pgid in swarm.pgids:  # a petals server is a dozen processes, all in its own group
-        assert len(_procs_in_groups([pgid])) > 5
-    swarm.check()  # every server alive
-    print(f"swarm of 2 started in {swarm.start_seconds:.1f} s")
-
-
-@pytest.mark.swarm
-def test_petals_client_forward_matches_local_model(swarm, tiny_model):
+def test_petals_client_forward_matches_local_model(tiny_swarm):
+    """petals' own client (not dist_eval's) on conftest's swarm of its tiny Llama: its logits are
+    transformers' on the same weights, within rounding."""
     import torch
     from transformers import LlamaForSequenceClassification
 
@@ -231,17 +207,18 @@ def test_petals_client_forward_matches_local_model(swarm, tiny_model):
     import_petals()
     from petals import DistributedLlamaForSequenceClassification
 
+    swarm, model_dir = tiny_swarm, tiny_swarm.model_dir
     model = DistributedLlamaForSequenceClassification.from_pretrained(
-        str(tiny_model), initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix, num_labels=3,
+        model_dir, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix, num_labels=3,
         request_timeout=30.0, max_retries=3, daemon_startup_timeout=30,
     )  # fmt: skip
     try:
         torch.manual_seed(0)
-        input_ids = torch.randint(1, 100, (2, 8))
+        input_ids = torch.randint(1, 62, (2, 8))  # the tiny Llama's vocabulary: 62 (conftest's WORDS)
         with torch.no_grad():
             logits = model(input_ids=input_ids).logits
         assert logits.shape == (2, 3) and torch.isfinite(logits).all()
-        local = LlamaForSequenceClassification.from_pretrained(str(tiny_model), num_labels=3)
+        local = LlamaForSequenceClassification.from_pretrained(model_dir, num_labels=3)
         local.score.weight.data.copy_(model.score.weight.data)
         with torch.no_grad():
             expected = local(input_ids=input_ids).logits
@@ -252,10 +229,27 @@ def test_petals_client_forward_matches_local_model(swarm, tiny_model):
         shutdown_petals_client(llama.get(model, llama.blocks).sequence_manager)
 
 
+def _check_started(swarm, measured_start_seconds: float):
+    """A started swarm of 2 (every block on each): two well-formed addresses, each a process group of
+    a dozen processes, the prefix from the folder's name, its own start measured (a test of its own
+    on a module swarm before: the swarm test_started_in_the_background_and_stopped_while_starting
+    starts whole is checked)."""
+    assert len(swarm.initial_peers) == 2
+    ports = [int(MADDR.match(a).group(1)) for a in swarm.initial_peers]
+    assert ports == swarm.ports and len(set(ports)) == 2
+    assert len({a.rsplit("/", 1)[1] for a in swarm.initial_peers}) == 2  # two peer ids
+    assert swarm.dht_prefix == "dist_eval-tiny_llama"
+    assert swarm.num_blocks == 4 and swarm.placement == [(0, 4), (0, 4)]
+    assert 0 < swarm.start_seconds <= measured_start_seconds  # it measures its own start, in seconds
+    for pgid in swarm.pgids:  # a petals server is a dozen processes, all in its own group
+        assert len(_procs_in_groups([pgid])) > 5
+    swarm.check()  # every server alive
+    print(f"swarm of 2 started in {swarm.start_seconds:.1f} s")
+
+
 def _check_stop(swarm):
     """stop() of a started swarm of 2 leaves no process, no port, no files (checked on the swarm that
-    test_started_in_the_background_and_stopped_while_starting starts whole; the module's swarm serves
-    the other tests)."""
+    test_started_in_the_background_and_stopped_while_starting starts whole)."""
     pgids, ports, workdir = list(swarm.pgids), list(swarm.ports), swarm.workdir
     sockets = swarm.sockets
     assert len(pgids) == 2 and os.path.isdir(workdir)
@@ -270,8 +264,8 @@ def _check_stop(swarm):
 
 
 @pytest.mark.swarm
-def test_server_that_exits_early_is_a_swarm_error_with_its_log(tiny_model, tmp_path):
-    s = LocalSwarm(str(tiny_model), num_servers=1, log_dir=str(tmp_path), extra_server_args=["--no_such_flag"])
+def test_server_that_exits_early_is_a_swarm_error_with_its_log(llama_dir, tmp_path):
+    s = LocalSwarm(str(llama_dir), num_servers=1, log_dir=str(tmp_path), extra_server_args=["--no_such_flag"])
     try:
         with pytest.raises(SwarmError) as info:
             s.start()
@@ -287,8 +281,8 @@ def test_server_that_exits_early_is_a_swarm_error_with_its_log(tiny_model, tmp_p
 
 
 @pytest.mark.swarm
-def test_start_timeout_stops_everything(tiny_model, tmp_path):
-    s = LocalSwarm(str(tiny_model), num_servers=2, start_timeout=1.0, log_dir=str(tmp_path))
+def test_start_timeout_stops_everything(llama_dir, tmp_path):
+    s = LocalSwarm(str(llama_dir), num_servers=2, start_timeout=1.0, log_dir=str(tmp_path))
     try:
         with pytest.raises(SwarmError, match="not ready after 1 s"):
             s.start()
@@ -316,13 +310,13 @@ def test_a_joining_server_waits_for_its_peers_file(tmp_path):
 
 
 @pytest.mark.swarm
-def test_started_in_the_background_and_stopped_while_starting(tiny_model, tmp_path):
+def test_started_in_the_background_and_stopped_while_starting(llama_dir, tmp_path):
     """stop() while the servers start (a run interrupted during "starting the local swarm"): no
     server is left, whatever the start was doing; wait_started() raises. Left alone, it starts like
-    start() does; then its stop() leaves no process, no port, no files (_check_stop: a test of its
-    own started a swarm of 2 for that before)."""
+    start() does (_check_started: its addresses and processes); then its stop() leaves no process,
+    no port, no files (_check_stop: a test of its own started a swarm of 2 for that before)."""
     for delay in (0.0, 0.5, 2.0):
-        s = LocalSwarm(str(tiny_model), num_servers=2, log_dir=str(tmp_path / f"logs-{delay}"))
+        s = LocalSwarm(str(llama_dir), num_servers=2, log_dir=str(tmp_path / f"logs-{delay}"))
         try:
             s.start_in_background()
             time.sleep(delay)
@@ -335,10 +329,12 @@ def test_started_in_the_background_and_stopped_while_starting(tiny_model, tmp_pa
             s.stop()
             _kill_groups(s.pgids)
     # ... and when left alone it starts like start() does
-    placement = LocalSwarm(str(tiny_model), num_servers=2).placement  # decided before any server starts
-    s = LocalSwarm(str(tiny_model), num_servers=2).start_in_background()
+    placement = LocalSwarm(str(llama_dir), num_servers=2).placement  # decided before any server starts
+    began = time.monotonic()
+    s = LocalSwarm(str(llama_dir), num_servers=2).start_in_background()
     try:
         assert s.wait_started() is s and len(s.initial_peers) == 2 and s.placement == placement
+        _check_started(s, time.monotonic() - began)
         _check_stop(s)
     finally:
         s.stop()
@@ -368,9 +364,9 @@ def _read_until(stream, text: str, timeout: float) -> str:
 
 
 @pytest.mark.swarm
-def test_cli_prints_initial_peers_and_stops_on_sigterm(tiny_model):
+def test_cli_prints_initial_peers_and_stops_on_sigterm(llama_dir):
     proc = subprocess.Popen(
-        [sys.executable, "-c", SWARM_CLI_TELLING_TORCH, str(tiny_model), "--servers", "2", "--restart-backoff", "0"],
+        [sys.executable, "-c", SWARM_CLI_TELLING_TORCH, str(llama_dir), "--servers", "2", "--restart-backoff", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, cwd=ROOT,
     )  # fmt: skip
     groups = []
@@ -412,7 +408,7 @@ def test_cli_prints_initial_peers_and_stops_on_sigterm(tiny_model):
 
 
 @pytest.mark.swarm
-def test_watchdog_stops_servers_when_owner_is_killed(tiny_model):
+def test_watchdog_stops_servers_when_owner_is_killed(llama_dir):
     code = (
         "import json, sys, time\n"
         "from dist_eval.swarm import LocalSwarm\n"
@@ -420,7 +416,7 @@ def test_watchdog_stops_servers_when_owner_is_killed(tiny_model):
         "print(json.dumps({'pgids': s.pgids, 'ports': s.ports, 'workdir': s.workdir}), flush=True)\n"
         "time.sleep(600)\n"
     )
-    owner = subprocess.Popen([sys.executable, "-c", code, str(tiny_model)], stdout=subprocess.PIPE, env=ENV, cwd=ROOT)
+    owner = subprocess.Popen([sys.executable, "-c", code, str(llama_dir)], stdout=subprocess.PIPE, env=ENV, cwd=ROOT)
     info = {}
     try:
         line = read_stdout_line(owner, timeout=150)
