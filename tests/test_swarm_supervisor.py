@@ -8,7 +8,8 @@ one before it, and a swarm start is seconds of the suite's budget): a replica SI
 given another's address runs; it rejoins through that address), one SIGTERMed mid-run (drained:
 the run == the local backend, the server not restarted), the limit reached (it stays down, one
 line, another serves), the last one SIGTERMed (the swarm's check fails). Marked ``swarm``; not
-``multiproc``: the runs are one rank each, in this process or a plain ``python -m dist_eval``.
+``multiproc``: the runs are one rank each, in this process or a plain ``python -m dist_eval`` (forked from
+conftest's rank_zygote, without its imports).
 """
 from __future__ import annotations
 
@@ -101,11 +102,15 @@ def _status(*args, timeout: float = 90.0) -> subprocess.CompletedProcess:
 
 def _status_here(capsys, *args) -> subprocess.CompletedProcess:
     """:func:`_status`'s command in this process (status.main; the entry point's own dispatch and exit
-    codes are the subprocess tests'): petals is imported here already, a process start is ~3 s."""
+    codes are the subprocess test's: a peer that does not answer): petals is imported here already, a
+    process start is ~1-3 s."""
     from dist_eval.swarm import status
 
     capsys.readouterr()
-    code = status.main(list(args))
+    try:
+        code = status.main(list(args))
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(["status", *args], code, out, err)
 
@@ -119,8 +124,11 @@ def _status_here(capsys, *args) -> subprocess.CompletedProcess:
     (["--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmPZ4KWFQPiKRiaRQrYdS8SrgLnjpyB6PPj643UBXCkvd4",
       "--dht-prefix", "p", "--timeout", "10"], "--initial-peers: no peer answered"),  # nobody at that port
 ])
-def test_status_bad_flags_exit_2_with_one_line(args, message):
-    r = _status(*args)
+def test_status_bad_flags_exit_2_with_one_line(args, message, capsys):
+    """The flags' refusals in this process (status.main, as _status_here); the last case, a peer that
+    does not answer, through the entry point (``python -m dist_eval.swarm status``: its dispatch, its
+    exit code, and its DHT's p2pd in a process of its own)."""
+    r = _status(*args) if "--timeout" in args else _status_here(capsys, *args)
     assert r.returncode == 2 and r.stdout == "", r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr, r.stderr
@@ -233,14 +241,15 @@ def _lines(events, index: int, text: str) -> list:
     return [e for e in events if e.startswith(f"server {index} ") and text in e]
 
 
-def _run_killing(swarm, index, sig, args, events, env) -> str:
+def _run_killing(swarm, index, sig, args, events, env, zygote) -> str:
     """A plain ``python -m dist_eval`` run of ``args`` (one rank; torchrun's own start-up adds nothing
-    here) whose server ``index`` gets ``sig`` a second into its loop; its stderr, once it finished
-    with code 0 and no traceback. ``env``: additions to its environment (no_figures).
+    here; forked from ``zygote`` by conftest's start_ranks: its imports are not what is tested) whose
+    server ``index`` gets ``sig`` a second into its loop; its stderr, once it finished with code 0
+    and no traceback. ``env``: additions to its environment (no_figures).
     """
     from test_swarm_failover import BackgroundCli
 
-    run = BackgroundCli(args, nproc=0, env=env)
+    run = BackgroundCli(args, nproc=0, env=env, zygote=zygote)
     try:
         assert run.evaluating.wait(timeout=240), "".join(run.err)[-3000:]
         # 0.3 s into the loop: one rank's 160 rows take ~1.3 s on a quiet machine, and 1.0 s left the
@@ -263,14 +272,14 @@ def _run_args(model, checkpoint, data, out, peers=None, prefix=None):
 
 @pytest.mark.swarm
 def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint, local_run, tmp_path, no_figures,
-                                      capsys):
+                                      capsys, rank_zygote):
     assert swarm.placement == [(0, 4)] * 3
     data, reference = local_run
     peers, prefix = list(swarm.initial_peers), swarm.dht_prefix
 
     # 1. a replica SIGKILLed mid-run: the run finishes == the local backend; the replica is back
     _run_killing(swarm, 1, signal.SIGKILL, _run_args(tiny_model, tiny_checkpoint, data, tmp_path / "killed", peers,
-                                                      prefix), events, no_figures)
+                                                      prefix), events, no_figures, rank_zygote)
     assert read_jsonl(tmp_path / "killed" / "predictions.jsonl") == reference  # logits bitwise
     back = _wait_for(lambda: swarm.server_state(1) == "up" and swarm.restarts(1) == 1, 60, "server 1 restarted")
     assert len(_lines(events, 1, "died (killed by SIGKILL); restarting in")) == 1, events
@@ -304,7 +313,7 @@ def test_a_swarm_outlives_its_servers(swarm, events, tiny_model, tiny_checkpoint
     # 3. SIGTERM to server 2 mid-run drains it: the run == the local backend, at most a warning; not restarted
     # (its figures drawn: without matplotlib the run warns once more, and the warnings are what is counted)
     err = _run_killing(swarm, 2, signal.SIGTERM, _run_args(tiny_model, tiny_checkpoint, data, tmp_path / "drained",
-                                                           peers, prefix), events, None)
+                                                           peers, prefix), events, None, rank_zygote)
     assert read_jsonl(tmp_path / "drained" / "predictions.jsonl") == reference
     assert len([line for line in err.splitlines() if line.startswith("dist_eval: warning")]) <= 1, err[-3000:]
     _wait_for(lambda: swarm.server_state(2) == "down", 30, "server 2 drained")
@@ -404,7 +413,8 @@ sys.meta_path.insert(0, SlowForwards())
 
 
 @pytest.mark.swarm
-def test_a_request_in_flight_finishes_on_a_server_told_to_stop(tiny_model, tiny_checkpoint, tmp_path, no_figures):
+def test_a_request_in_flight_finishes_on_a_server_told_to_stop(tiny_model, tiny_checkpoint, tmp_path, no_figures,
+                                                                rank_zygote):
     """SIGTERM to a swarm process (launch/start_server.sh, one server) while its server serves a
     forward 4 s long, the run's one batch: the server drains (the forward finishes; petals'
     shutdown cut it, and the run failed: no other server), the swarm process waits for the
@@ -427,7 +437,7 @@ def test_a_request_in_flight_finishes_on_a_server_told_to_stop(tiny_model, tiny_
         groups = _server_groups(host.pid)
         run = BackgroundCli([*_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "drained", peers,
                                         "dist-eval-drain"), "--batch-size", "8", "--swarm-timeout", "15"], nproc=0,
-                            env=no_figures)
+                            env=no_figures, zygote=rank_zygote)
         _wait_for(lambda: mark.exists() or run.proc.poll() is not None, 240, "the forward began")
         host.send_signal(signal.SIGTERM)
         code, _, err = run.wait(timeout=120)
