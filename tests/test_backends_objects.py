@@ -14,7 +14,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, build_tiny_model, free_port, run_in_own_group, write_csv
+from conftest import build_tiny_model, run_ranks, write_csv
 from float_promises import assert_same_bits
 from inprocess_cli import one_thread
 
@@ -264,14 +264,13 @@ if dist.is_initialized():
 
 
 @pytest.mark.multiproc
-def test_object_under_gloo_n2_equals_n1(folders, tmp_path):
-    """The worker script on 2 torchrun ranks; N=1 is the same script run in this process (no process
+def test_object_under_gloo_n2_equals_n1(folders, tmp_path, rank_zygote):
+    """The worker script on 2 ranks in a gloo group (forked: conftest's run_ranks; what the object
+    computes is tested, not the launch); N=1 is the same script run in this process (no process
     group; one thread, as a launched rank computes: the same bits)."""
     csv = write_csv(str(tmp_path / "data.csv"), 13, seed=2)
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
-    pythonpath = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath}
     outs = {}
     for world in (1, 2):
         out = tmp_path / f"n{world}"
@@ -282,9 +281,7 @@ def test_object_under_gloo_n2_equals_n1(folders, tmp_path):
             with one_thread(), mock.patch.object(sys, "argv", argv):
                 exec(compile(WORKER, str(worker), "exec"), {"__name__": "__main__"})
         else:
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_port", str(free_port())]
-            proc = run_in_own_group([*launcher, *argv], timeout=300, env=env)
+            proc = run_ranks(rank_zygote, argv[1:], nproc=2, script=argv[0])
             assert proc.returncode == 0, proc.stderr[-3000:]
         outs[world] = json.load(open(out / "m.json")), np.load(out / "logits.npy")
     assert outs[2][0]["world"] == 2

@@ -12,7 +12,7 @@ import re
 from unittest import mock
 
 import pytest
-from conftest import REPO, build_checkpoint, read_jsonl, run_cli, swarm_server_pids, write_csv
+from conftest import REPO, build_checkpoint, read_jsonl, run_ranks, swarm_server_pids, write_csv
 from inprocess_cli import one_thread, run_cli_in_process, without_modules
 
 PAIRS = [("c1", "dev"), ("c1", "test"), ("c2", "dev"), ("c2", "test")]
@@ -84,9 +84,10 @@ def multi_n1(tiny_model, assets):
 
 
 @pytest.fixture(scope="module")
-def multi_n2(tiny_model, assets):
-    out = assets["base"] / "multi_n2"
-    proc = run_cli(multi_args(tiny_model, assets, out), nproc=2, env=no_figures_env(assets["base"] / "hidden"))
+def multi_n2(tiny_model, assets, rank_zygote):
+    out = assets["base"] / "multi_n2"  # two ranks forked (conftest's run_ranks): the runs' results are tested
+    proc = run_ranks(rank_zygote, multi_args(tiny_model, assets, out), nproc=2,
+                     env=no_figures_env(assets["base"] / "hidden"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
 
@@ -265,7 +266,7 @@ def servers_of(model_dir):
 
 @pytest.mark.swarm
 @pytest.mark.multiproc
-def test_on_a_swarm_started_once(tiny_model, assets, tmp_path):
+def test_on_a_swarm_started_once(tiny_model, assets, tmp_path, rank_zygote):
     """petals, N=2, a local swarm started by the run (once) for 2 deep_ptune checkpoints x 2 sets:
     each pair's logits equal the local backend's single run of that pair, bit for bit."""
     checkpoints = {name: build_checkpoint(str(tmp_path / f"{name}.pt"), tuning_mode="deep_ptune", seed=seed)
@@ -276,7 +277,7 @@ def test_on_a_swarm_started_once(tiny_model, assets, tmp_path):
             "--output-dir", str(out), "--local-servers", "2", "--data-files", *sets,
             "--checkpoint", checkpoints["c1"], "--checkpoint", checkpoints["c2"]]
     before = set(servers_of(tiny_model))  # a swarm the session shares may serve the same model
-    proc = run_cli(args, nproc=2, timeout=600, env=no_figures_env(tmp_path / "hidden"))
+    proc = run_ranks(rank_zygote, args, nproc=2, timeout=600, env=no_figures_env(tmp_path / "hidden"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("starting a local swarm") == 1 and proc.stdout.count("one model load") == 1
     assert set(servers_of(tiny_model)) <= before  # the run stopped the swarm it started

@@ -7,12 +7,10 @@ products must not depend on it (metrics.weighted_sums; with ``@`` the Brier inte
 differed in its last bits)."""
 import json
 import os
-import subprocess
-import sys
 
 import merge_worker
 import pytest
-from conftest import REPO, free_port
+from conftest import REPO, run_ranks
 from threadpoolctl import threadpool_limits
 
 from dist_eval.intervals import EXACT_SCORE_ROWS, GROUPED_SCORES_METHOD, METHOD
@@ -20,7 +18,7 @@ from dist_eval.intervals import EXACT_SCORE_ROWS, GROUPED_SCORES_METHOD, METHOD
 SIZES = [3001, EXACT_SCORE_ROWS + 3]
 
 
-def merged_reports(tmp_path, world: int) -> dict:
+def merged_reports(tmp_path, world: int, zygote) -> dict:
     out = tmp_path / f"world{world}.json"
     if world == 1:  # one process, no process group: the worker's code in this process, BLAS on 2 and 3 threads
         reports = []
@@ -30,20 +28,19 @@ def merged_reports(tmp_path, world: int) -> dict:
             reports.append(out.read_text())
         assert reports[0] == reports[1], "the report depends on the number of BLAS threads"
         return json.loads(reports[0])
-    worker = [os.path.join(REPO, "tests", "merge_worker.py"), str(out), *map(str, SIZES)]
-    launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port())]
-    pythonpath = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, *launch, *worker], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath})
+    # real ranks in a gloo group, forked (conftest's run_ranks): the merge is tested, not the launch
+    proc = run_ranks(zygote, [str(out), *map(str, SIZES)], nproc=world, script=os.path.join(REPO, "tests",
+                                                                                            "merge_worker.py"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 @pytest.mark.multiproc
-def test_n_ranks_merge_to_one_process_report_with_either_score_intervals(tmp_path):
-    one = merged_reports(tmp_path, 1)
+def test_n_ranks_merge_to_one_process_report_with_either_score_intervals(tmp_path, rank_zygote):
+    one = merged_reports(tmp_path, 1, rank_zygote)
     for world in (2, 3):
-        assert json.dumps(merged_reports(tmp_path, world), sort_keys=True) == json.dumps(one, sort_keys=True), world
+        merged = merged_reports(tmp_path, world, rank_zygote)
+        assert json.dumps(merged, sort_keys=True) == json.dumps(one, sort_keys=True), world
     for size, method in zip(SIZES, (METHOD, GROUPED_SCORES_METHOD)):
         report, rescored = one[str(size)]["report"], one[str(size)]["rescored"]
         intervals = report["confidence_intervals"]

@@ -11,7 +11,7 @@ from html.parser import HTMLParser
 
 import numpy as np
 import pytest
-from conftest import run_cli, write_csv
+from conftest import run_ranks, write_csv
 from float_promises import assert_same_bits
 from inprocess_cli import one_thread, run_cli_in_process
 
@@ -38,9 +38,10 @@ def named_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_rank_run(tiny_model, tiny_checkpoint, named_data, tmp_path_factory):
+def two_rank_run(tiny_model, tiny_checkpoint, named_data, tmp_path_factory, rank_zygote):
     out = tmp_path_factory.mktemp("report") / "out"
-    proc = run_cli(
+    proc = run_ranks(  # two ranks forked (conftest's run_ranks): the report is tested, not the launch
+        rank_zygote,
         [
             "--model",
             tiny_model,

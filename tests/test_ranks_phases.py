@@ -5,11 +5,9 @@ and the failure flag of a stop_early phase below (tests/stop_early_worker.py).""
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO, free_port
+from conftest import REPO, run_ranks
 
 from dist_eval import ranks
 from dist_eval.errors import UsageError
@@ -61,20 +59,16 @@ def test_each_phase_records_its_wall_seconds():
 
 
 @pytest.mark.multiproc
-def test_a_failure_stops_the_other_ranks_with_few_store_reads(tmp_path):
-    """2 real ranks (torchrun, gloo): rank 0 checks the phase's failure flag once per
-    "batch" in a fast loop while rank 1 fails after a second. Rank 0 stops, and the
-    checks asked the c10d store at most once per CHECK_INTERVAL, not once per call."""
+def test_a_failure_stops_the_other_ranks_with_few_store_reads(tmp_path, rank_zygote):
+    """2 real ranks (gloo; forked by conftest's run_ranks: the phases are tested, not the launch):
+    rank 0 checks the phase's failure flag once per "batch" in a fast loop while rank 1 fails after
+    a second. Rank 0 stops, and the checks asked the c10d store at most once per CHECK_INTERVAL,
+    not once per call."""
     from dist_eval.ranks.phases import FailureFlag
 
     out = tmp_path / "facts.json"
-    pythonpath = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         os.path.join(REPO, "tests", "stop_early_worker.py"), str(out)],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},
-    )
+    proc = run_ranks(rank_zygote, [str(out)], nproc=2, timeout=120,
+                     script=os.path.join(REPO, "tests", "stop_early_worker.py"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     facts = json.loads(out.read_text())
     assert "never_stopped" not in facts

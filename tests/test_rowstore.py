@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, build_checkpoint, build_tiny_model, read_jsonl, run_cli, write_csv
+from conftest import REPO, build_checkpoint, build_tiny_model, read_jsonl, run_ranks, write_csv
 from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import one_thread
 
@@ -408,8 +408,8 @@ def test_row_keys_are_the_text_and_pair():
 
 
 @pytest.mark.multiproc
-def test_two_ranks_with_the_store_equal_one_rank_bitwise(assets, tmp_path):
-    """The CLI on 2 ranks (torchrun) reads the rows an earlier run stored and evaluates the
+def test_two_ranks_with_the_store_equal_one_rank_bitwise(assets, tmp_path, rank_zygote):
+    """The CLI on 2 ranks (forked: conftest's run_ranks) reads the rows an earlier run stored and evaluates the
     others: its report equals one in-process rank's on a copy of that store, bit for bit."""
     store = str(tmp_path / "store")
     _run(assets["model"], assets["checkpoint"], assets["data"], store, limit=8)
@@ -417,9 +417,10 @@ def test_two_ranks_with_the_store_equal_one_rank_bitwise(assets, tmp_path):
     data_file = str(tmp_path / "data.csv")
     assets["data"].to_csv(data_file, index=False)
     out = str(tmp_path / "out")
-    proc = run_cli(["--model", assets["model"], "--checkpoint", assets["checkpoint"], "--data-files", data_file,
-                    "--backend", "local", "--output-dir", out, "--row-store", store, "--save-logits",
-                    "--batch-size", "8", "--limit", "20", "--bootstrap-resamples", "0"], nproc=2)
+    proc = run_ranks(rank_zygote, ["--model", assets["model"], "--checkpoint", assets["checkpoint"], "--data-files",
+                                   data_file, "--backend", "local", "--output-dir", out, "--row-store", store,
+                                   "--save-logits", "--batch-size", "8", "--limit", "20", "--bootstrap-resamples", "0"],
+                     nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.load(open(os.path.join(out, "metrics.json")))
     assert metrics["run"]["row_store"]["rows_from_store"] == 8 and metrics["run"]["row_store"]["rows_evaluated"] == 12

@@ -22,7 +22,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from conftest import REPO, run_cli, write_csv
+from conftest import REPO, run_ranks, write_csv
 from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import run_cli_in_process, without_modules
 from thread_ranks import ThreadRanks
@@ -109,13 +109,13 @@ def test_the_shards_merge_into_one_run_of_the_whole_set(runs, count, command, tm
 
 
 @pytest.mark.multiproc
-def test_shards_on_one_and_two_ranks_merge_into_one_run(runs, tmp_path, demo_cache):
-    """N varies between shards: shard 1/3 on 2 ranks (torchrun; matplotlib hidden by a stub
+def test_shards_on_one_and_two_ranks_merge_into_one_run(runs, tmp_path, demo_cache, rank_zygote):
+    """N varies between shards: shard 1/3 on 2 ranks (forked: conftest's run_ranks; matplotlib hidden by a stub
     that fails to import) is its run on 1 rank, bit for bit (its clustered intervals too: issue
     52's exactness for any N); with 0/3 and 2/3 on one each, merged: the one run's report."""
     base, shards = runs
     path = os.pathsep.join([without_modules(tmp_path / "stub", "matplotlib"), REPO])
-    proc = run_cli([*FLAGS, "--shard", "1/3", "--output-dir", str(shards[3][1])], nproc=2,
+    proc = run_ranks(rank_zygote, [*FLAGS, "--shard", "1/3", "--output-dir", str(shards[3][1])], nproc=2,
                    env={"DIST_EVAL_CACHE": demo_cache, "PYTHONPATH": path})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((shards[3][1] / "metrics.json").read_text())["run"]["world_size"] == 2

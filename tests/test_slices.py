@@ -167,17 +167,18 @@ def test_a_sampled_run_says_its_slices_are_over_the_rows_used(tiny_model, tiny_c
 
 @pytest.mark.swarm
 @pytest.mark.multiproc
-def test_a_swarm_run_on_two_ranks_gives_the_same_slices(sliced, tiny_swarm, tiny_model, tiny_checkpoint):
-    """On a real swarm (petals, 2 ranks under torchrun): every slice's metrics are those of
-    the local single-process run, bit for bit (the same batch plan: one row a batch)."""
-    from conftest import run_cli
+def test_a_swarm_run_on_two_ranks_gives_the_same_slices(sliced, tiny_swarm, tiny_model, tiny_checkpoint, rank_zygote):
+    """On a real swarm (petals, 2 ranks, forked by conftest's run_ranks): every slice's metrics are
+    those of the local single-process run, bit for bit (the same batch plan: one row a batch)."""
+    from conftest import run_ranks
 
     base, data, local = sliced
     out = base / "swarm"
-    proc = run_cli(["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--data-files", data, "--output-dir",
-                    str(out), "--initial-peers", *tiny_swarm.initial_peers, "--dht-prefix", tiny_swarm.dht_prefix,
-                    "--slice-by", "lang", "source", "--bootstrap-resamples", "50", "--save-logits", "--batch-size", "1",
-                    "--progress", "none"], nproc=2, timeout=240)
+    proc = run_ranks(rank_zygote, ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--data-files", data,
+                                   "--output-dir", str(out), "--initial-peers", *tiny_swarm.initial_peers,
+                                   "--dht-prefix", tiny_swarm.dht_prefix, "--slice-by", "lang", "source",
+                                   "--bootstrap-resamples", "50", "--save-logits", "--batch-size", "1",
+                                   "--progress", "none"], nproc=2, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     swarm, single = (json.load(open(folder / "metrics.json")) for folder in (out, local))
     assert swarm["run"]["backend"] == "petals" and swarm["run"]["world_size"] == 2

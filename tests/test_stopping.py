@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, read_jsonl, run_cli
+from conftest import REPO, read_jsonl, run_ranks
 from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import one_thread, run_cli_in_process, without_modules
 
@@ -176,8 +176,9 @@ def test_what_cannot_stop_is_refused_naming_the_setting(demo):
 
 @pytest.mark.multiproc
 def test_the_cli_stops_on_the_same_rows_with_the_same_numbers_for_one_and_two_ranks(demo_cache, tmp_path, capfd,
-                                                                                      monkeypatch):
-    """One process (in this one: one thread, as a launched process has) and two torchrun ranks."""
+                                                                                      monkeypatch, rank_zygote):
+    """One process (in this one: one thread, as a launched process has) and two ranks (forked:
+    conftest's run_ranks)."""
     common = ["--backend", "local", "--stop-at-width", "0.06", "--stop-round-rows", "64", "--save-logits", "--quiet"]
     env = {"DIST_EVAL_CACHE": demo_cache, **no_figures_env(tmp_path / "hidden")}
     runs = {}
@@ -189,7 +190,7 @@ def test_the_cli_stops_on_the_same_rows_with_the_same_numbers_for_one_and_two_ra
             code = run_cli_in_process([*common, "--output-dir", str(out)], hide_modules=("matplotlib",))
             stdout, stderr = capfd.readouterr()
         else:
-            proc = run_cli([*common, "--output-dir", str(out)], nproc=nproc, env=env)
+            proc = run_ranks(rank_zygote, [*common, "--output-dir", str(out)], nproc=nproc, env=env)
             code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
         assert code == 0, stderr[-3000:]
         metrics = json.loads((out / "metrics.json").read_text())
@@ -265,17 +266,18 @@ def test_two_models_on_the_same_rows_stop_once_the_difference_excludes_zero(demo
 
 @pytest.mark.multiproc
 def test_the_cli_compares_two_checkpoints_with_one_model_load_as_the_api_does(demo, demo_build, worse_checkpoint,
-                                                                             tmp_path):
+                                                                             tmp_path, rank_zygote):
     from dist_eval import evaluate_pair
     from dist_eval.backends import load_model
 
     assets = demo_build[2][0]
     out = tmp_path / "out"
-    proc = run_cli(["--model", assets.model_dir, "--data-files", assets.data_dir, "--split", assets.split,
-                    "--checkpoint", f"A={assets.checkpoint}", "--checkpoint", f"B={worse_checkpoint}",
-                    "--backend", "local", "--stop-when-decided", "--stop-round-rows", str(ROUND),
-                    "--bootstrap-resamples", "0", "--save-logits", "--output-dir", str(out), "--progress", "none",
-                    "--slice-by", "label"], nproc=2, env=no_figures_env(tmp_path / "hidden"))
+    proc = run_ranks(rank_zygote, ["--model", assets.model_dir, "--data-files", assets.data_dir, "--split",
+                                   assets.split, "--checkpoint", f"A={assets.checkpoint}", "--checkpoint",
+                                   f"B={worse_checkpoint}", "--backend", "local", "--stop-when-decided",
+                                   "--stop-round-rows", str(ROUND), "--bootstrap-resamples", "0", "--save-logits",
+                                   "--output-dir", str(out), "--progress", "none", "--slice-by", "label"],
+                     nproc=2, env=no_figures_env(tmp_path / "hidden"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "the first checkpoint is better" in proc.stdout
     model, tokenizer, dataset, _ = demo
