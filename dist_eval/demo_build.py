@@ -51,14 +51,18 @@ EPOCHS = (6, 4)  # causal-LM pre-training, then prompt tuning
 
 
 # The modules of dist_eval the build goes through, each read whole into the fingerprint: every module this
-# file imports from, and the one that defines each name it imports (tests/test_demo.py checks the list
-# against the imports): the demo's data and constants, the token ids' padding, the family table and the
-# blocks of families newer than the pinned transformers, the prompt-tuned classifier it trains, the
-# checkpoint it writes, the local model that measures the accuracy the manifest records, the files' digests.
+# file imports from, the one that defines each name it imports, and every other whose code runs while it
+# builds (tests/test_demo.py checks both against the imports and a traced build): the demo's data and
+# constants, the token ids' padding, the family table, the blocks of families newer than the pinned
+# transformers and what they compute with (RoPE, dist_eval's own layers), config.json's forms and the patches
+# that apply them, the models' initialization (compat), the prompt-tuned classifier it trains, the checkpoint
+# it writes, the local model that measures the accuracy the manifest records (its loading), the digests.
 BUILD_MODULES = (
-    "dist_eval.demo", "dist_eval.data.tokenize", "dist_eval.backends", "dist_eval.backends.classifier",
-    "dist_eval.backends.families", "dist_eval.backends.blocks", "dist_eval.backends.local",
-    "dist_eval.backends.checkpoint", "dist_eval.atomic",
+    "dist_eval.demo", "dist_eval.data.tokenize", "dist_eval.backends", "dist_eval.backends.families",
+    "dist_eval.backends.blocks", "dist_eval.backends.rope", "dist_eval.backends.layers",
+    "dist_eval.backends.config_json", "dist_eval.backends.patches", "dist_eval.backends.compat",
+    "dist_eval.backends.local", "dist_eval.backends.checkpoint", "dist_eval.backends.classifier",
+    "dist_eval.backends.kinds", "dist_eval.backends.petals_folder", "dist_eval.atomic",
 )
 
 
