@@ -367,12 +367,13 @@ def test_the_family_is_part_of_the_cache_key(built, assets, other_family):
 
 @pytest.mark.swarm
 @pytest.mark.multiproc
-def test_the_other_families_demos_run_on_a_local_swarm(other_family, tmp_path):
+def test_the_other_families_demos_run_on_a_local_swarm(other_family, tmp_path, rank_zygote):
     """``torchrun -m dist_eval --demo-family F``, as the docs offer it: a local swarm of that
-    family's demo model, the task learned, and the same predictions as the local backend."""
+    family's demo model, the task learned, and the same predictions as the local backend. The one
+    rank is forked (conftest's run_ranks, torchrun's environment): the demo is tested, not the launch."""
     from unittest import mock
 
-    from conftest import read_jsonl, run_cli
+    from conftest import read_jsonl, run_ranks
     from inprocess_cli import run_cli_in_process
     from test_cli import no_figures_env
 
@@ -386,7 +387,7 @@ def test_the_other_families_demos_run_on_a_local_swarm(other_family, tmp_path):
                 assert run_cli_in_process(args, hide_modules=("matplotlib",)) == 0  # no figure compared
         else:
             env = {"DIST_EVAL_CACHE": cache, **no_figures_env(tmp_path / "hidden")}  # no figure compared
-            proc = run_cli(args, nproc=1, timeout=600, env=env)
+            proc = run_ranks(rank_zygote, args, nproc=1, timeout=600, env=env)
             assert proc.returncode == 0, proc.stderr[-3000:]
         outs[backend] = (json.load(open(out / "metrics.json")), read_jsonl(out / "predictions.jsonl"))
     (metrics, rows), (local_metrics, local_rows) = outs["petals"], outs["local"]
