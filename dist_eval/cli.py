@@ -64,6 +64,7 @@ def checked_config(**flags) -> EvalConfig:
     request, the tracker's package.
     """
     from dist_eval.backends.config_json import family_of_folder
+    from dist_eval.backends.peft_adapter import refuse_as_model
     from dist_eval.demo import shipped_families
     from dist_eval.output.tracking import check_tracker
     from dist_eval.swarm.devices import DEVICE_REQUEST
@@ -75,6 +76,8 @@ def checked_config(**flags) -> EvalConfig:
         raise UsageError("expected auto, cpu, cuda (every visible GPU) or cuda:K.", param="local_device",
                          value=config.local_device)
     check_tracker(config.report_to)  # a missing wandb/tensorboard fails here, before any work
+    if config.model is not None:  # a file, or a PEFT adapter's folder, named as what it is
+        refuse_as_model(config.model)
     if config.model is not None and os.path.isdir(config.model):  # a hub id: once its config is fetched
         family_of_folder(config.model)  # a family petals cannot serve is refused here
     elif config.demo_family is not None and config.demo_family not in shipped_families():

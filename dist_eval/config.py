@@ -392,8 +392,9 @@ _DATA_FILES = (
     "OUTPUT_DIR/NAME."
 )
 _CHECKPOINT = (
-    "Trained prompt embeddings + classifier head (dist_eval's file, a Petals state dict, or petals #268's "
-    "torch.save(prompt_embeddings) with --head). Repeat it for several checkpoints of one structure, "
+    "Trained prompt embeddings + classifier head (dist_eval's file, a Petals state dict, petals #268's "
+    "torch.save(prompt_embeddings) with --head, or a PEFT PROMPT_TUNING / P_TUNING adapter: its folder, its "
+    "adapter_model.safetensors or its hub id). Repeat it for several checkpoints of one structure, "
     "evaluated with the model loaded once, each reported in OUTPUT_DIR/NAME (NAME: the file's stem, "
     "or NAME=FILE)."
 )
@@ -529,7 +530,7 @@ class EvalConfig:
                 self.plan is None or len(self.plan.checkpoints) != 2 or len(self.plan.sets) != 1):
             raise UsageError("compares two checkpoints on the same rows: pass --model, --data-files (one set) and "
                              "--checkpoint twice (--checkpoint A.pt --checkpoint B.pt).", param="stop_when_decided")
-        if self.model is not None and not os.path.isdir(self.model) and not is_hub_id(self.model):
+        if self.model is not None and not os.path.exists(self.model) and not is_hub_id(self.model):
             raise UsageError(f"--model {self.model}: no such folder, nor a hub id (org/name). Pass a folder saved "
                              "with save_pretrained(), or a hub id.")
         if self.model is not None and self.demo_family is not None:

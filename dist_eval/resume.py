@@ -56,9 +56,11 @@ def run_key(
     ``settings`` (a :class:`dist_eval.config.Settings`). Weights are identified by name, size
     and mtime, not hashed: hashing a 100 GB model at every start would cost minutes.
     """
+    from dist_eval.backends.checkpoint import checkpoint_digest  # a file's bytes; a PEFT adapter's two files
+
     facts = {
         "model_files": _file_facts(model_dir),
-        "checkpoint_sha256": file_sha256(checkpoint) if checkpoint else None,
+        "checkpoint_sha256": checkpoint_digest(checkpoint) if checkpoint else None,
         "data": data_fingerprint(dataset),
         "split": split,
         "model": {"backend": model.backend, "num_labels": model.num_labels, "prompt_tokens": model.prompt_tokens,

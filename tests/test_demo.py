@@ -136,6 +136,7 @@ RUN_BUT_NOT_FINGERPRINTED = {
     "dist_eval.backends.provenance": "the loaded model's identity for the row store, not written in the assets",
     "dist_eval.backends.hub": "a local folder resolved to itself (load_model's hub ids)",
     "dist_eval.backends.arguments": "load_model's label words: none in the build",
+    "dist_eval.backends.peft_adapter": "the checkpoint looked at as a PEFT adapter: the build's is dist_eval's file",
 }
 
 

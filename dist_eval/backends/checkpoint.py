@@ -20,7 +20,11 @@ Also read, for a model of a given family (:class:`~dist_eval.backends.families.F
 - petals issue #268's export, ``torch.save(model.transformer.prompt_embeddings, f)``: a
   pickled ``nn.Embedding`` (ptune) or a tuple/list of two (deep_ptune). It has no head:
   ``score.weight`` comes from ``head`` (a second file in one of the forms above, or the
-  model folder when it holds a trained ``score.weight``).
+  model folder when it holds a trained ``score.weight``);
+- a Hugging Face PEFT prompt-learning adapter (PROMPT_TUNING, P_TUNING; SEQ_CLS or CAUSAL_LM), by its
+  folder, its weights file or its hub id: :mod:`dist_eval.backends.peft_adapter` finds it and says what
+  is read and refused; its prompts are ptune's (``TrainableState.adapter`` keeps what its config says,
+  checked against the model by :func:`~dist_eval.backends.peft_adapter.check_base`).
 
 Nothing runs arbitrary pickled code: every file is read with ``torch.load(...,
 weights_only=True)``, with ``torch.nn.Embedding`` the only class added to its allow-list.
@@ -29,16 +33,20 @@ another family's model, any other key, and a checkpoint without a head.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from dist_eval.atomic import atomic_write
+from dist_eval.atomic import atomic_write, file_sha256
 from dist_eval.backends.families import FAMILIES, Family, checkpoint_prefixes, family_of_key
-from dist_eval.errors import UsageError
+from dist_eval.errors import UsageError, param_name
+
+if TYPE_CHECKING:
+    from dist_eval.backends.peft_adapter import Adapter
 
 FORMAT = "dist_eval.checkpoint/1"
 HEAD = "score.weight"
@@ -54,6 +62,7 @@ class TrainableState:
     pre_seq_len: int
     num_labels: int
     tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
+    adapter: Optional[Adapter] = None  # a PEFT adapter's: what its adapter_config.json says (checked on the model)
 
 
 def save_checkpoint(
@@ -86,14 +95,51 @@ def load_checkpoint(path: str, family: Optional[Family] = None, head: Optional[s
     ``head``: where ``score.weight`` comes from when ``path`` has none (petals #268's prompt
     export): a second checkpoint file or a model folder holding a trained ``score.weight``.
     """
-    tensors = _read(path, family, "checkpoint")
+    tensors, adapter = _read_any(path, family)
     if head is None:
-        return _to_state(tensors, path)
+        if adapter is not None and HEAD not in tensors:
+            raise UsageError(
+                f"a PEFT {adapter.peft_type} adapter for task_type {adapter.task_type}: prompts for the language "
+                f"model, no classifier head. Score the classes with {param_name('label_words')} W0 W1 ... (one word "
+                f"per class), or give a trained head with {param_name('head')}.", param="checkpoint", value=path)
+        return _with_adapter(_to_state(tensors, path), adapter)
     if HEAD in tensors:
         raise UsageError(f"it holds a classifier head, and so does {head}; pass only one of them.",
                          param="checkpoint", value=path)
     tensors[HEAD] = _head_tensor(head, family)
-    return _to_state(tensors, f"{path} + {head}")
+    return _with_adapter(_to_state(tensors, f"{path} + {head}"), adapter)
+
+
+def _read_any(path: str, family: Optional[Family]) -> Tuple[Dict[str, torch.Tensor], Optional[Adapter]]:
+    """(the trainable tensors of ``path``, the PEFT adapter it is or None): any form above."""
+    from dist_eval.backends import peft_adapter
+
+    adapter = peft_adapter.find(path, "checkpoint")
+    if adapter is None:
+        return _read(path, family, "checkpoint"), None
+    raw = _load_safely(adapter.weights, "checkpoint")
+    if not isinstance(raw, dict):
+        raise UsageError(f"{os.path.basename(adapter.weights)} holds a {type(raw).__name__}, not PEFT's tensors. Save "
+                         "the adapter again with save_pretrained().", param="checkpoint", value=path)
+    return peft_adapter.trainable(adapter, raw, family.head if family else None, PROMPT, HEAD), adapter
+
+
+def _with_adapter(state: TrainableState, adapter: Optional[Adapter]) -> TrainableState:
+    state.adapter = adapter
+    return state
+
+
+def checkpoint_digest(path: str) -> str:
+    """The SHA-256 of what decides a checkpoint's tensors: its file's bytes; for a PEFT adapter, its
+    adapter_config.json's and weights' (a hub id's, in the HF cache).
+    """
+    from dist_eval.backends import peft_adapter
+
+    adapter = peft_adapter.find(path, "checkpoint")
+    if adapter is None:
+        return file_sha256(path)
+    config = os.path.join(os.path.dirname(adapter.weights), peft_adapter.CONFIG)
+    return hashlib.sha256(f"{file_sha256(config)}:{file_sha256(adapter.weights)}".encode()).hexdigest()
 
 
 def load_head(head: str, family: Optional[Family] = None) -> TrainableState:
@@ -106,6 +152,11 @@ def load_head(head: str, family: Optional[Family] = None) -> TrainableState:
 def _head_tensor(head: str, family: Optional[Family]) -> torch.Tensor:
     """``score.weight`` of ``head``: a file holding it alone, or a model folder holding a trained one."""
     if os.path.isdir(head):
+        from dist_eval.backends.peft_adapter import is_adapter_folder
+
+        if is_adapter_folder(head):
+            raise UsageError(f"a PEFT adapter's folder, not a head: pass it as {param_name('checkpoint')} (a SEQ_CLS "
+                             "adapter's head is read from it).", param="head", value=head)
         state = model_dir_trainable_state(head, family)
         if state is None:
             raise UsageError("the model folder has no score.weight to use as the classifier head.",
@@ -122,7 +173,7 @@ def load_prompts(path: str, family: Optional[Family], num_labels: int) -> tuple:
     """(the prompts of ``path`` as the state of a ``num_labels``-class zero-shot model, whether
     the file also held a classifier head, which is not used). Refuses a file without prompts.
     """
-    tensors = _read(path, family, "checkpoint")
+    tensors, adapter = _read_any(path, family)
     had_head = tensors.pop(HEAD, None) is not None
     if PROMPT not in tensors:
         raise UsageError(
@@ -130,7 +181,7 @@ def load_prompts(path: str, family: Optional[Family], num_labels: int) -> tuple:
             "language model's head scores them. Drop --checkpoint, or pass a ptune/deep_ptune checkpoint.",
             param="checkpoint", value=path,
         )
-    return _to_state(tensors, path, num_labels), had_head
+    return _with_adapter(_to_state(tensors, path, num_labels), adapter), had_head
 
 
 def _short(keys: Iterable[str], limit: int = 6) -> str:
@@ -141,8 +192,11 @@ def _short(keys: Iterable[str], limit: int = 6) -> str:
 
 def _load_safely(path: str, param: str):
     """``torch.load`` with ``weights_only=True`` and ``nn.Embedding`` allowed (or a safetensors file)."""
+    if os.path.isdir(path):
+        raise UsageError(_folder_given(path), param=param, value=path)
     if not os.path.isfile(path):
-        raise UsageError("no such file. Pass the file with the trained prompts and head.", param=param, value=path)
+        raise UsageError("no such file or folder. Pass the file with the trained prompts and head, or a PEFT "
+                         "adapter's folder, weights file or hub id.", param=param, value=path)
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
@@ -168,6 +222,18 @@ def _load_safely(path: str, param: str):
                          param=param, value=path) from e
 
 
+def _folder_given(path: str) -> str:
+    """What a folder given for a checkpoint file is, and the fix."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return (f"a model folder (config.json), not a checkpoint file. Pass it as {param_name('model_dir')}, or as "
+                f"{param_name('head')} to use the score.weight trained in it; a checkpoint is a file, or a PEFT "
+                "adapter's folder (adapter_config.json).")
+    files = sorted(n for n in os.listdir(path) if n.endswith((".pt", ".pth", ".bin", ".safetensors")))
+    held = f"it holds {_short(files, 4)}" if files else "it holds no .pt, .bin or .safetensors file"
+    return (f"a folder, not a checkpoint file, and no PEFT adapter (no adapter_config.json in it; {held}). Pass the "
+            "checkpoint file itself, or a PEFT adapter's folder.")
+
+
 def _read(path: str, family: Optional[Family], param: str) -> Dict[str, torch.Tensor]:
     """The trainable tensors (short names) of one file, any form."""
     obj = _load_safely(path, param)
@@ -179,6 +245,10 @@ def _read(path: str, family: Optional[Family], param: str) -> Dict[str, torch.Te
             f"holds a {type(obj).__name__}; expected a state dict, dist_eval's checkpoint or an nn.Embedding "
             "(petals issue #268's export).", param=param, value=path,
         )
+    if "prompt_embeddings" in obj:  # PEFT's key (petals' is prompt_embeddings.weight)
+        raise UsageError("holds a PEFT adapter's weights (prompt_embeddings) without the adapter_config.json that "
+                         "says what they are. Pass the adapter's folder, or its weights file with adapter_config.json "
+                         "beside it, as save_pretrained() wrote them.", param=param, value=path)
     if obj.get("format") == FORMAT:
         saved = obj.get("family")
         if saved is not None and family is not None and saved != family.model_type:

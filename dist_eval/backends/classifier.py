@@ -263,7 +263,9 @@ def _read_config(model_dir: str):
 
     from dist_eval.backends.blocks import register
     from dist_eval.backends.config_json import family_of_folder
+    from dist_eval.backends.peft_adapter import refuse_as_model
 
+    refuse_as_model(model_dir)  # a file, or a PEFT adapter's folder, named as what it is
     if not os.path.isdir(model_dir):
         raise UsageError(
             "not a folder. Pass a folder saved with save_pretrained().", param="model_dir", value=model_dir
@@ -364,6 +366,10 @@ def _check_tuning(state: TrainableState, tuning_mode, pre_seq_len) -> None:
 
 
 def _check_shapes(state: TrainableState, config, checkpoint: Optional[str], model_dir: str) -> None:
+    if state.adapter is not None:  # a PEFT adapter: its config's base model, hidden size and layers
+        from dist_eval.backends.peft_adapter import check_base
+
+        check_base(state.adapter, config, model_dir)
     expected = {"score.weight": (state.num_labels, config.hidden_size)} if "score.weight" in state.tensors else {}
     if state.tuning_mode:
         expected["prompt_embeddings.weight"] = (state.pre_seq_len, config.hidden_size)

@@ -146,8 +146,33 @@ def _offline() -> bool:
     return constants.HF_HUB_OFFLINE
 
 
-def _fetch(repo_id: str, name: str, revision: Optional[str], endpoint: Optional[str], optional: bool = False):
-    """The local path of ``name`` (downloaded, or from the cache); None for an absent optional file."""
+def adapter_folder(repo_id: str, files: tuple, check, param: str = "checkpoint") -> str:
+    """The snapshot folder (in the user's HF cache) of a PEFT adapter's repository; ``files``: (its config's
+    name, its weights files' names: the first found is fetched). The config is fetched and handed to ``check``
+    (which refuses an adapter that is not read) before a weights file is; nothing else is fetched.
+    """
+    config_name, weights_names = files
+    here = "no such file or folder here"
+    try:
+        config = _fetch(repo_id, config_name, None, None, param=param, absent=(
+            f"{here}, and no hub repository of that name with a {config_name} (a PEFT adapter's). Pass the "
+            "checkpoint file, or a PEFT adapter's folder or hub id."))
+    except UsageError as e:
+        if e.detail.startswith(here):
+            raise
+        raise UsageError(f"{here}; as a PEFT adapter's hub id: {e.detail}", param=param, value=repo_id) from None
+    check(config)
+    for name in weights_names:
+        if _fetch(repo_id, name, None, None, optional=True, param=param) is not None:
+            break
+    return os.path.dirname(config)
+
+
+def _fetch(repo_id: str, name: str, revision: Optional[str], endpoint: Optional[str], optional: bool = False,
+           param: str = "model_dir", absent: Optional[str] = None):
+    """The local path of ``name`` (downloaded, or from the cache); None for an absent optional file.
+    ``param``: the argument the errors name; ``absent``: the message where the repository or the file is not there.
+    """
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
 
@@ -162,13 +187,13 @@ def _fetch(repo_id: str, name: str, revision: Optional[str], endpoint: Optional[
             f"{name} is not in the HF cache and HF_HUB_OFFLINE=1 forbids downloading it: run once online "
             "(or unset HF_HUB_OFFLINE), or pass a folder that holds the model." if offline else
             f"{name} could not be downloaded (no connection to the hub?): check the network, or set "
-            "HF_HUB_OFFLINE=1 to read the HF cache only.", param="model_dir", value=repo_id) from None
+            "HF_HUB_OFFLINE=1 to read the HF cache only.", param=param, value=repo_id) from None
     except EntryNotFoundError:
         if optional:
             return None
-        raise UsageError(f"the hub repository has no {name} (revision {revision or 'main'}).",
-                         param="model_dir", value=repo_id) from None
+        raise UsageError(absent or f"the hub repository has no {name} (revision {revision or 'main'}).",
+                         param=param, value=repo_id) from None
     except RepositoryNotFoundError:
-        raise UsageError("no such repository on the hub (or it is private: log in with `huggingface-cli login` "
-                         "or set HF_TOKEN), and no such folder here.", param="model_dir", value=repo_id) from None
+        raise UsageError(absent or "no such repository on the hub (or it is private: log in with `huggingface-cli "
+                         "login` or set HF_TOKEN), and no such folder here.", param=param, value=repo_id) from None
 

@@ -76,7 +76,8 @@ def run_facts(session, pair: Pair, pair_started: float, run_keys: tuple, rows) -
         model=os.path.abspath(job.model_dir),
         data_files=[os.path.abspath(p) if os.path.exists(p) else p for p in pair.data.files],
         split=job.split,
-        checkpoint=os.path.abspath(pair.checkpoint.path) if pair.checkpoint.path else None,
+        checkpoint=(os.path.abspath(pair.checkpoint.path) if os.path.exists(pair.checkpoint.path)  # not a hub id
+                    else pair.checkpoint.path) if pair.checkpoint.path else None,
         head=os.path.abspath(job.head) if job.head else None,
         demo=job.demo,
         label_words=list(settings.label_words) if settings.label_words else None,
