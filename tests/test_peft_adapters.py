@@ -1,0 +1,344 @@
+"""PEFT's prompt-learning adapters (issue 70; dist_eval/backends/peft_adapter.py), checked against PEFT
+itself: a current PEFT in the reference environment (``launch/install_reference.sh 5``) draws adapters on
+tiny models of four families and computes its own forward (tests/reference/make_peft_reference.py, run
+once per test run, nothing stored). Here, in the project's environment:
+
+- PROMPT_TUNING and P_TUNING, SEQ_CLS and CAUSAL_LM (label words), on Llama 3, Qwen2, BLOOM and Falcon:
+  ``--backend local`` logits of a right-padded batch within 1e-4 of PEFT's forward of each row alone;
+- the folder, the weights file, an older PEFT's ``adapter_model.bin`` and a hub id read the same
+  tensors; a hub id fetches adapter_config.json and the weights only;
+- PREFIX_TUNING, LoRA, IA3 (saved by PEFT) and the other methods and tasks refused from
+  adapter_config.json before any weight is read or fetched; the base model, hidden size, layers and
+  prompt count checked; nothing of a refused adapter applied to a loaded model;
+- a folder given for a file, and the reverse, named as what it is;
+- docs/models-and-checkpoints.md's worked example: its PEFT snippet run in the reference environment,
+  its command on two forked ranks against the shared tiny swarm equal to one local rank bit for bit, and
+  both within 1e-4 of PEFT's forward (marked swarm).
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, read_jsonl, run_ranks, write_csv
+from test_cli import fails_in_process
+
+from dist_eval.errors import UsageError
+
+TOLERANCE = 1e-4
+FAMILIES = ("llama3", "qwen2", "bloom", "falcon")
+ADAPTERS = ("PROMPT_TUNING.SEQ_CLS", "PROMPT_TUNING.CAUSAL_LM", "P_TUNING.SEQ_CLS", "P_TUNING.CAUSAL_LM")
+DOC = os.path.join(REPO, "docs", "models-and-checkpoints.md")
+SCRIPT = os.path.join(REPO, "tests", "reference", "make_peft_reference.py")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny models compute on one thread here, as a torchrun rank does."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def doc_example() -> tuple:
+    """(the PEFT snippet, the first dist_eval command) of the page's worked example."""
+    section = open(DOC, encoding="utf-8").read().split("### PEFT adapters", 1)[1].split("\n## ", 1)[0]
+    (snippet,) = [s for s in re.findall(r"```python\n(.*?)```", section, flags=re.S) if "get_peft_model" in s]
+    bash = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0]
+    return snippet, bash.splitlines()[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model):
+    """(the folder, reference.json): PEFT's adapters and logits (make_peft_reference.py in the reference
+    venv), and the worked example's folder (``worked``: ./my-llama, val.csv, the adapter and PEFT's logits)."""
+    install = os.path.join(REPO, "launch", "install_reference.sh")
+    done = subprocess.run([install, "5"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    venv = os.environ.get("DIST_EVAL_REFERENCE5_VENV", os.path.join(REPO, ".venv-reference5"))
+    out, worked = tmp_path_factory.mktemp("peft_reference"), tmp_path_factory.mktemp("worked_example")
+    os.symlink(tiny_model, worked / "my-llama")
+    write_csv(str(worked / "val.csv"), 23, seed=7)
+    (worked / "snippet.py").write_text(doc_example()[0], encoding="utf-8")
+    made = subprocess.run([os.path.join(venv, "bin", "python"), SCRIPT, str(out), "--worked-example", str(worked)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert made.returncode == 0, made.stderr[-3000:]
+    with open(out / "reference.json", encoding="utf-8") as f:
+        ref = json.load(f)
+    assert ref["versions"]["peft"].startswith("0.") and ref["versions"]["transformers"].startswith("5."), ref
+    return out, ref, worked
+
+
+def padded(case) -> torch.Tensor:
+    longest = max(map(len, case["ids"]))
+    return torch.tensor([row + [case["pad_token_id"]] * (longest - len(row)) for row in case["ids"]])
+
+
+def load(out, ref, kind, adapter, checkpoint=None, **kwargs):
+    from dist_eval.backends import load_model
+
+    case = ref["cases"][kind]
+    words = {"label_words": ref["label_words"]} if adapter.endswith("CAUSAL_LM") else {}
+    return load_model("local", str(out / case["folder"]),
+                      checkpoint=checkpoint or str(out / case["adapters"][adapter]["folder"]), **words, **kwargs)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_local_logits_within_1e4_of_peft(reference, kind, adapter):
+    """Right-padded in one batch here, each row alone in PEFT (its SEQ_CLS head reads a padded batch's
+    last position, a pad: the reference's padded_batch); the label words' tokens are the reference's."""
+    out, ref, _ = reference
+    case = ref["cases"][kind]
+    model = load(out, ref, kind, adapter)
+    assert (model.tuning_mode, model.prompt_tokens, model.num_labels) == ("ptune", ref["num_virtual_tokens"], 3)
+    if adapter.endswith("CAUSAL_LM"):
+        assert [list(ids) for ids in model.module.label_words.token_ids] == case["word_ids"]
+    with torch.no_grad():
+        logits = model.module(padded(case))
+    expected = torch.tensor(case["adapters"][adapter]["logits"])
+    assert (logits - expected).abs().max().item() < TOLERANCE
+    assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+def test_the_reference_shows_what_is_compared(reference):
+    """P_TUNING: PEFT's model before the save (its encoder computing the prompts) is its loaded adapter
+    (the saved prompts), exactly; PEFT's SEQ_CLS forward on a padded batch differs from the rows alone
+    but for the longest row, which is why the rows are compared alone."""
+    _, ref, _ = reference
+    assert all(case["ptuning_encoder_vs_saved"] == 0.0 for case in ref["cases"].values())
+    case = ref["cases"]["llama3"]
+    batch, alone = case["padded_batch"], np.array(case["adapters"]["PROMPT_TUNING.SEQ_CLS"]["logits"])
+    longest = max(batch["lengths"])
+    far = [np.abs(np.array(b) - a).max() > 100 * TOLERANCE for b, a, n in zip(batch["logits"], alone, batch["lengths"])
+           if n < longest]
+    assert far and all(far)
+
+
+def adapter_forms(out, ref, tmp_path):
+    """{form: --checkpoint}: the folder, its weights file, an older PEFT's .bin folder, a copy elsewhere."""
+    name = ref["cases"]["llama3"]["adapters"]["PROMPT_TUNING.SEQ_CLS"]["folder"]
+    copy = shutil.copytree(out / name, tmp_path / "copied-adapter")
+    return {"folder": str(out / name), "file": str(out / name / "adapter_model.safetensors"),
+            "bin": str(out / (name + ".bin")), "bin file": str(out / (name + ".bin") / "adapter_model.bin"),
+            "copy": str(copy) + "/"}
+
+
+def test_every_form_reads_the_same_tensors(reference, tmp_path, monkeypatch):
+    from fake_hub import fake_hub
+    from huggingface_hub import constants
+
+    from dist_eval.backends.checkpoint import checkpoint_digest, load_checkpoint
+    from dist_eval.backends.families import FAMILIES as TABLE
+    from dist_eval.backends.provenance import tensors_digest
+
+    out, ref, _ = reference
+    forms = adapter_forms(out, ref, tmp_path)
+    assert not any(n.endswith(".safetensors") for n in os.listdir(forms["bin"]))
+    states = {form: load_checkpoint(path, TABLE["llama"]) for form, path in forms.items()}
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))  # the user's cache untouched
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with fake_hub({"org/llama3-adapter": forms["folder"]}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        states["hub"] = load_checkpoint("org/llama3-adapter", TABLE["llama"])
+        hub_digest = checkpoint_digest("org/llama3-adapter")
+    assert hub.files("GET") == ["adapter_config.json", "adapter_model.safetensors"]
+    assert {tensors_digest(s.tensors) for s in states.values()} == {tensors_digest(states["folder"].tensors)}
+    assert {(s.tuning_mode, s.pre_seq_len, s.num_labels, s.adapter.task_type) for s in states.values()} == {
+        ("ptune", 8, 3, "SEQ_CLS")}
+    # the run key's digest: the two files' content, whatever the form
+    assert hub_digest == checkpoint_digest(forms["file"]) == checkpoint_digest(forms["copy"])
+    assert checkpoint_digest(forms["bin"]) != checkpoint_digest(forms["folder"])
+
+
+@pytest.mark.parametrize("method", ["PREFIX_TUNING", "LORA", "IA3"])
+def test_adapters_that_change_the_blocks_are_refused_before_any_weight(reference, tmp_path, method, monkeypatch):
+    """PEFT's own saves; the weights file removed (so never read), and by hub id only adapter_config.json
+    fetched."""
+    from fake_hub import fake_hub
+    from huggingface_hub import constants
+
+    from dist_eval.backends.checkpoint import load_checkpoint
+
+    out, ref, _ = reference
+    folder = tmp_path / "adapter"
+    shutil.copytree(out / ref["refused"][method], folder)
+    os.remove(folder / "adapter_model.safetensors")
+    with pytest.raises(UsageError) as refused:
+        load_checkpoint(str(folder))
+    message = str(refused.value)
+    assert "\n" not in message and f"a PEFT {method} adapter: " in message and "not read" in message
+    if method == "PREFIX_TUNING":
+        assert "keys and values inside the blocks' attention" in message and "PeftModel.from_pretrained" in message
+    else:
+        assert "changes the blocks' weights" in message and "merge_and_unload().save_pretrained(DIR)" in message
+    assert "the blocks run on the swarm's servers" in message and "PROMPT_TUNING and P_TUNING" in message
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with fake_hub({"org/adapter": str(out / ref["refused"][method])}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        with pytest.raises(UsageError, match=f"a PEFT {method} adapter: "):
+            load_checkpoint("org/adapter")
+    assert hub.files("GET") == ["adapter_config.json"]
+
+
+def edited(out, ref, tmp_path, adapter="PROMPT_TUNING.SEQ_CLS", kind="llama3", **changes) -> str:
+    """A copy of a reference adapter with adapter_config.json's ``changes``."""
+    folder = shutil.copytree(out / ref["cases"][kind]["adapters"][adapter]["folder"], tmp_path / "edited")
+    with open(folder / "adapter_config.json", encoding="utf-8") as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(folder / "adapter_config.json", "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"peft_type": "MULTITASK_PROMPT_TUNING"}, "its prompts depend on a task id given with each row"),
+    ({"peft_type": "CPT"}, "a PEFT CPT adapter: its prompts are built from context examples' tokens"),
+    ({"peft_type": "ADAPTION_PROMPT"}, "keys and values inside the blocks' attention"),
+    ({"peft_type": "LOHA"}, "changes the blocks' weights"),
+    ({"task_type": "TOKEN_CLS"}, "for task_type TOKEN_CLS: read are SEQ_CLS .* and CAUSAL_LM"),
+    ({"num_transformer_submodules": 2}, "encoder-decoder model"),
+    ({"num_virtual_tokens": 7}, "num_virtual_tokens 7 in adapter_config.json, but prompt_embeddings holds 8"),
+])
+def test_what_is_not_read_is_refused_in_one_line(reference, tmp_path, changes, expected):
+    from dist_eval.backends.checkpoint import load_checkpoint
+
+    out, ref, _ = reference
+    with pytest.raises(UsageError) as refused:
+        load_checkpoint(edited(out, ref, tmp_path, **changes))
+    assert re.search(expected, str(refused.value)) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_the_base_model_is_checked_against_the_model(reference, tmp_path):
+    """Another family's model of the same shape (the name tells), another hidden size; a copy of the base
+    under its own name, or the base named by a hub id of that name, is the model."""
+    out, ref, _ = reference
+    qwen = str(out / "qwen2")
+    with pytest.raises(UsageError) as refused:
+        load(out, ref, "qwen2", "PROMPT_TUNING.SEQ_CLS", checkpoint=str(out / "llama3.PROMPT_TUNING.SEQ_CLS"))
+    base = os.path.join(str(out), "llama3")
+    assert str(refused.value).startswith(f"checkpoint='{out / 'llama3.PROMPT_TUNING.SEQ_CLS'}': a PEFT adapter "
+                                         f"trained on {base} (base_model_name_or_path in adapter_config.json), and "
+                                         f"model_dir='{qwen}' is another model. Pass model_dir='{base}';")
+    with pytest.raises(UsageError, match=r"token_dim 128, num_layers 4 in adapter_config.json\), and model_dir="
+                                         r"'.*' has hidden size 64 and 4 layers"):
+        load(out, ref, "llama3", "", checkpoint=edited(out, ref, tmp_path, token_dim=128))
+    copy = shutil.copytree(out / "llama3", tmp_path / "elsewhere" / "llama3")
+    from dist_eval.backends import load_model
+
+    assert load_model("local", str(copy), checkpoint=str(out / "llama3.PROMPT_TUNING.SEQ_CLS")).num_labels == 3
+    hub_named = edited(out, ref, tmp_path / "hub", base_model_name_or_path="meta-llama/llama3")
+    assert load_model("local", str(copy), checkpoint=hub_named).num_labels == 3
+
+
+def test_nothing_of_a_refused_adapter_is_applied(reference, tmp_path):
+    """A loaded model asked to swap to a refused adapter (LoRA; one whose weights hold another module
+    of modules_to_save) keeps its own prompts and head: the same logits bit for bit; then a P_TUNING
+    adapter swaps in and gives PEFT's."""
+    from safetensors.torch import load_file, save_file
+
+    from dist_eval.backends.classifier import swap_checkpoint
+    from dist_eval.ranks import RankFailure
+
+    out, ref, _ = reference
+    case = ref["cases"]["llama3"]
+    model = load(out, ref, "llama3", "PROMPT_TUNING.SEQ_CLS")
+    first = model.checkpoint
+    with torch.no_grad():
+        before = model.module(padded(case))
+    extra = edited(out, ref, tmp_path)
+    weights = load_file(os.path.join(extra, "adapter_model.safetensors"))
+    weights["base_model.model.embed_tokens.weight"] = torch.zeros(8, 64)
+    save_file(weights, os.path.join(extra, "adapter_model.safetensors"))
+    for bad, expected in ((str(out / ref["refused"]["LORA"]), "a PEFT LORA adapter: "),
+                          (extra, "hold base_model.model.embed_tokens.weight, which are not read")):
+        with pytest.raises(RankFailure, match=expected) as refused:  # the phase's failure: a usage error
+            swap_checkpoint(model, bad)
+        assert refused.value.usage
+        assert model.checkpoint == first
+        with torch.no_grad():
+            assert torch.equal(model.module(padded(case)), before)
+    swap_checkpoint(model, str(out / case["adapters"]["P_TUNING.SEQ_CLS"]["folder"]))
+    with torch.no_grad():
+        after = model.module(padded(case))
+    assert (after - torch.tensor(case["adapters"]["P_TUNING.SEQ_CLS"]["logits"])).abs().max().item() < TOLERANCE
+
+
+def test_a_causal_lm_adapter_without_label_words_says_how_to_score(reference):
+    out, ref, _ = reference
+    from dist_eval.backends import load_model
+
+    with pytest.raises(UsageError, match=r"task_type CAUSAL_LM: prompts for the language model, no classifier head. "
+                                         r"Score the classes with label_words W0 W1 \.\.\."):
+        load_model("local", str(out / "llama3"), checkpoint=str(out / "llama3.PROMPT_TUNING.CAUSAL_LM"))
+
+
+def test_folders_and_files_are_named_as_what_they_are(reference, tmp_path, capfd):
+    """On the command line (one rank in this process): each mistake in one line naming the flag."""
+    out, ref, worked = reference
+    data, model = str(worked / "val.csv"), str(out / "llama3")
+    adapter = str(out / "llama3.PROMPT_TUNING.SEQ_CLS")
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    shutil.copy(os.path.join(adapter, "adapter_model.safetensors"), lone / "trained.safetensors")
+    (tmp_path / "runs").mkdir()
+    torch.save({}, tmp_path / "runs" / "ck.pt")
+    cases = [
+        (["--model", model, "--checkpoint", model], r"--checkpoint \S+: a model folder \(config.json\), not a "
+         r"checkpoint file. Pass it as --model, or as --head"),
+        (["--model", model, "--checkpoint", str(tmp_path / "runs")], r"a folder, not a checkpoint file, and no PEFT "
+         r"adapter \(no adapter_config.json in it; it holds ck.pt\)"),
+        (["--model", adapter, "--checkpoint", adapter], r"--model \S+: a PEFT adapter's folder \(adapter_config.json"
+         r"\), not a model. Pass it as --checkpoint, and its base model \(\S+llama3\) as --model"),
+        (["--model", os.path.join(adapter, "adapter_model.safetensors")], r"--model \S+: a PEFT adapter's weights "
+         r"file, not a model folder"),
+        (["--model", model, "--head", adapter], r"--head \S+: a PEFT adapter's folder, not a head: pass it as "
+         r"--checkpoint"),
+        (["--model", model, "--checkpoint", str(lone / "trained.safetensors")], r"holds a PEFT adapter's weights "
+         r"\(prompt_embeddings\) without the adapter_config.json"),
+        (["--model", model, "--checkpoint", str(tmp_path / "no" / "ck.pt")], r"no such file or folder"),
+    ]
+    for args, pattern in cases:
+        fails_in_process([*args, "--data-files", data, "--backend", "local", "--output-dir", str(tmp_path / "o")],
+                         capfd, pattern)
+
+
+def test_the_reference_script_imports_no_dist_eval():
+    with open(SCRIPT, encoding="utf-8") as f:
+        source = f.read()
+    assert "import dist_eval" not in source and "from dist_eval" not in source
+
+
+@pytest.mark.swarm
+@pytest.mark.multiproc
+def test_the_worked_example_on_a_swarm_equals_local_and_peft(reference, tiny_swarm, rank_zygote, no_figures,
+                                                             tmp_path):
+    """The page's command as written (its folders here), on two forked ranks against the shared tiny
+    swarm (its peers added) and in this process with --backend local: the same logits bit for bit, each
+    row within 1e-4 of PEFT's forward of the adapter the page's PEFT snippet saved."""
+    from inprocess_cli import run_cli_in_process
+
+    _, _, worked = reference
+    command = doc_example()[1].split()
+    nproc, args = int(command[1].split("=")[1]), command[command.index("dist_eval") + 1:]
+    args = [str(worked / a[2:]) if a.startswith("./") else str(worked / a) if a == "val.csv" else a for a in args]
+    common = [*args, "--save-logits", "--quiet"]
+    swarm = [*common, "--output-dir", str(tmp_path / "swarm"), "--initial-peers", *tiny_swarm.initial_peers,
+             "--dht-prefix", tiny_swarm.dht_prefix]
+    proc = run_ranks(rank_zygote, swarm, nproc=nproc, env=no_figures)
+    assert nproc == 2 and proc.returncode == 0, proc.stderr[-3000:]
+    assert run_cli_in_process([*common, "--output-dir", str(tmp_path / "local"), "--backend", "local"],
+                              hide_modules=("matplotlib",)) == 0
+    on_swarm, local = (read_jsonl(tmp_path / name / "predictions.jsonl") for name in ("swarm", "local"))
+    assert on_swarm == local and len(local) == 23  # every row's logits, bit for bit
+    with open(worked / "peft_logits.json", encoding="utf-8") as f:
+        peft = np.array(json.load(f)["logits"])
+    logits = np.array([row["logits"] for row in sorted(local, key=lambda row: row["index"])])
+    assert np.abs(logits - peft).max() < TOLERANCE
