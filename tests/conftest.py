@@ -397,7 +397,7 @@ def run_ranks(zygote, args, nproc: int, timeout: float = 300, env=None, script=N
         result.rank_codes = None
         return result
     argv = ["-m", "dist_eval", *args] if script is None else [script, *args]
-    suite_plugin.note_launch(f"forked ranks: {argv[0]} {argv[1]}")
+    suite_plugin.note_launch("forked ranks: " + " ".join(argv[:2]))
     # the petals client's import (~1.4 s) once in the launcher, not in every rank
     backend = args[args.index("--backend") + 1] if "--backend" in args else "petals"
     preload = [] if backend == "local" or script else ["dist_eval.backends.compat:import_petals"]

@@ -44,7 +44,10 @@ _IGNORED = {"PYTEST_CURRENT_TEST", "PYTHONPATH",
             # set in the test process by a CLI run in it (backends.compat.quiet_third_party_output, which
             # a rank runs too, and which applies the two datasets reads at import to a datasets imported
             # already); tokenizers reads its variable when it decides on threads
-            "TOKENIZERS_PARALLELISM", "HF_DATASETS_DISABLE_PROGRESS_BARS", "DATASETS_VERBOSITY"}
+            "TOKENIZERS_PARALLELISM", "HF_DATASETS_DISABLE_PROGRESS_BARS", "DATASETS_VERBOSITY",
+            # set by torch._inductor's import in the test process (test_docs' snippets) to the default it
+            # computes when unset: no rank compiles
+            "TORCHINDUCTOR_CACHE_DIR"}
 
 
 class RankZygote:
@@ -65,7 +68,13 @@ class RankZygote:
         """Whether a launch with ``env`` can be forked from this server (else: torchrun)."""
         keys = (set(env) | set(self.env)) - _IGNORED
         differ = [k for k in keys if env.get(k) != self.env.get(k) and not k.startswith(_CALL_TIME_PREFIXES)]
-        return not differ and self._path_prefix(env) is not None
+        if self._path_prefix(env) is None:
+            differ.append("PYTHONPATH")
+        if differ and os.environ.get("DIST_EVAL_TEST_FORK_LOG"):  # for whoever measures the suite: why not forked
+            with open(os.environ["DIST_EVAL_TEST_FORK_LOG"], "a") as f:
+                f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST"),
+                                    "differ": {k: [env.get(k), self.env.get(k)] for k in sorted(differ)}}) + "\n")
+        return not differ
 
     def _path_prefix(self, env) -> Optional[List[str]]:
         mine = [p for p in self.env.get("PYTHONPATH", "").split(os.pathsep) if p]
