@@ -37,5 +37,22 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   "${INSTALL[@]}" "$TORCH_SPEC"  # first, alone: nothing later pulls a CUDA build
 fi
 "${INSTALL[@]}" "${REFERENCE[@]}"
+# the bytecode of what the reference scripts import, written once: where PYTHONDONTWRITEBYTECODE is set, each
+# reference process would compile transformers from source again (about 10 s of CPU a process here). Only
+# what they import (compile_venv's whole site-packages, torch's thousands of files, took 50 s)
+PYTHONDONTWRITEBYTECODE= "$VENV/bin/python" - <<'PY'
+import importlib
+import importlib.util
+
+import torch  # noqa: F401
+import transformers
+
+for family in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4",
+               "bloom", "falcon"):
+    importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast  # noqa: B018 (the lazy tokenizer modules)
+if importlib.util.find_spec("peft"):
+    import peft  # noqa: F401
+PY
 echo "$WANT" > "$STAMP"
 echo "[install_reference] done: $VENV" >&2
