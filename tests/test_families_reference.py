@@ -29,7 +29,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, read_jsonl, run_cli
+from conftest import REPO, read_jsonl, run_ranks
 from float_promises import assert_same_bits
 from inprocess_cli import run_cli_in_process
 
@@ -455,9 +455,11 @@ def write_rows(path, corpus):
 @pytest.mark.swarm
 @pytest.mark.multiproc
 @pytest.mark.parametrize("generation, kind", SWARM_CASES)
-def test_swarm_n2_equals_local_n1_bitwise_and_the_reference(request, tmp_path, generation, kind, no_figures):
+def test_swarm_n2_equals_local_n1_bitwise_and_the_reference(request, tmp_path, generation, kind, no_figures,
+                                                            rank_zygote):
     """On one server of the run's own swarm (the block computes there; a second server, a full replica
-    too, was ~8 s more of each run's start on 2 cores), no figures drawn (nobody looks at them)."""
+    too, was ~8 s more of each run's start on 2 cores), no figures drawn (nobody looks at them); the two
+    ranks forked (conftest's run_ranks: what they compute is tested here, not torchrun's launch)."""
     reference = reference_of(request, generation)
     out, ref = reference
     case = ref["cases"][kind]
@@ -465,8 +467,8 @@ def test_swarm_n2_equals_local_n1_bitwise_and_the_reference(request, tmp_path, g
     files = [arg for key, path in trained(reference, kind, "ptune").items() for arg in (f"--{key}", path)]
     common = ["--model", str(out / SWARM_FOLDER.get(kind, kind)), "--data-files", data, *files, "--batch-size", "4",
               "--save-logits", "--quiet"]
-    proc = run_cli([*common, "--output-dir", str(tmp_path / "swarm"), "--local-servers", "1"], nproc=2, timeout=400,
-                   env=no_figures)
+    proc = run_ranks(rank_zygote, [*common, "--output-dir", str(tmp_path / "swarm"), "--local-servers", "1"], nproc=2,
+                     timeout=400, env=no_figures)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert run_cli_in_process([*common, "--output-dir", str(tmp_path / "local"), "--backend", "local"],
                               hide_modules=("matplotlib",)) == 0
