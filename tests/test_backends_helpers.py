@@ -126,8 +126,11 @@ def test_a_daemons_socket_left_after_it_exits_is_removed_once_it_has_exited():
         assert child.stdout.readline().strip() == "bound"
         assert path not in remove_dead_hivemind_sockets(since, wait=0.0) and os.path.exists(path)  # still held
         removed = remove_dead_hivemind_sockets(since, wait=30.0)
-        assert child.poll() is not None, "returned while the socket's holder still ran"
+        # returned once the holder let its socket go (removed: no process held it), not while it held it;
+        # the holder closes its descriptors a moment before its exit completes, so it ends right after
+        # (poll() at once failed now and then on a loaded machine: 3 of 14 runs)
         assert path in removed and not os.path.exists(path)
+        assert child.wait(timeout=10) == 0
     finally:
         child.kill()
         child.wait()
