@@ -17,12 +17,23 @@ import process_leaks  # no test leaves a process behind
 import pytest
 import suite_plugin  # the gpu, multiproc and swarm marks, checked; --reverse-order
 import torch
+from threadpoolctl import threadpool_limits
 from transformers.utils import logging as hf_logging
 
 # datasets binds its log handler to sys.stderr when imported, transformers when its logging is
 # first used: here, before any test, not inside a test whose captured stream is closed after it
 # (a later test's log line would then print a "--- Logging error ---" traceback).
 hf_logging.get_logger()
+
+# One thread for what a test computes in this process, as a torchrun rank computes (torchrun sets
+# OMP_NUM_THREADS=1; tests/inprocess_cli.py's one_thread did it per call): the suite runs two
+# workers and their processes on two cores, where two threads per matmul only wait on each other
+# (benchmarks/RESULTS.md, 2026-11-27: test_backends_zeroshot's transformers reference 7.6 s -> 0.4 s;
+# six in-process files 89-102 s -> 44-53 s of CPU). BLAS (numpy, scikit-learn) alike; a test that
+# wants more threads asks for them (test_merge_ranks' threadpool_limits). The processes a test
+# starts get their own settings, as before (this changes no variable of the environment).
+torch.set_num_threads(1)
+threadpool_limits(limits=1)
 
 
 def pytest_addoption(parser):
