@@ -84,6 +84,30 @@ def _deselect(config, items) -> None:
             items[:] = [item for item in items if not item.get_closest_marker(mark)]
 
 
+# test files that alone (or nearly) share a session-scoped fixture of tests/conftest.py: under xdist's
+# --dist loadfile they go to one worker together, which sets the fixture up once (two workers each
+# started split_swarm's two servers in a run; a file that came last started it again at the run's end)
+SHARED_BY = {
+    "tests/test_backends_wire.py": "split_swarm", "tests/test_swarm_merged_forward.py": "split_swarm",
+    "tests/test_families_swarm.py": "bloom_swarm", "tests/test_backends_zeroshot_swarm.py": "bloom_swarm",
+}
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile (pyproject.toml's), with the files of :data:`SHARED_BY` one work unit each."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedFixtureScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_BY.get(path, path)
+
+    return SharedFixtureScheduling(config, log)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     _deselect(config, items)
