@@ -93,9 +93,21 @@ SHARED_BY = {
 }
 
 
+# the slowest files (benchmarks/RESULTS.md: the suite's time per file), dealt out first, so that the run
+# ends on short files with both workers busy to the end; xdist deals files out by their number of tests
+# otherwise, and these few-test files came last. Order only: a file missing or renamed just comes later.
+FIRST = ("tests/test_slurm.py", "tests/test_families_swarm.py", "tests/test_swarm_failover.py",
+         "tests/test_families_reference.py", "tests/test_swarm_supervisor.py", "tests/test_launch.py",
+         "tests/test_audit.py", "tests/test_swarm.py", "tests/test_jobs.py", "tests/test_demo.py",
+         "tests/test_resume.py", "tests/test_benchmarks.py", "tests/test_peft_adapters.py",
+         "tests/test_cli_default_run.py", "tests/test_client_shards.py", "tests/test_backends_petals.py",
+         "tests/test_backends_wire.py", "tests/test_memory_bounded.py")
+
+
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile (pyproject.toml's), with the files of :data:`SHARED_BY` one work unit each."""
+    """--dist loadfile (pyproject.toml's), with the files of :data:`SHARED_BY` one work unit each and
+    those of :data:`FIRST` dealt out first (then by number of tests, as xdist does)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -104,6 +116,16 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return SHARED_BY.get(path, path)
+
+        def _assign_work_unit(self, node) -> None:
+            # before the first unit is handed out: FIRST's to the front of the queue (the collection's
+            # order stays: a worker runs the tests it is sent by their index in it)
+            if not getattr(self, "_first_dealt", False):
+                self._first_dealt = True
+                for path in reversed(FIRST):
+                    if SHARED_BY.get(path, path) in self.workqueue:
+                        self.workqueue.move_to_end(SHARED_BY.get(path, path), last=False)
+            super()._assign_work_unit(node)
 
     return SharedFixtureScheduling(config, log)
 
