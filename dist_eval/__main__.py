@@ -37,4 +37,8 @@ if __name__ == "__main__":
         from dist_eval.shard_merge import main as merge_main
 
         sys.exit(merge_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["verify"]:  # python -m dist_eval verify OUT: a report checked (dist_eval.verify)
+        from dist_eval.verify import main as verify_main
+
+        sys.exit(verify_main(sys.argv[2:]))
     exit_without_teardown(main())  # a SystemExit (--help, a flag argparse refuses) exits as usual

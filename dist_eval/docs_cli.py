@@ -30,7 +30,7 @@ node), everything after it a flag of `python -m dist_eval` (above).
 
 def commands() -> Dict[str, Tuple[str, Callable[[], argparse.ArgumentParser]]]:
     """{name: (what it is, its parser's builder)} of every command with flags of its own."""
-    from dist_eval import cli, compare, power, rescore, shard_merge
+    from dist_eval import cli, compare, power, rescore, shard_merge, verify
     from dist_eval.swarm import cli as swarm_cli
     from dist_eval.swarm import status as swarm_status
 
@@ -52,6 +52,9 @@ def commands() -> Dict[str, Tuple[str, Callable[[], argparse.ArgumentParser]]]:
                                             "set (also `python -m dist_eval.merge`, `python -m dist_eval merge` and "
                                             "`dist-eval merge SHARD_DIR... --output-dir OUT`)",
                                             shard_merge.build_parser),
+        "python -m dist_eval.verify": ("a finished report checked against its receipt, its predictions and, with "
+                                       "`--backend`, a share of its rows evaluated again (also `python -m dist_eval "
+                                       "verify` and `dist-eval verify OUT`)", verify.build_parser),
     }
 
 

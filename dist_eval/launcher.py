@@ -4,6 +4,7 @@
     dist-eval --nproc-per-node 4 -- --model DIR --data-files test.csv
     dist-eval --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:29400 --nproc-per-node 8 -- --initial-peers ...
     dist-eval merge SHARD_DIR... --output-dir OUT     (python -m dist_eval.shard_merge: shards merged)
+    dist-eval verify OUT [--backend local]            (python -m dist_eval.verify: a report checked)
 
 Everything before ``--`` goes to torchrun (``torchrun --help`` lists it; default: one rank
 on this node), everything after it to ``python -m dist_eval``. ``torchrun -m dist_eval``
@@ -40,6 +41,7 @@ _USAGE = (
     f"usage: {PROG} [torchrun options] [-- dist_eval flags]\n"
     f"  e.g. {PROG} --nproc-per-node 2 -- --model DIR --data-files test.csv\n"
     f"  {PROG} merge SHARD_DIR... --output-dir OUT: the shards of a run (--shard I/K) merged into its report\n"
+    f"  {PROG} verify OUT [--backend local]: a finished report checked against its receipt and its rows\n"
     "  torchrun options: see `torchrun --help` (default: one rank on this node);\n"
     "  dist_eval flags: see `python -m dist_eval --help` (none: the built-in demo)."
 )
@@ -156,6 +158,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if argv[:1] == ["merge"]:  # dist-eval merge SHARD_DIR... --output-dir OUT: the shards' merge, this process
         os.execv(sys.executable, [sys.executable, "-m", "dist_eval.shard_merge", *argv[1:]])
+    if argv[:1] == ["verify"]:  # dist-eval verify OUT ...: a report checked (python -m dist_eval.verify), this process
+        os.execv(sys.executable, [sys.executable, "-m", "dist_eval.verify", *argv[1:]])
     torchrun_options, flags = split_argv(argv)
     if any(not option.startswith("-") for option in torchrun_options[:1]):
         print(f"{PROG}: error: {torchrun_options[0]!r}: expected torchrun options before '--' and dist_eval flags "

@@ -44,6 +44,7 @@ NAMED = [
     (re.compile(r"dist_eval\.rescore"), "rescore"),
     (re.compile(r"dist_eval\.power"), "power"),
     (re.compile(r"dist_eval\.shard_merge|dist-eval merge"), "shard_merge"),
+    (re.compile(r"dist_eval\.verify|dist-eval verify|dist_eval verify"), "verify"),
     (re.compile(r"dist_eval\.rendezvous"), "rendezvous"),
     (re.compile(r"torchrun|torch\.distributed\.run|dist-eval|run_multinode\.sh|slurm\.sbatch|run_local\.sh"),
      "torchrun"),
@@ -64,7 +65,8 @@ def command_flags() -> Dict[str, Set[str]]:
     names = {"python -m dist_eval": "main", "python -m dist_eval.swarm": "swarm",
              "python -m dist_eval.swarm status": "swarm",  # its subcommand's flags count as the swarm's
              "python -m dist_eval.compare": "compare", "python -m dist_eval.rescore": "rescore",
-             "python -m dist_eval.shard_merge": "shard_merge", "python -m dist_eval.power": "power"}
+             "python -m dist_eval.shard_merge": "shard_merge", "python -m dist_eval.power": "power",
+             "python -m dist_eval.verify": "verify"}
     out: Dict[str, Set[str]] = {}
     for name, (_, build) in commands().items():
         out.setdefault(names[name], set()).update(flags(build()))
@@ -158,6 +160,8 @@ def _command_at(token: str, following: str, current: Set[str]) -> Set[str]:
         return _named(following) - {"torchrun"} or {"main"}
     if token == "merge" and current == {"torchrun"}:  # dist-eval merge: the shards' merge
         return {"shard_merge"}
+    if token == "verify" and current & {"torchrun", "main"}:  # dist-eval verify, python -m dist_eval verify
+        return {"verify"}
     if token == "--" and current == {"torchrun"}:
         return {"main"}
     if token.endswith("start_server.sh"):

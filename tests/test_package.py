@@ -211,13 +211,14 @@ LAYERS = (
     ("data", "backends"),  # the rows; the model (its table, loaders, backends, provenance)
     ("swarm", "predict", "progress", "resume", "paired", "clusters", "config", "demo"),  # servers; the forward
     # loop; the paired and the clustered intervals; settings
-    ("scoring",),  # the report of a set of rows: point metrics, then intervals
+    ("scoring", "receipt"),  # the report of a set of rows: point metrics, then intervals; what made it (issue 73)
     ("merge", "rowstore", "demo_build"),  # rank 0's merge; the store of known rows
     ("slices", "known"),  # metrics per slice; the known logits: the resume folder and the row store, one source
     ("exact",),  # one exact evaluation of every row: batches -> forwards -> merge
     ("stopping",),  # the rounds: one of every row, or rounds until the interval says stop
     ("compare", "rescore", "output", "evaluation"),  # the report writers; the evaluation core
-    ("job",),  # what a CLI run evaluates: the flags' or the demo's model and data, found on each node
+    ("job", "verify"),  # what a CLI run evaluates: the flags' or the demo's model and data, found on each node; a
+    # report checked against its receipt, its rows evaluated again (issue 73)
     ("pipeline", "shard_merge"),  # the CLI's flow; the shards' merge (the report writers below)
     ("cli",),
     ("docs_cli", "__main__"),

@@ -12,10 +12,12 @@ import os
 import platform
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Dict, List, Optional
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 from dist_eval import ranks
 from dist_eval.loop_facts import RunFacts, SampleFacts
+from dist_eval.receipt import build as build_receipt
 
 if TYPE_CHECKING:
     from dist_eval.config import EvalConfig, Settings
@@ -47,7 +49,8 @@ def report_pair(session, pair: Pair, result, where: tuple, rows, pair_started: f
         if ranks.is_main_process():
             config = session.config
             texts = texts_of(config, session.job.settings, rows, getattr(result, "slices", None))
-            write_report(config, out, result, session.say, texts)
+            receipt = partial(build_receipt, session, pair, result, rows)
+            write_report(config, out, result, session.say, texts, receipt)
             if config.options.shard is not None:  # what dist_eval.shard_merge reads: written last
                 from dist_eval.output.shard_files import write_shard
 
@@ -213,15 +216,23 @@ def texts_of(config: EvalConfig, settings: Settings, rows, slices: Optional[dict
     return out
 
 
-def write_report(config: EvalConfig, out: str, result, say, texts: Optional[dict] = None) -> None:
-    """Rank 0: predictions.jsonl, metrics.json and the report files in ``out``; the summary; the tracker."""
+def write_report(config: EvalConfig, out: str, result, say, texts: Optional[dict] = None,
+                 receipt: Optional[Callable[[str], dict]] = None) -> None:
+    """Rank 0: predictions.jsonl, metrics.json and the report files in ``out``; the summary; the tracker.
+    ``receipt(the path of predictions.jsonl, written and closed)``: metrics.json's ``run.receipt``
+    (:mod:`dist_eval.receipt`; without it, as for a merge of shards, none: a receipt copied from elsewhere is
+    dropped, it would not be this report's).
+    """
     from dist_eval.output.files import write_metrics, write_predictions, write_report_files
     from dist_eval.output.report_facts import ReportFacts
     from dist_eval.output.summary import format_summary
     from dist_eval.output.tracking import log_to_tracker
 
     metrics = result.metrics
-    write_predictions(out, result.predictions, metrics.get("label_names"), config.save_logits, texts)
+    predictions = write_predictions(out, result.predictions, metrics.get("label_names"), config.save_logits, texts)
+    metrics.setdefault("run", {}).pop("receipt", None)
+    if receipt is not None:  # written once: the shutdown's rewrite of metrics.json keeps it as it is
+        metrics["run"]["receipt"] = receipt(predictions)
     path = write_metrics(out, metrics)
     files = write_report_files(out, metrics)
     report = ReportFacts.of(metrics)  # read once: the summary and the tracker say the same

@@ -1,0 +1,224 @@
+"""A report's receipt (issue 73): ``metrics.json``'s ``run.receipt``, one object written once, that binds
+the report's numbers to what made them: the content of the model's files the run read (and, on a swarm,
+what each server announced), the checkpoint, the data files and the rows (an order-free digest of each
+row's content key and label), every setting that changes a number, dist_eval's version (and commit in a
+checkout), the numeric environment, the swarm audit's summary, and the digests of ``predictions.jsonl``
+(the file as written on disk, closed) and of the metrics. ``python -m dist_eval.verify OUT``
+(:mod:`dist_eval.verify`) checks a report against it.
+
+Not signed: a receipt says what made the numbers and lets anyone check them against the files and a model
+of their own; it does not prove who wrote it (anyone who edits a report can write a receipt that matches
+the edit: what catches that is checking the numbers, which ``verify`` does).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+
+FORMAT = 1
+# The tolerance of a verifier whose numerics differ from the run's (tests/float_promises.py's ROUNDING):
+# |verifier - report| <= RELATIVE_TOLERANCE * (1 + |report|), for each logit
+RELATIVE_TOLERANCE = 1e-5
+# The options (besides dist_eval.config.Settings) that change a number of the report
+NUMBER_OPTIONS = ("bootstrap_resamples", "bootstrap_seed", "top_k", "slice_by", "cluster_by", "shard")
+
+
+def canonical_json(value) -> bytes:
+    """``value`` as JSON read back from its file: sorted keys, no spaces (the digest of the metrics is of
+    this, so it is the same from the report in memory and from metrics.json).
+    """
+    return json.dumps(json.loads(json.dumps(value, default=_jsonable)), sort_keys=True,
+                      separators=(",", ":")).encode()
+
+
+def _jsonable(value):
+    """The scalars and arrays of numpy as metrics.json writes them (:func:`dist_eval.output.files.write_metrics`)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def metrics_digest(metrics: dict) -> str:
+    """SHA-256 of every key of the report but ``run`` (the facts of the run, which hold the receipt and the
+    timings written at the shutdown): the metrics, intervals, slices, per-class tables.
+    """
+    return hashlib.sha256(canonical_json({k: v for k, v in metrics.items() if k != "run"})).hexdigest()
+
+
+def rows_digest(keys: np.ndarray, labels: np.ndarray) -> str:
+    """An order-free SHA-256 of the rows: each row's content key (uint64) and label (class id), sorted."""
+    keys = np.asarray(keys, dtype=np.uint64)
+    labels = np.asarray(labels, dtype=np.int64)
+    order = np.lexsort((labels, keys))
+    digest = hashlib.sha256(b"dist_eval-rows-v1:%d:" % len(keys))
+    digest.update(keys[order].astype("<u8").tobytes())
+    digest.update(labels[order].astype("<i8").tobytes())
+    return digest.hexdigest()
+
+
+def hex_keys(texts: Sequence[str]) -> np.ndarray:
+    """predictions.jsonl's ``key`` texts (16 hex digits) as uint64."""
+    return np.array([int(text, 16) for text in texts], dtype=np.uint64)
+
+
+def data_identity(path: str, dataset=None) -> dict:
+    """A data file's content (its SHA-256), a folder's (each file's), or a hub dataset's name and
+    ``datasets`` fingerprint (``dataset``: the loaded one).
+    """
+    from dist_eval.backends.provenance import file_digest, folder_identity
+
+    if os.path.isfile(path):
+        return {"path": os.path.abspath(path), "sha256": file_digest(path)}
+    if os.path.isdir(path):
+        return {"path": os.path.abspath(path), "files": dict(folder_identity(path)["files"])}
+    return {"hub": path, "fingerprint": getattr(dataset, "_fingerprint", None)}
+
+
+def code_facts() -> dict:
+    """dist_eval's version and, in a git checkout, its commit (read from .git, no git process)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("dist_eval")
+    except metadata.PackageNotFoundError:
+        version = None
+    return {"dist_eval": version, "commit": _checkout_commit(os.path.dirname(os.path.dirname(__file__)))}
+
+
+def _checkout_commit(root: str) -> Optional[str]:
+    git = os.path.join(root, ".git")
+    try:
+        if os.path.isfile(git):  # a worktree: "gitdir: PATH"
+            with open(git) as f:
+                git = os.path.join(root, f.read().split(":", 1)[1].strip())
+        with open(os.path.join(git, "HEAD")) as f:
+            head = f.read().strip()
+        if not head.startswith("ref:"):
+            return head
+        ref = head.split(":", 1)[1].strip()
+        for base in (git, _common_dir(git)):
+            path = os.path.join(base, ref)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    return f.read().strip()
+            packed = os.path.join(base, "packed-refs")
+            if os.path.isfile(packed):
+                with open(packed) as f:
+                    for line in f:
+                        if line.rstrip().endswith(" " + ref):
+                            return line.split()[0]
+    except (OSError, IndexError):
+        return None
+    return None
+
+
+def _common_dir(git: str) -> str:
+    try:
+        with open(os.path.join(git, "commondir")) as f:
+            return os.path.normpath(os.path.join(git, f.read().strip()))
+    except OSError:
+        return git
+
+
+def numerics(device: Optional[str] = None) -> dict:
+    """What decides the last bits of a logit computed here: torch's and transformers' versions, the
+    device kind (a GPU's name), torch's CPU instruction set and its threads.
+    """
+    import torch
+    import transformers
+
+    kind = str(device or "cpu").split(":")[0]
+    out = {"torch": torch.__version__, "transformers": transformers.__version__, "device": kind,
+           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+           "dtype": "float32"}
+    if kind == "cuda" and torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def server_numerics(swarm: Optional[dict]) -> Optional[list]:
+    """Each distinct (petals version, dtype, quantization) the swarm's servers announced, or None."""
+    if not swarm:
+        return None
+    kinds = {(s.get("petals_version"), s.get("torch_dtype"), s.get("quantization")) for s in swarm.get("servers", [])}
+    return [{"petals_version": v, "torch_dtype": d, "quantization": q} for v, d, q in sorted(kinds, key=str)]
+
+
+def audit_summary(swarm: Optional[dict]) -> Optional[dict]:
+    """The swarm audit's summary (``run.swarm.audit``'s totals), or None where none ran."""
+    audit = (swarm or {}).get("audit")
+    if not audit:
+        return None
+    keys = ("share", "requests", "request_rows", "replayed", "replayed_rows", "row_checks", "row_checked_rows",
+            "max_difference", "max_tolerance")
+    return {**{k: audit.get(k) for k in keys}, "excluded": sorted(audit.get("excluded") or {}),
+            "mismatches": sum(int(s.get("mismatches") or 0) for s in (audit.get("servers") or {}).values())}
+
+
+def promise(metrics: dict) -> dict:
+    """What a verifier may expect of a row's logits evaluated again: bit for bit where its numerics are the
+    run's and every row was computed in this run's batch plan (none served by the row store, no rounds of a
+    run that stopped early), else within :data:`RELATIVE_TOLERANCE`.
+    """
+    run = metrics.get("run") or {}
+    from_store = int(((run.get("row_store") or {}).get("rows_from_store")) or 0)
+    exact = not from_store and not metrics.get("stopping")
+    why = None if exact else ("rows served by the row store were computed in other batches" if from_store
+                              else "a run in rounds plans each round alone")
+    return {"same_numerics": "bit for bit" if exact else "within tolerance", "why": why,
+            "other_numerics": "within tolerance",
+            "tolerance": {"relative": RELATIVE_TOLERANCE, "rule": "|verifier - report| <= relative * (1 + |report|)"}}
+
+
+def build(session, pair, result, rows, predictions_path: str) -> dict:
+    """Rank 0, once the predictions are written: the pair's receipt (``metrics`` complete but for it)."""
+    from dist_eval.backends.checkpoint import checkpoint_digest
+    from dist_eval.backends.provenance import file_digest
+
+    config, job, model = session.config, session.job, session.model
+    metrics, merged = result.metrics, result.predictions
+    run = metrics.get("run") or {}
+    identity = getattr(model, "identity", None) or {}
+    folder = (identity.get("model") or {}).get("folder") or {}
+    checkpoint = pair.checkpoint.path
+    head = job.head
+    keys = np.asarray(rows.keys.keys, dtype=np.uint64)[np.asarray(merged.indices, dtype=np.int64)]
+    settings = {**job.settings.as_dict(), **{name: getattr(config.options, name, None) for name in NUMBER_OPTIONS},
+                "split": job.split, "tuning_mode": config.tuning_mode, "pre_seq_len": config.pre_seq_len,
+                "num_labels": config.num_labels, "label_names": metrics.get("label_names")}
+    return {
+        "format": FORMAT,
+        "backend": config.backend,
+        "model": {"path": os.path.abspath(job.model_dir), "files": dict(folder.get("files") or []),
+                  "hub_commit": folder.get("hub_commit")},
+        "servers": (run.get("swarm") or {}).get("servers"),
+        "checkpoint": None if not checkpoint else {
+            "path": os.path.abspath(checkpoint) if os.path.exists(checkpoint) else checkpoint,
+            "sha256": checkpoint_digest(checkpoint), "tensors": identity.get("trainable")},
+        "head": None if not head else {"path": os.path.abspath(head),
+                                       "sha256": file_digest(head) if os.path.isfile(head) else None},
+        "data": {"files": [data_identity(path, rows.dataset) for path in pair.data.files], "split": job.split,
+                 "rows": int(len(merged.indices)), "rows_in_data": int(rows.rows_in_data),
+                 "rows_digest": rows_digest(keys, merged.labels)},
+        "settings": settings,
+        "code": code_facts(),
+        "numerics": {**numerics(config.device if config.backend == "local" else "cpu"),
+                     "servers": server_numerics(run.get("swarm"))},
+        "audit": audit_summary(run.get("swarm")),
+        "promise": promise(metrics),
+        "predictions_sha256": predictions_digest(predictions_path),
+        "metrics_sha256": metrics_digest(metrics),
+    }
+
+
+def predictions_digest(path: str) -> str:
+    """SHA-256 of predictions.jsonl as written on disk, read once it is closed: the one place it is taken."""
+    from dist_eval.atomic import file_sha256
+
+    return file_sha256(path)

@@ -1,0 +1,227 @@
+"""Issue 73: every report carries a receipt (metrics.json's run.receipt: dist_eval/receipt.py), and
+``python -m dist_eval.verify OUT`` checks a report against it and against its own rows, on real parts:
+
+- the receipt binds the report: the digests of the model files read, the checkpoint, the data file, the
+  rows (order-free), predictions.jsonl and the metrics are those of the files, recomputed here;
+- an honest report verifies: local N=1 (in-process), and on a local swarm (tiny_swarm) N=1 and N=2, its
+  rows evaluated again by ``--backend local`` equal bit for bit;
+- each of these is caught and named: a prediction edited in predictions.jsonl, a metric edited in
+  metrics.json, another checkpoint, another data file, and a swarm uniformly wrong (two servers of
+  weights with one block changed: the audit finds them agreeing, verify finds the rows wrong).
+"""
+import json
+import os
+import shutil
+
+import pytest
+from conftest import build_checkpoint, one_thread_swarm, read_jsonl, run_ranks, write_csv
+from inprocess_cli import one_thread, run_cli_in_process
+
+from dist_eval import verify
+from dist_eval.atomic import file_sha256
+from dist_eval.backends.provenance import folder_identity
+from dist_eval.receipt import hex_keys, metrics_digest, rows_digest
+from dist_eval.verify import chance_to_pass
+
+ROWS = 48
+
+
+def _run(args) -> None:
+    assert run_cli_in_process([*args, "--progress", "none", "--quiet"], hide_modules=("matplotlib",)) == 0
+
+
+def _verify(out, *flags, capsys):
+    with one_thread():
+        code = verify.main([str(out), *flags])
+    said = capsys.readouterr()
+    return code, said.out + said.err
+
+
+@pytest.fixture(scope="module")
+def local_report(tiny_model, tiny_checkpoint, tmp_path_factory):
+    """(folder, data file) of an honest --backend local run, N=1, in this process, with logits."""
+    root = tmp_path_factory.mktemp("verify-local")
+    data = write_csv(str(root / "rows.csv"), ROWS, seed=5)
+    out = root / "out"
+    _run(["--backend", "local", "--model", tiny_model, "--checkpoint", tiny_checkpoint, "--data-files", data,
+          "--batch-size", "4", "--save-logits", "--output-dir", str(out)])
+    return out, data
+
+
+def _copy(out, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    return copy
+
+
+def test_the_receipt_binds_the_report_to_the_files_that_made_it(local_report, tiny_model, tiny_checkpoint):
+    out, data = local_report
+    metrics = json.load(open(out / "metrics.json"))
+    receipt = metrics["run"]["receipt"]
+    assert receipt["model"]["files"] == dict(folder_identity(tiny_model)["files"])
+    assert receipt["checkpoint"]["sha256"] == file_sha256(tiny_checkpoint)
+    assert receipt["data"]["files"] == [{"path": os.path.abspath(data), "sha256": file_sha256(data)}]
+    assert receipt["predictions_sha256"] == file_sha256(str(out / "predictions.jsonl"))
+    # written once, at the report: the shutdown's rewrite of metrics.json (run.total_seconds) left it valid
+    assert "total_seconds" in metrics["run"] and receipt["metrics_sha256"] == metrics_digest(metrics)
+    rows = read_jsonl(str(out / "predictions.jsonl"))
+    keys, labels = hex_keys([r["key"] for r in rows]), [r["label"] for r in rows]
+    assert receipt["data"]["rows_digest"] == rows_digest(keys, labels) == rows_digest(keys[::-1], labels[::-1])
+    assert receipt["data"]["rows_digest"] != rows_digest(keys, [(label + 1) % 3 for label in labels])
+    assert receipt["settings"]["batch_size"] == 4 and receipt["settings"]["bootstrap_seed"] == 0
+    assert receipt["numerics"]["threads"] == 1 and receipt["numerics"]["torch"]
+    assert receipt["code"]["dist_eval"] and receipt["promise"]["same_numerics"] == "bit for bit"
+    assert receipt["audit"] is None and receipt["servers"] is None
+
+
+def test_an_honest_local_report_verifies_bit_for_bit(local_report, capsys):
+    out, _ = local_report
+    code, said = _verify(out, "--backend", "local", "--seed", "3", capsys=capsys)
+    assert code == 0, said
+    assert f"evaluating {ROWS} of {ROWS} rows again (seed 3)" in said, said  # fewer than --min-rows: all
+    assert f"the {ROWS} rows evaluated again agree with the report bit for bit" in said, said
+    assert said.strip().splitlines()[-1].startswith("dist_eval.verify: VERIFIED"), said
+    assert "with chance 0" in said, said  # every row checked: a wrong row cannot pass
+
+
+def test_an_edited_prediction_is_caught_and_named(local_report, tmp_path, capsys):
+    copy = _copy(local_report[0], tmp_path)
+    lines = open(copy / "predictions.jsonl").read().splitlines()
+    row = json.loads(lines[0])
+    row["pred"] = row["label"] if row["pred"] != row["label"] else (row["label"] + 1) % 3  # right <-> wrong
+    lines[0] = json.dumps(row)
+    open(copy / "predictions.jsonl", "w").write("\n".join(lines) + "\n")
+    code, said = _verify(copy, capsys=capsys)
+    assert code == 1, said
+    assert "DIFFERS: predictions.jsonl: sha256" in said and "changed after the run" in said, said
+    assert "DIFFERS: accuracy: recomputed from predictions.jsonl" in said, said
+    assert "DIFFERS: row 0 of predictions.jsonl: pred" in said and "its logits' argmax" in said, said
+    assert said.strip().splitlines()[-1].startswith("dist_eval.verify: NOT VERIFIED"), said
+
+
+def test_an_edited_metric_is_caught_and_named(local_report, tmp_path, capsys):
+    copy = _copy(local_report[0], tmp_path)
+    metrics = json.load(open(copy / "metrics.json"))
+    metrics["f1_macro"] += 0.01
+    json.dump(metrics, open(copy / "metrics.json", "w"), indent=2)
+    code, said = _verify(copy, capsys=capsys)
+    assert code == 1, said
+    assert "DIFFERS: metrics.json: the metrics' sha256" in said, said
+    assert "DIFFERS: f1_macro: recomputed from predictions.jsonl" in said, said
+    assert "predictions.jsonl is the file the run wrote" in said, said  # the rows themselves are intact
+
+
+def test_another_checkpoint_is_caught_by_its_digest_and_its_rows(local_report, tmp_path, capsys):
+    other = build_checkpoint(str(tmp_path / "other.pt"), seed=9)
+    code, said = _verify(local_report[0], "--checkpoint", other, "--backend", "local", "--min-rows", "8",
+                         capsys=capsys)
+    assert code == 1, said
+    assert f"DIFFERS: --checkpoint {other}: sha256" in said and "another checkpoint" in said, said
+    assert "evaluated again: logits differ" in said, said
+
+
+def test_another_data_file_is_caught_by_its_digest_and_its_rows(local_report, tmp_path, capsys):
+    other = write_csv(str(tmp_path / "other.csv"), ROWS, seed=6)
+    code, said = _verify(local_report[0], "--data-files", other, "--backend", "local", "--min-rows", "8",
+                         capsys=capsys)
+    assert code == 1, said
+    assert f"DIFFERS: --data-files {other}: sha256" in said and "another data file" in said, said
+    assert "the data's rows (content keys and labels) are not the report's" in said, said
+
+
+def test_flags_and_folders_verify_refuses_in_one_line(local_report, tmp_path, capsys):
+    code, said = _verify(tmp_path, capsys=capsys)
+    assert code == 2 and "missing metrics.json and predictions.jsonl" in said, said
+    code, said = _verify(local_report[0], "--backend", "petals", capsys=capsys)
+    assert code == 2 and "--initial-peers" in said and "Pass" in said, said
+    code, said = _verify(local_report[0], "--share", "0", capsys=capsys)
+    assert code == 2 and said.startswith("dist_eval.verify: error: --share 0: expected a share"), said
+    copy = _copy(local_report[0], tmp_path)
+    metrics = json.load(open(copy / "metrics.json"))
+    del metrics["run"]["receipt"]
+    json.dump(metrics, open(copy / "metrics.json", "w"))
+    code, said = _verify(copy, capsys=capsys)
+    assert code == 2 and "expected a receipt (run.receipt), found none" in said, said
+
+
+def test_the_chance_that_a_share_misses_every_wrong_row():
+    assert chance_to_pass(40, 10) == pytest.approx(30 / 40)  # one wrong row of 40
+    assert chance_to_pass(100, 100) == 0.0
+    assert chance_to_pass(100_000, 300) == pytest.approx(0.99 ** 300, rel=0.02)
+
+
+def test_dist_eval_verify_runs_the_verifier(local_report, monkeypatch, capsys):
+    """``dist-eval verify OUT`` (the console script's subcommand) hands its arguments to ``python -m
+    dist_eval.verify`` in its own process (os.execv, caught here and run in this process)."""
+    from dist_eval import launcher
+
+    calls = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: calls.append(argv))
+    launcher.main(["verify", str(local_report[0]), "--min-rows", "5"])
+    assert calls and calls[0][1:3] == ["-m", "dist_eval.verify"], calls
+    code, said = _verify(*calls[0][3:], capsys=capsys)
+    assert code == 0 and "dist_eval.verify: VERIFIED" in said and "no row evaluated again" in said, said
+
+
+# ------------------------------------------------------------------------ on a local swarm
+
+def _swarm_args(model, checkpoint, data, swarm, out, *extra):
+    return ["--model", model, "--checkpoint", checkpoint, "--data-files", data, "--initial-peers",
+            *swarm.initial_peers, "--dht-prefix", swarm.dht_prefix, "--batch-size", "4", "--output-dir", str(out),
+            "--progress", "none", "--quiet", *extra]
+
+
+@pytest.mark.swarm
+@pytest.mark.multiproc
+def test_an_honest_swarm_report_verifies_n1_and_n2(tiny_model, tiny_checkpoint, tiny_swarm, rank_zygote, tmp_path,
+                                                    capsys):
+    data = write_csv(str(tmp_path / "rows.csv"), 24, seed=8)
+    one, two = tmp_path / "n1", tmp_path / "n2"
+    assert run_cli_in_process(_swarm_args(tiny_model, tiny_checkpoint, data, tiny_swarm, one, "--save-logits"),
+                              hide_modules=("matplotlib",)) == 0
+    proc = run_ranks(rank_zygote, _swarm_args(tiny_model, tiny_checkpoint, data, tiny_swarm, two), nproc=2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for out in (one, two):
+        receipt = json.load(open(out / "metrics.json"))["run"]["receipt"]
+        assert receipt["backend"] == "petals" and receipt["servers"], receipt
+        code, said = _verify(out, "--backend", "local", capsys=capsys)
+        assert code == 0, said
+        assert "the 24 rows evaluated again agree with the report bit for bit" in said, said
+
+
+@pytest.fixture(scope="module")
+def wrong_model(tiny_model, tmp_path_factory):
+    """A copy of the tiny Llama with one block's MLP changed (every other file the same bytes)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("wrong-model")
+    for name in os.listdir(tiny_model):
+        shutil.copy(os.path.join(tiny_model, name), folder / name)
+    (weights,) = [name for name in os.listdir(folder) if name.endswith(".safetensors")]
+    tensors = load_file(str(folder / weights))
+    tensors["model.layers.2.mlp.down_proj.weight"] = tensors["model.layers.2.mlp.down_proj.weight"] * 1.5
+    save_file(tensors, str(folder / weights), metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.mark.swarm
+def test_a_swarm_uniformly_wrong_passes_the_audit_and_fails_verify(tiny_model, tiny_checkpoint, wrong_model,
+                                                                   tmp_path, capsys):
+    """Two servers, both started from the weights with block 2 changed: every replay of the audit agrees (the
+    servers agree with each other), the client's model folder is the honest one, and verify --backend local
+    evaluates the drawn rows with the honest weights: they differ, named row by row."""
+    data = write_csv(str(tmp_path / "rows.csv"), 24, seed=8)
+    out = tmp_path / "out"
+    for swarm in one_thread_swarm(wrong_model, num_servers=2, dht_prefix="wrong-swarm"):
+        assert run_cli_in_process(_swarm_args(tiny_model, tiny_checkpoint, data, swarm, out, "--audit", "1"),
+                                  hide_modules=("matplotlib",)) == 0
+    receipt = json.load(open(out / "metrics.json"))["run"]["receipt"]
+    audit = receipt["audit"]
+    assert audit["share"] == 1 and audit["replayed"] + audit["row_checks"] >= 1, audit
+    assert audit["mismatches"] == 0 and not audit["excluded"], audit  # the audit passed
+    code, said = _verify(out, capsys=capsys)
+    assert code == 0, said  # the report is what the swarm computed: its files and metrics agree
+    code, said = _verify(out, "--backend", "local", "--min-rows", "8", capsys=capsys)
+    assert code == 1, said
+    assert said.count("evaluated again: logits differ") >= 1 or "evaluated again: loss" in said, said
+    assert said.strip().splitlines()[-1].startswith("dist_eval.verify: NOT VERIFIED"), said
