@@ -150,3 +150,65 @@ def test_content_keys_follow_the_rows_whatever_their_order_or_file():
     assert content_keys(moved, settings) == [keys[i] for i in order]
     relabelled = datasets.Dataset.from_dict({**rows, "label": [1, 1, 0, 2]})
     assert content_keys(relabelled, settings)[1:] == keys[1:] and content_keys(relabelled, settings)[0] != keys[0]
+
+
+def _keys_as_first_written(columns, seed: int) -> np.ndarray:
+    """row_keys as its first version computed them: json.dumps of each row's values, a hash each."""
+    import hashlib
+
+    salt = int(seed).to_bytes(8, "little", signed=False)
+    return np.array([int.from_bytes(hashlib.blake2b(json.dumps(list(values), ensure_ascii=False, default=str)
+                                                    .encode(), digest_size=8, key=salt).digest(), "little")
+                     for values in zip(*columns)], dtype=np.uint64)
+
+
+@pytest.mark.parametrize("columns", [
+    [["a", "two words", "new\nline", "quote \" and \\", "é ü 日本", "", "\u2028\t"], [0, 1, 2, 3, 4, 5, -6]],
+    [["x", "y", "z"], [True, False, 1]],  # a bool is true/false: no int fast path for it
+    [["x", None, 3.5], [1.0, float("nan"), 2], [[1, "a"], {"k": 1}, object]],  # other values: the encoder's own
+    [[], []],
+    [["only"]],
+])
+def test_keys_encoded_a_column_at_a_time_are_those_of_a_row_at_a_time(columns):
+    """Issue 74: texts (ints) encoded by one call over a column, every row's bytes encoded at once, give
+    each row the key its values' json.dumps gave (strings with newlines, quotes, non-ASCII; bools, floats,
+    None, lists and objects through the encoder, as before)."""
+    columns = [col if not any(v is object for v in col) else [str if v is object else v for v in col]
+               for col in columns]
+    assert np.array_equal(row_keys(columns, 7), _keys_as_first_written(columns, 7))
+
+
+def test_hex_keys_are_formatted_at_once_as_one_at_a_time():
+    """HexKeys' texts (iterated, sliced, indexed) and predictions.jsonl's cells (json_cells), made with
+    numpy, are f"{key:016x}" and its json.dumps, key by key, across the chunk of lines."""
+    from dist_eval.data.sample import HexKeys
+
+    rng = np.random.default_rng(3)
+    keys = np.concatenate([[0, 1, 2**64 - 1, 0x0123456789ABCDEF, 2**63], rng.integers(0, 2**63, 40000)])
+    keys = keys.astype(np.uint64)
+    hex_keys, want = HexKeys(keys), [f"{key:016x}" for key in keys.tolist()]
+    assert list(hex_keys) == want and hex_keys[3:9] == want[3:9] and hex_keys[2] == want[2]
+    rows = rng.permutation(len(keys))[:5000]
+    assert hex_keys.json_cells(rows) == [json.dumps(want[i]) for i in rows.tolist()]
+    assert HexKeys(np.zeros(0, np.uint64)).json_cells(np.zeros(0, np.int64)) == []
+
+
+def test_the_keys_the_ranks_gathered_are_served_for_that_dataset_only(tmp_path):
+    """dataset_keys serves the keys remembered for this very dataset, columns and seed (the ranks'
+    gathered keys, issue 74), and computes them for any other (another dataset, its select(), other
+    columns or seed)."""
+    import datasets
+
+    from dist_eval.data import sample
+
+    data = datasets.Dataset.from_dict({"text": ["a", "b", "c"], "label": [0, 1, 0]})
+    want = sample.dataset_keys(data, ["text", "label"], 0)
+    fake = np.array([7, 8, 9], dtype=np.uint64)
+    sample.remember_keys(data, ["text", "label"], 0, fake)
+    try:
+        assert np.array_equal(sample.dataset_keys(data, ["text", "label"], 0), fake)
+        assert np.array_equal(sample.dataset_keys(data.select([0, 1, 2]), ["text", "label"], 0), want)
+        assert not np.array_equal(sample.dataset_keys(data, ["text"], 0), fake)
+        assert not np.array_equal(sample.dataset_keys(data, ["text", "label"], 1), fake)
+    finally:
+        sample._keyed = None

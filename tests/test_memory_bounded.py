@@ -3,7 +3,9 @@ logits and texts, metrics.json but its run facts, slices.csv, per_class.csv / .m
 keeps) are the same bytes whether each chunk of the bounded-memory code holds the whole set (one chunk:
 the unbounded path) or the set crosses every chunk boundary several times (the sizes shrunk through
 ``DIST_EVAL_CHUNK_ROWS``, dist_eval/chunks.py), on N=1 and N=3, and with every row served from the row
-store; both sides computed in the same test, on this machine. The same set's K = 1, 3, 7 shards, merged,
+store; both sides computed in the same test, on this machine. The reference keys its rows as the code
+before issue 74 did (rank 0, in the report); the runs compared with it, as the ranks do now (each its block,
+beside the token lengths, gathered on rank 0). The same set's K = 1, 3, 7 shards, merged,
 are its one run's bytes (issue 53)."""
 from __future__ import annotations
 
@@ -92,8 +94,9 @@ def long_tailed(tiny_model, tiny_checkpoint, tmp_path_factory):
     computes, every chunk the whole set (the unbounded path)."""
     base = tmp_path_factory.mktemp("long_tailed")
     data = write_long_tailed_csv(base / "data.csv", SET_ROWS, seed=51)
-    # without matplotlib: the figures are no compared output
-    with mock.patch.dict(os.environ, {ENV: ONE_CHUNK}):
+    # without matplotlib: the figures are no compared output; the content keys the old way (issue 74): rank 0
+    # keys every row in the report, not the ranks beside their token lengths
+    with mock.patch.dict(os.environ, {ENV: ONE_CHUNK}), mock.patch("dist_eval.data.shard._key_rows"):
         assert run_cli_in_process(run_args(tiny_model, tiny_checkpoint, data, base / "one", base / "store"),
                                   hide_modules=("matplotlib",)) == 0
     assert SAMPLE_ROWS - 10 < len(stored_rows(base / "store")) <= SAMPLE_ROWS  # rows of one text share a key
@@ -137,12 +140,19 @@ def test_one_rank_in_chunks_writes_the_bytes_of_one_chunk(long_tailed, tiny_mode
     """N=1 with every chunk crossed several times writes the unbounded run's files byte for byte and
     keeps the same rows in its row store; run again, every row served from that store (the known rows'
     batches crossed too), it writes them again."""
+    from dist_eval.data import sample
+
     data, one, store = long_tailed
     monkeypatch.setenv(ENV, IN_CHUNKS)
+    keyed, range_keys = [], sample.range_keys
+    monkeypatch.setattr(sample, "range_keys", lambda *args: keyed.append(args[-1] - args[-2]) or range_keys(*args))
     for served in (False, True):
         out = tmp_path / ("served" if served else "fresh")
+        keyed.clear()
         assert run_cli_in_process(run_args(tiny_model, tiny_checkpoint, data, out, tmp_path / "store"),
                                   hide_modules=("matplotlib",)) == 0
+        if not served:  # the set keyed for its --limit sample, the sample's rows once beside their lengths
+            assert sum(keyed) == SET_ROWS + SAMPLE_ROWS, keyed  # not again in the report (issue 74)
         row_store = json.load(open(out / "metrics.json"))["run"]["row_store"]
         assert row_store["rows_from_store"] == (SAMPLE_ROWS if served else 0), row_store
         assert_the_same_outputs(out, one, f"in chunks {'(every row served from the store) ' if served else ''}"
@@ -315,3 +325,39 @@ def test_the_forward_loop_keeps_its_rows_in_files_as_it_put_them():
     assert redone["logits"].tobytes() == model(again[2]).numpy().tobytes()
     loop.rows.kept.clear()  # every batch's rows, in order: the files themselves, mapped
     assert isinstance(loop.results().logits.base, np.memmap)
+
+
+def test_a_ranks_spilled_token_ids_leave_nothing_on_disk_when_it_is_killed(tmp_path):
+    """The token ids a rank spills ($TMPDIR, issue 51; read back by the forwards, issue 74) are in files
+    no name points to, from their creation: while the rank runs they are mapped and read, and once it is
+    killed (SIGKILL: no clean-up of its own runs) nothing of them is left in $TMPDIR."""
+    import signal
+    import subprocess
+    import textwrap
+
+    spill_dir = tmp_path / "tmp"
+    spill_dir.mkdir()
+    code = textwrap.dedent("""
+        import sys, time
+        import numpy as np
+        from dist_eval.data.shard import PackedIds, _Spill
+        spill = _Spill()
+        for start in range(0, 1 << 20, 1 << 16):
+            spill.add(np.arange(start, start + (1 << 16)))
+        ids = PackedIds(np.arange(1 << 16), np.full(1 << 16, 16), spill.array())
+        assert ids.take(np.array([5]))[0] == list(range(80, 96))
+        print("spilled", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(spill_dir)})
+    try:
+        assert proc.stdout.readline().strip() == "spilled"
+        with open(f"/proc/{proc.pid}/maps") as f:
+            mapped = [line for line in f if str(spill_dir) in line]
+        assert mapped and all(line.rstrip().endswith("(deleted)") for line in mapped), mapped
+        assert os.listdir(spill_dir) == []
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert os.listdir(spill_dir) == []

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from collections.abc import Sequence as SequenceABC
 from dataclasses import asdict, dataclass, field, replace
+from json.encoder import encode_basestring
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -25,24 +27,47 @@ from dist_eval.loop_facts import SampleFacts
 def row_keys(columns: Sequence[Sequence], seed: int) -> np.ndarray:
     """uint64 key of each row: blake2b (8 bytes) of the row's values, keyed by ``seed``."""
     salt = int(seed).to_bytes(8, "little", signed=False)
-    # the bytes json.dumps(values, ensure_ascii=False, default=str) gives, from one encoder
-    # (json.dumps builds an encoder per call when given options), hashed from one keyed state
-    encode = json.JSONEncoder(ensure_ascii=False, default=str).encode
     keyed = hashlib.blake2b(digest_size=8, key=salt)
-    digests = digest_each(keyed, (encode(values).encode() for values in zip(*columns)))
+    digests = digest_each(keyed, _encoded_rows(columns))
     return np.frombuffer(digests, dtype="<u8").astype(np.uint64)
+
+
+def _encoded_rows(columns: Sequence[Sequence]) -> List[bytes]:
+    """Each row's bytes as ``json.dumps(values, ensure_ascii=False, default=str)`` gives them: a column
+    of only texts (only ints) encoded by one C call over the column, then every row's text joined and
+    encoded at once and split on the newlines JSON never leaves raw (issue 74: a call per row, and a
+    ``str.encode`` per row, were most of the content keys' time). Any other value goes through the
+    encoder itself, as before.
+    """
+    if not columns:
+        return []
+    encode = json.JSONEncoder(ensure_ascii=False, default=str).encode
+    cells = []
+    for values in columns:
+        kinds = set(map(type, values))
+        if kinds <= {str}:
+            cells.append(map(encode_basestring, values))
+        elif kinds <= {int}:  # exactly int: a bool (its subclass) is true/false
+            cells.append(map(int.__repr__, values))
+        else:
+            cells.append(map(encode, values))
+    template = "[" + ", ".join(["%s"] * len(columns)) + "]"
+    joined = "\n".join(map(template.__mod__, zip(*cells)))
+    return joined.encode().split(b"\n") if len(columns[0]) else []
 
 
 def digest_each(base, rows: Iterable[bytes]) -> bytes:
     """The digests of ``base`` (a hashlib state, copied for each) updated with each row's bytes,
     joined: one state built once, not one per row.
     """
-    digests = []
-    for data in rows:
-        row = base.copy()
+    copy = base.copy
+
+    def digest(data: bytes) -> bytes:
+        row = copy()
         row.update(data)
-        digests.append(row.digest())
-    return b"".join(digests)
+        return row.digest()
+
+    return b"".join(map(digest, rows))
 
 
 def sample_indices(columns: Sequence[Sequence], limit: int, seed: int) -> np.ndarray:
@@ -66,11 +91,34 @@ def key_order(columns: Sequence[Sequence], seed: int) -> np.ndarray:
 def dataset_keys(dataset, names: Sequence[str], seed: int) -> np.ndarray:
     """:func:`row_keys` of every row of a ``datasets.Dataset`` (its columns ``names``), read a chunk at a time
     (a chunk's values are Python objects, 100 bytes and more a row): only the keys are kept, 8 bytes a row.
+    Those the ranks computed of this very dataset beside its token lengths (:func:`remember_keys`), if any.
     """
+    if _keyed is not None:
+        ref, fingerprint, keyed_names, keyed_seed, keys = _keyed
+        if ref() is dataset and fingerprint == getattr(dataset, "_fingerprint", None) and \
+                keyed_names == tuple(names) and keyed_seed == seed and len(keys) == len(dataset):
+            return keys
+    return range_keys(dataset, names, seed, 0, len(dataset))
+
+
+def range_keys(dataset, names: Sequence[str], seed: int, start: int, stop: int) -> np.ndarray:
+    """:func:`row_keys` of the rows [start, stop) of a ``datasets.Dataset``, read a chunk at a time."""
     chunk = chunk_rows("keys")
-    parts = [row_keys(column_values(dataset, names, slice(start, start + chunk)), seed)
-             for start in range(0, len(dataset), chunk)]
+    parts = [row_keys(column_values(dataset, names, slice(first, min(first + chunk, stop))), seed)
+             for first in range(start, stop, chunk)]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+
+
+# The keys of every row of the last dataset whose rows the ranks keyed beside their token lengths (issue 74:
+# each rank its block, rank 0 gathering them): (the dataset, its fingerprint, the columns, the seed, the keys)
+_keyed: Optional[tuple] = None
+
+
+def remember_keys(dataset, names: Sequence[str], seed: int, keys: np.ndarray) -> None:
+    """``keys`` are :func:`dataset_keys` of ``dataset``: what it returns for it from now on."""
+    global _keyed
+    _keyed = (weakref.ref(dataset), getattr(dataset, "_fingerprint", None), tuple(names), seed,
+              np.asarray(keys, dtype=np.uint64))
 
 
 def _dataset_key_order(dataset, names: Sequence[str], seed: int) -> np.ndarray:
@@ -113,16 +161,41 @@ class HexKeys(SequenceABC):
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+            return self.texts(np.arange(len(self))[i])
         return f"{int(self.keys[i]):016x}"
 
     def __iter__(self):
-        return (f"{key:016x}" for key in self.keys.tolist())
+        chunk = chunk_rows("lines")
+        for start in range(0, len(self), chunk):
+            yield from self.texts(np.arange(start, min(start + chunk, len(self))))
+
+    def texts(self, rows: np.ndarray) -> List[str]:
+        """The texts of the keys at ``rows``, made at once (numpy: a format per key was slower)."""
+        return _hex_digits(self.keys[rows], b"", b"").astype(str).tolist()
+
+    def json_cells(self, rows: np.ndarray) -> List[str]:
+        """``json.dumps`` of each text at ``rows``, made at once: what predictions.jsonl writes."""
+        return _hex_digits(self.keys[rows], b'"', b'"').astype(str).tolist()
 
     def __eq__(self, other) -> bool:
         return list(self) == list(other) if isinstance(other, (list, tuple, HexKeys)) else NotImplemented
 
     __hash__ = None
+
+
+_HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+
+
+def _hex_digits(keys: np.ndarray, before: bytes, after: bytes) -> np.ndarray:
+    """Each key's 16 hex digits (big-endian, as ``f"{key:016x}"``) between ``before`` and ``after``, bytes."""
+    octets = np.asarray(keys, dtype=">u8").view(np.uint8).reshape(-1, 8)
+    width = len(before) + 16 + len(after)
+    out = np.empty((len(octets), width), dtype=np.uint8)
+    out[:, :len(before)] = np.frombuffer(before, dtype=np.uint8)
+    out[:, width - len(after):] = np.frombuffer(after, dtype=np.uint8)
+    out[:, len(before):len(before) + 16:2] = _HEX[octets >> 4]
+    out[:, len(before) + 1:len(before) + 16:2] = _HEX[octets & 15]
+    return out.view(f"S{width}").reshape(-1)
 
 
 @dataclass

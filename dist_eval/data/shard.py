@@ -206,7 +206,26 @@ def _token_lengths(dataset, tokenize_rows: Callable, columns: TaskColumns, num_r
         ids, num_truncated = tokenize_packed(dataset, tokenize_rows, block, columns, max_length, pad_token_id)
     local_lengths = ids.sizes().astype(np.int32)
     lengths = np.concatenate(ranks.all_gather_object(local_lengths))  # blocks are in rank order
+    if len(dataset) == num_rows:
+        _key_rows(dataset, columns, block)
     return lengths, ids, num_truncated
+
+
+def _key_rows(dataset, columns: TaskColumns, block: np.ndarray) -> None:
+    """Every row's content key (:func:`~dist_eval.data.sample.dataset_keys`, which the report writes in
+    predictions.jsonl), each rank keying its block of rows, rank 0 gathering them (8 bytes a row) for
+    the report: the hashing shared by the ranks, not rank 0's alone in the report (issue 74). Every rank
+    must call it.
+    """
+    from dist_eval.data.sample import CONTENT_KEY_SEED, range_keys, remember_keys
+
+    names = [name for _, name in columns.named()]
+    with ranks.phase("keying the rows"):
+        start, stop = (int(block[0]), int(block[-1]) + 1) if len(block) else (0, 0)
+        keys = range_keys(dataset, names, CONTENT_KEY_SEED, start, stop)
+        gathered = ranks.gather_arrays_to_main({"keys": keys.view(np.int64)})
+    if gathered is not None:
+        remember_keys(dataset, names, CONTENT_KEY_SEED, gathered["keys"].view(np.uint64))
 
 
 def _row_owners(planned: List[np.ndarray], num_rows: int, plan_ids: List[int]) -> np.ndarray:

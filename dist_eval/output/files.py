@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import math
 import os
 import socket
 import time
@@ -174,8 +175,8 @@ def write_predictions(
                      ("label", lambda a, b: _json_ints(merged.labels[a:b].tolist())),
                      ("pred", lambda a, b: _json_ints(merged.preds[a:b].tolist()))]
     if names:
-        columns += [("label_name", lambda a, b: [names[i] for i in merged.labels[a:b].tolist()]),
-                    ("pred_name", lambda a, b: [names[i] for i in merged.preds[a:b].tolist()])]
+        columns += [("label_name", lambda a, b: list(map(names.__getitem__, merged.labels[a:b].tolist()))),
+                    ("pred_name", lambda a, b: list(map(names.__getitem__, merged.preds[a:b].tolist())))]
     if merged.logits is not None:  # softmax is row by row: a chunk's rows get the bits of the whole array's
         columns.append(("prob", lambda a, b: _json_floats(
             softmax(merged.logits[a:b])[np.arange(b - a), merged.preds[a:b]].tolist())))
@@ -184,7 +185,10 @@ def write_predictions(
         columns.append(("logits", lambda a, b: ["[" + ", ".join(_json_floats(row)) + "]"
                                                 for row in logits[a:b].tolist()]))
     for key, values in (texts or {}).items():
-        text_column = (key, lambda a, b, values=values: [json.dumps(values[i]) for i in indices[a:b].tolist()])
+        if hasattr(values, "json_cells"):  # made at once (HexKeys: the content keys)
+            text_column = (key, lambda a, b, values=values: values.json_cells(np.asarray(indices[a:b])))
+        else:
+            text_column = (key, lambda a, b, values=values: [json.dumps(values[i]) for i in indices[a:b].tolist()])
         taken = [position for position, (name, _) in enumerate(columns) if name == key]
         if taken:  # a dict keeps the first place of a key given twice, with the last value
             columns[taken[0]] = text_column
@@ -200,7 +204,7 @@ def write_predictions(
         for start in range(0, len(indices), chunk):
             stop = min(start + chunk, len(indices))
             rows = zip(*(cells(start, stop) for _, cells in columns))
-            f.write("".join([template % row for row in rows]))
+            f.write("".join(map(template.__mod__, rows)))
 
     return atomic_write(path, write)
 
@@ -246,8 +250,11 @@ def _json_ints(values: list) -> List[str]:
 
 def _json_floats(values: list) -> List[str]:
     """Each float as json.dumps writes it: repr, or NaN / Infinity / -Infinity."""
+    texts = list(map(float.__repr__, values))
+    if all(map(math.isfinite, values)):  # the rule: only the rare non-finite rows need a look-up each
+        return texts
     special = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
-    return [special.get(text, text) for text in map(float.__repr__, values)]
+    return [special.get(text, text) for text in texts]
 
 
 def write_report_files(output_dir: str, metrics: dict, warn: Callable[[str], None] = warn) -> List[str]:
