@@ -63,7 +63,8 @@ def main(out: str) -> None:
     print(f"| family | transformers {versions['4']}: head | ptune | transformers {versions['5']}: head | ptune |")
     print("|---|---|---|---|---|")
     for kind, by_generation in rows.items():
-        cells = [f"{by_generation[g][mode]:.1e}" for g in VENVS for mode in ("head", "ptune")]
+        cells = [f"{by_generation[g][mode]:.1e}" if g in by_generation else "-"  # a family of 5.x alone (Qwen3.5)
+                 for g in VENVS for mode in ("head", "ptune")]
         print(f"| {kind} | " + " | ".join(cells) + " |")
 
 

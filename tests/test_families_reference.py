@@ -1,4 +1,5 @@
-"""The families after 2023 (Llama 3.x, Mistral, Qwen2, Qwen3, Qwen3-MoE, GLM-4.5, Mixtral, DeepSeek-V3) and tokenizers
+"""The families after 2023 (Llama 3.x, Mistral, Qwen2, Qwen3, Qwen3-MoE, GLM-4.5, Mixtral, DeepSeek-V3, Llama 4,
+Qwen3.5: against transformers 5.x alone) and tokenizers
 saved since late 2024, checked against a reference nobody in this project wrote: a current transformers and
 tokenizers, in their own environment (launch/install_reference.sh), make tiny models and
 tokenizers and compute ids and logits (tests/reference/make_reference.py, run once per test
@@ -37,18 +38,24 @@ from dist_eval.backends.blocks import SERVER_VERSION_MARK
 
 TOLERANCE = 1e-4
 GENERATIONS = {"4": "4.57", "5": "5."}  # the transformers that made each reference (launch/install_reference.sh)
-KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4_text")
+KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4_text",
+         "qwen3_5")
+# the families only a later transformers has (Qwen3.5: 5.2 on): checked against that one alone
+MADE_BY = {"qwen3_5": ("5",)}
 # on a swarm, end to end (torchrun N=2, the run's own one-server swarm, the config read in the server process):
 # the 5.x-saved Llama 3 (rope_parameters with llama3 scaling) and Qwen3-MoE (num_local_experts), and the
 # 4.57-saved DeepSeek-V3 from its FP8 folder (the servers dequantize it as they load). Every family's server
 # blocks, from both generations' folders, equal the local blocks bit for bit on the same hidden states
 # (test_server_blocks_equal_the_local_blocks_on_the_same_hidden_states, in-process): a whole swarm run of each
 # (about 13-30 s each on 2 cores) would add only the wire and the process, which these three check.
-SWARM_CASES = (("5", "llama3"), ("5", "qwen3_moe"), ("4", "deepseek_v3"))
+SWARM_CASES = (("5", "llama3"), ("5", "qwen3_moe"), ("4", "deepseek_v3"), ("5", "qwen3_5"))
 SWARM_FOLDER = {"deepseek_v3": "deepseek_v3_fp8"}  # the servers dequantize the FP8 folder as they load
 # every family of the family table (llama3: model_type llama; kimi_k2: DeepSeek-V3's block under its own name)
 ALL_KINDS = ("bloom", "falcon", *KINDS, "kimi_k2")
 HEAD_ONLY = ("glm4_moe", "llama4_text")  # no *ForSequenceClassification in transformers: the head given apart (--head)
+# (generation, kind) of every family and each transformers generation that has it
+CASES = [(generation, kind) for kind in ALL_KINDS for generation in sorted(GENERATIONS)
+         if generation in MADE_BY.get(kind, GENERATIONS)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -127,8 +134,7 @@ def padded_batch(case) -> torch.Tensor:
     return torch.tensor([row + [case["pad_token_id"]] * (longest - len(row)) for row in case["ids"]])
 
 
-@pytest.mark.parametrize("kind", ALL_KINDS)
-@pytest.mark.parametrize("generation", sorted(GENERATIONS))
+@pytest.mark.parametrize("generation, kind", CASES)
 def test_token_ids_equal_the_current_tokenizers(request, generation, kind):
     from datasets import Dataset
 
@@ -162,8 +168,7 @@ def test_ignore_merges_changes_the_ids_here(reference):
 
 
 @pytest.mark.parametrize("mode", ["head", "ptune"])
-@pytest.mark.parametrize("kind", ALL_KINDS)
-@pytest.mark.parametrize("generation", sorted(GENERATIONS))
+@pytest.mark.parametrize("generation, kind", CASES)
 def test_local_logits_within_1e4_of_the_transformers_that_saved_the_folder(request, generation, kind, mode):
     """Every family, saved by transformers 4.57 and by 5.x (config.json in each one's form), computed by
     --backend local within 1e-4 of that transformers' own classes."""
@@ -180,8 +185,7 @@ def test_local_logits_within_1e4_of_the_transformers_that_saved_the_folder(reque
     assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("kind", ALL_KINDS)
-@pytest.mark.parametrize("generation", sorted(GENERATIONS))
+@pytest.mark.parametrize("generation, kind", CASES)
 def test_server_blocks_equal_the_local_blocks_on_the_same_hidden_states(request, generation, kind):
     """Each block as the servers dist_eval starts build it (petals' load_pretrained_block with dist_eval's
     block index, from the folder petals reads, its config read by petals' own classes) gives, on the local
@@ -249,6 +253,60 @@ def test_own_layers_hold_exactly_the_saved_tensors_and_route_as_transformers(ref
     mix = ref["sparse_layers"]
     config = types.SimpleNamespace(mixture_of_experts=True, **mix["settings"])
     assert [i for i in range(config.num_hidden_layers) if is_sparse(config, i)] == mix["sparse"] == [1, 5]
+
+
+def test_qwen3_5_reads_its_text_model_alone_and_mixes_its_blocks_as_released(reference5):
+    """Qwen3.5 as released (a vision-language save, config.json's text_config nested): the local model holds
+    exactly the text model's tensors (model.language_model.* read as model.*); the vision tower's are in the
+    folder and never read (left out of the converted copy too); blocks 0-2 Gated DeltaNet and block 3 gated
+    full attention, as layer_types says."""
+    from safetensors.torch import load_file
+
+    from dist_eval.backends import load_model
+    from dist_eval.backends.layers import GatedAttention, GatedDeltaNet
+    from dist_eval.backends.petals_folder import petals_model_folder, weight_map
+
+    out, _ = reference5
+    model = load_model("local", str(out / "qwen3_5"), **trained(reference5, "qwen3_5", "head"))
+    backbone = model.module.hf_model.model
+    saved = load_file(str(out / "qwen3_5" / "model.safetensors"))
+    text = {k[len("model.language_model."):]: v for k, v in saved.items() if k.startswith("model.language_model.")}
+    held = backbone.state_dict()
+    assert set(held) == set(text) and all(torch.equal(held[k], v) for k, v in text.items())
+    assert any(k.startswith("model.visual.") for k in saved)
+    converted = weight_map(petals_model_folder(str(out / "qwen3_5")))
+    assert converted and not any(k.startswith("model.visual.") or "language_model" in k for k in converted)
+    assert [type(layer.self_attn) for layer in backbone.layers] == [GatedDeltaNet] * 3 + [GatedAttention]
+
+
+def test_the_chunked_gated_delta_rule_is_the_recurrence_and_a_padded_row_the_row_alone():
+    """dist_eval's gated delta rule (transformers' chunked form, chunks of 64) equals the rule's definition
+    position by position (a recurrence written here) over 150 positions (three chunks, the last partial),
+    grouped value heads included; a row's positions are the same computed alone or before others (padding), bit
+    for bit here (one thread)."""
+    from dist_eval.backends.layers import gated_delta_rule
+
+    g = torch.Generator().manual_seed(0)
+    batch, positions, key_heads, value_heads, key_dim, value_dim = 2, 150, 2, 4, 16, 8
+    query = torch.randn(batch, positions, key_heads, key_dim, generator=g)
+    key = torch.randn(batch, positions, key_heads, key_dim, generator=g)
+    value = torch.randn(batch, positions, value_heads, value_dim, generator=g)
+    decay, beta = -torch.rand(batch, positions, value_heads, generator=g), torch.rand(batch, positions, value_heads,
+                                                                                      generator=g)
+    output = gated_delta_rule(query, key, value, decay, beta)
+    groups = value_heads // key_heads
+    q = torch.nn.functional.normalize(query, dim=-1, eps=1e-12).repeat_interleave(groups, dim=2) * key_dim ** -0.5
+    k = torch.nn.functional.normalize(key, dim=-1, eps=1e-12).repeat_interleave(groups, dim=2)
+    state, expected = torch.zeros(batch, value_heads, key_dim, value_dim), torch.zeros_like(value)
+    for t in range(positions):
+        state = state * decay[:, t].exp()[..., None, None]
+        delta = (value[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t])) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        expected[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
+    assert (output - expected).abs().max().item() < 1e-4
+    for length in (10, 64, 70):  # within a chunk, a whole one, past it
+        alone = gated_delta_rule(*(x[1:, :length] for x in (query, key, value, decay, beta)))
+        assert torch.equal(alone, output[1:, :length]), length
 
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen2"])

@@ -30,6 +30,13 @@ GLM_45 = dict(model_type="glm4_moe", hidden_size=5120, num_attention_heads=96, n
 QWEN3_235B = dict(model_type="qwen3_moe", hidden_size=4096, num_attention_heads=64, num_key_value_heads=4,
                   head_dim=128, num_hidden_layers=94, intermediate_size=12288, moe_intermediate_size=1536,
                   num_experts=128, decoder_sparse_step=1, mlp_only_layers=[])
+# Qwen3.5-27B as released: a vision-language config.json, the text model's config nested; 48 Gated DeltaNet
+# blocks and 16 gated full-attention ones (3:1)
+QWEN3_5_27B = {"model_type": "qwen3_5", "vision_config": {"depth": 27, "hidden_size": 1152}, "text_config": dict(
+    model_type="qwen3_5_text", hidden_size=5120, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+    num_hidden_layers=64, intermediate_size=17408, linear_num_key_heads=16, linear_num_value_heads=48,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16)}
 MIXTRAL_8X22B = dict(model_type="mixtral", hidden_size=6144, num_attention_heads=48, num_key_value_heads=8,
                      num_hidden_layers=56, intermediate_size=16384, num_local_experts=8)
 
@@ -46,7 +53,8 @@ def test_the_count_from_config_json_is_the_blocks_dist_eval_builds(name):
     model = family_class(FAMILIES[name].local_class, in_petals=False)(config)
     built = [sum(t.numel() for t in layer.state_dict().values()) for layer in model.model.layers]
     assert block_parameters(config.to_dict()) == built
-    assert len(set(built)) > 1 or name not in ("deepseek_v3", "kimi_k2", "glm4_moe", "qwen3_moe", "llama4_text")
+    assert len(set(built)) > 1 or name not in ("deepseek_v3", "kimi_k2", "glm4_moe", "qwen3_moe", "llama4_text",
+                                               "qwen3_5")
 
 
 def test_real_configs_give_the_published_block_sizes():
@@ -63,6 +71,25 @@ def test_real_configs_give_the_published_block_sizes():
     assert maverick[0] < 0.7 * GB and 32.5 * GB < maverick[1] < 32.7 * GB and 33.1 * GB < sum(maverick[:2]) < 33.3 * GB
     assert 7.8 * GB < bf16["glm4_moe"][3] < 7.9 * GB and bf16["glm4_moe"][2] < 1.0 * GB
     assert 4.9 * GB < bf16["qwen3_moe"][0] < 5.0 * GB and 5.0 * GB < bf16["mixtral"][0] < 5.1 * GB
+
+
+def test_a_hybrids_linear_and_full_blocks_are_each_sized_by_their_own_weights(tmp_path):
+    """Qwen3.5-27B's published shapes (no weights): a Gated DeltaNet block (its projections, conv, decay
+    and norm) 767 MB in bf16, a gated full-attention block (q twice as wide) 745 MB, the 64 blocks 48.7 GB
+    (26.9B parameters with the embeddings and the head: the release's 27.8B holds a vision tower and a
+    prediction layer too). Servers take blocks by each one's size: two shares of 24 linear blocks and 8 full
+    ones take 32 blocks each, where counting every block at the linear block's size would fit 31."""
+    from dist_eval.swarm.placement import read_num_blocks
+
+    sizes = [2 * n for n in block_parameters(QWEN3_5_27B)]
+    linear, full = sizes[0], sizes[3]
+    assert len(sizes) == 64 and sizes[:8] == [linear] * 3 + [full] + [linear] * 3 + [full]
+    assert 766 * 10**6 < linear < 767 * 10**6 and 744 * 10**6 < full < 745 * 10**6
+    assert 48.7 * GB < sum(sizes) < 48.71 * GB
+    share = 24 * linear + 8 * full
+    assert share // linear == 31 and plan_by_size(sizes, [share, share]) == [(0, 32), (32, 64)]
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_5_27B))
+    assert read_num_blocks(str(tmp_path)) == 64
 
 
 def test_servers_take_as_many_blocks_as_fit_their_share_by_each_blocks_size():

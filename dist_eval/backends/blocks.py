@@ -205,9 +205,29 @@ def _build_petals_classes(family) -> None:
     config = type("Distributed" + _config_name(family), (base_config,), body)
     built = {}
     for name, base_name in ((family.petals_class, base.petals_class), (family.petals_lm_class, base.petals_lm_class)):
-        built[name] = _classes[name] = type(name, (getattr(petals, base_name),), {"config_class": config})
+        body = {"config_class": config}
+        if has_own_layers(family):  # the client's final norm, where the family's is not the base one's
+            body["__init__"] = _own_final_norm_init(getattr(petals, base_name))
+        built[name] = _classes[name] = type(name, (getattr(petals, base_name),), body)
     register_model_classes(config=config, model_for_causal_lm=built[family.petals_lm_class],
                            model_for_sequence_classification=built[family.petals_class])
+
+
+def _own_final_norm_init(base: type):
+    """An ``__init__`` for a subclass of petals' ``base`` (its blocks on the swarm, the final norm here):
+    ``base``'s own, then the family's final norm in place of the base family's
+    (:func:`dist_eval.backends.layers.own_final_norm`).
+    """
+    def __init__(self, config, *args, **kwargs):
+        from dist_eval.backends.layers import own_final_norm
+
+        base.__init__(self, config, *args, **kwargs)
+        norm = own_final_norm(config)
+        if norm is not None:
+            self.base_model.norm = norm
+
+    __init__.__qualname__ = f"{base.__name__}.__init__ (dist_eval's final norm)"
+    return __init__
 
 
 def _base(family):

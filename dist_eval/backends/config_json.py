@@ -78,9 +78,11 @@ def read_as_saved(raw: dict, where: str) -> dict:
     """
     config = dict(raw)
     family = FAMILIES.get(config.get("model_type"))
+    if family is not None and family.text_prefix and isinstance(config.get("text_config"), dict):
+        config = _text_model_config(config, family)
     moved = dict(config.get(READ_AS) or {})
     if "rope_parameters" in config:
-        moved.update(_rope_from_parameters(config, where))
+        moved.update(_rope_from_parameters(config, where, family.inert_rope_keys if family else ()))
     if "dtype" in config and "torch_dtype" not in config:
         config["torch_dtype"] = config["dtype"]
     for new, old in family.config_renames if family else ():
@@ -97,10 +99,29 @@ def read_as_saved(raw: dict, where: str) -> dict:
     return config
 
 
-def _rope_from_parameters(config: dict, where: str) -> dict:
-    """Move ``rope_parameters`` to ``rope_theta``, ``rope_scaling`` and ``partial_rotary_factor``; the moved values."""
+# what a vision-language config.json says at its top level about the whole model, kept in the text model's
+# config read from its text_config (the top level's tie_word_embeddings ties the head the release has)
+WHOLE_MODEL_KEYS = ("tie_word_embeddings", "architectures", "dtype", "torch_dtype", "transformers_version")
+
+
+def _text_model_config(config: dict, family) -> dict:
+    """A vision-language release's config.json (``text_config`` and ``vision_config`` nested) as its
+    text model's, under the family's ``model_type``: what dist_eval computes (the vision tower is never read).
+    """
+    text = dict(config["text_config"])
+    for key in WHOLE_MODEL_KEYS:
+        if key in config:
+            text[key] = config[key]
+    text["model_type"] = family.model_type
+    return text
+
+
+def _rope_from_parameters(config: dict, where: str, inert: tuple = ()) -> dict:
+    """Move ``rope_parameters`` to ``rope_theta``, ``rope_scaling`` and ``partial_rotary_factor``; the moved values.
+    ``inert``: keys of the family's that change nothing on text rows (MRoPE's sections), set aside.
+    """
     parameters = _one_rope(config.pop("rope_parameters"), where)
-    rope = dict(parameters)
+    rope = {key: value for key, value in parameters.items() if key not in inert}
     if "rope_theta" not in rope:
         raise UsageError(f"{where}: rope_parameters {json.dumps(parameters)} has no rope_theta, the RoPE base the "
                          "blocks need. Add it (the model card or the config it was trained with says it).",

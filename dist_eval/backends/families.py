@@ -123,6 +123,14 @@ class Family:
     # is always 10000) and has no rope_scaling: dist_eval's servers rebuild it at rope_theta
     # (backends.blocks), a rope_scaling is refused, and so are petals' own servers for another rope_theta
     server_rotary_attention: str = ""
+    # a vision-language release (Qwen3.5): the key prefix of its text model's tensors, read as checkpoint_prefix
+    # (config.json's text_config is the text model's config: backends.config_json), and the prefixes of the
+    # tensors beside it that are never read (the vision tower, a multi-token-prediction layer)
+    text_prefix: str = ""
+    skipped_prefixes: tuple = ()
+    # keys of config.json's rope_parameters that change nothing on text rows (MRoPE's sections: a text
+    # position is the same on each of its axes, so every section rotates by it): read and set aside
+    inert_rope_keys: tuple = ()
 
     @property
     def block_name(self) -> str:
@@ -198,7 +206,6 @@ NOT_COMPUTED = {
     "gemma": "scaled embeddings and GeGLU blocks", "gemma2": "soft-capped, alternating sliding attention",
     "gemma3": "soft-capped, alternating sliding attention", "phi3": "fused projections and longrope",
     "qwen3_next": "linear-attention (Gated DeltaNet) layers beside full attention",
-    "qwen3_5": "linear-attention (Gated DeltaNet) layers beside full attention",
     "qwen3_5_moe": "linear-attention (Gated DeltaNet) layers beside full attention",
     "glm5_next": "linear-attention layers beside full attention",
     "deepseek_v32": "sparse attention (an indexer keeping index_topk positions per query)",
@@ -242,6 +249,10 @@ def _block_refusal(config, options: dict) -> str:
         scoring = getattr(config, "scoring_func", "sigmoid")
         if scoring != "sigmoid":
             return f"scoring_func {scoring!r} in config.json is not computed here (the router's scores: sigmoid)"
+    if options.get("gated_delta_net"):
+        why = _linear_attention_refusal(config, options)
+        if why:
+            return why
     own_attention = bool(options.get("own_layers"))
     for key in ("mlp_bias",) if own_attention else ("attention_bias", "mlp_bias"):
         if getattr(config, key, False):
@@ -256,6 +267,23 @@ def _block_refusal(config, options: dict) -> str:
         return f"partial_rotary_factor {factor} in config.json is not in (0, 1]; no head rotates that share"
     if options.get("mixture_of_experts"):
         return _experts_refusal(config, options["mixture_of_experts"])
+    return ""
+
+
+def _linear_attention_refusal(config, options: dict) -> str:
+    """What in a Gated DeltaNet hybrid's config (Qwen3.5) the blocks do not compute ('' when nothing);
+    a key config.json leaves out has the family's default (``options``).
+    """
+    def read(key):
+        return getattr(config, key, options.get(key))
+
+    keys, values = read("linear_num_key_heads"), read("linear_num_value_heads")
+    if not keys or not values or values % keys:
+        return (f"linear_num_value_heads {values} in config.json is not a multiple of linear_num_key_heads {keys}; "
+                "no key head serves a whole group of value heads")
+    kernel = read("linear_conv_kernel_dim")
+    if not isinstance(kernel, int) or kernel < 1:
+        return f"linear_conv_kernel_dim {kernel} in config.json is not 1 or more"
     return ""
 
 
@@ -450,6 +478,24 @@ FAMILIES["llama4_text"] = _built_on_llama(
         ("intermediate_size_mlp", 16384), ("use_qk_norm", True), ("no_rope_layer_interval", 4),
         ("attention_chunk_size", 8192), ("attn_temperature_tuning", True), ("floor_scale", 8192)),
     sliding_window=("attention_chunk_size", ""), layer_types=("chunked_attention",))
+
+# Qwen3.5 / 3.6 dense (qwen3_5), as released: a vision-language checkpoint whose text model is read
+# (config.json's text_config, tensors under model.language_model.; the vision tower never read). Its blocks
+# are dist_eval's layers (backends.layers): by layer_types (else every full_attention_interval-th full),
+# Gated DeltaNet blocks (backends.layers.GatedDeltaNet: a causal depthwise conv, the gated delta rule over
+# the whole row, a gated per-head norm) and gated full attention (backends.layers.GatedAttention: a sigmoid
+# output gate from a q projection of twice the width, q/k norms, RoPE on partial_rotary_factor of each head;
+# MRoPE's sections are inert on text); every norm scales by 1 + weight (backends.layers.OffsetRMSNorm).
+# The options' values are transformers 5.x's Qwen3_5TextConfig defaults
+QWEN3_5_OPTIONS = (
+    ("own_layers", True), ("gated_delta_net", True), ("use_qk_norm", True), ("head_dim", 256),
+    ("partial_rotary_factor", 0.25), ("linear_conv_kernel_dim", 4), ("linear_key_head_dim", 128),
+    ("linear_value_head_dim", 128), ("linear_num_key_heads", 16), ("linear_num_value_heads", 32),
+    ("full_attention_interval", 4))
+FAMILIES["qwen3_5"] = _built_on_llama(
+    "qwen3_5", "Qwen3_5", block_options=QWEN3_5_OPTIONS, layer_types=("linear_attention",),
+    text_prefix="model.language_model.", skipped_prefixes=("model.visual.", "mtp."),
+    inert_rope_keys=("mrope_section", "mrope_interleaved"))
 
 
 def tokenizers_calling_the_base() -> frozenset:

@@ -152,12 +152,18 @@ class QkNormAttention(LlamaAttention):
             self.head_dim = head_dim
         rescale_rope(self, config)
 
+    def _queries(self, hidden_states: torch.Tensor) -> tuple:
+        """(each head's query [batch, positions, heads, head_dim], the output gate or None)."""
+        bsz, q_len, _ = hidden_states.size()
+        return self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim), None
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_value: Optional[tuple] = None,
                 output_attentions: bool = False, use_cache: bool = False, **kwargs) -> tuple:
         bsz, q_len, _ = hidden_states.size()
         heads = (bsz, q_len, -1, self.head_dim)
-        query = self.q_norm(self.q_proj(hidden_states).view(heads)).transpose(1, 2)
+        query, gate = self._queries(hidden_states)
+        query = self.q_norm(query).transpose(1, 2)
         key = self.k_norm(self.k_proj(hidden_states).view(heads)).transpose(1, 2)
         value = self.v_proj(hidden_states).view(heads).transpose(1, 2)
 
@@ -179,7 +185,199 @@ class QkNormAttention(LlamaAttention):
             weights = weights + attention_mask
         weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
         output = torch.matmul(weights, value).transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
+        if gate is not None:
+            output = output * torch.sigmoid(gate)
         return self.o_proj(output), (weights if output_attentions else None), past_key_value
+
+
+class OffsetRMSNorm(nn.Module):
+    """Qwen3.5's RMSNorm: computed in float32, times ``1 + weight`` (the weight starts at zero), then
+    the input's dtype (transformers 5.x's order of operations).
+    """
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        states = hidden_states.float()
+        states = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (states * (1.0 + self.weight.float())).type_as(hidden_states)
+
+
+class GatedAttention(QkNormAttention):
+    """Qwen3.5's full attention (the block option ``gated_delta_net``, its blocks of ``full_attention``):
+    :class:`QkNormAttention` whose q projection is twice as wide, each head's query followed by its gate
+    (a sigmoid of it multiplies the head's attention output before ``o_proj``), q/k norms of
+    :class:`OffsetRMSNorm`; RoPE on ``partial_rotary_factor`` of each head (MRoPE on text rows: each of
+    its sections rotates by the one position, which is plain RoPE).
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.q_proj = nn.Linear(self.hidden_size, 2 * self.num_heads * self.head_dim,
+                                bias=bool(getattr(config, "attention_bias", False)))
+        self.q_norm = OffsetRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _queries(self, hidden_states: torch.Tensor) -> tuple:
+        bsz, q_len, _ = hidden_states.size()
+        query, gate = torch.chunk(self.q_proj(hidden_states).view(bsz, q_len, -1, 2 * self.head_dim), 2, dim=-1)
+        return query, gate.reshape(bsz, q_len, -1)
+
+
+class GatedRMSNorm(nn.Module):
+    """The Gated DeltaNet's per-head norm: an RMSNorm (weight times the normed values) times SiLU of the gate."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        states = hidden_states.float()
+        states = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * states.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
+# the positions the gated delta rule takes at once (transformers' chunked form: its chunk)
+DELTA_CHUNK = 64
+
+
+def _l2norm(states: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return states * torch.rsqrt((states * states).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
+                     beta: torch.Tensor, chunk: int = DELTA_CHUNK) -> torch.Tensor:
+    """The gated delta rule over whole rows from a zero state, in float32: per value head a state
+    [key dim, value dim] decayed by ``exp(decay)`` each position, corrected toward the position's value
+    by ``beta`` (the delta rule), read by the query; q and k L2-normed, q scaled by key_dim ** -0.5.
+    query, key [batch, positions, key heads, key dim], value [batch, positions, value heads, value dim]
+    (each key head serves value heads / key heads consecutive value heads), decay and beta [batch,
+    positions, value heads]; the output is value's shape, in query's dtype.
+
+    Computed in ``chunk`` positions at once (transformers' chunked form, the same operations in its
+    order: within a chunk a triangular solve, from chunk to chunk the state), so the numbers are
+    transformers' own up to float rounding. Every step is causal: a position's output depends on the
+    positions up to it alone, so the right padding after a row (its padded positions finite) leaves
+    the row's positions as they are alone, to float rounding (the chunks' sums take the padded
+    positions' exact zeros).
+    """
+    dtype = query.dtype
+    batch, positions, key_heads, key_dim = key.shape
+    value_heads, value_dim = value.shape[-2:]
+    if key_heads != value_heads:
+        query = query.repeat_interleave(value_heads // key_heads, dim=2)
+        key = key.repeat_interleave(value_heads // key_heads, dim=2)
+    query, key, value, beta, decay = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                                      for x in (query, key, value, beta, decay))
+    query, key = _l2norm(query), _l2norm(key)
+    query = query * key_dim ** -0.5
+    pad = -positions % chunk
+    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    beta, decay = (F.pad(x, (0, pad)) for x in (beta, decay))
+    v_beta, k_beta = value * beta.unsqueeze(-1), key * beta.unsqueeze(-1)
+    query, key, k_beta, v_beta = (x.reshape(x.shape[0], x.shape[1], -1, chunk, x.shape[-1])
+                                  for x in (query, key, k_beta, v_beta))
+    decay = decay.reshape(decay.shape[0], decay.shape[1], -1, chunk).cumsum(dim=3)  # log of the decay so far
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=query.device).triu(1)
+    pairwise = (decay.unsqueeze(4) - decay.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ key.transpose(-1, -2)) * pairwise
+    within = (query @ key.transpose(-1, -2)) * pairwise
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_decayed = torch.linalg.solve_triangular(system, k_beta * decay.exp().unsqueeze(-1), upper=False,
+                                              unitriangular=True)
+    state = new_values.new_zeros(batch, value_heads, key_dim, value_dim)
+    output = torch.zeros_like(new_values)
+    query = query * decay.exp().unsqueeze(-1)
+    key = key * (decay[..., -1:] - decay).exp().unsqueeze(-1)
+    chunk_decay = decay[..., -1].exp()[..., None, None]
+    for i in range(output.shape[2]):
+        v_new = new_values[:, :, i] - k_decayed[:, :, i] @ state
+        output[:, :, i] = query[:, :, i] @ state + within[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
+    output = output.reshape(batch, value_heads, -1, value_dim)[:, :, :positions]
+    return output.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+
+
+class GatedDeltaNet(LlamaAttention):
+    """Qwen3.5's linear attention (the block option ``gated_delta_net``, its blocks of ``linear_attention``),
+    under transformers' names (``linear_attn.*``): q, k and v from ``in_proj_qkv``, a causal depthwise
+    convolution over the positions (``conv1d``, ``linear_conv_kernel_dim`` wide) and SiLU; per value head
+    ``beta = sigmoid(in_proj_b(x))`` and the decay ``-exp(A_log) * softplus(in_proj_a(x) + dt_bias)``;
+    :func:`gated_delta_rule` over the whole row; a per-head RMSNorm gated by SiLU of ``in_proj_z(x)``
+    (:class:`GatedRMSNorm`); ``out_proj``. No cache: a forward is one pass over whole rows (petals' server
+    forward). A subclass of the pinned ``LlamaAttention`` with ``num_heads`` of the config's attention
+    because petals' server counts the heads of each block's ``config.attn_class`` modules; its
+    ``__init__`` is not called.
+    """
+
+    def __init__(self, config):
+        nn.Module.__init__(self)
+        self.config = config
+        self.hidden_size, self.num_heads = config.hidden_size, config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.key_heads, self.value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        self.kernel = config.linear_conv_kernel_dim
+        self.conv_dim = 2 * keys + values
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel_size=self.kernel, groups=self.conv_dim,
+                                bias=False, padding=self.kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.value_heads))
+        self.norm = GatedRMSNorm(self.value_dim, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(values, self.hidden_size, bias=False)
+        self.in_proj_qkv = nn.Linear(self.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(self.hidden_size, values, bias=False)
+        self.in_proj_b = nn.Linear(self.hidden_size, self.value_heads, bias=False)
+        self.in_proj_a = nn.Linear(self.hidden_size, self.value_heads, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_value: Optional[tuple] = None,
+                output_attentions: bool = False, use_cache: bool = False, **kwargs) -> tuple:
+        if past_key_value is not None:  # nothing is cached (a use_cache forward gets None to keep)
+            raise NotImplementedError("the Gated DeltaNet block computes whole rows in one pass (no cache)")
+        bsz, positions, _ = hidden_states.shape
+        mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)
+        gate = self.in_proj_z(hidden_states).reshape(bsz, positions, -1, self.value_dim)
+        b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+        mixed = F.conv1d(mixed.to(self.conv1d.weight.dtype), self.conv1d.weight, None, padding=self.kernel - 1,
+                         groups=self.conv_dim)[:, :, :positions]
+        mixed = self.act_fn(mixed).to(hidden_states.dtype).transpose(1, 2)
+        keys = self.key_heads * self.key_dim
+        query, key, value = torch.split(mixed, [keys, keys, self.value_heads * self.value_dim], dim=-1)
+        query = query.reshape(bsz, positions, -1, self.key_dim)
+        key = key.reshape(bsz, positions, -1, self.key_dim)
+        value = value.reshape(bsz, positions, -1, self.value_dim)
+        beta = b.sigmoid()
+        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        output = gated_delta_rule(query, key, value, decay, beta)
+        output = self.norm(output.reshape(-1, self.value_dim), gate.reshape(-1, self.value_dim))
+        return self.out_proj(output.reshape(bsz, positions, -1)), None, None
+
+
+def layer_type(config, index: int) -> str:
+    """The attention of block ``index`` of a hybrid: config.json's ``layer_types``, else transformers'
+    default (every ``full_attention_interval``-th block ``full_attention``, the others ``linear_attention``).
+    """
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[index]
+    return "full_attention" if (index + 1) % getattr(config, "full_attention_interval", 4) == 0 else "linear_attention"
+
+
+def own_final_norm(config) -> Optional[nn.Module]:
+    """The backbone's final norm where the family's is not the pinned Llama's (Qwen3.5's), else None."""
+    if getattr(config, "gated_delta_net", False):
+        return OffsetRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    return None
 
 
 # the epsilon of DeepSeek-V3's latent norms (q_a_layernorm, kv_a_layernorm): RMSNorm's default, not rms_norm_eps
@@ -637,7 +835,13 @@ def _whole_steps(function, rows: torch.Tensor) -> torch.Tensor:
 def build_layer_parts(layer: nn.Module, config, index: int) -> None:
     """Give ``layer`` (a Llama decoder layer, its ``__init__`` not run) the parts of block ``index``."""
     layer.hidden_size = config.hidden_size
-    if getattr(config, "latent_attention", False):
+    hybrid = bool(getattr(config, "gated_delta_net", False))
+    if hybrid and layer_type(config, index) == "linear_attention":  # its tensors are linear_attn.*
+        layer.linear_attn = GatedDeltaNet(config)
+        object.__setattr__(layer, "self_attn", layer.linear_attn)  # what the pinned layer's forward calls
+    elif hybrid:
+        layer.self_attn = GatedAttention(config)
+    elif getattr(config, "latent_attention", False):
         layer.self_attn = LatentAttention(config)
     elif getattr(config, "llama4_attention", False):
         layer.self_attn = ChunkedAttention(config, index)
@@ -655,8 +859,9 @@ def build_layer_parts(layer: nn.Module, config, index: int) -> None:
         object.__setattr__(layer, "mlp", layer.block_sparse_moe)  # the same module, not registered twice
     else:
         layer.mlp = SigmoidMoeMLP(config) if router == SIGMOID else SparseMoeMLP(config)
-    layer.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-    layer.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    norm = OffsetRMSNorm if hybrid else LlamaRMSNorm
+    layer.input_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
+    layer.post_attention_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
     block = fp8_block_size(config)
     if block is not None:  # transformers' loader hands each module the file's tensors: FP8 ones dequantized first
         layer._register_load_state_dict_pre_hook(functools.partial(_dequantize_on_load, block))
@@ -688,6 +893,9 @@ def own_layers_init(base: type):
         finally:
             config.num_hidden_layers = count
         self.base_model.layers = nn.ModuleList(OwnDecoderLayer(config, i) for i in range(count))
+        norm = own_final_norm(config)
+        if norm is not None:
+            self.base_model.norm = norm
         self.post_init()
 
     __init__.__qualname__ = f"{base.__name__}.__init__ (dist_eval's layers)"

@@ -70,6 +70,8 @@ class FolderLayout:
     block_prefix: str
     # True when the base model's keys carry the checkpoint prefix (a *ForCausalLM / *ForSequenceClassification save)
     prefixed: bool
+    # a vision-language release: the text model's keys under Family.text_prefix (read as its checkpoint_prefix)
+    text_nested: bool = False
 
     @property
     def server_ready(self) -> bool:
@@ -77,6 +79,8 @@ class FolderLayout:
 
     @property
     def client_ready(self) -> bool:
+        if self.text_nested:
+            return False
         return self.prefixed or not any(k.startswith(HEAD_PREFIXES) for k in self.weight_map)
 
     @property
@@ -179,11 +183,25 @@ def _load_file(path: str):
     return _load_bin(path)
 
 
+def _load_keys(path: str, keys: List[str]):
+    """The tensors named ``keys`` of a weight file (of a safetensors file those alone are read)."""
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            return {key: f.get_tensor(key) for key in keys}
+    tensors = _load_bin(path)
+    return {key: tensors[key] for key in keys}
+
+
 def detect_layout(model_dir: str, family: Optional[Family] = None) -> FolderLayout:
     """The folder's family (from config.json) and where its blocks' tensors are."""
     if family is None:
         family = family_of_folder(model_dir)
     mapping = weight_map(model_dir)
+    nested_blocks = f"{family.text_prefix}{family.block_name}."
+    if family.text_prefix and any(k.startswith(nested_blocks) for k in mapping):
+        return FolderLayout(family, mapping, nested_blocks[:-1], prefixed=True, text_nested=True)
     prefixed_blocks = f"{family.blocks}."
     bare_blocks = f"{family.block_name}."
     has_prefixed = any(k.startswith(prefixed_blocks) for k in mapping)
@@ -204,6 +222,11 @@ def _rename(key: str, layout: FolderLayout) -> Tuple[str, Optional[str]]:
     """("block" | "client", key in the converted folder), or (.., None): left out."""
     family = layout.family
     prefix = family.checkpoint_prefix
+    if layout.text_nested:  # a vision-language release: its text model's keys, the rest left out
+        if key.startswith(family.text_prefix):
+            key = prefix + key[len(family.text_prefix):]
+        elif key.startswith(family.skipped_prefixes):
+            return "client", None
     target_prefixed = family.server_blocks.startswith(prefix)
     if key.startswith(HEAD_PREFIXES) or (layout.prefixed and not key.startswith(prefix)):
         return "client", (key if target_prefixed else None)  # a head (see the module doc)
@@ -292,7 +315,15 @@ def _write_converted(model_dir: str, layout: FolderLayout, out: str) -> None:
     dropped: List[str] = []
     total = 0
     for k, source in enumerate(sorted(set(layout.weight_map.values()))):
-        tensors = _load_file(os.path.join(model_dir, source))
+        if layout.text_nested:  # the tensors left out (a vision tower) are never read
+            names = [key for key, held in layout.weight_map.items() if held == source]
+            dropped += [key for key in names if _rename(key, layout)[1] is None]
+            kept = [key for key in names if _rename(key, layout)[1] is not None]
+            if not kept:
+                continue
+            tensors = _load_keys(os.path.join(model_dir, source), kept)
+        else:
+            tensors = _load_file(os.path.join(model_dir, source))
         blocks = {}
         for key, tensor in tensors.items():
             if layout.weight_map.get(key) != source:

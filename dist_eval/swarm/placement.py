@@ -134,6 +134,8 @@ def read_num_blocks(model_dir: str) -> int:
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise SwarmError(f"{path}: not readable as JSON ({e}).") from None
+    if isinstance(config, dict) and isinstance(config.get("text_config"), dict):  # a vision-language release
+        config = config["text_config"]
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
         value = config.get(key) if isinstance(config, dict) else None
         if isinstance(value, int) and value >= 1:
@@ -158,8 +160,34 @@ def block_parameters(config: dict) -> List[int]:
         raise SwarmError(f"config.json: the blocks of model_type {config['model_type']!r} are not counted here "
                          "(every block of theirs is the same size)")
     count = _config_int(config, "num_hidden_layers", "n_layer", "num_layers")
-    return [_attention_parameters(config) + _mlp_parameters(config, i) + 2 * config["hidden_size"]
+    return [_mixer_parameters(config, i) + _mlp_parameters(config, i) + 2 * config["hidden_size"]
             for i in range(count)]
+
+
+HYBRIDS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet and full attention
+
+
+def _mixer_parameters(config: dict, index: int) -> int:
+    """The weights of block ``index``'s attention: a hybrid's Gated DeltaNet or gated full attention by
+    its layer_types (else every full_attention_interval-th full), another family's attention.
+    """
+    if config.get("model_type") not in HYBRIDS:
+        return _attention_parameters(config)
+    types = config.get("layer_types")
+    interval = config.get("full_attention_interval", 4)
+    kind = types[index] if types else ("full_attention" if (index + 1) % interval == 0 else "linear_attention")
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if kind == "full_attention":  # q twice as wide (the output gate), q/k norms
+        head_dim, kv_heads = config.get("head_dim", 256), config.get("num_key_value_heads") or heads
+        bias = (3 * heads + 2 * kv_heads) * head_dim + hidden if config.get("attention_bias") else 0
+        return 3 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 2 * head_dim + bias
+    keys = config.get("linear_num_key_heads", 16) * config.get("linear_key_head_dim", 128)
+    value_heads = config.get("linear_num_value_heads", 32)
+    values = value_heads * config.get("linear_value_head_dim", 128)
+    conv = 2 * keys + values
+    # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a, the depthwise conv, dt_bias and A_log, the norm, out_proj
+    return (hidden * conv + hidden * values + 2 * hidden * value_heads + conv * config.get("linear_conv_kernel_dim", 4)
+            + 2 * value_heads + config.get("linear_value_head_dim", 128) + values * hidden)
 
 
 def _config_int(config: dict, *keys: str) -> int:

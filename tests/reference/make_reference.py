@@ -54,6 +54,13 @@ by the sigmoid of their router logits before they compute, and a shared expert; 
 MLP of ``intermediate_size_mlp``; block 3 without RoPE (``no_rope_layer_interval`` 4), the others with
 it and the L2 norm of q and k; Llama 3's tokenizer.
 
+Qwen3.5 (``qwen3_5``, transformers 5.2 on: made by the 5.x environment alone) as released: a
+``Qwen3_5ForConditionalGeneration`` save, config.json's ``text_config`` nested beside a one-block vision
+tower, the text model under ``model.language_model.``; 4 blocks by ``layer_types``, 3 Gated DeltaNet
+(2 key heads, 4 value heads of 16, a conv of 4) then 1 gated full attention (``head_dim`` 32, RoPE on a
+quarter of each head, MRoPE sections given); its norms' offsets (1 + weight), ``dt_bias`` and the linear
+norm drawn. Its reference: the text model's last final hidden state times the head.
+
 BLOOM and Falcon (the 40B layout: the new decoder architecture, 2 key/value heads, RoPE at theta 50000, so
 that a reader taking the default 10000 is caught), byte-level BPE tokenizers. Kimi K2 (``kimi_k2``) has no
 class in transformers: DeepSeek-V3's folder with ``model_type`` ``kimi_k2``, the same block (its reference
@@ -228,6 +235,9 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
             "max_position_embeddings": 2560})
     if kind == "llama4_text":  # Llama-4-Maverick-style: dense and MoE blocks alternate, the 4th block without RoPE
         return transformers.Llama4TextConfig(rope_theta=500000.0, head_dim=HEAD_DIM, **LLAMA4, **common)
+    if kind == "qwen3_5":  # Qwen3.5 as released: a vision-language config, the text model's nested
+        return transformers.Qwen3_5Config(text_config={**common, **QWEN3_5}, vision_config=QWEN3_5_VISION,
+                                          tie_word_embeddings=False)
     if kind == "glm4_moe":  # GLM-4.5-style, with n_group 2 (the flagship's 1) so that the grouped choice counts
         return transformers.Glm4MoeConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, **GLM_MOE, **common)
     return transformers.Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
@@ -250,11 +260,23 @@ LLAMA4 = dict(num_local_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, 
               interleave_moe_layer_step=2, no_rope_layer_interval=4, use_qk_norm=True,
               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 64})
+# Qwen3.5 (qwen3_5): blocks 0-2 Gated DeltaNet, block 3 gated full attention (the releases' 3:1), 2 key heads
+# and 4 value heads of 16 in the linear blocks, a head_dim of 32 (hidden / heads is 16) rotating a quarter
+QWEN3_5 = dict(head_dim=HEAD_DIM, layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
+               linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN,
+                      patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 FP8_BLOCK = (24, 24)  # the tiny model's tiles (the flagship's 128 x 128): partial ones at the edges
 FP8_MAX = 448.0  # the largest e4m3 value
 CLASSES = {"bloom": "Bloom", "falcon": "Falcon",
            "llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
-           "glm4_moe": "Glm4Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "llama4_text": "Llama4"}
+           "glm4_moe": "Glm4Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "llama4_text": "Llama4",
+           "qwen3_5": "Qwen3_5"}
+# vision-language releases: saved from *ForConditionalGeneration, the text model under model.language_model.
+# beside a vision tower; the reference is the text model's last final hidden state times the head
+VISION_LANGUAGE = ("qwen3_5",)
 # transformers has no *ForSequenceClassification: the backbone times the head
 NO_CLASSIFIER = ("glm4_moe", "llama4_text")
 
@@ -360,7 +382,8 @@ def make(kind: str, out: str) -> dict:
     config = config_of(kind, len(tokenizer), tokenizer.pad_token_id)
     torch.manual_seed(0)
     name = CLASSES[kind]
-    lm = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    lm_class = f"{name}ForConditionalGeneration" if kind in VISION_LANGUAGE else f"{name}ForCausalLM"
+    lm = getattr(transformers, lm_class)(config).eval()
     with torch.no_grad():  # biases (Qwen2's q/k/v) start at zero, norms at one: give them values that count
         for key, tensor in lm.named_parameters():
             if key.endswith("proj.bias"):
@@ -369,6 +392,10 @@ def make(kind: str, out: str) -> dict:
                 tensor.uniform_(0.5, 1.5)
             elif key.endswith(("mlp.gate.weight", "moe.gate.weight", "router.weight")):  # a router far from uniform
                 tensor.normal_(0.0, 0.3)
+            elif kind in VISION_LANGUAGE and key.endswith(("layernorm.weight", "language_model.norm.weight")):
+                tensor.normal_(0.0, 0.3)  # Qwen3.5's norms scale by 1 + weight: zeros at first
+            elif key.endswith(("linear_attn.norm.weight", "dt_bias")):
+                tensor.uniform_(0.5, 1.5)
         for key, tensor in lm.named_buffers():  # GLM's choice-only bias: big enough to change choices
             if key.endswith("e_score_correction_bias"):
                 tensor.normal_(0.0, 0.3)
@@ -383,7 +410,10 @@ def make(kind: str, out: str) -> dict:
     save_file(trainable, os.path.join(out, f"{kind}.trainable.safetensors"))
     loaded = transformers.AutoTokenizer.from_pretrained(folder)
     ids = [loaded(text)["input_ids"] for text in CORPUS]
-    if kind in NO_CLASSIFIER:
+    if kind in VISION_LANGUAGE:
+        backbone = getattr(transformers, lm_class).from_pretrained(folder).eval().model.language_model
+        score = lambda hidden: hidden @ trainable["score.weight"].T  # noqa: E731
+    elif kind in NO_CLASSIFIER:
         backbone = getattr(transformers, f"{name}ForCausalLM").from_pretrained(folder).eval().model
         score = lambda hidden: hidden @ trainable["score.weight"].T  # noqa: E731
     else:
@@ -411,7 +441,8 @@ def main(out: str) -> None:
     # one thread: on models this small, threads only wait on each other (on the 2-core test machine,
     # busy, the mixtures' index_add_ took 22 ms a call with two: 42 s of the makes, 9 s with one)
     torch.set_num_threads(1)
-    cases = {kind: make(kind, out) for kind in CLASSES}
+    # the families of a later transformers than this one (Qwen3.5: 5.2 on) are made by the later one alone
+    cases = {kind: make(kind, out) for kind, name in CLASSES.items() if hasattr(transformers, f"{name}Config")}
     cases["kimi_k2"] = {**cases["deepseek_v3"], "folder": "kimi_k2"}  # DeepSeek-V3's block, numbers, prompts + head
     shutil.copyfile(os.path.join(out, "deepseek_v3.trainable.safetensors"),
                     os.path.join(out, "kimi_k2.trainable.safetensors"))
