@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -77,6 +78,26 @@ def run_once(code: str, args: list, out: str, nproc: int) -> dict:
         metrics = json.load(f)
     return {"wall_seconds": wall, "rows": metrics["num_samples"], "phases": dict(metrics["run"]["phase_seconds"]),
             "eta_lines": [line for line in proc.stderr.splitlines() if "progress" in line][:3]}
+
+
+def same_outputs(a: str, b: str) -> dict:
+    """{file: "same" or "differs"} of every file of two runs' folders, byte for byte (metrics.json without
+    its run facts, which hold timings; report.html without its times and start)."""
+    def read(folder, name):
+        with open(os.path.join(folder, name), "rb") as f:
+            data = f.read()
+        if name == "metrics.json":
+            metrics = json.loads(data)
+            metrics.pop("run", None)
+            return json.dumps(metrics, sort_keys=True)
+        if name == "report.html":  # its times (wall time, eval loop: "12.3 s", the loop's samples/s), its start
+            return re.sub(rb"\d{4}-\d\d-\d\dT[\d:.+-]+|\d+\.\d s|samples/s \(eval loop\)</td><td class=\"val\">[\d.]+",
+                          b"", data)
+        return data
+
+    names = sorted(set(os.listdir(a)) | set(os.listdir(b)))
+    return {name: "same" if os.path.exists(os.path.join(a, name)) and os.path.exists(os.path.join(b, name))
+            and read(a, name) == read(b, name) else "differs" for name in names if not name.startswith(".")}
 
 
 def _free_port() -> int:
@@ -170,13 +191,16 @@ def main() -> int:
         for label, code in codes.items():
             results[label] = run_once(code, cli_args, os.path.join(workdir, f"out{len(results)}"), args.nproc)
             print(f"{label}: {results[label]['wall_seconds']:.1f} s", flush=True)
+        if len(codes) == 2:
+            same = same_outputs(os.path.join(workdir, "out0"), os.path.join(workdir, "out1"))
+            print("outputs, this checkout against the baseline: " + ", ".join(f"{k} {v}" for k, v in same.items()))
     sample = f" (--limit {args.limit})" if args.limit else ""
     print(f"\n{args.rows} rows{sample}, local backend, N={args.nproc}, default intervals:")
     report(results, alone)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"rows": args.rows, "limit": args.limit, "nproc": args.nproc, "tokenizer_alone_seconds": alone,
-                       "results": results}, f, indent=2)
+                       "outputs": same if len(codes) == 2 else None, "results": results}, f, indent=2)
     return 0
 
 
