@@ -139,20 +139,26 @@ def test_one_rank_in_chunks_writes_the_bytes_of_one_chunk(long_tailed, tiny_mode
                                                            monkeypatch):
     """N=1 with every chunk crossed several times writes the unbounded run's files byte for byte and
     keeps the same rows in its row store; run again, every row served from that store (the known rows'
-    batches crossed too), it writes them again."""
-    from dist_eval.data import sample
+    batches crossed too), it writes them again. Each row is tokenized once and keyed once."""
+    from dist_eval.data import sample, tokenize
 
     data, one, store = long_tailed
     monkeypatch.setenv(ENV, IN_CHUNKS)
     keyed, range_keys = [], sample.range_keys
     monkeypatch.setattr(sample, "range_keys", lambda *args: keyed.append(args[-1] - args[-2]) or range_keys(*args))
+    tokenized, token_ids = [], tokenize._token_ids
+    monkeypatch.setattr(tokenize, "_token_ids", lambda tok, texts, *args: tokenized.append(len(texts))
+                        or token_ids(tok, texts, *args))
     for served in (False, True):
         out = tmp_path / ("served" if served else "fresh")
         keyed.clear()
+        tokenized.clear()
         assert run_cli_in_process(run_args(tiny_model, tiny_checkpoint, data, out, tmp_path / "store"),
                                   hide_modules=("matplotlib",)) == 0
         if not served:  # the set keyed for its --limit sample, the sample's rows once beside their lengths
             assert sum(keyed) == SET_ROWS + SAMPLE_ROWS, keyed  # not again in the report (issue 74)
+        # each row tokenized once, by the length pass: the forwards take its spilled ids (issue 74)
+        assert sum(tokenized) == SAMPLE_ROWS, tokenized
         row_store = json.load(open(out / "metrics.json"))["run"]["row_store"]
         assert row_store["rows_from_store"] == (SAMPLE_ROWS if served else 0), row_store
         assert_the_same_outputs(out, one, f"in chunks {'(every row served from the store) ' if served else ''}"
