@@ -37,6 +37,13 @@ QWEN3_5_27B = {"model_type": "qwen3_5", "vision_config": {"depth": 27, "hidden_s
     num_hidden_layers=64, intermediate_size=17408, linear_num_key_heads=16, linear_num_value_heads=48,
     linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
     layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16)}
+# Qwen3.5-397B-A17B: the same hybrid, every block a mixture of 512 experts (10 per token) and a gated shared expert
+QWEN3_5_397B = {"model_type": "qwen3_5_moe", "text_config": dict(
+    model_type="qwen3_5_moe_text", hidden_size=4096, num_attention_heads=32, num_key_value_heads=2, head_dim=256,
+    num_hidden_layers=60, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10,
+    moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 15)}
 MIXTRAL_8X22B = dict(model_type="mixtral", hidden_size=6144, num_attention_heads=48, num_key_value_heads=8,
                      num_hidden_layers=56, intermediate_size=16384, num_local_experts=8)
 
@@ -74,11 +81,12 @@ def test_real_configs_give_the_published_block_sizes():
 
 
 def test_a_hybrids_linear_and_full_blocks_are_each_sized_by_their_own_weights(tmp_path):
-    """Qwen3.5-27B's published shapes (no weights): a Gated DeltaNet block (its projections, conv, decay
-    and norm) 767 MB in bf16, a gated full-attention block (q twice as wide) 745 MB, the 64 blocks 48.7 GB
-    (26.9B parameters with the embeddings and the head: the release's 27.8B holds a vision tower and a
-    prediction layer too). Servers take blocks by each one's size: two shares of 24 linear blocks and 8 full
-    ones take 32 blocks each, where counting every block at the linear block's size would fit 31."""
+    """Qwen3.5-27B's and Qwen3.5-397B-A17B's published shapes (no weights): a Gated DeltaNet block (its
+    projections, conv, decay and norm) 767 MB in bf16, a gated full-attention block (q twice as wide)
+    745 MB, the 64 blocks 48.7 GB (26.9B parameters with the embeddings and the head: the release's 27.8B
+    holds a vision tower and a prediction layer too). Servers take blocks by each one's size: two shares
+    of 24 linear blocks and 8 full ones take 32 blocks each, where counting every block at the linear
+    block's size would fit 31."""
     from dist_eval.swarm.placement import read_num_blocks
 
     sizes = [2 * n for n in block_parameters(QWEN3_5_27B)]
@@ -90,6 +98,12 @@ def test_a_hybrids_linear_and_full_blocks_are_each_sized_by_their_own_weights(tm
     assert share // linear == 31 and plan_by_size(sizes, [share, share]) == [(0, 32), (32, 64)]
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_5_27B))
     assert read_num_blocks(str(tmp_path)) == 64
+    # Qwen3.5-397B-A17B: a linear block 13.15 GB, a full one 13.12 GB (their experts alike), 788.6 GB of blocks
+    # (396.3B parameters with the embeddings and the head; the release's 397B holds a vision tower too)
+    moe = [2 * n for n in block_parameters(QWEN3_5_397B)]
+    assert len(moe) == 60 and moe[:4] == [moe[0]] * 3 + [moe[3]] and moe[3] < moe[0]
+    assert 13.15 * GB < moe[0] < 13.16 * GB and 13.12 * GB < moe[3] < 13.13 * GB
+    assert 788.6 * GB < sum(moe) < 788.7 * GB
 
 
 def test_servers_take_as_many_blocks_as_fit_their_share_by_each_blocks_size():

@@ -206,7 +206,6 @@ NOT_COMPUTED = {
     "gemma": "scaled embeddings and GeGLU blocks", "gemma2": "soft-capped, alternating sliding attention",
     "gemma3": "soft-capped, alternating sliding attention", "phi3": "fused projections and longrope",
     "qwen3_next": "linear-attention (Gated DeltaNet) layers beside full attention",
-    "qwen3_5_moe": "linear-attention (Gated DeltaNet) layers beside full attention",
     "glm5_next": "linear-attention layers beside full attention",
     "deepseek_v32": "sparse attention (an indexer keeping index_topk positions per query)",
     "deepseek_v4": "compressed sparse attention and hyper-connections (a widened residual stream)",
@@ -496,6 +495,17 @@ FAMILIES["qwen3_5"] = _built_on_llama(
     "qwen3_5", "Qwen3_5", block_options=QWEN3_5_OPTIONS, layer_types=("linear_attention",),
     text_prefix="model.language_model.", skipped_prefixes=("model.visual.", "mtp."),
     inert_rope_keys=("mrope_section", "mrope_interleaved"))
+
+# Qwen3.5 / 3.6 MoE (qwen3_5_moe: 397B-A17B, 122B-A10B, 35B-A3B), as released: Qwen3.5's hybrid blocks,
+# every block's MLP a mixture (backends.layers.GatedSharedMoeMLP): Qwen3-MoE's softmax router choosing
+# num_experts_per_tok of num_experts, their weights renormalised, plus a shared expert of
+# shared_expert_intermediate_size scaled by the sigmoid of its own gate; transformers 5.x's defaults
+FAMILIES["qwen3_5_moe"] = dataclasses.replace(
+    FAMILIES["qwen3_5"], model_type="qwen3_5_moe", petals_class="DistributedQwen3_5MoeForSequenceClassification",
+    local_class="Qwen3_5MoeForSequenceClassification", petals_lm_class="DistributedQwen3_5MoeForCausalLM",
+    local_lm_class="Qwen3_5MoeForCausalLM", block_options=QWEN3_5_OPTIONS + (
+        ("mixture_of_experts", "shared_gate"), ("num_experts", 256), ("num_experts_per_tok", 8),
+        ("moe_intermediate_size", 512), ("shared_expert_intermediate_size", 512), ("norm_topk_prob", True)))
 
 
 def tokenizers_calling_the_base() -> frozenset:

@@ -1,7 +1,13 @@
 """The block parts dist_eval computes itself, in plain torch, for the families whose block the
 pinned transformers (4.33) has no class for: those with the block option ``own_layers`` in the
 family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5, Mixtral, DeepSeek-V3,
-Llama 4).
+Llama 4, Qwen3.5 and Qwen3.5-MoE).
+
+- Qwen3.5's hybrid (the block option ``gated_delta_net``): by ``layer_types`` (:func:`layer_type`) a
+  :class:`GatedDeltaNet` block (linear attention: :func:`gated_delta_rule` over the whole row) or a
+  :class:`GatedAttention` one (an output gate from a q projection twice as wide), norms of
+  :class:`OffsetRMSNorm` (1 + weight), the backbone's final one too (:func:`own_final_norm`); Qwen3.5-MoE's
+  mixture in every block, :class:`GatedSharedMoeMLP` (the block option ``mixture_of_experts`` "shared_gate").
 
 - :class:`QkNormAttention`: Llama's attention with an RMSNorm over each head's q and k
   (``q_norm``, ``k_norm``, a weight of ``head_dim`` values) before RoPE when ``use_qk_norm``
@@ -78,6 +84,7 @@ from dist_eval.backends.rope import llama3_inv_freq, rescale_rope
 # the block option ``mixture_of_experts`` of a family whose router is GLM-4.5's, and of Mixtral (its
 # softmax router is Qwen3-MoE's, "softmax"; its tensors have names of their own, every block has it)
 SIGMOID, MIXTRAL, LLAMA4 = "sigmoid", "mixtral", "llama4"
+SHARED_GATE = "shared_gate"  # Qwen3.5-MoE's: Qwen3-MoE's router and experts, a shared expert behind a sigmoid gate
 # the index of the block this process's petals server is loading (None: not loading one)
 SERVER_BLOCK_INDEX: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_block_index", default=None)
 
@@ -102,6 +109,8 @@ def is_sparse(config, index: int) -> bool:
         return (getattr(config, "n_routed_experts", 0) or 0) > 0 and index >= config.first_k_dense_replace
     if router == MIXTRAL:
         return (getattr(config, "num_local_experts", 0) or 0) > 0
+    if router == SHARED_GATE:  # Qwen3.5-MoE: every block (its config has no dense blocks)
+        return (getattr(config, "num_experts", 0) or 0) > 0
     experts = getattr(config, "num_experts", 0) or 0
     dense = getattr(config, "mlp_only_layers", None) or ()
     return experts > 0 and index not in dense and (index + 1) % getattr(config, "decoder_sparse_step", 1) == 0
@@ -653,6 +662,26 @@ class SparseMoeMLP(nn.Module):
         return output.view(hidden_states.shape)
 
 
+class GatedSharedMoeMLP(SparseMoeMLP):
+    """Qwen3.5-MoE's mixture (the block option ``mixture_of_experts`` "shared_gate"): :class:`SparseMoeMLP`'s
+    softmax router and experts (``mlp.gate``, ``mlp.experts.<e>.*``, the chosen weights renormalised when
+    ``norm_topk_prob``), plus a shared expert every token goes through (``shared_expert``, of
+    ``shared_expert_intermediate_size``) times the sigmoid of its own gate (``shared_expert_gate``, one
+    logit per token), added after the routed experts' sum (transformers' order).
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.shared_expert = ExpertMLP(config, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        routed = super().forward(hidden_states)
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        gate = _whole_steps(torch.sigmoid, _rows(self.shared_expert_gate, tokens))
+        return routed + (gate * _rows(self.shared_expert, tokens)).view(hidden_states.shape)
+
+
 class FusedExperts(nn.Module):
     """Llama 4's experts, their weights fused under its names: ``gate_up_proj`` [experts, hidden,
     2 x intermediate] (gate then up) and ``down_proj`` [experts, intermediate, hidden].
@@ -858,7 +887,8 @@ def build_layer_parts(layer: nn.Module, config, index: int) -> None:
         layer.block_sparse_moe = SparseMoeMLP(config)
         object.__setattr__(layer, "mlp", layer.block_sparse_moe)  # the same module, not registered twice
     else:
-        layer.mlp = SigmoidMoeMLP(config) if router == SIGMOID else SparseMoeMLP(config)
+        layer.mlp = (SigmoidMoeMLP(config) if router == SIGMOID else GatedSharedMoeMLP(config)
+                     if router == SHARED_GATE else SparseMoeMLP(config))
     norm = OffsetRMSNorm if hybrid else LlamaRMSNorm
     layer.input_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
     layer.post_attention_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)

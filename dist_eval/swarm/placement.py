@@ -164,7 +164,8 @@ def block_parameters(config: dict) -> List[int]:
             for i in range(count)]
 
 
-HYBRIDS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet and full attention
+HYBRIDS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet and full attention (the
+# last two: a mixture in every block)
 
 
 def _mixer_parameters(config: dict, index: int) -> int:
@@ -236,6 +237,10 @@ def _mlp_parameters(config: dict, index: int) -> int:
     if config.get("n_routed_experts") and index >= config.get("first_k_dense_replace", 0):
         experts, inner = config["n_routed_experts"], config["moe_intermediate_size"]
         return experts * (gated(inner) + hidden + 1) + gated(inner * config.get("n_shared_experts", 1))
+    if config.get("num_experts") and kind in HYBRIDS[2:]:  # the hybrid MoE: every block; a gated shared expert
+        shared = config.get("shared_expert_intermediate_size", 512)
+        return config["num_experts"] * (gated(config.get("moe_intermediate_size", 512)) + hidden) + gated(
+            shared) + hidden
     if config.get("num_experts") and kind == "qwen3_moe":
         sparse = index not in (config.get("mlp_only_layers") or ()) and (
             (index + 1) % config.get("decoder_sparse_step", 1) == 0)

@@ -59,7 +59,9 @@ Qwen3.5 (``qwen3_5``, transformers 5.2 on: made by the 5.x environment alone) as
 tower, the text model under ``model.language_model.``; 4 blocks by ``layer_types``, 3 Gated DeltaNet
 (2 key heads, 4 value heads of 16, a conv of 4) then 1 gated full attention (``head_dim`` 32, RoPE on a
 quarter of each head, MRoPE sections given); its norms' offsets (1 + weight), ``dt_bias`` and the linear
-norm drawn. Its reference: the text model's last final hidden state times the head.
+norm drawn. Its reference: the text model's last final hidden state times the head. Qwen3.5-MoE
+(``qwen3_5_moe``): the same, every block's MLP a mixture of 8 experts of 32 (2 per token, saved per expert
+as the releases are) and a shared expert of 48 behind its sigmoid gate.
 
 BLOOM and Falcon (the 40B layout: the new decoder architecture, 2 key/value heads, RoPE at theta 50000, so
 that a reader taking the default 10000 is caught), byte-level BPE tokenizers. Kimi K2 (``kimi_k2``) has no
@@ -238,6 +240,9 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
     if kind == "qwen3_5":  # Qwen3.5 as released: a vision-language config, the text model's nested
         return transformers.Qwen3_5Config(text_config={**common, **QWEN3_5}, vision_config=QWEN3_5_VISION,
                                           tie_word_embeddings=False)
+    if kind == "qwen3_5_moe":  # Qwen3.5-MoE as released: every block a mixture, 2 of 8 experts + a gated shared one
+        return transformers.Qwen3_5MoeConfig(text_config={**common, **QWEN3_5, **QWEN3_5_MOE},
+                                             vision_config=QWEN3_5_VISION, tie_word_embeddings=False)
     if kind == "glm4_moe":  # GLM-4.5-style, with n_group 2 (the flagship's 1) so that the grouped choice counts
         return transformers.Glm4MoeConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, **GLM_MOE, **common)
     return transformers.Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
@@ -266,6 +271,8 @@ QWEN3_5 = dict(head_dim=HEAD_DIM, layer_types=["linear_attention"] * 3 + ["full_
                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+QWEN3_5_MOE = dict(num_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN,
+                   moe_intermediate_size=EXPERT_INTERMEDIATE, shared_expert_intermediate_size=48)
 QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN,
                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 FP8_BLOCK = (24, 24)  # the tiny model's tiles (the flagship's 128 x 128): partial ones at the edges
@@ -273,10 +280,10 @@ FP8_MAX = 448.0  # the largest e4m3 value
 CLASSES = {"bloom": "Bloom", "falcon": "Falcon",
            "llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
            "glm4_moe": "Glm4Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "llama4_text": "Llama4",
-           "qwen3_5": "Qwen3_5"}
+           "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}
 # vision-language releases: saved from *ForConditionalGeneration, the text model under model.language_model.
 # beside a vision tower; the reference is the text model's last final hidden state times the head
-VISION_LANGUAGE = ("qwen3_5",)
+VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")
 # transformers has no *ForSequenceClassification: the backbone times the head
 NO_CLASSIFIER = ("glm4_moe", "llama4_text")
 
