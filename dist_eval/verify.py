@@ -7,7 +7,8 @@
    rows' order-free digest (content keys and labels) against the receipt's.
 2. Every digest it can reach: the model's files, the checkpoint, the data files (where the receipt says
    they were, or where ``--model``, ``--checkpoint``, ``--data-files`` say they are now).
-3. With ``--backend local`` (or ``--backend petals --initial-peers ...``: another swarm): a share of the
+3. With ``--backend local`` (its blocks streamed from disk one at a time: :mod:`dist_eval.backends.streamed`;
+   ``--in-memory`` loads the model whole) (or ``--backend petals --initial-peers ...``: another swarm): a share of the
    rows, drawn with a seed the verifier draws (``--share``, default 2%, at least ``--min-rows``, or every
    row when fewer), evaluated again in the batches of the run's own plan, and each row's logits (the loss
    and prediction where the report has no logits) compared: bit for bit where the numerics are the run's,
@@ -20,6 +21,7 @@ when OUT is not a report with a receipt, or a flag is wrong.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -262,8 +264,11 @@ def _settings(receipt: dict):
 
 
 def _load(receipt: dict, where: dict, args, settings):
-    """(the run's rows drawn from the data again, the tokenizer, the model loaded with ``--backend``)."""
+    """(the run's rows drawn from the data again, the tokenizer, the model loaded with ``--backend``: local's
+    blocks streamed from disk one at a time, :mod:`dist_eval.backends.streamed`, unless ``--in-memory``).
+    """
     from dist_eval.backends import load_model
+    from dist_eval.backends.streamed import local_backend_streamed
     from dist_eval.backends.tokenizer import load_tokenizer
     from dist_eval.data.load import load_split
     from dist_eval.data.sample import draw_rows
@@ -275,12 +280,14 @@ def _load(receipt: dict, where: dict, args, settings):
                          value=where["model"])
     drawn = draw_rows(load_split(where["data"], recorded.get("split")), settings)
     tokenizer = load_tokenizer(where["model"])
-    model = load_model(args.backend, where["model"], checkpoint=where["checkpoint"] if receipt.get("checkpoint")
-                       else None, head=(receipt.get("head") or {}).get("path"),
-                       tuning_mode=recorded.get("tuning_mode"), pre_seq_len=recorded.get("pre_seq_len") or 0,
-                       num_labels=recorded.get("num_labels"), initial_peers=args.initial_peers,
-                       dht_prefix=args.dht_prefix, device=args.device, label_words=settings.label_words,
-                       tokenizer=tokenizer, audit=0.0)
+    streamed = args.backend == "local" and not args.in_memory
+    with local_backend_streamed() if streamed else contextlib.nullcontext():
+            model = load_model(args.backend, where["model"], checkpoint=where["checkpoint"] if receipt.get("checkpoint")
+                           else None, head=(receipt.get("head") or {}).get("path"),
+                           tuning_mode=recorded.get("tuning_mode"), pre_seq_len=recorded.get("pre_seq_len") or 0,
+                           num_labels=recorded.get("num_labels"), initial_peers=args.initial_peers,
+                           dht_prefix=args.dht_prefix, device=args.device, label_words=settings.label_words,
+                           tokenizer=tokenizer, audit=0.0)
     return drawn, tokenizer, model
 
 
@@ -395,7 +402,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--initial-peers", nargs="+", default=None, metavar="MADDR",
                         help="--backend petals: the swarm to evaluate with")
     parser.add_argument("--dht-prefix", default=None, help="--backend petals: the model's DHT prefix on that swarm")
-    parser.add_argument("--device", default="cpu", help="--backend local: where to compute (cpu, cuda, cuda:K)")
+    parser.add_argument("--device", default="cpu", help="--backend local: where to compute (cpu; cuda or cuda:K with "
+                        "--in-memory)")
+    parser.add_argument("--in-memory", action="store_true",
+                        help="--backend local: load the whole model in memory (default: its blocks streamed from disk "
+                        "one at a time, the same logits bit for bit, the memory of one block)")
     parser.add_argument("--share", type=float, default=DEFAULT_SHARE,
                         help="share of the rows evaluated again (at least --min-rows, or every row when fewer)")
     parser.add_argument("--min-rows", type=int, default=DEFAULT_MIN_ROWS, help="rows evaluated again at least")

@@ -82,6 +82,34 @@ def test_an_honest_local_report_verifies_bit_for_bit(local_report, capsys):
     assert f"the {ROWS} rows evaluated again agree with the report bit for bit" in said, said
     assert said.strip().splitlines()[-1].startswith("dist_eval.verify: VERIFIED"), said
     assert "with chance 0" in said, said  # every row checked: a wrong row cannot pass
+    code, said = _verify(out, "--backend", "local", "--in-memory", "--min-rows", "8", capsys=capsys)
+    assert code == 0 and "the 8 rows evaluated again agree with the report bit for bit" in said, said
+
+
+def test_the_streamed_local_backend_equals_the_in_memory_one_bit_for_bit(tiny_model, tmp_path):
+    """Issue 73's reference without the model in memory: the blocks stay on disk (on the meta device between
+    forwards: nothing of them held), each loaded from the model's own safetensors when the forward reaches it;
+    the logits equal the in-memory local backend's bit for bit: ptune and deep_ptune, one file and shards."""
+    import torch
+    from conftest import split_into_shards
+
+    from dist_eval.backends import load_model
+    from dist_eval.backends.streamed import local_backend_streamed
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0, 0], [10, 11, 12, 13, 14, 15, 16], [20, 0, 0, 0, 0, 0, 0]])
+    shards = split_into_shards(tiny_model, str(tmp_path / "shards"))
+    for mode in ("ptune", "deep_ptune"):
+        checkpoint = build_checkpoint(str(tmp_path / f"{mode}.pt"), tuning_mode=mode)
+        with one_thread(), torch.no_grad():
+            whole = load_model("local", tiny_model, checkpoint=checkpoint).module(ids)
+            for folder in (tiny_model, shards):
+                with local_backend_streamed():
+                    streamed = load_model("local", folder, checkpoint=checkpoint)
+                blocks = dict(streamed.module.hf_model.named_parameters())
+                assert blocks["model.layers.1.mlp.up_proj.weight"].device.type == "meta"  # on disk
+                assert blocks["model.embed_tokens.weight"].device.type == "cpu"
+                assert torch.equal(streamed.module(ids), whole), (mode, folder)
+                assert blocks["model.layers.1.mlp.up_proj.weight"].device.type == "meta"  # freed after its forward
 
 
 def test_an_edited_prediction_is_caught_and_named(local_report, tmp_path, capsys):

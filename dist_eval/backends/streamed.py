@@ -1,0 +1,188 @@
+"""The local backend with its blocks streamed from disk: the model's transformer blocks stay in their
+safetensors files and each is loaded when the forward reaches it and freed when it has run (accelerate's
+disk offload, which transformers' ``from_pretrained(device_map=...)`` sets up; the weights are read from the
+model's own files, not copied: the tensors outside the blocks are copied into a small file of a temporary
+view of the folder). The embeddings, the final norm and the head stay in memory. Peak memory: those, a few
+blocks' worth (a block read, converted and set in place), and the rows' activations, for a model of any size
+(benchmarks/RESULTS.md); the logits are those of the in-memory
+local backend (:func:`dist_eval.backends.local.load_local`) bit for bit: the same modules, the same weights,
+the same computation, only where the weights wait between forwards differs.
+
+Used by ``python -m dist_eval.verify --backend local`` (its default where the model's folder is at hand:
+``--in-memory`` loads it whole instead).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import replace
+from typing import Iterator, Optional
+
+import torch
+
+from dist_eval.backends.base import Backend
+from dist_eval.backends.checkpoint import TrainableState
+from dist_eval.backends.families import Family
+from dist_eval.backends.zeroshot import LabelWords
+
+
+def load_streamed(
+    model_dir: str, state: TrainableState, family: Family, device: str = "cpu",
+    label_words: Optional[LabelWords] = None,
+) -> Backend:
+    """:func:`~dist_eval.backends.local.load_local`'s model, its blocks left on disk (see the module)."""
+    from dist_eval.backends.blocks import family_class
+    from dist_eval.backends.compat import no_random_init_of_meta_tensors
+    from dist_eval.backends.local import PromptTunedClassifier
+    from dist_eval.backends.petals_folder import detect_layout, petals_model_folder, require_every_shard
+    from dist_eval.backends.zeroshot import ZeroShotScorer
+    from dist_eval.errors import UsageError
+
+    if str(device).split(":")[0] != "cpu":
+        raise UsageError("expected cpu: the blocks streamed from disk are computed on the CPU. Pass --device cpu, "
+                         "or load the model whole (--in-memory).", param="device", value=device)
+    require_every_shard(model_dir, "--backend local")
+    if not detect_layout(model_dir, family).client_ready:
+        model_dir = petals_model_folder(model_dir)
+    config_class = family_class(family.local_lm_class if label_words is not None else family.local_class,
+                                in_petals=False)
+    config = config_class.config_class.from_pretrained(model_dir)
+    blocks = family.blocks.rstrip(".")
+    view = tempfile.mkdtemp(prefix="dist_eval-streamed-")
+    try:
+        _client_view(model_dir, blocks, view)
+        device_map = _device_map(view, blocks, config.num_hidden_layers, family.head)
+        kwargs = {} if label_words is not None else {"num_labels": state.num_labels, "ignore_mismatched_sizes": False}
+        with no_random_init_of_meta_tensors(), _no_progress_bar():  # "Loading checkpoint shards": the view's
+            hf_model = config_class.from_pretrained(view, torch_dtype=torch.float32, device_map=device_map,
+                                                    offload_folder=os.path.join(view, "offload"),
+                                                    offload_state_dict=False, **kwargs)
+    except BaseException:
+        shutil.rmtree(view, True)
+        raise
+    for block in family.get(hf_model, family.blocks):  # its freed weights given back before the next block's
+        block.register_forward_hook(_give_back_heap)
+    model = PromptTunedClassifier(hf_model, state.tuning_mode, state.pre_seq_len, family)
+    model.load_trainable(state)
+    if label_words is not None:
+        model = ZeroShotScorer(model, family.get(hf_model, family.lm_head), label_words)
+    weakref.finalize(model, shutil.rmtree, view, True)  # the view goes with the model
+    return model
+
+
+def _give_back_heap(module, args, output) -> None:
+    """After a block's forward (its weights freed by the offload's hook, which runs before this one: it was
+    added first): the C heap's free memory given back to the system (glibc's ``malloc_trim``), else the freed
+    weights of each block stay in the process (glibc raises its mmap threshold after a big free, so the next
+    block's tensors come from the heap, which it does not shrink by itself).
+    """
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def _tensor_files(model_dir: str) -> dict:
+    """{tensor name: the safetensors file of the folder that holds it}."""
+    import json
+
+    from safetensors import safe_open
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {name: os.path.join(model_dir, file) for name, file in json.load(f)["weight_map"].items()}
+    out = {}
+    for file in sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors")):
+        with safe_open(os.path.join(model_dir, file), "pt") as f:
+            out.update({name: os.path.join(model_dir, file) for name in f.keys()})  # noqa: SIM118 (not iterable)
+    return out
+
+
+def _client_view(model_dir: str, blocks: str, view: str) -> None:
+    """In ``view``: the model folder as transformers reads it, its blocks' tensors left where they are. The
+    tensors outside the blocks (embeddings, final norm, heads: read whole at the load) copied into one small
+    file; each weight file holding blocks linked under its name, and the index naming, for each block tensor,
+    that link: transformers then reads none of them at the load (a file of the blocks alone is left to the
+    offload, which reads each tensor when its block runs). Every other file (config, tokenizer) linked.
+    """
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    from dist_eval.atomic import atomic_write
+
+    files = _tensor_files(model_dir)
+    client, weight_map = {}, {}
+    for name, file in sorted(files.items()):
+        if name.startswith(blocks + "."):
+            link = os.path.join(view, "blocks-" + os.path.basename(file))
+            if not os.path.lexists(link):
+                os.symlink(os.path.realpath(file), link)
+            weight_map[name] = os.path.basename(link)
+        else:
+            with safe_open(file, "pt") as f:
+                client[name] = f.get_tensor(name)
+            weight_map[name] = "client.safetensors"
+    atomic_write(os.path.join(view, "client.safetensors"), save(client, metadata={"format": "pt"}), binary=True)
+    atomic_write(os.path.join(view, "model.safetensors.index.json"),
+                 json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    for name in os.listdir(model_dir):
+        if not name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")):
+            os.symlink(os.path.realpath(os.path.join(model_dir, name)), os.path.join(view, name))
+
+
+def _device_map(model_dir: str, blocks: str, num_blocks: int, head: str) -> dict:
+    """Each block on "disk", every other module holding weights on "cpu": those of the files' tensor names
+    (transformers must find each, a causal LM's head read as a classifier's too) and ``head`` (the classifier's,
+    in no file). Made from the names alone: a skeleton of the model, even on the meta device, cost more memory
+    than a block.
+    """
+    out = {head: "cpu", **{f"{blocks}.{i}": "disk" for i in range(num_blocks)}}
+    for name in _tensor_files(model_dir):
+        if not name.startswith(blocks + "."):
+            out[name.rsplit(".", 1)[0]] = "cpu"
+    return out
+
+
+@contextlib.contextmanager
+def local_backend_streamed() -> Iterator[None]:
+    """Inside: ``load_model("local", ...)`` loads the blocks streamed from disk (:func:`load_streamed`)."""
+    from dist_eval.backends import kinds
+
+    local = kinds.BACKENDS["local"]
+    kinds.BACKENDS["local"] = replace(local, loader="dist_eval.backends.streamed:load_streamed")
+    try:
+        yield
+    finally:
+        kinds.BACKENDS["local"] = local
+
