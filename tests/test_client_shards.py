@@ -216,3 +216,108 @@ def test_the_cli_on_a_hub_id_with_two_ranks_equals_the_full_folder(tiny_swarm, t
     assert_same_bits(hub_rows, read_jsonl(tmp_path / "local" / "predictions.jsonl"),
                      "predictions.jsonl, the hub id on petals N=2 against the folder on local N=1")
     assert_same_bits(read_jsonl(tmp_path / "offline" / "predictions.jsonl"), hub_rows, "offline, against online")
+
+
+VL_REPO = "tiny-org/tiny-qwen3_5"
+
+
+def split_as_vision_language_release(src: str, dst: str) -> str:
+    """``src`` (a tiny Qwen3.5 text ``*ForCausalLM`` save) as a Qwen3.5 release lays it out: config.json's
+    text_config nested beside a vision_config, the text model under ``model.language_model.``, a vision tower
+    (``model.visual.*``) and a multi-token-prediction layer (``mtp.*``) each in shards of their own, a shard
+    per block, the embeddings, final norm and head in ``model-00001-of-*.safetensors``."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name not in ("model.safetensors", "config.json"):
+            shutil.copy(os.path.join(src, name), dst)
+    with open(os.path.join(src, "config.json")) as f:
+        text = json.load(f)
+    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+              "tie_word_embeddings": text.get("tie_word_embeddings", False),
+              "text_config": {**text, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 1, "hidden_size": 8}}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    shards = {"model-visual.safetensors": {"model.visual.blocks.0.attn.qkv.weight": torch.ones(24, 8)},
+              "model-mtp.safetensors": {"mtp.fc.weight": torch.ones(32, 64)}}
+    for key, tensor in load_file(os.path.join(src, "model.safetensors")).items():
+        block = key.split(".")[2] if key.startswith("model.layers.") else None
+        shard = "model-00001-of-client.safetensors" if block is None else f"model-blocks-{block}.safetensors"
+        new_key = "model.language_model." + key[len("model."):] if key.startswith("model.") else key
+        shards.setdefault(shard, {})[new_key] = tensor.contiguous()
+    for shard, tensors in shards.items():
+        save_file(tensors, os.path.join(dst, shard), metadata={"format": "pt"})
+    weight_map = {key: shard for shard, tensors in sorted(shards.items()) for key in sorted(tensors)}
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 1}, "weight_map": weight_map}, f, indent=1)
+    return dst
+
+
+def test_a_vision_language_release_by_hub_id_fetches_the_clients_files_alone(hub_cache, dataset, tmp_path,
+                                                                             monkeypatch):
+    """Qwen3.5 as released (the text model under model.language_model., a vision tower and an mtp layer in
+    shards of their own), by hub id (the fake hub, every GET recorded): the client's files are the config,
+    tokenizer, index and the one shard with the embeddings, final norm and head, never a block's shard, the
+    vision tower's or the mtp layer's; that client-only folder converts to the layout petals reads (the
+    absent shards skipped: their blocks' keys named in the copy's index, absent, the vision tower's left out)
+    and what reads every block refuses it naming the block shards alone. --fetch-whole-model (the local
+    backend) fetches every block's shard and still neither the vision tower's nor the mtp's, and the local
+    backend on it equals the whole folder bit for bit."""
+    import json
+
+    import torch
+    from conftest import build_tiny_model
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from dist_eval.backends.hub import client_folder, resolve_model
+    from dist_eval.backends.petals_folder import missing_shards, petals_model_folder, require_every_shard
+
+    text = build_tiny_model(str(tmp_path / "text"), family="qwen3_5")
+    release = split_as_vision_language_release(text, str(tmp_path / "release"))
+    blocks = [f"model-blocks-{i}.safetensors" for i in range(4)]
+    never = {"model-visual.safetensors", "model-mtp.safetensors"}
+    with fake_hub({VL_REPO: release}) as hub:
+        folder = client_folder(VL_REPO, endpoint=hub.endpoint)
+        fetched = hub.files("GET")
+    weights = {f for f in fetched if f.endswith(".safetensors")}
+    assert weights == {"model-00001-of-client.safetensors"}, fetched
+    assert {"config.json", "tokenizer.json", "model.safetensors.index.json"} <= set(fetched)
+    assert missing_shards(folder) == blocks  # the vision tower's and mtp's shards are not missed
+    with pytest.raises(UsageError) as e:
+        require_every_shard(folder, "--backend local")
+    assert "model-blocks-0.safetensors" in str(e.value) and "visual" not in str(e.value) and "\n" not in str(e.value)
+    converted = petals_model_folder(folder, cache_dir=str(tmp_path / "converted"))
+    with open(os.path.join(converted, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    mapped = index["weight_map"]
+    assert not [k for k in mapped if k.startswith(("model.visual.", "mtp.")) or "language_model" in k], mapped
+    assert set(index["metadata"]["left_out"]) == {"model.visual.blocks.0.attn.qkv.weight", "mtp.fc.weight"}
+    block_files = {mapped[k] for k in mapped if k.startswith("model.layers.")}
+    assert len(block_files) == 4 and not [f for f in block_files if os.path.exists(os.path.join(converted, f))]
+    assert len(missing_shards(converted)) == 4  # still a client's folder: what reads every block refuses it
+    client = load_file(os.path.join(converted, "client.safetensors"))
+    source = load_file(os.path.join(text, "model.safetensors"))
+    assert set(client) == {k for k in source if not k.startswith("model.layers.")}
+    assert all(torch.equal(client[k], source[k]) for k in client)
+    with fake_hub({VL_REPO: release}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        whole, _ = resolve_model(VL_REPO, "local", None, whole=True)
+        fetched = {f for f in hub.files("GET") if f.endswith(".safetensors")}
+    assert fetched == set(blocks), fetched  # the client's shard is in the HF cache already
+    held = {f for f in os.listdir(whole) if f.endswith(".safetensors")}
+    assert held == {"model-00001-of-client.safetensors", *blocks} and not held & never, held
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
+    logits = []
+    for model_dir in (text, whole):
+        model = load_model("local", model_dir, checkpoint=checkpoint)
+        with one_thread():
+            result = evaluate(model, dataset, tokenizer=AutoTokenizer.from_pretrained(model_dir), batch_size=4,
+                              return_logits=True, bootstrap_resamples=0)
+        logits.append(result.predictions.logits)
+    assert_same_bits(logits[1], logits[0], "the logits, the hub id's whole text model against the text folder")

@@ -109,7 +109,8 @@ def client_folder(repo_id: str, revision: Optional[str] = None, endpoint: Option
                   every_shard: bool = False) -> str:
     """The snapshot folder (in the user's HF cache) holding config, tokenizer, the index and the
     shards with a client-side tensor of ``repo_id`` at ``revision``; never a blocks-only shard,
-    unless ``every_shard`` (what the local backend and a local swarm read).
+    unless ``every_shard`` (what the local backend and a local swarm read), and never a shard holding only
+    what no backend reads (a vision-language release's vision tower: :func:`unread_prefixes`).
     """
     from dist_eval.backends.config_json import family_of_folder
 
@@ -118,20 +119,29 @@ def client_folder(repo_id: str, revision: Optional[str] = None, endpoint: Option
     family = family_of_folder(folder)  # a model no block here computes is refused before anything else is fetched
     for name in TOKENIZER_FILES:
         _fetch(repo_id, name, revision, endpoint, optional=True)
-    blocks = "" if every_shard else family.blocks + "."  # "": no tensor name is a block's
-    for name in client_shards(repo_id, revision, endpoint, blocks):
+    for name in client_shards(repo_id, revision, endpoint, unread_prefixes(family, every_shard)):
         _fetch(repo_id, name, revision, endpoint)
     return folder
 
 
-def client_shards(repo_id: str, revision: Optional[str], endpoint: Optional[str], blocks_prefix: str) -> List[str]:
-    """The weight files holding a tensor whose name does not start with ``blocks_prefix``
-    (every weight file, with ``blocks_prefix`` empty).
+def unread_prefixes(family, every_shard: bool = False) -> Tuple[str, ...]:
+    """The key prefixes of the tensors a client (``every_shard``: what reads every block) never reads:
+    the blocks' (under the text model's prefix too, in a vision-language release) and, always, a
+    vision-language release's vision tower and other parts beside its text model (Family.skipped_prefixes).
+    """
+    blocks = () if every_shard else (family.blocks + ".",) + (
+        (f"{family.text_prefix}{family.block_name}.",) if family.text_prefix else ())
+    return blocks + tuple(family.skipped_prefixes)
+
+
+def client_shards(repo_id: str, revision: Optional[str], endpoint: Optional[str], unread: Tuple[str, ...]) -> List[str]:
+    """The weight files holding a tensor whose name starts with none of ``unread`` (every weight file,
+    with ``unread`` empty).
     """
     found = _index(repo_id, revision, endpoint)
     if found is not None:
-        return sorted({f for key, f in found[1]["weight_map"].items()
-                       if not (blocks_prefix and key.startswith(blocks_prefix))})
+        unread = tuple(unread)
+        return sorted({f for key, f in found[1]["weight_map"].items() if not (unread and key.startswith(unread))})
     for name in SINGLE_FILES:  # one file holds everything: the client reads it whole
         if _fetch(repo_id, name, revision, endpoint, optional=True) is not None:
             return [name]

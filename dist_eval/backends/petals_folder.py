@@ -109,13 +109,19 @@ def weight_map(model_dir: str) -> Dict[str, str]:
 
 def missing_shards(model_dir: str) -> List[str]:
     """The weight files the folder's index names that are not in the folder (what petals'
-    client leaves out of its cache: the shards that hold only blocks).
+    client leaves out of its cache: the shards that hold only blocks); a shard holding only what is
+    never read (a vision-language release's vision tower, Family.skipped_prefixes) is not missed.
     """
     try:
-        files = set(weight_map(model_dir).values())
+        mapping = weight_map(model_dir)
     except UsageError:
         return []  # no weights at all: the loader says so
-    return sorted(f for f in files if not os.path.isfile(os.path.join(model_dir, f)))
+    try:
+        unread = tuple(family_of_folder(model_dir).skipped_prefixes)
+    except UsageError:
+        unread = ()
+    needed = {f for key, f in mapping.items() if not (unread and key.startswith(unread))}
+    return sorted(f for f in needed if not os.path.isfile(os.path.join(model_dir, f)))
 
 
 def require_every_shard(model_dir: str, needs: str) -> None:
@@ -239,6 +245,9 @@ def _fingerprint(model_dir: str, layout: FolderLayout) -> str:
     h = hashlib.sha256()
     h.update(f"v{CONVERSION_VERSION}\0{os.path.realpath(model_dir)}\0".encode())
     for name in sorted(set(layout.weight_map.values()) | {"config.json"}):
+        if not os.path.isfile(os.path.join(model_dir, name)):  # a shard a client's folder leaves out
+            h.update(f"{name}\0absent\0".encode())
+            continue
         # the ctime too: a file changed with its mtime set back has a new one (backends/provenance.py)
         st = os.stat(os.path.join(model_dir, name))
         h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}\0".encode())
@@ -281,6 +290,26 @@ def petals_model_folder(model_dir: str, cache_dir: Optional[str] = None, log=Non
     return target
 
 
+def _absent_shard(model_dir: str, layout: FolderLayout, source: str, fname: str, new_map: Dict[str, str],
+                  dropped: List[str]) -> None:
+    """A weight file the folder's index names and the folder lacks (a client's folder: petals' client, or a
+    hub id fetched by :func:`dist_eval.backends.hub.client_folder`, keeps only the shards with a client
+    tensor): its blocks' keys stay in the copy's index under ``fname``, absent too (so the copy is a
+    client's folder as its source is: what reads every block refuses it, :func:`require_every_shard`), the
+    keys never read (a vision tower) are left out; a client tensor in it is refused in one line.
+    """
+    for key in sorted(k for k, held in layout.weight_map.items() if held == source):
+        part, new_key = _rename(key, layout)
+        if new_key is None:
+            dropped.append(key)
+        elif part == "block":
+            new_map[new_key] = fname
+        else:
+            raise UsageError(f"the folder's index puts {key} (a tensor the client reads) in {source}, which is not "
+                             "in the folder. Fetch that shard (or the whole model) again.",
+                             param="model_dir", value=model_dir)
+
+
 def _keep_source_modes(model_dir: str, layout: FolderLayout, out: str) -> None:
     """The copy as readable as its source, no more: the folder gets the source folder's mode,
     each ``blocks-<k>`` file its source weight file's, the files holding every source's tensors
@@ -293,6 +322,8 @@ def _keep_source_modes(model_dir: str, layout: FolderLayout, out: str) -> None:
     sources = sorted(set(layout.weight_map.values()))
     common = 0o777
     for k, source in enumerate(sources):
+        if not os.path.isfile(os.path.join(model_dir, source)):
+            continue  # a shard a client's folder leaves out: nothing of it copied
         common &= mode(os.path.join(model_dir, source))
         blocks = os.path.join(out, f"blocks-{k:05d}.safetensors")
         if os.path.exists(blocks):
@@ -315,6 +346,9 @@ def _write_converted(model_dir: str, layout: FolderLayout, out: str) -> None:
     dropped: List[str] = []
     total = 0
     for k, source in enumerate(sorted(set(layout.weight_map.values()))):
+        if not os.path.isfile(os.path.join(model_dir, source)):
+            _absent_shard(model_dir, layout, source, f"blocks-{k:05d}.safetensors", new_map, dropped)
+            continue
         if layout.text_nested:  # the tensors left out (a vision tower) are never read
             names = [key for key, held in layout.weight_map.items() if held == source]
             dropped += [key for key in names if _rename(key, layout)[1] is None]
