@@ -222,3 +222,35 @@ def predictions_digest(path: str) -> str:
     from dist_eval.atomic import file_sha256
 
     return file_sha256(path)
+
+
+def merged(shard_receipts: Sequence[Optional[dict]], metrics: dict, merged_rows, keys: Sequence[str],
+           predictions_path: str) -> Optional[dict]:
+    """The receipt of a merge of shards (:mod:`dist_eval.shard_merge`): the first shard's model, checkpoint,
+    data files, settings (no ``shard``) and code; the merged rows' digest, predictions and metrics; each shard's
+    ``numerics``, ``audit`` and its own predictions' digest under ``shards``. Bit for bit is promised only where
+    every shard's numerics and promise were the same. None where a shard has no receipt (an earlier version's).
+    """
+    if not shard_receipts or any(not isinstance(r, dict) for r in shard_receipts):
+        return None
+    first = shard_receipts[0]
+    numerics_of = [json.dumps(r.get("numerics"), sort_keys=True) for r in shard_receipts]
+    promise_ = dict(first.get("promise") or {})
+    if len(set(numerics_of)) > 1 or any((r.get("promise") or {}).get("same_numerics") != "bit for bit"
+                                        for r in shard_receipts):
+        promise_.update(same_numerics="within tolerance", why="the shards were computed with other numerics, or "
+                        "one of them promised no more")
+    indices = np.asarray(merged_rows.indices, dtype=np.int64)
+    return {
+        **first,
+        "settings": {**(first.get("settings") or {}), "shard": None},
+        "data": {**(first.get("data") or {}), "rows": int(len(indices)),
+                 "rows_digest": rows_digest(hex_keys([keys[i] for i in indices.tolist()]), merged_rows.labels)},
+        "audit": None,
+        "promise": promise_,
+        "shards": [{"shard": (r.get("settings") or {}).get("shard"), "numerics": r.get("numerics"),
+                    "audit": r.get("audit"), "predictions_sha256": r.get("predictions_sha256")}
+                   for r in shard_receipts],
+        "predictions_sha256": predictions_digest(predictions_path),
+        "metrics_sha256": metrics_digest(metrics),
+    }

@@ -198,6 +198,7 @@ def merge_shards(folders: Sequence[str], output_dir: str, *, partial: bool = Fal
     from dist_eval.output.files import check_output_dir, hold_output_dir, release_output_dirs
     from dist_eval.output.report import write_report
     from dist_eval.output.shard_files import discard_shard
+    from dist_eval.receipt import merged as merged_receipt
 
     if os.path.lexists(os.path.join(output_dir, MANIFEST)):
         raise UsageError(f"{output_dir} holds a shard (its shard.json): the merged report would replace it. Pass "
@@ -219,8 +220,11 @@ def merge_shards(folders: Sequence[str], output_dir: str, *, partial: bool = Fal
         texts, _ = _texts(shards, manifest["rows_in_set"])
         options = manifest["report"]
         config = SimpleNamespace(save_logits=options["save_logits"], quiet=quiet, report_to="none")
+        receipts = [(m.get("run") or {}).get("receipt") for m in metrics_of]
+        receipt = None if texts is None or "key" not in texts or missing else (
+            lambda path: merged_receipt(receipts, report, merged, texts["key"], path))
         write_report(config, output_dir, SimpleNamespace(metrics=report, predictions=merged),
-                     print if not quiet else (lambda *a, **k: None), texts)
+                     print if not quiet else (lambda *a, **k: None), texts, receipt)
     finally:
         release_output_dirs()
     if report.get("partial"):

@@ -75,8 +75,8 @@ def _read(folder: str):
     receipt = (metrics.get("run") or {}).get("receipt") if isinstance(metrics, dict) else None
     if not isinstance(receipt, dict):
         raise UsageError(f"{folder}/metrics.json: expected a receipt (run.receipt), found none: a report written "
-                         "before dist_eval wrote receipts, or a merge of shards. Run the evaluation again with this "
-                         "version, then verify its --output-dir.")
+                         "before dist_eval wrote receipts, or a partial merge of shards. Run the evaluation again with "
+                         "this version, then verify its --output-dir.")
     rows = []
     with open(paths["predictions.jsonl"]) as f:
         for number, line in enumerate(f, 1):

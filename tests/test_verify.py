@@ -119,6 +119,28 @@ def test_the_streamed_local_backend_equals_the_in_memory_one_bit_for_bit(tiny_mo
                 assert blocks["model.layers.1.mlp.up_proj.weight"].device.type == "meta"  # freed after its forward
 
 
+def test_a_merge_of_shards_has_a_receipt_and_verifies(local_report, tiny_model, tiny_checkpoint, tmp_path, capsys):
+    """Two shards (--shard 0/2, 1/2) merged (dist_eval.shard_merge): the merge's receipt is the shards' model,
+    checkpoint and data with the merged rows' digests, and the merged report verifies, its rows evaluated again
+    in the whole set's plan equal bit for bit (a shard's batches are the whole set's)."""
+    from dist_eval import shard_merge
+
+    data = local_report[1]
+    shards = [tmp_path / f"shard{i}" for i in range(2)]
+    for i, folder in enumerate(shards):
+        _run(["--backend", "local", "--model", tiny_model, "--checkpoint", tiny_checkpoint, "--data-files", data,
+              "--batch-size", "4", "--save-logits", "--shard", f"{i}/2", "--output-dir", str(folder)])
+    merged = tmp_path / "merged"
+    assert shard_merge.main([*map(str, shards), "--output-dir", str(merged), "--quiet"]) == 0
+    receipt = json.load(open(merged / "metrics.json"))["run"]["receipt"]
+    whole = json.load(open(local_report[0] / "metrics.json"))["run"]["receipt"]
+    assert receipt["data"]["rows_digest"] == whole["data"]["rows_digest"] and receipt["settings"]["shard"] is None
+    assert [s["shard"] for s in receipt["shards"]] == ["0/2", "1/2"], receipt["shards"]
+    assert receipt["predictions_sha256"] == whole["predictions_sha256"]  # the merge is the whole run, byte for byte
+    code, said = _verify(merged, "--backend", "local", "--min-rows", "12", capsys=capsys)
+    assert code == 0 and "the 12 rows evaluated again agree with the report bit for bit" in said, said
+
+
 def test_an_edited_prediction_is_caught_and_named(local_report, tmp_path, capsys):
     copy = _copy(local_report[0], tmp_path)
     lines = open(copy / "predictions.jsonl").read().splitlines()

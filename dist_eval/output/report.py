@@ -220,8 +220,8 @@ def write_report(config: EvalConfig, out: str, result, say, texts: Optional[dict
                  receipt: Optional[Callable[[str], dict]] = None) -> None:
     """Rank 0: predictions.jsonl, metrics.json and the report files in ``out``; the summary; the tracker.
     ``receipt(the path of predictions.jsonl, written and closed)``: metrics.json's ``run.receipt``
-    (:mod:`dist_eval.receipt`; without it, as for a merge of shards, none: a receipt copied from elsewhere is
-    dropped, it would not be this report's).
+    (:mod:`dist_eval.receipt`; without one, or None from it, none: a receipt copied from elsewhere, as a
+    shard's into its merge's run facts, is dropped, it would not be this report's).
     """
     from dist_eval.output.files import write_metrics, write_predictions, write_report_files
     from dist_eval.output.report_facts import ReportFacts
@@ -231,8 +231,9 @@ def write_report(config: EvalConfig, out: str, result, say, texts: Optional[dict
     metrics = result.metrics
     predictions = write_predictions(out, result.predictions, metrics.get("label_names"), config.save_logits, texts)
     metrics.setdefault("run", {}).pop("receipt", None)
-    if receipt is not None:  # written once: the shutdown's rewrite of metrics.json keeps it as it is
-        metrics["run"]["receipt"] = receipt(predictions)
+    made = receipt(predictions) if receipt is not None else None
+    if made is not None:  # written once: the shutdown's rewrite of metrics.json keeps it as it is
+        metrics["run"]["receipt"] = made
     path = write_metrics(out, metrics)
     files = write_report_files(out, metrics)
     report = ReportFacts.of(metrics)  # read once: the summary and the tracker say the same
