@@ -1,4 +1,4 @@
-"""BLOOM and Falcon on a real private Petals swarm, through the CLI under torchrun: for no
+"""BLOOM and Falcon on a real private Petals swarm, through the CLI on forked ranks: for no
 tuning, ptune and deep_ptune, Petals N=2 equals local N=1 bit for bit (fp32), and (ptune) the
 predictions are identical for N = 1, 2, 3. One swarm per family (module fixture), in a
 layout petals cannot read as it is (BLOOM saved from BloomForCausalLM, Falcon from
@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import build_checkpoint, converted_family_swarm, read_jsonl, run_cli, write_csv
+from conftest import build_checkpoint, converted_family_swarm, read_jsonl, run_ranks, write_csv
 from inprocess_cli import run_cli_in_process
 
 pytestmark = [pytest.mark.swarm, pytest.mark.multiproc]
@@ -37,8 +37,9 @@ def family_swarm(request, tmp_path_factory):
             yield family, model, data, swarm
 
 
-def run(family_swarm, out, checkpoint_args, nproc, backend="petals", peers=True, env=None):
-    """The CLI's run: under torchrun (``env``: its environment's additions), or with ``nproc=1`` and
+def run(family_swarm, out, checkpoint_args, nproc, backend="petals", peers=True, env=None, zygote=None):
+    """The CLI's run: on ``nproc`` ranks forked by conftest's run_ranks (``env``: its environment's
+    additions; the ranks' computing is tested here, not torchrun's launch), or with ``nproc=1`` and
     the local backend or the CLI's own swarm in this process (one thread: a torchrun rank's bits)."""
     family, model, data, swarm = family_swarm
     args = ["--model", model, "--data-files", data, *checkpoint_args, "--output-dir", str(out),
@@ -52,7 +53,7 @@ def run(family_swarm, out, checkpoint_args, nproc, backend="petals", peers=True,
         with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
             assert run_cli_in_process(args, hide_modules=("matplotlib",)) == 0  # no figure looked at
     else:
-        proc = run_cli(args, nproc=nproc, timeout=400, env=env)
+        proc = run_ranks(zygote, args, nproc=nproc, timeout=400, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     rows = read_jsonl(out / "predictions.jsonl")
@@ -79,7 +80,7 @@ def petals_268_export(ck, folder):
 
 
 @pytest.mark.parametrize("tuning_mode", [None, "ptune", "deep_ptune"])
-def test_petals_n2_equals_local_n1_bitwise(family_swarm, tmp_path, tuning_mode, no_figures):
+def test_petals_n2_equals_local_n1_bitwise(family_swarm, tmp_path, tuning_mode, no_figures, rank_zygote):
     """Petals N=2 == local N=1, bit for bit. For BLOOM's ptune also the predictions identical for
     N = 1, 2, 3 (merged here from test_predictions_identical_for_n_1_2_3, issue 46, whose N=2 run
     repeated this one's): N=1 on the CLI's own swarm (--local-servers 1), N=2 from petals #268's
@@ -88,7 +89,7 @@ def test_petals_n2_equals_local_n1_bitwise(family_swarm, tmp_path, tuning_mode, 
     family = family_swarm[0]
     ck = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode=tuning_mode, pre_seq_len=3)
     petals_args = petals_268_export(ck, tmp_path) if tuning_mode == "ptune" else ["--checkpoint", ck]
-    petals = run(family_swarm, tmp_path / "petals2", petals_args, nproc=2, env=no_figures)
+    petals = run(family_swarm, tmp_path / "petals2", petals_args, nproc=2, env=no_figures, zygote=rank_zygote)
     if tuning_mode == "deep_ptune":  # the local run reads petals' own state dict form
         tensors = torch.load(ck, weights_only=True)["state_dict"]
         ck = petals_state_dict(str(tmp_path / "petals_sd.pt"), family, tensors)
@@ -100,5 +101,5 @@ def test_petals_n2_equals_local_n1_bitwise(family_swarm, tmp_path, tuning_mode, 
         # any N's equality is the batch plan's, not the family's (N = 1, 2 on the Llama swarm too:
         # tests/test_backends_petals.py): checked on one family (issue 46: Falcon's two runs, ~40 s, dropped)
         one = run(family_swarm, tmp_path / "n1", ["--checkpoint", ck], nproc=1, peers=False)  # the CLI's own swarm
-        three = run(family_swarm, tmp_path / "n3", ["--checkpoint", ck], nproc=3, env=no_figures)
+        three = run(family_swarm, tmp_path / "n3", ["--checkpoint", ck], nproc=3, env=no_figures, zygote=rank_zygote)
         assert one == petals == three
