@@ -218,14 +218,14 @@ def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = "
             family, intermediate_size=16, intermediate_size_mlp=64, num_hidden_layers=num_layers, num_key_value_heads=2,
             head_dim=16, max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2,
             interleave_moe_layer_step=2, **common)
-    if family in ("qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet and (every 4th) gated full attention; experts
+    if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # Gated DeltaNet and (every 4th) gated attention; experts
         from transformers import AutoConfig
 
         from dist_eval.backends.blocks import register
 
         register()
         experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                       shared_expert_intermediate_size=24) if family == "qwen3_5_moe" else {}
+                       shared_expert_intermediate_size=24) if family in ("qwen3_5_moe", "qwen3_next") else {}
         return AutoConfig.for_model(
             family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2, head_dim=16,
             max_position_embeddings=128, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,

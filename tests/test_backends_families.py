@@ -84,11 +84,15 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
             assert shapes["self_attn.q_a_layernorm.weight"] == (6,) and shapes["self_attn.q_b_proj.weight"] == (12, 6)
             assert shapes["self_attn.kv_a_proj_with_mqa.weight"] == (6, 8)  # kv_lora_rank + qk_rope_head_dim
             assert shapes["self_attn.kv_b_proj.weight"] == (14, 4) and shapes["self_attn.o_proj.weight"] == (8, 6)
-        elif name in ("qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet blocks 0-2, then gated attention (q twice as wide)
-            if index == 3:
+        elif name in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # Gated DeltaNet blocks 0-2, then gated attention
+            if index == 3:  # (q twice as wide)
                 assert shapes["self_attn.q_proj.weight"] == (24, 8) and shapes["self_attn.q_norm.weight"] == (6,)
             else:
                 assert shapes["linear_attn.conv1d.weight"][1:] == (1, 4) and "self_attn.q_proj.weight" not in shapes
+                # Qwen3-Next: q, k, v, z from one projection and b, a from another, laid out per key head
+                fused = {"linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"}
+                assert (fused <= set(shapes)) == (name == "qwen3_next")
+                assert ("linear_attn.in_proj_qkv.weight" in shapes) == (name != "qwen3_next")
         elif name == "llama4_text":  # no q/k norm weights (an L2 norm), experts fused, a dense MLP of its own size
             assert "self_attn.q_norm.weight" not in shapes and shapes["self_attn.q_proj.weight"] == (12, 8)
             assert shapes.get("feed_forward.experts.gate_up_proj", (4, 8, 32)) == (4, 8, 32)
@@ -102,7 +106,8 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
     # Qwen3-MoE: blocks 1 and 3 by the step, 3 dense by its list; GLM-4.5: from first_k_dense_replace on;
     # Mixtral: every block
     assert experts == {"qwen3_moe": [1], "glm4_moe": [2, 3], "mixtral": [0, 1, 2, 3], "deepseek_v3": [2, 3],
-                       "kimi_k2": [2, 3], "llama4_text": [1, 3], "qwen3_5_moe": [0, 1, 2, 3]}.get(name, [])
+                       "kimi_k2": [2, 3], "llama4_text": [1, 3], "qwen3_5_moe": [0, 1, 2, 3],
+                       "qwen3_next": [1]}.get(name, [])  # Qwen3-Next: Qwen3-MoE's rule
 
 
 def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
@@ -117,7 +122,7 @@ def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
         text = str(caught.value)
     assert "\n" not in text and text.startswith("--model /m: config.json has model_type 'gpt2'")
     assert text.endswith("the families that work: bloom, deepseek_v3, falcon, glm4_moe, kimi_k2, llama, llama4_text, "
-                         "mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe "
+                         "mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next "
                          "(docs/models-and-checkpoints.md).")
     old_falcon = types.SimpleNamespace(model_type="falcon", new_decoder_architecture=False, multi_query=True)
     with pytest.raises(UsageError, match="old multi-query layout .*the families that work: bloom, deepseek_v3, "):
@@ -173,7 +178,7 @@ def test_the_cli_refuses_a_family_petals_cannot_serve_up_front(tmp_path, capsys,
     assert errors[0] == (f"dist_eval: error: --model {model}: {why}{shown}"
                          ": not a model dist_eval computes; the families that work: bloom, deepseek_v3, falcon, "
                          "glm4_moe, kimi_k2, llama, llama4_text, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, "
-                         "qwen3_moe "
+                         "qwen3_moe, qwen3_next "
                          "(docs/models-and-checkpoints.md).")
     assert not (tmp_path / "out").exists()  # refused before any work (no swarm, no output folder)
 

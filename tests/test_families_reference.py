@@ -39,9 +39,10 @@ from dist_eval.backends.blocks import SERVER_VERSION_MARK
 TOLERANCE = 1e-4
 GENERATIONS = {"4": "4.57", "5": "5."}  # the transformers that made each reference (launch/install_reference.sh)
 KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4_text",
-         "qwen3_5", "qwen3_5_moe")
-# the families only a later transformers has (Qwen3.5: 5.2 on): checked against that one alone
-MADE_BY = {"qwen3_5": ("5",), "qwen3_5_moe": ("5",)}
+         "qwen3_5", "qwen3_5_moe", "qwen3_next")
+# the families only a later transformers has (Qwen3.5: 5.2 on): checked against that one alone; Qwen3-Next (4.57
+# has it too) against 5.x alone, the transformers issue 72 names
+MADE_BY = {"qwen3_5": ("5",), "qwen3_5_moe": ("5",), "qwen3_next": ("5",)}
 # on a swarm, end to end (torchrun N=2, the run's own one-server swarm, the config read in the server process):
 # the 5.x-saved Llama 3 (rope_parameters with llama3 scaling) and Qwen3-MoE (num_local_experts), and the
 # 4.57-saved DeepSeek-V3 from its FP8 folder (the servers dequantize it as they load). Every family's server
@@ -50,6 +51,10 @@ MADE_BY = {"qwen3_5": ("5",), "qwen3_5_moe": ("5",)}
 # (about 13-30 s each on 2 cores) would add only the wire and the process, which these three check.
 # Qwen3.5-MoE's run is also the dense Qwen3.5's (the same hybrid blocks; its own run passed, 19d6d94, left out
 # for the time budget)
+# Qwen3-Next has no swarm run of its own: its server-side paths are Qwen3.5-MoE's (the hybrid blocks, the gated
+# shared expert, the 1 + weight final norm on the client), the per-key-head projections and a dense block between
+# mixtures are block internals, equal to the local blocks bit for bit in-process (the server blocks' test); its
+# own run passed once (81 s, with the reference), left out for the time budget
 SWARM_CASES = (("5", "llama3"), ("5", "qwen3_moe"), ("4", "deepseek_v3"), ("5", "qwen3_5_moe"))
 SWARM_FOLDER = {"deepseek_v3": "deepseek_v3_fp8"}  # the servers dequantize the FP8 folder as they load
 # every family of the family table (llama3: model_type llama; kimi_k2: DeepSeek-V3's block under its own name)
@@ -283,6 +288,28 @@ def test_qwen3_5_reads_its_text_model_alone_and_mixes_its_blocks_as_released(ref
     assert [type(layer.self_attn) for layer in backbone.layers] == [GatedDeltaNet] * 3 + [GatedAttention]
     mixtures = [isinstance(layer.mlp, GatedSharedMoeMLP) for layer in backbone.layers]
     assert mixtures == [kind == "qwen3_5_moe"] * 4
+
+
+def test_qwen3_next_holds_exactly_its_saved_tensors_and_mixes_as_transformers(reference5):
+    """Qwen3-Next (a flat Qwen3NextForCausalLM save): the local model holds exactly the saved text model's
+    tensors (the linear blocks' in_proj_qkvz / in_proj_ba read as saved, laid out per key head), blocks 0-2
+    Gated DeltaNet and block 3 gated attention by layer_types, the mixture with its gated shared expert where
+    Qwen3-MoE's rule puts it (block 1 dense by mlp_only_layers, as transformers built it)."""
+    from safetensors.torch import load_file
+
+    from dist_eval.backends import load_model
+    from dist_eval.backends.layers import GatedAttention, GatedSharedMoeMLP, InterleavedGatedDeltaNet
+
+    out, _ = reference5
+    model = load_model("local", str(out / "qwen3_next"), **trained(reference5, "qwen3_next", "head"))
+    backbone = model.module.hf_model.model
+    saved = load_file(str(out / "qwen3_next" / "model.safetensors"))
+    text = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+    held = backbone.state_dict()
+    assert set(held) == set(text) and all(torch.equal(held[k], v) for k, v in text.items())
+    assert [type(layer.self_attn) for layer in backbone.layers] == [InterleavedGatedDeltaNet] * 3 + [GatedAttention]
+    assert [isinstance(layer.mlp, GatedSharedMoeMLP) for layer in backbone.layers] == [True, False, True, True]
+    assert "layers.1.mlp.gate_proj.weight" in text and "layers.0.mlp.shared_expert_gate.weight" in text
 
 
 def test_the_chunked_gated_delta_rule_is_the_recurrence_and_a_padded_row_the_row_alone():

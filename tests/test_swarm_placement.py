@@ -44,6 +44,13 @@ QWEN3_5_397B = {"model_type": "qwen3_5_moe", "text_config": dict(
     linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10,
     moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
     layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 15)}
+# Qwen3-Next-80B-A3B (a flat config): Qwen3.5-MoE's hybrid, 512 experts (10 per token) and a gated shared expert
+QWEN3_NEXT_80B = dict(
+    model_type="qwen3_next", hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    num_hidden_layers=48, intermediate_size=5120, linear_num_key_heads=16, linear_num_value_heads=32,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+    num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512, decoder_sparse_step=1,
+    mlp_only_layers=[], full_attention_interval=4, vocab_size=151936)
 MIXTRAL_8X22B = dict(model_type="mixtral", hidden_size=6144, num_attention_heads=48, num_key_value_heads=8,
                      num_hidden_layers=56, intermediate_size=16384, num_local_experts=8)
 
@@ -104,6 +111,23 @@ def test_a_hybrids_linear_and_full_blocks_are_each_sized_by_their_own_weights(tm
     assert len(moe) == 60 and moe[:4] == [moe[0]] * 3 + [moe[3]] and moe[3] < moe[0]
     assert 13.15 * GB < moe[0] < 13.16 * GB and 13.12 * GB < moe[3] < 13.13 * GB
     assert 788.6 * GB < sum(moe) < 788.7 * GB
+
+
+def test_qwen3_next_blocks_are_sized_by_their_own_weights_and_qwen3_moes_rule(tmp_path):
+    """Qwen3-Next-80B-A3B's published shapes (no weights): a Gated DeltaNet block 3.297 GB in bf16, a gated
+    attention one 3.284 GB (their mixtures alike: 512 experts and a gated shared expert), 158.1 GB of blocks
+    (79.7B parameters with the embeddings and the head: the release's 80B); a block mlp_only_layers names
+    is dense (its MLP of intermediate_size: 0.130 GB)."""
+    from dist_eval.swarm.placement import read_num_blocks
+
+    sizes = [2 * n for n in block_parameters(QWEN3_NEXT_80B)]
+    assert len(sizes) == 48 and sizes[:4] == [sizes[0]] * 3 + [sizes[3]] and sizes[4:8] == sizes[:4]
+    assert 3.297 * GB < sizes[0] < 3.298 * GB and 3.284 * GB < sizes[3] < 3.285 * GB
+    assert 158.1 * GB < sum(sizes) < 158.2 * GB
+    dense = 2 * block_parameters({**QWEN3_NEXT_80B, "mlp_only_layers": [0]})[0]
+    assert 0.130 * GB < dense < 0.131 * GB
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_NEXT_80B))
+    assert read_num_blocks(str(tmp_path)) == 48
 
 
 def test_servers_take_as_many_blocks_as_fit_their_share_by_each_blocks_size():

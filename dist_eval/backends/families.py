@@ -205,7 +205,6 @@ NOT_COMPUTED = {
     "qwen2_moe": "mixture-of-experts blocks with a shared expert",
     "gemma": "scaled embeddings and GeGLU blocks", "gemma2": "soft-capped, alternating sliding attention",
     "gemma3": "soft-capped, alternating sliding attention", "phi3": "fused projections and longrope",
-    "qwen3_next": "linear-attention (Gated DeltaNet) layers beside full attention",
     "glm5_next": "linear-attention layers beside full attention",
     "deepseek_v32": "sparse attention (an indexer keeping index_topk positions per query)",
     "deepseek_v4": "compressed sparse attention and hyper-connections (a widened residual stream)",
@@ -506,6 +505,18 @@ FAMILIES["qwen3_5_moe"] = dataclasses.replace(
     local_lm_class="Qwen3_5MoeForCausalLM", block_options=QWEN3_5_OPTIONS + (
         ("mixture_of_experts", "shared_gate"), ("num_experts", 256), ("num_experts_per_tok", 8),
         ("moe_intermediate_size", 512), ("shared_expert_intermediate_size", 512), ("norm_topk_prob", True)))
+
+# Qwen3-Next (qwen3_next: 80B-A3B Instruct / Thinking): Qwen3.5-MoE's hybrid blocks without the
+# vision-language wrapper (a *ForCausalLM save, model.* keys, config.json flat); its Gated DeltaNet reads
+# two projections laid out per key head (backends.layers.InterleavedGatedDeltaNet: in_proj_qkvz, in_proj_ba);
+# a mixture with a gated shared expert where Qwen3-MoE's rule puts one (decoder_sparse_step, mlp_only_layers:
+# every block in the release), the dense MLP of intermediate_size elsewhere; transformers 5.x's defaults
+FAMILIES["qwen3_next"] = _built_on_llama(
+    "qwen3_next", "Qwen3Next", layer_types=("linear_attention",), block_options=QWEN3_5_OPTIONS + (
+        ("interleaved_projections", True), ("mixture_of_experts", "shared_gate"), ("moe_by_step", True),
+        ("num_experts", 512), ("num_experts_per_tok", 10), ("moe_intermediate_size", 512),
+        ("shared_expert_intermediate_size", 512), ("norm_topk_prob", True), ("decoder_sparse_step", 1),
+        ("mlp_only_layers", ()), ("intermediate_size", 5632)))
 
 
 def tokenizers_calling_the_base() -> frozenset:

@@ -1,13 +1,15 @@
 """The block parts dist_eval computes itself, in plain torch, for the families whose block the
 pinned transformers (4.33) has no class for: those with the block option ``own_layers`` in the
 family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5, Mixtral, DeepSeek-V3,
-Llama 4, Qwen3.5 and Qwen3.5-MoE).
+Llama 4, Qwen3.5, Qwen3.5-MoE and Qwen3-Next).
 
 - Qwen3.5's hybrid (the block option ``gated_delta_net``): by ``layer_types`` (:func:`layer_type`) a
   :class:`GatedDeltaNet` block (linear attention: :func:`gated_delta_rule` over the whole row) or a
   :class:`GatedAttention` one (an output gate from a q projection twice as wide), norms of
   :class:`OffsetRMSNorm` (1 + weight), the backbone's final one too (:func:`own_final_norm`); Qwen3.5-MoE's
   mixture in every block, :class:`GatedSharedMoeMLP` (the block option ``mixture_of_experts`` "shared_gate").
+  Qwen3-Next: the same blocks, its linear attention's projections laid out per key head
+  (:class:`InterleavedGatedDeltaNet`), its mixtures where Qwen3-MoE's rule puts them (``moe_by_step``).
 
 - :class:`QkNormAttention`: Llama's attention with an RMSNorm over each head's q and k
   (``q_norm``, ``k_norm``, a weight of ``head_dim`` values) before RoPE when ``use_qk_norm``
@@ -109,8 +111,8 @@ def is_sparse(config, index: int) -> bool:
         return (getattr(config, "n_routed_experts", 0) or 0) > 0 and index >= config.first_k_dense_replace
     if router == MIXTRAL:
         return (getattr(config, "num_local_experts", 0) or 0) > 0
-    if router == SHARED_GATE:  # Qwen3.5-MoE: every block (its config has no dense blocks)
-        return (getattr(config, "num_experts", 0) or 0) > 0
+    if router == SHARED_GATE and not getattr(config, "moe_by_step", False):  # Qwen3.5-MoE: every block (its
+        return (getattr(config, "num_experts", 0) or 0) > 0  # config has no dense blocks); Qwen3-Next: Qwen3-MoE's rule
     experts = getattr(config, "num_experts", 0) or 0
     dense = getattr(config, "mlp_only_layers", None) or ()
     return experts > 0 and index not in dense and (index + 1) % getattr(config, "decoder_sparse_step", 1) == 0
@@ -342,11 +344,15 @@ class GatedDeltaNet(LlamaAttention):
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
         self.norm = GatedRMSNorm(self.value_dim, eps=config.rms_norm_eps)
         self.out_proj = nn.Linear(values, self.hidden_size, bias=False)
+        self._build_projections()
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def _build_projections(self) -> None:
+        values = self.value_heads * self.value_dim
         self.in_proj_qkv = nn.Linear(self.hidden_size, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(self.hidden_size, values, bias=False)
         self.in_proj_b = nn.Linear(self.hidden_size, self.value_heads, bias=False)
         self.in_proj_a = nn.Linear(self.hidden_size, self.value_heads, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_value: Optional[tuple] = None,
@@ -354,9 +360,7 @@ class GatedDeltaNet(LlamaAttention):
         if past_key_value is not None:  # nothing is cached (a use_cache forward gets None to keep)
             raise NotImplementedError("the Gated DeltaNet block computes whole rows in one pass (no cache)")
         bsz, positions, _ = hidden_states.shape
-        mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)
-        gate = self.in_proj_z(hidden_states).reshape(bsz, positions, -1, self.value_dim)
-        b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+        mixed, gate, b, a = self._projections(hidden_states)
         mixed = F.conv1d(mixed.to(self.conv1d.weight.dtype), self.conv1d.weight, None, padding=self.kernel - 1,
                          groups=self.conv_dim)[:, :, :positions]
         mixed = self.act_fn(mixed).to(hidden_states.dtype).transpose(1, 2)
@@ -370,6 +374,40 @@ class GatedDeltaNet(LlamaAttention):
         output = gated_delta_rule(query, key, value, decay, beta)
         output = self.norm(output.reshape(-1, self.value_dim), gate.reshape(-1, self.value_dim))
         return self.out_proj(output.reshape(bsz, positions, -1)), None, None
+
+    def _projections(self, hidden_states: torch.Tensor) -> tuple:
+        """(q, k and v for the convolution [batch, channels, positions], the norm's gate [batch, positions,
+        value heads, value_head_dim], b and a [batch, positions, value heads]) of ``hidden_states``.
+        """
+        bsz, positions, _ = hidden_states.shape
+        mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)
+        gate = self.in_proj_z(hidden_states).reshape(bsz, positions, -1, self.value_dim)
+        return mixed, gate, self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+
+
+class InterleavedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's linear attention (the block option ``interleaved_projections``): :class:`GatedDeltaNet`'s
+    computation from two projections laid out per key head, as transformers 5.x's ``Qwen3NextGatedDeltaNet``
+    reads them: ``in_proj_qkvz`` gives, for each key head in turn, its q, its k, then the v and z of the
+    value heads it serves; ``in_proj_ba`` gives, for each key head, the b then the a of those value heads.
+    """
+
+    def _build_projections(self) -> None:
+        values = self.value_heads * self.value_dim
+        self.in_proj_qkvz = nn.Linear(self.hidden_size, 2 * self.key_heads * self.key_dim + 2 * values, bias=False)
+        self.in_proj_ba = nn.Linear(self.hidden_size, 2 * self.value_heads, bias=False)
+
+    def _projections(self, hidden_states: torch.Tensor) -> tuple:
+        bsz, positions, _ = hidden_states.shape
+        group = self.value_heads // self.key_heads  # the value heads of a key head
+        qkvz = self.in_proj_qkvz(hidden_states).view(bsz, positions, self.key_heads, -1)
+        ba = self.in_proj_ba(hidden_states).view(bsz, positions, self.key_heads, -1)
+        query, key, value, gate = torch.split(
+            qkvz, [self.key_dim, self.key_dim, group * self.value_dim, group * self.value_dim], dim=3)
+        b, a = torch.split(ba, [group, group], dim=3)
+        mixed = torch.cat([x.reshape(bsz, positions, -1) for x in (query, key, value)], dim=-1).transpose(1, 2)
+        gate = gate.reshape(bsz, positions, -1, self.value_dim)
+        return mixed, gate, b.reshape(bsz, positions, self.value_heads), a.reshape(bsz, positions, self.value_heads)
 
 
 def layer_type(config, index: int) -> str:
@@ -866,7 +904,8 @@ def build_layer_parts(layer: nn.Module, config, index: int) -> None:
     layer.hidden_size = config.hidden_size
     hybrid = bool(getattr(config, "gated_delta_net", False))
     if hybrid and layer_type(config, index) == "linear_attention":  # its tensors are linear_attn.*
-        layer.linear_attn = GatedDeltaNet(config)
+        interleaved = getattr(config, "interleaved_projections", False)
+        layer.linear_attn = (InterleavedGatedDeltaNet if interleaved else GatedDeltaNet)(config)
         object.__setattr__(layer, "self_attn", layer.linear_attn)  # what the pinned layer's forward calls
     elif hybrid:
         layer.self_attn = GatedAttention(config)

@@ -164,8 +164,10 @@ def block_parameters(config: dict) -> List[int]:
             for i in range(count)]
 
 
-HYBRIDS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet and full attention (the
-# last two: a mixture in every block)
+# Gated DeltaNet and full attention; HYBRID_MIXTURES: a mixture with a gated shared expert (in every block but
+# Qwen3-Next's, by Qwen3-MoE's rule: decoder_sparse_step, mlp_only_layers)
+HYBRID_MIXTURES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+HYBRIDS = ("qwen3_5", "qwen3_5_text") + HYBRID_MIXTURES
 
 
 def _mixer_parameters(config: dict, index: int) -> int:
@@ -237,15 +239,14 @@ def _mlp_parameters(config: dict, index: int) -> int:
     if config.get("n_routed_experts") and index >= config.get("first_k_dense_replace", 0):
         experts, inner = config["n_routed_experts"], config["moe_intermediate_size"]
         return experts * (gated(inner) + hidden + 1) + gated(inner * config.get("n_shared_experts", 1))
-    if config.get("num_experts") and kind in HYBRIDS[2:]:  # the hybrid MoE: every block; a gated shared expert
-        shared = config.get("shared_expert_intermediate_size", 512)
+    sparse = index not in (config.get("mlp_only_layers") or ()) and (
+        (index + 1) % config.get("decoder_sparse_step", 1) == 0)
+    if config.get("num_experts") and kind in HYBRID_MIXTURES and (sparse or kind != "qwen3_next"):
+        shared = config.get("shared_expert_intermediate_size", 512)  # a gated shared expert
         return config["num_experts"] * (gated(config.get("moe_intermediate_size", 512)) + hidden) + gated(
             shared) + hidden
-    if config.get("num_experts") and kind == "qwen3_moe":
-        sparse = index not in (config.get("mlp_only_layers") or ()) and (
-            (index + 1) % config.get("decoder_sparse_step", 1) == 0)
-        if sparse:
-            return config["num_experts"] * (gated(config["moe_intermediate_size"]) + hidden)
+    if config.get("num_experts") and kind == "qwen3_moe" and sparse:
+        return config["num_experts"] * (gated(config["moe_intermediate_size"]) + hidden)
     return gated(config["intermediate_size"])
 
 

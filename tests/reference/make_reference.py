@@ -61,7 +61,9 @@ tower, the text model under ``model.language_model.``; 4 blocks by ``layer_types
 quarter of each head, MRoPE sections given); its norms' offsets (1 + weight), ``dt_bias`` and the linear
 norm drawn. Its reference: the text model's last final hidden state times the head. Qwen3.5-MoE
 (``qwen3_5_moe``): the same, every block's MLP a mixture of 8 experts of 32 (2 per token, saved per expert
-as the releases are) and a shared expert of 48 behind its sigmoid gate.
+as the releases are) and a shared expert of 48 behind its sigmoid gate. Qwen3-Next (``qwen3_next``, made by
+the 5.x environment alone though 4.57 has it): Qwen3.5-MoE's blocks in a flat ``Qwen3NextForCausalLM`` save
+(its linear attention's projections laid out per key head), block 1 dense by ``mlp_only_layers``.
 
 BLOOM and Falcon (the 40B layout: the new decoder architecture, 2 key/value heads, RoPE at theta 50000, so
 that a reader taking the default 10000 is caught), byte-level BPE tokenizers. Kimi K2 (``kimi_k2``) has no
@@ -243,6 +245,8 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
     if kind == "qwen3_5_moe":  # Qwen3.5-MoE as released: every block a mixture, 2 of 8 experts + a gated shared one
         return transformers.Qwen3_5MoeConfig(text_config={**common, **QWEN3_5, **QWEN3_5_MOE},
                                              vision_config=QWEN3_5_VISION, tie_word_embeddings=False)
+    if kind == "qwen3_next":  # Qwen3-Next-style: Qwen3.5-MoE's hybrid, flat (no vision tower); block 1 dense
+        return transformers.Qwen3NextConfig(**{**common, **QWEN3_NEXT})
     if kind == "glm4_moe":  # GLM-4.5-style, with n_group 2 (the flagship's 1) so that the grouped choice counts
         return transformers.Glm4MoeConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, **GLM_MOE, **common)
     return transformers.Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
@@ -273,6 +277,13 @@ QWEN3_5 = dict(head_dim=HEAD_DIM, layer_types=["linear_attention"] * 3 + ["full_
                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
 QWEN3_5_MOE = dict(num_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN,
                    moe_intermediate_size=EXPERT_INTERMEDIATE, shared_expert_intermediate_size=48)
+# Qwen3-Next (qwen3_next): Qwen3.5-MoE's blocks, 4 value heads of 16 on 2 key heads (their projections laid out
+# per key head), experts by Qwen3-MoE's rule: mlp_only_layers [1] leaves block 1 dense (the release: none)
+QWEN3_NEXT = dict(
+    head_dim=HEAD_DIM, layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    decoder_sparse_step=1, mlp_only_layers=[1], **QWEN3_5_MOE)
 QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN,
                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 FP8_BLOCK = (24, 24)  # the tiny model's tiles (the flagship's 128 x 128): partial ones at the edges
@@ -280,10 +291,13 @@ FP8_MAX = 448.0  # the largest e4m3 value
 CLASSES = {"bloom": "Bloom", "falcon": "Falcon",
            "llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
            "glm4_moe": "Glm4Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "llama4_text": "Llama4",
-           "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}
+           "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen3_next": "Qwen3Next"}
 # vision-language releases: saved from *ForConditionalGeneration, the text model under model.language_model.
 # beside a vision tower; the reference is the text model's last final hidden state times the head
 VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")
+OFFSET_NORMS = VISION_LANGUAGE + ("qwen3_next",)  # norms scaling by 1 + weight (zeros at first)
+# families checked against transformers 5.x alone, though an earlier one has them (Qwen3-Next: 4.57 on)
+LATER = {"qwen3_next": 5}
 # transformers has no *ForSequenceClassification: the backbone times the head
 NO_CLASSIFIER = ("glm4_moe", "llama4_text")
 
@@ -399,7 +413,8 @@ def make(kind: str, out: str) -> dict:
                 tensor.uniform_(0.5, 1.5)
             elif key.endswith(("mlp.gate.weight", "moe.gate.weight", "router.weight")):  # a router far from uniform
                 tensor.normal_(0.0, 0.3)
-            elif kind in VISION_LANGUAGE and key.endswith(("layernorm.weight", "language_model.norm.weight")):
+            elif kind in OFFSET_NORMS and key.endswith(("layernorm.weight", "language_model.norm.weight")) or (
+                    kind == "qwen3_next" and key == "model.norm.weight"):
                 tensor.normal_(0.0, 0.3)  # Qwen3.5's norms scale by 1 + weight: zeros at first
             elif key.endswith(("linear_attn.norm.weight", "dt_bias")):
                 tensor.uniform_(0.5, 1.5)
@@ -449,7 +464,9 @@ def main(out: str) -> None:
     # busy, the mixtures' index_add_ took 22 ms a call with two: 42 s of the makes, 9 s with one)
     torch.set_num_threads(1)
     # the families of a later transformers than this one (Qwen3.5: 5.2 on) are made by the later one alone
-    cases = {kind: make(kind, out) for kind, name in CLASSES.items() if hasattr(transformers, f"{name}Config")}
+    major = int(transformers.__version__.split(".")[0])
+    cases = {kind: make(kind, out) for kind, name in CLASSES.items()
+             if hasattr(transformers, f"{name}Config") and major >= LATER.get(kind, 0)}
     cases["kimi_k2"] = {**cases["deepseek_v3"], "folder": "kimi_k2"}  # DeepSeek-V3's block, numbers, prompts + head
     shutil.copyfile(os.path.join(out, "deepseek_v3.trainable.safetensors"),
                     os.path.join(out, "kimi_k2.trainable.safetensors"))
