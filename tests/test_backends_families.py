@@ -194,3 +194,28 @@ def test_head_needs_a_checkpoint_and_demo_family_needs_the_demo(tmp_path, capsys
     (model / "config.json").write_text('{"model_type": "bloom"}')
     assert run_cli_in_process(["--model", str(model), "--data-files", "x.csv", "--demo-family", "bloom"]) == 2
     assert "--demo-family bloom: only for the built-in demo (no --model)." in capsys.readouterr().err
+
+
+def test_fp8_tiles_of_a_weight_ending_in_a_partial_tile_after_a_full_one_are_read_value_by_value():
+    """DeepSeek-V3's FP8 128 x 128 tiles (MiniMax-M2's too) on a weight whose last tile is partial after a
+    full one (192 rows: 128 + 64; 200 columns: 128 + 72), the case transformers 5.23's CPU reader mis-sizes
+    (issue 72): each value is its e4m3 value times the scale of the tile it is in, checked value by value
+    against the tile index (row // 128, column // 128); a scale of the whole tiles' count alone (1 x 1, what
+    dropping the partial tile gives) is refused in one line naming both shapes."""
+    from dist_eval.backends.layers import dequantize_fp8
+    from dist_eval.errors import UsageError
+
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(192, 200, generator=g) * 100).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[0.5, 2.0], [3.0, 0.25]])
+    tensors = {"q_b_proj.weight": weight, "q_b_proj.weight_scale_inv": scale}
+    dequantize_fp8(tensors, (128, 128))
+    assert set(tensors) == {"q_b_proj.weight"} and tensors["q_b_proj.weight"].dtype == torch.float32
+    rows, cols = torch.meshgrid(torch.arange(192), torch.arange(200), indexing="ij")
+    expected = weight.float() * scale[rows // 128, cols // 128]
+    assert torch.equal(tensors["q_b_proj.weight"], expected)
+    assert torch.equal(tensors["q_b_proj.weight"][128:, 128:], weight[128:, 128:].float() * 0.25)  # the partial one
+    with pytest.raises(UsageError) as e:
+        dequantize_fp8({"w.weight": weight, "w.weight_scale_inv": scale[:1, :1]}, (128, 128), where="/m")
+    assert "\n" not in str(e.value) and "(1, 1)" in str(e.value) and "(192, 200)" in str(e.value)
+    assert "needs (2, 2)" in str(e.value)
