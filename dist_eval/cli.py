@@ -67,6 +67,7 @@ def checked_config(**flags) -> EvalConfig:
     from dist_eval.backends.peft_adapter import refuse_as_model
     from dist_eval.demo import shipped_families
     from dist_eval.output.tracking import check_tracker
+    from dist_eval.receipt import check_signing_key
     from dist_eval.swarm.devices import DEVICE_REQUEST
 
     if flags.get("shard") is None:  # a SLURM job array's task: its shard of the array
@@ -76,6 +77,7 @@ def checked_config(**flags) -> EvalConfig:
         raise UsageError("expected auto, cpu, cuda (every visible GPU) or cuda:K.", param="local_device",
                          value=config.local_device)
     check_tracker(config.report_to)  # a missing wandb/tensorboard fails here, before any work
+    check_signing_key(config.sign)  # --sign KEY: an Ed25519 private key, before any work
     if config.model is not None:  # a file, or a PEFT adapter's folder, named as what it is
         refuse_as_model(config.model)
     if config.model is not None and os.path.isdir(config.model):  # a hub id: once its config is fetched

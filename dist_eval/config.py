@@ -471,6 +471,9 @@ class EvalConfig:
     progress: str = setting("auto", _PROGRESS, choices=["auto", "bar", "log", "none"])
     report_to: str = setting("none", "Also log the final metrics and confusion matrix to wandb or tensorboard "
                                      "(its package must be installed).", choices=["none", "wandb", "tensorboard"])
+    sign: Optional[str] = setting(None, "Sign the report's receipt (metrics.json's run.receipt) with this Ed25519 "
+                                        "private key (a PEM file, unencrypted); the public key goes in the receipt. "
+                                        "python -m dist_eval.verify --key checks it.", metavar="KEY")
     # the shared settings: not flags themselves, their fields are
     settings: Settings = field(default_factory=Settings, metadata={"shared": True})
     options: Options = field(default_factory=Options, metadata={"shared": True})

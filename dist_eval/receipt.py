@@ -6,9 +6,11 @@ checkout), the numeric environment, the swarm audit's summary, and the digests o
 (the file as written on disk, closed) and of the metrics. ``python -m dist_eval.verify OUT``
 (:mod:`dist_eval.verify`) checks a report against it.
 
-Not signed: a receipt says what made the numbers and lets anyone check them against the files and a model
-of their own; it does not prove who wrote it (anyone who edits a report can write a receipt that matches
-the edit: what catches that is checking the numbers, which ``verify`` does).
+Signed with ``--sign KEY`` (an Ed25519 key, through the ``cryptography`` package hivemind installs): the
+public key is in the receipt, and a verifier who knows it (``verify --key``) knows the receipt is the key
+holder's, unchanged. Unsigned, a receipt says what made the numbers and lets anyone check them against the
+files and a model of their own, but not who wrote it (anyone who edits a report can write a receipt that
+matches the edit: what catches that is checking the numbers, which ``verify`` does).
 """
 from __future__ import annotations
 
@@ -192,7 +194,7 @@ def build(session, pair, result, rows, predictions_path: str) -> dict:
     settings = {**job.settings.as_dict(), **{name: getattr(config.options, name, None) for name in NUMBER_OPTIONS},
                 "split": job.split, "tuning_mode": config.tuning_mode, "pre_seq_len": config.pre_seq_len,
                 "num_labels": config.num_labels, "label_names": metrics.get("label_names")}
-    return {
+    return signed({
         "format": FORMAT,
         "backend": config.backend,
         "model": {"path": os.path.abspath(job.model_dir), "files": dict(folder.get("files") or []),
@@ -214,7 +216,7 @@ def build(session, pair, result, rows, predictions_path: str) -> dict:
         "promise": promise(metrics),
         "predictions_sha256": predictions_digest(predictions_path),
         "metrics_sha256": metrics_digest(metrics),
-    }
+    }, getattr(config, "sign", None))
 
 
 def predictions_digest(path: str) -> str:
@@ -241,6 +243,7 @@ def merged(shard_receipts: Sequence[Optional[dict]], metrics: dict, merged_rows,
         promise_.update(same_numerics="within tolerance", why="the shards were computed with other numerics, or "
                         "one of them promised no more")
     indices = np.asarray(merged_rows.indices, dtype=np.int64)
+    first = {k: v for k, v in first.items() if k != "signature"}  # a shard's: it would not verify the merge's
     return {
         **first,
         "settings": {**(first.get("settings") or {}), "shard": None},
@@ -254,3 +257,65 @@ def merged(shard_receipts: Sequence[Optional[dict]], metrics: dict, merged_rows,
         "predictions_sha256": predictions_digest(predictions_path),
         "metrics_sha256": metrics_digest(metrics),
     }
+
+
+# ------------------------------------------------------------------------------- signing (--sign KEY)
+
+def _private_key(path: str):
+    """The Ed25519 private key of a PEM file; a UsageError naming --sign otherwise."""
+    from dist_eval.errors import UsageError
+
+    try:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+        from cryptography.hazmat.primitives.serialization import load_pem_private_key
+    except ImportError as e:  # installed with hivemind
+        raise UsageError("signing needs the cryptography package, not installed here. pip install cryptography, "
+                         "or drop --sign.", param="sign", value=path) from e
+    try:
+        with open(path, "rb") as f:
+            key = load_pem_private_key(f.read(), password=None)
+    except (OSError, ValueError, TypeError) as e:
+        raise UsageError(f"expected an unencrypted PEM Ed25519 private key, could not read one ({type(e).__name__}: "
+                         f"{e}). Make one with: openssl genpkey -algorithm ed25519 -out key.pem",
+                         param="sign", value=path) from e
+    if not isinstance(key, Ed25519PrivateKey):
+        raise UsageError(f"expected an Ed25519 private key, got a {type(key).__name__}. Make one with: openssl "
+                         "genpkey -algorithm ed25519 -out key.pem", param="sign", value=path)
+    return key
+
+
+def check_signing_key(path: Optional[str]) -> None:
+    """--sign KEY readable as an Ed25519 private key, before any work."""
+    if path is not None:
+        _private_key(path)
+
+
+def signed(receipt: dict, key_path: Optional[str]) -> dict:
+    """``receipt`` with ``signature``: the Ed25519 signature of its canonical JSON (without the signature), the
+    public key (raw, hex) beside it. Unchanged without a key.
+    """
+    if key_path is None:
+        return receipt
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    key = _private_key(key_path)
+    body = canonical_json({k: v for k, v in receipt.items() if k != "signature"})
+    public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+    return {**receipt, "signature": {"algorithm": "ed25519", "public_key": public, "value": key.sign(body).hex()}}
+
+
+def signature_valid(receipt: dict) -> Optional[bool]:
+    """Whether the receipt's signature verifies with its public key (None: not signed)."""
+    signature = receipt.get("signature")
+    if not isinstance(signature, dict):
+        return None
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    try:
+        key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(signature["public_key"]))
+        key.verify(bytes.fromhex(signature["value"]), canonical_json({k: v for k, v in receipt.items()
+                                                                      if k != "signature"}))
+    except (InvalidSignature, ValueError, KeyError, TypeError):
+        return False
+    return True

@@ -88,12 +88,50 @@ def _read(folder: str):
     return metrics, receipt, rows, paths
 
 
-def check_report(folder: str, findings: Findings) -> tuple:
+def _public_key_hex(key: str) -> str:
+    """--key: a PEM public key file, or the 64 hex digits of a raw Ed25519 public key."""
+    if os.path.isfile(key):
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_pem_public_key
+
+        try:
+            with open(key, "rb") as f:
+                return load_pem_public_key(f.read()).public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"expected a PEM Ed25519 public key, could not read one ({e}). Pass the signer's "
+                             "public key (openssl pkey -in key.pem -pubout) or its 64 hex digits.", param="key",
+                             value=key) from e
+    if len(key) != 64 or any(c not in "0123456789abcdef" for c in key.lower()):
+        raise UsageError("expected a PEM public key file or 64 hex digits (a raw Ed25519 public key). Pass the "
+                         "signer's public key.", param="key", value=key)
+    return key.lower()
+
+
+def _check_signature(receipt: dict, key: Optional[str], findings: Findings) -> None:
+    from dist_eval.receipt import signature_valid
+
+    valid = signature_valid(receipt)
+    public = (receipt.get("signature") or {}).get("public_key") if valid is not None else None
+    if valid is None:
+        if key is not None:
+            findings.differ(f"--key: the receipt is not signed, the key {key[:16]}... was expected to have signed it")
+        else:
+            findings.skip("the receipt's signature (not signed: --sign KEY at the run)")
+    elif not valid:
+        findings.differ("the receipt's signature does not verify with its public key: the receipt was changed after "
+                        "it was signed")
+    elif key is not None and key != public:
+        findings.differ(f"--key: the receipt is signed by the key {public[:16]}..., not the expected {key[:16]}...")
+    else:
+        findings.ok(f"the receipt is signed by the key {public[:16]}...{' (--key)' if key else ''}, unchanged since")
+
+
+def check_report(folder: str, findings: Findings, key: Optional[str] = None) -> tuple:
     """Step 1: the report's files against the receipt, the metrics recomputed, the rows' digest."""
     from dist_eval.receipt import hex_keys, metrics_digest, predictions_digest, rows_digest
     from dist_eval.rescore import differences, rescore
 
     metrics, receipt, rows, paths = _read(folder)
+    _check_signature(receipt, key, findings)
     got = predictions_digest(paths["predictions.jsonl"])
     if got != receipt.get("predictions_sha256"):
         findings.differ(f"predictions.jsonl: sha256 {got[:16]}..., the receipt says "
@@ -412,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-rows", type=int, default=DEFAULT_MIN_ROWS, help="rows evaluated again at least")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of the rows drawn (default: drawn by the verifier, printed)")
+    parser.add_argument("--key", default=None, metavar="PUBLIC_KEY",
+                        help="the public key that must have signed the receipt (--sign at the run): a PEM file or "
+                        "64 hex digits")
     parser.add_argument("--model", default=None, help="the model's folder, where it is now (default: the receipt's)")
     parser.add_argument("--checkpoint", default=None, help="the checkpoint, where it is now (default: the receipt's)")
     parser.add_argument("--data-files", nargs="+", default=None,
@@ -435,7 +476,7 @@ def _check_args(args) -> None:
 def verify(folder: str, args, say=print) -> int:
     """Every check; the verdict line; the exit code."""
     findings = Findings(say)
-    _, receipt, rows = check_report(folder, findings)
+    _, receipt, rows = check_report(folder, findings, _public_key_hex(args.key) if args.key else None)
     where = check_files(receipt, args, findings)
     compared = evaluate_again(receipt, rows, where, args, findings) if args.backend else 0
     n = len(rows)

@@ -291,6 +291,7 @@ def test_flags_keywords_and_resume_key_cannot_drift_apart():
 # the import name of each distribution whose import name differs from it
 _IMPORT_TO_DISTRIBUTION = {"sklearn": "scikit-learn", "PIL": "pillow", "huggingface_hub": "huggingface-hub"}
 _NOT_LISTED = {"petals": "installed with --no-deps by launch/install.sh (pyproject.toml says why)",
+               "cryptography": "installed with hivemind; imported for --sign and verify --key only",
                "wandb": "optional: --report-to wandb", "tensorboard": "optional: --report-to tensorboard"}
 
 

@@ -141,6 +141,50 @@ def test_a_merge_of_shards_has_a_receipt_and_verifies(local_report, tiny_model, 
     assert code == 0 and "the 12 rows evaluated again agree with the report bit for bit" in said, said
 
 
+def test_a_signed_receipt_verifies_with_its_key_and_an_edit_under_it_is_caught(tiny_model, tiny_checkpoint,
+                                                                              local_report, tmp_path, capsys):
+    """--sign KEY (Ed25519): the receipt carries its signature and public key; verify --key checks both. A metric
+    edited with a receipt rewritten to match the edit (its digests recomputed) fails the signature; re-signed with
+    another key, --key names the other signer; a key file that is not one is refused in one line before any work."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+
+    from dist_eval.receipt import signed
+
+    def pem_of(key, name):
+        path = tmp_path / name
+        path.write_bytes(key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
+        return str(path)
+
+    key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+    out = tmp_path / "signed"
+    _run(["--backend", "local", "--model", tiny_model, "--checkpoint", tiny_checkpoint, "--data-files",
+          local_report[1], "--batch-size", "4", "--save-logits", "--sign", pem_of(key, "key.pem"), "--output-dir",
+          str(out)])
+    metrics = json.load(open(out / "metrics.json"))
+    assert metrics["run"]["receipt"]["signature"]["public_key"] == public
+    code, said = _verify(out, "--key", public, capsys=capsys)
+    assert code == 0 and f"signed by the key {public[:16]}... (--key), unchanged since" in said, said
+    metrics["accuracy"] += 0.1  # an edit, and a receipt made to match it
+    receipt = metrics["run"]["receipt"]
+    receipt["metrics_sha256"] = metrics_digest(metrics)
+    json.dump(metrics, open(out / "metrics.json", "w"))
+    code, said = _verify(out, "--key", public, capsys=capsys)
+    assert code == 1 and "signature does not verify with its public key" in said, said
+    assert "metrics.json's metrics are those the run wrote" in said, said  # the digest alone was fooled
+    metrics["run"]["receipt"] = signed(receipt, pem_of(other, "other.pem"))  # re-signed by someone else
+    json.dump(metrics, open(out / "metrics.json", "w"))
+    code, said = _verify(out, "--key", public, capsys=capsys)
+    assert code == 1 and f"not the expected {public[:16]}" in said, said
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a key")
+    assert run_cli_in_process(["--backend", "local", "--model", tiny_model, "--data-files", local_report[1],
+                               "--sign", str(bad), "--output-dir", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert f"--sign {bad}: expected an unencrypted PEM Ed25519 private key" in err and "openssl genpkey" in err, err
+
+
 def test_an_edited_prediction_is_caught_and_named(local_report, tmp_path, capsys):
     copy = _copy(local_report[0], tmp_path)
     lines = open(copy / "predictions.jsonl").read().splitlines()
