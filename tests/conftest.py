@@ -186,7 +186,7 @@ def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = "
             max_position_embeddings=128, attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5,
             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16, n_group=2,
             topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, **common)
-    if family == "mixtral":
+    if family in ("mixtral", "minimax_m2"):  # MiniMax-M2: Mixtral's names, whole-width q/k norms, a sigmoid router
         from transformers import AutoConfig
 
         from dist_eval.backends.blocks import register

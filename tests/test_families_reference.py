@@ -39,10 +39,10 @@ from dist_eval.backends.blocks import SERVER_VERSION_MARK
 TOLERANCE = 1e-4
 GENERATIONS = {"4": "4.57", "5": "5."}  # the transformers that made each reference (launch/install_reference.sh)
 KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4_text",
-         "qwen3_5", "qwen3_5_moe", "qwen3_next")
+         "qwen3_5", "qwen3_5_moe", "qwen3_next", "minimax_m2")
 # the families only a later transformers has (Qwen3.5: 5.2 on): checked against that one alone; Qwen3-Next (4.57
 # has it too) against 5.x alone, the transformers issue 72 names
-MADE_BY = {"qwen3_5": ("5",), "qwen3_5_moe": ("5",), "qwen3_next": ("5",)}
+MADE_BY = {"qwen3_5": ("5",), "qwen3_5_moe": ("5",), "qwen3_next": ("5",), "minimax_m2": ("5",)}
 # on a swarm, end to end (torchrun N=2, the run's own one-server swarm, the config read in the server process):
 # the 5.x-saved Llama 3 (rope_parameters with llama3 scaling) and Qwen3-MoE (num_local_experts), and the
 # 4.57-saved DeepSeek-V3 from its FP8 folder (the servers dequantize it as they load). Every family's server
@@ -55,11 +55,14 @@ MADE_BY = {"qwen3_5": ("5",), "qwen3_5_moe": ("5",), "qwen3_next": ("5",)}
 # shared expert, the 1 + weight final norm on the client), the per-key-head projections and a dense block between
 # mixtures are block internals, equal to the local blocks bit for bit in-process (the server blocks' test); its
 # own run passed once (81 s, with the reference), left out for the time budget
+# MiniMax-M2 neither: its FP8 folder dequantized as the servers load is DeepSeek-V3's path (its swarm case), its
+# whole-width q/k norms and corrected sigmoid router block internals (the server blocks' test)
 SWARM_CASES = (("5", "llama3"), ("5", "qwen3_moe"), ("4", "deepseek_v3"), ("5", "qwen3_5_moe"))
 SWARM_FOLDER = {"deepseek_v3": "deepseek_v3_fp8"}  # the servers dequantize the FP8 folder as they load
 # every family of the family table (llama3: model_type llama; kimi_k2: DeepSeek-V3's block under its own name)
 ALL_KINDS = ("bloom", "falcon", *KINDS, "kimi_k2")
-HEAD_ONLY = ("glm4_moe", "llama4_text")  # no *ForSequenceClassification in transformers: the head given apart (--head)
+# no *ForSequenceClassification in transformers: the head given apart (--head)
+HEAD_ONLY = ("glm4_moe", "llama4_text", "minimax_m2")
 # (generation, kind) of every family and each transformers generation that has it
 CASES = [(generation, kind) for kind in ALL_KINDS for generation in sorted(GENERATIONS)
          if generation in MADE_BY.get(kind, GENERATIONS)]
@@ -393,17 +396,21 @@ def test_each_glm_router_and_rotary_setting_matters(reference, tmp_path):
     assert moved(load_model("local", folder, **trained(reference, "glm4_moe", "head"))) > 100 * TOLERANCE
 
 
-def test_an_fp8_folder_is_the_model_saved_dequantized_bit_for_bit(reference, monkeypatch):
+@pytest.mark.parametrize("generation, kind", [("4", "deepseek_v3"), ("5", "minimax_m2")])
+def test_an_fp8_folder_is_the_model_saved_dequantized_bit_for_bit(request, generation, kind, monkeypatch):
     """DeepSeek-V3's FP8 format (e4m3 weights, a float32 weight_scale_inv per tile, the last tiles
-    partial): read, every tensor and logit equals the same model saved dequantized (the reference's
-    own), so within 1e-4 of the reference; read raw (each e4m3 value as it is), far from it."""
+    partial), MiniMax-M2's as released (the same tiles, MiniMax's quantization_config, config.json's
+    rotary_dim and rope_theta in place of rope_parameters): read, every tensor and logit equals the same
+    model saved dequantized (the reference's own), so within 1e-4 of the reference; read raw (each e4m3
+    value as it is), far from it."""
     from dist_eval.backends import layers, load_model
 
+    reference = reference_of(request, generation)
     out, ref = reference
-    case = ref["cases"]["deepseek_v3"]
+    case = ref["cases"][kind]
     batch, models = padded_batch(case), {}
-    for folder in ("deepseek_v3", case["fp8_folder"]):
-        models[folder] = load_model("local", str(out / folder), **trained(reference, "deepseek_v3", "ptune"))
+    for folder in (kind, case["fp8_folder"]):
+        models[folder] = load_model("local", str(out / folder), **trained(reference, kind, "ptune"))
     plain, fp8 = (models[name].module for name in models)
     assert all(torch.equal(plain.hf_model.state_dict()[k], v) for k, v in fp8.hf_model.state_dict().items())
     with torch.no_grad():
@@ -413,7 +420,7 @@ def test_an_fp8_folder_is_the_model_saved_dequantized_bit_for_bit(reference, mon
     raw = lambda tensors, block, prefix="", where="": [tensors.pop(k) for k in list(tensors)  # noqa: E731
                                                        if k.startswith(prefix) and k.endswith("_scale_inv")]
     monkeypatch.setattr(layers, "dequantize_fp8", raw)
-    unscaled = load_model("local", str(out / case["fp8_folder"]), **trained(reference, "deepseek_v3", "ptune"))
+    unscaled = load_model("local", str(out / case["fp8_folder"]), **trained(reference, kind, "ptune"))
     with torch.no_grad():
         assert (unscaled.module(batch) - logits).abs().max().item() > 100 * TOLERANCE
 

@@ -130,6 +130,20 @@ def test_qwen3_next_blocks_are_sized_by_their_own_weights_and_qwen3_moes_rule(tm
     assert read_num_blocks(str(tmp_path)) == 48
 
 
+def test_minimax_m2_blocks_are_sized_by_their_experts_and_whole_width_norms():
+    """MiniMax-M2's published shapes (no weights; config.json's rotary_dim form): every block a mixture of
+    256 experts of 1536 with a correction bias, q/k norms over the whole projection: 7.337 GB a block in
+    bf16, 454.9 GB of blocks (228.7B parameters with the embeddings and the head: the release's 230B)."""
+    config = dict(model_type="minimax_m2", hidden_size=3072, num_attention_heads=48, num_key_value_heads=8,
+                  head_dim=128, num_hidden_layers=62, intermediate_size=1536, num_local_experts=256,
+                  num_experts_per_tok=8, vocab_size=200064, rotary_dim=64)
+    counts = block_parameters(config)
+    assert len(counts) == 62 and counts == [counts[0]] * 62
+    assert counts[0] == 256 * (3 * 3072 * 1536 + 3072 + 1) + 2 * 3072 * 48 * 128 + 2 * 3072 * 8 * 128 + (
+        48 + 8) * 128 + 2 * 3072
+    assert 7.337 * GB < 2 * counts[0] < 7.338 * GB and 454.9 * GB < 2 * sum(counts) < 455.0 * GB
+
+
 def test_servers_take_as_many_blocks_as_fit_their_share_by_each_blocks_size():
     """DeepSeek-V3 on 80 GB shares: the first server takes the three small dense blocks and three
     mixture blocks, the others three mixture blocks each; a 16 GB share holds no mixture block."""

@@ -83,6 +83,10 @@ def read_as_saved(raw: dict, where: str) -> dict:
     moved = dict(config.get(READ_AS) or {})
     if "rope_parameters" in config:
         moved.update(_rope_from_parameters(config, where, family.inert_rope_keys if family else ()))
+    if family is not None and family.partial_from_rotary_dim and isinstance(config.get("rotary_dim"), int) and (
+            "partial_rotary_factor" not in config and "partial_rotary_factor" not in moved):
+        head_dim = config.get("head_dim") or dict(family.block_options).get("head_dim")
+        config["partial_rotary_factor"] = config["rotary_dim"] / head_dim
     if "dtype" in config and "torch_dtype" not in config:
         config["torch_dtype"] = config["dtype"]
     for new, old in family.config_renames if family else ():

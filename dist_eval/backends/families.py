@@ -131,6 +131,9 @@ class Family:
     # keys of config.json's rope_parameters that change nothing on text rows (MRoPE's sections: a text
     # position is the same on each of its axes, so every section rotates by it): read and set aside
     inert_rope_keys: tuple = ()
+    # config.json's rotary_dim (MiniMax-M2's release) read as partial_rotary_factor (rotary_dim / head_dim) where
+    # the config gives no partial_rotary_factor, as transformers 5.x's MiniMaxM2Config does
+    partial_from_rotary_dim: bool = False
 
     @property
     def block_name(self) -> str:
@@ -292,7 +295,8 @@ def _quantization_refusal(quantization) -> str:
     if not isinstance(quantization, dict):
         return ""
     method = quantization.get("quant_method")
-    if method == "fp8" and quantization.get("fmt", "e4m3") == "e4m3" and quantization.get("activation_scheme",
+    if method == "fp8" and quantization.get("fmt", "e4m3") in ("e4m3", "float8_e4m3fn") and quantization.get(
+            "activation_scheme",
                                                                                           "dynamic") == "dynamic":
         block = quantization.get("weight_block_size") or [128, 128]
         if len(block) == 2 and all(isinstance(n, int) and n > 0 for n in block):
@@ -307,7 +311,8 @@ def _experts_refusal(config, router) -> str:
     """What in a mixture-of-experts config the block does not compute ('' when nothing).
     ``router``: the family's, "softmax" (num_experts) or "sigmoid" (n_routed_experts, in groups).
     """
-    key = {"sigmoid": "n_routed_experts", "mixtral": "num_local_experts", "llama4": "num_local_experts"}.get(
+    key = {"sigmoid": "n_routed_experts", "mixtral": "num_local_experts", "llama4": "num_local_experts",
+           "minimax": "num_local_experts"}.get(
         router, "num_experts")
     experts, chosen = getattr(config, key, 0) or 0, getattr(config, "num_experts_per_tok", 0)
     if experts and not 0 < chosen <= experts:
@@ -517,6 +522,19 @@ FAMILIES["qwen3_next"] = _built_on_llama(
         ("num_experts", 512), ("num_experts_per_tok", 10), ("moe_intermediate_size", 512),
         ("shared_expert_intermediate_size", 512), ("norm_topk_prob", True), ("decoder_sparse_step", 1),
         ("mlp_only_layers", ()), ("intermediate_size", 5632)))
+
+# MiniMax-M2 / M2.5 / M2.7 (minimax_m2: 230B-A10B), bf16 or FP8 128 x 128 tiles as released (dequantized on load):
+# grouped-query attention with q/k RMSNorms over the whole projection (backends.layers.WholeWidthRMSNorm: every
+# head at once), RoPE on rotary_dim of each head (config.json's rotary_dim read as partial_rotary_factor);
+# every block a mixture (backends.layers.CorrectedSigmoidMoeMLP: Mixtral's names and experts of
+# intermediate_size, a sigmoid router whose choice adds e_score_correction_bias, the chosen renormalised);
+# transformers 5.x's MiniMaxM2Config defaults
+FAMILIES["minimax_m2"] = _built_on_llama(
+    "minimax_m2", "MiniMaxM2", block_options=(
+        ("own_layers", True), ("use_qk_norm", True), ("qk_norm_whole", True), ("head_dim", 128),
+        ("mixture_of_experts", "minimax"), ("num_local_experts", 256), ("num_experts_per_tok", 8),
+        ("intermediate_size", 1536)),
+    partial_from_rotary_dim=True)
 
 
 def tokenizers_calling_the_base() -> frozenset:

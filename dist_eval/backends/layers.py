@@ -86,6 +86,7 @@ from dist_eval.backends.rope import llama3_inv_freq, rescale_rope
 # the block option ``mixture_of_experts`` of a family whose router is GLM-4.5's, and of Mixtral (its
 # softmax router is Qwen3-MoE's, "softmax"; its tensors have names of their own, every block has it)
 SIGMOID, MIXTRAL, LLAMA4 = "sigmoid", "mixtral", "llama4"
+MINIMAX = "minimax"  # MiniMax-M2's: a sigmoid router with a correction bias over Mixtral-named experts
 SHARED_GATE = "shared_gate"  # Qwen3.5-MoE's: Qwen3-MoE's router and experts, a shared expert behind a sigmoid gate
 # the index of the block this process's petals server is loading (None: not loading one)
 SERVER_BLOCK_INDEX: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_block_index", default=None)
@@ -109,7 +110,7 @@ def is_sparse(config, index: int) -> bool:
         return index in (moe_layers if moe_layers is not None else range(step - 1, config.num_hidden_layers, step))
     if router == SIGMOID:
         return (getattr(config, "n_routed_experts", 0) or 0) > 0 and index >= config.first_k_dense_replace
-    if router == MIXTRAL:
+    if router in (MIXTRAL, MINIMAX):
         return (getattr(config, "num_local_experts", 0) or 0) > 0
     if router == SHARED_GATE and not getattr(config, "moe_by_step", False):  # Qwen3.5-MoE: every block (its
         return (getattr(config, "num_experts", 0) or 0) > 0  # config has no dense blocks); Qwen3-Next: Qwen3-MoE's rule
@@ -123,6 +124,17 @@ def largest_block_index(config) -> int:
     block built without its index is, e.g. for petals' size estimate).
     """
     return next((i for i in range(config.num_hidden_layers) if is_sparse(config, i)), 0)
+
+
+class WholeWidthRMSNorm(LlamaRMSNorm):
+    """An RMSNorm over the last two dimensions at once ([..., heads, head_dim]: every head's values of a
+    position), its weight one value per head and position in the head: MiniMax-M2's q/k norms (the block
+    option ``qk_norm_whole``), which transformers applies to the whole q (k) projection before the heads
+    are split.
+    """
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return super().forward(hidden_states.flatten(-2)).view(hidden_states.shape)
 
 
 class QkNormAttention(LlamaAttention):
@@ -149,7 +161,10 @@ class QkNormAttention(LlamaAttention):
         self.k_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
         self.v_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
         self.o_proj = nn.Linear(inner, self.hidden_size, bias=bias and getattr(config, "attention_output_bias", True))
-        if getattr(config, "use_qk_norm", True):
+        if getattr(config, "qk_norm_whole", False):  # MiniMax-M2: over all heads' q (k) at once
+            self.q_norm = WholeWidthRMSNorm(inner, eps=config.rms_norm_eps)
+            self.k_norm = WholeWidthRMSNorm(kv_inner, eps=config.rms_norm_eps)
+        elif getattr(config, "use_qk_norm", True):
             self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         else:
@@ -677,7 +692,7 @@ class SparseMoeMLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        mixtral = getattr(config, "mixture_of_experts", None) == MIXTRAL
+        mixtral = getattr(config, "mixture_of_experts", None) in (MIXTRAL, MINIMAX)
         self.num_experts = config.num_local_experts if mixtral else config.num_experts
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = mixtral or bool(config.norm_topk_prob)
@@ -693,6 +708,31 @@ class SparseMoeMLP(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(tokens.dtype)
+        output = torch.zeros_like(tokens)
+        for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
+            token, slot = torch.where(chosen == expert)
+            output.index_add_(0, token, _rows(self.experts[expert], tokens[token]) * weights[token, slot, None])
+        return output.view(hidden_states.shape)
+
+
+class CorrectedSigmoidMoeMLP(SparseMoeMLP):
+    """MiniMax-M2's mixture (the block option ``mixture_of_experts`` "minimax"): Mixtral's names and experts
+    (``block_sparse_moe.gate``, ``block_sparse_moe.experts.<e>.w1/w3/w2`` of ``intermediate_size``), each token's
+    ``num_experts_per_tok`` experts chosen by the sigmoid of its router logits (float32) plus a correction bias
+    (``block_sparse_moe.e_score_correction_bias``, for the choice alone), weighted by those sigmoids
+    renormalised over the chosen (transformers 5.x's MiniMaxM2TopKRouter); no groups, no scaling, no shared expert.
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        scores = _whole_steps(torch.sigmoid, _rows(self.gate, tokens.to(self.gate.weight.dtype)).float())
+        chosen = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(tokens.dtype)
         output = torch.zeros_like(tokens)
         for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
             token, slot = torch.where(chosen == expert)
@@ -922,8 +962,8 @@ def build_layer_parts(layer: nn.Module, config, index: int) -> None:
         object.__setattr__(layer, "mlp", layer.feed_forward)  # the same module, not registered twice
     elif not is_sparse(config, index):
         layer.mlp = LlamaMLP(config)
-    elif router == MIXTRAL:  # its tensors are block_sparse_moe.*; the pinned layer's forward calls self.mlp
-        layer.block_sparse_moe = SparseMoeMLP(config)
+    elif router in (MIXTRAL, MINIMAX):  # its tensors are block_sparse_moe.*; the pinned layer's forward calls mlp
+        layer.block_sparse_moe = (CorrectedSigmoidMoeMLP if router == MINIMAX else SparseMoeMLP)(config)
         object.__setattr__(layer, "mlp", layer.block_sparse_moe)  # the same module, not registered twice
     else:
         layer.mlp = (SigmoidMoeMLP(config) if router == SIGMOID else GatedSharedMoeMLP(config)

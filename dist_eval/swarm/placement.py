@@ -215,6 +215,8 @@ def _attention_parameters(config: dict) -> int:
         total += inner + 2 * kv_inner + (hidden if config.get("model_type") != "glm4_moe" else 0)
     elif config.get("model_type") == "qwen2":  # q, k and v always
         total += inner + 2 * kv_inner
+    if config.get("model_type") == "minimax_m2":  # q/k norms over every head at once
+        return total + inner + kv_inner
     norms = config.get("model_type") in ("qwen3", "qwen3_moe") or (
         config.get("model_type") == "glm4_moe" and config.get("use_qk_norm"))
     return total + (2 * head_dim if norms else 0)
@@ -228,6 +230,8 @@ def _mlp_parameters(config: dict, index: int) -> int:
 
     if kind == "mixtral":
         return config["num_local_experts"] * (gated(config["intermediate_size"]) + hidden)
+    if kind == "minimax_m2":  # and a correction bias per expert
+        return config.get("num_local_experts", 256) * (gated(config.get("intermediate_size", 1536)) + hidden + 1)
     if kind in ("llama4_text", "llama4"):
         step = config.get("interleave_moe_layer_step", 1)
         moe_layers = config.get("moe_layers")

@@ -64,6 +64,10 @@ norm drawn. Its reference: the text model's last final hidden state times the he
 as the releases are) and a shared expert of 48 behind its sigmoid gate. Qwen3-Next (``qwen3_next``, made by
 the 5.x environment alone though 4.57 has it): Qwen3.5-MoE's blocks in a flat ``Qwen3NextForCausalLM`` save
 (its linear attention's projections laid out per key head), block 1 dense by ``mlp_only_layers``.
+MiniMax-M2 (``minimax_m2``, 5.x alone; no ``*ForSequenceClassification``: the head apart): ``head_dim`` 32, q/k
+norms over the whole projection, RoPE on ``rotary_dim`` 16 of each head, every block 2 of 8 experts (sigmoid
+router, correction bias drawn), its weights FP8-rounded, and ``minimax_m2_fp8`` the same in FP8 tiles with the
+release's config.json form (``rotary_dim``, ``rope_theta``, MiniMax's ``quantization_config``).
 
 BLOOM and Falcon (the 40B layout: the new decoder architecture, 2 key/value heads, RoPE at theta 50000, so
 that a reader taking the default 10000 is caught), byte-level BPE tokenizers. Kimi K2 (``kimi_k2``) has no
@@ -247,6 +251,10 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
                                              vision_config=QWEN3_5_VISION, tie_word_embeddings=False)
     if kind == "qwen3_next":  # Qwen3-Next-style: Qwen3.5-MoE's hybrid, flat (no vision tower); block 1 dense
         return transformers.Qwen3NextConfig(**{**common, **QWEN3_NEXT})
+    if kind == "minimax_m2":  # MiniMax-M2-style: every block 2 of 8 experts, RoPE on rotary_dim 16 of each head of 32
+        return transformers.MiniMaxM2Config(**{**common, "intermediate_size": EXPERT_INTERMEDIATE}, head_dim=HEAD_DIM,
+                                            num_local_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN,
+                                            rotary_dim=16, rope_theta=5000000.0, bos_token_id=None, eos_token_id=None)
     if kind == "glm4_moe":  # GLM-4.5-style, with n_group 2 (the flagship's 1) so that the grouped choice counts
         return transformers.Glm4MoeConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, **GLM_MOE, **common)
     return transformers.Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
@@ -291,7 +299,8 @@ FP8_MAX = 448.0  # the largest e4m3 value
 CLASSES = {"bloom": "Bloom", "falcon": "Falcon",
            "llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
            "glm4_moe": "Glm4Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "llama4_text": "Llama4",
-           "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen3_next": "Qwen3Next"}
+           "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen3_next": "Qwen3Next",
+           "minimax_m2": "MiniMaxM2"}
 # vision-language releases: saved from *ForConditionalGeneration, the text model under model.language_model.
 # beside a vision tower; the reference is the text model's last final hidden state times the head
 VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")
@@ -299,7 +308,7 @@ OFFSET_NORMS = VISION_LANGUAGE + ("qwen3_next",)  # norms scaling by 1 + weight 
 # families checked against transformers 5.x alone, though an earlier one has them (Qwen3-Next: 4.57 on)
 LATER = {"qwen3_next": 5}
 # transformers has no *ForSequenceClassification: the backbone times the head
-NO_CLASSIFIER = ("glm4_moe", "llama4_text")
+NO_CLASSIFIER = ("glm4_moe", "llama4_text", "minimax_m2")
 
 
 def sparse_layers() -> dict:
@@ -384,6 +393,36 @@ def save_deepseek_folders(lm, folder: str, fp8_folder: str) -> None:
         json.dump(config, f, indent=2)
 
 
+def save_minimax_fp8_folder(lm, folder: str, fp8_folder: str) -> None:
+    """MiniMax-M2 as released: ``folder``'s weights replaced by their FP8-rounded values, and ``fp8_folder``
+    the same model in FP8 tiles (the blocks' linear weights but the router, MiniMax's modules_to_not_convert),
+    its config.json in the release's form (rope_theta and rotary_dim, no rope_parameters; MiniMax's
+    quantization_config, fmt float8_e4m3fn)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    fp8 = {}
+    for key, tensor in tensors.items():
+        if key.startswith("model.layers.") and tensor.dim() == 2 and not key.endswith("block_sparse_moe.gate.weight"):
+            quantized, scale = fp8_tiles(tensor)
+            fp8[key], fp8[key + "_scale_inv"] = quantized, scale
+            tensors[key] = fp8_value(quantized, scale)
+        else:
+            fp8[key] = tensor
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    shutil.copytree(folder, fp8_folder)
+    save_file(fp8, os.path.join(fp8_folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(fp8_folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope["rope_theta"]
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(FP8_BLOCK),
+                                     "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
+    with open(os.path.join(fp8_folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+
+
 def save_as_kimi(folder: str, kimi_folder: str) -> None:
     """Kimi K2's folder: DeepSeek-V3's (the same block) under model_type kimi_k2, as Moonshot saves it."""
     shutil.copytree(folder, kimi_folder)
@@ -423,6 +462,8 @@ def make(kind: str, out: str) -> dict:
                 tensor.normal_(0.0, 0.3)
     lm.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if kind == "minimax_m2":
+        save_minimax_fp8_folder(lm, folder, folder + "_fp8")
     if kind == "deepseek_v3":
         save_deepseek_folders(lm, folder, folder + "_fp8")
         save_as_kimi(folder, os.path.join(out, "kimi_k2"))
@@ -452,7 +493,8 @@ def make(kind: str, out: str) -> dict:
             ptune.append(score(hidden).tolist())
     return {"folder": kind, "class": type(loaded).__name__, "ids": ids, "logits_head": head, "logits_ptune": ptune,
             "pad_token_id": tokenizer.pad_token_id, "num_labels": NUM_LABELS, "pre_seq_len": PRE_SEQ_LEN,
-            **({"fp8_folder": kind + "_fp8", "fp8_block": list(FP8_BLOCK)} if kind == "deepseek_v3" else {})}
+            **({"fp8_folder": kind + "_fp8", "fp8_block": list(FP8_BLOCK)}
+               if kind in ("deepseek_v3", "minimax_m2") else {})}
 
 
 def main(out: str) -> None:
