@@ -164,8 +164,8 @@ def block_parameters(config: dict) -> List[int]:
             for i in range(count)]
 
 
-# Gated DeltaNet and full attention; HYBRID_MIXTURES: a mixture with a gated shared expert (in every block but
-# Qwen3-Next's, by Qwen3-MoE's rule: decoder_sparse_step, mlp_only_layers)
+# Gated DeltaNet and full attention; HYBRID_MIXTURES: a mixture with a gated shared expert (in every block, but
+# by decoder_sparse_step and mlp_only_layers in a qwen3_next config)
 HYBRID_MIXTURES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 HYBRIDS = ("qwen3_5", "qwen3_5_text") + HYBRID_MIXTURES
 
