@@ -589,6 +589,39 @@ def _pgid(pid):
         return None
 
 
+def _child_commands(pid: int) -> dict:
+    """{child pid: its command line} of the direct children of ``pid``."""
+    out = {}
+    for child in all_pids():
+        try:
+            with open(f"/proc/{child}/stat", "rb") as f:
+                if int(f.read().rpartition(b")")[2].split()[1]) != pid:
+                    continue
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                out[child] = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def swarm_servers_of(pid: int) -> dict:
+    """{server pid: its fork server's pid, or None}: the servers of the local swarm that process ``pid``
+    started, each leading its own process group: its children running dist_eval.swarm.server, or, where
+    one of them is the swarm's fork server (dist_eval/swarm/forks.py, a swarm of several servers), the
+    servers forked from it."""
+    out = {}
+    for child, cmd in _child_commands(pid).items():
+        if "dist_eval.swarm.server" not in cmd:
+            continue
+        if "--dist_eval_fork_server" not in cmd:
+            out[child] = None
+            continue
+        for server, server_cmd in _child_commands(child).items():
+            if "dist_eval.swarm.server" in server_cmd and _pgid(server) == server:
+                out[server] = child
+    return out
+
+
 def swarm_server_pids():
     """Live processes running dist_eval's swarm server entry point, started from this test
     process: those whose environment holds this process's ``DIST_EVAL_TEST_PROCESS`` (set above,

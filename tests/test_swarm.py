@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import read_pipe_until, read_stdout_line
+from conftest import read_pipe_until, read_stdout_line, swarm_servers_of
 from float_promises import assert_within_rounding
 
 from dist_eval.swarm import LocalSwarm, SwarmError, plan_blocks
@@ -243,20 +243,25 @@ def _check_started(swarm, measured_start_seconds: float):
     assert 0 < swarm.start_seconds <= measured_start_seconds  # it measures its own start, in seconds
     for pgid in swarm.pgids:  # a petals server is a dozen processes, all in its own group
         assert len(_procs_in_groups([pgid])) > 5
+    # forked from the swarm's fork server, which imported their libraries once (dist_eval/swarm/forks.py):
+    # the servers this process started, each its own group, children of the one fork server
+    servers = swarm_servers_of(os.getpid())
+    assert sorted(servers) == sorted(swarm.pgids) and len(set(servers.values())) == 1 and None not in servers.values()
     swarm.check()  # every server alive
     print(f"swarm of 2 started in {swarm.start_seconds:.1f} s")
 
 
 def _check_stop(swarm):
-    """stop() of a started swarm of 2 leaves no process, no port, no files (checked on the swarm that
-    test_started_in_the_background_and_stopped_while_starting starts whole)."""
+    """stop() of a started swarm of 2 leaves no process (its fork server's neither), no port, no files
+    (checked on the swarm that test_started_in_the_background_and_stopped_while_starting starts whole)."""
     pgids, ports, workdir = list(swarm.pgids), list(swarm.ports), swarm.workdir
     sockets = swarm.sockets
-    assert len(pgids) == 2 and os.path.isdir(workdir)
+    fork_servers = set(swarm_servers_of(os.getpid()).values())  # its own group too
+    assert len(pgids) == 2 and os.path.isdir(workdir) and len(fork_servers) == 1
     began = time.monotonic()
     swarm.stop(timeout=15.0)
     print(f"swarm of 2 stopped in {time.monotonic() - began:.1f} s")
-    _assert_groups_gone(pgids)
+    _assert_groups_gone(pgids + list(fork_servers))
     assert all(_port_free(p) for p in ports), ports
     assert not os.path.exists(workdir)  # private TMPDIR (pymp-*, torch shm) and logs
     assert sockets and not any(os.path.exists(p) for p in sockets)  # /tmp/hivemind-*.sock
@@ -375,18 +380,17 @@ def test_cli_prints_initial_peers_and_stops_on_sigterm(llama_dir):
         assert line.startswith("INITIAL_PEERS="), (line, proc.poll())
         peers = line.strip().split("=", 1)[1].split(" ")
         assert len(peers) == 2 and all(MADDR.match(p) for p in peers), peers
-        children = _children(proc.pid)
-        groups = [pid for pid, cmd in children.items() if "dist_eval.swarm.server" in cmd]
-        groups += [pid for pid in children if pid not in groups]  # the watchdog
-        assert len([pid for pid, cmd in children.items() if "dist_eval.swarm.server" in cmd]) == 2, children
+        children, servers = _children(proc.pid), swarm_servers_of(proc.pid)
+        groups = [*servers, *children]  # the servers, the watchdog and the servers' fork server
+        assert len(servers) == 2, (servers, children)
         assert all(os.getpgid(g) == g for g in groups)  # each its own group
 
         # a server SIGKILLed: the swarm process restarts it (issue 42), one line for each event
-        victim = min(pid for pid, cmd in children.items() if "dist_eval.swarm.server" in cmd)
+        victim = min(servers)
         os.killpg(victim, signal.SIGKILL)
         early = _read_until(proc.stderr, "serves again", timeout=90)
         assert "died (killed by SIGKILL); restarting in" in early and "serves again" in early, early
-        groups += [pid for pid, cmd in _children(proc.pid).items() if "dist_eval.swarm.server" in cmd]
+        groups += [pid for pid in swarm_servers_of(proc.pid) if pid not in groups]
 
         began = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -23,7 +23,16 @@ import time
 from unittest import mock
 
 import pytest
-from conftest import REPO, free_port, read_jsonl, reference_160_args, start_ranks, stop_group, write_csv
+from conftest import (
+    REPO,
+    free_port,
+    read_jsonl,
+    reference_160_args,
+    start_ranks,
+    stop_group,
+    swarm_servers_of,
+    write_csv,
+)
 
 pytestmark = [pytest.mark.swarm, pytest.mark.multiproc]  # real swarms, runs under torchrun
 
@@ -401,9 +410,9 @@ def test_the_local_swarms_parent_killed(tiny_model, tiny_checkpoint, many_rows_c
     run = BackgroundCli(args, nproc=2)
     try:
         procs = ranks_in_their_loop(run)
-        servers = [pid for pid in _children(procs[0]["rank"]) if "dist_eval.swarm.server" in _cmdline(pid)]
+        servers = swarm_servers_of(procs[0]["rank"])  # {server: its fork server}
         assert len(servers) == 2, servers
-        server_procs = [pid for server in servers for pid in _group(server)]
+        server_procs = [pid for server in servers for pid in _group(server)] + [f for f in set(servers.values()) if f]
         os.kill(procs[0]["rank"], signal.SIGKILL)
         killed_at = time.monotonic()
         code, _, stderr = run.wait(timeout=120)

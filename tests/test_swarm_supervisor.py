@@ -23,7 +23,15 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, one_thread_swarm, read_jsonl, read_stdout_line, reference_160_args, write_csv
+from conftest import (
+    REPO,
+    one_thread_swarm,
+    read_jsonl,
+    read_stdout_line,
+    reference_160_args,
+    swarm_servers_of,
+    write_csv,
+)
 from inprocess_cli import run_cli_in_process
 
 from dist_eval.procs import hivemind_socket_paths, live_groups
@@ -472,9 +480,7 @@ def _stop_hosts(hosts, groups) -> None:
 
 def _server_groups(pid) -> list:
     """The process groups of the swarm servers that ``pid`` started."""
-    from test_swarm_failover import _children, _cmdline
-
-    return [c for c in _children(pid) if "dist_eval.swarm.server" in _cmdline(c)]
+    return list(swarm_servers_of(pid))
 
 
 @pytest.mark.swarm

@@ -2,8 +2,9 @@
 wait until every block is served; then :meth:`Launch.stop` hands what it made to the teardown.
 
 Without ``join_peers`` the first server starts a new swarm and the others join it through its
-address; all start at once (their imports are most of a server's start-up), the others waiting,
-after their imports, for a file holding that address (:data:`~dist_eval.swarm.server.PEERS_FILE_FLAG`).
+address; all start at once, the others waiting for a file holding that address
+(:data:`~dist_eval.swarm.server.PEERS_FILE_FLAG`). Their imports are most of a server's start: several
+servers are forked from one process that imported them once (:mod:`~dist_eval.swarm.forks`).
 With ``join_peers`` (another host's swarm) every server joins it at once. A server counts as
 started when it says it serves its blocks (:mod:`~dist_eval.swarm.state_file`), not when its
 process exists.
@@ -23,6 +24,7 @@ from typing import Callable, List, Optional, Sequence, Set
 
 from dist_eval.atomic import atomic_write
 from dist_eval.swarm import teardown
+from dist_eval.swarm.forks import ForkServer
 from dist_eval.swarm.placement import SwarmError
 from dist_eval.swarm.process import Command, ServerProcess
 from dist_eval.swarm.server import PEERS_FILE_FLAG
@@ -48,16 +50,20 @@ class Launch:
         os.makedirs(self.tmpdir)
         os.makedirs(self.logs, exist_ok=True)
         self.servers: List[ServerProcess] = []
+        self.forks: Optional[ForkServer] = None
         self.sockets: Set[str] = set()  # /tmp/hivemind-*.sock held by the servers (see teardown)
 
     def make_servers(self) -> List[ServerProcess]:
         """The server processes, not started: each its port, blocks, log and identity."""
         ports, env = self.settings.ports(), self.settings.env(self.tmpdir)
+        # the servers forked from one process that imports their libraries once (forks.py)
+        self.forks = ForkServer(env, self.workdir, os.path.join(self.logs, "fork-server.log"), self.watchdog)
         self.servers = [
             ServerProcess(
                 i, ports[i], blocks, os.path.join(self.logs, f"server-{i}.log"), host=self.settings.host,
                 identity_path=os.path.join(self.workdir, f"identity-{i}.key"),  # its peer id, kept over restarts
                 command=self.command, env=env, cwd=self.workdir, watchdog=self.watchdog, before_kill=self.note_sockets,
+                forks=self.forks,
             )
             for i, blocks in enumerate(self.settings.placement)
         ]  # fmt: skip
@@ -76,6 +82,10 @@ class Launch:
         (SwarmError if a server exits first, or at ``deadline``).
         """
         join_peers = self.settings.join_peers
+        if len(self.servers) > 1 and self.forks.serves(self.command(self.servers[0], ["--new_swarm"]), self.forks.env,
+                                              self.workdir):
+            # several servers: their imports once, before any server starts (and outside the swarm's lock)
+            self.forks.start(deadline)
         if join_peers:  # another host started the swarm: all servers join it at once
             for s in self.servers:
                 spawn(s, ["--initial_peers", *join_peers])
@@ -130,6 +140,8 @@ class Launch:
         try:
             teardown.terminate(self.servers, self.sockets, deadline, grace, drain_s)
         finally:
+            if self.forks is not None:
+                self.forks.close()
             teardown.cleanup_files(self.sockets, self.workdir, self.servers, self.settings.log_dir, keep_logs,
                                    wait_for_shm_managers=bool(drain_s))
             self.watchdog.release()

@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from dist_eval import procs
 from dist_eval.errors import one_line
 from dist_eval.swarm import state_file
+from dist_eval.swarm.forks import ForkServer
 
 # its command line, given the server and its peer flags (``--new_swarm``, ``--initial_peers ...``)
 Command = Callable[["ServerProcess", Sequence[str]], List[str]]
@@ -34,18 +35,21 @@ class ServerProcess:
     ``command(server, peer_args)`` makes its command line (``--state_file PATH`` is added to it); it
     runs with ``env`` in ``cwd``; ``watchdog`` (a :class:`~dist_eval.watchdog.Watchdog`) is told each
     process group it starts; ``before_kill()`` runs before each :meth:`kill` (the swarm notes the
-    sockets its servers hold).
+    sockets its servers hold); ``forks`` (a :class:`~dist_eval.swarm.forks.ForkServer`) forks it where it
+    can, with the libraries a server imports already imported (else it is started as a new process).
     """
 
     def __init__(self, index: int, port: int, blocks: Tuple[int, int], log_path: str, *, host: str,
                  identity_path: str, command: Command, env: Dict[str, str], cwd: str, watchdog=None,
-                 before_kill: Optional[Callable[[], object]] = None, state_path: Optional[str] = None):
+                 before_kill: Optional[Callable[[], object]] = None, state_path: Optional[str] = None,
+                 forks: Optional[ForkServer] = None):
         self.index, self.port, self.blocks, self.log_path = index, port, blocks, log_path
         self.host, self.identity_path = host, identity_path
         self.state_path = state_path or os.path.join(cwd, f"state-{index}.json")
         self._command, self._env, self._cwd = command, env, cwd
         self._watchdog, self._before_kill = watchdog, before_kill
-        self.proc: Optional[subprocess.Popen] = None
+        self._forks = forks
+        self.proc = None  # a subprocess.Popen, or a forks.ForkedProcess used as one
         self._log_offset = 0
         self._log_text = ""
         # its process group was seen empty: never signalled again, since pids wrap (pid_max may be
@@ -126,8 +130,14 @@ class ServerProcess:
         with open(self.log_path, mode) as log:
             self._log_offset, self._log_text = log.tell(), ""  # a restart's log is read from its own start
             log.write(("$ " + " ".join(cmd) + "\n").encode())
-            log.flush()
-            self._seen_gone = False  # a new process, a new group
+        self._seen_gone = False  # a new process, a new group
+        forked = None
+        if self._forks is not None and self._forks.serves(cmd, self._env, self._cwd):
+            forked = self._forks.spawn(cmd, self.log_path)  # its output appended to the log
+        if forked is not None:
+            self.proc = forked
+            return  # the fork server told the watchdog its group
+        with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=self._env, cwd=self._cwd, start_new_session=True,

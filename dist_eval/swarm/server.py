@@ -22,6 +22,7 @@ import time
 from typing import Optional
 
 from dist_eval.swarm import state_file
+from dist_eval.swarm.forks import FORK_SERVER_FLAG
 
 # Ours, not petals': this module waits for this file, then joins the peers in it.
 PEERS_FILE_FLAG = "--initial_peers_file"
@@ -343,6 +344,13 @@ def main(argv: list) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == [FORK_SERVER_FLAG]:  # a swarm's fork server (forks.py): returns in each server it forks
+        from dist_eval.swarm.forks import serve
+
+        forked_argv = serve()
+        if forked_argv is None:
+            sys.exit(0)
+        sys.argv = [sys.argv[0], *forked_argv]
     arguments = take_state_file(sys.argv[1:])
     try:
         main(arguments)
