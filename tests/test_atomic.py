@@ -114,6 +114,8 @@ _OS_WRITE_FLAGS = {"O_WRONLY", "O_RDWR", "O_CREAT", "O_APPEND", "O_TRUNC"}
 # (module, function) -> why its direct writes are not files a reader could find half written
 NOT_THROUGH_ATOMIC = {
     ("swarm/process.py", "_spawn"): "a server's log: its own output, appended while it runs and read as it grows",
+    ("swarm/forks.py", "start"): "the fork server's log: its own output, appended while it runs",
+    ("swarm/forks.py", "_fork"): "a forked server's log (its stdout and stderr), as swarm/process.py's _spawn",
     ("demo.py", "demo_assets"): "the demo cache's lock: an empty file held by flock, never read",
     ("demo.py", "_install"): "into a temporary folder that demo_assets renames into place whole",
     ("demo_build.py", "build"): "into a temporary folder that main renames into place whole (the shipped assets)",

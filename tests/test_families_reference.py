@@ -495,7 +495,6 @@ def edited_folder(reference, tmp_path, kind, **changes):
                                                 "num_local_experts (8)"),
     ("llama4_text", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "(computed: default, llama3)"),
     ("llama3", {"model_type": "llama4"}, "multimodal layout (a vision tower, the text model under language_model."),
-    ("qwen3_moe", {"model_type": "qwen3_next"}, "linear-attention (Gated DeltaNet) layers"),
     ("glm4_moe", {"model_type": "glm5_next"}, "linear-attention layers beside full attention"),
     ("deepseek_v3", {"model_type": "deepseek_v32"}, "sparse attention (an indexer keeping index_topk"),
     ("deepseek_v3", {"index_topk": 2048}, "index_topk 2048 in config.json (DeepSeek V3.2's sparse attention)"),
