@@ -141,10 +141,11 @@ def _alive(holder: dict) -> bool:
 
 def write_metrics(output_dir: str, metrics: dict) -> str:
     path = os.path.join(output_dir, "metrics.json")
-    return atomic_write(path, lambda f: json.dump(metrics, f, indent=2, sort_keys=False, default=_jsonable))
+    return atomic_write(path, lambda f: json.dump(metrics, f, indent=2, sort_keys=False, default=jsonable))
 
 
-def _jsonable(value):
+def jsonable(value):
+    """Numpy's scalars and arrays as metrics.json writes them (``json.dump``'s ``default``)."""
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):
