@@ -84,10 +84,11 @@ class ForkServer:
         self._reader: Optional[threading.Thread] = None
         self._reader_done = False
 
-    def serves(self, cmd: List[str], env: Dict[str, str], cwd: str) -> bool:
-        """Whether ``cmd`` (run with ``env`` in ``cwd``) can be forked from here (else: Popen)."""
-        return (not self._failed and cmd[:3] == [sys.executable, "-m", SERVER_MODULE] and env == self.env
-                and cwd == self.cwd)
+    def serves(self, cmd: List[str]) -> bool:
+        """Whether ``cmd`` (run with this fork server's environment, in its folder) can be forked from here
+        (else: Popen).
+        """
+        return not self._failed and cmd[:3] == [sys.executable, "-m", SERVER_MODULE]
 
     def start(self, deadline: float) -> None:
         """Start the fork server and wait (until the ``time.monotonic()`` ``deadline``) for its imports;
@@ -218,21 +219,25 @@ def _fork(request: dict, wakeup: tuple) -> Optional[List[str]]:
         os.close(session_made[0])
         _reply({"pid": pid})
         return None
-    os.close(session_made[0])
-    os.setsid()  # its own session and group, as Popen's start_new_session
-    os.close(session_made[1])
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for fd in wakeup:
-        os.close(fd)
-    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.close(devnull)
-    return list(request["argv"])
+    try:  # the child: never back into the fork server's loop, whatever fails here
+        os.close(session_made[0])
+        os.setsid()  # its own session and group, as Popen's start_new_session
+        os.close(session_made[1])
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in wakeup:
+            os.close(fd)
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(devnull)
+        return list(request["argv"])
+    except BaseException as e:  # its exit (1) is told as any server's; the fork server's log says why
+        os.write(2, f"dist_eval fork server: a forked server failed to start: {type(e).__name__}: {e}\n".encode())
+        sys.exit(1)  # past serve()'s handler, out of the fork server's loop
 
 
 def serve() -> Optional[List[str]]:
@@ -240,15 +245,14 @@ def serve() -> Optional[List[str]]:
     only in a forked child (its server's arguments) or at the end (None).
     """
     import importlib
-    import threading as _threading
 
     from dist_eval.backends.compat import import_petals
 
     import_petals()
     for module in _PRELOAD:
         importlib.import_module(module)
-    if _threading.active_count() != 1:  # a fork copies one thread: refuse rather than fork a broken server
-        print(f"dist_eval fork server: {_threading.active_count()} threads after the imports; not forking",
+    if threading.active_count() != 1:  # a fork copies one thread: refuse rather than fork a broken server
+        print(f"dist_eval fork server: {threading.active_count()} threads after the imports; not forking",
               file=sys.stderr)
         return None
     _reply({"ready": True})
@@ -279,7 +283,7 @@ def serve() -> Optional[List[str]]:
                 line, pending = pending.split(b"\n", 1)
                 try:
                     argv = _fork(json.loads(line), wakeup)
-                except (OSError, ValueError, KeyError) as e:
+                except (OSError, ValueError, KeyError) as e:  # before the fork (a child never returns here)
                     _reply({"error": f"{type(e).__name__}: {e}"})
                     continue
                 if argv is not None:

@@ -82,8 +82,7 @@ class Launch:
         (SwarmError if a server exits first, or at ``deadline``).
         """
         join_peers = self.settings.join_peers
-        if len(self.servers) > 1 and self.forks.serves(self.command(self.servers[0], ["--new_swarm"]), self.forks.env,
-                                              self.workdir):
+        if len(self.servers) > 1 and self.forks.serves(self.command(self.servers[0], [])):
             # several servers: their imports once, before any server starts (and outside the swarm's lock)
             self.forks.start(deadline)
         if join_peers:  # another host started the swarm: all servers join it at once

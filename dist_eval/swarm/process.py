@@ -132,7 +132,7 @@ class ServerProcess:
             log.write(("$ " + " ".join(cmd) + "\n").encode())
         self._seen_gone = False  # a new process, a new group
         forked = None
-        if self._forks is not None and self._forks.serves(cmd, self._env, self._cwd):
+        if self._forks is not None and self._forks.serves(cmd):  # made with this env and cwd (launch.py)
             forked = self._forks.spawn(cmd, self.log_path)  # its output appended to the log
         if forked is not None:
             self.proc = forked
