@@ -707,12 +707,15 @@ class SparseMoeMLP(nn.Module):
         weights, chosen = torch.topk(probabilities, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(tokens.dtype)
+        return self.routed(tokens, chosen, weights.to(tokens.dtype)).view(hidden_states.shape)
+
+    def routed(self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The sum over each token's ``chosen`` experts ([tokens, top_k]) of their outputs times ``weights``."""
         output = torch.zeros_like(tokens)
         for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
             token, slot = torch.where(chosen == expert)
             output.index_add_(0, token, _rows(self.experts[expert], tokens[token]) * weights[token, slot, None])
-        return output.view(hidden_states.shape)
+        return output
 
 
 class CorrectedSigmoidMoeMLP(SparseMoeMLP):
@@ -733,11 +736,7 @@ class CorrectedSigmoidMoeMLP(SparseMoeMLP):
         chosen = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, chosen)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(tokens.dtype)
-        output = torch.zeros_like(tokens)
-        for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
-            token, slot = torch.where(chosen == expert)
-            output.index_add_(0, token, _rows(self.experts[expert], tokens[token]) * weights[token, slot, None])
-        return output.view(hidden_states.shape)
+        return self.routed(tokens, chosen, weights).view(hidden_states.shape)
 
 
 class GatedSharedMoeMLP(SparseMoeMLP):
