@@ -21,8 +21,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from dist_eval.output.files import jsonable
-
 FORMAT = 1
 # The tolerance of a verifier whose numerics differ from the run's (tests/float_promises.py's ROUNDING):
 # |verifier - report| <= RELATIVE_TOLERANCE * (1 + |report|), for each logit
@@ -35,8 +33,17 @@ def canonical_json(value) -> bytes:
     """``value`` as JSON read back from its file: sorted keys, no spaces (the digest of the metrics is of
     this, so it is the same from the report in memory and from metrics.json).
     """
-    return json.dumps(json.loads(json.dumps(value, default=jsonable)), sort_keys=True,
+    return json.dumps(json.loads(json.dumps(value, default=_jsonable)), sort_keys=True,
                       separators=(",", ":")).encode()
+
+
+def _jsonable(value):
+    """The scalars and arrays of numpy as metrics.json writes them (:func:`dist_eval.output.files.write_metrics`)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 def metrics_digest(metrics: dict) -> str:

@@ -141,11 +141,10 @@ def _alive(holder: dict) -> bool:
 
 def write_metrics(output_dir: str, metrics: dict) -> str:
     path = os.path.join(output_dir, "metrics.json")
-    return atomic_write(path, lambda f: json.dump(metrics, f, indent=2, sort_keys=False, default=jsonable))
+    return atomic_write(path, lambda f: json.dump(metrics, f, indent=2, sort_keys=False, default=_jsonable))
 
 
-def jsonable(value):
-    """Numpy's scalars and arrays as metrics.json writes them (``json.dump``'s ``default``)."""
+def _jsonable(value):
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):
