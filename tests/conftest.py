@@ -208,6 +208,15 @@ def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = "
                           "original_max_position_embeddings": 32}, n_routed_experts=4, n_shared_experts=1,
             num_experts_per_tok=2, moe_intermediate_size=16, n_group=2, topk_group=1, first_k_dense_replace=1,
             **common)
+    if family == "gpt_oss":  # sinks, a window of 4 on blocks 0 and 2, biases; every block 4 clamped experts, 2 a token
+        from transformers import AutoConfig
+
+        from dist_eval.backends.blocks import register
+
+        register()
+        return AutoConfig.for_model(family, intermediate_size=16, num_hidden_layers=num_layers, num_key_value_heads=2,
+                                    head_dim=16, max_position_embeddings=128, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=4, attention_bias=True, **common)
     if family == "llama4_text":  # dense and MoE blocks alternate, the 4th block without RoPE
         from transformers import AutoConfig
 

@@ -97,13 +97,17 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
             assert shapes["self_attn.q_norm.weight"] == (12,) and shapes["self_attn.k_norm.weight"] == (6,)
             assert shapes["block_sparse_moe.e_score_correction_bias"] == (4,)
             assert shapes["block_sparse_moe.experts.0.w1.weight"] == (16, 8)
+        elif name == "gpt_oss":  # a sink logit per head, biases on q, k, v and o; fused experts with biases
+            assert shapes["self_attn.sinks"] == (2,) and shapes["self_attn.o_proj.bias"] == (8,)
+            assert shapes["mlp.experts.gate_up_proj"] == (4, 8, 32) and shapes["mlp.router.bias"] == (4,)
+            assert shapes["mlp.experts.down_proj"] == (4, 16, 8) and shapes["mlp.experts.down_proj_bias"] == (4, 8)
         elif name == "llama4_text":  # no q/k norm weights (an L2 norm), experts fused, a dense MLP of its own size
             assert "self_attn.q_norm.weight" not in shapes and shapes["self_attn.q_proj.weight"] == (12, 8)
             assert shapes.get("feed_forward.experts.gate_up_proj", (4, 8, 32)) == (4, 8, 32)
             assert shapes.get("feed_forward.gate_proj.weight", (12, 8)) == (12, 8)
         else:
             assert shapes["self_attn.q_norm.weight"] == (6,) and shapes["self_attn.q_proj.weight"] == (12, 8)
-        gates = {"mlp.gate.weight", "block_sparse_moe.gate.weight", "feed_forward.router.weight"}
+        gates = {"mlp.gate.weight", "block_sparse_moe.gate.weight", "feed_forward.router.weight", "mlp.router.weight"}
         experts += [index] if gates & set(shapes) else []
         if "mlp.gate.e_score_correction_bias" in shapes or name == "glm4_moe" and "mlp.gate.weight" in shapes:
             assert shapes["mlp.gate.e_score_correction_bias"] == (4,) and "mlp.shared_experts.up_proj.weight" in shapes
@@ -111,7 +115,8 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
     # Mixtral: every block
     assert experts == {"qwen3_moe": [1], "glm4_moe": [2, 3], "mixtral": [0, 1, 2, 3], "deepseek_v3": [2, 3],
                        "kimi_k2": [2, 3], "llama4_text": [1, 3], "qwen3_5_moe": [0, 1, 2, 3],
-                       "qwen3_next": [1], "minimax_m2": [0, 1, 2, 3]}.get(name, [])  # Qwen3-Next: Qwen3-MoE's rule
+                       "qwen3_next": [1], "minimax_m2": [0, 1, 2, 3],
+                       "gpt_oss": [0, 1, 2, 3]}.get(name, [])  # Qwen3-Next: Qwen3-MoE's rule
 
 
 def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
@@ -125,7 +130,8 @@ def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
     with flag_names():
         text = str(caught.value)
     assert "\n" not in text and text.startswith("--model /m: config.json has model_type 'gpt2'")
-    assert text.endswith("the families that work: bloom, deepseek_v3, falcon, glm4_moe, kimi_k2, llama, llama4_text, "
+    assert text.endswith("the families that work: bloom, deepseek_v3, falcon, glm4_moe, gpt_oss, "
+                         "kimi_k2, llama, llama4_text, "
                          "minimax_m2, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next "
                          "(docs/models-and-checkpoints.md).")
     old_falcon = types.SimpleNamespace(model_type="falcon", new_decoder_architecture=False, multi_query=True)
@@ -181,7 +187,8 @@ def test_the_cli_refuses_a_family_petals_cannot_serve_up_front(tmp_path, capsys,
     shown = "" if "gpt2" in why else " (new_decoder_architecture=False, multi_query=True in config.json)"
     assert errors[0] == (f"dist_eval: error: --model {model}: {why}{shown}"
                          ": not a model dist_eval computes; the families that work: bloom, deepseek_v3, falcon, "
-                         "glm4_moe, kimi_k2, llama, llama4_text, minimax_m2, mistral, mixtral, qwen2, qwen3, qwen3_5, "
+                         "glm4_moe, gpt_oss, "
+                         "kimi_k2, llama, llama4_text, minimax_m2, mistral, mixtral, qwen2, qwen3, qwen3_5, "
                          "qwen3_5_moe, "
                          "qwen3_moe, qwen3_next "
                          "(docs/models-and-checkpoints.md).")

@@ -144,6 +144,26 @@ def test_minimax_m2_blocks_are_sized_by_their_experts_and_whole_width_norms():
     assert 7.337 * GB < 2 * counts[0] < 7.338 * GB and 454.9 * GB < 2 * sum(counts) < 455.0 * GB
 
 
+def test_gpt_oss_blocks_are_sized_by_their_dequantized_experts_biases_and_sinks():
+    """gpt-oss-120b's and gpt-oss-20b's published shapes (no weights): every block 128 (32) experts with biases
+    (gate and up of 2 x 2880), a router with a bias, q/k/v/o with biases and a sink per head, sized as the
+    servers hold it, its MXFP4 experts dequantized: 6.426 GB a block of the 120b in bf16, 231.3 GB of blocks
+    (116.8B parameters with the embeddings and the head, the release's figure); the 20b's 20.9B."""
+    config = dict(model_type="gpt_oss", hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                  num_hidden_layers=36, intermediate_size=2880, num_local_experts=128, num_experts_per_tok=4,
+                  vocab_size=201088, attention_bias=True, sliding_window=128,
+                  quantization_config={"quant_method": "mxfp4"})
+    counts = block_parameters(config)
+    assert len(counts) == 36 and counts == [counts[0]] * 36
+    assert counts[0] == 128 * (3 * 2880 * 2880 + 3 * 2880) + 128 * 2881 + 2 * 2880 * 4096 + 2 * 2880 * 512 + (
+        4096 + 2 * 512 + 2880) + 64 + 2 * 2880
+    assert 6.426 * GB < 2 * counts[0] < 6.427 * GB and 231.3 * GB < 2 * sum(counts) < 231.4 * GB
+    embeddings = 2 * 201088 * 2880 + 2880  # the table, the head and the final norm
+    assert 116.8 * GB < sum(counts) + embeddings < 116.9 * GB
+    small = block_parameters({**config, "num_hidden_layers": 24, "num_local_experts": 32})
+    assert 20.9 * GB < sum(small) + embeddings < 21.0 * GB
+
+
 def test_servers_take_as_many_blocks_as_fit_their_share_by_each_blocks_size():
     """DeepSeek-V3 on 80 GB shares: the first server takes the three small dense blocks and three
     mixture blocks, the others three mixture blocks each; a 16 GB share holds no mixture block."""

@@ -51,6 +51,8 @@ _lock = threading.RLock()
 _classes: Dict[str, type] = {}  # class name -> class built here
 # the FP8 tile of the block this process's petals server is loading (None: not FP8, or not loading)
 _SERVER_FP8_BLOCK: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_fp8_block", default=None)
+# whether the block this process's petals server is loading has MXFP4 tensors (gpt-oss's experts)
+_SERVER_MXFP4: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_mxfp4", default=False)
 
 
 def class_at(path: str):
@@ -86,7 +88,8 @@ def _config_init(original):
         from dist_eval.backends.families import rope_type
 
         yarn = None
-        if getattr(self, "latent_attention", False) and rope_type(rope_scaling) == "yarn":  # the latent attention's
+        yarn_blocks = getattr(self, "latent_attention", False) or getattr(self, "sink_attention", False)
+        if yarn_blocks and rope_type(rope_scaling) == "yarn":  # the latent attention's, gpt-oss's
             yarn, rope_scaling = dict(rope_scaling), None
         pinned, llama3 = pinned_rope_scaling(rope_scaling)
         original(self, *args, rope_scaling=pinned, **kwargs)
@@ -265,6 +268,7 @@ def server_block_replacements() -> list:
     """
     import petals.server.server as server
 
+    from dist_eval.backends import layers
     from dist_eval.backends.layers import SERVER_BLOCK_INDEX, fp8_block_size
 
     load = server.load_pretrained_block
@@ -273,9 +277,11 @@ def server_block_replacements() -> list:
     def load_pretrained_block(model_name, block_index, *args, **kwargs):
         token = SERVER_BLOCK_INDEX.set(block_index)
         fp8 = _SERVER_FP8_BLOCK.set(fp8_block_size(kwargs.get("config")))
+        mxfp4 = _SERVER_MXFP4.set(layers.is_mxfp4(kwargs.get("config")))
         try:
             return load(model_name, block_index, *args, **kwargs)
         finally:
+            _SERVER_MXFP4.reset(mxfp4)
             _SERVER_FP8_BLOCK.reset(fp8)
             SERVER_BLOCK_INDEX.reset(token)
 
@@ -299,6 +305,8 @@ def fp8_load_replacements() -> list:
         block = _SERVER_FP8_BLOCK.get()
         if block is not None:
             layers.dequantize_fp8(tensors, block, where=f"{model_name} ({block_prefix}*)")
+        if _SERVER_MXFP4.get():
+            layers.dequantize_mxfp4(tensors, where=f"{model_name} ({block_prefix}*)")
         return tensors
 
     return [(from_pretrained, "_load_state_dict_from_repo", _load_state_dict_from_repo)]

@@ -152,6 +152,8 @@ class Family:
             if all(getattr(config, name, None) == value for name, value in settings):
                 shown = ", ".join(f"{name}={value}" for name, value in settings)
                 return f"{why} ({shown} in config.json)"
+        if _reads_mxfp4(config, dict(self.block_options)):  # gpt-oss's MXFP4 experts, dequantized on load
+            return _block_refusal(config, dict(self.block_options))
         why = _quantization_refusal(getattr(config, "quantization_config", None))
         if why:
             return why
@@ -211,7 +213,6 @@ NOT_COMPUTED = {
     "glm5_next": "linear-attention layers beside full attention",
     "deepseek_v32": "sparse attention (an indexer keeping index_topk positions per query)",
     "deepseek_v4": "compressed sparse attention and hyper-connections (a widened residual stream)",
-    "gpt_oss": "attention sinks, a 128-token sliding window on alternate layers and MXFP4 experts",
     "llama4": ("multimodal layout (a vision tower, the text model under language_model.: save that text model "
                "alone, Llama4ForConditionalGeneration's .language_model.save_pretrained(DIR), model_type "
                "llama4_text, which works)"),
@@ -235,7 +236,8 @@ def _block_refusal(config, options: dict) -> str:
     """
     kind = rope_type(getattr(config, "rope_scaling", None))
     latent = bool(options.get("latent_attention"))
-    served = (LATENT_ROPE_TYPES if latent else LLAMA4_ROPE_TYPES if options.get("llama4_attention")
+    yarn = latent or bool(options.get("sink_attention"))  # the latent attention's and gpt-oss's RoPE: yarn too
+    served = (LATENT_ROPE_TYPES if yarn else LLAMA4_ROPE_TYPES if options.get("llama4_attention")
               else SERVED_ROPE_TYPES)
     if kind is not None and kind not in served:
         return f"rope_scaling of rope_type {kind!r} in config.json is not computed here (computed: {', '.join(served)})"
@@ -307,12 +309,21 @@ def _quantization_refusal(quantization) -> str:
             "(read: FP8 e4m3 with a weight_scale_inv per tile, and unquantized weights)")
 
 
+def _reads_mxfp4(config, options: dict) -> bool:
+    """Whether config.json's quantization_config is MXFP4 (quant_method ``mxfp4``) and the family's blocks read
+    it (the block option ``mxfp4_experts``: gpt-oss's experts, backends.layers.dequantize_mxfp4).
+    """
+    quantization = getattr(config, "quantization_config", None)
+    return bool(options.get("mxfp4_experts")) and isinstance(quantization, dict) and (
+        quantization.get("quant_method") == "mxfp4")
+
+
 def _experts_refusal(config, router) -> str:
     """What in a mixture-of-experts config the block does not compute ('' when nothing).
     ``router``: the family's, "softmax" (num_experts) or "sigmoid" (n_routed_experts, in groups).
     """
     key = {"sigmoid": "n_routed_experts", "mixtral": "num_local_experts", "llama4": "num_local_experts",
-           "minimax": "num_local_experts"}.get(
+           "minimax": "num_local_experts", "gpt_oss": "num_local_experts"}.get(
         router, "num_experts")
     experts, chosen = getattr(config, key, 0) or 0, getattr(config, "num_experts_per_tok", 0)
     if experts and not 0 < chosen <= experts:
@@ -535,6 +546,19 @@ FAMILIES["minimax_m2"] = _built_on_llama(
         ("mixture_of_experts", "minimax"), ("num_local_experts", 256), ("num_experts_per_tok", 8),
         ("intermediate_size", 1536)),
     partial_from_rotary_dim=True)
+
+# gpt-oss (gpt_oss: 120b, 20b), bf16 or its experts in MXFP4 as released (dequantized on load): dist_eval's layers
+# (backends.layers.SinkAttention: grouped-query attention with biases on q, k, v and o, yarn RoPE, a learned sink
+# logit per head joining the softmax, a sliding window of sliding_window positions on the blocks layer_types names
+# sliding_attention, computed for rows of any length; TopKSoftmaxMoeMLP: a router with a bias, the softmax over
+# the num_experts_per_tok chosen logits, fused experts with biases and a SwiGLU clamped at swiglu_limit, (up + 1));
+# transformers 5.x's GptOssConfig defaults
+FAMILIES["gpt_oss"] = _built_on_llama(
+    "gpt_oss", "GptOss", layer_types=("sliding_attention",), block_options=(
+        ("own_layers", True), ("sink_attention", True), ("use_qk_norm", False), ("head_dim", 64),
+        ("attention_bias", True), ("sliding_window", 128), ("mixture_of_experts", "gpt_oss"),
+        ("num_local_experts", 128), ("num_experts_per_tok", 4), ("intermediate_size", 2880), ("swiglu_limit", 7.0),
+        ("swiglu_alpha", 1.702), ("mxfp4_experts", True)))
 
 
 def tokenizers_calling_the_base() -> frozenset:

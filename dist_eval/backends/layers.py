@@ -29,6 +29,12 @@ Llama 4, Qwen3.5, Qwen3.5-MoE and Qwen3-Next).
 - FP8 weights (config.json's ``quantization_config``, quant_method ``fp8``): a layer's e4m3
   weights are dequantized as they are loaded (:func:`dequantize_fp8`, each value times its
   tile's ``weight_scale_inv``), here by a load hook, on a server as it reads the block's tensors.
+- :class:`SinkAttention` and :class:`TopKSoftmaxMoeMLP` (gpt-oss: the block options ``sink_attention`` and
+  ``mixture_of_experts`` "gpt_oss"): biases on q, k, v and o, yarn RoPE (:func:`rope_of`), a learned sink
+  logit per head joining the softmax, a sliding window on the blocks :func:`sliding_window_of` names
+  (computed, whatever the row's length); a router with a bias, the softmax over the chosen logits, fused
+  experts with biases and a clamped SwiGLU (:class:`ClampedSwiGLUExperts`). MXFP4 experts (quant_method
+  ``mxfp4``) are dequantized as they are loaded (:func:`dequantize_mxfp4`), as FP8 ones are.
 - :class:`SparseMoeMLP`: a mixture of ``num_experts`` experts (each a gated MLP of
   ``moe_intermediate_size``): a softmax router (``gate``) over the experts, the
   ``num_experts_per_tok`` most probable chosen per token, their probabilities renormalised
@@ -87,6 +93,7 @@ from dist_eval.backends.rope import llama3_inv_freq, rescale_rope
 # softmax router is Qwen3-MoE's, "softmax"; its tensors have names of their own, every block has it)
 SIGMOID, MIXTRAL, LLAMA4 = "sigmoid", "mixtral", "llama4"
 MINIMAX = "minimax"  # MiniMax-M2's: a sigmoid router with a correction bias over Mixtral-named experts
+GPT_OSS = "gpt_oss"  # gpt-oss's: a softmax over the top router logits (with a bias), fused experts with biases
 SHARED_GATE = "shared_gate"  # Qwen3.5-MoE's: Qwen3-MoE's router and experts, a shared expert behind a sigmoid gate
 # the index of the block this process's petals server is loading (None: not loading one)
 SERVER_BLOCK_INDEX: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_block_index", default=None)
@@ -110,7 +117,7 @@ def is_sparse(config, index: int) -> bool:
         return index in (moe_layers if moe_layers is not None else range(step - 1, config.num_hidden_layers, step))
     if router == SIGMOID:
         return (getattr(config, "n_routed_experts", 0) or 0) > 0 and index >= config.first_k_dense_replace
-    if router in (MIXTRAL, MINIMAX):
+    if router in (MIXTRAL, MINIMAX, GPT_OSS):
         return (getattr(config, "num_local_experts", 0) or 0) > 0
     if router == SHARED_GATE and not getattr(config, "moe_by_step", False):  # Qwen3.5-MoE: every block (its
         return (getattr(config, "num_experts", 0) or 0) > 0  # config has no dense blocks); Qwen3-Next: Qwen3-MoE's rule
@@ -643,6 +650,99 @@ class ChunkedAttention(LlamaAttention):
         return self.o_proj(output), (weights if output_attentions else None), past_key_value
 
 
+def sliding_window_of(config, index: int) -> int:
+    """gpt-oss's attention window of block ``index`` in positions (0: full attention): config.json's
+    ``sliding_window`` on the blocks its ``layer_types`` names ``sliding_attention`` (without layer_types,
+    transformers' default: the even blocks).
+    """
+    types = getattr(config, "layer_types", None)
+    kind = types[index] if types else ("sliding_attention" if index % 2 == 0 else "full_attention")
+    return int(getattr(config, "sliding_window", 0) or 0) if kind == "sliding_attention" else 0
+
+
+def rope_of(config, dim: int) -> tuple:
+    """(inverse frequencies [dim / 2], the factor on cos and sin) of RoPE over ``dim`` values of each head at
+    config.json's ``rope_theta``, scaled by its yarn settings where it has them (``rope_yarn``): the rule of
+    :func:`latent_rope` (transformers'), whose softmax scale is not used here.
+    """
+    from types import SimpleNamespace
+
+    rule = SimpleNamespace(qk_rope_head_dim=dim, qk_nope_head_dim=0, rope_theta=config.rope_theta,
+                           rope_yarn=getattr(config, "rope_yarn", None),
+                           max_position_embeddings=config.max_position_embeddings)
+    inv_freq, factor, _ = latent_rope(rule)
+    return inv_freq, factor
+
+
+class SinkAttention(LlamaAttention):
+    """gpt-oss's attention (the block option ``sink_attention``): grouped-query attention with biases on
+    q, k, v and o (``attention_bias``), RoPE on every value of each head (yarn where config.json says:
+    its factor on cos and sin), and a learned sink logit per head (``sinks``) that joins each query's
+    softmax and takes no value; on the blocks :func:`sliding_window_of` names, a query attends to the
+    ``sliding_window`` positions up to its own alone (transformers' mask: key > query - window). Every
+    window is computed, whatever the row's length. A subclass of the pinned ``LlamaAttention`` because
+    petals' server counts the heads of ``config.attn_class`` modules; its ``__init__`` is not called.
+    """
+
+    def __init__(self, config, index: int):
+        nn.Module.__init__(self)
+        self.config = config
+        self.hidden_size, self.num_heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = head_dim_of(config)
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        inner, kv_inner = self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", True))
+        self.q_proj = nn.Linear(self.hidden_size, inner, bias=bias)
+        self.k_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
+        self.v_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
+        self.o_proj = nn.Linear(inner, self.hidden_size, bias=bias)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+        self.window = sliding_window_of(config, index)
+        # float32, kept out of the module's buffers: a server's .to(bfloat16) leaves the frequencies as they are
+        self.rope_inv_freq, self.rope_factor = rope_of(config, self.head_dim)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_value: Optional[tuple] = None,
+                output_attentions: bool = False, use_cache: bool = False, **kwargs) -> tuple:
+        bsz, q_len, _ = hidden_states.size()
+        heads = (bsz, q_len, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(heads).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(heads).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(heads).transpose(1, 2)
+        past = past_key_value[0].shape[-2] if past_key_value is not None else 0
+        if position_ids is None:  # petals' server: the positions after the cached ones
+            position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
+        # as transformers: float32 angles, cos and sin times the yarn factor, then the states' dtype
+        freqs = position_ids[..., None].float() * self.rope_inv_freq.to(hidden_states.device)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos = (angles.cos() * self.rope_factor).to(query.dtype).unsqueeze(1)
+        sin = (angles.sin() * self.rope_factor).to(query.dtype).unsqueeze(1)
+        query, key = query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+        if past_key_value is not None:
+            key = torch.cat([past_key_value[0], key], dim=2)
+            value = torch.cat([past_key_value[1], value], dim=2)
+        past_key_value = (key, value) if use_cache else None
+        key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
+        weights = torch.matmul(query, key.transpose(2, 3)) * self.head_dim ** -0.5
+        if attention_mask is not None:
+            weights = weights + attention_mask
+        if self.window:
+            weights = weights.masked_fill(self._outside_window(position_ids, key.shape[-2]),
+                                          torch.finfo(weights.dtype).min)
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(bsz, -1, q_len, -1).to(weights.dtype)
+        logits = torch.cat([weights, sinks], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values  # as transformers (its guard for bf16)
+        weights = F.softmax(logits, dim=-1, dtype=torch.float32)[..., :-1].to(query.dtype)  # the sink dropped
+        output = torch.matmul(weights, value).transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
+        return self.o_proj(output), (weights if output_attentions else None), past_key_value
+
+    def _outside_window(self, position_ids: torch.Tensor, keys: int) -> torch.Tensor:
+        """[batch or 1, 1, queries, keys]: true where a key is at or before the query's position - window."""
+        key_positions = torch.arange(keys, device=position_ids.device)
+        return (key_positions[None, None, :] <= position_ids[:, :, None] - self.window).unsqueeze(1)
+
+
 def _deinterleave(states: torch.Tensor) -> torch.Tensor:
     b, h, s, d = states.shape
     return states.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
@@ -802,6 +902,56 @@ class InputScaledMoeMLP(nn.Module):
         return (_rows(self.shared_expert, tokens) + routed).view(hidden_states.shape)  # every token: _rows too
 
 
+class ClampedSwiGLUExperts(nn.Module):
+    """gpt-oss's experts, fused under its names with their biases: ``gate_up_proj`` [experts, hidden,
+    2 x intermediate] (gate and up interleaved: the even columns gate, the odd up), ``gate_up_proj_bias``,
+    ``down_proj`` [experts, intermediate, hidden], ``down_proj_bias``. An expert computes
+    ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``, the gate clamped above at ``swiglu_limit`` and up
+    within +-``swiglu_limit``, then ``down_proj`` (transformers' GptOssExperts, in its order).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        experts, hidden, inner = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * inner).normal_(0.0, 0.02))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * inner))
+        self.down_proj = nn.Parameter(torch.empty(experts, inner, hidden).normal_(0.0, 0.02))
+        self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
+
+    def expert(self, index: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert ``index`` on ``rows`` [count, hidden] (at least MIN_ROWS of them: _rows)."""
+        gate_up = torch.matmul(rows, self.gate_up_proj[index]) + self.gate_up_proj_bias[index]
+        gate = gate_up[..., ::2].clamp(min=None, max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        glu = gate * _whole_steps(torch.sigmoid, gate * self.alpha)  # every element by the vector path
+        return torch.matmul((up + 1) * glu, self.down_proj[index]) + self.down_proj_bias[index]
+
+
+class TopKSoftmaxMoeMLP(nn.Module):
+    """gpt-oss's mixture (the block option ``mixture_of_experts`` "gpt_oss", every block): a router with a
+    bias (``mlp.router``) whose ``num_experts_per_tok`` highest logits choose the experts, weighted by the
+    softmax over those chosen logits alone; :class:`ClampedSwiGLUExperts` (``mlp.experts.*``).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True)
+        self.experts = ClampedSwiGLUExperts(config)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        top, chosen = torch.topk(_rows(self.router, tokens), self.top_k, dim=-1)
+        weights = F.softmax(top, dim=-1, dtype=top.dtype)
+        routed = torch.zeros_like(tokens)
+        for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
+            token, slot = torch.where(chosen == expert)
+            run = functools.partial(self.experts.expert, expert)
+            routed.index_add_(0, token, _rows(run, tokens[token]) * weights[token, slot, None])
+        return routed.view(hidden_states.shape)
+
+
 class SigmoidRouter(nn.Module):
     """GLM-4.5's router: its logits in float32 (``weight``), and the bias its scores get for the
     choice alone (``e_score_correction_bias``, a float32 buffer saved with the weights).
@@ -902,6 +1052,41 @@ def dequantize_fp8(tensors: dict, block: tuple, prefix: str = "", where: str = "
         tensors[name] = weight.to(torch.float32) * scales
 
 
+# the e2m1 value of each 4-bit MXFP4 code (the sign its top bit), as transformers' FP4_VALUES
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"  # <name>_blocks and <name>_scales: the MXFP4 form of <name>
+
+
+def is_mxfp4(config) -> bool:
+    """Whether config.json's ``quantization_config`` says MXFP4 (quant_method ``mxfp4``: gpt-oss's experts)."""
+    quantization = getattr(config, "quantization_config", None)
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
+
+
+def dequantize_mxfp4(tensors: dict, prefix: str = "", where: str = "") -> None:
+    """In place: each MXFP4 ``<name>_blocks`` under ``prefix`` (uint8 [experts, rows, groups, 16]: per group
+    of 32 values, two 4-bit e2m1 codes a byte, the low nibble first) with its ``<name>_scales`` (uint8
+    [experts, rows, groups]: the group's power of two, biased by 127) becomes the float32 ``<name>``
+    [experts, groups x 32, rows], as transformers 5.x dequantizes gpt-oss's experts (the same operations:
+    a table of the codes' values, ``ldexp`` by the scale, the last two dimensions swapped). ``where``: the
+    file or block named by an error.
+    """
+    from dist_eval.errors import UsageError
+
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    for key in [k for k in tensors if k.startswith(prefix) and k.endswith(MXFP4_BLOCKS)]:
+        name = key[:-len(MXFP4_BLOCKS)]
+        blocks, scales = tensors.pop(key), tensors.pop(name + MXFP4_SCALES, None)
+        if scales is None or blocks.dim() != 4 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+            found = "missing" if scales is None else f"{tuple(scales.shape)}"
+            raise UsageError(f"{key} {tuple(blocks.shape)} holds MXFP4 values of {name}, whose {name}{MXFP4_SCALES} "
+                             f"is {found}; expected blocks [experts, rows, groups, 16] beside scales [experts, rows, "
+                             "groups] in the same file (or the model dequantized).", param="model_dir", value=where)
+        codes = blocks.to(torch.uint8).long()
+        values = torch.stack((table[codes & 0x0F], table[codes >> 4]), dim=-1).reshape(*scales.shape, 32)
+        values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+        tensors[name] = values.reshape(*scales.shape[:-1], -1).transpose(1, 2).contiguous()
+
 
 # MKL computes a matrix product of few rows by another path than one of many, summing in
 # another order: measured here (torch 2.13, MKL 2024.2, one thread), the last bits of a row
@@ -952,6 +1137,8 @@ def build_layer_parts(layer: nn.Module, config, index: int) -> None:
         layer.self_attn = LatentAttention(config)
     elif getattr(config, "llama4_attention", False):
         layer.self_attn = ChunkedAttention(config, index)
+    elif getattr(config, "sink_attention", False):
+        layer.self_attn = SinkAttention(config, index)
     else:
         layer.self_attn = QkNormAttention(config)
     router = getattr(config, "mixture_of_experts", False)
@@ -961,6 +1148,8 @@ def build_layer_parts(layer: nn.Module, config, index: int) -> None:
         object.__setattr__(layer, "mlp", layer.feed_forward)  # the same module, not registered twice
     elif not is_sparse(config, index):
         layer.mlp = LlamaMLP(config)
+    elif router == GPT_OSS:
+        layer.mlp = TopKSoftmaxMoeMLP(config)
     elif router in (MIXTRAL, MINIMAX):  # its tensors are block_sparse_moe.*; the pinned layer's forward calls mlp
         layer.block_sparse_moe = (CorrectedSigmoidMoeMLP if router == MINIMAX else SparseMoeMLP)(config)
         object.__setattr__(layer, "mlp", layer.block_sparse_moe)  # the same module, not registered twice
@@ -973,6 +1162,13 @@ def build_layer_parts(layer: nn.Module, config, index: int) -> None:
     block = fp8_block_size(config)
     if block is not None:  # transformers' loader hands each module the file's tensors: FP8 ones dequantized first
         layer._register_load_state_dict_pre_hook(functools.partial(_dequantize_on_load, block))
+    if is_mxfp4(config):  # the same, MXFP4 ones (gpt-oss's experts)
+        layer._register_load_state_dict_pre_hook(_dequantize_mxfp4_on_load)
+
+
+def _dequantize_mxfp4_on_load(state_dict: dict, prefix: str, *args) -> None:
+    """A layer's load hook: its MXFP4 tensors in ``state_dict`` (one file's tensors) dequantized."""
+    dequantize_mxfp4(state_dict, prefix, where=prefix + "*")
 
 
 def _dequantize_on_load(block: tuple, state_dict: dict, prefix: str, *args) -> None:

@@ -210,6 +210,9 @@ def _attention_parameters(config: dict) -> int:
     head_dim = config.get("head_dim") or hidden // heads
     kv_heads = config.get("num_key_value_heads") or heads
     inner, kv_inner = heads * head_dim, kv_heads * head_dim
+    if config.get("model_type") == "gpt_oss":  # biases on q, k, v and o (unless config.json says none), sinks
+        biases = inner + 2 * kv_inner + hidden if config.get("attention_bias", True) else 0
+        return 2 * hidden * inner + 2 * hidden * kv_inner + biases + heads
     total = 2 * hidden * inner + 2 * hidden * kv_inner
     if config.get("attention_bias"):  # q, k, v (and o but in GLM-4.5)
         total += inner + 2 * kv_inner + (hidden if config.get("model_type") != "glm4_moe" else 0)
@@ -230,6 +233,9 @@ def _mlp_parameters(config: dict, index: int) -> int:
 
     if kind == "mixtral":
         return config["num_local_experts"] * (gated(config["intermediate_size"]) + hidden)
+    if kind == "gpt_oss":  # fused experts with biases (gate and up 2 x intermediate), a router with a bias
+        experts, inner = config.get("num_local_experts", 128), config.get("intermediate_size", 2880)
+        return experts * (gated(inner) + 2 * inner + hidden) + experts * (hidden + 1)
     if kind == "minimax_m2":  # and a correction bias per expert
         return config.get("num_local_experts", 256) * (gated(config.get("intermediate_size", 1536)) + hidden + 1)
     if kind in ("llama4_text", "llama4"):

@@ -69,6 +69,18 @@ norms over the whole projection, RoPE on ``rotary_dim`` 16 of each head, every b
 router, correction bias drawn), its weights FP8-rounded, and ``minimax_m2_fp8`` the same in FP8 tiles with the
 release's config.json form (``rotary_dim``, ``rope_theta``, MiniMax's ``quantization_config``).
 
+gpt-oss (``gpt_oss``, 5.x alone) as released: ``head_dim`` 32, biases on q, k, v and o (drawn), a sink logit per
+head (drawn), blocks 0 and 2 attending within a sliding window of 8 positions (shorter than most rows, so the
+window counts) and blocks 1 and 3 to every position (``layer_types``), yarn RoPE (factor 32, ``truncate`` false,
+a small original context), every block 4 of 8 experts of 32 chosen by a router with a bias (drawn), their
+weights and biases drawn large enough that the SwiGLU's clamp at ``swiglu_limit`` 7 is reached; its experts'
+weights MXFP4-rounded (per 32 values of a row, a power of two and 4-bit e2m1 codes, as the release holds them),
+dequantized by transformers' own ``convert_moe_packed_tensors`` before the reference computes and the model is
+saved; ``gpt_oss_mxfp4`` is the same model as OpenAI ships it (``*_blocks`` and ``*_scales`` for
+``mlp.experts.gate_up_proj`` and ``down_proj``, ``quantization_config`` quant_method ``mxfp4``, config.json's
+``rope_scaling`` and ``rope_theta`` form), which transformers reads back (dequantizing it on the CPU) into the
+same tensors, checked here.
+
 BLOOM and Falcon (the 40B layout: the new decoder architecture, 2 key/value heads, RoPE at theta 50000, so
 that a reader taking the default 10000 is caught), byte-level BPE tokenizers. Kimi K2 (``kimi_k2``) has no
 class in transformers: DeepSeek-V3's folder with ``model_type`` ``kimi_k2``, the same block (its reference
@@ -204,6 +216,9 @@ def tokenizer_of(kind: str):
         tok = train_bpe(False, ["<unk>", "<s>", "</s>"])
         return LlamaTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                   pad_token="</s>", add_bos_token=True, add_eos_token=False, legacy=False)
+    if kind == "gpt_oss":  # gpt-oss: a byte-level BPE read by the plain fast tokenizer class, no BOS
+        tok = train_bpe(True, ["<|endoftext|>", "<|start|>", "<|return|>"])
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|return|>", pad_token="<|endoftext|>")
     tok = train_bpe(True, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], qwen=True)  # Qwen2, Qwen3: no BOS
     return Qwen2TokenizerFast(tokenizer_object=tok, unk_token=None, bos_token=None, eos_token="<|endoftext|>",
                               pad_token="<|endoftext|>")
@@ -251,10 +266,9 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
                                              vision_config=QWEN3_5_VISION, tie_word_embeddings=False)
     if kind == "qwen3_next":  # Qwen3-Next-style: Qwen3.5-MoE's hybrid, flat (no vision tower); block 1 dense
         return transformers.Qwen3NextConfig(**{**common, **QWEN3_NEXT})
-    if kind == "minimax_m2":  # MiniMax-M2-style: every block 2 of 8 experts, RoPE on rotary_dim 16 of each head of 32
-        return transformers.MiniMaxM2Config(**{**common, "intermediate_size": EXPERT_INTERMEDIATE}, head_dim=HEAD_DIM,
-                                            num_local_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN,
-                                            rotary_dim=16, rope_theta=5000000.0, bos_token_id=None, eos_token_id=None)
+    if kind in EXPERT_SIZED:  # MiniMax-M2, gpt-oss: every block a mixture, intermediate_size each expert's
+        config_class = getattr(transformers, f"{CLASSES[kind]}Config")
+        return config_class(**{**common, "intermediate_size": EXPERT_INTERMEDIATE, **EXPERT_SIZED[kind]})
     if kind == "glm4_moe":  # GLM-4.5-style, with n_group 2 (the flagship's 1) so that the grouped choice counts
         return transformers.Glm4MoeConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, **GLM_MOE, **common)
     return transformers.Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
@@ -296,17 +310,35 @@ QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2
                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 FP8_BLOCK = (24, 24)  # the tiny model's tiles (the flagship's 128 x 128): partial ones at the edges
 FP8_MAX = 448.0  # the largest e4m3 value
+# gpt-oss (gpt_oss): a window of 8 on blocks 0 and 2 (the release's 128), 4 of 8 experts (the release's 4 of 128)
+GPT_OSS = dict(head_dim=HEAD_DIM, num_local_experts=EXPERTS, num_experts_per_tok=4, sliding_window=8,
+               layer_types=["sliding_attention", "full_attention"] * 2, swiglu_limit=7.0, attention_bias=True,
+               bos_token_id=None, eos_token_id=None,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+# MiniMax-M2-style: every block 2 of 8 experts, RoPE on rotary_dim 16 of each head of 32
+MINIMAX_M2 = dict(head_dim=HEAD_DIM, num_local_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, rotary_dim=16,
+                  rope_theta=5000000.0, bos_token_id=None, eos_token_id=None)
+# the families whose intermediate_size is each expert's, with their settings (gpt-oss: yarn's context, 64 x 32)
+EXPERT_SIZED = {"minimax_m2": MINIMAX_M2, "gpt_oss": {**GPT_OSS, "max_position_embeddings": 2048}}
+# the spread gpt-oss's tensors are drawn with (by the end of their names): sink logits and a router bias that
+# count, experts whose gate values pass swiglu_limit (7) now and then
+GPT_OSS_SPREAD = {"self_attn.sinks": 1.0, "router.bias": 1.0, "experts.gate_up_proj": 0.5, "experts.down_proj": 0.05,
+                  "experts.gate_up_proj_bias": 0.5, "experts.down_proj_bias": 0.5}
+MXFP4_GROUP = 32  # values sharing one power-of-two scale
+FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the e2m1 codes 0-7 (8-15: their negatives)
 CLASSES = {"bloom": "Bloom", "falcon": "Falcon",
            "llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
            "glm4_moe": "Glm4Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "llama4_text": "Llama4",
-           "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen3_next": "Qwen3Next",
+           "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen3_next": "Qwen3Next", "gpt_oss": "GptOss",
            "minimax_m2": "MiniMaxM2"}
 # vision-language releases: saved from *ForConditionalGeneration, the text model under model.language_model.
 # beside a vision tower; the reference is the text model's last final hidden state times the head
 VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")
 OFFSET_NORMS = VISION_LANGUAGE + ("qwen3_next",)  # norms scaling by 1 + weight (zeros at first)
-# families checked against transformers 5.x alone, though an earlier one has them (Qwen3-Next: 4.57 on)
-LATER = {"qwen3_next": 5}
+# families checked against transformers 5.x alone, though an earlier one has them (Qwen3-Next: 4.57 on; gpt-oss:
+# 4.55 on)
+LATER = {"qwen3_next": 5, "gpt_oss": 5}
 # transformers has no *ForSequenceClassification: the backbone times the head
 NO_CLASSIFIER = ("glm4_moe", "llama4_text", "minimax_m2")
 
@@ -423,6 +455,62 @@ def save_minimax_fp8_folder(lm, folder: str, fp8_folder: str) -> None:
         json.dump(config, f, indent=2)
 
 
+def gpt_oss_spread(key: str) -> float:
+    """The spread gpt-oss's tensor ``key`` is drawn with (GPT_OSS_SPREAD; 0: another tensor)."""
+    return next((spread for end, spread in GPT_OSS_SPREAD.items() if key.endswith(end)), 0.0)
+
+
+def mxfp4_quantized(weight: torch.Tensor) -> tuple:
+    """(blocks uint8 [..., rows, columns / 32, 16], scales uint8 [..., rows, columns / 32]) of ``weight``
+    [..., rows, columns] in MXFP4: per 32 values of a row the smallest power of two putting their largest
+    magnitude within 6 (biased by 127), each value the nearest e2m1 code (the sign its top bit), two codes a
+    byte, the even column in the low nibble (gpt-oss's release format)."""
+    groups = weight.reshape(*weight.shape[:-1], -1, MXFP4_GROUP)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -100) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.ldexp(torch.ones_like(exponent), exponent.to(torch.int32))[..., None]
+    magnitudes = torch.tensor(FP4_MAGNITUDES)
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)
+    codes = codes.to(torch.uint8).reshape(*groups.shape[:-1], MXFP4_GROUP // 2, 2)
+    return codes[..., 0] | (codes[..., 1] << 4), (exponent + 127).to(torch.uint8)
+
+
+def save_gpt_oss_mxfp4_folder(folder: str, mxfp4_folder: str) -> dict:
+    """gpt-oss as released: ``folder``'s experts' weights replaced by their MXFP4 values (dequantized by
+    transformers' own convert_moe_packed_tensors), and ``mxfp4_folder`` the same model with those weights as
+    ``*_blocks`` / ``*_scales`` (quantization_config quant_method mxfp4; rope_theta and rope_scaling as the
+    release's config.json has them). Both read back by transformers: every tensor the same (its own CPU
+    dequantization), recorded in the returned fields."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tensors, mxfp4 = load_file(os.path.join(folder, "model.safetensors")), {}
+    for key, tensor in tensors.items():
+        if key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):  # [experts, in, out]
+            blocks, scales = mxfp4_quantized(tensor.transpose(1, 2))  # stored [experts, out, in / 32, 16]
+            mxfp4[key + "_blocks"], mxfp4[key + "_scales"] = blocks, scales
+            tensors[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            mxfp4[key] = tensor
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    shutil.copytree(folder, mxfp4_folder)
+    save_file(mxfp4, os.path.join(mxfp4_folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(mxfp4_folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(mxfp4_folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    plain, read = (transformers.GptOssForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+                   for path in (folder, mxfp4_folder))
+    assert set(plain) == set(read) and any(t.dtype == torch.uint8 for t in mxfp4.values())
+    return {"mxfp4_folder": os.path.basename(mxfp4_folder),
+            "mxfp4_read_by_transformers_equal": all(torch.equal(plain[k], read[k]) for k in plain)}
+
+
 def save_as_kimi(folder: str, kimi_folder: str) -> None:
     """Kimi K2's folder: DeepSeek-V3's (the same block) under model_type kimi_k2, as Moonshot saves it."""
     shutil.copytree(folder, kimi_folder)
@@ -452,6 +540,8 @@ def make(kind: str, out: str) -> dict:
                 tensor.uniform_(0.5, 1.5)
             elif key.endswith(("mlp.gate.weight", "moe.gate.weight", "router.weight")):  # a router far from uniform
                 tensor.normal_(0.0, 0.3)
+            elif gpt_oss_spread(key):  # gpt-oss's sinks, router bias and experts
+                tensor.normal_(0.0, gpt_oss_spread(key))
             elif kind in OFFSET_NORMS and key.endswith(("layernorm.weight", "language_model.norm.weight")) or (
                     kind == "qwen3_next" and key == "model.norm.weight"):
                 tensor.normal_(0.0, 0.3)  # Qwen3.5's norms scale by 1 + weight: zeros at first
@@ -464,6 +554,7 @@ def make(kind: str, out: str) -> dict:
     tokenizer.save_pretrained(folder)
     if kind == "minimax_m2":
         save_minimax_fp8_folder(lm, folder, folder + "_fp8")
+    mxfp4 = save_gpt_oss_mxfp4_folder(folder, folder + "_mxfp4") if kind == "gpt_oss" else {}
     if kind == "deepseek_v3":
         save_deepseek_folders(lm, folder, folder + "_fp8")
         save_as_kimi(folder, os.path.join(out, "kimi_k2"))
@@ -492,7 +583,7 @@ def make(kind: str, out: str) -> dict:
             hidden = backbone(inputs_embeds=embeds).last_hidden_state[0, -1]
             ptune.append(score(hidden).tolist())
     return {"folder": kind, "class": type(loaded).__name__, "ids": ids, "logits_head": head, "logits_ptune": ptune,
-            "pad_token_id": tokenizer.pad_token_id, "num_labels": NUM_LABELS, "pre_seq_len": PRE_SEQ_LEN,
+            "pad_token_id": tokenizer.pad_token_id, "num_labels": NUM_LABELS, "pre_seq_len": PRE_SEQ_LEN, **mxfp4,
             **({"fp8_folder": kind + "_fp8", "fp8_block": list(FP8_BLOCK)}
                if kind in ("deepseek_v3", "minimax_m2") else {})}
 
