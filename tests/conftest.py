@@ -195,7 +195,7 @@ def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = "
         return AutoConfig.for_model(family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2,
                                     head_dim=16, max_position_embeddings=128, num_local_experts=4,
                                     num_experts_per_tok=2, **common)
-    if family in ("deepseek_v3", "kimi_k2"):  # the latent attention with yarn RoPE; block 0 dense, then experts
+    if family in ("deepseek_v3", "kimi_k2", "kimi_k25"):  # the latent attention with yarn RoPE; block 0 dense, experts
         from transformers import AutoConfig
 
         from dist_eval.backends.blocks import register

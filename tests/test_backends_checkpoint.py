@@ -13,7 +13,7 @@ from dist_eval.errors import UsageError, flag_names
 P, H, L, K = 3, 8, 2, 4
 PREFIX = {"llama": "model.", "bloom": "transformer.", "falcon": "transformer.", "mistral": "model.", "qwen2": "model.",
           "qwen3": "model.", "qwen3_moe": "model.", "glm4_moe": "model.", "mixtral": "model.", "deepseek_v3": "model.",
-          "kimi_k2": "model.", "llama4_text": "model.", "qwen3_5": "model.",
+          "kimi_k2": "model.", "kimi_k25": "model.", "llama4_text": "model.", "qwen3_5": "model.",
           "qwen3_5_moe": "model.", "qwen3_next": "model.",
           "minimax_m2": "model.", "gpt_oss": "model."}
 FROZEN = {  # a few keys of each family's full state dict
@@ -22,7 +22,8 @@ FROZEN = {  # a few keys of each family's full state dict
               "transformer.word_embeddings_layernorm.bias", "transformer.ln_f.weight", "transformer.ln_f.bias"],
     "falcon": ["transformer.word_embeddings.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"],
 }
-for _name in ("mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "kimi_k2", "llama4_text",
+for _name in ("mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "kimi_k2", "kimi_k25",
+              "llama4_text",
               "qwen3_5", "qwen3_5_moe", "qwen3_next", "minimax_m2", "gpt_oss"):
     FROZEN[_name] = FROZEN["llama"]  # Llama's layout
 

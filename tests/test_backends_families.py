@@ -80,7 +80,7 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
             SERVER_BLOCK_INDEX.reset(token)
         shapes = {k: v.shape for k, v in block.state_dict().items()}
         assert shapes == {k: v.shape for k, v in layer.state_dict().items()}
-        if name in ("deepseek_v3", "kimi_k2"):  # the latent attention: q and kv latents, their norms
+        if name in ("deepseek_v3", "kimi_k2", "kimi_k25"):  # the latent attention: q and kv latents, their norms
             assert shapes["self_attn.q_a_layernorm.weight"] == (6,) and shapes["self_attn.q_b_proj.weight"] == (12, 6)
             assert shapes["self_attn.kv_a_proj_with_mqa.weight"] == (6, 8)  # kv_lora_rank + qk_rope_head_dim
             assert shapes["self_attn.kv_b_proj.weight"] == (14, 4) and shapes["self_attn.o_proj.weight"] == (8, 6)
@@ -114,7 +114,7 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
     # Qwen3-MoE: blocks 1 and 3 by the step, 3 dense by its list; GLM-4.5: from first_k_dense_replace on;
     # Mixtral: every block
     assert experts == {"qwen3_moe": [1], "glm4_moe": [2, 3], "mixtral": [0, 1, 2, 3], "deepseek_v3": [2, 3],
-                       "kimi_k2": [2, 3], "llama4_text": [1, 3], "qwen3_5_moe": [0, 1, 2, 3],
+                       "kimi_k2": [2, 3], "kimi_k25": [2, 3], "llama4_text": [1, 3], "qwen3_5_moe": [0, 1, 2, 3],
                        "qwen3_next": [1], "minimax_m2": [0, 1, 2, 3],
                        "gpt_oss": [0, 1, 2, 3]}.get(name, [])  # Qwen3-Next: Qwen3-MoE's rule
 
@@ -131,7 +131,7 @@ def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
         text = str(caught.value)
     assert "\n" not in text and text.startswith("--model /m: config.json has model_type 'gpt2'")
     assert text.endswith("the families that work: bloom, deepseek_v3, falcon, glm4_moe, gpt_oss, "
-                         "kimi_k2, llama, llama4_text, "
+                         "kimi_k2, kimi_k25, llama, llama4_text, "
                          "minimax_m2, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next "
                          "(docs/models-and-checkpoints.md).")
     old_falcon = types.SimpleNamespace(model_type="falcon", new_decoder_architecture=False, multi_query=True)
@@ -188,8 +188,8 @@ def test_the_cli_refuses_a_family_petals_cannot_serve_up_front(tmp_path, capsys,
     assert errors[0] == (f"dist_eval: error: --model {model}: {why}{shown}"
                          ": not a model dist_eval computes; the families that work: bloom, deepseek_v3, falcon, "
                          "glm4_moe, gpt_oss, "
-                         "kimi_k2, llama, llama4_text, minimax_m2, mistral, mixtral, qwen2, qwen3, qwen3_5, "
-                         "qwen3_5_moe, "
+                         "kimi_k2, kimi_k25, llama, llama4_text, minimax_m2, mistral, mixtral, qwen2, qwen3, "
+                         "qwen3_5, qwen3_5_moe, "
                          "qwen3_moe, qwen3_next "
                          "(docs/models-and-checkpoints.md).")
     assert not (tmp_path / "out").exists()  # refused before any work (no swarm, no output folder)

@@ -15,7 +15,8 @@ from dist_eval.backends.local import PromptTunedClassifier, load_local
 EMBEDDINGS_NORM = {"bloom": "word_embeddings_layernorm"}  # applied after the prompts are prepended
 FINAL_NORM = {"llama": "norm", "bloom": "ln_f", "falcon": "ln_f"}
 FINAL_NORM.update(mistral="norm", qwen2="norm", qwen3="norm", qwen3_moe="norm", glm4_moe="norm",  # Llama's backbone
-                  mixtral="norm", deepseek_v3="norm", kimi_k2="norm", llama4_text="norm", qwen3_5="norm",
+                  mixtral="norm", deepseek_v3="norm", kimi_k2="norm", kimi_k25="norm", llama4_text="norm",
+                  qwen3_5="norm",
                   qwen3_5_moe="norm", qwen3_next="norm", minimax_m2="norm", gpt_oss="norm")
 
 

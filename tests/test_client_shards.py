@@ -321,3 +321,73 @@ def test_a_vision_language_release_by_hub_id_fetches_the_clients_files_alone(hub
                               return_logits=True, bootstrap_resamples=0)
         logits.append(result.predictions.logits)
     assert_same_bits(logits[1], logits[0], "the logits, the hub id's whole text model against the text folder")
+
+
+
+def split_as_kimi_release(src: str, dst: str) -> str:
+    """``src`` (a tiny kimi_k25 text ``*ForCausalLM`` save) as Moonshot lays Kimi K2.5 out: config.json's
+    text_config (model_type kimi_k2) beside a vision_config, the text model under ``language_model.model.``, its
+    head ``language_model.lm_head.weight``, the vision tower and projector (``vision_tower.*``, ``mm_projector.*``)
+    in a shard of their own, a shard per block, the embeddings, final norm and head in one shard."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name not in ("model.safetensors", "config.json"):
+            shutil.copy(os.path.join(src, name), dst)
+    with open(os.path.join(src, "config.json")) as f:
+        text = json.load(f)
+    config = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+              "tie_word_embeddings": False, "text_config": {**text, "model_type": "kimi_k2"},
+              "vision_config": {"hidden_size": 8}}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    shards = {"model-vision.safetensors": {"vision_tower.encoder.blocks.0.wqkv.weight": torch.ones(24, 8),
+                                           "mm_projector.proj.0.weight": torch.ones(8, 8)}}
+    for key, tensor in load_file(os.path.join(src, "model.safetensors")).items():
+        block = key.split(".")[2] if key.startswith("model.layers.") else None
+        shard = "model-00001-of-client.safetensors" if block is None else f"model-blocks-{block}.safetensors"
+        shards.setdefault(shard, {})["language_model." + key] = tensor.contiguous()
+    for shard, tensors in shards.items():
+        save_file(tensors, os.path.join(dst, shard), metadata={"format": "pt"})
+    weight_map = {key: shard for shard, tensors in sorted(shards.items()) for key in sorted(tensors)}
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 1}, "weight_map": weight_map}, f, indent=1)
+    return dst
+
+
+def test_kimi_k25_by_hub_id_fetches_the_clients_files_alone_and_reads_its_head(hub_cache, tmp_path):
+    """Kimi K2.5 as released (text model under language_model.model., head language_model.lm_head., vision tower
+    and projector in a shard of their own), by hub id: the client's files are the config, tokenizer, index and
+    the one shard with the embeddings, final norm and head, never a block's or the vision tower's; converted,
+    the client's tensors are the text model's own (the head read as lm_head.weight), the vision tower's left
+    out."""
+    import json
+
+    import torch
+    from conftest import build_tiny_model
+    from safetensors.torch import load_file
+
+    from dist_eval.backends.hub import client_folder
+    from dist_eval.backends.petals_folder import missing_shards, petals_model_folder
+
+    text = build_tiny_model(str(tmp_path / "text"), family="kimi_k25", num_layers=3)
+    release = split_as_kimi_release(text, str(tmp_path / "release"))
+    with fake_hub({"tiny-org/tiny-kimi": release}) as hub:
+        folder = client_folder("tiny-org/tiny-kimi", endpoint=hub.endpoint)
+        fetched = hub.files("GET")
+    assert {f for f in fetched if f.endswith(".safetensors")} == {"model-00001-of-client.safetensors"}, fetched
+    assert missing_shards(folder) == [f"model-blocks-{i}.safetensors" for i in range(3)]
+    converted = petals_model_folder(folder, cache_dir=str(tmp_path / "converted"))
+    with open(os.path.join(converted, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    assert set(index["metadata"]["left_out"]) == {"vision_tower.encoder.blocks.0.wqkv.weight",
+                                                  "mm_projector.proj.0.weight"}
+    client = load_file(os.path.join(converted, "client.safetensors"))
+    source = load_file(os.path.join(text, "model.safetensors"))
+    assert "lm_head.weight" in client and set(client) == {k for k in source if not k.startswith("model.layers.")}
+    assert all(torch.equal(client[k], source[k]) for k in client)

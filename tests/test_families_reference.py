@@ -40,11 +40,11 @@ from dist_eval.backends.blocks import SERVER_VERSION_MARK
 TOLERANCE = 1e-4
 GENERATIONS = {"4": "4.57", "5": "5."}  # the transformers that made each reference (launch/install_reference.sh)
 KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4_text",
-         "qwen3_5", "qwen3_5_moe", "qwen3_next", "minimax_m2", "gpt_oss")
+         "qwen3_5", "qwen3_5_moe", "qwen3_next", "minimax_m2", "gpt_oss", "kimi_k25")
 # the families only a later transformers has (Qwen3.5: 5.2 on): checked against that one alone; Qwen3-Next (4.57
 # has it too) against 5.x alone, the transformers issue 72 names
 MADE_BY = {"qwen3_5": ("5",), "qwen3_5_moe": ("5",), "qwen3_next": ("5",), "minimax_m2": ("5",),
-           "gpt_oss": ("5",)}
+           "gpt_oss": ("5",), "kimi_k25": ("5",)}
 # on a swarm, end to end (torchrun N=2, the run's own one-server swarm, the config read in the server process):
 # the 5.x-saved Llama 3 (rope_parameters with llama3 scaling) and Qwen3-MoE (num_local_experts), and the
 # 4.57-saved DeepSeek-V3 from its FP8 folder (the servers dequantize it as they load). Every family's server
@@ -65,12 +65,14 @@ SWARM_FOLDER = {"deepseek_v3": "deepseek_v3_fp8"}  # the servers dequantize the 
 # gpt-oss neither: its MXFP4 experts dequantized as the servers load, its sinks, windows and clamped experts are
 # checked block by block against local (the server blocks' test, from the MXFP4 folder); its own run, N=2 from the
 # MXFP4 folder, is in benchmarks/RESULTS.md, left out for the time budget
+# Kimi K2.5 has no swarm run: its blocks are DeepSeek-V3's (its swarm case), its INT4 experts dequantized as the
+# servers load are checked block by block against local (the server blocks' test, from the INT4 folder)
 # every family of the family table (llama3: model_type llama; kimi_k2: DeepSeek-V3's block under its own name)
 ALL_KINDS = ("bloom", "falcon", *KINDS, "kimi_k2")
 # no *ForSequenceClassification in transformers: the head given apart (--head)
-HEAD_ONLY = ("glm4_moe", "llama4_text", "minimax_m2")
-# the servers read the release as shipped: gpt-oss's MXFP4 folder (dequantized as they load)
-SERVED_FOLDER = {"gpt_oss": "gpt_oss_mxfp4"}
+HEAD_ONLY = ("glm4_moe", "llama4_text", "minimax_m2", "kimi_k25")
+# the servers read the release as shipped: gpt-oss's MXFP4 folder, Kimi K2.5's INT4 one (dequantized as they load)
+SERVED_FOLDER = {"gpt_oss": "gpt_oss_mxfp4", "kimi_k25": "kimi_k25_int4"}
 # (generation, kind) of every family and each transformers generation that has it
 CASES = [(generation, kind) for kind in ALL_KINDS for generation in sorted(GENERATIONS)
          if generation in MADE_BY.get(kind, GENERATIONS)]
@@ -208,7 +210,8 @@ def test_server_blocks_equal_the_local_blocks_on_the_same_hidden_states(request,
     """Each block as the servers dist_eval starts build it (petals' load_pretrained_block with dist_eval's
     block index, from the folder petals reads, its config read by petals' own classes) gives, on the local
     model's hidden states before it, the local model's hidden states after it, bit for bit (the last block's
-    through the final norm): values, not shapes, for every family and both config.json forms."""
+    through the final norm): values, not shapes, for every family and both config.json forms (the quantized
+    releases' blocks from their folders as shipped, SERVED_FOLDER; the local model from the dequantized one)."""
     from dist_eval.backends import load_model
     from dist_eval.backends.blocks import register, server_block_replacements
     from dist_eval.backends.compat import import_petals
@@ -521,6 +524,60 @@ def test_gpt_oss_refuses_in_one_line_what_its_blocks_do_not_read(reference5, tmp
     assert expected in message and "families that work" in message and "\n" not in message
 
 
+def test_kimi_k25_int4_folder_is_the_model_saved_dequantized_and_its_text_model_alone(reference5, monkeypatch):
+    """Kimi K2.5 as released (a vision-language folder, the text model under language_model.model., its head
+    language_model.lm_head., routed experts in compressed-tensors' INT4 pack-quantized groups of 32): read, every
+    tensor and logit equals the same model saved with the dequantized bf16 weights, bit for bit, so within 1e-4
+    of transformers 5.23; the local model holds exactly the text model's tensors, the vision tower's never read
+    (left out of the converted copy) and the head read as lm_head. Read in another order (the eight values of an
+    int32 highest first) or another sign (each 4-bit value two's complement, not value + 8), far from it."""
+    from safetensors.torch import load_file
+
+    from dist_eval.backends import layers, load_model
+    from dist_eval.backends.petals_folder import petals_model_folder, weight_map
+
+    out, ref = reference5
+    case = ref["cases"]["kimi_k25"]
+    batch, models = padded_batch(case), {}
+    for folder in ("kimi_k25", case["int4_folder"]):
+        models[folder] = load_model("local", str(out / folder), **trained(reference5, "kimi_k25", "ptune")).module
+    plain, int4 = models.values()
+    held = int4.hf_model.state_dict()
+    assert set(held) == set(plain.hf_model.state_dict())
+    assert all(torch.equal(plain.hf_model.state_dict()[k], v) for k, v in held.items())
+    with torch.no_grad():
+        logits = int4(batch)
+        assert torch.equal(logits, plain(batch))
+    assert (logits - torch.tensor(case["logits_ptune"])).abs().max().item() < TOLERANCE
+    saved = load_file(str(out / case["int4_folder"] / "model.safetensors"))
+    assert any(k.endswith(".experts.0.gate_proj.weight_packed") for k in saved)
+    text = {"model." + k[len("language_model.model."):] for k in saved if k.startswith("language_model.model.")}
+    assert {k for k in held if k != "score.weight"} == {k.replace("_packed", "") for k in text
+                                                        if not k.endswith(("_scale", "_shape"))}
+    assert any(k.startswith("vision_tower.") for k in saved) and any(k.startswith("mm_projector.") for k in saved)
+    converted = weight_map(petals_model_folder(str(out / case["int4_folder"])))
+    assert "lm_head.weight" in converted and not any(k.startswith(("vision_tower.", "mm_projector.", "language_"))
+                                                     for k in converted)
+    for misread in (lambda nibble, j: nibble << (4 * (7 - j)), lambda nibble, j: (nibble ^ 8) << (4 * j)):
+        with monkeypatch.context() as patched:
+            patched.setattr(layers, "dequantize_int4", repacked(layers.dequantize_int4, misread))
+            wrong = load_model("local", str(out / case["int4_folder"]), **trained(reference5, "kimi_k25", "ptune"))
+        with torch.no_grad():
+            assert (wrong.module(batch) - logits).abs().max().item() > 100 * TOLERANCE
+
+
+def repacked(dequantize, misread):
+    """``dequantize`` (layers.dequantize_int4) after each int32's 4-bit value ``j`` is put back as ``misread(value,
+    j)`` says: what another reader of the same file would compute."""
+    def wrong(tensors, group, prefix="", where=""):
+        for key in [k for k in tensors if k.startswith(prefix) and k.endswith(".weight_packed")]:
+            packed = tensors[key].to(torch.int64) & 0xFFFFFFFF
+            moved = sum(misread((packed >> (4 * j)) & 0xF, j) for j in range(8))
+            tensors[key] = torch.where(moved >= 2 ** 31, moved - 2 ** 32, moved).to(torch.int32)
+        dequantize(tensors, group, prefix, where)
+    return wrong
+
+
 def test_each_deepseek_rotary_setting_matters(reference, tmp_path):
     """DeepSeek-V3's yarn frequencies and factors, the softmax scale its mscale_all_dim gives, and the
     interleaved rope layout: each one changed moves the logits far past the tolerance."""
@@ -584,7 +641,19 @@ def edited_folder(reference, tmp_path, kind, **changes):
     ("deepseek_v3", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
      "rope_type 'llama3' in config.json is not computed here (computed: default, yarn)"),
     ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads 2 in config.json is not num_attention_heads (4)"),
-    ("deepseek_v3", {"quantization_config": {"quant_method": "compressed-tensors"}}, "INT4 compressed-tensors weights"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "format": "float-quantized", "weights": {"type": "float", "num_bits": 8, "strategy": "channel",
+                                                 "symmetric": True}}}}},
+     "compressed-tensors group_0 (format float-quantized, float 8-bit, strategy channel, symmetric True)"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                             "config_groups": {"group_0": {"weights": {
+                                                 "type": "int", "num_bits": 4, "strategy": "group", "group_size": 32,
+                                                 "symmetric": False}}}}},
+     "(format pack-quantized, int 4-bit, strategy group, symmetric False)"),
+    ("llama3", {"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                        "config_groups": {"group_0": {"weights": {
+                                            "type": "int", "num_bits": 4, "strategy": "group", "group_size": 32,
+                                            "symmetric": True}}}}}, "read only by dist_eval's own layers"),
     ("llama3", {"quantization_config": {"quant_method": "mxfp4"}}, "MXFP4 weights (quantization_config quant_method"),
     ("llama4_text", {"num_experts_per_tok": 9}, "num_experts_per_tok 9 in config.json is not between 1 and "
                                                 "num_local_experts (8)"),

@@ -130,6 +130,28 @@ def test_qwen3_next_blocks_are_sized_by_their_own_weights_and_qwen3_moes_rule(tm
     assert read_num_blocks(str(tmp_path)) == 48
 
 
+def test_kimi_k25_blocks_are_sized_from_its_text_config_as_the_servers_hold_them(tmp_path):
+    """Kimi K2.5's published shapes (no weights; the vision-language config.json, text_config of model_type
+    kimi_k2): DeepSeek-V3's blocks, block 0 dense (0.995 GB in bf16), the other 60 a mixture of 384 experts of
+    2048 and a shared expert (34.12 GB each: its INT4 experts are held dequantized, as the servers load them),
+    2048.1 GB of blocks (1026.4B parameters with the embeddings and the head: the release's 1T); an 80 GB
+    share holds block 0 and two mixtures, or two mixtures."""
+    from dist_eval.swarm.placement import read_num_blocks
+
+    text = dict(model_type="kimi_k2", hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64, n_routed_experts=384,
+                n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1, q_lora_rank=1536, kv_lora_rank=512,
+                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840, n_group=1, topk_group=1)
+    config = dict(model_type="kimi_k25", text_config=text, vision_config=dict(hidden_size=1152))
+    sizes = [2 * n for n in block_parameters(config)]
+    assert len(sizes) == 61 and sizes[1:] == [sizes[1]] * 60
+    assert 0.995 * GB < sizes[0] < 0.996 * GB and 34.118 * GB < sizes[1] < 34.119 * GB
+    assert 2048.1 * GB < sum(sizes) < 2048.2 * GB
+    assert plan_by_size(sizes, [80 * GB] * 31)[:2] == [(0, 3), (3, 5)]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert read_num_blocks(str(tmp_path)) == 61
+
+
 def test_minimax_m2_blocks_are_sized_by_their_experts_and_whole_width_norms():
     """MiniMax-M2's published shapes (no weights; config.json's rotary_dim form): every block a mixture of
     256 experts of 1536 with a correction bias, q/k norms over the whole projection: 7.337 GB a block in

@@ -29,8 +29,9 @@ servers dist_eval starts alike, so the swarm computes what ``--backend local`` c
    transformers' ``AutoConfig`` and, when petals is imported, petals' own registry (the
    server finds its block class there).
 
-A server dist_eval starts also reads FP8 checkpoints (DeepSeek-V3's): :func:`fp8_load_replacements`
-dequantizes a block's tensors as petals reads them, as the local layers' load hook does.
+A server dist_eval starts also reads FP8 checkpoints (DeepSeek-V3's) and INT4 ones (Kimi K2.5's):
+:func:`fp8_load_replacements` dequantizes a block's tensors as petals reads them, as the local layers' load
+hook does.
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ _lock = threading.RLock()
 _classes: Dict[str, type] = {}  # class name -> class built here
 # the FP8 tile of the block this process's petals server is loading (None: not FP8, or not loading)
 _SERVER_FP8_BLOCK: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_fp8_block", default=None)
+# the INT4 group size of the block this process's petals server is loading (None: not INT4, or not loading)
+_SERVER_INT4_GROUP: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_int4_group", default=None)
 # whether the block this process's petals server is loading has MXFP4 tensors (gpt-oss's experts)
 _SERVER_MXFP4: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_mxfp4", default=False)
 
@@ -269,7 +272,7 @@ def server_block_replacements() -> list:
     import petals.server.server as server
 
     from dist_eval.backends import layers
-    from dist_eval.backends.layers import SERVER_BLOCK_INDEX, fp8_block_size
+    from dist_eval.backends.layers import SERVER_BLOCK_INDEX, fp8_block_size, int4_group_size
 
     load = server.load_pretrained_block
 
@@ -278,9 +281,11 @@ def server_block_replacements() -> list:
         token = SERVER_BLOCK_INDEX.set(block_index)
         fp8 = _SERVER_FP8_BLOCK.set(fp8_block_size(kwargs.get("config")))
         mxfp4 = _SERVER_MXFP4.set(layers.is_mxfp4(kwargs.get("config")))
+        int4 = _SERVER_INT4_GROUP.set(int4_group_size(kwargs.get("config")))
         try:
             return load(model_name, block_index, *args, **kwargs)
         finally:
+            _SERVER_INT4_GROUP.reset(int4)
             _SERVER_MXFP4.reset(mxfp4)
             _SERVER_FP8_BLOCK.reset(fp8)
             SERVER_BLOCK_INDEX.reset(token)
@@ -291,7 +296,8 @@ def server_block_replacements() -> list:
 def fp8_load_replacements() -> list:
     """The tensors of a block as petals' server reads them (``_load_state_dict_from_repo``, every file
     holding one of them), FP8 weights dequantized (:func:`dist_eval.backends.layers.dequantize_fp8`)
-    by the tile the block's config says (set by :func:`server_block_replacements` around its load).
+    by the tile the block's config says (set by :func:`server_block_replacements` around its load), INT4
+    weights (:func:`dist_eval.backends.layers.dequantize_int4`) by its group size.
     """
     import petals.server.from_pretrained as from_pretrained
 
@@ -307,6 +313,9 @@ def fp8_load_replacements() -> list:
             layers.dequantize_fp8(tensors, block, where=f"{model_name} ({block_prefix}*)")
         if _SERVER_MXFP4.get():
             layers.dequantize_mxfp4(tensors, where=f"{model_name} ({block_prefix}*)")
+        group = _SERVER_INT4_GROUP.get()
+        if group is not None:
+            layers.dequantize_int4(tensors, group, where=f"{model_name} ({block_prefix}*)")
         return tensors
 
     return [(from_pretrained, "_load_state_dict_from_repo", _load_state_dict_from_repo)]

@@ -104,8 +104,10 @@ def read_as_saved(raw: dict, where: str) -> dict:
 
 
 # what a vision-language config.json says at its top level about the whole model, kept in the text model's
-# config read from its text_config (the top level's tie_word_embeddings ties the head the release has)
-WHOLE_MODEL_KEYS = ("tie_word_embeddings", "architectures", "dtype", "torch_dtype", "transformers_version")
+# config read from its text_config (the top level's tie_word_embeddings ties the head the release has; its
+# quantization_config, Kimi K2.5's INT4 experts, says how the text model's weights are stored: read or refused)
+WHOLE_MODEL_KEYS = ("tie_word_embeddings", "architectures", "dtype", "torch_dtype", "transformers_version",
+                    "quantization_config")
 
 
 def _text_model_config(config: dict, family) -> dict:

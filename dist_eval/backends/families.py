@@ -128,6 +128,9 @@ class Family:
     # tensors beside it that are never read (the vision tower, a multi-token-prediction layer)
     text_prefix: str = ""
     skipped_prefixes: tuple = ()
+    # other prefixes of the text model's tensors there, each read as another ((as saved, as read), ...): Kimi
+    # K2.5's head, language_model.lm_head. beside its text model's language_model.model.
+    text_renames: tuple = ()
     # keys of config.json's rope_parameters that change nothing on text rows (MRoPE's sections: a text
     # position is the same on each of its axes, so every section rotates by it): read and set aside
     inert_rope_keys: tuple = ()
@@ -154,7 +157,8 @@ class Family:
                 return f"{why} ({shown} in config.json)"
         if _reads_mxfp4(config, dict(self.block_options)):  # gpt-oss's MXFP4 experts, dequantized on load
             return _block_refusal(config, dict(self.block_options))
-        why = _quantization_refusal(getattr(config, "quantization_config", None))
+        why = _quantization_refusal(getattr(config, "quantization_config", None),
+                                    bool(dict(self.block_options).get("own_layers")))
         if why:
             return why
         kind = rope_type(getattr(config, "rope_scaling", None))
@@ -290,13 +294,17 @@ def _linear_attention_refusal(config, options: dict) -> str:
     return ""
 
 
-def _quantization_refusal(quantization) -> str:
+def _quantization_refusal(quantization, own_layers: bool = False) -> str:
     """Why config.json's ``quantization_config`` is not read here ('' when it is, or there is none):
-    FP8 (e4m3) weights with a scale per tile are (dequantized on load, backends.blocks.dequantize_fp8).
+    FP8 (e4m3) weights with a scale per tile are (dequantized on load, backends.layers.dequantize_fp8), and,
+    in the blocks of dist_eval's own layers (``own_layers``: their load hook), compressed-tensors' INT4
+    pack-quantized weights (backends.layers.dequantize_int4).
     """
     if not isinstance(quantization, dict):
         return ""
     method = quantization.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors_refusal(quantization, own_layers)
     if method == "fp8" and quantization.get("fmt", "e4m3") in ("e4m3", "float8_e4m3fn") and quantization.get(
             "activation_scheme",
                                                                                           "dynamic") == "dynamic":
@@ -304,9 +312,10 @@ def _quantization_refusal(quantization) -> str:
         if len(block) == 2 and all(isinstance(n, int) and n > 0 for n in block):
             return ""
         return f"FP8 weight_block_size {block} in config.json is not two tile sizes"
-    shown = {"compressed-tensors": "INT4 compressed-tensors", "mxfp4": "MXFP4"}.get(method, method)
+    shown = {"mxfp4": "MXFP4"}.get(method, method)
     return (f"{shown} weights (quantization_config quant_method {method!r} in config.json) are not read here "
-            "(read: FP8 e4m3 with a weight_scale_inv per tile, and unquantized weights)")
+            "(read: FP8 e4m3 with a weight_scale_inv per tile, compressed-tensors INT4 pack-quantized, and "
+            "unquantized weights)")
 
 
 def _reads_mxfp4(config, options: dict) -> bool:
@@ -316,6 +325,40 @@ def _reads_mxfp4(config, options: dict) -> bool:
     quantization = getattr(config, "quantization_config", None)
     return bool(options.get("mxfp4_experts")) and isinstance(quantization, dict) and (
         quantization.get("quant_method") == "mxfp4")
+
+
+def _compressed_tensors_refusal(quantization: dict, own_layers: bool) -> str:
+    """Why a compressed-tensors ``quantization_config`` is not read ('' when it is): read are weight-only INT4
+    ``pack-quantized`` groups, symmetric, a scale per ``group_size`` values of a row (Kimi K2.5's experts).
+    """
+    groups = quantization.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        return "compressed-tensors quantization_config in config.json has no config_groups (the formats of its weights)"
+    for name, group in sorted(groups.items()):
+        why = _int4_group_refusal(group, quantization.get("format"))
+        if why:
+            return (f"compressed-tensors {name} ({why}) in config.json is not read here (read: INT4 "
+                    "pack-quantized, symmetric, a scale per group of a row, weights only)")
+    if not own_layers:
+        return ("compressed-tensors INT4 weights in config.json are read only by dist_eval's own layers' load "
+                "(backends.layers), not by this family's blocks")
+    return ""
+
+
+def _int4_group_refusal(group, default_format) -> str:
+    """What in a compressed-tensors config group is not INT4 pack-quantized symmetric groups ('' when nothing)."""
+    weights = group.get("weights") if isinstance(group, dict) else None
+    if not isinstance(weights, dict):
+        return "no weights scheme"
+    form = group.get("format") or default_format
+    shown = (f"format {form}, {weights.get('type')} {weights.get('num_bits')}-bit, strategy {weights.get('strategy')}"
+             f", symmetric {weights.get('symmetric')}")
+    packed = form == "pack-quantized" and weights.get("type") == "int" and weights.get("num_bits") == 4
+    grouped = weights.get("strategy") == "group" and isinstance(weights.get("group_size"), int) and (
+        weights["group_size"] > 0)
+    plain = weights.get("symmetric") is True and not weights.get("actorder") and not weights.get("dynamic")
+    activations = group.get("input_activations") or group.get("output_activations")
+    return "" if packed and grouped and plain and not activations else shown
 
 
 def _experts_refusal(config, router) -> str:
@@ -478,6 +521,13 @@ DEEPSEEK_V3_OPTIONS = (
     ("topk_group", 4), ("first_k_dense_replace", 3), ("norm_topk_prob", True))
 FAMILIES["deepseek_v3"] = _built_on_llama("deepseek_v3", "DeepseekV3", block_options=DEEPSEEK_V3_OPTIONS)
 FAMILIES["kimi_k2"] = _built_on_llama("kimi_k2", "KimiK2", block_options=DEEPSEEK_V3_OPTIONS)
+# Kimi K2.5 / K2.6 (kimi_k25: 1T-A32B), as released: a vision-language checkpoint around a DeepSeek-V3 text model
+# (config.json's text_config; tensors under language_model.model., the head language_model.lm_head.; the vision
+# tower and its projector never read), its routed experts in compressed-tensors' INT4 pack-quantized groups,
+# dequantized on load (backends.layers.dequantize_int4), attention and shared expert in bf16
+FAMILIES["kimi_k25"] = _built_on_llama(
+    "kimi_k25", "KimiK25", block_options=DEEPSEEK_V3_OPTIONS, text_prefix="language_model.model.",
+    text_renames=(("language_model.lm_head.", "lm_head."),), skipped_prefixes=("vision_tower.", "mm_projector."))
 # Llama 4 Scout / Maverick, text (llama4_text: a Llama4ForCausalLM save): dist_eval's layers
 # (backends.layers.ChunkedAttention: RoPE in interleaved pairs but on every no_rope_layer_interval-th
 # block, a weightless L2 norm of q and k after it; InputScaledMoeMLP: a top-k sigmoid router scaling

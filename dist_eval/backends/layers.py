@@ -29,6 +29,8 @@ Llama 4, Qwen3.5, Qwen3.5-MoE and Qwen3-Next).
 - FP8 weights (config.json's ``quantization_config``, quant_method ``fp8``): a layer's e4m3
   weights are dequantized as they are loaded (:func:`dequantize_fp8`, each value times its
   tile's ``weight_scale_inv``), here by a load hook, on a server as it reads the block's tensors.
+  INT4 weights (quant_method ``compressed-tensors``, ``pack-quantized``: Kimi K2.5's experts) the same
+  way (:func:`dequantize_int4`, eight 4-bit values an int32, a scale per group of a row).
 - :class:`SinkAttention` and :class:`TopKSoftmaxMoeMLP` (gpt-oss: the block options ``sink_attention`` and
   ``mixture_of_experts`` "gpt_oss"): biases on q, k, v and o, yarn RoPE (:func:`rope_of`), a learned sink
   logit per head joining the softmax, a sliding window on the blocks :func:`sliding_window_of` names
@@ -1052,6 +1054,74 @@ def dequantize_fp8(tensors: dict, block: tuple, prefix: str = "", where: str = "
         tensors[name] = weight.to(torch.float32) * scales
 
 
+PACKED_SUFFIX = "_packed"  # <name>.weight_packed, beside <name>.weight_scale and <name>.weight_shape (INT4)
+NIBBLES = 8  # 4-bit values in an int32
+
+
+def int4_group_size(config) -> Optional[int]:
+    """The values of a row that share a scale in config.json's INT4 weights (compressed-tensors'
+    ``pack-quantized``, its one group size: family_of refused the rest); None when not INT4.
+    """
+    quantization = getattr(config, "quantization_config", None)
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "compressed-tensors":
+        return None
+    sizes = {group["weights"]["group_size"] for group in quantization["config_groups"].values()}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def dequantize_int4(tensors: dict, group: int, prefix: str = "", where: str = "") -> None:
+    """In place: each ``<name>.weight_packed`` under ``prefix`` (compressed-tensors' pack-quantized INT4, as Kimi
+    K2.5's experts are stored) becomes ``<name>.weight`` of ``<name>.weight_shape``, in the dtype of its
+    ``<name>.weight_scale`` (one scale per ``group`` values of a row): value times scale, computed in that
+    dtype as compressed-tensors' own dequantization does (so bf16 scales give the bf16 weights transformers
+    loads). Layout: int32 ``[k]`` of a row holds columns 8k..8k+7, column 8k+j in bits 4j..4j+3 (the lowest
+    first), stored as value + 8 (values -8..7); the scale of column c is ``weight_scale[:, c // group]``.
+    """
+    for key in [k for k in tensors if k.startswith(prefix) and k.endswith(".weight" + PACKED_SUFFIX)]:
+        name = key[:-len(PACKED_SUFFIX)]
+        packed, scale, shape = tensors.pop(key), tensors.pop(name + "_scale", None), tensors.pop(name + "_shape", None)
+        rows, cols = _int4_shape(name, packed, scale, shape, group, where)
+        _drop_zero_point(tensors, name, where)
+        shifts = torch.arange(0, 4 * NIBBLES, 4, dtype=torch.int32)
+        nibbles = (packed.to(torch.int32)[:, :, None] >> shifts) & 0xF  # [rows, cols / 8, 8]: column 8k + j
+        values = nibbles.reshape(rows, -1)[:, :cols] - 8
+        tensors[name] = values.to(scale.dtype) * scale.repeat_interleave(group, 1)[:, :cols]
+
+
+def _int4_shape(name: str, packed, scale, shape, group: int, where: str) -> tuple:
+    """(rows, columns) of the INT4 weight ``name`` from its weight_shape, every tensor's shape checked."""
+    from dist_eval.errors import UsageError
+
+    def refuse(why: str):
+        return UsageError(f"{name}{PACKED_SUFFIX}: {why}; save each weight_packed with its weight_scale and "
+                          "weight_shape in the same file, as compressed-tensors does (or the model dequantized).",
+                          param="model_dir", value=where)
+
+    if scale is None or shape is None:
+        raise refuse(f"{name}_scale or {name}_shape is not beside it")
+    if packed.dtype != torch.int32 or packed.dim() != 2 or shape.numel() != 2:
+        raise refuse(f"{tuple(packed.shape)} {packed.dtype} with weight_shape {shape.tolist()} is not an int32 matrix "
+                     "packing a matrix")
+    rows, cols = (int(n) for n in shape.tolist())
+    needed = {"weight_packed": (rows, -(-cols // NIBBLES)), "weight_scale": (rows, -(-cols // group))}
+    found = {"weight_packed": tuple(packed.shape), "weight_scale": tuple(scale.shape)}
+    if found != needed:
+        raise refuse(f"shapes {found}; a weight_shape of {[rows, cols]} in groups of {group} (group_size in "
+                     f"config.json) needs {needed}")
+    return rows, cols
+
+
+def _drop_zero_point(tensors: dict, name: str, where: str) -> None:
+    """A symmetric scheme's ``<name>.weight_zero_point``, if saved, removed: zeros, or refused."""
+    from dist_eval.errors import UsageError
+
+    zero = tensors.pop(name + "_zero_point", None)
+    if zero is not None and bool(zero.ne(0).any()):
+        raise UsageError(f"{name}_zero_point holds values other than 0, though config.json says the INT4 weights are "
+                         "symmetric; fix config.json's quantization_config (or save the model dequantized).",
+                         param="model_dir", value=where)
+
+
 # the e2m1 value of each 4-bit MXFP4 code (the sign its top bit), as transformers' FP4_VALUES
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"  # <name>_blocks and <name>_scales: the MXFP4 form of <name>
@@ -1162,6 +1232,9 @@ def build_layer_parts(layer: nn.Module, config, index: int) -> None:
     block = fp8_block_size(config)
     if block is not None:  # transformers' loader hands each module the file's tensors: FP8 ones dequantized first
         layer._register_load_state_dict_pre_hook(functools.partial(_dequantize_on_load, block))
+    group = int4_group_size(config)
+    if group is not None:  # the same, INT4 ones
+        layer._register_load_state_dict_pre_hook(functools.partial(_dequantize_int4_on_load, group))
     if is_mxfp4(config):  # the same, MXFP4 ones (gpt-oss's experts)
         layer._register_load_state_dict_pre_hook(_dequantize_mxfp4_on_load)
 
@@ -1174,6 +1247,11 @@ def _dequantize_mxfp4_on_load(state_dict: dict, prefix: str, *args) -> None:
 def _dequantize_on_load(block: tuple, state_dict: dict, prefix: str, *args) -> None:
     """A layer's load hook: its FP8 weights in ``state_dict`` (one file's tensors) dequantized."""
     dequantize_fp8(state_dict, block, prefix, where=prefix + "*")
+
+
+def _dequantize_int4_on_load(group: int, state_dict: dict, prefix: str, *args) -> None:
+    """A layer's load hook: its INT4 weights in ``state_dict`` (one file's tensors) dequantized."""
+    dequantize_int4(state_dict, group, prefix, where=prefix + "*")
 
 
 class OwnDecoderLayer(LlamaDecoderLayer):

@@ -229,8 +229,11 @@ def _rename(key: str, layout: FolderLayout) -> Tuple[str, Optional[str]]:
     family = layout.family
     prefix = family.checkpoint_prefix
     if layout.text_nested:  # a vision-language release: its text model's keys, the rest left out
+        renamed = [(saved, read) for saved, read in family.text_renames if key.startswith(saved)]
         if key.startswith(family.text_prefix):
             key = prefix + key[len(family.text_prefix):]
+        elif renamed:  # another part of the text model (Kimi K2.5's head)
+            key = renamed[0][1] + key[len(renamed[0][0]):]
         elif key.startswith(family.skipped_prefixes):
             return "client", None
     target_prefixed = family.server_blocks.startswith(prefix)

@@ -69,6 +69,21 @@ norms over the whole projection, RoPE on ``rotary_dim`` 16 of each head, every b
 router, correction bias drawn), its weights FP8-rounded, and ``minimax_m2_fp8`` the same in FP8 tiles with the
 release's config.json form (``rotary_dim``, ``rope_theta``, MiniMax's ``quantization_config``).
 
+Kimi K2.5 (``kimi_k25``, 5.x alone; no ``*ForSequenceClassification``: the head apart) as released: a
+``Kimi_K25ForConditionalGeneration`` around DeepSeek-V3's text model (``deepseek_v3``'s tiny one: 3 blocks,
+latent attention, yarn, block 0 dense, blocks 1-2 2 of 8 experts of 32 and a shared expert), a one-block vision
+tower, laid out as Moonshot's release is (``language_model.model.*``, ``language_model.lm_head.weight``,
+``vision_tower.*``, ``mm_projector.*``; text_config's ``model_type`` ``kimi_k2``): transformers 5.23's own save
+writes the text model's blocks as ``language_model.model.blocks.*`` and the projector's norm as
+``model.mm_projector.*``, so those two are put back, and the folder read back by 5.23 gives every tensor of the
+model. Its routed experts' weights are INT4-rounded (each row's groups of ``INT4_GROUP`` values: a bf16 scale of
+the group's largest magnitude / 7.5, values rounded into -8..7, the weight the value times its scale computed in
+bf16 as compressed-tensors dequantizes) before the reference computes and the model is saved; ``kimi_k25_int4``
+is the same model as Moonshot ships it: those weights in compressed-tensors' ``pack-quantized`` form (written
+here, compressed-tensors is not installed: ``weight_packed`` int32 holding columns 8k..8k+7 of a row in bits
+4j..4j+3, lowest first, each value + 8; ``weight_scale`` bf16 [rows, columns / 32]; ``weight_shape`` int64),
+``quantization_config`` at the top level, attention, shared expert, dense block and router ignored.
+
 gpt-oss (``gpt_oss``, 5.x alone) as released: ``head_dim`` 32, biases on q, k, v and o (drawn), a sink logit per
 head (drawn), blocks 0 and 2 attending within a sliding window of 8 positions (shorter than most rows, so the
 window counts) and blocks 1 and 3 to every position (``layer_types``), yarn RoPE (factor 32, ``truncate`` false,
@@ -208,7 +223,7 @@ def tokenizer_of(kind: str):
     if kind == "glm4_moe":  # GLM-4.5: a byte-level BPE read by the plain fast tokenizer class, no BOS
         tok = train_bpe(True, ["<|endoftext|>", "[gMASK]", "<sop>"])
         return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    if kind == "deepseek_v3":  # DeepSeek-V3: a byte-level BPE read by LlamaTokenizerFast, BOS added
+    if kind in ("deepseek_v3", "kimi_k25"):  # DeepSeek-V3: a byte-level BPE read by LlamaTokenizerFast, BOS added
         tok = train_bpe(True, [DEEPSEEK_BOS, DEEPSEEK_EOS, "<｜▁pad▁｜>"])
         return LlamaTokenizerFast(tokenizer_object=tok, bos_token=DEEPSEEK_BOS, eos_token=DEEPSEEK_EOS,
                                   pad_token=DEEPSEEK_EOS, add_bos_token=True, add_eos_token=False, legacy=True)
@@ -252,10 +267,8 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
     if kind == "mixtral":  # Mixtral-8x7B-style, with a head_dim apart and a smaller expert
         return transformers.MixtralConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, num_local_experts=EXPERTS,
                                           num_experts_per_tok=EXPERTS_PER_TOKEN, **common)
-    if kind == "deepseek_v3":  # DeepSeek-V3-style, 3 blocks, every head its own key and value (as the flagship)
-        return transformers.DeepseekV3Config(rope_theta=10000.0, **DEEPSEEK, **{
-            **common, "num_hidden_layers": DEEPSEEK_LAYERS, "num_key_value_heads": HEADS,
-            "max_position_embeddings": 2560})
+    if kind in ("deepseek_v3", "kimi_k25"):  # DeepSeek-V3-style, 3 blocks, every head its own key and value
+        return deepseek_config(kind, common)
     if kind == "llama4_text":  # Llama-4-Maverick-style: dense and MoE blocks alternate, the 4th block without RoPE
         return transformers.Llama4TextConfig(rope_theta=500000.0, head_dim=HEAD_DIM, **LLAMA4, **common)
     if kind == "qwen3_5":  # Qwen3.5 as released: a vision-language config, the text model's nested
@@ -308,6 +321,9 @@ QWEN3_NEXT = dict(
     decoder_sparse_step=1, mlp_only_layers=[1], **QWEN3_5_MOE)
 QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN,
                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+KIMI_VISION = dict(patch_size=4, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
+                   num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+INT4_GROUP = 32  # Kimi K2.5's group size (the tiny experts' rows: 64 or 32 values)
 FP8_BLOCK = (24, 24)  # the tiny model's tiles (the flagship's 128 x 128): partial ones at the edges
 FP8_MAX = 448.0  # the largest e4m3 value
 # gpt-oss (gpt_oss): a window of 8 on blocks 0 and 2 (the release's 128), 4 of 8 experts (the release's 4 of 128)
@@ -331,16 +347,30 @@ CLASSES = {"bloom": "Bloom", "falcon": "Falcon",
            "llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
            "glm4_moe": "Glm4Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "llama4_text": "Llama4",
            "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen3_next": "Qwen3Next", "gpt_oss": "GptOss",
-           "minimax_m2": "MiniMaxM2"}
+           "minimax_m2": "MiniMaxM2", "kimi_k25": "Kimi_K25"}
 # vision-language releases: saved from *ForConditionalGeneration, the text model under model.language_model.
 # beside a vision tower; the reference is the text model's last final hidden state times the head
-VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")
-OFFSET_NORMS = VISION_LANGUAGE + ("qwen3_next",)  # norms scaling by 1 + weight (zeros at first)
+VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe", "kimi_k25")
+OFFSET_NORMS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # norms scaling by 1 + weight (zeros at first)
 # families checked against transformers 5.x alone, though an earlier one has them (Qwen3-Next: 4.57 on; gpt-oss:
 # 4.55 on)
 LATER = {"qwen3_next": 5, "gpt_oss": 5}
 # transformers has no *ForSequenceClassification: the backbone times the head
 NO_CLASSIFIER = ("glm4_moe", "llama4_text", "minimax_m2")
+
+
+def deepseek_config(kind: str, common: dict):
+    """DeepSeek-V3's tiny config (as the flagship, every head its own key and value), or Kimi K2.5's as released:
+    that text model (no MTP layer) nested beside a one-block vision tower."""
+    import transformers
+
+    text = {**common, **DEEPSEEK, "num_hidden_layers": DEEPSEEK_LAYERS, "num_key_value_heads": HEADS,
+            "max_position_embeddings": 2560}
+    if kind == "deepseek_v3":
+        return transformers.DeepseekV3Config(rope_theta=10000.0, **text)
+    text.update(num_nextn_predict_layers=0, rope_theta=50000.0)
+    return transformers.Kimi_K25Config(text_config=text, vision_config=KIMI_VISION, projection_hidden_size=32,
+                                       tie_word_embeddings=False)
 
 
 def sparse_layers() -> dict:
@@ -455,6 +485,97 @@ def save_minimax_fp8_folder(lm, folder: str, fp8_folder: str) -> None:
         json.dump(config, f, indent=2)
 
 
+def int4_groups(weight: torch.Tensor) -> tuple:
+    """(values in -8..7 as int8, bf16 scales [rows, columns / INT4_GROUP]): each row's groups of INT4_GROUP
+    divided by a bf16 scale of their largest magnitude / 7.5, rounded (symmetric, as compressed-tensors')."""
+    rows, cols = weight.shape
+    groups = weight.reshape(rows, cols // INT4_GROUP, INT4_GROUP)
+    scale = (groups.abs().amax(-1) / 7.5).clamp(min=1e-8).to(torch.bfloat16)
+    values = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int8)
+    return values.reshape(rows, cols), scale
+
+
+def int4_value(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The weight INT4 values stand for: each value times its group's scale, in bf16 (compressed-tensors
+    computes in the scale's dtype), as float32."""
+    scales = scale.repeat_interleave(INT4_GROUP, 1)
+    return (values.to(torch.bfloat16) * scales).float()
+
+
+def int4_pack(values: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' pack-quantized int32s of int8 ``values`` in -8..7: ``packed[r, k]`` holds columns
+    8k..8k+7 of row r, column 8k+j in bits 4j..4j+3 (the lowest first), each as value + 8."""
+    rows, cols = values.shape
+    unsigned = torch.nn.functional.pad(values.to(torch.int64) + 8, (0, -cols % 8)).reshape(rows, -1, 8)
+    packed = sum(unsigned[:, :, j] << (4 * j) for j in range(8))
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+
+
+def is_int4_weight(key: str) -> bool:
+    """Kimi K2.5's INT4 tensors: the routed experts' weights (not attention, shared expert, dense MLP, router)."""
+    import re
+
+    return re.fullmatch(r"language_model\.model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
+                        key) is not None
+
+
+KIMI_INT4_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "group_size": INT4_GROUP, "strategy": "group",
+                    "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax",
+                    "observer_kwargs": {}}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*",
+               "re:vision_tower.*", "re:mm_projector.*"],
+    "kv_cache_scheme": None}
+
+
+def save_kimi_folders(lm, folder: str) -> dict:
+    """``folder`` (5.23's save of Kimi K2.5, ``lm``) in Moonshot's layout, its routed experts INT4-rounded, read
+    back by 5.23 whole; and ``<folder>_int4``: the same model with those experts in compressed-tensors'
+    pack-quantized form. The reference case's fields naming it."""
+    from safetensors.torch import load_file, save_file
+
+    def released(key: str) -> str:  # what 5.23's save writes otherwise (see the module doc)
+        return key.replace("language_model.model.blocks.", "language_model.model.layers.").replace(
+            "model.mm_projector.", "mm_projector.")
+
+    tensors = {released(k): v for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
+    int4 = {}
+    for key, tensor in tensors.items():
+        if is_int4_weight(key):
+            values, scale = int4_groups(tensor)
+            tensors[key] = int4_value(values, scale)
+            int4[key + "_packed"], int4[key + "_scale"] = int4_pack(values), scale
+            int4[key + "_shape"] = torch.tensor(list(tensor.shape), dtype=torch.int64)
+        else:
+            int4[key] = tensor
+    assert any(v.dtype == torch.int32 and (v < 0).any() for v in int4.values())  # the high nibble's bit is used
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["text_config"]["model_type"] = "kimi_k2"  # Moonshot's name (5.23 reads it as deepseek_v3)
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    int4_folder = folder + "_int4"
+    shutil.copytree(folder, int4_folder)
+    save_file(int4, os.path.join(int4_folder, "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = KIMI_INT4_CONFIG
+    with open(os.path.join(int4_folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    read_back_whole(lm, folder)
+    return {"int4_folder": os.path.basename(int4_folder), "int4_group": INT4_GROUP}
+
+
+def read_back_whole(lm, folder: str) -> None:
+    """The released layout read back by this transformers: every tensor of ``lm``, its experts INT4-rounded."""
+    read = type(lm).from_pretrained(folder).eval()
+    held, experts = read.state_dict(), lambda model: model.model.language_model.layers[1].mlp.experts.gate_up_proj
+    assert set(held) == set(lm.state_dict()) and not experts(read).equal(experts(lm))
+    assert all(held[k].equal(v) for k, v in lm.state_dict().items() if ".experts." not in k)
+
+
 def gpt_oss_spread(key: str) -> float:
     """The spread gpt-oss's tensor ``key`` is drawn with (GPT_OSS_SPREAD; 0: another tensor)."""
     return next((spread for end, spread in GPT_OSS_SPREAD.items() if key.endswith(end)), 0.0)
@@ -521,6 +642,11 @@ def save_as_kimi(folder: str, kimi_folder: str) -> None:
         json.dump(config, f, indent=2)
 
 
+# the quantized releases' folders, written beside the model's own (each returns its reference case's fields)
+AS_RELEASED = {"gpt_oss": lambda lm, folder: save_gpt_oss_mxfp4_folder(folder, folder + "_mxfp4"),
+               "kimi_k25": save_kimi_folders}
+
+
 def make(kind: str, out: str) -> dict:
     import transformers
     from safetensors.torch import save_file
@@ -554,7 +680,7 @@ def make(kind: str, out: str) -> dict:
     tokenizer.save_pretrained(folder)
     if kind == "minimax_m2":
         save_minimax_fp8_folder(lm, folder, folder + "_fp8")
-    mxfp4 = save_gpt_oss_mxfp4_folder(folder, folder + "_mxfp4") if kind == "gpt_oss" else {}
+    released = AS_RELEASED.get(kind, lambda lm, folder: {})(lm, folder)  # a quantized release's folder too
     if kind == "deepseek_v3":
         save_deepseek_folders(lm, folder, folder + "_fp8")
         save_as_kimi(folder, os.path.join(out, "kimi_k2"))
@@ -583,7 +709,7 @@ def make(kind: str, out: str) -> dict:
             hidden = backbone(inputs_embeds=embeds).last_hidden_state[0, -1]
             ptune.append(score(hidden).tolist())
     return {"folder": kind, "class": type(loaded).__name__, "ids": ids, "logits_head": head, "logits_ptune": ptune,
-            "pad_token_id": tokenizer.pad_token_id, "num_labels": NUM_LABELS, "pre_seq_len": PRE_SEQ_LEN, **mxfp4,
+            "pad_token_id": tokenizer.pad_token_id, "num_labels": NUM_LABELS, "pre_seq_len": PRE_SEQ_LEN, **released,
             **({"fp8_folder": kind + "_fp8", "fp8_block": list(FP8_BLOCK)}
                if kind in ("deepseek_v3", "minimax_m2") else {})}
 
