@@ -527,7 +527,7 @@ KIMI_INT4_CONFIG = {
                     "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax",
                     "observer_kwargs": {}}}},
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*",
-               "re:vision_tower.*", "re:mm_projector.*"],
+               "re:.*vision_tower.*", "re:.*mm_projector.*"],
     "kv_cache_scheme": None}
 
 
