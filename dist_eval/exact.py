@@ -145,12 +145,14 @@ def _check_task(data, tokenizer, settings: Settings, options: Options, task: Tas
 
 
 def _check_window(task: Task, max_length: int) -> None:
-    """Rows that may be longer than the model's sliding attention window, which no block here computes."""
+    """Rows that may be longer than the model's sliding attention window (or another limit of its attention:
+    ``task.attention_limit``), which no block here computes.
+    """
     longest = max_length + task.prompt_tokens
     if task.attention_window and longest > task.attention_window:
         raise UsageError(
             f"rows of up to {max_length} tokens and {task.prompt_tokens} prompt or label-word positions may pass "
-            f"the model's sliding attention window of {task.attention_window} positions (config.json), which "
+            f"the model's {task.attention_limit} of {task.attention_window} positions (config.json), which "
             f"dist_eval does not compute (a row within it is computed exactly). "
             f"Pass --max-length {task.attention_window - task.prompt_tokens} or less.",
             param="max_length", value=max_length)

@@ -195,15 +195,18 @@ def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = "
         return AutoConfig.for_model(family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2,
                                     head_dim=16, max_position_embeddings=128, num_local_experts=4,
                                     num_experts_per_tok=2, **common)
-    if family in ("deepseek_v3", "kimi_k2", "kimi_k25"):  # the latent attention with yarn RoPE; block 0 dense, experts
+    # the latent attention with yarn RoPE; block 0 dense, then experts; GLM-5: an indexer per block keeping 4 keys
+    if family in ("deepseek_v3", "kimi_k2", "kimi_k25", "glm_moe_dsa"):
         from transformers import AutoConfig
 
         from dist_eval.backends.blocks import register
 
         register()
+        indexer = dict(index_topk=4, index_head_dim=8, index_n_heads=2) if family == "glm_moe_dsa" else {}
         return AutoConfig.for_model(
-            family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=4, q_lora_rank=16,
-            kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, max_position_embeddings=128,
+            family, **indexer, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=4,
+            q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12,
+            max_position_embeddings=128,
             rope_scaling={"type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                           "original_max_position_embeddings": 32}, n_routed_experts=4, n_shared_experts=1,
             num_experts_per_tok=2, moe_intermediate_size=16, n_group=2, topk_group=1, first_k_dense_replace=1,

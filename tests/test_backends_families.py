@@ -67,7 +67,8 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
                     n_routed_experts=4, first_k_dense_replace=2, n_group=2, use_qk_norm=True,  # GLM-4.5's
                     num_local_experts=4,  # Mixtral's
                     q_lora_rank=6, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3,  # DeepSeek's
-                    topk_group=1, intermediate_size_mlp=12, interleave_moe_layer_step=2)  # Llama 4's
+                    topk_group=1, intermediate_size_mlp=12, interleave_moe_layer_step=2,  # Llama 4's
+                    index_topk=2, index_head_dim=4, index_n_heads=2)  # GLM-5's indexer
     local = family_class(family.local_class, in_petals=False)
     layers = local(local.config_class(**settings)).model.layers
     server_config = family_class(family.petals_class, in_petals=True).config_class(**settings)
@@ -80,10 +81,14 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
             SERVER_BLOCK_INDEX.reset(token)
         shapes = {k: v.shape for k, v in block.state_dict().items()}
         assert shapes == {k: v.shape for k, v in layer.state_dict().items()}
-        if name in ("deepseek_v3", "kimi_k2", "kimi_k25"):  # the latent attention: q and kv latents, their norms
+        if name in ("deepseek_v3", "kimi_k2", "kimi_k25", "glm_moe_dsa"):  # the latent attention: q, kv latents, norms
             assert shapes["self_attn.q_a_layernorm.weight"] == (6,) and shapes["self_attn.q_b_proj.weight"] == (12, 6)
             assert shapes["self_attn.kv_a_proj_with_mqa.weight"] == (6, 8)  # kv_lora_rank + qk_rope_head_dim
             assert shapes["self_attn.kv_b_proj.weight"] == (14, 4) and shapes["self_attn.o_proj.weight"] == (8, 6)
+            indexer = {k[len("self_attn.indexer."):]: v for k, v in shapes.items() if ".indexer." in k}
+            assert indexer == ({} if name != "glm_moe_dsa" else {  # GLM-5: the indexer from the query latent
+                "wq_b.weight": (8, 6), "wk.weight": (4, 8), "k_norm.weight": (4,), "k_norm.bias": (4,),
+                "weights_proj.weight": (2, 8)})
         elif name in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # Gated DeltaNet blocks 0-2, then gated attention
             if index == 3:  # (q twice as wide)
                 assert shapes["self_attn.q_proj.weight"] == (24, 8) and shapes["self_attn.q_norm.weight"] == (6,)
@@ -114,7 +119,8 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
     # Qwen3-MoE: blocks 1 and 3 by the step, 3 dense by its list; GLM-4.5: from first_k_dense_replace on;
     # Mixtral: every block
     assert experts == {"qwen3_moe": [1], "glm4_moe": [2, 3], "mixtral": [0, 1, 2, 3], "deepseek_v3": [2, 3],
-                       "kimi_k2": [2, 3], "kimi_k25": [2, 3], "llama4_text": [1, 3], "qwen3_5_moe": [0, 1, 2, 3],
+                       "kimi_k2": [2, 3], "kimi_k25": [2, 3], "glm_moe_dsa": [2, 3], "llama4_text": [1, 3],
+                       "qwen3_5_moe": [0, 1, 2, 3],
                        "qwen3_next": [1], "minimax_m2": [0, 1, 2, 3],
                        "gpt_oss": [0, 1, 2, 3]}.get(name, [])  # Qwen3-Next: Qwen3-MoE's rule
 
@@ -130,7 +136,7 @@ def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
     with flag_names():
         text = str(caught.value)
     assert "\n" not in text and text.startswith("--model /m: config.json has model_type 'gpt2'")
-    assert text.endswith("the families that work: bloom, deepseek_v3, falcon, glm4_moe, gpt_oss, "
+    assert text.endswith("the families that work: bloom, deepseek_v3, falcon, glm4_moe, glm_moe_dsa, gpt_oss, "
                          "kimi_k2, kimi_k25, llama, llama4_text, "
                          "minimax_m2, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next "
                          "(docs/models-and-checkpoints.md).")
@@ -187,7 +193,7 @@ def test_the_cli_refuses_a_family_petals_cannot_serve_up_front(tmp_path, capsys,
     shown = "" if "gpt2" in why else " (new_decoder_architecture=False, multi_query=True in config.json)"
     assert errors[0] == (f"dist_eval: error: --model {model}: {why}{shown}"
                          ": not a model dist_eval computes; the families that work: bloom, deepseek_v3, falcon, "
-                         "glm4_moe, gpt_oss, "
+                         "glm4_moe, glm_moe_dsa, gpt_oss, "
                          "kimi_k2, kimi_k25, llama, llama4_text, minimax_m2, mistral, mixtral, qwen2, qwen3, "
                          "qwen3_5, qwen3_5_moe, "
                          "qwen3_moe, qwen3_next "
@@ -231,3 +237,21 @@ def test_fp8_tiles_of_a_weight_ending_in_a_partial_tile_after_a_full_one_are_rea
         dequantize_fp8({"w.weight": weight, "w.weight_scale_inv": scale[:1, :1]}, (128, 128), where="/m")
     assert "\n" not in str(e.value) and "(1, 1)" in str(e.value) and "(192, 200)" in str(e.value)
     assert "needs (2, 2)" in str(e.value)
+
+
+@pytest.mark.parametrize("masked, chosen", [(None, [2, 3]), ("-inf", [0, 1])])
+def test_a_routers_groups_left_out_score_0_as_in_transformers_4_or_never_chosen_as_in_5(masked, chosen):
+    """GLM-4.5's / DeepSeek-V3's router (transformers 4.x) scores the experts outside the kept groups 0 for the
+    choice; GLM-5's (the block option masked_group_score "-inf", transformers 5.x's) never chooses one: they differ
+    where the kept group's corrected scores are below 0 (here group 0, kept by its two best, both negative)."""
+    import types
+
+    from dist_eval.backends.layers import SigmoidMoeMLP
+
+    config = types.SimpleNamespace(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                   norm_topk_prob=True, routed_scaling_factor=1.0, hidden_size=4,
+                                   moe_intermediate_size=2, n_shared_experts=1, hidden_act="silu",
+                                   **({"masked_group_score": masked} if masked else {}))
+    mlp = SigmoidMoeMLP(config)
+    mlp.gate.e_score_correction_bias.copy_(torch.tensor([-2.0, -2.0, -3.0, -3.0]))
+    assert sorted(mlp.choose(torch.tensor([[0.5, 0.6, 0.9, 0.9]]))[0].tolist()) == chosen

@@ -186,6 +186,26 @@ def test_gpt_oss_blocks_are_sized_by_their_dequantized_experts_biases_and_sinks(
     assert 20.9 * GB < sum(small) + embeddings < 21.0 * GB
 
 
+def test_glm5_blocks_are_sized_by_their_indexers_and_mixtures():
+    """GLM-5's published shapes (no weights): the latent attention and an indexer per block (32 heads of 128 from
+    the query latent, a key of 128 and its LayerNorm, weights_proj), 3 dense blocks then mixtures of 256 experts of
+    2048 and a shared expert: 0.80 GB and 19.75 GB a block in bf16, 1,484 GB of blocks (743.9B parameters with
+    the embeddings and the head: the release's 744B); a block whose indexer_types says shared has no indexer."""
+    config = dict(model_type="glm_moe_dsa", hidden_size=6144, num_attention_heads=64, num_key_value_heads=64,
+                  num_hidden_layers=78, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+                  v_head_dim=256, index_topk=2048, index_head_dim=128, index_n_heads=32, n_routed_experts=256,
+                  n_shared_experts=1, num_experts_per_tok=8, moe_intermediate_size=2048, first_k_dense_replace=3,
+                  intermediate_size=12288, vocab_size=154880, rope_parameters={"rope_theta": 1000000})
+    counts = block_parameters(config)
+    indexer = 2048 * 32 * 128 + 6144 * 128 + 2 * 128 + 6144 * 32
+    assert len(counts) == 78 and counts[:3] == [counts[0]] * 3 and counts[3:] == [counts[3]] * 75
+    assert 0.801 * GB < 2 * counts[0] < 0.802 * GB and 19.75 * GB < 2 * counts[3] < 19.76 * GB
+    assert 1484.0 * GB < 2 * sum(counts) < 1484.1 * GB
+    shared = block_parameters({**config, "indexer_types": ["full", "shared"] * 39})
+    assert [a - b for a, b in zip(counts, shared)] == [0, indexer] * 39
+    assert block_parameters({**config, "mlp_layer_types": ["sparse"] * 78})[0] == counts[3]
+
+
 def test_servers_take_as_many_blocks_as_fit_their_share_by_each_blocks_size():
     """DeepSeek-V3 on 80 GB shares: the first server takes the three small dense blocks and three
     mixture blocks, the others three mixture blocks each; a 16 GB share holds no mixture block."""

@@ -63,6 +63,7 @@ class LoadedModel:
     label_words: Optional[tuple] = None  # zero-shot: the words scored for the classes (else a classifier head)
     appended_tokens: int = 0  # zero-shot: the most label-word tokens a forward appends to a row
     attention_window: int = 0  # a sliding attention window's positions (config.json); 0: none
+    attention_limit: str = "sliding attention window"  # what attention_window is, as a refused row is told
     # what decides the logits, for the row store (dist_eval.rowstore): {"model": ..., "trainable": digest}
     identity: Optional[dict] = None
     checkpoint: Optional[str] = None  # the file whose prompts + head it holds (load_model's, then load_trainable's)
@@ -195,6 +196,7 @@ def load_model(
                        class_names(config, state.num_labels), state.pre_seq_len, state.tuning_mode,
                        label_words=words, appended_tokens=scored.appended_tokens if scored else 0,
                        attention_window=family.attention_window(config),
+                       attention_limit=family.attention_limit(config),
                        identity=_identity(model_dir, config, state, family, (backend, device, dht_prefix)),
                        checkpoint=checkpoint,
                        source=TrainableSource(model_dir, head, tuning_mode, pre_seq_len, num_labels, words))

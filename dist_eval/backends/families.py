@@ -107,7 +107,8 @@ class Family:
     # (the router, "softmax", "sigmoid", "mixtral" or "llama4"): with experts where config.json's
     # num_experts, mlp_only_layers and decoder_sparse_step say (softmax), or n_routed_experts and
     # first_k_dense_replace (sigmoid), or moe_layers / interleave_moe_layer_step (llama4); Mixtral's in
-    # every block; ``latent_attention`` (DeepSeek-V3), ``llama4_attention``: those attentions
+    # every block; ``latent_attention`` (DeepSeek-V3), ``llama4_attention``: those attentions;
+    # ``sparse_attention`` (GLM-5): the latent attention with DeepSeek Sparse Attention's indexer
     built_on: str = ""
     block_options: tuple = ()
     # config.json's keys of a sliding attention window: (the window, the switch that turns it on,
@@ -117,7 +118,8 @@ class Family:
     # (backends.config_json reads either)
     config_renames: tuple = ()
     # the attention kinds of config.json's layer_types the blocks compute beyond full attention (a sliding
-    # window or a chunk: the rows longer than it are refused); another kind is refused (backends.config_json)
+    # window or a chunk: the rows longer than it are refused; GLM-5's indexed attention, the sparse attention);
+    # another kind is refused (backends.config_json)
     layer_types: tuple = ()
     # "module:Name" of petals' server attention whose rotary table ignores config.json's rope_theta (its base
     # is always 10000) and has no rope_scaling: dist_eval's servers rebuild it at rope_theta
@@ -170,7 +172,11 @@ class Family:
         return ""
 
     def attention_window(self, config) -> int:
-        """The sliding attention window of this config in positions (0: none, or not on)."""
+        """The sliding attention window of this config in positions (0: none, or not on); with blocks that
+        reuse an earlier block's choice of keys (GLM-5's ``indexer_types`` ``shared``), ``index_topk``.
+        """
+        if self._shares_choices(config):
+            return int(config.index_topk)
         if not self.sliding_window:
             return 0
         window_key, switch = self.sliding_window
@@ -181,6 +187,17 @@ class Family:
         if floor:  # Llama 4's temperature tuning scales q from position floor_scale - 1 on
             window = min(window, floor - 1) if window else floor - 1
         return window
+
+    def attention_limit(self, config) -> str:
+        """What :meth:`attention_window` is, as the refusal of a longer row names it."""
+        if self._shares_choices(config):
+            return ("sparse attention's index_topk (blocks that indexer_types marks 'shared' reuse an earlier "
+                    "block's choice of keys, which dist_eval's blocks do not pass on)")
+        return "sliding attention window"
+
+    def _shares_choices(self, config) -> bool:
+        shared = bool(dict(self.block_options).get("shared_indexers"))
+        return shared and "shared" in indexer_types(config, shared)
 
     def get(self, module, path: str):
         """The attribute at the dotted ``path`` of ``module`` (a field of this family)."""
@@ -223,6 +240,26 @@ NOT_COMPUTED = {
 }
 
 
+def indexer_types(config, shared: bool) -> list:
+    """Per block of a sparse-attention config (a transformers config or config.json's dict), ``full`` (the block
+    has its own indexer) or ``shared`` (it reuses the choice of keys of the full block before it), as transformers
+    5.x's GlmMoeDsaConfig derives it: config.json's ``indexer_types``, else ``index_topk_pattern`` (``F`` and
+    ``S``), else ``full`` every ``index_topk_freq``-th block from ``index_skip_topk_offset`` on (every block when
+    config.json says neither, GLM-5's). Only a family with the block option ``shared_indexers`` reads these keys
+    (``shared``); another's blocks are all full (DeepSeek-V3.2's).
+    """
+    read = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    if not shared:
+        return ["full"] * read("num_hidden_layers")
+    if read("indexer_types") is not None:
+        return list(read("indexer_types"))
+    pattern = read("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(read("index_topk_freq", 1), 1), read("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(read("num_hidden_layers"))]
+
+
 def rope_type(rope_scaling) -> Optional[str]:
     """The type of config.json's ``rope_scaling`` in either format (``rope_type`` since
     transformers 4.43, ``type`` before); None without one.
@@ -250,7 +287,11 @@ def _block_refusal(config, options: dict) -> str:
         if kv_heads not in (None, heads):
             return (f"num_key_value_heads {kv_heads} in config.json is not num_attention_heads ({heads}); the "
                     "latent attention gives every head its own key")
-        if getattr(config, "index_topk", None):  # DeepSeek V3.2's indexer in a deepseek_v3 config
+        if options.get("sparse_attention"):
+            why = _sparse_attention_refusal(config, options)
+            if why:
+                return why
+        elif getattr(config, "index_topk", None):  # DeepSeek V3.2's indexer in a deepseek_v3 config
             return (f"index_topk {config.index_topk} in config.json (DeepSeek V3.2's sparse attention) is not "
                     "computed here (the latent attention is dense)")
         scoring = getattr(config, "scoring_func", "sigmoid")
@@ -274,6 +315,36 @@ def _block_refusal(config, options: dict) -> str:
         return f"partial_rotary_factor {factor} in config.json is not in (0, 1]; no head rotates that share"
     if options.get("mixture_of_experts"):
         return _experts_refusal(config, options["mixture_of_experts"])
+    return ""
+
+
+def _sparse_attention_refusal(config, options: dict) -> str:
+    """What in a config of the latent attention with DeepSeek Sparse Attention (GLM-5) the blocks do not compute
+    ('' when nothing); a key config.json leaves out has the family's default (``options``).
+    """
+    def read(key):
+        return getattr(config, key, options.get(key))
+
+    if read("q_lora_rank") is None:
+        return ("q_lora_rank null in config.json: the sparse attention's indexer reads the query latent, which "
+                "a q_proj without one does not have")
+    if read("rope_interleave") is False:
+        return ("rope_interleave false in config.json: transformers' sparse attention always rotates DeepSeek's "
+                "interleaved pairs; which layout the weights have is not known")
+    for key in ("index_topk", "index_n_heads", "index_head_dim"):
+        if not isinstance(read(key), int) or read(key) < 1:
+            return f"{key} {read(key)} in config.json is not a positive integer"
+    if read("index_head_dim") < read("qk_rope_head_dim"):
+        return (f"index_head_dim {read('index_head_dim')} in config.json is below qk_rope_head_dim "
+                f"{read('qk_rope_head_dim')}, the share of each indexer head that rotates")
+    layers = read("num_hidden_layers")
+    kinds = indexer_types(config, bool(read("shared_indexers")))
+    if len(kinds) != layers or not set(kinds) <= {"full", "shared"} or kinds[0] != "full":
+        return (f"indexer_types {kinds} in config.json is not full or shared for each of the {layers} blocks, "
+                "the first full")
+    mlp = read("mlp_layer_types")
+    if mlp is not None and (len(mlp) != layers or not set(mlp) <= {"dense", "sparse"}):
+        return f"mlp_layer_types {mlp} in config.json is not dense or sparse for each of the {layers} blocks"
     return ""
 
 
@@ -609,6 +680,24 @@ FAMILIES["gpt_oss"] = _built_on_llama(
         ("attention_bias", True), ("sliding_window", 128), ("mixture_of_experts", "gpt_oss"),
         ("num_local_experts", 128), ("num_experts_per_tok", 4), ("intermediate_size", 2880), ("swiglu_limit", 7.0),
         ("swiglu_alpha", 1.702), ("mxfp4_experts", True)))
+
+
+# GLM-5 / 5.1 (glm_moe_dsa: 744B-A40B), bf16 as released: DeepSeek-V3's block (the latent attention, RoPE in
+# interleaved pairs; from first_k_dense_replace on, or where mlp_layer_types says sparse, a sigmoid router with a
+# correction bias choosing within groups, -inf for the groups left out as transformers 5.x has it, scaled, and a
+# shared expert) plus DeepSeek Sparse Attention (backends.layers.SparseLatentAttention: each query attends to the
+# index_topk keys its block's indexer keeps, RoPE in interleaved pairs there too; the blocks indexer_types marks
+# shared reuse an earlier block's choice, not passed between blocks: rows past index_topk refused there). The
+# options' values are transformers 5.x's GlmMoeDsaConfig defaults
+FAMILIES["glm_moe_dsa"] = _built_on_llama(
+    "glm_moe_dsa", "GlmMoeDsa", layer_types=("indexed_attention",), block_options=(
+        ("own_layers", True), ("latent_attention", True), ("sparse_attention", True), ("shared_indexers", True),
+        ("q_lora_rank", 2048), ("kv_lora_rank", 512), ("qk_nope_head_dim", 192), ("qk_rope_head_dim", 64),
+        ("v_head_dim", 256), ("rope_interleave", True), ("index_topk", 2048), ("index_head_dim", 128),
+        ("index_n_heads", 32), ("indexer_rope_interleave", True), ("mixture_of_experts", "sigmoid"),
+        ("masked_group_score", "-inf"), ("n_routed_experts", 256), ("n_shared_experts", 1), ("num_experts_per_tok", 8),
+        ("moe_intermediate_size", 2048), ("routed_scaling_factor", 2.5), ("n_group", 1), ("topk_group", 1),
+        ("first_k_dense_replace", 3), ("norm_topk_prob", True)))
 
 
 def tokenizers_calling_the_base() -> frozenset:

@@ -1,7 +1,7 @@
 """The block parts dist_eval computes itself, in plain torch, for the families whose block the
 pinned transformers (4.33) has no class for: those with the block option ``own_layers`` in the
 family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5, Mixtral, DeepSeek-V3,
-Llama 4, Qwen3.5, Qwen3.5-MoE and Qwen3-Next).
+Llama 4, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2 and GLM-5).
 
 - Qwen3.5's hybrid (the block option ``gated_delta_net``): by ``layer_types`` (:func:`layer_type`) a
   :class:`GatedDeltaNet` block (linear attention: :func:`gated_delta_rule` over the whole row) or a
@@ -21,6 +21,9 @@ Llama 4, Qwen3.5, Qwen3.5-MoE and Qwen3-Next).
 - :class:`LatentAttention` (the block option ``latent_attention``, DeepSeek-V3 and Kimi K2):
   multi-head latent attention, RoPE on each head's rope part in DeepSeek's interleaved layout,
   ``yarn`` frequencies whose ``mscale_all_dim`` also scales the softmax (:func:`latent_rope`).
+  :class:`SparseLatentAttention` (the block option ``sparse_attention``, GLM-5): the same, each query
+  attending to the ``index_topk`` keys its block's :class:`LightningIndexer` (DeepSeek Sparse Attention's)
+  keeps, every key in a row of at most ``index_topk`` positions.
 - :class:`ChunkedAttention` and :class:`InputScaledMoeMLP` (Llama 4: the block options
   ``llama4_attention`` and ``mixture_of_experts`` "llama4"): RoPE in interleaved pairs but on the
   blocks without it (:func:`uses_rope`), a weightless L2 norm of q and k after it; a router whose
@@ -89,6 +92,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
+from dist_eval.backends.families import indexer_types
 from dist_eval.backends.rope import llama3_inv_freq, rescale_rope
 
 # the block option ``mixture_of_experts`` of a family whose router is GLM-4.5's, and of Mixtral (its
@@ -117,8 +121,10 @@ def is_sparse(config, index: int) -> bool:
         step = getattr(config, "interleave_moe_layer_step", 1)
         moe_layers = getattr(config, "moe_layers", None)
         return index in (moe_layers if moe_layers is not None else range(step - 1, config.num_hidden_layers, step))
-    if router == SIGMOID:
-        return (getattr(config, "n_routed_experts", 0) or 0) > 0 and index >= config.first_k_dense_replace
+    if router == SIGMOID:  # transformers 5.x's mlp_layer_types where config.json gives it (GLM-5's, DeepSeek-V3.2's)
+        types = getattr(config, "mlp_layer_types", None)
+        sparse = types[index] == "sparse" if types else index >= config.first_k_dense_replace
+        return (getattr(config, "n_routed_experts", 0) or 0) > 0 and sparse
     if router in (MIXTRAL, MINIMAX, GPT_OSS):
         return (getattr(config, "num_local_experts", 0) or 0) > 0
     if router == SHARED_GATE and not getattr(config, "moe_by_step", False):  # Qwen3.5-MoE: every block (its
@@ -536,10 +542,8 @@ class LatentAttention(LlamaAttention):
                 position_ids: Optional[torch.LongTensor] = None, past_key_value: Optional[tuple] = None,
                 output_attentions: bool = False, use_cache: bool = False, **kwargs) -> tuple:
         bsz, q_len, _ = hidden_states.size()
-        if self.q_lora_rank is None:
-            query = self.q_proj(hidden_states)
-        else:
-            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q_latent = None if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden_states))
+        query = self.q_proj(hidden_states) if q_latent is None else self.q_b_proj(q_latent)
         query = query.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
         q_pass, q_rot = torch.split(query, [self.nope_dim, self.rope_dim], dim=-1)
         k_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -568,9 +572,128 @@ class LatentAttention(LlamaAttention):
         weights = torch.matmul(query, key.transpose(2, 3)) * self.scaling
         if attention_mask is not None:
             weights = weights + attention_mask
+        weights = self._sparse(weights, hidden_states, q_latent, (cos, sin), attention_mask)
         weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
         output = torch.matmul(weights, value).transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.v_head_dim)
         return self.o_proj(output), (weights if output_attentions else None), past_key_value
+
+    def _sparse(self, weights: torch.Tensor, hidden_states: torch.Tensor, q_latent: Optional[torch.Tensor],
+                rope: tuple, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The attention logits ``weights`` [batch, heads, queries, keys] as the softmax takes them (dense: as they
+        are; :class:`SparseLatentAttention` masks the keys its indexer leaves out).
+        """
+        return weights
+
+
+# the epsilon of the indexer's key LayerNorm (transformers' and DeepSeek's: not rms_norm_eps)
+INDEXER_NORM_EPS = 1e-6
+
+
+class Float32Linear(nn.Module):
+    """A linear map without bias computed in float32, its weight a float32 buffer (a server's load converts its
+    block's parameters to the serving dtype, not its buffers): transformers' ``_keep_in_fp32_modules`` (the
+    indexer's ``weights_proj``), which it computes on the input cast to float32.
+    """
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+def kept_keys(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """[..., keys] bool: the ``count`` highest of ``scores`` [..., keys] (what transformers' ``topk`` keeps); of
+    scores equal to the ``count``-th highest, the earlier keys, as many as there is room for. torch's topk keeps
+    some of such ties by its kernel's order, which moves with the row's padded length; this rule does not.
+    """
+    bound = scores.topk(count, dim=-1).values[..., -1:]
+    above, tied = scores > bound, scores == bound
+    return above | (tied & (tied.cumsum(-1) <= count - above.sum(-1, keepdim=True)))
+
+
+class LightningIndexer(nn.Module):
+    """DeepSeek Sparse Attention's indexer (transformers 5.x's ``GlmMoeDsaIndexer`` / ``DeepseekV32Indexer``), under
+    its names (``self_attn.indexer.*``): per query ``index_n_heads`` heads of ``index_head_dim`` from the query
+    latent (``wq_b``), one key per position (``wk``, then the LayerNorm ``k_norm``), RoPE on the first
+    ``qk_rope_head_dim`` values of each (the attention's cos and sin; interleaved pairs when
+    ``indexer_rope_interleave``, GLM-5's, else halves, DeepSeek-V3.2's); a key's score for a query: the sum over
+    heads of ``weights_proj``'s weight (float32, times ``index_n_heads ** -0.5``) times ReLU of the heads' dot
+    products (float32, times ``index_head_dim ** -0.5``), the attention mask added. The call gives, per query, the
+    ``index_topk`` keys kept (:func:`kept_keys`).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_heads, self.head_dim, self.index_topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.rope_dim = config.qk_rope_head_dim
+        self.interleave = bool(getattr(config, "indexer_rope_interleave", False))
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=INDEXER_NORM_EPS)
+        self.weights_proj = Float32Linear(config.hidden_size, self.n_heads)
+
+    def _rotate(self, states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the first rope_dim values of each head of ``states`` [batch, positions, heads, head_dim] (the
+        rotated part laid out in halves, as transformers gives it whichever the layout).
+        """
+        rotated, passed = torch.split(states, [self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        if self.interleave:
+            rotated = _deinterleave(rotated)
+        return torch.cat([rotated * cos + rotate_half(rotated) * sin, passed], dim=-1)
+
+    def scores(self, hidden_states: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """Each query's score of every key [batch, queries, keys], float32, before the mask (transformers' order
+        of operations); cos and sin [batch, 1, positions, rope_dim], the attention's.
+        """
+        bsz, positions, _ = hidden_states.shape
+        cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # [batch, positions, 1, rope_dim]
+        query = self._rotate(self.wq_b(q_latent).view(bsz, positions, self.n_heads, self.head_dim), cos, sin)
+        key = self._rotate(self.k_norm(self.wk(hidden_states)).unsqueeze(2), cos, sin).squeeze(2)
+        dots = F.relu(torch.matmul(query.float(), key.transpose(-1, -2).float().unsqueeze(1)) * self.head_dim ** -0.5)
+        weights = self.weights_proj(hidden_states) * self.n_heads ** -0.5
+        return torch.matmul(weights.unsqueeze(-2), dots).squeeze(-2)
+
+    def forward(self, hidden_states: torch.Tensor, q_latent: torch.Tensor, rope: tuple,
+                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """[batch, queries, keys] bool: the keys each query keeps (its ``index_topk`` best scores, the masked
+        ones scoring the mask's large negative values).
+        """
+        scores = self.scores(hidden_states, q_latent, *rope)
+        if attention_mask is not None:
+            scores = scores + attention_mask[:, 0].float()
+        return kept_keys(scores, self.index_topk)
+
+
+class SparseLatentAttention(LatentAttention):
+    """GLM-5's and DeepSeek-V3.2's attention (the block option ``sparse_attention``): :class:`LatentAttention`
+    (q from the query latent, which transformers requires: ``q_lora_rank`` set) where each query attends only to
+    the ``index_topk`` keys its block's :class:`LightningIndexer` keeps; a row of at most ``index_topk`` positions
+    keeps every key (dense attention, the indexer not computed). GLM-5's blocks that ``indexer_types`` marks
+    ``shared`` have no indexer (they reuse an earlier block's choice): their rows past ``index_topk`` are
+    refused before any forward (:meth:`dist_eval.backends.families.Family.attention_window`), and an error here.
+    """
+
+    def __init__(self, config, index: int):
+        super().__init__(config)
+        self.index, self.index_topk = index, config.index_topk
+        shared = getattr(config, "shared_indexers", False)
+        self.indexer = LightningIndexer(config) if indexer_types(config, shared)[index] == "full" else None
+
+    def _sparse(self, weights: torch.Tensor, hidden_states: torch.Tensor, q_latent: Optional[torch.Tensor],
+                rope: tuple, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        keys = weights.shape[-1]
+        if keys <= self.index_topk:  # every key kept
+            return weights
+        if self.indexer is None or keys != hidden_states.shape[1]:
+            why = ("reuses an earlier block's choice of keys (indexer_types 'shared'), not passed between blocks"
+                   if self.indexer is None else "has no cache of its indexer's keys")
+            raise NotImplementedError(f"block {self.index} attends to {keys} positions, past index_topk "
+                                      f"{self.index_topk}, and {why}")
+        kept = self.indexer(hidden_states, q_latent, rope, attention_mask)
+        return weights.masked_fill(~kept.unsqueeze(1), torch.finfo(weights.dtype).min)
 
 
 def uses_rope(config, index: int) -> bool:
@@ -980,21 +1103,25 @@ class SigmoidMoeMLP(nn.Module):
         self.n_group, self.topk_group = config.n_group, config.topk_group
         self.norm_topk_prob = bool(config.norm_topk_prob)
         self.routed_scaling_factor = config.routed_scaling_factor
+        # the choice's score of an expert outside the kept groups: 0 (transformers 4.x's DeepSeek-V3 and GLM-4.5),
+        # -inf (the block option masked_group_score "-inf": 5.x's GLM-5 and DeepSeek-V3.2, which never choose one)
+        self.excluded_score = float(getattr(config, "masked_group_score", 0.0))
         self.gate = SigmoidRouter(config)
         self.experts = nn.ModuleList(ExpertMLP(config, config.moe_intermediate_size) for _ in range(self.num_experts))
         self.shared_experts = ExpertMLP(config, config.moe_intermediate_size * config.n_shared_experts)
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """The experts of each token ([tokens, top_k]): the best scores plus the correction bias,
-        within the ``topk_group`` groups whose two best are best (the others' scores set to 0,
-        as transformers does).
+        within the ``topk_group`` groups whose two best are best (the others' scores set to 0 as
+        transformers 4.x does, or to -inf as 5.x's GLM-5 and DeepSeek-V3.2 do: ``excluded_score``).
         """
         choice = scores + self.gate.e_score_correction_bias[None]
         groups = choice.view(-1, self.n_group, self.num_experts // self.n_group)
         best_groups = torch.topk(groups.topk(2, dim=-1)[0].sum(dim=-1), k=self.topk_group, dim=-1, sorted=False)[1]
         kept = torch.zeros(choice.shape[0], self.n_group, dtype=torch.bool, device=choice.device)
         kept.scatter_(1, best_groups, True)
-        choice = choice.masked_fill(~kept.repeat_interleave(self.num_experts // self.n_group, dim=1), 0.0)
+        choice = choice.masked_fill(~kept.repeat_interleave(self.num_experts // self.n_group, dim=1),
+                                    self.excluded_score)
         return torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -1204,7 +1331,8 @@ def build_layer_parts(layer: nn.Module, config, index: int) -> None:
     elif hybrid:
         layer.self_attn = GatedAttention(config)
     elif getattr(config, "latent_attention", False):
-        layer.self_attn = LatentAttention(config)
+        sparse = getattr(config, "sparse_attention", False)
+        layer.self_attn = SparseLatentAttention(config, index) if sparse else LatentAttention(config)
     elif getattr(config, "llama4_attention", False):
         layer.self_attn = ChunkedAttention(config, index)
     elif getattr(config, "sink_attention", False):

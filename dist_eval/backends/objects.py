@@ -53,6 +53,7 @@ class Task:
     prompt_tokens: int  # tokens a forward adds to each row: prompt vectors, appended label-word tokens
     label_words: Optional[tuple] = None  # a zero-shot model's
     attention_window: int = 0  # positions a row may span, prompts included (0: any)
+    attention_limit: str = "sliding attention window"  # what attention_window is (the refusal names it)
 
 
 @contextmanager
@@ -76,6 +77,7 @@ def task_of(model, num_labels, pad_token_id, label_names, label_words=None) -> T
             prompt_tokens=model.prompt_tokens + model.appended_tokens,
             label_words=_label_words_of(model.label_words, label_words),
             attention_window=model.attention_window,
+            attention_limit=model.attention_limit,
         )
     config = getattr(model, "config", None)
     return Task(

@@ -175,7 +175,7 @@ def _mixer_parameters(config: dict, index: int) -> int:
     its layer_types (else every full_attention_interval-th full), another family's attention.
     """
     if config.get("model_type") not in HYBRIDS:
-        return _attention_parameters(config)
+        return _attention_parameters(config) + _indexer_parameters(config, index)
     types = config.get("layer_types")
     interval = config.get("full_attention_interval", 4)
     kind = types[index] if types else ("full_attention" if (index + 1) % interval == 0 else "linear_attention")
@@ -191,6 +191,23 @@ def _mixer_parameters(config: dict, index: int) -> int:
     # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a, the depthwise conv, dt_bias and A_log, the norm, out_proj
     return (hidden * conv + hidden * values + 2 * hidden * value_heads + conv * config.get("linear_conv_kernel_dim", 4)
             + 2 * value_heads + config.get("linear_value_head_dim", 128) + values * hidden)
+
+
+# sparse attention (the latent attention and an indexer per block, where the block has its own): (index_n_heads,
+# index_head_dim) by default, transformers 5.x's; GLM-5's blocks of indexer_types shared have no indexer
+SPARSE_ATTENTION = {"glm_moe_dsa": (32, 128)}
+
+
+def _indexer_parameters(config: dict, index: int) -> int:
+    """The weights of block ``index``'s indexer: wq_b from the query latent, wk, its key LayerNorm and weights_proj."""
+    from dist_eval.backends.families import indexer_types
+
+    kind = config.get("model_type")
+    if kind not in SPARSE_ATTENTION or indexer_types(config, kind == "glm_moe_dsa")[index] != "full":
+        return 0
+    hidden, (heads, head_dim) = config["hidden_size"], SPARSE_ATTENTION[kind]
+    heads, head_dim = config.get("index_n_heads", heads), config.get("index_head_dim", head_dim)
+    return config["q_lora_rank"] * heads * head_dim + hidden * head_dim + 2 * head_dim + hidden * heads
 
 
 def _config_int(config: dict, *keys: str) -> int:
@@ -246,7 +263,9 @@ def _mlp_parameters(config: dict, index: int) -> int:
             return gated(config.get("intermediate_size_mlp", 16384))
         experts = config.get("num_local_experts", 16)
         return experts * (gated(config["intermediate_size"]) + hidden) + gated(config["intermediate_size"])
-    if config.get("n_routed_experts") and index >= config.get("first_k_dense_replace", 0):
+    layer_types = config.get("mlp_layer_types")  # transformers 5.x's, where config.json gives it (GLM-5)
+    if config.get("n_routed_experts") and (layer_types[index] == "sparse" if layer_types else
+                                           index >= config.get("first_k_dense_replace", 0)):
         experts, inner = config["n_routed_experts"], config["moe_intermediate_size"]
         return experts * (gated(inner) + hidden + 1) + gated(inner * config.get("n_shared_experts", 1))
     sparse = index not in (config.get("mlp_only_layers") or ()) and (

@@ -68,6 +68,12 @@ MiniMax-M2 (``minimax_m2``, 5.x alone; no ``*ForSequenceClassification``: the he
 norms over the whole projection, RoPE on ``rotary_dim`` 16 of each head, every block 2 of 8 experts (sigmoid
 router, correction bias drawn), its weights FP8-rounded, and ``minimax_m2_fp8`` the same in FP8 tiles with the
 release's config.json form (``rotary_dim``, ``rope_theta``, MiniMax's ``quantization_config``).
+GLM-5 (``glm_moe_dsa``, 5.x alone; no ``*ForSequenceClassification``: the head apart): DeepSeek-V3's tiny block
+(the latent attention, values of 32 beside heads of 16 + 8) with DeepSeek Sparse Attention: every block an indexer
+(8 heads of 16, its key norm drawn) keeping ``index_topk`` 4 keys per query, fewer than most rows have, so that
+the choice counts; block 0 dense, blocks 1-3 2 of 8 experts (within the best of 2 groups, correction bias drawn)
+and a shared expert; a multi-token-prediction layer after the last block, as released. Its case also records, per
+row and block, the keys transformers' indexer kept for each query (``kept``: the positions at or before it).
 
 Kimi K2.5 (``kimi_k25``, 5.x alone; no ``*ForSequenceClassification``: the head apart) as released: a
 ``Kimi_K25ForConditionalGeneration`` around DeepSeek-V3's text model (``deepseek_v3``'s tiny one: 3 blocks,
@@ -220,7 +226,7 @@ def tokenizer_of(kind: str):
             bloom = getattr(transformers, "BloomTokenizerFast", PreTrainedTokenizerFast)
             return bloom(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
         return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token=">>PAD<<")
-    if kind == "glm4_moe":  # GLM-4.5: a byte-level BPE read by the plain fast tokenizer class, no BOS
+    if kind in ("glm4_moe", "glm_moe_dsa"):  # GLM-4.5, GLM-5: a byte-level BPE read by the plain fast class, no BOS
         tok = train_bpe(True, ["<|endoftext|>", "[gMASK]", "<sop>"])
         return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     if kind in ("deepseek_v3", "kimi_k25"):  # DeepSeek-V3: a byte-level BPE read by LlamaTokenizerFast, BOS added
@@ -277,8 +283,8 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
     if kind == "qwen3_5_moe":  # Qwen3.5-MoE as released: every block a mixture, 2 of 8 experts + a gated shared one
         return transformers.Qwen3_5MoeConfig(text_config={**common, **QWEN3_5, **QWEN3_5_MOE},
                                              vision_config=QWEN3_5_VISION, tie_word_embeddings=False)
-    if kind == "qwen3_next":  # Qwen3-Next-style: Qwen3.5-MoE's hybrid, flat (no vision tower); block 1 dense
-        return transformers.Qwen3NextConfig(**{**common, **QWEN3_NEXT})
+    if kind in FLAT:  # Qwen3-Next-style: Qwen3.5-MoE's hybrid, flat (no vision tower), block 1 dense; GLM-5-style
+        return getattr(transformers, FLAT[kind][0])(**{**common, **FLAT[kind][1]})
     if kind in EXPERT_SIZED:  # MiniMax-M2, gpt-oss: every block a mixture, intermediate_size each expert's
         config_class = getattr(transformers, f"{CLASSES[kind]}Config")
         return config_class(**{**common, "intermediate_size": EXPERT_INTERMEDIATE, **EXPERT_SIZED[kind]})
@@ -300,6 +306,14 @@ DEEPSEEK = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_he
                 routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1,
                 rope_scaling={"type": "yarn", "factor": 40.0, "mscale": 0.9, "mscale_all_dim": 1.0, "beta_fast": 32,
                               "beta_slow": 1, "original_max_position_embeddings": 64})
+# GLM-5 (glm_moe_dsa): DeepSeek-V3's tiny latent attention and mixture (n_group 2, the flagship's 1, so that the
+# grouped choice counts) and an indexer of 8 heads of 16 keeping INDEX_TOPK keys per query (the flagship's 2048)
+INDEX_TOPK = 4
+GLM_DSA = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=32,
+               n_routed_experts=EXPERTS, n_shared_experts=1, num_experts_per_tok=EXPERTS_PER_TOKEN,
+               moe_intermediate_size=EXPERT_INTERMEDIATE, n_group=2, topk_group=1, first_k_dense_replace=1,
+               routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=INDEX_TOPK, index_head_dim=16,
+               index_n_heads=8, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 LLAMA4 = dict(num_local_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, intermediate_size_mlp=INTERMEDIATE,
               interleave_moe_layer_step=2, no_rope_layer_interval=4, use_qk_norm=True,
               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -319,6 +333,9 @@ QWEN3_NEXT = dict(
     linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
     rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     decoder_sparse_step=1, mlp_only_layers=[1], **QWEN3_5_MOE)
+# the families whose config is the common settings and their own: (config class, settings)
+FLAT = {"qwen3_next": ("Qwen3NextConfig", QWEN3_NEXT), "glm_moe_dsa": ("GlmMoeDsaConfig", {
+    **GLM_DSA, "num_key_value_heads": HEADS})}  # GLM-5: DeepSeek-V3's tiny block, an indexer keeping 4 keys per block
 QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN,
                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 KIMI_VISION = dict(patch_size=4, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
@@ -347,7 +364,7 @@ CLASSES = {"bloom": "Bloom", "falcon": "Falcon",
            "llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
            "glm4_moe": "Glm4Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "llama4_text": "Llama4",
            "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen3_next": "Qwen3Next", "gpt_oss": "GptOss",
-           "minimax_m2": "MiniMaxM2", "kimi_k25": "Kimi_K25"}
+           "minimax_m2": "MiniMaxM2", "kimi_k25": "Kimi_K25", "glm_moe_dsa": "GlmMoeDsa"}
 # vision-language releases: saved from *ForConditionalGeneration, the text model under model.language_model.
 # beside a vision tower; the reference is the text model's last final hidden state times the head
 VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe", "kimi_k25")
@@ -356,7 +373,8 @@ OFFSET_NORMS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # norms scaling by 1 + 
 # 4.55 on)
 LATER = {"qwen3_next": 5, "gpt_oss": 5}
 # transformers has no *ForSequenceClassification: the backbone times the head
-NO_CLASSIFIER = ("glm4_moe", "llama4_text", "minimax_m2")
+NO_CLASSIFIER = ("glm4_moe", "llama4_text", "minimax_m2", "glm_moe_dsa")
+SPARSE_ATTENTION = ("glm_moe_dsa",)  # an indexer per block: the keys it kept recorded too
 
 
 def deepseek_config(kind: str, common: dict):
@@ -642,9 +660,33 @@ def save_as_kimi(folder: str, kimi_folder: str) -> None:
         json.dump(config, f, indent=2)
 
 
+def save_with_prediction_layer(lm, folder: str) -> dict:
+    """A sparse-attention family's folder as released (GLM-5): a multi-token-prediction layer after the last block."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(folder, "model.safetensors")
+    save_file(with_prediction_layer(load_file(path), lm.config), path, metadata={"format": "pt"})
+    return {}
+
+
 # the quantized releases' folders, written beside the model's own (each returns its reference case's fields)
 AS_RELEASED = {"gpt_oss": lambda lm, folder: save_gpt_oss_mxfp4_folder(folder, folder + "_mxfp4"),
-               "kimi_k25": save_kimi_folders}
+               "kimi_k25": save_kimi_folders, "glm_moe_dsa": save_with_prediction_layer}
+
+
+def recorded_choices(backbone, kind: str) -> list:
+    """A list to which each forward appends, per block of a sparse-attention family, the keys its indexer kept
+    for each query (those at or before it, sorted; the list's last item is the forward's own list)."""
+    kept = []
+    for layer in backbone.layers if kind in SPARSE_ATTENTION else ():
+        layer.self_attn.indexer.register_forward_hook(lambda module, args, out: kept[-1].append(
+            [sorted(k for k in keys if k <= query) for query, keys in enumerate(out[0].tolist())]))
+    return kept
+
+
+def sparse_attention_case(kind: str, kept: list) -> dict:
+    """What a sparse-attention family's case records beside the logits: the keys kept, per row and block."""
+    return {"kept": kept, "index_topk": INDEX_TOPK} if kind in SPARSE_ATTENTION else {}
 
 
 def make(kind: str, out: str) -> dict:
@@ -660,7 +702,7 @@ def make(kind: str, out: str) -> dict:
     lm = getattr(transformers, lm_class)(config).eval()
     with torch.no_grad():  # biases (Qwen2's q/k/v) start at zero, norms at one: give them values that count
         for key, tensor in lm.named_parameters():
-            if key.endswith("proj.bias"):
+            if key.endswith(("proj.bias", "indexer.k_norm.bias")):  # (GLM-5's indexer's key LayerNorm)
                 tensor.normal_(0.0, 0.5)
             elif key.endswith(("q_norm.weight", "k_norm.weight", "a_layernorm.weight")):
                 tensor.uniform_(0.5, 1.5)
@@ -700,18 +742,21 @@ def make(kind: str, out: str) -> dict:
         clf = getattr(transformers, f"{name}ForSequenceClassification").from_pretrained(folder, num_labels=NUM_LABELS)
         clf.score.weight.data.copy_(trainable["score.weight"])
         backbone, score = clf.eval().base_model, clf.score
-    head, ptune = [], []
+    head, ptune, kept = [], [], recorded_choices(backbone, kind)
     with torch.no_grad():
         for row in ids:
             x = torch.tensor([row])
+            kept.append([])
             head.append(score(backbone(input_ids=x).last_hidden_state[0, -1]).tolist())
             embeds = torch.cat([trainable["prompt_embeddings.weight"][None], backbone.get_input_embeddings()(x)], dim=1)
+            kept.append([])  # the prompted forward's, not kept
             hidden = backbone(inputs_embeds=embeds).last_hidden_state[0, -1]
+            kept.pop()
             ptune.append(score(hidden).tolist())
     return {"folder": kind, "class": type(loaded).__name__, "ids": ids, "logits_head": head, "logits_ptune": ptune,
             "pad_token_id": tokenizer.pad_token_id, "num_labels": NUM_LABELS, "pre_seq_len": PRE_SEQ_LEN, **released,
             **({"fp8_folder": kind + "_fp8", "fp8_block": list(FP8_BLOCK)}
-               if kind in ("deepseek_v3", "minimax_m2") else {})}
+               if kind in ("deepseek_v3", "minimax_m2") else {}), **sparse_attention_case(kind, kept)}
 
 
 def main(out: str) -> None:
