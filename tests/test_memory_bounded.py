@@ -17,7 +17,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from conftest import WORDS, run_cli
+from conftest import WORDS, run_ranks
 from float_promises import assert_same_bits
 from inprocess_cli import run_cli_in_process
 
@@ -168,13 +168,16 @@ def test_one_rank_in_chunks_writes_the_bytes_of_one_chunk(long_tailed, tiny_mode
 
 @pytest.mark.multiproc
 def test_three_ranks_in_chunks_write_the_bytes_of_one_rank_in_one_chunk(long_tailed, tiny_model, tiny_checkpoint,
-                                                                       tmp_path):
-    """N=3 under torchrun, every chunk crossed several times on every rank (the token ids' exchange
-    too), writes N=1's unbounded files byte for byte and keeps the same rows in its row store."""
+                                                                       tmp_path, rank_zygote, no_figures):
+    """N=3 (three real rank processes in a real gloo group, with torchrun's environment, forked by
+    conftest's run_ranks: what the ranks compute is tested, not the launch), every chunk crossed several
+    times on every rank (the token ids' exchange too), writes N=1's unbounded files byte for byte and
+    keeps the same rows in its row store. No figures drawn (matplotlib hidden): they are no compared output."""
     data, one, store = long_tailed
-    proc = run_cli(run_args(tiny_model, tiny_checkpoint, data, tmp_path / "three", tmp_path / "store"), nproc=3,
-                   timeout=300, env={ENV: IN_CHUNKS})
+    proc = run_ranks(rank_zygote, run_args(tiny_model, tiny_checkpoint, data, tmp_path / "three", tmp_path / "store"),
+                     nproc=3, timeout=300, env={ENV: IN_CHUNKS, **no_figures})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.rank_codes == [0, 0, 0], "forked ranks (not torchrun): the zygote serves this environment"
     assert json.load(open(tmp_path / "three" / "metrics.json"))["run"]["world_size"] == 3
     assert_the_same_outputs(tmp_path / "three", one, "N=3 in chunks against N=1 in one chunk")
     assert stored_rows(tmp_path / "store") == stored_rows(store), "the row store, N=3 in chunks against N=1"
