@@ -304,6 +304,34 @@ def one_thread_swarm(model, **kwargs):
         swarm.stop()
 
 
+class _LentForks:
+    """A started swarm's fork server (dist_eval/swarm/forks.py), lent to other swarms' starts: closed at its
+    own swarm's stop only."""
+
+    def __init__(self, forks):
+        self._forks = forks
+
+    def __getattr__(self, name):
+        return getattr(self._forks, name)
+
+    def close(self, timeout: float = 2.0) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def forking_from(swarm):
+    """The LocalSwarms started inside fork their servers from ``swarm``'s fork server (a started swarm of
+    several servers): the imports of a server (~4.5 s of CPU) once, not once per swarm. Each server so
+    started is its own process, session and p2pd, as any forked server, with the fork server's environment
+    (``swarm``'s at its start: set there what they must read, e.g. OMP_NUM_THREADS); a command it cannot
+    serve (another module) starts as a process of its own. Stop them before ``swarm``."""
+    from unittest import mock
+
+    lent = _LentForks(swarm._launch.forks)
+    with mock.patch("dist_eval.swarm.launch.ForkServer", lambda *args, **kwargs: lent):
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_swarm(tiny_model):
     """Two servers of the tiny Llama, each holding every block, one thread: shared by the modules

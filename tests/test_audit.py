@@ -17,7 +17,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from conftest import REPO, free_port, one_thread_swarm
+from conftest import REPO, forking_from, free_port, one_thread_swarm
 from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import one_thread, run_cli_in_process
 from safetensors.torch import load_file, save_file
@@ -91,7 +91,9 @@ def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
     nudges every answer after its first 40 by 16 of its ulps (within the prior tolerance between
     other numerics, beyond a calibrated one; one connection handler) and an honest one computing
     with AVX2 kernels (ATEN_CPU_CAPABILITY: the same announced numerics as the honest two, other
-    last bits; spawned first, alone in that environment). The seven join the honest two at once.
+    last bits; spawned first, alone in that environment). The seven join the honest two at once; the six
+    but the AVX2 one are forked from the honest swarm's fork server (dist_eval/swarm/forks.py: their imports
+    once), each its own process, session and p2pd as any server.
     Yields (the nine servers' peer ids, honest first, then the changed, the NaN, the shifting one,
     the half, the faulty half, the nudging and the AVX2 one; and the first swarm, whose peers the
     client joins)."""
@@ -108,8 +110,10 @@ def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
     name = next(k for k in sorted(weights) if ".layers.2." in k and k.endswith("q_proj.weight"))
     weights[name] = weights[name] + 1e-3
     save_file(weights, os.path.join(changed, "model.safetensors"), metadata={"format": "pt"})
+    faults = {TEST_FAULT_ENV: f"{nan}=nan;{shift}=shift_all:0.75;{half_shift}=shift;{nudge}=nudge:40"}
     honest = one_thread_swarm(tiny_model, num_servers=2, dht_prefix="audit-test")
-    first = next(honest)
+    with mock.patch.dict(os.environ, faults):  # its fork server's environment: the six forked from it read it
+        first = next(honest)
     sockets = [socket.socket() for _ in range(7)]  # distinct free ports: the swarms start at once
     for s in sockets:
         s.bind(("127.0.0.1", 0))
@@ -129,12 +133,14 @@ def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
             while not others[-1].pgids and getattr(others[-1], "starting_in_background", True) and \
                     time.monotonic() < deadline:
                 time.sleep(0.02)
-        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1", TEST_FAULT_ENV: f"{nan}=nan;{shift}=shift_all:0.75;"
-                                                                                  f"{half_shift}=shift;{nudge}=nudge:40"}):
+        # the six others forked from the honest swarm's fork server (conftest.forking_from: their imports once),
+        # with its environment: one thread, the faults keyed by folder
+        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1", **faults}), forking_from(first):
             for other in others[:-1]:
                 other.start_in_background()
             for other in others:
                 other.wait_started()
+        assert [type(o.servers[0].proc).__name__ for o in others] == ["ForkedProcess"] * 6 + ["Popen"], others
         yield [p.rsplit("/", 1)[1] for p in first.initial_peers + [o.initial_peers[0] for o in others]], first
     finally:  # the servers stopped at once, each in its own thread (one after another: 1-2 s each)
         from concurrent.futures import ThreadPoolExecutor
