@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import REPO, build_checkpoint, build_tiny_model
+from conftest import REPO, build_checkpoint, build_tiny_model, forking_from
 from float_promises import assert_same_bits, assert_within_rounding
 
 from dist_eval.backends.wire import (
@@ -343,11 +343,12 @@ def test_a_server_of_petals_own_is_sent_hidden_states_and_answers_every_position
 
 @pytest.mark.swarm
 @pytest.mark.parametrize("family", ["bloom", "llama"])
-def test_what_goes_to_a_bf16_server_goes_in_its_dtype_and_the_logits_equal_petals_own_requests(tmp_path, family):
+def test_what_goes_to_a_bf16_server_goes_in_its_dtype_and_the_logits_equal_petals_own_requests(tmp_path, family,
+                                                                                                 split_swarm):
     """A bfloat16 server: BLOOM's client (it keeps its embedding step) sends hidden states,
     Llama's the token ids and prompt vectors, each in bfloat16 before they leave; the
     logits equal those of petals' own requests (float32 sent, converted by the server) bit
-    for bit."""
+    for bit. (The server forked from split_swarm's fork server: its imports once.)"""
     from inprocess_cli import one_thread
 
     from dist_eval.backends import load_model
@@ -356,7 +357,7 @@ def test_what_goes_to_a_bf16_server_goes_in_its_dtype_and_the_logits_equal_petal
     folder = build_tiny_model(str(tmp_path / family), family=family)
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), tuning_mode="deep_ptune", pre_seq_len=3)
     batches = [_right_padded_rows([9, 4, 1, 9, 6]), _right_padded_rows([5, 11], seed=3)]
-    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), \
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), forking_from(split_swarm), \
             LocalSwarm(folder, num_servers=1, dht_prefix=f"wire-{family}-bf16", torch_dtype="bfloat16") as swarm:
         patch, calls = _recording_forwards()
         petals = load_model("petals", folder, checkpoint=checkpoint, initial_peers=swarm.initial_peers,
@@ -385,10 +386,10 @@ def test_what_goes_to_a_bf16_server_goes_in_its_dtype_and_the_logits_equal_petal
 
 
 @pytest.mark.swarm
-def test_a_table_saved_in_float16_is_looked_up_as_the_client_reads_it(tiny_model, tmp_path):
+def test_a_table_saved_in_float16_is_looked_up_as_the_client_reads_it(tiny_model, tmp_path, split_swarm):
     """The server keeps the table as saved (float16, half the memory) and widens the rows it
     looks up; the client reads the same table in float32: same digest, token ids sent, the
-    logits those of the local backend bitwise."""
+    logits those of the local backend bitwise. (The server forked from split_swarm's fork server.)"""
     import json
     import shutil
 
@@ -404,7 +405,7 @@ def test_a_table_saved_in_float16_is_looked_up_as_the_client_reads_it(tiny_model
     json.dump({**config, "torch_dtype": "float16"}, open(os.path.join(half, "config.json"), "w"))
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), pre_seq_len=3)
     batches = [_right_padded_rows([9, 4, 1, 9, 6]), _right_padded_rows([5, 11], seed=3)]
-    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), \
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), forking_from(split_swarm), \
             LocalSwarm(half, num_servers=1, dht_prefix="wire-half", torch_dtype="float32") as swarm:
         remote, expected, calls, _ = _remote_and_local(swarm, half, checkpoint, batches)
     assert len(remote) == len(expected) == len(batches)
