@@ -3,10 +3,11 @@ and the error cases (one clear line, non-zero exit on every rank, no hang)."""
 import json
 import os
 import re
+import sys
 import time
 
 import pytest
-from conftest import REPO, build_checkpoint, read_jsonl, run_cli, run_ranks, write_csv
+from conftest import REPO, build_checkpoint, read_jsonl, run_env, run_in_own_group, run_ranks, write_csv
 from float_promises import assert_same_bits
 from inprocess_cli import run_cli_in_process, without_modules
 
@@ -30,10 +31,11 @@ def local_args(model, checkpoint, data, out, *extra):
 
 @pytest.fixture(scope="module")
 def cli_runs(tiny_model, tiny_checkpoint, data_csv, tmp_path_factory, rank_zygote):
-    """The same run under torchrun on 2 ranks, on 3 ranks forked (conftest's run_ranks: the
-    launch is N=2's, whose outputs and launch-time accounting test_outputs_are_complete reads);
-    the one-rank reference in this process (one thread: a torchrun rank's bits; its output is not
-    what is checked). {N: (folder, proc)}
+    """The same run on 2 ranks under dist-eval (dist_eval.launcher: torchrun's launcher in-process, as
+    the README runs it), on 3 ranks forked (conftest's run_ranks: the launch is N=2's, whose outputs,
+    output and launch-time accounting test_outputs_are_complete and test_a_run_on_two_ranks read); the
+    one-rank reference in this process (one thread: a torchrun rank's bits; its output is not what is
+    checked). {N: (folder, proc)}
     Only N=2's figures are looked at (test_outputs_are_complete): the others run without matplotlib."""
     out = {}
     for nproc in (1, 2, 3):
@@ -46,7 +48,8 @@ def cli_runs(tiny_model, tiny_checkpoint, data_csv, tmp_path_factory, rank_zygot
         if nproc == 3:
             proc = run_ranks(rank_zygote, args, nproc=nproc, env=no_figures_env(tmp_path_factory.mktemp("hidden")))
         else:
-            proc = run_cli(args, nproc=nproc)
+            proc = run_in_own_group([sys.executable, "-m", "dist_eval.launcher", "--nproc-per-node", "2", "--",
+                                     *args], timeout=300, env=run_env())
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[nproc] = (folder, proc)
     return out
@@ -104,6 +107,20 @@ def test_outputs_are_complete(cli_runs):
     assert "Reliability diagram" in open(folder / "report.html").read()
     assert "accuracy" in proc.stdout and "confusion matrix" in proc.stdout  # rank 0's summary
     assert len(re.findall(r"(?<!\w)accuracy \d", proc.stdout)) == 1  # printed once, by rank 0 only
+
+
+@pytest.mark.multiproc
+def test_a_run_on_two_ranks(cli_runs):
+    """dist-eval (torchrun's launcher in-process) runs 2 ranks to the end: exit 0, every row, both ranks
+    in the run's group, and its stdout is the run's own from its first line to its last. (Moved from
+    test_launcher.py, issue 69: a 2-rank launch of its own of 23 rows; cli_runs' N=2 is that launch.)"""
+    folder, proc = cli_runs[2]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.load(open(folder / "metrics.json"))
+    assert metrics["num_samples"] == 23 and metrics["run"]["world_size"] == 2
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "dist_eval: evaluating 23 rows on 2 rank(s) with the local backend ...", proc.stdout[-3000:]
+    assert lines[-1].startswith("dist_eval: done in "), proc.stdout[-3000:]
 
 
 @pytest.mark.multiproc
