@@ -133,10 +133,14 @@ def _status_here(capsys, *args) -> subprocess.CompletedProcess:
       "--dht-prefix", "p", "--timeout", "10"], "--initial-peers: no peer answered"),  # nobody at that port
 ])
 def test_status_bad_flags_exit_2_with_one_line(args, message, capsys):
-    """The flags' refusals in this process (status.main, as _status_here); the last case, a peer that
-    does not answer, through the entry point (``python -m dist_eval.swarm status``: its dispatch, its
-    exit code, and its DHT's p2pd in a process of its own)."""
-    r = _status(*args) if "--timeout" in args else _status_here(capsys, *args)
+    """The refusals in this process (status.main, as _status_here: a peer that does not answer too, its
+    DHT's p2pd a process of its own all the same); the malformed address also through the entry point
+    (``python -m dist_eval.swarm status``: its dispatch, and the code status.main returns as its exit
+    code; a fresh process that imports no hivemind for it, where the unanswered peer's cost ~6 CPU-s)."""
+    r = _status_here(capsys, *args)
+    if "not-an-address" in args:
+        launched = _status(*args)
+        assert (launched.returncode, launched.stdout, launched.stderr) == (r.returncode, r.stdout, r.stderr)
     assert r.returncode == 2 and r.stdout == "", r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr, r.stderr
@@ -374,13 +378,15 @@ def _start_host(env, log_path, *args):
     return proc, line.strip().split("=", 1)[1].split(" ")
 
 
-# petals' forward handlers, once imported in a server, write SLOW_FORWARD_MARK and wait
-# SLOW_FORWARD_S seconds before they serve: a request that stays in flight
+# petals' forward handlers, once imported in a server and while the file SLOW_FORWARD_WHEN exists, write
+# SLOW_FORWARD_MARK and wait SLOW_FORWARD_S seconds before they serve: a request that stays in flight
 SLOW_FORWARD_SITECUSTOMIZE = """import asyncio, functools, importlib.abc, importlib.util, os, sys
 
 
 def _slowed(forward, stream):
     async def wait():
+        if not os.path.exists(os.environ["SLOW_FORWARD_WHEN"]):
+            return  # not slowed (yet): served as any server serves
         open(os.environ["SLOW_FORWARD_MARK"], "a").close()
         await asyncio.sleep(float(os.environ["SLOW_FORWARD_S"]))
 
@@ -421,48 +427,90 @@ sys.meta_path.insert(0, SlowForwards())
 
 
 @pytest.mark.swarm
-def test_a_request_in_flight_finishes_on_a_server_told_to_stop(tiny_model, tiny_checkpoint, tmp_path, no_figures,
-                                                                rank_zygote):
-    """SIGTERM to a swarm process (launch/start_server.sh, one server) while its server serves a
-    forward 4 s long, the run's one batch: the server drains (the forward finishes; petals'
-    shutdown cut it, and the run failed: no other server), the swarm process waits for the
-    drain, both exit 0, no process is left; the run == the local backend."""
-    from test_swarm_failover import BackgroundCli, _group
+def test_a_hosts_swarm_process_dying_leaves_the_others_serving_then_a_request_in_flight_finishes_on_it_told_to_stop(
+        tiny_model, tiny_checkpoint, local_run, tmp_path, capsys, no_figures, rank_zygote):
+    """Two hosts (launch/start_server.sh, one server each, each serving every block), B joined to A. In this
+    order, on the same two hosts (each case started hosts of its own before: two host starts, ~7 CPU-s each,
+    became one): A's swarm process SIGKILLed leaves B serving (:func:`hosts_swarm_process_dying_leaves_the_
+    others_serving`); then B, the one server left, SIGTERMed while it serves a forward 4 s long drains it
+    (:func:`request_in_flight_finishes_on_a_server_told_to_stop`). B's forwards are slowed only from the
+    second case on (a file its sitecustomize looks for at each forward)."""
+    from test_swarm_failover import BackgroundCli
 
-    data = write_csv(str(tmp_path / "rows.csv"), 8, seed=11)
-    # the reference in this process, one thread (== a torchrun rank bitwise; was a one-rank torchrun)
-    assert run_cli_in_process([*_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "local"), "--batch-size",
+    data8 = write_csv(str(tmp_path / "rows.csv"), 8, seed=11)
+    # the second case's reference in this process, one thread (== a torchrun rank bitwise; was a one-rank torchrun)
+    assert run_cli_in_process([*_run_args(tiny_model, tiny_checkpoint, data8, tmp_path / "local"), "--batch-size",
                                "8"], hide_modules=NO_FIGURES) == 0
-    slow, mark = tmp_path / "slow_forwards", tmp_path / "forward_began"
+    slow, slowed, mark = tmp_path / "slow_forwards", tmp_path / "slowed", tmp_path / "forward_began"
     slow.mkdir()
     (slow / "sitecustomize.py").write_text(SLOW_FORWARD_SITECUSTOMIZE)
-    env = {**ENV, "PYTHON": sys.executable, "MODEL_DIR": tiny_model, "DHT_PREFIX": "dist-eval-drain",
-           "HOST": "127.0.0.1", "SERVERS": "1", "DEVICE": "cpu", "PYTHONPATH": f"{slow}{os.pathsep}{ENV['PYTHONPATH']}",
-           "SLOW_FORWARD_S": "4", "SLOW_FORWARD_MARK": str(mark)}
-    host, groups, run = None, [], None
+    env = {**ENV, "PYTHON": sys.executable, "MODEL_DIR": tiny_model, "DHT_PREFIX": "dist-eval-hosts",
+           "HOST": "127.0.0.1", "SERVERS": "1", "DEVICE": "cpu"}
+    env_b = {**env, "PYTHONPATH": f"{slow}{os.pathsep}{ENV['PYTHONPATH']}", "SLOW_FORWARD_S": "4",
+             "SLOW_FORWARD_MARK": str(mark), "SLOW_FORWARD_WHEN": str(slowed)}
+    hosts, groups, run = [], [], None
     try:
-        host, peers = _start_host(env, tmp_path / "host.log", "--log-dir", str(tmp_path / "logs"))
-        groups = _server_groups(host.pid)
-        run = BackgroundCli([*_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "drained", peers,
-                                        "dist-eval-drain"), "--batch-size", "8", "--swarm-timeout", "15"], nproc=0,
+        host_a, peers_a = _start_host(env, tmp_path / "a.log")
+        hosts.append(host_a)
+        host_b, peers_b = _start_host({**env_b, "INITIAL_PEERS": " ".join(peers_a)}, tmp_path / "b.log",
+                                      "--log-dir", str(tmp_path / "logs"))
+        hosts.append(host_b)
+        groups = _server_groups(host_a.pid) + _server_groups(host_b.pid)
+        assert len(groups) == 2, groups
+        hosts_swarm_process_dying_leaves_the_others_serving(host_a, host_b, peers_b, groups, tiny_model,
+                                                            tiny_checkpoint, local_run, tmp_path, capsys)
+        slowed.touch()
+        run = BackgroundCli([*_run_args(tiny_model, tiny_checkpoint, data8, tmp_path / "drained", peers_b,
+                                        "dist-eval-hosts"), "--batch-size", "8", "--swarm-timeout", "15"], nproc=0,
                             env=no_figures, zygote=rank_zygote)
-        _wait_for(lambda: mark.exists() or run.proc.poll() is not None, 240, "the forward began")
-        host.send_signal(signal.SIGTERM)
-        code, _, err = run.wait(timeout=120)
-        assert code == 0 and "Traceback" not in err, err[-3000:]
-        assert host.wait(timeout=60) == 0, open(tmp_path / "host.log").read()[-3000:]
-        log = open(tmp_path / "logs" / "server-0.log").read()
-        assert "dist_eval.swarm.server: draining: 1 request(s) in flight, new ones refused" in log, log[-3000:]
-        assert re.search(r"^dist_eval.swarm.server: drained in [3-9]\.\d s$", log, re.MULTILINE), log[-3000:]
-        # torch's shared-memory manager had time to clean up after the server (procs.shm_managers_under)
-        assert "terminate called" not in log and "Traceback" not in log, log[-3000:]
-        assert read_jsonl(tmp_path / "drained" / "predictions.jsonl") == read_jsonl(tmp_path / "local" /
-                                                                                    "predictions.jsonl")
-        assert not [g for g in groups if _group(g)], log[-3000:]
+        request_in_flight_finishes_on_a_server_told_to_stop(host_b, run, mark, groups, tmp_path)
     finally:
         if run is not None:
             run.stop()
-        _stop_hosts([host] if host is not None else [], groups)
+        _stop_hosts(hosts, groups)
+
+
+def hosts_swarm_process_dying_leaves_the_others_serving(host_a, host_b, peers_b, groups, tiny_model, tiny_checkpoint,
+                                                        local_run, tmp_path, capsys):
+    """A's swarm process SIGKILLed (its watchdog stops its server): B serves on; a client given B's address
+    runs, == the local backend; status through B says every block is served."""
+    from test_swarm_failover import _group
+
+    data, reference = local_run
+    host_a.kill()
+    host_a.wait(timeout=10)
+    _wait_for(lambda: not _group(groups[0]), 15, "host A's server stopped by its watchdog")
+    assert host_b.poll() is None and _group(groups[1]), open(tmp_path / "b.log").read()[-3000:]
+    # the client in this process (one thread: a rank's bits), as a plain `python -m dist_eval` was
+    assert run_cli_in_process(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "via_b", peers_b,
+                                        "dist-eval-hosts"), hide_modules=NO_FIGURES) == 0
+    assert read_jsonl(tmp_path / "via_b" / "predictions.jsonl") == reference
+    r = _status_here(capsys, "--initial-peers", *peers_b, "--dht-prefix", "dist-eval-hosts", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    status = json.loads(r.stdout)
+    assert status["unserved"] == [] and all(b["online"] == [peers_b[0].rsplit("/", 1)[1]] for b in status["blocks"])
+
+
+def request_in_flight_finishes_on_a_server_told_to_stop(host, run, mark, groups, tmp_path):
+    """SIGTERM to a swarm process (launch/start_server.sh, one server, the swarm's last) while its server
+    serves a forward 4 s long, the run's one batch: the server drains (the forward finishes; petals'
+    shutdown cut it, and the run failed: no other server), the swarm process waits for the
+    drain, both exit 0, no process is left; the run == the local backend."""
+    from test_swarm_failover import _group
+
+    _wait_for(lambda: mark.exists() or run.proc.poll() is not None, 240, "the forward began")
+    host.send_signal(signal.SIGTERM)
+    code, _, err = run.wait(timeout=120)
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    assert host.wait(timeout=60) == 0, open(tmp_path / "b.log").read()[-3000:]
+    log = open(tmp_path / "logs" / "server-0.log").read()
+    assert "dist_eval.swarm.server: draining: 1 request(s) in flight, new ones refused" in log, log[-3000:]
+    assert re.search(r"^dist_eval.swarm.server: drained in [3-9]\.\d s$", log, re.MULTILINE), log[-3000:]
+    # torch's shared-memory manager had time to clean up after the server (procs.shm_managers_under)
+    assert "terminate called" not in log and "Traceback" not in log, log[-3000:]
+    assert read_jsonl(tmp_path / "drained" / "predictions.jsonl") == read_jsonl(tmp_path / "local" /
+                                                                                "predictions.jsonl")
+    assert not [g for g in groups if _group(g)], log[-3000:]
 
 
 def _stop_hosts(hosts, groups) -> None:
@@ -481,40 +529,3 @@ def _stop_hosts(hosts, groups) -> None:
 def _server_groups(pid) -> list:
     """The process groups of the swarm servers that ``pid`` started."""
     return list(swarm_servers_of(pid))
-
-
-@pytest.mark.swarm
-def test_a_hosts_swarm_process_dying_leaves_the_others_serving(tiny_model, tiny_checkpoint, local_run, tmp_path,
-                                                               capsys):
-    """Two hosts (launch/start_server.sh), each serving every block, B joined to A: A's swarm
-    process SIGKILLed (its watchdog stops its server): B serves on; a client given B's address
-    runs, == the local backend; status through B says every block is served."""
-    from test_swarm_failover import _group
-
-    data, reference = local_run
-    env = {**ENV, "PYTHON": sys.executable, "MODEL_DIR": tiny_model, "DHT_PREFIX": "dist-eval-hosts",
-           "HOST": "127.0.0.1", "SERVERS": "1", "DEVICE": "cpu"}
-    hosts, groups = [], []
-    try:
-        host_a, peers_a = _start_host(env, tmp_path / "a.log")
-        hosts.append(host_a)
-        host_b, peers_b = _start_host({**env, "INITIAL_PEERS": " ".join(peers_a)}, tmp_path / "b.log")
-        hosts.append(host_b)
-        groups = _server_groups(host_a.pid) + _server_groups(host_b.pid)
-        assert len(groups) == 2, groups
-        host_a.kill()
-        host_a.wait(timeout=10)
-        _wait_for(lambda: not _group(groups[0]), 15, "host A's server stopped by its watchdog")
-        assert host_b.poll() is None and _group(groups[1]), open(tmp_path / "b.log").read()[-3000:]
-        # the client in this process (one thread: a rank's bits), as a plain `python -m dist_eval` was
-        assert run_cli_in_process(_run_args(tiny_model, tiny_checkpoint, data, tmp_path / "via_b", peers_b,
-                                            "dist-eval-hosts"), hide_modules=NO_FIGURES) == 0
-        assert read_jsonl(tmp_path / "via_b" / "predictions.jsonl") == reference
-        r = _status_here(capsys, "--initial-peers", *peers_b, "--dht-prefix", "dist-eval-hosts", "--json")
-        assert r.returncode == 0, r.stdout + r.stderr
-        status = json.loads(r.stdout)
-        assert status["unserved"] == [] and all(b["online"] == [peers_b[0].rsplit("/", 1)[1]] for b in status["blocks"])
-        host_b.send_signal(signal.SIGTERM)
-        assert host_b.wait(timeout=30) == 0, open(tmp_path / "b.log").read()[-3000:]
-    finally:
-        _stop_hosts(hosts, groups)
