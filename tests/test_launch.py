@@ -215,47 +215,14 @@ FAKE_SRUN = """#!/usr/bin/env bash
 echo "$*" >> "$FAKE_SLURM_LOG"
 while [[ "$1" == --* ]]; do shift; done
 pids=()
-for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do SLURM_NODEID=$i SLURM_PROCID=$i "$@" & pids+=($!); done
+# each node its own HF_HOME (FAKE_HF_HOME<node>), as separate machines have
+for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do
+  SLURM_NODEID=$i SLURM_PROCID=$i HF_HOME="$FAKE_HF_HOME$i" "$@" & pids+=($!)
+done
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=$?; done
 exit $rc
 """
-
-
-@pytest.mark.multiproc
-def test_slurm_batch_script_on_one_host(tiny_model, inputs, local_reference, tmp_path):
-    """launch/slurm.sbatch under a stand-in srun/scontrol: the head node comes from the
-    node list, one torchrun per node, and the result equals the single-node run.
-
-    Also what a test of its own showed before: 2 torchrun nodes x 1 rank (launch/run_multinode.sh,
-    c10d rendezvous) == torchrun with 1 rank, row for row, with the local backend: the job's srun
-    runs exactly that, two run_multinode.sh nodes (the swarm's two nodes: the two-hosts test)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    env = {
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "FAKE_SLURM_LOG": str(tmp_path / "srun.log"),
-        "SLURM_JOB_NODELIST": "127.0.0.1,localhost",
-        "SLURM_JOB_NUM_NODES": "2",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_CPUS_PER_TASK": "2",
-        "SLURM_SUBMIT_DIR": REPO,
-        "MASTER_PORT": str(free_port()),
-        "LOCAL_ADDR": "127.0.0.1",
-        "RDZV_TIMEOUT": "120",
-    }
-    proc = run_script("slurm.sbatch", eval_args(tiny_model, inputs, tmp_path / "out", "--backend", "local"), env=env)
-    assert_ok(proc.returncode, proc.stdout + proc.stderr)
-    srun_args = (tmp_path / "srun.log").read_text()
-    assert srun_args.startswith("--nodes=2 --ntasks-per-node=1 --cpus-per-task=2 "), srun_args  # the job's CPUs
-    assert "run_multinode.sh" in srun_args and "--backend local" in srun_args
-    predictions, metrics, run = outputs(tmp_path / "out")
-    assert run["world_size"] == 2  # both nodes joined the one process group
-    assert predictions.count("\n") == 41
-    assert (predictions, metrics) == local_reference[:2]
 
 
 # the ranks of the node it is imported on (torchrun sets LOCAL_RANK) exit this many seconds late
@@ -293,22 +260,42 @@ def test_a_multi_node_run_without_initial_peers_is_refused_with_its_code_on_ever
 # --------------------------------------------------------------------------- a two-host swarm
 
 
-@pytest.mark.swarm
-@pytest.mark.multiproc
-def test_two_hosts_swarm_and_two_nodes_equal_one_node(tiny_model, inputs, local_reference, tmp_path):
-    """Host A starts a swarm serving blocks 0:2, host B joins it by multiaddr and serves
-    2:4 (so every forward crosses both); then 2 torchrun nodes evaluate against it and
-    match one node exactly, and the local backend too (bitwise logits).
+def fake_slurm_env(bin_dir, tmp_path):
+    """launch/slurm.sbatch's environment under the stand-in srun/scontrol (in ``bin_dir``): a job of
+    two nodes, both this host (127.0.0.1, localhost), 2 CPUs a task; each node its own HF_HOME."""
+    bin_dir.mkdir()
+    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_SLURM_LOG": str(tmp_path / "srun.log"),
+        "FAKE_HF_HOME": str(tmp_path / "hf_home"),  # + the node's id
+        "SLURM_JOB_NODELIST": "127.0.0.1,localhost",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_CPUS_PER_TASK": "2",
+        "SLURM_SUBMIT_DIR": REPO,
+        "MASTER_PORT": str(free_port()),
+        "LOCAL_ADDR": "127.0.0.1",
+        "RDZV_TIMEOUT": "120",
+    }
 
-    The two nodes are given the model as a hub id (``--model org/name``, a fake hub on 127.0.0.1)
-    and share no HF_HOME: rank 0 resolves the id, the other node fetches the same snapshot into
-    its own cache; no blocks-only shard is fetched (a test of its own before, on conftest's
-    tiny_swarm: the same two-node launch once, issue 69)."""
+
+@pytest.fixture(scope="module")
+def two_hosts(tiny_model, inputs, tmp_path_factory):
+    """Host A starts a swarm serving blocks 0:2 (launch/start_server.sh), host B joins it by multiaddr
+    and serves 2:4 (so every forward crosses both); one node (launch/run_local.sh, one rank) evaluates
+    against it entering at A, then a 2-node job (launch/slurm.sbatch under a stand-in srun/scontrol,
+    INITIAL_PEERS B: two run_multinode.sh nodes, c10d rendezvous) given the model as a hub id
+    (``--model org/name``, a fake hub on 127.0.0.1), each node its own HF_HOME; then the hosts are
+    stopped (SIGTERM, B first). What each step gave, for the two tests that read it (issue 69: the
+    SLURM script's 2-node run was a launch of its own, with the local backend; one launch now)."""
+    tmp_path = tmp_path_factory.mktemp("two_hosts")
     repo_id = "tiny-org/tiny-llama"
-    homes = {rank: tmp_path / f"hf_home{rank}" for rank in (0, 1)}
     prefix = f"multinode-{uuid.uuid4().hex[:8]}"
     hosts, servers, peers, logs = [], [], {}, []
-    began, took = time.monotonic(), {}
+    began, took, got = time.monotonic(), {}, {"tmp_path": tmp_path, "prefix": prefix}
     try:
         for name, blocks, join in (("A", "0:2", None), ("B", "2:4", "A")):
             env = {**ENV, "MODEL_DIR": tiny_model, "DHT_PREFIX": prefix, "BLOCKS": blocks, "HOST": "127.0.0.1"}
@@ -327,38 +314,24 @@ def test_two_hosts_swarm_and_two_nodes_equal_one_node(tiny_model, inputs, local_
             assert MADDR.match(peers[name]), peers[name]
             servers += children_running_server(host.pid)
             took[f"host {name} up"] = time.monotonic() - began
-        assert peers["A"] != peers["B"] and len(servers) == 2, (peers, servers)
-        assert "blocks 0:2 (of 4)" in (tmp_path / "hostA.log").read_text()  # so every forward crosses both
-        assert "blocks 2:4 (of 4)" in (tmp_path / "hostB.log").read_text()
-        assert f"joined to the swarm at {peers['A']}" in (tmp_path / "hostB.log").read_text()
+        got.update(peers=dict(peers), servers=list(servers))
+        got["host logs"] = {name: (tmp_path / f"host{name}.log").read_text() for name in peers}
 
-        swarm = ["--backend", "petals", "--dht-prefix", prefix, "--swarm-timeout", "30"]
         # the single-node run enters the swarm at host A, the two nodes at host B: any server will do
-        proc = run_script(
+        swarm = ["--backend", "petals", "--dht-prefix", prefix, "--swarm-timeout", "30"]
+        got["one node"] = run_script(
             "run_local.sh",
             eval_args(tiny_model, inputs, tmp_path / "one", *swarm, "--initial-peers", peers["A"]),
             env={"NPROC": "1"},
         )
-        assert_ok(proc.returncode, proc.stderr)
         took["1 node run"] = time.monotonic() - began
         with fake_hub({repo_id: split_into_shards(tiny_model, str(tmp_path / "sharded"))}) as hub:
-            node_env = {rank: {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(home), "HF_HUB_OFFLINE": "0"}
-                        for rank, home in homes.items()}
-            nodes = run_nodes(eval_args(repo_id, inputs, tmp_path / "two", *swarm, "--initial-peers", peers["B"]),
-                              tmp_path, node_env=node_env)
-            fetched = hub.files("GET")
-        for returncode, log in nodes:
-            assert_ok(returncode, log)
+            env = {**fake_slurm_env(tmp_path / "bin", tmp_path), "INITIAL_PEERS": peers["B"], "DHT_PREFIX": prefix,
+                   "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0"}
+            got["two nodes"] = run_script("slurm.sbatch", eval_args(repo_id, inputs, tmp_path / "two",
+                                                                    "--swarm-timeout", "30"), env=env)
+            got["fetched"] = hub.files("GET")
         took["2 nodes run"] = time.monotonic() - began
-        assert not [f for f in fetched if f.startswith("model-blocks-")], fetched
-        for home in homes.values():  # each node's own cache holds the client's files
-            assert list(home.glob("hub/models--tiny-org--tiny-llama/snapshots/*/config.json")), home
-
-        one, two = outputs(tmp_path / "one"), outputs(tmp_path / "two")
-        assert one[2]["world_size"] == 1 and two[2]["world_size"] == 2 and two[2]["backend"] == "petals"
-        assert two[0].count("\n") == 41
-        assert two[:2] == one[:2]  # predictions (with logits) and every metric
-        assert two[0] == local_reference[0]  # the swarm computes what the model computes in-process
     finally:
         for host in reversed(hosts):  # B, then A: as hosts leave a swarm
             if host.poll() is None:
@@ -373,8 +346,66 @@ def test_two_hosts_swarm_and_two_nodes_equal_one_node(tiny_model, inputs, local_
             log.close()
         took["hosts stopped"] = time.monotonic() - began
         print("elapsed: " + ", ".join(f"{k} {v:.1f} s" for k, v in took.items()))
-    assert [h.returncode for h in hosts] == [0] * len(hosts)  # stopped cleanly on SIGTERM
-    assert not live_in_groups(servers), "server processes left behind"
-    assert not set(servers) & set(swarm_server_pids())
-    ports = [int(MADDR.match(p).group(1)) for p in peers.values()]
-    assert all(port_is_free(p) for p in ports), ports
+    got["host codes"] = [h.returncode for h in hosts]
+    got["left"] = (live_in_groups(servers), set(servers) & set(swarm_server_pids()))
+    got["ports free"] = {p: port_is_free(int(MADDR.match(p).group(1))) for p in peers.values()}
+    return got
+
+
+@pytest.mark.swarm
+@pytest.mark.multiproc
+def test_slurm_batch_script_on_one_host(two_hosts, local_reference):
+    """launch/slurm.sbatch under a stand-in srun/scontrol: the head node comes from the node list, one
+    torchrun per node (two run_multinode.sh nodes, c10d rendezvous, 1 rank each), the job's INITIAL_PEERS
+    and DHT_PREFIX its swarm flags; the result equals the single-process local run, row for row (the
+    two-host swarm's 2-node run: :func:`two_hosts`)."""
+    proc, tmp_path = two_hosts["two nodes"], two_hosts["tmp_path"]
+    assert_ok(proc.returncode, proc.stdout + proc.stderr)
+    srun_args = (tmp_path / "srun.log").read_text()
+    assert srun_args.startswith("--nodes=2 --ntasks-per-node=1 --cpus-per-task=2 "), srun_args  # the job's CPUs
+    assert "run_multinode.sh" in srun_args, srun_args
+    assert (f"run_multinode.sh --backend petals --initial-peers {two_hosts['peers']['B']} "
+            f"--dht-prefix {two_hosts['prefix']} --model ") in srun_args, srun_args
+    predictions, metrics, run = outputs(tmp_path / "two")
+    assert run["world_size"] == 2  # both nodes joined the one process group
+    assert predictions.count("\n") == 41
+    assert (predictions, metrics) == local_reference[:2]
+
+
+@pytest.mark.swarm
+@pytest.mark.multiproc
+def test_two_hosts_swarm_and_two_nodes_equal_one_node(two_hosts, local_reference):
+    """Host A serves blocks 0:2, host B joins it by multiaddr and serves 2:4 (so every forward
+    crosses both); one node entering at A and 2 nodes entering at B (launch/slurm.sbatch's job: the
+    SLURM test) evaluate against it and match exactly, and the local backend too (bitwise logits);
+    both hosts stop cleanly on SIGTERM, leaving no server and their ports free.
+
+    The two nodes are given the model as a hub id (``--model org/name``, a fake hub on 127.0.0.1)
+    and share no HF_HOME: rank 0 resolves the id, the other node fetches the same snapshot into
+    its own cache; no blocks-only shard is fetched (a test of its own before, on conftest's
+    tiny_swarm: the same two-node launch once, issue 69)."""
+    peers, servers, tmp_path = two_hosts["peers"], two_hosts["servers"], two_hosts["tmp_path"]
+    assert peers["A"] != peers["B"] and len(servers) == 2, (peers, servers)
+    assert "blocks 0:2 (of 4)" in two_hosts["host logs"]["A"]  # so every forward crosses both
+    assert "blocks 2:4 (of 4)" in two_hosts["host logs"]["B"]
+    assert f"joined to the swarm at {peers['A']}" in two_hosts["host logs"]["B"]
+    assert_ok(two_hosts["one node"].returncode, two_hosts["one node"].stderr)
+    two_nodes = two_hosts["two nodes"]
+    assert_ok(two_nodes.returncode, two_nodes.stdout + two_nodes.stderr)
+    fetched = two_hosts["fetched"]
+    assert not [f for f in fetched if f.startswith("model-blocks-")], fetched
+    for node in (0, 1):  # each node's own cache holds the client's files
+        home = tmp_path / f"hf_home{node}"
+        assert list(home.glob("hub/models--tiny-org--tiny-llama/snapshots/*/config.json")), home
+
+    one, two = outputs(tmp_path / "one"), outputs(tmp_path / "two")
+    assert one[2]["world_size"] == 1 and two[2]["world_size"] == 2 and two[2]["backend"] == "petals"
+    assert two[0].count("\n") == 41
+    assert two[:2] == one[:2]  # predictions (with logits) and every metric
+    assert two[0] == local_reference[0]  # the swarm computes what the model computes in-process
+
+    assert two_hosts["host codes"] == [0, 0]  # stopped cleanly on SIGTERM
+    live, listed = two_hosts["left"]
+    assert not live, "server processes left behind"
+    assert not listed
+    assert all(two_hosts["ports free"].values()), two_hosts["ports free"]
