@@ -14,7 +14,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import build_tiny_model, run_ranks, write_csv
+from conftest import build_tiny_model, forking_from, run_ranks, write_csv
 from float_promises import assert_same_bits
 from inprocess_cli import one_thread
 
@@ -163,8 +163,9 @@ def swarm(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"object-swarm-{family}")
     folder = build_tiny_model(str(root / f"tiny-{family}"), family=family, layout=SWARM_FAMILIES[family])
     swarm = LocalSwarm(folder, num_servers=1, dht_prefix=f"objects-{family}")
-    try:
-        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):  # the client's summation order
+    try:  # its server forked from tiny_swarm's fork server (conftest.forking_from: its imports once)
+        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), \
+                forking_from(request.getfixturevalue("tiny_swarm")):  # one thread: the client's summation order
             swarm.start()
         assert swarm.model_dir == folder
         yield family, swarm
