@@ -12,6 +12,10 @@ from inprocess_cli import one_thread, run_cli_in_process
 
 from dist_eval.slices import MIN_INTERVAL_ROWS
 
+# run_cli_in_process's hide_modules for a run whose figures no test looks at (matplotlib hidden: the figures
+# are the same function of the same metrics, and most of a small run's report); the sliced run draws them
+NO_FIGURES = ("matplotlib",)
+
 LANGS = ("de", "en", "fr")
 # One row a batch keeps each row's forward the same shape in the run and alone, but the slice alone is
 # planned as a run of its own (its batches, ids and rows in flight), and issue 46's machine rounded the
@@ -147,7 +151,7 @@ def test_a_slice_of_one_row_is_said_in_one_line(tiny_model, tiny_checkpoint, tmp
         f.write("w1 w2,0,xx,s0\n")
     args = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--data-files", data,
             "--output-dir", str(tmp_path / "out"), "--progress", "none", "--slice-by", "lang"]
-    assert run_cli_in_process(args) == 0
+    assert run_cli_in_process(args, hide_modules=NO_FIGURES) == 0
     captured = capsys.readouterr()
     said = [line for line in captured.err.splitlines() if "single row" in line]
     assert len(said) == 1 and "--slice-by: 1 slice(s) of a single row (lang=xx)" in said[0], captured.err
@@ -158,7 +162,7 @@ def test_a_sampled_run_says_its_slices_are_over_the_rows_used(tiny_model, tiny_c
     data = write_sliced_csv(tmp_path / "data.csv", 40)
     args = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--data-files", data,
             "--output-dir", str(tmp_path / "out"), "--progress", "none", "--slice-by", "source", "--limit", "25"]
-    assert run_cli_in_process(args) == 0
+    assert run_cli_in_process(args, hide_modules=NO_FIGURES) == 0
     said = "slices by source, token_length_quartile (6, over the 25 rows of a random sample of 40)"
     assert said in capsys.readouterr().out
     metrics = json.load(open(tmp_path / "out" / "metrics.json"))
@@ -167,9 +171,11 @@ def test_a_sampled_run_says_its_slices_are_over_the_rows_used(tiny_model, tiny_c
 
 @pytest.mark.swarm
 @pytest.mark.multiproc
-def test_a_swarm_run_on_two_ranks_gives_the_same_slices(sliced, tiny_swarm, tiny_model, tiny_checkpoint, rank_zygote):
+def test_a_swarm_run_on_two_ranks_gives_the_same_slices(sliced, tiny_swarm, tiny_model, tiny_checkpoint, rank_zygote,
+                                                        no_figures):
     """On a real swarm (petals, 2 ranks, forked by conftest's run_ranks): every slice's metrics are
-    those of the local single-process run, bit for bit (the same batch plan: one row a batch)."""
+    those of the local single-process run, bit for bit (the same batch plan: one row a batch). No figures
+    drawn (matplotlib hidden): none is compared."""
     from conftest import run_ranks
 
     base, data, local = sliced
@@ -178,7 +184,7 @@ def test_a_swarm_run_on_two_ranks_gives_the_same_slices(sliced, tiny_swarm, tiny
                                    "--output-dir", str(out), "--initial-peers", *tiny_swarm.initial_peers,
                                    "--dht-prefix", tiny_swarm.dht_prefix, "--slice-by", "lang", "source",
                                    "--bootstrap-resamples", "50", "--save-logits", "--batch-size", "1",
-                                   "--progress", "none"], nproc=2, timeout=240)
+                                   "--progress", "none"], nproc=2, timeout=240, env=no_figures)
     assert proc.returncode == 0, proc.stderr[-3000:]
     swarm, single = (json.load(open(folder / "metrics.json")) for folder in (out, local))
     assert swarm["run"]["backend"] == "petals" and swarm["run"]["world_size"] == 2
@@ -193,7 +199,7 @@ def test_slices_of_several_sets_and_of_a_run_that_stops_early(tiny_model, tiny_c
     args = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--data-files",
             f"a={first}", f"b={second}", "--output-dir", str(tmp_path / "out"), "--progress", "none",
             "--slice-by", "lang", "--stop-at-width", "0.9", "--stop-round-rows", "20", "--bootstrap-resamples", "20"]
-    assert run_cli_in_process(args) == 0
+    assert run_cli_in_process(args, hide_modules=NO_FIGURES) == 0
     said = capsys.readouterr().out
     for name, rows in (("a", 60), ("b", 90)):
         metrics = json.load(open(tmp_path / "out" / name / "metrics.json"))
@@ -261,7 +267,7 @@ def test_two_checkpoints_stopping_when_decided_then_compared_per_slice(tiny_mode
     args = ["--model", tiny_model, "--checkpoint", f"A={tiny_checkpoint}", "--checkpoint", f"B={other}",
             "--backend", "local", "--data-files", data, "--output-dir", str(tmp_path / "out"), "--progress", "none",
             "--slice-by", "lang", "--stop-when-decided", "--stop-round-rows", "40", "--bootstrap-resamples", "0"]
-    assert run_cli_in_process(args) == 0
+    assert run_cli_in_process(args, hide_modules=NO_FIGURES) == 0
     reports = [json.load(open(tmp_path / "out" / name / "metrics.json")) for name in "AB"]
     used = reports[0]["stopping"]["rows_used"]
     for metrics in reports:
@@ -323,7 +329,7 @@ def test_a_csv_keeps_its_na_texts_apart_from_its_empty_cells(tiny_model, tiny_ch
         for i in range(24)))
     args = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--data-files", str(data),
             "--output-dir", str(tmp_path / "out"), "--progress", "none", "--bootstrap-resamples", "0", "--slice-by"]
-    assert run_cli_in_process([*args, "region"]) == 0
+    assert run_cli_in_process([*args, "region"], hide_modules=NO_FIGURES) == 0
     by = json.load(open(tmp_path / "out" / "metrics.json"))["slices"]["by"]["region"]
     assert {name: s["num_samples"] for name, s in by.items()} == {"NA": 6, MISSING: 6, "null": 6, "n/a": 6}
     capsys.readouterr()
@@ -347,7 +353,7 @@ def test_csv_cells_a_spreadsheet_would_run_are_quoted(tiny_model, tiny_checkpoin
     out = tmp_path / "out"
     args = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--data-files", str(data),
             "--output-dir", str(out), "--progress", "none", "--bootstrap-resamples", "0", "--slice-by", "region"]
-    assert run_cli_in_process(args) == 0
+    assert run_cli_in_process(args, hide_modules=NO_FIGURES) == 0
     classes = [row["class"] for row in csv.DictReader(open(out / "per_class.csv"))]
     assert classes == ["'-2+3", "'=HYPERLINK(\"http://x\")", "'@SUM(A1)"]
     values = {row["value"] for row in csv.DictReader(open(out / "slices.csv")) if row["column"] == "region"}
