@@ -7,7 +7,7 @@ import time
 from unittest import mock
 
 import pytest
-from conftest import build_checkpoint, one_thread_swarm, read_jsonl, run_ranks, write_csv
+from conftest import build_checkpoint, forking_from, one_thread_swarm, read_jsonl, run_ranks, write_csv
 from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import run_cli_in_process
 
@@ -97,10 +97,15 @@ def test_wrong_dht_prefix_names_missing_blocks_in_bounded_time(swarm, tiny_model
 
 
 @pytest.fixture(scope="module")
-def small_request_swarm(tiny_model):
-    """One server that accepts requests of at most 96 tokens (--max_batch_size 96)."""
-    yield from one_thread_swarm(tiny_model, num_servers=1, dht_prefix="dist-eval-small",
-                                extra_server_args=["--max_batch_size", "96"])
+def small_request_swarm(tiny_model, tiny_swarm):
+    """One server that accepts requests of at most 96 tokens (--max_batch_size 96), one thread; forked
+    from tiny_swarm's fork server (conftest.forking_from: its imports once)."""
+    with forking_from(tiny_swarm):
+        swarm = one_thread_swarm(tiny_model, num_servers=1, dht_prefix="dist-eval-small",
+                                 extra_server_args=["--max_batch_size", "96"])
+        started = next(swarm)
+    yield started
+    swarm.close()
 
 
 @pytest.mark.multiproc
