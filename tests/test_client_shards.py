@@ -2,10 +2,11 @@
 absent: what petals' client keeps of a big model): ``--backend petals`` against a swarm gives
 the logits of the full folder bit for bit; the local backend and a local swarm, which read
 every block, refuse it in one line naming the absent shards."""
+import contextlib
 import os
 
 import pytest
-from conftest import build_checkpoint, read_jsonl, run_cli, split_into_shards, write_csv
+from conftest import build_checkpoint, read_jsonl, run_env, run_ranks, split_into_shards, write_csv
 from fake_hub import fake_hub
 from float_promises import assert_same_bits
 from inprocess_cli import one_thread, run_cli_in_process
@@ -185,29 +186,52 @@ def test_fetch_whole_model_gets_every_shard_for_the_local_backend(tiny_model, da
     assert_same_bits(logits[1], logits[0], "the logits, the hub id against the full folder")
 
 
+@contextlib.contextmanager
+def ranks_of(env, folder):
+    """A fork server of ranks (tests/forked_ranks.py) started with ``env`` (run_cli's, with ``env`` added):
+    one whose ranks import huggingface_hub under that HF_HOME, HF_ENDPOINT and HF_HUB_OFFLINE, as a
+    launch's ranks do (the session's cannot serve an environment a library reads when imported)."""
+    from forked_ranks import RankZygote
+
+    os.makedirs(folder)
+    zygote = RankZygote(run_env(env), folder)
+    try:
+        yield zygote
+    finally:
+        zygote.stop()
+
+
 @pytest.mark.swarm
 @pytest.mark.multiproc
 def test_the_cli_on_a_hub_id_with_two_ranks_equals_the_full_folder(tiny_swarm, tiny_model, tmp_path):
     """``--model org/name`` on a fake hub (HF_ENDPOINT, a private HF_HOME), N=2 == the full local
     folder (--backend local, one process), bitwise; no blocks-only shard requested; then the same
-    with the hub stopped and HF_HUB_OFFLINE=1, from the cache the first run filled. No run draws
-    figures (matplotlib hidden): none is looked at."""
+    with the hub stopped and HF_HUB_OFFLINE=1, from the cache the first run filled. The two ranks are
+    real processes in a real gloo group with torchrun's environment, forked from a process that
+    imported their libraries under the run's HF variables (what the ranks do with them is tested, not
+    the launch). No run draws figures (matplotlib hidden): none is looked at."""
     data = write_csv(str(tmp_path / "data.csv"), 17, seed=4)
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
     common = ["--data-files", data, "--checkpoint", checkpoint, "--batch-size", "4", "--save-logits"]
     sharded = split_into_shards(tiny_model, str(tmp_path / "sharded"))
+    hidden = no_figures_env(tmp_path / "hidden")
     with fake_hub({REPO_ID: sharded}) as hub:
-        env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "0",
-               **no_figures_env(tmp_path / "hidden")}
-        proc = run_cli(["--model", REPO_ID, "--output-dir", str(tmp_path / "hub"), "--initial-peers",
-                        *tiny_swarm.initial_peers, "--dht-prefix", tiny_swarm.dht_prefix, *common], nproc=2, env=env)
+        env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "0"}
+        with ranks_of(env, str(tmp_path / "z_online")) as zygote:
+            proc = run_ranks(zygote, ["--model", REPO_ID, "--output-dir", str(tmp_path / "hub"), "--initial-peers",
+                                      *tiny_swarm.initial_peers, "--dht-prefix", tiny_swarm.dht_prefix, *common],
+                             nproc=2, env={**env, **hidden})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.rank_codes == [0, 0]  # forked from the server started with these variables, not torchrun
     assert not [f for f in hub.files("GET") if f.startswith("model-blocks-")], hub.files("GET")
     # the hub is gone: HF_HUB_OFFLINE=1 set by the user runs both ranks from the cache it filled
-    offline = run_cli(["--model", REPO_ID, "--output-dir", str(tmp_path / "offline"), "--initial-peers",
-                       *tiny_swarm.initial_peers, "--dht-prefix", tiny_swarm.dht_prefix, *common],
-                      nproc=2, env={**env, "HF_HUB_OFFLINE": "1"})
+    offline_env = {**env, "HF_HUB_OFFLINE": "1"}
+    with ranks_of(offline_env, str(tmp_path / "z_offline")) as zygote:
+        offline = run_ranks(zygote, ["--model", REPO_ID, "--output-dir", str(tmp_path / "offline"), "--initial-peers",
+                                     *tiny_swarm.initial_peers, "--dht-prefix", tiny_swarm.dht_prefix, *common],
+                            nproc=2, env={**offline_env, **hidden})
     assert offline.returncode == 0, offline.stderr[-3000:]
+    assert offline.rank_codes == [0, 0]
     # the full folder on one process: in this one (one thread, as a launched process has)
     assert run_cli_in_process(["--model", tiny_model, "--backend", "local", "--output-dir", str(tmp_path / "local"),
                                *common], hide_modules=("matplotlib",)) == 0
