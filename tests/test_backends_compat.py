@@ -162,11 +162,12 @@ def _first_forwards_at_once(forward, input_ids, num_threads: int) -> list:
 
 
 
-def test_meta_tensors_are_not_randomly_initialised_and_others_are_unchanged():
-    # normal_ on a meta tensor imports torch._dynamo (seconds per process); the context skips
-    # it, and leaves every real tensor's draw exactly as torch makes it
-    code = """
+# normal_ on a meta tensor imports torch._dynamo (seconds per process); the context skips it, and leaves
+# every real tensor's draw exactly as torch makes it. Run in _DATASETS_THEN_QUIET's fresh Python after its
+# own check (a fresh Python less), where torch._dynamo is asserted not imported before it
+_META_TENSORS = """
 import sys, torch
+assert "torch._dynamo" not in sys.modules, "imported before the check"
 from dist_eval.backends.compat import no_random_init_of_meta_tensors
 torch.manual_seed(0); expected = torch.nn.init.normal_(torch.empty(5, 3), std=0.02)
 with no_random_init_of_meta_tensors():
@@ -177,9 +178,20 @@ assert "torch._dynamo" not in sys.modules, "normal_ on a meta tensor imported to
 assert torch.nn.init.normal_.__module__ == "torch.nn.init"  # restored
 print("ok")
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": REPO_ROOT})
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+# imported first (a user's script), datasets is silenced through its own functions
+_DATASETS_THEN_QUIET = ("import datasets\nfrom dist_eval.backends.compat import quiet_third_party_output\n"
+                        "quiet_third_party_output()\nprint(datasets.is_progress_bar_enabled(), "
+                        "datasets.logging.get_verbosity() == datasets.logging.ERROR)\n")
+
+
+@pytest.fixture(scope="module")
+def datasets_then_quiet():
+    """The lines _DATASETS_THEN_QUIET, then _META_TENSORS, printed in one fresh Python."""
+    return _run_fresh(_DATASETS_THEN_QUIET + _META_TENSORS).splitlines()
+
+
+def test_meta_tensors_are_not_randomly_initialised_and_others_are_unchanged(datasets_then_quiet):
+    assert datasets_then_quiet[-1] == "ok", datasets_then_quiet  # _META_TENSORS ran to its end, its asserts passed
 
 
 _QUIET_THEN_DATASETS = """
@@ -198,7 +210,9 @@ def _run_fresh(code: str) -> str:
     """stdout of ``code`` in a new Python, without the user's datasets settings in its environment."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "DATASETS_VERBOSITY")}
     env["PYTHONPATH"] = REPO_ROOT
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    # a deadline for a hang, not a speed: on a loaded 2-core machine a fresh Python importing petals took over
+    # 120 s of wall (its output all printed, still exiting: a suite run's failure)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 
@@ -212,12 +226,9 @@ def test_quieting_does_not_import_datasets_and_still_silences_it():
     assert "verbosity error: True" in out
 
 
-def test_quieting_after_datasets_was_imported_silences_it():
-    """Imported first (a user's script), datasets is silenced through its own functions."""
-    code = ("import datasets\nfrom dist_eval.backends.compat import quiet_third_party_output\n"
-            "quiet_third_party_output()\nprint(datasets.is_progress_bar_enabled(), "
-            "datasets.logging.get_verbosity() == datasets.logging.ERROR)")
-    assert _run_fresh(code).split() == ["False", "True"]
+def test_quieting_after_datasets_was_imported_silences_it(datasets_then_quiet):
+    """Imported first (a user's script), datasets is silenced through its own functions (_DATASETS_THEN_QUIET)."""
+    assert datasets_then_quiet[0].split() == ["False", "True"], datasets_then_quiet
 
 
 @pytest.mark.swarm
