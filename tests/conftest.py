@@ -195,14 +195,16 @@ def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = "
         return AutoConfig.for_model(family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2,
                                     head_dim=16, max_position_embeddings=128, num_local_experts=4,
                                     num_experts_per_tok=2, **common)
-    # the latent attention with yarn RoPE; block 0 dense, then experts; GLM-5: an indexer per block keeping 4 keys
-    if family in ("deepseek_v3", "kimi_k2", "kimi_k25", "glm_moe_dsa"):
+    # the latent attention with yarn RoPE; block 0 dense, then experts; GLM-5, DeepSeek-V3.2: an indexer per block
+    # keeping 4 keys per query
+    if family in ("deepseek_v3", "kimi_k2", "kimi_k25", "glm_moe_dsa", "deepseek_v32"):
         from transformers import AutoConfig
 
         from dist_eval.backends.blocks import register
 
         register()
-        indexer = dict(index_topk=4, index_head_dim=8, index_n_heads=2) if family == "glm_moe_dsa" else {}
+        sparse = family in ("glm_moe_dsa", "deepseek_v32")
+        indexer = dict(index_topk=4, index_head_dim=8, index_n_heads=2) if sparse else {}
         return AutoConfig.for_model(
             family, **indexer, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=4,
             q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12,

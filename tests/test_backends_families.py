@@ -81,12 +81,12 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
             SERVER_BLOCK_INDEX.reset(token)
         shapes = {k: v.shape for k, v in block.state_dict().items()}
         assert shapes == {k: v.shape for k, v in layer.state_dict().items()}
-        if name in ("deepseek_v3", "kimi_k2", "kimi_k25", "glm_moe_dsa"):  # the latent attention: q, kv latents, norms
+        if name in ("deepseek_v3", "kimi_k2", "kimi_k25", "glm_moe_dsa", "deepseek_v32"):  # latent attention
             assert shapes["self_attn.q_a_layernorm.weight"] == (6,) and shapes["self_attn.q_b_proj.weight"] == (12, 6)
             assert shapes["self_attn.kv_a_proj_with_mqa.weight"] == (6, 8)  # kv_lora_rank + qk_rope_head_dim
             assert shapes["self_attn.kv_b_proj.weight"] == (14, 4) and shapes["self_attn.o_proj.weight"] == (8, 6)
             indexer = {k[len("self_attn.indexer."):]: v for k, v in shapes.items() if ".indexer." in k}
-            assert indexer == ({} if name != "glm_moe_dsa" else {  # GLM-5: the indexer from the query latent
+            assert indexer == ({} if name not in ("glm_moe_dsa", "deepseek_v32") else {  # from the query latent
                 "wq_b.weight": (8, 6), "wk.weight": (4, 8), "k_norm.weight": (4,), "k_norm.bias": (4,),
                 "weights_proj.weight": (2, 8)})
         elif name in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # Gated DeltaNet blocks 0-2, then gated attention
@@ -119,7 +119,8 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
     # Qwen3-MoE: blocks 1 and 3 by the step, 3 dense by its list; GLM-4.5: from first_k_dense_replace on;
     # Mixtral: every block
     assert experts == {"qwen3_moe": [1], "glm4_moe": [2, 3], "mixtral": [0, 1, 2, 3], "deepseek_v3": [2, 3],
-                       "kimi_k2": [2, 3], "kimi_k25": [2, 3], "glm_moe_dsa": [2, 3], "llama4_text": [1, 3],
+                       "kimi_k2": [2, 3], "kimi_k25": [2, 3], "glm_moe_dsa": [2, 3], "deepseek_v32": [2, 3],
+                       "llama4_text": [1, 3],
                        "qwen3_5_moe": [0, 1, 2, 3],
                        "qwen3_next": [1], "minimax_m2": [0, 1, 2, 3],
                        "gpt_oss": [0, 1, 2, 3]}.get(name, [])  # Qwen3-Next: Qwen3-MoE's rule
@@ -136,8 +137,8 @@ def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
     with flag_names():
         text = str(caught.value)
     assert "\n" not in text and text.startswith("--model /m: config.json has model_type 'gpt2'")
-    assert text.endswith("the families that work: bloom, deepseek_v3, falcon, glm4_moe, glm_moe_dsa, gpt_oss, "
-                         "kimi_k2, kimi_k25, llama, llama4_text, "
+    assert text.endswith("the families that work: bloom, deepseek_v3, deepseek_v32, falcon, glm4_moe, glm_moe_dsa, "
+                         "gpt_oss, kimi_k2, kimi_k25, llama, llama4_text, "
                          "minimax_m2, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next "
                          "(docs/models-and-checkpoints.md).")
     old_falcon = types.SimpleNamespace(model_type="falcon", new_decoder_architecture=False, multi_query=True)
@@ -192,7 +193,8 @@ def test_the_cli_refuses_a_family_petals_cannot_serve_up_front(tmp_path, capsys,
     assert code == 2 and len(errors) == 1, err
     shown = "" if "gpt2" in why else " (new_decoder_architecture=False, multi_query=True in config.json)"
     assert errors[0] == (f"dist_eval: error: --model {model}: {why}{shown}"
-                         ": not a model dist_eval computes; the families that work: bloom, deepseek_v3, falcon, "
+                         ": not a model dist_eval computes; the families that work: bloom, deepseek_v3, deepseek_v32, "
+                         "falcon, "
                          "glm4_moe, glm_moe_dsa, gpt_oss, "
                          "kimi_k2, kimi_k25, llama, llama4_text, minimax_m2, mistral, mixtral, qwen2, qwen3, "
                          "qwen3_5, qwen3_5_moe, "
@@ -255,3 +257,20 @@ def test_a_routers_groups_left_out_score_0_as_in_transformers_4_or_never_chosen_
     mlp = SigmoidMoeMLP(config)
     mlp.gate.e_score_correction_bias.copy_(torch.tensor([-2.0, -2.0, -3.0, -3.0]))
     assert sorted(mlp.choose(torch.tensor([[0.5, 0.6, 0.9, 0.9]]))[0].tolist()) == chosen
+
+
+def test_sparse_attention_keeps_the_earliest_of_keys_tied_at_index_topk_whatever_the_padding():
+    """DeepSeek Sparse Attention's choice (layers.kept_keys): the index_topk best scores; of scores tied at the
+    index_topk-th, the earliest keys. torch's topk (what transformers calls) keeps tied keys by its kernel's order,
+    which changes with masked keys after the row (its padded length): a row's choice, so its numbers, would
+    depend on its batch. Here: the choices of a row of ties, alone and padded, by both."""
+    from dist_eval.backends.layers import kept_keys
+
+    scores = torch.tensor([[0.5, 0.0, 0.0, 0.9, 0.0, 0.0, 0.0, -0.2]])
+    choices = []
+    for pad in range(0, 40):  # masked keys after the row, as padding adds them
+        padded = torch.cat([scores, torch.full((1, pad), torch.finfo(torch.float32).min)], dim=-1)
+        assert torch.nonzero(kept_keys(padded, 4)[0]).flatten().tolist() == [0, 1, 2, 3]
+        choices.append(sorted(padded.topk(4).indices[0].tolist()))
+    assert len({tuple(choice) for choice in choices}) > 1  # torch's topk: the padding changes the tied key kept
+    assert torch.nonzero(kept_keys(scores, 8)[0]).flatten().tolist() == list(range(8))

@@ -17,7 +17,8 @@ FINAL_NORM = {"llama": "norm", "bloom": "ln_f", "falcon": "ln_f"}
 FINAL_NORM.update(mistral="norm", qwen2="norm", qwen3="norm", qwen3_moe="norm", glm4_moe="norm",  # Llama's backbone
                   mixtral="norm", deepseek_v3="norm", kimi_k2="norm", kimi_k25="norm", llama4_text="norm",
                   qwen3_5="norm",
-                  qwen3_5_moe="norm", qwen3_next="norm", minimax_m2="norm", gpt_oss="norm", glm_moe_dsa="norm")
+                  qwen3_5_moe="norm", qwen3_next="norm", minimax_m2="norm", gpt_oss="norm", glm_moe_dsa="norm",
+                  deepseek_v32="norm")
 
 
 def load_local_reference(folder, spec, mode, pre_seq_len, tensors):

@@ -144,7 +144,7 @@ def test_every_family_that_embeds_on_servers_finds_its_table_in_the_folder_serve
     # the newer ones: Llama's layout
     assert embedding == ["llama", "falcon", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral",
                          "deepseek_v3", "kimi_k2", "kimi_k25", "llama4_text", "qwen3_5",
-                         "qwen3_5_moe", "qwen3_next", "minimax_m2", "gpt_oss", "glm_moe_dsa"]
+                         "qwen3_5_moe", "qwen3_next", "minimax_m2", "gpt_oss", "glm_moe_dsa", "deepseek_v32"]
     for name in embedding:
         for layout in ("causal_lm", "base", "seq_cls"):
             folder = build_tiny_model(str(tmp_path / f"{name}-{layout}"), family=name, layout=layout)

@@ -206,6 +206,18 @@ def test_glm5_blocks_are_sized_by_their_indexers_and_mixtures():
     assert block_parameters({**config, "mlp_layer_types": ["sparse"] * 78})[0] == counts[3]
 
 
+def test_deepseek_v32_blocks_are_deepseek_v3s_and_an_indexer_each():
+    """DeepSeek-V3.2's published shapes (no weights): DeepSeek-V3's blocks and in each an indexer (64 heads of 128
+    from the query latent of 1536, a key of 128 and its LayerNorm, weights_proj): 671.9B parameters with the
+    embeddings and the head (the release's 685B with its multi-token-prediction layer, not counted)."""
+    config = dict(DEEPSEEK_V3, model_type="deepseek_v32", index_topk=2048, index_head_dim=128, index_n_heads=64,
+                  vocab_size=129280)
+    indexer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
+    counts, v3 = block_parameters(config), block_parameters(DEEPSEEK_V3)
+    assert [a - b for a, b in zip(counts, v3)] == [indexer] * 61
+    assert 671.85 * GB < sum(counts) + 2 * 129280 * 7168 + 7168 < 671.9 * GB
+
+
 def test_servers_take_as_many_blocks_as_fit_their_share_by_each_blocks_size():
     """DeepSeek-V3 on 80 GB shares: the first server takes the three small dense blocks and three
     mixture blocks, the others three mixture blocks each; a 16 GB share holds no mixture block."""

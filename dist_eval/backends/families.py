@@ -108,7 +108,7 @@ class Family:
     # num_experts, mlp_only_layers and decoder_sparse_step say (softmax), or n_routed_experts and
     # first_k_dense_replace (sigmoid), or moe_layers / interleave_moe_layer_step (llama4); Mixtral's in
     # every block; ``latent_attention`` (DeepSeek-V3), ``llama4_attention``: those attentions;
-    # ``sparse_attention`` (GLM-5): the latent attention with DeepSeek Sparse Attention's indexer
+    # ``sparse_attention`` (GLM-5, DeepSeek-V3.2): the latent attention with DeepSeek Sparse Attention's indexer
     built_on: str = ""
     block_options: tuple = ()
     # config.json's keys of a sliding attention window: (the window, the switch that turns it on,
@@ -232,7 +232,6 @@ NOT_COMPUTED = {
     "gemma": "scaled embeddings and GeGLU blocks", "gemma2": "soft-capped, alternating sliding attention",
     "gemma3": "soft-capped, alternating sliding attention", "phi3": "fused projections and longrope",
     "glm5_next": "linear-attention layers beside full attention",
-    "deepseek_v32": "sparse attention (an indexer keeping index_topk positions per query)",
     "deepseek_v4": "compressed sparse attention and hyper-connections (a widened residual stream)",
     "llama4": ("multimodal layout (a vision tower, the text model under language_model.: save that text model "
                "alone, Llama4ForConditionalGeneration's .language_model.save_pretrained(DIR), model_type "
@@ -293,7 +292,7 @@ def _block_refusal(config, options: dict) -> str:
                 return why
         elif getattr(config, "index_topk", None):  # DeepSeek V3.2's indexer in a deepseek_v3 config
             return (f"index_topk {config.index_topk} in config.json (DeepSeek V3.2's sparse attention) is not "
-                    "computed here (the latent attention is dense)")
+                    "computed here (this model_type's latent attention is dense; DeepSeek-V3.2's is deepseek_v32)")
         scoring = getattr(config, "scoring_func", "sigmoid")
         if scoring != "sigmoid":
             return f"scoring_func {scoring!r} in config.json is not computed here (the router's scores: sigmoid)"
@@ -319,7 +318,8 @@ def _block_refusal(config, options: dict) -> str:
 
 
 def _sparse_attention_refusal(config, options: dict) -> str:
-    """What in a config of the latent attention with DeepSeek Sparse Attention (GLM-5) the blocks do not compute
+    """What in a config of the latent attention with DeepSeek Sparse Attention (GLM-5, DeepSeek-V3.2) the blocks do
+    not compute
     ('' when nothing); a key config.json leaves out has the family's default (``options``).
     """
     def read(key):
@@ -698,6 +698,14 @@ FAMILIES["glm_moe_dsa"] = _built_on_llama(
         ("masked_group_score", "-inf"), ("n_routed_experts", 256), ("n_shared_experts", 1), ("num_experts_per_tok", 8),
         ("moe_intermediate_size", 2048), ("routed_scaling_factor", 2.5), ("n_group", 1), ("topk_group", 1),
         ("first_k_dense_replace", 3), ("norm_topk_prob", True)))
+# DeepSeek-V3.2 / V3.2-Exp (deepseek_v32: 685B-A37B), FP8 128 x 128 tiles as released (dequantized on load) or bf16:
+# DeepSeek-V3's block (its options) plus DeepSeek Sparse Attention as GLM-5's, every block with its own indexer,
+# whose RoPE rotates halves (not interleaved pairs: transformers 5.x's DeepseekV32Indexer), -inf for the router's
+# groups left out; the options' values are transformers 5.x's DeepseekV32Config defaults
+FAMILIES["deepseek_v32"] = _built_on_llama(
+    "deepseek_v32", "DeepseekV32", layer_types=("indexed_attention",), block_options=DEEPSEEK_V3_OPTIONS + (
+        ("sparse_attention", True), ("index_topk", 2048), ("index_head_dim", 128), ("index_n_heads", 64),
+        ("indexer_rope_interleave", False), ("masked_group_score", "-inf")))
 
 
 def tokenizers_calling_the_base() -> frozenset:

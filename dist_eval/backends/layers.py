@@ -1,7 +1,7 @@
 """The block parts dist_eval computes itself, in plain torch, for the families whose block the
 pinned transformers (4.33) has no class for: those with the block option ``own_layers`` in the
 family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5, Mixtral, DeepSeek-V3,
-Llama 4, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2 and GLM-5).
+Llama 4, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2, gpt-oss, GLM-5 and DeepSeek-V3.2).
 
 - Qwen3.5's hybrid (the block option ``gated_delta_net``): by ``layer_types`` (:func:`layer_type`) a
   :class:`GatedDeltaNet` block (linear attention: :func:`gated_delta_rule` over the whole row) or a
@@ -21,7 +21,7 @@ Llama 4, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2 and GLM-5).
 - :class:`LatentAttention` (the block option ``latent_attention``, DeepSeek-V3 and Kimi K2):
   multi-head latent attention, RoPE on each head's rope part in DeepSeek's interleaved layout,
   ``yarn`` frequencies whose ``mscale_all_dim`` also scales the softmax (:func:`latent_rope`).
-  :class:`SparseLatentAttention` (the block option ``sparse_attention``, GLM-5): the same, each query
+  :class:`SparseLatentAttention` (the block option ``sparse_attention``, GLM-5, DeepSeek-V3.2): the same, each query
   attending to the ``index_topk`` keys its block's :class:`LightningIndexer` (DeepSeek Sparse Attention's)
   keeps, every key in a row of at most ``index_topk`` positions.
 - :class:`ChunkedAttention` and :class:`InputScaledMoeMLP` (Llama 4: the block options

@@ -195,7 +195,7 @@ def _mixer_parameters(config: dict, index: int) -> int:
 
 # sparse attention (the latent attention and an indexer per block, where the block has its own): (index_n_heads,
 # index_head_dim) by default, transformers 5.x's; GLM-5's blocks of indexer_types shared have no indexer
-SPARSE_ATTENTION = {"glm_moe_dsa": (32, 128)}
+SPARSE_ATTENTION = {"glm_moe_dsa": (32, 128), "deepseek_v32": (64, 128)}
 
 
 def _indexer_parameters(config: dict, index: int) -> int:

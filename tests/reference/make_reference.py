@@ -70,10 +70,14 @@ router, correction bias drawn), its weights FP8-rounded, and ``minimax_m2_fp8`` 
 release's config.json form (``rotary_dim``, ``rope_theta``, MiniMax's ``quantization_config``).
 GLM-5 (``glm_moe_dsa``, 5.x alone; no ``*ForSequenceClassification``: the head apart): DeepSeek-V3's tiny block
 (the latent attention, values of 32 beside heads of 16 + 8) with DeepSeek Sparse Attention: every block an indexer
-(8 heads of 16, its key norm drawn) keeping ``index_topk`` 4 keys per query, fewer than most rows have, so that
-the choice counts; block 0 dense, blocks 1-3 2 of 8 experts (within the best of 2 groups, correction bias drawn)
-and a shared expert; a multi-token-prediction layer after the last block, as released. Its case also records, per
-row and block, the keys transformers' indexer kept for each query (``kept``: the positions at or before it).
+(32 heads of 16, as GLM-5's count, its key norm drawn) keeping ``index_topk`` 4 keys per query, fewer than most
+rows have, so that the choice counts (with 8 heads, scores of exactly 0 tied at the 4th best); block 0 dense,
+blocks 1-3 2 of 8 experts (within the best of 2 groups, correction bias drawn) and a shared expert; a
+multi-token-prediction layer after the last block, as released. Its case also records, per row and block, the
+keys transformers' indexer kept for each query (``kept``: the positions at or before it).
+DeepSeek-V3.2 (``deepseek_v32``, 5.x alone; no ``*ForSequenceClassification``: the head apart): DeepSeek-V3's tiny
+model (FP8-rounded, its FP8 folder ``deepseek_v32_fp8`` as released, ``scale_fmt`` included, a prediction layer)
+with an indexer per block as GLM-5's (RoPE on halves there, as transformers has it), recording ``kept`` too.
 
 Kimi K2.5 (``kimi_k25``, 5.x alone; no ``*ForSequenceClassification``: the head apart) as released: a
 ``Kimi_K25ForConditionalGeneration`` around DeepSeek-V3's text model (``deepseek_v3``'s tiny one: 3 blocks,
@@ -229,7 +233,7 @@ def tokenizer_of(kind: str):
     if kind in ("glm4_moe", "glm_moe_dsa"):  # GLM-4.5, GLM-5: a byte-level BPE read by the plain fast class, no BOS
         tok = train_bpe(True, ["<|endoftext|>", "[gMASK]", "<sop>"])
         return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    if kind in ("deepseek_v3", "kimi_k25"):  # DeepSeek-V3: a byte-level BPE read by LlamaTokenizerFast, BOS added
+    if kind in ("deepseek_v3", "kimi_k25", "deepseek_v32"):  # DeepSeek: a byte-level BPE, LlamaTokenizerFast, a BOS
         tok = train_bpe(True, [DEEPSEEK_BOS, DEEPSEEK_EOS, "<｜▁pad▁｜>"])
         return LlamaTokenizerFast(tokenizer_object=tok, bos_token=DEEPSEEK_BOS, eos_token=DEEPSEEK_EOS,
                                   pad_token=DEEPSEEK_EOS, add_bos_token=True, add_eos_token=False, legacy=True)
@@ -273,7 +277,7 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
     if kind == "mixtral":  # Mixtral-8x7B-style, with a head_dim apart and a smaller expert
         return transformers.MixtralConfig(rope_theta=1000000.0, head_dim=HEAD_DIM, num_local_experts=EXPERTS,
                                           num_experts_per_tok=EXPERTS_PER_TOKEN, **common)
-    if kind in ("deepseek_v3", "kimi_k25"):  # DeepSeek-V3-style, 3 blocks, every head its own key and value
+    if kind in ("deepseek_v3", "kimi_k25", "deepseek_v32"):  # DeepSeek-V3-style, 3 blocks, every head its own key
         return deepseek_config(kind, common)
     if kind == "llama4_text":  # Llama-4-Maverick-style: dense and MoE blocks alternate, the 4th block without RoPE
         return transformers.Llama4TextConfig(rope_theta=500000.0, head_dim=HEAD_DIM, **LLAMA4, **common)
@@ -307,13 +311,13 @@ DEEPSEEK = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_he
                 rope_scaling={"type": "yarn", "factor": 40.0, "mscale": 0.9, "mscale_all_dim": 1.0, "beta_fast": 32,
                               "beta_slow": 1, "original_max_position_embeddings": 64})
 # GLM-5 (glm_moe_dsa): DeepSeek-V3's tiny latent attention and mixture (n_group 2, the flagship's 1, so that the
-# grouped choice counts) and an indexer of 8 heads of 16 keeping INDEX_TOPK keys per query (the flagship's 2048)
+# grouped choice counts) and an indexer of 32 heads of 16 keeping INDEX_TOPK keys per query (the flagship's 2048)
 INDEX_TOPK = 4
 GLM_DSA = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=32,
                n_routed_experts=EXPERTS, n_shared_experts=1, num_experts_per_tok=EXPERTS_PER_TOKEN,
                moe_intermediate_size=EXPERT_INTERMEDIATE, n_group=2, topk_group=1, first_k_dense_replace=1,
                routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=INDEX_TOPK, index_head_dim=16,
-               index_n_heads=8, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+               index_n_heads=32, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 LLAMA4 = dict(num_local_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, intermediate_size_mlp=INTERMEDIATE,
               interleave_moe_layer_step=2, no_rope_layer_interval=4, use_qk_norm=True,
               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -364,7 +368,8 @@ CLASSES = {"bloom": "Bloom", "falcon": "Falcon",
            "llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
            "glm4_moe": "Glm4Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "llama4_text": "Llama4",
            "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen3_next": "Qwen3Next", "gpt_oss": "GptOss",
-           "minimax_m2": "MiniMaxM2", "kimi_k25": "Kimi_K25", "glm_moe_dsa": "GlmMoeDsa"}
+           "minimax_m2": "MiniMaxM2", "kimi_k25": "Kimi_K25", "glm_moe_dsa": "GlmMoeDsa",
+           "deepseek_v32": "DeepseekV32"}
 # vision-language releases: saved from *ForConditionalGeneration, the text model under model.language_model.
 # beside a vision tower; the reference is the text model's last final hidden state times the head
 VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe", "kimi_k25")
@@ -373,19 +378,23 @@ OFFSET_NORMS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # norms scaling by 1 + 
 # 4.55 on)
 LATER = {"qwen3_next": 5, "gpt_oss": 5}
 # transformers has no *ForSequenceClassification: the backbone times the head
-NO_CLASSIFIER = ("glm4_moe", "llama4_text", "minimax_m2", "glm_moe_dsa")
-SPARSE_ATTENTION = ("glm_moe_dsa",)  # an indexer per block: the keys it kept recorded too
+NO_CLASSIFIER = ("glm4_moe", "llama4_text", "minimax_m2", "glm_moe_dsa", "deepseek_v32")
+SPARSE_ATTENTION = ("glm_moe_dsa", "deepseek_v32")  # an indexer per block: the keys it kept recorded too
 
 
 def deepseek_config(kind: str, common: dict):
-    """DeepSeek-V3's tiny config (as the flagship, every head its own key and value), or Kimi K2.5's as released:
-    that text model (no MTP layer) nested beside a one-block vision tower."""
+    """DeepSeek-V3's tiny config (as the flagship, every head its own key and value), DeepSeek-V3.2's (the same and
+    an indexer per block), or Kimi K2.5's as released: that text model (no MTP layer) nested beside a one-block
+    vision tower."""
     import transformers
 
     text = {**common, **DEEPSEEK, "num_hidden_layers": DEEPSEEK_LAYERS, "num_key_value_heads": HEADS,
             "max_position_embeddings": 2560}
     if kind == "deepseek_v3":
         return transformers.DeepseekV3Config(rope_theta=10000.0, **text)
+    if kind == "deepseek_v32":  # and an indexer per block of 32 heads of 16 keeping INDEX_TOPK keys per query
+        return transformers.DeepseekV32Config(rope_theta=10000.0, **text, index_topk=INDEX_TOPK, index_head_dim=16,
+                                              index_n_heads=32)
     text.update(num_nextn_predict_layers=0, rope_theta=50000.0)
     return transformers.Kimi_K25Config(text_config=text, vision_config=KIMI_VISION, projection_hidden_size=32,
                                        tie_word_embeddings=False)
@@ -429,8 +438,10 @@ def fp8_value(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def is_fp8_weight(key: str, tensor: torch.Tensor) -> bool:
-    """DeepSeek-V3's FP8 tensors: the blocks' linear weights, but the router's."""
-    return key.startswith("model.layers.") and tensor.dim() == 2 and not key.endswith("mlp.gate.weight")
+    """DeepSeek-V3's FP8 tensors: the blocks' linear weights, but the router's (and DeepSeek-V3.2's indexer's
+    weights_proj, which transformers keeps in float32)."""
+    return key.startswith("model.layers.") and tensor.dim() == 2 and not key.endswith(
+        ("mlp.gate.weight", "indexer.weights_proj.weight"))
 
 
 def with_prediction_layer(tensors: dict, config) -> dict:
@@ -448,9 +459,10 @@ def with_prediction_layer(tensors: dict, config) -> dict:
     return {**tensors, **extra}
 
 
-def save_deepseek_folders(lm, folder: str, fp8_folder: str) -> None:
+def save_deepseek_folders(lm, folder: str, fp8_folder: str) -> dict:
     """Replace ``folder``'s weights by the FP8-rounded ones plus a prediction layer, and write
-    ``fp8_folder``: the same model in FP8 (e4m3 weights, a weight_scale_inv per tile, its config)."""
+    ``fp8_folder``: the same model in FP8 (e4m3 weights, a weight_scale_inv per tile, its config; DeepSeek-V3.2's
+    quantization_config as released, with its scale_fmt); the reference case's fields of it."""
     from safetensors.torch import load_file, save_file
 
     tensors = with_prediction_layer(load_file(os.path.join(folder, "model.safetensors")), lm.config)
@@ -468,9 +480,11 @@ def save_deepseek_folders(lm, folder: str, fp8_folder: str) -> None:
     with open(os.path.join(fp8_folder, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(FP8_BLOCK)}
+                                     "weight_block_size": list(FP8_BLOCK),
+                                     **({"scale_fmt": "ue8m0"} if config["model_type"] == "deepseek_v32" else {})}
     with open(os.path.join(fp8_folder, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
+    return {"fp8_folder": os.path.basename(fp8_folder), "fp8_block": list(FP8_BLOCK)}
 
 
 def save_minimax_fp8_folder(lm, folder: str, fp8_folder: str) -> None:
@@ -671,7 +685,8 @@ def save_with_prediction_layer(lm, folder: str) -> dict:
 
 # the quantized releases' folders, written beside the model's own (each returns its reference case's fields)
 AS_RELEASED = {"gpt_oss": lambda lm, folder: save_gpt_oss_mxfp4_folder(folder, folder + "_mxfp4"),
-               "kimi_k25": save_kimi_folders, "glm_moe_dsa": save_with_prediction_layer}
+               "kimi_k25": save_kimi_folders, "glm_moe_dsa": save_with_prediction_layer,
+               "deepseek_v32": lambda lm, folder: save_deepseek_folders(lm, folder, folder + "_fp8")}
 
 
 def recorded_choices(backbone, kind: str) -> list:
