@@ -15,7 +15,7 @@ import os
 import shutil
 
 import pytest
-from conftest import build_checkpoint, one_thread_swarm, read_jsonl, run_ranks, write_csv
+from conftest import build_checkpoint, forking_from, one_thread_swarm, read_jsonl, run_ranks, write_csv
 from inprocess_cli import one_thread, run_cli_in_process
 
 from dist_eval import verify
@@ -313,15 +313,21 @@ def wrong_model(tiny_model, tmp_path_factory):
 
 @pytest.mark.swarm
 def test_a_swarm_uniformly_wrong_passes_the_audit_and_fails_verify(tiny_model, tiny_checkpoint, wrong_model,
-                                                                   tmp_path, capsys):
+                                                                   tiny_swarm, tmp_path, capsys):
     """Two servers, both started from the weights with block 2 changed: every replay of the audit agrees (the
     servers agree with each other), the client's model folder is the honest one, and verify --backend local
-    evaluates the drawn rows with the honest weights: they differ, named row by row."""
+    evaluates the drawn rows with the honest weights: they differ, named row by row. (The two servers forked
+    from tiny_swarm's fork server: conftest.forking_from, their imports once.)"""
     data = write_csv(str(tmp_path / "rows.csv"), 24, seed=8)
     out = tmp_path / "out"
-    for swarm in one_thread_swarm(wrong_model, num_servers=2, dht_prefix="wrong-swarm"):
+    wrong = one_thread_swarm(wrong_model, num_servers=2, dht_prefix="wrong-swarm")
+    try:
+        with forking_from(tiny_swarm):
+            swarm = next(wrong)
         assert run_cli_in_process(_swarm_args(tiny_model, tiny_checkpoint, data, swarm, out, "--audit", "1"),
                                   hide_modules=("matplotlib",)) == 0
+    finally:
+        wrong.close()  # the swarm stopped
     receipt = json.load(open(out / "metrics.json"))["run"]["receipt"]
     audit = receipt["audit"]
     assert audit["share"] == 1 and audit["replayed"] + audit["row_checks"] >= 1, audit
