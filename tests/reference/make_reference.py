@@ -723,7 +723,7 @@ def make(kind: str, out: str) -> dict:
                 tensor.uniform_(0.5, 1.5)
             elif key.endswith(("mlp.gate.weight", "moe.gate.weight", "router.weight")):  # a router far from uniform
                 tensor.normal_(0.0, 0.3)
-            elif gpt_oss_spread(key):  # gpt-oss's sinks, router bias and experts
+            elif kind == "gpt_oss" and gpt_oss_spread(key):  # gpt-oss's sinks, router bias and experts
                 tensor.normal_(0.0, gpt_oss_spread(key))
             elif kind in OFFSET_NORMS and key.endswith(("layernorm.weight", "language_model.norm.weight")) or (
                     kind == "qwen3_next" and key == "model.norm.weight"):
