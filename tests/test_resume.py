@@ -36,8 +36,15 @@ def job(tiny_model, tiny_checkpoint, tmp_path_factory):
             "--batch-size", "1", "--in-flight", "1", "--save-logits", "--quiet", "--save-interval", "0",
             "--bootstrap-resamples", "50"]
     reference = base / "reference"
-    assert run_cli_in_process([*args, "--output-dir", str(reference)], hide_modules=NO_FIGURES) == 0
+    assert run_cli_in_process([*uninterrupted(args), "--output-dir", str(reference)], hide_modules=NO_FIGURES) == 0
     return base, args, reference
+
+
+def uninterrupted(args) -> list:
+    """``args`` for an uninterrupted reference: its partial results saved at the default interval, not after
+    every batch (a thousand fsynced files nobody resumes from; the interval changes no result)."""
+    at = args.index("--save-interval")
+    return args[:at] + args[at + 2:]
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +141,7 @@ def test_a_run_that_stops_early_resumes_its_sequence_exactly(job, rank_zygote):
     base, args, _ = job
     stopping = [*args, "--stop-at-width", "0.12", "--stop-round-rows", "100"]
     reference = base / "stopping_reference"
-    assert run_cli_in_process([*stopping, "--output-dir", str(reference)],
+    assert run_cli_in_process([*uninterrupted(stopping), "--output-dir", str(reference)],
                               hide_modules=NO_FIGURES) == 0  # one rank: the same rounds
     ref = json.load(open(reference / "metrics.json"))
     assert ref["stopping"]["reason"] == "width" and ref["stopping"]["rounds"] > 3  # the kill lands mid-run
