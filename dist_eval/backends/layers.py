@@ -110,6 +110,24 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def grouped_query_projections(module: nn.Module, config, bias: bool, output_bias: Optional[bool] = None) -> tuple:
+    """Set ``module``'s grouped-query attention sizes (hidden_size, num_heads, head_dim, num_key_value_heads,
+    num_key_value_groups) and its q/k/v/o projections, each with a bias where ``bias`` says (o's where
+    ``output_bias`` says, else ``bias``): the attentions here whose pinned ``__init__`` is not called. Returns the
+    widths (all query heads, all key/value heads).
+    """
+    module.hidden_size, module.num_heads = config.hidden_size, config.num_attention_heads
+    module.head_dim = head_dim_of(config)
+    module.num_key_value_heads = config.num_key_value_heads
+    module.num_key_value_groups = module.num_heads // module.num_key_value_heads
+    inner, kv_inner = module.num_heads * module.head_dim, module.num_key_value_heads * module.head_dim
+    module.q_proj = nn.Linear(module.hidden_size, inner, bias=bias)
+    module.k_proj = nn.Linear(module.hidden_size, kv_inner, bias=bias)
+    module.v_proj = nn.Linear(module.hidden_size, kv_inner, bias=bias)
+    module.o_proj = nn.Linear(inner, module.hidden_size, bias=bias if output_bias is None else output_bias)
+    return inner, kv_inner
+
+
 def is_sparse(config, index: int) -> bool:
     """Whether block ``index`` of ``config`` has the mixture of experts (else the dense MLP); never
     in a family without the block option ``mixture_of_experts`` (a dense Qwen3 ignores ``num_experts``).
@@ -163,19 +181,11 @@ class QkNormAttention(LlamaAttention):
     def __init__(self, config):
         nn.Module.__init__(self)
         self.config = config
-        self.hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = head_dim_of(config)
-        self.num_key_value_heads = config.num_key_value_heads
-        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.max_position_embeddings = config.max_position_embeddings
         self.rope_theta = config.rope_theta
         bias = bool(getattr(config, "attention_bias", False))
-        inner, kv_inner = self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        self.q_proj = nn.Linear(self.hidden_size, inner, bias=bias)
-        self.k_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
-        self.v_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
-        self.o_proj = nn.Linear(inner, self.hidden_size, bias=bias and getattr(config, "attention_output_bias", True))
+        inner, kv_inner = grouped_query_projections(self, config, bias,
+                                                    bias and getattr(config, "attention_output_bias", True))
         if getattr(config, "qk_norm_whole", False):  # MiniMax-M2: over all heads' q (k) at once
             self.q_norm = WholeWidthRMSNorm(inner, eps=config.rms_norm_eps)
             self.k_norm = WholeWidthRMSNorm(kv_inner, eps=config.rms_norm_eps)
@@ -718,16 +728,7 @@ class ChunkedAttention(LlamaAttention):
     def __init__(self, config, index: int):
         nn.Module.__init__(self)
         self.config = config
-        self.hidden_size, self.num_heads = config.hidden_size, config.num_attention_heads
-        self.head_dim = head_dim_of(config)
-        self.num_key_value_heads = config.num_key_value_heads
-        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
-        inner, kv_inner = self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False))
-        self.q_proj = nn.Linear(self.hidden_size, inner, bias=bias)
-        self.k_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
-        self.v_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
-        self.o_proj = nn.Linear(inner, self.hidden_size, bias=bias)
+        grouped_query_projections(self, config, bool(getattr(config, "attention_bias", False)))
         self.use_rope = uses_rope(config, index)
         self.l2_norm = self.use_rope and bool(getattr(config, "use_qk_norm", True))
         self.eps = config.rms_norm_eps
@@ -812,16 +813,7 @@ class SinkAttention(LlamaAttention):
     def __init__(self, config, index: int):
         nn.Module.__init__(self)
         self.config = config
-        self.hidden_size, self.num_heads = config.hidden_size, config.num_attention_heads
-        self.head_dim = head_dim_of(config)
-        self.num_key_value_heads = config.num_key_value_heads
-        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
-        inner, kv_inner = self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", True))
-        self.q_proj = nn.Linear(self.hidden_size, inner, bias=bias)
-        self.k_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
-        self.v_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
-        self.o_proj = nn.Linear(inner, self.hidden_size, bias=bias)
+        grouped_query_projections(self, config, bool(getattr(config, "attention_bias", True)))
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))
         self.window = sliding_window_of(config, index)
         # float32, kept out of the module's buffers: a server's .to(bfloat16) leaves the frequencies as they are
