@@ -213,6 +213,20 @@ def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = "
                           "original_max_position_embeddings": 32}, n_routed_experts=4, n_shared_experts=1,
             num_experts_per_tok=2, moe_intermediate_size=16, n_group=2, topk_group=1, first_k_dense_replace=1,
             **common)
+    if family == "deepseek_v4":  # each attention kind in turn (a window of 4, entries every 2 / 4 positions),
+        from transformers import AutoConfig  # block 0 hash-routed, then learned routing; 4 streams
+
+        from dist_eval.backends.blocks import register
+
+        register()
+        kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+        return AutoConfig.for_model(
+            family, num_hidden_layers=num_layers, head_dim=16, q_lora_rank=16, partial_rotary_factor=0.25,
+            layer_types=[kinds[i % 3] for i in range(num_layers)], mlp_layer_types=["hash_moe"] + ["moe"] * (
+                num_layers - 1), compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            sliding_window=4, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=2,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=128,
+            **common)
     if family == "gpt_oss":  # sinks, a window of 4 on blocks 0 and 2, biases; every block 4 clamped experts, 2 a token
         from transformers import AutoConfig
 

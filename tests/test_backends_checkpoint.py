@@ -15,7 +15,8 @@ PREFIX = {"llama": "model.", "bloom": "transformer.", "falcon": "transformer.", 
           "qwen3": "model.", "qwen3_moe": "model.", "glm4_moe": "model.", "mixtral": "model.", "deepseek_v3": "model.",
           "kimi_k2": "model.", "kimi_k25": "model.", "llama4_text": "model.", "qwen3_5": "model.",
           "qwen3_5_moe": "model.", "qwen3_next": "model.",
-          "minimax_m2": "model.", "gpt_oss": "model.", "glm_moe_dsa": "model.", "deepseek_v32": "model."}
+          "minimax_m2": "model.", "gpt_oss": "model.", "glm_moe_dsa": "model.", "deepseek_v32": "model.",
+          "deepseek_v4": "model."}
 FROZEN = {  # a few keys of each family's full state dict
     "llama": ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"],
     "bloom": ["transformer.word_embeddings.weight", "transformer.word_embeddings_layernorm.weight",
@@ -26,6 +27,7 @@ for _name in ("mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "
               "llama4_text",
               "qwen3_5", "qwen3_5_moe", "qwen3_next", "minimax_m2", "gpt_oss", "glm_moe_dsa", "deepseek_v32"):
     FROZEN[_name] = FROZEN["llama"]  # Llama's layout
+FROZEN["deepseek_v4"] = FROZEN["llama"] + ["model.hc_head.hc_fn"]  # and the streams' last collapse
 
 
 def trained(mode):

@@ -8,6 +8,7 @@ import torch
 
 from dist_eval.backends.blocks import family_class, has_own_layers
 from dist_eval.backends.families import FAMILIES, checkpoint_prefixes, family_of
+from dist_eval.backends.layers import ROW_TOKEN_IDS
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -26,7 +27,11 @@ def test_entry_names_real_classes_and_attributes(name):
     assert isinstance(family.get(model, family.embeddings), torch.nn.Embedding)
     assert len(family.get(model, family.blocks)) == 2
     assert family.get(model, family.head).weight.shape == (3, 8)
-    hidden = family.final_hidden(model, torch.zeros(1, 4, 8))
+    token = ROW_TOKEN_IDS.set(torch.zeros(1, 4, dtype=torch.long))  # what hash-routed blocks route by (DeepSeek-V4)
+    try:
+        hidden = family.final_hidden(model, torch.zeros(1, 4, 8))
+    finally:
+        ROW_TOKEN_IDS.reset(token)
     assert hidden.shape == (1, 4, 8)
     keys = model.state_dict()
     assert any(k.startswith(family.blocks + ".0.") for k in keys)
@@ -52,7 +57,9 @@ def test_petals_class_exists_with_the_table_paths(name):
     assert lm_class.config_class is cls.config_class and lm_class.__name__.endswith("ForCausalLM")
 
 
-@pytest.mark.parametrize("name", [name for name, family in sorted(FAMILIES.items()) if has_own_layers(family)])
+# (DeepSeek-V4 aside: the local backend alone computes it, the swarm is refused: Family.swarm_refusal)
+@pytest.mark.parametrize("name", [name for name, family in sorted(FAMILIES.items())
+                                  if has_own_layers(family) and not family.swarm_refusal])
 def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(name):
     """petals' server builds a block as config.block_class(config); told the index it loads
     (as dist_eval's servers do), it is the local model's layer of that index, tensor for tensor."""
@@ -137,7 +144,8 @@ def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
     with flag_names():
         text = str(caught.value)
     assert "\n" not in text and text.startswith("--model /m: config.json has model_type 'gpt2'")
-    assert text.endswith("the families that work: bloom, deepseek_v3, deepseek_v32, falcon, glm4_moe, glm_moe_dsa, "
+    assert text.endswith("the families that work: bloom, deepseek_v3, deepseek_v32, deepseek_v4, falcon, glm4_moe, "
+                         "glm_moe_dsa, "
                          "gpt_oss, kimi_k2, kimi_k25, llama, llama4_text, "
                          "minimax_m2, mistral, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next "
                          "(docs/models-and-checkpoints.md).")
@@ -194,7 +202,7 @@ def test_the_cli_refuses_a_family_petals_cannot_serve_up_front(tmp_path, capsys,
     shown = "" if "gpt2" in why else " (new_decoder_architecture=False, multi_query=True in config.json)"
     assert errors[0] == (f"dist_eval: error: --model {model}: {why}{shown}"
                          ": not a model dist_eval computes; the families that work: bloom, deepseek_v3, deepseek_v32, "
-                         "falcon, "
+                         "deepseek_v4, falcon, "
                          "glm4_moe, glm_moe_dsa, gpt_oss, "
                          "kimi_k2, kimi_k25, llama, llama4_text, minimax_m2, mistral, mixtral, qwen2, qwen3, "
                          "qwen3_5, qwen3_5_moe, "

@@ -18,7 +18,7 @@ FINAL_NORM.update(mistral="norm", qwen2="norm", qwen3="norm", qwen3_moe="norm", 
                   mixtral="norm", deepseek_v3="norm", kimi_k2="norm", kimi_k25="norm", llama4_text="norm",
                   qwen3_5="norm",
                   qwen3_5_moe="norm", qwen3_next="norm", minimax_m2="norm", gpt_oss="norm", glm_moe_dsa="norm",
-                  deepseek_v32="norm")
+                  deepseek_v32="norm", deepseek_v4="norm")
 
 
 def load_local_reference(folder, spec, mode, pre_seq_len, tensors):
@@ -111,7 +111,8 @@ def _run_block(spec, base, block, hidden, seq):
     return block(hidden, None, causal)[0]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# (DeepSeek-V4 aside: its prompts are refused, Family.prompts_refusal, tests/test_families_reference.py)
+@pytest.mark.parametrize("family", sorted(name for name in FAMILIES if name != "deepseek_v4"))
 @pytest.mark.parametrize("mode", ["ptune", "deep_ptune"])
 def test_prompts_as_petals_applies_them(models, family, mode):
     spec = FAMILIES[family]

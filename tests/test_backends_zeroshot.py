@@ -70,7 +70,8 @@ def padded(folder, texts):
     return batch
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# (DeepSeek-V4 aside: its label words are refused, Family.label_words_refusal, tests/test_families_reference.py)
+@pytest.mark.parametrize("family", sorted(name for name in FAMILIES if name != "deepseek_v4"))
 def test_local_equals_the_causal_lm_reference(models, family):
     model = load_model("local", models[family], label_words=WORDS)
     assert model.num_labels == 4 and model.label_words == tuple(WORDS) and model.appended_tokens == 2

@@ -40,12 +40,13 @@ from dist_eval.backends.blocks import SERVER_VERSION_MARK
 TOLERANCE = 1e-4
 GENERATIONS = {"4": "4.57", "5": "5."}  # the transformers that made each reference (launch/install_reference.sh)
 KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4_text",
-         "qwen3_5", "qwen3_5_moe", "qwen3_next", "minimax_m2", "gpt_oss", "kimi_k25", "glm_moe_dsa", "deepseek_v32")
+         "qwen3_5", "qwen3_5_moe", "qwen3_next", "minimax_m2", "gpt_oss", "kimi_k25", "glm_moe_dsa", "deepseek_v32",
+         "deepseek_v4")
 # the families only a later transformers has (Qwen3.5: 5.2 on): checked against that one alone; Qwen3-Next (4.57
 # has it too) against 5.x alone, the transformers issue 72 names
 MADE_BY = {"qwen3_5": ("5",), "qwen3_5_moe": ("5",), "qwen3_next": ("5",), "minimax_m2": ("5",),
            "gpt_oss": ("5",), "kimi_k25": ("5",), "glm_moe_dsa": ("5",),
-           "deepseek_v32": ("5",)}
+           "deepseek_v32": ("5",), "deepseek_v4": ("5",)}
 # on a swarm, end to end (torchrun N=2, the run's own one-server swarm, the config read in the server process):
 # the 5.x-saved Llama 3 (rope_parameters with llama3 scaling) and Qwen3-MoE (num_local_experts), and the
 # 4.57-saved DeepSeek-V3 from its FP8 folder (the servers dequantize it as they load). Every family's server
@@ -76,7 +77,11 @@ SWARM_FOLDER = {"deepseek_v3": "deepseek_v3_fp8"}  # the servers dequantize the 
 # every family of the family table (llama3: model_type llama; kimi_k2: DeepSeek-V3's block under its own name)
 ALL_KINDS = ("bloom", "falcon", *KINDS, "kimi_k2")
 # no *ForSequenceClassification in transformers: the head given apart (--head)
-HEAD_ONLY = ("glm4_moe", "llama4_text", "minimax_m2", "kimi_k25", "glm_moe_dsa", "deepseek_v32")
+HEAD_ONLY = ("glm4_moe", "llama4_text", "minimax_m2", "kimi_k25", "glm_moe_dsa", "deepseek_v32", "deepseek_v4")
+# the local backend alone computes them (the swarm refused: Family.swarm_refusal): no server blocks to compare
+LOCAL_ONLY = ("deepseek_v4",)
+# prompts refused (DeepSeek-V4's first blocks route by token id, which a prompt position has not): no ptune reference
+PROMPTS_REFUSED = ("deepseek_v4",)
 # the servers read the release as shipped: gpt-oss's MXFP4 folder, Kimi K2.5's INT4 one (dequantized as they load)
 SERVED_FOLDER = {"gpt_oss": "gpt_oss_mxfp4", "kimi_k25": "kimi_k25_int4"}
 # (generation, kind) of every family and each transformers generation that has it
@@ -203,6 +208,15 @@ def test_local_logits_within_1e4_of_the_transformers_that_saved_the_folder(reque
     reference = reference_of(request, generation)
     out, ref = reference
     case = ref["cases"][kind]
+    if mode == "ptune" and kind in PROMPTS_REFUSED:  # refused in one line, before the weights are read
+        from dist_eval.errors import UsageError, flag_names
+
+        with pytest.raises(UsageError) as caught:
+            load_model("local", str(out / case["folder"]), **trained(reference, kind, mode))
+        with flag_names():
+            assert str(caught.value).startswith("--tuning-mode ptune: ptune on deepseek_v4: blocks [0, 1] route each "
+                                                "position by its token id") and "\n" not in str(caught.value)
+        return
     model = load_model("local", str(out / case["folder"]), **trained(reference, kind, mode))
     with torch.no_grad():
         logits = model.module(padded_batch(case))
@@ -211,7 +225,7 @@ def test_local_logits_within_1e4_of_the_transformers_that_saved_the_folder(reque
     assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("generation, kind", CASES)
+@pytest.mark.parametrize("generation, kind", [case for case in CASES if case[1] not in LOCAL_ONLY])
 def test_server_blocks_equal_the_local_blocks_on_the_same_hidden_states(request, generation, kind, monkeypatch):
     """Each block as the servers dist_eval starts build it (petals' load_pretrained_block with dist_eval's
     block index, from the folder petals reads, its config read by petals' own classes) gives, on the local
@@ -965,3 +979,82 @@ def test_a_hub_id_no_block_computes_is_refused_after_its_config_alone(reference,
         with pytest.raises(UsageError, match="rope_type 'yarn'"):
             resolve_model("org/yarn-llama", "petals", ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"])
     assert hub.files("GET") == ["config.json"]
+
+
+def test_deepseek_v4_settings_each_matter_and_the_swarm_is_refused_up_front(reference5, capsys):
+    """DeepSeek-V4 (checked against transformers 5.x above, head only): the indexer's choice (index_topk 3 of up to 9
+    entries), the heavily compressed entries, the sliding window, the sinks, the hash routing's table and the
+    clamp each move the logits; a row alone gives its batch's logits within float rounding; --backend petals is
+    refused in one line before anything loads (the servers do not pass the streams and token ids)."""
+    from dist_eval.backends import load_model
+    from dist_eval.errors import UsageError, flag_names
+
+    out, ref = reference5
+    case = ref["cases"]["deepseek_v4"]
+    folder = str(out / case["folder"])
+    model = load_model("local", folder, **trained(reference5, "deepseek_v4", "head"))
+    batch = padded_batch(case)
+    layers = model.module.hf_model.model.layers
+    with torch.no_grad():
+        base = model.module(batch)
+        alone = torch.cat([model.module(torch.tensor([row])) for row in case["ids"][-3:]])
+        assert_within_rounding(alone, base[-3:], "rows alone and in their batch", why="other batches, padded")
+        changes = {"index_topk": (layers[1].attn.indexer, "index_topk", 100),
+                   "heavily compressed entries": (layers[2].attn.compressor, "rate", 10 ** 6),
+                   "window": (layers[0].attn, "window", 10 ** 6),
+                   "clamp": (layers[2].ffn.shared_experts, "limit", 10.0)}
+        for name, (module, attribute, value) in changes.items():
+            before = getattr(module, attribute)
+            setattr(module, attribute, value)
+            try:
+                moved = (model.module(batch) - base).abs().max().item()
+            finally:
+                setattr(module, attribute, before)
+            assert moved > 1e-2, name
+        for name, tensor in {"sinks": layers[0].attn.attn_sink, "tid2eid": layers[0].ffn.gate.tid2eid}.items():
+            kept = tensor.clone()
+            tensor.copy_(tensor.roll(1, 0))
+            try:
+                assert (model.module(batch) - base).abs().max().item() > 1e-2, name
+            finally:
+                tensor.copy_(kept)
+    legacy = str(out / "deepseek_v4_legacy_config")  # the older config.json keys, read as 5.x folds them in
+    shutil.copytree(folder, legacy)
+    with open(os.path.join(legacy, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    rope, ratios = config.pop("rope_parameters"), {"sliding_attention": 0, "compressed_sparse_attention": 4,
+                                                   "heavily_compressed_attention": 128}  # (the kinds' codes)
+    config.update(rope_theta=rope["main"]["rope_theta"], compress_rope_theta=rope["compress"]["rope_theta"],
+                  rope_scaling={k: v for k, v in rope["compress"].items() if k not in ("rope_theta",
+                                                                                       "partial_rotary_factor")},
+                  compress_ratios=[ratios[kind] for kind in config.pop("layer_types")], num_hash_layers=2,
+                  compress_rate_csa=4, compress_rate_hca=8, qk_rope_head_dim=config.pop("partial_rotary_factor") * 32)
+    for key in ("mlp_layer_types", "compress_rates"):
+        config.pop(key)
+    with open(os.path.join(legacy, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    with torch.no_grad():
+        assert_same_bits(load_model("local", legacy, **trained(reference5, "deepseek_v4", "head")).module(batch), base,
+                         "the older config.json keys")
+    for backend, words, expected in (
+            ("petals", None, "--backend petals: " + expected_swarm_refusal()),
+            ("local", ["yes", "no"], "--label-words yes no: label words on deepseek_v4: its language-model head "
+                                     "(head.weight, as the release and transformers 5.x save it) is not read here yet; "
+                                     "train a head and pass it with --head.")):
+        with pytest.raises(UsageError) as caught:
+            load_model(backend, folder, label_words=words, **({} if words else trained(reference5, "deepseek_v4",
+                                                                                       "head")))
+        with flag_names():
+            assert str(caught.value) == expected
+    csv = out / "deepseek_v4_rows.csv"  # the CLI refuses the swarm before anything starts
+    csv.write_text("text,label\nw1,0\n")
+    code = run_cli_in_process(["--model", folder, "--data-files", str(csv), "--backend", "petals", "--head",
+                               trained(reference5, "deepseek_v4", "head")["head"], "--output-dir", str(out / "v4out")])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dist_eval: error:")]
+    assert code == 2 and not (out / "v4out").exists() and errors == [
+        "dist_eval: error: --backend petals: " + expected_swarm_refusal()]
+
+
+def expected_swarm_refusal() -> str:
+    return ("deepseek_v4 is computed by --backend local alone: the servers dist_eval starts do not pass its hc_mult "
+            "streams and hash routing's token ids between blocks yet; use --backend local.")

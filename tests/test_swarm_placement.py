@@ -218,6 +218,23 @@ def test_deepseek_v32_blocks_are_deepseek_v3s_and_an_indexer_each():
     assert 671.85 * GB < sum(counts) + 2 * 129280 * 7168 + 7168 < 671.9 * GB
 
 
+def test_deepseek_v4_flash_blocks_from_its_published_shapes():
+    """DeepSeek-V4-Flash's shapes (transformers 5.x's DeepseekV4Config defaults: hidden 4096, 43 blocks, 64 heads of
+    512 sharing one key, 256 experts of 2048, 6 a token; no weights): 284.3B parameters with the embeddings, the head,
+    the final norm and hc_head (the published 284B); the hash-routed blocks 0-2 hold tid2eid (a row of 6 expert ids
+    per token) in place of the correction bias, a compressed sparse block a compressor twice as wide and an
+    indexer."""
+    config = dict(model_type="deepseek_v4", hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
+                  vocab_size=129280)
+    counts = block_parameters(config)  # layer_types by default: 3 heavily compressed, then sparse and heavy in turn
+    assert len(counts) == 43 and counts[:3] == [counts[0]] * 3 and counts[0] - counts[4] == 129280 * 6 - 256
+    indexer = 1024 * 64 * 128 + 4096 * 64 + 2 * 4096 * 2 * 128 + 4 * 2 * 128 + 128  # wq_b, weights, its compressor
+    assert counts[3] - counts[4] == indexer + 2 * 4096 * 512 + 4 * 2 * 512 - 128 * 512  # and a compressor 2x as wide
+    assert 284.3 * GB < sum(counts) + 2 * 129280 * 4096 + 4096 + 4 * 4 * 4096 + 4 + 1 < 284.35 * GB
+    assert block_parameters({**config, "mlp_layer_types": ["moe"] * 43})[0] == counts[4]
+    assert 13.16 * GB < 2 * counts[0] < 13.17 * GB  # a block in bf16
+
+
 def test_servers_take_as_many_blocks_as_fit_their_share_by_each_blocks_size():
     """DeepSeek-V3 on 80 GB shares: the first server takes the three small dense blocks and three
     mixture blocks, the others three mixture blocks each; a 16 GB share holds no mixture block."""

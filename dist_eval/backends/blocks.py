@@ -91,8 +91,9 @@ def _config_init(original):
         from dist_eval.backends.families import rope_type
 
         yarn = None
-        yarn_blocks = getattr(self, "latent_attention", False) or getattr(self, "sink_attention", False)
-        if yarn_blocks and rope_type(rope_scaling) == "yarn":  # the latent attention's, gpt-oss's
+        yarn_blocks = any(getattr(self, option, False) for option in ("latent_attention", "sink_attention",
+                                                                       "hyper_connections"))
+        if yarn_blocks and rope_type(rope_scaling) == "yarn":  # the latent attention's, gpt-oss's, DeepSeek-V4's
             yarn, rope_scaling = dict(rope_scaling), None
         pinned, llama3 = pinned_rope_scaling(rope_scaling)
         original(self, *args, rope_scaling=pinned, **kwargs)

@@ -181,6 +181,7 @@ def load_model(
     words = read_label_words(label_words)
     state = _resolve_trainable(model_dir, (checkpoint, head), (tuning_mode, pre_seq_len), num_labels, family, words)
     _check_shapes(state, config, checkpoint, model_dir)
+    _check_computed_here(kind, family, config, state, words)
     if config.pad_token_id is None:
         raise UsageError(
             "config.json has no pad_token_id; right-padded batches need one to find "
@@ -365,6 +366,20 @@ def _check_tuning(state: TrainableState, tuning_mode, pre_seq_len) -> None:
             param="pre_seq_len",
             value=pre_seq_len,
         )
+
+
+def _check_computed_here(kind, family: Family, config, state: TrainableState, words) -> None:
+    """Refuse, before any weight is read, prompts the family's blocks cannot take (DeepSeek-V4's hash routing), label
+    words whose head is not read, and a swarm for a family whose blocks only the local backend computes
+    (DeepSeek-V4's streams).
+    """
+    why = family.prompts_refusal(config, state.tuning_mode)
+    if why:
+        raise UsageError(why + ".", param="tuning_mode", value=state.tuning_mode)
+    if words and family.label_words_refusal:
+        raise UsageError(family.label_words_refusal + ".", param="label_words", value=" ".join(words))
+    if kind.on_swarm and family.swarm_refusal:
+        raise UsageError(family.swarm_refusal + ".", param="backend", value=kind.name)
 
 
 def _check_shapes(state: TrainableState, config, checkpoint: Optional[str], model_dir: str) -> None:

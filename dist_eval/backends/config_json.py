@@ -81,6 +81,8 @@ def read_as_saved(raw: dict, where: str) -> dict:
     if family is not None and family.text_prefix and isinstance(config.get("text_config"), dict):
         config = _text_model_config(config, family)
     moved = dict(config.get(READ_AS) or {})
+    if family is not None and family.rope_labels and _labelled(config.get("rope_parameters"), family):
+        moved.update(_rope_by_label(config, family.rope_labels, where))
     if "rope_parameters" in config:
         moved.update(_rope_from_parameters(config, where, family.inert_rope_keys if family else ()))
     if family is not None and family.partial_from_rotary_dim and isinstance(config.get("rotary_dim"), int) and (
@@ -141,6 +143,42 @@ def _rope_from_parameters(config: dict, where: str, inert: tuple = ()) -> dict:
     for name, value in moved.items():
         _agree(config, name, value, where, f"rope_parameters' {name}")
     return moved
+
+
+def _labelled(parameters, family) -> bool:
+    """Whether ``rope_parameters`` is keyed by the family's RoPE kinds (DeepSeek-V4's main and compress)."""
+    return isinstance(parameters, dict) and bool(parameters) and set(parameters) <= set(family.rope_labels) and all(
+        isinstance(value, dict) for value in parameters.values())
+
+
+def _rope_by_label(config: dict, labels: tuple, where: str) -> dict:
+    """Move ``rope_parameters`` keyed by RoPE kind (``main``: the sliding blocks', no scaling; ``compress``: the
+    compressed ones', maybe yarn) to ``rope_theta``, ``compress_rope_theta``, ``partial_rotary_factor`` and
+    ``rope_scaling`` (the compressed kinds'); the moved values.
+    """
+    parameters = config.pop("rope_parameters")
+    main, compress = (dict(parameters.get(label) or {}) for label in labels)
+    if rope_kind(main) not in (None, "default") or set(main) - {"rope_type", "rope_theta", "partial_rotary_factor"}:
+        raise UsageError(f"{where}: rope_parameters' {labels[0]} {json.dumps(main)} scales the sliding blocks' RoPE, "
+                         "which no block here computes (transformers 5.x's DeepSeek-V4 does not either).",
+                         param="model_dir")
+    factors = {part.get("partial_rotary_factor") for part in (main, compress)} - {None}
+    if len(factors) > 1 or "rope_theta" not in main or "rope_theta" not in compress:
+        raise UsageError(f"{where}: rope_parameters {json.dumps(parameters)} lacks a rope_theta or gives its kinds "
+                         "different partial_rotary_factor; the blocks read one of each.", param="model_dir")
+    moved = {"rope_theta": main["rope_theta"], "compress_rope_theta": compress.pop("rope_theta")}
+    if factors:
+        moved["partial_rotary_factor"] = factors.pop()
+    compress.pop("partial_rotary_factor", None)
+    moved["rope_scaling"] = compress if rope_kind(compress) not in (None, "default") else None
+    for name, value in moved.items():
+        _agree(config, name, value, where, f"rope_parameters' {name}")
+    return moved
+
+
+def rope_kind(parameters: dict):
+    """The RoPE kind of a settings object (``rope_type``, else ``type``)."""
+    return parameters.get("rope_type", parameters.get("type"))
 
 
 def _one_rope(parameters, where: str) -> dict:

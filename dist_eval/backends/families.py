@@ -54,8 +54,10 @@ forward at a time (``--in-flight`` overlaps nothing there; results are unchanged
 from __future__ import annotations
 
 import dataclasses
+import json
 import operator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Dict, Optional
 
 from dist_eval.errors import UsageError
@@ -108,7 +110,8 @@ class Family:
     # num_experts, mlp_only_layers and decoder_sparse_step say (softmax), or n_routed_experts and
     # first_k_dense_replace (sigmoid), or moe_layers / interleave_moe_layer_step (llama4); Mixtral's in
     # every block; ``latent_attention`` (DeepSeek-V3), ``llama4_attention``: those attentions;
-    # ``sparse_attention`` (GLM-5, DeepSeek-V3.2): the latent attention with DeepSeek Sparse Attention's indexer
+    # ``sparse_attention`` (GLM-5, DeepSeek-V3.2): the latent attention with DeepSeek Sparse Attention's indexer;
+    # ``hyper_connections`` (DeepSeek-V4): its own blocks, streams between them (backends.layers.HyperConnectedLayer)
     built_on: str = ""
     block_options: tuple = ()
     # config.json's keys of a sliding attention window: (the window, the switch that turns it on,
@@ -139,6 +142,9 @@ class Family:
     # config.json's rotary_dim (MiniMax-M2's release) read as partial_rotary_factor (rotary_dim / head_dim) where
     # the config gives no partial_rotary_factor, as transformers 5.x's MiniMaxM2Config does
     partial_from_rotary_dim: bool = False
+    # config.json's rope_parameters keyed by RoPE kind, not by layer type (DeepSeek-V4's main and compress):
+    # read apart (backends.config_json), the first kind's base as rope_theta, the second's as compress_rope_theta
+    rope_labels: tuple = ()
 
     @property
     def block_name(self) -> str:
@@ -157,6 +163,8 @@ class Family:
             if all(getattr(config, name, None) == value for name, value in settings):
                 shown = ", ".join(f"{name}={value}" for name, value in settings)
                 return f"{why} ({shown} in config.json)"
+        if dict(self.block_options).get("hyper_connections"):  # DeepSeek-V4's own checks, its release's weights too
+            return _hyper_connected_refusal(config, dict(self.block_options))
         if _reads_mxfp4(config, dict(self.block_options)):  # gpt-oss's MXFP4 experts, dequantized on load
             return _block_refusal(config, dict(self.block_options))
         why = _quantization_refusal(getattr(config, "quantization_config", None),
@@ -170,6 +178,39 @@ class Family:
         if self.attention_class or self.built_on:  # the block of backends.blocks
             return _block_refusal(config, dict(self.block_options))
         return ""
+
+    def prompts_refusal(self, config, tuning_mode: Optional[str]) -> str:
+        """Why this config cannot compute ``tuning_mode``'s prompts ('' when it can): DeepSeek-V4's hash-routed
+        blocks route each position by its token id, which a prompt position has not; its blocks pass hc_mult
+        streams, to which a deep prompt of one hidden state's width does not add.
+        """
+        if not tuning_mode or not dict(self.block_options).get("hyper_connections"):
+            return ""
+        if tuning_mode == "deep_ptune":
+            return (f"deep_ptune on {self.model_type}: its blocks pass hc_mult ({config.hc_mult}) streams of "
+                    "hidden_size, to which a deep prompt of hidden_size does not add; use ptune or no prompts")
+        hashed = [i for i, kind in enumerate(v4_mlp_types(config)) if kind == "hash_moe"]
+        if hashed:
+            return (f"ptune on {self.model_type}: blocks {hashed} route each position by its token id "
+                    "(mlp_layer_types hash_moe, tid2eid), and a prompt position has no token; use no prompts "
+                    "(--head alone)")
+        return ""
+
+    @property
+    def label_words_refusal(self) -> str:
+        """Why label words are not scored for this family ('' when they are): DeepSeek-V4's language-model head."""
+        if not dict(self.block_options).get("hyper_connections"):
+            return ""
+        return (f"label words on {self.model_type}: its language-model head (head.weight, as the release and "
+                "transformers 5.x save it) is not read here yet; train a head and pass it with --head")
+
+    @property
+    def swarm_refusal(self) -> str:
+        """Why the swarm does not compute this family ('' when it does): DeepSeek-V4's blocks, the local backend's."""
+        if not dict(self.block_options).get("hyper_connections"):
+            return ""
+        return (f"{self.model_type} is computed by --backend local alone: the servers dist_eval starts do not pass its "
+                "hc_mult streams and hash routing's token ids between blocks yet; use --backend local")
 
     def attention_window(self, config) -> int:
         """The sliding attention window of this config in positions (0: none, or not on); with blocks that
@@ -232,7 +273,6 @@ NOT_COMPUTED = {
     "gemma": "scaled embeddings and GeGLU blocks", "gemma2": "soft-capped, alternating sliding attention",
     "gemma3": "soft-capped, alternating sliding attention", "phi3": "fused projections and longrope",
     "glm5_next": "linear-attention layers beside full attention",
-    "deepseek_v4": "compressed sparse attention and hyper-connections (a widened residual stream)",
     "llama4": ("multimodal layout (a vision tower, the text model under language_model.: save that text model "
                "alone, Llama4ForConditionalGeneration's .language_model.save_pretrained(DIR), model_type "
                "llama4_text, which works)"),
@@ -257,6 +297,64 @@ def indexer_types(config, shared: bool) -> list:
         return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
     freq, offset = max(read("index_topk_freq", 1), 1), read("index_skip_topk_offset", 2)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(read("num_hidden_layers"))]
+
+
+V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+V4_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}  # transformers 5.x's
+_V4_RATIO_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+def v4_layer_types(config) -> list:
+    """Each block's attention of a DeepSeek-V4 config, as transformers 5.x's DeepseekV4Config derives it:
+    config.json's ``layer_types``, else its per-block ``compress_ratios`` (0, 4, 128), else two heavily compressed
+    blocks then compressed sparse and heavily compressed ones in turn.
+    """
+    count = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    ratios = getattr(config, "compress_ratios", None)
+    if types is None and ratios is not None:
+        types = [_V4_RATIO_TYPES.get(ratio, f"compress ratio {ratio}") for ratio in ratios]
+    if types is None:
+        types = ["heavily_compressed_attention"] * min(count, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+            for i in range(max(count - 2, 0))]
+    return list(types)[:count]
+
+
+def v4_mlp_types(config) -> list:
+    """Each block's mixture of a DeepSeek-V4 config (``hash_moe``: routed by token id; ``moe``): config.json's
+    ``mlp_layer_types``, else the first ``num_hash_layers`` (3) hash-routed (transformers 5.x's rule).
+    """
+    count = config.num_hidden_layers
+    types = getattr(config, "mlp_layer_types", None)
+    if types is None:
+        hashed = getattr(config, "num_hash_layers", None)
+        hashed = 3 if hashed is None else hashed
+        types = ["hash_moe"] * min(count, hashed) + ["moe"] * max(0, count - hashed)
+    return list(types)[:count]
+
+
+def v4_compress_rate(config, kind: str) -> int:
+    """Positions per compressed entry of attention ``kind``: config.json's ``compress_rates``, else its
+    ``compress_rate_csa`` / ``compress_rate_hca``, else transformers 5.x's defaults (4, 128).
+    """
+    rates = dict(V4_COMPRESS_RATES)
+    rates.update(getattr(config, "compress_rates", None) or {})
+    legacy = {"compressed_sparse_attention": "compress_rate_csa", "heavily_compressed_attention": "compress_rate_hca"}
+    if getattr(config, legacy[kind], None) is not None:
+        rates[kind] = getattr(config, legacy[kind])
+    return int(rates[kind])
+
+
+def v4_rope_dim(config) -> int:
+    """The values of each head that rotate (the last ones): ``head_dim`` times ``partial_rotary_factor``, else
+    config.json's ``qk_rope_head_dim``, else 64 / 512 of it (transformers 5.x's rule).
+    """
+    factor = getattr(config, "partial_rotary_factor", None)
+    if factor is None:
+        legacy = getattr(config, "qk_rope_head_dim", None)
+        factor = legacy / config.head_dim if legacy is not None else 64 / 512
+    return int(config.head_dim * factor)
 
 
 def rope_type(rope_scaling) -> Optional[str]:
@@ -314,6 +412,51 @@ def _block_refusal(config, options: dict) -> str:
         return f"partial_rotary_factor {factor} in config.json is not in (0, 1]; no head rotates that share"
     if options.get("mixture_of_experts"):
         return _experts_refusal(config, options["mixture_of_experts"])
+    return ""
+
+
+def _hyper_connected_refusal(config, options: dict) -> str:
+    """What in a DeepSeek-V4 config the blocks do not compute ('' when nothing); a key config.json leaves out has
+    the family's default (``options``).
+    """
+    def read(key):
+        return getattr(config, key, options.get(key))
+
+    quantization = read("quantization_config")
+    if quantization:
+        shown = {key: quantization.get(key) for key in ("quant_method", "fmt", "expert_dtype", "scale_fmt")
+                 if isinstance(quantization, dict) and quantization.get(key) is not None}
+        return (f"quantization_config {json.dumps(shown)} in config.json (DeepSeek-V4's release: FP8 e4m3 tiles and "
+                "FP4 experts) is not read for deepseek_v4 here; save the model dequantized (bf16 or float32)")
+    kind = rope_type(read("rope_scaling"))
+    if kind not in (None, "default", "yarn"):
+        return f"rope_scaling of rope_type {kind!r} in config.json is not computed here (computed: default, yarn)"
+    if read("scoring_func") != "sqrtsoftplus":
+        return f"scoring_func {read('scoring_func')!r} in config.json is not computed here (the router's: sqrtsoftplus)"
+    layers = read("num_hidden_layers")
+    types, mlp = v4_layer_types(config), v4_mlp_types(config)
+    if len(types) != layers or not set(types) <= set(V4_LAYER_TYPES):
+        return (f"layer_types {types} in config.json is not one of {', '.join(V4_LAYER_TYPES)} for each of {layers} "
+                "blocks")
+    if len(mlp) != layers or not set(mlp) <= {"hash_moe", "moe"}:
+        return f"mlp_layer_types {mlp} in config.json is not hash_moe or moe for each of the {layers} blocks"
+    for key in ("attention_bias", "mlp_bias"):
+        if read(key):
+            return f"{key}: true in config.json (biases this block does not have) is not computed here"
+    if read("hidden_act") != "silu":
+        return f"hidden_act {read('hidden_act')!r} in config.json is not computed here (the experts': silu)"
+    heads, head_dim, groups = read("num_attention_heads"), read("head_dim"), read("o_groups")
+    if not groups or (heads * head_dim) % groups:
+        return (f"o_groups {groups} in config.json does not split the {heads} heads of {head_dim} values into equal "
+                "groups (the grouped output projection)")
+    rope_dim = v4_rope_dim(SimpleNamespace(head_dim=head_dim, partial_rotary_factor=read("partial_rotary_factor"),
+                                           qk_rope_head_dim=read("qk_rope_head_dim")))
+    if read("index_head_dim") < rope_dim or rope_dim % 2:
+        return (f"index_head_dim {read('index_head_dim')} in config.json is below the {rope_dim} values of each head "
+                "that rotate, or those are odd")
+    experts, chosen = read("n_routed_experts"), read("num_experts_per_tok")
+    if not experts or not 0 < chosen <= experts:
+        return f"num_experts_per_tok {chosen} in config.json is not between 1 and n_routed_experts ({experts})"
     return ""
 
 
@@ -706,6 +849,28 @@ FAMILIES["deepseek_v32"] = _built_on_llama(
     "deepseek_v32", "DeepseekV32", layer_types=("indexed_attention",), block_options=DEEPSEEK_V3_OPTIONS + (
         ("sparse_attention", True), ("index_topk", 2048), ("index_head_dim", 128), ("index_n_heads", 64),
         ("indexer_rope_interleave", False), ("masked_group_score", "-inf")))
+
+
+# DeepSeek-V4-Flash / Pro (deepseek_v4: 284B-A13B, 1.6T-A49B), unquantized (the release's FP8 + FP4 refused):
+# dist_eval's layers under the release's names (backends.layers.HyperConnectedLayer): hc_mult residual streams
+# between blocks, mixed by each block's hyper-connections and collapsed by hc_head before the final norm; the
+# attention of each block's layer_types (a window of sliding_window positions; compressed sparse: a compressor's
+# entries every compress_rates positions chosen by an indexer, index_topk of them; heavily compressed: every
+# entry), one key that is also the value, RoPE on the last values of each head (yarn on the compressed kinds), a
+# sink logit per head, a grouped output projection; a mixture with sqrt-softplus scores, chosen by tid2eid[token
+# id] on the hash_moe blocks (no prompts there), clamped SwiGLU experts and a shared expert. The local backend
+# alone: the swarm's servers do not carry the streams and token ids yet. The options' values are transformers
+# 5.x's DeepseekV4Config defaults
+FAMILIES["deepseek_v4"] = _built_on_llama(
+    "deepseek_v4", "DeepseekV4", layer_types=V4_LAYER_TYPES, rope_labels=("main", "compress"), embeds_on_server=False,
+    frozen=("embed_tokens", "layers", "norm", "hc_head"),
+    block_options=(
+        ("own_layers", True), ("hyper_connections", True), ("head_dim", 512), ("q_lora_rank", 1024),
+        ("hc_mult", 4), ("hc_sinkhorn_iters", 20), ("hc_eps", 1e-6), ("sliding_window", 128), ("o_groups", 8),
+        ("o_lora_rank", 1024), ("index_n_heads", 64), ("index_head_dim", 128), ("index_topk", 512),
+        ("compress_rope_theta", 160000.0), ("swiglu_limit", 10.0), ("routed_scaling_factor", 1.5),
+        ("n_routed_experts", 256), ("n_shared_experts", 1), ("num_experts_per_tok", 6), ("moe_intermediate_size", 2048),
+        ("scoring_func", "sqrtsoftplus"), ("norm_topk_prob", True)))
 
 
 def tokenizers_calling_the_base() -> frozenset:

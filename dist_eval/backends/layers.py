@@ -1,7 +1,14 @@
 """The block parts dist_eval computes itself, in plain torch, for the families whose block the
 pinned transformers (4.33) has no class for: those with the block option ``own_layers`` in the
 family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5, Mixtral, DeepSeek-V3,
-Llama 4, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2, gpt-oss, GLM-5 and DeepSeek-V3.2).
+Llama 4, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2, gpt-oss, GLM-5, DeepSeek-V3.2 and DeepSeek-V4).
+
+- DeepSeek-V4 (the block option ``hyper_connections``): :class:`HyperConnectedLayer` under the release's names,
+  ``hc_mult`` streams between blocks ([batch, positions, hc_mult x hidden], flat), made from the embeddings on the
+  backbone's entry and collapsed by :class:`HyperHead` in its final norm (:func:`build_hyper_connected`);
+  :class:`V4Attention` (sliding, compressed sparse with :class:`V4Indexer`, heavily compressed: :class:`V4Compressor`),
+  :class:`V4MoeMLP` (hash-routed blocks read the rows' token ids from :data:`ROW_TOKEN_IDS`). The local backend
+  alone computes it (the servers' blocks are not built for it: ``Family.swarm_refusal``).
 
 - Qwen3.5's hybrid (the block option ``gated_delta_net``): by ``layer_types`` (:func:`layer_type`) a
   :class:`GatedDeltaNet` block (linear attention: :func:`gated_delta_rule` over the whole row) or a
@@ -92,7 +99,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from dist_eval.backends.families import indexer_types
+from dist_eval.backends.families import indexer_types, v4_compress_rate, v4_layer_types, v4_mlp_types, v4_rope_dim
 from dist_eval.backends.rope import llama3_inv_freq, rescale_rope
 
 # the block option ``mixture_of_experts`` of a family whose router is GLM-4.5's, and of Mixtral (its
@@ -1374,6 +1381,457 @@ def _dequantize_int4_on_load(group: int, state_dict: dict, prefix: str, *args) -
     dequantize_int4(state_dict, group, prefix, where=prefix + "*")
 
 
+# ---------------------------------------------------------------- DeepSeek-V4 (the block option hyper_connections)
+
+# the token ids of the rows being computed ([batch, positions], no prompt positions), for DeepSeek-V4's hash-routed
+# mixtures (tid2eid[token id]); set around a forward by the local backend (None: not known)
+ROW_TOKEN_IDS: contextvars.ContextVar = contextvars.ContextVar("dist_eval_row_token_ids", default=None)
+def v4_rope(config, compressed: bool) -> tuple:
+    """(inverse frequencies [rope_dim / 2], the factor on cos and sin) of DeepSeek-V4's RoPE: ``main`` (the sliding
+    blocks: ``rope_theta``, no scaling) or ``compress`` (the compressed blocks, their compressors and indexers:
+    ``compress_rope_theta``, yarn where config.json's rope scaling says, its cos/sin factor 1 unless it names one,
+    the correction range always truncated: transformers 5.23 reads ``truncate`` from the outer rope_parameters).
+    """
+    from types import SimpleNamespace
+
+    yarn = getattr(config, "rope_yarn", None) if compressed else None
+    if yarn:
+        yarn = {**yarn, "truncate": True, "attention_factor": yarn.get("attention_factor", 1.0)}
+    base = getattr(config, "compress_rope_theta", 160000.0) if compressed else config.rope_theta
+    rule = SimpleNamespace(qk_rope_head_dim=v4_rope_dim(config), qk_nope_head_dim=0, rope_theta=base, rope_yarn=yarn,
+                           max_position_embeddings=config.max_position_embeddings)
+    inv_freq, factor, _ = latent_rope(rule)
+    return inv_freq, factor
+
+
+def v4_cos_sin(inv_freq: torch.Tensor, factor: float, positions: torch.Tensor, dtype) -> tuple:
+    """Cos and sin [batch, positions, rope_dim / 2] (one per interleaved pair), as transformers 5.x's
+    DeepseekV4RotaryEmbedding: float32 angles, times the factor, in ``dtype``.
+    """
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)
+    return (freqs.cos() * factor).to(dtype), (freqs.sin() * factor).to(dtype)
+
+
+def v4_rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the last ``2 * cos.shape[-1]`` values of ``states`` [batch, heads, positions, dim] in interleaved pairs
+    (cos, sin [batch, positions, rope_dim / 2]), the others as they are: transformers 5.x's apply_rotary_pos_emb.
+    """
+    cos = cos.repeat_interleave(2, dim=-1).unsqueeze(1)
+    sin = sin.repeat_interleave(2, dim=-1).unsqueeze(1)
+    rope_dim = cos.shape[-1]
+    passed, rope = states[..., :-rope_dim], states[..., -rope_dim:]
+    pairs = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    rotated = ((rope.float() * cos) + (pairs.float() * sin)).to(states.dtype)
+    return torch.cat([passed, rotated], dim=-1)
+
+
+def _unweighted_rms(states: torch.Tensor, eps: float) -> torch.Tensor:
+    return states * torch.rsqrt(states.float().square().mean(-1, keepdim=True) + eps).to(states.dtype)
+
+
+class V4RMSNorm(nn.Module):
+    """DeepSeek-V4's RMSNorm: float32 statistics, the weight times the normed values, then the input's dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        normed = states.to(torch.float32)
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * normed).to(states.dtype)
+
+
+class V4Compressor(nn.Module):
+    """A DeepSeek-V4 compressor (``attn.compressor``, ``attn.indexer.compressor``): every ``rate`` positions one
+    entry of ``dim`` values, the softmax over the window of ``wgate``'s logits plus ``ape`` weighting ``wkv``'s
+    values, normed (``norm``), RoPE at the window's first position. ``overlap`` (compressed sparse attention): the
+    projections are twice as wide, each entry also weighing the previous window's first halves (transformers 5.x's
+    Ca / Cb series); no cache: the first window has no previous one.
+    """
+
+    def __init__(self, config, rate: int, dim: int, overlap: bool):
+        super().__init__()
+        self.rate, self.dim, self.overlap = rate, dim, overlap
+        width = 2 * dim if overlap else dim
+        self.wkv = nn.Linear(config.hidden_size, width, bias=False)
+        self.wgate = nn.Linear(config.hidden_size, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(rate, width))
+        self.norm = V4RMSNorm(dim, config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, rope: tuple) -> torch.Tensor:
+        """[batch, entries, dim]: one entry per whole window of the row (none for a shorter row)."""
+        bsz, positions, _ = hidden_states.shape
+        windows = positions // self.rate
+        if windows == 0:
+            return hidden_states.new_zeros((bsz, 0, self.dim))
+        usable = windows * self.rate
+        kv = self.wkv(hidden_states)[:, :usable].view(bsz, windows, self.rate, -1)
+        gate = self.wgate(hidden_states)[:, :usable].view(bsz, windows, self.rate, -1) + self.ape
+        if self.overlap:
+            kv, gate = self._with_previous(kv, gate)
+        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
+        compressed = self.norm((kv * weights).sum(dim=2))
+        starts = (torch.arange(windows, device=compressed.device) * self.rate).unsqueeze(0).expand(bsz, -1)
+        cos, sin = v4_cos_sin(*rope, starts, compressed.dtype)
+        return v4_rotate(compressed.unsqueeze(1), cos, sin).squeeze(1)
+
+    def _with_previous(self, kv: torch.Tensor, gate: torch.Tensor) -> tuple:
+        """[batch, windows, 2 x rate, dim]: each window's second halves after the previous window's first halves
+        (the first window's: values 0, logits -inf, weight 0).
+        """
+        bsz, windows, rate, _ = kv.shape
+        wide_kv = kv.new_zeros((bsz, windows, 2 * rate, self.dim))
+        wide_gate = gate.new_full((bsz, windows, 2 * rate, self.dim), float("-inf"))
+        wide_kv[:, :, rate:], wide_gate[:, :, rate:] = kv[..., self.dim:], gate[..., self.dim:]
+        if windows > 1:
+            wide_kv[:, 1:, :rate], wide_gate[:, 1:, :rate] = kv[:, :-1, :, :self.dim], gate[:, :-1, :, :self.dim]
+        return wide_kv, wide_gate
+
+
+class V4Indexer(nn.Module):
+    """DeepSeek-V4's lightning indexer (``attn.indexer``): its own compressor of ``index_head_dim`` values, per
+    query ``index_n_heads`` heads from the query latent (``wq_b``, RoPE at the compress frequencies); an entry's
+    score: the sum over heads of ``weights_proj``'s weight (times heads ** -0.5) times ReLU of the head's product
+    (times index_head_dim ** -0.5), in float32. Each query keeps its ``index_topk`` best entries among those whose
+    window ended at or before it (:func:`kept_keys`: ties at the bound keep the earlier).
+    """
+
+    def __init__(self, config, rate: int):
+        super().__init__()
+        self.heads, self.dim, self.index_topk, self.rate = (config.index_n_heads, config.index_head_dim,
+                                                            config.index_topk, rate)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.heads * self.dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.heads, bias=False)
+        self.compressor = V4Compressor(config, rate, self.dim, overlap=True)
+
+    def forward(self, hidden_states: torch.Tensor, q_latent: torch.Tensor, rope: tuple,
+                position_ids: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """[batch, queries, entries] bool: the entries each query keeps (``visible``: those it may see)."""
+        bsz, positions, _ = hidden_states.shape
+        entries = self.compressor(hidden_states, rope)
+        if entries.shape[1] <= self.index_topk:
+            return visible
+        cos, sin = v4_cos_sin(*rope, position_ids.expand(bsz, -1), hidden_states.dtype)
+        query = self.wq_b(q_latent).view(bsz, positions, -1, self.dim).transpose(1, 2)
+        query = v4_rotate(query, cos, sin).transpose(1, 2)  # [batch, positions, heads, dim]
+        dots = torch.matmul(query.float(), entries.transpose(-1, -2).float().unsqueeze(1))
+        dots = F.relu(dots) * self.dim ** -0.5
+        weights = self.weights_proj(hidden_states).float() * self.heads ** -0.5
+        scores = (dots * weights.unsqueeze(-1)).sum(dim=2).masked_fill(~visible, float("-inf"))
+        return kept_keys(scores, self.index_topk) & visible
+
+
+class V4Attention(nn.Module):
+    """DeepSeek-V4's attention (``attn.*``): q from a latent (``wq_a``, its norm ``q_norm``, ``wq_b``, then each
+    head RMS-normed without weight), one key that is also the value (``wkv``, ``norm``), RoPE on the last values of
+    each head (interleaved pairs; :func:`v4_rope`: ``main`` on sliding blocks, ``compress`` on the others), a
+    window of ``sliding_window`` positions, a learned sink logit per head (``attn_sink``); compressed blocks also
+    attend to their compressor's entries (``compressor``: heavily compressed, every one whose window ended at or
+    before the query; compressed sparse, the ``index_topk`` its ``indexer`` keeps); the output's rope values
+    rotated back to the query's position, then the grouped projection (``wo_a``: ``o_groups`` blocks of heads,
+    each to ``o_lora_rank``) and ``wo_b``. transformers 5.x's eager computation, in its order, for a whole row.
+    """
+
+    def __init__(self, config, index: int):
+        super().__init__()
+        self.kind = v4_layer_types(config)[index]
+        self.heads, self.head_dim, self.window = config.num_attention_heads, config.head_dim, config.sliding_window
+        self.groups, self.eps = config.o_groups, config.rms_norm_eps
+        self.wq_a = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_norm = V4RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.norm = V4RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.wo_a = nn.Linear(self.heads * self.head_dim // self.groups, self.groups * config.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(self.groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.heads))
+        compressed = self.kind != "sliding_attention"
+        # float32, kept out of the module's buffers: a server's .to(bfloat16) leaves the frequencies as they are
+        self.rope = v4_rope(config, compressed)
+        self.rate = v4_compress_rate(config, self.kind) if compressed else 0
+        sparse = self.kind == "compressed_sparse_attention"
+        self.compressor = V4Compressor(config, self.rate, self.head_dim, overlap=sparse) if compressed else None
+        self.indexer = V4Indexer(config, self.rate) if sparse else None
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor) -> torch.Tensor:
+        bsz, positions, _ = hidden_states.shape
+        position_ids = position_ids.expand(bsz, -1)
+        cos, sin = v4_cos_sin(*self.rope, position_ids, hidden_states.dtype)
+        q_latent = self.q_norm(self.wq_a(hidden_states))
+        query = self.wq_b(q_latent).view(bsz, positions, -1, self.head_dim).transpose(1, 2)
+        query = v4_rotate(_unweighted_rms(query, self.eps), cos, sin)
+        kv = self.norm(self.wkv(hidden_states)).view(bsz, positions, 1, self.head_dim).transpose(1, 2)
+        kv = v4_rotate(kv, cos, sin)
+        mask = attention_mask.masked_fill(self._outside_window(position_ids, positions),
+                                          torch.finfo(attention_mask.dtype).min)
+        if self.compressor is not None:
+            entries, bias = self._compressed(hidden_states, q_latent, position_ids)
+            kv, mask = torch.cat([kv, entries.unsqueeze(1)], dim=2), torch.cat([mask, bias.to(mask.dtype)], dim=-1)
+        keys = repeat_kv(kv, self.heads)
+        weights = torch.matmul(query, keys.transpose(2, 3)) * self.head_dim ** -0.5 + mask
+        sinks = self.attn_sink.reshape(1, -1, 1, 1).expand(bsz, -1, positions, -1).to(weights.dtype)
+        logits = torch.cat([weights, sinks], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values  # as transformers (its guard for bf16)
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)  # the sink dropped
+        output = torch.matmul(probs, keys).transpose(1, 2)  # [batch, positions, heads, head_dim]
+        output = v4_rotate(output.transpose(1, 2), cos, -sin).transpose(1, 2)
+        return self.wo_b(self._grouped(output.reshape(bsz, positions, self.groups, -1)).flatten(2))
+
+    def _grouped(self, groups: torch.Tensor) -> torch.Tensor:
+        """``wo_a`` block-diagonal over the groups ([batch, positions, groups, width] -> [..., groups, o_lora_rank]),
+        as transformers 5.x's DeepseekV4GroupedLinear (one batched product).
+        """
+        width = groups.shape[-1]
+        weight = self.wo_a.weight.view(self.groups, -1, width).transpose(1, 2)
+        flat = groups.reshape(-1, self.groups, width).transpose(0, 1)
+        return torch.bmm(flat, weight).transpose(0, 1).reshape(*groups.shape[:-2], self.groups, -1)
+
+    def _outside_window(self, position_ids: torch.Tensor, keys: int) -> torch.Tensor:
+        """[batch, 1, queries, keys]: true where a key is at or before the query's position - window."""
+        key_positions = torch.arange(keys, device=position_ids.device)
+        return (key_positions[None, None, :] <= position_ids[:, :, None] - self.window).unsqueeze(1)
+
+    def _compressed(self, hidden_states: torch.Tensor, q_latent: torch.Tensor, position_ids: torch.Tensor) -> tuple:
+        """(the compressor's entries [batch, entries, head_dim], their bias [batch, 1, queries, entries]: 0 where the
+        query sees the entry, -inf elsewhere): a query sees an entry whose window ended at or before it, in a
+        compressed sparse block only those its indexer keeps.
+        """
+        entries = self.compressor(hidden_states, self.rope)
+        count = entries.shape[1]
+        visible = torch.arange(count, device=entries.device)[None, None, :] < (
+            (position_ids + 1) // self.rate)[:, :, None]
+        if self.indexer is not None and count:
+            visible = self.indexer(hidden_states, q_latent, self.rope, position_ids, visible)
+        bias = torch.zeros(visible.shape, dtype=entries.dtype, device=entries.device)
+        return entries, bias.masked_fill(~visible, float("-inf")).unsqueeze(1)
+
+
+class V4Expert(nn.Module):
+    """A DeepSeek-V4 expert (``w1`` gate, ``w3`` up, ``w2`` down): ``w2(silu(gate) * up)``, the gate clamped above
+    and up within +-``swiglu_limit`` (the shared expert too).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        inner = config.moe_intermediate_size
+        self.w1 = nn.Linear(config.hidden_size, inner, bias=False)
+        self.w3 = nn.Linear(config.hidden_size, inner, bias=False)
+        self.w2 = nn.Linear(inner, config.hidden_size, bias=False)
+        self.limit = config.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).clamp(max=self.limit)
+        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
+        return self.w2(F.silu(gate) * up)
+
+
+class V4Router(nn.Module):
+    """DeepSeek-V4's router (``ffn.gate``): scores sqrt(softplus(logits)); the experts chosen by the best scores
+    plus ``bias`` (the correction, for the choice alone), or, hash-routed, by ``tid2eid[token id]``; the chosen
+    scores renormalised, times ``routed_scaling_factor``.
+    """
+
+    def __init__(self, config, hashed: bool):
+        super().__init__()
+        self.top_k, self.hashed = config.num_experts_per_tok, hashed
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size).normal_(0.0, 0.02))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, tokens: torch.Tensor) -> tuple:
+        """(chosen experts [tokens, top_k], their weights) of ``tokens`` [tokens, hidden]."""
+        logits = _rows(functools.partial(F.linear, weight=self.weight), tokens)
+        scores = _whole_steps(lambda x: F.softplus(x).sqrt(), logits)
+        if self.hashed:
+            chosen = self.tid2eid[_token_ids(tokens.shape[0], tokens.device)].long()
+        else:
+            chosen = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, chosen)
+        return chosen, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+
+
+def _token_ids(count: int, device) -> torch.Tensor:
+    """The flat token ids of the rows being computed (:data:`ROW_TOKEN_IDS`), ``count`` of them."""
+    ids = ROW_TOKEN_IDS.get()
+    if ids is None or ids.numel() != count:
+        found = "none" if ids is None else f"{ids.numel()}"
+        raise ValueError(f"a hash-routed block (mlp_layer_types hash_moe) routes each position by its token id; "
+                         f"{count} positions, token ids known: {found} (a prompt position has no token id)")
+    return ids.reshape(-1).to(device)
+
+
+class V4MoeMLP(nn.Module):
+    """DeepSeek-V4's mixture (``ffn.*``): :class:`V4Router`, ``n_routed_experts`` :class:`V4Expert` summed with
+    their weights (in the experts' order), plus the shared expert (``shared_experts``) every token goes through.
+    """
+
+    def __init__(self, config, index: int):
+        super().__init__()
+        self.gate = V4Router(config, v4_mlp_types(config)[index] == "hash_moe")
+        self.experts = nn.ModuleList(V4Expert(config) for _ in range(config.n_routed_experts))
+        self.shared_experts = V4Expert(config)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        chosen, weights = self.gate(tokens)
+        routed = torch.zeros_like(tokens)
+        for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
+            token, slot = torch.where(chosen == expert)
+            routed.index_add_(0, token, (_rows(self.experts[expert], tokens[token]) * weights[token, slot, None])
+                              .to(routed.dtype))
+        return (routed + _rows(self.shared_experts, tokens)).view(hidden_states.shape)
+
+
+def hyper_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, config) -> tuple:
+    """(post [batch, positions, hc], comb [..., hc, hc], the collapsed input [batch, positions, hidden]) of
+    DeepSeek-V4's hyper-connection on ``streams`` [batch, positions, hc, hidden] (transformers 5.x's
+    DeepseekV4HyperConnection: a projection of the normed streams, sigmoids for pre and post, a softmax made
+    doubly stochastic by ``hc_sinkhorn_iters`` Sinkhorn steps for comb).
+    """
+    bsz, positions, hc, _ = streams.shape
+    eps = config.hc_eps
+    flat = _unweighted_rms(streams.reshape(bsz, positions, -1).float(), config.rms_norm_eps)
+    mixed = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mixed.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+    pre_scale, post_scale, comb_scale = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+    comb = torch.softmax(comb_w.view(bsz, positions, hc, hc) * comb_scale + comb_b.view(hc, hc), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(config.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+
+
+class HyperConnectedLayer(nn.Module):
+    """DeepSeek-V4's block ``index`` under its release's names: the hidden state between blocks is ``hc_mult``
+    streams, [batch, positions, hc_mult x hidden] (flat, as the blocks pass it); the attention (``attn``, after
+    ``attn_norm``) and the mixture (``ffn``, after ``ffn_norm``) each read the streams collapsed by their
+    hyper-connection (``hc_attn_*``, ``hc_ffn_*``) and add their output to each stream (post) beside the streams
+    mixed (comb), transformers 5.x's DeepseekV4DecoderLayer.
+    """
+
+    def __init__(self, config, index: int):
+        super().__init__()
+        self.config, self.index, self.hc = config, index, config.hc_mult
+        self.attn_norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = V4Attention(config, index)
+        self.ffn_norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn = V4MoeMLP(config, index)
+        width = (2 + self.hc) * self.hc
+        for name in ("attn", "ffn"):
+            setattr(self, f"hc_{name}_fn", nn.Parameter(torch.zeros(width, self.hc * config.hidden_size)))
+            setattr(self, f"hc_{name}_base", nn.Parameter(torch.zeros(width)))
+            setattr(self, f"hc_{name}_scale", nn.Parameter(torch.ones(3)))
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_value: Optional[tuple] = None,
+                output_attentions: bool = False, use_cache: bool = False, **kwargs) -> tuple:
+        bsz, positions, width = hidden_states.shape
+        streams = hidden_states.view(bsz, positions, self.hc, width // self.hc)
+        if position_ids is None:
+            position_ids = torch.arange(positions, device=hidden_states.device)[None]
+        if attention_mask is None:
+            attention_mask = torch.full((positions, positions), torch.finfo(hidden_states.dtype).min,
+                                        dtype=hidden_states.dtype, device=hidden_states.device).triu(1)[None, None]
+        post, comb, collapsed = hyper_weights(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                                              self.config)
+        output = self.attn(self.attn_norm(collapsed), attention_mask, position_ids)
+        streams = self._added(streams, output, post, comb)
+        post, comb, collapsed = hyper_weights(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                                              self.config)
+        streams = self._added(streams, self.ffn(self.ffn_norm(collapsed)), post, comb)
+        # the pinned LlamaModel's layer outputs: no attention weights, no cache (a whole row in one pass)
+        return (streams.reshape(bsz, positions, width),) + (None,) * (bool(output_attentions) + bool(use_cache))
+
+    @staticmethod
+    def _added(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
+                                                                                  streams)
+
+
+class HyperHead(nn.Module):
+    """DeepSeek-V4's last collapse of the streams (``hc_head``), before the final norm."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.hc, self.eps, self.norm_eps = config.hc_mult, config.hc_eps, config.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.zeros(self.hc, self.hc * config.hidden_size))
+        self.hc_base = nn.Parameter(torch.zeros(self.hc))
+        self.hc_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = _unweighted_rms(streams.flatten(2).float(), self.norm_eps)
+        mixes = F.linear(flat, self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+
+
+class HyperHeadNorm(V4RMSNorm):
+    """The backbone's final norm of DeepSeek-V4 (``norm``): the streams [batch, positions, hc x hidden] collapsed by
+    ``hc_head`` (the backbone's, held here unregistered), then normed.
+    """
+
+    def __init__(self, config, head: HyperHead):
+        super().__init__(config.hidden_size, config.rms_norm_eps)
+        object.__setattr__(self, "head", head)  # registered on the backbone (model.hc_head.*), not here
+        self.hc = config.hc_mult
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        streams = hidden_states.view(*hidden_states.shape[:-1], self.hc, -1)
+        return super().forward(self.head(streams))
+
+
+def expand_streams(hidden_states: torch.Tensor, hc: int) -> torch.Tensor:
+    """[batch, positions, hidden] -> the hc_mult streams, each a copy, flat [batch, positions, hc x hidden]."""
+    return hidden_states.unsqueeze(2).expand(-1, -1, hc, -1).reshape(*hidden_states.shape[:2], -1)
+
+
+def _streams_on_entry(backbone, args: tuple, kwargs: dict) -> tuple:
+    """The backbone's pre-hook (DeepSeek-V4): its input embeddings as hc_mult streams; called with token ids
+    (transformers' own classes' forward), those ids are also the rows' for hash routing (:data:`ROW_TOKEN_IDS`, until
+    :func:`_streams_done`).
+    """
+    config = backbone.config
+    input_ids = args[0] if args else kwargs.get("input_ids")
+    embeds, token = kwargs.get("inputs_embeds"), None
+    if input_ids is not None and embeds is None:
+        args, embeds = args[1:], backbone.embed_tokens(input_ids)
+        kwargs["input_ids"], token = None, ROW_TOKEN_IDS.set(input_ids)
+    backbone.dist_eval_token_ids.append(token)
+    if embeds is not None and embeds.shape[-1] == config.hidden_size:
+        kwargs["inputs_embeds"] = expand_streams(embeds, config.hc_mult)
+    return args, kwargs
+
+
+def _streams_done(backbone, args: tuple, kwargs: dict, output) -> None:
+    """The backbone's forward hook (DeepSeek-V4): the token ids its pre-hook set, reset."""
+    token = backbone.dist_eval_token_ids.pop()
+    if token is not None:
+        ROW_TOKEN_IDS.reset(token)
+
+
+def build_hyper_connected(backbone, config) -> None:
+    """A Llama backbone (no layers yet) as DeepSeek-V4's: its layers, hc_head, final norm, and the streams made on
+    entry.
+    """
+    backbone.layers = nn.ModuleList(HyperConnectedLayer(config, i) for i in range(config.num_hidden_layers))
+    backbone.hc_head = HyperHead(config)
+    backbone.norm = HyperHeadNorm(config, backbone.hc_head)
+    backbone.dist_eval_token_ids = []  # per forward in progress, the ROW_TOKEN_IDS token its pre-hook set (or None)
+    backbone.register_forward_pre_hook(_streams_on_entry, with_kwargs=True)
+    backbone.register_forward_hook(_streams_done, with_kwargs=True)
+
+
 class OwnDecoderLayer(LlamaDecoderLayer):
     """Block ``layer_idx`` of ``--backend local``: the pinned Llama layer's forward, these parts."""
 
@@ -1394,6 +1852,10 @@ def own_layers_init(base: type):
             base.__init__(self, config, *args, **kwargs)
         finally:
             config.num_hidden_layers = count
+        if getattr(config, "hyper_connections", False):  # DeepSeek-V4: streams between blocks
+            build_hyper_connected(self.base_model, config)
+            self.post_init()
+            return
         self.base_model.layers = nn.ModuleList(OwnDecoderLayer(config, i) for i in range(count))
         norm = own_final_norm(config)
         if norm is not None:

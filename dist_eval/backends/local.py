@@ -112,9 +112,14 @@ class PromptTunedClassifier(Backend):
             inter = self.intermediate_prompt_embeddings.weight.unsqueeze(0).expand(batch_size, -1, -1)
             inter = inter.reshape(batch_size, self.pre_seq_len, config.num_hidden_layers, config.hidden_size)
             self._intermediate.value = inter.permute([2, 0, 1, 3]).to(inputs_embeds.dtype)
+        from dist_eval.backends.layers import ROW_TOKEN_IDS
+
+        # the rows' token ids, for blocks that route by them (DeepSeek-V4's hash_moe); none with prompts before them
+        ids = ROW_TOKEN_IDS.set(None if self.pre_seq_len else input_ids)
         try:
             hidden = self.family.final_hidden(self.hf_model, inputs_embeds)
         finally:
+            ROW_TOKEN_IDS.reset(ids)
             self._intermediate.value = None
         return hidden[:, self.pre_seq_len :]
 

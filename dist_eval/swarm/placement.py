@@ -160,8 +160,42 @@ def block_parameters(config: dict) -> List[int]:
         raise SwarmError(f"config.json: the blocks of model_type {config['model_type']!r} are not counted here "
                          "(every block of theirs is the same size)")
     count = _config_int(config, "num_hidden_layers", "n_layer", "num_layers")
+    if config.get("model_type") == "deepseek_v4":
+        return [_hyper_connected_parameters(config, i) for i in range(count)]
     return [_mixer_parameters(config, i) + _mlp_parameters(config, i) + 2 * config["hidden_size"]
             for i in range(count)]
+
+
+def _hyper_connected_parameters(config: dict, index: int) -> int:
+    """The values of DeepSeek-V4's block ``index`` (dist_eval.backends.layers.HyperConnectedLayer): its attention
+    (q latent and its norm, the shared key = value and its norm, the grouped output, sinks), its compressor and
+    indexer by its kind, its mixture (router and its correction bias or, hash-routed, tid2eid; experts and the
+    shared one), two norms and two hyper-connections; a key config.json leaves out has transformers 5.x's default.
+    """
+    from types import SimpleNamespace
+
+    from dist_eval.backends.families import FAMILIES, v4_compress_rate, v4_layer_types, v4_mlp_types
+
+    read = SimpleNamespace(**{**dict(FAMILIES["deepseek_v4"].block_options), **config})
+    hidden, heads, head_dim, rank = read.hidden_size, read.num_attention_heads, read.head_dim, read.q_lora_rank
+    groups, out_rank = read.o_groups, read.o_lora_rank
+    attention = (hidden * rank + rank + rank * heads * head_dim + hidden * head_dim + head_dim
+                 + heads * head_dim * out_rank + groups * out_rank * hidden + heads)
+    kind = v4_layer_types(read)[index]
+    if kind != "sliding_attention":
+        rate, sparse = v4_compress_rate(read, kind), kind == "compressed_sparse_attention"
+        width = 2 * head_dim if sparse else head_dim
+        attention += 2 * hidden * width + rate * width + head_dim
+        if sparse:  # the indexer: wq_b, weights_proj, its own compressor of 2 x index_head_dim
+            index_heads, index_dim = read.index_n_heads, read.index_head_dim
+            attention += (rank * index_heads * index_dim + hidden * index_heads + 4 * hidden * index_dim
+                          + rate * 2 * index_dim + index_dim)
+    experts, inner = read.n_routed_experts, read.moe_intermediate_size
+    routing = read.vocab_size * read.num_experts_per_tok if v4_mlp_types(read)[index] == "hash_moe" else experts
+    mixture = experts * hidden + routing + (experts + 1) * 3 * hidden * inner
+    streams = read.hc_mult
+    hyper = 2 * ((2 + streams) * streams * (streams * hidden + 1) + 3)
+    return attention + mixture + 2 * hidden + hyper
 
 
 # Gated DeltaNet and full attention; HYBRID_MIXTURES: a mixture with a gated shared expert (in every block, but

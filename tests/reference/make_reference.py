@@ -233,7 +233,7 @@ def tokenizer_of(kind: str):
     if kind in ("glm4_moe", "glm_moe_dsa"):  # GLM-4.5, GLM-5: a byte-level BPE read by the plain fast class, no BOS
         tok = train_bpe(True, ["<|endoftext|>", "[gMASK]", "<sop>"])
         return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    if kind in ("deepseek_v3", "kimi_k25", "deepseek_v32"):  # DeepSeek: a byte-level BPE, LlamaTokenizerFast, a BOS
+    if kind in ("deepseek_v3", "kimi_k25", "deepseek_v32", "deepseek_v4"):  # DeepSeek: byte BPE, Llama's class, BOS
         tok = train_bpe(True, [DEEPSEEK_BOS, DEEPSEEK_EOS, "<｜▁pad▁｜>"])
         return LlamaTokenizerFast(tokenizer_object=tok, bos_token=DEEPSEEK_BOS, eos_token=DEEPSEEK_EOS,
                                   pad_token=DEEPSEEK_EOS, add_bos_token=True, add_eos_token=False, legacy=True)
@@ -337,8 +337,28 @@ QWEN3_NEXT = dict(
     linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
     rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     decoder_sparse_step=1, mlp_only_layers=[1], **QWEN3_5_MOE)
+# DeepSeek-V4 (deepseek_v4): block 0 sliding (window 8), blocks 1 and 3 compressed sparse (every 4 positions
+# compressed, the indexer's 32 heads of 16 keeping 3 entries), block 2 heavily compressed (every 8: the release's
+# 128, shorter than most rows here); blocks 0-1 hash-routed (tid2eid drawn), 2-3 learned (sqrt-softplus scores,
+# correction bias); 4 heads of 32 sharing one key = value, RoPE on the last 8 of each, yarn on the compressed
+# kinds; grouped output (2 groups of 16); 4 residual streams (hc_mult as released); swiglu_limit 0.25 so the clamp
+# is reached with weights of this size
+DEEPSEEK_V4 = dict(
+    num_key_value_heads=1, head_dim=HEAD_DIM, q_lora_rank=32, partial_rotary_factor=0.25,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, sliding_window=8,
+    n_routed_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=EXPERT_INTERMEDIATE,
+    o_groups=2, o_lora_rank=16, index_n_heads=32, index_head_dim=16, index_topk=3, hc_mult=4, swiglu_limit=0.25,
+    bos_token_id=None, eos_token_id=None, intermediate_size=EXPERT_INTERMEDIATE,  # (its experts', as 5.x maps it)
+    rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                     "beta_slow": 1})
+# the spread DeepSeek-V4's tensors are drawn with (by the end of their names; transformers starts them at 0 or 1)
+DEEPSEEK_V4_SPREAD = {"self_attn.sinks": 1.0, "position_bias": 0.5, "attn_hc.base": 0.5, "ffn_hc.base": 0.5,
+                      "hc_head.hc_base": 0.5, "attn_hc.fn": 0.1, "ffn_hc.fn": 0.1, "hc_head.hc_fn": 0.1}
 # the families whose config is the common settings and their own: (config class, settings)
-FLAT = {"qwen3_next": ("Qwen3NextConfig", QWEN3_NEXT), "glm_moe_dsa": ("GlmMoeDsaConfig", {
+FLAT = {"qwen3_next": ("Qwen3NextConfig", QWEN3_NEXT), "deepseek_v4": ("DeepseekV4Config", DEEPSEEK_V4),
+        "glm_moe_dsa": ("GlmMoeDsaConfig", {
     **GLM_DSA, "num_key_value_heads": HEADS})}  # GLM-5: DeepSeek-V3's tiny block, an indexer keeping 4 keys per block
 QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN,
                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
@@ -369,16 +389,18 @@ CLASSES = {"bloom": "Bloom", "falcon": "Falcon",
            "glm4_moe": "Glm4Moe", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "llama4_text": "Llama4",
            "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen3_next": "Qwen3Next", "gpt_oss": "GptOss",
            "minimax_m2": "MiniMaxM2", "kimi_k25": "Kimi_K25", "glm_moe_dsa": "GlmMoeDsa",
-           "deepseek_v32": "DeepseekV32"}
+           "deepseek_v32": "DeepseekV32", "deepseek_v4": "DeepseekV4"}
 # vision-language releases: saved from *ForConditionalGeneration, the text model under model.language_model.
 # beside a vision tower; the reference is the text model's last final hidden state times the head
 VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe", "kimi_k25")
 OFFSET_NORMS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # norms scaling by 1 + weight (zeros at first)
 # families checked against transformers 5.x alone, though an earlier one has them (Qwen3-Next: 4.57 on; gpt-oss:
 # 4.55 on)
-LATER = {"qwen3_next": 5, "gpt_oss": 5}
+LATER = {"qwen3_next": 5, "gpt_oss": 5}  # (deepseek_v4: 5.8 on, hasattr below)
 # transformers has no *ForSequenceClassification: the backbone times the head
-NO_CLASSIFIER = ("glm4_moe", "llama4_text", "minimax_m2", "glm_moe_dsa", "deepseek_v32")
+NO_CLASSIFIER = ("glm4_moe", "llama4_text", "minimax_m2", "glm_moe_dsa", "deepseek_v32", "deepseek_v4")
+# the first blocks route each position by its token id (tid2eid): a prompt position has none, no ptune reference
+HASH_ROUTED = ("deepseek_v4",)
 SPARSE_ATTENTION = ("glm_moe_dsa", "deepseek_v32")  # an indexer per block: the keys it kept recorded too
 
 
@@ -689,6 +711,42 @@ AS_RELEASED = {"gpt_oss": lambda lm, folder: save_gpt_oss_mxfp4_folder(folder, f
                "deepseek_v32": lambda lm, folder: save_deepseek_folders(lm, folder, folder + "_fp8")}
 
 
+def draw_values(lm, kind: str) -> None:
+    """Values that count for the tensors transformers starts at 0 or 1 (biases, norms, routers, ...)."""
+    # biases (Qwen2's q/k/v) start at zero, norms at one: give them values that count
+    for key, tensor in lm.named_parameters():
+        if key.endswith(("proj.bias", "indexer.k_norm.bias")):  # (GLM-5's indexer's key LayerNorm)
+            tensor.normal_(0.0, 0.5)
+        elif key.endswith(("q_norm.weight", "k_norm.weight", "a_layernorm.weight")):
+            tensor.uniform_(0.5, 1.5)
+        elif key.endswith(("mlp.gate.weight", "moe.gate.weight", "router.weight")):  # a router far from uniform
+            tensor.normal_(0.0, 0.3)
+        elif kind == "gpt_oss" and gpt_oss_spread(key):  # gpt-oss's sinks, router bias and experts
+            tensor.normal_(0.0, gpt_oss_spread(key))
+        elif kind == "deepseek_v4":
+            draw_deepseek_v4(key, tensor)
+        elif kind in OFFSET_NORMS and key.endswith(("layernorm.weight", "language_model.norm.weight")) or (
+                kind == "qwen3_next" and key == "model.norm.weight"):
+            tensor.normal_(0.0, 0.3)  # Qwen3.5's norms scale by 1 + weight: zeros at first
+        elif key.endswith(("linear_attn.norm.weight", "dt_bias")):
+            tensor.uniform_(0.5, 1.5)
+    for key, tensor in lm.named_buffers():  # GLM's choice-only bias: big enough to change choices
+        if key.endswith("e_score_correction_bias"):
+            tensor.normal_(0.0, 0.3)
+        elif key.endswith("tid2eid"):  # DeepSeek-V4's hash routing: distinct experts per token id
+            tensor.copy_(torch.stack([torch.randperm(EXPERTS)[:tensor.shape[1]] for _ in range(tensor.shape[0])]))
+
+
+def draw_deepseek_v4(key: str, tensor: torch.Tensor) -> None:
+    """A DeepSeek-V4 tensor transformers starts at 0 or 1 given values that count (DEEPSEEK_V4_SPREAD; its norms
+    and the hyper-connections' scales around 1)."""
+    spread = next((spread for end, spread in DEEPSEEK_V4_SPREAD.items() if key.endswith(end)), 0.0)
+    if spread:
+        tensor.normal_(0.0, spread)
+    elif key.endswith(("norm.weight", "hc.scale", "hc_head.hc_scale")):
+        tensor.uniform_(0.5, 1.5)
+
+
 def recorded_choices(backbone, kind: str) -> list:
     """A list to which each forward appends, per block of a sparse-attention family, the keys its indexer kept
     for each query (those at or before it, sorted; the list's last item is the forward's own list)."""
@@ -715,24 +773,8 @@ def make(kind: str, out: str) -> dict:
     name = CLASSES[kind]
     lm_class = f"{name}ForConditionalGeneration" if kind in VISION_LANGUAGE else f"{name}ForCausalLM"
     lm = getattr(transformers, lm_class)(config).eval()
-    with torch.no_grad():  # biases (Qwen2's q/k/v) start at zero, norms at one: give them values that count
-        for key, tensor in lm.named_parameters():
-            if key.endswith(("proj.bias", "indexer.k_norm.bias")):  # (GLM-5's indexer's key LayerNorm)
-                tensor.normal_(0.0, 0.5)
-            elif key.endswith(("q_norm.weight", "k_norm.weight", "a_layernorm.weight")):
-                tensor.uniform_(0.5, 1.5)
-            elif key.endswith(("mlp.gate.weight", "moe.gate.weight", "router.weight")):  # a router far from uniform
-                tensor.normal_(0.0, 0.3)
-            elif kind == "gpt_oss" and gpt_oss_spread(key):  # gpt-oss's sinks, router bias and experts
-                tensor.normal_(0.0, gpt_oss_spread(key))
-            elif kind in OFFSET_NORMS and key.endswith(("layernorm.weight", "language_model.norm.weight")) or (
-                    kind == "qwen3_next" and key == "model.norm.weight"):
-                tensor.normal_(0.0, 0.3)  # Qwen3.5's norms scale by 1 + weight: zeros at first
-            elif key.endswith(("linear_attn.norm.weight", "dt_bias")):
-                tensor.uniform_(0.5, 1.5)
-        for key, tensor in lm.named_buffers():  # GLM's choice-only bias: big enough to change choices
-            if key.endswith("e_score_correction_bias"):
-                tensor.normal_(0.0, 0.3)
+    with torch.no_grad():
+        draw_values(lm, kind)
     lm.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     if kind == "minimax_m2":
@@ -764,6 +806,9 @@ def make(kind: str, out: str) -> dict:
             kept.append([])
             head.append(score(backbone(input_ids=x).last_hidden_state[0, -1]).tolist())
             embeds = torch.cat([trainable["prompt_embeddings.weight"][None], backbone.get_input_embeddings()(x)], dim=1)
+            if kind in HASH_ROUTED:  # no token id at a prompt position: dist_eval refuses ptune there
+                ptune.append(None)
+                continue
             kept.append([])  # the prompted forward's, not kept
             hidden = backbone(inputs_embeds=embeds).last_hidden_state[0, -1]
             kept.pop()
