@@ -460,6 +460,32 @@ def test_an_fp8_folder_is_the_model_saved_dequantized_bit_for_bit(request, gener
         assert (unscaled.module(batch) - logits).abs().max().item() > 100 * TOLERANCE
 
 
+def test_a_deepseek_v4_folder_as_released_is_the_model_saved_dequantized_bit_for_bit(reference5, monkeypatch):
+    """DeepSeek-V4 as released (the blocks' linear weights in e4m3 tiles, the routed experts in FP4, two e2m1 codes
+    a byte, each with a ue8m0 ``<name>.scale``; quantization_config fp8 with expert_dtype fp4), which transformers
+    5.23 reads back into the dequantized folder's tensors (recorded): read here, every tensor and logit equals the
+    dequantized folder's, so within 1e-4 of the reference; read raw (the scales dropped), far from it."""
+    from dist_eval.backends import layers, load_model
+
+    out, ref = reference5
+    case = ref["cases"]["deepseek_v4"]
+    assert case["fp8_read_by_transformers_equal"]
+    batch = padded_batch(case)
+    plain, fp8 = (load_model("local", str(out / folder), **trained(reference5, "deepseek_v4", "head")).module
+                  for folder in ("deepseek_v4", case["fp8_folder"]))
+    held = plain.hf_model.state_dict()
+    assert all(torch.equal(held[k], v) for k, v in fp8.hf_model.state_dict().items() if k != "score.weight")
+    with torch.no_grad():
+        logits = fp8(batch)
+        assert torch.equal(logits, plain(batch))
+    assert (logits - torch.tensor(case["logits_head"])).abs().max().item() < TOLERANCE
+    raw = lambda tensors, block, prefix="", where="": [  # noqa: E731
+        tensors.pop(k) for k in list(tensors) if k.startswith(prefix) and k.endswith(layers.V4_SCALES)]
+    monkeypatch.setattr(layers, "dequantize_v4", raw)
+    with pytest.raises(RuntimeError, match="size mismatch for model.layers.0.ffn.experts.0.w1.weight"):  # FP4 bytes
+        load_model("local", str(out / case["fp8_folder"]), **trained(reference5, "deepseek_v4", "head"))
+
+
 def test_a_gpt_oss_mxfp4_folder_is_the_model_saved_dequantized_bit_for_bit(reference5, monkeypatch):
     """gpt-oss as released, its experts in MXFP4 (``*_blocks`` / ``*_scales``, quant_method mxfp4, config.json's
     rope_scaling form): transformers 5.23 reads it (its own CPU dequantization) into the tensors of the same model
@@ -1036,6 +1062,13 @@ def test_deepseek_v4_settings_each_matter_and_the_swarm_is_refused_up_front(refe
     with torch.no_grad():
         assert_same_bits(load_model("local", legacy, **trained(reference5, "deepseek_v4", "head")).module(batch), base,
                          "the older config.json keys")
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "expert_dtype": "int4"}
+    with open(os.path.join(legacy, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    with pytest.raises(UsageError, match=r"^model_dir='[^']*': quantization_config \{\"quant_method\": \"fp8\", "
+                                         r"\"fmt\": \"e4m3\", \"expert_dtype\": \"int4\"\} in config.json is not "
+                                         r"read for deepseek_v4 here \(read: the release's FP8"):
+        load_model("local", legacy, **trained(reference5, "deepseek_v4", "head"))
     for backend, words, expected in (
             ("petals", None, "--backend petals: " + expected_swarm_refusal()),
             ("local", ["yes", "no"], "--label-words yes no: label words on deepseek_v4: its language-model head "

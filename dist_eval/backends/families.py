@@ -422,12 +422,9 @@ def _hyper_connected_refusal(config, options: dict) -> str:
     def read(key):
         return getattr(config, key, options.get(key))
 
-    quantization = read("quantization_config")
-    if quantization:
-        shown = {key: quantization.get(key) for key in ("quant_method", "fmt", "expert_dtype", "scale_fmt")
-                 if isinstance(quantization, dict) and quantization.get(key) is not None}
-        return (f"quantization_config {json.dumps(shown)} in config.json (DeepSeek-V4's release: FP8 e4m3 tiles and "
-                "FP4 experts) is not read for deepseek_v4 here; save the model dequantized (bf16 or float32)")
+    why = _v4_quantization_refusal(read("quantization_config"))
+    if why:
+        return why
     kind = rope_type(read("rope_scaling"))
     if kind not in (None, "default", "yarn"):
         return f"rope_scaling of rope_type {kind!r} in config.json is not computed here (computed: default, yarn)"
@@ -458,6 +455,27 @@ def _hyper_connected_refusal(config, options: dict) -> str:
     if not experts or not 0 < chosen <= experts:
         return f"num_experts_per_tok {chosen} in config.json is not between 1 and n_routed_experts ({experts})"
     return ""
+
+
+def _v4_quantization_refusal(quantization) -> str:
+    """Why a DeepSeek-V4 config.json's ``quantization_config`` is not read ('' when it is, or there is none): read is
+    the release's, FP8 e4m3 tiles (scales float or ue8m0) with experts in FP8 or FP4 (``expert_dtype``), dequantized
+    on load (backends.layers.dequantize_v4).
+    """
+    if not quantization:
+        return ""
+    shown = {key: quantization.get(key) for key in ("quant_method", "fmt", "activation_scheme", "scale_fmt",
+                                                    "expert_dtype", "weight_block_size")
+             if isinstance(quantization, dict) and quantization.get(key) is not None}
+    block = shown.get("weight_block_size", [128, 128])
+    read = (shown.get("quant_method") == "fp8" and shown.get("fmt", "e4m3") in ("e4m3", "float8_e4m3fn")
+            and shown.get("activation_scheme", "dynamic") == "dynamic" and shown.get("scale_fmt", "float") in (
+                "float", "ue8m0") and shown.get("expert_dtype", "fp8") in ("fp8", "fp4") and isinstance(block, list)
+            and len(block) == 2 and all(isinstance(n, int) and n > 0 for n in block))
+    return "" if read else (
+        f"quantization_config {json.dumps(shown)} in config.json is not read for deepseek_v4 here (read: the "
+        "release's FP8 e4m3 tiles, scales float or ue8m0, experts FP8 or FP4, dynamic activations); save the model "
+        "dequantized")
 
 
 def _sparse_attention_refusal(config, options: dict) -> str:
@@ -851,16 +869,16 @@ FAMILIES["deepseek_v32"] = _built_on_llama(
         ("indexer_rope_interleave", False), ("masked_group_score", "-inf")))
 
 
-# DeepSeek-V4-Flash / Pro (deepseek_v4: 284B-A13B, 1.6T-A49B), unquantized (the release's FP8 + FP4 refused):
-# dist_eval's layers under the release's names (backends.layers.HyperConnectedLayer): hc_mult residual streams
-# between blocks, mixed by each block's hyper-connections and collapsed by hc_head before the final norm; the
-# attention of each block's layer_types (a window of sliding_window positions; compressed sparse: a compressor's
-# entries every compress_rates positions chosen by an indexer, index_topk of them; heavily compressed: every
-# entry), one key that is also the value, RoPE on the last values of each head (yarn on the compressed kinds), a
-# sink logit per head, a grouped output projection; a mixture with sqrt-softplus scores, chosen by tid2eid[token
-# id] on the hash_moe blocks (no prompts there), clamped SwiGLU experts and a shared expert. The local backend
-# alone: the swarm's servers do not carry the streams and token ids yet. The options' values are transformers
-# 5.x's DeepseekV4Config defaults
+# DeepSeek-V4-Flash / Pro (deepseek_v4: 284B-A13B, 1.6T-A49B), FP8 tiles + FP4 experts as released (dequantized on
+# load: backends.layers.dequantize_v4) or bf16: dist_eval's layers under the release's names
+# (backends.layers.HyperConnectedLayer): hc_mult residual streams between blocks, mixed by each block's
+# hyper-connections and collapsed by hc_head before the final norm; the attention of each block's layer_types (a
+# window of sliding_window positions; compressed sparse: a compressor's entries every compress_rates positions
+# chosen by an indexer, index_topk of them; heavily compressed: every entry), one key that is also the value, RoPE
+# on the last values of each head (yarn on the compressed kinds), a sink logit per head, a grouped output
+# projection; a mixture with sqrt-softplus scores, chosen by tid2eid[token id] on the hash_moe blocks (no prompts
+# there), clamped SwiGLU experts and a shared expert. The local backend alone: the swarm's servers do not carry the
+# streams and token ids yet. The options' values are transformers 5.x's DeepseekV4Config defaults
 FAMILIES["deepseek_v4"] = _built_on_llama(
     "deepseek_v4", "DeepseekV4", layer_types=V4_LAYER_TYPES, rope_labels=("main", "compress"), embeds_on_server=False,
     frozen=("embed_tokens", "layers", "norm", "hc_head"),

@@ -1726,6 +1726,9 @@ class HyperConnectedLayer(nn.Module):
         self.attn = V4Attention(config, index)
         self.ffn_norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn = V4MoeMLP(config, index)
+        block = fp8_block_size(config)
+        if block is not None:  # the release's FP8 + FP4 weights, dequantized as the loader hands them over
+            self._register_load_state_dict_pre_hook(functools.partial(_dequantize_v4_on_load, block))
         width = (2 + self.hc) * self.hc
         for name in ("attn", "ffn"):
             setattr(self, f"hc_{name}_fn", nn.Parameter(torch.zeros(width, self.hc * config.hidden_size)))
@@ -1830,6 +1833,47 @@ def build_hyper_connected(backbone, config) -> None:
     backbone.dist_eval_token_ids = []  # per forward in progress, the ROW_TOKEN_IDS token its pre-hook set (or None)
     backbone.register_forward_pre_hook(_streams_on_entry, with_kwargs=True)
     backbone.register_forward_hook(_streams_done, with_kwargs=True)
+
+
+V4_SCALES = (".scale", ".weight" + SCALE_SUFFIX)  # DeepSeek-V4's per-tile / per-group scales: the release's name, 5.x's
+V4_FP4_GROUP = 32  # the values of an FP4 expert's row that share one scale
+
+
+def dequantize_v4(tensors: dict, block: tuple, prefix: str = "", where: str = "") -> None:
+    """In place: DeepSeek-V4's quantized weights under ``prefix`` (its release: ``<name>.weight`` beside
+    ``<name>.scale``, or ``weight_scale_inv``) become float32 ``<name>.weight``, the scales removed: FP8 (e4m3) weights
+    times the scale of their ``block`` tile (the last tiles may be partial); FP4 experts (int8, two e2m1 codes a byte,
+    the even column in the low nibble) times the scale of their group of 32 values of a row. Scales ue8m0
+    (float8_e8m0fnu: a power of two), uint8 (the biased exponent) or float; transformers 5.23's Fp8Dequantize.
+    """
+    from dist_eval.errors import UsageError
+
+    for key in [k for k in tensors if k.startswith(prefix) and k.endswith(V4_SCALES)]:
+        name = key[:key.rindex(".")] + ".weight"
+        weight = tensors.get(name)
+        if weight is None or weight.dim() != 2 or weight.dtype not in (torch.int8, torch.float8_e4m3fn):
+            continue  # not a quantized weight's scale (none in DeepSeek-V4's blocks)
+        scale = tensors.pop(key)
+        scale = torch.ldexp(torch.ones(scale.shape), scale.to(torch.int32) - 127) if scale.dtype == torch.uint8 else (
+            scale.float())
+        if weight.dtype == torch.int8:  # FP4 experts: a scale per 32 values of a row
+            table = torch.tensor(FP4_VALUES, dtype=torch.float32)
+            codes = weight.view(torch.uint8).long()
+            values, tile = torch.stack((table[codes & 0x0F], table[codes >> 4]), dim=-1).flatten(-2), (1, V4_FP4_GROUP)
+        else:
+            values, tile = weight.to(torch.float32), block
+        rows, cols = values.shape
+        needed = (-(-rows // tile[0]), -(-cols // tile[1]))
+        if tuple(scale.shape) != needed:
+            raise UsageError(f"{key} has shape {tuple(scale.shape)}; {name} {tuple(values.shape)} in tiles of "
+                             f"{list(tile)} needs {needed} (weight_block_size in config.json for FP8, groups of "
+                             f"{V4_FP4_GROUP} for FP4 experts).", param="model_dir", value=where)
+        tensors[name] = values * scale.repeat_interleave(tile[0], 0)[:rows].repeat_interleave(tile[1], 1)[:, :cols]
+
+
+def _dequantize_v4_on_load(block: tuple, state_dict: dict, prefix: str, *args) -> None:
+    """A DeepSeek-V4 layer's load hook: its quantized weights in ``state_dict`` (one file's tensors) dequantized."""
+    dequantize_v4(state_dict, block, prefix, where=prefix + "*")
 
 
 class OwnDecoderLayer(LlamaDecoderLayer):

@@ -106,6 +106,14 @@ saved; ``gpt_oss_mxfp4`` is the same model as OpenAI ships it (``*_blocks`` and 
 ``rope_scaling`` and ``rope_theta`` form), which transformers reads back (dequantizing it on the CPU) into the
 same tensors, checked here.
 
+DeepSeek-V4 (``deepseek_v4``, 5.x alone; no ``*ForSequenceClassification``: the head apart), as transformers 5.23 saves
+it (the release's tensor names): 4 blocks, one of each attention kind (sliding, window 8; compressed sparse, an entry
+every 4 positions and an indexer of 32 heads keeping 3; heavily compressed, every 8) and a second compressed sparse
+one, 4 streams, blocks 0-1 hash-routed (``tid2eid`` drawn) and 2-3 learned; its weights FP8 / FP4-rounded, and
+``deepseek_v4_fp8`` the same as DeepSeek ships it (e4m3 tiles of 16 x 16 and FP4 experts, each with a ue8m0
+``<name>.scale``), which transformers reads back into the same tensors (recorded). No ptune reference: its
+hash-routed blocks route a position by its token id, which a prompt position has not.
+
 BLOOM and Falcon (the 40B layout: the new decoder architecture, 2 key/value heads, RoPE at theta 50000, so
 that a reader taking the default 10000 is caught), byte-level BPE tokenizers. Kimi K2 (``kimi_k2``) has no
 class in transformers: DeepSeek-V3's folder with ``model_type`` ``kimi_k2``, the same block (its reference
@@ -705,10 +713,83 @@ def save_with_prediction_layer(lm, folder: str) -> dict:
     return {}
 
 
+V4_FP8_BLOCK = (16, 16)  # the tiny DeepSeek-V4's tiles (the release's 128 x 128; 5.23 needs whole tiles)
+V4_FP4_GROUP = 32  # the values of an expert's row sharing one power-of-two scale (the release's)
+# DeepSeek-V4's release: FP8 tiles for the blocks' linear weights but the compressors', the indexer's weights_proj
+# (bf16 there: transformers' _keep_in_fp32_modules) and the router's; FP4 for the routed experts
+V4_FP4 = r"model\.layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight"
+V4_FP8 = r"model\.layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight"
+
+
+def e8m0(exponent: torch.Tensor) -> torch.Tensor:
+    """Powers of two 2 ** exponent as ue8m0 scales (float8_e8m0fnu: the biased exponent alone)."""
+    return (exponent.to(torch.int32) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def v4_fp8(weight: torch.Tensor) -> tuple:
+    """(e4m3 weight, ue8m0 scale per V4_FP8_BLOCK tile): each tile divided by the power of two putting its largest
+    magnitude within 448 (DeepSeek-V4's scale_fmt ue8m0)."""
+    rows, cols = weight.shape
+    br, bc = V4_FP8_BLOCK
+    tiles = weight.reshape(rows // br, br, cols // bc, bc)
+    exponent = torch.ceil(torch.log2(tiles.abs().amax((1, 3)).clamp(min=2.0 ** -100) / FP8_MAX))
+    scale = torch.ldexp(torch.ones_like(exponent), exponent.to(torch.int32))
+    quantized = (tiles / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+    value = (quantized.float().reshape(rows // br, br, cols // bc, bc) * scale[:, None, :, None]).reshape(rows, cols)
+    return quantized, e8m0(exponent), value
+
+
+def v4_fp4(weight: torch.Tensor) -> tuple:
+    """(int8 [rows, cols / 2]: two e2m1 codes a byte, the even column in the low nibble; ue8m0 scale [rows, cols /
+    32]; the value they stand for): MXFP4's rounding (mxfp4_quantized), as DeepSeek-V4 ships its experts."""
+    blocks, scales = mxfp4_quantized(weight)
+    rows, cols = weight.shape
+    exponent = scales.to(torch.int32) - 127
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(rows, cols).long()
+    table = torch.tensor(FP4_MAGNITUDES + tuple(-m for m in FP4_MAGNITUDES))
+    value = torch.ldexp(table[codes].reshape(rows, cols // V4_FP4_GROUP, V4_FP4_GROUP), exponent[..., None])
+    return blocks.reshape(rows, cols // 2).view(torch.int8), e8m0(exponent), value.reshape(rows, cols)
+
+
+def save_deepseek_v4_folders(lm, folder: str) -> dict:
+    """DeepSeek-V4 as released: ``folder``'s weights replaced by their FP8 / FP4 values, and ``<folder>_fp8`` the same
+    model with those weights quantized (``<name>.scale`` beside each, ue8m0; quantization_config fp8, expert_dtype
+    fp4), read back by transformers (its CPU dequantization) into the same tensors, recorded."""
+    import re
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    tensors, quantized = load_file(os.path.join(folder, "model.safetensors")), {}
+    for key, tensor in tensors.items():
+        kind = v4_fp4 if re.fullmatch(V4_FP4, key) else v4_fp8 if re.fullmatch(V4_FP8, key) else None
+        if kind is None:
+            quantized[key] = tensor
+            continue
+        quantized[key], quantized[key[:-len("weight")] + "scale"], tensors[key] = kind(tensor)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    fp8_folder = folder + "_fp8"
+    shutil.copytree(folder, fp8_folder)
+    save_file(quantized, os.path.join(fp8_folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(fp8_folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(V4_FP8_BLOCK), "scale_fmt": "ue8m0",
+                                     "expert_dtype": "fp4"}
+    with open(os.path.join(fp8_folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    plain, read = (transformers.DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+                   for path in (folder, fp8_folder))
+    return {"fp8_folder": os.path.basename(fp8_folder), "fp8_block": list(V4_FP8_BLOCK),
+            "fp8_read_by_transformers_equal": set(plain) == set(read) and all(
+                torch.equal(plain[k], read[k].to(plain[k].dtype)) for k in plain)}
+
+
 # the quantized releases' folders, written beside the model's own (each returns its reference case's fields)
 AS_RELEASED = {"gpt_oss": lambda lm, folder: save_gpt_oss_mxfp4_folder(folder, folder + "_mxfp4"),
                "kimi_k25": save_kimi_folders, "glm_moe_dsa": save_with_prediction_layer,
-               "deepseek_v32": lambda lm, folder: save_deepseek_folders(lm, folder, folder + "_fp8")}
+               "deepseek_v32": lambda lm, folder: save_deepseek_folders(lm, folder, folder + "_fp8"),
+               "deepseek_v4": save_deepseek_v4_folders}
 
 
 def draw_values(lm, kind: str) -> None:
