@@ -149,13 +149,18 @@ def _ranks(cluster, job):
     """{pid: (OMP_NUM_THREADS, the CPUs it may run on)} of the job's dist_eval ranks."""
     ranks, commands = {}, dict(_job_processes(cluster, job))
     for pid, cmd in commands.items():
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            parent = int(f.read().rpartition(b")")[2].split()[1])
-        if "-m dist_eval " not in cmd or "dist_eval.launcher" not in commands.get(parent, ""):
-            continue  # not a rank (torchrun's launcher, a rank's helper processes)
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        ranks[pid] = (env.get(b"OMP_NUM_THREADS", b"").decode(), len(os.sched_getaffinity(pid)))
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                parent = int(f.read().rpartition(b")")[2].split()[1])
+            if "-m dist_eval " not in cmd or "dist_eval.launcher" not in commands.get(parent, ""):
+                continue  # not a rank (torchrun's launcher, a rank's helper processes)
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            ranks[pid] = (env.get(b"OMP_NUM_THREADS", b"").decode(), len(os.sched_getaffinity(pid)))
+        except (FileNotFoundError, ProcessLookupError):
+            # ended since the listing (a short-lived helper of a rank: seen in a loaded run, 4 pytest workers);
+            # the caller lists the job's processes again
+            continue
     return ranks
 
 
