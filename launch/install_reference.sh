@@ -27,8 +27,20 @@ esac
 STAMP="$VENV/.dist_eval_reference_installed"
 WANT="$(cat "$ROOT/launch/install_reference.sh" "$ROOT/launch/venv_tools.sh" | sha256sum | cut -d' ' -f1)"
 
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec(\"transformers\") is None)" 2>/dev/null; then
+installed() {
+  [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec(\"transformers\") is None)" 2>/dev/null
+}
+if installed; then
   exit 0
+fi
+# one install of an environment at a time (two test files, in two pytest workers, may ask for it at once):
+# the second waits, then finds it complete
+if command -v flock >/dev/null; then
+  exec 9>"$VENV.lock"
+  flock 9
+  if installed; then
+    exit 0
+  fi
 fi
 echo "[install_reference] setting up $VENV" >&2
 source "$ROOT/launch/venv_tools.sh"

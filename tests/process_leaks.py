@@ -154,14 +154,20 @@ def pytest_fixture_setup(fixturedef, request):
 
 @contextlib.contextmanager
 def _noting_started(into: Dict[tuple, str]):
-    """Puts in ``into`` what the body started: new descendants, with their groups and sessions."""
+    """Puts in ``into`` what the body started: new descendants, with their groups and sessions. A new
+    process in the group or session of one that was there before the body (a module fixture's pipeline,
+    still at work: its next step) is that one's, checked when its fixture ends."""
     since = _now_in_ticks() - 1
-    before = set(_descendants(_processes()))
+    procs = _processes()
+    before = set(_descendants(procs))
+    theirs = {x for (pid, _) in before if pid in procs for x in (procs[pid].pgid, procs[pid].sid)}
+    theirs -= {os.getpgid(0), os.getsid(0)}
     try:
         yield
     finally:
         procs = _processes()
-        started = {key: cmd for key, cmd in _descendants(procs).items() if key not in before}
+        started = {key: cmd for key, cmd in _descendants(procs).items() if key not in before
+                   and not (key[0] in procs and (procs[key[0]].pgid in theirs or procs[key[0]].sid in theirs))}
         into.update(_with_their_groups(procs, started, since))
 
 

@@ -31,7 +31,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, read_jsonl, run_ranks
+from conftest import REPO, read_jsonl, run_ranks, stop_group
 from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import run_cli_in_process
 
@@ -99,35 +99,82 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def make_reference(tmp_path_factory, generation: str):
-    """The reference folder made by transformers of ``generation`` ("4": 4.57, "5": 5.x): models,
-    tokenizers, trainable tensors and reference.json (tests/reference/make_reference.py in its venv)."""
+def wanted_generations(session, module) -> list:
+    """The generations whose reference the selected tests of ``module`` read (all of them in a whole run;
+    a ``-k`` run of one generation's cases makes that one alone)."""
+    wanted = set()
+    for item in session.items:
+        if getattr(item, "module", None) is not module:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        wanted.update({"reference": "4", "reference5": "5"}[name] for name in item.fixturenames
+                      if name in ("reference", "reference5"))
+        if params.get("generation") in GENERATIONS:
+            wanted.add(params["generation"])
+    return sorted(wanted)
+
+
+def start_reference(tmp_path_factory, generation: str) -> tuple:
+    """Start making the reference of ``generation`` ("4": 4.57, "5": 5.x) in the background: its environment
+    (launch/install_reference.sh), then tests/reference/make_reference.py in it (models, tokenizers, trainable
+    tensors and reference.json). (the process, the folder, its log)."""
     install = os.path.join(REPO, "launch", "install_reference.sh")
-    done = subprocess.run([install, generation], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
     venv = {"4": os.environ.get("DIST_EVAL_REFERENCE_VENV", os.path.join(REPO, ".venv-reference")),
             "5": os.environ.get("DIST_EVAL_REFERENCE5_VENV", os.path.join(REPO, ".venv-reference5"))}[generation]
     out = tmp_path_factory.mktemp(f"reference{generation}")
-    made = subprocess.run([os.path.join(venv, "bin", "python"), os.path.join(REPO, "tests", "reference",
-                                                                               "make_reference.py"), str(out)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert made.returncode == 0, made.stderr[-3000:]
+    log = out.with_name(out.name + ".log")
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(
+            ["bash", "-c", 'set -e; "$1" "$2"; exec timeout 300 "$3" "$4" "$5"', "reference", install, generation,
+             os.path.join(venv, "bin", "python"), os.path.join(REPO, "tests", "reference", "make_reference.py"),
+             str(out)],
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return proc, out, log
+
+
+def finished_reference(started: tuple, generation: str) -> tuple:
+    """(the folder, reference.json) of :func:`start_reference`'s run, once it ended well."""
+    proc, out, log = started
+    try:
+        proc.wait(timeout=1200)
+    except subprocess.TimeoutExpired:
+        stop_group(proc.pid)
+        proc.wait()
+        pytest.fail(f"the reference of transformers {GENERATIONS[generation]} was not made in 20 minutes: "
+                    + log.read_text()[-3000:])
+    assert proc.returncode == 0, log.read_text()[-3000:]
     with open(out / "reference.json", encoding="utf-8") as f:
         ref = json.load(f)
     assert ref["versions"]["transformers"].startswith(GENERATIONS[generation]), ref["versions"]
     return out, ref
 
 
+@pytest.fixture(scope="module", autouse=True)
+def references_started(request, tmp_path_factory):
+    """Every reference the module's selected tests read, started together before its first test: each spends much
+    of its minute installing (the disk, not the CPU), which the other's work fills. Autouse, so that it starts in
+    the first test's setup: tests ask for a generation's reference in their body (reference_of), and a process
+    started there would be that test's, which the suite's leak check wants gone at its end."""
+    started = {generation: start_reference(tmp_path_factory, generation)
+               for generation in wanted_generations(request.session, request.module)}
+    yield started
+    for proc, _, _ in started.values():  # a run cut short: nothing left making them
+        if proc.poll() is None:
+            stop_group(proc.pid)
+            proc.wait()
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(references_started):
     """transformers 4.57's reference: config.json in the 4.x form."""
-    return make_reference(tmp_path_factory, "4")
+    return finished_reference(references_started["4"], "4")
 
 
 @pytest.fixture(scope="module")
-def reference5(tmp_path_factory):
+def reference5(references_started):
     """transformers 5.x's reference: config.json in the 5.x form (rope_parameters, renamed fields)."""
-    return make_reference(tmp_path_factory, "5")
+    return finished_reference(references_started["5"], "5")
 
 
 def reference_of(request, generation: str):
