@@ -94,14 +94,15 @@ SHARED_BY = {
 
 
 # the slowest files (benchmarks/RESULTS.md: the suite's time per file), dealt out first, so that the run
-# ends on short files with both workers busy to the end; xdist deals files out by their number of tests
+# ends on short files with every worker busy to the end; xdist deals files out by their number of tests
 # otherwise, and these few-test files came last. Order only: a file missing or renamed just comes later.
-FIRST = ("tests/test_slurm.py", "tests/test_families_swarm.py", "tests/test_swarm_failover.py",
-         "tests/test_families_reference.py", "tests/test_swarm_supervisor.py", "tests/test_launch.py",
-         "tests/test_audit.py", "tests/test_swarm.py", "tests/test_jobs.py", "tests/test_demo.py",
-         "tests/test_resume.py", "tests/test_benchmarks.py", "tests/test_peft_adapters.py",
-         "tests/test_cli_default_run.py", "tests/test_client_shards.py", "tests/test_backends_petals.py",
-         "tests/test_backends_wire.py", "tests/test_memory_bounded.py")
+FIRST = ("tests/test_families_reference.py", "tests/test_swarm_failover.py", "tests/test_slurm.py",
+         "tests/test_families_swarm.py", "tests/test_launch.py", "tests/test_swarm_supervisor.py",
+         "tests/test_audit.py", "tests/test_swarm.py", "tests/test_backends_wire.py", "tests/test_demo.py",
+         "tests/test_client_shards.py", "tests/test_backends_patches.py", "tests/test_backends_objects.py",
+         "tests/test_backends_petals.py", "tests/test_evaluation.py", "tests/test_rowstore.py",
+         "tests/test_benchmarks.py", "tests/test_resume.py", "tests/test_jobs.py", "tests/test_cli.py",
+         "tests/test_peft_adapters.py", "tests/test_cli_default_run.py", "tests/test_memory_bounded.py")
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
