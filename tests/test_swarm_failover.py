@@ -367,13 +367,17 @@ def test_a_dead_rank_or_helper_ends_every_rank_in_bounded_time(swarm2, tiny_mode
     ("rank 1", "SIGTERM", "stuck"), ("rank 1", "SIGINT", "healthy"),
 ])
 def test_a_signal_stops_every_process_within_15_s(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, tmp_path,
-                                                  target, signame, state):
+                                                  target, signame, state, rank_zygote):
     """SIGTERM (a scheduler's cancel) or SIGINT (Ctrl-C) to torchrun, or to one rank alone,
     mid-run: torchrun, the ranks and their DHT and p2pd helpers are all gone within 15 s,
     no traceback, one error line, the finished batches kept. "stuck": rank 1's p2pd is
-    frozen (SIGSTOP) first, so that its requests hang."""
+    frozen (SIGSTOP) first, so that its requests hang. A signal to rank 1 alone: the ranks are
+    forked (conftest's start_ranks, whose launcher stops the others with SIGTERM when one fails,
+    as torchrun's agent does: what the ranks do with the signal is tested); a signal to torchrun
+    is torchrun's, launched as a user does."""
     out = tmp_path / "out"
-    run = BackgroundCli(petals_args(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2)
+    run = BackgroundCli(petals_args(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2,
+                        zygote=rank_zygote if target == "rank 1" else None)
     try:
         procs = ranks_in_their_loop(run)
         if state == "stuck":
