@@ -9,7 +9,7 @@ and where the logits it does compute go.
 
 :func:`batches_with_known` opens both with this rank's batches, in one place, in the order the plan
 needs them (the store before the batch plan, which leaves its rows out; the resume folder after,
-which is keyed by the plan's batches). The loop (:func:`dist_eval.predict.predict_shard`) asks :meth:`KnownLogits.of`
+which is keyed by the plan's batches). The loop (:class:`dist_eval.predict.ShardLoop`) asks :meth:`KnownLogits.of`
 before each forward and gives back every batch it finished (:meth:`KnownLogits.took`): this object
 is the one place a row's logits enter or leave the run other than a forward.
 """

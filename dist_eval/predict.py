@@ -223,8 +223,10 @@ class _ColumnFiles:
 
 
 class ShardLoop:
-    """One rank's forward loop and its results (:func:`predict_shard`); :func:`redo_blamed_on_other_ranks`
-    evaluates again, in place, its batches of swarm servers blamed on other ranks.
+    """One rank's forward loop and its results (run by :func:`forward_passes`, under ``torch.no_grad()``);
+    :func:`redo_blamed_on_other_ranks` evaluates again, in place, its batches of swarm servers blamed on
+    other ranks. ``known`` (a :class:`dist_eval.known.KnownLogits`): a batch whose logits it holds (an
+    interrupted run's, the row store's) is not run; every batch done is given back to it.
     """
 
     def __init__(self, model: Callable, num_labels: int, keep_logits: bool,
@@ -270,7 +272,9 @@ class ShardLoop:
 
     def run(self, batches: Iterable[Batch], on_batch_done: Optional[Callable[[int], None]] = None,
             in_flight: int = 1) -> None:
-        """Every batch, in order (see :func:`predict_shard`)."""
+        """Every batch, in order; ``in_flight`` batches at once (results identical for any value);
+        ``on_batch_done(num_rows)`` after each (progress).
+        """
         for batch, logits, seconds, source, taken in _forwards_in_order(self.model, batches, in_flight, self.known):
             if seconds is not None:
                 self.forward_seconds += seconds
@@ -339,30 +343,6 @@ class ShardLoop:
             max_batch_seconds=self.max_batch_seconds,
             num_resumed=self.known.rows_resumed if self.known is not None else 0,
         )
-
-
-def predict_shard(
-    model: Callable[[torch.Tensor], torch.Tensor],
-    batches: Iterable[Batch],
-    num_labels: int,
-    keep_logits: bool,
-    sample_metrics: Optional[Dict[str, Callable]] = None,
-    on_batch_done: Optional[Callable[[int], None]] = None,
-    in_flight: int = 1,
-    known=None,
-) -> ShardResults:
-    """Run every batch under ``torch.no_grad()`` and keep per-sample results.
-
-    ``in_flight``: batches run at once (results identical for any value).
-    ``known`` (a :class:`dist_eval.known.KnownLogits`): a batch whose logits it holds (an
-    interrupted run's, the row store's) is not run; every batch done is given back to it
-    (:meth:`~dist_eval.known.KnownLogits.took`: the computed ones are kept for later runs).
-    ``on_batch_done(num_rows)`` after every batch (progress). One rank's loop: with several,
-    :class:`ShardLoop` and :func:`redo_blamed_on_other_ranks`.
-    """
-    loop = ShardLoop(model, num_labels, keep_logits, sample_metrics, known)
-    loop.run(batches, on_batch_done, in_flight)
-    return loop.results()
 
 
 # Exchanges of blamed servers after the forward loop, at most: each one that goes on blamed at least one

@@ -29,7 +29,7 @@ def main(out_path: str) -> None:
                 raise ValueError("rank 1 broke")
             started = time.monotonic()
             calls = 0
-            while True:  # a fast loop: one check per "batch", as predict_shard does
+            while True:  # a fast loop: one check per "batch", as the forward loop (predict.ShardLoop) does
                 calls += 1
                 try:
                     flag.check()
