@@ -310,14 +310,6 @@ def binary_auroc(scores: np.ndarray, positive: np.ndarray) -> float:
     return (rank_sum - num_pos * (num_pos + 1) / 2.0) / (num_pos * num_neg)
 
 
-def auroc_per_class(probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """One-vs-rest AUROC of each class (NaN for a class absent from the labels, or when it
-    is the only class present).
-    """
-    probs, labels = _scores_and_labels(probs, labels)
-    return np.array([binary_auroc(probs[:, c], labels == c) for c in range(probs.shape[1])])
-
-
 def auroc_macro(probs: np.ndarray, labels: np.ndarray) -> float:
     """Macro one-vs-rest AUROC over the classes present in the labels; for two classes the
     AUROC of class 1 (scored by its probability). Ties count 1/2 (ranks), as scikit-learn.

@@ -51,7 +51,7 @@ import json
 import os
 import time
 import uuid
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -483,12 +483,6 @@ class RowValues:
             raise KeyError(row)
         value = self.values[self.slots[row]]
         return float(value) if self.as_float else value
-
-
-def key_bytes(keys: np.ndarray) -> Iterable[bytes]:
-    """Each [16] uint8 row of ``keys`` as bytes (the store's dict keys)."""
-    flat = np.ascontiguousarray(keys, dtype=np.uint8).tobytes()
-    return (flat[i:i + KEY_BYTES] for i in range(0, len(flat), KEY_BYTES))
 
 
 class RowSource:
