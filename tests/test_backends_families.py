@@ -57,9 +57,7 @@ def test_petals_class_exists_with_the_table_paths(name):
     assert lm_class.config_class is cls.config_class and lm_class.__name__.endswith("ForCausalLM")
 
 
-# (DeepSeek-V4 aside: the local backend alone computes it, the swarm is refused: Family.swarm_refusal)
-@pytest.mark.parametrize("name", [name for name, family in sorted(FAMILIES.items())
-                                  if has_own_layers(family) and not family.swarm_refusal])
+@pytest.mark.parametrize("name", [name for name, family in sorted(FAMILIES.items()) if has_own_layers(family)])
 def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(name):
     """petals' server builds a block as config.block_class(config); told the index it loads
     (as dist_eval's servers do), it is the local model's layer of that index, tensor for tensor."""
@@ -76,6 +74,11 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
                     q_lora_rank=6, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3,  # DeepSeek's
                     topk_group=1, intermediate_size_mlp=12, interleave_moe_layer_step=2,  # Llama 4's
                     index_topk=2, index_head_dim=4, index_n_heads=2)  # GLM-5's indexer
+    if name == "deepseek_v4":  # every attention kind, a hash-routed block
+        settings.update(o_groups=2, o_lora_rank=4, mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+                        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                                     "sliding_attention"],
+                        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4})
     local = family_class(family.local_class, in_petals=False)
     layers = local(local.config_class(**settings)).model.layers
     server_config = family_class(family.petals_class, in_petals=True).config_class(**settings)
@@ -117,6 +120,11 @@ def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(na
             assert "self_attn.q_norm.weight" not in shapes and shapes["self_attn.q_proj.weight"] == (12, 8)
             assert shapes.get("feed_forward.experts.gate_up_proj", (4, 8, 32)) == (4, 8, 32)
             assert shapes.get("feed_forward.gate_proj.weight", (12, 8)) == (12, 8)
+        elif name == "deepseek_v4":  # hyper-connections around each part; its attention kind, its routing by index
+            assert shapes["hc_attn_fn"] == (24, 32) and shapes["hc_ffn_base"] == (24,)
+            assert ("attn.indexer.wq_b.weight" in shapes) == (index == 1)
+            assert ("attn.compressor.ape" in shapes) == (index in (1, 2))
+            assert ("ffn.gate.tid2eid" in shapes) == (index == 0) and ("ffn.gate.bias" in shapes) == (index > 0)
         else:
             assert shapes["self_attn.q_norm.weight"] == (6,) and shapes["self_attn.q_proj.weight"] == (12, 8)
         gates = {"mlp.gate.weight", "block_sparse_moe.gate.weight", "feed_forward.router.weight", "mlp.router.weight"}

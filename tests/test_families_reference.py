@@ -74,12 +74,13 @@ SWARM_FOLDER = {"deepseek_v3": "deepseek_v3_fp8"}  # the servers dequantize the 
 # MXFP4 folder, is in benchmarks/RESULTS.md, left out for the time budget
 # Kimi K2.5 has no swarm run: its blocks are DeepSeek-V3's (its swarm case), its INT4 experts dequantized as the
 # servers load are checked block by block against local (the server blocks' test, from the INT4 folder)
+# DeepSeek-V4 neither (the swarm still refused, Family.swarm_refusal): its server blocks (streams in and out, the token
+# ids through the servers' merged forward step to the hash-routed ones) are checked block by block against local (the
+# server blocks' test); a run end to end on a real swarm is what remains before the refusal is lifted
 # every family of the family table (llama3: model_type llama; kimi_k2: DeepSeek-V3's block under its own name)
 ALL_KINDS = ("bloom", "falcon", *KINDS, "kimi_k2")
 # no *ForSequenceClassification in transformers: the head given apart (--head)
 HEAD_ONLY = ("glm4_moe", "llama4_text", "minimax_m2", "kimi_k25", "glm_moe_dsa", "deepseek_v32", "deepseek_v4")
-# the local backend alone computes them (the swarm refused: Family.swarm_refusal): no server blocks to compare
-LOCAL_ONLY = ("deepseek_v4",)
 # prompts refused (DeepSeek-V4's first blocks route by token id, which a prompt position has not): no ptune reference
 PROMPTS_REFUSED = ("deepseek_v4",)
 # the servers read the release as shipped: gpt-oss's MXFP4 folder, Kimi K2.5's INT4 one (dequantized as they load)
@@ -272,13 +273,15 @@ def test_local_logits_within_1e4_of_the_transformers_that_saved_the_folder(reque
     assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("generation, kind", [case for case in CASES if case[1] not in LOCAL_ONLY])
+@pytest.mark.parametrize("generation, kind", CASES)
 def test_server_blocks_equal_the_local_blocks_on_the_same_hidden_states(request, generation, kind, monkeypatch):
     """Each block as the servers dist_eval starts build it (petals' load_pretrained_block with dist_eval's
     block index, from the folder petals reads, its config read by petals' own classes) gives, on the local
     model's hidden states before it, the local model's hidden states after it, bit for bit (the last block's
     through the final norm): values, not shapes, for every family and both config.json forms (the quantized
-    releases' blocks from their folders as shipped, SERVED_FOLDER; the local model from the dequantized one)."""
+    releases' blocks from their folders as shipped, SERVED_FOLDER; the local model from the dequantized one).
+    DeepSeek-V4's blocks take and give the hc_mult streams, each through the servers' merged forward step with the
+    row's token ids where the block routes by them (without them a hash-routed block fails its request)."""
     from dist_eval.backends import load_model
     from dist_eval.backends.blocks import register, server_block_replacements
     from dist_eval.backends.compat import import_petals
@@ -296,9 +299,11 @@ def test_server_blocks_equal_the_local_blocks_on_the_same_hidden_states(request,
     family = family_of_folder(folder)
     hf_model = load_model("local", folder, **trained(reference, kind, "head")).module.hf_model
     backbone, blocks = family.get(hf_model, family.backbone), family.get(hf_model, family.blocks)
-    embeddings = family.get(hf_model, family.embeddings)(torch.tensor([case["ids"][1]]))
-    with torch.no_grad():
-        hidden = backbone(inputs_embeds=embeddings, output_hidden_states=True, use_cache=False).hidden_states
+    ids = torch.tensor([case["ids"][1]])
+    routed = family.token_routed_blocks(hf_model.config)
+    with torch.no_grad():  # DeepSeek-V4: called with the ids, the backbone's hooks hand them to its hash-routed blocks
+        given = {"input_ids": ids} if routed else {"inputs_embeds": family.get(hf_model, family.embeddings)(ids)}
+        hidden = backbone(**given, output_hidden_states=True, use_cache=False).hidden_states
     served = petals_model_folder(str(out / SERVED_FOLDER.get(kind, case["folder"])))
     config = AutoDistributedConfig.from_pretrained(served)
     replacements = server_block_replacements()
@@ -310,10 +315,28 @@ def test_server_blocks_equal_the_local_blocks_on_the_same_hidden_states(request,
     for index in range(len(blocks)):
         block = load_block(served, index, config=config, torch_dtype=torch.float32)
         with torch.no_grad():
-            after = block(hidden[index])[0]
+            after = server_step(block, hidden[index], ids if index in routed else None) if routed else \
+                block(hidden[index])[0]
             if index == len(blocks) - 1:  # transformers gives the last block's output through the final norm
                 after = final_norm[0](after)
         assert_same_bits(after, hidden[index + 1], f"block {index} on a server and here")
+        if index in routed:
+            with pytest.raises(ValueError, match=r"routes each position by its token id; \d+ positions, token ids "
+                                                 r"known: none"):
+                server_step(block, hidden[index], None)
+    assert sorted(routed) == ([0, 1] if kind == "deepseek_v4" else [])
+
+
+def server_step(block, hidden_states: torch.Tensor, token_ids):
+    """``block``'s output for ``hidden_states`` as a server dist_eval starts computes it: its merged forward's step
+    (the request's token ids the blocks' ROW_TOKEN_IDS while they run)."""
+    from petals.utils.misc import DUMMY
+
+    from dist_eval.swarm.merged_forward import MergedForwardStep
+
+    step = MergedForwardStep({"block": types.SimpleNamespace(forward=lambda states, adapter: block(states))})
+    with torch.no_grad():
+        return step(hidden_states.clone(), "", ("block",), (DUMMY,), token_ids)[0]
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4_text"])

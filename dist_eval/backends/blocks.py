@@ -29,7 +29,8 @@ servers dist_eval starts alike, so the swarm computes what ``--backend local`` c
    transformers' ``AutoConfig`` and, when petals is imported, petals' own registry (the
    server finds its block class there).
 
-A server dist_eval starts also reads FP8 checkpoints (DeepSeek-V3's) and INT4 ones (Kimi K2.5's):
+A server dist_eval starts also reads FP8 checkpoints (DeepSeek-V3's, DeepSeek-V4's with its FP4 experts) and INT4
+ones (Kimi K2.5's):
 :func:`fp8_load_replacements` dequantizes a block's tensors as petals reads them, as the local layers' load
 hook does.
 """
@@ -56,6 +57,8 @@ _SERVER_FP8_BLOCK: contextvars.ContextVar = contextvars.ContextVar("dist_eval_se
 _SERVER_INT4_GROUP: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_int4_group", default=None)
 # whether the block this process's petals server is loading has MXFP4 tensors (gpt-oss's experts)
 _SERVER_MXFP4: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_mxfp4", default=False)
+# whether the block this process's petals server is loading is DeepSeek-V4's (its FP8 tiles + FP4 experts, as released)
+_SERVER_V4: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_v4", default=False)
 
 
 def class_at(path: str):
@@ -205,7 +208,11 @@ def _build_petals_classes(family) -> None:
     base = _base(family)
     base_config = getattr(petals, "Distributed" + _config_name(base))
     body = {"model_type": family.model_type, **dict(family.block_options)}
-    if has_own_layers(family):  # the server's block (its attention is still a config.attn_class)
+    if dict(family.block_options).get("hyper_connections"):  # DeepSeek-V4's block and attention (petals counts heads)
+        from dist_eval.backends.layers import HyperConnectedServerBlock, V4Attention
+
+        body.update(block_class=HyperConnectedServerBlock, attn_class=V4Attention)
+    elif has_own_layers(family):  # the server's block (its attention is still a config.attn_class)
         from dist_eval.backends.layers import petals_block_class
 
         body["block_class"] = petals_block_class()
@@ -223,12 +230,16 @@ def _build_petals_classes(family) -> None:
 def _own_final_norm_init(base: type):
     """An ``__init__`` for a subclass of petals' ``base`` (its blocks on the swarm, the final norm here):
     ``base``'s own, then the family's final norm in place of the base family's
-    (:func:`dist_eval.backends.layers.own_final_norm`).
+    (:func:`dist_eval.backends.layers.own_final_norm`); DeepSeek-V4's, hc_head, its final norm and the streams
+    made before the first server (:func:`dist_eval.backends.layers.build_hyper_connected_client`).
     """
     def __init__(self, config, *args, **kwargs):
-        from dist_eval.backends.layers import own_final_norm
+        from dist_eval.backends.layers import build_hyper_connected_client, own_final_norm
 
         base.__init__(self, config, *args, **kwargs)
+        if getattr(config, "hyper_connections", False):
+            build_hyper_connected_client(self.base_model, config)
+            return
         norm = own_final_norm(config)
         if norm is not None:
             self.base_model.norm = norm
@@ -283,9 +294,11 @@ def server_block_replacements() -> list:
         fp8 = _SERVER_FP8_BLOCK.set(fp8_block_size(kwargs.get("config")))
         mxfp4 = _SERVER_MXFP4.set(layers.is_mxfp4(kwargs.get("config")))
         int4 = _SERVER_INT4_GROUP.set(int4_group_size(kwargs.get("config")))
+        v4 = _SERVER_V4.set(bool(getattr(kwargs.get("config"), "hyper_connections", False)))
         try:
             return load(model_name, block_index, *args, **kwargs)
         finally:
+            _SERVER_V4.reset(v4)
             _SERVER_INT4_GROUP.reset(int4)
             _SERVER_MXFP4.reset(mxfp4)
             _SERVER_FP8_BLOCK.reset(fp8)
@@ -298,7 +311,8 @@ def fp8_load_replacements() -> list:
     """The tensors of a block as petals' server reads them (``_load_state_dict_from_repo``, every file
     holding one of them), FP8 weights dequantized (:func:`dist_eval.backends.layers.dequantize_fp8`)
     by the tile the block's config says (set by :func:`server_block_replacements` around its load), INT4
-    weights (:func:`dist_eval.backends.layers.dequantize_int4`) by its group size.
+    weights (:func:`dist_eval.backends.layers.dequantize_int4`) by its group size; DeepSeek-V4's FP8 tiles and FP4
+    experts by :func:`dist_eval.backends.layers.dequantize_v4`, as its local layers' load hook.
     """
     import petals.server.from_pretrained as from_pretrained
 
@@ -310,7 +324,9 @@ def fp8_load_replacements() -> list:
     def _load_state_dict_from_repo(model_name, block_prefix, *args, **kwargs):
         tensors = read(model_name, block_prefix, *args, **kwargs)
         block = _SERVER_FP8_BLOCK.get()
-        if block is not None:
+        if block is not None and _SERVER_V4.get():
+            layers.dequantize_v4(tensors, block, where=f"{model_name} ({block_prefix}*)")
+        elif block is not None:
             layers.dequantize_fp8(tensors, block, where=f"{model_name} ({block_prefix}*)")
         if _SERVER_MXFP4.get():
             layers.dequantize_mxfp4(tensors, where=f"{model_name} ({block_prefix}*)")

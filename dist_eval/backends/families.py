@@ -212,6 +212,24 @@ class Family:
         return (f"{self.model_type} is computed by --backend local alone: the servers dist_eval starts do not pass its "
                 "hc_mult streams and hash routing's token ids between blocks yet; use --backend local")
 
+    def token_routed_blocks(self, config) -> frozenset:
+        """The blocks that choose a position's experts by its token id (DeepSeek-V4's mlp_layer_types ``hash_moe``):
+        their servers are sent the rows' token ids with each forward (backends.wire).
+        """
+        if not dict(self.block_options).get("hyper_connections"):
+            return frozenset()
+        return frozenset(i for i, kind in enumerate(v4_mlp_types(config)) if kind == "hash_moe")
+
+    @property
+    def stock_servers_lack(self) -> str:
+        """What petals' own servers cannot compute of this family beyond the block options ('' when nothing more):
+        DeepSeek-V4's blocks, which petals 2.2 has no class for.
+        """
+        if not dict(self.block_options).get("hyper_connections"):
+            return ""
+        return (f"petals has no {self.model_type} block: hc_mult streams between blocks, hash routing by the rows' "
+                "token ids")
+
     def attention_window(self, config) -> int:
         """The sliding attention window of this config in positions (0: none, or not on); with blocks that
         reuse an earlier block's choice of keys (GLM-5's ``indexer_types`` ``shared``), ``index_topk``.
@@ -877,8 +895,10 @@ FAMILIES["deepseek_v32"] = _built_on_llama(
 # chosen by an indexer, index_topk of them; heavily compressed: every entry), one key that is also the value, RoPE
 # on the last values of each head (yarn on the compressed kinds), a sink logit per head, a grouped output
 # projection; a mixture with sqrt-softplus scores, chosen by tid2eid[token id] on the hash_moe blocks (no prompts
-# there), clamped SwiGLU experts and a shared expert. The local backend alone: the swarm's servers do not carry the
-# streams and token ids yet. The options' values are transformers 5.x's DeepseekV4Config defaults
+# there), clamped SwiGLU experts and a shared expert. The servers dist_eval starts build its blocks (backends.layers.
+# HyperConnectedServerBlock: the streams flat between them, the token ids sent to those of hash-routed blocks by
+# backends.wire, hc_head and the final norm on the client), but the swarm stays refused (swarm_refusal) until a run
+# end to end is checked. The options' values are transformers 5.x's DeepseekV4Config defaults
 FAMILIES["deepseek_v4"] = _built_on_llama(
     "deepseek_v4", "DeepseekV4", layer_types=V4_LAYER_TYPES, rope_labels=("main", "compress"), embeds_on_server=False,
     frozen=("embed_tokens", "layers", "norm", "hc_head"),

@@ -7,8 +7,11 @@ Llama 4, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2, gpt-oss, GLM-5, DeepSeek-
   ``hc_mult`` streams between blocks ([batch, positions, hc_mult x hidden], flat), made from the embeddings on the
   backbone's entry and collapsed by :class:`HyperHead` in its final norm (:func:`build_hyper_connected`);
   :class:`V4Attention` (sliding, compressed sparse with :class:`V4Indexer`, heavily compressed: :class:`V4Compressor`),
-  :class:`V4MoeMLP` (hash-routed blocks read the rows' token ids from :data:`ROW_TOKEN_IDS`). The local backend
-  alone computes it (the servers' blocks are not built for it: ``Family.swarm_refusal``).
+  :class:`V4MoeMLP` (hash-routed blocks read the rows' token ids from :data:`ROW_TOKEN_IDS`). The servers dist_eval
+  starts build :class:`HyperConnectedServerBlock` (the streams travel flat between them; the token ids come with
+  each request, :mod:`dist_eval.swarm.merged_forward`); petals' client gets hc_head, the final norm and the streams
+  made before its first server from :func:`build_hyper_connected_client` (the swarm is still refused,
+  ``Family.swarm_refusal``, until a run end to end is checked).
 
 - Qwen3.5's hybrid (the block option ``gated_delta_net``): by ``layer_types`` (:func:`layer_type`) a
   :class:`GatedDeltaNet` block (linear attention: :func:`gated_delta_rule` over the whole row) or a
@@ -161,8 +164,13 @@ def is_sparse(config, index: int) -> bool:
 
 def largest_block_index(config) -> int:
     """The index of a block of the largest kind: the first with the mixture, else 0 (what a
-    block built without its index is, e.g. for petals' size estimate).
+    block built without its index is, e.g. for petals' size estimate); DeepSeek-V4's, the first compressed sparse
+    block (a compressor twice as wide and an indexer), else the first heavily compressed one.
     """
+    if getattr(config, "hyper_connections", False):
+        kinds = v4_layer_types(config)
+        return next((kinds.index(kind) for kind in ("compressed_sparse_attention", "heavily_compressed_attention")
+                     if kind in kinds), 0)
     return next((i for i in range(config.num_hidden_layers) if is_sparse(config, i)), 0)
 
 
@@ -1538,6 +1546,7 @@ class V4Attention(nn.Module):
         super().__init__()
         self.kind = v4_layer_types(config)[index]
         self.heads, self.head_dim, self.window = config.num_attention_heads, config.head_dim, config.sliding_window
+        self.num_heads = self.heads  # petals' server counts the heads of its config.attn_class (this class) modules
         self.groups, self.eps = config.o_groups, config.rms_norm_eps
         self.wq_a = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
         self.q_norm = V4RMSNorm(config.q_lora_rank, config.rms_norm_eps)
@@ -1833,6 +1842,51 @@ def build_hyper_connected(backbone, config) -> None:
     backbone.dist_eval_token_ids = []  # per forward in progress, the ROW_TOKEN_IDS token its pre-hook set (or None)
     backbone.register_forward_pre_hook(_streams_on_entry, with_kwargs=True)
     backbone.register_forward_hook(_streams_done, with_kwargs=True)
+
+
+class HyperConnectedServerBlock(HyperConnectedLayer):
+    """DeepSeek-V4's block on a server dist_eval starts: petals builds it as ``config.block_class(config)`` (the index
+    from :data:`SERVER_BLOCK_INDEX`, else :func:`largest_block_index`) and calls it with the streams alone, flat
+    [batch, positions, hc_mult x hidden]; the causal mask is the one the local backbone builds (the pinned LlamaModel's,
+    as petals' Llama block builds it), so both compute the same bits. A hash-routed block reads the request's token ids
+    (:data:`ROW_TOKEN_IDS`, set around the request's blocks by :mod:`dist_eval.swarm.merged_forward`).
+    """
+
+    def __init__(self, config, layer_idx: Optional[int] = None):
+        index = SERVER_BLOCK_INDEX.get() if layer_idx is None else layer_idx
+        super().__init__(config, largest_block_index(config) if index is None else index)
+
+    def forward(self, hidden_states: torch.Tensor, *args, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, layer_past: Optional[tuple] = None,
+                use_cache: bool = False, **kwargs) -> tuple:
+        if layer_past is not None or use_cache:  # an inference session (petals' generation): a row in one pass here
+            raise ValueError("DeepSeek-V4's blocks on dist_eval's servers compute a whole row per forward; an "
+                             "inference session (layer_past, use_cache) is not served")
+        from transformers.models.llama.modeling_llama import LlamaModel
+
+        bsz, positions = hidden_states.shape[:2]
+        ones = torch.ones((bsz, positions), dtype=torch.bool, device=hidden_states.device)
+        mask = LlamaModel._prepare_decoder_attention_mask(None, ones, (bsz, positions), hidden_states, 0)
+        return super().forward(hidden_states, attention_mask=mask)
+
+
+def _streams_to_servers(remote_blocks, args: tuple) -> tuple:
+    """The pre-hook of petals' client's remote blocks (DeepSeek-V4): its input embeddings (prompts before them) as
+    hc_mult streams, flat, as the local backbone makes them before its first block.
+    """
+    hidden_states, hc = args[0], remote_blocks.config.hc_mult
+    if hidden_states.shape[-1] != remote_blocks.config.hidden_size:
+        return args
+    return (expand_streams(hidden_states, hc), *args[1:])
+
+
+def build_hyper_connected_client(backbone, config) -> None:
+    """Petals' client backbone (its blocks on the swarm) as DeepSeek-V4's: ``hc_head`` and the final norm that collapses
+    the streams (under the local backbone's names), the embeddings expanded into streams before the first server.
+    """
+    backbone.hc_head = HyperHead(config).requires_grad_(False)  # frozen, as petals' client holds its backbone's
+    backbone.norm = HyperHeadNorm(config, backbone.hc_head).requires_grad_(False)
+    backbone.layers.register_forward_pre_hook(_streams_to_servers)
 
 
 V4_SCALES = (".scale", ".weight" + SCALE_SUFFIX)  # DeepSeek-V4's per-tile / per-group scales: the release's name, 5.x's

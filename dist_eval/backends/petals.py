@@ -71,6 +71,8 @@ class PetalsClassifier(Backend):
         table = family.get(inner, family.embeddings).weight
         self._own_digest = functools.lru_cache(maxsize=None)(lambda: embeddings_digest(table)) \
             if family.embeds_on_server else None
+        # the blocks whose servers are sent the rows' token ids (DeepSeek-V4's hash routing: backends.wire)
+        self._routed_blocks = family.token_routed_blocks(config)
         # per thread (batches in flight run in threads): the token ids of the forward running
         # in this thread and the positions its head reads, for its remote blocks (backends.wire)
         self._forward_facts = threading.local()
@@ -140,7 +142,8 @@ class PetalsClassifier(Backend):
                 hidden_states = args[0] if args else kwargs["inputs"]
                 prompts = args[1] if len(args) > 1 else kwargs.get("prompts")
                 return forward_over_wire(hidden_states, prompts, self.sequence_manager, positions,
-                                         self._forward_facts.token_ids, self._prompt_tokens, self._own_digest)
+                                         self._forward_facts.token_ids, self._prompt_tokens, self._own_digest,
+                                         self._routed_blocks)
             except RequestTooLarge as refused:
                 hidden_states = args[0] if args else kwargs["inputs"]  # [rows, tokens, hidden]
                 learn_server_limit(self.sequence_manager, refused, row_tokens=hidden_states.shape[1])
@@ -302,9 +305,10 @@ def _require_block_options(manager, family: Family, config, servers_read_4x_form
     shown = ", ".join(f"{peer[:16]}... (petals {printable(version)})" for peer, version in others[:3])
     serve = "Serve it with python -m dist_eval.swarm or launch/start_server.sh"
     if options:
+        lack = f" ({family.stock_servers_lack})" if family.stock_servers_lack else ""
         raise UsageError(
             f"the swarm's server(s) {shown} are not dist_eval's, and this {family.model_type} model's blocks "
-            f"need dist_eval's block options (docs/models-and-checkpoints.md). {serve}.", param="initial_peers")
+            f"need dist_eval's block options{lack} (docs/models-and-checkpoints.md). {serve}.", param="initial_peers")
     fields = ", ".join(f"{name} {json.dumps(value)} ({why})" for name, (value, why) in misread.items())
     moved = any(why == MOVED for _, why in misread.values())
     raise UsageError(

@@ -26,6 +26,10 @@ share of the machine (benchmarks/RESULTS.md). So, on a classifier's no-grad forw
    the embeddings keeps that arithmetic on the client, and sends hidden states).
 3. Hidden states sent to the first server go in that server's dtype (float16 on a GPU
    server, half of float32), the conversion it would have made on arrival.
+4. **Token ids beside hidden states.** DeepSeek-V4's hash-routed blocks (mlp_layer_types ``hash_moe``) choose a
+   position's experts by its token id: each server whose span holds one is sent the rows' token ids [rows,
+   tokens] (int64) after the hidden states and prompts (``routed_blocks``), which its merged forward hands to the
+   blocks (:mod:`dist_eval.swarm.merged_forward`). A server of petals' own cannot build those blocks at all.
 
 Every change moves values, never computes them differently: a lookup, a concatenation, a
 dtype conversion the server made anyway, a choice of rows. So the logits are those of
@@ -247,13 +251,15 @@ class _PeerWire:
 
 def forward_over_wire(hidden_states: torch.Tensor, prompts, sequence_manager, positions: torch.Tensor,
                       token_ids: Optional[torch.Tensor] = None, prompt_tokens: int = 0,
-                      own_digest: Optional[Callable[[], str]] = None) -> torch.Tensor:
+                      own_digest: Optional[Callable[[], str]] = None,
+                      routed_blocks: frozenset = frozenset()) -> torch.Tensor:
     """The remote blocks' output for ``hidden_states`` [rows, prompt_tokens + tokens, hidden]
     (no grad), with only ``positions`` (one per row) filled in and zeros elsewhere.
 
     ``token_ids`` [rows, tokens] (the ids ``hidden_states`` embed, after ``prompt_tokens``
     prompt vectors) and ``own_digest`` (computes the digest of the client's table, once:
-    cache it): sent instead of the hidden states to a first server with the same table. Requests are sized as
+    cache it): sent instead of the hidden states to a first server with the same table; beside them to every
+    server whose span holds one of ``routed_blocks`` (the blocks that route by token id). Requests are sized as
     :mod:`dist_eval.backends.requests` says; failures go through petals' routing and
     dist_eval's failover exactly as in petals' own forward.
     """
@@ -271,7 +277,8 @@ def forward_over_wire(hidden_states: torch.Tensor, prompts, sequence_manager, po
     if not hasattr(sequence_manager, _PEERS_ATTR):
         setattr(sequence_manager, _PEERS_ATTR, {})
 
-    requests = [_Request(inputs, batch_prompts, ids, prompt_tokens, batch_positions, audit.caller_redoes())
+    requests = [_Request(inputs, batch_prompts, ids, prompt_tokens, batch_positions, audit.caller_redoes(),
+                         routed_blocks)
                 for inputs, batch_prompts, ids, batch_positions in zip(input_batches, prompt_batches, id_batches,
                                                                        position_batches)]
 
@@ -300,8 +307,9 @@ class _Request:
     """
 
     def __init__(self, hidden_states, prompts, token_ids, prompt_tokens: int, positions: torch.Tensor,
-                 redoes: bool = False):
+                 redoes: bool = False, routed_blocks: frozenset = frozenset()):
         self.hidden_states, self.prompts, self.token_ids = hidden_states, prompts, token_ids
+        self.routed_blocks = routed_blocks  # the blocks whose servers are sent the token ids (hash routing)
         self.prompt_tokens, self.positions = prompt_tokens, positions.tolist()
         self.redoes = redoes  # the caller evaluates the batch again if a server of it is blamed later
         self.servers: set = set()  # the servers whose answers were taken (the hidden states returned)
@@ -317,7 +325,7 @@ class _Request:
             prompts = prompts[:, index]
         ids = None if self.token_ids is None else self.token_ids[index, : length - self.prompt_tokens]
         sub = _Request(self.hidden_states[index, :length], prompts, ids, self.prompt_tokens,
-                       torch.tensor([self.positions[r] for r in rows]), self.redoes)
+                       torch.tensor([self.positions[r] for r in rows]), self.redoes, self.routed_blocks)
         sub.finite_inputs = self.finite_inputs
         return sub
 
@@ -436,6 +444,8 @@ async def _run_span(request: _Request, manager, span, inputs: torch.Tensor,
         tensors = _request_tensors(request, span_prompts, peer)
     else:
         tensors = (inputs, span_prompts)
+    if len(tensors) == 2 and request.routed_blocks & set(range(span.start, span.end)):
+        tensors = (*tensors, _routing_ids(request, tensors[0]))
     flat_tensors, args_structure = pack_args_kwargs(*tensors)
     uids = CHAIN_DELIMITER.join(manager.block_uids[span.start : span.end])
     metadata = manager.get_request_metadata("rpc_forward", args_structure, uids, *flat_tensors)
@@ -661,6 +671,18 @@ def _request_tensors(request: _Request, span_prompts, peer: _PeerWire) -> tuple:
         digest = torch.tensor(list(bytes.fromhex(peer.digest)), dtype=torch.uint8)
         return request.token_ids.to(torch.int64), prompts, vectors, digest
     return request.hidden_states.to(peer.dtype), prompts
+
+
+def _routing_ids(request: _Request, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The token ids [rows, positions] a span of hash-routed blocks is sent beside ``hidden_states``: one per position
+    (no prompt positions: ptune is refused on such models, Family.prompts_refusal).
+    """
+    ids = request.token_ids
+    if ids is None or request.prompt_tokens or tuple(ids.shape) != tuple(hidden_states.shape[:2]):
+        shown = "none" if ids is None else f"{list(ids.shape)} after {request.prompt_tokens} prompt positions"
+        raise ValueError(f"blocks {sorted(request.routed_blocks)} route each position by its token id: expected "
+                         f"token ids of shape {list(hidden_states.shape[:2])}, got {shown}")
+    return ids.to(torch.int64)
 
 
 def _check_answer(outputs, sent_shape: Sequence[int], wanted: Optional[List[int]]) -> torch.Tensor:

@@ -32,27 +32,53 @@ MERGED_POOL = "dist_eval_merged_forward_pool"  # the attribute each backend of a
 
 class MergedForwardStep:
     """The runtime's function of the merged pool: (hidden states, adapter, block uids,
-    a tuple of one prompt per block) -> (hidden states after those blocks,).
+    a tuple of one prompt per block, the rows' token ids or None) -> (hidden states after those blocks,).
 
     The prompts come in a tuple, which the pool leaves where it is (it moves top-level
     tensors only): each goes to the device just before its block, as petals' per-block
     path held one block's prompts on the device at a time (deep prompts are expanded to
-    the batch: B blocks of them at once could be large on a GPU).
+    the batch: B blocks of them at once could be large on a GPU). The token ids [rows, positions]
+    (DeepSeek-V4's hash-routed blocks route each position by its token id) are the blocks'
+    :data:`dist_eval.backends.layers.ROW_TOKEN_IDS` while they run (in the runtime's thread).
     """
 
     def __init__(self, backends: Dict[str, object]):
         self.backends = backends
 
-    def __call__(self, hidden_states, active_adapter: str, uids: Tuple[str, ...], prompts: tuple):
+    def __call__(self, hidden_states, active_adapter: str, uids: Tuple[str, ...], prompts: tuple, token_ids=None):
         import torch
         from petals.utils.misc import is_dummy
 
-        with torch.no_grad():  # as each block's forward runs in petals' path
-            for uid, prompt in zip(uids, prompts):
-                if not is_dummy(prompt):
-                    hidden_states[:, : prompt.shape[1]] += prompt.to(hidden_states.device)
-                (hidden_states,) = self.backends[uid].forward(hidden_states, active_adapter)
+        from dist_eval.backends.layers import ROW_TOKEN_IDS
+
+        routed = ROW_TOKEN_IDS.set(token_ids)
+        try:
+            with torch.no_grad():  # as each block's forward runs in petals' path
+                for uid, prompt in zip(uids, prompts):
+                    if not is_dummy(prompt):
+                        hidden_states[:, : prompt.shape[1]] += prompt.to(hidden_states.device)
+                    (hidden_states,) = self.backends[uid].forward(hidden_states, active_adapter)
+        finally:
+            ROW_TOKEN_IDS.reset(routed)
         return (hidden_states,)
+
+
+def request_token_ids(extra: tuple, hidden_states):
+    """The token ids a forward request carries after its hidden states and prompts (DeepSeek-V4's hash routing:
+    ``backends.wire``), [rows, positions] int64, or None when it carries none; ValueError (a failed request) for
+    ids that do not match the hidden states.
+    """
+    import torch
+    from petals.utils.misc import is_dummy
+
+    if not extra or extra[0] is None or is_dummy(extra[0]):
+        return None
+    token_ids = extra[0]
+    if token_ids.is_floating_point() or tuple(token_ids.shape) != tuple(hidden_states.shape[:2]):
+        raise ValueError(f"a forward's token ids (after its hidden states and prompts): expected integers of shape "
+                         f"{list(hidden_states.shape[:2])} (rows, positions), got {token_ids.dtype} "
+                         f"{list(token_ids.shape)}")
+    return token_ids.to(torch.int64)
 
 
 def _attach_merged_pool(backends: Dict[str, object]) -> None:
@@ -68,7 +94,9 @@ def _attach_merged_pool(backends: Dict[str, object]) -> None:
 
 async def _run_rpc_forward_merged(*flat_tensors, requested_backends, active_adapter: str = "", prioritizer,
                                   points: int = 0, args_structure=None):
-    """The same as petals' ``run_rpc_forward`` (arguments, result), as one task of the merged pool."""
+    """The same as petals' ``run_rpc_forward`` (arguments, result), as one task of the merged pool; the token ids a
+    request carries after its prompts (:func:`request_token_ids`) go with it.
+    """
     import torch
     from petals.utils.misc import DUMMY, is_dummy
     from petals.utils.packaging import unpack_args_kwargs
@@ -81,17 +109,19 @@ async def _run_rpc_forward_merged(*flat_tensors, requested_backends, active_adap
         )  # fmt: skip
     if args_structure is not None:
         flat_tensors, _ = unpack_args_kwargs(flat_tensors, args_structure)
-    hidden_states, prompts, *_ = flat_tensors
+    hidden_states, prompts, *extra = flat_tensors
     dtype = requested_backends[0].dtype
     hidden_states = hidden_states.to(dtype)
     assert hidden_states.ndim == 3
+    token_ids = request_token_ids(tuple(extra), hidden_states)
     if prompts is None or is_dummy(prompts):
         prompts = [DUMMY] * len(requested_backends)
     else:
         prompts = [p.squeeze(0) for p in prompts.to(dtype).split(1, dim=0)]
     priority = prioritizer.prioritize(hidden_states, points=points, backend=requested_backends[0], type="forward")
     uids = tuple(backend.name for backend in requested_backends)
-    (hidden_states,) = await pool.submit_task(hidden_states, active_adapter, uids, tuple(prompts), priority=priority)
+    (hidden_states,) = await pool.submit_task(hidden_states, active_adapter, uids, tuple(prompts), token_ids,
+                                              priority=priority)
     assert isinstance(hidden_states, torch.Tensor) and hidden_states.ndim == 3
     return hidden_states
 
