@@ -76,12 +76,9 @@ def build(folder: str, layers: int, hidden: int) -> None:
 
 
 def measure(folder: str, streamed: bool, rows: int, tokens: int) -> dict:
-    import contextlib
-
     import torch
 
     from dist_eval.backends import load_model
-    from dist_eval.backends.streamed import local_backend_streamed
 
     torch.set_num_threads(1)
     # what the load imports, before the baseline (the memory of code, not of weights)
@@ -94,8 +91,7 @@ def measure(folder: str, streamed: bool, rows: int, tokens: int) -> dict:
     ids = torch.randint(1, 1000, (rows, tokens), generator=torch.Generator().manual_seed(2))
     base = _status_mib()
     with PeakSampler() as sampler:
-        with local_backend_streamed() if streamed else contextlib.nullcontext():
-            model = load_model("local", folder, checkpoint=os.path.join(folder, "..", "ck.pt"))
+        model = load_model("local", folder, checkpoint=os.path.join(folder, "..", "ck.pt"), stream_blocks=streamed)
         loaded = _status_mib()
         with torch.no_grad():
             logits = model.module(ids)

@@ -431,6 +431,10 @@ class EvalConfig:
     fetch_whole_model: bool = setting(False, "With a --model hub id where the run reads every block (--backend "
                                              "local, or a local swarm): download every weight file into the HF "
                                              "cache (without it, such a run says how much that is and stops).")
+    stream_blocks: bool = setting(False, "--backend local: keep the blocks in the model's files, each read when the "
+                                         "forward reaches it and freed after: the same logits bit for bit, in the "
+                                         "memory of one block (CPU only). With a --model hub id, each block's "
+                                         "shards are fetched when it first runs.")
     data_files: Optional[List[str]] = setting(None, _DATA_FILES, nargs="+")
     split: Optional[str] = setting(None, "Split to evaluate (needed for a save_to_disk DatasetDict; loose files "
                                          "are one split).")
@@ -505,6 +509,11 @@ class EvalConfig:
         if self.device != "cpu" and not kind.computes_here:
             raise UsageError("only --backend local computes here; a Petals client's tensors stay on the CPU.",
                              param="device", value=self.device)
+        if self.stream_blocks:
+            kind.with_blocks_streamed()
+            if self.device != "cpu":
+                raise UsageError("expected cpu: the blocks streamed from disk are computed on the CPU. Pass "
+                                 "--device cpu, or drop --stream-blocks.", param="device", value=self.device)
         self._check_label_words()
         if self.local_servers is not None:
             check_int("local_servers", self.local_servers, 1)

@@ -47,7 +47,8 @@ def _flags_job(config: EvalConfig, say) -> Job:
         say(f"dist_eval: {len(config.plan.checkpoints)} checkpoint(s) x {len(config.plan.sets)} set(s) = "
             f"{len(config.plan.pairs())} evaluations, one model load; reports under {config.output_dir}", flush=True)
     model_dir, dht_prefix = resolve_model(config.model, config.backend, config.initial_peers, config.revision,
-                                          whole=config.fetch_whole_model)
+                                          whole=config.fetch_whole_model,
+                                          stream=config.stream_blocks)
     return Job(model_dir, config.split, config.settings, config.plan, demo=False, head=config.head,
                dht_prefix=dht_prefix)
 
@@ -74,5 +75,6 @@ def on_this_node(config: EvalConfig, job: Job) -> Job:
         from dist_eval.backends.hub import snapshot_on_this_node
 
         model_dir = snapshot_on_this_node(job.model_dir, config.model, config.backend, config.initial_peers,
-                                          whole=config.fetch_whole_model)
+                                          whole=config.fetch_whole_model,
+                                          stream=config.stream_blocks)
     return replace(job, model_dir=model_dir)

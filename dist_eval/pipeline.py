@@ -144,6 +144,7 @@ def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
                 tuning_mode=config.tuning_mode, pre_seq_len=config.pre_seq_len, num_labels=config.num_labels,
                 initial_peers=session.swarm[0], dht_prefix=session.swarm[1], swarm_timeout=config.swarm_timeout,
                 device=config.device, label_words=job.settings.label_words, tokenizer=session.tokenizer,
+                stream_blocks=config.stream_blocks,
                 # the run's own local swarm is audited only when asked: its servers are this run's
                 audit=config.audit if config.audit is not None or config.initial_peers else 0.0,
                 servers_started_from_4x_config=config.servers_started_from_4x_config,

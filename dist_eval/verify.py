@@ -21,7 +21,6 @@ when OUT is not a report with a receipt, or a flag is wrong.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -306,7 +305,6 @@ def _load(receipt: dict, where: dict, args, settings):
     blocks streamed from disk one at a time, :mod:`dist_eval.backends.streamed`, unless ``--in-memory``).
     """
     from dist_eval.backends import load_model
-    from dist_eval.backends.streamed import local_backend_streamed
     from dist_eval.backends.tokenizer import load_tokenizer
     from dist_eval.data.load import load_split
     from dist_eval.data.sample import draw_rows
@@ -318,14 +316,12 @@ def _load(receipt: dict, where: dict, args, settings):
                          value=where["model"])
     drawn = draw_rows(load_split(where["data"], recorded.get("split")), settings)
     tokenizer = load_tokenizer(where["model"])
-    streamed = args.backend == "local" and not args.in_memory
-    with local_backend_streamed() if streamed else contextlib.nullcontext():
-            model = load_model(args.backend, where["model"], checkpoint=where["checkpoint"] if receipt.get("checkpoint")
-                           else None, head=(receipt.get("head") or {}).get("path"),
-                           tuning_mode=recorded.get("tuning_mode"), pre_seq_len=recorded.get("pre_seq_len") or 0,
-                           num_labels=recorded.get("num_labels"), initial_peers=args.initial_peers,
-                           dht_prefix=args.dht_prefix, device=args.device, label_words=settings.label_words,
-                           tokenizer=tokenizer, audit=0.0)
+    model = load_model(args.backend, where["model"], checkpoint=where["checkpoint"] if receipt.get("checkpoint")
+                       else None, head=(receipt.get("head") or {}).get("path"),
+                       tuning_mode=recorded.get("tuning_mode"), pre_seq_len=recorded.get("pre_seq_len") or 0,
+                       num_labels=recorded.get("num_labels"), initial_peers=args.initial_peers,
+                       dht_prefix=args.dht_prefix, device=args.device, label_words=settings.label_words,
+                       tokenizer=tokenizer, audit=0.0, stream_blocks=args.backend == "local" and not args.in_memory)
     return drawn, tokenizer, model
 
 

@@ -101,7 +101,6 @@ def test_the_streamed_local_backend_equals_the_in_memory_one_bit_for_bit(tiny_mo
     from conftest import split_into_shards
 
     from dist_eval.backends import load_model
-    from dist_eval.backends.streamed import local_backend_streamed
 
     ids = torch.tensor([[5, 6, 7, 8, 9, 0, 0], [10, 11, 12, 13, 14, 15, 16], [20, 0, 0, 0, 0, 0, 0]])
     shards = split_into_shards(tiny_model, str(tmp_path / "shards"))
@@ -110,8 +109,7 @@ def test_the_streamed_local_backend_equals_the_in_memory_one_bit_for_bit(tiny_mo
         with one_thread(), torch.no_grad():
             whole = load_model("local", tiny_model, checkpoint=checkpoint).module(ids)
             for folder in (tiny_model, shards):
-                with local_backend_streamed():
-                    streamed = load_model("local", folder, checkpoint=checkpoint)
+                streamed = load_model("local", folder, checkpoint=checkpoint, stream_blocks=True)
                 blocks = dict(streamed.module.hf_model.named_parameters())
                 assert blocks["model.layers.1.mlp.up_proj.weight"].device.type == "meta"  # on disk
                 assert blocks["model.embed_tokens.weight"].device.type == "cpu"

@@ -134,6 +134,7 @@ def load_model(
     tokenizer=None,
     revision: Optional[str] = None,
     fetch_whole_model: bool = False,
+    stream_blocks: bool = False,
     audit: Optional[float] = None,
     servers_started_from_4x_config: bool = False,
 ) -> LoadedModel:
@@ -154,7 +155,11 @@ def load_model(
     ``model_dir`` may be a hub id (``org/name``, at ``revision``) with the petals backend and
     ``initial_peers``: only the client's files are fetched (:mod:`dist_eval.backends.hub`), and
     ``dht_prefix`` defaults to petals' own for that id. The local backend reads every block:
-    on a hub id it is refused, saying how much that is, unless ``fetch_whole_model``.
+    on a hub id it is refused, saying how much that is, unless ``fetch_whole_model`` or ``stream_blocks``.
+
+    ``stream_blocks`` (local): the blocks stay in the model's files, each read when the forward reaches it and
+    freed after (:mod:`dist_eval.backends.streamed`): the same logits bit for bit, in the memory of one block;
+    on a hub id, each block's shards are fetched when it first runs, not before.
 
     ``audit`` (petals): the share of forwards replayed on other servers and compared
     (:mod:`dist_eval.backends.audit`); None: ``$DIST_EVAL_AUDIT``, else 3%; 0: none.
@@ -162,12 +167,15 @@ def load_model(
     whose config.json is in transformers 4.x's form; without it a folder saved by transformers 5.x is
     refused on such servers, which read its RoPE wrong (:mod:`dist_eval.backends.config_json`).
     """
-    from dist_eval.backends.hub import resolve_model
+    from dist_eval.backends.hub import hub_source, resolve_model
 
     kind = backend_kind(backend)
+    if stream_blocks:
+        kind = kind.with_blocks_streamed()
     if kind.on_swarm:
         audit = audit_share(audit)
-    model_dir, hub_prefix = resolve_model(model_dir, backend, initial_peers, revision, whole=fetch_whole_model)
+    model_dir, hub_prefix = resolve_model(model_dir, backend, initial_peers, revision, whole=fetch_whole_model,
+                                          stream=stream_blocks)
     dht_prefix = dht_prefix or hub_prefix
     if device != "cpu":
         from dist_eval.ranks.devices import this_rank_device
@@ -191,6 +199,7 @@ def load_model(
     scored = _label_words(model_dir, config, family, words, tokenizer) if words else None
     module = kind.load(model_dir, state, family, scored, initial_peers=initial_peers, dht_prefix=dht_prefix,
                        client_options=petals_client_options or {}, swarm_timeout=swarm_timeout, device=device,
+                       hub=hub_source(model_dir),
                        audit_share=audit or 0.0, servers_started_from_4x_config=servers_started_from_4x_config)
     module.eval()
     return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend,

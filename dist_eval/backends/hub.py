@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 from dist_eval.backends.arguments import is_hub_id
 from dist_eval.backends.kinds import backend_kind
@@ -26,13 +26,36 @@ SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
+class HubSource(NamedTuple):
+    """Where the files of a hub id's snapshot folder not fetched yet come from (its blocks' shards, streamed)."""
+
+    repo_id: str
+    commit: str  # the snapshot's: every file of the run from the same one
+
+    def fetch(self, name: str) -> str:
+        """The local path of the snapshot's file ``name``, downloaded now unless in the HF cache."""
+        return _fetch(self.repo_id, name, self.commit, None)
+
+
+def hub_source(model_dir: str) -> Optional[HubSource]:
+    """The :class:`HubSource` of ``model_dir`` when it is a snapshot folder of an HF cache
+    (``.../models--ORG--NAME/snapshots/COMMIT``: what :func:`resolve_model` made of a hub id, on any node), else None.
+    """
+    import re
+
+    found = re.search(r"/models--([^/]+)/snapshots/([0-9a-f]{40})$", os.path.abspath(model_dir))
+    return HubSource(found.group(1).replace("--", "/"), found.group(2)) if found else None
+
+
 def resolve_model(model: str, backend: str, initial_peers, revision: Optional[str] = None,
-                  whole: bool = False) -> Tuple[str, Optional[str]]:
+                  whole: bool = False, stream: bool = False) -> Tuple[str, Optional[str]]:
     """(the folder to read, the DHT prefix petals' client would use or None) of ``model``: a
     folder as it is; a hub id, for ``--backend petals --initial-peers``, as its client files
     (:func:`client_folder`). What reads every block (the local backend, a local swarm) is told
     what the repository holds, in one line, before anything but its index is fetched; with
-    ``whole`` (``--fetch-whole-model``) it gets every weight file instead.
+    ``whole`` (``--fetch-whole-model``) it gets every weight file instead; with ``stream``
+    (``--stream-blocks``, the local backend) the client's files, each block's shards fetched when it runs
+    (:class:`HubSource`).
     """
     if os.path.isdir(model) or not is_hub_id(model):
         if revision is not None:
@@ -43,16 +66,20 @@ def resolve_model(model: str, backend: str, initial_peers, revision: Optional[st
     if not kind.on_swarm or not initial_peers:
         if whole:
             return client_folder(model, revision, every_shard=True), None
+        if stream and kind.streamed is not None:
+            return client_folder(model, revision), None
         needs = f"--backend {backend}" if not kind.on_swarm else "a local swarm (no --initial-peers)"
+        streams = " or --stream-blocks to fetch each block's shards when it runs," if kind.streamed else ""
         raise UsageError(
             f"{needs} reads every block's weights, and of a hub id dist_eval fetches only the client's files "
-            f"({_size_of(model, revision)}). Run --backend petals --initial-peers against a swarm serving it, "
-            f"or add --fetch-whole-model to download every weight file into the HF cache.",
+            f"({_size_of(model, revision)}). Run --backend petals --initial-peers against a swarm serving it,"
+            f"{streams} or add --fetch-whole-model to download every weight file into the HF cache.",
             param="model_dir", value=model)
     return client_folder(model, revision), petals_dht_prefix(model, revision)
 
 
-def snapshot_on_this_node(model_dir: str, model: str, backend: str, initial_peers, whole: bool = False) -> str:
+def snapshot_on_this_node(model_dir: str, model: str, backend: str, initial_peers, whole: bool = False,
+                          stream: bool = False) -> str:
     """``model_dir`` (a snapshot rank 0 resolved) when it is in this process's HF cache; else the
     same snapshot (its commit: a snapshot folder is named by it) fetched into this one's (another
     node without a shared HF_HOME).
@@ -63,7 +90,7 @@ def snapshot_on_this_node(model_dir: str, model: str, backend: str, initial_peer
     if os.path.realpath(model_dir).startswith(own_cache + os.sep):
         return model_dir
     commit = os.path.basename(os.path.normpath(model_dir))
-    return resolve_model(model, backend, initial_peers, commit, whole=whole)[0]
+    return resolve_model(model, backend, initial_peers, commit, whole=whole, stream=stream)[0]
 
 
 def petals_dht_prefix(repo_id: str, revision: Optional[str] = None) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 from dist_eval.errors import UsageError
 
@@ -23,6 +23,16 @@ class BackendKind:
     takes: tuple  # load_model's keywords it reads, beyond the model, prompts + head and label words
     on_swarm: bool  # its blocks run on a Petals swarm (a local one is started without --initial-peers)
     computes_here: bool  # it computes in this process: --device applies
+    streamed: Optional[BackendKind] = None  # the same backend with its blocks streamed from disk (--stream-blocks)
+
+    def with_blocks_streamed(self, param: str = "stream_blocks") -> BackendKind:
+        """This backend with its blocks streamed from disk, one at a time; a UsageError naming ``param`` where
+        its blocks are not computed here.
+        """
+        if self.streamed is None:
+            raise UsageError(f"expected {{0}} 'local': the blocks of {{0}} {self.name!r} are computed elsewhere, "
+                             "not read from disk here. Drop it, or pass {0} local.", param=param, names=("backend",))
+        return self.streamed
 
     def load(self, model_dir: str, state, family, label_words, **given):
         """The backend module, built from the keywords it takes (the others are not passed)."""
@@ -37,7 +47,11 @@ BACKENDS: Dict[str, BackendKind] = {
                            "servers_started_from_4x_config"),
                           on_swarm=True, computes_here=False),
     "local": BackendKind("local", "dist_eval.backends.local:load_local", ("device",),
-                         on_swarm=False, computes_here=True),
+                         on_swarm=False, computes_here=True,
+                         # the same model, bit for bit, in the memory of one block: each read from disk (or fetched
+                         # from the hub: ``hub``) when the forward reaches it and freed after
+                         streamed=BackendKind("local", "dist_eval.backends.streamed:load_streamed", ("device", "hub"),
+                                              on_swarm=False, computes_here=True)),
 }
 
 

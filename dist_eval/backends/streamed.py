@@ -8,8 +8,11 @@ blocks' worth (a block read, converted and set in place), and the rows' activati
 local backend (:func:`dist_eval.backends.local.load_local`) bit for bit: the same modules, the same weights,
 the same computation, only where the weights wait between forwards differs.
 
-Used by ``python -m dist_eval.verify --backend local`` (its default where the model's folder is at hand:
-``--in-memory`` loads it whole instead).
+The local backend's ``--stream-blocks`` (``load_model(..., stream_blocks=True)``: :data:`dist_eval.backends.kinds.
+BACKENDS`' ``local.streamed``), and ``python -m dist_eval.verify --backend local``'s default (``--in-memory``
+loads the model whole instead). On a hub snapshot folder holding the client's shards alone (a hub id resolved
+with ``stream``: :func:`dist_eval.backends.hub.resolve_model`), each block's shards are fetched when the forward
+first reaches it, before the offload reads them.
 """
 from __future__ import annotations
 
@@ -17,8 +20,8 @@ import contextlib
 import os
 import shutil
 import tempfile
+import warnings
 import weakref
-from dataclasses import replace
 from typing import Iterator, Optional
 
 import torch
@@ -26,26 +29,35 @@ import torch
 from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import TrainableState
 from dist_eval.backends.families import Family
+from dist_eval.backends.hub import HubSource
 from dist_eval.backends.zeroshot import LabelWords
 
 
 def load_streamed(
     model_dir: str, state: TrainableState, family: Family, device: str = "cpu",
-    label_words: Optional[LabelWords] = None,
+    label_words: Optional[LabelWords] = None, hub: Optional[HubSource] = None,
 ) -> Backend:
-    """:func:`~dist_eval.backends.local.load_local`'s model, its blocks left on disk (see the module)."""
+    """:func:`~dist_eval.backends.local.load_local`'s model, its blocks left on disk (see the module). ``hub``:
+    where the shards of ``model_dir`` (a hub snapshot) not fetched yet come from: each block's when it first runs.
+    """
     from dist_eval.backends.blocks import family_class
     from dist_eval.backends.compat import no_random_init_of_meta_tensors
     from dist_eval.backends.local import PromptTunedClassifier
-    from dist_eval.backends.petals_folder import detect_layout, petals_model_folder, require_every_shard
+    from dist_eval.backends.petals_folder import detect_layout, missing_shards, petals_model_folder, require_every_shard
     from dist_eval.backends.zeroshot import ZeroShotScorer
     from dist_eval.errors import UsageError
 
     if str(device).split(":")[0] != "cpu":
         raise UsageError("expected cpu: the blocks streamed from disk are computed on the CPU. Pass --device cpu, "
                          "or load the model whole (--in-memory).", param="device", value=device)
-    require_every_shard(model_dir, "--backend local")
+    fetched_later = bool(hub) and bool(missing_shards(model_dir))
+    if not fetched_later:
+        require_every_shard(model_dir, "--backend local")
     if not detect_layout(model_dir, family).client_ready:
+        if fetched_later:  # the converted copy is written from every shard
+            raise UsageError(f"this {family.model_type} release's tensors are renamed into a converted copy before "
+                             "they are read, which needs every shard at hand, not fetched block by block. Pass "
+                             "--fetch-whole-model instead of --stream-blocks.", param="stream_blocks")
         model_dir = petals_model_folder(model_dir)
     config_class = family_class(family.local_lm_class if label_words is not None else family.local_class,
                                 in_petals=False)
@@ -56,7 +68,10 @@ def load_streamed(
         _client_view(model_dir, blocks, view)
         device_map = _device_map(view, blocks, config.num_hidden_layers, family.head)
         kwargs = {} if label_words is not None else {"num_labels": state.num_labels, "ignore_mismatched_sizes": False}
-        with no_random_init_of_meta_tensors(), _no_progress_bar():  # "Loading checkpoint shards": the view's
+        with no_random_init_of_meta_tensors(), _no_progress_bar(), warnings.catch_warnings():
+            # "Loading checkpoint shards" (the view's) is not shown; nor that a causal LM's lm_head, mapped from
+            # the files' names, is no module of a classifier
+            warnings.filterwarnings("ignore", "The following device_map keys do not match any submodules")
             hf_model = config_class.from_pretrained(view, torch_dtype=torch.float32, device_map=device_map,
                                                     offload_folder=os.path.join(view, "offload"),
                                                     offload_state_dict=False, **kwargs)
@@ -65,12 +80,35 @@ def load_streamed(
         raise
     for block in family.get(hf_model, family.blocks):  # its freed weights given back before the next block's
         block.register_forward_hook(_give_back_heap)
+    if fetched_later:
+        _fetch_each_block_when_it_runs(hf_model, family, model_dir, hub)
     model = PromptTunedClassifier(hf_model, state.tuning_mode, state.pre_seq_len, family)
     model.load_trainable(state)
     if label_words is not None:
         model = ZeroShotScorer(model, family.get(hf_model, family.lm_head), label_words)
     weakref.finalize(model, shutil.rmtree, view, True)  # the view goes with the model
     return model
+
+
+def _fetch_each_block_when_it_runs(hf_model, family: Family, model_dir: str, hub: HubSource) -> None:
+    """A hook before each block's forward (before the offload's, which reads the block: it wraps the block's
+    ``forward``, which runs after every pre-hook) fetching into ``model_dir`` the shards holding its tensors
+    that are not there yet: a block's shards at a time, in the order the forward needs them.
+    """
+    files = _tensor_files(model_dir)
+    for index, block in enumerate(family.get(hf_model, family.blocks)):
+        prefix = f"{family.blocks}.{index}."
+        needed = sorted({os.path.basename(file) for name, file in files.items() if name.startswith(prefix)})
+        block.register_forward_pre_hook(_fetcher(model_dir, needed, hub))
+
+
+def _fetcher(model_dir: str, names: list, hub: HubSource):
+    def fetch_absent(module, args) -> None:
+        for name in names:
+            if not os.path.exists(os.path.join(model_dir, name)):
+                hub.fetch(name)
+
+    return fetch_absent
 
 
 def _give_back_heap(module, args, output) -> None:
@@ -172,17 +210,3 @@ def _device_map(model_dir: str, blocks: str, num_blocks: int, head: str) -> dict
         if not name.startswith(blocks + "."):
             out[name.rsplit(".", 1)[0]] = "cpu"
     return out
-
-
-@contextlib.contextmanager
-def local_backend_streamed() -> Iterator[None]:
-    """Inside: ``load_model("local", ...)`` loads the blocks streamed from disk (:func:`load_streamed`)."""
-    from dist_eval.backends import kinds
-
-    local = kinds.BACKENDS["local"]
-    kinds.BACKENDS["local"] = replace(local, loader="dist_eval.backends.streamed:load_streamed")
-    try:
-        yield
-    finally:
-        kinds.BACKENDS["local"] = local
-
