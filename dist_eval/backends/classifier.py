@@ -177,25 +177,14 @@ def load_model(
     model_dir, hub_prefix = resolve_model(model_dir, backend, initial_peers, revision, whole=fetch_whole_model,
                                           stream=stream_blocks)
     dht_prefix = dht_prefix or hub_prefix
-    if device != "cpu":
-        from dist_eval.ranks.devices import this_rank_device
-
-        if not kind.computes_here:
-            raise UsageError("only the local backend computes here; a Petals client stays on the CPU.",
-                             param="device", value=device)
-        device = this_rank_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+    device = _rank_device(kind, device)
     config = _read_config(model_dir)
     family = family_of(config, model_dir)
     words = read_label_words(label_words)
     state = _resolve_trainable(model_dir, (checkpoint, head), (tuning_mode, pre_seq_len), num_labels, family, words)
     _check_shapes(state, config, checkpoint, model_dir)
     _check_computed_here(kind, family, config, state, words)
-    if config.pad_token_id is None:
-        raise UsageError(
-            "config.json has no pad_token_id; right-padded batches need one to find "
-            "each sequence's last token. Set pad_token_id in config.json.",
-            param="model_dir", value=model_dir,
-        )
+    _check_pad_token(config, model_dir)
     scored = _label_words(model_dir, config, family, words, tokenizer) if words else None
     module = kind.load(model_dir, state, family, scored, initial_peers=initial_peers, dht_prefix=dht_prefix,
                        client_options=petals_client_options or {}, swarm_timeout=swarm_timeout, device=device,
@@ -210,6 +199,30 @@ def load_model(
                        identity=_identity(model_dir, config, state, family, (backend, device, dht_prefix)),
                        checkpoint=checkpoint,
                        source=TrainableSource(model_dir, head, tuning_mode, pre_seq_len, num_labels, words))
+
+
+def _rank_device(kind, device: str) -> str:
+    """The device this rank computes on (``device``: cpu, cuda or cuda:K); refused for a backend that does not
+    compute here (a Petals client stays on the CPU).
+    """
+    if device == "cpu":
+        return device
+    from dist_eval.ranks.devices import this_rank_device
+
+    if not kind.computes_here:
+        raise UsageError("only the local backend computes here; a Petals client stays on the CPU.",
+                         param="device", value=device)
+    return this_rank_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _check_pad_token(config, model_dir: str) -> None:
+    """Right-padded batches find each sequence's last token by the pad token: config.json must name one."""
+    if config.pad_token_id is None:
+        raise UsageError(
+            "config.json has no pad_token_id; right-padded batches need one to find "
+            "each sequence's last token. Set pad_token_id in config.json.",
+            param="model_dir", value=model_dir,
+        )
 
 
 def _identity(model_dir: str, config, state: TrainableState, family: Family, where: tuple) -> dict:
