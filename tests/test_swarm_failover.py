@@ -40,15 +40,17 @@ NUM_ROWS = 160  # local_reference_160's rows: 40 forwards a rank, ~5-25 s of loo
 
 
 @pytest.fixture
-def swarm3(tiny_model):
+def swarm3(tiny_model, tmp_path):
     from dist_eval.swarm import LocalSwarm
     from dist_eval.swarm.supervisor import RestartPolicy
 
     # as on a machine where 3 full replicas would not fit: every block on two servers; a server
-    # killed here stays dead (max_restarts=0), as the client's failover is what these tests test
+    # killed here stays dead (max_restarts=0), as the client's failover is what these tests test.
+    # The servers' logs are kept in the test's folder (pytest keeps the last runs' folders): a failure's
+    # reader needs them (once, the two healthy servers left requests unanswered for 60 s after the kill)
     with mock.patch("dist_eval.swarm.local.available_memory", return_value=0), \
             LocalSwarm(tiny_model, num_servers=3, dht_prefix="dist-eval-failover", start_timeout=240,
-                       restart=RestartPolicy(max_restarts=0)) as s:
+                       restart=RestartPolicy(max_restarts=0), log_dir=str(tmp_path / "swarm-logs")) as s:
         assert s.placement == [(0, 2), (2, 4), (0, 4)]
         yield s
 
