@@ -39,6 +39,7 @@ from dist_eval.backends.blocks import SERVER_VERSION_MARK
 
 TOLERANCE = 1e-4
 GENERATIONS = {"4": "4.57", "5": "5."}  # the transformers that made each reference (launch/install_reference.sh)
+REFERENCE_FIXTURES = {"4": "reference", "5": "reference5"}  # each generation's reference, by fixture name
 KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4_text",
          "qwen3_5", "qwen3_5_moe", "qwen3_next", "minimax_m2", "gpt_oss", "kimi_k25", "glm_moe_dsa", "deepseek_v32",
          "deepseek_v4")
@@ -108,8 +109,7 @@ def wanted_generations(session, module) -> list:
         if getattr(item, "module", None) is not module:
             continue
         params = getattr(getattr(item, "callspec", None), "params", {})
-        wanted.update({"reference": "4", "reference5": "5"}[name] for name in item.fixturenames
-                      if name in ("reference", "reference5"))
+        wanted.update(generation for generation, name in REFERENCE_FIXTURES.items() if name in item.fixturenames)
         if params.get("generation") in GENERATIONS:
             wanted.add(params["generation"])
     return sorted(wanted)
@@ -179,7 +179,7 @@ def reference5(references_started):
 
 
 def reference_of(request, generation: str):
-    return request.getfixturevalue({"4": "reference", "5": "reference5"}[generation])
+    return request.getfixturevalue(REFERENCE_FIXTURES[generation])
 
 
 def trained(reference, kind, mode) -> dict:

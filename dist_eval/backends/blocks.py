@@ -208,7 +208,7 @@ def _build_petals_classes(family) -> None:
     base = _base(family)
     base_config = getattr(petals, "Distributed" + _config_name(base))
     body = {"model_type": family.model_type, **dict(family.block_options)}
-    if dict(family.block_options).get("hyper_connections"):  # DeepSeek-V4's block and attention (petals counts heads)
+    if family.hyper_connected:  # DeepSeek-V4's block and attention (petals counts heads)
         from dist_eval.backends.layers import HyperConnectedServerBlock, V4Attention
 
         body.update(block_class=HyperConnectedServerBlock, attn_class=V4Attention)

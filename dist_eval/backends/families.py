@@ -147,6 +147,11 @@ class Family:
     rope_labels: tuple = ()
 
     @property
+    def hyper_connected(self) -> bool:
+        """Whether its blocks pass hc_mult streams (the block option ``hyper_connections``: DeepSeek-V4)."""
+        return bool(dict(self.block_options).get("hyper_connections"))
+
+    @property
     def block_name(self) -> str:
         """The block stack's name under the backbone (``layers``, ``h``)."""
         return self.blocks[len(self.checkpoint_prefix):]
@@ -163,7 +168,7 @@ class Family:
             if all(getattr(config, name, None) == value for name, value in settings):
                 shown = ", ".join(f"{name}={value}" for name, value in settings)
                 return f"{why} ({shown} in config.json)"
-        if dict(self.block_options).get("hyper_connections"):  # DeepSeek-V4's own checks, its release's weights too
+        if self.hyper_connected:  # DeepSeek-V4's own checks, its release's weights too
             return _hyper_connected_refusal(config, dict(self.block_options))
         if _reads_mxfp4(config, dict(self.block_options)):  # gpt-oss's MXFP4 experts, dequantized on load
             return _block_refusal(config, dict(self.block_options))
@@ -184,7 +189,7 @@ class Family:
         blocks route each position by its token id, which a prompt position has not; its blocks pass hc_mult
         streams, to which a deep prompt of one hidden state's width does not add.
         """
-        if not tuning_mode or not dict(self.block_options).get("hyper_connections"):
+        if not tuning_mode or not self.hyper_connected:
             return ""
         if tuning_mode == "deep_ptune":
             return (f"deep_ptune on {self.model_type}: its blocks pass hc_mult ({config.hc_mult}) streams of "
@@ -199,7 +204,7 @@ class Family:
     @property
     def label_words_refusal(self) -> str:
         """Why label words are not scored for this family ('' when they are): DeepSeek-V4's language-model head."""
-        if not dict(self.block_options).get("hyper_connections"):
+        if not self.hyper_connected:
             return ""
         return (f"label words on {self.model_type}: its language-model head (head.weight, as the release and "
                 "transformers 5.x save it) is not read here yet; train a head and pass it with --head")
@@ -207,7 +212,7 @@ class Family:
     @property
     def swarm_refusal(self) -> str:
         """Why the swarm does not compute this family ('' when it does): DeepSeek-V4's blocks, the local backend's."""
-        if not dict(self.block_options).get("hyper_connections"):
+        if not self.hyper_connected:
             return ""
         return (f"{self.model_type} is computed by --backend local alone: the servers dist_eval starts do not pass its "
                 "hc_mult streams and hash routing's token ids between blocks yet; use --backend local")
@@ -216,7 +221,7 @@ class Family:
         """The blocks that choose a position's experts by its token id (DeepSeek-V4's mlp_layer_types ``hash_moe``):
         their servers are sent the rows' token ids with each forward (backends.wire).
         """
-        if not dict(self.block_options).get("hyper_connections"):
+        if not self.hyper_connected:
             return frozenset()
         return frozenset(i for i, kind in enumerate(v4_mlp_types(config)) if kind == "hash_moe")
 
@@ -225,7 +230,7 @@ class Family:
         """What petals' own servers cannot compute of this family beyond the block options ('' when nothing more):
         DeepSeek-V4's blocks, which petals 2.2 has no class for.
         """
-        if not dict(self.block_options).get("hyper_connections"):
+        if not self.hyper_connected:
             return ""
         return (f"petals has no {self.model_type} block: hc_mult streams between blocks, hash routing by the rows' "
                 "token ids")
