@@ -111,6 +111,10 @@ def _run_rank(request: dict, rank: int, out_fd: int, err_fd: int) -> None:
                               TORCHELASTIC_USE_AGENT_STORE="False", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
             os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.chdir(request["cwd"])
+        if "hivemind" in sys.modules:  # as each torchrun rank has: a rank killed holding one hangs no other
+            from dist_eval.backends.patches import own_hivemind_locks
+
+            own_hivemind_locks()
         # python -u: stdout and stderr unbuffered
         sys.stdin = open(0, closefd=False)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True)

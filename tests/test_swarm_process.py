@@ -6,6 +6,7 @@ server reports, and no module of the swarm reads another object's private member
 from __future__ import annotations
 
 import ast
+import json
 import os
 import signal
 import subprocess
@@ -231,3 +232,69 @@ def test_a_servers_forked_child_leaves_its_parents_shared_memory_alone():
     assert as_torch_does == "0 0", done  # the child's release unlinked the parent's file
     assert kept == "1 0", done  # there while the parent holds the tensor; gone once it let it go
     assert "Warning" not in done.stderr, done.stderr
+
+
+# servers forked from one process, as the fork server forks them (swarm.forks._fork), and, for comparison, by a
+# plain os.fork: a "holder" takes hivemind's SharedBytes._lock (what every MPFuture takes first) and is SIGKILLed
+# holding it, as a server killed mid-task is; a "maker" forked after it then makes an MPFuture, as a sibling
+# server's next request does. Prints {"plain": ..., "forks": ...}: "ok" or "hung" (no MPFuture within 5 s)
+_SIBLING_KILLED = """import json, os, signal, sys, threading, time
+import hivemind.utils.mpfuture as mpfuture
+from dist_eval.swarm import forks
+
+folder = sys.argv[1]
+wakeup = os.pipe()
+
+def child(mode, role):
+    if mode == "forks":
+        argv = forks._fork({"argv": [role], "log": os.path.join(folder, "children.log")}, wakeup)
+    else:
+        argv = None if os.fork() else [role]
+    if argv is None:
+        return  # the parent
+    mark = os.path.join(folder, f"{mode}-{role}")
+    if role == "holder":  # its pid once it holds the lock; "hung" where a killed holder's lock is this one's too
+        held = mpfuture.SharedBytes._lock.acquire(timeout=5.0)
+        open(mark + ".tmp", "w").write(str(os.getpid()) if held else "hung")
+        os.rename(mark + ".tmp", mark)
+        if not held:
+            os._exit(0)
+        time.sleep(600)
+    made = threading.Thread(target=mpfuture.MPFuture, daemon=True)
+    made.start()
+    made.join(5.0)
+    open(mark + ".tmp", "w").write("hung" if made.is_alive() else "ok")
+    os.rename(mark + ".tmp", mark)
+    os._exit(0)
+
+def wait_for(path):
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, path
+        time.sleep(0.05)
+    return open(path).read()
+
+said = {}
+for mode in ("plain", "forks"):
+    child(mode, "holder")
+    holder = wait_for(os.path.join(folder, f"{mode}-holder"))
+    if holder == "hung":
+        said[mode] = holder
+        continue
+    os.kill(int(holder), signal.SIGKILL)
+    child(mode, "maker")
+    said[mode] = wait_for(os.path.join(folder, f"{mode}-maker"))
+print(json.dumps(said))
+"""
+
+
+def test_a_server_killed_holding_a_hivemind_lock_hangs_no_other_server(tmp_path):
+    """hivemind makes multiprocessing locks at its import, shared by every process forked from the importer: the
+    servers of one fork server shared them, and one SIGKILLed while holding one (SharedBytes._lock, taken by every
+    MPFuture a task makes) hung every other server at its next request (the failover test's healthy servers timed
+    out, about one run in eight). A server forked by swarm.forks takes locks of its own
+    (patches.own_hivemind_locks). The plain fork beside it shows the hazard the test guards against."""
+    done = subprocess.run([sys.executable, "-c", _SIBLING_KILLED, str(tmp_path)], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(SWARM)), timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"plain": "hung", "forks": "ok"}, done

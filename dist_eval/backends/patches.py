@@ -138,6 +138,30 @@ def apply_client_patches() -> None:
         apply("announced_kernels", "client", audit.announced_kernels_replacements)
 
 
+def own_hivemind_locks() -> None:
+    """Give this process hivemind's process-wide locks of its own; call it in a child right after a fork.
+
+    Why: hivemind makes multiprocessing locks when it is imported (``SharedBytes._lock``, taken each time
+    an ``MPFuture`` is made, so by every task a server runs; ``MPFuture``'s ``_initialization_lock`` and
+    ``_update_lock``; ``_AsyncContextWrapper.EXECUTOR_LOCK``). They are semaphores in shared memory, shared
+    by every process forked from the one that imported hivemind. The servers of a local swarm are forked from
+    one fork server (:mod:`dist_eval.swarm.forks`), so they shared them: a server SIGKILLed while it held
+    one left it taken for good, and every other server hung at its next request (the healthy servers of
+    tests/test_swarm_failover.py answered nothing for 60 s, in about one run in eight). The processes of one
+    server (its handlers, runtime and DHT, forked later) still share the server's own, as hivemind means.
+    A no-op where hivemind is not imported.
+    """
+    import multiprocessing
+    import sys
+
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is not None:
+        mpfuture.MPFuture.reset_backend()  # hivemind's own: new _initialization_lock, _update_lock, SharedBytes._lock
+    asyncio_utils = sys.modules.get("hivemind.utils.asyncio")
+    if asyncio_utils is not None:
+        asyncio_utils._AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
+
+
 # ---------------------------------------------------------------- hivemind and petals' start-up
 
 # petals 2.2.0.post1 pins hivemind 1.1.10.post2, which has no wheel and downloads its p2pd

@@ -223,6 +223,11 @@ def _fork(request: dict, wakeup: tuple) -> Optional[List[str]]:
         os.close(session_made[0])
         os.setsid()  # its own session and group, as Popen's start_new_session
         os.close(session_made[1])
+        # hivemind's locks, made at its import here, are not shared with the other servers (one killed while
+        # holding one hung them all)
+        from dist_eval.backends.patches import own_hivemind_locks
+
+        own_hivemind_locks()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in wakeup:
