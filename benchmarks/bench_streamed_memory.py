@@ -81,8 +81,10 @@ def measure(folder: str, streamed: bool, rows: int, tokens: int) -> dict:
     from dist_eval.backends import load_model
 
     torch.set_num_threads(1)
-    # what the load imports, before the baseline (the memory of code, not of weights)
+    # what the load and the forward import, before the baseline (the memory of code, not of weights): the
+    # offload's hooks import torch._dynamo at their first call (accelerate's lazy torch.compiler.disable), ~64 MiB
     import accelerate  # noqa: F401
+    import torch._dynamo  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     import dist_eval.backends.local  # noqa: F401
@@ -132,6 +134,14 @@ def main() -> None:
                                   env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
             out["runs"].append(json.loads(proc.stdout.strip().splitlines()[-1]))
         out["same_logits"] = len({run["logits_sha256"] for run in out["runs"]}) == 1
+        # the streamed peak in blocks, beyond what it holds after its load and the rows' activations (the
+        # in-memory forward's own growth: the same computation on the same rows)
+        whole, streamed = out["runs"]
+        activations = whole["anon_peak_above_imports_mib"] - whole["anon_held_after_load_mib"]
+        out["rows_activations_mib"] = round(activations, 1)
+        out["streamed_peak_beyond_held_and_activations_blocks"] = round(
+            (streamed["anon_peak_above_imports_mib"] - streamed["anon_held_after_load_mib"] - activations)
+            / out["block_mib"], 2)
         print(json.dumps(out, indent=2))
 
 

@@ -2,9 +2,9 @@
 safetensors files and each is loaded when the forward reaches it and freed when it has run (accelerate's
 disk offload, which transformers' ``from_pretrained(device_map=...)`` sets up; the weights are read from the
 model's own files, not copied: the tensors outside the blocks are copied into a small file of a temporary
-view of the folder). The embeddings, the final norm and the head stay in memory. Peak memory: those, a few
-blocks' worth (a block read, converted and set in place), and the rows' activations, for a model of any size
-(benchmarks/RESULTS.md); the logits are those of the in-memory
+view of the folder). The embeddings, the final norm and the head stay in memory. Peak memory: those, one
+block and the rows' activations, for a model of any size (benchmarks/RESULTS.md; the offload's hooks also
+import ``torch._dynamo`` at their first call, ~64 MiB of code); the logits are those of the in-memory
 local backend (:func:`dist_eval.backends.local.load_local`) bit for bit: the same modules, the same weights,
 the same computation, only where the weights wait between forwards differs.
 
