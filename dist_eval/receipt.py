@@ -197,7 +197,7 @@ def build(session, pair, result, rows, predictions_path: str) -> dict:
     return signed({
         "format": FORMAT,
         "backend": config.backend,
-        "model": {"path": os.path.abspath(job.model_dir), "files": dict(folder.get("files") or []),
+        "model": {"path": os.path.abspath(job.model_dir), "files": files_read(folder, getattr(model, "source", None)),
                   "hub_commit": folder.get("hub_commit")},
         "servers": (run.get("swarm") or {}).get("servers"),
         "checkpoint": None if not checkpoint else {
@@ -217,6 +217,20 @@ def build(session, pair, result, rows, predictions_path: str) -> dict:
         "predictions_sha256": predictions_digest(predictions_path),
         "metrics_sha256": metrics_digest(metrics),
     }, getattr(config, "sign", None))
+
+
+def files_read(folder: dict, source) -> dict:
+    """{name: digest} of the model folder's files: as the load found them (``folder``, the model's identity), and
+    those that came since (``source``: how the model was loaded): a hub id's blocks streamed are fetched when the
+    forward first reaches each, after the load, and the run read them too.
+    """
+    from dist_eval.backends.provenance import folder_identity
+
+    files = dict(folder.get("files") or [])
+    model_dir = getattr(source, "model_dir", None)
+    if model_dir and os.path.isdir(model_dir):
+        files.update(folder_identity(model_dir)["files"])  # hashed again only where the files changed
+    return files
 
 
 def predictions_digest(path: str) -> str:

@@ -2,6 +2,9 @@
 files when the forward reaches it, freed after) in the CLI and ``load_model``: the in-memory local backend's
 predictions bit for bit (N=1 in this process, N=2 on forked ranks); by hub id, a block's shards fetched when it
 first runs, in the forward's order, none before; what it is refused with, in one line."""
+import json
+import os
+
 import pytest
 import torch
 from conftest import build_checkpoint, read_jsonl, run_ranks, split_into_shards, write_csv
@@ -11,6 +14,7 @@ from inprocess_cli import one_thread, run_cli_in_process
 from test_cli import no_figures_env
 
 from dist_eval import load_model
+from dist_eval.atomic import file_sha256
 from dist_eval.config import EvalConfig
 from dist_eval.errors import UsageError
 
@@ -69,7 +73,8 @@ def test_streaming_by_hub_id_fetches_a_blocks_shards_when_it_first_runs(tiny_mod
     """``load_model("local", org/name, stream_blocks=True)`` on a fake hub serving a folder of a shard per block:
     the load fetches the client's files alone; the first forward fetches block 0's shard, then 1's, 2's, 3's, in
     that order, each once (the second forward fetches nothing); the logits equal the folder's in memory, bit for
-    bit. The CLI on the hub id (in this process, the cache now filled) writes the same predictions as the folder."""
+    bit. The CLI on the hub id (in this process, a cache of its own: its blocks fetched during its run) writes the
+    same predictions as the folder, and its receipt names every file it read, those fetched after the load too."""
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
     sharded = split_into_shards(tiny_model, str(tmp_path / "sharded"))
     with one_thread(), torch.no_grad():
@@ -91,12 +96,18 @@ def test_streaming_by_hub_id_fetches_a_blocks_shards_when_it_first_runs(tiny_mod
         data = write_csv(str(tmp_path / "data.csv"), 9, seed=6)
         common = ["--backend", "local", "--data-files", data, "--checkpoint", checkpoint, "--batch-size", "4",
                   "--save-logits"]
+        from huggingface_hub import constants
+
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache_cli"))
         for name, model, extra in (("hub", REPO_ID, ["--stream-blocks"]), ("folder", sharded, [])):
             assert run_cli_in_process(["--model", model, *common, *extra, "--output-dir", str(tmp_path / name)],
                                       hide_modules=("matplotlib",)) == 0, name
     assert_same_bits(read_jsonl(tmp_path / "hub" / "predictions.jsonl"),
                      read_jsonl(tmp_path / "folder" / "predictions.jsonl"),
                      "predictions.jsonl, --stream-blocks on the hub id against the folder in memory")
+    read = json.load(open(tmp_path / "hub" / "metrics.json"))["run"]["receipt"]["model"]["files"]
+    assert set(blocks) <= set(read), sorted(read)  # fetched after the load, read by the run
+    assert read == {name: file_sha256(os.path.join(sharded, name)) for name in read}
 
 
 def test_a_hub_id_without_stream_blocks_or_fetch_whole_model_names_both(tiny_model, hub_cache, tmp_path,
