@@ -205,7 +205,9 @@ def ranks_of(env, folder):
 @pytest.mark.multiproc
 def test_the_cli_on_a_hub_id_with_two_ranks_equals_the_full_folder(tiny_swarm, tiny_model, tmp_path):
     """``--model org/name`` on a fake hub (HF_ENDPOINT, a private HF_HOME), N=2 == the full local
-    folder (--backend local, one process), bitwise; no blocks-only shard requested; then the same
+    folder (--backend local, one process), bitwise; no blocks-only shard requested; the local backend with its
+    blocks streamed (--stream-blocks), N=2 on the same cache: the blocks' shards fetched by both ranks as their
+    forwards reach them, the same bits (issue 73); then the petals run
     with the hub stopped and HF_HUB_OFFLINE=1, from the cache the first run filled. The two ranks are
     real processes in a real gloo group with torchrun's environment, forked from a process that
     imported their libraries under the run's HF variables (what the ranks do with them is tested, not
@@ -221,9 +223,17 @@ def test_the_cli_on_a_hub_id_with_two_ranks_equals_the_full_folder(tiny_swarm, t
             proc = run_ranks(zygote, ["--model", REPO_ID, "--output-dir", str(tmp_path / "hub"), "--initial-peers",
                                       *tiny_swarm.initial_peers, "--dht-prefix", tiny_swarm.dht_prefix, *common],
                              nproc=2, env={**env, **hidden})
+            petals_gets = hub.files("GET")
+            # the local backend with its blocks streamed, N=2 on the same cache: both ranks fetch the blocks' shards
+            # as their forwards reach them, into one cache at once (issue 73)
+            streamed = run_ranks(zygote, ["--model", REPO_ID, "--output-dir", str(tmp_path / "streamed"), "--backend",
+                                          "local", "--stream-blocks", *common], nproc=2, env={**env, **hidden})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.rank_codes == [0, 0]  # forked from the server started with these variables, not torchrun
-    assert not [f for f in hub.files("GET") if f.startswith("model-blocks-")], hub.files("GET")
+    assert not [f for f in petals_gets if f.startswith("model-blocks-")], petals_gets
+    assert streamed.returncode == 0, streamed.stderr[-3000:]
+    blocks = sorted(f for f in os.listdir(sharded) if f.startswith("model-blocks-"))
+    assert set(blocks) <= set(hub.files("GET")[len(petals_gets):]), hub.files("GET")
     # the hub is gone: HF_HUB_OFFLINE=1 set by the user runs both ranks from the cache it filled
     offline_env = {**env, "HF_HUB_OFFLINE": "1"}
     with ranks_of(offline_env, str(tmp_path / "z_offline")) as zygote:
@@ -240,6 +250,8 @@ def test_the_cli_on_a_hub_id_with_two_ranks_equals_the_full_folder(tiny_swarm, t
     assert_same_bits(hub_rows, read_jsonl(tmp_path / "local" / "predictions.jsonl"),
                      "predictions.jsonl, the hub id on petals N=2 against the folder on local N=1")
     assert_same_bits(read_jsonl(tmp_path / "offline" / "predictions.jsonl"), hub_rows, "offline, against online")
+    assert_same_bits(read_jsonl(tmp_path / "streamed" / "predictions.jsonl"), hub_rows,
+                     "the hub id on the local backend, its blocks streamed, N=2, against the folder on local N=1")
 
 
 VL_REPO = "tiny-org/tiny-qwen3_5"
