@@ -64,7 +64,6 @@ def checked_config(**flags) -> EvalConfig:
     request, the tracker's package.
     """
     from dist_eval.backends.config_json import family_of_folder
-    from dist_eval.backends.kinds import backend_kind
     from dist_eval.backends.peft_adapter import refuse_as_model
     from dist_eval.demo import shipped_families
     from dist_eval.output.tracking import check_tracker
@@ -82,9 +81,7 @@ def checked_config(**flags) -> EvalConfig:
     if config.model is not None:  # a file, or a PEFT adapter's folder, named as what it is
         refuse_as_model(config.model)
     if config.model is not None and os.path.isdir(config.model):  # a hub id: once its config is fetched
-        family = family_of_folder(config.model)  # a family petals cannot serve is refused here
-        if family.swarm_refusal and backend_kind(config.backend).on_swarm:  # (DeepSeek-V4's: local alone)
-            raise UsageError(family.swarm_refusal + ".", param="backend", value=config.backend)
+        family_of_folder(config.model)  # a family petals cannot serve is refused here
     elif config.demo_family is not None and config.demo_family not in shipped_families():
         raise UsageError(f"expected one of {', '.join(shipped_families())} (the families whose demo ships with "
                          "dist_eval).", param="demo_family", value=config.demo_family)

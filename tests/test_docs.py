@@ -268,8 +268,8 @@ def test_the_support_table_matches_the_family_table():
     assert sorted(by_type) == sorted(FAMILIES)
     for name, family in FAMILIES.items():
         for row in by_type[name]:
-            # dist_eval's servers (not for a family the swarm refuses: DeepSeek-V4) and --backend local
-            assert row[1] == ("no" if family.swarm_refusal else "yes") and row[3] == "yes", row
+            # dist_eval's servers and --backend local
+            assert row[1] == "yes" and row[3] == "yes", row
             if family.built_on:
                 assert row[2] == "no", row
     assert any("llama3" in row[0] and row[2] == "no" for row in by_type["llama"])

@@ -209,14 +209,6 @@ class Family:
         return (f"label words on {self.model_type}: its language-model head (head.weight, as the release and "
                 "transformers 5.x save it) is not read here yet; train a head and pass it with --head")
 
-    @property
-    def swarm_refusal(self) -> str:
-        """Why the swarm does not compute this family ('' when it does): DeepSeek-V4's blocks, the local backend's."""
-        if not self.hyper_connected:
-            return ""
-        return (f"{self.model_type} is computed by --backend local alone: the servers dist_eval starts do not pass its "
-                "hc_mult streams and hash routing's token ids between blocks yet; use --backend local")
-
     def token_routed_blocks(self, config) -> frozenset:
         """The blocks that choose a position's experts by its token id (DeepSeek-V4's mlp_layer_types ``hash_moe``):
         their servers are sent the rows' token ids with each forward (backends.wire).
@@ -900,10 +892,10 @@ FAMILIES["deepseek_v32"] = _built_on_llama(
 # chosen by an indexer, index_topk of them; heavily compressed: every entry), one key that is also the value, RoPE
 # on the last values of each head (yarn on the compressed kinds), a sink logit per head, a grouped output
 # projection; a mixture with sqrt-softplus scores, chosen by tid2eid[token id] on the hash_moe blocks (no prompts
-# there), clamped SwiGLU experts and a shared expert. The servers dist_eval starts build its blocks (backends.layers.
-# HyperConnectedServerBlock: the streams flat between them, the token ids sent to those of hash-routed blocks by
-# backends.wire, hc_head and the final norm on the client), but the swarm stays refused (swarm_refusal) until a run
-# end to end is checked. The options' values are transformers 5.x's DeepseekV4Config defaults
+# there), clamped SwiGLU experts and a shared expert. On the servers dist_eval starts (backends.layers.
+# HyperConnectedServerBlock): the streams flat between them, the token ids sent to those of hash-routed blocks
+# (backends.wire), hc_head and the final norm on the client. The options' values are transformers 5.x's
+# DeepseekV4Config defaults
 FAMILIES["deepseek_v4"] = _built_on_llama(
     "deepseek_v4", "DeepseekV4", layer_types=V4_LAYER_TYPES, rope_labels=("main", "compress"), embeds_on_server=False,
     frozen=("embed_tokens", "layers", "norm", "hc_head"),

@@ -10,8 +10,7 @@ Llama 4, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2, gpt-oss, GLM-5, DeepSeek-
   :class:`V4MoeMLP` (hash-routed blocks read the rows' token ids from :data:`ROW_TOKEN_IDS`). The servers dist_eval
   starts build :class:`HyperConnectedServerBlock` (the streams travel flat between them; the token ids come with
   each request, :mod:`dist_eval.swarm.merged_forward`); petals' client gets hc_head, the final norm and the streams
-  made before its first server from :func:`build_hyper_connected_client` (the swarm is still refused,
-  ``Family.swarm_refusal``, until a run end to end is checked).
+  made before its first server from :func:`build_hyper_connected_client`.
 
 - Qwen3.5's hybrid (the block option ``gated_delta_net``): by ``layer_types`` (:func:`layer_type`) a
   :class:`GatedDeltaNet` block (linear attention: :func:`gated_delta_rule` over the whole row) or a
