@@ -244,6 +244,7 @@ from dist_eval.swarm import forks
 
 folder = sys.argv[1]
 wakeup = os.pipe()
+parent = os.getpid()
 
 def child(mode, role):
     if mode == "forks":
@@ -257,9 +258,9 @@ def child(mode, role):
         held = mpfuture.SharedBytes._lock.acquire(timeout=5.0)
         open(mark + ".tmp", "w").write(str(os.getpid()) if held else "hung")
         os.rename(mark + ".tmp", mark)
-        if not held:
-            os._exit(0)
-        time.sleep(600)
+        while held and os.getppid() == parent:  # until killed, or this script ended (no child outlives the test)
+            time.sleep(0.1)
+        os._exit(0)
     made = threading.Thread(target=mpfuture.MPFuture, daemon=True)
     made.start()
     made.join(5.0)
