@@ -25,6 +25,12 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && "$VENV/bin/python" -c "i
   exit 0
 fi
 
+# pyproject.toml's requires-python, said in one line before a venv is made of another Python
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; then
+  FOUND="$("$PYTHON" --version 2>/dev/null)" || FOUND="not found"
+  echo "[install] error: DIST_EVAL_PYTHON=$PYTHON is ${FOUND:-not found}; dist_eval needs Python >= 3.11. Pass DIST_EVAL_PYTHON=python3.11 (or a newer one)." >&2
+  exit 1
+fi
 echo "[install] setting up $VENV (about a minute on first run)" >&2
 source "$ROOT/launch/venv_tools.sh"
 make_venv "$VENV" "$PYTHON"

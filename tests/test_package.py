@@ -296,12 +296,9 @@ _NOT_LISTED = {"petals": "installed with --no-deps by launch/install.sh (pyproje
 
 
 def pyproject() -> dict:
-    """pyproject.toml, read by tomllib (Python 3.11 on) or by tomli, its backport, on 3.10 (which
-    requires-python allows; pytest depends on tomli there, and the test extra names it)."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
+    """pyproject.toml (tomllib: Python 3.11, what requires-python allows)."""
+    import tomllib
+
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         return tomllib.load(f)
 
