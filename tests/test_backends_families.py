@@ -257,22 +257,26 @@ def test_fp8_tiles_of_a_weight_ending_in_a_partial_tile_after_a_full_one_are_rea
     assert "needs (2, 2)" in str(e.value)
 
 
-@pytest.mark.parametrize("masked, chosen", [(None, [2, 3]), ("-inf", [0, 1])])
-def test_a_routers_groups_left_out_score_0_as_in_transformers_4_or_never_chosen_as_in_5(masked, chosen):
-    """GLM-4.5's / DeepSeek-V3's router (transformers 4.x) scores the experts outside the kept groups 0 for the
-    choice; GLM-5's (the block option masked_group_score "-inf", transformers 5.x's) never chooses one: they differ
-    where the kept group's corrected scores are below 0 (here group 0, kept by its two best, both negative)."""
+def test_a_routers_groups_left_out_are_never_chosen_as_in_transformers_5():
+    """GLM-4.5's / DeepSeek-V3's / GLM-5's router never chooses an expert outside the kept groups (its score -inf, as
+    DeepSeek's code and transformers 5.x have it). transformers 4.x scored it 0: it chose one where the kept
+    group's corrected scores are below 0 (here group 0, kept by its two best, both negative: 4.x chose experts 2
+    and 3 of the group left out)."""
     import types
 
+    from dist_eval.backends.families import FAMILIES
     from dist_eval.backends.layers import SigmoidMoeMLP
 
     config = types.SimpleNamespace(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
                                    norm_topk_prob=True, routed_scaling_factor=1.0, hidden_size=4,
-                                   moe_intermediate_size=2, n_shared_experts=1, hidden_act="silu",
-                                   **({"masked_group_score": masked} if masked else {}))
+                                   moe_intermediate_size=2, n_shared_experts=1, hidden_act="silu")
     mlp = SigmoidMoeMLP(config)
     mlp.gate.e_score_correction_bias.copy_(torch.tensor([-2.0, -2.0, -3.0, -3.0]))
-    assert sorted(mlp.choose(torch.tensor([[0.5, 0.6, 0.9, 0.9]]))[0].tolist()) == chosen
+    assert sorted(mlp.choose(torch.tensor([[0.5, 0.6, 0.9, 0.9]]))[0].tolist()) == [0, 1]
+    # the rows a store kept from the 4.x rule are not served for these families (their key changed)
+    assert all(FAMILIES[kind].computation_revision == {"router_groups_left_out": "-inf"}
+               for kind in ("glm4_moe", "deepseek_v3", "kimi_k2", "glm_moe_dsa", "deepseek_v32"))
+    assert FAMILIES["llama"].computation_revision == {} and FAMILIES["qwen3_moe"].computation_revision == {}
 
 
 def test_sparse_attention_keeps_the_earliest_of_keys_tied_at_index_topk_whatever_the_padding():

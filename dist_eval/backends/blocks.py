@@ -47,8 +47,10 @@ from dist_eval.backends.rope import rescale_rope
 # what the servers dist_eval starts add to the petals version they announce: they compute the
 # block options here (a stock petals server would run a newer family's blocks without them)
 # (blocks2: config.json read in either transformers generation's form, a server rotary table at its
-# rope_theta (Family.server_rotary_attention); a blocks1 server computed neither, so it counts as another's)
-SERVER_VERSION_MARK = "+dist_eval.blocks2"
+# rope_theta (Family.server_rotary_attention); a blocks1 server computed neither, so it counts as another's;
+# blocks3: a sigmoid router never chooses an expert outside its kept groups (-inf, transformers 5.x's rule,
+# Family.computation_revision), where a blocks2 server set its score to 0 (4.x's): it counts as another's too)
+SERVER_VERSION_MARK = "+dist_eval.blocks3"
 _lock = threading.RLock()
 _classes: Dict[str, type] = {}  # class name -> class built here
 # the FP8 tile of the block this process's petals server is loading (None: not FP8, or not loading)

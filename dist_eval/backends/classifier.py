@@ -239,6 +239,8 @@ def _identity(model_dir: str, config, state: TrainableState, family: Family, whe
     moved = read_as(config)
     if moved:
         model["config_read_as"] = moved
+    if family.computation_revision:  # absent for the others: their stored rows' keys unchanged
+        model["computation"] = family.computation_revision
     return {"model": model, "trainable": tensors_digest(state.tensors)}
 
 

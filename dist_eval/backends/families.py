@@ -147,6 +147,17 @@ class Family:
     rope_labels: tuple = ()
 
     @property
+    def computation_revision(self) -> dict:
+        """What dist_eval computes for this family otherwise than it once did, for the row store's key (the model's
+        identity): rows stored before are not served for it. {} for most families. Sigmoid routers: an expert
+        outside the kept groups is never chosen (-inf, as transformers 5.x), where 4.x's rule (0) chose one when the
+        kept groups' corrected scores were below 0 (2026-11-28).
+        """
+        if dict(self.block_options).get("mixture_of_experts") == "sigmoid":
+            return {"router_groups_left_out": "-inf"}
+        return {}
+
+    @property
     def hyper_connected(self) -> bool:
         """Whether its blocks pass hc_mult streams (the block option ``hyper_connections``: DeepSeek-V4)."""
         return bool(dict(self.block_options).get("hyper_connections"))
@@ -871,17 +882,17 @@ FAMILIES["glm_moe_dsa"] = _built_on_llama(
         ("q_lora_rank", 2048), ("kv_lora_rank", 512), ("qk_nope_head_dim", 192), ("qk_rope_head_dim", 64),
         ("v_head_dim", 256), ("rope_interleave", True), ("index_topk", 2048), ("index_head_dim", 128),
         ("index_n_heads", 32), ("indexer_rope_interleave", True), ("mixture_of_experts", "sigmoid"),
-        ("masked_group_score", "-inf"), ("n_routed_experts", 256), ("n_shared_experts", 1), ("num_experts_per_tok", 8),
+        ("n_routed_experts", 256), ("n_shared_experts", 1), ("num_experts_per_tok", 8),
         ("moe_intermediate_size", 2048), ("routed_scaling_factor", 2.5), ("n_group", 1), ("topk_group", 1),
         ("first_k_dense_replace", 3), ("norm_topk_prob", True)))
 # DeepSeek-V3.2 / V3.2-Exp (deepseek_v32: 685B-A37B), FP8 128 x 128 tiles as released (dequantized on load) or bf16:
 # DeepSeek-V3's block (its options) plus DeepSeek Sparse Attention as GLM-5's, every block with its own indexer,
-# whose RoPE rotates halves (not interleaved pairs: transformers 5.x's DeepseekV32Indexer), -inf for the router's
-# groups left out; the options' values are transformers 5.x's DeepseekV32Config defaults
+# whose RoPE rotates halves (not interleaved pairs: transformers 5.x's DeepseekV32Indexer); the options' values
+# are transformers 5.x's DeepseekV32Config defaults
 FAMILIES["deepseek_v32"] = _built_on_llama(
     "deepseek_v32", "DeepseekV32", layer_types=("indexed_attention",), block_options=DEEPSEEK_V3_OPTIONS + (
         ("sparse_attention", True), ("index_topk", 2048), ("index_head_dim", 128), ("index_n_heads", 64),
-        ("indexer_rope_interleave", False), ("masked_group_score", "-inf")))
+        ("indexer_rope_interleave", False)))
 
 
 # DeepSeek-V4-Flash / Pro (deepseek_v4: 284B-A13B, 1.6T-A49B), FP8 tiles + FP4 experts as released (dequantized on

@@ -1109,25 +1109,22 @@ class SigmoidMoeMLP(nn.Module):
         self.n_group, self.topk_group = config.n_group, config.topk_group
         self.norm_topk_prob = bool(config.norm_topk_prob)
         self.routed_scaling_factor = config.routed_scaling_factor
-        # the choice's score of an expert outside the kept groups: 0 (transformers 4.x's DeepSeek-V3 and GLM-4.5),
-        # -inf (the block option masked_group_score "-inf": 5.x's GLM-5 and DeepSeek-V3.2, which never choose one)
-        self.excluded_score = float(getattr(config, "masked_group_score", 0.0))
         self.gate = SigmoidRouter(config)
         self.experts = nn.ModuleList(ExpertMLP(config, config.moe_intermediate_size) for _ in range(self.num_experts))
         self.shared_experts = ExpertMLP(config, config.moe_intermediate_size * config.n_shared_experts)
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """The experts of each token ([tokens, top_k]): the best scores plus the correction bias,
-        within the ``topk_group`` groups whose two best are best (the others' scores set to 0 as
-        transformers 4.x does, or to -inf as 5.x's GLM-5 and DeepSeek-V3.2 do: ``excluded_score``).
+        within the ``topk_group`` groups whose two best are best. An expert outside them is never chosen (its
+        score -inf, as DeepSeek's own code, transformers 5.x and its GLM-4.5, DeepSeek-V3, GLM-5, V3.2 have it);
+        transformers 4.x set it to 0, which chose one where the kept groups' corrected scores were below 0.
         """
         choice = scores + self.gate.e_score_correction_bias[None]
         groups = choice.view(-1, self.n_group, self.num_experts // self.n_group)
         best_groups = torch.topk(groups.topk(2, dim=-1)[0].sum(dim=-1), k=self.topk_group, dim=-1, sorted=False)[1]
         kept = torch.zeros(choice.shape[0], self.n_group, dtype=torch.bool, device=choice.device)
         kept.scatter_(1, best_groups, True)
-        choice = choice.masked_fill(~kept.repeat_interleave(self.num_experts // self.n_group, dim=1),
-                                    self.excluded_score)
+        choice = choice.masked_fill(~kept.repeat_interleave(self.num_experts // self.n_group, dim=1), float("-inf"))
         return torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
