@@ -31,8 +31,10 @@ from slurm_cluster import SlurmCluster
 from dist_eval.output.shard_files import read_manifest
 from dist_eval.rendezvous import port_for
 
-# scancel to the last process of the job gone (srun's included): 1-3 s here, with room for a busy machine
-STOPPED_WITHIN_S = 5.0
+# scancel to the last process of the job gone (srun's included): 1-3 s on a quiet machine; srun itself took
+# over 5 s once at load 12 (an ordinary user's run beside two busy loops and two other suites). What the bound
+# guards is a rank that does not stop: one waiting out the run's --swarm-timeout (30 s) would pass 25 s
+STOPPED_WITHIN_S = 25.0
 SBATCH = os.path.join(REPO, "launch", "slurm.sbatch")
 ARRAY, MERGE = (os.path.join(REPO, "launch", name) for name in ("slurm_array.sbatch", "slurm_merge.sbatch"))
 # what a job inherits from sbatch (--export=ALL): no OMP_NUM_THREADS, so that the script sets it
