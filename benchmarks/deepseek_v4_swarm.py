@@ -1,13 +1,15 @@
 """DeepSeek-V4 on dist_eval's own swarm, end to end (issue 72): torchrun N=2 against local N=1 and transformers 5.x.
 
     ./launch/install_reference.sh 5
-    .venv/bin/python benchmarks/deepseek_v4_swarm.py [REFERENCE_FOLDER]
+    .venv/bin/python benchmarks/deepseek_v4_swarm.py [REFERENCE_FOLDER] [--label-words]
 
 REFERENCE_FOLDER: a folder tests/reference/make_reference.py filled in .venv-reference5 (a test run's
 ``reference5*`` folder); without it one is made (about a minute). The model is the suite's tiny DeepSeek-V4
 (4 blocks: sliding, compressed sparse, heavily compressed, compressed sparse; the first two hash-routed), read as
 released (``deepseek_v4_fp8``: FP8 tiles + FP4 experts, dequantized as each process loads), with its trained head
-(``--head``) on the reference corpus's 16 rows, batch size 4. Runs, each process one thread, the row store off:
+(``--head``) on the reference corpus's 16 rows, batch size 4; with ``--label-words``, zero-shot instead: the
+reference's label words scored by its LM head (``head.weight``, the client's on a swarm), against transformers 5.x's
+causal LM. Runs, each process one thread, the row store off:
 
 1. ``local``: ``--backend local``, one process (N=1): the baseline;
 2. ``own_swarm``: ``--backend petals`` on torchrun N=2, the run's own swarm (2 servers, each every block: a
@@ -47,8 +49,9 @@ def reference(out: str) -> dict:
         return json.load(f)
 
 
-def inputs(out: str, ref: dict, work: str) -> list:
-    """The flags every run shares: the FP8 + FP4 folder, the corpus's rows (labels i % 3), the trained head."""
+def inputs(out: str, ref: dict, work: str, label_words: bool) -> list:
+    """The flags every run shares: the FP8 + FP4 folder, the corpus's rows (labels i % 3), the trained head (or the
+    reference's label words)."""
     from safetensors.torch import load_file, save_file
 
     rows, head = os.path.join(work, "rows.jsonl"), os.path.join(work, "deepseek_v4.head.safetensors")
@@ -57,7 +60,8 @@ def inputs(out: str, ref: dict, work: str) -> list:
             f.write(json.dumps({"text": text, "label": i % 3}, ensure_ascii=False) + "\n")
     trainable = load_file(os.path.join(out, "deepseek_v4.trainable.safetensors"))
     save_file({"score.weight": trainable["score.weight"]}, head)
-    return ["--model", os.path.join(out, FOLDER), "--data-files", rows, "--head", head, "--batch-size", "4",
+    scored = ["--label-words", *ref["cases"]["deepseek_v4"]["label_words"]] if label_words else ["--head", head]
+    return ["--model", os.path.join(out, FOLDER), "--data-files", rows, *scored, "--batch-size", "4",
             "--save-logits", "--quiet"]
 
 
@@ -112,14 +116,15 @@ def audited(audit: dict) -> str:
             f"{sorted(audit.get('coverage_gaps', {}))}")
 
 
-def main(out: str) -> None:
+def main(out: str, label_words: bool = False) -> None:
     from dist_eval.swarm import LocalSwarm
 
     ref = reference(out)
-    expected = np.array(ref["cases"]["deepseek_v4"]["logits_head"])
-    print(f"transformers {ref['versions']['transformers']}, reference folder {out}", flush=True)
+    expected = np.array(ref["cases"]["deepseek_v4"]["logits_label_words" if label_words else "logits_head"])
+    print(f"transformers {ref['versions']['transformers']}, reference folder {out}, "
+          f"{'label words' if label_words else '--head'}", flush=True)
     work = tempfile.mkdtemp(prefix="deepseek-v4-swarm-")
-    common = inputs(out, ref, work)
+    common = inputs(out, ref, work, label_words)
     seconds = run([*common, "--output-dir", os.path.join(work, "local"), "--backend", "local"], 0)
     local = outputs(os.path.join(work, "local"))
     print(f"local N=1: {seconds:.1f} s; max |logits - transformers 5.x| "
@@ -139,4 +144,5 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="deepseek-v4-reference-"))
+    given = [arg for arg in sys.argv[1:] if arg != "--label-words"]
+    main(given[0] if given else tempfile.mkdtemp(prefix="deepseek-v4-reference-"), "--label-words" in sys.argv[1:])

@@ -52,10 +52,12 @@ def reference_scores(folder, texts, words, prompts=None):
                 full = tok(text + " " + word)["input_ids"]
                 assert full[: len(context)] == context
                 continuation = full[len(context):]
-                embeds = lm.get_input_embeddings()(torch.tensor([full]))
-                if prompts is not None:
+                if prompts is None:  # the model's own path from token ids (DeepSeek-V4's hash routing reads them)
+                    log_probs = lm(input_ids=torch.tensor([full])).logits[0]
+                else:
+                    embeds = lm.get_input_embeddings()(torch.tensor([full]))
                     embeds = torch.cat([prompts.unsqueeze(0), embeds], dim=1)
-                log_probs = lm(inputs_embeds=embeds).logits[0, len(prompts) if prompts is not None else 0:]
+                    log_probs = lm(inputs_embeds=embeds).logits[0, len(prompts):]
                 log_probs = log_probs.log_softmax(-1)
                 out[i, k] = sum(float(log_probs[len(context) - 1 + j, t]) for j, t in enumerate(continuation))
     return out
@@ -70,8 +72,9 @@ def padded(folder, texts):
     return batch
 
 
-# (DeepSeek-V4 aside: its label words are refused, Family.label_words_refusal, tests/test_families_reference.py)
-@pytest.mark.parametrize("family", sorted(name for name in FAMILIES if name != "deepseek_v4"))
+# (DeepSeek-V4's folder here is dist_eval's own save, lm_head.weight; its head as released and as transformers 5.x
+# saves it, head.weight, against 5.23's own causal LM: tests/test_families_reference.py)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_local_equals_the_causal_lm_reference(models, family):
     model = load_model("local", models[family], label_words=WORDS)
     assert model.num_labels == 4 and model.label_words == tuple(WORDS) and model.appended_tokens == 2
@@ -217,3 +220,31 @@ def test_swapping_prompt_checkpoints_equals_loading_each(models, tmp_path):
     with torch.no_grad():
         assert_same_bits(model.module(padded(folder, TEXTS)), fresh.module(padded(folder, TEXTS)),
                          "the scores, the prompts swapped in against loaded")
+
+
+def test_deepseek_v4s_head_is_read_as_released(models, tmp_path):
+    """DeepSeek-V4's LM head saved as released and as transformers 5.x saves it (``head.weight``, not
+    ``lm_head.weight``): read into the causal LM's lm_head, the scores those of the same model saved with
+    lm_head.weight bit for bit; into a head petals' client left on the meta device too (read_saved_lm_head)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from torch import nn
+    from transformers import AutoConfig
+
+    from dist_eval.backends.zeroshot import read_saved_lm_head
+
+    released = tmp_path / "released"
+    shutil.copytree(models["deepseek_v4"], released)
+    tensors = load_file(str(released / "model.safetensors"))
+    tensors["head.weight"] = tensors.pop("lm_head.weight")
+    save_file(tensors, str(released / "model.safetensors"), metadata={"format": "pt"})
+    scores = []
+    for folder in (models["deepseek_v4"], str(released)):
+        with torch.no_grad():
+            scores.append(load_model("local", folder, label_words=WORDS).module(padded(folder, TEXTS)))
+    assert_same_bits(scores[1], scores[0], "the scores, the head read from head.weight against lm_head.weight")
+    config = AutoConfig.from_pretrained(str(released))
+    unread = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+    read_saved_lm_head(unread, str(released), config, FAMILIES["deepseek_v4"])
+    assert not unread.weight.is_meta and torch.equal(unread.weight, tensors["head.weight"])

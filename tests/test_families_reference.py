@@ -1080,13 +1080,13 @@ def test_a_hub_id_no_block_computes_is_refused_after_its_config_alone(reference,
     assert hub.files("GET") == ["config.json"]
 
 
-def test_deepseek_v4_settings_each_matter_and_label_words_are_refused_up_front(reference5):
+def test_deepseek_v4_settings_each_matter(reference5):
     """DeepSeek-V4 (checked against transformers 5.x above, head only): the indexer's choice (index_topk 3 of up to 9
     entries), the heavily compressed entries, the sliding window, the sinks, the hash routing's table and the
-    clamp each move the logits; a row alone gives its batch's logits within float rounding; label words are
-    refused in one line before anything loads (its language-model head is not read)."""
+    clamp each move the logits; a row alone gives its batch's logits within float rounding; the older config.json
+    keys read as 5.x folds them in; another quantization_config refused in one line."""
     from dist_eval.backends import load_model
-    from dist_eval.errors import UsageError, flag_names
+    from dist_eval.errors import UsageError
 
     out, ref = reference5
     case = ref["cases"]["deepseek_v4"]
@@ -1142,9 +1142,46 @@ def test_deepseek_v4_settings_each_matter_and_label_words_are_refused_up_front(r
                                          r"\"fmt\": \"e4m3\", \"expert_dtype\": \"int4\"\} in config.json is not "
                                          r"read for deepseek_v4 here \(read: the release's FP8"):
         load_model("local", legacy, **trained(reference5, "deepseek_v4", "head"))
+
+
+def test_deepseek_v4_label_words_within_1e4_of_its_causal_lm_as_saved_and_as_released(reference5, tmp_path):
+    """DeepSeek-V4 zero-shot (--label-words): its LM head as transformers 5.23 saves it and as released
+    (``head.weight``), after hc_head's collapse of the streams and the final norm, scores each row's words within 1e-4
+    of 5.23's own DeepseekV4ForCausalLM (the reference's summed log-probabilities, one forward per row and word), the
+    words' tokens the reference's; from the folder saved dequantized and from the FP8 + FP4 one as released, bit for
+    bit the same. Prompts stay refused (hash-routed blocks); a folder without the head (untied) is refused naming
+    both names, before any weight is read."""
+    from safetensors.torch import load_file, save_file
+
+    from dist_eval.backends import load_model
+    from dist_eval.errors import UsageError, flag_names
+
+    out, ref = reference5
+    case = ref["cases"]["deepseek_v4"]
+    words, expected = case["label_words"], torch.tensor(case["logits_label_words"])
+    batch, scores = padded_batch(case), {}
+    for folder in ("deepseek_v4", case["fp8_folder"]):
+        model = load_model("local", str(out / folder), label_words=words)
+        assert model.label_words == tuple(words) and model.num_labels == len(words)
+        assert [list(ids) for ids in model.module.label_words.token_ids] == case["label_word_ids"]
+        with torch.no_grad():
+            scores[folder] = model.module(batch)
+    assert_same_bits(scores[case["fp8_folder"]], scores["deepseek_v4"], "label word scores, as released and as saved")
+    assert (scores["deepseek_v4"] - expected).abs().max().item() < TOLERANCE
+    assert scores["deepseek_v4"].argmax(-1).tolist() == expected.argmax(-1).tolist()
+    assert len(set(expected.argmax(-1).tolist())) > 1  # the head decides: not one word for every row
+    with pytest.raises(UsageError, match=r"ptune on deepseek_v4: blocks \[0, 1\] route each position by its token id"):
+        load_model("local", str(out / "deepseek_v4"), label_words=words,
+                   checkpoint=trained(reference5, "deepseek_v4", "ptune")["checkpoint"])
+    headless = tmp_path / "deepseek_v4_headless"
+    shutil.copytree(out / "deepseek_v4", headless)
+    tensors = load_file(str(headless / "model.safetensors"))
+    del tensors["head.weight"]
+    save_file(tensors, str(headless / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(UsageError) as caught:
-        load_model("local", folder, label_words=["yes", "no"])
+        load_model("local", str(headless), label_words=words)
     with flag_names():
-        assert str(caught.value) == ("--label-words yes no: label words on deepseek_v4: its language-model head "
-                                     "(head.weight, as the release and transformers 5.x save it) is not read here yet; "
-                                     "train a head and pass it with --head.")
+        assert str(caught.value) == (
+            f"--model {headless}: the folder holds no language-model head ('lm_head.weight' or 'head.weight') and "
+            "config.json does not tie it to the embeddings, so label words cannot be scored (the head would be "
+            "random). Pass the folder of the causal LM (a *ForCausalLM save), not of a classifier or a base model.")

@@ -59,6 +59,15 @@ class Backend(nn.Module, metaclass=abc.ABCMeta):
             "Implement hidden_states(input_ids), or evaluate it with its own logits (no label words)."
         )
 
+    def hidden_states_at(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The final hidden states at ``positions`` ``[batch, n]`` (token positions, prompts not counted) ->
+        ``[batch, n, hidden]``: read from :meth:`hidden_states`; a backend that computes a row's positions apart
+        overrides it (petals' for DeepSeek-V4: :meth:`~dist_eval.backends.petals.PetalsClassifier.hidden_states_at`).
+        """
+        hidden = self.hidden_states(input_ids)
+        rows = torch.arange(input_ids.shape[0]).unsqueeze(1)
+        return hidden[rows.to(hidden.device), positions.to(hidden.device)]
+
     def load_trainable(self, state: TrainableState) -> None:
         """Swap in ``state``'s trained prompts and head, in place, as if loaded with them."""
         raise NotImplementedError(

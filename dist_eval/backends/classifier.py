@@ -183,7 +183,7 @@ def load_model(
     words = read_label_words(label_words)
     state = _resolve_trainable(model_dir, (checkpoint, head), (tuning_mode, pre_seq_len), num_labels, family, words)
     _check_shapes(state, config, checkpoint, model_dir)
-    _check_computed_here(family, config, state, words)
+    _check_computed_here(family, config, state)
     _check_pad_token(config, model_dir)
     scored = _label_words(model_dir, config, family, words, tokenizer) if words else None
     module = kind.load(model_dir, state, family, scored, initial_peers=initial_peers, dht_prefix=dht_prefix,
@@ -392,15 +392,11 @@ def _check_tuning(state: TrainableState, tuning_mode, pre_seq_len) -> None:
         )
 
 
-def _check_computed_here(family: Family, config, state: TrainableState, words) -> None:
-    """Refuse, before any weight is read, prompts the family's blocks cannot take (DeepSeek-V4's hash routing) and label
-    words whose head is not read.
-    """
+def _check_computed_here(family: Family, config, state: TrainableState) -> None:
+    """Refuse, before any weight is read, prompts the family's blocks cannot take (DeepSeek-V4's hash routing)."""
     why = family.prompts_refusal(config, state.tuning_mode)
     if why:
         raise UsageError(why + ".", param="tuning_mode", value=state.tuning_mode)
-    if words and family.label_words_refusal:
-        raise UsageError(family.label_words_refusal + ".", param="label_words", value=" ".join(words))
 
 
 def _check_shapes(state: TrainableState, config, checkpoint: Optional[str], model_dir: str) -> None:

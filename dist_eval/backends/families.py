@@ -90,6 +90,10 @@ class Family:
     key_signature: str = ""
     head: str = "score"  # the classifier head (nn.Linear, no bias)
     lm_head: str = "lm_head"  # the causal LM's head (vocabulary logits), from the *ForCausalLM object
+    # the causal LM's head as the family's releases save it where not under ``lm_head`` (DeepSeek-V4's ``head``, which
+    # transformers 5.x saves too): read from there into ``lm_head`` when the folder has no ``lm_head.weight``
+    # (backends.zeroshot.read_saved_lm_head; the pinned loader knows only its own name)
+    saved_lm_head: str = ""
     # config settings a small model of this family needs to be one petals serves (the demo's)
     small_config: tuple = ()
     # settings of config.json petals 2.2.0 cannot serve: ((attribute, value), ...), why
@@ -211,14 +215,6 @@ class Family:
                     "(mlp_layer_types hash_moe, tid2eid), and a prompt position has no token; use no prompts "
                     "(--head alone)")
         return ""
-
-    @property
-    def label_words_refusal(self) -> str:
-        """Why label words are not scored for this family ('' when they are): DeepSeek-V4's language-model head."""
-        if not self.hyper_connected:
-            return ""
-        return (f"label words on {self.model_type}: its language-model head (head.weight, as the release and "
-                "transformers 5.x save it) is not read here yet; train a head and pass it with --head")
 
     def token_routed_blocks(self, config) -> frozenset:
         """The blocks that choose a position's experts by its token id (DeepSeek-V4's mlp_layer_types ``hash_moe``):
@@ -905,10 +901,12 @@ FAMILIES["deepseek_v32"] = _built_on_llama(
 # projection; a mixture with sqrt-softplus scores, chosen by tid2eid[token id] on the hash_moe blocks (no prompts
 # there), clamped SwiGLU experts and a shared expert. On the servers dist_eval starts (backends.layers.
 # HyperConnectedServerBlock): the streams flat between them, the token ids sent to those of hash-routed blocks
-# (backends.wire), hc_head and the final norm on the client. The options' values are transformers 5.x's
-# DeepseekV4Config defaults
+# (backends.wire), hc_head and the final norm on the client. Label words: the LM head as released and as transformers
+# 5.x saves it (head.weight), read into lm_head, after the final norm of the collapsed streams as 5.x's
+# DeepseekV4ForCausalLM. The options' values are transformers 5.x's DeepseekV4Config defaults
 FAMILIES["deepseek_v4"] = _built_on_llama(
     "deepseek_v4", "DeepseekV4", layer_types=V4_LAYER_TYPES, rope_labels=("main", "compress"), embeds_on_server=False,
+    saved_lm_head="head",
     frozen=("embed_tokens", "layers", "norm", "hc_head"),
     block_options=(
         ("own_layers", True), ("hyper_connections", True), ("head_dim", 512), ("q_lora_rank", 1024),

@@ -14,7 +14,7 @@ from torch import nn
 from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import TrainableState
 from dist_eval.backends.families import Family, family_of
-from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer
+from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer, read_saved_lm_head
 
 
 class PromptTunedClassifier(Backend):
@@ -131,7 +131,8 @@ def load_local(
     """The model of ``model_dir`` with the trained prompts and head, in this process, on ``device``.
 
     With ``label_words``: the causal LM (``Family.local_lm_class``) with the trained prompts,
-    scoring the label words (:mod:`dist_eval.backends.zeroshot`); no classifier head.
+    scoring the label words (:mod:`dist_eval.backends.zeroshot`); no classifier head; its LM head read where the
+    family's releases save it (``Family.saved_lm_head``).
     A base-model layout that also holds ``score.weight``, which transformers refuses as
     "corrupted", is read from its converted copy (:mod:`dist_eval.backends.petals_folder`).
     """
@@ -147,6 +148,7 @@ def load_local(
         if label_words is not None:
             hf_model = family_class(family.local_lm_class, in_petals=False).from_pretrained(
                 model_dir, torch_dtype=torch.float32)
+            read_saved_lm_head(family.get(hf_model, family.lm_head), model_dir, hf_model.config, family)
         else:
             hf_model = family_class(family.local_class, in_petals=False).from_pretrained(
                 model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False

@@ -24,7 +24,7 @@ from dist_eval.backends.families import Family
 from dist_eval.backends.helpers import HelperWatch
 from dist_eval.backends.requests import RequestTooLarge, learn_server_limit, restore_petals_split, send_batches_whole
 from dist_eval.backends.wire import embeddings_digest, forward_over_wire
-from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer
+from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer, read_saved_lm_head
 from dist_eval.errors import UsageError, one_line, printable
 from dist_eval.procs import remove_dead_hivemind_sockets
 
@@ -94,6 +94,25 @@ class PetalsClassifier(Backend):
         (petals' backbone prepends and removes them itself).
         """
         return self.family.get(self.inner, self.family.backbone)(input_ids=input_ids).last_hidden_state
+
+    def hidden_states_at(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The final hidden states at ``positions`` [batch, n] (prompts not counted): [batch, n, hidden]. Where blocks
+        route by token id (DeepSeek-V4's hash_moe), the remote blocks need the rows' token ids, which dist_eval's wire
+        sends (:func:`~dist_eval.backends.wire.forward_over_wire`, as the classifier's forward) and petals' own
+        forward does not; the wire reads one position per row, so one forward per column of ``positions`` (one for
+        single-token label words). Other families: petals' own forward, every position at once.
+        """
+        if not self._routed_blocks or torch.is_grad_enabled():
+            return super().hidden_states_at(input_ids, positions)
+        facts, backbone = self._forward_facts, self.family.get(self.inner, self.family.backbone)
+        rows, columns = torch.arange(input_ids.shape[0]), []
+        try:
+            for column in positions.cpu().unbind(1):
+                facts.token_ids, facts.positions = input_ids, column + self._prompt_tokens
+                columns.append(backbone(input_ids=input_ids).last_hidden_state[rows, column])
+        finally:
+            facts.token_ids = facts.positions = None
+        return torch.stack(columns, dim=1)
 
     def load_trainable(self, state: TrainableState) -> None:
         """The trained head and prompts of ``state`` (its structure is this client's) into the
@@ -231,8 +250,8 @@ def load_petals(
     """The model of ``model_dir`` as a client of the swarm at ``initial_peers``, once every
     block is served, with the trained prompts and head. A folder in a layout petals'
     client cannot read is read from its converted copy (:mod:`dist_eval.backends.petals_folder`).
-    With ``label_words``: petals' causal LM (``Family.petals_lm_class``; its LM head here)
-    scoring them (:mod:`dist_eval.backends.zeroshot`).
+    With ``label_words``: petals' causal LM (``Family.petals_lm_class``; its LM head here, read where the family's
+    releases save it: ``Family.saved_lm_head``) scoring them (:mod:`dist_eval.backends.zeroshot`).
     """
     import_petals()  # every client patch (backends.patches)
     quiet_hivemind_logs()
@@ -258,8 +277,9 @@ def load_petals(
     started = time.time()
     try:
         petals_class = family.petals_class if label_words is None else family.petals_lm_class
+        folder = petals_model_folder(model_dir)
         with no_random_init_of_meta_tensors():
-            inner = family_class(petals_class, in_petals=True).from_pretrained(petals_model_folder(model_dir), **kwargs)
+            inner = family_class(petals_class, in_petals=True).from_pretrained(folder, **kwargs)
     except Exception as e:
         if type(e).__name__ == "P2PDaemonError":  # nobody answered at the initial peers
             remove_dead_hivemind_sockets(started)  # the failed p2pd's, which hivemind leaves
@@ -271,6 +291,8 @@ def load_petals(
         raise
     manager = family.get(inner, family.blocks).sequence_manager
     try:
+        if label_words is not None:  # the head where the family's releases save it (before the swarm's wait)
+            read_saved_lm_head(family.get(inner, family.lm_head), folder, inner.config, family)
         wait_for_blocks(manager, swarm_timeout, dht_prefix)
     except BaseException:
         shutdown_petals_client(manager)

@@ -44,7 +44,7 @@ def load_streamed(
     from dist_eval.backends.compat import no_random_init_of_meta_tensors
     from dist_eval.backends.local import PromptTunedClassifier
     from dist_eval.backends.petals_folder import detect_layout, missing_shards, petals_model_folder, require_every_shard
-    from dist_eval.backends.zeroshot import ZeroShotScorer
+    from dist_eval.backends.zeroshot import ZeroShotScorer, read_saved_lm_head
     from dist_eval.errors import UsageError
 
     if str(device).split(":")[0] != "cpu":
@@ -66,7 +66,9 @@ def load_streamed(
     view = tempfile.mkdtemp(prefix="dist_eval-streamed-")
     try:
         _client_view(model_dir, blocks, view)
-        device_map = _device_map(view, blocks, config.num_hidden_layers, family.head)
+        # the head no file may name: the classifier's, or a causal LM's saved under another name (saved_lm_head)
+        device_map = _device_map(view, blocks, config.num_hidden_layers,
+                                 family.head if label_words is None else family.lm_head)
         kwargs = {} if label_words is not None else {"num_labels": state.num_labels, "ignore_mismatched_sizes": False}
         with no_random_init_of_meta_tensors(), _no_progress_bar(), warnings.catch_warnings():
             # "Loading checkpoint shards" (the view's) is not shown; nor that a causal LM's lm_head, mapped from
@@ -85,6 +87,7 @@ def load_streamed(
     model = PromptTunedClassifier(hf_model, state.tuning_mode, state.pre_seq_len, family)
     model.load_trainable(state)
     if label_words is not None:
+        read_saved_lm_head(family.get(hf_model, family.lm_head), model_dir, hf_model.config, family)
         model = ZeroShotScorer(model, family.get(hf_model, family.lm_head), label_words)
     weakref.finalize(model, shutil.rmtree, view, True)  # the view goes with the model
     return model
@@ -202,8 +205,8 @@ def _client_view(model_dir: str, blocks: str, view: str) -> None:
 def _device_map(model_dir: str, blocks: str, num_blocks: int, head: str) -> dict:
     """Each block on "disk", every other module holding weights on "cpu": those of the files' tensor names
     (transformers must find each, a causal LM's head read as a classifier's too) and ``head`` (the classifier's,
-    in no file). Made from the names alone: a skeleton of the model, even on the meta device, cost more memory
-    than a block.
+    in no file; with label words the causal LM's, which a release may save under another name). Made from the
+    names alone: a skeleton of the model, even on the meta device, cost more memory than a block.
     """
     out = {head: "cpu", **{f"{blocks}.{i}": "disk" for i in range(num_blocks)}}
     for name in _tensor_files(model_dir):

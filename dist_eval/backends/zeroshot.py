@@ -102,8 +102,8 @@ class ZeroShotScorer(Backend):
     """``input_ids [B, T]`` (right-padded, no pad inside a row) -> ``logits [B, K]``: per class
     the summed log-probabilities of its label word's tokens after the row (module docstring).
 
-    ``base.hidden_states(input_ids)`` returns the final (normed) hidden states of the tokens
-    ``[B, T, H]`` (prompt vectors already removed); ``lm_head.weight`` is the LM head ``[V, H]``.
+    ``base.hidden_states_at(input_ids, positions)`` returns the final (normed) hidden states of the tokens at
+    ``positions`` ``[B, n]`` (prompt vectors not counted), ``[B, n, H]``; ``lm_head.weight`` is the LM head ``[V, H]``.
     The rest of the :class:`Backend` contract is ``base``'s (a petals client's provenance and
     close, another checkpoint's prompts).
     """
@@ -118,6 +118,10 @@ class ZeroShotScorer(Backend):
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``base``'s: the label words' tokens are scored from them, not hidden states of their own."""
         return self.base.hidden_states(input_ids)
+
+    def hidden_states_at(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``base``'s."""
+        return self.base.hidden_states_at(input_ids, positions)
 
     def load_trainable(self, state: TrainableState) -> None:
         """Another checkpoint's prompts into ``base`` (the LM head is the model's own, not trained)."""
@@ -138,11 +142,9 @@ class ZeroShotScorer(Backend):
         scores = torch.empty(batch, len(self.label_words.token_ids), dtype=torch.float32)
         for appended, classes in self._groups.items():
             ids = self._with_appended(input_ids, lengths, appended)
-            hidden = self.base.hidden_states(ids)
             # positions L-1 .. L-1+len(appended) predict the label word's tokens
             positions = (lengths - 1).unsqueeze(1) + torch.arange(len(appended) + 1)
-            rows = torch.arange(batch).unsqueeze(1)
-            picked = hidden[rows.to(hidden.device), positions.to(hidden.device)]  # [B, n, H]
+            picked = self.base.hidden_states_at(ids, positions)  # [B, n, H]
             weight = self.lm_head.weight
             log_probs = torch.nn.functional.linear(picked.to(weight.dtype), weight).float().log_softmax(-1).cpu()
             steps = torch.arange(len(appended) + 1)
@@ -164,9 +166,14 @@ class ZeroShotScorer(Backend):
         return ids
 
 
+def _saved_head_keys(family) -> Tuple[str, ...]:
+    """The names the LM head's weight is saved under: the causal LM's own, then the release's (``saved_lm_head``)."""
+    return (f"{family.lm_head}.weight",) + ((f"{family.saved_lm_head}.weight",) if family.saved_lm_head else ())
+
+
 def check_lm_head(model_dir: str, config, family) -> None:
-    """The folder holds the LM head's weights, or the config ties them to the embeddings;
-    else transformers and petals would both draw it at random.
+    """The folder holds the LM head's weights (under the causal LM's name, or the release's: ``Family.saved_lm_head``),
+    or the config ties them to the embeddings; else transformers and petals would both draw it at random.
     """
     from dist_eval.backends.petals_folder import weight_map
 
@@ -175,9 +182,41 @@ def check_lm_head(model_dir: str, config, family) -> None:
     if any(key.split(".")[-2:-1] == [family.lm_head] or key.startswith(family.lm_head + ".")
            for key in weight_map(model_dir)):
         return
+    if family.saved_lm_head and f"{family.saved_lm_head}.weight" in weight_map(model_dir):
+        return
+    names = " or ".join(f"'{key}'" for key in _saved_head_keys(family))
     raise UsageError(
-        f"the folder holds no language-model head ('{family.lm_head}.weight') and config.json does not tie it to "
+        f"the folder holds no language-model head ({names}) and config.json does not tie it to "
         "the embeddings, so label words cannot be scored (the head would be random). Pass the folder of the "
         "causal LM (a *ForCausalLM save), not of a classifier or a base model.",
         param="model_dir", value=model_dir,
     )
+
+
+def read_saved_lm_head(lm_head: nn.Module, model_dir: str, config, family) -> None:
+    """``lm_head``'s weight, of a causal LM just loaded from ``model_dir``, read from the folder's
+    ``Family.saved_lm_head`` (DeepSeek-V4's ``head.weight``, as released and as transformers 5.x saves it): the pinned
+    transformers and petals load ``lm_head.weight`` alone and would leave it drawn at random. Nothing where the config
+    ties the head to the embeddings or the folder holds ``lm_head.weight`` (their loader read it).
+    """
+    from dist_eval.backends.petals_folder import read_tensor, weight_map
+
+    if not family.saved_lm_head or getattr(config, "tie_word_embeddings", True):
+        return
+    names = weight_map(model_dir)
+    if f"{family.lm_head}.weight" in names:
+        return
+    key = f"{family.saved_lm_head}.weight"
+    tensor = read_tensor(model_dir, key)  # a UsageError naming it where absent (check_lm_head refused that first)
+    if tuple(tensor.shape) != tuple(lm_head.weight.shape):
+        raise UsageError(
+            f"{key} has shape {list(tensor.shape)}, expected {list(lm_head.weight.shape)} (vocab_size x hidden_size "
+            "in config.json): the folder's head is another model's. Pass a folder whose weights and config.json "
+            "are one model's.", param="model_dir", value=model_dir,
+        )
+    weight = lm_head.weight
+    if weight.is_meta:  # petals' client leaves a weight it found no tensor for unmaterialised
+        lm_head.weight = nn.Parameter(tensor.to(weight.dtype), requires_grad=weight.requires_grad)
+        return
+    with torch.no_grad():
+        weight.copy_(tensor)  # in the loaded model's dtype (the release's bf16 as float32: exact)

@@ -112,7 +112,10 @@ every 4 positions and an indexer of 32 heads keeping 3; heavily compressed, ever
 one, 4 streams, blocks 0-1 hash-routed (``tid2eid`` drawn) and 2-3 learned; its weights FP8 / FP4-rounded, and
 ``deepseek_v4_fp8`` the same as DeepSeek ships it (e4m3 tiles of 16 x 16 and FP4 experts, each with a ue8m0
 ``<name>.scale``), which transformers reads back into the same tensors (recorded). No ptune reference: its
-hash-routed blocks route a position by its token id, which a prompt position has not.
+hash-routed blocks route a position by its token id, which a prompt position has not. Its zero-shot reference
+(``LABEL_WORDS``): per row and word, the summed log-probabilities under ``DeepseekV4ForCausalLM``'s own logits (its
+head, saved as ``head.weight``, after ``hc_head`` and the final norm) of the word's tokens (those after a space in
+running text, the rule dist_eval documents) appended to the row, one forward per row and word.
 
 BLOOM and Falcon (the 40B layout: the new decoder architecture, 2 key/value heads, RoPE at theta 50000, so
 that a reader taking the default 10000 is caught), byte-level BPE tokenizers. Kimi K2 (``kimi_k2``) has no
@@ -409,6 +412,9 @@ LATER = {"qwen3_next": 5, "gpt_oss": 5}  # (deepseek_v4: 5.8 on, hasattr below)
 NO_CLASSIFIER = ("glm4_moe", "llama4_text", "minimax_m2", "glm_moe_dsa", "deepseek_v32", "deepseek_v4")
 # the first blocks route each position by its token id (tid2eid): a prompt position has none, no ptune reference
 HASH_ROUTED = ("deepseek_v4",)
+# zero-shot label words scored by the causal LM's own head (DeepSeek-V4's as released: head.weight), one per class
+LABEL_WORDS_CASES = ("deepseek_v4",)
+LABEL_WORDS = ["Việt", "fox", "spaces"]
 SPARSE_ATTENTION = ("glm_moe_dsa", "deepseek_v32")  # an indexer per block: the keys it kept recorded too
 
 
@@ -843,6 +849,32 @@ def sparse_attention_case(kind: str, kept: list) -> dict:
     return {"kept": kept, "index_topk": INDEX_TOPK} if kind in SPARSE_ATTENTION else {}
 
 
+def label_word_ids(tokenizer, word: str) -> list:
+    """A label word's tokens as dist_eval documents them (its backends/zeroshot.py): after a space in running text,
+    those of "a " + word after those of "a", without special tokens."""
+    anchor = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a " + word, add_special_tokens=False)["input_ids"]
+    assert full[:len(anchor)] == anchor, (word, full, anchor)
+    return full[len(anchor):]
+
+
+def label_words_case(kind: str, lm, tokenizer, ids: list) -> dict:
+    """A zero-shot case's fields (LABEL_WORDS_CASES): the words, their tokens and, per row and word, the summed
+    log-probabilities of the word's tokens after the row (its ids, BOS included) under the causal LM ``lm``'s own
+    logits, one forward per row and word with the word's tokens appended."""
+    if kind not in LABEL_WORDS_CASES:
+        return {}
+    words = [label_word_ids(tokenizer, word) for word in LABEL_WORDS]
+    scores = []
+    with torch.no_grad():
+        for row in ids:
+            scores.append([])
+            for word in words:
+                log_probs = lm(input_ids=torch.tensor([row + word[:-1]])).logits[0].float().log_softmax(-1)
+                scores[-1].append(sum(float(log_probs[len(row) - 1 + j, t]) for j, t in enumerate(word)))
+    return {"label_words": LABEL_WORDS, "label_word_ids": words, "logits_label_words": scores}
+
+
 def make(kind: str, out: str) -> dict:
     import transformers
     from safetensors.torch import save_file
@@ -870,11 +902,13 @@ def make(kind: str, out: str) -> dict:
     save_file(trainable, os.path.join(out, f"{kind}.trainable.safetensors"))
     loaded = transformers.AutoTokenizer.from_pretrained(folder)
     ids = [loaded(text)["input_ids"] for text in CORPUS]
+    causal = None  # the causal LM, where the backbone is its (its head scores label words: LABEL_WORDS_CASES)
     if kind in VISION_LANGUAGE:
         backbone = getattr(transformers, lm_class).from_pretrained(folder).eval().model.language_model
         score = lambda hidden: hidden @ trainable["score.weight"].T  # noqa: E731
     elif kind in NO_CLASSIFIER:
-        backbone = getattr(transformers, f"{name}ForCausalLM").from_pretrained(folder).eval().model
+        causal = getattr(transformers, f"{name}ForCausalLM").from_pretrained(folder).eval()
+        backbone = causal.model
         score = lambda hidden: hidden @ trainable["score.weight"].T  # noqa: E731
     else:
         clf = getattr(transformers, f"{name}ForSequenceClassification").from_pretrained(folder, num_labels=NUM_LABELS)
@@ -897,7 +931,8 @@ def make(kind: str, out: str) -> dict:
     return {"folder": kind, "class": type(loaded).__name__, "ids": ids, "logits_head": head, "logits_ptune": ptune,
             "pad_token_id": tokenizer.pad_token_id, "num_labels": NUM_LABELS, "pre_seq_len": PRE_SEQ_LEN, **released,
             **({"fp8_folder": kind + "_fp8", "fp8_block": list(FP8_BLOCK)}
-               if kind in ("deepseek_v3", "minimax_m2") else {}), **sparse_attention_case(kind, kept)}
+               if kind in ("deepseek_v3", "minimax_m2") else {}), **sparse_attention_case(kind, kept),
+            **label_words_case(kind, causal, loaded, ids)}
 
 
 def main(out: str) -> None:
