@@ -47,6 +47,10 @@ def load_streamed(
     from dist_eval.backends.zeroshot import ZeroShotScorer, read_saved_lm_head
     from dist_eval.errors import UsageError
 
+    if family.hyper_connected:  # accelerate's offload leaves part of its attention (wo_b) on the meta device
+        raise UsageError(f"expected a family whose blocks are read from disk one at a time: {family.model_type}'s are "
+                         "not yet (its attention's weights are not all loaded by the offload). Load the model whole: "
+                         "drop --stream-blocks (python -m dist_eval.verify: pass --in-memory).", param="stream_blocks")
     if str(device).split(":")[0] != "cpu":
         raise UsageError("expected cpu: the blocks streamed from disk are computed on the CPU. Pass --device cpu, "
                          "or load the model whole (--in-memory).", param="device", value=device)
