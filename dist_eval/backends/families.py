@@ -155,7 +155,7 @@ class Family:
         """What dist_eval computes for this family otherwise than it once did, for the row store's key (the model's
         identity): rows stored before are not served for it. {} for most families. Sigmoid routers: an expert
         outside the kept groups is never chosen (-inf, as transformers 5.x), where 4.x's rule (0) chose one when the
-        kept groups' corrected scores were below 0 (2026-11-28).
+        kept groups' corrected scores were below 0.
         """
         if dict(self.block_options).get("mixture_of_experts") == "sigmoid":
             return {"router_groups_left_out": "-inf"}

@@ -179,14 +179,14 @@ def check_lm_head(model_dir: str, config, family) -> None:
 
     if getattr(config, "tie_word_embeddings", True):
         return
-    if any(key.split(".")[-2:-1] == [family.lm_head] or key.startswith(family.lm_head + ".")
-           for key in weight_map(model_dir)):
+    names = weight_map(model_dir)  # read once: a single-file folder's names come from its header
+    if any(key.split(".")[-2:-1] == [family.lm_head] or key.startswith(family.lm_head + ".") for key in names):
         return
-    if family.saved_lm_head and f"{family.saved_lm_head}.weight" in weight_map(model_dir):
+    if family.saved_lm_head and f"{family.saved_lm_head}.weight" in names:
         return
-    names = " or ".join(f"'{key}'" for key in _saved_head_keys(family))
+    expected = " or ".join(f"'{key}'" for key in _saved_head_keys(family))
     raise UsageError(
-        f"the folder holds no language-model head ({names}) and config.json does not tie it to "
+        f"the folder holds no language-model head ({expected}) and config.json does not tie it to "
         "the embeddings, so label words cannot be scored (the head would be random). Pass the folder of the "
         "causal LM (a *ForCausalLM save), not of a classifier or a base model.",
         param="model_dir", value=model_dir,
