@@ -136,3 +136,66 @@ def test_a_daemons_socket_left_after_it_exits_is_removed_once_it_has_exited():
         child.wait()
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
+
+
+# a rank's resource sharer hands a pipe end to a receiver that dies before answering the sharer's
+# challenge, as a scheduler's cancel kills the DHT process mid-handoff; then an unrelated error
+_LOST_HANDOFF = """
+import os, select, socket, sys
+from multiprocessing import reduction, resource_sharer
+if sys.argv[1] == "patched":
+    from dist_eval.backends import helpers, patches
+    patches.apply("quiet_lost_handoffs", "client", helpers.quiet_lost_handoffs)
+read_end, _ = os.pipe()
+address, _key = reduction.DupFd(read_end)._id  # served by this process's resource-sharer thread
+child = os.fork()
+if child == 0:
+    receiver = socket.socket(socket.AF_UNIX)
+    receiver.connect(address)
+    select.select([receiver], [], [], 30)  # the challenge arrived, unread: the kernel resets the connection
+    os._exit(0)
+os.waitpid(child, 0)
+resource_sharer.stop(timeout=30)  # the sharer takes connections in order: the reset one is handled once it stops
+try:
+    raise ValueError("an error of this process's own")
+except ValueError:
+    sys.excepthook(*sys.exc_info())
+"""
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "stock"])
+def test_a_handoff_cut_by_its_receivers_death_prints_no_traceback(patched):
+    """helpers.quiet_lost_handoffs: a reset handoff prints nothing (stock Python prints a traceback: the
+    test can fail); any other error reaching sys.excepthook is printed as before."""
+    done = subprocess.run([sys.executable, "-c", _LOST_HANDOFF, "patched" if patched else "stock"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "ValueError: an error of this process's own" in done.stderr
+    handoff_error = "ConnectionResetError" in done.stderr or "EOFError" in done.stderr
+    assert handoff_error != patched, done.stderr
+    assert done.stderr.count("Traceback") == (1 if patched else 2), done.stderr
+
+
+@pytest.mark.parametrize("then", ["nothing", "p2pd daemon", "DHT process", "stop"])
+def test_an_own_daemon_error_is_a_servers_only_while_the_rank_and_its_helpers_run(helpers, then, monkeypatch,
+                                                                                  capsys):
+    """failover: a P2PDaemonError (raised by the rank's own p2pd) is warned about as the server's failure after
+    the grace, unless a helper ends or the rank is told to stop first (a cancel signals them all): decided on
+    those conditions, not on the time the rank takes to hear its own signal (60 s of grace, answered at once)."""
+    from dist_eval.backends import failover
+    from dist_eval.errors import stopping
+
+    dht, pids = helpers
+    monkeypatch.setattr(failover, "OWN_DAEMON_GRACE_S", 1.0 if then == "nothing" else 60.0)
+    waiting = threading.Thread(target=failover._warn_unless_own_helpers_stop, args=(dht, "the server's fault"))
+    waiting.start()
+    try:
+        if then == "stop":
+            stopping.set()
+        elif then != "nothing":
+            os.kill(pids[then], signal.SIGKILL)
+        waiting.join(timeout=30)
+    finally:
+        stopping.clear()
+    assert not waiting.is_alive()
+    assert ("the server's fault" in capsys.readouterr().err) == (then == "nothing")

@@ -13,7 +13,7 @@ import torch
 from conftest import REPO, write_csv
 
 CLIENT_PATCHES = ["hivemind_reexports", "stub_lock", "no_version_check", "failover", "request_size", "deep_prompts",
-                  "announced_kernels"]
+                  "announced_kernels", "quiet_lost_handoffs"]
 SERVER_PATCHES = [*CLIENT_PATCHES, "merged_forward", "wire_server", "config_forms", "block_options_llama",
                   "server_rotary_falcon",
                   "server_version", "drain", "block_index", "peft_on_demand",

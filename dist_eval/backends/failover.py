@@ -52,7 +52,7 @@ def failover_replacements() -> list:
             raise refused
         outcomes = getattr(self.state, "dist_eval_outcomes", None) or {}
         if peer_id is not None and outcomes.get(peer_id, (0, True))[1]:
-            _warn_server_failed(peer_id, error)  # once per failing streak, not per retry
+            _warn_server_failed(self, peer_id, error)  # once per failing streak, not per retry
         _record(self, peer_id, False)
         original_failure(self, peer_id)
         if peer_id is None:
@@ -119,23 +119,40 @@ def _drop_helper_died(record: logging.LogRecord) -> bool:
     return not (record.exc_info and isinstance(record.exc_info[1], HelperDied))
 
 
-# A stream reset by this rank's own p2pd is said this much later, unless the rank was told to
-# stop meanwhile: a scheduler's cancel signals the p2pd too, and it may act before the rank hears.
-OWN_DAEMON_GRACE_S = 0.5
+# A stream reset by this rank's own p2pd is said only if, within this many seconds, the rank was not told to
+# stop and its own DHT process and p2pd are both still running: a scheduler's cancel signals the helpers too,
+# and they may act before the rank hears (a dead helper is the run's to report, HelperWatch, in one line).
+OWN_DAEMON_GRACE_S = 10.0
 
 
-def _warn_server_failed(peer_id, error) -> None:
+def _warn_server_failed(manager, peer_id, error) -> None:
     if stopping.is_set():  # cancelled: the request was cut short here, not by the server
         return
     reason = one_line(f"{type(error).__name__}: {error}", 160) if error is not None else "no answer"
     message = (f"swarm server ...{str(peer_id)[-8:]} failed a request ({reason}); "
                "routing around it (a block no other server holds is retried for up to --swarm-timeout).")
     if type(error).__name__ == "P2PDaemonError":  # from the daemon of this rank, not the server's answer
-        timer = threading.Timer(OWN_DAEMON_GRACE_S, lambda: stopping.is_set() or warn(message))
-        timer.daemon = True  # never holds up the process's exit
-        timer.start()
+        dht = getattr(manager, "dht", None)
+        thread = threading.Thread(target=_warn_unless_own_helpers_stop, args=(dht, message),
+                                  name="dist_eval-daemon-error", daemon=True)  # never holds up the exit
+        thread.start()
     else:
         warn(message)
+
+
+def _warn_unless_own_helpers_stop(dht, message: str) -> None:
+    """Warn after :data:`OWN_DAEMON_GRACE_S` unless the rank is told to stop, or one of its helpers
+    (the DHT process, its p2pd) ends, first.
+    """
+    from dist_eval.backends.helpers import client_helper_pids
+
+    deadline = time.monotonic() + OWN_DAEMON_GRACE_S
+    while time.monotonic() < deadline:
+        if getattr(dht, "pid", None) and len(client_helper_pids(dht)) < 2:
+            return
+        if stopping.wait(0.05):
+            return
+    warn(message)
 
 
 def unserved_blocks(manager) -> list:

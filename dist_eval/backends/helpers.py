@@ -146,6 +146,36 @@ class HelperWatch:
             time.sleep(0.02)
 
 
+def quiet_lost_handoffs() -> list:
+    """A patch (applied by :func:`dist_eval.backends.patches.apply_client_patches`): no traceback from
+    multiprocessing's resource sharer when the process it hands a file descriptor to dies mid-handoff.
+
+    Every request a rank sends its DHT process carries a pipe end (hivemind's ``MPFuture``), handed over by
+    the rank's resource-sharer thread, which prints any error of a handoff with ``sys.excepthook``. A job
+    scheduler's cancel signals the DHT process with the rank, so the handoff it was taking is reset and the
+    rank printed a 16-line ``ConnectionResetError`` before its own one-line stop (tests/test_slurm.py::
+    test_scancel_mid_run_on_a_swarm). A helper that died is the run's to report (:class:`HelperWatch`,
+    one line); a reset handoff adds nothing. Any other error, or one raised elsewhere, is printed as before.
+    """
+    import sys
+
+    previous = sys.excepthook
+
+    def excepthook(kind, error, trace):
+        if issubclass(kind, (ConnectionError, EOFError)) and _raised_in_resource_sharer(trace):
+            return
+        previous(kind, error, trace)
+
+    return [(sys, "excepthook", excepthook)]
+
+
+def _raised_in_resource_sharer(trace) -> bool:
+    """True if the traceback's outermost frame is multiprocessing's resource-sharer loop."""
+    code = trace.tb_frame.f_code if trace is not None else None
+    return code is not None and code.co_name == "_serve" and code.co_filename.endswith(
+        os.path.join("multiprocessing", "resource_sharer.py"))
+
+
 def client_sockets(manager, helpers) -> set:
     """The /tmp/hivemind-* unix sockets of a petals client: those its helper processes
     ``helpers`` hold (the p2pd's and the DHT process's), and its P2P replica's in this process.

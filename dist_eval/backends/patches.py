@@ -120,9 +120,10 @@ def apply_client_patches() -> None:
     4. failover: a failed server leaves routing at once; only server failures ban;
     5. a batch goes as one request, split only to what a server accepts;
     6. deep prompts go once per request;
-    7. the kernels a server announces kept (the swarm audit compares servers of the same kernels bit for bit).
+    7. the kernels a server announces kept (the swarm audit compares servers of the same kernels bit for bit);
+    8. no traceback from a pipe handoff to a helper process that a cancel killed (the run reports it).
     """
-    from dist_eval.backends import audit, failover, requests
+    from dist_eval.backends import audit, failover, helpers, requests
 
     check_versions()
     with _lock:
@@ -136,6 +137,7 @@ def apply_client_patches() -> None:
         apply("request_size", "client", requests.split_replacements)
         apply("deep_prompts", "client", requests.prompt_replacements)
         apply("announced_kernels", "client", audit.announced_kernels_replacements)
+        apply("quiet_lost_handoffs", "client", helpers.quiet_lost_handoffs)
 
 
 def own_hivemind_locks() -> None:
