@@ -14,12 +14,16 @@ def column_values(dataset, columns: Sequence[str], rows=None) -> list:
     """The values of each of ``columns`` of a ``datasets.Dataset`` (of ``rows`` only, in their
     order, when given: indices or a slice), row by row. A dataset without a format or transform:
     one read of just those rows and columns, as Python lists (iterating a Column reads it a row at a time, and
-    ``select()`` then a column read is several times slower: benchmarks/RESULTS.md). With a
-    format or a transform (which may read other columns), the Columns of ``select(rows)``:
-    their format decides the values.
+    ``select()`` then a column read is several times slower: benchmarks/RESULTS.md); a run of rows of plain
+    columns, a slice of the Arrow columns (:func:`_arrow_values`). With a format or a transform (which may read other
+    columns), the Columns of ``select(rows)``: their format decides the values.
     """
     if dataset.format["type"] is None:
-        index = rows if isinstance(rows, slice) else slice(None) if rows is None else rows.tolist()
+        index = rows if isinstance(rows, slice) else slice(None) if rows is None else rows
+        taken = _arrow_values(dataset, columns, index)
+        if taken is not None:
+            return taken
+        index = index if isinstance(index, slice) else index.tolist()
         values = dataset.select_columns(list(dict.fromkeys(columns)))[index]
         return [values[name] for name in columns]
     if isinstance(rows, slice):
@@ -27,6 +31,33 @@ def column_values(dataset, columns: Sequence[str], rows=None) -> list:
     picked = dataset if rows is None else dataset.select(rows.tolist())
     return [picked[name] for name in columns]
 
+
+def _arrow_values(dataset, columns: Sequence[str], index) -> Optional[list]:
+    """The values of ``columns`` at ``index`` (a slice or an array of row indices), a run of consecutive rows,
+    read as a slice of the Arrow column; None where that would not give what ``dataset[index]`` gives, or
+    would not be faster: rows behind an indices mapping (a ``select`` or ``shuffle`` not flattened), a
+    column whose feature decodes its values (an image, audio, ...), rows not one run, a row out of range.
+    The same values as datasets' own read (its Python formatter is the column's ``to_pylist`` too), without
+    its row-by-row gather: a rank's block of 500k rows of text read in chunks of 4096, 2.7 CPU-s -> 0.09
+    (benchmarks/RESULTS.md).
+    """
+    import datasets
+
+    # datasets keeps the mapping in a private attribute: without it, no fast path (never the wrong rows)
+    if not hasattr(dataset, "_indices") or dataset._indices is not None or dataset.data.num_rows != len(dataset):
+        return None
+    plain = (datasets.Value, datasets.ClassLabel)
+    if not all(isinstance(dataset.features.get(name), plain) for name in columns):
+        return None
+    if isinstance(index, slice):
+        index = np.arange(*index.indices(len(dataset)))
+    index = np.asarray(index, dtype=np.int64)
+    if index.size and (index.min() < 0 or index.max() >= len(dataset)):
+        return None  # datasets' own read says which row is out of range
+    if not index.size or index[-1] - index[0] + 1 != index.size or not bool(np.all(np.diff(index) == 1)):
+        return None  # rows picked one by one: pyarrow's take joins a column's record batches at each call
+    first, count = int(index[0]), int(index.size)  # a run of rows (how rows are tokenized and keyed): a slice
+    return [dataset.data.column(name).slice(first, count).to_pylist() for name in columns]
 
 
 @dataclass
