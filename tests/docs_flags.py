@@ -31,6 +31,7 @@ FOREIGN = {
     "pip": {"--no-deps", "--upgrade", "--target", "--no-index", "--no-compile", "--no-cache-dir"},
     "pytest": {"--durations", "--dist", "--reverse-order", "--random-order", "--random-order-bucket",
                "--random-order-seed"},
+    "py-spy": {"--subprocesses", "--rate", "--format", "--pid", "--native", "--idle"},
     "sbatch": {"--nodes", "--gpus-per-node", "--cpus-per-task", "--ntasks-per-node", "--kill-on-bad-exit",
                "--array", "--dependency", "--parsable", "--requeue"},
 }
@@ -172,7 +173,7 @@ def _command_at(token: str, following: str, current: Set[str]) -> Set[str]:
         return {"shard_merge"}
     if token.endswith(".py") and (_named(token) or "benchmarks/" in token):
         return {os.path.basename(token)[:-3]}
-    if token in ("pip", "pytest", "sbatch", "ruff") or token.endswith("/pip"):
+    if token in ("pip", "pytest", "sbatch", "ruff", "py-spy") or token.endswith("/pip"):
         return {"foreign"}
     return current
 
