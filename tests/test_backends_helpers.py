@@ -1,5 +1,6 @@
 """dist_eval.backends.helpers on real processes: a DHT-process stand-in with a child named
 p2pd (the real client is killed mid-run in tests/test_swarm_failover.py)."""
+import contextlib
 import os
 import shutil
 import signal
@@ -176,26 +177,33 @@ def test_a_handoff_cut_by_its_receivers_death_prints_no_traceback(patched):
     assert done.stderr.count("Traceback") == (1 if patched else 2), done.stderr
 
 
-@pytest.mark.parametrize("then", ["nothing", "p2pd daemon", "DHT process", "stop"])
+@pytest.mark.parametrize("then", ["nothing", "p2pd daemon", "DHT process", "stop", "close", "stop, then close"])
 def test_an_own_daemon_error_is_a_servers_only_while_the_rank_and_its_helpers_run(helpers, then, monkeypatch,
                                                                                   capsys):
-    """failover: a P2PDaemonError (raised by the rank's own p2pd) is warned about as the server's failure after
-    the grace, unless a helper ends or the rank is told to stop first (a cancel signals them all): decided on
-    those conditions, not on the time the rank takes to hear its own signal (60 s of grace, answered at once)."""
+    """failover: a P2PDaemonError (raised by the rank's own p2pd: a server that died mid-request, or the daemon
+    stopping) is warned about as the server's failure after the grace, or at once when the client closes, unless a
+    helper ends or the rank is told to stop first (a cancel signals them all): decided on those conditions, not on
+    the time the rank takes to hear its own signal (60 s of grace, answered at once)."""
     from dist_eval.backends import failover
     from dist_eval.errors import stopping
 
     dht, pids = helpers
     monkeypatch.setattr(failover, "OWN_DAEMON_GRACE_S", 1.0 if then == "nothing" else 60.0)
-    waiting = threading.Thread(target=failover._warn_unless_own_helpers_stop, args=(dht, "the server's fault"))
-    waiting.start()
+    failover._warn_server_failed(SimpleNamespace(dht=dht), "12D3KooWserver", type("P2PDaemonError", (Exception,), {})())
+    waiting = failover._pending[-1]
     try:
-        if then == "stop":
+        if then.startswith("stop"):
             stopping.set()
-        elif then != "nothing":
+        elif then in pids:
             os.kill(pids[then], signal.SIGKILL)
+        if then.endswith("close"):
+            failover.flush_daemon_error_warnings()
         waiting.join(timeout=30)
     finally:
         stopping.clear()
+        failover._pending.clear()
+        for pid in pids.values():  # a p2pd whose DHT process was killed is nobody's child to reap
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
     assert not waiting.is_alive()
-    assert ("the server's fault" in capsys.readouterr().err) == (then == "nothing")
+    assert ("...oWserver failed a request" in capsys.readouterr().err) == (then in ("nothing", "close"))

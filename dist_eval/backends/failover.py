@@ -119,10 +119,13 @@ def _drop_helper_died(record: logging.LogRecord) -> bool:
     return not (record.exc_info and isinstance(record.exc_info[1], HelperDied))
 
 
-# A stream reset by this rank's own p2pd is said only if, within this many seconds, the rank was not told to
-# stop and its own DHT process and p2pd are both still running: a scheduler's cancel signals the helpers too,
+# A stream reset by this rank's own p2pd (a server that died mid-request, or this rank's own daemon stopping) is
+# said once it is known not to be a stop: within this many seconds, or when the client closes, if the rank was not
+# told to stop and its DHT process and p2pd are both still running. A scheduler's cancel signals the helpers too,
 # and they may act before the rank hears (a dead helper is the run's to report, HelperWatch, in one line).
 OWN_DAEMON_GRACE_S = 10.0
+_said_at_close = threading.Event()  # set by flush_daemon_error_warnings: the pending ones decide now
+_pending: list = []  # the threads waiting to decide, to join at close
 
 
 def _warn_server_failed(manager, peer_id, error) -> None:
@@ -133,26 +136,41 @@ def _warn_server_failed(manager, peer_id, error) -> None:
                "routing around it (a block no other server holds is retried for up to --swarm-timeout).")
     if type(error).__name__ == "P2PDaemonError":  # from the daemon of this rank, not the server's answer
         dht = getattr(manager, "dht", None)
-        thread = threading.Thread(target=_warn_unless_own_helpers_stop, args=(dht, message),
-                                  name="dist_eval-daemon-error", daemon=True)  # never holds up the exit
-        thread.start()
+        waiting = threading.Thread(target=_warn_unless_own_helpers_stop, args=(dht, message),
+                                   name="dist_eval-daemon-error", daemon=True)  # never holds up the exit
+        _pending.append(waiting)
+        waiting.start()
     else:
         warn(message)
 
 
 def _warn_unless_own_helpers_stop(dht, message: str) -> None:
-    """Warn after :data:`OWN_DAEMON_GRACE_S` unless the rank is told to stop, or one of its helpers
-    (the DHT process, its p2pd) ends, first.
+    """Warn after :data:`OWN_DAEMON_GRACE_S`, or at once when the client closes
+    (:func:`flush_daemon_error_warnings`), unless the rank is told to stop, or one of its helpers (the DHT
+    process, its p2pd) ends, first.
     """
     from dist_eval.backends.helpers import client_helper_pids
 
     deadline = time.monotonic() + OWN_DAEMON_GRACE_S
-    while time.monotonic() < deadline:
-        if getattr(dht, "pid", None) and len(client_helper_pids(dht)) < 2:
+    while time.monotonic() < deadline and not _said_at_close.is_set():
+        if stopping.is_set() or getattr(dht, "pid", None) and len(client_helper_pids(dht)) < 2:
             return
-        if stopping.wait(0.05):
-            return
-    warn(message)
+        _said_at_close.wait(0.05)
+    if not stopping.is_set() and not (getattr(dht, "pid", None) and len(client_helper_pids(dht)) < 2):
+        warn(message)
+
+
+def flush_daemon_error_warnings(timeout: float = 5.0) -> None:
+    """Before a client's helpers are stopped: every daemon error still waiting is decided now (said, unless the
+    rank is stopping or a helper already ended), so a short run does not end before its warning is said.
+    """
+    _said_at_close.set()
+    try:
+        for waiting in list(_pending):
+            waiting.join(timeout)
+    finally:
+        _pending.clear()
+        _said_at_close.clear()
 
 
 def unserved_blocks(manager) -> list:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from dist_eval.backends import audit
+from dist_eval.backends import audit, failover
 from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT
 from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import TrainableState
@@ -136,6 +136,7 @@ class PetalsClassifier(Backend):
         """Stop the client (its DHT process, p2pd and routing thread), in bounded time; or,
         for a client the caller owns, only undo what this adapter changed on ``inner``.
         """
+        failover.flush_daemon_error_warnings()  # while the helpers run: a server's failure is said, not lost
         self.helper_watch.stop()  # first: a normal shutdown stops the helpers
         if not self.owns_client:
             restore_petals_split(self.sequence_manager)
