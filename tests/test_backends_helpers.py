@@ -181,15 +181,17 @@ def test_a_handoff_cut_by_its_receivers_death_prints_no_traceback(patched):
 def test_an_own_daemon_error_is_a_servers_only_while_the_rank_and_its_helpers_run(helpers, then, monkeypatch,
                                                                                   capsys):
     """failover: a P2PDaemonError (raised by the rank's own p2pd: a server that died mid-request, or the daemon
-    stopping) is warned about as the server's failure after the grace, or at once when the client closes, unless a
-    helper ends or the rank is told to stop first (a cancel signals them all): decided on those conditions, not on
-    the time the rank takes to hear its own signal (60 s of grace, answered at once)."""
+    stopping) is warned about as the server's failure after the grace, or at once when the client closes, unless the
+    client's HelperWatch finds a helper dead or the rank is told to stop first (a cancel signals them all): decided
+    on those conditions, not on the time the rank takes to hear its own signal (60 s of grace, answered at once)."""
     from dist_eval.backends import failover
     from dist_eval.errors import stopping
 
     dht, pids = helpers
+    manager = _manager(dht)
+    watch = HelperWatch(manager, poll_seconds=0.05, watchdog=False).start()
     monkeypatch.setattr(failover, "OWN_DAEMON_GRACE_S", 1.0 if then == "nothing" else 60.0)
-    failover._warn_server_failed(SimpleNamespace(dht=dht), "12D3KooWserver", type("P2PDaemonError", (Exception,), {})())
+    failover._warn_server_failed(manager, "12D3KooWserver", type("P2PDaemonError", (Exception,), {})())
     waiting = failover._pending[-1]
     try:
         if then.startswith("stop"):
@@ -202,6 +204,7 @@ def test_an_own_daemon_error_is_a_servers_only_while_the_rank_and_its_helpers_ru
     finally:
         stopping.clear()
         failover._pending.clear()
+        watch.stop()
         for pid in pids.values():  # a p2pd whose DHT process was killed is nobody's child to reap
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)

@@ -121,11 +121,11 @@ def _drop_helper_died(record: logging.LogRecord) -> bool:
 
 # A stream reset by this rank's own p2pd (a server that died mid-request, or this rank's own daemon stopping) is
 # said once it is known not to be a stop: within this many seconds, or when the client closes, if the rank was not
-# told to stop and its DHT process and p2pd are both still running. A scheduler's cancel signals the helpers too,
-# and they may act before the rank hears (a dead helper is the run's to report, HelperWatch, in one line).
+# told to stop and no helper of its client (DHT process, p2pd) was found dead: a scheduler's cancel signals the
+# helpers too, and they may act before the rank hears (a dead helper is the run's to report, HelperWatch, in one line).
 OWN_DAEMON_GRACE_S = 10.0
 _said_at_close = threading.Event()  # set by flush_daemon_error_warnings: the pending ones decide now
-_pending: list = []  # the threads waiting to decide, to join at close
+_pending: list = []  # the threads still waiting to decide, to join at close
 
 
 def _warn_server_failed(manager, peer_id, error) -> None:
@@ -135,28 +135,28 @@ def _warn_server_failed(manager, peer_id, error) -> None:
     message = (f"swarm server ...{str(peer_id)[-8:]} failed a request ({reason}); "
                "routing around it (a block no other server holds is retried for up to --swarm-timeout).")
     if type(error).__name__ == "P2PDaemonError":  # from the daemon of this rank, not the server's answer
-        dht = getattr(manager, "dht", None)
-        waiting = threading.Thread(target=_warn_unless_own_helpers_stop, args=(dht, message),
+        waiting = threading.Thread(target=_warn_unless_stopped_here, args=(manager, message),
                                    name="dist_eval-daemon-error", daemon=True)  # never holds up the exit
-        _pending.append(waiting)
+        _pending[:] = [*(thread for thread in _pending if thread.is_alive()), waiting]
         waiting.start()
     else:
         warn(message)
 
 
-def _warn_unless_own_helpers_stop(dht, message: str) -> None:
+def _warn_unless_stopped_here(manager, message: str) -> None:
     """Warn after :data:`OWN_DAEMON_GRACE_S`, or at once when the client closes
-    (:func:`flush_daemon_error_warnings`), unless the rank is told to stop, or one of its helpers (the DHT
-    process, its p2pd) ends, first.
+    (:func:`flush_daemon_error_warnings`), unless first the rank is told to stop or the client's
+    :class:`~dist_eval.backends.helpers.HelperWatch` finds one of its helpers dead (it records it on ``manager``).
     """
-    from dist_eval.backends.helpers import client_helper_pids
+    def stopped_here() -> bool:
+        return stopping.is_set() or getattr(manager, "dist_eval_helper_died", None) is not None
 
     deadline = time.monotonic() + OWN_DAEMON_GRACE_S
     while time.monotonic() < deadline and not _said_at_close.is_set():
-        if stopping.is_set() or getattr(dht, "pid", None) and len(client_helper_pids(dht)) < 2:
+        if stopped_here():
             return
         _said_at_close.wait(0.05)
-    if not stopping.is_set() and not (getattr(dht, "pid", None) and len(client_helper_pids(dht)) < 2):
+    if not stopped_here():
         warn(message)
 
 

@@ -49,14 +49,17 @@ def _arrow_values(dataset, columns: Sequence[str], index) -> Optional[list]:
     plain = (datasets.Value, datasets.ClassLabel)
     if not all(isinstance(dataset.features.get(name), plain) for name in columns):
         return None
+    # a run of rows (how rows are tokenized and keyed); rows picked one by one are not (pyarrow's take joins a
+    # column's record batches at each call: slower than datasets' read)
     if isinstance(index, slice):
-        index = np.arange(*index.indices(len(dataset)))
-    index = np.asarray(index, dtype=np.int64)
-    if index.size and (index.min() < 0 or index.max() >= len(dataset)):
-        return None  # datasets' own read says which row is out of range
-    if not index.size or index[-1] - index[0] + 1 != index.size or not bool(np.all(np.diff(index) == 1)):
-        return None  # rows picked one by one: pyarrow's take joins a column's record batches at each call
-    first, count = int(index[0]), int(index.size)  # a run of rows (how rows are tokenized and keyed): a slice
+        first, stop, step = index.indices(len(dataset))
+        count = stop - first if step == 1 else 0
+    else:
+        index = np.asarray(index, dtype=np.int64)
+        run = index.size and bool(np.all(np.diff(index) == 1))
+        first, count = (int(index[0]), int(index.size)) if run else (0, 0)
+    if count <= 0 or first < 0 or first + count > len(dataset):
+        return None  # no run, or a row out of range (datasets' own read names it)
     return [dataset.data.column(name).slice(first, count).to_pylist() for name in columns]
 
 
