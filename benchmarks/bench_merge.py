@@ -42,7 +42,7 @@ def _reset_peak_rss() -> None:
 
 
 def local_results(num_rows: int, num_labels: int, rank: int, world: int):
-    from dist_eval.shard_results import ShardResults
+    from dist_eval.results import ShardResults
 
     rows = np.arange(rank, num_rows + (-num_rows) % world, world, dtype=np.int64) % num_rows  # padded repeats
     rng = np.random.default_rng(rank)
@@ -74,7 +74,7 @@ def main() -> int:
         _reset_peak_rss()
         rss_before = _rss_bytes("VmRSS")
         start = time.perf_counter()
-        report, merged = merge_on_main(local, n, args.num_labels)
+        report, merged, _ = merge_on_main(local, n, args.num_labels)
         seconds = time.perf_counter() - start
         peak_extra = _rss_bytes("VmHWM") - rss_before
         if rank == 0:

@@ -27,8 +27,9 @@ from dist_eval.config import Options, Settings
 from dist_eval.errors import UsageError
 from dist_eval.known import batches_with_known
 from dist_eval.loop_facts import LoopFacts
-from dist_eval.merge import MergedResults, merge_on_main
+from dist_eval.merge import merge_on_main
 from dist_eval.predict import forward_passes
+from dist_eval.results import MergedResults
 
 # A user metric over the merged set: fn(labels, preds, logits_or_None) -> float or dict
 MergedMetric = Callable[[np.ndarray, np.ndarray, Optional[np.ndarray]], object]
@@ -105,13 +106,12 @@ def evaluate_once(model, data, request: Request, resume_folder: Optional[str],
     local.loop_cpu_seconds = time.process_time() - start_cpu  # this rank's CPU (all its threads) in the loop
     store = known.store_facts()
 
-    report, merged = merge_on_main(
+    report, merged, facts = merge_on_main(
         local, known.num_rows, task.num_labels, label_names=task.label_names, user_metrics=request.metrics,
         num_truncated=num_truncated, loop_seconds=loop_seconds,
         bootstrap=(options.bootstrap_resamples, options.bootstrap_seed), top_k=options.top_k,
         rows=known.shard_rows,
     )
-    facts = LoopFacts.from_report(report)
     facts.row_store = store
     report.update(facts.report())
     return EvalResult(metrics=report, predictions=merged if request.return_logits else without_logits(merged),

@@ -5,25 +5,12 @@ assets built or found, each pair's folder made ready), sent to every rank, and f
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Optional
+from dataclasses import replace
 
 from dist_eval import ranks
-from dist_eval.config import EvalConfig, Settings
+from dist_eval.config import EvalConfig
 from dist_eval.plan import Checkpoint, EvalSet, Plan
-
-
-@dataclass
-class Job:
-    """What this run evaluates: the flags', or the built-in demo's model, data and columns."""
-
-    model_dir: str
-    split: Optional[str]
-    settings: Settings
-    plan: Plan
-    demo: bool
-    head: Optional[str] = None
-    dht_prefix: Optional[str] = None  # petals' default for a --model hub id
+from dist_eval.run_context import Job
 
 
 def prepare(config: EvalConfig, say) -> Job:

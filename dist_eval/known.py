@@ -30,9 +30,9 @@ from dist_eval.data.loader import loader_batches
 from dist_eval.data.shard import dataset_batches
 from dist_eval.data.tokenize import right_pad, tokenize_rows
 from dist_eval.loop_facts import StoreFacts
+from dist_eval.results import FROM_RESUME, FROM_STORE
 from dist_eval.resume import PartialWriter, open_partial
 from dist_eval.rowstore import RowSource, open_rows, run_store
-from dist_eval.shard_results import FROM_RESUME, FROM_STORE
 
 
 class KnownLogits:

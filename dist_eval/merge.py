@@ -7,37 +7,20 @@ Values are ``local_`` (one rank's) or ``global_`` (over every rank) as in the na
 """
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, field, fields
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import astuple, dataclass, fields
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from dist_eval import chunks, ranks
 from dist_eval.data.tokenize import trim_heap
 from dist_eval.loop_facts import LoopFacts
+from dist_eval.results import SAMPLE_VALUE_PREFIX, MergedResults, ShardResults, mapped_array
 from dist_eval.scoring import main_report, score_intervals_everywhere
-from dist_eval.shard_results import SAMPLE_VALUE_PREFIX, ShardResults, mapped_array
 
 
 class CoverageError(RuntimeError):
     """Some rows were never evaluated, or an index lies outside the split."""
-
-
-@dataclass
-class MergedResults:
-    """The global, de-duplicated per-sample results, ordered by row index (``global_`` side)."""
-
-    indices: np.ndarray
-    labels: np.ndarray
-    preds: np.ndarray
-    losses: np.ndarray
-    logits: Optional[np.ndarray] = None
-    sample_values: Dict[str, np.ndarray] = field(default_factory=dict)
-    num_duplicates_dropped: int = 0
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.indices.shape[0])
 
 
 def _concat(payloads: List[dict], key: str) -> Optional[np.ndarray]:
@@ -324,6 +307,14 @@ class RankFacts:
     num_resumed: int
 
 
+class MainMerge(NamedTuple):
+    """What :func:`merge_on_main` gives every rank."""
+
+    report: dict  # the metrics and intervals of the merged rows, with the loop's facts (every rank)
+    merged: Optional[MergedResults]  # the merged per-sample arrays: rank 0's; None elsewhere
+    facts: LoopFacts  # the loop over every rank, as the report says it (every rank)
+
+
 def merge_on_main(
     local: ShardResults,
     num_rows: int,
@@ -336,9 +327,9 @@ def merge_on_main(
     bootstrap: Optional[Tuple[int, int]] = None,
     top_k: Optional[int] = None,
     rows: Optional[np.ndarray] = None,
-) -> tuple:
-    """Combine every rank's results: (the report on every rank, the merged per-sample
-    arrays on rank 0 and None elsewhere). Every rank must call it.
+) -> MainMerge:
+    """Combine every rank's results: the report and the loop's facts on every rank, the merged
+    per-sample arrays on rank 0 (:class:`MainMerge`). Every rank must call it.
 
     ``bootstrap`` = (resamples, seed) adds ``confidence_intervals`` to the report.
     ``top_k``: the k of ``top{k}_accuracy`` (None: :func:`dist_eval.metrics.default_top_k`).
@@ -360,20 +351,21 @@ def merge_on_main(
     report, duplicates = ranks.broadcast_object((report, 0 if merged is None else merged.num_duplicates_dropped))
     cost = score_intervals_everywhere(report, None if merged is None else merged.labels, probs, bootstrap)
     del probs  # rank 0's probabilities, of every row: let go before the heap is trimmed below
-    report.update(LoopFacts(
+    facts = LoopFacts(
         world_size=len(rank_facts),
-        per_rank_samples=[facts.num_samples for facts in rank_facts],
-        eval_loop_seconds=max(facts.loop_seconds for facts in rank_facts),
+        per_rank_samples=[rank.num_samples for rank in rank_facts],
+        eval_loop_seconds=max(rank.loop_seconds for rank in rank_facts),
         forward_seconds_sum=global_totals.forward_seconds,
         loop_cpu_seconds_sum=global_totals.loop_cpu_seconds,
         duplicates_dropped=duplicates,
-        max_batch_seconds=max(facts.max_batch_seconds for facts in rank_facts),
-        resumed_samples=sum(facts.num_resumed for facts in rank_facts),
+        max_batch_seconds=max(rank.max_batch_seconds for rank in rank_facts),
+        resumed_samples=sum(rank.num_resumed for rank in rank_facts),
         num_truncated=int(global_totals.num_truncated),
         exact_score_intervals=cost,
-    ).report())  # the row store's facts: the evaluation's (dist_eval.known)
+    )
+    report.update(facts.report())  # the row store's facts: the evaluation's (dist_eval.known) adds them
     trim_heap()  # the merge's and the metrics' temporaries: given back, not left to the next phases' peaks
-    return report, merged
+    return MainMerge(report, merged, facts)
 
 
 def _let_go(local: ShardResults) -> None:

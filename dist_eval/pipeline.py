@@ -18,11 +18,9 @@ and the report is written there (:func:`dist_eval.output.report.report_pair`).
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import List
 
 from dist_eval import ranks
 from dist_eval.backends.kinds import backend_kind
@@ -31,32 +29,7 @@ from dist_eval.data.sample import Rows
 from dist_eval.job import Job, on_this_node, prepare
 from dist_eval.output.report import Written, record_shutdown, report_pair
 from dist_eval.plan import EvalSet, Pair
-
-
-@dataclass
-class _Clock:
-    started: float  # perf_counter at the start of run()
-    started_at: str  # the same moment, ISO 8601 UTC
-
-    @classmethod
-    def now(cls) -> _Clock:
-        return cls(time.perf_counter(), datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-
-
-@dataclass
-class _Session:
-    """What every pair of the run shares: the flags, the job, the loaded model, the swarm, the clock."""
-
-    config: EvalConfig
-    job: Job
-    on_swarm: bool  # the backend's model runs on a swarm (--backend petals)
-    swarm: Tuple[Optional[list], Optional[str]]  # (initial peers, DHT prefix)
-    clock: _Clock
-    say: object
-    model: object = None
-    tokenizer: object = None
-    shared_phases: Dict[str, float] = field(default_factory=dict)  # phases before the first pair
-    datasets: Dict[Optional[str], Rows] = field(default_factory=dict)  # set name -> its rows, drawn once
+from dist_eval.run_context import Clock, RunContext
 
 
 def run(config: EvalConfig) -> int:
@@ -70,7 +43,7 @@ def run(config: EvalConfig) -> int:
 
 
 def _run(config: EvalConfig) -> int:
-    clock = _Clock.now()
+    clock = Clock.now()
     ranks.phase_seconds.clear()
     main = ranks.is_main_process()
     say = print if main and not config.quiet else (lambda *a, **k: None)
@@ -84,13 +57,13 @@ def _run(config: EvalConfig) -> int:
     reports: List[Written] = []
     with contextlib.ExitStack() as cleanup:
         on_swarm = backend_kind(config.backend).on_swarm
-        session = _Session(config, job, on_swarm, _swarm_address(config, job, on_swarm, cleanup, say), clock, say)
-        _load_model(session, cleanup)
+        context = RunContext(config, job, on_swarm, _swarm_address(config, job, on_swarm, cleanup, say), clock, say)
+        _load_model(context, cleanup)
         pairs = job.plan.pairs()
         # --stop-when-decided: the two checkpoints on the same rows, together; else each pair alone
         together = [pairs] if job.settings.stop_when_decided else [[pair] for pair in pairs]
         for number, group in enumerate(together, 1):
-            reports.extend(_run_pairs(session, group, f"[{number}/{len(together)}]"))
+            reports.extend(_run_pairs(context, group, f"[{number}/{len(together)}]"))
         if job.plan.several:
             with ranks.phase("writing the summary"):
                 if main:
@@ -125,7 +98,7 @@ def _swarm_address(config: EvalConfig, job: Job, on_swarm: bool, cleanup: contex
     return ranks.broadcast_object(address)
 
 
-def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
+def _load_model(context: RunContext, cleanup: contextlib.ExitStack) -> None:
     """Every rank: the first set's data (a mistake in it shows before the model loads), then the
     model with the first pair's checkpoint; every other checkpoint is checked against it.
     """
@@ -133,27 +106,27 @@ def _load_model(session: _Session, cleanup: contextlib.ExitStack) -> None:
     from dist_eval.backends.classifier import model_files_readable
     from dist_eval.backends.tokenizer import load_tokenizer
 
-    config, job = session.config, session.job
+    config, job = context.config, context.job
     first = job.plan.pairs()[0]
-    _rows(session, first.data)
+    _rows(context, first.data)
     with ranks.phase("loading the model"):
-        session.tokenizer = load_tokenizer(job.model_dir)
+        context.tokenizer = load_tokenizer(job.model_dir)
         with model_files_readable(job.model_dir):
-            session.model = load_model(
+            context.model = load_model(
                 config.backend, job.model_dir, checkpoint=first.checkpoint.path, head=job.head,
                 tuning_mode=config.tuning_mode, pre_seq_len=config.pre_seq_len, num_labels=config.num_labels,
-                initial_peers=session.swarm[0], dht_prefix=session.swarm[1], swarm_timeout=config.swarm_timeout,
-                device=config.device, label_words=job.settings.label_words, tokenizer=session.tokenizer,
+                initial_peers=context.swarm[0], dht_prefix=context.swarm[1], swarm_timeout=config.swarm_timeout,
+                device=config.device, label_words=job.settings.label_words, tokenizer=context.tokenizer,
                 stream_blocks=config.stream_blocks,
                 # the run's own local swarm is audited only when asked: its servers are this run's
                 audit=config.audit if config.audit is not None or config.initial_peers else 0.0,
                 servers_started_from_4x_config=config.servers_started_from_4x_config,
             )
         cleanup.push(_barrier_unless_interrupted)  # no rank's client still talks when rank 0 stops the swarm
-        cleanup.callback(session.model.close)
+        cleanup.callback(context.model.close)
         for checkpoint in job.plan.checkpoints[1:]:
-            session.model.check_structure(session.model.source.read(checkpoint.path), checkpoint.path)
-    session.shared_phases = dict(ranks.phase_seconds)
+            context.model.check_structure(context.model.source.read(checkpoint.path), checkpoint.path)
+    context.shared_phases = dict(ranks.phase_seconds)
 
 
 def _barrier_unless_interrupted(exc_type, exc, tb) -> None:
@@ -164,21 +137,21 @@ def _barrier_unless_interrupted(exc_type, exc, tb) -> None:
         ranks.barrier_if_alive()
 
 
-def _rows(session: _Session, data: EvalSet) -> Rows:
+def _rows(context: RunContext, data: EvalSet) -> Rows:
     """The set's rows: loaded once per set, in a phase, by every rank."""
     from dist_eval.data.load import fills_cache, load_split
     from dist_eval.data.sample import draw_rows
 
-    if data.name not in session.datasets:
-        job = session.job
+    if data.name not in context.datasets:
+        job = context.job
         with ranks.phase("loading the data", main_first=fills_cache(list(data.files))):  # rank 0 fills the cache
-            rows = draw_rows(load_split(list(data.files), job.split), job.settings, session.config.options,
+            rows = draw_rows(load_split(list(data.files), job.split), job.settings, context.config.options,
                              job.settings.stops_early)
-        session.datasets[data.name] = rows
-    return session.datasets[data.name]
+        context.datasets[data.name] = rows
+    return context.datasets[data.name]
 
 
-def _run_pairs(session: _Session, pairs: List[Pair], numbered: str) -> List[Written]:
+def _run_pairs(context: RunContext, pairs: List[Pair], numbered: str) -> List[Written]:
     """Pairs evaluated together on the rows of one set, stage by stage: one pair (a run that does not
     compare), or the two of --stop-when-decided, in rounds until the interval of their difference says
     stop. Their rows (drawn once per set), each pair's stored results (several pairs: finished reports
@@ -193,22 +166,22 @@ def _run_pairs(session: _Session, pairs: List[Pair], numbered: str) -> List[Writ
     from dist_eval.progress import GlobalProgress
     from dist_eval.resume import stored_results
 
-    ranks.phase_seconds.clear()  # these pairs' own phases (the shared ones: session.shared_phases)
+    ranks.phase_seconds.clear()  # these pairs' own phases (the shared ones: context.shared_phases)
     pair_started = time.perf_counter()
-    config, job, settings, say = session.config, session.job, session.job.settings, session.say
+    config, job, settings, say = context.config, context.job, context.job.settings, context.say
     outs = [os.path.join(config.output_dir, pair.folder) for pair in pairs]
     if job.plan.several and len(pairs) == 1:
         say(f"dist_eval: {numbered} checkpoint {pairs[0].checkpoint.name or pairs[0].checkpoint.path or '-'}, "
             f"set {pairs[0].data.name or '-'} -> {outs[0]}", flush=True)
-    rows = _rows(session, pairs[0].data)
-    stored = stored_results(outs, [(job.model_dir, pair.checkpoint.path, rows.dataset, job.split, session.model,
+    rows = _rows(context, pairs[0].data)
+    stored = stored_results(outs, [(job.model_dir, pair.checkpoint.path, rows.dataset, job.split, context.model,
                                     settings, job.head) for pair in pairs],
                             resume=config.resume, skip_finished=job.plan.several, say=say)
     if all(folder is None for folder, _, _ in stored):
         return []  # the finished reports of these very pairs are there (--resume)
 
     def hold(side: int) -> None:  # before each evaluation of a side: its prompts + head in the one model
-        swap_checkpoint(session.model, pairs[side].checkpoint.path)  # nothing read when it holds them
+        swap_checkpoint(context.model, pairs[side].checkpoint.path)  # nothing read when it holds them
 
     if len(pairs) == 1:
         hold(0)  # before the line below and the progress, as a pair's stages go (evaluate_models' call: a no-op)
@@ -223,11 +196,11 @@ def _run_pairs(session: _Session, pairs: List[Pair], numbered: str) -> List[Writ
     # every rank creates it here (one broadcast); rank 0 shows all ranks' rows on stderr
     with GlobalProgress(len(pairs) * len(rows), config.progress, quiet=config.quiet) as progress:
         # evaluate() for one pair, evaluate_pair() for two: their one path, with the CLI's validated settings
-        request = Request(session.tokenizer, num_labels=None, label_names=None, pad_token_id=None, return_logits=True,
+        request = Request(context.tokenizer, num_labels=None, label_names=None, pad_token_id=None, return_logits=True,
                           metrics=None, sample_metrics=None, on_batch_done=progress.update,
                           resume_folders=[folder for folder, _, _ in stored], settings=settings,
                           options=config.options)
-        results = evaluate_models([session.model] * len(pairs), rows, request, on_model=hold)
-    reports = [report_pair(session, pair, result, (out, *found), rows, pair_started)
+        results = evaluate_models([context.model] * len(pairs), rows, request, on_model=hold)
+    reports = [report_pair(context, pair, result, (out, *found), rows, pair_started)
                for pair, out, found, result in zip(pairs, outs, stored, results)]
     return [report for report in reports if report is not None]

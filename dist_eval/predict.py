@@ -15,7 +15,7 @@ from dist_eval.backends import audit
 from dist_eval.backends.audit import NonFiniteAnswer
 from dist_eval.data.batches import Batch
 from dist_eval.metrics import per_sample_cross_entropy
-from dist_eval.shard_results import FROM_STORE, SAMPLE_VALUE_PREFIX, ShardResults, mapped_array
+from dist_eval.results import FROM_STORE, SAMPLE_VALUE_PREFIX, ShardResults, mapped_array
 
 
 class NonFiniteLogits(RuntimeError):

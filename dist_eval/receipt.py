@@ -17,9 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dist_eval.plan import Pair
+    from dist_eval.run_context import RunContext
 
 FORMAT = 1
 # The tolerance of a verifier whose numerics differ from the run's (tests/float_promises.py's ROUNDING):
@@ -178,12 +182,12 @@ def promise(metrics: dict) -> dict:
             "tolerance": {"relative": RELATIVE_TOLERANCE, "rule": "|verifier - report| <= relative * (1 + |report|)"}}
 
 
-def build(session, pair, result, rows, predictions_path: str) -> dict:
+def build(context: RunContext, pair: Pair, result, rows, predictions_path: str) -> dict:
     """Rank 0, once the predictions are written: the pair's receipt (``metrics`` complete but for it)."""
     from dist_eval.backends.checkpoint import checkpoint_digest
     from dist_eval.backends.provenance import file_digest
 
-    config, job, model = session.config, session.job, session.model
+    config, job, model = context.config, context.job, context.model
     metrics, merged = result.metrics, result.predictions
     run = metrics.get("run") or {}
     identity = getattr(model, "identity", None) or {}

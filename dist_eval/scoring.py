@@ -33,13 +33,13 @@ from dist_eval.metrics import (
     score_metrics,
     softmax,
 )
-from dist_eval.shard_results import mapped_array
+from dist_eval.results import mapped_array
 
 
 def mapped_softmax(logits: np.ndarray) -> np.ndarray:
     """:func:`dist_eval.metrics.softmax` of ``logits``; of more than ``chunk_rows("softmax")`` rows, a chunk
     at a time (row by row: a chunk's rows get the whole array's bits) into a
-    :func:`~dist_eval.shard_results.mapped_array` (float64: 8 bytes a class of a row, on the local disk, not
+    :func:`~dist_eval.results.mapped_array` (float64: 8 bytes a class of a row, on the local disk, not
     the heap).
     """
     chunk = chunk_rows("softmax")

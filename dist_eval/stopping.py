@@ -36,9 +36,10 @@ from dist_eval.data.sample import Rows
 from dist_eval.errors import UsageError
 from dist_eval.exact import EvalResult, Request, evaluate_once, without_logits
 from dist_eval.loop_facts import LoopFacts
-from dist_eval.merge import MergedResults, merge_parts
+from dist_eval.merge import merge_parts
 from dist_eval.metrics import default_top_k
 from dist_eval.predict import redone_in_earlier_rounds
+from dist_eval.results import SAMPLE_VALUE_PREFIX, MergedResults
 from dist_eval.scoring import main_report, score_intervals_everywhere
 from dist_eval.sequential import (
     STOP_METRICS,
@@ -52,7 +53,6 @@ from dist_eval.sequential import (
     stop_reason,
     where_stopped,
 )
-from dist_eval.shard_results import SAMPLE_VALUE_PREFIX
 
 LEVEL = 0.95
 

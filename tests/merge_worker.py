@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 
 def shard(num_rows: int, num_labels: int, rank: int, world: int):
-    from dist_eval.shard_results import ShardResults
+    from dist_eval.results import ShardResults
 
     rows = np.arange(rank, num_rows, world, dtype=np.int64)  # every world-th row: shards of unequal sizes
     rng = np.random.default_rng(num_rows)  # each row's values depend on the row alone
@@ -36,7 +36,7 @@ def main(out_path: str, sizes: list) -> int:
     saved = {}
     for num_rows in sizes:
         local = shard(num_rows, 4, rank, world)
-        report, merged = merge_on_main(local, num_rows, 4, bootstrap=(200, 7))
+        report, merged, _ = merge_on_main(local, num_rows, 4, bootstrap=(200, 7))
         if rank == 0:
             rescored = row_metrics(merged.labels, merged.preds, merged.losses, merged.logits, 4, bootstrap=(200, 7))
             report.pop("run")  # the ranks' own facts

@@ -123,7 +123,7 @@ NOT_THROUGH_ATOMIC = {
     ("demo_build.py", "_build_base_model"): "the same folder (the model), renamed into place whole",
     ("backends/petals_folder.py", "_write_converted"): "into a temporary folder renamed into place whole (the "
                                                         "converted copy of a model folder)",
-    ("shard_results.py", "mapped_array"): "a map of an anonymous temporary file, unlinked as it is made: no name",
+    ("results.py", "mapped_array"): "a map of an anonymous temporary file, unlinked as it is made: no name",
 }
 
 

@@ -209,7 +209,7 @@ def test_the_long_tailed_sets_shards_merge_into_its_one_run(long_tailed, tiny_mo
 
 
 def _shard_results(rows, labels=None, classes: int = 3):
-    from dist_eval.shard_results import ShardResults
+    from dist_eval.results import ShardResults
 
     rows = np.asarray(rows, dtype=np.int64)
     rng = np.random.default_rng(len(rows))
@@ -290,12 +290,12 @@ def test_the_report_says_what_an_exact_score_interval_of_a_big_set_costs():
 
     rows = EXACT_SCORE_ROWS + 10
     local = _shard_results(np.arange(rows), labels=np.where(np.arange(rows) < 5, 2, np.arange(rows) % 2))
-    report, _ = merge_on_main(local, rows, 3, bootstrap=(2, 0))
+    report = merge_on_main(local, rows, 3, bootstrap=(2, 0)).report
     cost = report["run"]["exact_score_intervals"]
     assert cost == {"rows": rows, "why": "class 2 has 5 rows on one side of its AUROC, fewer than 1000",
                     "bytes_per_rank": rows * (32 * 3 + 68), "row_draws": 2 * rows}
     assert LoopFacts.from_report(report).report()["run"]["exact_score_intervals"] == cost  # kept as evaluate keeps it
-    report, _ = merge_on_main(_shard_results(np.arange(rows)), rows, 3, bootstrap=(2, 0))
+    report = merge_on_main(_shard_results(np.arange(rows)), rows, 3, bootstrap=(2, 0)).report
     assert report["run"]["exact_score_intervals"] is None
 
 

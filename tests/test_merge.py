@@ -57,7 +57,7 @@ def test_the_parts_of_a_run_that_stops_early_merge_into_every_field_of_one_merge
     import dataclasses
 
     from dist_eval.merge import MergedResults, merge_parts
-    from dist_eval.shard_results import SAMPLE_VALUE_PREFIX
+    from dist_eval.results import SAMPLE_VALUE_PREFIX
 
     def full(rows):
         out = payload(rows)

@@ -206,11 +206,12 @@ LAYERS = (
     ("errors",),  # how every failure is said
     ("chunks",),  # the bounded-memory code's chunk sizes (DIST_EVAL_CHUNK_ROWS)
     ("atomic", "procs", "watchdog", "plan", "metrics", "launcher", "rendezvous", "loop_facts",
-     "shard_results"),  # foundations
+     "results"),  # foundations
     ("ranks", "intervals", "sequential", "power"),  # the collectives; the statistics under the metrics
     ("data", "backends"),  # the rows; the model (its table, loaders, backends, provenance)
     ("swarm", "predict", "progress", "resume", "paired", "clusters", "config", "demo"),  # servers; the forward
     # loop; the paired and the clustered intervals; settings
+    ("run_context",),  # what a CLI run's pairs share, typed: the job, the flags, the model, the clock
     ("scoring", "receipt"),  # the report of a set of rows: point metrics, then intervals; what made it (issue 73)
     ("merge", "rowstore", "demo_build"),  # rank 0's merge; the store of known rows
     ("slices", "known"),  # metrics per slice; the known logits: the resume folder and the row store, one source

@@ -17,8 +17,8 @@ import numpy as np
 from dist_eval.atomic import atomic_create, atomic_write
 from dist_eval.chunks import chunk_rows
 from dist_eval.errors import UsageError, warn
-from dist_eval.merge import MergedResults
 from dist_eval.output.slice_lines import slices_csv
+from dist_eval.results import MergedResults
 
 
 def check_output_dir(path: str) -> None:

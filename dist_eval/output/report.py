@@ -4,7 +4,7 @@ a :class:`~dist_eval.loop_facts.RunFacts` built in this one place), the rows' te
 the shutdown's times once every process has stopped.
 
 The CLI's flow (:mod:`dist_eval.pipeline`) hands each evaluated pair to :func:`report_pair` with
-its session (the flags, the job, the clock, the swarm, the model: read here, never changed).
+its context (the flags, the job, the clock, the swarm, the model: read here, never changed).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from dist_eval.receipt import build as build_receipt
 if TYPE_CHECKING:
     from dist_eval.config import EvalConfig, Settings
     from dist_eval.plan import Pair
+    from dist_eval.run_context import RunContext
 
 
 @dataclass
@@ -36,25 +37,25 @@ class Written:
     phases: Dict[str, float]  # the pair's own, to the end of its report's writing (facts.phase_seconds: before)
 
 
-def report_pair(session, pair: Pair, result, where: tuple, rows, pair_started: float) -> Optional[Written]:
+def report_pair(context: RunContext, pair: Pair, result, where: tuple, rows, pair_started: float) -> Optional[Written]:
     """The pair's report: every rank adds up the run's facts (:func:`run_facts`); rank 0 writes the
     report in ``where`` = (its folder, the partial results' folder, the run key, the run key of the
     checkpoint it was compared with or None), a shard's files last, marks the partial results finished,
     and returns it for the shutdown's times.
     """
     out, folder, key, partner = where
-    facts = run_facts(session, pair, pair_started, (key, partner), rows)
+    facts = run_facts(context, pair, pair_started, (key, partner), rows)
     result.metrics["run"].update(facts.report())
     with ranks.phase("writing the report"):
         if ranks.is_main_process():
-            config = session.config
-            texts = texts_of(config, session.job.settings, rows, getattr(result, "slices", None))
-            receipt = partial(build_receipt, session, pair, result, rows)
-            write_report(config, out, result, session.say, texts, receipt)
+            config = context.config
+            texts = texts_of(config, context.job.settings, rows, getattr(result, "slices", None))
+            receipt = partial(build_receipt, context, pair, result, rows)
+            write_report(config, out, result, context.say, texts, receipt)
             if config.options.shard is not None:  # what dist_eval.shard_merge reads: written last
                 from dist_eval.output.shard_files import write_shard
 
-                write_shard(out, result, session, pair, rows, texts)
+                write_shard(out, result, context, pair, rows, texts)
     if not ranks.is_main_process():
         return None
     if folder is not None:
@@ -64,7 +65,7 @@ def report_pair(session, pair: Pair, result, where: tuple, rows, pair_started: f
     return Written(out, result.metrics, facts, dict(ranks.phase_seconds))
 
 
-def run_facts(session, pair: Pair, pair_started: float, run_keys: tuple, rows) -> RunFacts:
+def run_facts(context: RunContext, pair: Pair, pair_started: float, run_keys: tuple, rows) -> RunFacts:
     """What a report's metrics.json records of the run, besides what the loop measured: ``rows``
     (the run's :class:`~dist_eval.data.sample.Rows`) give the --limit sample; ``run_keys``: (its run
     key, the run key of the checkpoint it was compared with or None). For a plan of one
@@ -72,7 +73,7 @@ def run_facts(session, pair: Pair, pair_started: float, run_keys: tuple, rows) -
     it, the phases the pairs shared and the run it was compared with (--resume skips a comparison only
     when its two reports name each other). Every rank calls it (a swarm's audit is added up over them).
     """
-    config, job, several = session.config, session.job, session.job.plan.several
+    config, job, several = context.config, context.job, context.job.plan.several
     settings, (run_key, compared_with) = job.settings, run_keys
     facts = RunFacts(
         backend=config.backend,
@@ -90,23 +91,23 @@ def run_facts(session, pair: Pair, pair_started: float, run_keys: tuple, rows) -
         max_batch_tokens=settings.max_batch_tokens or 0,
         length_buckets=settings.length_buckets,
         in_flight=config.options.in_flight,
-        initial_peers=list(session.swarm[0] or []),
-        dht_prefix=session.swarm[1],
-        started_at=session.clock.started_at,
-        wall_seconds=time.perf_counter() - (pair_started if several else session.clock.started),
-        startup_seconds=_startup_seconds(session.clock.started),
-        phase_seconds=_rounded(_report_phases(session)),
+        initial_peers=list(context.swarm[0] or []),
+        dht_prefix=context.swarm[1],
+        started_at=context.clock.started_at,
+        wall_seconds=time.perf_counter() - (pair_started if several else context.clock.started),
+        startup_seconds=_startup_seconds(context.clock.started),
+        phase_seconds=_rounded(_report_phases(context)),
         versions=_versions(),
         run_key=run_key,
         sample=SampleFacts(**rows.facts()),
     )
     if several:
         facts.pair = {"checkpoint": pair.checkpoint.name, "set": pair.data.name, "folder": pair.folder,
-                      "shared_phase_seconds": _rounded(session.shared_phases)}
+                      "shared_phase_seconds": _rounded(context.shared_phases)}
         if compared_with is not None:  # --stop-when-decided: its stop was decided against that run's rows
             facts.pair["compared_with_run_key"] = compared_with
-    if session.on_swarm:
-        facts.swarm = _swarm_facts(session.model)
+    if context.on_swarm:
+        facts.swarm = _swarm_facts(context.model)
     return facts
 
 
@@ -123,12 +124,12 @@ def _swarm_facts(model) -> Optional[dict]:
     return swarm if ranks.is_main_process() else None
 
 
-def _report_phases(session) -> Dict[str, float]:
+def _report_phases(context: RunContext) -> Dict[str, float]:
     """The phases a report records, so far: the pair's own; for a plan of one pair, the run's
     shared ones before them too (with several pairs they go to ``pair.shared_phase_seconds``).
     """
     own = dict(ranks.phase_seconds)
-    return own if session.job.plan.several else {**session.shared_phases, **own}
+    return own if context.job.plan.several else {**context.shared_phases, **own}
 
 
 def record_shutdown(reports: List[Written], clock, shutdown_began: float, say) -> None:

@@ -17,13 +17,17 @@ import contextlib
 import io
 import json
 import os
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import numpy as np
 
 from dist_eval.atomic import atomic_write, read_regular
 from dist_eval.loop_facts import RunFacts
-from dist_eval.merge import MergedResults
+from dist_eval.results import MergedResults
+
+if TYPE_CHECKING:
+    from dist_eval.plan import Pair
+    from dist_eval.run_context import RunContext
 
 MANIFEST, ARRAYS = "shard.json", "shard.npz"
 FORMAT = 1
@@ -75,14 +79,14 @@ def merge_key(job, pair, model, rows) -> Tuple[str, str]:
                           job.head), content
 
 
-def write_shard(folder: str, result, session, pair, rows, texts: Optional[dict]) -> str:
+def write_shard(folder: str, result, context: RunContext, pair: Pair, rows, texts: Optional[dict]) -> str:
     """Rank 0 of a shard's run: ``shard.npz`` then ``shard.json`` (last: the shard is finished) in
-    ``folder``. ``result``: the run's EvalResult (logits kept); ``session``, ``pair``: the run's
+    ``folder``. ``result``: the run's EvalResult (logits kept); ``context``, ``pair``: the run's
     (:mod:`dist_eval.pipeline`); ``rows``: the set's Rows; ``texts``: what predictions.jsonl holds
     of each row beside its numbers (texts, slices; by row index).
     """
-    config = session.config
-    key, content = merge_key(session.job, pair, session.model, rows)
+    config = context.config
+    key, content = merge_key(context.job, pair, context.model, rows)
     merged: MergedResults = result.predictions
     mine = merged.indices  # this shard's rows of the set
     arrays = {name: getattr(merged, name) for name in ARRAY_FIELDS if getattr(merged, name) is not None}

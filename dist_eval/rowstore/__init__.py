@@ -59,7 +59,7 @@ from dist_eval.atomic import atomic_write, cache_folder, read_regular
 from dist_eval.backends.provenance import tokenizer_digest
 from dist_eval.chunks import chunk_rows
 from dist_eval.errors import warn
-from dist_eval.shard_results import mapped_array
+from dist_eval.results import mapped_array
 
 MAGIC = b"DIST_EVAL_ROWS\x00"
 FORMAT_VERSION = 1

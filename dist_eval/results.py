@@ -1,8 +1,9 @@
-"""One rank's per-row results as the forward loop makes them and the merge takes them
-(:class:`ShardResults`), the names they cross the network under, where a batch's logits came
-from when no forward ran, and :func:`mapped_array`, the arrays on the local disk that hold rows
-beyond the heap (issue 51). Definitions only: the loop (:mod:`dist_eval.predict`), the known
-logits (:mod:`dist_eval.known`), the merge, the report and the row store share them from here.
+"""The per-row results' types: one rank's, as the forward loop makes them and the merge takes them
+(:class:`ShardResults`); the whole set's, as the merge gives them to rank 0 (:class:`MergedResults`); the
+names they cross the network under, where a batch's logits came from when no forward ran, and
+:func:`mapped_array`, the arrays on the local disk that hold rows beyond the heap (issue 51). Definitions
+only: the loop (:mod:`dist_eval.predict`), the known logits (:mod:`dist_eval.known`), the merge, the
+report and the row store share them from here.
 """
 from __future__ import annotations
 
@@ -45,6 +46,23 @@ class ShardResults:
         for name, values in self.sample_values.items():
             payload[SAMPLE_VALUE_PREFIX + name] = values
         return payload
+
+
+@dataclass
+class MergedResults:
+    """The global, de-duplicated per-sample results, ordered by row index (``global_`` side)."""
+
+    indices: np.ndarray
+    labels: np.ndarray
+    preds: np.ndarray
+    losses: np.ndarray
+    logits: Optional[np.ndarray] = None
+    sample_values: Dict[str, np.ndarray] = field(default_factory=dict)
+    num_duplicates_dropped: int = 0
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.indices.shape[0])
 
 
 def mapped_array(shape: tuple, dtype) -> np.ndarray:
