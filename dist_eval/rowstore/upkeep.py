@@ -25,7 +25,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from dist_eval.rowstore import KEY_BYTES, MAX_FILE_BYTES, SUFFIX, blamed_servers, read_rows, row_files, write_file
+from dist_eval.rowstore.files import MAX_FILE_BYTES, SUFFIX, blamed_servers, read_rows, row_files, write_file
+from dist_eval.rowstore.keys import KEY_BYTES
 
 # room left in a compacted file for its magic, header and JSON
 _HEADER_ROOM = 4096
