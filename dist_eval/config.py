@@ -24,7 +24,7 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
-from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT, audit_share, is_hub_id, read_label_words
+from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT, LoadOptions, audit_share, is_hub_id, read_label_words
 from dist_eval.backends.kinds import BACKENDS, backend_kind
 from dist_eval.errors import UsageError
 from dist_eval.plan import parse_checkpoints, parse_plan
@@ -573,6 +573,23 @@ class EvalConfig:
     @property
     def is_demo(self) -> bool:
         return self.model is None
+
+    def load_options(self, **decided) -> LoadOptions:
+        """The model-loading flags as ``load_model``'s options (:data:`LOADING_FLAGS`, each its field of the same
+        name), with what the run decided beside them (``decided``: a pair's checkpoint, the job's head and label
+        words, the swarm's address, the tokenizer). The run's own local swarm is audited only when asked: its
+        servers are this run's.
+        """
+        flags = {name: getattr(self, name) for name in LOADING_FLAGS}
+        if self.audit is None and not self.initial_peers:
+            flags["audit"] = 0.0
+        return LoadOptions.of(None, {**flags, **decided}, caller="EvalConfig.load_options")
+
+
+# the flags that load_model takes as they are (LoadOptions' fields of the same name); its other options are the run's
+# to decide (EvalConfig.load_options)
+LOADING_FLAGS = ("tuning_mode", "pre_seq_len", "num_labels", "swarm_timeout", "device", "stream_blocks", "audit",
+                 "servers_started_from_4x_config")
 
 
 def run_fields() -> list:

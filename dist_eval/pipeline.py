@@ -112,16 +112,10 @@ def _load_model(context: RunContext, cleanup: contextlib.ExitStack) -> None:
     with ranks.phase("loading the model"):
         context.tokenizer = load_tokenizer(job.model_dir)
         with model_files_readable(job.model_dir):
-            context.model = load_model(
-                config.backend, job.model_dir, checkpoint=first.checkpoint.path, head=job.head,
-                tuning_mode=config.tuning_mode, pre_seq_len=config.pre_seq_len, num_labels=config.num_labels,
-                initial_peers=context.swarm[0], dht_prefix=context.swarm[1], swarm_timeout=config.swarm_timeout,
-                device=config.device, label_words=job.settings.label_words, tokenizer=context.tokenizer,
-                stream_blocks=config.stream_blocks,
-                # the run's own local swarm is audited only when asked: its servers are this run's
-                audit=config.audit if config.audit is not None or config.initial_peers else 0.0,
-                servers_started_from_4x_config=config.servers_started_from_4x_config,
-            )
+            options = config.load_options(checkpoint=first.checkpoint.path, head=job.head,
+                                          label_words=job.settings.label_words, tokenizer=context.tokenizer,
+                                          initial_peers=context.swarm[0], dht_prefix=context.swarm[1])
+            context.model = load_model(config.backend, job.model_dir, options)
         cleanup.push(_barrier_unless_interrupted)  # no rank's client still talks when rank 0 stops the swarm
         cleanup.callback(context.model.close)
         for checkpoint in job.plan.checkpoints[1:]:

@@ -289,6 +289,34 @@ def test_flags_keywords_and_resume_key_cannot_drift_apart():
         settings_from({"batch_sise": 3})
 
 
+
+def test_the_model_loading_flags_are_load_models_options():
+    """Issue 71: one options object carries the model-loading flags from the CLI to load_model: each flag of
+    LOADING_FLAGS is a field of LoadOptions with the flag's default; load_model takes LoadOptions' fields as
+    its keywords (one unknown is refused naming the closest, as Python's own), or a LoadOptions."""
+    import dataclasses
+
+    from dist_eval.backends.arguments import LoadOptions
+    from dist_eval.config import LOADING_FLAGS, EvalConfig
+
+    options = {f.name: f.default for f in dataclasses.fields(LoadOptions)}
+    flags = {f.name: f.default for f in dataclasses.fields(EvalConfig)}
+    for name in LOADING_FLAGS:
+        assert name in options and options[name] == flags[name], name
+    config = EvalConfig(backend="local", tuning_mode="ptune", pre_seq_len=4, num_labels=3, device="cpu",
+                        swarm_timeout=9.0, stream_blocks=True)
+    built = config.load_options(checkpoint="c.pt", head="h.pt")
+    assert built == LoadOptions(checkpoint="c.pt", head="h.pt", tuning_mode="ptune", pre_seq_len=4, num_labels=3,
+                                swarm_timeout=9.0, stream_blocks=True, audit=0.0)  # its own swarm: no audit
+    assert EvalConfig(initial_peers=["/ip4/1.2.3.4/tcp/1/p2p/x"]).load_options().audit is None  # the default share
+    assert LoadOptions.of(built, {"device": "cuda"}) == dataclasses.replace(built, device="cuda")
+    with pytest.raises(TypeError, match="load_model\\(\\) got an unexpected keyword argument 'checkpiont'; "
+                                        "did you mean 'checkpoint'"):
+        LoadOptions.of(None, {"checkpiont": "c.pt"})
+    with pytest.raises(TypeError, match="options= expected a LoadOptions, got str"):
+        LoadOptions.of("c.pt", {})
+
+
 # the import name of each distribution whose import name differs from it
 _IMPORT_TO_DISTRIBUTION = {"sklearn": "scikit-learn", "PIL": "pillow", "huggingface_hub": "huggingface-hub"}
 _NOT_LISTED = {"petals": "installed with --no-deps by launch/install.sh (pyproject.toml says why)",

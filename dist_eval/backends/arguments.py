@@ -1,11 +1,13 @@
-"""What ``load_model`` and ``--model`` take, read once (no torch imported): the label words, a hub
-id, the swarm timeout's default, the audit's share. The CLI's settings (:mod:`dist_eval.config`) validate with
-these; the backends read them here, never from the settings module above them.
+"""What ``load_model`` and ``--model`` take, read once (no torch imported): its options (:class:`LoadOptions`),
+the label words, a hub id, the swarm timeout's default, the audit's share. The CLI's settings
+(:mod:`dist_eval.config`) validate with these; the backends read them here, never from the settings module
+above them.
 """
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, fields, replace
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from dist_eval.errors import UsageError
 
@@ -18,6 +20,50 @@ DEFAULT_SWARM_TIMEOUT = 60.0
 # is 0: tests/conftest.py)
 DEFAULT_AUDIT_SHARE = 0.03
 AUDIT_ENV = "DIST_EVAL_AUDIT"
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How :func:`~dist_eval.backends.classifier.load_model` loads a model besides its backend and folder: one
+    field per keyword of ``load_model`` (which documents each), with its default. The CLI carries its
+    model-loading flags in one (:meth:`dist_eval.config.EvalConfig.load_options`).
+    """
+
+    checkpoint: Optional[str] = None
+    head: Optional[str] = None
+    tuning_mode: Optional[str] = None
+    pre_seq_len: int = 0
+    num_labels: Optional[int] = None
+    initial_peers: Optional[list] = None
+    dht_prefix: Optional[str] = None
+    petals_client_options: Optional[dict] = None
+    swarm_timeout: float = DEFAULT_SWARM_TIMEOUT
+    device: str = "cpu"
+    label_words: Union[Sequence[str], str, None] = None
+    tokenizer: Any = None
+    revision: Optional[str] = None
+    fetch_whole_model: bool = False
+    stream_blocks: bool = False
+    audit: Optional[float] = None
+    servers_started_from_4x_config: bool = False
+
+    @classmethod
+    def of(cls, options: Optional[LoadOptions], keywords: Dict[str, Any], caller: str = "load_model") -> LoadOptions:
+        """``options`` (default: every default) with ``keywords`` set on them; a keyword that is no option is a
+        TypeError naming the closest one, as Python's own for a function's keywords.
+        """
+        if options is not None and not isinstance(options, cls):
+            raise TypeError(f"{caller}(): options= expected a LoadOptions, got {type(options).__name__} "
+                            f"{options!r}; pass the others as keywords ({caller}(backend, model_dir, checkpoint=...)).")
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(keywords) - set(names))
+        if unknown:
+            import difflib
+
+            close = difflib.get_close_matches(unknown[0], names, n=1)
+            raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}"
+                            + (f"; did you mean {close[0]!r}?" if close else ""))
+        return replace(options or cls(), **keywords)
 
 
 def is_hub_id(model: str) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from dist_eval import ranks
-from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT, audit_share, read_label_words
+from dist_eval.backends.arguments import LoadOptions, audit_share, read_label_words
 from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import (
     TrainableState,
@@ -116,29 +116,16 @@ class LoadedModel:
         self.module.close()
 
 
-def load_model(
-    backend: str,
-    model_dir: str,
-    *,
-    checkpoint: Optional[str] = None,
-    head: Optional[str] = None,
-    tuning_mode: Optional[str] = None,
-    pre_seq_len: int = 0,
-    num_labels: Optional[int] = None,
-    initial_peers: Optional[list] = None,
-    dht_prefix: Optional[str] = None,
-    petals_client_options: Optional[dict] = None,
-    swarm_timeout: float = DEFAULT_SWARM_TIMEOUT,
-    device: str = "cpu",
-    label_words: Union[Sequence[str], str, None] = None,
-    tokenizer=None,
-    revision: Optional[str] = None,
-    fetch_whole_model: bool = False,
-    stream_blocks: bool = False,
-    audit: Optional[float] = None,
-    servers_started_from_4x_config: bool = False,
-) -> LoadedModel:
+def load_model(backend: str, model_dir: str, options: Optional[LoadOptions] = None, **keywords) -> LoadedModel:
     """Load the classifier for ``backend`` ('petals' or 'local') with the trained prompts/head.
+
+    The keywords (each a field of :class:`~dist_eval.backends.arguments.LoadOptions`, with its default; or
+    ``options``, a LoadOptions, with keywords set on it): ``checkpoint``, ``head``, ``tuning_mode``,
+    ``pre_seq_len``, ``num_labels`` (the trained prompts and head); ``initial_peers``, ``dht_prefix``,
+    ``petals_client_options``, ``swarm_timeout`` (60 s), ``audit``, ``servers_started_from_4x_config`` (the
+    swarm); ``device`` (cpu), ``stream_blocks`` (the local backend); ``label_words``, ``tokenizer``
+    (zero-shot); ``revision``, ``fetch_whole_model`` (a hub id). A keyword that is none of them is a
+    TypeError naming the closest one.
 
     ``device`` (local backend): cpu, cuda (this rank on cuda:LOCAL_RANK % device_count) or cuda:K.
     ``head``: the classifier head of a ``checkpoint`` that holds only prompts (petals issue
@@ -169,27 +156,28 @@ def load_model(
     """
     from dist_eval.backends.hub import hub_source, resolve_model
 
+    o = LoadOptions.of(options, keywords)
     kind = backend_kind(backend)
-    if stream_blocks:
+    if o.stream_blocks:
         kind = kind.with_blocks_streamed()
-    if kind.on_swarm:
-        audit = audit_share(audit)
-    model_dir, hub_prefix = resolve_model(model_dir, backend, initial_peers, revision, whole=fetch_whole_model,
-                                          stream=stream_blocks)
-    dht_prefix = dht_prefix or hub_prefix
-    device = _rank_device(kind, device)
+    audit = audit_share(o.audit) if kind.on_swarm else o.audit
+    model_dir, hub_prefix = resolve_model(model_dir, backend, o.initial_peers, o.revision, whole=o.fetch_whole_model,
+                                          stream=o.stream_blocks)
+    dht_prefix = o.dht_prefix or hub_prefix
+    device = _rank_device(kind, o.device)
     config = _read_config(model_dir)
     family = family_of(config, model_dir)
-    words = read_label_words(label_words)
-    state = _resolve_trainable(model_dir, (checkpoint, head), (tuning_mode, pre_seq_len), num_labels, family, words)
-    _check_shapes(state, config, checkpoint, model_dir)
+    words = read_label_words(o.label_words)
+    state = _resolve_trainable(model_dir, (o.checkpoint, o.head), (o.tuning_mode, o.pre_seq_len), o.num_labels,
+                               family, words)
+    _check_shapes(state, config, o.checkpoint, model_dir)
     _check_computed_here(family, config, state)
     _check_pad_token(config, model_dir)
-    scored = _label_words(model_dir, config, family, words, tokenizer) if words else None
-    module = kind.load(model_dir, state, family, scored, initial_peers=initial_peers, dht_prefix=dht_prefix,
-                       client_options=petals_client_options or {}, swarm_timeout=swarm_timeout, device=device,
-                       hub=hub_source(model_dir),
-                       audit_share=audit or 0.0, servers_started_from_4x_config=servers_started_from_4x_config)
+    scored = _label_words(model_dir, config, family, words, o.tokenizer) if words else None
+    module = kind.load(model_dir, state, family, scored, initial_peers=o.initial_peers, dht_prefix=dht_prefix,
+                       client_options=o.petals_client_options or {}, swarm_timeout=o.swarm_timeout, device=device,
+                       hub=hub_source(model_dir), audit_share=audit or 0.0,
+                       servers_started_from_4x_config=o.servers_started_from_4x_config)
     module.eval()
     return LoadedModel(module, state.num_labels, int(config.pad_token_id), backend,
                        class_names(config, state.num_labels), state.pre_seq_len, state.tuning_mode,
@@ -197,8 +185,8 @@ def load_model(
                        attention_window=family.attention_window(config),
                        attention_limit=family.attention_limit(config),
                        identity=_identity(model_dir, config, state, family, (backend, device, dht_prefix)),
-                       checkpoint=checkpoint,
-                       source=TrainableSource(model_dir, head, tuning_mode, pre_seq_len, num_labels, words))
+                       checkpoint=o.checkpoint,
+                       source=TrainableSource(model_dir, o.head, o.tuning_mode, o.pre_seq_len, o.num_labels, words))
 
 
 def _rank_device(kind, device: str) -> str:
