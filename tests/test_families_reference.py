@@ -1080,22 +1080,49 @@ def test_a_hub_id_no_block_computes_is_refused_after_its_config_alone(reference,
     assert hub.files("GET") == ["config.json"]
 
 
+# each family once, in the newest transformers that made it
+NEWEST_CASES = sorted({kind: (generation, kind) for generation, kind in CASES}.values(), key=lambda case: case[1])
+
+
+@pytest.mark.parametrize("generation, kind", NEWEST_CASES)
+def test_blocks_streamed_from_disk_equal_the_model_loaded_whole_bitwise(request, generation, kind):
+    """--stream-blocks (the blocks read from the model's files one at a time): every family's logits equal those
+    of the model loaded whole, bit for bit. Before: DeepSeek-V4 refused, and wrong without a word for the MoE
+    families (a router's saved correction bias or V4's table of experts by token id left at their init values:
+    MiniMax-M2, Kimi K2.5, DeepSeek-V4), raising for others (gpt-oss's experts and Qwen3.5's convolution read by
+    their block without being called, left on the meta device; DeepSeek-V3's and GLM's multi-token-prediction
+    block in the files). A release of quantized weights (MXFP4, INT4, FP8, as served) refused in one line."""
+    from dist_eval.backends import load_model
+    from dist_eval.errors import UsageError
+
+    reference = reference_of(request, generation)
+    out, ref = reference
+    case = ref["cases"][kind]
+    trainable = trained(reference, kind, "head" if kind in HEAD_ONLY else "ptune")
+    whole = load_model("local", str(out / case["folder"]), **trainable)
+    streamed = load_model("local", str(out / case["folder"]), stream_blocks=True, **trainable)
+    batch = padded_batch(case)
+    with torch.no_grad():
+        assert_same_bits(streamed.module(batch), whole.module(batch), f"{kind}: blocks streamed against loaded whole")
+    if kind in SERVED_FOLDER:
+        with pytest.raises(UsageError, match=r"^stream_blocks: expected weights read as they are saved: this "
+                                             f"{kind} folder's are quantized .* drop --stream-blocks") as refused:
+            load_model("local", str(out / SERVED_FOLDER[kind]), stream_blocks=True, **trainable)
+        assert "\n" not in str(refused.value)
+
+
 def test_deepseek_v4_settings_each_matter(reference5):
     """DeepSeek-V4 (checked against transformers 5.x above, head only): the indexer's choice (index_topk 3 of up to 9
     entries), the heavily compressed entries, the sliding window, the sinks, the hash routing's table and the
     clamp each move the logits; a row alone gives its batch's logits within float rounding; the older config.json
-    keys read as 5.x folds them in; another quantization_config refused in one line; its blocks streamed from disk
-    (--stream-blocks) refused in one line (accelerate's offload left part of its attention on the meta device: the
-    first forward raised)."""
+    keys read as 5.x folds them in; another quantization_config refused in one line (its blocks streamed from disk:
+    test_blocks_streamed_from_disk_equal_the_model_loaded_whole_bitwise)."""
     from dist_eval.backends import load_model
     from dist_eval.errors import UsageError
 
     out, ref = reference5
     case = ref["cases"]["deepseek_v4"]
     folder = str(out / case["folder"])
-    with pytest.raises(UsageError, match=r"^stream_blocks: expected a family whose blocks are read from disk one at a "
-                                         r"time: deepseek_v4's are not yet .* drop --stream-blocks"):
-        load_model("local", folder, stream_blocks=True, **trained(reference5, "deepseek_v4", "head"))
     model = load_model("local", folder, **trained(reference5, "deepseek_v4", "head"))
     batch = padded_batch(case)
     layers = model.module.hf_model.model.layers

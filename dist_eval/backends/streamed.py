@@ -47,10 +47,7 @@ def load_streamed(
     from dist_eval.backends.zeroshot import ZeroShotScorer, read_saved_lm_head
     from dist_eval.errors import UsageError
 
-    if family.hyper_connected:  # accelerate's offload leaves part of its attention (wo_b) on the meta device
-        raise UsageError(f"expected a family whose blocks are read from disk one at a time: {family.model_type}'s are "
-                         "not yet (its attention's weights are not all loaded by the offload). Load the model whole: "
-                         "drop --stream-blocks (python -m dist_eval.verify: pass --in-memory).", param="stream_blocks")
+    _refuse_quantized(model_dir, family)
     if str(device).split(":")[0] != "cpu":
         raise UsageError("expected cpu: the blocks streamed from disk are computed on the CPU. Pass --device cpu, "
                          "or load the model whole (--in-memory).", param="device", value=device)
@@ -69,7 +66,7 @@ def load_streamed(
     blocks = family.blocks.rstrip(".")
     view = tempfile.mkdtemp(prefix="dist_eval-streamed-")
     try:
-        _client_view(model_dir, blocks, view)
+        _client_view(model_dir, blocks, config.num_hidden_layers, view)
         # the head no file may name: the classifier's, or a causal LM's saved under another name (saved_lm_head)
         device_map = _device_map(view, blocks, config.num_hidden_layers,
                                  family.head if label_words is None else family.lm_head)
@@ -84,6 +81,8 @@ def load_streamed(
     except BaseException:
         shutil.rmtree(view, True)
         raise
+    _one_hook_per_block(hf_model, family)
+    _read_resident_buffers(hf_model, model_dir, blocks)
     for block in family.get(hf_model, family.blocks):  # its freed weights given back before the next block's
         block.register_forward_hook(_give_back_heap)
     if fetched_later:
@@ -95,6 +94,24 @@ def load_streamed(
         model = ZeroShotScorer(model, family.get(hf_model, family.lm_head), label_words)
     weakref.finalize(model, shutil.rmtree, view, True)  # the view goes with the model
     return model
+
+
+def _refuse_quantized(model_dir: str, family: Family) -> None:
+    """A folder of quantized weights (config.json's ``quantization_config``: FP8 tiles, MXFP4, INT4) refused in one
+    line: the offload reads a block's tensors as saved, where loading the model whole dequantizes them.
+    """
+    import json
+
+    from dist_eval.errors import UsageError
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        quantization = json.load(f).get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise UsageError(f"expected weights read as they are saved: this {family.model_type} folder's are quantized "
+                         f"(quant_method {method!r} in config.json's quantization_config), dequantized as the whole "
+                         "model loads, not block by block. Load the model whole: drop --stream-blocks (python -m "
+                         "dist_eval.verify: pass --in-memory), or save it dequantized.", param="stream_blocks")
 
 
 def _fetch_each_block_when_it_runs(hf_model, family: Family, model_dir: str, hub: HubSource) -> None:
@@ -172,12 +189,14 @@ def _tensor_files(model_dir: str) -> dict:
     return out
 
 
-def _client_view(model_dir: str, blocks: str, view: str) -> None:
+def _client_view(model_dir: str, blocks: str, num_blocks: int, view: str) -> None:
     """In ``view``: the model folder as transformers reads it, its blocks' tensors left where they are. The
     tensors outside the blocks (embeddings, final norm, heads: read whole at the load) copied into one small
     file; each weight file holding blocks linked under its name, and the index naming, for each block tensor,
     that link: transformers then reads none of them at the load (a file of the blocks alone is left to the
-    offload, which reads each tensor when its block runs). Every other file (config, tokenizer) linked.
+    offload, which reads each tensor when its block runs). Every other file (config, tokenizer) linked. The
+    tensors of blocks past ``num_blocks`` (a release's multi-token-prediction block) are
+    left out, as the model loaded whole leaves them: the offload's index would name a block the model has not.
     """
     import json
 
@@ -189,6 +208,8 @@ def _client_view(model_dir: str, blocks: str, view: str) -> None:
     files = _tensor_files(model_dir)
     client, weight_map = {}, {}
     for name, file in sorted(files.items()):
+        if name.startswith(blocks + ".") and int(name[len(blocks) + 1:].split(".", 1)[0]) >= num_blocks:
+            continue
         if name.startswith(blocks + "."):
             link = os.path.join(view, "blocks-" + os.path.basename(file))
             if not os.path.lexists(link):
@@ -204,6 +225,47 @@ def _client_view(model_dir: str, blocks: str, view: str) -> None:
     for name in os.listdir(model_dir):
         if not name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")):
             os.symlink(os.path.realpath(os.path.join(model_dir, name)), os.path.join(view, name))
+
+
+def _one_hook_per_block(hf_model, family: Family) -> None:
+    """Each block's weights, all of them, brought in by one hook on the block before it runs and freed after it
+    (accelerate's ``preload_module_classes``), in place of the hooks transformers' load puts on each of its
+    modules holding weights, which bring a module's in only when that module is called: a block may read a
+    module's weight without calling it (fused experts' tensors indexed by expert, a convolution computed with its
+    weight, a grouped projection), which such a hook leaves on the meta device.
+    """
+    from accelerate.hooks import attach_align_device_hook, remove_hook_from_submodules
+
+    for index, block in enumerate(family.get(hf_model, family.blocks)):
+        hooks = [m._hf_hook for m in block.modules() if getattr(getattr(m, "_hf_hook", None), "weights_map", None)
+                 is not None]
+        if not hooks:  # nothing of it offloaded
+            continue
+        loader, first = hooks[0].weights_map.dataset, hooks[0]
+        remove_hook_from_submodules(block)
+        attach_align_device_hook(block, execution_device=first.execution_device, offload=True, weights_map=loader,
+                                 module_name=f"{family.blocks}.{index}", skip_keys=first.skip_keys,
+                                 preload_module_classes=[type(block).__name__], tied_params_map=first.tied_params_map)
+
+
+def _read_resident_buffers(hf_model, model_dir: str, blocks: str) -> None:
+    """The blocks' buffers saved with the weights (a router's correction bias, a table of experts by token id, a
+    float32 weight kept as a buffer) read from the model's files into the model: the offload keeps a
+    block's buffers in memory, and the load under it leaves them as the model's init made them, where the model
+    loaded whole reads them (the same values, converted to each buffer's dtype as loading whole converts them).
+    Small: a few numbers per expert, or one table.
+    """
+    from safetensors import safe_open
+
+    files = _tensor_files(model_dir)
+    for name, buffer in hf_model.named_buffers():
+        if not name.startswith(blocks + ".") or name not in files:
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        module = hf_model.get_submodule(module_name)
+        with safe_open(files[name], "pt") as f:
+            saved = f.get_tensor(name)
+        module._buffers[leaf] = saved.to(dtype=buffer.dtype, device="cpu")
 
 
 def _device_map(model_dir: str, blocks: str, num_blocks: int, head: str) -> dict:
