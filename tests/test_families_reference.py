@@ -1111,6 +1111,53 @@ def test_blocks_streamed_from_disk_equal_the_model_loaded_whole_bitwise(request,
         assert "\n" not in str(refused.value)
 
 
+
+def test_a_head_read_after_the_load_is_not_said_newly_initialized(reference5):
+    """load_model from Python (the caller's logging as it is, transformers' at its default WARNING): a folder whose
+    family has no sequence classifier, its head given apart (--head), loaded whole and streamed, says nothing of
+    "newly initialized" weights (the head is read right after); a block's weight missing is still said, beside the
+    head's, and a line of another logger or level is left alone."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from dist_eval.backends import load_model
+    from dist_eval.backends.compat import heads_read_after
+
+    out, ref = reference5
+    case = ref["cases"]["glm4_moe"]
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    keep, verbosity = Keep(), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    logging.getLogger("transformers").addHandler(keep)
+    try:
+        for streamed in (False, True):
+            load_model("local", str(out / case["folder"]), stream_blocks=streamed,
+                       **trained(reference5, "glm4_moe", "head"))
+        assert not [line for line in seen if "newly initialized" in line], seen
+        loading = logging.getLogger("transformers.modeling_utils")
+        with heads_read_after("score", "lm_head"):
+            loading.warning("Some weights of X were not initialized from the model checkpoint at F and are newly "
+                            "initialized: ['score.weight']\nYou should probably TRAIN this model")
+            loading.warning("Some weights of X were not initialized from the model checkpoint at F and are newly "
+                            "initialized: ['model.layers.0.mlp.up_proj.weight', 'score.weight']")
+            loading.warning("another line")
+        loading.warning("Some weights of X ... newly initialized: ['score.weight']")  # outside: as transformers says
+    finally:
+        logging.getLogger("transformers").removeHandler(keep)
+        hf_logging.set_verbosity(verbosity)
+    assert [line for line in seen if "newly initialized" in line] == [
+        "Some weights of X were not initialized from the model checkpoint at F and are newly initialized: "
+        "['model.layers.0.mlp.up_proj.weight', 'score.weight']",
+        "Some weights of X ... newly initialized: ['score.weight']"]
+    assert "another line" in seen
+
+
 def test_deepseek_v4_settings_each_matter(reference5):
     """DeepSeek-V4 (checked against transformers 5.x above, head only): the indexer's choice (index_topk 3 of up to 9
     entries), the heavily compressed entries, the sliding window, the sinks, the hash routing's table and the

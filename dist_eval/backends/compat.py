@@ -98,6 +98,44 @@ def no_random_init_of_meta_tensors():
         torch.nn.init.normal_ = original
 
 
+class _OnlyHeadsNewlyInitialized(logging.Filter):
+    """Drops transformers' "... newly initialized: [names]" when every name is a weight of ``heads``."""
+
+    def __init__(self, heads: tuple):
+        super().__init__()
+        self.heads = heads
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import ast
+        import re
+
+        found = re.search(r"newly initialized: (\[[^\]]*\])", record.getMessage())
+        if found is None:
+            return True
+        try:
+            names = ast.literal_eval(found.group(1))
+        except (ValueError, SyntaxError):
+            return True
+        return not names or not all(str(name).split(".")[0] in self.heads for name in names)
+
+
+@contextlib.contextmanager
+def heads_read_after(*heads: str):
+    """Within: transformers' "Some weights of ... were not initialized from the model checkpoint ... and are newly
+    initialized: [...]" dropped where every weight it names is of ``heads`` (top-level modules: the classifier's,
+    a causal LM's), which the load reads right after (the trained head, a release's LM head saved under another
+    name) or refuses where there is none: noise for any caller of ``load_model``, whose logging is left as it
+    is (a filter on transformers' loading logger, for the load alone). A block's weight missing is said as ever.
+    """
+    logger = logging.getLogger("transformers.modeling_utils")
+    only_heads = _OnlyHeadsNewlyInitialized(heads)
+    logger.addFilter(only_heads)
+    try:
+        yield
+    finally:
+        logger.removeFilter(only_heads)
+
+
 def quiet_warnings() -> None:
     """Filter two warnings by their message, and nothing else: what :func:`import_petals` does
     in any process, a caller's own included (no environment variable, no library's verbosity:

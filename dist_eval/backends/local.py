@@ -137,14 +137,14 @@ def load_local(
     "corrupted", is read from its converted copy (:mod:`dist_eval.backends.petals_folder`).
     """
     from dist_eval.backends.blocks import family_class
-    from dist_eval.backends.compat import no_random_init_of_meta_tensors
+    from dist_eval.backends.compat import heads_read_after, no_random_init_of_meta_tensors
     from dist_eval.backends.petals_folder import detect_layout, petals_model_folder, require_every_shard
 
     require_every_shard(model_dir, "--backend local")
     if not detect_layout(model_dir, family).client_ready:
         model_dir = petals_model_folder(model_dir)
 
-    with no_random_init_of_meta_tensors():
+    with no_random_init_of_meta_tensors(), heads_read_after(family.head, family.lm_head):
         if label_words is not None:
             hf_model = family_class(family.local_lm_class, in_petals=False).from_pretrained(
                 model_dir, torch_dtype=torch.float32)

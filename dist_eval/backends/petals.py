@@ -14,6 +14,7 @@ from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT
 from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import TrainableState
 from dist_eval.backends.compat import (
+    heads_read_after,
     import_petals,
     no_random_init_of_meta_tensors,
     quiet_hivemind_logs,
@@ -279,7 +280,7 @@ def load_petals(
     try:
         petals_class = family.petals_class if label_words is None else family.petals_lm_class
         folder = petals_model_folder(model_dir)
-        with no_random_init_of_meta_tensors():
+        with no_random_init_of_meta_tensors(), heads_read_after(family.head, family.lm_head):
             inner = family_class(petals_class, in_petals=True).from_pretrained(folder, **kwargs)
     except Exception as e:
         if type(e).__name__ == "P2PDaemonError":  # nobody answered at the initial peers

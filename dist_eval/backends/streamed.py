@@ -41,7 +41,7 @@ def load_streamed(
     where the shards of ``model_dir`` (a hub snapshot) not fetched yet come from: each block's when it first runs.
     """
     from dist_eval.backends.blocks import family_class
-    from dist_eval.backends.compat import no_random_init_of_meta_tensors
+    from dist_eval.backends.compat import heads_read_after, no_random_init_of_meta_tensors
     from dist_eval.backends.local import PromptTunedClassifier
     from dist_eval.backends.petals_folder import detect_layout, missing_shards, petals_model_folder, require_every_shard
     from dist_eval.backends.zeroshot import ZeroShotScorer, read_saved_lm_head
@@ -71,7 +71,8 @@ def load_streamed(
         device_map = _device_map(view, blocks, config.num_hidden_layers,
                                  family.head if label_words is None else family.lm_head)
         kwargs = {} if label_words is not None else {"num_labels": state.num_labels, "ignore_mismatched_sizes": False}
-        with no_random_init_of_meta_tensors(), _no_progress_bar(), warnings.catch_warnings():
+        with no_random_init_of_meta_tensors(), heads_read_after(family.head, family.lm_head), _no_progress_bar(), \
+                warnings.catch_warnings():
             # "Loading checkpoint shards" (the view's) is not shown; nor that a causal LM's lm_head, mapped from
             # the files' names, is no module of a classifier
             warnings.filterwarnings("ignore", "The following device_map keys do not match any submodules")
