@@ -1089,9 +1089,11 @@ def test_blocks_streamed_from_disk_equal_the_model_loaded_whole_bitwise(request,
     """--stream-blocks (the blocks read from the model's files one at a time): every family's logits equal those
     of the model loaded whole, bit for bit. Before: DeepSeek-V4 refused, and wrong without a word for the MoE
     families (a router's saved correction bias or V4's table of experts by token id left at their init values:
-    MiniMax-M2, Kimi K2.5, DeepSeek-V4), raising for others (gpt-oss's experts and Qwen3.5's convolution read by
-    their block without being called, left on the meta device; DeepSeek-V3's and GLM's multi-token-prediction
-    block in the files). A release of quantized weights (MXFP4, INT4, FP8, as served) refused in one line."""
+    MiniMax-M2, Kimi K2.5, DeepSeek-V4), raising for others (a weight read by a parent without calling its module:
+    gpt-oss's and Llama 4's fused experts, Qwen3.5's convolution, V4's grouped projection, left on the meta
+    device; DeepSeek-V3's and GLM's multi-token-prediction block in the files). A class of layers.py that reads
+    a child's weight and is not marked reads_child_weights fails here. A release of quantized weights (MXFP4,
+    INT4, FP8, as served) refused in one line."""
     from dist_eval.backends import load_model
     from dist_eval.errors import UsageError
 

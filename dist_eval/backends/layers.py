@@ -380,6 +380,10 @@ class GatedDeltaNet(LlamaAttention):
     ``__init__`` is not called.
     """
 
+    # its forward reads a child's weight without calling the child: streamed (backends/streamed.py), it is brought
+    # in whole before it runs
+    reads_child_weights = True
+
     def __init__(self, config):
         nn.Module.__init__(self)
         self.config = config
@@ -1014,6 +1018,10 @@ class InputScaledMoeMLP(nn.Module):
     its output), their outputs summed with a shared expert's (``shared_expert``) every token goes through.
     """
 
+    # its forward reads a child's weight without calling the child: streamed (backends/streamed.py), it is brought
+    # in whole before it runs
+    reads_child_weights = True
+
     def __init__(self, config):
         super().__init__()
         self.top_k = config.num_experts_per_tok
@@ -1064,6 +1072,10 @@ class TopKSoftmaxMoeMLP(nn.Module):
     bias (``mlp.router``) whose ``num_experts_per_tok`` highest logits choose the experts, weighted by the
     softmax over those chosen logits alone; :class:`ClampedSwiGLUExperts` (``mlp.experts.*``).
     """
+
+    # its forward reads a child's weight without calling the child: streamed (backends/streamed.py), it is brought
+    # in whole before it runs
+    reads_child_weights = True
 
     def __init__(self, config):
         super().__init__()
@@ -1537,6 +1549,10 @@ class V4Attention(nn.Module):
     rotated back to the query's position, then the grouped projection (``wo_a``: ``o_groups`` blocks of heads,
     each to ``o_lora_rank``) and ``wo_b``. transformers 5.x's eager computation, in its order, for a whole row.
     """
+
+    # its forward reads a child's weight without calling the child: streamed (backends/streamed.py), it is brought
+    # in whole before it runs
+    reads_child_weights = True
 
     def __init__(self, config, index: int):
         super().__init__()

@@ -82,7 +82,7 @@ def load_streamed(
     except BaseException:
         shutil.rmtree(view, True)
         raise
-    _one_hook_per_block(hf_model, family)
+    _whole_where_children_are_read(hf_model, family)
     _read_resident_buffers(hf_model, model_dir, blocks)
     for block in family.get(hf_model, family.blocks):  # its freed weights given back before the next block's
         block.register_forward_hook(_give_back_heap)
@@ -228,25 +228,28 @@ def _client_view(model_dir: str, blocks: str, num_blocks: int, view: str) -> Non
             os.symlink(os.path.realpath(os.path.join(model_dir, name)), os.path.join(view, name))
 
 
-def _one_hook_per_block(hf_model, family: Family) -> None:
-    """Each block's weights, all of them, brought in by one hook on the block before it runs and freed after it
-    (accelerate's ``preload_module_classes``), in place of the hooks transformers' load puts on each of its
-    modules holding weights, which bring a module's in only when that module is called: a block may read a
-    module's weight without calling it (fused experts' tensors indexed by expert, a convolution computed with its
-    weight, a grouped projection), which such a hook leaves on the meta device.
+def _whole_where_children_are_read(hf_model, family: Family) -> None:
+    """Each module of a block that reads a child module's weight without calling the child (a class of
+    :mod:`dist_eval.backends.layers` marked ``reads_child_weights``: a convolution computed with its weight, a
+    grouped projection, fused experts indexed by expert) gets its weights, its children's too, brought in by
+    one hook before it runs (accelerate's ``preload_module_classes``); transformers' load hooks each module
+    holding weights, bringing them in only when that module is called, which left those on the meta device.
+    Every other module keeps its own hook: a block's experts are brought in one at a time, as before.
     """
     from accelerate.hooks import attach_align_device_hook, remove_hook_from_submodules
 
     for index, block in enumerate(family.get(hf_model, family.blocks)):
-        hooks = [m._hf_hook for m in block.modules() if getattr(getattr(m, "_hf_hook", None), "weights_map", None)
-                 is not None]
-        if not hooks:  # nothing of it offloaded
+        whole = sorted({type(m).__name__ for m in block.modules() if getattr(type(m), "reads_child_weights", False)})
+        hooks = [m._hf_hook for m in block.modules()
+                 if getattr(getattr(m, "_hf_hook", None), "weights_map", None) is not None]
+        if not whole or not hooks:  # none of it reads a child's weight, or nothing of it offloaded
             continue
-        loader, first = hooks[0].weights_map.dataset, hooks[0]
+        first = hooks[0]
         remove_hook_from_submodules(block)
-        attach_align_device_hook(block, execution_device=first.execution_device, offload=True, weights_map=loader,
-                                 module_name=f"{family.blocks}.{index}", skip_keys=first.skip_keys,
-                                 preload_module_classes=[type(block).__name__], tied_params_map=first.tied_params_map)
+        attach_align_device_hook(block, execution_device=first.execution_device, offload=True,
+                                 weights_map=first.weights_map.dataset, module_name=f"{family.blocks}.{index}",
+                                 skip_keys=first.skip_keys, preload_module_classes=whole,
+                                 tied_params_map=first.tied_params_map)
 
 
 def _read_resident_buffers(hf_model, model_dir: str, blocks: str) -> None:
