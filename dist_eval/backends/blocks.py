@@ -180,6 +180,7 @@ def _server_rotary_replacements(family) -> list:
 
 def _build_transformers_classes(family) -> None:
     import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if family.model_type in _classes:
         return
@@ -187,7 +188,11 @@ def _build_transformers_classes(family) -> None:
     config = type(_config_name(family), (class_at(base.config_class),),
                   {"model_type": family.model_type, **dict(family.block_options)})
     _classes[family.model_type] = config
-    transformers.AutoConfig.register(family.model_type, config)
+    # a later transformers has the family itself (mistral since 4.34): its Auto classes stay its own (they refuse
+    # a second of the name), and ours are reached by name (family_class), as everywhere in dist_eval
+    native = family.model_type in CONFIG_MAPPING
+    if not native:
+        transformers.AutoConfig.register(family.model_type, config)
     autos = (transformers.AutoModelForSequenceClassification, transformers.AutoModelForCausalLM)
     for name, base_name, auto in zip((family.local_class, family.local_lm_class),
                                      (base.local_class, base.local_lm_class), autos):
@@ -198,7 +203,8 @@ def _build_transformers_classes(family) -> None:
 
             body["__init__"] = own_layers_init(base_class)
         _classes[name] = type(name, (base_class,), body)
-        auto.register(config, _classes[name])
+        if not native:
+            auto.register(config, _classes[name])
 
 
 def _build_petals_classes(family) -> None:
