@@ -63,13 +63,14 @@ def singles(tiny_model, assets):
 def counting_loads():
     """A patch counting load_model calls (the model load, which also connects to a swarm)."""
     import dist_eval.backends
+    from dist_eval.backends.arguments import LoadOptions
 
     calls = []
     real = dist_eval.backends.load_model
 
-    def load_model(*args, **kwargs):
-        calls.append(kwargs.get("checkpoint"))
-        return real(*args, **kwargs)
+    def load_model(backend, model_dir, options=None, **keywords):
+        calls.append(LoadOptions.of(options, keywords).checkpoint)  # the CLI passes its flags as one options object
+        return real(backend, model_dir, options, **keywords)
 
     return mock.patch.object(dist_eval.backends, "load_model", load_model), calls
 
