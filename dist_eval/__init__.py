@@ -14,6 +14,7 @@ _EXPORTS = {
     "evaluate_pair": "dist_eval.evaluation",
     "EvalResult": "dist_eval.evaluation",
     "load_model": "dist_eval.backends.classifier",
+    "LoadOptions": "dist_eval.backends.arguments",
     "LoadedModel": "dist_eval.backends.classifier",
     "UsageError": "dist_eval.errors",
 }
