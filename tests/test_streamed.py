@@ -121,3 +121,27 @@ def test_a_hub_id_without_stream_blocks_or_fetch_whole_model_names_both(tiny_mod
             resolve_model(REPO_ID, "local", None)
     assert "--stream-blocks to fetch each block's shards when it runs" in str(e.value)
     assert "--fetch-whole-model" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_saved_rotary_table_is_not_read_into_the_streamed_model(tiny_model, tmp_path):
+    """A checkpoint saved before transformers 4.31 holds each block's rotary table (``rotary_emb.inv_freq``, a
+    non-persistent buffer): the model loaded whole keeps its own, and so does the streamed one (its blocks' saved
+    persistent buffers are read from the files, not these): the same logits bit for bit with a wrong table saved."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "old-llama"
+    shutil.copytree(tiny_model, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    head_dim = tensors["model.layers.0.self_attn.q_proj.weight"].shape[1] // 4  # tiny_model: 4 heads
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(head_dim // 2, dtype=torch.float16)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
+    models = [load_model("local", str(folder), checkpoint=checkpoint, stream_blocks=s) for s in (False, True)]
+    tables = [model.module.hf_model.model.layers[0].self_attn.rotary_emb.inv_freq for model in models]
+    assert_same_bits(tables[1], tables[0], "the streamed model's rotary table against the whole one's")
+    assert tables[0].abs().min() > 0  # its own, not the zeros saved
+    with one_thread(), torch.no_grad():
+        whole, streamed = (model.module(IDS) for model in models)
+    assert_same_bits(streamed, whole, "the streamed model's logits against the whole one's, a rotary table saved")

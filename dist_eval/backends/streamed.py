@@ -79,15 +79,15 @@ def load_streamed(
             hf_model = config_class.from_pretrained(view, torch_dtype=torch.float32, device_map=device_map,
                                                     offload_folder=os.path.join(view, "offload"),
                                                     offload_state_dict=False, **kwargs)
+        _whole_where_children_are_read(hf_model, family)
+        for block in family.get(hf_model, family.blocks):  # its freed weights given back before the next block's
+            block.register_forward_hook(_give_back_heap)
+        if fetched_later:  # before the buffers' hooks: a block's shards are there when they are read
+            _fetch_each_block_when_it_runs(hf_model, family, model_dir, hub)
+        _read_resident_buffers(hf_model, family, model_dir, when_each_runs=fetched_later)
     except BaseException:
         shutil.rmtree(view, True)
         raise
-    _whole_where_children_are_read(hf_model, family)
-    _read_resident_buffers(hf_model, model_dir, blocks)
-    for block in family.get(hf_model, family.blocks):  # its freed weights given back before the next block's
-        block.register_forward_hook(_give_back_heap)
-    if fetched_later:
-        _fetch_each_block_when_it_runs(hf_model, family, model_dir, hub)
     model = PromptTunedClassifier(hf_model, state.tuning_mode, state.pre_seq_len, family)
     model.load_trainable(state)
     if label_words is not None:
@@ -209,7 +209,8 @@ def _client_view(model_dir: str, blocks: str, num_blocks: int, view: str) -> Non
     files = _tensor_files(model_dir)
     client, weight_map = {}, {}
     for name, file in sorted(files.items()):
-        if name.startswith(blocks + ".") and int(name[len(blocks) + 1:].split(".", 1)[0]) >= num_blocks:
+        index = name[len(blocks) + 1:].split(".", 1)[0] if name.startswith(blocks + ".") else ""
+        if index.isdigit() and int(index) >= num_blocks:
             continue
         if name.startswith(blocks + "."):
             link = os.path.join(view, "blocks-" + os.path.basename(file))
@@ -252,24 +253,45 @@ def _whole_where_children_are_read(hf_model, family: Family) -> None:
                                  tied_params_map=first.tied_params_map)
 
 
-def _read_resident_buffers(hf_model, model_dir: str, blocks: str) -> None:
-    """The blocks' buffers saved with the weights (a router's correction bias, a table of experts by token id, a
-    float32 weight kept as a buffer) read from the model's files into the model: the offload keeps a
+def _read_resident_buffers(hf_model, family: Family, model_dir: str, when_each_runs: bool = False) -> None:
+    """The blocks' persistent buffers saved with the weights (a router's correction bias, a table of experts by
+    token id, a float32 weight kept as a buffer) read from the model's files into the model: the offload keeps a
     block's buffers in memory, and the load under it leaves them as the model's init made them, where the model
     loaded whole reads them (the same values, converted to each buffer's dtype as loading whole converts them).
-    Small: a few numbers per expert, or one table.
+    A non-persistent buffer (a rotary table an old checkpoint saved too) keeps the model's own, as loading whole
+    keeps it. ``when_each_runs`` (a hub snapshot whose blocks' shards are fetched as they first run): each block's
+    read before its first forward, after its shards' fetch. Small: a few numbers per expert, or one table.
     """
+    files = _tensor_files(model_dir)
+    for index, block in enumerate(family.get(hf_model, family.blocks)):
+        prefix = f"{family.blocks}.{index}."
+        saved = [(module, leaf, buffer.dtype, prefix + name)
+                 for name, buffer in block.named_buffers()
+                 for module_name, _, leaf in [name.rpartition(".")]
+                 for module in [block.get_submodule(module_name)]
+                 if prefix + name in files and leaf not in module._non_persistent_buffers_set]
+        if not saved:
+            continue
+        if when_each_runs:
+            _read_before_first_forward(block, saved, files)
+        else:
+            _read_buffers(saved, files)
+
+
+def _read_before_first_forward(block, saved: list, files: dict) -> None:
+    def read_once(module, args) -> None:
+        handle.remove()
+        _read_buffers(saved, files)
+
+    handle = block.register_forward_pre_hook(read_once)
+
+
+def _read_buffers(saved: list, files: dict) -> None:
     from safetensors import safe_open
 
-    files = _tensor_files(model_dir)
-    for name, buffer in hf_model.named_buffers():
-        if not name.startswith(blocks + ".") or name not in files:
-            continue
-        module_name, _, leaf = name.rpartition(".")
-        module = hf_model.get_submodule(module_name)
+    for module, leaf, dtype, name in saved:
         with safe_open(files[name], "pt") as f:
-            saved = f.get_tensor(name)
-        module._buffers[leaf] = saved.to(dtype=buffer.dtype, device="cpu")
+            module._buffers[leaf] = f.get_tensor(name).to(dtype=dtype, device="cpu")
 
 
 def _device_map(model_dir: str, blocks: str, num_blocks: int, head: str) -> dict:
