@@ -210,3 +210,28 @@ def test_an_own_daemon_error_is_a_servers_only_while_the_rank_and_its_helpers_ru
                 os.kill(pid, signal.SIGKILL)
     assert not waiting.is_alive()
     assert ("...oWserver failed a request" in capsys.readouterr().err) == (then in ("nothing", "close"))
+
+
+def test_a_close_while_a_daemon_errors_warning_starts_joins_only_started_threads(monkeypatch, capsys):
+    """failover: the client's close (flush_daemon_error_warnings, the main thread) may run while petals' routing
+    thread is starting a daemon error's waiting thread; a thread listed before it started made the close's join
+    raise "cannot join thread before it is started" (a rank's traceback on a SIGTERM, under two busy loops as an
+    ordinary user). The close runs here at that very moment, inside start(): the warning is said once, no error."""
+    import threading
+
+    from dist_eval.backends import failover
+
+    class CloseDuringStart(threading.Thread):
+        def start(self):
+            failover.flush_daemon_error_warnings(timeout=5.0)  # the main thread's close, now
+            super().start()
+
+    monkeypatch.setattr(failover.threading, "Thread", CloseDuringStart)
+    monkeypatch.setattr(failover, "OWN_DAEMON_GRACE_S", 0.2)
+    manager = type("Manager", (), {})()
+    try:
+        failover._warn_server_failed(manager, "12D3KooWserver", type("P2PDaemonError", (Exception,), {})())
+        failover.flush_daemon_error_warnings(timeout=5.0)
+    finally:
+        failover._pending.clear()
+    assert capsys.readouterr().err.count("...oWserver failed a request") == 1

@@ -125,7 +125,8 @@ def _drop_helper_died(record: logging.LogRecord) -> bool:
 # helpers too, and they may act before the rank hears (a dead helper is the run's to report, HelperWatch, in one line).
 OWN_DAEMON_GRACE_S = 10.0
 _said_at_close = threading.Event()  # set by flush_daemon_error_warnings: the pending ones decide now
-_pending: list = []  # the threads still waiting to decide, to join at close
+_pending: list = []  # the threads still waiting to decide (each started before it is listed), to join at close
+_pending_lock = threading.Lock()  # the routing thread adds to _pending while the main thread's close takes it
 
 
 def _warn_server_failed(manager, peer_id, error) -> None:
@@ -137,8 +138,9 @@ def _warn_server_failed(manager, peer_id, error) -> None:
     if type(error).__name__ == "P2PDaemonError":  # from the daemon of this rank, not the server's answer
         waiting = threading.Thread(target=_warn_unless_stopped_here, args=(manager, message),
                                    name="dist_eval-daemon-error", daemon=True)  # never holds up the exit
-        _pending[:] = [*(thread for thread in _pending if thread.is_alive()), waiting]
-        waiting.start()
+        waiting.start()  # before it is listed: a close taking the list meanwhile joins only started threads
+        with _pending_lock:
+            _pending[:] = [*(thread for thread in _pending if thread.is_alive()), waiting]
     else:
         warn(message)
 
@@ -165,11 +167,12 @@ def flush_daemon_error_warnings(timeout: float = 5.0) -> None:
     rank is stopping or a helper already ended), so a short run does not end before its warning is said.
     """
     _said_at_close.set()
+    with _pending_lock:
+        waiting_now, _pending[:] = list(_pending), []
     try:
-        for waiting in list(_pending):
+        for waiting in waiting_now:
             waiting.join(timeout)
     finally:
-        _pending.clear()
         _said_at_close.clear()
 
 
