@@ -66,7 +66,8 @@ def load_streamed(
     blocks = family.blocks.rstrip(".")
     view = tempfile.mkdtemp(prefix="dist_eval-streamed-")
     try:
-        _client_view(model_dir, blocks, config.num_hidden_layers, view)
+        files = _tensor_files(model_dir)  # {tensor: file}, read once for the view, the fetches and the buffers
+        _client_view(model_dir, files, blocks, config.num_hidden_layers, view)
         # the head no file may name: the classifier's, or a causal LM's saved under another name (saved_lm_head)
         device_map = _device_map(view, blocks, config.num_hidden_layers,
                                  family.head if label_words is None else family.lm_head)
@@ -83,8 +84,8 @@ def load_streamed(
         for block in family.get(hf_model, family.blocks):  # its freed weights given back before the next block's
             block.register_forward_hook(_give_back_heap)
         if fetched_later:  # before the buffers' hooks: a block's shards are there when they are read
-            _fetch_each_block_when_it_runs(hf_model, family, model_dir, hub)
-        _read_resident_buffers(hf_model, family, model_dir, when_each_runs=fetched_later)
+            _fetch_each_block_when_it_runs(hf_model, family, model_dir, files, hub)
+        _read_resident_buffers(hf_model, family, files, when_each_runs=fetched_later)
     except BaseException:
         shutil.rmtree(view, True)
         raise
@@ -115,12 +116,11 @@ def _refuse_quantized(model_dir: str, family: Family) -> None:
                          "dist_eval.verify: pass --in-memory), or save it dequantized.", param="stream_blocks")
 
 
-def _fetch_each_block_when_it_runs(hf_model, family: Family, model_dir: str, hub: HubSource) -> None:
+def _fetch_each_block_when_it_runs(hf_model, family: Family, model_dir: str, files: dict, hub: HubSource) -> None:
     """A hook before each block's forward (before the offload's, which reads the block: it wraps the block's
     ``forward``, which runs after every pre-hook) fetching into ``model_dir`` the shards holding its tensors
     that are not there yet: a block's shards at a time, in the order the forward needs them.
     """
-    files = _tensor_files(model_dir)
     for index, block in enumerate(family.get(hf_model, family.blocks)):
         prefix = f"{family.blocks}.{index}."
         needed = sorted({os.path.basename(file) for name, file in files.items() if name.startswith(prefix)})
@@ -190,7 +190,7 @@ def _tensor_files(model_dir: str) -> dict:
     return out
 
 
-def _client_view(model_dir: str, blocks: str, num_blocks: int, view: str) -> None:
+def _client_view(model_dir: str, files: dict, blocks: str, num_blocks: int, view: str) -> None:
     """In ``view``: the model folder as transformers reads it, its blocks' tensors left where they are. The
     tensors outside the blocks (embeddings, final norm, heads: read whole at the load) copied into one small
     file; each weight file holding blocks linked under its name, and the index naming, for each block tensor,
@@ -206,13 +206,12 @@ def _client_view(model_dir: str, blocks: str, num_blocks: int, view: str) -> Non
 
     from dist_eval.atomic import atomic_write
 
-    files = _tensor_files(model_dir)
     client, weight_map = {}, {}
     for name, file in sorted(files.items()):
-        index = name[len(blocks) + 1:].split(".", 1)[0] if name.startswith(blocks + ".") else ""
-        if index.isdigit() and int(index) >= num_blocks:
-            continue
         if name.startswith(blocks + "."):
+            index = name[len(blocks) + 1:].split(".", 1)[0]
+            if index.isdigit() and int(index) >= num_blocks:
+                continue
             link = os.path.join(view, "blocks-" + os.path.basename(file))
             if not os.path.lexists(link):
                 os.symlink(os.path.realpath(file), link)
@@ -253,7 +252,7 @@ def _whole_where_children_are_read(hf_model, family: Family) -> None:
                                  tied_params_map=first.tied_params_map)
 
 
-def _read_resident_buffers(hf_model, family: Family, model_dir: str, when_each_runs: bool = False) -> None:
+def _read_resident_buffers(hf_model, family: Family, files: dict, when_each_runs: bool = False) -> None:
     """The blocks' persistent buffers saved with the weights (a router's correction bias, a table of experts by
     token id, a float32 weight kept as a buffer) read from the model's files into the model: the offload keeps a
     block's buffers in memory, and the load under it leaves them as the model's init made them, where the model
@@ -262,7 +261,6 @@ def _read_resident_buffers(hf_model, family: Family, model_dir: str, when_each_r
     keeps it. ``when_each_runs`` (a hub snapshot whose blocks' shards are fetched as they first run): each block's
     read before its first forward, after its shards' fetch. Small: a few numbers per expert, or one table.
     """
-    files = _tensor_files(model_dir)
     for index, block in enumerate(family.get(hf_model, family.blocks)):
         prefix = f"{family.blocks}.{index}."
         saved = [(module, leaf, buffer.dtype, prefix + name)
