@@ -1163,7 +1163,7 @@ def test_a_head_read_after_the_load_is_not_said_newly_initialized(reference5):
 
 # the families whose local backend runs on transformers 5.x already (issue 71: the others not yet; the note of the
 # change names what each still lacks there)
-ON_CURRENT_STACK = ("bloom", "falcon", "mistral", "qwen2")
+ON_CURRENT_STACK = ("bloom", "falcon", "llama3", "mistral", "qwen2")
 
 
 def test_the_local_backend_on_transformers_5_computes_its_reference(reference5):
@@ -1172,7 +1172,10 @@ def test_the_local_backend_on_transformers_5_computes_its_reference(reference5):
     each family of ON_CURRENT_STACK with its trained head gives 5.x's own logits within TOLERANCE (before:
     building the family classes raised, 5.x naming mistral itself); the tokenizing fast path gives the ids of the
     tokenizer's own call on the reference corpus (5.x has no batch_encode_plus: the check of what a tokenizer
-    class overrides raised)."""
+    class overrides raised); and the config class dist_eval builds for each family on 5.x's base config reads the
+    RoPE fields of config.json (rope_theta, partial_rotary_factor, the llama3 and yarn settings) as the blocks read
+    them on 4.33, every family (before: 5.x makes each config subclass a dataclass with an __init__ of its own, so
+    the options were never applied: no rope_theta, no yarn, and a partial_rotary_factor that read as 1.0)."""
     out, _ = reference5
     venv = os.environ.get("DIST_EVAL_REFERENCE5_VENV", os.path.join(REPO, ".venv-reference5"))
     proc = subprocess.run([os.path.join(venv, "bin", "python"), os.path.join(REPO, "tests", "reference",
@@ -1184,6 +1187,9 @@ def test_the_local_backend_on_transformers_5_computes_its_reference(reference5):
     for kind in ON_CURRENT_STACK:
         assert isinstance(found[kind], float) and found[kind] < TOLERANCE, (kind, found[kind])
     assert found["token_ids_equal"] is True
+    misread = found["rope_fields_misread"]
+    assert len(misread) >= 15 and "deepseek_v3" in misread and "llama3" in misread, sorted(misread)
+    assert {kind: fields for kind, fields in misread.items() if fields} == {}
 
 
 def test_deepseek_v4_settings_each_matter(reference5):

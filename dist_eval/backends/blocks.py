@@ -37,6 +37,7 @@ hook does.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import importlib
 import threading
@@ -90,21 +91,75 @@ def pinned_rope_scaling(rope_scaling: Optional[dict]) -> tuple:
     return rope_scaling, None  # the pinned class refuses it, as before (family_of refuses it first)
 
 
+# the blocks whose RoPE computes yarn itself (the latent attention's, gpt-oss's, DeepSeek-V4's): rope_yarn
+YARN_BLOCK_OPTIONS = ("latent_attention", "sink_attention", "hyper_connections")
+
+
 def _config_init(original):
     @functools.wraps(original)
     def __init__(self, *args, rope_scaling=None, rope_llama3=None, rope_yarn=None, **kwargs):
         from dist_eval.backends.families import rope_type
 
         yarn = None
-        yarn_blocks = any(getattr(self, option, False) for option in ("latent_attention", "sink_attention",
-                                                                       "hyper_connections"))
-        if yarn_blocks and rope_type(rope_scaling) == "yarn":  # the latent attention's, gpt-oss's, DeepSeek-V4's
+        if _yarn_blocks(self) and rope_type(rope_scaling) == "yarn":
             yarn, rope_scaling = dict(rope_scaling), None
         pinned, llama3 = pinned_rope_scaling(rope_scaling)
+        if llama3 and configs_are_dataclasses():  # transformers >= 5.0 computes llama3 in its base model
+            pinned = rope_scaling
         original(self, *args, rope_scaling=pinned, **kwargs)
         self.rope_llama3 = llama3 or rope_llama3  # also when a config saved here is read back
         self.rope_yarn = yarn or rope_yarn
+        rope_fields_from_parameters(self)
     return __init__
+
+
+@functools.cache
+def configs_are_dataclasses() -> bool:
+    """Whether transformers' configs are dataclasses (>= 5.0: the RoPE fields in ``rope_parameters``, an
+    ``__init__`` of its own for each subclass). Not the config at hand: petals' are dataclasses on any transformers.
+    """
+    from transformers import PretrainedConfig
+
+    return dataclasses.is_dataclass(PretrainedConfig)
+
+
+def _yarn_blocks(config) -> bool:
+    return any(getattr(config, option, False) for option in YARN_BLOCK_OPTIONS)
+
+
+# what transformers 5.x's config classes move into ``rope_parameters``, read by the blocks here where 4.x keeps
+# them: a partial_rotary_factor looked for on the config and not found reads as 1.0 (every value of a head
+# rotated, no word), a rope_theta as an AttributeError
+MOVED_INTO_ROPE_PARAMETERS = ("rope_theta", "partial_rotary_factor")
+
+
+def rope_fields_from_parameters(config) -> None:
+    """The RoPE fields the blocks here read (``rope_theta``, ``partial_rotary_factor``, ``rope_llama3``,
+    ``rope_yarn``: 4.x's places), set from ``config.rope_parameters``, where transformers >= 5.0 keeps them all;
+    nothing on an older transformers (no ``rope_parameters``) or where a field is set already.
+    """
+    parameters = getattr(config, "rope_parameters", None)
+    if not isinstance(parameters, dict):
+        return
+    for name in MOVED_INTO_ROPE_PARAMETERS:
+        if name in parameters and name not in vars(config):
+            setattr(config, name, parameters[name])
+    kind = parameters.get("rope_type")
+    if kind == "llama3" and not getattr(config, "rope_llama3", None):
+        config.rope_llama3 = {key: parameters[key] for key in LLAMA3_KEYS}
+    if kind == "yarn" and _yarn_blocks(config) and not getattr(config, "rope_yarn", None):
+        config.rope_yarn = {key: value for key, value in parameters.items() if key not in MOVED_INTO_ROPE_PARAMETERS}
+
+
+def _subclass_post_init(base_config):
+    """The ``__post_init__`` of a config subclass built on ``base_config`` (transformers >= 5.0): the base's, then
+    the RoPE fields from ``rope_parameters``. Such a transformers makes each config subclass a dataclass with an
+    ``__init__`` of its own, so the base's ``__init__`` with the options (:func:`_config_init`) does not run for it.
+    """
+    def __post_init__(self, **kwargs):
+        base_config.__post_init__(self, **kwargs)
+        rope_fields_from_parameters(self)
+    return __post_init__
 
 
 def _attention_init(original):
@@ -185,8 +240,11 @@ def _build_transformers_classes(family) -> None:
     if family.model_type in _classes:
         return
     base = _base(family)
-    config = type(_config_name(family), (class_at(base.config_class),),
-                  {"model_type": family.model_type, **dict(family.block_options)})
+    base_config = class_at(base.config_class)
+    body = {"model_type": family.model_type, **dict(family.block_options)}
+    if configs_are_dataclasses():
+        body["__post_init__"] = _subclass_post_init(base_config)
+    config = type(_config_name(family), (base_config,), body)
     _classes[family.model_type] = config
     # a later transformers has the family itself (mistral since 4.34): its Auto classes stay its own (they refuse
     # a second of the name), and ours are reached by name (family_class), as everywhere in dist_eval

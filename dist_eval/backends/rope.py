@@ -32,7 +32,13 @@ def llama3_inv_freq(inv_freq, rope: dict):
 def rescale_rope(attention, config) -> None:
     """The ``llama3`` rotary frequencies for an attention module of ``config``, when it asks for them."""
     rope = getattr(config, "rope_llama3", None)
-    if rope:
+    if rope and not hasattr(attention, "rotary_emb"):
+        # transformers >= 5.0: the table is the model's, computed from rope_parameters, which keep llama3
+        if (getattr(config, "rope_parameters", None) or {}).get("rope_type") != "llama3":
+            raise RuntimeError(f"{type(attention).__name__} has no rotary table of its own and {type(config).__name__}"
+                               f"'s rope_parameters {config.rope_parameters} are not llama3's: the llama3 "
+                               "frequencies would be lost")
+    elif rope:
         rotary = attention.rotary_emb
         rotary.inv_freq = llama3_inv_freq(rotary.inv_freq, rope)
         rotary._set_cos_sin_cache(min(_ROPE_CACHE_POSITIONS, rotary.max_seq_len_cached), rotary.inv_freq.device,

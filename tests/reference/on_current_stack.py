@@ -46,7 +46,36 @@ def main(repo: str, out: str, kinds: list) -> dict:
     tokenizer = load_tokenizer(os.path.join(out, case["folder"]))
     texts = ref["corpus"]
     found["token_ids_equal"] = _token_ids(tokenizer, texts, None, frozenset()) == tokenizer(texts)["input_ids"]
+    misread = {kind: _rope_fields_misread(os.path.join(out, ref["cases"][kind]["folder"])) for kind in ref["cases"]}
+    found["rope_fields_misread"] = {kind: fields for kind, fields in misread.items() if fields is not None}
     return found
+
+
+def _rope_fields_misread(folder: str):
+    """The RoPE fields of the family's config class as dist_eval builds it on this transformers (on another
+    family's, or the base family's with the options) that differ from config.json as the blocks read it on the
+    pinned stack (:func:`read_config_json`: the 4.x form); also for families whose blocks do not run on 5.x yet.
+    None for a family whose config class is transformers' own."""
+    from dist_eval.backends.blocks import LLAMA3_KEYS, family_class
+    from dist_eval.backends.config_json import family_of_folder, read_config_json
+
+    family = family_of_folder(folder)
+    if not (family.built_on or family.attention_class):
+        return None
+    try:
+        config = family_class(family.local_class, in_petals=False).config_class.from_pretrained(folder)
+        saved = read_config_json(folder)
+    except Exception as e:  # noqa: BLE001 - named, family by family
+        return [f"{type(e).__name__}: {str(e)[:200]}"]
+    scaling = saved.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    expected = {"rope_theta": saved.get("rope_theta"), "partial_rotary_factor": saved.get("partial_rotary_factor", 1.0),
+                "rope_llama3": {key: scaling[key] for key in LLAMA3_KEYS} if kind == "llama3" else None,
+                "rope_yarn": scaling if kind == "yarn" else None}
+    defaults = {"partial_rotary_factor": 1.0}
+    found = {name: getattr(config, name, defaults.get(name)) for name in expected}
+    return [f"{name}: {found[name]!r}, config.json {value!r}" for name, value in expected.items()
+            if found[name] != value]
 
 
 if __name__ == "__main__":
