@@ -1114,6 +1114,42 @@ def test_blocks_streamed_from_disk_equal_the_model_loaded_whole_bitwise(request,
 
 
 
+def test_an_moe_family_streamed_by_hub_id_reads_each_blocks_saved_biases_after_its_fetch(reference5, tmp_path,
+                                                                                        monkeypatch):
+    """--stream-blocks by hub id (a fake hub on loopback serving the folder with a shard per block) of MiniMax-M2,
+    whose routers' correction biases are saved buffers the blocks read from the files: the load fetches no block's
+    shard, the forward fetches each in the forward's order, once; the logits equal the folder's loaded whole, bit
+    for bit (before 9ed6bf2: FileNotFoundError at the load, the biases read from shards not fetched yet)."""
+    from conftest import split_into_shards
+    from fake_hub import fake_hub
+    from huggingface_hub import constants
+
+    from dist_eval.backends import load_model
+
+    out, ref = reference5
+    case = ref["cases"]["minimax_m2"]
+    trainable = trained(reference5, "minimax_m2", "head")
+    sharded = split_into_shards(str(out / case["folder"]), str(tmp_path / "sharded"))
+    blocks = sorted(name for name in os.listdir(sharded) if name.startswith("model-blocks-"))
+    assert len(blocks) >= 2, blocks
+    batch = padded_batch(case)
+    with torch.no_grad():
+        whole = load_model("local", sharded, **trainable).module(batch)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))  # the user's cache untouched
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with fake_hub({"tiny-org/minimax-m2-streamed": sharded}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        streamed = load_model("local", "tiny-org/minimax-m2-streamed", stream_blocks=True, **trainable)
+        at_load = hub.files("GET")
+        assert not set(at_load) & set(blocks), at_load
+        with torch.no_grad():
+            first = streamed.module(batch)
+            second = streamed.module(batch)
+        assert hub.files("GET")[len(at_load):] == blocks  # in the forward's order (0, 1, ...), each once
+    assert_same_bits(first, whole, "minimax_m2 streamed by hub id against the folder loaded whole")
+    assert_same_bits(second, whole, "the second forward's logits")
+
+
 def test_a_head_read_after_the_load_is_not_said_newly_initialized(reference5):
     """load_model from Python (the caller's logging as it is, transformers' at its default WARNING): a folder whose
     family has no sequence classifier, its head given apart (--head), loaded whole and streamed, says nothing of
