@@ -53,9 +53,8 @@ def atomic_create(path: str, content: Content, *, binary: bool = False) -> str:
 def _published(path: str, content: Content, binary: bool, publish: Callable[[str, str], None]) -> str:
     """``content`` written whole to a new temporary file beside ``path``, then ``publish(tmp, path)``."""
     binary = binary or isinstance(content, bytes)
-    folder, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{name}.tmp{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, _CREATE, 0o600)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = scratch_beside(path, "tmp")
     try:
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
             if callable(content):
@@ -72,6 +71,16 @@ def _published(path: str, content: Content, binary: bool, publish: Callable[[str
         raise
     fsync_folder(folder)
     return path
+
+
+def scratch_beside(path: str, kind: str) -> tuple:
+    """(a file descriptor open for reading and writing, its name): a new hidden file beside ``path``
+    (``.NAME.KIND<pid>-<random>``), created exclusively (nothing planted under any name is followed) and readable
+    by this user only. The caller removes it.
+    """
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.{kind}{os.getpid()}-{secrets.token_hex(4)}")
+    return os.open(tmp, (_CREATE & ~os.O_WRONLY) | os.O_RDWR, 0o600), tmp
 
 
 def umask() -> int:

@@ -37,6 +37,10 @@ DEFAULT_ROWS: Dict[str, int] = {
     "known": 4096,
     # output.files: predictions.jsonl lines made and written at once (and --save-text cells read at once)
     "lines": 16384,
+    # output: from this many rows on, rank 0's report writes half of predictions.jsonl's lines and draws the
+    # figures in forked children beside it (dist_eval.aside), on cores the other ranks leave idle; below, the
+    # forks would cost more than they save (the result is the same bytes either way)
+    "aside": 131072,
     # merge: row indices merged at once on rank 0 (stream_to_main), rows put in order at once (merge_parts)
     "merge": 65536,
     # scoring: rows whose probabilities are computed at once (above it, into a mapped file)

@@ -124,6 +124,9 @@ NOT_THROUGH_ATOMIC = {
     ("backends/petals_folder.py", "_write_converted"): "into a temporary folder renamed into place whole (the "
                                                         "converted copy of a model folder)",
     ("results.py", "mapped_array"): "a map of an anonymous temporary file, unlinked as it is made: no name",
+    ("output/files.py", "write_second_half"): "a forked child's half of predictions.jsonl, into a hidden scratch "
+                                              "file made by atomic.scratch_beside, copied into the atomic write's "
+                                              "file and removed",
 }
 
 

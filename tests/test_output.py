@@ -279,6 +279,28 @@ def test_a_figure_that_fails_costs_only_the_figure(one_process_result, tmp_path,
     )
 
 
+def test_the_figures_drawn_aside_are_the_figures_drawn_here(one_process_result, tmp_path):
+    """Issue 74: the report's figures drawn in a forked child (figures_aside at a set of aside's size) are the bytes
+    drawn in this process, and the report files written from them too."""
+    from dist_eval.chunks import chunk_rows
+    from dist_eval.output.files import draw_figures, write_report_files
+    from dist_eval.output.report import figures_aside
+
+    metrics = one_process_result.metrics
+    here = draw_figures(metrics)
+    assert isinstance(here["confusion_matrix.png"], bytes) and isinstance(here.get("reliability_diagram.png"), bytes)
+    with figures_aside(metrics, chunk_rows("aside")) as figures:
+        assert figures.child is not None
+        drawn = figures.drawn()
+    assert drawn == here
+    assert figures.child.pid is None  # reaped
+    for name, figures in (("here", None), ("aside", drawn)):
+        (tmp_path / name).mkdir()
+        write_report_files(str(tmp_path / name), metrics, drawn=figures)
+    for name in sorted(path.name for path in (tmp_path / "here").iterdir()):
+        assert (tmp_path / "aside" / name).read_bytes() == (tmp_path / "here" / name).read_bytes(), name
+
+
 def _predictions_by_json_dumps(merged, label_names, save_logits, texts):
     """The reference: a dict per row, json.dumps'd (what write_predictions wrote before it
     built its lines a column at a time)."""

@@ -206,7 +206,7 @@ LAYERS = (
     ("errors",),  # how every failure is said
     ("chunks",),  # the bounded-memory code's chunk sizes (DIST_EVAL_CHUNK_ROWS)
     ("atomic", "procs", "watchdog", "plan", "metrics", "launcher", "rendezvous", "loop_facts",
-     "results"),  # foundations
+     "results", "aside"),  # foundations
     ("ranks", "intervals", "sequential", "power"),  # the collectives; the statistics under the metrics
     ("data", "backends"),  # the rows; the model (its table, loaders, backends, provenance)
     ("swarm", "predict", "progress", "resume", "paired", "clusters", "config", "demo"),  # servers; the forward

@@ -8,6 +8,7 @@ its context (the flags, the job, the clock, the swarm, the model: read here, nev
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import time
@@ -230,13 +231,15 @@ def write_report(config: EvalConfig, out: str, result, say, texts: Optional[dict
     from dist_eval.output.tracking import log_to_tracker
 
     metrics = result.metrics
-    predictions = write_predictions(out, result.predictions, metrics.get("label_names"), config.save_logits, texts)
-    metrics.setdefault("run", {}).pop("receipt", None)
-    made = receipt(predictions) if receipt is not None else None
-    if made is not None:  # written once: the shutdown's rewrite of metrics.json keeps it as it is
-        metrics["run"]["receipt"] = made
-    path = write_metrics(out, metrics)
-    files = write_report_files(out, metrics)
+    with figures_aside(metrics, len(result.predictions.indices)) as figures:
+        predictions = write_predictions(out, result.predictions, metrics.get("label_names"), config.save_logits,
+                                        texts)
+        metrics.setdefault("run", {}).pop("receipt", None)
+        made = receipt(predictions) if receipt is not None else None
+        if made is not None:  # written once: the shutdown's rewrite of metrics.json keeps it as it is
+            metrics["run"]["receipt"] = made
+        path = write_metrics(out, metrics)
+        files = write_report_files(out, metrics, drawn=figures.drawn())
     report = ReportFacts.of(metrics)  # read once: the summary and the tracker say the same
     if config.quiet:
         stop = report.stop
@@ -253,3 +256,46 @@ def write_report(config: EvalConfig, out: str, result, say, texts: Optional[dict
     where = log_to_tracker(config.report_to, report, out, png if png in files else None)
     if where:
         say(f"  logged to {config.report_to}: {where}", flush=True)
+
+
+# seconds the report waits for its figures from the child before it draws them itself (a child stuck, e.g. on
+# a lock a thread of the parent held at the fork, is killed)
+FIGURES_TIMEOUT = 120.0
+
+
+class _Figures:
+    """The report's figures, drawn in a forked child beside rank 0 (:class:`dist_eval.aside.Aside`) or not yet."""
+
+    def __init__(self, child):
+        self.child = child
+
+    def drawn(self) -> Optional[dict]:
+        """:func:`dist_eval.output.files.draw_figures`' result from the child; None: to be drawn here (no child, or
+        a child that gave none: the same figures either way).
+        """
+        from dist_eval.aside import AsideFailed
+
+        if self.child is None:
+            return None
+        try:
+            return self.child.result(timeout=FIGURES_TIMEOUT)
+        except AsideFailed:
+            return None
+
+
+@contextlib.contextmanager
+def figures_aside(metrics: dict, rows: int):
+    """The figures of ``metrics`` drawn in a forked child while rank 0 writes predictions.jsonl, from
+    ``chunk_rows("aside")`` rows on (matplotlib's import and its drawing, on a core the other ranks leave
+    idle); killed and reaped on the way out, whatever happened.
+    """
+    from dist_eval.aside import Aside
+    from dist_eval.chunks import chunk_rows
+    from dist_eval.output.files import draw_figures
+
+    child = Aside(lambda: draw_figures(metrics)) if rows >= chunk_rows("aside") else None
+    try:
+        yield _Figures(child)
+    finally:
+        if child is not None:
+            child.close()

@@ -1,0 +1,118 @@
+"""Work done beside this process, in a forked child (issue 74): rank 0's report of a big set, while the other ranks
+leave their cores idle, draws its figures and writes part of predictions.jsonl in children as it writes the rest.
+
+A child is a fork: it has the parent's data as they were (nothing is sent to it), runs one function and sends
+back its result (picklable) or the error it raised, named, through a pipe. It never returns into the parent's
+code (it ends with ``os._exit``: no atexit handler, no buffered output of the parent's written twice), takes the
+default signal handlers and no wakeup fd of the parent's, and dies with its parent (``PR_SET_PDEATHSIG``, Linux).
+:meth:`Aside.close` kills and reaps it where its result is not wanted any more (an error, an interrupt).
+Whatever goes wrong in it, the parent is told (:class:`AsideFailed`) and does the work itself: an aside changes
+when the work is done, never what it gives.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import time
+from typing import Any, Callable, Optional
+
+# the signals whose handlers the parent may have set (dist_eval's interrupt handling): the default in a child
+_HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_PR_SET_PDEATHSIG = 1
+
+
+class AsideFailed(Exception):
+    """The child gave no result: the error it raised (named), its death, or no result within the time."""
+
+
+class Aside:
+    """``work()`` run in a forked child from now on; :meth:`result` waits for what it returned."""
+
+    def __init__(self, work: Callable[[], Any]):
+        parent = os.getpid()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            _run_child(work, read, write, parent)  # never returns
+        os.close(write)
+        self.pid: Optional[int] = pid
+        self._read = read
+
+    def result(self, timeout: float = 600.0) -> Any:
+        """What ``work()`` returned in the child; :class:`AsideFailed` if it raised (its type and message), died,
+        or gave nothing within ``timeout`` seconds. The child is reaped either way.
+        """
+        try:
+            data = self._read_all(time.monotonic() + timeout)
+        finally:
+            self.close()
+        try:
+            status, value = pickle.loads(data)
+        except Exception as e:  # a child killed mid-message, or dead before it wrote one
+            raise AsideFailed(f"the child gave no result ({len(data)} bytes read: {type(e).__name__})") from None
+        if status != "ok":
+            raise AsideFailed(value)
+        return value
+
+    def close(self) -> None:
+        """Kill the child if it still runs, and reap it. Idempotent."""
+        if self.pid is None:
+            return
+        pid, self.pid = self.pid, None
+        try:
+            os.kill(pid, signal.SIGKILL)  # a child that ended is a zombie until reaped: the pid is still its
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+        os.close(self._read)
+
+    def _read_all(self, deadline: float) -> bytes:
+        chunks = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._read], [], [], left)[0]:
+                raise AsideFailed("no result in time")
+            chunk = os.read(self._read, 1 << 20)
+            if not chunk:  # the child's end closed: it exited
+                return b"".join(chunks)
+            chunks.append(chunk)
+
+    def __enter__(self) -> Aside:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _run_child(work: Callable[[], Any], read: int, write: int, parent: int) -> None:
+    code = 1
+    try:
+        os.close(read)
+        signal.set_wakeup_fd(-1)  # the parent's wakeup pipe would be told of the child's signals
+        for sig in _HANDLED:
+            signal.signal(sig, signal.SIG_DFL)
+        _die_with(parent)
+        try:
+            message = ("ok", work())
+        except BaseException as e:  # noqa: BLE001 - named to the parent, which does the work itself
+            message = ("error", f"{type(e).__name__}: {e}")
+        view = memoryview(pickle.dumps(message))
+        while view:
+            view = view[os.write(write, view):]
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def _die_with(parent: int) -> None:
+    """Be killed when the parent dies (Linux; elsewhere the parent's close, or the run's cleanup, ends it)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the prctl took
+        os._exit(1)
