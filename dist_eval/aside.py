@@ -31,11 +31,25 @@ class Aside:
     """``work()`` run in a forked child from now on; :meth:`result` waits for what it returned."""
 
     def __init__(self, work: Callable[[], Any]):
+        """:class:`AsideFailed` where no child can be started (no pipe, no fork: out of memory or processes)."""
         parent = os.getpid()
-        read, write = os.pipe()
-        pid = os.fork()
+        try:
+            read, write = os.pipe()
+        except OSError as e:
+            raise AsideFailed(f"no pipe for a child: {e}") from None
+        # the handled signals held until the child has the default handlers: one that came between the fork and
+        # their reset would run the parent's handler in the child (an interrupt unwinding the parent's stack there)
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED)
+        try:
+            pid = os.fork()
+        except OSError as e:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            os.close(read)
+            os.close(write)
+            raise AsideFailed(f"no child started: {e}") from None
         if pid == 0:
-            _run_child(work, read, write, parent)  # never returns
+            _run_child(work, read, write, parent, held)  # never returns
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         os.close(write)
         self.pid: Optional[int] = pid
         self._read = read
@@ -57,22 +71,26 @@ class Aside:
         return value
 
     def close(self) -> None:
-        """Kill the child if it still runs, and reap it. Idempotent."""
+        """Kill the child if it still runs, and reap it. Idempotent (also after an interrupt inside it)."""
         if self.pid is None:
             return
-        pid, self.pid = self.pid, None
         try:
-            os.kill(pid, signal.SIGKILL)  # a child that ended is a zombie until reaped: the pid is still its
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
-        os.close(self._read)
+            try:
+                os.kill(self.pid, signal.SIGKILL)  # a child that ended is a zombie until reaped: the pid is its
+            except ProcessLookupError:
+                pass
+            os.waitpid(self.pid, 0)
+            self.pid = None
+        finally:
+            if self._read is not None and self.pid is None:
+                os.close(self._read)
+                self._read = None
 
     def _read_all(self, deadline: float) -> bytes:
         chunks = []
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._read], [], [], left)[0]:
+            if left <= 0 or not _readable(self._read, left):
                 raise AsideFailed("no result in time")
             chunk = os.read(self._read, 1 << 20)
             if not chunk:  # the child's end closed: it exited
@@ -86,13 +104,20 @@ class Aside:
         self.close()
 
 
-def _run_child(work: Callable[[], Any], read: int, write: int, parent: int) -> None:
+def _readable(fd: int, seconds: float) -> bool:
+    poller = select.poll()  # not select(): a rank's descriptors may be numbered past 1024
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(seconds * 1000))
+
+
+def _run_child(work: Callable[[], Any], read: int, write: int, parent: int, held) -> None:
     code = 1
     try:
         os.close(read)
         signal.set_wakeup_fd(-1)  # the parent's wakeup pipe would be told of the child's signals
         for sig in _HANDLED:
             signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         _die_with(parent)
         try:
             message = ("ok", work())

@@ -39,17 +39,37 @@ def gone(pid: int) -> bool:
 
 
 def test_the_result_or_the_named_error_of_the_work_and_no_child_left():
-    children = my_children()
-    assert Aside(lambda: {"png": b"\x89PNG" * 50_000}).result() == {"png": b"\x89PNG" * 50_000}  # > a pipe's buffer
+    children, started = set(my_children()), []
+
+    def aside(work):
+        child = Aside(work)
+        started.append(child.pid)
+        return child
+
+    assert aside(lambda: {"png": b"\x89PNG" * 50_000}).result() == {"png": b"\x89PNG" * 50_000}  # > a pipe's buffer
     with pytest.raises(AsideFailed, match=r"^ZeroDivisionError: division by zero$"):
-        Aside(lambda: 1 / 0).result()
+        aside(lambda: 1 / 0).result()
     with pytest.raises(AsideFailed, match=r"^the child gave no result \(0 bytes read"):
-        Aside(lambda: os._exit(3)).result()
+        aside(lambda: os._exit(3)).result()
     began = time.monotonic()
     with pytest.raises(AsideFailed, match=r"^no result in time$"):
-        Aside(lambda: time.sleep(60)).result(timeout=0.5)  # killed and reaped, not waited for
+        aside(lambda: time.sleep(60)).result(timeout=0.5)  # killed and reaped, not waited for
     assert time.monotonic() - began < 10
-    assert my_children() == children
+    assert all(gone(pid) for pid in started) and set(my_children()) <= children
+
+
+def test_no_child_to_be_had_is_said_and_leaves_no_descriptor(monkeypatch):
+    """A fork refused (EAGAIN: a cgroup's process limit; ENOMEM): AsideFailed, the pipe's two ends closed."""
+    import errno
+
+    def refused():
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", refused)
+    descriptors = sorted(os.listdir("/proc/self/fd"))
+    with pytest.raises(AsideFailed, match=r"^no child started: \[Errno 11\]"):
+        Aside(lambda: 1)
+    assert sorted(os.listdir("/proc/self/fd")) == descriptors
 
 
 def test_a_child_dies_with_its_parent():
@@ -77,11 +97,14 @@ def test_a_child_dies_with_its_parent():
         proc.wait()
 
 
-@pytest.mark.parametrize("child", ["works", "fails"])
+@pytest.mark.parametrize("child", ["works", "dies at once", "dies after its work", "is not to be had"])
 def test_predictions_jsonl_written_in_two_processes_is_the_same_bytes(tmp_path, monkeypatch, child):
     """5,000 rows (logits saved, a non-finite loss), lines made 700 at a time: written with the second half in a
-    forked child (the aside from 1 row on) equals the file written in one process; a child that fails (killed
-    before it wrote anything) leaves its rows to the parent, the same bytes. No scratch file, no child left."""
+    forked child (the aside from 1 row on) equals the file written in one process, the child's half copied in
+    once; a child that dies before its work, or after it but before its result (its scratch file whole: never
+    read), or none to be had (no fork), leaves its rows to the parent: the same bytes. No scratch file left."""
+    import shutil
+
     import dist_eval.aside
     from dist_eval.output.files import write_predictions
 
@@ -90,11 +113,18 @@ def test_predictions_jsonl_written_in_two_processes_is_the_same_bytes(tmp_path, 
     (tmp_path / "two").mkdir()
     monkeypatch.setenv("DIST_EVAL_CHUNK_ROWS", "lines=700,aside=100000000")
     one = write_predictions(str(tmp_path / "one"), merged, NAMES, True)
-    if child == "fails":  # the forked child ends at once, before its work
+    if child == "dies at once":
         monkeypatch.setattr(dist_eval.aside, "_run_child", lambda *args: os._exit(1))
+    elif child == "dies after its work":
+        monkeypatch.setattr(dist_eval.aside, "_run_child", lambda work, *args: (work(), os._exit(1)))
+    elif child == "is not to be had":
+        monkeypatch.setattr(os, "fork", lambda: (_ for _ in ()).throw(OSError(12, "Cannot allocate memory")))
+    copied, copy = [], shutil.copyfileobj
+    monkeypatch.setattr(shutil, "copyfileobj", lambda *args: copied.append(copy(*args)))
     monkeypatch.setenv("DIST_EVAL_CHUNK_ROWS", "lines=700,aside=1")
-    children = my_children()
+    children = set(my_children())
     two = write_predictions(str(tmp_path / "two"), merged, NAMES, True)
     assert open(two, "rb").read() == open(one, "rb").read()
+    assert len(copied) == (child == "works")
     assert sorted(os.listdir(tmp_path / "two")) == ["predictions.jsonl"]
-    assert my_children() == children
+    assert set(my_children()) <= children

@@ -66,26 +66,6 @@ def confusion_matrix_png(cm, class_names: Sequence[str], title: str = "") -> Opt
     return buffer.getvalue()
 
 
-def reliability_diagram_png(probs, labels, bins: int = 15, title: str = "", path=None) -> bytes | None:
-    """The reliability diagram of probabilities (rows x classes) and labels: accuracy
-    against mean top-class probability per equal-width confidence bin (bins as
-    :func:`dist_eval.metrics.calibration_bins`), the diagonal of perfect calibration, the
-    gap shaded, the ECE in the title, and the share of rows per bin below. PNG bytes
-    (also written to ``path`` when given), or None when matplotlib is not installed.
-    """
-    from dist_eval.metrics import expected_calibration_error, reliability_table
-
-    table = reliability_table(probs, labels, bins)  # validates the input before any import
-    total = int(table["count"].sum())
-    ece = expected_calibration_error(probs, labels, bins) if total else float("nan")
-    data = reliability_table_png(table, ece, title)
-    if data is not None and path is not None:
-        from dist_eval.atomic import atomic_write
-
-        atomic_write(path, data)
-    return data
-
-
 def reliability_table_png(table: dict, ece: float, title: str = "") -> bytes | None:
     """The reliability diagram of a :func:`dist_eval.metrics.reliability_table` (arrays or
     the lists metrics.json holds under ``reliability``); None without matplotlib.

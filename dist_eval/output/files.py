@@ -231,12 +231,17 @@ def _second_half_aside(f, path: str, write_rows: Callable, rows: int) -> None:
             with os.fdopen(os.dup(fd), "w", encoding="utf-8") as t:
                 write_rows(t, half, rows)
 
-        with Aside(write_second_half) as child:
+        try:
+            child = Aside(write_second_half)
+        except AsideFailed:  # no child to be had (out of memory or processes): every row here
+            write_rows(f, 0, rows)
+            return
+        with child:
             began = time.monotonic()
             write_rows(f, 0, half)
             try:  # the same work as this process's half: a child far slower than that is stuck (killed)
                 child.result(timeout=max(60.0, 4 * (time.monotonic() - began)))
-            except AsideFailed:
+            except AsideFailed:  # what it wrote, whole or not, is never read
                 write_rows(f, half, rows)
                 return
         f.flush()
