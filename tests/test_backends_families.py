@@ -294,3 +294,36 @@ def test_sparse_attention_keeps_the_earliest_of_keys_tied_at_index_topk_whatever
         choices.append(sorted(padded.topk(4).indices[0].tolist()))
     assert len({tuple(choice) for choice in choices}) > 1  # torch's topk: the padding changes the tied key kept
     assert torch.nonzero(kept_keys(scores, 8)[0]).flatten().tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("scaling", [None, {"type": "linear", "factor": 3.0}, {"type": "dynamic", "factor": 3.0},
+                                     "llama3"])
+def test_the_rotary_table_of_dist_evals_own_layers_is_the_pinned_attentions_bit_for_bit(scaling):
+    """Issue 71: dist_eval's own attentions read their RoPE from rope.RotaryTable (no module, no buffer: built at the
+    first forward, so that transformers 5.x, which builds modules on the meta device, has one too), which must be the
+    pinned LlamaAttention's table (``_init_rope``, llama3's frequencies by ``rescale_rope``) bit for bit: rows within
+    the table and longer ones (the table grown; a dynamic table's base then from the longest row, kept for shorter
+    ones after), in float32 and bfloat16."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from dist_eval.backends.rope import RotaryTable, rescale_rope
+
+    llama3 = scaling == "llama3"
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=500000.0,
+                         max_position_embeddings=4608 if llama3 else 48, rope_scaling=None if llama3 else scaling)
+    if llama3:
+        config.rope_llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 64}
+    pinned = LlamaAttention(config)
+    pinned.head_dim = 12  # a partial rotary dimension (e.g. MiniMax-M2's): a table whose size no vector divides
+    pinned._init_rope()
+    rescale_rope(pinned, config)
+    table = RotaryTable(config, 12)
+    within, longer = (4096, 5000) if llama3 else (48, 70)
+    for seq_len, dtype in [(9, torch.float32), (within, torch.bfloat16), (longer, torch.float32), (30, torch.float32),
+                           (longer + 3, torch.bfloat16)]:
+        value = torch.zeros(1, 4, seq_len, 12, dtype=dtype)
+        expected, found = pinned.rotary_emb(value, seq_len=seq_len), table(value, seq_len)
+        assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(expected, found)), \
+            (scaling, seq_len, dtype)

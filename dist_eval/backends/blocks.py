@@ -37,12 +37,12 @@ hook does.
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import functools
 import importlib
 import threading
 from typing import Dict, Optional
 
+from dist_eval.backends.compat import transformers_5
 from dist_eval.backends.rope import rescale_rope
 
 # what the servers dist_eval starts add to the petals version they announce: they compute the
@@ -104,23 +104,13 @@ def _config_init(original):
         if _yarn_blocks(self) and rope_type(rope_scaling) == "yarn":
             yarn, rope_scaling = dict(rope_scaling), None
         pinned, llama3 = pinned_rope_scaling(rope_scaling)
-        if llama3 and configs_are_dataclasses():  # transformers >= 5.0 computes llama3 in its base model
+        if llama3 and transformers_5():  # transformers >= 5.0 computes llama3 in its base model
             pinned = rope_scaling
         original(self, *args, rope_scaling=pinned, **kwargs)
         self.rope_llama3 = llama3 or rope_llama3  # also when a config saved here is read back
         self.rope_yarn = yarn or rope_yarn
         rope_fields_from_parameters(self)
     return __init__
-
-
-@functools.cache
-def configs_are_dataclasses() -> bool:
-    """Whether transformers' configs are dataclasses (>= 5.0: the RoPE fields in ``rope_parameters``, an
-    ``__init__`` of its own for each subclass). Not the config at hand: petals' are dataclasses on any transformers.
-    """
-    from transformers import PretrainedConfig
-
-    return dataclasses.is_dataclass(PretrainedConfig)
 
 
 def _yarn_blocks(config) -> bool:
@@ -242,7 +232,7 @@ def _build_transformers_classes(family) -> None:
     base = _base(family)
     base_config = class_at(base.config_class)
     body = {"model_type": family.model_type, **dict(family.block_options)}
-    if configs_are_dataclasses():
+    if transformers_5():
         body["__post_init__"] = _subclass_post_init(base_config)
     config = type(_config_name(family), (base_config,), body)
     _classes[family.model_type] = config

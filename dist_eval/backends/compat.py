@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -19,6 +20,20 @@ import warnings
 from dist_eval.backends.patches import apply_client_patches, check_versions
 
 _quieted = False
+
+
+@functools.cache
+def transformers_5() -> bool:
+    """Whether the installed transformers is 5.x or later, whose API dist_eval's families bridge where it differs from
+    the pinned 4.33's: configs are dataclasses (the RoPE fields in ``rope_parameters``, an ``__init__`` of each
+    subclass's own); models build their modules on the meta device; a decoder layer is passed the model's
+    ``position_embeddings`` and its cache as ``past_key_values``, and returns the hidden states alone.
+    """
+    import dataclasses
+
+    from transformers import PretrainedConfig
+
+    return dataclasses.is_dataclass(PretrainedConfig)
 
 
 class PetalsNotInstalledError(ImportError):

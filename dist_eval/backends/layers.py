@@ -101,8 +101,9 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
+from dist_eval.backends.compat import transformers_5
 from dist_eval.backends.families import indexer_types, v4_compress_rate, v4_layer_types, v4_mlp_types, v4_rope_dim
-from dist_eval.backends.rope import llama3_inv_freq, rescale_rope
+from dist_eval.backends.rope import RotaryTable, default_inv_freq, llama3_inv_freq, on_cpu
 
 # the block option ``mixture_of_experts`` of a family whose router is GLM-4.5's, and of Mixtral (its
 # softmax router is Qwen3-MoE's, "softmax"; its tensors have names of their own, every block has it)
@@ -187,16 +188,14 @@ class WholeWidthRMSNorm(LlamaRMSNorm):
 class QkNormAttention(LlamaAttention):
     """Llama's attention with per-head q/k RMSNorms before RoPE and a ``head_dim`` of its own.
 
-    A subclass of the pinned ``LlamaAttention`` for its rotary tables (``_init_rope``) and
-    because petals' server counts the heads of the block's ``config.attn_class`` modules;
-    its ``__init__`` (which derives the head size from hidden/heads) is not called.
+    A subclass of the pinned ``LlamaAttention`` because petals' server counts the heads of the block's
+    ``config.attn_class`` modules; its ``__init__`` (which derives the head size from hidden/heads) is not called.
+    Its rotary table is the pinned one's (:class:`~dist_eval.backends.rope.RotaryTable`) on any transformers.
     """
 
     def __init__(self, config):
         nn.Module.__init__(self)
         self.config = config
-        self.max_position_embeddings = config.max_position_embeddings
-        self.rope_theta = config.rope_theta
         bias = bool(getattr(config, "attention_bias", False))
         inner, kv_inner = grouped_query_projections(self, config, bias,
                                                     bias and getattr(config, "attention_output_bias", True))
@@ -210,12 +209,7 @@ class QkNormAttention(LlamaAttention):
             self.q_norm = self.k_norm = nn.Identity()
         # RoPE on the first rotary_dim values of each head (transformers: int(head_dim * partial_rotary_factor))
         self.rotary_dim = int(self.head_dim * getattr(config, "partial_rotary_factor", 1.0))
-        self.head_dim, head_dim = self.rotary_dim, self.head_dim  # the pinned _init_rope sizes its table by head_dim
-        try:
-            self._init_rope()
-        finally:
-            self.head_dim = head_dim
-        rescale_rope(self, config)
+        self.rotary = RotaryTable(config, self.rotary_dim)
 
     def _queries(self, hidden_states: torch.Tensor) -> tuple:
         """(each head's query [batch, positions, heads, head_dim], the output gate or None)."""
@@ -233,7 +227,7 @@ class QkNormAttention(LlamaAttention):
         value = self.v_proj(hidden_states).view(heads).transpose(1, 2)
 
         past = past_key_value[0].shape[-2] if past_key_value is not None else 0
-        cos, sin = self.rotary_emb(value, seq_len=past + q_len)  # [1, 1, positions, head_dim]
+        cos, sin = self.rotary(value, seq_len=past + q_len)  # [1, 1, positions, rotary_dim]
         if position_ids is None:  # petals' server: the positions after the cached ones
             position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
         cos, sin = cos[0, 0][position_ids].unsqueeze(1), sin[0, 0][position_ids].unsqueeze(1)
@@ -493,6 +487,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+@on_cpu
 def latent_rope(config) -> tuple:
     """(inverse frequencies [qk_rope_head_dim / 2], the factor on cos and sin, the softmax scale) of
     DeepSeek-V3's latent attention: no scaling, or ``yarn`` (config's ``rope_yarn``: transformers
@@ -734,6 +729,13 @@ def uses_rope(config, index: int) -> bool:
     return (index + 1) % getattr(config, "no_rope_layer_interval", 4) != 0
 
 
+@on_cpu
+def llama4_inv_freq(config, dim: int) -> torch.Tensor:
+    """Llama 4's RoPE frequencies over ``dim`` values: at ``rope_theta``, llama3's rescale where config.json says."""
+    inv_freq, llama3 = default_inv_freq(config.rope_theta, dim), getattr(config, "rope_llama3", None)
+    return llama3_inv_freq(inv_freq, llama3) if llama3 else inv_freq
+
+
 class ChunkedAttention(LlamaAttention):
     """Llama 4's attention (the block option ``llama4_attention``): Llama's projections with a
     ``head_dim`` of its own; RoPE (DeepSeek's interleaved pairs, the ``llama3`` frequencies when
@@ -750,10 +752,7 @@ class ChunkedAttention(LlamaAttention):
         self.use_rope = uses_rope(config, index)
         self.l2_norm = self.use_rope and bool(getattr(config, "use_qk_norm", True))
         self.eps = config.rms_norm_eps
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float()
-                                                / self.head_dim))
-        llama3 = getattr(config, "rope_llama3", None)
-        self.rope_inv_freq = llama3_inv_freq(inv_freq, llama3) if llama3 else inv_freq  # float32, not a buffer
+        self.rope_inv_freq = llama4_inv_freq(config, self.head_dim)  # float32, not a buffer
 
     def _l2(self, states: torch.Tensor) -> torch.Tensor:
         x = states.float()
@@ -1943,11 +1942,31 @@ def _dequantize_v4_on_load(block: tuple, state_dict: dict, prefix: str, *args) -
 
 
 class OwnDecoderLayer(LlamaDecoderLayer):
-    """Block ``layer_idx`` of ``--backend local``: the pinned Llama layer's forward, these parts."""
+    """Block ``layer_idx`` of ``--backend local``: these parts, in the pinned Llama layer's order, called as the
+    installed transformers calls a layer (:func:`~dist_eval.backends.compat.transformers_5`: the model's
+    ``position_embeddings`` and cache object are not used, these attentions compute their own RoPE and keep no cache
+    there, and the hidden states alone are returned).
+    """
 
     def __init__(self, config, layer_idx: int):
         nn.Module.__init__(self)
         build_layer_parts(self, config, layer_idx)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_value: Optional[tuple] = None,
+                output_attentions: bool = False, use_cache: bool = False, **kwargs):
+        current = transformers_5()
+        if current:
+            past_key_value, output_attentions, use_cache = None, False, False
+        attended, weights, present = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+            position_ids=position_ids, past_key_value=past_key_value, output_attentions=output_attentions,
+            use_cache=use_cache)
+        hidden_states = hidden_states + attended
+        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        if current:
+            return hidden_states
+        return (hidden_states, *((weights,) if output_attentions else ()), *((present,) if use_cache else ()))
 
 
 def own_layers_init(base: type):
@@ -1957,6 +1976,8 @@ def own_layers_init(base: type):
     """
 
     def __init__(self, config, *args, **kwargs):
+        if transformers_5():  # these attentions add the mask: its additive 4-D form, which sdpa's may leave out
+            config._attn_implementation = "eager"
         count, config.num_hidden_layers = config.num_hidden_layers, 0
         try:
             base.__init__(self, config, *args, **kwargs)

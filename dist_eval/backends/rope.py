@@ -43,3 +43,81 @@ def rescale_rope(attention, config) -> None:
         rotary.inv_freq = llama3_inv_freq(rotary.inv_freq, rope)
         rotary._set_cos_sin_cache(min(_ROPE_CACHE_POSITIONS, rotary.max_seq_len_cached), rotary.inv_freq.device,
                                   rotary.cos_cached.dtype)
+
+
+def on_cpu(function):
+    """``function`` (one computing rotary frequencies at a module's ``__init__``) run with the CPU as torch's default
+    device: transformers >= 5.0 builds a model's modules under the meta device, where a table made there would hold
+    no numbers (the forward moves it to the input's device).
+    """
+    import functools
+
+    @functools.wraps(function)
+    def on_cpu_device(*args, **kwargs):
+        import torch
+
+        with torch.device("cpu"):
+            return function(*args, **kwargs)
+
+    return on_cpu_device
+
+
+@on_cpu
+def default_inv_freq(base: float, dim: int):
+    """RoPE's inverse frequencies over ``dim`` values at ``base`` (float32), as transformers computes them."""
+    import torch
+
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+class RotaryTable:
+    """The cos/sin table of the pinned transformers' base attention (4.33's rotary embedding, its ``linear`` and
+    ``dynamic`` kinds, and the ``llama3`` frequencies of :func:`llama3_inv_freq`), the same bits, on any
+    transformers: an attention of dist_eval's own layers calls it as it called the pinned ``rotary_emb``
+    (``table(value, seq_len)``: cos and sin [1, 1, seq_len, dim] in the value's dtype).
+
+    Not a module and no buffers (transformers >= 5.0 builds modules on the meta device): built at the first forward,
+    on the CPU in float32 at the pinned length (the config's ``max_position_embeddings``, 4,096 at most after a
+    llama3 rescale), grown to a longer row where the row is, as the pinned table is: the pinned computation step for
+    step, so that no vectorized kernel's handling of a table's size can move a last bit. A ``dynamic`` table keeps the
+    pinned one's state: the longest row seen sets its base.
+    """
+
+    def __init__(self, config, dim: int):
+        scaling = getattr(config, "rope_scaling", None) or {}
+        self.kind, self.factor = scaling.get("type"), scaling.get("factor", 1.0)
+        if self.kind not in (None, "linear", "dynamic"):
+            raise ValueError(f"rope_scaling of type {self.kind!r}: the rotary table computes linear and dynamic "
+                             "(and llama3 through rope_llama3)")
+        self.dim, self.base, self.max_positions = dim, config.rope_theta, config.max_position_embeddings
+        self.llama3 = getattr(config, "rope_llama3", None)
+        self.length = min(_ROPE_CACHE_POSITIONS, self.max_positions) if self.llama3 else self.max_positions
+        self._tables = None
+
+    def _build(self, length: int, device, dtype) -> None:
+        import torch
+
+        base = self.base
+        if self.kind == "dynamic" and length > self.max_positions:
+            base = self.base * ((self.factor * length / self.max_positions) - (self.factor - 1)) ** (
+                self.dim / (self.dim - 2))
+        inv_freq = default_inv_freq(base, self.dim).to(device)
+        if self.llama3:
+            inv_freq = llama3_inv_freq(inv_freq, self.llama3)
+        positions = torch.arange(length, device=device, dtype=inv_freq.dtype)
+        if self.kind == "linear":
+            positions = positions / self.factor
+        freqs = torch.einsum("i,j->ij", positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.length, self._tables = length, (emb.cos()[None, None].to(dtype), emb.sin()[None, None].to(dtype))
+
+    def __call__(self, value, seq_len: int) -> tuple:
+        import torch
+
+        if seq_len > self.length:  # the pinned table grows on a longer row, built where the row is
+            self._build(seq_len, value.device, value.dtype)
+        elif self._tables is None:  # the pinned table: made at the module's build, on the CPU
+            self._build(self.length, torch.device("cpu"), torch.get_default_dtype())
+        if self._tables[0].device != value.device:  # moved once, as the module's buffers were
+            self._tables = tuple(table.to(value.device) for table in self._tables)
+        return tuple(table[:, :, :seq_len].to(dtype=value.dtype) for table in self._tables)
