@@ -1197,31 +1197,29 @@ def test_a_head_read_after_the_load_is_not_said_newly_initialized(reference5):
 
 
 
-# the families whose local backend runs on transformers 5.x already (issue 71: the others not yet; the note of the
-# change names what each still lacks there)
-ON_CURRENT_STACK = ("bloom", "deepseek_v3", "deepseek_v32", "falcon", "glm4_moe", "gpt_oss", "llama3", "llama4_text",
-                    "minimax_m2", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen3_next")
-
-
 def test_the_local_backend_on_transformers_5_computes_its_reference(reference5):
     """Issue 71's first steps to a current stack: dist_eval run in the 5.x reference environment (transformers 5.x,
     its tokenizers and hub, none of the pins), by tests/reference/on_current_stack.py: load_model("local", ...) of
-    each family of ON_CURRENT_STACK with its trained head gives 5.x's own logits within TOLERANCE (before:
-    building the family classes raised, 5.x naming mistral itself); the tokenizing fast path gives the ids of the
+    every family the reference saved, with its trained head, gives 5.x's own logits within TOLERANCE (before:
+    building the family classes raised, 5.x naming mistral itself; then dist_eval's own layers had no rotary
+    table there, frequencies made on the meta device, the pinned layer call, and 5.x's own backbones and config
+    classes of the families' names, or none: Kimi K2); the tokenizing fast path gives the ids of the
     tokenizer's own call on the reference corpus (5.x has no batch_encode_plus: the check of what a tokenizer
     class overrides raised); and the config class dist_eval builds for each family on 5.x's base config reads the
     RoPE fields of config.json (rope_theta, partial_rotary_factor, the llama3 and yarn settings) as the blocks read
     them on 4.33, every family (before: 5.x makes each config subclass a dataclass with an __init__ of its own, so
     the options were never applied: no rope_theta, no yarn, and a partial_rotary_factor that read as 1.0)."""
-    out, _ = reference5
+    out, ref = reference5
+    families = sorted(ref["cases"])  # every family the reference saved (21 at the change)
     venv = os.environ.get("DIST_EVAL_REFERENCE5_VENV", os.path.join(REPO, ".venv-reference5"))
     proc = subprocess.run([os.path.join(venv, "bin", "python"), os.path.join(REPO, "tests", "reference",
                                                                                "on_current_stack.py"),
-                           REPO, str(out), *ON_CURRENT_STACK], capture_output=True, text=True, timeout=300,
+                           REPO, str(out), *families], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    for kind in ON_CURRENT_STACK:
+    assert len(families) >= 21
+    for kind in families:
         assert isinstance(found[kind], float) and found[kind] < TOLERANCE, (kind, found[kind])
     assert found["token_ids_equal"] is True
     misread = found["rope_fields_misread"]

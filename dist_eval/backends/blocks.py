@@ -253,6 +253,21 @@ def _build_transformers_classes(family) -> None:
         _classes[name] = type(name, (base_class,), body)
         if not native:
             auto.register(config, _classes[name])
+    if transformers_5() and has_own_layers(family):
+        _register_base_backbone(family, base, config)
+
+
+def _register_base_backbone(family, base, config) -> None:
+    """On transformers >= 5.0 a head class builds its backbone by ``AutoModel.from_config``, which finds a model by
+    the config class's name: 5.x's own model of the family where it has one (another forward, another layer call),
+    none where it has not. A family of dist_eval's own layers takes the base family's backbone, as the pinned head
+    classes build it: registered for its config class.
+    """
+    import transformers
+
+    backbone = getattr(transformers, base.local_class.replace("ForSequenceClassification", "Model"))
+    transformers.AutoModel.register(config, type(_config_name(family).replace("Config", "Model"), (backbone,),
+                                                 {"config_class": config}), exist_ok=True)
 
 
 def _build_petals_classes(family) -> None:

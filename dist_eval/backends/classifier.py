@@ -276,7 +276,7 @@ def swap_checkpoint(model: LoadedModel, checkpoint: Optional[str]) -> None:
 def _read_config(model_dir: str):
     from transformers import AutoConfig
 
-    from dist_eval.backends.blocks import register
+    from dist_eval.backends.blocks import family_class, register
     from dist_eval.backends.config_json import family_of_folder
     from dist_eval.backends.peft_adapter import refuse_as_model
 
@@ -285,9 +285,11 @@ def _read_config(model_dir: str):
         raise UsageError(
             "not a folder. Pass a folder saved with save_pretrained().", param="model_dir", value=model_dir
         )
-    family_of_folder(model_dir)  # what no block here computes is refused from config.json itself
+    family = family_of_folder(model_dir)  # what no block here computes is refused from config.json itself
     register()  # the config classes of the families the pinned transformers lacks
     try:
+        if family.built_on:  # the config class built here, also where a later transformers has one of the name
+            return family_class(family.local_class, in_petals=False).config_class.from_pretrained(model_dir)
         return AutoConfig.from_pretrained(model_dir)
     except Exception as e:  # a folder without a readable config.json
         raise UsageError(

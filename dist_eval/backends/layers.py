@@ -1772,8 +1772,11 @@ class HyperConnectedLayer(nn.Module):
         post, comb, collapsed = hyper_weights(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
                                               self.config)
         streams = self._added(streams, self.ffn(self.ffn_norm(collapsed)), post, comb)
+        hidden_states = streams.reshape(bsz, positions, width)
+        if transformers_5():  # a layer's output as 5.x's model takes it
+            return hidden_states
         # the pinned LlamaModel's layer outputs: no attention weights, no cache (a whole row in one pass)
-        return (streams.reshape(bsz, positions, width),) + (None,) * (bool(output_attentions) + bool(use_cache))
+        return (hidden_states,) + (None,) * (bool(output_attentions) + bool(use_cache))
 
     @staticmethod
     def _added(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
