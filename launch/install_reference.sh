@@ -4,12 +4,13 @@
 # project wrote (tests/reference/make_reference.py runs in it; tests/test_families_reference.py compares).
 #
 #   ./launch/install_reference.sh       # .venv-reference/: the last transformers 4.x (4.57.6)
-#   ./launch/install_reference.sh 5     # .venv-reference5/: transformers 5.x (5.23.0), its hub and PEFT
+#   ./launch/install_reference.sh 5     # .venv-reference5/: transformers 5.x (5.23.0), its hub and PEFT, and
+#                                       # dist_eval without its swarm (the current stack it also runs on)
 #
 # Two generations because they save config.json in two forms (transformers 5.x moved rope_theta and
 # rope_scaling into rope_parameters, and renamed fields): a model may come from either.
-# Idempotent: returns at once when the venv is complete. It never imports dist_eval, and dist_eval
-# never imports from it: the project's own environment (.venv, launch/install.sh) is apart.
+# Idempotent: returns at once when the venv is complete. The reference scripts never import dist_eval,
+# and dist_eval never imports from them: the project's own environment (.venv, launch/install.sh) is apart.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 GENERATION="${1:-4}"
@@ -19,13 +20,15 @@ case "$GENERATION" in
   # the last transformers 4.x and the tokenizers it pins (saved since late 2024)
   4) VENV="${DIST_EVAL_REFERENCE_VENV:-$ROOT/.venv-reference}"
      REFERENCE=("transformers==4.57.6" "tokenizers>=0.22,<0.23" safetensors numpy) ;;
-  # transformers 5.x with the hub and tokenizers it asks for, and a current PEFT (its adapters' reference)
+  # transformers 5.x with the hub and tokenizers it asks for, a current PEFT (its adapters' reference), and this
+  # project (editable) with its own dependencies resolved beside them, the extra "petals" left out: what a user of
+  # a current stack installs (the suite runs the CLI and evaluate() here)
   5) VENV="${DIST_EVAL_REFERENCE5_VENV:-$ROOT/.venv-reference5}"
-     REFERENCE=("transformers==5.23.0" "peft==0.21.2" safetensors numpy) ;;
+     REFERENCE=("transformers==5.23.0" "peft==0.21.2" safetensors numpy -e "$ROOT") ;;
   *) echo "install_reference.sh: generation '$GENERATION': expected 4 or 5" >&2; exit 2 ;;
 esac
 STAMP="$VENV/.dist_eval_reference_installed"
-WANT="$(cat "$ROOT/launch/install_reference.sh" "$ROOT/launch/venv_tools.sh" | sha256sum | cut -d' ' -f1)"
+WANT="$(cat "$ROOT/launch/install_reference.sh" "$ROOT/launch/venv_tools.sh" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 
 installed() {
   [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec(\"transformers\") is None)" 2>/dev/null

@@ -22,6 +22,7 @@ run, nothing stored). Here, in the project's environment:
   and so do DeepSeek-V3's yarn RoPE, its softmax scale and its interleaved rope layout;
 - what no block computes is refused in one line, from config.json, before anything loads.
 """
+import csv
 import json
 import os
 import shutil
@@ -1226,6 +1227,69 @@ def test_the_local_backend_on_transformers_5_computes_its_reference(reference5):
     assert len(misread) >= 15 and "deepseek_v3" in misread and "llama3" in misread, sorted(misread)
     assert {kind: fields for kind, fields in misread.items() if fields} == {}
 
+
+
+# evaluate() in the 5.x environment, beside the CLI's run: its accuracy and the modules it imported
+CURRENT_STACK_API = """
+import json, sys
+from datasets import Dataset
+from transformers import AutoTokenizer
+import transformers
+from dist_eval import evaluate, load_model
+
+folder, head, rows = sys.argv[1:4]
+model = load_model("local", folder, head=head)
+result = evaluate(model, Dataset.from_csv(rows), tokenizer=AutoTokenizer.from_pretrained(folder), batch_size=4,
+                  bootstrap_resamples=0, return_logits=True)
+merged = result.predictions
+print(json.dumps({"accuracy": result.metrics["accuracy"], "transformers": transformers.__version__,
+                  "swarm_imported": sorted(name for name in ("petals", "hivemind") if name in sys.modules),
+                  "logits": {int(i): [float(x) for x in row] for i, row in zip(merged.indices, merged.logits)}}))
+"""
+
+
+@pytest.mark.multiproc
+def test_the_cli_and_evaluate_run_on_transformers_5_without_the_swarm(reference5, tmp_path):
+    """Issue 71: a user of a current stack. launch/install_reference.sh 5 installs this project (editable) with its
+    dependencies resolved beside transformers 5.23 and its hub, the extra "petals" left out (pyproject.toml's pins of
+    the 2023 stack are the extra's). There, on a family of dist_eval's own layers (Qwen3): ``python -m dist_eval
+    --backend local`` under torchrun N=2 gives each row's logits within TOLERANCE of transformers 5.x's own (the
+    reference's, on the same token ids); evaluate() in one process, the same batch size, gives N=2's logits bit for
+    bit and its accuracy, and imports neither petals nor hivemind (neither is installed there). Before:
+    pyproject.toml pinned transformers<4.35, and every family of these layers failed to build on 5.x."""
+    from conftest import free_port, run_env, run_in_own_group
+
+    out, ref = reference5
+    case, family = ref["cases"]["qwen3"], "qwen3"
+    venv_python = os.path.join(os.environ.get("DIST_EVAL_REFERENCE5_VENV", os.path.join(REPO, ".venv-reference5")),
+                               "bin", "python")
+    folder = os.path.join(out, case["folder"])
+    head = str(tmp_path / "head.safetensors")
+    from safetensors.torch import load_file, save_file
+
+    save_file({"score.weight": load_file(os.path.join(out, f"{family}.trainable.safetensors"))["score.weight"]}, head)
+    rows = tmp_path / "rows.csv"  # the reference's corpus, whose ids its logits were computed on
+    with open(rows, "w", encoding="utf-8", newline="") as f:
+        csv.writer(f).writerows([("text", "label")] + [(text, i % case["num_labels"])
+                                                        for i, text in enumerate(ref["corpus"])])
+    env = run_env({"DIST_EVAL_ROW_STORE": "off"})
+    run = tmp_path / "n2"
+    launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    proc = run_in_own_group([venv_python, *launch, "-m", "dist_eval", "--model", folder, "--head", head,
+                             "--data-files", str(rows), "--backend", "local", "--output-dir", str(run),
+                             "--batch-size", "4", "--save-logits", "--bootstrap-resamples", "0"], timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    predictions = sorted(read_jsonl(str(run / "predictions.jsonl")), key=lambda row: row["index"])
+    assert len(predictions) == len(case["logits_head"]) == len(ref["corpus"])
+    found = max(abs(a - b) for row, expected in zip(predictions, case["logits_head"])
+                for a, b in zip(row["logits"], expected))
+    assert found < TOLERANCE, found
+    proc = run_in_own_group([venv_python, "-c", CURRENT_STACK_API, folder, head, str(rows)], timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    api = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert api.pop("logits") == {str(row["index"]): row["logits"] for row in predictions}  # one process: N=2's bits
+    with open(run / "metrics.json", encoding="utf-8") as f:
+        assert api == {"accuracy": json.load(f)["accuracy"], "transformers": "5.23.0", "swarm_imported": []}
 
 def test_deepseek_v4_settings_each_matter(reference5):
     """DeepSeek-V4 (checked against transformers 5.x above, head only): the indexer's choice (index_topk 3 of up to 9
