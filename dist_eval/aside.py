@@ -104,6 +104,16 @@ class Aside:
         self.close()
 
 
+def started(work: Callable[[], Any]) -> Optional[Aside]:
+    """An :class:`Aside` running ``work``; None where no child can be had (out of memory or processes): the caller
+    does the work itself.
+    """
+    try:
+        return Aside(work)
+    except AsideFailed:
+        return None
+
+
 def _readable(fd: int, seconds: float) -> bool:
     poller = select.poll()  # not select(): a rank's descriptors may be numbered past 1024
     poller.register(fd, select.POLLIN)

@@ -221,7 +221,7 @@ def _second_half_aside(f, path: str, write_rows: Callable, rows: int) -> None:
     others to a hidden file beside ``path``, then appended: the lines' formatting (two floats' repr a row, most of
     the report's time on a big set) on two cores. A child that fails leaves its rows to be written here.
     """
-    from dist_eval.aside import Aside, AsideFailed
+    from dist_eval.aside import AsideFailed, started
     from dist_eval.atomic import scratch_beside
 
     half = rows // 2
@@ -231,9 +231,8 @@ def _second_half_aside(f, path: str, write_rows: Callable, rows: int) -> None:
             with os.fdopen(os.dup(fd), "w", encoding="utf-8") as t:
                 write_rows(t, half, rows)
 
-        try:
-            child = Aside(write_second_half)
-        except AsideFailed:  # no child to be had (out of memory or processes): every row here
+        child = started(write_second_half)
+        if child is None:  # no child to be had: every row here
             write_rows(f, 0, rows)
             return
         with child:

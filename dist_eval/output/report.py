@@ -289,14 +289,12 @@ def figures_aside(metrics: dict, rows: int):
     ``chunk_rows("aside")`` rows on (matplotlib's import and its drawing, on a core the other ranks leave
     idle); killed and reaped on the way out, whatever happened.
     """
-    from dist_eval.aside import Aside, AsideFailed
+    from dist_eval.aside import started
     from dist_eval.chunks import chunk_rows
     from dist_eval.output.files import draw_figures
 
-    child = None
-    if rows >= chunk_rows("aside"):
-        with contextlib.suppress(AsideFailed):  # no child to be had: the figures drawn here
-            child = Aside(lambda: draw_figures(metrics))
+    # None: no child to be had, the figures drawn here
+    child = started(lambda: draw_figures(metrics)) if rows >= chunk_rows("aside") else None
     try:
         yield _Figures(child)
     finally:
