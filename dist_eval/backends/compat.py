@@ -168,6 +168,7 @@ def quiet_third_party_output() -> None:
     - petals' server loading blocks onto meta tensors: one UserWarning per weight;
     - "Some weights ... newly initialized: ['score.weight']": we load the trained head
       right after from the checkpoint, and refuse to run when there is none;
+    - transformers 5.x's "Loading weights" progress bar at each load;
     - huggingface/tokenizers' "the current process just got forked" (hivemind forks its
       DHT process after a tokenizer was used): it turns the tokenizer's own threads off,
       which it then does anyway; saying so up front keeps the log clean.
@@ -178,6 +179,8 @@ def quiet_third_party_output() -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
+        if transformers_5():  # its "Loading weights" bar at every from_pretrained: noise in a job's log
+            hf_logging.disable_progress_bar()
     except ImportError:
         pass
     # "Generating train split: ..." bars belong to interactive notebooks, not to a job log.
