@@ -3,6 +3,8 @@ and petals' classes, the family chosen from config.json, an unknown family (and 
 old multi-query layout) refused in one line naming the families that work."""
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -303,7 +305,8 @@ def test_the_rotary_table_of_dist_evals_own_layers_is_the_pinned_attentions_bit_
     first forward, so that transformers 5.x, which builds modules on the meta device, has one too), which must be the
     pinned LlamaAttention's table (``_init_rope``, llama3's frequencies by ``rescale_rope``) bit for bit: rows within
     the table and longer ones (the table grown; a dynamic table's base then from the longest row, kept for shorter
-    ones after), in float32 and bfloat16."""
+    ones after), in float32 and bfloat16; the same from config.json's scaling in 5.x's form (rope_type: before, read
+    as no scaling on 5.x)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention
 
@@ -320,10 +323,18 @@ def test_the_rotary_table_of_dist_evals_own_layers_is_the_pinned_attentions_bit_
     pinned._init_rope()
     rescale_rope(pinned, config)
     table = RotaryTable(config, 12)
+    # config.json's scaling as transformers 5.x's config classes keep it (rope_type): the same table
+    form = ({"rope_type": "llama3", "factor": 8.0} if llama3 else
+            {"rope_type": scaling["type"], "factor": scaling["factor"]} if scaling else {"rope_type": "default"})
+    current = types.SimpleNamespace(rope_theta=config.rope_theta, rope_scaling=form,
+                                    max_position_embeddings=config.max_position_embeddings,
+                                    rope_llama3=getattr(config, "rope_llama3", None))
+    current_table = RotaryTable(current, 12)
     within, longer = (4096, 5000) if llama3 else (48, 70)
     for seq_len, dtype in [(9, torch.float32), (within, torch.bfloat16), (longer, torch.float32), (30, torch.float32),
                            (longer + 3, torch.bfloat16)]:
         value = torch.zeros(1, 4, seq_len, 12, dtype=dtype)
-        expected, found = pinned.rotary_emb(value, seq_len=seq_len), table(value, seq_len)
-        assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(expected, found)), \
-            (scaling, seq_len, dtype)
+        expected = pinned.rotary_emb(value, seq_len=seq_len)
+        for found in (table(value, seq_len), current_table(value, seq_len)):
+            assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+                       for a, b in zip(expected, found)), (scaling, seq_len, dtype)

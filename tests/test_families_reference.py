@@ -1223,6 +1223,7 @@ def test_the_local_backend_on_transformers_5_computes_its_reference(reference5):
     for kind in families:
         assert isinstance(found[kind], float) and found[kind] < TOLERANCE, (kind, found[kind])
     assert found["token_ids_equal"] is True
+    assert found["cache_refused"] is True  # no cache kept by dist_eval's own layers there: use_cache refused
     misread = found["rope_fields_misread"]
     assert len(misread) >= 15 and "deepseek_v3" in misread and "llama3" in misread, sorted(misread)
     assert {kind: fields for kind, fields in misread.items() if fields} == {}

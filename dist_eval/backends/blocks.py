@@ -42,7 +42,7 @@ import importlib
 import threading
 from typing import Dict, Optional
 
-from dist_eval.backends.compat import transformers_5
+from dist_eval.backends.compat import configs_are_dataclasses
 from dist_eval.backends.rope import rescale_rope
 
 # what the servers dist_eval starts add to the petals version they announce: they compute the
@@ -104,7 +104,7 @@ def _config_init(original):
         if _yarn_blocks(self) and rope_type(rope_scaling) == "yarn":
             yarn, rope_scaling = dict(rope_scaling), None
         pinned, llama3 = pinned_rope_scaling(rope_scaling)
-        if llama3 and transformers_5():  # transformers >= 5.0 computes llama3 in its base model
+        if llama3 and configs_are_dataclasses():  # transformers >= 5.0 computes llama3 in its base model
             pinned = rope_scaling
         original(self, *args, rope_scaling=pinned, **kwargs)
         self.rope_llama3 = llama3 or rope_llama3  # also when a config saved here is read back
@@ -232,7 +232,7 @@ def _build_transformers_classes(family) -> None:
     base = _base(family)
     base_config = class_at(base.config_class)
     body = {"model_type": family.model_type, **dict(family.block_options)}
-    if transformers_5():
+    if configs_are_dataclasses():
         body["__post_init__"] = _subclass_post_init(base_config)
     config = type(_config_name(family), (base_config,), body)
     _classes[family.model_type] = config
@@ -253,12 +253,15 @@ def _build_transformers_classes(family) -> None:
         _classes[name] = type(name, (base_class,), body)
         if not native:
             auto.register(config, _classes[name])
-    if transformers_5() and has_own_layers(family):
-        _register_base_backbone(family, base, config)
+    if has_own_layers(family):
+        from dist_eval.backends.layers import layers_return_tensors
+
+        if layers_return_tensors():
+            _register_base_backbone(family, base, config)
 
 
 def _register_base_backbone(family, base, config) -> None:
-    """On transformers >= 5.0 a head class builds its backbone by ``AutoModel.from_config``, which finds a model by
+    """Where transformers' head classes build their backbone by ``AutoModel.from_config`` (5.x), which finds a model by
     the config class's name: 5.x's own model of the family where it has one (another forward, another layer call),
     none where it has not. A family of dist_eval's own layers takes the base family's backbone, as the pinned head
     classes build it: registered for its config class.

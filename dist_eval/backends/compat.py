@@ -23,11 +23,9 @@ _quieted = False
 
 
 @functools.cache
-def transformers_5() -> bool:
-    """Whether the installed transformers is 5.x or later, whose API dist_eval's families bridge where it differs from
-    the pinned 4.33's: configs are dataclasses (the RoPE fields in ``rope_parameters``, an ``__init__`` of each
-    subclass's own); models build their modules on the meta device; a decoder layer is passed the model's
-    ``position_embeddings`` and its cache as ``past_key_values``, and returns the hidden states alone.
+def configs_are_dataclasses() -> bool:
+    """Whether transformers' configs are dataclasses (5.x: the RoPE fields in ``rope_parameters``, an ``__init__`` of
+    each subclass's own, so that a wrapper of the base config's ``__init__`` never runs for a subclass).
     """
     import dataclasses
 
@@ -168,7 +166,7 @@ def quiet_third_party_output() -> None:
     - petals' server loading blocks onto meta tensors: one UserWarning per weight;
     - "Some weights ... newly initialized: ['score.weight']": we load the trained head
       right after from the checkpoint, and refuse to run when there is none;
-    - transformers 5.x's "Loading weights" progress bar at each load;
+    - transformers' progress bar at each load ("Loading weights" on 5.x, checkpoint shards on 4.33);
     - huggingface/tokenizers' "the current process just got forked" (hivemind forks its
       DHT process after a tokenizer was used): it turns the tokenizer's own threads off,
       which it then does anyway; saying so up front keeps the log clean.
@@ -179,8 +177,7 @@ def quiet_third_party_output() -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        if transformers_5():  # its "Loading weights" bar at every from_pretrained: noise in a job's log
-            hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()  # "Loading weights" (5.x) or checkpoint shards at each load
     except ImportError:
         pass
     # "Generating train split: ..." bars belong to interactive notebooks, not to a job log.

@@ -101,7 +101,6 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from dist_eval.backends.compat import transformers_5
 from dist_eval.backends.families import indexer_types, v4_compress_rate, v4_layer_types, v4_mlp_types, v4_rope_dim
 from dist_eval.backends.rope import RotaryTable, default_inv_freq, llama3_inv_freq, on_cpu
 
@@ -113,6 +112,18 @@ GPT_OSS = "gpt_oss"  # gpt-oss's: a softmax over the top router logits (with a b
 SHARED_GATE = "shared_gate"  # Qwen3.5-MoE's: Qwen3-MoE's router and experts, a shared expert behind a sigmoid gate
 # the index of the block this process's petals server is loading (None: not loading one)
 SERVER_BLOCK_INDEX: contextvars.ContextVar = contextvars.ContextVar("dist_eval_server_block_index", default=None)
+
+
+@functools.cache
+def layers_return_tensors() -> bool:
+    """Whether transformers' decoder layers are called with the model's cache as ``past_key_values`` and its
+    ``position_embeddings``, and return the hidden states alone (4.5x and 5.x; the pinned 4.33's take
+    ``past_key_value`` and return a tuple): how dist_eval's own layers are called there, and its head classes build
+    their backbone through ``AutoModel``.
+    """
+    import inspect
+
+    return "past_key_values" in inspect.signature(LlamaDecoderLayer.forward).parameters
 
 
 def head_dim_of(config) -> int:
@@ -1773,7 +1784,8 @@ class HyperConnectedLayer(nn.Module):
                                               self.config)
         streams = self._added(streams, self.ffn(self.ffn_norm(collapsed)), post, comb)
         hidden_states = streams.reshape(bsz, positions, width)
-        if transformers_5():  # a layer's output as 5.x's model takes it
+        if layers_return_tensors():  # a layer's output as the installed transformers' model takes it
+            refuse_a_cache(use_cache, kwargs.get("past_key_values"))
             return hidden_states
         # the pinned LlamaModel's layer outputs: no attention weights, no cache (a whole row in one pass)
         return (hidden_states,) + (None,) * (bool(output_attentions) + bool(use_cache))
@@ -1944,11 +1956,21 @@ def _dequantize_v4_on_load(block: tuple, state_dict: dict, prefix: str, *args) -
     dequantize_v4(state_dict, block, prefix, where=prefix + "*")
 
 
+def refuse_a_cache(use_cache: bool, past_key_values) -> None:
+    """Where transformers' layers take its cache object (:func:`layers_return_tensors`),
+    dist_eval's own layers keep none: a forward that asks for one (``generate()``, ``use_cache=True``) is refused
+    rather than given an empty cache, which the next step would read as no context at all.
+    """
+    if use_cache or past_key_values is not None:
+        raise ValueError("dist_eval's own layers compute a whole row per forward on this transformers and keep no "
+                         "cache: pass use_cache=False (generate() is not supported on them)")
+
+
 class OwnDecoderLayer(LlamaDecoderLayer):
     """Block ``layer_idx`` of ``--backend local``: these parts, in the pinned Llama layer's order, called as the
-    installed transformers calls a layer (:func:`~dist_eval.backends.compat.transformers_5`: the model's
-    ``position_embeddings`` and cache object are not used, these attentions compute their own RoPE and keep no cache
-    there, and the hidden states alone are returned).
+    installed transformers calls a layer (:func:`layers_return_tensors`: the model's
+    ``position_embeddings`` are not used, these attentions compute their own RoPE; no cache is kept there,
+    :func:`refuse_a_cache`; the hidden states alone are returned).
     """
 
     def __init__(self, config, layer_idx: int):
@@ -1958,9 +1980,10 @@ class OwnDecoderLayer(LlamaDecoderLayer):
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_value: Optional[tuple] = None,
                 output_attentions: bool = False, use_cache: bool = False, **kwargs):
-        current = transformers_5()
+        current = layers_return_tensors()
         if current:
-            past_key_value, output_attentions, use_cache = None, False, False
+            refuse_a_cache(use_cache, kwargs.get("past_key_values"))
+            past_key_value, output_attentions = None, False
         attended, weights, present = self.self_attn(
             hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
             position_ids=position_ids, past_key_value=past_key_value, output_attentions=output_attentions,
@@ -1979,8 +2002,9 @@ def own_layers_init(base: type):
     """
 
     def __init__(self, config, *args, **kwargs):
-        if transformers_5():  # these attentions add the mask: its additive 4-D form, which sdpa's may leave out
+        if layers_return_tensors():  # these attentions add the mask: its additive 4-D form, which sdpa's may leave out
             config._attn_implementation = "eager"
+            config.use_cache = False  # no cache is kept (refuse_a_cache): none by default
         count, config.num_hidden_layers = config.num_hidden_layers, 0
         try:
             base.__init__(self, config, *args, **kwargs)

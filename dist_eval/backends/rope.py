@@ -76,34 +76,40 @@ class RotaryTable:
     transformers: an attention of dist_eval's own layers calls it as it called the pinned ``rotary_emb``
     (``table(value, seq_len)``: cos and sin [1, 1, seq_len, dim] in the value's dtype).
 
-    Not a module and no buffers (transformers >= 5.0 builds modules on the meta device): built at the first forward,
-    on the CPU in float32 at the pinned length (the config's ``max_position_embeddings``, 4,096 at most after a
-    llama3 rescale), grown to a longer row where the row is, as the pinned table is: the pinned computation step for
-    step, so that no vectorized kernel's handling of a table's size can move a last bit. A ``dynamic`` table keeps the
-    pinned one's state: the longest row seen sets its base.
+    Not a module and no buffers (transformers >= 5.0 builds modules on the meta device): built at the first
+    forward, on the CPU in torch's default dtype (float32) at the pinned length (the config's
+    ``max_position_embeddings``, 4,096 at most after a llama3 rescale), grown to a longer row where the row is, as
+    the pinned table is: the pinned computation step for step, so that no vectorized kernel's handling of a table's
+    size can move a last bit. A ``dynamic`` table keeps the pinned one's state: the longest row seen sets its base.
+    config.json's scaling is read in either generation's form (``type``, 5.x's ``rope_type``).
     """
 
     def __init__(self, config, dim: int):
         scaling = getattr(config, "rope_scaling", None) or {}
-        self.kind, self.factor = scaling.get("type"), scaling.get("factor", 1.0)
+        self.llama3 = getattr(config, "rope_llama3", None)
+        # either generation's key (5.x's configs keep rope_type), "default" and llama3 (rope_llama3) no scaling here
+        self.kind, self.factor = scaling.get("rope_type", scaling.get("type")), scaling.get("factor", 1.0)
+        if self.kind in ("default", "llama3" if self.llama3 else "default"):
+            self.kind = None
         if self.kind not in (None, "linear", "dynamic"):
             raise ValueError(f"rope_scaling of type {self.kind!r}: the rotary table computes linear and dynamic "
                              "(and llama3 through rope_llama3)")
         self.dim, self.base, self.max_positions = dim, config.rope_theta, config.max_position_embeddings
-        self.llama3 = getattr(config, "rope_llama3", None)
         self.length = min(_ROPE_CACHE_POSITIONS, self.max_positions) if self.llama3 else self.max_positions
         self._tables = None
 
     def _build(self, length: int, device, dtype) -> None:
         import torch
 
-        base = self.base
-        if self.kind == "dynamic" and length > self.max_positions:
+        if self.kind == "dynamic" and length > self.max_positions:  # a new base, on the row's device as pinned
             base = self.base * ((self.factor * length / self.max_positions) - (self.factor - 1)) ** (
                 self.dim / (self.dim - 2))
-        inv_freq = default_inv_freq(base, self.dim).to(device)
-        if self.llama3:
-            inv_freq = llama3_inv_freq(inv_freq, self.llama3)
+            inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2).float().to(device) / self.dim))
+        else:  # the pinned module's buffer: made on the CPU at its build (llama3's rescale too), then moved
+            inv_freq = default_inv_freq(self.base, self.dim)
+            if self.llama3:
+                inv_freq = llama3_inv_freq(inv_freq, self.llama3)
+            inv_freq = inv_freq.to(device)
         positions = torch.arange(length, device=device, dtype=inv_freq.dtype)
         if self.kind == "linear":
             positions = positions / self.factor

@@ -42,6 +42,7 @@ def main(repo: str, out: str, kinds: list) -> dict:
             found[kind] = (logits - torch.tensor(case["logits_head"])).abs().max().item()
         except Exception as e:  # noqa: BLE001 - the test names what broke, family by family
             found[kind] = f"{type(e).__name__}: {str(e)[:300]}"
+    found["cache_refused"] = _cache_refused(out, ref["cases"]["qwen3"]) if "qwen3" in kinds else None
     case = ref["cases"][kinds[0]]
     tokenizer = load_tokenizer(os.path.join(out, case["folder"]))
     texts = ref["corpus"]
@@ -49,6 +50,23 @@ def main(repo: str, out: str, kinds: list) -> dict:
     misread = {kind: _rope_fields_misread(os.path.join(out, ref["cases"][kind]["folder"])) for kind in ref["cases"]}
     found["rope_fields_misread"] = {kind: fields for kind, fields in misread.items() if fields is not None}
     return found
+
+
+def _cache_refused(out: str, case: dict):
+    """dist_eval's own layers keep no cache on 5.x: a forward asking for one must be refused (not given an empty
+    cache, which the next step would read as no context), one without use_cache must run (config.use_cache off)."""
+    from dist_eval.backends import load_model
+
+    model = load_model("local", os.path.join(out, case["folder"]), head=os.path.join(out, "qwen3.current-stack-head"
+                                                                                      ".safetensors"))
+    batch = torch.tensor([case["ids"][0]])
+    with torch.no_grad():
+        model.module.hf_model(batch)
+        try:
+            model.module.hf_model(batch, use_cache=True)
+        except ValueError as e:
+            return "use_cache=False" in str(e)
+    return False
 
 
 def _rope_fields_misread(folder: str):
