@@ -1229,7 +1229,6 @@ def test_the_local_backend_on_transformers_5_computes_its_reference(reference5):
     assert {kind: fields for kind, fields in misread.items() if fields} == {}
 
 
-
 # evaluate() in the 5.x environment, beside the CLI's run: its accuracy and the modules it imported
 CURRENT_STACK_API = """
 import json, sys
@@ -1238,8 +1237,8 @@ from transformers import AutoTokenizer
 import transformers
 from dist_eval import evaluate, load_model
 
-folder, head, rows = sys.argv[1:4]
-model = load_model("local", folder, head=head)
+folder, checkpoint, rows = sys.argv[1:4]
+model = load_model("local", folder, checkpoint=checkpoint)
 result = evaluate(model, Dataset.from_csv(rows), tokenizer=AutoTokenizer.from_pretrained(folder), batch_size=4,
                   bootstrap_resamples=0, return_logits=True)
 merged = result.predictions
@@ -1261,14 +1260,11 @@ def test_the_cli_and_evaluate_run_on_transformers_5_without_the_swarm(reference5
     from conftest import free_port, run_env, run_in_own_group
 
     out, ref = reference5
-    case, family = ref["cases"]["qwen3"], "qwen3"
+    case = ref["cases"]["qwen3"]
     venv_python = os.path.join(os.environ.get("DIST_EVAL_REFERENCE5_VENV", os.path.join(REPO, ".venv-reference5")),
                                "bin", "python")
     folder = os.path.join(out, case["folder"])
-    head = str(tmp_path / "head.safetensors")
-    from safetensors.torch import load_file, save_file
-
-    save_file({"score.weight": load_file(os.path.join(out, f"{family}.trainable.safetensors"))["score.weight"]}, head)
+    checkpoint = trained(reference5, "qwen3", "head")["checkpoint"]  # the trained head, no prompts
     rows = tmp_path / "rows.csv"  # the reference's corpus, whose ids its logits were computed on
     with open(rows, "w", encoding="utf-8", newline="") as f:
         csv.writer(f).writerows([("text", "label")] + [(text, i % case["num_labels"])
@@ -1276,7 +1272,7 @@ def test_the_cli_and_evaluate_run_on_transformers_5_without_the_swarm(reference5
     env = run_env({"DIST_EVAL_ROW_STORE": "off"})
     run = tmp_path / "n2"
     launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    proc = run_in_own_group([venv_python, *launch, "-m", "dist_eval", "--model", folder, "--head", head,
+    proc = run_in_own_group([venv_python, *launch, "-m", "dist_eval", "--model", folder, "--checkpoint", checkpoint,
                              "--data-files", str(rows), "--backend", "local", "--output-dir", str(run),
                              "--batch-size", "4", "--save-logits", "--bootstrap-resamples", "0"], timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -1286,12 +1282,14 @@ def test_the_cli_and_evaluate_run_on_transformers_5_without_the_swarm(reference5
     found = max(abs(a - b) for row, expected in zip(predictions, case["logits_head"])
                 for a, b in zip(row["logits"], expected))
     assert found < TOLERANCE, found
-    proc = run_in_own_group([venv_python, "-c", CURRENT_STACK_API, folder, head, str(rows)], timeout=300, env=env)
+    proc = run_in_own_group([venv_python, "-c", CURRENT_STACK_API, folder, checkpoint, str(rows)], timeout=300,
+                            env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     api = json.loads(proc.stdout.strip().splitlines()[-1])
     assert api.pop("logits") == {str(row["index"]): row["logits"] for row in predictions}  # one process: N=2's bits
     with open(run / "metrics.json", encoding="utf-8") as f:
         assert api == {"accuracy": json.load(f)["accuracy"], "transformers": "5.23.0", "swarm_imported": []}
+
 
 def test_deepseek_v4_settings_each_matter(reference5):
     """DeepSeek-V4 (checked against transformers 5.x above, head only): the indexer's choice (index_topk 3 of up to 9

@@ -1769,6 +1769,9 @@ class HyperConnectedLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_value: Optional[tuple] = None,
                 output_attentions: bool = False, use_cache: bool = False, **kwargs) -> tuple:
+        current = layers_return_tensors()
+        if current:
+            refuse_a_cache(use_cache, kwargs.get("past_key_values"))
         bsz, positions, width = hidden_states.shape
         streams = hidden_states.view(bsz, positions, self.hc, width // self.hc)
         if position_ids is None:
@@ -1784,8 +1787,7 @@ class HyperConnectedLayer(nn.Module):
                                               self.config)
         streams = self._added(streams, self.ffn(self.ffn_norm(collapsed)), post, comb)
         hidden_states = streams.reshape(bsz, positions, width)
-        if layers_return_tensors():  # a layer's output as the installed transformers' model takes it
-            refuse_a_cache(use_cache, kwargs.get("past_key_values"))
+        if current:  # a layer's output as the installed transformers' model takes it
             return hidden_states
         # the pinned LlamaModel's layer outputs: no attention weights, no cache (a whole row in one pass)
         return (hidden_states,) + (None,) * (bool(output_attentions) + bool(use_cache))

@@ -1,7 +1,7 @@
-"""The ``llama3`` rotary frequencies (transformers >= 4.43) on the pinned base attention: one
-place for :mod:`dist_eval.backends.blocks` (the families built on another) and
-:mod:`dist_eval.backends.layers` (dist_eval's own layers), which both rescale an attention's
-rotary tables.
+"""Rotary frequencies and tables: the ``llama3`` rescale (transformers >= 4.43) of the pinned base attention's
+table, for :mod:`dist_eval.backends.blocks` (the families built on another), and the pinned table itself on any
+transformers (:class:`RotaryTable`, with :func:`default_inv_freq`) for :mod:`dist_eval.backends.layers` (dist_eval's
+own layers).
 """
 from __future__ import annotations
 
@@ -63,11 +63,13 @@ def on_cpu(function):
 
 
 @on_cpu
-def default_inv_freq(base: float, dim: int):
-    """RoPE's inverse frequencies over ``dim`` values at ``base`` (float32), as transformers computes them."""
+def default_inv_freq(base: float, dim: int, device="cpu"):
+    """RoPE's inverse frequencies over ``dim`` values at ``base`` (float32), as transformers computes them: the
+    exponents made on the CPU, the rest on ``device``.
+    """
     import torch
 
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float().to(device) / dim))
 
 
 class RotaryTable:
@@ -89,7 +91,7 @@ class RotaryTable:
         self.llama3 = getattr(config, "rope_llama3", None)
         # either generation's key (5.x's configs keep rope_type), "default" and llama3 (rope_llama3) no scaling here
         self.kind, self.factor = scaling.get("rope_type", scaling.get("type")), scaling.get("factor", 1.0)
-        if self.kind in ("default", "llama3" if self.llama3 else "default"):
+        if self.kind == "default" or (self.kind == "llama3" and self.llama3):
             self.kind = None
         if self.kind not in (None, "linear", "dynamic"):
             raise ValueError(f"rope_scaling of type {self.kind!r}: the rotary table computes linear and dynamic "
@@ -104,7 +106,7 @@ class RotaryTable:
         if self.kind == "dynamic" and length > self.max_positions:  # a new base, on the row's device as pinned
             base = self.base * ((self.factor * length / self.max_positions) - (self.factor - 1)) ** (
                 self.dim / (self.dim - 2))
-            inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2).float().to(device) / self.dim))
+            inv_freq = default_inv_freq(base, self.dim, device)
         else:  # the pinned module's buffer: made on the CPU at its build (llama3's rescale too), then moved
             inv_freq = default_inv_freq(self.base, self.dim)
             if self.llama3:
