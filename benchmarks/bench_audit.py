@@ -4,7 +4,7 @@
         [--honest-rows 640] [--honest-runs 100] [--share 0.03] [--only NAME ...] [--out FILE]
 
 The swarm: three honest servers of every block, and faulty ones under the same prefix, made by
-the test-only fault hook (``$DIST_EVAL_TEST_FAULT``, dist_eval.backends.wire): one shifts row 0 of
+the test-only fault hook (``$DIST_EVAL_TEST_FAULT``, dist_eval.backends.petals.wire): one shifts row 0 of
 every answer by 1e-2; one every row of a random 10% of its answers; one a random 10% of the rows
 of every answer; (``--only one_row_in_one_in_ten``) one row 0 of a random 10% of its answers
 (each server one thread, one connection handler). The model: bench_gpu's "tiny" Llama (random,
@@ -61,8 +61,8 @@ DEFAULT_SCENARIOS = ["cost", "always_wrong", "one_in_ten_wrong", "one_in_ten_row
 
 def start_swarm(model_dir: str, faulty: list):
     """(the swarms, started: honest three first, then one server for each scenario of ``faulty``; their peer ids)."""
-    from dist_eval.backends.wire import TEST_FAULT_ENV
     from dist_eval.swarm import LocalSwarm
+    from dist_eval.swarm.wire import TEST_FAULT_ENV
 
     one_handler = ["--num_handlers", "1"]
     honest = LocalSwarm(model_dir, num_servers=3, dht_prefix=PREFIX, extra_server_args=one_handler).start()
@@ -86,7 +86,7 @@ def audited_run(model, data, tokenizer, share: float, seed: int) -> dict:
     """One evaluation with a new audit (its hash seeded with ``seed``): its audit facts, and ``stopped``
     (the AuditMismatch's line where the run stopped)."""
     from dist_eval import evaluate
-    from dist_eval.backends import audit
+    from dist_eval.backends.petals import audit
 
     ledger = audit.attach(model.module.sequence_manager, share, seed=seed)
     stopped = None
@@ -224,7 +224,7 @@ def false_blame(assets, swarm, honest, data, tokenizer, args) -> dict:
 def numerics(assets, swarms, honest, data, tokenizer, runs: int) -> dict:
     """Honest servers of other numerics and kernels joined to the honest three (``swarms`` gets them, to
     stop): each rule's runs with a server blamed, who, and the largest honest differences."""
-    from dist_eval.backends import audit
+    from dist_eval.backends.petals import audit
     from dist_eval.swarm import LocalSwarm
 
     join = dict(num_servers=1, dht_prefix=PREFIX, join_peers=swarms[0].initial_peers,

@@ -23,9 +23,10 @@ def petals_client(model_dir, checkpoint, initial_peers, dht_prefix):
     import torch
 
     from dist_eval.backends.checkpoint import load_checkpoint
-    from dist_eval.backends.compat import import_petals, shutdown_petals_client
     from dist_eval.backends.config_json import family_of_folder
-    from dist_eval.backends.petals import _load_trainable
+    from dist_eval.backends.petals.backend import _load_trainable
+    from dist_eval.backends.petals.helpers import shutdown_petals_client
+    from dist_eval.backends.petals.shims import import_petals
     from dist_eval.backends.petals_folder import petals_model_folder
 
     import_petals()  # hivemind 1.1.12 compatibility: every petals process needs it

@@ -34,7 +34,7 @@ from dist_eval.sequential import FIXED_WIDTH, RULES, STOP_METRICS, TIME_UNIFORM
 # (each one pays a round trip and per-request work on every server), and a token cap
 # keeps a batch of long rows within a Petals server's --max_batch_size (2048 tokens by
 # default, prompt vectors included) while rows of similar length fill it. A batch goes
-# to the swarm as one request (backends/requests.py), so the cap is the request size.
+# to the swarm as one request (backends/petals/requests.py), so the cap is the request size.
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_MAX_BATCH_TOKENS = 2048
 DEFAULT_MAX_LENGTH = 512

@@ -60,7 +60,7 @@ EPOCHS = (6, 4)  # causal-LM pre-training, then prompt tuning
 BUILD_MODULES = (
     "dist_eval.demo", "dist_eval.data.tokenize", "dist_eval.backends", "dist_eval.backends.families",
     "dist_eval.backends.blocks", "dist_eval.backends.rope", "dist_eval.backends.layers",
-    "dist_eval.backends.config_json", "dist_eval.backends.patches", "dist_eval.backends.compat",
+    "dist_eval.backends.config_json", "dist_eval.backends.petals.shims", "dist_eval.backends.compat",
     "dist_eval.backends.local", "dist_eval.backends.checkpoint", "dist_eval.backends.classifier",
     "dist_eval.backends.kinds", "dist_eval.backends.petals_folder", "dist_eval.atomic",
 )

@@ -91,7 +91,7 @@ def _swarm_address(config: EvalConfig, job: Job, on_swarm: bool, cleanup: contex
 
             swarm = start_for_run(job.model_dir, config.local_servers, config.dht_prefix, config.local_device, say)
             cleanup.callback(swarm.stop)  # when the run ends, whatever happens (a start under way too)
-        from dist_eval.backends.compat import import_petals
+        from dist_eval.backends.petals.shims import import_petals
 
         import_petals()  # each rank imports its client (seconds of CPU) while the servers start
         address = (swarm.wait_started().initial_peers, swarm.dht_prefix) if swarm is not None else None

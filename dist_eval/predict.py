@@ -11,8 +11,8 @@ from typing import Callable, Deque, Dict, Iterable, Iterator, List, Optional, Se
 import numpy as np
 import torch
 
-from dist_eval.backends import audit
-from dist_eval.backends.audit import NonFiniteAnswer
+from dist_eval.backends.petals import audit
+from dist_eval.backends.petals.audit import NonFiniteAnswer
 from dist_eval.data.batches import Batch
 from dist_eval.metrics import per_sample_cross_entropy
 from dist_eval.results import FROM_STORE, SAMPLE_VALUE_PREFIX, ShardResults, mapped_array
@@ -95,7 +95,7 @@ def _forwards_in_order(
     """(batch, logits, seconds, source, taken) for every batch, in the order the batches came; seconds
     is None and source says where the logits came from for a batch whose logits ``known`` (a
     :class:`dist_eval.known.KnownLogits`) holds (no forward ran); taken: the audited swarm servers
-    whose answers the logits come from (:class:`dist_eval.backends.audit.Redo`), else None.
+    whose answers the logits come from (:class:`dist_eval.backends.petals.audit.Redo`), else None.
 
     With ``in_flight`` > 1 up to that many forwards run at once in worker threads (the
     petals client spends most of a forward waiting on the network); results are still

@@ -16,7 +16,7 @@ def main(model_dir, checkpoint, initial_peer, dht_prefix, allowed, out, rows):
     import datasets
 
     from dist_eval import evaluate, load_model
-    from dist_eval.backends import audit
+    from dist_eval.backends.petals import audit
     from dist_eval.backends.tokenizer import load_tokenizer
 
     launched = not dist.is_initialized()

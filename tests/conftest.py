@@ -57,7 +57,7 @@ os.environ["DIST_EVAL_TEST_PROCESS"] = uuid.uuid4().hex
 # store's own tests (tests/test_rowstore.py) pass a folder of their own.
 os.environ["DIST_EVAL_ROW_STORE"] = "off"
 # The swarm audit replays 3% of a client's forwards, and each server's first, on a swarm the run did
-# not start (dist_eval.backends.audit): tests count their servers' requests, so the suite's default
+# not start (dist_eval.backends.petals.audit): tests count their servers' requests, so the suite's default
 # is none; the audit's own tests (tests/test_audit.py) pass a share.
 os.environ["DIST_EVAL_AUDIT"] = "0"
 
@@ -479,7 +479,7 @@ def run_ranks(zygote, args, nproc: int, timeout: float = 300, env=None, script=N
     suite_plugin.note_launch("forked ranks: " + " ".join(argv[:2]))
     # the petals client's import (~1.4 s) once in the launcher, not in every rank
     backend = args[args.index("--backend") + 1] if "--backend" in args else "petals"
-    preload = [] if backend == "local" or script else ["dist_eval.backends.compat:import_petals"]
+    preload = [] if backend == "local" or script else ["dist_eval.backends.petals.shims:import_petals"]
     return zygote.launch(argv, nproc, full_env, free_port(), timeout, preload)
 
 
@@ -500,7 +500,7 @@ def start_ranks(zygote, args, nproc: int, env=None):
         return proc, proc.stdout, proc.stderr
     suite_plugin.note_launch("forked ranks: -m dist_eval" if nproc else "forked process: -m dist_eval")
     backend = args[args.index("--backend") + 1] if "--backend" in args else "petals"
-    preload = [] if backend == "local" else ["dist_eval.backends.compat:import_petals"]
+    preload = [] if backend == "local" else ["dist_eval.backends.petals.shims:import_petals"]
     (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
     try:
         launch = zygote.start(zygote.request(["-m", "dist_eval", *args], nproc, full_env, free_port(), preload),

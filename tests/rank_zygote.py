@@ -112,7 +112,7 @@ def _run_rank(request: dict, rank: int, out_fd: int, err_fd: int) -> None:
             os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.chdir(request["cwd"])
         if "hivemind" in sys.modules:  # as each torchrun rank has: a rank killed holding one hangs no other
-            from dist_eval.backends.patches import own_hivemind_locks
+            from dist_eval.backends.petals.shims import own_hivemind_locks
 
             own_hivemind_locks()
         # python -u: stdout and stderr unbuffered

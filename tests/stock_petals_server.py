@@ -8,8 +8,8 @@ stands in for the servers of a swarm that others run. Tests put it in place of
 import sys
 
 if __name__ == "__main__":
-    from dist_eval.backends.compat import import_petals, no_random_init_of_meta_tensors
-    from dist_eval.backends.patches import apply
+    from dist_eval.backends.compat import no_random_init_of_meta_tensors
+    from dist_eval.backends.petals.shims import apply, import_petals
     from dist_eval.swarm import server
 
     argv = server.take_state_file(sys.argv[1:])

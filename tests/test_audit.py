@@ -1,4 +1,4 @@
-"""The swarm audit (issue 49, dist_eval/backends/audit.py) on real local swarms: an honest swarm's
+"""The swarm audit (issue 49, dist_eval/backends/petals/audit.py) on real local swarms: an honest swarm's
 replays agree bit for bit; a server whose block differs from its replicas' (another revision of
 the weights, served under the same prefix) is found on its first request, outvoted by a third
 server, named and left out, and so is one answering NaN, the run's logits the local backend's; a
@@ -25,12 +25,12 @@ from safetensors.torch import load_file, save_file
 from dist_eval import evaluate
 from dist_eval.backends import load_model
 from dist_eval.backends.arguments import audit_share
-from dist_eval.backends.audit import NonFiniteAnswer, summary_line
+from dist_eval.backends.petals.audit import NonFiniteAnswer, summary_line
 from dist_eval.backends.tokenizer import load_tokenizer
-from dist_eval.backends.wire import TEST_FAULT_ENV
 from dist_eval.errors import UsageError
 from dist_eval.rowstore import blamed_servers
 from dist_eval.rowstore.upkeep import key_folders, survey
+from dist_eval.swarm.wire import TEST_FAULT_ENV
 
 pytestmark = pytest.mark.swarm
 
@@ -85,7 +85,7 @@ def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
     whose block 2 differs by 1e-3 in one weight (another revision, say); the fourth answers row 0
     of every request all NaN; the fifth shifts every row of 3 in 4 of its answers after its first
     two (one connection handler, the draws of Random(0): 1st, 2nd right, 3rd to 6th shifted, 7th
-    right, ...) (the test-only fault hook, wire.TEST_FAULT_ENV, each for its own copy of the
+    right, ...) (the test-only fault hook, swarm.wire.TEST_FAULT_ENV, each for its own copy of the
     folder); then two servers of part of the model, an honest one of blocks 0:2 and one of blocks
     2:4 that shifts row 0 of every answer; then two more of every block: one in bfloat16 that
     nudges every answer after its first 40 by 16 of its ulps (within the prior tolerance between
@@ -274,7 +274,7 @@ def datasets_of(rows):
 def _checking_from(model, rows: int, share: float):
     """An on_batch_done that turns the client's audit on (``share``) once ``rows`` rows are done: the
     answers before are taken unchecked (the checks a run makes may miss a server; a later one catches it)."""
-    from dist_eval.backends import audit
+    from dist_eval.backends.petals import audit
 
     ledger, done = audit.ledger_of(model.module.sequence_manager), [0]
     ledger.share = 0.0
@@ -448,7 +448,7 @@ def test_a_server_at_fault_on_a_route_of_several_is_found_span_by_span_and_left_
     client's route is pinned through the two halves (petals draws routes by span length: 1 in 25)."""
     import dataclasses
 
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()
     from petals.client.routing.sequence_manager import RemoteSequenceManager
@@ -524,7 +524,7 @@ def test_a_server_blamed_after_answers_of_it_were_taken_stops_the_run_in_one_lin
     evaluate them again (not the forward loop: audit.Redo), the run stops, naming it."""
     from types import SimpleNamespace
 
-    from dist_eval.backends.audit import AuditLedger, ServerAudit, exclude_if_unused, mismatch
+    from dist_eval.backends.petals.audit import AuditLedger, ServerAudit, exclude_if_unused, mismatch
 
     span = lambda peer: SimpleNamespace(peer_id=peer, start=0, end=4)  # noqa: E731
     ledger = AuditLedger(share=0.1, servers={"odd": ServerAudit(computed=5, unchecked=3)})
@@ -542,7 +542,7 @@ def test_a_server_blamed_after_answers_of_it_were_taken_stops_the_run_in_one_lin
 def test_every_batch_a_blamed_server_answered_is_evaluated_again_once_also_one_in_flight_at_the_blame():
     """audit.Redo, the forward loop's: a batch taken before the blame, and one whose forward was in flight
     when it came (consumed after), are each due once; a redo that met the blamed server again stops the run."""
-    from dist_eval.backends.audit import AuditLedger, AuditMismatch, Redo, Taken
+    from dist_eval.backends.petals.audit import AuditLedger, AuditMismatch, Redo, Taken
 
     ledger, redo = AuditLedger(share=0.1), Redo()
     redo.watch(0, "batch 0", Taken(ledger, frozenset({"x", "a"})))
@@ -563,7 +563,7 @@ def test_the_rows_drawn_for_a_check_are_the_same_in_any_batch_and_the_share_of_t
     around it: no part), so every N and every batch size check the same rows; about the share of them."""
     import torch
 
-    from dist_eval.backends.audit import AuditLedger, ServerAudit, row_digests
+    from dist_eval.backends.petals.audit import AuditLedger, ServerAudit, row_digests
 
     ids = torch.randint(1, 50, (400, 9), generator=torch.Generator().manual_seed(0))
     positions = [3 + i % 6 for i in range(400)]
@@ -587,7 +587,7 @@ def test_the_tolerance_between_other_numerics_is_calibrated_on_the_runs_honest_a
 
     import torch
 
-    from dist_eval.backends import audit
+    from dist_eval.backends.petals import audit
 
     def span(dtype, kernels=None):
         info = SimpleNamespace(version="2.2.0", torch_dtype=dtype, quant_type="none", adapters=(),

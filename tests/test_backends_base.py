@@ -128,7 +128,7 @@ def test_local_zero_shot_and_object_backends_implement_the_contract(tiny_model, 
 
 @pytest.mark.swarm
 def test_petals_backends_implement_the_contract(tiny_model, tiny_checkpoint, tiny_swarm):
-    from dist_eval.backends.petals import PetalsClassifier
+    from dist_eval.backends.petals.backend import PetalsClassifier
 
     swarm = tiny_swarm
     loaded = []

@@ -1,4 +1,5 @@
-"""dist_eval.backends.compat (and the hivemind patches of dist_eval.backends.patches), checked on the real classes."""
+"""dist_eval.backends.compat (and the hivemind patches of dist_eval.backends.petals.shims), checked on the real
+classes."""
 import os
 import subprocess
 import sys
@@ -58,9 +59,9 @@ def _stubs_from_threads(servicer_class, num_threads: int = 8):
 def test_concurrent_first_stubs_all_succeed():
     """The cause of "failed a request (TypeError: 'NoneType' object is not callable)" on a
     rank's first forwards: threads creating the first stub at once."""
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.petals.shims import import_petals
 
-    import_petals()  # applies the stub lock (patches.thread_safe_stub_collection), as every rank does
+    import_petals()  # applies the stub lock (shims.thread_safe_stub_collection), as every rank does
     stubs, errors = _stubs_from_threads(_fresh_servicer_class())
     assert errors == [] and len(stubs) == 8
     assert all(hasattr(stub, "rpc_info") and hasattr(stub, "rpc_forward_stream") for stub in stubs)
@@ -94,7 +95,7 @@ def test_unpatched_hivemind_fails_the_same_way(monkeypatch):
     for while the first thread is inside the collection fails, whatever the scheduling."""
     from hivemind.p2p.servicer import ServicerBase
 
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()
     original = ServicerBase._collect_rpc_handlers.__func__.__wrapped__
@@ -122,7 +123,7 @@ def test_fresh_clients_first_requests_at_once_never_fail(tiny_model, tiny_checkp
     import torch
 
     from dist_eval.backends import load_model
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()
     from petals.server.handler import TransformerConnectionHandler
@@ -196,7 +197,8 @@ def test_meta_tensors_are_not_randomly_initialised_and_others_are_unchanged(data
 
 _QUIET_THEN_DATASETS = """
 import sys
-from dist_eval.backends.compat import import_petals, quiet_third_party_output
+from dist_eval.backends.compat import quiet_third_party_output
+from dist_eval.backends.petals.shims import import_petals
 quiet_third_party_output()
 import_petals()
 print("datasets imported by petals' import:", "datasets" in sys.modules)

@@ -1,4 +1,4 @@
-"""The petals client's failover as dist_eval patches it (dist_eval.backends.failover), and how a
+"""The petals client's failover as dist_eval patches it (dist_eval.backends.petals.failover), and how a
 swarm failure is reported (dist_eval.backends), on an in-memory routing table: fast,
 no servers. The same behaviour on a real swarm: tests/test_swarm_failover.py."""
 import threading
@@ -16,7 +16,7 @@ class _NoPings:
 
 def make_manager(placement=PLACEMENT):
     """A RemoteSequenceManager whose routing table lists ``placement`` (no DHT, no thread)."""
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()  # every client patch, the failover's included
     from hivemind import PeerID
@@ -30,7 +30,7 @@ def make_manager(placement=PLACEMENT):
     )
     from petals.data_structures import RemoteModuleInfo, ServerInfo, ServerState
 
-    from dist_eval.backends.petals import DEFAULT_CLIENT_OPTIONS
+    from dist_eval.backends.petals.backend import DEFAULT_CLIENT_OPTIONS
 
     peers = [PeerID(f"server-{i}".encode()) for i in range(len(placement))]
     uids = [f"test.{b}" for b in range(NUM_BLOCKS)]
@@ -78,7 +78,7 @@ def test_a_failed_server_leaves_routing_at_once(capsys):
 
 
 def test_unserved_blocks_are_those_whose_every_server_fails():
-    from dist_eval.backends.failover import unserved_blocks
+    from dist_eval.backends.petals.failover import unserved_blocks
 
     manager, peers, listing = make_manager()
     assert unserved_blocks(manager) == []
@@ -96,7 +96,7 @@ def test_unserved_blocks_are_those_whose_every_server_fails():
 
 
 def test_swarm_failure_is_one_line_naming_blocks_and_flag():
-    from dist_eval.backends.failover import swarm_failure
+    from dist_eval.backends.petals.failover import swarm_failure
     from dist_eval.errors import UsageError, flag_names
 
     manager, peers, _ = make_manager()
@@ -119,7 +119,7 @@ def test_swarm_failure_is_one_line_naming_blocks_and_flag():
 def test_swarm_failure_names_blocks_from_petals_missing_blocks_error():
     from petals.client.routing.sequence_manager import MissingBlocksError
 
-    from dist_eval.backends.failover import swarm_failure
+    from dist_eval.backends.petals.failover import swarm_failure
 
     manager, _, _ = make_manager()  # no failure recorded: petals found no server listed at all
     text = str(swarm_failure(manager, 60.0, 60.5, MissingBlocksError([1, 2])))
@@ -134,7 +134,7 @@ def test_bounded_remote_forward_retries_then_fails(monkeypatch):
     import types
 
     from dist_eval.backends.families import FAMILIES
-    from dist_eval.backends.petals import PetalsClassifier
+    from dist_eval.backends.petals.backend import PetalsClassifier
     from dist_eval.errors import UsageError
 
     manager, peers, _ = make_manager()

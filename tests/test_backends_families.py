@@ -49,7 +49,7 @@ def test_entry_names_real_classes_and_attributes(name):
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_petals_class_exists_with_the_table_paths(name):
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()
     family = FAMILIES[name]
@@ -63,8 +63,8 @@ def test_petals_class_exists_with_the_table_paths(name):
 def test_server_blocks_of_dist_evals_own_layers_are_the_local_layers_by_index(name):
     """petals' server builds a block as config.block_class(config); told the index it loads
     (as dist_eval's servers do), it is the local model's layer of that index, tensor for tensor."""
-    from dist_eval.backends.compat import import_petals
     from dist_eval.backends.layers import SERVER_BLOCK_INDEX
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()
     family = FAMILIES[name]

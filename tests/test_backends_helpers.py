@@ -1,4 +1,4 @@
-"""dist_eval.backends.helpers on real processes: a DHT-process stand-in with a child named
+"""dist_eval.backends.petals.helpers on real processes: a DHT-process stand-in with a child named
 p2pd (the real client is killed mid-run in tests/test_swarm_failover.py)."""
 import contextlib
 import os
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dist_eval.backends.helpers import HelperDied, HelperWatch, client_helper_pids, is_running
+from dist_eval.backends.petals.helpers import HelperDied, HelperWatch, client_helper_pids, is_running
 from dist_eval.watchdog import Watchdog
 
 # a process that starts a child named p2pd (a copy of sleep), as hivemind's DHT process does
@@ -145,8 +145,8 @@ _LOST_HANDOFF = """
 import os, select, socket, sys
 from multiprocessing import reduction, resource_sharer
 if sys.argv[1] == "patched":
-    from dist_eval.backends import helpers, patches
-    patches.apply("quiet_lost_handoffs", "client", helpers.quiet_lost_handoffs)
+    from dist_eval.backends.petals import helpers, shims
+    shims.apply("quiet_lost_handoffs", "client", helpers.quiet_lost_handoffs)
 read_end, _ = os.pipe()
 address, _key = reduction.DupFd(read_end)._id  # served by this process's resource-sharer thread
 child = os.fork()
@@ -184,7 +184,7 @@ def test_an_own_daemon_error_is_a_servers_only_while_the_rank_and_its_helpers_ru
     stopping) is warned about as the server's failure after the grace, or at once when the client closes, unless the
     client's HelperWatch finds a helper dead or the rank is told to stop first (a cancel signals them all): decided
     on those conditions, not on the time the rank takes to hear its own signal (60 s of grace, answered at once)."""
-    from dist_eval.backends import failover
+    from dist_eval.backends.petals import failover
     from dist_eval.errors import stopping
 
     dht, pids = helpers
@@ -219,7 +219,7 @@ def test_a_close_while_a_daemon_errors_warning_starts_joins_only_started_threads
     ordinary user). The close runs here at that very moment, inside start(): the warning is said once, no error."""
     import threading
 
-    from dist_eval.backends import failover
+    from dist_eval.backends.petals import failover
 
     class CloseDuringStart(threading.Thread):
         def start(self):

@@ -175,7 +175,7 @@ def swarm(request, tmp_path_factory):
 
 def petals_object(family, swarm, mode, pre_seq_len):
     """The family's class for Llama; petals' Auto class (which builds the family's) for the others."""
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()
     import petals
@@ -195,7 +195,7 @@ def petals_object(family, swarm, mode, pre_seq_len):
 def test_petals_object_equals_load_model_bitwise(swarm, dataset, tmp_path, mode):
     from transformers import AutoTokenizer
 
-    from dist_eval.backends.compat import shutdown_petals_client
+    from dist_eval.backends.petals.helpers import shutdown_petals_client
 
     family, swarm = swarm
     tokenizer = AutoTokenizer.from_pretrained(swarm.model_dir)
@@ -302,14 +302,14 @@ def test_evaluate_on_a_petals_object_leaves_the_callers_process_as_found(tiny_sw
     import transformers
     from transformers import AutoTokenizer
 
-    from dist_eval.backends import compat
+    from dist_eval.backends.petals import helpers, shims
 
     for name in LEFT_ALONE:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(compat, "_quieted", False)  # as in a process that never imported petals through dist_eval
+    monkeypatch.setattr(shims, "_quieted", False)  # as in a process that never imported petals through dist_eval
     before, bars = dict(os.environ), datasets.is_progress_bar_enabled()
     verbosity = transformers.logging.get_verbosity()
-    petals = compat.import_petals()
+    petals = shims.import_petals()
     assert dict(os.environ) == before, {k: os.environ.get(k) for k in set(os.environ) ^ set(before)}
     model = petals.DistributedLlamaForSequenceClassification.from_pretrained(
         tiny_swarm.model_dir, initial_peers=tiny_swarm.initial_peers, dht_prefix=tiny_swarm.dht_prefix,
@@ -319,7 +319,7 @@ def test_evaluate_on_a_petals_object_leaves_the_callers_process_as_found(tiny_sw
         result = evaluate(model, dataset, tokenizer=AutoTokenizer.from_pretrained(tiny_swarm.model_dir), batch_size=8,
                           bootstrap_resamples=0)
     finally:
-        compat.shutdown_petals_client(model.model.layers.sequence_manager)
+        helpers.shutdown_petals_client(model.model.layers.sequence_manager)
     assert result.metrics["num_samples"] == len(dataset)
     assert dict(os.environ) == before, {k: os.environ.get(k) for k in set(os.environ) ^ set(before)}
     assert datasets.is_progress_bar_enabled() == bars and transformers.logging.get_verbosity() == verbosity

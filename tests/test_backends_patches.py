@@ -1,4 +1,4 @@
-"""dist_eval.backends.patches: every patch of petals/hivemind applied in one place per side,
+"""dist_eval.backends.petals.shims: every patch of petals/hivemind applied in one place per side,
 the version guard, the inventory in docs/design.md, and what counts as a server failure.
 The last two tests run a real private swarm (marked `swarm`)."""
 import json
@@ -22,19 +22,19 @@ SERVER_PATCHES = [*CLIENT_PATCHES, "merged_forward", "wire_server", "config_form
 
 # each in a fresh Python: the patches applied after one entry point, and the symbols they replaced
 ENTRY_POINTS = {
-    "import_petals": "from dist_eval.backends.compat import import_petals\nimport_petals()",
+    "import_petals": "from dist_eval.backends.petals.shims import import_petals\nimport_petals()",
     "PetalsClassifier": """
 import types, torch
 from dist_eval.backends.families import FAMILIES
-from dist_eval.backends.petals import PetalsClassifier
+from dist_eval.backends.petals.backend import PetalsClassifier
 layers = types.SimpleNamespace(forward=None, sequence_manager=types.SimpleNamespace(state=None, dht=None))
 inner = types.SimpleNamespace(model=types.SimpleNamespace(layers=layers, embed_tokens=torch.nn.Embedding(5, 2)),
                               config=types.SimpleNamespace(tuning_mode=None, pre_seq_len=0))
-import dist_eval.backends.petals as p
+import dist_eval.backends.petals.backend as p
 p.HelperWatch = lambda *a, **k: types.SimpleNamespace(start=lambda: None)  # no helper processes here
 PetalsClassifier(inner, FAMILIES["llama"])""",
     "load_petals": """
-from dist_eval.backends.petals import load_petals
+from dist_eval.backends.petals.backend import load_petals
 from dist_eval.errors import UsageError
 try:
     load_petals("unused", None, None, [], None, {}, 1.0)
@@ -42,13 +42,13 @@ except UsageError:
     pass""",
     "apply_server_patches": "from dist_eval.swarm.server import apply_server_patches\napply_server_patches()",
 }
-_REPORT = "\nfrom dist_eval.backends import patches\nprint(json.dumps([patches.applied(), patches.replaced()]))"
+_REPORT = "\nfrom dist_eval.backends.petals import shims\nprint(json.dumps([shims.applied(), shims.replaced()]))"
 # test_the_server_patches_refuse_another_order's check, in import_petals' fresh Python after its entry (a fresh
 # Python less): a server patch applied before the one it wraps is refused, and nothing is set or recorded (the
 # entry's report, after it, still lists the client patches alone)
 _REFUSAL = """
-from dist_eval.backends import wire
-from dist_eval.backends.patches import apply
+from dist_eval.swarm import wire
+from dist_eval.backends.petals.shims import apply
 try:
     apply("wire_server", "server", wire.server_replacements, after=("merged_forward",))
 except RuntimeError as e:
@@ -91,6 +91,40 @@ def test_the_inventory_lists_exactly_what_the_patches_replace(entry_results):
     assert _inventory() == replaced
 
 
+def test_every_bridge_is_still_needed_by_the_installed_stack_and_applied(entry_results):
+    """Issue 71: a bridge (shims.BRIDGES) the installed petals/hivemind no longer needs fails here: remove it, and
+    its version pin. Asked in a fresh Python after import_petals (the probes read the originals apply recorded)."""
+    code = ("from dist_eval.backends.petals import shims\nshims.import_petals()\n"
+            "print('NEEDED', json.dumps(shims.still_needed()))")
+    applied, _, printed = _in_fresh_python(code)
+    needed = json.loads(printed.split("NEEDED ", 1)[1].splitlines()[0])
+    from dist_eval.backends.petals.shims import BRIDGES
+
+    assert set(needed) == set(BRIDGES) and all(needed.values()), needed
+    assert set(BRIDGES) <= set(applied) and set(BRIDGES) <= set(CLIENT_PATCHES)
+
+
+def test_a_bridge_found_unneeded_says_so(monkeypatch):
+    """The probes can say no: hivemind with every name petals imports, petals' start-up without a PyPI check."""
+    from dist_eval.backends.petals import shims
+
+    shims.import_petals()  # first: petals imports what the re-exports put back
+    import hivemind
+    import petals.utils.version as version
+
+    assert shims.still_needed()["hivemind_reexports"]
+    monkeypatch.setitem(shims._applied, "hivemind_reexports", ("both", []))  # as if nothing had been missing
+    for name in shims._HIVEMIND_REEXPORTS:
+        monkeypatch.setattr(hivemind, name, getattr(hivemind, name), raising=False)
+    monkeypatch.setitem(shims._applied, "no_version_check", ("both", []))
+
+    def validate_version():  # a petals whose start-up asks nobody
+        return None
+
+    monkeypatch.setattr(version, "validate_version", validate_version)
+    assert shims.still_needed() == {"hivemind_reexports": False, "stub_lock": True, "no_version_check": False}
+
+
 def test_the_server_patches_refuse_another_order(entry_results):
     """After import_petals (client patches only), in a fresh Python: _REFUSAL (run there, its asserts with it)."""
     applied, _, printed = entry_results["import_petals"]
@@ -99,22 +133,22 @@ def test_the_server_patches_refuse_another_order(entry_results):
 
 
 def test_another_petals_or_hivemind_is_refused_in_one_line_unless_allowed(monkeypatch, capsys):
-    from dist_eval.backends import patches
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.petals import shims
+    from dist_eval.backends.petals.shims import import_petals
     from dist_eval.errors import UsageError
 
     versions = {"petals": "2.3.0", "hivemind": "1.1.12"}
-    monkeypatch.setattr(patches, "installed_version", versions.get)
-    monkeypatch.setattr(patches, "_versions_checked", False)
-    monkeypatch.delenv(patches.ALLOW_UNSUPPORTED_ENV, raising=False)
-    with pytest.raises(patches.UnsupportedPetalsError) as caught:
+    monkeypatch.setattr(shims, "installed_version", versions.get)
+    monkeypatch.setattr(shims, "_versions_checked", False)
+    monkeypatch.delenv(shims.ALLOW_UNSUPPORTED_ENV, raising=False)
+    with pytest.raises(shims.UnsupportedPetalsError) as caught:
         import_petals()  # checked before anything is imported or patched
     text = str(caught.value)
     assert "\n" not in text and isinstance(caught.value, ImportError) and isinstance(caught.value, UsageError)
     assert text.startswith("installed: petals 2.3.0; dist_eval's petals patches support petals 2.2.0.post1")
     assert "DIST_EVAL_ALLOW_UNSUPPORTED_PETALS=1" in text and "hivemind" not in text  # only what differs
 
-    monkeypatch.setenv(patches.ALLOW_UNSUPPORTED_ENV, "1")
+    monkeypatch.setenv(shims.ALLOW_UNSUPPORTED_ENV, "1")
     import_petals()
     import_petals()  # checked once per process: one warning line
     warnings = [line for line in capsys.readouterr().err.splitlines() if "trying anyway" in line]
@@ -122,13 +156,13 @@ def test_another_petals_or_hivemind_is_refused_in_one_line_unless_allowed(monkey
 
 
 def test_only_transport_and_server_errors_are_server_failures():
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()
     from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, P2PHandlerError
     from petals.client.routing.sequence_manager import MissingBlocksError
 
-    from dist_eval.backends.failover import ServerAnswerError, server_failure
+    from dist_eval.backends.petals.failover import ServerAnswerError, server_failure
 
     for error in (P2PHandlerError("Failed to call handler"), ControlFailure("failed to dial"), TimeoutError(),
                   ConnectionResetError(), EOFError(), MissingBlocksError([1]), ServerAnswerError("shape")):
@@ -149,7 +183,7 @@ def test_a_client_error_in_petals_own_requests_bans_no_server(capsys):
 
 
 def test_a_size_refusal_in_unknown_words_is_no_dead_server():
-    from dist_eval.backends.requests import RequestTooLarge, UnrecognisedRefusal, too_large
+    from dist_eval.backends.petals.requests import RequestTooLarge, UnrecognisedRefusal, too_large
 
     assert too_large(RuntimeError("Task size greater than max_batch_size (64), it can't be processed")).server_limit \
         == 64 and isinstance(too_large(RuntimeError("Task size greater than max_batch_size (8)")), RequestTooLarge)
@@ -185,7 +219,7 @@ def test_a_client_side_error_ends_the_run_at_once_and_bans_no_server(swarm, tiny
     from transformers import AutoTokenizer
 
     from dist_eval import evaluate, load_model
-    from dist_eval.backends import wire
+    from dist_eval.backends.petals import wire
     from dist_eval.ranks.phases import RankFailure
 
     model = load_model("petals", tiny_model, checkpoint=tiny_checkpoint, initial_peers=swarm.initial_peers,
@@ -218,8 +252,9 @@ def test_a_petals_object_with_requests_in_flight_on_a_fresh_stub_class_fails_non
     """The in-memory model path applies the stub lock too, on hivemind's stub class as a fresh
     process has it (see _fresh_stub_class_without_the_lock)."""
     from dist_eval import evaluate
-    from dist_eval.backends import patches
-    from dist_eval.backends.compat import import_petals, shutdown_petals_client
+    from dist_eval.backends.petals import shims
+    from dist_eval.backends.petals.helpers import shutdown_petals_client
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()  # petals' own import needs dist_eval's hivemind re-exports
     from petals.utils.auto_config import AutoDistributedModelForSequenceClassification
@@ -236,7 +271,7 @@ def test_a_petals_object_with_requests_in_flight_on_a_fresh_stub_class_fails_non
         failures = _failures(manager)
     finally:
         shutdown_petals_client(manager)
-    assert "stub_lock" in patches.applied()  # applied again by the object's path
+    assert "stub_lock" in shims.applied()  # applied again by the object's path
     assert result.predictions.logits.shape == (len(data), 3)
     assert failures == []
     assert "failed a request" not in capfd.readouterr().err
@@ -248,11 +283,11 @@ def _fresh_stub_class_without_the_lock(monkeypatch) -> None:
     from hivemind.p2p.servicer import ServicerBase
     from petals.server.handler import TransformerConnectionHandler
 
-    from dist_eval.backends import patches
+    from dist_eval.backends.petals import shims
 
     monkeypatch.setattr(ServicerBase, "_collect_rpc_handlers",
                         classmethod(ServicerBase._collect_rpc_handlers.__func__.__wrapped__))
-    monkeypatch.delitem(patches._applied, "stub_lock")
+    monkeypatch.delitem(shims._applied, "stub_lock")
     monkeypatch.setattr(TransformerConnectionHandler, "_rpc_handlers", None)
     monkeypatch.setattr(TransformerConnectionHandler, "_stub_type", None)
     strip = TransformerConnectionHandler._strip_iterator_hint

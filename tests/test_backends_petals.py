@@ -158,8 +158,8 @@ def test_deep_prompts_travel_once_per_request(swarm, tiny_model, tmp_path):
     from inprocess_cli import one_thread
 
     from dist_eval.backends import load_model
-    from dist_eval.backends.compat import import_petals
-    from dist_eval.backends.requests import RequestTooLarge, learn_server_limit
+    from dist_eval.backends.petals.requests import RequestTooLarge, learn_server_limit
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()  # petals' own import needs dist_eval's hivemind compatibility first
     from petals.client import remote_forward_backward, sequential_autograd
@@ -195,7 +195,7 @@ def test_deep_prompts_travel_once_per_request(swarm, tiny_model, tmp_path):
     assert_within_rounding(split, local, "the logits of a batch split in two requests, against local",
                            why="the server's limit cuts the batch into requests of fewer rows")
     # hidden states (or, to a first server holding the client's token embeddings, token ids:
-    # backends.wire) and deep prompts, then what comes with token ids
+    # backends.petals.wire) and deep prompts, then what comes with token ids
     assert sent and all(len(shapes) in (2, 4) for shapes in sent)
     with_grad = sent[len(compact_sent):]
     assert with_grad and all(len(shapes) == 2 and shapes[1][1] == shapes[0][0] == 3 for shapes in with_grad)

@@ -3,7 +3,7 @@ ServerInfo and RemoteModuleInfo), identical replicas or not, and the summary's w
 import importlib
 import os
 
-from dist_eval.backends.compat import import_petals
+from dist_eval.backends.petals.shims import import_petals
 from dist_eval.backends.provenance import replicas_warning, swarm_provenance
 
 import_petals()  # petals 2.2 meets hivemind 1.1.12
@@ -68,7 +68,7 @@ def test_a_family_of_dist_evals_own_layers_refuses_a_swarm_with_stock_servers():
 
     from dist_eval.backends.blocks import SERVER_VERSION_MARK
     from dist_eval.backends.families import FAMILIES
-    from dist_eval.backends.petals import _require_block_options
+    from dist_eval.backends.petals.backend import _require_block_options
     from dist_eval.errors import UsageError
 
     ours = server(0, 4, version="2.2.0.post1" + SERVER_VERSION_MARK)
@@ -96,7 +96,7 @@ def test_a_falcon_of_another_rope_theta_refuses_stock_servers_and_an_older_dist_
 
     from dist_eval.backends.blocks import SERVER_VERSION_MARK
     from dist_eval.backends.families import FAMILIES
-    from dist_eval.backends.petals import _require_block_options
+    from dist_eval.backends.petals.backend import _require_block_options
     from dist_eval.errors import UsageError
 
     ours, older = (server(0, 4, version="2.2.0.post1" + mark) for mark in (SERVER_VERSION_MARK, "+dist_eval.blocks1"))

@@ -1,4 +1,4 @@
-"""dist_eval.backends.wire: token ids in (a first server with the client's own token
+"""dist_eval.backends.petals.wire: token ids in (a first server with the client's own token
 embeddings looks them up), read positions out (the last server answers only the positions
 the classifier head reads), and the logits stay those of the local backend, bit for bit;
 a server of petals' own (which offers no table and ignores the positions) is sent hidden
@@ -12,18 +12,17 @@ import torch
 from conftest import REPO, build_checkpoint, build_tiny_model, forking_from
 from float_promises import assert_same_bits, assert_within_rounding
 
-from dist_eval.backends.wire import (
+from dist_eval.backends.petals.wire import (
     POSITIONS_KEY,
     _check_answer,
-    _embed_on_server,
     _PeerWire,
     _Request,
     _request_tensors,
-    _server,
     embed,
     embeddings_digest,
     read_positions,
 )
+from dist_eval.swarm.wire import _embed_on_server, _server
 
 # ------------------------------------------------------------------ the protocol's checks
 
@@ -80,7 +79,7 @@ def test_the_digest_is_of_the_float32_values_and_the_shape():
 
 
 def test_a_server_refuses_token_ids_for_another_table_or_outside_its_own(monkeypatch):
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()  # petals' own import needs dist_eval's hivemind compatibility first
     table = torch.randn(10, 4)
@@ -172,7 +171,7 @@ def _recording_forwards():
 
     from hivemind.utils import MSGPackSerializer
 
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()
     from petals.client import remote_forward_backward, sequential_autograd
@@ -201,7 +200,7 @@ def _remote_and_local(swarm, model, checkpoint, batches):
     from inprocess_cli import one_thread
 
     from dist_eval.backends import load_model
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()
     patch, calls = _recording_forwards()
@@ -280,7 +279,7 @@ def test_a_batch_split_into_requests_reads_each_requests_positions(two_span_swar
     from inprocess_cli import one_thread
 
     from dist_eval.backends import load_model
-    from dist_eval.backends.requests import RequestTooLarge, learn_server_limit
+    from dist_eval.backends.petals.requests import RequestTooLarge, learn_server_limit
 
     checkpoint = build_checkpoint(str(tmp_path / "ck.pt"), pre_seq_len=3)
     ids = _right_padded_rows([9, 4, 1, 9, 6, 2, 7])

@@ -113,8 +113,9 @@ def petals_object_logits(swarm, checkpoint, dataset, folder):
     from transformers import AutoTokenizer
 
     from dist_eval.backends.checkpoint import load_checkpoint
-    from dist_eval.backends.compat import import_petals, shutdown_petals_client
     from dist_eval.backends.families import FAMILIES
+    from dist_eval.backends.petals.helpers import shutdown_petals_client
+    from dist_eval.backends.petals.shims import import_petals
 
     state = load_checkpoint(checkpoint)
     model = getattr(import_petals(), FAMILIES["llama"].petals_class).from_pretrained(

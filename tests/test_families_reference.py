@@ -288,8 +288,8 @@ def test_server_blocks_equal_the_local_blocks_on_the_same_hidden_states(request,
     row's token ids where the block routes by them (without them a hash-routed block fails its request)."""
     from dist_eval.backends import load_model
     from dist_eval.backends.blocks import register, server_block_replacements
-    from dist_eval.backends.compat import import_petals
     from dist_eval.backends.config_json import family_of_folder
+    from dist_eval.backends.petals.shims import import_petals
     from dist_eval.backends.petals_folder import petals_model_folder
 
     import_petals()

@@ -580,7 +580,7 @@ def test_rows_record_their_servers_and_those_of_a_blamed_server_are_never_served
     audit blames is named in a .blamed file: its rows pending are not written, those written before
     (this run's or an earlier one's) are served by no later run, and compact drops them, keeping the
     others' servers."""
-    from dist_eval.backends.audit import AuditLedger, Taken
+    from dist_eval.backends.petals.audit import AuditLedger, Taken
     from dist_eval.rowstore import RowSource, read_rows
     from dist_eval.rowstore.upkeep import main
 

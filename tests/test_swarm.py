@@ -201,8 +201,9 @@ def test_petals_client_forward_matches_local_model(tiny_swarm):
     import torch
     from transformers import LlamaForSequenceClassification
 
-    from dist_eval.backends.compat import import_petals, shutdown_petals_client
     from dist_eval.backends.families import FAMILIES
+    from dist_eval.backends.petals.helpers import shutdown_petals_client
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()
     from petals import DistributedLlamaForSequenceClassification

@@ -213,7 +213,7 @@ def files_while_held_and_after():
     return held, mine()
 
 print(*files_while_held_and_after())
-from dist_eval.backends.patches import apply
+from dist_eval.backends.petals.shims import apply
 from dist_eval.swarm.server import _inherited_shared_memory_kept
 apply("inherited_shared_memory", "server", _inherited_shared_memory_kept)
 print(*files_while_held_and_after())
@@ -294,7 +294,7 @@ def test_a_server_killed_holding_a_hivemind_lock_hangs_no_other_server(tmp_path)
     servers of one fork server shared them, and one SIGKILLed while holding one (SharedBytes._lock, taken by every
     MPFuture a task makes) hung every other server at its next request (the failover test's healthy servers timed
     out, about one run in eight). A server forked by swarm.forks takes locks of its own
-    (patches.own_hivemind_locks). The plain fork beside it shows the hazard the test guards against."""
+    (shims.own_hivemind_locks). The plain fork beside it shows the hazard the test guards against."""
     done = subprocess.run([sys.executable, "-c", _SIBLING_KILLED, str(tmp_path)], capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.dirname(SWARM)), timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]

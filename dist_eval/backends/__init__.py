@@ -8,13 +8,10 @@
 - :mod:`~dist_eval.backends.checkpoint`: the trained prompts + head, read from every form users hold
 - :mod:`~dist_eval.backends.petals_folder`: a model folder in the layout petals' server and client read
 - :mod:`~dist_eval.backends.local`: the same model computed in-process (the reference)
-- :mod:`~dist_eval.backends.petals`: blocks on a swarm (petals imported lazily)
-- :mod:`~dist_eval.backends.requests`: a batch goes as one request, split only to what a server accepts
-- :mod:`~dist_eval.backends.failover`: routing around failed servers; naming unserved blocks
-- :mod:`~dist_eval.backends.wire`: what a forward sends to the swarm and gets back (both halves)
-- :mod:`~dist_eval.backends.helpers`: the petals client's helper processes, and a watch over them
-- :mod:`~dist_eval.backends.patches`: every change dist_eval makes to petals and hivemind, applied in one place
-- :mod:`~dist_eval.backends.compat`: importing petals (the one way: every client patch), and its side effects
+- :mod:`~dist_eval.backends.petals`: blocks on a swarm: the petals backend, its requests, failover, audit, the
+  wire's client half, the client's helper processes, and every change dist_eval makes to petals (petals imported
+  lazily)
+- :mod:`~dist_eval.backends.compat`: what dist_eval's own code needs of the installed transformers; quieting
 
 The names below are imported on first use: ``dist_eval.swarm`` reads model folders with
 :mod:`~dist_eval.backends.petals_folder` and must not import torch by running this file.

@@ -15,7 +15,7 @@ from dist_eval.errors import UsageError
 # block failed): --swarm-timeout's default, and load_model's.
 DEFAULT_SWARM_TIMEOUT = 60.0
 
-# --audit (dist_eval.backends.audit): the share of requests replayed on other servers, on a swarm
+# --audit (dist_eval.backends.petals.audit): the share of requests replayed on other servers, on a swarm
 # dist_eval did not start (the run's own: none); $DIST_EVAL_AUDIT names another default (the suite's
 # is 0: tests/conftest.py)
 DEFAULT_AUDIT_SHARE = 0.03

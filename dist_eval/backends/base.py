@@ -2,7 +2,7 @@
 
 A backend is the module that turns a batch of token ids into one row of logits per class.
 The local (:class:`~dist_eval.backends.local.PromptTunedClassifier`), petals
-(:class:`~dist_eval.backends.petals.PetalsClassifier`) and zero-shot
+(:class:`~dist_eval.backends.petals.backend.PetalsClassifier`) and zero-shot
 (:class:`~dist_eval.backends.zeroshot.ZeroShotScorer`) backends derive from :class:`Backend`,
 and so does what :mod:`dist_eval.backends.objects` builds around a user's model object.
 
@@ -62,7 +62,8 @@ class Backend(nn.Module, metaclass=abc.ABCMeta):
     def hidden_states_at(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The final hidden states at ``positions`` ``[batch, n]`` (token positions, prompts not counted) ->
         ``[batch, n, hidden]``: read from :meth:`hidden_states`; a backend that computes a row's positions apart
-        overrides it (petals' for DeepSeek-V4: :meth:`~dist_eval.backends.petals.PetalsClassifier.hidden_states_at`).
+        overrides it (petals' for DeepSeek-V4:
+        :meth:`~dist_eval.backends.petals.backend.PetalsClassifier.hidden_states_at`).
         """
         hidden = self.hidden_states(input_ids)
         rows = torch.arange(input_ids.shape[0]).unsqueeze(1)

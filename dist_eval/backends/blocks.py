@@ -181,7 +181,7 @@ def register() -> None:
 
     from dist_eval.backends import config_json
     from dist_eval.backends.families import FAMILIES
-    from dist_eval.backends.patches import apply
+    from dist_eval.backends.petals.shims import apply
 
     with _lock:
         apply("config_forms", "both", config_json.transformers_replacements)  # either generation's config.json
@@ -335,7 +335,7 @@ def _config_name(family) -> str:
 def family_class(name: str, in_petals: bool):
     """The class ``name`` of a family: petals' or transformers' own, or one built here."""
     if in_petals:
-        from dist_eval.backends.compat import import_petals
+        from dist_eval.backends.petals.shims import import_petals
 
         module = import_petals()  # registers petals' side too
     else:

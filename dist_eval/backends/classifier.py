@@ -149,7 +149,7 @@ def load_model(backend: str, model_dir: str, options: Optional[LoadOptions] = No
     on a hub id, each block's shards are fetched when it first runs, not before.
 
     ``audit`` (petals): the share of forwards replayed on other servers and compared
-    (:mod:`dist_eval.backends.audit`); None: ``$DIST_EVAL_AUDIT``, else 3%; 0: none.
+    (:mod:`dist_eval.backends.petals.audit`); None: ``$DIST_EVAL_AUDIT``, else 3%; 0: none.
     ``servers_started_from_4x_config`` (petals): the swarm's stock petals servers read a copy of the folder
     whose config.json is in transformers 4.x's form; without it a folder saved by transformers 5.x is
     refused on such servers, which read its RoPE wrong (:mod:`dist_eval.backends.config_json`).

@@ -1,25 +1,28 @@
-"""How a process imports petals, and keeps petals' and hivemind's side effects in bounds.
+"""What dist_eval's own code needs of the installed transformers, and the third-party output it quiets.
 
-Every process that imports petals (evaluator ranks and swarm servers alike) goes through
-:func:`import_petals` instead of ``import petals``: it checks the installed versions and
-applies dist_eval's client patches (:mod:`dist_eval.backends.patches`, which also says
-why petals 2.2.0 needs hivemind's re-exports put back to import with hivemind 1.1.12).
-The rest: quieting third-party output, a bounded client shutdown, no random init of meta
-tensors.
+The generation facts (:func:`configs_are_dataclasses`), installed versions (:func:`installed_version`), no
+random init of meta tensors, the load's "newly initialized" line for heads read right after, and the quieting
+of warnings and progress bars in the processes dist_eval owns. Importing petals, and every change dist_eval
+makes to petals and hivemind, is :mod:`dist_eval.backends.petals.shims`.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
+import importlib.metadata
 import logging
 import os
 import sys
 import warnings
+from typing import Optional
 
-from dist_eval.backends.patches import apply_client_patches, check_versions
 
-_quieted = False
+def installed_version(distribution: str) -> Optional[str]:
+    """The installed version of ``distribution`` (None: not installed), from its metadata."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @functools.cache
@@ -32,59 +35,6 @@ def configs_are_dataclasses() -> bool:
     from transformers import PretrainedConfig
 
     return dataclasses.is_dataclass(PretrainedConfig)
-
-
-class PetalsNotInstalledError(ImportError):
-    """hivemind or petals cannot be imported in this Python."""
-
-
-def import_petals():
-    """Import and return the ``petals`` module, every client patch applied (the one way to
-    import petals, and the one entry to :func:`~dist_eval.backends.patches.apply_client_patches`).
-    An :class:`~dist_eval.backends.patches.UnsupportedPetalsError` for other petals/hivemind versions.
-    """
-    check_versions()  # before anything is imported or patched
-    with environ_as_found():  # petals' import sets BITSANDBYTES_NOWELCOME: not in a caller's process
-        return _import_petals()
-
-
-def _import_petals():
-    try:
-        import hivemind  # noqa: F401
-    except ImportError as e:
-        raise PetalsNotInstalledError(
-            "--backend petals needs hivemind and petals, which are not importable in this "
-            f"Python ({e}). Install them with ./launch/install.sh (plain `pip install petals` "
-            "cannot work offline: see README 'Install')."
-        ) from e
-    global _quieted
-    if not _quieted:  # once: petals' import warns, and the patches' imports too
-        quiet_warnings()  # no variable set: this may be a caller's own process (evaluate on its model)
-        _quieted = True
-    try:
-        apply_client_patches()
-        import petals
-    except ImportError as e:
-        raise PetalsNotInstalledError(
-            f"petals is not importable ({e}). Install it with ./launch/install.sh."
-        ) from e
-    return petals
-
-
-@contextlib.contextmanager
-def environ_as_found():
-    """Within: anything; after: ``os.environ`` as it was before (variables set are removed,
-    changed or removed ones put back), so that no import leaves one in a caller's process.
-    """
-    before = dict(os.environ)
-    try:
-        yield
-    finally:
-        for name in set(os.environ) - set(before):
-            del os.environ[name]
-        for name, value in before.items():
-            if os.environ.get(name) != value:
-                os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -150,7 +100,7 @@ def heads_read_after(*heads: str):
 
 
 def quiet_warnings() -> None:
-    """Filter two warnings by their message, and nothing else: what :func:`import_petals` does
+    """Filter two warnings by their message, and nothing else: what importing petals does
     in any process, a caller's own included (no environment variable, no library's verbosity:
     a user's process is left as it was, but for two lines of noise).
     """
@@ -194,56 +144,9 @@ def quiet_third_party_output() -> None:
         datasets.logging.set_verbosity_error()
 
 
-def quiet_hivemind_logs(level: int = logging.WARNING) -> None:
-    """Keep hivemind/petals INFO chatter (routes, DHT) out of the evaluator's output."""
-    for name in ("hivemind", "petals"):
-        logging.getLogger(name).setLevel(level)
 
 
-def ensure_main_thread_event_loop() -> None:
-    """Leave a current event loop set in the main thread.
-
-    The petals client keeps a replica of its P2P handle in this process; at interpreter
-    exit its ``__del__`` calls ``asyncio.get_event_loop()``, which under hivemind's
-    uvloop policy raises when no loop is set, printing three tracebacks per process.
-    """
-    try:
-        asyncio.get_event_loop()
-    except RuntimeError:
-        asyncio.set_event_loop(asyncio.new_event_loop())
 
 
-_SHUTDOWN_WAIT = 2.0  # seconds each step of a client's shutdown may take (~0.1 s when healthy)
 
 
-def shutdown_petals_client(sequence_manager) -> None:
-    """Stop a petals client's DHT and routing thread explicitly, given its sequence manager
-    (``<the model's block stack>.sequence_manager``; None: nothing to stop).
-
-    Without this, hivemind's ``__del__`` hooks run at interpreter exit after the event
-    loop is gone and print "no current event loop" errors (the exit code stays 0).
-    """
-    ensure_main_thread_event_loop()
-    if sequence_manager is None:
-        return
-    try:  # bounded: a routing refresh stuck on a dead DHT process never ends
-        sequence_manager._thread.shutdown(timeout=_SHUTDOWN_WAIT)
-    except Exception:  # best effort: shutting down must never mask a real error
-        pass
-    # The P2P replica's tasks live on hivemind's worker event loop; close them there now.
-    # Left to ``__del__`` at interpreter exit, asyncio is already torn down and each
-    # process prints "Exception ignored in: P2P.__del__" tracebacks.
-    p2p = getattr(getattr(sequence_manager, "state", None), "p2p", None)
-    if p2p is not None:
-        try:
-            from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
-
-            RemoteExpertWorker.run_coroutine(p2p.shutdown(), return_future=True).result(timeout=_SHUTDOWN_WAIT)
-        except Exception:
-            pass
-    dht = getattr(sequence_manager, "dht", None)
-    if dht is not None:
-        try:
-            dht.shutdown()
-        except Exception:
-            pass

@@ -38,7 +38,7 @@ hub checkpoints are ``BloomModel`` saves, without the ``transformer.`` prefix.
 :mod:`dist_eval.backends.petals_folder` converts a folder in another layout.
 
 ``embeds_on_server``: whether a server dist_eval starts may look a forward's token ids up
-itself (:mod:`dist_eval.backends.wire`): true where petals' client builds a forward's
+itself (:mod:`dist_eval.backends.petals.wire`): true where petals' client builds a forward's
 input by a table lookup and a concatenation with the prompts, nothing else, so a server
 doing it gets the same bits. BLOOM then normalises the embeddings (arithmetic: it stays on
 the client, which sends hidden states).
@@ -84,7 +84,7 @@ class Family:
     last_token: str  # which position the head reads: "first_pad" or "non_pad_count" (see last_token_index)
     server_blocks: str  # key prefix of the blocks' tensors that petals' server reads
     frozen: tuple  # first names (under the backbone) of the base model's own tensors
-    # the first server may look token ids up itself: the input is a lookup + concatenation (backends.wire)
+    # the first server may look token ids up itself: the input is a lookup + concatenation (backends.petals.wire)
     embeds_on_server: bool = False
     # a regex matching key names (with or without the prefix) that only this family's models have
     key_signature: str = ""
@@ -218,7 +218,7 @@ class Family:
 
     def token_routed_blocks(self, config) -> frozenset:
         """The blocks that choose a position's experts by its token id (DeepSeek-V4's mlp_layer_types ``hash_moe``):
-        their servers are sent the rows' token ids with each forward (backends.wire).
+        their servers are sent the rows' token ids with each forward (backends.petals.wire).
         """
         if not self.hyper_connected:
             return frozenset()
@@ -901,8 +901,8 @@ FAMILIES["deepseek_v32"] = _built_on_llama(
 # projection; a mixture with sqrt-softplus scores, chosen by tid2eid[token id] on the hash_moe blocks (no prompts
 # there), clamped SwiGLU experts and a shared expert. On the servers dist_eval starts (backends.layers.
 # HyperConnectedServerBlock): the streams flat between them, the token ids sent to those of hash-routed blocks
-# (backends.wire), hc_head and the final norm on the client. Label words: the LM head as released and as transformers
-# 5.x saves it (head.weight), read into lm_head, after the final norm of the collapsed streams as 5.x's
+# (backends.petals.wire), hc_head and the final norm on the client. Label words: the LM head as released and as
+# transformers 5.x saves it (head.weight), read into lm_head, after the final norm of the collapsed streams as 5.x's
 # DeepseekV4ForCausalLM. The options' values are transformers 5.x's DeepseekV4Config defaults
 FAMILIES["deepseek_v4"] = _built_on_llama(
     "deepseek_v4", "DeepseekV4", layer_types=V4_LAYER_TYPES, rope_labels=("main", "compress"), embeds_on_server=False,

@@ -98,7 +98,7 @@ def petals_dht_prefix(repo_id: str, revision: Optional[str] = None) -> str:
     config class applied to the id, the config read from the HF cache).
     """
     from dist_eval.backends.blocks import register
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()
     register()  # petals' registry knows the families it lacks

@@ -42,7 +42,7 @@ class BackendKind:
 
 
 BACKENDS: Dict[str, BackendKind] = {
-    "petals": BackendKind("petals", "dist_eval.backends.petals:load_petals",
+    "petals": BackendKind("petals", "dist_eval.backends.petals.backend:load_petals",
                           ("initial_peers", "dht_prefix", "client_options", "swarm_timeout", "audit_share",
                            "servers_started_from_4x_config"),
                           on_swarm=True, computes_here=False),

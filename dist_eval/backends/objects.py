@@ -5,7 +5,7 @@ A training loop evaluates the model it trains, right after an epoch, without sav
 - petals' ``Distributed*ForSequenceClassification`` of a family (as petals' prompt-tuning
   workflow holds it: ``tuning_mode`` "ptune"/"deep_ptune", trained prompts and ``score``
   head, blocks on the swarm) is run by the petals backend's adapter
-  (:class:`~dist_eval.backends.petals.PetalsClassifier`), which leaves the caller's
+  (:class:`~dist_eval.backends.petals.backend.PetalsClassifier`), which leaves the caller's
   client running when the evaluation ends;
 - transformers' ``*ForSequenceClassification`` of a family is run by the local backend's
   (:class:`~dist_eval.backends.local.PromptTunedClassifier`, no prompts).
@@ -180,9 +180,9 @@ def _prompts_of(model, kind: str) -> tuple:
 
 
 def _petals_module(model, family: Family, swarm_timeout: float) -> nn.Module:
-    from dist_eval.backends.petals import PetalsClassifier
+    from dist_eval.backends.petals.backend import PetalsClassifier
 
-    # the adapter applies every client patch (backends.patches), the stub lock included
+    # the adapter applies every client patch (backends.petals.shims), the stub lock included
     return PetalsClassifier(model, family, swarm_timeout, owns_client=False)
 
 

@@ -20,7 +20,7 @@ import json
 import os
 from typing import Optional
 
-from dist_eval.backends.patches import installed_version
+from dist_eval.backends.petals.shims import installed_version
 from dist_eval.errors import UsageError, short_error
 
 # (what tokenizer.json says, the tokenizers release that first reads it so)

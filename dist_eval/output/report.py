@@ -116,7 +116,7 @@ def _swarm_facts(model) -> Optional[dict]:
     """Rank 0, a swarm's run: its servers as announced in the DHT, with the audit of every rank's
     client (each audits its own forwards) added up; every rank calls it.
     """
-    from dist_eval.backends.audit import combine
+    from dist_eval.backends.petals.audit import combine
 
     swarm = model.provenance()
     audited = combine(ranks.all_gather_object((swarm or {}).get("audit")))

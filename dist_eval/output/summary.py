@@ -53,7 +53,7 @@ def format_summary(report: Union[dict, ReportFacts]) -> str:
     times = [line for line in (_time_line(run), loop.row_store.folder and format_row_store(loop.row_store)) if line]
     truncated = [f"  {loop.num_truncated} text(s) truncated to --max-length"] if loop.num_truncated else []
     table = _per_class_lines(metrics)
-    from dist_eval.backends.audit import summary_line
+    from dist_eval.backends.petals.audit import summary_line
     from dist_eval.backends.provenance import replicas_warning
 
     slices = format_slices(metrics)

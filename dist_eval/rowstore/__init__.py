@@ -33,7 +33,7 @@ name): ``--fresh-rows`` thus supersedes every older copy.
 
 Provenance: a row a swarm computed records the servers whose answers its logits come from
 (peer ids, in the file's header, under its checksum). A server the swarm audit blames
-(:mod:`dist_eval.backends.audit`) is named in a ``<run>-r<rank>-<n>.blamed`` file of the key's
+(:mod:`dist_eval.backends.petals.audit`) is named in a ``<run>-r<rank>-<n>.blamed`` file of the key's
 folder (written once, as the rows); a run serves no row of a server any such file names, in this
 run or a later one (it is evaluated again), and writes none a server it blamed computed.
 

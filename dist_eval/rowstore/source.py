@@ -66,7 +66,7 @@ class RowSource:
     def add(self, rows: np.ndarray, logits: np.ndarray, taken=None) -> None:
         """Rows just evaluated, written at most every save interval, each with its share of the
         rank's wall time since the batch before (batches in flight overlap: not their forward's);
-        ``taken`` (:class:`~dist_eval.backends.audit.Taken`): the swarm servers they come from.
+        ``taken`` (:class:`~dist_eval.backends.petals.audit.Taken`): the swarm servers they come from.
         """
         now = time.perf_counter()
         elapsed, self.last_batch = now - self.last_batch, now

@@ -21,7 +21,7 @@ each serving a ``--block-indices`` range, all under the same ``--dht-prefix``. A
 dies is restarted (:mod:`~dist_eval.swarm.supervisor`); SIGTERM to one server drains it.
 
 Each server is ``python -m dist_eval.swarm.server <petals run_server flags>`` (so it imports
-petals through :mod:`dist_eval.backends.compat`), started in its own session/process group: a
+petals through :mod:`dist_eval.backends.petals.shims`), started in its own session/process group: a
 petals server spawns about eleven processes (among them the p2pd daemon that holds the
 port), and only signalling the whole group stops them all. This package imports nothing
 but the standard library, so the CLI starts at once and never prints petals' noise.
@@ -40,6 +40,7 @@ but the standard library, so the CLI starts at once and never prints petals' noi
 - :mod:`~dist_eval.swarm.server`: one server process, and the patches dist_eval's servers get
   (:func:`~dist_eval.swarm.server.apply_server_patches`)
 - :mod:`~dist_eval.swarm.merged_forward`: a server's forward request as one task of its runtime
+- :mod:`~dist_eval.swarm.wire`: the wire's server half: token ids in, read positions out
 """
 from dist_eval.swarm.cli import main
 from dist_eval.swarm.local import LocalSwarm

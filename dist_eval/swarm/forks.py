@@ -34,7 +34,7 @@ SERVER_MODULE = "dist_eval.swarm.server"
 FORK_SERVER_FLAG = "--dist_eval_fork_server"
 # what a server imports before its model's own part: imported once here (import_petals applies the
 # client patches every petals process gets; the server's own patches are applied by each server)
-_PRELOAD = ("dist_eval.backends.wire", "dist_eval.backends.blocks", "dist_eval.swarm.drain",
+_PRELOAD = ("dist_eval.swarm.wire", "dist_eval.backends.blocks", "dist_eval.swarm.drain",
             "dist_eval.swarm.merged_forward", SERVER_MODULE)
 
 
@@ -225,7 +225,7 @@ def _fork(request: dict, wakeup: tuple) -> Optional[List[str]]:
         os.close(session_made[1])
         # hivemind's locks, made at its import here, are not shared with the other servers (one killed while
         # holding one hung them all)
-        from dist_eval.backends.patches import own_hivemind_locks
+        from dist_eval.backends.petals.shims import own_hivemind_locks
 
         own_hivemind_locks()
         signal.set_wakeup_fd(-1)
@@ -251,7 +251,7 @@ def serve() -> Optional[List[str]]:
     """
     import importlib
 
-    from dist_eval.backends.compat import import_petals
+    from dist_eval.backends.petals.shims import import_petals
 
     import_petals()
     for module in _PRELOAD:

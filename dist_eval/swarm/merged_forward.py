@@ -65,7 +65,7 @@ class MergedForwardStep:
 
 def request_token_ids(extra: tuple, hidden_states):
     """The token ids a forward request carries after its hidden states and prompts (DeepSeek-V4's hash routing:
-    ``backends.wire``), [rows, positions] int64, or None when it carries none; ValueError (a failed request) for
+    ``backends.petals.wire``), [rows, positions] int64, or None when it carries none; ValueError (a failed request) for
     ids that do not match the hidden states.
     """
     import torch

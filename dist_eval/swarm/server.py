@@ -242,7 +242,7 @@ def state_reporting() -> list:
 
 def kernels_of(device) -> str:
     """The kernels a server computes with on ``device`` (a torch.device), as it announces them
-    (:data:`dist_eval.backends.audit.KERNELS_KEY`): torch's version and, on a CPU, the vector instructions
+    (:data:`dist_eval.backends.petals.audit.KERNELS_KEY`): torch's version and, on a CPU, the vector instructions
     torch dispatches to and the threads (another order of sums), on a GPU its name and compute capability.
     """
     import torch
@@ -264,7 +264,7 @@ def announcing_kernels() -> list:
     from petals.data_structures import ServerInfo
     from petals.server.server import Server
 
-    from dist_eval.backends.audit import KERNELS_KEY
+    from dist_eval.backends.petals.audit import KERNELS_KEY
 
     init, to_tuple = Server.__init__, ServerInfo.to_tuple
 
@@ -283,12 +283,12 @@ def announcing_kernels() -> list:
 
 def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[int] = None) -> None:
     """Apply every server patch, in the one order that works, after petals' import and the
-    patches every petals process gets (:func:`dist_eval.backends.compat.import_petals`):
+    patches every petals process gets (:func:`dist_eval.backends.petals.shims.import_petals`):
 
     1. :mod:`dist_eval.swarm.merged_forward`: each forward request one task through all its blocks;
-    2. :mod:`dist_eval.backends.wire` (server half): token ids in, read positions out. It wraps
+    2. :mod:`dist_eval.swarm.wire` (the wire's server half): token ids in, read positions out. It wraps
        the ``run_rpc_forward`` that 1 set; applied first, 1 would replace it, and a request of
-       token ids would reach the blocks as hidden states. :func:`dist_eval.backends.patches.apply`
+       token ids would reach the blocks as hidden states. :func:`dist_eval.backends.petals.shims.apply`
        refuses that order;
     3. :mod:`dist_eval.swarm.drain`: a shutdown waits for the requests in flight (it counts them
        in each request handler, around whatever the others changed inside them);
@@ -306,11 +306,10 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     Idempotent. ``model_dir``/``first_block``: the served folder and its first block (the table
     a server of block 0 looks token ids up in).
     """
-    from dist_eval.backends import wire
     from dist_eval.backends.blocks import register, server_block_replacements, server_version_replacements
-    from dist_eval.backends.compat import import_petals, quiet_third_party_output
-    from dist_eval.backends.patches import apply
-    from dist_eval.swarm import drain, merged_forward
+    from dist_eval.backends.compat import quiet_third_party_output
+    from dist_eval.backends.petals.shims import apply, import_petals
+    from dist_eval.swarm import drain, merged_forward, wire
 
     quiet_third_party_output()  # a server is a process of ours (the caller's is left alone)
     import_petals()

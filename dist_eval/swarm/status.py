@@ -75,7 +75,8 @@ def _dial_all(dht, node, peer_ids: Sequence) -> Dict[str, List[str]]:
 
 def read_swarm(peers: Sequence[str], prefix: str, num_blocks: Optional[int], timeout: float) -> dict:
     """The swarm's blocks and servers as one dict (what ``--json`` prints)."""
-    from dist_eval.backends.compat import import_petals, quiet_third_party_output
+    from dist_eval.backends.compat import quiet_third_party_output
+    from dist_eval.backends.petals.shims import import_petals
 
     quiet_third_party_output()
     import_petals()

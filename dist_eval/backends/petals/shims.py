@@ -2,16 +2,21 @@
 
 - :func:`apply_client_patches`: every process that imports petals and makes or takes a
   petals client (the evaluator's ranks, a caller's petals model object). Reached only
-  through :func:`dist_eval.backends.compat.import_petals`, the one way to import petals.
+  through :func:`dist_eval.backends.petals.shims.import_petals`, the one way to import petals.
 - :func:`dist_eval.swarm.server.apply_server_patches`: the servers dist_eval starts. It
   lives with the server entry point (``dist_eval.swarm`` sits above this package) and
   applies its patches through :func:`apply` here, in the order they require.
 
-The patch bodies stay beside the code they serve (here: hivemind's re-exports and stub
-lock, petals' version check; :mod:`~dist_eval.backends.failover`, :mod:`~dist_eval.backends.requests`,
-:mod:`~dist_eval.backends.wire`, :mod:`dist_eval.swarm.merged_forward`); each returns the
-attributes it replaces, and only :func:`apply` sets them, recording each symbol
-(:func:`replaced`; docs/design.md, "What dist_eval changes in petals", lists them).
+Two kinds of change. **Bridges** (:data:`BRIDGES`) let petals 2.2 run at all on the stack installed beside it:
+their bodies live here, each with the version it bridges and a probe of whether the installed stack still needs it
+(:func:`still_needed`; a test fails when one no longer is, or no longer applies). **Behaviour** patches make petals
+do what dist_eval needs (route around a failed server, one request per batch, the wire, the audit's kernels); their
+bodies stay beside the code they serve (:mod:`~dist_eval.backends.petals.failover`,
+:mod:`~dist_eval.backends.petals.requests`, :mod:`~dist_eval.backends.petals.audit`, :mod:`dist_eval.swarm.wire`,
+:mod:`dist_eval.swarm.merged_forward`, :mod:`dist_eval.swarm.server`). Every one returns the attributes it
+replaces, and only :func:`apply` sets them, recording each symbol (:func:`replaced`; docs/design.md, "What
+dist_eval changes in petals", lists every symbol with the version it assumes and its test, kept equal to what is
+replaced by a test).
 
 Three petals code paths are copied into those bodies, and petals' error texts are parsed:
 another petals or hivemind than :data:`SUPPORTED` is refused before anything is patched
@@ -19,11 +24,12 @@ another petals or hivemind than :data:`SUPPORTED` is refused before anything is 
 """
 from __future__ import annotations
 
-import importlib.metadata
+import contextlib
 import os
 import threading
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Tuple
 
+from dist_eval.backends.compat import installed_version, quiet_warnings
 from dist_eval.errors import UsageError, warn
 
 # The versions the patches were written against and tested with (petals' copied code paths
@@ -36,20 +42,13 @@ Replacement = Tuple[object, str, object]  # (module or class, attribute, new val
 _lock = threading.RLock()  # ranks apply from threads in flight; one applies, the others find it done
 _applied: Dict[str, Tuple[str, List[Tuple[str, object, str, object]]]] = {}  # name -> (side, replaced)
 _versions_checked = False
+_quieted = False  # petals' import warns, and the patches' imports too: filtered once
 
 
 class UnsupportedPetalsError(UsageError, ImportError):
     """The installed petals or hivemind is not a version dist_eval's patches were written for
     (a UsageError: the CLI prints it in one line; an ImportError: petals cannot be used).
     """
-
-
-def installed_version(distribution: str) -> Optional[str]:
-    """The installed version of ``distribution`` (None: not installed), from its metadata."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def check_versions() -> None:
@@ -72,6 +71,64 @@ def check_versions() -> None:
         else:
             raise UnsupportedPetalsError(text)
     _versions_checked = True
+
+
+class PetalsNotInstalledError(ImportError):
+    """hivemind or petals cannot be imported in this Python."""
+
+
+
+def import_petals():
+    """Import and return the ``petals`` module, every client patch applied (the one way to
+    import petals, and the one entry to :func:`~dist_eval.backends.petals.shims.apply_client_patches`).
+    An :class:`~dist_eval.backends.petals.shims.UnsupportedPetalsError` for other petals/hivemind versions.
+    """
+    check_versions()  # before anything is imported or patched
+    with environ_as_found():  # petals' import sets BITSANDBYTES_NOWELCOME: not in a caller's process
+        return _import_petals()
+
+
+
+def _import_petals():
+    try:
+        import hivemind  # noqa: F401
+    except ImportError as e:
+        raise PetalsNotInstalledError(
+            "--backend petals needs hivemind and petals, which are not importable in this "
+            f"Python ({e}). Install them with ./launch/install.sh (plain `pip install petals` "
+            "cannot work offline: see README 'Install')."
+        ) from e
+    global _quieted
+    if not _quieted:  # once: petals' import warns, and the patches' imports too
+        quiet_warnings()  # no variable set: this may be a caller's own process (evaluate on its model)
+        _quieted = True
+    try:
+        apply_client_patches()
+        import petals
+    except ImportError as e:
+        raise PetalsNotInstalledError(
+            f"petals is not importable ({e}). Install it with ./launch/install.sh."
+        ) from e
+    return petals
+
+
+
+@contextlib.contextmanager
+
+
+def environ_as_found():
+    """Within: anything; after: ``os.environ`` as it was before (variables set are removed,
+    changed or removed ones put back), so that no import leaves one in a caller's process.
+    """
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(before):
+            del os.environ[name]
+        for name, value in before.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
 
 
 def symbol(owner, attribute: str) -> str:
@@ -123,7 +180,7 @@ def apply_client_patches() -> None:
     7. the kernels a server announces kept (the swarm audit compares servers of the same kernels bit for bit);
     8. no traceback from a pipe handoff to a helper process that a cancel killed (the run reports it).
     """
-    from dist_eval.backends import audit, failover, helpers, requests
+    from dist_eval.backends.petals import audit, failover, helpers, requests
 
     check_versions()
     with _lock:
@@ -246,3 +303,53 @@ def no_version_check() -> List[Replacement]:
     except ImportError:  # server extras missing: the client still works
         pass
     return replacements
+
+
+# ---------------------------------------------------------------- the bridges, and whether each is still needed
+
+
+def _reexports_missing() -> bool:
+    """Whether hivemind's top level, as installed, lacks a name petals imports from it."""
+    replaced_here = _applied.get("hivemind_reexports", ("", []))[1]
+    originals = {attribute: original for _, _, attribute, original in replaced_here}
+    import hivemind
+
+    return any(originals.get(name, hivemind.__dict__.get(name)) is None for name in _HIVEMIND_REEXPORTS)
+
+
+def _stub_collection_unlocked() -> bool:
+    """Whether hivemind's stub collection marks a class collected before it builds its stub type (the race)."""
+    import inspect
+
+    from hivemind.p2p.servicer import ServicerBase
+
+    collect = ServicerBase._collect_rpc_handlers.__func__
+    source = inspect.getsource(getattr(collect, "__wrapped__", collect))
+    return "threading" not in source and source.find("_rpc_handlers = []") < source.find("_stub_type = ")
+
+
+def _version_check_online() -> bool:
+    """Whether petals' start-up still asks PyPI for its newest version."""
+    import inspect
+
+    import petals.utils.version as version
+
+    original = {attribute: value for _, _, attribute, value in _applied.get("no_version_check", ("", []))[1]}
+    return "pypi" in inspect.getsource(original.get("validate_version") or version.validate_version).lower()
+
+
+# patch name -> (what it bridges, the versions it was written against, whether the installed stack still needs it)
+BRIDGES: Dict[str, Tuple[str, str, Callable[[], bool]]] = {
+    "hivemind_reexports": ("names petals imports from hivemind's top level", "petals 2.2.0.post1, hivemind 1.1.12",
+                           _reexports_missing),
+    "stub_lock": ("a race in hivemind's lazy stub classes", "hivemind 1.1.12", _stub_collection_unlocked),
+    "no_version_check": ("petals' PyPI check at start-up (a traceback offline)", "petals 2.2.0.post1",
+                         _version_check_online),
+}
+
+
+def still_needed() -> Dict[str, bool]:
+    """{bridge: whether the installed stack still needs it} (after :func:`import_petals`): a bridge found unneeded
+    is one to remove, with its version pin.
+    """
+    return {name: probe() for name, (_, _, probe) in BRIDGES.items()}

@@ -7,13 +7,13 @@ import sys
 import threading
 import time
 
-from dist_eval.backends.requests import drives, too_large
+from dist_eval.backends.petals.requests import drives, too_large
 from dist_eval.errors import UsageError, one_line, short_error, stopping, warn
 
 
 def failover_replacements() -> list:
     """The petals 2.2.0 client, made to route around a failed server at once (applied by
-    :func:`dist_eval.backends.patches.apply_client_patches`).
+    :func:`dist_eval.backends.petals.shims.apply_client_patches`).
 
     Why: on a failed request, ``RemoteSequenceManager.on_request_failure`` bans the peer
     and drops it from ``block_infos``, but routing (``make_sequence``) reads the
@@ -28,7 +28,7 @@ def failover_replacements() -> list:
     Only a server failure (:func:`server_failure`) bans a server: any other error (a bug
     of the client's, a petals API change) is raised at once, in petals' own requests too.
     A request over a server's ``--max_batch_size`` is no failure of that server: it ends
-    the forward at once with :class:`~dist_eval.backends.requests.RequestTooLarge` (for
+    the forward at once with :class:`~dist_eval.backends.petals.requests.RequestTooLarge` (for
     clients whose request size dist_eval drives), without a ban or a retry of the same size.
 
     Also records each peer's last request outcome (``state.dist_eval_outcomes``: peer
@@ -42,7 +42,7 @@ def failover_replacements() -> list:
 
     def on_request_failure(self, peer_id):
         helper_died = getattr(self, "dist_eval_helper_died", None)
-        if helper_died is not None:  # no retry can work: stop this forward now (backends.helpers)
+        if helper_died is not None:  # no retry can work: stop this forward now (backends.petals.helpers)
             raise helper_died
         error = sys.exc_info()[1]
         if error is not None and not server_failure(error):  # ours, not the server's: no ban, no retry
@@ -111,10 +111,10 @@ def server_failure(error: BaseException) -> bool:
 
 def _drop_helper_died(record: logging.LogRecord) -> bool:
     """A logging filter. petals' routing thread logs, with a traceback, the error that ends
-    its wait on a dead DHT process (:func:`~dist_eval.backends.helpers.release_waits_on_dead_helpers`);
+    its wait on a dead DHT process (:func:`~dist_eval.backends.petals.helpers.release_waits_on_dead_helpers`);
     the run reports that failure itself, in one line.
     """
-    from dist_eval.backends.helpers import HelperDied
+    from dist_eval.backends.petals.helpers import HelperDied
 
     return not (record.exc_info and isinstance(record.exc_info[1], HelperDied))
 
@@ -148,7 +148,8 @@ def _warn_server_failed(manager, peer_id, error) -> None:
 def _warn_unless_stopped_here(manager, message: str) -> None:
     """Warn after :data:`OWN_DAEMON_GRACE_S`, or at once when the client closes
     (:func:`flush_daemon_error_warnings`), unless first the rank is told to stop or the client's
-    :class:`~dist_eval.backends.helpers.HelperWatch` finds one of its helpers dead (it records it on ``manager``).
+    :class:`~dist_eval.backends.petals.helpers.HelperWatch` finds one of its helpers dead (it records it on
+    ``manager``).
     """
     def stopped_here() -> bool:
         return stopping.is_set() or getattr(manager, "dist_eval_helper_died", None) is not None

@@ -9,22 +9,22 @@ from typing import Optional
 
 import torch
 
-from dist_eval.backends import audit, failover
 from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT
 from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import TrainableState
-from dist_eval.backends.compat import (
-    heads_read_after,
-    import_petals,
-    no_random_init_of_meta_tensors,
-    quiet_hivemind_logs,
-    shutdown_petals_client,
-)
-from dist_eval.backends.failover import server_failure, swarm_failure
+from dist_eval.backends.compat import heads_read_after, no_random_init_of_meta_tensors
 from dist_eval.backends.families import Family
-from dist_eval.backends.helpers import HelperWatch
-from dist_eval.backends.requests import RequestTooLarge, learn_server_limit, restore_petals_split, send_batches_whole
-from dist_eval.backends.wire import embeddings_digest, forward_over_wire
+from dist_eval.backends.petals import audit, failover
+from dist_eval.backends.petals.failover import server_failure, swarm_failure
+from dist_eval.backends.petals.helpers import HelperWatch, quiet_hivemind_logs, shutdown_petals_client
+from dist_eval.backends.petals.requests import (
+    RequestTooLarge,
+    learn_server_limit,
+    restore_petals_split,
+    send_batches_whole,
+)
+from dist_eval.backends.petals.shims import import_petals
+from dist_eval.backends.petals.wire import embeddings_digest, forward_over_wire
 from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer, read_saved_lm_head
 from dist_eval.errors import UsageError, one_line, printable
 from dist_eval.procs import remove_dead_hivemind_sockets
@@ -36,12 +36,12 @@ class PetalsClassifier(Backend):
     The remote part of each forward (the blocks on the swarm) is retried for at most
     ``swarm_timeout`` seconds from the start of its first failing attempt; then a
     UsageError names the blocks whose every server kept failing (see
-    :func:`dist_eval.backends.failover.unserved_blocks`). petals alone would retry without
+    :func:`dist_eval.backends.petals.failover.unserved_blocks`). petals alone would retry without
     a time bound (it counts attempts, and re-adds a dead server's DHT record, which lives
     ~2 minutes).
 
     Each batch goes to the swarm as one request, cut only to what a server refusing its
-    size accepts (:mod:`dist_eval.backends.requests`).
+    size accepts (:mod:`dist_eval.backends.petals.requests`).
 
     ``owns_client=False``: ``inner`` is the caller's (a model object passed to
     ``evaluate``); :meth:`close` then leaves its client running and ``inner`` as it was.
@@ -50,32 +50,32 @@ class PetalsClassifier(Backend):
     def __init__(self, inner, family: Family, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT, owns_client: bool = True,
                  audit_share: float = 0.0):
         super().__init__()
-        import_petals()  # every client patch, also for a caller's model object (backends.patches)
+        import_petals()  # every client patch, also for a caller's model object (backends.petals.shims)
         self.inner = inner
         self.family = family
         self.swarm_timeout = swarm_timeout
         self.owns_client = owns_client
         blocks = family.get(inner, family.blocks)
         self.sequence_manager = blocks.sequence_manager
-        if audit_share > 0:  # a share of the forwards replayed on other servers (backends.audit)
+        if audit_share > 0:  # a share of the forwards replayed on other servers (backends.petals.audit)
             audit.attach(self.sequence_manager, audit_share)
         self._own_forward = blocks.__dict__.get("forward")  # normally none: the class's
         remote_forward = blocks.forward
         # Instance attribute: nn.Module.__call__ then runs the bounded version.
         blocks.forward = lambda *args, **kwargs: self._bounded_remote(remote_forward, *args, **kwargs)
         self.helper_watch = HelperWatch(self.sequence_manager, watchdog=owns_client).start()
-        send_batches_whole(self.sequence_manager)  # one request per batch (backends.requests)
+        send_batches_whole(self.sequence_manager)  # one request per batch (backends.petals.requests)
         config = inner.config
         self._prompt_tokens = config.pre_seq_len if getattr(config, "tuning_mode", None) else 0
         # the digest of the client's token embeddings, which a first server must hold too to be
-        # sent token ids: computed once, when a server first offers its own (backends.wire)
+        # sent token ids: computed once, when a server first offers its own (backends.petals.wire)
         table = family.get(inner, family.embeddings).weight
         self._own_digest = functools.lru_cache(maxsize=None)(lambda: embeddings_digest(table)) \
             if family.embeds_on_server else None
-        # the blocks whose servers are sent the rows' token ids (DeepSeek-V4's hash routing: backends.wire)
+        # the blocks whose servers are sent the rows' token ids (DeepSeek-V4's hash routing: backends.petals.wire)
         self._routed_blocks = family.token_routed_blocks(config)
         # per thread (batches in flight run in threads): the token ids of the forward running
-        # in this thread and the positions its head reads, for its remote blocks (backends.wire)
+        # in this thread and the positions its head reads, for its remote blocks (backends.petals.wire)
         self._forward_facts = threading.local()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,7 @@ class PetalsClassifier(Backend):
     def hidden_states_at(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The final hidden states at ``positions`` [batch, n] (prompts not counted): [batch, n, hidden]. Where blocks
         route by token id (DeepSeek-V4's hash_moe), the remote blocks need the rows' token ids, which dist_eval's wire
-        sends (:func:`~dist_eval.backends.wire.forward_over_wire`, as the classifier's forward) and petals' own
+        sends (:func:`~dist_eval.backends.petals.wire.forward_over_wire`, as the classifier's forward) and petals' own
         forward does not; the wire reads one position per row, so one forward per column of ``positions`` (one for
         single-token label words). Other families: petals' own forward, every position at once.
         """
@@ -255,7 +255,7 @@ def load_petals(
     With ``label_words``: petals' causal LM (``Family.petals_lm_class``; its LM head here, read where the family's
     releases save it: ``Family.saved_lm_head``) scoring them (:mod:`dist_eval.backends.zeroshot`).
     """
-    import_petals()  # every client patch (backends.patches)
+    import_petals()  # every client patch (backends.petals.shims)
     quiet_hivemind_logs()
 
     if not initial_peers:

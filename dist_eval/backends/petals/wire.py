@@ -7,7 +7,7 @@ waste: the first server could look the tokens up itself, and the head reads one 
 per row. Those bytes cross the transport (hivemind's p2pd daemons at both ends) and are
 serialised and copied on both sides; on the CPU benchmark the daemons alone took a large
 share of the machine (benchmarks/RESULTS.md). So, on a classifier's no-grad forward
-(:class:`~dist_eval.backends.petals.PetalsClassifier`):
+(:class:`~dist_eval.backends.petals.backend.PetalsClassifier`):
 
 1. **Read positions out.** The client names, in the request's metadata
    (:data:`POSITIONS_KEY`), one position per row for the **last** server of the chain,
@@ -38,25 +38,21 @@ request meets, and a swarm that mixes dist_eval's servers with others' gives the
 results for any number of ranks. What a request carried before and after, for the GPU
 benchmark's model, is computed in benchmarks/RESULTS.md.
 
-Both halves of the protocol live here: :func:`server_replacements` (the servers dist_eval
-starts, applied by :func:`dist_eval.swarm.server.apply_server_patches`) and
-:func:`forward_over_wire` (the client).
+The client half lives here (:func:`forward_over_wire`, with the protocol's keys and the lookup both halves
+compute); the server half is :mod:`dist_eval.swarm.wire` (the servers dist_eval starts).
 """
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
-import os
-import random
 from collections import deque
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
-from dist_eval.backends import audit
-from dist_eval.backends.failover import ServerAnswerError, server_failure
+from dist_eval.backends.petals import audit
+from dist_eval.backends.petals.failover import ServerAnswerError, server_failure
 
 POSITIONS_KEY = "dist_eval_read_positions"  # request metadata: one position per row (the last server's answer)
 TOKEN_IDS_KEY = "dist_eval_token_ids"  # rpc_info: SHA-256 of the token embeddings this server looks ids up in
@@ -94,148 +90,6 @@ def embed(table: torch.Tensor, token_ids: torch.Tensor, prompts: Optional[torch.
     return torch.cat([prompts.to(embedded.dtype).expand(token_ids.shape[0], -1, -1), embedded], dim=1)
 
 
-# ---------------------------------------------------------------- server half
-
-_server: Dict[str, object] = {}  # "table", "digest": this server's token embeddings (servers holding block 0)
-
-
-def server_replacements(model_dir: Optional[str] = None, first_block: Optional[int] = None) -> list:
-    """What makes this process's petals server answer a request naming :data:`POSITIONS_KEY`
-    with those positions only, and, if it serves block 0 (``first_block``) of a family that
-    embeds on servers, accept token ids (the table read from ``model_dir``). Applied by
-    :func:`dist_eval.swarm.server.apply_server_patches` after the merged forward (it wraps
-    the ``run_rpc_forward`` that one sets), before the server starts (its connection
-    handlers, forked later, share the table).
-    """
-    from petals.server import handler
-
-    if model_dir is not None and first_block == 0:
-        _load_server_table(model_dir)
-    connection = handler.TransformerConnectionHandler
-    serialize_outputs, rpc_info, run_rpc_forward = connection._serialize_outputs, connection.rpc_info, \
-        handler.run_rpc_forward
-
-    fault = _test_fault(model_dir)
-
-    # the one step both rpc_forward and rpc_forward_stream take with the request's metadata
-    # in hand, after the blocks ran (backward and inference do not pass through it)
-    def _serialize_outputs(self, hidden_states, requested_backends, metadata):
-        positions = metadata.get(POSITIONS_KEY) if isinstance(metadata, dict) else None
-        if positions is not None:
-            hidden_states = read_positions(hidden_states, positions)
-        if fault is not None:  # on what is sent (a nudge's size: the answer's own magnitude)
-            hidden_states = fault(hidden_states)
-        return serialize_outputs(self, hidden_states, requested_backends, metadata)
-
-    @functools.wraps(rpc_info)  # hivemind reads the request/response types from the annotations
-    async def _rpc_info(self, request, context):
-        info = await rpc_info(self, request, context)
-        if "digest" not in _server:
-            return info
-        from hivemind.proto import runtime_pb2
-        from hivemind.utils import MSGPackSerializer
-
-        result = MSGPackSerializer.loads(info.serialized_info)
-        result[TOKEN_IDS_KEY] = _server["digest"]
-        return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(result))
-
-    async def _run_rpc_forward(*flat_tensors, args_structure=None, **kwargs):
-        if "table" in _server:
-            from petals.utils.packaging import unpack_args_kwargs
-
-            args = unpack_args_kwargs(flat_tensors, args_structure)[0] if args_structure is not None else flat_tensors
-            if len(args) >= 4 and not args[0].is_floating_point():  # token ids (see _request_tensors)
-                flat_tensors, args_structure = _embed_on_server(*args[:4]), None
-        return await run_rpc_forward(*flat_tensors, args_structure=args_structure, **kwargs)
-
-    return [(connection, "_serialize_outputs", _serialize_outputs), (connection, "rpc_info", _rpc_info),
-            (handler, "run_rpc_forward", _run_rpc_forward)]
-
-
-TEST_FAULT_ENV = "DIST_EVAL_TEST_FAULT"  # tests and benchmarks only: a server that corrupts its answers
-
-
-def _test_fault(model_dir: Optional[str]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-    """The fault ``$DIST_EVAL_TEST_FAULT`` asks of this server (the audit's tests and benchmark make a
-    faulty server with it): ``nan`` (row 0 of an answer all NaN), ``shift`` (row 0 plus 1e-2),
-    ``shift_all`` (every row plus 1e-2, as a wrong weight moves a whole batch), ``KIND:SHARE`` in that
-    share of the answers (a seeded draw per answer); ``shift_rows:SHARE``: each row of every answer
-    plus 1e-2 in that share of the rows (a draw per row); ``nudge:K``: every answer after its first K (per
-    connection handler) plus 16 ulps of its dtype at its largest magnitude (a server that turns a
-    little off: within the audit's prior tolerance between servers of other numerics, beyond a
-    calibrated one); else None. Entries separated by ``;``; one
-    written ``FOLDER=KIND[:SHARE]`` is only for servers of that model folder (servers started at once
-    with one environment, each its own fault).
-    """
-    value = None
-    for entry in filter(None, os.environ.get(TEST_FAULT_ENV, "").split(";")):
-        folder, _, fault = entry.rpartition("=")
-        if not folder or (model_dir is not None and os.path.realpath(folder) == os.path.realpath(model_dir)):
-            value = fault
-    if not value:
-        return None
-    kind, _, share = value.partition(":")
-    if kind not in ("nan", "shift", "shift_all", "shift_rows", "nudge"):
-        raise ValueError(f"${TEST_FAULT_ENV}: expected nan, shift, shift_all or shift_rows, optionally :SHARE, or "
-                         f"nudge:K; got {value!r}")
-    if kind == "nudge":
-        return _nudge(int(share or 0))
-    draw, share = random.Random(0), float(share or 1)
-
-    def fault(hidden_states: torch.Tensor) -> torch.Tensor:
-        rows = [r for r in range(hidden_states.shape[0]) if draw.random() < share] if kind == "shift_rows" else \
-            ([] if draw.random() >= share else [0] if kind in ("nan", "shift") else list(range(hidden_states.shape[0])))
-        if not rows:
-            return hidden_states
-        hidden_states = hidden_states.clone()
-        hidden_states[rows] = float("nan") if kind == "nan" else hidden_states[rows] + 1e-2
-        return hidden_states
-
-    return fault
-
-
-def _nudge(after: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    answers = [0]
-
-    def fault(hidden_states: torch.Tensor) -> torch.Tensor:
-        answers[0] += 1
-        if answers[0] <= after:
-            return hidden_states
-        eps = torch.finfo(hidden_states.dtype if hidden_states.is_floating_point() else torch.float32).eps
-        return hidden_states + 16 * eps * max(1.0, float(hidden_states.float().abs().max()))
-
-    return fault
-
-
-def _load_server_table(model_dir: str) -> None:
-    from dist_eval.backends.config_json import family_of_folder
-    from dist_eval.backends.petals_folder import read_tensor
-
-    family = family_of_folder(model_dir)
-    if not family.embeds_on_server:
-        return
-    table = read_tensor(model_dir, family.served_embeddings_key)  # as saved: looked-up rows widen to float32
-    _server.update(table=table, digest=embeddings_digest(table))
-
-
-def _embed_on_server(token_ids, prompts, input_prompts, digest):
-    """(hidden states, prompts) of a request that sent token ids; ValueError (a failed
-    request) for a table other than this server's or ids outside it.
-    """
-    from petals.utils.misc import is_dummy
-
-    table = _server["table"]
-    if bytes(digest.to(torch.uint8).tolist()).hex() != _server["digest"]:
-        raise ValueError(f"{TOKEN_IDS_KEY}: the client's token embeddings are not this server's; send hidden states")
-    if token_ids.ndim != 2 or (token_ids.numel() and not 0 <= int(token_ids.min()) <= int(token_ids.max())
-                               < table.shape[0]):
-        raise ValueError(f"{TOKEN_IDS_KEY}: expected token ids [rows, tokens] in [0, {table.shape[0]})")
-    return embed(table, token_ids, None if is_dummy(input_prompts) else input_prompts), prompts
-
-
-# ---------------------------------------------------------------- client half
-
-
 class _PeerWire:
     """What the client knows of one server: the dtype it computes in, and ``digest``, the
     SHA-256 of its token embeddings where they are the client's own (else None: it is sent
@@ -260,12 +114,12 @@ def forward_over_wire(hidden_states: torch.Tensor, prompts, sequence_manager, po
     prompt vectors) and ``own_digest`` (computes the digest of the client's table, once:
     cache it): sent instead of the hidden states to a first server with the same table; beside them to every
     server whose span holds one of ``routed_blocks`` (the blocks that route by token id). Requests are sized as
-    :mod:`dist_eval.backends.requests` says; failures go through petals' routing and
+    :mod:`dist_eval.backends.petals.requests` says; failures go through petals' routing and
     dist_eval's failover exactly as in petals' own forward.
     """
     from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 
-    from dist_eval.backends.requests import request_batches
+    from dist_eval.backends.petals.requests import request_batches
 
     rows = hidden_states.shape[0]
     positions = positions.to(torch.long).cpu()
@@ -333,9 +187,9 @@ class _Request:
 async def _forward_chain(request: _Request, manager, own_digest: Optional[Callable[[], str]]) -> torch.Tensor:
     """One request's way through every block (petals 2.2.0's ``sequential_forward``, with
     the wire changes of the module doc): [rows, 1, hidden]. A server failure
-    (:func:`~dist_eval.backends.failover.server_failure`) is retried elsewhere; so is a span whose
+    (:func:`~dist_eval.backends.petals.failover.server_failure`) is retried elsewhere; so is a span whose
     answer has NaN or inf where its inputs had none (its server blamed, :func:`_blame_non_finite`). A
-    share of the requests is then replayed on other servers and compared (:mod:`dist_eval.backends.audit`).
+    share of the requests is then replayed on other servers and compared (:mod:`dist_eval.backends.petals.audit`).
     """
     end = len(manager.block_uids)
     inputs = request.hidden_states
@@ -407,8 +261,8 @@ def _blame_non_finite(ledger: audit.AuditLedger, non_finite: Dict[str, List[int]
 def _route(manager, block: int, end: int, request: Optional[_Request] = None,
            non_finite: Optional[Dict[str, List[int]]] = None) -> deque:
     """The route petals picks from ``block`` to ``end``; one around the servers the audit left out
-    (:func:`~dist_eval.backends.audit.exclude_if_unused`) and those that answered ``request`` NaN or
-    inf (``non_finite``) where it met one of them. :class:`~dist_eval.backends.audit.NonFiniteAnswer`
+    (:func:`~dist_eval.backends.petals.audit.exclude_if_unused`) and those that answered ``request`` NaN or
+    inf (``non_finite``) where it met one of them. :class:`~dist_eval.backends.petals.audit.NonFiniteAnswer`
     where no route avoids the latter.
     """
     spans = deque(manager.make_sequence(block, end, mode="max_throughput"))
@@ -526,7 +380,7 @@ async def _audit(request: _Request, manager, route: list, answer: torch.Tensor, 
 async def _rows_agree(request: _Request, manager, route: list, answer: torch.Tensor, drawn: List[int], own_digest,
                       ledger: audit.AuditLedger) -> bool:
     """A row check: the ``drawn`` rows alone on servers outside ``route``, within
-    :func:`~dist_eval.backends.audit.rows_tolerance` of the answer's rows (True; also where no replay
+    :func:`~dist_eval.backends.petals.audit.rows_tolerance` of the answer's rows (True; also where no replay
     answered: the request stands unchecked). False: the request is to be replayed whole.
     """
     peers = _peer_list(route)
@@ -604,7 +458,7 @@ async def _span_at_fault(request: _Request, manager, trace: Optional[list], own_
     """An outvoted route of several servers, searched span by span: each span's inputs (as its route
     gave them) replayed on other holders of its blocks. The first span whose answer one other holder
     contradicts and a second confirms names its server (the evidence for
-    :func:`~dist_eval.backends.audit.exclude_if_unused`); None where no two others agree against one.
+    :func:`~dist_eval.backends.petals.audit.exclude_if_unused`); None where no two others agree against one.
     """
     for span, inputs, output in trace or ():
         peer = str(span.peer_id)

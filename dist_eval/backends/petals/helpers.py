@@ -27,7 +27,9 @@ and fails the run with one error line; the other ranks stop at their next batch.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -147,7 +149,7 @@ class HelperWatch:
 
 
 def quiet_lost_handoffs() -> list:
-    """A patch (applied by :func:`dist_eval.backends.patches.apply_client_patches`): no traceback from
+    """A patch (applied by :func:`dist_eval.backends.petals.shims.apply_client_patches`): no traceback from
     multiprocessing's resource sharer when the process it hands a file descriptor to dies mid-handoff.
 
     Every request a rank sends its DHT process carries a pipe end (hivemind's ``MPFuture``), handed over by
@@ -222,3 +224,61 @@ def release_waits_on_dead_helpers(manager, error: BaseException) -> None:
 
     with contextlib.suppress(Exception):
         RemoteExpertWorker._event_loop_fut.result(timeout=0).call_soon_threadsafe(fail_pending_calls)
+
+
+def quiet_hivemind_logs(level: int = logging.WARNING) -> None:
+    """Keep hivemind/petals INFO chatter (routes, DHT) out of the evaluator's output."""
+    for name in ("hivemind", "petals"):
+        logging.getLogger(name).setLevel(level)
+
+
+
+def ensure_main_thread_event_loop() -> None:
+    """Leave a current event loop set in the main thread.
+
+    The petals client keeps a replica of its P2P handle in this process; at interpreter
+    exit its ``__del__`` calls ``asyncio.get_event_loop()``, which under hivemind's
+    uvloop policy raises when no loop is set, printing three tracebacks per process.
+    """
+    try:
+        asyncio.get_event_loop()
+    except RuntimeError:
+        asyncio.set_event_loop(asyncio.new_event_loop())
+
+
+
+_SHUTDOWN_WAIT = 2.0  # seconds each step of a client's shutdown may take (~0.1 s when healthy)
+
+
+
+def shutdown_petals_client(sequence_manager) -> None:
+    """Stop a petals client's DHT and routing thread explicitly, given its sequence manager
+    (``<the model's block stack>.sequence_manager``; None: nothing to stop).
+
+    Without this, hivemind's ``__del__`` hooks run at interpreter exit after the event
+    loop is gone and print "no current event loop" errors (the exit code stays 0).
+    """
+    ensure_main_thread_event_loop()
+    if sequence_manager is None:
+        return
+    try:  # bounded: a routing refresh stuck on a dead DHT process never ends
+        sequence_manager._thread.shutdown(timeout=_SHUTDOWN_WAIT)
+    except Exception:  # best effort: shutting down must never mask a real error
+        pass
+    # The P2P replica's tasks live on hivemind's worker event loop; close them there now.
+    # Left to ``__del__`` at interpreter exit, asyncio is already torn down and each
+    # process prints "Exception ignored in: P2P.__del__" tracebacks.
+    p2p = getattr(getattr(sequence_manager, "state", None), "p2p", None)
+    if p2p is not None:
+        try:
+            from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+
+            RemoteExpertWorker.run_coroutine(p2p.shutdown(), return_future=True).result(timeout=_SHUTDOWN_WAIT)
+        except Exception:
+            pass
+    dht = getattr(sequence_manager, "dht", None)
+    if dht is not None:
+        try:
+            dht.shutdown()
+        except Exception:
+            pass

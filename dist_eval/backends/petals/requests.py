@@ -29,7 +29,7 @@ off: petals' backward expects one prompt per row.
 Only clients that dist_eval drives are changed: the limit lives on the client's sequence
 manager (:func:`send_batches_whole`), and a manager without it keeps petals' own splitting
 and prompts. The two patches (:func:`split_replacements`, :func:`prompt_replacements`) are
-applied by :func:`dist_eval.backends.patches.apply_client_patches`.
+applied by :func:`dist_eval.backends.petals.shims.apply_client_patches`.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def too_large(error: Optional[BaseException]) -> Optional[RequestTooLarge]:
 def send_batches_whole(sequence_manager) -> None:
     """From now on this client sends each forward's batch as one request (split only after
     a server refused its size, see :func:`learn_server_limit`); the client patches must be
-    applied (:func:`dist_eval.backends.compat.import_petals`).
+    applied (:func:`dist_eval.backends.petals.shims.import_petals`).
     """
     setattr(sequence_manager, _LIMIT_ATTR, None)
 

@@ -29,7 +29,7 @@ compared with it within the tolerance of its own route and the third's (a third 
 that agrees with both settles nothing: another is tried): the route the other two outvote is named;
 where it holds several servers, its spans are replayed one at a time, each on the inputs that route
 gave it, on other holders of its blocks, and the server of the first span that one other holder
-contradicts and a second confirms is blamed (dist_eval.backends.wire's span search). A blamed server
+contradicts and a second confirms is blamed (dist_eval.backends.petals.wire's span search). A blamed server
 is left out of every route from then on, the majority's answer stands, and the run goes on
 (``excluded`` in the report, with the evidence); every batch whose answers it gave before,
 unchecked, is evaluated again on the others (:class:`Redo`, in the forward loop): also on the other
@@ -548,7 +548,7 @@ def exclude_if_unused(ledger: AuditLedger, rows: int, route: Sequence, other: Se
     evaluates again (``redo``: :class:`Redo`), leave it out of every route from now on and return
     which answer stands ("first": the request's own, "second": the replay's); else None (the run stops).
     An outvoted route of several servers: ``found`` names the one whose span two others outvoted
-    (``peer``, ``blocks``, ``outvoted_by``: the span search of dist_eval.backends.wire), else None.
+    (``peer``, ``blocks``, ``outvoted_by``: the span search of dist_eval.backends.petals.wire), else None.
     """
     if third is None or third_agrees_with not in ("first", "second"):
         return None
