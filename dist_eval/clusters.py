@@ -24,15 +24,22 @@ import numpy as np
 
 from dist_eval.intervals import (
     EXACT_SCORE_ROWS,
-    _integer_resample_counts,
     auroc_influence,
     canonical_row_order,
     macro_of_defined,
     ranking_of,
-    score_percentiles,
     weighted_auroc,
 )
 from dist_eval.metrics import paired_differences, paired_rows, weighted_sums
+from dist_eval.resampling import (
+    bootstrap_pvalue,
+    check_resampling,
+    generator,
+    percentile_interval,
+    percentile_intervals,
+    resample_chunks,
+    resample_counts,
+)
 
 CLUSTER_METHOD = "cluster-bootstrap-percentile"
 CLUSTER_STREAM = 3
@@ -128,13 +135,6 @@ def design_effect(values, clusters) -> float:
     return float((clustered / rows) ** 2) if rows > 0 else float("nan")
 
 
-def _checked(resamples, level) -> None:
-    if not isinstance(resamples, (int, np.integer)) or resamples < 0:
-        raise ValueError(f"resamples must be an integer >= 0 (0 disables the intervals); got {resamples!r}")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must lie in (0, 1); got {level}")
-
-
 @dataclass
 class _ClassSums:
     """Per cluster [G, P] over the P classes present (as a label or a prediction): support, predictions, hits."""
@@ -207,12 +207,11 @@ class _ScoreSums:
                                   if self.influence is not None else np.full(whole.shape[0], np.nan))
             return out
         auroc = np.empty(whole.shape[0])
-        step = max(1, ROW_WEIGHTS_PER_CHUNK // max(1, self.clusters.size))  # [step, n] row weights at once
-        for start in range(0, whole.shape[0], step):
-            rows = np.take(whole[start:start + step], self.clusters, axis=1)
+        for start, r in resample_chunks(whole.shape[0], self.clusters.size, ROW_WEIGHTS_PER_CHUNK):  # [r, n] at once
+            rows = np.take(whole[start:start + r], self.clusters, axis=1)
             totals = rows.sum(axis=1, dtype=np.int64)
             per_class = np.stack([weighted_auroc(rows, ranking, totals) for ranking in self.rankings], axis=1)
-            auroc[start:start + rows.shape[0]] = macro_of_defined(per_class)
+            auroc[start:start + r] = macro_of_defined(per_class)
         out["auroc_macro"] = auroc
         return out
 
@@ -234,7 +233,7 @@ def cluster_bootstrap_intervals(
     """
     labels, preds = np.asarray(labels, dtype=np.int64), np.asarray(preds, dtype=np.int64)
     losses, clusters = np.asarray(losses, dtype=np.float64), _compact(clusters)
-    _checked(resamples, level)
+    check_resampling(resamples, level)
     if not labels.shape == preds.shape == losses.shape == clusters.shape or labels.ndim != 1:
         raise ValueError(f"labels, preds, losses and clusters differ in shape: {labels.shape}, {preds.shape}, "
                          f"{losses.shape}, {clusters.shape}")
@@ -252,8 +251,7 @@ def cluster_bootstrap_intervals(
     loss_sums = np.bincount(clusters, weights=losses, minlength=g)
     names = ["accuracy", "f1_macro", "loss", *(scores.names() if scores else [])]
     values = {name: np.empty(resamples) for name in names}
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(CLUSTER_STREAM,))))
-    for start, whole in _integer_resample_counts(rng, g, resamples):
+    for start, whole in resample_counts(generator(seed, CLUSTER_STREAM), g, resamples):
         stop, weights = start + whole.shape[0], whole.astype(np.float64)
         drawn_sizes = weights @ sizes
         values["accuracy"][start:stop], values["f1_macro"][start:stop] = classes.drawn(weights, drawn_sizes)
@@ -261,19 +259,7 @@ def cluster_bootstrap_intervals(
         for name, drawn in (scores.drawn(whole, weights, drawn_sizes) if scores else {}).items():
             values[name][start:stop] = drawn
     method = CLUSTER_METHOD + (LINEARIZED if scores is not None and scores.linearized else "")
-    return {**_percentiles(values, seed, level), "method": method, "clusters": g}
-
-
-def _percentiles(values: dict, seed: int, level: float) -> dict:
-    """:func:`dist_eval.intervals.score_percentiles`' dict, in one call where no value is NaN."""
-    if any(np.isnan(drawn).any() for drawn in values.values()):
-        return score_percentiles(values, seed, level)
-    tail = 100.0 * (1.0 - level) / 2.0
-    bounds = np.percentile(np.stack(list(values.values())), [tail, 100.0 - tail], axis=1)
-    out = {"method": CLUSTER_METHOD, "resamples": len(next(iter(values.values()))), "seed": int(seed),
-           "level": float(level)}
-    out.update({name: [float(lo), float(hi)] for name, lo, hi in zip(values, bounds[0], bounds[1])})
-    return out
+    return {**percentile_intervals(values, seed, level, method, defined=True), "clusters": g}
 
 
 def paired_cluster_bootstrap(
@@ -291,7 +277,7 @@ def paired_cluster_bootstrap(
     None when there are no rows; intervals None with ``resamples`` 0 or fewer than MIN_CLUSTERS
     clusters.
     """
-    _checked(resamples, level)
+    check_resampling(resamples, level)
     labels, preds_a, preds_b, losses_a, losses_b = paired_rows(labels, preds_a, preds_b, losses_a, losses_b)
     if labels.size == 0:
         return None
@@ -314,23 +300,10 @@ def paired_cluster_bootstrap(
     order = canonical_row_order(clusters, labels, preds_a, preds_b, gap)
     draws = _paired_draws(clusters[order], labels[order], preds_a[order], preds_b[order], gap[order], num_labels,
                           g, resamples, seed)
-    tail = 100.0 * (1.0 - level) / 2.0
     for name, drawn in draws.items():
-        lo, hi = np.percentile(drawn, [tail, 100.0 - tail])
-        point[name]["interval"] = [float(lo), float(hi)]
+        point[name]["interval"] = percentile_interval(drawn, level)
     point["f1_macro"]["pvalue_clustered"] = bootstrap_pvalue(draws["f1_macro"])
     return point
-
-
-def bootstrap_pvalue(drawn) -> float:
-    """The two-sided p-value of a difference of 0 that a percentile bootstrap's ``drawn`` values
-    give: twice the smaller share of them on either side of 0 (at most 1), so that it is below
-    1 - level where 0 lies outside the interval of that level (up to the percentiles'
-    interpolation). For a statistic that is not a mean of rows (macro F1), whose clustered
-    test has no closed form.
-    """
-    drawn = np.asarray(drawn, dtype=np.float64)
-    return float(min(1.0, 2.0 * min(np.mean(drawn <= 0.0), np.mean(drawn >= 0.0))))
 
 
 def _paired_draws(clusters, labels, preds_a, preds_b, gap, num_labels: int, g: int, resamples: int, seed: int):
@@ -341,8 +314,7 @@ def _paired_draws(clusters, labels, preds_a, preds_b, gap, num_labels: int, g: i
     sizes = np.bincount(clusters, minlength=g).astype(np.float64)
     gap_sums = np.bincount(clusters, weights=gap, minlength=g)
     out = {name: np.empty(resamples) for name in ("accuracy", "f1_macro", "loss")}
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(PAIRED_CLUSTER_STREAM,))))
-    for start, whole in _integer_resample_counts(rng, g, resamples):
+    for start, whole in resample_counts(generator(seed, PAIRED_CLUSTER_STREAM), g, resamples):
         stop, weights = start + whole.shape[0], whole.astype(np.float64)
         drawn_sizes = weights @ sizes
         (acc_a, f1_a), (acc_b, f1_b) = (side.drawn(weights, drawn_sizes) for side in sides)

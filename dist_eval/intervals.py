@@ -22,12 +22,10 @@ from typing import Dict, Optional
 import numpy as np
 
 from dist_eval.metrics import weighted_sums
+from dist_eval.resampling import check_resampling, generator, multinomial_counts, percentile_intervals, resample_counts
 
 METHOD = "bootstrap-percentile"
 LOSS_GROUPS = 4096
-# Multinomial draws held at once (resamples x categories): bounds memory to a few MiB.
-# A constant, never derived from the machine, so the random stream does not depend on it.
-_CELLS_PER_CHUNK = 1 << 19
 
 
 def bootstrap_intervals(
@@ -51,39 +49,16 @@ def bootstrap_intervals(
     labels = np.asarray(labels, dtype=np.int64)
     preds = np.asarray(preds, dtype=np.int64)
     losses = np.asarray(losses, dtype=np.float64)
-    if not isinstance(resamples, (int, np.integer)) or resamples < 0:
-        raise ValueError(f"resamples must be an integer >= 0 (0 disables the intervals); got {resamples!r}")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must lie in (0, 1); got {level}")
+    check_resampling(resamples, level)
     if not labels.shape == preds.shape == losses.shape:
         raise ValueError(f"labels, preds and losses differ in shape: {labels.shape}, {preds.shape}, {losses.shape}")
     n = labels.shape[0]
     if resamples == 0 or n == 0:
         return None
-    rng = np.random.Generator(np.random.PCG64(seed))
+    rng = generator(seed)
     accuracy, f1_macro = _resample_confusion_metrics(rng, labels, preds, num_labels, resamples)
     loss = _resample_mean_loss(rng, losses, resamples)
-    tail = 100.0 * (1.0 - level) / 2.0
-
-    def percentile_interval(values: np.ndarray) -> list:
-        lo, hi = np.percentile(values, [tail, 100.0 - tail])
-        return [float(lo), float(hi)]
-
-    return {
-        "method": METHOD,
-        "resamples": int(resamples),
-        "seed": int(seed),
-        "level": float(level),
-        "accuracy": percentile_interval(accuracy),
-        "f1_macro": percentile_interval(f1_macro),
-        "loss": percentile_interval(loss),
-    }
-
-
-def _chunks(total: int, categories: int):
-    step = max(1, _CELLS_PER_CHUNK // max(1, categories))
-    for start in range(0, total, step):
-        yield start, min(step, total - start)
+    return percentile_intervals({"accuracy": accuracy, "f1_macro": f1_macro, "loss": loss}, seed, level, METHOD)
 
 
 def _resample_confusion_metrics(rng, labels, preds, num_labels: int, resamples: int):
@@ -96,15 +71,15 @@ def _resample_confusion_metrics(rng, labels, preds, num_labels: int, resamples: 
     on_diagonal = true_of == pred_of
     accuracy = np.empty(resamples)
     f1_macro = np.empty(resamples)
-    for start, r in _chunks(resamples, len(cells)):
-        counts = rng.multinomial(n, probabilities, size=r).astype(np.float64)  # [r, cells]
+    for start, counts in multinomial_counts(rng, n, probabilities, resamples):  # counts: [r, cells]
+        stop = start + counts.shape[0]
         support = _per_class(true_of, counts, num_labels)
         predicted = _per_class(pred_of, counts, num_labels)
         tp = _per_class(true_of, counts * on_diagonal[None, :], num_labels)
         denominator = support + predicted  # 2tp + fp + fn
         f1 = np.divide(2 * tp, denominator, out=np.zeros_like(tp), where=denominator != 0)
-        accuracy[start:start + r] = tp.sum(axis=1) / n
-        f1_macro[start:start + r] = f1.mean(axis=1)
+        accuracy[start:stop] = tp.sum(axis=1) / n
+        f1_macro[start:stop] = f1.mean(axis=1)
     return accuracy, f1_macro
 
 
@@ -146,15 +121,14 @@ def _grouped_sums(rng, ordered: np.ndarray, segment_starts: np.ndarray, resample
     variances = np.add.reduceat((ordered - np.repeat(means, sizes)) ** 2, starts) / sizes
     grouped = starts.size < n
     out = np.empty((resamples, segment_starts.size))
-    for start, r in _chunks(resamples, starts.size):
-        draws = rng.multinomial(n, sizes / n, size=r).astype(np.float64)  # [r, groups]
+    for start, draws in multinomial_counts(rng, n, sizes / n, resamples):  # draws: [r, groups]
         if grouped:  # the spread of the draws inside each group
-            spread = np.sqrt(draws * variances[None, :]) * rng.standard_normal((r, starts.size))
+            spread = np.sqrt(draws * variances[None, :]) * rng.standard_normal(draws.shape)
         for segment, (first, last) in enumerate(zip(edges[:-1], edges[1:])):
             totals = weighted_sums(draws[:, first:last], means[first:last])
             if grouped:
                 totals += spread[:, first:last].sum(axis=1)
-            out[start:start + r, segment] = totals
+            out[start:start + len(draws), segment] = totals
     return out
 
 
@@ -203,10 +177,7 @@ def drawn_score_intervals(probs: np.ndarray, labels: np.ndarray, resamples: int,
     and integer labels in range, as a report has them once :func:`dist_eval.metrics.score_metrics` took
     them (the rows' report and the run's merge, :mod:`dist_eval.scoring`, :mod:`dist_eval.merge`).
     """
-    if not isinstance(resamples, (int, np.integer)) or resamples < 0:
-        raise ValueError(f"resamples must be an integer >= 0 (0 disables the intervals); got {resamples!r}")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must lie in (0, 1); got {level}")
+    check_resampling(resamples, level)
     if resamples == 0 or labels.shape[0] == 0:
         return None
     if grouped_score_intervals(probs, labels):
@@ -237,17 +208,7 @@ def join_score_resamples(parts: list, resamples: int) -> dict:
 
 def score_percentiles(values: dict, seed: int, level: float = 0.95) -> dict:
     """The intervals (:func:`bootstrap_score_intervals`' dict) of every resample's values."""
-    resamples = len(next(iter(values.values())))
-    tail = 100.0 * (1.0 - level) / 2.0
-    out = {"method": METHOD, "resamples": int(resamples), "seed": int(seed), "level": float(level)}
-    for name, draws in values.items():
-        finite = draws[~np.isnan(draws)]
-        if finite.size == 0:
-            out[name] = [float("nan"), float("nan")]
-        else:
-            lo, hi = np.percentile(finite, [tail, 100.0 - tail])
-            out[name] = [float(lo), float(hi)]
-    return out
+    return percentile_intervals(values, seed, level, METHOD, defined=True)
 
 
 def kept_score_intervals(intervals: Optional[dict], scores: dict) -> dict:
@@ -273,29 +234,6 @@ def canonical_row_order(*columns: np.ndarray) -> np.ndarray:
     return np.lexsort(keys[::-1])
 
 
-def resample_counts(rng, n: int, resamples: int):
-    """Yield ``(start, counts)`` chunks: ``counts[i, j]`` is how often row j is drawn in
-    resample ``start + i`` (n row indices drawn uniformly with replacement per resample).
-    """
-    for start, counts in _integer_resample_counts(rng, n, resamples):
-        yield start, counts.astype(np.float64)
-
-
-def _integer_resample_counts(rng, n: int, resamples: int, part: tuple = (0, 1)):
-    """:func:`resample_counts` as int32 (the same draws): half the memory traffic of float64.
-    ``part`` = (rank, world size): only every world-size-th chunk (the others' draws are made).
-    """
-    # int32 draws below 2**31 are the same numbers from the same stream as int64 ones (numpy's
-    # bounded 32-bit generator serves both), with half the bytes to write.
-    dtype = np.int32 if n <= np.iinfo(np.int32).max else np.int64
-    for number, (start, r) in enumerate(_chunks(resamples, n)):
-        indices = rng.integers(0, n, size=(r, n), dtype=dtype)
-        if number % part[1] != part[0]:
-            continue
-        flat = indices.ravel() if r == 1 else (np.arange(r, dtype=np.int64)[:, None] * n + indices).ravel()
-        yield start, np.bincount(flat, minlength=r * n).reshape(r, n).astype(np.int32)
-
-
 def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bins: int, part=None):
     """Each score metric of every resample: ``{name: float64[resamples]}``; with ``part``
     (rank, world size), (the resample numbers, ``{name: values}``) of that rank's chunks.
@@ -317,9 +255,9 @@ def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bin
     if k is not None:
         out[f"top{k}_accuracy"] = np.empty(resamples)
     out["auroc_macro"] = np.empty(resamples)
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(SCORES_STREAM,))))
+    rng = generator(seed, SCORES_STREAM)
     numbers = []
-    for start, whole in _integer_resample_counts(rng, n, resamples, part or (0, 1)):
+    for start, whole in resample_counts(rng, n, resamples, part or (0, 1)):
         counts = whole.astype(np.float64)
         stop = start + counts.shape[0]
         numbers.append(np.arange(start, stop))
@@ -479,7 +417,7 @@ def _grouped_score_resamples(probs, labels, resamples: int, seed: int, top_k, bi
 
     n, num_labels = probs.shape
     k = M.default_top_k(num_labels) if top_k is None else top_k
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(SCORES_STREAM,))))
+    rng = generator(seed, SCORES_STREAM)
     confidence = probs.max(axis=1)
     gap = confidence - (probs.argmax(axis=1) == labels)
     bin_of = M.calibration_bins(confidence, bins)

@@ -17,8 +17,9 @@ from typing import Sequence
 
 import numpy as np
 
-from dist_eval.intervals import METHOD, canonical_row_order, resample_counts
+from dist_eval.intervals import METHOD, canonical_row_order
 from dist_eval.metrics import paired_differences, paired_rows, weighted_sums
+from dist_eval.resampling import check_resampling, generator, percentile_interval, resample_counts
 
 PAIRED_STREAM = 2  # the bootstrap's random stream: SeedSequence(seed, spawn_key=(PAIRED_STREAM,))
 
@@ -75,22 +76,14 @@ def paired_bootstrap(
     is 0; the whole result is None when there are no rows.
     """
     labels, preds_a, preds_b, losses_a, losses_b = paired_rows(labels, preds_a, preds_b, losses_a, losses_b)
-    if not isinstance(resamples, (int, np.integer)) or resamples < 0:
-        raise ValueError(f"resamples must be an integer >= 0 (0 disables the intervals); got {resamples!r}")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must lie in (0, 1); got {level}")
-    n = labels.shape[0]
-    if n == 0:
+    check_resampling(resamples, level)
+    if labels.shape[0] == 0:
         return None
     point = paired_differences(labels, preds_a, preds_b, losses_a, losses_b, num_labels)
     out = {"method": METHOD, "resamples": int(resamples), "seed": int(seed), "level": float(level)}
     draws = _paired_resamples(labels, preds_a, preds_b, losses_a, losses_b, num_labels, resamples, seed)
-    tail = 100.0 * (1.0 - level) / 2.0
     for name, difference in point.items():
-        interval = None
-        if resamples:
-            lo, hi = np.percentile(draws[name], [tail, 100.0 - tail])
-            interval = [float(lo), float(hi)]
+        interval = percentile_interval(draws[name], level) if resamples else None
         out[name] = {"difference": float(difference), "interval": interval}
     return out
 
@@ -108,8 +101,8 @@ def _paired_resamples(labels, preds_a, preds_b, losses_a, losses_b, num_labels: 
         correct = (preds == labels).astype(np.float64)
         per_model.append((correct, eye[preds], true_onehot * correct[:, None]))
     out = {name: np.empty(resamples) for name in ("accuracy", "f1_macro", "loss")}
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(PAIRED_STREAM,))))
-    for start, counts in resample_counts(rng, n, resamples):
+    for start, whole in resample_counts(generator(seed, PAIRED_STREAM), n, resamples):
+        counts = whole.astype(np.float64)
         stop = start + counts.shape[0]
         support = counts @ true_onehot
         accuracy, f1_macro = [], []

@@ -145,7 +145,8 @@ def test_the_resamples_shared_over_ranks_are_those_of_one_process(world, n, resa
     """Issue 29: each rank computes every N-th chunk of resamples; joined, the same bits as
     one process (900 rows: 3 chunks of 582 resamples at most; 300,001 rows: one resample a
     chunk), so the intervals do not depend on N."""
-    from dist_eval.intervals import _chunks, join_score_resamples, score_percentiles, score_resamples_part
+    from dist_eval.intervals import join_score_resamples, score_percentiles, score_resamples_part
+    from dist_eval.resampling import resample_chunks as _chunks
 
     probs, labels = synthetic(n, 3, seed=4, coarse=True)
     whole = _score_metric_resamples(probs, labels, resamples, 7, None, 15)
@@ -254,7 +255,8 @@ def test_weighted_auroc_is_bit_for_bit_the_former_one(n, levels, share, contiguo
 def test_resample_counts_are_those_of_the_documented_int64_draws(n, resamples):
     """The draws come as int32 (faster); the counts and the stream after them are those of
     rng.integers(0, n, size=(r, n)) per chunk, as documented (n > 2**18: one resample a chunk)."""
-    from dist_eval.intervals import _chunks, _integer_resample_counts
+    from dist_eval.resampling import resample_chunks as _chunks
+    from dist_eval.resampling import resample_counts as _integer_resample_counts
 
     ours = np.random.Generator(np.random.PCG64(3))
     ref = np.random.Generator(np.random.PCG64(3))

@@ -205,8 +205,8 @@ def test_no_import_cycle_among_the_package_modules():
 LAYERS = (
     ("errors",),  # how every failure is said
     ("chunks",),  # the bounded-memory code's chunk sizes (DIST_EVAL_CHUNK_ROWS)
-    ("atomic", "procs", "watchdog", "plan", "metrics", "launcher", "rendezvous", "loop_facts",
-     "results", "aside"),  # foundations
+    ("atomic", "procs", "watchdog", "plan", "metrics", "resampling", "launcher", "rendezvous", "loop_facts",
+     "results", "aside"),  # foundations (resampling: the one engine under every bootstrap)
     ("ranks", "intervals", "sequential", "power"),  # the collectives; the statistics under the metrics
     ("data", "backends"),  # the rows; the model (its table, loaders, backends, provenance)
     ("swarm", "predict", "progress", "resume", "paired", "clusters", "config", "demo"),  # servers; the forward
