@@ -287,10 +287,11 @@ def test_server_blocks_equal_the_local_blocks_on_the_same_hidden_states(request,
     DeepSeek-V4's blocks take and give the hc_mult streams, each through the servers' merged forward step with the
     row's token ids where the block routes by them (without them a hash-routed block fails its request)."""
     from dist_eval.backends import load_model
-    from dist_eval.backends.blocks import register, server_block_replacements
+    from dist_eval.backends.blocks import register
     from dist_eval.backends.config_json import family_of_folder
     from dist_eval.backends.petals.shims import import_petals
     from dist_eval.backends.petals_folder import petals_model_folder
+    from dist_eval.swarm.blocks import server_block_replacements
 
     import_petals()
     register()

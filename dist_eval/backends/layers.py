@@ -75,7 +75,7 @@ The same parts make the decoder layers of ``--backend local`` (:class:`OwnDecode
 index) and the blocks of the servers dist_eval starts (:func:`petals_block_class`): petals'
 server builds a block as ``config.block_class(config)``, without its index, so those servers
 tell it the index of the block they load (:data:`SERVER_BLOCK_INDEX`,
-:func:`dist_eval.backends.blocks.server_block_replacements`). Tensor names are transformers':
+:func:`dist_eval.swarm.blocks.server_block_replacements`). Tensor names are transformers':
 ``self_attn.{q,k,v,o}_proj``, ``self_attn.{q,k}_norm``, ``mlp.gate``,
 ``mlp.experts.<e>.{gate,up,down}_proj``, ``mlp.gate.e_score_correction_bias``,
 ``mlp.shared_experts.{gate,up,down}_proj``; Mixtral's ``block_sparse_moe.gate``,

@@ -41,6 +41,7 @@ but the standard library, so the CLI starts at once and never prints petals' noi
   (:func:`~dist_eval.swarm.server.apply_server_patches`)
 - :mod:`~dist_eval.swarm.merged_forward`: a server's forward request as one task of its runtime
 - :mod:`~dist_eval.swarm.wire`: the wire's server half: token ids in, read positions out
+- :mod:`~dist_eval.swarm.blocks`: a server's blocks built knowing their index, read as released
 """
 from dist_eval.swarm.cli import main
 from dist_eval.swarm.local import LocalSwarm

@@ -292,7 +292,7 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
        refuses that order;
     3. :mod:`dist_eval.swarm.drain`: a shutdown waits for the requests in flight (it counts them
        in each request handler, around whatever the others changed inside them);
-    4. :func:`dist_eval.backends.blocks.server_block_replacements`: a block is built knowing its
+    4. :func:`dist_eval.swarm.blocks.server_block_replacements`: a block is built knowing its
        index (a mixture-of-experts family's blocks differ by index);
     5. :func:`_peft_on_demand`: a server without adapters does not import bitsandbytes;
     6. :func:`_own_identity_unchecked`: its own identity file is not checked against the swarm;
@@ -306,19 +306,19 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     Idempotent. ``model_dir``/``first_block``: the served folder and its first block (the table
     a server of block 0 looks token ids up in).
     """
-    from dist_eval.backends.blocks import register, server_block_replacements, server_version_replacements
+    from dist_eval.backends.blocks import register
     from dist_eval.backends.compat import quiet_third_party_output
     from dist_eval.backends.petals.shims import apply, import_petals
-    from dist_eval.swarm import drain, merged_forward, wire
+    from dist_eval.swarm import blocks, drain, merged_forward, wire
 
     quiet_third_party_output()  # a server is a process of ours (the caller's is left alone)
     import_petals()
     apply("merged_forward", "server", merged_forward.replacements)
     apply("wire_server", "server", lambda: wire.server_replacements(model_dir, first_block), after=("merged_forward",))
     register()  # the blocks and classes of the families petals 2.2.0 lacks, in petals' registry
-    apply("server_version", "server", server_version_replacements)  # says it computes them
+    apply("server_version", "server", blocks.server_version_replacements)  # says it computes them
     apply("drain", "server", drain.replacements)
-    apply("block_index", "server", server_block_replacements)
+    apply("block_index", "server", blocks.server_block_replacements)
     apply("peft_on_demand", "server", _peft_on_demand)
     apply("own_identity", "server", _own_identity_unchecked)
     apply("loopback_direct", "server", _loopback_is_direct)
