@@ -360,6 +360,67 @@ def test_a_vision_language_release_by_hub_id_fetches_the_clients_files_alone(hub
     assert_same_bits(logits[1], logits[0], "the logits, the hub id's whole text model against the text folder")
 
 
+@pytest.mark.swarm
+def test_a_vision_language_release_by_hub_id_on_a_swarm_serving_it_equals_local_bitwise(tiny_swarm, hub_cache, dataset,
+                                                                                       tmp_path, monkeypatch):
+    """Qwen3.5 as released, served as it is (``LocalSwarm(release)``: one server, forked from tiny_swarm's fork
+    server) and named by hub id on ``--backend petals``: the logits equal the local backend's on the text folder bit
+    for bit; the client fetched its files alone (never a block's shard, the vision tower's or the mtp layer's);
+    the server was given the converted folder, whose files hold none of the vision tower's or mtp's tensors, and
+    their shards in the release are not safetensors files at all: had the swarm opened one, it would not start."""
+    import json
+    from unittest import mock
+
+    from conftest import build_tiny_model, forking_from
+    from transformers import AutoTokenizer
+
+    from dist_eval.backends.petals_folder import safetensors_names
+    from dist_eval.swarm import LocalSwarm
+
+    text = build_tiny_model(str(tmp_path / "text"), family="qwen3_5")
+    release = split_as_vision_language_release(text, str(tmp_path / "release"))
+    never = ("model-visual.safetensors", "model-mtp.safetensors")
+    for name in never:  # what is never read may as well be unreadable
+        with open(os.path.join(release, name), "wb") as f:
+            f.write(b"not a safetensors file: nothing may open it")
+    monkeypatch.setenv("DIST_EVAL_CACHE", str(tmp_path / "cache"))  # the converted copies, not the user's cache
+    checkpoint = build_checkpoint(str(tmp_path / "ck.pt"))
+    swarm = LocalSwarm(release, num_servers=1, dht_prefix="vl-release")
+    try:
+        with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}), forking_from(tiny_swarm):
+            swarm.start()
+        served = swarm.model_dir
+        assert served != swarm.source_dir and served in swarm.servers[0].proc.args
+        with open(os.path.join(served, "model.safetensors.index.json")) as f:
+            index = json.load(f)
+        assert set(index["metadata"]["left_out"]) == {"model.visual.blocks.0.attn.qkv.weight", "mtp.fc.weight"}
+        held = [key for name in os.listdir(served) if name.endswith(".safetensors")
+                for key in safetensors_names(os.path.join(served, name))]
+        assert len(held) == len(index["weight_map"]) and set(held) == set(index["weight_map"])
+        assert not [k for k in held if k.startswith(("model.visual.", "mtp.")) or "language_model" in k], held
+        with fake_hub({VL_REPO: release}) as hub:
+            monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+            model = load_model("petals", VL_REPO, checkpoint=checkpoint, initial_peers=swarm.initial_peers,
+                               dht_prefix=swarm.dht_prefix)
+            try:
+                assert model.source.model_dir.startswith(str(hub_cache))
+                with one_thread():
+                    result = evaluate(model, dataset, tokenizer=AutoTokenizer.from_pretrained(model.source.model_dir),
+                                      batch_size=4, return_logits=True, bootstrap_resamples=0)
+            finally:
+                model.close()
+            fetched = hub.files("GET")
+    finally:
+        swarm.stop()
+    assert {f for f in fetched if f.endswith(".safetensors")} == {"model-00001-of-client.safetensors"}, fetched
+    local = load_model("local", text, checkpoint=checkpoint)
+    with one_thread():
+        expected = evaluate(local, dataset, tokenizer=AutoTokenizer.from_pretrained(text), batch_size=4,
+                            return_logits=True, bootstrap_resamples=0)
+    assert_same_bits(result.predictions.logits, expected.predictions.logits,
+                     "the logits, the release by hub id on a swarm serving it against the text folder on local")
+
+
 
 def split_as_kimi_release(src: str, dst: str) -> str:
     """``src`` (a tiny kimi_k25 text ``*ForCausalLM`` save) as Moonshot lays Kimi K2.5 out: config.json's
