@@ -242,18 +242,18 @@ def _build_transformers_classes(family) -> None:
         _classes[name] = type(name, (base_class,), body)
         if not native:
             auto.register(config, _classes[name])
-    if has_own_layers(family):
-        from dist_eval.backends.layers import layers_return_tensors
+    from dist_eval.backends.layers import layers_return_tensors
 
-        if layers_return_tensors():
-            _register_base_backbone(family, base, config)
+    if layers_return_tensors():  # every family built here, own layers or not (a 4.33-saved folder has 4.x fields)
+        _register_base_backbone(family, base, config)
 
 
 def _register_base_backbone(family, base, config) -> None:
     """Where transformers' head classes build their backbone by ``AutoModel.from_config`` (5.x), which finds a model by
-    the config class's name: 5.x's own model of the family where it has one (another forward, another layer call),
-    none where it has not. A family of dist_eval's own layers takes the base family's backbone, as the pinned head
-    classes build it: registered for its config class.
+    the config class's name: 5.x's own model of the family where it has one (another forward, another layer call, other
+    config fields: a folder the pinned transformers saved, such as the demo's, has no ``layer_types``), none where it
+    has not. Every family built here takes the base family's backbone, as the pinned head classes build it:
+    registered for its config class.
     """
     import transformers
 
