@@ -16,6 +16,7 @@ _EXPORTS = {
     "load_model": "dist_eval.backends.classifier",
     "LoadOptions": "dist_eval.backends.arguments",
     "LoadedModel": "dist_eval.backends.classifier",
+    "load_tokenizer": "dist_eval.backends.tokenizer",
     "UsageError": "dist_eval.errors",
 }
 __all__ = [*_EXPORTS, "__version__"]

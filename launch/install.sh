@@ -9,7 +9,7 @@
 #
 # Why not `pip install petals`: petals 2.2.0.post1 pins hivemind==1.1.10.post2, whose
 # sdist downloads the p2pd binary at build time (fails offline / air-gapped) and
-# pydantic<2. hivemind 1.1.12 ships p2pd in its wheel and works; dist_eval/backends/compat.py
+# pydantic<2. hivemind 1.1.12 ships p2pd in its wheel and works; dist_eval/backends/petals/shims.py
 # bridges the API differences. So petals goes in with --no-deps, after its real needs.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -249,7 +249,8 @@ def _build_transformers_classes(family) -> None:
 
 
 def _register_base_backbone(family, base, config) -> None:
-    """Where transformers' head classes build their backbone by ``AutoModel.from_config`` (5.x), which finds a model by
+    """Where transformers' head classes build their backbone by ``AutoModel.from_config`` (5.x; 4.57 shares its layer
+    API, the test of :func:`~dist_eval.backends.layers.layers_return_tensors`), which finds a model by
     the config class's name: 5.x's own model of the family where it has one (another forward, another layer call, other
     config fields: a folder the pinned transformers saved, such as the demo's, has no ``layer_types``), none where it
     has not. Every family built here takes the base family's backbone, as the pinned head classes build it:

@@ -142,11 +142,3 @@ def quiet_third_party_output() -> None:
     if datasets is not None:  # imported already: its variables were read before ours were set
         datasets.disable_progress_bars()
         datasets.logging.set_verbosity_error()
-
-
-
-
-
-
-
-

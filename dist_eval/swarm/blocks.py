@@ -51,6 +51,7 @@ def server_block_replacements() -> list:
 
     return [(server, "load_pretrained_block", load_pretrained_block), *fp8_load_replacements()]
 
+
 def fp8_load_replacements() -> list:
     """The tensors of a block as petals' server reads them (``_load_state_dict_from_repo``, every file
     holding one of them), FP8 weights dequantized (:func:`dist_eval.backends.layers.dequantize_fp8`)
@@ -80,6 +81,7 @@ def fp8_load_replacements() -> list:
         return tensors
 
     return [(from_pretrained, "_load_state_dict_from_repo", _load_state_dict_from_repo)]
+
 
 def server_version_replacements() -> list:
     """The version a server dist_eval starts announces: petals' own, marked."""

@@ -34,7 +34,7 @@ SERVER_MODULE = "dist_eval.swarm.server"
 FORK_SERVER_FLAG = "--dist_eval_fork_server"
 # what a server imports before its model's own part: imported once here (import_petals applies the
 # client patches every petals process gets; the server's own patches are applied by each server)
-_PRELOAD = ("dist_eval.swarm.wire", "dist_eval.backends.blocks", "dist_eval.swarm.drain",
+_PRELOAD = ("dist_eval.swarm.wire", "dist_eval.backends.blocks", "dist_eval.swarm.blocks", "dist_eval.swarm.drain",
             "dist_eval.swarm.merged_forward", SERVER_MODULE)
 
 

@@ -14,5 +14,5 @@ In the order a forward meets them:
 - :mod:`~dist_eval.backends.petals.helpers`: the client's helper processes (DHT, p2pd), a watch over them, and
   the client's shutdown
 
-Nothing is imported here: the report writers read the audit's summaries without importing torch or petals.
+Nothing is imported here: the report writers read the audit's summaries without importing petals.
 """

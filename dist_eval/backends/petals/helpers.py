@@ -232,7 +232,6 @@ def quiet_hivemind_logs(level: int = logging.WARNING) -> None:
         logging.getLogger(name).setLevel(level)
 
 
-
 def ensure_main_thread_event_loop() -> None:
     """Leave a current event loop set in the main thread.
 
@@ -246,9 +245,7 @@ def ensure_main_thread_event_loop() -> None:
         asyncio.set_event_loop(asyncio.new_event_loop())
 
 
-
 _SHUTDOWN_WAIT = 2.0  # seconds each step of a client's shutdown may take (~0.1 s when healthy)
-
 
 
 def shutdown_petals_client(sequence_manager) -> None:

@@ -77,7 +77,6 @@ class PetalsNotInstalledError(ImportError):
     """hivemind or petals cannot be imported in this Python."""
 
 
-
 def import_petals():
     """Import and return the ``petals`` module, every client patch applied (the one way to
     import petals, and the one entry to :func:`~dist_eval.backends.petals.shims.apply_client_patches`).
@@ -86,7 +85,6 @@ def import_petals():
     check_versions()  # before anything is imported or patched
     with environ_as_found():  # petals' import sets BITSANDBYTES_NOWELCOME: not in a caller's process
         return _import_petals()
-
 
 
 def _import_petals():
@@ -112,10 +110,7 @@ def _import_petals():
     return petals
 
 
-
 @contextlib.contextmanager
-
-
 def environ_as_found():
     """Within: anything; after: ``os.environ`` as it was before (variables set are removed,
     changed or removed ones put back), so that no import leaves one in a caller's process.
