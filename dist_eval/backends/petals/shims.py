@@ -303,13 +303,23 @@ def no_version_check() -> List[Replacement]:
 # ---------------------------------------------------------------- the bridges, and whether each is still needed
 
 
+def _as_installed(owner, attribute: str):
+    """``owner.attribute`` as the installed package has it: the original :func:`apply` recorded where a patch
+    replaced it, else the attribute itself (None: absent).
+    """
+    sym = symbol(owner, attribute)
+    for _, done in _applied.values():
+        for replaced_symbol, _, _, original in done:
+            if replaced_symbol == sym:
+                return original
+    return owner.__dict__.get(attribute)
+
+
 def _reexports_missing() -> bool:
     """Whether hivemind's top level, as installed, lacks a name petals imports from it."""
-    replaced_here = _applied.get("hivemind_reexports", ("", []))[1]
-    originals = {attribute: original for _, _, attribute, original in replaced_here}
     import hivemind
 
-    return any(originals.get(name, hivemind.__dict__.get(name)) is None for name in _HIVEMIND_REEXPORTS)
+    return any(_as_installed(hivemind, name) is None for name in _HIVEMIND_REEXPORTS)
 
 
 def _stub_collection_unlocked() -> bool:
@@ -329,8 +339,7 @@ def _version_check_online() -> bool:
 
     import petals.utils.version as version
 
-    original = {attribute: value for _, _, attribute, value in _applied.get("no_version_check", ("", []))[1]}
-    return "pypi" in inspect.getsource(original.get("validate_version") or version.validate_version).lower()
+    return "pypi" in inspect.getsource(_as_installed(version, "validate_version")).lower()
 
 
 # patch name -> (what it bridges, the versions it was written against, whether the installed stack still needs it)
