@@ -10,8 +10,7 @@ import sys
 
 import pytest
 from conftest import REPO
-
-TOLERANCE = 1e-4  # per-row logits between the two transformers generations (test_families_reference's)
+from float_promises import ACROSS_GENERATIONS as TOLERANCE
 
 
 @pytest.fixture(scope="module")

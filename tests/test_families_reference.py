@@ -33,12 +33,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, read_jsonl, run_ranks, stop_group
+from float_promises import ACROSS_GENERATIONS as TOLERANCE
 from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import run_cli_in_process
 
 from dist_eval.backends.blocks import SERVER_VERSION_MARK
 
-TOLERANCE = 1e-4
 GENERATIONS = {"4": "4.57", "5": "5."}  # the transformers that made each reference (launch/install_reference.sh)
 REFERENCE_FIXTURES = {"4": "reference", "5": "reference5"}  # each generation's reference, by fixture name
 KINDS = ("llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4_text",

@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, read_jsonl, run_ranks, write_csv
+from float_promises import ACROSS_GENERATIONS as TOLERANCE
 from test_cli import fails_in_process
 
 from dist_eval.errors import UsageError
 
-TOLERANCE = 1e-4
 FAMILIES = ("llama3", "qwen2", "bloom", "falcon")
 ADAPTERS = ("PROMPT_TUNING.SEQ_CLS", "PROMPT_TUNING.CAUSAL_LM", "P_TUNING.SEQ_CLS", "P_TUNING.CAUSAL_LM")
 DOC = os.path.join(REPO, "docs", "models-and-checkpoints.md")
