@@ -421,7 +421,6 @@ def test_a_vision_language_release_by_hub_id_on_a_swarm_serving_it_equals_local_
                      "the logits, the release by hub id on a swarm serving it against the text folder on local")
 
 
-
 def split_as_kimi_release(src: str, dst: str) -> str:
     """``src`` (a tiny kimi_k25 text ``*ForCausalLM`` save) as Moonshot lays Kimi K2.5 out: config.json's
     text_config (model_type kimi_k2) beside a vision_config, the text model under ``language_model.model.``, its
