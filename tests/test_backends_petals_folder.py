@@ -168,3 +168,109 @@ def test_a_converted_copy_of_a_private_folder_stays_private(tmp_path):
     shared = petals_model_folder(other, cache_dir=str(tmp_path / "cache"))
     assert stat.S_IMODE(os.stat(shared).st_mode) == 0o750
     assert {stat.S_IMODE(os.stat(os.path.join(shared, n)).st_mode) for n in os.listdir(shared)} == {0o640}
+
+
+# DeepSeek-V4's release (deepseek-ai's model.safetensors.index.json; transformers 5.x's conversion mapping reads the
+# same names): no model. prefix, its own names for the embeddings, the attention's kv norm and the streams' last
+# collapse, the head as head.weight, a multi-token-prediction layer (mtp.<k>.) beside the blocks
+V4_AS_RELEASED = ((r"^model\.", ""), (r"^embed_tokens\.", "embed."), (r"^hc_head\.hc_", "hc_head_"),
+                  (r"\.attn\.norm\.", ".attn.kv_norm."), (r"^lm_head\.", "head."))
+V4_TILE = 16  # config.json's weight_block_size (the release's 128)
+FP4_CODES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def v4_fp8(weight: torch.Tensor) -> tuple:
+    """(e4m3 weight, ue8m0 scale per V4_TILE x V4_TILE tile, the value they stand for)."""
+    rows, cols = weight.shape
+    tiles = weight.reshape(rows // V4_TILE, V4_TILE, cols // V4_TILE, V4_TILE)
+    exponent = torch.ceil(torch.log2(tiles.abs().amax((1, 3)) / 448.0)).to(torch.int32)
+    scale = torch.ldexp(torch.ones(exponent.shape), exponent)[:, None, :, None]
+    codes = (tiles / scale).to(torch.float8_e4m3fn)
+    value = (codes.float() * scale).reshape(rows, cols)
+    return codes.reshape(rows, cols), (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu), value
+
+
+def v4_fp4(weight: torch.Tensor) -> tuple:
+    """(two e2m1 codes a byte, the even column low, as int8; ue8m0 scale per 32 values of a row; their value)."""
+    rows, cols = weight.shape
+    g = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, (rows, cols), generator=g)
+    exponent = torch.randint(-6, -2, (rows, cols // 32), generator=g, dtype=torch.int32)
+    value = FP4_CODES[codes] * torch.ldexp(torch.ones(exponent.shape), exponent).repeat_interleave(32, 1)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu), value
+
+
+def write_v4_release(saved: str, released: str) -> dict:
+    """``saved`` (dist_eval's tiny DeepSeek-V4 causal LM) as transformers 5.x saves it (the head as head.weight), two of
+    its weights replaced by the value of their FP8 / FP4 form; ``released`` the same model as DeepSeek ships it (those
+    two quantized, each with its .scale; quantization_config fp8 and expert_dtype fp4 as config.json has them; two
+    shards and their index; an MTP layer). Returns the release's tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(saved, "model.safetensors"))
+    tensors["head.weight"] = tensors.pop("lm_head.weight")
+    release = {}
+    for key, tensor in tensors.items():
+        for pattern, replacement in V4_AS_RELEASED:
+            key = re.sub(pattern, replacement, key)
+        release[key] = tensor
+    for key, quantize in (("layers.0.attn.wq_a", v4_fp8), ("layers.1.ffn.experts.0.w1", v4_fp4)):
+        release[key + ".weight"], release[key + ".scale"], value = quantize(release[key + ".weight"])
+        tensors["model." + key + ".weight"] = value
+    save_file(tensors, os.path.join(saved, "model.safetensors"), metadata={"format": "pt"})
+    release.update({"mtp.0.e_proj.weight": torch.ones(32, 32), "mtp.0.hc_head_fn": torch.ones(4, 128),
+                    "mtp.0.attn.kv_norm.weight": torch.ones(16)})
+    os.makedirs(released)
+    for name in os.listdir(saved):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(saved, name), released)
+    shards = {key: "model-00002-of-00002.safetensors" if key.startswith(("layers.2.", "mtp.")) else
+              "model-00001-of-00002.safetensors" for key in release}
+    for shard in set(shards.values()):
+        save_file({k: v for k, v in release.items() if shards[k] == shard}, os.path.join(released, shard))
+    with open(os.path.join(released, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": shards}, f)
+    with open(os.path.join(released, "config.json")) as f:
+        config = json.load(f)
+    config.update(expert_dtype="fp4", quantization_config={
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+        "weight_block_size": [V4_TILE, V4_TILE]})
+    with open(os.path.join(released, "config.json"), "w") as f:
+        json.dump(config, f)
+    return release
+
+
+def test_a_deepseek_v4_folder_under_the_release_names_is_the_saved_model_bit_for_bit(tmp_path, monkeypatch):
+    """DeepSeek-V4 as deepseek-ai ships it (embed.weight, layers.<i>.attn.kv_norm, hc_head_fn, head.weight, norm.weight,
+    no model. prefix; FP8 / FP4 weights beside their .scale; an MTP layer) is read into the same tensors, logits and
+    label-word scores as the model saved with transformers 5.x's names: through a converted copy under those names
+    (what petals' server and client read too), the MTP layer left out, the head kept apart."""
+    from dist_eval.backends import load_model
+    from dist_eval.backends.checkpoint import TrainableState
+    from dist_eval.backends.local import load_local
+
+    monkeypatch.setenv("DIST_EVAL_CACHE", str(tmp_path / "cache"))
+    saved = build_tiny_model(str(tmp_path / "saved"), family="deepseek_v4", num_layers=3)
+    release = write_v4_release(saved, str(tmp_path / "released"))
+    layout = detect_layout(str(tmp_path / "released"))
+    assert layout.released and not layout.client_ready and not layout.server_ready
+    served = petals_model_folder(str(tmp_path / "released"))
+    with open(os.path.join(served, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    assert set(index["weight_map"]) == set(weight_map(saved)) | {
+        "model.layers.0.attn.wq_a.scale", "model.layers.1.ffn.experts.0.w1.scale"}
+    assert index["metadata"]["left_out"] == sorted(k for k in release if k.startswith("mtp."))
+    head = {"score.weight": torch.randn(3, 32, generator=torch.Generator().manual_seed(1))}
+    batch = torch.tensor([[5, 9, 3, 7, 2, 8, 4, 6, 11], [12, 3, 5, 0, 0, 0, 0, 0, 0]])
+    got = {}
+    for folder in (saved, str(tmp_path / "released")):
+        model = load_local(folder, TrainableState(None, 0, 3, dict(head)), FAMILIES["deepseek_v4"]).eval()
+        words = load_model("local", folder, label_words=["w3", "w7", "w12"])
+        with torch.no_grad():
+            got[folder] = model.hf_model.state_dict(), model(batch), words.module(batch)
+    (state, logits, scores), (state_r, logits_r, scores_r) = got.values()
+    assert set(state) == set(state_r) and all(torch.equal(state[k], state_r[k]) for k in state)
+    assert torch.equal(logits, logits_r) and torch.equal(scores, scores_r)

@@ -488,3 +488,34 @@ def test_kimi_k25_by_hub_id_fetches_the_clients_files_alone_and_reads_its_head(h
     source = load_file(os.path.join(text, "model.safetensors"))
     assert "lm_head.weight" in client and set(client) == {k for k in source if not k.startswith("model.layers.")}
     assert all(torch.equal(client[k], source[k]) for k in client)
+
+
+def test_a_deepseek_v4_release_by_hub_id_fetches_no_shard_of_blocks_and_mtp_alone(hub_cache, tmp_path):
+    """DeepSeek-V4 as released (its own names, no model. prefix: blocks under layers.<i>., an mtp.<k>. layer), by hub
+    id: a shard holding only blocks and the MTP layer is never fetched; converted, the client's tensors (embed.weight,
+    norm.weight, hc_head_*, head.weight) are read under the names transformers 5.x saves, the MTP layer left out."""
+    import json
+
+    import torch
+    from conftest import build_tiny_model
+    from safetensors.torch import load_file
+    from test_backends_petals_folder import write_v4_release
+
+    from dist_eval.backends.hub import client_folder
+    from dist_eval.backends.petals_folder import missing_shards, petals_model_folder
+
+    saved = build_tiny_model(str(tmp_path / "saved"), family="deepseek_v4", num_layers=3)
+    release = write_v4_release(saved, str(tmp_path / "release"))
+    with fake_hub({"tiny-org/tiny-v4": str(tmp_path / "release")}) as hub:
+        folder = client_folder("tiny-org/tiny-v4", endpoint=hub.endpoint)
+        fetched = hub.files("GET")
+    assert {f for f in fetched if f.endswith(".safetensors")} == {"model-00001-of-00002.safetensors"}, fetched
+    assert missing_shards(folder) == ["model-00002-of-00002.safetensors"]
+    converted = petals_model_folder(folder, cache_dir=str(tmp_path / "converted"))
+    with open(os.path.join(converted, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    assert index["metadata"]["left_out"] == sorted(k for k in release if k.startswith("mtp."))
+    client = load_file(os.path.join(converted, "client.safetensors"))
+    source = load_file(os.path.join(saved, "model.safetensors"))
+    assert set(client) == {k for k in source if not k.startswith("model.layers.")}
+    assert all(torch.equal(client[k], source[k]) for k in client)

@@ -140,6 +140,11 @@ class Family:
     # other prefixes of the text model's tensors there, each read as another ((as saved, as read), ...): Kimi
     # K2.5's head, language_model.lm_head. beside its text model's language_model.model.
     text_renames: tuple = ()
+    # a release's own tensor names, in a folder whose keys have no checkpoint_prefix (DeepSeek-V4's: embed.weight,
+    # layers.<i>., hc_head_fn, ...): ((regex, replacement), ...) each applied (re.sub) to every key, read under the
+    # names that come out (then prefixed, in the converted copy: backends.petals_folder); its saved_lm_head stays a
+    # head, its skipped_prefixes (a multi-token-prediction layer) are never read
+    release_renames: tuple = ()
     # keys of config.json's rope_parameters that change nothing on text rows (MRoPE's sections: a text
     # position is the same on each of its axes, so every section rotates by it): read and set aside
     inert_rope_keys: tuple = ()
@@ -908,6 +913,11 @@ FAMILIES["deepseek_v4"] = _built_on_llama(
     "deepseek_v4", "DeepseekV4", layer_types=V4_LAYER_TYPES, rope_labels=("main", "compress"), embeds_on_server=False,
     saved_lm_head="head",
     frozen=("embed_tokens", "layers", "norm", "hc_head"),
+    # the release's names (deepseek-ai's index: embed.weight, layers.<i>.attn.kv_norm, hc_head_fn, norm.weight,
+    # head.weight, mtp.<k>. beside them) read as transformers 5.x saves them (its conversion mapping's inverse)
+    release_renames=((r"^embed\.weight$", "embed_tokens.weight"), (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
+                     (r"^(layers\.\d+\.attn)\.kv_norm\.", r"\1.norm.")),
+    skipped_prefixes=("mtp.",),
     block_options=(
         ("own_layers", True), ("hyper_connections", True), ("head_dim", 512), ("q_lora_rank", 1024),
         ("hc_mult", 4), ("hc_sinkhorn_iters", 20), ("hc_eps", 1e-6), ("sliding_window", 128), ("o_groups", 8),

@@ -153,11 +153,13 @@ def client_folder(repo_id: str, revision: Optional[str] = None, endpoint: Option
 
 def unread_prefixes(family, every_shard: bool = False) -> Tuple[str, ...]:
     """The key prefixes of the tensors a client (``every_shard``: what reads every block) never reads:
-    the blocks' (under the text model's prefix too, in a vision-language release) and, always, a
+    the blocks' (under the text model's prefix too, in a vision-language release; without the checkpoint prefix too,
+    in a release under its own names: Family.release_renames) and, always, a
     vision-language release's vision tower and other parts beside its text model (Family.skipped_prefixes).
     """
     blocks = () if every_shard else (family.blocks + ".",) + (
-        (f"{family.text_prefix}{family.block_name}.",) if family.text_prefix else ())
+        (f"{family.text_prefix}{family.block_name}.",) if family.text_prefix else ()) + (
+        (family.block_name + ".",) if family.release_renames else ())  # a release's own names: no prefix
     return blocks + tuple(family.skipped_prefixes)
 
 

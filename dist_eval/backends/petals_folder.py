@@ -72,14 +72,17 @@ class FolderLayout:
     prefixed: bool
     # a vision-language release: the text model's keys under Family.text_prefix (read as its checkpoint_prefix)
     text_nested: bool = False
+    # a release under its own names (Family.release_renames) or with tensors never read (Family.skipped_prefixes),
+    # its keys without the checkpoint prefix: read from the converted copy, under the family's names
+    released: bool = False
 
     @property
     def server_ready(self) -> bool:
-        return self.block_prefix == self.family.server_blocks
+        return self.block_prefix == self.family.server_blocks and not self.released
 
     @property
     def client_ready(self) -> bool:
-        if self.text_nested:
+        if self.text_nested or self.released:
             return False
         return self.prefixed or not any(k.startswith(HEAD_PREFIXES) for k in self.weight_map)
 
@@ -221,7 +224,21 @@ def detect_layout(model_dir: str, family: Optional[Family] = None) -> FolderLayo
             param="model_dir", value=model_dir,
         )
     block_prefix = prefixed_blocks[:-1] if has_prefixed else bare_blocks[:-1]
-    return FolderLayout(family, mapping, block_prefix, prefixed=has_prefixed)
+    released = not has_prefixed and any(as_released(key, family) != key for key in mapping)
+    return FolderLayout(family, mapping, block_prefix, prefixed=has_prefixed, released=released)
+
+
+def as_released(key: str, family: Family) -> Optional[str]:
+    """The name ``key`` of a folder without the checkpoint prefix is read under (``Family.release_renames``
+    applied: the release's own names, DeepSeek-V4's), None for a tensor never read (``Family.skipped_prefixes``).
+    """
+    if not family.release_renames:
+        return key
+    if key.startswith(family.skipped_prefixes):
+        return None
+    for pattern, replacement in family.release_renames:
+        key = re.sub(pattern, replacement, key)
+    return key
 
 
 def _rename(key: str, layout: FolderLayout) -> Tuple[str, Optional[str]]:
@@ -236,8 +253,13 @@ def _rename(key: str, layout: FolderLayout) -> Tuple[str, Optional[str]]:
             key = renamed[0][1] + key[len(renamed[0][0]):]
         elif key.startswith(family.skipped_prefixes):
             return "client", None
+    elif layout.released:  # the release's own names (its multi-token-prediction layer left out)
+        key = as_released(key, family)
+        if key is None:
+            return "client", None
     target_prefixed = family.server_blocks.startswith(prefix)
-    if key.startswith(HEAD_PREFIXES) or (layout.prefixed and not key.startswith(prefix)):
+    heads = HEAD_PREFIXES + ((family.saved_lm_head + ".",) if layout.released and family.saved_lm_head else ())
+    if key.startswith(heads) or (layout.prefixed and not key.startswith(prefix)):
         return "client", (key if target_prefixed else None)  # a head (see the module doc)
     base_key = key[len(prefix):] if layout.prefixed else key
     new_key = prefix + base_key if target_prefixed else base_key
@@ -352,7 +374,7 @@ def _write_converted(model_dir: str, layout: FolderLayout, out: str) -> None:
         if not os.path.isfile(os.path.join(model_dir, source)):
             _absent_shard(model_dir, layout, source, f"blocks-{k:05d}.safetensors", new_map, dropped)
             continue
-        if layout.text_nested:  # the tensors left out (a vision tower) are never read
+        if layout.text_nested or layout.released:  # the tensors left out (a vision tower, an MTP layer): never read
             names = [key for key, held in layout.weight_map.items() if held == source]
             dropped += [key for key in names if _rename(key, layout)[1] is None]
             kept = [key for key in names if _rename(key, layout)[1] is not None]
