@@ -3,6 +3,7 @@ model in-process, side by side, in one run (issue 13).
 
     python benchmarks/bench_gpu.py [--model-size tinyllama|llama7b|tiny] [--device auto|cuda|cpu] [--rows 2000]
         [--servers K] [--ranks 1,2,4,8,16] [--repeats 3] [--server-args="--max_batch_size 16384"] [--out FILE]
+        [--time-budget SECONDS]
 
 What runs, all against ONE local swarm (``LocalSwarm`` with dist_eval's own plan for the
 device, :mod:`dist_eval.swarm.devices`: on a GPU, fp16 full replicas, as many per GPU as
@@ -36,7 +37,10 @@ configuration's predictions are compared with the in-process model's (at dist_ev
 in float32 they must be equal (the benchmark fails otherwise); in float16 near-ties of the
 random head may differ, the agreement is reported. ``--repeats R`` runs everything R times
 (round-robin): the table shows the median and the min-max. JSON with every run and the
-machine goes to ``--out``.
+machine goes to ``--out``. ``--time-budget S`` (a lease's time on a GPU machine) starts no run that
+its configuration's last run says would end past S seconds from the start (the table then has fewer
+repeats of some configurations, and the JSON says which were cut); a SIGTERM or Ctrl-C (e.g. an outer
+``timeout``) still writes the JSON of the runs done.
 """
 from __future__ import annotations
 
@@ -145,6 +149,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="runs of every configuration (round-robin)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for the swarm to serve every block")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds for one configuration's command")
+    p.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds from the start: no run is started that its configuration's last run's wall time "
+                   "says would end later (0: no budget); the runs cut are listed in the JSON")
     p.add_argument("--keep", default=None, help="keep the model, data and logs in this folder (default: temp)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu.json"))
     args = p.parse_args(argv)
@@ -482,13 +489,16 @@ def machine_info(device: str) -> dict:
 # ------------------------------------------------------------------------------ main
 
 
-def run_all(args, device: str, workdir: str) -> dict:
+def run_all(args, device: str, workdir: str, done: dict, started: float) -> dict:
+    """Everything, against one swarm; ``done`` filled as it goes (assets, configs, swarm facts, the runs cut by
+    --time-budget), so that an interrupted run's report still holds the runs finished."""
     from dist_eval.swarm import LocalSwarm
 
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    assets = prepare_assets(workdir, args, device)
+    assets = done["assets"] = prepare_assets(workdir, args, device)
     say(f"model {assets.model['parameters'] / 1e6:.1f}M parameters ({assets.dtype}), data {assets.data}")
-    configs = build_configs(args)
+    configs = done["configs"] = build_configs(args)
+    cut = done["cut_by_time_budget"] = []
     os.makedirs(os.path.join(workdir, "runs"), exist_ok=True)
     extra_server_args = shlex.split(args.server_args)
     # the swarm dist_eval starts itself (LocalSwarm's plan for the device), in the model's dtype
@@ -499,8 +509,18 @@ def run_all(args, device: str, workdir: str) -> dict:
         f"{shlex.join(plan.server_args(0)[4:] + extra_server_args)} ...")
     with swarm:
         say(f"swarm ready in {swarm.start_seconds:.1f} s")
+        done["swarm"] = {"servers": plan.num_servers, "devices": list(plan.devices), "torch_dtype": plan.torch_dtype,
+                         "max_batch_size": plan.max_batch_size, "server_args": extra_server_args,
+                         "start_seconds": swarm.start_seconds, "placement": swarm.placement}  # fmt: skip
         for repeat in range(args.repeats):
             for config in configs:
+                if args.time_budget and config.runs:
+                    ends = time.perf_counter() - started + config.runs[-1]["wall_seconds"] + 5.0
+                    if ends > args.time_budget:
+                        cut.append(f"{config.name} [{repeat + 1}/{args.repeats}]: would end at ~{ends:.0f} s")
+                        say(f"  [{repeat + 1}/{args.repeats}] {config.name}: not started (--time-budget "
+                            f"{args.time_budget:.0f} s: would end at ~{ends:.0f} s)")
+                        continue
                 swarm.check()
                 try:
                     result = run_config(config, assets, swarm, workdir, device, args.run_timeout)
@@ -511,13 +531,28 @@ def run_all(args, device: str, workdir: str) -> dict:
                 config.runs.append(result)
                 say(f"  [{repeat + 1}/{args.repeats}] {config.name}: {result['samples_per_second']:.1f} samples/s "
                     f"(loop {result['eval_loop_seconds']:.2f} s, wall {result['wall_seconds']:.1f} s)")
-        swarm_facts = {"servers": plan.num_servers, "devices": list(plan.devices), "torch_dtype": plan.torch_dtype,
-                       "max_batch_size": plan.max_batch_size, "server_args": extra_server_args,
-                       "start_seconds": swarm.start_seconds, "placement": swarm.placement}  # fmt: skip
-    return {"assets": assets, "configs": configs, "swarm": swarm_facts}
+    return done
+
+
+def write_report(args, device: str, done: dict, interrupted: str = "") -> List[dict]:
+    """The table to stdout and the JSON to --out, of the runs in ``done``; the summary rows."""
+    rows = summarize(done["configs"])
+    print(format_table(rows), flush=True)
+    print(best_line(rows))
+    report = {"machine": machine_info(device), "args": vars(args), "model": done["assets"].model,
+              "data": done["assets"].data, "swarm": done.get("swarm"), "results": rows,
+              "cut_by_time_budget": done.get("cut_by_time_budget", [])}  # fmt: skip
+    if interrupted:
+        report["interrupted"] = interrupted
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    print(f"wrote {args.out}")
+    return rows
 
 
 def main(argv=None) -> int:
+    started = time.perf_counter()
     args = parse_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also where SIGINT was inherited ignored
     signal.signal(signal.SIGTERM, _raise_on_signal)
@@ -527,22 +562,17 @@ def main(argv=None) -> int:
         workdir_cm = _kept(args.keep)
     else:
         workdir_cm = tempfile.TemporaryDirectory(prefix="dist_eval-bench-gpu-")
+    done: dict = {}
     try:
         with workdir_cm as workdir:
-            done = run_all(args, device, workdir)
+            run_all(args, device, workdir, done, started)
     except KeyboardInterrupt as e:
         print(f"bench_gpu: interrupted ({str(e) or 'SIGINT'}); the commands and the swarm it started are stopped",
               file=sys.stderr)
+        if any(c.runs for c in done.get("configs", ())):  # the runs finished still reported
+            write_report(args, device, done, interrupted=str(e) or "SIGINT")
         return 130
-    rows = summarize(done["configs"])
-    print(format_table(rows), flush=True)
-    print(best_line(rows))
-    report = {"machine": machine_info(device), "args": vars(args), "model": done["assets"].model,
-              "data": done["assets"].data, "swarm": done["swarm"], "results": rows}  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-    print(f"wrote {args.out}")
+    rows = write_report(args, device, done)
     if any(r["failed"] for r in rows):
         print("FAILED: some runs failed (see above)", file=sys.stderr)
         return 1
