@@ -88,6 +88,18 @@ def test_a_sliding_layer_turns_the_window_on_as_transformers_5_reads_it():
     assert read["use_sliding_window"] is True  # rows longer than the window are then refused (families)
 
 
+def test_a_layer_type_under_its_earlier_name_is_read_as_transformers_5_reads_it():
+    """The GPU run's finding (benchmarks/RESULTS.md, issue 75): GLM-5 and DeepSeek-V3.2 folders saved by transformers
+    5.17 say deepseek_sparse_attention where 5.23 says indexed_attention (5.23's own reading renames it); they were
+    refused here. The earlier names are read as 5.23 reads them; a name no block computes is still refused."""
+    for model_type in ("glm_moe_dsa", "deepseek_v32"):
+        older = read_as_saved({"model_type": model_type, "layer_types": ["deepseek_sparse_attention"] * 2}, WHERE)
+        assert older["layer_types"] == ["indexed_attention"] * 2
+    assert read_as_saved({"model_type": "llama", "layer_types": ["attention"]}, WHERE)["layer_types"] == [
+        "full_attention"]
+    assert "qwen_sparse_attention" in refused({"model_type": "glm_moe_dsa", "layer_types": ["qwen_sparse_attention"]})
+
+
 def test_every_reader_reads_the_5x_form(tmp_path):
     """The family check (no transformers), the transformers config classes (client and servers), the swarm's
     block sizes and the weights' dtype: one reading."""

@@ -52,6 +52,10 @@ ROPE_KEYS = {
 _KIND_KEYS = ("rope_type", "type")
 # attention kinds of transformers' layer_types; which of them a family's blocks compute is its table entry's
 LAYER_TYPES_READ = ("full_attention",)
+# earlier names of those kinds, read as transformers 5.23 reads them (its _LEGACY_LAYER_TYPE_REMAP): a GLM-5 or
+# DeepSeek-V3.2 folder saved by transformers 5.17 says deepseek_sparse_attention where 5.23 says indexed_attention
+LEGACY_LAYER_TYPES = {"attention": "full_attention", "mamba": "linear_attention",
+                      "deepseek_sparse_attention": "indexed_attention"}
 
 
 def read_config_json(model_dir: str) -> dict:
@@ -222,6 +226,8 @@ def _read_layer_types(config: dict, family, where: str) -> None:
     types = config.get("layer_types")
     if types is None:
         return
+    if isinstance(types, list):
+        types = config["layer_types"] = [LEGACY_LAYER_TYPES.get(kind, kind) for kind in types]
     computed = LAYER_TYPES_READ + family.layer_types
     if not isinstance(types, list) or any(kind not in computed for kind in types):
         unknown = sorted({str(kind) for kind in types} - set(computed)) if isinstance(types, list) else [str(types)]
