@@ -12,13 +12,18 @@ import pytest
 import torch
 from conftest import REPO, write_csv
 
-CLIENT_PATCHES = ["hivemind_reexports", "stub_lock", "no_version_check", "failover", "request_size", "deep_prompts",
-                  "announced_kernels", "quiet_lost_handoffs"]
-SERVER_PATCHES = [*CLIENT_PATCHES, "merged_forward", "wire_server", "config_forms", "block_options_llama",
-                  "server_rotary_falcon",
+# the same on any stack: a bridge for other versions than the installed is applied with nothing to replace
+CLIENT_PATCHES = ["hivemind_reexports", "stub_lock", "petals_version_assert", "get_file_from_repo",
+                  "no_version_check", "client_dht_on_cpu", "prefix_tokens_on_cpu", "failover", "request_size",
+                  "deep_prompts", "announced_kernels", "quiet_lost_handoffs"]
+SERVER_BRIDGES = ["decoder_mask", "bool_mask", "attention_init", "cache_block"]
+SERVER_PATCHES = [*CLIENT_PATCHES, *SERVER_BRIDGES, "merged_forward", "wire_server", "config_forms",
+                  "block_options_llama", "server_rotary_falcon",
                   "server_version", "drain", "block_index", "peft_on_demand",
                   "own_identity", "loopback_direct", "inherited_shared_memory", "state_file",
                   "announced_kernels_server"]
+# the peft bridge, as petals' adapters module is first imported (a server with --adapters)
+LAZY_BRIDGES = ["peft_names"]
 
 # each in a fresh Python: the patches applied after one entry point, and the symbols they replaced
 ENTRY_POINTS = {
@@ -56,7 +61,7 @@ except RuntimeError as e:
 import petals.server.handler as handler, petals.server.block_functions as functions
 assert handler.run_rpc_forward is functions.run_rpc_forward  # nothing set
 """
-CHECKED_AFTER = {"import_petals": _REFUSAL}
+CHECKED_AFTER = {"import_petals": _REFUSAL, "apply_server_patches": "\nimport petals.utils.peft  # noqa: F401"}
 
 
 def _in_fresh_python(code: str, env=None):
@@ -75,33 +80,56 @@ def entry_results():
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
 def test_every_entry_point_applies_every_patch_of_its_side(entry_results, entry):
     applied, replaced, _ = entry_results[entry]
-    assert applied == (SERVER_PATCHES if entry == "apply_server_patches" else CLIENT_PATCHES)
+    assert applied == ([*SERVER_PATCHES, *LAZY_BRIDGES] if entry == "apply_server_patches" else CLIENT_PATCHES)
     assert "hivemind.p2p.servicer.ServicerBase._collect_rpc_handlers" in replaced  # the stub lock
 
 
-def _inventory() -> dict:
-    """{symbol: side} of the table under "What dist_eval changes in petals" in docs/design.md."""
+def _inventory(installed_only: bool = False) -> dict:
+    """{symbol: side} of the table under "What dist_eval changes in petals" in docs/design.md; ``installed_only``:
+    less the rows of a bridge whose versions ("Assumes" as requirements) are not those installed here.
+    """
+    from packaging.requirements import InvalidRequirement
+
+    from dist_eval.backends.petals.shims import satisfied
+
+    def here(assumes: str) -> bool:
+        try:
+            return satisfied(assumes)
+        except InvalidRequirement:  # prose: a patch applied on any stack
+            return True
+
     text = open(os.path.join(REPO, "docs", "design.md")).read()
     section = text.split("## What dist_eval changes in petals", 1)[1].split("\n## ", 1)[0]
-    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `([\w.]+)` \| (\w+) \|", section, re.MULTILINE)}
+    rows = re.finditer(r"^\| `([\w.]+)` \| (\w+) \| ([^|]+) \|", section, re.MULTILINE)
+    return {m.group(1): m.group(2) for m in rows if not installed_only or here(m.group(3).strip())}
 
 
 def test_the_inventory_lists_exactly_what_the_patches_replace(entry_results):
-    _, replaced, _ = entry_results["apply_server_patches"]  # client and server patches, in a server
-    assert _inventory() == replaced
+    """Every symbol replaced in a server (client and server patches, the lazy bridges too), and those only; a
+    bridge's rows for other versions than the installed are the rows left out here (on the pinned stack: 5.x's).
+    """
+    _, replaced, _ = entry_results["apply_server_patches"]
+    assert _inventory(installed_only=True) == replaced
+    assert set(replaced) <= set(_inventory())
 
 
 def test_every_bridge_is_still_needed_by_the_installed_stack_and_applied(entry_results):
     """Issue 71: a bridge (shims.BRIDGES) the installed petals/hivemind no longer needs fails here: remove it, and
     its version pin. Asked in a fresh Python after import_petals (the probes read the originals apply recorded)."""
-    code = ("from dist_eval.backends.petals import shims\nshims.import_petals()\n"
-            "print('NEEDED', json.dumps(shims.still_needed()))")
-    applied, _, printed = _in_fresh_python(code)
+    code = ("from dist_eval.swarm.server import apply_server_patches\napply_server_patches()\n"
+            "import petals.utils.peft\nfrom dist_eval.backends.petals import shims\n"
+            "print('NEEDED', json.dumps(shims.still_needed()))\n"
+            "print('HERE', json.dumps({name: shims.bridged_here(name) for name in shims.BRIDGES}))")
+    applied, replaced, printed = _in_fresh_python(code)
     needed = json.loads(printed.split("NEEDED ", 1)[1].splitlines()[0])
+    here = json.loads(printed.split("HERE ", 1)[1].splitlines()[0])
     from dist_eval.backends.petals.shims import BRIDGES
 
-    assert set(needed) == set(BRIDGES) and all(needed.values()), needed
-    assert set(BRIDGES) <= set(applied) and set(BRIDGES) <= set(CLIENT_PATCHES)
+    # needed exactly where its versions are installed: on transformers 5.x all, on the pinned stack the first three
+    assert set(needed) == set(BRIDGES) and needed == here, (needed, here)
+    assert set(BRIDGES) <= set(applied) and set(BRIDGES) <= {*CLIENT_PATCHES, *SERVER_BRIDGES, *LAZY_BRIDGES}
+    transformers_major = int(__import__("transformers").__version__.split(".")[0])
+    assert all(here.values()) == (transformers_major >= 5), here
 
 
 def test_a_bridge_found_unneeded_says_so(monkeypatch):
@@ -122,7 +150,73 @@ def test_a_bridge_found_unneeded_says_so(monkeypatch):
         return None
 
     monkeypatch.setattr(version, "validate_version", validate_version)
-    assert shims.still_needed() == {"hivemind_reexports": False, "stub_lock": True, "no_version_check": False}
+    found = shims.still_needed()
+    assert {name: found[name] for name in ("hivemind_reexports", "stub_lock", "no_version_check")} == {
+        "hivemind_reexports": False, "stub_lock": True, "no_version_check": False}
+
+
+def _pinned_helper(module: str, owner: str, name: str):
+    """transformers 4.33's own ``owner.name`` where it is installed (the pinned stack), else a skip."""
+    import importlib
+
+    found = getattr(getattr(importlib.import_module(module), owner), name, None)
+    if found is None:
+        pytest.skip(f"{owner}.{name} is not in this transformers (the bridge's body stands in for it there)")
+    return found
+
+
+@pytest.mark.parametrize("past", [0, 3])
+def test_the_bridges_mask_helpers_equal_the_pinned_transformers_own(past):
+    """Issue 71: the 4.33 mask helpers that the server bridges give transformers 5.x (petals' blocks call them) equal
+    4.33's own, where installed: the decoder mask (additive), the static bool mask, and the bool mask made additive
+    for 5.x's alibi attention. A copy that drifts from the original fails here, on the pinned stack.
+    """
+    from dist_eval.backends.petals import shims
+
+    batch, length = 2, 4
+    embeds = torch.zeros(batch, length, 8)
+    ones = torch.ones(batch, length + past)
+    ours = shims.prepare_decoder_attention_mask(None, ones, (batch, length), embeds, past)
+    llama = _pinned_helper("transformers.models.llama.modeling_llama", "LlamaModel", "_prepare_decoder_attention_mask")
+    assert torch.equal(ours, llama(None, ones, (batch, length), embeds, past))
+    falcon = _pinned_helper("transformers.models.falcon.modeling_falcon", "FalconModel", "_prepare_attn_mask")
+    assert torch.equal(shims.prepare_bool_attn_mask(ones, (batch, length), past), falcon(ones, (batch, length), past))
+    bloom = _pinned_helper("transformers.models.bloom.modeling_bloom", "BloomModel", "_prepare_attn_mask")
+    masked = bloom(None, ones, (batch, length), past)
+    additive = shims.alibi_additive_mask(ones, (batch, length), past, torch.float32)
+    assert torch.equal(additive == torch.finfo(torch.float32).min, masked) and set(additive.unique().tolist()) <= {
+        0.0, torch.finfo(torch.float32).min}
+
+
+def test_the_tuple_cache_gives_petals_layout_back():
+    """The cache object the alibi block's bridge hands 5.x's attention: the past (4.33's layout) before the new
+    keys and values, and ``present`` in 4.33's layout again."""
+    from dist_eval.backends.petals.shims import TupleCache
+
+    batch, heads, past, new, dim = 2, 3, 4, 1, 5
+    key = torch.randn(batch, heads, past + new, dim)
+    value = torch.randn(batch, heads, past + new, dim)
+    as_petals = (key[:, :, :past].reshape(batch * heads, past, dim).permute(0, 2, 1),
+                 value[:, :, :past].reshape(batch * heads, past, dim))
+    cache = TupleCache(as_petals, batch, heads)
+    assert cache.get_seq_length() == past
+    full_key, full_value = cache.update(key[:, :, past:], value[:, :, past:], 0)
+    assert torch.equal(full_key, key) and torch.equal(full_value, value)
+    present_key, present_value = cache.present()
+    assert torch.equal(present_key, key.reshape(batch * heads, past + new, dim).permute(0, 2, 1))
+    assert torch.equal(present_value, value.reshape(batch * heads, past + new, dim))
+
+
+def test_the_file_helper_bridge_finds_a_file_and_answers_none_for_a_missing_one(tmp_path):
+    """transformers.utils.get_file_from_repo as the bridge gives it back (on 5.x): a folder's file, or None."""
+    from dist_eval.backends.petals import shims
+
+    if not shims.bridged_here("get_file_from_repo"):
+        pytest.skip("transformers has its own get_file_from_repo here")
+    (tmp_path / "config.json").write_text("{}")
+    (_, _, get_file_from_repo), = shims.get_file_from_repo_back()
+    assert get_file_from_repo(str(tmp_path), "config.json") == str(tmp_path / "config.json")
+    assert get_file_from_repo(str(tmp_path), "adapter_config.json") is None
 
 
 def test_the_server_patches_refuse_another_order(entry_results):

@@ -132,6 +132,9 @@ class Family:
     # is always 10000) and has no rope_scaling: dist_eval's servers rebuild it at rope_theta
     # (backends.blocks), a rope_scaling is refused, and so are petals' own servers for another rope_theta
     server_rotary_attention: str = ""
+    # what of petals 2.2's server code of this family needs a bridge on transformers 5.x (the bodies, one per kind,
+    # in backends.petals.shims: SERVER_BRIDGES): ((kind, "module:Name" it replaces on, the kind's other class), ...)
+    server_bridges: tuple = ()
     # a vision-language release (Qwen3.5): the key prefix of its text model's tensors, read as checkpoint_prefix
     # (config.json's text_config is the text model's config: backends.config_json), and the prefixes of the
     # tensors beside it that are never read (the vision tower, a multi-token-prediction layer)
@@ -665,6 +668,9 @@ FAMILIES: Dict[str, Family] = {
         key_signature=r"^(model\.)?(embed_tokens|layers\.\d+|norm)\.",
         config_class="transformers.models.llama.configuration_llama:LlamaConfig",
         attention_class="transformers.models.llama.modeling_llama:LlamaAttention",
+        server_bridges=(("decoder_mask", "transformers.models.llama.modeling_llama:LlamaModel"),
+                        ("attention_init", "petals.models.llama.block:OptimizedLlamaAttention",
+                         "transformers.models.llama.modeling_llama:LlamaRotaryEmbedding")),
     ),
     "bloom": Family(
         model_type="bloom",
@@ -683,6 +689,7 @@ FAMILIES: Dict[str, Family] = {
         frozen=("word_embeddings", "word_embeddings_layernorm", "h", "ln_f"),
         key_signature=r"^(transformer\.)?(word_embeddings_layernorm\.|h\.\d+\.self_attention\.query_key_value\.bias)",
         tokenizers_calling_the_base=("BloomTokenizerFast",),
+        server_bridges=(("cache_block", "petals.models.bloom.block:WrappedBloomBlock"),),
     ),
     "falcon": Family(
         model_type="falcon",
@@ -703,6 +710,7 @@ FAMILIES: Dict[str, Family] = {
         key_signature=r"^(transformer\.)?h\.\d+\.(ln_attn|ln_mlp|self_attention\.query_key_value\.weight$)",
         small_config=(("new_decoder_architecture", True), ("num_kv_heads", 2)),  # the falcon-40b layout
         server_rotary_attention="petals.models.falcon.block:OptimizedFalconAttention",
+        server_bridges=(("bool_mask", "transformers.models.falcon.modeling_falcon:FalconModel"),),
         # petals' OptimizedFalconAttention reshapes the one shared key/value head of the old
         # multi-query layout (falcon-7b, falcon-rw) as if every head had its own: the server
         # fails every forward. falcon-40b/180b (the new decoder architecture) work.

@@ -283,7 +283,9 @@ def announcing_kernels() -> list:
 
 def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[int] = None) -> None:
     """Apply every server patch, in the one order that works, after petals' import and the
-    patches every petals process gets (:func:`dist_eval.backends.petals.shims.import_petals`):
+    patches every petals process gets (:func:`dist_eval.backends.petals.shims.import_petals`) and, on
+    transformers 5.x, the bridges of petals' server blocks
+    (:func:`~dist_eval.backends.petals.shims.apply_server_bridges`):
 
     1. :mod:`dist_eval.swarm.merged_forward`: each forward request one task through all its blocks;
     2. :mod:`dist_eval.swarm.wire` (the wire's server half): token ids in, read positions out. It wraps
@@ -308,11 +310,12 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     """
     from dist_eval.backends.blocks import register
     from dist_eval.backends.compat import quiet_third_party_output
-    from dist_eval.backends.petals.shims import apply, import_petals
+    from dist_eval.backends.petals.shims import apply, apply_server_bridges, import_petals
     from dist_eval.swarm import blocks, drain, merged_forward, wire
 
     quiet_third_party_output()  # a server is a process of ours (the caller's is left alone)
     import_petals()
+    apply_server_bridges()  # transformers 5.x: petals' server blocks (none on the pinned stack)
     apply("merged_forward", "server", merged_forward.replacements)
     apply("wire_server", "server", lambda: wire.server_replacements(model_dir, first_block), after=("merged_forward",))
     register()  # the blocks and classes of the families petals 2.2.0 lacks, in petals' registry

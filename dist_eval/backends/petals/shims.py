@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Callable, Dict, Iterable, List, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Tuple
 
 from dist_eval.backends.compat import installed_version, quiet_warnings
 from dist_eval.errors import UsageError, warn
@@ -168,12 +168,14 @@ def apply_client_patches() -> None:
 
     1. hivemind's top-level re-exports that petals imports (before petals is imported);
     2. the lock around hivemind's stub-class collection (threads in flight ask at once);
-    3. petals' PyPI version check, off (offline it logs a traceback);
-    4. failover: a failed server leaves routing at once; only server failures ban;
-    5. a batch goes as one request, split only to what a server accepts;
-    6. deep prompts go once per request;
-    7. the kernels a server announces kept (the swarm audit compares servers of the same kernels bit for bit);
-    8. no traceback from a pipe handoff to a helper process that a cancel killed (the run reports it).
+    3. on transformers 5.x, petals' import made possible (:data:`BRIDGES`: its version assert, a helper 5.x
+       removed, peft 0.5's names when petals' adapters module is imported);
+    4. petals' PyPI version check, off (offline it logs a traceback); on 5.x, petals' client built on the CPU;
+    5. failover: a failed server leaves routing at once; only server failures ban;
+    6. a batch goes as one request, split only to what a server accepts;
+    7. deep prompts go once per request;
+    8. the kernels a server announces kept (the swarm audit compares servers of the same kernels bit for bit);
+    9. no traceback from a pipe handoff to a helper process that a cancel killed (the run reports it).
     """
     from dist_eval.backends.petals import audit, failover, helpers, requests
 
@@ -181,9 +183,14 @@ def apply_client_patches() -> None:
     with _lock:
         apply("hivemind_reexports", "both", hivemind_reexports)
         apply("stub_lock", "both", thread_safe_stub_collection)
+        bridge("petals_version_assert", "both", ignore_petals_version_assert)
+        bridge("get_file_from_repo", "both", get_file_from_repo_back)
+        peft_names_on_import()
         import petals  # noqa: F401  (after the re-exports: petals imports them from hivemind)
 
         apply("no_version_check", "both", no_version_check)
+        bridge("client_dht_on_cpu", "client", client_dht_on_cpu)
+        bridge("prefix_tokens_on_cpu", "client", prefix_tokens_on_cpu)
         if apply("failover", "client", failover.failover_replacements):
             failover.quiet_retry_logs()
         apply("request_size", "client", requests.split_replacements)
@@ -300,7 +307,363 @@ def no_version_check() -> List[Replacement]:
     return replacements
 
 
+# ---------------------------------------------------------------- transformers 5.x: petals' import and client
+
+# petals 2.2.0.post1 was written for transformers 4.32-4.34, peft 0.5.0 and huggingface-hub < 1.0. On transformers
+# 5.x (and a current peft) the bridges below let its client and server run, nothing installed edited; each applies
+# only where its versions (BRIDGES) are installed, a no-op on the pinned stack.
+
+
+def ignore_petals_version_assert() -> List[Replacement]:
+    """Petals' ``__init__`` asserts 4.32 <= transformers < 4.35 unless ``PETALS_IGNORE_DEPENDENCY_VERSION`` is set,
+    its own escape: set for its import (:func:`import_petals` removes it again after; nothing is replaced).
+    """
+    os.environ["PETALS_IGNORE_DEPENDENCY_VERSION"] = "1"
+    return []
+
+
+def get_file_from_repo_back() -> List[Replacement]:
+    """``transformers.utils.get_file_from_repo`` (gone in 5.x; petals' server loader and adapters module import
+    it), as 4.33 had it, on ``cached_file``: the file's path, or None where the file does not exist.
+    """
+    import transformers.utils
+    from transformers.utils.hub import cached_file
+
+    def get_file_from_repo(path_or_repo, filename, cache_dir=None, force_download=False, resume_download=False,
+                           proxies=None, token=None, revision=None, local_files_only=False, subfolder="",
+                           use_auth_token=None, **kwargs):
+        return cached_file(path_or_repo_id=path_or_repo, filename=filename, cache_dir=cache_dir,
+                           force_download=force_download, proxies=proxies, token=token or use_auth_token,
+                           revision=revision, local_files_only=local_files_only, subfolder=subfolder,
+                           _raise_exceptions_for_gated_repo=False, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+
+    return [(transformers.utils, "get_file_from_repo", get_file_from_repo)]
+
+
+# peft 0.5.0's list, which petals' adapters module imports from peft.utils
+_PEFT_LAYERS_PATTERN = ["layers", "h", "block", "blocks", "layer"]
+
+
+def peft_names() -> List[Replacement]:
+    """The names of peft 0.5.0 that ``petals.utils.peft`` imports and a current peft lacks: ``peft.utils``'s
+    ``COMMON_LAYERS_PATTERN``, ``peft.tuners.lora``'s ``Linear8bitLt`` and ``Linear4bit`` (now in
+    ``peft.tuners.lora.bnb``). For its import only: a current peft's LoRA layers are built otherwise than 0.5's,
+    so a server started with ``--adapters`` still fails in petals' ``create_lora_adapter``.
+    """
+    import peft.tuners.lora as lora
+    import peft.utils
+
+    try:
+        import peft.tuners.lora.bnb as bnb
+    except Exception:  # bitsandbytes unusable here: names only
+        bnb = None
+    replacements = [(peft.utils, "COMMON_LAYERS_PATTERN", list(_PEFT_LAYERS_PATTERN))]
+    for name in ("Linear8bitLt", "Linear4bit"):
+        if not hasattr(lora, name):
+            replacements.append((lora, name, getattr(bnb, name, None) or type(name, (lora.Linear,), {})))
+    return replacements
+
+
+class _BeforePetalsPeft:
+    """A meta-path finder: the peft bridge applied as ``petals.utils.peft`` is first imported (peft's import costs
+    a server without adapters bitsandbytes', which ``swarm.server._peft_on_demand`` spares it).
+    """
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name == "petals.utils.peft" and "peft_names" not in _applied:
+            bridge("peft_names", "both", peft_names)
+        return None
+
+
+def peft_names_on_import() -> None:
+    """:class:`_BeforePetalsPeft` on ``sys.meta_path`` (once)."""
+    import sys
+
+    if _BeforePetalsPeft not in sys.meta_path and "petals.utils.peft" not in sys.modules:
+        sys.meta_path.insert(0, _BeforePetalsPeft)
+
+
+def _on_cpu(original):
+    """``original`` run under ``torch.device("cpu")``."""
+    import functools
+
+    @functools.wraps(original)
+    def on_cpu(*args, **kwargs):
+        import torch
+
+        with torch.device("cpu"):
+            return original(*args, **kwargs)
+
+    return on_cpu
+
+
+def client_dht_on_cpu() -> List[Replacement]:
+    """Petals' ``RemoteSequential.__init__`` on the CPU: 5.x's ``from_pretrained`` builds the model under
+    ``torch.device("meta")``, and the client's DHT that it starts makes its shared buffer with ``torch.empty``
+    (``_share_filename_: only available on CPU``). It holds no parameters.
+    """
+    from petals.client.remote_sequential import RemoteSequential
+
+    return [(RemoteSequential, "__init__", _on_cpu(RemoteSequential.__init__))]
+
+
+def prefix_tokens_on_cpu() -> List[Replacement]:
+    """Petals' ``PTuneMixin.init_prompts`` keeps ``prefix_tokens`` as a plain attribute, which 5.x's meta init
+    context leaves on meta (the loader materializes parameters and buffers only): remade on the CPU.
+    """
+    import functools
+
+    from petals.client.ptune import PTuneMixin
+
+    original = PTuneMixin.init_prompts
+
+    @functools.wraps(original)
+    def init_prompts(self, config):
+        import torch
+
+        original(self, config)
+        prefix = getattr(self, "prefix_tokens", None)
+        if prefix is not None and prefix.is_meta:
+            self.prefix_tokens = torch.arange(self.pre_seq_len, device="cpu").long()
+
+    return [(PTuneMixin, "init_prompts", init_prompts)]
+
+
+# ---------------------------------------------------------------- transformers 5.x: petals' server blocks
+
+# the kinds of Family.server_bridges: kind -> the function of (the class at its path, the kind's other class) that
+# returns the kind's replacements. The families (backends.families) name the classes; the bodies are here.
+
+
+def apply_server_bridges() -> None:
+    """Every server bridge (:data:`SERVER_BRIDGES`) of the families' servers (``Family.server_bridges``), in
+    :func:`dist_eval.swarm.server.apply_server_patches`, after :func:`import_petals`. Idempotent.
+    """
+    for kind in SERVER_BRIDGES:
+        bridge(kind, "server", lambda kind=kind: [replacement for owner, other in _server_bridge_classes(kind)
+                                                  for replacement in SERVER_BRIDGES[kind](owner, other)])
+
+
+def _server_bridge_classes(kind: str) -> List[Tuple[object, object]]:
+    """[(the class a family's ``kind`` bridge replaces on, the kind's other class or None), ...], each once."""
+    import importlib
+
+    from dist_eval.backends.families import FAMILIES
+
+    def class_at(path: str):  # "module:Name" (backends.blocks has the same; it imports this module)
+        module, _, name = path.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    paths = sorted({tuple(entry[1:]) for family in FAMILIES.values() for entry in family.server_bridges
+                    if entry[0] == kind})
+    return [(class_at(path[0]), class_at(path[1]) if len(path) > 1 else None) for path in paths]
+
+
+def _causal_mask(input_shape, dtype, device, past_length: int = 0):
+    """Transformers 4.33's ``_make_causal_mask``: [bsz, 1, tgt, tgt + past], finfo.min above the diagonal."""
+    import torch
+
+    bsz, tgt_len = input_shape
+    mask = torch.full((tgt_len, tgt_len), torch.finfo(dtype).min, device=device)
+    cond = torch.arange(mask.size(-1), device=device)
+    mask.masked_fill_(cond < (cond + 1).view(mask.size(-1), 1), 0)
+    mask = mask.to(dtype)
+    if past_length > 0:
+        mask = torch.cat([torch.zeros(tgt_len, past_length, dtype=dtype, device=device), mask], dim=-1)
+    return mask[None, None, :, :].expand(bsz, 1, tgt_len, tgt_len + past_length)
+
+
+def _expanded_mask(mask, dtype, tgt_len=None):
+    """Transformers 4.33's ``_expand_mask``: [bsz, src] (1: attend) -> additive [bsz, 1, tgt, src]."""
+    import torch
+
+    bsz, src_len = mask.size()
+    tgt_len = tgt_len if tgt_len is not None else src_len
+    inverted = 1.0 - mask[:, None, None, :].expand(bsz, 1, tgt_len, src_len).to(dtype)
+    return inverted.masked_fill(inverted.to(torch.bool), torch.finfo(dtype).min)
+
+
+def prepare_decoder_attention_mask(self, attention_mask, input_shape, inputs_embeds, past_key_values_length):
+    """Transformers 4.33's ``_prepare_decoder_attention_mask`` (petals' block calls it with ``self=None``)."""
+    combined = None
+    if input_shape[-1] > 1:
+        combined = _causal_mask(input_shape, inputs_embeds.dtype, inputs_embeds.device, past_key_values_length)
+    if attention_mask is not None:
+        expanded = _expanded_mask(attention_mask, inputs_embeds.dtype, input_shape[-1]).to(inputs_embeds.device)
+        combined = expanded if combined is None else expanded + combined
+    return combined
+
+
+def decoder_mask(model_cls, _other) -> List[Replacement]:
+    """The model class's 4.33 ``_prepare_decoder_attention_mask`` (4.35 moved it away, 4.36 removed it)."""
+    return [(model_cls, "_prepare_decoder_attention_mask", prepare_decoder_attention_mask)]
+
+
+def prepare_bool_attn_mask(attention_mask, input_shape, past_key_values_length: int):
+    """Transformers 4.33's static ``_prepare_attn_mask`` (bool, True: masked; causal | padding), which petals'
+    block calls and its own attention reads.
+    """
+    import torch
+
+    if input_shape[1] + past_key_values_length != attention_mask.shape[1]:
+        raise ValueError(f"Attention mask shape should be (batch_size, seq_length + past_key_values_length) but is "
+                         f"{attention_mask.shape} with input_ids shape {input_shape} and past length "
+                         f"{past_key_values_length}.")
+    device = attention_mask.device
+    batch_size, seq_length = input_shape
+    total = attention_mask.shape[1]
+    expanded = ~(attention_mask[:, None, None, :].to(torch.bool))
+    expanded = expanded.expand(batch_size, 1, total - past_key_values_length, total)
+    if seq_length <= 1:
+        return expanded
+    causal = torch.triu(torch.ones((seq_length, seq_length), dtype=torch.bool, device=device), diagonal=1)
+    causal = torch.cat([torch.zeros((seq_length, past_key_values_length), dtype=torch.bool, device=device), causal], -1)
+    return expanded | causal[None, None].expand(batch_size, 1, seq_length, total)
+
+
+def bool_mask(model_cls, _other) -> List[Replacement]:
+    """The model class's 4.33 static ``_prepare_attn_mask`` (5.x has none)."""
+    return [(model_cls, "_prepare_attn_mask", staticmethod(prepare_bool_attn_mask))]
+
+
+class RotaryAdapter:
+    """4.33's per-attention ``rotary_emb(value, seq_len=n)`` -> (cos, sin) [1, 1, n, dim] in the value's dtype, by
+    5.x's model-level rotary class of the config (rope_parameters, its scalings, attention_scaling) at positions
+    0..n-1, as the 5.x model computes it. Not a module: nothing of it enters the block's state dict or goes to meta.
+    """
+
+    def __init__(self, config, rotary_class):
+        self.config, self.rotary_class, self.module = config, rotary_class, None
+
+    def __call__(self, value, seq_len=None):
+        import torch
+
+        if self.module is None:
+            with torch.device("cpu"):
+                self.module = self.rotary_class(config=self.config)
+        if self.module.inv_freq.device != value.device:
+            self.module = self.module.to(value.device)
+        cos, sin = self.module(value, torch.arange(seq_len, device=value.device)[None])  # [1, n, dim]
+        return cos[:, None], sin[:, None]
+
+
+def _server_block_index() -> int:
+    """The index of the block a server builds (0 where it is not told, as for petals' own blocks)."""
+    from dist_eval.backends.layers import SERVER_BLOCK_INDEX
+
+    index = SERVER_BLOCK_INDEX.get()
+    return 0 if index is None else int(index)
+
+
+def attention_init(attention_cls, rotary_class) -> List[Replacement]:
+    """Petals' server attention built on 5.x's attention ``(config, layer_idx)``: the block's index passed, then
+    4.33's attributes that petals' forward reads (``num_heads``, ``num_key_value_heads``, ``hidden_size``,
+    ``max_position_embeddings``, a per-attention ``rotary_emb``: :class:`RotaryAdapter`).
+    """
+    base = attention_cls.__mro__[1]
+
+    def __init__(self, config, layer_idx=None, **kwargs):
+        base.__init__(self, config, _server_block_index() if layer_idx is None else layer_idx)
+        self._rotary_graph = None
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.hidden_size = config.hidden_size
+        self.max_position_embeddings = config.max_position_embeddings
+        if not hasattr(self, "rotary_emb"):
+            self.rotary_emb = RotaryAdapter(config, rotary_class)
+
+    return [(attention_cls, "__init__", __init__)]
+
+
+def alibi_additive_mask(attention_mask, input_shape, past_length: int, dtype):
+    """4.33's bool ``_prepare_attn_mask`` (causal | padding) as the additive mask 5.x's alibi attention adds to its
+    scores (0 or finfo(dtype).min; 4.33 filled the scores with that same min).
+    """
+    import torch
+
+    batch_size, src_length = input_shape
+    device = attention_mask.device
+    masked = ~(attention_mask[:, None, None, :].to(torch.bool))
+    masked = masked.expand(batch_size, 1, src_length, attention_mask.shape[-1])
+    if src_length > 1:
+        causal = torch.zeros((src_length, src_length + past_length), dtype=torch.bool, device=device)
+        seq_ids = torch.arange(src_length, device=device)
+        causal[:, past_length:] = seq_ids[:, None] < seq_ids[None, :]
+        masked = masked | causal[None, None]
+    return torch.zeros(masked.shape, dtype=dtype, device=device).masked_fill(masked, torch.finfo(dtype).min)
+
+
+class TupleCache:
+    """What 5.x's alibi attention calls ``layer_past.update(key, value, layer_idx)`` on, over petals' tuple cache in
+    4.33's layout (key [batch*heads, head_dim, past], value [batch*heads, past, head_dim]); :meth:`present` gives
+    the new (key, value) back in that layout, as 4.33's attention returned it.
+    """
+
+    def __init__(self, past, batch_size: int, num_heads: int):
+        self.past, self.batch_size, self.num_heads, self.kv = past, batch_size, num_heads, None
+
+    def update(self, key, value, layer_idx=None, *args, **kwargs):
+        import torch
+
+        if self.past is not None:
+            past_key, past_value = self.past
+            head_dim = past_value.shape[-1]
+            past_key = past_key.permute(0, 2, 1).reshape(self.batch_size, self.num_heads, -1, head_dim)
+            past_value = past_value.reshape(self.batch_size, self.num_heads, -1, head_dim)
+            key = torch.cat([past_key.to(key.dtype), key], dim=2)
+            value = torch.cat([past_value.to(value.dtype), value], dim=2)
+        self.kv = (key, value)
+        return key, value
+
+    def get_seq_length(self, layer_idx=0) -> int:
+        return 0 if self.past is None else self.past[0].shape[-1]
+
+    def present(self):
+        key, value = self.kv
+        batch, heads, length, head_dim = key.shape
+        return (key.reshape(batch * heads, length, head_dim).permute(0, 2, 1),
+                value.reshape(batch * heads, length, head_dim))
+
+
+def cache_block(block_cls, _other) -> List[Replacement]:
+    """Petals' alibi block's forward on 5.x's block: the mask additive (4.33's bool helper is gone; 5.x adds it to
+    the scores), petals' tuple ``layer_past`` behind a cache object (:class:`TupleCache`), and 4.33's return
+    value: ``(hidden,)``, or ``(hidden, present)`` with ``use_cache`` (5.x returns the attention weights second).
+    """
+    import sys
+
+    base = block_cls.__mro__[1]
+    build_alibi_tensor = sys.modules[base.__module__].build_alibi_tensor
+
+    def forward(self, hidden_states, *args, attention_mask=None, alibi=None, layer_past=None, use_cache=False,
+                **kwargs):
+        import torch
+
+        assert attention_mask is None, "Non-causal attention masks are not supported yet"
+        batch_size, seq_length = hidden_states.shape[:2]
+        past_length = 0 if layer_past is None else layer_past[0].shape[-1]
+        mask = torch.ones((batch_size, seq_length + past_length), device=hidden_states.device)
+        if alibi is None:
+            alibi = build_alibi_tensor(mask, num_heads=self.num_heads, dtype=hidden_states.dtype)
+        additive = alibi_additive_mask(mask, (batch_size, seq_length), past_length, hidden_states.dtype)
+        cache = TupleCache(layer_past, batch_size, self.num_heads) if use_cache or layer_past is not None else None
+        kwargs.pop("output_attentions", None)
+        output = base.forward(self, hidden_states, alibi, additive, layer_past=cache, use_cache=use_cache,
+                              output_attentions=False, **kwargs)[0]
+        return (output, cache.present()) if use_cache else (output,)
+
+    return [(block_cls, "forward", forward)]
+
+
+SERVER_BRIDGES: Dict[str, Callable[[object, object], List[Replacement]]] = {
+    "decoder_mask": decoder_mask, "bool_mask": bool_mask, "attention_init": attention_init, "cache_block": cache_block,
+}
+
+
 # ---------------------------------------------------------------- the bridges, and whether each is still needed
+
 
 
 def _as_installed(owner, attribute: str):
@@ -342,18 +705,125 @@ def _version_check_online() -> bool:
     return "pypi" in inspect.getsource(_as_installed(version, "validate_version")).lower()
 
 
-# patch name -> (what it bridges, the versions it was written against, whether the installed stack still needs it)
-BRIDGES: Dict[str, Tuple[str, str, Callable[[], bool]]] = {
-    "hivemind_reexports": ("names petals imports from hivemind's top level", "petals 2.2.0.post1, hivemind 1.1.12",
-                           _reexports_missing),
-    "stub_lock": ("a race in hivemind's lazy stub classes", "hivemind 1.1.12", _stub_collection_unlocked),
-    "no_version_check": ("petals' PyPI check at start-up (a traceback offline)", "petals 2.2.0.post1",
-                         _version_check_online),
+
+def _petals_range_excludes_transformers() -> bool:
+    """Whether the installed transformers is outside the range petals 2.2's ``__init__`` asserts."""
+    from packaging.version import Version
+
+    found = Version(installed_version("transformers") or "0")
+    return not Version("4.32.0") <= found < Version("4.35.0")
+
+
+def _get_file_from_repo_gone() -> bool:
+    """Whether the installed transformers lacks ``transformers.utils.get_file_from_repo``."""
+    import transformers.utils
+
+    return _as_installed(transformers.utils, "get_file_from_repo") is None
+
+
+def _peft_lacks_names() -> bool:
+    """Whether the installed peft lacks a name of peft 0.5.0 that petals' adapters module imports (imports peft)."""
+    import peft.tuners.lora as lora
+    import peft.utils
+
+    return any(_as_installed(owner, name) is None for owner, name in (
+        (peft.utils, "COMMON_LAYERS_PATTERN"), (lora, "Linear8bitLt"), (lora, "Linear4bit")))
+
+
+def _models_built_on_meta() -> bool:
+    """Whether transformers' ``from_pretrained`` builds a model under ``torch.device("meta")`` (5.x's
+    ``get_init_context``; 4.33 built on the CPU under accelerate's ``init_empty_weights``).
+    """
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    init_context = getattr(PreTrainedModel, "get_init_context", None)
+    return init_context is not None and 'torch.device("meta")' in inspect.getsource(init_context)
+
+
+def _server_bridge_needed(kind: str) -> Callable[[], bool]:
+    """The probe of a server bridge: whether some family's classes still lack what ``kind`` gives them."""
+
+    def attention_lacks_layer_index(attention_cls, _other) -> bool:
+        import inspect
+
+        return "layer_idx" in inspect.signature(attention_cls.__mro__[1].__init__).parameters
+
+    def block_takes_a_cache(block_cls, _other) -> bool:
+        import inspect
+
+        annotation = inspect.signature(block_cls.__mro__[1].forward).parameters["layer_past"].annotation
+        return "Cache" in str(annotation)
+
+    missing = {"decoder_mask": lambda cls, _: _as_installed(cls, "_prepare_decoder_attention_mask") is None,
+               "bool_mask": lambda cls, _: _as_installed(cls, "_prepare_attn_mask") is None,
+               "attention_init": attention_lacks_layer_index, "cache_block": block_takes_a_cache}[kind]
+    return lambda: any(missing(owner, other) for owner, other in _server_bridge_classes(kind))
+
+
+class Bridge(NamedTuple):
+    """What a bridge bridges, the installed versions it applies to (requirements, comma-separated: elsewhere it is
+    not applied), and its probe: whether the installed stack still needs it.
+    """
+
+    what: str
+    versions: str
+    probe: Callable[[], bool]
+
+
+_FIVE = "petals==2.2.0.post1, transformers>=5"
+BRIDGES: Dict[str, Bridge] = {
+    "hivemind_reexports": Bridge("names petals imports from hivemind's top level",
+                                 "petals==2.2.0.post1, hivemind==1.1.12", _reexports_missing),
+    "stub_lock": Bridge("a race in hivemind's lazy stub classes", "hivemind==1.1.12", _stub_collection_unlocked),
+    "no_version_check": Bridge("petals' PyPI check at start-up (a traceback offline)", "petals==2.2.0.post1",
+                               _version_check_online),
+    "petals_version_assert": Bridge("petals' assert of transformers < 4.35", _FIVE,
+                                    _petals_range_excludes_transformers),
+    "get_file_from_repo": Bridge("a transformers helper petals imports, gone in 5.x", _FIVE, _get_file_from_repo_gone),
+    "peft_names": Bridge("peft 0.5.0's names petals' adapters module imports", "petals==2.2.0.post1, peft>=0.6",
+                         _peft_lacks_names),
+    "client_dht_on_cpu": Bridge("petals' client built under 5.x's meta device", _FIVE, _models_built_on_meta),
+    "prefix_tokens_on_cpu": Bridge("petals' prompt positions made on 5.x's meta device", _FIVE, _models_built_on_meta),
+    "decoder_mask": Bridge("4.33's decoder mask helper, which petals' server blocks call", _FIVE,
+                           _server_bridge_needed("decoder_mask")),
+    "bool_mask": Bridge("4.33's bool mask helper, which petals' server blocks call", _FIVE,
+                        _server_bridge_needed("bool_mask")),
+    "attention_init": Bridge("petals' server attention on 5.x's (layer index, 4.33's attributes, per-attention RoPE)",
+                             _FIVE, _server_bridge_needed("attention_init")),
+    "cache_block": Bridge("petals' alibi block on 5.x's (additive mask, a cache object, 4.33's outputs)", _FIVE,
+                          _server_bridge_needed("cache_block")),
 }
 
 
-def still_needed() -> Dict[str, bool]:
-    """{bridge: whether the installed stack still needs it} (after :func:`import_petals`): a bridge found unneeded
-    is one to remove, with its version pin.
+def bridged_here(name: str) -> bool:
+    """Whether the installed packages satisfy the versions ``BRIDGES[name]`` bridges (else it is not applied)."""
+    return satisfied(BRIDGES[name].versions)
+
+
+def satisfied(versions: str) -> bool:
+    """Whether the installed packages satisfy ``versions`` (requirements, comma-separated: ``"peft>=0.6, ..."``)."""
+    from packaging.requirements import Requirement
+
+    for text in versions.split(","):
+        requirement = Requirement(text.strip())
+        found = installed_version(requirement.name)
+        if found is None or not requirement.specifier.contains(found, prereleases=True):
+            return False
+    return True
+
+
+def bridge(name: str, side: str, build: Callable[[], Iterable[Replacement]]) -> bool:
+    """:func:`apply` the bridge ``name``: its replacements where :func:`bridged_here`, none elsewhere (recorded
+    as applied either way, so that each entry point applies the same patches on any stack).
     """
-    return {name: probe() for name, (_, _, probe) in BRIDGES.items()}
+    return apply(name, side, lambda: build() if bridged_here(name) else [])
+
+
+def still_needed() -> Dict[str, bool]:
+    """{bridge: whether the installed stack still needs it} (after :func:`import_petals`, and the server's after
+    :func:`apply_server_bridges`; the peft bridge's probe imports peft): one found unneeded where
+    :func:`bridged_here` is to be removed, or its versions narrowed.
+    """
+    return {name: bridge.probe() for name, bridge in BRIDGES.items()}
