@@ -289,11 +289,12 @@ def test_server_blocks_equal_the_local_blocks_on_the_same_hidden_states(request,
     from dist_eval.backends import load_model
     from dist_eval.backends.blocks import register
     from dist_eval.backends.config_json import family_of_folder
-    from dist_eval.backends.petals.shims import import_petals
+    from dist_eval.backends.petals.shims import apply_server_bridges, import_petals
     from dist_eval.backends.petals_folder import petals_model_folder
     from dist_eval.swarm.blocks import server_block_replacements
 
     import_petals()
+    apply_server_bridges()  # as a server does (transformers 5.x: petals' blocks on 5.x's; none on the pinned stack)
     register()
     from petals.utils.auto_config import AutoDistributedConfig
 

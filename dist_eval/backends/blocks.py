@@ -207,6 +207,7 @@ def _server_rotary_replacements(family) -> list:
     def __init__(self, config, *args, **kwargs):
         original(self, config, *args, **kwargs)
         if getattr(config, "rotary", False):
+            rope_fields_from_parameters(config)  # 5.x keeps rope_theta in rope_parameters only
             self.maybe_rotary = type(self.maybe_rotary)(config.head_dim, base=getattr(config, "rope_theta", 10000.0))
 
     return [(attention_cls, "__init__", __init__)]
@@ -272,6 +273,8 @@ def _build_petals_classes(family) -> None:
     base = _base(family)
     base_config = getattr(petals, "Distributed" + _config_name(base))
     body = {"model_type": family.model_type, **dict(family.block_options)}
+    if configs_are_dataclasses():  # the RoPE fields from rope_parameters, as the transformers classes' (5.x)
+        body["__post_init__"] = _subclass_post_init(base_config)
     if family.hyper_connected:  # DeepSeek-V4's block and attention (petals counts heads)
         from dist_eval.backends.layers import HyperConnectedServerBlock, V4Attention
 
