@@ -137,6 +137,16 @@ def split_into_shards(src: str, dst: str, blocks: bool = True) -> str:
     return dst
 
 
+def _families_config(family: str, **fields):
+    """A config of ``family`` in dist_eval's config class for it (its model classes' ``config_class``): where
+    transformers has the family itself (mistral, qwen2... on 5.x), AutoConfig gives transformers' own class, whose
+    fields dist_eval's classes (built on another family's) do not read (5.x: no ``attention_bias``)."""
+    from dist_eval.backends.blocks import family_class
+    from dist_eval.backends.families import FAMILIES
+
+    return family_class(FAMILIES[family].local_lm_class, in_petals=False).config_class(**fields)
+
+
 def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = ""):
     common = dict(vocab_size=vocab_size, hidden_size=32, num_attention_heads=4, pad_token_id=0, bos_token_id=None,
                   eos_token_id=None)
@@ -158,54 +168,44 @@ def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = "
         }[variant]
         return FalconConfig(num_hidden_layers=num_layers, **shapes, **common)
     if family in ("mistral", "qwen2"):  # the families newer than the pinned transformers: dist_eval's classes
-        from transformers import AutoConfig
-
         from dist_eval.backends.blocks import register
 
         register()
-        return AutoConfig.for_model(family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2,
+        return _families_config(family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2,
                                     max_position_embeddings=128, **common)
     if family in ("qwen3", "qwen3_moe"):  # dist_eval's own layers: a head size apart, q/k norms; experts
-        from transformers import AutoConfig
-
         from dist_eval.backends.blocks import register
 
         register()
         experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
                        decoder_sparse_step=2) if family == "qwen3_moe" else {}
-        return AutoConfig.for_model(family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2,
+        return _families_config(family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2,
                                     head_dim=16, max_position_embeddings=128, **experts, **common)
     if family == "glm4_moe":  # GLM-4.5-Air-style (no q/k norm); the reference's has them
-        from transformers import AutoConfig
-
         from dist_eval.backends.blocks import register
 
         register()
-        return AutoConfig.for_model(
+        return _families_config(
             family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2, head_dim=16,
             max_position_embeddings=128, attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5,
             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16, n_group=2,
             topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, **common)
     if family in ("mixtral", "minimax_m2"):  # MiniMax-M2: Mixtral's names, whole-width q/k norms, a sigmoid router
-        from transformers import AutoConfig
-
         from dist_eval.backends.blocks import register
 
         register()
-        return AutoConfig.for_model(family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2,
+        return _families_config(family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2,
                                     head_dim=16, max_position_embeddings=128, num_local_experts=4,
                                     num_experts_per_tok=2, **common)
     # the latent attention with yarn RoPE; block 0 dense, then experts; GLM-5, DeepSeek-V3.2: an indexer per block
     # keeping 4 keys per query
     if family in ("deepseek_v3", "kimi_k2", "kimi_k25", "glm_moe_dsa", "deepseek_v32"):
-        from transformers import AutoConfig
-
         from dist_eval.backends.blocks import register
 
         register()
         sparse = family in ("glm_moe_dsa", "deepseek_v32")
         indexer = dict(index_topk=4, index_head_dim=8, index_n_heads=2) if sparse else {}
-        return AutoConfig.for_model(
+        return _families_config(
             family, **indexer, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=4,
             q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12,
             max_position_embeddings=128,
@@ -214,13 +214,11 @@ def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = "
             num_experts_per_tok=2, moe_intermediate_size=16, n_group=2, topk_group=1, first_k_dense_replace=1,
             **common)
     if family == "deepseek_v4":  # each attention kind in turn (a window of 4, entries every 2 / 4 positions),
-        from transformers import AutoConfig  # block 0 hash-routed, then learned routing; 4 streams
-
         from dist_eval.backends.blocks import register
 
         register()
         kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
-        return AutoConfig.for_model(
+        return _families_config(
             family, num_hidden_layers=num_layers, head_dim=16, q_lora_rank=16, partial_rotary_factor=0.25,
             layer_types=[kinds[i % 3] for i in range(num_layers)], mlp_layer_types=["hash_moe"] + ["moe"] * (
                 num_layers - 1), compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
@@ -228,33 +226,27 @@ def _tiny_config(family: str, vocab_size: int, num_layers: int, variant: str = "
             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=128,
             **common)
     if family == "gpt_oss":  # sinks, a window of 4 on blocks 0 and 2, biases; every block 4 clamped experts, 2 a token
-        from transformers import AutoConfig
-
         from dist_eval.backends.blocks import register
 
         register()
-        return AutoConfig.for_model(family, intermediate_size=16, num_hidden_layers=num_layers, num_key_value_heads=2,
+        return _families_config(family, intermediate_size=16, num_hidden_layers=num_layers, num_key_value_heads=2,
                                     head_dim=16, max_position_embeddings=128, num_local_experts=4,
                                     num_experts_per_tok=2, sliding_window=4, attention_bias=True, **common)
     if family == "llama4_text":  # dense and MoE blocks alternate, the 4th block without RoPE
-        from transformers import AutoConfig
-
         from dist_eval.backends.blocks import register
 
         register()
-        return AutoConfig.for_model(
+        return _families_config(
             family, intermediate_size=16, intermediate_size_mlp=64, num_hidden_layers=num_layers, num_key_value_heads=2,
             head_dim=16, max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2,
             interleave_moe_layer_step=2, **common)
     if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # Gated DeltaNet and (every 4th) gated attention; experts
-        from transformers import AutoConfig
-
         from dist_eval.backends.blocks import register
 
         register()
         experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        shared_expert_intermediate_size=24) if family in ("qwen3_5_moe", "qwen3_next") else {}
-        return AutoConfig.for_model(
+        return _families_config(
             family, intermediate_size=64, num_hidden_layers=num_layers, num_key_value_heads=2, head_dim=16,
             max_position_embeddings=128, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
             linear_value_head_dim=8, **experts, **common)
