@@ -16,15 +16,21 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 GENERATION="${1:-4}"
 PYTHON="${DIST_EVAL_PYTHON:-python3}"
 TORCH_SPEC="${DIST_EVAL_TORCH:-torch==2.13.0}"
+NO_DEPS=()  # installed after REFERENCE, with --no-deps
 case "$GENERATION" in
   # the last transformers 4.x and the tokenizers it pins (saved since late 2024)
   4) VENV="${DIST_EVAL_REFERENCE_VENV:-$ROOT/.venv-reference}"
      REFERENCE=("transformers==4.57.6" "tokenizers>=0.22,<0.23" safetensors numpy) ;;
-  # transformers 5.x with the hub and tokenizers it asks for, a current PEFT (its adapters' reference), and this
+  # transformers 5.x with the hub and tokenizers it asks for, a current PEFT (its adapters' reference), this
   # project (editable) with its own dependencies resolved beside them, the extra "petals" left out: what a user of
-  # a current stack installs (the suite runs the CLI and evaluate() here)
+  # a current stack installs (the suite runs the CLI and evaluate() here); and petals 2.2 beside them, its run-time
+  # needs first and itself with --no-deps as launch/install.sh does (its metadata pins the 2023 transformers):
+  # petals' client and dist_eval's servers on transformers 5.x, through the bridges of backends/petals/shims.py
   5) VENV="${DIST_EVAL_REFERENCE5_VENV:-$ROOT/.venv-reference5}"
-     REFERENCE=("transformers==5.23.0" "peft==0.21.2" safetensors numpy -e "$ROOT") ;;
+     REFERENCE=("transformers==5.23.0" "peft==0.21.2" safetensors numpy -e "$ROOT"
+                "hivemind==1.1.12" "pydantic>=2" "tensor_parallel==1.0.23" "speedtest-cli==2.1.3" humanfriendly
+                async-timeout sentencepiece Dijkstar cpufeature requests)
+     NO_DEPS=("petals==2.2.0.post1" "bitsandbytes==0.41.1") ;;
   *) echo "install_reference.sh: generation '$GENERATION': expected 4 or 5" >&2; exit 2 ;;
 esac
 STAMP="$VENV/.dist_eval_reference_installed"
@@ -52,6 +58,9 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   "${INSTALL[@]}" "$TORCH_SPEC"  # first, alone: nothing later pulls a CUDA build
 fi
 "${INSTALL[@]}" "${REFERENCE[@]}"
+if [[ -n "${NO_DEPS[*]:-}" ]]; then
+  "${INSTALL[@]}" --no-deps "${NO_DEPS[@]}"
+fi
 # the bytecode of what the reference scripts import, written once: where PYTHONDONTWRITEBYTECODE is set, each
 # reference process would compile transformers from source again (about 10 s of CPU a process here). Only
 # what they import (compile_venv's whole site-packages, torch's thousands of files, took 50 s)
@@ -68,6 +77,10 @@ for family in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "m
 transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast  # noqa: B018 (the lazy tokenizer modules)
 if importlib.util.find_spec("peft"):
     import peft  # noqa: F401
+for name in ("hivemind", "petals"):  # imported by a swarm's servers and clients only after the bridges: compiled
+    if importlib.util.find_spec(name):
+        import compileall, os
+        compileall.compile_dir(os.path.dirname(importlib.util.find_spec(name).origin), quiet=1)
 PY
 echo "$WANT" > "$STAMP"
 echo "[install_reference] done: $VENV" >&2
