@@ -208,15 +208,21 @@ def test_the_tuple_cache_gives_petals_layout_back():
 
 
 def test_the_file_helper_bridge_finds_a_file_and_answers_none_for_a_missing_one(tmp_path):
-    """transformers.utils.get_file_from_repo as the bridge gives it back (on 5.x): a folder's file, or None."""
+    """transformers.utils.get_file_from_repo as the bridge gives it back (on 5.x): a folder's file, or None; built
+    on any stack (its cached_file is 4.33's too), and where transformers has its own (4.33), answering as that does."""
+    import transformers.utils
+
     from dist_eval.backends.petals import shims
 
-    if not shims.bridged_here("get_file_from_repo"):
-        pytest.skip("transformers has its own get_file_from_repo here")
     (tmp_path / "config.json").write_text("{}")
     (_, _, get_file_from_repo), = shims.get_file_from_repo_back()
     assert get_file_from_repo(str(tmp_path), "config.json") == str(tmp_path / "config.json")
     assert get_file_from_repo(str(tmp_path), "adapter_config.json") is None
+    own = getattr(transformers.utils, "get_file_from_repo", None)
+    if not shims.bridged_here("get_file_from_repo"):  # the installed transformers' own: the bridge's model
+        assert own is not get_file_from_repo
+        for name in ("config.json", "adapter_config.json"):
+            assert own(str(tmp_path), name) == get_file_from_repo(str(tmp_path), name), name
 
 
 def test_the_server_patches_refuse_another_order(entry_results):
