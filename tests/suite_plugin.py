@@ -96,8 +96,11 @@ SHARED_BY = {
 # the slowest files (benchmarks/RESULTS.md: the suite's time per file), dealt out first, so that the run
 # ends on short files with every worker busy to the end; xdist deals files out by their number of tests
 # otherwise, and these few-test files came last. Order only: a file missing or renamed just comes later.
-FIRST = ("tests/test_families_reference.py", "tests/test_swarm_failover.py", "tests/test_slurm.py",
-         "tests/test_families_swarm.py", "tests/test_launch.py", "tests/test_swarm_supervisor.py",
+# test_current_stack.py second: its worker makes .venv-reference5 while the first makes .venv-reference (both
+# reference environments are installed by the suite), not after it on the first's worker.
+FIRST = ("tests/test_families_reference.py", "tests/test_current_stack.py", "tests/test_swarm_failover.py",
+         "tests/test_slurm.py", "tests/test_families_swarm.py", "tests/test_launch.py",
+         "tests/test_swarm_supervisor.py",
          "tests/test_audit.py", "tests/test_swarm.py", "tests/test_backends_wire.py", "tests/test_demo.py",
          "tests/test_client_shards.py", "tests/test_backends_patches.py", "tests/test_backends_objects.py",
          "tests/test_backends_petals.py", "tests/test_evaluation.py", "tests/test_rowstore.py",
