@@ -35,11 +35,10 @@ as petals reads them) is :mod:`dist_eval.swarm.blocks`.
 from __future__ import annotations
 
 import functools
-import importlib
 import threading
 from typing import Dict, Optional
 
-from dist_eval.backends.compat import configs_are_dataclasses
+from dist_eval.backends.compat import class_at, configs_are_dataclasses
 from dist_eval.backends.rope import rescale_rope
 
 # what the servers dist_eval starts add to the petals version they announce: they compute the
@@ -51,12 +50,6 @@ from dist_eval.backends.rope import rescale_rope
 SERVER_VERSION_MARK = "+dist_eval.blocks3"
 _lock = threading.RLock()
 _classes: Dict[str, type] = {}  # class name -> class built here
-
-
-def class_at(path: str):
-    """The class at ``"module:Name"``."""
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import importlib.metadata
 import logging
 import os
 import sys
 import warnings
 from typing import Optional
+
+
+def class_at(path: str):
+    """The class at ``"module:Name"`` (the family table names transformers' and petals' classes so)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def installed_version(distribution: str) -> Optional[str]:

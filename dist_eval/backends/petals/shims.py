@@ -29,7 +29,7 @@ import os
 import threading
 from typing import Callable, Dict, Iterable, List, NamedTuple, Tuple
 
-from dist_eval.backends.compat import installed_version, quiet_warnings
+from dist_eval.backends.compat import class_at, installed_version, quiet_warnings
 from dist_eval.errors import UsageError, warn
 
 # The versions the patches were written against and tested with (petals' copied code paths
@@ -448,13 +448,7 @@ def apply_server_bridges() -> None:
 
 def _server_bridge_classes(kind: str) -> List[Tuple[object, object]]:
     """[(the class a family's ``kind`` bridge replaces on, the kind's other class or None), ...], each once."""
-    import importlib
-
     from dist_eval.backends.families import FAMILIES
-
-    def class_at(path: str):  # "module:Name" (backends.blocks has the same; it imports this module)
-        module, _, name = path.partition(":")
-        return getattr(importlib.import_module(module), name)
 
     paths = sorted({tuple(entry[1:]) for family in FAMILIES.values() for entry in family.server_bridges
                     if entry[0] == kind})
@@ -578,21 +572,13 @@ def attention_init(attention_cls, rotary_class) -> List[Replacement]:
 
 
 def alibi_additive_mask(attention_mask, input_shape, past_length: int, dtype):
-    """4.33's bool ``_prepare_attn_mask`` (causal | padding) as the additive mask 5.x's alibi attention adds to its
-    scores (0 or finfo(dtype).min; 4.33 filled the scores with that same min).
+    """4.33's bool ``_prepare_attn_mask`` (causal | padding: :func:`prepare_bool_attn_mask`) as the additive mask
+    5.x's alibi attention adds to its scores (0 or finfo(dtype).min; 4.33 filled the scores with that same min).
     """
     import torch
 
-    batch_size, src_length = input_shape
-    device = attention_mask.device
-    masked = ~(attention_mask[:, None, None, :].to(torch.bool))
-    masked = masked.expand(batch_size, 1, src_length, attention_mask.shape[-1])
-    if src_length > 1:
-        causal = torch.zeros((src_length, src_length + past_length), dtype=torch.bool, device=device)
-        seq_ids = torch.arange(src_length, device=device)
-        causal[:, past_length:] = seq_ids[:, None] < seq_ids[None, :]
-        masked = masked | causal[None, None]
-    return torch.zeros(masked.shape, dtype=dtype, device=device).masked_fill(masked, torch.finfo(dtype).min)
+    masked = prepare_bool_attn_mask(attention_mask, input_shape, past_length)
+    return torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill(masked, torch.finfo(dtype).min)
 
 
 class TupleCache:
