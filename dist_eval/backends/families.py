@@ -132,6 +132,13 @@ class Family:
     # is always 10000) and has no rope_scaling: dist_eval's servers rebuild it at rope_theta
     # (backends.blocks), a rope_scaling is refused, and so are petals' own servers for another rope_theta
     server_rotary_attention: str = ""
+    # the attention implementation transformers' local classes are built with where a transformers offers a choice
+    # (>= 4.36; the pinned 4.33 has one): the one whose arithmetic the server block repeats, so that --backend local
+    # equals the swarm bit for bit (5.x's default, "sdpa", is 2.4e-07 off petals' llama block): petals' llama block
+    # divides q k^T by sqrt(head_dim) (backends.compat.DIVIDED_ATTENTION), its bloom block multiplies and softmaxes as
+    # "eager" does, its falcon block calls torch's scaled_dot_product_attention ("sdpa"); dist_eval's own layers
+    # compute their attention themselves
+    local_attention: str = "eager"
     # what of petals 2.2's server code of this family needs a bridge on transformers 5.x (the bodies, one per kind,
     # in backends.petals.shims: SERVER_BRIDGES): ((kind, "module:Name" it replaces on, the kind's other class), ...)
     server_bridges: tuple = ()
@@ -668,6 +675,7 @@ FAMILIES: Dict[str, Family] = {
         key_signature=r"^(model\.)?(embed_tokens|layers\.\d+|norm)\.",
         config_class="transformers.models.llama.configuration_llama:LlamaConfig",
         attention_class="transformers.models.llama.modeling_llama:LlamaAttention",
+        local_attention="divided_by_sqrt_head_dim",
         server_bridges=(("decoder_mask", "transformers.models.llama.modeling_llama:LlamaModel"),
                         ("attention_init", "petals.models.llama.block:OptimizedLlamaAttention",
                          "transformers.models.llama.modeling_llama:LlamaRotaryEmbedding")),
@@ -710,6 +718,7 @@ FAMILIES: Dict[str, Family] = {
         key_signature=r"^(transformer\.)?h\.\d+\.(ln_attn|ln_mlp|self_attention\.query_key_value\.weight$)",
         small_config=(("new_decoder_architecture", True), ("num_kv_heads", 2)),  # the falcon-40b layout
         server_rotary_attention="petals.models.falcon.block:OptimizedFalconAttention",
+        local_attention="sdpa",
         server_bridges=(("bool_mask", "transformers.models.falcon.modeling_falcon:FalconModel"),),
         # petals' OptimizedFalconAttention reshapes the one shared key/value head of the old
         # multi-query layout (falcon-7b, falcon-rw) as if every head had its own: the server

@@ -137,7 +137,7 @@ def load_local(
     "corrupted", is read from its converted copy (:mod:`dist_eval.backends.petals_folder`).
     """
     from dist_eval.backends.blocks import family_class
-    from dist_eval.backends.compat import heads_read_after, no_random_init_of_meta_tensors
+    from dist_eval.backends.compat import attention_choice, heads_read_after, no_random_init_of_meta_tensors
     from dist_eval.backends.petals_folder import detect_layout, petals_model_folder, require_every_shard
 
     require_every_shard(model_dir, "--backend local")
@@ -147,12 +147,12 @@ def load_local(
     with no_random_init_of_meta_tensors(), heads_read_after(family.head, family.lm_head):
         if label_words is not None:
             hf_model = family_class(family.local_lm_class, in_petals=False).from_pretrained(
-                model_dir, torch_dtype=torch.float32)
+                model_dir, torch_dtype=torch.float32, **attention_choice(family))
             read_saved_lm_head(family.get(hf_model, family.lm_head), model_dir, hf_model.config, family)
         else:
             hf_model = family_class(family.local_class, in_petals=False).from_pretrained(
-                model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False
-            )
+                model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False,
+                **attention_choice(family))
     model = PromptTunedClassifier(hf_model, state.tuning_mode, state.pre_seq_len, family)
     model.load_trainable(state)
     if label_words is not None:

@@ -41,7 +41,7 @@ def load_streamed(
     where the shards of ``model_dir`` (a hub snapshot) not fetched yet come from: each block's when it first runs.
     """
     from dist_eval.backends.blocks import family_class
-    from dist_eval.backends.compat import heads_read_after, no_random_init_of_meta_tensors
+    from dist_eval.backends.compat import attention_choice, heads_read_after, no_random_init_of_meta_tensors
     from dist_eval.backends.local import PromptTunedClassifier
     from dist_eval.backends.petals_folder import detect_layout, missing_shards, petals_model_folder, require_every_shard
     from dist_eval.backends.zeroshot import ZeroShotScorer, read_saved_lm_head
@@ -79,7 +79,7 @@ def load_streamed(
             warnings.filterwarnings("ignore", "The following device_map keys do not match any submodules")
             hf_model = config_class.from_pretrained(view, torch_dtype=torch.float32, device_map=device_map,
                                                     offload_folder=os.path.join(view, "offload"),
-                                                    offload_state_dict=False, **kwargs)
+                                                    offload_state_dict=False, **kwargs, **attention_choice(family))
         _whole_where_children_are_read(hf_model, family)
         for block in family.get(hf_model, family.blocks):  # its freed weights given back before the next block's
             block.register_forward_hook(_give_back_heap)
