@@ -200,9 +200,16 @@ def _byte_dtype():
     return torch.uint8
 
 
+# init arguments that say how a tokenizer was found, not what it computes: transformers 5.x keeps them in
+# init_kwargs (local_files_only is True where HF_HUB_OFFLINE is set, so a run's ranks and the process that filled a
+# row store disagreed, and no stored row was found); the pinned 4.33 keeps neither (its keys are unchanged)
+LOADING_ARGUMENTS = ("local_files_only", "is_local")
+
+
 def tokenizer_digest(tokenizer) -> str:
     """The tokenizer's content: a fast tokenizer's whole definition (vocabulary, merges,
-    normalizer, pre- and post-processor), else its vocabulary; its class and init arguments.
+    normalizer, pre- and post-processor), else its vocabulary; its class and init arguments
+    (but :data:`LOADING_ARGUMENTS`).
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
@@ -210,6 +217,9 @@ def tokenizer_digest(tokenizer) -> str:
     else:
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         body = json.dumps(sorted(vocab.items()), ensure_ascii=False)
-    facts = {"class": type(tokenizer).__name__, "init": getattr(tokenizer, "init_kwargs", None),
+    init = getattr(tokenizer, "init_kwargs", None)
+    if isinstance(init, dict):
+        init = {name: value for name, value in init.items() if name not in LOADING_ARGUMENTS}
+    facts = {"class": type(tokenizer).__name__, "init": init,
              "special": getattr(tokenizer, "special_tokens_map", None)}
     return hashlib.sha256(body.encode() + json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
