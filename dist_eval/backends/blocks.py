@@ -134,6 +134,25 @@ def _subclass_post_init(base_config):
     return __post_init__
 
 
+def _dataclass_config_body(base_config) -> dict:
+    """What a config subclass built on ``base_config`` overrides on transformers >= 5.0: its ``__post_init__``
+    (:func:`_subclass_post_init`) and the strict-dataclass validation its saves run, each validator resolved on the
+    subclass (huggingface_hub's ``validate`` calls the functions of the class it decorated, never an override), with
+    ``validate_layer_type`` a no-op: the kinds of a family built on another are checked from config.json by
+    :func:`~dist_eval.backends.families.family_of` (the family table's ``layer_types``, the block's own refusal);
+    the base's validator knows its own kinds alone (DeepSeek-V4's ``mlp_layer_types`` hash_moe failed every save).
+    """
+    def validate(self):
+        names = {validator.__name__ for klass in type(self).__mro__
+                 for validator in vars(klass).get("__class_validators__", ())}
+        for name in sorted(names):
+            getattr(self, name)()
+
+    validate.__is_defined_by_strict_decorator__ = True  # a strict subclass puts its own in place, as of a parent's
+    return {"__post_init__": _subclass_post_init(base_config), "validate": validate,
+            "validate_layer_type": lambda self: None}
+
+
 def _attention_init(original):
     @functools.wraps(original)
     def __init__(self, config, *args, **kwargs):
@@ -216,7 +235,7 @@ def _build_transformers_classes(family) -> None:
     base_config = class_at(base.config_class)
     body = {"model_type": family.model_type, **dict(family.block_options)}
     if configs_are_dataclasses():
-        body["__post_init__"] = _subclass_post_init(base_config)
+        body.update(_dataclass_config_body(base_config))
     config = type(_config_name(family), (base_config,), body)
     _classes[family.model_type] = config
     # a later transformers has the family itself (mistral since 4.34): its Auto classes stay its own (they refuse
@@ -267,7 +286,7 @@ def _build_petals_classes(family) -> None:
     base_config = getattr(petals, "Distributed" + _config_name(base))
     body = {"model_type": family.model_type, **dict(family.block_options)}
     if configs_are_dataclasses():  # the RoPE fields from rope_parameters, as the transformers classes' (5.x)
-        body["__post_init__"] = _subclass_post_init(base_config)
+        body.update(_dataclass_config_body(base_config))
     if family.hyper_connected:  # DeepSeek-V4's block and attention (petals counts heads)
         from dist_eval.backends.layers import HyperConnectedServerBlock, V4Attention
 

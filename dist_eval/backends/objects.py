@@ -111,6 +111,7 @@ def evaluation_model(model, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT) -> Ite
     adapted = as_loaded_model(model, swarm_timeout)
     module = adapted.module if isinstance(adapted, LoadedModel) else adapted
     modes = [(m, m.training) for m in module.modules()] if isinstance(module, nn.Module) else []
+    attention = _attention_as_loaded(module) if adapted is not model else None
     try:
         if modes:
             module.eval()
@@ -118,8 +119,25 @@ def evaluation_model(model, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT) -> Ite
     finally:
         for m, training in modes:
             m.training = training
+        if attention is not None:
+            attention[0]._attn_implementation = attention[1]
         if adapted is not model and isinstance(adapted, LoadedModel):
             adapted.close()  # the adapter's own parts only; the caller's client stays up
+
+
+def _attention_as_loaded(module) -> Optional[tuple]:
+    """A caller's transformers classifier set, for the evaluation, to the attention ``load_model`` builds its family
+    with (Family.local_attention, where transformers offers a choice: its default rounds otherwise, and the object
+    would not give load_model's bits): (its config, the attention it had) to put back, or None where nothing changed.
+    """
+    from dist_eval.backends.compat import attention_choice
+
+    config = getattr(getattr(module, "hf_model", None), "config", None)
+    wanted = attention_choice(module.family).get("attn_implementation") if config is not None else None
+    if wanted is None or config._attn_implementation == wanted:
+        return None
+    had, config._attn_implementation = config._attn_implementation, wanted
+    return config, had
 
 
 def as_loaded_model(model, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT):
