@@ -94,6 +94,7 @@ def build_tiny_model(folder: str, seed: int = 0, num_layers: int = 4, family: st
     torch.manual_seed(seed)
     config = _tiny_config(family, len(vocab), num_layers, variant)
     from dist_eval.backends.blocks import family_class
+    from dist_eval.backends.compat import configs_are_dataclasses
     from dist_eval.backends.families import FAMILIES
 
     model = family_class(FAMILIES[family].local_lm_class, in_petals=False)(config)
@@ -106,7 +107,10 @@ def build_tiny_model(folder: str, seed: int = 0, num_layers: int = 4, family: st
         model = classifier
     elif layout != "causal_lm":
         raise ValueError(f"layout={layout!r}")
-    model.save_pretrained(folder, safe_serialization=True)
+    # dist_eval's classes' names as they are: transformers 5.x reverts its own conversion mapping of a model_type on
+    # save by default (kimi_k25's "blocks" -> "layers" of its vision tower turned this text model's layers to blocks)
+    as_built = {"save_original_format": False} if configs_are_dataclasses() else {}
+    model.save_pretrained(folder, safe_serialization=True, **as_built)
     return folder
 
 

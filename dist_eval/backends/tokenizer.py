@@ -93,15 +93,20 @@ def refuse_broken_json(model_dir: str, param: str = "model_dir", cause: Optional
                      "again.", param=param, value=model_dir) from (cause or error)
 
 
+# tokenizer_config.json's tokenizer_class of the generic fast tokenizer (its tokenizer.json is the whole of it), as
+# transformers 4.x and 5.x save it
+GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
 def _saved_as_generic_fast(model_dir: str) -> bool:
     """Whether the folder's tokenizer is saved as the generic fast tokenizer: tokenizer_config.json's
-    ``tokenizer_class`` ``PreTrainedTokenizerFast``, beside a tokenizer.json.
+    ``tokenizer_class`` one of :data:`GENERIC_FAST`, beside a tokenizer.json.
     """
     if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         return False
     try:
         with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
-            return json.load(f).get("tokenizer_class") == "PreTrainedTokenizerFast"
+            return json.load(f).get("tokenizer_class") in GENERIC_FAST
     except (OSError, ValueError):
         return False
 
@@ -121,9 +126,10 @@ def load_tokenizer(model_dir: str, param: str = "model_dir"):
         raise UsageError(why + ".", param=param, value=model_dir)
     try:
         if _saved_as_generic_fast(model_dir):
-            # as saved: transformers 5.x's AutoTokenizer reads tokenizer_class "PreTrainedTokenizerFast" as the
-            # config's model type's own class, rebuilt from the vocabulary with that family's pre-tokenizer (the
-            # demo's qwen2 folder: other ids, most unknown, an accuracy of 0.30 for 1.00); 4.x reads tokenizer.json
+            # as saved: transformers 5.x's AutoTokenizer reads a generic tokenizer_class as the config's model
+            # type's own class, rebuilt from the vocabulary with that family's pre-tokenizer (the demo's qwen2
+            # folder: other ids, most unknown, an accuracy of 0.30 for 1.00; a word-level one saved by 5.x as
+            # TokenizersBackend: no id at all); 4.x reads tokenizer.json
             return PreTrainedTokenizerFast.from_pretrained(model_dir)
         return AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:
