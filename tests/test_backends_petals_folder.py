@@ -204,14 +204,18 @@ def v4_fp4(weight: torch.Tensor) -> tuple:
 def write_v4_release(saved: str, released: str) -> dict:
     """``saved`` (dist_eval's tiny DeepSeek-V4 causal LM) as transformers 5.x saves it (the head as head.weight), two of
     its weights replaced by the value of their FP8 / FP4 form; ``released`` the same model as DeepSeek ships it (those
-    two quantized, each with its .scale; quantization_config fp8 and expert_dtype fp4 as config.json has them; two
-    shards and their index; an MTP layer). Returns the release's tensors."""
+    two quantized, each with its .scale; quantization_config fp8 and expert_dtype fp4 as config.json has them; the
+    hash routing's tid2eid in int32; two shards and their index; an MTP layer). Returns the release's tensors."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(os.path.join(saved, "model.safetensors"))
     tensors["head.weight"] = tensors.pop("lm_head.weight")
+    g = torch.Generator().manual_seed(3)
+    for key in [k for k in tensors if k.endswith(".tid2eid")]:  # a routing table of its own (built: all expert 0)
+        rows, chosen = tensors[key].shape
+        tensors[key] = torch.stack([torch.randperm(4, generator=g)[:chosen] for _ in range(rows)])
     release = {}
     for key, tensor in tensors.items():
         for pattern, replacement in V4_AS_RELEASED:
@@ -221,6 +225,8 @@ def write_v4_release(saved: str, released: str) -> dict:
         release[key + ".weight"], release[key + ".scale"], value = quantize(release[key + ".weight"])
         tensors["model." + key + ".weight"] = value
     save_file(tensors, os.path.join(saved, "model.safetensors"), metadata={"format": "pt"})
+    for key in [k for k in release if k.endswith(".tid2eid")]:  # int32 in DeepSeek's own code (5.x saves int64)
+        release[key] = release[key].to(torch.int32)
     release.update({"mtp.0.e_proj.weight": torch.ones(32, 32), "mtp.0.hc_head_fn": torch.ones(4, 128),
                     "mtp.0.attn.kv_norm.weight": torch.ones(16)})
     os.makedirs(released)
@@ -272,5 +278,7 @@ def test_a_deepseek_v4_folder_under_the_release_names_is_the_saved_model_bit_for
         with torch.no_grad():
             got[folder] = model.hf_model.state_dict(), model(batch), words.module(batch)
     (state, logits, scores), (state_r, logits_r, scores_r) = got.values()
+    assert any(tensor.dtype == torch.int32 for tensor in release.values())  # the hash routing's table, as released
     assert set(state) == set(state_r) and all(torch.equal(state[k], state_r[k]) for k in state)
+    assert all(state[k].dtype == state_r[k].dtype for k in state)  # read into the int64 buffer
     assert torch.equal(logits, logits_r) and torch.equal(scores, scores_r)
