@@ -62,9 +62,14 @@ def trained(mode, hidden=32, layers=4):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_no_prompts_equals_transformers_classifier(models, family):
+    """The local backend without prompts is transformers' classifier of the family, bit for bit: built with the
+    attention load_model asks for where transformers offers a choice (Family.local_attention; 5.x's default rounds
+    otherwise)."""
+    from dist_eval.backends.compat import attention_choice
 
     spec = FAMILIES[family]
-    hf = family_class(spec.local_class, in_petals=False).from_pretrained(models[family]).eval()
+    hf = family_class(spec.local_class, in_petals=False).from_pretrained(models[family], **attention_choice(spec))
+    hf = hf.eval()
     ref = load_local_reference(models[family], spec, None, 0, {"score.weight": hf.score.weight.detach().clone()})
     with torch.no_grad():
         assert_same_bits(ref(batch()), hf(input_ids=batch()).logits, f"{family}: the logits, against transformers'")
