@@ -107,9 +107,10 @@ def test_every_reader_reads_the_5x_form(tmp_path):
 
     from transformers import AutoConfig
 
-    from dist_eval.backends.blocks import register
+    from dist_eval.backends.blocks import family_class, register
+    from dist_eval.backends.compat import configs_are_dataclasses
     from dist_eval.backends.config_json import family_of_folder
-    from dist_eval.backends.families import FAMILIES
+    from dist_eval.backends.families import FAMILIES, rope_type
     from dist_eval.swarm.devices import model_weights
     from dist_eval.swarm.status import model_block_parameters
 
@@ -122,8 +123,13 @@ def test_every_reader_reads_the_5x_form(tmp_path):
     (folder / "config.json").write_text(json.dumps(raw))
     assert family_of_folder(str(folder)) is FAMILIES["qwen3_moe"]
     register()
-    config = AutoConfig.from_pretrained(str(folder))
-    assert (config.num_experts, config.rope_theta, config.rope_scaling) == (4, 1e6, None)
+    # dist_eval's config class of the family (what it reads a folder with; AutoConfig's on the pinned stack, where
+    # transformers has no qwen3_moe: on 5.x AutoConfig gives 5.x's own class, which keeps rope_theta in
+    # rope_parameters)
+    config = family_class(FAMILIES["qwen3_moe"].local_class, in_petals=False).config_class.from_pretrained(str(folder))
+    assert (config.num_experts, config.rope_theta) == (4, 1e6)
+    assert rope_type(config.rope_scaling) in (None, "default")  # no scaling (5.x: rope_scaling is rope_parameters)
+    assert configs_are_dataclasses() or type(AutoConfig.from_pretrained(str(folder))) is type(config)
     four = {**{k: v for k, v in raw.items() if k not in ("num_local_experts", "rope_parameters", "dtype")},
             "num_experts": 4, "rope_theta": 1e6}
     (tmp_path / "four").mkdir()
