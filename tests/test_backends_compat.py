@@ -286,8 +286,9 @@ def test_the_divided_attention_repeats_the_pinned_llama_attention_bit_for_bit():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
-    from dist_eval.backends.compat import DIVIDED_ATTENTION, attention_choice, divided_attention
+    from dist_eval.backends.compat import attention_choice
     from dist_eval.backends.families import FAMILIES
+    from dist_eval.backends.layers import DIVIDED_ATTENTION, divided_attention
 
     torch.manual_seed(0)
     attention = LlamaAttention(LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,

@@ -44,39 +44,17 @@ def configs_are_dataclasses() -> bool:
     return dataclasses.is_dataclass(PretrainedConfig)
 
 
-# transformers' attention with the arithmetic of a petals server block and of the pinned transformers (4.33) that
-# divide q k^T by sqrt(head_dim) (the family table's local_attention says which); transformers >= 4.48's "eager"
-# multiplies by head_dim ** -0.5, which rounds apart wherever sqrt(head_dim) is no power of two (head_dim 8, 128)
-DIVIDED_ATTENTION = "divided_by_sqrt_head_dim"
-
-
-def divided_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_kwargs):
-    """:data:`DIVIDED_ATTENTION`, as transformers' attention interface calls it ([batch, heads, rows, head_dim] in;
-    [batch, rows, heads, head_dim] and the weights out): the server block's attention step for step.
-    """
-    import math
-
-    import torch
-
-    groups = module.num_key_value_groups
-    if groups > 1:
-        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
-    weights = torch.matmul(query, key.transpose(2, 3)) / math.sqrt(query.shape[-1])
-    if attention_mask is not None:
-        weights = weights + attention_mask[:, :, :, : key.shape[-2]]
-    weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
 def attention_choice(family) -> dict:
     """``from_pretrained``'s keyword for ``family.local_attention`` where this transformers takes one (>= 4.36 has
-    ``attn_implementation``; the pinned 4.33 has no choice and no such keyword: {}). :data:`DIVIDED_ATTENTION` is
+    ``attn_implementation``; the pinned 4.33 has no choice and no such keyword: {}). ``layers.DIVIDED_ATTENTION`` is
     registered with transformers' attention and mask interfaces (its mask: the eager one) the first time.
     """
     from transformers import PretrainedConfig
 
     if not hasattr(PretrainedConfig, "_attn_implementation"):
         return {}
+    from dist_eval.backends.layers import DIVIDED_ATTENTION, divided_attention
+
     if family.local_attention == DIVIDED_ATTENTION:
         from transformers import AttentionInterface
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface

@@ -134,8 +134,8 @@ class Family:
     server_rotary_attention: str = ""
     # the attention implementation transformers' local classes are built with where a transformers offers a choice
     # (>= 4.36; the pinned 4.33 has one): the one whose arithmetic the server block repeats, so that --backend local
-    # equals the swarm bit for bit (5.x's default, "sdpa", is 2.4e-07 off petals' llama block): petals' llama block
-    # divides q k^T by sqrt(head_dim) (backends.compat.DIVIDED_ATTENTION), its bloom block multiplies and softmaxes as
+    # equals the swarm bit for bit (5.x's default, "sdpa", rounds otherwise): petals' llama block
+    # divides q k^T by sqrt(head_dim) (backends.layers.DIVIDED_ATTENTION), its bloom block multiplies and softmaxes as
     # "eager" does, its falcon block calls torch's scaled_dot_product_attention ("sdpa"); dist_eval's own layers
     # compute their attention themselves
     local_attention: str = "eager"

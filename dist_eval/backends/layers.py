@@ -260,6 +260,25 @@ class QkNormAttention(LlamaAttention):
         return self.o_proj(output), (weights if output_attentions else None), past_key_value
 
 
+# transformers' attention with the arithmetic of petals' llama server block and of the pinned transformers' (4.33)
+# LlamaAttention, as QkNormAttention's above: q k^T divided by sqrt(head_dim) (the family table's local_attention
+# names it); transformers >= 4.48's "eager" multiplies by head_dim ** -0.5, which rounds apart wherever sqrt(head_dim)
+# is no power of two (head_dim 8, 128)
+DIVIDED_ATTENTION = "divided_by_sqrt_head_dim"
+
+
+def divided_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_kwargs):
+    """:data:`DIVIDED_ATTENTION`, as transformers' attention interface calls it ([batch, heads, rows, head_dim] in;
+    [batch, rows, heads, head_dim] and the weights out): the server block's attention step for step.
+    """
+    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) / math.sqrt(query.shape[-1])
+    if attention_mask is not None:
+        weights = weights + attention_mask[:, :, :, : key.shape[-2]]
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
 class OffsetRMSNorm(nn.Module):
     """Qwen3.5's RMSNorm: computed in float32, times ``1 + weight`` (the weight starts at zero), then
     the input's dtype (transformers 5.x's order of operations).
