@@ -456,9 +456,11 @@ def test_the_chunked_gated_delta_rule_is_the_recurrence_and_a_padded_row_the_row
 
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen2"])
-def test_each_block_option_matters(reference, kind, monkeypatch):
+def test_each_block_option_matters(reference, kind, monkeypatch, tmp_path):
     """Without the option the family needs (llama3 rope, q/k/v biases) the logits move far
-    past the tolerance: the reference comparison can fail."""
+    past the tolerance: the reference comparison can fail. The options are off in the blocks, and llama3's
+    rope_scaling is gone from config.json too: transformers >= 5.0 computes the llama3 table itself, from the
+    config (the pinned 4.33 through the blocks' option)."""
     from dist_eval.backends import blocks, load_model
 
     out, ref = reference
@@ -470,7 +472,8 @@ def test_each_block_option_matters(reference, kind, monkeypatch):
         original(attention, config)
 
     monkeypatch.setattr(blocks, "apply_block_options", without)
-    model = load_model("local", str(out / kind), **trained(reference, kind, "head"))
+    folder = edited_folder(reference, tmp_path, kind, rope_scaling=None) if kind == "llama3" else str(out / kind)
+    model = load_model("local", folder, **trained(reference, kind, "head"))
     with torch.no_grad():
         logits = model.module(padded_batch(case))
     assert (logits - torch.tensor(case["logits_head"])).abs().max().item() > 100 * TOLERANCE
@@ -1050,7 +1053,9 @@ def test_rows_stored_under_the_old_reading_of_a_5x_folder_are_not_served(referen
         return result.metrics["run"]["row_store"], np.asarray(result.predictions.logits)
 
     with monkeypatch.context() as before:
-        before.setattr(config_json, "read_as_saved", lambda raw, where: dict(raw))  # the reading until now
+        # the reading until now: the top level only (which a transformers reading rope_parameters itself is given)
+        before.setattr(config_json, "read_as_saved",
+                       lambda raw, where: {k: v for k, v in raw.items() if k != "rope_parameters"})
         stored, old = run()
     assert stored["rows_evaluated"] == rows and np.abs(old - expected).max() > 100 * TOLERANCE
     again, new = run()
@@ -1197,6 +1202,43 @@ def test_a_head_read_after_the_load_is_not_said_newly_initialized(reference5):
         "['model.layers.0.mlp.up_proj.weight', 'score.weight']",
         "Some weights of X ... newly initialized: ['score.weight']"]
     assert "another line" in seen
+    reports = _load_reports_said_of(logging.getLogger("transformers.modeling_utils"), heads_read_after)
+    assert reports in (None, [["model.layers.0.mlp.up_proj.weight", "score.weight"]])  # None: 4.x, no report
+
+
+def _load_reports_said_of(loading, heads_read_after):
+    """transformers 5.x's LOAD REPORT (its table in place of 4.x's line), where it has one (None where not): the
+    missing weights of each report said within heads_read_after("score") of a load missing the head alone, then a
+    block's weight too."""
+    import importlib
+    import logging
+    import re
+
+    import torch
+
+    modeling = importlib.import_module("transformers.modeling_utils")
+    if not hasattr(modeling, "log_state_dict_report"):
+        return None
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    said = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(sorted(set(re.findall(r"[\w.]+\.weight", record.getMessage()))))
+
+    keep = Keep()
+    loading.addHandler(keep)
+    try:
+        with heads_read_after("score"):
+            for missing in ({"score.weight"}, {"model.layers.0.mlp.up_proj.weight", "score.weight"}):
+                info = LoadStateDictInfo(missing_keys=missing, unexpected_keys=set(), mismatched_keys=set(),
+                                         error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
+                modeling.log_state_dict_report(model=torch.nn.Linear(1, 1), pretrained_model_name_or_path="F",
+                                               ignore_mismatched_sizes=False, loading_info=info, logger=loading)
+    finally:
+        loading.removeHandler(keep)
+    return said
 
 
 

@@ -120,10 +120,28 @@ def heads_read_after(*heads: str):
     logger = logging.getLogger("transformers.modeling_utils")
     only_heads = _OnlyHeadsNewlyInitialized(heads)
     logger.addFilter(only_heads)
+    loading = importlib.import_module("transformers.modeling_utils")
+    report = getattr(loading, "log_state_dict_report", None)  # transformers >= 5.0: a LOAD REPORT table instead
+    if report is not None:
+        loading.log_state_dict_report = functools.partial(_report_without_heads, report, heads)
     try:
         yield
     finally:
         logger.removeFilter(only_heads)
+        if report is not None:
+            loading.log_state_dict_report = report
+
+
+def _report_without_heads(report, heads: tuple, *args, **kwargs):
+    """The load report of transformers >= 5.0 (``report``) without its MISSING rows where every missing weight is
+    of ``heads``, as the 4.x line is dropped; the report's other rows (and any error it raises) as they are.
+    """
+    import dataclasses
+
+    info = kwargs.get("loading_info")
+    if info is not None and info.missing_keys and all(k.split(".")[0] in heads for k in info.missing_keys):
+        kwargs["loading_info"] = dataclasses.replace(info, missing_keys=set())
+    return report(*args, **kwargs)
 
 
 def quiet_warnings() -> None:
