@@ -111,6 +111,25 @@ def _saved_as_generic_fast(model_dir: str) -> bool:
         return False
 
 
+def _config_of_a_type_unknown_here(model_dir: str) -> dict:
+    """``{"config": ...}`` for AutoTokenizer where config.json's model_type is one the installed transformers does
+    not know (a family dist_eval builds) and tokenizer_config.json names its class: transformers 5.x reads
+    config.json before that class, as its generic config, which refuses such a family's RoPE fields; 4.x reads
+    the class alone. ``{}`` otherwise (transformers reads it as ever).
+    """
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            named = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {"config": PretrainedConfig()} if named and model_type and model_type not in CONFIG_MAPPING else {}
+
+
 def load_tokenizer(model_dir: str, param: str = "model_dir"):
     """The tokenizer saved in ``model_dir``, as its own transformers reads it; one-line refusals (a JSON
     file of the folder that does not parse is named).
@@ -131,7 +150,7 @@ def load_tokenizer(model_dir: str, param: str = "model_dir"):
             # folder: other ids, most unknown, an accuracy of 0.30 for 1.00; a word-level one saved by 5.x as
             # TokenizersBackend: no id at all); 4.x reads tokenizer.json
             return PreTrainedTokenizerFast.from_pretrained(model_dir)
-        return AutoTokenizer.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir, **_config_of_a_type_unknown_here(model_dir))
     except Exception as e:
         refuse_broken_json(model_dir, param, e)
         unknown_class = "does not exist or is not currently imported" in str(e)
