@@ -25,9 +25,10 @@ another petals or hivemind than :data:`SUPPORTED` is refused before anything is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
-from typing import Callable, Dict, Iterable, List, NamedTuple, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from dist_eval.backends.compat import class_at, installed_version, quiet_warnings
 from dist_eval.errors import UsageError, warn
@@ -170,7 +171,8 @@ def apply_client_patches() -> None:
     2. the lock around hivemind's stub-class collection (threads in flight ask at once);
     3. on transformers 5.x, petals' import made possible (:data:`BRIDGES`: its version assert, a helper 5.x
        removed, peft 0.5's names when petals' adapters module is imported);
-    4. petals' PyPI version check, off (offline it logs a traceback); on 5.x, petals' client built on the CPU;
+    4. petals' PyPI version check, off (offline it logs a traceback); on 5.x, petals' client built on the CPU, and
+       a folder's petals classes chosen by its model_type as saved;
     5. failover: a failed server leaves routing at once; only server failures ban;
     6. a batch goes as one request, split only to what a server accepts;
     7. deep prompts go once per request;
@@ -189,6 +191,7 @@ def apply_client_patches() -> None:
         import petals  # noqa: F401  (after the re-exports: petals imports them from hivemind)
 
         apply("no_version_check", "both", no_version_check)
+        bridge("model_type_as_saved", "both", model_type_as_saved)
         bridge("client_dht_on_cpu", "client", client_dht_on_cpu)
         bridge("prefix_tokens_on_cpu", "client", prefix_tokens_on_cpu)
         if apply("failover", "client", failover.failover_replacements):
@@ -339,6 +342,39 @@ def get_file_from_repo_back() -> List[Replacement]:
                            _raise_exceptions_for_connection_errors=False)
 
     return [(transformers.utils, "get_file_from_repo", get_file_from_repo)]
+
+
+def model_type_as_saved() -> List[Replacement]:
+    """Petals' ``AutoDistributed*.from_pretrained`` of a folder picks its class by config.json's ``model_type`` as
+    saved, as the pinned stack did: petals reads it through transformers' AutoConfig, which, where transformers has a
+    model of that name (5.x: Kimi K2.5's, the vision-language wrapper), builds that model's config from a folder of
+    the family dist_eval builds (the text model's fields) and refuses it. A hub id, and a type petals does not
+    serve, go to petals' own.
+    """
+    from petals.utils import auto_config
+
+    original = auto_config._AutoDistributedBase.from_pretrained.__func__
+
+    @functools.wraps(original)
+    def from_pretrained(cls, model_name_or_path, *args, **kwargs):
+        classes = auto_config._CLASS_MAPPING.get(_saved_model_type(model_name_or_path))
+        proper = getattr(classes, cls._mapping_field, None) if classes is not None else None
+        if proper is None:
+            return original(cls, model_name_or_path, *args, **kwargs)
+        return proper.from_pretrained(model_name_or_path, *args, **kwargs)
+
+    return [(auto_config._AutoDistributedBase, "from_pretrained", classmethod(from_pretrained))]
+
+
+def _saved_model_type(model_name_or_path) -> Optional[str]:
+    """config.json's ``model_type`` in the folder ``model_name_or_path`` (None: no folder, or no such field)."""
+    import json
+
+    try:
+        with open(os.path.join(str(model_name_or_path), "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 # peft 0.5.0's list, which petals' adapters module imports from peft.utils
@@ -716,6 +752,19 @@ def _peft_lacks_names() -> bool:
         (peft.utils, "COMMON_LAYERS_PATTERN"), (lora, "Linear8bitLt"), (lora, "Linear4bit")))
 
 
+def _a_built_family_is_native() -> bool:
+    """Whether the installed transformers has a model of its own under the type of a family dist_eval builds around
+    a text model (``Family.text_prefix``: Kimi K2.5), whose config is not the text model's.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from dist_eval.backends.families import FAMILIES
+
+    return any(family.text_prefix and family.model_type in CONFIG_MAPPING
+               and CONFIG_MAPPING[family.model_type].__module__.startswith("transformers.")  # not the one built here
+               for family in FAMILIES.values())
+
+
 def _models_built_on_meta() -> bool:
     """Whether transformers' ``from_pretrained`` builds a model under ``torch.device("meta")`` (5.x's
     ``get_init_context``; 4.33 built on the CPU under accelerate's ``init_empty_weights``).
@@ -770,6 +819,8 @@ BRIDGES: Dict[str, Bridge] = {
     "get_file_from_repo": Bridge("a transformers helper petals imports, gone in 5.x", _FIVE, _get_file_from_repo_gone),
     "peft_names": Bridge("peft 0.5.0's names petals' adapters module imports", "petals==2.2.0.post1, peft>=0.6",
                          _peft_lacks_names),
+    "model_type_as_saved": Bridge("petals' class of a folder chosen by transformers' own model of its type", _FIVE,
+                                  _a_built_family_is_native),
     "client_dht_on_cpu": Bridge("petals' client built under 5.x's meta device", _FIVE, _models_built_on_meta),
     "prefix_tokens_on_cpu": Bridge("petals' prompt positions made on 5.x's meta device", _FIVE, _models_built_on_meta),
     "decoder_mask": Bridge("4.33's decoder mask helper, which petals' server blocks call", _FIVE,
