@@ -272,8 +272,13 @@ def _register_base_backbone(family, base, config) -> None:
     import transformers
 
     backbone = getattr(transformers, base.local_class.replace("ForSequenceClassification", "Model"))
-    transformers.AutoModel.register(config, type(_config_name(family).replace("Config", "Model"), (backbone,),
-                                                 {"config_class": config}), exist_ok=True)
+    body = {"config_class": config}
+    if family.hyper_connected:  # output_hidden_states: 5.x records the outputs of the layers of this class
+        from dist_eval.backends.layers import HyperConnectedLayer
+
+        body["_can_record_outputs"] = {**(backbone._can_record_outputs or {}), "hidden_states": HyperConnectedLayer}
+    transformers.AutoModel.register(config, type(_config_name(family).replace("Config", "Model"), (backbone,), body),
+                                    exist_ok=True)
 
 
 def _build_petals_classes(family) -> None:

@@ -1914,7 +1914,8 @@ class HyperConnectedServerBlock(HyperConnectedLayer):
         bsz, positions = hidden_states.shape[:2]
         ones = torch.ones((bsz, positions), dtype=torch.bool, device=hidden_states.device)
         mask = LlamaModel._prepare_decoder_attention_mask(None, ones, (bsz, positions), hidden_states, 0)
-        return super().forward(hidden_states, attention_mask=mask)
+        output = super().forward(hidden_states, attention_mask=mask)
+        return output if isinstance(output, tuple) else (output,)  # petals' server takes 4.33's layer outputs
 
 
 def _streams_to_servers(remote_blocks, args: tuple) -> tuple:
