@@ -11,6 +11,7 @@ import contextlib
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import logging
 import os
 import sys
@@ -62,6 +63,13 @@ def attention_choice(family) -> dict:
         AttentionInterface.register(DIVIDED_ATTENTION, divided_attention)
         AttentionMaskInterface.register(DIVIDED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
     return {"attn_implementation": family.local_attention}
+
+
+def loads_through_module_hooks() -> bool:
+    """Whether transformers' ``from_pretrained`` hands a model's tensors to its modules' ``_load_from_state_dict``
+    (4.x; their load hooks run), not to its own loader that sets them (5.x's ``core_model_loading``).
+    """
+    return importlib.util.find_spec("transformers.core_model_loading") is None
 
 
 @contextlib.contextmanager

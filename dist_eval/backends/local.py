@@ -5,6 +5,7 @@ backends give bitwise-equal fp32 logits.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Optional
 
@@ -15,6 +16,7 @@ from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import TrainableState
 from dist_eval.backends.families import Family, family_of
 from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer, read_saved_lm_head
+from dist_eval.errors import UsageError
 
 
 class PromptTunedClassifier(Backend):
@@ -137,7 +139,7 @@ def load_local(
     "corrupted", is read from its converted copy (:mod:`dist_eval.backends.petals_folder`).
     """
     from dist_eval.backends.blocks import family_class
-    from dist_eval.backends.compat import attention_choice, heads_read_after, no_random_init_of_meta_tensors
+    from dist_eval.backends.compat import heads_read_after, no_random_init_of_meta_tensors
     from dist_eval.backends.petals_folder import detect_layout, petals_model_folder, require_every_shard
 
     require_every_shard(model_dir, "--backend local")
@@ -146,15 +148,45 @@ def load_local(
 
     with no_random_init_of_meta_tensors(), heads_read_after(family.head, family.lm_head):
         if label_words is not None:
-            hf_model = family_class(family.local_lm_class, in_petals=False).from_pretrained(
-                model_dir, torch_dtype=torch.float32, **attention_choice(family))
+            hf_model = _from_folder(family_class(family.local_lm_class, in_petals=False), model_dir, family)
             read_saved_lm_head(family.get(hf_model, family.lm_head), model_dir, hf_model.config, family)
         else:
-            hf_model = family_class(family.local_class, in_petals=False).from_pretrained(
-                model_dir, num_labels=state.num_labels, torch_dtype=torch.float32, ignore_mismatched_sizes=False,
-                **attention_choice(family))
+            hf_model = _from_folder(family_class(family.local_class, in_petals=False), model_dir, family,
+                                    num_labels=state.num_labels)
     model = PromptTunedClassifier(hf_model, state.tuning_mode, state.pre_seq_len, family)
     model.load_trainable(state)
     if label_words is not None:
         model = ZeroShotScorer(model, family.get(hf_model, family.lm_head), label_words)
     return model.to(device)
+
+
+def _from_folder(model_class, model_dir: str, family: Family, **kwargs):
+    """``model_class.from_pretrained(model_dir)`` in float32 with the family's attention (``kwargs``: the config's
+    fields given). A folder of quantized weights (config.json's ``quantization_config``) where the installed
+    transformers loads tensors without the modules' load hooks (5.x: its own quantizers, which refuse partial FP8
+    tiles, and no ``_load_from_state_dict``) is read as the pinned one reads it: the model built from its config,
+    then the folder's tensors through ``load_state_dict``, whose hooks in dist_eval's layers dequantize them.
+    """
+    import json
+
+    from dist_eval.backends.compat import attention_choice, loads_through_module_hooks
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        quantized = bool(json.load(f).get("quantization_config"))
+    if not quantized or loads_through_module_hooks():
+        return model_class.from_pretrained(model_dir, torch_dtype=torch.float32, ignore_mismatched_sizes=False,
+                                           **kwargs, **attention_choice(family))
+    from safetensors.torch import load_file
+
+    config = model_class.config_class.from_pretrained(model_dir, **kwargs)
+    model = model_class._from_config(config, torch_dtype=torch.float32, **attention_choice(family))
+    tensors = {}
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(model_dir, name)))
+    missing, _ = model.load_state_dict(tensors, strict=False)  # the tensors of no module here (mtp.*) not read
+    unread = [k for k in missing if k.split(".")[0] not in (family.head, family.lm_head)]
+    if unread:
+        raise UsageError(f"{len(unread)} weights of the model are not in the folder's tensors (first: {unread[0]}). "
+                         "Pass a folder saved whole with save_pretrained().", param="model_dir", value=model_dir)
+    return model.eval()
