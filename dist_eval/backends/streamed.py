@@ -1,8 +1,9 @@
 """The local backend with its blocks streamed from disk: the model's transformer blocks stay in their
 safetensors files and each is loaded when the forward reaches it and freed when it has run (accelerate's
-disk offload, which transformers' ``from_pretrained(device_map=...)`` sets up; the weights are read from the
-model's own files, not copied: the tensors outside the blocks are copied into a small file of a temporary
-view of the folder). The embeddings, the final norm and the head stay in memory. Peak memory: those, one
+disk offload, which transformers' ``from_pretrained(device_map=...)`` sets up on the pinned transformers, and
+:func:`_load_blocks_unread` on 5.x, whose ``from_pretrained`` reads every offloaded tensor at the load; the weights
+are read from the model's own files, not copied: the tensors outside the blocks are copied into a small file of a
+temporary view of the folder). The embeddings, the final norm and the head stay in memory. Peak memory: those, one
 block and the rows' activations, for a model of any size (benchmarks/RESULTS.md; the offload's hooks also
 import ``torch._dynamo`` at their first call, ~64 MiB of code); the logits are those of the in-memory
 local backend (:func:`dist_eval.backends.local.load_local`) bit for bit: the same modules, the same weights,
@@ -135,7 +136,7 @@ def _load_blocks_unread(config_class, view: str, device_map: dict, blocks: str, 
 
     config = config_class.config_class.from_pretrained(view, **{k: v for k, v in kwargs.items() if k == "num_labels"})
     with init_empty_weights(include_buffers=False):
-        model = config_class._from_config(config, torch_dtype=torch.float32, **attention)
+        model = config_class._from_config(config, dtype=torch.float32, **attention)  # 5.x's keyword (torch_dtype warns)
     names = set(model.state_dict())
     prefix = model.base_model_prefix + "."
     client = {(key if key in names or prefix + key not in names else prefix + key): tensor
@@ -154,6 +155,12 @@ def _load_blocks_unread(config_class, view: str, device_map: dict, blocks: str, 
         weight_map = json.load(f)["weight_map"]
     index = {name: {"safetensors_file": os.path.join(view, file), "weight_name": name, "dtype": "float32"}
              for name, file in weight_map.items() if name.startswith(blocks + ".") and name in names}
+    unread = sorted(name for name, param in model.named_parameters() if param.is_meta and name not in index)
+    if unread:  # else the offload fails at that block's first forward, naming no file
+        from dist_eval.errors import UsageError
+
+        raise UsageError(f"expected every block weight in the folder's files: {len(unread)} in none of them (first: "
+                         f"{unread[:3]}). Save or copy the model folder again, with all its shards.", param="model_dir")
     dispatch_model(model, device_map=device_map, main_device="cpu", offload_index=index, offload_buffers=False)
     return model.eval()
 
