@@ -32,8 +32,11 @@ class FakeHub:
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def files(self, method: str = "GET") -> List[str]:
-        """The file names requested with ``method``."""
-        return [path.split("/resolve/", 1)[1].split("/", 1)[1] for m, path in self.requests if m == method]
+        """The file names requested with ``method`` (a file's path: ``/<repo>/resolve/<revision>/<file>``; the
+        hub's API calls are no file, e.g. huggingface_hub >= 1.x's ``/api/agent-harnesses``, which it asks for with
+        its first request under an HF_HOME that has not cached it yet; all are in ``requests``)."""
+        return [path.split("/resolve/", 1)[1].split("/", 1)[1] for m, path in self.requests
+                if m == method and "/resolve/" in path]
 
     def _answer(self, handler, body: bool) -> None:
         self.requests.append((handler.command, handler.path))

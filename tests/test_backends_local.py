@@ -102,6 +102,12 @@ def petals_steps(hf, spec, mode, tensors, input_ids):
 
 
 def _run_block(spec, base, block, hidden, seq):
+    """One server block over prompts + tokens as petals' server runs it: causal attention, no padding mask,
+    positions 0..seq-1; the block called as the installed transformers calls its layers."""
+    from dist_eval.backends.layers import layers_return_tensors
+
+    if layers_return_tensors():
+        return _run_current_block(spec, base, block, hidden, seq)
     b = hidden.shape[0]
     mask = torch.ones(b, seq)
     if (spec.built_on or spec.model_type) == "llama":
@@ -118,17 +124,44 @@ def _run_block(spec, base, block, hidden, seq):
     return block(hidden, None, causal)[0]
 
 
+def _run_current_block(spec, base, block, hidden, seq):
+    """:func:`_run_block` where layers take the model's rotary table (``position_embeddings``) and an additive mask
+    (4.5x, 5.x; the pinned 4.33's masks are built by model methods that are gone): the causal mask written out as
+    4.33 built it (0 on and below the diagonal, finfo.min above), the rotary table of the model's own; a Llama-built
+    layer returns its hidden states alone, the alibi and Falcon blocks (hidden states, attention weights)."""
+    b = hidden.shape[0]
+    above = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    causal = torch.zeros(b, 1, seq, seq, dtype=hidden.dtype).masked_fill(above, torch.finfo(hidden.dtype).min)
+    positions = torch.arange(seq).unsqueeze(0)
+    if spec.model_type == "bloom":
+        from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+        return block(hidden, build_alibi_tensor(torch.ones(b, seq), base.num_heads, hidden.dtype), causal)[0]
+    rotary = base.rotary_emb(hidden, positions)
+    if (spec.built_on or spec.model_type) == "llama":
+        out = block(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rotary)
+        assert torch.is_tensor(out), f"{spec.model_type}: a layer here returns its hidden states alone"
+        return out
+    return block(hidden, None, causal, position_ids=positions, position_embeddings=rotary)[0]
+
+
 # (DeepSeek-V4 aside: its prompts are refused, Family.prompts_refusal, tests/test_families_reference.py)
 @pytest.mark.parametrize("family", sorted(name for name in FAMILIES if name != "deepseek_v4"))
 @pytest.mark.parametrize("mode", ["ptune", "deep_ptune"])
 def test_prompts_as_petals_applies_them(models, family, mode):
+    """The local backend with prompts computes petals' client and server steps: those steps run here on
+    transformers' blocks of the family, built with the attention petals' server block computes
+    (Family.local_attention; 5.x's default sdpa rounds otherwise)."""
+    from dist_eval.backends.compat import attention_choice
+
     spec = FAMILIES[family]
     tensors = trained(mode)
     ref = load_local_reference(models[family], spec, mode, 2, tensors)
     with torch.no_grad():
         got = ref(batch())
 
-        hf = family_class(spec.local_class, in_petals=False).from_pretrained(models[family]).eval()
+        hf = family_class(spec.local_class, in_petals=False).from_pretrained(models[family],
+                                                                    **attention_choice(spec)).eval()
         expected = petals_steps(hf, spec, mode, tensors, batch())
         plain = load_local_reference(models[family], spec, None, 0, tensors)(batch())
     assert_within_rounding(got, expected, f"{family} {mode}: the logits, against petals' steps",

@@ -12,7 +12,7 @@ from float_promises import assert_same_bits
 from inprocess_cli import one_thread, run_cli_in_process
 from test_cli import no_figures_env
 
-from dist_eval import evaluate, load_model
+from dist_eval import evaluate, load_model, load_tokenizer
 from dist_eval.errors import UsageError
 from dist_eval.swarm import SwarmError
 
@@ -310,7 +310,6 @@ def test_a_vision_language_release_by_hub_id_fetches_the_clients_files_alone(hub
     import torch
     from conftest import build_tiny_model
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
     from dist_eval.backends.hub import client_folder, resolve_model
     from dist_eval.backends.petals_folder import missing_shards, petals_model_folder, require_every_shard
@@ -353,8 +352,8 @@ def test_a_vision_language_release_by_hub_id_fetches_the_clients_files_alone(hub
     logits = []
     for model_dir in (text, whole):
         model = load_model("local", model_dir, checkpoint=checkpoint)
-        with one_thread():
-            result = evaluate(model, dataset, tokenizer=AutoTokenizer.from_pretrained(model_dir), batch_size=4,
+        with one_thread():  # the folder's tokenizer as the CLI reads it (5.x's AutoTokenizer: Qwen3.5's own, no id)
+            result = evaluate(model, dataset, tokenizer=load_tokenizer(model_dir), batch_size=4,
                               return_logits=True, bootstrap_resamples=0)
         logits.append(result.predictions.logits)
     assert_same_bits(logits[1], logits[0], "the logits, the hub id's whole text model against the text folder")
@@ -372,7 +371,6 @@ def test_a_vision_language_release_by_hub_id_on_a_swarm_serving_it_equals_local_
     from unittest import mock
 
     from conftest import build_tiny_model, forking_from
-    from transformers import AutoTokenizer
 
     from dist_eval.backends.petals_folder import safetensors_names
     from dist_eval.swarm import LocalSwarm
@@ -405,7 +403,7 @@ def test_a_vision_language_release_by_hub_id_on_a_swarm_serving_it_equals_local_
             try:
                 assert model.source.model_dir.startswith(str(hub_cache))
                 with one_thread():
-                    result = evaluate(model, dataset, tokenizer=AutoTokenizer.from_pretrained(model.source.model_dir),
+                    result = evaluate(model, dataset, tokenizer=load_tokenizer(model.source.model_dir),
                                       batch_size=4, return_logits=True, bootstrap_resamples=0)
             finally:
                 model.close()
@@ -415,7 +413,7 @@ def test_a_vision_language_release_by_hub_id_on_a_swarm_serving_it_equals_local_
     assert {f for f in fetched if f.endswith(".safetensors")} == {"model-00001-of-client.safetensors"}, fetched
     local = load_model("local", text, checkpoint=checkpoint)
     with one_thread():
-        expected = evaluate(local, dataset, tokenizer=AutoTokenizer.from_pretrained(text), batch_size=4,
+        expected = evaluate(local, dataset, tokenizer=load_tokenizer(text), batch_size=4,
                             return_logits=True, bootstrap_resamples=0)
     assert_same_bits(result.predictions.logits, expected.predictions.logits,
                      "the logits, the release by hub id on a swarm serving it against the text folder on local")

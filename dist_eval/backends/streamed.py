@@ -1,8 +1,9 @@
 """The local backend with its blocks streamed from disk: the model's transformer blocks stay in their
 safetensors files and each is loaded when the forward reaches it and freed when it has run (accelerate's
-disk offload, which transformers' ``from_pretrained(device_map=...)`` sets up; the weights are read from the
-model's own files, not copied: the tensors outside the blocks are copied into a small file of a temporary
-view of the folder). The embeddings, the final norm and the head stay in memory. Peak memory: those, one
+disk offload, which transformers' ``from_pretrained(device_map=...)`` sets up on the pinned transformers, and
+:func:`_load_blocks_unread` on 5.x, whose ``from_pretrained`` reads every offloaded tensor at the load; the weights
+are read from the model's own files, not copied: the tensors outside the blocks are copied into a small file of a
+temporary view of the folder). The embeddings, the final norm and the head stay in memory. Peak memory: those, one
 block and the rows' activations, for a model of any size (benchmarks/RESULTS.md; the offload's hooks also
 import ``torch._dynamo`` at their first call, ~64 MiB of code); the logits are those of the in-memory
 local backend (:func:`dist_eval.backends.local.load_local`) bit for bit: the same modules, the same weights,
@@ -77,9 +78,7 @@ def load_streamed(
             # "Loading checkpoint shards" (the view's) is not shown; nor that a causal LM's lm_head, mapped from
             # the files' names, is no module of a classifier
             warnings.filterwarnings("ignore", "The following device_map keys do not match any submodules")
-            hf_model = config_class.from_pretrained(view, torch_dtype=torch.float32, device_map=device_map,
-                                                    offload_folder=os.path.join(view, "offload"),
-                                                    offload_state_dict=False, **kwargs, **attention_choice(family))
+            hf_model = _load_offloaded(config_class, view, device_map, blocks, kwargs, attention_choice(family))
         _whole_where_children_are_read(hf_model, family)
         for block in family.get(hf_model, family.blocks):  # its freed weights given back before the next block's
             block.register_forward_hook(_give_back_heap)
@@ -96,6 +95,74 @@ def load_streamed(
         model = ZeroShotScorer(model, family.get(hf_model, family.lm_head), label_words)
     weakref.finalize(model, shutil.rmtree, view, True)  # the view goes with the model
     return model
+
+
+def _load_offloaded(config_class, view: str, device_map: dict, blocks: str, kwargs: dict, attention: dict):
+    """The model of the folder ``view`` (:func:`_client_view`), its blocks offloaded to "disk" (``device_map``):
+    transformers' ``from_pretrained(device_map=...)`` where it reads none of their tensors at the load, else
+    :func:`_load_blocks_unread`.
+    """
+    if _load_reads_offloaded_tensors():
+        return _load_blocks_unread(config_class, view, device_map, blocks, kwargs, attention)
+    return config_class.from_pretrained(view, torch_dtype=torch.float32, device_map=device_map,
+                                        offload_folder=os.path.join(view, "offload"), offload_state_dict=False,
+                                        **kwargs, **attention)
+
+
+def _load_reads_offloaded_tensors() -> bool:
+    """Whether transformers' ``from_pretrained(device_map=...)`` reads the tensors of the modules it offloads to
+    "disk" at the load (>= 5.0: it opens every weight file the index names and reads each tensor before it finds
+    the tensor's place in the offload index; a block's shard not fetched yet fails the load, and the load reads the
+    whole model). The pinned 4.33 reads none of a file whose tensors are all offloaded: it only records where they
+    are, for the offload to read each when its block runs.
+    """
+    from dist_eval.backends.compat import configs_are_dataclasses
+
+    return configs_are_dataclasses()  # 5.x's generation (4.x's configs are plain classes)
+
+
+def _load_blocks_unread(config_class, view: str, device_map: dict, blocks: str, kwargs: dict, attention: dict):
+    """The model of ``view`` as ``from_pretrained(device_map=...)`` makes it where that would read the blocks'
+    tensors at the load (:func:`_load_reads_offloaded_tensors`): built on the meta device (its buffers computed on
+    the CPU by its modules' ``__init__``), the client's tensors (``client.safetensors``, under the names the model
+    has, the base model's prefix added where a folder saved them without it) assigned, a module none of them fills
+    outside the blocks (the classifier's head) initialised as transformers initialises it, tied weights tied, then
+    accelerate's dispatch: each block's tensors read from the files the view's index names when the block runs.
+    """
+    import json
+
+    from accelerate import dispatch_model, init_empty_weights
+    from safetensors.torch import load_file
+
+    config = config_class.config_class.from_pretrained(view, **{k: v for k, v in kwargs.items() if k == "num_labels"})
+    with init_empty_weights(include_buffers=False):
+        model = config_class._from_config(config, dtype=torch.float32, **attention)  # 5.x's keyword (torch_dtype warns)
+    names = set(model.state_dict())
+    prefix = model.base_model_prefix + "."
+    client = {(key if key in names or prefix + key not in names else prefix + key): tensor
+              for key, tensor in load_file(os.path.join(view, "client.safetensors")).items()}
+    model.load_state_dict({key: tensor.to(torch.float32) for key, tensor in client.items() if key in names},
+                          strict=False, assign=True)
+    for name, param in list(model.named_parameters()):
+        if param.is_meta and not name.startswith(blocks + "."):  # the head, in no file: initialised, then replaced
+            module_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            setattr(module, leaf, torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
+                                                     requires_grad=param.requires_grad))
+            model._init_weights(module)
+    model.tie_weights()
+    with open(os.path.join(view, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    index = {name: {"safetensors_file": os.path.join(view, file), "weight_name": name, "dtype": "float32"}
+             for name, file in weight_map.items() if name.startswith(blocks + ".") and name in names}
+    unread = sorted(name for name, param in model.named_parameters() if param.is_meta and name not in index)
+    if unread:  # else the offload fails at that block's first forward, naming no file
+        from dist_eval.errors import UsageError
+
+        raise UsageError(f"expected every block weight in the folder's files: {len(unread)} in none of them (first: "
+                         f"{unread[:3]}). Save or copy the model folder again, with all its shards.", param="model_dir")
+    dispatch_model(model, device_map=device_map, main_device="cpu", offload_index=index, offload_buffers=False)
+    return model.eval()
 
 
 def _refuse_quantized(model_dir: str, family: Family) -> None:
