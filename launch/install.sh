@@ -7,10 +7,13 @@
 #
 #   DIST_EVAL_INSTALLER=pip ./launch/install.sh           # pip instead of uv (launch/venv_tools.sh)
 #
-# Why not `pip install petals`: petals 2.2.0.post1 pins hivemind==1.1.10.post2, whose
-# sdist downloads the p2pd binary at build time (fails offline / air-gapped) and
-# pydantic<2. hivemind 1.1.12 ships p2pd in its wheel and works; dist_eval/backends/petals/shims.py
-# bridges the API differences. So petals goes in with --no-deps, after its real needs.
+# The current stack: transformers 5.x with the huggingface-hub and tokenizers it asks for, a current peft, and
+# petals 2.2 beside them. Why not `pip install petals`: petals 2.2.0.post1's metadata pins the 2023 stack
+# (transformers <4.35, huggingface-hub <1.0, peft 0.5.0, tokenizers 0.13) and hivemind==1.1.10.post2, whose sdist
+# downloads the p2pd binary at build time (fails offline / air-gapped), and pydantic<2. hivemind 1.1.12 ships p2pd
+# in its wheel; dist_eval/backends/petals/shims.py bridges what petals needs of the older packages (each bridge
+# with the versions it bridges), nothing installed is edited. So petals goes in with --no-deps, after its real
+# needs. The 2023 stack petals pins, where stock petals servers run, is launch/install_reference.sh pinned.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${DIST_EVAL_VENV:-$ROOT/.venv}"
@@ -51,37 +54,20 @@ if ! "$VENV/bin/python" -W ignore -c "$TORCH_AT_LEAST_2_6" 2>/dev/null; then
   fi
 fi
 
-# 2. petals' real run-time needs (its own metadata pins are stale) + ours.
+# 2. the current transformers and peft, petals' real run-time needs (its own metadata pins are stale) + ours.
 "${INSTALL[@]}" \
-  "hivemind==1.1.12" "pydantic>=2" \
-  "transformers>=4.32,<4.35" "huggingface-hub>=0.23,<1.0" "tokenizers<0.14" \
-  accelerate "peft==0.5.0" "tensor_parallel==1.0.23" "speedtest-cli==2.1.3" \
-  humanfriendly async-timeout sentencepiece safetensors Dijkstar cpufeature \
+  "transformers==5.23.0" "peft==0.21.2" "hivemind==1.1.12" "pydantic>=2" \
+  accelerate "tensor_parallel==1.0.23" "speedtest-cli==2.1.3" \
+  humanfriendly async-timeout sentencepiece safetensors Dijkstar cpufeature requests \
   datasets numpy scikit-learn scipy jinja2 tqdm matplotlib pytest pytest-random-order pytest-xdist ruff statsmodels
 
 # 3. petals itself and bitsandbytes (imported by the server; CPU works unquantized).
 "${INSTALL[@]}" --no-deps "petals==2.2.0.post1" "bitsandbytes==0.41.1"
 
-# 4. a current tokenizers beside the pinned transformers: tokenizer.json files saved since late
-#    2024 write merges as pairs (tokenizers >= 0.20) and Llama 3's set ignore_merges (>= 0.19);
-#    0.13, which transformers 4.33 pins, cannot parse the first and silently drops the second.
-#    transformers 4.33 asks only for the tokenizers API that 0.22 still has (the suite checks its
-#    ids against a current transformers'); its import-time check of the pin is widened to match.
-"${INSTALL[@]}" --no-deps "tokenizers>=0.22,<0.23"
-"$VENV/bin/python" - <<'PY'
-import importlib.util, pathlib, re
-spec = importlib.util.find_spec("transformers")
-table = pathlib.Path(spec.origin).parent / "dependency_versions_table.py"
-text = table.read_text()
-widened = re.sub(r'"tokenizers": "tokenizers[^"]*"', '"tokenizers": "tokenizers>=0.11.1,!=0.11.3,<0.23"', text)
-if widened != text:
-    table.write_text(widened)
-PY
-
-# 5. this project, editable, without re-resolving anything.
+# 4. this project, editable, without re-resolving anything.
 "${INSTALL[@]}" --no-deps -e "$ROOT"
 
-# 6. every module's bytecode, once (launch/venv_tools.sh: compile_venv)
+# 5. every module's bytecode, once (launch/venv_tools.sh: compile_venv)
 compile_venv "$VENV" "$ROOT/dist_eval"
 
 echo "$WANT" > "$STAMP"

@@ -5,7 +5,9 @@
 #
 #   ./launch/install_reference.sh       # .venv-reference/: the last transformers 4.x (4.57.6)
 #   ./launch/install_reference.sh 5     # .venv-reference5/: transformers 5.x (5.23.0), its hub and PEFT, and
-#                                       # dist_eval without its swarm (the current stack it also runs on)
+#                                       # dist_eval without its swarm (the current stack, as a user installs it)
+#   ./launch/install_reference.sh pinned  # .venv-pinned/: the 2023 stack petals 2.2 pins (transformers 4.33),
+#                                       # where stock petals servers run: the swarms others run (petals' own code)
 #
 # Two generations because they save config.json in two forms (transformers 5.x moved rope_theta and
 # rope_scaling into rope_parameters, and renamed fields): a model may come from either.
@@ -31,7 +33,17 @@ case "$GENERATION" in
                 "hivemind==1.1.12" "pydantic>=2" "tensor_parallel==1.0.23" "speedtest-cli==2.1.3" humanfriendly
                 async-timeout sentencepiece Dijkstar cpufeature requests)
      NO_DEPS=("petals==2.2.0.post1" "bitsandbytes==0.41.1") ;;
-  *) echo "install_reference.sh: generation '$GENERATION': expected 4 or 5" >&2; exit 2 ;;
+  # the stack petals 2.2.0.post1's metadata pins (dist_eval's own install until issue 71), hivemind 1.1.12 for the
+  # p2pd in its wheel: stock petals servers run here (tests/stock_petals_server.py), and this project (editable,
+  # --no-deps: its bridges are no-ops on this stack) to start them as its swarm does; the pinned stack's side of
+  # tests/test_current_stack.py
+  pinned) VENV="${DIST_EVAL_PINNED_VENV:-$ROOT/.venv-pinned}"
+     REFERENCE=("transformers>=4.32,<4.35" "huggingface-hub>=0.23,<1.0" "tokenizers<0.14" "peft==0.5.0" accelerate
+                "hivemind==1.1.12" "pydantic>=2" "tensor_parallel==1.0.23" "speedtest-cli==2.1.3" humanfriendly
+                async-timeout sentencepiece safetensors Dijkstar cpufeature datasets numpy scikit-learn scipy jinja2
+                tqdm matplotlib packaging)
+     NO_DEPS=("petals==2.2.0.post1" "bitsandbytes==0.41.1" -e "$ROOT") ;;
+  *) echo "install_reference.sh: generation '$GENERATION': expected 4, 5 or pinned" >&2; exit 2 ;;
 esac
 STAMP="$VENV/.dist_eval_reference_installed"
 WANT="$(cat "$ROOT/launch/install_reference.sh" "$ROOT/launch/venv_tools.sh" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
@@ -73,7 +85,8 @@ import transformers
 
 for family in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4",
                "bloom", "falcon"):
-    importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    if importlib.util.find_spec(f"transformers.models.{family}"):  # the pinned 4.33 has the first five alone
+        importlib.import_module(f"transformers.models.{family}.modeling_{family}")
 transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast  # noqa: B018 (the lazy tokenizer modules)
 if importlib.util.find_spec("peft"):
     import peft  # noqa: F401

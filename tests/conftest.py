@@ -522,6 +522,25 @@ def no_figures(tmp_path_factory) -> dict:
     return {"PYTHONPATH": os.pathsep.join(p for p in (hidden, REPO, os.environ.get("PYTHONPATH")) if p)}
 
 
+def stack_python(stack: str) -> str:
+    """The Python of ``stack``: "pinned" (the transformers petals 2.2 pins, < 4.35, where stock petals servers run)
+    or "current" (transformers 5.x): this one where its transformers is of that stack, else the environment
+    launch/install_reference.sh makes for it (.venv-pinned, .venv-reference5; a lock makes a second caller wait
+    for the first's install)."""
+    import transformers
+    from packaging.version import Version
+
+    pinned_here = Version(transformers.__version__) < Version("4.35")
+    if pinned_here == (stack == "pinned"):
+        return sys.executable
+    generation, variable, folder = {"pinned": ("pinned", "DIST_EVAL_PINNED_VENV", ".venv-pinned"),
+                                    "current": ("5", "DIST_EVAL_REFERENCE5_VENV", ".venv-reference5")}[stack]
+    done = subprocess.run([os.path.join(REPO, "launch", "install_reference.sh"), generation], capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return os.path.join(os.environ.get(variable, os.path.join(REPO, folder)), "bin", "python")
+
+
 def run_in_own_group(cmd, timeout: float, env=None) -> subprocess.CompletedProcess:
     """subprocess.run in a new process group; on timeout the whole group (torchrun, its
     workers, their DHT and p2pd children) is stopped, not only the top process."""

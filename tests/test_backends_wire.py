@@ -5,6 +5,7 @@ a server of petals' own (which offers no table and ignores the positions) is sen
 states and answers every position, and the client takes the positions itself. The swarm
 tests are marked `swarm`."""
 import os
+import sys
 from unittest import mock
 
 import pytest
@@ -229,7 +230,11 @@ def two_span_swarm(split_swarm):
 
 @pytest.fixture(scope="module")
 def stock_swarm(tiny_model):
-    """One server of petals' own (tests/stock_petals_server.py) holding every block, one thread."""
+    """One server of petals' own (tests/stock_petals_server.py) holding every block, one thread, on the stack
+    petals 2.2 pins (its own Python where this one's transformers is another: conftest.stack_python), as the
+    servers of a swarm others run."""
+    from conftest import stack_python
+
     from dist_eval.swarm import LocalSwarm
 
     swarm = LocalSwarm(tiny_model, num_servers=1, dht_prefix="wire-stock")
@@ -237,6 +242,7 @@ def stock_swarm(tiny_model):
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
     try:
         with mock.patch("dist_eval.swarm.local.SERVER_MODULE", "stock_petals_server"), \
+                mock.patch.object(sys, "executable", stack_python("pinned")), \
                 mock.patch.dict(os.environ, {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}):
             swarm.start()  # only this swarm's servers are petals' own
         yield swarm
@@ -424,7 +430,7 @@ def _saved_by_transformers_5(model: str, folder: str, rope_theta: float) -> str:
         config = json.load(f)
     config.pop("rope_scaling", None)
     config["rope_parameters"] = {"rope_theta": rope_theta, "rope_type": "default"}
-    config.pop("rope_theta")
+    config.pop("rope_theta", None)  # the 4.x form (the pinned stack saved tiny_model so)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
     return folder

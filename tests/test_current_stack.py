@@ -1,28 +1,14 @@
-"""dist_eval beside a current transformers (issue 71): the environment ``launch/install_reference.sh 5`` makes
-(transformers 5.x, this project installed editable without the extra ``petals``, and petals 2.2 beside them), against
-the pinned stack of the suite's own environment, and a local swarm there against its own local backend. Its own file,
-so that it runs beside test_families_reference.py (whose references it does not need) rather than after it.
+"""dist_eval on the current transformers (issue 71: the suite's own environment, launch/install.sh) against the
+2023 stack petals 2.2 pins (the environment ``launch/install_reference.sh pinned`` makes), and a local swarm on the
+current one against its own local backend. Either stack may be the suite's own (conftest.stack_python). Its own
+file, so that it runs beside test_families_reference.py (whose references it does not need) rather than after it.
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from conftest import REPO
 from float_promises import ACROSS_GENERATIONS as TOLERANCE
-
-
-@pytest.fixture(scope="module")
-def current_stack_python() -> str:
-    """The Python of ``.venv-reference5`` (made or found by launch/install_reference.sh 5; a lock makes a second
-    caller wait for the first's install)."""
-    done = subprocess.run([os.path.join(REPO, "launch", "install_reference.sh"), "5"], capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return os.path.join(os.environ.get("DIST_EVAL_REFERENCE5_VENV", os.path.join(REPO, ".venv-reference5")), "bin",
-                        "python")
-
 
 CURRENT_STACK_RUN = """
 import json, os, sys
@@ -84,14 +70,16 @@ ON_SWARM = ["llama", "bloom", "falcon"]  # petals' own attention block and decod
 
 
 @pytest.fixture(scope="module")
-def stacks(current_stack_python) -> dict:
-    """The demo's five families on the local backend in this (pinned) stack and in the current one, and ON_SWARM's
-    on a local swarm of dist_eval's servers in the current one: one process per stack."""
-    from conftest import run_env, run_in_own_group
+def stacks() -> dict:
+    """The demo's five families on the local backend in the pinned stack and in the current one (one of them this
+    environment, the other the one launch/install_reference.sh makes), and ON_SWARM's on a local swarm of
+    dist_eval's servers in the current one: one process per stack."""
+    from conftest import run_env, run_in_own_group, stack_python
 
     assets = os.path.join(REPO, "dist_eval", "demo_assets")
     runs = {}
-    for name, python in (("pinned", sys.executable), ("current", current_stack_python)):
+    for name in ("pinned", "current"):
+        python = stack_python(name)
         proc = run_in_own_group([python, "-c", CURRENT_STACK_RUN, assets, *(ON_SWARM if name == "current" else [])],
                                 timeout=420, env=run_env({"DIST_EVAL_ROW_STORE": "off", "HF_HUB_OFFLINE": "1"}))
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -124,7 +112,7 @@ def test_the_embedded_demo_reads_and_computes_alike_on_transformers_5(stacks):
 @pytest.mark.swarm
 def test_the_demo_on_a_swarm_on_transformers_5_equals_its_local_backend(stacks):
     """Issue 71: petals 2.2's client and dist_eval's servers on transformers 5.23, petals installed beside it with
-    --no-deps (launch/install_reference.sh 5) and run through the bridges of backends/petals/shims.py: the demo's
+    --no-deps (launch/install.sh) and run through the bridges of backends/petals/shims.py: the demo's
     llama (petals' own attention block, its decoder mask), bloom (petals' block with its cache) and falcon (its
     boolean mask) on a local swarm equal the local backend of the same stack bit for bit (the local classes built
     with the attention whose arithmetic the server block repeats, Family.local_attention: with 5.x's default, sdpa,
