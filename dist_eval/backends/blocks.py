@@ -134,9 +134,10 @@ def _subclass_post_init(base_config):
     return __post_init__
 
 
-def _dataclass_config_body(base_config) -> dict:
-    """What a config subclass built on ``base_config`` overrides on transformers >= 5.0: its ``__post_init__``
-    (:func:`_subclass_post_init`) and the strict-dataclass validation its saves run, each validator resolved on the
+def _dataclass_config_body(base_config, options: tuple) -> dict:
+    """What a config subclass built on ``base_config`` with the block ``options`` overrides on transformers >= 5.0:
+    its ``__post_init__`` (:func:`_subclass_post_init`), the options that are fields of ``base_config`` declared
+    again (:func:`_option_fields`), and the strict-dataclass validation its saves run, each validator resolved on the
     subclass (huggingface_hub's ``validate`` calls the functions of the class it decorated, never an override), with
     ``validate_layer_type`` a no-op: the kinds of a family built on another are checked from config.json by
     :func:`~dist_eval.backends.families.family_of` (the family table's ``layer_types``, the block's own refusal);
@@ -150,7 +151,19 @@ def _dataclass_config_body(base_config) -> dict:
 
     validate.__is_defined_by_strict_decorator__ = True  # a strict subclass puts its own in place, as of a parent's
     return {"__post_init__": _subclass_post_init(base_config), "validate": validate,
-            "validate_layer_type": lambda self: None}
+            "validate_layer_type": lambda self: None, "__annotations__": _option_fields(base_config, options)}
+
+
+def _option_fields(base_config, options: tuple) -> dict:
+    """The annotations (the base's types) that make each of ``options`` that is a dataclass field of ``base_config``
+    (transformers >= 5.0) a field of the subclass with the option as its default. transformers makes the subclass a
+    dataclass, whose ``__init__`` sets every field it inherits to the base's default: a class attribute alone is
+    shadowed (a ``head_dim`` option read as hidden_size / heads where config.json leaves head_dim out).
+    """
+    import dataclasses
+
+    fields = {field.name: field for field in dataclasses.fields(base_config)}
+    return {name: fields[name].type for name, _ in options if name in fields}
 
 
 def _attention_init(original):
@@ -235,7 +248,7 @@ def _build_transformers_classes(family) -> None:
     base_config = class_at(base.config_class)
     body = {"model_type": family.model_type, **dict(family.block_options)}
     if configs_are_dataclasses():
-        body.update(_dataclass_config_body(base_config))
+        body.update(_dataclass_config_body(base_config, family.block_options))
     config = type(_config_name(family), (base_config,), body)
     _classes[family.model_type] = config
     # a later transformers has the family itself (mistral since 4.34): its Auto classes stay its own (they refuse
@@ -286,7 +299,7 @@ def _build_petals_classes(family) -> None:
     base_config = getattr(petals, "Distributed" + _config_name(base))
     body = {"model_type": family.model_type, **dict(family.block_options)}
     if configs_are_dataclasses():  # the RoPE fields from rope_parameters, as the transformers classes' (5.x)
-        body.update(_dataclass_config_body(base_config))
+        body.update(_dataclass_config_body(base_config, family.block_options))
     if family.hyper_connected:  # DeepSeek-V4's block and attention (petals counts heads)
         from dist_eval.backends.layers import HyperConnectedServerBlock, V4Attention
 
