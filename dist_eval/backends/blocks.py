@@ -256,37 +256,52 @@ def _build_transformers_classes(family) -> None:
     native = family.model_type in CONFIG_MAPPING
     if not native:
         transformers.AutoConfig.register(family.model_type, config)
+    from dist_eval.backends.layers import layers_return_tensors, own_layers_init
+
+    # every family built here, own layers or not (a 4.33-saved folder has 4.x fields)
+    backbone = _register_base_backbone(family, base, config) if layers_return_tensors() else None
     autos = (transformers.AutoModelForSequenceClassification, transformers.AutoModelForCausalLM)
     for name, base_name, auto in zip((family.local_class, family.local_lm_class),
                                      (base.local_class, base.local_lm_class), autos):
         base_class = getattr(transformers, base_name)
-        body = {"config_class": config}
-        if has_own_layers(family):
-            from dist_eval.backends.layers import own_layers_init
-
-            body["__init__"] = own_layers_init(base_class)
+        init = own_layers_init(base_class) if has_own_layers(family) else base_class.__init__
+        body = {"config_class": config, "__init__": _with_backbone(init, backbone) if backbone else init}
         _classes[name] = type(name, (base_class,), body)
         if not native:
             auto.register(config, _classes[name])
-    from dist_eval.backends.layers import layers_return_tensors
-
-    if layers_return_tensors():  # every family built here, own layers or not (a 4.33-saved folder has 4.x fields)
-        _register_base_backbone(family, base, config)
 
 
-def _register_base_backbone(family, base, config) -> None:
+def _register_base_backbone(family, base, config) -> type:
     """Where transformers' head classes build their backbone by ``AutoModel.from_config`` (5.x; 4.57 shares its layer
     API, the test of :func:`~dist_eval.backends.layers.layers_return_tensors`), which finds a model by
     the config class's name: 5.x's own model of the family where it has one (another forward, another layer call, other
     config fields: a folder the pinned transformers saved, such as the demo's, has no ``layer_types``), none where it
     has not. Every family built here takes the base family's backbone, as the pinned head classes build it:
-    registered for its config class.
+    registered for its config class, and returned.
     """
     import transformers
 
     backbone = getattr(transformers, base.local_class.replace("ForSequenceClassification", "Model"))
-    transformers.AutoModel.register(config, type(_config_name(family).replace("Config", "Model"), (backbone,),
-                                                 {"config_class": config}), exist_ok=True)
+    own = type(_config_name(family).replace("Config", "Model"), (backbone,), {"config_class": config})
+    transformers.AutoModel.register(config, own, exist_ok=True)
+    return own
+
+
+def _with_backbone(init, backbone: type):
+    """``init`` (a head class's ``__init__``), then its backbone made of the class ``backbone`` (the base family's,
+    :func:`_register_base_backbone`) where ``init`` built the base family's own: the causal LM's (transformers' head
+    classes other than the classifier build their base model by its class). 5.x reads a checkpoint into a model of its
+    own classes through the conversions of the config's ``model_type`` (that family's names in 5.x's own model, its
+    experts merged: a release's names were read as 5.x's, which dist_eval's layers do not have); a class of
+    dist_eval's own is read as saved, as the classifier's backbone is.
+    """
+    @functools.wraps(init)
+    def __init__(self, config, *args, **kwargs):
+        init(self, config, *args, **kwargs)
+        if type(self.base_model) in backbone.__bases__:  # the same modules: only its class is dist_eval's
+            self.base_model.__class__ = backbone
+
+    return __init__
 
 
 def _build_petals_classes(family) -> None:
