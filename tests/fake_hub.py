@@ -32,8 +32,10 @@ class FakeHub:
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def files(self, method: str = "GET") -> List[str]:
-        """The file names requested with ``method``."""
-        return [path.split("/resolve/", 1)[1].split("/", 1)[1] for m, path in self.requests if m == method]
+        """The file names requested with ``method`` (the requests for a file: huggingface_hub 2.x also asks
+        ``/api/agent-harnesses``, a registry it names the caller's agent from in its user agent, answered 404)."""
+        return [path.split("/resolve/", 1)[1].split("/", 1)[1] for m, path in self.requests
+                if m == method and "/resolve/" in path]
 
     def _answer(self, handler, body: bool) -> None:
         self.requests.append((handler.command, handler.path))
