@@ -14,7 +14,8 @@ from conftest import REPO, write_csv
 
 # the same on any stack: a bridge for other versions than the installed is applied with nothing to replace
 CLIENT_PATCHES = ["hivemind_reexports", "stub_lock", "petals_version_assert", "get_file_from_repo",
-                  "no_version_check", "model_type_as_saved", "client_dht_on_cpu", "prefix_tokens_on_cpu", "failover",
+                  "no_version_check", "model_type_as_saved", "client_dht_on_cpu", "prefix_tokens_on_cpu",
+                  "tied_lm_head_on_meta", "failover",
                   "request_size", "deep_prompts", "announced_kernels", "quiet_lost_handoffs"]
 SERVER_BRIDGES = ["decoder_mask", "bool_mask", "attention_init", "cache_block"]
 SERVER_PATCHES = [*CLIENT_PATCHES, *SERVER_BRIDGES, "merged_forward", "wire_server", "config_forms",

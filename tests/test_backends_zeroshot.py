@@ -3,6 +3,8 @@ reference (transformers' ``*ForCausalLM`` run on each row + word, its log-softma
 the word's tokens), for every family, with and without ptune prompts; through evaluate()
 with a template; and the bad inputs (wrong count of words, unknown words, a template without
 {text}, a head given with label words). Petals on a real swarm: test_backends_zeroshot_swarm.py."""
+import json
+import os
 import re
 
 import numpy as np
@@ -12,6 +14,7 @@ from conftest import build_checkpoint, build_tiny_model
 from float_promises import assert_same_bits, assert_within_rounding
 
 from dist_eval.backends import load_model
+from dist_eval.backends.compat import configs_are_dataclasses
 from dist_eval.backends.families import FAMILIES
 from dist_eval.errors import UsageError
 from dist_eval.ranks import RankFailure
@@ -29,10 +32,24 @@ def models(tmp_path_factory):
     return {f: build_tiny_model(str(root / f), family=f) for f in FAMILIES}
 
 
-def tokenizer_of(folder):
-    from transformers import AutoTokenizer
+# the families whose tiny folder here (dist_eval's save, its config class's fields) transformers 5.x's own classes
+# read as another model: its causal LM there is dist_eval's class, as on the pinned stack, where AutoModelForCausalLM
+# gives it (4.33 has none of them). 5.x's config fills what the save leaves out with its own defaults: DeepSeek-V3's
+# rope_interleave, routed_scaling_factor 2.5, norm_topk_prob; V3.2's and GLM-5's head_dim from qk_rope_head_dim (4
+# for the saved 8); gpt-oss's yarn RoPE (factor 32) for the saved default RoPE, swiglu_limit 7.0; Qwen3.5's and
+# Kimi K2.5's configs are their multimodal ones (the text model's fields under text_config; Kimi's does not read
+# this one at all); 5.x's Auto class of llama4_text is Llama4ForCausalLM; DeepSeek-V4's head is head.weight there.
+# Each family's blocks against 5.x's own classes on folders 5.x made: tests/test_families_reference.py
+READ_OTHERWISE_BY_5X = ("deepseek_v3", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "gpt_oss", "kimi_k25",
+                        "llama4_text", "qwen3_5", "qwen3_5_moe")
 
-    return AutoTokenizer.from_pretrained(folder)
+
+def tokenizer_of(folder):
+    """The folder's tokenizer as saved (its tokenizer.json): 5.x's AutoTokenizer would build the config's family's
+    own class from the word-level vocabulary instead (Qwen2's, Qwen3.5's: no id at all for these words)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(folder)
 
 
 def reference_scores(folder, texts, words, prompts=None):
@@ -40,9 +57,16 @@ def reference_scores(folder, texts, words, prompts=None):
     the word's tokens are those the tokenizer gives the text followed by a space and the word."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(folder)
-    lm = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
-    assert type(lm).__name__ == FAMILIES[config.model_type].local_lm_class
+    with open(os.path.join(folder, "config.json")) as f:  # 5.x's AutoConfig cannot read Kimi K2.5's text config
+        model_type = json.load(f)["model_type"]
+    if model_type in READ_OTHERWISE_BY_5X and configs_are_dataclasses():
+        from dist_eval.backends.blocks import family_class
+
+        lm_class = family_class(FAMILIES[model_type].local_lm_class, in_petals=False)
+    else:
+        lm_class = transformers.AutoModelForCausalLM
+    lm = lm_class.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    assert type(lm).__name__ == FAMILIES[model_type].local_lm_class
     tok = tokenizer_of(folder)
     out = np.zeros((len(texts), len(words)), dtype=np.float64)
     with torch.no_grad():

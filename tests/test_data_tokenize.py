@@ -103,15 +103,32 @@ def _bpe_backend(texts):
     return bpe
 
 
-def _family_tokenizers(texts):
-    """The families' tokenizer classes (Falcon's is the base class), and GPT-2's, whose override of
-    _batch_encode_plus only checks too but is in no family's entry."""
-    from transformers import BloomTokenizerFast, GPT2TokenizerFast, LlamaTokenizerFast, PreTrainedTokenizerFast
+# what each class overrides of the batch's call: GPT-2's 4.x class (its override only checks too, and is in no
+# family's entry) and a class of the test's own, overriding the step that encodes the batch on either transformers
+OVERRIDING = ("GPT2TokenizerFast", "BatchStepOverridden")
+CALLING_THE_BASE = ("BloomTokenizerFast",)  # 4.x's Bloom class: overrides the step, in the family table
 
+
+def _family_tokenizers(texts):
+    """The families' tokenizer classes this transformers has (Falcon's is the base class; 5.x has no Bloom class,
+    its folders read as the base class), GPT-2's, and a class overriding the step that encodes a batch (4.x:
+    _batch_encode_plus, 5.x: _encode_plus), as a tokenizer outside the table may; by their classes' names."""
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    step = "_batch_encode_plus" if hasattr(PreTrainedTokenizerFast, "_batch_encode_plus") else "_encode_plus"
+
+    def overridden(self, *args, **kwargs):
+        return getattr(PreTrainedTokenizerFast, step)(self, *args, **kwargs)
+
+    own = type("BatchStepOverridden", (PreTrainedTokenizerFast,), {step: overridden})
+    names = ("PreTrainedTokenizerFast", "BloomTokenizerFast", "GPT2TokenizerFast", "LlamaTokenizerFast")
     made = {}
-    for cls in (PreTrainedTokenizerFast, BloomTokenizerFast, GPT2TokenizerFast, LlamaTokenizerFast):
+    for cls in [getattr(transformers, n) for n in names if hasattr(transformers, n)] + [own]:
         kwargs = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
         made[cls.__name__] = cls(tokenizer_object=_bpe_backend(texts), **kwargs)
+    # 5.x: TokenizersBackend (PreTrainedTokenizerFast), GPT2Tokenizer and LlamaTokenizer (the *Fast names its aliases)
+    assert len(made) == (5 if hasattr(transformers, "BloomTokenizerFast") else 4), sorted(made)
     return made
 
 
@@ -132,10 +149,10 @@ def test_the_backend_called_directly_gives_the_tokenizers_own_ids(pair):
     for name, tokenizer in _family_tokenizers(list(data["text"])).items():
         trusted = tokenizers_calling_the_base()  # the model table's, as the evaluation passes them
         direct = _backend_gives_the_same_ids(tokenizer, tokenizer._tokenizer, trusted)
-        assert direct == (name != "GPT2TokenizerFast"), name
+        assert direct == (name not in OVERRIDING), name
         # without the table, only a class that overrides none of the call's steps is called directly
         alone = _backend_gives_the_same_ids(tokenizer, tokenizer._tokenizer)
-        assert alone == (name in ("PreTrainedTokenizerFast", "LlamaTokenizerFast")), name
+        assert alone == (name not in OVERRIDING + CALLING_THE_BASE), name
         ids, truncated = tokenize_rows(tokenizer, data, rows, columns, max_length=9, pad_token_id=0,
                                        calling_the_base=trusted)
         assert ids == tokenize_rows(tokenizer, data, rows, columns, max_length=9, pad_token_id=0)[0], name

@@ -165,6 +165,25 @@ def _modules_run(call) -> set:
     return {m[:-len(".__init__")] if m.endswith(".__init__") else m for m in modules if m.startswith("dist_eval")}
 
 
+# the files a tokenizer's save_pretrained writes on either transformers: the shipped folder's are the pinned 4.33's
+# (special_tokens_map.json too); 5.x writes the special tokens in tokenizer_config.json alone
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+
+
+def shipped_files_as_saved_here(folder) -> set:
+    """The shipped llama demo's files, its tokenizer's as this transformers' save_pretrained writes them."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>").save_pretrained(folder)
+    saved = set(os.listdir(folder))
+    assert {"tokenizer.json", "tokenizer_config.json"} <= saved <= TOKENIZER_FILES, saved
+    shipped, tokenizer = set(shipped_manifest("llama")["files"]), {"model/" + name for name in TOKENIZER_FILES}
+    assert tokenizer <= shipped
+    return (shipped - tokenizer) | {"model/" + name for name in saved}
+
+
 def test_a_quick_build_writes_what_the_installer_reads(tmp_path):
     """The build code runs (a short build: 2 epochs on 96 rows) and writes a folder that
     load_model reads, with the manifest the installer checks; every module of dist_eval whose code
@@ -182,7 +201,7 @@ def test_a_quick_build_writes_what_the_installer_reads(tmp_path):
     assert not unknown, f"the build runs code of {sorted(unknown)}: add it to demo_build.BUILD_MODULES"
     assert json.loads((root / demo.MANIFEST).read_text()) == manifest
     assert manifest["build_fingerprint"] == demo_build.build_fingerprint("llama")
-    assert set(manifest["files"]) == set(shipped_manifest("llama")["files"])
+    assert set(manifest["files"]) == shipped_files_as_saved_here(tmp_path / "saved")
     assert manifest["splits"] == {"train": 96, "test": demo.NUM_TEST}
     loaded = load_model("local", str(root / "model"), checkpoint=str(root / "checkpoint.pt"))
     assert loaded.num_labels == demo.NUM_LABELS and loaded.pad_token_id == demo.PAD_ID

@@ -134,9 +134,10 @@ def _subclass_post_init(base_config):
     return __post_init__
 
 
-def _dataclass_config_body(base_config) -> dict:
-    """What a config subclass built on ``base_config`` overrides on transformers >= 5.0: its ``__post_init__``
-    (:func:`_subclass_post_init`) and the strict-dataclass validation its saves run, each validator resolved on the
+def _dataclass_config_body(base_config, options: tuple) -> dict:
+    """What a config subclass built on ``base_config`` with the block ``options`` overrides on transformers >= 5.0:
+    its ``__post_init__`` (:func:`_subclass_post_init`), the options that are fields of ``base_config`` declared
+    again (:func:`_option_fields`), and the strict-dataclass validation its saves run, each validator resolved on the
     subclass (huggingface_hub's ``validate`` calls the functions of the class it decorated, never an override), with
     ``validate_layer_type`` a no-op: the kinds of a family built on another are checked from config.json by
     :func:`~dist_eval.backends.families.family_of` (the family table's ``layer_types``, the block's own refusal);
@@ -150,7 +151,19 @@ def _dataclass_config_body(base_config) -> dict:
 
     validate.__is_defined_by_strict_decorator__ = True  # a strict subclass puts its own in place, as of a parent's
     return {"__post_init__": _subclass_post_init(base_config), "validate": validate,
-            "validate_layer_type": lambda self: None}
+            "validate_layer_type": lambda self: None, "__annotations__": _option_fields(base_config, options)}
+
+
+def _option_fields(base_config, options: tuple) -> dict:
+    """The annotations (the base's types) that make each of ``options`` that is a dataclass field of ``base_config``
+    (transformers >= 5.0) a field of the subclass with the option as its default. transformers makes the subclass a
+    dataclass, whose ``__init__`` sets every field it inherits to the base's default: a class attribute alone is
+    shadowed (a ``head_dim`` option read as hidden_size / heads where config.json leaves head_dim out).
+    """
+    import dataclasses
+
+    fields = {field.name: field for field in dataclasses.fields(base_config)}
+    return {name: fields[name].type for name, _ in options if name in fields}
 
 
 def _attention_init(original):
@@ -235,7 +248,7 @@ def _build_transformers_classes(family) -> None:
     base_config = class_at(base.config_class)
     body = {"model_type": family.model_type, **dict(family.block_options)}
     if configs_are_dataclasses():
-        body.update(_dataclass_config_body(base_config))
+        body.update(_dataclass_config_body(base_config, family.block_options))
     config = type(_config_name(family), (base_config,), body)
     _classes[family.model_type] = config
     # a later transformers has the family itself (mistral since 4.34): its Auto classes stay its own (they refuse
@@ -243,31 +256,28 @@ def _build_transformers_classes(family) -> None:
     native = family.model_type in CONFIG_MAPPING
     if not native:
         transformers.AutoConfig.register(family.model_type, config)
+    from dist_eval.backends.layers import layers_return_tensors, own_layers_init
+
+    # every family built here, own layers or not (a 4.33-saved folder has 4.x fields)
+    backbone = _register_base_backbone(family, base, config) if layers_return_tensors() else None
     autos = (transformers.AutoModelForSequenceClassification, transformers.AutoModelForCausalLM)
     for name, base_name, auto in zip((family.local_class, family.local_lm_class),
                                      (base.local_class, base.local_lm_class), autos):
         base_class = getattr(transformers, base_name)
-        body = {"config_class": config}
-        if has_own_layers(family):
-            from dist_eval.backends.layers import own_layers_init
-
-            body["__init__"] = own_layers_init(base_class)
+        init = own_layers_init(base_class) if has_own_layers(family) else base_class.__init__
+        body = {"config_class": config, "__init__": _with_backbone(init, backbone) if backbone else init}
         _classes[name] = type(name, (base_class,), body)
         if not native:
             auto.register(config, _classes[name])
-    from dist_eval.backends.layers import layers_return_tensors
-
-    if layers_return_tensors():  # every family built here, own layers or not (a 4.33-saved folder has 4.x fields)
-        _register_base_backbone(family, base, config)
 
 
-def _register_base_backbone(family, base, config) -> None:
+def _register_base_backbone(family, base, config) -> type:
     """Where transformers' head classes build their backbone by ``AutoModel.from_config`` (5.x; 4.57 shares its layer
     API, the test of :func:`~dist_eval.backends.layers.layers_return_tensors`), which finds a model by
     the config class's name: 5.x's own model of the family where it has one (another forward, another layer call, other
     config fields: a folder the pinned transformers saved, such as the demo's, has no ``layer_types``), none where it
     has not. Every family built here takes the base family's backbone, as the pinned head classes build it:
-    registered for its config class.
+    registered for its config class, and returned.
     """
     import transformers
 
@@ -277,8 +287,26 @@ def _register_base_backbone(family, base, config) -> None:
         from dist_eval.backends.layers import HyperConnectedLayer
 
         body["_can_record_outputs"] = {**(backbone._can_record_outputs or {}), "hidden_states": HyperConnectedLayer}
-    transformers.AutoModel.register(config, type(_config_name(family).replace("Config", "Model"), (backbone,), body),
-                                    exist_ok=True)
+    own = type(_config_name(family).replace("Config", "Model"), (backbone,), body)
+    transformers.AutoModel.register(config, own, exist_ok=True)
+    return own
+
+
+def _with_backbone(init, backbone: type):
+    """``init`` (a head class's ``__init__``), then its backbone made of the class ``backbone`` (the base family's,
+    :func:`_register_base_backbone`) where ``init`` built the base family's own: the causal LM's (transformers' head
+    classes other than the classifier build their base model by its class). 5.x reads a checkpoint into a model of its
+    own classes through the conversions of the config's ``model_type`` (that family's names in 5.x's own model, its
+    experts merged: a release's names were read as 5.x's, which dist_eval's layers do not have); a class of
+    dist_eval's own is read as saved, as the classifier's backbone is.
+    """
+    @functools.wraps(init)
+    def __init__(self, config, *args, **kwargs):
+        init(self, config, *args, **kwargs)
+        if type(self.base_model) in backbone.__bases__:  # the same modules: only its class is dist_eval's
+            self.base_model.__class__ = backbone
+
+    return __init__
 
 
 def _build_petals_classes(family) -> None:
@@ -291,7 +319,7 @@ def _build_petals_classes(family) -> None:
     base_config = getattr(petals, "Distributed" + _config_name(base))
     body = {"model_type": family.model_type, **dict(family.block_options)}
     if configs_are_dataclasses():  # the RoPE fields from rope_parameters, as the transformers classes' (5.x)
-        body.update(_dataclass_config_body(base_config))
+        body.update(_dataclass_config_body(base_config, family.block_options))
     if family.hyper_connected:  # DeepSeek-V4's block and attention (petals counts heads)
         from dist_eval.backends.layers import HyperConnectedServerBlock, V4Attention
 

@@ -1694,6 +1694,17 @@ class V4Router(nn.Module):
         else:
             self.register_buffer("bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
+    def __setattr__(self, name: str, value) -> None:
+        """``tid2eid`` kept int64 whatever a load gives: transformers 5.x's loader puts the checkpoint's tensor in
+        place of the buffer, in its dtype (the release's int32), where the pinned ``load_state_dict`` copies it in.
+        """
+        if name == "tid2eid" and isinstance(value, torch.Tensor) and value.dtype != torch.long:
+            loaded = getattr(value, "_is_hf_initialized", None)  # 5.x's mark of a tensor read, not to initialise
+            value = value.long()
+            if loaded is not None:
+                value._is_hf_initialized = loaded
+        super().__setattr__(name, value)
+
     def forward(self, tokens: torch.Tensor) -> tuple:
         """(chosen experts [tokens, top_k], their weights) of ``tokens`` [tokens, hidden]."""
         logits = _rows(functools.partial(F.linear, weight=self.weight), tokens)

@@ -125,6 +125,10 @@ def _token_ids(tokenizer, texts: List[str], pairs: Optional[List[str]], calling_
                      return_token_type_ids=False)["input_ids"]
 
 
+# the steps of transformers 4.x's call of a batch; a class overriding one is called as itself
+_CALL_STEPS = ("__call__", "_call_one", "batch_encode_plus", "_batch_encode_plus")
+
+
 def _backend_gives_the_same_ids(tokenizer, backend, calling_the_base: frozenset = frozenset()) -> bool:
     try:
         from tokenizers import Tokenizer
@@ -134,7 +138,11 @@ def _backend_gives_the_same_ids(tokenizer, backend, calling_the_base: frozenset 
     if not isinstance(tokenizer, PreTrainedTokenizerFast) or not isinstance(backend, Tokenizer):
         return False
     bases = (PreTrainedTokenizerBase, PreTrainedTokenizerFast)
-    for method in ("__call__", "_call_one", "batch_encode_plus", "_batch_encode_plus"):
+    # the steps of a batch's call: 4.x's __call__ goes through batch_encode_plus to _batch_encode_plus; 5.x has
+    # neither, its __call__ encodes a batch in _encode_plus (which 4.x's batch call never reaches, so a 4.x class
+    # overriding it alone is still called directly)
+    steps = _CALL_STEPS if hasattr(PreTrainedTokenizerFast, "_batch_encode_plus") else _CALL_STEPS + ("_encode_plus",)
+    for method in steps:
         defined_in = next((k for k in type(tokenizer).__mro__ if method in vars(k)), None)
         if defined_in is None:  # gone from this transformers (5.x has no batch_encode_plus): nothing overrides it
             continue

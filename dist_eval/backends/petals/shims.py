@@ -171,8 +171,8 @@ def apply_client_patches() -> None:
     2. the lock around hivemind's stub-class collection (threads in flight ask at once);
     3. on transformers 5.x, petals' import made possible (:data:`BRIDGES`: its version assert, a helper 5.x
        removed, peft 0.5's names when petals' adapters module is imported);
-    4. petals' PyPI version check, off (offline it logs a traceback); on 5.x, petals' client built on the CPU, and
-       a folder's petals classes chosen by its model_type as saved;
+    4. petals' PyPI version check, off (offline it logs a traceback); on 5.x, petals' client built on the CPU, its
+       tied LM head a parameter before 5.x ties it, and a folder's petals classes chosen by its model_type as saved;
     5. failover: a failed server leaves routing at once; only server failures ban;
     6. a batch goes as one request, split only to what a server accepts;
     7. deep prompts go once per request;
@@ -194,6 +194,7 @@ def apply_client_patches() -> None:
         bridge("model_type_as_saved", "both", model_type_as_saved)
         bridge("client_dht_on_cpu", "client", client_dht_on_cpu)
         bridge("prefix_tokens_on_cpu", "client", prefix_tokens_on_cpu)
+        bridge("tied_lm_head_on_meta", "client", tied_lm_head_on_meta)
         if apply("failover", "client", failover.failover_replacements):
             failover.quiet_retry_logs()
         apply("request_size", "client", requests.split_replacements)
@@ -465,6 +466,30 @@ def prefix_tokens_on_cpu() -> List[Replacement]:
             self.prefix_tokens = torch.arange(self.pre_seq_len, device="cpu").long()
 
     return [(PTuneMixin, "init_prompts", init_prompts)]
+
+
+def tied_lm_head_on_meta() -> List[Replacement]:
+    """Petals' ``LMHead`` of a model whose head is tied to its embeddings holds ``weight = None`` until transformers
+    ties it; 5.x's ``from_pretrained`` asks each tied key for its parameter before it ties (``lm_head.weight``:
+    "is not an nn.Parameter"), and ties only keys the model's state dict has. A placeholder on the meta device
+    (no memory), which 5.x's tying replaces with the embeddings' own parameter, as 4.33's did the ``None``.
+    """
+    import functools
+
+    from petals.client.lm_head import LMHead
+
+    original = LMHead.__init__
+
+    @functools.wraps(original)
+    def __init__(self, config):
+        import torch
+
+        original(self, config)
+        if self.weight is None:
+            meta = torch.empty(config.vocab_size, config.hidden_size, device="meta")
+            self.weight = torch.nn.Parameter(meta, requires_grad=False)
+
+    return [(LMHead, "__init__", __init__)]
 
 
 # ---------------------------------------------------------------- transformers 5.x: petals' server blocks
@@ -777,6 +802,15 @@ def _models_built_on_meta() -> bool:
     return init_context is not None and 'torch.device("meta")' in inspect.getsource(init_context)
 
 
+def _tied_weights_marked_before_tying() -> bool:
+    """Whether transformers' ``from_pretrained`` asks every tied key for its parameter before tying (5.x's
+    ``mark_tied_weights_as_initialized``; 4.33 tied petals' ``None`` head as it was).
+    """
+    from transformers import PreTrainedModel
+
+    return hasattr(PreTrainedModel, "mark_tied_weights_as_initialized")
+
+
 def _server_bridge_needed(kind: str) -> Callable[[], bool]:
     """The probe of a server bridge: whether some family's classes still lack what ``kind`` gives them."""
 
@@ -823,6 +857,8 @@ BRIDGES: Dict[str, Bridge] = {
                                   _a_built_family_is_native),
     "client_dht_on_cpu": Bridge("petals' client built under 5.x's meta device", _FIVE, _models_built_on_meta),
     "prefix_tokens_on_cpu": Bridge("petals' prompt positions made on 5.x's meta device", _FIVE, _models_built_on_meta),
+    "tied_lm_head_on_meta": Bridge("petals' tied LM head, a parameter before 5.x ties it", _FIVE,
+                                   _tied_weights_marked_before_tying),
     "decoder_mask": Bridge("4.33's decoder mask helper, which petals' server blocks call", _FIVE,
                            _server_bridge_needed("decoder_mask")),
     "bool_mask": Bridge("4.33's bool mask helper, which petals' server blocks call", _FIVE,
