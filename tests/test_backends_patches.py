@@ -156,37 +156,53 @@ def test_a_bridge_found_unneeded_says_so(monkeypatch):
         "hivemind_reexports": False, "stub_lock": True, "no_version_check": False}
 
 
-def _pinned_helper(module: str, owner: str, name: str):
-    """transformers 4.33's own ``owner.name`` where it is installed (the pinned stack), else a skip."""
-    import importlib
+# the 4.33 mask helpers' outputs, computed by transformers 4.33 itself (conftest.stack_python("pinned"))
+PINNED_MASKS = """
+import json, sys
+import torch
+from transformers.models.bloom.modeling_bloom import BloomModel
+from transformers.models.falcon.modeling_falcon import FalconModel
+from transformers.models.llama.modeling_llama import LlamaModel
 
-    found = getattr(getattr(importlib.import_module(module), owner), name, None)
-    if found is None:
-        pytest.skip(f"{owner}.{name} is not in this transformers (the bridge's body stands in for it there)")
-    return found
+batch, length, found = 2, 4, {}
+for past in (0, 3):
+    ones, embeds = torch.ones(batch, length + past), torch.zeros(batch, length, 8)
+    found[past] = {"llama": LlamaModel._prepare_decoder_attention_mask(None, ones, (batch, length), embeds, past),
+                   "falcon": FalconModel._prepare_attn_mask(ones, (batch, length), past),
+                   "bloom": BloomModel._prepare_attn_mask(None, ones, (batch, length), past)}
+print(json.dumps({past: {k: v.tolist() for k, v in masks.items()} for past, masks in found.items()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def pinned_masks() -> dict:
+    """{past: {family: mask}} of transformers 4.33's own helpers (run in the pinned stack's Python)."""
+    from conftest import run_env, stack_python
+
+    done = subprocess.run([stack_python("pinned"), "-c", PINNED_MASKS], capture_output=True, text=True, timeout=300,
+                          env=run_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {int(past): masks for past, masks in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
 @pytest.mark.parametrize("past", [0, 3])
-def test_the_bridges_mask_helpers_equal_the_pinned_transformers_own(past):
+def test_the_bridges_mask_helpers_equal_the_pinned_transformers_own(past, pinned_masks):
     """Issue 71: the 4.33 mask helpers that the server bridges give transformers 5.x (petals' blocks call them) equal
-    4.33's own, where installed: the decoder mask (additive), the static bool mask, and the bool mask made additive
-    for 5.x's alibi attention. A copy that drifts from the original fails here, on the pinned stack.
+    4.33's own (computed by transformers 4.33, in the pinned stack's Python): the decoder mask (additive), the static
+    bool mask, and the bool mask made additive for 5.x's alibi attention. A copy that drifts from the original fails.
     """
     from dist_eval.backends.petals import shims
 
     batch, length = 2, 4
     embeds = torch.zeros(batch, length, 8)
     ones = torch.ones(batch, length + past)
-    ours = shims.prepare_decoder_attention_mask(None, ones, (batch, length), embeds, past)
-    llama = _pinned_helper("transformers.models.llama.modeling_llama", "LlamaModel", "_prepare_decoder_attention_mask")
-    assert torch.equal(ours, llama(None, ones, (batch, length), embeds, past))
-    falcon = _pinned_helper("transformers.models.falcon.modeling_falcon", "FalconModel", "_prepare_attn_mask")
-    assert torch.equal(shims.prepare_bool_attn_mask(ones, (batch, length), past), falcon(ones, (batch, length), past))
-    bloom = _pinned_helper("transformers.models.bloom.modeling_bloom", "BloomModel", "_prepare_attn_mask")
-    masked = bloom(None, ones, (batch, length), past)
+    pinned = {family: torch.tensor(mask) for family, mask in pinned_masks[past].items()}
+    assert torch.equal(shims.prepare_decoder_attention_mask(None, ones, (batch, length), embeds, past),
+                       pinned["llama"])
+    assert torch.equal(shims.prepare_bool_attn_mask(ones, (batch, length), past), pinned["falcon"])
     additive = shims.alibi_additive_mask(ones, (batch, length), past, torch.float32)
-    assert torch.equal(additive == torch.finfo(torch.float32).min, masked) and set(additive.unique().tolist()) <= {
-        0.0, torch.finfo(torch.float32).min}
+    assert torch.equal(additive == torch.finfo(torch.float32).min, pinned["bloom"]) and set(
+        additive.unique().tolist()) <= {0.0, torch.finfo(torch.float32).min}
 
 
 def test_the_tuple_cache_gives_petals_layout_back():
