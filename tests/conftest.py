@@ -541,6 +541,16 @@ def stack_python(stack: str) -> str:
     return os.path.join(os.environ.get(variable, os.path.join(REPO, folder)), "bin", "python")
 
 
+def on_pinned_stack(script: str, tmp_path) -> dict:
+    """What ``script`` computes with transformers 4.33 (the stack petals 2.2 pins: :func:`stack_python`): run there
+    with ``OUT`` (a path) bound, it saves a dict of tensors to it with torch.save; that dict, read here."""
+    out = str(tmp_path / "pinned.pt")
+    done = subprocess.run([stack_python("pinned"), "-c", f"OUT = {out!r}\n" + script], capture_output=True,
+                          text=True, timeout=300, env=run_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out)
+
+
 def run_in_own_group(cmd, timeout: float, env=None) -> subprocess.CompletedProcess:
     """subprocess.run in a new process group; on timeout the whole group (torchrun, its
     workers, their DHT and p2pd children) is stopped, not only the top process."""

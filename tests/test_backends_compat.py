@@ -273,41 +273,58 @@ def test_a_server_without_adapters_imports_no_bitsandbytes(tiny_model, tiny_chec
         assert len(daemons) == 1, (server.label, daemons)
 
 
-def test_the_divided_attention_repeats_the_pinned_llama_attention_bit_for_bit():
+# transformers 4.33's LlamaAttention (petals' llama server block copies its arithmetic): its output on a causal,
+# grouped-k/v input at head_dim 8, and what dist_eval's attention step is given there (q and k after RoPE, v)
+PINNED_LLAMA_ATTENTION = """
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
+
+torch.manual_seed(0)
+attention = LlamaAttention(LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=64)).eval()
+batch, rows, hidden = 3, 11, torch.randn(3, 11, 32)
+position_ids = torch.arange(rows)[None]
+mask = torch.full((rows, rows), torch.finfo(torch.float32).min).triu(1)[None, None].expand(batch, 1, rows, rows)
+heads = lambda projection, count: projection(hidden).view(batch, rows, count, 8).transpose(1, 2)
+with torch.no_grad():
+    expected = attention(hidden, attention_mask=mask, position_ids=position_ids)[0]
+    q, k, v = heads(attention.q_proj, 4), heads(attention.k_proj, 2), heads(attention.v_proj, 2)
+    q, k = apply_rotary_pos_emb(q, k, *attention.rotary_emb(v, seq_len=rows), position_ids)
+torch.save({"expected": expected, "q": q, "k": k, "v": v, "mask": mask, "o_proj": attention.o_proj.weight}, OUT)
+"""
+
+
+def test_the_divided_attention_repeats_the_pinned_llama_attention_bit_for_bit(tmp_path):
     """Issue 71: ``divided_attention`` (what ``--backend local`` computes for Llama-type families where transformers
     offers a choice, >= 4.48: Family.local_attention) repeats, step for step, the attention of the pinned
-    transformers' LlamaAttention, whose arithmetic petals' llama server block copies (q k^T divided by
-    sqrt(head_dim)): the same bits at head_dim 8 with grouped k/v heads and the causal mask. There the two roundings
-    differ: transformers 5.x's "eager" multiplies by head_dim ** -0.5 (so does it at head_dim 128), and its default,
-    "sdpa", computes otherwise again: the swarm was 2e-06 off the local backend on 5.23 (the audit's tests)."""
+    transformers' LlamaAttention (computed by transformers 4.33, in the pinned stack's Python), whose arithmetic
+    petals' llama server block copies (q k^T divided by sqrt(head_dim)): the same bits at head_dim 8 with grouped k/v
+    heads and the causal mask. There the two roundings differ: transformers 5.x's "eager" multiplies by
+    head_dim ** -0.5 (so does it at head_dim 128), and its default, "sdpa", computes otherwise again: the swarm was
+    2e-06 off the local backend on 5.23 (the audit's tests)."""
     import math
+    import types
 
     import torch
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
+    import transformers
+    from conftest import on_pinned_stack
+    from packaging.version import Version
 
     from dist_eval.backends.compat import attention_choice
     from dist_eval.backends.families import FAMILIES
     from dist_eval.backends.layers import DIVIDED_ATTENTION, divided_attention
 
-    torch.manual_seed(0)
-    attention = LlamaAttention(LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                           max_position_embeddings=64)).eval()
-    batch, rows, hidden = 3, 11, torch.randn(3, 11, 32)
-    position_ids = torch.arange(rows)[None]
-    mask = torch.full((rows, rows), torch.finfo(torch.float32).min).triu(1)[None, None].expand(batch, 1, rows, rows)
-
-    def heads(projection, count):
-        return projection(hidden).view(batch, rows, count, 8).transpose(1, 2)
-
+    pinned = on_pinned_stack(PINNED_LLAMA_ATTENTION, tmp_path)
+    expected, q, k, v = pinned["expected"], pinned["q"], pinned["k"], pinned["v"]
+    batch, rows = expected.shape[:2]
     with torch.no_grad():
-        expected = attention(hidden, attention_mask=mask, position_ids=position_ids)[0]
-        q, k, v = heads(attention.q_proj, 4), heads(attention.k_proj, 2), heads(attention.v_proj, 2)
-        q, k = apply_rotary_pos_emb(q, k, *attention.rotary_emb(v, seq_len=rows), position_ids)
-        found = attention.o_proj(divided_attention(attention, q, k, v, mask)[0].reshape(batch, rows, 32))
+        steps = divided_attention(types.SimpleNamespace(num_key_value_groups=2), q, k, v, pinned["mask"])[0]
+        found = torch.nn.functional.linear(steps.reshape(batch, rows, 32), pinned["o_proj"])
         scores = torch.matmul(q, k.repeat_interleave(2, dim=1).transpose(2, 3))
     assert torch.equal(found, expected)
     assert not torch.equal(scores / math.sqrt(8), scores * 8 ** -0.5)  # what the test tells apart, at this head_dim
-    # the pinned stack offers no choice (and no keyword); Llama's families ask for this attention where one is offered
-    assert attention_choice(FAMILIES["llama"]) == {}
+    # Llama's families ask for this attention where transformers offers a choice (>= 4.36); the pinned 4.33 offers none
+    offered = Version(transformers.__version__) >= Version("4.36")
+    assert attention_choice(FAMILIES["llama"]) == ({"attn_implementation": DIVIDED_ATTENTION} if offered else {})
     assert {FAMILIES[name].local_attention for name in ("llama", "mistral", "qwen2")} == {DIVIDED_ATTENTION}

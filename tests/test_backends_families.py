@@ -304,43 +304,85 @@ def test_sparse_attention_keeps_the_earliest_of_keys_tied_at_index_topk_whatever
     assert torch.nonzero(kept_keys(scores, 8)[0]).flatten().tolist() == list(range(8))
 
 
-@pytest.mark.parametrize("scaling", [None, {"type": "linear", "factor": 3.0}, {"type": "dynamic", "factor": 3.0},
-                                     "llama3"])
-def test_the_rotary_table_of_dist_evals_own_layers_is_the_pinned_attentions_bit_for_bit(scaling):
-    """Issue 71: dist_eval's own attentions read their RoPE from rope.RotaryTable (no module, no buffer: built at the
-    first forward, so that transformers 5.x, which builds modules on the meta device, has one too), which must be the
-    pinned LlamaAttention's table (``_init_rope``, llama3's frequencies by ``rescale_rope``) bit for bit: rows within
-    the table and longer ones (the table grown; a dynamic table's base then from the longest row, kept for shorter
-    ones after), in float32 and bfloat16; the same from config.json's scaling in 5.x's form (rope_type: before, read
-    as no scaling on 5.x)."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaAttention
+ROTARY_SCALINGS = [None, {"type": "linear", "factor": 3.0}, {"type": "dynamic", "factor": 3.0}, "llama3"]
 
-    from dist_eval.backends.rope import RotaryTable, rescale_rope
 
+def _rotary_config(scaling, config_class):
+    """The config of the rotary table test (``config_class``: a LlamaConfig or a namespace), llama3's settings as
+    dist_eval's block option keeps them (``rope_llama3``)."""
     llama3 = scaling == "llama3"
-    config = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=500000.0,
-                         max_position_embeddings=4608 if llama3 else 48, rope_scaling=None if llama3 else scaling)
-    if llama3:
-        config.rope_llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 64}
+    config = config_class(hidden_size=64, num_attention_heads=4, rope_theta=500000.0,
+                          max_position_embeddings=4608 if llama3 else 48, rope_scaling=None if llama3 else scaling)
+    config.rope_llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64} if llama3 else None
+    return config
+
+
+def _rotary_rows(scaling) -> list:
+    """(rows, dtype) the tables are asked for: within the table and longer (grown), a shorter one after."""
+    within, longer = (4096, 5000) if scaling == "llama3" else (48, 70)
+    return [(9, torch.float32), (within, torch.bfloat16), (longer, torch.float32), (30, torch.float32),
+            (longer + 3, torch.bfloat16)]
+
+
+# transformers 4.33's LlamaAttention's own rotary tables (``_init_rope``, llama3's frequencies by dist_eval's
+# rescale_rope, as its block option gives them), at a partial rotary dimension, for each case of the test below
+# (CASES: [(config fields, rope_llama3, [(rows, dtype name), ...]), ...], given)
+PINNED_ROTARY = """
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+from dist_eval.backends.rope import rescale_rope
+
+tables = []
+for fields, rope_llama3, rows in CASES:
+    config = LlamaConfig(**fields)
+    config.rope_llama3 = rope_llama3
     pinned = LlamaAttention(config)
     pinned.head_dim = 12  # a partial rotary dimension (e.g. MiniMax-M2's): a table whose size no vector divides
     pinned._init_rope()
     rescale_rope(pinned, config)
+    tables.append([pinned.rotary_emb(torch.zeros(1, 4, n, 12, dtype=getattr(torch, dtype)), seq_len=n)
+                   for n, dtype in rows])
+torch.save(tables, OUT)
+"""
+
+
+@pytest.fixture(scope="module")
+def pinned_rotary_tables(tmp_path_factory) -> list:
+    """[[(cos, sin) for each of its rows] for each case] of transformers 4.33's attention (the pinned stack's)."""
+    from conftest import on_pinned_stack
+
+    cases = []
+    for scaling in ROTARY_SCALINGS:
+        config = _rotary_config(scaling, types.SimpleNamespace)
+        llama3 = config.rope_llama3
+        fields = {k: v for k, v in vars(config).items() if k != "rope_llama3"}
+        cases.append((fields, llama3, [(n, str(dtype).split(".")[1]) for n, dtype in _rotary_rows(scaling)]))
+    return on_pinned_stack(f"CASES = {cases!r}\n" + PINNED_ROTARY, tmp_path_factory.mktemp("rotary"))
+
+
+@pytest.mark.parametrize("case", range(len(ROTARY_SCALINGS)))
+def test_the_rotary_table_of_dist_evals_own_layers_is_the_pinned_attentions_bit_for_bit(case, pinned_rotary_tables):
+    """Issue 71: dist_eval's own attentions read their RoPE from rope.RotaryTable (no module, no buffer: built at the
+    first forward, so that transformers 5.x, which builds modules on the meta device, has one too), which must be the
+    pinned LlamaAttention's table (``_init_rope``, llama3's frequencies by ``rescale_rope``; computed by transformers
+    4.33 in the pinned stack's Python) bit for bit: rows within the table and longer ones (the table grown; a dynamic
+    table's base then from the longest row, kept for shorter ones after), in float32 and bfloat16; the same from
+    config.json's scaling in 5.x's form (rope_type: before, read as no scaling on 5.x)."""
+    from dist_eval.backends.rope import RotaryTable
+
+    scaling = ROTARY_SCALINGS[case]
+    llama3 = scaling == "llama3"
+    config = _rotary_config(scaling, types.SimpleNamespace)
     table = RotaryTable(config, 12)
     # config.json's scaling as transformers 5.x's config classes keep it (rope_type): the same table
     form = ({"rope_type": "llama3", "factor": 8.0} if llama3 else
             {"rope_type": scaling["type"], "factor": scaling["factor"]} if scaling else {"rope_type": "default"})
-    current = types.SimpleNamespace(rope_theta=config.rope_theta, rope_scaling=form,
-                                    max_position_embeddings=config.max_position_embeddings,
-                                    rope_llama3=getattr(config, "rope_llama3", None))
-    current_table = RotaryTable(current, 12)
-    within, longer = (4096, 5000) if llama3 else (48, 70)
-    for seq_len, dtype in [(9, torch.float32), (within, torch.bfloat16), (longer, torch.float32), (30, torch.float32),
-                           (longer + 3, torch.bfloat16)]:
+    current_table = RotaryTable(types.SimpleNamespace(**{**vars(config), "rope_scaling": form}), 12)
+    for (seq_len, dtype), expected in zip(_rotary_rows(scaling), pinned_rotary_tables[case], strict=True):
         value = torch.zeros(1, 4, seq_len, 12, dtype=dtype)
-        expected = pinned.rotary_emb(value, seq_len=seq_len)
         for found in (table(value, seq_len), current_table(value, seq_len)):
             assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
                        for a, b in zip(expected, found)), (scaling, seq_len, dtype)
