@@ -1215,6 +1215,7 @@ def _load_reports_said_of(loading, heads_read_after):
     import re
 
     import torch
+    from transformers.utils import logging as hf_logging
 
     modeling = importlib.import_module("transformers.modeling_utils")
     if not hasattr(modeling, "log_state_dict_report"):
@@ -1227,7 +1228,8 @@ def _load_reports_said_of(loading, heads_read_after):
         def emit(self, record):
             said.append(sorted(set(re.findall(r"[\w.]+\.weight", record.getMessage()))))
 
-    keep = Keep()
+    keep, verbosity = Keep(), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()  # as transformers' default (an earlier test in this process may have set it)
     loading.addHandler(keep)
     try:
         with heads_read_after("score"):
@@ -1238,6 +1240,7 @@ def _load_reports_said_of(loading, heads_read_after):
                                                ignore_mismatched_sizes=False, loading_info=info, logger=loading)
     finally:
         loading.removeHandler(keep)
+        hf_logging.set_verbosity(verbosity)
     return said
 
 
