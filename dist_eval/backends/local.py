@@ -179,7 +179,7 @@ def _from_folder(model_class, model_dir: str, family: Family, **kwargs):
     from safetensors.torch import load_file
 
     config = model_class.config_class.from_pretrained(model_dir, **kwargs)
-    model = model_class._from_config(config, torch_dtype=torch.float32, **attention_choice(family))
+    model = model_class._from_config(config, dtype=torch.float32, **attention_choice(family))  # 5.x (torch_dtype warns)
     tensors = {}
     for name in sorted(os.listdir(model_dir)):
         if name.endswith(".safetensors"):
