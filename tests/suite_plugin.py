@@ -96,8 +96,8 @@ SHARED_BY = {
 # the slowest files (benchmarks/RESULTS.md: the suite's time per file), dealt out first, so that the run
 # ends on short files with every worker busy to the end; xdist deals files out by their number of tests
 # otherwise, and these few-test files came last. Order only: a file missing or renamed just comes later.
-# test_current_stack.py second: its worker makes .venv-reference5 while the first makes .venv-reference (both
-# reference environments are installed by the suite), not after it on the first's worker.
+# test_current_stack.py second: its worker makes .venv-pinned (the stack petals pins) while the first makes
+# .venv-reference and .venv-reference5 (the suite installs every reference environment), not after them.
 FIRST = ("tests/test_families_reference.py", "tests/test_current_stack.py", "tests/test_swarm_failover.py",
          "tests/test_slurm.py", "tests/test_families_swarm.py", "tests/test_launch.py",
          "tests/test_swarm_supervisor.py",
