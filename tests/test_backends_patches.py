@@ -156,9 +156,8 @@ def test_a_bridge_found_unneeded_says_so(monkeypatch):
         "hivemind_reexports": False, "stub_lock": True, "no_version_check": False}
 
 
-# the 4.33 mask helpers' outputs, computed by transformers 4.33 itself (conftest.stack_python("pinned"))
+# the 4.33 mask helpers' outputs, computed by transformers 4.33 itself (conftest.on_pinned_stack)
 PINNED_MASKS = """
-import json, sys
 import torch
 from transformers.models.bloom.modeling_bloom import BloomModel
 from transformers.models.falcon.modeling_falcon import FalconModel
@@ -170,19 +169,16 @@ for past in (0, 3):
     found[past] = {"llama": LlamaModel._prepare_decoder_attention_mask(None, ones, (batch, length), embeds, past),
                    "falcon": FalconModel._prepare_attn_mask(ones, (batch, length), past),
                    "bloom": BloomModel._prepare_attn_mask(None, ones, (batch, length), past)}
-print(json.dumps({past: {k: v.tolist() for k, v in masks.items()} for past, masks in found.items()}))
+torch.save(found, OUT)
 """
 
 
 @pytest.fixture(scope="module")
-def pinned_masks() -> dict:
+def pinned_masks(tmp_path_factory) -> dict:
     """{past: {family: mask}} of transformers 4.33's own helpers (run in the pinned stack's Python)."""
-    from conftest import run_env, stack_python
+    from conftest import on_pinned_stack
 
-    done = subprocess.run([stack_python("pinned"), "-c", PINNED_MASKS], capture_output=True, text=True, timeout=300,
-                          env=run_env())
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {int(past): masks for past, masks in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    return on_pinned_stack(PINNED_MASKS, tmp_path_factory.mktemp("masks"))
 
 
 @pytest.mark.parametrize("past", [0, 3])
@@ -196,7 +192,7 @@ def test_the_bridges_mask_helpers_equal_the_pinned_transformers_own(past, pinned
     batch, length = 2, 4
     embeds = torch.zeros(batch, length, 8)
     ones = torch.ones(batch, length + past)
-    pinned = {family: torch.tensor(mask) for family, mask in pinned_masks[past].items()}
+    pinned = pinned_masks[past]
     assert torch.equal(shims.prepare_decoder_attention_mask(None, ones, (batch, length), embeds, past),
                        pinned["llama"])
     assert torch.equal(shims.prepare_bool_attn_mask(ones, (batch, length), past), pinned["falcon"])

@@ -114,7 +114,7 @@ class _OnlyHeadsNewlyInitialized(logging.Filter):
             names = ast.literal_eval(found.group(1))
         except (ValueError, SyntaxError):
             return True
-        return not names or not all(str(name).split(".")[0] in self.heads for name in names)
+        return not names or not _all_of_heads(names, self.heads)
 
 
 @contextlib.contextmanager
@@ -147,9 +147,14 @@ def _report_without_heads(report, heads: tuple, *args, **kwargs):
     import dataclasses
 
     info = kwargs.get("loading_info")
-    if info is not None and info.missing_keys and all(k.split(".")[0] in heads for k in info.missing_keys):
+    if info is not None and info.missing_keys and _all_of_heads(info.missing_keys, heads):
         kwargs["loading_info"] = dataclasses.replace(info, missing_keys=set())
     return report(*args, **kwargs)
+
+
+def _all_of_heads(names, heads: tuple) -> bool:
+    """Whether every weight name of ``names`` is of a top-level module among ``heads``."""
+    return all(str(name).split(".")[0] in heads for name in names)
 
 
 def quiet_warnings() -> None:

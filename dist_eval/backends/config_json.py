@@ -58,6 +58,17 @@ LEGACY_LAYER_TYPES = {"attention": "full_attention", "mamba": "linear_attention"
                       "deepseek_sparse_attention": "indexed_attention"}
 
 
+def saved_model_type(model_dir) -> Optional[str]:
+    """config.json's ``model_type`` as saved in the folder ``model_dir`` (None: no such folder, file or field, or a
+    file that does not parse: the caller's own reading then says what is wrong).
+    """
+    try:
+        with open(os.path.join(str(model_dir), "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def read_config_json(model_dir: str) -> dict:
     """``model_dir``'s config.json as the blocks read it (:func:`read_as_saved`); a UsageError naming the
     file when it is missing or not a JSON object.

@@ -5,7 +5,6 @@ backends give bitwise-equal fp32 logits.
 """
 from __future__ import annotations
 
-import os
 import threading
 from typing import Optional
 
@@ -167,24 +166,17 @@ def _from_folder(model_class, model_dir: str, family: Family, **kwargs):
     tiles, and no ``_load_from_state_dict``) is read as the pinned one reads it: the model built from its config,
     then the folder's tensors through ``load_state_dict``, whose hooks in dist_eval's layers dequantize them.
     """
-    import json
-
     from dist_eval.backends.compat import attention_choice, loads_through_module_hooks
+    from dist_eval.backends.config_json import read_config_json
+    from dist_eval.backends.petals_folder import read_tensors
 
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        quantized = bool(json.load(f).get("quantization_config"))
-    if not quantized or loads_through_module_hooks():
+    if loads_through_module_hooks() or not read_config_json(model_dir).get("quantization_config"):
         return model_class.from_pretrained(model_dir, torch_dtype=torch.float32, ignore_mismatched_sizes=False,
                                            **kwargs, **attention_choice(family))
-    from safetensors.torch import load_file
-
     config = model_class.config_class.from_pretrained(model_dir, **kwargs)
     model = model_class._from_config(config, dtype=torch.float32, **attention_choice(family))  # 5.x (torch_dtype warns)
-    tensors = {}
-    for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(model_dir, name)))
-    missing, _ = model.load_state_dict(tensors, strict=False)  # the tensors of no module here (mtp.*) not read
+    # the tensors of no module here (mtp.*) not read
+    missing, _ = model.load_state_dict(read_tensors(model_dir), strict=False)
     unread = [k for k in missing if k.split(".")[0] not in (family.head, family.lm_head)]
     if unread:
         raise UsageError(f"{len(unread)} weights of the model are not in the folder's tensors (first: {unread[0]}). "

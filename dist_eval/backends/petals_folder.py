@@ -158,6 +158,14 @@ def read_tensor(model_dir: str, key: str):
     return _load_bin(path)[key]
 
 
+def read_tensors(model_dir: str) -> dict:
+    """Every tensor of the folder's weights, read whole from the files :func:`weight_map` names."""
+    tensors = {}
+    for source in sorted(set(weight_map(model_dir).values())):
+        tensors.update(_load_file(os.path.join(model_dir, source)))
+    return tensors
+
+
 def _tensor_names(path: str) -> List[str]:
     if path.endswith(".safetensors"):
         return safetensors_names(path)

@@ -116,9 +116,9 @@ def _load_reads_offloaded_tensors() -> bool:
     whole model). The pinned 4.33 reads none of a file whose tensors are all offloaded: it only records where they
     are, for the offload to read each when its block runs.
     """
-    from dist_eval.backends.compat import configs_are_dataclasses
+    from dist_eval.backends.compat import loads_through_module_hooks
 
-    return configs_are_dataclasses()  # 5.x's generation (4.x's configs are plain classes)
+    return not loads_through_module_hooks()  # 5.x's own loader (core_model_loading)
 
 
 def _load_blocks_unread(config_class, view: str, device_map: dict, blocks: str, kwargs: dict, attention: dict):

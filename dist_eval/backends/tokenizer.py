@@ -120,9 +120,10 @@ def _config_of_a_type_unknown_here(model_dir: str) -> dict:
     from transformers import PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    from dist_eval.backends.config_json import saved_model_type
+
+    model_type = saved_model_type(model_dir)
     try:
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
         with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
             named = json.load(f).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):

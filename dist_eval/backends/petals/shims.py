@@ -28,7 +28,7 @@ import contextlib
 import functools
 import os
 import threading
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Tuple
 
 from dist_eval.backends.compat import class_at, installed_version, quiet_warnings
 from dist_eval.errors import UsageError, warn
@@ -354,28 +354,19 @@ def model_type_as_saved() -> List[Replacement]:
     """
     from petals.utils import auto_config
 
+    from dist_eval.backends.config_json import saved_model_type
+
     original = auto_config._AutoDistributedBase.from_pretrained.__func__
 
     @functools.wraps(original)
     def from_pretrained(cls, model_name_or_path, *args, **kwargs):
-        classes = auto_config._CLASS_MAPPING.get(_saved_model_type(model_name_or_path))
+        classes = auto_config._CLASS_MAPPING.get(saved_model_type(model_name_or_path))
         proper = getattr(classes, cls._mapping_field, None) if classes is not None else None
         if proper is None:
             return original(cls, model_name_or_path, *args, **kwargs)
         return proper.from_pretrained(model_name_or_path, *args, **kwargs)
 
     return [(auto_config._AutoDistributedBase, "from_pretrained", classmethod(from_pretrained))]
-
-
-def _saved_model_type(model_name_or_path) -> Optional[str]:
-    """config.json's ``model_type`` in the folder ``model_name_or_path`` (None: no folder, or no such field)."""
-    import json
-
-    try:
-        with open(os.path.join(str(model_name_or_path), "config.json"), encoding="utf-8") as f:
-            return json.load(f).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 # peft 0.5.0's list, which petals' adapters module imports from peft.utils
@@ -474,8 +465,6 @@ def tied_lm_head_on_meta() -> List[Replacement]:
     "is not an nn.Parameter"), and ties only keys the model's state dict has. A placeholder on the meta device
     (no memory), which 5.x's tying replaces with the embeddings' own parameter, as 4.33's did the ``None``.
     """
-    import functools
-
     from petals.client.lm_head import LMHead
 
     original = LMHead.__init__
