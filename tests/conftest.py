@@ -522,6 +522,23 @@ def no_figures(tmp_path_factory) -> dict:
     return {"PYTHONPATH": os.pathsep.join(p for p in (hidden, REPO, os.environ.get("PYTHONPATH")) if p)}
 
 
+# launch/install_reference.sh's environments: its argument -> (the variable that moves it, its folder in the repository)
+REFERENCE_VENVS = {"4": ("DIST_EVAL_REFERENCE_VENV", ".venv-reference"),
+                   "5": ("DIST_EVAL_REFERENCE5_VENV", ".venv-reference5"),
+                   "pinned": ("DIST_EVAL_PINNED_VENV", ".venv-pinned")}
+
+
+def reference_python(generation: str, install: bool = True) -> str:
+    """The Python of launch/install_reference.sh's environment ``generation`` (:data:`REFERENCE_VENVS`), made or
+    found by the script first unless ``install`` is False (a lock makes a second caller wait for the first's)."""
+    if install:
+        done = subprocess.run([os.path.join(REPO, "launch", "install_reference.sh"), generation], capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    variable, folder = REFERENCE_VENVS[generation]
+    return os.path.join(os.environ.get(variable, os.path.join(REPO, folder)), "bin", "python")
+
+
 def stack_python(stack: str) -> str:
     """The Python of ``stack``: "pinned" (the transformers petals 2.2 pins, < 4.35, where stock petals servers run)
     or "current" (transformers 5.x): this one where its transformers is of that stack, else the environment
@@ -533,12 +550,7 @@ def stack_python(stack: str) -> str:
     pinned_here = Version(transformers.__version__) < Version("4.35")
     if pinned_here == (stack == "pinned"):
         return sys.executable
-    generation, variable, folder = {"pinned": ("pinned", "DIST_EVAL_PINNED_VENV", ".venv-pinned"),
-                                    "current": ("5", "DIST_EVAL_REFERENCE5_VENV", ".venv-reference5")}[stack]
-    done = subprocess.run([os.path.join(REPO, "launch", "install_reference.sh"), generation], capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return os.path.join(os.environ.get(variable, os.path.join(REPO, folder)), "bin", "python")
+    return reference_python({"pinned": "pinned", "current": "5"}[stack])
 
 
 def on_pinned_stack(script: str, tmp_path) -> dict:

@@ -123,15 +123,15 @@ def start_reference(tmp_path_factory, generation: str) -> tuple:
     """Start making the reference of ``generation`` ("4": 4.57, "5": 5.x) in the background: its environment
     (launch/install_reference.sh), then tests/reference/make_reference.py in it (models, tokenizers, trainable
     tensors and reference.json). (the process, the folder, its log)."""
+    from conftest import reference_python
+
     install = os.path.join(REPO, "launch", "install_reference.sh")
-    venv = {"4": os.environ.get("DIST_EVAL_REFERENCE_VENV", os.path.join(REPO, ".venv-reference")),
-            "5": os.environ.get("DIST_EVAL_REFERENCE5_VENV", os.path.join(REPO, ".venv-reference5"))}[generation]
     out = tmp_path_factory.mktemp(f"reference{generation}")
     log = out.with_name(out.name + ".log")
     with open(log, "w") as log_file:
         proc = subprocess.Popen(
             ["bash", "-c", 'set -e; "$1" "$2"; exec timeout 300 "$3" "$4" "$5"', "reference", install, generation,
-             os.path.join(venv, "bin", "python"), os.path.join(REPO, "tests", "reference", "make_reference.py"),
+             reference_python(generation, install=False), os.path.join(REPO, "tests", "reference", "make_reference.py"),
              str(out)],
             stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -1259,8 +1259,9 @@ def test_the_local_backend_on_transformers_5_computes_its_reference(reference5):
     the options were never applied: no rope_theta, no yarn, and a partial_rotary_factor that read as 1.0)."""
     out, ref = reference5
     families = sorted(ref["cases"])  # every family the reference saved (21 at the change)
-    venv = os.environ.get("DIST_EVAL_REFERENCE5_VENV", os.path.join(REPO, ".venv-reference5"))
-    proc = subprocess.run([os.path.join(venv, "bin", "python"), os.path.join(REPO, "tests", "reference",
+    from conftest import reference_python
+
+    proc = subprocess.run([reference_python("5", install=False), os.path.join(REPO, "tests", "reference",
                                                                                "on_current_stack.py"),
                            REPO, str(out), *families], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -1304,12 +1305,11 @@ def test_the_cli_and_evaluate_run_on_transformers_5_without_the_swarm(reference5
     reference's, on the same token ids); evaluate() in one process, the same batch size, gives N=2's logits bit for
     bit and its accuracy, and imports neither petals nor hivemind (neither is installed there). Before:
     pyproject.toml pinned transformers<4.35, and every family of these layers failed to build on 5.x."""
-    from conftest import free_port, run_env, run_in_own_group
+    from conftest import free_port, reference_python, run_env, run_in_own_group
 
     out, ref = reference5
     case = ref["cases"]["qwen3"]
-    venv_python = os.path.join(os.environ.get("DIST_EVAL_REFERENCE5_VENV", os.path.join(REPO, ".venv-reference5")),
-                               "bin", "python")
+    venv_python = reference_python("5", install=False)  # made for reference5
     folder = os.path.join(out, case["folder"])
     checkpoint = trained(reference5, "qwen3", "head")["checkpoint"]  # the trained head, no prompts
     rows = tmp_path / "rows.csv"  # the reference's corpus, whose ids its logits were computed on

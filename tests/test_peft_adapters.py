@@ -57,15 +57,14 @@ def doc_example() -> tuple:
 def reference(tmp_path_factory, tiny_model):
     """(the folder, reference.json): PEFT's adapters and logits (make_peft_reference.py in the reference
     venv), and the worked example's folder (``worked``: ./my-llama, val.csv, the adapter and PEFT's logits)."""
-    install = os.path.join(REPO, "launch", "install_reference.sh")
-    done = subprocess.run([install, "5"], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    venv = os.environ.get("DIST_EVAL_REFERENCE5_VENV", os.path.join(REPO, ".venv-reference5"))
+    from conftest import reference_python
+
+    python = reference_python("5")
     out, worked = tmp_path_factory.mktemp("peft_reference"), tmp_path_factory.mktemp("worked_example")
     os.symlink(tiny_model, worked / "my-llama")
     write_csv(str(worked / "val.csv"), 23, seed=7)
     (worked / "snippet.py").write_text(doc_example()[0], encoding="utf-8")
-    made = subprocess.run([os.path.join(venv, "bin", "python"), SCRIPT, str(out), "--worked-example", str(worked)],
+    made = subprocess.run([python, SCRIPT, str(out), "--worked-example", str(worked)],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert made.returncode == 0, made.stderr[-3000:]
     with open(out / "reference.json", encoding="utf-8") as f:
