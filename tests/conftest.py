@@ -7,10 +7,11 @@ import fcntl
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import uuid
-from typing import Optional
+from typing import Dict, Optional
 
 import datasets  # noqa: F401  (see below)
 import process_leaks  # no test leaves a process behind
@@ -528,9 +529,37 @@ REFERENCE_VENVS = {"4": ("DIST_EVAL_REFERENCE_VENV", ".venv-reference"),
                    "pinned": ("DIST_EVAL_PINNED_VENV", ".venv-pinned")}
 
 
+def pinned_by_reference(generation: str) -> Dict[str, str]:
+    """The distributions launch/install_reference.sh pins to one version (``name==version``) for ``generation``."""
+    with open(os.path.join(REPO, "launch", "install_reference.sh"), encoding="utf-8") as f:
+        script = f.read()
+    (case,) = re.findall(rf"^  {re.escape(generation)}\) (.*?);;", script, flags=re.M | re.S)
+    return dict(re.findall(r'"([A-Za-z0-9_.-]+)==([^"]+)"', case.split("NO_DEPS")[0]))
+
+
+def is_reference_here(generation: str) -> bool:
+    """Whether this Python already has every version launch/install_reference.sh pins for ``generation``: the
+    suite's own environment is then that reference (launch/install.sh's current stack is generation 5's), and
+    its scripts run here. They never import dist_eval, and each runs in a process of its own: nothing of the
+    bridges dist_eval applies in this process reaches them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> Optional[str]:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    pins = pinned_by_reference(generation)
+    return bool(pins) and all(installed(name) == wanted for name, wanted in pins.items())
+
+
 def reference_python(generation: str, install: bool = True) -> str:
     """The Python of launch/install_reference.sh's environment ``generation`` (:data:`REFERENCE_VENVS`), made or
-    found by the script first unless ``install`` is False (a lock makes a second caller wait for the first's)."""
+    found by the script first unless ``install`` is False (a lock makes a second caller wait for the first's); this
+    one where it is that environment already (:func:`is_reference_here`), and then nothing is installed."""
+    if is_reference_here(generation):
+        return sys.executable
     if install:
         done = subprocess.run([os.path.join(REPO, "launch", "install_reference.sh"), generation], capture_output=True,
                               text=True, timeout=900)

@@ -123,9 +123,10 @@ def start_reference(tmp_path_factory, generation: str) -> tuple:
     """Start making the reference of ``generation`` ("4": 4.57, "5": 5.x) in the background: its environment
     (launch/install_reference.sh), then tests/reference/make_reference.py in it (models, tokenizers, trainable
     tensors and reference.json). (the process, the folder, its log)."""
-    from conftest import reference_python
+    from conftest import is_reference_here, reference_python
 
-    install = os.path.join(REPO, "launch", "install_reference.sh")
+    # the environment made first, unless this one is it (the suite's own current stack is generation 5's)
+    install = "true" if is_reference_here(generation) else os.path.join(REPO, "launch", "install_reference.sh")
     out = tmp_path_factory.mktemp(f"reference{generation}")
     log = out.with_name(out.name + ".log")
     with open(log, "w") as log_file:
@@ -1298,18 +1299,18 @@ print(json.dumps({"accuracy": result.metrics["accuracy"], "transformers": transf
 
 @pytest.mark.multiproc
 def test_the_cli_and_evaluate_run_on_transformers_5_without_the_swarm(reference5, tmp_path):
-    """Issue 71: a user of a current stack. launch/install_reference.sh 5 installs this project (editable) with its
-    dependencies resolved beside transformers 5.23 and its hub, the extra "petals" left out (pyproject.toml's pins of
-    the 2023 stack are the extra's). There, on a family of dist_eval's own layers (Qwen3): ``python -m dist_eval
-    --backend local`` under torchrun N=2 gives each row's logits within TOLERANCE of transformers 5.x's own (the
-    reference's, on the same token ids); evaluate() in one process, the same batch size, gives N=2's logits bit for
-    bit and its accuracy, and imports neither petals nor hivemind (neither is installed there). Before:
-    pyproject.toml pinned transformers<4.35, and every family of these layers failed to build on 5.x."""
+    """Issue 71: a user of a current stack (transformers 5.23 and its hub: launch/install_reference.sh 5's
+    environment, which is the suite's own where launch/install.sh made it). There, on a family of dist_eval's own
+    layers (Qwen3): ``python -m dist_eval --backend local`` under torchrun N=2 gives each row's logits within
+    TOLERANCE of transformers 5.x's own (the reference's, on the same token ids); evaluate() in one process, the
+    same batch size, gives N=2's logits bit for bit and its accuracy, and imports neither petals nor hivemind (a
+    training loop's API call starts no swarm code). Before: pyproject.toml pinned transformers<4.35, and every
+    family of these layers failed to build on 5.x."""
     from conftest import free_port, reference_python, run_env, run_in_own_group
 
     out, ref = reference5
     case = ref["cases"]["qwen3"]
-    venv_python = reference_python("5", install=False)  # made for reference5
+    venv_python = reference_python("5", install=False)  # made for reference5 (or this one)
     folder = os.path.join(out, case["folder"])
     checkpoint = trained(reference5, "qwen3", "head")["checkpoint"]  # the trained head, no prompts
     rows = tmp_path / "rows.csv"  # the reference's corpus, whose ids its logits were computed on
