@@ -250,7 +250,7 @@ def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bin
     brier = M.per_sample_brier(probs, labels)
     hits = M.top_k_hits(probs, labels, k).astype(np.float64) if k is not None else None
     auroc_classes = [1] if num_labels == 2 else range(num_labels)
-    rankings = [_ranking(probs[:, c], labels == c) for c in auroc_classes]
+    rankings = [ranking_of(probs[:, c], labels == c) for c in auroc_classes]
     out = {name: np.empty(resamples) for name in ("ece", "brier")}
     if k is not None:
         out[f"top{k}_accuracy"] = np.empty(resamples)
@@ -265,7 +265,7 @@ def _score_metric_resamples(probs, labels, resamples: int, seed: int, top_k, bin
         out["brier"][start:stop] = weighted_sums(counts, brier) / n
         if k is not None:
             out[f"top{k}_accuracy"][start:stop] = counts @ hits / n  # counts of hits: exact in any order
-        per_class = np.stack([_weighted_auroc(whole, ranking) for ranking in rankings], axis=1)
+        per_class = np.stack([weighted_auroc(whole, ranking) for ranking in rankings], axis=1)
         out["auroc_macro"][start:stop] = macro_of_defined(per_class)
     if part is None:
         return out
@@ -284,19 +284,7 @@ def macro_of_defined(per_class: np.ndarray) -> np.ndarray:
 
 
 def ranking_of(scores: np.ndarray, positive: np.ndarray) -> tuple:
-    """What :func:`weighted_auroc` needs of one class (:func:`_ranking`)."""
-    return _ranking(scores, positive)
-
-
-def weighted_auroc(counts: np.ndarray, ranking: tuple, totals: np.ndarray) -> np.ndarray:
-    """AUROC of each resample of int32 row weights ``counts`` [r, n] whose rows sum to
-    ``totals`` [r] (a cluster bootstrap's: not n): :func:`_weighted_auroc`.
-    """
-    return _weighted_auroc(counts, ranking, totals)
-
-
-def _ranking(scores: np.ndarray, positive: np.ndarray) -> tuple:
-    """What :func:`_weighted_auroc` needs of one class, made once: (the positive rows: a
+    """What :func:`weighted_auroc` needs of one class, made once: (the positive rows: a
     slice when they are contiguous, as in the canonical order, else their indices; the
     negative rows in score order; for each positive row, how many negative rows score
     strictly lower; and for the positive rows with tied negatives, their positions among
@@ -318,10 +306,10 @@ def _ranking(scores: np.ndarray, positive: np.ndarray) -> tuple:
     return positives, negatives, below, tied, upto[tied]
 
 
-def _weighted_auroc(counts: np.ndarray, ranking: tuple, totals: np.ndarray | None = None) -> np.ndarray:
-    """AUROC of each resample (int32 row weights ``counts`` [r, n], each row summing to n, or to ``totals`` [r];
-    ``ranking`` from :func:`_ranking`): Mann-Whitney with ties as 1/2; NaN where the resample
-    has no positive or no negative row.
+def weighted_auroc(counts: np.ndarray, ranking: tuple, totals: np.ndarray | None = None) -> np.ndarray:
+    """AUROC of each resample (int32 row weights ``counts`` [r, n], each row summing to n, or to ``totals`` [r]:
+    a cluster bootstrap's; ``ranking`` from :func:`ranking_of`): Mann-Whitney with ties as 1/2; NaN where the
+    resample has no positive or no negative row.
 
     In integers, exactly: twice the wins = sum over positive rows of weight x (2 x negative
     weight below + negative weight tied) = weight x (negatives below + negatives up to and

@@ -234,7 +234,7 @@ def test_weighted_auroc_is_bit_for_bit_the_former_one(n, levels, share, contiguo
     """The one-cumulative-sum AUROC against the former computation: distinct and tied
     scores, NaN scores, positives in one block (the canonical order) or scattered, no
     positive or no negative row, and resamples where one side draws nothing."""
-    from dist_eval.intervals import _ranking, _weighted_auroc
+    from dist_eval.intervals import ranking_of, weighted_auroc
 
     rng = np.random.default_rng(n + int(10 * share))
     scores = rng.random(n) if levels is None else rng.integers(0, levels, n) / levels
@@ -246,7 +246,7 @@ def test_weighted_auroc_is_bit_for_bit_the_former_one(n, levels, share, contiguo
     counts = rng.multinomial(n, np.full(n, 1.0 / n), size=40).astype(np.int32)
     counts[0] = 0
     counts[0, 0] = n  # one row drawn n times
-    got = _weighted_auroc(counts, _ranking(scores, positive))
+    got = weighted_auroc(counts, ranking_of(scores, positive))
     want = reference_weighted_auroc(counts, scores, positive)
     assert got.tobytes() == want.tobytes()
 
@@ -307,7 +307,7 @@ def test_the_influences_are_the_derivatives_of_the_auroc():
     """auroc_influence: the macro AUROC of metrics.auroc_macro, influences summing to 0, and
     moving one row's weight onto another changes the resampled AUROC by the difference of
     their influences / n, up to a second-order term (the class sizes change too)."""
-    from dist_eval.intervals import _ranking, _weighted_auroc, auroc_influence
+    from dist_eval.intervals import auroc_influence, ranking_of, weighted_auroc
 
     for k, coarse in ((4, False), (3, True), (2, True), (2, False)):
         probs, labels = synthetic(3000, k, seed=k, coarse=coarse)
@@ -315,13 +315,13 @@ def test_the_influences_are_the_derivatives_of_the_auroc():
         assert auroc == pytest.approx(score_metrics(probs, labels)["auroc_macro"], abs=1e-12)
         assert abs(influence.sum()) < 1e-9 * len(labels)
         classes = [1] if k == 2 else range(k)
-        rankings = [_ranking(probs[:, c], labels == c) for c in classes]
+        rankings = [ranking_of(probs[:, c], labels == c) for c in classes]
         rng = np.random.default_rng(k)
         for doubled, dropped in rng.integers(0, len(labels), size=(20, 2)):
             counts = np.ones((1, len(labels)), dtype=np.int32)
             counts[0, doubled] += 1
             counts[0, dropped] -= 1
-            moved = np.mean([_weighted_auroc(counts, ranking)[0] for ranking in rankings])
+            moved = np.mean([weighted_auroc(counts, ranking)[0] for ranking in rankings])
             linear = auroc + (influence[doubled] - influence[dropped]) / len(labels)
             assert moved == pytest.approx(linear, abs=30 / len(labels) ** 2)
     one_class = np.zeros(50, dtype=np.int64)
