@@ -62,7 +62,15 @@ except RuntimeError as e:
 import petals.server.handler as handler, petals.server.block_functions as functions
 assert handler.run_rpc_forward is functions.run_rpc_forward  # nothing set
 """
-CHECKED_AFTER = {"import_petals": _REFUSAL, "apply_server_patches": "\nimport petals.utils.peft  # noqa: F401"}
+# after a server's patches, petals' PEFT module imported (a lazy bridge), what the bridges' probes say
+# (test_every_bridge_is_still_needed_by_the_installed_stack_and_applied: one fresh Python for both tests)
+_PROBES = """
+import petals.utils.peft  # noqa: F401
+from dist_eval.backends.petals import shims
+print('NEEDED', json.dumps(shims.still_needed()))
+print('HERE', json.dumps({name: shims.bridged_here(name) for name in shims.BRIDGES}))
+"""
+CHECKED_AFTER = {"import_petals": _REFUSAL, "apply_server_patches": _PROBES}
 
 
 def _in_fresh_python(code: str, env=None):
@@ -116,12 +124,9 @@ def test_the_inventory_lists_exactly_what_the_patches_replace(entry_results):
 
 def test_every_bridge_is_still_needed_by_the_installed_stack_and_applied(entry_results):
     """Issue 71: a bridge (shims.BRIDGES) the installed petals/hivemind no longer needs fails here: remove it, and
-    its version pin. Asked in a fresh Python after import_petals (the probes read the originals apply recorded)."""
-    code = ("from dist_eval.swarm.server import apply_server_patches\napply_server_patches()\n"
-            "import petals.utils.peft\nfrom dist_eval.backends.petals import shims\n"
-            "print('NEEDED', json.dumps(shims.still_needed()))\n"
-            "print('HERE', json.dumps({name: shims.bridged_here(name) for name in shims.BRIDGES}))")
-    applied, replaced, printed = _in_fresh_python(code)
+    its version pin. Asked in a fresh Python after a server's patches (the probes read the originals apply
+    recorded)."""
+    applied, _, printed = entry_results["apply_server_patches"]
     needed = json.loads(printed.split("NEEDED ", 1)[1].splitlines()[0])
     here = json.loads(printed.split("HERE ", 1)[1].splitlines()[0])
     from dist_eval.backends.petals.shims import BRIDGES
