@@ -239,15 +239,11 @@ class QkNormAttention(LlamaAttention):
 
         past = past_key_value[0].shape[-2] if past_key_value is not None else 0
         cos, sin = self.rotary(value, seq_len=past + q_len)  # [1, 1, positions, rotary_dim]
-        if position_ids is None:  # petals' server: the positions after the cached ones
-            position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
+        position_ids = _positions(position_ids, past_key_value, q_len, hidden_states.device)
         cos, sin = cos[0, 0][position_ids].unsqueeze(1), sin[0, 0][position_ids].unsqueeze(1)
         query, key = _rotate(query, cos, sin, self.rotary_dim), _rotate(key, cos, sin, self.rotary_dim)
 
-        if past_key_value is not None:
-            key = torch.cat([past_key_value[0], key], dim=2)
-            value = torch.cat([past_key_value[1], value], dim=2)
-        past_key_value = (key, value) if use_cache else None
+        key, value, past_key_value = _cached(key, value, past_key_value, use_cache)
         key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
 
         weights = torch.matmul(query, key.transpose(2, 3)) / math.sqrt(self.head_dim)
@@ -258,6 +254,22 @@ class QkNormAttention(LlamaAttention):
         if gate is not None:
             output = output * torch.sigmoid(gate)
         return self.o_proj(output), (weights if output_attentions else None), past_key_value
+
+
+def _positions(position_ids: Optional[torch.Tensor], past_key_value: Optional[tuple], q_len: int, device):
+    """``position_ids``, else (petals' server) the ``q_len`` positions after the cached ones."""
+    if position_ids is None:
+        past = past_key_value[0].shape[-2] if past_key_value is not None else 0
+        position_ids = torch.arange(past, past + q_len, device=device)[None]
+    return position_ids
+
+
+def _cached(key: torch.Tensor, value: torch.Tensor, past_key_value: Optional[tuple], use_cache: bool) -> tuple:
+    """(key, value) after the cached ones, and the cache the forward returns (None without ``use_cache``)."""
+    if past_key_value is not None:
+        key = torch.cat([past_key_value[0], key], dim=2)
+        value = torch.cat([past_key_value[1], value], dim=2)
+    return key, value, ((key, value) if use_cache else None)
 
 
 # transformers' attention with the arithmetic of petals' llama server block and of the pinned transformers' (4.33)
@@ -604,9 +616,7 @@ class LatentAttention(LlamaAttention):
         k_pass, value = torch.split(k_pass.transpose(1, 2), [self.nope_dim, self.v_head_dim], dim=-1)
         k_rot = k_rot.view(bsz, 1, q_len, self.rope_dim)
 
-        past = past_key_value[0].shape[-2] if past_key_value is not None else 0
-        if position_ids is None:  # petals' server: the positions after the cached ones
-            position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
+        position_ids = _positions(position_ids, past_key_value, q_len, hidden_states.device)
         # as transformers: float32 angles, cos and sin times the yarn factor, then the states' dtype
         freqs = position_ids[..., None].float() * self.rope_inv_freq.to(hidden_states.device)
         angles = torch.cat((freqs, freqs), dim=-1)
@@ -618,10 +628,7 @@ class LatentAttention(LlamaAttention):
         query = torch.cat((q_pass, q_rot), dim=-1)
         key = torch.cat((k_pass, k_rot.expand(*k_pass.shape[:-1], -1)), dim=-1)
 
-        if past_key_value is not None:
-            key = torch.cat([past_key_value[0], key], dim=2)
-            value = torch.cat([past_key_value[1], value], dim=2)
-        past_key_value = (key, value) if use_cache else None
+        key, value, past_key_value = _cached(key, value, past_key_value, use_cache)
         weights = torch.matmul(query, key.transpose(2, 3)) * self.scaling
         if attention_mask is not None:
             weights = weights + attention_mask
@@ -796,10 +803,8 @@ class ChunkedAttention(LlamaAttention):
         query = self.q_proj(hidden_states).view(heads).transpose(1, 2)
         key = self.k_proj(hidden_states).view(heads).transpose(1, 2)
         value = self.v_proj(hidden_states).view(heads).transpose(1, 2)
-        past = past_key_value[0].shape[-2] if past_key_value is not None else 0
         if self.use_rope:
-            if position_ids is None:  # petals' server: the positions after the cached ones
-                position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
+            position_ids = _positions(position_ids, past_key_value, q_len, hidden_states.device)
             freqs = position_ids[..., None].float() * self.rope_inv_freq.to(hidden_states.device)
             angles = torch.cat((freqs, freqs), dim=-1)
             cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
@@ -810,10 +815,7 @@ class ChunkedAttention(LlamaAttention):
             key = (key * cos + rotate_half(key) * sin).type_as(value)
             if self.l2_norm:
                 query, key = self._l2(query), self._l2(key)
-        if past_key_value is not None:
-            key = torch.cat([past_key_value[0], key], dim=2)
-            value = torch.cat([past_key_value[1], value], dim=2)
-        past_key_value = (key, value) if use_cache else None
+        key, value, past_key_value = _cached(key, value, past_key_value, use_cache)
         key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
         weights = torch.matmul(query, key.transpose(2, 3)) * self.head_dim ** -0.5
         if attention_mask is not None:
@@ -874,19 +876,14 @@ class SinkAttention(LlamaAttention):
         query = self.q_proj(hidden_states).view(heads).transpose(1, 2)
         key = self.k_proj(hidden_states).view(heads).transpose(1, 2)
         value = self.v_proj(hidden_states).view(heads).transpose(1, 2)
-        past = past_key_value[0].shape[-2] if past_key_value is not None else 0
-        if position_ids is None:  # petals' server: the positions after the cached ones
-            position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
+        position_ids = _positions(position_ids, past_key_value, q_len, hidden_states.device)
         # as transformers: float32 angles, cos and sin times the yarn factor, then the states' dtype
         freqs = position_ids[..., None].float() * self.rope_inv_freq.to(hidden_states.device)
         angles = torch.cat((freqs, freqs), dim=-1)
         cos = (angles.cos() * self.rope_factor).to(query.dtype).unsqueeze(1)
         sin = (angles.sin() * self.rope_factor).to(query.dtype).unsqueeze(1)
         query, key = query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
-        if past_key_value is not None:
-            key = torch.cat([past_key_value[0], key], dim=2)
-            value = torch.cat([past_key_value[1], value], dim=2)
-        past_key_value = (key, value) if use_cache else None
+        key, value, past_key_value = _cached(key, value, past_key_value, use_cache)
         key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
         weights = torch.matmul(query, key.transpose(2, 3)) * self.head_dim ** -0.5
         if attention_mask is not None:
