@@ -416,9 +416,7 @@ class GatedDeltaNet(LlamaAttention):
     ``__init__`` is not called.
     """
 
-    # its forward reads a child's weight without calling the child: streamed (backends/streamed.py), it is brought
-    # in whole before it runs
-    reads_child_weights = True
+    reads_child_weights = True  # its forward reads a child's weight without calling the child (backends.streamed)
 
     def __init__(self, config):
         nn.Module.__init__(self)
@@ -968,15 +966,18 @@ class SparseMoeMLP(nn.Module):
         weights, chosen = torch.topk(probabilities, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.routed(tokens, chosen, weights.to(tokens.dtype)).view(hidden_states.shape)
+        return routed_sum(tokens, chosen, weights.to(tokens.dtype), self.experts.__getitem__).view(hidden_states.shape)
 
-    def routed(self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The sum over each token's ``chosen`` experts ([tokens, top_k]) of their outputs times ``weights``."""
-        output = torch.zeros_like(tokens)
-        for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
-            token, slot = torch.where(chosen == expert)
-            output.index_add_(0, token, _rows(self.experts[expert], tokens[token]) * weights[token, slot, None])
-        return output
+
+def routed_sum(tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, expert_at) -> torch.Tensor:
+    """The sum, in ``weights``' dtype, over each token's ``chosen`` experts ([tokens, top_k]) of their outputs
+    (``expert_at(e)``: expert ``e``, called on its tokens) times ``weights``.
+    """
+    output = torch.zeros_like(tokens, dtype=weights.dtype)
+    for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
+        token, slot = torch.where(chosen == expert)
+        output.index_add_(0, token, _rows(expert_at(expert), tokens[token]) * weights[token, slot, None])
+    return output
 
 
 class CorrectedSigmoidMoeMLP(SparseMoeMLP):
@@ -997,7 +998,7 @@ class CorrectedSigmoidMoeMLP(SparseMoeMLP):
         chosen = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, chosen)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(tokens.dtype)
-        return self.routed(tokens, chosen, weights).view(hidden_states.shape)
+        return routed_sum(tokens, chosen, weights, self.experts.__getitem__).view(hidden_states.shape)
 
 
 class GatedSharedMoeMLP(SparseMoeMLP):
@@ -1044,9 +1045,7 @@ class InputScaledMoeMLP(nn.Module):
     its output), their outputs summed with a shared expert's (``shared_expert``) every token goes through.
     """
 
-    # its forward reads a child's weight without calling the child: streamed (backends/streamed.py), it is brought
-    # in whole before it runs
-    reads_child_weights = True
+    reads_child_weights = True  # its forward reads a child's weight without calling the child (backends.streamed)
 
     def __init__(self, config):
         super().__init__()
@@ -1099,9 +1098,7 @@ class TopKSoftmaxMoeMLP(nn.Module):
     softmax over those chosen logits alone; :class:`ClampedSwiGLUExperts` (``mlp.experts.*``).
     """
 
-    # its forward reads a child's weight without calling the child: streamed (backends/streamed.py), it is brought
-    # in whole before it runs
-    reads_child_weights = True
+    reads_child_weights = True  # its forward reads a child's weight without calling the child (backends.streamed)
 
     def __init__(self, config):
         super().__init__()
@@ -1113,12 +1110,8 @@ class TopKSoftmaxMoeMLP(nn.Module):
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         top, chosen = torch.topk(_rows(self.router, tokens), self.top_k, dim=-1)
         weights = F.softmax(top, dim=-1, dtype=top.dtype)
-        routed = torch.zeros_like(tokens)
-        for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
-            token, slot = torch.where(chosen == expert)
-            run = functools.partial(self.experts.expert, expert)
-            routed.index_add_(0, token, _rows(run, tokens[token]) * weights[token, slot, None])
-        return routed.view(hidden_states.shape)
+        return routed_sum(tokens, chosen, weights,
+                          lambda expert: functools.partial(self.experts.expert, expert)).view(hidden_states.shape)
 
 
 class SigmoidRouter(nn.Module):
@@ -1173,10 +1166,7 @@ class SigmoidMoeMLP(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.routed_scaling_factor
-        routed = torch.zeros_like(tokens, dtype=weights.dtype)
-        for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
-            token, slot = torch.where(chosen == expert)
-            routed.index_add_(0, token, _rows(self.experts[expert], tokens[token]) * weights[token, slot, None])
+        routed = routed_sum(tokens, chosen, weights, self.experts.__getitem__)
         # the shared expert sees every token, through _rows as the experts do: a batch of fewer tokens than
         # MIN_ROWS would otherwise run another kernel path (on AVX2, other last bits for a row alone)
         return routed.to(tokens.dtype).view(hidden_states.shape) + _rows(self.shared_experts, tokens).view(
@@ -1400,27 +1390,23 @@ def build_layer_parts(layer: nn.Module, config, index: int) -> None:
     layer.post_attention_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
     block = fp8_block_size(config)
     if block is not None:  # transformers' loader hands each module the file's tensors: FP8 ones dequantized first
-        layer._register_load_state_dict_pre_hook(functools.partial(_dequantize_on_load, block))
+        layer._register_load_state_dict_pre_hook(_dequantized_on_load(dequantize_fp8, block=block))
     group = int4_group_size(config)
     if group is not None:  # the same, INT4 ones
-        layer._register_load_state_dict_pre_hook(functools.partial(_dequantize_int4_on_load, group))
+        layer._register_load_state_dict_pre_hook(_dequantized_on_load(dequantize_int4, group=group))
     if is_mxfp4(config):  # the same, MXFP4 ones (gpt-oss's experts)
-        layer._register_load_state_dict_pre_hook(_dequantize_mxfp4_on_load)
+        layer._register_load_state_dict_pre_hook(_dequantized_on_load(dequantize_mxfp4))
 
 
-def _dequantize_mxfp4_on_load(state_dict: dict, prefix: str, *args) -> None:
-    """A layer's load hook: its MXFP4 tensors in ``state_dict`` (one file's tensors) dequantized."""
-    dequantize_mxfp4(state_dict, prefix, where=prefix + "*")
+def _dequantized_on_load(dequantize, **settings):
+    """A layer's load hook: its quantized tensors in ``state_dict`` (one file's tensors) dequantized by
+    ``dequantize`` (:func:`dequantize_fp8`, ``_int4``, ``_mxfp4``, ``_v4``) with ``settings`` (its tile or group).
+    """
+    return functools.partial(_dequantize_on_load, functools.partial(dequantize, **settings))
 
 
-def _dequantize_on_load(block: tuple, state_dict: dict, prefix: str, *args) -> None:
-    """A layer's load hook: its FP8 weights in ``state_dict`` (one file's tensors) dequantized."""
-    dequantize_fp8(state_dict, block, prefix, where=prefix + "*")
-
-
-def _dequantize_int4_on_load(group: int, state_dict: dict, prefix: str, *args) -> None:
-    """A layer's load hook: its INT4 weights in ``state_dict`` (one file's tensors) dequantized."""
-    dequantize_int4(state_dict, group, prefix, where=prefix + "*")
+def _dequantize_on_load(dequantize, state_dict: dict, prefix: str, *args) -> None:
+    dequantize(state_dict, prefix=prefix, where=prefix + "*")
 
 
 # ---------------------------------------------------------------- DeepSeek-V4 (the block option hyper_connections)
@@ -1576,9 +1562,7 @@ class V4Attention(nn.Module):
     each to ``o_lora_rank``) and ``wo_b``. transformers 5.x's eager computation, in its order, for a whole row.
     """
 
-    # its forward reads a child's weight without calling the child: streamed (backends/streamed.py), it is brought
-    # in whole before it runs
-    reads_child_weights = True
+    reads_child_weights = True  # its forward reads a child's weight without calling the child (backends.streamed)
 
     def __init__(self, config, index: int):
         super().__init__()
@@ -1786,7 +1770,7 @@ class HyperConnectedLayer(nn.Module):
         self.ffn = V4MoeMLP(config, index)
         block = fp8_block_size(config)
         if block is not None:  # the release's FP8 + FP4 weights, dequantized as the loader hands them over
-            self._register_load_state_dict_pre_hook(functools.partial(_dequantize_v4_on_load, block))
+            self._register_load_state_dict_pre_hook(_dequantized_on_load(dequantize_v4, block=block))
         width = (2 + self.hc) * self.hc
         for name in ("attn", "ffn"):
             setattr(self, f"hc_{name}_fn", nn.Parameter(torch.zeros(width, self.hc * config.hidden_size)))
@@ -1979,11 +1963,6 @@ def dequantize_v4(tensors: dict, block: tuple, prefix: str = "", where: str = ""
                              f"{list(tile)} needs {needed} (weight_block_size in config.json for FP8, groups of "
                              f"{V4_FP4_GROUP} for FP4 experts).", param="model_dir", value=where)
         tensors[name] = values * scale.repeat_interleave(tile[0], 0)[:rows].repeat_interleave(tile[1], 1)[:, :cols]
-
-
-def _dequantize_v4_on_load(block: tuple, state_dict: dict, prefix: str, *args) -> None:
-    """A DeepSeek-V4 layer's load hook: its quantized weights in ``state_dict`` (one file's tensors) dequantized."""
-    dequantize_v4(state_dict, block, prefix, where=prefix + "*")
 
 
 def refuse_a_cache(use_cache: bool, past_key_values) -> None:
