@@ -887,7 +887,7 @@ class SinkAttention(LlamaAttention):
         if attention_mask is not None:
             weights = weights + attention_mask
         if self.window:
-            weights = weights.masked_fill(self._outside_window(position_ids, key.shape[-2]),
+            weights = weights.masked_fill(_outside_window(position_ids, key.shape[-2], self.window),
                                           torch.finfo(weights.dtype).min)
         sinks = self.sinks.reshape(1, -1, 1, 1).expand(bsz, -1, q_len, -1).to(weights.dtype)
         logits = torch.cat([weights, sinks], dim=-1)
@@ -896,10 +896,11 @@ class SinkAttention(LlamaAttention):
         output = torch.matmul(weights, value).transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
         return self.o_proj(output), (weights if output_attentions else None), past_key_value
 
-    def _outside_window(self, position_ids: torch.Tensor, keys: int) -> torch.Tensor:
-        """[batch or 1, 1, queries, keys]: true where a key is at or before the query's position - window."""
-        key_positions = torch.arange(keys, device=position_ids.device)
-        return (key_positions[None, None, :] <= position_ids[:, :, None] - self.window).unsqueeze(1)
+
+def _outside_window(position_ids: torch.Tensor, keys: int, window: int) -> torch.Tensor:
+    """[batch or 1, 1, queries, keys]: true where a key is at or before the query's position - ``window``."""
+    key_positions = torch.arange(keys, device=position_ids.device)
+    return (key_positions[None, None, :] <= position_ids[:, :, None] - window).unsqueeze(1)
 
 
 def _deinterleave(states: torch.Tensor) -> torch.Tensor:
@@ -1596,7 +1597,7 @@ class V4Attention(nn.Module):
         query = v4_rotate(_unweighted_rms(query, self.eps), cos, sin)
         kv = self.norm(self.wkv(hidden_states)).view(bsz, positions, 1, self.head_dim).transpose(1, 2)
         kv = v4_rotate(kv, cos, sin)
-        mask = attention_mask.masked_fill(self._outside_window(position_ids, positions),
+        mask = attention_mask.masked_fill(_outside_window(position_ids, positions, self.window),
                                           torch.finfo(attention_mask.dtype).min)
         if self.compressor is not None:
             entries, bias = self._compressed(hidden_states, q_latent, position_ids)
@@ -1619,11 +1620,6 @@ class V4Attention(nn.Module):
         weight = self.wo_a.weight.view(self.groups, -1, width).transpose(1, 2)
         flat = groups.reshape(-1, self.groups, width).transpose(0, 1)
         return torch.bmm(flat, weight).transpose(0, 1).reshape(*groups.shape[:-2], self.groups, -1)
-
-    def _outside_window(self, position_ids: torch.Tensor, keys: int) -> torch.Tensor:
-        """[batch, 1, queries, keys]: true where a key is at or before the query's position - window."""
-        key_positions = torch.arange(keys, device=position_ids.device)
-        return (key_positions[None, None, :] <= position_ids[:, :, None] - self.window).unsqueeze(1)
 
     def _compressed(self, hidden_states: torch.Tensor, q_latent: torch.Tensor, position_ids: torch.Tensor) -> tuple:
         """(the compressor's entries [batch, entries, head_dim], their bias [batch, 1, queries, entries]: 0 where the
