@@ -341,9 +341,6 @@ class Options:
                              "{0} auto or a folder. Drop it, or give {0} a folder.", param="fresh_rows",
                              names=("row_store",))
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 def split_settings(values: Dict[str, Any], *, from_flags: bool = False) -> Tuple[Settings, Options, Dict[str, Any]]:
     """``values`` (keywords or flags by field name) as (:class:`Settings`, :class:`Options`,

@@ -76,11 +76,6 @@ class DemoAssets:
     pre_seq_len: int = PRE_SEQ_LEN
 
 
-def default_cache_dir() -> str:
-    """``$DIST_EVAL_CACHE`` if set, else ``~/.cache/dist_eval``."""
-    return cache_folder()
-
-
 def shipped_families() -> List[str]:
     """The families whose demo assets ship with the package (``--demo-family``'s choices)."""
     try:
@@ -114,7 +109,7 @@ def demo_assets(
                          f"{', '.join(shipped_families()) or 'none'} (python -m dist_eval.demo_build {family} "
                          "makes one)")
     shipped = shipped_manifest(family)
-    cache_dir = os.path.abspath(cache_dir or default_cache_dir())
+    cache_dir = os.path.abspath(cache_dir or cache_folder())
     name = f"demo-v{DEMO_VERSION}" + ("" if family == DEMO_FAMILY else f"-{family}")
     final = os.path.join(cache_dir, name)
     assets = _read_assets(final, shipped)

@@ -244,7 +244,7 @@ class GlobalProgress:
         rate = done / elapsed if done else 0.0
         eta = eta_seconds(elapsed, done, self.total, self._plan)
         if self.mode == "bar":
-            self._draw_bar(done, rate, eta, elapsed, final)
+            self._draw_bar(done, rate, eta, final)
         elif final:
             self._write_log_line(done, rate, elapsed, "done" if completed and done >= self.total else "stopped")
         elif self._log_due(done, now):
@@ -258,7 +258,7 @@ class GlobalProgress:
         return tqdm(total=self.total, desc=self.label, unit=" rows", smoothing=0, file=self.stream,
                     mininterval=0, leave=True, bar_format=_BAR_BEFORE_ETA)
 
-    def _draw_bar(self, done: int, rate: float, eta, elapsed: float, final: bool) -> None:
+    def _draw_bar(self, done: int, rate: float, eta, final: bool) -> None:
         bar = self._bar
         if self._plan is not None and bar.unit != " tok":
             bar.total, bar.unit, bar.unit_scale = float(self._plan.costs[-1]), " tok", True

@@ -37,11 +37,11 @@ def canonical_json(value) -> bytes:
     """``value`` as JSON read back from its file: sorted keys, no spaces (the digest of the metrics is of
     this, so it is the same from the report in memory and from metrics.json).
     """
-    return json.dumps(json.loads(json.dumps(value, default=_jsonable)), sort_keys=True,
+    return json.dumps(json.loads(json.dumps(value, default=jsonable)), sort_keys=True,
                       separators=(",", ":")).encode()
 
 
-def _jsonable(value):
+def jsonable(value):
     """The scalars and arrays of numpy as metrics.json writes them (:func:`dist_eval.output.files.write_metrics`)."""
     if isinstance(value, np.generic):
         return value.item()

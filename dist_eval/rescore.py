@@ -15,12 +15,13 @@ import argparse
 import json
 import os
 import sys
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from dist_eval.errors import UsageError
 from dist_eval.metrics import headline_names
+from dist_eval.results import MergedResults
 
 EXIT_USAGE = 2
 # what rescore recomputes, besides top{K}_accuracy (named with the run's k: see rescored_keys);
@@ -77,8 +78,8 @@ def rescore(folder: str) -> dict:
     intervals = metrics.get("confidence_intervals") or (clustering or {}).get("unclustered_intervals") or {}
     bootstrap = (intervals["resamples"], intervals["seed"]) if intervals else None
     clusters = (clustering["column"], columns["cluster"]) if clustering and "cluster" in columns else None
-    rows = MergedRows(np.array(columns["index"], dtype=np.int64), np.array(columns["label"], dtype=np.int64),
-                      np.array(columns["pred"], dtype=np.int64), np.array(columns["loss"], dtype=np.float64), logits)
+    rows = MergedResults(np.array(columns["index"], dtype=np.int64), np.array(columns["label"], dtype=np.int64),
+                         np.array(columns["pred"], dtype=np.int64), np.array(columns["loss"], dtype=np.float64), logits)
     out = row_metrics(rows.labels, rows.preds, rows.losses, logits, int(metrics["num_labels"]),
                       metrics.get("label_names"), bootstrap, metrics.get("top_k"))
     if clusters is not None:
@@ -92,17 +93,7 @@ def rescore(folder: str) -> dict:
     return out
 
 
-class MergedRows(NamedTuple):
-    """The per-row arrays of predictions.jsonl, as the merge's MergedResults names them."""
-
-    indices: np.ndarray
-    labels: np.ndarray
-    preds: np.ndarray
-    losses: np.ndarray
-    logits: Optional[np.ndarray]
-
-
-def _slices(metrics: dict, cells: list, rows: MergedRows, bootstrap, clusters=None) -> dict:
+def _slices(metrics: dict, cells: list, rows: MergedResults, bootstrap, clusters=None) -> dict:
     """The run's ``slices``, recomputed from each row's ``slice`` field (:mod:`dist_eval.slices`)."""
     from dist_eval.slices import slice_report
 

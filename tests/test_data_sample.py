@@ -139,7 +139,10 @@ def test_content_keys_follow_the_rows_whatever_their_order_or_file():
     import datasets
 
     from dist_eval.config import Settings
-    from dist_eval.data.sample import content_keys
+    from dist_eval.data.sample import draw_rows
+
+    def content_keys(dataset, settings):
+        return draw_rows(dataset, settings).keys
 
     rows = {"text": ["a", "b", "a", "c"], "label": [0, 1, 0, 2], "pair": ["x", "y", "x", "z"]}
     settings = Settings(text_pair_column="pair")

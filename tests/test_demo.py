@@ -17,8 +17,8 @@ import torch
 from float_promises import assert_within_rounding
 
 from dist_eval import demo, demo_build
-from dist_eval.atomic import file_sha256
-from dist_eval.demo import DEMO_VERSION, DemoAssets, default_cache_dir, demo_assets, shipped_families, shipped_manifest
+from dist_eval.atomic import cache_folder, file_sha256
+from dist_eval.demo import DEMO_VERSION, DemoAssets, demo_assets, shipped_families, shipped_manifest
 
 
 @pytest.fixture(scope="module")
@@ -363,9 +363,9 @@ def test_incomplete_folder_is_not_taken_for_assets(tmp_path):
 
 def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("DIST_EVAL_CACHE", str(tmp_path / "c"))
-    assert default_cache_dir() == str(tmp_path / "c")
+    assert cache_folder() == str(tmp_path / "c")  # the demo's default cache_dir
     monkeypatch.delenv("DIST_EVAL_CACHE")
-    assert default_cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "dist_eval")
+    assert cache_folder() == os.path.join(os.path.expanduser("~"), ".cache", "dist_eval")
 
 
 @pytest.fixture(scope="module", params=["bloom", "falcon"])

@@ -157,7 +157,7 @@ def _head_tensor(head: str, family: Optional[Family]) -> torch.Tensor:
         if is_adapter_folder(head):
             raise UsageError(f"a PEFT adapter's folder, not a head: pass it as {param_name('checkpoint')} (a SEQ_CLS "
                              "adapter's head is read from it).", param="head", value=head)
-        state = model_dir_trainable_state(head, family)
+        state = model_dir_trainable_state(head)
         if state is None:
             raise UsageError("the model folder has no score.weight to use as the classifier head.",
                              param="head", value=head)
@@ -361,7 +361,7 @@ def _to_state(tensors: Dict[str, torch.Tensor], source: str, num_labels: Optiona
     return TrainableState(mode, pre_seq_len, int(clean[HEAD].shape[0]) if num_labels is None else num_labels, clean)
 
 
-def model_dir_trainable_state(model_dir: str, family: Optional[Family] = None) -> Optional[TrainableState]:
+def model_dir_trainable_state(model_dir: str) -> Optional[TrainableState]:
     """The head stored in the model folder itself (a fine-tuned classifier), if any."""
     from safetensors import safe_open
 

@@ -322,7 +322,7 @@ def _resolve_trainable(model_dir: str, files, tuning, num_labels, family, label_
     elif head:  # the head alone (no prompts), e.g. for a causal LM folder
         state = load_head(head, family)
     else:
-        state = model_dir_trainable_state(model_dir, family)
+        state = model_dir_trainable_state(model_dir)
         if state is None:
             raise UsageError(
                 f"the model folder has no classifier head ('{family.head}.weight') and no "

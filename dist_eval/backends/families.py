@@ -655,13 +655,24 @@ def _experts_refusal(config, router) -> str:
 
 DEMO_FAMILY = "llama"  # the built-in demo's family, unless --demo-family says another
 
+
+def class_names(name: str) -> dict:
+    """The class fields of a family whose classes are named ``name`` (``Llama``: ``LlamaForCausalLM``, ...)."""
+    return dict(petals_class=f"Distributed{name}ForSequenceClassification",
+                local_class=f"{name}ForSequenceClassification", petals_lm_class=f"Distributed{name}ForCausalLM",
+                local_lm_class=f"{name}ForCausalLM")
+
+
+# the paths of the families under ``transformer.`` (BLOOM's and Falcon's)
+TRANSFORMER_PATHS = dict(backbone="transformer", embeddings="transformer.word_embeddings", blocks="transformer.h",
+                         prompts="transformer.prompt_embeddings",
+                         deep_prompts="transformer.intermediate_prompt_embeddings", checkpoint_prefix="transformer.",
+                         last_token="non_pad_count")
+
 FAMILIES: Dict[str, Family] = {
     "llama": Family(
         model_type="llama",
-        petals_class="DistributedLlamaForSequenceClassification",
-        local_class="LlamaForSequenceClassification",
-        petals_lm_class="DistributedLlamaForCausalLM",
-        local_lm_class="LlamaForCausalLM",
+        **class_names("Llama"),
         backbone="model",
         embeddings="model.embed_tokens",
         blocks="model.layers",
@@ -682,17 +693,8 @@ FAMILIES: Dict[str, Family] = {
     ),
     "bloom": Family(
         model_type="bloom",
-        petals_class="DistributedBloomForSequenceClassification",
-        local_class="BloomForSequenceClassification",
-        petals_lm_class="DistributedBloomForCausalLM",
-        local_lm_class="BloomForCausalLM",
-        backbone="transformer",
-        embeddings="transformer.word_embeddings",
-        blocks="transformer.h",
-        prompts="transformer.prompt_embeddings",
-        deep_prompts="transformer.intermediate_prompt_embeddings",
-        checkpoint_prefix="transformer.",
-        last_token="non_pad_count",
+        **class_names("Bloom"),
+        **TRANSFORMER_PATHS,
         server_blocks="h",
         frozen=("word_embeddings", "word_embeddings_layernorm", "h", "ln_f"),
         key_signature=r"^(transformer\.)?(word_embeddings_layernorm\.|h\.\d+\.self_attention\.query_key_value\.bias)",
@@ -701,17 +703,8 @@ FAMILIES: Dict[str, Family] = {
     ),
     "falcon": Family(
         model_type="falcon",
-        petals_class="DistributedFalconForSequenceClassification",
-        local_class="FalconForSequenceClassification",
-        petals_lm_class="DistributedFalconForCausalLM",
-        local_lm_class="FalconForCausalLM",
-        backbone="transformer",
-        embeddings="transformer.word_embeddings",
-        blocks="transformer.h",
-        prompts="transformer.prompt_embeddings",
-        deep_prompts="transformer.intermediate_prompt_embeddings",
-        checkpoint_prefix="transformer.",
-        last_token="non_pad_count",
+        **class_names("Falcon"),
+        **TRANSFORMER_PATHS,
         server_blocks="transformer.h",
         frozen=("word_embeddings", "h", "ln_f"),
         embeds_on_server=True,
@@ -734,11 +727,8 @@ FAMILIES: Dict[str, Family] = {
 def _built_on_llama(model_type: str, name: str, **fields) -> Family:
     """A family newer than the pinned transformers whose block is Llama's with options."""
     llama = FAMILIES["llama"]
-    return dataclasses.replace(
-        llama, model_type=model_type, petals_class=f"Distributed{name}ForSequenceClassification",
-        local_class=f"{name}ForSequenceClassification", petals_lm_class=f"Distributed{name}ForCausalLM",
-        local_lm_class=f"{name}ForCausalLM", key_signature="", config_class="", attention_class="",
-        built_on="llama", **fields)
+    return dataclasses.replace(llama, model_type=model_type, **class_names(name), key_signature="", config_class="",
+                               attention_class="", built_on="llama", **fields)
 
 
 # Mistral: Llama's block (grouped-query attention); v0.1 attends within a sliding window
@@ -842,9 +832,7 @@ FAMILIES["qwen3_5"] = _built_on_llama(
 # num_experts_per_tok of num_experts, their weights renormalised, plus a shared expert of
 # shared_expert_intermediate_size scaled by the sigmoid of its own gate; transformers 5.x's defaults
 FAMILIES["qwen3_5_moe"] = dataclasses.replace(
-    FAMILIES["qwen3_5"], model_type="qwen3_5_moe", petals_class="DistributedQwen3_5MoeForSequenceClassification",
-    local_class="Qwen3_5MoeForSequenceClassification", petals_lm_class="DistributedQwen3_5MoeForCausalLM",
-    local_lm_class="Qwen3_5MoeForCausalLM", block_options=QWEN3_5_OPTIONS + (
+    FAMILIES["qwen3_5"], model_type="qwen3_5_moe", **class_names("Qwen3_5Moe"), block_options=QWEN3_5_OPTIONS + (
         ("mixture_of_experts", "shared_gate"), ("num_experts", 256), ("num_experts_per_tok", 8),
         ("moe_intermediate_size", 512), ("shared_expert_intermediate_size", 512), ("norm_topk_prob", True)))
 

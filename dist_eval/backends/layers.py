@@ -239,15 +239,11 @@ class QkNormAttention(LlamaAttention):
 
         past = past_key_value[0].shape[-2] if past_key_value is not None else 0
         cos, sin = self.rotary(value, seq_len=past + q_len)  # [1, 1, positions, rotary_dim]
-        if position_ids is None:  # petals' server: the positions after the cached ones
-            position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
+        position_ids = _positions(position_ids, past_key_value, q_len, hidden_states.device)
         cos, sin = cos[0, 0][position_ids].unsqueeze(1), sin[0, 0][position_ids].unsqueeze(1)
         query, key = _rotate(query, cos, sin, self.rotary_dim), _rotate(key, cos, sin, self.rotary_dim)
 
-        if past_key_value is not None:
-            key = torch.cat([past_key_value[0], key], dim=2)
-            value = torch.cat([past_key_value[1], value], dim=2)
-        past_key_value = (key, value) if use_cache else None
+        key, value, past_key_value = _cached(key, value, past_key_value, use_cache)
         key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
 
         weights = torch.matmul(query, key.transpose(2, 3)) / math.sqrt(self.head_dim)
@@ -258,6 +254,22 @@ class QkNormAttention(LlamaAttention):
         if gate is not None:
             output = output * torch.sigmoid(gate)
         return self.o_proj(output), (weights if output_attentions else None), past_key_value
+
+
+def _positions(position_ids: Optional[torch.Tensor], past_key_value: Optional[tuple], q_len: int, device):
+    """``position_ids``, else (petals' server) the ``q_len`` positions after the cached ones."""
+    if position_ids is None:
+        past = past_key_value[0].shape[-2] if past_key_value is not None else 0
+        position_ids = torch.arange(past, past + q_len, device=device)[None]
+    return position_ids
+
+
+def _cached(key: torch.Tensor, value: torch.Tensor, past_key_value: Optional[tuple], use_cache: bool) -> tuple:
+    """(key, value) after the cached ones, and the cache the forward returns (None without ``use_cache``)."""
+    if past_key_value is not None:
+        key = torch.cat([past_key_value[0], key], dim=2)
+        value = torch.cat([past_key_value[1], value], dim=2)
+    return key, value, ((key, value) if use_cache else None)
 
 
 # transformers' attention with the arithmetic of petals' llama server block and of the pinned transformers' (4.33)
@@ -404,9 +416,7 @@ class GatedDeltaNet(LlamaAttention):
     ``__init__`` is not called.
     """
 
-    # its forward reads a child's weight without calling the child: streamed (backends/streamed.py), it is brought
-    # in whole before it runs
-    reads_child_weights = True
+    reads_child_weights = True  # its forward reads a child's weight without calling the child (backends.streamed)
 
     def __init__(self, config):
         nn.Module.__init__(self)
@@ -604,9 +614,7 @@ class LatentAttention(LlamaAttention):
         k_pass, value = torch.split(k_pass.transpose(1, 2), [self.nope_dim, self.v_head_dim], dim=-1)
         k_rot = k_rot.view(bsz, 1, q_len, self.rope_dim)
 
-        past = past_key_value[0].shape[-2] if past_key_value is not None else 0
-        if position_ids is None:  # petals' server: the positions after the cached ones
-            position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
+        position_ids = _positions(position_ids, past_key_value, q_len, hidden_states.device)
         # as transformers: float32 angles, cos and sin times the yarn factor, then the states' dtype
         freqs = position_ids[..., None].float() * self.rope_inv_freq.to(hidden_states.device)
         angles = torch.cat((freqs, freqs), dim=-1)
@@ -618,10 +626,7 @@ class LatentAttention(LlamaAttention):
         query = torch.cat((q_pass, q_rot), dim=-1)
         key = torch.cat((k_pass, k_rot.expand(*k_pass.shape[:-1], -1)), dim=-1)
 
-        if past_key_value is not None:
-            key = torch.cat([past_key_value[0], key], dim=2)
-            value = torch.cat([past_key_value[1], value], dim=2)
-        past_key_value = (key, value) if use_cache else None
+        key, value, past_key_value = _cached(key, value, past_key_value, use_cache)
         weights = torch.matmul(query, key.transpose(2, 3)) * self.scaling
         if attention_mask is not None:
             weights = weights + attention_mask
@@ -796,10 +801,8 @@ class ChunkedAttention(LlamaAttention):
         query = self.q_proj(hidden_states).view(heads).transpose(1, 2)
         key = self.k_proj(hidden_states).view(heads).transpose(1, 2)
         value = self.v_proj(hidden_states).view(heads).transpose(1, 2)
-        past = past_key_value[0].shape[-2] if past_key_value is not None else 0
         if self.use_rope:
-            if position_ids is None:  # petals' server: the positions after the cached ones
-                position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
+            position_ids = _positions(position_ids, past_key_value, q_len, hidden_states.device)
             freqs = position_ids[..., None].float() * self.rope_inv_freq.to(hidden_states.device)
             angles = torch.cat((freqs, freqs), dim=-1)
             cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
@@ -810,10 +813,7 @@ class ChunkedAttention(LlamaAttention):
             key = (key * cos + rotate_half(key) * sin).type_as(value)
             if self.l2_norm:
                 query, key = self._l2(query), self._l2(key)
-        if past_key_value is not None:
-            key = torch.cat([past_key_value[0], key], dim=2)
-            value = torch.cat([past_key_value[1], value], dim=2)
-        past_key_value = (key, value) if use_cache else None
+        key, value, past_key_value = _cached(key, value, past_key_value, use_cache)
         key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
         weights = torch.matmul(query, key.transpose(2, 3)) * self.head_dim ** -0.5
         if attention_mask is not None:
@@ -874,25 +874,20 @@ class SinkAttention(LlamaAttention):
         query = self.q_proj(hidden_states).view(heads).transpose(1, 2)
         key = self.k_proj(hidden_states).view(heads).transpose(1, 2)
         value = self.v_proj(hidden_states).view(heads).transpose(1, 2)
-        past = past_key_value[0].shape[-2] if past_key_value is not None else 0
-        if position_ids is None:  # petals' server: the positions after the cached ones
-            position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
+        position_ids = _positions(position_ids, past_key_value, q_len, hidden_states.device)
         # as transformers: float32 angles, cos and sin times the yarn factor, then the states' dtype
         freqs = position_ids[..., None].float() * self.rope_inv_freq.to(hidden_states.device)
         angles = torch.cat((freqs, freqs), dim=-1)
         cos = (angles.cos() * self.rope_factor).to(query.dtype).unsqueeze(1)
         sin = (angles.sin() * self.rope_factor).to(query.dtype).unsqueeze(1)
         query, key = query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
-        if past_key_value is not None:
-            key = torch.cat([past_key_value[0], key], dim=2)
-            value = torch.cat([past_key_value[1], value], dim=2)
-        past_key_value = (key, value) if use_cache else None
+        key, value, past_key_value = _cached(key, value, past_key_value, use_cache)
         key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
         weights = torch.matmul(query, key.transpose(2, 3)) * self.head_dim ** -0.5
         if attention_mask is not None:
             weights = weights + attention_mask
         if self.window:
-            weights = weights.masked_fill(self._outside_window(position_ids, key.shape[-2]),
+            weights = weights.masked_fill(_outside_window(position_ids, key.shape[-2], self.window),
                                           torch.finfo(weights.dtype).min)
         sinks = self.sinks.reshape(1, -1, 1, 1).expand(bsz, -1, q_len, -1).to(weights.dtype)
         logits = torch.cat([weights, sinks], dim=-1)
@@ -901,10 +896,11 @@ class SinkAttention(LlamaAttention):
         output = torch.matmul(weights, value).transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
         return self.o_proj(output), (weights if output_attentions else None), past_key_value
 
-    def _outside_window(self, position_ids: torch.Tensor, keys: int) -> torch.Tensor:
-        """[batch or 1, 1, queries, keys]: true where a key is at or before the query's position - window."""
-        key_positions = torch.arange(keys, device=position_ids.device)
-        return (key_positions[None, None, :] <= position_ids[:, :, None] - self.window).unsqueeze(1)
+
+def _outside_window(position_ids: torch.Tensor, keys: int, window: int) -> torch.Tensor:
+    """[batch or 1, 1, queries, keys]: true where a key is at or before the query's position - ``window``."""
+    key_positions = torch.arange(keys, device=position_ids.device)
+    return (key_positions[None, None, :] <= position_ids[:, :, None] - window).unsqueeze(1)
 
 
 def _deinterleave(states: torch.Tensor) -> torch.Tensor:
@@ -971,15 +967,18 @@ class SparseMoeMLP(nn.Module):
         weights, chosen = torch.topk(probabilities, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.routed(tokens, chosen, weights.to(tokens.dtype)).view(hidden_states.shape)
+        return routed_sum(tokens, chosen, weights.to(tokens.dtype), self.experts.__getitem__).view(hidden_states.shape)
 
-    def routed(self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The sum over each token's ``chosen`` experts ([tokens, top_k]) of their outputs times ``weights``."""
-        output = torch.zeros_like(tokens)
-        for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
-            token, slot = torch.where(chosen == expert)
-            output.index_add_(0, token, _rows(self.experts[expert], tokens[token]) * weights[token, slot, None])
-        return output
+
+def routed_sum(tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, expert_at) -> torch.Tensor:
+    """The sum, in ``weights``' dtype, over each token's ``chosen`` experts ([tokens, top_k]) of their outputs
+    (``expert_at(e)``: expert ``e``, called on its tokens) times ``weights``.
+    """
+    output = torch.zeros_like(tokens, dtype=weights.dtype)
+    for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
+        token, slot = torch.where(chosen == expert)
+        output.index_add_(0, token, _rows(expert_at(expert), tokens[token]) * weights[token, slot, None])
+    return output
 
 
 class CorrectedSigmoidMoeMLP(SparseMoeMLP):
@@ -1000,7 +999,7 @@ class CorrectedSigmoidMoeMLP(SparseMoeMLP):
         chosen = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, chosen)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(tokens.dtype)
-        return self.routed(tokens, chosen, weights).view(hidden_states.shape)
+        return routed_sum(tokens, chosen, weights, self.experts.__getitem__).view(hidden_states.shape)
 
 
 class GatedSharedMoeMLP(SparseMoeMLP):
@@ -1047,9 +1046,7 @@ class InputScaledMoeMLP(nn.Module):
     its output), their outputs summed with a shared expert's (``shared_expert``) every token goes through.
     """
 
-    # its forward reads a child's weight without calling the child: streamed (backends/streamed.py), it is brought
-    # in whole before it runs
-    reads_child_weights = True
+    reads_child_weights = True  # its forward reads a child's weight without calling the child (backends.streamed)
 
     def __init__(self, config):
         super().__init__()
@@ -1102,9 +1099,7 @@ class TopKSoftmaxMoeMLP(nn.Module):
     softmax over those chosen logits alone; :class:`ClampedSwiGLUExperts` (``mlp.experts.*``).
     """
 
-    # its forward reads a child's weight without calling the child: streamed (backends/streamed.py), it is brought
-    # in whole before it runs
-    reads_child_weights = True
+    reads_child_weights = True  # its forward reads a child's weight without calling the child (backends.streamed)
 
     def __init__(self, config):
         super().__init__()
@@ -1116,12 +1111,8 @@ class TopKSoftmaxMoeMLP(nn.Module):
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         top, chosen = torch.topk(_rows(self.router, tokens), self.top_k, dim=-1)
         weights = F.softmax(top, dim=-1, dtype=top.dtype)
-        routed = torch.zeros_like(tokens)
-        for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
-            token, slot = torch.where(chosen == expert)
-            run = functools.partial(self.experts.expert, expert)
-            routed.index_add_(0, token, _rows(run, tokens[token]) * weights[token, slot, None])
-        return routed.view(hidden_states.shape)
+        return routed_sum(tokens, chosen, weights,
+                          lambda expert: functools.partial(self.experts.expert, expert)).view(hidden_states.shape)
 
 
 class SigmoidRouter(nn.Module):
@@ -1176,10 +1167,7 @@ class SigmoidMoeMLP(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.routed_scaling_factor
-        routed = torch.zeros_like(tokens, dtype=weights.dtype)
-        for expert in torch.unique(chosen).tolist():  # ascending: each token sums its experts in that order
-            token, slot = torch.where(chosen == expert)
-            routed.index_add_(0, token, _rows(self.experts[expert], tokens[token]) * weights[token, slot, None])
+        routed = routed_sum(tokens, chosen, weights, self.experts.__getitem__)
         # the shared expert sees every token, through _rows as the experts do: a batch of fewer tokens than
         # MIN_ROWS would otherwise run another kernel path (on AVX2, other last bits for a row alone)
         return routed.to(tokens.dtype).view(hidden_states.shape) + _rows(self.shared_experts, tokens).view(
@@ -1403,27 +1391,23 @@ def build_layer_parts(layer: nn.Module, config, index: int) -> None:
     layer.post_attention_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps)
     block = fp8_block_size(config)
     if block is not None:  # transformers' loader hands each module the file's tensors: FP8 ones dequantized first
-        layer._register_load_state_dict_pre_hook(functools.partial(_dequantize_on_load, block))
+        layer._register_load_state_dict_pre_hook(_dequantized_on_load(dequantize_fp8, block=block))
     group = int4_group_size(config)
     if group is not None:  # the same, INT4 ones
-        layer._register_load_state_dict_pre_hook(functools.partial(_dequantize_int4_on_load, group))
+        layer._register_load_state_dict_pre_hook(_dequantized_on_load(dequantize_int4, group=group))
     if is_mxfp4(config):  # the same, MXFP4 ones (gpt-oss's experts)
-        layer._register_load_state_dict_pre_hook(_dequantize_mxfp4_on_load)
+        layer._register_load_state_dict_pre_hook(_dequantized_on_load(dequantize_mxfp4))
 
 
-def _dequantize_mxfp4_on_load(state_dict: dict, prefix: str, *args) -> None:
-    """A layer's load hook: its MXFP4 tensors in ``state_dict`` (one file's tensors) dequantized."""
-    dequantize_mxfp4(state_dict, prefix, where=prefix + "*")
+def _dequantized_on_load(dequantize, **settings):
+    """A layer's load hook: its quantized tensors in ``state_dict`` (one file's tensors) dequantized by
+    ``dequantize`` (:func:`dequantize_fp8`, ``_int4``, ``_mxfp4``, ``_v4``) with ``settings`` (its tile or group).
+    """
+    return functools.partial(_dequantize_on_load, functools.partial(dequantize, **settings))
 
 
-def _dequantize_on_load(block: tuple, state_dict: dict, prefix: str, *args) -> None:
-    """A layer's load hook: its FP8 weights in ``state_dict`` (one file's tensors) dequantized."""
-    dequantize_fp8(state_dict, block, prefix, where=prefix + "*")
-
-
-def _dequantize_int4_on_load(group: int, state_dict: dict, prefix: str, *args) -> None:
-    """A layer's load hook: its INT4 weights in ``state_dict`` (one file's tensors) dequantized."""
-    dequantize_int4(state_dict, group, prefix, where=prefix + "*")
+def _dequantize_on_load(dequantize, state_dict: dict, prefix: str, *args) -> None:
+    dequantize(state_dict, prefix=prefix, where=prefix + "*")
 
 
 # ---------------------------------------------------------------- DeepSeek-V4 (the block option hyper_connections)
@@ -1579,9 +1563,7 @@ class V4Attention(nn.Module):
     each to ``o_lora_rank``) and ``wo_b``. transformers 5.x's eager computation, in its order, for a whole row.
     """
 
-    # its forward reads a child's weight without calling the child: streamed (backends/streamed.py), it is brought
-    # in whole before it runs
-    reads_child_weights = True
+    reads_child_weights = True  # its forward reads a child's weight without calling the child (backends.streamed)
 
     def __init__(self, config, index: int):
         super().__init__()
@@ -1615,7 +1597,7 @@ class V4Attention(nn.Module):
         query = v4_rotate(_unweighted_rms(query, self.eps), cos, sin)
         kv = self.norm(self.wkv(hidden_states)).view(bsz, positions, 1, self.head_dim).transpose(1, 2)
         kv = v4_rotate(kv, cos, sin)
-        mask = attention_mask.masked_fill(self._outside_window(position_ids, positions),
+        mask = attention_mask.masked_fill(_outside_window(position_ids, positions, self.window),
                                           torch.finfo(attention_mask.dtype).min)
         if self.compressor is not None:
             entries, bias = self._compressed(hidden_states, q_latent, position_ids)
@@ -1638,11 +1620,6 @@ class V4Attention(nn.Module):
         weight = self.wo_a.weight.view(self.groups, -1, width).transpose(1, 2)
         flat = groups.reshape(-1, self.groups, width).transpose(0, 1)
         return torch.bmm(flat, weight).transpose(0, 1).reshape(*groups.shape[:-2], self.groups, -1)
-
-    def _outside_window(self, position_ids: torch.Tensor, keys: int) -> torch.Tensor:
-        """[batch, 1, queries, keys]: true where a key is at or before the query's position - window."""
-        key_positions = torch.arange(keys, device=position_ids.device)
-        return (key_positions[None, None, :] <= position_ids[:, :, None] - self.window).unsqueeze(1)
 
     def _compressed(self, hidden_states: torch.Tensor, q_latent: torch.Tensor, position_ids: torch.Tensor) -> tuple:
         """(the compressor's entries [batch, entries, head_dim], their bias [batch, 1, queries, entries]: 0 where the
@@ -1789,7 +1766,7 @@ class HyperConnectedLayer(nn.Module):
         self.ffn = V4MoeMLP(config, index)
         block = fp8_block_size(config)
         if block is not None:  # the release's FP8 + FP4 weights, dequantized as the loader hands them over
-            self._register_load_state_dict_pre_hook(functools.partial(_dequantize_v4_on_load, block))
+            self._register_load_state_dict_pre_hook(_dequantized_on_load(dequantize_v4, block=block))
         width = (2 + self.hc) * self.hc
         for name in ("attn", "ffn"):
             setattr(self, f"hc_{name}_fn", nn.Parameter(torch.zeros(width, self.hc * config.hidden_size)))
@@ -1982,11 +1959,6 @@ def dequantize_v4(tensors: dict, block: tuple, prefix: str = "", where: str = ""
                              f"{list(tile)} needs {needed} (weight_block_size in config.json for FP8, groups of "
                              f"{V4_FP4_GROUP} for FP4 experts).", param="model_dir", value=where)
         tensors[name] = values * scale.repeat_interleave(tile[0], 0)[:rows].repeat_interleave(tile[1], 1)[:, :cols]
-
-
-def _dequantize_v4_on_load(block: tuple, state_dict: dict, prefix: str, *args) -> None:
-    """A DeepSeek-V4 layer's load hook: its quantized weights in ``state_dict`` (one file's tensors) dequantized."""
-    dequantize_v4(state_dict, block, prefix, where=prefix + "*")
 
 
 def refuse_a_cache(use_cache: bool, past_key_values) -> None:

@@ -55,15 +55,11 @@ def load_split(data: Sequence[str] | str, split: Optional[str] = None):
             )
         try:
             return datasets.load_dataset(builder, data_files=paths, split=split or "train", **kwargs)
-        except ValueError as e:
-            if "split" in str(e).lower() or "Unknown split" in str(e):
+        except Exception as e:  # a ValueError naming the split; pyarrow / json decode errors on a corrupt file
+            if isinstance(e, ValueError) and "split" in str(e).lower():
                 raise UsageError(
                     "loose files form a single split named 'train'. Drop --split.", param="split", value=split
                 ) from e
-            raise UsageError(
-                f"cannot be read as {builder} ({short_error(e)}). Fix or replace the file.", param="data", value=first
-            ) from e
-        except Exception as e:  # pyarrow / json decode errors on a corrupt file
             raise UsageError(
                 f"cannot be read as {builder} ({short_error(e)}). Fix or replace the file.", param="data", value=first
             ) from e

@@ -140,16 +140,6 @@ def sample_rows(dataset, limit: int, seed: int, columns: Sequence[str]):
 CONTENT_KEY_SEED = 0
 
 
-def content_keys(dataset, settings) -> HexKeys:
-    """Each row's content key, 16 hex digits: :func:`row_keys` of its task columns (text, label,
-    text pair: the values the --limit sample keys a row by) at seed 0. Rows with the same
-    content have the same key, whatever their place or file: ``dist_eval.compare`` pairs two
-    runs' rows by it. A sequence of texts held as the 8-byte keys (:class:`HexKeys`).
-    """
-    names = [name for _, name in TaskColumns.of(settings).named()]
-    return HexKeys(dataset_keys(dataset, names, CONTENT_KEY_SEED))
-
-
 class HexKeys(SequenceABC):
     """uint64 keys read as a sequence of 16-hex-digit texts (big-endian), made as they are read."""
 
@@ -224,7 +214,11 @@ class Rows:
 
     @property
     def keys(self) -> HexKeys:
-        """Each row's content key (:func:`content_keys`), hashed once, when first asked (rank 0's report)."""
+        """Each row's content key, 16 hex digits: :func:`row_keys` of its task columns (text, label, text pair: the
+        values the --limit sample keys a row by) at seed 0. Rows with the same content have the same key, whatever
+        their place or file: ``dist_eval.compare`` pairs two runs' rows by it. A sequence of texts held as the 8-byte
+        keys (:class:`HexKeys`), hashed once, when first asked (rank 0's report).
+        """
         if self._keys is None:
             self._keys = HexKeys(dataset_keys(self.dataset, self.key_columns, CONTENT_KEY_SEED))
         return self._keys

@@ -19,6 +19,7 @@ from dist_eval.atomic import atomic_create, atomic_write
 from dist_eval.chunks import chunk_rows
 from dist_eval.errors import UsageError, warn
 from dist_eval.output.slice_lines import slices_csv
+from dist_eval.receipt import jsonable
 from dist_eval.results import MergedResults
 
 
@@ -152,15 +153,7 @@ def _alive(holder: dict) -> bool:
 
 def write_metrics(output_dir: str, metrics: dict) -> str:
     path = os.path.join(output_dir, "metrics.json")
-    return atomic_write(path, lambda f: json.dump(metrics, f, indent=2, sort_keys=False, default=_jsonable))
-
-
-def _jsonable(value):
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+    return atomic_write(path, lambda f: json.dump(metrics, f, indent=2, sort_keys=False, default=jsonable))
 
 
 def write_predictions(

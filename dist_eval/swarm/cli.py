@@ -16,6 +16,7 @@ from typing import Optional, Sequence, Tuple
 from dist_eval.swarm import teardown
 from dist_eval.swarm.local import LocalSwarm
 from dist_eval.swarm.placement import SwarmError
+from dist_eval.swarm.status import OneLineParser
 from dist_eval.swarm.supervisor import RestartPolicy
 
 STATUS = "status"  # python -m dist_eval.swarm status ...: the subcommand (a folder of that name: ./status)
@@ -23,12 +24,6 @@ STATUS = "status"  # python -m dist_eval.swarm status ...: the subcommand (a fol
 
 class _Interrupted(Exception):
     pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage block
-        print(f"dist_eval.swarm: error: {message} (see --help)", file=sys.stderr, flush=True)
-        sys.exit(2)
 
 
 _DESCRIPTION = (
@@ -41,7 +36,7 @@ _DESCRIPTION = (
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m dist_eval.swarm", description=_DESCRIPTION)
+    p = OneLineParser(prog="python -m dist_eval.swarm", description=_DESCRIPTION)
     p.add_argument("model_dir", help="Folder saved with save_pretrained (config.json + weights); a folder named "
                    "'status' as ./status (the first argument 'status' is the status subcommand).")
     p.add_argument(

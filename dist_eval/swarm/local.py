@@ -92,7 +92,6 @@ class LocalSwarm:
         self.restart = restart if restart is not None else RestartPolicy()
         self.initial_peers: List[str] = []
         self.start_seconds: Optional[float] = None  # measured by start()
-        self.stop_seconds: Optional[float] = None  # measured by stop()
         self._launch: Optional[Launch] = None  # from start() on: the work folder, the servers
         self._keep_logs = False  # the start failed: its error cites the logs
         self._state = "new"  # new -> starting -> running -> stopped
@@ -276,7 +275,6 @@ class LocalSwarm:
             teardown.forget_at_exit(self)
             if self._starter is not None and self._starter is not threading.current_thread():
                 self._starter.join(timeout=5.0)  # its servers are gone: it fails at once
-            self.stop_seconds = time.monotonic() - began
 
     def __enter__(self) -> LocalSwarm:
         return self.start()

@@ -30,14 +30,16 @@ _PROBE_SECONDS = 5.0  # a server that does not answer a dial within this is list
 _FIRST_LOOKUP = 64  # blocks read at first when the block count is not given
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage block
-        print(f"dist_eval.swarm status: error: {message} (see --help)", file=sys.stderr, flush=True)
+class OneLineParser(argparse.ArgumentParser):
+    """The swarm commands' parser: an error is one line, without the usage block."""
+
+    def error(self, message: str) -> None:
+        print(f"{self.prog.removeprefix('python -m ')}: error: {message} (see --help)", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="python -m dist_eval.swarm status",
         description="List a swarm's blocks with the servers that hold them (address, dtype, throughput, version, "
         "state) and the blocks with none, read from its DHT. Exits 1 when a block has no server that is ONLINE and "

@@ -296,10 +296,6 @@ def load_petals(
         if label_words is not None:  # the head where the family's releases save it (before the swarm's wait)
             read_saved_lm_head(family.get(inner, family.lm_head), folder, inner.config, family)
         wait_for_blocks(manager, swarm_timeout, dht_prefix)
-    except BaseException:
-        shutdown_petals_client(manager)
-        raise
-    try:
         _require_block_options(manager, family, inner.config, servers_started_from_4x_config)
     except BaseException:
         shutdown_petals_client(manager)
