@@ -1408,8 +1408,10 @@ def test_deepseek_v4_label_words_within_1e4_of_its_causal_lm_as_saved_and_as_rel
     (``head.weight``), after hc_head's collapse of the streams and the final norm, scores each row's words within 1e-4
     of 5.23's own DeepseekV4ForCausalLM (the reference's summed log-probabilities, one forward per row and word), the
     words' tokens the reference's; from the folder saved dequantized and from the FP8 + FP4 one as released, bit for
-    bit the same. Prompts stay refused (hash-routed blocks); a folder without the head (untied) is refused naming
-    both names, before any weight is read."""
+    bit the same; with its blocks streamed from disk (--stream-blocks) too (before cae6bbe / f0ec899 its first forward
+    raised "Cannot copy out of meta tensor" in the attention's wo_b: the grouped projection reads wo_a's weight
+    without calling wo_a, so the offload never brought it in). Prompts stay refused (hash-routed blocks); a folder
+    without the head (untied) is refused naming both names, before any weight is read."""
     from safetensors.torch import load_file, save_file
 
     from dist_eval.backends import load_model
@@ -1426,6 +1428,9 @@ def test_deepseek_v4_label_words_within_1e4_of_its_causal_lm_as_saved_and_as_rel
         with torch.no_grad():
             scores[folder] = model.module(batch)
     assert_same_bits(scores[case["fp8_folder"]], scores["deepseek_v4"], "label word scores, as released and as saved")
+    streamed = load_model("local", str(out / "deepseek_v4"), label_words=words, stream_blocks=True)
+    with torch.no_grad():
+        assert_same_bits(streamed.module(batch), scores["deepseek_v4"], "label word scores, blocks streamed")
     assert (scores["deepseek_v4"] - expected).abs().max().item() < TOLERANCE
     assert scores["deepseek_v4"].argmax(-1).tolist() == expected.argmax(-1).tolist()
     assert len(set(expected.argmax(-1).tolist())) > 1  # the head decides: not one word for every row
