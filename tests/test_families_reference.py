@@ -1403,6 +1403,23 @@ def test_deepseek_v4_settings_each_matter(reference5):
         load_model("local", legacy, **trained(reference5, "deepseek_v4", "head"))
 
 
+def test_the_petals_client_of_an_int4_release_needs_no_quantization_package(reference5):
+    """petals' client of Kimi K2.5's INT4 folder as released (compressed-tensors in config.json's
+    quantization_config) loads with the project's packages alone: the quantized weights are the experts', which the
+    servers read and dequantize; the client holds the embeddings, the final norm and the head. Before: transformers
+    5.x set up the compressed-tensors quantizer for the client's load, ImportError ("compressed-tensors>=0.15.0 is
+    required"), so no swarm run of Kimi K2.5 as released could start (found by benchmarks/families_swarm.py). Here
+    an address nobody answers: the load gets as far as the swarm."""
+    from dist_eval.backends import load_model
+    from dist_eval.errors import UsageError
+
+    out, ref = reference5
+    with pytest.raises(UsageError, match=r"no swarm answered"):
+        load_model("petals", str(out / SERVED_FOLDER["kimi_k25"]), **trained(reference5, "kimi_k25", "head"),
+                   initial_peers=["/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDA7N9X7VLQrcdrk2ozrFjzVngzs7LggiY8c5nUnNMpeR"],
+                   dht_prefix="nobody", swarm_timeout=3)
+
+
 def test_deepseek_v4_label_words_within_1e4_of_its_causal_lm_as_saved_and_as_released(reference5, tmp_path):
     """DeepSeek-V4 zero-shot (--label-words): its LM head as transformers 5.23 saves it and as released
     (``head.weight``), after hc_head's collapse of the streams and the final norm, scores each row's words within 1e-4
