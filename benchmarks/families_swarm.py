@@ -224,10 +224,15 @@ def main(out: str, only: list, one_block_each: bool) -> None:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    named = args[args.index("--only") + 1].split(",") if "--only" in args else []
-    given = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--only")]
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("reference_folder", nargs="?", help="a folder make_reference.py filled (default: one made)")
+    parser.add_argument("--only", default="", help="comma-separated names of the table's rows to run (default: all)")
+    parser.add_argument("--one-block-each", action="store_true", help="also a swarm of one server a block")
+    given = parser.parse_args()
+    named = [name for name in given.only.split(",") if name]
     unknown = sorted(set(named) - {row[0] for row in RUNS})
     if unknown:
-        sys.exit(f"--only: expected names of {[row[0] for row in RUNS]}, got {unknown}")
-    main(given[0] if given else tempfile.mkdtemp(prefix="families-reference-"), named, "--one-block-each" in args)
+        parser.error(f"--only: expected names of {[row[0] for row in RUNS]}, got {unknown}")
+    main(given.reference_folder or tempfile.mkdtemp(prefix="families-reference-"), named, given.one_block_each)
