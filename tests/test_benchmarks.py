@@ -111,7 +111,7 @@ def test_sequence_rounds_benchmark_runs_and_the_two_ways_agree():
 
 # the benchmarks that evaluate rows under torchrun or the API, and compare runs of the same rows
 ROW_EVALUATING_BENCHMARKS = ["bench_throughput", "bench_gpu", "bench_big_set", "bench_slurm", "bench_stopping",
-                             "bench_score_intervals", "bench_row_store"]
+                             "bench_score_intervals", "bench_row_store", "families_swarm"]
 
 
 def test_the_benchmarks_evaluate_every_row_afresh():

@@ -50,37 +50,21 @@ MADE_BY = {"qwen3_5": ("5",), "qwen3_5_moe": ("5",), "qwen3_next": ("5",), "mini
            "gpt_oss": ("5",), "kimi_k25": ("5",), "glm_moe_dsa": ("5",),
            "deepseek_v32": ("5",), "deepseek_v4": ("5",)}
 # on a swarm, end to end (torchrun N=2, the run's own one-server swarm, the config read in the server process):
-# the 5.x-saved Llama 3 (rope_parameters with llama3 scaling) and Qwen3-MoE (num_local_experts), and the
-# 4.57-saved DeepSeek-V3 from its FP8 folder (the servers dequantize it as they load). Every family's server
-# blocks, from both generations' folders, equal the local blocks bit for bit on the same hidden states
-# (test_server_blocks_equal_the_local_blocks_on_the_same_hidden_states, in-process): a whole swarm run of each
-# (about 13-30 s each on 2 cores) would add only the wire and the process, which these three check.
-# Qwen3.5-MoE's run is also the dense Qwen3.5's (the same hybrid blocks; its own run passed, 19d6d94, left out
-# for the time budget)
-# Qwen3-Next has no swarm run of its own: its server-side paths are Qwen3.5-MoE's (the hybrid blocks, the gated
-# shared expert, the 1 + weight final norm on the client), the per-key-head projections and a dense block between
-# mixtures are block internals, equal to the local blocks bit for bit in-process (the server blocks' test); its
-# own run passed once (81 s, with the reference), left out for the time budget
-# MiniMax-M2 neither: its FP8 folder dequantized as the servers load is DeepSeek-V3's path (its swarm case), its
-# whole-width q/k norms and corrected sigmoid router block internals (the server blocks' test); its own run from
-# the FP8 folder passed once (47 s), left out for the time budget
-# GLM-5 neither: its server-side path is DeepSeek-V3's block plus the indexer, a block internal (the server blocks'
-# test, on a row past index_topk); a row's keys kept whatever its batch (test_sparse_attention_keeps_each_rows_keys_
-# in_any_batch) is what N changes; its own run passed once (see benchmarks/RESULTS.md), left out for the time budget;
-# DeepSeek-V3.2 neither (its FP8 folder dequantized as the servers load: DeepSeek-V3's path, the indexer GLM-5's
-# with RoPE on halves, a block internal): its own run from the FP8 folder passed once, left out for the time budget
+# the 5.x-saved Llama 3 (rope_parameters with llama3 scaling) and Qwen3-MoE (num_local_experts), the 4.57-saved
+# DeepSeek-V3 from its FP8 folder (the servers dequantize it as they load), and Qwen3.5-MoE (the hybrid blocks, in
+# the vision-language layout). Every family's server blocks, from both generations' folders and from each
+# quantized release, equal the local blocks bit for bit on the same hidden states
+# (test_server_blocks_equal_the_local_blocks_on_the_same_hidden_states, in-process): a whole swarm run adds the
+# client's load, the wire and the processes, which these four check. Every family of issue 72, each from its
+# folder as released (Qwen3.5 dense and MoE, Qwen3-Next, MiniMax-M2 bf16 and FP8, GLM-5, DeepSeek-V3.2 FP8, gpt-oss
+# MXFP4, Kimi K2.5 INT4, DeepSeek-V4 FP8 + FP4 with its head and with label words), runs end to end in
+# benchmarks/families_swarm.py: local N=1, then torchrun N=2 on the run's own swarm of 2 servers, --audit 1,
+# predictions.jsonl equal bit for bit (its figures: benchmarks/RESULTS.md, "issue 72's families on dist_eval's own
+# swarm, end to end, as released"); about a minute a family on 2 cores, over the suite's time budget. What the
+# runs found that no in-process test did is tested here on its own (the INT4 release's client load:
+# test_the_petals_client_of_an_int4_release_needs_no_quantization_package)
 SWARM_CASES = (("5", "llama3"), ("5", "qwen3_moe"), ("4", "deepseek_v3"), ("5", "qwen3_5_moe"))
 SWARM_FOLDER = {"deepseek_v3": "deepseek_v3_fp8"}  # the servers dequantize the FP8 folder as they load
-# gpt-oss neither: its MXFP4 experts dequantized as the servers load, its sinks, windows and clamped experts are
-# checked block by block against local (the server blocks' test, from the MXFP4 folder); its own run, N=2 from the
-# MXFP4 folder, is in benchmarks/RESULTS.md, left out for the time budget
-# Kimi K2.5 has no swarm run: its blocks are DeepSeek-V3's (its swarm case), its INT4 experts dequantized as the
-# servers load are checked block by block against local (the server blocks' test, from the INT4 folder)
-# DeepSeek-V4 neither: its blocks (streams in and out, the token ids through the servers' merged forward step to the
-# hash-routed ones, the FP8 + FP4 folder dequantized as they load) are checked block by block against local (the
-# server blocks' test); its runs end to end, N=2 on the run's own swarm and on 4 servers of one block each, are
-# benchmarks/deepseek_v4_swarm.py's (figures in benchmarks/RESULTS.md); a case here (head alone: no prompts) passed
-# once, ~40 s of its own beside the reference's making, left out for the time budget
 # every family of the family table (llama3: model_type llama; kimi_k2: DeepSeek-V3's block under its own name)
 ALL_KINDS = ("bloom", "falcon", *KINDS, "kimi_k2")
 # no *ForSequenceClassification in transformers: the head given apart (--head)
@@ -1404,13 +1388,32 @@ def test_deepseek_v4_settings_each_matter(reference5):
         load_model("local", legacy, **trained(reference5, "deepseek_v4", "head"))
 
 
+def test_the_petals_client_of_an_int4_release_needs_no_quantization_package(reference5):
+    """petals' client of Kimi K2.5's INT4 folder as released (compressed-tensors in config.json's
+    quantization_config) loads with the project's packages alone: the quantized weights are the experts', which the
+    servers read and dequantize; the client holds the embeddings, the final norm and the head. Before: transformers
+    5.x set up the compressed-tensors quantizer for the client's load, ImportError ("compressed-tensors>=0.15.0 is
+    required"), so no swarm run of Kimi K2.5 as released could start (found by benchmarks/families_swarm.py). Here
+    an address nobody answers: the load gets as far as the swarm."""
+    from dist_eval.backends import load_model
+    from dist_eval.errors import UsageError
+
+    out, ref = reference5
+    with pytest.raises(UsageError, match=r"no swarm answered"):
+        load_model("petals", str(out / SERVED_FOLDER["kimi_k25"]), **trained(reference5, "kimi_k25", "head"),
+                   initial_peers=["/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDA7N9X7VLQrcdrk2ozrFjzVngzs7LggiY8c5nUnNMpeR"],
+                   dht_prefix="nobody", swarm_timeout=3)
+
+
 def test_deepseek_v4_label_words_within_1e4_of_its_causal_lm_as_saved_and_as_released(reference5, tmp_path):
     """DeepSeek-V4 zero-shot (--label-words): its LM head as transformers 5.23 saves it and as released
     (``head.weight``), after hc_head's collapse of the streams and the final norm, scores each row's words within 1e-4
     of 5.23's own DeepseekV4ForCausalLM (the reference's summed log-probabilities, one forward per row and word), the
     words' tokens the reference's; from the folder saved dequantized and from the FP8 + FP4 one as released, bit for
-    bit the same. Prompts stay refused (hash-routed blocks); a folder without the head (untied) is refused naming
-    both names, before any weight is read."""
+    bit the same; with its blocks streamed from disk (--stream-blocks) too (before cae6bbe / f0ec899 its first forward
+    raised "Cannot copy out of meta tensor" in the attention's wo_b: the grouped projection reads wo_a's weight
+    without calling wo_a, so the offload never brought it in). Prompts stay refused (hash-routed blocks); a folder
+    without the head (untied) is refused naming both names, before any weight is read."""
     from safetensors.torch import load_file, save_file
 
     from dist_eval.backends import load_model
@@ -1427,6 +1430,9 @@ def test_deepseek_v4_label_words_within_1e4_of_its_causal_lm_as_saved_and_as_rel
         with torch.no_grad():
             scores[folder] = model.module(batch)
     assert_same_bits(scores[case["fp8_folder"]], scores["deepseek_v4"], "label word scores, as released and as saved")
+    streamed = load_model("local", str(out / "deepseek_v4"), label_words=words, stream_blocks=True)
+    with torch.no_grad():
+        assert_same_bits(streamed.module(batch), scores["deepseek_v4"], "label word scores, blocks streamed")
     assert (scores["deepseek_v4"] - expected).abs().max().item() < TOLERANCE
     assert scores["deepseek_v4"].argmax(-1).tolist() == expected.argmax(-1).tolist()
     assert len(set(expected.argmax(-1).tolist())) > 1  # the head decides: not one word for every row

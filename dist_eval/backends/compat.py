@@ -96,6 +96,37 @@ def no_random_init_of_meta_tensors():
         torch.nn.init.normal_ = original
 
 
+@contextlib.contextmanager
+def no_quantizer_for_remote_blocks():
+    """Within: transformers' ``from_pretrained`` sets up no quantizer for config.json's ``quantization_config``.
+
+    For petals' client, whose blocks are remote: the quantized weights a folder's ``quantization_config`` describes
+    (FP8 tiles, MXFP4 or INT4 experts) are the blocks', which the servers read and dequantize; the client holds the
+    embeddings, the final norm and the heads, saved unquantized. transformers 5.x would still set up the
+    method's quantizer for the client's load, and some quantizers need a package of their own the client never uses
+    (compressed-tensors' INT4 raised ImportError: ``compressed-tensors>=0.15.0 is required``). The config keeps its
+    ``quantization_config``; the pinned transformers (no such quantizers) is left as it is.
+    """
+    from transformers import modeling_utils
+
+    original = getattr(modeling_utils, "get_hf_quantizer", None)
+    if original is None:  # the pinned transformers
+        yield
+        return
+
+    @functools.wraps(original)
+    def get_hf_quantizer(config, quantization_config, device_map, *args, **kwargs):
+        if quantization_config is not None:  # asked by the caller, not read from config.json: as transformers does
+            return original(config, quantization_config, device_map, *args, **kwargs)
+        return None, config, device_map
+
+    modeling_utils.get_hf_quantizer = get_hf_quantizer
+    try:
+        yield
+    finally:
+        modeling_utils.get_hf_quantizer = original
+
+
 class _OnlyHeadsNewlyInitialized(logging.Filter):
     """Drops transformers' "... newly initialized: [names]" when every name is a weight of ``heads``."""
 

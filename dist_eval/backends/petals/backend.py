@@ -12,7 +12,7 @@ import torch
 from dist_eval.backends.arguments import DEFAULT_SWARM_TIMEOUT
 from dist_eval.backends.base import Backend
 from dist_eval.backends.checkpoint import TrainableState
-from dist_eval.backends.compat import heads_read_after, no_random_init_of_meta_tensors
+from dist_eval.backends.compat import heads_read_after, no_quantizer_for_remote_blocks, no_random_init_of_meta_tensors
 from dist_eval.backends.families import Family
 from dist_eval.backends.petals import audit, failover
 from dist_eval.backends.petals.failover import server_failure, swarm_failure
@@ -280,7 +280,8 @@ def load_petals(
     try:
         petals_class = family.petals_class if label_words is None else family.petals_lm_class
         folder = petals_model_folder(model_dir)
-        with no_random_init_of_meta_tensors(), heads_read_after(family.head, family.lm_head):
+        with no_random_init_of_meta_tensors(), heads_read_after(family.head, family.lm_head), \
+                no_quantizer_for_remote_blocks():
             inner = family_class(petals_class, in_petals=True).from_pretrained(folder, **kwargs)
     except Exception as e:
         if type(e).__name__ == "P2PDaemonError":  # nobody answered at the initial peers
