@@ -1,9 +1,11 @@
 """What dist_eval's own code needs of the installed transformers, and the third-party output it quiets.
 
-The generation facts (:func:`configs_are_dataclasses`), installed versions (:func:`installed_version`), no
-random init of meta tensors, the load's "newly initialized" line for heads read right after, and the quieting
-of warnings and progress bars in the processes dist_eval owns. Importing petals, and every change dist_eval
-makes to petals and hivemind, is :mod:`dist_eval.backends.petals.shims`.
+The generation facts (:func:`configs_are_dataclasses`), installed versions (:func:`installed_version`), the
+changes to transformers and torch that hold within a ``with`` block around a load (no random init of meta tensors,
+the load's "newly initialized" line for heads read right after, no quantizer for a petals client's remote blocks),
+and the quieting of warnings and progress bars in the processes dist_eval owns. Importing petals, and every
+change dist_eval makes to petals and hivemind, is :mod:`dist_eval.backends.petals.shims`; docs/design.md ("What
+dist_eval changes in petals") lists both.
 """
 from __future__ import annotations
 
