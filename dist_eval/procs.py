@@ -217,15 +217,28 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
-    """``count`` distinct ports that are free now on ``host`` (the OS picks them)."""
-    sockets = []
+def reserve_ports(host: str, count: int = 0, ports: Sequence[int] = ()) -> List[socket.socket]:
+    """Sockets that hold ``ports`` (or ``count`` ports the OS picks) on ``host`` until closed: bound with
+    SO_REUSEPORT, not listening. Meanwhile no process gets such a port from the OS (a bind to port 0) or binds it
+    without SO_REUSEPORT, yet a server of this user that binds it with SO_REUSEPORT, as p2pd does, can; and, not
+    listening, they take none of the connections meant for that server. Why: a port found free and let go before
+    its server bound it could be taken meanwhile by another p2pd of this user (a client's, listening on port 0),
+    and the kernel then shares the port between the two daemons: a client sent to the server reached the other
+    one about one time in three, and failed ("failed to connect to bootstrap peers"). OSError if a port is taken.
+    """
+    sockets: List[socket.socket] = []
     try:
-        for _ in range(count):
+        for port in [*ports, *[0] * count]:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sockets.append(s)
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind((host, port))
+    except OSError:
+        close_all(sockets)
+        raise
+    return sockets
+
+
+def close_all(sockets: Sequence[socket.socket]) -> None:
+    for s in sockets:
+        s.close()

@@ -97,7 +97,7 @@ SHARED_BY = {
 # ends on short files with every worker busy to the end; xdist deals files out by their number of tests
 # otherwise, and these few-test files came last. Order only: a file missing or renamed just comes later.
 # test_current_stack.py second: its worker makes .venv-pinned (the stack petals pins) while the first makes
-# .venv-reference and .venv-reference5 (the suite installs every reference environment), not after them.
+# .venv-reference (the suite installs every reference environment its own is not), not after it.
 FIRST = ("tests/test_families_reference.py", "tests/test_current_stack.py", "tests/test_swarm_failover.py",
          "tests/test_slurm.py", "tests/test_families_swarm.py", "tests/test_launch.py",
          "tests/test_swarm_supervisor.py",

@@ -18,11 +18,13 @@ Standard library only.
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import time
 from typing import Callable, List, Optional, Sequence, Set
 
 from dist_eval.atomic import atomic_write
+from dist_eval.procs import close_all
 from dist_eval.swarm import teardown
 from dist_eval.swarm.forks import ForkServer
 from dist_eval.swarm.placement import SwarmError
@@ -52,10 +54,12 @@ class Launch:
         self.servers: List[ServerProcess] = []
         self.forks: Optional[ForkServer] = None
         self.sockets: Set[str] = set()  # /tmp/hivemind-*.sock held by the servers (see teardown)
+        self.reserved: List[socket.socket] = []  # the servers' TCP ports, held (procs.reserve_ports)
 
     def make_servers(self) -> List[ServerProcess]:
         """The server processes, not started: each its port, blocks, log and identity."""
-        ports, env = self.settings.ports(), self.settings.env(self.tmpdir)
+        self.reserved = self.settings.reserve_ports()  # held until stop: no other process takes a server's port
+        ports, env = [s.getsockname()[1] for s in self.reserved], self.settings.env(self.tmpdir)
         # the servers forked from one process that imports their libraries once (forks.py)
         self.forks = ForkServer(env, self.workdir, os.path.join(self.logs, "fork-server.log"), self.watchdog)
         self.servers = [
@@ -139,6 +143,7 @@ class Launch:
         try:
             teardown.terminate(self.servers, self.sockets, deadline, grace, drain_s)
         finally:
+            close_all(self.reserved)
             if self.forks is not None:
                 self.forks.close()
             teardown.cleanup_files(self.sockets, self.workdir, self.servers, self.settings.log_dir, keep_logs,

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from dist_eval.procs import free_ports, port_is_free
+from dist_eval.procs import port_is_free, reserve_ports
 from dist_eval.swarm.devices import ServerPlan, check_num_servers, model_weights, plan_servers
 from dist_eval.swarm.placement import (
     SwarmError,
@@ -68,10 +69,13 @@ class SwarmSettings:
     def num_servers(self) -> int:
         return self.server_plan.num_servers
 
-    def ports(self) -> List[int]:
-        """Each server's TCP port: free ones from the OS, or ``port``, ``port+1``, ... (SwarmError if one is taken)."""
+    def reserve_ports(self) -> List[socket.socket]:
+        """Each server's TCP port, held until the swarm stops (:func:`~dist_eval.procs.reserve_ports`: no other
+        process gets it meanwhile, a server's restart included): free ones from the OS, or ``port``, ``port+1``, ...
+        (SwarmError if one is taken).
+        """
         if self.port is None:
-            return free_ports(self.num_servers, self.host)
+            return reserve_ports(self.host, count=self.num_servers)
         ports = [self.port + i for i in range(self.num_servers)]
         for p in ports:
             if not port_is_free(p, self.host):
@@ -79,7 +83,7 @@ class SwarmSettings:
                     f"port {p} on {self.host} is already in use: pass another port (servers use "
                     f"{ports[0]}..{ports[-1]}), or none to pick free ports."
                 )
-        return ports
+        return reserve_ports(self.host, ports=ports)
 
     def env(self, tmpdir: str) -> Dict[str, str]:
         """The servers' environment: offline, their private TMPDIR, the plan's threads, this checkout."""
