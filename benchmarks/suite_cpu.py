@@ -49,7 +49,10 @@ def watch(seen: dict) -> None:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # gone, or not ours to read
             continue
-        seen[(pid, fields[19])] = ((int(fields[11]) + int(fields[12])) / TICK, command)
+        key = (pid, fields[19])
+        if not command and key in seen:  # exited, not yet reaped: its command line is gone, its CPU is not
+            command = seen[key][1]
+        seen[key] = ((int(fields[11]) + int(fields[12])) / TICK, command)
 
 
 def main() -> int:
