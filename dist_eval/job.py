@@ -1,6 +1,6 @@
 """What a CLI run evaluates (:class:`Job`): the flags' model, data and columns, or the built-in
-demo's; made by rank 0 (:func:`prepare`: the output folder held and each pair's folder made ready, then
-a hub id resolved, or the demo's assets built or found), sent to every rank, and found on each node
+demo's; made by rank 0 (:func:`prepare`: the output folder held, a hub id resolved, the demo's
+assets built or found, each pair's folder made ready), sent to every rank, and found on each node
 (:func:`on_this_node`).
 """
 from __future__ import annotations
@@ -14,21 +14,20 @@ from dist_eval.run_context import Job
 
 
 def prepare(config: EvalConfig, say) -> Job:
-    """Rank 0: the output folder taken before any work (checked, held, each pair's folder made ready:
-    :func:`~dist_eval.output.files.take_output_dir`), then the job: the built-in demo's model, data and
-    checkpoint (built, or found built), or the flags' (a hub id resolved).
+    """Rank 0: the output folder checked and held, then the job (the flags', or the demo's assets built
+    or found), then each of its pairs' folders made ready (:func:`~dist_eval.output.files.prepare_pair_folders`).
     """
-    from dist_eval.output.files import take_output_dir
+    from dist_eval.output.files import check_output_dir, hold_output_dir, prepare_pair_folders
 
-    # the demo is a plan of one pair, reported in --output-dir itself
-    take_output_dir(config.output_dir, [pair.folder for pair in config.plan.pairs()] if config.plan else [""])
-    if config.is_demo:
-        from dist_eval.demo import demo_assets
+    check_output_dir(config.output_dir)
+    hold_output_dir(config.output_dir)  # one run at a time per folder
+    job = _demo_job(config, say) if config.is_demo else _flags_job(config, say)
+    prepare_pair_folders(config.output_dir, [pair.folder for pair in job.plan.pairs()])
+    return job
 
-        demo = demo_assets(log=lambda line: say(f"dist_eval: {line}", flush=True), family=config.demo_family)
-        settings = replace(config.settings, text_column=demo.text_column, label_column=demo.label_column)
-        plan = Plan((EvalSet(None, (demo.data_dir,)),), (Checkpoint(None, demo.checkpoint),))
-        return Job(demo.model_dir, demo.split, settings, plan, demo=True)
+
+def _flags_job(config: EvalConfig, say) -> Job:
+    """The flags' model (a hub id resolved), data and checkpoints."""
     from dist_eval.backends.hub import resolve_model
 
     if config.plan.several:
@@ -39,6 +38,16 @@ def prepare(config: EvalConfig, say) -> Job:
                                           stream=config.stream_blocks)
     return Job(model_dir, config.split, config.settings, config.plan, demo=False, head=config.head,
                dht_prefix=dht_prefix)
+
+
+def _demo_job(config: EvalConfig, say) -> Job:
+    """The built-in demo's model, data and checkpoint (built, or found built)."""
+    from dist_eval.demo import demo_assets
+
+    demo = demo_assets(log=lambda line: say(f"dist_eval: {line}", flush=True), family=config.demo_family)
+    settings = replace(config.settings, text_column=demo.text_column, label_column=demo.label_column)
+    plan = Plan((EvalSet(None, (demo.data_dir,)),), (Checkpoint(None, demo.checkpoint),))
+    return Job(demo.model_dir, demo.split, settings, plan, demo=True)
 
 
 def on_this_node(config: EvalConfig, job: Job) -> Job:

@@ -195,8 +195,9 @@ def merge_shards(folders: Sequence[str], output_dir: str, *, partial: bool = Fal
     """
     import json
 
-    from dist_eval.output.files import release_output_dirs, take_output_dir
+    from dist_eval.output.files import check_output_dir, hold_output_dir, release_output_dirs
     from dist_eval.output.report import write_report
+    from dist_eval.output.shard_files import discard_shard
     from dist_eval.receipt import merged as merged_receipt
 
     if os.path.lexists(os.path.join(output_dir, MANIFEST)):
@@ -210,8 +211,10 @@ def merge_shards(folders: Sequence[str], output_dir: str, *, partial: bool = Fal
     for shard in shards:
         with open(os.path.join(shard.folder, "metrics.json")) as f:
             metrics_of.append(json.load(f))
-    take_output_dir(output_dir)  # held, an earlier shard's files there removed
+    check_output_dir(output_dir)
+    hold_output_dir(output_dir)
     try:
+        discard_shard(output_dir)
         merged = merged_rows(shards, partial)
         report = _report(shards, metrics_of, merged, missing)
         texts, _ = _texts(shards, manifest["rows_in_set"])

@@ -34,16 +34,6 @@ def check_output_dir(path: str) -> None:
         raise UsageError(f"--output-dir {path}: not writable ({e.strerror}). Pass a folder you can write to.") from e
 
 
-def take_output_dir(output_dir: str, folders: Sequence[str] = ("",)) -> None:
-    """Rank 0, before any work: ``output_dir`` writable (:func:`check_output_dir`) and held by this run
-    (:func:`hold_output_dir`), then each of ``folders`` in it made ready (:func:`prepare_pair_folders`;
-    "": ``output_dir`` itself).
-    """
-    check_output_dir(output_dir)
-    hold_output_dir(output_dir)  # one run at a time per folder
-    prepare_pair_folders(output_dir, folders)
-
-
 def prepare_pair_folders(output_dir: str, folders: Sequence[str]) -> None:
     """Rank 0, before any work: each pair's folder in ``output_dir`` writable (:func:`check_output_dir`),
     an earlier shard's files there removed: they are not this run's
