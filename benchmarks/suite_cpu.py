@@ -42,14 +42,17 @@ def watch(seen: dict) -> None:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-            if ROOT not in command and not cwd.startswith(ROOT):
-                continue
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone, or not ours to read
+            try:
+                cwd = os.readlink(f"/proc/{pid}/cwd")
+            except OSError:  # exited, not yet reaped (or not ours)
+                cwd = ""
+        except OSError:  # gone
             continue
         key = (pid, fields[19])
+        if key not in seen and ROOT not in command and not cwd.startswith(ROOT):
+            continue
         if not command and key in seen:  # exited, not yet reaped: its command line is gone, its CPU is not
             command = seen[key][1]
         seen[key] = ((int(fields[11]) + int(fields[12])) / TICK, command)

@@ -217,28 +217,41 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+_reserved: Set[socket.socket] = set()  # open reservations of this process (closed in a forked child)
+
+
 def reserve_ports(host: str, count: int = 0, ports: Sequence[int] = ()) -> List[socket.socket]:
-    """Sockets that hold ``ports`` (or ``count`` ports the OS picks) on ``host`` until closed: bound with
-    SO_REUSEPORT, not listening. Meanwhile no process gets such a port from the OS (a bind to port 0) or binds it
-    without SO_REUSEPORT, yet a server of this user that binds it with SO_REUSEPORT, as p2pd does, can; and, not
-    listening, they take none of the connections meant for that server. Why: a port found free and let go before
-    its server bound it could be taken meanwhile by another p2pd of this user (a client's, listening on port 0),
-    and the kernel then shares the port between the two daemons: a client sent to the server reached the other
-    one about one time in three, and failed ("failed to connect to bootstrap peers"). OSError if a port is taken.
+    """Sockets that hold ``ports`` (or ``count`` ports the OS picks) on ``host`` until :func:`close_all`: bound,
+    not listening, with SO_REUSEPORT set after the bind. Meanwhile no process gets such a port from the OS (a bind
+    to port 0) or binds it without SO_REUSEPORT, yet a server of this user that binds it with SO_REUSEPORT, as p2pd
+    does, can; and, not listening, they take none of the connections meant for that server. Why: a port found free
+    and let go before its server bound it could be taken meanwhile by another p2pd of this user (a client's,
+    listening on port 0), and the kernel then shares the port between the two daemons: a client sent to the server
+    reached the other one about one time in three, and failed ("failed to connect to bootstrap peers").
+    OSError (EADDRINUSE) if a port is taken: the bind, made before SO_REUSEPORT is set, is the check (a listener of
+    any user's refuses it; a closed connection's TIME_WAIT does not, as for p2pd's own bind). A process forked
+    from this one closes them (only the process that reserved them lets them go).
     """
     sockets: List[socket.socket] = []
     try:
         for port in [*ports, *[0] * count]:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sockets.append(s)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     except OSError:
         close_all(sockets)
         raise
+    _reserved.update(sockets)
     return sockets
 
 
 def close_all(sockets: Sequence[socket.socket]) -> None:
-    for s in sockets:
+    """Close ``sockets`` (reservations of :func:`reserve_ports`, or any)."""
+    for s in list(sockets):
+        _reserved.discard(s)
         s.close()
+
+
+os.register_at_fork(after_in_child=lambda: close_all(_reserved))

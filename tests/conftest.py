@@ -540,8 +540,8 @@ def pinned_by_reference(generation: str) -> Dict[str, str]:
 def is_reference_here(generation: str) -> bool:
     """Whether this Python already has every version launch/install_reference.sh pins for ``generation``: the
     suite's own environment is then that reference (launch/install.sh's current stack is generation 5's), and
-    its scripts run here. They never import dist_eval, and each runs in a process of its own: nothing of the
-    bridges dist_eval applies in this process reaches them."""
+    its scripts run here, each in a process of its own: nothing dist_eval applies in this process reaches them
+    (the reference scripts import no dist_eval; tests/reference/on_current_stack.py imports it, as it means to)."""
     from importlib.metadata import PackageNotFoundError, version
 
     def installed(name: str) -> Optional[str]:

@@ -82,6 +82,22 @@ def _port_free(port: int) -> bool:
             return False
 
 
+def _ports_held_here() -> set:
+    """The TCP ports this process's IPv4 sockets are bound to (a bound socket that neither listens nor connects,
+    as a reservation, is in no table of /proc/net/tcp: asked of each socket itself)."""
+    ports = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:["):
+                continue
+            with socket.socket(fileno=os.dup(int(fd))) as s:
+                if s.family == socket.AF_INET and s.type == socket.SOCK_STREAM:
+                    ports.add(s.getsockname()[1])
+        except OSError:
+            continue
+    return ports - {0}
+
+
 def _kill_groups(pgids) -> None:
     for g in pgids:
         try:
@@ -238,6 +254,7 @@ def _check_started(swarm, measured_start_seconds: float):
     assert len(swarm.initial_peers) == 2
     ports = [int(MADDR.match(a).group(1)) for a in swarm.initial_peers]
     assert ports == swarm.ports and len(set(ports)) == 2
+    assert set(ports) <= _ports_held_here()  # reserved by this process until the stop (procs.reserve_ports)
     assert len({a.rsplit("/", 1)[1] for a in swarm.initial_peers}) == 2  # two peer ids
     assert swarm.dht_prefix == "dist_eval-tiny_llama"
     assert swarm.num_blocks == 4 and swarm.placement == [(0, 4), (0, 4)]
@@ -267,6 +284,7 @@ def _check_stop(swarm):
     print(f"swarm of 2 stopped in {time.monotonic() - began:.1f} s")
     _assert_groups_gone(pgids + list(fork_servers))
     assert all(_port_free(p) for p in ports), ports
+    assert not set(ports) & _ports_held_here()  # the reservations let go
     assert not os.path.exists(workdir)  # private TMPDIR (pymp-*, torch shm) and logs
     assert sockets and not any(os.path.exists(p) for p in sockets)  # /tmp/hivemind-*.sock
     swarm.stop()  # idempotent
@@ -297,7 +315,7 @@ def test_start_timeout_stops_everything(llama_dir, tmp_path):
             s.start()
         assert s.pgids
         _assert_groups_gone(s.pgids)
-        assert all(_port_free(p) for p in s.ports)
+        assert all(_port_free(p) for p in s.ports) and not set(s.ports) & _ports_held_here()
     finally:
         s.stop()
         _kill_groups(s.pgids)

@@ -78,7 +78,7 @@ OWN_MODULES = sorted({name for name in os.listdir(SWARM) if name.endswith(".py")
 @pytest.mark.parametrize("module", OWN_MODULES)
 def test_the_swarms_modules_use_each_others_public_members_only(module):
     seen = _private_reads_of(ast.parse("self.swarm._lock\nswarm._servers[0]\ns._seen_gone\nself._rng\n"
-                                       "from dist_eval.procs import _live_groups, free_ports\nfrom os import _exit"))
+                                       "from dist_eval.procs import _live_groups, reserve_ports\nfrom os import _exit"))
     assert seen == [(1, "self.swarm._lock"), (2, "swarm._servers"), (3, "s._seen_gone"),
                     (5, "dist_eval.procs._live_groups")]  # the check sees what it must
     assert _private_reads(os.path.join(SWARM, module)) == []

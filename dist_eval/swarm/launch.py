@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import threading
 import time
 from typing import Callable, List, Optional, Sequence, Set
 
@@ -55,10 +56,14 @@ class Launch:
         self.forks: Optional[ForkServer] = None
         self.sockets: Set[str] = set()  # /tmp/hivemind-*.sock held by the servers (see teardown)
         self.reserved: List[socket.socket] = []  # the servers' TCP ports, held (procs.reserve_ports)
+        self._ports_lock, self._stopped = threading.Lock(), False
 
     def make_servers(self) -> List[ServerProcess]:
         """The server processes, not started: each its port, blocks, log and identity."""
-        self.reserved = self.settings.reserve_ports()  # held until stop: no other process takes a server's port
+        with self._ports_lock:  # a stop() from another thread meanwhile lets go of what is reserved here
+            if self._stopped:
+                raise SwarmError("local swarm: stopped while starting")
+            self.reserved = self.settings.reserve_ports()  # held until stop: no other process takes a server's port
         ports, env = [s.getsockname()[1] for s in self.reserved], self.settings.env(self.tmpdir)
         # the servers forked from one process that imports their libraries once (forks.py)
         self.forks = ForkServer(env, self.workdir, os.path.join(self.logs, "fork-server.log"), self.watchdog)
@@ -143,7 +148,9 @@ class Launch:
         try:
             teardown.terminate(self.servers, self.sockets, deadline, grace, drain_s)
         finally:
-            close_all(self.reserved)
+            with self._ports_lock:
+                self._stopped = True
+                close_all(self.reserved)
             if self.forks is not None:
                 self.forks.close()
             teardown.cleanup_files(self.sockets, self.workdir, self.servers, self.settings.log_dir, keep_logs,

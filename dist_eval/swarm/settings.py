@@ -78,12 +78,18 @@ class SwarmSettings:
             return reserve_ports(self.host, count=self.num_servers)
         ports = [self.port + i for i in range(self.num_servers)]
         for p in ports:
+            # a listener refuses the probe, but not the reservation's bind (SO_REUSEADDR: a server of this user
+            # listening there with SO_REUSEPORT would share the port)
             if not port_is_free(p, self.host):
                 raise SwarmError(
                     f"port {p} on {self.host} is already in use: pass another port (servers use "
                     f"{ports[0]}..{ports[-1]}), or none to pick free ports."
                 )
-        return reserve_ports(self.host, ports=ports)
+        try:
+            return reserve_ports(self.host, ports=ports)
+        except OSError as e:  # taken since the probe
+            raise SwarmError(f"ports {ports[0]}..{ports[-1]} on {self.host}: {e.strerror}: pass another port, or "
+                             "none to pick free ports.") from e
 
     def env(self, tmpdir: str) -> Dict[str, str]:
         """The servers' environment: offline, their private TMPDIR, the plan's threads, this checkout."""
