@@ -570,16 +570,15 @@ def reference_python(generation: str, install: bool = True) -> str:
 
 def stack_python(stack: str) -> str:
     """The Python of ``stack``: "pinned" (the transformers petals 2.2 pins, < 4.35, where stock petals servers run)
-    or "current" (transformers 5.x): this one where its transformers is of that stack, else the environment
-    launch/install_reference.sh makes for it (.venv-pinned, .venv-reference5; a lock makes a second caller wait
-    for the first's install)."""
+    or "current" (transformers 5.x: :func:`reference_python`'s generation 5): this one where it is of that stack,
+    else the environment launch/install_reference.sh makes for it (.venv-pinned, .venv-reference5; a lock makes a
+    second caller wait for the first's install)."""
+    if stack == "current":
+        return reference_python("5")
     import transformers
     from packaging.version import Version
 
-    pinned_here = Version(transformers.__version__) < Version("4.35")
-    if pinned_here == (stack == "pinned"):
-        return sys.executable
-    return reference_python({"pinned": "pinned", "current": "5"}[stack])
+    return sys.executable if Version(transformers.__version__) < Version("4.35") else reference_python("pinned")
 
 
 def on_pinned_stack(script: str, tmp_path) -> dict:

@@ -169,12 +169,10 @@ def _refuse_quantized(model_dir: str, family: Family) -> None:
     """A folder of quantized weights (config.json's ``quantization_config``: FP8 tiles, MXFP4, INT4) refused in one
     line: the offload reads a block's tensors as saved, where loading the model whole dequantizes them.
     """
-    import json
-
+    from dist_eval.backends.config_json import read_config_json
     from dist_eval.errors import UsageError
 
-    with open(os.path.join(model_dir, "config.json")) as f:
-        quantization = json.load(f).get("quantization_config")
+    quantization = read_config_json(model_dir).get("quantization_config")  # as local's check reads it
     if quantization:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
         raise UsageError(f"expected weights read as they are saved: this {family.model_type} folder's are quantized "
