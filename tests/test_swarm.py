@@ -369,6 +369,36 @@ def test_started_in_the_background_and_stopped_while_starting(llama_dir, tmp_pat
     _assert_groups_gone(s.pgids)
 
 
+def test_a_stop_the_moment_the_ports_are_reserved_leaves_make_servers_their_ports(llama_dir):
+    """A stop from another thread (the interrupted start above) takes the ports lock the moment make_servers lets
+    go of it, and closes the reservations: make_servers read their ports under that lock, so it plans its servers
+    on them (the start then fails as stopped). Before, it read them after the lock: "OSError: Bad file descriptor"
+    instead of the SwarmError a stop while starting is (seen once in the suite under load)."""
+    from dist_eval.swarm.launch import Launch
+
+    swarm = LocalSwarm(str(llama_dir), num_servers=2)
+    launch = Launch(swarm.settings, swarm._command)
+    lock, stops = threading.Lock(), []
+
+    class StoppedAtRelease:  # the lock, with the other thread's stop run as soon as it is let go
+        def __enter__(self):
+            lock.acquire()
+
+        def __exit__(self, *exc):
+            lock.release()
+            if not stops:
+                stops.append(1)
+                launch.stop(time.monotonic() + 5, grace=1, drain_s=0, keep_logs=False)
+
+    launch._ports_lock = StoppedAtRelease()
+    try:
+        servers = launch.make_servers()
+        assert stops and launch._stopped and len(servers) == 2
+        assert all(r.fileno() == -1 for r in launch.reserved)  # let go by the stop
+    finally:
+        launch.stop(time.monotonic() + 5, grace=1, drain_s=0, keep_logs=False)
+
+
 # ``python -m dist_eval.swarm`` as it is, which also says, once its servers serve, whether
 # torch was imported in its own process (the servers import it; the CLI must not)
 SWARM_CLI_TELLING_TORCH = (

@@ -222,6 +222,22 @@ print(*files_while_held_and_after())
 """
 
 
+def test_a_fork_server_closed_before_its_start_starts_no_process(tmp_path):
+    """A stop while a swarm starts may close its fork server before the start reaches it (Launch.stop): the start
+    then starts nothing, and nothing is forked. Before, close() of a fork server not yet started did nothing, and
+    the start that followed left it running past the swarm's stop."""
+    from dist_eval.swarm.forks import SERVER_MODULE, ForkServer
+
+    fork_server = ForkServer(dict(os.environ), str(tmp_path), str(tmp_path / "fork-server.log"))
+    fork_server.close()
+    try:
+        fork_server.start(time.monotonic() + 60)
+        assert fork_server._proc is None
+        assert fork_server.spawn([sys.executable, "-m", SERVER_MODULE, "folder"], str(tmp_path / "server.log")) is None
+    finally:
+        fork_server.close()
+
+
 def test_a_servers_forked_child_leaves_its_parents_shared_memory_alone():
     """torch counts a named shared storage's holders in the file, and a fork copies a holder
     uncounted: a child's release unlinked the parent's file while the parent used it, and a later

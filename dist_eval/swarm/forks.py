@@ -106,6 +106,10 @@ class ForkServer:
             except OSError:  # e.g. the swarm stopped meanwhile and removed its folder: the servers' start says
                 self._failed = True
                 return
+            if self._failed:  # closed meanwhile (a stop while the swarm starts): close() did not see it
+                self._proc.kill()
+                self._proc.communicate()  # its pipes closed too
+                return
             if self._watchdog is not None:
                 self._watchdog.watch_group(self._proc.pid)
             self._reader = threading.Thread(target=self._read, name="dist_eval-fork-server", daemon=True)
@@ -151,9 +155,9 @@ class ForkServer:
         """End the fork server (the end of its stdin), SIGKILL after ``timeout`` s; the servers it forked
         are the swarm's to stop.
         """
+        self._failed = True  # nothing more is forked, nor started (start() checks it again after its Popen)
         if self._proc is None:
             return
-        self._failed = True  # nothing more is forked
         try:
             self._proc.stdin.close()
         except OSError:

@@ -64,7 +64,8 @@ class Launch:
             if self._stopped:
                 raise SwarmError("local swarm: stopped while starting")
             self.reserved = self.settings.reserve_ports()  # held until stop: no other process takes a server's port
-        ports, env = [s.getsockname()[1] for s in self.reserved], self.settings.env(self.tmpdir)
+            ports = [s.getsockname()[1] for s in self.reserved]  # read here: a stop closes them under this lock
+        env = self.settings.env(self.tmpdir)
         # the servers forked from one process that imports their libraries once (forks.py)
         self.forks = ForkServer(env, self.workdir, os.path.join(self.logs, "fork-server.log"), self.watchdog)
         self.servers = [
