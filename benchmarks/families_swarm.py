@@ -1,18 +1,18 @@
 """Issue 72's families on dist_eval's own swarm, end to end: torchrun N=2 against local N=1 and transformers 5.x.
 
-    ./launch/install_reference.sh 5
     .venv/bin/python benchmarks/families_swarm.py [REFERENCE_FOLDER] [--only NAME[,NAME...]] [--one-block-each]
 
-REFERENCE_FOLDER: a folder tests/reference/make_reference.py filled in .venv-reference5 (a test run's
-``reference5*`` folder); without it one is made (about a minute). Each family is the suite's tiny model of it
-(hidden 64, 2-4 blocks, saved by transformers 5.x), read from its folder as released: Qwen3.5 dense and MoE in the
-vision-language layout (the text model under ``model.language_model.``), Qwen3-Next, MiniMax-M2 in bf16 and in FP8
-tiles, GLM-5 (``glm_moe_dsa``), DeepSeek-V3.2 in FP8 tiles, gpt-oss with MXFP4 experts, Kimi K2.5 with INT4
-pack-quantized experts, DeepSeek-V4 in FP8 tiles + FP4 experts (each quantized folder dequantized as each process
-loads). Each on the reference corpus's 16 rows, batch size 4, with the reference's trained prompts and head (ptune;
-``--checkpoint`` of the prompts beside ``--head`` where transformers has no ``*ForSequenceClassification``),
-DeepSeek-V4 with its head alone (``--head``: its hash-routed blocks refuse prompts) and again with the reference's
-label words (zero-shot, its LM head ``head.weight``). ``--only``: those rows of the table alone (their names).
+REFERENCE_FOLDER: a folder tests/reference/make_reference.py filled on transformers 5.x (a test run's ``reference5*``
+folder); without it one is made (about a minute), in .venv-reference5 where ``./launch/install_reference.sh 5`` made
+it, else in this Python (launch/install.sh's stack is 5.x). Each family is the suite's tiny model of it (hidden 64,
+2-4 blocks, saved by transformers 5.x), read from its folder as released: Qwen3.5 dense and MoE in the vision-language
+layout (the text model under ``model.language_model.``), Qwen3-Next, MiniMax-M2 in bf16 and in FP8 tiles, GLM-5
+(``glm_moe_dsa``), DeepSeek-V3.2 in FP8 tiles, gpt-oss with MXFP4 experts, Kimi K2.5 with INT4 pack-quantized experts,
+DeepSeek-V4 in FP8 tiles + FP4 experts (each quantized folder dequantized as each process loads). Each on the
+reference corpus's 16 rows, batch size 4, with the reference's trained prompts and head (ptune; ``--checkpoint`` of
+the prompts beside ``--head`` where transformers has no ``*ForSequenceClassification``), DeepSeek-V4 with its head
+alone (``--head``: its hash-routed blocks refuse prompts) and again with the reference's label words (zero-shot, its
+LM head ``head.weight``). ``--only``: those rows of the table alone (their names).
 
 Runs per family, each process one thread, the row store off:
 
@@ -67,9 +67,12 @@ PREFIX = "bench-families"
 
 
 def reference(out: str) -> dict:
-    """reference.json of ``out``, made there by tests/reference/make_reference.py in .venv-reference5 unless it is."""
+    """reference.json of ``out``, made there by tests/reference/make_reference.py unless it is: in .venv-reference5
+    (launch/install_reference.sh 5) where that is made, else in this Python, whose transformers is 5.x where
+    launch/install.sh made it (the suite makes its generation-5 reference there too). main() refuses another major."""
     if not os.path.exists(os.path.join(out, "reference.json")):
-        python = os.path.join(REPO, ".venv-reference5", "bin", "python")
+        made = os.path.join(REPO, ".venv-reference5", "bin", "python")
+        python = made if os.path.exists(made) else sys.executable
         subprocess.run([python, os.path.join(REPO, "tests", "reference", "make_reference.py"), out], check=True,
                        capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     with open(os.path.join(out, "reference.json"), encoding="utf-8") as f:
@@ -203,6 +206,11 @@ def yes(flag: bool) -> str:
 
 def main(out: str, only: list, one_block_each: bool) -> None:
     ref = reference(out)
+    if not ref["versions"]["transformers"].startswith("5."):
+        made_by = ref["versions"]["transformers"]
+        sys.exit(f"families_swarm.py: the reference in {out} was made by transformers {made_by}; these families "
+                 "need 5.x: run ./launch/install.sh (or ./launch/install_reference.sh 5) and give another "
+                 "REFERENCE_FOLDER, or none")
     print(f"transformers {ref['versions']['transformers']}, torch {ref['versions']['torch']}, reference folder {out}",
           flush=True)
     results, good = {}, True

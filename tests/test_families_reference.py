@@ -1395,9 +1395,13 @@ def test_the_petals_client_of_an_int4_release_needs_no_quantization_package(refe
     5.x set up the compressed-tensors quantizer for the client's load, ImportError ("compressed-tensors>=0.15.0 is
     required"), so no swarm run of Kimi K2.5 as released could start (found by benchmarks/families_swarm.py). Here
     an address nobody answers: the load gets as far as the swarm."""
+    import importlib.util
+
     from dist_eval.backends import load_model
     from dist_eval.errors import UsageError
 
+    # the case the test is about (launch/install.sh's environment): with the package, the quantizer would load
+    assert importlib.util.find_spec("compressed_tensors") is None, "compressed-tensors is installed: nothing to check"
     out, ref = reference5
     with pytest.raises(UsageError, match=r"no swarm answered"):
         load_model("petals", str(out / SERVED_FOLDER["kimi_k25"]), **trained(reference5, "kimi_k25", "head"),
