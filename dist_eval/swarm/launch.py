@@ -91,6 +91,9 @@ class Launch:
         """Start every server through ``spawn(server, peer_args)``; return once every block is served
         (SwarmError if a server exits first, or at ``deadline``).
         """
+        with self._ports_lock:  # stopped since make_servers (which plans its servers all the same): start nothing
+            if self._stopped:
+                raise SwarmError("local swarm: stopped while starting")
         join_peers = self.settings.join_peers
         if len(self.servers) > 1 and self.forks.serves(self.command(self.servers[0], [])):
             # several servers: their imports once, before any server starts (and outside the swarm's lock)
