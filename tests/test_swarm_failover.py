@@ -297,9 +297,11 @@ def rank_processes(torchrun_pid, pids=None):
 
 
 def ranks_in_their_loop(run):
-    """{rank: its processes} of a BackgroundCli run, a second into its evaluation loop."""
+    """{rank: its processes} of a BackgroundCli run once a rank has finished a batch (rank 0's first progress line
+    with rows done). A second into the loop, as before, was too soon on a slow machine: no batch done yet, nothing
+    to keep for a resume (an ordinary user's fresh clone failed two tests so)."""
     assert run.evaluating.wait(timeout=240), "never reached the evaluation loop: " + "".join(run.err)[-3000:]
-    time.sleep(1.0)
+    assert run.progressed.wait(timeout=240), "no row done 240 s into the loop: " + "".join(run.err)[-3000:]
     procs = rank_processes(run.proc.pid, getattr(run.proc, "pids", None))
     assert sorted(procs) == [0, 1] and all(len(p) == 3 for p in procs.values()), procs
     return procs
@@ -331,10 +333,14 @@ def test_a_dead_rank_or_helper_ends_every_rank_in_bounded_time(swarm2, tiny_mode
     from dist_eval.procs import hivemind_socket_paths
 
     out = tmp_path / "out"
-    run = BackgroundCli(petals_args(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, out), nproc=2,
-                        zygote=rank_zygote)
+    # a file a batch: rank 1's unsaved batches die with it, so rank 0's first is on disk before the kill
+    run = BackgroundCli(petals_args(swarm2, tiny_model, tiny_checkpoint, many_rows_csv, out, "--save-interval", "0"),
+                        nproc=2, zygote=rank_zygote)
     try:
         procs = ranks_in_their_loop(run)
+        saved_by_rank_0 = time.monotonic() + 120
+        while not list((out / "partial").glob("*/rank0-*.npz")) and time.monotonic() < saved_by_rank_0:
+            time.sleep(0.1)
         assert run.proc.poll() is None, "the run ended before the kill; make many_rows_csv longer"
         sockets = hivemind_socket_paths([pid for p in procs.values() for pid in p.values()])
         os.kill(procs[1][victim], signal.SIGKILL)
@@ -356,8 +362,8 @@ def test_a_dead_rank_or_helper_ends_every_rank_in_bounded_time(swarm2, tiny_mode
         assert f"rank 1: the petals client's {victim} (pid {procs[1][victim]}) died" in errors[0], errors[0]
     assert not left, f"processes of the run still alive 30 s after the kill: {left}"
     assert sockets and not [p for p in sockets if os.path.exists(p)], sockets
-    partial = list((out / "partial").glob("*/rank*.npz"))
-    assert partial, "no finished batch was kept for a resume"
+    partial = list((out / "partial").glob("*/rank0-*.npz"))
+    assert partial, "rank 0's finished batches were not kept for a resume"
     print(f"{victim} killed: every rank out {after_kill:.1f} s later")
 
 
