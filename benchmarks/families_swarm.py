@@ -68,10 +68,12 @@ PREFIX = "bench-families"
 
 def reference(out: str) -> dict:
     """reference.json of ``out``, made there by tests/reference/make_reference.py unless it is: in .venv-reference5
-    (launch/install_reference.sh 5) where that is made, else in this Python, whose transformers is 5.x where
-    launch/install.sh made it (the suite makes its generation-5 reference there too). main() refuses another major."""
+    (launch/install_reference.sh 5; DIST_EVAL_REFERENCE5_VENV moves it) where that is made, else in this Python,
+    whose transformers is 5.x where launch/install.sh made it (the suite makes its generation-5 reference there
+    too). main() refuses another major."""
     if not os.path.exists(os.path.join(out, "reference.json")):
-        made = os.path.join(REPO, ".venv-reference5", "bin", "python")
+        made = os.path.join(os.environ.get("DIST_EVAL_REFERENCE5_VENV", os.path.join(REPO, ".venv-reference5")),
+                            "bin", "python")
         python = made if os.path.exists(made) else sys.executable
         subprocess.run([python, os.path.join(REPO, "tests", "reference", "make_reference.py"), out], check=True,
                        capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -113,11 +113,12 @@ class Watchdog:
         self._tell(f"path {path}")
 
     def _tell(self, line: str) -> None:
-        if self._proc is None:
+        proc = self._proc  # once: release() from another thread (a stop while a swarm starts) sets it to None
+        if proc is None:
             return
         try:
-            self._proc.stdin.write(line + "\n")
-            self._proc.stdin.flush()
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
         except (OSError, ValueError):
             pass
 

@@ -238,6 +238,39 @@ def test_a_fork_server_closed_before_its_start_starts_no_process(tmp_path):
         fork_server.close()
 
 
+@pytest.mark.swarm
+def test_a_fork_server_closed_as_its_popen_returns_is_ended_by_its_start(tmp_path, monkeypatch):
+    """A stop that closes the fork server the moment its Popen returns (close() then sees the process: it ends its
+    stdin, then kills it, still importing): the start kills it too, closes its pipes and returns, raising nothing,
+    and nothing is forked. A first form of this re-check (communicate() after the kill) raised ValueError there,
+    flushing the stdin close() had closed."""
+    import builtins
+
+    from dist_eval.swarm import forks
+
+    fork_server = forks.ForkServer(dict(os.environ), str(tmp_path), str(tmp_path / "fork-server.log"))
+
+    class ClosedOnExit:  # the log file start() opens around its Popen: the stop comes as it is let go
+        def __init__(self, *args):
+            self.file = builtins.open(*args)
+
+        def __enter__(self):
+            return self.file.__enter__()
+
+        def __exit__(self, *exc):
+            self.file.__exit__(*exc)
+            fork_server.close()
+
+    monkeypatch.setattr(forks, "open", ClosedOnExit, raising=False)
+    try:
+        fork_server.start(time.monotonic() + 60)
+        proc = fork_server._proc
+        assert proc is not None and proc.returncode is not None and proc.stdin.closed and proc.stdout.closed
+        assert fork_server.spawn([sys.executable, "-m", forks.SERVER_MODULE, "folder"], str(tmp_path / "s.log")) is None
+    finally:
+        fork_server.close()
+
+
 def test_a_servers_forked_child_leaves_its_parents_shared_memory_alone():
     """torch counts a named shared storage's holders in the file, and a fork copies a holder
     uncounted: a child's release unlinked the parent's file while the parent used it, and a later

@@ -106,9 +106,11 @@ class ForkServer:
             except OSError:  # e.g. the swarm stopped meanwhile and removed its folder: the servers' start says
                 self._failed = True
                 return
-            if self._failed:  # closed meanwhile (a stop while the swarm starts): close() did not see it
+            if self._failed:  # closed meanwhile (a stop while the swarm starts), maybe before this Popen
                 self._proc.kill()
-                self._proc.communicate()  # its pipes closed too
+                self._proc.wait()
+                for pipe in (self._proc.stdin, self._proc.stdout):  # close() may have closed stdin already
+                    pipe.close()
                 return
             if self._watchdog is not None:
                 self._watchdog.watch_group(self._proc.pid)
