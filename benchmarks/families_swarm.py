@@ -70,11 +70,16 @@ def reference(out: str) -> dict:
     """reference.json of ``out``, made there by tests/reference/make_reference.py unless it is: in .venv-reference5
     (launch/install_reference.sh 5; DIST_EVAL_REFERENCE5_VENV moves it) where that is made, else in this Python,
     whose transformers is 5.x where launch/install.sh made it (the suite makes its generation-5 reference there
-    too). main() refuses another major."""
+    too), refused unless that Python's transformers is 5.x. main() refuses a folder made by another major."""
     if not os.path.exists(os.path.join(out, "reference.json")):
         made = os.path.join(os.environ.get("DIST_EVAL_REFERENCE5_VENV", os.path.join(REPO, ".venv-reference5")),
                             "bin", "python")
         python = made if os.path.exists(made) else sys.executable
+        found = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('transformers'))"],
+                               capture_output=True, text=True).stdout.strip()
+        if not found.startswith("5."):  # said now, not after the minute making it takes
+            sys.exit(f"families_swarm.py: the reference is made by transformers 5.x; {python} has {found or 'none'}: "
+                     "run ./launch/install.sh (or ./launch/install_reference.sh 5) first")
         subprocess.run([python, os.path.join(REPO, "tests", "reference", "make_reference.py"), out], check=True,
                        capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     with open(os.path.join(out, "reference.json"), encoding="utf-8") as f:

@@ -61,8 +61,7 @@ class Launch:
     def make_servers(self) -> List[ServerProcess]:
         """The server processes, not started: each its port, blocks, log and identity."""
         with self._ports_lock:  # a stop() from another thread meanwhile lets go of what is reserved here
-            if self._stopped:
-                raise SwarmError("local swarm: stopped while starting")
+            self._refuse_if_stopped()
             self.reserved = self.settings.reserve_ports()  # held until stop: no other process takes a server's port
             ports = [s.getsockname()[1] for s in self.reserved]  # read here: a stop closes them under this lock
         env = self.settings.env(self.tmpdir)
@@ -82,6 +81,11 @@ class Launch:
             self.watchdog.watch_path(self.workdir)
         return self.servers
 
+    def _refuse_if_stopped(self) -> None:
+        """A SwarmError where :meth:`stop` ran (another thread) since this start began; under ``_ports_lock``."""
+        if self._stopped:
+            raise SwarmError("local swarm: stopped while starting")
+
     @property
     def pgids(self) -> List[int]:
         """Process group ids of the servers started and not seen gone."""
@@ -92,8 +96,7 @@ class Launch:
         (SwarmError if a server exits first, or at ``deadline``).
         """
         with self._ports_lock:  # stopped since make_servers (which plans its servers all the same): start nothing
-            if self._stopped:
-                raise SwarmError("local swarm: stopped while starting")
+            self._refuse_if_stopped()
         join_peers = self.settings.join_peers
         if len(self.servers) > 1 and self.forks.serves(self.command(self.servers[0], [])):
             # several servers: their imports once, before any server starts (and outside the swarm's lock)
