@@ -44,6 +44,15 @@ def rescored_keys(run: dict, rescored: dict) -> list:
             if key in rescored or (probability_scores and key in run and key.startswith("top"))]
 
 
+def not_rescored(run: dict, rescored: dict) -> list:
+    """The run's metrics among those rescore recomputes that it could not recompute here (the probability scores of
+    a run without logits).
+    """
+    compared = set(rescored_keys(run, rescored))
+    return [key for key in run if key not in compared and key != "top_k" and  # top_k: the k of top{K}_accuracy
+            (key in RESCORED or key.startswith("top") and key.endswith("_accuracy"))]
+
+
 def _read(folder: str):
     paths = {name: os.path.join(folder, name) for name in ("metrics.json", "predictions.jsonl")}
     missing = [name for name, path in paths.items() if not os.path.isfile(path)]
@@ -72,8 +81,7 @@ def rescore(folder: str) -> dict:
     from dist_eval.scoring import row_metrics
 
     metrics, columns, logits = _read(folder)
-    if columns["index"] != list(range(len(columns["index"]))):
-        raise UsageError(f"{folder}: predictions.jsonl is not one row per index 0..n-1 (a partial or edited output).")
+    _check_rows_are_the_runs(folder, metrics, columns["index"])
     clustering = metrics.get("clustering")
     intervals = metrics.get("confidence_intervals") or (clustering or {}).get("unclustered_intervals") or {}
     bootstrap = (intervals["resamples"], intervals["seed"]) if intervals else None
@@ -91,6 +99,21 @@ def rescore(folder: str) -> dict:
     if metrics.get("slices") and "slice" in columns:
         out["slices"] = _slices(metrics, columns["slice"], rows, bootstrap, clusters)
     return out
+
+
+def _check_rows_are_the_runs(folder: str, metrics: dict, index: list) -> None:
+    """predictions.jsonl holds each of the run's rows once, in the set's order: rows 0..n-1, or, for a run that
+    stopped early (a random sample of the set) or a job array's shard (``shard.json`` beside it), ``num_samples``
+    rows of increasing index. Anything else is a partial or edited output, whose metrics rescore cannot judge.
+    """
+    if index == list(range(len(index))):
+        return
+    subset = bool(metrics.get("stopping")) or os.path.isfile(os.path.join(folder, "shard.json"))
+    if subset and len(index) == metrics.get("num_samples") and all(isinstance(i, int) and i >= 0 for i in index) and \
+            all(a < b for a, b in zip(index, index[1:])):
+        return
+    what = "num_samples rows of increasing index" if subset else "one row per index 0..n-1"
+    raise UsageError(f"{folder}: predictions.jsonl is not {what} (a partial or edited output).")
 
 
 def _slices(metrics: dict, cells: list, rows: MergedResults, bootstrap, clusters=None) -> dict:

@@ -77,13 +77,14 @@ def _read(folder: str):
                          "before dist_eval wrote receipts, or a partial merge of shards. Run the evaluation again with "
                          "this version, then verify its --output-dir.")
     rows = []
-    with open(paths["predictions.jsonl"]) as f:
+    with open(paths["predictions.jsonl"], "rb") as f:  # bytes: a line that is not UTF-8 is one unreadable line
         for number, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    rows.append({"unreadable_line": number})
+                    row = json.loads(line)
+                except ValueError:  # UnicodeDecodeError too
+                    row = None
+                rows.append(row if isinstance(row, dict) else {"unreadable_line": number})
     return metrics, receipt, rows, paths
 
 
@@ -95,7 +96,7 @@ def _public_key_hex(key: str) -> str:
         try:
             with open(key, "rb") as f:
                 return load_pem_public_key(f.read()).public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, OSError) as e:
             raise UsageError(f"expected a PEM Ed25519 public key, could not read one ({e}). Pass the signer's "
                              "public key (openssl pkey -in key.pem -pubout) or its 64 hex digits.", param="key",
                              value=key) from e
@@ -127,7 +128,7 @@ def _check_signature(receipt: dict, key: Optional[str], findings: Findings) -> N
 def check_report(folder: str, findings: Findings, key: Optional[str] = None) -> tuple:
     """Step 1: the report's files against the receipt, the metrics recomputed, the rows' digest."""
     from dist_eval.receipt import hex_keys, metrics_digest, predictions_digest, rows_digest
-    from dist_eval.rescore import differences, rescore
+    from dist_eval.rescore import differences, not_rescored, rescore
 
     metrics, receipt, rows, paths = _read(folder)
     _check_signature(receipt, key, findings)
@@ -153,8 +154,13 @@ def check_report(folder: str, findings: Findings, key: Optional[str] = None) -> 
         for key in differ:
             findings.differ(f"{key}: recomputed from predictions.jsonl {_short(rescored.get(key))}, the report says "
                             f"{_short(metrics.get(key))}")
+        left_out = not_rescored(metrics, rescored)
+        if left_out:  # a run without --save-logits: its probability scores cannot be recomputed
+            findings.skip(f"{', '.join(left_out)} and their intervals (predictions.jsonl has no logits: --save-logits "
+                          "at the run)")
         if not differ:
-            findings.ok("every metric and interval recomputed from predictions.jsonl equals the report")
+            findings.ok(f"every {'other ' if left_out else ''}metric and interval recomputed from predictions.jsonl "
+                        "equals the report")
     _check_rows(rows, findings)
     try:
         keys, labels = hex_keys([r["key"] for r in rows]), np.array([r["label"] for r in rows], dtype=np.int64)
@@ -460,6 +466,9 @@ def _check_args(args) -> None:
     if not 0 < args.share <= 1:
         raise UsageError("expected a share in (0, 1] of the rows to evaluate again. Pass e.g. --share 0.02.",
                          param="share", value=args.share)
+    if args.seed is not None and args.seed < 0:
+        raise UsageError("expected a seed >= 0. Pass e.g. --seed 3, or none (the verifier draws one).", param="seed",
+                         value=args.seed)
     if args.min_rows < 0:
         raise UsageError("expected a number of rows >= 0. Pass e.g. --min-rows 300.", param="min_rows",
                          value=args.min_rows)

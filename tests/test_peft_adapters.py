@@ -341,3 +341,33 @@ def test_the_worked_example_on_a_swarm_equals_local_and_peft(reference, tiny_swa
         peft = np.array(json.load(f)["logits"])
     logits = np.array([row["logits"] for row in sorted(local, key=lambda row: row["index"])])
     assert np.abs(logits - peft).max() < TOLERANCE
+
+
+def test_a_prompt_learning_peft_model_in_memory_is_refused_naming_the_model(tiny_model):
+    """PEFT's model object with a prompt-tuning adapter, given to evaluate() as it is (a training loop's): PEFT hands
+    the base model its prompts and rows as embeddings without the ids, so each row shorter than the batch's longest
+    had the head read at a pad (other logits, no error): refused in one line naming ``model`` and saying how to
+    evaluate the adapter (saved, as a checkpoint). A LoRA model computes from its ids: not refused."""
+    import peft
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification
+
+    from dist_eval import evaluate
+    from dist_eval.backends.objects import as_loaded_model
+    from dist_eval.backends.tokenizer import load_tokenizer
+
+    def base():
+        model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=3)
+        model.config.pad_token_id = 0
+        return model
+
+    tuned = peft.get_peft_model(base(), peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=4))
+    data = Dataset.from_dict({"text": ["a short row", "a row of a few more words than the other"], "label": [0, 1]})
+    with pytest.raises(UsageError) as caught:
+        evaluate(tuned, data, tokenizer=load_tokenizer(tiny_model))
+    said = str(caught.value)
+    assert caught.value.param == "model" and said.startswith("model=<PeftModelForSequenceClassification>: a PEFT "
+                                                             "model with a PROMPT_TUNING adapter"), said
+    assert "model.save_pretrained(ADAPTER_DIR)" in said and "checkpoint=ADAPTER_DIR" in said, said
+    lora = peft.get_peft_model(base(), peft.LoraConfig(task_type="SEQ_CLS", target_modules=["q_proj"]))
+    assert as_loaded_model(lora) is lora  # called as it is

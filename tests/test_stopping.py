@@ -206,6 +206,13 @@ def test_the_cli_stops_on_the_same_rows_with_the_same_numbers_for_one_and_two_ra
     assert one["stopping"]["reason"] == "width" and one["stopping"]["rows_saved"] > 0
     assert_same_bits(two_rows, one_rows, "predictions.jsonl, 2 ranks against 1")
     assert len(one_rows) == one["stopping"]["rows_used"]
+    # its report rescored and verified from its rows (a random sample of the set, in its order: both refused it as
+    # "not one row per index 0..n-1", verify with a DIFFERS line)
+    from dist_eval import rescore, verify
+
+    assert rescore.main([str(tmp_path / "n0")]) == 0
+    capfd.readouterr()
+    assert verify.main([str(tmp_path / "n2")]) == 0, capfd.readouterr()
     for name in ("accuracy", "loss", "confusion_matrix", "confidence_intervals", "auroc_macro"):
         assert_same_bits(two[name], one[name], f"{name}, 2 ranks against 1")
     assert two["run"]["world_size"] == 2 and sum(two["run"]["per_rank_samples"]) == len(two_rows)

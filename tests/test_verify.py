@@ -120,7 +120,8 @@ def test_the_streamed_local_backend_equals_the_in_memory_one_bit_for_bit(tiny_mo
 def test_a_merge_of_shards_has_a_receipt_and_verifies(local_report, tiny_model, tiny_checkpoint, tmp_path, capsys):
     """Two shards (--shard 0/2, 1/2) merged (dist_eval.shard_merge): the merge's receipt is the shards' model,
     checkpoint and data with the merged rows' digests, and the merged report verifies, its rows evaluated again
-    in the whole set's plan equal bit for bit (a shard's batches are the whole set's)."""
+    in the whole set's plan equal bit for bit (a shard's batches are the whole set's); each shard's report
+    verifies too."""
     from dist_eval import shard_merge
 
     data = local_report[1]
@@ -137,6 +138,12 @@ def test_a_merge_of_shards_has_a_receipt_and_verifies(local_report, tiny_model, 
     assert receipt["predictions_sha256"] == whole["predictions_sha256"]  # the merge is the whole run, byte for byte
     code, said = _verify(merged, "--backend", "local", "--min-rows", "12", capsys=capsys)
     assert code == 0 and "the 12 rows evaluated again agree with the report bit for bit" in said, said
+    # each shard's own report too: its rows are a part of the set's (rescore refused them: "not one row per index
+    # 0..n-1", a DIFFERS line for an honest shard)
+    for folder in shards:
+        code, said = _verify(folder, "--backend", "local", "--min-rows", "6", capsys=capsys)
+        assert code == 0 and "the 6 rows evaluated again agree with the report" in said, said
+        assert "ok: every metric and interval recomputed from predictions.jsonl equals the report" in said, said
 
 
 def test_a_signed_receipt_verifies_with_its_key_and_an_edit_under_it_is_caught(tiny_model, tiny_checkpoint,
@@ -235,12 +242,42 @@ def test_flags_and_folders_verify_refuses_in_one_line(local_report, tmp_path, ca
     assert code == 2 and "--initial-peers" in said and "Pass" in said, said
     code, said = _verify(local_report[0], "--share", "0", capsys=capsys)
     assert code == 2 and said.startswith("dist_eval.verify: error: --share 0: expected a share"), said
+    code, said = _verify(local_report[0], "--backend", "local", "--seed", "-1", capsys=capsys)
+    assert code == 2 and said.startswith("dist_eval.verify: error: --seed -1: expected a seed >= 0"), said
+    code, said = _verify(local_report[0], "--key", str(tmp_path), capsys=capsys)  # a folder: not readable as a key
+    assert code == 2 and said.startswith(f"dist_eval.verify: error: --key {tmp_path}: expected a PEM"), said
     copy = _copy(local_report[0], tmp_path)
     metrics = json.load(open(copy / "metrics.json"))
     del metrics["run"]["receipt"]
     json.dump(metrics, open(copy / "metrics.json", "w"))
     code, said = _verify(copy, capsys=capsys)
     assert code == 2 and "expected a receipt (run.receipt), found none" in said, said
+
+
+def test_a_damaged_predictions_file_is_a_finding_not_a_traceback(local_report, tmp_path, capsys):
+    """A line that is not UTF-8, and lines of JSON that are not rows (the input verify exists to judge): each
+    one line that differs, and the verdict NOT VERIFIED, with rows evaluated again too."""
+    for damage in (b"\xff\xfe not text\n", b"5\n", b"[1, 2]\n"):
+        copy = _copy(local_report[0], tmp_path / str(len(damage)))
+        lines = (copy / "predictions.jsonl").read_bytes().splitlines(keepends=True)
+        (copy / "predictions.jsonl").write_bytes(damage + b"".join(lines[1:]))
+        code, said = _verify(copy, "--backend", "local", "--min-rows", "4", capsys=capsys)
+        assert code == 1 and "Traceback" not in said, said
+        assert "predictions.jsonl: sha256" in said and _verdict(said).startswith("dist_eval.verify: NOT VERIFIED")
+
+
+def test_a_report_without_logits_says_its_probability_scores_are_not_checked(tiny_model, tiny_checkpoint,
+                                                                             local_report, tmp_path, capsys):
+    """Without --save-logits, rescore cannot recompute ECE, Brier, AUROC, top-k accuracy: verify says so in a
+    "not checked" line (it said "every metric recomputed"), and an edit of one of them is not called checked."""
+    out = tmp_path / "out"
+    _run(["--backend", "local", "--model", tiny_model, "--checkpoint", tiny_checkpoint, "--data-files",
+          local_report[1], "--batch-size", "4", "--output-dir", str(out)])
+    code, said = _verify(out, capsys=capsys)
+    assert code == 0, said
+    assert "not checked: ece, brier, top2_accuracy, auroc_macro, reliability and their intervals (predictions.jsonl " \
+        "has no logits: --save-logits at the run)" in said, said
+    assert "ok: every other metric and interval recomputed from predictions.jsonl equals the report" in said, said
 
 
 def test_the_chance_that_a_share_misses_every_wrong_row():

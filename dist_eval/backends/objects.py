@@ -147,6 +147,7 @@ def as_loaded_model(model, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT):
     """
     if isinstance(model, LoadedModel):
         return model
+    _refuse_a_prompt_learning_peft_model(model)
     parallel = sys.modules.get("torch.nn.parallel")
     if parallel is not None and isinstance(model, parallel.DistributedDataParallel):
         model = model.module
@@ -175,6 +176,24 @@ def as_loaded_model(model, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT):
         module = PromptTunedClassifier(model, None, 0, family)
     return LoadedModel(module, head.out_features, int(pad_token_id), kind,
                        class_names(model.config, head.out_features), pre_seq_len if tuning_mode else 0)
+
+
+def _refuse_a_prompt_learning_peft_model(model) -> None:
+    """A UsageError for PEFT's model object with a prompt-learning adapter: called as it is, it hands the base model
+    its prompts and rows as embeddings without the ids, so that on a right-padded batch the head reads a pad for
+    every row shorter than the longest (other logits, and no error). Its saved adapter is read right.
+    """
+    peft = sys.modules.get("peft")  # a PEFT model: peft is loaded
+    config = getattr(model, "active_peft_config", None) if peft is not None and isinstance(model, peft.PeftModel) \
+        else None
+    if getattr(config, "is_prompt_learning", False):
+        raise UsageError(
+            f"a PEFT model with a {config.peft_type.value} adapter: PEFT passes its prompts and rows to the base model "
+            "as embeddings, so that each row's last real token is not found in a padded batch. Expected the adapter "
+            "saved: model.save_pretrained(ADAPTER_DIR), then evaluate load_model(\"local\", BASE_MODEL_DIR, "
+            "checkpoint=ADAPTER_DIR) (docs/models-and-checkpoints.md, PEFT adapters).",
+            param="model", value=_Shown(type(model).__name__),
+        )
 
 
 def _head(model, family: Family) -> nn.Linear:
