@@ -386,3 +386,47 @@ def test_the_rotary_table_of_dist_evals_own_layers_is_the_pinned_attentions_bit_
         for found in (table(value, seq_len), current_table(value, seq_len)):
             assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
                        for a, b in zip(expected, found)), (scaling, seq_len, dtype)
+
+
+@pytest.mark.parametrize("form", ["4.x", "5.x"])
+def test_rows_past_max_positions_under_dynamic_rope_are_refused_naming_max_length(tiny_model, tiny_checkpoint, tmp_path,
+                                                                                 form):
+    """A dynamic RoPE table past max_position_embeddings takes its base from the longest row seen before (the pinned
+    LlamaAttention's, 5.x's between the original length and the longest: rope.RotaryTable keeps that state), so a
+    row's logits there depended on the rows each rank evaluated first, without a word. Such rows are refused before
+    any forward, naming --max-length (the API's max_length) and the limit; rows within it are evaluated."""
+    import json
+    import shutil
+
+    from datasets import Dataset
+
+    from dist_eval import evaluate
+    from dist_eval.backends import load_model
+    from dist_eval.backends.tokenizer import load_tokenizer
+    from dist_eval.ranks.phases import RankFailure
+
+    folder = str(tmp_path / "dynamic")
+    shutil.copytree(tiny_model, folder)
+    with open(f"{folder}/config.json") as f:
+        config = json.load(f)
+    config.pop("rope_parameters", None)
+    config.update({"max_position_embeddings": 24, "rope_theta": 10000.0, "rope_scaling": {"type": "dynamic",
+                                                                                            "factor": 2.0}}
+                  if form == "4.x" else {"max_position_embeddings": 24, "rope_parameters": {
+                      "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}})
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    model = load_model("local", folder, checkpoint=tiny_checkpoint)
+    longest = 24 - model.prompt_tokens  # the prompts take positions too
+    try:
+        assert model.attention_window == 24 and longest > 4
+        data = Dataset.from_dict({"text": ["the cat sat"] * 4, "label": [0, 1, 2, 0]})
+        with pytest.raises(RankFailure) as caught:  # the API's UsageError, agreed on by every rank
+            evaluate(model, data, tokenizer=load_tokenizer(folder), max_length=longest + 1, bootstrap_resamples=0)
+        said = str(caught.value)
+        assert said.startswith(f"max_length={longest + 1}: ") and "max_position_embeddings under dynamic RoPE" in said
+        assert f"Pass --max-length {longest} or less" in said, said
+        result = evaluate(model, data, tokenizer=load_tokenizer(folder), max_length=longest, bootstrap_resamples=0)
+        assert result.metrics["num_samples"] == 4
+    finally:
+        model.close()

@@ -66,6 +66,16 @@ if TYPE_CHECKING:
     import torch
 
 
+def dynamic_rope_limit(config) -> int:
+    """``max_position_embeddings`` where config.json's RoPE scaling is ``dynamic`` (either generation's form, a
+    per-layer-type ``rope_parameters`` too), else 0: the rows a dynamic table computes alike whatever came before.
+    """
+    found = [getattr(config, "rope_scaling", None), getattr(config, "rope_parameters", None)]
+    found += [v for f in found if isinstance(f, dict) for v in f.values() if isinstance(v, dict)]
+    dynamic = any(isinstance(f, dict) and f.get("rope_type", f.get("type")) == "dynamic" for f in found)
+    return int(getattr(config, "max_position_embeddings", 0) or 0) if dynamic else 0
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family: class names and attribute paths (dotted, from the sequence classifier)."""
@@ -250,9 +260,14 @@ class Family:
                 "token ids")
 
     def attention_window(self, config) -> int:
-        """The sliding attention window of this config in positions (0: none, or not on); with blocks that
-        reuse an earlier block's choice of keys (GLM-5's ``indexer_types`` ``shared``), ``index_topk``.
+        """The positions a row may span (0: any): the sliding attention window of this config (0: none, or not on);
+        with blocks that reuse an earlier block's choice of keys (GLM-5's ``indexer_types`` ``shared``),
+        ``index_topk``; with ``dynamic`` RoPE scaling, ``max_position_embeddings`` at most (:func:`dynamic_rope_limit`).
         """
+        window, dynamic = self._window(config), dynamic_rope_limit(config)
+        return min(window, dynamic) if window and dynamic else window or dynamic
+
+    def _window(self, config) -> int:
         if self._shares_choices(config):
             return int(config.index_topk)
         if not self.sliding_window:
@@ -268,6 +283,10 @@ class Family:
 
     def attention_limit(self, config) -> str:
         """What :meth:`attention_window` is, as the refusal of a longer row names it."""
+        if dynamic_rope_limit(config) and self.attention_window(config) == dynamic_rope_limit(config):
+            return ("max_position_embeddings under dynamic RoPE scaling (past it a row's rotary frequencies are "
+                    "those of the longest row evaluated before it, as in transformers and petals' servers: other rows "
+                    "on each rank)")
         if self._shares_choices(config):
             return ("sparse attention's index_topk (blocks that indexer_types marks 'shared' reuse an earlier "
                     "block's choice of keys, which dist_eval's blocks do not pass on)")
