@@ -371,3 +371,14 @@ def test_a_prompt_learning_peft_model_in_memory_is_refused_naming_the_model(tiny
     assert "model.save_pretrained(ADAPTER_DIR)" in said and "checkpoint=ADAPTER_DIR" in said, said
     lora = peft.get_peft_model(base(), peft.LoraConfig(task_type="SEQ_CLS", target_modules=["q_proj"]))
     assert as_loaded_model(lora) is lora  # called as it is
+
+
+@pytest.mark.parametrize("typed", ["runs/my adapter", "runs/adapter--v2"])
+def test_a_mistyped_folder_that_is_no_hub_name_is_not_there_not_fetched(tiny_model, typed):
+    """``org/name`` with a space or a ``--`` is no name the hub allows: a mistyped folder, said to be missing in one
+    line naming checkpoint (it was asked of the hub: huggingface_hub's HFValidationError, an internal failure)."""
+    from dist_eval.backends import load_model
+
+    with pytest.raises(UsageError) as caught:
+        load_model("local", tiny_model, checkpoint=typed)
+    assert caught.value.param == "checkpoint" and "no such file or folder" in str(caught.value), str(caught.value)

@@ -80,9 +80,19 @@ def is_adapter_folder(path: str) -> bool:
 
 
 def looks_like_hub_id(path: str) -> bool:
-    """``org/name`` that is no path here and not a checkpoint file's name (a missing ``out/ck.pt`` is a typo)."""
-    return (not os.path.exists(path) and path.count("/") == 1 and not path.startswith((".", "/", "~"))
-            and all(path.split("/")) and not path.lower().endswith(_CHECKPOINT_SUFFIXES))
+    """``org/name`` that is no path here, not a checkpoint file's name (a missing ``out/ck.pt`` is a typo) and a
+    name the hub allows (``runs/my adapter``, a folder mistyped, is no hub id: its reader says it is not there).
+    """
+    if os.path.exists(path) or path.count("/") != 1 or path.startswith((".", "/", "~")) or not all(path.split("/")) \
+            or path.lower().endswith(_CHECKPOINT_SUFFIXES):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _weights_in(folder: str) -> str:
