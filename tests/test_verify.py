@@ -280,6 +280,35 @@ def test_a_report_without_logits_says_its_probability_scores_are_not_checked(tin
     assert "ok: every other metric and interval recomputed from predictions.jsonl equals the report" in said, said
 
 
+def test_bit_for_bit_is_promised_only_where_the_verifier_computes_as_the_run_did(local_report):
+    """A CPU run verified on another device (--device cuda) is compared within the tolerance: its numerics are the
+    verifier's own, not the recorded run's (before, the run's device was taken for the verifier's, and an honest
+    report was held to the run's bits)."""
+    from dist_eval.verify import same_numerics
+
+    receipt = json.load(open(local_report[0] / "metrics.json"))["run"]["receipt"]
+    assert same_numerics(receipt, "local", "cpu")
+    assert not same_numerics(receipt, "local", "cuda") and not same_numerics(receipt, "petals", "cpu")
+
+
+def test_a_swarm_rows_last_bits_are_taken_within_the_tolerance_a_local_runs_are_not():
+    """A swarm's servers may compute on GPUs or other threads (not in the receipt): a row that differs from the
+    report in its last bits alone is said and taken within the tolerance; one beyond it differs; a local run's
+    row that differs in its last bits differs (its numerics are the verifier's)."""
+    import numpy as np
+
+    from dist_eval.verify import LAST_BITS, judge_row
+
+    logits = np.array([0.25, -1.5, 3.0], dtype=np.float32)
+    reported = {"logits": logits.tolist(), "pred": 2, "loss": 0.0}
+    last_bits = np.nextafter(logits, np.float32(10))
+    assert judge_row(reported, logits, 0.0, (True, 1e-4, True)) is None
+    assert judge_row(reported, last_bits, 0.0, (True, 1e-4, True)) == LAST_BITS
+    assert "bit for bit" in judge_row(reported, last_bits, 0.0, (True, 1e-4, False))
+    assert "differ from the report" in judge_row(reported, logits + 0.01, 0.0, (True, 1e-4, True))
+    assert judge_row(reported, last_bits, 0.0, (False, 1e-4, False)) is None
+
+
 def test_the_chance_that_a_share_misses_every_wrong_row():
     assert chance_to_pass(40, 10) == pytest.approx(30 / 40)  # one wrong row of 40
     assert chance_to_pass(100, 100) == 0.0
