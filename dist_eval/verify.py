@@ -233,20 +233,13 @@ def check_files(receipt: dict, args, findings: Findings) -> dict:
             findings.ok(f"--model {model_dir}: its {len(model.get('files') or {})} files are those the run read")
     else:
         findings.skip(f"the model's files ({model_dir}: not a folder here; pass --model DIR)")
-    checkpoint = receipt.get("checkpoint")
+    checkpoint, head = receipt.get("checkpoint"), receipt.get("head")
     where_checkpoint = args.checkpoint or (checkpoint or {}).get("path")
+    where_head = args.head or (head or {}).get("path")
     if checkpoint:
-        try:
-            got = checkpoint_digest(where_checkpoint)
-        except (OSError, UsageError, ValueError):
-            got = None
-        if got is None:
-            findings.skip(f"the checkpoint ({where_checkpoint}: not readable here; pass --checkpoint FILE)")
-        elif got != checkpoint.get("sha256"):
-            findings.differ(f"--checkpoint {where_checkpoint}: sha256 {got[:16]}..., the receipt says "
-                            f"{str(checkpoint.get('sha256'))[:16]}...: another checkpoint")
-        else:
-            findings.ok(f"--checkpoint {where_checkpoint} is the checkpoint the run read (sha256)")
+        _check_digest(findings, "checkpoint", where_checkpoint, checkpoint.get("sha256"), checkpoint_digest)
+    if head and head.get("sha256"):
+        _check_digest(findings, "head", where_head, head["sha256"], file_digest)
     data = (receipt.get("data") or {}).get("files") or []
     where_data = list(args.data_files) if args.data_files else [d.get("path") or d.get("hub") for d in data]
     if args.data_files and len(args.data_files) != len(data):
@@ -265,7 +258,21 @@ def check_files(receipt: dict, args, findings: Findings) -> dict:
                 findings.ok(f"--data-files {path} is the file the run read (sha256)")
         else:
             findings.skip(f"the data {path} (a folder or hub dataset: checked through its rows only)")
-    return {"model": model_dir, "checkpoint": where_checkpoint, "data": where_data}
+    return {"model": model_dir, "checkpoint": where_checkpoint, "head": where_head, "data": where_data}
+
+
+def _check_digest(findings: Findings, what: str, where: Optional[str], want: str, digest) -> None:
+    """The run's ``--{what}`` file, now at ``where``: its ``digest`` against the receipt's ``want``."""
+    try:
+        got = digest(where) if where else None
+    except (OSError, UsageError, ValueError):
+        got = None
+    if got is None:
+        findings.skip(f"the {what} ({where}: not readable here; pass --{what} FILE)")
+    elif got != want:
+        findings.differ(f"--{what} {where}: sha256 {got[:16]}..., the receipt says {str(want)[:16]}...: another {what}")
+    else:
+        findings.ok(f"--{what} {where} is the {what} the run read (sha256)")
 
 
 def same_numerics(receipt: dict, backend: str, device: str = "cpu") -> bool:
@@ -325,7 +332,7 @@ def _load(receipt: dict, where: dict, args, settings):
     drawn = draw_rows(load_split(where["data"], recorded.get("split")), settings)
     tokenizer = load_tokenizer(where["model"])
     model = load_model(args.backend, where["model"], checkpoint=where["checkpoint"] if receipt.get("checkpoint")
-                       else None, head=(receipt.get("head") or {}).get("path"),
+                       else None, head=where["head"],
                        tuning_mode=recorded.get("tuning_mode"), pre_seq_len=recorded.get("pre_seq_len") or 0,
                        num_labels=recorded.get("num_labels"), initial_peers=args.initial_peers,
                        dht_prefix=args.dht_prefix, device=args.device, label_words=settings.label_words,
@@ -482,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "64 hex digits")
     parser.add_argument("--model", default=None, help="the model's folder, where it is now (default: the receipt's)")
     parser.add_argument("--checkpoint", default=None, help="the checkpoint, where it is now (default: the receipt's)")
+    parser.add_argument("--head", default=None, help="the --head file of the run, where it is now (default: the "
+                        "receipt's)")
     parser.add_argument("--data-files", nargs="+", default=None,
                         help="the data files, where they are now, in the run's order (default: the receipt's)")
     return parser

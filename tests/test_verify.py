@@ -226,6 +226,34 @@ def test_another_checkpoint_is_caught_by_its_digest_and_its_rows(local_report, t
     assert "evaluated again: logits differ" in said, said
 
 
+def test_the_head_file_is_checked_by_its_digest_where_the_receipt_or_head_says(tiny_model, tiny_checkpoint,
+                                                                                local_report, tmp_path, capsys):
+    """A run given its head apart (--head, petals #268's export: the prompts in --checkpoint): the receipt's
+    digest of the head is checked (it was not: a head swapped after the run passed), at the recorded path or
+    where --head says it is now, and --backend evaluates with that head."""
+    import torch
+
+    tensors = torch.load(tiny_checkpoint, weights_only=True)["state_dict"]
+    prompts = torch.nn.Embedding(*tensors["prompt_embeddings.weight"].shape)
+    prompts.weight.data.copy_(tensors["prompt_embeddings.weight"])
+    torch.save(prompts, tmp_path / "prompts.pt")
+    head = tmp_path / "head.pt"
+    torch.save({"score.weight": tensors["score.weight"]}, head)
+    out = tmp_path / "out"
+    _run(["--backend", "local", "--model", tiny_model, "--checkpoint", str(tmp_path / "prompts.pt"), "--head",
+          str(head), "--data-files", local_report[1], "--batch-size", "4", "--save-logits", "--output-dir", str(out)])
+    code, said = _verify(out, capsys=capsys)
+    assert code == 0 and f"ok: --head {head} is the head the run read (sha256)" in said, said
+    moved = tmp_path / "moved.pt"
+    head.rename(moved)
+    torch.save({"score.weight": tensors["score.weight"] * 2}, head)  # another head where the run's was
+    code, said = _verify(out, capsys=capsys)
+    assert code == 1 and f"DIFFERS: --head {head}: sha256" in said and "another head" in said, said
+    code, said = _verify(out, "--head", str(moved), "--backend", "local", "--min-rows", "8", capsys=capsys)
+    assert code == 0 and f"ok: --head {moved} is the head the run read" in said, said
+    assert "the 8 rows evaluated again agree with the report bit for bit" in said, said
+
+
 def test_another_data_file_is_caught_by_its_digest_and_its_rows(local_report, tmp_path, capsys):
     other = write_csv(str(tmp_path / "other.csv"), ROWS, seed=6)
     code, said = _verify(local_report[0], "--data-files", other, "--backend", "local", "--min-rows", "8",
