@@ -524,7 +524,8 @@ def verify(folder: str, args, say=print) -> int:
         odds = (f"a report wrong on 1% of its {n} rows would have passed the {compared} rows evaluated again with "
                 f"chance {chance:.3g}")
     else:
-        odds = ("no row evaluated again (no --backend): a report wrong on 1% of its rows, its metrics computed from "
+        why = "none compared" if args.backend else "no --backend"
+        odds = (f"no row evaluated again ({why}): a report wrong on 1% of its rows, its metrics computed from "
                 "those rows, would have passed with chance 1")
     unchecked = f"; not checked: {len(findings.unchecked)}" if findings.unchecked else ""
     if findings.differs:

@@ -261,6 +261,10 @@ def test_another_data_file_is_caught_by_its_digest_and_its_rows(local_report, tm
     assert code == 1, said
     assert f"DIFFERS: --data-files {other}: sha256" in said and "another data file" in said, said
     assert "the data's rows (content keys and labels) are not the report's" in said, said
+    shorter = write_csv(str(tmp_path / "shorter.csv"), ROWS // 2, seed=5)  # no row of the report's second half
+    code, said = _verify(local_report[0], "--data-files", shorter, "--backend", "local", capsys=capsys)
+    assert code == 1 and f"the data holds {ROWS // 2} rows, predictions.jsonl has row {ROWS - 1}" in said, said
+    assert "no row evaluated again (none compared)" in _verdict(said), said  # not "(no --backend)"
 
 
 def test_flags_and_folders_verify_refuses_in_one_line(local_report, tmp_path, capsys):
