@@ -84,6 +84,11 @@ def _sorted(values, clusters) -> tuple:
     return values[order], clusters[order]
 
 
+# a CR1 standard error this small beside the mean is a zero variance rounded (every cluster holding the same mean,
+# e.g. one row fixed in each of G clusters alike): its t statistic, over 1e9, would say p = 0 of a few rows
+NO_SPREAD = 1e-9
+
+
 def cr1_standard_error(values, clusters) -> float:
     """The cluster-robust (CR1) standard error of the mean of ``values``: statsmodels'
     ``OLS(values, ones).fit(cov_type="cluster", cov_kwds={"groups": clusters})``'s, i.e.
@@ -102,7 +107,8 @@ def cluster_robust_pvalue(values, clusters) -> float:
     """Two-sided p-value of a mean of 0 with clustered rows: t = mean / :func:`cr1_standard_error`
     on G - 1 degrees of freedom (statsmodels' ``OLS(values, 1).fit(cov_type="cluster", use_t=True)``
     t test). For a paired difference of correctness, McNemar's test with the clusters counted.
-    NaN with fewer than two clusters or no spread (1 when the mean is 0 too).
+    NaN with fewer than two clusters or no spread between the clusters (:data:`NO_SPREAD`: the callers then use
+    McNemar's exact test); 1 when the mean is 0.
     """
     from scipy.stats import t as student
 
@@ -111,8 +117,10 @@ def cluster_robust_pvalue(values, clusters) -> float:
     if np.isnan(se):
         return float("nan")
     mean = float(np.sort(values).sum() / values.size)
-    if se == 0:
-        return 1.0 if mean == 0 else 0.0
+    if mean == 0:
+        return 1.0
+    if se <= NO_SPREAD * abs(mean):  # every cluster's mean alike (zero but for rounding): no variance to test with
+        return float("nan")
     return float(2 * student.sf(abs(mean) / se, g - 1))
 
 

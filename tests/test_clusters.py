@@ -258,14 +258,41 @@ def test_compare_draws_the_clusters_of_two_clustered_runs():
     assert "CI, rows as indep." in said
     from dist_eval.compare import compare_many
 
-    many = compare_many([a, b, a], resamples=0)["pairs"][0]  # several clustered runs: the clusters counted
+    compared_many = compare_many([a, b, a], resamples=0)
+    many = compared_many["pairs"][0]  # several clustered runs: the clusters counted
     assert many["test"] == "cluster-robust t (CR1)" and many["pvalue"] == boot["accuracy"]["pvalue_clustered"]
+    assert compared_many["test"].startswith("cluster-robust t (CR1"), compared_many["test"]  # was "McNemar exact"
     same = compare_runs(a, a, resamples=50)  # no discordant row: the design effect is undefined, said so
     assert same.paired["bootstrap"]["accuracy"]["design_effect"] is None
     assert "design effect of the difference undefined" in format_comparison(same)
     json.dumps(same.paired, allow_nan=False)
     with pytest.raises(UsageError, match="the clusters of row 0 differ"):
         compare_runs(a, RunOutputs("B", metrics, np.arange(n), labels, other, losses, clusters=["x"] * n))
+
+
+def test_clusters_alike_in_their_difference_leave_it_to_mcnemars_test():
+    """B fixes one row in each of G equal clusters and changes nothing else: every cluster's mean difference is the
+    same, the CR1 variance is zero but for rounding, and its t test said p ~ 1e-17 ("differs", Holm too) of two
+    rows, where McNemar's exact test says 0.5. No spread between the clusters: no cluster-robust p-value, and
+    compare uses McNemar's (exact: 0.5, 0.0625)."""
+    from dist_eval.clusters import cluster_robust_pvalue
+    from dist_eval.compare import RunOutputs, compare_many
+
+    for g, size in ((2, 10), (5, 20)):
+        n = g * size
+        names = [f"c{i // size}" for i in range(n)]
+        labels, preds_a = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        preds_a[::size] = 1  # one wrong row in each cluster, which B gets right
+        difference = (labels == labels).astype(float) - (preds_a == labels)
+        assert np.isnan(cluster_robust_pvalue(difference, cluster_numbers(names)))
+        metrics = {"num_samples": n, "num_labels": 2, "accuracy": 0.0}
+        losses = np.zeros(n)
+        runs = [RunOutputs(name, metrics, np.arange(n), labels, preds, losses, clusters=names)
+                for name, preds in (("A", preds_a), ("B", labels))]
+        pair = compare_many(runs, resamples=0)["pairs"][0]
+        assert pair["test"] == "McNemar exact" and pair["pvalue"] == 0.5 ** (g - 1) and not pair["differs"], pair
+    spread = np.array([1.0, 1, 1, 0, 0, 0, 0, 0, 0, 1])  # clusters that differ: the t test as ever
+    assert 0 < cluster_robust_pvalue(spread, cluster_numbers([f"c{i // 5}" for i in range(10)])) < 1
 
 
 def test_the_worked_example_of_the_docs_prints_what_the_docs_say(capsys):

@@ -185,7 +185,9 @@ def compare_many(runs: Sequence[RunOutputs], baseline: Optional[int] = None, res
     for row, adjusted in zip(out, holm_adjusted([row["pvalue"] for row in out])):
         row["pvalue_holm"] = adjusted
         row["differs"] = adjusted < alpha
-    return {"test": "McNemar exact, per pair", "adjustment": "holm", "alpha": alpha,
+    clustered = any(row["test"] != "McNemar exact" for row in out)
+    test = "cluster-robust t (CR1; McNemar exact where it has no spread to test)" if clustered else "McNemar exact"
+    return {"test": f"{test}, per pair", "adjustment": "holm", "alpha": alpha,
             "baseline": runs[baseline].folder if baseline is not None else None, "pairs": out}
 
 
