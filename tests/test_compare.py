@@ -227,6 +227,11 @@ def test_compare_pairs_rows_by_content_whatever_their_order(runs, tmp_path, caps
     expected = json.load(open(tmp_path / "q.json"))
     assert paired["mcnemar"] == expected["mcnemar"] and paired["bootstrap"] == expected["bootstrap"]
     assert "(40 and 39 samples, 37 in both, 3 classes)" in said.out and "index  index B" in said.out
+    # the headline table holds each run's own report, on its own rows: no B - A there (it showed a difference of
+    # other rows beside the paired one), said in a line
+    accuracy = next(line for line in said.out.splitlines() if line.startswith("  accuracy "))
+    assert accuracy.split()[3] == "-", accuracy
+    assert "(A and B as each run reported them, on its own rows; B - A below is on the 37 rows in both)" in said.out
 
 
 def test_compare_of_several_runs_with_holm_over_every_pair(runs, tmp_path, capsys):

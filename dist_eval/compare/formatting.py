@@ -118,7 +118,8 @@ def format_comparison(c: Comparison, max_rows: int = 20) -> str:
     with_ci = bool(ci_a or ci_b)
     n = len(c.a.labels)
     rows = f"{n} samples"
-    if c.a_only is not None and (c.a_only.size or c.b_only.size):
+    same_rows = not (c.a_only is not None and (c.a_only.size or c.b_only.size))
+    if not same_rows:
         rows = f"{ma['num_samples']} and {mb['num_samples']} samples, {n} in both"
     lines = [f"dist_eval.compare: A = {c.a.folder}, B = {c.b.folder} ({rows}, {ma.get('num_labels')} classes)", ""]
     header = f"  {'metric':<16} {'A':>8} {'B':>8} {'B-A':>9}"
@@ -133,10 +134,14 @@ def format_comparison(c: Comparison, max_rows: int = 20) -> str:
     for name in headline_names(ma):
         if mb.get(name) is None:
             continue
-        line = f"  {name:<16} {ma[name]:8.4f} {mb[name]:8.4f} {mb[name] - ma[name]:+9.4f}"
+        # on other rows B - A is no difference of the models: the paired one below, on the rows in both, is
+        difference = f"{mb[name] - ma[name]:+9.4f}" if same_rows else f"{'-':>9}"
+        line = f"  {name:<16} {ma[name]:8.4f} {mb[name]:8.4f} {difference}"
         if with_ci:
             line += f"   {ci_text(ci_a, name):>18}   {ci_text(ci_b, name):>18}"
         lines.append(line.rstrip())
+    if not same_rows:
+        lines.append(f"  (A and B as each run reported them, on its own rows; B - A below is on the {n} rows in both)")
     lines.append("")
     paired = format_paired(c.paired)
     lines.extend([*paired, ""] if paired else [])
