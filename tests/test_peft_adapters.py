@@ -147,6 +147,17 @@ def test_every_form_reads_the_same_tensors(reference, tmp_path, monkeypatch):
         states["hub"] = load_checkpoint("org/llama3-adapter", TABLE["llama"])
         hub_digest = checkpoint_digest("org/llama3-adapter")
     assert hub.files("GET") == ["adapter_config.json", "adapter_model.safetensors"]
+    config_only = tmp_path / "config_only"  # a hub copy holding adapter_config.json alone
+    config_only.mkdir()
+    shutil.copy(os.path.join(forms["folder"], "adapter_config.json"), config_only)
+    with fake_hub({"org/config-only": str(config_only)}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        with pytest.raises(UsageError, match="a PEFT adapter without its weights"):
+            load_checkpoint("org/config-only", TABLE["llama"])
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # the config in the cache, the weights never fetched
+    with pytest.raises(UsageError) as caught:
+        load_checkpoint("org/config-only", TABLE["llama"])
+    assert "is not in the HF cache, and HF_HUB_OFFLINE=1 forbids downloading it" in str(caught.value), caught.value
     assert {tensors_digest(s.tensors) for s in states.values()} == {tensors_digest(states["folder"].tensors)}
     assert {(s.tuning_mode, s.pre_seq_len, s.num_labels, s.adapter.task_type) for s in states.values()} == {
         ("ptune", 8, 3, "SEQ_CLS")}

@@ -204,6 +204,11 @@ def adapter_folder(repo_id: str, files: tuple, check, param: str = "checkpoint")
     for name in weights_names:
         if _fetch(repo_id, name, None, None, optional=True, param=param) is not None:
             break
+    else:
+        if _offline():  # in the cache the config alone: the weights never fetched, not absent from the adapter
+            raise UsageError(f"a PEFT adapter whose {' or '.join(weights_names)} is not in the HF cache, and "
+                             "HF_HUB_OFFLINE=1 forbids downloading it: run once online (or unset HF_HUB_OFFLINE), or "
+                             "pass the adapter's folder.", param=param, value=repo_id)
     return os.path.dirname(config)
 
 
