@@ -105,6 +105,9 @@ def _differs(first: dict, other: dict) -> Optional[str]:
                     return f"{inner} {b.get(inner)!r}, not {a.get(inner)!r}"
             elif a != b:
                 return f"{name} {b!r}, not {a!r}"
+    if first.get("columns_key") != other.get("columns_key"):  # the same rows, other slices or clusters
+        return (f"other values in the --slice-by / --cluster-by columns (data files {other['named']['data_files']}, "
+                f"not {first['named']['data_files']}; give every shard the same files)")
     if first["run_key"] != other["run_key"]:
         return f"run key {other['run_key']}, not {first['run_key']} (the model's files or the checkpoint)"
     if first["rows_in_set"] != other["rows_in_set"]:
@@ -138,12 +141,31 @@ def check_shards(shards: List[_Shard], partial: bool) -> List[int]:
     return missing
 
 
-def merged_rows(shards: List[_Shard], partial: bool):
-    """(the shards' rows as one MergedResults, by row index: the run's own merge), every row of the
-    set required unless ``partial``.
+def shard_files(shards: List[_Shard]) -> Tuple[List[dict], List[dict]]:
+    """(each shard's metrics.json, each shard's shard.npz arrays), read before the merge's folder is touched; a
+    shard whose files cannot be read (copied in part, written meanwhile) refused in one line naming it.
+    """
+    import json
+    import zipfile
+
+    metrics_of, payloads = [], []
+    for shard in shards:
+        try:
+            with open(os.path.join(shard.folder, "metrics.json")) as f:
+                metrics_of.append(json.load(f))
+            payloads.append(read_rows(shard.folder))
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+            raise UsageError(f"{shard.folder}: shard {shard.index}/{shard.count}'s files cannot be read "
+                             f"({type(e).__name__}: {e}): copied in part, or written meanwhile. Copy the shard's "
+                             "folder whole, or rerun its command.") from e
+    return metrics_of, payloads
+
+
+def merged_rows(shards: List[_Shard], payloads: List[dict], partial: bool):
+    """(the shards' rows (``payloads``: :func:`shard_files`'s) as one MergedResults, by row index: the run's own
+    merge), every row of the set required unless ``partial``.
     """
     rows_in_set = shards[0].manifest["rows_in_set"]
-    payloads = [read_rows(shard.folder) for shard in shards]
     for shard, payload in zip(shards, payloads):
         shard.indices = payload["indices"].copy()  # the merge consumes the payloads
     expected = np.sort(np.concatenate([p["indices"] for p in payloads])) if partial else None
@@ -193,8 +215,6 @@ def merge_shards(folders: Sequence[str], output_dir: str, *, partial: bool = Fal
     """Merge the shards in ``folders`` into the report of the whole set in ``output_dir`` (see the
     module); returns its metrics.
     """
-    import json
-
     from dist_eval.output.files import check_output_dir, hold_output_dir, release_output_dirs
     from dist_eval.output.report import write_report
     from dist_eval.output.shard_files import discard_shard
@@ -207,15 +227,12 @@ def merge_shards(folders: Sequence[str], output_dir: str, *, partial: bool = Fal
     missing = check_shards(shards, partial)
     shards.sort(key=lambda s: s.index)
     manifest = shards[0].manifest
-    metrics_of = []
-    for shard in shards:
-        with open(os.path.join(shard.folder, "metrics.json")) as f:
-            metrics_of.append(json.load(f))
+    metrics_of, payloads = shard_files(shards)
     check_output_dir(output_dir)
     hold_output_dir(output_dir)
     try:
         discard_shard(output_dir)
-        merged = merged_rows(shards, partial)
+        merged = merged_rows(shards, payloads, partial)
         report = _report(shards, metrics_of, merged, missing)
         texts, _ = _texts(shards, manifest["rows_in_set"])
         options = manifest["report"]

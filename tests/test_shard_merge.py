@@ -161,6 +161,17 @@ def test_the_merge_refuses_in_one_line_naming_the_shard(runs, tmp_path, capsys):
     (other / MANIFEST).write_text(json.dumps(manifest))
     assert merge([*seven[:6], other], tmp_path / "out") == 2
     assert "other rows, or the same in another order" in _one_line_error(capsys)
+    for damage in ("shard.npz cut", "shard.npz", "metrics.json"):  # copied in part: one line, nothing written
+        shutil.rmtree(other)
+        shutil.copytree(seven[6], other)
+        if damage == "shard.npz cut":
+            data = (other / "shard.npz").read_bytes()
+            (other / "shard.npz").write_bytes(data[: len(data) // 2])
+        else:
+            (other / damage).unlink()
+        assert merge([*seven[:6], other], tmp_path / "damaged") == 2, damage
+        assert f"{other}: shard 6/7's files cannot be read" in _one_line_error(capsys), damage
+        assert not (tmp_path / "damaged").exists(), damage
     (other / MANIFEST).unlink()  # killed before its end: no shard.json
     assert merge([*seven[:6], other], tmp_path / "out") == 2
     assert f"{other}: unfinished shard" in _one_line_error(capsys)
@@ -185,6 +196,28 @@ def test_shards_given_the_files_in_another_order_merge_into_one_run(tiny_model, 
     assert merge([tmp_path / "s0", tmp_path / "s1"], tmp_path / "merged") == 0
     assert_same_report(tmp_path / "merged", tmp_path / "whole", files=("predictions.jsonl", "per_class.csv"))
     assert json.loads((tmp_path / "merged" / "metrics.json").read_text())["clustering"]["clusters"] == 3
+
+
+def test_shards_of_files_whose_cluster_or_slice_column_differs_are_refused(tiny_model, tiny_checkpoint, tmp_path,
+                                                                           capsys):
+    """The same rows (text and label) in two files whose --cluster-by / --slice-by column differs: the rows' content
+    key is the same, and the merge took shard 0/2 of one and 1/2 of the other, a report of neither (its intervals
+    from clusters of both): refused in one line naming the columns; the same files merge."""
+    base = write_csv(str(tmp_path / "base.csv"), 24, seed=3).replace(".csv", "")
+    lines = open(base + ".csv").read().splitlines()
+    for name, groups in (("a", 3), ("b", 5)):
+        with open(tmp_path / f"{name}.csv", "w") as f:
+            f.write("\n".join([lines[0] + ",topic", *(f"{line},t{i % groups}" for i, line in enumerate(lines[1:]))]))
+    flags = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--progress", "none",
+             "--quiet", "--bootstrap-resamples", "20", "--batch-size", "4", "--cluster-by", "topic", "--slice-by",
+             "topic"]
+    for out, data, shard in (("a0", "a", "0/2"), ("a1", "a", "1/2"), ("b1", "b", "1/2")):
+        assert run_cli_in_process([*flags, "--data-files", str(tmp_path / f"{data}.csv"), "--shard", shard,
+                                   "--output-dir", str(tmp_path / out)], hide_modules=("matplotlib",)) == 0
+    capsys.readouterr()
+    assert merge([tmp_path / "a0", tmp_path / "b1"], tmp_path / "mixed") == 2
+    assert "other values in the --slice-by / --cluster-by columns" in _one_line_error(capsys)
+    assert merge([tmp_path / "a0", tmp_path / "a1"], tmp_path / "merged") == 0
 
 
 def test_partial_reports_what_it_has_and_counts_what_is_missing(runs, tmp_path, capsys):
