@@ -305,13 +305,15 @@ def test_the_shard_of_a_slurm_array_task_and_the_refusals():
 
 
 def test_a_shard_without_rows_is_refused_before_any_forward(demo_cache, tmp_path, monkeypatch, capsys):
-    """40 rows are 2 batches: shard 6 of 7 would be empty (its metrics undefined): one line, exit 2."""
+    """40 rows are 2 batches: shards 2 to 6 of 7 would be empty (their metrics undefined), and the split could never
+    merge: every shard of it, 0/7 too (it ran, and the array's other tasks with it), refused in one line, exit 2."""
     monkeypatch.setenv("DIST_EVAL_CACHE", demo_cache)
-    flags = ["--backend", "local", "--progress", "none", "--quiet", "--limit", "40", "--shard", "6/7"]
-    assert run_cli_in_process([*flags, "--output-dir", str(tmp_path)], hide_modules=("matplotlib",)) == 2
-    assert _one_line_error(capsys) == (
-        "dist_eval: error: --shard 6/7: the set's batch plan has 2 batch(es), so shard 6 of 7 would hold no row: "
-        "expected at most 2 shards. Split it into fewer (K <= 2).")
+    for shard in ("6/7", "0/7"):
+        flags = ["--backend", "local", "--progress", "none", "--quiet", "--limit", "40", "--shard", shard]
+        assert run_cli_in_process([*flags, "--output-dir", str(tmp_path)], hide_modules=("matplotlib",)) == 2
+        assert _one_line_error(capsys) == (
+            f"dist_eval: error: --shard {shard}: the set's batch plan has 2 batch(es), so shards 2 to 6 of 7 would "
+            "hold no row: expected at most 2 shards. Split it into fewer (K <= 2).")
 
 
 def test_dist_eval_merge_is_the_shards_merge(monkeypatch):

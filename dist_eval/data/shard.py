@@ -375,10 +375,10 @@ def shard_of_plan(planned: List[np.ndarray], num_rows: int, shard: Tuple[int, in
     """
     index, count = shard
     ids = shard_batch_ids(len(planned), index, count)
-    if not ids:
-        raise UsageError(f"the set's batch plan has {len(planned)} batch(es), so shard {index} of {count} would hold "
-                         f"no row: expected at most {len(planned)} shards. Split it into fewer (K <= {len(planned)}).",
-                         param="shard", value=f"{index}/{count}")
+    if count > len(planned):  # refused by every shard of the split, before any forward: none of it could merge
+        raise UsageError(f"the set's batch plan has {len(planned)} batch(es), so shards {len(planned)} to {count - 1} "
+                         f"of {count} would hold no row: expected at most {len(planned)} shards. Split it into fewer "
+                         f"(K <= {len(planned)}).", param="shard", value=f"{index}/{count}")
     inside = np.zeros(num_rows, dtype=bool)
     inside[np.concatenate([planned[b] for b in ids])] = True
     return planned, ids, inside
