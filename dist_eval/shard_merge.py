@@ -105,7 +105,8 @@ def _differs(first: dict, other: dict) -> Optional[str]:
                     return f"{inner} {b.get(inner)!r}, not {a.get(inner)!r}"
             elif a != b:
                 return f"{name} {b!r}, not {a!r}"
-    if first.get("columns_key") != other.get("columns_key"):  # the same rows, other slices or clusters
+    keys = (first.get("columns_key"), other.get("columns_key"))  # None: no such columns, or a shard from before
+    if None not in keys and keys[0] != keys[1]:  # the same rows, other slices or clusters
         return (f"other values in the --slice-by / --cluster-by columns (data files {other['named']['data_files']}, "
                 f"not {first['named']['data_files']}; give every shard the same files)")
     if first["run_key"] != other["run_key"]:

@@ -235,11 +235,16 @@ def check_files(receipt: dict, args, findings: Findings) -> dict:
         findings.skip(f"the model's files ({model_dir}: not a folder here; pass --model DIR)")
     checkpoint, head = receipt.get("checkpoint"), receipt.get("head")
     where_checkpoint = args.checkpoint or (checkpoint or {}).get("path")
+    if args.head and not head:
+        raise UsageError("the run was given no --head (its receipt names none): expected none here. Drop --head.",
+                         param="head", value=args.head)
     where_head = args.head or (head or {}).get("path")
     if checkpoint:
         _check_digest(findings, "checkpoint", where_checkpoint, checkpoint.get("sha256"), checkpoint_digest)
     if head and head.get("sha256"):
         _check_digest(findings, "head", where_head, head["sha256"], file_digest)
+    elif head:
+        findings.skip(f"the head ({head.get('path')}: the run recorded no digest of it)")
     data = (receipt.get("data") or {}).get("files") or []
     where_data = list(args.data_files) if args.data_files else [d.get("path") or d.get("hub") for d in data]
     if args.data_files and len(args.data_files) != len(data):
@@ -385,9 +390,9 @@ def evaluate_again(receipt: dict, rows: list, where: dict, args, findings: Findi
         model.close()
     if inexact:  # a swarm's servers may compute on other devices or threads than the verifier
         exact = False
-        findings.say(f"{PROG}: {len(inexact)} of the {count} rows differ from the report in their last bits alone: "
-                     "the swarm's servers computed on other numerics than this verifier (their devices and threads "
-                     "are not in the receipt); those compared within the tolerance", flush=True)
+        findings.say(f"{PROG}: {len(inexact)} of the {count} rows differ from the report within the tolerance, not "
+                     "bit for bit: the swarm's servers computed on other numerics than this verifier (their devices "
+                     "and threads are not in the receipt); those taken within the tolerance", flush=True)
     for row, why in wrong[:SHOWN_ROWS]:
         findings.differ(f"row {row} (key {report_rows[row].get('key')}) evaluated again: {why}")
     if len(wrong) > SHOWN_ROWS:

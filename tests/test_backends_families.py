@@ -430,3 +430,16 @@ def test_rows_past_max_positions_under_dynamic_rope_are_refused_naming_max_lengt
         assert result.metrics["num_samples"] == 4
     finally:
         model.close()
+    # a transformers classifier in memory (a training loop's): the same limit
+    from transformers import AutoModelForSequenceClassification
+
+    from dist_eval.backends.families import dynamic_rope_limit
+    from dist_eval.backends.objects import as_loaded_model
+
+    classifier = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=3)
+    classifier.config.pad_token_id = 0
+    loaded = as_loaded_model(classifier)
+    assert loaded.attention_window == 24 and "dynamic RoPE" in loaded.attention_limit
+    per_layer_type = types.SimpleNamespace(max_position_embeddings=24, rope_parameters={  # 5.x's form per layer type
+        "full_attention": {"rope_type": "dynamic", "factor": 2.0}, "sliding_attention": {"rope_type": "default"}})
+    assert dynamic_rope_limit(per_layer_type) == 24

@@ -276,7 +276,7 @@ def test_clusters_alike_in_their_difference_leave_it_to_mcnemars_test():
     rows, where McNemar's exact test says 0.5. No spread between the clusters: no cluster-robust p-value, and
     compare uses McNemar's (exact: 0.5, 0.0625)."""
     from dist_eval.clusters import cluster_robust_pvalue
-    from dist_eval.compare import RunOutputs, compare_many
+    from dist_eval.compare import RunOutputs, compare_many, compare_runs, format_comparison
 
     for g, size in ((2, 10), (5, 20)):
         n = g * size
@@ -291,6 +291,9 @@ def test_clusters_alike_in_their_difference_leave_it_to_mcnemars_test():
                 for name, preds in (("A", preds_a), ("B", labels))]
         pair = compare_many(runs, resamples=0)["pairs"][0]
         assert pair["test"] == "McNemar exact" and pair["pvalue"] == 0.5 ** (g - 1) and not pair["differs"], pair
+        said = format_comparison(compare_runs(*runs, resamples=50))  # said, the loss's and F1's tests kept
+        assert "cluster-robust test of accuracy: none (every cluster holds the same difference" in said, said
+        assert "cluster-robust tests of macro F1 (the cluster bootstrap's)" in said, said
     spread = np.array([1.0, 1, 1, 0, 0, 0, 0, 0, 0, 1])  # clusters that differ: the t test as ever
     assert 0 < cluster_robust_pvalue(spread, cluster_numbers([f"c{i // 5}" for i in range(10)])) < 1
 

@@ -202,22 +202,27 @@ def test_shards_of_files_whose_cluster_or_slice_column_differs_are_refused(tiny_
                                                                            capsys):
     """The same rows (text and label) in two files whose --cluster-by / --slice-by column differs: the rows' content
     key is the same, and the merge took shard 0/2 of one and 1/2 of the other, a report of neither (its intervals
-    from clusters of both): refused in one line naming the columns; the same files merge."""
-    base = write_csv(str(tmp_path / "base.csv"), 24, seed=3).replace(".csv", "")
-    lines = open(base + ".csv").read().splitlines()
+    from clusters of both): refused in one line naming the columns. The same rows and names from a CSV (integers)
+    and a JSON lines file (texts) merge: the slices and clusters are the same."""
+    base = write_csv(str(tmp_path / "base.csv"), 24, seed=3)
+    lines = open(base).read().splitlines()
     for name, groups in (("a", 3), ("b", 5)):
         with open(tmp_path / f"{name}.csv", "w") as f:
-            f.write("\n".join([lines[0] + ",topic", *(f"{line},t{i % groups}" for i, line in enumerate(lines[1:]))]))
+            f.write("\n".join([lines[0] + ",topic", *(f"{line},{i % groups}" for i, line in enumerate(lines[1:]))]))
+    with open(tmp_path / "a.jsonl", "w") as f:
+        for i, line in enumerate(lines[1:]):
+            text, label = line.rsplit(",", 1)
+            f.write(json.dumps({"text": text, "label": int(label), "topic": str(i % 3)}) + "\n")
     flags = ["--model", tiny_model, "--checkpoint", tiny_checkpoint, "--backend", "local", "--progress", "none",
              "--quiet", "--bootstrap-resamples", "20", "--batch-size", "4", "--cluster-by", "topic", "--slice-by",
              "topic"]
-    for out, data, shard in (("a0", "a", "0/2"), ("a1", "a", "1/2"), ("b1", "b", "1/2")):
-        assert run_cli_in_process([*flags, "--data-files", str(tmp_path / f"{data}.csv"), "--shard", shard,
+    for out, data, shard in (("a0", "a.csv", "0/2"), ("a1", "a.jsonl", "1/2"), ("b1", "b.csv", "1/2")):
+        assert run_cli_in_process([*flags, "--data-files", str(tmp_path / data), "--shard", shard,
                                    "--output-dir", str(tmp_path / out)], hide_modules=("matplotlib",)) == 0
     capsys.readouterr()
     assert merge([tmp_path / "a0", tmp_path / "b1"], tmp_path / "mixed") == 2
     assert "other values in the --slice-by / --cluster-by columns" in _one_line_error(capsys)
-    assert merge([tmp_path / "a0", tmp_path / "a1"], tmp_path / "merged") == 0
+    assert merge([tmp_path / "a0", tmp_path / "a1"], tmp_path / "merged") == 0, capsys.readouterr().err
 
 
 def test_partial_reports_what_it_has_and_counts_what_is_missing(runs, tmp_path, capsys):

@@ -276,8 +276,11 @@ def test_flags_and_folders_verify_refuses_in_one_line(local_report, tmp_path, ca
     assert code == 2 and said.startswith("dist_eval.verify: error: --share 0: expected a share"), said
     code, said = _verify(local_report[0], "--backend", "local", "--seed", "-1", capsys=capsys)
     assert code == 2 and said.startswith("dist_eval.verify: error: --seed -1: expected a seed >= 0"), said
-    code, said = _verify(local_report[0], "--key", str(tmp_path), capsys=capsys)  # a folder: not readable as a key
+    code, said = _verify(local_report[0], "--key", str(tmp_path), capsys=capsys)  # a folder: no key
     assert code == 2 and said.startswith(f"dist_eval.verify: error: --key {tmp_path}: expected a PEM"), said
+    code, said = _verify(local_report[0], "--head", str(local_report[1]), capsys=capsys)  # the run had no head
+    assert code == 2 and f"dist_eval.verify: error: --head {local_report[1]}: the run was given no --head" in said, \
+        said
     copy = _copy(local_report[0], tmp_path)
     metrics = json.load(open(copy / "metrics.json"))
     del metrics["run"]["receipt"]

@@ -147,10 +147,10 @@ def as_loaded_model(model, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT):
     """
     if isinstance(model, LoadedModel):
         return model
-    _refuse_a_prompt_learning_peft_model(model)
     parallel = sys.modules.get("torch.nn.parallel")
     if parallel is not None and isinstance(model, parallel.DistributedDataParallel):
         model = model.module
+    _refuse_a_prompt_learning_peft_model(model)  # inside DistributedDataParallel too: a training loop's
     transformers = sys.modules.get("transformers")  # a transformers model: transformers is loaded
     if transformers is None or not isinstance(model, transformers.PreTrainedModel):
         return model
@@ -175,7 +175,9 @@ def as_loaded_model(model, swarm_timeout: float = DEFAULT_SWARM_TIMEOUT):
 
         module = PromptTunedClassifier(model, None, 0, family)
     return LoadedModel(module, head.out_features, int(pad_token_id), kind,
-                       class_names(model.config, head.out_features), pre_seq_len if tuning_mode else 0)
+                       class_names(model.config, head.out_features), pre_seq_len if tuning_mode else 0,
+                       attention_window=family.attention_window(model.config),  # refused longer rows: load_model's
+                       attention_limit=family.attention_limit(model.config))
 
 
 def _refuse_a_prompt_learning_peft_model(model) -> None:

@@ -44,6 +44,10 @@ def format_paired(paired: Optional[dict]) -> List[str]:
     if clustered_p is not None:
         lines.append(f"  cluster-robust test of accuracy (CR1, t on {boot['clusters'] - 1} df): p = {clustered_p:.4g} "
                      "(McNemar's takes the rows as independent)")
+    elif (boot or {}).get("clusters") and (boot.get("accuracy") or {}).get("standard_error_clustered") is not None:
+        lines.append("  cluster-robust test of accuracy: none (every cluster holds the same difference: no spread to "
+                     "test with); McNemar's above is the test")
+    if (boot or {}).get("clusters"):
         def p_text(name: str, p: float) -> str:  # the bootstrap's p of 0: no resample beyond 0, under 2 / R
             return f"p < {2 / max(1, boot['resamples']):.2g}" if name == "f1_macro" and p == 0 else f"p = {p:.4g}"
 

@@ -67,18 +67,23 @@ def content_key(rows) -> str:
     return hashlib.sha256(rows.keys.keys.tobytes()).hexdigest()[:16]
 
 
-def columns_key(rows, columns) -> Optional[str]:
-    """A hash of the set's values in ``columns`` (``--slice-by``'s, ``--cluster-by``'s), row by row in evaluation
-    order; None without such columns. Not in the content key (the rows' text, text pair and label): shards of
-    files whose slice or cluster column differs hold the same rows in other slices or clusters.
+def columns_key(rows, slice_by, cluster_by) -> Optional[str]:
+    """A hash of each row's slice names (``--slice-by``'s columns, as the report names a cell) and cluster
+    (``--cluster-by``, as the clusters are told apart), row by row in evaluation order; None without such columns.
+    Not in the content
+    key (the rows' text, text pair and label): shards of files whose slice or cluster column differs hold the same
+    rows in other slices or clusters.
     """
     import hashlib
 
-    if not columns:
+    from dist_eval.data.groups import slice_name
+
+    named = [(column, slice_name) for column in slice_by or ()] + ([(cluster_by, str)] if cluster_by else [])
+    if not named:
         return None
     digest = hashlib.sha256()
-    for column in columns:
-        digest.update(json.dumps([column, list(rows.dataset[column])], default=str).encode())
+    for column, name in named:
+        digest.update(json.dumps([column, [name(v) for v in rows.dataset[column]]]).encode())
     return digest.hexdigest()[:16]
 
 
@@ -112,8 +117,7 @@ def write_shard(folder: str, result, context: RunContext, pair: Pair, rows, text
         "shard": options.shard,
         "run_key": key,  # the run key, the set by its content: the files may differ in order or place
         "rows_key": content,
-        "columns_key": columns_key(rows, [*(options.slice_by or ()), *([options.cluster_by] if options.cluster_by
-                                                                       else [])]),
+        "columns_key": columns_key(rows, options.slice_by, options.cluster_by),
         # what the run key is made of, as the report names it: a merge names what differs
         "named": {**RunFacts.of(result.metrics).key_facts(), "settings": config.settings.as_dict()},
         "report": {**{name: getattr(options, name, None) for name in REPORT_OPTIONS},
