@@ -16,9 +16,13 @@ from typing import Optional
 # (START: its start time, so that a pid reused by then is left alone); "path P": a file
 # or folder to remove. It runs as `python -S -c`: no site-packages, so it starts at once and
 # does not depend on how dist_eval is installed; it imports nothing of dist_eval, which is why
-# its lookup of the hivemind sockets that its processes hold repeats procs.unix_socket_paths.
+# its lookup of the hivemind sockets that its processes hold repeats procs.unix_socket_paths. SIGTERM, SIGINT and
+# SIGHUP are ignored: a sweep that kills its owner and it at once (pkill -f of the venv's python) left the servers
+# it guards running; it ends when its owner does (EOF), on "done", or by SIGKILL.
 _WATCHDOG = r"""
 import os, shutil, signal, sys, time
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
 groups, pids, paths = set(), {}, set()
 for line in sys.stdin:
     cmd, _, arg = line.strip().partition(" ")

@@ -95,6 +95,32 @@ def test_the_watchdog_kills_the_helpers_when_their_owner_dies(helpers):
     watchdog._proc.wait(timeout=10)
 
 
+def test_a_watchdog_signalled_with_its_owner_still_stops_what_it_guards(helpers):
+    """A sweep (pkill -f of the venv's python) sends SIGTERM to the owner and its watchdog at once: the watchdog
+    ignored nothing and died first, leaving the servers it guarded running (seen: 18 orphaned swarm servers of a
+    killed suite). It ignores SIGTERM, SIGINT and SIGHUP now, and stops them when its owner is gone."""
+    _, pids = helpers
+    from dist_eval.procs import start_time as _start_time
+
+    watchdog = Watchdog()
+    for pid in pids.values():
+        watchdog.watch_pid(pid, _start_time(pid))
+    def ignored() -> int:  # the signals its process ignores (/proc: SigIgn), set once its code runs
+        with open(f"/proc/{watchdog._proc.pid}/status") as f:
+            return int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+
+    deadline = time.monotonic() + 30
+    while ignored() >> (signal.SIGHUP - 1) & 1 == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        watchdog._proc.send_signal(sig)
+    time.sleep(0.5)
+    assert watchdog._proc.poll() is None and all(is_running(pid) for pid in pids.values())
+    watchdog._proc.stdin.close()  # then the owner is gone
+    assert all(_wait_gone(pid) for pid in pids.values())
+    watchdog._proc.wait(timeout=10)
+
+
 def test_a_released_watchdog_leaves_them_alone(helpers):
     _, pids = helpers
     from dist_eval.procs import start_time as _start_time
