@@ -108,6 +108,7 @@ def _check_rows_are_the_runs(folder: str, metrics: dict, index: list) -> None:
     """
     if index == list(range(len(index))):
         return
+    # shard.json: output.shard_files.MANIFEST, a layer this one may not import
     subset = bool(metrics.get("stopping")) or os.path.isfile(os.path.join(folder, "shard.json"))
     if subset and len(index) == metrics.get("num_samples") and all(isinstance(i, int) and i >= 0 for i in index) and \
             all(a < b for a, b in zip(index, index[1:])):

@@ -283,7 +283,8 @@ class Family:
 
     def attention_limit(self, config) -> str:
         """What :meth:`attention_window` is, as the refusal of a longer row names it."""
-        if dynamic_rope_limit(config) and self.attention_window(config) == dynamic_rope_limit(config):
+        dynamic = dynamic_rope_limit(config)
+        if dynamic and self.attention_window(config) == dynamic:
             return ("max_position_embeddings under dynamic RoPE scaling (past it a row's rotary frequencies are "
                     "those of the longest row evaluated before it, as in transformers and petals' servers: other rows "
                     "on each rank)")

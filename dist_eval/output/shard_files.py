@@ -70,9 +70,8 @@ def content_key(rows) -> str:
 def columns_key(rows, slice_by, cluster_by) -> Optional[str]:
     """A hash of each row's slice names (``--slice-by``'s columns, as the report names a cell) and cluster
     (``--cluster-by``, as the clusters are told apart), row by row in evaluation order; None without such columns.
-    Not in the content
-    key (the rows' text, text pair and label): shards of files whose slice or cluster column differs hold the same
-    rows in other slices or clusters.
+    Not in the content key (the rows' text, text pair and label): shards of files whose slice or cluster column
+    differs hold the same rows in other slices or clusters.
     """
     import hashlib
 
