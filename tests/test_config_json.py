@@ -10,6 +10,7 @@ import os
 import pytest
 
 from dist_eval.backends.config_json import READ_AS, read_as_saved, read_config_json
+from dist_eval.backends.families import FAMILIES
 from dist_eval.errors import UsageError
 
 WHERE = "/m/config.json"
@@ -66,7 +67,6 @@ def test_rope_parameters_of_each_attention_type_are_read_when_alike_and_refused_
 
 
 @pytest.mark.parametrize("raw, expected", [
-    ({"model_type": "llama", "rope_parameters": {"rope_type": "default"}}, "has no rope_theta"),
     ({"model_type": "llama", "rope_parameters": 10000.0}, "rope_parameters is 10000.0, not an object"),
     ({"model_type": "llama", "rope_theta": 10000.0, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}},
      "rope_theta 10000.0 and rope_parameters' rope_theta 500000.0 differ"),
@@ -80,6 +80,71 @@ def test_rope_parameters_of_each_attention_type_are_read_when_alike_and_refused_
 ])
 def test_a_form_or_a_setting_not_read_here_is_refused_in_one_line(raw, expected):
     assert expected in refused(raw)
+
+
+# the families whose own transformers 5.x config class is not CONFIG_MAPPING's: the text model's of a
+# vision-language release; Kimi K2's (none in 5.x) is DeepSeek-V3's
+OWN_CONFIG_CLASS = {"qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig",
+                    "kimi_k25": "DeepseekV3Config", "kimi_k2": "DeepseekV3Config"}
+
+
+def _as_read(config, family) -> dict:
+    """The fields the blocks read that a config.json may leave out, as ``config`` (a transformers 5.x config) has
+    them: its RoPE (the first of DeepSeek-V4's kinds), norm epsilon, windows and length."""
+    rope = dict(config.rope_parameters or {})
+    if family.rope_labels:
+        rope = dict(rope.get(family.rope_labels[0], rope))
+    return {"rope": {key: value for key, value in rope.items() if key != "partial_rotary_factor"},
+            **{name: getattr(config, name, None) for name in (
+                "rms_norm_eps", "sliding_window", "max_window_layers", "max_position_embeddings")}}
+
+
+@pytest.mark.parametrize("name", sorted(name for name, family in FAMILIES.items() if family.built_on))
+def test_a_field_config_json_leaves_out_takes_the_default_of_the_familys_own_transformers_class(name):
+    """The review's finding: the config classes built here subclass Llama's, whose defaults a file that leaves a
+    field out took (Mixtral's RoPE at theta 1e4, not 1e6; gpt-oss's without yarn; Llama 4's and MiniMax-M2's
+    theta; a 1e-6 norm epsilon for 1e-5): another model, without a word. Read here, such a file has what
+    transformers 5.x's own class of the family gives it, field for field."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from dist_eval.backends.blocks import family_class
+    from dist_eval.backends.compat import configs_are_dataclasses
+
+    assert configs_are_dataclasses(), "the README's install has transformers 5.x, whose classes this compares with"
+    family = FAMILIES[name]
+    own = getattr(transformers, OWN_CONFIG_CLASS[name]) if name in OWN_CONFIG_CLASS else CONFIG_MAPPING[name]
+    read = read_as_saved({"model_type": name}, WHERE)
+    ours = family_class(family.local_class, in_petals=False).config_class(**read)
+    assert _as_read(ours, family) == _as_read(own(), family)
+
+
+def test_rope_parameters_without_a_base_or_null_take_the_familys_as_transformers_5_reads_them():
+    read = read_as_saved({"model_type": "llama", "rope_parameters": {"rope_type": "default"}}, WHERE)
+    assert (read["rope_theta"], read["rope_scaling"]) == (10000.0, None)
+    assert read_as_saved({"model_type": "mixtral", "rope_parameters": {"rope_type": "default"}},
+                         WHERE)["rope_theta"] == 1e6
+    gpt_oss = read_as_saved({"model_type": "gpt_oss", "rope_parameters": None, "rope_theta": 5e4}, WHERE)
+    assert (gpt_oss["rope_theta"], gpt_oss["rope_scaling"]["rope_type"]) == (5e4, "yarn")
+    # a default RoPE said in the file stays one (transformers 5.x's gpt-oss reads it so too)
+    said = read_as_saved({"model_type": "gpt_oss", "rope_parameters": {"rope_type": "default"}}, WHERE)
+    assert (said["rope_theta"], said["rope_scaling"]) == (150000.0, None)
+
+
+def test_the_defaults_filled_in_are_in_the_row_stores_key_but_a_window_alone_is_not():
+    """A row computed under a filled RoPE base is another row than before (its key differs); a window filled in only
+    refuses longer rows, so the key of a Mistral folder saved by the classes here (no sliding_window) is as it was."""
+    from types import SimpleNamespace
+
+    from dist_eval.backends.config_json import DEFAULTS_FILLED, config_reading
+
+    mixtral = read_as_saved({"model_type": "mixtral", "max_position_embeddings": 128}, WHERE)
+    assert config_reading(SimpleNamespace(**mixtral)) == {
+        "config_defaults_filled": {"rope_theta": 1e6, "rms_norm_eps": 1e-5}}
+    mistral = read_as_saved({"model_type": "mistral", "max_position_embeddings": 128, "rope_theta": 1e4}, WHERE)
+    assert mistral["sliding_window"] == 4096 and DEFAULTS_FILLED not in mistral
+    assert config_reading(SimpleNamespace(**mistral)) == {}
+    assert read_as_saved(mixtral, WHERE) == mixtral  # idempotent
 
 
 def test_a_sliding_layer_turns_the_window_on_as_transformers_5_reads_it():

@@ -216,17 +216,16 @@ def _check_pad_token(config, model_dir: str) -> None:
 def _identity(model_dir: str, config, state: TrainableState, family: Family, where: tuple) -> dict:
     """What decides this model's logits besides the rows (the row store's key: dist_eval.rowstore);
     ``where``: (backend, device, dht_prefix). The fields of config.json read from transformers 5.x's
-    form are in it (the same bytes read another way before: those rows are not served again).
+    form and the family defaults filled in are in it (the same bytes read another way before: those rows are not
+    served again).
     """
-    from dist_eval.backends.config_json import read_as
+    from dist_eval.backends.config_json import config_reading
     from dist_eval.backends.provenance import folder_identity, tensors_digest
 
     backend, device, dht_prefix = where
     model = {"folder": folder_identity(model_dir), "family": family.model_type, "backend": backend,
-             "device": str(device).split(":")[0], "dtype": "float32", "dht_prefix": dht_prefix}
-    moved = read_as(config)
-    if moved:
-        model["config_read_as"] = moved
+             "device": str(device).split(":")[0], "dtype": "float32", "dht_prefix": dht_prefix,
+             **config_reading(config)}
     if family.computation_revision:  # absent for the others: their stored rows' keys unchanged
         model["computation"] = family.computation_revision
     return {"model": model, "trainable": tensors_digest(state.tensors)}

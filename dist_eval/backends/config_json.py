@@ -26,6 +26,11 @@ before any weight is read). The fields read from the 5.x form are kept under :da
 4.x-form values), so that what depends on them can tell: the row store's key takes them (rows
 stored under the wrong reading are not served), and a swarm of stock petals servers, which read
 such a folder the 4.x way, is refused for it (:func:`dist_eval.backends.blocks.needs_block_options`).
+
+A field the file leaves out takes the default of the family's own transformers 5.x config class, as transformers
+reads the file (``Family.config_defaults``: a RoPE base, yarn, a norm's epsilon), not the default of the base family's
+config class that the family's is built on; those that change a computed row are kept under :data:`DEFAULTS_FILLED`,
+for the key.
 """
 from __future__ import annotations
 
@@ -96,10 +101,12 @@ def read_as_saved(raw: dict, where: str) -> dict:
     if family is not None and family.text_prefix and isinstance(config.get("text_config"), dict):
         config = _text_model_config(config, family)
     moved = dict(config.get(READ_AS) or {})
+    if "rope_parameters" in config and config["rope_parameters"] is None:
+        del config["rope_parameters"]  # transformers 5.x reads null as absent: the class's RoPE
     if family is not None and family.rope_labels and _labelled(config.get("rope_parameters"), family):
         moved.update(_rope_by_label(config, family.rope_labels, where))
     if "rope_parameters" in config:
-        moved.update(_rope_from_parameters(config, where, family.inert_rope_keys if family else ()))
+        moved.update(_rope_from_parameters(config, where, family))
     if family is not None and family.partial_from_rotary_dim and isinstance(config.get("rotary_dim"), int) and (
             "partial_rotary_factor" not in config and "partial_rotary_factor" not in moved):
         head_dim = config.get("head_dim") or dict(family.block_options).get("head_dim")
@@ -112,6 +119,9 @@ def read_as_saved(raw: dict, where: str) -> dict:
             moved[old] = config[old]
     if family is not None:
         _read_layer_types(config, family, where)
+        filled = {**(config.get(DEFAULTS_FILLED) or {}), **_fill_defaults(config, family, moved)}
+        if filled:
+            config[DEFAULTS_FILLED] = filled
     if config.get("rope_scaling") is not None:
         _check_rope_keys(config["rope_scaling"], "rope_parameters" if "rope_scaling" in moved else "rope_scaling",
                          where)
@@ -127,6 +137,37 @@ WHOLE_MODEL_KEYS = ("tie_word_embeddings", "architectures", "dtype", "torch_dtyp
                     "quantization_config")
 
 
+# the key the family defaults filled into a file that leaves them out are kept under (those that change a computed row)
+DEFAULTS_FILLED = "dist_eval_defaults_filled"
+# the RoPE base of a file that gives none, where the family's table gives no other (transformers' default_theta)
+DEFAULT_ROPE_THETA = 10000.0
+# filled defaults that decide only which rows are refused (a row past a window is refused, never computed another
+# way): left out of DEFAULTS_FILLED, so the row store's key of a folder whose file leaves them out (one saved by the
+# config classes built here, which have no window field) is what it was
+DECIDE_REFUSALS_ONLY = ("sliding_window", "max_window_layers")
+
+
+def _fill_defaults(config: dict, family, moved: dict) -> dict:
+    """Set each of the family's ``config_defaults`` that ``config`` leaves out (``rope_scaling``: where neither it nor
+    ``rope_parameters`` is given), as transformers 5.x's config class of the family fills it; the values set that
+    change a computed row (kept under :data:`DEFAULTS_FILLED`). The config class built here would take its base
+    family's defaults there (a RoPE base of 10000 for 1e6): another model, without a word.
+    """
+    filled = {}
+    for name, value in family.config_defaults:
+        absent = config.get(name) is None and name not in moved if name == "rope_scaling" else name not in config
+        if absent:
+            config[name] = dict(value) if isinstance(value, dict) else value
+            if name not in DECIDE_REFUSALS_ONLY:
+                filled[name] = config[name]
+    return filled
+
+
+def default_rope_theta(family) -> float:
+    """The RoPE base a file of ``family`` (None: of no family here) that gives none has."""
+    return dict(family.config_defaults).get("rope_theta", DEFAULT_ROPE_THETA) if family else DEFAULT_ROPE_THETA
+
+
 def _text_model_config(config: dict, family) -> dict:
     """A vision-language release's config.json (``text_config`` and ``vision_config`` nested) as its
     text model's, under the family's ``model_type``: what dist_eval computes (the vision tower is never read).
@@ -139,17 +180,16 @@ def _text_model_config(config: dict, family) -> dict:
     return text
 
 
-def _rope_from_parameters(config: dict, where: str, inert: tuple = ()) -> dict:
+def _rope_from_parameters(config: dict, where: str, family) -> dict:
     """Move ``rope_parameters`` to ``rope_theta``, ``rope_scaling`` and ``partial_rotary_factor``; the moved values.
-    ``inert``: keys of the family's that change nothing on text rows (MRoPE's sections), set aside.
+    The family's ``inert_rope_keys`` (keys that change nothing on text rows: MRoPE's sections) are set aside; without
+    a ``rope_theta`` there, the file's own ``rope_theta``, else the family's default (:func:`default_rope_theta`).
     """
     parameters = _one_rope(config.pop("rope_parameters"), where)
+    inert = family.inert_rope_keys if family else ()
     rope = {key: value for key, value in parameters.items() if key not in inert}
-    if "rope_theta" not in rope:
-        raise UsageError(f"{where}: rope_parameters {json.dumps(parameters)} has no rope_theta, the RoPE base the "
-                         "blocks need. Add it (the model card or the config it was trained with says it).",
-                         param="model_dir")
-    moved = {"rope_theta": rope.pop("rope_theta")}
+    theta = rope.pop("rope_theta", config.get("rope_theta") or default_rope_theta(family))
+    moved = {"rope_theta": theta}
     if "partial_rotary_factor" in rope:
         moved["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
     kind = rope.get("rope_type", rope.get("type"))
@@ -270,6 +310,15 @@ def family_of_folder(model_dir: str):
     from types import SimpleNamespace
 
     return family_of(SimpleNamespace(**read_config_json(model_dir)), model_dir)
+
+
+def config_reading(config) -> dict:
+    """What the row store's key takes of how ``config`` (a transformers config) was read from config.json:
+    ``config_read_as`` (:func:`read_as`) and ``config_defaults_filled`` (:func:`_fill_defaults`), each only where
+    there is one (the keys of other folders as they were).
+    """
+    reading = {"config_read_as": read_as(config), "config_defaults_filled": getattr(config, DEFAULTS_FILLED, None)}
+    return {name: dict(value) for name, value in reading.items() if value}
 
 
 def read_as(config) -> Optional[dict]:

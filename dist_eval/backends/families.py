@@ -128,6 +128,11 @@ class Family:
     # ``hyper_connections`` (DeepSeek-V4): its own blocks, streams between them (backends.layers.HyperConnectedLayer)
     built_on: str = ""
     block_options: tuple = ()
+    # transformers 5.x's defaults of the family's own config class where they differ from those of the class built
+    # here (Llama's), for fields the blocks read: ((field, value), ...), filled into a config.json that leaves the
+    # field out (backends.config_json), as transformers fills it; ``rope_scaling``: the RoPE settings of a file that
+    # has neither rope_scaling nor rope_parameters (or has them null)
+    config_defaults: tuple = ()
     # config.json's keys of a sliding attention window: (the window, the switch that turns it on,
     # "" when the window alone says it); rows longer than an active window are refused
     sliding_window: tuple = ()
@@ -753,17 +758,20 @@ def _built_on_llama(model_type: str, name: str, **fields) -> Family:
 
 # Mistral: Llama's block (grouped-query attention); v0.1 attends within a sliding window
 FAMILIES["mistral"] = _built_on_llama("mistral", "Mistral", sliding_window=("sliding_window", ""),
-                                      layer_types=("sliding_attention",))
+                                      layer_types=("sliding_attention",),
+                                      config_defaults=(("sliding_window", 4096), ("max_position_embeddings", 131072)))
 # Qwen2 / Qwen2.5: Llama's block with biases on the q, k and v projections (not on o)
+QWEN_DEFAULTS = (("max_window_layers", 28), ("max_position_embeddings", 32768))
 FAMILIES["qwen2"] = _built_on_llama("qwen2", "Qwen2", block_options=(("qkv_bias", True),),
                                     sliding_window=("sliding_window", "use_sliding_window"),
-                                    layer_types=("sliding_attention",))
+                                    layer_types=("sliding_attention",), config_defaults=QWEN_DEFAULTS)
 # Qwen3: Llama's block with dist_eval's attention (an RMSNorm over each head's q and k before
 # RoPE, head_dim set apart from hidden/heads); the options' values are also the config's defaults
 # (transformers' Qwen3Config), for a config.json that leaves a key out
 FAMILIES["qwen3"] = _built_on_llama(
     "qwen3", "Qwen3", block_options=(("own_layers", True), ("use_qk_norm", True), ("head_dim", 128)),
-    sliding_window=("sliding_window", "use_sliding_window"), layer_types=("sliding_attention",))
+    sliding_window=("sliding_window", "use_sliding_window"), layer_types=("sliding_attention",),
+    config_defaults=QWEN_DEFAULTS)
 # Qwen3-MoE: Qwen3's attention; the MLP of a block a mixture of experts (a softmax router choosing
 # num_experts_per_tok of num_experts), but the blocks in mlp_only_layers or off decoder_sparse_step
 FAMILIES["qwen3_moe"] = _built_on_llama(
@@ -772,7 +780,8 @@ FAMILIES["qwen3_moe"] = _built_on_llama(
         ("num_experts_per_tok", 8),
         ("moe_intermediate_size", 768), ("norm_topk_prob", False), ("decoder_sparse_step", 1), ("mlp_only_layers", ())),
     sliding_window=("sliding_window", "use_sliding_window"), layer_types=("sliding_attention",),
-    config_renames=(("num_local_experts", "num_experts"),))  # transformers 5.x names the expert count so
+    config_renames=(("num_local_experts", "num_experts"),),  # transformers 5.x names the expert count so
+    config_defaults=(("max_position_embeddings", 32768),))
 # GLM-4.5 / 4.6 / 4.7: dist_eval's attention with q/k/v biases (o without), q/k norms only when
 # use_qk_norm, RoPE on partial_rotary_factor of each head; the blocks from first_k_dense_replace
 # on a mixture of n_routed_experts (a sigmoid router, its choice shifted by e_score_correction_bias,
@@ -783,7 +792,7 @@ FAMILIES["glm4_moe"] = _built_on_llama(
         ("partial_rotary_factor", 0.5), ("mixture_of_experts", "sigmoid"), ("n_routed_experts", 128),
         ("n_shared_experts", 1), ("num_experts_per_tok", 8), ("moe_intermediate_size", 1408),
         ("routed_scaling_factor", 1.0), ("n_group", 1), ("topk_group", 1), ("first_k_dense_replace", 1),
-        ("norm_topk_prob", True)))
+        ("norm_topk_prob", True)), config_defaults=(("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072)))
 # Mixtral: Llama's attention (dist_eval's layers: any head_dim, no q/k norm); each block's MLP a mixture
 # of num_local_experts experts of intermediate_size (Mixtral's names: block_sparse_moe, w1/w3/w2), a
 # softmax router choosing num_experts_per_tok, their weights renormalised; a window as Mistral's
@@ -791,7 +800,8 @@ FAMILIES["mixtral"] = _built_on_llama(
     "mixtral", "Mixtral", block_options=(
         ("own_layers", True), ("use_qk_norm", False), ("mixture_of_experts", "mixtral"), ("num_local_experts", 8),
         ("num_experts_per_tok", 2)),
-    sliding_window=("sliding_window", ""), layer_types=("sliding_attention",))
+    sliding_window=("sliding_window", ""), layer_types=("sliding_attention",),
+    config_defaults=(("rope_theta", 1e6), ("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072)))
 
 # DeepSeek-V3 / R1 / V3.1: the latent attention (backends.layers.LatentAttention: q and kv latents,
 # their norms, RoPE on each head's rope part in DeepSeek's interleaved layout, yarn whose mscale also
@@ -805,14 +815,18 @@ DEEPSEEK_V3_OPTIONS = (
     ("mixture_of_experts", "sigmoid"), ("n_routed_experts", 256), ("n_shared_experts", 1),
     ("num_experts_per_tok", 8), ("moe_intermediate_size", 2048), ("routed_scaling_factor", 2.5), ("n_group", 8),
     ("topk_group", 4), ("first_k_dense_replace", 3), ("norm_topk_prob", True))
-FAMILIES["deepseek_v3"] = _built_on_llama("deepseek_v3", "DeepseekV3", block_options=DEEPSEEK_V3_OPTIONS)
-FAMILIES["kimi_k2"] = _built_on_llama("kimi_k2", "KimiK2", block_options=DEEPSEEK_V3_OPTIONS)
+DEEPSEEK_V3_DEFAULTS = (("max_position_embeddings", 4096),)
+FAMILIES["deepseek_v3"] = _built_on_llama("deepseek_v3", "DeepseekV3", block_options=DEEPSEEK_V3_OPTIONS,
+                                          config_defaults=DEEPSEEK_V3_DEFAULTS)
+FAMILIES["kimi_k2"] = _built_on_llama("kimi_k2", "KimiK2", block_options=DEEPSEEK_V3_OPTIONS,
+                                      config_defaults=DEEPSEEK_V3_DEFAULTS)
 # Kimi K2.5 / K2.6 (kimi_k25: 1T-A32B), as released: a vision-language checkpoint around a DeepSeek-V3 text model
 # (config.json's text_config; tensors under language_model.model., the head language_model.lm_head.; the vision
 # tower and its projector never read), its routed experts in compressed-tensors' INT4 pack-quantized groups,
 # dequantized on load (backends.layers.dequantize_int4), attention and shared expert in bf16
 FAMILIES["kimi_k25"] = _built_on_llama(
-    "kimi_k25", "KimiK25", block_options=DEEPSEEK_V3_OPTIONS, text_prefix="language_model.model.",
+    "kimi_k25", "KimiK25", block_options=DEEPSEEK_V3_OPTIONS, config_defaults=DEEPSEEK_V3_DEFAULTS,
+    text_prefix="language_model.model.",
     text_renames=(("language_model.lm_head.", "lm_head."),), skipped_prefixes=("vision_tower.", "mm_projector."))
 # Llama 4 Scout / Maverick, text (llama4_text: a Llama4ForCausalLM save): dist_eval's layers
 # (backends.layers.ChunkedAttention: RoPE in interleaved pairs but on every no_rope_layer_interval-th
@@ -827,7 +841,8 @@ FAMILIES["llama4_text"] = _built_on_llama(
         ("num_local_experts", 16), ("num_experts_per_tok", 1), ("interleave_moe_layer_step", 1),
         ("intermediate_size_mlp", 16384), ("use_qk_norm", True), ("no_rope_layer_interval", 4),
         ("attention_chunk_size", 8192), ("attn_temperature_tuning", True), ("floor_scale", 8192)),
-    sliding_window=("attention_chunk_size", ""), layer_types=("chunked_attention",))
+    sliding_window=("attention_chunk_size", ""), layer_types=("chunked_attention",),
+    config_defaults=(("rope_theta", 5e5), ("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072)))
 
 # Qwen3.5 / 3.6 dense (qwen3_5), as released: a vision-language checkpoint whose text model is read
 # (config.json's text_config, tensors under model.language_model.; the vision tower never read). Its blocks
@@ -845,7 +860,7 @@ QWEN3_5_OPTIONS = (
 FAMILIES["qwen3_5"] = _built_on_llama(
     "qwen3_5", "Qwen3_5", block_options=QWEN3_5_OPTIONS, layer_types=("linear_attention",),
     text_prefix="model.language_model.", skipped_prefixes=("model.visual.", "mtp."),
-    inert_rope_keys=("mrope_section", "mrope_interleaved"))
+    inert_rope_keys=("mrope_section", "mrope_interleaved"), config_defaults=(("max_position_embeddings", 32768),))
 
 # Qwen3.5 / 3.6 MoE (qwen3_5_moe: 397B-A17B, 122B-A10B, 35B-A3B), as released: Qwen3.5's hybrid blocks,
 # every block's MLP a mixture (backends.layers.GatedSharedMoeMLP): Qwen3-MoE's softmax router choosing
@@ -866,7 +881,7 @@ FAMILIES["qwen3_next"] = _built_on_llama(
         ("interleaved_projections", True), ("mixture_of_experts", "shared_gate"), ("moe_by_step", True),
         ("num_experts", 512), ("num_experts_per_tok", 10), ("moe_intermediate_size", 512),
         ("shared_expert_intermediate_size", 512), ("norm_topk_prob", True), ("decoder_sparse_step", 1),
-        ("mlp_only_layers", ()), ("intermediate_size", 5632)))
+        ("mlp_only_layers", ()), ("intermediate_size", 5632)), config_defaults=(("max_position_embeddings", 32768),))
 
 # MiniMax-M2 / M2.5 / M2.7 (minimax_m2: 230B-A10B), bf16 or FP8 128 x 128 tiles as released (dequantized on load):
 # grouped-query attention with q/k RMSNorms over the whole projection (backends.layers.WholeWidthRMSNorm: every
@@ -879,7 +894,7 @@ FAMILIES["minimax_m2"] = _built_on_llama(
         ("own_layers", True), ("use_qk_norm", True), ("qk_norm_whole", True), ("head_dim", 128),
         ("mixture_of_experts", "minimax"), ("num_local_experts", 256), ("num_experts_per_tok", 8),
         ("intermediate_size", 1536)),
-    partial_from_rotary_dim=True)
+    partial_from_rotary_dim=True, config_defaults=(("rope_theta", 5e6), ("max_position_embeddings", 196608)))
 
 # gpt-oss (gpt_oss: 120b, 20b), bf16 or its experts in MXFP4 as released (dequantized on load): dist_eval's layers
 # (backends.layers.SinkAttention: grouped-query attention with biases on q, k, v and o, yarn RoPE, a learned sink
@@ -892,7 +907,10 @@ FAMILIES["gpt_oss"] = _built_on_llama(
         ("own_layers", True), ("sink_attention", True), ("use_qk_norm", False), ("head_dim", 64),
         ("attention_bias", True), ("sliding_window", 128), ("mixture_of_experts", "gpt_oss"),
         ("num_local_experts", 128), ("num_experts_per_tok", 4), ("intermediate_size", 2880), ("swiglu_limit", 7.0),
-        ("swiglu_alpha", 1.702), ("mxfp4_experts", True)))
+        ("swiglu_alpha", 1.702), ("mxfp4_experts", True)),
+    config_defaults=(("rope_theta", 150000.0), ("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072),
+                     ("rope_scaling", {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                       "truncate": False, "original_max_position_embeddings": 4096})))
 
 
 # GLM-5 / 5.1 (glm_moe_dsa: 744B-A40B), bf16 as released: DeepSeek-V3's block (the latent attention, RoPE in
@@ -910,7 +928,8 @@ FAMILIES["glm_moe_dsa"] = _built_on_llama(
         ("index_n_heads", 32), ("indexer_rope_interleave", True), ("mixture_of_experts", "sigmoid"),
         ("n_routed_experts", 256), ("n_shared_experts", 1), ("num_experts_per_tok", 8),
         ("moe_intermediate_size", 2048), ("routed_scaling_factor", 2.5), ("n_group", 1), ("topk_group", 1),
-        ("first_k_dense_replace", 3), ("norm_topk_prob", True)))
+        ("first_k_dense_replace", 3), ("norm_topk_prob", True)),
+    config_defaults=(("rms_norm_eps", 1e-5), ("max_position_embeddings", 202752)))
 # DeepSeek-V3.2 / V3.2-Exp (deepseek_v32: 685B-A37B), FP8 128 x 128 tiles as released (dequantized on load) or bf16:
 # DeepSeek-V3's block (its options) plus DeepSeek Sparse Attention as GLM-5's, every block with its own indexer,
 # whose RoPE rotates halves (not interleaved pairs: transformers 5.x's DeepseekV32Indexer); the options' values
@@ -918,7 +937,7 @@ FAMILIES["glm_moe_dsa"] = _built_on_llama(
 FAMILIES["deepseek_v32"] = _built_on_llama(
     "deepseek_v32", "DeepseekV32", layer_types=("indexed_attention",), block_options=DEEPSEEK_V3_OPTIONS + (
         ("sparse_attention", True), ("index_topk", 2048), ("index_head_dim", 128), ("index_n_heads", 64),
-        ("indexer_rope_interleave", False)))
+        ("indexer_rope_interleave", False)), config_defaults=(("max_position_embeddings", 163840),))
 
 
 # DeepSeek-V4-Flash / Pro (deepseek_v4: 284B-A13B, 1.6T-A49B), FP8 tiles + FP4 experts as released (dequantized on
@@ -949,7 +968,8 @@ FAMILIES["deepseek_v4"] = _built_on_llama(
         ("o_lora_rank", 1024), ("index_n_heads", 64), ("index_head_dim", 128), ("index_topk", 512),
         ("compress_rope_theta", 160000.0), ("swiglu_limit", 10.0), ("routed_scaling_factor", 1.5),
         ("n_routed_experts", 256), ("n_shared_experts", 1), ("num_experts_per_tok", 6), ("moe_intermediate_size", 2048),
-        ("scoring_func", "sqrtsoftplus"), ("norm_topk_prob", True)))
+        ("scoring_func", "sqrtsoftplus"), ("norm_topk_prob", True)),
+    config_defaults=(("max_position_embeddings", 1048576),))
 
 
 def tokenizers_calling_the_base() -> frozenset:
