@@ -4,6 +4,7 @@ block computes, the two forms disagreeing: refused in one line naming the field 
 reading in every reader (the transformers config classes, the family check, the swarm's placement and
 device sizing), and the row store's key taking what was read from the 5.x form. The logits of folders saved
 by each generation are checked against that transformers in tests/test_families_reference.py."""
+import copy
 import json
 import os
 
@@ -90,17 +91,27 @@ OWN_CONFIG_CLASS = {"qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTe
 
 def _as_read(config, family) -> dict:
     """The fields the blocks read that a config.json may leave out, as ``config`` (a transformers 5.x config) has
-    them: its RoPE (the first of DeepSeek-V4's kinds), norm epsilon, windows and length."""
+    them: its RoPE (the first of DeepSeek-V4's kinds), norm epsilon, the window it attends in and length."""
     rope = dict(config.rope_parameters or {})
     if family.rope_labels:
         rope = dict(rope.get(family.rope_labels[0], rope))
     return {"rope": {key: value for key, value in rope.items() if key != "partial_rotary_factor"},
-            **{name: getattr(config, name, None) for name in (
-                "rms_norm_eps", "sliding_window", "max_window_layers", "max_position_embeddings")}}
+            "window": getattr(config, "sliding_window", None) if _window_on(config, family) else None,
+            **{name: getattr(config, name, None) for name in ("rms_norm_eps", "max_position_embeddings")}}
 
 
+def _window_on(config, family) -> bool:
+    switch = family.sliding_window[1] if family.sliding_window else ""  # "": the window alone says it
+    return bool(getattr(config, switch, False)) if switch else True
+
+
+# files that leave fields out: the type alone; a window's switch on without its window; an empty RoPE setting
+LEFT_OUT = ({}, {"use_sliding_window": True}, {"rope_scaling": {}})
+
+
+@pytest.mark.parametrize("given", LEFT_OUT, ids=("type_alone", "switch_alone", "empty_rope"))
 @pytest.mark.parametrize("name", sorted(name for name, family in FAMILIES.items() if family.built_on))
-def test_a_field_config_json_leaves_out_takes_the_default_of_the_familys_own_transformers_class(name):
+def test_a_field_config_json_leaves_out_takes_the_default_of_the_familys_own_transformers_class(name, given):
     """The review's finding: the config classes built here subclass Llama's, whose defaults a file that leaves a
     field out took (Mixtral's RoPE at theta 1e4, not 1e6; gpt-oss's without yarn; Llama 4's and MiniMax-M2's
     theta; a 1e-6 norm epsilon for 1e-5): another model, without a word. Read here, such a file has what
@@ -114,9 +125,9 @@ def test_a_field_config_json_leaves_out_takes_the_default_of_the_familys_own_tra
     assert configs_are_dataclasses(), "the README's install has transformers 5.x, whose classes this compares with"
     family = FAMILIES[name]
     own = getattr(transformers, OWN_CONFIG_CLASS[name]) if name in OWN_CONFIG_CLASS else CONFIG_MAPPING[name]
-    read = read_as_saved({"model_type": name}, WHERE)
+    read = read_as_saved({"model_type": name, **copy.deepcopy(given)}, WHERE)
     ours = family_class(family.local_class, in_petals=False).config_class(**read)
-    assert _as_read(ours, family) == _as_read(own(), family)
+    assert _as_read(ours, family) == _as_read(own(**copy.deepcopy(given)), family)  # 5.x's from_dict edits its dicts
 
 
 def test_rope_parameters_without_a_base_or_null_take_the_familys_as_transformers_5_reads_them():

@@ -34,6 +34,7 @@ for the key.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -141,10 +142,10 @@ WHOLE_MODEL_KEYS = ("tie_word_embeddings", "architectures", "dtype", "torch_dtyp
 DEFAULTS_FILLED = "dist_eval_defaults_filled"
 # the RoPE base of a file that gives none, where the family's table gives no other (transformers' default_theta)
 DEFAULT_ROPE_THETA = 10000.0
-# filled defaults that decide only which rows are refused (a row past a window is refused, never computed another
-# way): left out of DEFAULTS_FILLED, so the row store's key of a folder whose file leaves them out (one saved by the
-# config classes built here, which have no window field) is what it was
-DECIDE_REFUSALS_ONLY = ("sliding_window", "max_window_layers")
+# filled defaults that decide only which rows are refused (a row past a window, or a window a switch turns on, is
+# refused, never computed another way): left out of DEFAULTS_FILLED, so the row store's key of a folder whose file
+# leaves them out (one saved by the config classes built here, which have no window field) is what it was
+DECIDE_REFUSALS_ONLY = ("sliding_window",)
 
 
 def _fill_defaults(config: dict, family, moved: dict) -> dict:
@@ -155,11 +156,12 @@ def _fill_defaults(config: dict, family, moved: dict) -> dict:
     """
     filled = {}
     for name, value in family.config_defaults:
-        absent = config.get(name) is None and name not in moved if name == "rope_scaling" else name not in config
+        # transformers reads a null or empty RoPE setting as none given
+        absent = not config.get(name) and name not in moved if name == "rope_scaling" else name not in config
         if absent:
-            config[name] = dict(value) if isinstance(value, dict) else value
+            config[name] = copy.deepcopy(value)
             if name not in DECIDE_REFUSALS_ONLY:
-                filled[name] = config[name]
+                filled[name] = copy.deepcopy(value)  # not the object the config class may add to
     return filled
 
 

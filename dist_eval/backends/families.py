@@ -761,7 +761,8 @@ FAMILIES["mistral"] = _built_on_llama("mistral", "Mistral", sliding_window=("sli
                                       layer_types=("sliding_attention",),
                                       config_defaults=(("sliding_window", 4096), ("max_position_embeddings", 131072)))
 # Qwen2 / Qwen2.5: Llama's block with biases on the q, k and v projections (not on o)
-QWEN_DEFAULTS = (("max_window_layers", 28), ("max_position_embeddings", 32768))
+# the window use_sliding_window turns on where config.json gives none
+QWEN_DEFAULTS = (("sliding_window", 4096), ("max_position_embeddings", 32768))
 FAMILIES["qwen2"] = _built_on_llama("qwen2", "Qwen2", block_options=(("qkv_bias", True),),
                                     sliding_window=("sliding_window", "use_sliding_window"),
                                     layer_types=("sliding_attention",), config_defaults=QWEN_DEFAULTS)
@@ -781,7 +782,7 @@ FAMILIES["qwen3_moe"] = _built_on_llama(
         ("moe_intermediate_size", 768), ("norm_topk_prob", False), ("decoder_sparse_step", 1), ("mlp_only_layers", ())),
     sliding_window=("sliding_window", "use_sliding_window"), layer_types=("sliding_attention",),
     config_renames=(("num_local_experts", "num_experts"),),  # transformers 5.x names the expert count so
-    config_defaults=(("max_position_embeddings", 32768),))
+    config_defaults=QWEN_DEFAULTS)
 # GLM-4.5 / 4.6 / 4.7: dist_eval's attention with q/k/v biases (o without), q/k norms only when
 # use_qk_norm, RoPE on partial_rotary_factor of each head; the blocks from first_k_dense_replace
 # on a mixture of n_routed_experts (a sigmoid router, its choice shifted by e_score_correction_bias,
