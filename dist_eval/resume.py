@@ -64,7 +64,7 @@ def run_key(
         "data": data_fingerprint(dataset),
         "split": split,
         "model": {"backend": model.backend, "num_labels": model.num_labels, "prompt_tokens": model.prompt_tokens,
-                  "device": _device_kind(model)},
+                  "device": device_kind(model)},
         "settings": settings.as_dict(),
     }
     if head:  # a checkpoint's separate head (--head): a file, or a model folder
@@ -72,7 +72,7 @@ def run_key(
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _device_kind(model) -> str:
+def device_kind(model) -> str:
     """'cpu' or 'cuda': where the model's weights are (GPU kernels round floats otherwise)."""
     parameters = getattr(getattr(model, "module", None), "parameters", None)
     first = next(iter(parameters()), None) if parameters is not None else None

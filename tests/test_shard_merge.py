@@ -153,6 +153,11 @@ def test_the_merge_refuses_in_one_line_naming_the_shard(runs, tmp_path, capsys):
     assert merge([*seven[:6], other], tmp_path / "out") == 2
     assert "batch_size 7, not 64" in _one_line_error(capsys)
     manifest["named"]["settings"]["batch_size"] = 64
+    manifest["named"]["device"] = "cuda"  # a shard run on a GPU: its floats round otherwise
+    (other / MANIFEST).write_text(json.dumps(manifest))
+    assert merge([*seven[:6], other], tmp_path / "out") == 2
+    assert "device 'cuda', not 'cpu'" in _one_line_error(capsys)
+    manifest["named"]["device"] = "cpu"
     manifest["run_key"] = "0" * 16
     (other / MANIFEST).write_text(json.dumps(manifest))
     assert merge([*seven[:6], other], tmp_path / "out") == 2

@@ -104,6 +104,8 @@ def write_shard(folder: str, result, context: RunContext, pair: Pair, rows, text
     (:mod:`dist_eval.pipeline`); ``rows``: the set's Rows; ``texts``: what predictions.jsonl holds
     of each row beside its numbers (texts, slices; by row index).
     """
+    from dist_eval.resume import device_kind
+
     config = context.config
     key, content = merge_key(context.job, pair, context.model, rows)
     merged: MergedResults = result.predictions
@@ -117,8 +119,9 @@ def write_shard(folder: str, result, context: RunContext, pair: Pair, rows, text
         "run_key": key,  # the run key, the set by its content: the files may differ in order or place
         "rows_key": content,
         "columns_key": columns_key(rows, options.slice_by, options.cluster_by),
-        # what the run key is made of, as the report names it: a merge names what differs
-        "named": {**RunFacts.of(result.metrics).key_facts(), "settings": config.settings.as_dict()},
+        # what the run key is made of, as the report names it (and where the weights were): a merge names what differs
+        "named": {**RunFacts.of(result.metrics).key_facts(), "settings": config.settings.as_dict(),
+                  "device": device_kind(context.model)},
         "report": {**{name: getattr(options, name, None) for name in REPORT_OPTIONS},
                    "save_logits": config.save_logits, "save_text": config.save_text},
         "rows_in_set": int(len(rows)),
