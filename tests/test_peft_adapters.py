@@ -248,6 +248,26 @@ def test_the_base_model_is_checked_against_the_model(reference, tmp_path):
     assert load_model("local", str(copy), checkpoint=hub_named).num_labels == 3
 
 
+def test_a_model_read_by_hub_id_is_named_by_it_where_the_base_differs(tmp_path):
+    """The review's finding: the refusal named the HF cache's snapshot folder (models--org--name/snapshots/<commit>),
+    not the hub id the user gave, in its text and in the fix it proposed."""
+    from types import SimpleNamespace
+
+    from dist_eval.backends.peft_adapter import Adapter, check_base
+
+    snapshot = tmp_path / "hub" / "models--org--qwen-small" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    adapter = Adapter(source="org/adapter", weights="", peft_type="PROMPT_TUNING", task_type="SEQ_CLS",
+                      num_virtual_tokens=8, token_dim=64, num_layers=4, base="org/llama-small")
+    with pytest.raises(UsageError) as refused:
+        check_base(adapter, SimpleNamespace(hidden_size=64, num_hidden_layers=4), str(snapshot))
+    message = str(refused.value)
+    assert "model_dir='org/qwen-small' is another model" in message and "base_model_name_or_path in " \
+        "adapter_config.json to org/qwen-small." in message and "snapshots" not in message, message
+    check_base(adapter, SimpleNamespace(hidden_size=64, num_hidden_layers=4),  # the base's own snapshot: its model
+               str(tmp_path / "hub" / "models--org--llama-small" / "snapshots" / ("0" * 40)))
+
+
 def test_nothing_of_a_refused_adapter_is_applied(reference, tmp_path):
     """A loaded model asked to swap to a refused adapter (LoRA; one whose weights hold another module
     of modules_to_save) keeps its own prompts and head: the same logits bit for bit; then a P_TUNING

@@ -201,7 +201,8 @@ def check_base(adapter: Adapter, config, model_dir: str) -> None:
     """The adapter was trained on this model: adapter_config.json's ``token_dim`` and ``num_layers`` are
     ``config``'s, and its ``base_model_name_or_path`` names ``model_dir`` (:func:`names_the_model`).
     """
-    model = param_name("model_dir", model_dir)
+    shown = _hub_repo(model_dir) or model_dir  # a hub id as given, not the HF cache's snapshot it was read from
+    model = param_name("model_dir", shown)
     saved, has = (adapter.token_dim, adapter.num_layers), (config.hidden_size, config.num_hidden_layers)
     if any(s is not None and s != h for s, h in zip(saved, has)):
         raise UsageError(
@@ -212,9 +213,9 @@ def check_base(adapter: Adapter, config, model_dir: str) -> None:
     if adapter.base and not names_the_model(adapter.base, model_dir):
         raise UsageError(
             f"a PEFT adapter trained on {adapter.base} (base_model_name_or_path in {CONFIG}), and {model} is another "
-            f"model. Pass {param_name('model_dir', adapter.base)}; if {model_dir} is that model under another name, "
+            f"model. Pass {param_name('model_dir', adapter.base)}; if {shown} is that model under another name, "
             f"name its folder {os.path.basename(os.path.normpath(adapter.base))} or set base_model_name_or_path in "
-            f"{CONFIG} to {model_dir}.", param="checkpoint", value=adapter.source)
+            f"{CONFIG} to {shown}.", param="checkpoint", value=adapter.source)
 
 
 def names_the_model(base: str, model_dir: str) -> bool:
