@@ -5,7 +5,8 @@ machines, other times, any number of ranks each).
 Each shard's folder holds its finished rows (:mod:`dist_eval.output.shard_files`). They are
 checked first, each refusal one line naming the shard: a shard missing or given twice, a shard of
 another split, of another model, checkpoint, data or settings (the run key), or of other report
-options, a shard unfinished. The rows are then merged by the run's own merge
+options, or run on another device kind or under another torch, transformers or dist_eval, a shard
+unfinished. The rows are then merged by the run's own merge
 (:func:`dist_eval.merge.merge_gathered`: ordered by row index, the first copy of a row kept, every
 row of the set required), the metrics and intervals computed by the same functions a run's rank 0
 calls, and the report written by the run's writer (:func:`dist_eval.output.report.write_report`):
@@ -162,6 +163,28 @@ def shard_files(shards: List[_Shard]) -> Tuple[List[dict], List[dict]]:
     return metrics_of, payloads
 
 
+# the packages whose versions decide a row's floats (kernels, the blocks' code): not in the run key, which a moved
+# install keeps, yet shards computed under others are not one run's bits
+NUMERICS_PACKAGES = ("torch", "transformers", "dist_eval")
+
+
+def check_versions(shards: List[_Shard], metrics_of: List[dict]) -> None:
+    """Refuse in one line naming the shard one whose run had another version of :data:`NUMERICS_PACKAGES`
+    (each shard's metrics.json; a version a shard did not record is not compared).
+    """
+    def versions(metrics: dict) -> dict:
+        return (metrics.get("run") or {}).get("versions") or {}
+
+    first = versions(metrics_of[0])
+    for shard, metrics in zip(shards[1:], metrics_of[1:]):
+        for package in NUMERICS_PACKAGES:
+            want, have = first.get(package), versions(metrics).get(package)
+            if want and have and want != have:
+                raise UsageError(f"{_name(shard)}: another run than {_name(shards[0])}: {package} {have}, not {want} "
+                                 f"(its floats may round otherwise). Run every shard with one install, or this shard "
+                                 f"again with {package} {want}.")
+
+
 def merged_rows(shards: List[_Shard], payloads: List[dict], partial: bool):
     """(the shards' rows (``payloads``: :func:`shard_files`'s) as one MergedResults, by row index: the run's own
     merge), every row of the set required unless ``partial``.
@@ -229,6 +252,7 @@ def merge_shards(folders: Sequence[str], output_dir: str, *, partial: bool = Fal
     shards.sort(key=lambda s: s.index)
     manifest = shards[0].manifest
     metrics_of, payloads = shard_files(shards)
+    check_versions(shards, metrics_of)
     check_output_dir(output_dir)
     hold_output_dir(output_dir)
     try:

@@ -166,6 +166,14 @@ def test_the_merge_refuses_in_one_line_naming_the_shard(runs, tmp_path, capsys):
     (other / MANIFEST).write_text(json.dumps(manifest))
     assert merge([*seven[:6], other], tmp_path / "out") == 2
     assert "other rows, or the same in another order" in _one_line_error(capsys)
+    shutil.rmtree(other)  # a shard run under another torch: the same run key, other floats maybe
+    shutil.copytree(seven[6], other)
+    metrics = json.loads((other / "metrics.json").read_text())
+    installed, metrics["run"]["versions"]["torch"] = metrics["run"]["versions"]["torch"], "0.0"
+    (other / "metrics.json").write_text(json.dumps(metrics))
+    assert merge([*seven[:6], other], tmp_path / "out") == 2
+    assert f"shard 6/7 ({other}): another run than shard 0/7" in (err := _one_line_error(capsys))
+    assert f"torch 0.0, not {installed}" in err
     for damage in ("shard.npz cut", "shard.npz", "metrics.json"):  # copied in part: one line, nothing written
         shutil.rmtree(other)
         shutil.copytree(seven[6], other)
