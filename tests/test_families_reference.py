@@ -38,6 +38,7 @@ from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import run_cli_in_process
 
 from dist_eval.backends.blocks import SERVER_VERSION_MARK
+from dist_eval.backends.families import FAMILIES
 
 GENERATIONS = {"4": "4.57", "5": "5."}  # the transformers that made each reference (launch/install_reference.sh)
 REFERENCE_FIXTURES = {"4": "reference", "5": "reference5"}  # each generation's reference, by fixture name
@@ -386,6 +387,35 @@ def test_qwen3_5_reads_its_text_model_alone_and_mixes_its_blocks_as_released(ref
     assert [type(layer.self_attn) for layer in backbone.layers] == [GatedDeltaNet] * 3 + [GatedAttention]
     mixtures = [isinstance(layer.mlp, GatedSharedMoeMLP) for layer in backbone.layers]
     assert mixtures == [kind == "qwen3_5_moe"] * 4
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_fine_tuned_as_a_text_model_is_the_release_bit_for_bit(reference5, kind, tmp_path):
+    """A trainer's save of the release's text model (transformers 5.x's AutoModelForCausalLM of the release, saved:
+    model_type qwen3_5_text or qwen3_5_moe_text, config.json flat), its tensors under the release's names (read from
+    the release and saved back) or under model. (the same model built as a text model), was refused as another
+    model type. Both layouts give the release's logits, bit for bit."""
+    import transformers
+
+    from dist_eval.backends import load_model
+
+    out, ref = reference5
+    text = out / f"{kind}_text"
+    assert json.loads((text / "config.json").read_text())["model_type"] == f"{kind}_text"
+    lm_class = getattr(transformers, FAMILIES[kind].local_lm_class)  # 5.x's own (Qwen3_5ForCausalLM)
+    loaded = lm_class.from_pretrained(str(text))
+    built = lm_class(loaded.config)  # no names read: it saves its own, model.*
+    built.load_state_dict(loaded.state_dict())
+    built.save_pretrained(str(tmp_path / "flat"))
+    for name in os.listdir(text):
+        if "token" in name:
+            shutil.copy(text / name, tmp_path / "flat" / name)
+    batch = padded_batch(ref["cases"][kind])
+    logits = {}
+    for layout, folder in (("release", out / kind), ("text", text), ("flat", tmp_path / "flat")):
+        with torch.no_grad():
+            logits[layout] = load_model("local", str(folder), **trained(reference5, kind, "head")).module(batch)
+    assert torch.equal(logits["text"], logits["release"]) and torch.equal(logits["flat"], logits["release"])
 
 
 def test_qwen3_next_holds_exactly_its_saved_tensors_and_mixes_as_transformers(reference5):

@@ -40,7 +40,7 @@ import json
 import os
 from typing import Optional
 
-from dist_eval.backends.families import FAMILIES, family_of
+from dist_eval.backends.families import family_named, family_of
 from dist_eval.errors import UsageError
 
 # the key the fields read from the 5.x form are kept under (4.x-form values), in the dict and the config object
@@ -65,14 +65,16 @@ LEGACY_LAYER_TYPES = {"attention": "full_attention", "mamba": "linear_attention"
 
 
 def saved_model_type(model_dir) -> Optional[str]:
-    """config.json's ``model_type`` as saved in the folder ``model_dir`` (None: no such folder, file or field, or a
-    file that does not parse: the caller's own reading then says what is wrong).
+    """config.json's ``model_type`` as saved in the folder ``model_dir``, a family's alias read as the family's (None:
+    no such folder, file or field, or a file that does not parse: the caller's own reading then says what is wrong).
     """
     try:
         with open(os.path.join(str(model_dir), "config.json"), encoding="utf-8") as f:
-            return json.load(f).get("model_type")
+            model_type = json.load(f).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
+    family = family_named(model_type)
+    return family.model_type if family is not None else model_type
 
 
 def read_config_json(model_dir: str) -> dict:
@@ -98,7 +100,9 @@ def read_as_saved(raw: dict, where: str) -> dict:
     form are also under :data:`READ_AS`. Idempotent.
     """
     config = dict(raw)
-    family = FAMILIES.get(config.get("model_type"))
+    # an alias (Family.model_type_aliases) stays as saved: transformers, in the same process, chooses its own
+    # reading of the folder's tensors by it
+    family = family_named(config.get("model_type"))
     if family is not None and family.text_prefix and isinstance(config.get("text_config"), dict):
         config = _text_model_config(config, family)
     moved = dict(config.get(READ_AS) or {})

@@ -128,6 +128,10 @@ class Family:
     # ``hyper_connections`` (DeepSeek-V4): its own blocks, streams between them (backends.layers.HyperConnectedLayer)
     built_on: str = ""
     block_options: tuple = ()
+    # other model_type names config.json gives the family's models, read as ``model_type`` (backends.config_json): a
+    # vision-language release's text model saved alone (transformers 5.x's *ForCausalLM of the release, which the
+    # usual trainers save: config.json flat, the tensors under the release's names or under model.), the same blocks
+    model_type_aliases: tuple = ()
     # transformers 5.x's defaults of the family's own config class where they differ from those of the class built
     # here (Llama's), for fields the blocks read: ((field, value), ...), filled into a config.json that leaves the
     # field out (backends.config_json), as transformers fills it; ``rope_scaling``: the RoPE settings of a file that
@@ -860,6 +864,7 @@ QWEN3_5_OPTIONS = (
     ("full_attention_interval", 4))
 FAMILIES["qwen3_5"] = _built_on_llama(
     "qwen3_5", "Qwen3_5", block_options=QWEN3_5_OPTIONS, layer_types=("linear_attention",),
+    model_type_aliases=("qwen3_5_text",),
     text_prefix="model.language_model.", skipped_prefixes=("model.visual.", "mtp."),
     inert_rope_keys=("mrope_section", "mrope_interleaved"), config_defaults=(("max_position_embeddings", 32768),))
 
@@ -868,10 +873,10 @@ FAMILIES["qwen3_5"] = _built_on_llama(
 # num_experts_per_tok of num_experts, their weights renormalised, plus a shared expert of
 # shared_expert_intermediate_size scaled by the sigmoid of its own gate; transformers 5.x's defaults
 FAMILIES["qwen3_5_moe"] = dataclasses.replace(
-    FAMILIES["qwen3_5"], model_type="qwen3_5_moe", **class_names("Qwen3_5Moe"), block_options=QWEN3_5_OPTIONS + (
+    FAMILIES["qwen3_5"], model_type="qwen3_5_moe", **class_names("Qwen3_5Moe"),
+    model_type_aliases=("qwen3_5_moe_text",), block_options=QWEN3_5_OPTIONS + (
         ("mixture_of_experts", "shared_gate"), ("num_experts", 256), ("num_experts_per_tok", 8),
         ("moe_intermediate_size", 512), ("shared_expert_intermediate_size", 512), ("norm_topk_prob", True)))
-
 # Qwen3-Next (qwen3_next: 80B-A3B Instruct / Thinking): Qwen3.5-MoE's hybrid blocks without the
 # vision-language wrapper (a *ForCausalLM save, model.* keys, config.json flat); its Gated DeltaNet reads
 # two projections laid out per key head (backends.layers.InterleavedGatedDeltaNet: in_proj_qkvz, in_proj_ba);
@@ -978,10 +983,16 @@ def tokenizers_calling_the_base() -> frozenset:
     return frozenset(name for family in FAMILIES.values() for name in family.tokenizers_calling_the_base)
 
 
+def family_named(model_type) -> Optional[Family]:
+    """The family whose ``model_type`` (or one of its ``model_type_aliases``) is ``model_type``; None if none."""
+    family = FAMILIES.get(model_type)
+    return family or next((f for f in FAMILIES.values() if model_type in f.model_type_aliases), None)
+
+
 def family_of(config, model_dir: str = "") -> Family:
     """The family of a transformers config (its ``model_type``); refuses an unsupported one."""
     model_type = getattr(config, "model_type", None)
-    family = FAMILIES.get(model_type)
+    family = family_named(model_type)
     if family:
         why = family.unsupported_reason(config)
     elif model_type in NOT_COMPUTED:
@@ -1003,7 +1014,7 @@ def family_of_object(model) -> tuple:
     the family (a ``*ForCausalLM``, the base model); (None, "") outside the families.
     By class name (the classes' MRO), so neither petals nor transformers is imported.
     """
-    family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    family = family_named(getattr(getattr(model, "config", None), "model_type", None))
     if family is None:
         return None, ""
     names = {cls.__name__ for cls in type(model).__mro__}

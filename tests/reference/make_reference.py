@@ -890,6 +890,9 @@ def make(kind: str, out: str) -> dict:
         draw_values(lm, kind)
     lm.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if kind in ("qwen3_5", "qwen3_5_moe"):  # a trainer's save of the release's text model: AutoModelForCausalLM's
+        getattr(transformers, f"{name}ForCausalLM").from_pretrained(folder).save_pretrained(folder + "_text")
+        tokenizer.save_pretrained(folder + "_text")
     if kind == "minimax_m2":
         save_minimax_fp8_folder(lm, folder, folder + "_fp8")
     released = AS_RELEASED.get(kind, lambda lm, folder: {})(lm, folder)  # a quantized release's folder too
