@@ -404,6 +404,29 @@ def test_a_prompt_learning_peft_model_in_memory_is_refused_naming_the_model(tiny
     assert as_loaded_model(lora) is lora  # called as it is
 
 
+def test_a_prompt_learning_peft_model_inside_distributed_data_parallel_is_refused(tiny_model, tmp_path):
+    """A training loop's model is often wrapped: DistributedDataParallel(PeftModel) is refused as the PeftModel is (the
+    check ran before the unwrap, once). One process's gloo group, made and destroyed here."""
+    import peft
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoModelForSequenceClassification
+
+    from dist_eval.backends.objects import as_loaded_model
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=3)
+    model.config.pad_token_id = 0
+    tuned = peft.get_peft_model(model, peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=4))
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with pytest.raises(UsageError) as caught:
+            as_loaded_model(DistributedDataParallel(tuned))
+    finally:
+        dist.destroy_process_group()
+    assert caught.value.param == "model" and "a PEFT model with a PROMPT_TUNING adapter" in str(caught.value)
+
+
 @pytest.mark.parametrize("typed", ["runs/my adapter", "runs/adapter--v2"])
 def test_a_mistyped_folder_that_is_no_hub_name_is_not_there_not_fetched(tiny_model, typed):
     """``org/name`` with a space or a ``--`` is no name the hub allows: a mistyped folder, said to be missing in one
