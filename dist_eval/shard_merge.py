@@ -98,7 +98,8 @@ def _differs(first: dict, other: dict) -> Optional[str]:
     for part in ("report", "named"):  # what the key is made of: named where the keys differ
         if part == "named" and first["run_key"] == other["run_key"]:
             break
-        for name in sorted((set(first[part]) | set(other[part])) - {"data_files"}):
+        # a name one shard lacks (written before it was recorded) is not compared, as the columns' key is not
+        for name in sorted((set(first[part]) & set(other[part])) - {"data_files"}):
             a, b = first[part].get(name), other[part].get(name)
             if isinstance(a, dict) and isinstance(b, dict):
                 inner = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), None)
@@ -175,12 +176,13 @@ def check_versions(shards: List[_Shard], metrics_of: List[dict]) -> None:
     def versions(metrics: dict) -> dict:
         return (metrics.get("run") or {}).get("versions") or {}
 
-    first = versions(metrics_of[0])
-    for shard, metrics in zip(shards[1:], metrics_of[1:]):
-        for package in NUMERICS_PACKAGES:
-            want, have = first.get(package), versions(metrics).get(package)
-            if want and have and want != have:
-                raise UsageError(f"{_name(shard)}: another run than {_name(shards[0])}: {package} {have}, not {want} "
+    for package in NUMERICS_PACKAGES:  # the first shard recording a version, against each later one that does
+        recorded = [(shard, versions(metrics).get(package)) for shard, metrics in zip(shards, metrics_of)]
+        recorded = [(shard, version) for shard, version in recorded if version]
+        for shard, have in recorded[1:]:
+            first, want = recorded[0]
+            if have != want:
+                raise UsageError(f"{_name(shard)}: another run than {_name(first)}: {package} {have}, not {want} "
                                  f"(its floats may round otherwise). Run every shard with one install, or this shard "
                                  f"again with {package} {want}.")
 

@@ -86,6 +86,17 @@ def test_dist_eval_format_reads_back_for_every_family(tmp_path, family, mode):
     check(load_checkpoint(path, FAMILIES[family]), mode)
 
 
+def test_a_checkpoint_saved_for_a_familys_alias_is_its_familys(tmp_path):
+    """A Qwen3.5 text fine-tune's config keeps model_type qwen3_5_text (Family.model_type_aliases): a training loop's
+    save_checkpoint(family=model.config.model_type) was refused; it is stored as its family and read back for it."""
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, "ptune", trained("ptune"), family="qwen3_5_text")
+    assert torch.load(path, weights_only=False)["family"] == "qwen3_5"
+    check(load_checkpoint(path, FAMILIES["qwen3_5"]), "ptune")
+    with pytest.raises(ValueError, match="family='qwen3_6_text': expected one of"):
+        save_checkpoint(path, "ptune", trained("ptune"), family="qwen3_6_text")
+
+
 def test_dist_eval_format_with_another_family_is_refused(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     torch.save({"format": "dist_eval.checkpoint/1", "family": "bloom", "state_dict": trained("ptune")}, path)

@@ -82,6 +82,22 @@ def hub_cache(tmp_path, monkeypatch):
     return tmp_path / "hf_cache"
 
 
+def test_the_dht_prefix_of_a_hub_id_of_a_familys_alias_is_petals_rule_for_it(hub_cache):
+    """The review's finding: a Qwen3.5 fine-tuned as a text model (config.json's model_type qwen3_5_text, a family's
+    alias) named by hub id on --backend petals --initial-peers: petals' own reading of its type raised "Petals does
+    not support model type qwen3_5_text". Its snapshot's family picks the class: petals' rule, the id's name + -hf."""
+    import json
+
+    from dist_eval.backends.hub import petals_dht_prefix
+
+    snapshot = hub_cache / "models--org--q35-text" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text", "hidden_size": 32}))
+    (hub_cache / "models--org--q35-text" / "refs").mkdir()
+    (hub_cache / "models--org--q35-text" / "refs" / "main").write_text("0" * 40)
+    assert petals_dht_prefix("org/q35-text", folder=str(snapshot)) == "q35-text-hf"
+
+
 @pytest.mark.swarm
 def test_a_hub_id_fetches_only_the_clients_files_and_equals_the_full_folder(tiny_swarm, tiny_model, dataset,
                                                                             hub_cache, tmp_path, monkeypatch):

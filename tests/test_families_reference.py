@@ -769,7 +769,8 @@ def edited_folder(reference, tmp_path, kind, **changes):
     ("llama3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
     ("llama3", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope'"),
     ("llama3", {"attention_bias": True}, "attention_bias: true"),
-    ("mistral", {"head_dim": 32}, "head_dim 32"),
+    ("qwen2", {"head_dim": 32}, "head_dim 32"),  # Mistral's own layers compute it (the reference's: Nemo-style)
+    ("mistral", {"attention_bias": True}, "Mistral's attention has no biases"),
     ("qwen2", {"model_type": "qwen2_moe"}, "with a shared expert"),
     ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
     ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok 9 in config.json is not between 1 and "),

@@ -15,6 +15,7 @@ once per test run, nothing stored). Here, in the project's environment:
   its command on two forked ranks against the shared tiny swarm equal to one local rank bit for bit, and
   both within 1e-4 of PEFT's forward (marked swarm).
 """
+import dataclasses
 import json
 import os
 import re
@@ -266,6 +267,13 @@ def test_a_model_read_by_hub_id_is_named_by_it_where_the_base_differs(tmp_path):
         "adapter_config.json to org/qwen-small." in message and "snapshots" not in message, message
     check_base(adapter, SimpleNamespace(hidden_size=64, num_hidden_layers=4),  # the base's own snapshot: its model
                str(tmp_path / "hub" / "models--org--llama-small" / "snapshots" / ("0" * 40)))
+    trained_on_a_snapshot = dataclasses.replace(  # a trainer that loaded snapshot_download()'s folder
+        adapter, base=str(tmp_path / "hub" / "models--org--llama-small" / "snapshots" / ("1" * 40)))
+    with pytest.raises(UsageError) as refused:
+        check_base(trained_on_a_snapshot, SimpleNamespace(hidden_size=64, num_hidden_layers=4), str(snapshot))
+    message = str(refused.value)
+    assert "trained on org/llama-small (" in message and "Pass model_dir='org/llama-small'" in message and \
+        "name its folder llama-small" in message and "snapshots" not in message, message
 
 
 def test_nothing_of_a_refused_adapter_is_applied(reference, tmp_path):

@@ -194,6 +194,28 @@ def test_the_merge_refuses_in_one_line_naming_the_shard(runs, tmp_path, capsys):
     assert (seven[0] / MANIFEST).exists()
 
 
+def test_a_shard_from_before_a_fact_was_recorded_is_named_by_what_differs():
+    """The review's finding: a manifest written before the device was recorded, beside one with it and other
+    settings, was refused for its 'device None'. A name one shard lacks is not compared; the versions are compared
+    between the shards that record them, the first of those against each later one."""
+    from types import SimpleNamespace
+
+    from dist_eval.errors import UsageError
+    from dist_eval.shard_merge import _differs, check_versions
+
+    named = {"model": "m", "checkpoint": None, "head": None, "data_files": ["d"], "split": None, "backend": "local",
+             "settings": {"batch_size": 64}}
+    old = {"rows_key": "r", "run_key": "a", "report": {}, "named": named}
+    new = {**old, "run_key": "b", "named": {**named, "settings": {"batch_size": 7}, "device": "cpu"}}
+    assert _differs(old, new) == "batch_size 7, not 64" and _differs(new, old) == "batch_size 64, not 7"
+    shards = [SimpleNamespace(index=i, count=3, folder=f"s{i}") for i in range(3)]
+    runs = [{"run": {"versions": {"torch": torch}}} for torch in (None, "2.13.0", "2.12.0")]
+    with pytest.raises(UsageError) as refused:
+        check_versions(shards, runs)
+    assert "shard 2/3 (s2): another run than shard 1/3 (s1): torch 2.12.0, not 2.13.0" in str(refused.value)
+    check_versions(shards, runs[:2] + [{"run": {}}])  # a shard that records none: not compared
+
+
 def test_shards_given_the_files_in_another_order_merge_into_one_run(tiny_model, tiny_checkpoint, tmp_path):
     """A --limit sample is in the rows' content order, whatever the files' order: shard 1/2 given the
     files the other way round still merges with shard 0/2 into one run's report (the tiny model),

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from dist_eval.atomic import atomic_write, file_sha256
-from dist_eval.backends.families import FAMILIES, Family, checkpoint_prefixes, family_of_key
+from dist_eval.backends.families import FAMILIES, Family, checkpoint_prefixes, family_named, family_of_key
 from dist_eval.errors import UsageError, param_name
 
 if TYPE_CHECKING:
@@ -76,8 +76,11 @@ def save_checkpoint(
     state = _to_state(_trainable(tensors, None, path), path)
     if tuning_mode != state.tuning_mode:
         raise ValueError(f"tuning_mode={tuning_mode!r} but the tensors are those of {state.tuning_mode!r}")
-    if family is not None and family not in FAMILIES:
-        raise ValueError(f"family={family!r}: expected one of {sorted(FAMILIES)}")
+    if family is not None:
+        named = family_named(family)  # a family's alias (model.config.model_type of such a folder): its family
+        if named is None:
+            raise ValueError(f"family={family!r}: expected one of {sorted(FAMILIES)}")
+        family = named.model_type
     payload = {
         "format": FORMAT,
         "tuning_mode": state.tuning_mode,

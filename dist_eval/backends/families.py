@@ -760,8 +760,13 @@ def _built_on_llama(model_type: str, name: str, **fields) -> Family:
                                attention_class="", built_on="llama", **fields)
 
 
-# Mistral: Llama's block (grouped-query attention); v0.1 attends within a sliding window
+# Mistral: Llama's block (grouped-query attention) in dist_eval's layers (any head_dim: Mistral-Nemo's and Mistral
+# Small 3's 128 beside hidden / heads of 160; the same bits as the pinned attention where head_dim is hidden / heads);
+# v0.1 attends within a sliding window
 FAMILIES["mistral"] = _built_on_llama("mistral", "Mistral", sliding_window=("sliding_window", ""),
+                                      block_options=(("own_layers", True), ("use_qk_norm", False)),
+                                      unsupported=(((("attention_bias", True),), "Mistral's attention has no biases "
+                                                    "(transformers' reads no attention_bias)"),),
                                       layer_types=("sliding_attention",),
                                       config_defaults=(("sliding_window", 4096), ("max_position_embeddings", 131072)))
 # Qwen2 / Qwen2.5: Llama's block with biases on the q, k and v projections (not on o)

@@ -75,7 +75,8 @@ def resolve_model(model: str, backend: str, initial_peers, revision: Optional[st
             f"({_size_of(model, revision)}). Run --backend petals --initial-peers against a swarm serving it,"
             f"{streams} or add --fetch-whole-model to download every weight file into the HF cache.",
             param="model_dir", value=model)
-    return client_folder(model, revision), petals_dht_prefix(model, revision)
+    folder = client_folder(model, revision)
+    return folder, petals_dht_prefix(model, revision, folder)
 
 
 def snapshot_on_this_node(model_dir: str, model: str, backend: str, initial_peers, whole: bool = False,
@@ -93,9 +94,11 @@ def snapshot_on_this_node(model_dir: str, model: str, backend: str, initial_peer
     return resolve_model(model, backend, initial_peers, commit, whole=whole, stream=stream)[0]
 
 
-def petals_dht_prefix(repo_id: str, revision: Optional[str] = None) -> str:
+def petals_dht_prefix(repo_id: str, revision: Optional[str] = None, folder: Optional[str] = None) -> str:
     """The DHT prefix petals' client uses for ``repo_id`` (petals' own rule, per family: its
-    config class applied to the id, the config read from the HF cache).
+    config class applied to the id, the config read from the HF cache). ``folder``: the id's snapshot, whose
+    config.json's family picks the class where petals' own reading of the type would not (a family's alias,
+    ``Family.model_type_aliases``, which petals' registry has not).
     """
     from dist_eval.backends.blocks import register
     from dist_eval.backends.petals.shims import import_petals
@@ -103,9 +106,13 @@ def petals_dht_prefix(repo_id: str, revision: Optional[str] = None) -> str:
     import_petals()
     register()  # petals' registry knows the families it lacks
     from huggingface_hub import constants
-    from petals.utils.auto_config import AutoDistributedConfig
+    from petals.utils.auto_config import _CLASS_MAPPING, AutoDistributedConfig
 
-    config = AutoDistributedConfig.from_pretrained(  # the cache huggingface_hub uses, which client_folder filled
+    from dist_eval.backends.config_json import saved_model_type
+
+    classes = _CLASS_MAPPING.get(saved_model_type(folder)) if folder else None
+    config_class = classes.config if classes is not None else AutoDistributedConfig
+    config = config_class.from_pretrained(  # the cache huggingface_hub uses, which client_folder filled
         repo_id, revision=revision, local_files_only=True, cache_dir=constants.HF_HUB_CACHE)
     return config.dht_prefix
 

@@ -201,20 +201,21 @@ def check_base(adapter: Adapter, config, model_dir: str) -> None:
     """The adapter was trained on this model: adapter_config.json's ``token_dim`` and ``num_layers`` are
     ``config``'s, and its ``base_model_name_or_path`` names ``model_dir`` (:func:`names_the_model`).
     """
-    shown = _hub_repo(model_dir) or model_dir  # a hub id as given, not the HF cache's snapshot it was read from
+    # each a hub id where it is the HF cache's snapshot of one: what the user gave, and what survives a download
+    shown, base = _hub_repo(model_dir) or model_dir, _hub_repo(adapter.base) or adapter.base
     model = param_name("model_dir", shown)
     saved, has = (adapter.token_dim, adapter.num_layers), (config.hidden_size, config.num_hidden_layers)
     if any(s is not None and s != h for s, h in zip(saved, has)):
         raise UsageError(
-            f"a PEFT adapter trained on {adapter.base or 'another model'} (token_dim {saved[0]}, num_layers "
+            f"a PEFT adapter trained on {base or 'another model'} (token_dim {saved[0]}, num_layers "
             f"{saved[1]} in {CONFIG}), and {model} has hidden size {has[0]} and {has[1]} layers. Pass the model it "
             f"was trained on as {param_name('model_dir')}, or the adapter trained on this one.",
             param="checkpoint", value=adapter.source)
     if adapter.base and not names_the_model(adapter.base, model_dir):
         raise UsageError(
-            f"a PEFT adapter trained on {adapter.base} (base_model_name_or_path in {CONFIG}), and {model} is another "
-            f"model. Pass {param_name('model_dir', adapter.base)}; if {shown} is that model under another name, "
-            f"name its folder {os.path.basename(os.path.normpath(adapter.base))} or set base_model_name_or_path in "
+            f"a PEFT adapter trained on {base} (base_model_name_or_path in {CONFIG}), and {model} is another "
+            f"model. Pass {param_name('model_dir', base)}; if {shown} is that model under another name, "
+            f"name its folder {os.path.basename(os.path.normpath(base))} or set base_model_name_or_path in "
             f"{CONFIG} to {shown}.", param="checkpoint", value=adapter.source)
 
 

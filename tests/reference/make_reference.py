@@ -278,8 +278,8 @@ def config_of(kind: str, vocab_size: int, pad_token_id: int):
                                          num_attention_heads=HEADS, new_decoder_architecture=True,
                                          num_kv_heads=KV_HEADS, rope_theta=50000.0, pad_token_id=pad_token_id,
                                          num_labels=NUM_LABELS)
-    if kind == "mistral":
-        return transformers.MistralConfig(rope_theta=10000.0, sliding_window=4096, **common)
+    if kind == "mistral":  # Mistral-Nemo / Small 3-style: a head_dim apart from hidden / heads
+        return transformers.MistralConfig(rope_theta=1000000.0, sliding_window=4096, head_dim=HEAD_DIM, **common)
     if kind == "qwen3":  # Qwen3-0.6B-style (tied), with biases on q, k, v and o (attention_bias)
         return transformers.Qwen3Config(rope_theta=1000000.0, tie_word_embeddings=True, head_dim=HEAD_DIM,
                                         attention_bias=True, use_sliding_window=False, **common)
