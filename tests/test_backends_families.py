@@ -443,3 +443,32 @@ def test_rows_past_max_positions_under_dynamic_rope_are_refused_naming_max_lengt
     per_layer_type = types.SimpleNamespace(max_position_embeddings=24, rope_parameters={  # 5.x's form per layer type
         "full_attention": {"rope_type": "dynamic", "factor": 2.0}, "sliding_attention": {"rope_type": "default"}})
     assert dynamic_rope_limit(per_layer_type) == 24
+
+
+def test_the_layers_of_one_setting_share_one_rotary_table():
+    """A newcomer's review: each own-layers attention built its own table at the config's max_position_embeddings
+    (1,024,000 positions for Mistral-Nemo: a GiB of float32 per layer, 40 GiB for its 40 layers). Layers of one
+    setting share it now, on each device; the values are those each would have built (its own, after a longer row);
+    a table no layer holds is let go."""
+    import gc
+    from types import SimpleNamespace
+
+    from dist_eval.backends import rope
+
+    config = SimpleNamespace(rope_theta=1e6, max_position_embeddings=64, rope_scaling=None)
+    held_before = len(rope._SHARED)
+    tables = [rope.RotaryTable(config, 16) for _ in range(3)] + [rope.RotaryTable(config, 8)]
+    value = torch.zeros(1, 1, 10, 16)
+    cos = [table(value, 10)[0] for table in tables[:3]]
+    assert tables[0]._tables[0] is tables[1]._tables[0] is tables[2]._tables[0]
+    tables[3](torch.zeros(1, 1, 10, 8), 10)
+    assert tables[3]._tables[0] is not tables[0]._tables[0]  # another setting: its own
+    alone = rope.RotaryTable(config, 16)
+    alone._build(alone.length, torch.device("cpu"), torch.get_default_dtype())  # as one layer built it before
+    assert torch.equal(alone._tables[0], tables[0]._tables[0]) and all(torch.equal(c, cos[0]) for c in cos)
+    tables[1](torch.zeros(1, 1, 80, 16), 80)  # a longer row: that layer's table grows, the others keep theirs
+    assert tables[1]._tables[0].shape[2] == 80 and tables[0]._tables[0].shape[2] == 64
+    assert len(rope._SHARED) == held_before + 2
+    del tables, cos
+    gc.collect()
+    assert len(rope._SHARED) == held_before

@@ -231,3 +231,49 @@ def test_a_tokens_experts_and_their_sum_do_not_depend_on_its_batch(router):
         logits = moe.gate(rows[0])
         chosen = torch.topk(logits, 2, dim=-1).indices if router == "softmax" else moe.choose(logits.sigmoid())
     assert len(set(chosen.flatten().tolist())) > 2
+
+
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+
+
+def test_fp8_weights_the_local_blocks_would_read_without_their_scales_are_refused(tiny_model, tiny_checkpoint,
+                                                                                 tmp_path):
+    """A newcomer's review: an FP8 folder of a family whose blocks are transformers' (Llama, Qwen2) was computed by
+    the local backend from its e4m3 values without their scales (logits 8 away from the dequantized model's, no
+    error); dist_eval's servers dequantize them. Refused in one line naming --backend, before any weight is read,
+    streamed too; a family of dist_eval's own layers (which dequantize on load) is not refused for it."""
+    import json
+    import shutil
+
+    from dist_eval.backends import load_model
+    from dist_eval.errors import UsageError, flag_names
+
+    folder = shutil.copytree(tiny_model, tmp_path / "fp8")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": FP8}))
+    for stream in (False, True):
+        with pytest.raises(UsageError) as refused:
+            load_model("local", str(folder), checkpoint=tiny_checkpoint, stream_blocks=stream)
+        with flag_names():
+            said = str(refused.value)
+        assert said.startswith("--backend local: FP8 weights") and "without their scales" in said, said
+
+
+def test_a_quantized_folder_of_a_family_computed_otherwise_before_has_another_row_key(tiny_checkpoint):
+    """Mistral's blocks were the pinned Llama block, which read FP8 weights without their scales on the local
+    backend; its own layers dequantize them. The rows an earlier dist_eval stored for such a folder are not served:
+    its key names the change. An unquantized folder's key, and every other family's, is as it was."""
+    from types import SimpleNamespace
+
+    from dist_eval.backends.checkpoint import load_checkpoint
+    from dist_eval.backends.classifier import _identity
+
+    folder = "dist_eval/demo_assets/mistral/model"
+    state = load_checkpoint(tiny_checkpoint)
+    where = ("local", "cpu", None)
+    plain = _identity(folder, SimpleNamespace(), state, FAMILIES["mistral"], where)["model"]
+    quantized = _identity(folder, SimpleNamespace(quantization_config=FP8), state, FAMILIES["mistral"], where)["model"]
+    assert "computation" not in plain and quantized["computation"] == {"quantized_weights": "dequantized by "
+                                                                                            "dist_eval's layers"}
+    assert "computation" not in _identity(folder, SimpleNamespace(quantization_config=FP8), state, FAMILIES["llama"],
+                                          where)["model"]

@@ -172,6 +172,7 @@ def load_model(backend: str, model_dir: str, options: Optional[LoadOptions] = No
                                family, words)
     _check_shapes(state, config, o.checkpoint, model_dir)
     _check_computed_here(family, config, state)
+    _check_weights_read_here(kind, family, config, backend)
     _check_pad_token(config, model_dir)
     scored = _label_words(model_dir, config, family, words, o.tokenizer) if words else None
     module = kind.load(model_dir, state, family, scored, initial_peers=o.initial_peers, dht_prefix=dht_prefix,
@@ -226,8 +227,11 @@ def _identity(model_dir: str, config, state: TrainableState, family: Family, whe
     model = {"folder": folder_identity(model_dir), "family": family.model_type, "backend": backend,
              "device": str(device).split(":")[0], "dtype": "float32", "dht_prefix": dht_prefix,
              **config_reading(config)}
-    if family.computation_revision:  # absent for the others: their stored rows' keys unchanged
-        model["computation"] = family.computation_revision
+    revision = dict(family.computation_revision)
+    if family.quantized_revision and getattr(config, "quantization_config", None):
+        revision["quantized_weights"] = family.quantized_revision
+    if revision:  # absent for the others: their stored rows' keys unchanged
+        model["computation"] = revision
     return {"model": model, "trainable": tensors_digest(state.tensors)}
 
 
@@ -386,6 +390,22 @@ def _check_computed_here(family: Family, config, state: TrainableState) -> None:
     why = family.prompts_refusal(config, state.tuning_mode)
     if why:
         raise UsageError(why + ".", param="tuning_mode", value=state.tuning_mode)
+
+
+def _check_weights_read_here(kind, family: Family, config, backend: str) -> None:
+    """Refuse FP8 weights where nothing here dequantizes them: the blocks of a backend without a swarm (local,
+    streamed) of a family whose blocks are not dist_eval's own layers, which read them as they are, without their
+    scales (other logits, no error). dist_eval's servers dequantize them for every family, own layers on load.
+    """
+    from dist_eval.backends.blocks import has_own_layers
+    from dist_eval.backends.layers import fp8_block_size
+
+    if kind.on_swarm or has_own_layers(family) or fp8_block_size(config) is None:
+        return
+    raise UsageError(f"FP8 weights (quantization_config quant_method 'fp8' in config.json): the {family.model_type} "
+                     "blocks of a backend without a swarm read them without their scales. Run them on a swarm, whose "
+                     "servers dequantize them (--backend petals), or pass a dequantized copy of the folder.",
+                     param="backend", value=backend)
 
 
 def _check_shapes(state: TrainableState, config, checkpoint: Optional[str], model_dir: str) -> None:

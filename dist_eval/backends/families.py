@@ -128,6 +128,9 @@ class Family:
     # ``hyper_connections`` (DeepSeek-V4): its own blocks, streams between them (backends.layers.HyperConnectedLayer)
     built_on: str = ""
     block_options: tuple = ()
+    # set where the family's quantized folders (config.json's quantization_config) were computed otherwise by an
+    # earlier dist_eval: named in the row store's key of such a folder (its rows stored before are not served)
+    quantized_revision: str = ""
     # other model_type names config.json gives the family's models, read as ``model_type`` (backends.config_json): a
     # vision-language release's text model saved alone (transformers 5.x's *ForCausalLM of the release, which the
     # usual trainers save: config.json flat, the tensors under the release's names or under model.), the same blocks
@@ -765,6 +768,8 @@ def _built_on_llama(model_type: str, name: str, **fields) -> Family:
 # v0.1 attends within a sliding window
 FAMILIES["mistral"] = _built_on_llama("mistral", "Mistral", sliding_window=("sliding_window", ""),
                                       block_options=(("own_layers", True), ("use_qk_norm", False)),
+                                      # the pinned block read FP8 weights without their scales on the local backend
+                                      quantized_revision="dequantized by dist_eval's layers",
                                       unsupported=(((("attention_bias", True),), "Mistral's attention has no biases "
                                                     "(transformers' reads no attention_bias)"),),
                                       layer_types=("sliding_attention",),

@@ -1,7 +1,7 @@
 """The block parts dist_eval computes itself, in plain torch, for the families whose block the
 pinned transformers (4.33) has no class for: those with the block option ``own_layers`` in the
-family table (:mod:`dist_eval.backends.families`; Qwen3, Qwen3-MoE, GLM-4.5, Mixtral, DeepSeek-V3,
-Llama 4, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2, gpt-oss, GLM-5, DeepSeek-V3.2 and DeepSeek-V4).
+family table (:mod:`dist_eval.backends.families`; Mistral (any head_dim), Qwen3, Qwen3-MoE, GLM-4.5, Mixtral,
+DeepSeek-V3, Llama 4, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2, gpt-oss, GLM-5, DeepSeek-V3.2 and DeepSeek-V4).
 
 - DeepSeek-V4 (the block option ``hyper_connections``): :class:`HyperConnectedLayer` under the release's names,
   ``hc_mult`` streams between blocks ([batch, positions, hc_mult x hidden], flat), made from the embeddings on the

@@ -5,10 +5,26 @@ own layers).
 """
 from __future__ import annotations
 
+import json
 import math
+import weakref
 
 # the cos/sin cache a rescaled rotary table starts with (it grows on a longer row, as the base one does)
 _ROPE_CACHE_POSITIONS = 4096
+
+
+class _Tables:
+    """The cos and sin tables of one setting on one device, shared by every layer of that setting."""
+
+    __slots__ = ("tables", "__weakref__")
+
+    def __init__(self, tables: tuple):
+        self.tables = tables
+
+
+# (a table's settings, its device) -> its tables, while a layer holds them: one table per model, not per layer (the
+# pinned length is the config's max_position_embeddings: 1,024,000 positions in some releases, a GiB of float32)
+_SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def llama3_inv_freq(inv_freq, rope: dict):
@@ -98,7 +114,9 @@ class RotaryTable:
                              "(and llama3 through rope_llama3)")
         self.dim, self.base, self.max_positions = dim, config.rope_theta, config.max_position_embeddings
         self.length = min(_ROPE_CACHE_POSITIONS, self.max_positions) if self.llama3 else self.max_positions
-        self._tables = None
+        self._tables, self._shared = None, None
+        self._settings = json.dumps([dim, self.base, self.kind, self.factor, self.llama3, self.max_positions,
+                                     self.length], sort_keys=True, default=str)
 
     def _build(self, length: int, device, dtype) -> None:
         import torch
@@ -124,8 +142,25 @@ class RotaryTable:
 
         if seq_len > self.length:  # the pinned table grows on a longer row, built where the row is
             self._build(seq_len, value.device, value.dtype)
+            self._shared = None  # this layer's own from now on
         elif self._tables is None:  # the pinned table: made at the module's build, on the CPU
-            self._build(self.length, torch.device("cpu"), torch.get_default_dtype())
+            self._share(torch.device("cpu"), lambda: self._build(self.length, torch.device("cpu"),
+                                                                 torch.get_default_dtype()))
         if self._tables[0].device != value.device:  # moved once, as the module's buffers were
-            self._tables = tuple(table.to(value.device) for table in self._tables)
+            tables = self._tables
+            if self._shared is None:
+                self._tables = tuple(table.to(value.device) for table in tables)
+            else:
+                self._share(value.device, lambda: setattr(self, "_tables", tuple(t.to(value.device) for t in tables)))
         return tuple(table[:, :, :seq_len].to(dtype=value.dtype) for table in self._tables)
+
+    def _share(self, device, make) -> None:
+        """This layer's pinned tables on ``device``: those another layer of the same settings made there, else
+        made by ``make`` (which sets ``_tables``) and kept for the others. The same values either way.
+        """
+        key = (self._settings, str(device))
+        shared = _SHARED.get(key)
+        if shared is None:
+            make()
+            shared = _SHARED[key] = _Tables(self._tables)
+        self._shared, self._tables = shared, shared.tables
