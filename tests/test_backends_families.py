@@ -3,13 +3,20 @@ and petals' classes, the family chosen from config.json, an unknown family (and 
 old multi-query layout) refused in one line naming the families that work."""
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
 import torch
 
 from dist_eval.backends.blocks import family_class, has_own_layers
-from dist_eval.backends.families import FAMILIES, checkpoint_prefixes, family_of
+from dist_eval.backends.families import (
+    FAMILIES,
+    OWN_LAYERS_ROPE_TYPES,
+    checkpoint_prefixes,
+    family_of,
+    rope_types_computed,
+)
 from dist_eval.backends.layers import ROW_TOKEN_IDS
 
 
@@ -472,3 +479,133 @@ def test_the_layers_of_one_setting_share_one_rotary_table():
     del tables, cos
     gc.collect()
     assert len(rope._SHARED) == held_before
+
+
+# the families whose blocks compute yarn RoPE in dist_eval's rotary table (families.rope_types_computed: its own
+# grouped-query attention's), and what each one's tiny model needs beside the common settings (transformers 5.x's
+# names: Qwen3.5's text models)
+YARN_TABLE_FAMILIES = sorted(name for name, family in FAMILIES.items()
+                             if rope_types_computed(dict(family.block_options)) == OWN_LAYERS_ROPE_TYPES)
+YARN_SETTINGS = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2), "minimax_m2": dict(num_local_experts=4,
+                                                                                   num_experts_per_tok=2),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                     n_group=1, topk_group=1, partial_rotary_factor=0.5),
+    "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen3_5_moe_text": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=32),
+}
+LINEAR_ATTENTION = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def _saved_by_transformers(folder: str, model_type: str, rope: dict):
+    """A tiny random model of ``model_type`` as transformers (the installed 5.x) builds and saves it, RoPE ``rope``
+    (5.x's rope_parameters); the causal LM, in eval mode."""
+    import transformers
+
+    torch.manual_seed(0)
+    settings = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=24, max_position_embeddings=128, pad_token_id=0,
+                    rope_parameters={"rope_theta": 10000.0, **rope}, **YARN_SETTINGS.get(model_type, {}))
+    if model_type.startswith(("qwen3_5", "qwen3_next")):
+        settings.update(LINEAR_ATTENTION)
+    config = transformers.AutoConfig.for_model(model_type, **settings)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def _as_4x_config(folder: str) -> None:
+    """``folder``'s config.json with its RoPE in 4.x's form (Qwen2.5's model card's: rope_theta apart, rope_scaling
+    with "type")."""
+    with open(f"{folder}/config.json") as f:
+        config = json.load(f)
+    parameters = config.pop("rope_parameters")
+    config.update(rope_theta=parameters.pop("rope_theta"), rope_scaling={
+        "type": parameters.pop("rope_type"), **{k: v for k, v in parameters.items() if k in YARN}})
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+
+
+@pytest.mark.parametrize("form", ["4.x", "5.x"])
+@pytest.mark.parametrize("name", YARN_TABLE_FAMILIES)
+def test_yarn_rope_of_dist_evals_own_layers_is_transformers_5s(name, form, tmp_path):
+    """Issue 71 (a valid setting refused): yarn RoPE on the families of dist_eval's own grouped-query attention (the
+    long-context setting Qwen2.5's and Qwen3's model cards tell users to add to config.json, in either generation's
+    form) was refused. Computed now in the rotary table, as transformers 5.x does (its factor 4, not 4.x's ratio of
+    the lengths, 128 / 16): a tiny model saved by the installed transformers, read by --backend local with a head,
+    within 1e-4 of that transformers' last hidden state times the head, where RoPE without yarn is far from it."""
+    from float_promises import ACROSS_GENERATIONS
+    from safetensors.torch import save_file
+
+    from dist_eval.backends import load_model
+
+    family = FAMILIES[name]
+    model_type = family.model_type_aliases[0] if family.model_type_aliases else name
+    folder = str(tmp_path / name)
+    lm = _saved_by_transformers(folder, model_type, YARN)
+    if form == "4.x":
+        _as_4x_config(folder)
+    head = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    save_file({"score.weight": head}, str(tmp_path / "head.safetensors"))
+    model = load_model("local", folder, head=str(tmp_path / "head.safetensors"))
+    ids = torch.randint(1, 64, (3, 40), generator=torch.Generator().manual_seed(2))  # past the original 16
+    try:
+        with torch.no_grad():
+            logits = model.module(ids)
+            expected = lm.model(ids).last_hidden_state[:, -1] @ head.T
+            plain = _saved_by_transformers(str(tmp_path / "plain"), model_type, {"rope_type": "default"})
+            without_yarn = plain.model(ids).last_hidden_state[:, -1] @ head.T  # the same weights (the same seed)
+    finally:
+        model.close()
+    assert (logits - expected).abs().max().item() < ACROSS_GENERATIONS
+    assert (without_yarn - expected).abs().max().item() > 100 * ACROSS_GENERATIONS
+
+
+@pytest.mark.parametrize("name, form", [("qwen2", "4.x"), ("qwen3", "5.x")])
+def test_yarn_blocks_on_a_server_are_the_local_blocks_bit_for_bit(name, form, tmp_path, monkeypatch):
+    """The servers dist_eval starts read a yarn config.json (either form) as the local backend does: each block as a
+    server builds it (petals' config classes, dist_eval's block index) gives the local model's hidden states after
+    it from those before it, bit for bit."""
+    from float_promises import assert_same_bits
+    from safetensors.torch import save_file
+
+    from dist_eval.backends import load_model
+    from dist_eval.backends.blocks import register
+    from dist_eval.backends.petals.shims import apply_server_bridges, import_petals
+    from dist_eval.swarm.blocks import server_block_replacements
+
+    import_petals()
+    apply_server_bridges()
+    register()
+    from petals.utils.auto_config import AutoDistributedConfig
+
+    folder = str(tmp_path / name)
+    _saved_by_transformers(folder, name, YARN)
+    if form == "4.x":
+        _as_4x_config(folder)
+    save_file({"score.weight": torch.zeros(3, 64)}, str(tmp_path / "head.safetensors"))
+    model = load_model("local", folder, head=str(tmp_path / "head.safetensors"))
+    try:
+        backbone = model.module.hf_model.model
+        assert backbone.layers[0].self_attn.rotary.yarn  # the local blocks compute yarn
+        ids = torch.randint(1, 64, (1, 40), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            hidden = backbone(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        config = AutoDistributedConfig.from_pretrained(folder)
+        load_block = {(owner.__name__, attr): fn for owner, attr, fn in server_block_replacements()}[
+            ("petals.server.server", "load_pretrained_block")]
+        for owner, attr, fn in server_block_replacements():
+            monkeypatch.setattr(owner, attr, fn)
+        for index in range(2):
+            block = load_block(folder, index, config=config, torch_dtype=torch.float32)
+            with torch.no_grad():
+                after = block(hidden[index])[0]
+            if index == 1:  # transformers gives the last block's output through the final norm
+                after = backbone.norm(after)
+            assert_same_bits(after, hidden[index + 1], f"block {index} on a server and here")
+    finally:
+        model.close()

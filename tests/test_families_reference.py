@@ -476,17 +476,21 @@ def test_each_block_option_matters(reference, kind, monkeypatch, tmp_path):
     past the tolerance: the reference comparison can fail. The options are off in the blocks, and llama3's
     rope_scaling is gone from config.json too: transformers >= 5.0 computes the llama3 table itself, from the
     config (the pinned 4.33 through the blocks' option)."""
-    from dist_eval.backends import blocks, load_model
+    from dist_eval.backends import blocks, layers, load_model
 
     out, ref = reference
     case = ref["cases"][kind]
-    original = blocks.apply_block_options
+    original, own_attention = blocks.apply_block_options, layers.QkNormAttention.__init__
 
     def without(attention, config):
         config = type("Plain", (), {"qkv_bias": False, "rope_llama3": None})()
         original(attention, config)
 
+    def own_without(attention, config):  # Qwen2's biases in dist_eval's own layers: none built, none read
+        own_attention(attention, types.SimpleNamespace(**{**config.to_dict(), "qkv_bias": False}))
+
     monkeypatch.setattr(blocks, "apply_block_options", without)
+    monkeypatch.setattr(layers.QkNormAttention, "__init__", own_without)
     folder = edited_folder(reference, tmp_path, kind, rope_scaling=None) if kind == "llama3" else str(out / kind)
     model = load_model("local", folder, **trained(reference, kind, "head"))
     with torch.no_grad():
@@ -769,10 +773,10 @@ def edited_folder(reference, tmp_path, kind, **changes):
     ("llama3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
     ("llama3", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope'"),
     ("llama3", {"attention_bias": True}, "attention_bias: true"),
-    ("qwen2", {"head_dim": 32}, "head_dim 32"),  # Mistral's own layers compute it (the reference's: Nemo-style)
+    ("llama3", {"head_dim": 32}, "head_dim 32"),  # Mistral's and Qwen2's own layers compute it
     ("mistral", {"attention_bias": True}, "Mistral's attention has no biases"),
     ("qwen2", {"model_type": "qwen2_moe"}, "with a shared expert"),
-    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ("qwen3", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope'"),
     ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok 9 in config.json is not between 1 and "),
     ("glm4_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok 9 in config.json is not between 1 and "
                                              "n_routed_experts (8)"),

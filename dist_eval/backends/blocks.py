@@ -15,7 +15,7 @@ servers dist_eval starts alike, so the swarm computes what ``--backend local`` c
    (``{"rope_type": ...}`` with extra keys, as saved since transformers 4.43): ``default``
    is no scaling, ``linear`` and ``dynamic`` go to the pinned code's own, and ``llama3`` is
    kept as ``rope_llama3`` (the pinned class refuses it) for the block, and ``yarn`` as
-   ``rope_yarn`` for a family with the latent attention. What no block here
+   ``rope_yarn`` for a family with dist_eval's own layers. What no block here
    computes is refused earlier, from config.json alone (:func:`dist_eval.backends.families.family_of`).
 2. **The block.** After the base attention's ``__init__``: biased q/k/v projections when
    the config says ``qkv_bias``, and the ``llama3`` frequencies (:mod:`dist_eval.backends.rope`, the
@@ -73,8 +73,9 @@ def pinned_rope_scaling(rope_scaling: Optional[dict]) -> tuple:
     return rope_scaling, None  # the pinned class refuses it, as before (family_of refuses it first)
 
 
-# the blocks whose RoPE computes yarn itself (the latent attention's, gpt-oss's, DeepSeek-V4's): rope_yarn
-YARN_BLOCK_OPTIONS = ("latent_attention", "sink_attention", "hyper_connections")
+# the blocks whose RoPE computes yarn itself (dist_eval's own layers: their rotary table, the latent attention's,
+# gpt-oss's, DeepSeek-V4's): rope_yarn; what of them does not is refused from config.json (families.rope_types_computed)
+YARN_BLOCK_OPTIONS = ("own_layers", "latent_attention", "sink_attention", "hyper_connections")
 
 
 def _config_init(original):

@@ -333,6 +333,9 @@ class Family:
 
 # rope_scaling types the block computes (backends.blocks): the pinned transformers' own, and llama3
 SERVED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+# those of dist_eval's own grouped-query attention (backends.layers.QkNormAttention and its gated kind, whose table,
+# backends.rope.RotaryTable, computes yarn too)
+OWN_LAYERS_ROPE_TYPES = (*SERVED_ROPE_TYPES, "yarn")
 # those of the latent attention (backends.layers.LatentAttention, DeepSeek-V3)
 LATENT_ROPE_TYPES = ("default", "yarn")
 LLAMA4_ROPE_TYPES = ("default", "llama3")  # Llama 4's (backends.layers.ChunkedAttention)
@@ -435,6 +438,15 @@ def rope_type(rope_scaling) -> Optional[str]:
     return rope_scaling.get("rope_type", rope_scaling.get("type"))
 
 
+def rope_types_computed(options: dict) -> tuple:
+    """The ``rope_scaling`` types the Llama-shaped block of a family with these block ``options`` computes."""
+    if any(options.get(key) for key in ("latent_attention", "sink_attention", "hyper_connections")):
+        return LATENT_ROPE_TYPES  # the latent attention's, gpt-oss's, DeepSeek-V4's
+    if options.get("llama4_attention"):
+        return LLAMA4_ROPE_TYPES
+    return OWN_LAYERS_ROPE_TYPES if options.get("own_layers") else SERVED_ROPE_TYPES
+
+
 def _block_refusal(config, options: dict) -> str:
     """What in a config of a Llama-shaped block the block does not compute ('' when nothing).
     ``options``: the family's block options; with ``own_layers`` the block's attention is
@@ -443,9 +455,7 @@ def _block_refusal(config, options: dict) -> str:
     """
     kind = rope_type(getattr(config, "rope_scaling", None))
     latent = bool(options.get("latent_attention"))
-    yarn = latent or bool(options.get("sink_attention"))  # the latent attention's and gpt-oss's RoPE: yarn too
-    served = (LATENT_ROPE_TYPES if yarn else LLAMA4_ROPE_TYPES if options.get("llama4_attention")
-              else SERVED_ROPE_TYPES)
+    served = rope_types_computed(options)
     if kind is not None and kind not in served:
         return f"rope_scaling of rope_type {kind!r} in config.json is not computed here (computed: {', '.join(served)})"
     if latent:
@@ -774,10 +784,14 @@ FAMILIES["mistral"] = _built_on_llama("mistral", "Mistral", sliding_window=("sli
                                                     "(transformers' reads no attention_bias)"),),
                                       layer_types=("sliding_attention",),
                                       config_defaults=(("sliding_window", 4096), ("max_position_embeddings", 131072)))
-# Qwen2 / Qwen2.5: Llama's block with biases on the q, k and v projections (not on o)
-# the window use_sliding_window turns on where config.json gives none
+# Qwen2 / Qwen2.5: Llama's block with biases on the q, k and v projections (not on o, whatever attention_bias says,
+# as transformers'), in dist_eval's layers (any head_dim, yarn; the pinned attention's bits where head_dim is
+# hidden / heads); the window use_sliding_window turns on where config.json gives none
 QWEN_DEFAULTS = (("sliding_window", 4096), ("max_position_embeddings", 32768))
-FAMILIES["qwen2"] = _built_on_llama("qwen2", "Qwen2", block_options=(("qkv_bias", True),),
+FAMILIES["qwen2"] = _built_on_llama("qwen2", "Qwen2",
+                                    block_options=(("own_layers", True), ("use_qk_norm", False), ("qkv_bias", True)),
+                                    # the pinned block read FP8 weights without their scales on the local backend
+                                    quantized_revision="dequantized by dist_eval's layers",
                                     sliding_window=("sliding_window", "use_sliding_window"),
                                     layer_types=("sliding_attention",), config_defaults=QWEN_DEFAULTS)
 # Qwen3: Llama's block with dist_eval's attention (an RMSNorm over each head's q and k before

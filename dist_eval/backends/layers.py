@@ -1,6 +1,6 @@
 """The block parts dist_eval computes itself, in plain torch, for the families whose block the
 pinned transformers (4.33) has no class for: those with the block option ``own_layers`` in the
-family table (:mod:`dist_eval.backends.families`; Mistral (any head_dim), Qwen3, Qwen3-MoE, GLM-4.5, Mixtral,
+family table (:mod:`dist_eval.backends.families`; Mistral and Qwen2 (any head_dim), Qwen3, Qwen3-MoE, GLM-4.5, Mixtral,
 DeepSeek-V3, Llama 4, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2, gpt-oss, GLM-5, DeepSeek-V3.2 and DeepSeek-V4).
 
 - DeepSeek-V4 (the block option ``hyper_connections``): :class:`HyperConnectedLayer` under the release's names,
@@ -24,9 +24,9 @@ DeepSeek-V3, Llama 4, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2, gpt-oss, GLM
   (``q_norm``, ``k_norm``, a weight of ``head_dim`` values) before RoPE when ``use_qk_norm``
   (the family's option, or config.json's), ``head_dim`` set apart from hidden/heads (config.json's
   ``head_dim``), biases on q, k and v when ``attention_bias`` is true (and on o too unless the
-  family's ``attention_output_bias`` is false), and RoPE on the first ``partial_rotary_factor``
-  of each head (GLM-4.5: half; the rest passes unrotated). RoPE, its scaling types and the mask
-  are the pinned Llama's.
+  family's ``attention_output_bias`` is false; on q, k and v alone with the family's ``qkv_bias``), and RoPE on
+  the first ``partial_rotary_factor`` of each head (GLM-4.5: half; the rest passes unrotated). RoPE, its scaling
+  types and the mask are the pinned Llama's; yarn is transformers 5.x's.
 - :class:`LatentAttention` (the block option ``latent_attention``, DeepSeek-V3 and Kimi K2):
   multi-head latent attention, RoPE on each head's rope part in DeepSeek's interleaved layout,
   ``yarn`` frequencies whose ``mscale_all_dim`` also scales the softmax (:func:`latent_rope`).
@@ -102,7 +102,15 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from dist_eval.backends.families import indexer_types, v4_compress_rate, v4_layer_types, v4_mlp_types, v4_rope_dim
-from dist_eval.backends.rope import RotaryTable, default_inv_freq, llama3_inv_freq, on_cpu
+from dist_eval.backends.rope import (
+    RotaryTable,
+    default_inv_freq,
+    llama3_inv_freq,
+    on_cpu,
+    yarn_factor,
+    yarn_frequencies,
+    yarn_mscale,
+)
 
 # the block option ``mixture_of_experts`` of a family whose router is GLM-4.5's, and of Mixtral (its
 # softmax router is Qwen3-MoE's, "softmax"; its tensors have names of their own, every block has it)
@@ -208,8 +216,10 @@ class QkNormAttention(LlamaAttention):
         nn.Module.__init__(self)
         self.config = config
         bias = bool(getattr(config, "attention_bias", False))
-        inner, kv_inner = grouped_query_projections(self, config, bias,
-                                                    bias and getattr(config, "attention_output_bias", True))
+        output_bias = bias and getattr(config, "attention_output_bias", True)
+        if getattr(config, "qkv_bias", False):  # Qwen2's: q, k and v, never o (config.json's attention_bias unread)
+            bias, output_bias = True, False
+        inner, kv_inner = grouped_query_projections(self, config, bias, output_bias)
         if getattr(config, "qk_norm_whole", False):  # MiniMax-M2: over all heads' q (k) at once
             self.q_norm = WholeWidthRMSNorm(inner, eps=config.rms_norm_eps)
             self.k_norm = WholeWidthRMSNorm(kv_inner, eps=config.rms_norm_eps)
@@ -523,45 +533,20 @@ def own_final_norm(config) -> Optional[nn.Module]:
 LATENT_NORM_EPS = 1e-6
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
 @on_cpu
 def latent_rope(config) -> tuple:
     """(inverse frequencies [qk_rope_head_dim / 2], the factor on cos and sin, the softmax scale) of
-    DeepSeek-V3's latent attention: no scaling, or ``yarn`` (config's ``rope_yarn``: transformers
-    4.57's rule, in its order of operations), whose ``mscale_all_dim`` also scales the softmax.
+    DeepSeek-V3's latent attention: no scaling, or ``yarn`` (config's ``rope_yarn``:
+    :func:`~dist_eval.backends.rope.yarn_frequencies`), whose ``mscale_all_dim`` also scales the softmax.
     """
     dim, base = config.qk_rope_head_dim, config.rope_theta
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim)
     yarn = getattr(config, "rope_yarn", None)
     if not yarn:
-        return 1.0 / pos_freqs, 1.0, scale
-    factor = yarn["factor"]
-    mscale, mscale_all_dim = yarn.get("mscale"), yarn.get("mscale_all_dim")
-    attention_factor = yarn.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = (float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
-                            if mscale and mscale_all_dim else _yarn_mscale(factor))
-    beta_fast, beta_slow = yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1
-    context = yarn.get("original_max_position_embeddings") or config.max_position_embeddings
-
-    def correction_dim(rotations):
-        return (dim * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if yarn.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # as transformers: no division by zero
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    if mscale_all_dim:
-        scale = scale * _yarn_mscale(factor, mscale_all_dim) ** 2
+        return default_inv_freq(base, dim), 1.0, scale
+    inv_freq, attention_factor = yarn_frequencies(dim, base, yarn, config.max_position_embeddings)
+    if yarn.get("mscale_all_dim"):
+        scale = scale * yarn_mscale(yarn_factor(yarn, config.max_position_embeddings), yarn["mscale_all_dim"]) ** 2
     return inv_freq, attention_factor, scale
 
 

@@ -1,7 +1,7 @@
 """Rotary frequencies and tables: the ``llama3`` rescale (transformers >= 4.43) of the pinned base attention's
-table, for :mod:`dist_eval.backends.blocks` (the families built on another), and the pinned table itself on any
-transformers (:class:`RotaryTable`, with :func:`default_inv_freq`) for :mod:`dist_eval.backends.layers` (dist_eval's
-own layers).
+table, for :mod:`dist_eval.backends.blocks` (the families built on another), the ``yarn`` frequencies
+(:func:`yarn_frequencies`), and the pinned table itself on any transformers (:class:`RotaryTable`, with
+:func:`default_inv_freq`) for :mod:`dist_eval.backends.layers` (dist_eval's own layers).
 """
 from __future__ import annotations
 
@@ -43,6 +43,51 @@ def llama3_inv_freq(inv_freq, rope: dict):
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_factor(yarn: dict, max_positions: int) -> float:
+    """The ``factor`` of ``yarn`` RoPE; where config.json gives none, ``max_position_embeddings`` over the original
+    length (transformers 5.x's rule; 4.x's read that ratio whenever ``original_max_position_embeddings`` was given).
+    """
+    factor = yarn.get("factor")
+    return factor if factor is not None else max_positions / (yarn.get("original_max_position_embeddings")
+                                                              or max_positions)
+
+
+def yarn_frequencies(dim: int, base: float, yarn: dict, max_positions: int) -> tuple:
+    """(inverse frequencies [dim / 2], float32, the factor on cos and sin) of ``yarn`` RoPE (config.json's
+    ``rope_scaling``) over ``dim`` values at ``base``: transformers' rule in its order of operations, the
+    original length ``original_max_position_embeddings``, else ``max_positions``.
+    """
+    import torch
+
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim)
+    factor = yarn_factor(yarn, max_positions)
+    mscale, mscale_all_dim = yarn.get("mscale"), yarn.get("mscale_all_dim")
+    attention_factor = yarn.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+                            if mscale and mscale_all_dim else yarn_mscale(factor))
+    beta_fast, beta_slow = yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1
+    context = yarn.get("original_max_position_embeddings") or max_positions
+
+    def correction_dim(rotations):
+        return (dim * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if yarn.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention_factor
 
 
 def rescale_rope(attention, config) -> None:
@@ -90,7 +135,8 @@ def default_inv_freq(base: float, dim: int, device="cpu"):
 
 class RotaryTable:
     """The cos/sin table of the pinned transformers' base attention (4.33's rotary embedding, its ``linear`` and
-    ``dynamic`` kinds, and the ``llama3`` frequencies of :func:`llama3_inv_freq`), the same bits, on any
+    ``dynamic`` kinds, and the ``llama3`` frequencies of :func:`llama3_inv_freq`; ``yarn`` as transformers 5.x
+    computes it, :func:`yarn_frequencies`), the same bits, on any
     transformers: an attention of dist_eval's own layers calls it as it called the pinned ``rotary_emb``
     (``table(value, seq_len)``: cos and sin [1, 1, seq_len, dim] in the value's dtype).
 
@@ -104,27 +150,32 @@ class RotaryTable:
 
     def __init__(self, config, dim: int):
         scaling = getattr(config, "rope_scaling", None) or {}
-        self.llama3 = getattr(config, "rope_llama3", None)
-        # either generation's key (5.x's configs keep rope_type), "default" and llama3 (rope_llama3) no scaling here
+        self.llama3, self.yarn = getattr(config, "rope_llama3", None), getattr(config, "rope_yarn", None)
+        # either generation's key (5.x's configs keep rope_type), "default", llama3 (rope_llama3) and yarn
+        # (rope_yarn) no scaling of the positions here
         self.kind, self.factor = scaling.get("rope_type", scaling.get("type")), scaling.get("factor", 1.0)
-        if self.kind == "default" or (self.kind == "llama3" and self.llama3):
+        if self.kind == "default" or (self.kind == "llama3" and self.llama3) or (self.kind == "yarn" and self.yarn):
             self.kind = None
         if self.kind not in (None, "linear", "dynamic"):
             raise ValueError(f"rope_scaling of type {self.kind!r}: the rotary table computes linear and dynamic "
-                             "(and llama3 through rope_llama3)")
+                             "(and llama3 through rope_llama3, yarn through rope_yarn)")
         self.dim, self.base, self.max_positions = dim, config.rope_theta, config.max_position_embeddings
         self.length = min(_ROPE_CACHE_POSITIONS, self.max_positions) if self.llama3 else self.max_positions
         self._tables, self._shared = None, None
-        self._settings = json.dumps([dim, self.base, self.kind, self.factor, self.llama3, self.max_positions,
-                                     self.length], sort_keys=True, default=str)
+        settings = [dim, self.base, self.kind, self.factor, self.llama3, self.max_positions, self.length]
+        self._settings = json.dumps(settings + ([self.yarn] if self.yarn else []), sort_keys=True, default=str)
 
     def _build(self, length: int, device, dtype) -> None:
         import torch
 
+        scale = 1.0
         if self.kind == "dynamic" and length > self.max_positions:  # a new base, on the row's device as pinned
             base = self.base * ((self.factor * length / self.max_positions) - (self.factor - 1)) ** (
                 self.dim / (self.dim - 2))
             inv_freq = default_inv_freq(base, self.dim, device)
+        elif self.yarn:  # transformers' yarn: its frequencies, cos and sin times its factor (float32), then the dtype
+            inv_freq, scale = on_cpu(yarn_frequencies)(self.dim, self.base, self.yarn, self.max_positions)
+            inv_freq = inv_freq.to(device)
         else:  # the pinned module's buffer: made on the CPU at its build (llama3's rescale too), then moved
             inv_freq = default_inv_freq(self.base, self.dim)
             if self.llama3:
@@ -135,7 +186,8 @@ class RotaryTable:
             positions = positions / self.factor
         freqs = torch.einsum("i,j->ij", positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.length, self._tables = length, (emb.cos()[None, None].to(dtype), emb.sin()[None, None].to(dtype))
+        cos, sin = (emb.cos(), emb.sin()) if scale == 1.0 else (emb.cos() * scale, emb.sin() * scale)
+        self.length, self._tables = length, (cos[None, None].to(dtype), sin[None, None].to(dtype))
 
     def __call__(self, value, seq_len: int) -> tuple:
         import torch
