@@ -238,7 +238,7 @@ FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "we
 
 def test_fp8_weights_the_local_blocks_would_read_without_their_scales_are_refused(tiny_model, tiny_checkpoint,
                                                                                  tmp_path):
-    """A newcomer's review: an FP8 folder of a family whose blocks are transformers' (Llama, Qwen2) was computed by
+    """A newcomer's review: an FP8 folder of a family whose blocks are transformers' (Llama) was computed by
     the local backend from its e4m3 values without their scales (logits 8 away from the dequantized model's, no
     error); dist_eval's servers dequantize them. Refused in one line naming --backend, before any weight is read,
     streamed too; a family of dist_eval's own layers (which dequantize on load) is not refused for it."""
@@ -260,20 +260,21 @@ def test_fp8_weights_the_local_blocks_would_read_without_their_scales_are_refuse
 
 
 def test_a_quantized_folder_of_a_family_computed_otherwise_before_has_another_row_key(tiny_checkpoint):
-    """Mistral's blocks were the pinned Llama block, which read FP8 weights without their scales on the local
-    backend; its own layers dequantize them. The rows an earlier dist_eval stored for such a folder are not served:
-    its key names the change. An unquantized folder's key, and every other family's, is as it was."""
+    """Mistral's and Qwen2's blocks were the pinned Llama block, which read FP8 weights without their scales on the
+    local backend; their own layers dequantize them. The rows an earlier dist_eval stored for such a folder are not
+    served: its key names the change. An unquantized folder's key, and every other family's, is as it was."""
     from types import SimpleNamespace
 
     from dist_eval.backends.checkpoint import load_checkpoint
     from dist_eval.backends.classifier import _identity
 
-    folder = "dist_eval/demo_assets/mistral/model"
     state = load_checkpoint(tiny_checkpoint)
     where = ("local", "cpu", None)
-    plain = _identity(folder, SimpleNamespace(), state, FAMILIES["mistral"], where)["model"]
-    quantized = _identity(folder, SimpleNamespace(quantization_config=FP8), state, FAMILIES["mistral"], where)["model"]
-    assert "computation" not in plain and quantized["computation"] == {"quantized_weights": "dequantized by "
-                                                                                            "dist_eval's layers"}
+    for family in ("mistral", "qwen2"):
+        folder = f"dist_eval/demo_assets/{family}/model"
+        plain = _identity(folder, SimpleNamespace(), state, FAMILIES[family], where)["model"]
+        quantized = _identity(folder, SimpleNamespace(quantization_config=FP8), state, FAMILIES[family], where)
+        assert "computation" not in plain and quantized["model"]["computation"] == {
+            "quantized_weights": "dequantized by dist_eval's layers"}
     assert "computation" not in _identity(folder, SimpleNamespace(quantization_config=FP8), state, FAMILIES["llama"],
                                           where)["model"]

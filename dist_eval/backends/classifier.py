@@ -227,9 +227,7 @@ def _identity(model_dir: str, config, state: TrainableState, family: Family, whe
     model = {"folder": folder_identity(model_dir), "family": family.model_type, "backend": backend,
              "device": str(device).split(":")[0], "dtype": "float32", "dht_prefix": dht_prefix,
              **config_reading(config)}
-    revision = dict(family.computation_revision)
-    if family.quantized_revision and getattr(config, "quantization_config", None):
-        revision["quantized_weights"] = family.quantized_revision
+    revision = family.computation_revision(config)
     if revision:  # absent for the others: their stored rows' keys unchanged
         model["computation"] = revision
     return {"model": model, "trainable": tensors_digest(state.tensors)}

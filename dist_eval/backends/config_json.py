@@ -65,14 +65,21 @@ LEGACY_LAYER_TYPES = {"attention": "full_attention", "mamba": "linear_attention"
 
 
 def saved_model_type(model_dir) -> Optional[str]:
-    """config.json's ``model_type`` as saved in the folder ``model_dir``, a family's alias read as the family's (None:
-    no such folder, file or field, or a file that does not parse: the caller's own reading then says what is wrong).
+    """config.json's ``model_type`` as saved in the folder ``model_dir`` (None: no such folder, file or field, or a
+    file that does not parse: the caller's own reading then says what is wrong).
     """
     try:
         with open(os.path.join(str(model_dir), "config.json"), encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
+            return json.load(f).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def saved_family_type(model_dir) -> Optional[str]:
+    """:func:`saved_model_type`, a family's alias (``Family.model_type_aliases``) read as the family's: the name
+    dist_eval's classes are registered under (in petals' registry too).
+    """
+    model_type = saved_model_type(model_dir)
     family = family_named(model_type)
     return family.model_type if family is not None else model_type
 

@@ -187,16 +187,19 @@ class Family:
     # read apart (backends.config_json), the first kind's base as rope_theta, the second's as compress_rope_theta
     rope_labels: tuple = ()
 
-    @property
-    def computation_revision(self) -> dict:
-        """What dist_eval computes for this family otherwise than it once did, for the row store's key (the model's
-        identity): rows stored before are not served for it. {} for most families. Sigmoid routers: an expert
-        outside the kept groups is never chosen (-inf, as transformers 5.x), where 4.x's rule (0) chose one when the
-        kept groups' corrected scores were below 0.
+    def computation_revision(self, config=None) -> dict:
+        """What dist_eval computes for this family's model of ``config`` otherwise than it once did, for the row
+        store's key (the model's identity): rows stored before are not served for it. {} for most. Sigmoid routers:
+        an expert outside the kept groups is never chosen (-inf, as transformers 5.x), where 4.x's rule (0) chose one
+        when the kept groups' corrected scores were below 0. Quantized folders (config.json's quantization_config)
+        of a family with a ``quantized_revision``: that revision.
         """
+        revision = {}
         if dict(self.block_options).get("mixture_of_experts") == "sigmoid":
-            return {"router_groups_left_out": "-inf"}
-        return {}
+            revision["router_groups_left_out"] = "-inf"
+        if self.quantized_revision and getattr(config, "quantization_config", None):
+            revision["quantized_weights"] = self.quantized_revision
+        return revision
 
     @property
     def hyper_connected(self) -> bool:

@@ -108,9 +108,9 @@ def petals_dht_prefix(repo_id: str, revision: Optional[str] = None, folder: Opti
     from huggingface_hub import constants
     from petals.utils.auto_config import _CLASS_MAPPING, AutoDistributedConfig
 
-    from dist_eval.backends.config_json import saved_model_type
+    from dist_eval.backends.config_json import saved_family_type
 
-    classes = _CLASS_MAPPING.get(saved_model_type(folder)) if folder else None
+    classes = _CLASS_MAPPING.get(saved_family_type(folder)) if folder else None
     config_class = classes.config if classes is not None else AutoDistributedConfig
     config = config_class.from_pretrained(  # the cache huggingface_hub uses, which client_folder filled
         repo_id, revision=revision, local_files_only=True, cache_dir=constants.HF_HUB_CACHE)

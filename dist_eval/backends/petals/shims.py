@@ -354,13 +354,13 @@ def model_type_as_saved() -> List[Replacement]:
     """
     from petals.utils import auto_config
 
-    from dist_eval.backends.config_json import saved_model_type
+    from dist_eval.backends.config_json import saved_family_type
 
     original = auto_config._AutoDistributedBase.from_pretrained.__func__
 
     @functools.wraps(original)
     def from_pretrained(cls, model_name_or_path, *args, **kwargs):
-        classes = auto_config._CLASS_MAPPING.get(saved_model_type(model_name_or_path))
+        classes = auto_config._CLASS_MAPPING.get(saved_family_type(model_name_or_path))
         proper = getattr(classes, cls._mapping_field, None) if classes is not None else None
         if proper is None:
             return original(cls, model_name_or_path, *args, **kwargs)
