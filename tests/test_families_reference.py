@@ -775,6 +775,9 @@ def edited_folder(reference, tmp_path, kind, **changes):
     ("llama3", {"attention_bias": True}, "attention_bias: true"),
     ("llama3", {"head_dim": 32}, "head_dim 32"),  # Mistral's and Qwen2's own layers compute it
     ("mistral", {"attention_bias": True}, "Mistral's attention has no biases"),
+    ("mistral", {"use_qk_norm": True}, "Mistral's attention has no q/k norms (transformers' reads no use_qk_norm)"),
+    ("qwen2", {"use_qk_norm": True}, "Qwen2's attention has no q/k norms"),
+    ("mixtral", {"attention_bias": True}, "Mixtral's attention has no biases"),
     ("qwen2", {"model_type": "qwen2_moe"}, "with a shared expert"),
     ("qwen3", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope'"),
     ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok 9 in config.json is not between 1 and "),

@@ -776,6 +776,17 @@ def _built_on_llama(model_type: str, name: str, **fields) -> Family:
                                attention_class="", built_on="llama", **fields)
 
 
+# what dist_eval's own attention would build from config.json where a family's transformers attention has no such
+# part (and reads no such key): refused (Family.unsupported), never built without its tensors
+_UNREAD_PARTS = {"attention_bias": "biases", "use_qk_norm": "q/k norms"}
+
+
+def _unread(name: str, *keys: str) -> tuple:
+    """``Family.unsupported`` entries refusing ``keys`` true in config.json: ``name``'s attention has no such part."""
+    return tuple((((key, True),), f"{name}'s attention has no {_UNREAD_PARTS[key]} (transformers' reads no {key})")
+                 for key in keys)
+
+
 # Mistral: Llama's block (grouped-query attention) in dist_eval's layers (any head_dim: Mistral-Nemo's and Mistral
 # Small 3's 128 beside hidden / heads of 160; the same bits as the pinned attention where head_dim is hidden / heads);
 # v0.1 attends within a sliding window
@@ -783,8 +794,7 @@ FAMILIES["mistral"] = _built_on_llama("mistral", "Mistral", sliding_window=("sli
                                       block_options=(("own_layers", True), ("use_qk_norm", False)),
                                       # the pinned block read FP8 weights without their scales on the local backend
                                       quantized_revision="dequantized by dist_eval's layers",
-                                      unsupported=(((("attention_bias", True),), "Mistral's attention has no biases "
-                                                    "(transformers' reads no attention_bias)"),),
+                                      unsupported=_unread("Mistral", "attention_bias", "use_qk_norm"),
                                       layer_types=("sliding_attention",),
                                       config_defaults=(("sliding_window", 4096), ("max_position_embeddings", 131072)))
 # Qwen2 / Qwen2.5: Llama's block with biases on the q, k and v projections (not on o, whatever attention_bias says,
@@ -795,6 +805,7 @@ FAMILIES["qwen2"] = _built_on_llama("qwen2", "Qwen2",
                                     block_options=(("own_layers", True), ("use_qk_norm", False), ("qkv_bias", True)),
                                     # the pinned block read FP8 weights without their scales on the local backend
                                     quantized_revision="dequantized by dist_eval's layers",
+                                    unsupported=_unread("Qwen2", "use_qk_norm"),
                                     sliding_window=("sliding_window", "use_sliding_window"),
                                     layer_types=("sliding_attention",), config_defaults=QWEN_DEFAULTS)
 # Qwen3: Llama's block with dist_eval's attention (an RMSNorm over each head's q and k before
@@ -832,6 +843,7 @@ FAMILIES["mixtral"] = _built_on_llama(
     "mixtral", "Mixtral", block_options=(
         ("own_layers", True), ("use_qk_norm", False), ("mixture_of_experts", "mixtral"), ("num_local_experts", 8),
         ("num_experts_per_tok", 2)),
+    unsupported=_unread("Mixtral", "attention_bias", "use_qk_norm"),
     sliding_window=("sliding_window", ""), layer_types=("sliding_attention",),
     config_defaults=(("rope_theta", 1e6), ("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072)))
 
