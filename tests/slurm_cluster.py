@@ -84,14 +84,17 @@ def ensure_installed() -> None:
 
 
 def _free_ports(count: int) -> List[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    """``count`` distinct free ports for the daemons, below the kernel's ephemeral range (conftest.free_port): a port
+    the OS gave here (a bind to port 0) and let go could be given meanwhile to another process of the suite (a p2pd
+    listening on port 0) before the daemon bound it.
+    """
+    from conftest import free_port
+
+    ports: List[int] = []
+    while len(ports) < count:
+        port = free_port()
+        ports += [] if port in ports else [port]
+    return ports
 
 
 def _conf(folder: str, ctld_port: int, node_ports: List[int], munge_socket: str) -> str:

@@ -97,7 +97,6 @@ def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
     Yields (the nine servers' peer ids, honest first, then the changed, the NaN, the shifting one,
     the half, the faulty half, the nudging and the AVX2 one; and the first swarm, whose peers the
     client joins)."""
-    import socket
 
     from dist_eval.swarm import LocalSwarm
 
@@ -114,18 +113,14 @@ def swarm_with_a_changed_replica(tiny_model, tmp_path_factory):
     honest = one_thread_swarm(tiny_model, num_servers=2, dht_prefix="audit-test")
     with mock.patch.dict(os.environ, faults):  # its fork server's environment: the six forked from it read it
         first = next(honest)
-    sockets = [socket.socket() for _ in range(7)]  # distinct free ports: the swarms start at once
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    others = [LocalSwarm(copy, num_servers=1, dht_prefix="audit-test", join_peers=first.initial_peers, port=port,
+    # each swarm's port from the OS, held from its start (procs.reserve_ports): ports picked here and let go before
+    # the swarms bound them could be taken meanwhile by another test process's p2pd (listening on port 0)
+    others = [LocalSwarm(copy, num_servers=1, dht_prefix="audit-test", join_peers=first.initial_peers,
                          extra_server_args=["--num_handlers", "1"] if copy in (shift, nudge) else (),
                          block_range=blocks, torch_dtype=dtype)
-              for copy, port, blocks, dtype in zip((changed, nan, shift, tiny_model, half_shift, nudge, tiny_model),
-                                                   ports, (None, None, None, (0, 2), (2, 4), None, None),
-                                                   (None,) * 5 + ("bfloat16", None))]
+              for copy, blocks, dtype in zip((changed, nan, shift, tiny_model, half_shift, nudge, tiny_model),
+                                             (None, None, None, (0, 2), (2, 4), None, None),
+                                             (None,) * 5 + ("bfloat16", None))]
     try:
         with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2"}):
             others[-1].start_in_background()  # its environment is read as its process is spawned: alone
