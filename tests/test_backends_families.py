@@ -530,14 +530,15 @@ def _as_4x_config(folder: str) -> None:
         json.dump(config, f)
 
 
-@pytest.mark.parametrize("form", ["4.x", "5.x"])
+@pytest.mark.parametrize("form", ["4.x", "5.x", "length apart"])
 @pytest.mark.parametrize("name", YARN_TABLE_FAMILIES)
 def test_yarn_rope_of_dist_evals_own_layers_is_transformers_5s(name, form, tmp_path):
     """Issue 71 (a valid setting refused): yarn RoPE on the families of dist_eval's own grouped-query attention (the
     long-context setting Qwen2.5's and Qwen3's model cards tell users to add to config.json, in either generation's
-    form) was refused. Computed now in the rotary table, as transformers 5.x does (its factor 4, not 4.x's ratio of
-    the lengths, 128 / 16): a tiny model saved by the installed transformers, read by --backend local with a head,
-    within 1e-4 of that transformers' last hidden state times the head, where RoPE without yarn is far from it."""
+    form) was refused. Computed now in the rotary table, as transformers 5.x does (factor 4 over an original 16 of
+    128 positions; "length apart": a top-level original_max_position_embeddings of 32 beside the settings' 16, which
+    5.x reads first): a tiny model saved by the installed transformers, read by --backend local with a head, within
+    1e-4 of that transformers' last hidden state times the head, where RoPE without yarn is far from it."""
     from float_promises import ACROSS_GENERATIONS
     from safetensors.torch import save_file
 
@@ -549,6 +550,15 @@ def test_yarn_rope_of_dist_evals_own_layers_is_transformers_5s(name, form, tmp_p
     lm = _saved_by_transformers(folder, model_type, YARN)
     if form == "4.x":
         _as_4x_config(folder)
+    elif form == "length apart":  # read again as saved so: transformers' own model of it, beside dist_eval's
+        with open(f"{folder}/config.json") as f:
+            config = {**json.load(f), "original_max_position_embeddings": 32}
+        with open(f"{folder}/config.json", "w") as f:
+            json.dump(config, f)
+        import transformers
+
+        lm = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        assert lm.config.rope_parameters["original_max_position_embeddings"] == 32
     head = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     save_file({"score.weight": head}, str(tmp_path / "head.safetensors"))
     model = load_model("local", folder, head=str(tmp_path / "head.safetensors"))

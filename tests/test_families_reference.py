@@ -777,6 +777,8 @@ def edited_folder(reference, tmp_path, kind, **changes):
     ("mistral", {"attention_bias": True}, "Mistral's attention has no biases"),
     ("mistral", {"use_qk_norm": True}, "Mistral's attention has no q/k norms (transformers' reads no use_qk_norm)"),
     ("qwen2", {"use_qk_norm": True}, "Qwen2's attention has no q/k norms"),
+    ("qwen2", {"partial_rotary_factor": 0.5}, "Qwen2's attention has no partial RoPE (transformers' reads no "
+                                              "partial_rotary_factor) (partial_rotary_factor=0.5 in config.json)"),
     ("mixtral", {"attention_bias": True}, "Mixtral's attention has no biases"),
     ("qwen2", {"model_type": "qwen2_moe"}, "with a shared expert"),
     ("qwen3", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope'"),

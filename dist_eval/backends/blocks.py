@@ -17,10 +17,9 @@ servers dist_eval starts alike, so the swarm computes what ``--backend local`` c
    kept as ``rope_llama3`` (the pinned class refuses it) for the block, and ``yarn`` as
    ``rope_yarn`` for a family with dist_eval's own layers. What no block here
    computes is refused earlier, from config.json alone (:func:`dist_eval.backends.families.family_of`).
-2. **The block.** After the base attention's ``__init__``: biased q/k/v projections when
-   the config says ``qkv_bias``, and the ``llama3`` frequencies (:mod:`dist_eval.backends.rope`, the
-   rule of transformers >= 4.43) with the cos/sin cache rebuilt from them. petals' server
-   block derives from the same attention class, so it gets the same options. A family with
+2. **The block.** After the base attention's ``__init__``: the ``llama3`` frequencies
+   (:mod:`dist_eval.backends.rope`, the rule of transformers >= 4.43) with the cos/sin cache rebuilt from them.
+   petals' server block derives from the same attention class, so it gets the same options. A family with
    ``own_layers`` has layers of its own instead, the same in both (the local classes build them
    in place of the base family's, petals' config names their block class; a server tells a block its
    index, :func:`dist_eval.swarm.blocks.server_block_replacements`).
@@ -91,13 +90,21 @@ def _config_init(original):
             pinned = rope_scaling
         original(self, *args, rope_scaling=pinned, **kwargs)
         self.rope_llama3 = llama3 or rope_llama3  # also when a config saved here is read back
-        self.rope_yarn = yarn or rope_yarn
+        self.rope_yarn = yarn_with_top_level_length(self, yarn or rope_yarn)
         rope_fields_from_parameters(self)
     return __init__
 
 
 def _yarn_blocks(config) -> bool:
     return any(getattr(config, option, False) for option in YARN_BLOCK_OPTIONS)
+
+
+def yarn_with_top_level_length(config, yarn: Optional[dict]) -> Optional[dict]:
+    """``yarn`` (config.json's yarn settings) with config.json's top-level ``original_max_position_embeddings``
+    where it has one: transformers 5.x reads that one before the settings' own (Phi-3's layout).
+    """
+    length = getattr(config, "original_max_position_embeddings", None)
+    return {**yarn, "original_max_position_embeddings": length} if yarn and length else yarn
 
 
 # what transformers 5.x's config classes move into ``rope_parameters``, read by the blocks here where 4.x keeps
@@ -121,7 +128,8 @@ def rope_fields_from_parameters(config) -> None:
     if kind == "llama3" and not getattr(config, "rope_llama3", None):
         config.rope_llama3 = {key: parameters[key] for key in LLAMA3_KEYS}
     if kind == "yarn" and _yarn_blocks(config) and not getattr(config, "rope_yarn", None):
-        config.rope_yarn = {key: value for key, value in parameters.items() if key not in MOVED_INTO_ROPE_PARAMETERS}
+        config.rope_yarn = yarn_with_top_level_length(config, {
+            key: value for key, value in parameters.items() if key not in MOVED_INTO_ROPE_PARAMETERS})
 
 
 def _subclass_post_init(base_config):
@@ -176,14 +184,9 @@ def _attention_init(original):
 
 
 def apply_block_options(attention, config) -> None:
-    """Give a base attention module built for ``config`` the options the config asks for."""
-    from torch import nn
-
-    if getattr(config, "qkv_bias", False):
-        for name in ("q_proj", "k_proj", "v_proj"):
-            old = getattr(attention, name)
-            setattr(attention, name, nn.Linear(old.in_features, old.out_features, bias=True,
-                                               device=old.weight.device, dtype=old.weight.dtype))
+    """Give a base attention module built for ``config`` the options the config asks for (the ``llama3``
+    frequencies).
+    """
     rescale_rope(attention, config)
 
 

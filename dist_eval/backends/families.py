@@ -106,7 +106,7 @@ class Family:
     saved_lm_head: str = ""
     # config settings a small model of this family needs to be one petals serves (the demo's)
     small_config: tuple = ()
-    # settings of config.json petals 2.2.0 cannot serve: ((attribute, value), ...), why
+    # settings of config.json dist_eval does not compute: ((attribute, value or a test of the value), ...), why
     unsupported: tuple = ()
     # transformers' fast tokenizer classes of the family whose own _batch_encode_plus only refuses
     # pre-split words before calling the base class's: their Rust backend gives the call's ids
@@ -219,9 +219,10 @@ class Family:
 
     def unsupported_reason(self, config) -> str:
         """Why dist_eval cannot compute this config of the family ('' when it can)."""
-        for settings, why in self.unsupported:
-            if all(getattr(config, name, None) == value for name, value in settings):
-                shown = ", ".join(f"{name}={value}" for name, value in settings)
+        for settings, why in self.unsupported:  # a setting's value, or a test of the value found (callable)
+            found = {name: getattr(config, name, None) for name, _ in settings}
+            if all(wanted(found[name]) if callable(wanted) else found[name] == wanted for name, wanted in settings):
+                shown = ", ".join(f"{name}={value}" for name, value in found.items())
                 return f"{why} ({shown} in config.json)"
         if self.hyper_connected:  # DeepSeek-V4's own checks, its release's weights too
             return _hyper_connected_refusal(config, dict(self.block_options))
@@ -776,15 +777,29 @@ def _built_on_llama(model_type: str, name: str, **fields) -> Family:
                                attention_class="", built_on="llama", **fields)
 
 
-# what dist_eval's own attention would build from config.json where a family's transformers attention has no such
-# part (and reads no such key): refused (Family.unsupported), never built without its tensors
-_UNREAD_PARTS = {"attention_bias": "biases", "use_qk_norm": "q/k norms"}
+# what dist_eval's own attention would compute from config.json where a family's transformers attention has no such
+# part (and reads no such key): refused (Family.unsupported), never computed otherwise than transformers does; each
+# key's value of a part it does not have
+_UNREAD_PARTS = {"attention_bias": ("biases", False), "use_qk_norm": ("q/k norms", False),
+                 "qk_norm_whole": ("q/k norms", False), "partial_rotary_factor": ("partial RoPE", 1.0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _AsksFor:
+    """A test of a config.json value (``Family.unsupported``): given, and not ``neutral``."""
+
+    neutral: object
+
+    def __call__(self, value) -> bool:
+        return value is not None and value != self.neutral
 
 
 def _unread(name: str, *keys: str) -> tuple:
-    """``Family.unsupported`` entries refusing ``keys`` true in config.json: ``name``'s attention has no such part."""
-    return tuple((((key, True),), f"{name}'s attention has no {_UNREAD_PARTS[key]} (transformers' reads no {key})")
-                 for key in keys)
+    """``Family.unsupported`` entries refusing each of ``keys`` in config.json where it asks for a part ``name``'s
+    attention has not.
+    """
+    return tuple((((key, _AsksFor(_UNREAD_PARTS[key][1])),),
+                  f"{name}'s attention has no {_UNREAD_PARTS[key][0]} (transformers' reads no {key})") for key in keys)
 
 
 # Mistral: Llama's block (grouped-query attention) in dist_eval's layers (any head_dim: Mistral-Nemo's and Mistral
@@ -794,7 +809,8 @@ FAMILIES["mistral"] = _built_on_llama("mistral", "Mistral", sliding_window=("sli
                                       block_options=(("own_layers", True), ("use_qk_norm", False)),
                                       # the pinned block read FP8 weights without their scales on the local backend
                                       quantized_revision="dequantized by dist_eval's layers",
-                                      unsupported=_unread("Mistral", "attention_bias", "use_qk_norm"),
+                                      unsupported=_unread("Mistral", "attention_bias", "use_qk_norm",
+                                                          "qk_norm_whole", "partial_rotary_factor"),
                                       layer_types=("sliding_attention",),
                                       config_defaults=(("sliding_window", 4096), ("max_position_embeddings", 131072)))
 # Qwen2 / Qwen2.5: Llama's block with biases on the q, k and v projections (not on o, whatever attention_bias says,
@@ -805,7 +821,8 @@ FAMILIES["qwen2"] = _built_on_llama("qwen2", "Qwen2",
                                     block_options=(("own_layers", True), ("use_qk_norm", False), ("qkv_bias", True)),
                                     # the pinned block read FP8 weights without their scales on the local backend
                                     quantized_revision="dequantized by dist_eval's layers",
-                                    unsupported=_unread("Qwen2", "use_qk_norm"),
+                                    unsupported=_unread("Qwen2", "use_qk_norm", "qk_norm_whole",
+                                                        "partial_rotary_factor"),
                                     sliding_window=("sliding_window", "use_sliding_window"),
                                     layer_types=("sliding_attention",), config_defaults=QWEN_DEFAULTS)
 # Qwen3: Llama's block with dist_eval's attention (an RMSNorm over each head's q and k before
@@ -843,7 +860,7 @@ FAMILIES["mixtral"] = _built_on_llama(
     "mixtral", "Mixtral", block_options=(
         ("own_layers", True), ("use_qk_norm", False), ("mixture_of_experts", "mixtral"), ("num_local_experts", 8),
         ("num_experts_per_tok", 2)),
-    unsupported=_unread("Mixtral", "attention_bias", "use_qk_norm"),
+    unsupported=_unread("Mixtral", "attention_bias", "use_qk_norm", "qk_norm_whole", "partial_rotary_factor"),
     sliding_window=("sliding_window", ""), layer_types=("sliding_attention",),
     config_defaults=(("rope_theta", 1e6), ("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072)))
 
