@@ -619,3 +619,48 @@ def test_yarn_blocks_on_a_server_are_the_local_blocks_bit_for_bit(name, form, tm
             assert_same_bits(after, hidden[index + 1], f"block {index} on a server and here")
     finally:
         model.close()
+
+
+def test_an_api_caller_is_told_nothing_of_a_family_alias_nor_of_a_causal_lms_unread_head(tmp_path):
+    """load_model from Python (the caller's logging as it is, transformers' at WARNING): a Qwen3.5 text model saved
+    by transformers' causal LM (model_type qwen3_5_text, read as Qwen3.5 on purpose, with its lm_head beside the
+    classifier's head) said twice that a model of one type instantiated another, and showed a LOAD REPORT of the
+    unread lm_head at every load. Neither is said now; another pair of types, and a block's weight unread, are."""
+    import logging
+
+    from safetensors.torch import save_file
+    from transformers.utils import logging as hf_logging
+
+    from dist_eval.backends import load_model
+    from dist_eval.backends.compat import heads_read_after
+
+    folder = str(tmp_path / "qwen3_5_text")
+    _saved_by_transformers(folder, "qwen3_5_text", {"rope_type": "default"})
+    save_file({"score.weight": torch.zeros(3, 64)}, str(tmp_path / "head.safetensors"))
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    keep, verbosity = Keep(), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    logging.getLogger("transformers").addHandler(keep)
+    try:
+        load_model("local", folder, head=str(tmp_path / "head.safetensors")).close()
+        assert not [line for line in seen if "to instantiate a model of type" in line or "lm_head" in line], seen
+        logging.getLogger("transformers.configuration_utils").warning(
+            "You are using a model of type `llama` to instantiate a model of type `qwen3_5`. This may be expected")
+        assert any("model of type `llama`" in line for line in seen)
+        with heads_read_after("score", "lm_head"):
+            logging.getLogger("transformers.modeling_utils").warning(
+                "Some weights of the model checkpoint at F were not used when initializing X: ['lm_head.weight']")
+            logging.getLogger("transformers.modeling_utils").warning(
+                "Some weights of the model checkpoint at F were not used when initializing X: ['model.norm.bias', "
+                "'lm_head.weight']")
+    finally:
+        logging.getLogger("transformers").removeHandler(keep)
+        hf_logging.set_verbosity(verbosity)
+    unread = [line for line in seen if "not used when initializing" in line]
+    assert unread == ["Some weights of the model checkpoint at F were not used when initializing X: "
+                      "['model.norm.bias', 'lm_head.weight']"]

@@ -37,7 +37,7 @@ import functools
 import threading
 from typing import Dict, Optional
 
-from dist_eval.backends.compat import class_at, configs_are_dataclasses
+from dist_eval.backends.compat import class_at, configs_are_dataclasses, quiet_alias_type_notes
 from dist_eval.backends.rope import rescale_rope
 
 # what the servers dist_eval starts add to the petals version they announce: they compute the
@@ -202,6 +202,7 @@ def register() -> None:
     from dist_eval.backends.petals.shims import apply
 
     with _lock:
+        quiet_alias_type_notes()  # a family's other model_type read as the family: no note that it is another
         apply("config_forms", "both", config_json.transformers_replacements)  # either generation's config.json
         for family in FAMILIES.values():
             if family.attention_class:

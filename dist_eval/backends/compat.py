@@ -130,7 +130,9 @@ def no_quantizer_for_remote_blocks():
 
 
 class _OnlyHeadsNewlyInitialized(logging.Filter):
-    """Drops transformers' "... newly initialized: [names]" when every name is a weight of ``heads``."""
+    """Drops transformers' "... newly initialized: [names]" (and 4.x's "... not used when initializing X: [names]")
+    when every name is a weight of ``heads``.
+    """
 
     def __init__(self, heads: tuple):
         super().__init__()
@@ -140,7 +142,8 @@ class _OnlyHeadsNewlyInitialized(logging.Filter):
         import ast
         import re
 
-        found = re.search(r"newly initialized: (\[[^\]]*\])", record.getMessage())
+        found = re.search(r"(?:newly initialized|not used when initializing \w+): (\[[^\]]*\])",
+                          record.getMessage())
         if found is None:
             return True
         try:
@@ -155,8 +158,10 @@ def heads_read_after(*heads: str):
     """Within: transformers' "Some weights of ... were not initialized from the model checkpoint ... and are newly
     initialized: [...]" dropped where every weight it names is of ``heads`` (top-level modules: the classifier's,
     a causal LM's), which the load reads right after (the trained head, a release's LM head saved under another
-    name) or refuses where there is none: noise for any caller of ``load_model``, whose logging is left as it
-    is (a filter on transformers' loading logger, for the load alone). A block's weight missing is said as ever.
+    name) or refuses where there is none; so are the weights of ``heads`` the folder has and the model does not
+    read (a causal LM's head, beside a classifier: every causal LM save): noise for any caller of ``load_model``,
+    whose logging is left as it is (a filter on transformers' loading logger, for the load alone). A block's weight
+    missing or unread is said as ever.
     """
     logger = logging.getLogger("transformers.modeling_utils")
     only_heads = _OnlyHeadsNewlyInitialized(heads)
@@ -175,19 +180,50 @@ def heads_read_after(*heads: str):
 
 def _report_without_heads(report, heads: tuple, *args, **kwargs):
     """The load report of transformers >= 5.0 (``report``) without its MISSING rows where every missing weight is
-    of ``heads``, as the 4.x line is dropped; the report's other rows (and any error it raises) as they are.
+    of ``heads``, nor its UNEXPECTED rows where every unread one is, as the 4.x lines are dropped; the report's other
+    rows (and any error it raises) as they are.
     """
     import dataclasses
 
     info = kwargs.get("loading_info")
-    if info is not None and info.missing_keys and _all_of_heads(info.missing_keys, heads):
-        kwargs["loading_info"] = dataclasses.replace(info, missing_keys=set())
+    for field in ("missing_keys", "unexpected_keys"):
+        names = getattr(info, field, None)
+        if names and _all_of_heads(names, heads):
+            info = kwargs["loading_info"] = dataclasses.replace(info, **{field: set()})
     return report(*args, **kwargs)
 
 
 def _all_of_heads(names, heads: tuple) -> bool:
     """Whether every weight name of ``names`` is of a top-level module among ``heads``."""
     return all(str(name).split(".")[0] in heads for name in names)
+
+
+class _AliasTypeNote(logging.Filter):
+    """Drops transformers' "You are using a model of type `A` to instantiate a model of type `B`" where A is one of
+    family B's other names (``Family.model_type_aliases``: the same blocks, read so on purpose); any other pair is
+    said as ever.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import re
+
+        from dist_eval.backends.families import family_named
+
+        found = re.match(r"You are using a model of type `([^`]+)` to instantiate a model of type `([^`]+)`",
+                         record.getMessage())
+        if found is None or found.group(1) == found.group(2):
+            return True
+        family = family_named(found.group(1))
+        return family is None or family.model_type != found.group(2)
+
+
+def quiet_alias_type_notes() -> None:
+    """Install :class:`_AliasTypeNote` on transformers' config logger, once per process (callers of the API too:
+    the note is wrong for dist_eval's aliases alone).
+    """
+    logger = logging.getLogger("transformers.configuration_utils")
+    if not any(isinstance(f, _AliasTypeNote) for f in logger.filters):
+        logger.addFilter(_AliasTypeNote())
 
 
 def quiet_warnings() -> None:
