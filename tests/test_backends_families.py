@@ -625,10 +625,14 @@ def test_an_api_caller_is_told_nothing_of_a_family_alias_nor_of_a_causal_lms_unr
     """load_model from Python (the caller's logging as it is, transformers' at WARNING): a Qwen3.5 text model saved
     by transformers' causal LM (model_type qwen3_5_text, read as Qwen3.5 on purpose, with its lm_head beside the
     classifier's head) said twice that a model of one type instantiated another, and showed a LOAD REPORT of the
-    unread lm_head at every load. Neither is said now; another pair of types, and a block's weight unread, are."""
+    unread lm_head at every load. Neither is said now; another pair of types, a block's weight unread and a head's
+    weight the classifier does not read (a bias) are; and the note is the caller's again after the load (their own
+    read of such a folder into the release's class is another model)."""
     import logging
+    import shutil
 
-    from safetensors.torch import save_file
+    import transformers
+    from safetensors.torch import load_file, save_file
     from transformers.utils import logging as hf_logging
 
     from dist_eval.backends import load_model
@@ -649,10 +653,21 @@ def test_an_api_caller_is_told_nothing_of_a_family_alias_nor_of_a_causal_lms_unr
     try:
         load_model("local", folder, head=str(tmp_path / "head.safetensors")).close()
         assert not [line for line in seen if "to instantiate a model of type" in line or "lm_head" in line], seen
-        logging.getLogger("transformers.configuration_utils").warning(
-            "You are using a model of type `llama` to instantiate a model of type `qwen3_5`. This may be expected")
+        with heads_read_after("score", "lm_head", unread=("lm_head.weight",)):
+            logging.getLogger("transformers.configuration_utils").warning(
+                "You are using a model of type `llama` to instantiate a model of type `qwen3_5`. This may be expected")
         assert any("model of type `llama`" in line for line in seen)
-        with heads_read_after("score", "lm_head"):
+        transformers.Qwen3_5Config.from_pretrained(folder)  # the caller's own read, after dist_eval's load
+        assert any("model of type `qwen3_5_text` to instantiate" in line for line in seen)
+        biased = str(tmp_path / "biased")  # a classifier's head with a bias, which dist_eval does not read
+        shutil.copytree(folder, biased)
+        tensors = load_file(f"{biased}/model.safetensors")
+        save_file({**tensors, "score.weight": torch.zeros(3, 64), "score.bias": torch.ones(3)},
+                  f"{biased}/model.safetensors")
+        seen.clear()
+        load_model("local", biased).close()
+        assert [line for line in seen if "score.bias" in line], seen
+        with heads_read_after("score", "lm_head", unread=("lm_head.weight",)):
             logging.getLogger("transformers.modeling_utils").warning(
                 "Some weights of the model checkpoint at F were not used when initializing X: ['lm_head.weight']")
             logging.getLogger("transformers.modeling_utils").warning(
@@ -664,3 +679,34 @@ def test_an_api_caller_is_told_nothing_of_a_family_alias_nor_of_a_causal_lms_unr
     unread = [line for line in seen if "not used when initializing" in line]
     assert unread == ["Some weights of the model checkpoint at F were not used when initializing X: "
                       "['model.norm.bias', 'lm_head.weight']"]
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_llama3_rope_with_its_length_apart_is_transformers_5s(name, tmp_path):
+    """A newcomer's review: a top-level original_max_position_embeddings, which transformers 5.x reads before the
+    one in llama3's settings (as for yarn), was not read for llama3's (logits away from 5.x's). Within 1e-4 now."""
+    import transformers
+    from float_promises import ACROSS_GENERATIONS
+    from safetensors.torch import save_file
+
+    from dist_eval.backends import load_model
+
+    folder = str(tmp_path / name)
+    _saved_by_transformers(folder, name, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    with open(f"{folder}/config.json") as f:
+        config = {**json.load(f), "original_max_position_embeddings": 16}
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    lm = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert lm.config.rope_parameters["original_max_position_embeddings"] == 16
+    head = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    save_file({"score.weight": head}, str(tmp_path / "head.safetensors"))
+    model = load_model("local", folder, head=str(tmp_path / "head.safetensors"))
+    ids = torch.randint(1, 64, (3, 40), generator=torch.Generator().manual_seed(2))
+    try:
+        with torch.no_grad():
+            logits, expected = model.module(ids), lm.model(ids).last_hidden_state[:, -1] @ head.T
+    finally:
+        model.close()
+    assert (logits - expected).abs().max().item() < ACROSS_GENERATIONS

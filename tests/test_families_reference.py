@@ -1282,16 +1282,7 @@ def test_the_local_backend_on_transformers_5_computes_its_reference(reference5):
     RoPE fields of config.json (rope_theta, partial_rotary_factor, the llama3 and yarn settings) as the blocks read
     them on 4.33, every family (before: 5.x makes each config subclass a dataclass with an __init__ of its own, so
     the options were never applied: no rope_theta, no yarn, and a partial_rotary_factor that read as 1.0)."""
-    out, ref = reference5
-    families = sorted(ref["cases"])  # every family the reference saved (21 at the change)
-    from conftest import reference_python
-
-    proc = subprocess.run([reference_python("5", install=False), os.path.join(REPO, "tests", "reference",
-                                                                               "on_current_stack.py"),
-                           REPO, str(out), *families], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    found, families = _run_on_the_references_stack(reference5, "5")
     assert len(families) >= 21
     for kind in families:
         assert isinstance(found[kind], float) and found[kind] < TOLERANCE, (kind, found[kind])
@@ -1300,6 +1291,34 @@ def test_the_local_backend_on_transformers_5_computes_its_reference(reference5):
     misread = found["rope_fields_misread"]
     assert len(misread) >= 15 and "deepseek_v3" in misread and "llama3" in misread, sorted(misread)
     assert {kind: fields for kind, fields in misread.items() if fields} == {}
+
+
+def test_the_local_backend_on_transformers_4_57_computes_its_reference(reference):
+    """pyproject.toml takes any transformers from 4.32 to 5.x: dist_eval run in the 4.57 reference environment
+    computes every family that reference saved within TOLERANCE of 4.57's own logits. Llama 3 raised there (the
+    llama3 frequencies were kept for the pinned 4.33's rescale and for 5.x alone: 'LlamaConfig object has no
+    attribute rope_parameters'); a transformers that computes llama3 itself (4.43 on) is given it now."""
+    found, families = _run_on_the_references_stack(reference, "4")
+    assert len(families) >= 12 and "llama3" in families
+    for kind in families:
+        assert isinstance(found[kind], float) and found[kind] < TOLERANCE, (kind, found[kind])
+    assert found["token_ids_equal"] is True
+    assert {kind: fields for kind, fields in found["rope_fields_misread"].items() if fields} == {}
+
+
+def _run_on_the_references_stack(reference, generation: str) -> tuple:
+    """(tests/reference/on_current_stack.py's findings, the families) for every family ``reference`` saved, run in
+    that reference's own environment (``generation``'s transformers)."""
+    from conftest import reference_python
+
+    out, ref = reference
+    families = sorted(ref["cases"])
+    proc = subprocess.run([reference_python(generation, install=False), os.path.join(REPO, "tests", "reference",
+                                                                                      "on_current_stack.py"),
+                           REPO, str(out), *families], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), families
 
 
 # evaluate() in the 5.x environment, beside the CLI's run: its accuracy and the modules it imported

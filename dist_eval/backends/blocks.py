@@ -37,7 +37,7 @@ import functools
 import threading
 from typing import Dict, Optional
 
-from dist_eval.backends.compat import class_at, configs_are_dataclasses, quiet_alias_type_notes
+from dist_eval.backends.compat import class_at, computes_llama3_itself, configs_are_dataclasses
 from dist_eval.backends.rope import rescale_rope
 
 # what the servers dist_eval starts add to the petals version they announce: they compute the
@@ -86,11 +86,11 @@ def _config_init(original):
         if _yarn_blocks(self) and rope_type(rope_scaling) == "yarn":
             yarn, rope_scaling = dict(rope_scaling), None
         pinned, llama3 = pinned_rope_scaling(rope_scaling)
-        if llama3 and configs_are_dataclasses():  # transformers >= 5.0 computes llama3 in its base model
+        if llama3 and computes_llama3_itself():  # transformers >= 4.43 computes llama3 from the config's own
             pinned = rope_scaling
         original(self, *args, rope_scaling=pinned, **kwargs)
-        self.rope_llama3 = llama3 or rope_llama3  # also when a config saved here is read back
-        self.rope_yarn = yarn_with_top_level_length(self, yarn or rope_yarn)
+        self.rope_llama3 = with_top_level_length(self, llama3 or rope_llama3)  # also when read back from a save here
+        self.rope_yarn = with_top_level_length(self, yarn or rope_yarn)
         rope_fields_from_parameters(self)
     return __init__
 
@@ -99,12 +99,18 @@ def _yarn_blocks(config) -> bool:
     return any(getattr(config, option, False) for option in YARN_BLOCK_OPTIONS)
 
 
-def yarn_with_top_level_length(config, yarn: Optional[dict]) -> Optional[dict]:
-    """``yarn`` (config.json's yarn settings) with config.json's top-level ``original_max_position_embeddings``
-    where it has one: transformers 5.x reads that one before the settings' own (Phi-3's layout).
+def with_top_level_length(config, scaling: Optional[dict]) -> Optional[dict]:
+    """``scaling`` (config.json's llama3 or yarn settings) with config.json's top-level
+    ``original_max_position_embeddings`` where it has one: transformers 5.x reads that one before the settings' own
+    (Phi-3's layout), where the settings are one for every layer (not those kept by label: Family.rope_labels).
     """
+    from dist_eval.backends.families import family_named
+
     length = getattr(config, "original_max_position_embeddings", None)
-    return {**yarn, "original_max_position_embeddings": length} if yarn and length else yarn
+    family = family_named(getattr(config, "model_type", None))
+    if not scaling or not length or (family is not None and family.rope_labels):
+        return scaling
+    return {**scaling, "original_max_position_embeddings": length}
 
 
 # what transformers 5.x's config classes move into ``rope_parameters``, read by the blocks here where 4.x keeps
@@ -126,9 +132,9 @@ def rope_fields_from_parameters(config) -> None:
             setattr(config, name, parameters[name])
     kind = parameters.get("rope_type")
     if kind == "llama3" and not getattr(config, "rope_llama3", None):
-        config.rope_llama3 = {key: parameters[key] for key in LLAMA3_KEYS}
+        config.rope_llama3 = with_top_level_length(config, {key: parameters[key] for key in LLAMA3_KEYS})
     if kind == "yarn" and _yarn_blocks(config) and not getattr(config, "rope_yarn", None):
-        config.rope_yarn = yarn_with_top_level_length(config, {
+        config.rope_yarn = with_top_level_length(config, {
             key: value for key, value in parameters.items() if key not in MOVED_INTO_ROPE_PARAMETERS})
 
 
@@ -187,7 +193,7 @@ def apply_block_options(attention, config) -> None:
     """Give a base attention module built for ``config`` the options the config asks for (the ``llama3``
     frequencies).
     """
-    rescale_rope(attention, config)
+    rescale_rope(attention, config, computes_llama3_itself())
 
 
 def register() -> None:
@@ -202,7 +208,6 @@ def register() -> None:
     from dist_eval.backends.petals.shims import apply
 
     with _lock:
-        quiet_alias_type_notes()  # a family's other model_type read as the family: no note that it is another
         apply("config_forms", "both", config_json.transformers_replacements)  # either generation's config.json
         for family in FAMILIES.values():
             if family.attention_class:

@@ -278,6 +278,7 @@ def _read_config(model_dir: str):
     from transformers import AutoConfig
 
     from dist_eval.backends.blocks import family_class, register
+    from dist_eval.backends.compat import heads_read_after
     from dist_eval.backends.config_json import family_of_folder
     from dist_eval.backends.peft_adapter import refuse_as_model
 
@@ -290,7 +291,8 @@ def _read_config(model_dir: str):
     register()  # the config classes of the families the pinned transformers lacks
     try:
         if family.built_on:  # the config class built here, also where a later transformers has one of the name
-            return family_class(family.local_class, in_petals=False).config_class.from_pretrained(model_dir)
+            with heads_read_after():  # a family's other model_type read as the family: no note of another type
+                return family_class(family.local_class, in_petals=False).config_class.from_pretrained(model_dir)
         return AutoConfig.from_pretrained(model_dir)
     except Exception as e:  # a folder without a readable config.json
         raise UsageError(

@@ -47,6 +47,17 @@ def configs_are_dataclasses() -> bool:
     return dataclasses.is_dataclass(PretrainedConfig)
 
 
+@functools.cache
+def computes_llama3_itself() -> bool:
+    """Whether this transformers computes the ``llama3`` rotary frequencies from a config's own ``rope_scaling``
+    (``rope_parameters`` on 5.x): >= 4.43 (its ``modeling_rope_utils``); the pinned 4.33 does not, and dist_eval's
+    block option does it there (:func:`dist_eval.backends.rope.rescale_rope`).
+    """
+    if importlib.util.find_spec("transformers.modeling_rope_utils") is None:
+        return False
+    return "llama3" in getattr(importlib.import_module("transformers.modeling_rope_utils"), "ROPE_INIT_FUNCTIONS", {})
+
+
 def attention_choice(family) -> dict:
     """``from_pretrained``'s keyword for ``family.local_attention`` where this transformers takes one (>= 4.36 has
     ``attn_implementation``; the pinned 4.33 has no choice and no such keyword: {}). ``layers.DIVIDED_ATTENTION`` is
@@ -130,66 +141,72 @@ def no_quantizer_for_remote_blocks():
 
 
 class _OnlyHeadsNewlyInitialized(logging.Filter):
-    """Drops transformers' "... newly initialized: [names]" (and 4.x's "... not used when initializing X: [names]")
-    when every name is a weight of ``heads``.
+    """Drops transformers' "... newly initialized: [names]" when every name is a weight of ``heads``, and 4.x's
+    "... not used when initializing X: [names]" when every name is one of ``unread``.
     """
 
-    def __init__(self, heads: tuple):
+    def __init__(self, heads: tuple, unread: tuple = ()):
         super().__init__()
-        self.heads = heads
+        self.heads, self.unread = heads, unread
 
     def filter(self, record: logging.LogRecord) -> bool:
         import ast
         import re
 
-        found = re.search(r"(?:newly initialized|not used when initializing \w+): (\[[^\]]*\])",
-                          record.getMessage())
+        found = re.search(r"(newly initialized|not used when initializing \w+): (\[[^\]]*\])", record.getMessage())
         if found is None:
             return True
         try:
-            names = ast.literal_eval(found.group(1))
+            names = ast.literal_eval(found.group(2))
         except (ValueError, SyntaxError):
             return True
-        return not names or not _all_of_heads(names, self.heads)
+        if found.group(1) == "newly initialized":
+            return not names or not _all_of_heads(names, self.heads)
+        return not names or not set(map(str, names)) <= set(self.unread)
 
 
 @contextlib.contextmanager
-def heads_read_after(*heads: str):
+def heads_read_after(*heads: str, unread: tuple = ()):
     """Within: transformers' "Some weights of ... were not initialized from the model checkpoint ... and are newly
     initialized: [...]" dropped where every weight it names is of ``heads`` (top-level modules: the classifier's,
     a causal LM's), which the load reads right after (the trained head, a release's LM head saved under another
-    name) or refuses where there is none; so are the weights of ``heads`` the folder has and the model does not
-    read (a causal LM's head, beside a classifier: every causal LM save): noise for any caller of ``load_model``,
-    whose logging is left as it is (a filter on transformers' loading logger, for the load alone). A block's weight
-    missing or unread is said as ever.
+    name) or refuses where there is none; so are the folder's weights the model does not read where every one is of
+    ``unread`` (names: a causal LM's head weight beside a classifier, in every causal LM save); and "You are using a
+    model of type A to instantiate a model of type B" where A is one of family B's other names (the same blocks,
+    read so on purpose: :class:`_AliasTypeNote`). Noise for any caller of ``load_model``, whose logging is left as
+    it is (filters on transformers' loggers, for the load alone). A block's weight missing or unread, a head's other
+    weight unread (a bias the classifier does not have), another pair of types, are said as ever.
     """
-    logger = logging.getLogger("transformers.modeling_utils")
-    only_heads = _OnlyHeadsNewlyInitialized(heads)
+    logger, config_logger = logging.getLogger("transformers.modeling_utils"), logging.getLogger(
+        "transformers.configuration_utils")
+    only_heads, alias = _OnlyHeadsNewlyInitialized(heads, unread), _AliasTypeNote()
     logger.addFilter(only_heads)
+    config_logger.addFilter(alias)
     loading = importlib.import_module("transformers.modeling_utils")
     report = getattr(loading, "log_state_dict_report", None)  # transformers >= 5.0: a LOAD REPORT table instead
     if report is not None:
-        loading.log_state_dict_report = functools.partial(_report_without_heads, report, heads)
+        loading.log_state_dict_report = functools.partial(_report_without_heads, report, heads, unread)
     try:
         yield
     finally:
         logger.removeFilter(only_heads)
+        config_logger.removeFilter(alias)
         if report is not None:
             loading.log_state_dict_report = report
 
 
-def _report_without_heads(report, heads: tuple, *args, **kwargs):
+def _report_without_heads(report, heads: tuple, unread: tuple, *args, **kwargs):
     """The load report of transformers >= 5.0 (``report``) without its MISSING rows where every missing weight is
-    of ``heads``, nor its UNEXPECTED rows where every unread one is, as the 4.x lines are dropped; the report's other
-    rows (and any error it raises) as they are.
+    of ``heads``, nor its UNEXPECTED rows where every unread one is of ``unread`` (names), as the 4.x lines are
+    dropped; the report's other rows (and any error it raises) as they are.
     """
     import dataclasses
 
     info = kwargs.get("loading_info")
-    for field in ("missing_keys", "unexpected_keys"):
-        names = getattr(info, field, None)
-        if names and _all_of_heads(names, heads):
-            info = kwargs["loading_info"] = dataclasses.replace(info, **{field: set()})
+    if info is not None and info.missing_keys and _all_of_heads(info.missing_keys, heads):
+        info = kwargs["loading_info"] = dataclasses.replace(info, missing_keys=set())
+    if info is not None and info.unexpected_keys and set(map(str, info.unexpected_keys)) <= set(unread):
+        kwargs["loading_info"] = dataclasses.replace(info, unexpected_keys=set())
     return report(*args, **kwargs)
 
 
@@ -215,15 +232,6 @@ class _AliasTypeNote(logging.Filter):
             return True
         family = family_named(found.group(1))
         return family is None or family.model_type != found.group(2)
-
-
-def quiet_alias_type_notes() -> None:
-    """Install :class:`_AliasTypeNote` on transformers' config logger, once per process (callers of the API too:
-    the note is wrong for dist_eval's aliases alone).
-    """
-    logger = logging.getLogger("transformers.configuration_utils")
-    if not any(isinstance(f, _AliasTypeNote) for f in logger.filters):
-        logger.addFilter(_AliasTypeNote())
 
 
 def quiet_warnings() -> None:

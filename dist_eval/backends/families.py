@@ -212,6 +212,13 @@ class Family:
         return self.blocks[len(self.checkpoint_prefix):]
 
     @property
+    def lm_head_weights(self) -> tuple:
+        """The causal LM head's weight names a classifier of this family does not read (every causal LM save has
+        them): unread without a word (backends.compat.heads_read_after).
+        """
+        return (f"{self.lm_head}.weight",) if self.lm_head else ()
+
+    @property
     def served_embeddings_key(self) -> str:
         """The token embeddings' key in the folder a server reads (the ``server_blocks`` layout)."""
         prefixed = self.server_blocks.startswith(self.checkpoint_prefix)

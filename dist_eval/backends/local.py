@@ -145,7 +145,7 @@ def load_local(
     if not detect_layout(model_dir, family).client_ready:
         model_dir = petals_model_folder(model_dir)
 
-    with no_random_init_of_meta_tensors(), heads_read_after(family.head, family.lm_head):
+    with no_random_init_of_meta_tensors(), heads_read_after(family.head, family.lm_head, unread=family.lm_head_weights):
         if label_words is not None:
             hf_model = _from_folder(family_class(family.local_lm_class, in_petals=False), model_dir, family)
             read_saved_lm_head(family.get(hf_model, family.lm_head), model_dir, hf_model.config, family)

@@ -90,15 +90,18 @@ def yarn_frequencies(dim: int, base: float, yarn: dict, max_positions: int) -> t
     return inv_freq, attention_factor
 
 
-def rescale_rope(attention, config) -> None:
-    """The ``llama3`` rotary frequencies for an attention module of ``config``, when it asks for them."""
+def rescale_rope(attention, config, computed_by_transformers: bool = False) -> None:
+    """The ``llama3`` rotary frequencies for an attention module of ``config``, when it asks for them: on the pinned
+    transformers (4.33), its rotary table rescaled; one that computes them itself (``computed_by_transformers``:
+    4.43 on) from the config's scaling, which must have kept them, nothing.
+    """
     rope = getattr(config, "rope_llama3", None)
-    if rope and not hasattr(attention, "rotary_emb"):
-        # transformers >= 5.0: the table is the model's, computed from rope_parameters, which keep llama3
-        if (getattr(config, "rope_parameters", None) or {}).get("rope_type") != "llama3":
-            raise RuntimeError(f"{type(attention).__name__} has no rotary table of its own and {type(config).__name__}"
-                               f"'s rope_parameters {config.rope_parameters} are not llama3's: the llama3 "
-                               "frequencies would be lost")
+    if rope and computed_by_transformers:
+        # the table is the model's (>= 4.45) or the attention's (4.43, 4.44), from rope_parameters (5.x) or rope_scaling
+        kept = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        if kept.get("rope_type", kept.get("type")) != "llama3":
+            raise RuntimeError(f"{type(config).__name__}'s rope scaling {kept} is not llama3's, which transformers "
+                               "computes here from it: the llama3 frequencies would be lost")
     elif rope:
         rotary = attention.rotary_emb
         rotary.inv_freq = llama3_inv_freq(rotary.inv_freq, rope)

@@ -63,7 +63,8 @@ def load_streamed(
         model_dir = petals_model_folder(model_dir)
     config_class = family_class(family.local_lm_class if label_words is not None else family.local_class,
                                 in_petals=False)
-    config = config_class.config_class.from_pretrained(model_dir)
+    with heads_read_after():  # a family's other model_type read as the family: no note of another type
+        config = config_class.config_class.from_pretrained(model_dir)
     blocks = family.blocks.rstrip(".")
     view = tempfile.mkdtemp(prefix="dist_eval-streamed-")
     try:
@@ -73,8 +74,8 @@ def load_streamed(
         device_map = _device_map(view, blocks, config.num_hidden_layers,
                                  family.head if label_words is None else family.lm_head)
         kwargs = {} if label_words is not None else {"num_labels": state.num_labels, "ignore_mismatched_sizes": False}
-        with no_random_init_of_meta_tensors(), heads_read_after(family.head, family.lm_head), _no_progress_bar(), \
-                warnings.catch_warnings():
+        with no_random_init_of_meta_tensors(), _no_progress_bar(), warnings.catch_warnings(), \
+                heads_read_after(family.head, family.lm_head, unread=family.lm_head_weights):
             # "Loading checkpoint shards" (the view's) is not shown; nor that a causal LM's lm_head, mapped from
             # the files' names, is no module of a classifier
             warnings.filterwarnings("ignore", "The following device_map keys do not match any submodules")

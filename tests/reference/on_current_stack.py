@@ -1,8 +1,8 @@
-"""dist_eval's local backend run in a reference environment (transformers 5.x: ``.venv-reference5``), issue 71's
-first steps toward a current stack: for the given families, ``load_model("local", ...)`` of the reference's
-folder with its trained head computes the reference's rows; and the tokenizing fast path's ids against the
-reference tokenizer's own call. Prints one JSON object: {family: max |logit - reference| or "ErrorType:
-message"}, and "token_ids_equal": bool.
+"""dist_eval's local backend run in a reference environment (transformers 5.x: ``.venv-reference5``; 4.57:
+``.venv-reference``), issue 71's first steps toward a current stack: for the given families,
+``load_model("local", ...)`` of the reference's folder with its trained head computes the reference's rows; and
+the tokenizing fast path's ids against the reference tokenizer's own call. Prints one JSON object: {family: max
+|logit - reference| or "ErrorType: message"}, and "token_ids_equal": bool.
 
     .venv-reference5/bin/python tests/reference/on_current_stack.py REPO REFERENCE_OUT FAMILY...
 

@@ -280,8 +280,8 @@ def load_petals(
     try:
         petals_class = family.petals_class if label_words is None else family.petals_lm_class
         folder = petals_model_folder(model_dir)
-        with no_random_init_of_meta_tensors(), heads_read_after(family.head, family.lm_head), \
-                no_quantizer_for_remote_blocks():
+        with no_random_init_of_meta_tensors(), no_quantizer_for_remote_blocks(), \
+                heads_read_after(family.head, family.lm_head, unread=family.lm_head_weights):
             inner = family_class(petals_class, in_petals=True).from_pretrained(folder, **kwargs)
     except Exception as e:
         if type(e).__name__ == "P2PDaemonError":  # nobody answered at the initial peers
