@@ -646,6 +646,30 @@ def _state(pid):
         return None
 
 
+@contextlib.contextmanager
+def transformers_said():
+    """Within: the messages transformers' loggers emit (a list, filled as they come), at its default level
+    (WARNING), whatever an earlier test set; the caller's own logging as it was after."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    keep, verbosity = Keep(), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    logging.getLogger("transformers").addHandler(keep)
+    try:
+        yield seen
+    finally:
+        logging.getLogger("transformers").removeHandler(keep)
+        hf_logging.set_verbosity(verbosity)
+
+
 def free_port() -> int:
     """A port free now, below the kernel's ephemeral range (32768 on): a port the kernel handed
     out (port 0) is handed out again to the next socket that asks, e.g. a p2pd's, before torchrun

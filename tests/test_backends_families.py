@@ -540,9 +540,7 @@ def test_yarn_rope_of_dist_evals_own_layers_is_transformers_5s(name, form, tmp_p
     5.x reads first): a tiny model saved by the installed transformers, read by --backend local with a head, within
     1e-4 of that transformers' last hidden state times the head, where RoPE without yarn is far from it."""
     from float_promises import ACROSS_GENERATIONS
-    from safetensors.torch import save_file
 
-    from dist_eval.backends import load_model
 
     family = FAMILIES[name]
     model_type = family.model_type_aliases[0] if family.model_type_aliases else name
@@ -550,29 +548,44 @@ def test_yarn_rope_of_dist_evals_own_layers_is_transformers_5s(name, form, tmp_p
     lm = _saved_by_transformers(folder, model_type, YARN)
     if form == "4.x":
         _as_4x_config(folder)
-    elif form == "length apart":  # read again as saved so: transformers' own model of it, beside dist_eval's
-        with open(f"{folder}/config.json") as f:
-            config = {**json.load(f), "original_max_position_embeddings": 32}
-        with open(f"{folder}/config.json", "w") as f:
-            json.dump(config, f)
-        import transformers
+    elif form == "length apart":
+        lm = _with_the_length_apart(folder, 32)
+    plain = _saved_by_transformers(str(tmp_path / "plain"), model_type, {"rope_type": "default"})  # the same weights
+    logits, expected, without_yarn = _local_and_transformers_logits(folder, lm, plain, tmp_path=tmp_path)
+    assert (logits - expected).abs().max().item() < ACROSS_GENERATIONS
+    assert (without_yarn - expected).abs().max().item() > 100 * ACROSS_GENERATIONS
 
-        lm = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-        assert lm.config.rope_parameters["original_max_position_embeddings"] == 32
+
+def _with_the_length_apart(folder: str, length: int):
+    """``folder``'s config.json with a top-level original_max_position_embeddings of ``length``; transformers' own
+    model of it as saved so (the installed transformers reads that length first)."""
+    import transformers
+
+    with open(f"{folder}/config.json") as f:
+        config = {**json.load(f), "original_max_position_embeddings": length}
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    lm = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert lm.config.rope_parameters["original_max_position_embeddings"] == length
+    return lm
+
+
+def _local_and_transformers_logits(folder: str, *lms, tmp_path) -> list:
+    """[--backend local's logits of ``folder`` with a random head, then each of ``lms``' last hidden state times that
+    head] on three rows of 40 tokens."""
+    from safetensors.torch import save_file
+
+    from dist_eval.backends import load_model
+
     head = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     save_file({"score.weight": head}, str(tmp_path / "head.safetensors"))
     model = load_model("local", folder, head=str(tmp_path / "head.safetensors"))
     ids = torch.randint(1, 64, (3, 40), generator=torch.Generator().manual_seed(2))  # past the original 16
     try:
         with torch.no_grad():
-            logits = model.module(ids)
-            expected = lm.model(ids).last_hidden_state[:, -1] @ head.T
-            plain = _saved_by_transformers(str(tmp_path / "plain"), model_type, {"rope_type": "default"})
-            without_yarn = plain.model(ids).last_hidden_state[:, -1] @ head.T  # the same weights (the same seed)
+            return [model.module(ids), *(lm.model(ids).last_hidden_state[:, -1] @ head.T for lm in lms)]
     finally:
         model.close()
-    assert (logits - expected).abs().max().item() < ACROSS_GENERATIONS
-    assert (without_yarn - expected).abs().max().item() > 100 * ACROSS_GENERATIONS
 
 
 @pytest.mark.parametrize("name, form", [("qwen2", "4.x"), ("qwen3", "5.x")])
@@ -632,8 +645,8 @@ def test_an_api_caller_is_told_nothing_of_a_family_alias_nor_of_a_causal_lms_unr
     import shutil
 
     import transformers
+    from conftest import transformers_said
     from safetensors.torch import load_file, save_file
-    from transformers.utils import logging as hf_logging
 
     from dist_eval.backends import load_model
     from dist_eval.backends.compat import heads_read_after
@@ -641,16 +654,7 @@ def test_an_api_caller_is_told_nothing_of_a_family_alias_nor_of_a_causal_lms_unr
     folder = str(tmp_path / "qwen3_5_text")
     _saved_by_transformers(folder, "qwen3_5_text", {"rope_type": "default"})
     save_file({"score.weight": torch.zeros(3, 64)}, str(tmp_path / "head.safetensors"))
-    seen = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-
-    keep, verbosity = Keep(), hf_logging.get_verbosity()
-    hf_logging.set_verbosity_warning()
-    logging.getLogger("transformers").addHandler(keep)
-    try:
+    with transformers_said() as seen:
         load_model("local", folder, head=str(tmp_path / "head.safetensors")).close()
         assert not [line for line in seen if "to instantiate a model of type" in line or "lm_head" in line], seen
         with heads_read_after("score", "lm_head", unread=("lm_head.weight",)):
@@ -673,9 +677,6 @@ def test_an_api_caller_is_told_nothing_of_a_family_alias_nor_of_a_causal_lms_unr
             logging.getLogger("transformers.modeling_utils").warning(
                 "Some weights of the model checkpoint at F were not used when initializing X: ['model.norm.bias', "
                 "'lm_head.weight']")
-    finally:
-        logging.getLogger("transformers").removeHandler(keep)
-        hf_logging.set_verbosity(verbosity)
     unread = [line for line in seen if "not used when initializing" in line]
     assert unread == ["Some weights of the model checkpoint at F were not used when initializing X: "
                       "['model.norm.bias', 'lm_head.weight']"]
@@ -685,28 +686,10 @@ def test_an_api_caller_is_told_nothing_of_a_family_alias_nor_of_a_causal_lms_unr
 def test_llama3_rope_with_its_length_apart_is_transformers_5s(name, tmp_path):
     """A newcomer's review: a top-level original_max_position_embeddings, which transformers 5.x reads before the
     one in llama3's settings (as for yarn), was not read for llama3's (logits away from 5.x's). Within 1e-4 now."""
-    import transformers
     from float_promises import ACROSS_GENERATIONS
-    from safetensors.torch import save_file
-
-    from dist_eval.backends import load_model
 
     folder = str(tmp_path / name)
     _saved_by_transformers(folder, name, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    with open(f"{folder}/config.json") as f:
-        config = {**json.load(f), "original_max_position_embeddings": 16}
-    with open(f"{folder}/config.json", "w") as f:
-        json.dump(config, f)
-    lm = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    assert lm.config.rope_parameters["original_max_position_embeddings"] == 16
-    head = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
-    save_file({"score.weight": head}, str(tmp_path / "head.safetensors"))
-    model = load_model("local", folder, head=str(tmp_path / "head.safetensors"))
-    ids = torch.randint(1, 64, (3, 40), generator=torch.Generator().manual_seed(2))
-    try:
-        with torch.no_grad():
-            logits, expected = model.module(ids), lm.model(ids).last_hidden_state[:, -1] @ head.T
-    finally:
-        model.close()
+    logits, expected = _local_and_transformers_logits(folder, _with_the_length_apart(folder, 16), tmp_path=tmp_path)
     assert (logits - expected).abs().max().item() < ACROSS_GENERATIONS

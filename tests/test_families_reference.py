@@ -32,7 +32,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, read_jsonl, run_ranks, stop_group
+from conftest import REPO, read_jsonl, run_ranks, stop_group, transformers_said
 from float_promises import ACROSS_GENERATIONS as TOLERANCE
 from float_promises import assert_same_bits, assert_within_rounding
 from inprocess_cli import run_cli_in_process
@@ -1190,23 +1190,12 @@ def test_a_head_read_after_the_load_is_not_said_newly_initialized(reference5):
     head's, and a line of another logger or level is left alone."""
     import logging
 
-    from transformers.utils import logging as hf_logging
-
     from dist_eval.backends import load_model
     from dist_eval.backends.compat import heads_read_after
 
     out, ref = reference5
     case = ref["cases"]["glm4_moe"]
-    seen = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-
-    keep, verbosity = Keep(), hf_logging.get_verbosity()
-    hf_logging.set_verbosity_warning()
-    logging.getLogger("transformers").addHandler(keep)
-    try:
+    with transformers_said() as seen:
         for streamed in (False, True):
             load_model("local", str(out / case["folder"]), stream_blocks=streamed,
                        **trained(reference5, "glm4_moe", "head"))
@@ -1219,9 +1208,6 @@ def test_a_head_read_after_the_load_is_not_said_newly_initialized(reference5):
                             "initialized: ['model.layers.0.mlp.up_proj.weight', 'score.weight']")
             loading.warning("another line")
         loading.warning("Some weights of X ... newly initialized: ['score.weight']")  # outside: as transformers says
-    finally:
-        logging.getLogger("transformers").removeHandler(keep)
-        hf_logging.set_verbosity(verbosity)
     assert [line for line in seen if "newly initialized" in line] == [
         "Some weights of X were not initialized from the model checkpoint at F and are newly initialized: "
         "['model.layers.0.mlp.up_proj.weight', 'score.weight']",
