@@ -265,3 +265,48 @@ def test_a_close_while_a_daemon_errors_warning_starts_joins_only_started_threads
     finally:
         failover._pending.clear()
     assert capsys.readouterr().err.count("...oWserver failed a request") == 1
+
+
+def test_a_stopped_clients_routing_refresh_still_running_says_nothing_of_the_stop():
+    """A fresh clone's suite under load (root's, beside another suite): SIGTERM to a rank printed petals' routing
+    thread's traceback ("OSError: handle is closed"): its refresh, still pinging when the client's shutdown gave up
+    waiting for it, met the DHT the shutdown stopped next. petals' own thread, a refresh that outlasts the wait and
+    then fails so: nothing said; another thread's error on that logger is said as ever."""
+    import logging
+    from weakref import WeakMethod
+
+    from dist_eval.backends.petals import helpers
+    from dist_eval.backends.petals.shims import import_petals
+
+    import_petals()
+    from petals.client.routing.sequence_manager import _SequenceManagerUpdateThread
+
+    class Refresh:
+        def __init__(self):
+            self.stopped = threading.Event()
+
+        def update(self):
+            self.stopped.wait(10)  # until the DHT below is stopped
+            raise OSError("handle is closed")
+
+    refresh, said = Refresh(), []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    routing = logging.getLogger(helpers.ROUTING_LOGGER)
+    keep, filters = Keep(), list(routing.filters)
+    routing.addHandler(keep)
+    thread = _SequenceManagerUpdateThread(60, WeakMethod(refresh.update))
+    thread.start()
+    dht = SimpleNamespace(shutdown=refresh.stopped.set)
+    try:
+        helpers.shutdown_petals_client(SimpleNamespace(_thread=thread, state=None, dht=dht))
+        thread.join(10)
+        assert not thread.is_alive() and said == []
+        routing.error("another client's routing failed")
+        assert said == ["another client's routing failed"]
+    finally:
+        routing.removeHandler(keep)
+        routing.filters[:] = filters

@@ -34,6 +34,7 @@ import os
 import signal
 import threading
 import time
+from typing import Optional
 
 from dist_eval.errors import UsageError
 from dist_eval.procs import child_pids, hivemind_socket_paths, is_hivemind_socket, is_running, start_time
@@ -246,6 +247,18 @@ def ensure_main_thread_event_loop() -> None:
 
 
 _SHUTDOWN_WAIT = 2.0  # seconds each step of a client's shutdown may take (~0.1 s when healthy)
+ROUTING_LOGGER = "petals.client.routing.sequence_manager"  # petals' routing thread logs its failures there
+
+
+class _FromThread(logging.Filter):
+    """Drops the records of one thread (``ident``): a stopped client's routing thread, still finishing its refresh."""
+
+    def __init__(self, ident: Optional[int]):
+        super().__init__()
+        self.ident = ident
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.ident
 
 
 def shutdown_petals_client(sequence_manager) -> None:
@@ -258,10 +271,15 @@ def shutdown_petals_client(sequence_manager) -> None:
     ensure_main_thread_event_loop()
     if sequence_manager is None:
         return
+    thread = getattr(sequence_manager, "_thread", None)
     try:  # bounded: a routing refresh stuck on a dead DHT process never ends
-        sequence_manager._thread.shutdown(timeout=_SHUTDOWN_WAIT)
+        thread.shutdown(timeout=_SHUTDOWN_WAIT)
     except Exception:  # best effort: shutting down must never mask a real error
         pass
+    if thread is not None and thread.is_alive():
+        # a refresh still running (a ping on a loaded machine): what it meets once the DHT below is stopped ("handle is
+        # closed", logged with its traceback by petals' thread) is this stop's doing, not an error to show
+        logging.getLogger(ROUTING_LOGGER).addFilter(_FromThread(thread.ident))
     # The P2P replica's tasks live on hivemind's worker event loop; close them there now.
     # Left to ``__del__`` at interpreter exit, asyncio is already torn down and each
     # process prints "Exception ignored in: P2P.__del__" tracebacks.
