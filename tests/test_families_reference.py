@@ -331,7 +331,8 @@ def server_step(block, hidden_states: torch.Tensor, token_ids):
         return step(hidden_states.clone(), "", ("block",), (DUMMY,), token_ids)[0]
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3", "llama4_text"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3",
+                                  "llama4_text"])
 def test_own_layers_hold_exactly_the_saved_tensors_and_route_as_transformers(reference, kind):
     """No tensor of the folder left unread, none made up (transformers 4.33 would initialise a
     missing one at random), but a multi-token-prediction layer after the last block (DeepSeek-V3's);
