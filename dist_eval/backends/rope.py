@@ -45,19 +45,37 @@ def llama3_inv_freq(inv_freq, rope: dict):
     return torch.where(is_medium, smoothed, scaled)
 
 
+def on_cpu(function):
+    """``function`` (one computing rotary frequencies at a module's ``__init__``) run with the CPU as torch's default
+    device: transformers >= 5.0 builds a model's modules under the meta device, where a table made there would hold
+    no numbers (the forward moves it to the input's device).
+    """
+    import functools
+
+    @functools.wraps(function)
+    def on_cpu_device(*args, **kwargs):
+        import torch
+
+        with torch.device("cpu"):
+            return function(*args, **kwargs)
+
+    return on_cpu_device
+
+
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def yarn_factor(yarn: dict, max_positions: int) -> float:
     """The ``factor`` of ``yarn`` RoPE; where config.json gives none, ``max_position_embeddings`` over the original
-    length (transformers 5.x's rule; 4.x's read that ratio whenever ``original_max_position_embeddings`` was given).
+    length (transformers 5.x's rule).
     """
     factor = yarn.get("factor")
     return factor if factor is not None else max_positions / (yarn.get("original_max_position_embeddings")
                                                               or max_positions)
 
 
+@on_cpu
 def yarn_frequencies(dim: int, base: float, yarn: dict, max_positions: int) -> tuple:
     """(inverse frequencies [dim / 2], float32, the factor on cos and sin) of ``yarn`` RoPE (config.json's
     ``rope_scaling``) over ``dim`` values at ``base``: transformers' rule in its order of operations, the
@@ -107,23 +125,6 @@ def rescale_rope(attention, config, computed_by_transformers: bool = False) -> N
         rotary.inv_freq = llama3_inv_freq(rotary.inv_freq, rope)
         rotary._set_cos_sin_cache(min(_ROPE_CACHE_POSITIONS, rotary.max_seq_len_cached), rotary.inv_freq.device,
                                   rotary.cos_cached.dtype)
-
-
-def on_cpu(function):
-    """``function`` (one computing rotary frequencies at a module's ``__init__``) run with the CPU as torch's default
-    device: transformers >= 5.0 builds a model's modules under the meta device, where a table made there would hold
-    no numbers (the forward moves it to the input's device).
-    """
-    import functools
-
-    @functools.wraps(function)
-    def on_cpu_device(*args, **kwargs):
-        import torch
-
-        with torch.device("cpu"):
-            return function(*args, **kwargs)
-
-    return on_cpu_device
 
 
 @on_cpu
@@ -177,7 +178,7 @@ class RotaryTable:
                 self.dim / (self.dim - 2))
             inv_freq = default_inv_freq(base, self.dim, device)
         elif self.yarn:  # transformers' yarn: its frequencies, cos and sin times its factor (float32), then the dtype
-            inv_freq, scale = on_cpu(yarn_frequencies)(self.dim, self.base, self.yarn, self.max_positions)
+            inv_freq, scale = yarn_frequencies(self.dim, self.base, self.yarn, self.max_positions)
             inv_freq = inv_freq.to(device)
         else:  # the pinned module's buffer: made on the CPU at its build (llama3's rescale too), then moved
             inv_freq = default_inv_freq(self.base, self.dim)
