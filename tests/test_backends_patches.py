@@ -16,13 +16,13 @@ from conftest import REPO, write_csv
 CLIENT_PATCHES = ["hivemind_reexports", "stub_lock", "petals_version_assert", "get_file_from_repo",
                   "no_version_check", "model_type_as_saved", "client_dht_on_cpu", "prefix_tokens_on_cpu",
                   "tied_lm_head_on_meta", "failover",
-                  "request_size", "deep_prompts", "announced_kernels", "quiet_lost_handoffs"]
+                  "request_size", "deep_prompts", "announced_numerics", "quiet_lost_handoffs"]
 SERVER_BRIDGES = ["decoder_mask", "bool_mask", "attention_init", "cache_block"]
 SERVER_PATCHES = [*CLIENT_PATCHES, *SERVER_BRIDGES, "merged_forward", "wire_server", "config_forms",
                   "block_options_llama", "server_rotary_falcon",
                   "server_version", "drain", "block_index", "peft_on_demand",
                   "own_identity", "loopback_direct", "inherited_shared_memory", "state_file",
-                  "announced_kernels_server"]
+                  "announced_numerics_server"]
 # the peft bridge, as petals' adapters module is first imported (a server with --adapters)
 LAZY_BRIDGES = ["peft_names"]
 

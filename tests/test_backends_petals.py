@@ -4,6 +4,7 @@ forked: conftest's run_ranks), and the same logits as the local backend, bitwise
 `swarm`: run alone with `pytest -m swarm`."""
 import json
 import time
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -204,3 +205,54 @@ def test_deep_prompts_travel_once_per_request(swarm, tiny_model, tmp_path):
     for inputs, prompts, *with_ids in compact_sent:
         assert inputs == ((inputs[0], 9) if with_ids else (inputs[0], 9 + 4, 32))
         assert prompts[1:] == (1, 4, 32) and 1 <= prompts[0] <= 4  # one row of prompts per block of the span
+
+
+def _with_config(model, folder, **fields):
+    """A copy of ``model`` whose config.json has ``fields`` set (None: removed)."""
+    import shutil
+
+    shutil.copytree(model, folder)
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(fields)
+    path.write_text(json.dumps({k: v for k, v in config.items() if v is not None}, indent=2))
+    return str(folder)
+
+
+def test_a_client_whose_config_json_says_other_rope_than_its_servers_is_refused(swarm, tiny_model, tiny_checkpoint,
+                                                                              tmp_path):
+    """A release's config.json edited on the client only (its model card's yarn or a linear factor for long
+    context) is another model on every block, which the servers compute from their own file: refused at the load
+    in one line naming the servers and the setting each side has (the servers announce theirs:
+    swarm.server.announcing_numerics); a server met after the load (the wire's check) likewise. The same settings
+    in transformers 4.x's form are the same RoPE: served."""
+    import torch
+
+    from dist_eval.backends import load_model
+    from dist_eval.backends.petals.wire import OWN_ROPE_ATTR
+    from dist_eval.errors import UsageError
+
+    peers = dict(initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix, checkpoint=tiny_checkpoint)
+    theta = json.loads((Path(tiny_model) / "config.json").read_text())["rope_parameters"]["rope_theta"]  # 5.x's save
+    scaled = _with_config(tiny_model, tmp_path / "scaled",
+                          rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": theta})
+    with pytest.raises(UsageError) as refused:
+        load_model("petals", scaled, **peers)
+    message = str(refused.value)
+    assert "\n" not in message and "other RoPE settings" in message, message
+    assert 'rope_scaling {"rope_type": "linear", "factor": 2.0} here, null there' in message, message
+    assert any(address.rsplit("/p2p/", 1)[-1][:16] in message for address in swarm.initial_peers), message
+
+    old_form = _with_config(tiny_model, tmp_path / "old_form", rope_parameters=None, rope_theta=theta)
+    petals = load_model("petals", old_form, **peers)
+    try:
+        input_ids = torch.randint(5, 40, (2, 7), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert petals.module(input_ids).shape[0] == 2
+            manager = petals.module.sequence_manager
+            setattr(manager, OWN_ROPE_ATTR, {**getattr(manager, OWN_ROPE_ATTR),
+                                             "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+            with pytest.raises(UsageError, match="other RoPE settings"):
+                petals.module(input_ids)
+    finally:
+        petals.module.close()

@@ -223,3 +223,31 @@ def test_a_config_json_that_is_not_an_object_names_the_file(tmp_path):
     os.remove(tmp_path / "config.json")
     with pytest.raises(UsageError, match="cannot read its config.json"):
         read_config_json(str(tmp_path))
+
+
+def test_the_rope_a_client_compares_with_its_servers_is_the_rope_the_blocks_read():
+    """rope_settings, which a client compares with each server's announcement (provenance.rope_refusal): the same
+    RoPE in either generation's form or with a length its kind does not read compares equal; an added scaling, another
+    base or factor differs; a setting one file leaves out (its class's default) is not compared."""
+    from dist_eval.backends.config_json import rope_differences, rope_settings
+
+    def settings(**fields):
+        return rope_settings(read_as_saved({"model_type": "qwen2", "max_position_embeddings": 32768, **fields}, "x"))
+
+    hub = settings(rope_theta=1000000.0)
+    assert hub == {"rope_theta": 1000000.0, "rope_scaling": None}
+    assert rope_differences(hub, settings(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})) == []
+    assert rope_differences(hub, settings(rope_theta=1000000.0, rope_scaling={"type": "default"})) == []
+    assert rope_differences(hub, settings(rope_theta=1000000.0, max_position_embeddings=131072)) == []
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    long = settings(rope_theta=1000000.0, rope_scaling=yarn, max_position_embeddings=131072)
+    assert rope_differences(hub, long) == ["rope_scaling"]
+    assert long["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert rope_differences(long, settings(rope_parameters={**yarn, "rope_theta": 1000000.0, "rope_type": "yarn"},
+                                           max_position_embeddings=131072)) == []
+    assert rope_differences(long, settings(rope_theta=1000000.0, rope_scaling=yarn)) == ["max_position_embeddings"]
+    assert rope_differences(hub, settings(rope_theta=10000.0)) == ["rope_theta"]
+    assert rope_differences(hub, settings()) == ["rope_theta"]  # qwen2's default base: transformers' 10000
+    half = settings(rope_theta=1000000.0, partial_rotary_factor=0.5)
+    assert rope_differences(hub, half) == [] and rope_differences(
+        half, settings(rope_theta=1000000.0, partial_rotary_factor=1.0)) == ["partial_rotary_factor"]

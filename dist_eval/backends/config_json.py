@@ -338,3 +338,43 @@ def read_as(config) -> Optional[dict]:
     """The fields ``config`` (a transformers config or a dict) had in the 5.x form, 4.x-form values; None if none."""
     moved = config.get(READ_AS) if isinstance(config, dict) else getattr(config, READ_AS, None)
     return dict(moved) if moved else None
+
+
+# What of config.json decides the RoPE a block computes, compared between a client's file and each of its servers'
+# (a server dist_eval starts announces its own: dist_eval.swarm.server.announcing_numerics): a release's file edited
+# on one side (its model card's yarn for long context) is another model's numbers on every block, not a bit apart.
+# The first two have a value whether a file gives one or not (the family's base; none); the others are compared
+# where both files give them (left out, each reads as its class's default, which differs between families).
+ROPE_ALWAYS = ("rope_theta", "rope_scaling")
+# the key of a server's announcement (petals' ServerInfo, extra_info) holding its rope_settings: dist_eval's servers
+# add it, a client keeps it (backends.petals.audit.announced_numerics_replacements) and compares
+# (backends.provenance.rope_refusal)
+ROPE_KEY = "dist_eval_rope"
+ROPE_WHERE_GIVEN = ("partial_rotary_factor", "compress_rope_theta", "original_max_position_embeddings",
+                    "max_position_embeddings")
+
+
+def rope_settings(config: dict) -> dict:
+    """The RoPE settings of ``config`` (:func:`read_as_saved`'s dict, either generation's file) as the blocks read
+    them, in JSON values: ``rope_theta`` and ``rope_scaling`` always (the family's default base; None for no
+    scaling, whichever way a file says it), the others of :data:`ROPE_WHERE_GIVEN` where the file gives them
+    (``max_position_embeddings`` only where the scaling's kind reads it: dynamic, yarn).
+    """
+    scaling = config.get("rope_scaling") or None
+    if isinstance(scaling, dict):
+        scaling = {("rope_type" if key == "type" else key): value for key, value in scaling.items()}
+        if scaling.get("rope_type") in (None, "default") and not set(scaling) - {"rope_type"}:
+            scaling = None
+    settings = {"rope_theta": config.get("rope_theta") or default_rope_theta(family_named(config.get("model_type"))),
+                "rope_scaling": scaling}
+    for name in ROPE_WHERE_GIVEN:
+        reads = name != "max_position_embeddings" or rope_kind(scaling or {}) in ("dynamic", "yarn")
+        if config.get(name) is not None and reads:
+            settings[name] = config[name]
+    return settings
+
+
+def rope_differences(ours: dict, theirs: dict) -> list:
+    """The names of the :func:`rope_settings` two files disagree on (a setting one of them leaves out is not)."""
+    return [name for name in (*ROPE_ALWAYS, *ROPE_WHERE_GIVEN)
+            if (name in ROPE_ALWAYS or (name in ours and name in theirs)) and ours.get(name) != theirs.get(name)]

@@ -96,6 +96,33 @@ def servers_without_block_options(block_infos: Iterable) -> list:
             if not str(s["petals_version"]).endswith(SERVER_VERSION_MARK)]
 
 
+def servers_of(block_infos: Iterable) -> list:
+    """(peer id, petals' ServerInfo) of every server of ``block_infos`` (the client's routing table)."""
+    return [pair for block in block_infos for pair in (getattr(block, "servers", None) or {}).items()]
+
+
+def rope_refusal(own: dict, servers: Iterable) -> str:
+    """One line refusing the online ``servers`` ((peer id, ServerInfo) pairs) that announce RoPE settings other
+    than ``own`` (the client's config.json's, :func:`~dist_eval.backends.config_json.rope_settings`); '' where none
+    does. A server that announces none (petals' own, an older dist_eval's) is not checked here.
+    """
+    from dist_eval.backends.config_json import ROPE_KEY, rope_differences
+
+    others: Dict[str, tuple] = {}
+    for peer_id, info in servers:
+        theirs = getattr(info, ROPE_KEY, None)
+        if _state_name(info) == "online" and isinstance(theirs, dict) and rope_differences(own, theirs):
+            others[str(peer_id)] = (theirs, rope_differences(own, theirs))
+    if not others:
+        return ""
+    theirs, names = next(iter(others.values()))
+    shown = ", ".join(f"{peer[:16]}..." for peer in list(others)[:3]) + (" ..." if len(others) > 3 else "")
+    said = "; ".join(f"{name} {json.dumps(own.get(name))} here, {json.dumps(theirs.get(name))} there" for name in names)
+    return (f"server(s) {shown} compute this model's blocks from a config.json with other RoPE settings ({said}): "
+            "their numbers are another model's. Start the servers from the same config.json (python -m "
+            "dist_eval.swarm), or evaluate with the file they serve.")
+
+
 def replicas_warning(run: dict) -> str:
     """One line for the summary when some block's replicas differed, else ''."""
     swarm = run.get("swarm") or {}

@@ -257,13 +257,32 @@ def kernels_of(device) -> str:
     return f"torch {torch.__version__} {device.type}"
 
 
-def announcing_kernels() -> list:
+def served_rope(model_name_or_path: str) -> Optional[dict]:
+    """The RoPE settings of the config.json a server serves (:func:`dist_eval.backends.config_json.rope_settings`),
+    a folder's or a hub id's (petals read it into the cache before); None where it cannot be read (then unchecked).
+    """
+    from dist_eval.backends.config_json import read_config_json, rope_settings
+
+    try:
+        if not os.path.isdir(model_name_or_path):
+            from transformers.utils import cached_file
+
+            model_name_or_path = os.path.dirname(cached_file(model_name_or_path, "config.json"))
+        return rope_settings(read_config_json(model_name_or_path))
+    except Exception:  # noqa: BLE001 - the server runs as petals' would; its clients cannot check its RoPE
+        return None
+
+
+def announcing_numerics() -> list:
     """The server's announcement (petals' ServerInfo.to_tuple) names its kernels (:func:`kernels_of` its
-    device, set as the server is made), so that the swarm audit compares servers of the same ones bit for bit.
+    device, set as the server is made), so that the swarm audit compares servers of the same ones bit for bit, and
+    the RoPE of the config.json it serves (:func:`served_rope`), which a client compares with its own
+    (:func:`dist_eval.backends.provenance.rope_refusal`).
     """
     from petals.data_structures import ServerInfo
     from petals.server.server import Server
 
+    from dist_eval.backends.config_json import ROPE_KEY
     from dist_eval.backends.petals.audit import KERNELS_KEY
 
     init, to_tuple = Server.__init__, ServerInfo.to_tuple
@@ -271,11 +290,13 @@ def announcing_kernels() -> list:
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         object.__setattr__(self.server_info, KERNELS_KEY, kernels_of(self.device))
+        object.__setattr__(self.server_info, ROPE_KEY, served_rope(self.converted_model_name_or_path))
 
     def announced(self):
         state, throughput, extra = to_tuple(self)
-        if getattr(self, KERNELS_KEY, None) is not None:
-            extra[KERNELS_KEY] = getattr(self, KERNELS_KEY)
+        for key in (KERNELS_KEY, ROPE_KEY):
+            if getattr(self, key, None) is not None:
+                extra[key] = getattr(self, key)
         return state, throughput, extra
 
     return [(Server, "__init__", __init__), (ServerInfo, "to_tuple", announced)]
@@ -302,7 +323,8 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
        and keeps no probe to dial others back;
     8. :func:`_inherited_shared_memory_kept`: a forked child never unlinks its parent's shared memory;
     9. :func:`state_reporting`: the server's state told to the swarm that started it;
-    10. :func:`announcing_kernels`: its announcement names its kernels (the swarm audit's bit-for-bit rule).
+    10. :func:`announcing_numerics`: its announcement names its kernels (the swarm audit's bit-for-bit rule) and
+        the RoPE of the config.json it serves (a client's check of its own).
 
     Before the server starts (its connection handlers, forked later, share what these set).
     Idempotent. ``model_dir``/``first_block``: the served folder and its first block (the table
@@ -327,7 +349,7 @@ def apply_server_patches(model_dir: Optional[str] = None, first_block: Optional[
     apply("loopback_direct", "server", _loopback_is_direct)
     apply("inherited_shared_memory", "server", _inherited_shared_memory_kept)
     apply("state_file", "server", state_reporting)
-    apply("announced_kernels_server", "server", announcing_kernels)
+    apply("announced_numerics_server", "server", announcing_numerics)
 
 
 def main(argv: list) -> None:

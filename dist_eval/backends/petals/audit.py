@@ -376,7 +376,7 @@ PRIOR_ULPS, CALIBRATE_AFTER, CALIBRATED_FACTOR, FLOOR_ULPS = 64.0, 32, 8.0, 4.0
 SAME_NUMERICS_ULPS = 4.0
 # The key of a server's announcement (petals' ServerInfo, extra_info) that names its kernels: dist_eval's
 # servers add it (dist_eval.swarm.server.kernels_of); petals' own drop it, its ServerInfo keeps no extra key
-# (announced_kernels_replacements keeps it on the client)
+# (announced_numerics_replacements keeps it on the client)
 KERNELS_KEY = "dist_eval_kernels"
 
 
@@ -402,23 +402,29 @@ def same_kernels(spans: Sequence) -> bool:
     return len(found) == 1 and None not in found
 
 
-def announced_kernels_replacements() -> list:
-    """Petals' ServerInfo.from_tuple, keeping the kernels a server announces (its pydantic fields drop extra
-    keys): an attribute of the ServerInfo it makes, read by :func:`kernels`.
+def announced_numerics_replacements() -> list:
+    """Petals' ServerInfo.from_tuple, keeping what a server announces of its numbers (its pydantic fields drop extra
+    keys): its kernels (:data:`KERNELS_KEY`, read by :func:`kernels`) and the RoPE of the config.json it serves
+    (:data:`~dist_eval.backends.config_json.ROPE_KEY`, read by :func:`~dist_eval.backends.provenance.rope_refusal`),
+    attributes of the ServerInfo it makes.
     """
     from petals.data_structures import ServerInfo
 
-    from_tuple = ServerInfo.from_tuple.__func__
+    from dist_eval.backends.config_json import ROPE_KEY
 
-    def with_kernels(cls, source: tuple):
+    from_tuple = ServerInfo.from_tuple.__func__
+    kept = {KERNELS_KEY: str, ROPE_KEY: dict}
+
+    def with_numerics(cls, source: tuple):
         info = from_tuple(cls, source)
         extra = source[2] if len(source) > 2 and isinstance(source[2], dict) else {}
-        if isinstance(extra.get(KERNELS_KEY), str):
-            object.__setattr__(info, KERNELS_KEY, extra[KERNELS_KEY])
+        for key, kind in kept.items():
+            if isinstance(extra.get(key), kind):
+                object.__setattr__(info, key, extra[key])
         return info
 
-    with_kernels.__wrapped__ = from_tuple
-    return [(ServerInfo, "from_tuple", classmethod(with_kernels))]
+    with_numerics.__wrapped__ = from_tuple
+    return [(ServerInfo, "from_tuple", classmethod(with_numerics))]
 
 
 def unit(spans: Sequence, reference: torch.Tensor) -> float:

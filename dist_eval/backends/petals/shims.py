@@ -199,7 +199,7 @@ def apply_client_patches() -> None:
             failover.quiet_retry_logs()
         apply("request_size", "client", requests.split_replacements)
         apply("deep_prompts", "client", requests.prompt_replacements)
-        apply("announced_kernels", "client", audit.announced_kernels_replacements)
+        apply("announced_numerics", "client", audit.announced_numerics_replacements)
         apply("quiet_lost_handoffs", "client", helpers.quiet_lost_handoffs)
 
 

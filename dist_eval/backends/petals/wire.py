@@ -53,10 +53,15 @@ import torch
 
 from dist_eval.backends.petals import audit
 from dist_eval.backends.petals.failover import ServerAnswerError, server_failure
+from dist_eval.backends.provenance import rope_refusal
+from dist_eval.errors import UsageError
 
 POSITIONS_KEY = "dist_eval_read_positions"  # request metadata: one position per row (the last server's answer)
 TOKEN_IDS_KEY = "dist_eval_token_ids"  # rpc_info: SHA-256 of the token embeddings this server looks ids up in
 _PEERS_ATTR = "dist_eval_peer_wire"  # on a client's sequence manager: peer -> _PeerWire
+# on a client's sequence manager: its config.json's RoPE settings (backends.config_json.rope_settings), which a
+# server it sends a request to must not announce otherwise (servers met after the load's check of the swarm)
+OWN_ROPE_ATTR = "dist_eval_own_rope"
 
 
 def embeddings_digest(table: torch.Tensor) -> str:
@@ -291,6 +296,10 @@ async def _run_span(request: _Request, manager, span, inputs: torch.Tensor,
     from petals.server.handler import TransformerConnectionHandler
     from petals.utils.packaging import pack_args_kwargs
 
+    own_rope = getattr(manager, OWN_ROPE_ATTR, None)
+    refusal = rope_refusal(own_rope, [(span.peer_id, span.server_info)]) if own_rope is not None else ""
+    if refusal:  # the client's own error, as at the load's check: the run stops, no server banned or retried
+        raise UsageError(refusal, param="model_dir")
     stub = TransformerConnectionHandler.get_stub(manager.state.p2p, span.peer_id)
     span_prompts = request.prompts[span.start : span.end]
     if span.start == 0:
