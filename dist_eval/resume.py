@@ -8,9 +8,10 @@ run restarted with another number of ranks still finds every stored batch.
 
 The run key is a hash of everything that decides a batch's logits: the model folder
 (its config and the names, sizes and modification times of its weight files), the
-checkpoint's bytes, the data's fingerprint, the loaded model's facts and every field of
-:class:`dist_eval.config.Settings`. Stored results under another key are never mixed
-in: the run says so and removes them.
+checkpoint's bytes, the data's fingerprint, the loaded model's facts, every field of
+:class:`dist_eval.config.Settings` and the versions of the libraries that compute a row
+(:data:`dist_eval.backends.provenance.KEYED_LIBRARIES`, as the row store's key). Stored
+results under another key are never mixed in: the run says so and removes them.
 """
 from __future__ import annotations
 
@@ -49,14 +50,17 @@ def _file_facts(folder: str) -> List[Tuple[str, int, int]]:
 
 def run_key(
     model_dir: str, checkpoint: Optional[str], dataset, split: Optional[str], model, settings,
-    head: Optional[str] = None,
+    head: Optional[str] = None, libraries: bool = True,
 ) -> str:
     """A short hash of what decides the results: the model folder's files, the checkpoint,
-    the data, the loaded model (a :class:`dist_eval.backends.LoadedModel`) and every field of
-    ``settings`` (a :class:`dist_eval.config.Settings`). Weights are identified by name, size
-    and mtime, not hashed: hashing a 100 GB model at every start would cost minutes.
+    the data, the loaded model (a :class:`dist_eval.backends.LoadedModel`), every field of
+    ``settings`` (a :class:`dist_eval.config.Settings`) and the installed libraries' versions.
+    Weights are identified by name, size and mtime, not hashed: hashing a 100 GB model at every
+    start would cost minutes. ``libraries=False``: the versions left out (the shards' merge compares
+    those that round floats itself, naming the package: :func:`dist_eval.shard_merge.check_versions`).
     """
     from dist_eval.backends.checkpoint import checkpoint_digest  # a file's bytes; a PEFT adapter's two files
+    from dist_eval.backends.provenance import library_versions
 
     facts = {
         "model_files": _file_facts(model_dir),
@@ -67,6 +71,8 @@ def run_key(
                   "device": device_kind(model)},
         "settings": settings.as_dict(),
     }
+    if libraries:  # rank 0's (the key is broadcast): a resumed run on another torch, transformers, ... mixes no row
+        facts["libraries"] = library_versions()
     if head:  # a checkpoint's separate head (--head): a file, or a model folder
         facts["head"] = _file_facts(head) if os.path.isdir(head) else file_sha256(head)
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -203,6 +203,31 @@ def test_the_device_kind_is_in_the_run_key(tmp_path):
     assert key != run_key(str(tmp_path), None, dataset, None, model("meta"), Settings())
 
 
+def test_the_installed_libraries_versions_are_in_the_run_key(tmp_path, monkeypatch):
+    """Partial results computed under another torch, transformers, tokenizers, ... (the row store's
+    KEYED_LIBRARIES) never mix in: a library installed or upgraded after the interruption (another version's
+    metadata first on the path, as a new install puts it) changes the key; not the shards' key, whose merge
+    compares the versions itself."""
+    import types
+
+    from dist_eval.config import Settings
+    from dist_eval.resume import run_key
+
+    (tmp_path / "config.json").write_text("{}")
+    dataset = type("D", (), {"_fingerprint": "f", "column_names": ["text", "label"], "__len__": lambda self: 3})()
+    model = types.SimpleNamespace(backend="local", num_labels=3, prompt_tokens=0)
+    key = run_key(str(tmp_path), None, dataset, None, model, Settings())
+    assert key == run_key(str(tmp_path), None, dataset, None, model, Settings())
+    shards_key = run_key(str(tmp_path), None, dataset, None, model, Settings(), libraries=False)
+    info = tmp_path / "site" / "sentencepiece-99.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sentencepiece\nVersion: 99.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert key != run_key(str(tmp_path), None, dataset, None, model, Settings())
+    # the shards' merge names the package itself (shard_merge.check_versions), not "another run key"
+    assert shards_key == run_key(str(tmp_path), None, dataset, None, model, Settings(), libraries=False)
+
+
 def test_unreadable_planted_or_non_finite_partial_files_are_skipped_with_one_warning(tiny_model, tiny_checkpoint,
                                                                                      tmp_path, capfd):
     """Issue 50. Before: a 0-byte .npz (what a crash left, writes were not fsynced) failed every

@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import re
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional
 
 from dist_eval.atomic import atomic_write, cache_folder, file_sha256, read_regular
 from dist_eval.backends.blocks import SERVER_VERSION_MARK
@@ -135,6 +135,26 @@ def replicas_warning(run: dict) -> str:
 
 
 # ---------------------------------------------------------------- the content of what computes a row
+
+# The installed libraries whose version can change a row's tokens (tokenizers; sentencepiece: a slow
+# tokenizer's pieces; transformers: its tokenizer classes) or logits (torch's kernels, transformers' and
+# petals' model code, hivemind's wire, bitsandbytes' quantized and peft's adapted blocks on a local swarm)
+KEYED_LIBRARIES = ("torch", "transformers", "tokenizers", "sentencepiece", "petals", "hivemind", "bitsandbytes",
+                   "peft")
+
+
+def library_versions() -> Dict[str, Optional[str]]:
+    """{library: its installed version, None when it is not installed} of :data:`KEYED_LIBRARIES`."""
+    from importlib import metadata
+
+    versions = {}
+    for name in KEYED_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
 
 def file_digest(path: str) -> str:
     """A file's content: its SHA-256; over WHOLE_HASH_BYTES, read from the digest cache when

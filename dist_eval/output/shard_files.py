@@ -95,7 +95,7 @@ def merge_key(job, pair, model, rows) -> Tuple[str, str]:
     content = content_key(rows)
     dataset = _Content(rows.dataset, content)
     return resume.run_key(job.model_dir, pair.checkpoint.path, dataset, job.split, model, job.settings,
-                          job.head), content
+                          job.head, libraries=False), content
 
 
 def write_shard(folder: str, result, context: RunContext, pair: Pair, rows, texts: Optional[dict]) -> str:

@@ -4,9 +4,11 @@ and library versions that change a row's tokens or logits.
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import numpy as np
+
+from dist_eval.backends.provenance import KEYED_LIBRARIES, library_versions  # noqa: F401 - also the resume key's
 
 KEY_BYTES = 16
 
@@ -14,26 +16,6 @@ KEY_BYTES = 16
 # settings that decide which rows are evaluated, or how they are batched, not their logits
 NOT_IN_KEY = ("label_column", "batch_size", "length_buckets", "max_batch_tokens", "limit", "limit_seed",
               "stop_at_width", "stop_when_decided", "stop_metric", "stop_round_rows", "stop_rule")
-
-
-# The installed libraries whose version can change a row's tokens (tokenizers; sentencepiece: a slow
-# tokenizer's pieces; transformers: its tokenizer classes) or logits (torch's kernels, transformers' and
-# petals' model code, hivemind's wire, bitsandbytes' quantized and peft's adapted blocks on a local swarm)
-KEYED_LIBRARIES = ("torch", "transformers", "tokenizers", "sentencepiece", "petals", "hivemind", "bitsandbytes",
-                   "peft")
-
-
-def library_versions() -> Dict[str, Optional[str]]:
-    """{library: its installed version, None when it is not installed} of :data:`KEYED_LIBRARIES`."""
-    from importlib import metadata
-
-    versions = {}
-    for name in KEYED_LIBRARIES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
 
 
 def settings_facts(settings) -> dict:
