@@ -328,3 +328,70 @@ def test_the_divided_attention_repeats_the_pinned_llama_attention_bit_for_bit(tm
     offered = Version(transformers.__version__) >= Version("4.36")
     assert attention_choice(FAMILIES["llama"]) == ({"attn_implementation": DIVIDED_ATTENTION} if offered else {})
     assert {FAMILIES[name].local_attention for name in ("llama", "mistral", "qwen2")} == {DIVIDED_ATTENTION}
+
+
+def _load_report_of(missing: set, logger) -> None:
+    """transformers 5.x's LOAD REPORT of a load missing ``missing``, said to ``logger``."""
+    import importlib
+
+    import torch
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    info = LoadStateDictInfo(missing_keys=missing, unexpected_keys=set(), mismatched_keys=set(), error_msgs=[],
+                             conversion_errors={}, skipped_pp_keys=set())
+    importlib.import_module("transformers.modeling_utils").log_state_dict_report(
+        model=torch.nn.Linear(1, 1), pretrained_model_name_or_path="F", ignore_mismatched_sizes=False,
+        loading_info=info, logger=logger)
+
+
+def test_loads_in_threads_quiet_their_own_reports_alone_and_leave_transformers_and_torch_as_found():
+    """dist_eval's loads replace three functions of transformers and torch for their time (the load report, the
+    quantizer's setup, normal_ on meta tensors: backends.compat). Loads in a caller's threads, entered and left out
+    of order (A in, B in, A out, B out), leave each function as it was found (before: B restored A's replacement,
+    and every later load of the process, the caller's own, lost its missing-head lines); and while A's load is in,
+    a load in another thread hears its report whole."""
+    import importlib
+    import logging
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from dist_eval.backends import compat
+
+    modeling = importlib.import_module("transformers.modeling_utils")
+    found = (modeling.log_state_dict_report, modeling.get_hf_quantizer, torch.nn.init.normal_)
+    said, logger = [], logging.getLogger("transformers.modeling_utils")
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append((threading.current_thread().name, "score.weight" in record.getMessage()))
+
+    a_in, b_in, a_out, caller_done = (threading.Event() for _ in range(4))
+
+    def loads(first, then, done):
+        with compat.heads_read_after("score"), compat.no_quantizer_for_remote_blocks(), \
+                compat.no_random_init_of_meta_tensors():
+            first.set()
+            for event in then:
+                assert event.wait(30)
+            _load_report_of({"score.weight"}, logger)  # its own load: the head it reads after, unsaid
+        done.set()
+
+    keep, verbosity = Keep(), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    logger.addHandler(keep)
+    try:
+        a = threading.Thread(target=loads, args=(a_in, (caller_done, b_in), a_out), name="A")
+        b = threading.Thread(target=lambda: a_in.wait(30) and loads(b_in, (a_out,), threading.Event()), name="B")
+        a.start(), b.start()
+        assert a_in.wait(30)
+        # a caller's load in another thread while A's is in: said as ever
+        caller = threading.Thread(target=_load_report_of, args=({"score.weight"}, logger), name="caller")
+        caller.start(), caller.join(30)
+        caller_done.set()
+        a.join(30), b.join(30)
+    finally:
+        logger.removeHandler(keep)
+        hf_logging.set_verbosity(verbosity)
+    assert (modeling.log_state_dict_report, modeling.get_hf_quantizer, torch.nn.init.normal_) == found
+    assert said == [("caller", True)], said

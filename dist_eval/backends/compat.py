@@ -10,6 +10,7 @@ dist_eval changes in petals") lists both.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import importlib.metadata
@@ -17,6 +18,7 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 import warnings
 from typing import Optional
 
@@ -85,6 +87,54 @@ def loads_through_module_hooks() -> bool:
     return importlib.util.find_spec("transformers.core_model_loading") is None
 
 
+class _ScopedReplacement:
+    """A module's function replaced while any context is inside :meth:`within`, the replacement acting only in the
+    contexts (threads) inside: a call from another thread meets the original. Contexts may enter and leave in any
+    order, from any thread (loads in a caller's threads): the original is back once the last one has left, never
+    another context's replacement left in place.
+    """
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+        self._lock = threading.Lock()
+        self._inside, self._original = 0, None
+        self._chosen = contextvars.ContextVar(f"dist_eval_{name}", default=None)
+
+    def original(self):
+        """The module's function as it is outside every context (None where the module has none)."""
+        with self._lock:
+            return self._original if self._inside else getattr(importlib.import_module(self.module), self.name, None)
+
+    @contextlib.contextmanager
+    def within(self, make):
+        """Within: the module's function is ``make(original)`` in this context."""
+        module = importlib.import_module(self.module)
+        with self._lock:
+            if not self._inside:
+                self._original = original = getattr(module, self.name)
+
+                @functools.wraps(original)
+                def dispatch(*args, **kwargs):
+                    return (self._chosen.get() or original)(*args, **kwargs)
+
+                setattr(module, self.name, dispatch)
+            self._inside += 1
+            token = self._chosen.set(make(self._original))
+        try:
+            yield
+        finally:
+            self._chosen.reset(token)
+            with self._lock:
+                self._inside -= 1
+                if not self._inside:
+                    setattr(module, self.name, self._original)
+
+
+_NORMAL = _ScopedReplacement("torch.nn.init", "normal_")
+_QUANTIZER = _ScopedReplacement("transformers.modeling_utils", "get_hf_quantizer")
+_LOAD_REPORT = _ScopedReplacement("transformers.modeling_utils", "log_state_dict_report")
+
+
 @contextlib.contextmanager
 def no_random_init_of_meta_tensors():
     """Within: ``torch.nn.init.normal_`` leaves meta tensors alone.
@@ -95,18 +145,13 @@ def no_random_init_of_meta_tensors():
     tensor that holds no values. Skipping that changes nothing: a meta tensor has no
     data and draws no random numbers. Every other tensor goes to torch's ``normal_``.
     """
-    import torch
+    def skipping_meta(original):
+        def normal_(tensor, *args, **kwargs):
+            return tensor if tensor.is_meta else original(tensor, *args, **kwargs)
+        return normal_
 
-    original = torch.nn.init.normal_
-
-    def normal_(tensor, *args, **kwargs):
-        return tensor if tensor.is_meta else original(tensor, *args, **kwargs)
-
-    torch.nn.init.normal_ = normal_
-    try:
+    with _NORMAL.within(skipping_meta):
         yield
-    finally:
-        torch.nn.init.normal_ = original
 
 
 @contextlib.contextmanager
@@ -120,24 +165,19 @@ def no_quantizer_for_remote_blocks():
     (compressed-tensors' INT4 raised ImportError: ``compressed-tensors>=0.15.0 is required``). The config keeps its
     ``quantization_config``; the pinned transformers (no such quantizers) is left as it is.
     """
-    from transformers import modeling_utils
-
-    original = getattr(modeling_utils, "get_hf_quantizer", None)
-    if original is None:  # the pinned transformers
+    if _QUANTIZER.original() is None:  # the pinned transformers
         yield
         return
 
-    @functools.wraps(original)
-    def get_hf_quantizer(config, quantization_config, device_map, *args, **kwargs):
-        if quantization_config is not None:  # asked by the caller, not read from config.json: as transformers does
-            return original(config, quantization_config, device_map, *args, **kwargs)
-        return None, config, device_map
+    def none_from_config(original):
+        def get_hf_quantizer(config, quantization_config, device_map, *args, **kwargs):
+            if quantization_config is not None:  # asked by the caller, not read from config.json: as transformers
+                return original(config, quantization_config, device_map, *args, **kwargs)
+            return None, config, device_map
+        return get_hf_quantizer
 
-    modeling_utils.get_hf_quantizer = get_hf_quantizer
-    try:
+    with _QUANTIZER.within(none_from_config):
         yield
-    finally:
-        modeling_utils.get_hf_quantizer = original
 
 
 class _OnlyHeadsNewlyInitialized(logging.Filter):
@@ -147,12 +187,14 @@ class _OnlyHeadsNewlyInitialized(logging.Filter):
 
     def __init__(self, heads: tuple, unread: tuple = ()):
         super().__init__()
-        self.heads, self.unread = heads, unread
+        self.heads, self.unread, self.thread = heads, unread, threading.get_ident()
 
     def filter(self, record: logging.LogRecord) -> bool:
         import ast
         import re
 
+        if record.thread != self.thread:  # another thread's load (a caller's own): said as ever
+            return True
         found = re.search(r"(newly initialized|not used when initializing \w+): (\[[^\]]*\])", record.getMessage())
         if found is None:
             return True
@@ -174,7 +216,8 @@ def heads_read_after(*heads: str, unread: tuple = ()):
     ``unread`` (names: a causal LM's head weight beside a classifier, in every causal LM save); and "You are using a
     model of type A to instantiate a model of type B" where A is one of family B's other names (the same blocks,
     read so on purpose: :class:`_AliasTypeNote`). Noise for any caller of ``load_model``, whose logging is left as
-    it is (filters on transformers' loggers, for the load alone). A block's weight missing or unread, a head's other
+    it is (filters on transformers' loggers, for the load alone and in its own thread: a load in another thread,
+    a caller's, is told as ever; :class:`_ScopedReplacement`). A block's weight missing or unread, a head's other
     weight unread (a bias the classifier does not have), another pair of types, are said as ever.
     """
     logger, config_logger = logging.getLogger("transformers.modeling_utils"), logging.getLogger(
@@ -182,17 +225,15 @@ def heads_read_after(*heads: str, unread: tuple = ()):
     only_heads, alias = _OnlyHeadsNewlyInitialized(heads, unread), _AliasTypeNote()
     logger.addFilter(only_heads)
     config_logger.addFilter(alias)
-    loading = importlib.import_module("transformers.modeling_utils")
-    report = getattr(loading, "log_state_dict_report", None)  # transformers >= 5.0: a LOAD REPORT table instead
-    if report is not None:
-        loading.log_state_dict_report = functools.partial(_report_without_heads, report, heads, unread)
     try:
-        yield
+        if _LOAD_REPORT.original() is None:  # before transformers 5.0 (no LOAD REPORT table): the filters alone
+            yield
+        else:
+            with _LOAD_REPORT.within(lambda report: functools.partial(_report_without_heads, report, heads, unread)):
+                yield
     finally:
         logger.removeFilter(only_heads)
         config_logger.removeFilter(alias)
-        if report is not None:
-            loading.log_state_dict_report = report
 
 
 def _report_without_heads(report, heads: tuple, unread: tuple, *args, **kwargs):
@@ -218,14 +259,20 @@ def _all_of_heads(names, heads: tuple) -> bool:
 class _AliasTypeNote(logging.Filter):
     """Drops transformers' "You are using a model of type `A` to instantiate a model of type `B`" where A is one of
     family B's other names (``Family.model_type_aliases``: the same blocks, read so on purpose); any other pair is
-    said as ever.
+    said as ever, and so is another thread's.
     """
+
+    def __init__(self):
+        super().__init__()
+        self.thread = threading.get_ident()
 
     def filter(self, record: logging.LogRecord) -> bool:
         import re
 
         from dist_eval.backends.families import family_named
 
+        if record.thread != self.thread:
+            return True
         found = re.match(r"You are using a model of type `([^`]+)` to instantiate a model of type `([^`]+)`",
                          record.getMessage())
         if found is None or found.group(1) == found.group(2):
