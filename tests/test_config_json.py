@@ -227,8 +227,9 @@ def test_a_config_json_that_is_not_an_object_names_the_file(tmp_path):
 
 def test_the_rope_a_client_compares_with_its_servers_is_the_rope_the_blocks_read():
     """rope_settings, which a client compares with each server's announcement (provenance.rope_refusal): the same
-    RoPE in either generation's form or with a length its kind does not read compares equal; an added scaling, another
-    base or factor differs; a setting one file leaves out (its class's default) is not compared."""
+    RoPE in either generation's form (5.x writes a yarn's original length in) or with a length its kind does not
+    read compares equal; an added scaling, another base, factor or original length differs; a setting one file
+    leaves out (its class's default) is not compared."""
     from dist_eval.backends.config_json import rope_differences, rope_settings
 
     def settings(**fields):
@@ -245,7 +246,18 @@ def test_the_rope_a_client_compares_with_its_servers_is_the_rope_the_blocks_read
     assert long["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     assert rope_differences(long, settings(rope_parameters={**yarn, "rope_theta": 1000000.0, "rope_type": "yarn"},
                                            max_position_embeddings=131072)) == []
-    assert rope_differences(long, settings(rope_theta=1000000.0, rope_scaling=yarn)) == ["max_position_embeddings"]
+    # a yarn factor and original length given: the length is not read (the card's file beside the hub's length)
+    assert rope_differences(long, settings(rope_theta=1000000.0, rope_scaling=yarn)) == []
+    unfactored = {"type": "yarn", "original_max_position_embeddings": 32768}
+    assert rope_differences(settings(rope_scaling=unfactored), settings(
+        rope_scaling=unfactored, max_position_embeddings=131072)) == ["max_position_embeddings"]
+    # a 4.x file's yarn without its original length, saved again by 5.x (which writes the length in): the same;
+    # a top-level original length (read before the settings' own) on one side only: not
+    bare = {"type": "yarn", "factor": 4.0}
+    assert rope_differences(settings(rope_scaling=bare), settings(
+        rope_parameters={**bare, "original_max_position_embeddings": 32768, "rope_theta": 10000.0})) == []
+    assert rope_differences(long, settings(rope_theta=1000000.0, rope_scaling=yarn, max_position_embeddings=131072,
+                                           original_max_position_embeddings=4096)) == ["rope_scaling"]
     assert rope_differences(hub, settings(rope_theta=10000.0)) == ["rope_theta"]
     assert rope_differences(hub, settings()) == ["rope_theta"]  # qwen2's default base: transformers' 10000
     half = settings(rope_theta=1000000.0, partial_rotary_factor=0.5)

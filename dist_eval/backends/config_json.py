@@ -346,29 +346,35 @@ def read_as(config) -> Optional[dict]:
 # The first two have a value whether a file gives one or not (the family's base; none); the others are compared
 # where both files give them (left out, each reads as its class's default, which differs between families).
 ROPE_ALWAYS = ("rope_theta", "rope_scaling")
+ROPE_WHERE_GIVEN = ("partial_rotary_factor", "compress_rope_theta", "max_position_embeddings")
 # the key of a server's announcement (petals' ServerInfo, extra_info) holding its rope_settings: dist_eval's servers
 # add it, a client keeps it (backends.petals.audit.announced_numerics_replacements) and compares
 # (backends.provenance.rope_refusal)
 ROPE_KEY = "dist_eval_rope"
-ROPE_WHERE_GIVEN = ("partial_rotary_factor", "compress_rope_theta", "original_max_position_embeddings",
-                    "max_position_embeddings")
 
 
 def rope_settings(config: dict) -> dict:
     """The RoPE settings of ``config`` (:func:`read_as_saved`'s dict, either generation's file) as the blocks read
     them, in JSON values: ``rope_theta`` and ``rope_scaling`` always (the family's default base; None for no
-    scaling, whichever way a file says it), the others of :data:`ROPE_WHERE_GIVEN` where the file gives them
-    (``max_position_embeddings`` only where the scaling's kind reads it: dynamic, yarn).
+    scaling, whichever way a file says it; a llama3 or yarn scaling's original length where the blocks take it: the
+    top-level one first, for yarn else ``max_position_embeddings``, as transformers 5.x writes it into the settings
+    it saves), the others of :data:`ROPE_WHERE_GIVEN` where the file gives them (``max_position_embeddings`` only
+    where the scaling reads it: dynamic; yarn without a factor).
     """
+    family = family_named(config.get("model_type"))
     scaling = config.get("rope_scaling") or None
     if isinstance(scaling, dict):
         scaling = {("rope_type" if key == "type" else key): value for key, value in scaling.items()}
         if scaling.get("rope_type") in (None, "default") and not set(scaling) - {"rope_type"}:
             scaling = None
-    settings = {"rope_theta": config.get("rope_theta") or default_rope_theta(family_named(config.get("model_type"))),
-                "rope_scaling": scaling}
+    kind = rope_kind(scaling or {})
+    if kind in ("llama3", "yarn") and not (family is not None and family.rope_labels):  # blocks.with_top_level_length
+        length = config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        if length or kind == "yarn":
+            scaling["original_max_position_embeddings"] = length or config.get("max_position_embeddings")
+    settings = {"rope_theta": config.get("rope_theta") or default_rope_theta(family), "rope_scaling": scaling}
     for name in ROPE_WHERE_GIVEN:
-        reads = name != "max_position_embeddings" or rope_kind(scaling or {}) in ("dynamic", "yarn")
+        reads = name != "max_position_embeddings" or kind == "dynamic" or (kind == "yarn" and not scaling.get("factor"))
         if config.get(name) is not None and reads:
             settings[name] = config[name]
     return settings

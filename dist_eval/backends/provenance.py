@@ -116,9 +116,14 @@ def rope_refusal(own: dict, servers: Iterable) -> str:
     if not others:
         return ""
     theirs, names = next(iter(others.values()))
-    shown = ", ".join(f"{peer[:16]}..." for peer in list(others)[:3]) + (" ..." if len(others) > 3 else "")
-    said = "; ".join(f"{name} {json.dumps(own.get(name))} here, {json.dumps(theirs.get(name))} there" for name in names)
-    return (f"server(s) {shown} compute this model's blocks from a config.json with other RoPE settings ({said}): "
+    named = ", ".join(f"{peer[:16]}..." for peer in list(others)[:3]) + (" ..." if len(others) > 3 else "")
+
+    def shown(value) -> str:  # a server's announcement is its own: any msgpack value, any size
+        text = json.dumps(value, default=repr)
+        return text if len(text) <= 200 else text[:200] + "..."
+
+    said = "; ".join(f"{name} {shown(own.get(name))} here, {shown(theirs.get(name))} there" for name in names)
+    return (f"server(s) {named} compute this model's blocks from a config.json with other RoPE settings ({said}): "
             "their numbers are another model's. Start the servers from the same config.json (python -m "
             "dist_eval.swarm), or evaluate with the file they serve.")
 

@@ -257,9 +257,10 @@ def kernels_of(device) -> str:
     return f"torch {torch.__version__} {device.type}"
 
 
-def served_rope(model_name_or_path: str) -> Optional[dict]:
+def served_rope(model_name_or_path: str, revision=None, token=None) -> Optional[dict]:
     """The RoPE settings of the config.json a server serves (:func:`dist_eval.backends.config_json.rope_settings`),
-    a folder's or a hub id's (petals read it into the cache before); None where it cannot be read (then unchecked).
+    a folder's or a hub id's at the server's ``revision`` (petals read it into the cache before); None where it
+    cannot be read (then unchecked).
     """
     from dist_eval.backends.config_json import read_config_json, rope_settings
 
@@ -267,7 +268,8 @@ def served_rope(model_name_or_path: str) -> Optional[dict]:
         if not os.path.isdir(model_name_or_path):
             from transformers.utils import cached_file
 
-            model_name_or_path = os.path.dirname(cached_file(model_name_or_path, "config.json"))
+            path = cached_file(model_name_or_path, "config.json", revision=revision, token=token)
+            model_name_or_path = os.path.dirname(path)
         return rope_settings(read_config_json(model_name_or_path))
     except Exception:  # noqa: BLE001 - the server runs as petals' would; its clients cannot check its RoPE
         return None
@@ -290,7 +292,9 @@ def announcing_numerics() -> list:
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         object.__setattr__(self.server_info, KERNELS_KEY, kernels_of(self.device))
-        object.__setattr__(self.server_info, ROPE_KEY, served_rope(self.converted_model_name_or_path))
+        object.__setattr__(self.server_info, ROPE_KEY, served_rope(self.converted_model_name_or_path,
+                                                                   getattr(self, "revision", None),
+                                                                   getattr(self, "token", None)))
 
     def announced(self):
         state, throughput, extra = to_tuple(self)

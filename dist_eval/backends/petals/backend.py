@@ -298,7 +298,7 @@ def load_petals(
             read_saved_lm_head(family.get(inner, family.lm_head), folder, inner.config, family)
         wait_for_blocks(manager, swarm_timeout, dht_prefix)
         _require_block_options(manager, family, inner.config, servers_started_from_4x_config)
-        _require_servers_rope(manager, folder)
+        _require_servers_rope(manager, folder, model_dir)
     except BaseException:
         shutdown_petals_client(manager)
         raise
@@ -309,9 +309,10 @@ def load_petals(
     return ZeroShotScorer(client, family.get(inner, family.lm_head), label_words)
 
 
-def _require_servers_rope(manager, folder: str) -> None:
+def _require_servers_rope(manager, folder: str, model_dir: str) -> None:
     """Refuse the swarm where a server computes the blocks from a config.json of other RoPE settings than
-    ``folder``'s (:func:`~dist_eval.backends.provenance.rope_refusal`); the client's kept for servers met later
+    ``folder``'s (the client's copy of ``model_dir``, which the refusal names:
+    :func:`~dist_eval.backends.provenance.rope_refusal`); the client's kept for servers met later
     (:data:`~dist_eval.backends.petals.wire.OWN_ROPE_ATTR`).
     """
     from dist_eval.backends.config_json import read_config_json, rope_settings
@@ -322,7 +323,7 @@ def _require_servers_rope(manager, folder: str) -> None:
     setattr(manager, OWN_ROPE_ATTR, own)
     refusal = rope_refusal(own, servers_of(manager.state.sequence_info.block_infos))
     if refusal:
-        raise UsageError(refusal, param="model_dir", value=folder)
+        raise UsageError(refusal, param="model_dir", value=model_dir)
 
 
 def _require_block_options(manager, family: Family, config, servers_read_4x_form: bool = False) -> None:
