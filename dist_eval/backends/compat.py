@@ -212,8 +212,9 @@ def heads_read_after(*heads: str, unread: tuple = ()):
     """Within: transformers' "Some weights of ... were not initialized from the model checkpoint ... and are newly
     initialized: [...]" dropped where every weight it names is of ``heads`` (top-level modules: the classifier's,
     a causal LM's), which the load reads right after (the trained head, a release's LM head saved under another
-    name) or refuses where there is none; so are the folder's weights the model does not read where every one is of
-    ``unread`` (names: a causal LM's head weight beside a classifier, in every causal LM save); and "You are using a
+    name) or refuses where there is none; so are the folder's weights of ``unread`` the model does not read (names: a
+    causal LM's head weight beside a classifier, in every causal LM save; transformers 4.x's line where it names no
+    other, 5.x's rows of them); and "You are using a
     model of type A to instantiate a model of type B" where A is one of family B's other names (the same blocks,
     read so on purpose: :class:`_AliasTypeNote`). Noise for any caller of ``load_model``, whose logging is left as
     it is (filters on transformers' loggers, for the load alone and in its own thread: a load in another thread,
@@ -238,16 +239,17 @@ def heads_read_after(*heads: str, unread: tuple = ()):
 
 def _report_without_heads(report, heads: tuple, unread: tuple, *args, **kwargs):
     """The load report of transformers >= 5.0 (``report``) without its MISSING rows where every missing weight is
-    of ``heads``, nor its UNEXPECTED rows where every unread one is of ``unread`` (names), as the 4.x lines are
-    dropped; the report's other rows (and any error it raises) as they are.
+    of ``heads``, as the 4.x line is dropped, nor the UNEXPECTED rows of ``unread`` (names); the report's other rows
+    (and any error it raises) as they are.
     """
     import dataclasses
 
     info = kwargs.get("loading_info")
     if info is not None and info.missing_keys and _all_of_heads(info.missing_keys, heads):
         info = kwargs["loading_info"] = dataclasses.replace(info, missing_keys=set())
-    if info is not None and info.unexpected_keys and set(map(str, info.unexpected_keys)) <= set(unread):
-        kwargs["loading_info"] = dataclasses.replace(info, unexpected_keys=set())
+    said = {key for key in (info.unexpected_keys or ()) if str(key) not in unread} if info is not None else set()
+    if info is not None and len(said) != len(info.unexpected_keys or ()):  # the others' rows as they are
+        kwargs["loading_info"] = dataclasses.replace(info, unexpected_keys=said)
     return report(*args, **kwargs)
 
 

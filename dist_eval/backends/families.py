@@ -214,9 +214,11 @@ class Family:
     @property
     def lm_head_weights(self) -> tuple:
         """The causal LM head's weight names a classifier of this family does not read (every causal LM save has
-        them): unread without a word (backends.compat.heads_read_after).
+        them, a release's under its own name: ``saved_lm_head``): unread without a word
+        (backends.compat.heads_read_after).
         """
-        return (f"{self.lm_head}.weight",) if self.lm_head else ()
+        names = (self.lm_head, self.saved_lm_head) if self.lm_head else ()
+        return tuple(dict.fromkeys(f"{name}.weight" for name in names if name))
 
     @property
     def served_embeddings_key(self) -> str:
