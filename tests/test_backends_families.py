@@ -179,6 +179,24 @@ def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
     assert "model." in checkpoint_prefixes()
 
 
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_moe"])
+def test_a_window_switched_on_limits_rows_only_where_a_block_slides(name):
+    """Qwen's use_sliding_window turns the window on for the blocks from max_window_layers on (transformers 5.x's
+    layer_types): where that is every block or none, rows past the window were refused though no block slides."""
+    import types
+
+    def window(**fields):
+        config = types.SimpleNamespace(sliding_window=16, use_sliding_window=True, num_hidden_layers=4, **fields)
+        return FAMILIES[name].attention_window(config)
+
+    assert window(max_window_layers=4) == 0 and window(max_window_layers=28) == 0
+    assert window(max_window_layers=2) == 16 and window() == 16
+    assert window(layer_types=["full_attention"] * 4) == 0
+    assert window(layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2, max_window_layers=4) == 16
+    assert FAMILIES[name].attention_window(types.SimpleNamespace(sliding_window=16, use_sliding_window=False,
+                                                                 max_window_layers=2, num_hidden_layers=4)) == 0
+
+
 def test_llama4_rows_are_exact_within_its_chunk_and_below_its_temperature_tuning():
     """Llama 4's chunked attention and attention-temperature tuning are inert within attention_chunk_size
     positions and below floor_scale - 1: rows past the smaller are refused (the sliding-window check)."""

@@ -299,7 +299,7 @@ class Family:
             return 0
         window_key, switch = self.sliding_window
         window = getattr(config, window_key, None)
-        on = getattr(config, switch, False) if switch else True
+        on = getattr(config, switch, False) and _slides_somewhere(config) if switch else True
         window = int(window) if window and on else 0
         floor = getattr(config, "floor_scale", 0) if getattr(config, "attn_temperature_tuning", False) else 0
         if floor:  # Llama 4's temperature tuning scales q from position floor_scale - 1 on
@@ -362,6 +362,18 @@ NOT_COMPUTED = {
                "alone, Llama4ForConditionalGeneration's .language_model.save_pretrained(DIR), model_type "
                "llama4_text, which works)"),
 }
+
+
+def _slides_somewhere(config) -> bool:
+    """Whether a config whose window is switched on (Qwen's ``use_sliding_window``) has a block that slides: its
+    ``layer_types`` say so; without them, the blocks from ``max_window_layers`` on slide (transformers 5.x's rule),
+    none where it is the number of blocks or more.
+    """
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, (list, tuple)):
+        return "sliding_attention" in types
+    first, blocks = getattr(config, "max_window_layers", None), getattr(config, "num_hidden_layers", None)
+    return not (isinstance(first, int) and isinstance(blocks, int) and first >= blocks)
 
 
 def indexer_types(config, shared: bool) -> list:
