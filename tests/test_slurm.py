@@ -199,6 +199,17 @@ def test_scancel_mid_run_on_a_swarm(cluster, tiny_swarm, tiny_model, tmp_path):
     assert not (tmp_path / "out" / "metrics.json").exists()
 
 
+def wait_for(cluster, job: str, state: tuple, timeout: float = 120) -> None:
+    """Until ``job`` is in ``state`` (JobState, Reason; a Reason of None: any)."""
+    end = time.monotonic() + timeout
+    while True:
+        info = cluster.job(job)
+        if info.get("JobState") == state[0] and state[1] in (None, info.get("Reason")):
+            return
+        assert time.monotonic() < end, f"job {job} not {state} after {timeout:.0f} s: {info}"
+        time.sleep(0.05)
+
+
 @on_the_cluster
 def test_an_array_of_shards_one_requeued_then_the_merge(cluster, tiny_model, inputs, tmp_path):
     """Issue 53: launch/slurm_array.sbatch as an array of 3 tasks (shards 0/3..2/3, from the array's
@@ -209,13 +220,12 @@ def test_an_array_of_shards_one_requeued_then_the_merge(cluster, tiny_model, inp
     args = [a for a in eval_args(tiny_model, inputs, "-", "--backend", "local") if a not in ("--output-dir", "-")]
     array = submit(cluster, ["--array=4-6", "--cpus-per-task=1"], args, ARRAY, OUT=str(out))
     merge = submit(cluster, [f"--dependency=afterok:{array}"], [], MERGE, OUT=str(out))
-    end = time.monotonic() + 120
-    while cluster.job(f"{array}_5").get("JobState") != "RUNNING" and time.monotonic() < end:
-        time.sleep(0.05)
+    wait_for(cluster, f"{array}_5", ("RUNNING", None))
     cluster.run(["scontrol", "requeue", f"{array}_5"])
-    # a requeued job waits for a begin time (about 2 minutes) unless told otherwise
-    while cluster.job(f"{array}_5").get("JobState") != "PENDING" and time.monotonic() < end:
-        time.sleep(0.05)
+    # a requeued job waits for a begin time (about 2 minutes) unless told otherwise: told once slurmctld has set it
+    # (told while the killed run was still completing, on a loaded machine, the begin time came after, and the
+    # merge's wait ran out)
+    wait_for(cluster, f"{array}_5", ("PENDING", "BeginTime"))
     cluster.run(["scontrol", "update", f"JobId={array}_5", "StartTime=now"])
     one = FINISHED.get("one rank")
     if one is None:  # this test alone
