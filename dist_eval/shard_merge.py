@@ -2,17 +2,17 @@
 the report of the whole set from its shards, launched apart (``--shard I/K``: a job array, other
 machines, other times, any number of ranks each).
 
-Each shard's folder holds its finished rows (:mod:`dist_eval.output.shard_files`). They are
-checked first, each refusal one line naming the shard: a shard missing or given twice, a shard of
-another split, of another model, checkpoint, data or settings (the run key), or of other report
-options, or run on another device kind or under another torch, transformers or dist_eval, a shard
-unfinished. The rows are then merged by the run's own merge
-(:func:`dist_eval.merge.merge_gathered`: ordered by row index, the first copy of a row kept, every
-row of the set required), the metrics and intervals computed by the same functions a run's rank 0
-calls, and the report written by the run's writer (:func:`dist_eval.output.report.write_report`):
-the same metrics, intervals, slices and predictions.jsonl, bit for bit, as one run over the whole
-set with the same settings (a shard's batches are those of the whole set's plan), ``--cluster-by``'s
-clustered intervals included (each row's cluster is in its shard's files).
+Each shard's folder holds its finished rows (:mod:`dist_eval.output.shard_files`). They are checked first,
+each refusal one line naming the shard: a shard missing or given twice, a shard of another split, of another
+model, checkpoint, data or settings (the run key), or of other report options, or run on another device kind
+or under another version of a library that computes a row (torch, transformers, tokenizers, ...:
+:data:`NUMERICS_PACKAGES`) or of dist_eval, a shard unfinished. The rows are then merged by the run's own
+merge (:func:`dist_eval.merge.merge_gathered`: ordered by row index, the first copy of a row kept, every row
+of the set required), the metrics and intervals computed by the same functions a run's rank 0 calls, and the
+report written by the run's writer (:func:`dist_eval.output.report.write_report`): the same metrics,
+intervals, slices and predictions.jsonl, bit for bit, as one run over the whole set with the same settings (a
+shard's batches are those of the whole set's plan), ``--cluster-by``'s clustered intervals included (each
+row's cluster is in its shard's files).
 
 ``--partial``: the shards that finished, with the missing shards and rows counted in
 ``metrics.json``'s ``partial`` and said on the terminal; not a report of the set.
@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from dist_eval.backends.provenance import KEYED_LIBRARIES
 from dist_eval.errors import UsageError, flag_names, warn
 from dist_eval.loop_facts import LoopFacts, RunFacts, StoreFacts
 from dist_eval.merge import CoverageError, merge_gathered
@@ -164,9 +165,10 @@ def shard_files(shards: List[_Shard]) -> Tuple[List[dict], List[dict]]:
     return metrics_of, payloads
 
 
-# the packages whose versions decide a row's floats (kernels, the blocks' code): not in the run key, which a moved
-# install keeps, yet shards computed under others are not one run's bits
-NUMERICS_PACKAGES = ("torch", "transformers", "dist_eval")
+# the packages whose versions decide a row's tokens or floats (kernels, the blocks' code, the tokenizer: the row
+# store's KEYED_LIBRARIES, and dist_eval): not in the shards' key, which a moved install keeps, yet shards computed
+# under others are not one run's rows
+NUMERICS_PACKAGES = (*KEYED_LIBRARIES, "dist_eval")
 
 
 def check_versions(shards: List[_Shard], metrics_of: List[dict]) -> None:
@@ -183,7 +185,7 @@ def check_versions(shards: List[_Shard], metrics_of: List[dict]) -> None:
             first, want = recorded[0]
             if have != want:
                 raise UsageError(f"{_name(shard)}: another run than {_name(first)}: {package} {have}, not {want} "
-                                 f"(its floats may round otherwise). Run every shard with one install, or this shard "
+                                 f"(its tokens or floats may differ). Run every shard with one install, or this shard "
                                  f"again with {package} {want}.")
 
 

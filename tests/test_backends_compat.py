@@ -331,7 +331,7 @@ def test_the_divided_attention_repeats_the_pinned_llama_attention_bit_for_bit(tm
 
 
 def _load_report_of(missing: set, logger) -> None:
-    """transformers 5.x's LOAD REPORT of a load missing ``missing``, said to ``logger``."""
+    """transformers 5.x's LOAD REPORT of a load missing ``missing``, said to ``logger``, then 4.x's line of it."""
     import importlib
 
     import torch
@@ -342,14 +342,18 @@ def _load_report_of(missing: set, logger) -> None:
     importlib.import_module("transformers.modeling_utils").log_state_dict_report(
         model=torch.nn.Linear(1, 1), pretrained_model_name_or_path="F", ignore_mismatched_sizes=False,
         loading_info=info, logger=logger)
+    logger.warning(f"Some weights of X were not initialized from the model checkpoint at F and are newly "
+                   f"initialized: {sorted(missing)}")
 
 
-def test_loads_in_threads_quiet_their_own_reports_alone_and_leave_transformers_and_torch_as_found():
+@pytest.mark.parametrize("thread_names", [True, False], ids=["logThreads", "no logThreads"])
+def test_loads_in_threads_quiet_their_own_reports_alone_and_leave_transformers_and_torch_as_found(thread_names,
+                                                                                               monkeypatch):
     """dist_eval's loads replace three functions of transformers and torch for their time (the load report, the
     quantizer's setup, normal_ on meta tensors: backends.compat). Loads in a caller's threads, entered and left out
     of order (A in, B in, A out, B out), leave each function as it was found (before: B restored A's replacement,
     and every later load of the process, the caller's own, lost its missing-head lines); and while A's load is in,
-    a load in another thread hears its report whole."""
+    a load in another thread hears its report whole; also where logging records no thread (logging.logThreads)."""
     import importlib
     import logging
 
@@ -358,6 +362,7 @@ def test_loads_in_threads_quiet_their_own_reports_alone_and_leave_transformers_a
 
     from dist_eval.backends import compat
 
+    monkeypatch.setattr(logging, "logThreads", thread_names)
     modeling = importlib.import_module("transformers.modeling_utils")
     found = (modeling.log_state_dict_report, modeling.get_hf_quantizer, torch.nn.init.normal_)
     said, logger = [], logging.getLogger("transformers.modeling_utils")
@@ -394,4 +399,37 @@ def test_loads_in_threads_quiet_their_own_reports_alone_and_leave_transformers_a
         logger.removeHandler(keep)
         hf_logging.set_verbosity(verbosity)
     assert (modeling.log_state_dict_report, modeling.get_hf_quantizer, torch.nn.init.normal_) == found
-    assert said == [("caller", True)], said
+    assert said == [("caller", True), ("caller", True)], said  # 5.x's report, 4.x's line
+
+
+def test_a_replacement_that_fails_or_meets_anothers_patch_leaves_the_function_as_it_should_be():
+    """compat._ScopedReplacement: a replacement whose making fails changes nothing (before: the count of loads in
+    stayed up, the dispatch for good); another's patch of the same function set and undone while a load is in
+    (transformers' no_init_weights around a caller's model) is not put back over at the load's end."""
+    import torch
+
+    from dist_eval.backends import compat
+
+    found = torch.nn.init.normal_
+
+    def broken(original):
+        raise RuntimeError("no replacement")
+
+    with pytest.raises(RuntimeError, match="no replacement"), compat.no_random_init_of_meta_tensors(), \
+            compat._NORMAL.within(broken):
+        pass
+    assert torch.nn.init.normal_ is found
+    with compat.no_random_init_of_meta_tensors():
+        assert torch.nn.init.normal_ is not found
+    assert torch.nn.init.normal_ is found
+
+    def skip(tensor, *args, **kwargs):
+        return tensor
+
+    torch.nn.init.normal_ = skip  # another's patch, set before the load
+    try:
+        with compat.no_random_init_of_meta_tensors():
+            torch.nn.init.normal_ = found  # ... and undone by them while the load is in
+    finally:
+        left, torch.nn.init.normal_ = torch.nn.init.normal_, found
+    assert left is found

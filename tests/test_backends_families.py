@@ -181,15 +181,17 @@ def test_family_is_chosen_by_model_type_and_unknown_ones_are_refused():
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_moe"])
 def test_a_window_switched_on_limits_rows_only_where_a_block_slides(name):
-    """Qwen's use_sliding_window turns the window on for the blocks from max_window_layers on (transformers 5.x's
-    layer_types): where that is every block or none, rows past the window were refused though no block slides."""
+    """Qwen2's and Qwen3's use_sliding_window turns the window on for the blocks from max_window_layers on
+    (transformers' layer_types, 4.57 and 5.x): where that is every block or none, rows past the window were refused
+    though no block slides. Qwen3-MoE's transformers reads no max_window_layers: every block slides."""
     import types
 
     def window(**fields):
         config = types.SimpleNamespace(sliding_window=16, use_sliding_window=True, num_hidden_layers=4, **fields)
         return FAMILIES[name].attention_window(config)
 
-    assert window(max_window_layers=4) == 0 and window(max_window_layers=28) == 0
+    reads_first = name != "qwen3_moe"
+    assert window(max_window_layers=4) == window(max_window_layers=28) == (0 if reads_first else 16)
     assert window(max_window_layers=2) == 16 and window() == 16
     assert window(layer_types=["full_attention"] * 4) == 0
     assert window(layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2, max_window_layers=4) == 16

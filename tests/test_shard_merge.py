@@ -214,6 +214,10 @@ def test_a_shard_from_before_a_fact_was_recorded_is_named_by_what_differs():
         check_versions(shards, runs)
     assert "shard 2/3 (s2): another run than shard 1/3 (s1): torch 2.12.0, not 2.13.0" in str(refused.value)
     check_versions(shards, runs[:2] + [{"run": {}}])  # a shard that records none: not compared
+    tokenized = [{"run": {"versions": {"torch": "2.13.0", "tokenizers": tokenizers}}} for tokenizers in ("0.22.1",) * 2
+                 + ("0.21.0",)]  # the resume key's libraries, which the shards' key leaves to this check
+    with pytest.raises(UsageError, match=r"shard 2/3 \(s2\): another run than shard 0/3 \(s0\): tokenizers 0\.21\.0"):
+        check_versions(shards, tokenized)
 
 
 def test_shards_given_the_files_in_another_order_merge_into_one_run(tiny_model, tiny_checkpoint, tmp_path):

@@ -91,13 +91,13 @@ class _ScopedReplacement:
     """A module's function replaced while any context is inside :meth:`within`, the replacement acting only in the
     contexts (threads) inside: a call from another thread meets the original. Contexts may enter and leave in any
     order, from any thread (loads in a caller's threads): the original is back once the last one has left, never
-    another context's replacement left in place.
+    another context's replacement left in place (nor put back over another's patch set meanwhile).
     """
 
     def __init__(self, module: str, name: str):
         self.module, self.name = module, name
         self._lock = threading.Lock()
-        self._inside, self._original = 0, None
+        self._inside, self._original, self._dispatch = 0, None, None
         self._chosen = contextvars.ContextVar(f"dist_eval_{name}", default=None)
 
     def original(self):
@@ -107,27 +107,35 @@ class _ScopedReplacement:
 
     @contextlib.contextmanager
     def within(self, make):
-        """Within: the module's function is ``make(original)`` in this context."""
+        """Within: the module's function is ``make(original)`` in this context (made on the original, not on an
+        outer context's replacement: dist_eval nests none of its own).
+        """
         module = importlib.import_module(self.module)
         with self._lock:
+            original = self._original if self._inside else getattr(module, self.name)
+            replacement = make(original)  # before anything changes: a failure here leaves all as it was
             if not self._inside:
-                self._original = original = getattr(module, self.name)
-
-                @functools.wraps(original)
-                def dispatch(*args, **kwargs):
-                    return (self._chosen.get() or original)(*args, **kwargs)
-
-                setattr(module, self.name, dispatch)
+                self._original, self._dispatch = original, self._dispatcher(original)
+                setattr(module, self.name, self._dispatch)
             self._inside += 1
-            token = self._chosen.set(make(self._original))
+        token = self._chosen.set(replacement)
         try:
             yield
         finally:
-            self._chosen.reset(token)
-            with self._lock:
-                self._inside -= 1
-                if not self._inside:
-                    setattr(module, self.name, self._original)
+            try:
+                self._chosen.reset(token)
+            finally:
+                with self._lock:
+                    self._inside -= 1
+                    # another's replacement set meanwhile (transformers' no_init_weights) is theirs to undo
+                    if not self._inside and getattr(module, self.name, None) is self._dispatch:
+                        setattr(module, self.name, self._original)
+
+    def _dispatcher(self, original):
+        @functools.wraps(original)
+        def dispatch(*args, **kwargs):
+            return (self._chosen.get() or original)(*args, **kwargs)
+        return dispatch
 
 
 _NORMAL = _ScopedReplacement("torch.nn.init", "normal_")
@@ -187,13 +195,15 @@ class _OnlyHeadsNewlyInitialized(logging.Filter):
 
     def __init__(self, heads: tuple, unread: tuple = ()):
         super().__init__()
-        self.heads, self.unread, self.thread = heads, unread, threading.get_ident()
+        self.heads, self.unread, self.thread = heads, unread, threading.get_ident()  # the load's own
 
     def filter(self, record: logging.LogRecord) -> bool:
         import ast
         import re
 
-        if record.thread != self.thread:  # another thread's load (a caller's own): said as ever
+        # another thread's load (a caller's own) is said as ever; a logger's filters run in the thread that logs
+        # (record.thread is None where logging.logThreads is off)
+        if threading.get_ident() != self.thread:
             return True
         found = re.search(r"(newly initialized|not used when initializing \w+): (\[[^\]]*\])", record.getMessage())
         if found is None:
@@ -273,7 +283,7 @@ class _AliasTypeNote(logging.Filter):
 
         from dist_eval.backends.families import family_named
 
-        if record.thread != self.thread:
+        if threading.get_ident() != self.thread:
             return True
         found = re.match(r"You are using a model of type `([^`]+)` to instantiate a model of type `([^`]+)`",
                          record.getMessage())

@@ -141,7 +141,8 @@ class Family:
     # has neither rope_scaling nor rope_parameters (or has them null)
     config_defaults: tuple = ()
     # config.json's keys of a sliding attention window: (the window, the switch that turns it on,
-    # "" when the window alone says it); rows longer than an active window are refused
+    # "" when the window alone says it[, the first block the switch makes slide: Qwen2's and Qwen3's
+    # max_window_layers]); rows longer than an active window are refused
     sliding_window: tuple = ()
     # config.json's fields transformers 5.x saves under another name: ((5.x name, the name read here), ...)
     # (backends.config_json reads either)
@@ -297,9 +298,9 @@ class Family:
             return int(config.index_topk)
         if not self.sliding_window:
             return 0
-        window_key, switch = self.sliding_window
+        window_key, switch, *first = self.sliding_window
         window = getattr(config, window_key, None)
-        on = getattr(config, switch, False) and _slides_somewhere(config) if switch else True
+        on = getattr(config, switch, False) and _slides_somewhere(config, *first) if switch else True
         window = int(window) if window and on else 0
         floor = getattr(config, "floor_scale", 0) if getattr(config, "attn_temperature_tuning", False) else 0
         if floor:  # Llama 4's temperature tuning scales q from position floor_scale - 1 on
@@ -364,15 +365,16 @@ NOT_COMPUTED = {
 }
 
 
-def _slides_somewhere(config) -> bool:
+def _slides_somewhere(config, first_key: str = "") -> bool:
     """Whether a config whose window is switched on (Qwen's ``use_sliding_window``) has a block that slides: its
-    ``layer_types`` say so; without them, the blocks from ``max_window_layers`` on slide (transformers 5.x's rule),
-    none where it is the number of blocks or more.
+    ``layer_types`` say so; without them, the blocks from ``first_key`` on (Qwen2's and Qwen3's
+    ``max_window_layers``: transformers' rule, 4.57's and 5.x's), none where it is the number of blocks or more;
+    every block where the family has no such key (Qwen3-MoE).
     """
     types = getattr(config, "layer_types", None)
     if isinstance(types, (list, tuple)):
         return "sliding_attention" in types
-    first, blocks = getattr(config, "max_window_layers", None), getattr(config, "num_hidden_layers", None)
+    first, blocks = getattr(config, first_key, None) if first_key else None, getattr(config, "num_hidden_layers", None)
     return not (isinstance(first, int) and isinstance(blocks, int) and first >= blocks)
 
 
@@ -844,14 +846,14 @@ FAMILIES["qwen2"] = _built_on_llama("qwen2", "Qwen2",
                                     quantized_revision="dequantized by dist_eval's layers",
                                     unsupported=_unread("Qwen2", "use_qk_norm", "qk_norm_whole",
                                                         "partial_rotary_factor"),
-                                    sliding_window=("sliding_window", "use_sliding_window"),
+                                    sliding_window=("sliding_window", "use_sliding_window", "max_window_layers"),
                                     layer_types=("sliding_attention",), config_defaults=QWEN_DEFAULTS)
 # Qwen3: Llama's block with dist_eval's attention (an RMSNorm over each head's q and k before
 # RoPE, head_dim set apart from hidden/heads); the options' values are also the config's defaults
 # (transformers' Qwen3Config), for a config.json that leaves a key out
 FAMILIES["qwen3"] = _built_on_llama(
     "qwen3", "Qwen3", block_options=(("own_layers", True), ("use_qk_norm", True), ("head_dim", 128)),
-    sliding_window=("sliding_window", "use_sliding_window"), layer_types=("sliding_attention",),
+    sliding_window=("sliding_window", "use_sliding_window", "max_window_layers"), layer_types=("sliding_attention",),
     config_defaults=QWEN_DEFAULTS)
 # Qwen3-MoE: Qwen3's attention; the MLP of a block a mixture of experts (a softmax router choosing
 # num_experts_per_tok of num_experts), but the blocks in mlp_only_layers or off decoder_sparse_step

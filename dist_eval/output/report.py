@@ -187,15 +187,20 @@ def _seconds_alive(pid: int) -> Optional[float]:
 
 
 def _versions() -> dict:
+    """{package: version} of python, dist_eval, datasets and the libraries that compute a row (the row store's and
+    the resume key's KEYED_LIBRARIES, which the shards' merge compares: dist_eval.shard_merge.check_versions).
+    """
     from importlib import metadata
 
+    from dist_eval.backends.provenance import library_versions
+
     out = {"python": platform.python_version()}
-    for package in ("dist_eval", "torch", "transformers", "datasets", "petals", "hivemind"):
+    for package in ("dist_eval", "datasets"):
         try:
             out[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             out[package] = None
-    return out
+    return {**out, **library_versions()}
 
 
 def texts_of(config: EvalConfig, settings: Settings, rows, slices: Optional[dict] = None) -> Optional[dict]:
