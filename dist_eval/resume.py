@@ -57,7 +57,7 @@ def run_key(
     ``settings`` (a :class:`dist_eval.config.Settings`) and the installed libraries' versions.
     Weights are identified by name, size and mtime, not hashed: hashing a 100 GB model at every
     start would cost minutes. ``libraries=False``: the versions left out (the shards' merge compares
-    those that round floats itself, naming the package: :func:`dist_eval.shard_merge.check_versions`).
+    them itself, naming the package: :func:`dist_eval.shard_merge.check_versions`).
     """
     from dist_eval.backends.checkpoint import checkpoint_digest  # a file's bytes; a PEFT adapter's two files
     from dist_eval.backends.provenance import library_versions
