@@ -267,11 +267,13 @@ def test_a_close_while_a_daemon_errors_warning_starts_joins_only_started_threads
     assert capsys.readouterr().err.count("...oWserver failed a request") == 1
 
 
-def test_a_stopped_clients_routing_refresh_still_running_says_nothing_of_the_stop():
+@pytest.mark.parametrize("thread_names", [True, False], ids=["logThreads", "no logThreads"])
+def test_a_stopped_clients_routing_refresh_still_running_says_nothing_of_the_stop(thread_names, monkeypatch):
     """A fresh clone's suite under load (root's, beside another suite): SIGTERM to a rank printed petals' routing
     thread's traceback ("OSError: handle is closed"): its refresh, still pinging when the client's shutdown gave up
     waiting for it, met the DHT the shutdown stopped next. petals' own thread, a refresh that outlasts the wait and
-    then fails so: nothing said; another thread's error on that logger is said as ever."""
+    then fails so: nothing said; another thread's error on that logger is said as ever; also where logging records
+    no thread (logging.logThreads off)."""
     import logging
     from weakref import WeakMethod
 
@@ -290,6 +292,7 @@ def test_a_stopped_clients_routing_refresh_still_running_says_nothing_of_the_sto
             raise OSError("handle is closed")
 
     refresh, said = Refresh(), []
+    monkeypatch.setattr(logging, "logThreads", thread_names)
 
     class Keep(logging.Handler):
         def emit(self, record):

@@ -38,6 +38,7 @@ import threading
 from typing import Dict, Optional
 
 from dist_eval.backends.compat import class_at, computes_llama3_itself, configs_are_dataclasses
+from dist_eval.backends.config_json import with_top_level_length
 from dist_eval.backends.rope import rescale_rope
 
 # what the servers dist_eval starts add to the petals version they announce: they compute the
@@ -97,20 +98,6 @@ def _config_init(original):
 
 def _yarn_blocks(config) -> bool:
     return any(getattr(config, option, False) for option in YARN_BLOCK_OPTIONS)
-
-
-def with_top_level_length(config, scaling: Optional[dict]) -> Optional[dict]:
-    """``scaling`` (config.json's llama3 or yarn settings) with config.json's top-level
-    ``original_max_position_embeddings`` where it has one: transformers 5.x reads that one before the settings' own
-    (Phi-3's layout), where the settings are one for every layer (not those kept by label: Family.rope_labels).
-    """
-    from dist_eval.backends.families import family_named
-
-    length = getattr(config, "original_max_position_embeddings", None)
-    family = family_named(getattr(config, "model_type", None))
-    if not scaling or not length or (family is not None and family.rope_labels):
-        return scaling
-    return {**scaling, "original_max_position_embeddings": length}
 
 
 # what transformers 5.x's config classes move into ``rope_parameters``, read by the blocks here where 4.x keeps

@@ -257,9 +257,10 @@ def _report_without_heads(report, heads: tuple, unread: tuple, *args, **kwargs):
     info = kwargs.get("loading_info")
     if info is not None and info.missing_keys and _all_of_heads(info.missing_keys, heads):
         info = kwargs["loading_info"] = dataclasses.replace(info, missing_keys=set())
-    said = {key for key in (info.unexpected_keys or ()) if str(key) not in unread} if info is not None else set()
-    if info is not None and len(said) != len(info.unexpected_keys or ()):  # the others' rows as they are
-        kwargs["loading_info"] = dataclasses.replace(info, unexpected_keys=said)
+    if info is not None and info.unexpected_keys:
+        said = {key for key in info.unexpected_keys if str(key) not in unread}
+        if len(said) != len(info.unexpected_keys):  # the others' rows as they are
+            kwargs["loading_info"] = dataclasses.replace(info, unexpected_keys=said)
     return report(*args, **kwargs)
 
 

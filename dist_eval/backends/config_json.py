@@ -38,6 +38,7 @@ import copy
 import functools
 import json
 import os
+from types import SimpleNamespace
 from typing import Optional
 
 from dist_eval.backends.families import family_named, family_of
@@ -320,8 +321,6 @@ def family_of_folder(model_dir: str):
     """The family of a model folder (its config.json, read in either form), without transformers;
     what no block here computes refused (:func:`dist_eval.backends.families.family_of`).
     """
-    from types import SimpleNamespace
-
     return family_of(SimpleNamespace(**read_config_json(model_dir)), model_dir)
 
 
@@ -353,6 +352,18 @@ ROPE_WHERE_GIVEN = ("partial_rotary_factor", "compress_rope_theta", "max_positio
 ROPE_KEY = "dist_eval_rope"
 
 
+def with_top_level_length(config, scaling: Optional[dict]) -> Optional[dict]:
+    """``scaling`` (config.json's llama3 or yarn settings) with config.json's top-level
+    ``original_max_position_embeddings`` where it has one: transformers 5.x reads that one before the settings' own
+    (Phi-3's layout), where the settings are one for every layer (not those kept by label: Family.rope_labels).
+    """
+    length = getattr(config, "original_max_position_embeddings", None)
+    family = family_named(getattr(config, "model_type", None))
+    if not scaling or not length or (family is not None and family.rope_labels):
+        return scaling
+    return {**scaling, "original_max_position_embeddings": length}
+
+
 def rope_settings(config: dict) -> dict:
     """The RoPE settings of ``config`` (:func:`read_as_saved`'s dict, either generation's file) as the blocks read
     them, in JSON values: ``rope_theta`` and ``rope_scaling`` always (the family's default base; None for no
@@ -368,10 +379,11 @@ def rope_settings(config: dict) -> dict:
         if scaling.get("rope_type") in (None, "default") and not set(scaling) - {"rope_type"}:
             scaling = None
     kind = rope_kind(scaling or {})
-    if kind in ("llama3", "yarn") and not (family is not None and family.rope_labels):  # blocks.with_top_level_length
-        length = config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
-        if length or kind == "yarn":
-            scaling["original_max_position_embeddings"] = length or config.get("max_position_embeddings")
+    if kind in ("llama3", "yarn"):  # the original length the blocks take
+        scaling = with_top_level_length(SimpleNamespace(**config), scaling)
+        if kind == "yarn" and not scaling.get("original_max_position_embeddings") and not (
+                family is not None and family.rope_labels):
+            scaling = {**scaling, "original_max_position_embeddings": config.get("max_position_embeddings")}
     settings = {"rope_theta": config.get("rope_theta") or default_rope_theta(family), "rope_scaling": scaling}
     for name in ROPE_WHERE_GIVEN:
         reads = name != "max_position_embeddings" or kind == "dynamic" or (kind == "yarn" and not scaling.get("factor"))

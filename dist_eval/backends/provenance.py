@@ -111,8 +111,9 @@ def rope_refusal(own: dict, servers: Iterable) -> str:
     others: Dict[str, tuple] = {}
     for peer_id, info in servers:
         theirs = getattr(info, ROPE_KEY, None)
-        if _state_name(info) == "online" and isinstance(theirs, dict) and rope_differences(own, theirs):
-            others[str(peer_id)] = (theirs, rope_differences(own, theirs))
+        differ = rope_differences(own, theirs) if _state_name(info) == "online" and isinstance(theirs, dict) else []
+        if differ:
+            others[str(peer_id)] = (theirs, differ)
     if not others:
         return ""
     theirs, names = next(iter(others.values()))

@@ -258,7 +258,8 @@ class _FromThread(logging.Filter):
         self.ident = ident
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.thread != self.ident
+        # a logger's filters run in the thread that logs (record.thread is None where logging.logThreads is off)
+        return threading.get_ident() != self.ident
 
 
 def shutdown_petals_client(sequence_manager) -> None:
