@@ -222,14 +222,13 @@ def _with_config(model, folder, **fields):
 def test_a_client_whose_config_json_says_other_rope_than_its_servers_is_refused(swarm, tiny_model, tiny_checkpoint,
                                                                               tmp_path):
     """A release's config.json edited on the client only (its model card's yarn or a linear factor for long
-    context) is another model on every block, which the servers compute from their own file: refused at the load
-    in one line naming the servers and the setting each side has (the servers announce theirs:
-    swarm.server.announcing_numerics); a server met after the load (the wire's check) likewise. The same settings
-    in transformers 4.x's form are the same RoPE: served."""
+    context) is another model on every block, which the servers compute from their own file: with no other
+    server, refused at the load in one line naming the servers and the setting each side has (the servers
+    announce theirs: swarm.server.announcing_numerics). The same settings in transformers 4.x's form are the same
+    RoPE: served."""
     import torch
 
     from dist_eval.backends import load_model
-    from dist_eval.backends.petals.wire import OWN_ROPE_ATTR
     from dist_eval.errors import UsageError
 
     peers = dict(initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix, checkpoint=tiny_checkpoint)
@@ -241,6 +240,8 @@ def test_a_client_whose_config_json_says_other_rope_than_its_servers_is_refused(
     message = str(refused.value)
     assert "\n" not in message and "other RoPE settings" in message, message
     assert 'rope_scaling {"rope_type": "linear", "factor": 2.0} here, null there' in message, message
+    assert "no other server serves block(s) [0, 1, 2, 3] of 4" in message, message
+    assert message.startswith(f"model_dir={scaled!r}: "), message
     assert any(address.rsplit("/p2p/", 1)[-1][:16] in message for address in swarm.initial_peers), message
 
     old_form = _with_config(tiny_model, tmp_path / "old_form", rope_parameters=None, rope_theta=theta)
@@ -249,10 +250,67 @@ def test_a_client_whose_config_json_says_other_rope_than_its_servers_is_refused(
         input_ids = torch.randint(5, 40, (2, 7), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             assert petals.module(input_ids).shape[0] == 2
-            manager = petals.module.sequence_manager
-            setattr(manager, OWN_ROPE_ATTR, {**getattr(manager, OWN_ROPE_ATTR),
-                                             "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
-            with pytest.raises(UsageError, match="other RoPE settings"):
-                petals.module(input_ids)
+        assert "rope_left_out" not in petals.provenance()
     finally:
         petals.module.close()
+
+
+def test_a_server_of_other_rope_is_left_out_where_others_serve_its_blocks(tiny_swarm, tiny_model, tiny_checkpoint,
+                                                                          tmp_path, capsys):
+    """One server per config.json, each of every block, under one prefix: the client computes on the server of
+    its own file's RoPE and leaves the other out of every route (one warning line naming it; the report's
+    ``rope_left_out``), whether that server was there at the load or joined later (met at the next routing
+    refresh): the logits as without it, bit for bit. A file neither server has is refused."""
+    import torch
+
+    from dist_eval.backends import load_model
+    from dist_eval.errors import UsageError
+
+    theta = json.loads((Path(tiny_model) / "config.json").read_text())["rope_parameters"]["rope_theta"]
+    scaled = _with_config(tiny_model, tmp_path / "scaled",
+                          rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": theta})
+    input_ids = torch.randint(5, 40, (3, 9), generator=torch.Generator().manual_seed(1))
+    with forking_from(tiny_swarm):
+        plain = one_thread_swarm(tiny_model, num_servers=1, dht_prefix="dist-eval-rope")
+        plain_swarm = next(plain)
+        try:
+            peers = dict(initial_peers=plain_swarm.initial_peers, dht_prefix="dist-eval-rope",
+                         checkpoint=tiny_checkpoint)
+            client = load_model("petals", tiny_model, **peers)
+            try:
+                with torch.no_grad():
+                    alone = client.module(input_ids)
+                capsys.readouterr()
+                other = one_thread_swarm(scaled, num_servers=1, dht_prefix="dist-eval-rope",
+                                         join_peers=plain_swarm.initial_peers)
+                next(other)
+                try:
+                    client.module.sequence_manager.update(wait=True)
+                    with torch.no_grad():
+                        beside = client.module(input_ids)
+                    left_out = client.provenance()["rope_left_out"]
+                    said = [line for line in capsys.readouterr().err.splitlines() if "left out of every route" in line]
+
+                    scaled_client = load_model("petals", scaled, **peers)  # the other way round: the plain one out
+                    try:
+                        with torch.no_grad():
+                            scaled_logits = scaled_client.module(input_ids)
+                        scaled_left_out = scaled_client.provenance()["rope_left_out"]
+                    finally:
+                        scaled_client.module.close()
+                    tripled = _with_config(tiny_model, tmp_path / "tripled",
+                                           rope_parameters={"rope_type": "linear", "factor": 3.0, "rope_theta": theta})
+                    with pytest.raises(UsageError, match=r"no other server serves block\(s\) \[0, 1, 2, 3\] of 4"):
+                        load_model("petals", tripled, **peers)
+                finally:
+                    other.close()
+            finally:
+                client.module.close()
+        finally:
+            plain.close()
+    plain_peer = plain_swarm.initial_peers[0].rsplit("/p2p/", 1)[-1]
+    assert list(left_out.values()) == [{"rope_scaling": {"rope_type": "linear", "factor": 2.0}}], left_out
+    assert plain_peer not in left_out and list(scaled_left_out) == [plain_peer], (left_out, scaled_left_out)
+    assert len(said) == 1 and list(left_out)[0][:16] in said[0], said
+    assert_same_bits(beside, alone, "the logits with a server of other RoPE beside, against without it")
+    assert not torch.equal(scaled_logits, alone), "the other server computed the same numbers: the test shows nothing"

@@ -226,7 +226,7 @@ def test_a_config_json_that_is_not_an_object_names_the_file(tmp_path):
 
 
 def test_the_rope_a_client_compares_with_its_servers_is_the_rope_the_blocks_read():
-    """rope_settings, which a client compares with each server's announcement (provenance.rope_refusal): the same
+    """rope_settings, which a client compares with each server's announcement (leave_out_other_rope): the same
     RoPE in either generation's form (5.x writes a yarn's original length in) or with a length its kind does not
     read compares equal; an added scaling, another base, factor or original length differs; a setting one file
     leaves out (its class's default) is not compared."""

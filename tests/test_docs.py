@@ -71,6 +71,7 @@ DESCEND = ("run", "reliability", "run.sample", "run.pair", "run.row_store")
 # documented keys a small local run cannot write
 ONLY_ELSEWHERE = {"run.swarm": "the petals backend (tests/test_backends_petals.py)",
                   "run.swarm.audit": "a petals run with --audit (tests/test_audit.py)",
+                  "run.swarm.rope_left_out": "a swarm with a server of other RoPE (tests/test_backends_petals.py)",
                   "run.pair.compared_with_run_key": "a run of --stop-when-decided (tests/test_stopping.py)"}
 TOP_K = re.compile(r"top\d+_accuracy")
 

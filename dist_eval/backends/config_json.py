@@ -348,7 +348,7 @@ ROPE_ALWAYS = ("rope_theta", "rope_scaling")
 ROPE_WHERE_GIVEN = ("partial_rotary_factor", "compress_rope_theta", "max_position_embeddings")
 # the key of a server's announcement (petals' ServerInfo, extra_info) holding its rope_settings: dist_eval's servers
 # add it, a client keeps it (backends.petals.audit.announced_numerics_replacements) and compares
-# (backends.provenance.rope_refusal)
+# (backends.petals.failover.leave_out_other_rope)
 ROPE_KEY = "dist_eval_rope"
 
 

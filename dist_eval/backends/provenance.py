@@ -101,34 +101,6 @@ def servers_of(block_infos: Iterable) -> list:
     return [pair for block in block_infos for pair in (getattr(block, "servers", None) or {}).items()]
 
 
-def rope_refusal(own: dict, servers: Iterable) -> str:
-    """One line refusing the online ``servers`` ((peer id, ServerInfo) pairs) that announce RoPE settings other
-    than ``own`` (the client's config.json's, :func:`~dist_eval.backends.config_json.rope_settings`); '' where none
-    does. A server that announces none (petals' own, an older dist_eval's) is not checked here.
-    """
-    from dist_eval.backends.config_json import ROPE_KEY, rope_differences
-
-    others: Dict[str, tuple] = {}
-    for peer_id, info in servers:
-        theirs = getattr(info, ROPE_KEY, None)
-        differ = rope_differences(own, theirs) if _state_name(info) == "online" and isinstance(theirs, dict) else []
-        if differ:
-            others[str(peer_id)] = (theirs, differ)
-    if not others:
-        return ""
-    theirs, names = next(iter(others.values()))
-    named = ", ".join(f"{peer[:16]}..." for peer in list(others)[:3]) + (" ..." if len(others) > 3 else "")
-
-    def shown(value) -> str:  # a server's announcement is its own: any msgpack value, any size
-        text = json.dumps(value, default=repr)
-        return text if len(text) <= 200 else text[:200] + "..."
-
-    said = "; ".join(f"{name} {shown(own.get(name))} here, {shown(theirs.get(name))} there" for name in names)
-    return (f"server(s) {named} compute this model's blocks from a config.json with other RoPE settings ({said}): "
-            "their numbers are another model's. Start the servers from the same config.json (python -m "
-            "dist_eval.swarm), or evaluate with the file they serve.")
-
-
 def replicas_warning(run: dict) -> str:
     """One line for the summary when some block's replicas differed, else ''."""
     swarm = run.get("swarm") or {}

@@ -279,7 +279,7 @@ def announcing_numerics() -> list:
     """The server's announcement (petals' ServerInfo.to_tuple) names its kernels (:func:`kernels_of` its
     device, set as the server is made), so that the swarm audit compares servers of the same ones bit for bit, and
     the RoPE of the config.json it serves (:func:`served_rope`), which a client compares with its own
-    (:func:`dist_eval.backends.provenance.rope_refusal`).
+    (:func:`dist_eval.backends.petals.failover.leave_out_other_rope`).
     """
     from petals.data_structures import ServerInfo
     from petals.server.server import Server

@@ -405,8 +405,8 @@ def same_kernels(spans: Sequence) -> bool:
 def announced_numerics_replacements() -> list:
     """Petals' ServerInfo.from_tuple, keeping what a server announces of its numbers (its pydantic fields drop extra
     keys): its kernels (:data:`KERNELS_KEY`, read by :func:`kernels`) and the RoPE of the config.json it serves
-    (:data:`~dist_eval.backends.config_json.ROPE_KEY`, read by :func:`~dist_eval.backends.provenance.rope_refusal`),
-    attributes of the ServerInfo it makes.
+    (:data:`~dist_eval.backends.config_json.ROPE_KEY`, read by
+    :func:`~dist_eval.backends.petals.failover.leave_out_other_rope`), attributes of the ServerInfo it makes.
     """
     from petals.data_structures import ServerInfo
 

@@ -131,6 +131,10 @@ class PetalsClassifier(Backend):
         ledger = audit.ledger_of(self.sequence_manager)
         if ledger is not None:  # this client's audit (the report combines the ranks')
             facts["audit"] = ledger.facts()
+        left_out = getattr(self.sequence_manager, failover.ROPE_LEFT_OUT_ATTR, None)
+        if left_out:  # announced other RoPE settings than the client's config.json: out of every route
+            facts["rope_left_out"] = {peer: {name: theirs.get(name) for name in differ}
+                                      for peer, (theirs, differ) in sorted(left_out.items())}
         return facts
 
     def close(self) -> None:
@@ -298,7 +302,7 @@ def load_petals(
             read_saved_lm_head(family.get(inner, family.lm_head), folder, inner.config, family)
         wait_for_blocks(manager, swarm_timeout, dht_prefix)
         _require_block_options(manager, family, inner.config, servers_started_from_4x_config)
-        _require_servers_rope(manager, folder, model_dir)
+        _leave_out_servers_of_other_rope(manager, folder, model_dir)
     except BaseException:
         shutdown_petals_client(manager)
         raise
@@ -309,21 +313,18 @@ def load_petals(
     return ZeroShotScorer(client, family.get(inner, family.lm_head), label_words)
 
 
-def _require_servers_rope(manager, folder: str, model_dir: str) -> None:
-    """Refuse the swarm where a server computes the blocks from a config.json of other RoPE settings than
-    ``folder``'s (the client's copy of ``model_dir``, which the refusal names:
-    :func:`~dist_eval.backends.provenance.rope_refusal`); the client's kept for servers met later
-    (:data:`~dist_eval.backends.petals.wire.OWN_ROPE_ATTR`).
+def _leave_out_servers_of_other_rope(manager, folder: str, model_dir: str) -> None:
+    """Leave out of every route the servers that compute the blocks from a config.json of other RoPE settings than
+    ``folder``'s (the client's copy of ``model_dir``, which a refusal names, where a block has no other server:
+    :func:`~dist_eval.backends.petals.failover.leave_out_other_rope`); the settings kept for servers met later.
     """
     from dist_eval.backends.config_json import read_config_json, rope_settings
-    from dist_eval.backends.petals.wire import OWN_ROPE_ATTR
-    from dist_eval.backends.provenance import rope_refusal, servers_of
 
-    own = rope_settings(read_config_json(folder))
-    setattr(manager, OWN_ROPE_ATTR, own)
-    refusal = rope_refusal(own, servers_of(manager.state.sequence_info.block_infos))
-    if refusal:
-        raise UsageError(refusal, param="model_dir", value=model_dir)
+    setattr(manager, failover.OWN_ROPE_ATTR, rope_settings(read_config_json(folder)))
+    try:
+        failover.leave_out_other_rope(manager)
+    except UsageError as e:
+        raise UsageError(e.message, param="model_dir", value=model_dir) from None
 
 
 def _require_block_options(manager, family: Family, config, servers_read_4x_form: bool = False) -> None:

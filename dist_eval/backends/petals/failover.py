@@ -1,6 +1,7 @@
 """Swarm failures: route around a failed server at once, and name the blocks left unserved."""
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -175,6 +176,73 @@ def flush_daemon_error_warnings(timeout: float = 5.0) -> None:
             waiting.join(timeout)
     finally:
         _said_at_close.clear()
+
+
+# On a client's sequence manager: its config.json's RoPE settings (backends.config_json.rope_settings), set at the
+# load; the servers compared with them (peer ids) and those left out of every route for announcing others.
+OWN_ROPE_ATTR = "dist_eval_own_rope"
+_ROPE_COMPARED_ATTR = "dist_eval_rope_compared"
+ROPE_LEFT_OUT_ATTR = "dist_eval_rope_left_out"
+
+
+def leave_out_other_rope(manager) -> dict:
+    """Leave out of every route the online servers of the routing table that announce other RoPE settings than
+    the client's config.json (:data:`OWN_ROPE_ATTR`): in petals' own ``blocked_servers``, which every refresh of
+    the table applies, and out of the table now, said in one line. A :class:`~dist_eval.errors.UsageError`
+    (``model_dir``) where a block they served has no other online server. Each server is compared once.
+    Returns {peer id: (its settings, the names that differ)} of every server left out so far.
+    """
+    from petals.data_structures import ServerState
+
+    from dist_eval.backends.config_json import ROPE_KEY, rope_differences
+
+    left_out = manager.__dict__.setdefault(ROPE_LEFT_OUT_ATTR, {})
+    own = getattr(manager, OWN_ROPE_ATTR, None)
+    if own is None:
+        return left_out
+    compared = manager.__dict__.setdefault(_ROPE_COMPARED_ATTR, set())
+    info, unserved = manager.state.sequence_info, []
+    with manager.lock_changes:
+        new = {str(peer): (peer, server) for block in info.block_infos for peer, server in block.servers.items()
+               if str(peer) not in compared and server.state == ServerState.ONLINE}
+        others = {}
+        for peer, (_, server) in new.items():  # a server that announces none (petals' own) is not compared
+            theirs = getattr(server, ROPE_KEY, None)
+            differ = rope_differences(own, theirs) if isinstance(theirs, dict) else []
+            if differ:
+                others[peer] = (theirs, differ)
+        compared.update(new)
+        if not others:
+            return left_out
+        left_out.update(others)
+        peers = {new[peer][0] for peer in others}
+        manager.blocked_servers = set(manager.blocked_servers or ()) | peers
+        for index, block in enumerate(info.block_infos):
+            served_by_them = [block.servers.pop(peer) for peer in peers if peer in block.servers]
+            if served_by_them and not any(s.state == ServerState.ONLINE for s in block.servers.values()):
+                unserved.append(index)
+        info.spans_by_priority, info.spans_containing_block = info._sort_spans(info.block_infos)
+    line = _other_rope_line(own, others)
+    if unserved:
+        raise UsageError(f"{line}, and no other server serves block(s) {unserved} of {len(info.block_infos)}. "
+                         "Start the servers from the same config.json (python -m dist_eval.swarm), or evaluate with "
+                         "the file they serve.", param="model_dir")
+    warn(f"{line}: left out of every route (metrics.json: run.swarm.rope_left_out).")
+    return left_out
+
+
+def _other_rope_line(own: dict, others: dict) -> str:
+    """The start of a line about ``others`` (:func:`leave_out_other_rope`'s): which servers, each side's value."""
+    theirs, names = next(iter(others.values()))
+    named = ", ".join(f"{peer[:16]}..." for peer in list(others)[:3]) + (" ..." if len(others) > 3 else "")
+
+    def shown(value) -> str:  # a server's announcement is its own: any msgpack value, any size
+        text = json.dumps(value, default=repr)
+        return text if len(text) <= 200 else text[:200] + "..."
+
+    said = "; ".join(f"{name} {shown(own.get(name))} here, {shown(theirs.get(name))} there" for name in names)
+    return (f"server(s) {named} compute this model's blocks from a config.json with other RoPE settings ({said}): "
+            "their numbers are another model's")
 
 
 def unserved_blocks(manager) -> list:

@@ -52,16 +52,11 @@ import numpy as np
 import torch
 
 from dist_eval.backends.petals import audit
-from dist_eval.backends.petals.failover import ServerAnswerError, server_failure
-from dist_eval.backends.provenance import rope_refusal
-from dist_eval.errors import UsageError
+from dist_eval.backends.petals.failover import ServerAnswerError, leave_out_other_rope, server_failure
 
 POSITIONS_KEY = "dist_eval_read_positions"  # request metadata: one position per row (the last server's answer)
 TOKEN_IDS_KEY = "dist_eval_token_ids"  # rpc_info: SHA-256 of the token embeddings this server looks ids up in
 _PEERS_ATTR = "dist_eval_peer_wire"  # on a client's sequence manager: peer -> _PeerWire
-# on a client's sequence manager: its config.json's RoPE settings (backends.config_json.rope_settings), which a
-# server it sends a request to must not announce otherwise (servers met after the load's check of the swarm)
-OWN_ROPE_ATTR = "dist_eval_own_rope"
 
 
 def embeddings_digest(table: torch.Tensor) -> str:
@@ -270,6 +265,7 @@ def _route(manager, block: int, end: int, request: Optional[_Request] = None,
     inf (``non_finite``) where it met one of them. :class:`~dist_eval.backends.petals.audit.NonFiniteAnswer`
     where no route avoids the latter.
     """
+    leave_out_other_rope(manager)  # servers that joined since the load's comparison
     spans = deque(manager.make_sequence(block, end, mode="max_throughput"))
     spans[-1].end = min(spans[-1].end, end)
     ledger = audit.ledger_of(manager)
@@ -296,10 +292,8 @@ async def _run_span(request: _Request, manager, span, inputs: torch.Tensor,
     from petals.server.handler import TransformerConnectionHandler
     from petals.utils.packaging import pack_args_kwargs
 
-    own_rope = getattr(manager, OWN_ROPE_ATTR, None)
-    refusal = rope_refusal(own_rope, [(span.peer_id, span.server_info)]) if own_rope is not None else ""
-    if refusal:  # the client's own error, as at the load's check: the run stops, no server banned or retried
-        raise UsageError(refusal, param="model_dir")
+    if str(span.peer_id) in leave_out_other_rope(manager):  # joined after the route was made (an audit's too)
+        raise ServerAnswerError(f"server {span.peer_id} announces other RoPE settings than the client's config.json")
     stub = TransformerConnectionHandler.get_stub(manager.state.p2p, span.peer_id)
     span_prompts = request.prompts[span.start : span.end]
     if span.start == 0:
