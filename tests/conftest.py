@@ -47,6 +47,7 @@ def pytest_configure(config):
     for plugin in (process_leaks, suite_plugin):
         if not config.pluginmanager.is_registered(plugin):
             config.pluginmanager.register(plugin, f"dist_eval_{plugin.__name__}")
+    process_leaks.stop_on_sigterm(config)
 
 # This test process's own mark, inherited by every process it starts (also once orphaned): each
 # pytest process (an xdist worker too) sets its own, so that swarm_server_pids tells this process's

@@ -45,6 +45,31 @@ _session_groups: Set[int] = set()  # their process groups and sessions (a server
 _STARTED = pytest.StashKey[Dict[tuple, str]]()  # a test's processes: (pid, started) -> command line
 
 
+def stop_on_sigterm(config) -> None:
+    """SIGTERM to this pytest process (a scheduler's cancel, ``timeout``, ``kill``) stops it as Ctrl-C does:
+    every fixture torn down, so what the tests started is stopped (pytest's default, dying at once, left a
+    swarm a test had started as a user does, in a session of its own, serving on). xdist's controller passes
+    the signal on to its workers first: a worker started with SIGINT ignored (a shell's ``&``) cannot be
+    interrupted otherwise, and went on with its test. A process forked from this one (that inherits the
+    handler) gets SIGTERM's default: it dies."""
+    installed_by = os.getpid()
+    controller = not hasattr(config, "workerinput") and bool(config.getoption("numprocesses", None))
+
+    def interrupt(signum, frame):
+        if os.getpid() != installed_by:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if controller:  # its children are its workers
+            for pid, proc in _processes().items():
+                if proc.ppid == installed_by:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def _processes() -> Dict[int, Proc]:
     """Every process, from /proc.
 
