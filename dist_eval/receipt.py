@@ -87,14 +87,12 @@ def data_identity(path: str, dataset=None) -> dict:
 
 
 def code_facts() -> dict:
-    """dist_eval's version and, in a git checkout, its commit (read from .git, no git process)."""
-    from importlib import metadata
+    """dist_eval's version, with its code's digest (:func:`~dist_eval.backends.provenance.dist_eval_version`), and,
+    in a git checkout, its commit (read from .git, no git process).
+    """
+    from dist_eval.backends.provenance import dist_eval_version
 
-    try:
-        version = metadata.version("dist_eval")
-    except metadata.PackageNotFoundError:
-        version = None
-    return {"dist_eval": version, "commit": _checkout_commit(os.path.dirname(os.path.dirname(__file__)))}
+    return {"dist_eval": dist_eval_version(), "commit": _checkout_commit(os.path.dirname(os.path.dirname(__file__)))}
 
 
 def _checkout_commit(root: str) -> Optional[str]:

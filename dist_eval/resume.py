@@ -9,8 +9,9 @@ run restarted with another number of ranks still finds every stored batch.
 The run key is a hash of everything that decides a batch's logits: the model folder
 (its config and the names, sizes and modification times of its weight files), the
 checkpoint's bytes, the data's fingerprint, the loaded model's facts, every field of
-:class:`dist_eval.config.Settings` and the versions of the libraries that compute a row
-(:data:`dist_eval.backends.provenance.KEYED_LIBRARIES`, as the row store's key). Stored
+:class:`dist_eval.config.Settings`, the versions of the libraries that compute a row
+(:data:`dist_eval.backends.provenance.KEYED_LIBRARIES`, as the row store's key) and dist_eval's own, with its
+code's digest. Stored
 results under another key are never mixed in: the run says so and removes them.
 """
 from __future__ import annotations
@@ -54,13 +55,14 @@ def run_key(
 ) -> str:
     """A short hash of what decides the results: the model folder's files, the checkpoint,
     the data, the loaded model (a :class:`dist_eval.backends.LoadedModel`), every field of
-    ``settings`` (a :class:`dist_eval.config.Settings`) and the installed libraries' versions.
-    Weights are identified by name, size and mtime, not hashed: hashing a 100 GB model at every
-    start would cost minutes. ``libraries=False``: the versions left out (the shards' merge compares
-    them itself, naming the package: :func:`dist_eval.shard_merge.check_versions`).
+    ``settings`` (a :class:`dist_eval.config.Settings`), the installed libraries' versions and dist_eval's own
+    with its code's digest (:func:`~dist_eval.backends.provenance.dist_eval_version`). Weights are identified by
+    name, size and mtime, not hashed: hashing a 100 GB model at every start would cost minutes.
+    ``libraries=False``: the versions left out (the shards' merge compares them itself, naming the package:
+    :func:`dist_eval.shard_merge.check_versions`).
     """
     from dist_eval.backends.checkpoint import checkpoint_digest  # a file's bytes; a PEFT adapter's two files
-    from dist_eval.backends.provenance import library_versions
+    from dist_eval.backends.provenance import dist_eval_version, library_versions
 
     facts = {
         "model_files": _file_facts(model_dir),
@@ -72,7 +74,7 @@ def run_key(
         "settings": settings.as_dict(),
     }
     if libraries:  # rank 0's (the key is broadcast): a resumed run on another torch, transformers, ... mixes no row
-        facts["libraries"] = library_versions()
+        facts["libraries"] = {**library_versions(), "dist_eval": dist_eval_version()}
     if head:  # a checkpoint's separate head (--head): a file, or a model folder
         facts["head"] = _file_facts(head) if os.path.isdir(head) else file_sha256(head)
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -171,3 +171,38 @@ def test_the_digest_of_a_big_file_is_read_from_the_cache_and_a_bad_cache_is_igno
     (cache / "file_digests.json").unlink()
     os.mkfifo(cache / "file_digests.json")  # a reader that would block: skipped at once
     assert file_digest(path) == digest
+
+
+def test_dist_evals_version_says_which_code_computed_a_row(tmp_path, monkeypatch):
+    """metrics.json's dist_eval version, which the shards' merge compares, and the resume's key carry a digest of
+    the package's code: a one-line change of a module (another RoPE, say) is another version, though the
+    metadata's version stays; the same files are the same version; bytecode is not code."""
+    import shutil
+    from importlib import metadata
+
+    import dist_eval
+    from dist_eval.backends import provenance
+    from dist_eval.config import Settings
+    from dist_eval.resume import run_key
+
+    package = os.path.dirname(dist_eval.__file__)
+    copy = tmp_path / "dist_eval"
+    shutil.copytree(package, copy, ignore=lambda folder, names: [n for n in names if not n.endswith(".py")
+                                                                 and not os.path.isdir(os.path.join(folder, n))])
+    assert provenance.code_digest(str(copy)) == provenance.code_digest(package)
+    (copy / "backends" / "__pycache__").mkdir(exist_ok=True)
+    (copy / "backends" / "__pycache__" / "rope.cpython-311.pyc").write_bytes(b"stale")
+    assert provenance.code_digest(str(copy)) == provenance.code_digest(package)
+    rope = copy / "backends" / "rope.py"
+    rope.write_text(rope.read_text() + "\n# another RoPE\n")
+    assert provenance.code_digest(str(copy)) != provenance.code_digest(package)
+
+    version = provenance.dist_eval_version()
+    assert version.split("+src.") == [metadata.version("dist_eval"), provenance.code_digest(package)[:12]]
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    dataset = type("D", (), {"_fingerprint": "f", "column_names": ["text", "label"], "__len__": lambda self: 3})()
+    model = type("M", (), {"backend": "local", "num_labels": 3, "prompt_tokens": 0})()
+    key = run_key(str(tmp_path / "model"), None, dataset, None, model, Settings())
+    monkeypatch.setattr(provenance, "dist_eval_version", lambda: version.replace("+src.", "+src.0"))
+    assert run_key(str(tmp_path / "model"), None, dataset, None, model, Settings()) != key

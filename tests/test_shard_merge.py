@@ -174,6 +174,16 @@ def test_the_merge_refuses_in_one_line_naming_the_shard(runs, tmp_path, capsys):
     assert merge([*seven[:6], other], tmp_path / "out") == 2
     assert f"shard 6/7 ({other}): another run than shard 0/7" in (err := _one_line_error(capsys))
     assert f"torch 0.0, not {installed}" in err
+    # a shard run by other dist_eval code (the same version number: the version carries the code's digest)
+    from dist_eval.backends.provenance import dist_eval_version
+
+    assert metrics["run"]["versions"]["dist_eval"] == dist_eval_version()
+    metrics["run"]["versions"]["torch"] = installed
+    metrics["run"]["versions"]["dist_eval"] = dist_eval_version().split("+")[0] + "+src.000000000000"
+    (other / "metrics.json").write_text(json.dumps(metrics))
+    assert merge([*seven[:6], other], tmp_path / "out") == 2
+    assert f"dist_eval {dist_eval_version().split('+')[0]}+src.000000000000, not {dist_eval_version()}" in \
+        _one_line_error(capsys)
     for damage in ("shard.npz cut", "shard.npz", "metrics.json"):  # copied in part: one line, nothing written
         shutil.rmtree(other)
         shutil.copytree(seven[6], other)

@@ -134,6 +134,36 @@ def library_versions() -> Dict[str, Optional[str]]:
     return versions
 
 
+@functools.cache
+def dist_eval_version() -> str:
+    """dist_eval's version with a digest of its own code as it runs: ``0.1.0+src.<12 hex>``
+    (:func:`code_digest` of the package). The version in the package's metadata is not bumped at each change, and a
+    change of dist_eval's blocks, RoPE or tokenization changes rows as another transformers does: a run's partial
+    results by other code are not resumed (:func:`dist_eval.resume.run_key`), nor shards of other code merged
+    (:func:`dist_eval.shard_merge.check_versions`). Not the row store's key: a change of how dist_eval computes a
+    family's rows is named there (:meth:`~dist_eval.backends.families.Family.computation_revision`), so that rows
+    stay served across changes that compute them the same.
+    """
+    from importlib import metadata
+
+    try:
+        version = metadata.version("dist_eval")
+    except metadata.PackageNotFoundError:  # the source tree on the path, not installed
+        version = "0"
+    return f"{version}+src.{code_digest(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))[:12]}"
+
+
+def code_digest(package: str) -> str:
+    """The SHA-256 (hex) of every ``.py`` file under the folder ``package``, by relative path and content."""
+    digest = hashlib.sha256()
+    for folder, subfolders, names in os.walk(package):
+        subfolders[:] = sorted(name for name in subfolders if name != "__pycache__")
+        for name in sorted(name for name in names if name.endswith(".py")):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, package).encode() + b"\0" + file_sha256(path).encode())
+    return digest.hexdigest()
+
+
 def file_digest(path: str) -> str:
     """A file's content: its SHA-256; over WHOLE_HASH_BYTES, read from the digest cache when
     the file is unchanged since it was hashed (see DIGEST_CACHE above), else hashed and kept there.

@@ -187,19 +187,18 @@ def _seconds_alive(pid: int) -> Optional[float]:
 
 
 def _versions() -> dict:
-    """{package: version} of python, dist_eval, datasets and the libraries that compute a row (the row store's and
-    the resume key's KEYED_LIBRARIES, which the shards' merge compares: dist_eval.shard_merge.check_versions).
+    """{package: version} of python, datasets, dist_eval (with its code's digest) and the libraries that compute a
+    row (the row store's and the resume key's, which the shards' merge compares: dist_eval.shard_merge.check_versions).
     """
     from importlib import metadata
 
-    from dist_eval.backends.provenance import library_versions
+    from dist_eval.backends.provenance import dist_eval_version, library_versions
 
-    out = {"python": platform.python_version()}
-    for package in ("dist_eval", "datasets"):
-        try:
-            out[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            out[package] = None
+    out = {"python": platform.python_version(), "dist_eval": dist_eval_version()}
+    try:
+        out["datasets"] = metadata.version("datasets")
+    except metadata.PackageNotFoundError:
+        out["datasets"] = None
     return {**out, **library_versions()}
 
 
