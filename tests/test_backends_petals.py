@@ -258,9 +258,11 @@ def test_a_client_whose_config_json_says_other_rope_than_its_servers_is_refused(
 def test_a_server_of_other_rope_is_left_out_where_others_serve_its_blocks(tiny_swarm, tiny_model, tiny_checkpoint,
                                                                           tmp_path, capsys):
     """One server per config.json, each of every block, under one prefix: the client computes on the server of
-    its own file's RoPE and leaves the other out of every route (one warning line naming it; the report's
-    ``rope_left_out``), whether that server was there at the load or joined later (met at the next routing
+    its own file's RoPE and leaves the other out of every route, dist_eval's wire's and petals' own forward's (one
+    warning line naming it, no failure or ban; the report's ``rope_left_out``; petals' blocked_servers keep it out
+    of later refreshes), whether that server was there at the load or joined later (met at the next routing
     refresh): the logits as without it, bit for bit. A file neither server has is refused."""
+    import numpy as np
     import torch
 
     from dist_eval.backends import load_model
@@ -279,17 +281,23 @@ def test_a_server_of_other_rope_is_left_out_where_others_serve_its_blocks(tiny_s
             client = load_model("petals", tiny_model, **peers)
             try:
                 with torch.no_grad():
-                    alone = client.module(input_ids)
+                    alone, alone_states = client.module(input_ids), client.module.hidden_states(input_ids)
                 capsys.readouterr()
                 other = one_thread_swarm(scaled, num_servers=1, dht_prefix="dist-eval-rope",
                                          join_peers=plain_swarm.initial_peers)
                 next(other)
                 try:
-                    client.module.sequence_manager.update(wait=True)
-                    with torch.no_grad():
+                    manager = client.module.sequence_manager
+                    manager.update(wait=True)
+                    np.random.seed(0)  # petals' own route picks either server at random: without the leave-out, one
+                    with torch.no_grad():  # of these eight would be the other's (petals' path: hidden_states)
+                        own_path = [client.module.hidden_states(input_ids) for _ in range(8)]
                         beside = client.module(input_ids)
                     left_out = client.provenance()["rope_left_out"]
-                    said = [line for line in capsys.readouterr().err.splitlines() if "left out of every route" in line]
+                    manager.update(wait=True)  # a refresh of the routing table: petals' blocked_servers keep it out
+                    listed = {str(peer) for block in manager.state.sequence_info.block_infos for peer in block.servers}
+                    err = capsys.readouterr().err
+                    said = [line for line in err.splitlines() if "left out of every route" in line]
 
                     scaled_client = load_model("petals", scaled, **peers)  # the other way round: the plain one out
                     try:
@@ -312,5 +320,9 @@ def test_a_server_of_other_rope_is_left_out_where_others_serve_its_blocks(tiny_s
     assert list(left_out.values()) == [{"rope_scaling": {"rope_type": "linear", "factor": 2.0}}], left_out
     assert plain_peer not in left_out and list(scaled_left_out) == [plain_peer], (left_out, scaled_left_out)
     assert len(said) == 1 and list(left_out)[0][:16] in said[0], said
+    assert "failed a request" not in err, err  # no failure of the server's, no ban
+    assert plain_peer in listed and not set(left_out) & listed, (listed, left_out)
     assert_same_bits(beside, alone, "the logits with a server of other RoPE beside, against without it")
+    for states in own_path:
+        assert_same_bits(states, alone_states, "petals' own forward with a server of other RoPE beside")
     assert not torch.equal(scaled_logits, alone), "the other server computed the same numbers: the test shows nothing"

@@ -96,11 +96,6 @@ def servers_without_block_options(block_infos: Iterable) -> list:
             if not str(s["petals_version"]).endswith(SERVER_VERSION_MARK)]
 
 
-def servers_of(block_infos: Iterable) -> list:
-    """(peer id, petals' ServerInfo) of every server of ``block_infos`` (the client's routing table)."""
-    return [pair for block in block_infos for pair in (getattr(block, "servers", None) or {}).items()]
-
-
 def replicas_warning(run: dict) -> str:
     """One line for the summary when some block's replicas differed, else ''."""
     swarm = run.get("swarm") or {}

@@ -114,7 +114,8 @@ def run_facts(context: RunContext, pair: Pair, pair_started: float, run_keys: tu
 
 def _swarm_facts(model) -> Optional[dict]:
     """Rank 0, a swarm's run: its servers as announced in the DHT, with the audit of every rank's
-    client (each audits its own forwards) added up; every rank calls it.
+    client (each audits its own forwards) added up, and the servers of other RoPE any rank left out; every rank
+    calls it.
     """
     from dist_eval.backends.petals.audit import combine
 
@@ -122,6 +123,11 @@ def _swarm_facts(model) -> Optional[dict]:
     audited = combine(ranks.all_gather_object((swarm or {}).get("audit")))
     if swarm is not None and audited is not None:
         swarm["audit"] = audited
+    # the servers of other RoPE every rank left out (one may have met a server the others did not)
+    left_out = {peer: differ for part in ranks.all_gather_object((swarm or {}).get("rope_left_out")) if part
+                for peer, differ in part.items()}
+    if swarm is not None and left_out:
+        swarm["rope_left_out"] = dict(sorted(left_out.items()))
     return swarm if ranks.is_main_process() else None
 
 

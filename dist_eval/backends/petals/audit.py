@@ -341,6 +341,9 @@ def disjoint_route(manager, avoid: set, end: int, ledger: Optional[AuditLedger],
     """
     from petals.data_structures import RemoteSpanInfo, ServerState
 
+    from dist_eval.backends.petals.failover import leave_out_other_rope
+
+    leave_out_other_rope(manager)  # servers of other RoPE than the client's: never a replay's route
     spans, block = [], start
     containing = manager.state.sequence_info.spans_containing_block
 

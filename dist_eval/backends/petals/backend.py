@@ -26,7 +26,7 @@ from dist_eval.backends.petals.requests import (
 from dist_eval.backends.petals.shims import import_petals
 from dist_eval.backends.petals.wire import embeddings_digest, forward_over_wire
 from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer, read_saved_lm_head
-from dist_eval.errors import UsageError, one_line, printable
+from dist_eval.errors import UsageError, one_line, printable, warn
 from dist_eval.procs import remove_dead_hivemind_sockets
 
 
@@ -134,7 +134,7 @@ class PetalsClassifier(Backend):
         left_out = getattr(self.sequence_manager, failover.ROPE_LEFT_OUT_ATTR, None)
         if left_out:  # announced other RoPE settings than the client's config.json: out of every route
             facts["rope_left_out"] = {peer: {name: theirs.get(name) for name in differ}
-                                      for peer, (theirs, differ) in sorted(left_out.items())}
+                                      for peer, (theirs, differ, _) in sorted(left_out.items())}
         return facts
 
     def close(self) -> None:
@@ -315,16 +315,22 @@ def load_petals(
 
 def _leave_out_servers_of_other_rope(manager, folder: str, model_dir: str) -> None:
     """Leave out of every route the servers that compute the blocks from a config.json of other RoPE settings than
-    ``folder``'s (the client's copy of ``model_dir``, which a refusal names, where a block has no other server:
-    :func:`~dist_eval.backends.petals.failover.leave_out_other_rope`); the settings kept for servers met later.
+    ``folder``'s (the client's copy of ``model_dir``: :func:`~dist_eval.backends.petals.failover.leave_out_other_rope`),
+    the settings kept for servers met later; refused in one line naming ``model_dir`` where a block has no other
+    server. (After the load, a block so left without one is the swarm's failure: waited for, then named.)
     """
     from dist_eval.backends.config_json import read_config_json, rope_settings
 
     setattr(manager, failover.OWN_ROPE_ATTR, rope_settings(read_config_json(folder)))
-    try:
-        failover.leave_out_other_rope(manager)
-    except UsageError as e:
-        raise UsageError(e.message, param="model_dir", value=model_dir) from None
+    unserved = failover.leave_out_other_rope(manager, say=False)
+    left_out = getattr(manager, failover.ROPE_LEFT_OUT_ATTR)
+    if unserved:
+        raise UsageError(f"{failover.other_rope_line(manager, left_out)}, and no other server serves block(s) "
+                         f"{unserved} of {len(manager)}. Start the servers from the same config.json (python -m "
+                         "dist_eval.swarm), or evaluate with the file they serve.", param="model_dir", value=model_dir)
+    if left_out:
+        warn(f"{failover.other_rope_line(manager, left_out)}: left out of every route (metrics.json: "
+             "run.swarm.rope_left_out).")
 
 
 def _require_block_options(manager, family: Family, config, servers_read_4x_form: bool = False) -> None:

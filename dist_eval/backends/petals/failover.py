@@ -32,6 +32,9 @@ def failover_replacements() -> list:
     the forward at once with :class:`~dist_eval.backends.petals.requests.RequestTooLarge` (for
     clients whose request size dist_eval drives), without a ban or a retry of the same size.
 
+    Every route (``make_sequence``) first leaves out the servers of other RoPE than the client's config.json
+    (:func:`leave_out_other_rope`).
+
     Also records each peer's last request outcome (``state.dist_eval_outcomes``: peer
     -> (monotonic time, ok)) so that, when a batch keeps failing, the blocks whose every
     server is failing can be named (see :func:`unserved_blocks`).
@@ -40,6 +43,7 @@ def failover_replacements() -> list:
 
     original_failure = RemoteSequenceManager.on_request_failure
     original_success = RemoteSequenceManager.on_request_success
+    original_route = RemoteSequenceManager.make_sequence
 
     def on_request_failure(self, peer_id):
         helper_died = getattr(self, "dist_eval_helper_died", None)
@@ -66,8 +70,13 @@ def failover_replacements() -> list:
         _record(self, peer_id, True)
         original_success(self, peer_id)
 
+    def make_sequence(self, *args, **kwargs):
+        leave_out_other_rope(self)  # every route, the wire's and petals' own (label words, hidden states, training)
+        return original_route(self, *args, **kwargs)
+
     return [(RemoteSequenceManager, "on_request_failure", on_request_failure),
-            (RemoteSequenceManager, "on_request_success", on_request_success)]
+            (RemoteSequenceManager, "on_request_success", on_request_success),
+            (RemoteSequenceManager, "make_sequence", make_sequence)]
 
 
 def quiet_retry_logs() -> None:
@@ -179,70 +188,89 @@ def flush_daemon_error_warnings(timeout: float = 5.0) -> None:
 
 
 # On a client's sequence manager: its config.json's RoPE settings (backends.config_json.rope_settings), set at the
-# load; the servers compared with them (peer ids) and those left out of every route for announcing others.
+# load; each server's announcements compared with them, and the servers left out for announcing others.
 OWN_ROPE_ATTR = "dist_eval_own_rope"
 _ROPE_COMPARED_ATTR = "dist_eval_rope_compared"
 ROPE_LEFT_OUT_ATTR = "dist_eval_rope_left_out"
 
 
-def leave_out_other_rope(manager) -> dict:
-    """Leave out of every route the online servers of the routing table that announce other RoPE settings than
-    the client's config.json (:data:`OWN_ROPE_ATTR`): in petals' own ``blocked_servers``, which every refresh of
-    the table applies, and out of the table now, said in one line. A :class:`~dist_eval.errors.UsageError`
-    (``model_dir``) where a block they served has no other online server. Each server is compared once.
-    Returns {peer id: (its settings, the names that differ)} of every server left out so far.
+class LeftOut(ServerAnswerError):
+    """A request's span met a server of other RoPE than the client's (:func:`other_rope`): left out now; the
+    request is routed around it, no failure of the server's (a replay of the audit counts it as one).
+    """
+
+
+def other_rope(manager, server_info) -> list:
+    """The RoPE settings ``server_info`` announces otherwise than the client's config.json (:data:`OWN_ROPE_ATTR`);
+    [] where it announces none (petals' own servers, an older dist_eval's) or the client keeps none.
+    """
+    from dist_eval.backends.config_json import ROPE_KEY, rope_differences
+
+    own, theirs = getattr(manager, OWN_ROPE_ATTR, None), getattr(server_info, ROPE_KEY, None)
+    return rope_differences(own, theirs) if own is not None and isinstance(theirs, dict) else []
+
+
+def leave_out_other_rope(manager, say: bool = True) -> list:
+    """Leave out, for the rest of the run, the online servers of the routing table that announce other RoPE
+    settings than the client's config.json (their numbers are another model's): in petals' own
+    ``blocked_servers``, which every refresh of the table applies, and out of the table now (again at each call:
+    a refresh in flight puts one back), each said in a warning line. A server is compared again when its
+    announcement changes. Called before every route, petals' own (``make_sequence``) and the audit's. Returns the
+    blocks a server left out by this call served that have no other server in the table (in any state).
+    ``say=False``: no line (the caller says it).
     """
     from petals.data_structures import ServerState
 
-    from dist_eval.backends.config_json import ROPE_KEY, rope_differences
+    from dist_eval.backends.config_json import ROPE_KEY
 
     left_out = manager.__dict__.setdefault(ROPE_LEFT_OUT_ATTR, {})
-    own = getattr(manager, OWN_ROPE_ATTR, None)
-    if own is None:
-        return left_out
-    compared = manager.__dict__.setdefault(_ROPE_COMPARED_ATTR, set())
-    info, unserved = manager.state.sequence_info, []
+    if getattr(manager, OWN_ROPE_ATTR, None) is None:
+        return []
+    compared = manager.__dict__.setdefault(_ROPE_COMPARED_ATTR, {})  # peer -> the announcements compared
+    info, newly, unserved = manager.state.sequence_info, {}, []
     with manager.lock_changes:
-        new = {str(peer): (peer, server) for block in info.block_infos for peer, server in block.servers.items()
-               if str(peer) not in compared and server.state == ServerState.ONLINE}
-        others = {}
-        for peer, (_, server) in new.items():  # a server that announces none (petals' own) is not compared
-            theirs = getattr(server, ROPE_KEY, None)
-            differ = rope_differences(own, theirs) if isinstance(theirs, dict) else []
-            if differ:
-                others[peer] = (theirs, differ)
-        compared.update(new)
-        if not others:
-            return left_out
-        left_out.update(others)
-        peers = {new[peer][0] for peer in others}
-        manager.blocked_servers = set(manager.blocked_servers or ()) | peers
+        for block in info.block_infos:  # every route: kept cheap (no string made of a peer id or an announcement)
+            for peer, server in block.servers.items():
+                announced, seen = getattr(server, ROPE_KEY, None), compared.setdefault(peer, [])
+                if server.state == ServerState.ONLINE and announced not in seen:
+                    seen.append(announced)
+                    differ = other_rope(manager, server)
+                    if differ:
+                        newly[str(peer)] = (announced, differ, peer)
+        left_out.update(newly)
+        if newly:
+            manager.blocked_servers = set(manager.blocked_servers or ()) | {peer for *_, peer in newly.values()}
+        dropped, newly_out = False, {peer for *_, peer in newly.values()}
         for index, block in enumerate(info.block_infos):
-            served_by_them = [block.servers.pop(peer) for peer in peers if peer in block.servers]
-            if served_by_them and not any(s.state == ServerState.ONLINE for s in block.servers.values()):
+            gone = {peer for *_, peer in left_out.values() if peer in block.servers}
+            for peer in gone:
+                del block.servers[peer]
+            dropped = dropped or bool(gone)
+            if gone & newly_out and not block.servers:
                 unserved.append(index)
-        info.spans_by_priority, info.spans_containing_block = info._sort_spans(info.block_infos)
-    line = _other_rope_line(own, others)
-    if unserved:
-        raise UsageError(f"{line}, and no other server serves block(s) {unserved} of {len(info.block_infos)}. "
-                         "Start the servers from the same config.json (python -m dist_eval.swarm), or evaluate with "
-                         "the file they serve.", param="model_dir")
-    warn(f"{line}: left out of every route (metrics.json: run.swarm.rope_left_out).")
-    return left_out
+        if dropped:
+            info.spans_by_priority, info.spans_containing_block = info._sort_spans(info.block_infos)
+    if newly and say:
+        warn(f"{other_rope_line(manager, newly)}: left out of every route (metrics.json: run.swarm.rope_left_out).")
+    return unserved
 
 
-def _other_rope_line(own: dict, others: dict) -> str:
-    """The start of a line about ``others`` (:func:`leave_out_other_rope`'s): which servers, each side's value."""
-    theirs, names = next(iter(others.values()))
-    named = ", ".join(f"{peer[:16]}..." for peer in list(others)[:3]) + (" ..." if len(others) > 3 else "")
+def other_rope_line(manager, servers: dict) -> str:
+    """The start of a line about ``servers`` ({peer id: (its settings, the names that differ, ...)}): each server
+    with its settings beside the client's.
+    """
+    own = getattr(manager, OWN_ROPE_ATTR, None) or {}
 
     def shown(value) -> str:  # a server's announcement is its own: any msgpack value, any size
         text = json.dumps(value, default=repr)
         return text if len(text) <= 200 else text[:200] + "..."
 
-    said = "; ".join(f"{name} {shown(own.get(name))} here, {shown(theirs.get(name))} there" for name in names)
-    return (f"server(s) {named} compute this model's blocks from a config.json with other RoPE settings ({said}): "
-            "their numbers are another model's")
+    said = "; ".join(f"{peer[:16]}...: " + ", ".join(f"{name} {shown(own.get(name))} here, "
+                                                    f"{shown(theirs.get(name))} there" for name in names)
+                     for peer, (theirs, names, *_) in list(servers.items())[:3])
+    more = f"; {len(servers) - 3} more" if len(servers) > 3 else ""
+    return (f"server(s) of this model's blocks announce a config.json with other RoPE settings than yours ({said}"
+            f"{more}): their numbers are another model's")
 
 
 def unserved_blocks(manager) -> list:
@@ -276,6 +304,9 @@ def swarm_failure(manager, swarm_timeout: float, waited: float, error: Exception
         if missing
         else "the swarm failed every attempt"
     )
+    left_out = getattr(manager, ROPE_LEFT_OUT_ATTR, None)
+    if left_out:
+        what += f" ({other_rope_line(manager, left_out)}: left out)"
     return UsageError(
         f"{what} for {waited:.0f} s, so a batch could not be computed "
         f"(last error: {short_error(error)}). Restart servers for those blocks (python -m "

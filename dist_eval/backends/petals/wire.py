@@ -52,7 +52,13 @@ import numpy as np
 import torch
 
 from dist_eval.backends.petals import audit
-from dist_eval.backends.petals.failover import ServerAnswerError, leave_out_other_rope, server_failure
+from dist_eval.backends.petals.failover import (
+    LeftOut,
+    ServerAnswerError,
+    leave_out_other_rope,
+    other_rope,
+    server_failure,
+)
 
 POSITIONS_KEY = "dist_eval_read_positions"  # request metadata: one position per row (the last server's answer)
 TOKEN_IDS_KEY = "dist_eval_token_ids"  # rpc_info: SHA-256 of the token embeddings this server looks ids up in
@@ -207,6 +213,11 @@ async def _forward_chain(request: _Request, manager, own_digest: Optional[Callab
                 span = spans.popleft()
                 output = await _run_span(request, manager, span, inputs, own_digest)
                 manager.on_request_success(span.peer_id)
+            except LeftOut:  # no failure of the server's: no ban, no wait
+                if attempt + 1 == manager.config.max_retries:
+                    raise
+                attempt, reroute = attempt + 1, True
+                continue
             except Exception as error:
                 if not server_failure(error):  # the client's own error: no server to ban, no retry can help
                     raise
@@ -265,8 +276,7 @@ def _route(manager, block: int, end: int, request: Optional[_Request] = None,
     inf (``non_finite``) where it met one of them. :class:`~dist_eval.backends.petals.audit.NonFiniteAnswer`
     where no route avoids the latter.
     """
-    leave_out_other_rope(manager)  # servers that joined since the load's comparison
-    spans = deque(manager.make_sequence(block, end, mode="max_throughput"))
+    spans = deque(manager.make_sequence(block, end, mode="max_throughput"))  # servers of other RoPE left out first
     spans[-1].end = min(spans[-1].end, end)
     ledger = audit.ledger_of(manager)
     left_out = set(non_finite or ()) | (set(ledger.excluded) if ledger is not None else set())
@@ -292,8 +302,9 @@ async def _run_span(request: _Request, manager, span, inputs: torch.Tensor,
     from petals.server.handler import TransformerConnectionHandler
     from petals.utils.packaging import pack_args_kwargs
 
-    if str(span.peer_id) in leave_out_other_rope(manager):  # joined after the route was made (an audit's too)
-        raise ServerAnswerError(f"server {span.peer_id} announces other RoPE settings than the client's config.json")
+    if other_rope(manager, span.server_info):  # announced since its route was made: out, and a route around it
+        leave_out_other_rope(manager)
+        raise LeftOut(f"server {span.peer_id} announces other RoPE settings than the client's config.json")
     stub = TransformerConnectionHandler.get_stub(manager.state.p2p, span.peer_id)
     span_prompts = request.prompts[span.start : span.end]
     if span.start == 0:
