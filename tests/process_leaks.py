@@ -23,6 +23,7 @@ import contextlib
 import os
 import signal
 import time
+import uuid
 from typing import Dict, NamedTuple, Set
 
 import pytest
@@ -45,29 +46,72 @@ _session_groups: Set[int] = set()  # their process groups and sessions (a server
 _STARTED = pytest.StashKey[Dict[tuple, str]]()  # a test's processes: (pid, started) -> command line
 
 
+RUN_MARK = "DIST_EVAL_TEST_RUN"  # in the environment of every process a pytest run starts: one value a run
+_sigterm_came = False
+
+
 def stop_on_sigterm(config) -> None:
     """SIGTERM to this pytest process (a scheduler's cancel, ``timeout``, ``kill``) stops it as Ctrl-C does:
-    every fixture torn down, so what the tests started is stopped (pytest's default, dying at once, left a
-    swarm a test had started as a user does, in a session of its own, serving on). xdist's controller passes
-    the signal on to its workers first: a worker started with SIGINT ignored (a shell's ``&``) cannot be
-    interrupted otherwise, and went on with its test. A process forked from this one (that inherits the
-    handler) gets SIGTERM's default: it dies."""
-    installed_by = os.getpid()
+    every fixture torn down, so that what the tests started is stopped (pytest's default, dying at once, left a
+    swarm a test had started as a user does, in a session of its own, serving on). A second SIGTERM does not
+    cut the teardown short. xdist's controller passes the signal on to its workers (a worker started with SIGINT
+    ignored, as by a shell's ``&``, cannot be interrupted otherwise, and went on with its test); since it ends
+    them within 10 s, torn down or not, the run's last step (:func:`pytest_unconfigure`, in the controller or the
+    one process) stops every process still marked as the run's (:data:`RUN_MARK`, set here). A process forked
+    from a pytest process gets SIGTERM's default back.
+    """
+    if not hasattr(config, "workerinput"):  # a worker keeps its controller's mark; a run started by a test, its own
+        os.environ[RUN_MARK] = uuid.uuid4().hex
     controller = not hasattr(config, "workerinput") and bool(config.getoption("numprocesses", None))
 
     def interrupt(signum, frame):
-        if os.getpid() != installed_by:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
+        global _sigterm_came
+        _sigterm_came = True
+        signal.signal(signal.SIGTERM, lambda *_: None)  # one interruption: the teardown runs to its end
         if controller:  # its children are its workers
             for pid, proc in _processes().items():
-                if proc.ppid == installed_by:
+                if proc.ppid == os.getpid():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGTERM)
         raise KeyboardInterrupt("SIGTERM")
 
     signal.signal(signal.SIGTERM, interrupt)
+    os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+
+
+def pytest_unconfigure(config):
+    """After a SIGTERM, in the controller (or the one process): every process still marked as this run's is
+    stopped (SIGTERM, then SIGKILL after 10 s), whatever its group or session."""
+    if not _sigterm_came or hasattr(config, "workerinput"):
+        return
+    mark = f"{RUN_MARK}={os.environ.get(RUN_MARK)}".encode()
+    left = [pid for pid in _processes() if pid != os.getpid() and mark in _environ(pid)]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in left):
+        time.sleep(0.1)
+    for pid in left:
+        if mark in _environ(pid):  # still the run's (not a pid reused meanwhile)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _environ(pid: int) -> list:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:  # gone, or another user's
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except OSError:
+        return False
 
 
 def _processes() -> Dict[int, Proc]:

@@ -5,22 +5,26 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 CONFTEST = """
-import os, subprocess, pytest, process_leaks
+import os, subprocess, time, pytest, process_leaks
 
 def pytest_configure(config):
     if {install}:
+        config.pluginmanager.register(process_leaks)
         process_leaks.stop_on_sigterm(config)
 
 @pytest.fixture
-def daemon(tmp_path_factory):
+def daemon():
     # a process in a session of its own, as a test's swarm started as a user does: no signal of the test's reaches it
     proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
     with open({pids!r}, "a") as f:
         f.write(f"{{proc.pid}} {{os.getpid()}}\\n")  # the daemon, the worker
     yield proc
+    time.sleep({teardown_s})  # a teardown that takes its time (a swarm's drain)
     proc.kill()
     proc.wait()
 """
@@ -40,11 +44,12 @@ def _as_a_background_job() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _left_after_sigterm(tmp_path, install: bool) -> list:
-    folder = tmp_path / ("with" if install else "without")
+def _left_after_sigterm(folder, install: bool, teardown_s: float, signals: int = 1) -> list:
+    """The daemon of a test's fixture, if alive 5 s after its pytest run (xdist, one worker, a background job)
+    ended on ``signals`` SIGTERMs to its controller mid-test."""
     folder.mkdir()
     pids = folder / "pids"
-    (folder / "conftest.py").write_text(CONFTEST.format(install=install, pids=str(pids)))
+    (folder / "conftest.py").write_text(CONFTEST.format(install=install, pids=str(pids), teardown_s=teardown_s))
     (folder / "test_long.py").write_text("import time\n\ndef test_long(daemon):\n    time.sleep(120)\n")
     env = {**os.environ, "PYTHONPATH": HERE}
     with open(folder / "pytest.log", "wb") as log:
@@ -58,9 +63,11 @@ def _left_after_sigterm(tmp_path, install: bool) -> list:
             time.sleep(0.1)
         assert pids.exists(), (folder / "pytest.log").read_text()
         started = [int(pid) for pid in pids.read_text().split()]
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-        deadline = time.monotonic() + 10  # the test it stopped sleeps for 120 s: its teardown is the signal's
+        for _ in range(signals):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+        proc.wait(timeout=90)
+        deadline = time.monotonic() + 5  # the test it stopped sleeps for 120 s: the daemon's end is the signal's
         while _alive(started[0]) and time.monotonic() < deadline:
             time.sleep(0.1)
         return [pid for pid in started[:1] if _alive(pid)]
@@ -73,9 +80,14 @@ def _left_after_sigterm(tmp_path, install: bool) -> list:
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_a_run_stopped_by_sigterm_tears_its_fixtures_down(tmp_path):
+@pytest.mark.parametrize("teardown_s, signals", [(0, 1), (0, 2), (15, 1)])
+def test_a_run_stopped_by_sigterm_stops_what_its_tests_started(tmp_path, teardown_s, signals):
     """SIGTERM to pytest's controller (xdist, one worker; started as a background job) while a test runs: the
-    daemon its fixture started is stopped by the fixture's teardown, as at Ctrl-C; without the suite's handler
-    it is left serving on (the controller dies at once, and its worker goes on with the test)."""
-    assert _left_after_sigterm(tmp_path, install=True) == []
-    assert len(_left_after_sigterm(tmp_path, install=False)) == 1  # the handler is what stops it
+    daemon its fixture started is stopped, by the fixture's teardown (a second SIGTERM does not cut it short), or,
+    where the teardown outlasts xdist's 10 s for a worker to end, by the run's last step."""
+    assert _left_after_sigterm(tmp_path / "with", True, teardown_s, signals) == []
+
+
+def test_without_the_handler_a_run_stopped_by_sigterm_leaves_its_processes(tmp_path):
+    """pytest's default: the controller dies at once, its worker goes on with the test, the daemon lives on."""
+    assert len(_left_after_sigterm(tmp_path / "without", False, 0)) == 1
