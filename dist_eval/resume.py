@@ -96,7 +96,8 @@ def resume_folder(output_dir: str, key: str, resume: bool, say: Callable[..., No
     folder = os.path.join(output_dir, SUBDIR, key)
     stale = stale_runs(output_dir, key) + ([folder] if not resume and os.path.isdir(folder) else [])
     if stale:
-        why = "--no-resume" if not resume else "made by another model, checkpoint, data or settings"
+        why = ("--no-resume" if not resume else
+               "made by another model, checkpoint, data or settings, or by other code or libraries")
         # a warning, shown in --quiet mode too: stored work is being thrown away
         warn(f"removing stored partial results ({why}): {', '.join(stale)}; starting clean")
         remove(stale)
@@ -168,7 +169,7 @@ def data_fingerprint(dataset) -> str:
 
 
 def stale_runs(root: str, key: str) -> List[str]:
-    """Folders of partial results made by another model, checkpoint, data or settings: only what
+    """Folders of partial results made by another model, checkpoint, data or settings (or code or libraries): only what
     dist_eval writes there (a folder named by a run key, holding its ranks' files and nothing
     else); a folder of the user's under ``partial/`` is left alone.
     """

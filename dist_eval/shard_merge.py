@@ -184,9 +184,11 @@ def check_versions(shards: List[_Shard], metrics_of: List[dict]) -> None:
         for shard, have in recorded[1:]:
             first, want = recorded[0]
             if have != want:
+                again = ("the code of that version (its files' digest: the same commit)" if package == "dist_eval"
+                         else f"{package} {want}")
                 raise UsageError(f"{_name(shard)}: another run than {_name(first)}: {package} {have}, not {want} "
                                  f"(its tokens or floats may differ). Run every shard with one install, or this shard "
-                                 f"again with {package} {want}.")
+                                 f"again with {again}.")
 
 
 def merged_rows(shards: List[_Shard], payloads: List[dict], partial: bool):

@@ -176,7 +176,8 @@ def test_the_digest_of_a_big_file_is_read_from_the_cache_and_a_bad_cache_is_igno
 def test_dist_evals_version_says_which_code_computed_a_row(tmp_path, monkeypatch):
     """metrics.json's dist_eval version, which the shards' merge compares, and the resume's key carry a digest of
     the package's code: a one-line change of a module (another RoPE, say) is another version, though the
-    metadata's version stays; the same files are the same version; bytecode is not code."""
+    metadata's version stays; the same files are the same version; bytecode, an editor's files or a notebook's
+    checkpoints are not code (a checkout's and an install's digests agree)."""
     import shutil
     from importlib import metadata
 
@@ -190,15 +191,21 @@ def test_dist_evals_version_says_which_code_computed_a_row(tmp_path, monkeypatch
     shutil.copytree(package, copy, ignore=lambda folder, names: [n for n in names if not n.endswith(".py")
                                                                  and not os.path.isdir(os.path.join(folder, n))])
     assert provenance.code_digest(str(copy)) == provenance.code_digest(package)
+    # not code: bytecode, an editor's lock (a dangling link) and backup, a notebook's checkpoint
     (copy / "backends" / "__pycache__").mkdir(exist_ok=True)
     (copy / "backends" / "__pycache__" / "rope.cpython-311.pyc").write_bytes(b"stale")
+    os.symlink("nobody@host.1234", copy / "backends" / ".#rope.py")
+    (copy / "backends" / "rope_BACKUP_1234.py.orig").write_text("x = 1\n")
+    (copy / ".ipynb_checkpoints").mkdir()
+    (copy / ".ipynb_checkpoints" / "rope-checkpoint.py").write_text("x = 1\n")
     assert provenance.code_digest(str(copy)) == provenance.code_digest(package)
     rope = copy / "backends" / "rope.py"
     rope.write_text(rope.read_text() + "\n# another RoPE\n")
     assert provenance.code_digest(str(copy)) != provenance.code_digest(package)
 
     version = provenance.dist_eval_version()
-    assert version.split("+src.") == [metadata.version("dist_eval"), provenance.code_digest(package)[:12]]
+    assert version.split("+src.") == [dist_eval.__version__, provenance.code_digest(package)[:12]]
+    assert dist_eval.__version__ == metadata.version("dist_eval")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     dataset = type("D", (), {"_fingerprint": "f", "column_names": ["text", "label"], "__len__": lambda self: 3})()

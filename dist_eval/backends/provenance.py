@@ -132,30 +132,33 @@ def library_versions() -> Dict[str, Optional[str]]:
 @functools.cache
 def dist_eval_version() -> str:
     """dist_eval's version with a digest of its own code as it runs: ``0.1.0+src.<12 hex>``
-    (:func:`code_digest` of the package). The version in the package's metadata is not bumped at each change, and a
-    change of dist_eval's blocks, RoPE or tokenization changes rows as another transformers does: a run's partial
-    results by other code are not resumed (:func:`dist_eval.resume.run_key`), nor shards of other code merged
+    (:func:`code_digest` of the package). The version number is not bumped at each change, and a change of
+    dist_eval's blocks, RoPE or tokenization changes rows as another transformers does: a run's partial results
+    by other code are not resumed (:func:`dist_eval.resume.run_key`), nor shards of other code merged
     (:func:`dist_eval.shard_merge.check_versions`). Not the row store's key: a change of how dist_eval computes a
     family's rows is named there (:meth:`~dist_eval.backends.families.Family.computation_revision`), so that rows
     stay served across changes that compute them the same.
     """
-    from importlib import metadata
+    import dist_eval
 
-    try:
-        version = metadata.version("dist_eval")
-    except metadata.PackageNotFoundError:  # the source tree on the path, not installed
-        version = "0"
-    return f"{version}+src.{code_digest(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))[:12]}"
+    package = os.path.dirname(os.path.abspath(dist_eval.__file__))
+    return f"{dist_eval.__version__}+src.{code_digest(package)[:12]}"
 
 
 def code_digest(package: str) -> str:
-    """The SHA-256 (hex) of every ``.py`` file under the folder ``package``, by relative path and content."""
+    """The SHA-256 (hex) of the modules under the folder ``package``, by relative path and content: the regular
+    ``.py`` files named as a module can be, in folders named as a package can be (so neither bytecode nor an
+    editor's lock or backup file, a merge tool's copy or a notebook's checkpoint, which differ between a
+    checkout and an install of the same code).
+    """
     digest = hashlib.sha256()
     for folder, subfolders, names in os.walk(package):
-        subfolders[:] = sorted(name for name in subfolders if name != "__pycache__")
-        for name in sorted(name for name in names if name.endswith(".py")):
+        subfolders[:] = sorted(name for name in subfolders if name.isidentifier() and name != "__pycache__")
+        for name in sorted(names):
             path = os.path.join(folder, name)
-            digest.update(os.path.relpath(path, package).encode() + b"\0" + file_sha256(path).encode())
+            if name.endswith(".py") and name[:-3].isidentifier() and os.path.isfile(path) \
+                    and not os.path.islink(path):
+                digest.update(os.path.relpath(path, package).encode() + b"\0" + file_sha256(path).encode())
     return digest.hexdigest()
 
 

@@ -133,8 +133,8 @@ class PetalsClassifier(Backend):
             facts["audit"] = ledger.facts()
         left_out = getattr(self.sequence_manager, failover.ROPE_LEFT_OUT_ATTR, None)
         if left_out:  # announced other RoPE settings than the client's config.json: out of every route
-            facts["rope_left_out"] = {peer: {name: theirs.get(name) for name in differ}
-                                      for peer, (theirs, differ, _) in sorted(left_out.items())}
+            facts["rope_left_out"] = {peer: {name: out.announced.get(name) for name in out.differ}
+                                      for peer, out in sorted(left_out.items())}
         return facts
 
     def close(self) -> None:

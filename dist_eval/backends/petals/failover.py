@@ -7,6 +7,7 @@ import re
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 from dist_eval.backends.petals.requests import drives, too_large
 from dist_eval.errors import UsageError, one_line, short_error, stopping, warn
@@ -71,8 +72,14 @@ def failover_replacements() -> list:
         original_success(self, peer_id)
 
     def make_sequence(self, *args, **kwargs):
-        leave_out_other_rope(self)  # every route, the wire's and petals' own (label words, hidden states, training)
-        return original_route(self, *args, **kwargs)
+        # every route, the wire's and petals' own (label words, hidden states, training); again where petals
+        # refreshed the table inside (it does when a failure emptied a block) and routed through a new server
+        for _ in range(MAX_ROPE_REROUTES):
+            leave_out_other_rope(self)
+            spans = original_route(self, *args, **kwargs)
+            if not any(other_rope(self, span.server_info) for span in spans):
+                return spans
+        raise LeftOut(f"{MAX_ROPE_REROUTES} routes in a row met a server of other RoPE settings than yours")
 
     return [(RemoteSequenceManager, "on_request_failure", on_request_failure),
             (RemoteSequenceManager, "on_request_success", on_request_success),
@@ -194,6 +201,18 @@ _ROPE_COMPARED_ATTR = "dist_eval_rope_compared"
 ROPE_LEFT_OUT_ATTR = "dist_eval_rope_left_out"
 
 
+# routes made again in a row, each after a server of other RoPE met on the last was left out (each leaves out one
+# more, so this bounds only a table that keeps changing under the route)
+MAX_ROPE_REROUTES = 16
+
+
+class _LeftOutServer(NamedTuple):
+    announced: dict  # its RoPE settings
+    differ: list  # the names that differ from the client's
+    peer: object  # its PeerID (petals' blocked_servers)
+    blocks: list  # the blocks it served when it was left out
+
+
 class LeftOut(ServerAnswerError):
     """A request's span met a server of other RoPE than the client's (:func:`other_rope`): left out now; the
     request is routed around it, no failure of the server's (a replay of the audit counts it as one).
@@ -216,7 +235,7 @@ def leave_out_other_rope(manager, say: bool = True) -> list:
     ``blocked_servers``, which every refresh of the table applies, and out of the table now (again at each call:
     a refresh in flight puts one back), each said in a warning line. A server is compared again when its
     announcement changes. Called before every route, petals' own (``make_sequence``) and the audit's. Returns the
-    blocks a server left out by this call served that have no other server in the table (in any state).
+    blocks a server left out by this call served that have no other server online or joining in the table.
     ``say=False``: no line (the caller says it).
     """
     from petals.data_structures import ServerState
@@ -236,17 +255,20 @@ def leave_out_other_rope(manager, say: bool = True) -> list:
                     seen.append(announced)
                     differ = other_rope(manager, server)
                     if differ:
-                        newly[str(peer)] = (announced, differ, peer)
+                        newly[str(peer)] = _LeftOutServer(announced, differ, peer, [])
         left_out.update(newly)
         if newly:
-            manager.blocked_servers = set(manager.blocked_servers or ()) | {peer for *_, peer in newly.values()}
-        dropped, newly_out = False, {peer for *_, peer in newly.values()}
+            manager.blocked_servers = set(manager.blocked_servers or ()) | {out.peer for out in newly.values()}
+        dropped, newly_out = False, {out.peer: out for out in newly.values()}
         for index, block in enumerate(info.block_infos):
-            gone = {peer for *_, peer in left_out.values() if peer in block.servers}
+            gone = {out.peer for out in left_out.values() if out.peer in block.servers}
             for peer in gone:
                 del block.servers[peer]
+                if peer in newly_out:
+                    newly_out[peer].blocks.append(index)
             dropped = dropped or bool(gone)
-            if gone & newly_out and not block.servers:
+            serving = [s for s in block.servers.values() if s.state in (ServerState.ONLINE, ServerState.JOINING)]
+            if gone & set(newly_out) and not serving:
                 unserved.append(index)
         if dropped:
             info.spans_by_priority, info.spans_containing_block = info._sort_spans(info.block_infos)
@@ -256,8 +278,8 @@ def leave_out_other_rope(manager, say: bool = True) -> list:
 
 
 def other_rope_line(manager, servers: dict) -> str:
-    """The start of a line about ``servers`` ({peer id: (its settings, the names that differ, ...)}): each server
-    with its settings beside the client's.
+    """The start of a line about ``servers`` ({peer id: its :class:`_LeftOutServer`}): each server with its
+    settings beside the client's.
     """
     own = getattr(manager, OWN_ROPE_ATTR, None) or {}
 
@@ -266,8 +288,8 @@ def other_rope_line(manager, servers: dict) -> str:
         return text if len(text) <= 200 else text[:200] + "..."
 
     said = "; ".join(f"{peer[:16]}...: " + ", ".join(f"{name} {shown(own.get(name))} here, "
-                                                    f"{shown(theirs.get(name))} there" for name in names)
-                     for peer, (theirs, names, *_) in list(servers.items())[:3])
+                                                    f"{shown(out.announced.get(name))} there" for name in out.differ)
+                     for peer, out in list(servers.items())[:3])
     more = f"; {len(servers) - 3} more" if len(servers) > 3 else ""
     return (f"server(s) of this model's blocks announce a config.json with other RoPE settings than yours ({said}"
             f"{more}): their numbers are another model's")
@@ -299,14 +321,16 @@ def swarm_failure(manager, swarm_timeout: float, waited: float, error: Exception
         match = re.search(r"No servers holding blocks \[?([0-9, ]+)\]? are online", str(error))
         if match:
             missing = [int(b) for b in match.group(1).replace(",", " ").split()]
+    left_out = {peer: out for peer, out in (getattr(manager, ROPE_LEFT_OUT_ATTR, None) or {}).items()
+                if set(out.blocks) & set(missing)}
     what = (
         f"no working server for block(s) {missing} of {len(manager)}: every server holding them failed"
+        + (" or was left out" if left_out else "")
         if missing
         else "the swarm failed every attempt"
     )
-    left_out = getattr(manager, ROPE_LEFT_OUT_ATTR, None)
-    if left_out:
-        what += f" ({other_rope_line(manager, left_out)}: left out)"
+    if left_out:  # it served them: no restart brings it back within this run
+        what += f" ({other_rope_line(manager, left_out)}: left out for the rest of this run)"
     return UsageError(
         f"{what} for {waited:.0f} s, so a batch could not be computed "
         f"(last error: {short_error(error)}). Restart servers for those blocks (python -m "

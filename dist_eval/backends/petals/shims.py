@@ -173,7 +173,8 @@ def apply_client_patches() -> None:
        removed, peft 0.5's names when petals' adapters module is imported);
     4. petals' PyPI version check, off (offline it logs a traceback); on 5.x, petals' client built on the CPU, its
        tied LM head a parameter before 5.x ties it, and a folder's petals classes chosen by its model_type as saved;
-    5. failover: a failed server leaves routing at once; only server failures ban;
+    5. failover: a failed server leaves routing at once; only server failures ban; every route leaves out the
+       servers that announce other RoPE settings than the client's config.json;
     6. a batch goes as one request, split only to what a server accepts;
     7. deep prompts go once per request;
     8. the kernels a server announces kept (the swarm audit compares servers of the same kernels bit for bit);

@@ -53,6 +53,7 @@ import torch
 
 from dist_eval.backends.petals import audit
 from dist_eval.backends.petals.failover import (
+    MAX_ROPE_REROUTES,
     LeftOut,
     ServerAnswerError,
     leave_out_other_rope,
@@ -204,7 +205,7 @@ async def _forward_chain(request: _Request, manager, own_digest: Optional[Callab
     request.trace = [] if ledger is not None else None
     non_finite: Dict[str, List[int]] = {}  # peer -> the rows its answer to this request had NaN or inf in
     while block < end:
-        attempt, reroute = 0, False
+        attempt, reroute, rope_reroutes = 0, False, 0
         while True:
             span = None
             try:
@@ -213,10 +214,11 @@ async def _forward_chain(request: _Request, manager, own_digest: Optional[Callab
                 span = spans.popleft()
                 output = await _run_span(request, manager, span, inputs, own_digest)
                 manager.on_request_success(span.peer_id)
-            except LeftOut:  # no failure of the server's: no ban, no wait
-                if attempt + 1 == manager.config.max_retries:
+            except LeftOut:  # no failure of the server's: no ban, no wait, no retry of the failures' counted
+                rope_reroutes += 1
+                if rope_reroutes == MAX_ROPE_REROUTES:
                     raise
-                attempt, reroute = attempt + 1, True
+                reroute = True
                 continue
             except Exception as error:
                 if not server_failure(error):  # the client's own error: no server to ban, no retry can help
