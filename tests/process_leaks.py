@@ -46,19 +46,22 @@ _session_groups: Set[int] = set()  # their process groups and sessions (a server
 _STARTED = pytest.StashKey[Dict[tuple, str]]()  # a test's processes: (pid, started) -> command line
 
 
-RUN_MARK = "DIST_EVAL_TEST_RUN"  # in the environment of every process a pytest run starts: one value a run
+# in the environment of the processes a pytest run starts (xdist's workers are exec'd with it, and what they start
+# inherits it; not a process given an environment of its own, nor one forked from a run's one process, -n 0, whose
+# /proc/PID/environ is the environment it was exec'd with): one value a run
+RUN_MARK = "DIST_EVAL_TEST_RUN"
 _sigterm_came = False
 
 
 def stop_on_sigterm(config) -> None:
     """SIGTERM to this pytest process (a scheduler's cancel, ``timeout``, ``kill``) stops it as Ctrl-C does:
     every fixture torn down, so that what the tests started is stopped (pytest's default, dying at once, left a
-    swarm a test had started as a user does, in a session of its own, serving on). A second SIGTERM does not
-    cut the teardown short. xdist's controller passes the signal on to its workers (a worker started with SIGINT
-    ignored, as by a shell's ``&``, cannot be interrupted otherwise, and went on with its test); since it ends
-    them within 10 s, torn down or not, the run's last step (:func:`pytest_unconfigure`, in the controller or the
-    one process) stops every process still marked as the run's (:data:`RUN_MARK`, set here). A process forked
-    from a pytest process gets SIGTERM's default back.
+    swarm a test had started as a user does, in a session of its own, serving on). A later SIGTERM is ignored:
+    it does not cut the teardown short (SIGKILL still ends the process). xdist's controller passes the signal
+    on to its workers (a worker started with SIGINT ignored, as by a shell's ``&``, cannot be interrupted
+    otherwise, and went on with its test); since it ends them within 10 s, torn down or not, the run's last step
+    (:func:`pytest_unconfigure`, in the controller or the one process) stops every process still marked as the
+    run's (:data:`RUN_MARK`, set here). A process forked from a pytest process gets SIGTERM's default back.
     """
     if not hasattr(config, "workerinput"):  # a worker keeps its controller's mark; a run started by a test, its own
         os.environ[RUN_MARK] = uuid.uuid4().hex
@@ -85,17 +88,20 @@ def pytest_unconfigure(config):
     if not _sigterm_came or hasattr(config, "workerinput"):
         return
     mark = f"{RUN_MARK}={os.environ.get(RUN_MARK)}".encode()
-    left = [pid for pid in _processes() if pid != os.getpid() and mark in _environ(pid)]
-    for pid in left:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(pid) for pid in left):
-        time.sleep(0.1)
-    for pid in left:
-        if mark in _environ(pid):  # still the run's (not a pid reused meanwhile)
+    for _ in range(3):  # again for what a stopping process started meanwhile
+        left = [pid for pid in _processes() if pid != os.getpid() and mark in _environ(pid)]
+        if not left:
+            return
+        for pid in left:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in left):
+            time.sleep(0.1)
+        for pid in left:
+            if mark in _environ(pid):  # still the run's (not a pid reused meanwhile)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def _environ(pid: int) -> list:

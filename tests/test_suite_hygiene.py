@@ -27,6 +27,7 @@ def daemon():
     time.sleep({teardown_s})  # a teardown that takes its time (a swarm's drain)
     proc.kill()
     proc.wait()
+    open({torn_down!r}, "w").close()
 """
 
 
@@ -44,12 +45,14 @@ def _as_a_background_job() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _left_after_sigterm(folder, install: bool, teardown_s: float, signals: int = 1) -> list:
-    """The daemon of a test's fixture, if alive 5 s after its pytest run (xdist, one worker, a background job)
-    ended on ``signals`` SIGTERMs to its controller mid-test."""
+def _left_after_sigterm(folder, install: bool, teardown_s: float, signals: int = 1) -> tuple:
+    """(the daemon of a test's fixture if alive 5 s after its pytest run (xdist, one worker, a background job)
+    ended on a SIGTERM to its controller mid-test, whether the fixture's teardown ran to its end); ``signals=2``:
+    a second SIGTERM to the worker a second into its teardown."""
     folder.mkdir()
-    pids = folder / "pids"
-    (folder / "conftest.py").write_text(CONFTEST.format(install=install, pids=str(pids), teardown_s=teardown_s))
+    pids, torn_down = folder / "pids", folder / "torn_down"
+    (folder / "conftest.py").write_text(CONFTEST.format(install=install, pids=str(pids), teardown_s=teardown_s,
+                                                        torn_down=str(torn_down)))
     (folder / "test_long.py").write_text("import time\n\ndef test_long(daemon):\n    time.sleep(120)\n")
     env = {**os.environ, "PYTHONPATH": HERE}
     with open(folder / "pytest.log", "wb") as log:
@@ -63,14 +66,15 @@ def _left_after_sigterm(folder, install: bool, teardown_s: float, signals: int =
             time.sleep(0.1)
         assert pids.exists(), (folder / "pytest.log").read_text()
         started = [int(pid) for pid in pids.read_text().split()]
-        for _ in range(signals):
-            proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
+        if signals == 2:
             time.sleep(1.0)
+            os.kill(started[1], signal.SIGTERM)  # as a group's kill or `timeout` reaches every process
         proc.wait(timeout=90)
         deadline = time.monotonic() + 5  # the test it stopped sleeps for 120 s: the daemon's end is the signal's
         while _alive(started[0]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        return [pid for pid in started[:1] if _alive(pid)]
+        return [pid for pid in started[:1] if _alive(pid)], torn_down.exists()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -80,14 +84,17 @@ def _left_after_sigterm(folder, install: bool, teardown_s: float, signals: int =
                 os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("teardown_s, signals", [(0, 1), (0, 2), (15, 1)])
+@pytest.mark.parametrize("teardown_s, signals", [(0, 1), (3, 2), (15, 1)])
 def test_a_run_stopped_by_sigterm_stops_what_its_tests_started(tmp_path, teardown_s, signals):
     """SIGTERM to pytest's controller (xdist, one worker; started as a background job) while a test runs: the
-    daemon its fixture started is stopped, by the fixture's teardown (a second SIGTERM does not cut it short), or,
-    where the teardown outlasts xdist's 10 s for a worker to end, by the run's last step."""
-    assert _left_after_sigterm(tmp_path / "with", True, teardown_s, signals) == []
+    daemon its fixture started is stopped by the fixture's teardown, which a second SIGTERM a second into it does
+    not cut short; where the teardown outlasts xdist's 10 s for a worker to end, by the run's last step."""
+    left, torn_down = _left_after_sigterm(tmp_path / "with", True, teardown_s, signals)
+    assert left == []
+    assert torn_down == (teardown_s < 10)
 
 
 def test_without_the_handler_a_run_stopped_by_sigterm_leaves_its_processes(tmp_path):
     """pytest's default: the controller dies at once, its worker goes on with the test, the daemon lives on."""
-    assert len(_left_after_sigterm(tmp_path / "without", False, 0)) == 1
+    left, torn_down = _left_after_sigterm(tmp_path / "without", False, 0)
+    assert len(left) == 1 and not torn_down
