@@ -176,7 +176,7 @@ def test_the_digest_of_a_big_file_is_read_from_the_cache_and_a_bad_cache_is_igno
 def test_dist_evals_version_says_which_code_computed_a_row(tmp_path, monkeypatch):
     """metrics.json's dist_eval version, which the shards' merge compares, and the resume's key carry a digest of
     the package's code: a one-line change of a module (another RoPE, say) is another version, though the
-    metadata's version stays; the same files are the same version; bytecode, an editor's files or a notebook's
+    metadata's version stays; the same files are the same version; bytecode, an editor's lock or a notebook's
     checkpoints are not code (a checkout's and an install's digests agree)."""
     import shutil
     from importlib import metadata
@@ -191,11 +191,10 @@ def test_dist_evals_version_says_which_code_computed_a_row(tmp_path, monkeypatch
     shutil.copytree(package, copy, ignore=lambda folder, names: [n for n in names if not n.endswith(".py")
                                                                  and not os.path.isdir(os.path.join(folder, n))])
     assert provenance.code_digest(str(copy)) == provenance.code_digest(package)
-    # not code: bytecode, an editor's lock (a dangling link) and backup, a notebook's checkpoint
+    # not code: bytecode, an editor's lock (a dangling link), a notebook's checkpoint
     (copy / "backends" / "__pycache__").mkdir(exist_ok=True)
     (copy / "backends" / "__pycache__" / "rope.cpython-311.pyc").write_bytes(b"stale")
     os.symlink("nobody@host.1234", copy / "backends" / ".#rope.py")
-    (copy / "backends" / "rope_BACKUP_1234.py.orig").write_text("x = 1\n")
     (copy / ".ipynb_checkpoints").mkdir()
     (copy / ".ipynb_checkpoints" / "rope-checkpoint.py").write_text("x = 1\n")
     assert provenance.code_digest(str(copy)) == provenance.code_digest(package)

@@ -148,8 +148,8 @@ def dist_eval_version() -> str:
 def code_digest(package: str) -> str:
     """The SHA-256 (hex) of the modules under the folder ``package``, by relative path and content: the regular
     ``.py`` files named as a module can be, in folders named as a package can be (so neither bytecode nor an
-    editor's lock or backup file, a merge tool's copy or a notebook's checkpoint, which differ between a
-    checkout and an install of the same code).
+    editor's lock file nor a notebook's checkpoint, which differ between a checkout and an install of the same
+    code).
     """
     digest = hashlib.sha256()
     for folder, subfolders, names in os.walk(package):
