@@ -11,8 +11,7 @@ The run key is a hash of everything that decides a batch's logits: the model fol
 checkpoint's bytes, the data's fingerprint, the loaded model's facts, every field of
 :class:`dist_eval.config.Settings`, the versions of the libraries that compute a row
 (:data:`dist_eval.backends.provenance.KEYED_LIBRARIES`, as the row store's key) and dist_eval's own, with its
-code's digest. Stored
-results under another key are never mixed in: the run says so and removes them.
+code's digest. Stored results under another key are never mixed in: the run says so and removes them.
 """
 from __future__ import annotations
 

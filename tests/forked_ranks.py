@@ -33,6 +33,8 @@ import time
 import uuid
 from typing import Dict, List, Optional
 
+from process_leaks import alive
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 # what a launch may set differently from the fork server: read by dist_eval when it runs, not when
@@ -178,7 +180,7 @@ class ForkedLaunch:
 
         stop_group(self.pid, grace=5.0)
         end = time.monotonic() + 5.0
-        while any(_alive(pid) for pid in self.pids) and time.monotonic() < end:
+        while any(alive(pid) for pid in self.pids) and time.monotonic() < end:
             time.sleep(0.05)
         if self.returncode is None:
             try:
@@ -192,10 +194,3 @@ def _read(f) -> str:
     f.seek(0)
     return f.read().decode("utf-8", "replace")
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False

@@ -96,7 +96,7 @@ def pytest_unconfigure(config):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(pid) for pid in left):
+        while time.monotonic() < deadline and any(alive(pid) for pid in left):
             time.sleep(0.1)
         for pid in left:
             if mark in _environ(pid):  # still the run's (not a pid reused meanwhile)
@@ -112,11 +112,12 @@ def _environ(pid: int) -> list:
         return []
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rpartition(b")")[2].split()[0] != b"Z"
-    except OSError:
+    except (OSError, IndexError):
         return False
 
 

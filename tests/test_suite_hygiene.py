@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+from process_leaks import alive
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -29,14 +30,6 @@ def daemon():
     proc.wait()
     open({torn_down!r}, "w").close()
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _as_a_background_job() -> None:
@@ -72,15 +65,15 @@ def _left_after_sigterm(folder, install: bool, teardown_s: float, signals: int =
             os.kill(started[1], signal.SIGTERM)  # as a group's kill or `timeout` reaches every process
         proc.wait(timeout=90)
         deadline = time.monotonic() + 5  # the test it stopped sleeps for 120 s: the daemon's end is the signal's
-        while _alive(started[0]) and time.monotonic() < deadline:
+        while alive(started[0]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        return [pid for pid in started[:1] if _alive(pid)], torn_down.exists()
+        return [pid for pid in started[:1] if alive(pid)], torn_down.exists()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         for pid in started:  # the daemon, and the worker a stopped controller leaves
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 

@@ -120,12 +120,12 @@ def _swarm_facts(model) -> Optional[dict]:
     from dist_eval.backends.petals.audit import combine
 
     swarm = model.provenance()
-    audited = combine(ranks.all_gather_object((swarm or {}).get("audit")))
+    gathered = ranks.all_gather_object([(swarm or {}).get(key) for key in ("audit", "rope_left_out")])
+    audited = combine([audit for audit, _ in gathered])
     if swarm is not None and audited is not None:
         swarm["audit"] = audited
     # the servers of other RoPE every rank left out (one may have met a server the others did not)
-    left_out = {peer: differ for part in ranks.all_gather_object((swarm or {}).get("rope_left_out")) if part
-                for peer, differ in part.items()}
+    left_out = {peer: differ for _, part in gathered if part for peer, differ in part.items()}
     if swarm is not None and left_out:
         swarm["rope_left_out"] = dict(sorted(left_out.items()))
     return swarm if ranks.is_main_process() else None

@@ -26,7 +26,7 @@ from dist_eval.backends.petals.requests import (
 from dist_eval.backends.petals.shims import import_petals
 from dist_eval.backends.petals.wire import embeddings_digest, forward_over_wire
 from dist_eval.backends.zeroshot import LabelWords, ZeroShotScorer, read_saved_lm_head
-from dist_eval.errors import UsageError, one_line, printable, warn
+from dist_eval.errors import UsageError, one_line, printable
 from dist_eval.procs import remove_dead_hivemind_sockets
 
 
@@ -329,8 +329,7 @@ def _leave_out_servers_of_other_rope(manager, folder: str, model_dir: str) -> No
                          f"{unserved} of {len(manager)}. Start the servers from the same config.json (python -m "
                          "dist_eval.swarm), or evaluate with the file they serve.", param="model_dir", value=model_dir)
     if left_out:
-        warn(f"{failover.other_rope_line(manager, left_out)}: left out of every route (metrics.json: "
-             "run.swarm.rope_left_out).")
+        failover.warn_left_out(manager, left_out)
 
 
 def _require_block_options(manager, family: Family, config, servers_read_4x_form: bool = False) -> None:

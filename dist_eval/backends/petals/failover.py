@@ -273,8 +273,13 @@ def leave_out_other_rope(manager, say: bool = True) -> list:
         if dropped:
             info.spans_by_priority, info.spans_containing_block = info._sort_spans(info.block_infos)
     if newly and say:
-        warn(f"{other_rope_line(manager, newly)}: left out of every route (metrics.json: run.swarm.rope_left_out).")
+        warn_left_out(manager, newly)
     return unserved
+
+
+def warn_left_out(manager, servers: dict) -> None:
+    """One warning line: ``servers`` ({peer id: its :class:`_LeftOutServer`}) are left out of every route."""
+    warn(f"{other_rope_line(manager, servers)}: left out of every route (metrics.json: run.swarm.rope_left_out).")
 
 
 def other_rope_line(manager, servers: dict) -> str:
